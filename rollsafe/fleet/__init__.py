@@ -1,0 +1,1 @@
+"""Fleet control: registry, router, health manager, recovery and sync coordinators."""

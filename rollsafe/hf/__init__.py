@@ -1,0 +1,1 @@
+"""HF safetensors export, verification and loading for recovery."""

@@ -1,0 +1,177 @@
+"""WorkerGroupLifecycle: the lifecycle of one worker group (all server processes of one engine).
+
+A worker group is the unit of routing and recovery: a TP/EP group or a multi-node engine. Its
+lifecycle state is per group; per-member facts (health, weights version) only feed guards, and
+every guard asks ``all()`` members, never ``any()``. That is the whole-group consistency rule:
+a half-recovered group never gets traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from statemachine import State
+
+from rollsafe.statemachines.base import GuardedMachine, MissingGuardInput
+
+__all__ = ["MemberFacts", "WorkerGroupLifecycle"]
+
+
+@dataclass(frozen=True)
+class MemberFacts:
+    """What the fleet last reported about one rank of a group."""
+
+    rank: int
+    known: bool = False
+    healthy: bool = False
+    weights_version: int | None = None
+
+
+class WorkerGroupLifecycle(GuardedMachine):
+    """Lifecycle of one worker group: launching, serving, failing, recovering, retiring.
+
+    States: ``launching`` (initial), ``active`` (the only routable state), ``inactive`` (out of
+    routing after a failure), ``recovering`` (a recovery claimed it and is restarting it),
+    ``pending_weights`` (healthy but not at the fleet's current weights version), ``retired``
+    (final: restart budget spent or removed on purpose).
+
+    Guards read the per-member facts recorded with :meth:`report_member` and, for the events
+    that need it (``launched``, ``restarted``, ``weights_loaded``, optionally ``mark_stale``), the
+    fleet's ``current_version=``. ``claim`` consumes one unit of the restart budget; ``claim``
+    also forgets the members' health and versions, since the restarted processes start blank.
+
+    Invariants: routable iff ``active``; on entering ``active`` every member is healthy and at the
+    current version; no transition happens on the word of ``any()`` member; the budget never goes
+    below zero.
+    """
+
+    launching = State("Launching", initial=True)
+    active = State("Active")
+    inactive = State("Inactive")
+    recovering = State("Recovering")
+    pending_weights = State("Pending weights")
+    retired = State("Retired", final=True)
+
+    launched = launching.to(
+        active, cond=["all_members_healthy", "all_at_current_version"]
+    ) | launching.to(pending_weights, cond="all_members_healthy")
+    fail = launching.to(inactive) | active.to(inactive) | pending_weights.to(inactive)
+    claim = inactive.to(recovering, cond=["group_complete", "restart_budget_left"])
+    restarted = recovering.to(
+        active, cond=["all_members_healthy", "all_at_current_version"]
+    ) | recovering.to(pending_weights, cond="all_members_healthy")
+    restart_failed = recovering.to(inactive)
+    mark_stale = active.to(pending_weights, cond="behind_current_version")
+    weights_loaded = pending_weights.to(
+        active, cond=["all_members_healthy", "all_at_current_version"]
+    )
+    retire = (
+        launching.to(retired)
+        | active.to(retired)
+        | inactive.to(retired)
+        | recovering.to(retired)
+        | pending_weights.to(retired)
+    )
+
+    def __init__(
+        self,
+        ranks: Iterable[int],
+        restart_budget: int = 3,
+        group_id: str | None = None,
+    ) -> None:
+        rank_list = list(ranks)
+        if not rank_list:
+            raise ValueError("WorkerGroupLifecycle needs at least one rank, got none")
+        if len(set(rank_list)) != len(rank_list):
+            dup = sorted({r for r in rank_list if rank_list.count(r) > 1})
+            raise ValueError(f"WorkerGroupLifecycle ranks must be unique; repeated: {dup}")
+        if restart_budget < 0:
+            raise ValueError(f"restart_budget must be >= 0, got {restart_budget}")
+        self.ranks: tuple[int, ...] = tuple(rank_list)
+        self.group_id = group_id if group_id is not None else f"group-{rank_list[0]}"
+        self.restart_budget = restart_budget
+        self.initial_restart_budget = restart_budget
+        self._members: dict[int, MemberFacts] = {r: MemberFacts(r) for r in self.ranks}
+        super().__init__()
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def label(self) -> str:
+        return f"WorkerGroupLifecycle({self.group_id})"
+
+    @property
+    def members(self) -> dict[int, MemberFacts]:
+        """A copy of the per-member facts, keyed by rank."""
+        with self._lock:
+            return dict(self._members)
+
+    @property
+    def is_routable(self) -> bool:
+        """True only in ``active``: the router sends requests to this group."""
+        return self.current_state_value == "active"
+
+    def report_member(self, rank: int, *, healthy: bool, weights_version: int | None = None) -> None:
+        """Record what a probe or an engine said about one rank.
+
+        ``weights_version=None`` leaves the recorded version unchanged (a plain health probe does
+        not know it). An unknown rank raises ``ValueError`` naming it and changes nothing.
+        """
+        with self._lock:
+            old = self._members.get(rank)
+            if old is None:
+                raise ValueError(
+                    f"{self.label}: rank {rank!r} is not a member (members: {list(self.ranks)})"
+                )
+            version = old.weights_version if weights_version is None else weights_version
+            self._members[rank] = MemberFacts(rank, True, bool(healthy), version)
+
+    def forget_member(self, rank: int) -> None:
+        """Mark a rank unknown (its process or node vanished without a report)."""
+        with self._lock:
+            if rank not in self._members:
+                raise ValueError(
+                    f"{self.label}: rank {rank!r} is not a member (members: {list(self.ranks)})"
+                )
+            self._members[rank] = MemberFacts(rank)
+
+    def guard_facts(self) -> dict[str, Any]:
+        members = self._members.values()
+        return {
+            "unhealthy": tuple(m.rank for m in members if not m.healthy),
+            "versions": tuple(m.weights_version for m in members),
+            "restart_budget": self.restart_budget,
+        }
+
+    # ------------------------------------------------------------------ guards (all(), never any())
+    def all_members_healthy(self) -> bool:
+        """Every member reported healthy."""
+        return all(m.healthy for m in self._members.values())
+
+    def all_at_current_version(self, current_version: int | None = None) -> bool:
+        """Every member reports the same weights version, equal to the fleet's current one."""
+        if current_version is None:
+            raise MissingGuardInput(f"{self.label}: this event needs current_version=")
+        return all(m.weights_version == current_version for m in self._members.values())
+
+    def group_complete(self) -> bool:
+        """Every rank of the group is known (has reported since it was last forgotten)."""
+        return all(m.known for m in self._members.values())
+
+    def restart_budget_left(self) -> bool:
+        """At least one restart of the budget remains."""
+        return self.restart_budget > 0
+
+    def behind_current_version(self, current_version: int | None = None) -> bool:
+        """Some member is not at the fleet's current version (always true when not given)."""
+        if current_version is None:
+            return True
+        return not all(m.weights_version == current_version for m in self._members.values())
+
+    # ------------------------------------------------------------------ actions
+    def on_claim(self) -> None:
+        self.restart_budget -= 1
+        self._members = {
+            r: MemberFacts(r, known=m.known) for r, m in self._members.items()
+        }
