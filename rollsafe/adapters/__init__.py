@@ -1,1 +1,1 @@
-"""The outside world: engine clients (SGLang, vLLM), the embedded reference engine, launchers, Ray actors."""
+"""The outside world: engine clients (SGLang, vLLM), the reference engine, launchers, Ray actors."""

@@ -1,4 +1,4 @@
-"""The four formal lifecycle machines (pure models; import nothing heavier than python-statemachine).
+"""The four formal lifecycle machines: pure models, importing nothing heavier than statemachine.
 
 * :class:`WorkerGroupLifecycle` — one per worker group (all processes of one engine).
 * :class:`ExportLifecycle` — one per recovery export (weights version N on disk).

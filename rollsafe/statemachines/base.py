@@ -92,7 +92,7 @@ def _jsonable(value: Any) -> Any:
 
 
 class MissingGuardInput(ValueError):
-    """An event that needs a guard input (``current_version=``, ``ranks_ok=``...) was sent without it."""
+    """An event needing a guard input (``current_version=``, ``ranks_ok=``...) came without it."""
 
 
 class TransitionRefused(TransitionNotAllowed):
@@ -141,7 +141,7 @@ class GuardedMachine(StateMachine):
 
     def __init__(self, *, start_value: str | None = None) -> None:
         self._lock = threading.RLock()
-        self._history: deque[TransitionRecord] = deque(maxlen=self.history_limit)
+        self._history: deque[tuple[Any, ...]] = deque(maxlen=self.history_limit)
         self._seq = 0
         self._last_trigger: tuple[str, Mapping[str, Any]] = ("", {})
         super().__init__(start_value=start_value)
@@ -161,14 +161,28 @@ class GuardedMachine(StateMachine):
     def history(self) -> tuple[TransitionRecord, ...]:
         """The last ``history_limit`` transitions, oldest first."""
         with self._lock:
-            return tuple(self._history)
+            raw = tuple(self._history)
+        label = self.label
+        return tuple(_record(label, entry, self.facts_from_token) for entry in raw)
 
     def guard_facts(self) -> dict[str, Any]:
         """Model data the guards read, recorded with every transition. Override to add facts."""
+        return self.facts_from_token(self.facts_token())
+
+    def facts_token(self) -> Any:
+        """A cheap, immutable capture of the guard facts, kept raw in the history.
+
+        Override together with :meth:`facts_from_token` when building the facts dict is costly:
+        the history then stores the token and formats it only when read.
+        """
+        return None
+
+    def facts_from_token(self, token: Any) -> dict[str, Any]:
+        """Turn a :meth:`facts_token` into the facts dict shown in history and refusals."""
         return {}
 
     def can(self, event: str, **kwargs: Any) -> bool:
-        """Whether ``event`` would be taken now with these inputs (guards evaluated, nothing changes)."""
+        """Whether ``event`` would be taken now with these inputs (nothing changes)."""
         with self._lock:
             return any(ok for _, ok, _ in self._candidates(event, kwargs))
 
@@ -177,28 +191,19 @@ class GuardedMachine(StateMachine):
         with self._lock:
             return self._refusal_reasons(event, kwargs)
 
+    def restore_state(self, state_id: str) -> None:
+        """Put the machine into ``state_id`` directly, bypassing guards, actions and history.
+
+        For model checking only (the explorer restores snapshots); never used by the fleet.
+        """
+        with self._lock:
+            state = type(self).states_map[state_id]
+            self.current_state_value = state_id
+            self._engine.running = not state.final
+
     def state_ids(self) -> list[str]:
         """All state ids of this machine, in definition order."""
         return [s.id for s in type(self).states]
-
-    # ------------------------------------------------------------------ hooks
-    def after_transition(self, event_data: Any) -> None:
-        trigger = event_data.trigger_data
-        inputs = {k: summarize(v) for k, v in trigger.kwargs.items()}
-        for key, value in self.guard_facts().items():
-            inputs.setdefault(key, value)
-        self._seq += 1
-        self._history.append(
-            TransitionRecord(
-                seq=self._seq,
-                machine=self.label,
-                event=str(trigger.event),
-                source=event_data.source.id,
-                target=event_data.target.id,
-                timestamp=time.time(),
-                inputs=tuple(inputs.items()),
-            )
-        )
 
     # ------------------------------------------------------------------ internals
     def _put_nonblocking(self, trigger_data: Any, internal: bool = False) -> None:
@@ -207,8 +212,9 @@ class GuardedMachine(StateMachine):
 
     def _processing_loop(self, caller_future: Any | None = None) -> Any:
         with self._lock:
+            source = self.current_state_value
             try:
-                return super()._processing_loop(caller_future)
+                result = super()._processing_loop(caller_future)
             except TransitionRefused:
                 raise
             except TransitionNotAllowed as exc:
@@ -221,6 +227,22 @@ class GuardedMachine(StateMachine):
                     event,
                     lambda: self._refusal_reasons(event, kwargs, state),
                 ) from None
+            # Strict machine: no exception means exactly one transition was taken. Record it
+            # raw; TransitionRecord objects are built only when the history is read.
+            self._seq += 1
+            event, kwargs = self._last_trigger
+            self._history.append(
+                (
+                    self._seq,
+                    event,
+                    source,
+                    self.current_state_value,
+                    time.time(),
+                    kwargs,
+                    self.facts_token(),
+                )
+            )
+            return result
 
     def _candidates(
         self, event: str, kwargs: Mapping[str, Any]
@@ -230,7 +252,9 @@ class GuardedMachine(StateMachine):
             for transition in state.transitions:
                 if not transition.match(event):
                     continue
-                failed = [name for name in _guard_names(transition) if not self._guard(name, kwargs)]
+                failed = [
+                    name for name in _guard_names(transition) if not self._guard(name, kwargs)
+                ]
                 yield transition, not failed, failed
 
     def _guard(self, name: str, kwargs: Mapping[str, Any]) -> bool:
@@ -256,12 +280,24 @@ class GuardedMachine(StateMachine):
             target = transition.target.id if transition.target is not None else state
             reasons.append(f"-> {target} blocked by {', '.join(failed)}")
         if not any_candidate:
-            legal = sorted({str(e) for s in self.configuration for e in s.transitions.unique_events})
+            legal = sorted(
+                {str(e) for s in self.configuration for e in s.transitions.unique_events}
+            )
             return [f"not allowed from {state!r} (allowed here: {legal})"]
         if reasons and facts:
             shown = ", ".join(f"{k}={v!r}" for k, v in facts.items())
             reasons.append(f"inputs: {shown}")
         return reasons
+
+
+def _record(
+    label: str, entry: tuple[Any, ...], facts_from_token: Callable[[Any], dict[str, Any]]
+) -> TransitionRecord:
+    seq, event, source, target, timestamp, kwargs, token = entry
+    inputs = {k: summarize(v) for k, v in kwargs.items()}
+    for key, value in facts_from_token(token).items():
+        inputs.setdefault(key, value)
+    return TransitionRecord(seq, label, event, source, target, timestamp, tuple(inputs.items()))
 
 
 def _guard_names(transition: Any) -> list[str]:

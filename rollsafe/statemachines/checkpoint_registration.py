@@ -52,9 +52,7 @@ class CheckpointRegistration(GuardedMachine):
     begin_update = registered.to(updating, cond="targets_valid")
     update_done = updating.to(registered)
 
-    def __init__(
-        self, world_size: int, allow_missing_prefixes: Iterable[str] = ("mtp.",)
-    ) -> None:
+    def __init__(self, world_size: int, allow_missing_prefixes: Iterable[str] = ("mtp.",)) -> None:
         if world_size < 1:
             raise ValueError(f"CheckpointRegistration world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -69,7 +67,7 @@ class CheckpointRegistration(GuardedMachine):
 
     @property
     def published(self) -> tuple[str, int] | None:
-        """``(name, version)`` of the published checkpoint in ``registered``/``updating``, else None."""
+        """``(name, version)`` published in ``registered``/``updating``; None otherwise."""
         if self.current_state_value in ("registered", "updating"):
             return self._published
         return None
@@ -79,8 +77,11 @@ class CheckpointRegistration(GuardedMachine):
         """Ranks whose last update failed (for the fleet to act on)."""
         return sorted(r for r, (ok, _) in self.last_results.items() if not ok)
 
-    def guard_facts(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "published": self._published}
+    def facts_token(self) -> Any:
+        return self._published
+
+    def facts_from_token(self, token: Any) -> dict[str, Any]:
+        return {"world_size": self.world_size, "published": token}
 
     # ------------------------------------------------------------------ guards
     def version_not_older(self, version: int | None = None) -> bool:

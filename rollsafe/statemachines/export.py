@@ -118,10 +118,13 @@ class ExportLifecycle(GuardedMachine):
     @property
     def offerable(self) -> bool:
         """Whether recovery may load from this export now (``ready``)."""
-        return self.current_state_value == "ready"
+        return bool(self.current_state_value == "ready")
 
-    def guard_facts(self) -> dict[str, Any]:
-        return {"version": self.version, "leases": len(self._leases)}
+    def facts_token(self) -> Any:
+        return len(self._leases)
+
+    def facts_from_token(self, token: Any) -> dict[str, Any]:
+        return {"version": self.version, "leases": token}
 
     # ------------------------------------------------------------------ guards
     def regular_save_verified(self, verified: bool = False, version: int | None = None) -> bool:

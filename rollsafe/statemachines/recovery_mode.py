@@ -36,11 +36,13 @@ class ImmediateRecoveryMode(GuardedMachine):
 
     enable = disabled.to(enabled)
     disable = enabled.to(disabled) | suspended.to(disabled)
-    export_late = enabled.to(suspended) | suspended.to.itself(internal=True)
+    export_late = enabled.to(suspended) | suspended.to.itself(  # type: ignore[no-untyped-call]
+        internal=True
+    )
     export_on_time = (
-        enabled.to.itself(internal=True)
+        enabled.to.itself(internal=True)  # type: ignore[no-untyped-call]
         | suspended.to(enabled, cond="rearm_streak_reached")
-        | suspended.to.itself(internal=True)
+        | suspended.to.itself(internal=True)  # type: ignore[no-untyped-call]
     )
 
     def __init__(self, enabled: bool = False, rearm_after: int = 2) -> None:
@@ -53,10 +55,13 @@ class ImmediateRecoveryMode(GuardedMachine):
     @property
     def allows_immediate(self) -> bool:
         """Whether recovery may restart a group from the ready export now."""
-        return self.current_state_value == "enabled"
+        return bool(self.current_state_value == "enabled")
 
-    def guard_facts(self) -> dict[str, Any]:
-        return {"on_time_streak": self.on_time_streak, "rearm_after": self.rearm_after}
+    def facts_token(self) -> Any:
+        return self.on_time_streak
+
+    def facts_from_token(self, token: Any) -> dict[str, Any]:
+        return {"on_time_streak": token, "rearm_after": self.rearm_after}
 
     # ------------------------------------------------------------------ guards
     def rearm_streak_reached(self) -> bool:
@@ -67,12 +72,8 @@ class ImmediateRecoveryMode(GuardedMachine):
     def on_export_late(self) -> None:
         self.on_time_streak = 0
 
-    def on_export_on_time(self, source: State) -> None:
-        if source.id == "suspended":
+    def on_export_on_time(self, source: State, target: State) -> None:
+        if target.id == "enabled":
+            self.on_time_streak = 0  # re-armed (or already on): the streak starts over
+        elif source.id == "suspended":
             self.on_time_streak += 1
-
-    def on_enter_enabled(self) -> None:
-        self.on_time_streak = 0
-
-    def on_enable(self) -> None:
-        self.on_time_streak = 0

@@ -93,7 +93,9 @@ class WorkerGroupLifecycle(GuardedMachine):
         self.group_id = group_id if group_id is not None else f"group-{rank_list[0]}"
         self.restart_budget = restart_budget
         self.initial_restart_budget = restart_budget
-        self._members: dict[int, MemberFacts] = {r: MemberFacts(r) for r in self.ranks}
+        # Ranks given at construction are known; a rank whose process or node vanishes without
+        # a report is forgotten (forget_member) until it reports again.
+        self._members: dict[int, MemberFacts] = {r: MemberFacts(r, known=True) for r in self.ranks}
         super().__init__()
 
     # ------------------------------------------------------------------ facts
@@ -110,9 +112,11 @@ class WorkerGroupLifecycle(GuardedMachine):
     @property
     def is_routable(self) -> bool:
         """True only in ``active``: the router sends requests to this group."""
-        return self.current_state_value == "active"
+        return bool(self.current_state_value == "active")
 
-    def report_member(self, rank: int, *, healthy: bool, weights_version: int | None = None) -> None:
+    def report_member(
+        self, rank: int, *, healthy: bool, weights_version: int | None = None
+    ) -> None:
         """Record what a probe or an engine said about one rank.
 
         ``weights_version=None`` leaves the recorded version unchanged (a plain health probe does
@@ -125,7 +129,8 @@ class WorkerGroupLifecycle(GuardedMachine):
                     f"{self.label}: rank {rank!r} is not a member (members: {list(self.ranks)})"
                 )
             version = old.weights_version if weights_version is None else weights_version
-            self._members[rank] = MemberFacts(rank, True, bool(healthy), version)
+            # Copy on write: history entries keep a reference to the dict they saw.
+            self._members = {**self._members, rank: MemberFacts(rank, True, bool(healthy), version)}
 
     def forget_member(self, rank: int) -> None:
         """Mark a rank unknown (its process or node vanished without a report)."""
@@ -134,14 +139,18 @@ class WorkerGroupLifecycle(GuardedMachine):
                 raise ValueError(
                     f"{self.label}: rank {rank!r} is not a member (members: {list(self.ranks)})"
                 )
-            self._members[rank] = MemberFacts(rank)
+            self._members = {**self._members, rank: MemberFacts(rank)}
 
-    def guard_facts(self) -> dict[str, Any]:
-        members = self._members.values()
+    def facts_token(self) -> Any:
+        return (self._members, self.restart_budget)
+
+    def facts_from_token(self, token: Any) -> dict[str, Any]:
+        members_map, budget = token
+        members = members_map.values()
         return {
             "unhealthy": tuple(m.rank for m in members if not m.healthy),
             "versions": tuple(m.weights_version for m in members),
-            "restart_budget": self.restart_budget,
+            "restart_budget": budget,
         }
 
     # ------------------------------------------------------------------ guards (all(), never any())
@@ -156,7 +165,7 @@ class WorkerGroupLifecycle(GuardedMachine):
         return all(m.weights_version == current_version for m in self._members.values())
 
     def group_complete(self) -> bool:
-        """Every rank of the group is known (has reported since it was last forgotten)."""
+        """Every rank of the group is known (none forgotten without reporting again)."""
         return all(m.known for m in self._members.values())
 
     def restart_budget_left(self) -> bool:
@@ -172,6 +181,4 @@ class WorkerGroupLifecycle(GuardedMachine):
     # ------------------------------------------------------------------ actions
     def on_claim(self) -> None:
         self.restart_budget -= 1
-        self._members = {
-            r: MemberFacts(r, known=m.known) for r, m in self._members.items()
-        }
+        self._members = {r: MemberFacts(r, known=m.known) for r, m in self._members.items()}

@@ -1,1 +1,1 @@
-"""Weight transports: move a trainer's weights into rollout engines (ipc, nccl, checkpoint_engine, disk)."""
+"""Weight transports: move a trainer's weights into engines (ipc, nccl, checkpoint_engine, disk)."""

@@ -1,0 +1,110 @@
+"""Named errors raised by engine clients and the engine launcher.
+
+Every message a server sends back is cut to a few KB (head and tail kept) before it is stored in
+an exception, so an engine that answers with a megabyte of traceback cannot make logs, routers or
+state-machine error fields grow without bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: The most characters of any server-provided text kept in an exception.
+MAX_MESSAGE_CHARS = 2048
+
+
+def bound_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """Return ``text`` cut to at most about ``limit`` characters, keeping its head and tail."""
+    if limit <= 0:
+        return ""
+    if len(text) <= limit:
+        return text
+    marker = f" ...[{len(text) - limit} chars elided]... "
+    keep = max(limit - len(marker), 2)
+    head = keep // 2
+    return text[:head] + marker + text[len(text) - (keep - head) :]
+
+
+class EngineError(Exception):
+    """Base class of every error raised while talking to or running an engine."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached (connection refused/reset, DNS, closed socket).
+
+    ``url`` is the engine's base URL and ``path`` the endpoint that was being called.
+    """
+
+    def __init__(self, url: str, path: str, reason: str) -> None:
+        self.url = url
+        self.path = path
+        self.reason = bound_text(reason)
+        super().__init__(f"engine {url} unavailable on {path}: {self.reason}")
+
+
+class EngineTimeout(EngineUnavailable):
+    """The engine did not answer within the call's timeout.
+
+    For a non-idempotent call (generate, weight updates) the outcome on the server is unknown.
+    """
+
+
+class EngineRequestError(EngineError):
+    """The engine answered with an HTTP error status.
+
+    ``message`` holds at most :data:`MAX_MESSAGE_CHARS` characters of the server's answer.
+    """
+
+    def __init__(self, url: str, path: str, status_code: int, message: str) -> None:
+        self.url = url
+        self.path = path
+        self.status_code = status_code
+        self.message = bound_text(message)
+        super().__init__(f"engine {url} answered {status_code} on {path}: {self.message}")
+
+
+class EngineOperationFailed(EngineRequestError):
+    """The engine answered 2xx but reported ``{"success": false, "message": ...}``."""
+
+
+class EngineNotSupported(EngineError):
+    """The operation has no equivalent in this engine dialect."""
+
+    def __init__(self, dialect: str, operation: str, hint: str = "") -> None:
+        self.dialect = dialect
+        self.operation = operation
+        msg = f"{operation} is not supported by the {dialect} dialect"
+        super().__init__(f"{msg}: {hint}" if hint else msg)
+
+
+class EngineStartError(EngineError):
+    """An engine group failed to start: it exited, or was not ready and healthy in time.
+
+    Carries the command line, the exit code (``None`` if it was still running and got killed),
+    the log file path and the tail of the engine's output.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        command: Sequence[str],
+        exit_code: int | None,
+        output_tail: str,
+        log_path: str | None = None,
+    ) -> None:
+        self.reason = reason
+        self.command = list(command)
+        self.exit_code = exit_code
+        self.output_tail = bound_text(output_tail, 4 * MAX_MESSAGE_CHARS)
+        self.log_path = log_path
+        lines = [
+            f"engine failed to start: {reason}",
+            f"  exit code: {exit_code}",
+            f"  command: {' '.join(self.command)}",
+        ]
+        if log_path:
+            lines.append(f"  log: {log_path}")
+        lines.append("  output tail:")
+        lines.extend("    " + line for line in self.output_tail.splitlines()[-40:])
+        super().__init__("\n".join(lines))

@@ -1,0 +1,593 @@
+"""``EngineLauncher``: run one engine group as OS processes and never leak them.
+
+One launcher owns one engine group (the server process and its rank processes). It starts the
+group in a new session (so the whole process group can be signalled at once), waits for the
+engine's ``ROLLSAFE_READY {json}`` stdout line *and* a passing health check, captures
+stdout/stderr to a log file plus a bounded in-memory tail (reader threads drain both pipes, so a
+chatty engine can never block on a full pipe), and tears the group down on ``stop()``, ``kill()``,
+context exit, garbage collection and interpreter exit.
+
+``restart()`` / ``reinit()`` follow the contract of XTuner's rollout workers: stop, then start
+again with an optional new ``model_path`` / ``tokenizer_path``; ``skip_load_weights=True``
+starts with ``--load-format dummy`` (random weights, to be replaced by a weight update).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import IO, Any
+
+from rollsafe.adapters.engines.client import Dialect
+from rollsafe.adapters.engines.errors import EngineStartError
+from rollsafe.adapters.engines.sglang import SGLangClient
+from rollsafe.adapters.engines.vllm import VLLMClient
+
+READY_PREFIX = "ROLLSAFE_READY "
+#: The module run with ``python -m`` unless the spec names another one.
+REFERENCE_ENGINE_MODULE = "rollsafe.adapters.reference_engine"
+_TAIL_LINES = 200
+
+__all__ = ["READY_PREFIX", "EngineLauncher", "EngineSpec", "EngineStartError"]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start one engine group.
+
+    ``extra_args`` are appended to the command line; ``env`` is merged over ``os.environ`` (after
+    removing ``unset_env``); ``fault_injection`` sets ``ROLLSAFE_FAULT_INJECTION=1`` (enables the
+    engine's ``/fault/*`` endpoints, for chaos tests only). ``reap_on_parent_death`` runs a tiny
+    watchdog process that SIGKILLs the engine group if this process dies without cleaning up
+    (``kill -9``, a killed Ray actor), where no finalizer or atexit hook can run. ``python``
+    defaults to the launching process's interpreter, resolved where the launcher runs (so a spec
+    built on a Ray driver works on any node).
+    """
+
+    model_path: str
+    ranks: int = 1
+    device: str = "cpu"
+    dialect: Dialect = "sglang"
+    host: str = "127.0.0.1"
+    port: int = 0
+    load_format: str = "auto"
+    api_key: str | None = None
+    env: Mapping[str, str] | None = None
+    extra_args: Sequence[str] = ()
+    tokenizer_path: str | None = None
+    python: str | None = None
+    module: str = REFERENCE_ENGINE_MODULE
+    fault_injection: bool = False
+    ready_timeout: float = 120.0
+    log_dir: str | None = None
+    client_timeout: float = 60.0
+    reap_on_parent_death: bool = True
+    unset_env: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("EngineSpec.model_path must be set")
+        if self.ranks < 1:
+            raise ValueError(f"EngineSpec.ranks must be >= 1, got {self.ranks}")
+        if self.dialect not in ("sglang", "vllm"):
+            raise ValueError(f"EngineSpec.dialect must be 'sglang' or 'vllm', got {self.dialect!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"EngineSpec.port out of range: {self.port}")
+        if self.ready_timeout <= 0:
+            raise ValueError(f"EngineSpec.ready_timeout must be > 0, got {self.ready_timeout}")
+
+    def command(self) -> list[str]:
+        """The argv that starts this engine group."""
+        cmd = [
+            self.interpreter(), "-m", self.module,
+            "--model-path", self.model_path,
+            "--load-format", self.load_format,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--ranks", str(self.ranks),
+            "--device", self.device,
+            "--dialect", self.dialect,
+        ]  # fmt: skip
+        if self.tokenizer_path is not None and self.tokenizer_path != self.model_path:
+            # only when it differs: the tokenizer normally lives in the model directory
+            cmd += ["--tokenizer-path", self.tokenizer_path]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        cmd += list(self.extra_args)
+        return cmd
+
+    def interpreter(self) -> str:
+        """``python``, or the interpreter of the process that launches (resolved on its node)."""
+        return self.python or sys.executable
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for key in self.unset_env:
+            env.pop(key, None)
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.fault_injection:
+            env["ROLLSAFE_FAULT_INJECTION"] = "1"
+        if self.env:
+            env.update(self.env)
+        return env
+
+
+# --------------------------------------------------------------------------- process helpers
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # state is the first field after the parenthesised command name
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _wait_gone(pids: Sequence[int], deadline: float) -> bool:
+    while True:
+        if not any(pid_alive(p) for p in pids):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+# Runs with ``python -I -S -c``: exits when the engine group is gone; SIGKILLs the group when the
+# launching process (its parent) disappears.
+_WATCHDOG = """
+import os, signal, sys, time
+parent, pgid = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+    except PermissionError:
+        pass
+    if os.getppid() != parent:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+        sys.exit(0)
+    time.sleep(0.25)
+"""
+
+
+def _start_watchdog(python: str, pgid: int) -> subprocess.Popen[bytes] | None:
+    try:
+        return subprocess.Popen(
+            [python, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(pgid)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except OSError:
+        return None
+
+
+def _stop_watchdog(watchdog: subprocess.Popen[bytes] | None) -> None:
+    if watchdog is None:
+        return
+    with contextlib.suppress(OSError):
+        watchdog.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        watchdog.wait(timeout=2.0)
+
+
+class _OutputPump:
+    """Drains a child's stdout and stderr into a log file and a bounded tail, spotting READY."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log_path: str) -> None:
+        self.log_path = log_path
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.ready: dict[str, Any] | None = None
+        self.ready_error: str | None = None
+        self.ready_event = threading.Event()
+        self._lock = threading.Lock()
+        self._log: IO[str] = open(log_path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+        self._threads = [
+            threading.Thread(target=self._pump, args=(stream, name), daemon=True,
+                             name=f"rollsafe-engine-{name}-{proc.pid}")
+            for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
+            if stream is not None
+        ]  # fmt: skip
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, stream: IO[bytes], name: str) -> None:
+        try:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                if name == "stdout" and line.startswith(READY_PREFIX) and self.ready is None:
+                    try:
+                        info = json.loads(line[len(READY_PREFIX) :])
+                        if not isinstance(info, dict) or "url" not in info:
+                            raise ValueError("ready line lacks 'url'")
+                        self.ready = info
+                    except ValueError as exc:
+                        self.ready_error = f"unparsable ready line {line[:500]!r}: {exc}"
+                    self.ready_event.set()
+                with self._lock:
+                    self.tail.append(f"[{name}] {line}"[:2000])
+                    if not self._log.closed:
+                        self._log.write(f"[{name}] {line}\n")
+                        self._log.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                stream.close()
+
+    def text(self) -> str:
+        with self._lock:
+            return "\n".join(self.tail)
+
+    def close(self, timeout: float = 2.0) -> None:
+        for t in self._threads:
+            t.join(timeout)
+        with self._lock:
+            self._log.close()
+
+
+def _reap(
+    proc: subprocess.Popen[bytes],
+    rank_pids: Sequence[int],
+    watchdog: subprocess.Popen[bytes] | None,
+) -> None:
+    """Finalizer: SIGKILL the group and every known rank; reap the leader. Never raises."""
+    try:
+        _signal_group(proc.pid, signal.SIGKILL)
+        for pid in rank_pids:
+            if pid_alive(pid):
+                _signal_pid(pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=5)
+        _stop_watchdog(watchdog)
+    except Exception:
+        pass
+
+
+# --------------------------------------------------------------------------- launcher
+class EngineLauncher:
+    """Start, watch, restart and tear down one engine group. Thread-safe."""
+
+    _counter = itertools.count()
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self._spec = spec
+        self._lock = threading.RLock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        self._pump: _OutputPump | None = None
+        self._info: dict[str, Any] = {}
+        self._client: SGLangClient | VLLMClient | None = None
+        self._finalizer: weakref.finalize[Any, EngineLauncher] | None = None
+        self._log_dir = spec.log_dir or tempfile.mkdtemp(prefix="rollsafe-engine-")
+        self._starts = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def spec(self) -> EngineSpec:
+        return self._spec
+
+    @property
+    def started(self) -> bool:
+        return self._proc is not None
+
+    @property
+    def url(self) -> str:
+        return str(self._require_info()["url"])
+
+    @property
+    def pid(self) -> int:
+        return int(self._require_info().get("pid", self._require_proc().pid))
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [int(p) for p in self._require_info().get("rank_pids", [])]
+
+    @property
+    def ready_info(self) -> dict[str, Any]:
+        """The engine's ``ROLLSAFE_READY`` payload (url, pid, rank_pids, weight_version, ...)."""
+        return dict(self._require_info())
+
+    @property
+    def client(self) -> SGLangClient | VLLMClient:
+        if self._client is None:
+            raise RuntimeError("engine is not running: call start() first")
+        return self._client
+
+    @property
+    def log_path(self) -> str | None:
+        return None if self._pump is None else self._pump.log_path
+
+    def output_tail(self) -> str:
+        """The last lines of the engine's stdout/stderr (bounded)."""
+        return "" if self._pump is None else self._pump.text()
+
+    def command(self) -> list[str]:
+        return self._spec.command()
+
+    def __repr__(self) -> str:
+        state = self._info.get("url", "running") if self._proc else "stopped"
+        return f"EngineLauncher({self._spec.dialect}, ranks={self._spec.ranks}, {state})"
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> EngineLauncher:
+        """Start the group; return once it printed its ready line and passed a health check.
+
+        Raises :class:`EngineStartError` (with the output tail, exit code and command) if the
+        engine exits, prints a bad ready line or is not healthy within ``spec.ready_timeout``;
+        nothing is left running in that case.
+        """
+        with self._lock:
+            if self._proc is not None:
+                raise RuntimeError(f"engine already started (pid {self._proc.pid})")
+            spec = self._spec
+            cmd = spec.command()
+            self._starts += 1
+            log_path = os.path.join(
+                self._log_dir, f"engine-{os.getpid()}-{next(self._counter)}-{self._starts}.log"
+            )
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(f"# {' '.join(cmd)}\n")
+            try:
+                proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env=spec.environment(),
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            except OSError as exc:
+                raise EngineStartError(
+                    f"cannot execute the engine command: {exc}",
+                    command=cmd,
+                    exit_code=None,
+                    output_tail="",
+                    log_path=log_path,
+                ) from exc
+            self._proc = proc
+            self._pump = _OutputPump(proc, log_path)
+            if spec.reap_on_parent_death:
+                self._watchdog = _start_watchdog(spec.interpreter(), proc.pid)
+            self._finalizer = weakref.finalize(self, _reap, proc, [], self._watchdog)
+            try:
+                self._wait_ready(proc, cmd)
+            except BaseException:
+                self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+                raise
+            return self
+
+    def _fail(self, reason: str, cmd: list[str], proc: subprocess.Popen[bytes]) -> EngineStartError:
+        exit_code = proc.poll()
+        if exit_code is None:
+            _signal_group(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        assert self._pump is not None
+        self._pump.close(timeout=1.0)
+        return EngineStartError(
+            reason,
+            command=cmd,
+            exit_code=exit_code,
+            output_tail=self._pump.text(),
+            log_path=self._pump.log_path,
+        )
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], cmd: list[str]) -> None:
+        spec = self._spec
+        pump = self._pump
+        assert pump is not None
+        deadline = time.monotonic() + spec.ready_timeout
+        while not pump.ready_event.wait(0.05):
+            if proc.poll() is not None:
+                # give the pump a moment to collect the last output lines
+                pump.ready_event.wait(0.2)
+                if pump.ready is None:
+                    raise self._fail(
+                        f"engine exited with code {proc.returncode} before it was ready", cmd, proc
+                    )
+                break
+            if time.monotonic() >= deadline:
+                raise self._fail(f"no ready line within {spec.ready_timeout:.1f}s", cmd, proc)
+        if pump.ready is None:
+            raise self._fail(pump.ready_error or "bad ready line", cmd, proc)
+        info = pump.ready
+        self._info = info
+        rank_pids = [int(p) for p in info.get("rank_pids", [])]
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _reap, proc, rank_pids, self._watchdog)
+        client_cls = VLLMClient if spec.dialect == "vllm" else SGLangClient
+        self._client = client_cls(
+            str(info["url"]), api_key=spec.api_key, timeout=spec.client_timeout
+        )
+        last = ""
+        while True:
+            if proc.poll() is not None:
+                raise self._fail(
+                    f"engine exited with code {proc.returncode} after its ready "
+                    "line, before a health check passed",
+                    cmd,
+                    proc,
+                )
+            remaining = deadline - time.monotonic()
+            try:
+                self._client.health(timeout=max(0.5, min(5.0, remaining)))
+                return
+            except Exception as exc:
+                last = str(exc)
+            if time.monotonic() >= deadline:
+                raise self._fail(
+                    f"ready line seen but health check did not pass within "
+                    f"{spec.ready_timeout:.1f}s: {last}",
+                    cmd,
+                    proc,
+                )
+            time.sleep(0.1)
+
+    def is_alive(self) -> bool:
+        """True while the server process and every rank process are running."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return False
+        return all(pid_alive(p) for p in self.rank_pids)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the group, wait up to ``timeout`` seconds, then SIGKILL what is left."""
+        with self._lock:
+            self._teardown(sig_first=signal.SIGTERM, timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (no graceful shutdown) and reap it."""
+        with self._lock:
+            self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+
+    def kill_rank(self, rank: int) -> int:
+        """SIGKILL one rank process (for chaos tests); return its pid. The server keeps running."""
+        with self._lock:
+            pids = self.rank_pids
+            if not 0 <= rank < len(pids):
+                raise IndexError(f"rank {rank} out of range: the engine has {len(pids)} rank pids")
+            _signal_pid(pids[rank], signal.SIGKILL)
+            return pids[rank]
+
+    def restart(
+        self,
+        model_path: str | None = None,
+        tokenizer_path: str | None = None,
+        load_format: str | None = None,
+        skip_load_weights: bool | None = None,
+        *,
+        stop_timeout: float = 10.0,
+    ) -> EngineLauncher:
+        """Stop the group (if running) and start it again with the given overrides.
+
+        ``skip_load_weights=True`` starts with ``--load-format dummy``; ``False`` restores the
+        real weights (``auto`` if the current format was ``dummy``). An explicit ``load_format``
+        wins over ``skip_load_weights``. The port is picked afresh when the spec's port is 0, so
+        read :attr:`url` again afterwards.
+        """
+        with self._lock:
+            changes: dict[str, Any] = {}
+            if model_path is not None:
+                changes["model_path"] = model_path
+            if tokenizer_path is not None:
+                changes["tokenizer_path"] = tokenizer_path
+            if load_format is not None:
+                changes["load_format"] = load_format
+            elif skip_load_weights is True:
+                changes["load_format"] = "dummy"
+            elif skip_load_weights is False and self._spec.load_format == "dummy":
+                changes["load_format"] = "auto"
+            new_spec = dataclasses.replace(self._spec, **changes)
+            self._teardown(sig_first=signal.SIGTERM, timeout=stop_timeout)
+            self._spec = new_spec
+            return self.start()
+
+    def reinit(
+        self,
+        model_path: str | None = None,
+        tokenizer_path: str | None = None,
+        skip_load_weights: bool = False,
+    ) -> EngineLauncher:
+        """XTuner rollout-worker contract: restart on ``model_path``; dummy weights if
+        ``skip_load_weights``."""
+        return self.restart(
+            model_path=model_path, tokenizer_path=tokenizer_path,
+            skip_load_weights=skip_load_weights,
+        )  # fmt: skip
+
+    def _teardown(self, *, sig_first: int, timeout: float) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        rank_pids = [int(p) for p in self._info.get("rank_pids", [])]
+        if self._client is not None:
+            self._client.close()
+        pgid = proc.pid
+        _signal_group(pgid, sig_first)
+        if sig_first != signal.SIGKILL:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(timeout, 0.0))
+            deadline = time.monotonic() + max(timeout, 0.0)
+            _wait_gone(rank_pids, deadline)
+        # whatever survived the polite signal (or everything, for kill()) dies now
+        _signal_group(pgid, signal.SIGKILL)
+        for pid in rank_pids:
+            if pid_alive(pid):
+                _signal_pid(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
+        _wait_gone(rank_pids, time.monotonic() + 5.0)
+        _stop_watchdog(self._watchdog)
+        self._watchdog = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._pump is not None:
+            self._pump.close(timeout=2.0)
+        self._proc = None
+        self._client = None
+        self._info = {}
+
+    def _require_proc(self) -> subprocess.Popen[bytes]:
+        if self._proc is None:
+            raise RuntimeError("engine is not running: call start() first")
+        return self._proc
+
+    def _require_info(self) -> dict[str, Any]:
+        if not self._info:
+            raise RuntimeError("engine is not running: call start() first")
+        return self._info
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> EngineLauncher:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

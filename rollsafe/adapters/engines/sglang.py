@@ -1,0 +1,255 @@
+"""``SGLangClient``: the :class:`EngineClient` protocol over SGLang's HTTP API.
+
+Endpoints and payloads are SGLang's (DESIGN.md section 7), so the same client drives a real
+SGLang server and rollsafe's reference engine in its ``sglang`` dialect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollsafe.adapters.engines.base import HttpEngineClient
+from rollsafe.adapters.engines.client import (
+    Dialect,
+    GenerateResult,
+    MemoryTag,
+    PauseMode,
+)
+from rollsafe.adapters.engines.errors import EngineOperationFailed
+
+
+def _finish_reason(meta: Mapping[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    if isinstance(reason, Mapping):
+        kind = reason.get("type")
+        return None if kind is None else str(kind)
+    return None if reason is None else str(reason)
+
+
+def _generate_body(
+    input_ids: Sequence[int] | None,
+    text: str | None,
+    sampling_params: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    if (input_ids is None) == (text is None):
+        raise ValueError("generate needs exactly one of input_ids or text")
+    body: dict[str, Any] = {"sampling_params": dict(sampling_params or {})}
+    if input_ids is not None:
+        body["input_ids"] = [int(t) for t in input_ids]
+    else:
+        body["text"] = text
+    return body
+
+
+class SGLangClient(HttpEngineClient):
+    """Drive one SGLang(-compatible) engine over HTTP."""
+
+    _dialect: Dialect = "sglang"
+
+    # -- liveness and serving -------------------------------------------------------------
+    def health(self, *, timeout: float | None = None) -> None:
+        """GET ``/health`` (retried); raises unless it answers 2xx."""
+        self._get("/health", timeout=self.health_timeout if timeout is None else timeout)
+
+    def health_generate(self, *, timeout: float | None = None) -> None:
+        """GET ``/health_generate``: a health check that runs one tiny generation."""
+        self._get("/health_generate", timeout=timeout)
+
+    def generate(
+        self,
+        input_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        """POST ``/generate`` once (never retried)."""
+        path = "/generate"
+        answer = self._post(path, _generate_body(input_ids, text, sampling_params), timeout=timeout)
+        if isinstance(answer, list) and len(answer) == 1:
+            answer = answer[0]
+        if not isinstance(answer, Mapping):
+            raise EngineOperationFailed(self.url, path, 200, f"unexpected answer: {answer!r}")
+        meta = answer.get("meta_info") or {}
+        version = meta.get("weight_version")
+        return GenerateResult(
+            text=str(answer.get("text", "")),
+            output_ids=[int(t) for t in answer.get("output_ids") or []],
+            weight_version=None if version is None else str(version),
+            finish_reason=_finish_reason(meta),
+            meta_info=dict(meta),
+        )
+
+    def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
+        """POST ``/pause_generation`` {mode}."""
+        self._checked(
+            "/pause_generation", self._post("/pause_generation", {"mode": mode}, timeout=timeout)
+        )
+
+    def continue_generation(self, *, timeout: float | None = None) -> None:
+        """POST ``/continue_generation``."""
+        self._checked(
+            "/continue_generation", self._post("/continue_generation", {}, timeout=timeout)
+        )
+
+    def flush_cache(self, *, timeout: float | None = None) -> None:
+        """POST ``/flush_cache``."""
+        self._checked("/flush_cache", self._post("/flush_cache", timeout=timeout))
+
+    # -- memory ---------------------------------------------------------------------------
+    def release_memory_occupation(
+        self, tags: Sequence[MemoryTag] | None = None, *, timeout: float | None = None
+    ) -> None:
+        """POST ``/release_memory_occupation`` {tags} (all when ``tags`` is None)."""
+        body = {} if tags is None else {"tags": list(tags)}
+        self._post_checked(
+            "/release_memory_occupation", body, timeout=self._weights_timeout(timeout)
+        )
+
+    def resume_memory_occupation(
+        self, tags: Sequence[MemoryTag] | None = None, *, timeout: float | None = None
+    ) -> None:
+        """POST ``/resume_memory_occupation`` {tags} (all when ``tags`` is None)."""
+        body = {} if tags is None else {"tags": list(tags)}
+        self._post_checked(
+            "/resume_memory_occupation", body, timeout=self._weights_timeout(timeout)
+        )
+
+    # -- weights --------------------------------------------------------------------------
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        timeout: float | None = None,
+    ) -> str:
+        """POST ``/update_weights_from_disk`` {model_path, load_format, abort_all_requests,
+        weight_version}."""
+        body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._post_checked(
+            "/update_weights_from_disk", body, timeout=self._weights_timeout(timeout)
+        )
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """POST ``/update_weights_from_tensor`` {serialized_named_tensors (one per TP rank),
+        load_format, flush_cache, weight_version}."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "flush_cache": flush_cache,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._post_checked(
+            "/update_weights_from_tensor", body, timeout=self._weights_timeout(timeout)
+        )
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout: float | None = None,
+    ) -> str:
+        """POST ``/init_weights_update_group``; blocks until the trainer joins too."""
+        body = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return self._post_checked(
+            "/init_weights_update_group", body, timeout=self._weights_timeout(timeout)
+        )
+
+    def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group", *, timeout: float | None = None
+    ) -> str:
+        """POST ``/destroy_weights_update_group`` {group_name}."""
+        return self._post_checked(
+            "/destroy_weights_update_group",
+            {"group_name": group_name},
+            timeout=self._weights_timeout(timeout),
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """POST ``/update_weights_from_distributed``; blocks while the trainer broadcasts, so
+        call it concurrently with the broadcast."""
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(
+                f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}"
+            )
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [[int(d) for d in s] for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._post_checked(
+            "/update_weights_from_distributed", body, timeout=self._weights_timeout(timeout)
+        )
+
+    def update_weights_from_ipc(
+        self,
+        zmq_handles: Mapping[str, str],
+        *,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """POST ``/update_weights_from_ipc`` {zmq_handles, flush_cache, weight_version}."""
+        body: dict[str, Any] = {"zmq_handles": dict(zmq_handles), "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._post_checked(
+            "/update_weights_from_ipc", body, timeout=self._weights_timeout(timeout)
+        )
+
+    def get_weights_by_name(
+        self, name: str, *, truncate_size: int = 100, timeout: float | None = None
+    ) -> Any:
+        """POST ``/get_weights_by_name`` {name, truncate_size}: a read, so it is retried."""
+        return self._post(
+            "/get_weights_by_name",
+            {"name": name, "truncate_size": truncate_size},
+            timeout=timeout,
+            idempotent=True,
+        )

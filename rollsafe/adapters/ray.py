@@ -1,0 +1,207 @@
+"""Ray integration: ``init_ray()`` and ``EngineActor``, a Ray actor owning one engine group.
+
+``EngineActor`` runs an :class:`~rollsafe.adapters.engines.EngineLauncher` on the node it is
+scheduled on, so an engine group's processes live and die with the actor's node placement. It is
+a threaded actor (``max_concurrency`` > 1): a health probe or ``url()`` answers while a slow
+``restart()`` runs, so one recovery never blocks health checking (DESIGN.md invariant 7).
+
+Ray is imported only when ``init_ray()`` is called or ``EngineActor`` / ``engine_actor()`` is
+first used, so ``import rollsafe.adapters`` and ``rollsafe.adapters.engines`` work without it.
+The plain class :class:`EngineHost` holds the logic and can be used (and tested) without Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollsafe.adapters.engines.client import GenerateResult, WeightsChecksum
+from rollsafe.adapters.engines.launcher import EngineLauncher, EngineSpec
+
+# EngineActor is provided lazily by the module-level __getattr__ below.
+__all__ = ["EngineActor", "EngineHost", "engine_actor", "init_ray"]  # noqa: F822
+
+#: Default Ray options for the actor: threaded so health stays responsive during a restart.
+DEFAULT_ACTOR_OPTIONS: Mapping[str, Any] = {"num_cpus": 0, "max_concurrency": 8}
+
+
+def init_ray(**kwargs: Any) -> bool:
+    """Connect to Ray once: a no-op if already initialized.
+
+    With ``RAY_ADDRESS`` set (or an ``address=`` argument) it connects to that cluster; otherwise
+    it starts a local Ray without the dashboard. Other keyword arguments go to ``ray.init``.
+    Returns True if this call initialized Ray.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = kwargs.pop("address", None) or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        kwargs.setdefault("include_dashboard", False)
+        ray.init(**kwargs)
+    return True
+
+
+class EngineHost:
+    """Owns one engine group through an :class:`EngineLauncher`; the body of ``EngineActor``.
+
+    Every method returns plain, picklable data. ``health()`` never takes the launcher lock, so it
+    answers (False) while a restart is in progress instead of waiting for it.
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self._spec = spec
+        self._launcher = EngineLauncher(spec)
+        self._lock = threading.Lock()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> dict[str, Any]:
+        """Start the engine group; return its ready info (url, pid, rank_pids, ...)."""
+        with self._lock:
+            self._launcher.start()
+            return self._launcher.ready_info
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Graceful stop (SIGTERM, then SIGKILL after ``timeout``)."""
+        with self._lock:
+            self._launcher.stop(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the whole engine group now."""
+        with self._lock:
+            self._launcher.kill()
+
+    def kill_rank(self, rank: int) -> int:
+        """SIGKILL one rank process (chaos testing); return its pid."""
+        return self._launcher.kill_rank(rank)
+
+    def restart(
+        self,
+        model_path: str | None = None,
+        tokenizer_path: str | None = None,
+        load_format: str | None = None,
+        skip_load_weights: bool | None = None,
+    ) -> dict[str, Any]:
+        """Stop and start again with overrides; return the new ready info."""
+        with self._lock:
+            self._launcher.restart(
+                model_path=model_path,
+                tokenizer_path=tokenizer_path,
+                load_format=load_format,
+                skip_load_weights=skip_load_weights,
+            )
+            return self._launcher.ready_info
+
+    def reinit(
+        self,
+        model_path: str | None = None,
+        tokenizer_path: str | None = None,
+        skip_load_weights: bool = False,
+    ) -> dict[str, Any]:
+        """XTuner rollout-worker contract (see :meth:`EngineLauncher.reinit`)."""
+        return self.restart(
+            model_path=model_path, tokenizer_path=tokenizer_path,
+            skip_load_weights=skip_load_weights,
+        )  # fmt: skip
+
+    # -- observation ----------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        return self._launcher.is_alive()
+
+    def health(self, timeout: float = 5.0) -> bool:
+        """True when the engine answers its health check within ``timeout``."""
+        try:
+            client = self._launcher.client
+        except RuntimeError:
+            return False
+        return client.is_healthy(timeout=timeout)
+
+    def url(self) -> str | None:
+        """The engine's base URL, or None while it is not running."""
+        try:
+            return self._launcher.url
+        except RuntimeError:
+            return None
+
+    def pids(self) -> dict[str, Any]:
+        """``{"pid": server pid, "rank_pids": [...]}`` (empty while not running)."""
+        try:
+            return {"pid": self._launcher.pid, "rank_pids": self._launcher.rank_pids}
+        except RuntimeError:
+            return {"pid": None, "rank_pids": []}
+
+    def spec(self) -> dict[str, Any]:
+        return dataclasses.asdict(self._launcher.spec)
+
+    def node_id(self) -> str | None:
+        """The Ray node this actor runs on (None outside Ray)."""
+        try:
+            import ray
+
+            return str(ray.get_runtime_context().get_node_id())
+        except Exception:
+            return None
+
+    def output_tail(self) -> str:
+        return self._launcher.output_tail()
+
+    # -- serving and weights --------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: Sequence[int] | None = None,
+        text: str | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        return self._launcher.client.generate(
+            input_ids, text=text, sampling_params=sampling_params, timeout=timeout
+        )
+
+    def weights_checksum(self) -> WeightsChecksum:
+        return self._launcher.client.weights_checksum()
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+    ) -> str:
+        return self._launcher.client.update_weights_from_disk(
+            model_path, load_format=load_format, weight_version=weight_version
+        )
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call any :class:`EngineClient` method on the engine (e.g. ``"flush_cache"``)."""
+        if method.startswith("_"):
+            raise AttributeError(f"refusing to call private client method {method!r}")
+        return getattr(self._launcher.client, method)(*args, **kwargs)
+
+
+def engine_actor(**options: Any) -> Any:
+    """The ``EngineActor`` Ray actor class with ``options`` over :data:`DEFAULT_ACTOR_OPTIONS`.
+
+    ``engine_actor(num_cpus=1).remote(spec)`` creates one actor owning one engine group.
+    """
+    import ray
+
+    merged = {**DEFAULT_ACTOR_OPTIONS, **options}
+    return ray.remote(**merged)(EngineHost)
+
+
+_actor_class: Any = None
+
+
+def __getattr__(name: str) -> Any:
+    # ``EngineActor`` is built on first access so that importing this module does not import Ray.
+    global _actor_class
+    if name == "EngineActor":
+        if _actor_class is None:
+            _actor_class = engine_actor()
+        return _actor_class
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,16 @@
+"""Embedded reference inference engine: a small but real SGLang/vLLM-dialect HTTP server.
+
+Run it with ``python -m rollsafe.adapters.reference_engine --model-path DIR``; once serving it
+prints one line ``ROLLSAFE_READY {"url": ..., "pid": ..., "rank_pids": [...], ...}`` on stdout.
+Modules: :mod:`.tiny_model` (deterministic tiny Llama checkpoints), :mod:`.model` (one rank's
+shard), :mod:`.weights` (receiving side of weight updates), :mod:`.collective` (process groups),
+:mod:`.ranks` (multi-process ranks), :mod:`.engine` (scheduler), :mod:`.server`,
+:mod:`.sglang_api`, :mod:`.vllm_api` (HTTP), :mod:`.faults` (fault injection), :mod:`.errors`.
+Importing this package is light: torch and transformers load only in the submodules.
+"""
+
+from __future__ import annotations
+
+__all__ = ["READY_PREFIX"]
+
+READY_PREFIX = "ROLLSAFE_READY"

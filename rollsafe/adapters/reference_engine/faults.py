@@ -1,0 +1,116 @@
+"""Fault injection for the reference engine (enabled only by ``ROLLSAFE_FAULT_INJECTION=1``).
+
+Owns the ``/fault/*`` endpoints and the middleware that applies injected faults:
+
+* ``POST /fault/crash``: the process SIGKILLs itself; its other ranks die with it (PDEATHSIG);
+* ``POST /fault/hang``: every later request (this one included) never gets an answer;
+* ``POST /fault/slow`` ``{"seconds": s}``: every later response is delayed by ``s`` seconds
+  (``0`` clears it);
+* ``POST /fault/fail_next`` ``{"endpoint": "/generate"}``: the next call of that endpoint
+  answers HTTP 500.
+
+Without the environment variable the endpoints answer 404 and change nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["ENV_VAR", "FaultInjector", "fault_injection_enabled"]
+
+ENV_VAR = "ROLLSAFE_FAULT_INJECTION"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def fault_injection_enabled(environ: dict[str, str] | None = None) -> bool:
+    return (environ if environ is not None else os.environ).get(ENV_VAR) == "1"
+
+
+class FaultInjector:
+    """Fault state plus its aiohttp routes and middleware."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.hanging = False
+        self.slow_s = 0.0
+        self.fail_next: dict[str, int] = {}
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not self.enabled:
+            return await handler(request)
+        if self.hanging:
+            await asyncio.Event().wait()  # never set: the request hangs until the client gives up
+        if self.slow_s > 0:
+            await asyncio.sleep(self.slow_s)
+        if self.fail_next.get(request.path, 0) > 0 and not request.path.startswith("/fault/"):
+            self.fail_next[request.path] -= 1
+            return web.json_response(
+                {"success": False, "message": f"injected failure of {request.path}"}, status=500
+            )
+        return await handler(request)
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/fault/crash", self._crash),
+            web.post("/fault/hang", self._hang),
+            web.post("/fault/slow", self._slow),
+            web.post("/fault/fail_next", self._fail_next),
+        ]
+
+    def _disabled(self) -> web.Response:
+        return web.json_response(
+            {"success": False, "message": f"fault injection is disabled (set {ENV_VAR}=1)"},
+            status=404,
+        )
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        from rollsafe.adapters.reference_engine.server import read_json
+
+        return await read_json(request, allowed={"seconds", "endpoint"})
+
+    async def _crash(self, request: web.Request) -> web.Response:
+        if not self.enabled:
+            return self._disabled()
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _hang(self, request: web.Request) -> web.Response:
+        if not self.enabled:
+            return self._disabled()
+        self.hanging = True
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _slow(self, request: web.Request) -> web.Response:
+        if not self.enabled:
+            return self._disabled()
+        body = await self._json(request)
+        seconds = body.get("seconds")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+            return web.json_response(
+                {"success": False, "message": "'seconds' must be a number >= 0"}, status=400
+            )
+        self.slow_s = float(seconds)
+        return web.json_response({"success": True, "message": f"responses delayed by {seconds}s"})
+
+    async def _fail_next(self, request: web.Request) -> web.Response:
+        if not self.enabled:
+            return self._disabled()
+        body = await self._json(request)
+        endpoint = body.get("endpoint")
+        if not isinstance(endpoint, str) or not endpoint:
+            return web.json_response(
+                {"success": False, "message": "'endpoint' must be a path like '/generate'"},
+                status=400,
+            )
+        path = endpoint if endpoint.startswith("/") else f"/{endpoint}"
+        self.fail_next[path] = self.fail_next.get(path, 0) + 1
+        return web.json_response({"success": True, "message": f"next {path} answers 500"})

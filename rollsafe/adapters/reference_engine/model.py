@@ -1,0 +1,266 @@
+"""One rank's shard of the served model: a Hugging Face causal LM split vocab-parallel.
+
+Owns the live weights of one engine rank. The transformer trunk (``model.*``) runs replicated on
+every rank; ``lm_head`` is split by rows (vocabulary-parallel, like a column-parallel output
+layer): rank ``r`` holds rows ``[r*S, min(V, (r+1)*S))`` with ``S = ceil(V / ranks)``, so every
+decode step needs every rank's slice of the logits (an all-gather). The module also owns the
+all-or-nothing update protocol on this rank: ``validate`` -> ``stage`` (copies into private
+buffers) -> ``commit`` (in-place copy into live parameters) or ``discard``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollsafe.adapters.reference_engine.errors import EngineUnavailable, WeightUpdateError
+from rollsafe.transports.bucket import dtype_name
+
+__all__ = ["LM_HEAD", "ParamSpec", "ShardedCausalLM", "load_config"]
+
+LM_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Full (unsharded) shape and dtype of one named parameter."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def load_config(model_path: str | Path) -> Any:
+    """Read ``config.json`` from a local directory (never the hub)."""
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    if not path.is_dir():
+        raise WeightUpdateError(f"model_path {str(path)!r} is not a directory")
+    if not (path / "config.json").is_file():
+        raise WeightUpdateError(f"model_path {str(path)!r} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise WeightUpdateError(
+            f"{path / 'config.json'}: cannot be read as a config: {exc}"
+        ) from exc
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dt, torch.dtype):
+        return dt
+    if isinstance(dt, str) and isinstance(getattr(torch, dt, None), torch.dtype):
+        return getattr(torch, dt)  # type: ignore[no-any-return]
+    return torch.float32
+
+
+class ShardedCausalLM:
+    """The model as held by one rank (trunk replicated, ``lm_head`` row-sharded)."""
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.dtype = dtype or _config_dtype(config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # identical dummy weights on every rank
+            auto: Any = AutoModelForCausalLM
+            full = auto.from_config(config)
+        full = full.to(dtype=self.dtype, device=self.device).eval()
+        full.requires_grad_(False)
+        self.backbone: torch.nn.Module = full.model
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        head = full.lm_head.weight.detach()
+        self.vocab_size = int(head.shape[0])
+        self.hidden_size = int(head.shape[1])
+        self.rows_per_rank = math.ceil(self.vocab_size / world_size)
+        self.row_start = min(self.vocab_size, rank * self.rows_per_rank)
+        self.row_end = min(self.vocab_size, self.row_start + self.rows_per_rank)
+        self.lm_head_shard: torch.Tensor = head[self.row_start : self.row_end].clone()
+        del full
+        self._params: dict[str, torch.nn.Parameter] = {
+            f"model.{n}": p for n, p in self.backbone.named_parameters()
+        }
+        self.specs: dict[str, ParamSpec] = {
+            n: ParamSpec(tuple(p.shape), p.dtype) for n, p in self._params.items()
+        }
+        if not self.tied:
+            self.specs[LM_HEAD] = ParamSpec((self.vocab_size, self.hidden_size), self.dtype)
+        self._staged: dict[str, torch.Tensor] = {}
+        self._sessions: dict[str, Any] = {}
+        self.released = False
+        self._backup: dict[str, torch.Tensor] | None = None
+        # transformers >= 5.x names the KV cache ``cache``; older releases ``past_key_values``
+        params = inspect.signature(self.backbone.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ---- weights ---------------------------------------------------------------------------
+    def validate(
+        self,
+        metas: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+        *,
+        require_all: bool = False,
+        where: str = "",
+    ) -> None:
+        """Raise :class:`WeightUpdateError` naming the first unknown/mis-shaped/mis-typed key."""
+        seen: set[str] = set()
+        prefix = f"{where}: " if where else ""
+        for name, shape, dtype in metas:
+            spec = self.specs.get(name)
+            if spec is None:
+                raise WeightUpdateError(f"{prefix}unknown parameter {name!r}")
+            if name in seen:
+                raise WeightUpdateError(f"{prefix}parameter {name!r} given twice")
+            seen.add(name)
+            if tuple(shape) != spec.shape:
+                raise WeightUpdateError(
+                    f"{prefix}parameter {name!r}: shape {list(shape)} does not match the model's "
+                    f"{list(spec.shape)}"
+                )
+            if dtype != spec.dtype:
+                raise WeightUpdateError(
+                    f"{prefix}parameter {name!r}: dtype {dtype_name(dtype)} does not match the "
+                    f"model's {dtype_name(spec.dtype)}"
+                )
+        if require_all:
+            missing = sorted(set(self.specs) - seen)
+            if missing:
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise WeightUpdateError(f"{prefix}missing parameter {missing[0]!r}{more}")
+
+    def stage(self, named: Iterable[tuple[str, torch.Tensor]], *, where: str = "") -> None:
+        """Validate and copy tensors into private staging buffers (live weights untouched)."""
+        items = list(named)
+        self.validate(((n, tuple(t.shape), t.dtype) for n, t in items), where=where)
+        for name in (n for n, _ in items):
+            if name in self._staged:
+                raise WeightUpdateError(f"{where}: parameter {name!r} staged twice in one update")
+        staged: dict[str, torch.Tensor] = {}
+        for name, t in items:
+            if name == LM_HEAD:
+                t = t[self.row_start : self.row_end]
+            staged[name] = t.to(self.device, copy=True).contiguous()
+        self._staged.update(staged)
+
+    def commit(self) -> list[str]:
+        """Copy every staged tensor into the live weights; returns the updated names."""
+        if self.released and self._staged:
+            raise EngineUnavailable("weights are released; resume_memory_occupation first")
+        names = sorted(self._staged)
+        with torch.no_grad():
+            for name, t in self._staged.items():
+                if name == LM_HEAD:
+                    self.lm_head_shard.copy_(t)
+                else:
+                    self._params[name].copy_(t)
+            if self.tied and "model.embed_tokens.weight" in self._staged:
+                emb = self._params["model.embed_tokens.weight"]
+                self.lm_head_shard.copy_(emb[self.row_start : self.row_end])
+        self._staged.clear()
+        return names
+
+    def discard(self) -> None:
+        self._staged.clear()
+
+    @property
+    def staged_names(self) -> list[str]:
+        return sorted(self._staged)
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's live tensors by full name (``lm_head.weight`` is this rank's rows)."""
+        out: dict[str, torch.Tensor] = {n: p.detach() for n, p in self._params.items()}
+        if not self.tied:
+            out[LM_HEAD] = self.lm_head_shard
+        return out
+
+    def release(self, *, backup: bool = False) -> None:
+        """Free the weight storage (shapes are kept in ``specs``).
+
+        ``backup=True`` keeps a host copy that :meth:`resume` restores (vLLM sleep level 1);
+        otherwise the weights are gone and resume allocates zeros for the next update to fill.
+        """
+        if self.released:
+            return
+        self._backup = None
+        if backup:
+            self._backup = {n: p.detach().to("cpu", copy=True) for n, p in self._params.items()}
+            self._backup[LM_HEAD] = self.lm_head_shard.to("cpu", copy=True)
+        for p in self._params.values():
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self.lm_head_shard = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._sessions.clear()
+        self._staged.clear()
+        self.released = True
+
+    def resume(self) -> None:
+        """Re-allocate weight storage: the host backup if one was kept, else zeros."""
+        if not self.released:
+            return
+        backup = self._backup or {}
+        for n, p in self._params.items():
+            b = backup.get(n)
+            p.data = (
+                b.to(self.device)
+                if b is not None
+                else torch.zeros(self.specs[n].shape, dtype=p.dtype, device=self.device)
+            )
+        b = backup.get(LM_HEAD)
+        self.lm_head_shard = (
+            b.to(self.device)
+            if b is not None
+            else torch.zeros(
+                (self.row_end - self.row_start, self.hidden_size),
+                dtype=self.dtype,
+                device=self.device,
+            )
+        )
+        self._backup = None
+        self.released = False
+
+    # ---- compute ---------------------------------------------------------------------------
+    def forward(self, sid: str, token_ids: list[int]) -> torch.Tensor:
+        """Feed ``token_ids`` to session ``sid`` (new or cached); return this rank's logits."""
+        if self.released:
+            raise EngineUnavailable("weights are released (release_memory_occupation)")
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            kwargs = {self._cache_kw: self._sessions.get(sid)}
+            out = self.backbone(input_ids=ids, use_cache=True, **kwargs)
+            self._sessions[sid] = getattr(out, self._cache_kw)
+            hidden = out.last_hidden_state[0, -1]
+            return torch.nn.functional.linear(hidden, self.lm_head_shard).float()
+
+    def end(self, sid: str) -> None:
+        self._sessions.pop(sid, None)
+
+    def drop_sessions(self) -> None:
+        self._sessions.clear()
+
+
+def full_named_tensors(
+    local: Mapping[str, torch.Tensor], gathered_lm_head: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Rank 0's local tensors with ``lm_head.weight`` replaced by the gathered full matrix."""
+    out = dict(local)
+    if gathered_lm_head is not None:
+        out[LM_HEAD] = gathered_lm_head
+    return out

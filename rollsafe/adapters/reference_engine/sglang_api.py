@@ -1,0 +1,334 @@
+"""SGLang-dialect endpoints of the reference engine (payloads as SGLang's HTTP server).
+
+Owns request/response shapes of ``/generate``, ``/health_generate``, the weight endpoints
+(``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
+``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
+``/update_weights_from_ipc``, ``/get_weights_by_name``), memory occupation, pause/continue and
+``/flush_cache``. Weight endpoints answer ``{"success": bool, "message": str}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from rollsafe.adapters.reference_engine.engine import GenerationResult, SamplingParams
+from rollsafe.adapters.reference_engine.errors import BadRequest, EngineUnavailable
+from rollsafe.adapters.reference_engine.server import (
+    ServerContext,
+    await_future,
+    ctx_of,
+    ok,
+    parse_prompts,
+    parse_sampling,
+    read_json,
+    run_generate,
+    want,
+)
+from rollsafe.adapters.reference_engine.weights import parse_update_meta
+
+__all__ = ["routes"]
+
+SGLANG_DEFAULTS = SamplingParams(max_new_tokens=128, temperature=1.0)
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def _response(
+    ctx: ServerContext, res: GenerationResult, rid: str | None, logprobs: bool
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": len(res.prompt_ids),
+        "completion_tokens": len(res.output_ids),
+        "finish_reason": res.finish_reason,
+        "weight_version": res.weight_version,
+        "e2e_latency": res.latency_s,
+    }
+    if logprobs:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(res.output_logprobs, res.output_ids, strict=False)
+        ]
+    return {
+        "text": ctx.codec.decode(res.output_ids),
+        "output_ids": res.output_ids,
+        "meta_info": meta,
+    }
+
+
+async def generate(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(
+        request,
+        allowed={
+            "text",
+            "input_ids",
+            "sampling_params",
+            "rid",
+            "stream",
+            "return_logprob",
+            "logprob_start_len",
+            "top_logprobs_num",
+            "return_text_in_logprobs",
+        },
+    )
+    if want(body, "stream", bool, False):
+        raise BadRequest("stream=true is not supported by the reference engine")
+    prompts, batch = parse_prompts(ctx, body.get("text"), body.get("input_ids"))
+    sp_raw = body.get("sampling_params") or {}
+    if isinstance(sp_raw, dict):
+        sp_list = [sp_raw] * len(prompts)
+    elif (
+        isinstance(sp_raw, list)
+        and len(sp_raw) == len(prompts)
+        and all(isinstance(s, dict) for s in sp_raw)
+    ):
+        sp_list = sp_raw
+    else:
+        raise BadRequest("'sampling_params' must be an object or one object per prompt")
+    params = [parse_sampling(s, defaults=SGLANG_DEFAULTS) for s in sp_list]
+    rid = body.get("rid")
+    rids: list[str | None]
+    if isinstance(rid, list):
+        if len(rid) != len(prompts) or not all(isinstance(r, str) for r in rid):
+            raise BadRequest("'rid' must be a string or one string per prompt")
+        rids = list(rid)
+    elif rid is None or isinstance(rid, str):
+        rids = [rid if not batch or rid is None else f"{rid}-{i}" for i in range(len(prompts))]
+    else:
+        raise BadRequest("'rid' must be a string or a list of strings")
+    logprobs = bool(want(body, "return_logprob", bool, False))
+    results = await run_generate(ctx, prompts, params, rids)
+    out = [_response(ctx, r, i, logprobs) for r, i in zip(results, rids, strict=False)]
+    return web.json_response(out if batch else out[0])
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    reason = ctx.engine.health()
+    if reason is not None:
+        return web.json_response({"success": False, "message": f"unhealthy: {reason}"}, status=503)
+    if ctx.engine.paused is not None:
+        return web.Response(status=200)  # paused on purpose (weight sync): alive, not stuck
+    try:
+        fut = ctx.engine.submit_generate([0], SamplingParams(max_new_tokens=1, temperature=0.0))
+        await asyncio.wait_for(await_future(fut), timeout=20)
+    except (TimeoutError, asyncio.TimeoutError):
+        return web.json_response(
+            {"success": False, "message": "health generate timed out after 20s"}, status=503
+        )
+    return web.Response(status=200)
+
+
+def _version(body: dict[str, Any]) -> str | None:
+    return want(body, "weight_version", str, None)  # type: ignore[no-any-return]
+
+
+def _updated(names: list[str], version: str | None) -> web.Response:
+    suffix = f"; weight_version={version}" if version is not None else ""
+    return ok(f"Succeeded to update model weights ({len(names)} tensors){suffix}.")
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(
+        request,
+        allowed={
+            "model_path",
+            "load_format",
+            "abort_all_requests",
+            "weight_version",
+            "flush_cache",
+            "is_async",
+            "torch_empty_cache",
+            "keep_pause",
+        },
+        required=("model_path",),
+    )
+    path = want(body, "model_path", str)
+    fmt = want(body, "load_format", str, "auto")
+    if fmt not in ("auto", "safetensors"):
+        raise BadRequest(f"load_format {fmt!r} is not supported for disk loads (auto, safetensors)")
+    abort = bool(want(body, "abort_all_requests", bool, False))
+    names = await await_future(ctx.engine.update_from_disk(path, _version(body), abort))
+    return _updated(names, _version(body))
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(
+        request,
+        allowed={
+            "serialized_named_tensors",
+            "load_format",
+            "flush_cache",
+            "abort_all_requests",
+            "weight_version",
+        },
+        required=("serialized_named_tensors",),
+    )
+    entries = want(body, "serialized_named_tensors", list)
+    fmt = want(body, "load_format", str, None)
+    if fmt not in (None, "flattened_bucket", "direct"):
+        raise BadRequest(f"load_format {fmt!r} is not supported (flattened_bucket or null)")
+    if want(body, "abort_all_requests", bool, False):
+        await await_future(ctx.engine.abort_all())
+    names = await await_future(ctx.engine.update_from_tensor(entries, _version(body)))
+    return _updated(names, _version(body))
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(
+        request,
+        allowed={
+            "master_address",
+            "master_port",
+            "rank_offset",
+            "world_size",
+            "group_name",
+            "backend",
+        },
+        required=("master_address", "master_port", "rank_offset", "world_size"),
+    )
+    backend = want(body, "backend", str, "nccl" if ctx.device == "cuda" else "gloo")
+    if ctx.device != "cuda" and backend == "nccl":
+        backend = "gloo"  # CPU engine: the trainer's nccl request maps to gloo
+    if backend not in ("gloo", "nccl"):
+        raise BadRequest(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    world = want(body, "world_size", int)
+    offset = want(body, "rank_offset", int)
+    if offset < 1 or offset + ctx.engine.ranks.world_size > world:
+        raise BadRequest(
+            f"rank_offset {offset} + {ctx.engine.ranks.world_size} engine ranks does not fit in "
+            f"world_size {world} (the trainer is rank 0)"
+        )
+    await await_future(
+        ctx.engine.init_group(
+            master_address=want(body, "master_address", str),
+            master_port=want(body, "master_port", int),
+            rank_offset=offset,
+            world_size=world,
+            group_name=want(body, "group_name", str, "weight_update_group"),
+            backend=backend,
+        )
+    )
+    return ok("Succeeded to initialize custom process group.")
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(
+        request,
+        allowed={
+            "names",
+            "dtypes",
+            "shapes",
+            "group_name",
+            "load_format",
+            "flush_cache",
+            "abort_all_requests",
+            "weight_version",
+        },
+        required=("names", "dtypes", "shapes"),
+    )
+    meta = parse_update_meta(body.get("names"), body.get("dtypes"), body.get("shapes"))
+    fmt = want(body, "load_format", str, None)
+    if fmt not in (None, "flattened_bucket", "direct"):
+        raise BadRequest(f"load_format {fmt!r} is not supported (flattened_bucket or null)")
+    group = want(body, "group_name", str, "weight_update_group")
+    if want(body, "abort_all_requests", bool, False):
+        await await_future(ctx.engine.abort_all())
+    fut = ctx.engine.update_from_distributed(group, meta, fmt == "flattened_bucket", _version(body))
+    names = await await_future(fut)
+    return _updated(names, _version(body))
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(request, allowed={"group_name"})
+    group = want(body, "group_name", str, "weight_update_group")
+    await await_future(ctx.engine.destroy_group(group))
+    return ok(f"Succeeded to destroy custom process group {group!r}.")
+
+
+async def update_weights_from_ipc(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(
+        request, allowed={"zmq_handles", "flush_cache", "weight_version"}, required=("zmq_handles",)
+    )
+    names = await await_future(ctx.engine.update_from_ipc(body["zmq_handles"], _version(body)))
+    return _updated(names, _version(body))
+
+
+def _tags(body: dict[str, Any]) -> list[str]:
+    tags = want(body, "tags", list, list(MEMORY_TAGS))
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise BadRequest(f"unknown memory tag {bad[0]!r}; allowed: {list(MEMORY_TAGS)}")
+    return list(tags)
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    body = await read_json(request, allowed={"tags"})
+    tags = _tags(body)
+    await await_future(ctx_of(request).engine.release(tags))
+    return ok(f"released {tags}")
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    body = await read_json(request, allowed={"tags"})
+    tags = _tags(body)
+    await await_future(ctx_of(request).engine.resume_memory(tags))
+    return ok(f"resumed {tags}")
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    body = await read_json(request, allowed={"mode"})
+    mode = want(body, "mode", str, "abort")
+    await await_future(ctx_of(request).engine.pause(mode))
+    return ok(f"generation paused (mode={mode})")
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    await read_json(request, allowed={"torch_empty_cache"})
+    ctx_of(request).engine.resume_generation()
+    return ok("generation continued")
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    await await_future(ctx_of(request).engine.flush_cache())
+    return ok("Cache flushed.")
+
+
+async def get_weights_by_name(request: web.Request) -> web.Response:
+    body = await read_json(request, allowed={"name", "truncate_size"}, required=("name",))
+    name = want(body, "name", str)
+    truncate = want(body, "truncate_size", int, 100)
+    engine = ctx_of(request).engine
+    if "weights" in engine.released_tags:
+        raise EngineUnavailable("weights are released")
+    tensor = await await_future(engine.get_weight(name))
+    return web.json_response(tensor[:truncate].float().tolist())
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/generate", generate),
+        web.get("/health_generate", health_generate),
+        web.post("/update_weights_from_disk", update_weights_from_disk),
+        web.post("/update_weights_from_tensor", update_weights_from_tensor),
+        web.post("/init_weights_update_group", init_weights_update_group),
+        web.post("/update_weights_from_distributed", update_weights_from_distributed),
+        web.post("/destroy_weights_update_group", destroy_weights_update_group),
+        web.post("/update_weights_from_ipc", update_weights_from_ipc),
+        web.post("/release_memory_occupation", release_memory_occupation),
+        web.post("/resume_memory_occupation", resume_memory_occupation),
+        web.post("/pause_generation", pause_generation),
+        web.post("/continue_generation", continue_generation),
+        web.post("/flush_cache", flush_cache),
+        web.get("/flush_cache", flush_cache),
+        web.post("/get_weights_by_name", get_weights_by_name),
+        web.get("/get_weights_by_name", get_weights_by_name),
+    ]

@@ -1,0 +1,339 @@
+"""vLLM-dialect endpoints of the reference engine, mapped onto the same engine.
+
+Owns vLLM's endpoint names and payloads: ``/v1/completions`` (OpenAI style), ``/v1/models``,
+dev-mode ``/sleep`` (``?level=``), ``/wake_up`` (``?tags=``), ``/is_sleeping``,
+``/collective_rpc`` ``{method, args, kwargs, timeout}``, ``/reset_prefix_cache``, ``/pause``
+(``?mode=abort|wait|keep``), ``/resume``, ``/is_paused``, ``/get_world_size``, and the native
+weight transfer ``/init_weight_transfer_engine`` ``{init_info: {master_address, master_port,
+rank_offset, world_size}}``, ``/start_weight_update``, ``/update_weights`` ``{update_info:
+{names, dtype_names, shapes, packed}}``, ``/finish_weight_update``. ``packed=true`` is received
+as one flat buffer per call (the ``flattened_bucket`` layout), not vLLM's chunked packing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from rollsafe.adapters.reference_engine.engine import SamplingParams
+from rollsafe.adapters.reference_engine.errors import BadRequest, WeightUpdateError
+from rollsafe.adapters.reference_engine.server import (
+    await_future,
+    ctx_of,
+    ok,
+    parse_sampling,
+    read_json,
+    run_generate,
+    want,
+)
+from rollsafe.adapters.reference_engine.weights import parse_update_meta
+
+__all__ = ["WEIGHT_TRANSFER_GROUP", "routes"]
+
+WEIGHT_TRANSFER_GROUP = "vllm_weight_transfer"
+VLLM_DEFAULTS = SamplingParams(max_new_tokens=16, temperature=1.0)
+_PAUSE_MAP = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
+
+
+def _prompts(ctx: Any, prompt: Any) -> tuple[list[list[int]], bool]:
+    def ints(v: Any) -> bool:
+        return (
+            isinstance(v, list)
+            and bool(v)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+        )
+
+    if isinstance(prompt, str):
+        return [ctx.codec.encode(prompt)], False
+    if ints(prompt):
+        return [list(prompt)], False
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [ctx.codec.encode(p) for p in prompt], True
+    if isinstance(prompt, list) and prompt and all(ints(p) for p in prompt):
+        return [list(p) for p in prompt], True
+    raise BadRequest("'prompt' must be a string, a list of token ids, or a list of either")
+
+
+async def completions(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(
+        request,
+        allowed={
+            "model",
+            "prompt",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "n",
+            "stream",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+            "logprobs",
+            "echo",
+            "min_tokens",
+            "skip_special_tokens",
+            "return_token_ids",
+            "user",
+        },
+        required=("prompt",),
+    )
+    if want(body, "stream", bool, False):
+        raise BadRequest("stream=true is not supported by the reference engine")
+    if want(body, "echo", bool, False):
+        raise BadRequest("echo=true is not supported by the reference engine")
+    prompts, _ = _prompts(ctx, body["prompt"])
+    sp: dict[str, Any] = {
+        k2: body[k1]
+        for k1, k2 in (
+            ("max_tokens", "max_new_tokens"),
+            ("min_tokens", "min_new_tokens"),
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("top_k", "top_k"),
+            ("seed", "seed"),
+            ("n", "n"),
+            ("stop", "stop"),
+            ("stop_token_ids", "stop_token_ids"),
+            ("ignore_eos", "ignore_eos"),
+        )
+        if body.get(k1) is not None
+    }
+    params = parse_sampling(sp, defaults=VLLM_DEFAULTS)
+    logprobs = want(body, "logprobs", int, None)
+    results = await run_generate(ctx, prompts, [params] * len(prompts), [None] * len(prompts))
+    choices = []
+    for i, r in enumerate(results):
+        kind = r.finish_reason["type"]
+        choice: dict[str, Any] = {
+            "index": i,
+            "text": ctx.codec.decode(r.output_ids),
+            "finish_reason": {"stop": "stop", "length": "length"}.get(kind, "abort"),
+            "stop_reason": r.finish_reason.get("matched"),
+            "token_ids": r.output_ids,
+            "prompt_token_ids": r.prompt_ids,
+            "logprobs": None,
+        }
+        if logprobs is not None:
+            choice["logprobs"] = {
+                "tokens": [ctx.codec.decode([t], False) for t in r.output_ids],
+                "token_logprobs": r.output_logprobs,
+                "top_logprobs": None,
+                "text_offset": None,
+            }
+        choices.append(choice)
+    n_prompt = sum(len(r.prompt_ids) for r in results)
+    n_out = sum(len(r.output_ids) for r in results)
+    return web.json_response(
+        {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model") or ctx.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_out,
+                "total_tokens": n_prompt + n_out,
+            },
+            "weight_version": ctx.engine.weight_version,
+        }
+    )
+
+
+async def models(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [{"id": ctx.model_name, "object": "model", "owned_by": "rollsafe"}],
+        }
+    )
+
+
+async def sleep(request: web.Request) -> web.Response:
+    body = await read_json(request, allowed={"level", "mode"})
+    level = int(request.query.get("level", body.get("level", 1)))
+    if level not in (1, 2):
+        raise BadRequest(f"sleep level must be 1 or 2, got {level}")
+    # level 1 keeps a host copy of the weights (restored by wake_up); level 2 discards them
+    await await_future(ctx_of(request).engine.release(["weights", "kv_cache"], backup=level == 1))
+    return ok(f"sleeping (level {level})")
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    body = await read_json(request, allowed={"tags"})
+    tags = request.query.getall("tags", []) or body.get("tags") or ["weights", "kv_cache"]
+    bad = [t for t in tags if t not in ("weights", "kv_cache")]
+    if bad:
+        raise BadRequest(f"unknown wake_up tag {bad[0]!r}; allowed: ['weights', 'kv_cache']")
+    await await_future(ctx_of(request).engine.resume_memory(list(tags)))
+    return ok(f"awake ({', '.join(tags)})")
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    return web.json_response({"is_sleeping": bool(ctx_of(request).engine.released_tags)})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    await await_future(ctx_of(request).engine.flush_cache())
+    return ok("prefix cache reset")
+
+
+async def pause(request: web.Request) -> web.Response:
+    engine = ctx_of(request).engine
+    mode = request.query.get("mode", "abort")
+    if request.query.get("wait_for_inflight_requests", "false").lower() == "true":
+        mode = "wait"
+    if mode not in _PAUSE_MAP:
+        raise BadRequest(f"pause mode must be one of {sorted(_PAUSE_MAP)}, got {mode!r}")
+    if mode == "wait":
+        while engine.num_running:
+            await asyncio.sleep(0.01)
+    await await_future(engine.pause(_PAUSE_MAP[mode]))
+    return web.json_response({"status": "paused", "success": True})
+
+
+async def resume(request: web.Request) -> web.Response:
+    ctx_of(request).engine.resume_generation()
+    return web.json_response({"status": "resumed", "success": True})
+
+
+async def is_paused(request: web.Request) -> web.Response:
+    return web.json_response({"is_paused": ctx_of(request).engine.paused is not None})
+
+
+async def get_world_size(request: web.Request) -> web.Response:
+    return web.json_response({"world_size": ctx_of(request).engine.ranks.world_size})
+
+
+async def collective_rpc(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(
+        request, allowed={"method", "args", "kwargs", "timeout"}, required=("method",)
+    )
+    method = want(body, "method", str)
+    args = want(body, "args", list, [])
+    kwargs = want(body, "kwargs", dict, {})
+    n = ctx.engine.ranks.world_size
+    if method == "update_weights_from_ipc":
+        handles = kwargs.get("zmq_handles", args[0] if args else None)
+        await await_future(ctx.engine.update_from_ipc(handles, kwargs.get("weight_version")))
+        return web.json_response({"results": [None] * n})
+    if method == "weights_checksum":
+        digest = await await_future(ctx.engine.checksum())
+        return web.json_response({"results": [digest["model"]] * n})
+    if method == "reload_weights":
+        path = kwargs.get("model_path", args[0] if args else ctx.model_name)
+        await await_future(ctx.engine.update_from_disk(str(path), kwargs.get("weight_version")))
+        return web.json_response({"results": [None] * n})
+    raise BadRequest(
+        f"collective_rpc method {method!r} is not supported; supported: "
+        "['reload_weights', 'update_weights_from_ipc', 'weights_checksum']"
+    )
+
+
+async def init_weight_transfer_engine(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(request, allowed={"init_info"}, required=("init_info",))
+    info = want(body, "init_info", dict)
+    unknown = sorted(set(info) - {"master_address", "master_port", "rank_offset", "world_size"})
+    if unknown:
+        raise BadRequest(f"unknown init_info key {unknown[0]!r}")
+    for key in ("master_address", "master_port", "rank_offset", "world_size"):
+        if key not in info:
+            raise BadRequest(f"missing init_info key {key!r}")
+    world = want(info, "world_size", int)
+    offset = want(info, "rank_offset", int)
+    if offset < 1 or offset + ctx.engine.ranks.world_size > world:
+        raise BadRequest(f"rank_offset {offset} does not fit in world_size {world}")
+    if WEIGHT_TRANSFER_GROUP in ctx.engine.ranks.local.weight_groups:
+        await await_future(ctx.engine.destroy_group(WEIGHT_TRANSFER_GROUP))
+    await await_future(
+        ctx.engine.init_group(
+            master_address=want(info, "master_address", str),
+            master_port=want(info, "master_port", int),
+            rank_offset=offset,
+            world_size=world,
+            group_name=WEIGHT_TRANSFER_GROUP,
+            backend="nccl" if ctx.device == "cuda" else "gloo",
+        )
+    )
+    return ok("Weight transfer initialized")
+
+
+async def start_weight_update(request: web.Request) -> web.Response:
+    await read_json(request, allowed={"is_checkpoint_format"})
+    ctx_of(request).engine.begin_update()
+    return ok("Weight update started")
+
+
+async def update_weights(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(request, allowed={"update_info"}, required=("update_info",))
+    info = want(body, "update_info", dict)
+    allowed = {
+        "names",
+        "dtype_names",
+        "shapes",
+        "packed",
+        "packed_buffer_size_bytes",
+        "packed_num_buffers",
+        "is_checkpoint_format",
+        "weight_version",
+    }
+    unknown = sorted(set(info) - allowed)
+    if unknown:
+        raise BadRequest(f"unknown update_info key {unknown[0]!r}")
+    if not ctx.engine.update_in_progress:
+        raise WeightUpdateError("call /start_weight_update before /update_weights")
+    meta = parse_update_meta(
+        info.get("names"), info.get("dtype_names"), info.get("shapes"), dtype_key="dtype_names"
+    )
+    if WEIGHT_TRANSFER_GROUP not in ctx.engine.ranks.local.weight_groups:
+        raise WeightUpdateError("call /init_weight_transfer_engine first")
+    fut = ctx.engine.update_from_distributed(
+        WEIGHT_TRANSFER_GROUP,
+        meta,
+        bool(want(info, "packed", bool, False)),
+        want(info, "weight_version", str, None),
+    )
+    names = await await_future(fut)
+    return ok(f"Weights updated ({len(names)} tensors)")
+
+
+async def finish_weight_update(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = await read_json(request, allowed={"weight_version"})
+    if not ctx.engine.end_update():
+        raise WeightUpdateError("no weight update in progress (call /start_weight_update first)")
+    version = want(body, "weight_version", str, None)
+    if version is not None:
+        ctx.engine.weight_version = version
+    return ok("Weight update finished")
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/v1/completions", completions),
+        web.get("/v1/models", models),
+        web.post("/sleep", sleep),
+        web.post("/wake_up", wake_up),
+        web.get("/is_sleeping", is_sleeping),
+        web.post("/collective_rpc", collective_rpc),
+        web.post("/reset_prefix_cache", reset_prefix_cache),
+        web.post("/pause", pause),
+        web.post("/resume", resume),
+        web.get("/is_paused", is_paused),
+        web.get("/get_world_size", get_world_size),
+        web.post("/init_weight_transfer_engine", init_weight_transfer_engine),
+        web.post("/start_weight_update", start_weight_update),
+        web.post("/update_weights", update_weights),
+        web.post("/finish_weight_update", finish_weight_update),
+    ]

@@ -1,0 +1,218 @@
+"""Receiving side of weight updates: turns each transport's payload into named tensors.
+
+Owns the sources a rank can stage weights from, each validated before anything is staged:
+
+* :func:`read_checkpoint_dir` -- an HF directory (``save_pretrained`` output or a rollsafe HF
+  export: ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + index);
+* :func:`decode_tensor_entry` -- one rank's ``serialized_named_tensors`` entry (shared memory
+  or CUDA IPC via :mod:`rollsafe.transports.bucket`);
+* :func:`receive_broadcast` -- tensors broadcast by rank 0 of a weight-update group, one flat
+  buffer (``flattened_bucket``) or one broadcast per tensor;
+* :func:`receive_from_ipc` -- checkpoint-engine's ZMQ/CUDA-IPC worker protocol (CUDA only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollsafe.adapters.reference_engine.errors import Unsupported, WeightUpdateError
+from rollsafe.adapters.reference_engine.model import ParamSpec
+from rollsafe.transports.bucket import BucketFormatError, FlatBucket, deserialize_payload
+
+__all__ = [
+    "UpdateMeta",
+    "decode_tensor_entry",
+    "parse_update_meta",
+    "read_checkpoint_dir",
+    "receive_broadcast",
+    "receive_from_ipc",
+]
+
+UpdateMeta = list[tuple[str, tuple[int, ...], torch.dtype]]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        raise WeightUpdateError(f"model_path {str(path)!r} is not a directory")
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise WeightUpdateError(f"{index}: unreadable index ({exc})") from exc
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightUpdateError(f"{index}: 'weight_map' is empty or not an object")
+        files = sorted({str(f) for f in weight_map.values()})
+        for f in files:
+            if "/" in f or f.startswith("."):
+                raise WeightUpdateError(f"{index}: shard name {f!r} is not a plain file name")
+            if not (path / f).is_file():
+                raise WeightUpdateError(f"{index}: shard {f!r} listed in the index is missing")
+        return [path / f for f in files]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise WeightUpdateError(f"model_path {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def read_checkpoint_dir(
+    model_path: str | Path, specs: dict[str, ParamSpec]
+) -> dict[str, torch.Tensor]:
+    """Read and validate every weight of an HF directory against ``specs``.
+
+    Floating tensors are cast to the model's dtype (as ``from_pretrained`` does); names must
+    cover the model exactly and shapes must match. Raises :class:`WeightUpdateError`.
+    """
+    from safetensors import safe_open
+
+    path = Path(model_path)
+    files = _weight_files(path)
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if name in out:
+                        raise WeightUpdateError(f"{f.name}: tensor {name!r} appears in two shards")
+                    spec = specs.get(name)
+                    if spec is None:
+                        if name.endswith("rotary_emb.inv_freq"):
+                            continue
+                        raise WeightUpdateError(f"{f.name}: unknown parameter {name!r}")
+                    t = sf.get_tensor(name)
+                    if tuple(t.shape) != spec.shape:
+                        raise WeightUpdateError(
+                            f"{f.name}: parameter {name!r}: shape {list(t.shape)} does not match "
+                            f"the model's {list(spec.shape)}"
+                        )
+                    if t.dtype != spec.dtype:
+                        if not (t.dtype.is_floating_point and spec.dtype.is_floating_point):
+                            raise WeightUpdateError(
+                                f"{f.name}: parameter {name!r}: dtype {t.dtype} cannot be cast "
+                                f"to {spec.dtype}"
+                            )
+                        t = t.to(spec.dtype)
+                    out[name] = t
+        except WeightUpdateError:
+            raise
+        except Exception as exc:
+            raise WeightUpdateError(f"{f}: cannot read safetensors ({exc})") from exc
+    missing = sorted(set(specs) - set(out))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightUpdateError(f"{path}: missing parameter {missing[0]!r}{more}")
+    return out
+
+
+def decode_tensor_entry(entry: Any, *, rank: int) -> list[tuple[str, torch.Tensor]]:
+    """Decode one rank's serialized entry into ``(name, tensor view)`` pairs."""
+    try:
+        payload = deserialize_payload(entry)
+    except BucketFormatError as exc:
+        raise WeightUpdateError(f"serialized_named_tensors[{rank}]: {exc}") from exc
+    if isinstance(payload, FlatBucket):
+        return payload.named_views()
+    return payload
+
+
+def parse_update_meta(
+    names: Any, dtypes: Any, shapes: Any, *, dtype_key: str = "dtypes"
+) -> UpdateMeta:
+    """Check the parallel ``names`` / ``dtypes`` / ``shapes`` lists of a distributed update."""
+    from rollsafe.transports.bucket import dtype_from_name
+
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise WeightUpdateError("'names' must be a list of strings")
+    if not isinstance(dtypes, list) or len(dtypes) != len(names):
+        raise WeightUpdateError(f"'{dtype_key}' must be a list as long as 'names' ({len(names)})")
+    if not isinstance(shapes, list) or len(shapes) != len(names):
+        raise WeightUpdateError(f"'shapes' must be a list as long as 'names' ({len(names)})")
+    if not names:
+        raise WeightUpdateError("'names' is empty")
+    out: UpdateMeta = []
+    for name, dt, shape in zip(names, dtypes, shapes, strict=False):
+        try:
+            dtype = dtype_from_name(dt)
+        except BucketFormatError as exc:
+            raise WeightUpdateError(f"parameter {name!r}: {exc}") from exc
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise WeightUpdateError(f"parameter {name!r}: shape {shape!r} is not a list of ints")
+        out.append((name, tuple(shape), dtype))
+    return out
+
+
+def receive_broadcast(
+    pg: Any, meta: UpdateMeta, *, flattened: bool, device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive tensors broadcast from rank 0 of ``pg`` (already validated ``meta``)."""
+    if flattened:
+        dtypes = {dt for _, _, dt in meta}
+        if len(dtypes) != 1:
+            raise WeightUpdateError(
+                "flattened_bucket needs one dtype per call, got "
+                + ", ".join(sorted(str(d) for d in dtypes))
+            )
+        total = sum(math.prod(s) for _, s, _ in meta)
+        flat = torch.empty(total, dtype=meta[0][2], device=device)
+        pg.broadcast(flat, 0).wait()
+        out: list[tuple[str, torch.Tensor]] = []
+        pos = 0
+        for name, shape, _ in meta:
+            n = math.prod(shape)
+            out.append((name, flat[pos : pos + n].view(shape)))
+            pos += n
+        return out
+    out = []
+    for name, shape, dtype in meta:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        pg.broadcast(t, 0).wait()
+        out.append((name, t))
+    return out
+
+
+def receive_from_ipc(
+    zmq_handles: Any,
+    *,
+    device: torch.device,
+    stage: Callable[[Sequence[tuple[str, torch.Tensor]]], None],
+) -> None:
+    """Receive weights through checkpoint-engine's worker protocol (CUDA only).
+
+    ``zmq_handles`` maps a device UUID to a ZMQ socket path, as checkpoint-engine's
+    ``ParameterServer.update`` sends it. The tensors handed over are views into the sender's
+    buffers, so ``stage`` copies them.
+    """
+    if device.type != "cuda":
+        raise Unsupported(
+            "update_weights_from_ipc needs CUDA: checkpoint-engine hands weights over as CUDA IPC "
+            "buffers, and this engine runs on CPU"
+        )
+    try:
+        import zmq
+        from checkpoint_engine.worker import update_weights_from_ipc
+    except ImportError as exc:
+        raise Unsupported(f"update_weights_from_ipc needs checkpoint-engine: {exc}") from exc
+    if not isinstance(zmq_handles, dict):
+        raise WeightUpdateError("'zmq_handles' must be an object {device_uuid: socket path}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    handle = zmq_handles.get(uuid) or zmq_handles.get(f"GPU-{uuid}")
+    if handle is None:
+        raise WeightUpdateError(f"zmq_handles has no entry for this rank's device {uuid!r}")
+    update_weights_from_ipc(
+        zmq.Context.instance(),
+        handle,
+        device_id=index,
+        run=lambda weights: stage([(n, t.clone()) for n, t in weights]),
+        post_hook=None,
+    )

@@ -1,0 +1,1 @@
+"""Benchmarks shipped with the package (the scripts in ``benchmarks/`` call these)."""

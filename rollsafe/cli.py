@@ -1,0 +1,141 @@
+"""The ``rollsafe`` command line: ``diagrams``, ``verify``, ``bench`` and ``inspect``.
+
+Each subcommand is a thin shell over a library function, so everything it does is also callable
+from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _cmd_diagrams(args: argparse.Namespace) -> int:
+    from rollsafe import diagrams
+
+    out = Path(args.out)
+    readme = None if args.no_readme else Path(args.readme)
+    if args.check:
+        stale = diagrams.check(out, readme)
+        if stale:
+            print("stale diagrams (run `rollsafe diagrams` and commit):", file=sys.stderr)
+            for item in stale:
+                print(f"  {item}", file=sys.stderr)
+            return 1
+        print(f"diagrams up to date ({len(diagrams.render_all())} files in {out})")
+        return 0
+    for path in diagrams.write_all(out, readme):
+        print(f"wrote {path}")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from rollsafe.verify import ModelConfig, explore
+
+    config = ModelConfig(
+        groups=args.groups,
+        ranks=args.ranks,
+        restart_budget=args.restart_budget,
+        rearm_after=args.rearm_after,
+    )
+    print(
+        f"exploring the composed fleet model: {config.groups} groups x {config.ranks} ranks,"
+        f" depth {args.depth} (invariants 1-6 and 8 in every state)",
+        flush=True,
+    )
+
+    def progress(level: int, states: int, frontier: int) -> None:
+        if not args.quiet:
+            print(f"  depth {level}: {states} states, frontier {frontier}", flush=True)
+
+    result = explore(
+        config,
+        depth=args.depth,
+        stop_at_first=not args.all_violations,
+        max_states=args.max_states,
+        progress=progress,
+    )
+    print(f"states explored: {result.states}")
+    print(f"transitions taken: {result.transitions} ({result.refused} refused events)")
+    print(f"time: {result.seconds:.1f} s")
+    if not result.complete:
+        print(f"stopped early at --max-states {args.max_states}: exploration incomplete")
+    if result.ok:
+        print("violations: 0")
+        return 0 if result.complete else 3
+    print(f"violations: {len(result.counterexamples)}")
+    for cex in result.counterexamples[: args.show]:
+        print("counterexample (shortest event trace):")
+        print(cex.format())
+    return 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from rollsafe.bench import transitions
+
+    return transitions.main(["--rounds", str(args.rounds), "--out", args.out])
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from rollsafe.diagrams import transitions_of
+    from rollsafe.statemachines import MACHINES
+
+    for cls in MACHINES:
+        if args.machine and cls.__name__ != args.machine:
+            continue
+        print(cls.__name__)
+        print("  states: " + ", ".join(s.id for s in cls.states))
+        for src, dst, event, guards in transitions_of(cls):
+            guard = f" [{' and '.join(guards)}]" if guards else ""
+            print(f"  {event}: {src} -> {dst}{guard}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollsafe",
+        description="Formal lifecycle machines for an RL trainer's rollout fleet.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("diagrams", help="write (or --check) the mermaid diagrams of the machines")
+    p.add_argument("--out", default="diagrams", help="output directory (default: diagrams)")
+    p.add_argument("--readme", default="README.md", help="README whose diagram block to update")
+    p.add_argument("--no-readme", action="store_true", help="leave the README alone")
+    p.add_argument("--check", action="store_true", help="exit 1 naming any stale file")
+    p.set_defaults(func=_cmd_diagrams)
+
+    p = sub.add_parser("verify", help="exhaustively explore the composed fleet model")
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--restart-budget", type=int, default=2)
+    p.add_argument("--rearm-after", type=int, default=2)
+    p.add_argument("--max-states", type=int, default=None, help="stop after this many states")
+    p.add_argument("--all-violations", action="store_true", help="keep going after the first")
+    p.add_argument("--show", type=int, default=3, help="counterexamples to print")
+    p.add_argument("--quiet", action="store_true", help="no per-depth progress")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("bench", help="median cost of a guarded transition per machine")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out", default="benchmarks/results/transitions.json")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("inspect", help="print every machine's states, events and guards")
+    p.add_argument("machine", nargs="?", help="one machine class name")
+    p.set_defaults(func=_cmd_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

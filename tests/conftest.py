@@ -1,0 +1,43 @@
+"""Shared test configuration: hypothesis profiles and the GPU marker.
+
+Profiles (``HYPOTHESIS_PROFILE``): ``ci`` (default) runs at least 300 examples per machine and 200
+for the composed model; ``thorough`` runs ten times that. Tests scale their own example counts by
+:func:`profiles.examples`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu``-marked tests cleanly when no CUDA device is present."""
+    try:
+        import torch
+
+        has_cuda = bool(torch.cuda.is_available())
+    except Exception:  # torch missing or broken: no GPU tests either way
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker); none here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,229 @@
+"""Start, probe and stop real reference-engine processes in tests (reusable by other suites).
+
+``start_engine(model_dir, ranks=2, faults=True)`` spawns ``python -m
+rollsafe.adapters.reference_engine`` in its own process group, waits for the ``ROLLSAFE_READY``
+line and returns an :class:`EngineProcess`; ``stop()`` SIGKILLs the whole group (every rank).
+Fixtures: ``tiny_model_dir`` / ``tiny_model_dir_b`` (two tiny Llamas, seeds 0 and 1, built once
+per session) and ``engine_factory`` (starts engines and always cleans them up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rollsafe.adapters.reference_engine import READY_PREFIX
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited or did not print its ready line in time (message holds stderr)."""
+
+
+@dataclass
+class EngineProcess:
+    proc: subprocess.Popen[str]
+    ready: dict[str, Any]
+    stderr_path: Path
+    api_key: str | None = None
+    _client: httpx.Client | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return str(self.ready["url"])
+
+    @property
+    def pid(self) -> int:
+        return int(self.ready["pid"])
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [int(p) for p in self.ready["rank_pids"]]
+
+    @property
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._client = httpx.Client(base_url=self.url, timeout=60.0, headers=headers)
+        return self._client
+
+    def post(self, path: str, json_body: Any = None, **kw: Any) -> httpx.Response:
+        return self.client.post(path, json=json_body, **kw)
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return self.client.get(path, **kw)
+
+    def checksum(self) -> dict[str, Any]:
+        r = self.get("/weights_checksum")
+        r.raise_for_status()
+        return dict(r.json())
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            return self.client.get("/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+
+    def stop(self) -> None:
+        """SIGKILL the engine's process group (all ranks) and reap rank 0."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie counts as dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds passed; return the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def engine_command(
+    model_dir: str | Path, *, ranks: int = 1, extra_args: Sequence[str] = ()
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "rollsafe.adapters.reference_engine",
+        "--model-path",
+        str(model_dir),
+        "--ranks",
+        str(ranks),
+        *extra_args,
+    ]
+
+
+def start_engine(
+    model_dir: str | Path,
+    *,
+    ranks: int = 1,
+    faults: bool = False,
+    extra_args: Sequence[str] = (),
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> EngineProcess:
+    """Spawn an engine and wait for its ready line; raise :class:`EngineStartError` otherwise."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("ROLLSAFE_FAULT_INJECTION", None)
+    if faults:
+        full_env["ROLLSAFE_FAULT_INJECTION"] = "1"
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), full_env.get("PYTHONPATH", "")) if p
+    )
+    args = list(extra_args) + (["--api-key", api_key] if api_key else [])
+    err = Path(tempfile.mkstemp(prefix="rollsafe-engine-", suffix=".stderr")[1])
+    with err.open("w") as err_f:
+        proc = subprocess.Popen(
+            engine_command(model_dir, ranks=ranks, extra_args=args),
+            stdout=subprocess.PIPE,
+            stderr=err_f,
+            text=True,
+            env=full_env,
+            start_new_session=True,
+            cwd=str(REPO_ROOT),
+        )
+    assert proc.stdout is not None
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(READY_PREFIX):
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    ready_lines = [ln for ln in lines if ln.startswith(READY_PREFIX)]
+    if not ready_lines:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        raise EngineStartError(
+            f"engine did not become ready (exit code {proc.returncode}):\n{err.read_text()}"
+        )
+    ready = json.loads(ready_lines[0][len(READY_PREFIX) :])
+    return EngineProcess(proc, ready, err, api_key)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-a"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-b"), seed=1)
+
+
+@pytest.fixture
+def engine_factory() -> Iterator[Callable[..., EngineProcess]]:
+    """``engine_factory(model_dir, **start_engine kwargs)``; every engine is killed afterwards."""
+    started: list[EngineProcess] = []
+
+    def factory(model_dir: str | Path, **kw: Any) -> EngineProcess:
+        eng = start_engine(model_dir, **kw)
+        started.append(eng)
+        return eng
+
+    yield factory
+    for eng in started:
+        eng.stop()
+
+
+def module_engine(request: pytest.FixtureRequest, model_dir: Path, **kw: Any) -> EngineProcess:
+    """Start an engine that lives until the requesting (module-scoped) fixture is torn down."""
+    eng = start_engine(model_dir, **kw)
+    request.addfinalizer(eng.stop)
+    return eng

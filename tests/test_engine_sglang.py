@@ -1,0 +1,392 @@
+"""Process-level tests of the reference engine's SGLang dialect with one rank.
+
+One engine serves the whole module (it is reset to model A before each test that changes
+weights); the API-key tests start their own engines.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import (
+    EngineProcess,
+    engine_command,
+    engine_factory,  # noqa: F401  (fixture)
+    free_port,
+    module_engine,
+    tiny_model_dir,  # noqa: F401  (fixture)
+    tiny_model_dir_b,  # noqa: F401  (fixture)
+)
+
+from rollsafe.adapters.reference_engine.collective import open_weight_update_group
+from rollsafe.checksum import weights_checksum
+from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0}
+PROMPT = [1, 17, 42, 99, 7]
+
+
+def hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict())
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+@pytest.fixture(scope="module")
+def engine(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(request, tiny_model_dir, extra_args=["--max-body-bytes", "65536"])
+
+
+@pytest.fixture
+def fresh(engine: EngineProcess, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    r = engine.post(
+        "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "A"}
+    )
+    assert r.status_code == 200, r.text
+    return engine
+
+
+def generate(engine: EngineProcess, **body: Any) -> Any:
+    r = engine.post("/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_ready_line(engine: EngineProcess) -> None:
+    assert engine.url.startswith("http://127.0.0.1:")
+    assert engine.ready["ranks"] == 1 and engine.rank_pids == [engine.pid]
+    assert engine.ready["dialect"] == "sglang" and engine.ready["device"] == "cpu"
+    assert engine.get("/health").status_code == 200
+    assert engine.get("/health_generate").status_code == 200
+
+
+def test_greedy_is_deterministic_and_matches_transformers(
+    fresh: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    a = generate(fresh, input_ids=PROMPT, sampling_params=GREEDY)
+    b = generate(fresh, input_ids=PROMPT, sampling_params=GREEDY)
+    assert a["output_ids"] == b["output_ids"]
+    assert a["output_ids"] == hf_greedy(tiny_model_dir, PROMPT, 12)
+    meta = a["meta_info"]
+    assert meta["prompt_tokens"] == len(PROMPT)
+    assert meta["completion_tokens"] == len(a["output_ids"])
+    assert meta["weight_version"] == "A"
+    assert meta["finish_reason"]["type"] in ("length", "stop")
+
+
+def test_batch_text_and_logprobs(fresh: EngineProcess) -> None:
+    out = generate(
+        fresh,
+        text=["Hello world", "The rollout engine"],
+        sampling_params=GREEDY,
+        return_logprob=True,
+    )
+    assert isinstance(out, list) and len(out) == 2
+    for item in out:
+        assert isinstance(item["text"], str)
+        lps = item["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in lps] == item["output_ids"]
+        assert all(lp <= 0 for lp, _, _ in lps)
+    single = generate(fresh, input_ids=[PROMPT, PROMPT[:3]], sampling_params=GREEDY)
+    assert (
+        single[0]["output_ids"]
+        == generate(fresh, input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+    )
+
+
+def test_checksum_matches_loaded_state_dict(
+    fresh: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    got = fresh.checksum()
+    want = weights_checksum(hf_state(tiny_model_dir))
+    assert got["weight_version"] == "A"
+    assert got["tensors"] == want["tensors"] and got["model"] == want["model"]
+
+
+def test_update_from_disk_changes_weights_and_generation(
+    fresh: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    before = generate(fresh, input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+    r = fresh.post(
+        "/update_weights_from_disk",
+        {"model_path": str(tiny_model_dir_b), "weight_version": "B", "abort_all_requests": True},
+    )
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert fresh.checksum()["model"] == weights_checksum(hf_state(tiny_model_dir_b))["model"]
+    after = generate(fresh, input_ids=PROMPT, sampling_params=GREEDY)
+    assert after["meta_info"]["weight_version"] == "B"
+    assert after["output_ids"] == hf_greedy(tiny_model_dir_b, PROMPT, 12)
+    assert after["output_ids"] != before
+
+
+def test_update_from_tensor_shared_memory_buckets(
+    fresh: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    state = hf_state(tiny_model_dir_b)
+    buckets = list(pack_buckets(state.items(), bucket_bytes=64 << 10))
+    assert len(buckets) > 1
+    for i, b in enumerate(buckets):
+        r = fresh.post(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": [serialize_bucket(b)],
+                "load_format": "flattened_bucket",
+                "flush_cache": i == len(buckets) - 1,
+                "weight_version": "T",
+            },
+        )
+        assert r.status_code == 200, r.text
+    got = fresh.checksum()
+    assert got["model"] == weights_checksum(state)["model"] and got["weight_version"] == "T"
+
+
+def test_update_from_distributed_gloo(
+    fresh: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    state = hf_state(tiny_model_dir_b)
+    port = free_port()
+    results: dict[str, Any] = {}
+
+    def call(key: str, path: str, body: dict[str, Any]) -> None:
+        results[key] = fresh.post(path, body, timeout=60)
+
+    init = threading.Thread(
+        target=call,
+        args=(
+            "init",
+            "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": "g1",
+                "backend": "gloo",
+            },
+        ),
+    )
+    init.start()
+    pg = open_weight_update_group(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name="g1",
+        timeout_s=60,
+    )
+    init.join(60)
+    assert results["init"].status_code == 200, results["init"].text
+    names = list(state)
+    half = len(names) // 2
+    # first half: one broadcast per tensor; second half: one flattened bucket
+    for part, flat in ((names[:half], False), (names[half:], True)):
+        body = {
+            "names": part,
+            "dtypes": ["float32"] * len(part),
+            "shapes": [list(state[n].shape) for n in part],
+            "group_name": "g1",
+            "load_format": "flattened_bucket" if flat else None,
+            "weight_version": "D",
+        }
+        t = threading.Thread(target=call, args=("upd", "/update_weights_from_distributed", body))
+        t.start()
+        if flat:
+            pg.broadcast(torch.cat([state[n].reshape(-1) for n in part]), 0).wait()
+        else:
+            for n in part:
+                pg.broadcast(state[n].contiguous(), 0).wait()
+        t.join(60)
+        assert results["upd"].status_code == 200, results["upd"].text
+    got = fresh.checksum()
+    assert got["model"] == weights_checksum(state)["model"] and got["weight_version"] == "D"
+    r = fresh.post("/destroy_weights_update_group", {"group_name": "g1"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/generate", b"{not json", 400, "malformed JSON"),
+        ("/generate", {"input_ids": [1, 2], "bogus": 1}, 400, "'bogus'"),
+        (
+            "/generate",
+            {"input_ids": [1, 2], "sampling_params": {"temprature": 0}},
+            400,
+            "'temprature'",
+        ),
+        (
+            "/update_weights_from_disk",
+            {"model_path": "/nonexistent/rollsafe"},
+            400,
+            "not a directory",
+        ),
+        (
+            "/update_weights_from_disk",
+            {"model_path": "/tmp", "weight_version": "X"},
+            400,
+            "neither model.safetensors",
+        ),
+        ("/update_weights_from_disk", {"model_path": ".", "unknown_key": 1}, 400, "'unknown_key'"),
+        (
+            "/update_weights_from_distributed",
+            {
+                "names": ["model.norm.weight"],
+                "dtypes": ["float32"],
+                "shapes": [[65]],
+                "group_name": "nope",
+            },
+            400,
+            "'model.norm.weight': shape [65]",
+        ),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[64]]},
+            400,
+            "'model.norm.weight': dtype bfloat16",
+        ),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["model.nope.weight"], "dtypes": ["float32"], "shapes": [[64]]},
+            400,
+            "'model.nope.weight'",
+        ),
+        (
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": ["AAAA", "BBBB"]},
+            400,
+            "one entry per rank",
+        ),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]}, 400, "base64"),
+        ("/update_weights_from_ipc", {"zmq_handles": {}}, 400, "needs CUDA"),
+        ("/generate", {"input_ids": [1] * 40000}, 413, "too large"),
+    ],
+)
+def test_bad_requests_are_refused_and_change_nothing(
+    fresh: EngineProcess, path: str, body: Any, status: int, needle: str
+) -> None:
+    before = fresh.checksum()
+    if isinstance(body, bytes):
+        r = fresh.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = fresh.post(path, body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["message"]
+    assert fresh.checksum() == before
+    assert fresh.get("/health").status_code == 200
+
+
+def test_wrong_shape_in_tensor_bucket_refused(
+    fresh: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    before = fresh.checksum()
+    state = hf_state(tiny_model_dir_b)
+    named = [
+        ("model.norm.weight", state["model.norm.weight"]),
+        ("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3)),
+    ]
+    (bucket,) = pack_buckets(named)
+    r = fresh.post(
+        "/update_weights_from_tensor",
+        {
+            "serialized_named_tensors": [serialize_bucket(bucket)],
+            "load_format": "flattened_bucket",
+            "weight_version": "bad",
+        },
+    )
+    assert r.status_code == 400 and "'model.layers.0.mlp.up_proj.weight'" in r.json()["message"]
+    assert fresh.checksum() == before  # the valid norm weight was not applied either
+
+
+def test_fault_endpoints_are_404_without_env(fresh: EngineProcess) -> None:
+    for path, body in [
+        ("/fault/crash", {}),
+        ("/fault/hang", {}),
+        ("/fault/slow", {"seconds": 5}),
+        ("/fault/fail_next", {"endpoint": "/health"}),
+    ]:
+        r = fresh.post(path, body)
+        assert r.status_code == 404, (path, r.text)
+    assert fresh.get("/health").status_code == 200
+    assert fresh.get("/health").status_code == 200  # fail_next did not arm
+
+
+def test_release_resume_pause_and_weights_by_name(fresh: EngineProcess) -> None:
+    w = fresh.post("/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 2}).json()
+    assert len(w) == 2 and len(w[0]) == 64
+    assert fresh.post("/release_memory_occupation", {"tags": ["weights"]}).status_code == 200
+    r = fresh.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+    assert r.status_code == 503 and "resume_memory_occupation" in r.json()["message"]
+    assert fresh.post("/resume_memory_occupation", {"tags": ["weights"]}).status_code == 200
+    assert fresh.post("/pause_generation", {"mode": "abort"}).status_code == 200
+    done: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: done.setdefault(
+            "r", fresh.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+        )
+    )
+    t.start()
+    t.join(0.5)
+    assert "r" not in done  # queued while paused
+    assert fresh.post("/continue_generation", {}).status_code == 200
+    t.join(30)
+    assert done["r"].status_code == 200
+    assert fresh.post("/flush_cache").status_code == 200
+
+
+def test_api_key_required_off_loopback(
+    engine_factory: Any,  # noqa: F811
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    refused = subprocess.run(
+        engine_command(tiny_model_dir, extra_args=["--host", "0.0.0.0"]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0 and "--api-key" in refused.stderr
+    assert "ROLLSAFE_READY" not in refused.stdout
+    eng = engine_factory(tiny_model_dir, extra_args=["--host", "0.0.0.0"], api_key="s3cret")
+    import httpx
+
+    assert httpx.get(f"{eng.url}/health").status_code == 401
+    bad = httpx.get(f"{eng.url}/health", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401
+    assert eng.get("/health").status_code == 200  # client sends the key
+    r = eng.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+    assert r.status_code == 200
+
+
+def test_bad_model_path_fails_start(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollsafe.adapters.reference_engine",
+            "--model-path",
+            str(tmp_path / "missing"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0 and "not a directory" in r.stderr

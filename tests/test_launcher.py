@@ -1,0 +1,184 @@
+"""EngineLauncher against real reference-engine processes: start, readiness errors, chaos, restart.
+
+Every engine here is a real OS process group; every test checks that nothing is left running.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("torch")
+
+from rollsafe.adapters.engines import (
+    EngineLauncher,
+    EngineSpec,
+    EngineStartError,
+    SGLangClient,
+    VLLMClient,
+    pid_alive,
+)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds passed; return its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return predicate()
+        time.sleep(interval)
+
+
+def all_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    return wait_until(lambda: not any(pid_alive(p) for p in pids), timeout)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture
+def launchers() -> Iterator[list[EngineLauncher]]:
+    """Collects launchers a test creates and kills whatever is still running afterwards."""
+    made: list[EngineLauncher] = []
+    yield made
+    for launcher in made:
+        launcher.kill()
+
+
+def group_pids(launcher: EngineLauncher) -> list[int]:
+    return [launcher.pid, *launcher.rank_pids]
+
+
+def test_spec_validates_early() -> None:
+    with pytest.raises(ValueError, match="ranks"):
+        EngineSpec(model_path="x", ranks=0)
+    with pytest.raises(ValueError, match="dialect"):
+        EngineSpec(model_path="x", dialect="tgi")  # type: ignore[arg-type]
+    cmd = EngineSpec(model_path="/m", ranks=2, dialect="vllm", api_key="k").command()
+    assert cmd[1:3] == ["-m", "rollsafe.adapters.reference_engine"]
+    assert cmd[cmd.index("--ranks") + 1] == "2" and cmd[cmd.index("--api-key") + 1] == "k"
+    assert "--tokenizer-path" not in EngineSpec(model_path="/m", tokenizer_path="/m").command()
+    assert "--tokenizer-path" in EngineSpec(model_path="/m", tokenizer_path="/t").command()
+
+
+def test_one_rank_reinit_on_dummy_weights_then_disk_restores_checksum(
+    model_dir: Path, launchers: list[EngineLauncher]
+) -> None:
+    launcher = EngineLauncher(EngineSpec(model_path=str(model_dir)))
+    launchers.append(launcher)
+    with launcher:
+        assert launcher.is_alive()
+        assert launcher.url.startswith("http://127.0.0.1:")
+        assert isinstance(launcher.client, SGLangClient)
+        assert launcher.client.is_healthy()
+        assert launcher.ready_info["ranks"] == 1
+        reference = launcher.client.weights_checksum()
+        first_pids = group_pids(launcher)
+
+        # Recovery as XTuner does it: restart on dummy weights, then load the real ones from disk.
+        launcher.reinit(
+            model_path=str(model_dir), tokenizer_path=str(model_dir), skip_load_weights=True
+        )
+        assert launcher.spec.load_format == "dummy"
+        assert all_gone(first_pids)
+        assert launcher.client.is_healthy()
+        assert not launcher.client.weights_checksum().same_weights(reference)
+        launcher.client.update_weights_from_disk(str(model_dir), weight_version="restored")
+        restored = launcher.client.weights_checksum()
+        assert restored.same_weights(reference)
+        assert restored.weight_version == "restored"
+        pids = group_pids(launcher)
+        log_path = launcher.log_path
+    assert not launcher.is_alive() and not launcher.started
+    assert all_gone(pids)
+    assert log_path is not None and "ROLLSAFE_READY" in Path(log_path).read_text()
+
+
+def test_two_ranks_kill_rank_fails_health_and_kill_reaps_group(
+    model_dir: Path, launchers: list[EngineLauncher]
+) -> None:
+    launcher = EngineLauncher(EngineSpec(model_path=str(model_dir), ranks=2, dialect="vllm"))
+    launchers.append(launcher)
+    launcher.start()
+    assert isinstance(launcher.client, VLLMClient)
+    assert len(launcher.rank_pids) == 2 and launcher.ready_info["ranks"] == 2
+    assert launcher.client.is_healthy()
+    pids = group_pids(launcher)
+
+    killed = launcher.kill_rank(1)
+    assert all_gone([killed], timeout=5.0)
+    assert wait_until(lambda: not launcher.client.is_healthy(timeout=1.0), timeout=10.0)
+    assert not launcher.is_alive()
+
+    launcher.kill()
+    assert not launcher.started
+    assert all_gone(pids, timeout=5.0)
+
+
+def test_bad_model_path_raises_start_error_with_output_tail(
+    tmp_path: Path, launchers: list[EngineLauncher]
+) -> None:
+    missing = tmp_path / "no-such-model"
+    launcher = EngineLauncher(EngineSpec(model_path=str(missing), ready_timeout=60.0))
+    launchers.append(launcher)
+    with pytest.raises(EngineStartError) as info:
+        launcher.start()
+    err = info.value
+    assert err.exit_code not in (None, 0)
+    assert "no-such-model" in err.output_tail
+    assert err.command == launcher.command()
+    assert "no-such-model" in str(err)
+    assert not launcher.started
+
+
+def test_missing_interpreter_raises_start_error(tmp_path: Path) -> None:
+    spec = EngineSpec(model_path=str(tmp_path), python=str(tmp_path / "no-python"))
+    with pytest.raises(EngineStartError, match="cannot execute"):
+        EngineLauncher(spec).start()
+
+
+def test_ready_timeout_kills_the_group(model_dir: Path, launchers: list[EngineLauncher]) -> None:
+    launcher = EngineLauncher(EngineSpec(model_path=str(model_dir), ready_timeout=0.3))
+    launchers.append(launcher)
+    with pytest.raises(EngineStartError, match="no ready line") as info:
+        launcher.start()
+    assert info.value.exit_code is None  # it was still starting, so it was killed
+    assert not launcher.started
+
+
+def test_engine_dies_with_a_killed_parent(model_dir: Path, tmp_path: Path) -> None:
+    """A launcher process killed with SIGKILL cannot clean up; the watchdog reaps its engine."""
+    pid_file = tmp_path / "pids"
+    script = textwrap.dedent(
+        f"""
+        import time
+        from rollsafe.adapters.engines import EngineLauncher, EngineSpec
+        launcher = EngineLauncher(EngineSpec(model_path={str(model_dir)!r})).start()
+        with open({str(pid_file)!r}, "w") as f:
+            f.write(" ".join(map(str, [launcher.pid, *launcher.rank_pids])))
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        assert wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", 90.0)
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert all(pid_alive(p) for p in pids)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    assert all_gone(pids, timeout=10.0)

@@ -1,0 +1,456 @@
+"""Hypothesis stateful tests: each real machine against its reference spec, plus the composed model.
+
+Rules draw from the events enabled now and also fire arbitrary events; a refused event must raise
+``TransitionNotAllowed`` and change nothing. Per-member facts change at random. The machine-level
+invariants of DESIGN.md section 3 are ``@invariant``s; the composed model checks invariants 1-6
+and 8 across machines. Each test class takes its machine classes as attributes, so the mutation
+tests run the very same classes against planted bugs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, ClassVar
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from profiles import examples
+from spec import ExportSpec, GroupSpec, ModeSpec, RegistrationSpec
+from statemachine.exceptions import TransitionNotAllowed
+
+from rollsafe.statemachines import (
+    CheckpointRegistration,
+    ExportLifecycle,
+    ImmediateRecoveryMode,
+    LeaseError,
+    WorkerGroupLifecycle,
+)
+from rollsafe.verify import FleetModel, ModelConfig
+
+STEPS = 40
+GROUP_EVENTS = [
+    "launched",
+    "fail",
+    "claim",
+    "restarted",
+    "restart_failed",
+    "mark_stale",
+    "weights_loaded",
+    "retire",
+]
+
+
+def _fire(machine: Any, event: str, use_send: bool, **kwargs: Any) -> bool:
+    """Send an event one of the two documented ways; True if taken, False if refused."""
+    try:
+        if use_send:
+            machine.send(event, **kwargs)
+        else:
+            getattr(machine, event)(**kwargs)
+    except TransitionNotAllowed:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------- WorkerGroupLifecycle
+class WorkerGroupProperties(RuleBasedStateMachine):
+    machine_cls: ClassVar[type[WorkerGroupLifecycle]] = WorkerGroupLifecycle
+
+    @initialize(
+        ranks=st.lists(st.integers(0, 16), min_size=1, max_size=4, unique=True),
+        budget=st.integers(0, 3),
+    )
+    def setup(self, ranks: list[int], budget: int) -> None:
+        self.g = self.machine_cls(ranks, restart_budget=budget, group_id="p")
+        self.spec = GroupSpec(tuple(ranks), budget)
+        self.current = 1
+        self.claims = 0
+        self.budget0 = budget
+
+    @rule(data=st.data(), healthy=st.booleans(), version=st.one_of(st.none(), st.integers(0, 3)))
+    def report(self, data: st.DataObject, healthy: bool, version: int | None) -> None:
+        rank = data.draw(st.sampled_from(self.spec.ranks))
+        self.g.report_member(rank, healthy=healthy, weights_version=version)
+        self.spec.report(rank, healthy, version)
+
+    @rule(data=st.data())
+    def forget(self, data: st.DataObject) -> None:
+        rank = data.draw(st.sampled_from(self.spec.ranks))
+        self.g.forget_member(rank)
+        self.spec.forget(rank)
+
+    @rule(rank=st.integers(100, 200))
+    def report_unknown_rank(self, rank: int) -> None:
+        before = self.g.members
+        with pytest.raises(ValueError, match=str(rank)):
+            self.g.report_member(rank, healthy=True)
+        assert self.g.members == before
+
+    @rule()
+    def fleet_moves_on(self) -> None:
+        self.current += 1
+
+    def _event(self, event: str, use_send: bool) -> None:
+        before = (self.g.state, self.g.restart_budget, self.g.members, len(self.g.history))
+        snapshot_members = self.g.members
+        expected = self.spec.step(event, self.current)
+        taken = _fire(self.g, event, use_send, current_version=self.current)
+        if expected is None:
+            assert not taken, f"{event} from {before[0]} should have been refused"
+            after = (self.g.state, self.g.restart_budget, self.g.members, len(self.g.history))
+            assert after == before, "a refused event changed the machine"
+            return
+        assert taken, f"{event} from {before[0]} should have been taken (spec: {expected})"
+        assert self.g.state == expected
+        if event == "claim":
+            self.claims += 1
+        if self.g.state == "active":
+            # Whole-group rule: on entering active, every member was healthy and current.
+            assert all(
+                m.healthy and m.weights_version == self.current for m in snapshot_members.values()
+            )
+
+    @rule(event=st.sampled_from(GROUP_EVENTS), use_send=st.booleans())
+    def fire_any(self, event: str, use_send: bool) -> None:
+        self._event(event, use_send)
+
+    @rule(data=st.data())
+    def fire_enabled(self, data: st.DataObject) -> None:
+        enabled = [e for e in GROUP_EVENTS if self.g.can(e, current_version=self.current)]
+        if enabled:
+            self._event(data.draw(st.sampled_from(enabled)), use_send=False)
+
+    @invariant()
+    def routable_iff_active(self) -> None:
+        if hasattr(self, "g"):
+            assert self.g.is_routable == (self.g.state == "active")
+            assert self.g.state == self.spec.state
+
+    @invariant()
+    def budget_accounting(self) -> None:
+        if hasattr(self, "g"):
+            assert self.g.restart_budget == self.budget0 - self.claims >= 0
+
+    @invariant()
+    def history_consistent(self) -> None:
+        if hasattr(self, "g"):
+            hist = self.g.history
+            assert len(hist) <= self.g.history_limit
+            for a, b in itertools.pairwise(hist):
+                assert a.target == b.source and a.seq + 1 == b.seq
+            if hist:
+                assert hist[-1].target == self.g.state
+
+
+# ---------------------------------------------------------------------- ExportLifecycle
+EXPORT_EVENTS = [
+    "adopt",
+    "snapshot",
+    "snapshot_done",
+    "shards_written",
+    "publish",
+    "supersede",
+    "delete",
+    "fail",
+    "abandon",
+]
+
+
+class ExportProperties(RuleBasedStateMachine):
+    machine_cls: ClassVar[type[ExportLifecycle]] = ExportLifecycle
+
+    @initialize(version=st.integers(0, 5), world=st.integers(1, 3))
+    def setup(self, version: int, world: int) -> None:
+        self.e = self.machine_cls(version, world_size=world)
+        self.spec = ExportSpec(version, world)
+        self.leases: list[Any] = []
+        self.deleted_with_leases = False
+
+    def _inputs(self, data: st.DataObject, event: str) -> dict[str, Any]:
+        """Guard inputs for one event: valid ones often, arbitrary ones otherwise."""
+        v = self.spec.version
+        if event == "adopt":
+            return {
+                "verified": data.draw(st.booleans()),
+                "version": data.draw(st.sampled_from([v, v + 1, max(0, v - 1)])),
+            }
+        if event == "shards_written":
+            full = set(range(self.spec.world_size))
+            return {
+                "ranks_ok": data.draw(
+                    st.one_of(st.just(full), st.sets(st.integers(0, self.spec.world_size)))
+                )
+            }
+        if event == "publish":
+            return {
+                "index_missing_keys": data.draw(st.sampled_from([[], ["lm_head.weight"]])),
+                "checksums_verified": data.draw(st.booleans()),
+                "renamed": data.draw(st.booleans()),
+            }
+        if event == "supersede":
+            return {"newer_version": data.draw(st.integers(0, 7))}
+        if event in ("fail", "abandon"):
+            return {"reason": "test"}
+        return {}
+
+    def _event(self, event: str, kwargs: dict[str, Any], use_send: bool) -> None:
+        before = (self.e.state, len(self.e.leases), len(self.e.history))
+        expected = self.spec.step(event, **kwargs)
+        taken = _fire(self.e, event, use_send, **kwargs)
+        if expected is None:
+            assert not taken, f"{event} from {before[0]} should be refused ({kwargs})"
+            assert (self.e.state, len(self.e.leases), len(self.e.history)) == before
+        else:
+            assert taken, f"{event} from {before[0]} should be taken ({kwargs})"
+            assert self.e.state == expected
+            if expected == "deleted" and self.e.leases:
+                self.deleted_with_leases = True
+
+    @rule(event=st.sampled_from(EXPORT_EVENTS), data=st.data(), use_send=st.booleans())
+    def fire_any(self, event: str, data: st.DataObject, use_send: bool) -> None:
+        self._event(event, self._inputs(data, event), use_send)
+
+    def _valid_inputs(self, event: str) -> dict[str, Any]:
+        """Inputs that satisfy the guards (the happy path the exporter reports)."""
+        return {
+            "adopt": {"verified": True, "version": self.spec.version},
+            "shards_written": {"ranks_ok": list(range(self.spec.world_size))},
+            "publish": {"index_missing_keys": [], "checksums_verified": True, "renamed": True},
+            "supersede": {"newer_version": self.spec.version + 1},
+        }.get(event, {})
+
+    @rule(data=st.data())
+    def fire_enabled(self, data: st.DataObject) -> None:
+        allowed = {str(e) for e in self.e.allowed_events}
+        candidates = [e for e in EXPORT_EVENTS if e in allowed]
+        if candidates:
+            event = data.draw(st.sampled_from(candidates))
+            self._event(event, self._valid_inputs(event), use_send=True)
+
+    @rule(holder=st.sampled_from(["g0", "g1"]))
+    def take_lease(self, holder: str) -> None:
+        if self.spec.state == "ready":
+            self.leases.append(self.e.acquire_lease(holder))
+            self.spec.leases += 1
+        else:
+            with pytest.raises(LeaseError, match="only in 'ready'"):
+                self.e.acquire_lease(holder)
+
+    @precondition(lambda self: bool(getattr(self, "leases", None)))
+    @rule(data=st.data())
+    def release_lease(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(self.leases))
+        self.leases.remove(lease)
+        self.e.release_lease(lease)
+        self.spec.leases -= 1
+        with pytest.raises(LeaseError):
+            self.e.release_lease(lease)
+
+    @invariant()
+    def matches_spec(self) -> None:
+        if hasattr(self, "e"):
+            assert self.e.state == self.spec.state
+            assert len(self.e.leases) == self.spec.leases
+
+    @invariant()
+    def leased_export_never_deleted(self) -> None:
+        if hasattr(self, "e"):
+            assert not self.deleted_with_leases
+            if self.e.state == "deleted":
+                assert not self.e.leases
+            assert self.e.offerable == (self.e.state == "ready")
+
+
+# ---------------------------------------------------------------------- CheckpointRegistration
+REG_EVENTS = ["begin_register", "register_ok", "register_failed", "begin_update", "update_done"]
+KEYS = ["embed.weight", "lm_head.weight", "mtp.0.weight"]
+
+
+class RegistrationProperties(RuleBasedStateMachine):
+    machine_cls: ClassVar[type[CheckpointRegistration]] = CheckpointRegistration
+
+    @initialize(world=st.integers(1, 4))
+    def setup(self, world: int) -> None:
+        self.c = self.machine_cls(world_size=world)
+        self.spec = RegistrationSpec(world)
+        self.updates_of_published: list[tuple[str, int] | None] = []
+
+    def _inputs(self, data: st.DataObject, event: str) -> dict[str, Any]:
+        """Guard inputs for one event: valid ones often, arbitrary ones otherwise."""
+        world = self.spec.world_size
+        rank = st.integers(-1, world)
+        full = list(range(world))
+        if event == "begin_register":
+            return {
+                "name": data.draw(st.sampled_from(["a", "b"])),
+                "version": data.draw(st.integers(0, 4)),
+            }
+        if event == "register_ok":
+            return {
+                "ranks_ok": data.draw(st.one_of(st.just(full), st.lists(rank, max_size=4))),
+                "expected_keys": KEYS,
+                "registered_keys": data.draw(
+                    st.sampled_from([KEYS, KEYS[:2], KEYS[1:], [*KEYS, "extra.weight"]])
+                ),
+            }
+        if event == "begin_update":
+            return {
+                "targets": data.draw(
+                    st.one_of(
+                        st.just([[r] for r in full]),
+                        st.lists(st.lists(rank, max_size=2), max_size=3),
+                    )
+                )
+            }
+        if event == "update_done":
+            return {"results": {r: data.draw(st.booleans()) for r in full}}
+        return {"reason": "test"}
+
+    def _event(self, event: str, kwargs: dict[str, Any], use_send: bool) -> None:
+        before = (self.c.state, self.c.published, len(self.c.history))
+        expected = self.spec.step(event, **kwargs)
+        taken = _fire(self.c, event, use_send, **kwargs)
+        if expected is None:
+            assert not taken, f"{event} from {before[0]} should be refused ({kwargs})"
+            assert (self.c.state, self.c.published, len(self.c.history)) == before
+        else:
+            assert taken, f"{event} from {before[0]} should be taken ({kwargs})"
+            assert self.c.state == expected
+            if event == "begin_update":
+                self.updates_of_published.append(self.c.published)
+
+    @rule(event=st.sampled_from(REG_EVENTS), data=st.data(), use_send=st.booleans())
+    def fire_any(self, event: str, data: st.DataObject, use_send: bool) -> None:
+        self._event(event, self._inputs(data, event), use_send)
+
+    @rule(data=st.data())
+    def fire_enabled(self, data: st.DataObject) -> None:
+        allowed = {str(e) for e in self.c.allowed_events}
+        event = data.draw(st.sampled_from([e for e in REG_EVENTS if e in allowed]))
+        kwargs = self._inputs(data, event)
+        if self.c.can(event, **kwargs):
+            self._event(event, kwargs, use_send=False)
+
+    @invariant()
+    def published_only_after_successful_register(self) -> None:
+        if hasattr(self, "c"):
+            assert self.c.state == self.spec.state
+            assert self.c.published == self.spec.visible
+            if self.c.state in ("empty", "registering", "failed"):
+                assert self.c.published is None
+
+    @invariant()
+    def updates_target_published_checkpoints(self) -> None:
+        if hasattr(self, "c"):
+            assert all(p is not None for p in self.updates_of_published)
+
+
+# ---------------------------------------------------------------------- ImmediateRecoveryMode
+MODE_EVENTS = ["enable", "disable", "export_late", "export_on_time"]
+
+
+class ModeProperties(RuleBasedStateMachine):
+    machine_cls: ClassVar[type[ImmediateRecoveryMode]] = ImmediateRecoveryMode
+
+    @initialize(enabled=st.booleans(), rearm=st.integers(1, 3))
+    def setup(self, enabled: bool, rearm: int) -> None:
+        self.m = self.machine_cls(enabled=enabled, rearm_after=rearm)
+        self.spec = ModeSpec(rearm, "enabled" if enabled else "disabled")
+        self.on_time_since_late: int | None = None
+
+    def _event(self, event: str, use_send: bool) -> None:
+        before = (self.m.state, self.m.on_time_streak, len(self.m.history))
+        expected = self.spec.step(event)
+        taken = _fire(self.m, event, use_send)
+        if expected is None:
+            assert not taken
+            assert (self.m.state, self.m.on_time_streak, len(self.m.history)) == before
+            return
+        assert taken
+        assert self.m.state == expected
+        if event == "export_late":
+            self.on_time_since_late = 0
+        elif event == "export_on_time" and self.on_time_since_late is not None:
+            self.on_time_since_late += 1
+        elif event in ("enable", "disable"):
+            self.on_time_since_late = None
+
+    @rule(event=st.sampled_from(MODE_EVENTS), use_send=st.booleans())
+    def fire_any(self, event: str, use_send: bool) -> None:
+        self._event(event, use_send)
+
+    @rule(data=st.data())
+    def fire_enabled(self, data: st.DataObject) -> None:
+        enabled = [e for e in MODE_EVENTS if self.m.can(e)]
+        self._event(data.draw(st.sampled_from(enabled)), use_send=True)
+
+    @invariant()
+    def late_suspends_and_rearms(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        assert self.m.state == self.spec.state
+        streak = self.on_time_since_late
+        if streak == 0:
+            assert self.m.state == "suspended"
+        if streak is not None and streak >= self.m.rearm_after:
+            assert self.m.state == "enabled", "immediate recovery stayed suspended for good"
+
+
+# ---------------------------------------------------------------------- composed model
+class ComposedFleetProperties(RuleBasedStateMachine):
+    model_kwargs: ClassVar[dict[str, Any]] = {}
+
+    @initialize(groups=st.integers(2, 4), ranks=st.integers(1, 2), budget=st.integers(1, 3))
+    def setup(self, groups: int, ranks: int, budget: int) -> None:
+        config = ModelConfig(groups=groups, ranks=ranks, restart_budget=budget)
+        self.model = FleetModel(config, **self.model_kwargs)
+
+    @rule(data=st.data())
+    def enabled_action(self, data: st.DataObject) -> None:
+        actions = list(self.model.enabled_actions())
+        self._apply(data.draw(st.sampled_from(actions)))
+
+    @rule(data=st.data())
+    def any_action(self, data: st.DataObject) -> None:
+        self._apply(data.draw(st.sampled_from(list(self.model.actions()))))
+
+    def _apply(self, action: Any) -> None:
+        before = self.model.snapshot()
+        version = self.model.version
+        if not self.model.apply(action):
+            assert self.model.snapshot() == before, f"refused {action} changed the model"
+        assert self.model.version >= version
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        if hasattr(self, "model"):
+            violations = self.model.check()
+            assert not violations, "; ".join(str(v) for v in violations)
+
+    @invariant()
+    def snapshot_round_trips(self) -> None:
+        if hasattr(self, "model"):
+            snap = self.model.snapshot()
+            self.model.restore(snap)
+            assert self.model.snapshot() == snap
+
+
+def run_machine_test(cls: type[RuleBasedStateMachine], count: int) -> None:
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(cls, settings=settings(max_examples=count, stateful_step_count=STEPS))
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [WorkerGroupProperties, ExportProperties, RegistrationProperties, ModeProperties],
+    ids=lambda c: c.__name__,
+)
+def test_machine_matches_spec_and_invariants(cls: type[RuleBasedStateMachine]) -> None:
+    run_machine_test(cls, examples(300))
+
+
+def test_composed_model_invariants() -> None:
+    run_machine_test(ComposedFleetProperties, examples(200))
