@@ -82,6 +82,14 @@ def raw_write(path: Path, tensors: dict[str, torch.Tensor], hint: bool = False) 
     return elapsed
 
 
+def _settle(root: Path) -> None:
+    """Let retention finish deleting the retired export (done right after ``wait`` returns), as
+    the gap between two training steps would, so it does not overlap the next measurement."""
+    deadline = time.monotonic() + 60
+    while any(p.name.startswith(".") for p in root.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0, help="size of the tensor set (GiB)")
@@ -110,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             blocking_s = time.perf_counter() - t0
             handle.wait()
             total_s = time.perf_counter() - t0
+            _settle(exporter.root)
             if r % 2 == 1:
                 raw_s = raw_write(work / "raw.bin", tensors)
                 hinted_s = raw_write(work / "raw.bin", tensors, hint=True)

@@ -404,7 +404,7 @@ class ComposedFleetProperties(RuleBasedStateMachine):
 
     @initialize(groups=st.integers(2, 4), ranks=st.integers(1, 2), budget=st.integers(1, 3))
     def setup(self, groups: int, ranks: int, budget: int) -> None:
-        config = ModelConfig(groups=groups, ranks=ranks, restart_budget=budget)
+        config = ModelConfig(groups=groups, ranks=ranks, restart_budget=budget, mode_toggles=True)
         self.model = FleetModel(config, **self.model_kwargs)
 
     @rule(data=st.data())

@@ -65,7 +65,7 @@ ST_DTYPES: dict[torch.dtype, str] = {
 #: Size of the pinned staging for device -> host copies (two chunks of half this size).
 STAGING_BYTES = 128 << 20
 #: Host-to-host copies are cut into memcpy pieces of this size, run on up to this many threads.
-_COPY_PIECE = 16 << 20
+_COPY_PIECE = 8 << 20
 _COPY_THREADS = 8
 
 
@@ -199,8 +199,11 @@ def _host_copy(
     ]
 
 
-def _copy_from_cuda(dst_u8: torch.Tensor, src: torch.Tensor, staging: PinnedStaging) -> None:
-    """Copy one CUDA tensor into host bytes ``dst_u8`` through the two pinned chunks."""
+def _copy_from_cuda(
+    dst_u8: torch.Tensor, src: torch.Tensor, staging: PinnedStaging, pool: ThreadPoolExecutor | None
+) -> None:
+    """Copy one CUDA tensor into host bytes ``dst_u8`` through the two pinned chunks: the
+    device fills one chunk while the host copies the other out (on ``pool``'s threads)."""
     if not src.is_contiguous():
         src = src.contiguous()  # one tensor at a time: extra device memory <= this tensor
     flat = src.reshape(-1).view(torch.uint8)
@@ -214,15 +217,31 @@ def _copy_from_cuda(dst_u8: torch.Tensor, src: torch.Tensor, staging: PinnedStag
         chunk.copy_(flat[off : off + n], non_blocking=True)
         event = stream.record_event()
         if pending is not None:
-            _drain(*pending)
+            _drain(*pending, pool)
         pending = (event, chunk, dst_u8[off : off + n])
     if pending is not None:
-        _drain(*pending)
+        _drain(*pending, pool)
 
 
-def _drain(event: Any, chunk: torch.Tensor, dst: torch.Tensor) -> None:
+def _drain(
+    event: Any, chunk: torch.Tensor, dst: torch.Tensor, pool: ThreadPoolExecutor | None
+) -> None:
     event.synchronize()
-    np.copyto(dst.numpy(), chunk.numpy())
+    dst_np, src_np = dst.numpy(), chunk.numpy()
+    pieces = [
+        (dst_np[o : o + _COPY_PIECE], src_np[o : o + _COPY_PIECE])
+        for o in range(0, src_np.size, _COPY_PIECE)
+    ]
+    _run_copies(pieces, pool)
+
+
+def _run_copies(jobs: list[tuple[np.ndarray, np.ndarray]], pool: ThreadPoolExecutor | None) -> None:
+    if pool is None or len(jobs) <= 1:
+        for dst, src in jobs:
+            np.copyto(dst, src)
+    else:
+        for _ in pool.map(lambda job: np.copyto(*job), jobs):
+            pass
 
 
 def snapshot_into(
@@ -241,29 +260,28 @@ def snapshot_into(
         torch.cuda.synchronize(device)
     copied = 0
     jobs: list[tuple[np.ndarray, np.ndarray]] = []
-    with torch.no_grad():
-        for plan in plans:
-            for slot in plan.slots:
-                src = tensors[slot.name].detach()
-                offset = plan.arena_offset + slot.begin
-                if slot.nbytes == 0:
-                    continue
-                dst_u8 = arena.u8[offset : offset + slot.nbytes]
-                if src.device.type == "cuda":
-                    if staging is None:
-                        staging = PinnedStaging()
-                    _copy_from_cuda(dst_u8, src, staging)
-                elif src.device.type == "cpu":
-                    jobs += _host_copy(dst_u8, src, src.dtype, slot.shape)
-                else:  # other accelerators: one tensor at a time through torch
-                    dst_u8.view(src.dtype).reshape(slot.shape).copy_(src)
-                copied += slot.nbytes
-    workers = min(_COPY_THREADS, os.cpu_count() or 1, len(jobs))
-    if workers <= 1:
-        for dst, src_np in jobs:
-            np.copyto(dst, src_np)
-    else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="rollsafe-hf-snapshot") as pool:
-            for _ in pool.map(lambda job: np.copyto(*job), jobs):
-                pass
+    workers = min(_COPY_THREADS, os.cpu_count() or 1)
+    pool = ThreadPoolExecutor(workers, "rollsafe-hf-snapshot") if workers > 1 else None
+    try:
+        with torch.no_grad():
+            for plan in plans:
+                for slot in plan.slots:
+                    src = tensors[slot.name].detach()
+                    offset = plan.arena_offset + slot.begin
+                    if slot.nbytes == 0:
+                        continue
+                    dst_u8 = arena.u8[offset : offset + slot.nbytes]
+                    if src.device.type == "cuda":
+                        if staging is None:
+                            staging = PinnedStaging()
+                        _copy_from_cuda(dst_u8, src, staging, pool)
+                    elif src.device.type == "cpu":
+                        jobs += _host_copy(dst_u8, src, src.dtype, slot.shape)
+                    else:  # other accelerators: one tensor at a time through torch
+                        dst_u8.view(src.dtype).reshape(slot.shape).copy_(src)
+                    copied += slot.nbytes
+        _run_copies(jobs, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     return copied

@@ -144,6 +144,7 @@ class GuardedMachine(StateMachine):
         self._history: deque[tuple[Any, ...]] = deque(maxlen=self.history_limit)
         self._seq = 0
         self._last_trigger: tuple[str, Mapping[str, Any]] = ("", {})
+        self._held_for_loop = 0
         super().__init__(start_value=start_value)
 
     # ------------------------------------------------------------------ public API
@@ -207,42 +208,68 @@ class GuardedMachine(StateMachine):
 
     # ------------------------------------------------------------------ internals
     def _put_nonblocking(self, trigger_data: Any, internal: bool = False) -> None:
-        self._last_trigger = (str(trigger_data.event), trigger_data.kwargs)
-        super()._put_nonblocking(trigger_data, internal=internal)
+        # Hold the lock from queuing an event until its processing loop ends, so events sent
+        # from several threads run one at a time, each in its caller's thread: every caller gets
+        # its own result or refusal, and every transition is recorded once, in order.
+        if internal:
+            super()._put_nonblocking(trigger_data, internal=internal)
+            return
+        self._lock.acquire()
+        try:
+            self._last_trigger = (str(trigger_data.event), trigger_data.kwargs)
+            super()._put_nonblocking(trigger_data, internal=internal)
+        except TransitionNotAllowed as exc:  # final state: the engine no longer runs
+            self._lock.release()
+            event, state = str(trigger_data.event), self.state
+            raise TransitionRefused(
+                exc, self.label, state, event, lambda: [f"{state!r} is a final state"]
+            ) from None
+        except BaseException:
+            self._lock.release()
+            raise
+        self._held_for_loop += 1
 
     def _processing_loop(self, caller_future: Any | None = None) -> Any:
         with self._lock:
-            source = self.current_state_value
             try:
-                result = super()._processing_loop(caller_future)
-            except TransitionRefused:
-                raise
-            except TransitionNotAllowed as exc:
-                event, kwargs = self._last_trigger
-                state = self.state
-                raise TransitionRefused(
-                    exc,
-                    self.label,
-                    state,
-                    event,
-                    lambda: self._refusal_reasons(event, kwargs, state),
-                ) from None
-            # Strict machine: no exception means exactly one transition was taken. Record it
-            # raw; TransitionRecord objects are built only when the history is read.
-            self._seq += 1
+                return self._process_one(caller_future)
+            finally:
+                if self._held_for_loop:
+                    self._held_for_loop -= 1
+                    self._lock.release()
+
+    def _process_one(self, caller_future: Any | None) -> Any:
+        source = self.current_state_value
+        try:
+            result = super()._processing_loop(caller_future)
+        except TransitionRefused:
+            raise
+        except TransitionNotAllowed as exc:
             event, kwargs = self._last_trigger
-            self._history.append(
-                (
-                    self._seq,
-                    event,
-                    source,
-                    self.current_state_value,
-                    time.time(),
-                    kwargs,
-                    self.facts_token(),
-                )
+            state = self.state
+            raise TransitionRefused(
+                exc,
+                self.label,
+                state,
+                event,
+                lambda: self._refusal_reasons(event, kwargs, state),
+            ) from None
+        # Strict machine: no exception means exactly one transition was taken. Record it raw;
+        # TransitionRecord objects are built only when the history is read.
+        self._seq += 1
+        event, kwargs = self._last_trigger
+        self._history.append(
+            (
+                self._seq,
+                event,
+                source,
+                self.current_state_value,
+                time.time(),
+                kwargs,
+                self.facts_token(),
             )
-            return result
+        )
+        return result
 
     def _candidates(
         self, event: str, kwargs: Mapping[str, Any]

@@ -59,6 +59,9 @@ class ModelConfig:
     rearm_after: int = 2
     keep_last: int = 1
     max_version: int | None = None
+    #: Also toggle immediate recovery off/on (the property tests do; the exhaustive run keeps the
+    #: mode's transitions to export outcomes, since enable/disable are covered machine-by-machine).
+    mode_toggles: bool = False
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.ranks < 1:
@@ -98,6 +101,7 @@ class _Audit:
     late_versions: frozenset[int] = frozenset()
     on_time_since_late: int | None = None
     lease_versions_at_take: dict[int, tuple[int, int]] = field(default_factory=dict)
+    judged_version: int = 0
 
 
 class FleetModel:
@@ -152,7 +156,8 @@ class FleetModel:
         yield Action("export_finish")
         yield Action("export_fail")
         yield Action("retention")
-        yield Action("mode_toggle")
+        if cfg.mode_toggles:
+            yield Action("mode_toggle")
 
     def enabled_actions(self) -> Iterator[Action]:
         """Actions that can change something now (cheap pre-filter on the state tables)."""
@@ -298,8 +303,9 @@ class FleetModel:
     def _judge_export_deadline(self) -> None:
         """Before sync N+1: the export of N is either ready (on time) or late (abandoned)."""
         export = self.exports.get(self.version)
-        if export is None:
-            return
+        if export is None or self.audit.judged_version >= export.version:
+            return  # each export is judged once, by the first sync attempt after it
+        self.audit.judged_version = export.version
         if export.state in ("snapshotting", "writing", "committing"):
             export.abandon(reason=f"sync v{self.version + 1} began first")
             self.audit.late_versions = self.audit.late_versions | {export.version}
@@ -412,7 +418,7 @@ class FleetModel:
             key=repr,
         )
         exports_c = tuple((v, st, len(holders)) for v, st, holders in exports)
-        return (version, tuple(per_group), reg_s, exports_c, mode_s, audit_s[:5])
+        return (version, tuple(per_group), reg_s, exports_c, mode_s, audit_s[:5], audit_s[6])
 
     # ------------------------------------------------------------------ invariants
     def check(self) -> list[Violation]:
@@ -525,6 +531,7 @@ class FleetModel:
                 audit.late_versions,
                 audit.on_time_since_late,
                 tuple(sorted(audit.lease_versions_at_take.items())),
+                audit.judged_version,
             ),
         )
 
@@ -533,14 +540,16 @@ class FleetModel:
         version, groups, reg_s, exports, leases, mode_s, audit_s = snap
         self.version = version
         for grp, (state, budget, members) in zip(self.groups, groups, strict=True):
-            grp.restore_state(state)
+            if grp.current_state_value != state:
+                grp.restore_state(state)
             grp.restart_budget = budget
             grp._members = {
                 rank: MemberFacts(rank, known, healthy, ver)
                 for rank, (known, healthy, ver) in zip(grp.ranks, members, strict=True)
             }
         reg = self.registration
-        reg.restore_state(reg_s[0])
+        if reg.current_state_value != reg_s[0]:
+            reg.restore_state(reg_s[0])
         reg._published, reg.pending, reg.last_published_version = reg_s[1], reg_s[2], reg_s[3]
         self.exports = {}
         lease_by_holder: dict[str, ExportLease] = {}
@@ -549,7 +558,8 @@ class FleetModel:
             if export is None:
                 export = self._export_cls(v)
                 self._export_pool[v] = export
-            export.restore_state(state)
+            if export.current_state_value != state or not export._engine.running:
+                export.restore_state(state)
             export._leases.clear()
             for i, holder in enumerate(holders):
                 lease = ExportLease(lease_id=-(v * 1000 + i + 1), version=v, holder=holder)
@@ -560,7 +570,8 @@ class FleetModel:
         for g, v in leases:
             held = lease_by_holder.get(f"g{g}")
             self.leases[g] = held if held is not None else ExportLease(-1, v, f"g{g}")
-        self.mode.restore_state(mode_s[0])
+        if self.mode.current_state_value != mode_s[0]:
+            self.mode.restore_state(mode_s[0])
         self.mode.on_time_streak = mode_s[1]
         self.audit = _Audit(
             max_version_seen=audit_s[0],
@@ -569,6 +580,7 @@ class FleetModel:
             late_versions=audit_s[3],
             on_time_since_late=audit_s[4],
             lease_versions_at_take=dict(audit_s[5]),
+            judged_version=audit_s[6],
         )
 
 

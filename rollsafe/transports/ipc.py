@@ -1,0 +1,151 @@
+"""``ipc`` weight transport: colocated trainer and engine share memory (CUDA IPC / shared memory).
+
+``register(weights, version)`` records the source tensors (no copy: the update reads them as they
+are when it runs), the bucket plan and the version. ``update(targets)`` packs dtype-homogeneous
+flattened buckets (:mod:`rollsafe.transports.pipeline`: two reusable buffers, bucket ``i + 1``
+packed while the engine loads bucket ``i``, each bucket packed once for all targets) and POSTs
+``/update_weights_from_tensor`` with ``load_format="flattened_bucket"`` and one serialized entry
+per engine rank (``tp_size`` entries, each pickled separately so the shared-memory reference
+counts stay balanced). A buffer is reused only after every engine that was sent it answered.
+
+On CPU the buffers live in shared memory (torch ``file_system`` strategy: the payload names the
+shared file); on CUDA the payload carries CUDA IPC handles. Extra accelerator memory while
+pushing is at most two buckets (``2 * bucket_bytes``); a single contiguous tensor already on the
+device goes as is.
+
+Version and cache flush travel with the **last** bucket only: an engine that failed half way
+keeps reporting its old version (the fleet marks the target failed either way). Per-target
+failures are reported in the :class:`~rollsafe.transports.base.UpdateReport`, never raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
+from rollsafe.transports.bucket import serialize_bucket
+from rollsafe.transports.pipeline import BucketPlan, BucketStream, check_tensors, plan_buckets
+
+__all__ = ["DEFAULT_IPC_BUCKET_BYTES", "IPCTransport"]
+
+#: Default bucket size: large enough that per-call overhead (HTTP, pickling, the engine's
+#: two-phase commit) is small, small enough that two buckets are a small share of GPU memory.
+DEFAULT_IPC_BUCKET_BYTES = 128 << 20
+
+
+class IPCTransport(StagedTransport):
+    """Push registered weights to colocated engines through shared memory / CUDA IPC.
+
+    ``world_size``: size of the target rank space (the fleet's engine ranks).
+    ``bucket_bytes``: bucket size. ``device``: where buckets are packed (default: the tensors'
+    device; ``"cuda"`` gathers CPU tensors onto the GPU). ``request_timeout``: seconds each
+    engine call may take. ``flush_cache``: ask the engine to drop its KV cache with the last
+    bucket. ``double_buffer``: pack the next bucket while the engine loads the current one (two
+    buffers) instead of one buffer.
+    """
+
+    name = "ipc"
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES,
+        device: torch.device | str | None = None,
+        request_timeout: float = 600.0,
+        flush_cache: bool = True,
+        double_buffer: bool = True,
+        allow_missing_prefixes: Iterable[str] = ("mtp.",),
+        max_parallel_targets: int = 8,
+    ) -> None:
+        super().__init__(
+            world_size,
+            allow_missing_prefixes=allow_missing_prefixes,
+            max_parallel_targets=max_parallel_targets,
+        )
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if request_timeout <= 0:
+            raise ValueError(f"request_timeout must be positive, got {request_timeout}")
+        self.bucket_bytes = int(bucket_bytes)
+        self.device = torch.device(device) if device is not None else None
+        self.request_timeout = float(request_timeout)
+        self.flush_cache = flush_cache
+        self.slots = 2 if double_buffer else 1
+        self._items: list[tuple[str, torch.Tensor]] = []
+        self._plans: list[BucketPlan] = []
+        self._pack_device: torch.device | None = None
+        self._stream: BucketStream | None = None
+
+    @property
+    def plans(self) -> tuple[BucketPlan, ...]:
+        """The bucket plan of the registered version (empty when nothing is registered)."""
+        return tuple(self._plans)
+
+    # ------------------------------------------------------------------ register
+    def _stage(
+        self, items: list[tuple[str, torch.Tensor]], version: int
+    ) -> tuple[Sequence[int], Sequence[str]]:
+        self._unstage()
+        device = check_tensors(items, device=self.device)
+        plans = plan_buckets(items, self.bucket_bytes)
+        self._items = [(n, t.detach()) for n, t in items]
+        self._plans, self._pack_device = plans, device
+        return range(self.registration.world_size), [n for n, _ in items]
+
+    def _unstage(self) -> None:
+        self._items, self._plans, self._pack_device = [], [], None
+
+    # ------------------------------------------------------------------ update
+    def _before_push(self, targets: Sequence[EngineTarget]) -> None:
+        if self._pack_device is None or not self._plans:
+            raise TransportError(f"{self.name}: no bucket plan registered")
+        self._stream = BucketStream(
+            self._items,
+            self._plans,
+            device=self._pack_device,
+            shared=True,
+            consumers=[t.name for t in targets],
+            slots=self.slots,
+        )
+
+    def _push(self, target: EngineTarget) -> int:
+        stream = self._stream
+        assert stream is not None and self.version is not None
+        version = str(self.version)
+        moved = 0
+        try:
+            last = len(stream) - 1
+            for i in range(len(stream)):
+                bucket = stream.get(target.name, i, timeout=self.request_timeout)
+                payloads = [serialize_bucket(bucket) for _ in range(target.tp_size)]
+                try:
+                    target.client.update_weights_from_tensor(
+                        payloads,
+                        load_format="flattened_bucket",
+                        flush_cache=self.flush_cache and i == last,
+                        weight_version=version if i == last else None,
+                        timeout=self.request_timeout,
+                    )
+                except Exception as exc:
+                    raise TransportError(
+                        f"target {target.name!r} (ranks {list(target.ranks)}): bucket {i + 1}/"
+                        f"{len(stream)} ({bucket.dtype}, {len(bucket.metas)} tensors from "
+                        f"{bucket.metas[0].name!r}) failed: {exc}"
+                    ) from exc
+                stream.release(target.name, i)
+                moved += bucket.nbytes
+        finally:
+            stream.leave(target.name)
+        return moved
+
+    def _after_push(self, targets: Sequence[EngineTarget]) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+
+    def close(self) -> None:
+        self._unstage()
+        super().close()

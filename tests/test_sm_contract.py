@@ -1,0 +1,279 @@
+"""The machines' public contract (names, arguments, errors) as users and checks rely on it."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+from statemachine.exceptions import TransitionNotAllowed
+
+from rollsafe import (
+    CheckpointRegistration,
+    ExportLifecycle,
+    ImmediateRecoveryMode,
+    WorkerGroupLifecycle,
+)
+from rollsafe.statemachines import LeaseError, MissingGuardInput, TransitionRefused
+
+DESIGN_STATES = {
+    WorkerGroupLifecycle: (
+        "launching active inactive recovering pending_weights retired",
+        "launched fail claim restarted restart_failed mark_stale weights_loaded retire",
+    ),
+    ExportLifecycle: (
+        "requested snapshotting writing committing ready superseded deleted failed abandoned",
+        "adopt snapshot snapshot_done shards_written publish supersede delete fail abandon",
+    ),
+    CheckpointRegistration: (
+        "empty registering registered updating failed",
+        "begin_register register_ok register_failed begin_update update_done",
+    ),
+    ImmediateRecoveryMode: (
+        "disabled enabled suspended",
+        "enable disable export_late export_on_time",
+    ),
+}
+
+
+@pytest.mark.parametrize("cls", list(DESIGN_STATES), ids=lambda c: c.__name__)
+def test_state_and_event_names_are_exactly_the_design(cls: type) -> None:
+    states, events = DESIGN_STATES[cls]
+    assert {s.id for s in cls.states} == set(states.split())
+    assert {str(e) for e in cls._events} == set(events.split())
+    assert cls.__doc__ and "Invariants" in cls.__doc__
+
+
+def _group(ranks: list[int] | None = None, **kw: object) -> WorkerGroupLifecycle:
+    return WorkerGroupLifecycle(ranks or [0, 1], group_id="g", **kw)  # type: ignore[arg-type]
+
+
+def _healthy(g: WorkerGroupLifecycle, version: int | None) -> None:
+    for r in g.ranks:
+        g.report_member(r, healthy=True, weights_version=version)
+
+
+def test_worker_group_launch_paths() -> None:
+    g = _group()
+    assert g.state == "launching" and not g.is_routable
+    _healthy(g, 3)
+    g.launched(current_version=3)
+    assert g.state == "active" and g.is_routable
+    g2 = _group()
+    _healthy(g2, 2)
+    g2.send("launched", current_version=3)
+    assert g2.state == "pending_weights" and not g2.is_routable
+
+
+def test_worker_group_refusal_names_guard_and_changes_nothing() -> None:
+    g = _group()
+    g.report_member(0, healthy=True, weights_version=1)
+    before = (g.state, g.members, len(g.history))
+    with pytest.raises(TransitionRefused) as info:
+        g.launched(current_version=1)
+    assert isinstance(info.value, TransitionNotAllowed)
+    message = str(info.value)
+    assert "all_members_healthy" in message and "launching" in message and "(1,)" in message
+    assert (g.state, g.members, len(g.history)) == before
+
+
+def test_worker_group_claim_consumes_budget_until_retired() -> None:
+    g = _group(restart_budget=1)
+    g.fail()
+    g.claim()
+    assert g.restart_budget == 0 and g.state == "recovering"
+    assert all(not m.healthy and m.weights_version is None for m in g.members.values())
+    g.restart_failed()
+    with pytest.raises(TransitionRefused, match="restart_budget_left"):
+        g.claim()
+    g.retire()
+    assert g.state == "retired"
+    with pytest.raises(TransitionNotAllowed):
+        g.fail()
+
+
+def test_worker_group_claim_needs_every_rank_known() -> None:
+    g = _group()
+    g.fail()
+    g.forget_member(1)
+    with pytest.raises(TransitionRefused, match="group_complete"):
+        g.claim()
+    g.report_member(1, healthy=False)
+    g.claim()
+    assert g.state == "recovering"
+
+
+def test_worker_group_bad_input() -> None:
+    g = _group()
+    with pytest.raises(ValueError, match="rank 7 is not a member"):
+        g.report_member(7, healthy=True)
+    with pytest.raises(MissingGuardInput, match="current_version"):
+        _healthy(g, 1) or g.launched()
+    assert g.state == "launching"
+    with pytest.raises(ValueError, match="repeated"):
+        WorkerGroupLifecycle([1, 1])
+    with pytest.raises(ValueError, match="at least one rank"):
+        WorkerGroupLifecycle([])
+
+
+def test_mark_stale_and_weights_loaded() -> None:
+    g = _group()
+    _healthy(g, 1)
+    g.launched(current_version=1)
+    with pytest.raises(TransitionRefused, match="behind_current_version"):
+        g.mark_stale(current_version=1)
+    g.mark_stale(current_version=2)
+    assert g.state == "pending_weights"
+    g.report_member(0, healthy=True, weights_version=2)
+    with pytest.raises(TransitionRefused, match="all_at_current_version"):
+        g.weights_loaded(current_version=2)
+    g.report_member(1, healthy=True, weights_version=2)
+    g.weights_loaded(current_version=2)
+    assert g.state == "active"
+
+
+def test_history_records_guard_inputs_and_is_bounded() -> None:
+    g = _group()
+    _healthy(g, 5)
+    g.launched(current_version=5)
+    rec = g.history[-1]
+    assert (rec.event, rec.source, rec.target) == ("launched", "launching", "active")
+    inputs = dict(rec.inputs)
+    assert inputs["current_version"] == 5 and inputs["versions"] == (5, 5)
+    assert rec.timestamp > 0 and rec.as_dict()["inputs"]["versions"] == [5, 5]
+    for _ in range(WorkerGroupLifecycle.history_limit):
+        g.mark_stale(current_version=6)
+        g.weights_loaded(current_version=5)
+    assert len(g.history) == WorkerGroupLifecycle.history_limit
+    assert g.history[-1].seq == 1 + 2 * WorkerGroupLifecycle.history_limit
+
+
+def _ready_export(version: int = 4) -> ExportLifecycle:
+    e = ExportLifecycle(version)
+    e.snapshot()
+    e.snapshot_done()
+    e.shards_written(ranks_ok=[0])
+    e.publish(index_missing_keys=[], checksums_verified=True, renamed=True)
+    return e
+
+
+def test_export_publish_guards() -> None:
+    e = ExportLifecycle(1, world_size=2)
+    e.snapshot()
+    e.snapshot_done()
+    with pytest.raises(TransitionRefused, match="every_rank_reported_success"):
+        e.shards_written(ranks_ok=[0])
+    e.shards_written(ranks_ok=[0, 1])
+    for bad in (
+        {"index_missing_keys": ["x"], "checksums_verified": True, "renamed": True},
+        {"index_missing_keys": [], "checksums_verified": False, "renamed": True},
+        {"index_missing_keys": [], "checksums_verified": True, "renamed": False},
+    ):
+        with pytest.raises(TransitionRefused):
+            e.publish(**bad)
+    assert e.state == "committing"
+    e.fail(reason="disk full")
+    assert e.state == "failed" and e.failure_reason == "disk full"
+
+
+def test_export_leases_block_delete() -> None:
+    e = _ready_export()
+    lease = e.acquire_lease("g0")
+    with pytest.raises(TransitionRefused, match="newer_export_ready"):
+        e.supersede(newer_version=4)
+    e.supersede(newer_version=5)
+    with pytest.raises(LeaseError, match="only in 'ready'"):
+        e.acquire_lease("g1")
+    with pytest.raises(TransitionRefused, match="no_leases_held"):
+        e.delete()
+    e.release_lease(lease)
+    with pytest.raises(LeaseError, match="not held"):
+        e.release_lease(lease)
+    e.delete()
+    assert e.state == "deleted"
+
+
+def test_export_adopt() -> None:
+    e = ExportLifecycle(9)
+    with pytest.raises(TransitionRefused):
+        e.adopt(verified=True, version=8)
+    e.adopt(verified=True, version=9)
+    assert e.state == "ready" and e.offerable
+
+
+def test_registration_guards_and_published() -> None:
+    c = CheckpointRegistration(world_size=2)
+    keys = ["a.weight", "b.weight", "mtp.0.weight"]
+    c.begin_register(name="ck", version=3)
+    assert c.published is None
+    with pytest.raises(TransitionRefused, match="key_coverage_exact"):
+        c.register_ok(ranks_ok=[0, 1], expected_keys=keys, registered_keys=[*keys, "x"])
+    with pytest.raises(TransitionRefused, match="key_coverage_exact"):
+        c.register_ok(ranks_ok=[0, 1], expected_keys=keys, registered_keys=keys[1:])
+    c.register_ok(ranks_ok=[1, 0], expected_keys=keys, registered_keys=keys[:2])
+    assert c.published == ("ck", 3)
+    for bad in ([], [[]], [[0], [0]], [[2]], [[-1]]):
+        with pytest.raises(TransitionRefused, match="targets_valid"):
+            c.begin_update(targets=bad)
+    c.begin_update(targets=[[0], [1]])
+    assert c.published == ("ck", 3)
+    c.update_done(results={0: True, 1: (False, "engine died")})
+    assert c.failed_targets == [1]
+    with pytest.raises(TransitionRefused, match="version_not_older"):
+        c.begin_register(name="old", version=2)
+    c.begin_register(name="ck2", version=4)
+    c.register_failed(reason="rank 1 threw")
+    assert c.state == "failed" and c.published is None
+    with pytest.raises(TransitionNotAllowed):
+        c.begin_update(targets=[[0]])
+
+
+def test_recovery_mode_rearms() -> None:
+    m = ImmediateRecoveryMode(enabled=True, rearm_after=2)
+    m.export_late()
+    assert m.state == "suspended" and not m.allows_immediate
+    m.export_on_time()
+    assert m.state == "suspended" and m.on_time_streak == 1
+    m.export_late()
+    assert m.on_time_streak == 0
+    m.export_on_time()
+    m.export_on_time()
+    assert m.state == "enabled" and m.allows_immediate
+    off = ImmediateRecoveryMode()
+    assert off.state == "disabled"
+    with pytest.raises(TransitionNotAllowed):
+        off.export_late()
+    with pytest.raises(ValueError, match="rearm_after"):
+        ImmediateRecoveryMode(rearm_after=0)
+
+
+def test_concurrent_sends_are_serialized() -> None:
+    """Threads hammering one group: every transition is recorded once, no torn state."""
+    g = WorkerGroupLifecycle(range(4), restart_budget=10_000, group_id="t")
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(300):
+                rank = (seed + i) % 4
+                g.report_member(rank, healthy=(i % 7 != 0), weights_version=1)
+                for event in ("launched", "restarted", "fail", "claim", "weights_loaded"):
+                    try:
+                        g.send(event, current_version=1)
+                    except TransitionNotAllowed:
+                        pass
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    hist = g.history
+    assert all(a.target == b.source for a, b in itertools.pairwise(hist))
+    assert hist[-1].target == g.state
+    assert [r.seq for r in hist] == list(range(hist[0].seq, hist[-1].seq + 1))
+    if len(hist) < WorkerGroupLifecycle.history_limit:
+        assert g.restart_budget == 10_000 - sum(1 for r in hist if r.event == "claim")
