@@ -1,1 +1,70 @@
-"""Fleet control: registry, router, health manager, recovery and sync coordinators."""
+"""Fleet control: registry, router, health manager, recovery and sync coordinators.
+
+What is here so far, in dependency order (each module imports only the ones above it):
+
+* :mod:`~rollsafe.fleet.registry`: :class:`FleetRegistry`, the worker groups, their
+  ``WorkerGroupLifecycle`` machines, the fleet version and the listeners;
+* :mod:`~rollsafe.fleet.router`: :class:`Router`, requests to routable groups only;
+* :mod:`~rollsafe.fleet.health`: :class:`HealthManager`, concurrent probes that take failed
+  groups out of routing and hand them off (never recovering them itself).
+"""
+
+from rollsafe.fleet.health import (
+    DEFAULT_PROBE_STATES,
+    GroupFailure,
+    HealthManager,
+    HealthRound,
+    Probe,
+    ProbeOutcome,
+    ProbeResult,
+    client_health_probe,
+)
+from rollsafe.fleet.registry import (
+    LISTENER_HOOKS,
+    DuplicateGroup,
+    FleetError,
+    FleetListener,
+    FleetRegistry,
+    FleetVersionRegression,
+    GroupTransition,
+    OverlappingRanks,
+    UnknownGroup,
+    WorkerGroup,
+)
+from rollsafe.fleet.router import (
+    DEFAULT_MAX_ERROR_CHARS,
+    NoRoutableGroup,
+    RequestFailed,
+    RoutedResult,
+    Router,
+    RouterError,
+    is_retryable,
+)
+
+__all__ = [
+    "DEFAULT_MAX_ERROR_CHARS",
+    "DEFAULT_PROBE_STATES",
+    "LISTENER_HOOKS",
+    "DuplicateGroup",
+    "FleetError",
+    "FleetListener",
+    "FleetRegistry",
+    "FleetVersionRegression",
+    "GroupFailure",
+    "GroupTransition",
+    "HealthManager",
+    "HealthRound",
+    "NoRoutableGroup",
+    "OverlappingRanks",
+    "Probe",
+    "ProbeOutcome",
+    "ProbeResult",
+    "RequestFailed",
+    "RoutedResult",
+    "Router",
+    "RouterError",
+    "UnknownGroup",
+    "WorkerGroup",
+    "client_health_probe",
+    "is_retryable",
+]

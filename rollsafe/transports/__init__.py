@@ -1,1 +1,59 @@
-"""Weight transports: move a trainer's weights into engines (ipc, nccl, checkpoint_engine, disk)."""
+"""Weight transports: move a trainer's weights into engines (ipc, nccl, checkpoint_engine, disk).
+
+Every transport is two-phase (``register(weights, version)`` then ``update(targets)`` returning a
+per-target :class:`UpdateReport`) and drives a
+:class:`~rollsafe.statemachines.CheckpointRegistration` through :class:`StagedTransport`:
+
+* :class:`IPCTransport` -- colocated engines; shared memory on CPU, CUDA IPC handles on GPU
+  (``/update_weights_from_tensor``, flattened buckets, double-buffered);
+* :class:`NCCLTransport` -- disaggregated engines; one broadcast group per target per update
+  (``/init_weights_update_group`` + ``/update_weights_from_distributed``; nccl on GPU, gloo on
+  CPU), so a dead engine fails only its own target and a subset re-sync touches nobody else;
+* :class:`CheckpointEngineTransport` -- MoonshotAI checkpoint-engine's ``ParameterServer``;
+* :class:`DiskTransport` -- engines load a verified HF export (``/update_weights_from_disk``)
+  while the transport holds a lease on it.
+
+Importing this package imports torch.
+"""
+
+from rollsafe.transports.base import (
+    EngineTarget,
+    NamedTensors,
+    RegisterError,
+    StagedTransport,
+    TargetResult,
+    TransportError,
+    UpdateReport,
+    WeightTransport,
+    named_tensor_list,
+)
+from rollsafe.transports.bucket import DEFAULT_BUCKET_BYTES, BucketFormatError, FlatBucket
+from rollsafe.transports.checkpoint_engine import CheckpointEngineTransport
+from rollsafe.transports.disk import DiskTransport
+from rollsafe.transports.ipc import DEFAULT_IPC_BUCKET_BYTES, IPCTransport
+from rollsafe.transports.nccl import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
+from rollsafe.transports.pipeline import BucketPlan, BucketStream, plan_buckets
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_IPC_BUCKET_BYTES",
+    "DEFAULT_NCCL_BUCKET_BYTES",
+    "BucketFormatError",
+    "BucketPlan",
+    "BucketStream",
+    "CheckpointEngineTransport",
+    "DiskTransport",
+    "EngineTarget",
+    "FlatBucket",
+    "IPCTransport",
+    "NCCLTransport",
+    "NamedTensors",
+    "RegisterError",
+    "StagedTransport",
+    "TargetResult",
+    "TransportError",
+    "UpdateReport",
+    "WeightTransport",
+    "named_tensor_list",
+    "plan_buckets",
+]

@@ -98,6 +98,8 @@ SINGLE_FILE = "model.safetensors"
 _MAX_LISTED = 10
 _MAX_REASON = 2048
 _GIB = 1 << 30
+DEFAULT_BUCKET = 8 * _GIB  # checkpoint-engine 0.4.2's own default cap (PS_MAX_BUCKET_SIZE_GB=8)
+DEFAULT_MEM_FRACTION = 0.9  # its default share of free device memory (PS_MEM_FRACTION=0.9)
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -688,10 +690,13 @@ class CheckpointEngineTransport(StagedTransport):
     * ``gpu_count``: GPUs per node as the parameter server counts them (its local device is
       ``rank % gpu_count``; default ``torch.cuda.device_count()``); must equal the device the
       trainer uses, else :class:`ProcessGroupError`.
-    * ``mem_fraction``: share of free device memory the update may use (default 0.9).
-    * ``max_bucket_bytes``: the update's bucket size cap (``PS_MAX_BUCKET_SIZE_GB``, default
-      8 GiB; never below the largest tensor). Extra device memory during an update is about
-      3 buckets (a double IPC buffer plus one host-to-device buffer), 2 when memory is short.
+    * ``mem_fraction``: share of free device memory the update may use (default 0.9; the
+      ambient ``PS_MEM_FRACTION`` is not read).
+    * ``max_bucket_bytes``: the update's bucket size cap (set as ``PS_MAX_BUCKET_SIZE_GB`` for
+      the call only; default 8 GiB as upstream, whatever the ambient variable says; never below
+      the largest tensor, never above a third of ``mem_fraction`` of free memory). The buffers
+      are sized by the cap, not by the checkpoint: extra device memory during an update is about
+      3 caps (a double IPC buffer plus one host-to-device buffer), 2 when memory is short.
     * ``use_shared_memory_pool``: reuse one pinned host pool across versions of the same layout.
     * ``rdma_devices``: enables P2P (with Mooncake installed); without it P2P stays off.
     * ``expert_gather``: rebuild full expert tensors from EP slices before registering.
@@ -776,7 +781,7 @@ class CheckpointEngineTransport(StagedTransport):
                 world_size=world_size,
                 auto_pg=False,
                 gpu_count=gpu_count,
-                mem_fraction=mem_fraction,
+                mem_fraction=DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction,
                 master_addr=self.store_address[0],
                 master_port=self.store_address[1],
             )
@@ -932,6 +937,10 @@ class CheckpointEngineTransport(StagedTransport):
                 ckpt, use_shared_memory_pool=shared, use_inplace_pin_memory=False, **kwargs
             )
         except Exception as exc:
+            with contextlib.suppress(Exception):  # upstream cleans up too; make sure of it
+                self._ps.unregister_checkpoint(ckpt, force=shared)
+            if shared:
+                self._pool_layout = None
             return False, _bounded(f"{type(exc).__name__}: {exc}")
         self._staged = _Staged(ckpt, layout, shared)
         if shared:
@@ -1021,9 +1030,8 @@ class CheckpointEngineTransport(StagedTransport):
             local: LocalResults = {}
             error: str | None = None
             req_func = self._req_func(targets, published[1], local)
-            env: dict[str, str | None] = {}
-            if self.max_bucket_bytes is not None:
-                env["PS_MAX_BUCKET_SIZE_GB"] = repr(self.max_bucket_bytes / _GIB)
+            cap = self.max_bucket_bytes if self.max_bucket_bytes is not None else DEFAULT_BUCKET
+            env: dict[str, str | None] = {"PS_MAX_BUCKET_SIZE_GB": repr(cap / _GIB)}
             try:
                 with scoped_env(env):
                     self._ps.update(published[0], req_func, ranks=plan.ps_ranks)

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
 import threading
+import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -47,7 +47,6 @@ from rollsafe.adapters.reference_engine.collective import (
     open_weight_update_group,
 )
 from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
-from rollsafe.transports.bucket import dtype_name
 from rollsafe.transports.pipeline import BucketPlan, BucketStream, check_tensors, plan_buckets
 
 __all__ = ["DEFAULT_NCCL_BUCKET_BYTES", "NCCLTransport"]
@@ -58,8 +57,8 @@ log = logging.getLogger("rollsafe.transports.nccl")
 DEFAULT_NCCL_BUCKET_BYTES = 128 << 20
 #: Seconds added to ``group_timeout`` for the HTTP calls that wrap a collective.
 HTTP_MARGIN_S = 30.0
-
-T = TypeVar("T")
+#: Seconds the engine gets to leave a group after an update (best effort).
+DESTROY_TIMEOUT_S = 10.0
 
 
 def _free_port(host: str) -> int:
@@ -192,6 +191,7 @@ class NCCLTransport(StagedTransport):
         http_timeout = self.group_timeout + HTTP_MARGIN_S
         client = target.client
         group: WeightUpdateGroup | None = None
+        joined = False
         moved = 0
         try:
             # 1. group set-up: the engine's HTTP call and the trainer's join run concurrently
@@ -206,6 +206,7 @@ class NCCLTransport(StagedTransport):
                 timeout=http_timeout,
             )
             group = self._join(port, world, group_name, backend, init, where)
+            joined = True
             # 2. buckets
             last = len(stream) - 1
             version = str(self.version)
@@ -237,12 +238,14 @@ class NCCLTransport(StagedTransport):
                 moved += bucket.nbytes
         finally:
             stream.leave(target.name)
-            # 3. tear-down (engine side best effort: a dead engine has nothing to destroy)
-            if group is not None:
+            # 3. tear-down; the engine side is best effort (a dead engine has nothing to destroy,
+            # a hung one is given DESTROY_TIMEOUT_S)
+            if joined:
                 try:
-                    client.destroy_weights_update_group(group_name, timeout=HTTP_MARGIN_S)
+                    client.destroy_weights_update_group(group_name, timeout=DESTROY_TIMEOUT_S)
                 except Exception as exc:
                     log.warning("%s: destroy_weights_update_group failed: %s", where, exc)
+            if group is not None:
                 group.close()
         return moved
 
@@ -392,7 +395,5 @@ def _wait_both(a: Any, b: Any, signal: threading.Event, timeout: float) -> bool:
 
 
 def _now() -> float:
-    return float(os.times().elapsed)
+    return time.monotonic()
 
-
-_unused: Callable[..., Any] | None = None

@@ -1,4 +1,4 @@
-"""Bucket plans and the double-buffered packing pipeline shared by the ``ipc`` and ``nccl`` transports.
+"""Bucket plans and the double-buffered packing pipeline shared by ``ipc`` and ``nccl``.
 
 Owns two things:
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -79,7 +79,9 @@ def check_tensors(
         try:
             dtype_from_name(dtype_name(t.dtype))
         except BucketFormatError as exc:
-            raise RegisterError(f"weight {name!r}: dtype {t.dtype} cannot be sent ({exc})") from None
+            raise RegisterError(
+                f"weight {name!r}: dtype {t.dtype} cannot be sent ({exc})"
+            ) from None
         if t.layout != torch.strided:
             raise RegisterError(f"weight {name!r}: layout {t.layout} is not supported (dense only)")
         if t.device.type == "meta":
@@ -135,7 +137,8 @@ def alloc_buffer(nbytes: int, device: torch.device, *, shared: bool) -> torch.Te
     if device.type == "cpu" and shared:
         set_strategy: Any = torch.multiprocessing.set_sharing_strategy
         set_strategy("file_system")  # what bucket.serialize_bucket uses: the file is re-used
-        storage = torch.UntypedStorage._new_shared(nbytes)
+        storage_cls: Any = torch.UntypedStorage
+        storage = storage_cls._new_shared(nbytes)
         return torch.empty(0, dtype=torch.uint8).set_(storage)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
@@ -185,8 +188,11 @@ class BucketStream:
         self._cap = max((p.nbytes for p in self._plans), default=0)
         self._cuda_stream: Any = None
         if device.type == "cuda":
-            self._cuda_stream = torch.cuda.Stream(device=device)
-        self._packer = threading.Thread(target=self._run, name="rollsafe-bucket-packer", daemon=True)
+            cuda: Any = torch.cuda
+            self._cuda_stream = cuda.Stream(device=device)
+        self._packer = threading.Thread(
+            target=self._run, name="rollsafe-bucket-packer", daemon=True
+        )
         self._packer.start()
 
     def __len__(self) -> int:
@@ -250,12 +256,12 @@ class BucketStream:
             torch.cuda.set_device(self._device)
         try:
             for i, plan in enumerate(self._plans):
+                need = i - self._slots + 1  # slot i % slots is free once bucket i - slots is
                 with self._cv:
-                    # slot i % slots is free once bucket i - slots was released by everyone
                     self._cv.wait_for(
-                        lambda: self._closed
+                        lambda need=need: self._closed  # type: ignore[misc]
                         or not self._progress
-                        or self._released_all() >= i - self._slots + 1
+                        or self._released_all() >= need
                     )
                     if self._closed or not self._progress:
                         return
@@ -277,7 +283,7 @@ class BucketStream:
         t = self._items[plan.indices[0]][1].detach()
         if t.device != self._device or not t.is_contiguous():
             return None
-        if self._device.type == "cpu" and self._shared and not t.is_shared():
+        if self._device.type == "cpu" and self._shared and not cast(Any, t).is_shared():
             return None
         return t.reshape(-1)
 

@@ -1,8 +1,16 @@
 """Command line of the reference engine: ``python -m rollsafe.adapters.reference_engine``.
 
-Owns start-up: argument checks (refuse a non-loopback bind without ``--api-key``), spawning the
-ranks, serving HTTP, and the single ``ROLLSAFE_READY {json}`` line printed (flushed) on stdout
-once the server listens. Start-up errors go to stderr with a non-zero exit status.
+Owns start-up: argument checks (refuse a non-loopback bind without ``--api-key``; check the
+model and tokenizer directories), spawning the ranks, serving HTTP, and the single
+``ROLLSAFE_READY {json}`` line printed (flushed) on stdout once the server listens. Start-up
+errors go to stderr with a non-zero exit status.
+
+Order matters for start-up time. Importing torch and transformers is most of a cold start, so
+on CPU rank 0 imports everything once (:func:`preload`) and then forks ranks ``1..N-1``, which
+start with those modules already loaded; with CUDA (where forking is unsafe) the ranks are
+spawned first, before rank 0's own imports, so all ranks import at the same time. See
+:mod:`.bootstrap` for the rank protocol. The ready line carries ``startup_s``: seconds from
+``main()`` to each start-up phase, and ``rank_start_method``.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import ipaddress
 import json
 import os
@@ -19,6 +28,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from rollsafe.adapters.reference_engine import READY_PREFIX
+from rollsafe.adapters.reference_engine.bootstrap import (
+    RankChild,
+    RankOptions,
+    StartupClock,
+    start_ranks,
+)
+from rollsafe.adapters.reference_engine.errors import EngineError, StartupError
+from rollsafe.adapters.reference_engine.paths import check_dir
 
 EXIT_USAGE = 2
 EXIT_START = 3
@@ -31,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--model-path", required=True, help="HF model directory (config.json + safetensors)"
+    )
+    p.add_argument(
+        "--tokenizer-path",
+        default=None,
+        help="directory holding tokenizer.json (default: the model directory)",
     )
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     p.add_argument("--host", default="127.0.0.1")
@@ -52,6 +74,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=120.0,
         help="seconds before a trainer weight-update group operation fails",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=180.0,
+        help="seconds for every rank to load its shard and join the rank group",
+    )
+    p.add_argument(
+        "--rank-backend",
+        choices=["gloo", "nccl"],
+        default="gloo",
+        help="the ranks' own group: gloo (host copies; works with ranks sharing a GPU) or nccl "
+        "(--device cuda, one GPU per rank)",
+    )
+    p.add_argument(
+        "--rank-start-method",
+        choices=["auto", "fork", "spawn"],
+        default="auto",
+        help="how ranks 1..N-1 start: auto = fork on CPU when safe (no re-import), else spawn",
     )
     p.add_argument("--weight-version", default="default")
     p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
@@ -86,17 +127,57 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--api-key must not be empty"
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be >= 1024"
-    path = Path(args.model_path)
-    if not path.is_dir():
-        return f"--model-path {str(path)!r} is not a directory"
-    if not (path / "config.json").is_file():
-        return f"--model-path {str(path)!r} has no config.json"
-    if args.device == "cuda":
-        import torch
+    if args.start_timeout <= 0:
+        return "--start-timeout must be > 0"
+    if args.rank_backend == "nccl" and args.device != "cuda":
+        return "--rank-backend nccl needs --device cuda"
+    try:
+        check_dir(
+            args.model_path, what="--model-path", must_contain=("config.json",), error=StartupError
+        )
+        if args.tokenizer_path is not None:
+            check_dir(
+                args.tokenizer_path,
+                what="--tokenizer-path",
+                must_contain=("tokenizer.json",),
+                error=StartupError,
+            )
+    except EngineError as exc:
+        return str(exc)
+    return None  # --device cuda is checked by each rank once torch is imported
 
-        if not torch.cuda.is_available():
-            return "--device cuda but torch.cuda.is_available() is false"
-    return None
+
+def rank_options(args: argparse.Namespace) -> RankOptions:
+    return RankOptions(
+        model_path=str(Path(args.model_path).resolve()),
+        load_format=args.load_format,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        world_size=args.ranks,
+        collective_timeout_s=args.collective_timeout,
+        weight_group_timeout_s=args.weight_group_timeout,
+        threads=args.threads,
+        rank_backend=args.rank_backend,
+        start_timeout_s=args.start_timeout,
+        start_method=args.rank_start_method,
+    )
+
+
+def preload(opts: RankOptions, dialect: str) -> None:
+    """Import every module start-up needs, including the model's transformers classes.
+
+    Run before forking ranks so they inherit the imports. Best effort: a broken model directory
+    is reported by the real load later, with its proper message.
+    """
+    package = "rollsafe.adapters.reference_engine"
+    api = "sglang_api" if dialect == "sglang" else "vllm_api"
+    for name in ("aiohttp.web", "ranks", "engine", "faults", "server", api):
+        importlib.import_module(name if "." in name else f"{package}.{name}")
+    from rollsafe.adapters.reference_engine.model import load_config, model_class
+
+    with contextlib.suppress(Exception):
+        model_class(load_config(opts.model_path))
 
 
 def _eos_ids(model_path: str, config: Any) -> tuple[int, ...]:
@@ -117,25 +198,21 @@ def _eos_ids(model_path: str, config: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(
+    args: argparse.Namespace,
+    opts: RankOptions,
+    children: list[RankChild],
+    clock: StartupClock,
+    codec: Any,
+    start_method: str,
+) -> int:
     from aiohttp import web
 
     from rollsafe.adapters.reference_engine.engine import ReferenceEngine
     from rollsafe.adapters.reference_engine.faults import FaultInjector, fault_injection_enabled
-    from rollsafe.adapters.reference_engine.ranks import RankOptions, RankSet
-    from rollsafe.adapters.reference_engine.server import ServerContext, TextCodec, build_app
+    from rollsafe.adapters.reference_engine.ranks import RankSet
+    from rollsafe.adapters.reference_engine.server import ServerContext, build_app
 
-    opts = RankOptions(
-        model_path=str(Path(args.model_path).resolve()),
-        load_format=args.load_format,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        world_size=args.ranks,
-        collective_timeout_s=args.collective_timeout,
-        weight_group_timeout_s=args.weight_group_timeout,
-        threads=args.threads,
-    )
     holder: dict[str, ReferenceEngine] = {}
     loop = asyncio.get_running_loop()
 
@@ -145,7 +222,10 @@ async def serve(args: argparse.Namespace) -> int:
             engine.fail(reason)
         print(f"rollsafe engine: {reason}", file=sys.stderr, flush=True)
 
-    ranks = await loop.run_in_executor(None, lambda: RankSet(opts, on_failure=on_rank_failure))
+    ranks = await loop.run_in_executor(
+        None,
+        lambda: RankSet(opts, children=children, on_failure=on_rank_failure, clock=clock),
+    )
     cfg = ranks.local.model.config
     engine = ReferenceEngine(
         ranks,
@@ -158,7 +238,7 @@ async def serve(args: argparse.Namespace) -> int:
         engine.fail(ranks.failure)
     ctx = ServerContext(
         engine=engine,
-        codec=TextCodec(opts.model_path),
+        codec=codec,
         model_name=args.served_model_name or opts.model_path,
         dialect=args.dialect,
         device=args.device,
@@ -178,6 +258,7 @@ async def serve(args: argparse.Namespace) -> int:
     assert server is not None
     port = int(cast(Any, server).sockets[0].getsockname()[1])
     url_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    clock.mark("serving")
     ready = {
         "url": f"http://{url_host}:{port}",
         "pid": os.getpid(),
@@ -186,6 +267,9 @@ async def serve(args: argparse.Namespace) -> int:
         "dialect": args.dialect,
         "device": args.device,
         "weight_version": engine.weight_version,
+        "tokenizer_path": str(codec.path) if codec.tokenizer is not None else None,
+        "rank_start_method": start_method if opts.world_size > 1 else None,
+        "startup_s": clock.phases,
     }
     sys.stdout.write(f"{READY_PREFIX} {json.dumps(ready)}\n")
     sys.stdout.flush()
@@ -199,14 +283,36 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    clock = StartupClock()
     args = parse_args(argv)
     problem = check_args(args)
     if problem is not None:
         print(f"rollsafe engine: error: {problem}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    opts = rank_options(args)
+    # numpy's OpenBLAS would start a thread pool on import; the engine never uses it, and a
+    # single-threaded process is what makes forking the ranks safe
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    children: list[RankChild] = []
     try:
-        return asyncio.run(serve(args))
+        from rollsafe.adapters.reference_engine.codec import TextCodec
+
+        tokenizer_dir = args.tokenizer_path or opts.model_path
+        codec = TextCodec(tokenizer_dir, required=args.tokenizer_path is not None)
+        method = opts.planned_start_method()
+        if opts.world_size > 1 and method == "spawn":
+            children, method = start_ranks(opts, "spawn")  # before the heavy imports
+            clock.mark("ranks_started")
+        preload(opts, args.dialect)
+        clock.mark("preloaded")
+        if opts.world_size > 1 and method == "fork":
+            children, method = start_ranks(opts, "fork")  # they inherit the imports
+            clock.mark("ranks_started")
+        return asyncio.run(serve(args, opts, children, clock, codec, method))
     except Exception as exc:
+        for child in children:
+            with contextlib.suppress(Exception):
+                child.proc.kill()
         print(
             f"rollsafe engine: failed to start: {type(exc).__name__}: {exc}",
             file=sys.stderr,

@@ -5,6 +5,12 @@ a standalone ``ProcessGroupGloo`` (CPU) or NCCL group over a ``PrefixStore`` so 
 join several (its internal tensor-parallel group, one or more trainer groups) and leave them
 independently. :func:`open_weight_update_group` is the same call on the trainer (rank 0, store
 master) and on every engine rank, matching SGLang's ``init_weights_update_group`` semantics.
+
+The engine's own :class:`RankGroup` is gloo by default, also on CUDA: its traffic is one logits
+row per decode step (and ``lm_head`` for checksums), so GPU tensors are copied to the host and
+back; this works for several ranks sharing one GPU (NCCL refuses that) and a dead peer fails a
+collective at once instead of hanging a GPU stream. ``backend="nccl"`` (one GPU per rank) keeps
+the tensors on the device.
 """
 
 from __future__ import annotations
@@ -77,16 +83,17 @@ def open_weight_update_group(
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     else:
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    return WeightUpdateGroup(pg, store, group_name)
+    return WeightUpdateGroup(pg, store, group_name, backend)
 
 
 class WeightUpdateGroup:
     """A weight-update process group plus its store (rank 0 hosts the store's server)."""
 
-    def __init__(self, pg: Any, store: Any, name: str) -> None:
+    def __init__(self, pg: Any, store: Any, name: str, backend: str = "gloo") -> None:
         self.pg = pg
         self.store = store
         self.name = name
+        self.backend = backend
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Any:
         """Start a broadcast from ``root``; returns the ``Work`` (call ``.wait()``)."""
@@ -102,30 +109,55 @@ class WeightUpdateGroup:
 
 
 class RankGroup:
-    """The engine's own tensor-parallel group (gloo on loopback, bounded timeout)."""
+    """The engine's own tensor-parallel group (loopback, bounded timeouts).
+
+    ``connect_timeout_s`` bounds connecting to the store (it already listens when ranks are told
+    its port); ``timeout_s`` bounds the rendezvous and every collective.
+    """
 
     def __init__(
-        self, *, port: int, rank: int, world_size: int, timeout_s: float, store: Any = None
+        self,
+        *,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        connect_timeout_s: float | None = None,
+        store: Any = None,
+        backend: str = "gloo",
+        device: torch.device | None = None,
     ) -> None:
-        timeout = datetime.timedelta(seconds=timeout_s)
         self.rank = rank
         self.world_size = world_size
+        self.backend = backend
+        self.device = device or torch.device("cpu")
         if store is None:
             store = dist.TCPStore(
-                "127.0.0.1", port, world_size, is_master=(rank == 0), timeout=timeout
+                "127.0.0.1",
+                port,
+                world_size,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=connect_timeout_s or timeout_s),
+                wait_for_workers=False,
             )
         self.store = store
-        self.pg = _gloo(
-            dist.PrefixStore("rollsafe_engine_tp", self.store),
-            rank,
-            world_size,
-            timeout_s,
-            "127.0.0.1",
-        )
+        prefixed = dist.PrefixStore("rollsafe_engine_tp", self.store)
+        if backend == "gloo":
+            self.pg = _gloo(prefixed, rank, world_size, timeout_s, "127.0.0.1")
+        elif backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = datetime.timedelta(seconds=timeout_s)
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            raise ValueError(f"rank group backend must be 'gloo' or 'nccl', got {backend!r}")
 
     @staticmethod
     def master_store(world_size: int, timeout_s: float) -> Any:
-        """Rank 0's store on a free loopback port (read ``.port``)."""
+        """Rank 0's store on a loopback port the kernel picks (read ``.port``).
+
+        The store binds the port itself, so no other process can take it between choosing and
+        listening; tell the other ranks the port only after this returns.
+        """
         return dist.TCPStore(
             "127.0.0.1",
             0,
@@ -138,12 +170,18 @@ class RankGroup:
     def all_gather_rows(
         self, local: torch.Tensor, rows_per_rank: int, total_rows: int
     ) -> torch.Tensor:
-        """Concatenate every rank's ``local`` along dim -1 (padded to ``rows_per_rank``)."""
+        """Concatenate every rank's ``local`` along dim -1 (padded to ``rows_per_rank``).
+
+        With gloo the exchange runs on host copies and the result is on the CPU; with NCCL it
+        stays on this rank's GPU.
+        """
         if self.world_size == 1:
             return local
         pad = rows_per_rank - local.shape[-1]
         if pad:
             local = torch.nn.functional.pad(local, (0, pad))
+        if self.backend == "gloo" and local.device.type != "cpu":
+            local = local.cpu()
         local = local.contiguous()
         outs = [torch.empty_like(local) for _ in range(self.world_size)]
         self.pg.allgather([outs], [local]).wait()

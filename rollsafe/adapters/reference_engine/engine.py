@@ -31,7 +31,7 @@ from rollsafe.adapters.reference_engine.errors import (
 )
 from rollsafe.adapters.reference_engine.model import LM_HEAD
 from rollsafe.adapters.reference_engine.ranks import RankSet
-from rollsafe.adapters.reference_engine.weights import UpdateMeta
+from rollsafe.adapters.reference_engine.weights import UpdateMeta, check_model_path
 from rollsafe.checksum import WeightsChecksum, weights_checksum
 
 __all__ = ["GenerationResult", "ReferenceEngine", "SamplingParams"]
@@ -269,7 +269,7 @@ class ReferenceEngine:
             self._finish(sess, None)
             return
         feed = sess.prompt + sess.out if not sess.started else [sess.out[-1]]
-        logits = self.ranks.call("forward", {"sid": sess.sid, "token_ids": feed})
+        logits = self.ranks.call("forward", {"sid": sess.sid, "token_ids": feed})  # on the CPU
         sess.started = True
         tok, lp = sample_token(logits, sess.params, sess.generator)
         sess.out.append(tok)
@@ -380,6 +380,9 @@ class ReferenceEngine:
     def update_from_disk(
         self, model_path: str, weight_version: str | None, abort_all: bool = False
     ) -> Future[list[str]]:
+        """Reload every weight from an HF directory; a bad path raises before anything is queued."""
+        check_model_path(model_path)
+
         def run() -> list[str]:
             if abort_all:
                 self._abort_all("aborted for a weight update")

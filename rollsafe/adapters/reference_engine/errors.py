@@ -7,6 +7,7 @@ __all__ = [
     "EngineError",
     "EngineUnavailable",
     "RankFailure",
+    "StartupError",
     "Unsupported",
     "WeightUpdateError",
 ]
@@ -40,3 +41,7 @@ class EngineUnavailable(EngineError):
 
 class RankFailure(EngineUnavailable):
     """A rank process died or a collective among the ranks failed; the engine is unhealthy."""
+
+
+class StartupError(EngineError):
+    """The engine cannot start as configured (bad device, rank layout or tokenizer)."""

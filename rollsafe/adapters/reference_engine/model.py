@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from rollsafe.adapters.reference_engine.errors import EngineUnavailable, WeightUpdateError
+from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.transports.bucket import dtype_name
 
-__all__ = ["LM_HEAD", "ParamSpec", "ShardedCausalLM", "load_config"]
+__all__ = ["LM_HEAD", "ParamSpec", "ShardedCausalLM", "load_config", "model_class"]
 
 LM_HEAD = "lm_head.weight"
 
@@ -39,17 +40,22 @@ def load_config(model_path: str | Path) -> Any:
     """Read ``config.json`` from a local directory (never the hub)."""
     from transformers import AutoConfig
 
-    path = Path(model_path)
-    if not path.is_dir():
-        raise WeightUpdateError(f"model_path {str(path)!r} is not a directory")
-    if not (path / "config.json").is_file():
-        raise WeightUpdateError(f"model_path {str(path)!r} has no config.json")
+    path = check_dir(model_path, what="model_path", must_contain=("config.json",))
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         raise WeightUpdateError(
             f"{path / 'config.json'}: cannot be read as a config: {exc}"
         ) from exc
+
+
+def model_class(config: Any) -> type:
+    """The transformers causal-LM class of ``config`` (imports its modeling module)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    mapping: Any = MODEL_FOR_CAUSAL_LM_MAPPING
+    cls: type = mapping[type(config)]
+    return cls
 
 
 def _config_dtype(config: Any) -> torch.dtype:
@@ -210,6 +216,8 @@ class ShardedCausalLM:
         self._sessions.clear()
         self._staged.clear()
         self.released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks back to the driver, as SGLang does
 
     def resume(self) -> None:
         """Re-allocate weight storage: the host backup if one was kept, else zeros."""

@@ -1,92 +1,96 @@
 """The engine's rank processes: what each rank runs and how rank 0 drives the others.
 
 Owns the multi-process (tensor-parallel-like) structure. :class:`RankRuntime` is everything one
-rank holds (its model shard, its slot in the engine's gloo group, trainer weight-update groups)
-and the operations it executes. :class:`RankSet` lives in rank 0: it spawns ranks ``1..N-1``
-(``spawn`` start method), sends every operation to all ranks over pipes, runs its own share, and
-collects replies. A watcher thread waits on the children's process sentinels so a dead rank is
-reported at once, not after a collective timeout. Children die with rank 0: they set
-``PR_SET_PDEATHSIG=SIGKILL`` and also exit when their control pipe reaches EOF.
+rank holds (its model shard, its slot in the engine's rank group, trainer weight-update groups)
+and the operations it executes. :class:`RankSet` lives in rank 0: it takes the ranks ``1..N-1``
+that :func:`.bootstrap.spawn_ranks` started early (or spawns them itself), runs the start-up
+protocol described in :mod:`.bootstrap` (load everywhere, then store, then group), sends every
+operation to all ranks over pipes, runs its own share, and collects replies. A watcher thread
+waits on the children's process sentinels so a dead rank is reported at once, not after a
+collective timeout. Children die with rank 0: they set ``PR_SET_PDEATHSIG=SIGKILL`` and also exit
+when their control pipe reaches EOF.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
 from rollsafe.adapters.reference_engine import errors
+from rollsafe.adapters.reference_engine.bootstrap import (
+    RankChild,
+    RankOptions,
+    apply_start_fault,
+    spawn_ranks,
+)
 from rollsafe.adapters.reference_engine.collective import RankGroup, open_weight_update_group
-from rollsafe.adapters.reference_engine.errors import EngineError, RankFailure, WeightUpdateError
+from rollsafe.adapters.reference_engine.errors import (
+    EngineError,
+    RankFailure,
+    StartupError,
+    WeightUpdateError,
+)
 from rollsafe.adapters.reference_engine.model import ShardedCausalLM, load_config
 from rollsafe.adapters.reference_engine.weights import (
     UpdateMeta,
+    check_model_path,
     decode_tensor_entry,
     read_checkpoint_dir,
     receive_broadcast,
     receive_from_ipc,
 )
 
-__all__ = ["RankOptions", "RankRuntime", "RankSet"]
+__all__ = ["RankOptions", "RankRuntime", "RankSet", "child_main", "rank_devices"]
 
-PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True)
-class RankOptions:
-    """Start-up options shared by every rank."""
-
-    model_path: str
-    load_format: str = "auto"
-    device: str = "cpu"
-    dtype: str | None = None
-    seed: int = 0
-    world_size: int = 1
-    collective_timeout_s: float = 30.0
-    weight_group_timeout_s: float = 120.0
-    threads: int = 0  # torch intra-op threads per rank; 0 = (cpus - 1) // ranks, at least 1
-
-    def torch_threads(self) -> int:
-        if self.threads > 0:
-            return self.threads
-        # leave a core for rank 0's HTTP loop; oversubscribed OpenMP spinning is very slow
-        return max(1, ((os.cpu_count() or 1) - 1) // self.world_size)
+RANK_BACKENDS = ("gloo", "nccl")
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except OSError:
-        pass  # not Linux: the pipe-EOF watchdog still applies
-    if os.getppid() != parent_pid:  # parent died before prctl took effect
-        os._exit(1)
+def rank_devices(opts: RankOptions) -> list[str]:
+    """The device of every rank: ``cpu``, or ``cuda:{rank % visible GPUs}``."""
+    if opts.device != "cuda":
+        return [opts.device] * opts.world_size
+    n = max(1, torch.cuda.device_count())
+    return [f"cuda:{r % n}" for r in range(opts.world_size)]
 
 
-def _device_for(opts: RankOptions, rank: int) -> str:
-    if opts.device == "cuda":
-        return f"cuda:{rank % max(1, torch.cuda.device_count())}"
-    return opts.device
+def check_rank_setup(opts: RankOptions) -> None:
+    """Refuse a device / rank-group combination that cannot work; raise :class:`StartupError`."""
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise StartupError("--device cuda but torch.cuda.is_available() is false")
+    if opts.rank_backend not in RANK_BACKENDS:
+        raise StartupError(f"--rank-backend must be one of {list(RANK_BACKENDS)}")
+    if opts.rank_backend == "nccl" and opts.world_size > 1:
+        devices = rank_devices(opts)
+        if opts.device != "cuda":
+            raise StartupError("--rank-backend nccl needs --device cuda")
+        if len(set(devices)) < len(devices):
+            raise StartupError(
+                f"--rank-backend nccl needs one GPU per rank: {opts.world_size} ranks share "
+                f"{len(set(devices))} visible GPU(s) and NCCL refuses two ranks on one device; "
+                "use --rank-backend gloo"
+            )
 
 
 class RankRuntime:
-    """One rank's state and operations (executed identically on every rank)."""
+    """One rank's state and operations (executed identically on every rank).
 
-    def __init__(self, opts: RankOptions, rank: int, group: RankGroup | None) -> None:
+    ``group`` (the engine's own rank group) is attached after every rank has loaded; see
+    :mod:`.bootstrap` for the start-up order.
+    """
+
+    def __init__(self, opts: RankOptions, rank: int, group: RankGroup | None = None) -> None:
         self.opts = opts
         self.rank = rank
         self.group = group
-        self.device = torch.device(_device_for(opts, rank))
+        check_rank_setup(opts)
+        self.device = torch.device(rank_devices(opts)[rank])
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         config = load_config(opts.model_path)
@@ -108,19 +112,38 @@ class RankRuntime:
                 f"load_format must be 'auto' or 'dummy', got {opts.load_format!r}"
             )
 
+    def join_group(self, port: int, store: Any = None) -> None:
+        """Join the engine's rank group through the store on ``127.0.0.1:port``."""
+        self.group = RankGroup(
+            port=port,
+            rank=self.rank,
+            world_size=self.opts.world_size,
+            timeout_s=self.opts.collective_timeout_s,
+            connect_timeout_s=self.opts.start_timeout_s,
+            store=store,
+            backend=self.opts.rank_backend,
+            device=self.device,
+        )
+
     def handle(self, op: str, args: dict[str, Any]) -> Any:
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
             raise errors.BadRequest(f"rank {self.rank}: unknown operation {op!r}")
         return fn(**args)
 
+    def _sync(self) -> None:
+        """Wait for this rank's queued GPU work (copies out of buffers a sender will reuse)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---- generation ----
     def op_forward(self, sid: str, token_ids: list[int]) -> torch.Tensor | None:
+        """This step's full-vocabulary logits on rank 0 (a CPU float tensor); ``None`` elsewhere."""
         local = self.model.forward(sid, token_ids)
         if self.group is None:
-            return local
+            return local.cpu()
         full = self.group.all_gather_rows(local, self.model.rows_per_rank, self.model.vocab_size)
-        return full if self.rank == 0 else None
+        return full.cpu() if self.rank == 0 else None
 
     def op_end(self, sid: str) -> None:
         self.model.end(sid)
@@ -133,19 +156,27 @@ class RankRuntime:
 
     # ---- weights ----
     def op_stage_disk(self, model_path: str) -> None:
-        named = read_checkpoint_dir(model_path, self.model.specs)
+        check_model_path(model_path)
+        try:
+            named = read_checkpoint_dir(model_path, self.model.specs)
+        except (OSError, ValueError) as exc:  # a file vanished or became unreadable mid-read
+            raise WeightUpdateError(f"model_path {model_path!r}: cannot be read: {exc}") from exc
         self.model.stage(named.items(), where=f"rank {self.rank}")
 
     def op_stage_tensor(self, entry: Any) -> None:
         named = decode_tensor_entry(entry, rank=self.rank)
         self.model.stage(named, where=f"serialized_named_tensors[{self.rank}]")
+        self._sync()  # the sender may reuse its (CUDA IPC) buffers once we answer
 
     def op_stage_distributed(self, group_name: str, meta: UpdateMeta, flattened: bool) -> None:
         pg = self.weight_groups.get(group_name)
         if pg is None:
             raise WeightUpdateError(f"rank {self.rank}: no weight update group {group_name!r}")
-        named = receive_broadcast(pg, meta, flattened=flattened, device=self.device)
+        # gloo moves host memory: receive on the CPU and let ``stage`` copy to the device
+        device = self.device if pg.backend == "nccl" else torch.device("cpu")
+        named = receive_broadcast(pg, meta, flattened=flattened, device=device)
         self.model.stage(named, where=f"rank {self.rank}")
+        self._sync()
 
     def op_stage_ipc(self, zmq_handles: Any) -> None:
         receive_from_ipc(
@@ -153,9 +184,12 @@ class RankRuntime:
             device=self.device,
             stage=lambda named: self.model.stage(named, where=f"rank {self.rank}"),
         )
+        self._sync()
 
     def op_commit(self) -> list[str]:
-        return self.model.commit()
+        names = self.model.commit()
+        self._sync()
+        return names
 
     def op_discard(self) -> None:
         self.model.discard()
@@ -209,20 +243,33 @@ class RankRuntime:
         return self.model.local_tensors()
 
 
-def _child_main(rank: int, opts: RankOptions, store_port: int, conn: Any, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+def _error_reply(rank: int, exc: BaseException, *, starting: bool) -> tuple[str, str, str]:
+    what = f"rank {rank} failed to start" if starting else f"rank {rank}"
+    if isinstance(exc, EngineError):
+        return ("error", type(exc).__name__, f"{what}: {exc}" if starting else str(exc))
+    return ("error", "RankFailure", f"{what}: {type(exc).__name__}: {exc}")
+
+
+def child_main(rank: int, opts: RankOptions, conn: Any) -> None:
+    """Rank ``rank``'s life after :func:`.bootstrap.child_entry`: load, join, serve."""
     torch.set_num_threads(opts.torch_threads())
     try:
-        group = RankGroup(
-            port=store_port,
-            rank=rank,
-            world_size=opts.world_size,
-            timeout_s=opts.collective_timeout_s,
-        )
-        runtime = RankRuntime(opts, rank, group)
+        apply_start_fault(rank)
+        runtime = RankRuntime(opts, rank)
+        conn.send(("loaded", os.getpid(), None))
+        msg, args = conn.recv()
+        if msg != "join":  # "shutdown": rank 0 gave up starting
+            os._exit(0)
+        runtime.join_group(int(args["port"]))
+    except (EOFError, OSError) as exc:
+        if isinstance(exc, (EOFError, BrokenPipeError, ConnectionResetError)):
+            os._exit(0)  # rank 0 is gone
+        with contextlib.suppress(Exception):
+            conn.send(_error_reply(rank, exc, starting=True))
+        os._exit(1)
     except BaseException as exc:
         with contextlib.suppress(Exception):
-            conn.send(("error", type(exc).__name__, f"rank {rank} failed to start: {exc}"))
+            conn.send(_error_reply(rank, exc, starting=True))
         os._exit(1)
     conn.send(("ready", os.getpid(), None))
     while True:
@@ -237,10 +284,8 @@ def _child_main(rank: int, opts: RankOptions, store_port: int, conn: Any, parent
             if isinstance(result, torch.Tensor):
                 result = None  # tensors travel through the group, not the pipe
             conn.send(("ok", result, None))
-        except EngineError as exc:
-            conn.send(("error", type(exc).__name__, str(exc)))
         except Exception as exc:
-            conn.send(("error", "RankFailure", f"rank {rank}: {type(exc).__name__}: {exc}"))
+            conn.send(_error_reply(rank, exc, starting=False))
 
 
 def _rebuild_error(kind: str, message: str) -> EngineError:
@@ -251,72 +296,90 @@ def _rebuild_error(kind: str, message: str) -> EngineError:
 
 
 class RankSet:
-    """Rank 0's handle on all ranks: runs each operation everywhere, reports dead ranks."""
+    """Rank 0's handle on all ranks: runs each operation everywhere, reports dead ranks.
+
+    ``children`` are ranks already started by :func:`.bootstrap.spawn_ranks` (the command line
+    starts them before importing torch); without them this spawns its own. ``clock`` records
+    start-up phases.
+    """
 
     def __init__(
         self,
         opts: RankOptions,
         *,
+        children: list[RankChild] | None = None,
         on_failure: Callable[[str], None] | None = None,
-        start_timeout_s: float = 180.0,
+        clock: Any = None,
     ) -> None:
         self.opts = opts
         self.world_size = opts.world_size
         self._on_failure = on_failure
-        self._procs: list[Any] = []
-        self._conns: list[Any] = []
         self._failed: str | None = None
         self._closing = False
         torch.set_num_threads(opts.torch_threads())
-        group: RankGroup | None = None
-        if self.world_size > 1:
-            store = RankGroup.master_store(self.world_size, opts.collective_timeout_s)
-            ctx = mp.get_context("spawn")
-            for r in range(1, self.world_size):
-                parent_conn, child_conn = ctx.Pipe()
-                p = ctx.Process(
-                    target=_child_main,
-                    args=(r, opts, store.port, child_conn, os.getpid()),
-                    name=f"rollsafe-engine-rank{r}",
-                    daemon=True,
-                )
-                p.start()
-                child_conn.close()
-                self._procs.append(p)
-                self._conns.append(parent_conn)
-            try:
-                group = RankGroup(
-                    port=store.port,
-                    rank=0,
-                    world_size=self.world_size,
-                    timeout_s=opts.collective_timeout_s,
-                    store=store,
-                )
-                self.local = RankRuntime(opts, 0, group)
-                self._await_ready(time.monotonic() + start_timeout_s)
-            except BaseException:
-                self.close()
-                raise
+        if children is None and self.world_size > 1:
+            children = spawn_ranks(opts)
+        self._children = list(children or [])
+        if len(self._children) != self.world_size - 1:
+            raise StartupError(
+                f"{len(self._children)} rank processes for world size {self.world_size}"
+            )
+        self._procs = [c.proc for c in self._children]
+        self._conns = [c.conn for c in self._children]
+        deadline = time.monotonic() + opts.start_timeout_s
+        try:
+            self.local = RankRuntime(opts, 0)
+            if clock is not None:
+                clock.mark("rank0_loaded")
+            if self.world_size > 1:
+                self._await_all("loaded", deadline)
+                if clock is not None:
+                    clock.mark("ranks_loaded")
+                # the store binds its own (kernel-chosen) port before anyone is told about it
+                store = RankGroup.master_store(self.world_size, opts.start_timeout_s)
+                for conn in self._conns:
+                    conn.send(("join", {"port": int(store.port)}))
+                self.local.join_group(int(store.port), store=store)
+                self._await_all("ready", deadline)
+                if clock is not None:
+                    clock.mark("group_joined")
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        if self._procs:
             threading.Thread(target=self._watch, name="rank-watcher", daemon=True).start()
-        else:
-            self.local = RankRuntime(opts, 0, None)
 
     @property
     def rank_pids(self) -> list[int]:
         return [os.getpid()] + [int(p.pid) for p in self._procs]
 
-    def _await_ready(self, deadline: float) -> None:
-        for r, (p, conn) in enumerate(zip(self._procs, self._conns, strict=False), start=1):
-            while not conn.poll(0.1):
+    def _await_all(self, kind: str, deadline: float) -> None:
+        """Wait for every child's ``kind`` message; raise at once if one fails or dies."""
+        for child in self._children:
+            r, p, conn = child.rank, child.proc, child.conn
+            while not conn.poll(0.05):
                 if not p.is_alive():
+                    # it may have sent its reason just before exiting
+                    if conn.poll(0):
+                        break
                     raise RankFailure(
                         f"rank {r} (pid {p.pid}) exited with code {p.exitcode} at start"
                     )
                 if time.monotonic() > deadline:
-                    raise RankFailure(f"rank {r} (pid {p.pid}) not ready before the start timeout")
-            kind, a, b = conn.recv()
-            if kind != "ready":
+                    raise RankFailure(
+                        f"rank {r} (pid {p.pid}) not {kind} within the start timeout "
+                        f"({self.opts.start_timeout_s:g}s)"
+                    )
+            try:
+                got, a, b = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise RankFailure(
+                    f"rank {r} (pid {p.pid}) exited with code {p.exitcode} at start"
+                ) from exc
+            if got == "error":
                 raise _rebuild_error(a, b)
+            if got != kind:
+                raise RankFailure(f"rank {r}: expected {kind!r} at start, got {got!r}")
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: (r, p) for r, p in enumerate(self._procs, start=1)}
@@ -385,12 +448,15 @@ class RankSet:
             raise first_error
         return result
 
-    def close(self) -> None:
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop every child: ask them to exit (``graceful``), then kill what is left."""
         self._closing = True
         for conn in self._conns:
             with contextlib.suppress(Exception):
                 conn.send(("shutdown", {}))
         for p in self._procs:
-            p.join(timeout=2)
+            if graceful:
+                p.join(timeout=2)
             if p.is_alive():
                 p.kill()
+            p.join(timeout=2)

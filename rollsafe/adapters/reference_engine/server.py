@@ -16,11 +16,11 @@ import os
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from aiohttp import web
 
+from rollsafe.adapters.reference_engine.codec import TextCodec
 from rollsafe.adapters.reference_engine.engine import (
     GenerationResult,
     ReferenceEngine,
@@ -42,28 +42,6 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CTX_KEY: web.AppKey[ServerContext] = web.AppKey("rollsafe_ctx")
 MAX_BODY_KEY: web.AppKey[int] = web.AppKey("rollsafe_max_body_bytes")
-
-
-class TextCodec:
-    """Text <-> token ids with the model directory's local ``tokenizer.json`` (if any)."""
-
-    def __init__(self, model_path: str | Path) -> None:
-        self.tokenizer: Any = None
-        path = Path(model_path) / "tokenizer.json"
-        if path.is_file():
-            from tokenizers import Tokenizer
-
-            self.tokenizer = Tokenizer.from_file(str(path))
-
-    def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise BadRequest("this model directory has no tokenizer.json: send input_ids")
-        return list(self.tokenizer.encode(text).ids)
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self.tokenizer is None:
-            return ""
-        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 @dataclass
@@ -300,6 +278,7 @@ async def server_info(request: web.Request) -> web.Response:
             "ranks": e.ranks.world_size,
             "rank_pids": ctx.rank_pids,
             "weight_version": e.weight_version,
+            "tokenizer_path": str(ctx.codec.path) if ctx.codec.tokenizer is not None else None,
             "paused": e.paused,
             "released": e.released_tags,
             "running_requests": e.num_running,

@@ -23,10 +23,12 @@ import torch
 
 from rollsafe.adapters.reference_engine.errors import Unsupported, WeightUpdateError
 from rollsafe.adapters.reference_engine.model import ParamSpec
+from rollsafe.adapters.reference_engine.paths import check_dir, show_path
 from rollsafe.transports.bucket import BucketFormatError, FlatBucket, deserialize_payload
 
 __all__ = [
     "UpdateMeta",
+    "check_model_path",
     "decode_tensor_entry",
     "parse_update_meta",
     "read_checkpoint_dir",
@@ -40,9 +42,25 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def check_model_path(model_path: object) -> Path:
+    """``model_path`` of a disk update as a :class:`Path`; :class:`WeightUpdateError` if unusable.
+
+    Cheap (no file is opened); the HTTP handlers call it before queueing the update, so a bad
+    path answers 400 at once and never reaches the ranks.
+    """
+    return check_dir(model_path, what="model_path")
+
+
 def _weight_files(path: Path) -> list[Path]:
-    if not path.is_dir():
-        raise WeightUpdateError(f"model_path {str(path)!r} is not a directory")
+    try:
+        return _find_weight_files(check_model_path(path))
+    except OSError as exc:
+        raise WeightUpdateError(
+            f"model_path {show_path(path)} cannot be read: {exc.strerror or exc}"
+        ) from exc
+
+
+def _find_weight_files(path: Path) -> list[Path]:
     index = path / INDEX_FILE
     if index.is_file():
         try:
@@ -60,7 +78,9 @@ def _weight_files(path: Path) -> list[Path]:
         return [path / f for f in files]
     if (path / SINGLE_FILE).is_file():
         return [path / SINGLE_FILE]
-    raise WeightUpdateError(f"model_path {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    raise WeightUpdateError(
+        f"model_path {show_path(path)} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+    )
 
 
 def read_checkpoint_dir(

@@ -1,0 +1,639 @@
+"""HealthManager: periodic, concurrent health probes that take failed groups out of routing.
+
+Owns failure *detection* (never recovery):
+
+* one probe loop (an asyncio event loop on its own thread) runs a round every ``interval_s``,
+  or at once on :meth:`HealthManager.wake`; a round probes every group in ``probe_states``
+  (``active`` and ``pending_weights`` by default; ``inactive``/``recovering`` groups belong to
+  the recovery coordinator) concurrently, each probe bounded by ``timeout_s``;
+* async probes run on the loop itself (a thousand latency-bound probes cost one thread); sync
+  probes (the default, which calls each engine client's ``health()``) run on a bounded pool of
+  daemon threads. A probe that hangs past its timeout counts as a failure; while it is still
+  running its group is not probed again (so hung engines hold at most one pool thread each) and
+  every round counts another failure for it. A hung engine never delays the loop beyond
+  ``timeout_s``;
+* consecutive failures are counted per rank; when a rank reaches ``failure_threshold`` it is
+  reported unhealthy and the group is sent ``fail`` (the whole group leaves routing); a healthy
+  answer resets the count and reports the members healthy;
+* hand-off: each ``fail`` the manager sends is passed to ``on_group_failed(failure)`` on a
+  separate notifier thread, never on the probe loop. The callback must return quickly (enqueue
+  the group for the recovery coordinator); it is never where a recovery runs, so probes keep
+  running while recoveries do;
+* :meth:`pause` / :meth:`resume`: checks run only while engines serve (pause around offload or
+  a weight update). After :meth:`pause` returns, no probe result is applied and nothing is sent
+  until :meth:`resume`; failure counts restart from zero on resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeAlias
+
+from rollsafe.adapters.engines.errors import bound_text
+from rollsafe.fleet.registry import FleetRegistry, WorkerGroup
+from rollsafe.statemachines.base import TransitionRefused
+
+__all__ = [
+    "DEFAULT_PROBE_STATES",
+    "GroupFailure",
+    "HealthManager",
+    "HealthRound",
+    "Probe",
+    "ProbeOutcome",
+    "ProbeResult",
+    "client_health_probe",
+]
+
+log = logging.getLogger(__name__)
+
+#: What a probe returns: ``True``/``None`` (every member healthy), ``False`` (none), or a
+#: per-rank mapping (a rank missing from it counts as unhealthy). Raising counts as ``False``.
+ProbeResult: TypeAlias = bool | Mapping[int, bool] | None
+#: ``probe(group, timeout_s)``: a plain function (run on the pool) or a coroutine function (run
+#: on the probe loop). It should honour ``timeout_s`` itself where it can; the manager bounds it
+#: anyway.
+Probe: TypeAlias = Callable[[WorkerGroup, float], ProbeResult | Awaitable[ProbeResult]]
+
+#: States whose groups are probed by default.
+DEFAULT_PROBE_STATES = frozenset({"active", "pending_weights"})
+
+_MAX_REASON_CHARS = 512
+
+
+def client_health_probe(group: WorkerGroup, timeout_s: float) -> ProbeResult:
+    """The default probe: every engine client of the group answers ``health()``.
+
+    Any client failing fails the whole group (one endpoint cannot tell which rank broke).
+    """
+    if not group.clients:
+        raise ValueError(
+            f"worker group {group.group_id!r} has no engine clients; pass a probe function"
+        )
+    for client in group.clients:
+        client.health(timeout=timeout_s)
+    return True
+
+
+class ProbeOutcome(NamedTuple):
+    """One probe of one group in one round (a tuple: a round builds a thousand of these)."""
+
+    group_id: str
+    #: The ranks this probe found unhealthy (every rank when the probe failed or timed out).
+    unhealthy: tuple[int, ...]
+    duration_s: float
+    error: str | None = None
+    timed_out: bool = False
+    still_running: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.unhealthy
+
+
+@dataclass(frozen=True)
+class GroupFailure:
+    """What the manager hands to ``on_group_failed`` after it sent ``fail`` to a group."""
+
+    group_id: str
+    unhealthy_ranks: tuple[int, ...]
+    consecutive_failures: int
+    reason: str
+    timestamp: float
+
+
+@dataclass(frozen=True)
+class HealthRound:
+    """Summary of one probe round."""
+
+    started_at: float
+    duration_s: float
+    probed: int
+    healthy: int
+    failed_probes: tuple[str, ...]
+    timed_out: tuple[str, ...]
+    failed_groups: tuple[str, ...]
+    discarded: int
+    outcomes: tuple[ProbeOutcome, ...] = field(repr=False, default=())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "started_at": self.started_at,
+            "duration_s": self.duration_s,
+            "probed": self.probed,
+            "healthy": self.healthy,
+            "failed_probes": list(self.failed_probes),
+            "timed_out": list(self.timed_out),
+            "failed_groups": list(self.failed_groups),
+            "discarded": self.discarded,
+        }
+
+
+class _DaemonPool:
+    """A minimal bounded thread pool of daemon threads, grown on demand.
+
+    Unlike ``ThreadPoolExecutor`` its threads never block interpreter exit, so a probe stuck in
+    a hung engine cannot keep the trainer process alive after :meth:`HealthManager.stop`.
+    """
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        self.max_workers = max_workers
+        self.name = name
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._load = 0  # queued + running
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._load += 1
+            if self._load > len(self._threads) and len(self._threads) < self.max_workers:
+                t = threading.Thread(
+                    target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as exc:
+                        fut.set_exception(exc)
+            finally:
+                with self._lock:
+                    self._load -= 1
+
+    def shutdown(self, timeout: float) -> list[str]:
+        """Ask every worker to exit; join them for up to ``timeout`` s; return the stuck ones."""
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in threads if t.is_alive()]
+
+
+class _Notifier:
+    """Runs ``on_group_failed`` callbacks on one dedicated thread, in order."""
+
+    def __init__(self, callback: Callable[[GroupFailure], None], name: str) -> None:
+        self._callback = callback
+        self._queue: queue.SimpleQueue[GroupFailure | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-notify", daemon=True)
+        self._thread.start()
+
+    def put(self, failure: GroupFailure) -> None:
+        self._queue.put(failure)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._callback(item)
+            except Exception:
+                log.exception("on_group_failed callback raised for %s", item.group_id)
+
+    def stop(self, timeout: float) -> bool:
+        self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004  (callable objects with async __call__)
+    )
+
+
+class HealthManager:
+    """Concurrent health probing of a :class:`FleetRegistry`'s groups.
+
+    ``probe(group, timeout_s)`` defaults to :func:`client_health_probe`. ``max_workers`` sizes
+    the pool for sync probes: make it at least the number of groups you expect to probe at once
+    (probes are latency-bound, threads mostly wait); for very large simulated fleets pass an
+    async probe instead. ``on_group_failed`` is called on a notifier thread after each ``fail``
+    the manager sends; it must only enqueue (see the module docstring).
+
+    Use :meth:`start` / :meth:`stop` (or ``with``) for the periodic loop, or :meth:`check_now`
+    to run one round synchronously (tests, benchmarks, a manual check).
+    """
+
+    def __init__(
+        self,
+        registry: FleetRegistry,
+        probe: Probe | None = None,
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        failure_threshold: int = 3,
+        *,
+        max_workers: int = 64,
+        probe_states: Iterable[str] = DEFAULT_PROBE_STATES,
+        on_group_failed: Callable[[GroupFailure], None] | None = None,
+        name: str = "rollsafe-health",
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self.registry = registry
+        self.probe: Probe = probe if probe is not None else client_health_probe
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.failure_threshold = failure_threshold
+        self.probe_states = frozenset(probe_states)
+        self.name = name
+        self._async_probe = _is_async(self.probe)
+        self._pool = _DaemonPool(max_workers, f"{name}-probe")
+        self._notifier = (
+            _Notifier(on_group_failed, name) if on_group_failed is not None else None
+        )
+        # Held while a probe result is applied (reports, fail); pause() takes it too, so after
+        # pause() returns nothing more is applied.
+        self._apply_lock = threading.RLock()
+        self._paused = False
+        self._epoch = 0
+        self._failures: dict[str, dict[int, int]] = {}
+        self._inflight: dict[str, concurrent.futures.Future[Any]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake_event: asyncio.Event | None = None
+        self._round_lock: asyncio.Lock | None = None
+        self._offline_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopping = False
+        self._rounds = 0
+        self._groups_failed = 0
+        self._last_round: HealthRound | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> HealthManager:
+        """Start the periodic probe loop on its own thread (idempotent)."""
+        if self._thread is not None and self._thread.is_alive():
+            return self
+        if self._stopping:
+            raise RuntimeError(f"{self.name}: a stopped HealthManager cannot be restarted")
+        self._ready.clear()
+        self._thread = threading.Thread(target=self._run_loop, name=self.name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the loop and join its thread, the notifier and the probe pool.
+
+        Returns True when everything joined within ``timeout``; a probe still stuck in a hung
+        engine is left on its daemon thread (logged) and makes this return False.
+        """
+        deadline = time.monotonic() + timeout
+        with self._apply_lock:
+            self._stopping = True
+            self._epoch += 1
+        clean = True
+        thread = self._thread
+        if thread is not None:
+            self._poke()
+            thread.join(max(0.0, deadline - time.monotonic()))
+            clean = not thread.is_alive()
+        if self._notifier is not None:
+            clean = self._notifier.stop(max(0.0, deadline - time.monotonic())) and clean
+        stuck = self._pool.shutdown(max(0.0, min(0.5, deadline - time.monotonic())))
+        if stuck:
+            log.warning("%s: %d probe thread(s) still stuck in hung engines", self.name,
+                        len(stuck))
+            clean = False
+        return clean
+
+    def __enter__(self) -> HealthManager:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def pause(self) -> None:
+        """Stop checking (engines offloaded or updating); returns once no result is applying."""
+        with self._apply_lock:
+            self._paused = True
+            self._epoch += 1
+
+    def resume(self) -> None:
+        """Resume checking with fresh failure counts, and probe at once."""
+        with self._apply_lock:
+            self._paused = False
+            self._epoch += 1
+            self._failures.clear()
+        self.wake()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def wake(self) -> None:
+        """Probe now (e.g. a request just failed on a group) instead of at the next interval."""
+        self._poke()
+
+    def _poke(self) -> None:
+        loop, event = self._loop, self._wake_event
+        if loop is not None and event is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                loop.call_soon_threadsafe(event.set)
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def rounds(self) -> int:
+        """Rounds run so far."""
+        return self._rounds
+
+    @property
+    def last_round(self) -> HealthRound | None:
+        return self._last_round
+
+    def failure_counts(self) -> dict[str, dict[int, int]]:
+        """Consecutive failures per group and rank (only non-zero counts)."""
+        with self._apply_lock:
+            return {g: dict(c) for g, c in self._failures.items() if c}
+
+    def stats(self) -> dict[str, Any]:
+        last = self._last_round
+        return {
+            "running": self.running,
+            "paused": self._paused,
+            "rounds": self._rounds,
+            "groups_failed": self._groups_failed,
+            "probe_threads": self._pool.threads,
+            "failure_counts": {
+                g: {str(r): n for r, n in c.items()} for g, c in self.failure_counts().items()
+            },
+            "last_round": last.as_dict() if last is not None else None,
+        }
+
+    # ------------------------------------------------------------------ one round
+    def check_now(self, timeout: float | None = None) -> HealthRound:
+        """Run one round now and return its summary (also while the loop runs).
+
+        Runs even while paused, but a paused manager applies nothing (``discarded`` counts
+        them).
+        """
+        loop = self._loop
+        if loop is not None and self.running:
+            fut = asyncio.run_coroutine_threadsafe(self._serialized_round(), loop)
+            return fut.result(timeout)
+        with self._offline_lock:
+            return asyncio.run(self._round())
+
+    async def _serialized_round(self) -> HealthRound:
+        assert self._round_lock is not None
+        async with self._round_lock:
+            return await self._round()
+
+    def _run_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._main(loop))
+        finally:
+            self._loop = None
+            self._wake_event = None
+            loop.close()
+
+    async def _main(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._wake_event = asyncio.Event()
+        self._round_lock = asyncio.Lock()
+        self._loop = loop
+        self._ready.set()
+        while not self._stopping:
+            began = time.monotonic()
+            if not self._paused:
+                try:
+                    await self._serialized_round()
+                except Exception:  # a bug in a probe wrapper must not end health checking
+                    log.exception("%s: health round failed", self.name)
+            wait = self.interval_s - (time.monotonic() - began)
+            if wait > 0 and not self._stopping:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake_event.wait(), wait)
+            self._wake_event.clear()
+
+    async def _round(self) -> HealthRound:
+        # Cheap by construction (1,000 probes per round must cost little more than one): one
+        # task per probe that awaits the probe itself and applies its answer inline, no
+        # per-probe timers or callbacks; one deadline, ``timeout_s`` from the start of the
+        # round, cancels the probes that did not answer and counts them as timed out.
+        epoch = self._epoch
+        started_at = time.time()
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        groups = [g for g in self.registry.groups() if g.machine.state in self.probe_states]
+        results: list[tuple[ProbeOutcome, bool, bool]] = []
+        running: dict[str, tuple[asyncio.Task[None], WorkerGroup, int]] = {}
+        all_done: asyncio.Future[None] = loop.create_future()
+        closed = False
+
+        def record(group: WorkerGroup, outcome: ProbeOutcome, generation: int) -> None:
+            results.append((outcome, *self._apply(group, outcome, epoch, generation)))
+
+        async def probe_one(group: WorkerGroup, generation: int) -> None:
+            try:
+                if self._async_probe:
+                    value = await self.probe(group, self.timeout_s)  # type: ignore[misc]
+                else:
+                    value = await self._sync_probe(group)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                outcome = self._outcome(group, t0, None, f"{type(exc).__name__}: {exc}")
+            else:
+                outcome = self._outcome(group, t0, value, None)
+            if closed:  # answered after the deadline; the round already counted it
+                return
+            del running[group.group_id]
+            record(group, outcome, generation)
+            if not running:
+                _resolve(all_done)
+
+        for group in groups:
+            generation = group.generation
+            hung = self._still_running(group, t0)
+            if hung is not None:
+                record(group, hung, generation)
+                continue
+            running[group.group_id] = (
+                loop.create_task(probe_one(group, generation)), group, generation
+            )
+        if running:
+            deadline = loop.call_later(self.timeout_s, _resolve, all_done)
+            await all_done
+            deadline.cancel()
+            closed = True
+            for task, group, generation in list(running.values()):
+                task.cancel()  # a running sync probe keeps its thread until the engine answers
+                outcome = self._outcome(
+                    group, t0, None, f"no answer within {self.timeout_s}s", timed_out=True
+                )
+                record(group, outcome, generation)
+            running.clear()
+        duration = time.monotonic() - t0
+        outcomes = tuple(o for o, _, _ in results)
+        summary = HealthRound(
+            started_at=started_at,
+            duration_s=duration,
+            probed=len(outcomes),
+            healthy=sum(1 for o in outcomes if o.ok),
+            failed_probes=tuple(o.group_id for o in outcomes if not o.ok),
+            timed_out=tuple(o.group_id for o in outcomes if o.timed_out),
+            failed_groups=tuple(o.group_id for o, failed, _ in results if failed),
+            discarded=sum(1 for _, _, applied in results if not applied),
+            outcomes=outcomes,
+        )
+        self._rounds += 1
+        self._last_round = summary
+        return summary
+
+    def _still_running(self, group: WorkerGroup, t0: float) -> ProbeOutcome | None:
+        """A failure outcome if this group's previous sync probe is still stuck, else None."""
+        if self._async_probe:
+            return None
+        previous = self._inflight.get(group.group_id)
+        if previous is None or previous.done():
+            return None
+        return self._outcome(group, t0, None, "previous probe still running (hung)",
+                             still_running=True)
+
+    async def _sync_probe(self, group: WorkerGroup) -> Any:
+        cfut = self._pool.submit(self.probe, group, self.timeout_s)
+        self._inflight[group.group_id] = cfut
+        return await asyncio.wrap_future(cfut)
+
+    def _outcome(
+        self,
+        group: WorkerGroup,
+        t0: float,
+        value: Any,
+        error: str | None,
+        *,
+        timed_out: bool = False,
+        still_running: bool = False,
+    ) -> ProbeOutcome:
+        duration = time.monotonic() - t0
+        if error is None and (value is True or value is None):
+            return ProbeOutcome(group.group_id, (), duration)
+        if error is not None:
+            bad = group.ranks
+        elif value is False:
+            bad = group.ranks
+            error = "probe answered unhealthy"
+        elif isinstance(value, Mapping):
+            bad = tuple(r for r in group.ranks if not value.get(r, False))
+            if bad:
+                error = f"probe answered rank(s) {list(bad)} unhealthy"
+        else:
+            bad = group.ranks
+            error = f"probe returned {type(value).__name__}, expected bool or rank mapping"
+        return ProbeOutcome(
+            group.group_id,
+            bad,
+            duration,
+            None if error is None else bound_text(error, _MAX_REASON_CHARS),
+            timed_out,
+            still_running,
+        )
+
+    def _apply(
+        self, group: WorkerGroup, outcome: ProbeOutcome, epoch: int, generation: int
+    ) -> tuple[bool, bool]:
+        """Apply one outcome; return (sent fail, applied at all)."""
+        gid = group.group_id
+        with self._apply_lock:
+            if self._paused or self._stopping or epoch != self._epoch:
+                return False, False
+            if (
+                group.generation != generation
+                or group.machine.state not in self.probe_states
+                or gid not in self.registry
+            ):
+                # The group moved while we probed (failed, recovered, retired): this answer is
+                # about an incarnation that no longer exists.
+                self._failures.pop(gid, None)
+                return False, False
+            counts = self._failures.get(gid)
+            if counts is None:
+                counts = self._failures[gid] = {}
+            unhealthy = outcome.unhealthy
+            at_threshold: list[int] = []
+            for rank in unhealthy:
+                n = counts.get(rank, 0) + 1
+                counts[rank] = n
+                if n >= self.failure_threshold:
+                    at_threshold.append(rank)
+            if len(unhealthy) < len(group.ranks):
+                # Report healthy only what changed: the common all-healthy round stays cheap.
+                for rank, fact in group.machine.members.items():
+                    if rank in unhealthy:
+                        continue
+                    counts.pop(rank, None)
+                    if not fact.healthy:
+                        self.registry.report_member(gid, rank, healthy=True)
+            if not at_threshold:
+                return False, True
+            for rank in at_threshold:
+                self.registry.report_member(gid, rank, healthy=False)
+            worst = max(counts[r] for r in at_threshold)
+            try:
+                self.registry.send(gid, "fail")
+            except TransitionRefused as exc:
+                log.info("%s: could not fail group %s: %s", self.name, gid, exc)
+                return False, True
+            self._failures.pop(gid, None)
+            self._groups_failed += 1
+            failure = GroupFailure(
+                gid,
+                tuple(at_threshold),
+                worst,
+                outcome.error or "unhealthy",
+                time.time(),
+            )
+            log.warning(
+                "%s: group %s failed %d consecutive probe(s) on rank(s) %s: %s; taken out of "
+                "routing",
+                self.name, gid, worst, list(at_threshold), failure.reason,
+            )
+        if self._notifier is not None:
+            self._notifier.put(failure)
+        return True, True

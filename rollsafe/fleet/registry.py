@@ -1,0 +1,590 @@
+"""FleetRegistry: the fleet's worker groups, their lifecycle machines and their listeners.
+
+Owns four things:
+
+* the table of worker groups (:class:`WorkerGroup`: id, ranks, engine clients/endpoints, one
+  :class:`~rollsafe.statemachines.worker_group.WorkerGroupLifecycle` each), with ranks unique
+  across the whole fleet;
+* the fleet's current weights version (:attr:`FleetRegistry.fleet_version`), which never
+  decreases and is passed to the machines' guards as ``current_version=`` automatically;
+* event delivery: :meth:`FleetRegistry.send` feeds an event to one group's machine under that
+  group's lock, then notifies listeners (``on_transition``, ``on_group_active``,
+  ``on_group_inactive``, ``on_group_pending_weights``, ``on_group_retired``) OUTSIDE every lock,
+  in transition order;
+* the per-group dispatch gate the router uses (:meth:`WorkerGroup.begin_request`): whether a
+  group may take a request is decided under the same lock that transitions take, and every
+  dispatch is counted by the state the group was in, so "no request reached a non-routable
+  group" is checkable after the fact (:meth:`FleetRegistry.dispatch_counts`).
+
+Listeners must return quickly: they run on the thread that sent the event (a health probe loop,
+a router, a recovery worker). A listener that has real work to do should enqueue it.
+A listener may call back into the registry (even ``send``); such nested notifications are
+delivered after the current listener returns, never recursively and never under a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollsafe.adapters.engines.client import EngineClient
+from rollsafe.adapters.engines.errors import bound_text
+from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
+
+__all__ = [
+    "LISTENER_HOOKS",
+    "DuplicateGroup",
+    "FleetError",
+    "FleetListener",
+    "FleetRegistry",
+    "FleetVersionRegression",
+    "GroupTransition",
+    "OverlappingRanks",
+    "UnknownGroup",
+    "WorkerGroup",
+]
+
+log = logging.getLogger(__name__)
+
+#: Events whose guards read the fleet's current version; :meth:`FleetRegistry.send` passes
+#: ``current_version=fleet_version`` to them unless the caller gave one.
+VERSIONED_EVENTS = frozenset({"launched", "restarted", "weights_loaded", "mark_stale"})
+
+#: The hook names a listener may implement (any subset).
+LISTENER_HOOKS = (
+    "on_transition",
+    "on_group_active",
+    "on_group_inactive",
+    "on_group_pending_weights",
+    "on_group_retired",
+)
+
+#: Transitions kept per group for :meth:`FleetRegistry.snapshot`.
+SNAPSHOT_TRANSITIONS = 8
+
+
+class FleetError(Exception):
+    """Base class of the fleet control plane's errors."""
+
+
+class UnknownGroup(FleetError, KeyError):
+    """No group with this id is registered."""
+
+    def __init__(self, group_id: str, known: Iterable[str] = ()) -> None:
+        self.group_id = group_id
+        names = sorted(known)
+        shown = names[:16] + (["..."] if len(names) > 16 else [])
+        super().__init__(f"unknown worker group {group_id!r} (registered: {shown})")
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class DuplicateGroup(FleetError, ValueError):
+    """A group with this id is already registered."""
+
+    def __init__(self, group_id: str) -> None:
+        self.group_id = group_id
+        super().__init__(f"worker group {group_id!r} is already registered")
+
+
+class OverlappingRanks(FleetError, ValueError):
+    """A new group claims ranks that already belong to another group."""
+
+    def __init__(self, group_id: str, other_group: str, ranks: Sequence[int]) -> None:
+        self.group_id = group_id
+        self.other_group = other_group
+        self.ranks = tuple(ranks)
+        super().__init__(
+            f"worker group {group_id!r} claims rank(s) {list(self.ranks)} already owned by "
+            f"group {other_group!r}; ranks must be unique across the fleet"
+        )
+
+
+class FleetVersionRegression(FleetError, ValueError):
+    """Someone tried to move the fleet's weights version backwards."""
+
+    def __init__(self, current: int, requested: int) -> None:
+        self.current = current
+        self.requested = requested
+        super().__init__(
+            f"fleet version can never decrease: it is {current}, refused to set {requested}"
+        )
+
+
+@dataclass(frozen=True)
+class GroupTransition:
+    """One transition of one group, as seen by the registry (handed to ``on_transition``)."""
+
+    seq: int
+    group_id: str
+    event: str
+    source: str
+    target: str
+    timestamp: float
+    fleet_version: int
+
+    @property
+    def left_routing(self) -> bool:
+        """The group was routable before and is not any more."""
+        return self.source == "active" and self.target != "active"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "group": self.group_id,
+            "event": self.event,
+            "source": self.source,
+            "target": self.target,
+            "timestamp": self.timestamp,
+            "fleet_version": self.fleet_version,
+        }
+
+
+class FleetListener:
+    """Convenience base class: override the hooks you need (all default to doing nothing).
+
+    Any object with at least one of :data:`LISTENER_HOOKS` can be registered; subclassing this is
+    optional. Hooks run outside every lock, on the thread that sent the event, and must return
+    quickly (enqueue real work).
+    """
+
+    def on_transition(self, group: WorkerGroup, record: GroupTransition) -> None:
+        """Every transition of every group."""
+
+    def on_group_active(self, group: WorkerGroup) -> None:
+        """A group entered ``active`` (routable)."""
+
+    def on_group_inactive(self, group: WorkerGroup) -> None:
+        """A group entered ``inactive`` (failed, or a restart failed)."""
+
+    def on_group_pending_weights(self, group: WorkerGroup) -> None:
+        """A group entered ``pending_weights`` (healthy, but not at the fleet's version)."""
+
+    def on_group_retired(self, group: WorkerGroup) -> None:
+        """A group was retired (restart budget spent, or removed)."""
+
+
+_TARGET_HOOK = {
+    "active": "on_group_active",
+    "inactive": "on_group_inactive",
+    "pending_weights": "on_group_pending_weights",
+    "retired": "on_group_retired",
+}
+
+
+@dataclass(eq=False)
+class WorkerGroup:
+    """One worker group: its ranks, its engine clients and its lifecycle machine.
+
+    ``clients[0]`` is the endpoint requests go to; a multi-endpoint group (several nodes) lists
+    the others after it, and the default health probe checks them all. Simulated groups may have
+    no clients (health then comes from a probe function).
+
+    Request accounting (``outstanding``, dispatch counts) is guarded by the group's lock, the
+    same lock :meth:`FleetRegistry.send` holds while the machine transitions.
+    """
+
+    group_id: str
+    ranks: tuple[int, ...]
+    machine: WorkerGroupLifecycle
+    clients: tuple[EngineClient, ...] = ()
+    endpoints: tuple[str, ...] = ()
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _outstanding: int = field(default=0, repr=False)
+    _dispatched: Counter[str] = field(default_factory=Counter, repr=False)
+    _served: int = field(default=0, repr=False)
+    _failed: int = field(default=0, repr=False)
+    _last_error: str | None = field(default=None, repr=False)
+    _transitions: deque[GroupTransition] = field(
+        default_factory=lambda: deque(maxlen=SNAPSHOT_TRANSITIONS), repr=False
+    )
+    _generation: int = field(default=0, repr=False)
+
+    @property
+    def state(self) -> str:
+        """The machine's current state id (``"active"``, ``"inactive"``...)."""
+        return self.machine.state
+
+    @property
+    def is_routable(self) -> bool:
+        """True only in ``active``."""
+        return self.machine.is_routable
+
+    @property
+    def client(self) -> EngineClient | None:
+        """The client requests are sent to (``clients[0]``), or None for a simulated group."""
+        return self.clients[0] if self.clients else None
+
+    @property
+    def outstanding(self) -> int:
+        """Requests dispatched to this group and not finished yet."""
+        return self._outstanding
+
+    @property
+    def generation(self) -> int:
+        """How many transitions this group has taken through the registry (a change counter)."""
+        return self._generation
+
+    @property
+    def last_error(self) -> str | None:
+        """The last request error seen on this group (bounded text)."""
+        return self._last_error
+
+    def dispatch_counts(self) -> dict[str, int]:
+        """Requests dispatched to this group, keyed by the state it was in at dispatch."""
+        with self._lock:
+            return dict(self._dispatched)
+
+    def begin_request(self) -> str | None:
+        """Admit one request if the group is routable now; return the state, or None.
+
+        The check and the accounting happen under the group's lock, which every transition of
+        this group also takes: a request is admitted only while the group is ``active``.
+        """
+        with self._lock:
+            state = self.machine.state
+            if state != "active":
+                return None
+            self._outstanding += 1
+            self._dispatched[state] += 1
+            return state
+
+    def end_request(self, *, ok: bool, error: str | None = None) -> None:
+        """Finish a request admitted by :meth:`begin_request`."""
+        with self._lock:
+            self._outstanding = max(0, self._outstanding - 1)
+            if ok:
+                self._served += 1
+            else:
+                self._failed += 1
+                if error is not None:
+                    self._last_error = bound_text(error)
+
+    def recent_transitions(self) -> list[GroupTransition]:
+        with self._lock:
+            return list(self._transitions)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly view of this group (used by :meth:`FleetRegistry.snapshot`)."""
+        with self._lock:
+            machine = self.machine
+            members = machine.members
+            return {
+                "group_id": self.group_id,
+                "state": machine.state,
+                "routable": machine.is_routable,
+                "ranks": list(self.ranks),
+                "endpoints": list(self.endpoints),
+                "restart_budget": machine.restart_budget,
+                "members": {
+                    str(rank): {
+                        "known": m.known,
+                        "healthy": m.healthy,
+                        "weights_version": m.weights_version,
+                    }
+                    for rank, m in members.items()
+                },
+                "requests": {
+                    "outstanding": self._outstanding,
+                    "served": self._served,
+                    "failed": self._failed,
+                    "dispatched_by_state": dict(self._dispatched),
+                    "last_error": self._last_error,
+                },
+                "last_transitions": [t.as_dict() for t in self._transitions],
+                "metadata": {str(k): _jsonable(v) for k, v in self.metadata.items()},
+            }
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return bound_text(repr(value), 200)
+
+
+Notification = tuple[WorkerGroup, GroupTransition]
+
+
+class FleetRegistry:
+    """Thread-safe table of worker groups and the single door to their lifecycle machines.
+
+    Locks: one registry lock for the table, listeners and version (never held while a machine
+    transitions or a listener runs), and one lock per group held while its machine transitions
+    and while the router admits a request. Listener calls happen after every lock is released.
+    """
+
+    def __init__(self, *, fleet_version: int = 0, listeners: Iterable[object] = ()) -> None:
+        if fleet_version < 0:
+            raise ValueError(f"fleet_version must be >= 0, got {fleet_version}")
+        self._lock = threading.RLock()
+        self._groups: dict[str, WorkerGroup] = {}
+        self._rank_owner: dict[int, str] = {}
+        self._version = fleet_version
+        self._listeners: tuple[object, ...] = ()
+        self._seq = 0
+        # Ordered, non-recursive listener delivery: notifications queue here; one thread at a
+        # time drains the queue (outside every lock), so listeners see transitions in order.
+        self._pending: deque[Notification] = deque()
+        self._deliver_lock = threading.Lock()
+        self._draining = False
+        self._listener_errors = 0
+        for listener in listeners:
+            self.add_listener(listener)
+
+    # ------------------------------------------------------------------ listeners
+    def add_listener(self, listener: object) -> None:
+        """Register ``listener`` (any object with at least one of :data:`LISTENER_HOOKS`)."""
+        if not any(callable(getattr(listener, h, None)) for h in LISTENER_HOOKS):
+            raise TypeError(
+                f"{listener!r} is not a fleet listener: it has none of {list(LISTENER_HOOKS)}"
+            )
+        with self._lock:
+            if any(existing is listener for existing in self._listeners):
+                return
+            self._listeners = (*self._listeners, listener)
+
+    def remove_listener(self, listener: object) -> None:
+        """Unregister ``listener`` (no error if it was not registered)."""
+        with self._lock:
+            self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+    @property
+    def listener_errors(self) -> int:
+        """How many listener calls raised (each is logged and skipped)."""
+        return self._listener_errors
+
+    # ------------------------------------------------------------------ version
+    @property
+    def fleet_version(self) -> int:
+        """The weights version the fleet serves now; never decreases."""
+        return self._version
+
+    @fleet_version.setter
+    def fleet_version(self, version: int) -> None:
+        self.set_fleet_version(version)
+
+    def set_fleet_version(self, version: int) -> int:
+        """Move the fleet to ``version`` (equal is a no-op; lower raises, changing nothing)."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"fleet version must be an int, got {version!r}")
+        with self._lock:
+            if version < self._version:
+                raise FleetVersionRegression(self._version, version)
+            self._version = version
+            return version
+
+    # ------------------------------------------------------------------ groups
+    def add_group(
+        self,
+        group_id: str,
+        ranks: Iterable[int],
+        *,
+        clients: Sequence[EngineClient] = (),
+        endpoints: Sequence[str] | None = None,
+        restart_budget: int = 3,
+        metadata: Mapping[str, Any] | None = None,
+        machine: WorkerGroupLifecycle | None = None,
+    ) -> WorkerGroup:
+        """Register a group in ``launching`` (or with a given ``machine``) and return it.
+
+        Fails loudly and changes nothing on a duplicate id (:class:`DuplicateGroup`), ranks owned
+        by another group (:class:`OverlappingRanks`) or repeated/empty ranks (``ValueError``).
+        ``endpoints`` default to the clients' URLs.
+        """
+        if not isinstance(group_id, str) or not group_id:
+            raise ValueError(f"group_id must be a non-empty string, got {group_id!r}")
+        rank_list = [int(r) for r in ranks]
+        if machine is None:
+            machine = WorkerGroupLifecycle(rank_list, restart_budget=restart_budget,
+                                           group_id=group_id)
+        elif tuple(machine.ranks) != tuple(rank_list):
+            raise ValueError(
+                f"group {group_id!r}: machine ranks {list(machine.ranks)} != ranks {rank_list}"
+            )
+        client_tuple = tuple(clients)
+        eps = tuple(endpoints) if endpoints is not None else tuple(c.url for c in client_tuple)
+        group = WorkerGroup(
+            group_id=group_id,
+            ranks=tuple(rank_list),
+            machine=machine,
+            clients=client_tuple,
+            endpoints=eps,
+            metadata=dict(metadata or {}),
+        )
+        with self._lock:
+            if group_id in self._groups:
+                raise DuplicateGroup(group_id)
+            clashes: dict[str, list[int]] = {}
+            for r in rank_list:
+                owner = self._rank_owner.get(r)
+                if owner is not None:
+                    clashes.setdefault(owner, []).append(r)
+            if clashes:
+                other, overlap = sorted(clashes.items())[0]
+                raise OverlappingRanks(group_id, other, overlap)
+            self._groups[group_id] = group
+            for r in rank_list:
+                self._rank_owner[r] = group_id
+        return group
+
+    def remove_group(self, group_id: str, *, retire: bool = True) -> WorkerGroup:
+        """Unregister a group, retiring it first (listeners see ``retired``); return it.
+
+        Its ranks become free for a new group.
+        """
+        group = self.get(group_id)
+        if retire and group.state != "retired":
+            self.send(group_id, "retire")
+        with self._lock:
+            if self._groups.get(group_id) is group:
+                del self._groups[group_id]
+                for r in group.ranks:
+                    if self._rank_owner.get(r) == group_id:
+                        del self._rank_owner[r]
+        return group
+
+    def get(self, group_id: str) -> WorkerGroup:
+        """The group ``group_id``; :class:`UnknownGroup` if none."""
+        group = self._groups.get(group_id)
+        if group is None:
+            with self._lock:
+                raise UnknownGroup(group_id, list(self._groups))
+        return group
+
+    def __contains__(self, group_id: object) -> bool:
+        return group_id in self._groups
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def groups(self) -> list[WorkerGroup]:
+        """Every registered group, in registration order."""
+        with self._lock:
+            return list(self._groups.values())
+
+    def routable(self) -> list[WorkerGroup]:
+        """The groups in ``active`` right now (a point-in-time view; the router re-checks)."""
+        return [g for g in self.groups() if g.machine.is_routable]
+
+    def group_of_rank(self, rank: int) -> WorkerGroup:
+        """The group owning ``rank``; ``KeyError`` naming the rank if none."""
+        with self._lock:
+            gid = self._rank_owner.get(rank)
+        if gid is None:
+            raise KeyError(f"rank {rank} belongs to no registered worker group")
+        return self.get(gid)
+
+    # ------------------------------------------------------------------ events
+    def send(self, group_id: str, event: str, **kwargs: Any) -> GroupTransition:
+        """Send ``event`` to the group's machine; notify listeners; return the transition.
+
+        ``current_version=`` is filled in with :attr:`fleet_version` for the events whose guards
+        need it. A refused event raises the machine's
+        :class:`~rollsafe.statemachines.base.TransitionRefused` and notifies nobody.
+        """
+        group = self.get(group_id)
+        if event in VERSIONED_EVENTS and "current_version" not in kwargs:
+            kwargs["current_version"] = self._version
+        with group._lock:
+            source = group.machine.state
+            group.machine.send(event, **kwargs)
+            target = group.machine.state
+            with self._lock:
+                self._seq += 1
+                seq = self._seq
+                version = self._version
+            record = GroupTransition(seq, group_id, event, source, target, time.time(), version)
+            group._transitions.append(record)
+            group._generation += 1
+            self._pending.append((group, record))
+        self._deliver()
+        return record
+
+    def can(self, group_id: str, event: str, **kwargs: Any) -> bool:
+        """Whether ``event`` would be taken now (with the fleet version filled in as by send)."""
+        group = self.get(group_id)
+        if event in VERSIONED_EVENTS and "current_version" not in kwargs:
+            kwargs["current_version"] = self._version
+        return group.machine.can(event, **kwargs)
+
+    def report_member(
+        self, group_id: str, rank: int, *, healthy: bool, weights_version: int | None = None
+    ) -> None:
+        """Record a probe's or engine's word about one rank (feeds guards; no transition)."""
+        self.get(group_id).machine.report_member(
+            rank, healthy=healthy, weights_version=weights_version
+        )
+
+    def forget_member(self, group_id: str, rank: int) -> None:
+        """Mark one rank unknown (its process vanished without a report)."""
+        self.get(group_id).machine.forget_member(rank)
+
+    # ------------------------------------------------------------------ inspection
+    def dispatch_counts(self) -> dict[str, dict[str, int]]:
+        """Requests admitted per group, keyed by the group's state at admission.
+
+        By construction every key is ``"active"``; chaos tests assert exactly that.
+        """
+        return {g.group_id: g.dispatch_counts() for g in self.groups()}
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-friendly view: fleet version, and per group state, members, routable, requests
+        and last transitions."""
+        groups = self.groups()
+        return {
+            "fleet_version": self._version,
+            "routable": [g.group_id for g in groups if g.is_routable],
+            "listener_errors": self._listener_errors,
+            "groups": {g.group_id: g.describe() for g in groups},
+        }
+
+    # ------------------------------------------------------------------ delivery
+    def _deliver(self) -> None:
+        while True:
+            with self._deliver_lock:
+                if self._draining or not self._pending:
+                    return
+                self._draining = True
+            try:
+                while True:
+                    with self._deliver_lock:
+                        if not self._pending:
+                            self._draining = False
+                            break
+                        group, record = self._pending.popleft()
+                    self._notify(group, record)
+            except BaseException:
+                with self._deliver_lock:
+                    self._draining = False
+                raise
+
+    def _notify(self, group: WorkerGroup, record: GroupTransition) -> None:
+        listeners = self._listeners
+        if not listeners:
+            return
+        hook = _TARGET_HOOK.get(record.target) if record.target != record.source else None
+        for listener in listeners:
+            self._call(listener, "on_transition", group, record)
+            if hook is not None:
+                self._call(listener, hook, group)
+
+    def _call(self, listener: object, hook: str, *args: Any) -> None:
+        fn: Callable[..., Any] | None = getattr(listener, hook, None)
+        if fn is None:
+            return
+        try:
+            fn(*args)
+        except Exception:
+            self._listener_errors += 1
+            log.exception("fleet listener %r.%s raised; continuing", listener, hook)

@@ -1,0 +1,165 @@
+"""The ``nccl`` transport (gloo on CPU) against real reference engines.
+
+Two engines serve the whole module (1 rank and 2 ranks, from model A); the trainer holds model
+B. Checks: both engines updated (checksum and greedy output equal the trainer's); a subset
+re-sync updates only the named engine; an engine SIGKILLed during a broadcast fails only its
+own target (groups are per target) with every thread finishing; an engine that refuses a bucket
+is reported at once, not after the group timeout; a failed register publishes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import (
+    EngineProcess,
+    engine_factory,  # noqa: F401  (fixture)
+    module_engine,
+    tiny_model_dir,  # noqa: F401  (fixture)
+    tiny_model_dir_b,  # noqa: F401  (fixture)
+    wait_for,
+)
+from transport_helpers import KillingClient, Trainer, assert_serves, target, transport_threads
+
+from rollsafe.checksum import weights_checksum
+from rollsafe.transports import NCCLTransport, RegisterError, TransportError
+
+SMALL_BUCKET = 96 << 10
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def one(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(request, tiny_model_dir, ranks=1)
+
+
+@pytest.fixture(scope="module")
+def two(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(request, tiny_model_dir, ranks=2)
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir_b: Path) -> Trainer:  # noqa: F811
+    return Trainer(tiny_model_dir_b)
+
+
+def transport(world_size: int = 3) -> NCCLTransport:
+    return NCCLTransport(world_size, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT)
+
+
+def no_groups_left(eng: EngineProcess) -> bool:
+    """The engine kept no weight-update group (a destroy of a made-up name says so)."""
+    r = eng.post("/destroy_weights_update_group", {"group_name": "rollsafe-probe"})
+    return r.status_code == 400 and "no weight update group" in r.text
+
+
+def test_update_one_and_two_rank_engines_then_subset(
+    one: EngineProcess, two: EngineProcess, trainer: Trainer
+) -> None:
+    tr = transport()
+    assert tr.resolved_backend() == "gloo"
+    tr.register(trainer.weights(), 1)
+    report = tr.update([target("one", one, (0,)), target("two", two, (1, 2))])
+    assert report.ok, report.results
+    assert_serves(one, trainer, 1)
+    assert_serves(two, trainer, 1)
+
+    # subset re-sync: only "two" gets version 2; "one" keeps version 1 untouched
+    one_before = one.checksum()
+    trainer.perturb(seed=3)
+    tr.register(trainer.weights(), 2)
+    report = tr.update([target("two", two, (1, 2))])
+    assert report.ok and list(report.results) == ["two"], report.results
+    assert_serves(two, trainer, 2)
+    assert one.checksum() == one_before
+    assert tr.registration.failed_targets == []
+    assert transport_threads() == []
+
+
+def test_engine_killed_during_broadcast_fails_only_its_target(
+    engine_factory,  # noqa: F811
+    one: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+    trainer: Trainer,
+) -> None:
+    doomed = engine_factory(tiny_model_dir, ranks=1)
+    trainer.perturb(seed=5)
+    # large buckets relative to the kill delay: the kill lands while bucket 2 is in flight
+    tr = transport(2)
+    tr.register(trainer.weights(), 5)
+    killer = KillingClient(
+        target("d", doomed, (1,)).client,
+        doomed,
+        "update_weights_from_distributed",
+        n=2,
+        delay=0.01,
+    )
+    t0 = time.monotonic()
+    report = tr.update([target("one", one, (0,)), target("doomed", doomed, (1,), killer)])
+    elapsed = time.monotonic() - t0
+    assert killer.killed.is_set()
+    assert report.succeeded == ["one"] and report.failed == ["doomed"], report.results
+    reason = report.results["doomed"].reason
+    assert "target 'doomed'" in reason and "bucket" in reason
+    assert elapsed < TIMEOUT / 2  # a dead peer is detected, not waited out
+    assert tr.registration.state == "registered" and tr.registration.failed_targets == [1]
+    assert_serves(one, trainer, 5)
+    assert no_groups_left(one)
+    assert wait_for(lambda: transport_threads() == [], 10)
+
+
+def test_refused_bucket_is_reported_at_once(one: EngineProcess, trainer: Trainer) -> None:
+    weights = trainer.weights()
+    weights["model.not_in_engine"] = torch.zeros(8)  # the engine refuses the bucket holding it
+    tr = transport(1)
+    tr.register(weights, 8)
+    t0 = time.monotonic()
+    report = tr.update([target("one", one, (0,))])
+    assert time.monotonic() - t0 < TIMEOUT / 2
+    assert report.failed == ["one"]
+    assert "model.not_in_engine" in report.results["one"].reason
+    assert one.healthy() and no_groups_left(one)
+    # the engine still takes a correct update afterwards
+    tr.register(trainer.weights(), 9)
+    assert tr.update([target("one", one, (0,))]).ok
+    assert_serves(one, trainer, 9)
+
+
+def test_failed_register_publishes_nothing_and_update_refuses(
+    one: EngineProcess, trainer: Trainer
+) -> None:
+    before = one.checksum()
+    tr = NCCLTransport(1, backend="nccl")  # nccl needs CUDA buckets; these are CPU tensors
+    with pytest.raises(RegisterError, match="nccl"):
+        tr.register(trainer.weights(), 10)
+    assert tr.registration.published is None
+    with pytest.raises(TransportError, match="nothing is registered"):
+        tr.update([target("one", one, (0,))])
+    with pytest.raises(RegisterError, match="duplicate weight name 'lm_head.weight'"):
+        tr.register([*trainer.weights().items(), ("lm_head.weight", torch.zeros(1))], 10)
+    assert tr.registration.published is None
+    assert one.checksum() == before
+
+
+@pytest.mark.gpu
+def test_nccl_trainer_and_engine_processes_on_gpus(
+    engine_factory,  # noqa: F811
+    tiny_model_dir: Path,  # noqa: F811
+    trainer: Trainer,
+) -> None:
+    """NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected"),
+    so the engine runs on GPU 1 when there is one; with a single GPU the same transport runs over
+    gloo with CUDA tensors on both sides."""
+    gpus = torch.cuda.device_count()
+    env = {"CUDA_VISIBLE_DEVICES": "1"} if gpus > 1 else None
+    eng = engine_factory(tiny_model_dir, ranks=1, extra_args=["--device", "cuda"], env=env)
+    weights = {n: t.to("cuda:0") for n, t in trainer.weights().items()}
+    tr = NCCLTransport(1, backend="nccl" if gpus > 1 else "gloo", bucket_bytes=SMALL_BUCKET)
+    tr.register(weights, 12)
+    report = tr.update([target("gpu", eng, (0,))])
+    assert report.ok, report.results
+    got = eng.checksum()
+    assert got["model"] == weights_checksum(weights)["model"] and got["weight_version"] == "12"
