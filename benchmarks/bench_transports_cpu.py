@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
+import engine_helpers  # noqa: E402
 from engine_helpers import free_port, start_engine  # noqa: E402
 
 from rollsafe.adapters.engines import SGLangClient  # noqa: E402
@@ -62,9 +63,7 @@ def llama_config(size_bytes: int, dtype: str) -> Any:
     hidden, inter, heads, kv, vocab = 1536, 4096, 12, 4, 32000
     head_dim = hidden // heads
     item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    per_layer = (
-        2 * hidden * hidden + 2 * hidden * kv * head_dim + 3 * hidden * inter + 2 * hidden
-    )
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv * head_dim + 3 * hidden * inter + 2 * hidden
     fixed = 2 * vocab * hidden + hidden
     layers = max(1, round((size_bytes / item - fixed) / per_layer))
     return LlamaConfig(
@@ -251,11 +250,22 @@ def run_transport(
     repeats: int,
     engine_env: dict[str, str],
     engine_threads: int,
+    whatif: bool = False,
 ) -> dict[str, Any]:
     extra = ["--load-format", "dummy", "--weight-group-timeout", "300"]
     if engine_threads:
         extra += ["--threads", str(engine_threads)]
-    eng = start_engine(model_dir, ranks=1, extra_args=extra, env=engine_env, timeout=600)
+    shipped = engine_helpers.engine_command
+    if whatif:  # the engine with zero-copy staging (benchmarks/whatif_zero_copy_engine.py)
+        script = str(REPO / "benchmarks" / "whatif_zero_copy_engine.py")
+        engine_helpers.engine_command = lambda model_dir, ranks=1, extra_args=(): [  # type: ignore[assignment]
+            sys.executable, script, "--model-path", str(model_dir), "--ranks", str(ranks),
+            *extra_args,
+        ]  # fmt: skip
+    try:
+        eng = start_engine(model_dir, ranks=1, extra_args=extra, env=engine_env, timeout=600)
+    finally:
+        engine_helpers.engine_command = shipped
     try:
         client = SGLangClient(eng.url, timeout=600)
         target = EngineTarget("bench", (0,), client, 1)
@@ -283,6 +293,7 @@ def run_transport(
         tr.close()
         return {
             "transport": kind,
+            "engine": "zero-copy what-if" if whatif else "shipped",
             "bucket_mib": bucket_bytes // MiB,
             "buckets": buckets,
             "seconds": round(best, 4),
@@ -308,6 +319,12 @@ def main() -> int:
     )
     p.add_argument("--engine-threads", type=int, default=0)
     p.add_argument("--skip-groups", action="store_true")
+    p.add_argument(
+        "--whatif",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run each best bucket size against the zero-copy what-if engine",
+    )
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "transports_cpu.json"))
     args = p.parse_args()
 
@@ -327,38 +344,43 @@ def main() -> int:
         memcpy = memcpy_bandwidth(nbytes, args.repeats)
         gloo = gloo_broadcast(nbytes, args.repeats)
         rows: list[dict[str, Any]] = []
-        for mib in [int(x) for x in args.ipc_buckets_mib.split(",") if x]:
-            row = run_transport(
-                "ipc", model_dir, weights, want, mib * MiB, args.repeats, engine_env,
-                args.engine_threads,
-            )  # fmt: skip
-            row["baseline"] = "memcpy"
-            row["ratio"] = round(row["gb_s"] / memcpy["gb_s"], 3)
-            rows.append(row)
-        for mib in [int(x) for x in args.nccl_buckets_mib.split(",") if x]:
-            row = run_transport(
-                "nccl", model_dir, weights, want, mib * MiB, args.repeats, engine_env,
-                args.engine_threads,
-            )  # fmt: skip
-            row["baseline"] = "gloo"
-            row["ratio"] = round(row["gb_s"] / gloo["gb_s"], 3)
-            rows.append(row)
+        for kind, sizes, base in (
+            ("ipc", args.ipc_buckets_mib, memcpy),
+            ("nccl", args.nccl_buckets_mib, gloo),
+        ):
+            mine: list[dict[str, Any]] = []
+            for mib in [int(x) for x in sizes.split(",") if x]:
+                mine.append(run_transport(
+                    kind, model_dir, weights, want, mib * MiB, args.repeats, engine_env,
+                    args.engine_threads,
+                ))  # fmt: skip
+            if args.whatif and mine:
+                best_mib = max(mine, key=lambda r: r["gb_s"])["bucket_mib"]
+                mine.append(run_transport(
+                    kind, model_dir, weights, want, best_mib * MiB, args.repeats, engine_env,
+                    args.engine_threads, whatif=True,
+                ))  # fmt: skip
+            for row in mine:
+                row["baseline"] = "memcpy" if kind == "ipc" else "gloo"
+                row["ratio"] = round(row["gb_s"] / base["gb_s"], 3)
+            rows.extend(mine)
         groups = None if args.skip_groups else group_layouts(nbytes, args.repeats)
 
     print(f"\nbaselines: memcpy 1 thread {memcpy['gb_s']} GB/s; raw gloo {gloo['gb_s']} GB/s")
-    print(f"{'transport':<10}{'bucket MiB':>11}{'buckets':>9}{'seconds':>9}{'GB/s':>8}"
-          f"{'baseline':>10}{'ratio':>7}")  # fmt: skip
+    print(f"{'transport':<10}{'engine':<19}{'bucket MiB':>11}{'buckets':>9}{'seconds':>9}"
+          f"{'GB/s':>8}{'baseline':>10}{'ratio':>7}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['transport']:<10}{r['bucket_mib']:>11}{r['buckets']:>9}{r['seconds']:>9}"
-            f"{r['gb_s']:>8}{r['baseline']:>10}{r['ratio']:>7}"
+            f"{r['transport']:<10}{r['engine']:<19}{r['bucket_mib']:>11}{r['buckets']:>9}"
+            f"{r['seconds']:>9}{r['gb_s']:>8}{r['baseline']:>10}{r['ratio']:>7}"
         )
     if groups is not None:
         print(
             f"groups: shared (world 3) {groups['shared_group_s']}s, two per-target groups "
             f"{groups['per_target_groups_s']}s -> x{groups['per_target_cost_ratio']}"
         )
-    best = {k: max((r["ratio"] for r in rows if r["transport"] == k), default=math.nan)
+    best = {k: max((r["ratio"] for r in rows if r["transport"] == k
+                    and r["engine"] == "shipped"), default=math.nan)
             for k in ("ipc", "nccl")}  # fmt: skip
     result = {
         "benchmark": "transports_cpu",
@@ -370,8 +392,12 @@ def main() -> int:
             "dtype": args.dtype,
         },
         "engine": {"ranks": 1, "env": engine_env, "threads": args.engine_threads or "default"},
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                 "torch": torch.__version__, "machine": platform.machine()},  # fmt: skip
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+        },
         "baselines": {"memcpy_single_thread": memcpy, "gloo_broadcast_2proc": gloo},
         "results": rows,
         "groups": groups,

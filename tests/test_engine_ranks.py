@@ -1,6 +1,9 @@
-"""Process-level tests of the multi-rank reference engine and its fault injection.
+"""Process-level tests of the multi-rank reference engine, its start-up and fault injection.
 
-The module engine has two rank processes; its last test kills rank 1, so it runs last.
+``engine2`` (two ranks, forked after rank 0's imports) serves most tests; its last test kills
+rank 1, so it runs after the others that use it. ``slow_engine2`` starts its ranks with
+``spawn`` (the CUDA path), rank 1 held back by an injected start-up delay longer than the
+collective timeout; its last test crashes it.
 """
 
 from __future__ import annotations
@@ -17,16 +20,18 @@ import pytest
 import torch
 from engine_helpers import (
     EngineProcess,
-    engine_factory,  # noqa: F401  (fixture)
+    EngineStartError,
     free_port,
     module_engine,
     pid_alive,
+    start_engine,
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
     wait_for,
 )
 from test_engine_sglang import GREEDY, PROMPT, hf_greedy, hf_state
 
+from rollsafe.adapters.reference_engine.bootstrap import START_FAULT_ENV
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group
 from rollsafe.checksum import weights_checksum
 from rollsafe.transports.bucket import pack_buckets, serialize_bucket
@@ -34,9 +39,30 @@ from rollsafe.transports.bucket import pack_buckets, serialize_bucket
 PROBE_DEADLINE_S = 5.0
 
 
+RANK1_START_DELAY_S = 2.5
+SHORT_COLLECTIVE_TIMEOUT_S = 1.0
+
+
 @pytest.fixture(scope="module")
 def engine2(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
     return module_engine(request, tiny_model_dir, ranks=2, faults=True)
+
+
+@pytest.fixture(scope="module")
+def slow_engine2(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(
+        request,
+        tiny_model_dir,
+        ranks=2,
+        faults=True,
+        env={START_FAULT_ENV: f"1:{RANK1_START_DELAY_S}"},
+        extra_args=[
+            "--rank-start-method",
+            "spawn",
+            "--collective-timeout",
+            str(SHORT_COLLECTIVE_TIMEOUT_S),
+        ],
+    )
 
 
 def test_two_ranks_generate_like_transformers(
@@ -44,6 +70,7 @@ def test_two_ranks_generate_like_transformers(
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
     assert engine2.ready["ranks"] == 2 and len(set(engine2.rank_pids)) == 2
+    assert engine2.ready["rank_start_method"] == "fork"
     assert all(pid_alive(p) for p in engine2.rank_pids)
     r = engine2.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
     assert r.status_code == 200, r.text
@@ -129,6 +156,35 @@ def test_two_ranks_distributed_update(
     assert engine2.post("/destroy_weights_update_group", {"group_name": "g2"}).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("model_path", "needle"),
+    [
+        ("/" + "a" * 5000, "File name too long"),
+        ("/tmp/" + "b" * 300, "File name too long"),
+        ("/tmp/nul\u0000byte", "is not a directory"),
+        (str(Path(__file__)), "is not a directory"),
+    ],
+    ids=["path-too-long", "name-too-long", "nul-byte", "a-file"],
+)
+def test_two_ranks_bad_disk_path_is_400_and_keeps_serving(
+    engine2: EngineProcess, model_path: str, needle: str
+) -> None:
+    before = engine2.checksum()
+    r = engine2.post(
+        "/update_weights_from_disk", {"model_path": model_path, "weight_version": "bad"}
+    )
+    assert r.status_code == 400, r.text
+    message = r.json()["message"]
+    assert needle in message and model_path[:8] in message  # names the path
+    assert engine2.checksum() == before  # old weights and version still served
+    assert engine2.get("/health").status_code == 200
+    assert all(pid_alive(p) for p in engine2.rank_pids)
+    r = engine2.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+    assert (
+        r.status_code == 200 and r.json()["meta_info"]["weight_version"] == before["weight_version"]
+    )
+
+
 def test_fail_next_and_slow(engine2: EngineProcess) -> None:
     assert engine2.post("/fault/fail_next", {"endpoint": "/health"}).status_code == 200
     assert engine2.get("/health").status_code == 500
@@ -176,23 +232,40 @@ def test_kill_nonzero_rank_fails_health_and_inflight(engine2: EngineProcess) -> 
     assert engine2.post("/generate", {"input_ids": PROMPT}).status_code == 503
 
 
-def test_fault_crash_takes_all_ranks(
-    engine_factory: Any,  # noqa: F811
+def test_slow_rank_start_does_not_race_the_collective_timeout(
+    slow_engine2: EngineProcess,
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
-    eng = engine_factory(tiny_model_dir, ranks=2, faults=True)
+    """Rank 1 is ready 2.5 s after rank 0 while collectives time out after 1 s: start still works.
+
+    Ranks meet in the group only after every rank has loaded, and the waits before that are
+    bounded by the start timeout, not the collective timeout.
+    """
+    eng = slow_engine2
+    assert eng.ready["rank_start_method"] == "spawn" and len(set(eng.rank_pids)) == 2
+    phases = eng.ready["startup_s"]
+    assert phases["group_joined"] - phases["ranks_started"] >= RANK1_START_DELAY_S
+    body = {"input_ids": PROMPT, "sampling_params": GREEDY}
+    r = eng.post("/generate", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == hf_greedy(tiny_model_dir, PROMPT, 12)
+
+
+def test_rank_failing_at_start_is_reported_at_once(
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        start_engine(tiny_model_dir, ranks=2, faults=True, env={START_FAULT_ENV: "1:fail"})
+    assert "rank 1 failed to start" in str(info.value) and "injected" in str(info.value)
+    assert time.monotonic() - t0 < 60  # not the 180 s start timeout
+
+
+def test_fault_crash_takes_all_ranks(slow_engine2: EngineProcess) -> None:
+    """Runs last for ``slow_engine2``: SIGKILL of rank 0 takes rank 1 with it (PDEATHSIG)."""
+    eng = slow_engine2
+    assert all(pid_alive(p) for p in eng.rank_pids)
     with pytest.raises(httpx.HTTPError):
         eng.post("/fault/crash", {}, timeout=5)
     assert wait_for(lambda: not eng.healthy(timeout=1.0), PROBE_DEADLINE_S)
     assert wait_for(lambda: not any(pid_alive(p) for p in eng.rank_pids), PROBE_DEADLINE_S)
-
-
-def test_fault_hang_stops_answering(
-    engine_factory: Any,  # noqa: F811
-    tiny_model_dir: Path,  # noqa: F811
-) -> None:
-    eng = engine_factory(tiny_model_dir, faults=True)
-    with pytest.raises(httpx.TimeoutException):
-        eng.post("/fault/hang", {}, timeout=0.5)
-    assert not eng.healthy(timeout=1.0)
-    assert pid_alive(eng.pid)

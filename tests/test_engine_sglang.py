@@ -1,7 +1,7 @@
 """Process-level tests of the reference engine's SGLang dialect with one rank.
 
 One engine serves the whole module (it is reset to model A before each test that changes
-weights); the API-key tests start their own engines.
+weights). The API-key tests live in ``test_engine_startup.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import pytest
 import torch
 from engine_helpers import (
     EngineProcess,
-    engine_command,
-    engine_factory,  # noqa: F401  (fixture)
     free_port,
     module_engine,
     tiny_model_dir,  # noqa: F401  (fixture)
@@ -247,6 +245,19 @@ def test_update_from_distributed_gloo(
         ),
         ("/update_weights_from_disk", {"model_path": ".", "unknown_key": 1}, 400, "'unknown_key'"),
         (
+            "/update_weights_from_disk",
+            {"model_path": "/" + "a" * 5000, "weight_version": "X"},
+            400,
+            "model_path '/aaaa",
+        ),
+        (
+            "/update_weights_from_disk",
+            {"model_path": "/tmp/" + "b" * 300},
+            400,
+            "File name too long",
+        ),
+        ("/update_weights_from_disk", {"model_path": ""}, 400, "non-empty path"),
+        (
             "/update_weights_from_distributed",
             {
                 "names": ["model.norm.weight"],
@@ -351,29 +362,6 @@ def test_release_resume_pause_and_weights_by_name(fresh: EngineProcess) -> None:
     t.join(30)
     assert done["r"].status_code == 200
     assert fresh.post("/flush_cache").status_code == 200
-
-
-def test_api_key_required_off_loopback(
-    engine_factory: Any,  # noqa: F811
-    tiny_model_dir: Path,  # noqa: F811
-) -> None:
-    refused = subprocess.run(
-        engine_command(tiny_model_dir, extra_args=["--host", "0.0.0.0"]),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert refused.returncode != 0 and "--api-key" in refused.stderr
-    assert "ROLLSAFE_READY" not in refused.stdout
-    eng = engine_factory(tiny_model_dir, extra_args=["--host", "0.0.0.0"], api_key="s3cret")
-    import httpx
-
-    assert httpx.get(f"{eng.url}/health").status_code == 401
-    bad = httpx.get(f"{eng.url}/health", headers={"Authorization": "Bearer nope"})
-    assert bad.status_code == 401
-    assert eng.get("/health").status_code == 200  # client sends the key
-    r = eng.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
-    assert r.status_code == 200
 
 
 def test_bad_model_path_fails_start(tmp_path: Path) -> None:

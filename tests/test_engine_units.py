@@ -1,10 +1,12 @@
-"""Unit tests of the flattened-bucket wire format and the canonical weight checksum."""
+"""Unit tests: the flattened-bucket wire format, the weight checksum, and the reference engine's
+path checks, tokenizer loading and rank start-up options (no engine process)."""
 
 from __future__ import annotations
 
 import base64
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +94,105 @@ def test_checksum_is_canonical() -> None:
     assert weights_checksum({"x": t, "y": t})["model"] != a["model"]
     with pytest.raises(ValueError, match="'x' appears twice"):
         weights_checksum([("x", t), ("x", t)])
+
+
+# ---- start-up and path checks of the reference engine (no engine process) -------------------
+def test_check_dir_turns_os_errors_into_named_400s(tmp_path: Path) -> None:
+    from rollsafe.adapters.reference_engine.errors import WeightUpdateError
+    from rollsafe.adapters.reference_engine.weights import check_model_path, read_checkpoint_dir
+
+    assert check_model_path(str(tmp_path)) == tmp_path
+    long_path = "/" + "a" * 5000
+    with pytest.raises(WeightUpdateError, match="File name too long") as info:
+        check_model_path(long_path)
+    assert "'/aaaa" in str(info.value) and "(5001 characters)" in str(info.value)
+    assert len(str(info.value)) < 400  # the path is named, not dumped
+    with pytest.raises(WeightUpdateError, match="File name too long"):
+        read_checkpoint_dir(str(tmp_path / ("c" * 300)), {})
+    with pytest.raises(WeightUpdateError, match="is not a directory"):
+        check_model_path(str(tmp_path / "nul\0byte"))
+    with pytest.raises(WeightUpdateError, match="non-empty path"):
+        check_model_path(123)
+    assert WeightUpdateError.status == 400
+
+
+def test_check_dir_permission_denied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollsafe.adapters.reference_engine.errors import WeightUpdateError
+    from rollsafe.adapters.reference_engine.weights import check_model_path
+
+    def denied(self: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_dir", denied)
+    with pytest.raises(WeightUpdateError, match="Permission denied") as info:
+        check_model_path(str(tmp_path))
+    assert str(tmp_path) in str(info.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
+def test_check_dir_unreadable_directory(tmp_path: Path) -> None:
+    from rollsafe.adapters.reference_engine.errors import WeightUpdateError
+    from rollsafe.adapters.reference_engine.weights import check_model_path
+
+    locked = tmp_path / "locked"
+    (locked / "inner").mkdir(parents=True)
+    locked.chmod(0)
+    try:
+        with pytest.raises(WeightUpdateError, match="Permission denied"):
+            check_model_path(str(locked / "inner"))
+    finally:
+        locked.chmod(0o700)
+
+
+def test_text_codec_errors_name_the_path(tmp_path: Path) -> None:
+    from rollsafe.adapters.reference_engine.codec import TextCodec
+    from rollsafe.adapters.reference_engine.errors import BadRequest, StartupError
+
+    assert TextCodec(tmp_path).tokenizer is None  # optional in the model directory
+    with pytest.raises(BadRequest, match="--tokenizer-path"):
+        TextCodec(tmp_path).encode("hello")
+    with pytest.raises(StartupError, match=r"has no tokenizer\.json"):
+        TextCodec(tmp_path, required=True)
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(StartupError, match="cannot be loaded as a tokenizer") as info:
+        TextCodec(tmp_path)
+    assert str(tmp_path / "tokenizer.json") in str(info.value)
+
+
+def test_rank_start_options() -> None:
+    from rollsafe.adapters.reference_engine.bootstrap import (
+        START_FAULT_ENV,
+        RankOptions,
+        fork_is_safe,
+        start_fault,
+    )
+
+    assert RankOptions("m").planned_start_method() == "fork"
+    assert RankOptions("m", device="cuda").planned_start_method() == "spawn"
+    assert RankOptions("m", start_method="spawn").planned_start_method() == "spawn"
+    assert not fork_is_safe(RankOptions("m", device="cuda"))  # CUDA state never crosses a fork
+    assert RankOptions("m", world_size=2, threads=3).torch_threads() == 3
+    assert RankOptions("m", world_size=64).torch_threads() == 1
+    env = {"ROLLSAFE_FAULT_INJECTION": "1", START_FAULT_ENV: "1:2.5, 2:fail"}
+    assert start_fault(1, env) == "2.5" and start_fault(2, env) == "fail"
+    assert start_fault(0, env) is None
+    assert start_fault(1, {START_FAULT_ENV: "1:fail"}) is None  # needs fault injection on
+
+
+def test_rank_setup_refuses_nccl_on_a_shared_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollsafe.adapters.reference_engine.bootstrap import RankOptions
+    from rollsafe.adapters.reference_engine.errors import StartupError
+    from rollsafe.adapters.reference_engine.ranks import check_rank_setup, rank_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    shared = RankOptions("m", device="cuda", world_size=2, rank_backend="nccl")
+    assert rank_devices(shared) == ["cuda:0", "cuda:0"]
+    with pytest.raises(StartupError, match="NCCL refuses two ranks on one device"):
+        check_rank_setup(shared)
+    check_rank_setup(RankOptions("m", device="cuda", world_size=2))  # gloo: fine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_rank_setup(shared)  # one GPU per rank
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(StartupError, match=r"torch\.cuda\.is_available"):
+        check_rank_setup(RankOptions("m", device="cuda"))

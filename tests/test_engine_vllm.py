@@ -55,6 +55,11 @@ def test_sleep_wake_pause(vllm: EngineProcess) -> None:
     assert r.status_code == 400 and "CUDA" in r.json()["message"]
     r = vllm.post("/collective_rpc", {"method": "rm_rf"})
     assert r.status_code == 400 and "'rm_rf'" in r.json()["message"]
+    r = vllm.post(
+        "/collective_rpc", {"method": "reload_weights", "kwargs": {"model_path": "/" + "x" * 5000}}
+    )
+    assert r.status_code == 400 and "File name too long" in r.json()["message"]
+    assert vllm.checksum() == before
 
 
 def test_native_weight_transfer(vllm: EngineProcess, tiny_model_dir_b: Path) -> None:  # noqa: F811

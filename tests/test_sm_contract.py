@@ -277,3 +277,13 @@ def test_concurrent_sends_are_serialized() -> None:
     assert [r.seq for r in hist] == list(range(hist[0].seq, hist[-1].seq + 1))
     if len(hist) < WorkerGroupLifecycle.history_limit:
         assert g.restart_budget == 10_000 - sum(1 for r in hist if r.event == "claim")
+
+
+def test_last_transition_is_the_newest_history_record() -> None:
+    g = _group()
+    assert g.last_transition is None
+    _healthy(g, 1)
+    g.launched(current_version=1)
+    g.fail()
+    assert g.last_transition == g.history[-1]
+    assert (g.last_transition.source, g.last_transition.target) == ("active", "inactive")

@@ -106,7 +106,7 @@ def test_lease_released_when_the_load_fails(trainer: Trainer, exporter: HFExport
     tr = DiskTransport(exporter)
     tr.register(trainer.weights(), 1)
     dead = SGLangClient("http://127.0.0.1:9", timeout=2.0)
-    report = tr.update([target("dead", None, (0,), dead)])  # type: ignore[arg-type]
+    report = tr.update([target("dead", None, (0,), dead)])
     assert report.failed == ["dead"]
     assert "target 'dead'" in report.results["dead"].reason
     assert tr.lifecycle is not None and tr.lifecycle.leases == ()

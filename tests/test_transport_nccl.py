@@ -138,7 +138,7 @@ def test_failed_register_publishes_nothing_and_update_refuses(
     assert tr.registration.published is None
     with pytest.raises(TransportError, match="nothing is registered"):
         tr.update([target("one", one, (0,))])
-    with pytest.raises(RegisterError, match="duplicate weight name 'lm_head.weight'"):
+    with pytest.raises(RegisterError, match=r"duplicate weight name 'lm_head\.weight'"):
         tr.register([*trainer.weights().items(), ("lm_head.weight", torch.zeros(1))], 10)
     assert tr.registration.published is None
     assert one.checksum() == before

@@ -55,8 +55,14 @@ class Trainer:
         return [int(t) for t in out[0, len(prompt) :]]
 
 
-def target(name: str, eng: EngineProcess, ranks: tuple[int, ...], client: Any = None) -> EngineTarget:
-    return EngineTarget(name, ranks, client or SGLangClient(eng.url), tp_size=len(ranks))
+def target(
+    name: str, eng: EngineProcess | None, ranks: tuple[int, ...], client: Any = None
+) -> EngineTarget:
+    """An :class:`EngineTarget` for ``eng`` (or for ``client`` when given)."""
+    if client is None:
+        assert eng is not None
+        client = SGLangClient(eng.url)
+    return EngineTarget(name, ranks, client, tp_size=len(ranks))
 
 
 def engine_greedy(eng: EngineProcess, prompt: list[int] = PROMPT) -> tuple[list[int], str]:

@@ -20,8 +20,10 @@ Owns failure *detection* (never recovery):
   the group for the recovery coordinator); it is never where a recovery runs, so probes keep
   running while recoveries do;
 * :meth:`pause` / :meth:`resume`: checks run only while engines serve (pause around offload or
-  a weight update). After :meth:`pause` returns, no probe result is applied and nothing is sent
-  until :meth:`resume`; failure counts restart from zero on resume.
+  a weight update). After :meth:`pause` returns, no probe answer is applied and no failure is
+  decided until :meth:`resume`; failure counts restart from zero on resume;
+* locks: registry events (and so registry listeners) are sent outside the manager's own lock,
+  so a listener may call :meth:`pause`, :meth:`wake` or take its own locks freely.
 """
 
 from __future__ import annotations
@@ -282,8 +284,8 @@ class HealthManager:
         self._notifier = (
             _Notifier(on_group_failed, name) if on_group_failed is not None else None
         )
-        # Held while a probe result is applied (reports, fail); pause() takes it too, so after
-        # pause() returns nothing more is applied.
+        # Held while a probe answer is applied (counts, member reports, the fail decision; not
+        # the fail itself); pause() takes it too, so after pause() returns nothing is applied.
         self._apply_lock = threading.RLock()
         self._paused = False
         self._epoch = 0
@@ -310,7 +312,8 @@ class HealthManager:
         self._ready.clear()
         self._thread = threading.Thread(target=self._run_loop, name=self.name, daemon=True)
         self._thread.start()
-        self._ready.wait()
+        if not self._ready.wait(30.0):
+            raise RuntimeError(f"{self.name}: the probe loop thread did not start")
         return self
 
     def stop(self, timeout: float = 5.0) -> bool:
@@ -349,7 +352,12 @@ class HealthManager:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def pause(self) -> None:
-        """Stop checking (engines offloaded or updating); returns once no result is applying."""
+        """Stop checking (engines offloaded or updating).
+
+        Once this returns, no probe answer is applied and no new failure is decided until
+        :meth:`resume`; a ``fail`` decided just before (from answers obtained before the pause)
+        may still be delivered. Never blocks on listeners or callbacks.
+        """
         with self._apply_lock:
             self._paused = True
             self._epoch += 1
@@ -460,7 +468,9 @@ class HealthManager:
         started_at = time.time()
         t0 = time.monotonic()
         loop = asyncio.get_running_loop()
-        groups = [g for g in self.registry.groups() if g.machine.state in self.probe_states]
+        every = self.registry.groups()
+        groups = [g for g in every if g.machine.state in self.probe_states]
+        self._prune(every)
         results: list[tuple[ProbeOutcome, bool, bool]] = []
         running: dict[str, tuple[asyncio.Task[None], WorkerGroup, int]] = {}
         all_done: asyncio.Future[None] = loop.create_future()
@@ -525,6 +535,17 @@ class HealthManager:
         self._rounds += 1
         self._last_round = summary
         return summary
+
+    def _prune(self, groups: list[WorkerGroup]) -> None:
+        """Forget finished probes and the counts of groups that left the registry."""
+        if self._inflight:
+            for gid in [g for g, f in self._inflight.items() if f.done()]:
+                del self._inflight[gid]
+        if len(self._failures) > len(groups):
+            known = {g.group_id for g in groups}
+            with self._apply_lock:
+                for gid in [g for g in self._failures if g not in known]:
+                    del self._failures[gid]
 
     def _still_running(self, group: WorkerGroup, t0: float) -> ProbeOutcome | None:
         """A failure outcome if this group's previous sync probe is still stuck, else None."""
@@ -596,44 +617,44 @@ class HealthManager:
             if counts is None:
                 counts = self._failures[gid] = {}
             unhealthy = outcome.unhealthy
+            if len(unhealthy) < len(group.ranks):
+                # Healthy ranks: reset their counts; report them healthy only where the record
+                # says otherwise (the common all-healthy answer costs one guard call).
+                for rank in [r for r in counts if r not in unhealthy]:
+                    del counts[rank]
+                if unhealthy or not group.machine.all_members_healthy():
+                    for rank, fact in group.machine.members.items():
+                        if rank not in unhealthy and not fact.healthy:
+                            self.registry.report_member(gid, rank, healthy=True)
             at_threshold: list[int] = []
             for rank in unhealthy:
                 n = counts.get(rank, 0) + 1
                 counts[rank] = n
                 if n >= self.failure_threshold:
                     at_threshold.append(rank)
-            if len(unhealthy) < len(group.ranks):
-                # Report healthy only what changed: the common all-healthy round stays cheap.
-                for rank, fact in group.machine.members.items():
-                    if rank in unhealthy:
-                        continue
-                    counts.pop(rank, None)
-                    if not fact.healthy:
-                        self.registry.report_member(gid, rank, healthy=True)
             if not at_threshold:
                 return False, True
             for rank in at_threshold:
                 self.registry.report_member(gid, rank, healthy=False)
             worst = max(counts[r] for r in at_threshold)
-            try:
-                self.registry.send(gid, "fail")
-            except TransitionRefused as exc:
-                log.info("%s: could not fail group %s: %s", self.name, gid, exc)
-                return False, True
             self._failures.pop(gid, None)
-            self._groups_failed += 1
-            failure = GroupFailure(
-                gid,
-                tuple(at_threshold),
-                worst,
-                outcome.error or "unhealthy",
-                time.time(),
-            )
-            log.warning(
-                "%s: group %s failed %d consecutive probe(s) on rank(s) %s: %s; taken out of "
-                "routing",
-                self.name, gid, worst, list(at_threshold), failure.reason,
-            )
+        # The decision is taken; send ``fail`` outside our lock, since registry listeners run
+        # on this thread during send and must be free to call pause()/wake() or take their own
+        # locks without ever waiting on the probe loop.
+        try:
+            self.registry.send(gid, "fail")
+        except TransitionRefused as exc:  # it moved meanwhile (someone else failed it...)
+            log.info("%s: could not fail group %s: %s", self.name, gid, exc)
+            return False, True
+        self._groups_failed += 1
+        failure = GroupFailure(
+            gid, tuple(at_threshold), worst, outcome.error or "unhealthy", time.time()
+        )
+        log.warning(
+            "%s: group %s failed %d consecutive probe(s) on rank(s) %s: %s; taken out of "
+            "routing",
+            self.name, gid, worst, list(at_threshold), failure.reason,
+        )
         if self._notifier is not None:
             self._notifier.put(failure)
         return True, True

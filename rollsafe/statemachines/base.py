@@ -166,6 +166,15 @@ class GuardedMachine(StateMachine):
         label = self.label
         return tuple(_record(label, entry, self.facts_from_token) for entry in raw)
 
+    @property
+    def last_transition(self) -> TransitionRecord | None:
+        """The most recent transition (cheap: builds one record, not the whole history)."""
+        with self._lock:
+            if not self._history:
+                return None
+            entry = self._history[-1]
+        return _record(self.label, entry, self.facts_from_token)
+
     def guard_facts(self) -> dict[str, Any]:
         """Model data the guards read, recorded with every transition. Override to add facts."""
         return self.facts_from_token(self.facts_token())

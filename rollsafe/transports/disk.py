@@ -184,8 +184,7 @@ class DiskTransport(StagedTransport):
             )
         except Exception as exc:
             raise TransportError(
-                f"target {target.name!r} (ranks {list(target.ranks)}): loading {path} failed: "
-                f"{exc}"
+                f"target {target.name!r} (ranks {list(target.ranks)}): loading {path} failed: {exc}"
             ) from exc
         finally:
             self._release(lifecycle, lease)

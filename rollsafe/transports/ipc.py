@@ -10,8 +10,10 @@ counts stay balanced). A buffer is reused only after every engine that was sent 
 
 On CPU the buffers live in shared memory (torch ``file_system`` strategy: the payload names the
 shared file); on CUDA the payload carries CUDA IPC handles. Extra accelerator memory while
-pushing is at most two buckets (``2 * bucket_bytes``); a single contiguous tensor already on the
-device goes as is.
+pushing is two buffers of the largest bucket that must be packed (``bucket_bytes``, or a single
+tensor bigger than that which is not contiguous on the device); a contiguous tensor alone in its
+bucket and already on the device goes as is, without a copy. CUDA buffers are dropped after each
+update (the trainer gets the memory back between syncs); CPU shared-memory buffers are kept.
 
 Version and cache flush travel with the **last** bucket only: an engine that failed half way
 keeps reporting its old version (the fleet marks the target failed either way). Per-target
@@ -26,7 +28,13 @@ import torch
 
 from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
 from rollsafe.transports.bucket import serialize_bucket
-from rollsafe.transports.pipeline import BucketPlan, BucketStream, check_tensors, plan_buckets
+from rollsafe.transports.pipeline import (
+    BucketPlan,
+    BucketStream,
+    BufferPool,
+    check_tensors,
+    plan_buckets,
+)
 
 __all__ = ["DEFAULT_IPC_BUCKET_BYTES", "IPCTransport"]
 
@@ -43,7 +51,9 @@ class IPCTransport(StagedTransport):
     device; ``"cuda"`` gathers CPU tensors onto the GPU). ``request_timeout``: seconds each
     engine call may take. ``flush_cache``: ask the engine to drop its KV cache with the last
     bucket. ``double_buffer``: pack the next bucket while the engine loads the current one (two
-    buffers) instead of one buffer.
+    buffers) instead of one buffer. ``keep_buffers``: keep the two pack buffers between updates
+    (default: on CPU yes -- shared memory, no re-faulting; on CUDA no -- the trainer gets the
+    memory back between syncs).
     """
 
     name = "ipc"
@@ -57,6 +67,7 @@ class IPCTransport(StagedTransport):
         request_timeout: float = 600.0,
         flush_cache: bool = True,
         double_buffer: bool = True,
+        keep_buffers: bool | None = None,
         allow_missing_prefixes: Iterable[str] = ("mtp.",),
         max_parallel_targets: int = 8,
     ) -> None:
@@ -74,6 +85,8 @@ class IPCTransport(StagedTransport):
         self.request_timeout = float(request_timeout)
         self.flush_cache = flush_cache
         self.slots = 2 if double_buffer else 1
+        self.keep_buffers = keep_buffers
+        self._pool: BufferPool | None = None
         self._items: list[tuple[str, torch.Tensor]] = []
         self._plans: list[BucketPlan] = []
         self._pack_device: torch.device | None = None
@@ -93,6 +106,8 @@ class IPCTransport(StagedTransport):
         plans = plan_buckets(items, self.bucket_bytes)
         self._items = [(n, t.detach()) for n, t in items]
         self._plans, self._pack_device = plans, device
+        if self._pool is not None and self._pool.device != device:
+            self._pool = None
         return range(self.registration.world_size), [n for n, _ in items]
 
     def _unstage(self) -> None:
@@ -102,6 +117,8 @@ class IPCTransport(StagedTransport):
     def _before_push(self, targets: Sequence[EngineTarget]) -> None:
         if self._pack_device is None or not self._plans:
             raise TransportError(f"{self.name}: no bucket plan registered")
+        if self._pool is None:
+            self._pool = BufferPool(self._pack_device, shared=True, slots=self.slots)
         self._stream = BucketStream(
             self._items,
             self._plans,
@@ -109,6 +126,7 @@ class IPCTransport(StagedTransport):
             shared=True,
             consumers=[t.name for t in targets],
             slots=self.slots,
+            pool=self._pool,
         )
 
     def _push(self, target: EngineTarget) -> int:
@@ -145,7 +163,13 @@ class IPCTransport(StagedTransport):
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
+        keep = self.keep_buffers
+        if keep is None:
+            keep = self._pack_device is not None and self._pack_device.type == "cpu"
+        if not keep:
+            self._pool = None
 
     def close(self) -> None:
         self._unstage()
+        self._pool = None
         super().close()

@@ -396,4 +396,3 @@ def _wait_both(a: Any, b: Any, signal: threading.Event, timeout: float) -> bool:
 
 def _now() -> float:
     return time.monotonic()
-

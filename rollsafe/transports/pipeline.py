@@ -39,7 +39,14 @@ from rollsafe.transports.bucket import (
     dtype_name,
 )
 
-__all__ = ["BucketPlan", "BucketStream", "alloc_buffer", "check_tensors", "plan_buckets"]
+__all__ = [
+    "BucketPlan",
+    "BucketStream",
+    "BufferPool",
+    "alloc_buffer",
+    "check_tensors",
+    "plan_buckets",
+]
 
 _ALIGN = 64  # bytes; every dtype view of a buffer starts aligned
 
@@ -97,9 +104,7 @@ def check_tensors(
     return device if device is not None else first
 
 
-def plan_buckets(
-    items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> list[BucketPlan]:
+def plan_buckets(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[BucketPlan]:
     """Group ``items`` into dtype-homogeneous buckets of at most ``bucket_bytes`` (no copies)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -143,8 +148,35 @@ def alloc_buffer(nbytes: int, device: torch.device, *, shared: bool) -> torch.Te
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-class _Cancelled(Exception):
-    pass
+class BufferPool:
+    """The (at most ``slots``) pack buffers of a transport, optionally kept between updates.
+
+    Keeping them saves re-allocating (and page-faulting) two buckets per update: worth it for
+    CPU shared memory; on CUDA the transport drops them after each update so the trainer gets
+    that memory back between syncs.
+    """
+
+    def __init__(self, device: torch.device, *, shared: bool, slots: int = 2) -> None:
+        self.device = device
+        self.shared = shared
+        self.slots = max(1, slots)
+        self._buffers: list[torch.Tensor | None] = [None] * self.slots
+
+    def get(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Buffer ``slot`` with room for at least ``nbytes`` (re-allocated if too small)."""
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            self._buffers[slot] = None
+            buf = alloc_buffer(nbytes, self.device, shared=self.shared)
+            self._buffers[slot] = buf
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers if b is not None)
+
+    def clear(self) -> None:
+        self._buffers = [None] * self.slots
 
 
 class BucketStream:
@@ -173,19 +205,23 @@ class BucketStream:
         shared: bool,
         consumers: Sequence[str],
         slots: int = 2,
+        pool: BufferPool | None = None,
     ) -> None:
         self._items = items
         self._plans = list(plans)
         self._device = device
         self._shared = shared
         self._slots = max(1, slots)
+        if pool is not None and (pool.device != device or pool.shared != shared):
+            pool = None
+        self._pool = pool or BufferPool(device, shared=shared, slots=self._slots)
         self._cv = threading.Condition()
         self._progress: dict[str, int] = {c: 0 for c in consumers}  # buckets released
         self._ready: dict[int, FlatBucket] = {}
         self._error: BaseException | None = None
         self._closed = False
-        self._buffers: list[torch.Tensor | None] = [None] * self._slots
-        self._cap = max((p.nbytes for p in self._plans), default=0)
+        # buffers are sized for the largest bucket that is packed (tensors sent as is need none)
+        self._cap = max((p.nbytes for p in self._plans if self._direct(p) is None), default=0)
         self._cuda_stream: Any = None
         if device.type == "cuda":
             cuda: Any = torch.cuda
@@ -237,7 +273,6 @@ class BucketStream:
             self._ready.clear()
             self._cv.notify_all()
         self._packer.join(timeout=30)
-        self._buffers = [None] * self._slots
 
     # ------------------------------------------------------------------ packer
     def _released_all(self) -> int:
@@ -259,9 +294,11 @@ class BucketStream:
                 need = i - self._slots + 1  # slot i % slots is free once bucket i - slots is
                 with self._cv:
                     self._cv.wait_for(
-                        lambda need=need: self._closed  # type: ignore[misc]
-                        or not self._progress
-                        or self._released_all() >= need
+                        lambda need=need: (
+                            self._closed  # type: ignore[misc]
+                            or not self._progress
+                            or self._released_all() >= need
+                        )
                     )
                     if self._closed or not self._progress:
                         return
@@ -291,11 +328,7 @@ class BucketStream:
         direct = self._direct(plan)
         if direct is not None:
             return FlatBucket(direct, plan.metas)
-        slot = i % self._slots
-        buf = self._buffers[slot]
-        if buf is None:
-            buf = alloc_buffer(self._cap, self._device, shared=self._shared)
-            self._buffers[slot] = buf
+        buf = self._pool.get(i % self._slots, self._cap)
         flat = buf[: plan.nbytes].view(plan.dtype)
         if self._cuda_stream is not None:
             # the buffer may have been read by an earlier kernel on the default stream

@@ -167,9 +167,14 @@ def rank_options(args: argparse.Namespace) -> RankOptions:
 def preload(opts: RankOptions, dialect: str) -> None:
     """Import every module start-up needs, including the model's transformers classes.
 
-    Run before forking ranks so they inherit the imports. Best effort: a broken model directory
-    is reported by the real load later, with its proper message.
+    Run before forking ranks so they inherit the imports. Raises :class:`StartupError` for
+    ``--device cuda`` without CUDA. Best effort otherwise: a broken model directory is reported
+    by the real load later, with its proper message.
     """
+    import torch
+
+    if opts.device == "cuda" and not torch.cuda.is_available():  # before the slow imports
+        raise StartupError("--device cuda but torch.cuda.is_available() is false")
     package = "rollsafe.adapters.reference_engine"
     api = "sglang_api" if dialect == "sglang" else "vllm_api"
     for name in ("aiohttp.web", "ranks", "engine", "faults", "server", api):

@@ -129,6 +129,10 @@ class RankRuntime:
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
             raise errors.BadRequest(f"rank {self.rank}: unknown operation {op!r}")
+        if self.device.type == "cuda":
+            # the current device is per thread: rank 0 loads on a start-up thread and serves
+            # on the engine's driver thread
+            torch.cuda.set_device(self.device)
         return fn(**args)
 
     def _sync(self) -> None:

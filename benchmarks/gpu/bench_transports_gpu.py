@@ -1,0 +1,363 @@
+"""GPU benchmark of the ``ipc`` (CUDA IPC) and ``nccl`` transports with Qwen3-4B shapes.
+
+Builds the 398 Qwen3-4B tensors (8.04 GB bf16, :mod:`qwen3_shapes`: hidden 2560, 36 layers,
+intermediate 9728, 32/8 heads of 128, vocab 151936, q_norm/k_norm, tied embeddings) on
+``cuda:0``, starts the reference engine with a matching ``Qwen3ForCausalLM`` config
+(``--device cuda --load-format dummy --dtype bfloat16``) and measures through the real
+endpoints, in one run:
+
+* ``d2d``: device-to-device copy bandwidth of one buffer of the same size (baseline of ``ipc``);
+* ``ipc``: :class:`~rollsafe.transports.IPCTransport` (CUDA IPC handles, flattened buckets) per
+  bucket size; extra GPU memory on the trainer side = peak allocated during the update minus
+  allocated before it (expected <= 2 buckets);
+* ``nccl``: :class:`~rollsafe.transports.NCCLTransport` with the trainer (this process) and the
+  engine as separate processes, plus a raw broadcast baseline between two processes. NCCL
+  refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected", NCCL >= 2.5),
+  so with >= 2 GPUs the engine runs on GPU 1 (backend nccl); with one GPU the same transport
+  runs with backend gloo (CUDA tensors on both sides, host staging) and the row says so.
+
+Every transport result is verified: the engine's ``/weights_checksum`` equals
+:func:`rollsafe.checksum.weights_checksum` of the trainer tensors. The JSON at ``--out`` is
+rewritten after every phase, so a time-out still leaves what was measured.
+
+    python3 benchmarks/gpu/bench_transports_gpu.py --out /tmp/transports_gpu.json
+    python3 benchmarks/gpu/bench_transports_gpu.py --smoke --out /tmp/smoke.json   # CPU, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for p in (str(REPO), str(REPO / "tests"), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from engine_helpers import free_port, start_engine  # noqa: E402
+from qwen3_shapes import qwen3_4b_shapes, qwen3_config  # noqa: E402
+
+from rollsafe.adapters.engines import SGLangClient  # noqa: E402
+from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
+from rollsafe.checksum import weights_checksum  # noqa: E402
+from rollsafe.transports import EngineTarget, IPCTransport, NCCLTransport  # noqa: E402
+
+MiB = 1 << 20
+
+#: ``--smoke``: a tiny Qwen3 (same tensor names per layer, q_norm/k_norm, tied embeddings).
+SMOKE_CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+}
+
+
+# ---------------------------------------------------------------------------- set-up
+def model_config(smoke: bool) -> dict[str, Any]:
+    cfg = qwen3_config()
+    if smoke:
+        cfg.update(SMOKE_CONFIG)
+    return cfg
+
+
+def shapes_for(cfg: dict[str, Any], smoke: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """The exact Qwen3-4B list (398 tensors) or, in smoke mode, the same layout, tiny."""
+    if not smoke:
+        return qwen3_4b_shapes()
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    q, kv, inter = (
+        cfg["num_attention_heads"] * hd,
+        cfg["num_key_value_heads"] * hd,
+        cfg["intermediate_size"],
+    )
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        out += [
+            (f"{p}.self_attn.q_proj.weight", (q, h)),
+            (f"{p}.self_attn.k_proj.weight", (kv, h)),
+            (f"{p}.self_attn.v_proj.weight", (kv, h)),
+            (f"{p}.self_attn.o_proj.weight", (h, q)),
+            (f"{p}.self_attn.q_norm.weight", (hd,)),
+            (f"{p}.self_attn.k_norm.weight", (hd,)),
+            (f"{p}.mlp.gate_proj.weight", (inter, h)),
+            (f"{p}.mlp.up_proj.weight", (inter, h)),
+            (f"{p}.mlp.down_proj.weight", (h, inter)),
+            (f"{p}.input_layernorm.weight", (h,)),
+            (f"{p}.post_attention_layernorm.weight", (h,)),
+        ]
+    out.append(("model.norm.weight", (h,)))
+    return out
+
+
+def make_weights(
+    shapes: list[tuple[str, tuple[int, ...]]], device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in shapes:
+        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        t.uniform_(-0.05, 0.05, generator=gen)
+        out[name] = t
+    return out
+
+
+def nbytes_of(weights: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------- baselines
+def copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> dict[str, Any]:
+    """Device-to-device copy of one buffer of ``nbytes`` (best of N); CPU memcpy in smoke."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)
+    times = []
+    for _ in range(max(3, repeats)):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    best = min(times)
+    return {"seconds": round(best, 4), "gb_s": round(nbytes / best / 1e9, 2)}
+
+
+def _receiver(port: int, backend: str, numel: int, n: int, gpu: str | None) -> None:
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    dev = torch.device("cuda:0" if backend == "nccl" else "cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    g = open_weight_update_group(
+        master_address="127.0.0.1", master_port=port, rank=1, world_size=2,
+        group_name="raw", backend=backend, timeout_s=300,
+    )  # fmt: skip
+    buf = torch.zeros(numel, dtype=torch.bfloat16, device=dev)
+    for _ in range(n):
+        g.broadcast(buf, 0).wait()
+    sync(dev)
+    g.close()
+
+
+def raw_broadcast(nbytes: int, backend: str, repeats: int) -> dict[str, Any]:
+    """Raw broadcast of one flat buffer, this process -> one receiver process (best of N)."""
+    numel = nbytes // 2
+    n = max(2, repeats) + 1
+    port = free_port()
+    gpu = "1" if backend == "nccl" else None
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(port, backend, numel, n, gpu))
+    proc.start()
+    dev = torch.device("cuda:0" if backend == "nccl" else "cpu")
+    g = open_weight_update_group(
+        master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
+        group_name="raw", backend=backend, timeout_s=300,
+    )  # fmt: skip
+    buf = torch.ones(numel, dtype=torch.bfloat16, device=dev)
+    times = []
+    for _ in range(n):
+        sync(dev)
+        t0 = time.perf_counter()
+        g.broadcast(buf, 0).wait()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    proc.join(120)
+    g.close()
+    best = min(times[1:])
+    return {"backend": backend, "seconds": round(best, 4), "gb_s": round(nbytes / best / 1e9, 2)}
+
+
+# ---------------------------------------------------------------------------- transports
+def timed_updates(
+    tr: IPCTransport | NCCLTransport,
+    target: EngineTarget,
+    repeats: int,
+    device: torch.device,
+) -> tuple[list[float], int]:
+    """Warm-up + ``repeats`` updates; returns times and the peak extra bytes allocated."""
+    times: list[float] = []
+    peak_extra = 0
+    for i in range(repeats + 1):
+        sync(device)
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        report = tr.update([target])
+        sync(device)
+        dt = time.perf_counter() - t0
+        if not report.ok:
+            raise RuntimeError(f"{tr.name} update failed: {report.results}")
+        if device.type == "cuda":
+            peak_extra = max(peak_extra, torch.cuda.max_memory_allocated(device) - before)
+        if i:
+            times.append(dt)
+    return times, peak_extra
+
+
+def verify(client: SGLangClient, want: str, what: str) -> bool:
+    got = client.weights_checksum(timeout=900)
+    if got.model != want:
+        raise RuntimeError(f"{what}: engine checksum differs from the trainer's")
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny Qwen3: checks the script")
+    ap.add_argument("--ipc-buckets-mib", default="256,1024")
+    ap.add_argument("--nccl-buckets-mib", default="512")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-nccl", action="store_true")
+    args = ap.parse_args()
+
+    smoke = args.smoke
+    if not smoke and not torch.cuda.is_available():
+        print("no CUDA device: run with --smoke for the CPU check", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if smoke else "cuda:0")
+    gpus = 0 if smoke else torch.cuda.device_count()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = model_config(smoke)
+    result: dict[str, Any] = {
+        "benchmark": "transports_gpu" if not smoke else "transports_gpu_smoke",
+        "model": "Qwen3ForCausalLM, Qwen3-4B shapes" if not smoke else "tiny Qwen3 (smoke)",
+        "host": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
+        },
+        "phases": {},
+    }
+
+    def save() -> None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    shapes = shapes_for(cfg, smoke)
+    t0 = time.perf_counter()
+    weights = make_weights(shapes, device, seed=1)
+    sync(device)
+    nbytes = nbytes_of(weights)
+    result["tensors"], result["bytes"] = len(weights), nbytes
+    print(f"{len(weights)} tensors, {nbytes / 1e9:.3f} GB bf16 on {device} "
+          f"({time.perf_counter() - t0:.1f}s)")  # fmt: skip
+    t0 = time.perf_counter()
+    want = weights_checksum(weights)["model"]
+    result["phases"]["trainer_checksum_s"] = round(time.perf_counter() - t0, 2)
+    base = copy_bandwidth(nbytes, device, args.repeats)
+    result["phases"]["d2d_copy" if not smoke else "memcpy"] = base
+    print(f"copy baseline: {base}")
+    save()
+
+    with tempfile.TemporaryDirectory(prefix="rollsafe-gpu-transports-") as tmp:
+        model_dir = Path(tmp) / "qwen3"
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+        extra = ["--load-format", "dummy", "--dtype", "bfloat16", "--weight-group-timeout", "300"]
+        if not smoke:
+            extra += ["--device", "cuda"]
+        t0 = time.perf_counter()
+        eng = start_engine(model_dir, ranks=1, extra_args=extra, timeout=900)
+        result["phases"]["engine_start_s"] = round(time.perf_counter() - t0, 1)
+        save()
+        try:
+            client = SGLangClient(eng.url, timeout=900)
+            target = EngineTarget("engine", (0,), client, 1)
+            rows = []
+            for mib in [int(x) for x in args.ipc_buckets_mib.split(",") if x]:
+                tr = IPCTransport(1, bucket_bytes=mib * MiB)
+                tr.register(weights, 1)
+                times, extra_mem = timed_updates(tr, target, args.repeats, device)
+                best = min(times)
+                rows.append({
+                    "bucket_mib": mib,
+                    "buckets": len(tr.plans),
+                    "seconds": round(best, 4),
+                    "all_seconds": [round(t, 4) for t in times],
+                    "gb_s": round(nbytes / best / 1e9, 2),
+                    "ratio_vs_copy": round(nbytes / best / 1e9 / base["gb_s"], 3),
+                    "peak_extra_gpu_bytes": extra_mem,
+                    "peak_extra_buckets": round(extra_mem / (mib * MiB), 2),
+                })  # fmt: skip
+                tr.close()
+                print(f"ipc: {rows[-1]}")
+                result["phases"]["ipc"] = rows
+                save()
+            t0 = time.perf_counter()
+            rows[-1]["checksum_ok"] = verify(client, want, "ipc")
+            result["phases"]["engine_checksum_s"] = round(time.perf_counter() - t0, 2)
+            save()
+        finally:
+            eng.stop()
+
+        if not args.skip_nccl:
+            backend = "nccl" if gpus >= 2 else "gloo"
+            result["phases"]["nccl_note"] = (
+                "engine on GPU 1, backend nccl"
+                if backend == "nccl"
+                else "one GPU (or smoke): NCCL refuses two ranks on one GPU ('Duplicate GPU "
+                "detected'); the same transport ran with backend gloo over CUDA tensors"
+            )
+            raw = raw_broadcast(nbytes, backend, args.repeats)
+            result["phases"]["raw_broadcast"] = raw
+            save()
+            env = {"CUDA_VISIBLE_DEVICES": "1"} if backend == "nccl" else None
+            eng = start_engine(model_dir, ranks=1, extra_args=extra, env=env, timeout=900)
+            try:
+                client = SGLangClient(eng.url, timeout=900)
+                target = EngineTarget("engine", (0,), client, 1)
+                rows = []
+                for mib in [int(x) for x in args.nccl_buckets_mib.split(",") if x]:
+                    ntr = NCCLTransport(
+                        1, backend=backend, bucket_bytes=mib * MiB, group_timeout=300
+                    )
+                    ntr.register(weights, 2)
+                    times, _ = timed_updates(ntr, target, args.repeats, device)
+                    best = min(times)
+                    rows.append({
+                        "backend": backend,
+                        "bucket_mib": mib,
+                        "buckets": len(ntr.plans),
+                        "seconds": round(best, 4),
+                        "all_seconds": [round(t, 4) for t in times],
+                        "gb_s": round(nbytes / best / 1e9, 2),
+                        "ratio_vs_raw_broadcast": round(nbytes / best / 1e9 / raw["gb_s"], 3),
+                    })  # fmt: skip
+                    ntr.close()
+                    print(f"nccl: {rows[-1]}")
+                    result["phases"]["nccl"] = rows
+                    save()
+                rows[-1]["checksum_ok"] = verify(client, want, "nccl")
+                save()
+            finally:
+                eng.stop()
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
