@@ -6,7 +6,11 @@ What is here so far, in dependency order (each module imports only the ones abov
   ``WorkerGroupLifecycle`` machines, the fleet version and the listeners;
 * :mod:`~rollsafe.fleet.router`: :class:`Router`, requests to routable groups only;
 * :mod:`~rollsafe.fleet.health`: :class:`HealthManager`, concurrent probes that take failed
-  groups out of routing and hand them off (never recovering them itself).
+  groups out of routing and hand them off (never recovering them itself);
+* :mod:`~rollsafe.fleet.sync`: :class:`SyncCoordinator`, one weight sync (judge the previous
+  export, register, update active and pending groups, versions, start the next export);
+* :mod:`~rollsafe.fleet.recovery`: :class:`RecoveryCoordinator`, recoveries on a bounded pool
+  (immediate from the ready export, targeted push, or deferred to the next sync).
 """
 
 from rollsafe.fleet.health import (
@@ -18,6 +22,17 @@ from rollsafe.fleet.health import (
     ProbeOutcome,
     ProbeResult,
     client_health_probe,
+)
+from rollsafe.fleet.recovery import (
+    RecoveryClosed,
+    RecoveryCoordinator,
+    RecoveryError,
+    RecoveryResult,
+    RecoveryStatus,
+    RecoveryStep,
+    RecoveryStrategy,
+    RestartableEngine,
+    StepTimeout,
 )
 from rollsafe.fleet.registry import (
     LISTENER_HOOKS,
@@ -40,12 +55,22 @@ from rollsafe.fleet.router import (
     RouterError,
     is_retryable,
 )
+from rollsafe.fleet.sync import (
+    ExportJudgement,
+    SyncCoordinator,
+    SyncError,
+    SyncReport,
+    SyncVersionError,
+    default_target,
+    shared_transport_lock,
+)
 
 __all__ = [
     "DEFAULT_MAX_ERROR_CHARS",
     "DEFAULT_PROBE_STATES",
     "LISTENER_HOOKS",
     "DuplicateGroup",
+    "ExportJudgement",
     "FleetError",
     "FleetListener",
     "FleetRegistry",
@@ -59,12 +84,27 @@ __all__ = [
     "Probe",
     "ProbeOutcome",
     "ProbeResult",
+    "RecoveryClosed",
+    "RecoveryCoordinator",
+    "RecoveryError",
+    "RecoveryResult",
+    "RecoveryStatus",
+    "RecoveryStep",
+    "RecoveryStrategy",
     "RequestFailed",
+    "RestartableEngine",
     "RoutedResult",
     "Router",
     "RouterError",
+    "StepTimeout",
+    "SyncCoordinator",
+    "SyncError",
+    "SyncReport",
+    "SyncVersionError",
     "UnknownGroup",
     "WorkerGroup",
     "client_health_probe",
+    "default_target",
     "is_retryable",
+    "shared_transport_lock",
 ]

@@ -4,9 +4,12 @@ Run it with ``python -m rollsafe.adapters.reference_engine --model-path DIR``; o
 prints one line ``ROLLSAFE_READY {"url": ..., "pid": ..., "rank_pids": [...], ...}`` on stdout.
 Modules: :mod:`.tiny_model` (deterministic tiny Llama checkpoints), :mod:`.model` (one rank's
 shard), :mod:`.weights` (receiving side of weight updates), :mod:`.collective` (process groups),
-:mod:`.ranks` (multi-process ranks), :mod:`.engine` (scheduler), :mod:`.server`,
-:mod:`.sglang_api`, :mod:`.vllm_api` (HTTP), :mod:`.faults` (fault injection), :mod:`.errors`.
-Importing this package is light: torch and transformers load only in the submodules.
+:mod:`.bootstrap` (how ranks start: fork after rank 0's imports on CPU, early spawn on CUDA; the
+start-up protocol), :mod:`.ranks` (multi-process ranks), :mod:`.engine` (scheduler),
+:mod:`.server`, :mod:`.sglang_api`, :mod:`.vllm_api` (HTTP), :mod:`.codec` (tokenizer,
+``--tokenizer-path``), :mod:`.paths` (directory checks), :mod:`.faults` (fault injection),
+:mod:`.errors`. Importing this package is light: torch and transformers load only in the
+submodules (``bootstrap``, ``codec``, ``paths`` and ``errors`` never import them).
 """
 
 from __future__ import annotations

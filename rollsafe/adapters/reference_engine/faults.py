@@ -9,7 +9,9 @@ Owns the ``/fault/*`` endpoints and the middleware that applies injected faults:
 * ``POST /fault/fail_next`` ``{"endpoint": "/generate"}``: the next call of that endpoint
   answers HTTP 500.
 
-Without the environment variable the endpoints answer 404 and change nothing.
+Without the environment variable the endpoints answer 404 and change nothing. Start-up faults
+of individual ranks (a delay, or a failure) are injected with ``ROLLSAFE_FAULT_RANK_START``; see
+:mod:`.bootstrap`.
 """
 
 from __future__ import annotations

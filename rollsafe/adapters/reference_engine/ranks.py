@@ -114,6 +114,8 @@ class RankRuntime:
 
     def join_group(self, port: int, store: Any = None) -> None:
         """Join the engine's rank group through the store on ``127.0.0.1:port``."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per thread; rank 0 joins on a helper thread
         self.group = RankGroup(
             port=port,
             rank=self.rank,
@@ -343,8 +345,7 @@ class RankSet:
                 store = RankGroup.master_store(self.world_size, opts.start_timeout_s)
                 for conn in self._conns:
                     conn.send(("join", {"port": int(store.port)}))
-                self.local.join_group(int(store.port), store=store)
-                self._await_all("ready", deadline)
+                self._join_group(int(store.port), store, deadline)
                 if clock is not None:
                     clock.mark("group_joined")
         except BaseException:
@@ -352,6 +353,27 @@ class RankSet:
             raise
         if self._procs:
             threading.Thread(target=self._watch, name="rank-watcher", daemon=True).start()
+
+    def _join_group(self, port: int, store: Any, deadline: float) -> None:
+        """Join the rank group here while watching the children: one that fails or dies while
+        joining fails the start at once, not after the rendezvous times out."""
+        outcome: list[BaseException | None] = []
+
+        def join() -> None:
+            try:
+                self.local.join_group(port, store=store)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        joiner = threading.Thread(target=join, name="rank0-join", daemon=True)
+        joiner.start()
+        self._await_all("ready", deadline)
+        joiner.join(max(0.0, deadline - time.monotonic()))
+        if not outcome:
+            raise RankFailure("rank 0 did not join the rank group within the start timeout")
+        if outcome[0] is not None:
+            raise outcome[0]
 
     @property
     def rank_pids(self) -> list[int]:

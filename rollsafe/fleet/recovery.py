@@ -1,0 +1,841 @@
+"""RecoveryCoordinator: bring failed worker groups back, off the health checks' threads.
+
+Owns the recovery of ``inactive`` groups (DESIGN.md section 6). :meth:`RecoveryCoordinator.submit`
+(what the health manager's ``on_group_failed`` callback calls) only enqueues: recoveries run on a
+bounded worker pool, one at a time per group (a second submit while one runs returns the same
+future). Each recovery is a sequence of machine events and engine steps:
+
+``skip?`` -> ``claim`` -> (lease) -> ``shutdown`` -> ``restart`` -> ``health`` -> ``restarted`` ->
+(``push`` -> ``weights_loaded``)
+
+with the strategy chosen in this order:
+
+1. **immediate**: the :class:`~rollsafe.statemachines.ImmediateRecoveryMode` allows it and the
+   exporter has a ``ready`` export of the fleet's current version: a lease is taken on it, the
+   group restarts with ``model_path=<export dir>``, its members report that version, and
+   ``restarted`` takes it straight to ``active``. The lease is released only once the restart
+   step has ended (also when it timed out and is still loading in the background), so the
+   directory is never deleted under a loading engine;
+2. **targeted push**: the group restarts on dummy weights (``skip_load_weights=True``),
+   ``restarted`` -> ``pending_weights``, then the transport's registered checkpoint of the
+   current version is pushed to that group only (``transport.update([target])``) and
+   ``weights_loaded`` -> ``active``. A transport that cannot reach just one group
+   (checkpoint-engine without P2P raises a ``TransportError``) falls through to 3;
+3. **deferred**: the group waits in ``pending_weights`` for the next sync.
+
+Recovery is skipped, with the reason logged and recorded, when ``remaining_work_s()`` says the
+rollout ends before ``expected_recovery_s``. A ``claim`` refused because the restart budget is
+spent retires the group (the fleet keeps serving with the rest). A restart that raises or passes
+``recovery_timeout_s`` sends ``restart_failed`` and, with ``retry=True``, is tried again while
+budget lasts. Blocking steps run on their own daemon threads under the recovery's deadline, so a
+hung engine never holds a pool worker past its timeout, never blocks another recovery and never
+touches the health checks. Every step is timed in a :class:`RecoveryResult`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import inspect
+import logging
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
+
+from rollsafe.adapters.engines.errors import bound_text
+from rollsafe.fleet.registry import FleetError, FleetRegistry, UnknownGroup, WorkerGroup
+from rollsafe.fleet.sync import ExporterLike, default_target, shared_transport_lock
+from rollsafe.statemachines.base import TransitionRefused
+from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
+
+if TYPE_CHECKING:
+    from rollsafe.adapters.engines.client import EngineClient
+    from rollsafe.fleet.health import GroupFailure
+    from rollsafe.statemachines.export import ExportLease
+    from rollsafe.transports.base import EngineTarget, WeightTransport
+
+__all__ = [
+    "RecoveryClosed",
+    "RecoveryCoordinator",
+    "RecoveryError",
+    "RecoveryResult",
+    "RecoveryStatus",
+    "RecoveryStep",
+    "RecoveryStrategy",
+    "RestartableEngine",
+    "StepTimeout",
+]
+
+log = logging.getLogger(__name__)
+
+#: How a recovery ended. ``active``: serving the current version; ``pending_weights``: up and
+#: waiting for the next sync (deferred); ``skipped``: not attempted (rollout about to finish);
+#: ``retired``: restart budget spent; ``failed``: every attempt failed, the group is
+#: ``inactive``; ``not_needed``: the group was not ``inactive`` when the recovery started.
+RecoveryStatus = Literal["active", "pending_weights", "skipped", "retired", "failed", "not_needed"]
+#: Which strategy brought the group back (the last attempt's).
+RecoveryStrategy = Literal["immediate", "targeted_push", "deferred"]
+
+_RESULTS_KEPT = 512
+_MAX_TEXT = 512
+
+T = TypeVar("T")
+
+
+class RecoveryError(FleetError):
+    """A recovery step failed (the message names the group and the step)."""
+
+
+class RecoveryClosed(RecoveryError):
+    """The coordinator was closed; no new recovery is accepted."""
+
+
+class StepTimeout(RecoveryError, TimeoutError):
+    """A recovery step did not finish before the recovery's deadline."""
+
+    def __init__(self, group_id: str, step: str, seconds: float) -> None:
+        self.group_id = group_id
+        self.step = step
+        super().__init__(
+            f"group {group_id!r}: step {step!r} did not finish within its deadline "
+            f"({seconds:.1f}s left when it started); it continues on a background thread"
+        )
+
+
+@runtime_checkable
+class RestartableEngine(Protocol):
+    """What recovery needs from one engine group's handle (``EngineLauncher`` has it).
+
+    ``restart`` stops the group if it runs and starts it again, returning once it is ready;
+    ``client`` is the (possibly new) client of the restarted group. An optional ``stop()`` is
+    used as the explicit shutdown step, and an optional ``weight_version=`` keyword of
+    ``restart`` is passed when the group loads a known version.
+    """
+
+    def restart(
+        self,
+        model_path: str | None = None,
+        load_format: str | None = None,
+        skip_load_weights: bool | None = None,
+    ) -> object: ...
+
+    @property
+    def client(self) -> EngineClient: ...
+
+
+@dataclass(frozen=True)
+class RecoveryStep:
+    """One timed step of a recovery (``attempt`` counts from 1)."""
+
+    name: str
+    attempt: int
+    started_at: float
+    seconds: float
+    ok: bool
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "attempt": self.attempt,
+            "started_at": self.started_at,
+            "seconds": self.seconds,
+            "ok": self.ok,
+            "detail": self.detail,
+        }
+
+
+@dataclass(frozen=True)
+class RecoveryResult:
+    """The record of one recovery of one group.
+
+    Timestamps are wall-clock (``time.time()``); ``failed_at`` is when the failure was detected
+    (the health manager's ``GroupFailure.timestamp``, else the submit time). ``latency_s`` is
+    failure -> ``active`` when the group got there.
+    """
+
+    group_id: str
+    status: RecoveryStatus
+    strategy: RecoveryStrategy | None
+    reason: str
+    failed_at: float
+    submitted_at: float
+    started_at: float
+    finished_at: float
+    active_at: float | None
+    attempts: int
+    export_version: int | None
+    fleet_version: int
+    steps: tuple[RecoveryStep, ...] = ()
+
+    @property
+    def latency_s(self) -> float | None:
+        """Failure detected -> group ``active`` again (None if it did not get there)."""
+        return None if self.active_at is None else self.active_at - self.failed_at
+
+    @property
+    def queued_s(self) -> float:
+        return self.started_at - self.submitted_at
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished_at - self.started_at
+
+    def step_seconds(self, name: str) -> float:
+        """Total seconds spent in steps called ``name`` (every attempt)."""
+        return sum(s.seconds for s in self.steps if s.name == name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "group_id": self.group_id,
+            "status": self.status,
+            "strategy": self.strategy,
+            "reason": self.reason,
+            "failed_at": self.failed_at,
+            "submitted_at": self.submitted_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "active_at": self.active_at,
+            "latency_s": self.latency_s,
+            "attempts": self.attempts,
+            "export_version": self.export_version,
+            "fleet_version": self.fleet_version,
+            "steps": [s.as_dict() for s in self.steps],
+        }
+
+
+@dataclass
+class _Run:
+    """Mutable state of one recovery while it runs (becomes a RecoveryResult)."""
+
+    group_id: str
+    failed_at: float
+    submitted_at: float
+    started_at: float = 0.0
+    attempt: int = 0
+    strategy: RecoveryStrategy | None = None
+    export_version: int | None = None
+    active_at: float | None = None
+    steps: list[RecoveryStep] = field(default_factory=list)
+
+
+class _Attempt(Exception):
+    """Internal: one attempt failed; ``retry`` says whether another may follow."""
+
+    def __init__(self, message: str, *, retry: bool = True, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
+        self.timed_out = timed_out
+
+
+class RecoveryCoordinator:
+    """Runs recoveries of a :class:`FleetRegistry`'s failed groups on a bounded pool.
+
+    ``launcher_for(group_id)`` returns the group's :class:`RestartableEngine` handle.
+    ``exporter`` (an :class:`~rollsafe.hf.HFExporter`) and ``mode`` enable the immediate
+    strategy; ``transport`` (the sync's transport: the same object, so they share its lock)
+    enables the targeted push; ``targets_for(group)`` builds its target (default: the group's
+    restarted client). ``remaining_work_s()`` estimates the rollout's remaining seconds (None:
+    unknown, never skip). Thread-safe; use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        registry: FleetRegistry,
+        *,
+        launcher_for: Callable[[str], RestartableEngine],
+        exporter: ExporterLike | None = None,
+        transport: WeightTransport | None = None,
+        mode: ImmediateRecoveryMode | None = None,
+        max_workers: int = 4,
+        recovery_timeout_s: float = 300.0,
+        remaining_work_s: Callable[[], float | None] | None = None,
+        expected_recovery_s: float = 30.0,
+        targets_for: Callable[[WorkerGroup], EngineTarget] | None = None,
+        health_timeout_s: float = 5.0,
+        retry: bool = True,
+        retry_delay_s: float = 0.5,
+        transport_lock: threading.RLock | None = None,
+        name: str = "rollsafe-recovery",
+    ) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if recovery_timeout_s <= 0:
+            raise ValueError(f"recovery_timeout_s must be > 0, got {recovery_timeout_s}")
+        if expected_recovery_s < 0:
+            raise ValueError(f"expected_recovery_s must be >= 0, got {expected_recovery_s}")
+        if retry_delay_s < 0:
+            raise ValueError(f"retry_delay_s must be >= 0, got {retry_delay_s}")
+        self.registry = registry
+        self.launcher_for = launcher_for
+        self.exporter = exporter
+        self.transport = transport
+        self.mode = mode
+        self.max_workers = max_workers
+        self.recovery_timeout_s = recovery_timeout_s
+        self.remaining_work_s = remaining_work_s
+        self.expected_recovery_s = expected_recovery_s
+        self.targets_for = targets_for or default_target
+        self.health_timeout_s = health_timeout_s
+        self.retry = retry
+        self.retry_delay_s = retry_delay_s
+        self.transport_lock = transport_lock or (
+            shared_transport_lock(transport) if transport is not None else threading.RLock()
+        )
+        self.name = name
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix=name)
+        self._lock = threading.Lock()
+        self._inflight: dict[str, concurrent.futures.Future[RecoveryResult]] = {}
+        # Groups whose last attempt left a step running in the background (timed out): no new
+        # recovery starts on them until that step ends (it may still be using the engine).
+        self._busy: dict[str, threading.Event] = {}
+        self._results: deque[RecoveryResult] = deque(maxlen=_RESULTS_KEPT)
+        self._closed = False
+
+    # ------------------------------------------------------------------ submitting
+    def submit(
+        self, group_id: str, *, failed_at: float | None = None, reason: str = ""
+    ) -> concurrent.futures.Future[RecoveryResult]:
+        """Queue a recovery of ``group_id`` and return its future; never blocks.
+
+        Idempotent: while a recovery of this group is queued or running, the same future is
+        returned. Raises :class:`RecoveryClosed` after :meth:`close`, :class:`UnknownGroup`
+        for a group the registry does not know.
+        """
+        self.registry.get(group_id)  # UnknownGroup, early and loud
+        now = time.time()
+        with self._lock:
+            if self._closed:
+                raise RecoveryClosed(f"{self.name}: closed; recovery of {group_id!r} refused")
+            existing = self._inflight.get(group_id)
+            if existing is not None and not existing.done():
+                return existing
+            run = _Run(group_id, failed_at if failed_at is not None else now, now)
+            future = self._pool.submit(self._recover, run, reason)
+            self._inflight[group_id] = future
+        future.add_done_callback(functools.partial(self._forget, group_id))
+        log.info(
+            "%s: recovery of %s queued%s",
+            self.name,
+            group_id,
+            f" ({bound_text(reason, 200)})" if reason else "",
+        )
+        return future
+
+    def on_group_failed(self, failure: GroupFailure) -> None:
+        """The :class:`~rollsafe.fleet.HealthManager` callback: enqueue, return at once."""
+        self.submit(failure.group_id, failed_at=failure.timestamp, reason=failure.reason)
+
+    def on_update_failed(self, group_id: str, reason: str) -> None:
+        """The :class:`~rollsafe.fleet.sync.SyncCoordinator` ``on_group_failed`` callback."""
+        self.submit(group_id, reason=f"weight update failed: {reason}")
+
+    def recover_inactive(self) -> list[str]:
+        """Submit every ``inactive`` group not already being recovered (e.g. after a skip,
+        when a new rollout begins); return their ids."""
+        submitted = []
+        for group in self.registry.groups():
+            if group.state == "inactive" and not self.in_progress(group.group_id):
+                self.submit(group.group_id, reason="inactive group picked up")
+                submitted.append(group.group_id)
+        return submitted
+
+    def _forget(self, group_id: str, future: concurrent.futures.Future[RecoveryResult]) -> None:
+        with self._lock:
+            if self._inflight.get(group_id) is future:
+                del self._inflight[group_id]
+
+    # ------------------------------------------------------------------ inspection
+    def in_progress(self, group_id: str | None = None) -> bool | list[str]:
+        """Whether ``group_id`` is being recovered; with no id, the ids being recovered."""
+        with self._lock:
+            running = [g for g, f in self._inflight.items() if not f.done()]
+        if group_id is None:
+            return running
+        return group_id in running
+
+    def recoveries(self) -> list[RecoveryResult]:
+        """Finished recoveries, oldest first (the last 512)."""
+        with self._lock:
+            return list(self._results)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts by status and strategy, and latency figures, for reports."""
+        results = self.recoveries()
+        latencies = sorted(r.latency_s for r in results if r.latency_s is not None)
+        by_status: dict[str, int] = {}
+        by_strategy: dict[str, int] = {}
+        for r in results:
+            by_status[r.status] = by_status.get(r.status, 0) + 1
+            if r.strategy is not None:
+                by_strategy[r.strategy] = by_strategy.get(r.strategy, 0) + 1
+        return {
+            "recoveries": len(results),
+            "by_status": by_status,
+            "by_strategy": by_strategy,
+            "latency_s": {
+                "min": latencies[0] if latencies else None,
+                "median": latencies[len(latencies) // 2] if latencies else None,
+                "max": latencies[-1] if latencies else None,
+            },
+        }
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, timeout: float = 10.0) -> bool:
+        """Refuse new recoveries, wait up to ``timeout`` s for running ones; True if all ended.
+
+        Running recoveries are not interrupted (a restart half-way is worse than a wait); queued
+        ones that have not started are cancelled.
+        """
+        with self._lock:
+            self._closed = True
+            futures = list(self._inflight.values())
+        for f in futures:
+            f.cancel()
+        _done, not_done = concurrent.futures.wait(futures, timeout=timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if not_done:
+            log.warning("%s: %d recovery(ies) still running at close", self.name, len(not_done))
+        return not not_done
+
+    def __enter__(self) -> RecoveryCoordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ one recovery
+    def _recover(self, run: _Run, reason: str) -> RecoveryResult:
+        run.started_at = time.time()
+        gid = run.group_id
+        status: RecoveryStatus
+        why: str
+        try:
+            status, why = self._recover_loop(run)
+        except Exception as exc:  # a bug or an unexpected error: recorded, never lost
+            log.exception("%s: recovery of %s crashed", self.name, gid)
+            status, why = "failed", f"internal error: {type(exc).__name__}: {exc}"
+        result = RecoveryResult(
+            group_id=gid,
+            status=status,
+            strategy=run.strategy,
+            reason=bound_text(why, _MAX_TEXT),
+            failed_at=run.failed_at,
+            submitted_at=run.submitted_at,
+            started_at=run.started_at,
+            finished_at=time.time(),
+            active_at=run.active_at,
+            attempts=run.attempt,
+            export_version=run.export_version,
+            fleet_version=self.registry.fleet_version,
+            steps=tuple(run.steps),
+        )
+        with self._lock:
+            self._results.append(result)
+        level = (
+            logging.INFO
+            if status in ("active", "pending_weights", "not_needed")
+            else (logging.WARNING)
+        )
+        log.log(
+            level, "%s: recovery of %s -> %s (strategy %s, %d attempt(s), latency %s): %s",
+            self.name, gid, status, run.strategy, run.attempt,
+            "n/a" if result.latency_s is None else f"{result.latency_s:.3f}s", result.reason,
+        )  # fmt: skip
+        return result
+
+    def _recover_loop(self, run: _Run) -> tuple[RecoveryStatus, str]:
+        gid = run.group_id
+        with self._lock:
+            busy = self._busy.get(gid)
+        if busy is not None and not busy.is_set():
+            return "failed", "a previous attempt's step is still running in the background"
+        while True:
+            try:
+                group = self.registry.get(gid)
+            except UnknownGroup:
+                return "not_needed", "the group was removed from the registry"
+            if group.state != "inactive":
+                if run.attempt == 0:
+                    return "not_needed", f"group is {group.state}, not inactive"
+                return "failed", f"group left inactive meanwhile ({group.state})"
+            skip = self._skip_reason()
+            if skip is not None:
+                self._step(run, "skip", time.perf_counter(), True, skip)
+                log.warning("%s: recovery of %s skipped: %s", self.name, gid, skip)
+                return "skipped", skip
+            claimed = self._claim(run, group)
+            if claimed is not None:
+                return claimed
+            try:
+                return self._attempt(run, group)
+            except _Attempt as exc:
+                detail = str(exc)
+                log.warning("%s: attempt %d for %s failed: %s", self.name, run.attempt, gid, detail)
+                if not self.retry or not exc.retry or self._closed:
+                    return "failed", detail
+                if self.retry_delay_s:
+                    time.sleep(self.retry_delay_s)
+
+    def _skip_reason(self) -> str | None:
+        if self.remaining_work_s is None:
+            return None
+        try:
+            remaining = self.remaining_work_s()
+        except Exception as exc:
+            log.warning("%s: remaining_work_s() raised (%s); recovering anyway", self.name, exc)
+            return None
+        if remaining is None or remaining >= self.expected_recovery_s:
+            return None
+        return (
+            f"rollout about to finish: {remaining:.1f}s of work left < expected recovery time "
+            f"{self.expected_recovery_s:.1f}s"
+        )
+
+    def _claim(self, run: _Run, group: WorkerGroup) -> tuple[RecoveryStatus, str] | None:
+        gid = group.group_id
+        t = time.perf_counter()
+        try:
+            self.registry.send(gid, "claim")
+        except TransitionRefused as exc:
+            machine = group.machine
+            if group.state == "inactive" and not machine.restart_budget_left():
+                self._step(run, "claim", t, False, "restart budget spent")
+                try:
+                    self.registry.send(gid, "retire")
+                except TransitionRefused as rexc:
+                    return "failed", f"budget spent but retire refused: {rexc}"
+                self._step(run, "retire", t, True, "restart budget spent")
+                log.error(
+                    "%s: group %s retired: restart budget (%d) spent; the fleet goes on without it",
+                    self.name,
+                    gid,
+                    machine.initial_restart_budget,
+                )
+                return "retired", (
+                    f"restart budget of {machine.initial_restart_budget} spent; retired"
+                )
+            self._step(run, "claim", t, False, str(exc))
+            return "failed", f"claim refused: {exc}"
+        run.attempt += 1
+        self._step(run, "claim", t, True, f"budget left {group.machine.restart_budget}")
+        return None
+
+    def _attempt(self, run: _Run, group: WorkerGroup) -> tuple[RecoveryStatus, str]:
+        """One attempt on a claimed (``recovering``) group."""
+        gid = group.group_id
+        deadline = time.monotonic() + self.recovery_timeout_s
+        lease, export_path = self._take_lease(run)
+        run.strategy = "immediate" if lease is not None else "targeted_push"
+        # A restart that timed out may still be loading from the export: its lease is then
+        # released by the background thread when the restart ends, never before.
+        lease_handed_off = False
+        try:
+            handle = self._run_step(run, "launcher", deadline, lambda: self.launcher_for(gid))
+            stop = getattr(handle, "stop", None)
+            if callable(stop):
+                self._run_step(run, "shutdown", deadline, stop)
+            kwargs: dict[str, Any] = {"skip_load_weights": True}
+            if lease is not None:
+                kwargs = {"model_path": export_path}
+                if _accepts(handle.restart, "weight_version"):
+                    kwargs["weight_version"] = str(lease.version)
+            held = lease
+
+            def late_release() -> None:
+                if held is not None:
+                    self._release(held)
+
+            try:
+                self._run_step(
+                    run, "restart", deadline, lambda: handle.restart(**kwargs),
+                    detail=_describe(kwargs), on_late_finish=late_release,
+                )  # fmt: skip
+            except _Attempt as exc:
+                lease_handed_off = exc.timed_out
+                raise
+            client = self._rebind(group, handle)
+            self._run_step(run, "health", deadline, lambda: self._wait_healthy(client, deadline))
+            version = lease.version if lease is not None else None
+            for rank in group.ranks:
+                self.registry.report_member(gid, rank, healthy=True, weights_version=version)
+            t = time.perf_counter()
+            try:
+                record = self.registry.send(gid, "restarted")
+            except TransitionRefused as exc:
+                self._step(run, "restarted", t, False, str(exc))
+                raise _Attempt(f"restarted refused: {exc}") from exc
+            self._step(run, "restarted", t, True, f"-> {record.target}")
+        except _Attempt:
+            self._restart_failed(group)
+            raise
+        except Exception as exc:
+            self._restart_failed(group)
+            raise _Attempt(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if lease is not None and not lease_handed_off:
+                self._release(lease)
+        if record.target == "active":
+            run.active_at = time.time()
+            if lease is not None:
+                return "active", f"restarted from the ready export of v{lease.version}"
+            return "active", "restarted at the current version"
+        return self._push(run, group, deadline)
+
+    # ------------------------------------------------------------------ strategies
+    def _take_lease(self, run: _Run) -> tuple[ExportLease | None, str | None]:
+        mode, exporter = self.mode, self.exporter
+        t = time.perf_counter()
+        if mode is None or exporter is None:
+            return None, None
+        if not mode.allows_immediate:
+            self._step(run, "lease", t, False, f"immediate recovery {mode.state}")
+            return None, None
+        version = self.registry.fleet_version
+        record = exporter.latest_ready(version)
+        if record is None:
+            self._step(run, "lease", t, False, f"no ready export of v{version}")
+            return None, None
+        try:
+            lease = exporter.lease(version, holder=f"recovery:{run.group_id}")
+        except Exception as exc:  # superseded or deleted meanwhile
+            self._step(run, "lease", t, False, f"{type(exc).__name__}: {exc}")
+            return None, None
+        run.export_version = version
+        self._step(run, "lease", t, True, f"export v{version} at {record.path}")
+        return lease, str(record.path)
+
+    def _release(self, lease: ExportLease) -> None:
+        if self.exporter is None:
+            return
+        try:
+            self.exporter.release(lease)
+        except Exception:
+            log.exception("%s: releasing lease %s failed", self.name, lease)
+
+    def _push(self, run: _Run, group: WorkerGroup, deadline: float) -> tuple[RecoveryStatus, str]:
+        """Targeted push to a ``pending_weights`` group; deferred when it cannot happen."""
+        gid = group.group_id
+        transport = self.transport
+        t = time.perf_counter()
+        if transport is None:
+            return self._defer(run, t, "no transport for a targeted push")
+        cancelled = threading.Event()
+
+        def push() -> str:
+            with self.transport_lock:
+                if cancelled.is_set():
+                    return "cancelled"
+                published = transport.registration.published
+                current = self.registry.fleet_version
+                if published is None or published[1] != current:
+                    return f"no registered checkpoint of v{current} (published: {published})"
+                if group.state != "pending_weights":
+                    return f"group moved to {group.state}"
+                target = self.targets_for(group)
+                report = transport.update([target])
+                result = report.results.get(target.name)
+                if result is None or not result.ok:
+                    why = result.reason if result is not None else "no result"
+                    return f"push failed: {why}"
+                for rank in group.ranks:
+                    self.registry.report_member(
+                        gid, rank, healthy=group.machine.members[rank].healthy,
+                        weights_version=published[1],
+                    )  # fmt: skip
+                self.registry.send(gid, "weights_loaded")
+                return "ok"
+
+        from rollsafe.transports.base import TransportError
+
+        run.strategy = "targeted_push"
+        try:
+            outcome = self._run_step(run, "push", deadline, push, cancel=cancelled)
+        except _Attempt as exc:
+            # The engine is up on dummy weights (not routable): leave it for the next sync.
+            return self._defer(run, t, str(exc), logged=True)
+        except TransportError as exc:  # e.g. P2PUnavailable: this transport cannot do subsets
+            return self._defer(run, t, f"{type(exc).__name__}: {exc}")
+        if outcome == "ok":
+            run.active_at = time.time()
+            return "active", f"targeted push of v{self.registry.fleet_version} loaded"
+        return self._defer(run, t, outcome)
+
+    def _defer(
+        self, run: _Run, t: float, why: str, *, logged: bool = False
+    ) -> tuple[RecoveryStatus, str]:
+        run.strategy = "deferred"
+        if not logged:
+            self._step(run, "push", t, False, why)
+        group = self.registry.get(run.group_id)
+        if group.state == "active":  # a sync updated it meanwhile
+            run.active_at = time.time()
+            return "active", f"updated by a sync ({why})"
+        return "pending_weights", f"deferred to the next sync: {why}"
+
+    # ------------------------------------------------------------------ helpers
+    def _wait_healthy(self, client: EngineClient | None, deadline: float) -> None:
+        if client is None:
+            return
+        last: Exception | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RecoveryError(
+                    f"engine at {client.url} not healthy before the deadline: {last}"
+                )
+            try:
+                client.health(timeout=max(0.1, min(self.health_timeout_s, remaining)))
+                return
+            except Exception as exc:
+                last = exc
+                time.sleep(min(0.1, max(0.0, remaining)))
+
+    def _rebind(self, group: WorkerGroup, handle: RestartableEngine) -> EngineClient | None:
+        """Point the group at the restarted engine's client (its URL may have changed)."""
+        try:
+            client = handle.client
+        except Exception:
+            return group.client
+        current = group.client
+        if current is client or (current is not None and current.url == client.url):
+            return current
+        # TODO(registry): FleetRegistry should own this (rebind_clients(group_id, clients)).
+        group.clients = (client, *group.clients[1:])
+        group.endpoints = (client.url, *group.endpoints[1:])
+        log.info("%s: group %s now served at %s", self.name, group.group_id, client.url)
+        return client
+
+    def _restart_failed(self, group: WorkerGroup) -> None:
+        if group.state != "recovering":
+            return
+        try:
+            self.registry.send(group.group_id, "restart_failed")
+        except TransitionRefused as exc:
+            log.info("%s: restart_failed refused for %s: %s", self.name, group.group_id, exc)
+
+    def _step(self, run: _Run, name: str, t0: float, ok: bool, detail: str = "") -> None:
+        seconds = time.perf_counter() - t0
+        run.steps.append(
+            RecoveryStep(
+                name, run.attempt, time.time() - seconds, seconds, ok, bound_text(detail, _MAX_TEXT)
+            )
+        )
+
+    def _run_step(
+        self,
+        run: _Run,
+        name: str,
+        deadline: float,
+        fn: Callable[[], T],
+        *,
+        detail: str = "",
+        cancel: threading.Event | None = None,
+        on_late_finish: Callable[[], None] | None = None,
+    ) -> T:
+        """Run ``fn`` on its own daemon thread until ``deadline``; time it; raise ``_Attempt``.
+
+        On timeout the thread is left running: ``cancel`` is set, the group is marked busy (no
+        new recovery starts on it) until the thread ends, and then ``on_late_finish`` runs on
+        that thread, followed by a fresh recovery of the group when ``retry`` is on.
+        A :class:`TransportError` raised by ``fn`` propagates as is.
+        """
+        gid = run.group_id
+        t0 = time.perf_counter()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self._step(run, name, t0, False, "deadline passed before the step")
+            raise _Attempt(f"group {gid!r}: deadline passed before step {name!r}", retry=False)
+        box: dict[str, Any] = {}
+        finished = threading.Event()
+        handover = threading.Lock()
+        abandoned: list[bool] = []
+
+        def body() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:
+                box["error"] = exc
+            finally:
+                with handover:
+                    finished.set()
+                    late = bool(abandoned)
+                if late:
+                    self._late_finish(gid, name, finished, on_late_finish)
+
+        thread = threading.Thread(target=body, name=f"{self.name}-{gid}-{name}", daemon=True)
+        thread.start()
+        finished.wait(remaining)
+        with handover:
+            if not finished.is_set():
+                abandoned.append(True)
+                if cancel is not None:
+                    cancel.set()
+                with self._lock:
+                    self._busy[gid] = finished
+        if abandoned:
+            timeout = StepTimeout(gid, name, remaining)
+            self._step(run, name, t0, False, str(timeout))
+            raise _Attempt(str(timeout), retry=False, timed_out=True)
+        error = box.get("error")
+        if error is not None:
+            self._step(run, name, t0, False, f"{type(error).__name__}: {error}")
+            if _is_transport_error(error):
+                raise error
+            raise _Attempt(f"step {name!r}: {type(error).__name__}: {error}") from error
+        self._step(run, name, t0, True, detail)
+        return box["value"]  # type: ignore[no-any-return]
+
+    def _late_finish(
+        self,
+        group_id: str,
+        step: str,
+        finished: threading.Event,
+        cleanup: Callable[[], None] | None,
+    ) -> None:
+        """A timed-out step finally ended (on its own thread): clean up, maybe recover again."""
+        log.warning(
+            "%s: the timed-out %s step of %s ended in the background", self.name, step, group_id
+        )
+        if cleanup is not None:
+            try:
+                cleanup()
+            except Exception:
+                log.exception(
+                    "%s: clean-up after the late %s of %s failed", self.name, step, group_id
+                )
+        with self._lock:
+            if self._busy.get(group_id) is finished:
+                del self._busy[group_id]
+            closed = self._closed
+        if (
+            self.retry
+            and not closed
+            and group_id in self.registry
+            and self.registry.get(group_id).state == "inactive"
+        ):
+            with contextlib.suppress(RecoveryError):
+                self.submit(group_id, reason=f"retry after the timed-out {step} step")
+
+
+def _accepts(fn: Callable[..., Any], keyword: str) -> bool:
+    """Whether ``fn`` takes ``keyword`` (or ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _is_transport_error(error: BaseException) -> bool:
+    transports = sys.modules.get("rollsafe.transports.base")
+    return transports is not None and isinstance(error, transports.TransportError)
+
+
+def _describe(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items())
