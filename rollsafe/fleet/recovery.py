@@ -111,7 +111,8 @@ class StepTimeout(RecoveryError, TimeoutError):
 class RestartableEngine(Protocol):
     """What recovery needs from one engine group's handle (``EngineLauncher`` has it).
 
-    ``restart`` stops the group if it runs and starts it again, returning once it is ready;
+    ``restart`` (called with keywords only) stops the group if it runs and starts it again,
+    returning once it is ready;
     ``client`` is the (possibly new) client of the restarted group. An optional ``stop()`` is
     used as the explicit shutdown step, and an optional ``weight_version=`` keyword of
     ``restart`` is passed when the group loads a known version.
@@ -119,6 +120,7 @@ class RestartableEngine(Protocol):
 
     def restart(
         self,
+        *,
         model_path: str | None = None,
         load_format: str | None = None,
         skip_load_weights: bool | None = None,
@@ -660,7 +662,7 @@ class RecoveryCoordinator:
             # The engine is up on dummy weights (not routable): leave it for the next sync.
             return self._defer(run, t, str(exc), logged=True)
         except TransportError as exc:  # e.g. P2PUnavailable: this transport cannot do subsets
-            return self._defer(run, t, f"{type(exc).__name__}: {exc}")
+            return self._defer(run, t, f"{type(exc).__name__}: {exc}", logged=True)
         if outcome == "ok":
             run.active_at = time.time()
             return "active", f"targeted push of v{self.registry.fleet_version} loaded"
@@ -672,11 +674,13 @@ class RecoveryCoordinator:
         run.strategy = "deferred"
         if not logged:
             self._step(run, "push", t, False, why)
-        group = self.registry.get(run.group_id)
-        if group.state == "active":  # a sync updated it meanwhile
+        state = self.registry.get(run.group_id).state
+        if state == "active":  # a sync updated it meanwhile
             run.active_at = time.time()
             return "active", f"updated by a sync ({why})"
-        return "pending_weights", f"deferred to the next sync: {why}"
+        if state == "pending_weights":
+            return "pending_weights", f"deferred to the next sync: {why}"
+        return "failed", f"group is {state} after its restart ({why})"
 
     # ------------------------------------------------------------------ helpers
     def _wait_healthy(self, client: EngineClient | None, deadline: float) -> None:
@@ -812,15 +816,22 @@ class RecoveryCoordinator:
         with self._lock:
             if self._busy.get(group_id) is finished:
                 del self._busy[group_id]
-            closed = self._closed
-        if (
-            self.retry
-            and not closed
-            and group_id in self.registry
-            and self.registry.get(group_id).state == "inactive"
-        ):
+            running = self._inflight.get(group_id)
+        if not self.retry:
+            return
+        reason = f"retry after the timed-out {step} step"
+        if running is not None and not running.done():
+            # The recovery that gave up on this step has not returned yet: retry after it.
+            running.add_done_callback(lambda _f: self._retry(group_id, reason))
+        else:
+            self._retry(group_id, reason)
+
+    def _retry(self, group_id: str, reason: str) -> None:
+        if self._closed or group_id not in self.registry:
+            return
+        if self.registry.get(group_id).state == "inactive":
             with contextlib.suppress(RecoveryError):
-                self.submit(group_id, reason=f"retry after the timed-out {step} step")
+                self.submit(group_id, reason=reason)
 
 
 def _accepts(fn: Callable[..., Any], keyword: str) -> bool:

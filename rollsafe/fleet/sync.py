@@ -271,6 +271,13 @@ class SyncCoordinator:
         """The version whose export this coordinator started last."""
         return self._last_export_version
 
+    def track_export(self, version: int) -> None:
+        """Judge the export of ``version`` at the next sync, as if this coordinator had started
+        it (for an export the embedding fleet started itself, e.g. of the initial weights)."""
+        with self._sync_lock:
+            self._last_export_version = version
+            self._judged.discard(version)
+
     # ------------------------------------------------------------------ the sync
     def sync(
         self,
@@ -280,9 +287,10 @@ class SyncCoordinator:
         """Sync ``version`` of ``named_tensors`` to the fleet; return what happened.
 
         Raises :class:`SyncVersionError` (nothing changes) if ``version`` is not newer than the
-        fleet's. Every other failure is reported in the returned :class:`SyncReport` (``ok`` is
-        False when registration failed; per-group update failures leave ``ok`` True and list
-        the groups in ``failed``).
+        fleet's. Every other failure is reported in the returned :class:`SyncReport`: ``ok`` is
+        False (and the fleet stays at its version) when registration or a pre-update hook
+        failed; per-group update failures leave ``ok`` True and list the groups in ``failed``;
+        an ``onload_trainer`` failure leaves ``ok`` True, sets ``error`` and starts no export.
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise SyncError(f"version must be an int, got {version!r}")
@@ -323,7 +331,7 @@ class SyncCoordinator:
         self._judge_previous_export(version, report)
         timings["judge_export_s"] = time.perf_counter() - t
 
-        paused = False
+        paused = trainer_back = False
         try:
             with self.transport_lock:
                 t = time.perf_counter()
@@ -347,8 +355,11 @@ class SyncCoordinator:
                 if self.health is not None:
                     self.health.pause()
                     paused = True
-                self._hook("offload_trainer", self.offload_trainer, timings)
-                self._hook("onload_engines", self.onload_engines, timings)
+                if not (
+                    self._hook("offload_trainer", self.offload_trainer, report)
+                    and self._hook("onload_engines", self.onload_engines, report)
+                ):
+                    return  # nothing was updated: the fleet stays at its version
 
                 groups, targets = self._select_targets(report)
                 generations = {gid: g.generation for gid, g in groups.items()}
@@ -370,10 +381,12 @@ class SyncCoordinator:
                 self._record_versions(groups, generations, version, report)
                 timings["versions_s"] = time.perf_counter() - t
                 report.ok = True
-            self._hook("onload_trainer", self.onload_trainer, timings)
+            trainer_back = self._hook("onload_trainer", self.onload_trainer, report)
         finally:
             if paused and self.health is not None:
                 self.health.resume()
+        if not trainer_back:
+            return  # the fleet moved on, but the trainer's tensors are not there to export
 
         t = time.perf_counter()
         self._start_export(weights, version, report)
@@ -430,13 +443,21 @@ class SyncCoordinator:
             handle.lifecycle.state,
         )
 
-    def _hook(self, name: str, fn: Callable[[], object] | None, timings: dict[str, float]) -> None:
+    def _hook(self, name: str, fn: Callable[[], object] | None, report: SyncReport) -> bool:
+        """Run a colocated hook; a hook that raises is reported (``error``) and returns False."""
         if fn is None:
-            return
+            return True
         t = time.perf_counter()
-        log.info("sync: running %s", name)
-        fn()
-        timings[f"{name}_s"] = time.perf_counter() - t
+        log.info("sync v%d: running %s", report.version, name)
+        try:
+            fn()
+        except Exception as exc:
+            report.error = bound_text(f"{name} failed: {type(exc).__name__}: {exc}", _MAX_ERROR)
+            log.error("sync v%d: %s", report.version, report.error)
+            return False
+        finally:
+            report.timings[f"{name}_s"] = time.perf_counter() - t
+        return True
 
     def _select_targets(
         self, report: SyncReport

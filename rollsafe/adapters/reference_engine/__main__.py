@@ -276,11 +276,11 @@ async def serve(
         "rank_start_method": start_method if opts.world_size > 1 else None,
         "startup_s": clock.phases,
     }
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the ready line: a stop right after it
+        loop.add_signal_handler(sig, stop.set)  # is a graceful one
     sys.stdout.write(f"{READY_PREFIX} {json.dumps(ready)}\n")
     sys.stdout.flush()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
     engine.close()

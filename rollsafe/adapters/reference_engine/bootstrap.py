@@ -19,9 +19,10 @@ The protocol over each rank's control pipe, the same for both:
 2. rank 0, once every rank is loaded, creates the group's ``TCPStore`` on a port the kernel
    picks (bound by the store itself, so it cannot be lost to another process) and sends
    ``("join", {"port": port})``; children connect only after the store listens;
-3. every rank joins the gloo group (a rendezvous that starts only when all ranks are loaded, so
-   slow imports under load cannot eat the collective timeout) and the child sends
-   ``("ready", pid, None)``;
+3. every rank joins the rank group (gloo; NCCL with ``--rank-backend nccl``), a rendezvous that
+   starts only when all ranks are loaded, so slow imports under load cannot eat the collective
+   timeout; the child sends ``("ready", pid, None)``; rank 0 joins on a helper thread while it
+   watches the children, so one that fails or dies here fails the start at once;
 4. the child serves ``(op, args)`` requests until ``("shutdown", {})`` or pipe EOF.
 
 A start-up fault hook for tests (only with ``ROLLSAFE_FAULT_INJECTION=1``):
