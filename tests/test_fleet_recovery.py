@@ -325,7 +325,7 @@ def test_submit_is_idempotent_and_not_needed_on_healthy_groups(sim: SimFleet) ->
     first = rc.submit("g0")
     assert rc.submit("g0") is first
     assert wait_for(lambda: len(sim.handles["g0"].calls) == 1, WAIT_S)
-    assert rc.in_progress("g0") is True and rc.in_progress() == ["g0"]
+    assert rc.in_progress("g0") and rc.running() == ["g0"]
     gate.set()
     assert first.result(WAIT_S).status == "pending_weights"
     assert len(sim.handles["g0"].calls) == 1

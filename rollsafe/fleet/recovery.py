@@ -353,13 +353,16 @@ class RecoveryCoordinator:
                 del self._inflight[group_id]
 
     # ------------------------------------------------------------------ inspection
-    def in_progress(self, group_id: str | None = None) -> bool | list[str]:
-        """Whether ``group_id`` is being recovered; with no id, the ids being recovered."""
+    def in_progress(self, group_id: str) -> bool:
+        """Whether a recovery of ``group_id`` is queued or running."""
         with self._lock:
-            running = [g for g, f in self._inflight.items() if not f.done()]
-        if group_id is None:
-            return running
-        return group_id in running
+            future = self._inflight.get(group_id)
+        return future is not None and not future.done()
+
+    def running(self) -> list[str]:
+        """The ids of the groups whose recovery is queued or running."""
+        with self._lock:
+            return [g for g, f in self._inflight.items() if not f.done()]
 
     def recoveries(self) -> list[RecoveryResult]:
         """Finished recoveries, oldest first (the last 512)."""
