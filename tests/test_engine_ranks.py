@@ -34,7 +34,7 @@ from test_engine_sglang import GREEDY, PROMPT, hf_greedy, hf_state
 from rollsafe.adapters.reference_engine.bootstrap import START_FAULT_ENV
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group
 from rollsafe.checksum import weights_checksum
-from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+from rollsafe.transports.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
 
 PROBE_DEADLINE_S = 5.0
 
@@ -154,6 +154,35 @@ def test_two_ranks_distributed_update(
     got = engine2.checksum()
     assert got["model"] == weights_checksum(state)["model"] and got["weight_version"] == "D2"
     assert engine2.post("/destroy_weights_update_group", {"group_name": "g2"}).status_code == 200
+
+
+def test_two_ranks_bad_entry_on_one_rank_changes_no_rank(
+    engine2: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    r = engine2.post(
+        "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "A2"}
+    )
+    assert r.status_code == 200, r.text
+    before = engine2.checksum()
+    named = list(hf_state(tiny_model_dir_b).items())
+    (good,) = pack_buckets(named, bucket_bytes=1 << 30)
+    mid = len(named) // 2
+    bad_named = [*named[:mid], (named[mid][0], named[mid][1].double()), *named[mid + 1 :]]
+    bad = serialize_named_tensors(bad_named)  # rank 1's entry: one tensor of the wrong dtype
+    r = engine2.post(
+        "/update_weights_from_tensor",
+        {
+            "serialized_named_tensors": [serialize_bucket(good), bad],
+            "load_format": "flattened_bucket",
+            "weight_version": "bad",
+        },
+    )
+    assert r.status_code == 400 and repr(named[mid][0]) in r.json()["message"], r.text
+    assert engine2.checksum() == before  # rank 0's valid entry was not applied either
+    r = engine2.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+    assert r.json()["output_ids"] == hf_greedy(tiny_model_dir, PROMPT, 12)  # both trunks: A
 
 
 @pytest.mark.parametrize(

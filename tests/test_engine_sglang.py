@@ -24,7 +24,7 @@ from engine_helpers import (
 
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group
 from rollsafe.checksum import weights_checksum
-from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+from rollsafe.transports.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
 PROMPT = [1, 17, 42, 99, 7]
@@ -378,3 +378,66 @@ def test_bad_model_path_fails_start(tmp_path: Path) -> None:
         timeout=60,
     )
     assert r.returncode != 0 and "not a directory" in r.stderr
+
+
+def _push(engine: EngineProcess, entry: str, version: str | None, **extra: Any) -> Any:
+    body: dict[str, Any] = {"serialized_named_tensors": [entry], **extra}
+    if version is not None:
+        body["weight_version"] = version
+    return engine.post("/update_weights_from_tensor", body)
+
+
+def test_weight_version_changes_only_with_the_call_that_carries_it_and_commits(
+    fresh: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    state = hf_state(tiny_model_dir_b)
+    buckets = list(pack_buckets(state.items(), bucket_bytes=64 << 10))
+    assert len(buckets) > 2
+    # a failing call that carries a version changes neither the weights nor the version
+    (bad,) = pack_buckets([("model.norm.weight", torch.zeros(65))])
+    before = fresh.checksum()
+    r = _push(fresh, serialize_bucket(bad), "X", load_format="flattened_bucket")
+    assert r.status_code == 400, r.text
+    assert fresh.checksum() == before and before["weight_version"] == "A"
+    # the buckets before the last carry no version: a half-updated engine keeps the old one
+    for b in buckets[:-1]:
+        r = _push(fresh, serialize_bucket(b), None, load_format="flattened_bucket")
+        assert r.status_code == 200, r.text
+        got = fresh.checksum()
+        assert got["weight_version"] == "A" and got["model"] != before["model"]
+    r = _push(fresh, serialize_bucket(buckets[-1]), "V", load_format="flattened_bucket")
+    assert r.status_code == 200 and "weight_version=V" in r.json()["message"], r.text
+    got = fresh.checksum()
+    assert got["weight_version"] == "V" and got["model"] == weights_checksum(state)["model"]
+    out = generate(fresh, input_ids=PROMPT, sampling_params=GREEDY)
+    assert out["meta_info"]["weight_version"] == "V"
+    # the last call failing (after the others committed) keeps the old version too
+    r = _push(fresh, serialize_bucket(bad), "W", load_format="flattened_bucket")
+    assert r.status_code == 400 and fresh.checksum() == got
+
+
+@pytest.mark.parametrize("fmt", ["plain", "flattened_bucket"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_one_bad_entry_in_a_multi_tensor_request_leaves_every_weight_untouched(
+    fresh: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
+    fmt: str,
+    where: str,
+) -> None:
+    before = fresh.checksum()
+    named = list(hf_state(tiny_model_dir_b).items())  # every tensor of model B ...
+    i = {"first": 0, "middle": len(named) // 2, "last": len(named) - 1}[where]
+    name, t = named[i]
+    named[i] = (name, torch.zeros(t.shape[0] + 1, *t.shape[1:]))  # ... one mis-shaped
+    if fmt == "plain":
+        entry = serialize_named_tensors(named)
+        extra: dict[str, Any] = {}
+    else:
+        (bucket,) = pack_buckets(named, bucket_bytes=1 << 30)
+        entry, extra = serialize_bucket(bucket), {"load_format": "flattened_bucket"}
+    r = _push(fresh, entry, "bad", **extra)
+    assert r.status_code == 400 and repr(name) in r.json()["message"], r.text
+    assert fresh.checksum() == before  # no weight of the request was applied, version kept
+    out = generate(fresh, input_ids=PROMPT, sampling_params=GREEDY)
+    assert out["meta_info"]["weight_version"] == "A"

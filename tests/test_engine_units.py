@@ -7,6 +7,7 @@ import base64
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -196,3 +197,132 @@ def test_rank_setup_refuses_nccl_on_a_shared_gpu(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(StartupError, match=r"torch\.cuda\.is_available"):
         check_rank_setup(RankOptions("m", device="cuda"))
+
+
+# ---- the engine's weight-receiving path: stage views, one copy into the live weights ----
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from rollsafe.adapters.reference_engine.model import ShardedCausalLM, load_config
+    from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-units"), seed=0)
+    return ShardedCausalLM(load_config(path), rank=1, world_size=2)
+
+
+def _snapshot(model: Any) -> dict[str, tuple[int, torch.Tensor]]:
+    local = model.local_tensors()
+    return {n: (t.data_ptr(), t.clone()) for n, t in local.items()}
+
+
+def _new_values(model: Any, seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    specs = model.specs
+    return [(n, torch.randn(s.shape, generator=g).to(s.dtype)) for n, s in specs.items()]
+
+
+def test_stage_keeps_views_and_commit_copies_once_in_place(tiny_lm: Any) -> None:
+    from rollsafe.adapters.reference_engine.model import LM_HEAD
+
+    model = tiny_lm
+    before = _snapshot(model)
+    new = _new_values(model, seed=1)
+    model.stage(new, where="t")
+    staged = model._staged
+    for name, t in new:  # no copy while staging: the staged tensor is the source (or its rows)
+        assert staged[name].data_ptr() == (
+            t[model.row_start :].data_ptr() if name == LM_HEAD else t.data_ptr()
+        )
+    assert model.commit() == sorted(n for n, _ in new)
+    assert model.staged_names == []  # no reference to the source is kept past the commit
+    after = model.local_tensors()
+    for name, t in new:
+        want = t[model.row_start : model.row_end] if name == LM_HEAD else t
+        assert after[name].data_ptr() == before[name][0]  # copied into the live storage
+        assert torch.equal(after[name], want)
+
+
+def test_one_bad_entry_stages_nothing_and_keeps_every_live_weight(tiny_lm: Any) -> None:
+    from rollsafe.adapters.reference_engine.errors import WeightUpdateError
+
+    model = tiny_lm
+    before = weights_checksum(model.local_tensors())
+    new = _new_values(model, seed=2)
+    mid = len(new) // 2
+    for bad in (
+        (new[mid][0], torch.zeros(3, 3)),  # wrong shape
+        (new[mid][0], new[mid][1].to(torch.float64)),  # wrong dtype
+        ("model.nope.weight", torch.zeros(3)),  # unknown name
+    ):
+        with pytest.raises(WeightUpdateError, match=repr(bad[0])):
+            model.stage([*new[:mid], bad, *new[mid + 1 :]], where="t")
+        assert model.staged_names == []
+        assert model.commit() == []
+        assert weights_checksum(model.local_tensors()) == before
+
+
+class _FakeGroup:
+    """A receiving weight-update group: fills every broadcast tensor with ``value``; raises
+    after ``fail_after`` broadcasts when set."""
+
+    def __init__(self, value: float, fail_after: int | None = None) -> None:
+        self.value = value
+        self.fail_after = fail_after
+        self.calls = 0
+
+    def broadcast(self, t: torch.Tensor, root: int) -> Any:
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise RuntimeError("peer gone mid-broadcast")
+        self.calls += 1
+        t.fill_(self.value)
+        return self
+
+    def wait(self) -> None:
+        return None
+
+
+def test_receive_broadcast_reuses_its_buffer_and_drops_it_on_failure(tiny_lm: Any) -> None:
+    from rollsafe.adapters.reference_engine.weights import ReceiveBuffers, receive_broadcast
+
+    model = tiny_lm
+    meta = [(n, s.shape, s.dtype) for n, s in model.specs.items()][:5]
+    bufs = ReceiveBuffers()
+    cpu = torch.device("cpu")
+    first = receive_broadcast(_FakeGroup(1.0), meta, flattened=True, device=cpu, buffers=bufs)
+    ptr = first[0][1].data_ptr()
+    second = receive_broadcast(_FakeGroup(2.0), meta, flattened=False, device=cpu, buffers=bufs)
+    assert second[0][1].data_ptr() == ptr  # same memory: nothing allocated for the second call
+    assert all(bool((t == 2.0).all()) and tuple(t.shape) == s for (_, t), (_, s, _) in
+               zip(second, meta, strict=True))  # fmt: skip
+    smaller = receive_broadcast(_FakeGroup(3.0), meta[:2], flattened=True, device=cpu,
+                                buffers=bufs)  # fmt: skip
+    assert smaller[0][1].data_ptr() == ptr and bufs.nbytes > 0
+    # a broadcast that fails half way: nothing staged, live weights untouched, buffer dropped
+    before = weights_checksum(model.local_tensors())
+    with pytest.raises(RuntimeError, match="mid-broadcast"):
+        receive_broadcast(
+            _FakeGroup(4.0, fail_after=2), meta, flattened=False, device=cpu, buffers=bufs
+        )
+    assert bufs.nbytes == 0 and model.staged_names == []
+    assert weights_checksum(model.local_tensors()) == before
+
+
+def test_shared_mappings_keep_the_last_buckets_mapped() -> None:
+    from rollsafe.adapters.reference_engine.weights import SharedMappings, decode_tensor_entry
+
+    buckets = list(pack_buckets(_named()[:1] + _named()[2:3], bucket_bytes=1 << 20))
+    assert len(buckets) == 1
+    entry = serialize_bucket(buckets[0])
+    maps = SharedMappings(keep=2)
+    first = decode_tensor_entry(entry, rank=0, mappings=maps)
+    ptr = first[0][1].untyped_storage().data_ptr()
+    del first
+    assert maps.nbytes == buckets[0].nbytes
+    again = decode_tensor_entry(serialize_bucket(buckets[0]), rank=0, mappings=maps)
+    assert again[0][1].untyped_storage().data_ptr() == ptr  # the mapping was reused
+    others = list(pack_buckets(_named()[3:], bucket_bytes=1 << 20))
+    assert len(others) == 2
+    for b in others * 2:
+        decode_tensor_entry(serialize_bucket(b), rank=0, mappings=maps)
+    assert len(maps._storages) <= 2
+    maps.clear()
+    assert maps.nbytes == 0

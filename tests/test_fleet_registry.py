@@ -361,3 +361,14 @@ def test_begin_request_admits_only_active_groups() -> None:
     g.end_request(ok=True)
     assert g.outstanding == 0
     assert g.dispatch_counts() == {"active": 1}
+
+
+def test_rebind_clients_points_the_group_at_the_restarted_engine() -> None:
+    reg, clients = make_fleet((1, 1))
+    new = SimEngineClient("g0-restarted")
+    group = reg.rebind_clients("g0", [new])
+    assert group.client is new and group.endpoints == (new.url,)
+    assert reg.get("g1").client is clients["g1"]
+    with pytest.raises(ValueError, match="at least one client"):
+        reg.rebind_clients("g0", [])
+    assert reg.get("g0").client is new

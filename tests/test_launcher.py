@@ -182,3 +182,12 @@ def test_engine_dies_with_a_killed_parent(model_dir: Path, tmp_path: Path) -> No
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     assert all_gone(pids, timeout=10.0)
+
+
+def test_weight_version_reaches_the_engine_command() -> None:
+    from rollsafe.adapters.engines import EngineSpec
+
+    spec = EngineSpec(model_path="/m", weight_version="7")
+    cmd = spec.command()
+    assert cmd[cmd.index("--weight-version") + 1] == "7"
+    assert "--weight-version" not in EngineSpec(model_path="/m").command()

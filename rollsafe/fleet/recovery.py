@@ -712,9 +712,11 @@ class RecoveryCoordinator:
         current = group.client
         if current is client or (current is not None and current.url == client.url):
             return current
-        # TODO(registry): FleetRegistry should own this (rebind_clients(group_id, clients)).
-        group.clients = (client, *group.clients[1:])
-        group.endpoints = (client.url, *group.endpoints[1:])
+        self.registry.rebind_clients(
+            group.group_id,
+            (client, *group.clients[1:]),
+            (client.url, *group.endpoints[1:]),
+        )
         log.info("%s: group %s now served at %s", self.name, group.group_id, client.url)
         return client
 

@@ -454,6 +454,27 @@ class FleetRegistry:
                         del self._rank_owner[r]
         return group
 
+    def rebind_clients(
+        self,
+        group_id: str,
+        clients: Sequence[EngineClient],
+        endpoints: Sequence[str] | None = None,
+    ) -> WorkerGroup:
+        """Point a group at new engine clients (a restart on port 0 gets a new URL).
+
+        Taken under the group's lock, so a request dispatches to the old or the new client,
+        never to a half-updated pair.
+        """
+        group = self.get(group_id)
+        client_tuple = tuple(clients)
+        if not client_tuple:
+            raise ValueError(f"group {group_id!r}: rebind_clients needs at least one client")
+        eps = tuple(endpoints) if endpoints is not None else tuple(c.url for c in client_tuple)
+        with group._lock:
+            group.clients = client_tuple
+            group.endpoints = eps
+        return group
+
     def get(self, group_id: str) -> WorkerGroup:
         """The group ``group_id``; :class:`UnknownGroup` if none."""
         group = self._groups.get(group_id)

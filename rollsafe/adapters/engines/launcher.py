@@ -69,6 +69,7 @@ class EngineSpec:
     env: Mapping[str, str] | None = None
     extra_args: Sequence[str] = ()
     tokenizer_path: str | None = None
+    weight_version: str | None = None
     python: str | None = None
     module: str = REFERENCE_ENGINE_MODULE
     fault_injection: bool = False
@@ -105,6 +106,8 @@ class EngineSpec:
         if self.tokenizer_path is not None and self.tokenizer_path != self.model_path:
             # only when it differs: the tokenizer normally lives in the model directory
             cmd += ["--tokenizer-path", self.tokenizer_path]
+        if self.weight_version is not None:
+            cmd += ["--weight-version", self.weight_version]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         cmd += list(self.extra_args)
@@ -496,6 +499,7 @@ class EngineLauncher:
         load_format: str | None = None,
         skip_load_weights: bool | None = None,
         *,
+        weight_version: str | int | None = None,
         stop_timeout: float = 10.0,
     ) -> EngineLauncher:
         """Stop the group (if running) and start it again with the given overrides.
@@ -503,10 +507,13 @@ class EngineLauncher:
         ``skip_load_weights=True`` starts with ``--load-format dummy``; ``False`` restores the
         real weights (``auto`` if the current format was ``dummy``). An explicit ``load_format``
         wins over ``skip_load_weights``. The port is picked afresh when the spec's port is 0, so
-        read :attr:`url` again afterwards.
+        read :attr:`url` again afterwards. ``weight_version`` is what the restarted engine
+        reports until its next update (e.g. the version of the export it loads).
         """
         with self._lock:
             changes: dict[str, Any] = {}
+            if weight_version is not None:
+                changes["weight_version"] = str(weight_version)
             if model_path is not None:
                 changes["model_path"] = model_path
             if tokenizer_path is not None:

@@ -373,6 +373,8 @@ class ReferenceEngine:
                 self.ranks.call("discard")
             raise
         names: list[str] = self.ranks.call("commit")
+        # the version moves only with the call that carries it, once that call committed on
+        # every rank: buckets sent without it (or failing) leave the previous version served
         if weight_version is not None:
             self.weight_version = weight_version
         return names

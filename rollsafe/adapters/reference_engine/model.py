@@ -4,8 +4,21 @@ Owns the live weights of one engine rank. The transformer trunk (``model.*``) ru
 every rank; ``lm_head`` is split by rows (vocabulary-parallel, like a column-parallel output
 layer): rank ``r`` holds rows ``[r*S, min(V, (r+1)*S))`` with ``S = ceil(V / ranks)``, so every
 decode step needs every rank's slice of the logits (an all-gather). The module also owns the
-all-or-nothing update protocol on this rank: ``validate`` -> ``stage`` (copies into private
-buffers) -> ``commit`` (in-place copy into live parameters) or ``discard``.
+all-or-nothing update protocol on this rank: ``validate`` -> ``stage`` -> ``commit`` (in-place
+copy into live parameters) or ``discard``.
+
+``stage`` validates the name, dtype and shape of every tensor of the call before it records
+anything and, by default, records the given tensors **as they are** (no copy): the sources of
+``/update_weights_from_tensor`` (shared-memory / CUDA IPC views of the sender's buffers), of a
+distributed update (views of this rank's reusable receive buffer) and of a disk load (tensors
+read for this load) all stay valid and unchanged until ``commit`` or ``discard`` runs in the same
+request, so each byte is copied once, straight into the live parameters. ``copy=True`` is for
+sources that may change before the commit (checkpoint-engine reuses its buffers between
+buckets of one request). Live weights are touched only by ``commit``, after every rank staged
+and validated the whole request. Residual risk: ``commit`` copies tensor by tensor; a copy
+between validated, same-shape, same-dtype tensors cannot fail for data reasons, so only a
+device fault (a CUDA error, the process dying) mid-commit could leave this rank half updated,
+and such a failure already marks the engine failed.
 """
 
 from __future__ import annotations
@@ -153,8 +166,20 @@ class ShardedCausalLM:
                 more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
                 raise WeightUpdateError(f"{prefix}missing parameter {missing[0]!r}{more}")
 
-    def stage(self, named: Iterable[tuple[str, torch.Tensor]], *, where: str = "") -> None:
-        """Validate and copy tensors into private staging buffers (live weights untouched)."""
+    def stage(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        *,
+        where: str = "",
+        copy: bool = False,
+    ) -> None:
+        """Validate a whole call's tensors, then record them for :meth:`commit` (live weights
+        untouched).
+
+        Without ``copy`` the tensors themselves (often views of a sender's or a receive buffer)
+        are recorded: the caller guarantees they stay valid and unchanged until ``commit`` or
+        ``discard``. ``copy=True`` copies them into private buffers on this rank's device.
+        """
         items = list(named)
         self.validate(((n, tuple(t.shape), t.dtype) for n, t in items), where=where)
         for name in (n for n, _ in items):
@@ -164,24 +189,27 @@ class ShardedCausalLM:
         for name, t in items:
             if name == LM_HEAD:
                 t = t[self.row_start : self.row_end]
-            staged[name] = t.to(self.device, copy=True).contiguous()
+            staged[name] = t.to(self.device, copy=True).contiguous() if copy else t
         self._staged.update(staged)
 
     def commit(self) -> list[str]:
-        """Copy every staged tensor into the live weights; returns the updated names."""
+        """Copy every staged tensor into the live weights (one copy per byte, straight from the
+        staged source, across devices if need be); returns the updated names."""
         if self.released and self._staged:
             raise EngineUnavailable("weights are released; resume_memory_occupation first")
         names = sorted(self._staged)
-        with torch.no_grad():
-            for name, t in self._staged.items():
-                if name == LM_HEAD:
-                    self.lm_head_shard.copy_(t)
-                else:
-                    self._params[name].copy_(t)
-            if self.tied and "model.embed_tokens.weight" in self._staged:
-                emb = self._params["model.embed_tokens.weight"]
-                self.lm_head_shard.copy_(emb[self.row_start : self.row_end])
-        self._staged.clear()
+        try:
+            with torch.no_grad():
+                for name, t in self._staged.items():
+                    if name == LM_HEAD:
+                        self.lm_head_shard.copy_(t)
+                    else:
+                        self._params[name].copy_(t)
+                if self.tied and "model.embed_tokens.weight" in self._staged:
+                    emb = self._params["model.embed_tokens.weight"]
+                    self.lm_head_shard.copy_(emb[self.row_start : self.row_end])
+        finally:
+            self._staged.clear()  # never keep references to a sender's memory past the request
         return names
 
     def discard(self) -> None:

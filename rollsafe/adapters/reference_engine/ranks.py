@@ -39,6 +39,8 @@ from rollsafe.adapters.reference_engine.errors import (
 )
 from rollsafe.adapters.reference_engine.model import ShardedCausalLM, load_config
 from rollsafe.adapters.reference_engine.weights import (
+    ReceiveBuffers,
+    SharedMappings,
     UpdateMeta,
     check_model_path,
     decode_tensor_entry,
@@ -104,6 +106,9 @@ class RankRuntime:
             seed=opts.seed,
         )
         self.weight_groups: dict[str, Any] = {}
+        # kept between updates: distributed receive buffers, mapped shared-memory buckets
+        self.recv_buffers = ReceiveBuffers(pin=self.device.type == "cuda")
+        self.shm_mappings = SharedMappings()
         if opts.load_format == "auto":
             self.op_stage_disk(opts.model_path)
             self.op_commit()
@@ -161,6 +166,9 @@ class RankRuntime:
         return os.getpid()
 
     # ---- weights ----
+    # Every stage op validates the whole call and records its tensors without copying them
+    # where they stay valid until the commit of the same request (see ShardedCausalLM.stage):
+    # ``commit`` then copies each byte once, straight into the live weights.
     def op_stage_disk(self, model_path: str) -> None:
         check_model_path(model_path)
         try:
@@ -170,25 +178,28 @@ class RankRuntime:
         self.model.stage(named.items(), where=f"rank {self.rank}")
 
     def op_stage_tensor(self, entry: Any) -> None:
-        named = decode_tensor_entry(entry, rank=self.rank)
+        # views of the sender's shared memory / CUDA IPC buffers: the sender keeps them
+        # unchanged until this request is answered, and commit runs before the answer
+        named = decode_tensor_entry(entry, rank=self.rank, mappings=self.shm_mappings)
         self.model.stage(named, where=f"serialized_named_tensors[{self.rank}]")
-        self._sync()  # the sender may reuse its (CUDA IPC) buffers once we answer
 
     def op_stage_distributed(self, group_name: str, meta: UpdateMeta, flattened: bool) -> None:
         pg = self.weight_groups.get(group_name)
         if pg is None:
             raise WeightUpdateError(f"rank {self.rank}: no weight update group {group_name!r}")
-        # gloo moves host memory: receive on the CPU and let ``stage`` copy to the device
+        # gloo moves host memory: receive on the CPU and let ``commit`` copy to the device
         device = self.device if pg.backend == "nccl" else torch.device("cpu")
-        named = receive_broadcast(pg, meta, flattened=flattened, device=device)
+        # the kept buffers hold no staged views here (one update at a time); fresh ones if so
+        buffers = None if self.model.staged_names else self.recv_buffers
+        named = receive_broadcast(pg, meta, flattened=flattened, device=device, buffers=buffers)
         self.model.stage(named, where=f"rank {self.rank}")
-        self._sync()
 
     def op_stage_ipc(self, zmq_handles: Any) -> None:
         receive_from_ipc(
             zmq_handles,
             device=self.device,
-            stage=lambda named: self.model.stage(named, where=f"rank {self.rank}"),
+            # checkpoint-engine refills its buffers for the next bucket: copy while staging
+            stage=lambda named: self.model.stage(named, where=f"rank {self.rank}", copy=True),
         )
         self._sync()
 
@@ -238,8 +249,12 @@ class RankRuntime:
         if pg is None:
             raise WeightUpdateError(f"rank {self.rank}: no weight update group {group_name!r}")
         pg.close()
+        if not self.weight_groups:
+            self.recv_buffers.clear()
 
     def op_release(self, backup: bool = False) -> None:
+        self.recv_buffers.clear()  # before release() hands cached CUDA blocks back
+        self.shm_mappings.clear()
         self.model.release(backup=backup)
 
     def op_resume(self) -> None:

@@ -5,14 +5,18 @@ Owns the sources a rank can stage weights from, each validated before anything i
 * :func:`read_checkpoint_dir` -- an HF directory (``save_pretrained`` output or a rollsafe HF
   export: ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + index);
 * :func:`decode_tensor_entry` -- one rank's ``serialized_named_tensors`` entry (shared memory
-  or CUDA IPC via :mod:`rollsafe.transports.bucket`);
+  or CUDA IPC via :mod:`rollsafe.transports.bucket`), as views of the sender's memory;
+  :class:`SharedMappings` keeps the last few shared-memory buckets mapped so a sender that
+  reuses its buffers is not re-mapped (and page-faulted) on every call;
 * :func:`receive_broadcast` -- tensors broadcast by rank 0 of a weight-update group, one flat
-  buffer (``flattened_bucket``) or one broadcast per tensor;
+  buffer (``flattened_bucket``) or one broadcast per tensor, received into a
+  :class:`ReceiveBuffers` buffer kept between calls;
 * :func:`receive_from_ipc` -- checkpoint-engine's ZMQ/CUDA-IPC worker protocol (CUDA only).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -27,6 +31,8 @@ from rollsafe.adapters.reference_engine.paths import check_dir, show_path
 from rollsafe.transports.bucket import BucketFormatError, FlatBucket, deserialize_payload
 
 __all__ = [
+    "ReceiveBuffers",
+    "SharedMappings",
     "UpdateMeta",
     "check_model_path",
     "decode_tensor_entry",
@@ -132,15 +138,98 @@ def read_checkpoint_dir(
     return out
 
 
-def decode_tensor_entry(entry: Any, *, rank: int) -> list[tuple[str, torch.Tensor]]:
-    """Decode one rank's serialized entry into ``(name, tensor view)`` pairs."""
+class SharedMappings:
+    """Keeps the CPU shared-memory storages of the last ``keep`` flattened buckets mapped.
+
+    torch maps a ``file_system`` shared-memory payload afresh unless a live storage of the same
+    handle exists (its cache holds weak references), and a fresh mapping page-faults on every
+    page it reads. The ipc transport reuses two shared buffers for all its buckets, so keeping
+    the last two mapped makes every later call read already-mapped pages. Only flattened buckets
+    on CPU are kept: a plain named-tensor payload usually shares the trainer's own tensors, and
+    CUDA IPC memory held here could not be freed by the trainer. Cost: a bucket the sender has
+    freed stays allocated until it leaves this window or :meth:`clear` runs (memory release).
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._storages: collections.OrderedDict[int, torch.UntypedStorage] = (
+            collections.OrderedDict()
+        )
+
+    def hold(self, flat: torch.Tensor) -> None:
+        if self.keep <= 0 or flat.device.type != "cpu":
+            return
+        storage = flat.untyped_storage()
+        if not storage.is_shared():
+            return
+        key = storage.data_ptr()
+        self._storages.pop(key, None)
+        self._storages[key] = storage
+        while len(self._storages) > self.keep:
+            self._storages.popitem(last=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self._storages.values())
+
+    def clear(self) -> None:
+        self._storages.clear()
+
+
+def decode_tensor_entry(
+    entry: Any, *, rank: int, mappings: SharedMappings | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """Decode one rank's serialized entry into ``(name, tensor view)`` pairs.
+
+    The views alias the sender's memory, which the sender keeps unchanged until this request is
+    answered. ``mappings`` keeps a flattened bucket's shared memory mapped for later calls.
+    """
     try:
         payload = deserialize_payload(entry)
     except BucketFormatError as exc:
         raise WeightUpdateError(f"serialized_named_tensors[{rank}]: {exc}") from exc
     if isinstance(payload, FlatBucket):
+        if mappings is not None:
+            mappings.hold(payload.flat)
         return payload.named_views()
     return payload
+
+
+class ReceiveBuffers:
+    """Receive buffers kept between distributed updates: one per (device, dtype), grown to the
+    largest call seen, so a call neither allocates nor page-faults fresh memory.
+
+    A buffer holds one call's data only until that call commits or is discarded (the engine
+    runs one update at a time). ``pin`` allocates CPU buffers in pinned memory (a CUDA engine
+    receiving over gloo copies them to the device). :meth:`clear` frees them (memory release,
+    last weight-update group destroyed).
+    """
+
+    def __init__(self, *, pin: bool = False) -> None:
+        self.pin = pin
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D buffer of exactly ``numel`` elements (a prefix of the kept buffer)."""
+        key = (str(device), dtype)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            self._bufs.pop(key, None)
+            buf = None  # free the smaller buffer before allocating the larger one
+            pin = self.pin and device.type == "cpu"
+            buf = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
+            self._bufs[key] = buf
+        return buf[:numel]
+
+    def drop(self, dtype: torch.dtype, device: torch.device) -> None:
+        self._bufs.pop((str(device), dtype), None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def clear(self) -> None:
+        self._bufs.clear()
 
 
 def parse_update_meta(
@@ -172,9 +261,20 @@ def parse_update_meta(
 
 
 def receive_broadcast(
-    pg: Any, meta: UpdateMeta, *, flattened: bool, device: torch.device
+    pg: Any,
+    meta: UpdateMeta,
+    *,
+    flattened: bool,
+    device: torch.device,
+    buffers: ReceiveBuffers | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receive tensors broadcast from rank 0 of ``pg`` (already validated ``meta``)."""
+    """Receive tensors broadcast from rank 0 of ``pg`` (already validated ``meta``).
+
+    Every tensor lands in one flat buffer per dtype (from ``buffers`` when given, else freshly
+    allocated) and is returned as a view of it, in ``meta`` order: ``flattened`` receives one
+    broadcast per call, otherwise one broadcast per tensor. A failed broadcast drops the buffers
+    it may have been writing (they are never reused half-written by a transfer still running).
+    """
     if flattened:
         dtypes = {dt for _, _, dt in meta}
         if len(dtypes) != 1:
@@ -182,21 +282,35 @@ def receive_broadcast(
                 "flattened_bucket needs one dtype per call, got "
                 + ", ".join(sorted(str(d) for d in dtypes))
             )
-        total = sum(math.prod(s) for _, s, _ in meta)
-        flat = torch.empty(total, dtype=meta[0][2], device=device)
-        pg.broadcast(flat, 0).wait()
-        out: list[tuple[str, torch.Tensor]] = []
-        pos = 0
-        for name, shape, _ in meta:
-            n = math.prod(shape)
-            out.append((name, flat[pos : pos + n].view(shape)))
-            pos += n
-        return out
-    out = []
+    totals: dict[torch.dtype, int] = {}
+    for _, shape, dtype in meta:
+        totals[dtype] = totals.get(dtype, 0) + math.prod(shape)
+    flats = {
+        dt: (
+            buffers.get(n, dt, device)
+            if buffers is not None
+            else torch.empty(n, dtype=dt, device=device)
+        )
+        for dt, n in totals.items()
+    }
+    pos = dict.fromkeys(totals, 0)
+    out: list[tuple[str, torch.Tensor]] = []
     for name, shape, dtype in meta:
-        t = torch.empty(shape, dtype=dtype, device=device)
-        pg.broadcast(t, 0).wait()
-        out.append((name, t))
+        n = math.prod(shape)
+        out.append((name, flats[dtype][pos[dtype] : pos[dtype] + n].view(shape)))
+        pos[dtype] += n
+    try:
+        if flattened:
+            (flat,) = flats.values()
+            pg.broadcast(flat, 0).wait()
+        else:
+            for _, t in out:
+                pg.broadcast(t, 0).wait()
+    except BaseException:
+        if buffers is not None:
+            for dt in flats:
+                buffers.drop(dt, device)
+        raise
     return out
 
 
@@ -210,7 +324,8 @@ def receive_from_ipc(
 
     ``zmq_handles`` maps a device UUID to a ZMQ socket path, as checkpoint-engine's
     ``ParameterServer.update`` sends it. The tensors handed over are views into the sender's
-    buffers, so ``stage`` copies them.
+    buffers, which it refills for the next bucket of the same request, so ``stage`` must copy
+    them (once, into private buffers) before returning.
     """
     if device.type != "cuda":
         raise Unsupported(
@@ -233,6 +348,6 @@ def receive_from_ipc(
         zmq.Context.instance(),
         handle,
         device_id=index,
-        run=lambda weights: stage([(n, t.clone()) for n, t in weights]),
+        run=lambda weights: stage(list(weights)),
         post_hook=None,
     )
