@@ -1,0 +1,188 @@
+"""Write ``benchmarks/README.md``: a table of every benchmark's latest figures.
+
+Reads the JSON files under ``benchmarks/results/`` (each benchmark script writes its own) and
+extracts the headline figures and targets. Run after re-running any benchmark:
+``.venv/bin/python benchmarks/summarize.py``. A result file with no extractor is listed as such,
+so a new benchmark is never silently missing from the table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+Row = tuple[str, str, str, str]  # figure, measured, target, verdict
+
+
+def _verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("met" if ok else "NOT met")
+
+
+def _transitions(d: dict[str, Any]) -> list[Row]:
+    rows = []
+    for name, r in d["results"].items():
+        if name.startswith("bare"):
+            rows.append((f"bare transition ({name})", f"{r['median_us']} µs", "baseline", "-"))
+            continue
+        ok = r["ratio_to_bare"] <= 1.5
+        rows.append(
+            (f"guarded transition, {name}", f"{r['median_us']} µs = {r['ratio_to_bare']}x bare",
+             "<= 1.5x bare", _verdict(ok))
+        )  # fmt: skip
+    return rows
+
+
+def _engine(d: dict[str, Any]) -> list[Row]:
+    rows = []
+    for r in d["results"]:
+        rows.append((f"engine cold start, {r['config']} (spawn -> ready)",
+                     f"{r['spawn_to_ready_s']} s", "-", "-"))  # fmt: skip
+        rows.append((f"ready -> first generate, {r['config']}",
+                     f"{r['ready_to_first_generate_s']} s", "-", "-"))  # fmt: skip
+        rows.append((f"generate {d.get('tokens_per_generate', '?')} tokens, {r['config']} (median)",
+                     f"{r['generate_median_s'] * 1000:.1f} ms", "-", "-"))  # fmt: skip
+    return rows
+
+
+def _hf_export(d: dict[str, Any]) -> list[Row]:
+    s = d["summary"]
+    where = d.get("config", {}).get("device", "cpu")
+    host = d.get("host", {}).get("cpus", "?")
+    tag = f"{where}, {host} cpus"
+    return [
+        (f"export blocking part of start / whole ({tag})",
+         f"{s['blocking_fraction_median'] * 100:.1f}%", "<= 15%", _verdict(s.get("blocking_ok"))),
+        (f"export writer vs raw write+fsync ({tag})",
+         f"{s['writer_vs_raw_median'] * 100:.0f}%", ">= 70%", _verdict(s.get("writer_ok"))),
+    ]  # fmt: skip
+
+
+def _transports_cpu(d: dict[str, Any]) -> list[Row]:
+    best = d["best_ratio"]
+    tg = d["targets"]
+    base = d["baselines"]
+    return [
+        ("ipc (shared memory) vs single-thread memcpy, 1 GiB",
+         f"{best['ipc']:.2f}x of {base['memcpy_single_thread']['gb_s']} GB/s",
+         f">= {tg['ipc_vs_memcpy']}x", _verdict(best["ipc"] >= tg["ipc_vs_memcpy"])),
+        ("nccl (gloo) vs raw gloo broadcast, 1 GiB",
+         f"{best['nccl']:.2f}x of {base['gloo_broadcast_2proc']['gb_s']} GB/s",
+         f">= {tg['nccl_vs_gloo']}x", _verdict(best["nccl"] >= tg["nccl_vs_gloo"])),
+    ]  # fmt: skip
+
+
+def _control_plane(d: dict[str, Any]) -> list[Row]:
+    h, r = d["health"], d["registry"]
+    return [
+        (f"health round, {h['groups']} groups x {h['probe_latency_s'] * 1000:.0f} ms probes",
+         f"{h['ratio_to_single_probe']}x one probe", "<= 3x", _verdict(h["within_target"])),
+        ("registry transitions per second", f"{r['registry_1_thread_per_s']}/s", ">= 5000/s",
+         _verdict(r["within_target"])),
+    ]  # fmt: skip
+
+
+def _transports_gpu(d: dict[str, Any]) -> list[Row]:
+    p = d["phases"]
+    copy = p["d2d_copy"]["gb_s"]
+    rows = []
+    for r in p.get("ipc", []):
+        rows.append(
+            (f"H200 ipc (CUDA IPC), 8 GB Qwen3-4B shapes, {r['bucket_mib']} MiB buckets",
+             f"{r['seconds'] * 1000:.1f} ms = {r['ratio_vs_copy'] * 100:.1f}% of {copy:.0f} GB/s"
+             f" d2d; extra {r['peak_extra_buckets']} buckets",
+             ">= 25% of d2d; <= 2 buckets", _verdict(r["ratio_vs_copy"] >= 0.25)),
+        )  # fmt: skip
+    return rows
+
+
+def _checkpoint_engine_gpu(d: dict[str, Any]) -> list[Row]:
+    ph = d["phases"]
+    ov = ph["overhead"]
+    rows = [
+        ("H200 checkpoint-engine raw register / update (median)",
+         f"{_median(ph['raw']['register_s']):.2f} s / {_median(ph['raw']['update_s']):.2f} s",
+         "-", "-"),
+        ("H200 CheckpointEngineTransport register / update (median)",
+         f"{_median(ph['ours']['register_s']):.2f} s / {_median(ph['ours']['update_s']):.2f} s",
+         "-", "-"),
+        ("H200 CheckpointEngineTransport overhead over raw",
+         f"{ov['ratio'] * 100:+.0f}%", "<= +10%", _verdict(ov["within_target"])),
+    ]  # fmt: skip
+    for s in ph.get("bucket_sweep", []):
+        rows.append(
+            (f"H200 checkpoint-engine peak extra GPU memory, bucket cap {s['bucket_cap_gib']} GiB",
+             f"{s['process_peak_extra_mib'] / 1024:.1f} GiB (update {s['update_s']:.2f} s)",
+             "-", "-"),
+        )  # fmt: skip
+    return rows
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
+    "transitions.json": _transitions,
+    "engine_cpu.json": _engine,
+    "hf_export_cpu.json": _hf_export,
+    "hf_export_h200host_cpu.json": _hf_export,
+    "hf_export_h200_cuda.json": _hf_export,
+    "transports_cpu.json": _transports_cpu,
+    "control_plane.json": _control_plane,
+    "gpu/transports_h200.json": _transports_gpu,
+    "gpu/checkpoint_engine_h200.json": _checkpoint_engine_gpu,
+}
+
+
+def render(results: Path = RESULTS) -> str:
+    lines = [
+        "<!-- Generated by benchmarks/summarize.py from benchmarks/results/. Do not edit. -->",
+        "# Benchmarks: latest figures",
+        "",
+        "Ratios are measured within one run (baseline and subject side by side). CPU figures come",
+        "from the 2-core development machine, GPU figures from one NVIDIA H200. Re-run a",
+        "benchmark, then `python benchmarks/summarize.py` to refresh this table.",
+        "",
+        "| result file | figure | measured | target | verdict |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for path in sorted(results.rglob("*.json")):
+        rel = path.relative_to(results).as_posix()
+        extractor = EXTRACTORS.get(rel)
+        if extractor is None:
+            lines.append(f"| `{rel}` | (no extractor in summarize.py) | - | - | - |")
+            continue
+        try:
+            rows = extractor(json.loads(path.read_text(encoding="utf-8")))
+        except (KeyError, TypeError, ValueError) as exc:
+            lines.append(f"| `{rel}` | unreadable: {type(exc).__name__}: {exc} | - | - | - |")
+            continue
+        for figure, measured, target, verdict in rows:
+            lines.append(f"| `{rel}` | {figure} | {measured} | {target} | {verdict} |")
+    lines += [
+        "",
+        "How to rerun: `make bench` (transitions), `python benchmarks/bench_engine.py`,",
+        "`python benchmarks/bench_hf_export.py`, `python benchmarks/bench_transports_cpu.py`,",
+        "`python benchmarks/bench_control_plane.py`; GPU: `benchmarks/gpu/README.md`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    out = HERE / "README.md"
+    out.write_text(render(), encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
