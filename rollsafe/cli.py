@@ -95,6 +95,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from rollsafe.demo import run_demo
+
+    return run_demo(args)  # type: ignore[arg-type]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollsafe",
@@ -125,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", default="benchmarks/results/transitions.json")
     p.set_defaults(func=_cmd_bench)
+
+    from rollsafe.demo import add_arguments as add_demo_arguments
+
+    p = sub.add_parser("demo", help="trainer + rollout fleet + SIGKILL, end to end on CPU")
+    add_demo_arguments(p)
+    p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("inspect", help="print every machine's states, events and guards")
     p.add_argument("machine", nargs="?", help="one machine class name")

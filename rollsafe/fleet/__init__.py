@@ -9,10 +9,21 @@ What is here so far, in dependency order (each module imports only the ones abov
   groups out of routing and hand them off (never recovering them itself);
 * :mod:`~rollsafe.fleet.sync`: :class:`SyncCoordinator`, one weight sync (judge the previous
   export, register, update active and pending groups, versions, start the next export);
+* :mod:`~rollsafe.fleet.fleet`: :class:`RolloutFleet`, the one object a trainer embeds, built
+  from a :class:`FleetConfig` (above all the others);
 * :mod:`~rollsafe.fleet.recovery`: :class:`RecoveryCoordinator`, recoveries on a bounded pool
   (immediate from the ready export, targeted push, or deferred to the next sync).
 """
 
+from rollsafe.fleet.fleet import (
+    FleetConfig,
+    FleetConfigError,
+    FleetNotStarted,
+    GroupSpec,
+    HealthSettings,
+    RecoverySettings,
+    RolloutFleet,
+)
 from rollsafe.fleet.health import (
     DEFAULT_PROBE_STATES,
     GroupFailure,
@@ -71,14 +82,19 @@ __all__ = [
     "LISTENER_HOOKS",
     "DuplicateGroup",
     "ExportJudgement",
+    "FleetConfig",
+    "FleetConfigError",
     "FleetError",
     "FleetListener",
+    "FleetNotStarted",
     "FleetRegistry",
     "FleetVersionRegression",
     "GroupFailure",
+    "GroupSpec",
     "GroupTransition",
     "HealthManager",
     "HealthRound",
+    "HealthSettings",
     "NoRoutableGroup",
     "OverlappingRanks",
     "Probe",
@@ -88,11 +104,13 @@ __all__ = [
     "RecoveryCoordinator",
     "RecoveryError",
     "RecoveryResult",
+    "RecoverySettings",
     "RecoveryStatus",
     "RecoveryStep",
     "RecoveryStrategy",
     "RequestFailed",
     "RestartableEngine",
+    "RolloutFleet",
     "RoutedResult",
     "Router",
     "RouterError",

@@ -1,0 +1,569 @@
+"""RolloutFleet: the one object a trainer embeds.
+
+It owns the engine groups (one :class:`~rollsafe.adapters.engines.EngineLauncher` each), the
+:class:`FleetRegistry` and its machines, the :class:`Router`, the :class:`HealthManager`, the
+:class:`RecoveryCoordinator`, the :class:`SyncCoordinator`, the weight transport, the
+:class:`~rollsafe.hf.HFExporter` and the fleet's :class:`ImmediateRecoveryMode`, all built from
+one :class:`FleetConfig`. A malformed config fails at construction with
+:class:`FleetConfigError` naming the offending key; nothing is launched before :meth:`start`.
+
+Trainer-side use::
+
+    with RolloutFleet(FleetConfig(model_path=..., export_root=..., groups=[GroupSpec(2)])) as fleet:
+        out = fleet.generate([1, 2, 3], sampling_params={"max_new_tokens": 8})
+        fleet.sync_weights(dict(model.named_parameters()), version=1)
+
+:meth:`timeline` returns every machine transition (groups, exports, checkpoint registration,
+recovery mode) in time order as JSON-friendly dicts; :meth:`snapshot` the current picture.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollsafe.fleet.health import HealthManager
+from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
+from rollsafe.fleet.registry import FleetError, FleetRegistry
+from rollsafe.fleet.router import RoutedResult, Router
+from rollsafe.fleet.sync import SyncCoordinator, SyncReport
+from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollsafe.adapters.engines import EngineLauncher, EngineSpec
+    from rollsafe.hf import HFExporter
+    from rollsafe.statemachines.base import TransitionRecord
+    from rollsafe.transports.base import WeightTransport
+
+__all__ = [
+    "TRANSPORTS",
+    "FleetConfig",
+    "FleetConfigError",
+    "FleetNotStarted",
+    "GroupSpec",
+    "HealthSettings",
+    "RecoverySettings",
+    "RolloutFleet",
+]
+
+log = logging.getLogger(__name__)
+
+#: Transports a :class:`RolloutFleet` can build by name.
+TRANSPORTS = ("ipc", "nccl")
+
+
+class FleetConfigError(FleetError, ValueError):
+    """A :class:`FleetConfig` value is malformed; ``key`` names it (e.g. ``groups[1].ranks``)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"fleet config {key!r}: {message}")
+
+
+class FleetNotStarted(FleetError, RuntimeError):
+    """The fleet was used before :meth:`RolloutFleet.start` (or after :meth:`close`)."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One worker group: ``ranks`` engine processes serving as one engine (TP/EP group).
+
+    ``fleet_ranks`` pins the group's global ranks (the transport's world positions); by default
+    groups get consecutive ranks in config order. ``group_id`` defaults to ``g{index}``.
+    """
+
+    ranks: int = 1
+    group_id: str | None = None
+    fleet_ranks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    interval_s: float = 0.5
+    timeout_s: float = 2.0
+    failure_threshold: int = 2
+
+
+@dataclass(frozen=True)
+class RecoverySettings:
+    """``targeted_push=False`` gives the recovery no transport: without immediate recovery a
+    restarted group then waits in ``pending_weights`` for the next sync (the deferred baseline).
+    """
+
+    max_workers: int = 2
+    timeout_s: float = 120.0
+    restart_budget: int = 3
+    targeted_push: bool = True
+    expected_recovery_s: float = 10.0
+    retry_delay_s: float = 0.5
+    remaining_work_s: Callable[[], float | None] | None = None
+
+
+#: ``launcher_factory(group_id, spec)`` returns an un-started launcher for the group.
+LauncherFactory = Callable[[str, "EngineSpec"], "EngineLauncher"]
+
+
+@dataclass
+class FleetConfig:
+    """Everything a :class:`RolloutFleet` is built from.
+
+    ``model_path``: the HF directory the engines start on (the trainer's version
+    ``initial_version`` weights). ``template_dir``: non-weight files copied into exports
+    (defaults to ``model_path``; must hold ``config.json``). ``export_root``: where
+    ``hf-v{version}`` exports go (its parent must exist and be writable). ``engine_options``:
+    extra :class:`EngineSpec` fields (``fault_injection``, ``dialect``, ``log_dir``...).
+    """
+
+    model_path: str | os.PathLike[str]
+    export_root: str | os.PathLike[str]
+    groups: Sequence[GroupSpec] = (GroupSpec(),)
+    transport: str = "ipc"
+    template_dir: str | os.PathLike[str] | None = None
+    health: HealthSettings = field(default_factory=HealthSettings)
+    recovery: RecoverySettings = field(default_factory=RecoverySettings)
+    enable_immediate_recovery: bool = False
+    rearm_after: int = 2
+    initial_version: int = 0
+    launcher_factory: LauncherFactory | None = None
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    router_max_attempts: int = 3
+    wait_for_routable_s: float = 0.0
+    request_timeout_s: float | None = 30.0
+    nccl_group_timeout_s: float = 120.0
+    start_timeout_s: float = 180.0
+
+
+@dataclass(frozen=True)
+class _ResolvedGroup:
+    group_id: str
+    ranks: int
+    fleet_ranks: tuple[int, ...]
+
+
+def _positive(key: str, value: object, *, integer: bool = False, zero: bool = False) -> None:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type:
+        raise FleetConfigError(key, f"must be a{'n int' if integer else ' number'}, got {value!r}")
+    assert isinstance(value, (int, float))
+    if value < 0 or (value == 0 and not zero):
+        raise FleetConfigError(key, f"must be {'>= 0' if zero else '> 0'}, got {value!r}")
+
+
+def _validate(config: FleetConfig) -> list[_ResolvedGroup]:
+    """Check ``config``; return the groups with ids and fleet ranks resolved."""
+    if config.transport not in TRANSPORTS:
+        raise FleetConfigError(
+            "transport", f"unknown transport {config.transport!r}; choose one of {TRANSPORTS}"
+        )
+    model = Path(config.model_path)
+    if not model.is_dir():
+        raise FleetConfigError("model_path", f"{model} is not a directory")
+    template = Path(config.template_dir) if config.template_dir is not None else model
+    key = "template_dir" if config.template_dir is not None else "model_path"
+    if not template.is_dir():
+        raise FleetConfigError(key, f"{template} is not a directory")
+    if not (template / "config.json").is_file():
+        raise FleetConfigError(key, f"{template} is not an HF model directory (no config.json)")
+    root = Path(config.export_root)
+    if root.exists():
+        if not root.is_dir():
+            raise FleetConfigError("export_root", f"{root} exists and is not a directory")
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise FleetConfigError("export_root", f"{root} is not writable")
+    else:
+        parent = root.parent
+        if not parent.is_dir():
+            raise FleetConfigError("export_root", f"parent directory {parent} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise FleetConfigError("export_root", f"parent directory {parent} is not writable")
+    h, r = config.health, config.recovery
+    _positive("health.interval_s", h.interval_s)
+    _positive("health.timeout_s", h.timeout_s)
+    _positive("health.failure_threshold", h.failure_threshold, integer=True)
+    _positive("recovery.max_workers", r.max_workers, integer=True)
+    _positive("recovery.timeout_s", r.timeout_s)
+    _positive("recovery.restart_budget", r.restart_budget, integer=True, zero=True)
+    _positive("recovery.expected_recovery_s", r.expected_recovery_s, zero=True)
+    _positive("recovery.retry_delay_s", r.retry_delay_s, zero=True)
+    _positive("rearm_after", config.rearm_after, integer=True)
+    _positive("initial_version", config.initial_version, integer=True, zero=True)
+    _positive("router_max_attempts", config.router_max_attempts, integer=True)
+    _positive("wait_for_routable_s", config.wait_for_routable_s, zero=True)
+    _positive("start_timeout_s", config.start_timeout_s)
+    if config.request_timeout_s is not None:
+        _positive("request_timeout_s", config.request_timeout_s)
+
+    groups = list(config.groups)
+    if not groups:
+        raise FleetConfigError("groups", "needs at least one group")
+    resolved: list[_ResolvedGroup] = []
+    owner: dict[int, str] = {}
+    next_rank = 0
+    for i, spec in enumerate(groups):
+        if not isinstance(spec, GroupSpec):
+            raise FleetConfigError(f"groups[{i}]", f"must be a GroupSpec, got {spec!r}")
+        _positive(f"groups[{i}].ranks", spec.ranks, integer=True)
+        gid = spec.group_id if spec.group_id is not None else f"g{i}"
+        if not isinstance(gid, str) or not gid:
+            raise FleetConfigError(f"groups[{i}].group_id", f"must be a non-empty string: {gid!r}")
+        if any(g.group_id == gid for g in resolved):
+            raise FleetConfigError(f"groups[{i}].group_id", f"duplicate group id {gid!r}")
+        if spec.fleet_ranks is None:
+            ranks = tuple(range(next_rank, next_rank + spec.ranks))
+            while any(rk in owner for rk in ranks):  # skip ranks pinned by earlier groups
+                next_rank += 1
+                ranks = tuple(range(next_rank, next_rank + spec.ranks))
+        else:
+            ranks = tuple(int(rk) for rk in spec.fleet_ranks)
+            if len(ranks) != spec.ranks:
+                raise FleetConfigError(
+                    f"groups[{i}].fleet_ranks",
+                    f"has {len(ranks)} ranks but the group has ranks={spec.ranks}",
+                )
+            if len(set(ranks)) != len(ranks) or any(rk < 0 for rk in ranks):
+                raise FleetConfigError(
+                    f"groups[{i}].fleet_ranks", f"ranks must be distinct and >= 0: {list(ranks)}"
+                )
+        clash = sorted(rk for rk in ranks if rk in owner)
+        if clash:
+            raise FleetConfigError(
+                f"groups[{i}].fleet_ranks",
+                f"ranks {clash} overlap group {owner[clash[0]]!r}",
+            )
+        for rk in ranks:
+            owner[rk] = gid
+        next_rank = max(next_rank, max(ranks) + 1)
+        resolved.append(_ResolvedGroup(gid, spec.ranks, ranks))
+    return resolved
+
+
+def _default_launcher(group_id: str, spec: EngineSpec) -> EngineLauncher:
+    from rollsafe.adapters.engines import EngineLauncher
+
+    return EngineLauncher(spec)
+
+
+class RolloutFleet:
+    """The rollout-engine fleet of one trainer: launch, route, sync, recover, close.
+
+    Thread-safe for :meth:`generate` (many threads) alongside one :meth:`sync_weights` at a
+    time. Use as a context manager: ``__enter__`` starts the fleet, ``__exit__`` closes it.
+    """
+
+    def __init__(self, config: FleetConfig) -> None:
+        self._groups = _validate(config)
+        self.config = config
+        self.registry = FleetRegistry(fleet_version=config.initial_version)
+        self.mode = ImmediateRecoveryMode(
+            enabled=config.enable_immediate_recovery, rearm_after=config.rearm_after
+        )
+        self.router = Router(
+            self.registry,
+            max_attempts=config.router_max_attempts,
+            wait_for_routable_s=config.wait_for_routable_s,
+            request_timeout_s=config.request_timeout_s,
+        )
+        self.world_size = sum(g.ranks for g in self._groups)
+        self._launchers: dict[str, EngineLauncher] = {}
+        self._export_machines: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._started = False
+        self._closed = False
+        self.exporter: HFExporter | None = None
+        self.transport: WeightTransport | None = None
+        self.health: HealthManager | None = None
+        self.recovery: RecoveryCoordinator | None = None
+        self.sync: SyncCoordinator | None = None
+        self.started_at: float | None = None
+        self.start_seconds: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def group_ids(self) -> list[str]:
+        return [g.group_id for g in self._groups]
+
+    @property
+    def started(self) -> bool:
+        return self._started and not self._closed
+
+    def launcher(self, group_id: str) -> EngineLauncher:
+        """The launcher owning ``group_id``'s engine processes (chaos tests kill ranks here)."""
+        self._require_started()
+        return self._launchers[group_id]
+
+    def _spec(self, group: _ResolvedGroup) -> EngineSpec:
+        from rollsafe.adapters.engines import EngineSpec
+
+        options = dict(self.config.engine_options)
+        options.setdefault("weight_version", str(self.config.initial_version))
+        return EngineSpec(model_path=str(self.config.model_path), ranks=group.ranks, **options)
+
+    def start(self) -> RolloutFleet:
+        """Launch every group's engine (concurrently), wait until healthy, send ``launched``.
+
+        On any failure everything started so far is stopped and the error propagates.
+        """
+        with self._lock:
+            if self._closed:
+                raise FleetNotStarted("a closed RolloutFleet cannot be started again")
+            if self._started:
+                return self
+            self._started = True
+        t0 = time.monotonic()
+        self.started_at = time.time()
+        try:
+            self._build_control_plane()
+            factory = self.config.launcher_factory or _default_launcher
+            for g in self._groups:
+                self._launchers[g.group_id] = factory(g.group_id, self._spec(g))
+            with concurrent.futures.ThreadPoolExecutor(len(self._groups)) as pool:
+                futures = [pool.submit(launcher.start) for launcher in self._launchers.values()]
+                deadline = time.monotonic() + self.config.start_timeout_s
+                for fut in futures:
+                    fut.result(timeout=max(0.1, deadline - time.monotonic()))
+            version = self.registry.fleet_version
+            for g in self._groups:
+                launcher = self._launchers[g.group_id]
+                launcher.client.health(timeout=self.config.health.timeout_s)
+                self.registry.add_group(
+                    g.group_id, g.fleet_ranks, clients=[launcher.client],
+                    restart_budget=self.config.recovery.restart_budget,
+                    metadata={"engine_ranks": g.ranks},
+                )  # fmt: skip
+                for rank in g.fleet_ranks:
+                    self.registry.report_member(
+                        g.group_id, rank, healthy=True, weights_version=version
+                    )
+                self.registry.send(g.group_id, "launched")
+            assert self.health is not None
+            self.health.start()
+        except BaseException:
+            self.close()
+            raise
+        self.start_seconds = time.monotonic() - t0
+        return self
+
+    def _build_control_plane(self) -> None:
+        from rollsafe.hf import HFExporter
+
+        cfg = self.config
+        template = cfg.template_dir if cfg.template_dir is not None else cfg.model_path
+        self.exporter = HFExporter(cfg.export_root, template_dir=template)
+        transport: WeightTransport
+        if cfg.transport == "ipc":
+            from rollsafe.transports import IPCTransport
+
+            transport = IPCTransport(self.world_size)
+        else:
+            from rollsafe.transports import NCCLTransport
+
+            transport = NCCLTransport(
+                self.world_size, backend="gloo", group_timeout=cfg.nccl_group_timeout_s
+            )
+        self.transport = transport
+        rs = cfg.recovery
+        self.recovery = RecoveryCoordinator(
+            self.registry,
+            launcher_for=self._launchers.__getitem__,
+            exporter=self.exporter,
+            transport=transport if rs.targeted_push else None,
+            mode=self.mode,
+            max_workers=rs.max_workers,
+            recovery_timeout_s=rs.timeout_s,
+            remaining_work_s=rs.remaining_work_s,
+            expected_recovery_s=rs.expected_recovery_s,
+            retry_delay_s=rs.retry_delay_s,
+        )
+        recovery = self.recovery
+        self.health = HealthManager(
+            self.registry,
+            interval_s=cfg.health.interval_s,
+            timeout_s=cfg.health.timeout_s,
+            failure_threshold=cfg.health.failure_threshold,
+            on_group_failed=recovery.on_group_failed,
+        )
+        self.sync = SyncCoordinator(
+            self.registry,
+            transport,
+            exporter=self.exporter,
+            mode=self.mode,
+            on_group_failed=lambda gid, reason: recovery.submit(gid, reason=reason),
+        )
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop health checks, recoveries, the router, the transport and every engine process.
+
+        Idempotent; waits up to ``timeout`` s for an in-flight export to finish first.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self.health is not None:
+            with contextlib.suppress(Exception):
+                self.health.stop(timeout=timeout)
+        if self.recovery is not None:
+            with contextlib.suppress(Exception):
+                self.recovery.close(timeout=timeout)
+        self.router.close()
+        handle = self.exporter.in_flight if self.exporter is not None else None
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                handle.wait(timeout)
+        if self.transport is not None:
+            with contextlib.suppress(Exception):
+                self.transport.close()
+        for launcher in self._launchers.values():
+            try:
+                launcher.stop(timeout=5.0)
+            except Exception:  # keep stopping the others
+                log.exception("stopping an engine failed")
+
+    def __enter__(self) -> RolloutFleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require_started(self) -> None:
+        if not self._started or self._closed:
+            raise FleetNotStarted("call RolloutFleet.start() first (or use it as a context)")
+
+    # ------------------------------------------------------------------ trainer API
+    def generate(
+        self,
+        input_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        session_id: str | None = None,
+        timeout: float | None = None,
+    ) -> RoutedResult:
+        """One rollout request through the router (only ``active`` groups serve)."""
+        self._require_started()
+        return self.router.generate(
+            input_ids, text=text, sampling_params=sampling_params, session_id=session_id,
+            timeout=timeout,
+        )  # fmt: skip
+
+    def sync_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int,
+    ) -> SyncReport:
+        """Push ``version`` to every active and pending group, then export it asynchronously."""
+        self._require_started()
+        assert self.sync is not None
+        report = self.sync.sync(named_tensors, version)
+        self._harvest_exports()
+        return report
+
+    def pause(self) -> None:
+        """Pause health checks, then generation on every routable group (before offload)."""
+        self._require_started()
+        assert self.health is not None
+        self.health.pause()
+        for group in self.registry.routable():
+            client = group.client
+            if client is not None:
+                client.pause_generation()
+
+    def resume(self) -> None:
+        """Continue generation on every routable group, then resume health checks."""
+        self._require_started()
+        assert self.health is not None
+        for group in self.registry.routable():
+            client = group.client
+            if client is not None:
+                client.continue_generation()
+        self.health.resume()
+
+    def recoveries(self) -> list[RecoveryResult]:
+        return self.recovery.recoveries() if self.recovery is not None else []
+
+    def wait_recoveries(self, timeout: float = 60.0) -> bool:
+        """Wait until no recovery is running; return whether that happened in time."""
+        deadline = time.monotonic() + timeout
+        while self.recovery is not None and self.recovery.running():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def checksums(self, timeout: float = 10.0) -> dict[str, str | None]:
+        """Each group's engine ``/weights_checksum`` model digest (None if it did not answer)."""
+        out: dict[str, str | None] = {}
+        for group in self.registry.groups():
+            client = group.client
+            try:
+                out[group.group_id] = (
+                    client.weights_checksum(timeout=timeout).model if client else None
+                )
+            except Exception:
+                out[group.group_id] = None
+        return out
+
+    # ------------------------------------------------------------------ inspection
+    def _harvest_exports(self) -> None:
+        if self.exporter is None:
+            return
+        with contextlib.suppress(Exception):
+            for record in self.exporter.exports():
+                self._export_machines.setdefault(record.version, record.lifecycle)
+        with contextlib.suppress(Exception):
+            handle = self.exporter.handle()
+            self._export_machines.setdefault(handle.version, handle.lifecycle)
+
+    def export_states(self) -> dict[int, str]:
+        """Every export this fleet started, by version, and its lifecycle state."""
+        self._harvest_exports()
+        return {v: str(m.state) for v, m in sorted(self._export_machines.items())}
+
+    def timeline(self) -> list[dict[str, Any]]:
+        """Every machine transition (groups, exports, registration, mode), oldest first."""
+        self._harvest_exports()
+        rows: list[dict[str, Any]] = []
+
+        def add(kind: str, subject: str, records: Iterable[TransitionRecord]) -> None:
+            for rec in records:
+                row = rec.as_dict()
+                row["kind"] = kind
+                row["subject"] = subject
+                rows.append(row)
+
+        for group in self.registry.groups():
+            add("group", group.group_id, group.machine.history)
+        for version, machine in sorted(self._export_machines.items()):
+            add("export", f"v{version}", machine.history)
+        if self.transport is not None:
+            add("registration", self.transport.name, self.transport.registration.history)
+        add("mode", "immediate_recovery", self.mode.history)
+        rows.sort(key=lambda r: (r["timestamp"], r["kind"], r["seq"]))
+        return rows
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-friendly picture of the fleet right now."""
+        return {
+            "started": self.started,
+            "transport": self.config.transport,
+            "registry": self.registry.snapshot(),
+            "dispatch_counts": self.registry.dispatch_counts(),
+            "mode": self.mode.state,
+            "registration": (
+                self.transport.registration.state if self.transport is not None else None
+            ),
+            "exports": {str(v): s for v, s in self.export_states().items()},
+            "recoveries": [r.as_dict() for r in self.recoveries()],
+            "router": self.router.stats(),
+            "health": self.health.stats() if self.health is not None else None,
+        }

@@ -1,0 +1,111 @@
+"""RolloutFleet: config errors named at construction; start/generate/sync/close on real engines."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import pid_alive, tiny_model_dir  # noqa: F401  (fixture)
+
+from rollsafe.checksum import weights_checksum
+from rollsafe.fleet import FleetConfig, FleetConfigError, FleetNotStarted, GroupSpec, RolloutFleet
+
+
+def config(model: Path, tmp_path: Path, **kw: object) -> FleetConfig:
+    args: dict[str, object] = {"model_path": model, "export_root": tmp_path / "exports"}
+    args.update(kw)
+    return FleetConfig(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kw", "key"),
+    [
+        ({"transport": "carrier-pigeon"}, "transport"),
+        (
+            {"groups": [GroupSpec(2, fleet_ranks=(0, 1)), GroupSpec(1, fleet_ranks=(1,))]},
+            "groups[1].fleet_ranks",
+        ),
+        ({"groups": [GroupSpec(1, "a"), GroupSpec(1, "a")]}, "groups[1].group_id"),
+        ({"groups": [GroupSpec(0)]}, "groups[0].ranks"),
+        ({"groups": []}, "groups"),
+        ({"health": None}, "health"),
+    ],
+)
+def test_malformed_config_names_the_key(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    kw: dict[str, object],
+    key: str,
+) -> None:
+    if key == "health":
+        from rollsafe.fleet import HealthSettings
+
+        kw = {"health": HealthSettings(interval_s=0)}
+        key = "health.interval_s"
+    with pytest.raises(FleetConfigError) as info:
+        RolloutFleet(config(tiny_model_dir, tmp_path, **kw))
+    assert info.value.key == key and key in str(info.value)
+
+
+def test_bad_paths_are_named(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    with pytest.raises(FleetConfigError, match="export_root") as info:
+        RolloutFleet(config(tiny_model_dir, tmp_path, export_root=tmp_path / "no" / "exports"))
+    assert info.value.key == "export_root"
+    (tmp_path / "not-hf").mkdir()
+    with pytest.raises(FleetConfigError, match=r"config\.json") as info:
+        RolloutFleet(config(tiny_model_dir, tmp_path, template_dir=tmp_path / "not-hf"))
+    assert info.value.key == "template_dir"
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(FleetConfigError, match="not writable"):
+            RolloutFleet(config(tiny_model_dir, tmp_path, export_root=ro / "exports"))
+
+
+def test_unstarted_fleet_refuses_requests(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    fleet = RolloutFleet(config(tiny_model_dir, tmp_path))
+    with pytest.raises(FleetNotStarted):
+        fleet.generate([1, 2, 3])
+    fleet.close()
+
+
+def test_start_generate_sync_timeline_and_close(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    cfg = config(
+        tiny_model_dir, tmp_path, groups=[GroupSpec(1), GroupSpec(2)],
+        enable_immediate_recovery=True,
+    )  # fmt: skip
+    with RolloutFleet(cfg) as fleet:
+        pids = [p for gid in fleet.group_ids for p in fleet.launcher(gid).rank_pids]
+        assert len(pids) == 3 and all(pid_alive(p) for p in pids)
+        assert [g.state for g in fleet.registry.groups()] == ["active", "active"]
+        out = fleet.generate([1, 2, 3], sampling_params={"max_new_tokens": 4})
+        assert out.group_id in ("g0", "g1") and len(out.output_ids) == 4
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        weights = {n: p.detach() for n, p in model.named_parameters()}
+        report = fleet.sync_weights(weights, 1)
+        assert report.ok and report.updated == ["g0", "g1"], report
+        want = weights_checksum(weights)["model"]
+        assert fleet.checksums() == {"g0": want, "g1": want}
+        assert fleet.exporter is not None
+        fleet.exporter.wait_hf_export(1, timeout=60)
+        fleet.pause()
+        fleet.resume()
+        assert fleet.generate([4, 5], sampling_params={"max_new_tokens": 2}).weight_version == "1"
+        rows = fleet.timeline()
+        kinds = {r["kind"] for r in rows}
+        assert {"group", "export", "registration"} <= kinds
+        times = [r["timestamp"] for r in rows]
+        assert times == sorted(times)
+        snap = fleet.snapshot()
+        assert snap["exports"] == {"1": "ready"} and snap["registry"]["fleet_version"] == 1
+        assert set(fleet.registry.dispatch_counts()["g0"]) <= {"active"}
+    assert not any(pid_alive(p) for p in pids)  # the context manager reaped every rank
+    with pytest.raises(FleetNotStarted):
+        fleet.generate([1])
