@@ -145,6 +145,9 @@ class SimEngineClient:
     def close(self) -> None:
         pass
 
+    def shutdown(self) -> None:
+        pass
+
 
 def make_fleet(
     sizes: Iterable[int] = (1, 1, 1),

@@ -319,3 +319,13 @@ def test_tensor_and_ipc_payloads_reach_the_engine(sglang_engine: EngineLauncher)
     with pytest.raises(EngineRequestError) as info:
         client.update_weights_from_ipc({"cpu-0": "ipc:///nonexistent"})
     assert info.value.status_code == 400 and "unknown key" not in info.value.message
+
+
+def test_shutdown_closes_the_client_for_good() -> None:
+    from rollsafe.adapters.engines import EngineClient, EngineUnavailable, SGLangClient
+
+    client = SGLangClient("http://127.0.0.1:9")
+    assert isinstance(client, EngineClient)
+    client.shutdown()
+    with pytest.raises(EngineUnavailable, match="closed"):
+        client.health(timeout=0.5)

@@ -119,6 +119,10 @@ class HttpEngineClient:
         """Close the connection pool (the engine keeps running)."""
         self._http.close()
 
+    def shutdown(self) -> None:
+        """Close this client for good (processes are the launcher's to stop)."""
+        self.close()
+
     def __enter__(self) -> HttpEngineClient:
         return self
 

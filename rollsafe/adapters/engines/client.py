@@ -192,3 +192,10 @@ class EngineClient(Protocol):
     # -- teardown -------------------------------------------------------------------------
     def close(self) -> None:
         """Close the HTTP connection pool (the engine keeps running)."""
+
+    def shutdown(self) -> None:
+        """Stop using this engine from this client: closes it for good.
+
+        Neither SGLang nor vLLM serves a shutdown endpoint, so the processes are stopped by
+        whoever owns them (:meth:`EngineLauncher.stop`, the Ray ``EngineActor``'s ``stop``).
+        """
