@@ -21,8 +21,7 @@ $(MERMAID): tools/mermaid/package.json tools/mermaid/package-lock.json
 	cd tools/mermaid && npm ci --no-audit --no-fund --loglevel=error
 
 demo: $(STAMP)
-	$(BIN)/rollsafe verify
-	$(BIN)/rollsafe diagrams
+	$(BIN)/rollsafe demo
 
 test: $(STAMP) $(MERMAID)
 	$(BIN)/ruff check rollsafe tests benchmarks examples
