@@ -243,7 +243,9 @@ class RecoveryCoordinator:
     strategy; ``transport`` (the sync's transport: the same object, so they share its lock)
     enables the targeted push; ``targets_for(group)`` builds its target (default: the group's
     restarted client). ``remaining_work_s()`` estimates the rollout's remaining seconds (None:
-    unknown, never skip). Thread-safe; use as a context manager or call :meth:`close`.
+    unknown, never skip). ``stop_timeout_s`` bounds the polite stop of the failed engine before
+    it is killed (a crashed or hung engine rarely honours SIGTERM, so keep it short).
+    Thread-safe; use as a context manager or call :meth:`close`.
     """
 
     def __init__(
@@ -264,6 +266,7 @@ class RecoveryCoordinator:
         retry_delay_s: float = 0.5,
         transport_lock: threading.RLock | None = None,
         name: str = "rollsafe-recovery",
+        stop_timeout_s: float = 2.0,
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
@@ -286,6 +289,7 @@ class RecoveryCoordinator:
         self.health_timeout_s = health_timeout_s
         self.retry = retry
         self.retry_delay_s = retry_delay_s
+        self.stop_timeout_s = stop_timeout_s
         self.transport_lock = transport_lock or (
             shared_transport_lock(transport) if transport is not None else threading.RLock()
         )
@@ -544,10 +548,15 @@ class RecoveryCoordinator:
             handle = self._run_step(run, "launcher", deadline, lambda: self.launcher_for(gid))
             stop = getattr(handle, "stop", None)
             if callable(stop):
+                if _accepts(stop, "timeout"):
+                    stop = functools.partial(stop, timeout=self.stop_timeout_s)
                 self._run_step(run, "shutdown", deadline, stop)
             kwargs: dict[str, Any] = {"skip_load_weights": True}
+            if _accepts(handle.restart, "stop_timeout"):
+                kwargs["stop_timeout"] = self.stop_timeout_s
             if lease is not None:
-                kwargs = {"model_path": export_path}
+                kwargs = {k: v for k, v in kwargs.items() if k != "skip_load_weights"}
+                kwargs["model_path"] = export_path
                 if _accepts(handle.restart, "weight_version"):
                     kwargs["weight_version"] = str(lease.version)
             held = lease

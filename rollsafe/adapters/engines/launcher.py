@@ -552,9 +552,10 @@ class EngineLauncher:
         pgid = proc.pid
         _signal_group(pgid, sig_first)
         if sig_first != signal.SIGKILL:
+            # One deadline for the whole polite stop: rank 0 and every other rank share it.
+            deadline = time.monotonic() + max(timeout, 0.0)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(timeout, 0.0))
-            deadline = time.monotonic() + max(timeout, 0.0)
             _wait_gone(rank_pids, deadline)
         # whatever survived the polite signal (or everything, for kill()) dies now
         _signal_group(pgid, signal.SIGKILL)
