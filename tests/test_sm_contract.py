@@ -287,3 +287,15 @@ def test_last_transition_is_the_newest_history_record() -> None:
     g.fail()
     assert g.last_transition == g.history[-1]
     assert (g.last_transition.source, g.last_transition.target) == ("active", "inactive")
+
+
+def test_missing_guard_input_is_a_refusal_and_a_value_error() -> None:
+    e = ExportLifecycle(1)
+    e.snapshot()
+    e.snapshot_done()
+    e.shards_written(ranks_ok=[0])
+    with pytest.raises(MissingGuardInput, match="index_missing_keys") as info:
+        e.publish()
+    assert isinstance(info.value, TransitionNotAllowed) and isinstance(info.value, ValueError)
+    assert e.state == "committing" and not e.can("publish")
+    assert e.explain("publish") == [str(info.value.reasons[0])]

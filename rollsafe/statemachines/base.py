@@ -27,6 +27,7 @@ from statemachine import StateMachine
 from statemachine.exceptions import TransitionNotAllowed
 
 __all__ = [
+    "GuardInputMissing",
     "GuardedMachine",
     "MissingGuardInput",
     "TransitionRecord",
@@ -91,8 +92,12 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class MissingGuardInput(ValueError):
-    """An event needing a guard input (``current_version=``, ``ranks_ok=``...) came without it."""
+class GuardInputMissing(ValueError):
+    """Raised inside a guard whose input (``current_version=``...) was not passed.
+
+    The machine turns it into :class:`MissingGuardInput`, a refusal; ``can()`` and ``explain()``
+    count the guard as failed.
+    """
 
 
 class TransitionRefused(TransitionNotAllowed):
@@ -127,6 +132,13 @@ class TransitionRefused(TransitionNotAllowed):
     def __str__(self) -> str:
         why = "; ".join(self.reasons)
         return f"{self.machine_label} refused {self.event_name!r} in state {self.state!r}: {why}"
+
+
+class MissingGuardInput(TransitionRefused, ValueError):
+    """An event needing a guard input (``current_version=``, ``ranks_ok=``...) came without it.
+
+    A refusal (a ``TransitionNotAllowed``: nothing changed) and a ``ValueError`` (bad call).
+    """
 
 
 class GuardedMachine(StateMachine):
@@ -194,7 +206,10 @@ class GuardedMachine(StateMachine):
     def can(self, event: str, **kwargs: Any) -> bool:
         """Whether ``event`` would be taken now with these inputs (nothing changes)."""
         with self._lock:
-            return any(ok for _, ok, _ in self._candidates(event, kwargs))
+            try:
+                return any(ok for _, ok, _ in self._candidates(event, kwargs))
+            except GuardInputMissing:
+                return False  # sending it would raise MissingGuardInput, a refusal
 
     def explain(self, event: str, **kwargs: Any) -> list[str]:
         """Why ``event`` would be refused now (empty if it would be taken)."""
@@ -253,6 +268,17 @@ class GuardedMachine(StateMachine):
             result = super()._processing_loop(caller_future)
         except TransitionRefused:
             raise
+        except GuardInputMissing as missing:
+            event, _ = self._last_trigger
+            state = self.state
+            text = str(missing)
+            raise MissingGuardInput(
+                TransitionNotAllowed(None, self.configuration),
+                self.label,
+                state,
+                event,
+                lambda: [text],
+            ) from None
         except TransitionNotAllowed as exc:
             event, kwargs = self._last_trigger
             state = self.state
@@ -309,7 +335,11 @@ class GuardedMachine(StateMachine):
         reasons: list[str] = []
         facts = {**{k: summarize(v) for k, v in kwargs.items()}, **self.guard_facts()}
         any_candidate = False
-        for transition, ok, failed in self._candidates(event, kwargs):
+        try:
+            candidates = list(self._candidates(event, kwargs))
+        except GuardInputMissing as missing:
+            return [str(missing)]
+        for transition, ok, failed in candidates:
             any_candidate = True
             if ok:
                 continue

@@ -13,7 +13,7 @@ from typing import Any
 
 from statemachine import State
 
-from rollsafe.statemachines.base import GuardedMachine, MissingGuardInput
+from rollsafe.statemachines.base import GuardedMachine, GuardInputMissing
 
 __all__ = ["CheckpointRegistration"]
 
@@ -87,14 +87,14 @@ class CheckpointRegistration(GuardedMachine):
     def version_not_older(self, version: int | None = None) -> bool:
         """The version to register is not older than the last published one."""
         if version is None:
-            raise MissingGuardInput(f"{self.label}: begin_register needs name= and version=")
+            raise GuardInputMissing(f"{self.label}: begin_register needs name= and version=")
         last = self.last_published_version
         return last is None or version >= last
 
     def every_rank_registered(self, ranks_ok: Collection[int] | None = None) -> bool:
         """Every rank in range(world_size) registered its shard."""
         if ranks_ok is None:
-            raise MissingGuardInput(f"{self.label}: register_ok needs ranks_ok=")
+            raise GuardInputMissing(f"{self.label}: register_ok needs ranks_ok=")
         return set(ranks_ok) == set(range(self.world_size))
 
     def key_coverage_exact(
@@ -104,7 +104,7 @@ class CheckpointRegistration(GuardedMachine):
     ) -> bool:
         """No extra key, and every missing key starts with an allowed prefix."""
         if expected_keys is None or registered_keys is None:
-            raise MissingGuardInput(
+            raise GuardInputMissing(
                 f"{self.label}: register_ok needs expected_keys= and registered_keys="
             )
         expected, got = set(expected_keys), set(registered_keys)
@@ -115,7 +115,7 @@ class CheckpointRegistration(GuardedMachine):
     def targets_valid(self, targets: Sequence[Sequence[int]] | None = None) -> bool:
         """Non-empty list of non-empty rank lists, each rank in range, none named twice."""
         if targets is None:
-            raise MissingGuardInput(f"{self.label}: begin_update needs targets=")
+            raise GuardInputMissing(f"{self.label}: begin_update needs targets=")
         if isinstance(targets, (str, bytes)) or len(targets) == 0:
             return False
         seen: set[int] = set()

@@ -15,7 +15,7 @@ from typing import Any
 
 from statemachine import State
 
-from rollsafe.statemachines.base import GuardedMachine, MissingGuardInput
+from rollsafe.statemachines.base import GuardedMachine, GuardInputMissing
 
 __all__ = ["ExportLease", "ExportLifecycle", "LeaseError"]
 
@@ -130,19 +130,19 @@ class ExportLifecycle(GuardedMachine):
     def regular_save_verified(self, verified: bool = False, version: int | None = None) -> bool:
         """A regular HF save of the same version exists and verified."""
         if version is None:
-            raise MissingGuardInput(f"{self.label}: adopt needs version= of the regular save")
+            raise GuardInputMissing(f"{self.label}: adopt needs version= of the regular save")
         return bool(verified) and version == self.version
 
     def every_rank_reported_success(self, ranks_ok: Collection[int] | None = None) -> bool:
         """Every writer rank in range(world_size) reported success."""
         if ranks_ok is None:
-            raise MissingGuardInput(f"{self.label}: shards_written needs ranks_ok=")
+            raise GuardInputMissing(f"{self.label}: shards_written needs ranks_ok=")
         return set(ranks_ok) == set(range(self.world_size))
 
     def index_covers_every_key(self, index_missing_keys: Collection[str] | None = None) -> bool:
         """The written index maps every expected key to a shard."""
         if index_missing_keys is None:
-            raise MissingGuardInput(f"{self.label}: publish needs index_missing_keys=")
+            raise GuardInputMissing(f"{self.label}: publish needs index_missing_keys=")
         return len(index_missing_keys) == 0
 
     def manifest_checksums_verify(self, checksums_verified: bool = False) -> bool:
@@ -156,7 +156,7 @@ class ExportLifecycle(GuardedMachine):
     def newer_export_ready(self, newer_version: int | None = None) -> bool:
         """A newer version's export is ready."""
         if newer_version is None:
-            raise MissingGuardInput(f"{self.label}: supersede needs newer_version=")
+            raise GuardInputMissing(f"{self.label}: supersede needs newer_version=")
         return newer_version > self.version
 
     def no_leases_held(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 from statemachine import State
 
-from rollsafe.statemachines.base import GuardedMachine, MissingGuardInput
+from rollsafe.statemachines.base import GuardedMachine, GuardInputMissing
 
 __all__ = ["MemberFacts", "WorkerGroupLifecycle"]
 
@@ -161,7 +161,7 @@ class WorkerGroupLifecycle(GuardedMachine):
     def all_at_current_version(self, current_version: int | None = None) -> bool:
         """Every member reports the same weights version, equal to the fleet's current one."""
         if current_version is None:
-            raise MissingGuardInput(f"{self.label}: this event needs current_version=")
+            raise GuardInputMissing(f"{self.label}: this event needs current_version=")
         return all(m.weights_version == current_version for m in self._members.values())
 
     def group_complete(self) -> bool:
