@@ -157,7 +157,7 @@ def run_immediate(model_dir: Path, work: Path, repeats: int) -> list[dict[str, A
                 time.sleep(0.005)
             fleet.wait_recoveries(WAIT_S)
             rows = _group_rows(fleet, gid, crash_at)
-            rec = [r for r in fleet.recoveries() if r.failed_at >= crash_at][0]
+            rec = next(r for r in fleet.recoveries() if r.failed_at >= crash_at)
             info = fleet.launcher(gid).ready_info
             want, got = trainer.checksum(), fleet.checksums().get(gid)
             out.append(
@@ -169,8 +169,7 @@ def run_immediate(model_dir: Path, work: Path, repeats: int) -> list[dict[str, A
                     "startup_s": dict(info.get("startup_s", {})),
                     "weights_match_trainer": want == got,
                     "transitions": [
-                        {k: r[k] for k in ("event", "source", "target", "timestamp")}
-                        for r in rows
+                        {k: r[k] for k in ("event", "source", "target", "timestamp")} for r in rows
                     ],
                 }
             )
@@ -195,10 +194,20 @@ def run_deferred(
         for i in range(repeats):
             step_t0 = time.monotonic()
             crash_at = _crash(fleet, gid, step_t0)
-            time.sleep(max(0.0, step_t0 + rollout_s - time.monotonic()))  # rest of the rollout
-            state_at_rollout_end = fleet.registry.get(gid).state
-            version += 1
-            t_train, t_sync = _sync(fleet, trainer, version)
+            state_at_rollout_end = ""
+            t_train = t_sync = 0.0
+            syncs = 0
+            # Steps go on (rollout, train, sync) until a sync finds the group pending_weights:
+            # one restarted after a sync began waits for the one after.
+            while fleet.registry.get(gid).state != "active" or syncs == 0:
+                if syncs >= 5:
+                    raise TimeoutError(f"{gid} not active after {syncs} syncs")
+                time.sleep(max(0.0, step_t0 + rollout_s - time.monotonic()))  # rollout phase
+                state_at_rollout_end = state_at_rollout_end or fleet.registry.get(gid).state
+                version += 1
+                t_train, t_sync = _sync(fleet, trainer, version)
+                syncs += 1
+                step_t0 = time.monotonic()
             _wait_state(fleet, gid, "active")
             rows = _group_rows(fleet, gid, crash_at)
             active_at = _first(rows, target="active")
@@ -214,6 +223,7 @@ def run_deferred(
                     "fail_at": _first(rows, event="fail"),
                     "pending_weights_at": pending_at,
                     "state_at_rollout_end": state_at_rollout_end,
+                    "syncs_until_active": syncs,
                     "train_s": t_train,
                     "sync_s": t_sync,
                     "recovery": rec[0].as_dict() if rec else None,
@@ -222,7 +232,7 @@ def run_deferred(
             )
             print(
                 f"  deferred ({rollout_s:g}s rollout) #{i + 1}: {active_at - crash_at:.3f}s"
-                f" (at rollout end {state_at_rollout_end}; train {t_train:.3f}s,"
+                f" ({syncs} sync(s); at rollout end {state_at_rollout_end}; train {t_train:.3f}s,"
                 f" sync {t_sync:.3f}s; weights match {want == got})"
             )
             fleet.exporter.wait_hf_export(version, timeout=WAIT_S)

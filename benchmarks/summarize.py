@@ -123,6 +123,36 @@ def _checkpoint_engine_gpu(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _recovery(d: dict[str, Any]) -> list[Row]:
+    lat, ov = d["latency"], d["overhead"]
+    m = ov["median_s"]
+    rollout = d["config"]["rollout_s"]
+    rows = [
+        (f"recovery crash -> active: deferred / immediate, {rollout:g} s rollout (demo default)",
+         f"{lat['deferred_median_s']:.2f} s / {lat['immediate_median_s']:.2f} s = {lat['ratio']}x",
+         f">= {d['targets']['deferred_over_immediate_min']:g}x", _verdict(lat["within_target"])),
+        ("rollout phase at which deferred / immediate >= 5x (computed)",
+         f"{lat['rollout_s_for_5x']:.1f} s", "-", "-"),
+    ]  # fmt: skip
+    v = lat.get("validation")
+    if v:
+        rows.append((f"deferred / immediate at {v['rollout_s']:g} s rollout (validation run)",
+                     f"{v['ratio_to_immediate_median']}x", ">= 5x",
+                     _verdict(v["within_target"])))  # fmt: skip
+    rows += [
+        ("immediate recovery: detection (crash -> group failed)",
+         f"{m['detection_s'] * 1000:.0f} ms", f"<= {ov['detection_bound_s'] * 1000:.0f} ms",
+         _verdict(ov["detection_within_bound"])),
+        ("immediate recovery: engine start main() -> ready (weight load)",
+         f"{m['engine_start_s']:.2f} s ({m['weight_load_s'] * 1000:.0f} ms)", "-", "-"),
+        ("immediate recovery: rollsafe overhead (excl. detection, engine start, spawn)",
+         f"{m['rollsafe_overhead_excl_spawn_s'] * 1000:.0f} ms",
+         f"< {d['targets']['rollsafe_overhead_max_s'] * 1000:.0f} ms",
+         _verdict(ov["within_target"])),
+    ]  # fmt: skip
+    return rows
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -137,6 +167,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "hf_export_h200_cuda.json": _hf_export,
     "transports_cpu.json": _transports_cpu,
     "control_plane.json": _control_plane,
+    "recovery_cpu.json": _recovery,
     "gpu/transports_h200.json": _transports_gpu,
     "gpu/checkpoint_engine_h200.json": _checkpoint_engine_gpu,
 }
@@ -171,7 +202,8 @@ def render(results: Path = RESULTS) -> str:
         "",
         "How to rerun: `make bench` (transitions), `python benchmarks/bench_engine.py`,",
         "`python benchmarks/bench_hf_export.py`, `python benchmarks/bench_transports_cpu.py`,",
-        "`python benchmarks/bench_control_plane.py`; GPU: `benchmarks/gpu/README.md`.",
+        "`python benchmarks/bench_control_plane.py`,",
+        "`python benchmarks/bench_recovery.py --validate`; GPU: `benchmarks/gpu/README.md`.",
         "",
     ]
     return "\n".join(lines)

@@ -272,7 +272,7 @@ def test_a_late_export_is_abandoned_suspends_immediate_recovery_then_rearms(
     assert_fleet_sound(fleet, journal, trainer.checksum())
     assert_no_leases(fleet)
     assert_exports_sound(root)
-    assert [(p.name) for p in final_dirs(root)] == ["hf-v4", "hf-v5"]  # retention keeps 2
+    assert [p.name for p in final_dirs(root)] == ["hf-v4", "hf-v5"]  # retention keeps 2
 
 
 # ====================================================================== kill while loading
