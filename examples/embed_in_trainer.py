@@ -42,8 +42,9 @@ def main(steps: int = 3) -> None:
                 fleet.generate(p, sampling_params={"max_new_tokens": 8}).output_ids for p in prompts
             ]
             # 2. train on prompt + completion (a stand-in for the RL loss)
-            batch = torch.tensor([p + r for p, r in zip(prompts, rollouts, strict=True)])
-            loss = model(input_ids=batch, labels=batch).loss
+            # (completions differ in length when one stops at EOS: one sequence at a time)
+            seqs = [torch.tensor([p + r]) for p, r in zip(prompts, rollouts, strict=True)]
+            loss = torch.stack([model(input_ids=x, labels=x).loss for x in seqs]).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
