@@ -54,7 +54,7 @@ class SimEngineClient:
     def dialect(self) -> Dialect:
         return self._dialect
 
-    def health(self, *, timeout: float | None = None) -> None:
+    def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
         with self._lock:
             self.health_calls += 1
         gate = self.health_gate

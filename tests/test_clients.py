@@ -203,6 +203,15 @@ def test_idempotent_calls_are_retried_but_generate_is_not(engine: EngineLauncher
     assert client.generate(PROMPT, sampling_params=GREEDY).output_ids  # failure was consumed
 
 
+def test_health_without_retry_sends_one_request(engine: EngineLauncher) -> None:
+    client = engine.client
+    fault(engine, "/fault/fail_next", {"endpoint": "/health"})
+    with pytest.raises(EngineRequestError) as info:
+        client.health(retry=False)  # what the health manager's probe uses
+    assert info.value.status_code == 500
+    client.health(retry=False)  # the one injected failure was consumed by that one request
+
+
 def test_retry_budget_is_bounded(engine: EngineLauncher) -> None:
     api_key = engine.spec.api_key
     cls = VLLMClient if engine.spec.dialect == "vllm" else SGLangClient

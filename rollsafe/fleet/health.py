@@ -74,14 +74,15 @@ _MAX_REASON_CHARS = 512
 def client_health_probe(group: WorkerGroup, timeout_s: float) -> ProbeResult:
     """The default probe: every engine client of the group answers ``health()``.
 
-    Any client failing fails the whole group (one endpoint cannot tell which rank broke).
+    Any client failing fails the whole group (one endpoint cannot tell which rank broke). One
+    request per client, never retried: the manager's consecutive-failure threshold is the retry.
     """
     if not group.clients:
         raise ValueError(
             f"worker group {group.group_id!r} has no engine clients; pass a probe function"
         )
     for client in group.clients:
-        client.health(timeout=timeout_s)
+        client.health(timeout=timeout_s, retry=False)
     return True
 
 

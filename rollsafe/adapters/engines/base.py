@@ -112,7 +112,7 @@ class HttpEngineClient:
             return False
         return True
 
-    def health(self, *, timeout: float | None = None) -> None:
+    def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
         raise NotImplementedError
 
     def close(self) -> None:

@@ -85,8 +85,12 @@ class EngineClient(Protocol):
     def dialect(self) -> Dialect: ...
 
     # -- liveness and serving -------------------------------------------------------------
-    def health(self, *, timeout: float | None = None) -> None:
-        """Raise unless the engine answers its health endpoint with success (retried)."""
+    def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
+        """Raise unless the engine answers its health endpoint with success.
+
+        Retried (bounded) by default; ``retry=False`` sends exactly one request, which is what a
+        health manager with its own failure threshold wants.
+        """
 
     def is_healthy(self, *, timeout: float | None = None) -> bool:
         """``health()`` as a bool: False on any :class:`EngineError`."""

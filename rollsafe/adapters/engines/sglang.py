@@ -48,9 +48,10 @@ class SGLangClient(HttpEngineClient):
     _dialect: Dialect = "sglang"
 
     # -- liveness and serving -------------------------------------------------------------
-    def health(self, *, timeout: float | None = None) -> None:
-        """GET ``/health`` (retried); raises unless it answers 2xx."""
-        self._get("/health", timeout=self.health_timeout if timeout is None else timeout)
+    def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
+        """GET ``/health`` (retried unless ``retry=False``); raises unless it answers 2xx."""
+        limit = self.health_timeout if timeout is None else timeout
+        self._get("/health", timeout=limit, idempotent=retry)
 
     def health_generate(self, *, timeout: float | None = None) -> None:
         """GET ``/health_generate``: a health check that runs one tiny generation."""
