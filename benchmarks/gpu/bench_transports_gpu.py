@@ -46,7 +46,7 @@ for p in (str(REPO), str(REPO / "tests"), str(HERE)):
         sys.path.insert(0, p)
 
 from engine_helpers import free_port, start_engine  # noqa: E402
-from qwen3_shapes import qwen3_4b_shapes, qwen3_config  # noqa: E402
+from qwen3_shapes import qwen3_4b_shapes, qwen3_config, shapes_from_config  # noqa: E402
 
 from rollsafe.adapters.engines import SGLangClient  # noqa: E402
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
@@ -77,32 +77,7 @@ def model_config(smoke: bool) -> dict[str, Any]:
 
 def shapes_for(cfg: dict[str, Any], smoke: bool) -> list[tuple[str, tuple[int, ...]]]:
     """The exact Qwen3-4B list (398 tensors) or, in smoke mode, the same layout, tiny."""
-    if not smoke:
-        return qwen3_4b_shapes()
-    h, hd = cfg["hidden_size"], cfg["head_dim"]
-    q, kv, inter = (
-        cfg["num_attention_heads"] * hd,
-        cfg["num_key_value_heads"] * hd,
-        cfg["intermediate_size"],
-    )
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        out += [
-            (f"{p}.self_attn.q_proj.weight", (q, h)),
-            (f"{p}.self_attn.k_proj.weight", (kv, h)),
-            (f"{p}.self_attn.v_proj.weight", (kv, h)),
-            (f"{p}.self_attn.o_proj.weight", (h, q)),
-            (f"{p}.self_attn.q_norm.weight", (hd,)),
-            (f"{p}.self_attn.k_norm.weight", (hd,)),
-            (f"{p}.mlp.gate_proj.weight", (inter, h)),
-            (f"{p}.mlp.up_proj.weight", (inter, h)),
-            (f"{p}.mlp.down_proj.weight", (h, inter)),
-            (f"{p}.input_layernorm.weight", (h,)),
-            (f"{p}.post_attention_layernorm.weight", (h,)),
-        ]
-    out.append(("model.norm.weight", (h,)))
-    return out
+    return qwen3_4b_shapes() if not smoke else shapes_from_config(cfg)
 
 
 def make_weights(

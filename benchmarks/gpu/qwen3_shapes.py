@@ -40,7 +40,13 @@ QWEN3_4B: dict[str, Any] = {
 
 def qwen3_4b_shapes(num_layers: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
     """``(name, shape)`` of every Qwen3-4B parameter (398 of them), in state-dict order."""
-    c = QWEN3_4B
+    return shapes_from_config(QWEN3_4B, num_layers)
+
+
+def shapes_from_config(
+    c: dict[str, Any], num_layers: int | None = None
+) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every parameter of a Qwen3-style config (tied embeddings)."""
     h, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab_size"], h))]
