@@ -123,6 +123,45 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
         time.sleep(interval)
 
 
+def join_weight_group(
+    engine: EngineProcess, *, world_size: int, group_name: str, timeout: float = 60
+) -> Any:
+    """Join a gloo weight-update group as rank 0 while the engine's ranks join it.
+
+    The engine is asked (``/init_weights_update_group``, ``rank_offset`` 1) on a thread, since
+    the call blocks until the test process joins too; returns the test's side of the group.
+    """
+    from rollsafe.adapters.reference_engine.collective import open_weight_update_group
+
+    port = free_port()
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": "gloo",
+    }
+    answer: dict[str, httpx.Response] = {}
+
+    def init() -> None:
+        answer["init"] = engine.post("/init_weights_update_group", body, timeout=timeout)
+
+    thread = threading.Thread(target=init)
+    thread.start()
+    group = open_weight_update_group(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=world_size,
+        group_name=group_name,
+        timeout_s=timeout,
+    )
+    thread.join(timeout)
+    assert answer["init"].status_code == 200, answer["init"].text
+    return group
+
+
 def engine_command(
     model_dir: str | Path, *, ranks: int = 1, extra_args: Sequence[str] = ()
 ) -> list[str]:

@@ -21,7 +21,7 @@ import torch
 from engine_helpers import (
     EngineProcess,
     EngineStartError,
-    free_port,
+    join_weight_group,
     module_engine,
     pid_alive,
     start_engine,
@@ -32,7 +32,6 @@ from engine_helpers import (
 from test_engine_sglang import GREEDY, PROMPT, hf_greedy, hf_state
 
 from rollsafe.adapters.reference_engine.bootstrap import START_FAULT_ENV
-from rollsafe.adapters.reference_engine.collective import open_weight_update_group
 from rollsafe.checksum import weights_checksum
 from rollsafe.transports.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
 
@@ -105,38 +104,12 @@ def test_two_ranks_distributed_update(
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
     state = hf_state(tiny_model_dir)
-    port = free_port()
     res: dict[str, httpx.Response] = {}
 
     def call(key: str, path: str, body: dict[str, Any]) -> None:
         res[key] = engine2.post(path, body, timeout=60)
 
-    t = threading.Thread(
-        target=call,
-        args=(
-            "init",
-            "/init_weights_update_group",
-            {
-                "master_address": "127.0.0.1",
-                "master_port": port,
-                "rank_offset": 1,
-                "world_size": 3,
-                "group_name": "g2",
-                "backend": "gloo",
-            },
-        ),
-    )
-    t.start()
-    pg = open_weight_update_group(
-        master_address="127.0.0.1",
-        master_port=port,
-        rank=0,
-        world_size=3,
-        group_name="g2",
-        timeout_s=60,
-    )
-    t.join(60)
-    assert res["init"].status_code == 200, res["init"].text
+    pg = join_weight_group(engine2, world_size=3, group_name="g2")
     names = list(state)
     body = {
         "names": names,

@@ -16,13 +16,12 @@ import pytest
 import torch
 from engine_helpers import (
     EngineProcess,
-    free_port,
+    join_weight_group,
     module_engine,
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
 )
 
-from rollsafe.adapters.reference_engine.collective import open_weight_update_group
 from rollsafe.checksum import weights_checksum
 from rollsafe.transports.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
 
@@ -161,38 +160,12 @@ def test_update_from_distributed_gloo(
     tiny_model_dir_b: Path,  # noqa: F811
 ) -> None:
     state = hf_state(tiny_model_dir_b)
-    port = free_port()
     results: dict[str, Any] = {}
 
     def call(key: str, path: str, body: dict[str, Any]) -> None:
         results[key] = fresh.post(path, body, timeout=60)
 
-    init = threading.Thread(
-        target=call,
-        args=(
-            "init",
-            "/init_weights_update_group",
-            {
-                "master_address": "127.0.0.1",
-                "master_port": port,
-                "rank_offset": 1,
-                "world_size": 2,
-                "group_name": "g1",
-                "backend": "gloo",
-            },
-        ),
-    )
-    init.start()
-    pg = open_weight_update_group(
-        master_address="127.0.0.1",
-        master_port=port,
-        rank=0,
-        world_size=2,
-        group_name="g1",
-        timeout_s=60,
-    )
-    init.join(60)
-    assert results["init"].status_code == 200, results["init"].text
+    pg = join_weight_group(fresh, world_size=2, group_name="g1")
     names = list(state)
     half = len(names) // 2
     # first half: one broadcast per tensor; second half: one flattened bucket
