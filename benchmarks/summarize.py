@@ -92,8 +92,14 @@ def _transports_gpu(d: dict[str, Any]) -> list[Row]:
     copy = p["d2d_copy"]["gb_s"]
     rows = []
     for r in p.get("ipc", []):
+        layout = r.get("layout", "separate")
+        what = (
+            "trainer tensors in one flat buffer (1 direct bucket, no copy)"
+            if layout == "flat"
+            else f"separate trainer tensors, {r['bucket_mib']} MiB buckets"
+        )
         rows.append(
-            (f"H200 ipc (CUDA IPC), 8 GB Qwen3-4B shapes, {r['bucket_mib']} MiB buckets",
+            (f"H200 ipc (CUDA IPC), 8 GB Qwen3-4B shapes, {what}",
              f"{r['seconds'] * 1000:.1f} ms = {r['ratio_vs_copy'] * 100:.1f}% of {copy:.0f} GB/s"
              f" d2d; extra {r['peak_extra_buckets']} buckets",
              ">= 25% of d2d; <= 2 buckets", _verdict(r["ratio_vs_copy"] >= 0.25)),
@@ -114,6 +120,15 @@ def _checkpoint_engine_gpu(d: dict[str, Any]) -> list[Row]:
         ("H200 CheckpointEngineTransport overhead over raw",
          f"{ov['ratio'] * 100:+.0f}%", "<= +10%", _verdict(ov["within_target"])),
     ]  # fmt: skip
+    ipc = ph.get("ipc")
+    if ipc and "checkpoint_engine_over_ipc" in ipc:
+        rows.append(
+            ("H200 ipc vs CheckpointEngineTransport, register+update, same run",
+             f"{ipc['total_median_s'] * 1000:.0f} ms vs "
+             f"{ipc['checkpoint_engine_total_median_s']:.2f} s = "
+             f"{ipc['checkpoint_engine_over_ipc']:.0f}x",
+             ">= 50x", _verdict(ipc["within_target"])),
+        )  # fmt: skip
     for s in ph.get("bucket_sweep", []):
         rows.append(
             (f"H200 checkpoint-engine peak extra GPU memory, bucket cap {s['bucket_cap_gib']} GiB",
@@ -150,6 +165,22 @@ def _recovery(d: dict[str, Any]) -> list[Row]:
          f"< {d['targets']['rollsafe_overhead_max_s'] * 1000:.0f} ms",
          _verdict(ov["within_target"])),
     ]  # fmt: skip
+    sby = ov.get("standby")
+    if "immediate_standby_median_s" in lat and sby:
+        ms = sby["median_s"]
+        rows += [
+            (f"warm standby: recovery crash -> active: deferred / immediate, {rollout:g} s rollout",
+             f"{lat['deferred_median_s']:.2f} s / {lat['immediate_standby_median_s']:.2f} s = "
+             f"{lat['ratio_standby']}x", f">= {d['targets']['deferred_over_immediate_min']:g}x",
+             _verdict(lat["within_target_standby"])),
+            ("warm standby: engine start handoff -> ready (weight load)",
+             f"{ms['engine_start_s'] * 1000:.0f} ms ({ms['weight_load_s'] * 1000:.0f} ms)",
+             "-", "-"),
+            ("warm standby: rollsafe overhead (excl. detection, engine start; no spawn)",
+             f"{ms['rollsafe_overhead_s'] * 1000:.0f} ms",
+             f"< {d['targets']['rollsafe_overhead_max_s'] * 1000:.0f} ms",
+             _verdict(sby["within_target"])),
+        ]  # fmt: skip
     return rows
 
 

@@ -30,6 +30,8 @@ from rollsafe.transports import (
     plan_buckets,
 )
 from rollsafe.transports.bucket import deserialize_payload, serialize_bucket
+from rollsafe.transports.contiguous import flatten_parameters
+from rollsafe.transports.pipeline import direct_view
 
 SMALL_BUCKET = 96 << 10  # several buckets for the tiny model (about 0.5 MiB of weights)
 
@@ -90,6 +92,60 @@ def test_stream_uses_two_buffers_and_round_trips_non_contiguous() -> None:
     assert weights_checksum(got) == weights_checksum(dict(items))
 
 
+def test_plan_makes_direct_buckets_from_back_to_back_views_only() -> None:
+    flat = torch.arange(100, dtype=torch.float32)
+    items = [
+        ("a", flat[0:10].view(2, 5)),
+        ("b", flat[10:40]),
+        ("loose", torch.ones(3)),  # a tensor of its own between two runs
+        ("c", flat[40:60]),
+        ("gap", flat[70:80]),  # not right after "c": the run ends
+        ("h", torch.ones(4, dtype=torch.bfloat16)),
+    ]
+    # packed buckets are capped at 48 bytes; direct runs may be bigger (no copy, no buffer)
+    plans = plan_buckets(items, bucket_bytes=48, direct_bucket_bytes=1 << 20)
+    assert [p.names for p in plans] == [["a", "b"], ["loose"], ["c"], ["gap"], ["h"]]
+    cpu = torch.device("cpu")
+    view = direct_view(items, plans[0], device=cpu, shared=False)
+    assert view is not None and view.data_ptr() == flat.data_ptr() and view.numel() == 40
+    # the same run in CPU shared memory only when the storage is shared
+    assert direct_view(items, plans[0], device=cpu, shared=True) is None
+    # without a direct cap a run is bounded like any bucket
+    assert [p.names for p in plan_buckets(items, bucket_bytes=48)][:2] == [["a"], ["b"]]
+
+
+def test_flatten_parameters_keeps_values_identity_and_training() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).double()
+    model.register_parameter("f32", torch.nn.Parameter(torch.ones(3)))  # a second dtype
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    opt = torch.optim.SGD([p for p in params if p.dtype == torch.float64], lr=0.1)
+    flats = flatten_parameters(model, shared_memory=True)
+    assert {f.dtype: f.numel() for f in flats} == {torch.float64: 4 * 8 + 8 + 8 * 2 + 2,
+                                                    torch.float32: 3}  # fmt: skip
+    assert all(f.untyped_storage().is_shared() for f in flats)
+    assert list(model.parameters()) == params  # the same Parameter objects
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and p.requires_grad
+    # back to back in named_parameters() order: one direct bucket per dtype
+    plans = plan_buckets(
+        list(model.named_parameters()), bucket_bytes=8, direct_bucket_bytes=1 << 20
+    )
+    assert [len(p.indices) for p in plans] == [1, 4]  # "f32" is registered first
+    # a training step writes through the parameters into the flat buffer
+    model[0](torch.ones(3, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    w = model[0].weight.detach()
+    assert not torch.equal(w, before["0.weight"])
+    f64 = next(f for f in flats if f.dtype == torch.float64)
+    assert torch.equal(f64[: w.numel()].view(w.shape), w)
+    bad = torch.nn.Module()
+    bad.w = torch.nn.Parameter(torch.empty(2, device="meta"))
+    with pytest.raises(ValueError, match="'w'"):
+        flatten_parameters(bad)
+
+
 # ---------------------------------------------------------------------- real engines
 def test_update_one_and_two_rank_engines(
     one: EngineProcess, two: EngineProcess, trainer: Trainer
@@ -112,6 +168,30 @@ def test_update_one_and_two_rank_engines(
     assert_serves(two, trainer, 2)
     assert tr.registration.state == "registered" and tr.registration.failed_targets == []
     assert transport_threads() == []
+
+
+def test_flat_parameters_travel_without_a_copy(
+    one: EngineProcess,
+    two: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    flat_trainer = Trainer(tiny_model_dir_b)
+    flatten_parameters(flat_trainer.model, shared_memory=True)
+    tr = IPCTransport(3, bucket_bytes=SMALL_BUCKET)  # packed buckets would be several
+    tr.register(flat_trainer.weights(), 21)
+    assert len(tr.plans) == 1 and tr.direct_buckets == 1  # one call, no pack buffer
+    report = tr.update([target("one", one, (0,)), target("two", two, (1, 2))])
+    assert report.ok, report.results
+    assert tr._pool is not None and tr._pool.nbytes == 0  # nothing was packed
+    assert_serves(one, flat_trainer, 21)
+    assert_serves(two, flat_trainer, 21)
+    # a training step writes into the flat buffer; the next version travels the same way
+    flat_trainer.perturb(seed=22)
+    tr.register(flat_trainer.weights(), 22)
+    assert tr.direct_buckets == 1
+    assert tr.update([target("one", one, (0,)), target("two", two, (1, 2))]).ok
+    assert_serves(one, flat_trainer, 22)
+    assert_serves(two, flat_trainer, 22)
 
 
 def test_failed_register_publishes_nothing_and_update_refuses(
@@ -196,3 +276,27 @@ def test_cuda_ipc_into_cuda_engine(
     assert torch.cuda.max_memory_allocated() - base <= 2 * bucket + (1 << 20)
     got = eng.checksum()
     assert got["model"] == weights_checksum(weights)["model"] and got["weight_version"] == "11"
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_flat_parameters_need_no_extra_memory(
+    engine_factory,  # noqa: F811
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    eng = engine_factory(tiny_model_dir, ranks=1, extra_args=["--device", "cuda"])
+    flat_trainer = Trainer(tiny_model_dir_b)
+    flat_trainer.model.to("cuda")
+    flatten_parameters(flat_trainer.model)
+    weights = flat_trainer.weights()
+    tr = IPCTransport(1, bucket_bytes=64 << 10)
+    tr.register(weights, 12)
+    assert tr.direct_buckets == len(tr.plans) == 1
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    report = tr.update([target("gpu", eng, (0,))])
+    assert report.ok, report.results
+    assert torch.cuda.max_memory_allocated() - base < (1 << 20)  # no pack buffer
+    got = eng.checksum()
+    assert got["model"] == weights_checksum(weights)["model"] and got["weight_version"] == "12"

@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-start-timeout-s", type=float, default=240.0)
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--no-checksum", action="store_true", help="skip the checksum comparisons")
+    p.add_argument(
+        "--ipc-bucket-mib", type=int, default=1024, help="bucket of the same-run ipc phase"
+    )
     args = p.parse_args(argv)
     args.bucket_caps = [float(x) for x in args.bucket_gib.split(",") if x.strip()]
     if args.repeats < 1 or any(c <= 0 for c in args.bucket_caps):
@@ -529,6 +532,39 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
                     "gbps_ours_update": nbytes / 1e9 / (_median(ours["update_s"]) or math.inf),
                 },
             )
+
+        # (e) ipc on the same tensors, same engine, same run ----------------------------------
+        if time_left("ipc"):
+            try:
+                from rollsafe.transports.ipc import IPCTransport
+
+                perturb("ipc")
+                itr = IPCTransport(1, bucket_bytes=args.ipc_bucket_mib << 20)
+                target = EngineTarget("engine0", (0,), client)
+                ipc: dict[str, Any] = {"bucket_mib": args.ipc_bucket_mib, "register_s": [],
+                                       "update_s": []}  # fmt: skip
+                for i in range(args.repeats + 1):  # round 0 warms up (allocator, handles)
+                    t_reg, _ = timed(partial(itr.register, weights, int(next_version())))
+                    t_upd, report = timed(partial(itr.update, [target]))
+                    if not report.ok:
+                        raise RuntimeError(f"ipc update failed: {report.results}")
+                    if i:
+                        ipc["register_s"].append(t_reg)
+                        ipc["update_s"].append(t_upd)
+                itr.close()
+                tot = [a + b for a, b in zip(ipc["register_s"], ipc["update_s"], strict=True)]
+                ipc["total_median_s"] = _median(tot)
+                if ours_total:
+                    ipc["checkpoint_engine_total_median_s"] = _median(ours_total)
+                    ipc["checkpoint_engine_over_ipc"] = (_median(ours_total) or 0) / (
+                        ipc["total_median_s"] or math.inf
+                    )
+                    ipc["target_min"] = 50.0
+                    ipc["within_target"] = ipc["checkpoint_engine_over_ipc"] >= 50.0
+                res.phase("ipc", ipc)
+                verify("ipc")
+            except Exception as exc:
+                res.error("ipc", exc)
 
         # (d) bucket-cap sweep ------------------------------------------------------------------
         sweep: list[dict[str, Any]] = []

@@ -8,8 +8,12 @@ endpoints, in one run:
 
 * ``d2d``: device-to-device copy bandwidth of one buffer of the same size (baseline of ``ipc``);
 * ``ipc``: :class:`~rollsafe.transports.IPCTransport` (CUDA IPC handles, flattened buckets) per
-  bucket size; extra GPU memory on the trainer side = peak allocated during the update minus
-  allocated before it (expected <= 2 buckets);
+  bucket size with the trainer's tensors allocated one by one (``layout: separate``: every
+  bucket is packed), then with the same tensors back to back in one flat buffer (``layout:
+  flat``, as Megatron keeps them: one direct bucket, no packing copy, one engine call); extra
+  GPU memory on the trainer side = peak allocated during the update minus allocated before it
+  (expected <= 2 buckets, 0 for ``flat``);
+* ``per_call``: the fixed cost of one engine call (``/health``; a one-tensor update);
 * ``nccl``: :class:`~rollsafe.transports.NCCLTransport` with the trainer (this process) and the
   engine as separate processes, plus a raw broadcast baseline between two processes. NCCL
   refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected", NCCL >= 2.5),
@@ -89,6 +93,22 @@ def make_weights(
         t = torch.empty(shape, dtype=torch.bfloat16, device=device)
         t.uniform_(-0.05, 0.05, generator=gen)
         out[name] = t
+    return out
+
+
+def flat_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors as views into one flat buffer per dtype, back to back in order (how a
+    Megatron-style trainer keeps them; :func:`rollsafe.transports.contiguous.flatten_parameters`
+    does this for a module): the ``ipc`` transport then sends them with no packing copy."""
+    total = sum(t.numel() for t in weights.values())
+    first = next(iter(weights.values()))
+    flat = torch.empty(total, dtype=first.dtype, device=first.device)
+    out, pos = {}, 0
+    for name, t in weights.items():
+        view = flat[pos : pos + t.numel()].view(t.shape)
+        view.copy_(t)
+        out[name] = view
+        pos += t.numel()
     return out
 
 
@@ -192,6 +212,32 @@ def timed_updates(
     return times, peak_extra
 
 
+def per_call_overhead(
+    client: SGLangClient, weights: dict[str, torch.Tensor], n: int = 20
+) -> dict[str, Any]:
+    """Fixed cost of one engine call: ``/health`` (HTTP alone) and ``/update_weights_from_tensor``
+    with a one-tensor bucket (HTTP + payload decode + CUDA IPC open/close + commit + sync)."""
+    from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+
+    name = min(weights, key=lambda k: weights[k].numel())
+    bucket = next(iter(pack_buckets([(name, weights[name])], 1 << 20)))
+    health, update = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        client.health(retry=False)
+        health.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        client.update_weights_from_tensor(
+            [serialize_bucket(bucket)], load_format="flattened_bucket", flush_cache=False
+        )
+        update.append(time.perf_counter() - t0)
+    return {
+        "tensor": name,
+        "health_median_ms": round(sorted(health)[n // 2] * 1e3, 3),
+        "tiny_update_median_ms": round(sorted(update)[n // 2] * 1e3, 3),
+    }
+
+
 def verify(client: SGLangClient, want: str, what: str) -> bool:
     got = client.weights_checksum(timeout=900)
     if got.model != want:
@@ -203,9 +249,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny Qwen3: checks the script")
-    ap.add_argument("--ipc-buckets-mib", default="256,1024")
+    ap.add_argument("--ipc-buckets-mib", default="256,1024,2048")
     ap.add_argument("--nccl-buckets-mib", default="512")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--no-flat",
+        dest="flat",
+        action="store_false",
+        help="skip the flat-buffer layout row (trainer tensors back to back in one buffer)",
+    )
     ap.add_argument("--skip-nccl", action="store_true")
     args = ap.parse_args()
 
@@ -256,19 +308,29 @@ def main() -> int:
         if not smoke:
             extra += ["--device", "cuda"]
         t0 = time.perf_counter()
-        eng = start_engine(model_dir, ranks=1, extra_args=extra, timeout=900)
+        eng = start_engine(
+            model_dir, ranks=1, extra_args=extra, timeout=900,
+            env={"ROLLSAFE_ENGINE_PROFILE": "1"},
+        )  # fmt: skip
         result["phases"]["engine_start_s"] = round(time.perf_counter() - t0, 1)
         save()
         try:
             client = SGLangClient(eng.url, timeout=900)
             target = EngineTarget("engine", (0,), client, 1)
             rows = []
-            for mib in [int(x) for x in args.ipc_buckets_mib.split(",") if x]:
+            runs = [("separate", int(x)) for x in args.ipc_buckets_mib.split(",") if x]
+            if args.flat:
+                runs.append(("flat", runs[-1][1] if runs else 1024))
+            for layout, mib in runs:
+                src = weights if layout == "separate" else flat_copy(weights)
+                log_mark = len(eng.stderr_path.read_text(errors="replace"))
                 tr = IPCTransport(1, bucket_bytes=mib * MiB)
-                tr.register(weights, 1)
+                tr.register(src, 1)
                 times, extra_mem = timed_updates(tr, target, args.repeats, device)
                 best = min(times)
                 rows.append({
+                    "layout": layout,
+                    "direct_buckets": tr.direct_buckets,
                     "bucket_mib": mib,
                     "buckets": len(tr.plans),
                     "seconds": round(best, 4),
@@ -278,10 +340,26 @@ def main() -> int:
                     "peak_extra_gpu_bytes": extra_mem,
                     "peak_extra_buckets": round(extra_mem / (mib * MiB), 2),
                 })  # fmt: skip
+                # the engine's own account of the last update (ROLLSAFE_ENGINE_PROFILE=1)
+                log = eng.stderr_path.read_text(errors="replace")[log_mark:]
+                prof = [ln.split(" ", 1)[1] for ln in log.splitlines() if "rollsafe-profile" in ln]
+                per_update = len(prof) // (args.repeats + 1) if prof else 0
+                rows[-1]["engine_profile_last_update"] = prof[-per_update:] if per_update else []
                 tr.close()
+                del src
                 print(f"ipc: {rows[-1]}")
                 result["phases"]["ipc"] = rows
                 save()
+            result["phases"]["per_call"] = per_call_overhead(client, weights)
+            print(f"per call: {result['phases']['per_call']}")
+            save()
+            if rows:
+                # the tiny updates changed one tensor: push the whole set again before checking
+                tr = IPCTransport(1, bucket_bytes=rows[-1]["bucket_mib"] * MiB)
+                tr.register(weights, 1)
+                if not tr.update([target]).ok:
+                    raise RuntimeError("ipc re-push failed")
+                tr.close()
             t0 = time.perf_counter()
             rows[-1]["checksum_ok"] = verify(client, want, "ipc")
             result["phases"]["engine_checksum_s"] = round(time.perf_counter() - t0, 2)

@@ -11,9 +11,13 @@ counts stay balanced). A buffer is reused only after every engine that was sent 
 On CPU the buffers live in shared memory (torch ``file_system`` strategy: the payload names the
 shared file); on CUDA the payload carries CUDA IPC handles. Extra accelerator memory while
 pushing is two buffers of the largest bucket that must be packed (``bucket_bytes``, or a single
-tensor bigger than that which is not contiguous on the device); a contiguous tensor alone in its
-bucket and already on the device goes as is, without a copy. CUDA buffers are dropped after each
-update (the trainer gets the memory back between syncs); CPU shared-memory buffers are kept.
+tensor bigger than that which is not contiguous on the device); memory that can be handed over
+as is goes without a copy: a contiguous tensor alone in its bucket, and tensors that lie back to
+back in one storage (a trainer's flat parameter buffer, as Megatron keeps it or as
+:func:`~rollsafe.transports.contiguous.flatten_parameters` makes it), which form *direct*
+buckets of up to ``direct_bucket_bytes`` (default: a whole run per call) at no extra memory.
+CUDA buffers are dropped after each update (the trainer gets the memory back between syncs);
+CPU shared-memory buffers are kept.
 
 Version and cache flush travel with the **last** bucket only: an engine that failed half way
 keeps reporting its old version (the fleet marks the target failed either way). Per-target
@@ -23,6 +27,7 @@ failures are reported in the :class:`~rollsafe.transports.base.UpdateReport`, ne
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -33,6 +38,7 @@ from rollsafe.transports.pipeline import (
     BucketStream,
     BufferPool,
     check_tensors,
+    direct_view,
     plan_buckets,
 )
 
@@ -41,13 +47,18 @@ __all__ = ["DEFAULT_IPC_BUCKET_BYTES", "IPCTransport"]
 #: Default bucket size: large enough that per-call overhead (HTTP, pickling, the engine's
 #: two-phase commit) is small, small enough that two buckets are a small share of GPU memory.
 DEFAULT_IPC_BUCKET_BYTES = 128 << 20
+_UNLIMITED = 1 << 62
 
 
 class IPCTransport(StagedTransport):
     """Push registered weights to colocated engines through shared memory / CUDA IPC.
 
     ``world_size``: size of the target rank space (the fleet's engine ranks).
-    ``bucket_bytes``: bucket size. ``device``: where buckets are packed (default: the tensors'
+    ``bucket_bytes``: bucket size of packed buckets. ``direct_bucket_bytes``: cap of *direct*
+    buckets -- tensors that lie back to back in one storage (a flat parameter buffer, see
+    :func:`~rollsafe.transports.contiguous.flatten_parameters`) travel as a slice of it, with
+    no copy and no extra memory, so by default (``None``) a whole run goes in one call.
+    ``device``: where buckets are packed (default: the tensors'
     device; ``"cuda"`` gathers CPU tensors onto the GPU). ``request_timeout``: seconds each
     engine call may take. ``flush_cache``: ask the engine to drop its KV cache with the last
     bucket. ``double_buffer``: pack the next bucket while the engine loads the current one (two
@@ -63,6 +74,7 @@ class IPCTransport(StagedTransport):
         world_size: int,
         *,
         bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES,
+        direct_bucket_bytes: int | None = None,
         device: torch.device | str | None = None,
         request_timeout: float = 600.0,
         flush_cache: bool = True,
@@ -80,7 +92,10 @@ class IPCTransport(StagedTransport):
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {request_timeout}")
+        if direct_bucket_bytes is not None and direct_bucket_bytes <= 0:
+            raise ValueError(f"direct_bucket_bytes must be positive, got {direct_bucket_bytes}")
         self.bucket_bytes = int(bucket_bytes)
+        self.direct_bucket_bytes = direct_bucket_bytes
         self.device = torch.device(device) if device is not None else None
         self.request_timeout = float(request_timeout)
         self.flush_cache = flush_cache
@@ -97,13 +112,37 @@ class IPCTransport(StagedTransport):
         """The bucket plan of the registered version (empty when nothing is registered)."""
         return tuple(self._plans)
 
+    @property
+    def direct_buckets(self) -> int:
+        """How many buckets of the registered version travel as is (no copy, no buffer)."""
+        dev = self._pack_device
+        if dev is None:
+            return 0
+        return sum(
+            1
+            for p in self._plans
+            if direct_view(self._items, p, device=dev, shared=True) is not None
+        )
+
     # ------------------------------------------------------------------ register
     def _stage(
         self, items: list[tuple[str, torch.Tensor]], version: int
     ) -> tuple[Sequence[int], Sequence[str]]:
         self._unstage()
         device = check_tensors(items, device=self.device)
-        plans = plan_buckets(items, self.bucket_bytes)
+        shared_cpu = device.type == "cpu"
+
+        def sendable(t: torch.Tensor) -> bool:
+            # what BucketStream can hand over as is: on the pack device, and on CPU already in
+            # shared memory (the payload names the shared file)
+            return t.device == device and (not shared_cpu or bool(cast(Any, t).is_shared()))
+
+        plans = plan_buckets(
+            items,
+            self.bucket_bytes,
+            direct_bucket_bytes=self.direct_bucket_bytes or _UNLIMITED,
+            sendable=sendable,
+        )
         self._items = [(n, t.detach()) for n, t in items]
         self._plans, self._pack_device = plans, device
         if self._pool is not None and self._pool.device != device:

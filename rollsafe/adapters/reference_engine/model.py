@@ -35,6 +35,7 @@ import torch
 from rollsafe.adapters.reference_engine.errors import EngineUnavailable, WeightUpdateError
 from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.transports.bucket import dtype_name
+from rollsafe.transports.pipeline import copy_pairs
 
 __all__ = ["LM_HEAD", "ParamSpec", "ShardedCausalLM", "load_config", "model_class"]
 
@@ -100,10 +101,18 @@ class ShardedCausalLM:
         self.world_size = world_size
         self.device = torch.device(device)
         self.dtype = dtype or _config_dtype(config)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)  # identical dummy weights on every rank
-            auto: Any = AutoModelForCausalLM
-            full = auto.from_config(config)
+        auto: Any = AutoModelForCausalLM
+        if self.device.type == "cuda":
+            # build (and randomly initialize) on the GPU in the serving dtype: on the host an
+            # 8 GB model's fp32 init alone takes minutes; seeded per device, so every rank of
+            # the engine (all on cuda) gets identical dummy weights
+            with torch.random.fork_rng(devices=[self.device]), torch.device(self.device):
+                torch.manual_seed(seed)
+                full = auto.from_config(config, dtype=self.dtype)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)  # identical dummy weights on every rank
+                full = auto.from_config(config)
         full = full.to(dtype=self.dtype, device=self.device).eval()
         full.requires_grad_(False)
         self.backbone: torch.nn.Module = full.model
@@ -200,11 +209,11 @@ class ShardedCausalLM:
         names = sorted(self._staged)
         try:
             with torch.no_grad():
-                for name, t in self._staged.items():
-                    if name == LM_HEAD:
-                        self.lm_head_shard.copy_(t)
-                    else:
-                        self._params[name].copy_(t)
+                pairs = [
+                    (self.lm_head_shard if name == LM_HEAD else self._params[name].data, t)
+                    for name, t in self._staged.items()
+                ]
+                copy_pairs(pairs)
                 if self.tied and "model.embed_tokens.weight" in self._staged:
                     emb = self._params["model.embed_tokens.weight"]
                     self.lm_head_shard.copy_(emb[self.row_start : self.row_end])

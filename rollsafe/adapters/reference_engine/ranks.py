@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.connection as mpc
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +53,16 @@ from rollsafe.adapters.reference_engine.weights import (
 __all__ = ["RankOptions", "RankRuntime", "RankSet", "child_main", "rank_devices"]
 
 RANK_BACKENDS = ("gloo", "nccl")
+#: ``ROLLSAFE_ENGINE_PROFILE=1``: every rank operation prints ``rollsafe-profile op=... rank=...
+#: ms=...`` (and the weight-update ops their parts) on stderr -- where an update's time goes.
+PROFILE = os.environ.get("ROLLSAFE_ENGINE_PROFILE") == "1"
+
+
+def profile_line(what: str, rank: int, seconds: float) -> None:
+    """One ``rollsafe-profile`` line on stderr (only with ``ROLLSAFE_ENGINE_PROFILE=1``)."""
+    if PROFILE:
+        print(f"rollsafe-profile op={what} rank={rank} ms={seconds * 1e3:.3f}", file=sys.stderr,
+              flush=True)  # fmt: skip
 
 
 def rank_devices(opts: RankOptions) -> list[str]:
@@ -140,7 +151,13 @@ class RankRuntime:
             # the current device is per thread: rank 0 loads on a start-up thread and serves
             # on the engine's driver thread
             torch.cuda.set_device(self.device)
-        return fn(**args)
+        if not PROFILE:
+            return fn(**args)
+        t0 = time.perf_counter()
+        try:
+            return fn(**args)
+        finally:
+            profile_line(op, self.rank, time.perf_counter() - t0)
 
     def _sync(self) -> None:
         """Wait for this rank's queued GPU work (copies out of buffers a sender will reuse)."""
@@ -180,7 +197,9 @@ class RankRuntime:
     def op_stage_tensor(self, entry: Any) -> None:
         # views of the sender's shared memory / CUDA IPC buffers: the sender keeps them
         # unchanged until this request is answered, and commit runs before the answer
+        t0 = time.perf_counter()
         named = decode_tensor_entry(entry, rank=self.rank, mappings=self.shm_mappings)
+        profile_line("stage_tensor.decode", self.rank, time.perf_counter() - t0)
         self.model.stage(named, where=f"serialized_named_tensors[{self.rank}]")
 
     def op_stage_distributed(self, group_name: str, meta: UpdateMeta, flattened: bool) -> None:
@@ -204,8 +223,12 @@ class RankRuntime:
         self._sync()
 
     def op_commit(self) -> list[str]:
+        t0 = time.perf_counter()
         names = self.model.commit()
+        t1 = time.perf_counter()
         self._sync()
+        profile_line("commit.copy_launch", self.rank, t1 - t0)
+        profile_line("commit.sync", self.rank, time.perf_counter() - t1)
         return names
 
     def op_discard(self) -> None:
