@@ -9,6 +9,10 @@ the engine's rank 0 ``CRASH_DELAY_S`` (1 s, as the demo) into its rollout phase.
 * **immediate** (``enable_immediate_recovery=True``): the health manager fails the group, the
   recovery restarts it from the ready export of the current version, ``restarted`` -> ``active``.
   Latency: SIGKILL -> the group's ``active`` transition.
+* **immediate, warm standby** (the same, with ``FleetConfig.warm_standby=True``): the restart
+  is handed to the group's idle, already-imported standby engine process instead of a fresh
+  interpreter. Before each crash the bench waits until the standby finished its imports (a
+  standby still importing would be used too, with less gain); the wait is recorded.
 * **deferred** (``enable_immediate_recovery=False``, no targeted push): the group restarts on
   dummy weights into ``pending_weights`` and becomes ``active`` when the next sync (after the
   rollout phase and the train step) pushes the new version. Latency: SIGKILL -> ``active``.
@@ -20,9 +24,11 @@ included). It is broken down by the :class:`~rollsafe.fleet.recovery.RecoveryRes
 restart step's part outside the engine (teardown, process spawn and interpreter start before
 ``main()``, ready-line pump, first health check) is reported on its own, with a bare
 ``python -c 'import rollsafe.adapters.reference_engine.__main__'`` as the reference for the
-spawn part. Figures are medians of ``--repeats`` crashes per mode. The step time at which
-immediate is 5x shorter is computed from the measured parts and, with ``--validate``, checked
-with one deferred run at that step time. Prints a table and writes
+spawn part. With a warm standby there is no spawn, so its rollsafe overhead is crash ->
+``active`` minus detection minus the engine's start (counted from the handoff) and nothing else
+(``overhead.standby``). Figures are medians of ``--repeats`` crashes per mode. The step time
+at which immediate is 5x shorter is computed from the measured parts and, with ``--validate``,
+checked with one deferred run at that step time. Prints a table and writes
 ``benchmarks/results/recovery_cpu.json``.
 
     .venv/bin/python benchmarks/bench_recovery.py [--repeats 3] [--rollout-s 8] [--validate]
@@ -72,7 +78,9 @@ def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
 
-def _config(model_dir: Path, work: Path, immediate: bool, budget: int) -> FleetConfig:
+def _config(
+    model_dir: Path, work: Path, immediate: bool, budget: int, warm_standby: bool = False
+) -> FleetConfig:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     return FleetConfig(
         model_path=model_dir,
@@ -87,6 +95,7 @@ def _config(model_dir: Path, work: Path, immediate: bool, budget: int) -> FleetC
         engine_options={"log_dir": str(work / "logs")},
         wait_for_routable_s=2.0,
         request_timeout_s=20.0,
+        warm_standby=warm_standby,
     )
 
 
@@ -134,16 +143,25 @@ def _crash(fleet: RolloutFleet, gid: str, step_t0: float) -> float:
     return at
 
 
-def run_immediate(model_dir: Path, work: Path, repeats: int) -> list[dict[str, Any]]:
+def run_immediate(
+    model_dir: Path, work: Path, repeats: int, warm_standby: bool = False
+) -> list[dict[str, Any]]:
     trainer = Trainer(model_dir, seed=0)
     out: list[dict[str, Any]] = []
-    with RolloutFleet(_config(model_dir, work / "imm", True, repeats + 2)) as fleet:
+    tag = "imm-standby" if warm_standby else "imm"
+    with RolloutFleet(_config(model_dir, work / tag, True, repeats + 2, warm_standby)) as fleet:
         gid = fleet.group_ids[0]
         assert fleet.exporter is not None
         for i in range(repeats):
             version = i + 1
             _sync(fleet, trainer, version)  # the step before: v{version} and its export
             fleet.exporter.wait_hf_export(version, timeout=WAIT_S)
+            standby_wait_s = None
+            if warm_standby:
+                t = time.monotonic()
+                if not fleet.launcher(gid).wait_standby(WAIT_S):
+                    raise TimeoutError(f"{gid}: no warm standby ready after {WAIT_S}s")
+                standby_wait_s = time.monotonic() - t
             time.sleep(0.5)  # let the export's lifecycle settle
             step_t0 = time.monotonic()  # rollout phase of the measured step begins
             crash_at = _crash(fleet, gid, step_t0)
@@ -158,10 +176,15 @@ def run_immediate(model_dir: Path, work: Path, repeats: int) -> list[dict[str, A
             fleet.wait_recoveries(WAIT_S)
             rows = _group_rows(fleet, gid, crash_at)
             rec = next(r for r in fleet.recoveries() if r.failed_at >= crash_at)
-            info = fleet.launcher(gid).ready_info
+            launcher = fleet.launcher(gid)
+            info = launcher.ready_info
             want, got = trainer.checksum(), fleet.checksums().get(gid)
             out.append(
                 {
+                    "warm_standby": warm_standby,
+                    "from_standby": launcher.last_start_from_standby,
+                    "standby_wait_s": standby_wait_s,
+                    "standby_stats": launcher.standby_stats,
                     "crash_at": crash_at,
                     "active_at": active_at,
                     "fail_at": _first(rows, event="fail"),
@@ -174,8 +197,9 @@ def run_immediate(model_dir: Path, work: Path, repeats: int) -> list[dict[str, A
                 }
             )
             print(
-                f"  immediate #{i + 1}: {active_at - crash_at:.3f}s"
-                f" ({rec.strategy}, {rec.status}, weights match {want == got})"
+                f"  immediate{' (warm standby)' if warm_standby else ''} #{i + 1}:"
+                f" {active_at - crash_at:.3f}s ({rec.strategy}, {rec.status},"
+                f" from standby {launcher.last_start_from_standby}, weights match {want == got})"
             )
     return out
 
@@ -297,17 +321,22 @@ def main() -> int:
         print(f"spawn + engine module import (reference): {spawn_s:.3f}s")
         print("immediate recoveries:")
         imm = run_immediate(model_dir, work, args.repeats)
+        print("immediate recoveries with a warm standby:")
+        sby = run_immediate(model_dir, work, args.repeats, warm_standby=True)
         print("deferred recoveries:")
         dfr = run_deferred(model_dir, work, args.repeats, args.rollout_s, "dfr")
         imm_lat = [r["active_at"] - r["crash_at"] for r in imm]
         dfr_lat = [r["active_at"] - r["crash_at"] for r in dfr]
-        imm_med, dfr_med = _median(imm_lat), _median(dfr_lat)
+        sby_lat = [r["active_at"] - r["crash_at"] for r in sby]
+        imm_med, dfr_med, sby_med = _median(imm_lat), _median(dfr_lat), _median(sby_lat)
         ratio = dfr_med / imm_med
+        ratio_sby = dfr_med / sby_med
         # deferred(rollout_s) = (rollout_s - CRASH_DELAY_S) + train + sync (+ tail to active),
         # valid while the restart ends before the rollout phase does.
         tail = _median([d - (args.rollout_s - CRASH_DELAY_S) for d in dfr_lat])
         rollout_5x = TARGET_RATIO * imm_med + CRASH_DELAY_S - tail
         rollout_5x_rounded = float(math.ceil(rollout_5x))
+        rollout_5x_sby = TARGET_RATIO * sby_med + CRASH_DELAY_S - tail
         validation: dict[str, Any] | None = None
         if args.validate:
             print(f"deferred at the computed 5x step time ({rollout_5x_rounded:g}s rollout):")
@@ -325,11 +354,16 @@ def main() -> int:
             o["rollsafe_overhead_excl_spawn_s"] = o["rollsafe_overhead_s"] - spawn_s
         keys = list(ov[0])
         ov_med = {k: _median([o[k] for o in ov]) for k in keys}
+        ov_sby = [overhead(r) for r in sby]
+        for o in ov_sby:  # no interpreter was spawned: nothing to take off
+            o["rollsafe_overhead_excl_spawn_s"] = o["rollsafe_overhead_s"]
+        ov_sby_med = {k: _median([o[k] for o in ov_sby]) for k in keys}
         detection_bound = HEALTH.interval_s * HEALTH.failure_threshold + HEALTH.interval_s
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     overhead_ok = ov_med["rollsafe_overhead_excl_spawn_s"] < TARGET_OVERHEAD_S
+    overhead_sby_ok = ov_sby_med["rollsafe_overhead_s"] < TARGET_OVERHEAD_S
     result: dict[str, Any] = {
         "benchmark": "recovery_cpu",
         "model": "tiny llama (make_tiny_model), 1 group x 1 rank, reference engine, ipc",
@@ -343,6 +377,7 @@ def main() -> int:
             "repeats": args.repeats,
             "rollout_s": args.rollout_s,
             "crash_delay_s": CRASH_DELAY_S,
+            "warm_standby_waited_ready": True,
             "health": {
                 "interval_s": HEALTH.interval_s,
                 "timeout_s": HEALTH.timeout_s,
@@ -367,6 +402,13 @@ def main() -> int:
                 " rollout phase length on (the computed value; see validation)"
             ),
             "validation": validation,
+            "immediate_standby_s": [_r(x) for x in sby_lat],
+            "immediate_standby_median_s": _r(sby_med),
+            "ratio_standby": _r(ratio_sby, 2),
+            "within_target_standby": ratio_sby >= TARGET_RATIO,
+            "rollout_s_for_5x_standby": _r(rollout_5x_sby, 2),
+            "standby_used": [bool(r["from_standby"]) for r in sby],
+            "standby_wait_s": [_r(r["standby_wait_s"]) for r in sby],
         },
         "overhead": {
             "median_s": {k: _r(v) for k, v in ov_med.items()},
@@ -375,8 +417,13 @@ def main() -> int:
             "detection_bound_s": _r(detection_bound),
             "detection_within_bound": ov_med["detection_s"] <= detection_bound,
             "within_target": overhead_ok,
+            "standby": {
+                "median_s": {k: _r(v) for k, v in ov_sby_med.items()},
+                "per_run_s": [{k: _r(v) for k, v in o.items()} for o in ov_sby],
+                "within_target": overhead_sby_ok,
+            },
         },
-        "runs": {"immediate": imm, "deferred": dfr},
+        "runs": {"immediate": imm, "immediate_standby": sby, "deferred": dfr},
         "wall_s": round(time.monotonic() - t_wall, 1),
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
@@ -385,10 +432,14 @@ def main() -> int:
     print(f"\n{'figure':<58} {'median':>10}  target")
     rows = [
         ("immediate recovery, crash -> active (s)", imm_med, ""),
+        ("immediate recovery with a warm standby, crash -> active (s)", sby_med, ""),
         (f"deferred recovery, crash -> active, {args.rollout_s:g}s rollout (s)", dfr_med, ""),
         ("ratio deferred / immediate", ratio, f">= {TARGET_RATIO:g}x "
          f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}"),
         ("rollout phase at which 5x holds (s, computed)", rollout_5x, ""),
+        ("ratio deferred / immediate with a warm standby", ratio_sby, f">= {TARGET_RATIO:g}x "
+         f"{'met' if ratio_sby >= TARGET_RATIO else 'NOT met'}"),
+        ("rollout phase at which 5x holds with a warm standby (s)", rollout_5x_sby, ""),
     ]  # fmt: skip
     if validation is not None:
         rows.append(
@@ -413,6 +464,14 @@ def main() -> int:
         ("rollsafe overhead, also excluding spawn reference", ov_med[
             "rollsafe_overhead_excl_spawn_s"], f"< {TARGET_OVERHEAD_S * 1000:.0f} ms "
          f"{'met' if overhead_ok else 'NOT met'}"),
+    ]  # fmt: skip
+    rows += [
+        ("warm standby: engine start handoff -> ready", ov_sby_med["engine_start_s"], ""),
+        ("  restart step outside the engine (teardown, handoff, ready, health)",
+         ov_sby_med["restart_outside_engine_s"], ""),
+        ("warm standby: rollsafe overhead (total - detection - engine start)",
+         ov_sby_med["rollsafe_overhead_s"], f"< {TARGET_OVERHEAD_S * 1000:.0f} ms "
+         f"{'met' if overhead_sby_ok else 'NOT met'}"),
     ]  # fmt: skip
     for name, value, target in rows:
         print(f"{name:<58} {value:>10.3f}  {target}")

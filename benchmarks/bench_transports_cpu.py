@@ -49,6 +49,7 @@ from rollsafe.adapters.engines import SGLangClient  # noqa: E402
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import weights_checksum  # noqa: E402
 from rollsafe.transports import EngineTarget, IPCTransport, NCCLTransport  # noqa: E402
+from rollsafe.transports.pipeline import alloc_buffer, direct_view  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -241,6 +242,22 @@ def group_layouts(nbytes: int, repeats: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- transports
+def flat_copy(weights: dict[str, torch.Tensor], *, shared: bool) -> dict[str, torch.Tensor]:
+    """The same tensors back to back in one flat buffer (shared memory for ``ipc``), as a
+    Megatron-style trainer or :func:`rollsafe.transports.contiguous.flatten_parameters` keeps
+    them: the transports then send slices of it without packing."""
+    first = next(iter(weights.values()))
+    total = sum(t.numel() for t in weights.values())
+    raw = alloc_buffer(total * first.element_size(), torch.device("cpu"), shared=shared)
+    flat = raw[: total * first.element_size()].view(first.dtype)
+    out, pos = {}, 0
+    for name, t in weights.items():
+        out[name] = flat[pos : pos + t.numel()].view(t.shape)
+        out[name].copy_(t)
+        pos += t.numel()
+    return out
+
+
 def run_transport(
     kind: str,
     model_dir: Path,
@@ -251,6 +268,7 @@ def run_transport(
     engine_env: dict[str, str],
     engine_threads: int,
     whatif: bool = False,
+    layout: str = "separate",
 ) -> dict[str, Any]:
     extra = ["--load-format", "dummy", "--weight-group-timeout", "300"]
     if engine_threads:
@@ -274,8 +292,15 @@ def run_transport(
             tr = IPCTransport(1, bucket_bytes=bucket_bytes)
         else:
             tr = NCCLTransport(1, bucket_bytes=bucket_bytes, group_timeout=300)
-        tr.register(weights, 1)
+        src = weights if layout == "separate" else flat_copy(weights, shared=kind == "ipc")
+        tr.register(src, 1)
         buckets = len(tr.plans)
+        direct = sum(
+            1
+            for plan in tr.plans
+            if direct_view(list(src.items()), plan, device=torch.device("cpu"),
+                           shared=kind == "ipc") is not None
+        )  # fmt: skip
         times = []
         for i in range(repeats + 1):
             t0 = time.perf_counter()
@@ -294,8 +319,10 @@ def run_transport(
         return {
             "transport": kind,
             "engine": "zero-copy what-if" if whatif else "shipped",
+            "layout": layout,
             "bucket_mib": bucket_bytes // MiB,
             "buckets": buckets,
+            "direct_buckets": direct,
             "seconds": round(best, 4),
             "all_seconds": [round(t, 4) for t in times],
             "gb_s": round(nbytes / best / 1e9, 3),
@@ -320,9 +347,15 @@ def main() -> int:
     p.add_argument("--engine-threads", type=int, default=0)
     p.add_argument("--skip-groups", action="store_true")
     p.add_argument(
-        "--whatif",
+        "--flat",
         action=argparse.BooleanOptionalAction,
         default=True,
+        help="also run each best bucket size with the trainer's tensors in one flat buffer",
+    )
+    p.add_argument(
+        "--whatif",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="also run each best bucket size against the zero-copy what-if engine",
     )
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "transports_cpu.json"))
@@ -354,8 +387,16 @@ def main() -> int:
                     kind, model_dir, weights, want, mib * MiB, args.repeats, engine_env,
                     args.engine_threads,
                 ))  # fmt: skip
-            if args.whatif and mine:
+            if args.flat and mine:
                 best_mib = max(mine, key=lambda r: r["gb_s"])["bucket_mib"]
+                mine.append(run_transport(
+                    kind, model_dir, weights, want, best_mib * MiB, args.repeats, engine_env,
+                    args.engine_threads, layout="flat",
+                ))  # fmt: skip
+            if args.whatif and mine:
+                best_mib = max(
+                    (r for r in mine if r["layout"] == "separate"), key=lambda r: r["gb_s"]
+                )["bucket_mib"]
                 mine.append(run_transport(
                     kind, model_dir, weights, want, best_mib * MiB, args.repeats, engine_env,
                     args.engine_threads, whatif=True,
@@ -367,11 +408,12 @@ def main() -> int:
         groups = None if args.skip_groups else group_layouts(nbytes, args.repeats)
 
     print(f"\nbaselines: memcpy 1 thread {memcpy['gb_s']} GB/s; raw gloo {gloo['gb_s']} GB/s")
-    print(f"{'transport':<10}{'engine':<19}{'bucket MiB':>11}{'buckets':>9}{'seconds':>9}"
-          f"{'GB/s':>8}{'baseline':>10}{'ratio':>7}")  # fmt: skip
+    print(f"{'transport':<10}{'engine':<19}{'layout':<10}{'bucket MiB':>11}{'buckets':>9}"
+          f"{'seconds':>9}{'GB/s':>8}{'baseline':>10}{'ratio':>7}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['transport']:<10}{r['engine']:<19}{r['bucket_mib']:>11}{r['buckets']:>9}"
+            f"{r['transport']:<10}{r['engine']:<19}{r['layout']:<10}{r['bucket_mib']:>11}"
+            f"{r['buckets']:>9}"
             f"{r['seconds']:>9}{r['gb_s']:>8}{r['baseline']:>10}{r['ratio']:>7}"
         )
     if groups is not None:
@@ -402,6 +444,14 @@ def main() -> int:
         "results": rows,
         "groups": groups,
         "best_ratio": best,
+        "best_ratio_by_layout": {
+            k: {
+                lay: max((r["ratio"] for r in rows if r["transport"] == k
+                          and r["engine"] == "shipped" and r["layout"] == lay), default=None)
+                for lay in ("separate", "flat")
+            }
+            for k in ("ipc", "nccl")
+        },
         "targets": {"ipc_vs_memcpy": 0.6, "nccl_vs_gloo": 0.6},
     }
     out = Path(args.out)

@@ -67,14 +67,23 @@ def _transports_cpu(d: dict[str, Any]) -> list[Row]:
     best = d["best_ratio"]
     tg = d["targets"]
     base = d["baselines"]
-    return [
-        ("ipc (shared memory) vs single-thread memcpy, 1 GiB",
-         f"{best['ipc']:.2f}x of {base['memcpy_single_thread']['gb_s']} GB/s",
-         f">= {tg['ipc_vs_memcpy']}x", _verdict(best["ipc"] >= tg["ipc_vs_memcpy"])),
-        ("nccl (gloo) vs raw gloo broadcast, 1 GiB",
-         f"{best['nccl']:.2f}x of {base['gloo_broadcast_2proc']['gb_s']} GB/s",
-         f">= {tg['nccl_vs_gloo']}x", _verdict(best["nccl"] >= tg["nccl_vs_gloo"])),
-    ]  # fmt: skip
+    by_layout = d.get("best_ratio_by_layout") or {k: {"separate": v} for k, v in best.items()}
+    rows: list[Row] = []
+    for kind, what, base_key, tkey in (
+        ("ipc", "ipc (shared memory) vs single-thread memcpy", "memcpy_single_thread",
+         "ipc_vs_memcpy"),
+        ("nccl", "nccl (gloo) vs raw gloo broadcast", "gloo_broadcast_2proc", "nccl_vs_gloo"),
+    ):  # fmt: skip
+        for layout, ratio in by_layout[kind].items():
+            if ratio is None:
+                continue
+            where = "separate trainer tensors" if layout == "separate" else "one flat buffer"
+            rows.append(
+                (f"{what}, 1 GiB, {where}",
+                 f"{ratio:.2f}x of {base[base_key]['gb_s']} GB/s",
+                 f">= {tg[tkey]}x", _verdict(ratio >= tg[tkey])),
+            )  # fmt: skip
+    return rows
 
 
 def _control_plane(d: dict[str, Any]) -> list[Row]:
@@ -184,6 +193,40 @@ def _recovery(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _profile_ipc_gpu(d: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for r in d.get("run3_hybrid", []):
+        f = r["fresh"]
+        rows.append(
+            (f"H200 CUDA-IPC parts without engine/HTTP, 8 GB, {r['bucket_mib']}"
+             + (" MiB buckets" if isinstance(r["bucket_mib"], int) else ""),
+             f"round trip {f['round_trip_s'] * 1000:.1f} ms: open {f['open_s'] * 1000:.1f}, "
+             f"copy {f['copy_s'] * 1000:.1f}, close {f['close_s'] * 1000:.1f} ms "
+             f"(d2d {d['d2d_copy_s'] * 1000:.1f} ms)", "-", "-"),
+        )  # fmt: skip
+    return rows
+
+
+def _multi_gpu(d: dict[str, Any]) -> list[Row]:
+    s = d.get("summary", {})
+    gpus = len(d.get("phases", {}).get("env", {}).get("gpus", [])) or "?"
+    note = " (one-GPU rehearsal: gloo, not NCCL)" if d.get("args", {}).get("one_gpu") else ""
+    rows: list[Row] = []
+    if "nccl_ratio_vs_raw_shared" in s:
+        rows.append(
+            (f"{gpus} GPU nccl transport vs raw broadcast{note}",
+             f"{s['nccl_ratio_vs_raw_shared']:.2f}x ({s['nccl_gb_s_total']} GB/s)",
+             ">= 0.7x on 2+ GPUs", "-" if note else _verdict(s["nccl_within_70pct"])),
+        )  # fmt: skip
+    if "recovery_kill_to_active_s" in s:
+        rows.append(
+            (f"{gpus} GPU targeted recovery kill -> active ({s['recovery_strategy']}){note}",
+             f"{s['recovery_kill_to_active_s']:.1f} s; no request to the failed group: "
+             f"{s['recovery_no_request_to_failed_group']}", "-", "-"),
+        )  # fmt: skip
+    return rows
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -201,6 +244,8 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "recovery_cpu.json": _recovery,
     "gpu/transports_h200.json": _transports_gpu,
     "gpu/checkpoint_engine_h200.json": _checkpoint_engine_gpu,
+    "gpu/profile_ipc_h200.json": _profile_ipc_gpu,
+    "gpu/multi_gpu_h200_one_gpu_rehearsal.json": _multi_gpu,
 }
 
 

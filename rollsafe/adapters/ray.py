@@ -67,10 +67,11 @@ class EngineHost:
             self._launcher.start()
             return self._launcher.ready_info
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Graceful stop (SIGTERM, then SIGKILL after ``timeout``)."""
+    def stop(self, timeout: float = 10.0, *, keep_standby: bool = False) -> None:
+        """Graceful stop (SIGTERM, then SIGKILL after ``timeout``); ``keep_standby`` keeps a warm
+        standby for the restart that follows (see :meth:`EngineLauncher.stop`)."""
         with self._lock:
-            self._launcher.stop(timeout=timeout)
+            self._launcher.stop(timeout=timeout, keep_standby=keep_standby)
 
     def kill(self) -> None:
         """SIGKILL the whole engine group now."""

@@ -114,8 +114,10 @@ class RestartableEngine(Protocol):
     ``restart`` (called with keywords only) stops the group if it runs and starts it again,
     returning once it is ready;
     ``client`` is the (possibly new) client of the restarted group. An optional ``stop()`` is
-    used as the explicit shutdown step, and an optional ``weight_version=`` keyword of
-    ``restart`` is passed when the group loads a known version.
+    used as the explicit shutdown step (with ``keep_standby=True`` when it takes that keyword:
+    an :class:`~rollsafe.adapters.engines.EngineLauncher`'s warm standby must survive it to take
+    the restart), and an optional ``weight_version=`` keyword of ``restart`` is passed when the
+    group loads a known version.
     """
 
     def restart(
@@ -550,6 +552,8 @@ class RecoveryCoordinator:
             if callable(stop):
                 if _accepts(stop, "timeout"):
                     stop = functools.partial(stop, timeout=self.stop_timeout_s)
+                if _accepts(stop, "keep_standby"):  # the restart below hands off to it
+                    stop = functools.partial(stop, keep_standby=True)
                 self._run_step(run, "shutdown", deadline, stop)
             kwargs: dict[str, Any] = {"skip_load_weights": True}
             if _accepts(handle.restart, "stop_timeout"):

@@ -10,6 +10,22 @@ context exit, garbage collection and interpreter exit.
 ``restart()`` / ``reinit()`` follow the contract of XTuner's rollout workers: stop, then start
 again with an optional new ``model_path`` / ``tokenizer_path``; ``skip_load_weights=True``
 starts with ``--load-format dummy`` (random weights, to be replaced by a weight update).
+
+Warm standby (``EngineSpec.warm_standby``): importing torch and transformers is most of an
+engine's start, so the launcher keeps one idle engine process that already did it (``python -m
+MODULE --standby``, which prints ``ROLLSAFE_STANDBY {json}`` and waits on stdin). ``start()``
+(and so ``restart()`` / ``reinit()``) hands the engine arguments to it as one JSON line
+``{"argv": [...], "env": {...}}`` instead of spawning a fresh interpreter, then waits for the
+ready line and a health check exactly as for a fresh spawn; the standby's log becomes the
+engine's log and its pid the engine's pid. A standby is used while it is alive (one still
+importing takes the handoff once done, still ahead of a fresh spawn) and was started with the
+same interpreter, module and environment; otherwise, or if it dies before it took the
+handoff, the start falls back to a fresh spawn (logged, counted in
+:attr:`EngineLauncher.standby_stats`). After every successful start the next standby is spawned
+on a background thread (so it never competes with the start itself). The standby runs in its own
+session with its own parent-death watchdog and finalizer: ``stop()``, ``kill()``, context exit,
+garbage collection and interpreter exit kill it too; ``stop(keep_standby=True)`` (what recovery
+uses before a restart) keeps it.
 """
 
 from __future__ import annotations
@@ -17,8 +33,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -32,17 +50,25 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any
 
+import httpx
+
 from rollsafe.adapters.engines.client import Dialect
 from rollsafe.adapters.engines.errors import EngineStartError
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
 
 READY_PREFIX = "ROLLSAFE_READY "
+#: The line a warm standby prints once its imports are done (``--standby``).
+STANDBY_PREFIX = "ROLLSAFE_STANDBY "
+#: The flag that makes an engine module run as a warm standby.
+STANDBY_FLAG = "--standby"
 #: The module run with ``python -m`` unless the spec names another one.
 REFERENCE_ENGINE_MODULE = "rollsafe.adapters.reference_engine"
 _TAIL_LINES = 200
 
-__all__ = ["READY_PREFIX", "EngineLauncher", "EngineSpec", "EngineStartError"]
+__all__ = ["READY_PREFIX", "STANDBY_PREFIX", "EngineLauncher", "EngineSpec", "EngineStartError"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,6 +82,12 @@ class EngineSpec:
     (``kill -9``, a killed Ray actor), where no finalizer or atexit hook can run. ``python``
     defaults to the launching process's interpreter, resolved where the launcher runs (so a spec
     built on a Ray driver works on any node).
+
+    ``warm_standby`` keeps one idle, already-imported engine process next to the running one, so
+    a ``start()`` / ``restart()`` skips the interpreter start and the torch / transformers
+    imports (seconds on CPU). It needs an engine ``module`` that supports ``--standby`` (the
+    reference engine does); it costs one more process holding those imports (a few hundred MB
+    of host memory) and, after each start, the CPU of one import in the background.
     """
 
     model_path: str
@@ -78,6 +110,7 @@ class EngineSpec:
     client_timeout: float = 60.0
     reap_on_parent_death: bool = True
     unset_env: Sequence[str] = ()
+    warm_standby: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -93,8 +126,16 @@ class EngineSpec:
 
     def command(self) -> list[str]:
         """The argv that starts this engine group."""
+        return [self.interpreter(), "-m", self.module, *self.engine_args()]
+
+    def standby_command(self) -> list[str]:
+        """The argv of a warm standby for this spec (imports the model's classes ahead)."""
+        return [self.interpreter(), "-m", self.module, STANDBY_FLAG,
+                "--model-path", self.model_path]  # fmt: skip
+
+    def engine_args(self) -> list[str]:
+        """The engine's own arguments: :meth:`command` without interpreter and module."""
         cmd = [
-            self.interpreter(), "-m", self.module,
             "--model-path", self.model_path,
             "--load-format", self.load_format,
             "--host", self.host,
@@ -211,8 +252,23 @@ def _stop_watchdog(watchdog: subprocess.Popen[bytes] | None) -> None:
         watchdog.wait(timeout=2.0)
 
 
+@functools.lru_cache(maxsize=1)
+def _ssl_context() -> Any:
+    """httpx's default (verifying) SSL context, built once: building it loads the CA bundle,
+    tens of ms that every restart's new client would otherwise pay."""
+    return httpx.create_ssl_context()
+
+
+def _parse_line(line: str, prefix: str, required: str) -> dict[str, Any]:
+    info = json.loads(line[len(prefix) :])
+    if not isinstance(info, dict) or required not in info:
+        raise ValueError(f"{prefix.strip()} line lacks {required!r}")
+    return info
+
+
 class _OutputPump:
-    """Drains a child's stdout and stderr into a log file and a bounded tail, spotting READY."""
+    """Drains a child's stdout and stderr into a log file and a bounded tail, spotting READY
+    (and a warm standby's STANDBY line)."""
 
     def __init__(self, proc: subprocess.Popen[bytes], log_path: str) -> None:
         self.log_path = log_path
@@ -220,6 +276,8 @@ class _OutputPump:
         self.ready: dict[str, Any] | None = None
         self.ready_error: str | None = None
         self.ready_event = threading.Event()
+        self.standby: dict[str, Any] | None = None
+        self.standby_event = threading.Event()
         self._lock = threading.Lock()
         self._log: IO[str] = open(log_path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
         self._threads = [
@@ -237,13 +295,14 @@ class _OutputPump:
                 line = raw.decode("utf-8", errors="replace").rstrip("\n")
                 if name == "stdout" and line.startswith(READY_PREFIX) and self.ready is None:
                     try:
-                        info = json.loads(line[len(READY_PREFIX) :])
-                        if not isinstance(info, dict) or "url" not in info:
-                            raise ValueError("ready line lacks 'url'")
-                        self.ready = info
+                        self.ready = _parse_line(line, READY_PREFIX, "url")
                     except ValueError as exc:
                         self.ready_error = f"unparsable ready line {line[:500]!r}: {exc}"
                     self.ready_event.set()
+                elif name == "stdout" and line.startswith(STANDBY_PREFIX) and self.standby is None:
+                    with contextlib.suppress(ValueError):
+                        self.standby = _parse_line(line, STANDBY_PREFIX, "pid")
+                    self.standby_event.set()
                 with self._lock:
                     self.tail.append(f"[{name}] {line}"[:2000])
                     if not self._log.closed:
@@ -258,6 +317,19 @@ class _OutputPump:
     def text(self) -> str:
         with self._lock:
             return "\n".join(self.tail)
+
+    def note(self, text: str) -> None:
+        """Write a ``# ...`` line of the launcher's own into the log."""
+        with self._lock:
+            if not self._log.closed:
+                self._log.write(f"# {text}\n")
+                self._log.flush()
+
+    def wait_eof(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for both pipes to reach EOF (the last lines are in)."""
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float = 2.0) -> None:
         for t in self._threads:
@@ -284,9 +356,54 @@ def _reap(
         pass
 
 
+@dataclass
+class _Standby:
+    """One warm-standby process (idle until a handoff) and what it was started with."""
+
+    proc: subprocess.Popen[bytes]
+    pump: _OutputPump
+    watchdog: subprocess.Popen[bytes] | None
+    finalizer: weakref.finalize[Any, Any]
+    interpreter: str
+    module: str
+    env: dict[str, str]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def announced(self) -> bool:
+        return self.pump.standby is not None
+
+    def discard(self) -> None:
+        """SIGKILL its process group (it is idle: nothing to shut down) and reap it."""
+        self.finalizer.detach()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5.0)
+        _stop_watchdog(self.watchdog)
+        self.pump.close(timeout=1.0)
+
+
+class _StandbyLost(Exception):
+    """The standby an engine start was handed to died before it took the handoff."""
+
+
+def _standby_spawner(ref: weakref.ReferenceType[EngineLauncher]) -> None:
+    """Background thread body: spawn the launcher's next standby (weakly held: GC still works)."""
+    launcher = ref()
+    if launcher is not None:
+        try:
+            launcher._ensure_standby()
+        except Exception:  # never let a background spawn kill the thread noisily
+            log.exception("spawning a warm standby failed")
+
+
 # --------------------------------------------------------------------------- launcher
 class EngineLauncher:
-    """Start, watch, restart and tear down one engine group. Thread-safe."""
+    """Start, watch, restart and tear down one engine group (and its warm standby). Thread-safe."""
 
     _counter = itertools.count()
 
@@ -301,6 +418,12 @@ class EngineLauncher:
         self._finalizer: weakref.finalize[Any, EngineLauncher] | None = None
         self._log_dir = spec.log_dir or tempfile.mkdtemp(prefix="rollsafe-engine-")
         self._starts = 0
+        self._standby: _Standby | None = None
+        self._standby_wanted = False  # set by a successful start, cleared by stop() / kill()
+        self._standby_thread: threading.Thread | None = None
+        self._standby_stats = {"spawned": 0, "used": 0, "fallbacks": 0}
+        self._last_fallback: str | None = None
+        self._last_from_standby = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -338,6 +461,44 @@ class EngineLauncher:
     def log_path(self) -> str | None:
         return None if self._pump is None else self._pump.log_path
 
+    @property
+    def last_start_from_standby(self) -> bool:
+        """Whether the last successful start was handed to a warm standby (no fresh spawn)."""
+        return self._last_from_standby
+
+    @property
+    def standby_pid(self) -> int | None:
+        """The pid of the idle warm standby, if one is alive (ready or still importing)."""
+        sb = self._standby
+        return sb.proc.pid if sb is not None and sb.alive() else None
+
+    @property
+    def standby_ready(self) -> bool:
+        """True while an idle warm standby is alive and has finished its imports."""
+        sb = self._standby
+        return sb is not None and sb.alive() and sb.announced()
+
+    @property
+    def standby_stats(self) -> dict[str, Any]:
+        """Counters: standbys ``spawned``, starts that ``used`` one, ``fallbacks`` to a fresh
+        spawn while one was expected, and ``last_fallback`` (the reason, or None)."""
+        return {**self._standby_stats, "last_fallback": self._last_fallback}
+
+    def wait_standby(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for an idle standby to finish its imports; return whether."""
+        deadline = time.monotonic() + timeout
+        while not self.standby_ready:
+            sb = self._standby
+            if sb is not None and not sb.alive():
+                return False
+            if time.monotonic() >= deadline or not self._standby_wanted:
+                return False  # past the deadline, or no standby will come (not started)
+            if sb is not None:
+                sb.pump.standby_event.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            else:
+                time.sleep(0.02)
+        return True
+
     def output_tail(self) -> str:
         """The last lines of the engine's stdout/stderr (bounded)."""
         return "" if self._pump is None else self._pump.text()
@@ -347,15 +508,18 @@ class EngineLauncher:
 
     def __repr__(self) -> str:
         state = self._info.get("url", "running") if self._proc else "stopped"
-        return f"EngineLauncher({self._spec.dialect}, ranks={self._spec.ranks}, {state})"
+        standby = f", standby pid {self.standby_pid}" if self.standby_pid is not None else ""
+        return f"EngineLauncher({self._spec.dialect}, ranks={self._spec.ranks}, {state}{standby})"
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> EngineLauncher:
         """Start the group; return once it printed its ready line and passed a health check.
 
-        Raises :class:`EngineStartError` (with the output tail, exit code and command) if the
-        engine exits, prints a bad ready line or is not healthy within ``spec.ready_timeout``;
-        nothing is left running in that case.
+        With ``spec.warm_standby`` a ready standby takes the start (see the module docstring);
+        a fresh spawn is the fallback. Raises :class:`EngineStartError` (with the output tail,
+        exit code and command) if the engine exits, prints a bad ready line or is not healthy
+        within ``spec.ready_timeout``; nothing is left running in that case (an idle standby
+        the start did not use stays).
         """
         with self._lock:
             if self._proc is not None:
@@ -363,41 +527,181 @@ class EngineLauncher:
             spec = self._spec
             cmd = spec.command()
             self._starts += 1
-            log_path = os.path.join(
-                self._log_dir, f"engine-{os.getpid()}-{next(self._counter)}-{self._starts}.log"
+            standby = self._take_standby(spec)
+            from_standby = standby is not None and self._launch_from_standby(standby, spec, cmd)
+            if not from_standby:
+                self._launch_fresh(spec, cmd)
+            try:
+                try:
+                    self._wait_ready(self._require_proc(), cmd, from_standby=from_standby)
+                except _StandbyLost as exc:
+                    self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+                    self._fallback(str(exc))
+                    from_standby = False
+                    self._launch_fresh(spec, cmd)
+                    self._wait_ready(self._require_proc(), cmd)
+            except BaseException:
+                self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+                if self._standby_wanted:  # a retry of this start can still use a standby
+                    self._schedule_standby()
+                raise
+            self._last_from_standby = from_standby
+            if from_standby:
+                self._standby_stats["used"] += 1
+            if spec.warm_standby:
+                self._standby_wanted = True
+                self._schedule_standby()  # runs once this start released the lock
+            return self
+
+    def _new_log(self, kind: str, cmd: list[str]) -> str:
+        log_path = os.path.join(
+            self._log_dir, f"{kind}-{os.getpid()}-{next(self._counter)}-{self._starts}.log"
+        )
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(f"# {' '.join(cmd)}\n")
+        return log_path
+
+    def _launch_fresh(self, spec: EngineSpec, cmd: list[str]) -> None:
+        """Spawn a new interpreter running ``cmd``; sets the process, pump, watchdog, finalizer."""
+        log_path = self._new_log("engine", cmd)
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=spec.environment(),
+                start_new_session=True,
+                close_fds=True,
             )
-            with open(log_path, "a", encoding="utf-8") as f:
-                f.write(f"# {' '.join(cmd)}\n")
+        except OSError as exc:
+            raise EngineStartError(
+                f"cannot execute the engine command: {exc}",
+                command=cmd,
+                exit_code=None,
+                output_tail="",
+                log_path=log_path,
+            ) from exc
+        self._proc = proc
+        self._pump = _OutputPump(proc, log_path)
+        if spec.reap_on_parent_death:
+            self._watchdog = _start_watchdog(spec.interpreter(), proc.pid)
+        self._finalizer = weakref.finalize(self, _reap, proc, [], self._watchdog)
+
+    # ------------------------------------------------------------------ warm standby
+    def _fallback(self, reason: str) -> None:
+        self._standby_stats["fallbacks"] += 1
+        self._last_fallback = reason
+        log.info("engine start without its warm standby (fresh spawn): %s", reason)
+
+    def _take_standby(self, spec: EngineSpec) -> _Standby | None:
+        """The idle standby if it can take this start; else None (counted as a fallback)."""
+        sb, self._standby = self._standby, None
+        if sb is None:
+            if spec.warm_standby and self._standby_wanted:
+                self._fallback("no standby was spawned yet")
+            return None
+        reason = None
+        if not spec.warm_standby:
+            reason = "warm_standby is off"
+        elif not sb.alive():
+            reason = f"the standby (pid {sb.proc.pid}) exited with code {sb.proc.returncode}"
+        elif sb.interpreter != spec.interpreter() or sb.module != spec.module:
+            reason = "the interpreter or module changed since the standby was spawned"
+        elif sb.env != spec.environment():
+            changed = sorted(
+                k for k in set(sb.env) | set(spec.environment())
+                if sb.env.get(k) != spec.environment().get(k)
+            )  # fmt: skip
+            reason = f"the environment changed since the standby was spawned: {changed[:10]}"
+        if reason is not None:
+            sb.discard()
+            if spec.warm_standby:
+                self._fallback(reason)
+            return None
+        return sb
+
+    def _launch_from_standby(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> bool:
+        """Hand ``cmd``'s arguments to ``sb``; False (standby discarded) if it is gone."""
+        env = spec.environment()
+        delta = {k: v for k, v in env.items() if sb.env.get(k) != v}
+        line = json.dumps({"argv": spec.engine_args(), "env": delta}) + "\n"
+        sb.pump.note(f"handoff: {' '.join(cmd)}")
+        stdin = sb.proc.stdin
+        try:
+            assert stdin is not None
+            stdin.write(line.encode("utf-8"))
+            stdin.flush()
+            stdin.close()
+        except (OSError, ValueError) as exc:
+            sb.discard()
+            self._fallback(f"the standby (pid {sb.proc.pid}) could not take the handoff: {exc}")
+            return False
+        sb.finalizer.detach()
+        self._proc = sb.proc
+        self._pump = sb.pump
+        self._watchdog = sb.watchdog
+        self._finalizer = weakref.finalize(self, _reap, sb.proc, [], sb.watchdog)
+        return True
+
+    def _schedule_standby(self) -> None:
+        t = self._standby_thread
+        if t is not None and t.is_alive():
+            return
+        t = threading.Thread(
+            target=_standby_spawner, args=(weakref.ref(self),), daemon=True,
+            name="rollsafe-engine-standby-spawner",
+        )  # fmt: skip
+        self._standby_thread = t
+        t.start()
+
+    def _ensure_standby(self) -> None:
+        """Spawn a standby unless one is alive or none is wanted (on the spawner thread)."""
+        with self._lock:
+            spec = self._spec
+            if not (self._standby_wanted and spec.warm_standby):
+                return
+            sb = self._standby
+            if sb is not None:
+                if sb.alive():
+                    return
+                self._discard_standby()
+            cmd = spec.standby_command()
+            env = spec.environment()
+            log_path = self._new_log("standby", cmd)
             try:
                 proc = subprocess.Popen(
                     cmd,
-                    stdin=subprocess.DEVNULL,
+                    stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    env=spec.environment(),
+                    env=env,
                     start_new_session=True,
                     close_fds=True,
                 )
             except OSError as exc:
-                raise EngineStartError(
-                    f"cannot execute the engine command: {exc}",
-                    command=cmd,
-                    exit_code=None,
-                    output_tail="",
-                    log_path=log_path,
-                ) from exc
-            self._proc = proc
-            self._pump = _OutputPump(proc, log_path)
-            if spec.reap_on_parent_death:
-                self._watchdog = _start_watchdog(spec.interpreter(), proc.pid)
-            self._finalizer = weakref.finalize(self, _reap, proc, [], self._watchdog)
-            try:
-                self._wait_ready(proc, cmd)
-            except BaseException:
-                self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
-                raise
-            return self
+                log.warning("cannot spawn a warm standby (%s): %s", " ".join(cmd), exc)
+                return
+            watchdog = (
+                _start_watchdog(spec.interpreter(), proc.pid) if spec.reap_on_parent_death else None
+            )
+            self._standby = _Standby(
+                proc=proc,
+                pump=_OutputPump(proc, log_path),
+                watchdog=watchdog,
+                finalizer=weakref.finalize(self, _reap, proc, [], watchdog),
+                interpreter=spec.interpreter(),
+                module=spec.module,
+                env=env,
+            )
+            self._standby_stats["spawned"] += 1
 
+    def _discard_standby(self) -> None:
+        sb, self._standby = self._standby, None
+        if sb is not None:
+            sb.discard()
+
+    # ------------------------------------------------------------------ readiness
     def _fail(self, reason: str, cmd: list[str], proc: subprocess.Popen[bytes]) -> EngineStartError:
         exit_code = proc.poll()
         if exit_code is None:
@@ -414,16 +718,23 @@ class EngineLauncher:
             log_path=self._pump.log_path,
         )
 
-    def _wait_ready(self, proc: subprocess.Popen[bytes], cmd: list[str]) -> None:
+    def _wait_ready(
+        self, proc: subprocess.Popen[bytes], cmd: list[str], *, from_standby: bool = False
+    ) -> None:
         spec = self._spec
         pump = self._pump
         assert pump is not None
         deadline = time.monotonic() + spec.ready_timeout
         while not pump.ready_event.wait(0.05):
             if proc.poll() is not None:
-                # give the pump a moment to collect the last output lines
-                pump.ready_event.wait(0.2)
+                pump.wait_eof(0.2)  # collect the last output lines
                 if pump.ready is None:
+                    if from_standby and (pump.standby is None or proc.returncode < 0):
+                        # died before it took the handoff (or was killed): not the engine's fault
+                        raise _StandbyLost(
+                            f"the standby (pid {proc.pid}) exited with code {proc.returncode} "
+                            "before it took the handoff"
+                        )
                     raise self._fail(
                         f"engine exited with code {proc.returncode} before it was ready", cmd, proc
                     )
@@ -440,8 +751,9 @@ class EngineLauncher:
         self._finalizer = weakref.finalize(self, _reap, proc, rank_pids, self._watchdog)
         client_cls = VLLMClient if spec.dialect == "vllm" else SGLangClient
         self._client = client_cls(
-            str(info["url"]), api_key=spec.api_key, timeout=spec.client_timeout
-        )
+            str(info["url"]), api_key=spec.api_key, timeout=spec.client_timeout,
+            transport=httpx.HTTPTransport(verify=_ssl_context()),
+        )  # fmt: skip
         last = ""
         while True:
             if proc.poll() is not None:
@@ -473,15 +785,23 @@ class EngineLauncher:
             return False
         return all(pid_alive(p) for p in self.rank_pids)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the group, wait up to ``timeout`` seconds, then SIGKILL what is left."""
+    def stop(self, timeout: float = 10.0, *, keep_standby: bool = False) -> None:
+        """SIGTERM the group, wait up to ``timeout`` seconds, then SIGKILL what is left.
+
+        The warm standby is killed too unless ``keep_standby`` (a stop before a restart).
+        """
         with self._lock:
             self._teardown(sig_first=signal.SIGTERM, timeout=timeout)
+            if not keep_standby:
+                self._standby_wanted = False
+                self._discard_standby()
 
     def kill(self) -> None:
-        """SIGKILL the whole group at once (no graceful shutdown) and reap it."""
+        """SIGKILL the whole group and the warm standby at once (no graceful shutdown); reap."""
         with self._lock:
             self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+            self._standby_wanted = False
+            self._discard_standby()
 
     def kill_rank(self, rank: int) -> int:
         """SIGKILL one rank process (for chaos tests); return its pid. The server keeps running."""

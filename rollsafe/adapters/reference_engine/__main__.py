@@ -11,12 +11,28 @@ start with those modules already loaded; with CUDA (where forking is unsafe) the
 spawned first, before rank 0's own imports, so all ranks import at the same time. See
 :mod:`.bootstrap` for the rank protocol. The ready line carries ``startup_s``: seconds from
 ``main()`` to each start-up phase, and ``rank_start_method``.
+
+Warm standby (``--standby [--model-path DIR]``): the process imports everything ``main()``
+would (torch, transformers, tokenizers, aiohttp, every engine module, both dialects, and the
+model classes of ``--model-path`` if given; CUDA is never initialised), prints one line
+``ROLLSAFE_STANDBY {"pid": ..., "import_s": ..., ...}`` (flushed) and blocks reading ONE line
+from stdin, the handoff ``{"argv": [...], "env": {...}}``: ``argv`` are the normal engine
+arguments (no interpreter, no module), ``env`` variables set before ``main(argv)`` runs (ones
+read at import time, such as ``OMP_NUM_THREADS``, have already been read). EOF or an empty line
+exits 0; a malformed line exits 2 with the reason on stderr. From then on it is a normal start:
+the same ``ROLLSAFE_READY`` line, with ``startup_s`` counted from the handoff,
+``from_standby: true`` and ``standby: {"import_s", "idle_s"}``. The process stays
+single-threaded while it waits, so CPU ranks are still forked from it.
+
+Run as a program, the process exits through :func:`exit_fast` once ``main()`` returned: the
+interpreter teardown it skips costs a second or more with torch loaded, on every stop.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import importlib
 import ipaddress
@@ -24,10 +40,12 @@ import json
 import os
 import signal
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
-from rollsafe.adapters.reference_engine import READY_PREFIX
+from rollsafe.adapters.reference_engine import READY_PREFIX, STANDBY_PREFIX
 from rollsafe.adapters.reference_engine.bootstrap import (
     RankChild,
     RankOptions,
@@ -39,12 +57,36 @@ from rollsafe.adapters.reference_engine.paths import check_dir
 
 EXIT_USAGE = 2
 EXIT_START = 3
+STANDBY_FLAG = "--standby"
+
+_PACKAGE = "rollsafe.adapters.reference_engine"
+#: What start-up imports besides torch (``api`` modules are per dialect).
+_ENGINE_MODULES = ("aiohttp.web", "ranks", "engine", "faults", "server")
+
+
+@dataclass(frozen=True)
+class StandbyStart:
+    """How a start that came from a warm standby began (reported in the ready line)."""
+
+    handoff_at: float  # time.monotonic() when the handoff line was read
+    import_s: float  # the standby's imports
+    idle_s: float  # from the standby line to the handoff
+
+    def as_dict(self) -> dict[str, float]:
+        return {"import_s": round(self.import_s, 3), "idle_s": round(self.idle_s, 3)}
+
+
+class HandoffError(ValueError):
+    """A warm standby's handoff line is malformed (the standby exits with ``EXIT_USAGE``)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m rollsafe.adapters.reference_engine",
         description="rollsafe reference inference engine (SGLang / vLLM HTTP dialects)",
+        epilog="--standby [--model-path DIR] runs a warm standby instead: it imports everything, "
+        'prints ROLLSAFE_STANDBY {json} and starts with the arguments of one {"argv": [...], '
+        '"env": {...}} line read from stdin (see --standby --help)',
     )
     p.add_argument(
         "--model-path", required=True, help="HF model directory (config.json + safetensors)"
@@ -175,10 +217,9 @@ def preload(opts: RankOptions, dialect: str) -> None:
 
     if opts.device == "cuda" and not torch.cuda.is_available():  # before the slow imports
         raise StartupError("--device cuda but torch.cuda.is_available() is false")
-    package = "rollsafe.adapters.reference_engine"
     api = "sglang_api" if dialect == "sglang" else "vllm_api"
-    for name in ("aiohttp.web", "ranks", "engine", "faults", "server", api):
-        importlib.import_module(name if "." in name else f"{package}.{name}")
+    for name in (*_ENGINE_MODULES, api):
+        importlib.import_module(name if "." in name else f"{_PACKAGE}.{name}")
     from rollsafe.adapters.reference_engine.model import load_config, model_class
 
     with contextlib.suppress(Exception):
@@ -210,6 +251,7 @@ async def serve(
     clock: StartupClock,
     codec: Any,
     start_method: str,
+    standby: StandbyStart | None = None,
 ) -> int:
     from aiohttp import web
 
@@ -275,6 +317,8 @@ async def serve(
         "tokenizer_path": str(codec.path) if codec.tokenizer is not None else None,
         "rank_start_method": start_method if opts.world_size > 1 else None,
         "startup_s": clock.phases,
+        "from_standby": standby is not None,
+        "standby": standby.as_dict() if standby is not None else None,
     }
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the ready line: a stop right after it
@@ -287,8 +331,16 @@ async def serve(
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    clock = StartupClock()
+def main(argv: list[str] | None = None, *, standby: StandbyStart | None = None) -> int:
+    """Run the engine (``argv`` as on the command line); ``--standby`` runs a warm standby.
+
+    ``standby`` is set when a warm standby hands off to this call (see the module docstring).
+    """
+    if standby is None:
+        raw = sys.argv[1:] if argv is None else argv
+        if STANDBY_FLAG in raw:
+            return standby_main(raw)
+    clock = StartupClock(standby.handoff_at if standby is not None else None)
     args = parse_args(argv)
     problem = check_args(args)
     if problem is not None:
@@ -313,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.world_size > 1 and method == "fork":
             children, method = start_ranks(opts, "fork")  # they inherit the imports
             clock.mark("ranks_started")
-        return asyncio.run(serve(args, opts, children, clock, codec, method))
+        return asyncio.run(serve(args, opts, children, clock, codec, method, standby))
     except Exception as exc:
         for child in children:
             with contextlib.suppress(Exception):
@@ -326,5 +378,124 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_START
 
 
+# --------------------------------------------------------------------------- warm standby
+def parse_standby_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m rollsafe.adapters.reference_engine --standby",
+        description="warm standby: import everything, print ROLLSAFE_STANDBY {json}, then read "
+        'one handoff line {"argv": [...], "env": {...}} from stdin and start the engine with it',
+    )
+    p.add_argument(STANDBY_FLAG, action="store_true", required=True)
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="also import the transformers classes of this model's architecture (any directory "
+        "with the same config.json architecture as the one handed off later)",
+    )
+    return p.parse_args(argv)
+
+
+def standby_imports(model_path: str | None = None) -> None:
+    """Import everything :func:`main` imports lazily, for either dialect; never touch CUDA.
+
+    ``model_path`` (best effort) also imports its transformers modeling module.
+    """
+    import torch  # noqa: F401
+
+    for name in (*_ENGINE_MODULES, "sglang_api", "vllm_api", "codec", "model", "weights"):
+        importlib.import_module(name if "." in name else f"{_PACKAGE}.{name}")
+    importlib.import_module("tokenizers")
+    importlib.import_module("transformers.models.auto.modeling_auto")
+    if model_path:
+        from rollsafe.adapters.reference_engine.model import load_config, model_class
+
+        with contextlib.suppress(Exception):
+            model_class(load_config(model_path))
+
+
+def parse_handoff(line: str) -> tuple[list[str], dict[str, str]]:
+    """The ``(argv, env)`` of a handoff line; :class:`HandoffError` naming what is wrong."""
+    try:
+        msg = json.loads(line)
+    except ValueError as exc:
+        raise HandoffError(f"not JSON ({exc}): {line[:200]!r}") from exc
+    if not isinstance(msg, dict):
+        raise HandoffError(f"expected a JSON object, got {type(msg).__name__}")
+    unknown = sorted(set(msg) - {"argv", "env"})
+    if unknown:
+        raise HandoffError(f"unknown keys {unknown}; expected 'argv' and optionally 'env'")
+    argv = msg.get("argv")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise HandoffError("'argv' must be a list of strings (the engine arguments)")
+    if STANDBY_FLAG in argv:
+        raise HandoffError(f"'argv' must not contain {STANDBY_FLAG}")
+    env = msg.get("env", {})
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise HandoffError("'env' must be an object of string values")
+    return argv, env
+
+
+def standby_main(argv: list[str]) -> int:
+    """Import, announce ``ROLLSAFE_STANDBY``, wait for the handoff line, then run :func:`main`."""
+    t0 = time.monotonic()
+    args = parse_standby_args(argv)
+    # as in main(): no OpenBLAS thread pool, so the process stays single-threaded (forkable)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    try:
+        standby_imports(args.model_path)
+    except Exception as exc:
+        print(
+            f"rollsafe engine: standby failed to import: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_START
+    import torch
+
+    announced = time.monotonic()
+    info = {
+        "pid": os.getpid(),
+        "import_s": round(announced - t0, 3),
+        "python": sys.executable,
+        "cuda_initialized": bool(cast(Any, torch.cuda).is_initialized()),
+    }
+    sys.stdout.write(f"{STANDBY_PREFIX} {json.dumps(info)}\n")
+    sys.stdout.flush()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # EOF or an empty line: released without a start
+    handoff_at = time.monotonic()
+    try:
+        engine_argv, env = parse_handoff(line)
+    except HandoffError as exc:
+        print(
+            f"rollsafe engine: error: bad standby handoff line: {exc}", file=sys.stderr, flush=True
+        )
+        return EXIT_USAGE
+    os.environ.update(env)
+    start = StandbyStart(
+        handoff_at=handoff_at, import_s=announced - t0, idle_s=handoff_at - announced
+    )
+    return main(engine_argv, standby=start)
+
+
+def exit_fast(code: int) -> NoReturn:
+    """Exit with ``code`` after the ``atexit`` hooks, skipping the interpreter's teardown.
+
+    With torch and transformers loaded, tearing the interpreter down takes a second or more of
+    CPU after ``main()`` returned (module and object deallocation, nothing the engine needs):
+    every graceful stop and restart would wait for it. The engine's own clean-up has run by
+    then (server closed, ranks shut down); atexit hooks (logging, multiprocessing, weakref
+    finalizers) still run and stdio is flushed.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_fast(main())

@@ -90,8 +90,8 @@ class RankOptions:
 class StartupClock:
     """Seconds since start-up began, per named phase (reported in the ready line)."""
 
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
+    def __init__(self, t0: float | None = None) -> None:
+        self.t0 = time.monotonic() if t0 is None else t0
         self.phases: dict[str, float] = {}
 
     def mark(self, phase: str) -> None:

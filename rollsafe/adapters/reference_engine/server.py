@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from rollsafe.adapters.reference_engine.engine import (
 )
 from rollsafe.adapters.reference_engine.errors import BadRequest, EngineError
 from rollsafe.adapters.reference_engine.faults import FaultInjector
+from rollsafe.adapters.reference_engine.ranks import PROFILE, profile_line
 
 __all__ = [
     "ServerContext",
@@ -204,6 +206,16 @@ async def run_generate(
 
 # ---- middlewares ---------------------------------------------------------------------------
 @web.middleware
+async def profile_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """``ROLLSAFE_ENGINE_PROFILE=1``: one ``rollsafe-profile op=http/<path>`` line per request."""
+    t0 = time.perf_counter()
+    try:
+        return await handler(request)
+    finally:
+        profile_line(f"http{request.path}", 0, time.perf_counter() - t0)
+
+
+@web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
@@ -298,7 +310,12 @@ def build_app(
     """The aiohttp application for ``ctx.dialect`` (``"sglang"`` or ``"vllm"``)."""
     app = web.Application(
         client_max_size=max_body_bytes,
-        middlewares=[faults.middleware, error_middleware, auth_middleware(api_key)],
+        middlewares=[
+            *([profile_middleware] if PROFILE else []),
+            faults.middleware,
+            error_middleware,
+            auth_middleware(api_key),
+        ],
     )
     app[CTX_KEY] = ctx
     app[MAX_BODY_KEY] = max_body_bytes

@@ -10,14 +10,12 @@ Owns request/response shapes of ``/generate``, ``/health_generate``, the weight 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from aiohttp import web
 
 from rollsafe.adapters.reference_engine.engine import GenerationResult, SamplingParams
 from rollsafe.adapters.reference_engine.errors import BadRequest, EngineUnavailable
-from rollsafe.adapters.reference_engine.ranks import profile_line
 from rollsafe.adapters.reference_engine.server import (
     ServerContext,
     await_future,
@@ -158,14 +156,6 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
-    t0 = time.perf_counter()
-    try:
-        return await _update_weights_from_tensor(request)
-    finally:
-        profile_line("http.update_weights_from_tensor", 0, time.perf_counter() - t0)
-
-
-async def _update_weights_from_tensor(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     body = await read_json(
         request,

@@ -1,0 +1,294 @@
+"""Warm standby: ``EngineSpec.warm_standby`` and the reference engine's ``--standby`` mode.
+
+Real processes throughout: a launcher keeps an idle, already-imported engine process that takes
+the next (re)start; its pid becomes the engine's pid. Every test checks nothing is left running.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("torch")
+
+from engine_helpers import tiny_model_dir, wait_for  # noqa: F401  (fixture)
+
+from rollsafe.adapters.engines import EngineLauncher, EngineSpec, pid_alive
+from rollsafe.fleet import FleetConfig, FleetConfigError, GroupSpec, HealthSettings, RolloutFleet
+
+STANDBY_WAIT_S = 120.0
+
+
+@pytest.fixture
+def launchers() -> Iterator[list[EngineLauncher]]:
+    """Collects launchers a test creates and kills whatever is still running afterwards."""
+    made: list[EngineLauncher] = []
+    yield made
+    for launcher in made:
+        launcher.kill()
+
+
+def all_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    return wait_for(lambda: not any(pid_alive(p) for p in pids), timeout)
+
+
+def proc_stat(pid: int) -> tuple[str, int]:
+    """The process state letter and its CPU ticks (user + system) from ``/proc``."""
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[11]) + int(fields[12])
+
+
+def is_idle(pid: int) -> bool:
+    """Sleeping and using no CPU over a short window (blocked reading its handoff line)."""
+    state, ticks = proc_stat(pid)
+    time.sleep(0.3)
+    later_state, later_ticks = proc_stat(pid)
+    return state == later_state == "S" and later_ticks == ticks
+
+
+def standby_launcher(model: Path, **kw: object) -> EngineLauncher:
+    return EngineLauncher(EngineSpec(model_path=str(model), warm_standby=True, **kw))  # type: ignore[arg-type]
+
+
+def test_restart_hands_off_to_the_idle_standby_and_a_new_one_follows(
+    tiny_model_dir: Path,  # noqa: F811
+    launchers: list[EngineLauncher],
+) -> None:
+    launcher = standby_launcher(tiny_model_dir)
+    launchers.append(launcher)
+    launcher.start()
+    assert not launcher.last_start_from_standby  # nothing to hand off to the first time
+    assert not launcher.ready_info["from_standby"]
+    assert launcher.wait_standby(STANDBY_WAIT_S)
+    standby = launcher.standby_pid
+    assert standby is not None and standby not in (launcher.pid, *launcher.rank_pids)
+    assert os.getsid(standby) == standby  # its own session, like an engine group
+    assert wait_for(lambda: is_idle(standby), 10.0)  # blocked reading its handoff line
+    old = [launcher.pid, *launcher.rank_pids]
+
+    launcher.restart(weight_version="7")
+    assert launcher.last_start_from_standby
+    assert launcher.pid == standby and launcher.rank_pids == [standby]
+    info = launcher.ready_info
+    assert info["from_standby"] and info["standby"]["import_s"] > 0
+    assert info["weight_version"] == "7"
+    assert all_gone(old)
+    out = launcher.client.generate(
+        input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4, "ignore_eos": True}
+    )
+    assert len(out.output_ids) == 4 and out.weight_version == "7"
+    log_text = Path(str(launcher.log_path)).read_text()
+    assert "ROLLSAFE_STANDBY" in log_text and "# handoff:" in log_text
+    assert "ROLLSAFE_READY" in log_text  # the standby's log became the engine's log
+
+    assert launcher.wait_standby(STANDBY_WAIT_S)  # the next standby, spawned after ready
+    second = launcher.standby_pid
+    assert second is not None and second != standby
+    assert launcher.standby_stats["used"] == 1 and launcher.standby_stats["fallbacks"] == 0
+    pids = [launcher.pid, *launcher.rank_pids, second]
+    launcher.stop()
+    assert not launcher.started and launcher.standby_pid is None
+    assert all_gone(pids)
+
+
+def test_dead_standby_falls_back_to_a_fresh_spawn_and_gc_reaps_everything(
+    tiny_model_dir: Path,  # noqa: F811
+    launchers: list[EngineLauncher],
+) -> None:
+    launcher = standby_launcher(tiny_model_dir)
+    launchers.append(launcher)
+    launcher.start()
+    deadline = time.monotonic() + 30.0  # no closure over ``launcher``: it is deleted below
+    while launcher.standby_pid is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    doomed = launcher.standby_pid
+    assert doomed is not None
+    os.kill(doomed, signal.SIGKILL)
+    assert all_gone([doomed])
+
+    launcher.restart()
+    assert not launcher.last_start_from_standby
+    assert launcher.pid != doomed and launcher.client.is_healthy()
+    stats = launcher.standby_stats
+    assert stats["fallbacks"] == 1 and "exited" in str(stats["last_fallback"])
+    assert launcher.wait_standby(STANDBY_WAIT_S)  # a fresh standby replaces the dead one
+
+    pids = [launcher.pid, *launcher.rank_pids, launcher.standby_pid]
+    launchers.remove(launcher)
+    del launcher
+    gc.collect()  # the finalizers kill the engine group and the standby
+    assert all_gone([p for p in pids if p is not None])
+
+
+def test_two_ranks_start_from_a_standby_by_fork(
+    tiny_model_dir: Path,  # noqa: F811
+    launchers: list[EngineLauncher],
+) -> None:
+    launcher = standby_launcher(tiny_model_dir, ranks=2, dialect="vllm")
+    launchers.append(launcher)
+    launcher.start()
+    assert launcher.wait_standby(STANDBY_WAIT_S)
+    standby = launcher.standby_pid
+    launcher.restart()
+    assert launcher.last_start_from_standby and launcher.pid == standby
+    info = launcher.ready_info
+    assert info["ranks"] == 2 and info["rank_start_method"] == "fork"
+    assert len(launcher.rank_pids) == 2 and launcher.rank_pids[0] == standby
+    out = launcher.client.generate(
+        input_ids=[5, 6], sampling_params={"max_new_tokens": 3, "ignore_eos": True}
+    )
+    assert len(out.output_ids) == 3
+    killed = launcher.kill_rank(1)  # the forked rank is a real member of the group
+    assert all_gone([killed])
+    assert wait_for(lambda: not launcher.client.is_healthy(timeout=1.0), 10.0)
+    pids = [*launcher.rank_pids, *([launcher.standby_pid] if launcher.standby_pid else [])]
+    launcher.kill()
+    assert launcher.standby_pid is None
+    assert all_gone(pids)
+
+
+def _standby_process(model: Path | None = None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "rollsafe.adapters.reference_engine", "--standby"]
+    if model is not None:
+        cmd += ["--model-path", str(model)]
+    return subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_standby_protocol_garbage_exits_2_and_eof_exits_0(tiny_model_dir: Path) -> None:  # noqa: F811
+    garbage, eof = _standby_process(tiny_model_dir), _standby_process()
+    try:
+        for proc in (garbage, eof):
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("ROLLSAFE_STANDBY "), line
+            info = json.loads(line.split(" ", 1)[1])
+            assert info["pid"] == proc.pid and info["cuda_initialized"] is False
+        out, err = garbage.communicate("this is not json\n", timeout=30)
+        assert garbage.returncode == 2
+        assert "bad standby handoff line" in err and "not JSON" in err
+        out, err = eof.communicate("", timeout=30)
+        assert eof.returncode == 0 and err == "" and out == ""
+    finally:
+        for proc in (garbage, eof):
+            proc.kill()
+            proc.wait()
+
+
+def test_handoff_lines_are_checked() -> None:
+    from rollsafe.adapters.reference_engine.__main__ import HandoffError, parse_handoff
+
+    assert parse_handoff('{"argv": ["--model-path", "/m"]}') == (["--model-path", "/m"], {})
+    assert parse_handoff('{"argv": [], "env": {"A": "1"}}') == ([], {"A": "1"})
+    for bad, why in [
+        ("[1, 2]", "JSON object"),
+        ('{"argv": "--model-path /m"}', "'argv'"),
+        ('{"argv": [], "env": {"A": 1}}', "'env'"),
+        ('{"argv": [], "extra": 1}', "unknown keys"),
+        ('{"argv": ["--standby"]}', "--standby"),
+    ]:
+        with pytest.raises(HandoffError, match=why):
+            parse_handoff(bad)
+
+
+def test_the_standby_dies_with_a_killed_parent(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    """A launcher process killed with SIGKILL cannot clean up; the watchdogs reap both."""
+    pid_file = tmp_path / "pids"
+    script = textwrap.dedent(
+        f"""
+        import time
+        from rollsafe.adapters.engines import EngineLauncher, EngineSpec
+        spec = EngineSpec(model_path={str(tiny_model_dir)!r}, warm_standby=True)
+        launcher = EngineLauncher(spec).start()
+        assert launcher.wait_standby({STANDBY_WAIT_S})
+        with open({str(pid_file)!r}, "w") as f:
+            f.write(" ".join(map(str, [launcher.pid, launcher.standby_pid])))
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        assert wait_for(lambda: pid_file.exists() and pid_file.read_text() != "", 180.0)
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    assert all_gone(pids, timeout=10.0)
+
+
+def test_fleet_config_plumbs_warm_standby(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    base = {"model_path": tiny_model_dir, "export_root": tmp_path / "exports"}
+    for kw, key in [
+        ({"warm_standby": "yes"}, "warm_standby"),
+        ({"groups": [GroupSpec(1, warm_standby=1)]}, "groups[0].warm_standby"),  # type: ignore[arg-type]
+        ({"engine_options": {"warm_standby": True}}, "engine_options.warm_standby"),
+    ]:
+        with pytest.raises(FleetConfigError) as info:
+            RolloutFleet(FleetConfig(**base, **kw))  # type: ignore[arg-type]
+        assert info.value.key == key
+
+    specs: dict[str, EngineSpec] = {}
+
+    def factory(gid: str, spec: EngineSpec) -> EngineLauncher:
+        specs[gid] = spec
+        if len(specs) == 2:
+            raise RuntimeError("not launching in this test")
+        return EngineLauncher(spec)  # never started: the next call raises first
+
+    groups = [GroupSpec(1), GroupSpec(1, warm_standby=False)]
+    fleet = RolloutFleet(
+        FleetConfig(**base, groups=groups, warm_standby=True, launcher_factory=factory)  # type: ignore[arg-type]
+    )
+    with pytest.raises(RuntimeError, match="not launching"):
+        fleet.start()
+    assert specs["g0"].warm_standby is True and specs["g1"].warm_standby is False
+
+
+def test_fleet_recovery_restarts_on_the_standby(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    from rollsafe.checksum import weights_checksum
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    cfg = FleetConfig(
+        model_path=tiny_model_dir,
+        export_root=tmp_path / "exports",
+        groups=[GroupSpec(1)],
+        health=HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2),
+        enable_immediate_recovery=True,
+        warm_standby=True,
+    )
+    with RolloutFleet(cfg) as fleet:
+        launcher = fleet.launcher("g0")
+        assert fleet.sync_weights(weights, 1).ok
+        assert fleet.exporter is not None
+        fleet.exporter.wait_hf_export(1, timeout=60)
+        assert launcher.wait_standby(STANDBY_WAIT_S)
+        standby = launcher.standby_pid
+        crashed = launcher.pid
+        launcher.kill_rank(0)
+        assert wait_for(lambda: bool(fleet.recoveries()), 120.0)
+        assert fleet.wait_recoveries(120.0)
+        result = fleet.recoveries()[0]
+        assert result.status == "active" and result.strategy == "immediate", result
+        assert launcher.last_start_from_standby and launcher.pid == standby != crashed
+        assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
+        assert fleet.generate([1, 2], sampling_params={"max_new_tokens": 2}).group_id == "g0"
+        assert launcher.wait_standby(STANDBY_WAIT_S)
+        pids = [launcher.pid, launcher.standby_pid]
+    assert all_gone([p for p in pids if p is not None])
