@@ -238,6 +238,31 @@ def per_call_overhead(
     }
 
 
+def plans_of(tr: IPCTransport) -> tuple[Any, ...]:
+    return tr.plans
+
+
+def profile_client(tr: IPCTransport, target: EngineTarget, device: torch.device) -> list[str]:
+    """cProfile of one more update on the trainer's side: the 25 costliest functions (own
+    time), as text lines ``ncalls tottime cumtime where``."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    sync(device)
+    prof.enable()
+    tr.update([target])
+    sync(device)
+    prof.disable()
+    st = pstats.Stats(prof)
+    stats: Any = st.stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]
+    return [
+        f"{cc} {tt * 1e3:.3f}ms {ct * 1e3:.3f}ms {Path(f).name}:{ln}({fn})"
+        for (f, ln, fn), (cc, _nc, tt, ct, _callers) in rows
+    ]
+
+
 def verify(client: SGLangClient, want: str, what: str) -> bool:
     got = client.weights_checksum(timeout=900)
     if got.model != want:
@@ -340,11 +365,14 @@ def main() -> int:
                     "peak_extra_gpu_bytes": extra_mem,
                     "peak_extra_buckets": round(extra_mem / (mib * MiB), 2),
                 })  # fmt: skip
+                if layout == "flat":
+                    rows[-1]["client_profile"] = profile_client(tr, target, device)
                 # the engine's own account of the last update (ROLLSAFE_ENGINE_PROFILE=1)
                 log = eng.stderr_path.read_text(errors="replace")[log_mark:]
                 prof = [ln.split(" ", 1)[1] for ln in log.splitlines() if "rollsafe-profile" in ln]
-                per_update = len(prof) // (args.repeats + 1) if prof else 0
-                rows[-1]["engine_profile_last_update"] = prof[-per_update:] if per_update else []
+                ends = [i for i, ln in enumerate(prof) if "http/update_weights_from_tensor" in ln]
+                start = ends[-(len(plans_of(tr)) + 1)] + 1 if len(ends) > len(plans_of(tr)) else 0
+                rows[-1]["engine_profile_last_update"] = prof[start:]
                 tr.close()
                 del src
                 print(f"ipc: {rows[-1]}")

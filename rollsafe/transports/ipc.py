@@ -106,6 +106,7 @@ class IPCTransport(StagedTransport):
         self._plans: list[BucketPlan] = []
         self._pack_device: torch.device | None = None
         self._stream: BucketStream | None = None
+        self._direct: list[torch.Tensor | None] = []
 
     @property
     def plans(self) -> tuple[BucketPlan, ...]:
@@ -115,14 +116,7 @@ class IPCTransport(StagedTransport):
     @property
     def direct_buckets(self) -> int:
         """How many buckets of the registered version travel as is (no copy, no buffer)."""
-        dev = self._pack_device
-        if dev is None:
-            return 0
-        return sum(
-            1
-            for p in self._plans
-            if direct_view(self._items, p, device=dev, shared=True) is not None
-        )
+        return sum(1 for d in self._direct if d is not None)
 
     # ------------------------------------------------------------------ register
     def _stage(
@@ -145,12 +139,15 @@ class IPCTransport(StagedTransport):
         )
         self._items = [(n, t.detach()) for n, t in items]
         self._plans, self._pack_device = plans, device
+        # the registered tensors are fixed objects: which plans travel as is cannot change
+        self._direct = [direct_view(self._items, p, device=device, shared=True) for p in plans]
         if self._pool is not None and self._pool.device != device:
             self._pool = None
         return range(self.registration.world_size), [n for n, _ in items]
 
     def _unstage(self) -> None:
         self._items, self._plans, self._pack_device = [], [], None
+        self._direct = []
 
     # ------------------------------------------------------------------ update
     def _before_push(self, targets: Sequence[EngineTarget]) -> None:
@@ -166,6 +163,7 @@ class IPCTransport(StagedTransport):
             consumers=[t.name for t in targets],
             slots=self.slots,
             pool=self._pool,
+            direct=self._direct,
         )
 
     def _push(self, target: EngineTarget) -> int:
@@ -177,7 +175,8 @@ class IPCTransport(StagedTransport):
             last = len(stream) - 1
             for i in range(len(stream)):
                 bucket = stream.get(target.name, i, timeout=self.request_timeout)
-                payloads = [serialize_bucket(bucket) for _ in range(target.tp_size)]
+                # metadata built by plan_buckets at register: no need to re-check it per call
+                payloads = [serialize_bucket(bucket, validate=False) for _ in range(target.tp_size)]
                 try:
                     target.client.update_weights_from_tensor(
                         payloads,

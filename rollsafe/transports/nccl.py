@@ -47,7 +47,13 @@ from rollsafe.adapters.reference_engine.collective import (
     open_weight_update_group,
 )
 from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
-from rollsafe.transports.pipeline import BucketPlan, BucketStream, check_tensors, plan_buckets
+from rollsafe.transports.pipeline import (
+    BucketPlan,
+    BucketStream,
+    check_tensors,
+    direct_view,
+    plan_buckets,
+)
 
 __all__ = ["DEFAULT_NCCL_BUCKET_BYTES", "NCCLTransport"]
 
@@ -117,6 +123,7 @@ class NCCLTransport(StagedTransport):
         self._items: list[tuple[str, torch.Tensor]] = []
         self._plans: list[BucketPlan] = []
         self._pack_device: torch.device | None = None
+        self._direct: list[torch.Tensor | None] = []
         self._stream: BucketStream | None = None
         self._ports: dict[str, int] = {}
         self._update_id = ""
@@ -151,10 +158,15 @@ class NCCLTransport(StagedTransport):
         self._items = [(n, t.detach()) for n, t in items]
         self._plans = plan_buckets(items, self.bucket_bytes)
         self._pack_device = device
+        # fixed registered objects: which plans are broadcast straight from their storage
+        self._direct = [
+            direct_view(self._items, p, device=device, shared=False) for p in self._plans
+        ]
         return range(self.registration.world_size), [n for n, _ in items]
 
     def _unstage(self) -> None:
         self._items, self._plans, self._pack_device = [], [], None
+        self._direct = []
 
     # ------------------------------------------------------------------ update
     def _before_push(self, targets: Sequence[EngineTarget]) -> None:
@@ -178,6 +190,7 @@ class NCCLTransport(StagedTransport):
             shared=False,
             consumers=[t.name for t in targets],
             slots=self.slots,
+            direct=self._direct,
         )
 
     def _push(self, target: EngineTarget) -> int:

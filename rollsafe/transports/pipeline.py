@@ -291,9 +291,18 @@ class BucketStream:
         consumers: Sequence[str],
         slots: int = 2,
         pool: BufferPool | None = None,
+        direct: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
         self._items = items
         self._plans = list(plans)
+        # which plans travel as is: computed once (at register, by the transport) when given
+        self._direct_views = (
+            list(direct)
+            if direct is not None
+            else [direct_view(items, p, device=device, shared=shared) for p in self._plans]
+        )
+        if len(self._direct_views) != len(self._plans):
+            raise ValueError("direct must hold one entry per plan")
         self._device = device
         self._shared = shared
         self._slots = max(1, slots)
@@ -306,7 +315,10 @@ class BucketStream:
         self._error: BaseException | None = None
         self._closed = False
         # buffers are sized for the largest bucket that is packed (tensors sent as is need none)
-        self._cap = max((p.nbytes for p in self._plans if self._direct(p) is None), default=0)
+        self._cap = max(
+            (p.nbytes for p, d in zip(self._plans, self._direct_views, strict=True) if d is None),
+            default=0,
+        )
         self._cuda_stream: Any = None
         if device.type == "cuda":
             cuda: Any = torch.cuda
@@ -398,16 +410,13 @@ class BucketStream:
                 self._error = exc
                 self._cv.notify_all()
 
-    def _direct(self, plan: BucketPlan) -> torch.Tensor | None:
-        return direct_view(self._items, plan, device=self._device, shared=self._shared)
-
     @property
     def direct_buckets(self) -> int:
         """How many of this update's buckets travel without a copy."""
-        return sum(1 for p in self._plans if self._direct(p) is not None)
+        return sum(1 for d in self._direct_views if d is not None)
 
     def _pack(self, i: int, plan: BucketPlan) -> FlatBucket:
-        direct = self._direct(plan)
+        direct = self._direct_views[i]
         if direct is not None:
             return FlatBucket(direct, plan.metas)
         buf = self._pool.get(i % self._slots, self._cap)
@@ -436,8 +445,11 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
     Runs of small (< 1 MiB) same-shape pairs that are all on one CUDA device with one dtype go
     through ``torch._foreach_copy_`` (a few multi-tensor kernel launches instead of one launch
-    per tensor: a Qwen3-4B update has ~400 tensors, a third of them tiny norms); everything
-    else (big tensors, CPU, host-to-device, shape-broadcasting copies) is copied pair by pair.
+    per tensor: a Qwen3-4B update has ~400 tensors, a third of them tiny norms); big tensors
+    get one plain ``copy_`` each (the launch is negligible next to the copy, and the plain copy
+    kernel reaches full bandwidth); host/device pairs are copied ``non_blocking``. The checks
+    are kept cheap: with hundreds of tensors the Python cost per pair is what bounds a
+    device-to-device update.
     """
     foreach: Any = getattr(torch, "_foreach_copy_", None)
     run_dst: list[torch.Tensor] = []
@@ -452,20 +464,20 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         run_src.clear()
 
     for dst, src in pairs:
-        fast = (
-            foreach is not None
-            and dst.numel() * dst.element_size() < _FOREACH_MAX_BYTES
-            and dst.device.type == "cuda"
-            and src.device == dst.device
-            and src.dtype == dst.dtype
-            and src.shape == dst.shape
-        )
-        if not fast:
+        if dst.device != src.device:
             flush()
-            dst.copy_(src, non_blocking=src.device.type != dst.device.type)
-            continue
-        if run_dst and (run_dst[0].device != dst.device or run_dst[0].dtype != dst.dtype):
-            flush()
-        run_dst.append(dst)
-        run_src.append(src)
+            dst.copy_(src, non_blocking=True)
+        elif (
+            foreach is None
+            or dst.nbytes >= _FOREACH_MAX_BYTES
+            or not dst.is_cuda
+            or src.dtype != dst.dtype
+            or src.shape != dst.shape
+        ):
+            dst.copy_(src)  # no ordering against a pending foreach run needed: disjoint
+        else:
+            if run_dst and run_dst[0].dtype != dst.dtype:
+                flush()
+            run_dst.append(dst)
+            run_src.append(src)
     flush()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.connection as mpc
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from rollsafe.adapters.reference_engine.errors import (
     WeightUpdateError,
 )
 from rollsafe.adapters.reference_engine.model import ShardedCausalLM, load_config
+from rollsafe.adapters.reference_engine.profiling import PROFILE, profile_line
 from rollsafe.adapters.reference_engine.weights import (
     ReceiveBuffers,
     SharedMappings,
@@ -53,16 +53,6 @@ from rollsafe.adapters.reference_engine.weights import (
 __all__ = ["RankOptions", "RankRuntime", "RankSet", "child_main", "rank_devices"]
 
 RANK_BACKENDS = ("gloo", "nccl")
-#: ``ROLLSAFE_ENGINE_PROFILE=1``: every rank operation prints ``rollsafe-profile op=... rank=...
-#: ms=...`` (and the weight-update ops their parts) on stderr -- where an update's time goes.
-PROFILE = os.environ.get("ROLLSAFE_ENGINE_PROFILE") == "1"
-
-
-def profile_line(what: str, rank: int, seconds: float) -> None:
-    """One ``rollsafe-profile`` line on stderr (only with ``ROLLSAFE_ENGINE_PROFILE=1``)."""
-    if PROFILE:
-        print(f"rollsafe-profile op={what} rank={rank} ms={seconds * 1e3:.3f}", file=sys.stderr,
-              flush=True)  # fmt: skip
 
 
 def rank_devices(opts: RankOptions) -> list[str]:

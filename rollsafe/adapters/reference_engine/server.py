@@ -29,7 +29,7 @@ from rollsafe.adapters.reference_engine.engine import (
 )
 from rollsafe.adapters.reference_engine.errors import BadRequest, EngineError
 from rollsafe.adapters.reference_engine.faults import FaultInjector
-from rollsafe.adapters.reference_engine.ranks import PROFILE, profile_line
+from rollsafe.adapters.reference_engine.profiling import PROFILE, profile_line
 
 __all__ = [
     "ServerContext",

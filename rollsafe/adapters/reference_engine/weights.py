@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from rollsafe.adapters.reference_engine.errors import Unsupported, WeightUpdateError
 from rollsafe.adapters.reference_engine.model import ParamSpec
 from rollsafe.adapters.reference_engine.paths import check_dir, show_path
+from rollsafe.adapters.reference_engine.profiling import profile_line
 from rollsafe.transports.bucket import BucketFormatError, FlatBucket, deserialize_payload
 
 __all__ = [
@@ -184,14 +186,19 @@ def decode_tensor_entry(
     The views alias the sender's memory, which the sender keeps unchanged until this request is
     answered. ``mappings`` keeps a flattened bucket's shared memory mapped for later calls.
     """
+    t0 = time.perf_counter()
     try:
         payload = deserialize_payload(entry)
     except BucketFormatError as exc:
         raise WeightUpdateError(f"serialized_named_tensors[{rank}]: {exc}") from exc
+    profile_line("decode.unpickle_open", rank, time.perf_counter() - t0)
     if isinstance(payload, FlatBucket):
         if mappings is not None:
             mappings.hold(payload.flat)
-        return payload.named_views()
+        t0 = time.perf_counter()
+        views = payload.named_views()
+        profile_line("decode.views", rank, time.perf_counter() - t0)
+        return views
     return payload
 
 
