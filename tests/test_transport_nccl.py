@@ -26,6 +26,7 @@ from transport_helpers import KillingClient, Trainer, assert_serves, target, tra
 
 from rollsafe.checksum import weights_checksum
 from rollsafe.transports import NCCLTransport, RegisterError, TransportError
+from rollsafe.transports.contiguous import flatten_parameters
 
 SMALL_BUCKET = 96 << 10
 TIMEOUT = 60.0
@@ -107,8 +108,110 @@ def test_engine_killed_during_broadcast_fails_only_its_target(
     assert elapsed < TIMEOUT / 2  # a dead peer is detected, not waited out
     assert tr.registration.state == "registered" and tr.registration.failed_targets == [1]
     assert_serves(one, trainer, 5)
-    assert no_groups_left(one)
+    assert list(tr.kept_groups) == ["one"]  # the failed target's group was torn down
+    tr.close_groups([target("one", one, (0,))])
+    assert no_groups_left(one) and tr.kept_groups == {}
     assert wait_for(lambda: transport_threads() == [], 10)
+
+
+def test_big_tensors_travel_unpacked_and_flat_buffers_as_slices(
+    one: EngineProcess,
+    two: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    trainer = Trainer(tiny_model_dir_b)
+    trainer.perturb(seed=11)
+    # tensors of >= 16 KiB go one broadcast each (no packing copy); the rest is packed
+    tr = NCCLTransport(3, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT,
+                       unpacked_min_bytes=16 << 10)  # fmt: skip
+    weights = trainer.weights()
+    tr.register(weights, 11)
+    unpacked = [p for p in tr.plans if p.unpacked]
+    packed = [p for p in tr.plans if not p.unpacked]
+    assert unpacked and packed
+    assert all(weights[n].numel() * weights[n].element_size() >= 16 << 10
+               for p in unpacked for n in p.names)  # fmt: skip
+    assert sorted(n for p in tr.plans for n in p.names) == sorted(weights)
+    report = tr.update([target("one", one, (0,)), target("two", two, (1, 2))])
+    assert report.ok, report.results
+    assert_serves(one, trainer, 11)
+    assert_serves(two, trainer, 11)
+
+    # the same weights back to back in one buffer: direct slices, nothing packed or unpacked
+    flatten_parameters(trainer.model)
+    trainer.perturb(seed=12)
+    tr.register(trainer.weights(), 12)
+    assert not any(p.unpacked for p in tr.plans)
+    assert tr._direct and all(d is not None for d in tr._direct)
+    assert tr.update([target("one", one, (0,)), target("two", two, (1, 2))]).ok
+    assert_serves(one, trainer, 12)
+    assert_serves(two, trainer, 12)
+    tr.close_groups([target("one", one, (0,)), target("two", two, (1, 2))])
+    assert no_groups_left(one) and no_groups_left(two) and transport_threads() == []
+
+
+def test_engine_killed_during_unpacked_broadcasts_fails_only_its_target(
+    engine_factory,  # noqa: F811
+    one: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    trainer = Trainer(tiny_model_dir_b)
+    trainer.perturb(seed=13)
+    doomed = engine_factory(tiny_model_dir, ranks=1)
+    tr = NCCLTransport(2, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT,
+                       unpacked_min_bytes=16 << 10)  # fmt: skip
+    tr.register(trainer.weights(), 13)
+    first_unpacked = next(i for i, p in enumerate(tr.plans) if p.unpacked)
+    assert any(p.unpacked for p in tr.plans[first_unpacked + 1 :])  # more follow
+    killer = KillingClient(  # killed 10 ms into the first call of unpacked broadcasts
+        target("d", doomed, (1,)).client, doomed, "update_weights_from_distributed",
+        n=first_unpacked + 1, delay=0.01,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    report = tr.update([target("one", one, (0,)), target("doomed", doomed, (1,), killer)])
+    assert killer.killed.is_set()
+    assert report.succeeded == ["one"] and report.failed == ["doomed"], report.results
+    assert time.monotonic() - t0 < TIMEOUT / 2
+    assert_serves(one, trainer, 13)
+    assert wait_for(lambda: transport_threads() == [], 10)
+
+
+def test_groups_are_kept_between_updates_and_re_formed_when_lost(
+    one: EngineProcess, trainer: Trainer
+) -> None:
+    tr = transport(1)
+    tr.register(trainer.weights(), 30)
+    assert tr.update([target("one", one, (0,))]).ok
+    kept = tr.kept_groups["one"]
+    trainer.perturb(seed=31)
+    tr.register(trainer.weights(), 31)
+    assert tr.update([target("one", one, (0,))]).ok
+    assert tr.kept_groups == {"one": kept}  # the same group served the second update
+    assert_serves(one, trainer, 31)
+    # the engine lost the group (as after a restart on the same address): the first bucket is
+    # refused, nothing was applied, and the transport re-forms the group once, transparently
+    r = one.post("/destroy_weights_update_group", {"group_name": kept})
+    assert r.status_code == 200, r.text
+    trainer.perturb(seed=32)
+    tr.register(trainer.weights(), 32)
+    report = tr.update([target("one", one, (0,))])
+    assert report.ok, report.results
+    assert tr.kept_groups["one"] != kept
+    assert_serves(one, trainer, 32)
+    tr.close_groups([target("one", one, (0,))])
+    assert no_groups_left(one)
+    tr.close()
+    assert wait_for(lambda: transport_threads() == [], 30)
+
+
+def test_per_update_groups_when_not_kept(one: EngineProcess, trainer: Trainer) -> None:
+    tr = NCCLTransport(1, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT, keep_groups=False)
+    trainer.perturb(seed=33)
+    tr.register(trainer.weights(), 33)
+    assert tr.update([target("one", one, (0,))]).ok
+    assert tr.kept_groups == {} and no_groups_left(one)
+    assert_serves(one, trainer, 33)
 
 
 def test_refused_bucket_is_reported_at_once(one: EngineProcess, trainer: Trainer) -> None:

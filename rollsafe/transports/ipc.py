@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 
 from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
-from rollsafe.transports.bucket import serialize_bucket
+from rollsafe.transports.bucket import FlatBucket, serialize_bucket
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -175,6 +175,7 @@ class IPCTransport(StagedTransport):
             last = len(stream) - 1
             for i in range(len(stream)):
                 bucket = stream.get(target.name, i, timeout=self.request_timeout)
+                assert isinstance(bucket, FlatBucket)  # ipc plans are never unpacked
                 # metadata built by plan_buckets at register: no need to re-check it per call
                 payloads = [serialize_bucket(bucket, validate=False) for _ in range(target.tp_size)]
                 try:

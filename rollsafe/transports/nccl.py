@@ -8,10 +8,12 @@ down after it. Per target, in its own thread:
 1. ``/init_weights_update_group`` is sent while the trainer joins the group
    (:func:`rollsafe.adapters.reference_engine.collective.open_weight_update_group`, rank 0,
    store master); both must finish within ``group_timeout``;
-2. for every bucket, ``/update_weights_from_distributed`` (``load_format="flattened_bucket"``,
-   one flat buffer of one dtype per call) is sent while the trainer broadcasts the bucket (the
-   engine's HTTP call blocks until it received it); version and cache flush travel with the last
-   bucket only;
+2. for every bucket, ``/update_weights_from_distributed`` is sent while the trainer broadcasts
+   the bucket (the engine's HTTP call blocks until it received it): small tensors packed into
+   one flat buffer of one dtype (``load_format="flattened_bucket"``), tensors back to back in
+   one storage as one slice of it (same format, no copy), and big contiguous tensors one
+   broadcast each (``load_format`` unset, no copy: ``unpacked_min_bytes``); version and cache
+   flush travel with the last bucket only;
 3. ``/destroy_weights_update_group``, and the trainer's side of the group is closed.
 
 Why one group per target: a broadcast in a group with a dead member fails for every member, so
@@ -50,9 +52,11 @@ from rollsafe.transports.base import EngineTarget, StagedTransport, TransportErr
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
+    TensorList,
     check_tensors,
     direct_view,
     plan_buckets,
+    split_unpacked,
 )
 
 __all__ = ["DEFAULT_NCCL_BUCKET_BYTES", "NCCLTransport"]
@@ -61,6 +65,11 @@ log = logging.getLogger("rollsafe.transports.nccl")
 
 #: Default bucket size for broadcasts.
 DEFAULT_NCCL_BUCKET_BYTES = 128 << 20
+#: Per backend: contiguous tensors of at least this size are broadcast one by one, without
+#: packing. A gloo broadcast costs a few milliseconds on its own (measured on 2 CPU cores:
+#: 16 MiB messages reach 2.0 GB/s, 64 MiB ones 3.2 GB/s), more than packing such a tensor, so
+#: only very big tensors skip packing there; an NCCL broadcast costs tens of microseconds.
+DEFAULT_UNPACKED_MIN_BYTES: dict[str, int] = {"gloo": 64 << 20, "nccl": 1 << 20}
 #: Seconds added to ``group_timeout`` for the HTTP calls that wrap a collective.
 HTTP_MARGIN_S = 30.0
 #: Seconds the engine gets to leave a group after an update (best effort).
@@ -82,6 +91,12 @@ class NCCLTransport(StagedTransport):
     ``"gloo"``/``"nccl"``, None = nccl when the tensors are on CUDA, else gloo.
     ``bucket_bytes``: bucket size. ``group_timeout``: bound on group set-up and on each bucket.
     ``flush_cache``: ask the engine to drop its KV cache with the last bucket.
+    ``unpacked_min_bytes``: contiguous tensors at least this big, already where the broadcast
+    runs, skip the packing copy: they travel in calls of their own, one broadcast per tensor
+    (``load_format`` unset, the non-flattened format); tensors back to back in one storage
+    (a flat parameter buffer) are broadcast as one slice; only the rest is packed. None: the
+    backend's default (:data:`DEFAULT_UNPACKED_MIN_BYTES`); 0: pack every tensor that is not
+    already contiguous in one storage.
     """
 
     name = "nccl"
@@ -100,6 +115,8 @@ class NCCLTransport(StagedTransport):
         double_buffer: bool = True,
         allow_missing_prefixes: Iterable[str] = ("mtp.",),
         max_parallel_targets: int = 8,
+        unpacked_min_bytes: int | None = None,
+        keep_groups: bool = True,
     ) -> None:
         super().__init__(
             world_size,
@@ -112,6 +129,9 @@ class NCCLTransport(StagedTransport):
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if group_timeout <= 0:
             raise ValueError(f"group_timeout must be positive, got {group_timeout}")
+        if unpacked_min_bytes is not None and unpacked_min_bytes < 0:
+            raise ValueError(f"unpacked_min_bytes must be >= 0, got {unpacked_min_bytes}")
+        self.unpacked_min_bytes = unpacked_min_bytes
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend
@@ -129,6 +149,11 @@ class NCCLTransport(StagedTransport):
         self._update_id = ""
         self._calls: ThreadPoolExecutor | None = None
         self._closing = threading.Event()
+        self.keep_groups = keep_groups
+        self._uid = uuid.uuid4().hex[:8]
+        self._serial = 0
+        self._live: dict[str, _LiveGroup] = {}
+        self._live_lock = threading.Lock()
 
     @property
     def plans(self) -> tuple[BucketPlan, ...]:
@@ -156,12 +181,24 @@ class NCCLTransport(StagedTransport):
         if backend == "gloo" and device.type != "cpu":
             device = torch.device("cpu")  # gloo broadcasts host buffers: pack there
         self._items = [(n, t.detach()) for n, t in items]
-        self._plans = plan_buckets(items, self.bucket_bytes)
+        plans = plan_buckets(self._items, self.bucket_bytes)
         self._pack_device = device
         # fixed registered objects: which plans are broadcast straight from their storage
-        self._direct = [
-            direct_view(self._items, p, device=device, shared=False) for p in self._plans
-        ]
+        direct = [direct_view(self._items, p, device=device, shared=False) for p in plans]
+        min_bytes = self.unpacked_min_bytes
+        if min_bytes is None:
+            min_bytes = DEFAULT_UNPACKED_MIN_BYTES[backend]
+        if min_bytes > 0:
+            # big contiguous tensors are broadcast one by one, as they are: no packing copy
+            plans, direct = split_unpacked(
+                self._items,
+                plans,
+                direct,
+                device=device,
+                bucket_bytes=self.bucket_bytes,
+                min_bytes=min_bytes,
+            )
+        self._plans, self._direct = plans, direct
         return range(self.registration.world_size), [n for n, _ in items]
 
     def _unstage(self) -> None:
@@ -174,9 +211,15 @@ class NCCLTransport(StagedTransport):
             raise TransportError(f"{self.name}: no bucket plan registered")
         self._update_id = uuid.uuid4().hex[:8]
         self._ports = {}
-        for k, t in enumerate(targets):
+        with self._live_lock:
+            taken = {g.port for g in self._live.values()}
+        k = 0
+        for t in targets:
             if self.master_port is not None:
+                while self.master_port + k in taken:
+                    k += 1  # a kept group still owns that port
                 self._ports[t.name] = self.master_port + k
+                k += 1
             else:
                 self._ports[t.name] = _free_port(self.master_address)
         # two HTTP calls in flight per target at most (init/update/destroy + one spare)
@@ -194,73 +237,137 @@ class NCCLTransport(StagedTransport):
         )
 
     def _push(self, target: EngineTarget) -> int:
+        backend = self.resolved_backend()
+        world = 1 + target.tp_size
+        url = str(getattr(target.client, "url", ""))
+        with self._live_lock:
+            live = self._live.pop(target.name, None)
+        if live is not None and (live.url, live.world, live.backend) != (url, world, backend):
+            self._drop(live, target, reason="its engine or layout changed")
+            live = None
+        if live is not None:
+            try:
+                return self._push_buckets(target, live)
+            except _FirstBucketFailed as exc:
+                # a kept group whose engine side is gone (the engine restarted on the same
+                # address): nothing was applied; build a fresh group once
+                log.info("%s: kept group failed on its first bucket (%s); re-forming it",
+                         target.name, exc.__cause__)  # fmt: skip
+        return self._push_buckets(target, self._form(target, world, backend, url))
+
+    def _form(self, target: EngineTarget, world: int, backend: str, url: str) -> _LiveGroup:
+        """Form the target's group: the engine's init call and the trainer's join, concurrently."""
+        calls = self._calls
+        assert calls is not None
+        where = f"target {target.name!r} (ranks {list(target.ranks)})"
+        self._serial += 1
+        group_name = f"rollsafe-{self._uid}-{self._serial}-{target.name}"
+        port = self._ports[target.name]
+        init = calls.submit(
+            target.client.init_weights_update_group,
+            self.master_address,
+            port,
+            1,
+            world,
+            group_name=group_name,
+            backend=backend,
+            timeout=self.group_timeout + HTTP_MARGIN_S,
+        )
+        group = self._join(port, world, group_name, backend, init, where)
+        return _LiveGroup(group, group_name, port, world, backend, url)
+
+    def _push_buckets(self, target: EngineTarget, live: _LiveGroup) -> int:
+        """Every bucket over ``live``; keeps the group afterwards (``keep_groups``) or tears it
+        down. A failure always tears it down; :class:`_FirstBucketFailed` when nothing moved."""
         stream, calls = self._stream, self._calls
         assert stream is not None and calls is not None and self.version is not None
         where = f"target {target.name!r} (ranks {list(target.ranks)})"
-        group_name = f"rollsafe-v{self.version}-{self._update_id}-{target.name}"
-        port = self._ports[target.name]
-        world = 1 + target.tp_size
-        backend = self.resolved_backend()
         http_timeout = self.group_timeout + HTTP_MARGIN_S
         client = target.client
-        group: WeightUpdateGroup | None = None
-        joined = False
+        group: WeightUpdateGroup | None = live.group
         moved = 0
+        ok = retry = False
+        i = 0
         try:
-            # 1. group set-up: the engine's HTTP call and the trainer's join run concurrently
-            init = calls.submit(
-                client.init_weights_update_group,
-                self.master_address,
-                port,
-                1,
-                world,
-                group_name=group_name,
-                backend=backend,
-                timeout=http_timeout,
-            )
-            group = self._join(port, world, group_name, backend, init, where)
-            joined = True
-            # 2. buckets
             last = len(stream) - 1
             version = str(self.version)
             for i in range(len(stream)):
                 bucket = stream.get(target.name, i, timeout=self.group_timeout)
+                unpacked = isinstance(bucket, TensorList)
                 what = (
                     f"bucket {i + 1}/{len(stream)} ({bucket.dtype}, {len(bucket.metas)} tensors "
-                    f"from {bucket.metas[0].name!r})"
+                    f"from {bucket.metas[0].name!r}{', unpacked' if unpacked else ''})"
                 )
                 call = calls.submit(
                     client.update_weights_from_distributed,
                     [m.name for m in bucket.metas],
                     [m.dtype for m in bucket.metas],
                     [list(m.shape) for m in bucket.metas],
-                    group_name=group_name,
-                    load_format="flattened_bucket",
+                    group_name=live.group_name,
+                    # unpacked: one broadcast per tensor, in order (the non-flattened format)
+                    load_format=None if unpacked else "flattened_bucket",
                     flush_cache=self.flush_cache and i == last,
                     weight_version=version if i == last else None,
                     timeout=http_timeout,
                 )
-                work = group.broadcast(bucket.flat, 0)
+                if isinstance(bucket, TensorList):
+                    works = [live.group.broadcast(t, 0) for t in bucket.tensors]
+                else:
+                    works = [live.group.broadcast(bucket.flat, 0)]
                 try:
-                    self._await_pair(work, call, f"{where}: {what}")
+                    self._await_pair(works, call, f"{where}: {what}")
                 except BaseException:
-                    self._reap(group, work)
+                    self._reap(live.group, works)
                     group = None
                     raise
                 stream.release(target.name, i)
                 moved += bucket.nbytes
+            ok = True
+        except TransportError as exc:
+            if i == 0 and moved == 0 and self.keep_groups and live.reused:
+                retry = True
+                raise _FirstBucketFailed(str(exc)) from exc
+            raise
         finally:
-            stream.leave(target.name)
-            # 3. tear-down; the engine side is best effort (a dead engine has nothing to destroy,
-            # a hung one is given DESTROY_TIMEOUT_S)
-            if joined:
-                try:
-                    client.destroy_weights_update_group(group_name, timeout=DESTROY_TIMEOUT_S)
-                except Exception as exc:
-                    log.warning("%s: destroy_weights_update_group failed: %s", where, exc)
-            if group is not None:
-                group.close()
+            if ok and self.keep_groups:
+                live.reused = True
+                with self._live_lock:
+                    self._live[target.name] = live
+            else:
+                # the engine side is best effort (a dead engine has nothing to destroy, a hung
+                # one is given DESTROY_TIMEOUT_S); the trainer side is closed (or being reaped)
+                self._destroy_remote(target, live.group_name)
+                if group is not None:
+                    group.close()
+            if not retry:  # a retry takes the same buckets again
+                stream.leave(target.name)
         return moved
+
+    def _destroy_remote(self, target: EngineTarget, group_name: str) -> None:
+        try:
+            target.client.destroy_weights_update_group(group_name, timeout=DESTROY_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("target %r: destroy_weights_update_group failed: %s", target.name, exc)
+
+    def _drop(self, live: _LiveGroup, target: EngineTarget | None, *, reason: str) -> None:
+        """Close a kept group (and ask its engine to leave it, when one is named)."""
+        log.info("dropping weight-update group %s: %s", live.group_name, reason)
+        if target is not None and live.url == str(getattr(target.client, "url", "")):
+            self._destroy_remote(target, live.group_name)
+        live.group.close()
+
+    def forget(self, target_name: str) -> None:
+        """Close the kept group of ``target_name`` (a retired or removed engine)."""
+        with self._live_lock:
+            live = self._live.pop(target_name, None)
+        if live is not None:
+            self._drop(live, None, reason="forgotten")
+
+    @property
+    def kept_groups(self) -> dict[str, str]:
+        """Target name -> name of the weight-update group kept for it."""
+        with self._live_lock:
+            return {k: g.group_name for k, g in self._live.items()}
 
     def _join(
         self,
@@ -323,10 +430,11 @@ class NCCLTransport(StagedTransport):
         if joined.done() and joined.exception() is None:
             joined.result().close()
 
-    def _await_pair(self, work: Any, call: Future[Any], what: str) -> None:
-        """Wait for the broadcast and the engine's answer; the first failure wins; bounded."""
+    def _await_pair(self, works: Sequence[Any], call: Future[Any], what: str) -> None:
+        """Wait for the broadcasts and the engine's answer; the first failure wins; bounded."""
         done = threading.Event()
-        bcast = work.get_future()
+        members = [w.get_future() for w in works]
+        bcast = members[0] if len(members) == 1 else torch.futures.collect_all(members)
         bcast.add_done_callback(lambda _: done.set())
         call.add_done_callback(lambda _: done.set())
         deadline = self.group_timeout
@@ -335,23 +443,25 @@ class NCCLTransport(StagedTransport):
         if call.done() and call.exception() is not None:
             raise TransportError(f"{what}: engine refused or failed: {call.exception()}")
         if bcast.done():
-            try:
-                bcast.wait()
-            except Exception as exc:
-                raise TransportError(f"{what}: broadcast failed: {exc}") from exc
+            for member in members:  # collect_all completes even when a member failed
+                try:
+                    member.wait()
+                except Exception as exc:
+                    raise TransportError(f"{what}: broadcast failed: {exc}") from exc
         try:
             call.result(timeout=0)
         except Exception as exc:
             raise TransportError(f"{what}: engine refused or failed: {exc}") from exc
 
-    def _reap(self, group: WeightUpdateGroup, work: Any) -> None:
+    def _reap(self, group: WeightUpdateGroup, works: Sequence[Any]) -> None:
         """Hand a group with possibly pending work to a daemon thread that waits it out."""
 
         def reap() -> None:
-            try:
-                work.wait(datetime.timedelta(seconds=self.group_timeout))
-            except Exception:
-                pass
+            for work in works:
+                try:
+                    work.wait(datetime.timedelta(seconds=self.group_timeout))
+                except Exception:
+                    break  # the group is broken: the rest cannot finish either
             group.close()
 
         threading.Thread(target=reap, name="rollsafe-nccl-reaper", daemon=True).start()
@@ -365,8 +475,47 @@ class NCCLTransport(StagedTransport):
             calls.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
+        """Drop the registered version and close every kept group (the engines are asked to
+        leave them only through :meth:`close_groups`, which needs their clients)."""
+        with self._live_lock:
+            live, self._live = list(self._live.values()), {}
+        for g in live:
+            g.group.close()
         self._unstage()
         super().close()
+
+    def close_groups(self, targets: Sequence[EngineTarget]) -> None:
+        """Ask each target's engine to leave its kept group, then close the trainer's side."""
+        for t in targets:
+            with self._live_lock:
+                live = self._live.pop(t.name, None)
+            if live is not None:
+                self._drop(live, t, reason="closed")
+
+
+class _FirstBucketFailed(TransportError):
+    """A kept group failed before any byte moved: safe to re-form it and retry once."""
+
+
+class _LiveGroup:
+    """A weight-update group kept between updates for one target."""
+
+    def __init__(
+        self,
+        group: WeightUpdateGroup,
+        group_name: str,
+        port: int,
+        world: int,
+        backend: str,
+        url: str,
+    ) -> None:
+        self.group = group
+        self.group_name = group_name
+        self.port = port
+        self.world = world
+        self.backend = backend
+        self.url = url
+        self.reused = False
 
 
 class _TorchFuture:

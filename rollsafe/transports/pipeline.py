@@ -46,12 +46,14 @@ __all__ = [
     "BucketPlan",
     "BucketStream",
     "BufferPool",
+    "TensorList",
     "alloc_buffer",
     "check_tensors",
     "copy_pairs",
     "direct_view",
     "follows",
     "plan_buckets",
+    "split_unpacked",
 ]
 
 _ALIGN = 64  # bytes; every dtype view of a buffer starts aligned
@@ -69,6 +71,8 @@ class BucketPlan:
     indices: tuple[int, ...]
     metas: tuple[TensorMeta, ...]
     numel: int
+    #: the tensors travel one by one, as they are (no flat buffer; see :func:`split_unpacked`)
+    unpacked: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -221,6 +225,73 @@ def direct_view(
     )
 
 
+@dataclass(frozen=True)
+class TensorList:
+    """An unpacked bucket: the registered tensors themselves, sent one by one, in order."""
+
+    metas: tuple[TensorMeta, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def split_unpacked(
+    items: Sequence[tuple[str, torch.Tensor]],
+    plans: Sequence[BucketPlan],
+    direct: Sequence[torch.Tensor | None],
+    *,
+    device: torch.device,
+    bucket_bytes: int,
+    min_bytes: int,
+) -> tuple[list[BucketPlan], list[torch.Tensor | None]]:
+    """Re-plan the buckets that would be packed so big tensors skip the packing copy.
+
+    For transports that can send a call's tensors one by one (``nccl``: one broadcast per
+    tensor, ``load_format`` unset): of every plan that is not direct, the contiguous tensors of
+    at least ``min_bytes`` already on ``device`` go into *unpacked* plans (per dtype, at most
+    ``bucket_bytes`` each, a bigger tensor alone) and only the rest is packed. Direct plans are
+    kept. Returns the new plans and their direct views (``None`` for packed and unpacked ones).
+    """
+    out_plans: list[BucketPlan] = []
+    out_direct: list[torch.Tensor | None] = []
+    small: list[int] = []
+    big: list[int] = []
+    for plan, view in zip(plans, direct, strict=True):
+        if view is not None:
+            out_plans.append(plan)
+            out_direct.append(view)
+            continue
+        for i in plan.indices:
+            t = items[i][1]
+            nbytes = t.numel() * t.element_size()
+            if nbytes >= min_bytes and t.device == device and t.is_contiguous():
+                big.append(i)
+            else:
+                small.append(i)
+    if small:
+        sub = plan_buckets([items[i] for i in small], bucket_bytes)
+        for plan in sub:
+            out_plans.append(
+                BucketPlan(plan.dtype, tuple(small[j] for j in plan.indices), plan.metas,
+                           plan.numel)
+            )  # fmt: skip
+            out_direct.append(None)
+    if big:
+        for plan in plan_buckets([items[i] for i in big], bucket_bytes):
+            out_plans.append(
+                BucketPlan(plan.dtype, tuple(big[j] for j in plan.indices), plan.metas,
+                           plan.numel, unpacked=True)
+            )  # fmt: skip
+            out_direct.append(None)
+    return out_plans, out_direct
+
+
 def alloc_buffer(nbytes: int, device: torch.device, *, shared: bool) -> torch.Tensor:
     """A 1-D ``uint8`` buffer of ``nbytes`` on ``device``; CPU + ``shared``: in shared memory."""
     nbytes = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
@@ -311,12 +382,16 @@ class BucketStream:
         self._pool = pool or BufferPool(device, shared=shared, slots=self._slots)
         self._cv = threading.Condition()
         self._progress: dict[str, int] = {c: 0 for c in consumers}  # buckets released
-        self._ready: dict[int, FlatBucket] = {}
+        self._ready: dict[int, FlatBucket | TensorList] = {}
         self._error: BaseException | None = None
         self._closed = False
         # buffers are sized for the largest bucket that is packed (tensors sent as is need none)
         self._cap = max(
-            (p.nbytes for p, d in zip(self._plans, self._direct_views, strict=True) if d is None),
+            (
+                p.nbytes
+                for p, d in zip(self._plans, self._direct_views, strict=True)
+                if d is None and not p.unpacked
+            ),
             default=0,
         )
         self._cuda_stream: Any = None
@@ -332,7 +407,7 @@ class BucketStream:
         return len(self._plans)
 
     # ------------------------------------------------------------------ consumers
-    def get(self, consumer: str, index: int, *, timeout: float) -> FlatBucket:
+    def get(self, consumer: str, index: int, *, timeout: float) -> FlatBucket | TensorList:
         """Bucket ``index``, once packed; raise :class:`TransportError` on failure or timeout."""
         with self._cv:
             ok = self._cv.wait_for(
@@ -415,7 +490,9 @@ class BucketStream:
         """How many of this update's buckets travel without a copy."""
         return sum(1 for d in self._direct_views if d is not None)
 
-    def _pack(self, i: int, plan: BucketPlan) -> FlatBucket:
+    def _pack(self, i: int, plan: BucketPlan) -> FlatBucket | TensorList:
+        if plan.unpacked:
+            return TensorList(plan.metas, tuple(self._items[j][1] for j in plan.indices))
         direct = self._direct_views[i]
         if direct is not None:
             return FlatBucket(direct, plan.metas)
