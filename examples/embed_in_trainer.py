@@ -19,12 +19,16 @@ from transformers import AutoModelForCausalLM
 from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
 from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RolloutFleet
+from rollsafe.transports.contiguous import flatten_parameters
 
 
 def main(steps: int = 3) -> None:
     work = Path(tempfile.mkdtemp(prefix="rollsafe-embed-"))
     model_dir = make_tiny_model(work / "model", seed=0)  # the engines start on these weights
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    # one flat (shared-memory) buffer for all parameters: `ipc` then hands slices of it to the
+    # engines without a packing copy (Megatron-style trainers already keep them this way)
+    flatten_parameters(model, shared_memory=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     config = FleetConfig(
         model_path=model_dir,

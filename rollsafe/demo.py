@@ -1,18 +1,24 @@
-"""``rollsafe demo``: a trainer, a rollout fleet, weight syncs, async exports and a SIGKILL.
+"""``rollsafe demo``: a trainer actor, a rollout fleet, weight syncs, async exports and a SIGKILL.
 
-On one CPU machine: an in-process trainer trains a tiny Llama (the reference engine's
+On one CPU machine with a local Ray (``RAY_ADDRESS`` joins a cluster instead): a Ray trainer
+actor (:class:`~rollsafe.demo_trainer.RayTrainer`) trains a tiny Llama (the reference engine's
 ``make_tiny_model`` config, seed-fixed) with SGD on synthetic token data; a
 :class:`~rollsafe.fleet.fleet.RolloutFleet` of ``--groups`` reference-engine groups (the second
 has 2 ranks) serves rollouts through the router from background threads during each step's
-rollout phase; weights sync each step over ``--transport`` and every version is exported
-asynchronously. During step ``--crash-at``'s rollout rank 1 of the 2-rank group is SIGKILLed.
+rollout phase; after each train step the driver fetches the actor's weights through the object
+store and syncs them over ``--transport`` (``ipc`` or ``nccl``, gloo on CPU), and every version
+is exported asynchronously. During step ``--crash-at``'s rollout rank 1 of the 2-rank group is
+SIGKILLed. ``--trainer inprocess`` runs the same trainer in the driver (no Ray).
 
 It prints live progress, then a timeline of every machine transition, the recovery latency
 (crash -> ``active`` with current weights), the throughput lost, the per-step weights checksum
-check and where the time went; it writes ``<out>/timeline.jsonl``, ``<out>/paths.md`` (the
-paths the machines actually took, as mermaid ``stateDiagram-v2``) and ``<out>/summary.json``.
-Exit status 1 if an invariant broke: a request admitted to a non-``active`` group, an engine
-serving weights other than the trainer's, a failed step, or the crashed group never returning.
+check (every serving engine against the trainer actor's own digest) and where the time went,
+the trainer actor's round trips included; it writes ``<out>/timeline.jsonl``, ``<out>/paths.md``
+(the paths the machines actually took, as mermaid ``stateDiagram-v2``) and
+``<out>/summary.json``. Exit status 1 if an invariant broke: a request admitted to a
+non-``active`` group, an engine serving weights other than the trainer's, a failed step, or the
+crashed group never returning. Engines, the trainer actor and the local Ray are shut down on the
+way out, also on an error, Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,15 +27,19 @@ import argparse
 import json
 import random
 import shutil
+import signal
 import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
-__all__ = ["DemoOptions", "add_arguments", "main", "run_demo"]
+from rollsafe.demo_trainer import Trainer, TrainerLike
+
+__all__ = ["CRASH_DELAY_S", "DemoOptions", "Trainer", "add_arguments", "main", "run_demo"]
 
 CRASH_GROUP_INDEX = 1  # the 2-rank group
 CRASH_DELAY_S = 1.0  # into the crash step's rollout
@@ -45,7 +55,9 @@ class DemoOptions(argparse.Namespace):
     out: str
     rollout_s: float
     workers: int
+    trainer: str
     quiet: bool
+    warm_standby: bool
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,41 +73,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="demo-report", help="report directory (default demo-report)")
     p.add_argument("--rollout-s", type=float, default=8.0, help="rollout phase per step (s)")
     p.add_argument("--workers", type=int, default=2, help="rollout client threads")
+    p.add_argument(
+        "--trainer",
+        choices=("actor", "inprocess"),
+        default="actor",
+        help="actor: a Ray trainer actor on a local Ray (default); inprocess: no Ray",
+    )
     p.add_argument("--quiet", action="store_true", help="no live progress lines")
-
-
-# ---------------------------------------------------------------------------- trainer
-class Trainer:
-    """A plain PyTorch trainer: a tiny Llama and SGD on seeded synthetic token batches."""
-
-    def __init__(self, model_dir: Path, seed: int = 0, lr: float = 0.05) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(seed)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-        self.model.train()
-        self.vocab = int(self.model.config.vocab_size)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def step(self) -> float:
-        import torch
-
-        batch = torch.randint(0, self.vocab, (4, 16), generator=self.gen)
-        out = self.model(input_ids=batch, labels=batch)
-        self.opt.zero_grad()
-        out.loss.backward()
-        self.opt.step()
-        return float(out.loss.detach())
-
-    def weights(self) -> dict[str, Any]:
-        return {n: p.detach() for n, p in self.model.named_parameters()}
-
-    def checksum(self) -> str:
-        from rollsafe.checksum import weights_checksum
-
-        return str(weights_checksum(self.weights())["model"])
+    p.add_argument(
+        "--warm-standby",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep a pre-imported standby engine process per group for fast restarts "
+        "(default on)",
+    )
 
 
 # ---------------------------------------------------------------------------- rollout load
@@ -191,6 +182,28 @@ def _table(timeline: Sequence[dict[str, Any]], t0: float) -> str:
     return "\n".join(out)
 
 
+def _exit_on_sigterm() -> Callable[[], None]:
+    """Turn the first SIGTERM into ``SystemExit(143)`` so the demo's cleanup runs; return undo.
+
+    Only in the main thread (signal handlers cannot be set elsewhere). A second SIGTERM during
+    the cleanup gets the previous handler. ``ray.init`` replaces it with its own equivalent
+    (``sys.exit(15)``), so with the trainer actor the exit status is 15.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, previous)
+        raise SystemExit(128 + signum)
+
+    def undo() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    signal.signal(signal.SIGTERM, handler)
+    return undo
+
+
 # ---------------------------------------------------------------------------- the run
 def run_demo(opts: DemoOptions) -> int:
     from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
@@ -218,37 +231,64 @@ def run_demo(opts: DemoOptions) -> int:
     t_begin = time.time()
     wall0 = time.monotonic()
 
-    t = time.monotonic()
-    model_dir = make_tiny_model(work / "model", seed=0)
-    trainer = Trainer(model_dir, seed=0)
-    timings["setup (tiny model, trainer)"] += time.monotonic() - t
-
     sizes = [2 if i == CRASH_GROUP_INDEX else 1 for i in range(opts.groups)]
-    config = FleetConfig(
-        model_path=model_dir,
-        export_root=work / "exports",
-        groups=[GroupSpec(n) for n in sizes],
-        transport=opts.transport,
-        health=HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2),
-        recovery=RecoverySettings(
-            max_workers=2, timeout_s=120.0, restart_budget=3, targeted_push=immediate
-        ),
-        enable_immediate_recovery=immediate,
-        engine_options={"log_dir": str(work / "logs")},
-        wait_for_routable_s=2.0,
-        request_timeout_s=20.0,
-    )
+    actor = opts.trainer == "actor"
+    who = "trainer actor" if actor else "trainer"
     print(
         f"rollsafe demo: {opts.steps} steps, groups {sizes} (ranks), transport {opts.transport},"
         f" crash at step {opts.crash_at or 'never'},"
-        f" {'immediate' if immediate else 'deferred (baseline)'} recovery"
+        f" {'immediate' if immediate else 'deferred (baseline)'} recovery,"
+        f" {'Ray trainer actor' if actor else 'in-process trainer'}"
     )
-    fleet = RolloutFleet(config)
     steps: list[dict[str, Any]] = []
     crash: dict[str, Any] | None = None
     load: RolloutLoad | None = None
     failures: list[str] = []
+    trainer: TrainerLike | None = None
+    fleet: RolloutFleet | None = None
+    ray_dir: Path | None = None
+    interrupted = ""
+    restore_sigterm = _exit_on_sigterm()
     try:
+        t = time.monotonic()
+        model_dir = make_tiny_model(work / "model", seed=0)
+        timings["setup (tiny model)"] += time.monotonic() - t
+        t = time.monotonic()
+        if actor:
+            from rollsafe.demo_trainer import RayTrainer
+
+            ray_dir = Path(tempfile.mkdtemp(prefix="rollsafe-ray-"))
+            trainer = RayTrainer(model_dir, seed=0, temp_dir=ray_dir)
+            timings["trainer actor start (ray.init, actor, model)"] += time.monotonic() - t
+        else:
+            trainer = Trainer(model_dir, seed=0)
+            timings["trainer start (model)"] += time.monotonic() - t
+        info = trainer.describe()
+        say(
+            f"{who} up in {time.monotonic() - t:.1f}s: pid {info['pid']}"
+            f" (driver pid {info['driver_pid']})"
+            + (f", Ray {info['ray_address']}, node {str(info['node_id'])[:12]}" if actor else "")
+            + f"; scratch {work}"
+            + (f", Ray files {ray_dir}" if ray_dir else "")
+        )
+        config = FleetConfig(
+            model_path=model_dir,
+            export_root=work / "exports",
+            groups=[GroupSpec(n) for n in sizes],
+            transport=opts.transport,
+            health=HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2),
+            recovery=RecoverySettings(
+                max_workers=2, timeout_s=120.0, restart_budget=3, targeted_push=immediate
+            ),
+            enable_immediate_recovery=immediate,
+            engine_options={"log_dir": str(work / "logs")},
+            # every group keeps one pre-imported engine process: a restart skips the
+            # interpreter start and the torch/transformers imports (seconds on CPU)
+            warm_standby=opts.warm_standby,
+            wait_for_routable_s=2.0,
+            request_timeout_s=20.0,
+        )
+        fleet = RolloutFleet(config)
         t = time.monotonic()
         fleet.start()
         timings["fleet start (engines up)"] += time.monotonic() - t
@@ -293,18 +333,23 @@ def run_demo(opts: DemoOptions) -> int:
             # -------- train
             t = time.monotonic()
             record["loss"] = trainer.step()
-            timings["train"] += time.monotonic() - t
-            # -------- sync
-            t = time.monotonic()
+            timings[f"train ({who} round trip)" if actor else "train"] += time.monotonic() - t
+            # -------- fetch the new version, sync it
             try:
-                report = fleet.sync_weights(trainer.weights(), step)
+                t = time.monotonic()
+                weights = trainer.weights()
+                timings["fetch weights (object store)" if actor else "weights snapshot"] += (
+                    time.monotonic() - t
+                )
+                t = time.monotonic()
+                report = fleet.sync_weights(weights, step)
+                timings["sync"] += time.monotonic() - t
                 record["sync"] = report.as_dict()
                 if not report.ok:
                     failures.append(f"step {step}: sync failed: {report.error}")
             except Exception as exc:  # a failed step is an invariant break, keep reporting
                 failures.append(f"step {step}: sync raised {type(exc).__name__}: {exc}")
                 record["sync"] = {"ok": False, "error": str(exc)}
-            timings["sync"] += time.monotonic() - t
             # -------- verify
             t = time.monotonic()
             want = trainer.checksum()
@@ -319,7 +364,7 @@ def run_demo(opts: DemoOptions) -> int:
                     checks[gid] = "MISMATCH"
                     failures.append(f"step {step}: {gid} serves {got}, trainer has {want}")
             record["checksums"] = checks
-            timings["verify checksums"] += time.monotonic() - t
+            timings[f"verify checksums (engines, {who})"] += time.monotonic() - t
             steps.append(record)
             print(
                 f"step {step}/{opts.steps}: loss {record['loss']:.3f} | served {record['served']}"
@@ -355,14 +400,37 @@ def run_demo(opts: DemoOptions) -> int:
         timeline = fleet.timeline()
         snapshot = fleet.snapshot()
         recoveries = [r.as_dict() for r in fleet.recoveries()]
+    except (KeyboardInterrupt, SystemExit) as exc:
+        interrupted = type(exc).__name__
+        raise
     finally:
         if load is not None:
             load.close()
-        t = time.monotonic()
-        fleet.close()
-        timings["close"] += time.monotonic() - t
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            if fleet is not None:
+                t = time.monotonic()
+                fleet.close()
+                timings["close (fleet, engines)"] += time.monotonic() - t
+        finally:
+            if trainer is not None:
+                t = time.monotonic()
+                trainer.close()
+                timings["close (trainer actor, Ray)" if actor else "close (trainer)"] += (
+                    time.monotonic() - t
+                )
+            restore_sigterm()
+            shutil.rmtree(work, ignore_errors=True)
+            if ray_dir is not None:
+                shutil.rmtree(ray_dir, ignore_errors=True)
+            if interrupted:
+                print(
+                    f"demo interrupted ({interrupted}): engines"
+                    + (", trainer actor and Ray" if actor else " and trainer")
+                    + " shut down"
+                )
 
+    assert trainer is not None
+    trainer_info = trainer.describe()
     # -------- recovery latency and throughput lost
     recovery: dict[str, Any] = {"crashed": crash is not None}
     if crash is not None:
@@ -427,6 +495,8 @@ def run_demo(opts: DemoOptions) -> int:
         "failures": failures,
         "options": {k: v for k, v in vars(opts).items() if not k.startswith("_") and k != "func"},
         "immediate_recovery": immediate,
+        "trainer": trainer_info,
+        "scratch_dir": str(work),
         "groups": dict(zip([f"g{i}" for i in range(len(sizes))], sizes, strict=True)),
         "recovery": recovery,
         "throughput": throughput,
@@ -475,8 +545,23 @@ def run_demo(opts: DemoOptions) -> int:
     print(f"dispatch to non-active groups: {bad_dispatch or 'none'}")
     print("where time went:")
     for k, v in timings.items():
-        print(f"  {k:<36} {v:7.2f}s")
-    print(f"  {'total':<36} {summary['wall_s']:7.2f}s")
+        print(f"  {k:<46} {v:7.2f}s")
+    print(f"  {'total':<46} {summary['wall_s']:7.2f}s")
+    if actor:
+        print(
+            f"  trainer actor pid {trainer_info['pid']} (driver pid {trainer_info['driver_pid']});"
+            " round trips (driver-measured = in actor + Ray overhead):"
+        )
+        for method, rt in trainer_info["round_trips"].items():
+            print(
+                f"    {method:<9} {rt['calls']:3d} calls {rt['seconds']:7.3f}s"
+                f" = {rt['in_actor_s']:.3f}s in actor + {rt['overhead_s']:.3f}s Ray"
+            )
+        print(
+            f"    weights fetched zero-copy from the object store:"
+            f" {trainer_info['weights_fetched_zero_copy']}; rebuilt and verified in"
+            f" {trainer_info['fetch_rebuild_verify_s']:.3f}s"
+        )
     print(f"report: {out}/timeline.jsonl, {out}/paths.md, {out}/summary.json")
     if ok:
         print("demo OK: all invariants held")

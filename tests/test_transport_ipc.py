@@ -26,6 +26,7 @@ from rollsafe.transports import (
     BucketStream,
     IPCTransport,
     RegisterError,
+    StaleRegistration,
     TransportError,
     plan_buckets,
 )
@@ -192,6 +193,24 @@ def test_flat_parameters_travel_without_a_copy(
     assert tr.update([target("one", one, (0,)), target("two", two, (1, 2))]).ok
     assert_serves(one, flat_trainer, 22)
     assert_serves(two, flat_trainer, 22)
+
+
+def test_weights_changed_in_place_after_register_are_not_pushed(
+    one: EngineProcess, tiny_model_dir_b: Path  # noqa: F811
+) -> None:
+    model_trainer = Trainer(tiny_model_dir_b)
+    tr = IPCTransport(1, bucket_bytes=SMALL_BUCKET)
+    tr.register(model_trainer.weights(), 40)  # references to the live parameters
+    assert tr.update([target("one", one, (0,))]).ok
+    before = one.checksum()
+    model_trainer.perturb(seed=41, names=1)  # an optimizer step, before the next register
+    changed = next(iter(model_trainer.weights()))
+    with pytest.raises(StaleRegistration, match=f"{changed!r} changed in place since v40"):
+        tr.update([target("one", one, (0,))])
+    assert one.checksum() == before  # nothing was sent
+    tr.register(model_trainer.weights(), 41)
+    assert tr.update([target("one", one, (0,))]).ok
+    assert_serves(one, model_trainer, 41)
 
 
 def test_failed_register_publishes_nothing_and_update_refuses(

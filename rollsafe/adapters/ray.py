@@ -32,7 +32,8 @@ def init_ray(**kwargs: Any) -> bool:
     """Connect to Ray once: a no-op if already initialized.
 
     With ``RAY_ADDRESS`` set (or an ``address=`` argument) it connects to that cluster; otherwise
-    it starts a local Ray without the dashboard. Other keyword arguments go to ``ray.init``.
+    it starts a new local Ray without the dashboard (never silently joining a cluster that
+    ``ray start`` left running on this machine). Other keyword arguments go to ``ray.init``.
     Returns True if this call initialized Ray.
     """
     import ray
@@ -43,8 +44,10 @@ def init_ray(**kwargs: Any) -> bool:
     if address:
         ray.init(address=address, **kwargs)
     else:
+        # "local": start a new local Ray even when `ray start` left a cluster under /tmp/ray
+        # (a bare ray.init() would join that one)
         kwargs.setdefault("include_dashboard", False)
-        ray.init(**kwargs)
+        ray.init(address="local", **kwargs)
     return True
 
 

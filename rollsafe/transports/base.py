@@ -146,6 +146,12 @@ def named_tensor_list(weights: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     return items
 
 
+class StaleRegistration(TransportError):
+    """The registered tensors changed in place after ``register`` (e.g. an optimizer step) and
+    the transport reads them when it pushes: pushing now would label new weights with the
+    registered version. Register the new version first."""
+
+
 class StagedTransport:
     """Base class: drives the CheckpointRegistration machine around ``_stage`` and ``_push``.
 
@@ -153,9 +159,16 @@ class StagedTransport:
     :meth:`_push` (one target; raise or return to report failure), and may override
     :meth:`_before_push` / :meth:`_after_push` for collective set-up around a whole update.
     ``max_parallel_targets`` bounds concurrent pushes.
+
+    Transports that keep references to the registered tensors instead of copies
+    (``reads_by_reference``: ``ipc``, ``nccl``) record each tensor's in-place version counter
+    at ``register``; ``update`` refuses with :class:`StaleRegistration`, naming the first
+    changed tensor, when one moved since (a targeted push after the trainer's next optimizer
+    step must not send those weights as the registered version).
     """
 
     name = "staged"
+    reads_by_reference = False
 
     def __init__(
         self,
@@ -170,6 +183,7 @@ class StagedTransport:
         self.max_parallel_targets = max_parallel_targets
         self.version: int | None = None
         self.keys: tuple[str, ...] = ()
+        self._watched: list[tuple[str, torch.Tensor, int]] = []
 
     # ------------------------------------------------------------------ register
     def register(self, weights: NamedTensors, version: int, *, name: str | None = None) -> None:
@@ -194,6 +208,11 @@ class StagedTransport:
             self._unstage()
             raise RegisterError(f"{self.name}: v{version} not published: {exc}") from exc
         self.version, self.keys = version, tuple(expected)
+        self._watched = (
+            [(n, t, v) for n, t in items if (v := _version_of(t)) is not None]
+            if self.reads_by_reference
+            else []
+        )
 
     def _stage(
         self, items: list[tuple[str, torch.Tensor]], version: int
@@ -215,6 +234,13 @@ class StagedTransport:
         names = [t.name for t in targets]
         if len(set(names)) != len(names):
             raise TransportError(f"{self.name}: duplicate target names {names}")
+        for key, tensor, version in self._watched:
+            if _version_of(tensor) != version:
+                raise StaleRegistration(
+                    f"{self.name}: registered weight {key!r} changed in place since "
+                    f"v{published[1]} was registered (an optimizer step?); this transport "
+                    "reads the registered tensors when it pushes: register the new version first"
+                )
         reg.begin_update(targets=[list(t.ranks) for t in targets])
         report = UpdateReport(name=published[0], version=published[1])
         started = time.perf_counter()
@@ -271,12 +297,21 @@ class StagedTransport:
     def close(self) -> None:
         """Release staged state. Subclasses extend."""
         self.version, self.keys = None, ()
+        self._watched = []
 
     def __enter__(self) -> StagedTransport:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (None for inference tensors, which keep none)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
 
 
 def _bounded(text: str) -> str:

@@ -68,6 +68,7 @@ class IPCTransport(StagedTransport):
     """
 
     name = "ipc"
+    reads_by_reference = True
 
     def __init__(
         self,

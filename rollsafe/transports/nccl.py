@@ -100,6 +100,7 @@ class NCCLTransport(StagedTransport):
     """
 
     name = "nccl"
+    reads_by_reference = True
 
     def __init__(
         self,
