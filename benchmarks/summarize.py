@@ -221,6 +221,12 @@ def _multi_gpu(d: dict[str, Any]) -> list[Row]:
              f"{s['nccl_ratio_vs_raw_shared']:.2f}x ({s['nccl_gb_s_total']} GB/s)",
              ">= 0.7x on 2+ GPUs", "-" if note else _verdict(s["nccl_within_70pct"])),
         )  # fmt: skip
+    if "ce_world" in s:
+        rows.append(
+            (f"{gpus} GPU checkpoint-engine, world {s['ce_world']}, broadcast: register / update",
+             f"{s['ce_register_s']:.2f} s / {s['ce_update_s']:.2f} s; checksums equal: "
+             f"{s['ce_checksums_equal']}; P2P: {str(s.get('ce_p2p', '-'))[:60]}", "-", "-"),
+        )  # fmt: skip
     if "recovery_kill_to_active_s" in s:
         rows.append(
             (f"{gpus} GPU targeted recovery kill -> active ({s['recovery_strategy']}){note}",
@@ -249,6 +255,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/checkpoint_engine_h200.json": _checkpoint_engine_gpu,
     "gpu/profile_ipc_h200.json": _profile_ipc_gpu,
     "gpu/multi_gpu_h200_one_gpu_rehearsal.json": _multi_gpu,
+    "gpu/multi_gpu_h200x2.json": _multi_gpu,
 }
 
 

@@ -155,6 +155,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="comma list of NCCLTransport bucket sizes (default 512,2048; smoke 0.0625)",
     )
     p.add_argument(
+        "--nccl-unpacked",
+        default="default,0",
+        help="comma list of NCCLTransport unpacked_min_bytes settings to sweep per bucket size: "
+        "'default' (the backend's default: big contiguous tensors one broadcast each) or a "
+        "byte count (0: pack everything into flattened buckets)",
+    )
+    p.add_argument(
         "--ce-bucket-gib",
         type=float,
         default=2.0,
@@ -175,9 +182,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=4, help="rollout client threads (phase 4)")
     p.add_argument(
         "--warm-standby",
-        action="store_true",
-        help="phase 4: FleetConfig(warm_standby=True), an idle pre-imported engine process per "
-        "group takes the restart (recorded as unsupported where FleetConfig lacks the field)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="phase 4: FleetConfig(warm_standby=True) (default, as the demo), an idle "
+        "pre-imported engine process per group takes the restart; --no-warm-standby for the "
+        "cold restart (the first x2 run, 2026-11-29, was cold: 13.7 s of its 15.0 s)",
     )
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument(
@@ -199,6 +208,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.nccl_bucket_mib is None:
         args.nccl_bucket_mib = "0.0625" if args.smoke else "512,2048"
     args.bucket_mibs = [float(x) for x in args.nccl_bucket_mib.split(",") if x.strip()]
+    args.unpacked = [
+        None if x.strip() == "default" else int(x)
+        for x in args.nccl_unpacked.split(",")
+        if x.strip()
+    ]
     if args.repeats < 1 or not args.bucket_mibs or min(args.bucket_mibs) <= 0:
         p.error("--repeats must be >= 1 and bucket sizes > 0")
     if args.smoke_engines < 1 or args.clients < 1:
@@ -738,16 +752,20 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
     out["transport"] = rows
     version = 1
     try:
-        for mib in args.bucket_mibs:
+        for mib, unpacked in [(m, u) for m in args.bucket_mibs for u in args.unpacked]:
             tr = NCCLTransport(
                 k, backend=backend, bucket_bytes=int(mib * MiB),
-                group_timeout=args.group_timeout_s,
+                group_timeout=args.group_timeout_s, unpacked_min_bytes=unpacked,
             )  # fmt: skip
-            row: dict[str, Any] = {"bucket_mib": mib}
+            row: dict[str, Any] = {
+                "bucket_mib": mib,
+                "unpacked_min_bytes": "default" if unpacked is None else unpacked,
+            }
             rows.append(row)
             try:
                 tr.register(weights, version)
                 row["buckets"], row["version"] = len(tr.plans), version
+                row["unpacked_buckets"] = sum(1 for pl in tr.plans if pl.unpacked)
                 version += 1
                 runs: list[tuple[float, dict[str, Any]]] = []
                 for _ in range(args.repeats + 1):
@@ -795,6 +813,7 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
         best = max(good, key=lambda r: r["gb_s_per_target"])
         res.summary(
             nccl_bucket_mib=best["bucket_mib"],
+            nccl_unpacked_min_bytes=best["unpacked_min_bytes"],
             nccl_gb_s_per_target=best["gb_s_per_target"],
             nccl_gb_s_total=best["gb_s_total"],
             nccl_raw_shared_gb_s=out["raw"]["shared"]["gb_s"],

@@ -101,6 +101,11 @@ class TensorMeta:
     def numel(self) -> int:
         return self.end - self.start
 
+    def __reduce__(self) -> tuple[Any, tuple[str, str, tuple[int, ...], int, int]]:
+        # a plain constructor call: unpickling ~400 of these is several times cheaper than the
+        # default dataclass reduction (object.__new__ + state), and needs no other global
+        return (TensorMeta, (self.name, self.dtype, self.shape, self.start, self.end))
+
 
 @dataclass
 class FlatBucket:
