@@ -162,6 +162,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "byte count (0: pack everything into flattened buckets)",
     )
     p.add_argument(
+        "--nccl-flat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also push the same weights from one flat buffer (back to back, as Megatron keeps "
+        "them): direct slices, no packing (default on)",
+    )
+    p.add_argument(
         "--ce-bucket-gib",
         type=float,
         default=2.0,
@@ -699,6 +706,25 @@ def raw_baselines(ctx: Ctx, nbytes: int) -> dict[str, Any]:
     return out
 
 
+def flat_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors, back to back in one flat buffer per dtype (a Megatron-style layout)."""
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, t in weights.items():
+        by_dtype.setdefault(t.dtype, []).append(name)
+    for dtype, names in by_dtype.items():
+        first = weights[names[0]]
+        flat = torch.empty(sum(weights[n].numel() for n in names), dtype=dtype,
+                           device=first.device)  # fmt: skip
+        pos = 0
+        for n in names:
+            view = flat[pos : pos + weights[n].numel()].view(weights[n].shape)
+            view.copy_(weights[n])
+            out[n] = view
+            pos += weights[n].numel()
+    return {n: out[n] for n in weights}
+
+
 def phase_nccl(ctx: Ctx) -> dict[str, Any]:
     args, layout, res = ctx.args, ctx.layout, ctx.res
     assert ctx.pool is not None
@@ -752,18 +778,29 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
     out["transport"] = rows
     version = 1
     try:
-        for mib, unpacked in [(m, u) for m in args.bucket_mibs for u in args.unpacked]:
+        runs: list[tuple[str, float, int | None]] = [
+            ("separate", m, u) for m in args.bucket_mibs for u in args.unpacked
+        ]
+        if args.nccl_flat:
+            runs += [("flat", m, None) for m in args.bucket_mibs]
+        flat_weights: dict[str, torch.Tensor] | None = None
+        for weights_layout, mib, unpacked in runs:
+            if weights_layout == "flat" and flat_weights is None:
+                flat_weights = flat_copy(weights)
+            src = weights if weights_layout == "separate" else flat_weights
+            assert src is not None
             tr = NCCLTransport(
                 k, backend=backend, bucket_bytes=int(mib * MiB),
                 group_timeout=args.group_timeout_s, unpacked_min_bytes=unpacked,
             )  # fmt: skip
             row: dict[str, Any] = {
+                "weights_layout": weights_layout,
                 "bucket_mib": mib,
                 "unpacked_min_bytes": "default" if unpacked is None else unpacked,
             }
             rows.append(row)
             try:
-                tr.register(weights, version)
+                tr.register(src, version)
                 row["buckets"], row["version"] = len(tr.plans), version
                 row["unpacked_buckets"] = sum(1 for pl in tr.plans if pl.unpacked)
                 version += 1
@@ -800,6 +837,7 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
             finally:
                 tr.close()
             res.phase("nccl", out)
+        del flat_weights
         out["checksum"] = checksums_of(clients, want, args.request_timeout_s)
     finally:
         for c in clients.values():
