@@ -1,7 +1,9 @@
 """``ipc`` weight transport: colocated trainer and engine share memory (CUDA IPC / shared memory).
 
 ``register(weights, version)`` records the source tensors (no copy: the update reads them as they
-are when it runs), the bucket plan and the version. ``update(targets)`` packs dtype-homogeneous
+are when it runs; if they changed in place since, e.g. an optimizer step, ``update`` refuses
+with :class:`~rollsafe.transports.base.StaleRegistration` -- register the new version), the
+bucket plan and the version. ``update(targets)`` packs dtype-homogeneous
 flattened buckets (:mod:`rollsafe.transports.pipeline`: two reusable buffers, bucket ``i + 1``
 packed while the engine loads bucket ``i``, each bucket packed once for all targets) and POSTs
 ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"`` and one serialized entry

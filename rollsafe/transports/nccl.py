@@ -1,20 +1,27 @@
 """``nccl`` weight transport: disaggregated engines receive a broadcast from trainer rank 0.
 
 ``register(weights, version)`` records the source tensors, the bucket plan and the version (no
-copy). ``update(targets)`` gives **every target its own process group** (trainer rank 0 plus the
-target's ``tp_size`` engine ranks at ``rank_offset=1``), built for this update only and torn
-down after it. Per target, in its own thread:
+copy; an ``update`` after the tensors changed in place refuses with
+:class:`~rollsafe.transports.base.StaleRegistration`). ``update(targets)`` gives **every target
+its own process group** (trainer rank 0 plus the target's ``tp_size`` engine ranks at
+``rank_offset=1``). Per target, in its own thread:
 
-1. ``/init_weights_update_group`` is sent while the trainer joins the group
+1. unless a group is kept for the target from an earlier update (``keep_groups``, the default,
+   as slime and verl keep theirs: NCCL communicator set-up costs far more than a small update),
+   ``/init_weights_update_group`` is sent while the trainer joins the group
    (:func:`rollsafe.adapters.reference_engine.collective.open_weight_update_group`, rank 0,
-   store master); both must finish within ``group_timeout``;
+   store master); both must finish within ``group_timeout``. A kept group is dropped when the
+   target's engine address or rank layout changed; one whose engine lost it (a restart on the
+   same address) fails on its first bucket, before anything was applied, and is re-formed once;
 2. for every bucket, ``/update_weights_from_distributed`` is sent while the trainer broadcasts
    the bucket (the engine's HTTP call blocks until it received it): small tensors packed into
    one flat buffer of one dtype (``load_format="flattened_bucket"``), tensors back to back in
    one storage as one slice of it (same format, no copy), and big contiguous tensors one
    broadcast each (``load_format`` unset, no copy: ``unpacked_min_bytes``); version and cache
    flush travel with the last bucket only;
-3. ``/destroy_weights_update_group``, and the trainer's side of the group is closed.
+3. the group is kept for the next update; after a failure (or with ``keep_groups=False``)
+   ``/destroy_weights_update_group`` is sent (best effort) and the trainer's side is closed.
+   :meth:`NCCLTransport.close_groups` / :meth:`NCCLTransport.forget` release kept groups.
 
 Why one group per target: a broadcast in a group with a dead member fails for every member, so
 one engine killed mid-update would fail every target of a shared group. Separate groups isolate
@@ -96,7 +103,8 @@ class NCCLTransport(StagedTransport):
     (``load_format`` unset, the non-flattened format); tensors back to back in one storage
     (a flat parameter buffer) are broadcast as one slice; only the rest is packed. None: the
     backend's default (:data:`DEFAULT_UNPACKED_MIN_BYTES`); 0: pack every tensor that is not
-    already contiguous in one storage.
+    already contiguous in one storage. ``keep_groups``: keep each target's weight-update group
+    for the next update (default) instead of forming and destroying one per update.
     """
 
     name = "nccl"
