@@ -152,7 +152,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--nccl-bucket-mib",
         default=None,
-        help="comma list of NCCLTransport bucket sizes (default 512,2048; smoke 0.0625)",
+        help="comma list of NCCLTransport bucket sizes (default 512,2048,8192; smoke 0.0625)",
     )
     p.add_argument(
         "--nccl-unpacked",
@@ -213,7 +213,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.deadline_s is None:
         args.deadline_s = 240.0 if args.smoke else 480.0
     if args.nccl_bucket_mib is None:
-        args.nccl_bucket_mib = "0.0625" if args.smoke else "512,2048"
+        args.nccl_bucket_mib = "0.0625" if args.smoke else "512,2048,8192"
     args.bucket_mibs = [float(x) for x in args.nccl_bucket_mib.split(",") if x.strip()]
     args.unpacked = [
         None if x.strip() == "default" else int(x)

@@ -311,8 +311,11 @@ def receive_broadcast(
             (flat,) = flats.values()
             pg.broadcast(flat, 0).wait()
         else:
-            for _, t in out:
-                pg.broadcast(t, 0).wait()
+            # the sender issues its broadcasts back to back; post every receive before waiting
+            # (in order: a process group runs its collectives in issue order)
+            works = [pg.broadcast(t, 0) for _, t in out]
+            for work in works:
+                work.wait()
     except BaseException:
         if buffers is not None:
             for dt in flats:
