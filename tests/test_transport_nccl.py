@@ -88,15 +88,16 @@ def test_engine_killed_during_broadcast_fails_only_its_target(
 ) -> None:
     doomed = engine_factory(tiny_model_dir, ranks=1)
     trainer.perturb(seed=5)
-    # large buckets relative to the kill delay: the kill lands while bucket 2 is in flight
     tr = transport(2)
     tr.register(trainer.weights(), 5)
+    assert len(tr.plans) >= 3
+    # SIGKILL as bucket 2's call starts, while the trainer broadcasts it (no delay: with kept
+    # groups a tiny update can finish within any delay, and the kill would land after it)
     killer = KillingClient(
         target("d", doomed, (1,)).client,
         doomed,
         "update_weights_from_distributed",
         n=2,
-        delay=0.01,
     )
     t0 = time.monotonic()
     report = tr.update([target("one", one, (0,)), target("doomed", doomed, (1,), killer)])
@@ -164,9 +165,9 @@ def test_engine_killed_during_unpacked_broadcasts_fails_only_its_target(
     tr.register(trainer.weights(), 13)
     first_unpacked = next(i for i, p in enumerate(tr.plans) if p.unpacked)
     assert any(p.unpacked for p in tr.plans[first_unpacked + 1 :])  # more follow
-    killer = KillingClient(  # killed 10 ms into the first call of unpacked broadcasts
+    killer = KillingClient(  # killed as the first call of unpacked broadcasts starts
         target("d", doomed, (1,)).client, doomed, "update_weights_from_distributed",
-        n=first_unpacked + 1, delay=0.01,
+        n=first_unpacked + 1,
     )  # fmt: skip
     t0 = time.monotonic()
     report = tr.update([target("one", one, (0,)), target("doomed", doomed, (1,), killer)])
