@@ -9,6 +9,8 @@ is reported at once, not after the group timeout; a failed register publishes no
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -213,6 +215,30 @@ def test_per_update_groups_when_not_kept(one: EngineProcess, trainer: Trainer) -
     assert tr.update([target("one", one, (0,))]).ok
     assert tr.kept_groups == {} and no_groups_left(one)
     assert_serves(one, trainer, 33)
+
+
+def test_a_target_whose_group_cannot_form_does_not_hold_up_the_others(
+    engine_factory,  # noqa: F811
+    one: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+    trainer: Trainer,
+) -> None:
+    dead = engine_factory(tiny_model_dir, ranks=1)
+    os.killpg(dead.proc.pid, signal.SIGKILL)
+    dead.proc.wait(10)
+    trainer.perturb(seed=14)
+    # a short group timeout: the trainer's join of the dead target's group gives up soon
+    tr = NCCLTransport(2, bucket_bytes=SMALL_BUCKET, group_timeout=5.0)
+    tr.register(trainer.weights(), 14)
+    assert len(tr.plans) > 2  # more buckets than pack buffers: a stuck consumer would block
+    report = tr.update([target("one", one, (0,)), target("dead", dead, (1,))])
+    # were "one" held up by the dead target's consumer slot, its buckets would not be packed
+    # within the group timeout and it would fail too
+    assert report.succeeded == ["one"] and report.failed == ["dead"], report.results
+    assert "weight-update group" in report.results["dead"].reason
+    assert_serves(one, trainer, 14)
+    # the trainer's abandoned join of the dead target's group ends at its group_timeout
+    assert wait_for(lambda: transport_threads() == [], 20)
 
 
 def test_refused_bucket_is_reported_at_once(one: EngineProcess, trainer: Trainer) -> None:

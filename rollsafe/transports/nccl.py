@@ -262,7 +262,16 @@ class NCCLTransport(StagedTransport):
                 # address): nothing was applied; build a fresh group once
                 log.info("%s: kept group failed on its first bucket (%s); re-forming it",
                          target.name, exc.__cause__)  # fmt: skip
-        return self._push_buckets(target, self._form(target, world, backend, url))
+        try:
+            live = self._form(target, world, backend, url)
+        except BaseException:
+            # this target takes no bucket: the packer must not wait for it (the other targets
+            # of the update go on)
+            stream = self._stream
+            if stream is not None:
+                stream.leave(target.name)
+            raise
+        return self._push_buckets(target, live)
 
     def _form(self, target: EngineTarget, world: int, backend: str, url: str) -> _LiveGroup:
         """Form the target's group: the engine's init call and the trainer's join, concurrently."""
