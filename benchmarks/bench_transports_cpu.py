@@ -49,7 +49,8 @@ from rollsafe.adapters.engines import SGLangClient  # noqa: E402
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import weights_checksum  # noqa: E402
 from rollsafe.transports import EngineTarget, IPCTransport, NCCLTransport  # noqa: E402
-from rollsafe.transports.pipeline import alloc_buffer, direct_view  # noqa: E402
+from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
+from rollsafe.transports.pipeline import direct_view  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -242,22 +243,6 @@ def group_layouts(nbytes: int, repeats: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- transports
-def flat_copy(weights: dict[str, torch.Tensor], *, shared: bool) -> dict[str, torch.Tensor]:
-    """The same tensors back to back in one flat buffer (shared memory for ``ipc``), as a
-    Megatron-style trainer or :func:`rollsafe.transports.contiguous.flatten_parameters` keeps
-    them: the transports then send slices of it without packing."""
-    first = next(iter(weights.values()))
-    total = sum(t.numel() for t in weights.values())
-    raw = alloc_buffer(total * first.element_size(), torch.device("cpu"), shared=shared)
-    flat = raw[: total * first.element_size()].view(first.dtype)
-    out, pos = {}, 0
-    for name, t in weights.items():
-        out[name] = flat[pos : pos + t.numel()].view(t.shape)
-        out[name].copy_(t)
-        pos += t.numel()
-    return out
-
-
 def run_transport(
     kind: str,
     model_dir: Path,
@@ -292,7 +277,10 @@ def run_transport(
             tr = IPCTransport(1, bucket_bytes=bucket_bytes)
         else:
             tr = NCCLTransport(1, bucket_bytes=bucket_bytes, group_timeout=300)
-        src = weights if layout == "separate" else flat_copy(weights, shared=kind == "ipc")
+        src = (
+            weights if layout == "separate"
+            else contiguous_copy(weights, shared_memory=kind == "ipc")
+        )  # fmt: skip
         tr.register(src, 1)
         buckets = len(tr.plans)
         direct = sum(

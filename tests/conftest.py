@@ -8,6 +8,8 @@ for the composed model; ``thorough`` runs ten times that. Tests scale their own 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -41,3 +43,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def launchers() -> Iterator[list[Any]]:
+    """Collects the ``EngineLauncher``s a test creates and kills whatever is still running."""
+    made: list[Any] = []
+    yield made
+    for launcher in made:
+        launcher.kill()

@@ -123,6 +123,11 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
         time.sleep(interval)
 
 
+def all_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    """Whether every process in ``pids`` is gone (or a zombie) within ``timeout`` seconds."""
+    return wait_for(lambda: not any(pid_alive(p) for p in pids), timeout)
+
+
 def join_weight_group(
     engine: EngineProcess, *, world_size: int, group_name: str, timeout: float = 60
 ) -> Any:

@@ -9,14 +9,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("httpx")
 pytest.importorskip("torch")
+
+from engine_helpers import all_gone, wait_for
 
 from rollsafe.adapters.engines import (
     EngineLauncher,
@@ -28,35 +28,11 @@ from rollsafe.adapters.engines import (
 )
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` seconds passed; return its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return predicate()
-        time.sleep(interval)
-
-
-def all_gone(pids: list[int], timeout: float = 10.0) -> bool:
-    return wait_until(lambda: not any(pid_alive(p) for p in pids), timeout)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture
-def launchers() -> Iterator[list[EngineLauncher]]:
-    """Collects launchers a test creates and kills whatever is still running afterwards."""
-    made: list[EngineLauncher] = []
-    yield made
-    for launcher in made:
-        launcher.kill()
 
 
 def group_pids(launcher: EngineLauncher) -> list[int]:
@@ -121,7 +97,7 @@ def test_two_ranks_kill_rank_fails_health_and_kill_reaps_group(
 
     killed = launcher.kill_rank(1)
     assert all_gone([killed], timeout=5.0)
-    assert wait_until(lambda: not launcher.client.is_healthy(timeout=1.0), timeout=10.0)
+    assert wait_for(lambda: not launcher.client.is_healthy(timeout=1.0), timeout=10.0)
     assert not launcher.is_alive()
 
     launcher.kill()
@@ -175,7 +151,7 @@ def test_engine_dies_with_a_killed_parent(model_dir: Path, tmp_path: Path) -> No
     )
     parent = subprocess.Popen([sys.executable, "-c", script])
     try:
-        assert wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", 90.0)
+        assert wait_for(lambda: pid_file.exists() and pid_file.read_text() != "", 90.0)
         pids = [int(p) for p in pid_file.read_text().split()]
         assert all(pid_alive(p) for p in pids)
     finally:

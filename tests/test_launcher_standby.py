@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,25 +21,12 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("torch")
 
-from engine_helpers import tiny_model_dir, wait_for  # noqa: F401  (fixture)
+from engine_helpers import all_gone, tiny_model_dir, wait_for  # noqa: F401  (fixture)
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, pid_alive
 from rollsafe.fleet import FleetConfig, FleetConfigError, GroupSpec, HealthSettings, RolloutFleet
 
 STANDBY_WAIT_S = 120.0
-
-
-@pytest.fixture
-def launchers() -> Iterator[list[EngineLauncher]]:
-    """Collects launchers a test creates and kills whatever is still running afterwards."""
-    made: list[EngineLauncher] = []
-    yield made
-    for launcher in made:
-        launcher.kill()
-
-
-def all_gone(pids: list[int], timeout: float = 10.0) -> bool:
-    return wait_for(lambda: not any(pid_alive(p) for p in pids), timeout)
 
 
 def proc_stat(pid: int) -> tuple[str, int]:

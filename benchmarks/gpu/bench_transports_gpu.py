@@ -56,6 +56,7 @@ from rollsafe.adapters.engines import SGLangClient  # noqa: E402
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import weights_checksum  # noqa: E402
 from rollsafe.transports import EngineTarget, IPCTransport, NCCLTransport  # noqa: E402
+from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
 
 MiB = 1 << 20
 
@@ -93,22 +94,6 @@ def make_weights(
         t = torch.empty(shape, dtype=torch.bfloat16, device=device)
         t.uniform_(-0.05, 0.05, generator=gen)
         out[name] = t
-    return out
-
-
-def flat_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same tensors as views into one flat buffer per dtype, back to back in order (how a
-    Megatron-style trainer keeps them; :func:`rollsafe.transports.contiguous.flatten_parameters`
-    does this for a module): the ``ipc`` transport then sends them with no packing copy."""
-    total = sum(t.numel() for t in weights.values())
-    first = next(iter(weights.values()))
-    flat = torch.empty(total, dtype=first.dtype, device=first.device)
-    out, pos = {}, 0
-    for name, t in weights.items():
-        view = flat[pos : pos + t.numel()].view(t.shape)
-        view.copy_(t)
-        out[name] = view
-        pos += t.numel()
     return out
 
 
@@ -347,7 +332,7 @@ def main() -> int:
             if args.flat:
                 runs.append(("flat", runs[-1][1] if runs else 1024))
             for layout, mib in runs:
-                src = weights if layout == "separate" else flat_copy(weights)
+                src = weights if layout == "separate" else contiguous_copy(weights)
                 log_mark = len(eng.stderr_path.read_text(errors="replace"))
                 tr = IPCTransport(1, bucket_bytes=mib * MiB)
                 tr.register(src, 1)

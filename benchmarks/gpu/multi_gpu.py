@@ -93,6 +93,7 @@ from rollsafe.adapters.engines import EngineLauncher, EngineSpec, SGLangClient  
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import model_digest, weights_checksum  # noqa: E402
 from rollsafe.transports import EngineTarget, NCCLTransport  # noqa: E402
+from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -706,25 +707,6 @@ def raw_baselines(ctx: Ctx, nbytes: int) -> dict[str, Any]:
     return out
 
 
-def flat_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same tensors, back to back in one flat buffer per dtype (a Megatron-style layout)."""
-    out: dict[str, torch.Tensor] = {}
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name, t in weights.items():
-        by_dtype.setdefault(t.dtype, []).append(name)
-    for dtype, names in by_dtype.items():
-        first = weights[names[0]]
-        flat = torch.empty(sum(weights[n].numel() for n in names), dtype=dtype,
-                           device=first.device)  # fmt: skip
-        pos = 0
-        for n in names:
-            view = flat[pos : pos + weights[n].numel()].view(weights[n].shape)
-            view.copy_(weights[n])
-            out[n] = view
-            pos += weights[n].numel()
-    return {n: out[n] for n in weights}
-
-
 def phase_nccl(ctx: Ctx) -> dict[str, Any]:
     args, layout, res = ctx.args, ctx.layout, ctx.res
     assert ctx.pool is not None
@@ -786,7 +768,7 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
         flat_weights: dict[str, torch.Tensor] | None = None
         for weights_layout, mib, unpacked in runs:
             if weights_layout == "flat" and flat_weights is None:
-                flat_weights = flat_copy(weights)
+                flat_weights = contiguous_copy(weights)
             src = weights if weights_layout == "separate" else flat_weights
             assert src is not None
             tr = NCCLTransport(

@@ -14,11 +14,22 @@ tensors are also consecutive in the buffer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from rollsafe.transports.pipeline import alloc_buffer
 
-__all__ = ["flatten_parameters"]
+__all__ = ["contiguous_copy", "flatten_parameters"]
+
+
+def contiguous_copy(
+    named: Mapping[str, torch.Tensor], *, shared_memory: bool = False
+) -> dict[str, torch.Tensor]:
+    """The same tensors, copied back to back into one flat buffer per (device, dtype), in the
+    mapping's order: ``{name: view of that buffer}``. ``shared_memory`` allocates CPU buffers
+    in shared memory. Sparse or meta tensors raise :class:`ValueError` naming the key."""
+    return _copy_into_buffers(named, shared_memory, what="tensor")[0]
 
 
 def flatten_parameters(
@@ -31,26 +42,37 @@ def flatten_parameters(
     a copy). Returns the flat buffers. Sparse or meta parameters raise :class:`ValueError`
     naming the parameter, before anything is moved.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.nn.Parameter]]] = {}
-    for name, p in module.named_parameters():
-        if p.layout != torch.strided or p.device.type == "meta":
-            raise ValueError(
-                f"parameter {name!r}: cannot flatten a {p.layout} tensor on {p.device}"
-            )
-        groups.setdefault((p.device, p.dtype), []).append((name, p))
+    params = dict(module.named_parameters())
+    views, flats = _copy_into_buffers(
+        {n: p.data for n, p in params.items()}, shared_memory, what="parameter"
+    )
+    for name, p in params.items():
+        p.data = views[name]
+    return flats
+
+
+def _copy_into_buffers(
+    named: Mapping[str, torch.Tensor], shared_memory: bool, *, what: str
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """``(views by name, flat buffers)``; checks every tensor before copying any."""
+    groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
+    for name, t in named.items():
+        if t.layout != torch.strided or t.device.type == "meta":
+            raise ValueError(f"{what} {name!r}: cannot flatten a {t.layout} tensor on {t.device}")
+        groups.setdefault((t.device, t.dtype), []).append(name)
+    views: dict[str, torch.Tensor] = {}
     flats: list[torch.Tensor] = []
     with torch.no_grad():
-        for (device, dtype), params in groups.items():
-            numel = sum(p.numel() for _, p in params)
+        for (device, dtype), names in groups.items():
+            numel = sum(named[n].numel() for n in names)
             itemsize = torch.empty((), dtype=dtype).element_size()
             raw = alloc_buffer(numel * itemsize, device, shared=shared_memory)
             flat = raw[: numel * itemsize].view(dtype)
             pos = 0
-            for _, p in params:
-                n = p.numel()
-                view = flat[pos : pos + n].view(p.shape)
-                view.copy_(p.data)
-                p.data = view
-                pos += n
+            for n in names:
+                t = named[n]
+                views[n] = flat[pos : pos + t.numel()].view(t.shape)
+                views[n].copy_(t)
+                pos += t.numel()
             flats.append(flat)
-    return flats
+    return {n: views[n] for n in named}, flats

@@ -94,7 +94,8 @@ class NCCLTransport(StagedTransport):
 
     ``world_size``: size of the target rank space (the fleet's engine ranks).
     ``master_address``: address engines reach the trainer's store on. ``master_port``: base port
-    (target ``k`` of an update uses ``master_port + k``); None picks free ports. ``backend``:
+    (a new group takes the lowest ``master_port + k`` no kept group owns); None picks free
+    ports. ``backend``:
     ``"gloo"``/``"nccl"``, None = nccl when the tensors are on CUDA, else gloo.
     ``bucket_bytes``: bucket size. ``group_timeout``: bound on group set-up and on each bucket.
     ``flush_cache``: ask the engine to drop its KV cache with the last bucket.
@@ -154,8 +155,7 @@ class NCCLTransport(StagedTransport):
         self._pack_device: torch.device | None = None
         self._direct: list[torch.Tensor | None] = []
         self._stream: BucketStream | None = None
-        self._ports: dict[str, int] = {}
-        self._update_id = ""
+        self._ports_in_use: set[int] = set()
         self._calls: ThreadPoolExecutor | None = None
         self._closing = threading.Event()
         self.keep_groups = keep_groups
@@ -218,19 +218,7 @@ class NCCLTransport(StagedTransport):
     def _before_push(self, targets: Sequence[EngineTarget]) -> None:
         if self._pack_device is None or not self._plans:
             raise TransportError(f"{self.name}: no bucket plan registered")
-        self._update_id = uuid.uuid4().hex[:8]
-        self._ports = {}
-        with self._live_lock:
-            taken = {g.port for g in self._live.values()}
-        k = 0
-        for t in targets:
-            if self.master_port is not None:
-                while self.master_port + k in taken:
-                    k += 1  # a kept group still owns that port
-                self._ports[t.name] = self.master_port + k
-                k += 1
-            else:
-                self._ports[t.name] = _free_port(self.master_address)
+        self._ports_in_use = set()  # ports of groups being formed in this update
         # two HTTP calls in flight per target at most (init/update/destroy + one spare)
         self._calls = ThreadPoolExecutor(
             max(2, 2 * len(targets)), thread_name_prefix=f"{self.name}-http"
@@ -280,7 +268,7 @@ class NCCLTransport(StagedTransport):
         where = f"target {target.name!r} (ranks {list(target.ranks)})"
         self._serial += 1
         group_name = f"rollsafe-{self._uid}-{self._serial}-{target.name}"
-        port = self._ports[target.name]
+        port = self._claim_port()
         init = calls.submit(
             target.client.init_weights_update_group,
             self.master_address,
@@ -293,6 +281,19 @@ class NCCLTransport(StagedTransport):
         )
         group = self._join(port, world, group_name, backend, init, where)
         return _LiveGroup(group, group_name, port, world, backend, url)
+
+    def _claim_port(self) -> int:
+        """A store port for a new group: ``master_port + k`` for the smallest ``k`` no kept or
+        forming group owns, or a free port when ``master_port`` is None."""
+        if self.master_port is None:
+            return _free_port(self.master_address)
+        with self._live_lock:
+            taken = {g.port for g in self._live.values()} | self._ports_in_use
+            port = self.master_port
+            while port in taken:
+                port += 1
+            self._ports_in_use.add(port)
+        return port
 
     def _push_buckets(self, target: EngineTarget, live: _LiveGroup) -> int:
         """Every bucket over ``live``; keeps the group afterwards (``keep_groups``) or tears it

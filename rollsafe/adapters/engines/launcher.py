@@ -229,6 +229,20 @@ while True:
 """
 
 
+def _spawn_group(cmd: list[str], env: dict[str, str], *, stdin: int) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` as the leader of a new session (the whole group can be signalled at once),
+    stdout and stderr piped for an :class:`_OutputPump`."""
+    return subprocess.Popen(
+        cmd,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+        close_fds=True,
+    )
+
+
 def _start_watchdog(python: str, pgid: int) -> subprocess.Popen[bytes] | None:
     try:
         return subprocess.Popen(
@@ -565,15 +579,7 @@ class EngineLauncher:
         """Spawn a new interpreter running ``cmd``; sets the process, pump, watchdog, finalizer."""
         log_path = self._new_log("engine", cmd)
         try:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=spec.environment(),
-                start_new_session=True,
-                close_fds=True,
-            )
+            proc = _spawn_group(cmd, spec.environment(), stdin=subprocess.DEVNULL)
         except OSError as exc:
             raise EngineStartError(
                 f"cannot execute the engine command: {exc}",
@@ -670,15 +676,7 @@ class EngineLauncher:
             env = spec.environment()
             log_path = self._new_log("standby", cmd)
             try:
-                proc = subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    env=env,
-                    start_new_session=True,
-                    close_fds=True,
-                )
+                proc = _spawn_group(cmd, env, stdin=subprocess.PIPE)
             except OSError as exc:
                 log.warning("cannot spawn a warm standby (%s): %s", " ".join(cmd), exc)
                 return
