@@ -269,7 +269,8 @@ def spawn_reference(repeats: int = 5) -> float:
     cmd = [sys.executable, "-c", "import rollsafe.adapters.reference_engine.__main__"]
     for _ in range(repeats):
         t = time.monotonic()
-        subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": path})
         times.append(time.monotonic() - t)
     return _median(times)
 

@@ -221,6 +221,21 @@ def _multi_gpu(d: dict[str, Any]) -> list[Row]:
              f"{s['nccl_ratio_vs_raw_shared']:.2f}x ({s['nccl_gb_s_total']} GB/s)",
              ">= 0.7x on 2+ GPUs", "-" if note else _verdict(s["nccl_within_70pct"])),
         )  # fmt: skip
+    # the best row of each trainer layout (a flat buffer, or separately allocated tensors)
+    sweep = [r for r in d.get("phases", {}).get("nccl", {}).get("transport", [])
+             if "ratio_vs_raw_shared" in r and "error" not in r]  # fmt: skip
+    layouts = sorted({r.get("weights_layout", "separate") for r in sweep})
+    for lay in layouts if len(layouts) > 1 else []:
+        best = max((r for r in sweep if r.get("weights_layout", "separate") == lay),
+                   key=lambda r: r["ratio_vs_raw_shared"])  # fmt: skip
+        rows.append(
+            (f"{gpus} GPU nccl, best {lay} layout{note}",
+             f"{best['ratio_vs_raw_shared']:.2f}x with {best['bucket_mib']:g} MiB buckets "
+             f"({best['buckets']} calls"
+             + (f", unpacked_min_bytes {best['unpacked_min_bytes']}" if lay == "separate" else "")
+             + f"); {best['update_s'] * 1000:.1f} ms", ">= 0.7x on 2+ GPUs",
+             "-" if note else _verdict(best["ratio_vs_raw_shared"] >= 0.7)),
+        )  # fmt: skip
     if "ce_world" in s:
         rows.append(
             (f"{gpus} GPU checkpoint-engine, world {s['ce_world']}, broadcast: register / update",
@@ -234,6 +249,22 @@ def _multi_gpu(d: dict[str, Any]) -> list[Row]:
              f"{s['recovery_no_request_to_failed_group']}", "-", "-"),
         )  # fmt: skip
     return rows
+
+
+def _multi_gpu_check(d: dict[str, Any]) -> list[Row]:
+    """A correctness run of the nccl phase: the checksum after its last (many-call) row."""
+    nccl = d.get("phases", {}).get("nccl", {})
+    check = nccl.get("checksum", {})
+    rows = [r for r in nccl.get("transport", []) if "ratio_vs_raw_shared" in r]
+    ratios = ", ".join(
+        f"{r['bucket_mib']:g} MiB/{r['unpacked_min_bytes']}: {r['ratio_vs_raw_shared']:.2f}x"
+        for r in rows
+    )
+    return [
+        (f"2 GPU nccl checksum check after {check.get('after', '?')}",
+         f"checksums equal: {check.get('equal')}; ratios (bucket/unpacked_min_bytes) {ratios}",
+         "-", "-"),
+    ]  # fmt: skip
 
 
 def _median(values: list[float]) -> float:
@@ -256,6 +287,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/profile_ipc_h200.json": _profile_ipc_gpu,
     "gpu/multi_gpu_h200_one_gpu_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200x2.json": _multi_gpu,
+    "gpu/multi_gpu_h200x2_packed_check.json": _multi_gpu_check,
 }
 
 

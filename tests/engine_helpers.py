@@ -182,6 +182,16 @@ def engine_command(
     ]
 
 
+def repo_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this environment) with the repository first on ``PYTHONPATH``; what
+    the path already held (e.g. wheels carried to a GPU host) stays after it."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
 def start_engine(
     model_dir: str | Path,
     *,
@@ -193,13 +203,10 @@ def start_engine(
     timeout: float = 120.0,
 ) -> EngineProcess:
     """Spawn an engine and wait for its ready line; raise :class:`EngineStartError` otherwise."""
-    full_env = {**os.environ, **(env or {})}
+    full_env = repo_env({**os.environ, **(env or {})})
     full_env.pop("ROLLSAFE_FAULT_INJECTION", None)
     if faults:
         full_env["ROLLSAFE_FAULT_INJECTION"] = "1"
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), full_env.get("PYTHONPATH", "")) if p
-    )
     args = list(extra_args) + (["--api-key", api_key] if api_key else [])
     err = Path(tempfile.mkstemp(prefix="rollsafe-engine-", suffix=".stderr")[1])
     with err.open("w") as err_f:

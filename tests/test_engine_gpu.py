@@ -192,3 +192,62 @@ def test_nccl_rank_group_on_two_gpus(tiny_model_dir: Path) -> None:  # noqa: F81
         assert eng.checksum()["model"] == want
     finally:
         eng.stop()
+
+
+class _SlowCudaGroup:
+    """A receiving weight-update group on one GPU that behaves like NCCL's: the broadcast is
+    queued on the current stream (the engine's receive stream) after a spin, and ``wait`` makes
+    the caller's stream wait for it. It fills the buffer with ``value``."""
+
+    def __init__(self, value: float, spin_cycles: int) -> None:
+        self.value = value
+        self.spin_cycles = spin_cycles
+
+    def broadcast(self, t: torch.Tensor, root: int) -> object:
+        torch.cuda._sleep(self.spin_cycles)
+        t.fill_(self.value)
+        done = torch.cuda.Event()
+        done.record()
+
+        class Work:
+            def wait(self) -> None:
+                torch.cuda.current_stream().wait_event(done)
+
+        return Work()
+
+
+def test_receive_overlaps_the_previous_copy_without_overwriting_it() -> None:
+    """An intermediate nccl call is answered with its copies still queued (the engine does not
+    sync); the next call is received on a side stream meanwhile. The kept buffer the queued
+    copies read must not be received into: every destination gets its own call's values."""
+    from rollsafe.adapters.reference_engine.weights import ReceiveBuffers, receive_broadcast
+
+    dev = torch.device("cuda:0")
+    meta = [("a", (1024, 1024), torch.float32), ("b", (4096,), torch.float32)]
+    side = torch.cuda.Stream(device=dev)
+
+    def run(bufs: ReceiveBuffers, *, tell_copies: bool) -> list[bool]:
+        dests = []
+        for call in range(6):
+            named = receive_broadcast(
+                _SlowCudaGroup(float(call + 1), 2_000_000), meta, flattened=call % 2 == 0,
+                device=dev, buffers=bufs, stream=side,
+            )  # fmt: skip
+            # the commit: a copy that starts late on the current stream, not waited for
+            torch.cuda._sleep(20_000_000)
+            dest = {n: torch.empty_like(t) for n, t in named}
+            for n, t in named:
+                dest[n].copy_(t)
+            copied = torch.cuda.Event()
+            copied.record()
+            bufs.mark_read(copied if tell_copies else None)
+            dests.append(dest)
+        torch.cuda.synchronize(dev)
+        return [all(bool((t == call + 1).all()) for t in dest.values())
+                for call, dest in enumerate(dests)]  # fmt: skip
+
+    bufs = ReceiveBuffers(slots=2)
+    assert run(bufs, tell_copies=True) == [True] * 6  # every call kept its own data
+    assert bufs.buffers == 2  # two slots alternate; nothing else was allocated
+    # control: buffers not told about the queued copies are received into while being read
+    assert not all(run(ReceiveBuffers(slots=2), tell_copies=False))

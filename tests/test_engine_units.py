@@ -306,6 +306,58 @@ def test_receive_broadcast_reuses_its_buffer_and_drops_it_on_failure(tiny_lm: An
     assert weights_checksum(model.local_tensors()) == before
 
 
+class _FakeEvent:
+    """Stands for the CUDA event a commit's copies end at: ``done`` says whether they ended."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.done = True
+
+
+def test_receive_buffers_keep_a_slot_reserved_until_its_copies_end() -> None:
+    from rollsafe.adapters.reference_engine.weights import ReceiveBuffers
+
+    cpu = torch.device("cpu")
+    bufs = ReceiveBuffers(slots=2)
+    a = bufs.get(100, torch.float32, cpu)
+    copying_a = _FakeEvent()
+    bufs.mark_read(copying_a)  # call 1 answered with its copies still queued
+    b = bufs.get(100, torch.float32, cpu)
+    assert b.data_ptr() != a.data_ptr() and bufs.buffers == 2  # call 2 takes the other slot
+    copying_b = _FakeEvent()
+    bufs.mark_read(copying_b)
+    copying_a.done = True  # call 1's copies ended while call 2 was received
+    c = bufs.get(100, torch.float32, cpu)
+    assert c.data_ptr() == a.data_ptr() and copying_a.waited == 0 and bufs.buffers == 2
+    copying_c = _FakeEvent()
+    bufs.mark_read(copying_c)
+    # both slots still read: call 4 waits for the oldest (call 2's), on the host without a stream
+    d = bufs.get(100, torch.float32, cpu)
+    assert d.data_ptr() == b.data_ptr() and copying_b.waited == 1 and copying_c.waited == 0
+    bufs.mark_read(None)  # a synced commit: free at once
+    e = bufs.get(50, torch.float32, cpu)
+    assert e.data_ptr() == b.data_ptr() and bufs.buffers == 2
+    bufs.mark_read(None)
+    # a slot that is free but too small is grown only when no free slot fits
+    copying_c.done = True
+    big = bufs.get(200, torch.float32, cpu)
+    assert big.numel() == 200 and bufs.buffers == 2
+    bufs.drop(torch.float32, cpu)
+    assert bufs.buffers == 0 and bufs.nbytes == 0
+    one = ReceiveBuffers(slots=1)  # one slot: a busy buffer is waited for, never doubled
+    x = one.get(10, torch.float32, cpu)
+    busy = _FakeEvent()
+    one.mark_read(busy)
+    assert one.get(10, torch.float32, cpu).data_ptr() == x.data_ptr() and busy.waited == 1
+
+
 def test_shared_mappings_keep_the_last_buckets_mapped() -> None:
     from rollsafe.adapters.reference_engine.weights import SharedMappings, decode_tensor_entry
 

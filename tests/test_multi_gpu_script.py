@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import repo_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu" / "multi_gpu.py"
@@ -35,7 +36,7 @@ def run_script(out: Path, *args: str, timeout: float = 240) -> subprocess.Comple
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=repo_env(),
     )
 
 

@@ -23,6 +23,7 @@ import torch
 from engine_helpers import (
     engine_factory,  # noqa: F401  (fixture)
     free_port,
+    repo_env,
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
 )
@@ -494,7 +495,7 @@ def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path: Path) -> None:
         check=True,
         cwd=REPO,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=repo_env(),
     )
     doc = json.loads(out.read_text())
     assert doc["shapes"] == {

@@ -94,6 +94,7 @@ from rollsafe.adapters.reference_engine.collective import open_weight_update_gro
 from rollsafe.checksum import model_digest, weights_checksum  # noqa: E402
 from rollsafe.transports import EngineTarget, NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
+from rollsafe.transports.nccl import DEFAULT_UNPACKED_MIN_BYTES  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -153,14 +154,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--nccl-bucket-mib",
         default=None,
-        help="comma list of NCCLTransport bucket sizes (default 512,2048,8192; smoke 0.0625)",
+        help="comma list of NCCLTransport bucket sizes (default 512,1024,2048,4096,8192; "
+        "smoke 0.0625)",
     )
     p.add_argument(
         "--nccl-unpacked",
-        default="default,0",
+        default="default,1048576",
         help="comma list of NCCLTransport unpacked_min_bytes settings to sweep per bucket size: "
-        "'default' (the backend's default: big contiguous tensors one broadcast each) or a "
-        "byte count (0: pack everything into flattened buckets)",
+        "'default' (the backend's default, DEFAULT_UNPACKED_MIN_BYTES: 0 for nccl) or a byte "
+        "count (0: pack everything into flattened buckets; N: contiguous tensors of N bytes and "
+        "up one broadcast each)",
     )
     p.add_argument(
         "--nccl-flat",
@@ -214,7 +217,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.deadline_s is None:
         args.deadline_s = 240.0 if args.smoke else 480.0
     if args.nccl_bucket_mib is None:
-        args.nccl_bucket_mib = "0.0625" if args.smoke else "512,2048,8192"
+        args.nccl_bucket_mib = "0.0625" if args.smoke else "512,1024,2048,4096,8192"
     args.bucket_mibs = [float(x) for x in args.nccl_bucket_mib.split(",") if x.strip()]
     args.unpacked = [
         None if x.strip() == "default" else int(x)
@@ -764,7 +767,9 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
             ("separate", m, u) for m in args.bucket_mibs for u in args.unpacked
         ]
         if args.nccl_flat:
-            runs += [("flat", m, None) for m in args.bucket_mibs]
+            # smallest buckets last: the checksum below then checks the update with the most
+            # calls, where the engine receives each call while it still copies the previous one
+            runs += [("flat", m, None) for m in sorted(args.bucket_mibs, reverse=True)]
         flat_weights: dict[str, torch.Tensor] | None = None
         for weights_layout, mib, unpacked in runs:
             if weights_layout == "flat" and flat_weights is None:
@@ -778,7 +783,11 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
             row: dict[str, Any] = {
                 "weights_layout": weights_layout,
                 "bucket_mib": mib,
-                "unpacked_min_bytes": "default" if unpacked is None else unpacked,
+                # the value in effect (the transport resolves None to the backend's default)
+                "unpacked_min_bytes": (
+                    DEFAULT_UNPACKED_MIN_BYTES[backend] if unpacked is None else unpacked
+                ),
+                "unpacked_is_default": unpacked is None,
             }
             rows.append(row)
             try:
@@ -817,10 +826,17 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:4000]
             finally:
+                tr.close_groups(targets)  # the engines leave the kept groups too
                 tr.close()
             res.phase("nccl", out)
         del flat_weights
         out["checksum"] = checksums_of(clients, want, args.request_timeout_s)
+        if rows:
+            last = rows[-1]
+            out["checksum"]["after"] = (
+                f"{last['weights_layout']}, {last['bucket_mib']:g} MiB buckets "
+                f"({last.get('buckets')} calls per update)"
+            )
     finally:
         for c in clients.values():
             c.close()
@@ -1208,6 +1224,21 @@ class GroupMonitor:
         return seen
 
 
+def _restart_details(launcher: Any) -> dict[str, Any]:
+    """How the victim's engine came back: from the warm standby or a fresh spawn, and its own
+    start-up phases (seconds from the handoff or spawn, from its ready line)."""
+    try:
+        info = dict(launcher.ready_info)
+        return {
+            "from_standby": bool(launcher.last_start_from_standby),
+            "startup_s": info.get("startup_s"),
+            "standby": info.get("standby"),
+            "standby_stats": launcher.standby_stats,
+        }
+    except Exception as exc:  # reporting only: never fails the phase
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
     from rollsafe.fleet import (
         FleetConfig,
@@ -1314,9 +1345,16 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         while time.monotonic() < warm_deadline and any(rollout.served(g) < 2 for g in gids):
             time.sleep(0.05)
         out["served_before_kill"] = {g: rollout.served(g) for g in gids}
+        launcher = fleet.launcher(victim)
+        if out["warm_standby"] is True:
+            # a standby is spawned after its engine started and imports for several seconds;
+            # a crash long after start-up (the case it is for) finds it idle, so wait for that
+            t0 = time.monotonic()
+            ready = launcher.wait_standby(args.engine_start_timeout_s)
+            out["standby_ready_before_kill"] = ready
+            out["standby_wait_s"] = round(time.monotonic() - t0, 2)
         monitor = GroupMonitor(fleet.registry.get(victim)).start()
         time.sleep(0.05)
-        launcher = fleet.launcher(victim)
         pid = launcher.pid
         t_kill = time.time()
         os.kill(pid, signal.SIGKILL)
@@ -1407,6 +1445,7 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
             "subset_push_only_victim": bool(pushed_targets)
             and all(p == victim_ranks for p in pushed_targets),
             "checksums_after": {g: v == want for g, v in after.items()},
+            "victim_restart": _restart_details(fleet.launcher(victim)),
         })  # fmt: skip
         out["no_request_to_failed_group"] = (
             set(out["victim_dispatch_states"]) <= {"active"}

@@ -23,7 +23,10 @@ rc=${PIPESTATUS[0]}
 # stderr tails of the engines the script started itself (phases 2-3), for a failed start
 mkdir -p "$OUT/engine-logs"
 for f in /tmp/rollsafe-engine-*.stderr; do
-  [ -f "$f" ] && tail -c 6000 "$f" >"$OUT/engine-logs/$(basename "$f")"
+  [ -f "$f" ] || continue
+  grep -v '^rollsafe-profile ' "$f" | tail -c 6000 >"$OUT/engine-logs/$(basename "$f")"
+  # ROLLSAFE_ENGINE_PROFILE=1 timing lines, kept whole
+  grep '^rollsafe-profile ' "$f" >"$OUT/engine-logs/$(basename "$f" .stderr).profile"
 done
 ls -la "$OUT" "$OUT/engine-logs"
 exit "$rc"

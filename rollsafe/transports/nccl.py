@@ -14,7 +14,10 @@ its own process group** (trainer rank 0 plus the target's ``tp_size`` engine ran
    target's engine address or rank layout changed; one whose engine lost it (a restart on the
    same address) fails on its first bucket, before anything was applied, and is re-formed once;
 2. for every bucket, ``/update_weights_from_distributed`` is sent while the trainer broadcasts
-   the bucket (the engine's HTTP call blocks until it received it): small tensors packed into
+   the bucket, and the next bucket follows the engine's answer. An engine answers once the
+   receive and its copies into the weights are queued on its GPU (SGLang does no device sync
+   there either; the reference engine syncs only on the call that carries the version), so
+   bucket ``i + 1`` moves while the engine copies bucket ``i``. Small tensors are packed into
    one flat buffer of one dtype (``load_format="flattened_bucket"``), tensors back to back in
    one storage as one slice of it (same format, no copy), and big contiguous tensors one
    broadcast each (``load_format`` unset, no copy: ``unpacked_min_bytes``); version and cache
@@ -70,13 +73,22 @@ __all__ = ["DEFAULT_NCCL_BUCKET_BYTES", "NCCLTransport"]
 
 log = logging.getLogger("rollsafe.transports.nccl")
 
-#: Default bucket size for broadcasts.
-DEFAULT_NCCL_BUCKET_BYTES = 128 << 20
+#: Default bucket size for broadcasts. Each bucket is one HTTP call (about 1.5-3 ms round trip),
+#: so a bucket should take several times that on the wire: measured on two NVLinked H200s
+#: (8 GB, ``benchmarks/gpu/multi_gpu.py``), 512 MiB / 1 / 2 / 4 / 8 GiB buckets reached 0.47 /
+#: 0.78 / 0.80 / 0.75 / 0.66 of a raw NCCL broadcast (flat trainer buffer). Memory: the
+#: trainer packs separately allocated tensors into two buckets, the reference engine receives
+#: into two.
+DEFAULT_NCCL_BUCKET_BYTES = 1 << 30
 #: Per backend: contiguous tensors of at least this size are broadcast one by one, without
-#: packing. A gloo broadcast costs a few milliseconds on its own (measured on 2 CPU cores:
-#: 16 MiB messages reach 2.0 GB/s, 64 MiB ones 3.2 GB/s), more than packing such a tensor, so
-#: only very big tensors skip packing there; an NCCL broadcast costs tens of microseconds.
-DEFAULT_UNPACKED_MIN_BYTES: dict[str, int] = {"gloo": 64 << 20, "nccl": 1 << 20}
+#: packing (0: pack them all). A gloo broadcast costs a few milliseconds on its own (measured
+#: on 2 CPU cores: 16 MiB messages reach 2.0 GB/s, 64 MiB ones 3.2 GB/s), more than packing
+#: such a tensor, so only very big tensors skip packing there. On NVLinked H200s packing won:
+#: 8 GB of separately allocated Qwen3-4B tensors in 1 GiB buckets reached 0.72-0.74x a raw
+#: broadcast packed and 0.57-0.62x with tensors of 1 MiB and up sent one by one (the packing
+#: copy runs on the trainer's GPU two buckets ahead; per-tensor collectives cost on both sides).
+#: Set it to save the trainer's two packing buffers.
+DEFAULT_UNPACKED_MIN_BYTES: dict[str, int] = {"gloo": 64 << 20, "nccl": 0}
 #: Seconds added to ``group_timeout`` for the HTTP calls that wrap a collective.
 HTTP_MARGIN_S = 30.0
 #: Seconds the engine gets to leave a group after an update (best effort).

@@ -372,7 +372,11 @@ class ReferenceEngine:
             if self.ranks.failure is None:
                 self.ranks.call("discard")
             raise
-        names: list[str] = self.ranks.call("commit")
+        # an nccl call that is not an update's last (no version) is answered once its copies
+        # are queued, so the next call's receive overlaps them (SGLang answers these calls
+        # without a device sync too); every other call waits for its copies
+        sync = not (op == "stage_distributed" and weight_version is None)
+        names: list[str] = self.ranks.call("commit", {"sync": sync})
         # the version moves only with the call that carries it, once that call committed on
         # every rank: buckets sent without it (or failing) leave the previous version served
         if weight_version is not None:

@@ -109,6 +109,7 @@ class RankRuntime:
         self.weight_groups: dict[str, Any] = {}
         # kept between updates: distributed receive buffers, mapped shared-memory buckets
         self.recv_buffers = ReceiveBuffers(pin=self.device.type == "cuda")
+        self._recv_stream: Any = None
         self.shm_mappings = SharedMappings()
         if opts.load_format == "auto":
             self.op_stage_disk(opts.model_path)
@@ -200,8 +201,18 @@ class RankRuntime:
         device = self.device if pg.backend == "nccl" else torch.device("cpu")
         # the kept buffers hold no staged views here (one update at a time); fresh ones if so
         buffers = None if self.model.staged_names else self.recv_buffers
-        named = receive_broadcast(pg, meta, flattened=flattened, device=device, buffers=buffers)
+        stream = self._receive_stream() if device.type == "cuda" else None
+        named = receive_broadcast(
+            pg, meta, flattened=flattened, device=device, buffers=buffers, stream=stream
+        )
         self.model.stage(named, where=f"rank {self.rank}")
+
+    def _receive_stream(self) -> Any:
+        """The CUDA stream nccl receives are posted from (see :func:`receive_broadcast`)."""
+        if self._recv_stream is None:
+            cuda: Any = torch.cuda  # Stream and Event are untyped
+            self._recv_stream = cuda.Stream(device=self.device)
+        return self._recv_stream
 
     def op_stage_ipc(self, zmq_handles: Any) -> None:
         receive_from_ipc(
@@ -212,17 +223,35 @@ class RankRuntime:
         )
         self._sync()
 
-    def op_commit(self) -> list[str]:
+    def op_commit(self, sync: bool = True) -> list[str]:
+        """Copy the staged tensors into the weights.
+
+        ``sync=False`` (an nccl call that is not an update's last, see ``Engine._two_phase``)
+        answers once the copies are queued: they run on this rank's current stream, so every
+        later generation, read or release is ordered after them, and the receive buffers they
+        read stay reserved until they end (:class:`ReceiveBuffers`). The next call's receive
+        then overlaps them. Otherwise the rank waits for its GPU work, as a sender that reuses
+        its buffers (CUDA IPC) needs.
+        """
         t0 = time.perf_counter()
         names = self.model.commit()
         t1 = time.perf_counter()
-        self._sync()
+        event: Any = None
+        if not sync and self.device.type == "cuda":
+            cuda: Any = torch.cuda
+            event = cuda.Event()
+            event.record()
+        self.recv_buffers.mark_read(event)
+        if sync:
+            self._sync()
         profile_line("commit.copy_launch", self.rank, t1 - t0)
-        profile_line("commit.sync", self.rank, time.perf_counter() - t1)
+        if sync:
+            profile_line("commit.sync", self.rank, time.perf_counter() - t1)
         return names
 
     def op_discard(self) -> None:
         self.model.discard()
+        self.recv_buffers.mark_read(None)
 
     def op_gather_lm_head(self) -> torch.Tensor | None:
         """All ranks contribute their ``lm_head`` rows; rank 0 gets the full matrix."""

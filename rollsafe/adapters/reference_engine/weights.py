@@ -17,6 +17,7 @@ Owns the sources a rank can stage weights from, each validated before anything i
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import time
@@ -203,40 +204,114 @@ def decode_tensor_entry(
 
 
 class ReceiveBuffers:
-    """Receive buffers kept between distributed updates: one per (device, dtype), grown to the
-    largest call seen, so a call neither allocates nor page-faults fresh memory.
+    """Receive buffers kept between distributed updates, so a call neither allocates nor
+    page-faults fresh memory: up to ``slots`` per (device, dtype), each grown to the largest call
+    it took.
 
-    A buffer holds one call's data only until that call commits or is discarded (the engine
-    runs one update at a time). ``pin`` allocates CPU buffers in pinned memory (a CUDA engine
-    receiving over gloo copies them to the device). :meth:`clear` frees them (memory release,
-    last weight-update group destroyed).
+    A buffer holds one call's data until that call's commit has copied it out. On CUDA the
+    engine answers an intermediate nccl call once its copies are queued (see
+    :meth:`RankRuntime.op_commit`), so :meth:`mark_read` records the event those copies end at
+    and :meth:`get` hands out a slot whose event has completed; with every slot still being read
+    it waits for the oldest one, on ``stream`` when given (a GPU-side wait) or on the host. That
+    is what lets call ``i + 1`` be received while call ``i`` is copied into the weights: two
+    slots of one bucket each at most. A single-bucket update reuses one slot (its commit
+    waits). ``pin`` allocates CPU buffers in pinned memory (a CUDA engine receiving over gloo
+    copies them to the device). :meth:`clear` frees them (memory release, last weight-update
+    group destroyed).
     """
 
-    def __init__(self, *, pin: bool = False) -> None:
+    def __init__(self, *, pin: bool = False, slots: int = 2) -> None:
         self.pin = pin
-        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.slots = max(1, slots)
+        self._bufs: dict[tuple[str, torch.dtype], list[_Slot]] = {}
+        self._handed: list[_Slot] = []  # slots given to the call being staged
+        self._seq = 0
 
-    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A 1-D buffer of exactly ``numel`` elements (a prefix of the kept buffer)."""
+    def get(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        stream: Any = None,
+    ) -> torch.Tensor:
+        """A 1-D buffer of exactly ``numel`` elements (a prefix of a kept buffer) that nothing
+        reads any more, or that ``stream`` has been made to wait for."""
         key = (str(device), dtype)
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < numel:
-            self._bufs.pop(key, None)
-            buf = None  # free the smaller buffer before allocating the larger one
+        slots = self._bufs.setdefault(key, [])
+        slot = next((s for s in slots if s.free() and s.fits(numel)), None)
+        slot = slot or next((s for s in slots if s.free()), None)
+        if slot is None and len(slots) < self.slots:
+            slot = _Slot()
+            slots.append(slot)
+        if slot is None:  # every slot is still being copied out of: wait for the oldest
+            slot = min(slots, key=lambda s: s.seq)
+            event = slot.event
+            if event is not None:
+                if stream is not None:
+                    stream.wait_event(event)
+                else:
+                    event.synchronize()
+            slot.event = None
+        if not slot.fits(numel):
+            slot.buf = None  # free the smaller buffer before allocating the larger one
             pin = self.pin and device.type == "cpu"
-            buf = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
-            self._bufs[key] = buf
-        return buf[:numel]
+            slot.buf = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
+            if stream is not None and device.type == "cuda":
+                # fresh memory may come from blocks earlier default-stream kernels used
+                stream.wait_stream(torch.cuda.current_stream(device))
+        self._handed.append(slot)
+        assert slot.buf is not None
+        return slot.buf[:numel]
+
+    def mark_read(self, event: Any) -> None:
+        """The call staged from the buffers handed out since the last mark is committed; its
+        copies out of them end at ``event`` (a CUDA event, or ``None``: already done)."""
+        self._seq += 1
+        for slot in self._handed:
+            slot.event, slot.seq = event, self._seq
+        self._handed.clear()
 
     def drop(self, dtype: torch.dtype, device: torch.device) -> None:
         self._bufs.pop((str(device), dtype), None)
+        self._handed.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+        return sum(
+            s.buf.numel() * s.buf.element_size()
+            for slots in self._bufs.values()
+            for s in slots
+            if s.buf is not None
+        )
+
+    @property
+    def buffers(self) -> int:
+        """How many buffers are allocated (all devices and dtypes)."""
+        return sum(1 for slots in self._bufs.values() for s in slots if s.buf is not None)
 
     def clear(self) -> None:
         self._bufs.clear()
+        self._handed.clear()
+
+
+class _Slot:
+    """One kept receive buffer and the event its last reader (a commit's copies) ends at."""
+
+    __slots__ = ("buf", "event", "seq")
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.event: Any = None
+        self.seq = 0
+
+    def free(self) -> bool:
+        if self.event is not None and self.event.query():
+            self.event = None
+        return self.event is None
+
+    def fits(self, numel: int) -> bool:
+        return self.buf is not None and self.buf.numel() >= numel
 
 
 def parse_update_meta(
@@ -274,13 +349,20 @@ def receive_broadcast(
     flattened: bool,
     device: torch.device,
     buffers: ReceiveBuffers | None = None,
+    stream: Any = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Receive tensors broadcast from rank 0 of ``pg`` (already validated ``meta``).
 
     Every tensor lands in one flat buffer per dtype (from ``buffers`` when given, else freshly
     allocated) and is returned as a view of it, in ``meta`` order: ``flattened`` receives one
-    broadcast per call, otherwise one broadcast per tensor. A failed broadcast drops the buffers
-    it may have been writing (they are never reused half-written by a transfer still running).
+    broadcast per call (posted before the views are built), otherwise one broadcast per tensor.
+    A failed broadcast drops the buffers it may have been writing (they are never reused
+    half-written by a transfer still running).
+
+    ``stream`` (CUDA, nccl): the broadcasts are posted from it instead of the current stream,
+    and the current stream then waits for them. Work queued on the current stream (the previous
+    call's copies into the weights) therefore does not hold up this receive, while everything
+    queued after it (the copies of this call, generation) still sees the received data.
     """
     if flattened:
         dtypes = {dt for _, _, dt in meta}
@@ -292,30 +374,41 @@ def receive_broadcast(
     totals: dict[torch.dtype, int] = {}
     for _, shape, dtype in meta:
         totals[dtype] = totals.get(dtype, 0) + math.prod(shape)
+    if buffers is None and stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))  # see ReceiveBuffers.get
     flats = {
         dt: (
-            buffers.get(n, dt, device)
+            buffers.get(n, dt, device, stream=stream)
             if buffers is not None
             else torch.empty(n, dtype=dt, device=device)
         )
         for dt, n in totals.items()
     }
-    pos = dict.fromkeys(totals, 0)
-    out: list[tuple[str, torch.Tensor]] = []
-    for name, shape, dtype in meta:
-        n = math.prod(shape)
-        out.append((name, flats[dtype][pos[dtype] : pos[dtype] + n].view(shape)))
-        pos[dtype] += n
+
+    def views() -> list[tuple[str, torch.Tensor]]:
+        pos = dict.fromkeys(totals, 0)
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, shape, dtype in meta:
+            n = math.prod(shape)
+            out.append((name, flats[dtype][pos[dtype] : pos[dtype] + n].view(shape)))
+            pos[dtype] += n
+        return out
+
+    side = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     try:
         if flattened:
             (flat,) = flats.values()
-            pg.broadcast(flat, 0).wait()
+            with side:
+                works = [pg.broadcast(flat, 0)]
+            out = views()  # built while the data moves
         else:
+            out = views()
             # the sender issues its broadcasts back to back; post every receive before waiting
             # (in order: a process group runs its collectives in issue order)
-            works = [pg.broadcast(t, 0) for _, t in out]
-            for work in works:
-                work.wait()
+            with side:
+                works = [pg.broadcast(t, 0) for _, t in out]
+        for work in works:
+            work.wait()  # on CUDA: the current stream waits for the receive
     except BaseException:
         if buffers is not None:
             for dt in flats:
