@@ -213,11 +213,13 @@ def _profile_ipc_gpu(d: dict[str, Any]) -> list[Row]:
 def _multi_gpu(d: dict[str, Any]) -> list[Row]:
     s = d.get("summary", {})
     gpus = len(d.get("phases", {}).get("env", {}).get("gpus", [])) or "?"
+    nbytes = d.get("phases", {}).get("nccl", {}).get("weights", {}).get("bytes")
+    size = f", {nbytes / (1 << 30):.2f} GiB" if nbytes else ""
     note = " (one-GPU rehearsal: gloo, not NCCL)" if d.get("args", {}).get("one_gpu") else ""
     rows: list[Row] = []
     if "nccl_ratio_vs_raw_shared" in s:
         rows.append(
-            (f"{gpus} GPU nccl transport vs raw broadcast{note}",
+            (f"{gpus} GPU nccl transport vs raw broadcast{size}{note}",
              f"{s['nccl_ratio_vs_raw_shared']:.2f}x ({s['nccl_gb_s_total']} GB/s)",
              ">= 0.7x on 2+ GPUs", "-" if note else _verdict(s["nccl_within_70pct"])),
         )  # fmt: skip
@@ -229,7 +231,7 @@ def _multi_gpu(d: dict[str, Any]) -> list[Row]:
         best = max((r for r in sweep if r.get("weights_layout", "separate") == lay),
                    key=lambda r: r["ratio_vs_raw_shared"])  # fmt: skip
         rows.append(
-            (f"{gpus} GPU nccl, best {lay} layout{note}",
+            (f"{gpus} GPU nccl, best {lay} layout{size}{note}",
              f"{best['ratio_vs_raw_shared']:.2f}x with {best['bucket_mib']:g} MiB buckets "
              f"({best['buckets']} calls"
              + (f", unpacked_min_bytes {best['unpacked_min_bytes']}" if lay == "separate" else "")
@@ -287,6 +289,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/profile_ipc_h200.json": _profile_ipc_gpu,
     "gpu/multi_gpu_h200_one_gpu_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200x2.json": _multi_gpu,
+    "gpu/multi_gpu_h200x2_8gib.json": _multi_gpu,
     "gpu/multi_gpu_h200x2_packed_check.json": _multi_gpu_check,
 }
 

@@ -75,8 +75,8 @@ log = logging.getLogger("rollsafe.transports.nccl")
 
 #: Default bucket size for broadcasts. Each bucket is one HTTP call (about 1.5-3 ms round trip),
 #: so a bucket should take several times that on the wire: measured on two NVLinked H200s
-#: (8 GB, ``benchmarks/gpu/multi_gpu.py``), 512 MiB / 1 / 2 / 4 / 8 GiB buckets reached 0.47 /
-#: 0.78 / 0.80 / 0.75 / 0.66 of a raw NCCL broadcast (flat trainer buffer). Memory: the
+#: (8.06 GiB, ``benchmarks/gpu/multi_gpu.py``), 512 MiB / 1 / 2 / 4 / 8 GiB buckets reached
+#: 0.58 / 0.87 / 0.84 / 0.78 / 0.69 of a raw NCCL broadcast (flat trainer buffer). Memory: the
 #: trainer packs separately allocated tensors into two buckets, the reference engine receives
 #: into two.
 DEFAULT_NCCL_BUCKET_BYTES = 1 << 30
