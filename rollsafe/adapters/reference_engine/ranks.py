@@ -226,8 +226,9 @@ class RankRuntime:
     def op_commit(self, sync: bool = True) -> list[str]:
         """Copy the staged tensors into the weights.
 
-        ``sync=False`` (an nccl call that is not an update's last, see ``Engine._two_phase``)
-        answers once the copies are queued: they run on this rank's current stream, so every
+        ``sync=False`` (an nccl call that is not an update's last, see
+        ``ReferenceEngine._two_phase``) answers once the copies are queued: they run on this
+        rank's current stream, so every
         later generation, read or release is ordered after them, and the receive buffers they
         read stay reserved until they end (:class:`ReceiveBuffers`). The next call's receive
         then overlaps them. Otherwise the rank waits for its GPU work, as a sender that reuses
