@@ -31,6 +31,8 @@ def config(model: Path, tmp_path: Path, **kw: object) -> FleetConfig:
         ({"groups": [GroupSpec(0)]}, "groups[0].ranks"),
         ({"groups": []}, "groups"),
         ({"health": None}, "health"),
+        ({"nccl_backend": "mpi"}, "nccl_backend"),
+        ({"nccl_bucket_bytes": 0}, "nccl_bucket_bytes"),
     ],
 )
 def test_malformed_config_names_the_key(
@@ -109,3 +111,31 @@ def test_start_generate_sync_timeline_and_close(tiny_model_dir: Path, tmp_path: 
     assert not any(pid_alive(p) for p in pids)  # the context manager reaped every rank
     with pytest.raises(FleetNotStarted):
         fleet.generate([1])
+
+
+def test_nccl_fleet_takes_its_backend_and_bucket_size(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rollsafe.transports import NCCLTransport
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    cfg = config(
+        tiny_model_dir, tmp_path, transport="nccl", nccl_backend=None,
+        nccl_bucket_bytes=64 << 10,
+    )  # fmt: skip
+    with RolloutFleet(cfg) as fleet:
+        tr = fleet.transport
+        assert isinstance(tr, NCCLTransport)
+        assert tr.backend is None and tr.bucket_bytes == 64 << 10
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02)
+        weights = {n: p.detach() for n, p in model.named_parameters()}
+        report = fleet.sync_weights(weights, 1)
+        assert report.ok, report
+        assert tr.resolved_backend() == "gloo"  # None: chosen by the weights' device (CPU)
+        assert len(tr.plans) > 1  # the small buckets were used
+        assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}

@@ -4,7 +4,8 @@ Two engines serve the whole module (1 rank and 2 ranks, from model A); the train
 B. Checks: both engines updated (checksum and greedy output equal the trainer's); a subset
 re-sync updates only the named engine; an engine SIGKILLed during a broadcast fails only its
 own target (groups are per target) with every thread finishing; an engine that refuses a bucket
-is reported at once, not after the group timeout; a failed register publishes nothing.
+is reported at once, not after the group timeout; a failed register publishes nothing; only
+the call that carries the version waits for the engine's copies.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -293,3 +295,30 @@ def test_nccl_trainer_and_engine_processes_on_gpus(
     assert report.ok, report.results
     got = eng.checksum()
     assert got["model"] == weights_checksum(weights)["model"] and got["weight_version"] == "12"
+
+
+def test_only_the_versioned_call_of_an_update_waits_for_its_copies(
+    engine_factory: Any,  # noqa: F811
+    tiny_model_dir: Path,  # noqa: F811
+    trainer: Trainer,
+) -> None:
+    """The engine answers a bucket that carries no version once its copies are queued (the next
+    bucket's receive overlaps them on a GPU); the last bucket, with the version, waits for its
+    copies. The engine's profile lines show which commits waited."""
+    eng = engine_factory(tiny_model_dir, env={"ROLLSAFE_ENGINE_PROFILE": "1"})
+    tr = transport(1)
+    tr.register(trainer.weights(), 1)
+    calls = len(tr.plans)
+    assert calls >= 3
+    start = len(eng.stderr())  # the start-up load's commit printed its lines before this
+    report = tr.update([target("p", eng, (0,))])
+    assert report.ok, report.results
+    assert_serves(eng, trainer, 1)
+
+    def count(op: str) -> int:
+        return sum(1 for line in eng.stderr()[start:].splitlines() if f"op={op} " in line)
+
+    assert count("stage_distributed") == calls and count("commit.copy_launch") == calls
+    assert count("commit.sync") == 1  # only the call with the version
+    tr.close_groups([target("p", eng, (0,))])
+    tr.close()

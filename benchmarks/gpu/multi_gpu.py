@@ -33,8 +33,8 @@ measured; phases that would start after ``--deadline-s`` are skipped and listed 
 GPU layout: the trainer holds GPU 0 and NCCL refuses two ranks of one communicator on one GPU
 ("Duplicate GPU detected"), so no engine that receives over NCCL may sit on GPU 0. On 2 GPUs the
 two recovery groups therefore share GPU 1 (separate processes, separate communicators); on 3+
-GPUs each has its own. The fleet builds its ``NCCLTransport`` with backend gloo; on GPU this
-script switches the built transport's public ``backend`` to ``"nccl"`` before the first sync.
+GPUs each has its own. On GPU the fleet is configured with ``FleetConfig(nccl_backend="nccl")``
+(its default is gloo).
 
 ``--smoke`` runs every phase on CPU: gloo instead of nccl, a tiny Qwen3, CPU engines (two by
 default, standing in for GPUs 1 and 2); ``checkpoint_engine`` is recorded as skipped because
@@ -1270,8 +1270,8 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         "groups": {g: {"gpu": layout.gpu_of(slot_of[g])} for g in gids},
         "victim": victim,
         "layout_note": layout.describe()["note"],
-        "transport": "nccl (the fleet's NCCLTransport; backend switched to nccl)"
-        if layout.backend == "nccl" else "nccl (the fleet's NCCLTransport, backend gloo)",
+        "transport": f"nccl (the fleet's NCCLTransport, FleetConfig(nccl_backend="
+                     f"{layout.backend!r}))",
     }  # fmt: skip
 
     def factory(group_id: str, spec: EngineSpec) -> EngineLauncher:
@@ -1302,6 +1302,7 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         router_max_attempts=4,
         wait_for_routable_s=2.0,
         nccl_group_timeout_s=args.group_timeout_s,
+        nccl_backend=layout.backend,
         start_timeout_s=args.engine_start_timeout_s,
     )  # fmt: skip
     if args.warm_standby:
@@ -1320,8 +1321,6 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         fleet.start()
         out["fleet_start_s"] = round(time.monotonic() - t0, 1)
         tr = fleet.transport
-        if layout.backend == "nccl" and isinstance(tr, NCCLTransport):
-            tr.backend = "nccl"  # RolloutFleet builds it with gloo; no sync has run yet
         out["backend"] = tr.resolved_backend() if isinstance(tr, NCCLTransport) else None
         device = layout.trainer_device
         weights = build_weights(shapes, device, seed=7)

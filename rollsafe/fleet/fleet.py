@@ -129,7 +129,10 @@ class FleetConfig:
     and imports (most of a CPU engine's start); it costs one such process per group (a few
     hundred MB of host memory each) and, after every start, one background import.
     ``GroupSpec.warm_standby`` overrides it per group. Needs an engine module that supports
-    ``--standby`` (the reference engine does).
+    ``--standby`` (the reference engine does). ``transport="nccl"`` only: ``nccl_backend``
+    (``"gloo"``, the default, moves host memory and works with engines anywhere; ``"nccl"``
+    for trainer weights and engines on GPUs; None picks by the weights' device) and
+    ``nccl_bucket_bytes`` (None: :data:`~rollsafe.transports.DEFAULT_NCCL_BUCKET_BYTES`).
     """
 
     model_path: str | os.PathLike[str]
@@ -150,6 +153,8 @@ class FleetConfig:
     nccl_group_timeout_s: float = 120.0
     start_timeout_s: float = 180.0
     warm_standby: bool = False
+    nccl_backend: str | None = "gloo"
+    nccl_bucket_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,12 @@ def _validate(config: FleetConfig) -> list[_ResolvedGroup]:
     _positive("start_timeout_s", config.start_timeout_s)
     if config.request_timeout_s is not None:
         _positive("request_timeout_s", config.request_timeout_s)
+    if config.nccl_backend not in ("gloo", "nccl", None):
+        raise FleetConfigError(
+            "nccl_backend", f"must be 'gloo', 'nccl' or None, got {config.nccl_backend!r}"
+        )
+    if config.nccl_bucket_bytes is not None:
+        _positive("nccl_bucket_bytes", config.nccl_bucket_bytes, integer=True)
     if not isinstance(config.warm_standby, bool):
         raise FleetConfigError("warm_standby", f"must be a bool, got {config.warm_standby!r}")
     if "warm_standby" in config.engine_options:
@@ -392,10 +403,13 @@ class RolloutFleet:
 
             transport = IPCTransport(self.world_size)
         else:
-            from rollsafe.transports import NCCLTransport
+            from rollsafe.transports import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
 
             transport = NCCLTransport(
-                self.world_size, backend="gloo", group_timeout=cfg.nccl_group_timeout_s
+                self.world_size,
+                backend=cfg.nccl_backend,
+                bucket_bytes=cfg.nccl_bucket_bytes or DEFAULT_NCCL_BUCKET_BYTES,
+                group_timeout=cfg.nccl_group_timeout_s,
             )
         self.transport = transport
         rs = cfg.recovery
