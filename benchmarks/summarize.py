@@ -256,6 +256,7 @@ def _multi_gpu(d: dict[str, Any]) -> list[Row]:
 def _multi_gpu_check(d: dict[str, Any]) -> list[Row]:
     """A correctness run of the nccl phase: the checksum after its last (many-call) row."""
     nccl = d.get("phases", {}).get("nccl", {})
+    gpus = len(d.get("phases", {}).get("env", {}).get("gpus", [])) or "?"
     check = nccl.get("checksum", {})
     rows = [r for r in nccl.get("transport", []) if "ratio_vs_raw_shared" in r]
     ratios = ", ".join(
@@ -263,7 +264,7 @@ def _multi_gpu_check(d: dict[str, Any]) -> list[Row]:
         for r in rows
     )
     return [
-        (f"2 GPU nccl checksum check after {check.get('after', '?')}",
+        (f"{gpus} GPU nccl checksum check after {check.get('after', '?')}",
          f"checksums equal: {check.get('equal')}; ratios (bucket/unpacked_min_bytes) {ratios}",
          "-", "-"),
     ]  # fmt: skip
