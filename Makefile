@@ -1,5 +1,6 @@
 # The two set-up commands of the README: `make demo` and `make test`.
-# Each creates .venv if missing and installs the project from the CPU lock (constraints/cpu.txt).
+# Each creates .venv if missing and installs the project from the CPU lock (constraints/cpu.txt),
+# plus the pinned upstream engine wheels the wire tests read, without their dependencies.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,9 +13,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml constraints/cpu.txt
+$(STAMP): $(BIN)/python pyproject.toml constraints/cpu.txt constraints/upstream.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints/cpu.txt -e ".[dev]"
+	$(BIN)/pip install -q --no-deps -r constraints/upstream.txt
 	touch $(STAMP)
 
 $(MERMAID): tools/mermaid/package.json tools/mermaid/package-lock.json

@@ -26,9 +26,11 @@ restart step's part outside the engine (teardown, process spawn and interpreter 
 ``python -c 'import rollsafe.adapters.reference_engine.__main__'`` as the reference for the
 spawn part. With a warm standby there is no spawn, so its rollsafe overhead is crash ->
 ``active`` minus detection minus the engine's start (counted from the handoff) and nothing else
-(``overhead.standby``). Figures are medians of ``--repeats`` crashes per mode. The step time
-at which immediate is 5x shorter is computed from the measured parts and, with ``--validate``,
-checked with one deferred run at that step time. Prints a table and writes
+(``overhead.standby``). Each mode's fleet is recorded (``RolloutFleet.record``) into
+``benchmarks/results/recovery_runs/<mode>/``: ``timeline.jsonl`` and ``timeline.svg``, the
+picture of its crashes and recoveries. Figures are medians of ``--repeats`` crashes per mode. The
+step time at which immediate is 5x shorter is computed from the measured parts and, with
+``--validate``, checked with one deferred run at that step time. Prints a table and writes
 ``benchmarks/results/recovery_cpu.json``.
 
     .venv/bin/python benchmarks/bench_recovery.py [--repeats 3] [--rollout-s 8] [--validate]
@@ -64,6 +66,8 @@ from rollsafe.fleet.fleet import (  # noqa: E402
 )
 
 OUT = REPO / "benchmarks" / "results" / "recovery_cpu.json"
+#: One recorded run per mode (timeline.jsonl, fleet.json, timeline.svg; `rollsafe report` opens it)
+RUNS = REPO / "benchmarks" / "results" / "recovery_runs"
 TARGET_RATIO = 5.0
 TARGET_OVERHEAD_S = 0.100
 HEALTH = HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2)  # the demo's
@@ -139,7 +143,8 @@ def _crash(fleet: RolloutFleet, gid: str, step_t0: float) -> float:
     """Sleep to CRASH_DELAY_S into the rollout phase, SIGKILL rank 0; return the wall time."""
     time.sleep(max(0.0, step_t0 + CRASH_DELAY_S - time.monotonic()))
     at = time.time()
-    fleet.launcher(gid).kill_rank(0)
+    pid = fleet.launcher(gid).kill_rank(0)
+    fleet.observer.mark_crash(gid, at=at, rank=0, pid=pid)  # the onset in the recorded run
     return at
 
 
@@ -201,6 +206,7 @@ def run_immediate(
                 f" {active_at - crash_at:.3f}s ({rec.strategy}, {rec.status},"
                 f" from standby {launcher.last_start_from_standby}, weights match {want == got})"
             )
+        print(f"  recorded run and its picture: {fleet.record(RUNS / tag)}/timeline.svg")
     return out
 
 
@@ -260,6 +266,7 @@ def run_deferred(
                 f" sync {t_sync:.3f}s; weights match {want == got})"
             )
             fleet.exporter.wait_hf_export(version, timeout=WAIT_S)
+        print(f"  recorded run and its picture: {fleet.record(RUNS / tag)}/timeline.svg")
     return out
 
 

@@ -1,4 +1,5 @@
-"""The ``rollsafe`` command line: ``diagrams``, ``verify``, ``bench`` and ``inspect``.
+"""The ``rollsafe`` command line: ``diagrams``, ``verify``, ``bench``, ``demo``, ``report`` and
+``inspect``.
 
 Each subcommand is a thin shell over a library function, so everything it does is also callable
 from Python.
@@ -101,6 +102,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)  # type: ignore[arg-type]
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from rollsafe.observe.report import run_report
+
+    return run_report(args.path, svg=args.svg, draw=not args.no_svg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollsafe",
@@ -137,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="trainer + rollout fleet + SIGKILL, end to end on CPU")
     add_demo_arguments(p)
     p.set_defaults(func=_cmd_demo)
+
+    from rollsafe.observe.report import add_arguments as add_report_arguments
+
+    p = sub.add_parser(
+        "report",
+        help="open a recorded run (demo-report/ or RolloutFleet.record()): summary, recovery "
+        "breakdown, invariant checks, timeline.svg; exit 2 on a bad file",
+    )
+    add_report_arguments(p)
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("inspect", help="print every machine's states, events and guards")
     p.add_argument("machine", nargs="?", help="one machine class name")

@@ -13,12 +13,14 @@ SIGKILLed. ``--trainer inprocess`` runs the same trainer in the driver (no Ray).
 It prints live progress, then a timeline of every machine transition, the recovery latency
 (crash -> ``active`` with current weights), the throughput lost, the per-step weights checksum
 check (every serving engine against the trainer actor's own digest) and where the time went,
-the trainer actor's round trips included; it writes ``<out>/timeline.jsonl``, ``<out>/paths.md``
-(the paths the machines actually took, as mermaid ``stateDiagram-v2``) and
-``<out>/summary.json``. Exit status 1 if an invariant broke: a request admitted to a
-non-``active`` group, an engine serving weights other than the trainer's, a failed step, or the
-crashed group never returning. Engines, the trainer actor and the local Ray are shut down on the
-way out, also on an error, Ctrl-C or SIGTERM.
+the trainer actor's round trips included; it writes ``<out>/timeline.jsonl`` (with the syncs,
+recoveries, the crash and the request rates: :mod:`rollsafe.observe.runfile`),
+``<out>/timeline.svg`` (its picture), ``<out>/fleet.json``, ``<out>/paths.md`` (the paths the
+machines actually took, as mermaid ``stateDiagram-v2``) and ``<out>/summary.json``;
+``rollsafe report <out>`` reads them back. Exit status 1 if an invariant broke: a request
+admitted to a non-``active`` group, an engine serving weights other than the trainer's, a failed
+step, or the crashed group never returning. Engines, the trainer actor and the local Ray are shut
+down on the way out, also on an error, Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -314,6 +316,8 @@ def run_demo(opts: DemoOptions) -> int:
                     crash = {"group": crash_gid, "step": step, "rank": 1, "pid": pid,
                              "at": time.time()}  # fmt: skip
                     crashed_now = True
+                    # the onset of the failure for the metrics, timeline.jsonl and its picture
+                    fleet.observer.mark_crash(crash_gid, at=crash["at"], rank=1, pid=pid)
                     say(f"  !! step {step}: SIGKILL rank 1 (pid {pid}) of {crash_gid}")
                 if now >= next_print:
                     with load.lock:
@@ -511,9 +515,10 @@ def run_demo(opts: DemoOptions) -> int:
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
         "wall_s": round(time.monotonic() - wall0, 3),
     }
-    with (out / "timeline.jsonl").open("w") as f:
-        for row in timeline:
-            f.write(json.dumps({**row, "t": row["timestamp"] - t_begin}, default=str) + "\n")
+    # timeline.jsonl (transitions, syncs, recoveries, the crash, request rates), fleet.json and
+    # timeline.svg; `rollsafe report <out>` reads them back and redraws the picture
+    assert fleet is not None
+    fleet.record(out, t0=t_begin)
     (out / "paths.md").write_text(mermaid_paths(timeline))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
@@ -562,7 +567,8 @@ def run_demo(opts: DemoOptions) -> int:
             f" {trainer_info['weights_fetched_zero_copy']}; rebuilt and verified in"
             f" {trainer_info['fetch_rebuild_verify_s']:.3f}s"
         )
-    print(f"report: {out}/timeline.jsonl, {out}/paths.md, {out}/summary.json")
+    print(f"report: {out}/timeline.jsonl, {out}/paths.md, {out}/summary.json, {out}/fleet.json")
+    print(f"picture: {out}/timeline.svg (`rollsafe report {out}` checks the run and redraws it)")
     if ok:
         print("demo OK: all invariants held")
         return 0

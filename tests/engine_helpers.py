@@ -70,9 +70,40 @@ class EngineProcess:
         return self.client.get(path, **kw)
 
     def checksum(self) -> dict[str, Any]:
-        r = self.get("/weights_checksum")
-        r.raise_for_status()
-        return dict(r.json())
+        """``{"model", "tensors", "algorithm", "weight_version"}`` from the engine's own checker.
+
+        SGLang ``POST /weights_checker`` (``model``: rank 0's ``per_gpu_checksum``; the reference
+        engine's ranks all report the full model) or vLLM ``POST /weight_checker`` (prefixes
+        stripped from rank 0's keys; ``model``: :func:`rollsafe.checksum.model_digest`). Neither
+        reports a version, so ``weight_version`` comes from ``/get_server_info``. Compare with
+        ``weights_checksum(state, got["algorithm"])``.
+        """
+        from rollsafe.checksum import algorithm_for, model_digest
+
+        info = self.get("/get_server_info")
+        info.raise_for_status()
+        server = info.json()
+        if server["dialect"] == "vllm":
+            r = self.post("/weight_checker", {"action": "checksum"})
+            r.raise_for_status()
+            prefix = "dp0:pp0:pcp0:tp0:"
+            tensors = {
+                k[len(prefix) :]: v
+                for k, v in r.json()["checksums"].items()
+                if k.startswith(prefix)
+            }
+            model = model_digest(tensors)
+        else:
+            r = self.post("/weights_checker", {"action": "checksum"})
+            r.raise_for_status()
+            rank0 = r.json()["ranks"][0]
+            tensors, model = dict(rank0["checksums"]), rank0["per_gpu_checksum"]
+        return {
+            "model": model,
+            "tensors": tensors,
+            "algorithm": algorithm_for(server["dialect"], server["device"]),
+            "weight_version": server["weight_version"],
+        }
 
     def healthy(self, timeout: float = 2.0) -> bool:
         try:
@@ -186,9 +217,7 @@ def repo_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this environment) with the repository first on ``PYTHONPATH``; what
     the path already held (e.g. wheels carried to a GPU host) stays after it."""
     env = dict(os.environ if base is None else base)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
 

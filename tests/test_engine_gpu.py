@@ -113,7 +113,7 @@ def test_checksum_on_cuda_matches_the_checkpoint(
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
     got = cuda_engine.checksum()  # two ranks: lm_head gathered through host copies
-    want = weights_checksum(hf_state(tiny_model_dir))
+    want = weights_checksum(hf_state(tiny_model_dir), got["algorithm"])  # sglang-gpu
     assert got["tensors"] == want["tensors"] and got["model"] == want["model"]
 
 
@@ -139,7 +139,7 @@ def test_cuda_ipc_flattened_buckets_update(
         )
         assert r.status_code == 200, r.text
     got = cuda_engine.checksum()
-    assert got["model"] == weights_checksum(cuda_state_b)["model"]
+    assert got["model"] == weights_checksum(cuda_state_b, got["algorithm"])["model"]
     assert got["weight_version"] == "cuda-ipc"
     assert_greedy_matches(generate(cuda_engine), tiny_model_dir_b, PROMPT)
 
@@ -157,14 +157,19 @@ def test_release_resume_and_disk_reload_on_cuda(
     )
     assert r.status_code == 200, r.text
     got = cuda_engine.checksum()
-    assert got["model"] == weights_checksum(hf_state(tiny_model_dir))["model"]
+    assert got["model"] == weights_checksum(hf_state(tiny_model_dir), got["algorithm"])["model"]
     assert_greedy_matches(generate(cuda_engine), tiny_model_dir, PROMPT)
 
 
 def test_sampling_on_cuda_is_seeded(cuda_engine: EngineProcess) -> None:
     body = {
         "input_ids": PROMPT,
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 3},
+        "sampling_params": {
+            "max_new_tokens": 8,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "sampling_seed": 3,
+        },
     }
     a = cuda_engine.post("/generate", body)
     assert a.status_code == 200, a.text
@@ -188,8 +193,8 @@ def test_nccl_rank_group_on_two_gpus(tiny_model_dir: Path) -> None:  # noqa: F81
     eng = start_engine(tiny_model_dir, ranks=2, extra_args=[*CUDA_ARGS, "--rank-backend", "nccl"])
     try:
         assert_greedy_matches(generate(eng), tiny_model_dir, PROMPT)
-        want = weights_checksum(hf_state(tiny_model_dir))["model"]
-        assert eng.checksum()["model"] == want
+        got = eng.checksum()
+        assert got["model"] == weights_checksum(hf_state(tiny_model_dir), got["algorithm"])["model"]
     finally:
         eng.stop()
 
@@ -205,7 +210,8 @@ class _SlowCudaGroup:
 
     def broadcast(self, t: torch.Tensor, root: int) -> object:
         torch.cuda._sleep(self.spin_cycles)
-        t.fill_(self.value)
+        # flattened calls receive SGLang's uint8 layout: fill the float32 values it carries
+        (t.view(torch.float32) if t.dtype == torch.uint8 else t).fill_(self.value)
         done = torch.cuda.Event()
         done.record()
 
@@ -230,7 +236,7 @@ def test_receive_overlaps_the_previous_copy_without_overwriting_it() -> None:
         dests = []
         for call in range(6):
             named = receive_broadcast(
-                _SlowCudaGroup(float(call + 1), 2_000_000), meta, flattened=call % 2 == 0,
+                _SlowCudaGroup(float(call + 1), 2_000_000), meta, flattened=True,
                 device=dev, buffers=bufs, stream=side,
             )  # fmt: skip
             # the commit: a copy that starts late on the current stream, not waited for

@@ -17,6 +17,7 @@ from rollsafe.transports.bucket import (
     BucketFormatError,
     FlatBucket,
     TensorMeta,
+    WireBucket,
     deserialize_payload,
     pack_buckets,
     serialize_bucket,
@@ -53,7 +54,8 @@ def test_serialize_roundtrip_shared_memory() -> None:
     named = _named()
     for b in pack_buckets(named, bucket_bytes=1 << 20):
         payload = deserialize_payload(serialize_bucket(b))
-        assert isinstance(payload, FlatBucket)
+        assert isinstance(payload, WireBucket)  # SGLang's layout: uint8 buffer, byte offsets
+        assert payload.flat.dtype == torch.uint8
         for (n1, t1), (n2, t2) in zip(payload.named_views(), b.named_views(), strict=True):
             assert n1 == n2 and torch.equal(t1, t2)
     plain = deserialize_payload(serialize_named_tensors(named[:2]))
@@ -87,8 +89,9 @@ def test_checksum_is_canonical() -> None:
     t = torch.arange(12, dtype=torch.float32).view(3, 4)
     assert tensor_digest(t) == tensor_digest(t.clone())
     assert tensor_digest(t.t()) == tensor_digest(t.t().contiguous())
-    assert tensor_digest(t) != tensor_digest(t.view(4, 3))  # shape is part of the digest
-    assert tensor_digest(t) != tensor_digest(t.to(torch.float64))  # so is dtype
+    # as upstream's checkers: only the bytes count, not shape or dtype
+    assert tensor_digest(t) == tensor_digest(t.view(4, 3))
+    assert tensor_digest(t) != tensor_digest(t.to(torch.float64))  # other bytes
     a = weights_checksum({"x": t, "y": t + 1})
     b = weights_checksum([("y", t + 1), ("x", t)])
     assert a == b and set(a["tensors"]) == {"x", "y"}
@@ -287,22 +290,27 @@ def test_receive_broadcast_reuses_its_buffer_and_drops_it_on_failure(tiny_lm: An
     meta = [(n, s.shape, s.dtype) for n, s in model.specs.items()][:5]
     bufs = ReceiveBuffers()
     cpu = torch.device("cpu")
-    first = receive_broadcast(_FakeGroup(1.0), meta, flattened=True, device=cpu, buffers=bufs)
+    first = receive_broadcast(_FakeGroup(1.0), meta, flattened=False, device=cpu, buffers=bufs)
     ptr = first[0][1].data_ptr()
     second = receive_broadcast(_FakeGroup(2.0), meta, flattened=False, device=cpu, buffers=bufs)
     assert second[0][1].data_ptr() == ptr  # same memory: nothing allocated for the second call
     assert all(bool((t == 2.0).all()) and tuple(t.shape) == s for (_, t), (_, s, _) in
                zip(second, meta, strict=True))  # fmt: skip
+    # flattened calls receive SGLang's uint8 layout: one kept byte buffer, reused when smaller
+    packed = receive_broadcast(_FakeGroup(3.0), meta, flattened=True, device=cpu, buffers=bufs)
+    u8 = packed[0][1].data_ptr()
+    assert u8 != ptr and [n for n, _ in packed] == [n for n, _, _ in meta]
     smaller = receive_broadcast(_FakeGroup(3.0), meta[:2], flattened=True, device=cpu,
                                 buffers=bufs)  # fmt: skip
-    assert smaller[0][1].data_ptr() == ptr and bufs.nbytes > 0
+    assert smaller[0][1].data_ptr() == u8 and bufs.nbytes > 0
     # a broadcast that fails half way: nothing staged, live weights untouched, buffer dropped
     before = weights_checksum(model.local_tensors())
     with pytest.raises(RuntimeError, match="mid-broadcast"):
         receive_broadcast(
             _FakeGroup(4.0, fail_after=2), meta, flattened=False, device=cpu, buffers=bufs
         )
-    assert bufs.nbytes == 0 and model.staged_names == []
+    u8_bytes = sum(t.numel() * t.element_size() for _, t in packed)
+    assert bufs.nbytes == u8_bytes and model.staged_names == []  # the float32 buffer is gone
     assert weights_checksum(model.local_tensors()) == before
 
 

@@ -51,39 +51,61 @@ def test_sleep_wake_pause(vllm: EngineProcess) -> None:
     assert vllm.get("/is_paused").json() == {"is_paused": True}
     assert vllm.post("/resume").status_code == 200
     assert vllm.post("/reset_prefix_cache").status_code == 200
-    r = vllm.post("/collective_rpc", {"method": "update_weights_from_ipc", "args": [{}]})
+    rpc = "/collective_rpc"
+    r = vllm.post(rpc, {"method": "update_weights_from_ipc", "kwargs": {"zmq_handles": {}}})
     assert r.status_code == 400 and "CUDA" in r.json()["message"]
-    r = vllm.post("/collective_rpc", {"method": "rm_rf"})
+    r = vllm.post(rpc, {"method": "update_weights_from_ipc", "args": [{}]})
+    assert r.status_code == 400 and "args[0]" in r.json()["message"]  # vLLM: args are strings
+    r = vllm.post(rpc, {"method": "rm_rf"})
     assert r.status_code == 400 and "'rm_rf'" in r.json()["message"]
-    r = vllm.post(
-        "/collective_rpc", {"method": "reload_weights", "kwargs": {"model_path": "/" + "x" * 5000}}
-    )
+    # vLLM's reload_weights takes weights_path (not model_path, which it would reject)
+    r = vllm.post(rpc, {"method": "reload_weights", "kwargs": {"model_path": "/m"}})
+    assert r.status_code == 400 and "'model_path'" in r.json()["message"]
+    r = vllm.post(rpc, {"method": "reload_weights", "kwargs": {"weights_path": "/" + "x" * 5000}})
     assert r.status_code == 400 and "File name too long" in r.json()["message"]
     assert vllm.checksum() == before
 
 
-def test_native_weight_transfer(vllm: EngineProcess, tiny_model_dir_b: Path) -> None:  # noqa: F811
+def _vllm_chunks(tensors: list[torch.Tensor], threshold: int) -> list[torch.Tensor]:
+    """The uint8 buffers vLLM's ``packed_nccl_broadcast_producer`` broadcasts: tensors are packed
+    until the chunk's size exceeds ``threshold`` (written here from vLLM's description, not
+    with rollsafe's own chunker, so the engine's receive rule is checked independently)."""
+    out: list[torch.Tensor] = []
+    part: list[torch.Tensor] = []
+    for t in tensors:
+        part.append(t.contiguous().reshape(-1).view(torch.uint8))
+        if sum(p.numel() for p in part) > threshold:
+            out.append(torch.cat(part))
+            part = []
+    if part:
+        out.append(torch.cat(part))
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_native_weight_transfer(
+    vllm: EngineProcess, tiny_model_dir_b: Path, packed: bool  # noqa: F811
+) -> None:
     state = hf_state(tiny_model_dir_b)
     port = free_port()
     res: dict[str, httpx.Response] = {}
+    threshold = 3000  # bytes: several chunks per call
 
     def call(key: str, path: str, body: dict[str, Any]) -> None:
         res[key] = vllm.post(path, body, timeout=60)
 
+    init_info: dict[str, Any] = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "packed": packed,
+        "packed_buffer_size_bytes": threshold,
+    }
+    bad = vllm.post("/init_weight_transfer_engine", {"init_info": {**init_info, "foo": 1}})
+    assert bad.status_code == 400 and "'foo'" in bad.json()["message"]
     t = threading.Thread(
-        target=call,
-        args=(
-            "init",
-            "/init_weight_transfer_engine",
-            {
-                "init_info": {
-                    "master_address": "127.0.0.1",
-                    "master_port": port,
-                    "rank_offset": 1,
-                    "world_size": 2,
-                }
-            },
-        ),
+        target=call, args=("init", "/init_weight_transfer_engine", {"init_info": init_info})
     )
     t.start()
     pg = open_weight_update_group(
@@ -101,18 +123,31 @@ def test_native_weight_transfer(vllm: EngineProcess, tiny_model_dir_b: Path) -> 
         "names": names,
         "dtype_names": ["float32"] * len(names),
         "shapes": [list(state[n].shape) for n in names],
-        "packed": False,
     }
     r = vllm.post("/update_weights", {"update_info": info})
     assert r.status_code == 400 and "start_weight_update" in r.json()["message"]
-    assert vllm.post("/start_weight_update", {"is_checkpoint_format": True}).status_code == 200
+    # vLLM 0.33.0: packing belongs to init_info, the version to finish; no body on start
+    r = vllm.post("/start_weight_update", {"is_checkpoint_format": True})
+    assert r.status_code == 400 and "takes no JSON body" in r.json()["message"]
+    assert vllm.post("/start_weight_update").status_code == 200
+    r = vllm.post("/update_weights", {"update_info": {**info, "packed": packed}})
+    assert r.status_code == 400 and "'packed'" in r.json()["message"]
     t = threading.Thread(target=call, args=("upd", "/update_weights", {"update_info": info}))
     t.start()
-    for n in names:
-        pg.broadcast(state[n].contiguous(), 0).wait()
+    tensors = [state[n] for n in names]
+    sends = _vllm_chunks(tensors, threshold) if packed else [x.contiguous() for x in tensors]
+    if packed:
+        assert len(sends) > 1
+    for x in sends:
+        pg.broadcast(x, 0).wait()
     t.join(60)
     assert res["upd"].status_code == 200, res["upd"].text
     assert vllm.post("/finish_weight_update", {"weight_version": "V"}).status_code == 200
     got = vllm.checksum()
-    assert got["model"] == weights_checksum(state)["model"] and got["weight_version"] == "V"
-    assert torch.is_tensor(state[names[0]])
+    assert got["model"] == weights_checksum(state, got["algorithm"])["model"]
+    assert got["weight_version"] == "V"
+    r = vllm.post("/update_weight_version", {"new_version": "V2"})
+    assert r.status_code == 200 and r.json() == {"success": True, "new_version": "V2"}
+    assert vllm.get("/weight_info").json() == {"weight_version": "V2"}
+    assert vllm.post("/shutdown_weight_transfer_engine").status_code == 200
+    pg.close()

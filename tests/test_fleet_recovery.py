@@ -198,7 +198,7 @@ def test_immediate_restarts_from_the_ready_export_under_a_lease(sim: SimFleet) -
 
     assert result.status == "active" and result.strategy == "immediate"
     assert sim.handles["g1"].calls == [
-        {"model_path": str(path), "load_format": None, "skip_load_weights": None}
+        {"model_path": str(path), "load_format": None, "skip_load_weights": False}
     ]
     assert leases_during_restart == [1]  # held while the engine loads ...
     assert record.lifecycle.leases == ()  # ... and released afterwards
@@ -501,6 +501,9 @@ def wait_result(rc: RecoveryCoordinator, gid: str, n: int = 1) -> RecoveryResult
 def test_real_kill_then_immediate_recovery_from_the_export(
     engines: dict[str, EngineLauncher], trainer: Trainer, tiny_model_dir_b: Path, tmp_path: Path  # noqa: F811
 ) -> None:
+    # e0's launcher last started on dummy weights (as after a targeted push, or a spec that
+    # starts on dummy ones): the immediate restart must still load the export's real weights
+    engines["e0"].restart(skip_load_weights=True)
     reg = real_fleet(engines)
     exporter = HFExporter(tmp_path / "exports", template_dir=tiny_model_dir_b)
     transport = IPCTransport(2)
@@ -526,7 +529,9 @@ def test_real_kill_then_immediate_recovery_from_the_export(
         rc.close()
         transport.close()
     assert result.status == "active" and result.strategy == "immediate", result
-    assert watch.restarts[0]["model_path"] == str(exporter.root / "hf-v1")
+    assert watch.restarts[0] == {
+        "model_path": str(exporter.root / "hf-v1"), "skip_load_weights": False
+    }
     assert watch.leases_at_restart == [1]  # lease held while the engine loaded the export
     assert all(not r.lifecycle.leases for r in exporter.exports())  # released afterwards
     group = reg.get("e0")

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from engine_helpers import (
@@ -369,8 +370,11 @@ def real_fleet(engines: dict[str, EngineLauncher], version: int) -> FleetRegistr
 
 
 def engine_state(launcher: EngineLauncher) -> tuple[str | None, str | None]:
+    """The engine's model digest (its weight checker) and weight version (``/get_server_info``:
+    the checkers report none)."""
     checksum = launcher.client.weights_checksum()
-    return checksum.model, checksum.weight_version
+    info = httpx.get(f"{launcher.client.url}/get_server_info", timeout=30).json()
+    return checksum.model, info["weight_version"]
 
 
 def exported_checksum(path: Path) -> str:

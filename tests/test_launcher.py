@@ -76,7 +76,7 @@ def test_one_rank_reinit_on_dummy_weights_then_disk_restores_checksum(
         launcher.client.update_weights_from_disk(str(model_dir), weight_version="restored")
         restored = launcher.client.weights_checksum()
         assert restored.same_weights(reference)
-        assert restored.weight_version == "restored"
+        assert launcher.client.weight_version() == "restored"
         pids = group_pids(launcher)
         log_path = launcher.log_path
     assert not launcher.is_alive() and not launcher.started

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from engine_helpers import (
@@ -440,14 +441,18 @@ def test_gpu_broadcast_into_a_reference_engine_matches_checksums(
         tr.register(weights_b, 2)
         report = tr.update([target])
         assert report.ok, report.results
-        assert client.weights_checksum().tensors == weights_checksum(weights_b)["tensors"]
-        assert client.weights_checksum().weight_version == "2"
+        got = client.weights_checksum()  # sglang-gpu: the engine's weights are on cuda
+        assert got.tensors == weights_checksum(weights_b, got.algorithm)["tensors"]
+        # the weight checker reports no version: read it where the engine publishes it
+        info = httpx.get(f"{client.url}/get_server_info", timeout=30).json()
+        assert info["weight_version"] == "2"
         # from an HF directory: back to model A
         tr.register_from_dir(tiny_model_dir, 3)
         report = tr.update([target])
         assert report.ok, report.results
         weights_a = _load_dir(tiny_model_dir, "cpu")
-        assert client.weights_checksum().tensors == weights_checksum(weights_a)["tensors"]
+        got = client.weights_checksum()
+        assert got.tensors == weights_checksum(weights_a, got.algorithm)["tensors"]
         # a missing key outside the allow-list refuses before anything changes
         partial = dict(weights_b)
         partial.pop(sorted(partial)[0])
@@ -484,6 +489,41 @@ def test_gpu_an_engine_that_refuses_fails_the_update_instead_of_hanging(
     finally:
         tr.close()
         client.close()
+
+
+@pytest.mark.gpu
+def test_gpu_p2p_over_tcp_pushes_ranks_in_a_world_of_one(
+    nccl_world_of_one: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+    engine_factory: Callable[..., Any],  # noqa: F811
+) -> None:
+    """P2P without RDMA (Mooncake's TCP transport): needs Mooncake carried (``.mc/env.sh``)."""
+    if not mooncake_available():
+        pytest.skip("mooncake is not importable here (carry .mc: ../shared/device/mooncake-tcp.sh)")
+    from rollsafe.adapters.engines.sglang import SGLangClient
+    from rollsafe.checksum import weights_checksum
+
+    eng = engine_factory(tiny_model_dir, extra_args=["--device", "cuda"])
+    client = SGLangClient(eng.url, timeout=120.0)
+    before = {k: os.environ.get(k) for k in ("MC_FORCE_TCP", "PS_P2P_STORE_RDMA_DEVICES", "RANK")}
+    tr = CheckpointEngineTransport(
+        socket_timeout_s=120.0, max_bucket_bytes=1 << 20, p2p_protocol="tcp"
+    )
+    try:
+        assert tr.p2p_available, tr.p2p_reason
+        weights_b = _load_dir(tiny_model_dir_b, "cuda")
+        tr.register(weights_b, 2)
+        report = tr.update([EngineTarget("e0", (0,), client)], p2p=True)
+        assert report.ok, report.results
+        assert tr.last_plan is not None and tr.last_plan.mode == "p2p"
+        assert tr.last_plan.ps_ranks == [0]
+        got = client.weights_checksum()
+        assert got.tensors == weights_checksum(weights_b, got.algorithm)["tensors"]
+    finally:
+        tr.close()
+        client.close()
+    assert {k: os.environ.get(k) for k in before} == before
 
 
 # ------------------------------------------------------------------------------ GPU harness

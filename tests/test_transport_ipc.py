@@ -2,7 +2,7 @@
 
 Two engines serve the whole module (one with 1 rank, one with 2 ranks), both started from
 model A; the trainer holds model B and changes it between versions. After every update each
-engine's ``/weights_checksum`` equals the trainer's and its greedy output equals
+engine's ``/weights_checker`` checksum equals the trainer's and its greedy output equals
 ``transformers`` greedy on the trainer model. The crash test starts its own engine.
 """
 
@@ -196,7 +196,8 @@ def test_flat_parameters_travel_without_a_copy(
 
 
 def test_weights_changed_in_place_after_register_are_not_pushed(
-    one: EngineProcess, tiny_model_dir_b: Path  # noqa: F811
+    one: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
 ) -> None:
     model_trainer = Trainer(tiny_model_dir_b)
     tr = IPCTransport(1, bucket_bytes=SMALL_BUCKET)
@@ -294,7 +295,8 @@ def test_cuda_ipc_into_cuda_engine(
     assert report.ok, report.results
     assert torch.cuda.max_memory_allocated() - base <= 2 * bucket + (1 << 20)
     got = eng.checksum()
-    assert got["model"] == weights_checksum(weights)["model"] and got["weight_version"] == "11"
+    assert got["model"] == weights_checksum(weights, got["algorithm"])["model"]
+    assert got["weight_version"] == "11"
 
 
 @pytest.mark.gpu
@@ -318,4 +320,5 @@ def test_cuda_ipc_flat_parameters_need_no_extra_memory(
     assert report.ok, report.results
     assert torch.cuda.max_memory_allocated() - base < (1 << 20)  # no pack buffer
     got = eng.checksum()
-    assert got["model"] == weights_checksum(weights)["model"] and got["weight_version"] == "12"
+    assert got["model"] == weights_checksum(weights, got["algorithm"])["model"]
+    assert got["weight_version"] == "12"

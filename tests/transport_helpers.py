@@ -1,7 +1,7 @@
 """Helpers shared by the weight-transport tests: trainer models, checks and a killing client.
 
 ``Trainer`` holds an HF model whose parameters are the trainer's weights; ``assert_serves``
-checks an engine's ``/weights_checksum`` against :func:`rollsafe.checksum.weights_checksum` of the
+checks an engine's weight checker against :func:`rollsafe.checksum.weights_checksum` of the
 trainer tensors and its greedy output against ``transformers`` greedy on the trainer model.
 ``KillingClient`` wraps an engine client and SIGKILLs the engine's process group during its
 ``n``-th weight call (the call itself then fails), for mid-update crash tests.
@@ -75,7 +75,7 @@ def engine_greedy(eng: EngineProcess, prompt: list[int] = PROMPT) -> tuple[list[
 def assert_serves(eng: EngineProcess, trainer: Trainer, version: int) -> None:
     """The engine holds exactly the trainer's weights, at ``version``, and generates like it."""
     got = eng.checksum()
-    want = weights_checksum(trainer.weights())
+    want = weights_checksum(trainer.weights(), got["algorithm"])
     assert got["tensors"] == want["tensors"]
     assert got["model"] == want["model"]
     assert got["weight_version"] == str(version)

@@ -11,7 +11,11 @@ reference engine on cuda (``--load-format dummy``, a Qwen3 config of those shape
     (``torch.cuda.max_memory_allocated`` minus the allocation before) and on the whole device
     (NVML, engine included), and a sweep of checkpoint-engine's bucket cap
     (``PS_MAX_BUCKET_SIZE_GB``, our ``max_bucket_bytes``) that lowers that peak;
-and checks that the engine's ``/weights_checksum`` equals ours after each transport's push.
+and checks that the engine's weights checksum equals the digests of what each push sent: the
+trainer's tensors after the raw, ours and ipc pushes, and the version our transport registered
+(before the ipc phase perturbed the tensors) after the bucket-cap sweep, which pushes that
+registered version again. Every check lands in ``checks``; a summary table is printed and the
+exit status is 1 when any check is false (``targets`` are reported, not checked).
 
 Time-boxed (``--deadline-s``): phases that would start past the deadline are skipped and said
 so; the JSON (``--out``) is rewritten after every phase, so a kill still leaves results.
@@ -329,6 +333,7 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
     reasons = checkpoint_engine_unavailable_reasons()
     if reasons:
         res.set("unavailable", reasons)
+        finish(res)
         return 2
     import checkpoint_engine
     from checkpoint_engine.ps import ParameterServer
@@ -382,18 +387,21 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
             version[0] += 1
             return str(version[0])
 
-        def verify(label: str) -> None:
+        def verify(label: str, expected: dict[str, str] | None = None) -> None:
+            """Engine checksum against ``expected`` (default: the trainer's tensors now)."""
             if args.no_checksum or not time_left(f"checksum:{label}"):
                 return
+            want = digests if expected is None else expected
             t0 = time.perf_counter()
             got = client.weights_checksum(timeout=args.request_timeout_s)
-            bad = sorted(k for k in digests if got.tensors.get(k) != digests[k])
-            extra = sorted(set(got.tensors) - set(digests))
+            bad = sorted(k for k in want if got.tensors.get(k) != want[k])
+            extra = sorted(set(got.tensors) - set(want))
             res.phase(
                 f"checksum_{label}",
                 {
-                    "equal": not bad and not extra and got.tensors == digests,
-                    "model": model_digest(digests),
+                    "equal": not bad and not extra and got.tensors == want,
+                    "against": "trainer tensors" if expected is None else "registered version",
+                    "model": model_digest(want),
                     "engine_model": got.model,
                     "mismatched": bad[:10],
                     "extra": extra[:10],
@@ -473,9 +481,11 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
         # (b) our transport ---------------------------------------------------------------------
         ours: dict[str, Any] = {"register_s": [], "update_s": [], "rounds": []}
         tr: CheckpointEngineTransport | None = None
+        registered: dict[str, str] = {}  # digests of what our transport registered
         if time_left("ours"):
             try:
                 perturb("ours")
+                registered = dict(digests)  # the tensors stay as they are for every ours round
                 tr = transport = CheckpointEngineTransport(
                     socket_timeout_s=args.request_timeout_s,
                     request_timeout_s=args.request_timeout_s,
@@ -593,17 +603,15 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
                     sweep.append({"bucket_cap_gib": cap, "error": f"{type(exc).__name__}: {exc}"})
                 res.phase("bucket_sweep", sweep)
             tr.max_bucket_bytes = None
-            verify("after_sweep")
+            # the sweep pushes the version registered in "ours", not the trainer's tensors,
+            # which the ipc phase perturbed since
+            verify("after_sweep", registered)
         if tr is not None:
             tr.close()
-        ok = not res.doc["errors"] and all(
-            v.get("equal", True) for k, v in res.doc["phases"].items() if k.startswith("checksum_")
-        )
-        res.set("ok", ok)
-        return 0 if ok else 1
+        return finish(res)
     except Exception as exc:
         res.error("setup", exc)
-        return 1
+        return finish(res)
     finally:
         if client is not None:
             client.close()
@@ -612,6 +620,63 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
         res.flush()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def checks_of(doc: dict[str, Any]) -> dict[str, bool]:
+    """Every check the run made (False fails the run); targets are not checks."""
+    phases = doc["phases"]
+    checks: dict[str, bool] = {}
+    for name, value in phases.items():
+        if name.startswith("checksum_"):
+            checks[f"{name} equal"] = bool(value.get("equal"))
+    rounds = phases.get("ours", {}).get("rounds", [])
+    if rounds:
+        checks["ours: every update ok"] = all(r.get("ok") for r in rounds)
+    raw = phases.get("raw", {}).get("rounds", [])
+    if raw:
+        checks["raw: no engine errors"] = not any(r.get("errors") for r in raw)
+    sweep = phases.get("bucket_sweep", [])
+    if sweep:
+        checks["bucket sweep: every update ok"] = all(r.get("ok") for r in sweep)
+    checks["no errors"] = not doc["errors"]
+    if "unavailable" in doc:
+        checks["checkpoint-engine available"] = False
+    return checks
+
+
+def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    phases = doc["phases"]
+    rows: list[tuple[str, str]] = []
+    overhead = phases.get("overhead")
+    if overhead:
+        rows.append(("overhead ours/raw - 1", f"{overhead['ratio']:+.3f} (target <= 0.10: "
+                     f"{'met' if overhead['within_target'] else 'not met'})"))  # fmt: skip
+        rows.append(("update GB/s raw / ours", f"{overhead['gbps_raw_update']:.2f} / "
+                     f"{overhead['gbps_ours_update']:.2f}"))  # fmt: skip
+    for row in phases.get("bucket_sweep", []):
+        if "update_s" in row:
+            rows.append((f"sweep cap {row['bucket_cap_gib']} GiB",
+                         f"update {row['update_s']:.3f} s, peak extra "
+                         f"{row.get('process_peak_extra_mib', 0):.0f} MiB"))  # fmt: skip
+    for name, ok in doc.get("checks", {}).items():
+        rows.append((f"check: {name}", "ok" if ok else "FAILED"))
+    for item in doc.get("skipped", []):
+        rows.append(("skipped", str(item)))
+    for err in doc.get("errors", []):
+        rows.append((f"error in {err['where']}", err["error"][:100]))
+    rows.append(("RESULT", "ok" if doc.get("ok") else "FAILED"))
+    return rows
+
+
+def finish(res: Result) -> int:
+    """Record the checks and ``ok``, print the summary table; the exit status (0: all ok)."""
+    res.doc["checks"] = checks_of(res.doc)
+    ok = bool(res.doc["checks"]) and all(res.doc["checks"].values())
+    res.set("ok", ok)
+    rows = summary_rows(res.doc)
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

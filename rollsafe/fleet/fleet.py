@@ -14,7 +14,10 @@ Trainer-side use::
         fleet.sync_weights(dict(model.named_parameters()), version=1)
 
 :meth:`timeline` returns every machine transition (groups, exports, checkpoint registration,
-recovery mode) in time order as JSON-friendly dicts; :meth:`snapshot` the current picture.
+recovery mode) in time order as JSON-friendly dicts; :meth:`snapshot` the current picture;
+:meth:`record` writes the run so far (timeline, syncs, recoveries, request rates, its picture)
+for ``rollsafe report``. ``metrics=`` / ``metrics_port=`` export Prometheus metrics
+(``docs/metrics.md``).
 """
 
 from __future__ import annotations
@@ -35,13 +38,16 @@ from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
 from rollsafe.fleet.registry import FleetError, FleetRegistry
 from rollsafe.fleet.router import RoutedResult, Router
 from rollsafe.fleet.sync import SyncCoordinator, SyncReport
+from rollsafe.observe.observer import FleetObserver
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 
 if TYPE_CHECKING:
     import torch
+    from prometheus_client import CollectorRegistry
 
     from rollsafe.adapters.engines import EngineLauncher, EngineSpec
     from rollsafe.hf import HFExporter
+    from rollsafe.observe.metrics import FleetMetrics
     from rollsafe.statemachines.base import TransitionRecord
     from rollsafe.transports.base import WeightTransport
 
@@ -59,7 +65,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Transports a :class:`RolloutFleet` can build by name.
-TRANSPORTS = ("ipc", "nccl")
+TRANSPORTS = ("ipc", "nccl", "checkpoint_engine")
+#: The values of :attr:`FleetConfig.ce_p2p_protocol`.
+CE_P2P_PROTOCOLS = ("rdma", "tcp")
 
 
 class FleetConfigError(FleetError, ValueError):
@@ -133,6 +141,22 @@ class FleetConfig:
     (``"gloo"``, the default, moves host memory and works with engines anywhere; ``"nccl"``
     for trainer weights and engines on GPUs; None picks by the weights' device) and
     ``nccl_bucket_bytes`` (None: :data:`~rollsafe.transports.DEFAULT_NCCL_BUCKET_BYTES`).
+
+    ``transport="checkpoint_engine"`` (``docs/transports.md``): MoonshotAI checkpoint-engine
+    for a colocated trainer (one process, weights on CUDA, a one-rank NCCL default group made
+    before :meth:`RolloutFleet.start`) and SGLang-dialect engines on the trainer's GPU
+    (1-rank groups; several may share the GPU). Whole-fleet syncs broadcast; a recovery's
+    targeted push is P2P to the restarted group's ranks only. ``ce_bucket_bytes``: the update's
+    bucket cap (None: checkpoint-engine's 8 GiB; an update holds about 3 caps of extra GPU
+    memory). ``ce_p2p``: turn P2P on (needs Mooncake, ``checkpoint-engine[p2p]``);
+    ``ce_p2p_protocol``: ``"rdma"`` (needs ``ce_rdma_devices``) or ``"tcp"`` (Mooncake's TCP
+    transport, no RDMA devices; ``ce_rdma_devices`` then only names the placeholder device).
+    Timeouts: ``ce_request_timeout_s`` (each engine's ``/update_weights_from_ipc``),
+    ``ce_socket_timeout_s`` (the parameter server's ZMQ sockets, so a vanished engine fails the
+    update instead of hanging it; None waits forever), ``ce_transfer_timeout_s`` (Mooncake's
+    per-batch ``MC_TRANSFER_TIMEOUT``; None: its 30 s). With a vLLM engine, engines off the
+    trainer's GPU or no CUDA, the fleet builds ``nccl`` instead and logs one warning naming
+    the reason (:attr:`RolloutFleet.transport_fallback`).
     """
 
     model_path: str | os.PathLike[str]
@@ -155,6 +179,13 @@ class FleetConfig:
     warm_standby: bool = False
     nccl_backend: str | None = "gloo"
     nccl_bucket_bytes: int | None = None
+    ce_bucket_bytes: int | None = None
+    ce_p2p: bool = False
+    ce_p2p_protocol: str = "rdma"
+    ce_rdma_devices: Sequence[str] | None = None
+    ce_request_timeout_s: float = 600.0
+    ce_socket_timeout_s: float | None = 300.0
+    ce_transfer_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -174,11 +205,51 @@ def _positive(key: str, value: object, *, integer: bool = False, zero: bool = Fa
         raise FleetConfigError(key, f"must be {'>= 0' if zero else '> 0'}, got {value!r}")
 
 
+def _validate_checkpoint_engine(config: FleetConfig) -> None:
+    """The ``ce_*`` settings (checked whatever the transport, like the ``nccl_*`` ones)."""
+    if config.ce_bucket_bytes is not None:
+        _positive("ce_bucket_bytes", config.ce_bucket_bytes, integer=True)
+    if not isinstance(config.ce_p2p, bool):
+        raise FleetConfigError("ce_p2p", f"must be a bool, got {config.ce_p2p!r}")
+    if config.ce_p2p_protocol not in CE_P2P_PROTOCOLS:
+        raise FleetConfigError(
+            "ce_p2p_protocol", f"must be one of {CE_P2P_PROTOCOLS}, got {config.ce_p2p_protocol!r}"
+        )
+    devices = config.ce_rdma_devices
+    if devices is not None and (
+        isinstance(devices, (str, bytes))
+        or not devices
+        or not all(isinstance(d, str) and d for d in devices)
+    ):
+        raise FleetConfigError(
+            "ce_rdma_devices", f"must be a non-empty list of device names, got {devices!r}"
+        )
+    if config.ce_p2p and config.ce_p2p_protocol == "rdma" and devices is None:
+        raise FleetConfigError(
+            "ce_rdma_devices",
+            "P2P over RDMA needs the RDMA device names (e.g. ['mlx5_0']); without RDMA devices "
+            "use ce_p2p_protocol='tcp'",
+        )
+    _positive("ce_request_timeout_s", config.ce_request_timeout_s)
+    if config.ce_socket_timeout_s is not None:
+        _positive("ce_socket_timeout_s", config.ce_socket_timeout_s)
+    if config.ce_transfer_timeout_s is not None:
+        _positive("ce_transfer_timeout_s", config.ce_transfer_timeout_s)
+
+
 def _validate(config: FleetConfig) -> list[_ResolvedGroup]:
     """Check ``config``; return the groups with ids and fleet ranks resolved."""
     if config.transport not in TRANSPORTS:
         raise FleetConfigError(
             "transport", f"unknown transport {config.transport!r}; choose one of {TRANSPORTS}"
+        )
+    options = dict(config.engine_options or {})
+    dialect = options.get("dialect") or ("vllm" if options.get("kind") == "vllm" else "sglang")
+    if config.transport == "ipc" and dialect == "vllm":
+        raise FleetConfigError(
+            "transport",
+            "'ipc' pushes through /update_weights_from_tensor, which vLLM 0.33.0 does not serve; "
+            "use transport='nccl' (vLLM's native weight transfer) with a vLLM engine",
         )
     model = Path(config.model_path)
     if not model.is_dir():
@@ -223,6 +294,7 @@ def _validate(config: FleetConfig) -> list[_ResolvedGroup]:
         )
     if config.nccl_bucket_bytes is not None:
         _positive("nccl_bucket_bytes", config.nccl_bucket_bytes, integer=True)
+    _validate_checkpoint_engine(config)
     if not isinstance(config.warm_standby, bool):
         raise FleetConfigError("warm_standby", f"must be a bool, got {config.warm_standby!r}")
     if "warm_standby" in config.engine_options:
@@ -293,7 +365,18 @@ class RolloutFleet:
     time. Use as a context manager: ``__enter__`` starts the fleet, ``__exit__`` closes it.
     """
 
-    def __init__(self, config: FleetConfig) -> None:
+    def __init__(
+        self,
+        config: FleetConfig,
+        *,
+        metrics: CollectorRegistry | bool | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        """``metrics``: a ``prometheus_client.CollectorRegistry`` to register the fleet's
+        metrics into (``True``: a fresh one, :attr:`metrics` ``.registry``); ``metrics_port``:
+        serve them on ``127.0.0.1:PORT/metrics`` from :meth:`start` to :meth:`close` (0 picks a
+        free port; :attr:`metrics` ``.url``). Both need the ``[metrics]`` extra
+        (prometheus-client): without it they raise ``ImportError``. See ``docs/metrics.md``."""
         self._groups = _validate(config)
         self.config = config
         self.registry = FleetRegistry(fleet_version=config.initial_version)
@@ -319,6 +402,18 @@ class RolloutFleet:
         self.sync: SyncCoordinator | None = None
         self.started_at: float | None = None
         self.start_seconds: float | None = None
+        # request samples, crash marks and failure episodes (rollsafe.observe): for metrics,
+        # record() and the timeline picture; a registry listener and the router's error hook
+        self.observer = FleetObserver(self.registry)
+        self.registry.add_listener(self.observer)
+        self.router.on_group_error = self.observer.request_failed
+        self.metrics: FleetMetrics | None = None
+        if (metrics is not None and metrics is not False) or metrics_port is not None:
+            from rollsafe.observe.metrics import FleetMetrics
+
+            self.metrics = FleetMetrics(
+                self, registry=None if metrics is True else metrics, port=metrics_port
+            )
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -385,6 +480,9 @@ class RolloutFleet:
                 self.registry.send(g.group_id, "launched")
             assert self.health is not None
             self.health.start()
+            self.observer.start()
+            if self.metrics is not None and self.metrics.requested_port is not None:
+                self.metrics.serve()
         except BaseException:
             self.close()
             raise
@@ -398,10 +496,29 @@ class RolloutFleet:
         template = cfg.template_dir if cfg.template_dir is not None else cfg.model_path
         self.exporter = HFExporter(cfg.export_root, template_dir=template)
         transport: WeightTransport
-        if cfg.transport == "ipc":
+        kind = cfg.transport
+        self.transport_fallback: str | None = None
+        if kind == "checkpoint_engine":
+            from rollsafe.transports.checkpoint_engine import (
+                FALLBACK_TRANSPORT,
+                fleet_fallback_reasons,
+            )
+
+            reasons = fleet_fallback_reasons(cfg.engine_options)
+            if reasons:
+                self.transport_fallback = "; ".join(reasons)
+                log.warning(
+                    "transport 'checkpoint_engine' falls back to %r: %s",
+                    FALLBACK_TRANSPORT,
+                    self.transport_fallback,
+                )
+                kind = FALLBACK_TRANSPORT
+        if kind == "ipc":
             from rollsafe.transports import IPCTransport
 
             transport = IPCTransport(self.world_size)
+        elif kind == "checkpoint_engine":
+            transport = self._checkpoint_engine_transport()
         else:
             from rollsafe.transports import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
 
@@ -441,6 +558,48 @@ class RolloutFleet:
             on_group_failed=lambda gid, reason: recovery.submit(gid, reason=reason),
         )
 
+    def _checkpoint_engine_transport(self) -> WeightTransport:
+        """The fleet's checkpoint-engine transport (its parameter server is this process)."""
+        from rollsafe.transports.checkpoint_engine import (
+            CheckpointEngineFleetTransport,
+            ProcessGroupError,
+        )
+
+        cfg = self.config
+        ce = CheckpointEngineFleetTransport(
+            self.world_size,
+            max_bucket_bytes=cfg.ce_bucket_bytes,
+            p2p_protocol=cfg.ce_p2p_protocol if cfg.ce_p2p else None,
+            rdma_devices=tuple(cfg.ce_rdma_devices) if cfg.ce_p2p and cfg.ce_rdma_devices else None,
+            request_timeout_s=cfg.ce_request_timeout_s,
+            socket_timeout_s=cfg.ce_socket_timeout_s,
+            transfer_timeout_s=cfg.ce_transfer_timeout_s,
+        )
+        if ce.world_size != 1:
+            ce.close()
+            raise ProcessGroupError(
+                f"transport 'checkpoint_engine': the default process group has {ce.world_size} "
+                "ranks; a RolloutFleet drives the parameter server from this one process, so "
+                "the trainer's group must have one rank (with several trainer ranks, run "
+                "CheckpointEngineTransport on every rank yourself)"
+            )
+        for i, g in enumerate(self._groups):
+            if g.ranks > ce.world_size:
+                ce.close()
+                raise FleetConfigError(
+                    f"groups[{i}].ranks",
+                    f"group {g.group_id!r} has {g.ranks} engine ranks but checkpoint-engine "
+                    f"feeds one engine rank per trainer GPU ({ce.world_size} here)",
+                )
+        if cfg.ce_p2p and not ce.p2p_available:
+            log.warning(
+                "transport 'checkpoint_engine': P2P (%s) is unavailable (%s); a recovery's "
+                "targeted push is refused and the restarted group waits for the next sync",
+                cfg.ce_p2p_protocol,
+                ce.p2p_reason,
+            )
+        return ce
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop health checks, recoveries, the router, the transport and every engine process.
 
@@ -453,6 +612,11 @@ class RolloutFleet:
         if self.health is not None:
             with contextlib.suppress(Exception):
                 self.health.stop(timeout=timeout)
+        with contextlib.suppress(Exception):
+            self.observer.stop()
+        if self.metrics is not None:  # stop serving; a closed fleet leaves the registry
+            with contextlib.suppress(Exception):
+                self.metrics.unregister()
         if self.recovery is not None:
             with contextlib.suppress(Exception):
                 self.recovery.close(timeout=timeout)
@@ -492,10 +656,10 @@ class RolloutFleet:
     ) -> RoutedResult:
         """One rollout request through the router (only ``active`` groups serve)."""
         self._require_started()
-        return self.router.generate(
+        return self.observer.track(lambda: self.router.generate(
             input_ids, text=text, sampling_params=sampling_params, session_id=session_id,
             timeout=timeout,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def sync_weights(
         self,
@@ -542,7 +706,9 @@ class RolloutFleet:
         return True
 
     def checksums(self, timeout: float = 10.0) -> dict[str, str | None]:
-        """Each group's engine ``/weights_checksum`` model digest (None if it did not answer)."""
+        """Each group's engine model digest from its own weight checker (None if it did not
+        answer); compare with ``rollsafe.checksum.weights_checksum(w, algorithm)["model"]`` using
+        the algorithm the engine reports (``client.weights_checksum().algorithm``)."""
         out: dict[str, str | None] = {}
         for group in self.registry.groups():
             client = group.client
@@ -591,6 +757,33 @@ class RolloutFleet:
         add("mode", "immediate_recovery", self.mode.history)
         rows.sort(key=lambda r: (r["timestamp"], r["kind"], r["seq"]))
         return rows
+
+    def record(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        t0: float | None = None,
+        marks: Iterable[Mapping[str, Any]] = (),
+        svg: bool = True,
+    ) -> Path:
+        """Write this fleet's run so far into the directory ``path``: ``timeline.jsonl`` (every
+        machine transition, sync, recovery, crash mark and request-count sample,
+        :mod:`rollsafe.observe.runfile`), ``fleet.json`` (:meth:`snapshot`) and, with ``svg``,
+        ``timeline.svg`` (:mod:`rollsafe.observe.timeline_svg`). ``rollsafe report PATH`` reads
+        it back. Works during the run and after :meth:`close`; returns ``path``. ``t0``: the
+        run's start (wall clock; default :attr:`started_at`); ``marks``: extra points such as
+        ``{"kind": "crash", "group": "g1", "timestamp": ...}`` (or use
+        ``fleet.observer.mark_crash(group_id)`` when it happens)."""
+        from rollsafe.observe.runfile import build_rows, write_run
+
+        out = Path(path)
+        rows = build_rows(self, t0=t0, marks=marks)
+        write_run(out, rows, fleet_json=self.snapshot())
+        if svg:
+            from rollsafe.observe.timeline_svg import write_svg
+
+            write_svg(out / "timeline.svg", rows)
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly picture of the fleet right now."""

@@ -18,9 +18,12 @@ with the strategy chosen in this order:
    directory is never deleted under a loading engine;
 2. **targeted push**: the group restarts on dummy weights (``skip_load_weights=True``),
    ``restarted`` -> ``pending_weights``, then the transport's registered checkpoint of the
-   current version is pushed to that group only (``transport.update([target])``) and
-   ``weights_loaded`` -> ``active``. A transport that cannot reach just one group
-   (checkpoint-engine without P2P raises a ``TransportError``) falls through to 3;
+   current version is pushed to that group only and ``weights_loaded`` -> ``active``. The push
+   is ``transport.targeted_update([target])`` when the transport has one (checkpoint-engine in a
+   fleet: P2P, ``ranks=[that group's ranks]``, never a broadcast; the ``push`` step's detail
+   names the mode and ranks), else ``transport.update([target])``. A transport that cannot
+   reach just one group (checkpoint-engine without usable P2P raises ``P2PUnavailable``, a
+   ``TransportError``, before anything moves) falls through to 3;
 3. **deferred**: the group waits in ``pending_weights`` for the next sync.
 
 Recovery is skipped, with the reason logged and recorded, when ``remaining_work_s()`` says the
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -559,7 +563,9 @@ class RecoveryCoordinator:
             if _accepts(handle.restart, "stop_timeout"):
                 kwargs["stop_timeout"] = self.stop_timeout_s
             if lease is not None:
-                kwargs = {k: v for k, v in kwargs.items() if k != "skip_load_weights"}
+                # the export's real weights, whatever format the launcher last used (a targeted
+                # push restarts on dummy weights, and a spec may start on dummy ones)
+                kwargs["skip_load_weights"] = False
                 kwargs["model_path"] = export_path
                 if _accepts(handle.restart, "weight_version"):
                     kwargs["weight_version"] = str(lease.version)
@@ -644,6 +650,8 @@ class RecoveryCoordinator:
         if transport is None:
             return self._defer(run, t, "no transport for a targeted push")
         cancelled = threading.Event()
+        targeted = getattr(transport, "targeted_update", None)
+        pushed: dict[str, str] = {}
 
         def push() -> str:
             with self.transport_lock:
@@ -656,7 +664,9 @@ class RecoveryCoordinator:
                 if group.state != "pending_weights":
                     return f"group moved to {group.state}"
                 target = self.targets_for(group)
-                report = transport.update([target])
+                push_to = targeted if callable(targeted) else transport.update
+                report = push_to([target])
+                pushed["detail"] = _push_detail(transport, target, report)
                 result = report.results.get(target.name)
                 if result is None or not result.ok:
                     why = result.reason if result is not None else "no result"
@@ -679,6 +689,10 @@ class RecoveryCoordinator:
             return self._defer(run, t, str(exc), logged=True)
         except TransportError as exc:  # e.g. P2PUnavailable: this transport cannot do subsets
             return self._defer(run, t, f"{type(exc).__name__}: {exc}", logged=True)
+        if pushed.get("detail") and run.steps and run.steps[-1].name == "push":
+            run.steps[-1] = dataclasses.replace(
+                run.steps[-1], detail=bound_text(pushed["detail"], _MAX_TEXT)
+            )
         if outcome == "ok":
             run.active_at = time.time()
             return "active", f"targeted push of v{self.registry.fleet_version} loaded"
@@ -864,6 +878,20 @@ def _accepts(fn: Callable[..., Any], keyword: str) -> bool:
 def _is_transport_error(error: BaseException) -> bool:
     transports = sys.modules.get("rollsafe.transports.base")
     return transports is not None and isinstance(error, transports.TransportError)
+
+
+def _push_detail(transport: object, target: EngineTarget, report: Any) -> str:
+    """What the push did: the transport, its mode and ranks when it records them, the bytes."""
+    text = f"{getattr(transport, 'name', type(transport).__name__)} -> {target.name}"
+    last = getattr(transport, "last_push", None)
+    record = last() if callable(last) else None
+    if record is not None and target.name in getattr(record, "targets", ()):
+        ranks = record.ps_ranks
+        text += f": {record.mode}" + (f" ranks={list(ranks)}" if ranks is not None else "")
+    result = report.results.get(target.name) if report is not None else None
+    if result is not None and result.nbytes:
+        text += f", {result.nbytes / 1e9:.3f} GB in {result.seconds:.3f}s"
+    return text
 
 
 def _describe(kwargs: dict[str, Any]) -> str:

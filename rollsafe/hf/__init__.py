@@ -7,7 +7,10 @@
   Trainer-facing aliases ``start_hf_export`` / ``is_hf_export_done`` / ``wait_hf_export`` are
   methods of the exporter (one exporter per export root; there is no module-level default).
 * :func:`verify_hf_dir` checks any HF safetensors directory and raises
-  :class:`ExportVerificationError` listing what is wrong.
+  :class:`ExportVerificationError` listing what is wrong (every file and field named; hostile
+  JSON, symlinks and special files refused); :func:`reverify` checks, before a recovery loads
+  it, that a verified export still holds the very files that verified (``HFExporter.lease``
+  does it).
 * Errors are named (:mod:`rollsafe.hf.errors`); bad input fails before anything is written.
 
 Importing this package imports torch.
@@ -30,7 +33,14 @@ from rollsafe.hf.errors import (
 from rollsafe.hf.exporter import DEFAULT_SHARD_SIZE_BYTES, ExportHandle, ExportStats, HFExporter
 from rollsafe.hf.layout import INDEX_NAME, MANIFEST_NAME, final_dir
 from rollsafe.hf.retention import ExportRecord
-from rollsafe.hf.verify import DirReport, VerifiedExport, inspect_hf_dir, verify_hf_dir
+from rollsafe.hf.verify import (
+    DirReport,
+    FileIdentity,
+    VerifiedExport,
+    inspect_hf_dir,
+    reverify,
+    verify_hf_dir,
+)
 
 __all__ = [
     "DEFAULT_SHARD_SIZE_BYTES",
@@ -48,6 +58,7 @@ __all__ = [
     "ExportRecord",
     "ExportStats",
     "ExportVerificationError",
+    "FileIdentity",
     "HFExportError",
     "HFExporter",
     "NotATensor",
@@ -56,5 +67,6 @@ __all__ = [
     "VerifiedExport",
     "final_dir",
     "inspect_hf_dir",
+    "reverify",
     "verify_hf_dir",
 ]

@@ -22,10 +22,18 @@ __all__ = [
     "NotATensor",
     "UnknownExport",
     "UnsupportedTensor",
+    "display_path",
 ]
 
 #: How many problems an ``ExportVerificationError`` message lists (all are in ``.problems``).
 MAX_PROBLEMS_SHOWN = 40
+
+
+def display_path(path: str | Path) -> str:
+    """How a verification message shows a directory: its own name only, never the host path
+    above it (messages travel to clients and logs; which host paths exist is not theirs)."""
+    p = Path(path)
+    return p.name or str(p)
 
 
 class HFExportError(Exception):
@@ -116,6 +124,7 @@ class ExportVerificationError(HFExportError):
 
     ``problems`` lists every finding (missing files, size or checksum mismatches, unparsable
     headers, keys missing from their file, missing or extra keys); the message shows them too.
+    ``path`` is the full directory path; the message shows only its name (:func:`display_path`).
     """
 
     def __init__(self, path: Path, problems: Sequence[str]) -> None:
@@ -126,6 +135,6 @@ class ExportVerificationError(HFExportError):
         more = len(self.problems) - len(shown)
         tail = f"\n  ... and {more} more" if more > 0 else ""
         super().__init__(
-            f"{self.path}: not a valid HF safetensors export, {len(self.problems)} "
+            f"{display_path(self.path)}: not a valid HF safetensors export, {len(self.problems)} "
             f"problem(s):\n{lines}{tail}"
         )

@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -62,7 +62,7 @@ from rollsafe.hf.snapshot import (
     snapshot_into,
     validate_named_tensors,
 )
-from rollsafe.hf.verify import inspect_hf_dir, readback_file, verify_hf_dir
+from rollsafe.hf.verify import VerifiedExport, inspect_hf_dir, readback_file
 from rollsafe.hf.writer import (
     FileRecord,
     WriteAborted,
@@ -89,6 +89,13 @@ _IN_FLIGHT = ("snapshotting", "writing", "committing")
 
 def _gb_s(nbytes: int, seconds: float) -> float:
     return nbytes / max(seconds, 1e-9) / 1e9
+
+
+def _check_version(version: object) -> int:
+    """``version`` as an int >= 0, or :class:`ExportInputError` (bools and floats refused)."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ExportInputError(f"version must be an int >= 0, got {version!r}")
+    return version
 
 
 @dataclass
@@ -213,6 +220,7 @@ class HFExporter:
         self._records: dict[int, ExportRecord] = {}
         self._handles: OrderedDict[int, ExportHandle] = OrderedDict()
         self._in_flight: ExportHandle | None = None
+        self._unfit: dict[int, str] = {}  # ready exports that failed re-verification: never offered
         self._tmp: Path | None = None
         self._arena: HostArena | None = None
         self._staging = PinnedStaging()
@@ -236,8 +244,7 @@ class HFExporter:
         t0 = time.perf_counter()
         if if_busy not in ("error", "wait"):
             raise ExportInputError(f"if_busy must be 'error' or 'wait', got {if_busy!r}")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ExportInputError(f"version must be an int >= 0, got {version!r}")
+        _check_version(version)
         tensors = validate_named_tensors(named_tensors)
         plans, arena_bytes = plan_for(tensors, self.shard_size_bytes)
         final = final_dir(self.root, version)
@@ -365,8 +372,7 @@ class HFExporter:
                 prehashed={f.name: f.sha256 for f in files[: len(plans)]},
             )
             stats.verify_s += time.perf_counter() - t
-            if report.problems:
-                raise ExportVerificationError(tmp, report.problems)
+            verified = report.raise_if_problems()
             log.info(
                 "export v%d: read-back verification of %d file(s) in %.3fs",
                 version, len(files), stats.verify_s,
@@ -383,7 +389,10 @@ class HFExporter:
                     checksums_verified=report.checksums_verified,
                     renamed=True,
                 )
-                self._records[version] = ExportRecord(version, handle.path, lifecycle)
+                self._unfit.pop(version, None)
+                self._records[version] = ExportRecord(
+                    version, handle.path, lifecycle, verified=replace(verified, path=handle.path)
+                )
             try:  # retire old exports now; delete their files once this handle is done
                 trash = self._retire()[1]
             except Exception:  # the export is ready; retention will be retried next time
@@ -486,40 +495,72 @@ class HFExporter:
         path: str | os.PathLike[str],
         version: int,
         expected_keys: Collection[str] | None = None,
+        *,
+        allow_symlinks: bool = False,
     ) -> ExportRecord:
         """Publish an existing regular HF save (e.g. ``save_pretrained`` output) as ``version``
-        without copying it. It is verified first (:func:`verify_hf_dir`); retention never deletes
-        it from disk, only un-lists it. Raises :class:`ExportVerificationError` if it does not
-        verify, :class:`ExportExists` if ``version`` is already known."""
+        without copying it. It is verified first (:func:`~rollsafe.hf.verify.verify_hf_dir`);
+        retention never deletes it from disk, only un-lists it.
+
+        ``version`` is checked exactly as in :meth:`start` (an int >= 0; ``True`` or ``1.5``
+        raise :class:`ExportInputError`). The save must hold ``config.json`` and at least one
+        tensor, and say what complete means: either a ``rollsafe-manifest.json`` (sizes,
+        SHA-256 and key list, checked) or ``expected_keys`` from the caller (every key checked
+        present). Its files must be regular files inside the directory; ``allow_symlinks=True``
+        accepts links (e.g. a Hugging Face cache snapshot) and records their targets, which
+        :meth:`lease` re-checks. Raises :class:`ExportVerificationError` (naming each file and
+        field) if it does not verify, :class:`ExportExists` if ``version`` is already known.
+        """
+        _check_version(version)
+        if not isinstance(path, (str, os.PathLike)):
+            raise ExportInputError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         src = Path(path)
         with self._cond:
             if version in self._records:
                 raise ExportExists(f"an export of version {version} is already known", version, src)
-        verified = verify_hf_dir(src, expected_keys)
+        report = inspect_hf_dir(
+            src, expected_keys, require_config=True, allow_symlinks=bool(allow_symlinks)
+        )
+        if expected_keys is None and not report.manifest_found and report.dir_id is not None:
+            report.problems.append(
+                f"{MANIFEST_NAME} is missing: a save without a rollsafe manifest is adopted only "
+                "with expected_keys= (nothing else says which tensors it must hold)"
+            )
+        verified = report.raise_if_problems()
         lifecycle = ExportLifecycle(version)
         saved_version = verified.version if verified.version is not None else version
         try:
             lifecycle.adopt(verified=True, version=saved_version)
         except TransitionRefused as exc:
             raise ExportVerificationError(
-                src, [f"its manifest says version {saved_version}, not {version} ({exc})"]
+                src,
+                [f"{MANIFEST_NAME}: field 'version' is {saved_version}, not {version} ({exc})"],
             ) from None
         with self._cond:
             if version in self._records:
                 raise ExportExists(f"an export of version {version} is already known", version, src)
-            record = ExportRecord(version, src, lifecycle, adopted=True)
+            record = ExportRecord(version, src, lifecycle, adopted=True, verified=verified)
+            self._unfit.pop(version, None)
             self._records[version] = record
         log.info("adopted %s as export v%d (%d keys)", src, version, len(verified.keys))
         self.cleanup()
         return record
 
     def latest_ready(self, version: int | None = None) -> ExportRecord | None:
-        """The ready export of ``version`` (the newest ready one if None), or None."""
+        """The ready export of ``version`` (the newest ready one if None), or None.
+
+        An export that failed re-verification (:meth:`lease`, :meth:`reverify`) is never
+        offered again."""
         with self._cond:
             if version is not None:
                 record = self._records.get(version)
-                return record if record is not None and record.state == "ready" else None
-            ready = [r for r in self._records.values() if r.state == "ready"]
+                ok = record is not None and record.state == "ready" and version not in self._unfit
+                return record if ok else None
+            ready = [
+                r
+                for r in self._records.values()
+                if r.state == "ready" and r.version not in self._unfit
+            ]
             return max(ready, key=lambda r: r.version) if ready else None
 
     def exports(self) -> list[ExportRecord]:
@@ -527,13 +568,56 @@ class HFExporter:
         with self._cond:
             return sorted(self._records.values(), key=lambda r: r.version)
 
-    def lease(self, version: int, holder: str = "recovery") -> ExportLease:
-        """Take a lease on the ready export of ``version`` (``LeaseError`` if it is not ready)."""
+    def lease(self, version: int, holder: str = "recovery", *, full: bool = False) -> ExportLease:
+        """Take a lease on the ready export of ``version``, after re-verifying it.
+
+        ``LeaseError`` if it is not ready. The export is then checked to still hold the very
+        files that verified (:func:`~rollsafe.hf.verify.reverify`: a few ``stat`` calls per
+        file; ``full=True`` re-hashes everything against the manifest). If it does not, the
+        lease is given back, the export is never offered again (:meth:`latest_ready`) and
+        :class:`ExportVerificationError` names what changed.
+        """
         with self._cond:
             record = self._records.get(version)
             if record is None:
                 raise UnknownExport(version, sorted(self._records))
-            return record.lifecycle.acquire_lease(holder)
+            lease = record.lifecycle.acquire_lease(holder)
+            unfit = self._unfit.get(version)
+        try:
+            if unfit is not None:
+                raise ExportVerificationError(
+                    record.path, [f"failed re-verification earlier and is not offered: {unfit}"]
+                )
+            self._reverify_record(record, full)
+        except BaseException:
+            with self._cond:
+                record.lifecycle.release_lease(lease)
+            raise
+        return lease
+
+    def reverify(self, version: int, *, full: bool = False) -> VerifiedExport:
+        """Re-verify the listed export of ``version`` now (as :meth:`lease` does) and return
+        what verified; a failure marks it unfit (never offered again) and raises
+        :class:`ExportVerificationError`."""
+        with self._cond:
+            record = self._records.get(version)
+            if record is None:
+                raise UnknownExport(version, sorted(self._records))
+        return self._reverify_record(record, full)
+
+    def _reverify_record(self, record: ExportRecord, full: bool) -> VerifiedExport:
+        try:
+            verified = record.reverify(full=full)
+        except ExportVerificationError as exc:
+            reason = "; ".join(exc.problems[:3])
+            with self._cond:
+                self._unfit[record.version] = reason
+            log.error("export v%d failed re-verification, not offered any more: %s",
+                      record.version, reason)  # fmt: skip
+            raise
+        with self._cond:
+            self._unfit.pop(record.version, None)
+        return verified
 
     def release(self, lease: ExportLease) -> None:
         """Give a lease back, then run retention (a superseded export may now be deleted)."""
@@ -554,6 +638,8 @@ class HFExporter:
         """Retention's decisions and renames (fast); the trash dirs are removed by the caller."""
         with self._cond:
             doomed = apply_retention(self._records, self.keep_last)
+            for gone in [v for v in self._unfit if v not in self._records]:
+                del self._unfit[gone]  # un-listed: a new export of that version starts clean
         trash = [move_to_trash(r.path, r.version) for r in doomed]
         for record in doomed:
             log.info("export v%d deleted (%s)", record.version, record.path)

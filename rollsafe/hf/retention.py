@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollsafe.hf.layout import fsync_dir, parse_temp_name, temp_dir
+from rollsafe.hf.verify import VerifiedExport, reverify, verify_hf_dir
 from rollsafe.statemachines import ExportLifecycle
 
 __all__ = [
@@ -38,17 +39,29 @@ class ExportRecord:
     """An export known to the exporter: where it is and its lifecycle.
 
     ``adopted`` marks a user's own save adopted in place (never deleted from disk).
+    ``verified`` is what verification found when it became ready (file identities included):
+    :meth:`reverify` checks the directory still holds those very files.
     """
 
     version: int
     path: Path
     lifecycle: ExportLifecycle
     adopted: bool = False
+    verified: VerifiedExport | None = None
 
     @property
     def state(self) -> str:
         """The lifecycle state (``ready``, ``superseded``...)."""
         return self.lifecycle.state
+
+    def reverify(self, *, full: bool = False) -> VerifiedExport:
+        """Check the export still holds the files that verified (cheap ``stat`` check; with
+        ``full=True`` also every header, key and SHA-256). Raises
+        :class:`~rollsafe.hf.errors.ExportVerificationError` naming what changed. A record
+        without a verification result (made by hand) is verified from scratch."""
+        if self.verified is None:
+            return verify_hf_dir(self.path, allow_missing_prefixes=())
+        return reverify(self.verified, full=full)
 
 
 def apply_retention(

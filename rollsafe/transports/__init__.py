@@ -9,7 +9,9 @@ per-target :class:`UpdateReport`) and drives a
 * :class:`NCCLTransport` -- disaggregated engines; one broadcast group per target per update
   (``/init_weights_update_group`` + ``/update_weights_from_distributed``; nccl on GPU, gloo on
   CPU), so a dead engine fails only its own target and a subset re-sync touches nobody else;
-* :class:`CheckpointEngineTransport` -- MoonshotAI checkpoint-engine's ``ParameterServer``;
+* :class:`CheckpointEngineTransport` -- MoonshotAI checkpoint-engine's ``ParameterServer``
+  (broadcast, or P2P over RDMA or TCP to a subset); :class:`CheckpointEngineFleetTransport` is
+  what a fleet builds from it (broadcast syncs, P2P targeted pushes of a recovery);
 * :class:`DiskTransport` -- engines load a verified HF export (``/update_weights_from_disk``)
   while the transport holds a lease on it.
 
@@ -29,7 +31,11 @@ from rollsafe.transports.base import (
     named_tensor_list,
 )
 from rollsafe.transports.bucket import DEFAULT_BUCKET_BYTES, BucketFormatError, FlatBucket
-from rollsafe.transports.checkpoint_engine import CheckpointEngineTransport
+from rollsafe.transports.checkpoint_engine import (
+    CheckpointEngineFleetTransport,
+    CheckpointEngineTransport,
+    P2PUnavailable,
+)
 from rollsafe.transports.disk import DiskTransport
 from rollsafe.transports.ipc import DEFAULT_IPC_BUCKET_BYTES, IPCTransport
 from rollsafe.transports.nccl import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
@@ -42,6 +48,7 @@ __all__ = [
     "BucketFormatError",
     "BucketPlan",
     "BucketStream",
+    "CheckpointEngineFleetTransport",
     "CheckpointEngineTransport",
     "DiskTransport",
     "EngineTarget",
@@ -49,6 +56,7 @@ __all__ = [
     "IPCTransport",
     "NCCLTransport",
     "NamedTensors",
+    "P2PUnavailable",
     "RegisterError",
     "StagedTransport",
     "StaleRegistration",

@@ -59,6 +59,7 @@ from rollsafe.adapters.reference_engine.collective import (
     open_weight_update_group,
 )
 from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
+from rollsafe.transports.bucket import FlatBucket, packed_chunks
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -281,6 +282,12 @@ class NCCLTransport(StagedTransport):
         self._serial += 1
         group_name = f"rollsafe-{self._uid}-{self._serial}-{target.name}"
         port = self._claim_port()
+        # vLLM fixes its packing for the group's lifetime: packed, chunks of bucket_bytes
+        extra: dict[str, Any] = (
+            {"packed": True, "packed_buffer_size_bytes": self.bucket_bytes}
+            if target.client.dialect == "vllm"
+            else {}
+        )
         init = calls.submit(
             target.client.init_weights_update_group,
             self.master_address,
@@ -290,9 +297,37 @@ class NCCLTransport(StagedTransport):
             group_name=group_name,
             backend=backend,
             timeout=self.group_timeout + HTTP_MARGIN_S,
+            **extra,
         )
         group = self._join(port, world, group_name, backend, init, where)
         return _LiveGroup(group, group_name, port, world, backend, url)
+
+    def _wire(self, bucket: FlatBucket | TensorList, vllm: bool) -> list[torch.Tensor]:
+        """What one call broadcasts, in order, in the target dialect's wire format.
+
+        SGLang: a packed bucket is one uint8 buffer (``flattened_bucket``: its bytes, no copy);
+        an unpacked one is one broadcast per tensor. vLLM (packed, fixed at init): the call's
+        tensors cut into uint8 chunks by vLLM's packed rule
+        (:func:`~rollsafe.transports.bucket.packed_chunks` with ``bucket_bytes``); a chunk of a
+        packed bucket is a slice of it (no copy), one of an unpacked bucket is concatenated.
+        """
+        if not vllm:
+            if isinstance(bucket, TensorList):
+                return list(bucket.tensors)
+            return [bucket.flat.view(torch.uint8)]
+        if isinstance(bucket, TensorList):
+            raw = [t.reshape(-1).view(torch.uint8) for t in bucket.tensors]
+            return [
+                raw[a] if b - a == 1 else torch.cat(raw[a:b])
+                for a, b in packed_chunks([r.numel() for r in raw], self.bucket_bytes)
+            ]
+        size = bucket.flat.element_size()
+        flat = bucket.flat.view(torch.uint8)
+        metas = bucket.metas
+        return [
+            flat[metas[a].start * size : metas[b - 1].end * size]
+            for a, b in packed_chunks([m.numel * size for m in metas], self.bucket_bytes)
+        ]
 
     def _claim_port(self) -> int:
         """A store port for a new group: ``master_port + k`` for the smallest ``k`` no kept or
@@ -319,6 +354,7 @@ class NCCLTransport(StagedTransport):
         moved = 0
         ok = retry = False
         i = 0
+        vllm = client.dialect == "vllm"
         try:
             last = len(stream) - 1
             version = str(self.version)
@@ -341,10 +377,7 @@ class NCCLTransport(StagedTransport):
                     weight_version=version if i == last else None,
                     timeout=http_timeout,
                 )
-                if isinstance(bucket, TensorList):
-                    works = [live.group.broadcast(t, 0) for t in bucket.tensors]
-                else:
-                    works = [live.group.broadcast(bucket.flat, 0)]
+                works = [live.group.broadcast(t, 0) for t in self._wire(bucket, vllm)]
                 try:
                     self._await_pair(works, call, f"{where}: {what}")
                 except BaseException:

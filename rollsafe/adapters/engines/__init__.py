@@ -26,23 +26,34 @@ from rollsafe.adapters.engines.errors import (
     bound_text,
 )
 from rollsafe.adapters.engines.http import NO_RETRY, HttpTransport, RetryPolicy
-from rollsafe.adapters.engines.launcher import READY_PREFIX, EngineLauncher, EngineSpec, pid_alive
+from rollsafe.adapters.engines.launcher import (
+    ENGINE_KINDS,
+    READY_PREFIX,
+    EngineKind,
+    EngineLauncher,
+    EngineSpec,
+    EngineStartTimeout,
+    pid_alive,
+)
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
 
 __all__ = [
+    "ENGINE_KINDS",
     "MAX_MESSAGE_CHARS",
     "NO_RETRY",
     "READY_PREFIX",
     "Dialect",
     "EngineClient",
     "EngineError",
+    "EngineKind",
     "EngineLauncher",
     "EngineNotSupported",
     "EngineOperationFailed",
     "EngineRequestError",
     "EngineSpec",
     "EngineStartError",
+    "EngineStartTimeout",
     "EngineTimeout",
     "EngineUnavailable",
     "GenerateResult",

@@ -11,6 +11,7 @@ import httpx
 from rollsafe.adapters.engines.client import Dialect, WeightsChecksum
 from rollsafe.adapters.engines.errors import EngineError, EngineOperationFailed
 from rollsafe.adapters.engines.http import HttpTransport, RetryPolicy
+from rollsafe.checksum import algorithm_for, model_digest, overall_checksum, per_engine_checksum
 
 #: Default timeout for health probes: short, a health check must never hang a prober.
 DEFAULT_HEALTH_TIMEOUT = 5.0
@@ -86,23 +87,125 @@ class HttpEngineClient:
     def _weights_timeout(self, timeout: float | None) -> float:
         return self.weights_timeout if timeout is None else timeout
 
-    def _parse_checksum(self, answer: Any) -> WeightsChecksum:
-        if not isinstance(answer, Mapping) or not isinstance(answer.get("tensors"), Mapping):
-            raise EngineOperationFailed(
-                self.url, "/weights_checksum", 200, f"unexpected checksum answer: {answer!r}"
-            )
-        version = answer.get("weight_version")
-        model = answer.get("model")
+    # ------------------------------------------------------------------ weight checkers
+    #: The digest algorithm the engine reports with (:mod:`rollsafe.checksum`); ``None``: from
+    #: the dialect (vLLM: ``"vllm"``) and, for SGLang, the ``device`` its ``/get_server_info``
+    #: reports (``"sglang-gpu"`` on CUDA or when it reports none, ``"sglang-cpu"`` otherwise).
+    checksum_algorithm: str | None = None
+
+    def _checksum_algorithm(self, timeout: float | None) -> str:
+        if self.checksum_algorithm is not None:
+            return self.checksum_algorithm
+        if self._dialect == "vllm":
+            return "vllm"
+        device: Any = None
+        try:
+            info = self._get("/get_server_info", timeout=timeout)
+            if isinstance(info, Mapping) and isinstance(info.get("device"), str):
+                device = info["device"]
+        except EngineError:
+            return "sglang-gpu"  # not cached: ask again next time
+        self.checksum_algorithm = algorithm_for("sglang", device)
+        return self.checksum_algorithm
+
+    def _bad_checksum(self, path: str, answer: Any) -> EngineOperationFailed:
+        return EngineOperationFailed(self.url, path, 200, f"unexpected checksum answer: {answer!r}")
+
+    @staticmethod
+    def _merge_ranks(ranks: list[dict[str, str]]) -> dict[str, str]:
+        """One ``{name: digest}``: names every rank agrees on once, the others per rank."""
+        merged: dict[str, str] = {}
+        names = sorted({n for r in ranks for n in r})
+        for name in names:
+            values = [r.get(name) for r in ranks]
+            if all(v == values[0] for v in values) and values[0] is not None:
+                merged[name] = values[0]
+            else:
+                for i, v in enumerate(values):
+                    if v is not None:
+                        merged[f"rank{i}:{name}"] = v
+        return merged
+
+    def _parse_sglang_checksum(self, answer: Any, algorithm: str) -> WeightsChecksum:
+        """SGLang ``/weights_checker`` ``{"success", "message", "ranks", "per_engine_checksum"}``
+        (one ``ChecksumInfo`` ``{checksums, per_gpu_checksum, parallelism_info}`` per rank)."""
+        path = "/weights_checker"
+        if not isinstance(answer, Mapping):
+            raise self._bad_checksum(path, answer)
+        self._checked(path, answer)
+        infos = answer.get("ranks")
+        if not isinstance(infos, list) or not infos:
+            raise self._bad_checksum(path, answer)
+        ranks: list[dict[str, str]] = []
+        per_gpu: list[str] = []
+        for info in infos:
+            if not isinstance(info, Mapping) or not isinstance(info.get("checksums"), Mapping):
+                raise self._bad_checksum(path, answer)
+            ranks.append({str(k): str(v) for k, v in info["checksums"].items()})
+            per_gpu.append(str(info.get("per_gpu_checksum") or overall_checksum(ranks[-1])))
+        per_engine = answer.get("per_engine_checksum")
+        per_engine = str(per_engine) if per_engine is not None else per_engine_checksum(per_gpu)
+        tensors = self._merge_ranks(ranks)
+        model = per_gpu[0] if all(p == per_gpu[0] for p in per_gpu) else per_engine
         return WeightsChecksum(
-            weight_version=None if version is None else str(version),
-            model=None if model is None else str(model),
-            tensors={str(k): str(v) for k, v in answer["tensors"].items()},
+            weight_version=None,
+            model=model,
+            tensors=tensors,
+            algorithm=algorithm,
+            ranks=tuple(ranks),
+            per_engine=per_engine,
+        )
+
+    def _parse_vllm_checksum(self, answer: Any, algorithm: str) -> WeightsChecksum:
+        """vLLM ``/weight_checker`` ``{"checksums": {"dp<d>:pp<p>:pcp<c>:tp<t>:name": hex}}``."""
+        path = "/weight_checker"
+        if not isinstance(answer, Mapping) or not isinstance(answer.get("checksums"), Mapping):
+            raise self._bad_checksum(path, answer)
+        by_rank: dict[str, dict[str, str]] = {}
+        for key, value in answer["checksums"].items():
+            parts = str(key).split(":", 4)
+            if len(parts) != 5:
+                raise self._bad_checksum(path, answer)
+            by_rank.setdefault(":".join(parts[:4]), {})[parts[4]] = str(value)
+        ranks = [by_rank[k] for k in sorted(by_rank)]
+        tensors = self._merge_ranks(ranks) if ranks else {}
+        return WeightsChecksum(
+            weight_version=None,
+            model=model_digest(tensors),
+            tensors=tensors,
+            algorithm=algorithm,
+            ranks=tuple(ranks),
         )
 
     # ------------------------------------------------------------------ shared API
     def weights_checksum(self, *, timeout: float | None = None) -> WeightsChecksum:
-        """Per-tensor digests of the served weights (idempotent: retried)."""
-        return self._parse_checksum(self._get("/weights_checksum", timeout=timeout))
+        """Per-tensor digests of the served weights from the engine's own checker (retried).
+
+        SGLang: ``POST /weights_checker {"action": "checksum"}``; vLLM: ``POST /weight_checker
+        {"action": "checksum"}``. Neither reports the weight version (``weight_version`` is
+        ``None``). Compare with a trainer's :func:`rollsafe.checksum.weights_checksum` computed
+        with ``algorithm=<this result>.algorithm``.
+        """
+        algorithm = self._checksum_algorithm(timeout)
+        if self._dialect == "vllm":
+            answer = self._post(
+                "/weight_checker", {"action": "checksum"}, timeout=timeout, idempotent=True
+            )
+            return self._parse_vllm_checksum(answer, algorithm)
+        answer = self._post(
+            "/weights_checker", {"action": "checksum"}, timeout=timeout, idempotent=True
+        )
+        return self._parse_sglang_checksum(answer, algorithm)
+
+    def weight_version(self, *, timeout: float | None = None) -> str | None:
+        """The weights version the engine reports (retried): SGLang ``GET /model_info``,
+        vLLM ``GET /weight_info``. The checkers report none, so this is how to read it."""
+        path = "/weight_info" if self._dialect == "vllm" else "/model_info"
+        answer = self._get(path, timeout=timeout)
+        if not isinstance(answer, Mapping) or "weight_version" not in answer:
+            raise EngineOperationFailed(self.url, path, 200, f"no weight_version in {answer!r}")
+        version = answer["weight_version"]
+        return None if version is None else str(version)
 
     def is_healthy(self, *, timeout: float | None = None) -> bool:
         """True when :meth:`health` passes; False on any engine error."""

@@ -63,11 +63,26 @@ class GenerateResult:
 
 @dataclass(frozen=True)
 class WeightsChecksum:
-    """What an engine reports about the weights it serves: version, model and per-tensor digests."""
+    """What an engine's own weight checker reports about the weights it serves.
+
+    ``tensors`` maps parameter names to digests (ranks that agree on a name are merged; a name
+    whose digest differs between ranks, a TP shard, appears once per rank as ``"rank<i>:name"``);
+    ``model`` is :func:`rollsafe.checksum.model_digest` of them (SGLang's ``per_gpu_checksum``
+    when every rank reports the same one, else its ``per_engine_checksum``); ``algorithm`` names
+    the digest algorithm (:mod:`rollsafe.checksum`) a trainer must use to compare; ``ranks`` holds
+    each rank's own ``{name: digest}``; ``per_engine`` SGLang's ``per_engine_checksum``.
+
+    ``weight_version`` is always ``None`` from SGLang's ``/weights_checker`` and vLLM's
+    ``/weight_checker`` (neither reports it): read the version through the dialect's version
+    path instead. The field stays for callers that build their own reports.
+    """
 
     weight_version: str | None
     model: str | None
     tensors: Mapping[str, str]
+    algorithm: str = "sglang"
+    ranks: tuple[Mapping[str, str], ...] = ()
+    per_engine: str | None = None
 
     def same_weights(self, other: WeightsChecksum) -> bool:
         """True when both report the same per-tensor digests (versions may differ)."""

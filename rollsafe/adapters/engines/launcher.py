@@ -2,14 +2,17 @@
 
 One launcher owns one engine group (the server process and its rank processes). It starts the
 group in a new session (so the whole process group can be signalled at once), waits for the
-engine's ``ROLLSAFE_READY {json}`` stdout line *and* a passing health check, captures
+engine's ``ROLLSAFE_READY {json}`` stdout line *and* a passing health check (a real SGLang or
+vLLM server, ``EngineSpec.kind``, prints no such line: it is ready once its ``/health`` and info
+endpoints answer 200, see :meth:`EngineLauncher.start`), captures
 stdout/stderr to a log file plus a bounded in-memory tail (reader threads drain both pipes, so a
 chatty engine can never block on a full pipe), and tears the group down on ``stop()``, ``kill()``,
 context exit, garbage collection and interpreter exit.
 
 ``restart()`` / ``reinit()`` follow the contract of XTuner's rollout workers: stop, then start
 again with an optional new ``model_path`` / ``tokenizer_path``; ``skip_load_weights=True``
-starts with ``--load-format dummy`` (random weights, to be replaced by a weight update).
+starts with ``--load-format dummy`` (random weights, to be replaced by a weight update). Both
+work for real engines too (stop the group, start again with the new paths / load format).
 
 Warm standby (``EngineSpec.warm_standby``): importing torch and transformers is most of an
 engine's start, so the launcher keeps one idle engine process that already did it (``python -m
@@ -25,7 +28,12 @@ handoff, the start falls back to a fresh spawn (logged, counted in
 on a background thread (so it never competes with the start itself). The standby runs in its own
 session with its own parent-death watchdog and finalizer: ``stop()``, ``kill()``, context exit,
 garbage collection and interpreter exit kill it too; ``stop(keep_standby=True)`` (what recovery
-uses before a restart) keeps it.
+uses before a restart) keeps it. Real engines have no standby mode (``warm_standby=True`` with a
+real ``kind`` is refused by :class:`EngineSpec`).
+
+The API key never reaches the launcher's log file or an :class:`EngineStartError` as it is
+(replaced by ``***``), and a real engine gets it outside its command line (see
+:class:`EngineSpec`).
 """
 
 from __future__ import annotations
@@ -34,11 +42,13 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import ipaddress
 import itertools
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,12 +58,12 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import httpx
 
 from rollsafe.adapters.engines.client import Dialect
-from rollsafe.adapters.engines.errors import EngineStartError
+from rollsafe.adapters.engines.errors import EngineNotSupported, EngineStartError
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
 
@@ -64,36 +74,97 @@ STANDBY_PREFIX = "ROLLSAFE_STANDBY "
 STANDBY_FLAG = "--standby"
 #: The module run with ``python -m`` unless the spec names another one.
 REFERENCE_ENGINE_MODULE = "rollsafe.adapters.reference_engine"
+#: The module a real SGLang server runs as (``python -m sglang.launch_server``).
+SGLANG_LAUNCH_MODULE = "sglang.launch_server"
+#: The module of vLLM's ``vllm`` console script (``python -m vllm.entrypoints.cli.main serve``).
+VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
+#: Shown for SGLang's ``--config`` API-key file by ``EngineSpec.command()`` (the launcher
+#: writes the real file at each start).
+API_KEY_FILE_PLACEHOLDER = "<api-key-config.yaml>"
+#: Which engine an :class:`EngineSpec` starts.
+EngineKind = Literal["reference", "sglang", "vllm"]
+ENGINE_KINDS: tuple[EngineKind, ...] = ("reference", "sglang", "vllm")
+#: What a real engine must answer 200 on, in order, before it counts as ready: ``/health``,
+#: then an info endpoint (the first of the list that does not answer 404). SGLang 0.5.23 has
+#: ``/model_info`` (``/get_server_info`` is its deprecated alias of ``/server_info``, and what
+#: the reference engine serves); vLLM 0.33.0 ``/v1/models``.
+READINESS_PATHS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sglang": ("/health", ("/model_info", "/get_server_info")),
+    "vllm": ("/health", ("/v1/models",)),
+}
+#: Seconds between two readiness polls of a real engine.
+READY_POLL_INTERVAL = 0.25
 _TAIL_LINES = 200
+_REDACTED = "***"
 
-__all__ = ["READY_PREFIX", "STANDBY_PREFIX", "EngineLauncher", "EngineSpec", "EngineStartError"]
+__all__ = [
+    "API_KEY_FILE_PLACEHOLDER",
+    "ENGINE_KINDS",
+    "READY_PREFIX",
+    "STANDBY_PREFIX",
+    "EngineKind",
+    "EngineLauncher",
+    "EngineSpec",
+    "EngineStartError",
+    "EngineStartTimeout",
+]
 
 log = logging.getLogger(__name__)
+
+
+class EngineStartTimeout(EngineStartError):
+    """The engine was still running but not ready within ``EngineSpec.ready_timeout``: no ready
+    line (reference engine), or ``/health`` / the info endpoint never answered 200 (a real
+    engine). The group was killed; ``exit_code`` is None."""
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """How to start one engine group.
 
+    ``kind`` picks the engine: ``"reference"`` (the default) runs rollsafe's reference engine
+    (``python -m module``), ready once it prints its ``ROLLSAFE_READY`` line and passes a health
+    check; ``"sglang"`` runs a real SGLang server (``python -m sglang.launch_server ...``) and
+    ``"vllm"`` a real vLLM server (``python -m vllm.entrypoints.cli.main serve ...``, what the
+    ``vllm serve`` console script runs, with ``VLLM_SERVER_DEV_MODE=1``); real engines print no
+    ready line, so they are ready once ``/health`` and an info endpoint answer 200 (see
+    :meth:`EngineLauncher.start`). ``dialect`` is the HTTP dialect the client speaks; None picks
+    the kind's own (``"sglang"`` for the reference engine, which speaks either); a real kind with
+    the other dialect is a contradiction (``ValueError``).
+
     ``extra_args`` are appended to the command line; ``env`` is merged over ``os.environ`` (after
-    removing ``unset_env``); ``fault_injection`` sets ``ROLLSAFE_FAULT_INJECTION=1`` (enables the
-    engine's ``/fault/*`` endpoints, for chaos tests only). ``reap_on_parent_death`` runs a tiny
-    watchdog process that SIGKILLs the engine group if this process dies without cleaning up
-    (``kill -9``, a killed Ray actor), where no finalizer or atexit hook can run. ``python``
-    defaults to the launching process's interpreter, resolved where the launcher runs (so a spec
-    built on a Ray driver works on any node).
+    removing ``unset_env``) and over the kind's own variables; ``fault_injection`` sets
+    ``ROLLSAFE_FAULT_INJECTION=1`` (enables the reference engine's ``/fault/*`` endpoints, for
+    chaos tests only). ``reap_on_parent_death`` runs a tiny watchdog process that SIGKILLs the
+    engine group if this process dies without cleaning up (``kill -9``, a killed Ray actor), where
+    no finalizer or atexit hook can run. ``python`` defaults to the launching process's
+    interpreter, resolved where the launcher runs (so a spec built on a Ray driver works on any
+    node); real engines run with it too unless ``executable`` names their program.
 
     ``warm_standby`` keeps one idle, already-imported engine process next to the running one, so
     a ``start()`` / ``restart()`` skips the interpreter start and the torch / transformers
     imports (seconds on CPU). It needs an engine ``module`` that supports ``--standby`` (the
     reference engine does); it costs one more process holding those imports (a few hundred MB
-    of host memory) and, after each start, the CPU of one import in the background.
+    of host memory) and, after each start, the CPU of one import in the background. Real engines
+    have no standby mode: ``warm_standby=True`` with a real ``kind`` is a ``ValueError``.
+
+    Real engines only: ``ranks`` is the tensor-parallel size; ``port=0`` picks a free port on
+    ``host`` right before each start (read :attr:`EngineLauncher.url`); ``executable`` replaces
+    the program (and leading arguments) before the engine's arguments (e.g. ``("vllm",
+    "serve")``, or a wrapper script); ``release_memory`` asks for release/resume of GPU memory
+    (SGLang ``--enable-memory-saver``, vLLM ``--enable-sleep-mode``; None: on for vLLM, off for
+    SGLang, whose memory saver needs the ``torch_memory_saver`` package);
+    ``weight_transfer_backend`` is vLLM's ``--weight-transfer-config`` backend (fixed for the
+    server's life). ``device`` and ``module`` apply to the reference engine only. The API key of
+    a real engine is not put on its command line: vLLM reads it from ``VLLM_API_KEY``; SGLang
+    from a ``--config`` YAML file the launcher writes (mode 0600, in its log directory) before
+    each start and deletes after the stop. ``docs/engines.md`` explains each flag.
     """
 
     model_path: str
     ranks: int = 1
     device: str = "cpu"
-    dialect: Dialect = "sglang"
+    dialect: Dialect | None = None
     host: str = "127.0.0.1"
     port: int = 0
     load_format: str = "auto"
@@ -111,30 +182,114 @@ class EngineSpec:
     reap_on_parent_death: bool = True
     unset_env: Sequence[str] = ()
     warm_standby: bool = False
+    kind: EngineKind = "reference"
+    executable: Sequence[str] = ()
+    release_memory: bool | None = None
+    weight_transfer_backend: str = "nccl"
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("EngineSpec.model_path must be set")
         if self.ranks < 1:
             raise ValueError(f"EngineSpec.ranks must be >= 1, got {self.ranks}")
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(
+                f"EngineSpec.kind must be one of {', '.join(map(repr, ENGINE_KINDS))}, "
+                f"got {self.kind!r}"
+            )
+        if self.dialect is None:
+            object.__setattr__(self, "dialect", "sglang" if self.kind == "reference" else self.kind)
         if self.dialect not in ("sglang", "vllm"):
             raise ValueError(f"EngineSpec.dialect must be 'sglang' or 'vllm', got {self.dialect!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"EngineSpec.port out of range: {self.port}")
         if self.ready_timeout <= 0:
             raise ValueError(f"EngineSpec.ready_timeout must be > 0, got {self.ready_timeout}")
+        if isinstance(self.executable, str):
+            raise ValueError(
+                "EngineSpec.executable must be a sequence of arguments, e.g. ('vllm', 'serve'), "
+                f"not the string {self.executable!r}"
+            )
+        if isinstance(self.extra_args, str):
+            raise ValueError(f"EngineSpec.extra_args must be a sequence, not {self.extra_args!r}")
+        if self.kind == "reference":
+            if self.executable:
+                raise ValueError(
+                    "EngineSpec.executable applies to kind='sglang' / 'vllm' only; the reference "
+                    "engine runs `python -m module` (set EngineSpec.python / EngineSpec.module)"
+                )
+            return
+        # a real engine
+        kind = self.kind
+        if self.dialect != kind:
+            raise ValueError(
+                f"EngineSpec.kind={kind!r} contradicts EngineSpec.dialect={self.dialect!r}: a "
+                f"real {kind} server speaks the {kind} dialect (leave dialect unset)"
+            )
+        if self.warm_standby:
+            raise ValueError(
+                f"EngineSpec.warm_standby=True needs kind='reference', got kind={kind!r}: a real "
+                f"{kind} server has no standby mode (set warm_standby=False)"
+            )
+        if self.fault_injection:
+            raise ValueError(
+                f"EngineSpec.fault_injection=True needs kind='reference', got kind={kind!r}: "
+                f"only the reference engine has /fault/* endpoints"
+            )
+        if self.module != REFERENCE_ENGINE_MODULE:
+            raise ValueError(
+                f"EngineSpec.module={self.module!r} applies to kind='reference' only, got "
+                f"kind={kind!r}: set EngineSpec.executable to run another program"
+            )
+        if kind == "sglang" and self.api_key and "--config" in self.extra_args:
+            raise ValueError(
+                "EngineSpec.api_key with kind='sglang' is passed in a --config file, and "
+                "EngineSpec.extra_args has a --config of its own (SGLang takes one): put "
+                "api_key in that file's place or drop one of them"
+            )
+        if kind == "vllm" and not self.weight_transfer_backend:
+            raise ValueError("EngineSpec.weight_transfer_backend must be set for kind='vllm'")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("EngineSpec.api_key must not be empty")
 
-    def command(self) -> list[str]:
-        """The argv that starts this engine group."""
-        return [self.interpreter(), "-m", self.module, *self.engine_args()]
+    @property
+    def real(self) -> bool:
+        """True for a real SGLang / vLLM server (readiness by HTTP polling, no standby)."""
+        return self.kind != "reference"
+
+    def command(self, *, port: int | None = None, api_key_file: str | None = None) -> list[str]:
+        """The argv that starts this engine group.
+
+        Real engines only: ``port`` replaces ``spec.port`` (the launcher passes the free port it
+        picked when that is 0); ``api_key_file`` is SGLang's ``--config`` file holding the API
+        key (shown as :data:`API_KEY_FILE_PLACEHOLDER` when not given).
+        """
+        if self.kind == "reference":
+            return [self.interpreter(), "-m", self.module, *self.engine_args()]
+        return [*self.program(), *self.engine_args(port=port, api_key_file=api_key_file)]
+
+    def program(self) -> list[str]:
+        """What runs before the engine's arguments: ``python -m module`` for the reference
+        engine; ``executable`` or the upstream entry point for a real one."""
+        if self.executable:
+            return list(self.executable)
+        if self.kind == "sglang":
+            return [self.interpreter(), "-m", SGLANG_LAUNCH_MODULE]
+        if self.kind == "vllm":
+            return [self.interpreter(), "-m", VLLM_CLI_MODULE, "serve"]
+        return [self.interpreter(), "-m", self.module]
 
     def standby_command(self) -> list[str]:
         """The argv of a warm standby for this spec (imports the model's classes ahead)."""
         return [self.interpreter(), "-m", self.module, STANDBY_FLAG,
                 "--model-path", self.model_path]  # fmt: skip
 
-    def engine_args(self) -> list[str]:
-        """The engine's own arguments: :meth:`command` without interpreter and module."""
+    def engine_args(self, *, port: int | None = None, api_key_file: str | None = None) -> list[str]:
+        """The engine's own arguments: :meth:`command` without its :meth:`program`."""
+        if self.kind == "sglang":
+            return self._sglang_args(port, api_key_file)
+        if self.kind == "vllm":
+            return self._vllm_args(port)
         cmd = [
             "--model-path", self.model_path,
             "--load-format", self.load_format,
@@ -142,15 +297,60 @@ class EngineSpec:
             "--port", str(self.port),
             "--ranks", str(self.ranks),
             "--device", self.device,
-            "--dialect", self.dialect,
+            "--dialect", str(self.dialect),
         ]  # fmt: skip
-        if self.tokenizer_path is not None and self.tokenizer_path != self.model_path:
+        if self._separate_tokenizer():
             # only when it differs: the tokenizer normally lives in the model directory
-            cmd += ["--tokenizer-path", self.tokenizer_path]
+            cmd += ["--tokenizer-path", str(self.tokenizer_path)]
         if self.weight_version is not None:
             cmd += ["--weight-version", self.weight_version]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        cmd += list(self.extra_args)
+        return cmd
+
+    def _separate_tokenizer(self) -> bool:
+        return self.tokenizer_path is not None and self.tokenizer_path != self.model_path
+
+    def _sglang_args(self, port: int | None, api_key_file: str | None) -> list[str]:
+        # Every flag is checked against sglang 0.5.23's sglang/srt/arg_groups/fields/*.py (the
+        # dataclasses server_args.py turns into flags) by tests/test_launcher_real.py.
+        cmd = [
+            "--model-path", self.model_path,
+            "--host", self.host,
+            "--port", str(self.port if port is None else port),
+            "--tp-size", str(self.ranks),
+            "--load-format", self.load_format,
+        ]  # fmt: skip
+        if self._separate_tokenizer():
+            cmd += ["--tokenizer-path", str(self.tokenizer_path)]
+        if self.weight_version is not None:
+            cmd += ["--weight-version", self.weight_version]
+        if self.release_memory:
+            cmd += ["--enable-memory-saver"]
+        if self.api_key:
+            # not --api-key KEY: that is visible to every user in `ps`
+            cmd += ["--config", api_key_file or API_KEY_FILE_PLACEHOLDER]
+        cmd += list(self.extra_args)
+        return cmd
+
+    def _vllm_args(self, port: int | None) -> list[str]:
+        # Every flag is checked against vllm 0.33.0's vllm/engine/arg_utils.py and
+        # vllm/entrypoints/common/cli_args.py by tests/test_launcher_real.py.
+        cmd = [
+            self.model_path,
+            "--host", self.host,
+            "--port", str(self.port if port is None else port),
+            "--tensor-parallel-size", str(self.ranks),
+            "--load-format", self.load_format,
+        ]  # fmt: skip
+        if self._separate_tokenizer():
+            cmd += ["--tokenizer", str(self.tokenizer_path)]
+        if self.release_memory is not False:
+            cmd += ["--enable-sleep-mode"]
+        backend = json.dumps({"backend": self.weight_transfer_backend}, separators=(",", ":"))
+        cmd += ["--weight-transfer-config", backend]
+        # the API key travels in VLLM_API_KEY (environment()), not as --api-key
         cmd += list(self.extra_args)
         return cmd
 
@@ -159,15 +359,40 @@ class EngineSpec:
         return self.python or sys.executable
 
     def environment(self) -> dict[str, str]:
+        """The engine's environment: ``os.environ`` less ``unset_env``, the kind's variables
+        (vLLM: ``VLLM_SERVER_DEV_MODE=1`` and ``VLLM_API_KEY``), then ``env`` on top."""
         env = dict(os.environ)
         for key in self.unset_env:
             env.pop(key, None)
         env["PYTHONUNBUFFERED"] = "1"
         if self.fault_injection:
             env["ROLLSAFE_FAULT_INJECTION"] = "1"
+        if self.kind == "vllm":
+            # the RL routes (/init_weight_transfer_engine, /update_weights, /pause, /sleep, ...)
+            # exist only in dev mode
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+            if self.api_key:
+                env["VLLM_API_KEY"] = self.api_key
+            else:  # the spec's key is the only one: an inherited one would lock rollsafe out
+                env.pop("VLLM_API_KEY", None)
         if self.env:
             env.update(self.env)
         return env
+
+    def client_url(self, port: int | None = None) -> str:
+        """The base URL a client on this host uses to reach a real engine on ``port``."""
+        host = self.host
+        if host in ("0.0.0.0", ""):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port if port is None else port}"
+
+    def secrets(self) -> list[str]:
+        """Strings never written to logs or errors as they are (the API key)."""
+        return [self.api_key] if self.api_key else []
 
 
 # --------------------------------------------------------------------------- process helpers
@@ -229,6 +454,77 @@ while True:
 """
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children, grandchildren, ...), read from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def _free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now (a real engine cannot report the one it picked)."""
+    bind = {"": "0.0.0.0", "localhost": "127.0.0.1"}.get(host, host).strip("[]")
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((bind, 0))
+        return int(s.getsockname()[1])
+
+
+def _redact(text: str, secrets: Sequence[str]) -> str:
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, _REDACTED)
+    return text
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _warn_exposure(spec: EngineSpec) -> None:
+    """Log what a real engine bound beyond loopback leaves open (it cannot be refused: a
+    cluster needs it)."""
+    if _is_loopback(spec.host):
+        return
+    if spec.kind == "vllm":
+        log.warning(
+            "vLLM on %s: its API key only guards /v1, /v2, /inference and /cohere; the dev-mode "
+            "routes rollsafe uses (weight updates, pause, sleep) are open to anyone who can "
+            "reach the port: keep it on a private network",
+            spec.host,
+        )
+    elif not spec.api_key:
+        log.warning(
+            "SGLang on %s without api_key: anyone who can reach the port can replace its weights",
+            spec.host,
+        )
+
+
 def _spawn_group(cmd: list[str], env: dict[str, str], *, stdin: int) -> subprocess.Popen[bytes]:
     """Start ``cmd`` as the leader of a new session (the whole group can be signalled at once),
     stdout and stderr piped for an :class:`_OutputPump`."""
@@ -284,8 +580,11 @@ class _OutputPump:
     """Drains a child's stdout and stderr into a log file and a bounded tail, spotting READY
     (and a warm standby's STANDBY line)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], log_path: str) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], log_path: str, secrets: Sequence[str] = ()
+    ) -> None:
         self.log_path = log_path
+        self._secrets = [s for s in secrets if s]  # replaced by *** in the log and the tail
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self.ready: dict[str, Any] | None = None
         self.ready_error: str | None = None
@@ -307,6 +606,8 @@ class _OutputPump:
         try:
             for raw in iter(stream.readline, b""):
                 line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                if self._secrets:
+                    line = _redact(line, self._secrets)
                 if name == "stdout" and line.startswith(READY_PREFIX) and self.ready is None:
                     try:
                         self.ready = _parse_line(line, READY_PREFIX, "url")
@@ -356,8 +657,10 @@ def _reap(
     proc: subprocess.Popen[bytes],
     rank_pids: Sequence[int],
     watchdog: subprocess.Popen[bytes] | None,
+    files: Sequence[str] = (),
 ) -> None:
-    """Finalizer: SIGKILL the group and every known rank; reap the leader. Never raises."""
+    """Finalizer: SIGKILL the group and every known rank; reap the leader; delete ``files``
+    (a real SGLang engine's API-key file). Never raises."""
     try:
         _signal_group(proc.pid, signal.SIGKILL)
         for pid in rank_pids:
@@ -368,6 +671,9 @@ def _reap(
         _stop_watchdog(watchdog)
     except Exception:
         pass
+    for path in files:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 @dataclass
@@ -438,6 +744,8 @@ class EngineLauncher:
         self._standby_stats = {"spawned": 0, "used": 0, "fallbacks": 0}
         self._last_fallback: str | None = None
         self._last_from_standby = False
+        self._command: list[str] | None = None  # the argv of the last start
+        self._api_key_file: str | None = None  # a real SGLang engine's --config file
 
     # ------------------------------------------------------------------ properties
     @property
@@ -462,7 +770,11 @@ class EngineLauncher:
 
     @property
     def ready_info(self) -> dict[str, Any]:
-        """The engine's ``ROLLSAFE_READY`` payload (url, pid, rank_pids, weight_version, ...)."""
+        """The reference engine's ``ROLLSAFE_READY`` payload (url, pid, rank_pids,
+        weight_version, ...). For a real engine what the launcher learnt by polling: ``url``,
+        ``pid``, ``rank_pids`` (empty: unknown), ``ranks``, ``kind``, ``dialect``,
+        ``weight_version`` (as the engine reports it, or None), ``health_path``, ``info_path``,
+        ``info`` (that endpoint's JSON answer), ``startup_s``."""
         return dict(self._require_info())
 
     @property
@@ -518,28 +830,44 @@ class EngineLauncher:
         return "" if self._pump is None else self._pump.text()
 
     def command(self) -> list[str]:
-        return self._spec.command()
+        """The argv of the last start (a real engine's picked port and key file included);
+        before any start, the spec's."""
+        return list(self._command) if self._command is not None else self._spec.command()
 
     def __repr__(self) -> str:
         state = self._info.get("url", "running") if self._proc else "stopped"
         standby = f", standby pid {self.standby_pid}" if self.standby_pid is not None else ""
-        return f"EngineLauncher({self._spec.dialect}, ranks={self._spec.ranks}, {state}{standby})"
+        kind = "" if self._spec.kind == "reference" else f"{self._spec.kind} server, "
+        return (
+            f"EngineLauncher({kind}{self._spec.dialect}, ranks={self._spec.ranks}, "
+            f"{state}{standby})"
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> EngineLauncher:
         """Start the group; return once it printed its ready line and passed a health check.
 
+        A real engine (``spec.kind`` ``"sglang"`` / ``"vllm"``) prints no ready line: it is
+        ready once ``GET /health`` and then its info endpoint (SGLang ``/model_info``, falling
+        back to ``/get_server_info`` where that answers 404; vLLM ``/v1/models``) answer 200,
+        polled every :data:`READY_POLL_INTERVAL` s while the process is watched for an early
+        exit. A vLLM spec with a ``weight_version`` then sets it with ``POST
+        /update_weight_version`` (vLLM has no such flag).
+
         With ``spec.warm_standby`` a ready standby takes the start (see the module docstring);
         a fresh spawn is the fallback. Raises :class:`EngineStartError` (with the output tail,
         exit code and command) if the engine exits, prints a bad ready line or is not healthy
-        within ``spec.ready_timeout``; nothing is left running in that case (an idle standby
-        the start did not use stays).
+        within ``spec.ready_timeout`` (:class:`EngineStartTimeout` when it was still running);
+        nothing is left running in that case (an idle standby the start did not use stays).
         """
         with self._lock:
             if self._proc is not None:
                 raise RuntimeError(f"engine already started (pid {self._proc.pid})")
             spec = self._spec
+            if spec.real:
+                return self._start_real(spec)
             cmd = spec.command()
+            self._command = cmd
             self._starts += 1
             standby = self._take_standby(spec)
             from_standby = standby is not None and self._launch_from_standby(standby, spec, cmd)
@@ -567,12 +895,49 @@ class EngineLauncher:
                 self._schedule_standby()  # runs once this start released the lock
             return self
 
+    def _start_real(self, spec: EngineSpec) -> EngineLauncher:
+        """:meth:`start` for a real SGLang / vLLM server: spawn, then poll until ready."""
+        port = spec.port or _free_port(spec.host)
+        self._starts += 1
+        if self._starts == 1:
+            _warn_exposure(spec)
+        key_file = self._write_api_key_file(spec) if spec.kind == "sglang" else None
+        cmd = spec.command(port=port, api_key_file=key_file)
+        self._command = cmd
+        try:
+            self._launch_fresh(spec, cmd)
+            self._wait_http_ready(self._require_proc(), cmd, spec.client_url(port))
+        except BaseException:
+            self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+            raise
+        self._remove_files()  # SGLang read its --config at start: the key leaves the disk
+        self._last_from_standby = False
+        return self
+
+    def _write_api_key_file(self, spec: EngineSpec) -> str | None:
+        """SGLang reads no API key from its environment: write it to a 0600 YAML file for its
+        ``--config`` (deleted by the teardown), so that it is not on the command line."""
+        if not spec.api_key:
+            return None
+        path = os.path.join(
+            self._log_dir, f"sglang-auth-{os.getpid()}-{next(self._counter)}-{self._starts}.yaml"
+        )
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            # a JSON object is a YAML flow mapping, and json.dumps quotes any key safely
+            f.write(json.dumps({"api_key": spec.api_key}) + "\n")
+        self._api_key_file = path
+        return path
+
+    def _files(self) -> list[str]:
+        return [self._api_key_file] if self._api_key_file else []
+
     def _new_log(self, kind: str, cmd: list[str]) -> str:
         log_path = os.path.join(
             self._log_dir, f"{kind}-{os.getpid()}-{next(self._counter)}-{self._starts}.log"
         )
         with open(log_path, "a", encoding="utf-8") as f:
-            f.write(f"# {' '.join(cmd)}\n")
+            f.write(f"# {_redact(' '.join(cmd), self._spec.secrets())}\n")
         return log_path
 
     def _launch_fresh(self, spec: EngineSpec, cmd: list[str]) -> None:
@@ -583,16 +948,16 @@ class EngineLauncher:
         except OSError as exc:
             raise EngineStartError(
                 f"cannot execute the engine command: {exc}",
-                command=cmd,
+                command=[_redact(a, spec.secrets()) for a in cmd],
                 exit_code=None,
                 output_tail="",
                 log_path=log_path,
             ) from exc
         self._proc = proc
-        self._pump = _OutputPump(proc, log_path)
+        self._pump = _OutputPump(proc, log_path, spec.secrets())
         if spec.reap_on_parent_death:
             self._watchdog = _start_watchdog(spec.interpreter(), proc.pid)
-        self._finalizer = weakref.finalize(self, _reap, proc, [], self._watchdog)
+        self._finalizer = weakref.finalize(self, _reap, proc, [], self._watchdog, self._files())
 
     # ------------------------------------------------------------------ warm standby
     def _fallback(self, reason: str) -> None:
@@ -685,7 +1050,7 @@ class EngineLauncher:
             )
             self._standby = _Standby(
                 proc=proc,
-                pump=_OutputPump(proc, log_path),
+                pump=_OutputPump(proc, log_path, spec.secrets()),
                 watchdog=watchdog,
                 finalizer=weakref.finalize(self, _reap, proc, [], watchdog),
                 interpreter=spec.interpreter(),
@@ -700,7 +1065,14 @@ class EngineLauncher:
             sb.discard()
 
     # ------------------------------------------------------------------ readiness
-    def _fail(self, reason: str, cmd: list[str], proc: subprocess.Popen[bytes]) -> EngineStartError:
+    def _fail(
+        self,
+        reason: str,
+        cmd: list[str],
+        proc: subprocess.Popen[bytes],
+        *,
+        timeout: bool = False,
+    ) -> EngineStartError:
         exit_code = proc.poll()
         if exit_code is None:
             _signal_group(proc.pid, signal.SIGKILL)
@@ -708,9 +1080,10 @@ class EngineLauncher:
                 proc.wait(timeout=5)
         assert self._pump is not None
         self._pump.close(timeout=1.0)
-        return EngineStartError(
+        cls = EngineStartTimeout if timeout and exit_code is None else EngineStartError
+        return cls(
             reason,
-            command=cmd,
+            command=[_redact(a, self._spec.secrets()) for a in cmd],
             exit_code=exit_code,
             output_tail=self._pump.text(),
             log_path=self._pump.log_path,
@@ -738,7 +1111,9 @@ class EngineLauncher:
                     )
                 break
             if time.monotonic() >= deadline:
-                raise self._fail(f"no ready line within {spec.ready_timeout:.1f}s", cmd, proc)
+                raise self._fail(
+                    f"no ready line within {spec.ready_timeout:.1f}s", cmd, proc, timeout=True
+                )
         if pump.ready is None:
             raise self._fail(pump.ready_error or "bad ready line", cmd, proc)
         info = pump.ready
@@ -773,8 +1148,124 @@ class EngineLauncher:
                     f"{spec.ready_timeout:.1f}s: {last}",
                     cmd,
                     proc,
+                    timeout=True,
                 )
             time.sleep(0.1)
+
+    def _wait_http_ready(self, proc: subprocess.Popen[bytes], cmd: list[str], url: str) -> None:
+        """A real engine's readiness: poll ``/health``, then its info endpoint, until both
+        answered 200, the process exits or ``spec.ready_timeout`` passes."""
+        spec = self._spec
+        pump = self._pump
+        assert pump is not None
+        t0 = time.monotonic()
+        deadline = t0 + spec.ready_timeout
+        health_path, info_candidates = READINESS_PATHS[spec.kind]
+        info_paths = list(info_candidates)
+        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        healthy = False
+        last = "no answer yet"
+        # trust_env=False: the engine is on this host; a proxy from the environment is not
+        with httpx.Client(
+            base_url=url, headers=headers, verify=_ssl_context(), trust_env=False
+        ) as http:
+            while True:
+                path = info_paths[0] if healthy else health_path
+                if proc.poll() is not None:
+                    pump.wait_eof(0.5)  # collect the last output lines
+                    raise self._fail(
+                        f"engine exited with code {proc.returncode} before it answered 200 on "
+                        f"{path} (last poll: {last})",
+                        cmd,
+                        proc,
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._fail(
+                        f"engine did not answer 200 on {health_path} and "
+                        f"{' / '.join(info_candidates)} within {spec.ready_timeout:.1f}s "
+                        f"(last poll: {last})",
+                        cmd,
+                        proc,
+                        timeout=True,
+                    )
+                try:
+                    resp = http.get(path, timeout=max(0.2, min(5.0, remaining)))
+                except httpx.HTTPError as exc:
+                    last = f"GET {path}: {type(exc).__name__}: {exc}"
+                else:
+                    if resp.status_code == 200 and not healthy:
+                        healthy = True
+                        continue
+                    if resp.status_code == 200:
+                        try:
+                            info = resp.json()
+                        except ValueError:
+                            info = None
+                        if isinstance(info, dict):
+                            break
+                        last = f"GET {path} answered 200 with a body that is no JSON object"
+                    elif resp.status_code == 404 and healthy and len(info_paths) > 1:
+                        info_paths.pop(0)
+                        continue
+                    else:
+                        last = f"GET {path} answered {resp.status_code}: {resp.text[:200]!r}"
+                time.sleep(min(READY_POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
+            weight_version = info.get("weight_version")
+            if spec.kind == "vllm" and spec.weight_version is not None:
+                weight_version = self._set_vllm_weight_version(http, spec, cmd, proc, deadline)
+        self._info = {
+            "url": url,
+            "pid": proc.pid,
+            "rank_pids": [],
+            "ranks": spec.ranks,
+            "kind": spec.kind,
+            "dialect": spec.dialect,
+            "weight_version": weight_version,
+            "health_path": health_path,
+            "info_path": info_paths[0],
+            "info": info,
+            "startup_s": round(time.monotonic() - t0, 3),
+            "from_standby": False,
+        }
+        client_cls = VLLMClient if spec.dialect == "vllm" else SGLangClient
+        self._client = client_cls(
+            url, api_key=spec.api_key, timeout=spec.client_timeout,
+            transport=httpx.HTTPTransport(verify=_ssl_context()),
+        )  # fmt: skip
+
+    def _set_vllm_weight_version(
+        self,
+        http: httpx.Client,
+        spec: EngineSpec,
+        cmd: list[str],
+        proc: subprocess.Popen[bytes],
+        deadline: float,
+    ) -> str:
+        """vLLM 0.33.0 takes no weight version at start: ``POST /update_weight_version``
+        (a dev-mode route, ``vllm/entrypoints/rl/online/api_router.py``) sets it."""
+        version = str(spec.weight_version)
+        path = "/update_weight_version"
+        try:
+            resp = http.post(
+                path,
+                json={"new_version": version},
+                timeout=max(1.0, min(30.0, deadline - time.monotonic())),
+            )
+        except httpx.HTTPError as exc:
+            raise self._fail(
+                f"POST {path} failed after the engine was ready: {type(exc).__name__}: {exc}",
+                cmd,
+                proc,
+            ) from exc
+        if resp.status_code != 200:
+            raise self._fail(
+                f"POST {path} answered {resp.status_code} after the engine was ready (is "
+                f"VLLM_SERVER_DEV_MODE=1 set?): {resp.text[:500]!r}",
+                cmd,
+                proc,
+            )
+        return version
 
     def is_alive(self) -> bool:
         """True while the server process and every rank process are running."""
@@ -802,7 +1293,18 @@ class EngineLauncher:
             self._discard_standby()
 
     def kill_rank(self, rank: int) -> int:
-        """SIGKILL one rank process (for chaos tests); return its pid. The server keeps running."""
+        """SIGKILL one rank process (for chaos tests); return its pid. The server keeps running.
+
+        Reference engine only: a real engine does not tell which process is which rank, so
+        there it raises :class:`EngineNotSupported` (use :meth:`kill`, or signal a process of
+        :meth:`descendant_pids` yourself)."""
+        if self._spec.real:
+            raise EngineNotSupported(
+                self._spec.kind,
+                "kill_rank",
+                f"a real {self._spec.kind} server does not report which process is rank {rank}; "
+                "use kill(), or signal one of descendant_pids() yourself",
+            )
         with self._lock:
             pids = self.rank_pids
             if not 0 <= rank < len(pids):
@@ -860,11 +1362,21 @@ class EngineLauncher:
             skip_load_weights=skip_load_weights,
         )  # fmt: skip
 
+    def descendant_pids(self) -> list[int]:
+        """Every live process the engine's server process started (its ranks, schedulers,
+        workers...), read from ``/proc``; empty when not running."""
+        proc = self._proc
+        return [] if proc is None or proc.poll() is not None else _descendants(proc.pid)
+
     def _teardown(self, *, sig_first: int, timeout: float) -> None:
         proc = self._proc
         if proc is None:
+            self._remove_files()
             return
         rank_pids = [int(p) for p in self._info.get("rank_pids", [])]
+        if self._spec.real and proc.poll() is None:
+            # a real engine's workers: the process group covers them unless one left it
+            rank_pids += [p for p in _descendants(proc.pid) if p not in rank_pids]
         if self._client is not None:
             self._client.close()
         pgid = proc.pid
@@ -893,6 +1405,13 @@ class EngineLauncher:
         self._proc = None
         self._client = None
         self._info = {}
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        path, self._api_key_file = self._api_key_file, None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def _require_proc(self) -> subprocess.Popen[bytes]:
         if self._proc is None:

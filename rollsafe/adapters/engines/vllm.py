@@ -1,31 +1,41 @@
-"""``VLLMClient``: the :class:`EngineClient` protocol mapped onto vLLM's HTTP endpoints.
+"""``VLLMClient``: the :class:`EngineClient` protocol mapped onto vLLM 0.33.0's HTTP endpoints.
 
 =============================================  ==========================================
 EngineClient call                              vLLM endpoint
 =============================================  ==========================================
 health                                         GET ``/health``
-generate                                       POST ``/v1/completions`` (token-id prompt)
-pause_generation / continue_generation         POST ``/pause`` / ``/resume``
+generate                                       POST ``/v1/completions`` (token-id prompt,
+                                               ``return_weight_versions``)
+pause_generation / continue_generation         POST ``/pause?mode=`` / ``/resume``
 flush_cache                                    POST ``/reset_prefix_cache``
 release / resume_memory_occupation             POST ``/sleep?level=1`` / ``/wake_up?tags=``
 init_weights_update_group                      POST ``/init_weight_transfer_engine``
-update_weights_from_distributed                POST ``/start_weight_update``,
-                                               ``/update_weights``, ``/finish_weight_update``
+                                               ``{init_info}`` (packing fixed here)
+update_weights_from_distributed                ``/start_weight_update`` (first call of a
+                                               version), ``/update_weights`` {update_info},
+                                               ``/finish_weight_update`` {weight_version}
+                                               (the call that carries the version)
 update_weights_from_disk                       POST ``/collective_rpc`` ``reload_weights``
-update_weights_from_tensor / _from_ipc         POST ``/collective_rpc`` (method of the same
-                                               name, from a worker extension)
-destroy_weights_update_group                   no-op (the next init replaces the group)
-weights_checksum                               GET ``/weights_checksum``
+                                               {weights_path}, ``/update_weight_version``
+update_weights_from_ipc                        POST ``/collective_rpc``
+                                               ``update_weights_from_ipc`` {zmq_handles}
+                                               (checkpoint-engine's worker extension)
+update_weights_from_tensor                     not supported (raises EngineNotSupported)
+destroy_weights_update_group                   POST ``/shutdown_weight_transfer_engine``
+weights_checksum                               POST ``/weight_checker`` {action: checksum}
 =============================================  ==========================================
 
 The sleep/wake, collective-RPC and weight-transfer routes exist on a real vLLM only in dev mode
-(``VLLM_SERVER_DEV_MODE=1``). SGLang-style sampling parameters are translated
-(``max_new_tokens`` -> ``max_tokens``, ``min_new_tokens`` -> ``min_tokens``,
-``sampling_seed`` -> ``seed``).
+(``VLLM_SERVER_DEV_MODE=1``, plus ``--enable-sleep-mode`` and ``--weight-transfer-config``).
+SGLang-style sampling parameters are translated (``max_new_tokens`` -> ``max_tokens``,
+``min_new_tokens`` -> ``min_tokens``, ``sampling_seed`` -> ``seed``). Request bodies follow the
+pinned contract (``rollsafe/adapters/engines/contracts/vllm-0.33.0.json``; checked by
+``tests/test_client_contracts.py``).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,7 +47,11 @@ from rollsafe.adapters.engines.base import (
     HttpEngineClient,
 )
 from rollsafe.adapters.engines.client import Dialect, GenerateResult, MemoryTag, PauseMode
-from rollsafe.adapters.engines.errors import EngineNotSupported, EngineOperationFailed
+from rollsafe.adapters.engines.errors import (
+    EngineError,
+    EngineNotSupported,
+    EngineOperationFailed,
+)
 from rollsafe.adapters.engines.http import RetryPolicy
 
 _SAMPLING_RENAMES = {
@@ -85,6 +99,9 @@ class VLLMClient(HttpEngineClient):
         )
         #: served model name sent as ``model`` in completions (omitted when None)
         self.model = model
+        # one weight update (start .. finish) per version, possibly over many calls
+        self._update_lock = threading.Lock()
+        self._update_open = False
 
     # -- liveness and serving -------------------------------------------------------------
     def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
@@ -100,13 +117,18 @@ class VLLMClient(HttpEngineClient):
         sampling_params: Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> GenerateResult:
-        """POST ``/v1/completions`` once (never retried) and return the first choice."""
+        """POST ``/v1/completions`` once (never retried) and return the first choice.
+
+        vLLM reports the serving weights only when asked (``return_weight_versions``): as spans
+        ``[{version, start, end}]`` over the generated tokens; ``weight_version`` is the last
+        span's version (the one that produced the final token)."""
         if (input_ids is None) == (text is None):
             raise ValueError("generate needs exactly one of input_ids or text")
         path = "/v1/completions"
         body: dict[str, Any] = to_vllm_sampling(sampling_params)
         body["prompt"] = [int(t) for t in input_ids] if input_ids is not None else text
         body.setdefault("return_token_ids", True)
+        body.setdefault("return_weight_versions", True)
         if self.model is not None:
             body.setdefault("model", self.model)
         answer = self._post(path, body, timeout=timeout)
@@ -115,7 +137,11 @@ class VLLMClient(HttpEngineClient):
             raise EngineOperationFailed(self.url, path, 200, f"no choices in answer: {answer!r}")
         choice = choices[0]
         meta: dict[str, Any] = {k: v for k, v in answer.items() if k != "choices"}
-        version = choice.get("weight_version", answer.get("weight_version"))
+        spans = choice.get("weight_versions")
+        version = None
+        if isinstance(spans, list) and spans and isinstance(spans[-1], Mapping):
+            version = spans[-1].get("version")
+            meta["weight_versions"] = spans
         reason = choice.get("finish_reason")
         return GenerateResult(
             text=str(choice.get("text", "")),
@@ -206,6 +232,14 @@ class VLLMClient(HttpEngineClient):
         """Not available: vLLM has no endpoint that returns a parameter's values."""
         raise EngineNotSupported("vllm", "get_weights_by_name", "use weights_checksum()")
 
+    def update_weight_version(self, new_version: str, *, timeout: float | None = None) -> None:
+        """POST ``/update_weight_version`` {new_version}: the label the engine reports."""
+        self._post_checked(
+            "/update_weight_version",
+            {"new_version": str(new_version)},
+            timeout=self._weights_timeout(timeout),
+        )
+
     def update_weights_from_disk(
         self,
         model_path: str,
@@ -215,22 +249,29 @@ class VLLMClient(HttpEngineClient):
         abort_all_requests: bool = False,
         timeout: float | None = None,
     ) -> str:
-        """``/collective_rpc`` method ``reload_weights`` {model_path, load_format, weight_version}.
+        """``/collective_rpc`` method ``reload_weights`` {weights_path}, then
+        ``/update_weight_version`` when ``weight_version`` is given.
 
-        ``abort_all_requests`` pauses (abort) around the reload, then resumes.
+        vLLM's ``reload_weights(weights_path=...)`` reloads in place in the server's own load
+        format, so ``load_format`` must be None; ``abort_all_requests`` pauses (abort) around the
+        reload, then resumes.
         """
-        kwargs: dict[str, Any] = {"model_path": model_path}
         if load_format is not None:
-            kwargs["load_format"] = load_format
-        if weight_version is not None:
-            kwargs["weight_version"] = weight_version
+            raise EngineNotSupported(
+                "vllm", f"update_weights_from_disk(load_format={load_format!r})",
+                "vLLM's reload_weights uses the load format the server was started with",
+            )  # fmt: skip
+        kwargs = {"weights_path": str(model_path)}
         if abort_all_requests:
             self.pause_generation("abort", timeout=timeout)
-            try:
-                return self._rpc_message("reload_weights", kwargs, timeout)
-            finally:
+        try:
+            message = self._rpc_message("reload_weights", kwargs, timeout)
+            if weight_version is not None:
+                self.update_weight_version(weight_version, timeout=timeout)
+        finally:
+            if abort_all_requests:
                 self.continue_generation(timeout=timeout)
-        return self._rpc_message("reload_weights", kwargs, timeout)
+        return message
 
     def update_weights_from_tensor(
         self,
@@ -241,16 +282,15 @@ class VLLMClient(HttpEngineClient):
         weight_version: str | None = None,
         timeout: float | None = None,
     ) -> str:
-        """``/collective_rpc`` method ``update_weights_from_tensor``."""
-        kwargs: dict[str, Any] = {
-            "serialized_named_tensors": list(serialized_named_tensors),
-            "flush_cache": flush_cache,
-        }
-        if load_format is not None:
-            kwargs["load_format"] = load_format
-        if weight_version is not None:
-            kwargs["weight_version"] = weight_version
-        return self._rpc_message("update_weights_from_tensor", kwargs, timeout)
+        """Not available: vLLM 0.33.0 has no ``update_weights_from_tensor``.
+
+        Its own colocated path is the ``ipc`` weight-transfer backend (CUDA IPC handles keyed
+        by GPU UUID through ``/update_weights``), a different payload; use the ``nccl``
+        transport with vLLM, or an SGLang engine for ``ipc``."""
+        raise EngineNotSupported(
+            "vllm", "update_weights_from_tensor",
+            "vLLM 0.33.0 has no such endpoint; use the nccl transport (native weight transfer)",
+        )  # fmt: skip
 
     def init_weights_update_group(
         self,
@@ -262,18 +302,31 @@ class VLLMClient(HttpEngineClient):
         group_name: str = "weight_update_group",
         backend: str = "nccl",
         timeout: float | None = None,
+        packed: bool = True,
+        packed_buffer_size_bytes: int | None = None,
+        packed_num_buffers: int | None = None,
     ) -> str:
         """POST ``/init_weight_transfer_engine`` {init_info}; blocks until the trainer joins.
 
-        vLLM has one weight-transfer group whose backend is fixed at server start, so
-        ``group_name`` and ``backend`` are not sent.
+        vLLM has one weight-transfer group whose backend is fixed at server start
+        (``--weight-transfer-config``), so ``group_name`` and ``backend`` are not sent. Packing
+        is fixed here for every later ``/update_weights``: ``packed`` (rollsafe's default, as
+        vLLM's own trainer side) sends each call as uint8 chunks closed once they exceed
+        ``packed_buffer_size_bytes`` (vLLM's default 1 GiB when None).
         """
-        init_info = {
+        init_info: dict[str, Any] = {
             "master_address": master_address,
             "master_port": int(master_port),
             "rank_offset": int(rank_offset),
             "world_size": int(world_size),
+            "packed": bool(packed),
         }
+        if packed_buffer_size_bytes is not None:
+            init_info["packed_buffer_size_bytes"] = int(packed_buffer_size_bytes)
+        if packed_num_buffers is not None:
+            init_info["packed_num_buffers"] = int(packed_num_buffers)
+        with self._update_lock:
+            self._update_open = False  # a new group starts outside any update
         return self._post_checked(
             "/init_weight_transfer_engine",
             {"init_info": init_info},
@@ -283,9 +336,13 @@ class VLLMClient(HttpEngineClient):
     def destroy_weights_update_group(
         self, group_name: str = "weight_update_group", *, timeout: float | None = None
     ) -> str:
-        """No-op: vLLM keeps a single weight-transfer group and replaces it on the next
-        :meth:`init_weights_update_group`; it has no endpoint to destroy it."""
-        return "vLLM replaces its weight-transfer group on the next init; nothing to destroy"
+        """POST ``/shutdown_weight_transfer_engine`` (vLLM's single group; ``group_name`` is
+        not sent)."""
+        with self._update_lock:
+            self._update_open = False
+        return self._post_checked(
+            "/shutdown_weight_transfer_engine", None, timeout=self._weights_timeout(timeout)
+        )
 
     def update_weights_from_distributed(
         self,
@@ -299,38 +356,53 @@ class VLLMClient(HttpEngineClient):
         weight_version: str | None = None,
         timeout: float | None = None,
     ) -> str:
-        """``/start_weight_update``, ``/update_weights`` {update_info}, ``/finish_weight_update``.
+        """One call of vLLM's update lifecycle; blocks while the trainer broadcasts.
 
-        ``/update_weights`` blocks while the trainer broadcasts: call this concurrently.
-        ``/finish_weight_update`` is sent even when the update fails, so the engine leaves its
-        update mode.
+        The first call of a version sends ``/start_weight_update``; every call sends
+        ``/update_weights`` {update_info: {names, dtype_names, shapes}}; the call that carries
+        ``weight_version`` (the last) sends ``/finish_weight_update`` {weight_version} and, with
+        ``flush_cache``, ``/reset_prefix_cache``. A failed call also sends
+        ``/finish_weight_update`` (without a version) so the engine leaves update mode; the
+        version it serves is unchanged. ``load_format`` is ignored: vLLM's packing was fixed by
+        :meth:`init_weights_update_group`.
         """
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(
                 f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}"
             )
         wt = self._weights_timeout(timeout)
-        self._post_checked("/start_weight_update", {"is_checkpoint_format": True}, timeout=wt)
         update_info: dict[str, Any] = {
             "names": list(names),
-            "dtype_names": list(dtypes),
+            "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [[int(d) for d in s] for s in shapes],
-            "packed": load_format == "flattened_bucket",
         }
-        if weight_version is not None:
-            update_info["weight_version"] = weight_version
+        with self._update_lock:
+            opened, self._update_open = not self._update_open, True
         try:
-            message = self._post_checked(
-                "/update_weights", {"update_info": update_info}, timeout=wt
-            )
-        finally:
-            finish: dict[str, Any] = {}
-            if weight_version is not None:
-                finish["weight_version"] = weight_version
-            self._post_checked("/finish_weight_update", finish, timeout=wt)
-        if flush_cache:
-            self.flush_cache(timeout=timeout)
+            if opened:
+                self._post_checked("/start_weight_update", None, timeout=wt)
+            body = {"update_info": update_info}
+            message = self._post_checked("/update_weights", body, timeout=wt)
+        except BaseException:
+            self._leave_update(wt, None, quiet=True)
+            raise
+        if weight_version is not None:
+            self._leave_update(wt, str(weight_version), quiet=False)
+            if flush_cache:
+                self.flush_cache(timeout=timeout)
         return message
+
+    def _leave_update(self, timeout: float, version: str | None, *, quiet: bool) -> None:
+        with self._update_lock:
+            was_open, self._update_open = self._update_open, False
+        if not was_open:
+            return
+        body = {} if version is None else {"weight_version": version}
+        try:
+            self._post_checked("/finish_weight_update", body, timeout=timeout)
+        except EngineError:
+            if not quiet:
+                raise
 
     def update_weights_from_ipc(
         self,
@@ -340,8 +412,14 @@ class VLLMClient(HttpEngineClient):
         weight_version: str | None = None,
         timeout: float | None = None,
     ) -> str:
-        """checkpoint-engine's vLLM path: ``/collective_rpc`` method ``update_weights_from_ipc``."""
-        kwargs: dict[str, Any] = {"zmq_handles": dict(zmq_handles), "flush_cache": flush_cache}
+        """checkpoint-engine's vLLM path: ``/collective_rpc`` method ``update_weights_from_ipc``
+        {zmq_handles} (its worker extension takes nothing else), then ``/reset_prefix_cache``
+        and ``/update_weight_version``."""
+        message = self._rpc_message(
+            "update_weights_from_ipc", {"zmq_handles": dict(zmq_handles)}, timeout
+        )
+        if flush_cache:
+            self.flush_cache(timeout=timeout)
         if weight_version is not None:
-            kwargs["weight_version"] = weight_version
-        return self._rpc_message("update_weights_from_ipc", kwargs, timeout)
+            self.update_weight_version(weight_version, timeout=timeout)
+        return message

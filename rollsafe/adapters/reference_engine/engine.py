@@ -31,8 +31,8 @@ from rollsafe.adapters.reference_engine.errors import (
 )
 from rollsafe.adapters.reference_engine.model import LM_HEAD
 from rollsafe.adapters.reference_engine.ranks import RankSet
-from rollsafe.adapters.reference_engine.weights import UpdateMeta, check_model_path
-from rollsafe.checksum import WeightsChecksum, weights_checksum
+from rollsafe.adapters.reference_engine.weights import UpdateMeta, check_model_path, packed_layout
+from rollsafe.checksum import WeightsChecksum, algorithm_for, weights_checksum
 
 __all__ = ["GenerationResult", "ReferenceEngine", "SamplingParams"]
 
@@ -411,16 +411,27 @@ class ReferenceEngine:
         self.ranks.local.model.validate(meta)
 
     def update_from_distributed(
-        self, group_name: str, meta: UpdateMeta, flattened: bool, weight_version: str | None
+        self,
+        group_name: str,
+        meta: UpdateMeta,
+        flattened: bool,
+        weight_version: str | None,
+        *,
+        chunk_bytes: int | None = None,
     ) -> Future[list[str]]:
+        """Receive one call's broadcast: per tensor, or ``flattened`` (one uint8 buffer, SGLang)
+        cut into chunks of ``chunk_bytes`` (vLLM's packed transfer); see ``receive_broadcast``."""
         self.validate_meta(meta)
-        if flattened and len({dt for _, _, dt in meta}) != 1:
-            raise WeightUpdateError(
-                "flattened_bucket needs all tensors of one call to share a dtype"
-            )
+        if flattened:
+            packed_layout(meta, chunk_bytes)  # an unaligned layout is a 400 before any receive
         if group_name not in self.ranks.local.weight_groups:
             raise WeightUpdateError(f"no weight update group {group_name!r}; call init first")
-        args = {"group_name": group_name, "meta": meta, "flattened": flattened}
+        args = {
+            "group_name": group_name,
+            "meta": meta,
+            "flattened": flattened,
+            "chunk_bytes": chunk_bytes,
+        }
         return self.submit(lambda: self._two_phase("stage_distributed", args, None, weight_version))
 
     def update_from_ipc(self, zmq_handles: Any, weight_version: str | None) -> Future[list[str]]:
@@ -455,8 +466,75 @@ class ReferenceEngine:
             out[LM_HEAD] = head
         return out
 
-    def checksum(self) -> Future[WeightsChecksum]:
-        return self.submit(lambda: weights_checksum(self.full_named_tensors()))
+    #: SGLang ``/weights_checker`` ``snapshot`` (host copies), cleared by a passing ``compare``.
+    _checker_snapshot: dict[str, torch.Tensor] | None = None
+
+    def checksum(
+        self, algorithm: str | None = None, skip: tuple[str, ...] = ()
+    ) -> Future[WeightsChecksum]:
+        """Digests of the full parameters on the driver thread, on rank 0's device.
+
+        ``algorithm`` (see :mod:`rollsafe.checksum`) defaults to SGLang's choice for this
+        engine's device. ``"sglang"`` is resolved by the *engine's* device, not per tensor: the
+        gathered ``lm_head`` may sit on the host (gloo rank group) while upstream hashes every
+        tensor on the GPU. Names containing a ``skip`` substring are left out.
+        """
+        algo = algorithm or "sglang"
+        if algo == "sglang":
+            algo = algorithm_for("sglang", self.device)
+
+        def run() -> WeightsChecksum:
+            named = self.full_named_tensors()
+            return weights_checksum(
+                {n: t for n, t in named.items() if not any(p in n for p in skip)}, algo
+            )
+
+        return self.submit(run)
+
+    def checker_snapshot(self) -> Future[None]:
+        """SGLang ``/weights_checker`` ``snapshot``: keep a host copy of the full parameters."""
+
+        def run() -> None:
+            named = self.full_named_tensors()
+            self._checker_snapshot = {n: t.detach().to("cpu", copy=True) for n, t in named.items()}
+
+        return self.submit(run)
+
+    def checker_compare(self, skip: tuple[str, ...] = ()) -> Future[None]:
+        """SGLang ``compare``: raise ``BadRequest`` naming every tensor that differs from the
+        snapshot (bitwise, as upstream's raw compare); the snapshot is dropped on success."""
+
+        def run() -> None:
+            snap = self._checker_snapshot
+            if snap is None:
+                raise BadRequest("compare: no snapshot (call action='snapshot' first)")
+            bad = []
+            for name, now in self.full_named_tensors().items():
+                if any(p in name for p in skip) or name not in snap:
+                    continue
+                want = snap[name]
+                diff = (now.detach().float().cpu() - want.float()).abs()
+                if want.shape != now.shape or bool((diff != 0).any()):
+                    err = float(diff.max()) if want.shape == now.shape else float("nan")
+                    mean = float(diff.mean()) if want.shape == now.shape else float("nan")
+                    bad.append(
+                        f"name={name} max_abs_err={err} mean_abs_err={mean} "
+                        f"num_exceed={int((diff != 0).sum()) if want.shape == now.shape else -1} "
+                        f"expect=raw(shape={tuple(want.shape)} dtype={want.dtype}) "
+                        f"actual=raw(shape={tuple(now.shape)} dtype={now.dtype}) "
+                    )
+            if bad:
+                raise BadRequest("check tensor equality failed:\n" + "\n".join(bad))
+            self._checker_snapshot = None
+
+        return self.submit(run)
+
+    def checker_reset(self, mode: str, skip: tuple[str, ...] = ()) -> Future[None]:
+        """Overwrite every live weight on every rank: ``"random"`` (SGLang ``reset_tensors``)
+        or ``"zero"`` (vLLM ``reset``); names containing a ``skip`` substring are kept."""
+        if "weights" in self._released:
+            raise EngineUnavailable("weights are released")
+        return self.submit(lambda: self.ranks.call("checker_reset", {"mode": mode, "skip": skip}))
 
     def get_weight(self, name: str) -> Future[torch.Tensor]:
         if name not in self.ranks.local.model.specs:

@@ -193,7 +193,9 @@ class RankRuntime:
         profile_line("stage_tensor.decode", self.rank, time.perf_counter() - t0)
         self.model.stage(named, where=f"serialized_named_tensors[{self.rank}]")
 
-    def op_stage_distributed(self, group_name: str, meta: UpdateMeta, flattened: bool) -> None:
+    def op_stage_distributed(
+        self, group_name: str, meta: UpdateMeta, flattened: bool, chunk_bytes: int | None = None
+    ) -> None:
         pg = self.weight_groups.get(group_name)
         if pg is None:
             raise WeightUpdateError(f"rank {self.rank}: no weight update group {group_name!r}")
@@ -203,7 +205,13 @@ class RankRuntime:
         buffers = None if self.model.staged_names else self.recv_buffers
         stream = self._receive_stream() if device.type == "cuda" else None
         named = receive_broadcast(
-            pg, meta, flattened=flattened, device=device, buffers=buffers, stream=stream
+            pg,
+            meta,
+            flattened=flattened,
+            device=device,
+            buffers=buffers,
+            stream=stream,
+            chunk_bytes=chunk_bytes,
         )
         self.model.stage(named, where=f"rank {self.rank}")
 
@@ -305,6 +313,30 @@ class RankRuntime:
 
     def local_tensors(self) -> dict[str, torch.Tensor]:
         return self.model.local_tensors()
+
+    def op_checker_reset(self, mode: str, skip: tuple[str, ...] = ()) -> None:
+        """Weight checkers' reset: overwrite this rank's live weights with ``"zero"`` (vLLM
+        ``reset``) or uniform ``[0, 1)`` values (SGLang ``reset_tensors``), except names
+        containing a ``skip`` substring. Random values come from a generator seeded per name
+        (and rank, for the ``lm_head`` shard), so replicated tensors stay equal across ranks."""
+        import zlib
+
+        with torch.no_grad():
+            for name, t in self.model.local_tensors().items():
+                if any(p in name for p in skip):
+                    continue
+                if mode == "zero":
+                    t.zero_()
+                    continue
+                seed = zlib.crc32(name.encode()) + (
+                    self.rank << 32 if name == "lm_head.weight" else 0
+                )
+                gen = torch.Generator().manual_seed(seed)
+                if t.dtype.is_floating_point:
+                    t.copy_(torch.rand(t.shape, generator=gen).to(t.dtype))
+                else:
+                    t.copy_(torch.randint(0, 2, t.shape, generator=gen).to(t.dtype))
+        self._sync()
 
 
 def _error_reply(rank: int, exc: BaseException, *, starting: bool) -> tuple[str, str, str]:

@@ -3,8 +3,9 @@
 Owns the aiohttp application around a :class:`ReferenceEngine`: JSON body parsing with unknown
 key rejection, the body-size limit (413), bearer-token authentication (401), mapping of named
 engine errors to HTTP statuses, the routes common to both dialects (``/health``,
-``/weights_checksum``, ``/get_server_info``), fault-injection wiring, and the text codec.
-The SGLang and vLLM endpoint sets live in :mod:`.sglang_api` and :mod:`.vllm_api`.
+``/get_server_info``), fault-injection wiring, and the text codec. The SGLang and vLLM endpoint
+sets live in :mod:`.sglang_api` and :mod:`.vllm_api`, their weight checkers in
+:mod:`.checker_api`.
 """
 
 from __future__ import annotations
@@ -69,14 +70,16 @@ async def read_json(
     request: web.Request, *, allowed: Iterable[str], required: Iterable[str] = ()
 ) -> dict[str, Any]:
     """Parse a JSON object body; reject unknown keys and missing required keys (HTTP 400)."""
-    raw = await request.read()
-    if not raw.strip():
-        body: Any = {}
-    else:
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadRequest(f"malformed JSON body: {exc}") from exc
+    body: Any = request.get(_PARSED_BODY)  # parsed once already by the contract check
+    if body is None:
+        raw = await request.read()
+        if not raw.strip():
+            body = {}
+        else:
+            try:
+                body = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise BadRequest(f"malformed JSON body: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest(f"JSON body must be an object, got {type(body).__name__}")
     allowed_set = set(allowed)
@@ -245,6 +248,60 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         )
 
 
+_PARSED_BODY = "rollsafe.json_body"
+#: routes the reference engine serves on top of its dialect (fault injection, its own info)
+_OWN_ROUTES = ("/get_server_info", "/fault/")
+
+
+def contract_middleware(dialect: str) -> Callable[..., Any]:
+    """Refuse, with a 400 naming every offending key, what the pinned upstream release would not
+    understand (``rollsafe/adapters/engines/contracts``): unknown routes, methods, body keys,
+    query parameters, missing keys, wrong types, values outside a literal domain. Stricter than
+    upstream where upstream silently ignores a key (docs/engines.md lists where)."""
+    from rollsafe.adapters.engines.contract import load_contract
+
+    contract = load_contract("sglang" if dialect == "sglang" else "vllm")
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if path.startswith(_OWN_ROUTES) or path not in contract.routes():
+            return await handler(request)
+        raw = await request.read()
+        body: Any = None
+        if raw.strip():
+            try:
+                body = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                return await handler(request)  # read_json names the JSON error
+        query: dict[str, Any] = {}
+        for key in request.query:
+            values = request.query.getall(key)
+            query[key] = values if len(values) > 1 else values[0]
+        if body is not None:
+            request[_PARSED_BODY] = body
+        problems = contract.check_request(request.method, path, query=query, body=body)
+        if problems:
+            raise BadRequest(
+                f"{request.method} {path} does not match {contract.label}: "
+                + "; ".join(_violation_text(p.where, p.problem) for p in problems[:8])
+            )
+        return await handler(request)
+
+    return check
+
+
+def _violation_text(where: str, problem: str) -> str:
+    """``key 'temprature' in sampling_params: unknown key ...`` (the key quoted, then where)."""
+    parent, _, leaf = where.rpartition(".")
+    return f"key {_clip(leaf)!r}" + (f" in {_clip(parent)}" if parent else "") + f": {problem}"
+
+
+def _clip(text: str, limit: int = 64) -> str:
+    """A key as a client sent it, bounded (a hostile key can be megabytes long)."""
+    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-limit // 4 :]}"
+
+
 def auth_middleware(api_key: str | None) -> Callable[..., Any]:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -271,12 +328,6 @@ async def health(request: web.Request) -> web.Response:
     if reason is not None:
         return web.json_response({"success": False, "message": f"unhealthy: {reason}"}, status=503)
     return web.Response(status=200)
-
-
-async def weights_checksum(request: web.Request) -> web.Response:
-    engine = ctx_of(request).engine
-    digest = await await_future(engine.checksum())
-    return web.json_response({"weight_version": engine.weight_version, **digest})
 
 
 async def server_info(request: web.Request) -> web.Response:
@@ -315,18 +366,17 @@ def build_app(
             faults.middleware,
             error_middleware,
             auth_middleware(api_key),
+            contract_middleware(ctx.dialect),
         ],
     )
     app[CTX_KEY] = ctx
     app[MAX_BODY_KEY] = max_body_bytes
-    app.add_routes(
-        [
-            web.get("/health", health),
-            web.get("/weights_checksum", weights_checksum),
-            web.get("/get_server_info", server_info),
-            *faults.routes(),
-        ]
-    )
+    app.add_routes([web.get("/get_server_info", server_info), *faults.routes()])
+    if ctx.dialect == "vllm":
+        app.add_routes([web.get("/health", health)])  # vLLM: pause does not affect it
+    from rollsafe.adapters.reference_engine import checker_api
+
+    app.add_routes(checker_api.routes(ctx.dialect))  # /weights_checker or /weight_checker
     if ctx.dialect == "sglang":
         from rollsafe.adapters.reference_engine import sglang_api
 

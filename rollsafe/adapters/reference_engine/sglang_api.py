@@ -10,6 +10,8 @@ Owns request/response shapes of ``/generate``, ``/health_generate``, the weight 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from typing import Any
 
 from aiohttp import web
@@ -44,6 +46,10 @@ def _response(
         "completion_tokens": len(res.output_ids),
         "finish_reason": res.finish_reason,
         "weight_version": res.weight_version,
+        # SGLang 0.5.23: spans of the generated tokens per weights version that produced them
+        "weight_versions": [
+            {"version": res.weight_version, "start": 0, "end": len(res.output_ids)}
+        ],
         "e2e_latency": res.latency_s,
     }
     if logprobs:
@@ -104,20 +110,37 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(out if batch else out[0])
 
 
+def health_check_timeout() -> float:
+    """SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT`` (seconds, default 20)."""
+    try:
+        return max(0.1, float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20")))
+    except ValueError:
+        return 20.0
+
+
 async def health_generate(request: web.Request) -> web.Response:
+    """``/health`` and ``/health_generate``, as SGLang 0.5.23 serves both: a one-token
+    generation that waits behind a pause like any request, so while generation is paused the
+    probe blocks and answers 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (a fleet pauses its
+    health checks before it pauses generation)."""
     ctx = ctx_of(request)
     reason = ctx.engine.health()
     if reason is not None:
         return web.json_response({"success": False, "message": f"unhealthy: {reason}"}, status=503)
-    if ctx.engine.paused is not None:
-        return web.Response(status=200)  # paused on purpose (weight sync): alive, not stuck
+    limit = health_check_timeout()
+    deadline = time.monotonic() + limit
+    while ctx.engine.paused is not None:
+        if time.monotonic() >= deadline:
+            return web.Response(status=503)  # upstream: the generate never ran
+        await asyncio.sleep(0.05)
     try:
         fut = ctx.engine.submit_generate([0], SamplingParams(max_new_tokens=1, temperature=0.0))
-        await asyncio.wait_for(await_future(fut), timeout=20)
+        await asyncio.wait_for(await_future(fut), timeout=max(0.1, deadline - time.monotonic()))
     except (TimeoutError, asyncio.TimeoutError):
-        return web.json_response(
-            {"success": False, "message": "health generate timed out after 20s"}, status=503
-        )
+        return web.Response(status=503)
+    reason = ctx.engine.health()
+    if reason is not None:
+        return web.json_response({"success": False, "message": f"unhealthy: {reason}"}, status=503)
     return web.Response(status=200)
 
 
@@ -313,9 +336,51 @@ async def get_weights_by_name(request: web.Request) -> web.Response:
     return web.json_response(tensor[:truncate].float().tolist())
 
 
+async def model_info(request: web.Request) -> web.Response:
+    """SGLang 0.5.23's ``/model_info`` keys (the served ``weight_version`` among them)."""
+    ctx = ctx_of(request)
+    return web.json_response(
+        {
+            "model_path": ctx.model_name,
+            "tokenizer_path": str(ctx.codec.path) if ctx.codec.tokenizer is not None else None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": ctx.engine.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": None,
+            "architectures": None,
+            "load_format": None,
+            "served_model_name": ctx.model_name,
+            "disaggregation_mode": "null",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+        }
+    )
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    """SGLang 0.5.23: ``{new_version, abort_all_requests}`` (upstream aborts by default)."""
+    ctx = ctx_of(request)
+    body = await read_json(
+        request, allowed={"new_version", "abort_all_requests", "rid"}, required=("new_version",)
+    )
+    version = want(body, "new_version", str)
+    if want(body, "abort_all_requests", bool, True):
+        await await_future(ctx.engine.abort_all())
+    ctx.engine.weight_version = version
+    return web.json_response(
+        {"success": True, "message": f"weight version set to {version}", "new_version": version}
+    )
+
+
 def routes() -> list[web.RouteDef]:
     return [
         web.post("/generate", generate),
+        web.get("/model_info", model_info),
+        web.get("/get_model_info", model_info),
+        web.post("/update_weight_version", update_weight_version),
+        web.get("/health", health_generate),
         web.get("/health_generate", health_generate),
         web.post("/update_weights_from_disk", update_weights_from_disk),
         web.post("/update_weights_from_tensor", update_weights_from_tensor),

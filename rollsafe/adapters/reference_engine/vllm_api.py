@@ -1,13 +1,23 @@
 """vLLM-dialect endpoints of the reference engine, mapped onto the same engine.
 
-Owns vLLM's endpoint names and payloads: ``/v1/completions`` (OpenAI style), ``/v1/models``,
-dev-mode ``/sleep`` (``?level=``), ``/wake_up`` (``?tags=``), ``/is_sleeping``,
+Owns vLLM 0.33.0's endpoint names and payloads: ``/v1/completions`` (OpenAI style),
+``/v1/models``, dev-mode ``/sleep`` (``?level=``), ``/wake_up`` (``?tags=``), ``/is_sleeping``,
 ``/collective_rpc`` ``{method, args, kwargs, timeout}``, ``/reset_prefix_cache``, ``/pause``
 (``?mode=abort|wait|keep``), ``/resume``, ``/is_paused``, ``/get_world_size``, and the native
-weight transfer ``/init_weight_transfer_engine`` ``{init_info: {master_address, master_port,
-rank_offset, world_size}}``, ``/start_weight_update``, ``/update_weights`` ``{update_info:
-{names, dtype_names, shapes, packed}}``, ``/finish_weight_update``. ``packed=true`` is received
-as one flat buffer per call (the ``flattened_bucket`` layout), not vLLM's chunked packing.
+NCCL weight transfer, one lifecycle per version:
+
+* ``/init_weight_transfer_engine`` ``{init_info: {master_address, master_port, rank_offset,
+  world_size, packed, packed_buffer_size_bytes, packed_num_buffers}}`` (packing is fixed here);
+* ``/start_weight_update`` (no body) -> ``/update_weights`` ``{update_info: {names,
+  dtype_names, shapes}}`` any number of times (empty lists reuse the previous call's metadata)
+  -> ``/finish_weight_update`` ``{weight_version?}``; ``/update_weight_version``
+  ``{new_version}`` and ``/weight_info`` set and read the version.
+
+Packed transfers are received as vLLM's ``packed_nccl_broadcast_consumer`` cuts them: uint8
+chunks of whole tensors, a chunk closed once it exceeds ``packed_buffer_size_bytes``
+(:func:`~rollsafe.adapters.reference_engine.weights.packed_chunks`); unpacked ones as one
+broadcast per tensor. Unknown keys are refused with a 400 naming them, also where vLLM ignores
+them (a body sent to ``/start_weight_update``).
 """
 
 from __future__ import annotations
@@ -80,6 +90,7 @@ async def completions(request: web.Request) -> web.Response:
             "min_tokens",
             "skip_special_tokens",
             "return_token_ids",
+            "return_weight_versions",
             "user",
         },
         required=("prompt",),
@@ -107,6 +118,7 @@ async def completions(request: web.Request) -> web.Response:
     }
     params = parse_sampling(sp, defaults=VLLM_DEFAULTS)
     logprobs = want(body, "logprobs", int, None)
+    spans = want(body, "return_weight_versions", bool, False)
     results = await run_generate(ctx, prompts, [params] * len(prompts), [None] * len(prompts))
     choices = []
     for i, r in enumerate(results):
@@ -120,6 +132,10 @@ async def completions(request: web.Request) -> web.Response:
             "prompt_token_ids": r.prompt_ids,
             "logprobs": None,
         }
+        if spans:  # vLLM: [{version, start, end}] over the generated tokens
+            choice["weight_versions"] = [
+                {"version": r.weight_version, "start": 0, "end": len(r.output_ids)}
+            ]
         if logprobs is not None:
             choice["logprobs"] = {
                 "tokens": [ctx.codec.decode([t], False) for t in r.output_ids],
@@ -142,7 +158,6 @@ async def completions(request: web.Request) -> web.Response:
                 "completion_tokens": n_out,
                 "total_tokens": n_prompt + n_out,
             },
-            "weight_version": ctx.engine.weight_version,
         }
     )
 
@@ -213,6 +228,15 @@ async def get_world_size(request: web.Request) -> web.Response:
     return web.json_response({"world_size": ctx_of(request).engine.ranks.world_size})
 
 
+#: worker methods served through ``/collective_rpc`` and the keyword arguments each takes:
+#: vLLM 0.33.0's ``Worker.reload_weights`` (``gpu_model_runner.reload_weights``) and
+#: checkpoint-engine's vLLM worker extension ``update_weights_from_ipc(zmq_handles)``
+RPC_METHODS: dict[str, frozenset[str]] = {
+    "reload_weights": frozenset({"weights_path", "is_checkpoint_format"}),
+    "update_weights_from_ipc": frozenset({"zmq_handles"}),
+}
+
+
 async def collective_rpc(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     body = await read_json(
@@ -221,31 +245,53 @@ async def collective_rpc(request: web.Request) -> web.Response:
     method = want(body, "method", str)
     args = want(body, "args", list, [])
     kwargs = want(body, "kwargs", dict, {})
+    if method not in RPC_METHODS:
+        raise BadRequest(
+            f"collective_rpc method {method!r} is not supported; supported: {sorted(RPC_METHODS)}"
+        )
+    if args:
+        raise BadRequest(f"collective_rpc {method!r}: pass keyword arguments (kwargs), not args")
+    unknown = sorted(set(kwargs) - RPC_METHODS[method])
+    if unknown:
+        raise BadRequest(
+            f"collective_rpc {method!r}: unknown kwarg {unknown[0]!r}; "
+            f"accepted: {sorted(RPC_METHODS[method])}"
+        )
     n = ctx.engine.ranks.world_size
     if method == "update_weights_from_ipc":
-        handles = kwargs.get("zmq_handles", args[0] if args else None)
-        await await_future(ctx.engine.update_from_ipc(handles, kwargs.get("weight_version")))
+        if "zmq_handles" not in kwargs:
+            raise BadRequest("collective_rpc update_weights_from_ipc: missing kwarg 'zmq_handles'")
+        await await_future(ctx.engine.update_from_ipc(kwargs["zmq_handles"], None))
         return web.json_response({"results": [None] * n})
-    if method == "weights_checksum":
-        digest = await await_future(ctx.engine.checksum())
-        return web.json_response({"results": [digest["model"]] * n})
-    if method == "reload_weights":
-        path = kwargs.get("model_path", args[0] if args else ctx.model_name)
-        await await_future(ctx.engine.update_from_disk(str(path), kwargs.get("weight_version")))
-        return web.json_response({"results": [None] * n})
-    raise BadRequest(
-        f"collective_rpc method {method!r} is not supported; supported: "
-        "['reload_weights', 'update_weights_from_ipc', 'weights_checksum']"
-    )
+    path = want(kwargs, "weights_path", str, ctx.model_name)
+    await await_future(ctx.engine.update_from_disk(path, None))
+    return web.json_response({"results": [None] * n})
+
+
+#: vLLM 0.33.0's ``NCCLWeightTransferInitInfo`` fields and defaults (``nccl_common.py``,
+#: ``packed_tensor.py``); ``nccl_unique_id_b64`` (rendezvous without a TCPStore) is refused here
+INIT_INFO_DEFAULTS: dict[str, Any] = {
+    "packed": False,
+    "packed_buffer_size_bytes": 1 << 30,
+    "packed_num_buffers": 2,
+}
+_CHUNK = "packed_buffer_size_bytes"
+_INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size", *INIT_INFO_DEFAULTS}
+_TRANSFER = "vllm_weight_transfer"  # key of ServerContext.extra: init info, last metadata
 
 
 async def init_weight_transfer_engine(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     body = await read_json(request, allowed={"init_info"}, required=("init_info",))
     info = want(body, "init_info", dict)
-    unknown = sorted(set(info) - {"master_address", "master_port", "rank_offset", "world_size"})
+    if "nccl_unique_id_b64" in info:
+        raise BadRequest(
+            "init_info.nccl_unique_id_b64: the reference engine joins by TCPStore rendezvous "
+            "only (master_address + master_port)"
+        )
+    unknown = sorted(set(info) - _INIT_KEYS)
     if unknown:
-        raise BadRequest(f"unknown init_info key {unknown[0]!r}")
+        raise BadRequest(f"unknown init_info key {unknown[0]!r}; allowed: {sorted(_INIT_KEYS)}")
     for key in ("master_address", "master_port", "rank_offset", "world_size"):
         if key not in info:
             raise BadRequest(f"missing init_info key {key!r}")
@@ -253,8 +299,14 @@ async def init_weight_transfer_engine(request: web.Request) -> web.Response:
     offset = want(info, "rank_offset", int)
     if offset < 1 or offset + ctx.engine.ranks.world_size > world:
         raise BadRequest(f"rank_offset {offset} does not fit in world_size {world}")
+    packed = want(info, "packed", bool, INIT_INFO_DEFAULTS["packed"])
+    chunk = want(info, "packed_buffer_size_bytes", int, INIT_INFO_DEFAULTS[_CHUNK])
+    buffers = want(info, "packed_num_buffers", int, INIT_INFO_DEFAULTS["packed_num_buffers"])
+    if chunk < 1 or buffers < 1:
+        raise BadRequest("init_info.packed_buffer_size_bytes and packed_num_buffers must be >= 1")
     if WEIGHT_TRANSFER_GROUP in ctx.engine.ranks.local.weight_groups:
         await await_future(ctx.engine.destroy_group(WEIGHT_TRANSFER_GROUP))
+    ctx.extra[_TRANSFER] = {}
     await await_future(
         ctx.engine.init_group(
             master_address=want(info, "master_address", str),
@@ -265,58 +317,93 @@ async def init_weight_transfer_engine(request: web.Request) -> web.Response:
             backend="nccl" if ctx.device == "cuda" else "gloo",
         )
     )
-    return ok("Weight transfer initialized")
+    ctx.extra[_TRANSFER] = {"packed": packed, "chunk": chunk}
+    return web.json_response({"message": "Weight transfer initialized"})
+
+
+async def _no_body(request: web.Request) -> None:
+    """Routes that take no body: upstream ignores one, the reference engine refuses it."""
+    body = await read_json(request, allowed=set())
+    if body:
+        raise BadRequest(f"{request.path} takes no body; got keys {sorted(body)}")
 
 
 async def start_weight_update(request: web.Request) -> web.Response:
-    await read_json(request, allowed={"is_checkpoint_format"})
+    await _no_body(request)
+    if WEIGHT_TRANSFER_GROUP not in ctx_of(request).engine.ranks.local.weight_groups:
+        raise WeightUpdateError("call /init_weight_transfer_engine before /start_weight_update")
     ctx_of(request).engine.begin_update()
-    return ok("Weight update started")
+    return web.json_response({"message": "Weight update started"})
 
 
 async def update_weights(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     body = await read_json(request, allowed={"update_info"}, required=("update_info",))
     info = want(body, "update_info", dict)
-    allowed = {
-        "names",
-        "dtype_names",
-        "shapes",
-        "packed",
-        "packed_buffer_size_bytes",
-        "packed_num_buffers",
-        "is_checkpoint_format",
-        "weight_version",
-    }
+    allowed = {"names", "dtype_names", "shapes"}
     unknown = sorted(set(info) - allowed)
     if unknown:
-        raise BadRequest(f"unknown update_info key {unknown[0]!r}")
+        raise BadRequest(
+            f"unknown update_info key {unknown[0]!r}; vLLM 0.33.0's nccl update_info has only "
+            f"{sorted(allowed)} (packing is set by /init_weight_transfer_engine, the version by "
+            "/finish_weight_update or /update_weight_version)"
+        )
     if not ctx.engine.update_in_progress:
         raise WeightUpdateError("call /start_weight_update before /update_weights")
-    meta = parse_update_meta(
-        info.get("names"), info.get("dtype_names"), info.get("shapes"), dtype_key="dtype_names"
-    )
+    state = ctx.extra.setdefault(_TRANSFER, {})
+    names = info.get("names", [])
+    if names == [] and info.get("dtype_names", []) == [] and info.get("shapes", []) == []:
+        if "meta" not in state:  # vLLM: empty lists reuse the previous call's metadata
+            raise BadRequest("update_info is empty and no earlier /update_weights to reuse")
+        meta = state["meta"]
+    else:
+        meta = parse_update_meta(
+            names, info.get("dtype_names"), info.get("shapes"), dtype_key="dtype_names"
+        )
     if WEIGHT_TRANSFER_GROUP not in ctx.engine.ranks.local.weight_groups:
         raise WeightUpdateError("call /init_weight_transfer_engine first")
+    packed = bool(state.get("packed", False))
     fut = ctx.engine.update_from_distributed(
         WEIGHT_TRANSFER_GROUP,
         meta,
-        bool(want(info, "packed", bool, False)),
-        want(info, "weight_version", str, None),
+        packed,
+        None,
+        chunk_bytes=int(state["chunk"]) if packed else None,
     )
-    names = await await_future(fut)
-    return ok(f"Weights updated ({len(names)} tensors)")
+    state["meta"] = meta
+    await await_future(fut)
+    return web.json_response({"message": "Weights updated"})
 
 
 async def finish_weight_update(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     body = await read_json(request, allowed={"weight_version"})
+    version = want(body, "weight_version", str, None)
     if not ctx.engine.end_update():
         raise WeightUpdateError("no weight update in progress (call /start_weight_update first)")
-    version = want(body, "weight_version", str, None)
     if version is not None:
         ctx.engine.weight_version = version
-    return ok("Weight update finished")
+    return web.json_response({"message": "Weight update finished"})
+
+
+async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    await _no_body(request)
+    if WEIGHT_TRANSFER_GROUP in ctx.engine.ranks.local.weight_groups:
+        await await_future(ctx.engine.destroy_group(WEIGHT_TRANSFER_GROUP))
+    ctx.extra[_TRANSFER] = {}
+    return web.json_response({"message": "Weight transfer shut down"})
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    body = await read_json(request, allowed={"new_version"}, required=("new_version",))
+    version = want(body, "new_version", str)
+    ctx_of(request).engine.weight_version = version
+    return web.json_response({"success": True, "new_version": version})
+
+
+async def weight_info(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": ctx_of(request).engine.weight_version})
 
 
 def routes() -> list[web.RouteDef]:
@@ -336,4 +423,7 @@ def routes() -> list[web.RouteDef]:
         web.post("/start_weight_update", start_weight_update),
         web.post("/update_weights", update_weights),
         web.post("/finish_weight_update", finish_weight_update),
+        web.post("/shutdown_weight_transfer_engine", shutdown_weight_transfer_engine),
+        web.post("/update_weight_version", update_weight_version),
+        web.get("/weight_info", weight_info),
     ]

@@ -31,7 +31,8 @@ from rollsafe.adapters.reference_engine.errors import Unsupported, WeightUpdateE
 from rollsafe.adapters.reference_engine.model import ParamSpec
 from rollsafe.adapters.reference_engine.paths import check_dir, show_path
 from rollsafe.adapters.reference_engine.profiling import profile_line
-from rollsafe.transports.bucket import BucketFormatError, FlatBucket, deserialize_payload
+from rollsafe.transports.bucket import BucketFormatError, WireBucket, deserialize_payload
+from rollsafe.transports.bucket import packed_chunks as wire_chunks
 
 __all__ = [
     "ReceiveBuffers",
@@ -39,6 +40,8 @@ __all__ = [
     "UpdateMeta",
     "check_model_path",
     "decode_tensor_entry",
+    "packed_chunks",
+    "packed_layout",
     "parse_update_meta",
     "read_checkpoint_dir",
     "receive_broadcast",
@@ -193,7 +196,7 @@ def decode_tensor_entry(
     except BucketFormatError as exc:
         raise WeightUpdateError(f"serialized_named_tensors[{rank}]: {exc}") from exc
     profile_line("decode.unpickle_open", rank, time.perf_counter() - t0)
-    if isinstance(payload, FlatBucket):
+    if isinstance(payload, WireBucket):
         if mappings is not None:
             mappings.hold(payload.flat)
         t0 = time.perf_counter()
@@ -342,6 +345,40 @@ def parse_update_meta(
     return out
 
 
+def packed_chunks(meta: UpdateMeta, chunk_bytes: int | None) -> list[list[int]]:
+    """Indices of ``meta`` per broadcast of a packed call: one chunk when ``chunk_bytes`` is
+    None (SGLang), else vLLM's packed rule (:func:`rollsafe.transports.bucket.packed_chunks`)."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dt).element_size() for _, shape, dt in meta]
+    return [list(range(a, b)) for a, b in wire_chunks(sizes, chunk_bytes)]
+
+
+def packed_layout(meta: UpdateMeta, chunk_bytes: int | None) -> list[tuple[int, int]]:
+    """``(byte start, byte size)`` of each chunk of a packed call in one receive buffer.
+
+    Tensors lie back to back at byte offsets in ``meta`` order (any dtypes), as SGLang's
+    ``FlattenedTensorBucket.empty`` and vLLM's ``unpack_tensor`` expect; each offset within its
+    chunk must be aligned to the tensor's element size (both upstreams refuse or fail on an
+    unaligned one: :class:`WeightUpdateError` naming the tensor). Chunks start 64-byte aligned.
+    """
+    out: list[tuple[int, int]] = []
+    offset = 0
+    for chunk in packed_chunks(meta, chunk_bytes):
+        start = -(-offset // 64) * 64
+        within = 0
+        for i in chunk:
+            name, shape, dtype = meta[i]
+            item = torch.empty((), dtype=dtype).element_size()
+            if within % item:
+                raise WeightUpdateError(
+                    f"packed tensor {name!r} would start at byte {within} of its chunk, not "
+                    f"aligned to its {dtype} elements (upstream refuses unaligned tensors)"
+                )
+            within += math.prod(shape) * item
+        out.append((start, within))
+        offset = start + within
+    return out
+
+
 def receive_broadcast(
     pg: Any,
     meta: UpdateMeta,
@@ -350,12 +387,16 @@ def receive_broadcast(
     device: torch.device,
     buffers: ReceiveBuffers | None = None,
     stream: Any = None,
+    chunk_bytes: int | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Receive tensors broadcast from rank 0 of ``pg`` (already validated ``meta``).
 
-    Every tensor lands in one flat buffer per dtype (from ``buffers`` when given, else freshly
-    allocated) and is returned as a view of it, in ``meta`` order: ``flattened`` receives one
-    broadcast per call (posted before the views are built), otherwise one broadcast per tensor.
+    ``flattened`` (SGLang's ``flattened_bucket``): one broadcast of a ``uint8`` buffer holding the
+    tensors' bytes back to back in ``meta`` order, as SGLang's ``FlattenedTensorBucket.empty``
+    lays it out (posted before the views are built); with ``chunk_bytes`` (vLLM's packed
+    transfer) one such broadcast per chunk of :func:`packed_chunks`. Otherwise one broadcast per
+    tensor, each landing in one flat buffer per dtype. Buffers come from ``buffers`` when given
+    (else are freshly allocated); every tensor is returned as a view, in ``meta`` order.
     A failed broadcast drops the buffers it may have been writing (they are never reused
     half-written by a transfer still running).
 
@@ -364,16 +405,15 @@ def receive_broadcast(
     call's copies into the weights) therefore does not hold up this receive, while everything
     queued after it (the copies of this call, generation) still sees the received data.
     """
+    chunk_starts: list[tuple[int, int]] = []  # (byte start, byte size) of each chunk
     if flattened:
-        dtypes = {dt for _, _, dt in meta}
-        if len(dtypes) != 1:
-            raise WeightUpdateError(
-                "flattened_bucket needs one dtype per call, got "
-                + ", ".join(sorted(str(d) for d in dtypes))
-            )
-    totals: dict[torch.dtype, int] = {}
-    for _, shape, dtype in meta:
-        totals[dtype] = totals.get(dtype, 0) + math.prod(shape)
+        chunk_starts = packed_layout(meta, chunk_bytes)
+        last_start, last_size = chunk_starts[-1]
+        totals: dict[torch.dtype, int] = {torch.uint8: last_start + last_size}
+    else:
+        totals = {}
+        for _, shape, dtype in meta:
+            totals[dtype] = totals.get(dtype, 0) + math.prod(shape)
     if buffers is None and stream is not None:
         stream.wait_stream(torch.cuda.current_stream(device))  # see ReceiveBuffers.get
     flats = {
@@ -386,8 +426,18 @@ def receive_broadcast(
     }
 
     def views() -> list[tuple[str, torch.Tensor]]:
-        pos = dict.fromkeys(totals, 0)
         out: list[tuple[str, torch.Tensor]] = []
+        if flattened:
+            raw = flats[torch.uint8]
+            chunks = packed_chunks(meta, chunk_bytes)
+            for chunk, (start, _) in zip(chunks, chunk_starts, strict=True):
+                for i in chunk:
+                    name, shape, dtype = meta[i]
+                    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                    out.append((name, raw[start : start + n].view(dtype).view(shape)))
+                    start += n
+            return out
+        pos = dict.fromkeys(totals, 0)
         for name, shape, dtype in meta:
             n = math.prod(shape)
             out.append((name, flats[dtype][pos[dtype] : pos[dtype] + n].view(shape)))
@@ -399,7 +449,7 @@ def receive_broadcast(
         if flattened:
             (flat,) = flats.values()
             with side:
-                works = [pg.broadcast(flat, 0)]
+                works = [pg.broadcast(flat[a : a + n], 0) for a, n in chunk_starts]
             out = views()  # built while the data moves
         else:
             out = views()

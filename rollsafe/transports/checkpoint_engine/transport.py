@@ -1,4 +1,4 @@
-"""The ``checkpoint_engine`` transport: MoonshotAI checkpoint-engine's ``ParameterServer``.
+"""The ``checkpoint_engine`` transport core: MoonshotAI checkpoint-engine's ``ParameterServer``.
 
 One :class:`CheckpointEngineTransport` per trainer rank wraps one
 ``checkpoint_engine.ps.ParameterServer`` (0.4.2) that reuses the trainer's initialized
@@ -17,6 +17,8 @@ parameter server is collective: every trainer rank calls it with the same argume
 * ``update(targets)``: broadcast when the targets cover every parameter-server rank; P2P
   (``ranks=[...]``) for a subset only when Mooncake is usable, otherwise :class:`P2PUnavailable`
   is raised before anything changes, never a silent broadcast to everyone (:func:`plan_update`).
+  ``update(targets, p2p=True)`` is a P2P update of the targets' ranks even when they are every
+  rank (a world of one included): what a recovery's targeted push asks for.
   Each target's lowest rank posts the ZMQ socket paths of the target's ranks to its engine's
   ``/update_weights_from_ipc`` through the target's :class:`EngineClient`; per-target outcomes are
   all-gathered and mapped back (:func:`merge_rank_results`).
@@ -24,8 +26,14 @@ parameter server is collective: every trainer rank calls it with the same argume
 Where ``ParameterServer`` reads the environment (``RANK`` because it treats ``rank=0`` as unset,
 ``PS_P2P_STORE_RDMA_DEVICES``, ``PS_MAX_BUCKET_SIZE_GB``) the values are set only for the call
 (:func:`scoped_env`) and restored afterwards; ``MASTER_ADDR``/``MASTER_PORT`` are never read (the
-store address is passed explicitly). RDMA devices come only from explicit configuration: without
-``rdma_devices`` Mooncake is hidden from the parameter server so it cannot auto-detect devices.
+store address is passed explicitly). P2P comes only from explicit configuration
+(``p2p_protocol``, or ``rdma_devices``): without it Mooncake is hidden from the parameter server
+so it cannot auto-detect devices. ``p2p_protocol="tcp"`` runs P2P without RDMA through Mooncake's
+TCP transport (GPU memory staged through host memory): ``MC_FORCE_TCP=1`` and a placeholder
+device in ``PS_P2P_STORE_RDMA_DEVICES`` (``tcp0`` unless set) are set only around the parameter
+server's construction, registrations and updates (:meth:`CheckpointEngineTransport.p2p_env`);
+``p2p_protocol="rdma"`` clears an ambient ``MC_FORCE_TCP`` there instead. Mooncake that fails to
+start leaves P2P off with the reason (:attr:`CheckpointEngineTransport.p2p_reason`).
 
 ``checkpoint_engine`` is imported only when a transport is constructed; on a host without CUDA or
 Ascend, or without the package, construction raises :class:`CheckpointEngineUnavailable`.
@@ -38,6 +46,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -66,6 +75,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "DEFAULT_BUCKET",
+    "TCP_PLACEHOLDER_DEVICE",
     "CheckpointEngineTransport",
     "CheckpointEngineUnavailable",
     "ExpertGather",
@@ -73,6 +84,7 @@ __all__ = [
     "HFIndex",
     "KeyCoverage",
     "KeyCoverageError",
+    "P2PProtocol",
     "P2PUnavailable",
     "ProcessGroupError",
     "UpdatePlan",
@@ -85,6 +97,7 @@ __all__ = [
     "gather_rank_status",
     "merge_rank_results",
     "mooncake_available",
+    "p2p_environment",
     "partition_keys",
     "plan_update",
     "read_hf_index",
@@ -100,6 +113,13 @@ _MAX_REASON = 2048
 _GIB = 1 << 30
 DEFAULT_BUCKET = 8 * _GIB  # checkpoint-engine 0.4.2's own default cap (PS_MAX_BUCKET_SIZE_GB=8)
 DEFAULT_MEM_FRACTION = 0.9  # its default share of free device memory (PS_MEM_FRACTION=0.9)
+#: The device name put in ``PS_P2P_STORE_RDMA_DEVICES`` for P2P over TCP when none is set: it
+#: only passes checkpoint-engine's device detection (Mooncake's TCP transport uses no device).
+TCP_PLACEHOLDER_DEVICE = "tcp0"
+#: How P2P moves bytes: Mooncake over RDMA, or over TCP (``MC_FORCE_TCP=1``; no RDMA needed).
+P2PProtocol = Literal["rdma", "tcp"]
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -112,7 +132,8 @@ class CheckpointEngineUnavailable(TransportError):
 
 
 class P2PUnavailable(TransportError):
-    """A subset of ranks was targeted but P2P (Mooncake over RDMA) is not usable.
+    """A subset of ranks (or a targeted push) needs P2P (Mooncake, over RDMA or TCP) and P2P is
+    not usable.
 
     Raised before any state changes; the fleet decides the fallback (broadcast to every rank at
     the next sync, disk, another transport). ``ranks`` is the subset that was asked for.
@@ -236,6 +257,43 @@ def _hidden_modules(names: Sequence[str]) -> Iterator[None]:
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = old  # type: ignore[assignment]
+
+
+def p2p_environment(
+    protocol: P2PProtocol | None,
+    rdma_devices: Sequence[str] | None = None,
+    transfer_timeout_s: float | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, str | None]:
+    """The variables to set (str) or clear (None) around the parameter server for ``protocol``.
+
+    ``"tcp"``: ``MC_FORCE_TCP=1`` and ``PS_P2P_STORE_RDMA_DEVICES`` = ``rdma_devices`` joined, else
+    the ambient value (``environ``, default ``os.environ``), else :data:`TCP_PLACEHOLDER_DEVICE`.
+    ``"rdma"``: the devices, and ``MC_FORCE_TCP`` cleared (an ambient one would silently turn
+    RDMA into TCP). None: nothing. ``transfer_timeout_s`` sets ``MC_TRANSFER_TIMEOUT`` (whole
+    seconds, at least 1) with either protocol.
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, str | None] = {}
+    if protocol is None:
+        return out
+    if protocol == "tcp":
+        out["MC_FORCE_TCP"] = "1"
+        devices = ",".join(rdma_devices) if rdma_devices else None
+        out["PS_P2P_STORE_RDMA_DEVICES"] = (
+            devices or env.get("PS_P2P_STORE_RDMA_DEVICES") or TCP_PLACEHOLDER_DEVICE
+        )
+    elif protocol == "rdma":
+        if not rdma_devices:
+            raise ValueError("P2P over RDMA needs rdma_devices")
+        out["MC_FORCE_TCP"] = None
+        out["PS_P2P_STORE_RDMA_DEVICES"] = ",".join(rdma_devices)
+    else:
+        raise ValueError(f"p2p protocol must be 'rdma' or 'tcp', got {protocol!r}")
+    if transfer_timeout_s is not None:
+        out["MC_TRANSFER_TIMEOUT"] = str(max(1, math.ceil(transfer_timeout_s)))
+    return out
 
 
 # ---------------------------------------------------------------------------------- sharding
@@ -587,17 +645,20 @@ def plan_update(
     *,
     p2p_available: bool,
     p2p_reason: str = "mooncake is not installed",
+    force_p2p: bool = False,
 ) -> UpdatePlan:
     """Broadcast when the targets cover every rank; P2P for a subset if usable; else refuse.
 
-    Targets are assumed valid (the registration machine's guard checks them first). Raises
-    :class:`P2PUnavailable` for a subset without P2P: never a silent broadcast to everyone.
+    With ``force_p2p`` the plan is P2P to the targets' ranks even when they cover every rank (a
+    world of one included): a targeted push exercises P2P, never a broadcast. Targets are
+    assumed valid (the registration machine's guard checks them first). Raises
+    :class:`P2PUnavailable` when P2P is needed and unusable: never a silent broadcast.
     """
     union = sorted({int(r) for group in target_ranks for r in group})
     bad = [r for r in union if not 0 <= r < world_size]
     if bad:
         raise TransportError(f"checkpoint_engine: target ranks {bad} out of range(0, {world_size})")
-    if union == list(range(world_size)):
+    if union == list(range(world_size)) and not force_p2p:
         return UpdatePlan("broadcast", None)
     if not p2p_available:
         raise P2PUnavailable(union, world_size, p2p_reason)
@@ -698,11 +759,24 @@ class CheckpointEngineTransport(StagedTransport):
       are sized by the cap, not by the checkpoint: extra device memory during an update is about
       3 caps (a double IPC buffer plus one host-to-device buffer), 2 when memory is short.
     * ``use_shared_memory_pool``: reuse one pinned host pool across versions of the same layout.
-    * ``rdma_devices``: enables P2P (with Mooncake installed); without it P2P stays off.
+    * ``rdma_devices``: RDMA device names for Mooncake (``PS_P2P_STORE_RDMA_DEVICES``); given
+      alone, P2P over RDMA is on.
+    * ``p2p_protocol``: ``"rdma"`` (needs ``rdma_devices``) or ``"tcp"`` (Mooncake's TCP
+      transport, no RDMA needed; ``rdma_devices`` then only names the placeholder, default the
+      ambient ``PS_P2P_STORE_RDMA_DEVICES`` or ``tcp0``); None: P2P over RDMA when
+      ``rdma_devices`` is given, else off. P2P also needs Mooncake (``checkpoint-engine[p2p]``,
+      never installed by default); when it is missing or fails to start, P2P stays off and
+      :attr:`p2p_reason` says why (a subset update then raises :class:`P2PUnavailable`).
+    * ``transfer_timeout_s``: Mooncake's per-batch timeout (``MC_TRANSFER_TIMEOUT``, default 30 s
+      upstream; raise it for big buckets over TCP), set only where ``p2p_env`` applies.
     * ``expert_gather``: rebuild full expert tensors from EP slices before registering.
     * ``request_timeout_s``: HTTP timeout of each engine's ``/update_weights_from_ipc``.
     * ``socket_timeout_s``: optional ZMQ send/receive timeout inside the parameter server, so a
       vanished engine fails the update instead of hanging it (None: wait forever, as upstream).
+    * ``server_factory``: builds the parameter server from ``ParameterServer``'s keyword
+      arguments (default: ``checkpoint_engine.ps.ParameterServer``). With a factory the package,
+      accelerator and NCCL-backend checks are the factory's business (tests on CPU pass an
+      object standing in for the CUDA-only server; everything else is this class's own logic).
     """
 
     name = "checkpoint_engine"
@@ -723,10 +797,14 @@ class CheckpointEngineTransport(StagedTransport):
         request_timeout_s: float = 600.0,
         socket_timeout_s: float | None = None,
         stand_in_timeout_s: float = 10.0,
+        p2p_protocol: P2PProtocol | None = None,
+        transfer_timeout_s: float | None = None,
+        server_factory: Callable[..., Any] | None = None,
     ) -> None:
-        reasons = checkpoint_engine_unavailable_reasons()
-        if reasons:
-            raise CheckpointEngineUnavailable(reasons)
+        if server_factory is None:
+            reasons = checkpoint_engine_unavailable_reasons()
+            if reasons:
+                raise CheckpointEngineUnavailable(reasons)
         import torch
 
         dist = _dist()
@@ -736,7 +814,7 @@ class CheckpointEngineTransport(StagedTransport):
                 "parameter servers reuse the trainer's default group (NCCL)"
             )
         backend = str(dist.get_backend())
-        if "nccl" not in backend and "hccl" not in backend:
+        if server_factory is None and "nccl" not in backend and "hccl" not in backend:
             raise ProcessGroupError(
                 f"checkpoint_engine: the default process group's backend is {backend!r}; "
                 "ParameterServer broadcasts device buffers and needs 'nccl' (or 'hccl'), e.g. "
@@ -747,6 +825,15 @@ class CheckpointEngineTransport(StagedTransport):
             raise ValueError(f"max_bucket_bytes must be > 0, got {max_bucket_bytes}")
         if rdma_devices is not None and not list(rdma_devices):
             raise ValueError("rdma_devices, when given, must name at least one device")
+        if p2p_protocol not in (None, "rdma", "tcp"):
+            raise ValueError(f"p2p_protocol must be 'rdma', 'tcp' or None, got {p2p_protocol!r}")
+        if p2p_protocol == "rdma" and rdma_devices is None:
+            raise ValueError(
+                "p2p_protocol='rdma' needs rdma_devices (RDMA devices come only from explicit "
+                "configuration); without RDMA hardware use p2p_protocol='tcp'"
+            )
+        if transfer_timeout_s is not None and transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {transfer_timeout_s}")
         if torch.cuda.is_available():
             count = gpu_count or torch.cuda.device_count()
             local = rank % count
@@ -766,34 +853,70 @@ class CheckpointEngineTransport(StagedTransport):
         self.flush_cache = flush_cache
         self.request_timeout_s = request_timeout_s
         self.stand_in_timeout_s = stand_in_timeout_s
+        self.p2p_protocol: P2PProtocol | None = p2p_protocol or (
+            "rdma" if rdma_devices is not None else None
+        )
+        self.p2p_env: dict[str, str | None] = p2p_environment(
+            self.p2p_protocol, rdma_devices, transfer_timeout_s
+        )
         self.store_address = agree_store_address(master_addr, store_port)
 
-        p2p_wanted = rdma_devices is not None
-        env: dict[str, str | None] = {"RANK": str(rank)}
-        if p2p_wanted:
-            env["PS_P2P_STORE_RDMA_DEVICES"] = ",".join(rdma_devices or ())
-        hidden = () if p2p_wanted else ("mooncake", "mooncake.engine")
-        from checkpoint_engine.ps import ParameterServer
+        p2p_wanted = self.p2p_protocol is not None
+        kwargs: dict[str, Any] = {
+            "rank": rank,
+            "world_size": world_size,
+            "auto_pg": False,
+            "gpu_count": gpu_count,
+            "mem_fraction": DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction,
+            "master_addr": self.store_address[0],
+            "master_port": self.store_address[1],
+        }
+        if server_factory is None:
+            from checkpoint_engine.ps import ParameterServer
 
-        with scoped_env(env), _hidden_modules(hidden):
-            self._ps: Any = ParameterServer(
-                rank=rank,
-                world_size=world_size,
-                auto_pg=False,
-                gpu_count=gpu_count,
-                mem_fraction=DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction,
-                master_addr=self.store_address[0],
-                master_port=self.store_address[1],
-            )
-        self.p2p_available = getattr(self._ps, "_p2p_store", None) is not None
-        if self.p2p_available:
-            self.p2p_reason = ""
+            server_factory = ParameterServer
+        start_error = ""
+        with scoped_env({"RANK": str(rank), **self.p2p_env}):
+            if p2p_wanted:
+                try:
+                    self._ps: Any = server_factory(**kwargs)
+                except Exception as exc:  # Mooncake refused (no device, engine start failed)
+                    start_error = _bounded(f"{type(exc).__name__}: {exc}")
+                    log.warning(
+                        "checkpoint_engine: the parameter server with P2P (%s) failed to start "
+                        "(%s); starting it without P2P", self.p2p_protocol, start_error,
+                    )  # fmt: skip
+            if not p2p_wanted or start_error:
+                with _hidden_modules(("mooncake", "mooncake.engine")):
+                    self._ps = server_factory(**kwargs)
+        local_p2p = getattr(self._ps, "_p2p_store", None) is not None
+        if local_p2p:
+            local_reason = ""
         elif not p2p_wanted:
-            self.p2p_reason = "no rdma_devices configured (P2P is off unless configured)"
+            local_reason = (
+                "P2P is not configured (pass p2p_protocol='rdma' with rdma_devices, or "
+                "p2p_protocol='tcp')"
+            )
+        elif start_error:
+            local_reason = f"the parameter server failed to start with Mooncake: {start_error}"
         elif not mooncake_available():
-            self.p2p_reason = "mooncake is not installed (pip install 'checkpoint-engine[p2p]')"
+            local_reason = "mooncake is not installed (pip install 'checkpoint-engine[p2p]')"
         else:
-            self.p2p_reason = "the Mooncake transfer engine failed to start (see its log)"
+            local_reason = "the Mooncake transfer engine failed to start (see its log)"
+        # every rank takes part in a P2P update: it is usable only where every rank has it
+        status = (
+            gather_rank_status(local_p2p, local_reason)
+            if world_size > 1
+            else {rank: (local_p2p, local_reason)}
+        )
+        missing = {r: why for r, (ok, why) in sorted(status.items()) if not ok}
+        self.p2p_available = not missing
+        if not missing:
+            self.p2p_reason = ""
+        elif set(missing) == set(range(world_size)) and len(set(missing.values())) == 1:
+            self.p2p_reason = local_reason or next(iter(missing.values()))
+        else:
+            self.p2p_reason = "; ".join(f"rank {r}: {why}" for r, why in missing.items())
         if socket_timeout_s is not None:
             import zmq
 
@@ -802,6 +925,7 @@ class CheckpointEngineTransport(StagedTransport):
             self._ps._zmq_ctx.setsockopt(zmq.SNDTIMEO, ms)
         self._staged: _Staged | None = None
         self._pool_layout: str | None = None
+        self.last_plan: UpdatePlan | None = None
 
     # ------------------------------------------------------------------ register
     def register(
@@ -863,7 +987,8 @@ class CheckpointEngineTransport(StagedTransport):
         reg = self.registration
         reg.begin_register(name=ckpt, version=version)
         try:
-            ranks_ok, registered = stage(ckpt)
+            with scoped_env(self.p2p_env):  # Mooncake registers the pinned memory too
+                ranks_ok, registered = stage(ckpt)
         except Exception as exc:
             reg.register_failed(reason=_bounded(f"{type(exc).__name__}: {exc}"))
             self.version, self.keys = None, ()
@@ -992,18 +1117,21 @@ class CheckpointEngineTransport(StagedTransport):
         prev = self._staged
         self._staged = None
         if prev is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), scoped_env(self.p2p_env):
                 self._ps.unregister_checkpoint(prev.name, force=prev.shared_pool)
             if prev.shared_pool:
                 self._pool_layout = None
 
     # ------------------------------------------------------------------ update
-    def update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
+    def update(self, targets: Sequence[EngineTarget], *, p2p: bool | None = None) -> UpdateReport:
         """Collective: push the registered checkpoint to ``targets`` (same list on every rank).
 
-        Broadcast when the targets' ranks are every rank, else P2P; raises
-        :class:`P2PUnavailable` (nothing changed) for a subset without P2P. One target failing
-        fails the collective (reported per target, not raised).
+        ``p2p=None``: broadcast when the targets' ranks are every rank, else P2P. ``p2p=True``:
+        P2P (``ranks=[...]``) to the targets' ranks even when they are every rank, as a targeted
+        push asks. ``p2p=False``: broadcast only (a subset raises :class:`TransportError`).
+        Raises :class:`P2PUnavailable` (nothing changed) when P2P is needed and unusable. One
+        target failing fails the collective (reported per target, not raised). The plan used is
+        kept in :attr:`last_plan`.
         """
         reg = self.registration
         published = reg.published
@@ -1022,7 +1150,14 @@ class CheckpointEngineTransport(StagedTransport):
             self.world_size,
             p2p_available=self.p2p_available,
             p2p_reason=self.p2p_reason,
+            force_p2p=p2p is True,
         )
+        if p2p is False and plan.mode != "broadcast":
+            raise TransportError(
+                f"{self.name}: a broadcast was asked for but the targets cover ranks "
+                f"{list(plan.ranks or ())} of {self.world_size}, not every rank"
+            )
+        self.last_plan = plan
         reg.begin_update(targets=rank_lists)
         report = UpdateReport(name=published[0], version=published[1])
         started = time.perf_counter()
@@ -1031,7 +1166,7 @@ class CheckpointEngineTransport(StagedTransport):
             error: str | None = None
             req_func = self._req_func(targets, published[1], local)
             cap = self.max_bucket_bytes if self.max_bucket_bytes is not None else DEFAULT_BUCKET
-            env: dict[str, str | None] = {"PS_MAX_BUCKET_SIZE_GB": repr(cap / _GIB)}
+            env = {**self.p2p_env, "PS_MAX_BUCKET_SIZE_GB": repr(cap / _GIB)}
             try:
                 with scoped_env(env):
                     self._ps.update(published[0], req_func, ranks=plan.ps_ranks)

@@ -1,0 +1,439 @@
+"""Pinned upstream engine contracts: load them and check requests against them.
+
+This module owns the *reading* of the committed contract files
+(``rollsafe/adapters/engines/contracts/<engine>-<version>.json``), which
+``tools/upstream_contract.py`` generates from the released SGLang and vLLM wheels by AST. It
+answers one question: would this HTTP request be understood by the pinned upstream release?
+It is torch-free and httpx-free so that contract tests of the clients and the reference engine
+(which rejects non-conforming requests with a 400 that names the key) can both use it.
+
+:meth:`EngineContract.check_request` reports every violation with the path of the offending key
+(``update_info.packed``, ``sampling_params.foo``, ``query.mode``): unknown routes or methods,
+unknown body keys, missing required keys, wrong JSON types, values outside a ``Literal``
+domain or numeric bounds, and unknown query parameters. The contract is strict where upstream
+is lenient: SGLang and vLLM silently ignore unknown top-level keys on most routes, but a key
+upstream ignores is a key the sender believes does something, so it is reported all the same.
+Nested backend-specific dicts (vLLM ``init_info`` / ``update_info``) are checked against the
+schema of the ``backend`` argument (default ``"nccl"``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any, Literal
+
+__all__ = [
+    "PINNED_VERSIONS",
+    "ContractError",
+    "ContractViolation",
+    "EngineContract",
+    "EngineName",
+    "load_contract",
+]
+
+EngineName = Literal["sglang", "vllm"]
+
+#: The upstream releases rollsafe is pinned to (one committed contract file each).
+PINNED_VERSIONS: dict[str, str] = {"sglang": "0.5.23", "vllm": "0.33.0"}
+
+#: value types upstream only *annotates* (no runtime check) and that real callers rely on: vLLM's
+#: ``/collective_rpc`` hands ``kwargs`` to the worker method unchanged (typed ``dict[str, str]``),
+#: and checkpoint-engine's vLLM worker extension takes ``zmq_handles`` as an object. Keys there
+#: are still checked; only the value types are not.
+ANNOTATION_ONLY: dict[tuple[str, str], tuple[str, ...]] = {
+    ("vllm", "/collective_rpc"): ("kwargs.",),
+}
+
+
+def _is_type_problem(v: ContractViolation) -> bool:
+    return v.problem.startswith("expected ")
+
+
+_MAX_ITEM_REPORTS = 3  # per list: enough to name the problem without flooding a 400 body
+
+
+@dataclass(frozen=True)
+class ContractViolation:
+    """One way a request departs from the upstream contract."""
+
+    where: str
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.problem}"
+
+
+class ContractError(ValueError):
+    """A request violates the pinned upstream contract; the message lists every violation."""
+
+    def __init__(self, violations: list[ContractViolation], context: str = "") -> None:
+        self.violations = list(violations)
+        head = f"{context}: " if context else ""
+        lines = "; ".join(str(v) for v in self.violations)
+        super().__init__(f"{head}{len(self.violations)} contract violation(s): {lines}")
+
+
+@dataclass(frozen=True)
+class _Field:
+    types: frozenset[str]
+    required: bool
+    enum: tuple[Any, ...] | None
+    items: _Field | None
+    values: _Field | None
+    nested: str | None
+    backend_schema: str | None
+    minimum: float | None
+    maximum: float | None
+    repeated: bool
+
+
+@dataclass(frozen=True)
+class _Schema:
+    name: str
+    fields: Mapping[str, _Field]
+    required: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Route:
+    path: str
+    methods: frozenset[str]
+    body_schema: str | None
+    body_required: bool
+    query: _Schema
+    auth: str
+    raw: Mapping[str, Any]
+
+
+def _field(spec: Mapping[str, Any]) -> _Field:
+    enum = spec.get("enum")
+    items = spec.get("items")
+    values = spec.get("values")
+    return _Field(
+        types=frozenset(spec.get("type", ["any"])),
+        required=bool(spec.get("required", False)),
+        enum=tuple(enum) if enum is not None else None,
+        items=_field(items) if isinstance(items, Mapping) else None,
+        values=_field(values) if isinstance(values, Mapping) else None,
+        nested=spec.get("nested"),
+        backend_schema=spec.get("backend_schema"),
+        minimum=spec.get("minimum"),
+        maximum=spec.get("maximum"),
+        repeated=bool(spec.get("repeated", False)),
+    )
+
+
+def _schema(name: str, fields: Mapping[str, Mapping[str, Any]]) -> _Schema:
+    compiled = {k: _field(v) for k, v in fields.items()}
+    return _Schema(name, compiled, tuple(sorted(k for k, f in compiled.items() if f.required)))
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    if isinstance(value, Mapping):
+        return "object"
+    return type(value).__name__
+
+
+def _type_ok(value: Any, types: frozenset[str]) -> bool:
+    if "any" in types:
+        return True
+    t = _json_type(value)
+    return t in types or (t == "integer" and "number" in types)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=repr) if not isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _types_text(types: frozenset[str]) -> str:
+    return " or ".join(sorted(types))
+
+
+class EngineContract:
+    """The committed contract of one upstream engine release, compiled for fast checks."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self.data = data
+        self.engine: str = data["engine"]
+        self.version: str = data["version"]
+        self._schemas: dict[str, _Schema] = {
+            name: _schema(name, spec["fields"]) for name, spec in data.get("schemas", {}).items()
+        }
+        self._backends: dict[str, dict[str, _Schema]] = {
+            kind: {b: _schema(f"{kind}[{b}]", s["fields"]) for b, s in per.items()}
+            for kind, per in data.get("backend_schemas", {}).items()
+        }
+        self._routes: dict[str, _Route] = {}
+        for path, spec in data["routes"].items():
+            body = spec.get("body")
+            self._routes[path] = _Route(
+                path=path,
+                methods=frozenset(m.upper() for m in spec["methods"]),
+                body_schema=body["schema"] if body else None,
+                body_required=bool(body and body.get("required")),
+                query=_schema(f"query:{path}", spec.get("query", {})),
+                auth=spec.get("auth", "normal"),
+                raw=spec,
+            )
+
+    def __repr__(self) -> str:
+        return f"EngineContract({self.engine} {self.version}, {len(self._routes)} routes)"
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} {self.version}"
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def routes(self) -> dict[str, frozenset[str]]:
+        """Every contracted route and its methods."""
+        return {p: r.methods for p, r in self._routes.items()}
+
+    def route(self, path: str) -> Mapping[str, Any]:
+        """The raw contract entry of a route (auth, requires, responses, ...)."""
+        return self._routes[path].raw
+
+    def body_fields(self, path: str) -> frozenset[str]:
+        """Keys the route's JSON body accepts (empty when it takes no body)."""
+        name = self._routes[path].body_schema
+        return frozenset(self._schemas[name].fields) if name else frozenset()
+
+    def backend_fields(self, kind: str, backend: str = "nccl") -> frozenset[str]:
+        """Keys of a backend-specific nested dict (vLLM ``init_info`` / ``update_info``)."""
+        return frozenset(self._backends[kind][backend].fields)
+
+    def allowed_pickle_globals(self) -> frozenset[tuple[str, str]]:
+        """SGLang's ``SafeUnpickler.ALLOWED_GLOBALS`` as ``(module, name)`` pairs."""
+        pairs = self.data.get("pickle_allowed_globals")
+        if pairs is None:
+            raise ContractError(
+                [ContractViolation(self.label, "has no unpickler allow-list (SGLang only)")]
+            )
+        return frozenset((m, n) for m, n in pairs)
+
+    def sampling_keys(self) -> frozenset[str]:
+        """SGLang ``sampling_params`` keys, or vLLM ``/v1/completions`` body fields."""
+        if "sampling_params" in self.data:
+            return frozenset(self.data["sampling_params"]["keys"])
+        return frozenset(self.data["completion"]["fields"])
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    def check_request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Any = None,
+        backend: str = "nccl",
+    ) -> list[ContractViolation]:
+        """Every way ``method path?query`` with JSON ``body`` departs from the contract."""
+        route = self._routes.get(path)
+        if route is None:
+            return [ContractViolation(path, f"unknown route for {self.label}")]
+        out: list[ContractViolation] = []
+        verb = method.upper()
+        if verb not in route.methods:
+            allowed = ", ".join(sorted(route.methods))
+            out.append(
+                ContractViolation(f"{verb} {path}", f"method not allowed (allowed: {allowed})")
+            )
+        self._check_query(route, query or {}, out)
+        if route.body_schema is None:
+            if body not in (None, {}):
+                out.append(ContractViolation("body", f"{path} takes no JSON body"))
+            return out
+        if body is None:
+            if route.body_required:
+                out.append(ContractViolation("body", "missing JSON body"))
+            return out
+        self._check_object(self._schemas[route.body_schema], body, "", backend, out)
+        loose = ANNOTATION_ONLY.get((self.engine, path), ())
+        return [v for v in out if not (v.where.startswith(loose) and _is_type_problem(v))]
+
+    def require_valid(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Any = None,
+        backend: str = "nccl",
+    ) -> None:
+        """Raise :class:`ContractError` listing every violation; return if there are none."""
+        violations = self.check_request(method, path, query=query, body=body, backend=backend)
+        if violations:
+            raise ContractError(violations, f"{method.upper()} {path} ({self.label})")
+
+    def _check_query(
+        self, route: _Route, query: Mapping[str, Any], out: list[ContractViolation]
+    ) -> None:
+        fields = route.query.fields
+        for key, value in query.items():
+            spec = fields.get(key)
+            where = f"query.{key}"
+            if spec is None:
+                known = ", ".join(sorted(fields)) or "none"
+                out.append(ContractViolation(where, f"unknown query parameter (known: {known})"))
+                continue
+            values = list(value) if spec.repeated and isinstance(value, (list, tuple)) else [value]
+            item_spec = spec.items if spec.repeated and spec.items is not None else spec
+            for v in values:
+                self._check_query_value(item_spec, v, where, out)
+        for key in route.query.required:
+            if key not in query:
+                out.append(ContractViolation(f"query.{key}", "missing required query parameter"))
+
+    def _check_query_value(
+        self, spec: _Field, value: Any, where: str, out: list[ContractViolation]
+    ) -> None:
+        # Query values travel as text: accept the Python value or its wire spelling.
+        parsed: Any = value
+        if isinstance(value, str):
+            if spec.types & {"integer", "number"}:
+                try:
+                    parsed = int(value) if "integer" in spec.types else float(value)
+                except ValueError:
+                    parsed = value
+            elif "boolean" in spec.types and value.lower() in {"true", "false", "1", "0"}:
+                parsed = value.lower() in {"true", "1"}
+        self._check_value(spec, parsed, where, "nccl", out)
+
+    def _check_object(
+        self,
+        schema: _Schema,
+        value: Any,
+        prefix: str,
+        backend: str,
+        out: list[ContractViolation],
+    ) -> None:
+        where_self = prefix[:-1] if prefix else "body"
+        if not isinstance(value, Mapping):
+            out.append(
+                ContractViolation(where_self, f"expected a JSON object, got {_json_type(value)}")
+            )
+            return
+        for key, item in value.items():
+            spec = schema.fields.get(key)
+            where = f"{prefix}{key}"
+            if spec is None:
+                out.append(
+                    ContractViolation(where, f"unknown key (not in {schema.name} of {self.label})")
+                )
+                continue
+            self._check_value(spec, item, where, backend, out)
+        for key in schema.required:
+            if key not in value:
+                out.append(
+                    ContractViolation(f"{prefix}{key}", f"missing required key of {schema.name}")
+                )
+
+    def _check_value(
+        self, spec: _Field, value: Any, where: str, backend: str, out: list[ContractViolation]
+    ) -> None:
+        if not _type_ok(value, spec.types):
+            out.append(
+                ContractViolation(
+                    where,
+                    f"expected {_types_text(spec.types)}, got {_json_type(value)} {_short(value)}",
+                )
+            )
+            return
+        if spec.enum is not None and value not in spec.enum:
+            domain = ", ".join(_short(v) for v in spec.enum)
+            out.append(ContractViolation(where, f"value {_short(value)} not in [{domain}]"))
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if spec.minimum is not None and value < spec.minimum:
+                out.append(ContractViolation(where, f"value {value} below minimum {spec.minimum}"))
+            if spec.maximum is not None and value > spec.maximum:
+                out.append(ContractViolation(where, f"value {value} above maximum {spec.maximum}"))
+        if spec.backend_schema is not None:
+            self._check_backend(spec.backend_schema, value, where, backend, out)
+            return
+        if spec.nested is not None and spec.nested in self._schemas:
+            nested = self._schemas[spec.nested]
+            if isinstance(value, Mapping):
+                self._check_object(nested, value, f"{where}.", backend, out)
+            elif isinstance(value, (list, tuple)):
+                for i, element in enumerate(value):
+                    self._check_object(nested, element, f"{where}[{i}].", backend, out)
+            return
+        if isinstance(value, (list, tuple)) and spec.items is not None:
+            self._check_items(spec.items, value, where, backend, out)
+        elif isinstance(value, Mapping) and spec.values is not None:
+            bad = 0
+            for k, v in value.items():
+                before = len(out)
+                self._check_value(spec.values, v, f"{where}.{k}", backend, out)
+                bad += len(out) > before
+                if bad >= _MAX_ITEM_REPORTS:
+                    break
+
+    def _check_items(
+        self,
+        items: _Field,
+        value: list[Any] | tuple[Any, ...],
+        where: str,
+        backend: str,
+        out: list[ContractViolation],
+    ) -> None:
+        bad = 0
+        for i, element in enumerate(value):
+            before = len(out)
+            self._check_value(items, element, f"{where}[{i}]", backend, out)
+            bad += len(out) > before
+            if bad >= _MAX_ITEM_REPORTS:
+                break
+
+    def _check_backend(
+        self, kind: str, value: Any, where: str, backend: str, out: list[ContractViolation]
+    ) -> None:
+        per_backend = self._backends.get(kind, {})
+        schema = per_backend.get(backend)
+        if schema is None:
+            known = ", ".join(sorted(per_backend)) or "none"
+            out.append(ContractViolation(where, f"unknown backend {backend!r} (known: {known})"))
+            return
+        if isinstance(value, (list, tuple)):  # one dict per global worker rank
+            for i, element in enumerate(value):
+                self._check_object(schema, element, f"{where}[{i}].", backend, out)
+        else:
+            self._check_object(schema, value, f"{where}.", backend, out)
+
+
+@cache
+def _load(engine: str, version: str) -> EngineContract:
+    name = f"{engine}-{version}.json"
+    ref = resources.files("rollsafe.adapters.engines").joinpath("contracts").joinpath(name)
+    try:
+        text = ref.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(
+            f"no committed contract {name} (regenerate: tools/upstream_contract.py)"
+        ) from None
+    return EngineContract(json.loads(text))
+
+
+def load_contract(engine: EngineName, version: str | None = None) -> EngineContract:
+    """The pinned (or the given) release's contract; parsed once per process."""
+    if engine not in PINNED_VERSIONS:
+        raise ValueError(f"unknown engine {engine!r} (known: {', '.join(PINNED_VERSIONS)})")
+    return _load(engine, version or PINNED_VERSIONS[engine])

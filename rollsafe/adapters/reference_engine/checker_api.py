@@ -1,0 +1,220 @@
+"""The reference engine's weight checkers, in each dialect's upstream shape.
+
+Neither real engine serves a rollsafe checksum; this module serves theirs instead:
+
+**SGLang** ``GET|POST /weights_checker`` with a ``CheckWeightsReqInput`` body (all optional):
+``action`` (``checksum`` default, ``snapshot``, ``reset_tensors``, ``compare``),
+``allow_quant_error`` (bool), ``skip_tensor_list`` (name substrings to leave out), ``selector``
+(``target``/``draft``/``all``), plus ``BaseReq``'s ``rid`` / ``http_worker_ipc`` (accepted,
+unused). Answers as SGLang 0.5.23's handler: ``{"success", "message"}`` and, for ``checksum``,
+``"ranks"`` (one ``ChecksumInfo`` per TP rank: ``checksums`` ``{name: 16 hex}``,
+``per_gpu_checksum`` = ``overall_checksum(checksums)``, ``parallelism_info`` = one entry per
+runner role) and ``"per_engine_checksum"`` (SHA-256 over the ranks' ``per_gpu_checksum``);
+status 200 on success, 400 with ``success: false`` otherwise. Digests use SGLang's algorithm for
+the engine's device (:mod:`rollsafe.checksum`: GPU hash on CUDA, SHA-256 prefix on CPU).
+``selector="draft"`` has no runner here (no speculative decoding): success without ``ranks``.
+
+**vLLM** ``POST /weight_checker`` ``{"action": "checksum"|"reset"|"compare", "baseline"?}``:
+``{"checksums": {"dp0:pp0:pcp0:tp<r>:<name>": sha256 hex}}``, ``{"status": "reset"}`` (every
+parameter zeroed), ``{"match": bool, "mismatches": [sorted keys]}``; errors are vLLM's
+``{"error": {"message", "type", "param", "code"}}`` with 400.
+
+Stricter than upstream, on purpose (the suite must not pass where a real engine would fail):
+unknown body keys and values outside a field's domain are a 400 naming them (SGLang ignores
+nothing here either way; vLLM's FastAPI ignores unknown keys).
+
+The reference engine differs in what a rank's entry covers: its trunk is replicated and its
+``lm_head`` rows are split across ranks in its own (not SGLang's/vLLM's) layout, so every rank's
+entry is computed on the driver from the replicated trunk and the gathered full ``lm_head``:
+all ranks report the full model, and a trainer's digest of its full weights compares directly.
+A real engine with TP > 1 reports each rank's shards instead.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from rollsafe.adapters.reference_engine.errors import BadRequest
+from rollsafe.adapters.reference_engine.server import await_future, ctx_of
+from rollsafe.checksum import overall_checksum, per_engine_checksum
+
+__all__ = ["SGLANG_ACTIONS", "VLLM_ACTIONS", "routes"]
+
+SGLANG_ACTIONS = ("checksum", "snapshot", "reset_tensors", "compare")
+SGLANG_SELECTORS = ("target", "draft", "all")
+SGLANG_KEYS = (
+    "action",
+    "allow_quant_error",
+    "skip_tensor_list",
+    "selector",
+    "rid",
+    "http_worker_ipc",
+)
+VLLM_ACTIONS = ("checksum", "reset", "compare")
+VLLM_KEYS = ("action", "baseline")
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(f"JSON body must be an object, got {type(body).__name__}")
+    return body
+
+
+def _unknown(body: dict[str, Any], allowed: tuple[str, ...], path: str) -> None:
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise BadRequest(
+            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+            f"for {path}; allowed: {sorted(allowed)}"
+        )
+
+
+# ---------------------------------------------------------------------------- SGLang
+def _sglang_request(body: dict[str, Any]) -> tuple[str, tuple[str, ...], str]:
+    _unknown(body, SGLANG_KEYS, "/weights_checker")
+    action = body.get("action", "checksum")
+    if not isinstance(action, str):
+        raise BadRequest(f"key 'action' must be str, got {type(action).__name__}")
+    if action not in SGLANG_ACTIONS:
+        raise BadRequest(f"Unsupported action={action!r}; allowed: {list(SGLANG_ACTIONS)}")
+    quant = body.get("allow_quant_error", False)
+    if not isinstance(quant, bool):
+        raise BadRequest(f"key 'allow_quant_error' must be bool, got {type(quant).__name__}")
+    skip = body.get("skip_tensor_list")
+    if skip is not None and not (isinstance(skip, list) and all(isinstance(s, str) for s in skip)):
+        raise BadRequest("key 'skip_tensor_list' must be a list of strings or null")
+    selector = body.get("selector", "all")
+    if selector not in SGLANG_SELECTORS:
+        raise BadRequest(f"selector={selector!r} is not one of {list(SGLANG_SELECTORS)}")
+    for key in ("rid", "http_worker_ipc"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise BadRequest(f"key {key!r} must be str or null")
+    return action, tuple(skip or ()), selector
+
+
+async def weights_checker(request: web.Request) -> web.Response:
+    """SGLang ``/weights_checker``: ``{"success", "message", "ranks"?, "per_engine_checksum"?}``."""
+    ctx = ctx_of(request)
+    engine = ctx.engine
+    try:
+        action, skip, selector = _sglang_request(await _body(request))
+        if selector == "draft":  # no draft runner: nothing ran, nothing to report
+            return web.json_response({"success": True, "message": "Success."})
+        if action == "snapshot":
+            await await_future(engine.checker_snapshot())
+        elif action == "reset_tensors":
+            await await_future(engine.checker_reset("random", skip))
+        elif action == "compare":
+            await await_future(engine.checker_compare(skip))
+        else:
+            digest = await await_future(engine.checksum("sglang", skip))
+            checksums = dict(digest["tensors"])
+            per_gpu = overall_checksum(checksums)
+            world = engine.ranks.world_size
+            ranks = [
+                {
+                    "checksums": checksums,
+                    "per_gpu_checksum": per_gpu,
+                    "parallelism_info": [
+                        {
+                            "role": "target",
+                            "tp_rank": r,
+                            "tp_size": world,
+                            "dp_rank": 0,
+                            "dp_size": 1,
+                            "pp_rank": 0,
+                            "pp_size": 1,
+                            "rank": r,
+                            "size": world,
+                        }
+                    ],
+                }
+                for r in range(world)
+            ]
+            return web.json_response(
+                {
+                    "success": True,
+                    "message": "Success.",
+                    "ranks": ranks,
+                    "per_engine_checksum": per_engine_checksum([per_gpu] * world),
+                }
+            )
+    except BadRequest as exc:
+        return web.json_response({"success": False, "message": str(exc)}, status=400)
+    return web.json_response({"success": True, "message": "Success."})
+
+
+# ---------------------------------------------------------------------------- vLLM
+def _vllm_error(message: str, param: str | None = None, status: int = 400) -> web.Response:
+    phrase = {400: "Bad Request", 500: "Internal Server Error"}.get(status, "Error")
+    return web.json_response(
+        {"error": {"message": message, "type": phrase, "param": param, "code": status}},
+        status=status,
+    )
+
+
+async def weight_checker(request: web.Request) -> web.Response:
+    """vLLM ``/weight_checker``: checksum | reset | compare (``baseline``)."""
+    engine = ctx_of(request).engine
+    try:
+        body = await _body(request)
+        _unknown(body, VLLM_KEYS, "/weight_checker")
+    except BadRequest as exc:
+        return _vllm_error(str(exc), "body")
+    action = body.get("action")
+    if action is None:
+        return _vllm_error("1 validation error:\n  body.action: Field required", "body.action")
+    if action not in VLLM_ACTIONS:
+        return _vllm_error(
+            f"1 validation error:\n  body.action: Input should be "
+            f"{', '.join(map(repr, VLLM_ACTIONS[:-1]))} or {VLLM_ACTIONS[-1]!r} "
+            f"(got {action!r})",
+            "body.action",
+        )
+    baseline = body.get("baseline")
+    if baseline is not None and not (
+        isinstance(baseline, dict) and all(isinstance(v, str) for v in baseline.values())
+    ):
+        return _vllm_error(
+            "1 validation error:\n  body.baseline: must be an object of strings", "body.baseline"
+        )
+    if action == "reset":
+        await await_future(engine.checker_reset("zero"))
+        return web.json_response({"status": "reset"})
+    if action == "compare" and baseline is None:
+        return _vllm_error("action='compare' requires a 'baseline' object")
+    digest = await await_future(engine.checksum("vllm"))
+    checksums = {
+        f"dp0:pp0:pcp0:tp{r}:{name}": value
+        for r in range(engine.ranks.world_size)
+        for name, value in digest["tensors"].items()
+    }
+    if action == "checksum":
+        return web.json_response({"checksums": checksums})
+    assert baseline is not None
+    mismatches = sorted(
+        k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k)
+    )
+    return web.json_response({"match": not mismatches, "mismatches": mismatches})
+
+
+def routes(dialect: str) -> list[web.RouteDef]:
+    """The checker route(s) of ``dialect``."""
+    if dialect == "sglang":
+        return [
+            web.get("/weights_checker", weights_checker),
+            web.post("/weights_checker", weights_checker),
+        ]
+    if dialect == "vllm":
+        return [web.post("/weight_checker", weight_checker)]
+    raise ValueError(f"dialect must be 'sglang' or 'vllm', got {dialect!r}")

@@ -1,0 +1,429 @@
+"""The recorded-run format: ``timeline.jsonl`` (plus ``fleet.json``), written and read back.
+
+Owns the files :meth:`RolloutFleet.record(path) <rollsafe.fleet.fleet.RolloutFleet.record>` and
+``rollsafe demo`` write, and their validation when ``rollsafe report`` reads them.
+
+``timeline.jsonl`` holds one JSON object per line, each with ``kind``, ``timestamp`` (wall
+clock, seconds) and ``t`` (seconds since the run's start), in time order:
+
+* ``run`` (first line): ``format`` (:data:`FORMAT`), ``groups`` (ids in lane order),
+  ``transport``, ``started_at``;
+* ``group`` / ``export`` / ``registration`` / ``mode``: one machine transition each, as in
+  :meth:`RolloutFleet.timeline` (``subject``, ``machine``, ``seq``, ``event``, ``source``,
+  ``target``, ``inputs``);
+* ``mark``: a point the caller knew (``event``, e.g. ``crash``; ``subject`` the group);
+* ``sync``: one weight sync (``version``, ``ok``, ``seconds``, ``phases``, ``updated``...);
+* ``recovery``: one recovery of a group (the ``RecoveryResult`` fields, plus the failure
+  episode's ``onset``, ``onset_source`` and ``detected_at`` when known);
+* ``export_stats``: one finished export's phase timings (``blocking_s``, ``total_s``...);
+* ``requests``: cumulative ``served`` / ``failed`` counts per group at that time;
+* ``end`` (last line): final ``groups`` states, ``fleet_version``, ``dispatch_counts`` (requests
+  admitted per group, keyed by the group's state at admission), router stats.
+
+Files written before the ``run`` / ``end`` lines existed (transition rows only) still load; a file
+that starts with a ``run`` line and has no ``end`` line is truncated. :func:`load_run` raises
+:class:`RunFileError` naming the file and the first bad line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollsafe.fleet.fleet import RolloutFleet
+
+__all__ = [
+    "FORMAT",
+    "TRANSITION_KINDS",
+    "RunData",
+    "RunFileError",
+    "build_rows",
+    "load_run",
+    "write_run",
+]
+
+FORMAT = "rollsafe-timeline/1"
+TIMELINE = "timeline.jsonl"
+TRANSITION_KINDS = ("group", "export", "registration", "mode")
+_KNOWN_KINDS = (
+    *TRANSITION_KINDS,
+    "run",
+    "mark",
+    "sync",
+    "recovery",
+    "export_stats",
+    "requests",
+    "end",
+)
+
+
+class RunFileError(ValueError):
+    """A recorded-run file is missing, truncated or malformed; ``path`` and ``line`` name where."""
+
+    def __init__(self, path: Path | str, message: str, line: int | None = None) -> None:
+        self.path = Path(path)
+        self.line = line
+        self.problem = message
+        where = f"{self.path}" + (f" line {line}" if line is not None else "")
+        super().__init__(f"{where}: {message}")
+
+
+@dataclass
+class RunData:
+    """A recorded run read back: every row, and the optional JSON files next to it."""
+
+    directory: Path
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any] | None = None  # summary.json (the demo's)
+    fleet: dict[str, Any] | None = None  # fleet.json (RolloutFleet.record)
+    header: dict[str, Any] | None = None
+    end: dict[str, Any] | None = None
+    t0: float = 0.0
+    files: list[str] = field(default_factory=list)
+
+    def of(self, *kinds: str) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["kind"] in kinds]
+
+    @property
+    def groups(self) -> list[str]:
+        """Group ids in lane order: the header's, else in order of first appearance."""
+        if self.header is not None and isinstance(self.header.get("groups"), list):
+            return [str(g) for g in self.header["groups"]]
+        seen: list[str] = []
+        for r in self.rows:
+            if r["kind"] == "group" and r["subject"] not in seen:
+                seen.append(r["subject"])
+        return seen
+
+    @property
+    def duration(self) -> float:
+        return max((float(r["t"]) for r in self.rows), default=0.0)
+
+
+# ---------------------------------------------------------------------------- writing
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def build_rows(
+    fleet: RolloutFleet, *, t0: float | None = None, marks: Iterable[Mapping[str, Any]] = ()
+) -> list[dict[str, Any]]:
+    """Every row of ``fleet``'s run so far (see the module doc), ``t`` counted from ``t0``
+    (default: when the fleet started). ``marks``: extra ``{"kind": "crash", "group": gid,
+    "timestamp": ...}`` points, added to the fleet observer's own."""
+    observer = fleet.observer
+    if observer.started_at is not None and observer.stopped_at is None:
+        observer.sample_now()  # the request counts as of now, not of the last sampling tick
+    start = t0 if t0 is not None else (fleet.started_at or observer.started_at or time.time())
+    rows: list[dict[str, Any]] = [dict(r) for r in fleet.timeline()]
+    all_marks = [*observer.marks(), *(dict(m) for m in marks)]
+    seen_marks: set[tuple[Any, ...]] = set()
+    for m in all_marks:
+        key = (m.get("kind"), m.get("group"), round(float(m["timestamp"]), 6))
+        if key in seen_marks:
+            continue
+        seen_marks.add(key)
+        info = {k: v for k, v in m.items() if k not in ("kind", "group", "timestamp", "at")}
+        rows.append(
+            {
+                "kind": "mark",
+                "event": str(m.get("kind", "mark")),
+                "subject": m.get("group"),
+                "timestamp": float(m["timestamp"]),
+                **info,
+            }
+        )
+    transport = fleet.transport.name if fleet.transport is not None else fleet.config.transport
+    if fleet.sync is not None:
+        for rep in fleet.sync.reports():
+            d = rep.as_dict()
+            timings = d.pop("timings")
+            rows.append(
+                {
+                    "kind": "sync",
+                    "subject": transport,
+                    "timestamp": rep.started_at,
+                    "seconds": timings.get("total_s"),
+                    "phases": {k.removesuffix("_s"): v for k, v in timings.items()},
+                    **{
+                        k: d[k]
+                        for k in (
+                            "version",
+                            "ok",
+                            "error",
+                            "updated",
+                            "failed",
+                            "targeted",
+                            "failed_groups",
+                            "export_started",
+                            "previous_export",
+                        )
+                    },
+                }
+            )
+    episodes = observer.episodes()
+    for res in fleet.recoveries():
+        d = res.as_dict()
+        ep = _episode_for(episodes, res.group_id, res.failed_at)
+        if ep is not None:
+            d.update(onset=ep.onset, onset_source=ep.onset_source, detected_at=ep.detected_at)
+        rows.append({"kind": "recovery", "subject": res.group_id, "timestamp": res.failed_at, **d})
+    if fleet.exporter is not None:
+        for version in sorted(fleet.export_states()):
+            try:
+                handle = fleet.exporter.handle(version)
+            except Exception:
+                continue
+            if not handle.done():
+                continue
+            stats = handle.stats
+            rows.append(
+                {
+                    "kind": "export_stats",
+                    "subject": f"v{version}",
+                    "timestamp": handle.lifecycle.history[-1].timestamp
+                    if handle.lifecycle.history
+                    else start,
+                    "state": handle.lifecycle.state,
+                    **{
+                        k: getattr(stats, k)
+                        for k in (
+                            "tensor_bytes",
+                            "blocking_s",
+                            "snapshot_s",
+                            "write_s",
+                            "commit_s",
+                            "verify_s",
+                            "publish_s",
+                            "total_s",
+                        )
+                    },
+                }
+            )
+    for s in observer.samples():
+        rows.append(
+            {
+                "kind": "requests",
+                "subject": "fleet",
+                "timestamp": s.timestamp,
+                "served": dict(s.served),
+                "failed": dict(s.failed),
+            }
+        )
+    rows.sort(key=lambda r: float(r["timestamp"]))
+    end_at = observer.stopped_at or time.time()
+    if rows:
+        end_at = max(end_at, float(rows[-1]["timestamp"]))
+    header = {
+        "kind": "run",
+        "format": FORMAT,
+        "subject": "fleet",
+        "timestamp": start,
+        "started_at": fleet.started_at,
+        "groups": fleet.group_ids,
+        "transport": transport,
+        "immediate_recovery": fleet.config.enable_immediate_recovery,
+    }
+    end = {
+        "kind": "end",
+        "subject": "fleet",
+        "timestamp": max(end_at, start),
+        "groups": {g.group_id: g.state for g in fleet.registry.groups()},
+        "fleet_version": fleet.registry.fleet_version,
+        "dispatch_counts": fleet.registry.dispatch_counts(),
+        "router": fleet.router.stats(),
+        "mode": fleet.mode.state,
+        "exports": {str(v): s for v, s in fleet.export_states().items()},
+    }
+    out = [header, *rows, end]
+    for row in out:
+        row["t"] = float(row["timestamp"]) - start
+    return [_jsonable(r) for r in out]
+
+
+def _episode_for(episodes: Sequence[Any], group_id: str, failed_at: float) -> Any:
+    best, gap = None, math.inf
+    for ep in episodes:
+        if ep.group_id != group_id:
+            continue
+        d = abs(ep.detected_at - failed_at)
+        if d < gap:
+            best, gap = ep, d
+    return best if gap <= 30.0 else None
+
+
+def write_run(
+    directory: str | os.PathLike[str],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    fleet_json: Mapping[str, Any] | None = None,
+) -> list[Path]:
+    """Write ``timeline.jsonl`` (and ``fleet.json``) atomically into ``directory``."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [_atomic(out / TIMELINE, "".join(json.dumps(r) + "\n" for r in rows))]
+    if fleet_json is not None:
+        written.append(
+            _atomic(out / "fleet.json", json.dumps(_jsonable(fleet_json), indent=2) + "\n")
+        )
+    return written
+
+
+def _atomic(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------------------- reading
+def _number(row: Mapping[str, Any], key: str) -> bool:
+    v = row.get(key)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_row(row: Any) -> str | None:
+    """What is wrong with one parsed row (None if nothing)."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    kind = row.get("kind")
+    if not isinstance(kind, str):
+        return "no 'kind' string"
+    if not _number(row, "timestamp"):
+        return f"{kind} row: 'timestamp' must be a finite number, got {row.get('timestamp')!r}"
+    if "t" in row and not _number(row, "t"):
+        return f"{kind} row: 't' must be a finite number, got {row.get('t')!r}"
+    if kind in TRANSITION_KINDS:
+        for key in ("subject", "event", "source", "target"):
+            if not isinstance(row.get(key), str) or not row[key]:
+                return f"{kind} transition row: {key!r} must be a non-empty string"
+    elif kind == "requests":
+        for key in ("served", "failed"):
+            counts = row.get(key)
+            if not isinstance(counts, dict) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()
+            ):
+                return f"requests row: {key!r} must map group ids to counts >= 0"
+    elif kind == "recovery":
+        if not isinstance(row.get("group_id"), str) or not isinstance(row.get("status"), str):
+            return "recovery row: needs 'group_id' and 'status' strings"
+        for key in ("failed_at", "finished_at"):
+            if not _number(row, key):
+                return f"recovery row: {key!r} must be a finite number"
+    elif kind == "sync":
+        if not isinstance(row.get("version"), int) or not isinstance(row.get("ok"), bool):
+            return "sync row: needs an int 'version' and a bool 'ok'"
+    elif kind == "run":
+        if row.get("format") != FORMAT:
+            return f"run row: unknown format {row.get('format')!r} (this rollsafe reads {FORMAT})"
+        if not isinstance(row.get("groups"), list):
+            return "run row: 'groups' must be a list"
+    elif kind == "end" and not isinstance(row.get("groups"), dict):
+        return "end row: 'groups' must map group ids to states"
+    return None
+
+
+def load_run(path: str | os.PathLike[str]) -> RunData:
+    """Read and validate a recorded run (a directory, or its ``timeline.jsonl`` itself)."""
+    p = Path(path)
+    if p.is_dir():
+        directory, timeline = p, p / TIMELINE
+    else:
+        directory, timeline = p.parent, p
+    if not timeline.is_file():
+        raise RunFileError(timeline, "not found (a recorded run needs timeline.jsonl)")
+    try:
+        raw = timeline.read_bytes()
+    except OSError as exc:
+        raise RunFileError(timeline, f"cannot be read: {exc}") from None
+    if not raw.strip():
+        raise RunFileError(timeline, "is empty")
+    rows: list[dict[str, Any]] = []
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    elif lines:
+        # the last line has no newline: a writer stopped mid-line (the file is cut short)
+        last = len(lines)
+        try:
+            json.loads(lines[-1])
+        except ValueError as exc:
+            raise RunFileError(
+                timeline, f"truncated: the last line is incomplete JSON ({exc})", last
+            ) from None
+    header: dict[str, Any] | None = None
+    end: dict[str, Any] | None = None
+    prev_ts = -math.inf
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            raise RunFileError(timeline, "blank line", n)
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise RunFileError(timeline, f"not UTF-8 ({exc})", n) from None
+        except ValueError as exc:
+            raise RunFileError(timeline, f"not valid JSON ({exc})", n) from None
+        problem = _check_row(row)
+        if problem is not None:
+            raise RunFileError(timeline, problem, n)
+        if end is not None:
+            raise RunFileError(timeline, "a row after the run's 'end' row", n)
+        if row["kind"] == "run":
+            if n != 1:
+                raise RunFileError(timeline, "the 'run' row must be the first line", n)
+            header = row
+        elif row["kind"] == "end":
+            end = row
+        if row["kind"] not in ("run", "end"):  # rows are written in time order
+            if float(row["timestamp"]) < prev_ts - 1e-6:
+                raise RunFileError(
+                    timeline, f"timestamps go backwards ({row['timestamp']} < {prev_ts})", n
+                )
+            prev_ts = float(row["timestamp"])
+        rows.append(row)
+    if header is not None and end is None:
+        raise RunFileError(
+            timeline,
+            f"truncated: {len(lines)} lines and no 'end' row (the run's last line is missing)",
+            len(lines),
+        )
+    t0 = (
+        float(header["timestamp"])
+        if header is not None
+        else (min(float(r["timestamp"]) - float(r.get("t", 0.0)) for r in rows))
+    )
+    for r in rows:
+        if "t" not in r:
+            r["t"] = float(r["timestamp"]) - t0
+    data = RunData(directory, rows, header=header, end=end, t0=t0, files=[TIMELINE])
+    for name in ("summary.json", "fleet.json"):
+        f = directory / name
+        if not f.exists():
+            continue
+        try:
+            obj = json.loads(f.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            lineno = getattr(exc, "lineno", None)
+            raise RunFileError(f, f"not valid JSON ({exc})", lineno) from None
+        except OSError as exc:
+            raise RunFileError(f, f"cannot be read: {exc}") from None
+        if not isinstance(obj, dict):
+            raise RunFileError(f, f"expected a JSON object, got {type(obj).__name__}", 1)
+        setattr(data, "summary" if name == "summary.json" else "fleet", obj)
+        data.files.append(name)
+    return data

@@ -1,0 +1,368 @@
+"""Weight digests as SGLang 0.5.23 / vLLM 0.33.0 compute them, and the reference engine's checkers.
+
+* Known-answer vectors for every algorithm of :mod:`rollsafe.checksum` (the SGLang GPU hash one
+  traced step by step on a one-word input, with the intermediate values spelled out).
+* The vectorised torch reimplementation of SGLang's ``gpu_tensor_hash`` against a slow scalar
+  reimplementation written here independently (a Python loop over tiles and words, unbounded
+  ints masked to 32/64 bits), on several dtypes and sizes, tile and chunk boundaries included.
+* The reference engine's SGLang ``/weights_checker`` and vLLM ``/weight_checker``: upstream's
+  response shapes, 400s naming bad actions and unknown keys, snapshot/reset/compare, and the
+  trainer's digest equal to the engine's after a weight update (through the clients).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import (
+    EngineProcess,
+    module_engine,
+    tiny_model_dir,  # noqa: F401  (fixture)
+    tiny_model_dir_b,  # noqa: F401  (fixture)
+)
+from test_engine_sglang import hf_state
+
+import rollsafe.checksum as ck
+from rollsafe.adapters.engines.sglang import SGLangClient
+from rollsafe.adapters.engines.vllm import VLLMClient
+from rollsafe.checksum import (
+    overall_checksum,
+    per_engine_checksum,
+    sglang_gpu_hash,
+    tensor_digest,
+    weights_checksum,
+)
+
+M32 = 0xFFFFFFFF
+M64 = (1 << 64) - 1
+HEX16 = re.compile(r"^[0-9a-f]{16}$")
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+# ============================================================== slow independent reference
+def _fmix32(x: int) -> int:
+    x &= M32
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & M32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & M32
+    return x ^ (x >> 16)
+
+
+def _rotl32(x: int, r: int) -> int:
+    return ((x << r) | (x >> (32 - r))) & M32
+
+
+def slow_gpu_hash(t: torch.Tensor, seed: int = 0x243F6A88) -> int:
+    """SGLang's kernel, one word at a time: tiles of 8192 words, each tile's two lane sums
+    finalised with the padded byte count, tiles summed mod 2**64, then splitmix64's finaliser."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    raw += b"\0" * (-len(raw) % 4)
+    n = len(raw) // 4
+    if n == 0:
+        return 0
+    words = struct.unpack(f"<{n}I", raw)
+    s1 = seed & M32
+    s2 = ((seed * 0x9E3779B1) ^ 0xDEADBEEF) & M32
+    nbytes = (n * 4) & M32
+    acc = 0
+    for tile in range((n + 8191) // 8192):
+        a = b = 0
+        for i in range(tile * 8192, min(n, tile * 8192 + 8192)):
+            p1 = ((i * 0x27D4EB2D + s1) & M32) ^ _rotl32(i, 15)
+            p2 = ((i * 0x165667B1 + s2) & M32) ^ _rotl32(i, 13)
+            a = (a + _fmix32(words[i] ^ p1)) & M32
+            b = (b + _fmix32(words[i] ^ p2)) & M32
+        acc = (acc + ((_fmix32(a ^ nbytes) << 32) | _fmix32(b ^ nbytes))) & M64
+    x = acc
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+# ============================================================== known answers
+def test_sglang_gpu_hash_hand_traced_one_word() -> None:
+    # bytes 01 02 03 (+ one zero pad byte) -> one little-endian word 0x00030201; n = 1, NB = 4
+    t = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    s1, s2 = 0x243F6A88, 0x02C74EE7  # seed; ((seed * 0x9E3779B1) ^ 0xDEADBEEF) mod 2**32
+    assert s2 == ((0x243F6A88 * 0x9E3779B1) ^ 0xDEADBEEF) & M32
+    # word index 0: p1 = (0 * A + s1) ^ rotl(0, 15) = s1, p2 = s2
+    k1, k2 = _fmix32(0x00030201 ^ s1), _fmix32(0x00030201 ^ s2)
+    assert (k1, k2) == (0xD6D2C61A, 0xAE7FA89E)
+    h1, h2 = _fmix32(k1 ^ 4), _fmix32(k2 ^ 4)  # the tile's sums are the single terms
+    assert (h1, h2) == (0x7D076200, 0xB7923815)
+    # one tile: total = h1 << 32 | h2, then the splitmix64 finaliser
+    assert sglang_gpu_hash(t) == 0x78FB8B5EBCE4F7DF == slow_gpu_hash(t)
+    assert tensor_digest(t, "sglang-gpu") == "78fb8b5ebce4f7df"
+
+
+def test_known_answers_every_algorithm() -> None:
+    t = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    # SGLang host path: first 8 bytes of sha256(b"\x01\x02\x03"), big-endian, 16 hex digits
+    assert tensor_digest(t, "sglang-cpu") == "039058c6f2c0cb49"
+    # vLLM: the whole sha256 hex digest
+    assert tensor_digest(t, "vllm") == (
+        "039058c6f2c0cb492c533b0a4d14ef77cc0f78abccced5287d84a1a2011cfb81"
+    )
+    assert tensor_digest(t, "sglang") == "039058c6f2c0cb49"  # a CPU tensor: SGLang's host path
+    # empty tensors: the kernel returns 0; sha256 of no bytes
+    assert tensor_digest(torch.empty(0), "sglang-gpu") == "0" * 16
+    assert tensor_digest(torch.empty(0), "sglang-cpu") == "e3b0c44298fc1c14"
+    # two float32 words 0x3f800000, 0xc0000000 (word 1 exercises the index mixing)
+    two = torch.tensor([1.0, -2.0])
+    assert tensor_digest(two, "sglang-gpu") == "9ad4ce438405fb8c" == f"{slow_gpu_hash(two):016x}"
+    # overall_checksum: sha256 over name + digest in sorted name order, no separators
+    want = "8a36148044cbd728215c25feba3eaf5fb24d7ed3a3cfdd93f2d2e625ee8c9841"
+    assert overall_checksum({"b": "01", "a": "02"}) == want
+    assert hashlib.sha256(b"a02b01").hexdigest() == want
+    assert per_engine_checksum(["ab", "cd"]) == hashlib.sha256(b"abcd").hexdigest()
+
+
+def test_digests_ignore_dtype_and_shape_like_upstream() -> None:
+    t = torch.arange(8, dtype=torch.float32)
+    as_int = t.view(torch.int32).reshape(2, 4)
+    for algo in ("sglang-cpu", "sglang-gpu", "vllm"):
+        assert tensor_digest(t, algo) == tensor_digest(as_int, algo)
+
+
+def test_unknown_algorithm_is_refused() -> None:
+    with pytest.raises(ValueError, match="sha1"):
+        tensor_digest(torch.zeros(1), "sha1")
+    with pytest.raises(ValueError, match="sha1"):
+        weights_checksum({"x": torch.zeros(1)}, "sha1")
+
+
+# ============================================================== vectorised vs scalar
+CASES = [
+    (torch.float32, 1),
+    (torch.float32, 8192),  # exactly one tile
+    (torch.float32, 8193),  # one word into the second tile
+    (torch.bfloat16, 3),  # 6 bytes: padded to 2 words
+    (torch.bfloat16, 8192 * 2 + 1),
+    (torch.float16, 5000),
+    (torch.uint8, 1),
+    (torch.uint8, 7),
+    (torch.uint8, 8192 * 4 + 3),  # byte count not a multiple of 4 across a tile boundary
+    (torch.int8, 33),
+    (torch.int64, 9001),
+    (torch.bool, 13),
+]
+
+
+@pytest.mark.parametrize(("dtype", "numel"), CASES)
+def test_gpu_hash_matches_slow_reference(dtype: torch.dtype, numel: int) -> None:
+    gen = torch.Generator().manual_seed(numel)
+    if dtype.is_floating_point:
+        t = (torch.randn(numel, generator=gen) * 100).to(dtype)
+    elif dtype == torch.bool:
+        t = torch.randint(0, 2, (numel,), generator=gen).bool()
+    else:
+        info = torch.iinfo(dtype)
+        t = torch.randint(info.min, info.max, (numel,), generator=gen, dtype=torch.int64).to(dtype)
+    assert sglang_gpu_hash(t) == slow_gpu_hash(t)
+
+
+def test_gpu_hash_chunking_and_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(7)
+    t = torch.randn(3 * 8192 + 100, generator=gen)
+    want = slow_gpu_hash(t)
+    assert sglang_gpu_hash(t) == want
+    # several vectorised steps (each a whole number of tiles): the same value
+    monkeypatch.setattr(ck, "_CHUNK_WORDS", ck.SGLANG_TILE_WORDS)
+    assert sglang_gpu_hash(t) == want
+    # views: non-contiguous and odd byte offsets hash as their contiguous copies
+    m = torch.randn(64, 33, generator=gen).to(torch.bfloat16)
+    assert sglang_gpu_hash(m.t()) == slow_gpu_hash(m.t().contiguous())
+    odd = torch.randint(0, 255, (40,), generator=gen, dtype=torch.uint8)[1:30]
+    assert sglang_gpu_hash(odd) == slow_gpu_hash(odd.clone())
+
+
+def test_default_resolves_by_device_like_sglang() -> None:
+    t = torch.randn(10)
+    assert ck.resolve_algorithm("sglang", t) == "sglang-cpu"
+    assert ck.algorithm_for("sglang", "cuda:1") == "sglang-gpu"
+    assert ck.algorithm_for("sglang", "cpu") == "sglang-cpu"
+    assert ck.algorithm_for("sglang", None) == "sglang-gpu"
+    assert ck.algorithm_for("vllm", "cuda") == "vllm"
+    got = weights_checksum({"a": t, "rotary.inv_freq": t}, "sglang-gpu")
+    assert set(got["tensors"]) == {"a"}  # SGLang never hashes non-persistent buffers
+    assert got["model"] == overall_checksum(got["tensors"]) and got["algorithm"] == "sglang-gpu"
+    assert set(weights_checksum({"rotary.inv_freq": t}, "vllm")["tensors"]) == {"rotary.inv_freq"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_hash_cuda_equals_cpu() -> None:
+    t = torch.randn(3 * 8192 + 5, dtype=torch.float32)
+    assert sglang_gpu_hash(t.cuda()) == sglang_gpu_hash(t) == slow_gpu_hash(t)
+
+
+# ============================================================== the reference engine's checkers
+@pytest.fixture(scope="module")
+def sgl(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(request, tiny_model_dir, ranks=2)
+
+
+@pytest.fixture(scope="module")
+def vll(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(request, tiny_model_dir, extra_args=["--dialect", "vllm"])
+
+
+PARALLELISM_KEYS = {"role", "tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size"}
+
+
+def test_sglang_weights_checker_checksum_shape(
+    sgl: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    want = weights_checksum(hf_state(tiny_model_dir), "sglang-cpu")  # a CPU engine
+    for r in (sgl.get("/weights_checker"), sgl.post("/weights_checker", {"action": "checksum"})):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert set(body) == {"success", "message", "ranks", "per_engine_checksum"}
+        assert body["success"] is True and body["message"] == "Success."
+        assert len(body["ranks"]) == 2  # one ChecksumInfo per TP rank
+        for tp_rank, info in enumerate(body["ranks"]):
+            assert set(info) == {"checksums", "per_gpu_checksum", "parallelism_info"}
+            assert all(HEX16.match(v) for v in info["checksums"].values())
+            assert info["checksums"] == want["tensors"]
+            assert info["per_gpu_checksum"] == overall_checksum(info["checksums"]) == want["model"]
+            (par,) = info["parallelism_info"]  # one entry per runner role
+            assert set(par) == PARALLELISM_KEYS | {"rank", "size"}
+            assert par["role"] == "target" and par["tp_rank"] == tp_rank and par["tp_size"] == 2
+        per_gpu = [i["per_gpu_checksum"] for i in body["ranks"]]
+        assert body["per_engine_checksum"] == per_engine_checksum(per_gpu)
+
+
+def test_sglang_weights_checker_rejects_with_named_400(sgl: EngineProcess) -> None:
+    cases = [
+        ({"action": "bogus"}, "bogus"),
+        ({"action": "checksum", "actoin": "x"}, "actoin"),
+        ({"selector": "drafts"}, "drafts"),
+        ({"skip_tensor_list": "lm_head"}, "skip_tensor_list"),
+        ({"allow_quant_error": 1}, "allow_quant_error"),
+    ]
+    for body, named in cases:
+        r = sgl.post("/weights_checker", body)
+        assert r.status_code == 400, (body, r.text)
+        # SGLang's shape; the server's contract middleware may add its "error" class name
+        assert {"success", "message"} <= set(r.json()) <= {"success", "message", "error"}
+        assert r.json()["success"] is False and named in r.json()["message"]
+    # vLLM's route is not served in the SGLang dialect, nor the old rollsafe route
+    assert sgl.post("/weight_checker", {"action": "checksum"}).status_code == 404
+    assert sgl.get("/weights_checksum").status_code == 404
+
+
+def test_sglang_snapshot_reset_compare(
+    sgl: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    ok = {"success": True, "message": "Success."}
+    assert sgl.post("/weights_checker", {"action": "snapshot"}).json() == ok
+    assert sgl.post("/weights_checker", {"action": "compare"}).json() == ok
+    # compare consumed the snapshot (as upstream): take another, then scramble the weights
+    assert sgl.post("/weights_checker", {"action": "snapshot"}).json() == ok
+    body = {"action": "reset_tensors", "skip_tensor_list": ["norm"]}
+    assert sgl.post("/weights_checker", body).json() == ok
+    after = sgl.checksum()
+    before = weights_checksum(hf_state(tiny_model_dir), after["algorithm"])
+    changed = {n for n in before["tensors"] if before["tensors"][n] != after["tensors"][n]}
+    assert changed and not any("norm" in n for n in changed)
+    assert all(("norm" in n) or (n in changed) for n in before["tensors"])
+    r = sgl.post("/weights_checker", {"action": "compare"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert r.json()["message"].startswith("check tensor equality failed")
+    # restore; the snapshot survived the failed compare
+    r = sgl.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir)})
+    assert r.status_code == 200, r.text
+    assert sgl.post("/weights_checker", {"action": "compare"}).json() == ok
+    # a draft runner does not exist here: nothing runs, nothing is reported
+    assert sgl.post("/weights_checker", {"selector": "draft"}).json() == ok
+
+
+def test_sglang_client_checksum_equals_trainer_after_update(
+    sgl: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    client = SGLangClient(sgl.url)
+    try:
+        r = sgl.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir_b)})
+        assert r.status_code == 200, r.text
+        got = client.weights_checksum()
+        assert got.algorithm == "sglang-cpu" and got.weight_version is None
+        want = weights_checksum(hf_state(tiny_model_dir_b), got.algorithm)
+        assert dict(got.tensors) == want["tensors"] and got.model == want["model"]
+        assert len(got.ranks) == 2 and got.per_engine is not None
+    finally:
+        sgl.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir)})
+        client.close()
+
+
+def test_vllm_weight_checker_shapes(
+    vll: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    state = hf_state(tiny_model_dir)
+    r = vll.post("/weight_checker", {"action": "checksum"})
+    assert r.status_code == 200, r.text
+    checksums = r.json()["checksums"]
+    assert set(r.json()) == {"checksums"}
+    assert checksums == {
+        f"dp0:pp0:pcp0:tp0:{n}": hashlib.sha256(
+            t.contiguous().view(-1).view(torch.uint8).numpy()
+        ).hexdigest()
+        for n, t in state.items()
+    }
+    assert all(HEX64.match(v) for v in checksums.values())
+    r = vll.post("/weight_checker", {"action": "compare", "baseline": checksums})
+    assert r.json() == {"match": True, "mismatches": []}
+    key = sorted(checksums)[0]
+    baseline = {**checksums, key: "0" * 64, "dp0:pp0:pcp0:tp0:extra": "1"}
+    r = vll.post("/weight_checker", {"action": "compare", "baseline": baseline})
+    assert r.json() == {"match": False, "mismatches": sorted([key, "dp0:pp0:pcp0:tp0:extra"])}
+
+
+def test_vllm_weight_checker_rejects_with_named_400(vll: EngineProcess) -> None:
+    for body, named in [
+        ({"action": "checksums"}, "checksums"),
+        ({"action": "checksum", "baseline": {}, "extra": 1}, "extra"),
+        ({}, "action"),
+        ({"action": "compare"}, "baseline"),
+    ]:
+        r = vll.post("/weight_checker", body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        if isinstance(err, dict):  # vLLM's ErrorResponse, from the checker itself
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == 400
+            assert named in err["message"]
+        else:  # refused earlier by the server's contract middleware (its own shape)
+            assert named in r.json()["message"]
+    assert vll.post("/weights_checker", {"action": "checksum"}).status_code == 404
+
+
+def test_vllm_reset_then_update_matches_trainer(
+    vll: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    assert vll.post("/weight_checker", {"action": "reset"}).json() == {"status": "reset"}
+    state = hf_state(tiny_model_dir)
+    zeros = weights_checksum({n: torch.zeros_like(t) for n, t in state.items()}, "vllm")
+    client = VLLMClient(vll.url)
+    try:
+        got = client.weights_checksum()
+        assert got.algorithm == "vllm" and dict(got.tensors) == zeros["tensors"]
+        # a weight update through vLLM's collective_rpc reload brings the model back
+        r = vll.post("/collective_rpc", {"method": "reload_weights"})
+        assert r.status_code == 200, r.text
+        got = client.weights_checksum()
+        want = weights_checksum(state, got.algorithm)
+        assert dict(got.tensors) == want["tensors"] and got.model == want["model"]
+    finally:
+        client.close()

@@ -1,0 +1,243 @@
+"""Every request SGLangClient and VLLMClient send validates against the pinned upstream contracts.
+
+The clients talk to an in-process ``httpx.MockTransport`` that records each request (method,
+route, query, JSON body) and answers with upstream's response shapes; every recorded request is
+then checked with :meth:`EngineContract.check_request` against
+``rollsafe/adapters/engines/contracts/{sglang-0.5.23,vllm-0.33.0}.json`` (generated from the
+released wheels by ``tools/upstream_contract.py``). Route, query keys, body keys, nested keys
+and value domains all count; a request to a route upstream does not serve fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from rollsafe.adapters.engines import SGLangClient, VLLMClient
+from rollsafe.adapters.engines.contract import load_contract
+from rollsafe.adapters.engines.errors import EngineNotSupported
+
+Recorded = tuple[str, str, dict[str, Any], Any]
+
+
+def _answer(path: str, body: Any) -> Any:
+    """Upstream-shaped answers (what the clients parse)."""
+    if path == "/generate":
+        return {
+            "text": "hi",
+            "output_ids": [1, 2],
+            "meta_info": {
+                "finish_reason": {"type": "length"},
+                "weight_version": "v1",
+                "weight_versions": [{"version": "v1", "start": 0, "end": 2}],
+            },
+        }
+    if path == "/v1/completions":
+        return {
+            "choices": [
+                {
+                    "text": "hi",
+                    "token_ids": [1, 2],
+                    "finish_reason": "length",
+                    "weight_versions": [{"version": "v1", "start": 0, "end": 2}],
+                }
+            ]
+        }
+    if path == "/weights_checker":
+        rank = {
+            "checksums": {"w": "00000000000000ff"},
+            "per_gpu_checksum": "a" * 64,
+            "parallelism_info": {
+                "role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1,
+            },
+        }  # fmt: skip
+        return {"success": True, "message": "", "ranks": [rank], "per_engine_checksum": "b" * 64}
+    if path == "/weight_checker":
+        return {"checksums": {"dp0:pp0:pcp0:tp0:w": "c" * 64}}
+    if path in ("/model_info", "/get_model_info", "/weight_info"):
+        return {"weight_version": "v1", "model_path": "/m"}
+    if path == "/is_sleeping":
+        return {"is_sleeping": False}
+    if path == "/collective_rpc":
+        return {"results": [None]}
+    if path == "/get_weights_by_name":
+        return [0.0, 1.0]
+    return {"success": True, "message": "ok"}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.requests: list[Recorded] = []
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        raw = request.content
+        body = json.loads(raw) if raw else None
+        query: dict[str, Any] = {}
+        for key, value in request.url.params.multi_items():
+            query.setdefault(key, []).append(value)
+        flat = {k: v if len(v) > 1 else v[0] for k, v in query.items()}
+        self.requests.append((request.method, request.url.path, flat, body))
+        return httpx.Response(200, json=_answer(request.url.path, body))
+
+
+def _check(engine: str, requests: list[Recorded], backend: str = "nccl") -> None:
+    contract = load_contract(engine)  # type: ignore[arg-type]
+    assert requests, "the call sent no request"
+    for method, path, query, body in requests:
+        problems = contract.check_request(method, path, query=query, body=body, backend=backend)
+        assert not problems, f"{method} {path} {body!r}: {[str(p) for p in problems]}"
+
+
+SGLANG_CALLS: dict[str, Callable[[SGLangClient], object]] = {
+    "health": lambda c: c.health(),
+    "health_generate": lambda c: c.health_generate(),
+    "generate_ids": lambda c: c.generate([1, 2, 3], sampling_params={"max_new_tokens": 4}),
+    "generate_text": lambda c: c.generate(
+        text="hi", sampling_params={"temperature": 0.0, "sampling_seed": 3, "top_k": 5}
+    ),
+    "pause_abort": lambda c: c.pause_generation("abort"),
+    "pause_retract": lambda c: c.pause_generation("retract"),
+    "pause_in_place": lambda c: c.pause_generation("in_place"),
+    "continue": lambda c: c.continue_generation(),
+    "flush_cache": lambda c: c.flush_cache(),
+    "release_all": lambda c: c.release_memory_occupation(),
+    "release_weights": lambda c: c.release_memory_occupation(["weights"]),
+    "resume_kv": lambda c: c.resume_memory_occupation(["kv_cache"]),
+    "disk": lambda c: c.update_weights_from_disk("/m", weight_version="3"),
+    "disk_abort": lambda c: c.update_weights_from_disk(
+        "/m", load_format="safetensors", abort_all_requests=True
+    ),
+    "tensor_bucket": lambda c: c.update_weights_from_tensor(
+        ["AAAA"], load_format="flattened_bucket", weight_version="3"
+    ),
+    "tensor_plain": lambda c: c.update_weights_from_tensor(["AAAA", "BBBB"], flush_cache=False),
+    "init_group": lambda c: c.init_weights_update_group("127.0.0.1", 29500, 1, 2, backend="gloo"),
+    "dist_flat": lambda c: c.update_weights_from_distributed(
+        ["w"], ["bfloat16"], [[2, 3]], load_format="flattened_bucket", weight_version="3"
+    ),
+    "dist_plain": lambda c: c.update_weights_from_distributed(["w"], ["float32"], [[4]]),
+    "destroy_group": lambda c: c.destroy_weights_update_group(),
+    "ipc": lambda c: c.update_weights_from_ipc({"GPU-0": "ipc:///tmp/s"}, weight_version="3"),
+    "get_by_name": lambda c: c.get_weights_by_name("w"),
+    "checksum": lambda c: c.weights_checksum(),
+    "weight_version": lambda c: c.weight_version(),
+}
+
+VLLM_CALLS: dict[str, Callable[[VLLMClient], object]] = {
+    "health": lambda c: c.health(),
+    "generate_ids": lambda c: c.generate(
+        [1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0.0, "sampling_seed": 1}
+    ),
+    "generate_text": lambda c: c.generate(text="hi", sampling_params={"min_new_tokens": 1}),
+    "pause_abort": lambda c: c.pause_generation("abort"),
+    "pause_retract": lambda c: c.pause_generation("retract"),
+    "pause_in_place": lambda c: c.pause_generation("in_place"),
+    "continue": lambda c: c.continue_generation(),
+    "flush_cache": lambda c: c.flush_cache(),
+    "is_sleeping": lambda c: c.is_sleeping(),
+    "release": lambda c: c.release_memory_occupation(),
+    "resume": lambda c: c.resume_memory_occupation(),
+    "resume_weights": lambda c: c.resume_memory_occupation(["weights"]),
+    "disk": lambda c: c.update_weights_from_disk("/m", weight_version="3"),
+    "disk_abort": lambda c: c.update_weights_from_disk("/m", abort_all_requests=True),
+    "init_group": lambda c: c.init_weights_update_group(
+        "127.0.0.1", 29500, 1, 2, packed_buffer_size_bytes=1 << 20
+    ),
+    "init_unpacked": lambda c: c.init_weights_update_group("127.0.0.1", 29500, 1, 2, packed=False),
+    "dist_one_call": lambda c: c.update_weights_from_distributed(
+        ["w"], ["bfloat16"], [[2, 3]], weight_version="3"
+    ),
+    "destroy_group": lambda c: c.destroy_weights_update_group(),
+    "ipc": lambda c: c.update_weights_from_ipc({"GPU-0": "ipc:///tmp/s"}, weight_version="3"),
+    "version": lambda c: c.update_weight_version("4"),
+    "checksum": lambda c: c.weights_checksum(),
+    "weight_version": lambda c: c.weight_version(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SGLANG_CALLS))
+def test_sglang_client_requests_match_sglang_0_5_23(name: str) -> None:
+    rec = Recorder()
+    with SGLangClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
+        SGLANG_CALLS[name](client)
+    _check("sglang", rec.requests)
+
+
+@pytest.mark.parametrize("name", sorted(VLLM_CALLS))
+def test_vllm_client_requests_match_vllm_0_33_0(name: str) -> None:
+    rec = Recorder()
+    with VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
+        VLLM_CALLS[name](client)
+    _check("vllm", rec.requests)
+
+
+def test_vllm_update_lifecycle_is_one_start_many_updates_one_finish() -> None:
+    """The nccl transport sends one call per bucket, the version with the last: the client
+    maps that onto vLLM's start -> update x N -> finish(version) -> reset_prefix_cache."""
+    rec = Recorder()
+    with VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
+        client.init_weights_update_group("127.0.0.1", 29500, 1, 2)
+        for i in range(3):
+            client.update_weights_from_distributed(
+                [f"w{i}"], ["float32"], [[4]], weight_version="7" if i == 2 else None
+            )
+        client.update_weights_from_distributed(["w0"], ["float32"], [[4]], weight_version="8")
+    paths = [p for _, p, _, _ in rec.requests]
+    assert paths == [
+        "/init_weight_transfer_engine",
+        "/start_weight_update", "/update_weights", "/update_weights", "/update_weights",
+        "/finish_weight_update", "/reset_prefix_cache",
+        "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache",
+    ]  # fmt: skip
+    finishes = [b for _, p, _, b in rec.requests if p == "/finish_weight_update"]
+    assert finishes == [{"weight_version": "7"}, {"weight_version": "8"}]
+    init = rec.requests[0][3]["init_info"]
+    assert init["packed"] is True and "packed" not in rec.requests[2][3]["update_info"]
+    _check("vllm", rec.requests)
+
+
+def test_vllm_failed_update_leaves_update_mode_without_a_version() -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/update_weights":
+            return httpx.Response(500, json={"error": "peer gone"})
+        return httpx.Response(200, json={"message": "ok"})
+
+    with VLLMClient("http://engine", transport=httpx.MockTransport(handler), retry=None) as c:
+        with pytest.raises(Exception, match="500"):
+            c.update_weights_from_distributed(["w"], ["float32"], [[4]], weight_version="9")
+        assert calls == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+
+
+def test_vllm_has_no_update_weights_from_tensor() -> None:
+    rec = Recorder()
+    with VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
+        with pytest.raises(EngineNotSupported, match="nccl"):
+            client.update_weights_from_tensor(["AAAA"])
+        with pytest.raises(EngineNotSupported, match="load format"):
+            client.update_weights_from_disk("/m", load_format="safetensors")
+    assert rec.requests == []
+
+
+def test_contract_check_catches_what_the_old_clients_sent() -> None:
+    """The requests rollsafe sent before it was pinned to upstream fail the same check."""
+    vllm = load_contract("vllm")
+    old_update = {"update_info": {"names": ["w"], "dtype_names": ["float32"], "shapes": [[4]],
+                                  "packed": True, "weight_version": "3"}}  # fmt: skip
+    where = {p.where for p in vllm.check_request("POST", "/update_weights", body=old_update)}
+    assert {"update_info.packed", "update_info.weight_version"} <= where
+    assert vllm.check_request("POST", "/start_weight_update", body={"is_checkpoint_format": True})
+    assert vllm.check_request("GET", "/weights_checksum")
+    sglang = load_contract("sglang")
+    assert sglang.check_request("GET", "/weights_checksum")
+    bad = {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "temprature": 0.5}}
+    assert [p.where for p in sglang.check_request("POST", "/generate", body=bad)] == [
+        "sampling_params.temprature"
+    ]

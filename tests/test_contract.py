@@ -1,0 +1,315 @@
+"""The pinned upstream contracts: the committed files, the validator, and the extractor.
+
+The extractor (``tools/upstream_contract.py``) is exercised on a tiny synthetic source tree so
+CI needs neither network nor the real wheels; the committed files are checked for the facts
+the clients depend on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from rollsafe.adapters.engines.contract import (
+    ContractError,
+    ContractViolation,
+    load_contract,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _tool() -> ModuleType:
+    name = "upstream_contract_tool"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "upstream_contract.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _wheres(violations: list[ContractViolation]) -> set[str]:
+    return {v.where for v in violations}
+
+
+# ---- the committed files --------------------------------------------------------------------
+
+
+def test_both_contracts_load_with_their_pinned_versions() -> None:
+    sg, vl = load_contract("sglang"), load_contract("vllm")
+    assert (sg.engine, sg.version) == ("sglang", "0.5.23")
+    assert (vl.engine, vl.version) == ("vllm", "0.33.0")
+    assert load_contract("sglang") is sg  # parsed once per process
+    for c in (sg, vl):
+        assert c.data["wheel"]["sha256"] and c.data["wheel"]["filename"].endswith(".whl")
+        assert c.data["sources"] and c.data["checked_facts"]
+
+
+def test_sglang_allow_list_has_the_bucket_metadata_and_torch_rebuilds() -> None:
+    allowed = load_contract("sglang").allowed_pickle_globals()
+    assert ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata") in allowed
+    assert ("torch._utils", "_rebuild_tensor_v2") in allowed
+    assert ("torch.multiprocessing.reductions", "rebuild_cuda_tensor") in allowed
+    assert not any(m.startswith("rollsafe") for m, _ in allowed)
+    with pytest.raises(ContractError):
+        load_contract("vllm").allowed_pickle_globals()
+
+
+def test_sglang_bucket_metadata_fields_and_sampling_keys() -> None:
+    sg = load_contract("sglang")
+    assert sg.data["flattened_tensor_metadata_fields"] == [
+        "name",
+        "shape",
+        "dtype",
+        "start_idx",
+        "end_idx",
+        "numel",
+    ]
+    keys = sg.sampling_keys()
+    assert {"max_new_tokens", "temperature", "top_p", "stop"} <= keys
+    assert sg.data["sampling_params"]["unknown_keys"] == "rejected"
+
+
+def test_vllm_nccl_update_info_is_names_dtypes_shapes_and_packed_is_init_info() -> None:
+    vl = load_contract("vllm")
+    assert vl.backend_fields("update_info", "nccl") == {"names", "dtype_names", "shapes"}
+    assert "packed" in vl.backend_fields("init_info", "nccl")
+    assert "packed" not in vl.backend_fields("update_info", "nccl")
+    assert "packed" not in vl.backend_fields("update_info", "ipc")
+    assert vl.data["packed_defaults"] == {
+        "DEFAULT_PACKED_BUFFER_SIZE_BYTES": 1 << 30,
+        "DEFAULT_PACKED_NUM_BUFFERS": 2,
+    }
+    assert "return_weight_versions" in vl.sampling_keys()
+
+
+# ---- the validator --------------------------------------------------------------------------
+
+
+def test_conforming_requests_pass() -> None:
+    sg, vl = load_contract("sglang"), load_contract("vllm")
+    assert (
+        sg.check_request(
+            "POST", "/generate", body={"text": "hi", "sampling_params": {"max_new_tokens": 4}}
+        )
+        == []
+    )
+    assert sg.check_request("POST", "/pause_generation", body={"mode": "retract"}) == []
+    assert sg.check_request("POST", "/flush_cache", query={"timeout": "1.5"}) == []
+    init = {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2}
+    assert (
+        vl.check_request(
+            "POST", "/init_weight_transfer_engine", body={"init_info": {**init, "packed": True}}
+        )
+        == []
+    )
+    update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]]}
+    assert vl.check_request("POST", "/update_weights", body={"update_info": update}) == []
+    assert vl.check_request("POST", "/update_weights", body={"update_info": [update]}) == []
+    assert vl.check_request("POST", "/pause", query={"mode": "wait"}) == []
+    assert vl.check_request("POST", "/sleep", query={"level": 1}) == []
+    assert vl.check_request("POST", "/wake_up", query={"tags": ["weights", "kv_cache"]}) == []
+    vl.require_valid("POST", "/weight_checker", body={"action": "checksum"})
+
+
+def test_each_kind_of_violation_is_named() -> None:
+    sg = load_contract("sglang")
+    unknown = sg.check_request(
+        "POST", "/update_weights_from_tensor", body={"serialized_named_tensors": [], "bogus": 1}
+    )
+    assert unknown == [ContractViolation("bogus", unknown[0].problem)]
+    assert "unknown key" in str(unknown[0]) and str(unknown[0]).startswith("bogus: ")
+    missing = sg.check_request("POST", "/update_weight_version", body={})
+    assert _wheres(missing) == {"new_version"} and "missing required" in missing[0].problem
+    wrong = sg.check_request(
+        "POST",
+        "/init_weights_update_group",
+        body={
+            "master_address": "h",
+            "master_port": "29500",
+            "rank_offset": 1,
+            "world_size": 2,
+        },
+    )
+    assert _wheres(wrong) == {"master_port"} and "expected integer" in wrong[0].problem
+    domain = sg.check_request("POST", "/pause_generation", body={"mode": "sleep"})
+    assert _wheres(domain) == {"mode"} and "not in" in domain[0].problem
+    route = sg.check_request("GET", "/weights_checksum")
+    assert _wheres(route) == {"/weights_checksum"} and "unknown route" in route[0].problem
+    method = sg.check_request("DELETE", "/pause_generation", body={})
+    assert "method not allowed" in method[0].problem
+    sampling = sg.check_request(
+        "POST", "/generate", body={"text": "x", "sampling_params": [{"top_q": 1}]}
+    )
+    assert _wheres(sampling) == {"sampling_params[0].top_q"}
+
+
+def test_vllm_nested_keys_are_checked_per_backend() -> None:
+    vl = load_contract("vllm")
+    bad = {"names": ["w"], "dtype_names": ["bf16"], "shapes": [[1]], "packed": True}
+    assert _wheres(vl.check_request("POST", "/update_weights", body={"update_info": bad})) == {
+        "update_info.packed"
+    }
+    ipc_ok = {"names": ["w"], "dtype_names": ["bf16"], "shapes": [[1]], "ipc_handles": {}}
+    assert (
+        vl.check_request("POST", "/update_weights", body={"update_info": ipc_ok}, backend="ipc")
+        == []
+    )
+    nccl = vl.check_request("POST", "/update_weights", body={"update_info": ipc_ok})
+    assert _wheres(nccl) == {"update_info.ipc_handles"}
+    init = vl.check_request(
+        "POST", "/init_weight_transfer_engine", body={"init_info": {"packed": True}}, backend="ipc"
+    )
+    assert init == []
+    missing = vl.check_request("POST", "/init_weight_transfer_engine", body={"init_info": {}})
+    assert _wheres(missing) == {"init_info.rank_offset", "init_info.world_size"}
+    per_rank = vl.check_request("POST", "/update_weights", body={"update_info": [bad]})
+    assert _wheres(per_rank) == {"update_info[0].packed"}
+    unknown_backend = vl.check_request(
+        "POST", "/update_weights", body={"update_info": {}}, backend="carrier-pigeon"
+    )
+    assert "unknown backend" in unknown_backend[0].problem
+
+
+def test_vllm_routes_without_body_and_query_checks() -> None:
+    vl = load_contract("vllm")
+    body = vl.check_request("POST", "/start_weight_update", body={"is_checkpoint_format": True})
+    assert _wheres(body) == {"body"}
+    assert vl.check_request("POST", "/start_weight_update") == []
+    query = vl.check_request("POST", "/pause", query={"mode": "drain", "force": "1"})
+    assert _wheres(query) == {"query.mode", "query.force"}
+    assert _wheres(vl.check_request("POST", "/sleep", query={"level": 3})) == {"query.level"}
+    assert _wheres(vl.check_request("POST", "/weight_checker", body={"action": "sum"})) == {
+        "action"
+    }
+
+
+def test_require_valid_lists_every_violation() -> None:
+    sg = load_contract("sglang")
+    with pytest.raises(ContractError) as info:
+        sg.require_valid(
+            "POST",
+            "/update_weights_from_distributed",
+            body={"names": ["a"], "dtype": ["x"], "shapes": "nope"},
+        )
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert {v.where for v in err.violations} == {"dtype", "dtypes", "shapes"}
+    for where in ("dtype", "dtypes", "shapes"):
+        assert f"{where}:" in str(err)
+
+
+# ---- the extractor on a synthetic tree ------------------------------------------------------
+
+_ROUTER = """
+from typing import Annotated, Any, Literal
+from fastapi import APIRouter, Body, Query, Request
+from fastapi.responses import JSONResponse
+
+router = APIRouter()
+Mode = Literal["abort", "wait"]
+BUF = 4 * 1024
+
+
+class StartReq:
+    kind: Literal["full", "delta"] = "full"
+    size: int = BUF
+    names: list[str]
+    note: str | None = None
+    _private: int = 0
+
+
+@router.post("/start")
+async def start(obj: Annotated[StartReq, Body()], raw_request: Request):
+    ok = True
+    return JSONResponse(content={"success": ok, "message": "m"},
+                        status_code=200 if ok else 400)
+
+
+@router.post("/pause")
+async def pause(raw_request: Request, mode: Annotated[Mode, Query()] = "abort",
+                level: Annotated[int, Query(ge=0, le=2)] = 1):
+    return JSONResponse(content={"status": "paused"})
+
+
+@router.post("/embed")
+async def embed(raw_request: Request,
+                info: Annotated[dict[str, Any], Body(embed=True)],
+                version: Annotated[str | None, Body(embed=True)] = None):
+    body = {"message": "ok"}
+    body["extra"] = 1
+    return JSONResponse(content=body)
+
+
+class Unpickler:
+    ALLOWED_GLOBALS = {("torch", "Tensor"), ("builtins", "int")}
+"""
+
+
+def test_extractor_reads_a_synthetic_tree(tmp_path: Path) -> None:
+    tool = _tool()
+    pkg = tmp_path / "fake"
+    pkg.mkdir()
+    (pkg / "router.py").write_text(textwrap.dedent(_ROUTER))
+    tree = tool.SourceTree(tmp_path)
+    mod = tree.module("fake/router.py")
+    ctx = tool.TypeContext()
+    ctx.add_module(mod)
+    schemas: dict = {}
+    routes = tool.extract_routes(
+        tree,
+        tool.RouteOptions(path="fake/router.py", request_mods=[mod], unknown_keys="ignored"),
+        ctx,
+        tool.module_constants(mod),
+        schemas,
+    )
+    assert set(routes) == {"/start", "/pause", "/embed"}
+    start = routes["/start"]
+    assert start["methods"] == ["POST"] and start["body"] == {
+        "schema": "StartReq",
+        "required": True,
+    }
+    assert start["responses"] == [{"status": [200, 400], "keys": ["message", "success"]}]
+    fields = schemas["StartReq"]["fields"]
+    assert set(fields) == {"kind", "size", "names", "note"}
+    assert fields["kind"]["enum"] == ["full", "delta"] and fields["kind"]["default"] == "full"
+    assert fields["size"] == {"type": ["integer"], "required": False, "default": 4096}
+    assert fields["names"]["required"] and fields["names"]["items"] == {"type": ["string"]}
+    assert fields["note"]["type"] == ["null", "string"]
+    pause = routes["/pause"]
+    assert pause["body"] is None
+    assert pause["query"]["mode"]["enum"] == ["abort", "wait"]
+    assert pause["query"]["level"]["maximum"] == 2 and pause["query"]["level"]["minimum"] == 0
+    embed = routes["/embed"]
+    emb = schemas[embed["body"]["schema"]]["fields"]
+    assert emb["info"]["required"] and emb["info"]["type"] == ["object"]
+    assert emb["version"] == {"type": ["null", "string"], "required": False, "default": None}
+    assert embed["responses"] == [
+        {"status": [200], "keys": ["message"], "optional_keys": ["extra"]}
+    ]
+    assert tool.class_set_literal(mod, "Unpickler", "ALLOWED_GLOBALS") == [
+        ["builtins", "int"],
+        ["torch", "Tensor"],
+    ]
+    assert list(tree.read_files) == ["fake/router.py"]
+    facts = tool.Facts()
+    with pytest.raises(tool.ContractAssertionError):
+        facts.contains(tree, "label", "fake/router.py", "no such text")
+
+
+def test_dump_is_deterministic_and_sorted() -> None:
+    tool = _tool()
+    text = tool.dump({"b": [2, 1], "a": {"z": 1, "y": 2}})
+    assert text == tool.dump(json.loads(text))
+    assert text.index('"a"') < text.index('"b"') and text.endswith("\n")
+    committed = (REPO / "rollsafe/adapters/engines/contracts/vllm-0.33.0.json").read_text()
+    assert committed == tool.dump(json.loads(committed))

@@ -1,0 +1,1748 @@
+#!/usr/bin/env python3
+"""Generate rollsafe's pinned upstream engine contracts from the released wheels.
+
+For one engine release (SGLang or vLLM) this script
+
+1. gets the wheel: ``pip download --no-deps NAME==VERSION`` into a cache directory, or a wheel
+   given with ``--wheel PATH``;
+2. reads the upstream sources out of the wheel **by AST only** (upstream is never imported, so
+   neither torch nor any of the engines' dependencies are needed);
+3. writes one deterministic, sorted, pretty JSON file per engine version to
+   ``rollsafe/adapters/engines/contracts/<engine>-<version>.json``.
+
+The file records the HTTP routes rollsafe uses or may use (methods, body schema, query
+parameters, auth level, the flags or environment that enable them, response keys and status
+codes where the handler makes them statically visible), the request schemas (field: JSON type,
+required, default, Literal domain), the backend-specific nested schemas (vLLM ``init_info`` /
+``update_info``), SGLang's ``sampling_params`` keys and unpickler allow-list, SGLang's
+``FlattenedTensorMetadata`` fields and vLLM's packed-transfer defaults.
+
+A few facts are not cleanly AST-extractable (which router a flag registers, which flag a
+worker-side check wants). They are encoded as small, labelled *checked assertions*: the script
+asserts that the source says what the fact claims and fails loudly if a new release changes it.
+
+Usage::
+
+    python tools/upstream_contract.py --engine sglang --version 0.5.23
+    python tools/upstream_contract.py --engine vllm --version 0.33.0 --wheel /path/vllm.whl
+    python tools/upstream_contract.py --engine sglang --version 0.5.23 --check
+
+``--check`` regenerates into a temporary directory and diffs against the committed file
+(exit status 1 on any difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CONTRACT_DIR = REPO / "rollsafe" / "adapters" / "engines" / "contracts"
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollsafe-upstream"
+
+JSON = dict[str, Any]
+
+
+def log(msg: str) -> None:
+    print(f"[upstream_contract] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Sources: a wheel (zip) or a directory laid out like site-packages (tests use the latter).
+# --------------------------------------------------------------------------------------------
+
+
+class SourceTree:
+    """Read-only access to upstream source files; remembers what was read (with sha256)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._zip = zipfile.ZipFile(root) if root.is_file() else None
+        self.read_files: dict[str, str] = {}
+        self._ast: dict[str, ast.Module] = {}
+
+    def exists(self, path: str) -> bool:
+        if self._zip is not None:
+            try:
+                self._zip.getinfo(path)
+                return True
+            except KeyError:
+                return False
+        return (self.root / path).is_file()
+
+    def text(self, path: str) -> str:
+        data = self._zip.read(path) if self._zip else (self.root / path).read_bytes()
+        self.read_files[path] = hashlib.sha256(data).hexdigest()
+        return data.decode("utf-8")
+
+    def module(self, path: str) -> ast.Module:
+        if path not in self._ast:
+            self._ast[path] = ast.parse(self.text(path), filename=path)
+        return self._ast[path]
+
+    def listdir(self, prefix: str) -> list[str]:
+        """Python files directly under the folder ``prefix`` (sorted)."""
+        prefix = prefix.rstrip("/") + "/"
+        if self._zip is not None:
+            names = [
+                n
+                for n in self._zip.namelist()
+                if n.startswith(prefix) and "/" not in n[len(prefix) :] and n.endswith(".py")
+            ]
+        else:
+            base = self.root / prefix
+            names = [prefix + p.name for p in base.glob("*.py")] if base.is_dir() else []
+        return sorted(names)
+
+
+class ContractAssertionError(RuntimeError):
+    """A labelled fact no longer holds in the upstream source: review it by hand."""
+
+
+@dataclass
+class Facts:
+    """Labelled, checked assertions recorded in the contract (label -> evidence)."""
+
+    checked: dict[str, str] = field(default_factory=dict)
+
+    def require(self, label: str, ok: bool, evidence: str) -> None:
+        if not ok:
+            raise ContractAssertionError(f"checked fact failed: {label}: {evidence}")
+        self.checked[label] = evidence
+
+    def contains(self, tree: SourceTree, label: str, path: str, needle: str) -> None:
+        self.require(label, needle in tree.text(path), f"{path} contains {needle!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Constant evaluation and type annotations -> JSON schema fragments.
+# --------------------------------------------------------------------------------------------
+
+_NOT_CONST = object()
+
+
+def module_constants(mod: ast.Module) -> dict[str, Any]:
+    """Module-level ``NAME = <constant expression>`` assignments that evaluate statically."""
+    consts: dict[str, Any] = {}
+    for node in mod.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name):
+            v = const_eval(value, consts)
+            if v is not _NOT_CONST:
+                consts[target.id] = v
+    return consts
+
+
+def const_eval(node: ast.expr, names: dict[str, Any]) -> Any:
+    """Evaluate literals, names of known constants and simple arithmetic; else _NOT_CONST."""
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    if isinstance(node, ast.Name) and node.id in names:
+        return names[node.id]
+    if isinstance(node, ast.BinOp):
+        left, right = const_eval(node.left, names), const_eval(node.right, names)
+        if left is _NOT_CONST or right is _NOT_CONST:
+            return _NOT_CONST
+        ops: dict[type, Callable[[Any, Any], Any]] = {
+            ast.Mult: lambda a, b: a * b,
+            ast.Add: lambda a, b: a + b,
+            ast.Sub: lambda a, b: a - b,
+            ast.LShift: lambda a, b: a << b,
+            ast.Pow: lambda a, b: a**b,
+            ast.FloorDiv: lambda a, b: a // b,
+        }
+        op = ops.get(type(node.op))
+        if op is None or not all(isinstance(x, (int, float)) for x in (left, right)):
+            return _NOT_CONST
+        return op(left, right)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = const_eval(node.operand, names)
+        return -v if isinstance(v, (int, float)) else _NOT_CONST
+    return _NOT_CONST
+
+
+_SCALARS = {
+    "str": "string",
+    "bytes": "string",  # JSON carries bytes as (base64) strings
+    "int": "integer",
+    "float": "number",
+    "bool": "boolean",
+    "dict": "object",
+    "Dict": "object",
+    "Mapping": "object",
+    "list": "array",
+    "List": "array",
+    "Sequence": "array",
+    "tuple": "array",
+    "Tuple": "array",
+    "set": "array",
+    "Set": "array",
+    "Any": "any",
+    "object": "any",
+}
+
+
+class TypeContext:
+    """Resolves names in annotations: type aliases and known classes of the loaded modules."""
+
+    def __init__(self) -> None:
+        self.aliases: dict[str, ast.expr] = {}
+        self.classes: set[str] = set()
+
+    def add_module(self, mod: ast.Module) -> None:
+        for node in mod.body:
+            if isinstance(node, ast.ClassDef):
+                self.classes.add(node.name)
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+                t = node.targets[0]
+                if isinstance(t, ast.Name) and _looks_like_type(node.value):
+                    self.aliases.setdefault(t.id, node.value)
+            elif (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and node.value is not None
+                and ast.unparse(node.annotation).endswith("TypeAlias")
+            ):
+                self.aliases.setdefault(node.target.id, node.value)
+
+
+def _looks_like_type(node: ast.expr) -> bool:
+    if isinstance(node, ast.Subscript):
+        base = node.value
+        name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+        return name in {
+            "Literal", "Union", "Optional", "List", "Dict", "list", "dict", "Annotated",
+            "Tuple", "tuple", "Set", "set",
+        }  # fmt: skip
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr)
+
+
+def _sub_elts(node: ast.Subscript) -> list[ast.expr]:
+    s = node.slice
+    return list(s.elts) if isinstance(s, ast.Tuple) else [s]
+
+
+def type_schema(node: ast.expr | None, ctx: TypeContext, _depth: int = 0) -> JSON:
+    """A JSON-schema fragment for an annotation: {"type": [...], "enum"?, "items"?}."""
+    if node is None or _depth > 12:
+        return {"type": ["any"]}
+    if isinstance(node, ast.Constant):
+        if node.value is None:
+            return {"type": ["null"]}
+        if isinstance(node.value, str):  # forward reference
+            try:
+                return type_schema(ast.parse(node.value, mode="eval").body, ctx, _depth + 1)
+            except SyntaxError:
+                return {"type": ["any"]}
+        return {"type": ["any"]}
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _union(
+            [type_schema(node.left, ctx, _depth + 1), type_schema(node.right, ctx, _depth + 1)]
+        )
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        name = node.id if isinstance(node, ast.Name) else node.attr
+        if name == "None":
+            return {"type": ["null"]}
+        if name in _SCALARS:
+            return {"type": [_SCALARS[name]]}
+        if name in ctx.aliases:
+            return type_schema(ctx.aliases[name], ctx, _depth + 1)
+        if name in ctx.classes:
+            return {"type": ["object"], "ref": name}
+        return {"type": ["any"], "unresolved": name}
+    if isinstance(node, ast.Subscript):
+        base = node.value
+        name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+        args = _sub_elts(node)
+        if name == "Optional":
+            return _union([type_schema(args[0], ctx, _depth + 1), {"type": ["null"]}])
+        if name == "Union":
+            return _union([type_schema(a, ctx, _depth + 1) for a in args])
+        if name == "Annotated":
+            return type_schema(args[0], ctx, _depth + 1)
+        if name == "Literal":
+            values = [const_eval(a, {}) for a in args]
+            values = [v for v in values if v is not _NOT_CONST]
+            types = sorted({_json_type_of(v) for v in values})
+            return {"type": types, "enum": values}
+        if name in {"List", "list", "Sequence", "Set", "set"}:
+            return {"type": ["array"], "items": type_schema(args[0], ctx, _depth + 1)}
+        if name in {"Tuple", "tuple"}:
+            return {"type": ["array"]}
+        if name in {"Dict", "dict", "Mapping"}:
+            out: JSON = {"type": ["object"]}
+            if len(args) == 2:
+                out["values"] = type_schema(args[1], ctx, _depth + 1)
+            return out
+        if name in {"ClassVar"}:
+            return {"type": ["classvar"]}
+        return type_schema(base, ctx, _depth + 1)
+    return {"type": ["any"]}
+
+
+def _json_type_of(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, (list, tuple)):
+        return "array"
+    if isinstance(v, dict):
+        return "object"
+    return "any"
+
+
+def _union(parts: list[JSON]) -> JSON:
+    types: set[str] = set()
+    enum: list[Any] | None = []
+    open_types: set[str] = set()  # non-literal members: they make a Literal domain open
+    items: list[JSON] = []
+    refs: list[str] = []
+    for p in parts:
+        types.update(p["type"])
+        if "enum" in p:
+            if enum is not None:
+                enum.extend(x for x in p["enum"] if x not in enum)
+        else:
+            open_types.update(t for t in p["type"] if t != "null")
+        if "items" in p:
+            items.append(p["items"])
+        if "ref" in p:
+            refs.append(p["ref"])
+    out: JSON = {"type": ["any"] if "any" in types else sorted(types)}
+    literal_types = {_json_type_of(v) for v in (enum or [])}
+    if enum and not (open_types & (literal_types | {"any"})):
+        if "null" in types and None not in enum:
+            enum.append(None)
+        out["enum"] = enum
+    if len(items) == 1:
+        out["items"] = items[0]
+    elif len(items) > 1:
+        out["items"] = _union(items)
+    if len(refs) == 1:
+        out["ref"] = refs[0]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Classes -> request schemas.
+# --------------------------------------------------------------------------------------------
+
+
+def find_class(mods: Iterable[ast.Module], name: str) -> ast.ClassDef | None:
+    for mod in mods:
+        for node in mod.body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return node
+    return None
+
+
+def _call_name(node: ast.expr) -> str:
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ""
+
+
+def _kw(call: ast.Call, name: str) -> ast.expr | None:
+    for k in call.keywords:
+        if k.arg == name:
+            return k.value
+    return None
+
+
+def field_default(value: ast.expr | None, consts: dict[str, Any]) -> tuple[bool, JSON]:
+    """(required, {"default": v} | {"default_expr": src} | {})."""
+    if value is None:
+        return True, {}
+    if isinstance(value, ast.Call) and _call_name(value) in {"field", "Field"}:
+        default = _kw(value, "default")
+        if default is None and value.args:
+            default = value.args[0]
+        factory = _kw(value, "default_factory")
+        if default is not None:
+            if isinstance(default, ast.Constant) and default.value is Ellipsis:
+                return True, {}
+            return False, _default_repr(default, consts)
+        if factory is not None:
+            made = {"list": [], "dict": {}, "set": [], "tuple": []}.get(_call_name(factory))
+            if made is not None:
+                return False, {"default": made}
+            return False, {"default_expr": f"{ast.unparse(factory)}()"}
+        return True, {}
+    return False, _default_repr(value, consts)
+
+
+def _default_repr(value: ast.expr, consts: dict[str, Any]) -> JSON:
+    v = const_eval(value, consts)
+    if v is _NOT_CONST:
+        return {"default_expr": ast.unparse(value)}
+    if isinstance(v, (set, frozenset, tuple)):
+        v = sorted(v) if isinstance(v, (set, frozenset)) else list(v)
+    return {"default": v}
+
+
+def _numeric_bounds(annotation: ast.expr | None, value: ast.expr | None) -> JSON:
+    """ge/le/gt/lt of ``Field(...)``/``Query(...)`` (in the annotation or the default)."""
+    out: JSON = {}
+    calls: list[ast.Call] = []
+
+    def top(node: ast.expr | None) -> None:
+        # Only markers that constrain the value itself: the default call, Annotated's extras
+        # at the top of the annotation (through `X | None` / Optional), never inside List[...].
+        if node is None:
+            return
+        if isinstance(node, ast.Call) and _call_name(node) in {"Field", "Query", "Body"}:
+            calls.append(node)
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            top(node.left)
+            top(node.right)
+        elif isinstance(node, ast.Subscript):
+            name = _call_name(node.value)
+            if name == "Annotated":
+                elts = _sub_elts(node)
+                top(elts[0])
+                for extra in elts[1:]:
+                    top(extra)
+            elif name in {"Optional", "Union"}:
+                for e in _sub_elts(node):
+                    top(e)
+
+    top(annotation)
+    top(value)
+    for call in calls:
+        for key, out_key in (("ge", "minimum"), ("le", "maximum")):
+            bound = _kw(call, key)
+            if bound is not None:
+                v = const_eval(bound, {})
+                if isinstance(v, (int, float)):
+                    out[out_key] = v
+    return out
+
+
+def class_schema(
+    mods: list[ast.Module],
+    name: str,
+    ctx: TypeContext,
+    consts: dict[str, Any],
+    *,
+    source: str,
+    unknown_keys: str,
+) -> JSON:
+    """Fields of a dataclass / msgspec Struct / pydantic model, bases first (same modules)."""
+    cls = find_class(mods, name)
+    if cls is None:
+        raise ContractAssertionError(f"class {name} not found in {source}")
+    fields: dict[str, JSON] = {}
+    order: list[str] = []
+    for base in cls.bases:
+        base_name = _call_name(base) if not isinstance(base, ast.Subscript) else ""
+        if base_name and find_class(mods, base_name) is not None:
+            inherited = class_schema(
+                mods, base_name, ctx, consts, source=source, unknown_keys=unknown_keys
+            )
+            for fname, f in inherited["fields"].items():
+                fields[fname] = f
+            order.extend(x for x in inherited["field_order"] if x not in order)
+    for node in cls.body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        if node.target.id.startswith("_"):  # private attributes are not request fields
+            continue
+        schema = type_schema(node.annotation, ctx)
+        if schema["type"] == ["classvar"]:
+            continue
+        required, default = field_default(node.value, consts)
+        entry: JSON = {**schema, "required": required, **default}
+        entry.update(_numeric_bounds(node.annotation, node.value))
+        fields[node.target.id] = entry
+        if node.target.id not in order:
+            order.append(node.target.id)
+    return {
+        "class": name,
+        "source": source,
+        "unknown_keys": unknown_keys,
+        "fields": fields,
+        "field_order": order,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# FastAPI routes.
+# --------------------------------------------------------------------------------------------
+
+_HTTP_VERBS = {"get", "post", "put", "delete", "head", "patch"}
+_REQUEST_PARAM_ANNOTATIONS = {"Request", "WebSocket"}
+
+
+def _status(node: ast.expr | None, names: dict[str, ast.expr] | None = None) -> list[int | str]:
+    """Statically visible status codes of a ``status_code=`` expression."""
+    if node is None:
+        return [200]
+    if isinstance(node, ast.Name) and names and node.id in names:
+        return _status(names[node.id])
+    if isinstance(node, ast.IfExp):
+        return sorted(set(_status(node.body, names) + _status(node.orelse, names)), key=str)
+    if isinstance(node, ast.Attribute) and node.attr == "value":
+        node = node.value
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "HTTPStatus"
+        and hasattr(HTTPStatus, node.attr)
+    ):
+        return [int(getattr(HTTPStatus, node.attr))]
+    v = const_eval(node, {})
+    if isinstance(v, int):
+        return [v]
+    return [ast.unparse(node)]
+
+
+def _str_keys(d: ast.Dict) -> tuple[list[str], list[str]] | None:
+    """(string keys, unpacked ``**expr`` sources) of a dict literal; None if a key is computed."""
+    keys: list[str] = []
+    spread: list[str] = []
+    for k, v in zip(d.keys, d.values, strict=True):
+        if k is None:
+            spread.append(ast.unparse(v))
+        elif isinstance(k, ast.Constant) and isinstance(k.value, str):
+            keys.append(k.value)
+        else:
+            return None
+    return keys, spread
+
+
+def _is_response_call(call: ast.Call) -> bool:
+    name = _call_name(call)
+    return name.endswith("Response") or name in {"orjson_response"}
+
+
+def _can_fall_through(stmts: list[ast.stmt]) -> bool:
+    if not stmts:
+        return True
+    last = stmts[-1]
+    if isinstance(last, (ast.Return, ast.Raise)):
+        return False
+    if isinstance(last, ast.If):
+        return _can_fall_through(last.body) or _can_fall_through(last.orelse)
+    if isinstance(last, ast.Try):
+        body_falls = _can_fall_through(last.body + last.orelse)
+        return body_falls or any(_can_fall_through(h.body) for h in last.handlers)
+    if isinstance(last, (ast.With, ast.AsyncWith)):
+        return _can_fall_through(last.body)
+    return True
+
+
+def _is_text(node: ast.expr, text_vars: set[str]) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in text_vars
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def response_variants(func: ast.FunctionDef | ast.AsyncFunctionDef) -> list[JSON]:
+    """Response bodies the handler builds visibly: [{status, keys}, ...] (sorted, unique)."""
+    dict_vars: dict[str, tuple[list[str], list[str]]] = {}
+    text_vars: set[str] = set()
+    extra_keys: dict[str, list[str]] = {}
+    simple: dict[str, ast.expr] = {}
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            t = node.targets[0]
+            if isinstance(t, ast.Name):
+                simple[t.id] = node.value
+                if isinstance(node.value, ast.Dict):
+                    keys = _str_keys(node.value)
+                    if keys is not None:
+                        dict_vars[t.id] = keys
+                elif isinstance(node.value, (ast.Constant, ast.JoinedStr, ast.BoolOp)) and any(
+                    isinstance(c, (ast.Constant, ast.JoinedStr))
+                    and isinstance(getattr(c, "value", ""), str)
+                    for c in ast.walk(node.value)
+                ):
+                    text_vars.add(t.id)
+            if (
+                isinstance(t, ast.Subscript)
+                and isinstance(t.value, ast.Name)
+                and isinstance(t.slice, ast.Constant)
+                and isinstance(t.slice.value, str)
+            ):
+                extra_keys.setdefault(t.value.id, []).append(t.slice.value)
+    variants: list[JSON] = []
+
+    def describe(node: ast.expr | None) -> JSON:
+        if node is None:
+            return {"keys": []}
+        if isinstance(node, ast.Call) and node.args and not _is_response_call(node):
+            inner = describe(node.args[0])  # e.g. msgspec_to_builtins(result)
+            if "keys" in inner:
+                return inner
+        ks: tuple[list[str], list[str]] | None = None
+        extra: list[str] = []
+        if isinstance(node, ast.Dict):
+            ks = _str_keys(node)
+        elif isinstance(node, ast.Name) and node.id in dict_vars:
+            ks, extra = dict_vars[node.id], extra_keys.get(node.id, [])
+        elif _is_text(node, text_vars):
+            return {"body": "text"}
+        if ks is None:
+            return {"body": ast.unparse(node)}
+        out: JSON = {"keys": sorted(ks[0])}
+        if extra:
+            out["optional_keys"] = sorted(set(extra))
+        if ks[1]:
+            out["plus_keys_of"] = ks[1]
+        return out
+
+    for node in ast.walk(func):
+        if isinstance(node, ast.Call) and _is_response_call(node):
+            content = _kw(node, "content")
+            if content is None and node.args:
+                content = node.args[0]
+            variants.append({"status": _status(_kw(node, "status_code"), simple),
+                             **describe(content)})  # fmt: skip
+        elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            if _call_name(node.exc) == "HTTPException":
+                variants.append(
+                    {"status": _status(_kw(node.exc, "status_code"), simple),
+                     "raises": "HTTPException"}
+                )  # fmt: skip
+        elif isinstance(node, ast.Return) and node.value is not None:
+            value = node.value.value if isinstance(node.value, ast.Await) else node.value
+            if isinstance(value, ast.Call) and _is_response_call(value):
+                continue
+            d = describe(value)
+            if "keys" in d:
+                variants.append({"status": [200], **d})
+    if _can_fall_through(func.body):
+        variants.append({"status": [200], "body": "null"})
+    unique = {json.dumps(v, sort_keys=True): v for v in variants}
+    return [unique[k] for k in sorted(unique)]
+
+
+def _route_decorators(func: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tuple[str, list[str]]]:
+    routes: list[tuple[str, list[str]]] = []
+    for dec in func.decorator_list:
+        if not isinstance(dec, ast.Call) or not isinstance(dec.func, ast.Attribute):
+            continue
+        verb = dec.func.attr
+        if verb not in _HTTP_VERBS and verb != "api_route":
+            continue
+        if not dec.args or not isinstance(dec.args[0], ast.Constant):
+            continue
+        path = dec.args[0].value
+        if verb == "api_route":
+            methods_node = _kw(dec, "methods")
+            methods = const_eval(methods_node, {}) if methods_node is not None else ["GET"]
+        else:
+            methods = [verb.upper()]
+        routes.append((path, sorted(methods)))
+    return routes
+
+
+def _auth_level(func: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    for dec in func.decorator_list:
+        if isinstance(dec, ast.Call) and _call_name(dec) == "auth_level" and dec.args:
+            arg = dec.args[0]
+            if isinstance(arg, ast.Attribute):
+                return arg.attr.lower()
+    return "normal"
+
+
+def _route_functions(mod: ast.Module) -> list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, str]]:
+    """Top-level handler functions plus those defined under a module-level ``if``."""
+    out: list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, str]] = []
+
+    def visit(stmts: list[ast.stmt], cond: str) -> None:
+        for node in stmts:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((node, cond))
+            elif isinstance(node, ast.If):
+                visit(node.body, ast.unparse(node.test))
+
+    visit(mod.body, "")
+    return out
+
+
+def _param_marker(annotation: ast.expr | None, default: ast.expr | None) -> tuple[str, bool]:
+    """('body'|'query'|'', embed) from Annotated[..., Body()/Query()] or a Query() default."""
+    for node in (annotation, default):
+        if node is None:
+            continue
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call) and _call_name(n) in {"Body", "Query"}:
+                embed = _kw(n, "embed")
+                return _call_name(n).lower(), bool(embed is not None and const_eval(embed, {}))
+    return "", False
+
+
+def _raw_body_fields(
+    func: ast.FunctionDef | ast.AsyncFunctionDef, ctx: TypeContext
+) -> tuple[dict[str, JSON], dict[str, JSON]]:
+    """Keys read by hand: ``body = await request.json(); body.get("k", d)`` and
+    ``request.query_params.get/getlist("k")``. Returns (body_fields, query_params)."""
+    body_names: set[str] = set()
+    for node in ast.walk(func):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Await)
+            and _call_name(node.value.value) == "json"
+        ):
+            body_names.add(node.targets[0].id)
+    body: dict[str, JSON] = {}
+    query: dict[str, JSON] = {}
+    var_to_key: dict[str, str] = {}
+    for node in ast.walk(func):
+        target: ast.expr | None = None
+        annotation: ast.expr | None = None
+        value: ast.expr | None = None
+        if isinstance(node, ast.AnnAssign):
+            target, annotation, value = node.target, node.annotation, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Attribute):
+            continue
+        recv = value.func.value
+        meth = value.func.attr
+        if not value.args or not isinstance(value.args[0], ast.Constant):
+            continue
+        key = value.args[0].value
+        if isinstance(recv, ast.Name) and recv.id in body_names and meth == "get":
+            schema = type_schema(annotation, ctx) if annotation is not None else {"type": ["any"]}
+            entry: JSON = {**schema, "required": False}
+            if len(value.args) > 1:
+                entry.update(_default_repr(value.args[1], {}))
+            body[key] = entry
+            if isinstance(target, ast.Name):
+                var_to_key[target.id] = key
+        elif isinstance(recv, ast.Attribute) and recv.attr == "query_params":
+            if meth == "getlist":
+                query[key] = {"type": ["array"], "items": {"type": ["string"]}, "required": False,
+                              "repeated": True}  # fmt: skip
+            elif meth == "get":
+                query[key] = {"type": ["string"], "required": False}
+    # `if x is None: raise ...` right after reading x makes the key required.
+    for node in ast.walk(func):
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name)
+            and node.test.left.id in var_to_key
+            and isinstance(node.test.ops[0], ast.Is)
+            and isinstance(node.test.comparators[0], ast.Constant)
+            and node.test.comparators[0].value is None
+            and any(isinstance(s, ast.Raise) for s in node.body)
+        ):
+            key = var_to_key[node.test.left.id]
+            body[key]["required"] = True
+            body[key]["type"] = [t for t in body[key]["type"] if t != "null"] or ["any"]
+    return body, query
+
+
+@dataclass
+class RouteOptions:
+    """How to read one router file: request-class lookup and what enables its routes."""
+
+    path: str
+    request_mods: list[ast.Module]
+    requires: JSON = field(default_factory=dict)
+    unknown_keys: str = "ignored"
+
+
+def extract_routes(
+    tree: SourceTree,
+    opts: RouteOptions,
+    ctx: TypeContext,
+    consts: dict[str, Any],
+    schemas: dict[str, JSON],
+) -> dict[str, JSON]:
+    """All routes of one FastAPI module; request classes land in ``schemas``."""
+    mod = tree.module(opts.path)
+    # Module-level helpers that build responses (e.g. `_create_error_response`).
+    helpers = {f.name: f for f, _ in _route_functions(mod)}
+    routes: dict[str, JSON] = {}
+    for func, cond in _route_functions(mod):
+        decorators = _route_decorators(func)
+        if not decorators:
+            continue
+        body_schema: str | None = None
+        body_required = False
+        embedded: dict[str, JSON] = {}
+        query: dict[str, JSON] = {}
+        args = func.args.args + func.args.kwonlyargs
+        defaults: list[ast.expr | None] = [None] * (len(func.args.args) - len(func.args.defaults))
+        defaults += list(func.args.defaults) + list(func.args.kw_defaults)
+        for arg, default in zip(args, defaults, strict=True):
+            ann = arg.annotation
+            ann_name = _call_name(ann) if ann is not None else ""
+            if ann_name in _REQUEST_PARAM_ANNOTATIONS:
+                continue
+            marker, embed = _param_marker(ann, default)
+            inner = ann
+            if isinstance(ann, ast.Subscript) and _call_name(ann.value) == "Annotated":
+                inner = _sub_elts(ann)[0]
+            schema = type_schema(inner, ctx)
+            cls_ref = schema.get("ref")
+            is_default_marker = isinstance(default, ast.Call) and _call_name(default) in {
+                "Query", "Body"
+            }  # fmt: skip
+            required, dflt = field_default(default, consts) if not is_default_marker else (True, {})
+            if is_default_marker:
+                assert isinstance(default, ast.Call)
+                if default.args:
+                    d = default.args[0]
+                    if not (isinstance(d, ast.Constant) and d.value is Ellipsis):
+                        required, dflt = False, _default_repr(d, consts)
+                dd = _kw(default, "default")
+                if dd is not None:
+                    required, dflt = False, _default_repr(dd, consts)
+            if marker == "body" and embed:
+                embedded[arg.arg] = {**schema, "required": required, **dflt}
+                embedded[arg.arg].update(_numeric_bounds(ann, default))
+            elif (marker == "body" or (marker == "" and cls_ref)) and cls_ref:
+                body_schema = cls_ref
+                body_required = required
+                if cls_ref not in schemas:
+                    schemas[cls_ref] = class_schema(
+                        opts.request_mods,
+                        cls_ref,
+                        ctx,
+                        consts,
+                        source="",
+                        unknown_keys=opts.unknown_keys,
+                    )
+            else:
+                query[arg.arg] = {**schema, "required": required, **dflt}
+                query[arg.arg].update(_numeric_bounds(ann, default))
+        raw_body, raw_query = _raw_body_fields(func, ctx)
+        query.update(raw_query)
+        variants = response_variants(func)
+        for node in ast.walk(func):
+            name = _call_name(node) if isinstance(node, ast.Call) else ""
+            if name in helpers and name != func.name and isinstance(node.func, ast.Name):
+                for v in response_variants(helpers[name]):
+                    if v.get("body") == "null":
+                        continue
+                    variants.append({**v, "via": name})
+        unique = {json.dumps(v, sort_keys=True): v for v in variants}
+        for path, methods in decorators:
+            entry: JSON = {
+                "handler": func.name,
+                "source": opts.path,
+                "methods": methods,
+                "auth": _auth_level(func),
+                "query": query,
+                "responses": [unique[k] for k in sorted(unique)],
+            }
+            if cond:
+                entry["registered_if"] = cond
+            if opts.requires:
+                entry["requires"] = opts.requires
+            if embedded or raw_body:
+                synthetic = f"body:{path}"
+                schemas[synthetic] = {
+                    "class": None,
+                    "source": opts.path,
+                    "unknown_keys": opts.unknown_keys,
+                    "fields": {**raw_body, **embedded},
+                    "field_order": list(raw_body) + list(embedded),
+                }
+                entry["body"] = {"schema": synthetic, "required": bool(
+                    any(f["required"] for f in embedded.values())
+                    or any(f["required"] for f in raw_body.values())
+                )}  # fmt: skip
+            elif body_schema is not None:
+                entry["body"] = {"schema": body_schema, "required": body_required}
+            else:
+                entry["body"] = None
+            if path in routes:  # same path, another handler (e.g. GET and POST split)
+                prev = routes[path]
+                prev["methods"] = sorted(set(prev["methods"]) | set(methods))
+            else:
+                routes[path] = entry
+    return routes
+
+
+def select_routes(all_routes: dict[str, JSON], wanted: list[str], engine: str) -> dict[str, JSON]:
+    missing = [p for p in wanted if p not in all_routes]
+    if missing:
+        raise ContractAssertionError(f"{engine}: routes not found upstream: {missing}")
+    return {p: all_routes[p] for p in sorted(wanted)}
+
+
+def called_names(node: ast.AST) -> set[str]:
+    return {_call_name(n) for n in ast.walk(node) if isinstance(n, ast.Call)}
+
+
+def function_def(mod: ast.Module, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    for node in ast.walk(mod):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return node
+    raise ContractAssertionError(f"function {name} not found")
+
+
+def if_block_calls(mod: ast.Module, test_src: str) -> set[str]:
+    """Names called inside ``if <test_src>:`` blocks anywhere in the module."""
+    names: set[str] = set()
+    for node in ast.walk(mod):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == test_src:
+            for stmt in node.body:
+                names |= called_names(stmt)
+    return names
+
+
+def class_set_literal(mod: ast.Module, cls_name: str, attr: str) -> list[list[str]]:
+    cls = find_class([mod], cls_name)
+    if cls is None:
+        raise ContractAssertionError(f"class {cls_name} not found")
+    for node in cls.body:
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id == attr
+        ):
+            value = ast.literal_eval(node.value)
+            return sorted([list(x) for x in value])
+    raise ContractAssertionError(f"{cls_name}.{attr} not found")
+
+
+def dataclass_field_names(mod: ast.Module, cls_name: str) -> list[str]:
+    cls = find_class([mod], cls_name)
+    if cls is None:
+        raise ContractAssertionError(f"class {cls_name} not found")
+    return [
+        n.target.id
+        for n in cls.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    ]
+
+
+def _strip_sources(schema: JSON, path: str) -> JSON:
+    schema = dict(schema)
+    schema["source"] = schema.get("source") or path
+    return schema
+
+
+# --------------------------------------------------------------------------------------------
+# SGLang.
+# --------------------------------------------------------------------------------------------
+
+SGLANG_HTTP = "sglang/srt/entrypoints/http_server.py"
+SGLANG_IO = "sglang/srt/managers/io_struct.py"
+SGLANG_API = "sglang/api/v1/api_types.py"
+SGLANG_SAMPLING = "sglang/srt/sampling/sampling_params.py"
+SGLANG_COMMON = "sglang/srt/utils/common.py"
+SGLANG_BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
+SGLANG_AUTH = "sglang/srt/utils/auth.py"
+SGLANG_CHECKER = "sglang/srt/utils/weight_checker.py"
+SGLANG_TOKENIZER = "sglang/srt/managers/tokenizer_manager.py"
+SGLANG_MSGSPEC = "sglang/srt/utils/msgspec_utils.py"
+SGLANG_FIELDS_DIR = "sglang/srt/arg_groups/fields"
+SGLANG_ARG_UTILS = "sglang/srt/arg_groups/arg_utils.py"
+
+SGLANG_ROUTES = [
+    "/generate",
+    "/health",
+    "/health_generate",
+    "/ready",
+    "/model_info",
+    "/get_model_info",
+    "/server_info",
+    "/get_server_info",
+    "/flush_cache",
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/update_weights_from_disk",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/update_weights_from_tensor",
+    "/update_weights_from_distributed",
+    "/update_weights_from_ipc",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weight_version",
+    "/get_weights_by_name",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/weights_checker",
+]
+
+SGLANG_FLAGS = [
+    "admin_api_key",
+    "api_key",
+    "weight_version",
+    "enable_memory_saver",
+    "enable_weights_cpu_backup",
+    "custom_weight_loader",
+]
+
+
+def extract_sglang(tree: SourceTree) -> JSON:
+    facts = Facts()
+    io_mod = tree.module(SGLANG_IO)
+    api_mod = tree.module(SGLANG_API)
+    ctx = TypeContext()
+    for m in (io_mod, tree.module(SGLANG_HTTP)):
+        ctx.add_module(m)
+    consts = module_constants(io_mod)
+
+    schemas: dict[str, JSON] = {}
+    log(f"reading routes from {SGLANG_HTTP}")
+    all_routes = extract_routes(
+        tree,
+        RouteOptions(path=SGLANG_HTTP, request_mods=[io_mod], unknown_keys="ignored"),
+        ctx,
+        consts,
+        schemas,
+    )
+    routes = select_routes(all_routes, SGLANG_ROUTES, "sglang")
+    for name in list(schemas):
+        schemas[name] = _strip_sources(schemas[name], SGLANG_IO)
+    used = {r["body"]["schema"] for r in routes.values() if r["body"]}
+    schemas = {k: v for k, v in schemas.items() if k in used}
+
+    # Unknown keys of msgspec request structs: the pydantic core schema ignores extras.
+    facts.contains(
+        tree,
+        "sglang.request_structs_ignore_unknown_keys",
+        SGLANG_MSGSPEC,
+        'extra_behavior="ignore"',
+    )
+
+    # sampling_params: the /generate contract gate decodes them with the generated
+    # api_types.SamplingParams, which rejects unknown keys ("unknown field `x`").
+    log(f"reading sampling params from {SGLANG_API} and {SGLANG_SAMPLING}")
+    api_ctx = TypeContext()
+    api_ctx.add_module(api_mod)
+    api_sampling = class_schema(
+        [api_mod], "SamplingParams", api_ctx, {}, source=SGLANG_API, unknown_keys="rejected"
+    )
+    facts.contains(
+        tree,
+        "sglang.generate_gate_rejects_unknown_sampling_keys",
+        SGLANG_API,
+        '"""sglang.api.v1.SamplingParams: JSON object (unknown keys rejected)."""',
+    )
+    facts.contains(
+        tree,
+        "sglang.generate_route_runs_contract_gate",
+        SGLANG_HTTP,
+        "contract_error = generate_contract_error(await request.json())",
+    )
+    facts.contains(
+        tree,
+        "sglang.tokenizer_builds_sampling_params_from_kwargs",
+        SGLANG_TOKENIZER,
+        "sampling_params = self.sampling_params_class(**sampling_kwargs)",
+    )
+    srt_mod = tree.module(SGLANG_SAMPLING)
+    srt_ctx = TypeContext()
+    srt_ctx.add_module(srt_mod)
+    srt_sampling = class_schema(
+        [srt_mod],
+        "SamplingParams",
+        srt_ctx,
+        module_constants(srt_mod),
+        source=SGLANG_SAMPLING,
+        unknown_keys="rejected",
+    )
+    gate_keys = set(api_sampling["fields"])
+    runtime_keys = set(srt_sampling["fields"])
+    sampling = {
+        "schema": "SamplingParams",
+        "unknown_keys": "rejected",
+        "rejected_by": [
+            f"{SGLANG_HTTP}:generate_request -> {SGLANG_API}:decode_SamplingParams "
+            "(HTTP 400 {'error': 'unknown field `KEY`, expected one of ...'})",
+            f"{SGLANG_TOKENIZER}: self.sampling_params_class(**sampling_kwargs) "
+            f"({SGLANG_SAMPLING}:SamplingParams, a msgspec Struct: unexpected keyword -> "
+            "TypeError)",
+        ],
+        "keys": sorted(gate_keys),
+        "keys_accepted_by_gate_only": sorted(gate_keys - runtime_keys),
+        "runtime_only_fields": sorted(runtime_keys - gate_keys),
+    }
+    schemas["SamplingParams"] = api_sampling
+    gen = schemas.get("GenerateReqInput")
+    if gen is not None and "sampling_params" in gen["fields"]:
+        gen["fields"]["sampling_params"]["nested"] = "SamplingParams"
+
+    # /weights_checker actions (the request field is a plain str; the domain is the handler's).
+    checker = tree.module(SGLANG_CHECKER)
+    handle = function_def(checker, "handle")
+    actions = sorted(
+        {
+            c.comparators[0].value
+            for c in ast.walk(handle)
+            if isinstance(c, ast.Compare)
+            and isinstance(c.left, ast.Name)
+            and c.left.id == "action"
+            and isinstance(c.comparators[0], ast.Constant)
+        }
+    )
+    facts.require(
+        "sglang.weights_checker_actions",
+        bool(actions),
+        f"{SGLANG_CHECKER}:WeightChecker.handle compares action with {actions}",
+    )
+    if "CheckWeightsReqInput" in schemas:
+        schemas["CheckWeightsReqInput"]["fields"]["action"]["enum"] = actions
+        schemas["CheckWeightsReqInput"]["fields"]["action"]["enum_source"] = (
+            f"{SGLANG_CHECKER}:WeightChecker.handle"
+        )
+    generate_response = {
+        name: class_schema([api_mod], name, api_ctx, {}, source=SGLANG_API, unknown_keys="n/a")
+        for name in ("GenerateResponse", "GenerateMetaInfo", "WeightVersionSpan")
+    }
+    checksum_info = class_schema(
+        [io_mod], "ChecksumInfo", ctx, consts, source=SGLANG_IO, unknown_keys="n/a"
+    )
+    parallelism = class_schema(
+        [io_mod], "ParallelismInfo", ctx, consts, source=SGLANG_IO, unknown_keys="n/a"
+    )
+    facts.contains(
+        tree,
+        "sglang.weights_checker_per_engine_checksum_is_sha256_of_rank_digests",
+        "sglang/srt/managers/tokenizer_control_mixin.py",
+        "h.update(info.per_gpu_checksum.encode())",
+    )
+    facts.contains(
+        tree,
+        "sglang.weights_checker_per_gpu_checksum_is_sha256_over_sorted_names",
+        SGLANG_CHECKER,
+        "for name in sorted(checksums):",
+    )
+
+    # Health and pause semantics.
+    facts.contains(
+        tree,
+        "sglang.health_generates_one_token_by_default",
+        "sglang/srt/environ.py",
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvBool(True)",
+    )
+    facts.contains(
+        tree,
+        "sglang.generate_waits_while_paused",
+        SGLANG_TOKENIZER,
+        "await self.is_pause_cond.wait_for(lambda: not self.is_pause)",
+    )
+    facts.contains(
+        tree,
+        "sglang.ready_is_503_while_paused",
+        SGLANG_TOKENIZER,
+        "return not self.is_pause and self.is_healthy()",
+    )
+    facts.contains(
+        tree,
+        "sglang.health_and_ready_skip_auth",
+        SGLANG_AUTH,
+        'path.startswith("/health")',
+    )
+    http_consts = module_constants(tree.module(SGLANG_HTTP))
+    semantics = {
+        "health": (
+            "GET /health and /health_generate submit a 1-token generate request "
+            "(SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, default on) and wait up to "
+            "SGLANG_HEALTH_CHECK_TIMEOUT seconds for any scheduler output; generate requests "
+            "wait on is_pause_cond, so while paused /health blocks and answers 503 after the "
+            "timeout. /ready answers 503 while paused."
+        ),
+        "health_check_timeout_env": "SGLANG_HEALTH_CHECK_TIMEOUT",
+        "health_check_timeout_default_s": 20,
+        "pause_modes": schemas["PauseGenerationReqInput"]["fields"]["mode"].get("enum"),
+    }
+    facts.contains(
+        tree,
+        "sglang.health_check_timeout_default",
+        SGLANG_HTTP,
+        'HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))',
+    )
+    del http_consts
+
+    # Auth: ADMIN_OPTIONAL semantics.
+    facts.contains(
+        tree,
+        "sglang.admin_optional_requires_admin_key_when_set",
+        SGLANG_AUTH,
+        "- both: require admin_api_key (api_key is NOT accepted)",
+    )
+    auth = {
+        "header": "Authorization: Bearer <key>",
+        "levels": {
+            "normal": "api_key required if --api-key is set; otherwise open",
+            "admin_optional": (
+                "--admin-api-key set: that key is required (--api-key is not accepted); "
+                "only --api-key set: api_key required; neither: open"
+            ),
+            "admin_force": "--admin-api-key required; 403 if the server has none",
+        },
+        "unauthenticated_paths": ["/health*", "/ready*", "/metrics*"],
+        "failure": {"status": [401, 403], "keys": ["error"]},
+    }
+
+    # Unpickler allow-list and the flattened-bucket metadata.
+    log(f"reading SafeUnpickler.ALLOWED_GLOBALS from {SGLANG_COMMON}")
+    allowed = class_set_literal(tree.module(SGLANG_COMMON), "SafeUnpickler", "ALLOWED_GLOBALS")
+    facts.contains(
+        tree,
+        "sglang.unpickler_special_cases_torch_storage_load_from_bytes",
+        SGLANG_COMMON,
+        'if (module, name) == ("torch.storage", "_load_from_bytes"):',
+    )
+    bucket_mod = tree.module(SGLANG_BUCKET)
+    meta_fields = dataclass_field_names(bucket_mod, "FlattenedTensorMetadata")
+    facts.contains(
+        tree,
+        "sglang.flattened_bucket_is_uint8_byte_buffer",
+        SGLANG_BUCKET,
+        "flattened = tensor.flatten().view(torch.uint8)",
+    )
+
+    # Server flags.
+    flags = sglang_flags(tree, facts)
+
+    return {
+        "routes": routes,
+        "schemas": schemas,
+        "response_schemas": {
+            "ChecksumInfo": checksum_info,
+            "ParallelismInfo": parallelism,
+            **generate_response,
+        },
+        "sampling_params": sampling,
+        "pickle_allowed_globals": allowed,
+        "flattened_tensor_metadata_fields": meta_fields,
+        "flattened_tensor_bucket": {
+            "buffer_dtype": "uint8",
+            "metadata_class": "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata",
+            "bucket_class": "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket",
+        },
+        "server_flags": flags,
+        "auth": auth,
+        "semantics": semantics,
+        "checked_facts": facts.checked,
+    }
+
+
+def sglang_flags(tree: SourceTree, facts: Facts) -> JSON:
+    facts.contains(
+        tree,
+        "sglang.cli_flag_is_dashed_field_name",
+        SGLANG_ARG_UTILS,
+        'return "--" + name.replace("_", "-")',
+    )
+    found: JSON = {}
+    for path in tree.listdir(SGLANG_FIELDS_DIR):
+        mod = tree.module(path)
+        for node in ast.walk(mod):
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            name = node.target.id
+            if name not in SGLANG_FLAGS or name in found:
+                continue
+            doc = ""
+            ann = node.annotation
+            if isinstance(ann, ast.Subscript):
+                elts = _sub_elts(ann)
+                if len(elts) > 1 and isinstance(elts[1], ast.Constant):
+                    doc = str(elts[1].value)
+            default = const_eval(node.value, {}) if node.value is not None else None
+            found[name] = {
+                "flag": "--" + name.replace("_", "-"),
+                "default": None if default is _NOT_CONST else default,
+                "help": doc,
+                "source": path,
+            }
+    missing = [f for f in SGLANG_FLAGS if f not in found]
+    if missing:
+        raise ContractAssertionError(f"sglang flags not found: {missing}")
+    return {k: found[k] for k in sorted(found)}
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM.
+# --------------------------------------------------------------------------------------------
+
+VLLM_RL = "vllm/entrypoints/rl/online/api_router.py"
+VLLM_SLEEP = "vllm/entrypoints/serve/dev/sleep/api_router.py"
+VLLM_RPC = "vllm/entrypoints/serve/dev/rpc/api_router.py"
+VLLM_CACHE = "vllm/entrypoints/serve/dev/cache/api_router.py"
+VLLM_HEALTH = "vllm/entrypoints/serve/instrumentator/health.py"
+VLLM_COMPLETION = "vllm/entrypoints/openai/completion/api_router.py"
+VLLM_COMPLETION_PROTOCOL = "vllm/entrypoints/openai/completion/protocol.py"
+VLLM_BASE_PROTOCOL = "vllm/entrypoints/serve/engine/protocol.py"
+VLLM_ROUTERS = "vllm/entrypoints/launchers/api_server/routers.py"
+VLLM_SERVE_INIT = "vllm/entrypoints/serve/__init__.py"
+VLLM_RL_FACTORIES = "vllm/entrypoints/rl/factories.py"
+VLLM_V1_ENGINE = "vllm/v1/engine/__init__.py"
+VLLM_WT = "vllm/distributed/weight_transfer"
+VLLM_WT_BASE = f"{VLLM_WT}/base.py"
+VLLM_WT_NCCL_COMMON = f"{VLLM_WT}/nccl_common.py"
+VLLM_WT_NCCL = f"{VLLM_WT}/nccl_engine.py"
+VLLM_WT_IPC = f"{VLLM_WT}/ipc_engine.py"
+VLLM_WT_PACKED = f"{VLLM_WT}/packed_tensor.py"
+VLLM_WT_FACTORY = f"{VLLM_WT}/factory.py"
+VLLM_WT_CONFIG = "vllm/config/weight_transfer.py"
+VLLM_WORKER = "vllm/v1/worker/gpu_worker.py"
+VLLM_ARGS = "vllm/engine/arg_utils.py"
+VLLM_ENVS = "vllm/envs.py"
+VLLM_CORE = "vllm/v1/engine/core.py"
+VLLM_ASYNC_LLM = "vllm/v1/engine/async_llm.py"
+VLLM_EXC = "vllm/exceptions.py"
+VLLM_CHECKSUM = "vllm/model_executor/model_loader/weight_checksum.py"
+VLLM_MODEL_CONFIG = "vllm/config/model.py"
+VLLM_GENERATE_PROTOCOL = "vllm/entrypoints/generate/base/protocol.py"
+VLLM_SAMPLING = "vllm/sampling_params.py"
+
+VLLM_ROUTES = [
+    "/health",
+    "/v1/completions",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/abort_requests",
+    "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/update_weight_version",
+    "/weight_info",
+    "/weight_checker",
+    "/get_world_size",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+]
+
+# Which routes need a configured weight-transfer engine (worker-side check, see facts).
+VLLM_WEIGHT_TRANSFER_ROUTES = {
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+}
+VLLM_SLEEP_ROUTES = {"/sleep", "/wake_up", "/is_sleeping"}
+VLLM_BACKENDS = {
+    "nccl": (VLLM_WT_NCCL_COMMON, "NCCLWeightTransferInitInfo", VLLM_WT_NCCL,
+             "NCCLWeightTransferUpdateInfo", "NCCLWeightTransferEngine"),
+    "ipc": (VLLM_WT_IPC, "IPCWeightTransferInitInfo", VLLM_WT_IPC,
+            "IPCWeightTransferUpdateInfo", "IPCWeightTransferEngine"),
+}  # fmt: skip
+
+
+def extract_vllm(tree: SourceTree) -> JSON:
+    facts = Facts()
+    ctx = TypeContext()
+    for p in (VLLM_V1_ENGINE, VLLM_WT_BASE, VLLM_COMPLETION_PROTOCOL, VLLM_BASE_PROTOCOL,
+              VLLM_GENERATE_PROTOCOL, VLLM_SAMPLING):  # fmt: skip
+        ctx.add_module(tree.module(p))
+
+    # Gates: which flag/env registers which router (checked by AST on the registration code).
+    routers_mod = tree.module(VLLM_ROUTERS)
+    dev_calls = if_block_calls(routers_mod, "envs.VLLM_SERVER_DEV_MODE")
+    facts.require(
+        "vllm.dev_mode_registers_dev_and_rl_routers",
+        {"register_vllm_dev_api_routers", "register_rl_api_routers"} <= dev_calls,
+        f"{VLLM_ROUTERS}: `if envs.VLLM_SERVER_DEV_MODE:` calls {sorted(dev_calls)}",
+    )
+    dev_fn = function_def(tree.module(VLLM_SERVE_INIT), "register_vllm_dev_api_routers")
+    dev_imports = sorted(
+        (n.module or "") for n in ast.walk(dev_fn) if isinstance(n, ast.ImportFrom)
+    )
+    facts.require(
+        "vllm.dev_routers_are_cache_rpc_sleep",
+        {"dev.cache.api_router", "dev.rpc.api_router", "dev.sleep.api_router"} <= set(dev_imports),
+        f"{VLLM_SERVE_INIT}:register_vllm_dev_api_routers imports {dev_imports}",
+    )
+    facts.contains(
+        tree, "vllm.rl_router_is_online_api_router", VLLM_RL_FACTORIES,
+        "from .online.api_router import router as rl_router",
+    )  # fmt: skip
+    facts.require(
+        "vllm.generate_routers_need_generate_task",
+        "register_generate_api_routers" in if_block_calls(
+            routers_mod, "'generate' in supported_tasks"
+        ),
+        f"{VLLM_ROUTERS}: `if 'generate' in supported_tasks:` registers the generate routers",
+    )  # fmt: skip
+    facts.contains(
+        tree, "vllm.weight_transfer_needs_config", VLLM_WORKER,
+        "Please set weight_transfer_config to enable weight transfer.",
+    )  # fmt: skip
+    facts.contains(
+        tree, "vllm.flag_weight_transfer_config", VLLM_ARGS, '"--weight-transfer-config"'
+    )
+    facts.contains(tree, "vllm.flag_enable_sleep_mode", VLLM_ARGS, '"--enable-sleep-mode"')
+    facts.contains(tree, "vllm.env_server_dev_mode", VLLM_ENVS, '"VLLM_SERVER_DEV_MODE": lambda:')
+    facts.contains(
+        tree, "vllm.sleep_mode_config_field", VLLM_MODEL_CONFIG,
+        "enable_sleep_mode: bool = False",
+    )  # fmt: skip
+    dev_env = {"env": {"VLLM_SERVER_DEV_MODE": "1"}}
+    wt_requires = {
+        "env": {"VLLM_SERVER_DEV_MODE": "1"},
+        "flags": ["--weight-transfer-config"],
+        "why": "routes registered only in dev mode; the worker raises 'Weight transfer not "
+        "configured' without --weight-transfer-config",
+    }
+    sleep_requires = {
+        "env": {"VLLM_SERVER_DEV_MODE": "1"},
+        "flags": ["--enable-sleep-mode"],
+        "why": "routes registered only in dev mode; memory is released only with "
+        "--enable-sleep-mode (cumem allocator)",
+    }
+
+    schemas: dict[str, JSON] = {}
+    all_routes: dict[str, JSON] = {}
+    proto_mods = [tree.module(VLLM_COMPLETION_PROTOCOL), tree.module(VLLM_BASE_PROTOCOL)]
+    files = [
+        (VLLM_RL, dev_env, "ignored"),
+        (VLLM_SLEEP, dev_env, "ignored"),
+        (VLLM_RPC, dev_env, "ignored"),
+        (VLLM_CACHE, dev_env, "ignored"),
+        (VLLM_HEALTH, {}, "ignored"),
+        (VLLM_COMPLETION, {"supported_task": "generate"}, "ignored (logged as extra fields)"),
+    ]
+    for path, requires, unknown in files:
+        log(f"reading routes from {path}")
+        consts = module_constants(tree.module(path))
+        all_routes.update(
+            extract_routes(
+                tree,
+                RouteOptions(
+                    path=path, request_mods=proto_mods, requires=requires, unknown_keys=unknown
+                ),
+                ctx,
+                consts,
+                schemas,
+            )
+        )
+    routes = select_routes(all_routes, VLLM_ROUTES, "vllm")
+    for path in VLLM_WEIGHT_TRANSFER_ROUTES:
+        routes[path]["requires"] = wt_requires
+    for path in VLLM_SLEEP_ROUTES:
+        routes[path]["requires"] = sleep_requires
+    for name in list(schemas):
+        schemas[name] = _strip_sources(schemas[name], VLLM_COMPLETION_PROTOCOL)
+    used = {r["body"]["schema"] for r in routes.values() if r["body"]}
+    schemas = {k: v for k, v in schemas.items() if k in used}
+    facts.contains(
+        tree, "vllm.openai_models_allow_extra_fields", VLLM_BASE_PROTOCOL,
+        'model_config = ConfigDict(extra="allow")',
+    )  # fmt: skip
+
+    # Backend-specific init_info / update_info.
+    log(f"reading weight-transfer backends from {VLLM_WT}")
+    packed_consts = module_constants(tree.module(VLLM_WT_PACKED))
+    backend_schemas: JSON = {"init_info": {}, "update_info": {}}
+    for backend, (init_path, init_cls, upd_path, upd_cls, engine_cls) in VLLM_BACKENDS.items():
+        for kind, path, cls in (
+            ("init_info", init_path, init_cls),
+            ("update_info", upd_path, upd_cls),
+        ):
+            mod = tree.module(path)
+            bctx = TypeContext()
+            bctx.add_module(mod)
+            schema = class_schema(
+                [mod, tree.module(VLLM_WT_BASE)],
+                cls,
+                bctx,
+                {**packed_consts, **module_constants(mod)},
+                source=path,
+                unknown_keys="rejected",
+            )
+            backend_schemas[kind][backend] = schema
+        eng = find_class([tree.module(upd_path)], engine_cls)
+        facts.require(
+            f"vllm.{backend}_engine_uses_these_info_classes",
+            eng is not None
+            and f"init_info_cls = {init_cls}" in ast.unparse(eng)
+            and f"update_info_cls = {upd_cls}" in ast.unparse(eng),
+            f"{upd_path}:{engine_cls} sets init_info_cls={init_cls}, update_info_cls={upd_cls}",
+        )
+        facts.contains(tree, f"vllm.{backend}_backend_registered", VLLM_WT_FACTORY, f'"{backend}",')
+    facts.contains(
+        tree, "vllm.info_dicts_reject_unknown_keys", VLLM_WT_BASE,
+        "return self.init_info_cls(**init_dict)",
+    )  # fmt: skip
+    facts.contains(
+        tree, "vllm.update_info_list_is_indexed_by_global_worker_rank", VLLM_WORKER,
+        "parallel_config.data_parallel_index * parallel_config.world_size",
+    )  # fmt: skip
+    facts.contains(
+        tree, "vllm.ipc_handles_pickled_needs_insecure_serialization", VLLM_WT_IPC,
+        "VLLM_ALLOW_INSECURE_SERIALIZATION",
+    )  # fmt: skip
+    for name, route_field in (("/init_weight_transfer_engine", "init_info"),
+                              ("/update_weights", "update_info")):  # fmt: skip
+        body = routes[name]["body"]
+        schemas[body["schema"]]["fields"][route_field]["backend_schema"] = route_field
+
+    wt_config_mod = tree.module(VLLM_WT_CONFIG)
+    wctx = TypeContext()
+    wctx.add_module(wt_config_mod)
+    wt_config = class_schema(
+        [wt_config_mod], "WeightTransferConfig", wctx, {}, source=VLLM_WT_CONFIG,
+        unknown_keys="rejected",
+    )  # fmt: skip
+
+    packed = {
+        k: packed_consts[k]
+        for k in ("DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS")
+    }
+    if len(packed) != 2:
+        raise ContractAssertionError("vLLM packed defaults not found")
+
+    # Completion fields.
+    comp = schemas.get("CompletionRequest")
+    completion_fields = sorted(comp["fields"]) if comp else []
+    comp_choice = class_schema(
+        proto_mods, "CompletionResponseChoice", ctx, {}, source=VLLM_COMPLETION_PROTOCOL,
+        unknown_keys="n/a",
+    )  # fmt: skip
+    wv_span = class_schema(
+        [tree.module("vllm/outputs.py")], "WeightVersionSpan", TypeContext(), {},
+        source="vllm/outputs.py", unknown_keys="n/a",
+    )  # fmt: skip
+
+    # Pause semantics.
+    facts.contains(
+        tree, "vllm.paused_engine_rejects_new_requests", VLLM_CORE, 'code="engine_paused"'
+    )
+    facts.contains(
+        tree, "vllm.retryable_request_error_is_503", VLLM_EXC,
+        "self.status_code = HTTPStatus.SERVICE_UNAVAILABLE",
+    )  # fmt: skip
+    facts.contains(
+        tree, "vllm.pause_rejects_in_abort_and_wait_modes", VLLM_RL,
+        "In ``abort`` and ``wait`` modes new requests are rejected with HTTP 503",
+    )  # fmt: skip
+    facts.contains(
+        tree, "vllm.finish_weight_update_sets_version", VLLM_ASYNC_LLM,
+        "await self.update_weight_version(weight_version)",
+    )  # fmt: skip
+    facts.contains(
+        tree, "vllm.weight_checker_digest_is_sha256_of_raw_bytes", VLLM_CHECKSUM,
+        "weight.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()",
+    )  # fmt: skip
+    facts.contains(
+        tree, "vllm.weight_checker_key_prefix", VLLM_WORKER,
+        'return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"',
+    )  # fmt: skip
+
+    return {
+        "routes": routes,
+        "schemas": schemas,
+        "backend_schemas": backend_schemas,
+        "default_backend": "nccl",
+        "weight_transfer_config": wt_config,
+        "packed_defaults": packed,
+        "completion": {
+            "schema": "CompletionRequest",
+            "fields": completion_fields,
+            "unknown_keys": "ignored (logged as extra fields)",
+            "choice_fields": sorted(comp_choice["fields"]),
+            "weight_versions_item": sorted(wv_span["fields"]),
+        },
+        "response_schemas": {"CompletionResponseChoice": comp_choice, "WeightVersionSpan": wv_span},
+        "server_flags": {
+            "dev_mode_env": "VLLM_SERVER_DEV_MODE=1",
+            "weight_transfer": "--weight-transfer-config",
+            "sleep_mode": "--enable-sleep-mode",
+            "insecure_serialization_env": "VLLM_ALLOW_INSECURE_SERIALIZATION=1",
+        },
+        "semantics": {
+            "pause": "POST /pause?mode=abort|wait: new requests get HTTP 503 "
+            "(engine_paused, retryable) until /resume; mode=keep accepts and queues them.",
+            "health": "GET /health: 200 unless the engine core is dead (503); not affected "
+            "by pause.",
+            "weight_update_session": "one /start_weight_update, then any number of "
+            "/update_weights, then one /finish_weight_update (optional weight_version).",
+            "weight_version": "POST /update_weight_version {new_version} or "
+            "/finish_weight_update {weight_version}; GET /weight_info reads it; completions "
+            "report it per choice in weight_versions when return_weight_versions=true.",
+        },
+        "checked_facts": facts.checked,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Driver.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    package: str
+    extract: Callable[[SourceTree], JSON]
+    pip_args: tuple[str, ...]
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "sglang": EngineSpec(
+        "sglang",
+        extract_sglang,
+        (
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--implementation",
+            "cp",
+            "--platform",
+            "manylinux_2_34_x86_64",
+        ),
+    ),
+    "vllm": EngineSpec(
+        "vllm",
+        extract_vllm,
+        (
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--implementation",
+            "cp",
+            "--platform",
+            "manylinux_2_28_x86_64",
+        ),
+    ),
+}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def get_wheel(engine: str, version: str, cache: Path) -> Path:
+    spec = ENGINES[engine]
+    pattern = str(cache / f"{spec.package}-{version}-*.whl")
+    found = sorted(glob.glob(pattern))
+    if found:
+        log(f"using cached wheel {found[0]}")
+        return Path(found[0])
+    cache.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{spec.package}=={version}",
+           "-d", str(cache)]  # fmt: skip
+    log("running " + " ".join(cmd))
+    if subprocess.run(cmd, check=False).returncode != 0:
+        cmd += list(spec.pip_args)
+        log("retrying with the wheel's platform tags: " + " ".join(cmd))
+        subprocess.run(cmd, check=True)
+    found = sorted(glob.glob(pattern))
+    if not found:
+        raise SystemExit(f"pip download left no {pattern}")
+    return Path(found[0])
+
+
+def build_contract(engine: str, version: str, wheel: Path) -> JSON:
+    log(f"{engine} {version}: reading {wheel.name} (AST only, nothing is imported)")
+    tree = SourceTree(wheel)
+    body = ENGINES[engine].extract(tree)
+    return {
+        "engine": engine,
+        "version": version,
+        "generator": "tools/upstream_contract.py",
+        "wheel": {
+            "filename": wheel.name,
+            "sha256": sha256_file(wheel) if wheel.is_file() else None,
+        },
+        "sources": dict(sorted(tree.read_files.items())),
+        **body,
+    }
+
+
+def dump(contract: JSON) -> str:
+    return json.dumps(contract, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def contract_path(engine: str, version: str, out_dir: Path = CONTRACT_DIR) -> Path:
+    return out_dir / f"{engine}-{version}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", choices=sorted(ENGINES), required=True)
+    ap.add_argument("--version", required=True)
+    ap.add_argument("--wheel", type=Path, help="use this wheel instead of pip download")
+    ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="wheel cache")
+    ap.add_argument("--out-dir", type=Path, default=CONTRACT_DIR)
+    ap.add_argument("--check", action="store_true", help="diff against the committed file")
+    args = ap.parse_args(argv)
+
+    wheel = args.wheel or get_wheel(args.engine, args.version, args.cache_dir)
+    if not wheel.exists():
+        raise SystemExit(f"no such wheel: {wheel}")
+    try:
+        contract = build_contract(args.engine, args.version, wheel)
+    except ContractAssertionError as e:
+        log(f"FAILED: {e}")
+        return 2
+    text = dump(contract)
+    committed = contract_path(args.engine, args.version, args.out_dir)
+    if args.check:
+        with tempfile.TemporaryDirectory() as tmp:
+            fresh = contract_path(args.engine, args.version, Path(tmp))
+            fresh.write_text(text, encoding="utf-8")
+            log(f"regenerated into {fresh}")
+            old = committed.read_text(encoding="utf-8") if committed.exists() else ""
+            if old == text:
+                log(f"OK: {committed} is up to date")
+                return 0
+            sys.stdout.writelines(
+                difflib.unified_diff(
+                    old.splitlines(keepends=True),
+                    text.splitlines(keepends=True),
+                    fromfile=str(committed),
+                    tofile="regenerated",
+                )
+            )
+            log("DIFFERENT: the committed contract does not match the upstream wheel")
+            return 1
+    committed.parent.mkdir(parents=True, exist_ok=True)
+    committed.write_text(text, encoding="utf-8")
+    n_routes = len(contract["routes"])
+    log(f"wrote {committed} ({n_routes} routes, {len(contract['sources'])} source files)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
