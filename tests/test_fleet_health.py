@@ -101,6 +101,35 @@ def test_consecutive_failures_reach_the_threshold_then_fail_the_group() -> None:
         assert hm.stop()
 
 
+def test_a_group_loading_weights_is_not_probed_and_late_answers_are_dropped() -> None:
+    """A targeted push of gigabytes keeps a real SGLang engine's /health queued behind the load
+    for its whole duration: the group being loaded is neither probed nor failed meanwhile."""
+    reg, _ = make_fleet((1, 1))
+    probe = Switchboard()
+    hm = manager(reg, probe, failure_threshold=1)
+    try:
+        probe.answers["g0"] = EngineUnavailable("http://g0", "/health", "timed out")
+        with reg.get("g0").loading():
+            assert reg.get("g0").loading_weights
+            r = hm.check_now()
+            assert r.probed == 1 and "g0" not in probe.calls  # only g1
+            assert reg.get("g0").state == "active"
+        assert not reg.get("g0").loading_weights
+        assert hm.check_now().failed_groups == ("g0",)  # probed again once the load ended
+        # an answer that lands while a load started meanwhile is about to end is dropped
+        gate = probe.gates["g1"] = threading.Event()
+        probe.answers["g1"] = EngineUnavailable("http://g1", "/health", "timed out")
+        done = threading.Thread(target=hm.check_now)
+        done.start()
+        assert wait_for(lambda: probe.calls.get("g1", 0) >= 3, WAIT_S)  # at the gate
+        with reg.get("g1").loading():
+            gate.set()
+            done.join(WAIT_S)
+        assert reg.get("g1").state == "active"
+    finally:
+        assert hm.stop()
+
+
 def test_a_healthy_answer_resets_the_count() -> None:
     reg, _ = make_fleet((1,))
     probe = Switchboard()

@@ -470,7 +470,9 @@ class HealthManager:
         t0 = time.monotonic()
         loop = asyncio.get_running_loop()
         every = self.registry.groups()
-        groups = [g for g in every if g.machine.state in self.probe_states]
+        groups = [
+            g for g in every if g.machine.state in self.probe_states and not g.loading_weights
+        ]
         self._prune(every)
         results: list[tuple[ProbeOutcome, bool, bool]] = []
         running: dict[str, tuple[asyncio.Task[None], WorkerGroup, int]] = {}
@@ -608,6 +610,7 @@ class HealthManager:
             if (
                 group.generation != generation
                 or group.machine.state not in self.probe_states
+                or group.loading_weights
                 or gid not in self.registry
             ):
                 # The group moved while we probed (failed, recovered, retired): this answer is

@@ -665,7 +665,8 @@ class RecoveryCoordinator:
                     return f"group moved to {group.state}"
                 target = self.targets_for(group)
                 push_to = targeted if callable(targeted) else transport.update
-                report = push_to([target])
+                with group.loading():  # not probed meanwhile: a loading engine answers late
+                    report = push_to([target])
                 pushed["detail"] = _push_detail(transport, target, report)
                 result = report.results.get(target.name)
                 if result is None or not result.ok:

@@ -24,11 +24,12 @@ delivered after the current listener returns, never recursively and never under 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +207,25 @@ class WorkerGroup:
         default_factory=lambda: deque(maxlen=SNAPSHOT_TRANSITIONS), repr=False
     )
     _generation: int = field(default=0, repr=False)
+    _loading: int = field(default=0, repr=False)
+
+    @property
+    def loading_weights(self) -> bool:
+        """True while a weight load to this group is in flight (:meth:`loading`): its engines
+        answer health probes late then (SGLang's ``/health`` queues a generate behind the
+        load), so the health manager neither probes it nor counts its answers."""
+        return self._loading > 0
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """Mark a weight load to this group in flight for the ``with`` block."""
+        with self._lock:
+            self._loading += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._loading -= 1
 
     @property
     def state(self) -> str:
