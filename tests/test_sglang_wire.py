@@ -22,6 +22,7 @@ from rollsafe.transports.bucket import (
     FlattenedTensorMetadata,
     WireBucket,
     _metadata_ops,
+    _shared_copy,
     deserialize_payload,
     pack_buckets,
     serialize_bucket,
@@ -142,16 +143,32 @@ def test_distributed_flattened_layout_matches_sglang_receive_bucket() -> None:
                 assert torch.equal(got, want), name
 
 
-def _sglang_sender_entry(named: list[tuple[str, torch.Tensor]]) -> str:
-    """A bucket built with SGLang's ``FlattenedTensorBucket`` and serialized as SGLang does."""
+def _sglang_sender_entry(named: list[tuple[str, torch.Tensor]], *, rollsafe_shm: bool = True
+                         ) -> str:  # fmt: skip
+    """A bucket built with SGLang's ``FlattenedTensorBucket`` and serialized as SGLang does
+    (``ForkingPickler``, default protocol, memo). ``rollsafe_shm``: its buffer in rollsafe's
+    shared-memory namespace (a CPU engine maps nothing else), else in torch's own segments."""
     torch.multiprocessing.set_sharing_strategy("file_system")
     with sglang_modules() as tb:
         bucket = tb.FlattenedTensorBucket(named_tensors=named)
+        flat = bucket.get_flattened_tensor()
+        if rollsafe_shm:
+            flat = _shared_copy(flat)
+            _KEEP.append(flat)
         buf = io.BytesIO()
-        ForkingPickler(buf).dump(
-            {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-        )
+        ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": bucket.get_metadata()})
     return base64.b64encode(buf.getvalue()).decode()
+
+
+_KEEP: list[torch.Tensor] = []  # the payloads only name the memory: keep it for the test run
+
+
+def test_torch_segments_of_other_processes_are_never_mapped() -> None:
+    """The same bucket in torch's own ``/torch_*`` shared memory (any process's) is refused by
+    name: the engine maps only rollsafe's namespace, read-only."""
+    entry = _sglang_sender_entry([("w", torch.randn(4))], rollsafe_shm=False)
+    with pytest.raises(BucketFormatError, match="not a rollsafe segment"):
+        deserialize_payload(entry)
 
 
 def test_reference_decoder_accepts_what_sglangs_own_sender_writes() -> None:
@@ -187,7 +204,7 @@ def test_misaligned_bucket_fails_in_sglang_and_is_refused_here() -> None:
 def test_reference_decoder_refuses_what_sglang_could_not_load() -> None:
     """Misaligned offsets, sizes that disagree with shape and dtype, ranges past the buffer."""
     torch.multiprocessing.set_sharing_strategy("file_system")
-    flat = torch.zeros(64, dtype=torch.uint8)
+    flat = _shared_copy(torch.zeros(64, dtype=torch.uint8))
 
     def entry(**overrides: object) -> str:
         fields = {

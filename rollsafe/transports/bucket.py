@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
+from rollsafe.wire import shm, unpickle
+
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "PAYLOAD_FORMAT",
@@ -455,6 +457,8 @@ def serialize_bucket(bucket: FlatBucket, *, validate: bool = True) -> str:
     """
     if validate:
         bucket.validate()
+    if bucket.flat.device.type == "cpu" and not shm.in_namespace(bucket.flat):
+        bucket.flat = _shared_copy(bucket.flat)  # the bucket keeps the segment alive
     flat = bucket.flat.detach()
     raw = b"".join(
         (
@@ -469,40 +473,38 @@ def serialize_bucket(bucket: FlatBucket, *, validate: bool = True) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
+def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied into a new segment of rollsafe's shared-memory namespace (same dtype,
+    shape and values, contiguous): what a CPU tensor must be to travel to an engine."""
+    src = tensor.detach().contiguous()
+    buf = shm.new_shared_buffer(max(1, src.numel() * src.element_size()))
+    out = buf[: src.numel() * src.element_size()].view(src.dtype).view(src.shape)
+    out.copy_(src)
+    return out
+
+
+#: CPU copies made by :func:`serialize_named_tensors` for tensors outside rollsafe's shared
+#: memory, kept alive (the payload only names them) for the last few payloads
+_KEEP_ALIVE: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=32)
+
+
 def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """Base64 pickle of a plain ``[(name, tensor), ...]`` list (SGLang's ``load_format`` unset)."""
-    return _dumps([(str(n), t.detach()) for n, t in named_tensors])
+    """Base64 pickle of a plain ``[(name, tensor), ...]`` list (SGLang's ``load_format`` unset).
 
-
-_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("torch.multiprocessing.reductions", "rebuild_tensor"),
-        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-        ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-        ("torch", "Tensor"),
-        ("torch", "Size"),
-        ("torch.nn.parameter", "Parameter"),
-        ("torch.storage", "UntypedStorage"),
-        ("torch.storage", "TypedStorage"),
-        ("torch", "UntypedStorage"),
-    }
-)
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and name in _DTYPES:
-            return _DTYPES[name]
-        if (module, name) == SGLANG_METADATA_GLOBAL:
-            return FlattenedTensorMetadata
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise BucketFormatError(
-            f"payload references {module}.{name}, which is not allowed in a weight payload"
-        )
+    CPU tensors that are not in rollsafe's shared-memory namespace travel as copies in it; the
+    copies stay alive for the next 32 payloads (send each payload before making that many
+    more)."""
+    items: list[tuple[str, torch.Tensor]] = []
+    copies: list[torch.Tensor] = []
+    for name, tensor in named_tensors:
+        t = tensor.detach()
+        if t.device.type == "cpu" and not shm.in_namespace(t):
+            t = _shared_copy(t)
+            copies.append(t)
+        items.append((str(name), t))
+    if copies:
+        _KEEP_ALIVE.append(copies)
+    return _dumps(items)
 
 
 _ALLOWED_DTYPES = frozenset(_DTYPES.values())
@@ -584,13 +586,20 @@ def _check_wire_bucket(flat: Any, metas: Any) -> WireBucket:
     return WireBucket(flat, tuple(metas))
 
 
+_EXTRA_GLOBALS = {SGLANG_METADATA_GLOBAL: FlattenedTensorMetadata}
+
+
 def _unpickle(raw: bytes) -> Any:
+    """:func:`rollsafe.wire.unpickle.loads`: opcode allow-list, rollsafe's own validating
+    rebuild functions, shared memory only from rollsafe's namespace; errors named."""
     try:
-        return _RestrictedUnpickler(io.BytesIO(raw)).load()
+        return unpickle.loads(raw, extra=_EXTRA_GLOBALS)
+    except unpickle.UnsafePayload as exc:
+        raise BucketFormatError(str(exc)) from None
     except BucketFormatError:
         raise
     except Exception as exc:
-        raise BucketFormatError(f"serialized entry could not be unpickled: {exc}") from exc
+        raise BucketFormatError(f"serialized entry could not be unpickled: {exc}") from None
 
 
 _METADATA_KEY_OP = _op_str("metadata")

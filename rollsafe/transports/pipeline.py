@@ -29,7 +29,7 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -41,6 +41,7 @@ from rollsafe.transports.bucket import (
     dtype_from_name,
     dtype_name,
 )
+from rollsafe.wire import shm
 
 __all__ = [
     "BucketPlan",
@@ -216,7 +217,7 @@ def direct_view(
         return None
     if any(not follows(a, b) for a, b in itertools.pairwise(tensors)):
         return None
-    if device.type == "cpu" and shared and not cast(Any, first).is_shared():
+    if device.type == "cpu" and shared and not shm.in_namespace(first):
         return None
     if len(tensors) == 1:
         return first.reshape(-1)
@@ -296,11 +297,8 @@ def alloc_buffer(nbytes: int, device: torch.device, *, shared: bool) -> torch.Te
     """A 1-D ``uint8`` buffer of ``nbytes`` on ``device``; CPU + ``shared``: in shared memory."""
     nbytes = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
     if device.type == "cpu" and shared:
-        set_strategy: Any = torch.multiprocessing.set_sharing_strategy
-        set_strategy("file_system")  # what bucket.serialize_bucket uses: the file is re-used
-        storage_cls: Any = torch.UntypedStorage
-        storage = storage_cls._new_shared(nbytes)
-        return torch.empty(0, dtype=torch.uint8).set_(storage)
+        # a segment of rollsafe's shared-memory namespace, the only one an engine maps
+        return shm.new_shared_buffer(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 

@@ -165,9 +165,7 @@ class SharedMappings:
     def hold(self, flat: torch.Tensor) -> None:
         if self.keep <= 0 or flat.device.type != "cpu":
             return
-        storage = flat.untyped_storage()
-        if not storage.is_shared():
-            return
+        storage = flat.untyped_storage()  # a read-only mapping of the sender's segment
         key = storage.data_ptr()
         self._storages.pop(key, None)
         self._storages[key] = storage
