@@ -1,51 +1,53 @@
-"""Benchmark recovery latency on CPU: immediate (ready export) vs deferred (next sync).
+"""Benchmark recovery on CPU as a distribution: crashes at random points of a running rollout.
 
 A real :class:`~rollsafe.fleet.fleet.RolloutFleet` of one 1-rank reference-engine group (the
-tiny Llama of ``make_tiny_model``) and the demo's in-process :class:`~rollsafe.demo.Trainer`
-run steps shaped like ``rollsafe demo``'s: rollout phase (``--rollout-s``, the demo's default
-8 s), train step, weight sync (``ipc``) with an async HF export. Every measured step SIGKILLs
-the engine's rank 0 ``CRASH_DELAY_S`` (1 s, as the demo) into its rollout phase.
+tiny Llama of ``make_tiny_model``), the demo's in-process :class:`~rollsafe.demo.Trainer` and
+one rollout client thread (the demo's :class:`~rollsafe.demo.RolloutLoad`) run steps shaped like
+``rollsafe demo``'s: a rollout phase (``--rollout-s``), a train step, a weight sync (``ipc``)
+with an asynchronous HF export; immediate recovery and the targeted push are on (the demo's
+configuration). Crashes (SIGKILL of the engine's rank 0) come at random points of the rollout
+phases: after each recovery the next crash is due either at once (probability
+``--right-after``: the first rollout instant after the group is back, while a warm standby is
+still importing) or after a quiet time drawn uniformly from ``[0, --max-gap-s]``, whatever the
+step is doing then (an export being written, a sync just done...). Crashes never overlap: the
+next one waits until the previous recovery finished.
 
-* **immediate** (``enable_immediate_recovery=True``): the health manager fails the group, the
-  recovery restarts it from the ready export of the current version, ``restarted`` -> ``active``.
-  Latency: SIGKILL -> the group's ``active`` transition.
-* **immediate, warm standby** (the same, with ``FleetConfig.warm_standby=True``): the restart
-  is handed to the group's idle, already-imported standby engine process instead of a fresh
-  interpreter. Before each crash the bench waits until the standby finished its imports (a
-  standby still importing would be used too, with less gain); the wait is recorded.
-* **deferred** (``enable_immediate_recovery=False``, no targeted push): the group restarts on
-  dummy weights into ``pending_weights`` and becomes ``active`` when the next sync (after the
-  rollout phase and the train step) pushes the new version. Latency: SIGKILL -> ``active``.
+Modes (one fleet each, ``--crashes`` crashes each): **warm standby** (``FleetConfig.warm_standby
+=True``, the demo's default) and **no standby** (every restart spawns a fresh interpreter).
 
-For the immediate recoveries, rollsafe's own overhead is crash -> ``active`` minus the detection
-latency (bounded by the health interval x threshold, reported separately), minus the engine's
-own start (``startup_s["serving"]`` of the ready line: ``main()`` -> ready, weight load
-included). It is broken down by the :class:`~rollsafe.fleet.recovery.RecoveryResult` steps; the
-restart step's part outside the engine (teardown, process spawn and interpreter start before
-``main()``, ready-line pump, first health check) is reported on its own, with a bare
-``python -c 'import rollsafe.adapters.reference_engine.__main__'`` as the reference for the
-spawn part. With a warm standby there is no spawn, so its rollsafe overhead is crash ->
-``active`` minus detection minus the engine's start (counted from the handoff) and nothing else
-(``overhead.standby``). Each mode's fleet is recorded (``RolloutFleet.record``) into
-``benchmarks/results/recovery_runs/<mode>/``: ``timeline.jsonl`` and ``timeline.svg``, the
-picture of its crashes and recoveries. Figures are medians of ``--repeats`` crashes per mode. The
-step time at which immediate is 5x shorter is computed from the measured parts and, with
-``--validate``, checked with one deferred run at that step time. Prints a table and writes
-``benchmarks/results/recovery_cpu.json``.
+For every crash: crash -> ``active`` with the current weights (the first ``active`` transition
+of the group after the SIGKILL; the engine's weights checksum is then compared with the
+trainer's), split into
 
-    .venv/bin/python benchmarks/bench_recovery.py [--repeats 3] [--rollout-s 8] [--validate]
+* ``detection``: SIGKILL -> the health manager failed the group;
+* ``restart``: the ``shutdown`` and ``restart`` steps (process teardown, then the handoff to
+  the standby or the fresh spawn up to the engine's ready line and first health check), less
+  the weight load inside it; labelled by the restart's source (``ready_standby``,
+  ``warming_standby``, ``fresh_spawn``, from the :class:`~rollsafe.fleet.recovery.
+  RecoveryResult`) and by the standby's state at the crash;
+* ``weight_load``: the engine loading the export's weights during its start (a restart from a
+  ready export: ``startup_s`` of its ready line, ``rank0_loaded - preloaded``);
+* ``push``: the targeted push of the current version (when the recovery could not restart
+  from a ready export of it, e.g. a crash while that export was still being written, or the
+  fleet moved to a new version during the restart);
+* ``other``: the rest (hand-off to the recovery worker, claim, lease, health, transitions).
+
+Reports p50 / p95 / max of each, overall and by restart source. Exits 1 when its own checks
+fail: a recovery that did not end ``active``, or an engine whose checksum differs from the
+trainer's once its group is ``active`` again. Writes ``benchmarks/results/recovery_cpu.json``
+(``--out``).
+
+    .venv/bin/python benchmarks/bench_recovery.py [--crashes 25] [--rollout-s 2.5] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
+import random
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,7 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model  # noqa: E402
-from rollsafe.demo import CRASH_DELAY_S, Trainer  # noqa: E402
+from rollsafe.demo import RolloutLoad, Trainer  # noqa: E402
 from rollsafe.fleet.fleet import (  # noqa: E402
     FleetConfig,
     GroupSpec,
@@ -64,27 +66,17 @@ from rollsafe.fleet.fleet import (  # noqa: E402
     RecoverySettings,
     RolloutFleet,
 )
+from rollsafe.fleet.recovery import RecoveryResult  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "recovery_cpu.json"
-#: One recorded run per mode (timeline.jsonl, fleet.json, timeline.svg; `rollsafe report` opens it)
-RUNS = REPO / "benchmarks" / "results" / "recovery_runs"
-TARGET_RATIO = 5.0
-TARGET_OVERHEAD_S = 0.100
 HEALTH = HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2)  # the demo's
 WAIT_S = 90.0
+TARGET_P95_WARM_S = 1.0
+MODES = {"warm_standby": True, "no_standby": False}
+PARTS = ("detection_s", "restart_s", "weight_load_s", "push_s", "other_s")
 
 
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values))
-
-
-def _r(x: float | None, nd: int = 4) -> float | None:
-    return None if x is None else round(x, nd)
-
-
-def _config(
-    model_dir: Path, work: Path, immediate: bool, budget: int, warm_standby: bool = False
-) -> FleetConfig:
+def _config(model_dir: Path, work: Path, warm_standby: bool, budget: int) -> FleetConfig:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     return FleetConfig(
         model_path=model_dir,
@@ -93,9 +85,9 @@ def _config(
         transport="ipc",
         health=HEALTH,
         recovery=RecoverySettings(
-            max_workers=2, timeout_s=120.0, restart_budget=budget, targeted_push=immediate
+            max_workers=2, timeout_s=120.0, restart_budget=budget, targeted_push=True
         ),
-        enable_immediate_recovery=immediate,
+        enable_immediate_recovery=True,
         engine_options={"log_dir": str(work / "logs")},
         wait_for_routable_s=2.0,
         request_timeout_s=20.0,
@@ -103,387 +95,319 @@ def _config(
     )
 
 
-def _group_rows(fleet: RolloutFleet, gid: str, after: float) -> list[dict[str, Any]]:
-    return [
-        r
-        for r in fleet.timeline()
-        if r["kind"] == "group" and r["subject"] == gid and r["timestamp"] > after
-    ]
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) by linear interpolation between order statistics."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _first(rows: list[dict[str, Any]], **match: str) -> float | None:
-    for r in rows:
-        if all(r[k] == v for k, v in match.items()):
-            return float(r["timestamp"])
+def dist(values: list[float]) -> dict[str, Any]:
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, 4)
+
+    return {
+        "n": len(values),
+        "p50": r(pct(values, 0.5)),
+        "p95": r(pct(values, 0.95)),
+        "max": r(max(values) if values else None),
+        "min": r(min(values) if values else None),
+    }
+
+
+def _active_after(fleet: RolloutFleet, gid: str, after: float) -> float | None:
+    for rec in fleet.registry.get(gid).machine.history:
+        if rec.target == "active" and rec.timestamp > after:
+            return float(rec.timestamp)
     return None
 
 
-def _wait_state(fleet: RolloutFleet, gid: str, state: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while fleet.registry.get(gid).state != state:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{gid} not {state} after {timeout}s: {fleet.registry.get(gid)}")
-        time.sleep(0.01)
+def _result_after(fleet: RolloutFleet, gid: str, crash_at: float) -> RecoveryResult | None:
+    done = [r for r in fleet.recoveries() if r.group_id == gid and r.failed_at >= crash_at]
+    return done[0] if done else None
 
 
-def _sync(fleet: RolloutFleet, trainer: Trainer, version: int) -> tuple[float, float]:
-    """Train one step, sync ``version``; return (train s, sync s)."""
-    t = time.monotonic()
-    trainer.step()
-    t_train = time.monotonic() - t
-    t = time.monotonic()
-    report = fleet.sync_weights(trainer.weights(), version)
-    t_sync = time.monotonic() - t
-    if not report.ok:
-        raise RuntimeError(f"sync v{version} failed: {report.error}")
-    return t_train, t_sync
-
-
-def _crash(fleet: RolloutFleet, gid: str, step_t0: float) -> float:
-    """Sleep to CRASH_DELAY_S into the rollout phase, SIGKILL rank 0; return the wall time."""
-    time.sleep(max(0.0, step_t0 + CRASH_DELAY_S - time.monotonic()))
-    at = time.time()
-    pid = fleet.launcher(gid).kill_rank(0)
-    fleet.observer.mark_crash(gid, at=at, rank=0, pid=pid)  # the onset in the recorded run
-    return at
-
-
-def run_immediate(
-    model_dir: Path, work: Path, repeats: int, warm_standby: bool = False
-) -> list[dict[str, Any]]:
-    trainer = Trainer(model_dir, seed=0)
-    out: list[dict[str, Any]] = []
-    tag = "imm-standby" if warm_standby else "imm"
-    with RolloutFleet(_config(model_dir, work / tag, True, repeats + 2, warm_standby)) as fleet:
-        gid = fleet.group_ids[0]
-        assert fleet.exporter is not None
-        for i in range(repeats):
-            version = i + 1
-            _sync(fleet, trainer, version)  # the step before: v{version} and its export
-            fleet.exporter.wait_hf_export(version, timeout=WAIT_S)
-            standby_wait_s = None
-            if warm_standby:
-                t = time.monotonic()
-                if not fleet.launcher(gid).wait_standby(WAIT_S):
-                    raise TimeoutError(f"{gid}: no warm standby ready after {WAIT_S}s")
-                standby_wait_s = time.monotonic() - t
-            time.sleep(0.5)  # let the export's lifecycle settle
-            step_t0 = time.monotonic()  # rollout phase of the measured step begins
-            crash_at = _crash(fleet, gid, step_t0)
-            deadline = time.monotonic() + WAIT_S
-            while True:
-                active_at = _first(_group_rows(fleet, gid, crash_at), target="active")
-                if active_at is not None:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{gid} not active again after the crash")
-                time.sleep(0.005)
-            fleet.wait_recoveries(WAIT_S)
-            rows = _group_rows(fleet, gid, crash_at)
-            rec = next(r for r in fleet.recoveries() if r.failed_at >= crash_at)
-            launcher = fleet.launcher(gid)
-            info = launcher.ready_info
-            want, got = trainer.checksum(), fleet.checksums().get(gid)
-            out.append(
-                {
-                    "warm_standby": warm_standby,
-                    "from_standby": launcher.last_start_from_standby,
-                    "standby_wait_s": standby_wait_s,
-                    "standby_stats": launcher.standby_stats,
-                    "crash_at": crash_at,
-                    "active_at": active_at,
-                    "fail_at": _first(rows, event="fail"),
-                    "recovery": rec.as_dict(),
-                    "startup_s": dict(info.get("startup_s", {})),
-                    "weights_match_trainer": want == got,
-                    "transitions": [
-                        {k: r[k] for k in ("event", "source", "target", "timestamp")} for r in rows
-                    ],
-                }
-            )
-            print(
-                f"  immediate{' (warm standby)' if warm_standby else ''} #{i + 1}:"
-                f" {active_at - crash_at:.3f}s ({rec.strategy}, {rec.status},"
-                f" from standby {launcher.last_start_from_standby}, weights match {want == got})"
-            )
-        print(f"  recorded run and its picture: {fleet.record(RUNS / tag)}/timeline.svg")
-    return out
-
-
-def run_deferred(
-    model_dir: Path, work: Path, repeats: int, rollout_s: float, tag: str
-) -> list[dict[str, Any]]:
-    trainer = Trainer(model_dir, seed=0)
-    out: list[dict[str, Any]] = []
-    with RolloutFleet(_config(model_dir, work / tag, False, repeats + 2)) as fleet:
-        gid = fleet.group_ids[0]
-        assert fleet.exporter is not None
-        version = 1
-        _sync(fleet, trainer, version)
-        fleet.exporter.wait_hf_export(version, timeout=WAIT_S)
-        for i in range(repeats):
-            step_t0 = time.monotonic()
-            crash_at = _crash(fleet, gid, step_t0)
-            state_at_rollout_end = ""
-            t_train = t_sync = 0.0
-            syncs = 0
-            # Steps go on (rollout, train, sync) until a sync finds the group pending_weights:
-            # one restarted after a sync began waits for the one after.
-            while fleet.registry.get(gid).state != "active" or syncs == 0:
-                if syncs >= 5:
-                    raise TimeoutError(f"{gid} not active after {syncs} syncs")
-                time.sleep(max(0.0, step_t0 + rollout_s - time.monotonic()))  # rollout phase
-                state_at_rollout_end = state_at_rollout_end or fleet.registry.get(gid).state
-                version += 1
-                t_train, t_sync = _sync(fleet, trainer, version)
-                syncs += 1
-                step_t0 = time.monotonic()
-            _wait_state(fleet, gid, "active")
-            rows = _group_rows(fleet, gid, crash_at)
-            active_at = _first(rows, target="active")
-            assert active_at is not None
-            pending_at = _first(rows, target="pending_weights")
-            rec = [r for r in fleet.recoveries() if r.failed_at >= crash_at]
-            want, got = trainer.checksum(), fleet.checksums().get(gid)
-            out.append(
-                {
-                    "rollout_s": rollout_s,
-                    "crash_at": crash_at,
-                    "active_at": active_at,
-                    "fail_at": _first(rows, event="fail"),
-                    "pending_weights_at": pending_at,
-                    "state_at_rollout_end": state_at_rollout_end,
-                    "syncs_until_active": syncs,
-                    "train_s": t_train,
-                    "sync_s": t_sync,
-                    "recovery": rec[0].as_dict() if rec else None,
-                    "weights_match_trainer": want == got,
-                }
-            )
-            print(
-                f"  deferred ({rollout_s:g}s rollout) #{i + 1}: {active_at - crash_at:.3f}s"
-                f" ({syncs} sync(s); at rollout end {state_at_rollout_end}; train {t_train:.3f}s,"
-                f" sync {t_sync:.3f}s; weights match {want == got})"
-            )
-            fleet.exporter.wait_hf_export(version, timeout=WAIT_S)
-        print(f"  recorded run and its picture: {fleet.record(RUNS / tag)}/timeline.svg")
-    return out
-
-
-def spawn_reference(repeats: int = 5) -> float:
-    """Median seconds of ``python -c 'import <engine __main__>'``: spawn + pre-``main()``."""
-    times = []
-    cmd = [sys.executable, "-c", "import rollsafe.adapters.reference_engine.__main__"]
-    for _ in range(repeats):
-        t = time.monotonic()
-        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": path})
-        times.append(time.monotonic() - t)
-    return _median(times)
-
-
-def overhead(run: dict[str, Any]) -> dict[str, float]:
-    """Split one immediate recovery's crash -> active into detection, engine, rollsafe."""
-    rec = run["recovery"]
-    steps: dict[str, float] = {}
-    for s in rec["steps"]:
-        steps[s["name"]] = steps.get(s["name"], 0.0) + s["seconds"]
-    st = run["startup_s"]
-    engine = float(st["serving"])
-    weight_load = float(st.get("rank0_loaded", engine)) - float(st.get("preloaded", 0.0))
-    total = run["active_at"] - run["crash_at"]
-    detection = rec["failed_at"] - run["crash_at"]
-    fail_transition = (run["fail_at"] or rec["failed_at"]) - run["crash_at"]
-    handoff = rec["started_at"] - rec["failed_at"]  # notifier thread -> submit -> pool worker
-    restart_outside_engine = steps.get("restart", 0.0) - engine
-    in_steps = sum(steps.values())
-    unaccounted = total - detection - handoff - in_steps - (run["active_at"] - rec["active_at"])
-    rollsafe_s = total - detection - engine
+def breakdown(
+    crash_at: float, active_at: float, rec: RecoveryResult, startup: dict[str, Any]
+) -> dict[str, float]:
+    """Split crash -> active into :data:`PARTS` (they add up to the total)."""
+    total = active_at - crash_at
+    detection = rec.failed_at - crash_at
+    restart = rec.step_seconds("shutdown") + rec.step_seconds("restart")
+    weight_load = 0.0
+    if rec.export_version is not None and rec.restart_source is not None and startup:
+        # restarted on the export's weights (a dummy restart loads none worth counting)
+        loaded = startup.get("rank0_loaded")
+        if loaded is not None:
+            weight_load = max(0.0, float(loaded) - float(startup.get("preloaded", 0.0)))
+    weight_load = min(weight_load, restart)
+    push = rec.step_seconds("push")
+    restart -= weight_load
+    other = total - detection - restart - weight_load - push
     return {
         "total_s": total,
         "detection_s": detection,
-        "fail_transition_after_crash_s": fail_transition,
-        "engine_start_s": engine,
+        "restart_s": restart,
         "weight_load_s": weight_load,
-        "handoff_to_worker_s": handoff,
-        **{f"step_{k}_s": v for k, v in steps.items() if k != "restart"},
-        "step_restart_s": steps.get("restart", 0.0),
-        "restart_outside_engine_s": restart_outside_engine,
-        "gaps_between_steps_s": unaccounted,
-        "rollsafe_overhead_s": rollsafe_s,
-        "rollsafe_overhead_excl_spawn_s": 0.0,  # filled in by main() with the spawn reference
+        "push_s": push,
+        "other_s": other,
     }
+
+
+def run_mode(
+    mode: str, model_dir: Path, work: Path, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    warm = MODES[mode]
+    rng = random.Random(f"{args.seed}-{mode}")
+    trainer = Trainer(model_dir, seed=0)
+    crashes: list[dict[str, Any]] = []
+    syncs = {"ok": 0, "failed": 0}
+    cfg = _config(model_dir, work / mode, warm, budget=args.crashes + 5)
+    with RolloutFleet(cfg) as fleet:
+        gid = fleet.group_ids[0]
+        launcher = fleet.launcher(gid)
+        assert fleet.exporter is not None
+        version = 1
+        trainer.step()
+        if not fleet.sync_weights(trainer.weights(), version).ok:
+            raise RuntimeError("the first sync failed")
+        fleet.exporter.wait_hf_export(version, timeout=WAIT_S)
+        if warm and not launcher.wait_standby(WAIT_S):
+            raise RuntimeError("no warm standby before the first crash")
+        load = RolloutLoad(fleet, workers=1, seed=args.seed)
+        pending: dict[str, Any] | None = None  # the crash being recovered
+        due = time.monotonic() + rng.uniform(0.0, args.max_gap_s)
+        right_after = False
+        last_back = time.monotonic()
+        t_mode = time.monotonic()
+        try:
+            while len(crashes) < args.crashes:
+                step_t0 = time.monotonic()
+                load.active.set()
+                while time.monotonic() - step_t0 < args.rollout_s:
+                    now = time.monotonic()
+                    if pending is None and now >= due and len(crashes) < args.crashes:
+                        state = launcher.standby_state
+                        at = time.time()
+                        pid = launcher.kill_rank(0)
+                        fleet.observer.mark_crash(gid, at=at, rank=0, pid=pid)
+                        pending = {
+                            "crash_at": at,
+                            "into_rollout_s": round(now - step_t0, 3),
+                            "right_after_recovery": right_after,
+                            "since_previous_back_s": round(now - last_back, 3),
+                            "standby_at_crash": state,
+                            "fleet_version": fleet.registry.fleet_version,
+                        }
+                    if pending is not None:
+                        done = _check(fleet, gid, trainer, pending)
+                        if done is not None:
+                            crashes.append(done)
+                            _say(mode, len(crashes), done)
+                            pending = None
+                            last_back = time.monotonic()
+                            right_after = rng.random() < args.right_after
+                            gap = 0.0 if right_after else rng.uniform(0.0, args.max_gap_s)
+                            due = last_back + gap
+                        elif time.time() - pending["crash_at"] > WAIT_S:
+                            raise TimeoutError(f"{gid} not active {WAIT_S}s after a crash")
+                    time.sleep(0.005)
+                load.active.clear()
+                trainer.step()
+                version += 1
+                report = fleet.sync_weights(trainer.weights(), version)
+                syncs["ok" if report.ok else "failed"] += 1
+        finally:
+            load.close()
+        stats = launcher.standby_stats
+        extra = {
+            "wall_s": round(time.monotonic() - t_mode, 1),
+            "steps": version,
+            "syncs": syncs,
+            "standby_stats": stats,
+            "recovery_summary": fleet.recovery.summary() if fleet.recovery else None,
+        }
+        if args.record_dir:
+            print(f"  recorded run: {fleet.record(Path(args.record_dir) / mode)}/timeline.svg")
+    return crashes, extra
+
+
+def _check(
+    fleet: RolloutFleet, gid: str, trainer: Trainer, pending: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The finished crash record once the group is active again and its recovery ended."""
+    crash_at = pending["crash_at"]
+    active_at = _active_after(fleet, gid, crash_at)
+    if active_at is None:
+        return None
+    rec = _result_after(fleet, gid, crash_at)
+    if rec is None or fleet.recovery is None or fleet.recovery.in_progress(gid):
+        return None
+    launcher = fleet.launcher(gid)
+    startup = dict(launcher.ready_info.get("startup_s", {}))
+    want = trainer.checksum()
+    got = fleet.checksums().get(gid)
+    parts = breakdown(crash_at, active_at, rec, startup)
+    return {
+        **pending,
+        "active_at": active_at,
+        **{k: round(v, 4) for k, v in parts.items()},
+        "status": rec.status,
+        "strategy": rec.strategy,
+        "restart_source": rec.restart_source,
+        "standby_at_restart": rec.standby_at_restart,
+        "attempts": rec.attempts,
+        "state_when_checked": fleet.registry.get(gid).state,
+        "weights_match_trainer": got == want,
+        "startup_s": startup,
+        "steps": [
+            {"name": s.name, "seconds": round(s.seconds, 4), "ok": s.ok, "detail": s.detail[:160]}
+            for s in rec.steps
+        ],
+    }
+
+
+def _say(mode: str, n: int, c: dict[str, Any]) -> None:
+    after = " (right after the previous recovery)" if c["right_after_recovery"] else ""
+    print(
+        f"  {mode} #{n}: {c['total_s']:.3f}s (detect {c['detection_s']:.3f}, restart"
+        f" {c['restart_s']:.3f} from {c['restart_source']}, load {c['weight_load_s']:.3f},"
+        f" push {c['push_s']:.3f}, other {c['other_s']:.3f}) standby at crash"
+        f" {c['standby_at_crash']}{after};"
+        f" {c['strategy']} -> {c['status']}; weights match {c['weights_match_trainer']}"
+    )
+
+
+def summarize(crashes: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "crash_to_active": dist([c["total_s"] for c in crashes]),
+        "parts": {p: dist([c[p] for c in crashes]) for p in PARTS},
+        "by_restart_source": {},
+        "by_standby_at_crash": {},
+        "by_strategy": {},
+    }
+    for key, field in (
+        ("by_restart_source", "restart_source"),
+        ("by_standby_at_crash", "standby_at_crash"),
+        ("by_strategy", "strategy"),
+    ):
+        for value in sorted({str(c[field]) for c in crashes}):
+            mine = [c for c in crashes if str(c[field]) == value]
+            out[key][value] = {
+                "crash_to_active": dist([c["total_s"] for c in mine]),
+                "restart": dist([c["restart_s"] for c in mine]),
+            }
+    out["right_after_recovery"] = sum(bool(c["right_after_recovery"]) for c in crashes)
+    return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3, help="crashes per mode (default 3)")
-    p.add_argument("--rollout-s", type=float, default=8.0, help="demo's default rollout phase")
-    p.add_argument("--validate", action="store_true", help="one deferred run at the 5x step time")
+    p.add_argument("--crashes", type=int, default=25, help="crashes per mode (default 25)")
+    p.add_argument("--rollout-s", type=float, default=2.5, help="rollout phase per step (s)")
+    p.add_argument(
+        "--right-after",
+        type=float,
+        default=0.25,
+        help="probability that a crash comes right after the previous recovery (default 0.25)",
+    )
+    p.add_argument(
+        "--max-gap-s", type=float, default=8.0, help="otherwise a quiet time U[0, this] (s)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--record-dir", default=None, help="also record each mode's run here")
     args = p.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or args.crashes < 1:
+        p.error(f"unknown modes {unknown}" if unknown else "--crashes must be >= 1")
     work = Path(tempfile.mkdtemp(prefix="rollsafe-bench-recovery-"))
     t_wall = time.monotonic()
+    load_before = os.getloadavg()[0]
+    results: dict[str, Any] = {}
+    failures: list[str] = []
     try:
         model_dir = make_tiny_model(work / "model", seed=0)
-        spawn_s = spawn_reference()
-        print(f"spawn + engine module import (reference): {spawn_s:.3f}s")
-        print("immediate recoveries:")
-        imm = run_immediate(model_dir, work, args.repeats)
-        print("immediate recoveries with a warm standby:")
-        sby = run_immediate(model_dir, work, args.repeats, warm_standby=True)
-        print("deferred recoveries:")
-        dfr = run_deferred(model_dir, work, args.repeats, args.rollout_s, "dfr")
-        imm_lat = [r["active_at"] - r["crash_at"] for r in imm]
-        dfr_lat = [r["active_at"] - r["crash_at"] for r in dfr]
-        sby_lat = [r["active_at"] - r["crash_at"] for r in sby]
-        imm_med, dfr_med, sby_med = _median(imm_lat), _median(dfr_lat), _median(sby_lat)
-        ratio = dfr_med / imm_med
-        ratio_sby = dfr_med / sby_med
-        # deferred(rollout_s) = (rollout_s - CRASH_DELAY_S) + train + sync (+ tail to active),
-        # valid while the restart ends before the rollout phase does.
-        tail = _median([d - (args.rollout_s - CRASH_DELAY_S) for d in dfr_lat])
-        rollout_5x = TARGET_RATIO * imm_med + CRASH_DELAY_S - tail
-        rollout_5x_rounded = float(math.ceil(rollout_5x))
-        rollout_5x_sby = TARGET_RATIO * sby_med + CRASH_DELAY_S - tail
-        validation: dict[str, Any] | None = None
-        if args.validate:
-            print(f"deferred at the computed 5x step time ({rollout_5x_rounded:g}s rollout):")
-            v = run_deferred(model_dir, work, 1, rollout_5x_rounded, "val")
-            v_lat = v[0]["active_at"] - v[0]["crash_at"]
-            validation = {
-                "rollout_s": rollout_5x_rounded,
-                "deferred_latency_s": _r(v_lat),
-                "ratio_to_immediate_median": _r(v_lat / imm_med, 2),
-                "within_target": v_lat / imm_med >= TARGET_RATIO,
-                "run": v[0],
-            }
-        ov = [overhead(r) for r in imm]
-        for o in ov:
-            o["rollsafe_overhead_excl_spawn_s"] = o["rollsafe_overhead_s"] - spawn_s
-        keys = list(ov[0])
-        ov_med = {k: _median([o[k] for o in ov]) for k in keys}
-        ov_sby = [overhead(r) for r in sby]
-        for o in ov_sby:  # no interpreter was spawned: nothing to take off
-            o["rollsafe_overhead_excl_spawn_s"] = o["rollsafe_overhead_s"]
-        ov_sby_med = {k: _median([o[k] for o in ov_sby]) for k in keys}
-        detection_bound = HEALTH.interval_s * HEALTH.failure_threshold + HEALTH.interval_s
+        for mode in modes:
+            print(f"{mode}: {args.crashes} crashes")
+            crashes, extra = run_mode(mode, model_dir, work, args)
+            for i, c in enumerate(crashes, 1):
+                if c["status"] != "active":
+                    failures.append(f"{mode} #{i}: recovery ended {c['status']}")
+                if not c["weights_match_trainer"]:
+                    failures.append(f"{mode} #{i}: engine checksum != trainer's once active")
+            results[mode] = {"summary": summarize(crashes), **extra, "crashes": crashes}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    overhead_ok = ov_med["rollsafe_overhead_excl_spawn_s"] < TARGET_OVERHEAD_S
-    overhead_sby_ok = ov_sby_med["rollsafe_overhead_s"] < TARGET_OVERHEAD_S
+    warm = results.get("warm_standby", {}).get("summary")
+    p95_warm = warm["crash_to_active"]["p95"] if warm else None
     result: dict[str, Any] = {
         "benchmark": "recovery_cpu",
-        "model": "tiny llama (make_tiny_model), 1 group x 1 rank, reference engine, ipc",
+        "model": "tiny llama (make_tiny_model), 1 group x 1 rank, reference engine, ipc, "
+        "immediate recovery + targeted push, 1 rollout client thread",
         "host": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "machine": platform.machine(),
+            "loadavg_1m_at_start": round(load_before, 2),
             "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
         },
         "config": {
-            "repeats": args.repeats,
+            "crashes_per_mode": args.crashes,
             "rollout_s": args.rollout_s,
-            "crash_delay_s": CRASH_DELAY_S,
-            "warm_standby_waited_ready": True,
+            "right_after_probability": args.right_after,
+            "max_gap_s": args.max_gap_s,
+            "seed": args.seed,
+            "modes": modes,
             "health": {
                 "interval_s": HEALTH.interval_s,
                 "timeout_s": HEALTH.timeout_s,
                 "failure_threshold": HEALTH.failure_threshold,
             },
         },
-        "targets": {
-            "deferred_over_immediate_min": TARGET_RATIO,
-            "rollsafe_overhead_max_s": TARGET_OVERHEAD_S,
-        },
-        "latency": {
-            "immediate_s": [_r(x) for x in imm_lat],
-            "deferred_s": [_r(x) for x in dfr_lat],
-            "immediate_median_s": _r(imm_med),
-            "deferred_median_s": _r(dfr_med),
-            "ratio": _r(ratio, 2),
-            "within_target": ratio >= TARGET_RATIO,
-            "deferred_tail_after_rollout_s": _r(tail),
-            "rollout_s_for_5x": _r(rollout_5x, 2),
-            "step_s_for_5x_note": (
-                "deferred = (rollout_s - crash delay) + train + sync; 5x holds from this"
-                " rollout phase length on (the computed value; see validation)"
-            ),
-            "validation": validation,
-            "immediate_standby_s": [_r(x) for x in sby_lat],
-            "immediate_standby_median_s": _r(sby_med),
-            "ratio_standby": _r(ratio_sby, 2),
-            "within_target_standby": ratio_sby >= TARGET_RATIO,
-            "rollout_s_for_5x_standby": _r(rollout_5x_sby, 2),
-            "standby_used": [bool(r["from_standby"]) for r in sby],
-            "standby_wait_s": [_r(r["standby_wait_s"]) for r in sby],
-        },
-        "overhead": {
-            "median_s": {k: _r(v) for k, v in ov_med.items()},
-            "per_run_s": [{k: _r(v) for k, v in o.items()} for o in ov],
-            "spawn_and_module_import_reference_s": _r(spawn_s),
-            "detection_bound_s": _r(detection_bound),
-            "detection_within_bound": ov_med["detection_s"] <= detection_bound,
-            "within_target": overhead_ok,
-            "standby": {
-                "median_s": {k: _r(v) for k, v in ov_sby_med.items()},
-                "per_run_s": [{k: _r(v) for k, v in o.items()} for o in ov_sby],
-                "within_target": overhead_sby_ok,
-            },
-        },
-        "runs": {"immediate": imm, "immediate_standby": sby, "deferred": dfr},
+        "targets": {"warm_standby_p95_max_s": TARGET_P95_WARM_S},
+        "checks": {"ok": not failures, "failures": failures},
+        "warm_standby_p95_within_target": (
+            None if p95_warm is None else p95_warm <= TARGET_P95_WARM_S
+        ),
+        "modes": results,
         "wall_s": round(time.monotonic() - t_wall, 1),
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
 
-    print(f"\n{'figure':<58} {'median':>10}  target")
-    rows = [
-        ("immediate recovery, crash -> active (s)", imm_med, ""),
-        ("immediate recovery with a warm standby, crash -> active (s)", sby_med, ""),
-        (f"deferred recovery, crash -> active, {args.rollout_s:g}s rollout (s)", dfr_med, ""),
-        ("ratio deferred / immediate", ratio, f">= {TARGET_RATIO:g}x "
-         f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}"),
-        ("rollout phase at which 5x holds (s, computed)", rollout_5x, ""),
-        ("ratio deferred / immediate with a warm standby", ratio_sby, f">= {TARGET_RATIO:g}x "
-         f"{'met' if ratio_sby >= TARGET_RATIO else 'NOT met'}"),
-        ("rollout phase at which 5x holds with a warm standby (s)", rollout_5x_sby, ""),
-    ]  # fmt: skip
-    if validation is not None:
-        rows.append(
-            (f"  validated: ratio at {rollout_5x_rounded:g}s rollout",
-             validation["ratio_to_immediate_median"],
-             "met" if validation["within_target"] else "NOT met"),
-        )  # fmt: skip
-    rows += [
-        (f"detection (crash -> failure), bound {detection_bound:.2f}s", ov_med["detection_s"], ""),
-        ("engine start, main() -> ready (startup_s.serving)", ov_med["engine_start_s"], ""),
-        ("  of which weight load (rank0_loaded - preloaded)", ov_med["weight_load_s"], ""),
-    ]
-    for k in keys:
-        if k.startswith("step_") or k in ("handoff_to_worker_s", "gaps_between_steps_s"):
-            rows.append((f"  phase {k}", ov_med[k], ""))
-    rows += [
-        ("  restart step outside the engine (teardown, spawn, ready, health)",
-         ov_med["restart_outside_engine_s"], ""),
-        ("  reference: spawn + engine module import", spawn_s, ""),
-        ("rollsafe overhead (total - detection - engine start)", ov_med["rollsafe_overhead_s"],
-         ""),
-        ("rollsafe overhead, also excluding spawn reference", ov_med[
-            "rollsafe_overhead_excl_spawn_s"], f"< {TARGET_OVERHEAD_S * 1000:.0f} ms "
-         f"{'met' if overhead_ok else 'NOT met'}"),
-    ]  # fmt: skip
-    rows += [
-        ("warm standby: engine start handoff -> ready", ov_sby_med["engine_start_s"], ""),
-        ("  restart step outside the engine (teardown, handoff, ready, health)",
-         ov_sby_med["restart_outside_engine_s"], ""),
-        ("warm standby: rollsafe overhead (total - detection - engine start)",
-         ov_sby_med["rollsafe_overhead_s"], f"< {TARGET_OVERHEAD_S * 1000:.0f} ms "
-         f"{'met' if overhead_sby_ok else 'NOT met'}"),
-    ]  # fmt: skip
-    for name, value, target in rows:
-        print(f"{name:<58} {value:>10.3f}  {target}")
-    print(f"wrote {OUT}")
+    print(f"\n{'crash -> active with current weights (s)':<52} {'p50':>7} {'p95':>7} {'max':>7}")
+    for mode, r in results.items():
+        s = r["summary"]
+        rows = [(f"{mode}: all {s['crash_to_active']['n']} crashes", s["crash_to_active"])]
+        rows += [(f"  part {p.removesuffix('_s')}", s["parts"][p]) for p in PARTS]
+        for src, d in s["by_restart_source"].items():
+            rows.append((f"  restart from {src} (n={d['crash_to_active']['n']}): total",
+                         d["crash_to_active"]))  # fmt: skip
+            rows.append((f"  restart from {src}: restart part", d["restart"]))
+        for st, d in s["by_standby_at_crash"].items():
+            rows.append((f"  standby {st} at the crash (n={d['crash_to_active']['n']})",
+                         d["crash_to_active"]))  # fmt: skip
+        for name, d in rows:
+            print(f"{name:<52} {d['p50']:>7.3f} {d['p95']:>7.3f} {d['max']:>7.3f}")
+    if p95_warm is not None:
+        verdict = "met" if p95_warm <= TARGET_P95_WARM_S else "NOT met"
+        print(f"warm standby p95 {p95_warm:.3f}s, target <= {TARGET_P95_WARM_S:g}s: {verdict}")
+    print(f"wrote {out} ({result['wall_s']}s)")
+    if failures:
+        print("CHECKS FAILED:")
+        for f in failures:
+            print(f"  - {f}")
+        return 1
+    print("checks: every recovery ended active with the trainer's weights")
     return 0
 
 

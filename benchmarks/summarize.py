@@ -198,51 +198,43 @@ def _checkpoint_engine_gpu(d: dict[str, Any]) -> list[Row]:
 
 
 def _recovery(d: dict[str, Any]) -> list[Row]:
-    lat, ov = d["latency"], d["overhead"]
-    m = ov["median_s"]
-    rollout = d["config"]["rollout_s"]
-    rows = [
-        (f"no warm standby: recovery crash -> active: deferred / immediate, {rollout:g} s "
-         "rollout (info: the demo runs with warm standby)",
-         f"{lat['deferred_median_s']:.2f} s / {lat['immediate_median_s']:.2f} s = {lat['ratio']}x",
-         "-", "-"),
-        ("no warm standby: rollout phase at which deferred / immediate >= 5x (computed)",
-         f"{lat['rollout_s_for_5x']:.1f} s", "-", "-"),
-    ]  # fmt: skip
-    v = lat.get("validation")
-    if v:
-        rows.append((f"no warm standby: deferred / immediate at {v['rollout_s']:g} s rollout "
-                     "(validation run)",
-                     f"{v['ratio_to_immediate_median']}x", ">= 5x",
-                     _verdict(v["within_target"])))  # fmt: skip
-    rows += [
-        ("immediate recovery: detection (crash -> group failed)",
-         f"{m['detection_s'] * 1000:.0f} ms", f"<= {ov['detection_bound_s'] * 1000:.0f} ms",
-         _verdict(ov["detection_within_bound"])),
-        ("immediate recovery: engine start main() -> ready (weight load)",
-         f"{m['engine_start_s']:.2f} s ({m['weight_load_s'] * 1000:.0f} ms)", "-", "-"),
-        ("immediate recovery: rollsafe overhead (excl. detection, engine start, spawn)",
-         f"{m['rollsafe_overhead_excl_spawn_s'] * 1000:.0f} ms",
-         f"< {d['targets']['rollsafe_overhead_max_s'] * 1000:.0f} ms",
-         _verdict(ov["within_target"])),
-    ]  # fmt: skip
-    sby = ov.get("standby")
-    if "immediate_standby_median_s" in lat and sby:
-        ms = sby["median_s"]
-        rows += [
-            (f"warm standby (the demo's default): recovery crash -> active: deferred / "
-             f"immediate, {rollout:g} s rollout (the demo's default)",
-             f"{lat['deferred_median_s']:.2f} s / {lat['immediate_standby_median_s']:.2f} s = "
-             f"{lat['ratio_standby']}x", f">= {d['targets']['deferred_over_immediate_min']:g}x",
-             _verdict(lat["within_target_standby"])),
-            ("warm standby: engine start handoff -> ready (weight load)",
-             f"{ms['engine_start_s'] * 1000:.0f} ms ({ms['weight_load_s'] * 1000:.0f} ms)",
-             "-", "-"),
-            ("warm standby: rollsafe overhead (excl. detection, engine start; no spawn)",
-             f"{ms['rollsafe_overhead_s'] * 1000:.0f} ms",
-             f"< {d['targets']['rollsafe_overhead_max_s'] * 1000:.0f} ms",
-             _verdict(sby["within_target"])),
-        ]  # fmt: skip
+    def ppm(x: dict[str, Any]) -> str:
+        return f"{x['p50']:.2f} / {x['p95']:.2f} / {x['max']:.2f} s"
+
+    cfg = d["config"]
+    target = d["targets"]["warm_standby_p95_max_s"]
+    rows: list[Row] = []
+    for mode, r in d["modes"].items():
+        s = r["summary"]
+        name = mode.replace("_", " ")
+        total = s["crash_to_active"]
+        warm = mode == "warm_standby"
+        rows.append(
+            (f"{name}: crash -> active with current weights, p50 / p95 / max over {total['n']} "
+             f"crashes at random points of {cfg['rollout_s']:g} s rollouts "
+             f"({s['right_after_recovery']} right after the previous recovery), "
+             f"{d['host']['cpus']} cpus",
+             ppm(total), f"p95 <= {target:g} s" if warm else "-",
+             _verdict(total["p95"] <= target) if warm else "-")
+        )  # fmt: skip
+        parts = s["parts"]
+        rows.append(
+            (f"{name}: parts p50 / p95: detection, restart, weight load, push, other",
+             ", ".join(f"{parts[p]['p50']:.2f}/{parts[p]['p95']:.2f}" for p in
+                       ("detection_s", "restart_s", "weight_load_s", "push_s", "other_s"))
+             + " s", "-", "-")
+        )  # fmt: skip
+        for src, x in s["by_restart_source"].items():
+            rows.append(
+                (f"{name}: restart from {src} (n={x['crash_to_active']['n']}): crash -> active",
+                 ppm(x["crash_to_active"]), "-", "-")
+            )  # fmt: skip
+    checks = d["checks"]
+    rows.append(
+        ("recoveries ended active with the trainer's weights (checksums)",
+         "all" if checks["ok"] else f"{len(checks['failures'])} failed", "all",
+         _verdict(checks["ok"]))
+    )  # fmt: skip
     return rows
 
 
@@ -377,7 +369,7 @@ def render(results: Path = RESULTS) -> str:
         "How to rerun: `make bench` (transitions), `python benchmarks/bench_engine.py`,",
         "`python benchmarks/bench_hf_export.py`, `python benchmarks/bench_transports_cpu.py`,",
         "`python benchmarks/bench_control_plane.py`,",
-        "`python benchmarks/bench_recovery.py --validate`; GPU: `benchmarks/gpu/README.md`.",
+        "`python benchmarks/bench_recovery.py`; GPU: `benchmarks/gpu/README.md`.",
         "",
     ]
     return "\n".join(lines)

@@ -147,7 +147,13 @@ class RolloutLoad:
 
 # ---------------------------------------------------------------------------- report helpers
 def _states(fleet: Any) -> str:
-    return " ".join(f"{g.group_id}={g.state}" for g in fleet.registry.groups())
+    """``g0=active g1=inactive ...``; with warm standbys each group's standby state too
+    (``g0=active/sb:ready``: ``ready``, ``warming`` while it imports, ``none``)."""
+    standby = bool(getattr(fleet.config, "warm_standby", False))
+    return " ".join(
+        f"{g.group_id}={g.state}" + (f"/sb:{g.standby_state}" if standby else "")
+        for g in fleet.registry.groups()
+    )
 
 
 def _exports(fleet: Any) -> str:
@@ -457,6 +463,8 @@ def run_demo(opts: DemoOptions) -> int:
         mine = [r for r in recoveries if r["group_id"] == crash["group"]]
         recovery["strategy"] = mine[0]["strategy"] if mine else None
         recovery["status"] = mine[0]["status"] if mine else None
+        recovery["restart_source"] = mine[0].get("restart_source") if mine else None
+        recovery["standby_at_restart"] = mine[0].get("standby_at_restart") if mine else None
         recovery["coordinator"] = mine
         if not back:
             failures.append(f"{crash['group']} never became active again after the crash")
@@ -492,6 +500,9 @@ def run_demo(opts: DemoOptions) -> int:
             )
         throughput["group_unavailable_s"] = recovery.get("latency_s")
 
+    standbys: dict[str, Any] = {
+        gid: g.get("standby") for gid, g in snapshot["registry"]["groups"].items()
+    }
     ok = not failures
     checksums_ok = not any("MISMATCH" in f or "checksum" in f for f in failures)
     summary = {
@@ -504,6 +515,7 @@ def run_demo(opts: DemoOptions) -> int:
         "groups": dict(zip([f"g{i}" for i in range(len(sizes))], sizes, strict=True)),
         "recovery": recovery,
         "throughput": throughput,
+        "standby": standbys,
         "checksums": {
             "per_step": {s["step"]: s["checksums"] for s in steps},
             "final": final_checks,
@@ -535,6 +547,20 @@ def run_demo(opts: DemoOptions) -> int:
             f" active with current weights after {lat if lat is not None else float('nan'):.2f}s"
             f" (strategy {recovery['strategy']}, status {recovery['status']})"
         )
+        if recovery.get("restart_source"):
+            print(
+                f"  restarted from a {recovery['restart_source'].replace('_', ' ')}"
+                f" (its standby was {recovery['standby_at_restart']} when the restart began)"
+            )
+    if opts.warm_standby:
+        print("warm standbys (at the end; starts by source, fallbacks to a fresh spawn):")
+        for gid, status in standbys.items():
+            sb = status or {}
+            print(
+                f"  {gid}: {sb.get('state')} | ready {sb.get('used_ready', 0)}"
+                f" warming {sb.get('used_warming', 0)} fallbacks {sb.get('fallbacks', 0)}"
+                f" (raced {sb.get('raced', 0)}; last fallback: {sb.get('last_fallback')})"
+            )
     print("throughput:")
     for s in throughput["per_step"]:
         by = s["by_group"]

@@ -92,6 +92,11 @@ def test_demo_small_run_recovers_and_checksums_match(tmp_path: Path, transport: 
     rec = summary["recovery"]
     assert rec["crashed"] and rec["group"] == "g1" and rec["latency_s"] is not None
     assert rec["status"] == "active"
+    # the demo runs with warm standbys: the recovery says where its engine came from
+    assert rec["restart_source"] in ("ready_standby", "warming_standby", "fresh_spawn")
+    assert rec["standby_at_restart"] in ("ready", "warming")
+    assert {sb["state"] for sb in summary["standby"].values()} <= {"ready", "warming"}
+    assert "/sb:" in result.stdout and "warm standbys" in result.stdout
     assert all(set(c) <= {"active"} for c in summary["dispatch_counts"].values())
     rows = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     g1 = [(r["event"], r["target"]) for r in rows if r["kind"] == "group" and r["subject"] == "g1"]

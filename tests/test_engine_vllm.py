@@ -47,6 +47,13 @@ def test_sleep_wake_pause(vllm: EngineProcess) -> None:
     assert vllm.post("/wake_up").status_code == 200
     assert vllm.get("/is_sleeping").json() == {"is_sleeping": False}
     assert vllm.checksum() == before  # level 1 keeps a host copy
+    # vLLM: abort/wait pauses turn new requests away with a 503 until /resume; keep queues them
+    for mode in ("abort", "wait"):
+        assert vllm.post(f"/pause?mode={mode}").json() == {"status": "paused"}
+        r = vllm.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and "paused" in r.json()["message"]
+        assert vllm.post("/resume").json() == {"status": "resumed"}
+        assert vllm.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
     assert vllm.post("/pause?mode=keep").status_code == 200
     assert vllm.get("/is_paused").json() == {"is_paused": True}
     assert vllm.post("/resume").status_code == 200

@@ -214,6 +214,69 @@ def test_immediate_restarts_from_the_ready_export_under_a_lease(sim: SimFleet) -
     assert sim.reg.get("g0").state == "active"
 
 
+class StandbyHandle(SimHandle):
+    """A SimHandle that tells its standby state and where its last start came from, as an
+    ``EngineLauncher`` does."""
+
+    def __init__(self, client: SimEngineClient) -> None:
+        super().__init__(client)
+        self.standby_state = "warming"
+        self.last_start_source: str | None = None
+
+    def restart(
+        self,
+        model_path: str | None = None,
+        load_format: str | None = None,
+        skip_load_weights: bool | None = None,
+    ) -> SimHandle:
+        super().restart(model_path, load_format, skip_load_weights)
+        self.last_start_source, self.standby_state = "warming_standby", "none"
+        return self
+
+
+def test_the_result_records_the_standby_and_the_restart_source(sim: SimFleet) -> None:
+    """A handle that tells gets its standby state at the attempt and the restart's source
+    recorded; one that does not leaves both None."""
+    sim.export_ready(1)
+    sim.register(1)
+    plain = sim.handles["g1"]
+    sim.handles["g1"] = StandbyHandle(sim.clients["g1"])
+    rc = sim.coordinator()
+    fail_group(sim.reg, "g1")
+    result = rc.submit("g1", failed_at=time.time()).result(WAIT_S)
+    assert result.status == "active"
+    assert result.standby_at_restart == "warming"
+    assert result.restart_source == "warming_standby"
+    assert result.as_dict()["restart_source"] == "warming_standby"
+    restart = next(s for s in result.steps if s.name == "restart")
+    assert restart.detail.startswith("source=warming_standby (standby was warming)")
+    assert rc.summary()["by_restart_source"] == {"warming_standby": 1}
+
+    sim.handles["g1"] = plain  # a plain handle: nothing known
+    fail_group(sim.reg, "g1")
+    second = rc.submit("g1", failed_at=time.time()).result(WAIT_S)
+    assert second.status == "active"
+    assert second.standby_at_restart is None and second.restart_source is None
+    assert sim.reg.snapshot()["groups"]["g1"]["standby"] == {"state": "none"}
+
+
+def test_the_registry_snapshot_shows_the_standby_probe() -> None:
+    from rollsafe.fleet import FleetRegistry
+
+    reg = FleetRegistry()
+    status = {"state": "warming", "pid": 12, "fallbacks": 0}
+    reg.add_group("a", [0], standby_probe=lambda: status)
+    reg.add_group("b", [1], standby_probe=lambda: 1 / 0)  # type: ignore[arg-type, return-value]
+    reg.add_group("c", [2])
+    groups = reg.snapshot()["groups"]
+    assert groups["a"]["standby"] == status and reg.get("a").standby_state == "warming"
+    status["state"] = "ready"
+    assert reg.get("a").standby_state == "ready"
+    assert groups["b"]["standby"]["state"] == "none"
+    assert "ZeroDivisionError" in groups["b"]["standby"]["error"]
+    assert groups["c"]["standby"] == {"state": "none"}
+
+
 def test_targeted_push_when_immediate_is_disabled(sim: SimFleet) -> None:
     sim.export_ready(1)
     sim.register(1)

@@ -44,9 +44,12 @@ def test_spec_validates_early() -> None:
         EngineSpec(model_path="x", ranks=0)
     with pytest.raises(ValueError, match="dialect"):
         EngineSpec(model_path="x", dialect="tgi")  # type: ignore[arg-type]
-    cmd = EngineSpec(model_path="/m", ranks=2, dialect="vllm", api_key="k").command()
+    spec = EngineSpec(model_path="/m", ranks=2, dialect="vllm", api_key="k")
+    cmd = spec.command()
     assert cmd[1:3] == ["-m", "rollsafe.adapters.reference_engine"]
-    assert cmd[cmd.index("--ranks") + 1] == "2" and cmd[cmd.index("--api-key") + 1] == "k"
+    assert cmd[cmd.index("--ranks") + 1] == "2"
+    assert "k" not in cmd and "--api-key" not in cmd  # out of `ps`: in the environment
+    assert spec.environment()["ROLLSAFE_API_KEY"] == "k"
     assert "--tokenizer-path" not in EngineSpec(model_path="/m", tokenizer_path="/m").command()
     assert "--tokenizer-path" in EngineSpec(model_path="/m", tokenizer_path="/t").command()
 

@@ -64,8 +64,11 @@ def test_restart_hands_off_to_the_idle_standby_and_a_new_one_follows(
     assert wait_for(lambda: is_idle(standby), 10.0)  # blocked reading its handoff line
     old = [launcher.pid, *launcher.rank_pids]
 
+    assert launcher.standby_state == "ready"
     launcher.restart(weight_version="7")
     assert launcher.last_start_from_standby
+    assert launcher.last_start_source == "ready_standby"
+    assert launcher.last_start_standby_state == "ready"
     assert launcher.pid == standby and launcher.rank_pids == [standby]
     info = launcher.ready_info
     assert info["from_standby"] and info["standby"]["import_s"] > 0
@@ -106,6 +109,7 @@ def test_dead_standby_falls_back_to_a_fresh_spawn_and_gc_reaps_everything(
 
     launcher.restart()
     assert not launcher.last_start_from_standby
+    assert launcher.last_start_source == "fresh_spawn"
     assert launcher.pid != doomed and launcher.client.is_healthy()
     stats = launcher.standby_stats
     assert stats["fallbacks"] == 1 and "exited" in str(stats["last_fallback"])
@@ -265,6 +269,7 @@ def test_fleet_recovery_restarts_on_the_standby(tiny_model_dir: Path, tmp_path: 
         assert fleet.exporter is not None
         fleet.exporter.wait_hf_export(1, timeout=60)
         assert launcher.wait_standby(STANDBY_WAIT_S)
+        assert fleet.snapshot()["registry"]["groups"]["g0"]["standby"]["state"] == "ready"
         standby = launcher.standby_pid
         crashed = launcher.pid
         launcher.kill_rank(0)
@@ -272,6 +277,7 @@ def test_fleet_recovery_restarts_on_the_standby(tiny_model_dir: Path, tmp_path: 
         assert fleet.wait_recoveries(120.0)
         result = fleet.recoveries()[0]
         assert result.status == "active" and result.strategy == "immediate", result
+        assert result.standby_at_restart == "ready" and result.restart_source == "ready_standby"
         assert launcher.last_start_from_standby and launcher.pid == standby != crashed
         assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
         assert fleet.generate([1, 2], sampling_params={"max_new_tokens": 2}).group_id == "g0"

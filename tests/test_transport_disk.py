@@ -141,6 +141,18 @@ def test_root_adopts_verified_dirs_and_refuses_others(
     with pytest.raises(RegisterError, match="holds version 3"):
         DiskTransport(root).register(trainer.weights(), 5)
     assert one.checksum()["weight_version"] == "3"
+    # a verified directory whose shard is replaced after register is not loaded (re-verified
+    # before every push): the engine keeps what it serves
+    before = one.checksum()
+    shard = next((root / "hf-v3").glob("*.safetensors"))
+    replaced = bytearray(shard.read_bytes())
+    replaced[-1] ^= 0xFF
+    shard.unlink()
+    shard.write_bytes(bytes(replaced))  # same size, new file
+    report = tr.update([target("one", one, (0,))])
+    assert not report.ok
+    assert "changed since it was verified" in (report.results["one"].reason or "")
+    assert one.checksum() == before
 
 
 def test_key_mismatch_and_failed_export_publish_nothing(

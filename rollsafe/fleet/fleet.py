@@ -137,7 +137,10 @@ class FleetConfig:
     and imports (most of a CPU engine's start); it costs one such process per group (a few
     hundred MB of host memory each) and, after every start, one background import.
     ``GroupSpec.warm_standby`` overrides it per group. Needs an engine module that supports
-    ``--standby`` (the reference engine does). ``transport="nccl"`` only: ``nccl_backend``
+    ``--standby`` (the reference engine does). Each group's standby state (``none``,
+    ``warming``: still importing, ``ready``) is in :meth:`RolloutFleet.snapshot` (``registry.
+    groups.<id>.standby``), the metrics and each :class:`RecoveryResult`
+    (``standby_at_restart``, ``restart_source``). ``transport="nccl"`` only: ``nccl_backend``
     (``"gloo"``, the default, moves host memory and works with engines anywhere; ``"nccl"``
     for trainer weights and engines on GPUs; None picks by the weights' device) and
     ``nccl_bucket_bytes`` (None: :data:`~rollsafe.transports.DEFAULT_NCCL_BUCKET_BYTES`).
@@ -468,10 +471,12 @@ class RolloutFleet:
             for g in self._groups:
                 launcher = self._launchers[g.group_id]
                 launcher.client.health(timeout=self.config.health.timeout_s)
+                probe = getattr(launcher, "standby_status", None)  # a custom factory's may lack it
                 self.registry.add_group(
                     g.group_id, g.fleet_ranks, clients=[launcher.client],
                     restart_budget=self.config.recovery.restart_budget,
                     metadata={"engine_ranks": g.ranks},
+                    standby_probe=probe if callable(probe) else None,
                 )  # fmt: skip
                 for rank in g.fleet_ranks:
                     self.registry.report_member(

@@ -71,6 +71,7 @@ __all__ = [
     "RecoveryStatus",
     "RecoveryStep",
     "RecoveryStrategy",
+    "RestartSource",
     "RestartableEngine",
     "StepTimeout",
 ]
@@ -84,6 +85,11 @@ log = logging.getLogger(__name__)
 RecoveryStatus = Literal["active", "pending_weights", "skipped", "retired", "failed", "not_needed"]
 #: Which strategy brought the group back (the last attempt's).
 RecoveryStrategy = Literal["immediate", "targeted_push", "deferred"]
+#: Where the restarted engine came from (``EngineLauncher.last_start_source``): a warm standby
+#: that was ``ready``, one still importing (``warming``) that won the race against a fresh
+#: spawn, or a fresh spawn.
+RestartSource = Literal["ready_standby", "warming_standby", "fresh_spawn"]
+RESTART_SOURCES: tuple[RestartSource, ...] = ("ready_standby", "warming_standby", "fresh_spawn")
 
 _RESULTS_KEPT = 512
 _MAX_TEXT = 512
@@ -165,6 +171,11 @@ class RecoveryResult:
     Timestamps are wall-clock (``time.time()``); ``failed_at`` is when the failure was detected
     (the health manager's ``GroupFailure.timestamp``, else the submit time). ``latency_s`` is
     failure -> ``active`` when the group got there.
+
+    ``standby_at_restart``: the group's warm standby when the (last) attempt began (``none``,
+    ``warming``, ``ready``); ``restart_source``: where the restarted engine came from
+    (``ready_standby``, ``warming_standby``, ``fresh_spawn``). Both None when the handle does
+    not tell (not an ``EngineLauncher``) or no restart succeeded.
     """
 
     group_id: str
@@ -180,6 +191,8 @@ class RecoveryResult:
     export_version: int | None
     fleet_version: int
     steps: tuple[RecoveryStep, ...] = ()
+    standby_at_restart: str | None = None
+    restart_source: RestartSource | None = None
 
     @property
     def latency_s(self) -> float | None:
@@ -213,6 +226,8 @@ class RecoveryResult:
             "attempts": self.attempts,
             "export_version": self.export_version,
             "fleet_version": self.fleet_version,
+            "standby_at_restart": self.standby_at_restart,
+            "restart_source": self.restart_source,
             "steps": [s.as_dict() for s in self.steps],
         }
 
@@ -230,6 +245,8 @@ class _Run:
     export_version: int | None = None
     active_at: float | None = None
     steps: list[RecoveryStep] = field(default_factory=list)
+    standby_at_restart: str | None = None
+    restart_source: RestartSource | None = None
 
 
 class _Attempt(Exception):
@@ -380,19 +397,23 @@ class RecoveryCoordinator:
             return list(self._results)
 
     def summary(self) -> dict[str, Any]:
-        """Counts by status and strategy, and latency figures, for reports."""
+        """Counts by status, strategy and restart source, and latency figures, for reports."""
         results = self.recoveries()
         latencies = sorted(r.latency_s for r in results if r.latency_s is not None)
         by_status: dict[str, int] = {}
         by_strategy: dict[str, int] = {}
+        by_source: dict[str, int] = {}
         for r in results:
             by_status[r.status] = by_status.get(r.status, 0) + 1
             if r.strategy is not None:
                 by_strategy[r.strategy] = by_strategy.get(r.strategy, 0) + 1
+            if r.restart_source is not None:
+                by_source[r.restart_source] = by_source.get(r.restart_source, 0) + 1
         return {
             "recoveries": len(results),
             "by_status": by_status,
             "by_strategy": by_strategy,
+            "by_restart_source": by_source,
             "latency_s": {
                 "min": latencies[0] if latencies else None,
                 "median": latencies[len(latencies) // 2] if latencies else None,
@@ -449,6 +470,8 @@ class RecoveryCoordinator:
             export_version=run.export_version,
             fleet_version=self.registry.fleet_version,
             steps=tuple(run.steps),
+            standby_at_restart=run.standby_at_restart,
+            restart_source=run.restart_source,
         )
         with self._lock:
             self._results.append(result)
@@ -552,6 +575,8 @@ class RecoveryCoordinator:
         lease_handed_off = False
         try:
             handle = self._run_step(run, "launcher", deadline, lambda: self.launcher_for(gid))
+            run.standby_at_restart = _standby_state(handle)
+            run.restart_source = None
             stop = getattr(handle, "stop", None)
             if callable(stop):
                 if _accepts(stop, "timeout"):
@@ -583,6 +608,13 @@ class RecoveryCoordinator:
             except _Attempt as exc:
                 lease_handed_off = exc.timed_out
                 raise
+            run.restart_source = _start_source(handle)
+            if run.restart_source is not None and run.steps and run.steps[-1].name == "restart":
+                step = run.steps[-1]
+                note = f"source={run.restart_source} (standby was {run.standby_at_restart})"
+                run.steps[-1] = dataclasses.replace(
+                    step, detail=bound_text(f"{note}; {step.detail}", _MAX_TEXT)
+                )
             client = self._rebind(group, handle)
             self._run_step(run, "health", deadline, lambda: self._wait_healthy(client, deadline))
             version = lease.version if lease is not None else None
@@ -874,6 +906,24 @@ def _accepts(fn: Callable[..., Any], keyword: str) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _standby_state(handle: object) -> str | None:
+    """The handle's warm standby state (``none`` / ``warming`` / ``ready``), None if unknown."""
+    try:
+        state = getattr(handle, "standby_state", None)
+    except Exception:
+        return None
+    return state if isinstance(state, str) else None
+
+
+def _start_source(handle: object) -> RestartSource | None:
+    """Where the handle's last start came from, None if it does not tell."""
+    try:
+        source = getattr(handle, "last_start_source", None)
+    except Exception:
+        return None
+    return source if source in RESTART_SOURCES else None
 
 
 def _is_transport_error(error: BaseException) -> bool:

@@ -189,6 +189,10 @@ class WorkerGroup:
 
     Request accounting (``outstanding``, dispatch counts) is guarded by the group's lock, the
     same lock :meth:`FleetRegistry.send` holds while the machine transitions.
+
+    ``standby_probe`` (set by the fleet from the group's launcher) returns the group's warm
+    standby status (``EngineLauncher.standby_status()``: ``state`` is ``none``, ``warming`` or
+    ``ready``, with its counters); it must not block. Without one the standby is ``none``.
     """
 
     group_id: str
@@ -197,6 +201,7 @@ class WorkerGroup:
     clients: tuple[EngineClient, ...] = ()
     endpoints: tuple[str, ...] = ()
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    standby_probe: Callable[[], Mapping[str, Any]] | None = field(default=None, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _outstanding: int = field(default=0, repr=False)
     _dispatched: Counter[str] = field(default_factory=Counter, repr=False)
@@ -287,12 +292,31 @@ class WorkerGroup:
                 if error is not None:
                     self._last_error = bound_text(error)
 
+    def standby(self) -> dict[str, Any]:
+        """The group's warm standby: ``{"state": "none" | "warming" | "ready", ...}`` (the
+        probe's view; ``{"state": "none"}`` without a probe or when the probe raised)."""
+        probe = self.standby_probe
+        if probe is None:
+            return {"state": "none"}
+        try:
+            view = {str(k): _jsonable(v) for k, v in probe().items()}
+        except Exception as exc:
+            return {"state": "none", "error": bound_text(f"{type(exc).__name__}: {exc}", 200)}
+        view.setdefault("state", "none")
+        return view
+
+    @property
+    def standby_state(self) -> str:
+        """``none``, ``warming`` or ``ready`` (see :meth:`standby`)."""
+        return str(self.standby()["state"])
+
     def recent_transitions(self) -> list[GroupTransition]:
         with self._lock:
             return list(self._transitions)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly view of this group (used by :meth:`FleetRegistry.snapshot`)."""
+        standby = self.standby()  # outside the lock: the probe is the launcher's business
         with self._lock:
             machine = self.machine
             members = machine.members
@@ -303,6 +327,7 @@ class WorkerGroup:
                 "ranks": list(self.ranks),
                 "endpoints": list(self.endpoints),
                 "restart_budget": machine.restart_budget,
+                "standby": standby,
                 "members": {
                     str(rank): {
                         "known": m.known,
@@ -415,12 +440,13 @@ class FleetRegistry:
         restart_budget: int = 3,
         metadata: Mapping[str, Any] | None = None,
         machine: WorkerGroupLifecycle | None = None,
+        standby_probe: Callable[[], Mapping[str, Any]] | None = None,
     ) -> WorkerGroup:
         """Register a group in ``launching`` (or with a given ``machine``) and return it.
 
         Fails loudly and changes nothing on a duplicate id (:class:`DuplicateGroup`), ranks owned
         by another group (:class:`OverlappingRanks`) or repeated/empty ranks (``ValueError``).
-        ``endpoints`` default to the clients' URLs.
+        ``endpoints`` default to the clients' URLs. ``standby_probe``: see :class:`WorkerGroup`.
         """
         if not isinstance(group_id, str) or not group_id:
             raise ValueError(f"group_id must be a non-empty string, got {group_id!r}")
@@ -441,6 +467,7 @@ class FleetRegistry:
             clients=client_tuple,
             endpoints=eps,
             metadata=dict(metadata or {}),
+            standby_probe=standby_probe,
         )
         with self._lock:
             if group_id in self._groups:
@@ -580,8 +607,9 @@ class FleetRegistry:
         return {g.group_id: g.dispatch_counts() for g in self.groups()}
 
     def snapshot(self) -> dict[str, Any]:
-        """A JSON-friendly view: fleet version, and per group state, members, routable, requests
-        and last transitions."""
+        """A JSON-friendly view: fleet version, and per group state, members, routable, warm
+        standby (``standby.state``: ``none`` / ``warming`` / ``ready``), requests and last
+        transitions."""
         groups = self.groups()
         return {
             "fleet_version": self._version,

@@ -79,6 +79,9 @@ def _m(name: str, kind: str, labels: str, text: str) -> MetricSpec:
     return MetricSpec(name, kind, tuple(labels.split()) if labels else (), text)
 
 
+#: A group's warm standby states (``EngineLauncher.standby_state``; no engine import here).
+_STANDBY_STATES = ("none", "warming", "ready")
+
 #: Every metric a fleet exports, in exposition order (``docs/metrics.md`` is this table).
 METRICS: tuple[MetricSpec, ...] = (
     _m(
@@ -104,6 +107,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "group",
         "1 while the group's warm standby engine process is idle and imported, else 0",
+    ),
+    _m(
+        "rollsafe_group_standby_state",
+        "gauge",
+        "group state",
+        "1 for the group's warm standby state (none, warming: still importing, ready), "
+        "0 for the others",
     ),
     _m(
         "rollsafe_group_requests_outstanding",
@@ -188,7 +198,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "rollsafe_standby_starts_total",
         "counter",
         "group result",
-        "Engine (re)starts handed to a warm standby (used) or spawned fresh instead (fallback)",
+        "Engine (re)starts by where the engine came from: a ready standby (ready_standby), a "
+        "standby still importing that won the race against a fresh spawn (warming_standby), or "
+        "a fresh spawn while a standby was expected (fallback)",
     ),
     _m(
         "rollsafe_recovery_latency_seconds",
@@ -547,14 +559,23 @@ class _Collector:
             retried, continued = fleet.observer.request_counts(gid)
             fam["rollsafe_requests_retried_total"].add_metric([gid], float(retried))
             fam["rollsafe_requests_continued_total"].add_metric([gid], float(continued))
-            launcher = _launcher(fleet, gid)
-            ready = bool(launcher is not None and getattr(launcher, "standby_ready", False))
-            fam["rollsafe_group_standby_ready"].add_metric([gid], 1.0 if ready else 0.0)
-            stats = getattr(launcher, "standby_stats", None) if launcher is not None else None
-            if isinstance(stats, dict):
-                for result, key in (("used", "used"), ("fallback", "fallbacks")):
+            standby = info.get("standby") or {"state": "none"}
+            sb_state = str(standby.get("state", "none"))
+            fam["rollsafe_group_standby_ready"].add_metric(
+                [gid], 1.0 if sb_state == "ready" else 0.0
+            )
+            for s in _STANDBY_STATES:
+                fam["rollsafe_group_standby_state"].add_metric(
+                    [gid, s], 1.0 if sb_state == s else 0.0
+                )
+            if "fallbacks" in standby:
+                for result, key in (
+                    ("ready_standby", "used_ready"),
+                    ("warming_standby", "used_warming"),
+                    ("fallback", "fallbacks"),
+                ):
                     fam["rollsafe_standby_starts_total"].add_metric(
-                        [gid, result], float(stats.get(key, 0))
+                        [gid, result], float(standby.get(key) or 0)
                     )
         fam["rollsafe_fleet_weights_version"].add_metric([], float(fleet.registry.fleet_version))
         for s in (st.id for st in type(fleet.mode).states):
@@ -592,8 +613,3 @@ class _Collector:
         yield from fam.values()
 
 
-def _launcher(fleet: RolloutFleet, group_id: str) -> Any:
-    try:
-        return fleet.launcher(group_id)
-    except Exception:
-        return None

@@ -250,11 +250,18 @@ def recovery_lines(run: RunData) -> list[str]:
     recs = run.of("recovery")
     lines = []
     for i, s in enumerate(spans):
+        rec = recs[i] if i < len(recs) else {}
+        source = rec.get("restart_source")
+        restart = (
+            f"; restart from {source} (standby was {rec.get('standby_at_restart') or 'n/a'})"
+            if source
+            else ""
+        )
         lines.append(
             f"  {s['group']}: {s.get('status')} via {s.get('strategy') or 'n/a'};"
             f" onset t={s['onset']:.3f}s ({s['onset_source']}),"
             f" detected +{s['detected'] - s['onset']:.3f}s,"
-            f" active +{_fmt_s(s['latency_s'])}"
+            f" active +{_fmt_s(s['latency_s'])}{restart}"
         )
         steps = recs[i].get("steps") if i < len(recs) else None
         if isinstance(steps, list) and steps:

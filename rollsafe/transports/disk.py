@@ -31,7 +31,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rollsafe.statemachines import ExportLease, ExportLifecycle
 from rollsafe.transports.base import EngineTarget, RegisterError, StagedTransport, TransportError
@@ -95,6 +95,7 @@ class DiskTransport(StagedTransport):
         self.adopted = False  # True: an existing ready export was used, nothing was written
         self._lifecycle: ExportLifecycle | None = None
         self._nbytes = 0
+        self._verified: Any = None  # the VerifiedExport of a root-adopted directory
 
     # ------------------------------------------------------------------ register
     def _stage(
@@ -149,12 +150,16 @@ class DiskTransport(StagedTransport):
 
     def _from_root(self, names: list[str], version: int) -> tuple[Path, ExportLifecycle, bool]:
         from rollsafe.hf import ExportVerificationError, final_dir, verify_hf_dir
+        from rollsafe.hf.errors import display_path
 
         path = final_dir(self.root, version)
         try:
             verified = verify_hf_dir(path, names, self.allow_missing)
         except ExportVerificationError as exc:
-            raise RegisterError(f"{self.name}: {path} is not a verified export: {exc}") from exc
+            raise RegisterError(
+                f"{self.name}: {display_path(path)} is not a verified export: {exc}"
+            ) from exc
+        self._verified = verified  # re-checked (cheaply) before every push loads it
         if verified.version is not None and verified.version != version:
             raise RegisterError(
                 f"{self.name}: {path} holds version {verified.version} (manifest), not {version}"
@@ -165,6 +170,7 @@ class DiskTransport(StagedTransport):
 
     def _unstage(self) -> None:
         self.path, self._lifecycle, self.adopted, self._nbytes = None, None, False, 0
+        self._verified = None
 
     # ------------------------------------------------------------------ update
     def _push(self, target: EngineTarget) -> int:
@@ -178,6 +184,18 @@ class DiskTransport(StagedTransport):
                 f"target {target.name!r}: export v{version} at {path} cannot be leased "
                 f"(state {lifecycle.state!r}): {exc}"
             ) from exc
+        verified = self._verified
+        if verified is not None:  # the exporter's own leases re-verify in exporter.lease
+            from rollsafe.hf import ExportVerificationError, reverify
+
+            try:
+                reverify(verified)
+            except ExportVerificationError as exc:
+                self._release(lifecycle, lease)
+                raise TransportError(
+                    f"target {target.name!r}: export v{version} changed since it was verified "
+                    f"({exc}); not loaded"
+                ) from exc
         try:
             target.client.update_weights_from_disk(
                 str(path), weight_version=str(version), timeout=self.request_timeout

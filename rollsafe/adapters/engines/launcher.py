@@ -21,10 +21,15 @@ MODULE --standby``, which prints ``ROLLSAFE_STANDBY {json}`` and waits on stdin)
 ``{"argv": [...], "env": {...}}`` instead of spawning a fresh interpreter, then waits for the
 ready line and a health check exactly as for a fresh spawn; the standby's log becomes the
 engine's log and its pid the engine's pid. A standby is used while it is alive (one still
-importing takes the handoff once done, still ahead of a fresh spawn) and was started with the
+importing takes the handoff once done, raced by a fresh spawn) and was started with the
 same interpreter, module and environment; otherwise, or if it dies before it took the
 handoff, the start falls back to a fresh spawn (logged, counted in
-:attr:`EngineLauncher.standby_stats`). After every successful start the next standby is spawned
+:attr:`EngineLauncher.standby_stats`). A standby still importing (``warming``, see
+:attr:`EngineLauncher.standby_state`) never leaves a start waiting on it alone: it gets the
+handoff *and* a fresh engine is spawned next to it; whichever prints its ready line first is
+the engine and the other is killed (:attr:`EngineLauncher.last_start_source` says which:
+``ready_standby``, ``warming_standby`` or ``fresh_spawn``; a lost race counts as a fallback).
+After every successful start the next standby is spawned
 on a background thread (so it never competes with the start itself). The standby runs in its own
 session with its own parent-death watchdog and finalizer: ``stop()``, ``kill()``, context exit,
 garbage collection and interpreter exit kill it too; ``stop(keep_standby=True)`` (what recovery
@@ -83,6 +88,14 @@ VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
 API_KEY_FILE_PLACEHOLDER = "<api-key-config.yaml>"
 #: Which engine an :class:`EngineSpec` starts.
 EngineKind = Literal["reference", "sglang", "vllm"]
+#: A launcher's warm standby right now: ``ready`` (idle, imports done: a start takes it at
+#: once), ``warming`` (being spawned or still importing: a start races it against a fresh
+#: spawn) or ``none`` (no standby: off, not started, or stopped).
+StandbyState = Literal["none", "warming", "ready"]
+#: Where the last start's engine came from.
+StartSource = Literal["ready_standby", "warming_standby", "fresh_spawn"]
+STANDBY_STATES: tuple[StandbyState, ...] = ("none", "warming", "ready")
+START_SOURCES: tuple[StartSource, ...] = ("ready_standby", "warming_standby", "fresh_spawn")
 ENGINE_KINDS: tuple[EngineKind, ...] = ("reference", "sglang", "vllm")
 #: What a real engine must answer 200 on, in order, before it counts as ready: ``/health``,
 #: then an info endpoint (the first of the list that does not answer 404). SGLang 0.5.23 has
@@ -102,11 +115,15 @@ __all__ = [
     "ENGINE_KINDS",
     "READY_PREFIX",
     "STANDBY_PREFIX",
+    "STANDBY_STATES",
+    "START_SOURCES",
     "EngineKind",
     "EngineLauncher",
     "EngineSpec",
     "EngineStartError",
     "EngineStartTimeout",
+    "StandbyState",
+    "StartSource",
 ]
 
 log = logging.getLogger(__name__)
@@ -304,8 +321,7 @@ class EngineSpec:
             cmd += ["--tokenizer-path", str(self.tokenizer_path)]
         if self.weight_version is not None:
             cmd += ["--weight-version", self.weight_version]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
+        # the API key travels in ROLLSAFE_API_KEY (environment()), never on the command line
         cmd += list(self.extra_args)
         return cmd
 
@@ -367,6 +383,12 @@ class EngineSpec:
         env["PYTHONUNBUFFERED"] = "1"
         if self.fault_injection:
             env["ROLLSAFE_FAULT_INJECTION"] = "1"
+        if self.kind == "reference":
+            # out of `ps`: the engine reads the key from its environment and drops it there
+            if self.api_key:
+                env["ROLLSAFE_API_KEY"] = self.api_key
+            else:  # the spec's key is the only one: an inherited one would lock rollsafe out
+                env.pop("ROLLSAFE_API_KEY", None)
         if self.kind == "vllm":
             # the RL routes (/init_weight_transfer_engine, /update_weights, /pause, /sleep, ...)
             # exist only in dev mode
@@ -687,6 +709,7 @@ class _Standby:
     interpreter: str
     module: str
     env: dict[str, str]
+    spawned_at: float = dataclasses.field(default_factory=time.monotonic)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -741,10 +764,16 @@ class EngineLauncher:
         self._standby: _Standby | None = None
         self._standby_wanted = False  # set by a successful start, cleared by stop() / kill()
         self._standby_thread: threading.Thread | None = None
-        self._standby_stats = {"spawned": 0, "used": 0, "fallbacks": 0}
+        self._standby_stats = {
+            "spawned": 0, "used": 0, "used_ready": 0, "used_warming": 0, "raced": 0,
+            "fallbacks": 0,
+        }  # fmt: skip
         self._last_fallback: str | None = None
         self._last_from_standby = False
+        self._last_source: StartSource | None = None
+        self._last_standby_state: StandbyState | None = None
         self._command: list[str] | None = None  # the argv of the last start
+        self._base_model_path = spec.model_path  # the first model directory (stays put)
         self._api_key_file: str | None = None  # a real SGLang engine's --config file
 
     # ------------------------------------------------------------------ properties
@@ -805,10 +834,60 @@ class EngineLauncher:
         return sb is not None and sb.alive() and sb.announced()
 
     @property
+    def standby_state(self) -> StandbyState:
+        """``ready``: an idle standby is alive and imported; ``warming``: one is being spawned
+        or still importing (a start now races it against a fresh spawn); ``none`` otherwise.
+        Never blocks (no lock: safe to read from health checks and metrics while a restart
+        holds the launcher)."""
+        sb = self._standby
+        if sb is not None and sb.alive():
+            return "ready" if sb.announced() else "warming"
+        if self._standby_wanted and self._spec.warm_standby and not self._spec.real:
+            t = self._standby_thread
+            if sb is None and t is not None and t.is_alive():
+                return "warming"  # the spawner thread is about to spawn it
+        return "none"
+
+    @property
+    def last_start_source(self) -> StartSource | None:
+        """Where the last successful start's engine came from: ``ready_standby``,
+        ``warming_standby`` (a standby still importing won the race against a fresh spawn) or
+        ``fresh_spawn``; None before the first start."""
+        return self._last_source
+
+    @property
+    def last_start_standby_state(self) -> StandbyState | None:
+        """The :attr:`standby_state` when the last successful start began (None before one)."""
+        return self._last_standby_state
+
+    @property
     def standby_stats(self) -> dict[str, Any]:
-        """Counters: standbys ``spawned``, starts that ``used`` one, ``fallbacks`` to a fresh
-        spawn while one was expected, and ``last_fallback`` (the reason, or None)."""
+        """Counters: standbys ``spawned``; starts that ``used`` one (``used_ready`` /
+        ``used_warming``: it was ready, or still importing and won the race); ``raced``: starts
+        that spawned a fresh engine next to a warming standby; ``fallbacks``: starts that
+        expected a standby and ended on a fresh spawn (none spawned yet, dead, changed
+        environment, lost race); ``last_fallback`` (the reason, or None)."""
         return {**self._standby_stats, "last_fallback": self._last_fallback}
+
+    def standby_status(self) -> dict[str, Any]:
+        """A JSON-friendly view of the warm standby, lock-free (the fleet's snapshot, metrics
+        and the demo read it): ``enabled``, ``state``, ``pid``, ``age_s`` (since its spawn),
+        ``import_s`` (once ready), the :attr:`standby_stats` counters, ``last_start_source``
+        and ``last_start_standby_state``."""
+        sb = self._standby
+        alive = sb is not None and sb.alive()
+        announced = sb.pump.standby if sb is not None and alive else None
+        return {
+            "enabled": bool(self._spec.warm_standby),
+            "state": self.standby_state,
+            "pid": sb.proc.pid if sb is not None and alive else None,
+            "age_s": round(time.monotonic() - sb.spawned_at, 3) if sb is not None and alive
+            else None,
+            "import_s": announced.get("import_s") if announced else None,
+            **self.standby_stats,
+            "last_start_source": self._last_source,
+            "last_start_standby_state": self._last_standby_state,
+        }  # fmt: skip
 
     def wait_standby(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for an idle standby to finish its imports; return whether."""
@@ -855,7 +934,9 @@ class EngineLauncher:
         /update_weight_version`` (vLLM has no such flag).
 
         With ``spec.warm_standby`` a ready standby takes the start (see the module docstring);
-        a fresh spawn is the fallback. Raises :class:`EngineStartError` (with the output tail,
+        a standby still importing is raced against a fresh spawn (the first ready line wins);
+        a fresh spawn is the fallback. :attr:`last_start_source` records which. Raises
+        :class:`EngineStartError` (with the output tail,
         exit code and command) if the engine exits, prints a bad ready line or is not healthy
         within ``spec.ready_timeout`` (:class:`EngineStartTimeout` when it was still running);
         nothing is left running in that case (an idle standby the start did not use stays).
@@ -869,17 +950,30 @@ class EngineLauncher:
             cmd = spec.command()
             self._command = cmd
             self._starts += 1
+            state_at_start = self.standby_state
             standby = self._take_standby(spec)
-            from_standby = standby is not None and self._launch_from_standby(standby, spec, cmd)
-            if not from_standby:
-                self._launch_fresh(spec, cmd)
+            warming = standby is not None and not standby.announced()
+            source: StartSource = "fresh_spawn"
             try:
+                if warming:
+                    assert standby is not None
+                    source = self._race(standby, spec, cmd)
+                else:
+                    from_standby = standby is not None and self._launch_from_standby(
+                        standby, spec, cmd
+                    )
+                    if from_standby:
+                        source = "ready_standby"
+                    else:
+                        self._launch_fresh(spec, cmd)
                 try:
-                    self._wait_ready(self._require_proc(), cmd, from_standby=from_standby)
+                    self._wait_ready(
+                        self._require_proc(), cmd, from_standby=source != "fresh_spawn"
+                    )
                 except _StandbyLost as exc:
                     self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
                     self._fallback(str(exc))
-                    from_standby = False
+                    source = "fresh_spawn"
                     self._launch_fresh(spec, cmd)
                     self._wait_ready(self._require_proc(), cmd)
             except BaseException:
@@ -887,9 +981,13 @@ class EngineLauncher:
                 if self._standby_wanted:  # a retry of this start can still use a standby
                     self._schedule_standby()
                 raise
-            self._last_from_standby = from_standby
-            if from_standby:
+            self._last_from_standby = source != "fresh_spawn"
+            self._last_source = source
+            self._last_standby_state = state_at_start
+            if source != "fresh_spawn":
                 self._standby_stats["used"] += 1
+                self._standby_stats["used_ready" if source == "ready_standby" else
+                                    "used_warming"] += 1  # fmt: skip
             if spec.warm_standby:
                 self._standby_wanted = True
                 self._schedule_standby()  # runs once this start released the lock
@@ -912,6 +1010,8 @@ class EngineLauncher:
             raise
         self._remove_files()  # SGLang read its --config at start: the key leaves the disk
         self._last_from_standby = False
+        self._last_source = "fresh_spawn"
+        self._last_standby_state = "none"
         return self
 
     def _write_api_key_file(self, spec: EngineSpec) -> str | None:
@@ -942,6 +1042,15 @@ class EngineLauncher:
 
     def _launch_fresh(self, spec: EngineSpec, cmd: list[str]) -> None:
         """Spawn a new interpreter running ``cmd``; sets the process, pump, watchdog, finalizer."""
+        proc, pump, watchdog = self._spawn_fresh(spec, cmd)
+        self._proc = proc
+        self._pump = pump
+        self._watchdog = watchdog
+        self._finalizer = weakref.finalize(self, _reap, proc, [], self._watchdog, self._files())
+
+    def _spawn_fresh(
+        self, spec: EngineSpec, cmd: list[str]
+    ) -> tuple[subprocess.Popen[bytes], _OutputPump, subprocess.Popen[bytes] | None]:
         log_path = self._new_log("engine", cmd)
         try:
             proc = _spawn_group(cmd, spec.environment(), stdin=subprocess.DEVNULL)
@@ -953,11 +1062,87 @@ class EngineLauncher:
                 output_tail="",
                 log_path=log_path,
             ) from exc
-        self._proc = proc
-        self._pump = _OutputPump(proc, log_path, spec.secrets())
-        if spec.reap_on_parent_death:
-            self._watchdog = _start_watchdog(spec.interpreter(), proc.pid)
-        self._finalizer = weakref.finalize(self, _reap, proc, [], self._watchdog, self._files())
+        pump = _OutputPump(proc, log_path, spec.secrets())
+        watchdog = (
+            _start_watchdog(spec.interpreter(), proc.pid) if spec.reap_on_parent_death else None
+        )
+        return proc, pump, watchdog
+
+    def _race(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> StartSource:
+        """A start while the standby still imports: hand it off to the standby *and* spawn a
+        fresh engine; install whichever prints its ready line first, kill the other.
+
+        A contender that exits before its ready line drops out (e.g. the loser of a fixed
+        port); when both did, the fresh one is installed so that :meth:`_wait_ready` reports
+        its exit. Returns the installed engine's source (:meth:`_wait_ready` follows).
+        """
+        if not self._handoff(sb, spec, cmd):
+            self._launch_fresh(spec, cmd)
+            return "fresh_spawn"
+        proc, pump, watchdog = self._spawn_fresh(spec, cmd)
+        fresh = _Standby(
+            proc=proc, pump=pump, watchdog=watchdog,
+            finalizer=weakref.finalize(self, _reap, proc, [], watchdog),
+            interpreter=sb.interpreter, module=sb.module, env=sb.env,
+        )  # fmt: skip
+        self._standby_stats["raced"] += 1
+        log.info(
+            "engine start: the standby (pid %d) is still importing; a fresh engine (pid %d) "
+            "races it", sb.proc.pid, proc.pid,
+        )  # fmt: skip
+        everyone: dict[StartSource, _Standby] = {"warming_standby": sb, "fresh_spawn": fresh}
+        running = dict(everyone)
+        deadline = time.monotonic() + spec.ready_timeout
+        winner: StartSource | None = None
+        try:
+            while winner is None:
+                for name, c in list(running.items()):
+                    if c.pump.ready_event.is_set():
+                        winner = name
+                        break
+                    if c.proc.poll() is not None:
+                        c.pump.wait_eof(0.2)
+                        if c.pump.ready_event.is_set() or len(running) == 1:
+                            winner = name  # _wait_ready reports how it ended
+                            break
+                        log.info(
+                            "engine start: the %s contender (pid %d) exited with code %s "
+                            "before its ready line", name, c.proc.pid, c.proc.returncode,
+                        )  # fmt: skip
+                        del running[name]
+                if winner is None:
+                    if time.monotonic() >= deadline:
+                        winner = "fresh_spawn" if "fresh_spawn" in running else "warming_standby"
+                        break
+                    next(iter(running.values())).pump.ready_event.wait(0.01)
+        except BaseException:
+            for c in everyone.values():
+                c.discard()
+            raise
+        assert winner is not None
+        chosen = everyone[winner]
+        if winner == "fresh_spawn":
+            why = (
+                f"exited with code {sb.proc.returncode} before its ready line"
+                if sb.proc.poll() is not None
+                else "was still importing and a fresh engine started next to it was ready first"
+            )
+            self._fallback(f"the standby (pid {sb.proc.pid}) {why}")
+        for name, c in everyone.items():
+            if name != winner:
+                c.discard()
+        chosen.finalizer.detach()
+        self._proc = chosen.proc
+        self._pump = chosen.pump
+        self._watchdog = chosen.watchdog
+        self._finalizer = weakref.finalize(self, _reap, chosen.proc, [], chosen.watchdog)
+        if not chosen.pump.ready_event.is_set() and chosen.proc.poll() is None:
+            # nobody was ready in time
+            raise self._fail(
+                f"no ready line within {spec.ready_timeout:.1f}s (standby and fresh spawn)",
+                cmd, chosen.proc, timeout=True,
+            )  # fmt: skip
+        return winner
 
     # ------------------------------------------------------------------ warm standby
     def _fallback(self, reason: str) -> None:
@@ -994,6 +1179,18 @@ class EngineLauncher:
 
     def _launch_from_standby(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> bool:
         """Hand ``cmd``'s arguments to ``sb``; False (standby discarded) if it is gone."""
+        if not self._handoff(sb, spec, cmd):
+            return False
+        sb.finalizer.detach()
+        self._proc = sb.proc
+        self._pump = sb.pump
+        self._watchdog = sb.watchdog
+        self._finalizer = weakref.finalize(self, _reap, sb.proc, [], sb.watchdog)
+        return True
+
+    def _handoff(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> bool:
+        """Write the handoff line to ``sb``; False (standby discarded, fallback counted) if it
+        could not take it."""
         env = spec.environment()
         delta = {k: v for k, v in env.items() if sb.env.get(k) != v}
         line = json.dumps({"argv": spec.engine_args(), "env": delta}) + "\n"
@@ -1008,11 +1205,6 @@ class EngineLauncher:
             sb.discard()
             self._fallback(f"the standby (pid {sb.proc.pid}) could not take the handoff: {exc}")
             return False
-        sb.finalizer.detach()
-        self._proc = sb.proc
-        self._pump = sb.pump
-        self._watchdog = sb.watchdog
-        self._finalizer = weakref.finalize(self, _reap, sb.proc, [], sb.watchdog)
         return True
 
     def _schedule_standby(self) -> None:
@@ -1037,7 +1229,15 @@ class EngineLauncher:
                 if sb.alive():
                     return
                 self._discard_standby()
-            cmd = spec.standby_command()
+            # The model directory whose classes the standby imports ahead: the launcher's first
+            # one, which stays put; the current one may be a recovery export that is deleted
+            # while the standby imports (it would then import those classes only at handoff,
+            # a second or more on CPU).
+            base = self._base_model_path
+            if base != spec.model_path and os.path.isdir(base):
+                cmd = dataclasses.replace(spec, model_path=base).standby_command()
+            else:
+                cmd = spec.standby_command()
             env = spec.environment()
             log_path = self._new_log("standby", cmd)
             try:
@@ -1328,7 +1528,10 @@ class EngineLauncher:
         real weights (``auto`` if the current format was ``dummy``). An explicit ``load_format``
         wins over ``skip_load_weights``. The port is picked afresh when the spec's port is 0, so
         read :attr:`url` again afterwards. ``weight_version`` is what the restarted engine
-        reports until its next update (e.g. the version of the export it loads).
+        reports until its next update (e.g. the version of the export it loads). A restart on
+        dummy weights without a ``model_path`` whose current model directory is gone (a
+        recovery export deleted since) uses the launcher's first model directory: dummy weights
+        need only its config and tokenizer.
         """
         with self._lock:
             changes: dict[str, Any] = {}
@@ -1345,6 +1548,27 @@ class EngineLauncher:
             elif skip_load_weights is False and self._spec.load_format == "dummy":
                 changes["load_format"] = "auto"
             new_spec = dataclasses.replace(self._spec, **changes)
+            if (
+                new_spec.load_format == "dummy"
+                and model_path is None
+                and not new_spec.real
+                and not os.path.isdir(new_spec.model_path)
+                and os.path.isdir(self._base_model_path)
+            ):
+                # Dummy weights need only the config and tokenizer. The current directory may
+                # be a recovery export deleted since (a later export superseded it): restart on
+                # the launcher's first model directory instead of failing the start.
+                log.info(
+                    "restart on dummy weights: %s is gone, using %s (config and tokenizer)",
+                    new_spec.model_path, self._base_model_path,
+                )  # fmt: skip
+                new_spec = dataclasses.replace(
+                    new_spec,
+                    model_path=self._base_model_path,
+                    tokenizer_path=None
+                    if new_spec.tokenizer_path in (None, new_spec.model_path)
+                    else new_spec.tokenizer_path,
+                )
             self._teardown(sig_first=signal.SIGTERM, timeout=stop_timeout)
             self._spec = new_spec
             return self.start()

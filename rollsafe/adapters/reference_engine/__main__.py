@@ -1,7 +1,8 @@
 """Command line of the reference engine: ``python -m rollsafe.adapters.reference_engine``.
 
-Owns start-up: argument checks (refuse a non-loopback bind without ``--api-key``; check the
-model and tokenizer directories), spawning the ranks, serving HTTP, and the single
+Owns start-up: argument checks (refuse a non-loopback bind without an API key; check the
+model and tokenizer directories and the request limits), spawning the ranks, serving HTTP
+under those limits, and the single
 ``ROLLSAFE_READY {json}`` line printed (flushed) on stdout once the server listens. Start-up
 errors go to stderr with a non-zero exit status.
 
@@ -23,6 +24,10 @@ exits 0; a malformed line exits 2 with the reason on stderr. From then on it is 
 the same ``ROLLSAFE_READY`` line, with ``startup_s`` counted from the handoff,
 ``from_standby: true`` and ``standby: {"import_s", "idle_s"}``. The process stays
 single-threaded while it waits, so CPU ranks are still forked from it.
+
+The API key comes from ``--api-key-file PATH`` (the file's content, surrounding whitespace
+stripped) or the ``ROLLSAFE_API_KEY`` environment variable, so that it does not show in ``ps``;
+``--api-key KEY`` is still accepted but visible to every user of the host.
 
 Run as a program, the process exits through :func:`exit_fast` once ``main()`` returned: the
 interpreter teardown it skips costs a second or more with torch loaded, on every stop.
@@ -62,6 +67,8 @@ STANDBY_FLAG = "--standby"
 _PACKAGE = "rollsafe.adapters.reference_engine"
 #: What start-up imports besides torch (``api`` modules are per dialect).
 _ENGINE_MODULES = ("aiohttp.web", "ranks", "engine", "faults", "server")
+#: the environment variable an API key may come from (read once, then removed)
+API_KEY_ENV = "ROLLSAFE_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -102,9 +109,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=1, help="number of rank processes (TP-like)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file or "
+        f"{API_KEY_ENV})",
+    )
+    key.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from this file (surrounding whitespace stripped); without a "
+        f"key flag the key comes from ${API_KEY_ENV} if set",
+    )
     p.add_argument("--dialect", choices=["sglang", "vllm"], default="sglang")
-    p.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    _limit_args(p)
     p.add_argument(
         "--collective-timeout",
         type=float,
@@ -137,6 +157,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how ranks 1..N-1 start: auto = fork on CPU when safe (no re-import), else spawn",
     )
     p.add_argument("--weight-version", default="default")
+    p.add_argument(
+        "--allow-non-finite",
+        action="store_true",
+        help="apply weight updates that hold NaN/inf values (refused with a 400 by default)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
@@ -146,6 +171,77 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch threads per rank (0: (cpus - 1) // ranks, at least 1)",
     )
     return p.parse_args(argv)
+
+
+#: the request and connection limits: (flag, ServerLimits field, type, default, least, help).
+#: The defaults equal :class:`~.server.ServerLimits`'s (a test holds them together); they are
+#: kept here so that parsing the command line does not import the server (aiohttp, torch)
+#: before CUDA ranks are spawned.
+LIMIT_FLAGS: tuple[tuple[str, str, type, float, float, str], ...] = (
+    ("--max-body-bytes", "max_body_bytes", int, 64 << 20, 1024,
+     "largest request body; a larger Content-Length is answered 413 before reading"),
+    ("--max-prompts-per-request", "max_prompts", int, 1024, 1,
+     "most prompts in one generation request (400 past it)"),
+    ("--max-total-new-tokens", "max_total_new_tokens", int, 1 << 18, 1,
+     "most new tokens one request may ask for, max_new_tokens summed over its prompts "
+     "(400 past it)"),
+    ("--max-concurrent-requests", "max_concurrent_requests", int, 1024, 1,
+     "most prompts queued or running in the engine; a request past it is answered 503 and "
+     "not queued"),
+    ("--max-connections", "max_connections", int, 512, 1,
+     "most open HTTP connections; one more is answered 503 and closed"),
+    ("--header-timeout", "header_timeout_s", float, 30.0, 0.001,
+     "seconds for a request's headers to arrive (also the idle keep-alive time)"),
+    ("--body-timeout", "body_timeout_s", float, 60.0, 0.001,
+     "seconds for a request's body to arrive (408 past it)"),
+)  # fmt: skip
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    for flag, _, kind, default, _, text in LIMIT_FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
+
+
+def _limit_problem(args: argparse.Namespace) -> str | None:
+    for flag, _, _, _, least, _ in LIMIT_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not value >= least or value == float("inf"):  # also NaN
+            return f"{flag} must be >= {least:g}, got {value}"
+    return None
+
+
+def server_limits(args: argparse.Namespace) -> Any:
+    """The :class:`~.server.ServerLimits` of the command line."""
+    from rollsafe.adapters.reference_engine.server import ServerLimits
+
+    return ServerLimits(
+        **{field: getattr(args, flag[2:].replace("-", "_")) for flag, field, *_ in LIMIT_FLAGS}
+    )
+
+
+def resolve_api_key(args: argparse.Namespace, environ: Any = None) -> str | None:
+    """Set ``args.api_key`` from ``--api-key-file`` or ``$ROLLSAFE_API_KEY`` (removed from the
+    environment once read, so the ranks do not inherit it); ``None`` when all went well, else
+    what is wrong. A key given by none of them leaves the engine without authentication."""
+    env = os.environ if environ is None else environ
+    from_env = env.pop(API_KEY_ENV, None)
+    if args.api_key is not None:
+        return None
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.read(1 << 16).strip()
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            reason = getattr(exc, "strerror", None) or type(exc).__name__
+            return f"--api-key-file {args.api_key_file!r} cannot be read: {reason}"
+        if not key:
+            return f"--api-key-file {args.api_key_file!r} is empty"
+        args.api_key = key
+    elif from_env is not None:
+        if not from_env.strip():
+            return f"${API_KEY_ENV} is set but empty"
+        args.api_key = from_env.strip()
+    return None
 
 
 def _is_loopback(host: str) -> bool:
@@ -160,15 +256,20 @@ def _is_loopback(host: str) -> bool:
 def check_args(args: argparse.Namespace) -> str | None:
     if args.ranks < 1:
         return f"--ranks must be >= 1, got {args.ranks}"
+    problem = resolve_api_key(args)
+    if problem is not None:
+        return problem
     if not _is_loopback(args.host) and not args.api_key:
         return (
-            f"refusing to bind non-loopback address {args.host!r} without --api-key: anyone who "
-            "can reach it could replace the weights"
+            f"refusing to bind non-loopback address {args.host!r} without an API key "
+            f"(--api-key-file, ${API_KEY_ENV} or --api-key): anyone who can reach it could "
+            "replace the weights"
         )
     if args.api_key is not None and not args.api_key.strip():
         return "--api-key must not be empty"
-    if args.max_body_bytes < 1024:
-        return "--max-body-bytes must be >= 1024"
+    problem = _limit_problem(args)
+    if problem is not None:
+        return problem
     if args.start_timeout <= 0:
         return "--start-timeout must be > 0"
     if args.rank_backend == "nccl" and args.device != "cuda":
@@ -253,12 +354,14 @@ async def serve(
     start_method: str,
     standby: StandbyStart | None = None,
 ) -> int:
-    from aiohttp import web
-
     from rollsafe.adapters.reference_engine.engine import ReferenceEngine
     from rollsafe.adapters.reference_engine.faults import FaultInjector, fault_injection_enabled
     from rollsafe.adapters.reference_engine.ranks import RankSet
-    from rollsafe.adapters.reference_engine.server import ServerContext, build_app
+    from rollsafe.adapters.reference_engine.server import (
+        ServerContext,
+        build_app,
+        start_server,
+    )
 
     holder: dict[str, ReferenceEngine] = {}
     loop = asyncio.get_running_loop()
@@ -280,6 +383,7 @@ async def serve(
         max_context=int(getattr(cfg, "max_position_embeddings", 4096)),
         weight_version=args.weight_version,
     )
+    engine.allow_non_finite = bool(args.allow_non_finite)
     holder["engine"] = engine
     if ranks.failure is not None:
         engine.fail(ranks.failure)
@@ -290,20 +394,10 @@ async def serve(
         dialect=args.dialect,
         device=args.device,
         rank_pids=ranks.rank_pids,
+        limits=server_limits(args),
     )
-    app = build_app(
-        ctx,
-        api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes,
-        faults=FaultInjector(fault_injection_enabled()),
-    )
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    server = site._server
-    assert server is not None
-    port = int(cast(Any, server).sockets[0].getsockname()[1])
+    app = build_app(ctx, api_key=args.api_key, faults=FaultInjector(fault_injection_enabled()))
+    runner, port = await start_server(app, args.host, args.port, ctx.limits)
     url_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     clock.mark("serving")
     ready = {

@@ -57,11 +57,16 @@ def open_weight_update_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 120.0,
+    connect_timeout_s: float | None = None,
 ) -> WeightUpdateGroup:
     """Join (rank 0: create) a standalone weight-update process group; blocks until all join.
 
     Rank 0 hosts the ``TCPStore`` on ``master_address:master_port``. Returns a process-group
     :class:`WeightUpdateGroup`; ``broadcast(tensor, root)`` returns a ``Work`` (``.wait()``).
+    ``timeout_s`` bounds every collective of the group; ``connect_timeout_s`` (default
+    ``timeout_s``) the store connect and the rendezvous. The store does not always honour it
+    (a silent peer holds the connect for minutes): the engine calls this on a thread of its own
+    and enforces its deadline itself (``ranks.GroupJoin``).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -71,7 +76,7 @@ def open_weight_update_group(
         int(master_port),
         world_size,
         is_master=(rank == 0),
-        timeout=timeout,
+        timeout=datetime.timedelta(seconds=connect_timeout_s or timeout_s),
         wait_for_workers=False,
     )
     prefixed = dist.PrefixStore(group_name, store)
@@ -94,6 +99,8 @@ class WeightUpdateGroup:
         self.store = store
         self.name = name
         self.backend = backend
+        #: the engine's id of the join that created it (``init_group_cancel`` matches it)
+        self.token: str | None = None
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Any:
         """Start a broadcast from ``root``; returns the ``Work`` (call ``.wait()``)."""

@@ -12,11 +12,15 @@ touches the ranks runs on the driver thread, so collectives never interleave; HT
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
+import math
 import threading
 import time
+import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,6 +28,7 @@ import torch
 
 from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
+    EngineBusy,
     EngineError,
     EngineUnavailable,
     RankFailure,
@@ -38,6 +43,11 @@ __all__ = ["GenerationResult", "ReferenceEngine", "SamplingParams"]
 
 T = TypeVar("T")
 PAUSE_MODES = ("abort", "retract", "in_place")
+#: below this temperature sampling is greedy (vLLM's ``_SAMPLING_EPS``; SGLang's is 1e-6): a
+#: smaller divisor would overflow the logits to inf and the probabilities to NaN
+GREEDY_BELOW_TEMPERATURE = 1e-5
+#: ``seed`` / ``sampling_seed`` must fit in an int64, as vLLM's request model requires
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,7 @@ class _Session:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     started: bool = False
+    ended: bool = False  # the ranks' state of this session was dropped (driver thread only)
     t0: float = field(default_factory=time.monotonic)
 
 
@@ -83,7 +94,7 @@ def sample_token(
     """Greedy when ``temperature == 0``; else temperature / top-k / top-p sampling."""
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
-    if params.temperature <= 0.0:
+    if params.temperature < GREEDY_BELOW_TEMPERATURE:
         tok = int(torch.argmax(logits))
         return tok, float(logp[tok])
     scaled = logits / params.temperature
@@ -118,6 +129,9 @@ class ReferenceEngine:
         self.eos_token_ids = eos_token_ids
         self.max_context = max_context
         self.weight_version = weight_version
+        #: apply updates holding NaN/inf (``--allow-non-finite``); refused (400) by default.
+        #: An engine-wide opt-in: neither SGLang nor vLLM has a request field for it.
+        self.allow_non_finite = False
         self.vocab_size = ranks.local.model.vocab_size
         self.device = ranks.local.device
         self._cv = threading.Condition()
@@ -125,6 +139,10 @@ class ReferenceEngine:
         self._sessions: dict[str, _Session] = {}
         self._order: collections.deque[str] = collections.deque()
         self._ids = itertools.count()
+        #: sessions removed by :meth:`cancel` whose rank state the driver still has to drop
+        self._dropped: list[_Session] = []
+        #: tokens sampled since start (every session; ``/get_server_info`` reports it)
+        self.tokens_generated = 0
         self._paused: str | None = None
         self._released: set[str] = set()
         self._failure: str | None = None
@@ -151,6 +169,7 @@ class ReferenceEngine:
 
     @property
     def num_running(self) -> int:
+        """Generation requests (one per prompt) queued or running in the engine."""
         return len(self._sessions)
 
     def fail(self, reason: str) -> None:
@@ -188,41 +207,106 @@ class ReferenceEngine:
             self._cv.notify_all()
         return fut
 
-    def submit_generate(
-        self, prompt: list[int], params: SamplingParams, rid: str | None = None
-    ) -> Future[GenerationResult]:
+    def check_generate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise :class:`BadRequest` if ``prompt`` / ``params`` cannot be generated; no effect."""
         if not prompt:
             raise BadRequest("prompt is empty: give at least one input id")
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise BadRequest(f"input id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise BadRequest(
+                f"input id {_short_int(bad)} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if len(prompt) + params.max_new_tokens > self.max_context:
             raise BadRequest(
-                f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"context length {self.max_context}"
+                f"prompt ({len(prompt)}) + max_new_tokens ({_short_int(params.max_new_tokens)}) "
+                f"exceeds the context length {self.max_context}"
             )
+        if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
+            raise BadRequest(f"seed {_short_int(params.seed)} is outside the int64 range")
+
+    def submit_generate(
+        self, prompt: list[int], params: SamplingParams, rid: str | None = None
+    ) -> Future[GenerationResult]:
+        """Queue one generation (not counted against any concurrency limit: health probes)."""
+        return self.submit_batch([prompt], [params], [rid])[0]
+
+    def submit_batch(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        rids: list[str | None],
+        *,
+        max_running: int | None = None,
+    ) -> list[Future[GenerationResult]]:
+        """Queue every prompt of a request, or none of them.
+
+        Every prompt is checked (:meth:`check_generate`) before any is queued, so one bad
+        prompt is a :class:`BadRequest` and nothing of the batch runs. ``max_running`` caps
+        :attr:`num_running` (queued or running prompts) after admission: past it the whole
+        batch is refused with :class:`EngineBusy` (503), nothing queued.
+        """
+        if not len(prompts) == len(params) == len(rids):
+            raise BadRequest("one sampling_params and rid per prompt")
+        for prompt, sp in zip(prompts, params, strict=True):
+            self.check_generate(prompt, sp)
         if self._released:
             raise EngineUnavailable(
                 f"memory released ({', '.join(sorted(self._released))}): call "
                 "/resume_memory_occupation before generating"
             )
-        sid = f"{rid or 'req'}#{next(self._ids)}"
-        gen = torch.Generator()
-        gen.manual_seed(
-            params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
-        )
-        fut: Future[GenerationResult] = Future()
-        sess = _Session(sid, list(prompt), params, fut, gen)
+        sessions: list[_Session] = []
+        futs: list[Future[GenerationResult]] = []
+        for prompt, sp, rid in zip(prompts, params, rids, strict=True):
+            gen = torch.Generator()
+            gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ())))
+            fut: Future[GenerationResult] = Future()
+            sid = f"{rid or 'req'}#{next(self._ids)}"
+            sessions.append(_Session(sid, list(prompt), sp, fut, gen))
+            futs.append(fut)
         with self._cv:
             if self._failure is not None:
                 raise RankFailure(f"engine failed: {self._failure}")
-            if params.max_new_tokens == 0:
-                fut.set_result(self._result(sess, {"type": "length", "length": 0}))
-                return fut
-            self._sessions[sid] = sess
-            self._order.append(sid)
+            queued = [s for s in sessions if s.params.max_new_tokens > 0]
+            if max_running is not None and len(self._sessions) + len(queued) > max_running:
+                raise EngineBusy(
+                    f"engine busy: {len(self._sessions)} generation requests are running and "
+                    f"this one adds {len(queued)}; the limit is {max_running} "
+                    "(--max-concurrent-requests); not queued, retry later"
+                )
+            for sess in sessions:
+                if sess.params.max_new_tokens == 0:
+                    sess.future.set_result(self._result(sess, {"type": "length", "length": 0}))
+                    continue
+                self._sessions[sess.sid] = sess
+                self._order.append(sess.sid)
             self._cv.notify_all()
-        return fut
+        return futs
+
+    def cancel(self, futures: list[Future[GenerationResult]]) -> int:
+        """Abort the generations behind ``futures`` (their client went away); thread-safe.
+
+        Each unfinished one leaves the running set at once and its future is cancelled; the
+        driver drops its state on the ranks before its next step. Returns how many were aborted.
+        """
+        wanted = {id(f) for f in futures}
+        with self._cv:
+            gone = [s for s in self._sessions.values() if id(s.future) in wanted]
+            for sess in gone:
+                del self._sessions[sess.sid]
+                with contextlib.suppress(ValueError):
+                    self._order.remove(sess.sid)
+                sess.future.cancel()
+            self._dropped.extend(gone)
+            if gone:
+                self._cv.notify_all()
+        return len(gone)
+
+    def _drop_rank_state(self, sess: _Session) -> None:
+        """Driver thread only: free ``sess``'s KV state on the ranks, once."""
+        if sess.started and not sess.ended and self.ranks.failure is None:
+            with contextlib.suppress(EngineError):
+                self.ranks.call("end", {"sid": sess.sid})
+        sess.ended = True
 
     # ---- driver ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -230,16 +314,26 @@ class ReferenceEngine:
             job: tuple[Callable[[], Any], Future[Any]] | None = None
             sess: _Session | None = None
             with self._cv:
-                while not self._stopping and not self._ops and not self._runnable():
+                while (
+                    not self._stopping
+                    and not self._ops
+                    and not self._runnable()
+                    and not self._dropped
+                ):
                     self._cv.wait()
                 if self._stopping:
                     return
-                if self._ops:
+                dropped, self._dropped = self._dropped, []
+                if dropped:
+                    pass  # cancelled sessions first: their KV state is freed before anything
+                elif self._ops:
                     job = self._ops.popleft()
                 else:
                     sid = self._order[0]
                     self._order.rotate(-1)
                     sess = self._sessions[sid]
+            for gone in dropped:
+                self._drop_rank_state(gone)
             if job is not None:
                 fn, fut = job
                 if not fut.set_running_or_notify_cancel():
@@ -272,6 +366,7 @@ class ReferenceEngine:
         logits = self.ranks.call("forward", {"sid": sess.sid, "token_ids": feed})  # on the CPU
         sess.started = True
         tok, lp = sample_token(logits, sess.params, sess.generator)
+        self.tokens_generated += 1
         sess.out.append(tok)
         sess.logprobs.append(lp)
         p = sess.params
@@ -298,17 +393,16 @@ class ReferenceEngine:
             self._sessions.pop(sess.sid, None)
             if sess.sid in self._order:
                 self._order.remove(sess.sid)
-        if sess.started and self.ranks.failure is None and not isinstance(exc, RankFailure):
-            try:
-                self.ranks.call("end", {"sid": sess.sid})
-            except EngineError:
-                pass
+        if isinstance(exc, RankFailure):
+            sess.ended = True  # the ranks are gone or failed: nothing to free
+        self._drop_rank_state(sess)
         if sess.future.done():
             return
-        if exc is not None:
-            sess.future.set_exception(exc)
-        elif reason is not None:
-            sess.future.set_result(self._result(sess, reason))
+        with contextlib.suppress(InvalidStateError):  # its client cancelled it just now
+            if exc is not None:
+                sess.future.set_exception(exc)
+            elif reason is not None:
+                sess.future.set_result(self._result(sess, reason))
 
     def _abort_all(self, message: str) -> int:
         """Driver thread only: finish every session with ``finish_reason.type == "abort"``."""
@@ -355,28 +449,58 @@ class ReferenceEngine:
         return self.submit(run)
 
     # ---- weights ---------------------------------------------------------------------------
+    #: seconds a weight-update group setup (``/init_weights_update_group``, vLLM
+    #: ``/init_weight_transfer_engine``) may take when the request names no deadline, capped by
+    #: ``--weight-group-timeout``; settable per engine
+    group_init_timeout_s: float = 60.0
+    #: after a failed or late setup, how long its answer waits for the ranks to be cleaned up
+    _GROUP_CLEANUP_WAIT_S = 2.0
+
     def _two_phase(
         self,
         op: str,
         args: dict[str, Any] | None,
         per_rank: list[dict[str, Any]] | None,
         weight_version: str | None,
+        allow_non_finite: bool = False,
     ) -> list[str]:
+        """One call of a weight update, all-or-nothing on every rank (driver thread).
+
+        Phase 1 (``op``): every rank stages and checks the whole call -- names, shapes, dtypes,
+        every tensor materialized (not ``meta``, dense, its storage holding its data) on the
+        rank's device or the host, finite unless ``allow_non_finite``; nothing live changes.
+        Any refusal on any rank makes every rank discard, and its named error (a 4xx) is raised
+        with the previous weights and version everywhere. Phase 2 (``commit``): every rank
+        copies its checked staging into its weights, a pure copy that cannot fail for data
+        reasons; should it fail anyway (a device fault), the engine marks itself failed rather
+        than serve weights that are half one version and half the other.
+        """
         if "weights" in self._released:
             raise WeightUpdateError(
                 "weights are released: call /resume_memory_occupation before updating them"
             )
+        allow = bool(allow_non_finite or self.allow_non_finite)
+        stage_args = {**(args or {}), "allow_non_finite": allow}
         try:
-            self.ranks.call(op, args, per_rank)
+            self.ranks.call(op, stage_args, per_rank)
         except BaseException:
             if self.ranks.failure is None:
-                self.ranks.call("discard")
+                with contextlib.suppress(EngineError):
+                    self.ranks.call("discard")
             raise
         # an nccl call that is not an update's last (no version) is answered once its copies
         # are queued, so the next call's receive overlaps them (SGLang answers these calls
         # without a device sync too); every other call waits for its copies
         sync = not (op == "stage_distributed" and weight_version is None)
-        names: list[str] = self.ranks.call("commit", {"sync": sync})
+        try:
+            names: list[str] = self.ranks.call("commit", {"sync": sync})
+        except BaseException as exc:
+            reason = (
+                f"a weight commit failed after every rank validated it ({exc}); the weights "
+                "may mix two versions"
+            )
+            self.fail(reason)
+            raise RankFailure(f"engine failed: {reason}") from exc
         # the version moves only with the call that carries it, once that call committed on
         # every rank: buckets sent without it (or failing) leave the previous version served
         if weight_version is not None:
@@ -384,7 +508,12 @@ class ReferenceEngine:
         return names
 
     def update_from_disk(
-        self, model_path: str, weight_version: str | None, abort_all: bool = False
+        self,
+        model_path: str,
+        weight_version: str | None,
+        abort_all: bool = False,
+        *,
+        allow_non_finite: bool = False,
     ) -> Future[list[str]]:
         """Reload every weight from an HF directory; a bad path raises before anything is queued."""
         check_model_path(model_path)
@@ -392,12 +521,14 @@ class ReferenceEngine:
         def run() -> list[str]:
             if abort_all:
                 self._abort_all("aborted for a weight update")
-            return self._two_phase("stage_disk", {"model_path": model_path}, None, weight_version)
+            return self._two_phase(
+                "stage_disk", {"model_path": model_path}, None, weight_version, allow_non_finite
+            )
 
         return self.submit(run)
 
     def update_from_tensor(
-        self, entries: list[Any], weight_version: str | None
+        self, entries: list[Any], weight_version: str | None, *, allow_non_finite: bool = False
     ) -> Future[list[str]]:
         if len(entries) != self.ranks.world_size:
             raise WeightUpdateError(
@@ -405,7 +536,11 @@ class ReferenceEngine:
                 f"{self.ranks.world_size} ranks (one entry per rank)"
             )
         per_rank = [{"entry": e} for e in entries]
-        return self.submit(lambda: self._two_phase("stage_tensor", None, per_rank, weight_version))
+        return self.submit(
+            lambda: self._two_phase(
+                "stage_tensor", None, per_rank, weight_version, allow_non_finite
+            )
+        )
 
     def validate_meta(self, meta: UpdateMeta) -> None:
         self.ranks.local.model.validate(meta)
@@ -418,6 +553,7 @@ class ReferenceEngine:
         weight_version: str | None,
         *,
         chunk_bytes: int | None = None,
+        allow_non_finite: bool = False,
     ) -> Future[list[str]]:
         """Receive one call's broadcast: per tensor, or ``flattened`` (one uint8 buffer, SGLang)
         cut into chunks of ``chunk_bytes`` (vLLM's packed transfer); see ``receive_broadcast``."""
@@ -432,9 +568,15 @@ class ReferenceEngine:
             "flattened": flattened,
             "chunk_bytes": chunk_bytes,
         }
-        return self.submit(lambda: self._two_phase("stage_distributed", args, None, weight_version))
+        return self.submit(
+            lambda: self._two_phase(
+                "stage_distributed", args, None, weight_version, allow_non_finite
+            )
+        )
 
-    def update_from_ipc(self, zmq_handles: Any, weight_version: str | None) -> Future[list[str]]:
+    def update_from_ipc(
+        self, zmq_handles: Any, weight_version: str | None, *, allow_non_finite: bool = False
+    ) -> Future[list[str]]:
         if self.device.type != "cuda":
             from rollsafe.adapters.reference_engine.errors import Unsupported
 
@@ -443,15 +585,145 @@ class ReferenceEngine:
                 "CUDA IPC buffers); this engine runs on cpu"
             )
         args = {"zmq_handles": zmq_handles}
-        return self.submit(lambda: self._two_phase("stage_ipc", args, None, weight_version))
+        return self.submit(
+            lambda: self._two_phase("stage_ipc", args, None, weight_version, allow_non_finite)
+        )
 
-    def init_group(self, **kwargs: Any) -> Future[None]:
+    # Weight-update group setup. Joining a trainer's group is a rendezvous that lasts as long
+    # as the trainer (or a dead address: a silent peer holds the store connect for minutes,
+    # whatever its timeout) makes it, so it never runs on the driver thread: every rank joins
+    # on a thread of its own (``ranks.GroupJoin``), the driver only starts, polls (between
+    # generation steps) and installs or cancels the joins, each a pipe round trip, and a
+    # waiter thread answers the request. The deadline is honoured here, not by the store: at
+    # the deadline the request fails with a WeightUpdateError (400) whatever the ranks'
+    # threads are doing; every rank then gives its join up, and a rendezvous that completes
+    # later closes the group it made. Nothing is installed after the deadline.
+    _group_inits_: dict[str, str] | None = None
+
+    @property
+    def _group_inits(self) -> dict[str, str]:
+        """Setups in flight: group name -> token of the join (reserved until cleaned up)."""
+        with self._cv:  # re-entrant
+            if self._group_inits_ is None:
+                self._group_inits_ = {}
+            return self._group_inits_
+
+    def init_group(self, *, timeout_s: float | None = None, **kwargs: Any) -> Future[None]:
+        """Join the trainer's weight-update group ``kwargs["group_name"]`` on every rank.
+
+        ``kwargs`` are ``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
+        ``group_name`` and ``backend``. ``timeout_s`` is the deadline of the whole setup
+        (default :attr:`group_init_timeout_s`, at most ``--weight-group-timeout``); the
+        returned future fails with :class:`WeightUpdateError` once it passes, and generation
+        runs meanwhile. A name that exists or is being set up is refused at once.
+        """
         name = kwargs["group_name"]
-        if name in self.ranks.local.weight_groups:
-            raise WeightUpdateError(f"weight update group {name!r} already exists")
-        return self.submit(lambda: self.ranks.call("init_group", kwargs))
+        if timeout_s is None:
+            timeout_s = min(self.group_init_timeout_s, self.ranks.opts.weight_group_timeout_s)
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not math.isfinite(timeout_s)
+            or timeout_s <= 0
+        ):
+            raise BadRequest(f"the setup timeout must be a positive number, got {timeout_s!r}")
+        token = uuid.uuid4().hex
+        with self._cv:
+            if name in self.ranks.local.weight_groups:
+                raise WeightUpdateError(f"weight update group {name!r} already exists")
+            if name in self._group_inits:
+                raise WeightUpdateError(f"weight update group {name!r} is already being set up")
+            self._group_inits[name] = token
+        timeout = float(timeout_s)
+        deadline = time.monotonic() + timeout
+        fut: Future[None] = Future()
+        args = {**kwargs, "token": token, "timeout_s": timeout}
+        start = self.submit(lambda: self.ranks.call("init_group_start", args))
+        waiter = threading.Thread(
+            target=self._await_group,
+            args=(name, token, timeout, deadline, start, fut, kwargs),
+            name=f"group-init-{name}",
+            daemon=True,
+        )
+        waiter.start()
+        return fut
+
+    def _await_group(
+        self,
+        name: str,
+        token: str,
+        timeout: float,
+        deadline: float,
+        start: Future[Any],
+        fut: Future[None],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Waiter thread of one setup: poll the ranks' joins until done, failed or late."""
+        late = WeightUpdateError(
+            f"weight update group {name!r}: the rendezvous with "
+            f"{kwargs.get('master_address')}:{kwargs.get('master_port')} did not complete "
+            f"within {timeout:g}s; the group was not created (every rank gave its join up)"
+        )
+        error: BaseException | None = None
+        try:
+            self._wait_op(start, deadline, late)
+            pause = 0.01
+            while not self._wait_op(
+                self.submit(lambda: self._group_step(name, token, deadline, late)), deadline, late
+            ):
+                if self._stopping:
+                    raise EngineUnavailable("the engine is stopping")
+                time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+                pause = min(2 * pause, 0.1)
+        except BaseException as exc:
+            error = exc
+        if error is None:
+            with self._cv:
+                self._group_inits.pop(name, None)
+            fut.set_result(None)
+            return
+        cleanup = self.submit(lambda: self._cancel_group(name, token))
+        try:
+            cleanup.result(timeout=self._GROUP_CLEANUP_WAIT_S)
+        except BaseException:
+            if cleanup.done():  # the driver is gone (engine failed): nothing left to clean
+                with self._cv:
+                    if self._group_inits.get(name) == token:
+                        del self._group_inits[name]
+        fut.set_exception(error)
+
+    @staticmethod
+    def _wait_op(op: Future[Any], deadline: float, late: BaseException) -> Any:
+        """``op``'s result, or ``late`` once ``deadline`` passes (``op`` cancelled if queued)."""
+        try:
+            return op.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            op.cancel()
+            raise late from None
+
+    def _group_step(self, name: str, token: str, deadline: float, late: BaseException) -> bool:
+        """Driver thread: ``True`` once every rank joined and the group is installed."""
+        if time.monotonic() >= deadline:
+            raise late
+        done = self.ranks.call_all("init_group_poll", {"group_name": name, "token": token})
+        if not all(done):
+            return False
+        self.ranks.call("init_group_finish", {"group_name": name, "token": token})
+        return True
+
+    def _cancel_group(self, name: str, token: str) -> None:
+        """Driver thread: give setup ``token`` up on every rank, then free its name."""
+        try:
+            if self.ranks.failure is None:
+                self.ranks.call("init_group_cancel", {"group_name": name, "token": token})
+        finally:
+            with self._cv:
+                if self._group_inits.get(name) == token:
+                    del self._group_inits[name]
 
     def destroy_group(self, group_name: str) -> Future[None]:
+        if group_name in self._group_inits:
+            raise WeightUpdateError(f"weight update group {group_name!r} is being set up")
         if group_name not in self.ranks.local.weight_groups:
             raise WeightUpdateError(f"no weight update group {group_name!r}")
         return self.submit(lambda: self.ranks.call("destroy_group", {"group_name": group_name}))
@@ -575,3 +847,8 @@ class ReferenceEngine:
     @property
     def update_in_progress(self) -> bool:
         return self._update_in_progress
+
+
+def _short_int(value: int) -> str:
+    """``value`` for an error message, bounded (a hostile int can have thousands of digits)."""
+    return str(value) if abs(value) < 2**128 else f"<an integer of {value.bit_length()} bits>"

@@ -7,25 +7,34 @@ decode step needs every rank's slice of the logits (an all-gather). The module a
 all-or-nothing update protocol on this rank: ``validate`` -> ``stage`` -> ``commit`` (in-place
 copy into live parameters) or ``discard``.
 
-``stage`` validates the name, dtype and shape of every tensor of the call before it records
-anything and, by default, records the given tensors **as they are** (no copy): the sources of
-``/update_weights_from_tensor`` (shared-memory / CUDA IPC views of the sender's buffers), of a
-distributed update (views of this rank's reusable receive buffer) and of a disk load (tensors
-read for this load) all stay valid and unchanged until ``commit`` or ``discard`` runs in the same
-request, so each byte is copied once, straight into the live parameters. ``copy=True`` is for
+``stage`` is phase 1 of a commit and checks everything a commit could trip over before it
+records anything: the name, dtype and shape of every tensor of the call, then that each one is
+a real, readable tensor (dense strided layout, a plain tensor, not on the ``meta`` device, its
+storage large enough for its extent) and, unless the caller passes ``allow_non_finite``, that it
+holds no NaN or inf (:func:`non_finite_index`: one fused reduction per device and dtype, one
+host sync per call). A tensor on this rank's device, or on the host (disk reads and gloo
+receives are staged there and copied to the device by the commit), is recorded **as it is**
+when contiguous (no copy): the sources of ``/update_weights_from_tensor`` (shared-memory / CUDA
+IPC views of the sender's buffers), of a distributed update (views of this rank's reusable
+receive buffer) and of a disk load (tensors read for this load) all stay valid and unchanged
+until ``commit`` or ``discard`` runs in the same request, so each byte is copied once, straight
+into the live parameters. Anything else (another accelerator, a non-contiguous view) gets a
+contiguous copy on this rank's device while staging; ``copy=True`` copies every tensor, for
 sources that may change before the commit (checkpoint-engine reuses its buffers between
-buckets of one request). Live weights are touched only by ``commit``, after every rank staged
-and validated the whole request. Residual risk: ``commit`` copies tensor by tensor; a copy
-between validated, same-shape, same-dtype tensors cannot fail for data reasons, so only a
-device fault (a CUDA error, the process dying) mid-commit could leave this rank half updated,
-and such a failure already marks the engine failed.
+buckets of one request).
+
+``commit`` is phase 2: a pure copy between validated, materialized, same-shape, same-dtype
+tensors, which cannot fail for data reasons. Live weights are touched only by ``commit``, after
+every rank staged and validated the whole request. Residual risk: only a device fault (a CUDA
+error, the process dying) mid-commit could leave this rank half updated; the engine then marks
+itself failed (``ReferenceEngine._two_phase``) instead of serving mixed weights.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +46,15 @@ from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.transports.bucket import dtype_name
 from rollsafe.transports.pipeline import copy_pairs
 
-__all__ = ["LM_HEAD", "ParamSpec", "ShardedCausalLM", "load_config", "model_class"]
+__all__ = [
+    "LM_HEAD",
+    "ParamSpec",
+    "ShardedCausalLM",
+    "check_materialized",
+    "load_config",
+    "model_class",
+    "non_finite_index",
+]
 
 LM_HEAD = "lm_head.weight"
 
@@ -181,25 +198,62 @@ class ShardedCausalLM:
         *,
         where: str = "",
         copy: bool = False,
+        allow_non_finite: bool = False,
     ) -> None:
-        """Validate a whole call's tensors, then record them for :meth:`commit` (live weights
-        untouched).
+        """Phase 1 of a commit: validate a whole call's tensors, then record them for
+        :meth:`commit` (live weights untouched). Raises :class:`WeightUpdateError` naming the
+        first bad tensor; nothing of the call is recorded then.
 
         Without ``copy`` the tensors themselves (often views of a sender's or a receive buffer)
-        are recorded: the caller guarantees they stay valid and unchanged until ``commit`` or
-        ``discard``. ``copy=True`` copies them into private buffers on this rank's device.
+        are recorded when they already lie contiguously on this rank's device or on the host:
+        the caller guarantees they stay valid and unchanged until ``commit`` or ``discard``.
+        ``copy=True`` copies them into private buffers on this rank's device. Unless
+        ``allow_non_finite``, a tensor holding NaN or inf is refused (checked on the staged
+        data, i.e. on this rank's ``lm_head`` rows only).
         """
+        if self.released:
+            raise EngineUnavailable("weights are released; resume_memory_occupation first")
+        prefix = f"{where}: " if where else ""
         items = list(named)
+        for name, t in items:
+            if not isinstance(t, torch.Tensor):
+                raise WeightUpdateError(
+                    f"{prefix}parameter {name!r} is a {type(t).__name__}, not a tensor"
+                )
         self.validate(((n, tuple(t.shape), t.dtype) for n, t in items), where=where)
         for name in (n for n, _ in items):
             if name in self._staged:
-                raise WeightUpdateError(f"{where}: parameter {name!r} staged twice in one update")
+                raise WeightUpdateError(f"{prefix}parameter {name!r} staged twice in one update")
         staged: dict[str, torch.Tensor] = {}
         for name, t in items:
+            check_materialized(name, t, prefix)
             if name == LM_HEAD:
                 t = t[self.row_start : self.row_end]
-            staged[name] = t.to(self.device, copy=True).contiguous() if copy else t
+            staged[name] = self._placed(name, t, copy, prefix)
+        if not allow_non_finite:
+            bad = non_finite_index(list(staged.values()))
+            if bad is not None:
+                name = list(staged)[bad]
+                raise WeightUpdateError(
+                    f"{prefix}parameter {name!r} {describe_non_finite(staged[name])}; nothing "
+                    "was applied (set allow_non_finite to apply non-finite weights)"
+                )
         self._staged.update(staged)
+
+    def _placed(self, name: str, t: torch.Tensor, copy: bool, prefix: str) -> torch.Tensor:
+        """``t`` as recorded for the commit: itself, or a contiguous copy on this device."""
+        keep = (
+            not copy and t.is_contiguous() and (t.device == self.device or t.device.type == "cpu")
+        )
+        if keep:
+            return t
+        try:
+            return t.to(self.device, copy=True, memory_format=torch.contiguous_format)
+        except Exception as exc:  # e.g. an accelerator this process cannot read from
+            raise WeightUpdateError(
+                f"{prefix}parameter {name!r} on {t.device} cannot be copied to {self.device}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     def commit(self) -> list[str]:
         """Copy every staged tensor into the live weights (one copy per byte, straight from the
@@ -309,3 +363,82 @@ def full_named_tensors(
     if gathered_lm_head is not None:
         out[LM_HEAD] = gathered_lm_head
     return out
+
+
+def check_materialized(name: str, t: torch.Tensor, prefix: str = "") -> None:
+    """Raise :class:`WeightUpdateError` unless ``t`` is a plain, dense tensor whose data can be
+    read: not on the ``meta`` device, strided, not quantized or nested, its storage holding
+    every element its sizes and strides address."""
+    what = f"{prefix}parameter {name!r}"
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise WeightUpdateError(f"{what} is a {type(t).__name__}, not a plain tensor")
+    if t.device.type == "meta":
+        raise WeightUpdateError(f"{what} is on the meta device: it has no data (not materialized)")
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        raise WeightUpdateError(f"{what} has layout {t.layout}; only dense tensors are accepted")
+    if t.numel() == 0:
+        return
+    if any(s < 0 for s in t.stride()) or t.storage_offset() < 0:
+        raise WeightUpdateError(f"{what} has negative strides or offset")
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    try:
+        have = t.untyped_storage().nbytes()
+    except Exception as exc:
+        raise WeightUpdateError(f"{what} has no readable storage: {exc}") from exc
+    need = (last + 1) * t.element_size()
+    if have < need:
+        raise WeightUpdateError(
+            f"{what} addresses {need} bytes of a storage of {have}: it does not hold its data"
+        )
+
+
+def _finite_by_norm(group: list[torch.Tensor]) -> torch.Tensor:
+    """A 1-D bool tensor (on ``group``'s device): whether each tensor is all-finite.
+
+    One multi-tensor launch on CUDA: the inf-norm (max ``|x|``) of a tensor is finite exactly
+    when every element is (it never overflows: it is one of the values; NaN propagates).
+    """
+    norms: Sequence[torch.Tensor]
+    try:
+        norms = torch._foreach_norm(group, float("inf"))
+    except (RuntimeError, NotImplementedError):  # a dtype without a norm kernel (float8)
+        norms = [torch.linalg.vector_norm(t.float(), float("inf")) for t in group]
+    return torch.isfinite(torch.stack([n.reshape(()) for n in norms]))
+
+
+def non_finite_index(tensors: list[torch.Tensor]) -> int | None:
+    """Index of the first tensor holding a NaN or inf, or ``None``.
+
+    Floating (and complex) tensors are grouped by device and dtype; each group is reduced in
+    one fused ``_foreach_norm`` and the per-tensor flags are read back with one transfer per
+    device (no per-tensor host sync). Integer and bool tensors are always finite.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel() > 0:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    if not groups:
+        return None
+    flags: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    with torch.no_grad():
+        for (device, _), idx in groups.items():
+            ok = _finite_by_norm([tensors[i] for i in idx])
+            flags.setdefault(device, []).append((idx, ok))
+    bad: list[int] = []
+    for per_device in flags.values():
+        every = torch.cat([ok for _, ok in per_device])
+        if bool(every.all()):  # the one host sync of this device
+            continue
+        got = every.cpu().tolist()
+        order = [i for idx, _ in per_device for i in idx]
+        bad.extend(i for i, fine in zip(order, got, strict=True) if not fine)
+    return min(bad) if bad else None
+
+
+def describe_non_finite(t: torch.Tensor) -> str:
+    """How many NaN / inf values ``t`` holds (error path only)."""
+    with torch.no_grad():
+        x = t if t.dtype.is_complex else t.float() if t.dtype.itemsize == 1 else t
+        nan = int(torch.isnan(x).sum())
+        inf = int(torch.isinf(x).sum())
+    return f"holds non-finite values ({nan} NaN, {inf} inf of {t.numel()})"

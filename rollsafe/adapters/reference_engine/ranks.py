@@ -30,7 +30,11 @@ from rollsafe.adapters.reference_engine.bootstrap import (
     apply_start_fault,
     spawn_ranks,
 )
-from rollsafe.adapters.reference_engine.collective import RankGroup, open_weight_update_group
+from rollsafe.adapters.reference_engine.collective import (
+    RankGroup,
+    WeightUpdateGroup,
+    open_weight_update_group,
+)
 from rollsafe.adapters.reference_engine.errors import (
     EngineError,
     RankFailure,
@@ -50,7 +54,7 @@ from rollsafe.adapters.reference_engine.weights import (
     receive_from_ipc,
 )
 
-__all__ = ["RankOptions", "RankRuntime", "RankSet", "child_main", "rank_devices"]
+__all__ = ["GroupJoin", "RankOptions", "RankRuntime", "RankSet", "child_main", "rank_devices"]
 
 RANK_BACKENDS = ("gloo", "nccl")
 
@@ -107,12 +111,18 @@ class RankRuntime:
             seed=opts.seed,
         )
         self.weight_groups: dict[str, Any] = {}
+        #: weight-update groups being joined, by name (see :class:`GroupJoin`)
+        self.group_joins: dict[str, GroupJoin] = {}
+        #: joins given up on (deadline, failure on another rank) whose thread still runs
+        self.abandoned_joins: list[GroupJoin] = []
         # kept between updates: distributed receive buffers, mapped shared-memory buckets
         self.recv_buffers = ReceiveBuffers(pin=self.device.type == "cuda")
         self._recv_stream: Any = None
         self.shm_mappings = SharedMappings()
         if opts.load_format == "auto":
-            self.op_stage_disk(opts.model_path)
+            # the start-up load serves what it is given, as upstream engines do; only weight
+            # update requests refuse NaN / inf unless they opt in
+            self.op_stage_disk(opts.model_path, allow_non_finite=True)
             self.op_commit()
         elif opts.load_format != "dummy":
             raise WeightUpdateError(
@@ -173,28 +183,68 @@ class RankRuntime:
     def op_ping(self) -> int:
         return os.getpid()
 
+    def op_local_checksum(self) -> str:
+        """Digest of this rank's live tensors (its trunk and its ``lm_head`` rows)."""
+        from rollsafe.checksum import weights_checksum
+
+        return weights_checksum(self.model.local_tensors())["model"]
+
     # ---- weights ----
     # Every stage op validates the whole call and records its tensors without copying them
     # where they stay valid until the commit of the same request (see ShardedCausalLM.stage):
     # ``commit`` then copies each byte once, straight into the live weights.
-    def op_stage_disk(self, model_path: str) -> None:
+    #
+    # A stage op is phase 1 of the engine's two-phase commit (``ReferenceEngine._two_phase``):
+    # a refusal is a named :class:`WeightUpdateError` (every rank then discards), never a
+    # :class:`RankFailure`, so bad data cannot fail a multi-rank engine. ``allow_non_finite``
+    # lets NaN / inf through (see ``ShardedCausalLM.stage``).
+    def op_stage_disk(self, model_path: str, allow_non_finite: bool = False) -> None:
         check_model_path(model_path)
         try:
             named = read_checkpoint_dir(model_path, self.model.specs)
         except (OSError, ValueError) as exc:  # a file vanished or became unreadable mid-read
             raise WeightUpdateError(f"model_path {model_path!r}: cannot be read: {exc}") from exc
-        self.model.stage(named.items(), where=f"rank {self.rank}")
+        self._stage(named.items(), f"rank {self.rank}", allow_non_finite=allow_non_finite)
 
-    def op_stage_tensor(self, entry: Any) -> None:
+    def op_stage_tensor(self, entry: Any, allow_non_finite: bool = False) -> None:
         # views of the sender's shared memory / CUDA IPC buffers: the sender keeps them
         # unchanged until this request is answered, and commit runs before the answer
+        where = f"serialized_named_tensors[{self.rank}]"
         t0 = time.perf_counter()
-        named = decode_tensor_entry(entry, rank=self.rank, mappings=self.shm_mappings)
+        try:
+            named = decode_tensor_entry(entry, rank=self.rank, mappings=self.shm_mappings)
+        except EngineError:
+            raise
+        except Exception as exc:  # a payload the decoder did not foresee: the request's fault
+            raise WeightUpdateError(f"{where}: cannot be decoded: {type(exc).__name__}") from exc
         profile_line("stage_tensor.decode", self.rank, time.perf_counter() - t0)
-        self.model.stage(named, where=f"serialized_named_tensors[{self.rank}]")
+        self._stage(named, where, allow_non_finite=allow_non_finite)
+
+    def _stage(
+        self,
+        named: Any,
+        where: str,
+        *,
+        copy: bool = False,
+        allow_non_finite: bool = False,
+    ) -> None:
+        """``model.stage`` with any unexpected error turned into a named refusal."""
+        try:
+            self.model.stage(named, where=where, copy=copy, allow_non_finite=allow_non_finite)
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise WeightUpdateError(
+                f"{where}: cannot be staged: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def op_stage_distributed(
-        self, group_name: str, meta: UpdateMeta, flattened: bool, chunk_bytes: int | None = None
+        self,
+        group_name: str,
+        meta: UpdateMeta,
+        flattened: bool,
+        chunk_bytes: int | None = None,
+        allow_non_finite: bool = False,
     ) -> None:
         pg = self.weight_groups.get(group_name)
         if pg is None:
@@ -213,7 +263,7 @@ class RankRuntime:
             stream=stream,
             chunk_bytes=chunk_bytes,
         )
-        self.model.stage(named, where=f"rank {self.rank}")
+        self._stage(named, f"rank {self.rank}", allow_non_finite=allow_non_finite)
 
     def _receive_stream(self) -> Any:
         """The CUDA stream nccl receives are posted from (see :func:`receive_broadcast`)."""
@@ -222,12 +272,14 @@ class RankRuntime:
             self._recv_stream = cuda.Stream(device=self.device)
         return self._recv_stream
 
-    def op_stage_ipc(self, zmq_handles: Any) -> None:
+    def op_stage_ipc(self, zmq_handles: Any, allow_non_finite: bool = False) -> None:
         receive_from_ipc(
             zmq_handles,
             device=self.device,
             # checkpoint-engine refills its buffers for the next bucket: copy while staging
-            stage=lambda named: self.model.stage(named, where=f"rank {self.rank}", copy=True),
+            stage=lambda named: self._stage(
+                named, f"rank {self.rank}", copy=True, allow_non_finite=allow_non_finite
+            ),
         )
         self._sync()
 
@@ -274,7 +326,13 @@ class RankRuntime:
         )
         return full.t().contiguous() if self.rank == 0 else None
 
-    def op_init_group(
+    # ---- trainer weight-update groups ----
+    # Joining a group is a rendezvous with the trainer that can take as long as the trainer
+    # (or a dead address) makes it: it runs on a thread per rank (:class:`GroupJoin`), never on
+    # the engine's driver thread. The engine starts it (``init_group_start``), polls it
+    # (``init_group_poll``, between generation steps), then installs it on every rank at once
+    # (``init_group_finish``) or gives it up everywhere (``init_group_cancel``).
+    def op_init_group_start(
         self,
         master_address: str,
         master_port: int,
@@ -282,18 +340,82 @@ class RankRuntime:
         world_size: int,
         group_name: str,
         backend: str,
+        token: str,
+        timeout_s: float,
     ) -> None:
-        if group_name in self.weight_groups:
+        if group_name in self.weight_groups or group_name in self.group_joins:
             raise WeightUpdateError(f"rank {self.rank}: group {group_name!r} already exists")
-        self.weight_groups[group_name] = open_weight_update_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank=rank_offset + self.rank,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-            timeout_s=self.opts.weight_group_timeout_s,
+        self._reap_joins()
+        join = GroupJoin(
+            token,
+            dict(
+                master_address=master_address,
+                master_port=master_port,
+                rank=rank_offset + self.rank,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+                timeout_s=self.opts.weight_group_timeout_s,
+                connect_timeout_s=timeout_s,
+            ),
+            device=self.device,
         )
+        self.group_joins[group_name] = join
+        join.start()
+
+    def op_init_group_poll(self, group_name: str, token: str) -> bool:
+        """Whether this rank's join is done; :class:`WeightUpdateError` if it failed."""
+        join = self.group_joins.get(group_name)
+        if join is None or join.token != token:
+            raise WeightUpdateError(f"rank {self.rank}: no pending join of group {group_name!r}")
+        if not join.done.is_set():
+            return False
+        if join.error is not None:
+            raise WeightUpdateError(
+                f"rank {self.rank}: joining weight update group {group_name!r} failed: "
+                f"{_first_line(join.error)}"
+            )
+        return True
+
+    def op_init_group_finish(self, group_name: str, token: str) -> None:
+        join = self.group_joins.get(group_name)
+        if join is None or join.token != token or join.group is None:
+            raise WeightUpdateError(f"rank {self.rank}: group {group_name!r} is not joined")
+        del self.group_joins[group_name]
+        join.group.token = token
+        self.weight_groups[group_name] = join.group
+
+    def op_init_group_cancel(self, group_name: str, token: str) -> None:
+        """Give up the join ``token`` of ``group_name``: close its group if it was joined or
+        installed, or leave its thread to close it when the rendezvous ends. Never raises."""
+        join = self.group_joins.get(group_name)
+        if join is not None and join.token == token:
+            del self.group_joins[group_name]
+            if not join.cancel():
+                self.abandoned_joins.append(join)
+        pg = self.weight_groups.get(group_name)
+        if pg is not None and getattr(pg, "token", None) == token:
+            del self.weight_groups[group_name]
+            pg.close()
+        self._reap_joins()
+
+    def op_group_state(self) -> dict[str, Any]:
+        """This rank's weight-update groups: installed, being joined, abandoned but running."""
+        self._reap_joins()
+        return {
+            "groups": sorted(self.weight_groups),
+            "joining": sorted(self.group_joins),
+            "abandoned": len(self.abandoned_joins),
+        }
+
+    def cancel_group_joins(self) -> None:
+        """Shutting down: give up every join (a late rendezvous closes its own group)."""
+        for join in self.group_joins.values():
+            join.cancel()
+        self.group_joins.clear()
+
+    def _reap_joins(self) -> None:
+        self.abandoned_joins = [j for j in self.abandoned_joins if not j.done.is_set()]
 
     def op_destroy_group(self, group_name: str) -> None:
         pg = self.weight_groups.pop(group_name, None)
@@ -337,6 +459,70 @@ class RankRuntime:
                 else:
                     t.copy_(torch.randint(0, 2, t.shape, generator=gen).to(t.dtype))
         self._sync()
+
+
+class GroupJoin:
+    """One rank's join of a trainer weight-update group, on its own daemon thread.
+
+    :func:`.collective.open_weight_update_group` blocks in the store connect and the
+    rendezvous (a dead or silent address holds the connect for minutes, whatever its
+    timeout); here it runs off the serving path. The engine bounds the wait with its own
+    deadline; a join given up on (:meth:`cancel`) closes the group its thread may still
+    produce, so a late rendezvous leaks no process group, and the daemon thread never holds up
+    shutdown.
+    """
+
+    def __init__(self, token: str, kwargs: dict[str, Any], *, device: torch.device) -> None:
+        self.token = token
+        self.kwargs = kwargs
+        self.device = device
+        self.done = threading.Event()
+        self.group: WeightUpdateGroup | None = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"join-{kwargs['group_name']}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        group: WeightUpdateGroup | None = None
+        error: BaseException | None = None
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # an nccl group binds the current device
+            group = open_weight_update_group(**self.kwargs)
+        except BaseException as exc:
+            error = exc
+        with self._lock:
+            cancelled = self._cancelled
+            if not cancelled:
+                self.group, self.error = group, error
+        if cancelled and group is not None:
+            group.close()  # the engine gave up on this join: leak nothing
+        self.done.set()
+
+    def cancel(self) -> bool:
+        """Give the join up; ``True`` if its thread has ended (its group, if any, closed)."""
+        with self._lock:
+            self._cancelled = True
+            group, self.group = self.group, None
+        if group is not None:
+            group.close()
+        return self.done.is_set()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (c10d errors carry a C++ stack trace after it)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
 
 
 def _error_reply(rank: int, exc: BaseException, *, starting: bool) -> tuple[str, str, str]:
@@ -527,6 +713,16 @@ class RankSet:
         per_rank: Sequence[dict[str, Any]] | None = None,
     ) -> Any:
         """Run ``op`` on every rank; return rank 0's result; raise the first rank error."""
+        return self.call_all(op, args, per_rank)[0]
+
+    def call_all(
+        self,
+        op: str,
+        args: dict[str, Any] | None = None,
+        per_rank: Sequence[dict[str, Any]] | None = None,
+    ) -> list[Any]:
+        """Run ``op`` on every rank; return every rank's result (tensors: ``None`` off rank 0);
+        raise the first rank error."""
         if self._failed is not None:
             raise RankFailure(self._failed)
         base = args or {}
@@ -541,9 +737,9 @@ class RankSet:
             self.fail(f"rank pipe broken while sending {op!r}: {exc}")
             raise RankFailure(self._failed or str(exc)) from exc
         first_error: EngineError | None = None
-        result: Any = None
+        results: list[Any] = [None] * self.world_size
         try:
-            result = self.local.handle(op, args_for(0))
+            results[0] = self.local.handle(op, args_for(0))
         except EngineError as exc:
             first_error = exc
         except Exception as exc:
@@ -558,15 +754,19 @@ class RankSet:
                 raise RankFailure(self._failed or str(exc)) from exc
             if kind == "error" and first_error is None:
                 first_error = _rebuild_error(a, b)
+            elif kind == "ok":
+                results[r] = a
         if first_error is not None:
             if isinstance(first_error, RankFailure) and self.world_size > 1:
                 self.fail(str(first_error))
             raise first_error
-        return result
+        return results
 
     def close(self, *, graceful: bool = True) -> None:
         """Stop every child: ask them to exit (``graceful``), then kill what is left."""
         self._closing = True
+        if hasattr(self, "local"):
+            self.local.cancel_group_joins()
         for conn in self._conns:
             with contextlib.suppress(Exception):
                 conn.send(("shutdown", {}))

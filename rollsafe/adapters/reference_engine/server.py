@@ -1,50 +1,101 @@
 """HTTP plumbing shared by both dialects of the reference engine.
 
 Owns the aiohttp application around a :class:`ReferenceEngine`: JSON body parsing with unknown
-key rejection, the body-size limit (413), bearer-token authentication (401), mapping of named
-engine errors to HTTP statuses, the routes common to both dialects (``/health``,
-``/get_server_info``), fault-injection wiring, and the text codec. The SGLang and vLLM endpoint
-sets live in :mod:`.sglang_api` and :mod:`.vllm_api`, their weight checkers in
-:mod:`.checker_api`.
+key rejection (hostile JSON -- NaN, 1e400, lone surrogates, deep nesting -- is a named 400), the
+request limits (:class:`ServerLimits`: body size checked against ``Content-Length`` before
+reading (413), body read timeout (408), prompts and new tokens per request (400), concurrent
+generations (503), connections, header timeout), cancelling a generation whose client went
+away, bearer-token authentication (401), mapping of named engine errors to HTTP statuses, the
+routes common to both dialects (``/health``, ``/get_server_info``), fault-injection wiring, and
+the text codec. :func:`start_server` serves an app under those limits. The SGLang and vLLM
+endpoint sets live in :mod:`.sglang_api` and :mod:`.vllm_api`, their weight checkers in
+:mod:`.checker_api`. docs/security.md lists the limits and their flags.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import dataclasses
 import hmac
 import json
+import math
 import os
+import re
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
 
 from rollsafe.adapters.reference_engine.codec import TextCodec
 from rollsafe.adapters.reference_engine.engine import (
+    SEED_RANGE,
     GenerationResult,
     ReferenceEngine,
     SamplingParams,
 )
-from rollsafe.adapters.reference_engine.errors import BadRequest, EngineError
+from rollsafe.adapters.reference_engine.errors import (
+    BadRequest,
+    EngineError,
+    LimitExceeded,
+    RequestTimeout,
+    WeightUpdateError,
+)
 from rollsafe.adapters.reference_engine.faults import FaultInjector
 from rollsafe.adapters.reference_engine.profiling import PROFILE, profile_line
 
 __all__ = [
     "ServerContext",
+    "ServerLimits",
     "TextCodec",
     "await_future",
     "build_app",
+    "check_disk_path",
+    "disk_update",
+    "parse_json",
+    "read_body",
     "read_json",
     "run_generate",
+    "start_server",
 ]
 
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CTX_KEY: web.AppKey[ServerContext] = web.AppKey("rollsafe_ctx")
+LIMITS_KEY: web.AppKey[ServerLimits] = web.AppKey("rollsafe_limits")
 MAX_BODY_KEY: web.AppKey[int] = web.AppKey("rollsafe_max_body_bytes")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request, and the server as a whole, may use; the flag of each in brackets.
+
+    Defaults are documented in docs/security.md ("Limits"); the command line checks the
+    values (``__main__.LIMIT_FLAGS``).
+    """
+
+    #: request body bytes; a larger ``Content-Length`` is a 413 before reading [--max-body-bytes]
+    max_body_bytes: int = 64 << 20
+    #: prompts in one generation request [--max-prompts-per-request]
+    max_prompts: int = 1024
+    #: sum over a request's prompts of ``max_new_tokens`` [--max-total-new-tokens]
+    max_total_new_tokens: int = 1 << 18
+    #: prompts queued or running in the engine; past it a request is a 503, not queued
+    #: [--max-concurrent-requests]
+    max_concurrent_requests: int = 1024
+    #: open HTTP connections; one more is answered 503 and closed [--max-connections]
+    max_connections: int = 512
+    #: seconds for a request's headers (from connect, or from the previous response on a
+    #: kept-alive connection; also how long an idle connection is kept) [--header-timeout]
+    header_timeout_s: float = 30.0
+    #: seconds for a request's body, from the start of its handling [--body-timeout]
+    body_timeout_s: float = 60.0
 
 
 @dataclass
@@ -56,6 +107,7 @@ class ServerContext:
     device: str
     rank_pids: list[int]
     extra: dict[str, Any] = field(default_factory=dict)
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 def ctx_of(request: web.Request) -> ServerContext:
@@ -66,20 +118,77 @@ async def await_future(fut: Future[T]) -> T:
     return await asyncio.wrap_future(fut)
 
 
+# ---- request bodies ------------------------------------------------------------------------
+#: a JSON string escape of a UTF-16 surrogate; only then can a lone one reach a parsed string
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise BadRequest(f"malformed JSON body: {name} is not a JSON number (finite numbers only)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadRequest(f"malformed JSON body: number {text[:32]!r} overflows a float")
+    return value
+
+
+def parse_json(raw: bytes) -> Any:
+    """A JSON document from ``raw``, or a :class:`BadRequest` naming what is wrong.
+
+    Stricter than :func:`json.loads`, so that nothing hostile reaches a handler: UTF-8 only;
+    no ``NaN`` / ``Infinity`` and no number that overflows a float (``1e400``); integers of at
+    most 4300 digits (Python's limit); no lone UTF-16 surrogate in any string or key; nesting
+    within the interpreter's recursion limit (100k-deep arrays are refused, not a 500).
+    """
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError as exc:
+        raise BadRequest("malformed JSON body: nested too deeply") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        raise BadRequest(f"malformed JSON body: {_clip(str(exc), 200)}") from exc
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRequest(
+                "malformed JSON body: a string holds a lone UTF-16 surrogate "
+                f"({_clip(ascii(exc.object[exc.start : exc.end]))}); send valid Unicode"
+            ) from exc
+        except RecursionError as exc:
+            raise BadRequest("malformed JSON body: nested too deeply") from exc
+    return body
+
+
+_BODY_BYTES = "rollsafe.body_bytes"
+#: bodies at least this large give their memory back to the OS once answered
+_TRIM_AFTER_BYTES = 1 << 20
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body, read within ``--body-timeout`` (else :class:`RequestTimeout`, 408) and
+    at most ``--max-body-bytes`` (else 413; a larger ``Content-Length`` was refused before)."""
+    limits = request.app[LIMITS_KEY]
+    try:
+        raw = await asyncio.wait_for(request.read(), limits.body_timeout_s)
+    except (TimeoutError, asyncio.TimeoutError) as exc:
+        raise RequestTimeout(
+            f"request body not received within {limits.body_timeout_s:g} s (--body-timeout)"
+        ) from exc
+    request[_BODY_BYTES] = len(raw)
+    return raw
+
+
 async def read_json(
     request: web.Request, *, allowed: Iterable[str], required: Iterable[str] = ()
 ) -> dict[str, Any]:
     """Parse a JSON object body; reject unknown keys and missing required keys (HTTP 400)."""
     body: Any = request.get(_PARSED_BODY)  # parsed once already by the contract check
     if body is None:
-        raw = await request.read()
-        if not raw.strip():
-            body = {}
-        else:
-            try:
-                body = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise BadRequest(f"malformed JSON body: {exc}") from exc
+        raw = await read_body(request)
+        body = {} if not raw.strip() else parse_json(raw)
     if not isinstance(body, dict):
         raise BadRequest(f"JSON body must be an object, got {type(body).__name__}")
     allowed_set = set(allowed)
@@ -143,16 +252,20 @@ def parse_sampling(sp: dict[str, Any], *, defaults: SamplingParams) -> SamplingP
         )
     max_new = want(sp, "max_new_tokens", int, defaults.max_new_tokens)
     min_new = want(sp, "min_new_tokens", int, defaults.min_new_tokens)
-    temp = float(want(sp, "temperature", (int, float), defaults.temperature))
-    top_p = float(want(sp, "top_p", (int, float), defaults.top_p))
+    temp = _finite(want(sp, "temperature", (int, float), defaults.temperature), "temperature")
+    top_p = _finite(want(sp, "top_p", (int, float), defaults.top_p), "top_p")
     top_k = want(sp, "top_k", int, defaults.top_k)
     stop_ids = want(sp, "stop_token_ids", list, [])
     seed = want(sp, "sampling_seed", int, None)
     seed = want(sp, "seed", int, seed)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise BadRequest(f"seed must be within the int64 range [-2^63, 2^63 - 1], got {_int(seed)}")
     if max_new < 0 or min_new < 0:
         raise BadRequest("max_new_tokens and min_new_tokens must be >= 0")
     if temp < 0:
         raise BadRequest(f"temperature must be >= 0, got {temp}")
+    if 0 < temp < sys.float_info.min:
+        raise BadRequest(f"temperature {temp!r} is subnormal: give 0 (greedy) or a normal number")
     if not 0 < top_p <= 1:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
@@ -169,10 +282,39 @@ def parse_sampling(sp: dict[str, Any], *, defaults: SamplingParams) -> SamplingP
     )
 
 
+def _finite(value: int | float, key: str) -> float:
+    try:
+        number = float(value)
+    except OverflowError as exc:  # an int too large for a float
+        raise BadRequest(f"{key} is too large: {_int(int(value))}") from exc
+    if not math.isfinite(number):
+        raise BadRequest(f"{key} must be a finite number, got {number}")
+    return number
+
+
+def _int(value: int) -> str:
+    """An int for an error message, bounded (a hostile one can have thousands of digits)."""
+    return str(value) if abs(value) < 2**128 else f"<an integer of {value.bit_length()} bits>"
+
+
+def check_prompt_count(ctx: ServerContext, count: int) -> None:
+    """:class:`LimitExceeded` if a request carries more prompts than ``--max-prompts-per-request``
+    (checked before any prompt is tokenized)."""
+    if count > ctx.limits.max_prompts:
+        raise LimitExceeded(
+            f"request has {count} prompts; the limit is {ctx.limits.max_prompts} "
+            "(--max-prompts-per-request)"
+        )
+
+
 def parse_prompts(ctx: ServerContext, text: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
     """``(prompts, is_batch)`` from SGLang's ``text`` / ``input_ids`` (exactly one given)."""
     if (text is None) == (input_ids is None):
         raise BadRequest("give exactly one of 'text' and 'input_ids'")
+    if isinstance(text if text is not None else input_ids, list):
+        batch = text if text is not None else input_ids
+        if batch and not _is_int(batch[0]):
+            check_prompt_count(ctx, len(batch))
     if text is not None:
         if isinstance(text, str):
             return [ctx.codec.encode(text)], False
@@ -190,6 +332,62 @@ def parse_prompts(ctx: ServerContext, text: Any, input_ids: Any) -> tuple[list[l
     raise BadRequest("'input_ids' must be a non-empty list of ints or a list of such lists")
 
 
+#: the files a directory needs for a disk update to read it
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_disk_path(value: Any, key: str) -> str:
+    """``value`` if it names a model directory this engine can read, else one
+    :class:`WeightUpdateError` (400) whatever the reason: a path that does not exist, is not a
+    directory, cannot be read by the engine or holds no weights all get the same message, which
+    quotes only what the client sent. A disk update thus tells a client nothing about the
+    engine host's files beyond "loadable or not" (``/update_weights_from_disk``, vLLM
+    ``reload_weights``)."""
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{key} must be a non-empty path string")
+    shown = repr(_clip(value, 120))
+    encoded = value.encode("utf-8", "surrogateescape")
+    if len(encoded) >= 4096 or any(len(part) > 255 for part in encoded.split(b"/")):
+        # judged from the string alone (PATH_MAX, NAME_MAX): says nothing about the host
+        raise WeightUpdateError(f"{key} {shown} cannot be used: File name too long")
+    unusable = WeightUpdateError(
+        f"{key} {shown} is not a directory this engine can load weights from: it does not "
+        "exist, is not a directory, cannot be read by the engine, or has neither "
+        f"{' nor '.join(_WEIGHT_FILES)}"
+    )
+    try:
+        path = Path(value)
+        usable = (
+            path.is_dir()
+            and os.access(path, os.R_OK | os.X_OK)
+            and any(
+                (path / name).is_file() and os.access(path / name, os.R_OK)
+                for name in _WEIGHT_FILES
+            )
+        )
+    except (OSError, ValueError):  # ENAMETOOLONG, ELOOP, embedded NUL...
+        usable = False
+    if not usable:
+        raise unusable
+    return value
+
+
+async def disk_update(
+    ctx: ServerContext, path: str, key: str, weight_version: str | None, abort: bool = False
+) -> list[str]:
+    """A disk update of ``path`` (checked by :func:`check_disk_path` first); an error message
+    from the load names the path as the client sent it, never its absolute form."""
+    check_disk_path(path, key)
+    try:
+        return await await_future(ctx.engine.update_from_disk(path, weight_version, abort))
+    except EngineError as exc:
+        absolute = os.path.abspath(path)
+        message = str(exc)
+        if absolute != path and absolute in message:
+            raise type(exc)(message.replace(absolute, path)) from None
+        raise
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -200,11 +398,30 @@ async def run_generate(
     params: list[SamplingParams],
     rids: list[str | None],
 ) -> list[GenerationResult]:
-    futs = [
-        ctx.engine.submit_generate(p, sp, rid)
-        for p, sp, rid in zip(prompts, params, rids, strict=False)
-    ]
-    return list(await asyncio.gather(*(await_future(f) for f in futs)))
+    """Generate every prompt of one request, or refuse all of it before any is queued.
+
+    The request limits are checked first (``--max-prompts-per-request``,
+    ``--max-total-new-tokens``: 400; ``--max-concurrent-requests``: 503), then the engine
+    checks every prompt before queueing any. If the handler is cancelled (its client
+    disconnected) or one prompt fails, the engine aborts the others at once.
+    """
+    limits = ctx.limits
+    check_prompt_count(ctx, len(prompts))
+    total = sum(sp.max_new_tokens for sp in params)
+    if total > limits.max_total_new_tokens:
+        raise LimitExceeded(
+            f"request asks for {_int(total)} new tokens in all (max_new_tokens summed over its "
+            f"{len(prompts)} prompts); the limit is {limits.max_total_new_tokens} "
+            "(--max-total-new-tokens)"
+        )
+    futs = ctx.engine.submit_batch(
+        prompts, params, rids, max_running=limits.max_concurrent_requests
+    )
+    try:
+        return list(await asyncio.gather(*(await_future(f) for f in futs)))
+    except BaseException:
+        ctx.engine.cancel(futs)  # client gone (CancelledError) or one prompt failed
+        raise
 
 
 # ---- middlewares ---------------------------------------------------------------------------
@@ -223,29 +440,85 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except EngineError as exc:
-        return web.json_response(
+        resp = web.json_response(
             {"success": False, "message": str(exc), "error": type(exc).__name__},
             status=exc.status,
         )
+        if isinstance(exc, RequestTimeout):
+            resp.force_close()  # the rest of the body is not waited for
+        return resp
     except web.HTTPRequestEntityTooLarge as exc:
-        return web.json_response(
-            {
-                "success": False,
-                "message": f"request body too large: {exc.text or ''} (limit "
-                f"{request.app[MAX_BODY_KEY]} bytes, --max-body-bytes)",
-                "error": "PayloadTooLarge",
-            },
-            status=413,
-        )
+        return _too_large(request, exc.text or "")
     except web.HTTPException:
         raise
     except asyncio.CancelledError:
         raise
+    except RecursionError:  # a deeply nested value that parsed but cannot be walked
+        return web.json_response(
+            {"success": False, "message": "request nested too deeply", "error": "BadRequest"},
+            status=400,
+        )
     except Exception as exc:
         return web.json_response(
             {"success": False, "message": f"{type(exc).__name__}: {exc}", "error": "InternalError"},
             status=500,
         )
+
+
+def _too_large(request: web.Request, detail: str) -> web.Response:
+    resp = web.json_response(
+        {
+            "success": False,
+            "message": f"request body too large: {detail} (limit "
+            f"{request.app[MAX_BODY_KEY]} bytes, --max-body-bytes)",
+            "error": "PayloadTooLarge",
+        },
+        status=413,
+    )
+    resp.force_close()  # the body is never read: the connection cannot be reused
+    return resp
+
+
+def body_limit_middleware(trimmer: _MemoryTrimmer) -> Callable[..., Any]:
+    """A ``Content-Length`` above ``--max-body-bytes`` is a 413 before any of the body is read;
+    after a large body the freed memory goes back to the OS (:class:`_MemoryTrimmer`)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        declared = request.content_length
+        limit = request.app[MAX_BODY_KEY]
+        if declared is not None and declared > limit:
+            return _too_large(request, f"Content-Length {declared}")
+        try:
+            return await handler(request)
+        finally:
+            if max(declared or 0, request.get(_BODY_BYTES, 0)) >= _TRIM_AFTER_BYTES:
+                trimmer.soon()
+
+    return check
+
+
+class _MemoryTrimmer:
+    """Gives the heap's free memory back to the OS (glibc ``malloc_trim``) shortly after large
+    request bodies were answered, at most once per ``delay_s``: glibc keeps freed blocks of
+    large bodies in its arenas otherwise, so concurrent large bodies would ratchet the RSS up."""
+
+    def __init__(self, delay_s: float = 0.2) -> None:
+        self.delay_s = delay_s
+        self._handle: asyncio.TimerHandle | None = None
+        self._trim: Callable[[int], int] | None = None
+        with contextlib.suppress(OSError, AttributeError):
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+
+    def soon(self) -> None:
+        if self._trim is None or self._handle is not None:
+            return
+        self._handle = asyncio.get_running_loop().call_later(self.delay_s, self._run)
+
+    def _run(self) -> None:
+        self._handle = None
+        if self._trim is not None:
+            self._trim(0)
 
 
 _PARSED_BODY = "rollsafe.json_body"
@@ -267,20 +540,18 @@ def contract_middleware(dialect: str) -> Callable[..., Any]:
         path = request.path
         if path.startswith(_OWN_ROUTES) or path not in contract.routes():
             return await handler(request)
-        raw = await request.read()
-        body: Any = None
-        if raw.strip():
-            try:
-                body = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                return await handler(request)  # read_json names the JSON error
+        raw = await read_body(request)
+        body: Any = parse_json(raw) if raw.strip() else None
         query: dict[str, Any] = {}
         for key in request.query:
             values = request.query.getall(key)
             query[key] = values if len(values) > 1 else values[0]
         if body is not None:
             request[_PARSED_BODY] = body
-        problems = contract.check_request(request.method, path, query=query, body=body)
+        try:
+            problems = contract.check_request(request.method, path, query=query, body=body)
+        except RecursionError as exc:
+            raise BadRequest("malformed JSON body: nested too deeply") from exc
         if problems:
             raise BadRequest(
                 f"{request.method} {path} does not match {contract.label}: "
@@ -345,6 +616,8 @@ async def server_info(request: web.Request) -> web.Response:
             "paused": e.paused,
             "released": e.released_tags,
             "running_requests": e.num_running,
+            "tokens_generated": e.tokens_generated,
+            "limits": dataclasses.asdict(ctx.limits),
             "healthy": e.health() is None,
             "pid": os.getpid(),
         }
@@ -355,22 +628,33 @@ def build_app(
     ctx: ServerContext,
     *,
     api_key: str | None,
-    max_body_bytes: int,
+    max_body_bytes: int | None = None,
     faults: FaultInjector,
 ) -> web.Application:
-    """The aiohttp application for ``ctx.dialect`` (``"sglang"`` or ``"vllm"``)."""
+    """The aiohttp application for ``ctx.dialect`` (``"sglang"`` or ``"vllm"``).
+
+    Middlewares, outermost first: the ``Content-Length`` check (413 before anything is read),
+    errors to JSON, authentication, fault injection (so an unauthenticated client cannot
+    trigger or observe a fault), the upstream contract. ``max_body_bytes`` overrides
+    ``ctx.limits.max_body_bytes``.
+    """
+    if max_body_bytes is not None and max_body_bytes != ctx.limits.max_body_bytes:
+        ctx.limits = dataclasses.replace(ctx.limits, max_body_bytes=max_body_bytes)
+    limits = ctx.limits
     app = web.Application(
-        client_max_size=max_body_bytes,
+        client_max_size=limits.max_body_bytes,
         middlewares=[
             *([profile_middleware] if PROFILE else []),
-            faults.middleware,
+            body_limit_middleware(_MemoryTrimmer()),
             error_middleware,
             auth_middleware(api_key),
+            faults.middleware,
             contract_middleware(ctx.dialect),
         ],
     )
     app[CTX_KEY] = ctx
-    app[MAX_BODY_KEY] = max_body_bytes
+    app[MAX_BODY_KEY] = limits.max_body_bytes
+    app[LIMITS_KEY] = limits
     app.add_routes([web.get("/get_server_info", server_info), *faults.routes()])
     if ctx.dialect == "vllm":
         app.add_routes([web.get("/health", health)])  # vLLM: pause does not affect it
@@ -388,3 +672,100 @@ def build_app(
     else:
         raise ValueError(f"dialect must be 'sglang' or 'vllm', got {ctx.dialect!r}")
     return app
+
+
+# ---- serving -------------------------------------------------------------------------------
+#: seconds a refused request's unread body is still drained so that the client reads the
+#: answer (413, 408) before the connection closes (aiohttp's default is 10)
+LINGERING_S = 2.0
+_BUSY_ANSWER = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+)
+
+
+class _RefuseConnection(asyncio.Protocol):
+    """Answers one connection past ``--max-connections`` with a 503 and closes it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        body = json.dumps(
+            {
+                "success": False,
+                "message": f"too many connections: the limit is {self.limit} (--max-connections)",
+                "error": "TooManyConnections",
+            }
+        ).encode()
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(_BUSY_ANSWER % (len(body), body))
+        transport.close()
+
+
+class _CappedTCPSite(web.TCPSite):
+    """:class:`aiohttp.web.TCPSite` that refuses connections past ``max_connections``."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, max_connections: int) -> None:
+        super().__init__(runner, host, port)
+        self.max_connections = max_connections
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site; TCPSite.start would bind unwrapped
+        server = self._runner.server
+        assert server is not None
+        cap = self.max_connections
+        loop = asyncio.get_running_loop()
+        # handlers made but not connected yet: asyncio accepts a burst of connections, calling
+        # this factory for each, before any of them is connected (then counted by the server);
+        # one that never connects is forgotten after a second
+        pending: dict[int, float] = {}
+        connection_made = server.connection_made
+
+        def made(handler: Any, transport: asyncio.Transport) -> None:
+            pending.pop(id(handler), None)
+            connection_made(handler, transport)
+
+        setattr(server, "connection_made", made)  # noqa: B010  (an instance attribute)
+
+        def protocol() -> asyncio.Protocol:
+            now = loop.time()
+            for key in [k for k, t in pending.items() if now - t >= 1.0]:
+                del pending[key]
+            if len(server.connections) + len(pending) >= cap:
+                return _RefuseConnection(cap)
+            handler = server()
+            pending[id(handler)] = now
+            return handler
+
+        self._server = await loop.create_server(
+            protocol, self._host, self._port, backlog=self._backlog
+        )
+
+
+async def start_server(
+    app: web.Application, host: str, port: int, limits: ServerLimits
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port`` under ``limits``; ``(runner, bound port)``.
+
+    The connection-level limits: a client that disconnects cancels its handler (a generation
+    it was waiting for is aborted, see :func:`run_generate`); request headers must arrive within
+    ``header_timeout_s`` (slow headers are closed; also the idle keep-alive time); at most
+    ``max_connections`` are open (one more is answered 503 and closed); a refused body is
+    drained for :data:`LINGERING_S` at most. Header lines are bounded by aiohttp (8190 bytes,
+    128 headers).
+    """
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=True,
+        keepalive_timeout=limits.header_timeout_s,
+        lingering_time=LINGERING_S,
+    )
+    await runner.setup()
+    site = _CappedTCPSite(runner, host, port, limits.max_connections)
+    await site.start()
+    server = site._server
+    assert server is not None
+    return runner, int(cast(Any, server).sockets[0].getsockname()[1])

@@ -22,6 +22,7 @@ from rollsafe.adapters.reference_engine.server import (
     ServerContext,
     await_future,
     ctx_of,
+    disk_update,
     ok,
     parse_prompts,
     parse_sampling,
@@ -174,7 +175,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     if fmt not in ("auto", "safetensors"):
         raise BadRequest(f"load_format {fmt!r} is not supported for disk loads (auto, safetensors)")
     abort = bool(want(body, "abort_all_requests", bool, False))
-    names = await await_future(ctx.engine.update_from_disk(path, _version(body), abort))
+    names = await disk_update(ctx, path, "model_path", _version(body), abort)
     return _updated(names, _version(body))
 
 

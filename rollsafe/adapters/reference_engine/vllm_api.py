@@ -30,10 +30,16 @@ from typing import Any
 from aiohttp import web
 
 from rollsafe.adapters.reference_engine.engine import SamplingParams
-from rollsafe.adapters.reference_engine.errors import BadRequest, WeightUpdateError
+from rollsafe.adapters.reference_engine.errors import (
+    BadRequest,
+    EnginePaused,
+    WeightUpdateError,
+)
 from rollsafe.adapters.reference_engine.server import (
     await_future,
+    check_prompt_count,
     ctx_of,
+    disk_update,
     ok,
     parse_sampling,
     read_json,
@@ -47,6 +53,7 @@ __all__ = ["WEIGHT_TRANSFER_GROUP", "routes"]
 WEIGHT_TRANSFER_GROUP = "vllm_weight_transfer"
 VLLM_DEFAULTS = SamplingParams(max_new_tokens=16, temperature=1.0)
 _PAUSE_MAP = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
+_PAUSE_MODE = "vllm_pause_mode"  # key of ServerContext.extra: the mode of the current pause
 
 
 def _prompts(ctx: Any, prompt: Any) -> tuple[list[list[int]], bool]:
@@ -57,6 +64,8 @@ def _prompts(ctx: Any, prompt: Any) -> tuple[list[list[int]], bool]:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
         )
 
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        check_prompt_count(ctx, len(prompt))  # before any prompt is tokenized
     if isinstance(prompt, str):
         return [ctx.codec.encode(prompt)], False
     if ints(prompt):
@@ -70,6 +79,7 @@ def _prompts(ctx: Any, prompt: Any) -> tuple[list[list[int]], bool]:
 
 async def completions(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
+    _refuse_while_paused(ctx)
     body = await read_json(
         request,
         allowed={
@@ -204,20 +214,29 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 async def pause(request: web.Request) -> web.Response:
     engine = ctx_of(request).engine
     mode = request.query.get("mode", "abort")
-    if request.query.get("wait_for_inflight_requests", "false").lower() == "true":
-        mode = "wait"
     if mode not in _PAUSE_MAP:
         raise BadRequest(f"pause mode must be one of {sorted(_PAUSE_MAP)}, got {mode!r}")
     if mode == "wait":
         while engine.num_running:
             await asyncio.sleep(0.01)
     await await_future(engine.pause(_PAUSE_MAP[mode]))
-    return web.json_response({"status": "paused", "success": True})
+    ctx_of(request).extra[_PAUSE_MODE] = mode
+    return web.json_response({"status": "paused"})
 
 
 async def resume(request: web.Request) -> web.Response:
     ctx_of(request).engine.resume_generation()
-    return web.json_response({"status": "resumed", "success": True})
+    ctx_of(request).extra.pop(_PAUSE_MODE, None)
+    return web.json_response({"status": "resumed"})
+
+
+def _refuse_while_paused(ctx: Any) -> None:
+    """vLLM: in ``abort`` and ``wait`` mode new requests are rejected (503) until /resume;
+    ``keep`` queues them."""
+    if ctx.engine.paused is not None and ctx.extra.get(_PAUSE_MODE, "keep") != "keep":
+        raise EnginePaused(
+            f"generation is paused (mode={ctx.extra[_PAUSE_MODE]}); retry after /resume"
+        )
 
 
 async def is_paused(request: web.Request) -> web.Response:
@@ -264,7 +283,7 @@ async def collective_rpc(request: web.Request) -> web.Response:
         await await_future(ctx.engine.update_from_ipc(kwargs["zmq_handles"], None))
         return web.json_response({"results": [None] * n})
     path = want(kwargs, "weights_path", str, ctx.model_name)
-    await await_future(ctx.engine.update_from_disk(path, None))
+    await disk_update(ctx, path, "weights_path", None)
     return web.json_response({"results": [None] * n})
 
 

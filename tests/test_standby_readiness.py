@@ -1,0 +1,225 @@
+"""Standby readiness is a fact the fleet knows (issue #16).
+
+A launcher's warm standby is ``warming`` (being spawned or still importing), ``ready`` or
+``none``; a start while it warms races it against a fresh spawn, so a crash during the warm-up
+never waits on the standby alone. Real processes: standbys and fresh spawns are slowed by
+``tests/slow_engine.py`` (a sleep before the reference engine's imports). Assertions are on the
+recorded source, never on timings.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("torch")
+
+from engine_helpers import all_gone, tiny_model_dir, wait_for  # noqa: F401  (fixture)
+
+from rollsafe.adapters.engines import EngineLauncher, EngineSpec
+
+TESTS = Path(__file__).resolve().parent
+STANDBY_WAIT_S = 120.0
+
+
+def sb_state(launcher: EngineLauncher) -> str:
+    """``launcher.standby_state`` (a function, so that mypy does not narrow it for good)."""
+    return launcher.standby_state
+
+
+def source(launcher: EngineLauncher) -> str | None:
+    return launcher.last_start_source
+
+
+def state_at_start(launcher: EngineLauncher) -> str | None:
+    return launcher.last_start_standby_state
+
+
+def slow_launcher(model: Path, control: Path) -> EngineLauncher:
+    """A warm-standby launcher running ``tests/slow_engine.py`` controlled by ``control``."""
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, "SLOW_ENGINE_DIR": str(control)}
+    spec = EngineSpec(model_path=str(model), warm_standby=True, module="slow_engine", env=env)
+    return EngineLauncher(spec)
+
+
+def test_a_restart_while_the_standby_warms_is_won_by_a_fresh_spawn(
+    tiny_model_dir: Path,  # noqa: F811
+    launchers: list[EngineLauncher],
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "standby_s").write_text("600")  # every standby warms for ten minutes
+    launcher = slow_launcher(tiny_model_dir, tmp_path)
+    launchers.append(launcher)
+    assert sb_state(launcher) == "none"  # not started: no standby
+    launcher.start()
+    assert source(launcher) == "fresh_spawn"
+    assert state_at_start(launcher) == "none"
+    assert wait_for(lambda: launcher.standby_pid is not None, 30.0)
+    warming = launcher.standby_pid
+    assert warming is not None and sb_state(launcher) == "warming"
+    status = launcher.standby_status()
+    assert status["state"] == "warming" and status["pid"] == warming and status["enabled"]
+    assert status["import_s"] is None
+
+    launcher.restart()  # would wait ten minutes on the standby alone
+    assert source(launcher) == "fresh_spawn"
+    assert state_at_start(launcher) == "warming"
+    assert not launcher.last_start_from_standby and launcher.pid != warming
+    assert launcher.client.is_healthy()
+    assert all_gone([warming])  # the standby that lost the race was killed
+    stats = launcher.standby_stats
+    assert stats["raced"] == 1 and stats["fallbacks"] == 1 and stats["used"] == 0
+    assert "still importing" in str(stats["last_fallback"])
+    assert launcher.standby_status()["fallbacks"] == 1
+    # the next standby warms again
+    assert wait_for(lambda: launcher.standby_pid not in (None, warming), 30.0)
+    assert sb_state(launcher) == "warming"
+    pids = [launcher.pid, launcher.standby_pid]
+    launcher.stop()
+    assert sb_state(launcher) == "none"
+    assert all_gone([p for p in pids if p is not None])
+
+
+def test_a_warming_standby_that_is_ready_first_takes_the_restart(
+    tiny_model_dir: Path,  # noqa: F811
+    launchers: list[EngineLauncher],
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "standby_s").write_text("2")  # the standby warms 2 s longer than its imports
+    launcher = slow_launcher(tiny_model_dir, tmp_path)
+    launchers.append(launcher)
+    launcher.start()
+    assert wait_for(lambda: launcher.standby_pid is not None, 30.0)
+    warming = launcher.standby_pid
+    (tmp_path / "fresh_s").write_text("600")  # from now on a fresh spawn never wins
+    assert sb_state(launcher) == "warming"
+
+    launcher.restart(weight_version="3")
+    assert state_at_start(launcher) == "warming"
+    assert source(launcher) == "warming_standby"
+    assert launcher.last_start_from_standby and launcher.pid == warming
+    assert launcher.ready_info["weight_version"] == "3" and launcher.client.is_healthy()
+    stats = launcher.standby_stats
+    assert stats["raced"] == 1 and stats["used"] == stats["used_warming"] == 1
+    assert stats["fallbacks"] == 0
+    (tmp_path / "standby_s").write_text("0")
+    assert launcher.wait_standby(STANDBY_WAIT_S)
+    assert sb_state(launcher) == "ready"
+    assert launcher.standby_status()["import_s"] > 0
+
+    launcher.restart()  # a ready standby: no race
+    assert source(launcher) == "ready_standby"
+    assert state_at_start(launcher) == "ready"
+    stats = launcher.standby_stats
+    assert stats["raced"] == 1 and stats["used_ready"] == 1 and stats["used"] == 2
+    pids = [launcher.pid, *([launcher.standby_pid] if launcher.standby_pid else [])]
+    launcher.kill()
+    assert all_gone(pids)
+
+
+def test_the_fleet_knows_a_warming_standby_and_the_recovery_records_its_source(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Snapshot, metrics and the RecoveryResult of a real fleet whose standby never gets ready:
+    the crash's restart is a fresh spawn that beat the warming standby, and it is counted."""
+    from transformers import AutoModelForCausalLM
+
+    from rollsafe.checksum import weights_checksum
+    from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RolloutFleet
+
+    prom = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    control = tmp_path / "control"
+    control.mkdir()
+    (control / "standby_s").write_text("600")
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    cfg = FleetConfig(
+        model_path=tiny_model_dir,
+        export_root=tmp_path / "exports",
+        groups=[GroupSpec(1)],
+        health=HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2),
+        enable_immediate_recovery=True,
+        warm_standby=True,
+        engine_options={
+            "module": "slow_engine",
+            "env": {"PYTHONPATH": path, "SLOW_ENGINE_DIR": str(control)},
+        },
+    )
+
+    def scrape(fleet: RolloutFleet) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        assert fleet.metrics is not None
+        text = prom.generate_latest(fleet.metrics.registry).decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+
+    with RolloutFleet(cfg, metrics=True) as fleet:
+        group = fleet.registry.get("g0")
+        assert wait_for(lambda: group.standby_state == "warming", 30.0)
+        standby = fleet.snapshot()["registry"]["groups"]["g0"]["standby"]
+        assert standby["state"] == "warming" and standby["enabled"] and standby["pid"]
+        samples = scrape(fleet)
+        assert samples[("rollsafe_group_standby_state", (("group", "g0"), ("state", "warming")))]
+        assert not samples[("rollsafe_group_standby_state", (("group", "g0"), ("state", "ready")))]
+        assert not samples[("rollsafe_group_standby_ready", (("group", "g0"),))]
+
+        assert fleet.sync_weights(weights, 1).ok
+        assert fleet.exporter is not None
+        fleet.exporter.wait_hf_export(1, timeout=60)
+        fleet.launcher("g0").kill_rank(0)
+        assert wait_for(lambda: bool(fleet.recoveries()), 120.0)
+        assert fleet.wait_recoveries(120.0)
+        result = fleet.recoveries()[0]
+        assert result.status == "active", result
+        assert result.standby_at_restart == "warming"
+        assert result.restart_source == "fresh_spawn"
+        assert result.as_dict()["restart_source"] == "fresh_spawn"
+        restart = next(s for s in result.steps if s.name == "restart")
+        assert "source=fresh_spawn (standby was warming)" in restart.detail
+        assert fleet.recovery is not None
+        assert fleet.recovery.summary()["by_restart_source"] == {"fresh_spawn": 1}
+        assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
+        standby = fleet.snapshot()["registry"]["groups"]["g0"]["standby"]
+        assert standby["fallbacks"] == 1 and standby["raced"] == 1
+        assert standby["last_start_source"] == "fresh_spawn"
+        samples = scrape(fleet)
+        key = ("rollsafe_standby_starts_total", (("group", "g0"), ("result", "fallback")))
+        assert samples[key] == 1.0
+        pids = [fleet.launcher("g0").pid, fleet.launcher("g0").standby_pid]
+    assert all_gone([p for p in pids if p is not None])
+
+
+def test_a_dummy_restart_after_the_export_it_ran_on_was_deleted(
+    tiny_model_dir: Path,  # noqa: F811
+    launchers: list[EngineLauncher],
+    tmp_path: Path,
+) -> None:
+    """After a recovery from an export the launcher's model directory is that export; once a
+    newer export superseded and deleted it, a targeted push's restart on dummy weights still
+    starts (on the launcher's first model directory) instead of failing an attempt."""
+    import shutil
+
+    export = tmp_path / "hf-v3"
+    shutil.copytree(tiny_model_dir, export)
+    launcher = EngineLauncher(EngineSpec(model_path=str(tiny_model_dir)))
+    launchers.append(launcher)
+    launcher.start()
+    launcher.restart(model_path=str(export), weight_version="3")
+    assert launcher.spec.model_path == str(export)
+    shutil.rmtree(export)
+    launcher.restart(skip_load_weights=True)
+    assert launcher.spec.model_path == str(tiny_model_dir)
+    assert launcher.spec.load_format == "dummy" and launcher.client.is_healthy()
+    pids = [launcher.pid, *launcher.rank_pids]
+    launcher.stop()
+    assert all_gone(pids)
