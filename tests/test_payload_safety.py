@@ -211,3 +211,26 @@ def test_the_engine_answers_400_and_keeps_serving(
     # and a real payload still goes through
     bucket = next(iter(pack_buckets([("model.norm.weight", torch.ones(16))], 1 << 20)))
     assert isinstance(deserialize_payload(serialize_bucket(bucket)), WireBucket)
+
+
+def cuda_payload(storage_module: str, storage_name: str, tensor_cls: tuple[str, str]) -> str:
+    """What torch pickles for a CUDA tensor (``rebuild_cuda_tensor`` and its 15 arguments)."""
+    args = (
+        glob(*tensor_cls) + glob("torch", "Size") + b"(" + op_int(4) + b"t\x85R"
+        + b"(" + op_int(1) + b"t" + op_int(0) + glob(storage_module, storage_name)
+        + glob("torch", "float32") + op_int(0) + op_bytes(b"\x00" * 65) + op_int(16)
+        + op_int(0) + b"\x89" + op_bytes(b"/torch_123_456_7") + op_int(3) + b"N\x89"
+    )  # fmt: skip
+    return plain_payload(glob(R, "rebuild_cuda_tensor") + b"(" + args + b"tR")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path a CPU engine takes")
+def test_cuda_payload_classes_as_torch_pickles_them() -> None:
+    """torch pickles ``type(tensor._typed_storage())`` (TypedStorage) for a CUDA tensor: the
+    class check accepts it (and UntypedStorage); a CPU engine then refuses by name. Any other
+    tensor or storage class is refused first."""
+    for module, name in (("torch.storage", "TypedStorage"), ("torch.storage", "UntypedStorage")):
+        with pytest.raises(BucketFormatError, match="without CUDA"):
+            deserialize_payload(cuda_payload(module, name, ("torch", "Tensor")))
+    with pytest.raises(BucketFormatError, match="unexpected tensor or storage class"):
+        deserialize_payload(cuda_payload("torch.storage", "TypedStorage", ("torch", "Size")))

@@ -184,8 +184,11 @@ def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> _Sealed:
     return out.as_subclass(_Sealed)
 
 
-_CUDA_HANDLE_BYTES = 64  # cudaIpcMemHandle_t / cudaIpcEventHandle_t
-_REF_COUNTER = re.compile(rb"^/torch_[0-9]{1,10}_[0-9]{1,12}_[0-9]{1,12}$")
+#: cudaIpcMemHandle_t is 64 bytes; torch's shareable handles add a type byte and, for
+#: expandable segments, more: a bound on the form, not an exact size
+_MAX_CUDA_HANDLE_BYTES = 4096
+#: torch's process-wide shared-memory names (``/torch_<pid>_<random>_<counter>``)
+_REF_COUNTER = re.compile(rb"^/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}$")
 _REF_COUNTER_ENTRIES = 10_000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE
 
 
@@ -196,7 +199,9 @@ def _rebuild_cuda_tensor(
     ref_counter_handle: Any, ref_counter_offset: Any, event_handle: Any,
     event_sync_required: Any,
 ) -> _Sealed:  # fmt: skip
-    if tensor_cls is not _TENSOR or storage_cls is not _UNTYPED:
+    # torch pickles ``type(tensor._typed_storage())``: TypedStorage (UntypedStorage accepted too)
+    real_storage_cls = {_TYPED: torch.storage.TypedStorage, _UNTYPED: torch.UntypedStorage}
+    if tensor_cls is not _TENSOR or storage_cls not in real_storage_cls:
         raise UnsafePayload("rebuild_cuda_tensor: unexpected tensor or storage class")
     if requires_grad is not False:
         raise UnsafePayload("rebuild_cuda_tensor: a weight payload carries no autograd state")
@@ -210,10 +215,11 @@ def _rebuild_cuda_tensor(
     if not torch.cuda.is_available():
         raise UnsafePayload("a CUDA IPC payload reached an engine without CUDA")
     _int(storage_device, "rebuild_cuda_tensor device", high=torch.cuda.device_count() - 1)
+    # the handles' contents are CUDA's to check when they are opened; their form is ours
     for value, what in ((storage_handle, "memory"), (event_handle, "event")):
         if what == "event" and value is None:
             continue
-        if not isinstance(value, bytes) or len(value) != _CUDA_HANDLE_BYTES:
+        if not isinstance(value, bytes) or not 0 < len(value) <= _MAX_CUDA_HANDLE_BYTES:
             raise UnsafePayload(f"rebuild_cuda_tensor: bad CUDA IPC {what} handle")
     if not isinstance(ref_counter_handle, bytes) or not _REF_COUNTER.match(ref_counter_handle):
         raise UnsafePayload("rebuild_cuda_tensor: bad reference-counter handle")
@@ -224,7 +230,7 @@ def _rebuild_cuda_tensor(
 
     rebuild: Any = reductions.rebuild_cuda_tensor
     out: torch.Tensor = rebuild(
-        torch.Tensor, torch.Size(size), stride, offset, torch.UntypedStorage, dtype,
+        torch.Tensor, torch.Size(size), stride, offset, real_storage_cls[storage_cls], dtype,
         storage_device, storage_handle, nbytes, storage_offset_bytes, False,
         ref_counter_handle, ref_counter_offset, event_handle, event_sync_required,
     )  # fmt: skip
