@@ -206,9 +206,13 @@ def _recovery(d: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     for mode, r in d["modes"].items():
         s = r["summary"]
-        name = mode.replace("_", " ")
+        name = {
+            "warm_standby": "warm standby (1 per group, the demo's)",
+            "warm_standby_x2": "2 warm standbys per group",
+            "no_standby": "no standby",
+        }.get(mode, mode)
         total = s["crash_to_active"]
-        warm = mode == "warm_standby"
+        warm = mode.startswith("warm")
         rows.append(
             (f"{name}: crash -> active with current weights, p50 / p95 / max over {total['n']} "
              f"crashes at random points of {cfg['rollout_s']:g} s rollouts "

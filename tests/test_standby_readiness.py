@@ -1,8 +1,9 @@
 """Standby readiness is a fact the fleet knows (issue #16).
 
 A launcher's warm standby is ``warming`` (being spawned or still importing), ``ready`` or
-``none``; a start while it warms races it against a fresh spawn, so a crash during the warm-up
-never waits on the standby alone. Real processes: standbys and fresh spawns are slowed by
+``none``; a start while it warms waits for it at most what a fresh spawn costs, then races it
+against a fresh spawn, so a crash during the warm-up never waits on a stalled standby alone.
+Real processes: standbys and fresh spawns are slowed by
 ``tests/slow_engine.py`` (a sleep before the reference engine's imports). Assertions are on the
 recorded source, never on timings.
 """
@@ -165,7 +166,7 @@ def test_the_fleet_knows_a_warming_standby_and_the_recovery_records_its_source(
 
     with RolloutFleet(cfg, metrics=True) as fleet:
         group = fleet.registry.get("g0")
-        assert wait_for(lambda: group.standby_state == "warming", 30.0)
+        assert wait_for(lambda: group.standby().get("pid") is not None, 30.0)
         standby = fleet.snapshot()["registry"]["groups"]["g0"]["standby"]
         assert standby["state"] == "warming" and standby["enabled"] and standby["pid"]
         samples = scrape(fleet)
@@ -204,9 +205,9 @@ def test_a_dummy_restart_after_the_export_it_ran_on_was_deleted(
     launchers: list[EngineLauncher],
     tmp_path: Path,
 ) -> None:
-    """After a recovery from an export the launcher's model directory is that export; once a
-    newer export superseded and deleted it, a targeted push's restart on dummy weights still
-    starts (on the launcher's first model directory) instead of failing an attempt."""
+    """After a recovery from an export the launcher's model directory is that export, which a
+    newer export may delete at any time: a targeted push's restart on dummy weights starts on
+    the launcher's first model directory (same config) instead of failing an attempt."""
     import shutil
 
     export = tmp_path / "hf-v3"
@@ -216,10 +217,49 @@ def test_a_dummy_restart_after_the_export_it_ran_on_was_deleted(
     launcher.start()
     launcher.restart(model_path=str(export), weight_version="3")
     assert launcher.spec.model_path == str(export)
-    shutil.rmtree(export)
+    # same model config: dummy weights start on the first directory (the export may go any time)
     launcher.restart(skip_load_weights=True)
     assert launcher.spec.model_path == str(tiny_model_dir)
     assert launcher.spec.load_format == "dummy" and launcher.client.is_healthy()
+    launcher.restart(model_path=str(export), skip_load_weights=False, weight_version="3")
+    shutil.rmtree(export)  # deleted: the same
+    launcher.restart(skip_load_weights=True)
+    assert launcher.spec.model_path == str(tiny_model_dir) and launcher.client.is_healthy()
     pids = [launcher.pid, *launcher.rank_pids]
     launcher.stop()
     assert all_gone(pids)
+
+
+def test_a_pool_of_two_keeps_a_ready_standby_for_back_to_back_restarts(
+    tiny_model_dir: Path,  # noqa: F811
+    launchers: list[EngineLauncher],
+) -> None:
+    launcher = EngineLauncher(EngineSpec(model_path=str(tiny_model_dir), warm_standby=True,
+                                         standbys=2))  # fmt: skip
+    launchers.append(launcher)
+    launcher.start()
+    assert wait_for(lambda: launcher.standby_status()["ready"] == 2, STANDBY_WAIT_S)
+    first, second = launcher.standby_pids
+    assert launcher.standby_pid == first  # the oldest ready one goes first
+    launcher.restart()
+    assert source(launcher) == "ready_standby" and launcher.pid == first
+    # right after that restart the second standby is still ready; its replacement warms
+    assert launcher.standby_pid == second
+    launcher.restart()
+    assert source(launcher) == "ready_standby" and state_at_start(launcher) == "ready"
+    assert launcher.pid == second
+    stats = launcher.standby_stats
+    assert stats["used_ready"] == 2 and stats["fallbacks"] == 0 and stats["raced"] == 0
+    # the pool refills, one import at a time
+    assert wait_for(lambda: launcher.standby_status()["ready"] == 2, STANDBY_WAIT_S)
+    assert launcher.standby_stats["spawned"] == 4
+    pids = [launcher.pid, *launcher.standby_pids]
+    launcher.stop()
+    assert launcher.standby_pids == [] and sb_state(launcher) == "none"
+    assert all_gone(pids)
+
+
+def test_standbys_must_be_a_positive_int(tiny_model_dir: Path) -> None:  # noqa: F811
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="standbys"):
+            EngineSpec(model_path=str(tiny_model_dir), warm_standby=True, standbys=bad)  # type: ignore[arg-type]

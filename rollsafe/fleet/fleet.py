@@ -137,10 +137,12 @@ class FleetConfig:
     and imports (most of a CPU engine's start); it costs one such process per group (a few
     hundred MB of host memory each) and, after every start, one background import.
     ``GroupSpec.warm_standby`` overrides it per group. Needs an engine module that supports
-    ``--standby`` (the reference engine does). Each group's standby state (``none``,
-    ``warming``: still importing, ``ready``) is in :meth:`RolloutFleet.snapshot` (``registry.
-    groups.<id>.standby``), the metrics and each :class:`RecoveryResult`
-    (``standby_at_restart``, ``restart_source``). ``transport="nccl"`` only: ``nccl_backend``
+    ``--standby`` (the reference engine does); ``engine_options={"standbys": 2}`` keeps two
+    per group, so that a crash right after a recovery still finds one ready. Each group's
+    standby state (``none``, ``warming``: still importing, ``ready``) is in
+    :meth:`RolloutFleet.snapshot` (``registry.groups.<id>.standby``), the metrics and each
+    :class:`RecoveryResult` (``standby_at_restart``, ``restart_source``).
+    ``transport="nccl"`` only: ``nccl_backend``
     (``"gloo"``, the default, moves host memory and works with engines anywhere; ``"nccl"``
     for trainer weights and engines on GPUs; None picks by the weights' device) and
     ``nccl_bucket_bytes`` (None: :data:`~rollsafe.transports.DEFAULT_NCCL_BUCKET_BYTES`).

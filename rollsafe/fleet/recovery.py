@@ -86,8 +86,8 @@ RecoveryStatus = Literal["active", "pending_weights", "skipped", "retired", "fai
 #: Which strategy brought the group back (the last attempt's).
 RecoveryStrategy = Literal["immediate", "targeted_push", "deferred"]
 #: Where the restarted engine came from (``EngineLauncher.last_start_source``): a warm standby
-#: that was ``ready``, one still importing (``warming``) that won the race against a fresh
-#: spawn, or a fresh spawn.
+#: that was ``ready``, one still importing (``warming``) that was ready before any fresh spawn,
+#: or a fresh spawn.
 RestartSource = Literal["ready_standby", "warming_standby", "fresh_spawn"]
 RESTART_SOURCES: tuple[RestartSource, ...] = ("ready_standby", "warming_standby", "fresh_spawn")
 

@@ -199,7 +199,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "group result",
         "Engine (re)starts by where the engine came from: a ready standby (ready_standby), a "
-        "standby still importing that won the race against a fresh spawn (warming_standby), or "
+        "standby still importing at the start (warming_standby), or "
         "a fresh spawn while a standby was expected (fallback)",
     ),
     _m(

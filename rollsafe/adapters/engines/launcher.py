@@ -21,14 +21,16 @@ MODULE --standby``, which prints ``ROLLSAFE_STANDBY {json}`` and waits on stdin)
 ``{"argv": [...], "env": {...}}`` instead of spawning a fresh interpreter, then waits for the
 ready line and a health check exactly as for a fresh spawn; the standby's log becomes the
 engine's log and its pid the engine's pid. A standby is used while it is alive (one still
-importing takes the handoff once done, raced by a fresh spawn) and was started with the
+importing takes the handoff once done, see below) and was started with the
 same interpreter, module and environment; otherwise, or if it dies before it took the
 handoff, the start falls back to a fresh spawn (logged, counted in
 :attr:`EngineLauncher.standby_stats`). A standby still importing (``warming``, see
-:attr:`EngineLauncher.standby_state`) never leaves a start waiting on it alone: it gets the
-handoff *and* a fresh engine is spawned next to it; whichever prints its ready line first is
+:attr:`EngineLauncher.standby_state`) gets the handoff and is waited for alone at most as long
+as a fresh spawn of this launcher took (:meth:`EngineLauncher.fresh_start_estimate`); if it is
+not ready by then a fresh engine is spawned next to it, whichever prints its ready line first is
 the engine and the other is killed (:attr:`EngineLauncher.last_start_source` says which:
 ``ready_standby``, ``warming_standby`` or ``fresh_spawn``; a lost race counts as a fallback).
+``EngineSpec.standbys`` keeps more than one standby (refilled one import at a time).
 After every successful start the next standby is spawned
 on a background thread (so it never competes with the start itself). The standby runs in its own
 session with its own parent-death watchdog and finalizer: ``stop()``, ``kill()``, context exit,
@@ -54,6 +56,7 @@ import logging
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,8 +92,9 @@ API_KEY_FILE_PLACEHOLDER = "<api-key-config.yaml>"
 #: Which engine an :class:`EngineSpec` starts.
 EngineKind = Literal["reference", "sglang", "vllm"]
 #: A launcher's warm standby right now: ``ready`` (idle, imports done: a start takes it at
-#: once), ``warming`` (being spawned or still importing: a start races it against a fresh
-#: spawn) or ``none`` (no standby: off, not started, or stopped).
+#: once), ``warming`` (being spawned or still importing: a start waits for it, racing it
+#: against a fresh spawn after what a fresh spawn costs) or ``none`` (no standby: off, not
+#: started, or stopped).
 StandbyState = Literal["none", "warming", "ready"]
 #: Where the last start's engine came from.
 StartSource = Literal["ready_standby", "warming_standby", "fresh_spawn"]
@@ -164,6 +168,10 @@ class EngineSpec:
     reference engine does); it costs one more process holding those imports (a few hundred MB
     of host memory) and, after each start, the CPU of one import in the background. Real engines
     have no standby mode: ``warm_standby=True`` with a real ``kind`` is a ``ValueError``.
+    ``standbys`` (with ``warm_standby``) is how many such processes are kept: with 2, a crash
+    right after a restart still finds one ready while the replacement of the one just used is
+    importing (the pool is refilled one import at a time); each costs its host memory, and
+    the CPU per start stays one import.
 
     Real engines only: ``ranks`` is the tensor-parallel size; ``port=0`` picks a free port on
     ``host`` right before each start (read :attr:`EngineLauncher.url`); ``executable`` replaces
@@ -199,6 +207,7 @@ class EngineSpec:
     reap_on_parent_death: bool = True
     unset_env: Sequence[str] = ()
     warm_standby: bool = False
+    standbys: int = 1
     kind: EngineKind = "reference"
     executable: Sequence[str] = ()
     release_memory: bool | None = None
@@ -222,6 +231,10 @@ class EngineSpec:
             raise ValueError(f"EngineSpec.port out of range: {self.port}")
         if self.ready_timeout <= 0:
             raise ValueError(f"EngineSpec.ready_timeout must be > 0, got {self.ready_timeout}")
+        if isinstance(self.standbys, bool) or not isinstance(self.standbys, int) or (
+            self.standbys < 1
+        ):
+            raise ValueError(f"EngineSpec.standbys must be an int >= 1, got {self.standbys!r}")
         if isinstance(self.executable, str):
             raise ValueError(
                 "EngineSpec.executable must be a sequence of arguments, e.g. ('vllm', 'serve'), "
@@ -503,6 +516,35 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+#: The config.json fields that make two model directories interchangeable for dummy weights.
+_ARCHITECTURE_KEYS = (
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "tie_word_embeddings",
+)  # fmt: skip
+
+
+def _same_architecture(current: str, base: str) -> bool:
+    """Whether ``base`` (it must exist) can stand in for ``current`` on dummy weights: the
+    current directory is gone, or both ``config.json`` agree on :data:`_ARCHITECTURE_KEYS`."""
+
+    def config(path: str) -> dict[str, Any] | None:
+        try:
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    theirs = config(base)
+    if theirs is None:
+        return False
+    if not os.path.isdir(current):
+        return True
+    ours = config(current)
+    return ours is not None and all(ours.get(k) == theirs.get(k) for k in _ARCHITECTURE_KEYS)
+
+
 def _free_port(host: str) -> int:
     """A TCP port free on ``host`` right now (a real engine cannot report the one it picked)."""
     bind = {"": "0.0.0.0", "localhost": "127.0.0.1"}.get(host, host).strip("[]")
@@ -735,13 +777,26 @@ class _StandbyLost(Exception):
 
 
 def _standby_spawner(ref: weakref.ReferenceType[EngineLauncher]) -> None:
-    """Background thread body: spawn the launcher's next standby (weakly held: GC still works)."""
-    launcher = ref()
-    if launcher is not None:
+    """Background thread body: fill the launcher's standby pool, one import at a time (weakly
+    held between spawns: GC still works)."""
+    while True:
+        launcher = ref()
+        if launcher is None:
+            return
         try:
-            launcher._ensure_standby()
+            warming = launcher._ensure_standby()
         except Exception:  # never let a background spawn kill the thread noisily
             log.exception("spawning a warm standby failed")
+            return
+        del launcher
+        if warming is None:
+            return
+        # the pool wants another one: spawn it once this one is imported (or gone), so that two
+        # imports never compete for the CPU
+        while warming.alive() and not warming.announced():
+            warming.pump.standby_event.wait(0.25)
+            if ref() is None:
+                return
 
 
 # --------------------------------------------------------------------------- launcher
@@ -761,7 +816,7 @@ class EngineLauncher:
         self._finalizer: weakref.finalize[Any, EngineLauncher] | None = None
         self._log_dir = spec.log_dir or tempfile.mkdtemp(prefix="rollsafe-engine-")
         self._starts = 0
-        self._standby: _Standby | None = None
+        self._standbys: list[_Standby] = []  # idle standbys, oldest first
         self._standby_wanted = False  # set by a successful start, cleared by stop() / kill()
         self._standby_thread: threading.Thread | None = None
         self._standby_stats = {
@@ -774,6 +829,8 @@ class EngineLauncher:
         self._last_standby_state: StandbyState | None = None
         self._command: list[str] | None = None  # the argv of the last start
         self._base_model_path = spec.model_path  # the first model directory (stays put)
+        # how long this launcher's last fresh spawns took to be ready (bounds a standby wait)
+        self._fresh_start_times: collections.deque[float] = collections.deque(maxlen=5)
         self._api_key_file: str | None = None  # a real SGLang engine's --config file
 
     # ------------------------------------------------------------------ properties
@@ -821,37 +878,50 @@ class EngineLauncher:
         """Whether the last successful start was handed to a warm standby (no fresh spawn)."""
         return self._last_from_standby
 
+    def _next_standby(self) -> _Standby | None:
+        """The idle standby the next start would take: the oldest ready one, else the oldest
+        one still importing (lock-free)."""
+        alive = [sb for sb in list(self._standbys) if sb.alive()]
+        return next((sb for sb in alive if sb.announced()), alive[0] if alive else None)
+
     @property
     def standby_pid(self) -> int | None:
-        """The pid of the idle warm standby, if one is alive (ready or still importing)."""
-        sb = self._standby
-        return sb.proc.pid if sb is not None and sb.alive() else None
+        """The pid of the idle warm standby the next start takes, if one is alive (ready or
+        still importing)."""
+        sb = self._next_standby()
+        return sb.proc.pid if sb is not None else None
+
+    @property
+    def standby_pids(self) -> list[int]:
+        """The pids of every idle warm standby alive (``EngineSpec.standbys`` of them at most)."""
+        return [sb.proc.pid for sb in list(self._standbys) if sb.alive()]
 
     @property
     def standby_ready(self) -> bool:
         """True while an idle warm standby is alive and has finished its imports."""
-        sb = self._standby
-        return sb is not None and sb.alive() and sb.announced()
+        sb = self._next_standby()
+        return sb is not None and sb.announced()
 
     @property
     def standby_state(self) -> StandbyState:
         """``ready``: an idle standby is alive and imported; ``warming``: one is being spawned
-        or still importing (a start now races it against a fresh spawn); ``none`` otherwise.
+        or still importing (a start now waits for it, at most what a fresh spawn costs before
+        racing it against one); ``none`` otherwise.
         Never blocks (no lock: safe to read from health checks and metrics while a restart
         holds the launcher)."""
-        sb = self._standby
-        if sb is not None and sb.alive():
+        sb = self._next_standby()
+        if sb is not None:
             return "ready" if sb.announced() else "warming"
         if self._standby_wanted and self._spec.warm_standby and not self._spec.real:
             t = self._standby_thread
-            if sb is None and t is not None and t.is_alive():
+            if t is not None and t.is_alive():
                 return "warming"  # the spawner thread is about to spawn it
         return "none"
 
     @property
     def last_start_source(self) -> StartSource | None:
         """Where the last successful start's engine came from: ``ready_standby``,
-        ``warming_standby`` (a standby still importing won the race against a fresh spawn) or
+        ``warming_standby`` (a standby still importing, ready before any fresh spawn) or
         ``fresh_spawn``; None before the first start."""
         return self._last_source
 
@@ -863,26 +933,32 @@ class EngineLauncher:
     @property
     def standby_stats(self) -> dict[str, Any]:
         """Counters: standbys ``spawned``; starts that ``used`` one (``used_ready`` /
-        ``used_warming``: it was ready, or still importing and won the race); ``raced``: starts
-        that spawned a fresh engine next to a warming standby; ``fallbacks``: starts that
+        ``used_warming``: it was ready, or still importing and ready first); ``raced``: starts
+        that spawned a fresh engine next to a warming standby (it took longer than a fresh
+        spawn would); ``fallbacks``: starts that
         expected a standby and ended on a fresh spawn (none spawned yet, dead, changed
         environment, lost race); ``last_fallback`` (the reason, or None)."""
         return {**self._standby_stats, "last_fallback": self._last_fallback}
 
     def standby_status(self) -> dict[str, Any]:
         """A JSON-friendly view of the warm standby, lock-free (the fleet's snapshot, metrics
-        and the demo read it): ``enabled``, ``state``, ``pid``, ``age_s`` (since its spawn),
-        ``import_s`` (once ready), the :attr:`standby_stats` counters, ``last_start_source``
-        and ``last_start_standby_state``."""
-        sb = self._standby
-        alive = sb is not None and sb.alive()
-        announced = sb.pump.standby if sb is not None and alive else None
+        and the demo read it): ``enabled``, ``state``, ``pool`` (``EngineSpec.standbys``),
+        ``ready`` / ``warming`` (how many idle standbys are in each state), and of the one the
+        next start takes ``pid``, ``age_s`` (since its spawn) and ``import_s`` (once ready);
+        the :attr:`standby_stats` counters, ``last_start_source`` and
+        ``last_start_standby_state``."""
+        sb = self._next_standby()
+        alive = [s for s in list(self._standbys) if s.alive()]
+        announced = sb.pump.standby if sb is not None else None
+        ready = sum(1 for s in alive if s.announced())
         return {
             "enabled": bool(self._spec.warm_standby),
             "state": self.standby_state,
-            "pid": sb.proc.pid if sb is not None and alive else None,
-            "age_s": round(time.monotonic() - sb.spawned_at, 3) if sb is not None and alive
-            else None,
+            "pool": self._spec.standbys if self._spec.warm_standby else 0,
+            "ready": ready,
+            "warming": len(alive) - ready,
+            "pid": sb.proc.pid if sb is not None else None,
+            "age_s": round(time.monotonic() - sb.spawned_at, 3) if sb is not None else None,
             "import_s": announced.get("import_s") if announced else None,
             **self.standby_stats,
             "last_start_source": self._last_source,
@@ -893,15 +969,16 @@ class EngineLauncher:
         """Wait up to ``timeout`` s for an idle standby to finish its imports; return whether."""
         deadline = time.monotonic() + timeout
         while not self.standby_ready:
-            sb = self._standby
-            if sb is not None and not sb.alive():
-                return False
             if time.monotonic() >= deadline or not self._standby_wanted:
                 return False  # past the deadline, or no standby will come (not started)
-            if sb is not None:
-                sb.pump.standby_event.wait(min(0.1, max(0.0, deadline - time.monotonic())))
-            else:
+            sb = self._next_standby()
+            if sb is None:
+                t = self._standby_thread
+                if self._standbys and (t is None or not t.is_alive()):
+                    return False  # the standby died and none is being spawned
                 time.sleep(0.02)
+            else:
+                sb.pump.standby_event.wait(min(0.1, max(0.0, deadline - time.monotonic())))
         return True
 
     def output_tail(self) -> str:
@@ -934,12 +1011,13 @@ class EngineLauncher:
         /update_weight_version`` (vLLM has no such flag).
 
         With ``spec.warm_standby`` a ready standby takes the start (see the module docstring);
-        a standby still importing is raced against a fresh spawn (the first ready line wins);
-        a fresh spawn is the fallback. :attr:`last_start_source` records which. Raises
-        :class:`EngineStartError` (with the output tail,
-        exit code and command) if the engine exits, prints a bad ready line or is not healthy
-        within ``spec.ready_timeout`` (:class:`EngineStartTimeout` when it was still running);
-        nothing is left running in that case (an idle standby the start did not use stays).
+        a standby still importing takes it too, raced by a fresh spawn once it took longer than
+        a fresh spawn would (the first ready line wins); a fresh spawn is the fallback.
+        :attr:`last_start_source` records which. Raises :class:`EngineStartError` (with the
+        output tail, exit code and command) if the engine exits, prints a bad ready line or is
+        not healthy within ``spec.ready_timeout`` (:class:`EngineStartTimeout` when it was still
+        running); nothing is left running in that case (an idle standby the start did not use
+        stays).
         """
         with self._lock:
             if self._proc is not None:
@@ -951,6 +1029,7 @@ class EngineLauncher:
             self._command = cmd
             self._starts += 1
             state_at_start = self.standby_state
+            t_start = time.monotonic()
             standby = self._take_standby(spec)
             warming = standby is not None and not standby.announced()
             source: StartSource = "fresh_spawn"
@@ -984,6 +1063,8 @@ class EngineLauncher:
             self._last_from_standby = source != "fresh_spawn"
             self._last_source = source
             self._last_standby_state = state_at_start
+            if source == "fresh_spawn" and not warming:
+                self._fresh_start_times.append(time.monotonic() - t_start)
             if source != "fresh_spawn":
                 self._standby_stats["used"] += 1
                 self._standby_stats["used_ready" if source == "ready_standby" else
@@ -1068,15 +1149,47 @@ class EngineLauncher:
         )
         return proc, pump, watchdog
 
-    def _race(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> StartSource:
-        """A start while the standby still imports: hand it off to the standby *and* spawn a
-        fresh engine; install whichever prints its ready line first, kill the other.
+    def fresh_start_estimate(self) -> float | None:
+        """Seconds a fresh spawn of this launcher takes to its ready line: the median of its
+        last fresh starts (None before one)."""
+        times = list(self._fresh_start_times)
+        return float(statistics.median(times)) if times else None
 
-        A contender that exits before its ready line drops out (e.g. the loser of a fixed
-        port); when both did, the fresh one is installed so that :meth:`_wait_ready` reports
-        its exit. Returns the installed engine's source (:meth:`_wait_ready` follows).
+    def _race(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> StartSource:
+        """A start while the standby still imports: hand it off to the standby, wait for it
+        alone at most :meth:`fresh_start_estimate` seconds (what a fresh spawn would cost; no
+        estimate: no wait), then also spawn a fresh engine; install whichever prints its ready
+        line first, kill the other.
+
+        The bounded wait keeps a standby that is on its way from competing with a fresh
+        import for the CPU (two imports on two cores take longer than one); the fresh spawn
+        after it bounds what a stalled standby costs. A contender that exits before its ready
+        line drops out (e.g. the loser of a fixed port); when both did, the fresh one is
+        installed so that :meth:`_wait_ready` reports its exit. Returns the installed engine's
+        source (:meth:`_wait_ready` follows).
         """
         if not self._handoff(sb, spec, cmd):
+            self._launch_fresh(spec, cmd)
+            return "fresh_spawn"
+        bound = self.fresh_start_estimate()
+        alone_until = time.monotonic() + min(bound or 0.0, spec.ready_timeout)
+        while not sb.pump.ready_event.is_set() and sb.proc.poll() is None:
+            remaining = alone_until - time.monotonic()
+            if remaining <= 0:
+                break
+            sb.pump.ready_event.wait(min(0.05, remaining))
+        if sb.pump.ready_event.is_set():
+            sb.finalizer.detach()
+            self._proc, self._pump, self._watchdog = sb.proc, sb.pump, sb.watchdog
+            self._finalizer = weakref.finalize(self, _reap, sb.proc, [], sb.watchdog)
+            return "warming_standby"
+        if sb.proc.poll() is not None:
+            sb.pump.wait_eof(0.2)
+            sb.discard()
+            self._fallback(
+                f"the standby (pid {sb.proc.pid}) exited with code {sb.proc.returncode} before "
+                "its ready line"
+            )
             self._launch_fresh(spec, cmd)
             return "fresh_spawn"
         proc, pump, watchdog = self._spawn_fresh(spec, cmd)
@@ -1087,8 +1200,8 @@ class EngineLauncher:
         )  # fmt: skip
         self._standby_stats["raced"] += 1
         log.info(
-            "engine start: the standby (pid %d) is still importing; a fresh engine (pid %d) "
-            "races it", sb.proc.pid, proc.pid,
+            "engine start: the standby (pid %d) is still importing after %.1fs (what a fresh "
+            "spawn takes); a fresh engine (pid %d) races it", sb.proc.pid, bound or 0.0, proc.pid,
         )  # fmt: skip
         everyone: dict[StartSource, _Standby] = {"warming_standby": sb, "fresh_spawn": fresh}
         running = dict(everyone)
@@ -1151,31 +1264,40 @@ class EngineLauncher:
         log.info("engine start without its warm standby (fresh spawn): %s", reason)
 
     def _take_standby(self, spec: EngineSpec) -> _Standby | None:
-        """The idle standby if it can take this start; else None (counted as a fallback)."""
-        sb, self._standby = self._standby, None
-        if sb is None:
+        """The idle standby that takes this start (the oldest ready one, else the oldest still
+        importing), removed from the pool; unusable ones are discarded. None (counted as a
+        fallback when a standby was expected) if none can."""
+        pool, self._standbys = self._standbys, []
+        if not pool:
             if spec.warm_standby and self._standby_wanted:
                 self._fallback("no standby was spawned yet")
             return None
+        usable: list[_Standby] = []
         reason = None
-        if not spec.warm_standby:
-            reason = "warm_standby is off"
-        elif not sb.alive():
-            reason = f"the standby (pid {sb.proc.pid}) exited with code {sb.proc.returncode}"
-        elif sb.interpreter != spec.interpreter() or sb.module != spec.module:
-            reason = "the interpreter or module changed since the standby was spawned"
-        elif sb.env != spec.environment():
-            changed = sorted(
-                k for k in set(sb.env) | set(spec.environment())
-                if sb.env.get(k) != spec.environment().get(k)
-            )  # fmt: skip
-            reason = f"the environment changed since the standby was spawned: {changed[:10]}"
-        if reason is not None:
-            sb.discard()
-            if spec.warm_standby:
-                self._fallback(reason)
-            return None
-        return sb
+        env = spec.environment()
+        for sb in pool:
+            why = None
+            if not spec.warm_standby:
+                why = "warm_standby is off"
+            elif not sb.alive():
+                why = f"the standby (pid {sb.proc.pid}) exited with code {sb.proc.returncode}"
+            elif sb.interpreter != spec.interpreter() or sb.module != spec.module:
+                why = "the interpreter or module changed since the standby was spawned"
+            elif sb.env != env:
+                changed = sorted(
+                    k for k in set(sb.env) | set(env) if sb.env.get(k) != env.get(k)
+                )  # fmt: skip
+                why = f"the environment changed since the standby was spawned: {changed[:10]}"
+            if why is None:
+                usable.append(sb)
+            else:
+                reason = why
+                sb.discard()
+        chosen = next((sb for sb in usable if sb.announced()), usable[0] if usable else None)
+        self._standbys = [sb for sb in usable if sb is not chosen]
+        if chosen is None and spec.warm_standby:
+            self._fallback(reason or "no standby alive")
+        return chosen
 
     def _launch_from_standby(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> bool:
         """Hand ``cmd``'s arguments to ``sb``; False (standby discarded) if it is gone."""
@@ -1218,17 +1340,24 @@ class EngineLauncher:
         self._standby_thread = t
         t.start()
 
-    def _ensure_standby(self) -> None:
-        """Spawn a standby unless one is alive or none is wanted (on the spawner thread)."""
+    def _ensure_standby(self) -> _Standby | None:
+        """On the spawner thread: spawn a standby unless the pool is full, one is still
+        importing, or none is wanted. Returns a standby still importing when the pool wants
+        another one after it (the thread waits for it, then calls again); None when done (the
+        thread ends: decided under the lock, so a start scheduling a spawn starts a new one)."""
         with self._lock:
             spec = self._spec
-            if not (self._standby_wanted and spec.warm_standby):
-                return
-            sb = self._standby
-            if sb is not None:
-                if sb.alive():
-                    return
-                self._discard_standby()
+            wanted = spec.standbys if self._standby_wanted and spec.warm_standby else 0
+            for dead in [sb for sb in self._standbys if not sb.alive()]:
+                self._standbys.remove(dead)
+                dead.discard()
+            warming = next((sb for sb in self._standbys if not sb.announced()), None)
+            if len(self._standbys) >= wanted or warming is not None:
+                if len(self._standbys) < wanted:
+                    return warming
+                if threading.current_thread() is self._standby_thread:
+                    self._standby_thread = None
+                return None
             # The model directory whose classes the standby imports ahead: the launcher's first
             # one, which stays put; the current one may be a recovery export that is deleted
             # while the standby imports (it would then import those classes only at handoff,
@@ -1244,11 +1373,13 @@ class EngineLauncher:
                 proc = _spawn_group(cmd, env, stdin=subprocess.PIPE)
             except OSError as exc:
                 log.warning("cannot spawn a warm standby (%s): %s", " ".join(cmd), exc)
-                return
+                if threading.current_thread() is self._standby_thread:
+                    self._standby_thread = None
+                return None
             watchdog = (
                 _start_watchdog(spec.interpreter(), proc.pid) if spec.reap_on_parent_death else None
             )
-            self._standby = _Standby(
+            sb = _Standby(
                 proc=proc,
                 pump=_OutputPump(proc, log_path, spec.secrets()),
                 watchdog=watchdog,
@@ -1257,11 +1388,17 @@ class EngineLauncher:
                 module=spec.module,
                 env=env,
             )
+            self._standbys.append(sb)
             self._standby_stats["spawned"] += 1
+            if len(self._standbys) < wanted:
+                return sb
+            if threading.current_thread() is self._standby_thread:
+                self._standby_thread = None
+            return None
 
     def _discard_standby(self) -> None:
-        sb, self._standby = self._standby, None
-        if sb is not None:
+        pool, self._standbys = self._standbys, []
+        for sb in pool:
             sb.discard()
 
     # ------------------------------------------------------------------ readiness
@@ -1529,9 +1666,10 @@ class EngineLauncher:
         wins over ``skip_load_weights``. The port is picked afresh when the spec's port is 0, so
         read :attr:`url` again afterwards. ``weight_version`` is what the restarted engine
         reports until its next update (e.g. the version of the export it loads). A restart on
-        dummy weights without a ``model_path`` whose current model directory is gone (a
-        recovery export deleted since) uses the launcher's first model directory: dummy weights
-        need only its config and tokenizer.
+        dummy weights without a ``model_path`` uses the launcher's first model directory when
+        the current one is gone or has the same model config (the current one is typically a
+        recovery export, which a newer export may delete while the engine starts): dummy
+        weights need only its config and tokenizer.
         """
         with self._lock:
             changes: dict[str, Any] = {}
@@ -1548,23 +1686,24 @@ class EngineLauncher:
             elif skip_load_weights is False and self._spec.load_format == "dummy":
                 changes["load_format"] = "auto"
             new_spec = dataclasses.replace(self._spec, **changes)
+            base = self._base_model_path
             if (
                 new_spec.load_format == "dummy"
                 and model_path is None
                 and not new_spec.real
-                and not os.path.isdir(new_spec.model_path)
-                and os.path.isdir(self._base_model_path)
+                and new_spec.model_path != base
+                and _same_architecture(new_spec.model_path, base)
             ):
-                # Dummy weights need only the config and tokenizer. The current directory may
-                # be a recovery export deleted since (a later export superseded it): restart on
-                # the launcher's first model directory instead of failing the start.
+                # Dummy weights need only the config and tokenizer. The current directory may be
+                # a recovery export that a newer export supersedes and deletes, even while this
+                # engine starts: use the launcher's first model directory, which stays put.
                 log.info(
-                    "restart on dummy weights: %s is gone, using %s (config and tokenizer)",
-                    new_spec.model_path, self._base_model_path,
+                    "restart on dummy weights: using %s (config and tokenizer) instead of %s",
+                    base, new_spec.model_path,
                 )  # fmt: skip
                 new_spec = dataclasses.replace(
                     new_spec,
-                    model_path=self._base_model_path,
+                    model_path=base,
                     tokenizer_path=None
                     if new_spec.tokenizer_path in (None, new_spec.model_path)
                     else new_spec.tokenizer_path,
