@@ -152,6 +152,21 @@ class StaleRegistration(TransportError):
     registered version. Register the new version first."""
 
 
+def check_update_targets(
+    name: str, reg: CheckpointRegistration, targets: Sequence[EngineTarget]
+) -> tuple[str, int]:
+    """What every ``update`` checks first: a published (name, version) to push, and targets with
+    distinct names. Returns the published pair; raises :class:`TransportError` naming the
+    problem (nothing changes)."""
+    published = reg.published
+    if published is None:
+        raise TransportError(f"{name}: nothing is registered (state {reg.state!r}); register first")
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        raise TransportError(f"{name}: duplicate target names {names}")
+    return published
+
+
 class StagedTransport:
     """Base class: drives the CheckpointRegistration machine around ``_stage`` and ``_push``.
 
@@ -226,14 +241,7 @@ class StagedTransport:
     # ------------------------------------------------------------------ update
     def update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
         reg = self.registration
-        published = reg.published
-        if published is None:
-            raise TransportError(
-                f"{self.name}: nothing is registered (state {reg.state!r}); register first"
-            )
-        names = [t.name for t in targets]
-        if len(set(names)) != len(names):
-            raise TransportError(f"{self.name}: duplicate target names {names}")
+        published = check_update_targets(self.name, reg, targets)
         for key, tensor, version in self._watched:
             if _version_of(tensor) != version:
                 raise StaleRegistration(

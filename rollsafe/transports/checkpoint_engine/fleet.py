@@ -45,6 +45,7 @@ from rollsafe.transports.base import (
     TargetResult,
     TransportError,
     UpdateReport,
+    check_update_targets,
     named_tensor_list,
 )
 from rollsafe.transports.checkpoint_engine.transport import (
@@ -321,14 +322,7 @@ class CheckpointEngineFleetTransport:
 
     def _update(self, targets: Sequence[EngineTarget], *, targeted: bool) -> UpdateReport:
         reg = self.registration
-        published = reg.published
-        if published is None:
-            raise TransportError(
-                f"{self.name}: nothing is registered (state {reg.state!r}); register first"
-            )
-        names = [t.name for t in targets]
-        if len(set(names)) != len(names):
-            raise TransportError(f"{self.name}: duplicate target names {names}")
+        published = check_update_targets(self.name, reg, targets)
         rank_lists = [list(t.ranks) for t in targets]
         if not reg.targets_valid(targets=rank_lists):
             reg.begin_update(targets=rank_lists)  # refused by the guard: raises, nothing changes

@@ -68,6 +68,7 @@ from rollsafe.transports.base import (
     TargetResult,
     TransportError,
     UpdateReport,
+    check_update_targets,
     named_tensor_list,
 )
 
@@ -1134,14 +1135,7 @@ class CheckpointEngineTransport(StagedTransport):
         kept in :attr:`last_plan`.
         """
         reg = self.registration
-        published = reg.published
-        if published is None:
-            raise TransportError(
-                f"{self.name}: nothing is registered (state {reg.state!r}); register first"
-            )
-        names = [t.name for t in targets]
-        if len(set(names)) != len(names):
-            raise TransportError(f"{self.name}: duplicate target names {names}")
+        published = check_update_targets(self.name, reg, targets)
         rank_lists = [list(t.ranks) for t in targets]
         if not reg.targets_valid(targets=rank_lists):
             reg.begin_update(targets=rank_lists)  # refused by the guard: raises, nothing changes
