@@ -45,9 +45,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -86,6 +88,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny Qwen3 on the CPU: checks the script")
     p.add_argument("--layers", type=int, default=None, help="Qwen3-4B with fewer layers")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {PHASES}")
+    p.add_argument("--repeats", type=int, default=1, help="crashes per phase (interleaved)")
     p.add_argument("--clients", type=int, default=4, help="rollout client threads")
     p.add_argument("--checksum-repeats", type=int, default=5, help="timed digests of the set")
     p.add_argument("--max-new-tokens", type=int, default=4)
@@ -294,6 +297,89 @@ def crash(fleet: Any, rollout: Rollout, args: argparse.Namespace, *, expect: str
     return out
 
 
+# ================================================================================ one phase
+def one_phase(fleet: Any, rollout: Rollout, args: argparse.Namespace, name: str,
+              sync: Any) -> dict[str, Any]:  # fmt: skip
+    """One crash of phase ``name`` (see the module docstring) and its measurements."""
+    deadline = time.monotonic() + args.recovery_timeout_s
+    version = fleet.registry.fleet_version
+    fleet.exporter.wait_hf_export(version, timeout=max(1.0, deadline - time.monotonic()))
+    _path, files = export_files(fleet, version)
+    export_bytes = sum(f.stat().st_size for f in files)
+    pre: dict[str, Any] = {"export_version": version, "export_files": len(files),
+                           "export_bytes": export_bytes, "export_gb": round(export_bytes / 1e9, 3),
+                           "resident_before": resident_fraction(files)}  # fmt: skip
+    on_pending = None
+    if name == "immediate_cold_cache":
+        pre["page_cache"] = drop_page_cache(files, whole_host=not args.smoke)
+        pre["page_cache_dropped"] = bool(
+            pre["page_cache"].get("fadvise")
+            and (pre["page_cache"].get("resident_after") or 0) < 0.05
+        )
+    if name in ("targeted", "deferred"):
+        fleet.mode.disable()
+    saved_transport = fleet.recovery.transport
+    if name == "deferred":
+        fleet.recovery.transport = None  # as with RecoverySettings(targeted_push=False)
+
+        def on_pending() -> dict[str, Any]:
+            return sync(fleet.registry.fleet_version + 1)  # type: ignore[no-any-return]
+
+    expect = "immediate" if name.startswith("immediate") else (
+        "targeted_push" if name == "targeted" else "deferred")  # fmt: skip
+    try:
+        row = crash(fleet, rollout, args, expect=expect, on_pending=on_pending)
+    finally:
+        fleet.recovery.transport = saved_transport
+        if fleet.mode.state == "disabled":
+            fleet.mode.enable()
+    row.update(pre)
+    ready = dict(fleet.launcher(VICTIM).ready_info)
+    row["engine"] = engine_breakdown(ready, export_bytes if expect == "immediate" else 0)
+    return row
+
+
+def _dist(values: Sequence[float | None]) -> dict[str, Any]:
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return {"n": 0}
+    p95 = xs[min(len(xs) - 1, max(0, math.ceil(0.95 * len(xs)) - 1))]
+    return {"n": len(xs), "median": round(statistics.median(xs), 3), "p95": round(p95, 3),
+            "max": round(xs[-1], 3), "min": round(xs[0], 3)}  # fmt: skip
+
+
+def phase_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median / p95 / max over a phase's runs: kill -> active and every timed part."""
+
+    def col(get: Any) -> dict[str, Any]:
+        return _dist([get(r) for r in runs])
+
+    out: dict[str, Any] = {
+        "kill_to_active_s": col(lambda r: r["kill_to_active_s"]),
+        "detection_s": col(lambda r: r["detection_s"]),
+        "restart_step_s": col(lambda r: r["steps_s"].get("restart")),
+        "health_step_s": col(lambda r: r["steps_s"].get("health")),
+        "push_step_s": col(lambda r: r["steps_s"].get("push")),
+        "kill_to_pending_s": col(lambda r: r.get("kill_to_pending_s")),
+        "next_sync_s": col(lambda r: (r.get("next_sync") or {}).get("seconds")),
+        "restart_sources": sorted({str(r.get("restart_source")) for r in runs}),
+    }
+    for key in (
+        "cuda_init_part_s",
+        "model_built_part_s",
+        "serving_part_s",
+        "export_to_device_s",
+        "export_to_device_gb_s",
+        "export_read_s",
+        "copy_to_device_s",
+    ):
+        out[f"engine_{key}"] = col(lambda r, k=key: r["engine"].get(k))  # fmt: skip
+    marks = [r["engine"]["marks_s"] for r in runs]
+    out["engine_preloaded_s"] = _dist([m.get("preloaded") for m in marks])
+    out["engine_serving_s"] = _dist([m.get("serving") for m in marks])
+    return out
+
+
 # ================================================================================ the run
 def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
     from rollsafe.fleet import (
@@ -395,54 +481,31 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
             d = digests[version]
             row["checksums"] = engine_checksums(fleet, d, 120.0)
             row["trainer_checksum_s"] = dict(d.seconds)
-            res.check(f"{name}_checksums_equal", row["checksums"]["equal"])
+            key = f"{name}_checksums_equal"
+            res.check(key, res.doc["checks"].get(key, True) and row["checksums"]["equal"])
 
-        for name in args.phase_list:
+        runs = [(rep, name) for rep in range(args.repeats) for name in args.phase_list]
+        for rep, name in runs:
             if time.monotonic() > deadline:
-                res.doc["skipped"].append(f"{name}: past --deadline-s")
+                res.doc["skipped"].append(f"{name} (run {rep + 1}): past --deadline-s")
                 continue
-            version = fleet.registry.fleet_version
-            exporter.wait_hf_export(version, timeout=max(1.0, deadline - time.monotonic()))
-            _path, files = export_files(fleet, version)
-            export_bytes = sum(f.stat().st_size for f in files)
-            pre: dict[str, Any] = {"export_version": version, "export_files": len(files),
-                                   "export_bytes": export_bytes,
-                                   "export_gb": round(export_bytes / 1e9, 3),
-                                   "resident_before": resident_fraction(files)}  # fmt: skip
-            on_pending = None
-            if name == "immediate_cold_cache":
-                pre["page_cache"] = drop_page_cache(files, whole_host=not args.smoke)
-            if name in ("targeted", "deferred"):
-                fleet.mode.disable()
-            saved_transport = fleet.recovery.transport
-            if name == "deferred":
-                fleet.recovery.transport = None  # as with RecoverySettings(targeted_push=False)
-
-                def on_pending() -> dict[str, Any]:
-                    return sync(fleet.registry.fleet_version + 1)
-
-            expect = "immediate" if name.startswith("immediate") else (
-                "targeted_push" if name == "targeted" else "deferred")  # fmt: skip
-            try:
-                row = crash(fleet, rollout, args, expect=expect, on_pending=on_pending)
-            finally:
-                fleet.recovery.transport = saved_transport
-                if fleet.mode.state == "disabled":
-                    fleet.mode.enable()
-            row.update(pre)
-            ready = dict(fleet.launcher(VICTIM).ready_info)
-            row["engine"] = engine_breakdown(ready, export_bytes if expect == "immediate" else 0)
+            row = one_phase(fleet, rollout, args, name, sync)
             check_weights(name, row)
-            res.phase(name, row)
-            res.check(f"{name}_active", row["kill_to_active_s"] is not None)
-            res.check(f"{name}_strategy_{expect}", row["strategy"] == expect)
-            res.check(f"{name}_no_request_to_failed_group", row["no_request_to_failed_group"])
-            res.check(f"{name}_other_group_served", row["served_by_other_meanwhile"] > 0)
-            if name == "immediate_cold_cache":
-                res.doc["phases"][name]["page_cache_dropped"] = bool(
-                    pre["page_cache"].get("fadvise")
-                    and (pre["page_cache"].get("resident_after") or 0.0) < 0.05
-                )
+            phase = res.doc["phases"].setdefault(name, {"runs": []})
+            phase["runs"].append(row)
+            phase["summary"] = phase_summary(phase["runs"])
+            res.phase(name, phase)
+            expect = row["expect"]
+            ok = res.doc["checks"]
+            for key, value in (
+                ("active", row["kill_to_active_s"] is not None),
+                (f"strategy_{expect}", row["strategy"] == expect),
+                ("no_request_to_failed_group", row["no_request_to_failed_group"]),
+                ("other_group_served", row["served_by_other_meanwhile"] > 0),
+                *((("page_cache_dropped", row["page_cache_dropped"]),)
+                  if name == "immediate_cold_cache" else ()),
+            ):  # fmt: skip
+                res.check(f"{name}_{key}", ok.get(f"{name}_{key}", True) and value)
         if time.monotonic() < deadline:
             res.phase("checksums", checksum_timings(fleet, weights, args.checksum_repeats))
             c = res.doc["phases"]["checksums"]
@@ -497,24 +560,30 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("weights", s(ph.get("setup", {}).get("weights_gb"), " GB")),
             ("restart source", "warm standby" if doc["args"].get("warm_standby") else
              "fresh spawn")]  # fmt: skip
+
+    def d(x: dict[str, Any] | None, unit: str = " s") -> str:
+        if not x or not x.get("n"):
+            return "-"
+        if x["n"] == 1:
+            return f"{x['median']}{unit}"
+        return f"{x['median']} / {x['p95']} / {x['max']}{unit} (n={x['n']})"
+
     for name in PHASES:
-        row = ph.get(name)
-        if not row:
+        sm = (ph.get(name) or {}).get("summary")
+        if not sm:
             continue
-        eng = row.get("engine", {})
-        rows.append((f"{name}: kill -> active", s(row.get("kill_to_active_s"), " s")))
-        rows.append(("  detection / restart / health / push",
-                     " / ".join(s(v, " s") for v in (row.get("detection_s"),
-                                row["steps_s"].get("restart"), row["steps_s"].get("health"),
-                                row["steps_s"].get("push")))))  # fmt: skip
-        rows.append(("  engine: cuda init / read / to GPU", " / ".join(
-            s(eng.get(k), " s") for k in ("cuda_init_part_s", "export_read_s",
-                                          "copy_to_device_s"))
-            + f"  (read {s(eng.get('export_read_gb_s'), ' GB/s')}, export->GPU "
-              f"{s(eng.get('export_to_device_gb_s'), ' GB/s')})"))  # fmt: skip
-        if row.get("next_sync"):
-            rows.append(("  kill -> pending / next sync", f"{s(row.get('kill_to_pending_s'), ' s')}"
-                         f" / {s(row['next_sync'].get('seconds'), ' s')}"))  # fmt: skip
+        rows.append((f"{name}: kill -> active (median / p95 / max)", d(sm["kill_to_active_s"])))
+        for label, key in (("detection", "detection_s"), ("restart step", "restart_step_s"),
+                           ("  engine start to import done", "engine_preloaded_s"),
+                           ("  engine CUDA init", "engine_cuda_init_part_s"),
+                           ("  engine export -> GPU", "engine_export_to_device_s"),
+                           ("  engine export -> GPU GB/s", "engine_export_to_device_gb_s"),
+                           ("health step", "health_step_s"), ("push step", "push_step_s"),
+                           ("kill -> pending", "kill_to_pending_s"),
+                           ("next sync", "next_sync_s")):  # fmt: skip
+            if (sm.get(key) or {}).get("n"):
+                unit = "" if key.endswith("gb_s") else " s"
+                rows.append((f"  {label}", d(sm[key], unit)))
     c = ph.get("checksums")
     if c:
         eng = [x for e in c["engines"].values() for x in e["seconds"]]
