@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rollsafe.statemachines import CheckpointRegistration, TransitionNotAllowed
+from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
     import torch
@@ -323,4 +324,4 @@ def _version_of(t: torch.Tensor) -> int | None:
 
 
 def _bounded(text: str) -> str:
-    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+    return bound_text(text, _MAX_REASON)

@@ -9,7 +9,7 @@ its own process group** (trainer rank 0 plus the target's ``tp_size`` engine ran
 1. unless a group is kept for the target from an earlier update (``keep_groups``, the default,
    as slime and verl keep theirs: NCCL communicator set-up costs far more than a small update),
    ``/init_weights_update_group`` is sent while the trainer joins the group
-   (:func:`rollsafe.adapters.reference_engine.collective.open_weight_update_group`, rank 0,
+   (:func:`rollsafe.wire.group.open_weight_update_group`, rank 0,
    store master); both must finish within ``group_timeout``. A kept group is dropped when the
    target's engine address or rank layout changed; one whose engine lost it (a restart on the
    same address) fails on its first bucket, before anything was applied, and is re-formed once;
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -54,12 +53,8 @@ from typing import Any
 
 import torch
 
-from rollsafe.adapters.reference_engine.collective import (
-    WeightUpdateGroup,
-    open_weight_update_group,
-)
+from rollsafe.net import free_port
 from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
-from rollsafe.transports.bucket import FlatBucket, packed_chunks
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -69,6 +64,8 @@ from rollsafe.transports.pipeline import (
     plan_buckets,
     split_unpacked,
 )
+from rollsafe.wire.bucket import FlatBucket, packed_chunks
+from rollsafe.wire.group import WeightUpdateGroup, open_weight_update_group
 
 __all__ = ["DEFAULT_NCCL_BUCKET_BYTES", "NCCLTransport"]
 
@@ -94,12 +91,6 @@ DEFAULT_UNPACKED_MIN_BYTES: dict[str, int] = {"gloo": 64 << 20, "nccl": 0}
 HTTP_MARGIN_S = 30.0
 #: Seconds the engine gets to leave a group after an update (best effort).
 DESTROY_TIMEOUT_S = 10.0
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host not in ("localhost", "") else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class NCCLTransport(StagedTransport):
@@ -308,7 +299,7 @@ class NCCLTransport(StagedTransport):
         SGLang: a packed bucket is one uint8 buffer (``flattened_bucket``: its bytes, no copy);
         an unpacked one is one broadcast per tensor. vLLM (packed, fixed at init): the call's
         tensors cut into uint8 chunks by vLLM's packed rule
-        (:func:`~rollsafe.transports.bucket.packed_chunks` with ``bucket_bytes``); a chunk of a
+        (:func:`~rollsafe.wire.bucket.packed_chunks` with ``bucket_bytes``); a chunk of a
         packed bucket is a slice of it (no copy), one of an unpacked bucket is concatenated.
         """
         if not vllm:
@@ -333,7 +324,7 @@ class NCCLTransport(StagedTransport):
         """A store port for a new group: ``master_port + k`` for the smallest ``k`` no kept or
         forming group owns, or a free port when ``master_port`` is None."""
         if self.master_port is None:
-            return _free_port(self.master_address)
+            return free_port(self.master_address)
         with self._live_lock:
             taken = {g.port for g in self._live.values()} | self._ports_in_use
             port = self.master_port

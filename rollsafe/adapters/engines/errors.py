@@ -9,20 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: The most characters of any server-provided text kept in an exception.
-MAX_MESSAGE_CHARS = 2048
-
-
-def bound_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """Return ``text`` cut to at most about ``limit`` characters, keeping its head and tail."""
-    if limit <= 0:
-        return ""
-    if len(text) <= limit:
-        return text
-    marker = f" ...[{len(text) - limit} chars elided]... "
-    keep = max(limit - len(marker), 2)
-    head = keep // 2
-    return text[:head] + marker + text[len(text) - (keep - head) :]
+# one definition of text bounding for the whole package (re-exported here)
+from rollsafe.text import MAX_MESSAGE_CHARS, bound_text
 
 
 class EngineError(Exception):

@@ -417,7 +417,7 @@ async def serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the ready line: a stop right after it
         loop.add_signal_handler(sig, stop.set)  # is a graceful one
-    sys.stdout.write(f"{READY_PREFIX} {json.dumps(ready)}\n")
+    sys.stdout.write(f"{READY_PREFIX}{json.dumps(ready)}\n")
     sys.stdout.flush()
     await stop.wait()
     await runner.cleanup()
@@ -555,7 +555,7 @@ def standby_main(argv: list[str]) -> int:
         "python": sys.executable,
         "cuda_initialized": bool(cast(Any, torch.cuda).is_initialized()),
     }
-    sys.stdout.write(f"{STANDBY_PREFIX} {json.dumps(info)}\n")
+    sys.stdout.write(f"{STANDBY_PREFIX}{json.dumps(info)}\n")
     sys.stdout.flush()
     line = sys.stdin.readline()
     if not line.strip():

@@ -21,15 +21,12 @@ from rollsafe.transports.checkpoint_engine.fleet import (
 from rollsafe.transports.checkpoint_engine.transport import (
     DEFAULT_BUCKET,
     DEFAULT_MEM_FRACTION,
-    INDEX_FILE,
     INSTALL_HINT,
-    SINGLE_FILE,
     TCP_PLACEHOLDER_DEVICE,
     CheckpointEngineTransport,
     CheckpointEngineUnavailable,
     ExpertGather,
     ExpertGatherError,
-    HFIndex,
     KeyCoverage,
     KeyCoverageError,
     LocalResults,
@@ -56,6 +53,7 @@ from rollsafe.transports.checkpoint_engine.transport import (
 from rollsafe.transports.checkpoint_engine.transport import (
     _hidden_modules as _hidden_modules,
 )
+from rollsafe.wire.hf_index import INDEX_FILE, SINGLE_FILE, HFIndex
 
 __all__ = [
     "DEFAULT_BUCKET",

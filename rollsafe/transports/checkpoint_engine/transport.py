@@ -59,7 +59,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rollsafe.net import free_port
 from rollsafe.statemachines import TransitionNotAllowed
+from rollsafe.text import bound_text
 from rollsafe.transports.base import (
     EngineTarget,
     NamedTensors,
@@ -71,6 +73,8 @@ from rollsafe.transports.base import (
     check_update_targets,
     named_tensor_list,
 )
+from rollsafe.wire.hf_index import HFIndex, HFIndexError
+from rollsafe.wire.hf_index import read_hf_index as _read_hf_index
 
 if TYPE_CHECKING:
     import torch
@@ -107,8 +111,6 @@ __all__ = [
 ]
 
 INSTALL_HINT = "pip install 'rollsafe[ce]'"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _MAX_LISTED = 10
 _MAX_REASON = 2048
 _GIB = 1 << 30
@@ -325,61 +327,13 @@ def assign_files(file_sizes: Mapping[str, int], world_size: int) -> list[list[st
     return partition_keys(file_sizes.items(), world_size)
 
 
-@dataclass(frozen=True)
-class HFIndex:
-    """An HF safetensors directory: ``weight_map`` (key -> file) and each file's size in bytes."""
-
-    path: Path
-    weight_map: dict[str, str]
-    file_sizes: dict[str, int]
-
-    @property
-    def keys(self) -> list[str]:
-        return sorted(self.weight_map)
-
-    def files_of(self, names: Iterable[str]) -> list[Path]:
-        return [self.path / n for n in names]
-
-
 def read_hf_index(export_dir: str | Path) -> HFIndex:
-    """Read ``model.safetensors.index.json`` (or a single ``model.safetensors``) of a directory.
-
-    Raises :class:`RegisterError` naming the path when the index is unreadable, empty, names a
-    non-plain or missing shard file, or the directory holds neither layout.
-    """
-    path = Path(export_dir)
-    if not path.is_dir():
-        raise RegisterError(f"export dir {str(path)!r} is not a directory")
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise RegisterError(f"{index}: unreadable index ({exc})") from exc
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise RegisterError(f"{index}: 'weight_map' is empty or not an object")
-        sizes: dict[str, int] = {}
-        for key, fname in sorted(weight_map.items()):
-            if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
-                raise RegisterError(f"{index}: key {key!r} maps to {fname!r}, not a plain file")
-            if fname not in sizes:
-                if not (path / fname).is_file():
-                    raise RegisterError(f"{index}: shard {fname!r} (key {key!r}) is missing")
-                sizes[fname] = (path / fname).stat().st_size
-        return HFIndex(path, {str(k): str(v) for k, v in weight_map.items()}, sizes)
-    single = path / SINGLE_FILE
-    if single.is_file():
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(single), framework="pt") as f:
-                keys = list(f.keys())
-        except Exception as exc:
-            raise RegisterError(f"{single}: unreadable safetensors file ({exc})") from exc
-        if not keys:
-            raise RegisterError(f"{single}: holds no tensors")
-        return HFIndex(path, dict.fromkeys(keys, SINGLE_FILE), {SINGLE_FILE: single.stat().st_size})
-    raise RegisterError(f"{str(path)!r} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+    """Read an HF directory's index (or single file): :func:`rollsafe.wire.hf_index.read_hf_index`,
+    its :class:`~rollsafe.wire.hf_index.HFIndexError` raised as :class:`RegisterError`."""
+    try:
+        return _read_hf_index(export_dir)
+    except HFIndexError as exc:
+        raise RegisterError(str(exc)) from exc
 
 
 # ---------------------------------------------------------------------------------- key coverage
@@ -478,7 +432,7 @@ def agree_store_address(
     choice: list[Any] = [None]
     if dist.get_rank(group) == 0:
         addr = master_addr or ("127.0.0.1" if world == 1 else _outbound_ip())
-        choice = [(addr, int(store_port) if store_port else _free_port(addr))]
+        choice = [(addr, int(store_port) if store_port else free_port(addr))]
     if world > 1:
         dist.broadcast_object_list(
             choice, src=dist.get_global_rank(group, 0) if group else 0, group=group
@@ -495,12 +449,6 @@ def _outbound_ip() -> str:
             return str(s.getsockname()[0])
     except OSError:
         return socket.gethostbyname(socket.gethostname())
-
-
-def _free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------- expert gather
@@ -726,7 +674,7 @@ def merge_rank_results(
 
 
 def _bounded(text: str) -> str:
-    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+    return bound_text(text, _MAX_REASON)
 
 
 # ---------------------------------------------------------------------------------- transport
