@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from rollsafe.concurrency import DaemonCall, Outcome, start_daemon
 from rollsafe.net import free_port
 from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
 from rollsafe.transports.pipeline import (
@@ -433,30 +434,24 @@ class NCCLTransport(StagedTransport):
         init: Future[Any],
         where: str,
     ) -> WeightUpdateGroup:
-        """Open rank 0's side of the group while the engine's init call runs; bounded."""
-        joined: Future[WeightUpdateGroup] = Future()
-        abandoned = threading.Event()
+        """Open rank 0's side of the group while the engine's init call runs; bounded.
 
-        def join() -> None:
-            try:
-                g = open_weight_update_group(
-                    master_address=self.master_address,
-                    master_port=port,
-                    rank=0,
-                    world_size=world,
-                    group_name=group_name,
-                    backend=backend,
-                    timeout_s=self.group_timeout,
-                )
-            except BaseException as exc:
-                joined.set_exception(exc)
-                return
-            if abandoned.is_set():
-                g.close()  # nobody will use it: the update already gave up on this target
-            else:
-                joined.set_result(g)
+        The join runs on a :class:`~rollsafe.concurrency.DaemonCall`: given up on, a group it
+        forms late is closed on the joining thread (nobody will use it)."""
 
-        threading.Thread(target=join, name=f"rollsafe-join-{group_name}", daemon=True).start()
+        def join() -> WeightUpdateGroup:
+            return open_weight_update_group(
+                master_address=self.master_address,
+                master_port=port,
+                rank=0,
+                world_size=world,
+                group_name=group_name,
+                backend=backend,
+                timeout_s=self.group_timeout,
+            )
+
+        call = DaemonCall.start(join, name=f"rollsafe-join-{group_name}", on_late=_close_group)
+        joined = call.future
         done = threading.Event()
         init.add_done_callback(lambda _: done.set())
         joined.add_done_callback(lambda _: done.set())
@@ -469,21 +464,14 @@ class NCCLTransport(StagedTransport):
             init.result(timeout=0)  # an init failure names the engine's reason
             return joined.result(timeout=0)
         except TransportError:
-            abandoned.set()
-            self._close_if_joined(joined)
+            _give_up(call)
             raise
         except Exception as exc:
-            abandoned.set()
-            self._close_if_joined(joined)
+            _give_up(call)
             raise TransportError(
                 f"{where}: joining weight-update group {group_name!r} "
                 f"({self.master_address}:{port}, world {world}, {backend}) failed: {exc}"
             ) from exc
-
-    @staticmethod
-    def _close_if_joined(joined: Future[WeightUpdateGroup]) -> None:
-        if joined.done() and joined.exception() is None:
-            joined.result().close()
 
     def _await_pair(self, works: Sequence[Any], call: Future[Any], what: str) -> None:
         """Wait for the broadcasts and the engine's answer; the first failure wins; bounded."""
@@ -519,7 +507,7 @@ class NCCLTransport(StagedTransport):
                     break  # the group is broken: the rest cannot finish either
             group.close()
 
-        threading.Thread(target=reap, name="rollsafe-nccl-reaper", daemon=True).start()
+        start_daemon(reap, name="rollsafe-nccl-reaper")
 
     def _after_push(self, targets: Sequence[EngineTarget]) -> None:
         stream, self._stream = self._stream, None
@@ -596,6 +584,19 @@ def _failed(f: Any) -> bool:
     if isinstance(f, _TorchFuture):
         return f.failed()
     return bool(f.done() and f.exception() is not None)
+
+
+def _close_group(outcome: Outcome[WeightUpdateGroup]) -> None:
+    """A join given up on formed its group late: close it (nobody will use it)."""
+    if outcome.ok and outcome.value is not None:
+        outcome.value.close()
+
+
+def _give_up(call: DaemonCall[WeightUpdateGroup]) -> None:
+    """The update gives up on a join: a still running one closes its group late; a finished one
+    is closed now."""
+    if not call.abandon():
+        _close_group(call.outcome())
 
 
 def _wait_both(a: Any, b: Any, signal: threading.Event, timeout: float) -> bool:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from rollsafe.concurrency import DaemonCall
 from rollsafe.errors import BucketFormatError
 from rollsafe.transports.base import RegisterError, TransportError
 from rollsafe.wire import shm
@@ -56,6 +57,8 @@ __all__ = [
 ]
 
 _ALIGN = 64  # bytes; every dtype view of a buffer starts aligned
+#: Seconds :meth:`BucketStream.close` waits for the packer thread (a late one just ends).
+_CLOSE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -386,10 +389,8 @@ class BucketStream:
         if device.type == "cuda":
             cuda: Any = torch.cuda
             self._cuda_stream = cuda.Stream(device=device)
-        self._packer = threading.Thread(
-            target=self._run, name="rollsafe-bucket-packer", daemon=True
-        )
-        self._packer.start()
+        # a daemon thread: a packer stuck in a copy never holds up interpreter exit
+        self._packer = DaemonCall.start(self._run, name="rollsafe-bucket-packer")
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -432,7 +433,7 @@ class BucketStream:
             self._closed = True
             self._ready.clear()
             self._cv.notify_all()
-        self._packer.join(timeout=30)
+        self._packer.wait(_CLOSE_WAIT_S)
 
     # ------------------------------------------------------------------ packer
     def _released_all(self) -> int:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # one definition of text bounding for the whole package (re-exported here)
-from rollsafe.text import MAX_MESSAGE_CHARS, bound_text
+from rollsafe.errors import RollsafeError
+from rollsafe.text import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from rollsafe.text import bound_text as bound_text
 
 
-class EngineError(Exception):
+class EngineError(RollsafeError):
     """Base class of every error raised while talking to or running an engine."""
 
 

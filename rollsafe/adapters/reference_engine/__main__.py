@@ -59,6 +59,7 @@ from rollsafe.adapters.reference_engine.bootstrap import (
 )
 from rollsafe.adapters.reference_engine.errors import EngineError, StartupError
 from rollsafe.adapters.reference_engine.paths import check_dir
+from rollsafe.errors import RollsafeError
 
 EXIT_USAGE = 2
 EXIT_START = 3
@@ -83,7 +84,7 @@ class StandbyStart:
         return {"import_s": round(self.import_s, 3), "idle_s": round(self.idle_s, 3)}
 
 
-class HandoffError(ValueError):
+class HandoffError(RollsafeError, ValueError):
     """A warm standby's handoff line is malformed (the standby exits with ``EXIT_USAGE``)."""
 
 
