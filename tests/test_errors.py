@@ -126,7 +126,8 @@ def test_decoding_a_bucket_loads_no_transport_and_no_statemachine() -> None:
         import rollsafe.wire.bucket, rollsafe.wire.hf_index, rollsafe.wire.group
         import rollsafe.adapters.reference_engine.weights
         import rollsafe.adapters.reference_engine.model
-        bad = sorted(m for m in sys.modules if m.startswith(("rollsafe.transports", "statemachine")))
+        heavy = ("rollsafe.transports", "statemachine")
+        bad = sorted(m for m in sys.modules if m.startswith(heavy))
         assert not bad, bad
         """,
     )

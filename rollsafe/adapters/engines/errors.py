@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# one definition of text bounding for the whole package (re-exported here)
 from rollsafe.errors import RollsafeError
+
+# one definition of text bounding for the whole package (re-exported here)
 from rollsafe.text import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
 from rollsafe.text import bound_text as bound_text
 
