@@ -149,7 +149,9 @@ def test_the_check_fails_on_a_back_edge(tmp_path: Path) -> None:
     bad.write_text("from ..transports import nccl\n")
     assert file_violations(bad, "rollsafe.wire.bad", units)
     # ... but not under TYPE_CHECKING, and not inside its own unit
-    bad.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rollsafe.fleet\n")
+    bad.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rollsafe.fleet\n"
+    )
     assert file_violations(bad, "rollsafe.wire.bad", units) == []
     bad.write_text("from . import shm\nfrom rollsafe.errors import RollsafeError\n")
     assert file_violations(bad, "rollsafe.wire.bad", units) == []
