@@ -10,10 +10,10 @@ The layers and which may import which: ``docs/architecture.md``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rollsafe.errors import RollsafeError
+from rollsafe.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from rollsafe.statemachines import (
@@ -34,18 +34,16 @@ __all__ = [
     "__version__",
 ]
 
-_MACHINES = frozenset(
-    {"CheckpointRegistration", "ExportLifecycle", "ImmediateRecoveryMode", "WorkerGroupLifecycle"}
+__getattr__, __dir__ = lazy_attributes(
+    __name__,
+    dict.fromkeys(
+        (
+            "CheckpointRegistration",
+            "ExportLifecycle",
+            "ImmediateRecoveryMode",
+            "WorkerGroupLifecycle",
+        ),
+        "rollsafe.statemachines",
+    ),
+    public=__all__,
 )
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MACHINES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module("rollsafe.statemachines"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))

@@ -7,7 +7,7 @@ built-in base callers already catch (``ValueError``, ``RuntimeError``, ``KeyErro
 ``TimeoutError``, python-statemachine's ``TransitionNotAllowed``). Imports nothing but the
 standard library.
 
-The tree (a layer's root in **bold** in the docs; other bases in brackets)::
+The tree (other bases in brackets, then where the class lives)::
 
     RollsafeError
     ├── MissingExtra [ImportError]                    rollsafe.errors
@@ -22,13 +22,15 @@ The tree (a layer's root in **bold** in the docs; other bases in brackets)::
     ├── LeaseError [RuntimeError]                     rollsafe.statemachines.export
     ├── TransportError [RuntimeError]                 rollsafe.transports
     │   ├── RegisterError
-    │   │   ├── KeyCoverageError, ExpertGatherError   (checkpoint_engine)
+    │   │   └── KeyCoverageError, ExpertGatherError   (checkpoint_engine)
     │   ├── StaleRegistration
-    │   ├── CheckpointEngineUnavailable, P2PUnavailable, ProcessGroupError
+    │   └── CheckpointEngineUnavailable, P2PUnavailable, ProcessGroupError
     ├── HFExportError                                 rollsafe.hf
     │   ├── ExportInputError [ValueError]
     │   │   └── EmptyExport, DuplicateTensorName, NotATensor, UnsupportedTensor
-    │   ├── ExportExists, ExportBusy, ExportFailed, ExportVerificationError
+    │   ├── ExportExists, ExportBusy, ExportVerificationError
+    │   ├── ExportFailed
+    │   │   └── ExportAbandoned
     │   └── UnknownExport [KeyError]
     ├── BadJSON [ValueError]                          rollsafe.hf.safejson
     ├── WriteAborted                                  rollsafe.hf.writer
@@ -42,7 +44,9 @@ The tree (a layer's root in **bold** in the docs; other bases in brackets)::
     │       └── EngineStartTimeout
     ├── ContractError [ValueError]                    rollsafe.adapters.engines.contract
     ├── EngineError                                   rollsafe.adapters.reference_engine (server)
-    │   ├── BadRequest, RequestTimeout, StartupError
+    │   ├── BadRequest
+    │   │   └── LimitExceeded, WeightUpdateError, Unsupported
+    │   ├── RequestTimeout, StartupError
     │   └── EngineUnavailable
     │       └── EngineBusy, EnginePaused, RankFailure
     ├── HandoffError [ValueError]                     rollsafe.adapters.reference_engine

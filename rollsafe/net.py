@@ -1,13 +1,14 @@
 """Host and port helpers shared by the transports: which TCP port is free on a host.
 
-Owns :func:`free_port`. Imports only the standard library.
+Owns :func:`free_port` and :func:`is_loopback`. Imports only the standard library.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
-__all__ = ["free_port"]
+__all__ = ["free_port", "is_loopback"]
 
 
 def free_port(host: str) -> int:
@@ -19,3 +20,13 @@ def free_port(host: str) -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((bind, 0))
         return int(s.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -22,8 +22,9 @@ transports themselves import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rollsafe.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from rollsafe.transports.base import (
@@ -82,19 +83,6 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_IPC_BUCKET_BYTES",
@@ -121,3 +109,5 @@ __all__ = [
     "named_tensor_list",
     "plan_buckets",
 ]
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, public=__all__)

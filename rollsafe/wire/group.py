@@ -10,26 +10,17 @@ engine can join several and leave them independently. Imports only torch.
 from __future__ import annotations
 
 import datetime
-import ipaddress
 from typing import Any
 
 import torch
 import torch.distributed
 
+from rollsafe.net import is_loopback
+
 # torch stubs do not export the store/group classes; they exist at runtime
 dist: Any = torch.distributed
 
 __all__ = ["WeightUpdateGroup", "gloo_group", "is_loopback", "open_weight_update_group"]
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP literals."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def gloo_group(store: Any, rank: int, world_size: int, timeout_s: float, host: str | None) -> Any:

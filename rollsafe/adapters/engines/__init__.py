@@ -9,8 +9,7 @@ launcher load on first use and name the missing extra (``pip install 'rollsafe[e
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rollsafe.adapters.engines.client import (
     Dialect,
@@ -31,7 +30,7 @@ from rollsafe.adapters.engines.errors import (
     EngineUnavailable,
     bound_text,
 )
-from rollsafe.errors import MissingExtra
+from rollsafe.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from rollsafe.adapters.engines.http import NO_RETRY, HttpTransport, RetryPolicy
@@ -50,7 +49,7 @@ if TYPE_CHECKING:
 #: names whose modules need httpx (the ``engine`` extra): imported on first use (PEP 562), so
 #: the protocol and the errors above stay importable on a plain ``pip install rollsafe``
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(("NO_RETRY", "HttpTransport", "RetryPolicy"), "http"),
+    **dict.fromkeys(("NO_RETRY", "HttpTransport", "RetryPolicy"), "rollsafe.adapters.engines.http"),
     **dict.fromkeys(
         (
             "ENGINE_KINDS",
@@ -61,34 +60,12 @@ _LAZY: dict[str, str] = {
             "EngineStartTimeout",
             "pid_alive",
         ),
-        "launcher",
+        "rollsafe.adapters.engines.launcher",
     ),
-    "SGLangClient": "sglang",
-    "VLLMClient": "vllm",
+    "SGLangClient": "rollsafe.adapters.engines.sglang",
+    "VLLMClient": "rollsafe.adapters.engines.vllm",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        loaded = importlib.import_module(f"{__name__}.{module}")
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and exc.name.split(".")[0] in _ENGINE_EXTRA:
-            raise MissingExtra(exc.name, "engine") from exc
-        raise
-    value = getattr(loaded, name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-#: top-level modules of the ``engine`` extra this package needs
-_ENGINE_EXTRA = frozenset({"httpx", "anyio", "httpcore", "h11"})
 
 __all__ = [
     "ENGINE_KINDS",
@@ -120,6 +97,12 @@ __all__ = [
     "make_client",
     "pid_alive",
 ]
+
+
+#: top-level modules of the ``engine`` extra the clients and the launcher need
+_ENGINE_EXTRA = {"httpx": "engine", "anyio": "engine", "httpcore": "engine", "h11": "engine"}
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, public=__all__, extras=_ENGINE_EXTRA)
 
 
 def make_client(
