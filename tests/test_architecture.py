@@ -32,7 +32,9 @@ def layers_from_doc(text: str) -> dict[str, int]:
 def exceptions_from_doc(text: str) -> set[tuple[str, str]]:
     """(importer module, imported unit) pairs of the doc's "Allowed exceptions" table."""
     section = text.split("Allowed exceptions", 1)[1] if "Allowed exceptions" in text else ""
-    return set(re.findall(r"^\| `(rollsafe[\w.]*)` \| `(rollsafe[\w.]*)` \|", section, re.M))
+    table = re.search(r"^(\|.*\n)+", section, re.M)  # the first table after the heading
+    rows = table.group(0) if table else ""
+    return set(re.findall(r"^\| `(rollsafe[\w.]*)` \| `(rollsafe[\w.]*)` \|", rows, re.M))
 
 
 def unit_of(module: str, units: dict[str, int]) -> str | None:

@@ -7,17 +7,10 @@ includes the separating space. Imports only the standard library.
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-__all__ = ["READY_PREFIX", "STANDBY_PREFIX", "format_line"]
+__all__ = ["READY_PREFIX", "STANDBY_PREFIX"]
 
 #: Start of the line an engine prints once it serves: ``ROLLSAFE_READY {json}``.
 READY_PREFIX = "ROLLSAFE_READY "
 #: Start of the line a warm standby (``--standby``) prints once its imports are done.
 STANDBY_PREFIX = "ROLLSAFE_STANDBY "
 
-
-def format_line(prefix: str, info: dict[str, Any]) -> str:
-    """``prefix`` followed by ``info`` as one line of JSON (with the newline)."""
-    return f"{prefix}{json.dumps(info)}\n"
