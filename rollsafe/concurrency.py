@@ -63,7 +63,8 @@ class DaemonCall(Generic[T]):
     """One call of ``fn`` on its own daemon thread (build it with :meth:`start`).
 
     ``finished`` is set when the call returned or raised; :attr:`future` completes at the same
-    time (for ``asyncio.wrap_future`` or ``add_done_callback``). ``on_late(outcome)`` runs on the
+    time (for ``asyncio.wrap_future`` or ``add_done_callback``; it is running from the start, so
+    it cannot be cancelled). ``on_late(outcome)`` runs on the
     call's thread only if the call finished after :meth:`abandon` returned True.
     """
 
@@ -94,6 +95,9 @@ class DaemonCall(Generic[T]):
     ) -> DaemonCall[T]:
         """Start ``fn()`` on a new daemon thread named ``name``."""
         call = cls(fn, name=name, on_late=on_late)
+        # a running call cannot be cancelled: ``future.cancel()`` (e.g. from a cancelled
+        # ``asyncio.wrap_future``) returns False instead of orphaning the outcome
+        call.future.set_running_or_notify_cancel()
         call._thread.start()
         return call
 

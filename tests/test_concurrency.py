@@ -68,3 +68,22 @@ def test_on_abandon_runs_before_the_late_hook() -> None:
     assert finished.wait(5)
     assert order == ["abandon", "late"] and call.abandoned
     assert call.thread.daemon
+
+
+def test_cancelling_the_future_of_a_running_call_changes_nothing() -> None:
+    """``asyncio.wrap_future`` cancels the wrapped future when its task is cancelled (a health
+    round's timeout): the call keeps running and still reports its outcome."""
+    import asyncio
+
+    release = threading.Event()
+    call = DaemonCall.start(lambda: release.wait(10) and "late", name="probe")
+
+    async def give_up() -> None:
+        task = asyncio.ensure_future(asyncio.wrap_future(call.future))
+        await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(give_up())
+    assert not call.future.cancelled()
+    release.set()
+    assert call.wait(5) and call.result() == "late" and call.future.result() == "late"
