@@ -35,6 +35,7 @@ from typing import Any
 
 from rollsafe.adapters.engines.client import EngineClient
 from rollsafe.adapters.engines.errors import bound_text
+from rollsafe.errors import RollsafeError
 from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
 
 __all__ = [
@@ -69,7 +70,7 @@ LISTENER_HOOKS = (
 SNAPSHOT_TRANSITIONS = 8
 
 
-class FleetError(Exception):
+class FleetError(RollsafeError):
     """Base class of the fleet control plane's errors."""
 
 

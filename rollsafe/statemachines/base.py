@@ -26,6 +26,8 @@ from typing import Any, ClassVar
 from statemachine import StateMachine
 from statemachine.exceptions import TransitionNotAllowed
 
+from rollsafe.errors import RollsafeError
+
 __all__ = [
     "GuardInputMissing",
     "GuardedMachine",
@@ -92,7 +94,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class GuardInputMissing(ValueError):
+class GuardInputMissing(RollsafeError, ValueError):
     """Raised inside a guard whose input (``current_version=``...) was not passed.
 
     The machine turns it into :class:`MissingGuardInput`, a refusal; ``can()`` and ``explain()``
@@ -100,7 +102,7 @@ class GuardInputMissing(ValueError):
     """
 
 
-class TransitionRefused(TransitionNotAllowed):
+class TransitionRefused(RollsafeError, TransitionNotAllowed):
     """An event was refused: not allowed in this state, or blocked by a guard. Nothing changed.
 
     ``reasons`` lists, per candidate transition, which named guard failed and what it saw; it is

@@ -74,10 +74,8 @@ from rollsafe.adapters.engines.client import Dialect
 from rollsafe.adapters.engines.errors import EngineNotSupported, EngineStartError
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
+from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
 
-READY_PREFIX = "ROLLSAFE_READY "
-#: The line a warm standby prints once its imports are done (``--standby``).
-STANDBY_PREFIX = "ROLLSAFE_STANDBY "
 #: The flag that makes an engine module run as a warm standby.
 STANDBY_FLAG = "--standby"
 #: The module run with ``python -m`` unless the spec names another one.

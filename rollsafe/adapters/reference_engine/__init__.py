@@ -16,8 +16,7 @@ submodules (``bootstrap``, ``codec``, ``paths`` and ``errors`` never import them
 
 from __future__ import annotations
 
-__all__ = ["READY_PREFIX", "STANDBY_PREFIX"]
+# one definition for the engine and the launcher (each includes the separating space)
+from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
 
-READY_PREFIX = "ROLLSAFE_READY"
-#: First word of the line a warm standby (``--standby``) prints once its imports are done.
-STANDBY_PREFIX = "ROLLSAFE_STANDBY"
+__all__ = ["READY_PREFIX", "STANDBY_PREFIX"]

@@ -59,6 +59,7 @@ from rollsafe.adapters.reference_engine.bootstrap import (
 )
 from rollsafe.adapters.reference_engine.errors import EngineError, StartupError
 from rollsafe.adapters.reference_engine.paths import check_dir
+from rollsafe.errors import RollsafeError
 
 EXIT_USAGE = 2
 EXIT_START = 3
@@ -83,7 +84,7 @@ class StandbyStart:
         return {"import_s": round(self.import_s, 3), "idle_s": round(self.idle_s, 3)}
 
 
-class HandoffError(ValueError):
+class HandoffError(RollsafeError, ValueError):
     """A warm standby's handoff line is malformed (the standby exits with ``EXIT_USAGE``)."""
 
 
@@ -417,7 +418,7 @@ async def serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the ready line: a stop right after it
         loop.add_signal_handler(sig, stop.set)  # is a graceful one
-    sys.stdout.write(f"{READY_PREFIX} {json.dumps(ready)}\n")
+    sys.stdout.write(f"{READY_PREFIX}{json.dumps(ready)}\n")
     sys.stdout.flush()
     await stop.wait()
     await runner.cleanup()
@@ -555,7 +556,7 @@ def standby_main(argv: list[str]) -> int:
         "python": sys.executable,
         "cuda_initialized": bool(cast(Any, torch.cuda).is_initialized()),
     }
-    sys.stdout.write(f"{STANDBY_PREFIX} {json.dumps(info)}\n")
+    sys.stdout.write(f"{STANDBY_PREFIX}{json.dumps(info)}\n")
     sys.stdout.flush()
     line = sys.stdin.readline()
     if not line.strip():

@@ -45,8 +45,8 @@ import torch
 from rollsafe.adapters.reference_engine.errors import EngineUnavailable, WeightUpdateError
 from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.adapters.reference_engine.profiling import profile_line
-from rollsafe.transports.bucket import dtype_name
-from rollsafe.transports.pipeline import copy_pairs
+from rollsafe.wire.copy import copy_pairs
+from rollsafe.wire.dtypes import dtype_name
 
 __all__ = [
     "LM_HEAD",
