@@ -297,6 +297,7 @@ def generate_continued(
                     cause=None,
                 )
             stats.add(after_abort=1, tokens_kept=len(tokens))
+            router.wait_released(timeout)  # a sync in abort mode: continue on its new weights
             continue
         segments.extend(piece.segments(len(tokens), "finished"))
         finish = delta

@@ -222,6 +222,9 @@ class Router(FleetListener):
         #: the request so far); keep it quick (tests and benchmarks hook crashes in here)
         self.on_progress: Callable[[str, int], None] | None = None
         self.max_aborts = max_aborts
+        #: set unless a sync holds continuations (:meth:`hold`): aborted requests wait on it
+        self._released = threading.Event()
+        self._released.set()
         from rollsafe.fleet.continuation import ContinuationStats
 
         self.continuation = ContinuationStats()
@@ -411,6 +414,20 @@ class Router(FleetListener):
             return RoutedResult(result, group.group_id, attempt)
         assert last_exc is not None
         raise self._failed(attempts, notes, retryable=True) from last_exc
+
+    # ------------------------------------------------------------------ partial rollouts
+    def hold(self) -> None:
+        """Hold continuations of aborted requests until :meth:`release` (a sync that pauses
+        generation in ``abort`` mode holds them while it pushes the new weights)."""
+        self._released.clear()
+
+    def release(self) -> None:
+        """Let held continuations go (to the groups' new weights)."""
+        self._released.set()
+
+    def wait_released(self, timeout: float | None = None) -> bool:
+        """Block while continuations are held; return False if still held after ``timeout``."""
+        return self._released.wait(timeout)
 
     # ------------------------------------------------------------------ bookkeeping
     def _all_stream(self) -> bool:
