@@ -275,6 +275,12 @@ def generate_continued(
             if len(attempts) >= router.max_attempts:
                 raise fail("", retryable=True, cause=exc) from exc
             router._count_retry()
+            if not router.keep_tokens:  # the baseline: start over, regenerating every token
+                stats.add(after_failure=1, tokens_regenerated=len(tokens))
+                tokens.clear()
+                text_parts.clear()
+                segments.clear()
+                continue
             stats.add(after_failure=1, tokens_kept=len(tokens))
             log.info(
                 "request continues after %s failed: %d token(s) kept", group.group_id, len(tokens)

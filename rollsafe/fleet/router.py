@@ -222,6 +222,9 @@ class Router(FleetListener):
         #: the request so far); keep it quick (tests and benchmarks hook crashes in here)
         self.on_progress: Callable[[str, int], None] | None = None
         self.max_aborts = max_aborts
+        #: False: a streamed request whose group failed starts over on another group, its
+        #: tokens counted as regenerated (the behaviour before #17; benchmarks compare both)
+        self.keep_tokens = True
         #: set unless a sync holds continuations (:meth:`hold`): aborted requests wait on it
         self._released = threading.Event()
         self._released.set()
