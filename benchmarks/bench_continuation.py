@@ -71,8 +71,18 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace) -> dict[str, Any]
     from rollsafe.fleet import FleetConfig, GroupSpec, RolloutFleet
 
     tmp = Path(tempfile.mkdtemp(prefix=f"rollsafe-bench-cont-{mode}-"))
+    from transformers import AutoModelForCausalLM
+
+    weights = {
+        n: p.detach()
+        for n, p in AutoModelForCausalLM.from_pretrained(str(model)).named_parameters()
+    }
     cfg = FleetConfig(
-        model_path=model, export_root=tmp / "exports", groups=[GroupSpec(1), GroupSpec(1)]
+        model_path=model,
+        export_root=tmp / "exports",
+        groups=[GroupSpec(1), GroupSpec(1)],
+        enable_immediate_recovery=True,  # a killed group comes back with v1 (the demo's setup)
+        warm_standby=True,
     )
     sp = {"max_new_tokens": args.tokens, "temperature": 0.0, "ignore_eos": True}
     prompts = [[1 + i, 2 + i, 3 + i, 4 + i] for i in range(args.requests)]
@@ -81,6 +91,8 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace) -> dict[str, Any]
     mismatches = 0
     with RolloutFleet(cfg) as fleet:
         fleet.router.keep_tokens = mode == "continue"
+        if not fleet.sync_weights(weights, 1).ok:  # publish v1: recoveries restart from it
+            raise SystemExit("the initial sync failed")
         _, want = _step(fleet, prompts, sp)  # the uninterrupted greedy runs (and a warm-up)
         for trial in range(args.crashes):
             normal_s, _ = _step(fleet, prompts, sp)
@@ -112,7 +124,9 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace) -> dict[str, Any]
             deadline = time.monotonic() + 60
             while any(g.state != "active" for g in fleet.registry.groups()):
                 if time.monotonic() > deadline:
-                    raise SystemExit("a group did not come back to active")
+                    states = {g.group_id: g.state for g in fleet.registry.groups()}
+                    recs = [r.as_dict() for r in fleet.recoveries()][-2:]
+                    raise SystemExit(f"a group did not come back to active: {states} {recs}")
                 time.sleep(0.1)
     normal_med = statistics.median(normal)
     for t in trials:

@@ -9,6 +9,10 @@ Owns the request path of the fleet:
 * sticky sessions: a session id keeps going to the group that served it while that group stays
   routable; when the group leaves routing (a registry listener) or fails a request, its
   sessions are unpinned and move to another group on their next request;
+* streaming and continuation: a token-id request on streaming clients is streamed and, when
+  its group fails or a sync aborts it, continued elsewhere from its tokens so far
+  (:mod:`rollsafe.fleet.continuation`); its result carries ``segments`` (provenance,
+  :mod:`rollsafe.fleet.provenance`). Text prompts keep the path below;
 * failures: retryable ones (:class:`EngineUnavailable`, :class:`EngineTimeout`, and 5xx
   answers) are retried on ANOTHER routable group, at most ``max_attempts`` tries in all; final
   ones (4xx :class:`EngineRequestError`) are not retried. The error text a caller gets is
