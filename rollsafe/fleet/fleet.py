@@ -699,7 +699,7 @@ class RolloutFleet:
             report = self.sync.sync(named_tensors, version)
         else:
             if pause_mode not in SYNC_PAUSE_MODES:
-                raise ValueError(f"pause_mode must be one of {SYNC_PAUSE_MODES}, got {pause_mode!r}")
+                raise ValueError(f"pause_mode must be in {SYNC_PAUSE_MODES}, not {pause_mode!r}")
             bracket = paused_generation(self.registry, self.router, pause_mode)
             report = self.sync.sync(named_tensors, version, around_update=bracket)
         self._harvest_exports()
