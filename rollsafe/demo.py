@@ -625,8 +625,8 @@ def run_demo(opts: DemoOptions) -> int:
     if "crash_step" in continuation:
         print(
             f"  crash step: {continuation['tokens_kept_after_crash']} token(s) kept,"
-            f" {continuation['tokens_regenerated_after_crash']} regenerated"
-            " (0 beyond the last streamed token by design when continuing)"
+            f" {continuation['tokens_regenerated_after_crash']} regenerated, lost throughput"
+            f" {continuation['crash_step_lost_fraction'] or 0:.1%}"
         )
     matched = checksums_ok
     print(f"checksums: every active engine == trainer after every step: {matched}")

@@ -33,7 +33,7 @@ from rollsafe.fleet import (
 )
 from rollsafe.fleet.continuation import advance_seed, continued_params
 
-GREEDY = {"max_new_tokens": 240, "temperature": 0.0, "ignore_eos": True}
+GREEDY = {"max_new_tokens": 160, "temperature": 0.0, "ignore_eos": True}
 PROMPT = [1, 2, 3, 4]
 KILL_AT = 30
 
