@@ -304,3 +304,32 @@ def test_group_failing_requests_but_passing_probes_is_taken_out(
         assert rh["failed_requests"]["g1"] >= fleet.config.health.failure_threshold
         assert "g1" not in fleet.health.stats()["failure_counts"]  # not a probe failure
         assert fleet.snapshot()["request_health"]["groups_failed"][0]["group"] == "g1"
+
+
+def test_vllm_abort_pause_continues_the_request_after_resume(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """vLLM's ``/pause?mode=abort`` ends the stream with ``finish_reason: abort``; the router
+    holds the request until the bracket resumes the engine, then continues it from its tokens
+    (the same bracket ``sync_weights(pause_mode="abort")`` puts around a push)."""
+    from rollsafe.fleet.partial_rollouts import paused_generation
+
+    with _fleet(tiny_model_dir, tmp_path, "vllm", groups=1) as fleet:
+        ref = fleet.generate(PROMPT, sampling_params=GREEDY)
+        reached = threading.Event()
+        fleet.router.on_progress = lambda gid, n: reached.set() if n >= KILL_AT else None
+        box: dict[str, Any] = {}
+        worker = threading.Thread(
+            target=lambda: box.setdefault("out", fleet.generate(PROMPT, sampling_params=GREEDY))
+        )
+        worker.start()
+        assert reached.wait(60)
+        with paused_generation(fleet.registry, fleet.router, "abort") as paused:
+            assert paused == ["g0"]
+        worker.join(60)
+    out = box["out"]
+    assert out.output_ids == ref.output_ids
+    assert [s.ended for s in out.segments] == ["aborted", "finished"]
+    assert out.segments[0].end >= KILL_AT and out.off_policy == 0
+    _covers(out.segments, len(out.output_ids))
