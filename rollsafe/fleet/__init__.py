@@ -34,6 +34,7 @@ from rollsafe.fleet.health import (
     ProbeResult,
     client_health_probe,
 )
+from rollsafe.fleet.provenance import Segment, off_policy, versions_used
 from rollsafe.fleet.recovery import (
     RecoveryClosed,
     RecoveryCoordinator,
@@ -57,8 +58,10 @@ from rollsafe.fleet.registry import (
     UnknownGroup,
     WorkerGroup,
 )
+from rollsafe.fleet.request_health import RequestHealth
 from rollsafe.fleet.router import (
     DEFAULT_MAX_ERROR_CHARS,
+    ContinuationFailed,
     NoRoutableGroup,
     RequestFailed,
     RoutedResult,
@@ -80,6 +83,7 @@ __all__ = [
     "DEFAULT_MAX_ERROR_CHARS",
     "DEFAULT_PROBE_STATES",
     "LISTENER_HOOKS",
+    "ContinuationFailed",
     "DuplicateGroup",
     "ExportJudgement",
     "FleetConfig",
@@ -109,11 +113,13 @@ __all__ = [
     "RecoveryStep",
     "RecoveryStrategy",
     "RequestFailed",
+    "RequestHealth",
     "RestartableEngine",
     "RolloutFleet",
     "RoutedResult",
     "Router",
     "RouterError",
+    "Segment",
     "StepTimeout",
     "SyncCoordinator",
     "SyncError",
@@ -124,5 +130,7 @@ __all__ = [
     "client_health_probe",
     "default_target",
     "is_retryable",
+    "off_policy",
     "shared_transport_lock",
+    "versions_used",
 ]
