@@ -40,6 +40,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   ├── EngineRequestError
     │   │   └── EngineOperationFailed
     │   ├── EngineNotSupported
+    │   ├── StreamProtocolError                     (adapters.engines.streaming)
     │   └── EngineStartError
     │       └── EngineStartTimeout
     ├── ContractError [ValueError]                    rollsafe.adapters.engines.contract
@@ -56,6 +57,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   ├── FleetConfigError [ValueError], FleetNotStarted [RuntimeError]
     │   ├── RouterError
     │   │   └── NoRoutableGroup, RequestFailed
+    │   │                          └── ContinuationFailed
     │   ├── SyncError
     │   │   └── SyncVersionError [ValueError]
     │   └── RecoveryError
