@@ -15,28 +15,43 @@ starts with ``--load-format dummy`` (random weights, to be replaced by a weight 
 work for real engines too (stop the group, start again with the new paths / load format).
 
 Warm standby (``EngineSpec.warm_standby``): importing torch and transformers is most of an
-engine's start, so the launcher keeps one idle engine process that already did it (``python -m
-MODULE --standby``, which prints ``ROLLSAFE_STANDBY {json}`` and waits on stdin). ``start()``
-(and so ``restart()`` / ``reinit()``) hands the engine arguments to it as one JSON line
-``{"argv": [...], "env": {...}}`` instead of spawning a fresh interpreter, then waits for the
-ready line and a health check exactly as for a fresh spawn; the standby's log becomes the
-engine's log and its pid the engine's pid. A standby is used while it is alive (one still
-importing takes the handoff once done, see below) and was started with the
-same interpreter, module and environment; otherwise, or if it dies before it took the
-handoff, the start falls back to a fresh spawn (logged, counted in
-:attr:`EngineLauncher.standby_stats`). A standby still importing (``warming``, see
-:attr:`EngineLauncher.standby_state`) gets the handoff and is waited for alone at most as long
-as a fresh spawn of this launcher took (:meth:`EngineLauncher.fresh_start_estimate`); if it is
-not ready by then a fresh engine is spawned next to it, whichever prints its ready line first is
-the engine and the other is killed (:attr:`EngineLauncher.last_start_source` says which:
-``ready_standby``, ``warming_standby`` or ``fresh_spawn``; a lost race counts as a fallback).
-``EngineSpec.standbys`` keeps more than one standby (refilled one import at a time).
-After every successful start the next standby is spawned
-on a background thread (so it never competes with the start itself). The standby runs in its own
+engine's start, so the launcher keeps a resident engine process that already did it, a fork
+server or "zygote" (``python -m MODULE --standby --fork-server-fd FD``; it prints
+``ROLLSAFE_STANDBY {json}``, then serves fork requests on an ``AF_UNIX`` socket pair only the
+launcher holds, see ``rollsafe.adapters.reference_engine.zygote``). ``start()`` (and so
+``restart()`` / ``reinit()``) asks it to fork the engine with the engine arguments instead of
+spawning a fresh interpreter; the child detaches into its own session, writes to pipes the
+launcher passed with the request (its own log, ``# forked by the warm standby`` noted) and then
+starts exactly like a fresh spawn: ready line, health check, parent-death watchdog, finalizer.
+The zygote reaps the child and reports its exit status; the launcher signals it by pid and
+process group as any engine. A fork does not consume the zygote: it stays ``ready`` for the
+next start, so back-to-back crashes all fork in milliseconds.
+
+Table: which start source (:attr:`EngineLauncher.last_start_source`) and what is counted in
+:attr:`EngineLauncher.standby_stats`.
+
+===============================================  ===================  =======================
+zygote when the start begins                      source               counted
+===============================================  ===================  =======================
+ready (imports done)                              ``ready_standby``    ``used_ready``
+warming (imports running), its fork ready first   ``warming_standby``  ``used_warming``
+warming, a fresh spawn ready first                ``fresh_spawn``      ``raced``, ``fallbacks``
+dead, other interpreter / module / environment,   ``fresh_spawn``      ``fallbacks`` (replaced)
+refused or did not answer the fork request
+none wanted (``warm_standby=False``)              ``fresh_spawn``      nothing
+===============================================  ===================  =======================
+
+A warming zygote gets the request (served once its imports are done) and is waited for alone at
+most as long as a fresh spawn of this launcher took (:meth:`EngineLauncher.fresh_start_estimate`);
+then a fresh engine is spawned next to it and whichever prints its ready line first is the
+engine; the other engine is killed, the zygote is kept. After every successful start the
+launcher tops the pool up on a background thread (``EngineSpec.standbys`` zygotes, spawned one
+import at a time, so it never competes with the start itself). Each zygote runs in its own
 session with its own parent-death watchdog and finalizer: ``stop()``, ``kill()``, context exit,
 garbage collection and interpreter exit kill it too; ``stop(keep_standby=True)`` (what recovery
-uses before a restart) keeps it. Real engines have no standby mode (``warm_standby=True`` with a
-real ``kind`` is refused by :class:`EngineSpec`).
+uses before a restart) keeps it. The stdin hand-off of a plain ``--standby`` (the process
+becomes the engine) stays available to other callers. Real engines have no standby mode
+(``warm_standby=True`` with a real ``kind`` is refused by :class:`EngineSpec`).
 
 The API key never reaches the launcher's log file or an :class:`EngineStartError` as it is
 (replaced by ``***``), and a real engine gets it outside its command line (see
@@ -165,16 +180,17 @@ class EngineSpec:
     interpreter, resolved where the launcher runs (so a spec built on a Ray driver works on any
     node); real engines run with it too unless ``executable`` names their program.
 
-    ``warm_standby`` keeps one idle, already-imported engine process next to the running one, so
-    a ``start()`` / ``restart()`` skips the interpreter start and the torch / transformers
-    imports (seconds on CPU). It needs an engine ``module`` that supports ``--standby`` (the
-    reference engine does); it costs one more process holding those imports (a few hundred MB
-    of host memory) and, after each start, the CPU of one import in the background. Real engines
+    ``warm_standby`` keeps one resident, already-imported engine process (a fork server) next to
+    the running one, so a ``start()`` / ``restart()`` forks the engine from it (milliseconds)
+    instead of starting an interpreter and importing torch / transformers (seconds on CPU); the
+    fork server stays ready for the next start. It needs an engine ``module`` that supports
+    ``--standby --fork-server-fd`` (the reference engine does); it costs one more process
+    holding those imports (a few hundred MB of host memory, shared copy-on-write with the
+    engines it forks) and one background import after the launcher's first start. Real engines
     have no standby mode: ``warm_standby=True`` with a real ``kind`` is a ``ValueError``.
-    ``standbys`` (with ``warm_standby``) is how many such processes are kept: with 2, a crash
-    right after a restart still finds one ready while the replacement of the one just used is
-    importing (the pool is refilled one import at a time); each costs its host memory, and
-    the CPU per start stays one import.
+    ``standbys`` (with ``warm_standby``) is how many fork servers are kept: one is enough, since
+    a fork does not consume it; a second only covers the death of the first (refilled one
+    import at a time), at its host memory.
 
     Real engines only: ``ranks`` is the tensor-parallel size; ``port=0`` picks a free port on
     ``host`` right before each start (read :attr:`EngineLauncher.url`); ``executable`` replaces
@@ -1034,7 +1050,7 @@ class EngineLauncher:
         self._finalizer: weakref.finalize[Any, EngineLauncher] | None = None
         self._log_dir = spec.log_dir or tempfile.mkdtemp(prefix="rollsafe-engine-")
         self._starts = 0
-        self._standbys: list[_Standby] = []  # idle standbys, oldest first
+        self._standbys: list[_Standby] = []  # resident fork servers (zygotes), oldest first
         self._standby_wanted = False  # set by a successful start, cleared by stop() / kill()
         self._standby_thread: threading.Thread | None = None
         self._standby_stats = {
@@ -1097,32 +1113,32 @@ class EngineLauncher:
         return self._last_from_standby
 
     def _next_standby(self) -> _Standby | None:
-        """The idle standby the next start would take: the oldest ready one, else the oldest
+        """The standby the next start would take: the oldest ready one, else the oldest
         one still importing (lock-free)."""
         alive = [sb for sb in list(self._standbys) if sb.alive()]
         return next((sb for sb in alive if sb.announced()), alive[0] if alive else None)
 
     @property
     def standby_pid(self) -> int | None:
-        """The pid of the idle warm standby the next start takes, if one is alive (ready or
+        """The pid of the warm standby (fork server) the next start takes, if one is alive (ready or
         still importing)."""
         sb = self._next_standby()
         return sb.proc.pid if sb is not None else None
 
     @property
     def standby_pids(self) -> list[int]:
-        """The pids of every idle warm standby alive (``EngineSpec.standbys`` of them at most)."""
+        """The pids of every warm standby (fork server) alive (``EngineSpec.standbys`` at most)."""
         return [sb.proc.pid for sb in list(self._standbys) if sb.alive()]
 
     @property
     def standby_ready(self) -> bool:
-        """True while an idle warm standby is alive and has finished its imports."""
+        """True while a warm standby is alive and has finished its imports."""
         sb = self._next_standby()
         return sb is not None and sb.announced()
 
     @property
     def standby_state(self) -> StandbyState:
-        """``ready``: an idle standby is alive and imported; ``warming``: one is being spawned
+        """``ready``: a standby is alive and imported; ``warming``: one is being spawned
         or still importing (a start now waits for it, at most what a fresh spawn costs before
         racing it against one); ``none`` otherwise.
         Never blocks (no lock: safe to read from health checks and metrics while a restart
@@ -1150,18 +1166,18 @@ class EngineLauncher:
 
     @property
     def standby_stats(self) -> dict[str, Any]:
-        """Counters: standbys ``spawned``; starts that ``used`` one (``used_ready`` /
-        ``used_warming``: it was ready, or still importing and ready first); ``raced``: starts
-        that spawned a fresh engine next to a warming standby (it took longer than a fresh
-        spawn would); ``fallbacks``: starts that
-        expected a standby and ended on a fresh spawn (none spawned yet, dead, changed
-        environment, lost race); ``last_fallback`` (the reason, or None)."""
+        """Counters: standbys (fork servers) ``spawned``; starts forked from one (``used``;
+        ``used_ready`` / ``used_warming``: it was ready, or still importing and ready first);
+        ``raced``: starts that spawned a fresh engine next to a warming standby (it took longer
+        than a fresh spawn would); ``fallbacks``: starts that expected a standby and ended on a
+        fresh spawn (none spawned yet, dead, changed environment, refused fork, lost race);
+        ``last_fallback`` (the reason, or None)."""
         return {**self._standby_stats, "last_fallback": self._last_fallback}
 
     def standby_status(self) -> dict[str, Any]:
         """A JSON-friendly view of the warm standby, lock-free (the fleet's snapshot, metrics
         and the demo read it): ``enabled``, ``state``, ``pool`` (``EngineSpec.standbys``),
-        ``ready`` / ``warming`` (how many idle standbys are in each state), and of the one the
+        ``ready`` / ``warming`` (how many standbys are in each state), and of the one the
         next start takes ``pid``, ``age_s`` (since its spawn) and ``import_s`` (once ready);
         the :attr:`standby_stats` counters, ``last_start_source`` and
         ``last_start_standby_state``."""
@@ -1184,7 +1200,7 @@ class EngineLauncher:
         }  # fmt: skip
 
     def wait_standby(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for an idle standby to finish its imports; return whether."""
+        """Wait up to ``timeout`` s for a standby to finish its imports; return whether."""
         deadline = time.monotonic() + timeout
         while not self.standby_ready:
             if time.monotonic() >= deadline or not self._standby_wanted:
@@ -1228,14 +1244,14 @@ class EngineLauncher:
         exit. A vLLM spec with a ``weight_version`` then sets it with ``POST
         /update_weight_version`` (vLLM has no such flag).
 
-        With ``spec.warm_standby`` a ready standby takes the start (see the module docstring);
-        a standby still importing takes it too, raced by a fresh spawn once it took longer than
-        a fresh spawn would (the first ready line wins); a fresh spawn is the fallback.
+        With ``spec.warm_standby`` a ready standby forks the engine (see the module docstring);
+        a standby still importing forks it once imported, raced by a fresh spawn once it took
+        longer than a fresh spawn would (the first ready line wins); a fresh spawn is the
+        fallback.
         :attr:`last_start_source` records which. Raises :class:`EngineStartError` (with the
         output tail, exit code and command) if the engine exits, prints a bad ready line or is
         not healthy within ``spec.ready_timeout`` (:class:`EngineStartTimeout` when it was still
-        running); nothing is left running in that case (an idle standby the start did not use
-        stays).
+        running); nothing is left running in that case (the standbys stay).
         """
         with self._lock:
             if self._proc is not None:
@@ -1647,7 +1663,7 @@ class EngineLauncher:
                 return None
             # The model directory whose classes the standby imports ahead: the launcher's first
             # one, which stays put; the current one may be a recovery export that is deleted
-            # while the standby imports (it would then import those classes only at handoff,
+            # while the standby imports (it would then import those classes only at the fork,
             # a second or more on CPU).
             base = self._base_model_path
             if base != spec.model_path and os.path.isdir(base):

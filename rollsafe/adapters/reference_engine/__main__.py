@@ -25,6 +25,12 @@ the same ``ROLLSAFE_READY`` line, with ``startup_s`` counted from the handoff,
 ``from_standby: true`` and ``standby: {"import_s", "idle_s"}``. The process stays
 single-threaded while it waits, so CPU ranks are still forked from it.
 
+Fork server (``--standby --fork-server-fd FD``, what ``EngineLauncher`` runs): the same imports
+and line (with ``"fork_server": true``), then the process stays resident and forks one engine
+per request read from ``FD`` instead of becoming the engine; each child runs ``main()`` as
+above (``standby`` also holds ``zygote_pid``). Protocol and why forking is safe:
+:mod:`.zygote`.
+
 The API key comes from ``--api-key-file PATH`` (the file's content, surrounding whitespace
 stripped) or the ``ROLLSAFE_API_KEY`` environment variable, so that it does not show in ``ps``;
 ``--api-key KEY`` is still accepted but visible to every user of the host.
