@@ -74,6 +74,15 @@ STANDBY_FLAG = "--standby"
 _PACKAGE = "rollsafe.adapters.reference_engine"
 #: What start-up imports besides torch (``api`` modules are per dialect).
 _ENGINE_MODULES = ("aiohttp.web", "ranks", "engine", "faults", "server")
+#: What a start imports on its way (besides :data:`_ENGINE_MODULES`); a standby imports them
+#: ahead, best effort.
+_LAZY_MODULES = (
+    "checker_api",
+    "rollsafe.adapters.engines.contract",
+    "rollsafe.checksum",
+    "safetensors",
+    "safetensors.torch",
+)
 #: the environment variable an API key may come from (read once, then removed)
 API_KEY_ENV = "ROLLSAFE_API_KEY"
 
@@ -523,6 +532,17 @@ def standby_imports(model_path: str | None = None) -> None:
         importlib.import_module(name if "." in name else f"{_PACKAGE}.{name}")
     importlib.import_module("tokenizers")
     importlib.import_module("transformers.models.auto.modeling_auto")
+    # what a start still imports lazily (a few hundred ms on CPU, paid by every fork otherwise):
+    # the HTTP contracts build_app checks requests against (parsed once per process), the
+    # weights loader and the checksum of the checker routes
+    for name in _LAZY_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name if "." in name else f"{_PACKAGE}.{name}")
+    with contextlib.suppress(Exception):
+        from rollsafe.adapters.engines.contract import load_contract
+
+        load_contract("sglang")
+        load_contract("vllm")
     if model_path:
         from rollsafe.adapters.reference_engine.model import load_config, model_class
 
