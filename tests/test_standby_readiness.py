@@ -269,6 +269,36 @@ def test_a_pool_of_two_covers_the_death_of_a_standby(
     assert all_gone(pids)
 
 
+def test_a_standby_that_is_not_fork_safe_refuses_and_is_replaced(
+    tiny_model_dir: Path,  # noqa: F811
+    launchers: list[EngineLauncher],
+    tmp_path: Path,
+) -> None:
+    """A standby with a second thread refuses the fork (it would inherit that thread's locks
+    half-way): the start falls back to a fresh spawn, counted, and the standby is replaced."""
+    (tmp_path / "standby_thread").write_text("")
+    launcher = slow_launcher(tiny_model_dir, tmp_path)
+    launchers.append(launcher)
+    launcher.start()
+    assert launcher.wait_standby(STANDBY_WAIT_S)
+    refusing = launcher.standby_pid
+    (tmp_path / "standby_thread").unlink()  # its replacement is fork-safe
+    launcher.restart()
+    assert source(launcher) == "fresh_spawn" and state_at_start(launcher) == "ready"
+    assert launcher.client.is_healthy()
+    stats = launcher.standby_stats
+    assert stats["fallbacks"] == 1 and stats["used"] == 0
+    assert "not single-threaded" in str(stats["last_fallback"])
+    assert refusing is not None and all_gone([refusing])
+    assert launcher.wait_standby(STANDBY_WAIT_S) and launcher.standby_pid != refusing
+    launcher.restart()
+    assert source(launcher) == "ready_standby"
+    assert launcher.standby_stats["spawned"] == 2
+    pids = [launcher.pid, *launcher.standby_pids]
+    launcher.stop()
+    assert all_gone(pids)
+
+
 def test_standbys_must_be_a_positive_int(tiny_model_dir: Path) -> None:  # noqa: F811
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="standbys"):
