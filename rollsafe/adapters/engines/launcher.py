@@ -826,7 +826,7 @@ class _ZygoteLink:
         not reported, or the zygote is gone)."""
         with self._cond:
             self._cond.wait_for(lambda: pid in self._exits or self.closed, timeout)
-            return self._exits.pop(pid, None)
+            return self._exits.get(pid)  # kept: several threads may poll the same engine
 
     def close(self) -> None:
         """Release the zygote (EOF on its socket makes it exit)."""
@@ -1547,9 +1547,14 @@ class EngineLauncher:
                                 f"forked an engine (pid {c.proc.pid}) that exited with code "
                                 f"{c.proc.returncode} before its ready line"
                             )
+                if winner is None and not running:  # both dropped out: report the fresh one
+                    winner = "fresh_spawn"
                 if winner is None:
                     if time.monotonic() >= deadline:
-                        winner = "fresh_spawn" if "fresh_spawn" in running else "warming_standby"
+                        # nobody ready: a fork still running is reported, else the fresh spawn
+                        late = running.get("warming_standby")
+                        alone = late is not None and "fresh_spawn" not in running
+                        winner = "warming_standby" if alone else "fresh_spawn"
                         break
                     time.sleep(0.01)
         except BaseException:
@@ -1568,10 +1573,8 @@ class EngineLauncher:
                 "was still importing and a fresh engine started next to it was ready first"
             )
             self._fallback(f"the standby (pid {sb.proc.pid}) {why}")
-        chosen = running[winner]
-        if chosen is None:  # the deadline passed before the zygote even forked
-            pending.abandon()
-            chosen = fresh
+        # a fresh spawn that exited and dropped out is installed so that its exit is reported
+        chosen = running.get(winner) or fresh
         self._install(chosen)
         if not chosen.pump.ready_event.is_set() and chosen.proc.poll() is None:
             # nobody was ready in time
