@@ -23,14 +23,16 @@ zygote -> launcher (any time)  ``{"op": "exit", "pid": PID, "returncode": RC}``:
 EOF on ``FD`` (the launcher released it or died) ends the zygote with status 0; its children
 live on (each has its own session; the launcher's watchdogs reap them).
 
-Why forking here is safe: the zygote ran no torch op and initialised no CUDA (checked before
-every fork: ``torch.cuda.is_initialized()``), so no OpenMP / BLAS thread pool or driver state
-exists to be inherited half-way; it is single-threaded (checked in ``/proc/self/task`` before
-every fork, as for the CPU ranks in :mod:`.bootstrap`), so no other thread can hold a lock
-(malloc, import, logging) at the fork; its only descriptors besides stdio are the control socket
-and the ``SIGCHLD`` wake-up pipe, which the child closes before it runs the engine. Python's own
-at-fork hooks run (``os.fork``). The imported objects are moved to the permanent generation
-(``gc.freeze()``) so that the children's garbage collections do not dirty the shared pages.
+Why forking here is safe: the zygote only imports (no torch op runs, so no OpenMP / BLAS
+thread pool exists) and never initialises CUDA (checked before every fork:
+``torch.cuda.is_initialized()``), so no pool or driver state can be inherited half-way; it is
+single-threaded (checked in ``/proc/self/task`` before every fork, as for the CPU ranks in
+:mod:`.bootstrap`; a thread pool started by an import would fail this check), so no other
+thread can hold a lock (malloc, import, logging) at the fork; its only descriptors besides
+stdio are the control socket and the ``SIGCHLD`` wake-up pipe, which the child closes before it
+runs the engine. Python's own at-fork hooks run (``os.fork``). The imported objects are moved
+to the permanent generation (``gc.freeze()``) so that the children's garbage collections do not
+dirty the shared pages.
 """
 
 from __future__ import annotations
