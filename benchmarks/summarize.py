@@ -268,6 +268,12 @@ def _recovery(d: dict[str, Any]) -> list[Row]:
          "all" if checks["ok"] else f"{len(checks['failures'])} failed", "all",
          _verdict(checks["ok"]))
     )  # fmt: skip
+    load = d["host"].get("loadavg_1m_at_crashes")
+    if load:
+        rows.append(
+            (f"recovery bench: 1-min load average at the crashes, p50 / max ({d['host']['cpus']} "
+             "cpus shared with other work)", f"{load['p50']:.2f} / {load['max']:.2f}", "-", "-")
+        )  # fmt: skip
     return rows
 
 
