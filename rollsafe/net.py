@@ -12,10 +12,11 @@ __all__ = ["free_port", "is_loopback"]
 
 
 def free_port(host: str) -> int:
-    """A TCP port free on ``host`` right now (``""``/``localhost`` bind the loopback address;
-    an IPv6 literal, bracketed or not, binds IPv6). Another process may take it before the
-    caller binds it: use it where the binding side cannot report the port it picked."""
-    bind = {"": "127.0.0.1", "localhost": "127.0.0.1"}.get(host, host).strip("[]")
+    """A TCP port free on ``host`` right now (``""`` checks every interface, as a server bound
+    to ``""`` listens on all of them; ``localhost`` the loopback address; an IPv6 literal,
+    bracketed or not, binds IPv6). Another process may take it before the caller binds it: use
+    it where the binding side cannot report the port it picked."""
+    bind = {"": "0.0.0.0", "localhost": "127.0.0.1"}.get(host, host).strip("[]")
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((bind, 0))
@@ -23,10 +24,10 @@ def free_port(host: str) -> int:
 
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP literals."""
+    """True for ``localhost`` and loopback IP literals (an IPv6 one bracketed or not)."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False

@@ -64,7 +64,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import ipaddress
 import itertools
 import json
 import logging
@@ -89,6 +88,7 @@ from rollsafe.adapters.engines.client import Dialect
 from rollsafe.adapters.engines.errors import EngineNotSupported, EngineStartError
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
+from rollsafe.net import free_port, is_loopback
 from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
 
 #: The flag that makes an engine module run as a warm standby.
@@ -564,15 +564,6 @@ def _same_architecture(current: str, base: str) -> bool:
     return ours is not None and all(ours.get(k) == theirs.get(k) for k in _ARCHITECTURE_KEYS)
 
 
-def _free_port(host: str) -> int:
-    """A TCP port free on ``host`` right now (a real engine cannot report the one it picked)."""
-    bind = {"": "0.0.0.0", "localhost": "127.0.0.1"}.get(host, host).strip("[]")
-    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((bind, 0))
-        return int(s.getsockname()[1])
-
-
 def _redact(text: str, secrets: Sequence[str]) -> str:
     for secret in secrets:
         if secret:
@@ -580,19 +571,10 @@ def _redact(text: str, secrets: Sequence[str]) -> str:
     return text
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _warn_exposure(spec: EngineSpec) -> None:
     """Log what a real engine bound beyond loopback leaves open (it cannot be refused: a
     cluster needs it)."""
-    if _is_loopback(spec.host):
+    if is_loopback(spec.host):
         return
     if spec.kind == "vllm":
         log.warning(
@@ -1305,7 +1287,7 @@ class EngineLauncher:
 
     def _start_real(self, spec: EngineSpec) -> EngineLauncher:
         """:meth:`start` for a real SGLang / vLLM server: spawn, then poll until ready."""
-        port = spec.port or _free_port(spec.host)
+        port = spec.port or free_port(spec.host)
         self._starts += 1
         if self._starts == 1:
             _warn_exposure(spec)

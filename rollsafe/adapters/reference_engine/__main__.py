@@ -46,7 +46,6 @@ import asyncio
 import atexit
 import contextlib
 import importlib
-import ipaddress
 import json
 import os
 import signal
@@ -67,6 +66,7 @@ from rollsafe.adapters.reference_engine.errors import EngineError, StartupError
 from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.adapters.reference_engine.zygote import FORK_SERVER_FLAG
 from rollsafe.errors import RollsafeError
+from rollsafe.net import is_loopback
 
 EXIT_USAGE = 2
 EXIT_START = 3
@@ -268,22 +268,13 @@ def resolve_api_key(args: argparse.Namespace, environ: Any = None) -> str | None
     return None
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_args(args: argparse.Namespace) -> str | None:
     if args.ranks < 1:
         return f"--ranks must be >= 1, got {args.ranks}"
     problem = resolve_api_key(args)
     if problem is not None:
         return problem
-    if not _is_loopback(args.host) and not args.api_key:
+    if not is_loopback(args.host) and not args.api_key:
         return (
             f"refusing to bind non-loopback address {args.host!r} without an API key "
             f"(--api-key-file, ${API_KEY_ENV} or --api-key): anyone who can reach it could "
