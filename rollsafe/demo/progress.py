@@ -1,0 +1,60 @@
+"""What the demo prints while it runs: the live rollout line and each step's line.
+
+Owns the short snippets both lines share: the groups' states (with their warm standbys), the
+requests continued so far and the last exports' states.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollsafe.demo.state import DemoRun, StepRecord
+
+__all__ = ["continued", "exports", "print_step", "rollout_line", "states"]
+
+
+def states(fleet: Any) -> str:
+    """``g0=active g1=inactive ...``; with warm standbys each group's standby state too
+    (``g0=active/sb:ready``: ``ready``, ``warming`` while it imports, ``none``)."""
+    standby = bool(getattr(fleet.config, "warm_standby", False))
+    return " ".join(
+        f"{g.group_id}={g.state}" + (f"/sb:{g.standby_state}" if standby else "")
+        for g in fleet.registry.groups()
+    )
+
+
+def continued(fleet: Any) -> str:
+    """``continued 3 (kept 412 tok, regenerated 0)``: requests continued after their group
+    failed or a sync aborted them, the tokens they kept, the tokens started over (baseline)."""
+    c = fleet.router.stats()["continuation"]
+    return (
+        f"continued {c['after_failure'] + c['after_abort']} (kept {c['tokens_kept']} tok,"
+        f" regenerated {c['tokens_regenerated']})"
+    )
+
+
+def exports(fleet: Any) -> str:
+    by_version = fleet.export_states()
+    return ", ".join(f"v{v} {s}" for v, s in list(by_version.items())[-2:]) or "none"
+
+
+def rollout_line(run: DemoRun, step: int, elapsed: float) -> str:
+    """The live line, once a second of a step's rollout."""
+    n_ok, n_bad = run.load.so_far()
+    return (
+        f"  step {step} rollout {elapsed:4.1f}s | {states(run.fleet)} |"
+        f" served {n_ok} failed {n_bad} | {continued(run.fleet)} |"
+        f" export {exports(run.fleet)}"
+    )
+
+
+def print_step(run: DemoRun, record: StepRecord) -> None:
+    """The line after each step: loss, requests, the sync, states, exports, checksums."""
+    print(
+        f"step {record['step']}/{run.opts.steps}: loss {record['loss']:.3f} |"
+        f" served {record['served']} failed {record['failed']} | sync v{record['step']}"
+        f" {'ok' if record['sync'].get('ok') else 'FAILED'}"
+        f" {sum(record['sync'].get('timings', {}).values()):.2f}s |"
+        f" {states(run.fleet)} | export {exports(run.fleet)} |"
+        f" checksums {sorted(set(record['checksums'].values()))}"
+    )

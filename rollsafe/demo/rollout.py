@@ -1,0 +1,135 @@
+"""Rollout: the load generator and each step's rollout phase, where the crash happens.
+
+Owns :class:`RolloutLoad` (client threads sending generate requests through the fleet's router
+while a step's rollout is on), :func:`start_load` and :func:`rollout`: one step's rollout phase
+(``--rollout-s`` seconds of load, the live line once a second, and at ``--crash-at`` the SIGKILL
+of rank 1 of the 2-rank group), which opens the step's record.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from rollsafe.demo.options import CRASH_DELAY_S, CRASH_GROUP_INDEX
+from rollsafe.demo.progress import rollout_line
+from rollsafe.demo.state import DemoRun, StepRecord
+
+__all__ = ["THINK_S", "RolloutLoad", "rollout", "start_load"]
+
+THINK_S = 0.02  # pause between one client's requests
+
+
+class RolloutLoad:
+    """Background threads issuing generate requests while ``active`` is set."""
+
+    def __init__(self, fleet: Any, workers: int, seed: int = 0, max_new_tokens: int = 8) -> None:
+        self.fleet = fleet
+        self.max_new_tokens = max_new_tokens
+        self.active = threading.Event()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.served: Counter[str] = Counter()
+        self.failed = 0
+        self.errors: list[str] = []
+        self.threads = [
+            threading.Thread(target=self._run, args=(seed + i,), daemon=True, name=f"rollout-{i}")
+            for i in range(workers)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, seed: int) -> None:
+        from rollsafe.fleet import NoRoutableGroup, RouterError
+
+        rng = random.Random(seed)
+        while not self.stop.is_set():
+            if not self.active.wait(0.1):
+                continue
+            prompt = [rng.randrange(1, 500) for _ in range(8)]
+            try:
+                res = self.fleet.generate(
+                    prompt, sampling_params={"max_new_tokens": self.max_new_tokens}
+                )
+            except (NoRoutableGroup, RouterError) as exc:
+                with self.lock:
+                    self.failed += 1
+                    if len(self.errors) < 20:
+                        self.errors.append(str(exc)[:300])
+                time.sleep(0.05)
+                continue
+            with self.lock:
+                self.served[res.group_id] += 1
+            time.sleep(THINK_S)  # leave CPU to the engines (and a restarting one) on 2 cores
+
+    def so_far(self) -> tuple[int, int]:
+        """(served, failed) since the last :meth:`take`."""
+        with self.lock:
+            return sum(self.served.values()), self.failed
+
+    def take(self) -> tuple[dict[str, int], int]:
+        with self.lock:
+            served, failed = dict(self.served), self.failed
+            self.served.clear()
+            self.failed = 0
+        return served, failed
+
+    def close(self) -> None:
+        self.stop.set()
+        self.active.clear()
+        for t in self.threads:
+            t.join(timeout=60)
+
+
+def start_load(run: DemoRun) -> None:
+    """The client threads, idle until the first rollout; requests continue from their last
+    streamed token unless ``--no-continuation``."""
+    opts = run.opts
+    run.fleet.router.keep_tokens = not getattr(opts, "no_continuation", False)
+    run.load_or_none = RolloutLoad(
+        run.fleet, opts.workers, max_new_tokens=getattr(opts, "max_new_tokens", 8)
+    )
+
+
+def rollout(run: DemoRun, step: int) -> StepRecord:
+    """Step ``step``'s rollout phase; returns the step's record with what the load got."""
+    fleet, load, opts = run.fleet, run.load, run.opts
+    record: StepRecord = {"step": step, "version_served": fleet.registry.fleet_version}
+    t = time.monotonic()
+    load.active.set()
+    end = t + opts.rollout_s
+    crashed_now = False
+    next_print = t
+    while time.monotonic() < end:
+        now = time.monotonic()
+        if step == opts.crash_at and not crashed_now and now - t >= CRASH_DELAY_S:
+            _crash(run, step)
+            crashed_now = True
+        if now >= next_print:
+            run.say(rollout_line(run, step, now - t))
+            next_print = now + 1.0
+        time.sleep(0.05)
+    load.active.clear()
+    served, failed = load.take()
+    cont_now = fleet.router.stats()["continuation"]
+    record["continuation"] = {k: v - run.cont_seen.get(k, 0) for k, v in cont_now.items()}
+    run.cont_seen = cont_now
+    rollout_s = time.monotonic() - t
+    run.timings["rollout"] += rollout_s
+    record.update(served_by_group=served, served=sum(served.values()), failed=failed,
+                  rollout_s=rollout_s)  # fmt: skip
+    return record
+
+
+def _crash(run: DemoRun, step: int) -> None:
+    """SIGKILL rank 1 of the 2-rank group, and mark the onset of the failure."""
+    fleet = run.fleet
+    crash_gid = fleet.group_ids[CRASH_GROUP_INDEX]
+    pid = fleet.launcher(crash_gid).kill_rank(1)
+    run.crash = {"group": crash_gid, "step": step, "rank": 1, "pid": pid, "at": time.time()}
+    # the onset of the failure for the metrics, timeline.jsonl and its picture
+    fleet.observer.mark_crash(crash_gid, at=run.crash["at"], rank=1, pid=pid)
+    run.say(f"  !! step {step}: SIGKILL rank 1 (pid {pid}) of {crash_gid}")

@@ -1,0 +1,101 @@
+"""Setup: the run's directories and banner, then the trainer and the fleet.
+
+Owns :func:`begin` (the report and scratch directories, the clock, the banner) and
+:func:`start` (the seed-fixed tiny Llama, the trainer -- a Ray actor or in this process -- and a
+:class:`~rollsafe.fleet.fleet.RolloutFleet` of reference-engine groups, the second with 2 ranks,
+with its health, recovery and warm-standby settings).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from rollsafe.demo.options import CRASH_GROUP_INDEX, DemoOptions
+from rollsafe.demo.progress import states
+from rollsafe.demo.state import DemoRun
+from rollsafe.demo_trainer import Trainer
+
+__all__ = ["begin", "start"]
+
+
+def begin(opts: DemoOptions) -> DemoRun:
+    """Create the report directory and the scratch directory, start the clock, print the
+    banner."""
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="rollsafe-demo-"))
+    (work / "logs").mkdir()
+    run = DemoRun(
+        opts=opts,
+        out=out,
+        work=work,
+        sizes=[2 if i == CRASH_GROUP_INDEX else 1 for i in range(opts.groups)],
+        say=(lambda *a: None) if opts.quiet else print,
+        t_begin=time.time(),
+        wall0=time.monotonic(),
+    )
+    print(
+        f"rollsafe demo: {opts.steps} steps, groups {run.sizes} (ranks),"
+        f" transport {opts.transport},"
+        f" crash at step {opts.crash_at or 'never'},"
+        f" {'immediate' if run.immediate else 'deferred (baseline)'} recovery,"
+        f" {'Ray trainer actor' if run.actor else 'in-process trainer'}"
+    )
+    return run
+
+
+def start(run: DemoRun) -> None:
+    """The tiny model, the trainer and the fleet, up; each is kept on ``run`` as soon as it
+    exists, so that settle shuts down whatever started."""
+    from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
+    from rollsafe.fleet.fleet import (
+        FleetConfig,
+        GroupSpec,
+        HealthSettings,
+        RecoverySettings,
+        RolloutFleet,
+    )
+
+    with run.timed("setup (tiny model)"):
+        model_dir = make_tiny_model(run.work / "model", seed=0)
+    t = time.monotonic()
+    if run.actor:
+        from rollsafe.demo_trainer import RayTrainer
+
+        run.ray_dir = Path(tempfile.mkdtemp(prefix="rollsafe-ray-"))
+        run.trainer_or_none = RayTrainer(model_dir, seed=0, temp_dir=run.ray_dir)
+        run.timings["trainer actor start (ray.init, actor, model)"] += time.monotonic() - t
+    else:
+        run.trainer_or_none = Trainer(model_dir, seed=0)
+        run.timings["trainer start (model)"] += time.monotonic() - t
+    info = run.trainer.describe()
+    run.say(
+        f"{run.who} up in {time.monotonic() - t:.1f}s: pid {info['pid']}"
+        f" (driver pid {info['driver_pid']})"
+        + (f", Ray {info['ray_address']}, node {str(info['node_id'])[:12]}" if run.actor else "")
+        + f"; scratch {run.work}"
+        + (f", Ray files {run.ray_dir}" if run.ray_dir else "")
+    )
+    config = FleetConfig(
+        model_path=model_dir,
+        export_root=run.work / "exports",
+        groups=[GroupSpec(n) for n in run.sizes],
+        transport=run.opts.transport,
+        health=HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2),
+        recovery=RecoverySettings(
+            max_workers=2, timeout_s=120.0, restart_budget=3, targeted_push=run.immediate
+        ),
+        enable_immediate_recovery=run.immediate,
+        engine_options={"log_dir": str(run.work / "logs")},
+        # every group keeps one pre-imported engine process: a restart skips the
+        # interpreter start and the torch/transformers imports (seconds on CPU)
+        warm_standby=run.opts.warm_standby,
+        wait_for_routable_s=2.0,
+        request_timeout_s=20.0,
+    )
+    run.fleet_or_none = RolloutFleet(config)
+    with run.timed("fleet start (engines up)"):
+        run.fleet.start()
+    run.say(f"fleet up in {run.fleet.start_seconds:.1f}s: {states(run.fleet)}")
