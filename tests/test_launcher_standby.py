@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("torch")
 
-from engine_helpers import all_gone, tiny_model_dir, wait_for  # noqa: F401  (fixture)
+from engine_helpers import all_gone, repo_env, tiny_model_dir, wait_for  # noqa: F401  (fixture)
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, pid_alive
 from rollsafe.fleet import FleetConfig, FleetConfigError, GroupSpec, HealthSettings, RolloutFleet
@@ -378,3 +378,40 @@ def test_fleet_recovery_restarts_on_the_standby(tiny_model_dir: Path, tmp_path: 
         assert launcher.wait_standby(STANDBY_WAIT_S)
         pids = [launcher.pid, launcher.standby_pid]
     assert all_gone([p for p in pids if p is not None])
+
+
+def test_fork_check_tolerates_only_jemallocs_purging_thread() -> None:
+    """On GPU hosts an import starts jemalloc's background thread (``jemalloc_bg_thd``): its
+    own at-fork handlers make the fork safe, so the zygote must still fork; any other extra
+    thread refuses it, naming the thread. Checked in a fresh interpreter (as the zygote is)."""
+    script = textwrap.dedent(
+        """
+        import threading
+        from rollsafe.adapters.reference_engine.zygote import _fork_problem
+
+        def named_thread(name):
+            ready, stop = threading.Event(), threading.Event()
+            def run():
+                with open("/proc/thread-self/comm", "w") as f:  # as a native thread names itself
+                    f.write(name)
+                ready.set()
+                stop.wait(30)
+            threading.Thread(target=run, daemon=True).start()
+            assert ready.wait(10)
+            return stop
+
+        print("alone", _fork_problem())
+        named_thread("jemalloc_bg_thd")
+        print("jemalloc", _fork_problem())
+        named_thread("omp_worker")
+        print("pool", _fork_problem())
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=repo_env())  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    assert lines["alone"] == "None"
+    assert lines["jemalloc"] == "None"
+    assert "not single-threaded" in lines["pool"] and "omp_worker" in lines["pool"]
+    assert "jemalloc_bg_thd" not in lines["pool"]

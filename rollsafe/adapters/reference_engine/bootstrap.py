@@ -148,6 +148,35 @@ def thread_count() -> int | None:
         return None
 
 
+#: Native threads a fork may leave behind safely, by ``comm`` name: jemalloc's page-purging
+#: thread (started by a library that bundles jemalloc, e.g. on GPU hosts while transformers
+#: imports); jemalloc's own ``pthread_atfork`` handlers stop it and hold every allocator lock
+#: across the fork, and the child starts without it.
+FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
+
+
+def other_threads() -> list[str] | None:
+    """``comm`` names of this process's threads other than the main one and the
+    :data:`FORK_SAFE_THREADS` (``None`` where ``/proc`` cannot tell)."""
+    main = str(os.getpid())
+    names: list[str] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        if tid == main:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # the thread ended meanwhile
+        if name not in FORK_SAFE_THREADS:
+            names.append(name)
+    return names
+
+
 def fork_is_safe(opts: RankOptions) -> bool:
     """True when forking now cannot inherit a thread pool or CUDA state (see the docstring)."""
     return opts.device == "cpu" and thread_count() == 1

@@ -27,8 +27,10 @@ Why forking here is safe: the zygote only imports (no torch op runs, so no OpenM
 thread pool exists) and never initialises CUDA (checked before every fork:
 ``torch.cuda.is_initialized()``), so no pool or driver state can be inherited half-way; it is
 single-threaded (checked in ``/proc/self/task`` before every fork, as for the CPU ranks in
-:mod:`.bootstrap`; a thread pool started by an import would fail this check), so no other
-thread can hold a lock (malloc, import, logging) at the fork; its only descriptors besides
+:mod:`.bootstrap`; a thread pool started by an import would fail this check; only
+:data:`~.bootstrap.FORK_SAFE_THREADS`, jemalloc's purging thread whose own at-fork handlers
+make it safe, is tolerated), so no other thread can hold a lock (malloc, import, logging) at
+the fork; its only descriptors besides
 stdio are the control socket and the ``SIGCHLD`` wake-up pipe, which the child closes before it
 runs the engine. Python's own at-fork hooks run (``os.fork``). The imported objects are moved
 to the permanent generation (``gc.freeze()``) so that the children's garbage collections do not
@@ -50,7 +52,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from rollsafe.adapters.reference_engine.bootstrap import thread_count
+from rollsafe.adapters.reference_engine.bootstrap import other_threads
 
 __all__ = ["FORK_SERVER_FLAG", "MAX_PACKET", "ForkRequestError", "check_request", "serve_forks"]
 
@@ -122,9 +124,11 @@ def _reap(sock: socket.socket) -> bool:
 
 def _fork_problem() -> str | None:
     """Why forking now would be unsafe (see the module docstring), or None."""
-    threads = thread_count()
-    if threads != 1:
-        return f"the zygote is not single-threaded ({threads} threads)"
+    others = other_threads()
+    if others is None:
+        return "the zygote cannot list its threads (/proc/self/task is unreadable)"
+    if others:
+        return f"the zygote is not single-threaded ({len(others) + 1} threads: {sorted(others)})"
     torch = sys.modules.get("torch")
     if torch is not None and bool(torch.cuda.is_initialized()):
         return "the zygote initialised CUDA"
