@@ -10,8 +10,10 @@ Engines for the module: a 1-rank and a 2-rank vLLM-dialect engine (model A) and 
 SGLang one; the trainer holds model B. Checks: every engine's checksum equals the trainer's
 (``rollsafe.checksum`` with the engine's algorithm) and greedy output the trainer's; the
 version is set by ``/finish_weight_update``; the HTTP lifecycle is vLLM's (init once per kept
-group, start -> update x N -> finish -> reset_prefix_cache per version); a ``RolloutFleet`` of
-vLLM-dialect groups syncs twice over ``nccl``. The recorded requests go over real sockets; the
+group, start -> update x N -> finish -> reset_prefix_cache per version); a group the engine
+lost is formed again, and unkept groups are shut down after each update; SGLang and vLLM
+targets form their groups in one update; a ``RolloutFleet`` of vLLM-dialect groups syncs twice
+over ``nccl``. The recorded requests go over real sockets; the
 recorder only notes them.
 """
 
@@ -162,6 +164,47 @@ def test_push_to_one_and_two_rank_vllm_engines_twice(
         assert rec.paths() == ["/shutdown_weight_transfer_engine"]
     assert tr.kept_groups == {}
     assert wait_for(lambda: transport_threads() == [], 10)
+
+
+def test_a_lost_vllm_group_is_re_formed_and_unkept_groups_are_shut_down(
+    one: EngineProcess, trainer: Trainer
+) -> None:
+    t, rec = vllm_target("one", one, (0,))
+    tr = NCCLTransport(1, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT)
+    trainer.perturb(seed=40)
+    tr.register(trainer.weights(), 40)
+    assert tr.update([t]).ok
+    buckets = len(tr.plans)
+    # the engine lost its group (as after a restart on the same address): the kept group's
+    # first call is refused before anything is applied, and the group is formed again once
+    assert one.post("/shutdown_weight_transfer_engine").status_code == 200
+    rec.take()
+    trainer.perturb(seed=41)
+    tr.register(trainer.weights(), 41)
+    report = tr.update([t])
+    assert report.ok, report.results
+    assert_serves_vllm(one, trainer, 41)
+    calls = rec.take()
+    paths = [p for p, _ in calls]
+    assert paths.count("/init_weight_transfer_engine") == 1
+    assert "/update_weights" not in paths[: paths.index("/init_weight_transfer_engine")]
+    assert_one_version(calls[paths.index("/init_weight_transfer_engine") + 1 :], 41, buckets)
+    assert tr.kept_groups == {"one": VLLM_WEIGHT_TRANSFER_GROUP}
+    tr.close_groups([t])
+    rec.take()
+
+    # keep_groups=False: every update forms the group and shuts it down afterwards
+    tr = NCCLTransport(1, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT, keep_groups=False)
+    trainer.perturb(seed=42)
+    tr.register(trainer.weights(), 42)
+    assert tr.update([t]).ok
+    assert_serves_vllm(one, trainer, 42)
+    calls = rec.take()
+    assert calls[0][0] == "/init_weight_transfer_engine"
+    assert calls[-1][0] == "/shutdown_weight_transfer_engine"
+    assert_one_version(calls[1:-1], 42, buckets)
+    assert tr.kept_groups == {}
+    assert wait_for(lambda: transport_threads() == [], 30)
 
 
 def test_vllm_and_sglang_targets_meet_their_engines_in_one_update(
