@@ -228,6 +228,34 @@ def test_vllm_failed_update_leaves_update_mode_without_a_version() -> None:
         assert calls == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
 
 
+def test_vllm_group_calls_take_only_the_fixed_group_name() -> None:
+    """vLLM's group has no name (init_info carries none), so its ranks join rollsafe's
+    rendezvous under VLLM_WEIGHT_TRANSFER_GROUP: a call naming another group (a trainer that
+    joined under its own name, which would wait out the rendezvous timeout) is refused before
+    anything is sent; the fixed name (the default) is not sent either."""
+    from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP, join_name
+
+    assert join_name("vllm", "rollsafe-1") == VLLM_WEIGHT_TRANSFER_GROUP
+    assert join_name("sglang", "rollsafe-1") == "rollsafe-1"
+    rec = Recorder()
+    with VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
+        for call in (
+            lambda: client.init_weights_update_group("127.0.0.1", 29500, 1, 2, group_name="g"),
+            lambda: client.update_weights_from_distributed(["w"], ["float32"], [[4]],
+                                                           group_name="weight_update_group"),
+            lambda: client.destroy_weights_update_group("g"),
+        ):  # fmt: skip
+            with pytest.raises(EngineNotSupported, match=VLLM_WEIGHT_TRANSFER_GROUP):
+                call()
+        assert rec.requests == []
+        client.init_weights_update_group(
+            "127.0.0.1", 29500, 1, 2, group_name=VLLM_WEIGHT_TRANSFER_GROUP
+        )
+    assert [p for _, p, _, _ in rec.requests] == ["/init_weight_transfer_engine"]
+    assert VLLM_WEIGHT_TRANSFER_GROUP not in json.dumps(rec.requests[0][3])
+    _check("vllm", rec.requests)
+
+
 def test_vllm_has_no_update_weights_from_tensor() -> None:
     rec = Recorder()
     with VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:

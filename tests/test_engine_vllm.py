@@ -20,6 +20,7 @@ from test_engine_sglang import PROMPT, hf_greedy, hf_state
 
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group
 from rollsafe.checksum import weights_checksum
+from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_native_weight_transfer(
         master_port=port,
         rank=0,
         world_size=2,
-        group_name="vllm_weight_transfer",
+        group_name=VLLM_WEIGHT_TRANSFER_GROUP,  # vLLM sends no name: the fixed one
         timeout_s=60,
     )
     t.join(60)

@@ -8,11 +8,15 @@ its own process group** (trainer rank 0 plus the target's ``tp_size`` engine ran
 
 1. unless a group is kept for the target from an earlier update (``keep_groups``, the default,
    as slime and verl keep theirs: NCCL communicator set-up costs far more than a small update),
-   ``/init_weights_update_group`` is sent while the trainer joins the group
-   (:func:`rollsafe.wire.group.open_weight_update_group`, rank 0,
-   store master); both must finish within ``group_timeout``. A kept group is dropped when the
-   target's engine address or rank layout changed; one whose engine lost it (a restart on the
-   same address) fails on its first bucket, before anything was applied, and is re-formed once;
+   ``/init_weights_update_group`` (vLLM: ``/init_weight_transfer_engine``) is sent while the
+   trainer joins the group (:func:`rollsafe.wire.group.open_weight_update_group`, rank 0,
+   store master); both must finish within ``group_timeout``. Both join under one name
+   (:func:`rollsafe.wire.group_names.join_name`): a fresh one per group for SGLang, which
+   takes it from the request; the fixed ``VLLM_WEIGHT_TRANSFER_GROUP`` for vLLM, whose one
+   group has no name (each target's group still has its own store port). A kept group is
+   dropped when the target's engine address or rank layout changed; one whose engine lost it
+   (a restart on the same address) fails on its first bucket, before anything was applied, and
+   is re-formed once;
 2. for every bucket, ``/update_weights_from_distributed`` is sent while the trainer broadcasts
    the bucket, and the next bucket follows the engine's answer. An engine answers once the
    receive and its copies into the weights are queued on its GPU (SGLang does no device sync
@@ -67,6 +71,7 @@ from rollsafe.transports.pipeline import (
 )
 from rollsafe.wire.bucket import FlatBucket, packed_chunks
 from rollsafe.wire.group import WeightUpdateGroup, open_weight_update_group
+from rollsafe.wire.group_names import join_name
 
 __all__ = ["DEFAULT_NCCL_BUCKET_BYTES", "NCCLTransport"]
 
@@ -272,12 +277,15 @@ class NCCLTransport(StagedTransport):
         assert calls is not None
         where = f"target {target.name!r} (ranks {list(target.ranks)})"
         self._serial += 1
-        group_name = f"rollsafe-{self._uid}-{self._serial}-{target.name}"
+        dialect = target.client.dialect
+        # both ends must join under one name: SGLang takes ours from the request; vLLM's group
+        # has no name (none travels), so its ranks and we join under the fixed one
+        group_name = join_name(dialect, f"rollsafe-{self._uid}-{self._serial}-{target.name}")
         port = self._claim_port()
         # vLLM fixes its packing for the group's lifetime: packed, chunks of bucket_bytes
         extra: dict[str, Any] = (
             {"packed": True, "packed_buffer_size_bytes": self.bucket_bytes}
-            if target.client.dialect == "vllm"
+            if dialect == "vllm"
             else {}
         )
         init = calls.submit(

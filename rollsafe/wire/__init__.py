@@ -11,5 +11,6 @@ none of its modules:
 * :mod:`.copy`: :func:`~rollsafe.wire.copy.copy_pairs`, batched tensor copies;
 * :mod:`.hf_index`: the HF safetensors index, read one way by every reader;
 * :mod:`.group`: the weight-update process group trainer and engine ranks join;
+* :mod:`.group_names`: the name each end joins a group under (fixed for vLLM's one group);
 * :mod:`.lines`: the ``ROLLSAFE_READY`` / ``ROLLSAFE_STANDBY`` start-up lines.
 """

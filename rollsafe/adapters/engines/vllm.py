@@ -31,6 +31,12 @@ SGLang-style sampling parameters are translated (``max_new_tokens`` -> ``max_tok
 ``min_new_tokens`` -> ``min_tokens``, ``sampling_seed`` -> ``seed``). Request bodies follow the
 pinned contract (``rollsafe/adapters/engines/contracts/vllm-0.33.0.json``; checked by
 ``tests/test_client_contracts.py``).
+
+vLLM has one weight-transfer group per engine and no group names (``init_info`` has none), so
+the three group calls take only ``group_name=VLLM_WEIGHT_TRANSFER_GROUP`` (their default; the
+name both ends of rollsafe's rendezvous join under, :mod:`rollsafe.wire.group_names`) and
+refuse any other with :class:`EngineNotSupported` before sending anything: a trainer that
+joined under a name of its own would never meet the engine.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from rollsafe.adapters.engines.errors import (
 )
 from rollsafe.adapters.engines.http import RetryPolicy
 from rollsafe.adapters.engines.streaming import StreamDelta, stream_deltas
+from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 _SAMPLING_RENAMES = {
     "max_new_tokens": "max_tokens",
@@ -324,7 +331,7 @@ class VLLMClient(HttpEngineClient):
         rank_offset: int,
         world_size: int,
         *,
-        group_name: str = "weight_update_group",
+        group_name: str = VLLM_WEIGHT_TRANSFER_GROUP,
         backend: str = "nccl",
         timeout: float | None = None,
         packed: bool = True,
@@ -334,11 +341,14 @@ class VLLMClient(HttpEngineClient):
         """POST ``/init_weight_transfer_engine`` {init_info}; blocks until the trainer joins.
 
         vLLM has one weight-transfer group whose backend is fixed at server start
-        (``--weight-transfer-config``), so ``group_name`` and ``backend`` are not sent. Packing
+        (``--weight-transfer-config``), so ``group_name`` and ``backend`` are not sent: the
+        trainer joins under :data:`VLLM_WEIGHT_TRANSFER_GROUP` (any other ``group_name`` is
+        refused with :class:`EngineNotSupported`, nothing sent). Packing
         is fixed here for every later ``/update_weights``: ``packed`` (rollsafe's default, as
         vLLM's own trainer side) sends each call as uint8 chunks closed once they exceed
         ``packed_buffer_size_bytes`` (vLLM's default 1 GiB when None).
         """
+        _only_group("init_weights_update_group", group_name)
         init_info: dict[str, Any] = {
             "master_address": master_address,
             "master_port": int(master_port),
@@ -359,10 +369,11 @@ class VLLMClient(HttpEngineClient):
         )
 
     def destroy_weights_update_group(
-        self, group_name: str = "weight_update_group", *, timeout: float | None = None
+        self, group_name: str = VLLM_WEIGHT_TRANSFER_GROUP, *, timeout: float | None = None
     ) -> str:
         """POST ``/shutdown_weight_transfer_engine`` (vLLM's single group; ``group_name`` is
-        not sent)."""
+        not sent, and must be :data:`VLLM_WEIGHT_TRANSFER_GROUP`)."""
+        _only_group("destroy_weights_update_group", group_name)
         with self._update_lock:
             self._update_open = False
         return self._post_checked(
@@ -375,7 +386,7 @@ class VLLMClient(HttpEngineClient):
         dtypes: Sequence[str],
         shapes: Sequence[Sequence[int]],
         *,
-        group_name: str = "weight_update_group",
+        group_name: str = VLLM_WEIGHT_TRANSFER_GROUP,
         load_format: str | None = None,
         flush_cache: bool = True,
         weight_version: str | None = None,
@@ -389,8 +400,10 @@ class VLLMClient(HttpEngineClient):
         ``flush_cache``, ``/reset_prefix_cache``. A failed call also sends
         ``/finish_weight_update`` (without a version) so the engine leaves update mode; the
         version it serves is unchanged. ``load_format`` is ignored: vLLM's packing was fixed by
-        :meth:`init_weights_update_group`.
+        :meth:`init_weights_update_group`; ``group_name`` must be
+        :data:`VLLM_WEIGHT_TRANSFER_GROUP`.
         """
+        _only_group("update_weights_from_distributed", group_name)
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(
                 f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}"
@@ -448,3 +461,14 @@ class VLLMClient(HttpEngineClient):
         if weight_version is not None:
             self.update_weight_version(weight_version, timeout=timeout)
         return message
+
+
+def _only_group(operation: str, group_name: str) -> None:
+    """vLLM's one weight-transfer group has no name; refuse a call that names another group."""
+    if group_name != VLLM_WEIGHT_TRANSFER_GROUP:
+        raise EngineNotSupported(
+            "vllm", f"{operation}(group_name={group_name!r})",
+            "vLLM has one unnamed weight-transfer group (init_info carries no name); its ranks "
+            f"join rollsafe's rendezvous as {VLLM_WEIGHT_TRANSFER_GROUP!r}, so the trainer must "
+            f"join under that name and pass group_name={VLLM_WEIGHT_TRANSFER_GROUP!r}",
+        )  # fmt: skip

@@ -18,6 +18,13 @@ chunks of whole tensors, a chunk closed once it exceeds ``packed_buffer_size_byt
 (:func:`~rollsafe.adapters.reference_engine.weights.packed_chunks`); unpacked ones as one
 broadcast per tensor. Unknown keys are refused with a 400 naming them, also where vLLM ignores
 them (a body sent to ``/start_weight_update``).
+
+The rendezvous is rollsafe's ``TCPStore`` + ``torch.distributed`` stand-in for vLLM's
+``StatelessProcessGroup`` + PyNccl (a documented gap); its keys are prefixed with a group name,
+which vLLM's requests do not carry, so every rank joins under the fixed
+:data:`~rollsafe.wire.group_names.VLLM_WEIGHT_TRANSFER_GROUP` and so must the trainer. Its
+blocking matches vLLM's: ``/init_weight_transfer_engine`` answers once the whole group formed
+(the trainer joins concurrently), ``/update_weights`` once its broadcasts were received.
 """
 
 from __future__ import annotations
@@ -49,10 +56,13 @@ from rollsafe.adapters.reference_engine.server import (
 )
 from rollsafe.adapters.reference_engine.streaming import stream_generation
 from rollsafe.adapters.reference_engine.weights import parse_update_meta
+from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 __all__ = ["WEIGHT_TRANSFER_GROUP", "routes"]
 
-WEIGHT_TRANSFER_GROUP = "vllm_weight_transfer"
+#: the name every rank joins the weight-transfer group under: vLLM's group has no name (none in
+#: ``init_info``), so the trainer must join under this fixed one (``rollsafe.wire.group_names``)
+WEIGHT_TRANSFER_GROUP = VLLM_WEIGHT_TRANSFER_GROUP
 VLLM_DEFAULTS = SamplingParams(max_new_tokens=16, temperature=1.0)
 _PAUSE_MAP = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
 _PAUSE_MODE = "vllm_pause_mode"  # key of ServerContext.extra: the mode of the current pause

@@ -1,0 +1,277 @@
+"""The ``nccl`` transport (gloo on CPU) against vLLM-dialect reference engines, end to end.
+
+vLLM 0.33.0's weight transfer has one group per engine and no group names: ``init_info``
+carries none. rollsafe's rendezvous prefixes its store keys with a group name, so the
+reference engine's ranks join under the fixed ``VLLM_WEIGHT_TRANSFER_GROUP`` and the trainer
+must too; the transport once joined under a per-target name of its own and the first update
+waited out the rendezvous timeout (both sides waiting under different names).
+
+Engines for the module: a 1-rank and a 2-rank vLLM-dialect engine (model A) and a 1-rank
+SGLang one; the trainer holds model B. Checks: every engine's checksum equals the trainer's
+(``rollsafe.checksum`` with the engine's algorithm) and greedy output the trainer's; the
+version is set by ``/finish_weight_update``; the HTTP lifecycle is vLLM's (init once per kept
+group, start -> update x N -> finish -> reset_prefix_cache per version); a group the engine
+lost is formed again, and unkept groups are shut down after each update; SGLang and vLLM
+targets form their groups in one update; a ``RolloutFleet`` of vLLM-dialect groups syncs twice
+over ``nccl``. The recorded requests go over real sockets; the
+recorder only notes them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from engine_helpers import (
+    EngineProcess,
+    module_engine,
+    tiny_model_dir,  # noqa: F401  (fixture)
+    tiny_model_dir_b,  # noqa: F401  (fixture)
+    wait_for,
+)
+from transport_helpers import PROMPT, Trainer, assert_serves, target, transport_threads
+
+from rollsafe.adapters.engines import EngineNotSupported, VLLMClient
+from rollsafe.checksum import weights_checksum
+from rollsafe.fleet import FleetConfig, GroupSpec, RolloutFleet
+from rollsafe.transports import EngineTarget, NCCLTransport
+from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
+
+SMALL_BUCKET = 96 << 10
+TIMEOUT = 60.0
+GREEDY_TOKENS = 8
+
+
+class Recording(httpx.BaseTransport):
+    """A real HTTP transport that notes each request's path and JSON body."""
+
+    def __init__(self) -> None:
+        self._inner = httpx.HTTPTransport()
+        self._lock = threading.Lock()
+        self.requests: list[tuple[str, Any]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        with self._lock:
+            self.requests.append((request.url.path, body))
+        return self._inner.handle_request(request)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def paths(self) -> list[str]:
+        with self._lock:
+            return [p for p, _ in self.requests]
+
+    def take(self) -> list[tuple[str, Any]]:
+        with self._lock:
+            out, self.requests = self.requests, []
+        return out
+
+
+@pytest.fixture(scope="module")
+def one(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(request, tiny_model_dir, ranks=1, extra_args=["--dialect", "vllm"])
+
+
+@pytest.fixture(scope="module")
+def two(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(request, tiny_model_dir, ranks=2, extra_args=["--dialect", "vllm"])
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir_b: Path) -> Trainer:  # noqa: F811
+    return Trainer(tiny_model_dir_b)
+
+
+def vllm_target(
+    name: str, eng: EngineProcess, ranks: tuple[int, ...]
+) -> tuple[EngineTarget, Recording]:
+    """A target whose client records its requests (and the recorder)."""
+    rec = Recording()
+    client = VLLMClient(eng.url, transport=rec)
+    return EngineTarget(name, ranks, client, tp_size=len(ranks)), rec
+
+
+def assert_serves_vllm(eng: EngineProcess, trainer: Trainer, version: int) -> None:
+    """The engine holds exactly the trainer's weights at ``version`` and decodes like it."""
+    got = eng.checksum()
+    want = weights_checksum(trainer.weights(), got["algorithm"])
+    assert got["tensors"] == want["tensors"]
+    assert got["model"] == want["model"]
+    assert got["weight_version"] == str(version)
+    body = {"prompt": PROMPT, "max_tokens": GREEDY_TOKENS, "temperature": 0,
+            "return_token_ids": True, "return_weight_versions": True}  # fmt: skip
+    r = eng.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == trainer.greedy(PROMPT, GREEDY_TOKENS)
+    assert choice["weight_versions"][-1]["version"] == str(version)
+
+
+def assert_one_version(calls: list[tuple[str, Any]], version: int, buckets: int) -> None:
+    """vLLM's lifecycle for one version: start -> update x buckets -> finish(version) -> reset;
+    the version travels only on finish, nothing else sets it."""
+    assert [p for p, _ in calls] == [
+        "/start_weight_update", *["/update_weights"] * buckets,
+        "/finish_weight_update", "/reset_prefix_cache",
+    ]  # fmt: skip
+    assert calls[-2][1] == {"weight_version": str(version)}
+    assert all(set(b["update_info"]) == {"names", "dtype_names", "shapes"}
+               for p, b in calls if p == "/update_weights")  # fmt: skip
+
+
+def test_push_to_one_and_two_rank_vllm_engines_twice(
+    one: EngineProcess, two: EngineProcess, trainer: Trainer
+) -> None:
+    trainer.perturb(seed=21)
+    tr = NCCLTransport(3, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT)
+    assert tr.resolved_backend() == "gloo"
+    (t1, r1), (t2, r2) = vllm_target("one", one, (0,)), vllm_target("two", two, (1, 2))
+    targets, recs = [t1, t2], [r1, r2]
+    tr.register(trainer.weights(), 1)
+    buckets = len(tr.plans)
+    assert buckets > 1
+    report = tr.update(targets)
+    assert report.ok, report.results
+    for t, rec, eng in zip(targets, recs, (one, two), strict=True):
+        assert_serves_vllm(eng, trainer, 1)
+        calls = rec.take()
+        path, body = calls[0]
+        assert path == "/init_weight_transfer_engine"
+        info = body["init_info"]
+        assert info["rank_offset"] == 1 and info["world_size"] == 1 + t.tp_size
+        assert info["packed"] is True and info["packed_buffer_size_bytes"] == SMALL_BUCKET
+        assert_one_version(calls[1:], 1, buckets)
+    # both groups kept, each under vLLM's fixed name (their own store ports keep them apart)
+    assert tr.kept_groups == {"one": VLLM_WEIGHT_TRANSFER_GROUP, "two": VLLM_WEIGHT_TRANSFER_GROUP}
+
+    # the next version reuses the kept groups: no new init, start -> ... -> finish(2)
+    trainer.perturb(seed=22)
+    tr.register(trainer.weights(), 2)
+    report = tr.update(targets)
+    assert report.ok, report.results
+    for rec, eng in zip(recs, (one, two), strict=True):
+        assert_serves_vllm(eng, trainer, 2)
+        assert_one_version(rec.take(), 2, buckets)
+
+    tr.close_groups(targets)
+    for rec in recs:
+        assert rec.paths() == ["/shutdown_weight_transfer_engine"]
+    assert tr.kept_groups == {}
+    assert wait_for(lambda: transport_threads() == [], 10)
+
+
+def test_a_lost_vllm_group_is_re_formed_and_unkept_groups_are_shut_down(
+    one: EngineProcess, trainer: Trainer
+) -> None:
+    t, rec = vllm_target("one", one, (0,))
+    tr = NCCLTransport(1, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT)
+    trainer.perturb(seed=40)
+    tr.register(trainer.weights(), 40)
+    assert tr.update([t]).ok
+    buckets = len(tr.plans)
+    # the engine lost its group (as after a restart on the same address): the kept group's
+    # first call is refused before anything is applied, and the group is formed again once
+    assert one.post("/shutdown_weight_transfer_engine").status_code == 200
+    rec.take()
+    trainer.perturb(seed=41)
+    tr.register(trainer.weights(), 41)
+    report = tr.update([t])
+    assert report.ok, report.results
+    assert_serves_vllm(one, trainer, 41)
+    calls = rec.take()
+    paths = [p for p, _ in calls]
+    assert paths.count("/init_weight_transfer_engine") == 1
+    assert "/update_weights" not in paths[: paths.index("/init_weight_transfer_engine")]
+    assert_one_version(calls[paths.index("/init_weight_transfer_engine") + 1 :], 41, buckets)
+    assert tr.kept_groups == {"one": VLLM_WEIGHT_TRANSFER_GROUP}
+    tr.close_groups([t])
+    rec.take()
+
+    # keep_groups=False: every update forms the group and shuts it down afterwards
+    tr = NCCLTransport(1, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT, keep_groups=False)
+    trainer.perturb(seed=42)
+    tr.register(trainer.weights(), 42)
+    assert tr.update([t]).ok
+    assert_serves_vllm(one, trainer, 42)
+    calls = rec.take()
+    assert calls[0][0] == "/init_weight_transfer_engine"
+    assert calls[-1][0] == "/shutdown_weight_transfer_engine"
+    assert_one_version(calls[1:-1], 42, buckets)
+    assert tr.kept_groups == {}
+    assert wait_for(lambda: transport_threads() == [], 30)
+
+
+def test_vllm_and_sglang_targets_meet_their_engines_in_one_update(
+    one: EngineProcess,
+    trainer: Trainer,
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """The root cause pinned: each dialect's group is joined under the name its engine joins
+    (SGLang: the name sent in the request, fresh per group; vLLM: the fixed one), so both form
+    at once in one update instead of one side waiting out the rendezvous timeout."""
+    sglang = module_engine(request, tiny_model_dir, ranks=1)
+    trainer.perturb(seed=23)
+    tr = NCCLTransport(2, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT)
+    tr.register(trainer.weights(), 3)
+    targets = [vllm_target("v", one, (0,))[0], target("s", sglang, (1,))]
+    report = tr.update(targets)
+    assert report.ok, report.results
+    assert_serves_vllm(one, trainer, 3)
+    assert_serves(sglang, trainer, 3)
+    kept = tr.kept_groups
+    assert kept["v"] == VLLM_WEIGHT_TRANSFER_GROUP
+    assert kept["s"].startswith("rollsafe-") and kept["s"] != VLLM_WEIGHT_TRANSFER_GROUP
+    tr.close_groups(targets)
+
+    # a name the vLLM engine cannot join under is refused by the client, nothing sent
+    client = VLLMClient(one.url, transport=(rec := Recording()))
+    with pytest.raises(EngineNotSupported, match=VLLM_WEIGHT_TRANSFER_GROUP):
+        client.init_weights_update_group("127.0.0.1", 1, 1, 2, group_name="rollsafe-x")
+    assert rec.paths() == []
+    client.close()
+
+
+def test_vllm_fleet_syncs_twice_over_nccl(
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    trainer = Trainer(tiny_model_dir_b)
+    config = FleetConfig(
+        model_path=tiny_model_dir,
+        export_root=tmp_path / "exports",
+        groups=[GroupSpec(1), GroupSpec(2)],
+        engine_options={"dialect": "vllm"},
+        transport="nccl",
+        nccl_bucket_bytes=SMALL_BUCKET,
+        nccl_group_timeout_s=TIMEOUT,
+    )
+    with RolloutFleet(config) as fleet:
+        tr = fleet.transport
+        assert isinstance(tr, NCCLTransport)
+        for version in (1, 2):
+            trainer.perturb(seed=30 + version)
+            weights = trainer.weights()
+            report = fleet.sync_weights(weights, version)
+            assert report.ok, report
+            algorithm = None
+            for group in fleet.registry.groups():
+                assert group.client is not None and group.client.dialect == "vllm"
+                result = group.client.weights_checksum()
+                algorithm = result.algorithm
+                assert result.model == weights_checksum(weights, algorithm)["model"]
+                assert group.client.weight_version() == str(version)
+            assert algorithm is not None
+            want = weights_checksum(weights, algorithm)["model"]
+            assert fleet.checksums() == {"g0": want, "g1": want}
+            assert set(tr.kept_groups.values()) == {VLLM_WEIGHT_TRANSFER_GROUP}
+            out = fleet.generate(PROMPT, sampling_params={"max_new_tokens": 4, "temperature": 0})
+            assert out.result.weight_version == str(version)
+            assert out.result.output_ids == trainer.greedy(PROMPT, 4)
