@@ -420,7 +420,7 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
         recovery=RecoverySettings(
             max_workers=2,
             timeout_s=args.recovery_timeout_s,
-            restart_budget=8,
+            restart_budget=args.repeats * len(args.phase_list) + 2,  # every crash restarts
             targeted_push=True,
             expected_recovery_s=5.0,
             retry_delay_s=0.2,
