@@ -43,13 +43,17 @@ class CheckpointRegistration(GuardedMachine):
     failed = State("Failed")
 
     begin_register = (
-        empty.to(registering, cond="version_not_older")
-        | registered.to(registering, cond="version_not_older")
-        | failed.to(registering, cond="version_not_older")
+        empty.to(registering, cond="version_not_older", validators="version_given")
+        | registered.to(registering, cond="version_not_older", validators="version_given")
+        | failed.to(registering, cond="version_not_older", validators="version_given")
     )
-    register_ok = registering.to(registered, cond=["every_rank_registered", "key_coverage_exact"])
+    register_ok = registering.to(
+        registered,
+        cond=["every_rank_registered", "key_coverage_exact"],
+        validators="register_report_given",
+    )
     register_failed = registering.to(failed)
-    begin_update = registered.to(updating, cond="targets_valid")
+    begin_update = registered.to(updating, cond="targets_valid", validators="targets_given")
     update_done = updating.to(registered)
 
     def __init__(self, world_size: int, allow_missing_prefixes: Iterable[str] = ("mtp.",)) -> None:
@@ -83,18 +87,43 @@ class CheckpointRegistration(GuardedMachine):
     def facts_from_token(self, token: Any) -> dict[str, Any]:
         return {"world_size": self.world_size, "published": token}
 
+    # ------------------------------------------------------------------ validators
+    def version_given(self, version: int | None = None) -> None:
+        """``begin_register`` needs ``name=`` and ``version=``."""
+        if version is None:
+            raise GuardInputMissing(f"{self.label}: begin_register needs name= and version=")
+
+    def register_report_given(
+        self,
+        ranks_ok: Collection[int] | None = None,
+        expected_keys: Collection[str] | None = None,
+        registered_keys: Collection[str] | None = None,
+    ) -> None:
+        """``register_ok`` needs what the ranks reported."""
+        if ranks_ok is None:
+            raise GuardInputMissing(f"{self.label}: register_ok needs ranks_ok=")
+        if expected_keys is None or registered_keys is None:
+            raise GuardInputMissing(
+                f"{self.label}: register_ok needs expected_keys= and registered_keys="
+            )
+
+    def targets_given(self, targets: Sequence[Sequence[int]] | None = None) -> None:
+        """``begin_update`` needs ``targets=``."""
+        if targets is None:
+            raise GuardInputMissing(f"{self.label}: begin_update needs targets=")
+
     # ------------------------------------------------------------------ guards
     def version_not_older(self, version: int | None = None) -> bool:
         """The version to register is not older than the last published one."""
         if version is None:
-            raise GuardInputMissing(f"{self.label}: begin_register needs name= and version=")
+            return False
         last = self.last_published_version
         return last is None or version >= last
 
     def every_rank_registered(self, ranks_ok: Collection[int] | None = None) -> bool:
         """Every rank in range(world_size) registered its shard."""
         if ranks_ok is None:
-            raise GuardInputMissing(f"{self.label}: register_ok needs ranks_ok=")
+            return False
         return set(ranks_ok) == set(range(self.world_size))
 
     def key_coverage_exact(
@@ -104,9 +133,7 @@ class CheckpointRegistration(GuardedMachine):
     ) -> bool:
         """No extra key, and every missing key starts with an allowed prefix."""
         if expected_keys is None or registered_keys is None:
-            raise GuardInputMissing(
-                f"{self.label}: register_ok needs expected_keys= and registered_keys="
-            )
+            return False
         expected, got = set(expected_keys), set(registered_keys)
         if got - expected:
             return False
@@ -115,7 +142,7 @@ class CheckpointRegistration(GuardedMachine):
     def targets_valid(self, targets: Sequence[Sequence[int]] | None = None) -> bool:
         """Non-empty list of non-empty rank lists, each rank in range, none named twice."""
         if targets is None:
-            raise GuardInputMissing(f"{self.label}: begin_update needs targets=")
+            return False
         if isinstance(targets, (str, bytes)) or len(targets) == 0:
             return False
         seen: set[int] = set()
