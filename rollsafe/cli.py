@@ -35,6 +35,7 @@ def _cmd_diagrams(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from rollsafe.fleet.invariants import INVARIANTS
     from rollsafe.verify import ModelConfig, explore
 
     config = ModelConfig(
@@ -45,7 +46,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     )
     print(
         f"exploring the composed fleet model: {config.groups} groups x {config.ranks} ranks,"
-        f" depth {args.depth} (invariants 1-6 and 8 in every state)",
+        f" depth {args.depth}, real machines and policy"
+        f" ({len(INVARIANTS)} invariants of rollsafe.fleet.invariants in every state)",
         flush=True,
     )
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
 from rollsafe.adapters.engines.errors import bound_text
+from rollsafe.fleet import policy
 from rollsafe.fleet.registry import FleetRegistry, WorkerGroup
 from rollsafe.statemachines.base import TransitionRefused
 
@@ -282,6 +283,7 @@ class HealthManager:
         self.name = name
         self._async_probe = _is_async(self.probe)
         self._pool = _DaemonPool(max_workers, f"{name}-probe")
+        self._on_group_failed = on_group_failed
         self._notifier = (
             _Notifier(on_group_failed, name) if on_group_failed is not None else None
         )
@@ -617,36 +619,31 @@ class HealthManager:
                 # about an incarnation that no longer exists.
                 self._failures.pop(gid, None)
                 return False, False
-            counts = self._failures.get(gid)
-            if counts is None:
-                counts = self._failures[gid] = {}
-            unhealthy = outcome.unhealthy
-            if len(unhealthy) < len(group.ranks):
-                # Healthy ranks: reset their counts; report them healthy only where the record
-                # says otherwise (the common all-healthy answer costs one guard call).
-                for rank in [r for r in counts if r not in unhealthy]:
-                    del counts[rank]
-                if unhealthy or not group.machine.all_members_healthy():
-                    for rank, fact in group.machine.members.items():
-                        if rank not in unhealthy and not fact.healthy:
-                            self.registry.report_member(gid, rank, healthy=True)
-            at_threshold: list[int] = []
-            for rank in unhealthy:
-                n = counts.get(rank, 0) + 1
-                counts[rank] = n
-                if n >= self.failure_threshold:
-                    at_threshold.append(rank)
-            if not at_threshold:
-                return False, True
-            for rank in at_threshold:
+            machine = group.machine
+            recorded = {rank: fact.healthy for rank, fact in machine.members.items()}
+            verdict = policy.judge_probe(
+                group.ranks,
+                outcome.unhealthy,
+                self._failures.get(gid, {}),
+                recorded,
+                self.failure_threshold,
+            )
+            for rank in verdict.report_healthy:
+                self.registry.report_member(gid, rank, healthy=True)
+            for rank in verdict.report_unhealthy:
                 self.registry.report_member(gid, rank, healthy=False)
-            worst = max(counts[r] for r in at_threshold)
+            if not verdict.events:
+                self._failures[gid] = verdict.counts
+                return False, True
+            at_threshold = list(verdict.report_unhealthy)
+            worst = self.failure_threshold
             self._failures.pop(gid, None)
         # The decision is taken; send ``fail`` outside our lock, since registry listeners run
         # on this thread during send and must be free to call pause()/wake() or take their own
         # locks without ever waiting on the probe loop.
         try:
-            self.registry.send(gid, "fail")
+            for event in verdict.events:
+                self.registry.send(gid, event)
         except TransitionRefused as exc:  # it moved meanwhile (someone else failed it...)
             log.info("%s: could not fail group %s: %s", self.name, gid, exc)
             return False, True
@@ -659,6 +656,8 @@ class HealthManager:
             "routing",
             self.name, gid, worst, list(at_threshold), failure.reason,
         )
-        if self._notifier is not None:
+        if verdict.handoff is policy.Handoff.ENQUEUE and self._notifier is not None:
             self._notifier.put(failure)
+        elif verdict.handoff is policy.Handoff.INLINE and self._on_group_failed is not None:
+            self._on_group_failed(failure)  # what the policy said, wrong as it is: see invariants
         return True, True

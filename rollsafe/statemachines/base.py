@@ -10,8 +10,8 @@ Owns three things the four lifecycle machines share:
   target, wall-clock timestamp, guard inputs) to a ring buffer used by audits and the demo
   timeline.
 
-It uses python-statemachine's public seams only: ``send`` (under one lock), a listener's
-``after_transition`` (the history), ``validators=`` (missing guard inputs), ``enabled_events``
+It uses python-statemachine's public seams only: ``send`` (under one lock), the
+``after_transition`` listener callback (the history), ``validators=`` (missing guard inputs), ``enabled_events``
 (``can``), ``current_state_value`` / ``is_terminated`` (model checking's ``restore_state``).
 
 Machines here import nothing heavier than python-statemachine: guards read plain data that the
@@ -161,8 +161,9 @@ class GuardedMachine(StateMachine):
     :mod:`rollsafe.statemachines.events`), ``machine.send("claim", **kw)`` or
     ``machine.claim(**kw)``; all three go through :meth:`send`, which holds the machine's lock
     for the whole event, so events sent from several threads run one at a time, each in its
-    caller's thread (every caller gets its own result or refusal). The history is kept by an
-    ordinary python-statemachine listener (``after_transition``).
+    caller's thread (every caller gets its own result or refusal). The history is kept by the
+    ``after_transition`` callback python-statemachine calls on every listener, the machine
+    itself first.
     """
 
     history_limit: ClassVar[int] = 256
@@ -172,7 +173,7 @@ class GuardedMachine(StateMachine):
         self._history: deque[tuple[Any, ...]] = deque(maxlen=self.history_limit)
         self._seq = 0
         self._last_trigger: tuple[str, Mapping[str, Any]] = ("", {})
-        super().__init__(start_value=start_value, listeners=[_AuditListener(self)])
+        super().__init__(start_value=start_value)
         # Calling an event as a method (``machine.claim()``) goes through send() as well.
         for name in event_names(type(self)):
             object.__setattr__(self, name, _SerializedEvent(self, getattr(type(self), name)))
@@ -288,12 +289,13 @@ class GuardedMachine(StateMachine):
         return [s.id for s in type(self).states]
 
     # ------------------------------------------------------------------ internals
-    def _record_transition(self, source: str, target: str) -> None:
-        """Called by the audit listener after each transition (the lock is held by send)."""
+    def after_transition(self, source: Any, target: Any) -> None:
+        """python-statemachine's ``after_transition`` callback (the machine is its own first
+        listener): append the transition to the history. ``send`` holds the lock."""
         self._seq += 1
         event, kwargs = self._last_trigger
         self._history.append(
-            (self._seq, event, source, target, time.time(), kwargs, self.facts_token())
+            (self._seq, event, source.id, target.id, time.time(), kwargs, self.facts_token())
         )
 
     def _candidates(
@@ -360,16 +362,6 @@ class GuardedMachine(StateMachine):
 
 class MachineTerminated(RuntimeError):
     """:meth:`GuardedMachine.restore_state` was asked to revive a machine in a final state."""
-
-
-class _AuditListener:
-    """The python-statemachine listener that keeps a machine's audit history."""
-
-    def __init__(self, machine: GuardedMachine) -> None:
-        self.machine = machine
-
-    def after_transition(self, source: Any, target: Any) -> None:
-        self.machine._record_transition(str(source.id), str(target.id))
 
 
 class _SerializedEvent:

@@ -12,6 +12,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from statemachine import State
+from statemachine.exceptions import TransitionNotAllowed
 
 from rollsafe.statemachines.base import GuardedMachine, GuardInputMissing
 
@@ -156,6 +157,29 @@ class CheckpointRegistration(GuardedMachine):
                     return False
                 seen.add(rank)
         return True
+
+    # ------------------------------------------------------------------ the register protocol
+    def finish_register(
+        self,
+        *,
+        ranks_ok: Collection[int],
+        expected_keys: Collection[str],
+        registered_keys: Collection[str],
+    ) -> str | None:
+        """End a register begun with ``begin_register``: ``register_ok`` with what the ranks
+        reported, or ``register_failed`` when the guards refuse it. Returns None when the
+        checkpoint is published, else why not (the refusal's text). Every transport ends its
+        register this way, and so does ``rollsafe verify``.
+        """
+        try:
+            self.register_ok(
+                ranks_ok=ranks_ok, expected_keys=expected_keys, registered_keys=registered_keys
+            )
+        except TransitionNotAllowed as exc:
+            reason = str(exc)
+            self.register_failed(reason=reason[:2048])
+            return reason
+        return None
 
     # ------------------------------------------------------------------ actions
     def on_begin_register(self, name: str = "", version: int | None = None) -> None:

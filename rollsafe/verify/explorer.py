@@ -93,18 +93,27 @@ def explore(
         next_frontier: list[Any] = []
         for snap in frontier:
             model.restore(snap)
+            dirty = False  # restore only after an action that changed the model
             for action in list(model.enabled_actions()):
-                model.restore(snap)
+                if dirty:
+                    model.restore(snap)
                 changed = model.apply(action)
                 result.transitions += 1
+                dirty = True
                 if not changed:
                     result.refused += 1
                     after = model.snapshot()
-                    if after != snap:
+                    dirty = after != snap
+                    if dirty:
                         result.counterexamples.append(
                             Counterexample(
                                 (*_trace(parents, snap), action),
-                                (Violation(0, f"refused action {action} changed the model"),),
+                                (
+                                    Violation(
+                                        "refused_action_changes_nothing",
+                                        f"{action} changed the model",
+                                    ),
+                                ),
                             )
                         )
                     continue
