@@ -229,16 +229,16 @@ class StrategyChoice:
 
 def choose_strategy(
     *,
-    mode_allows: bool,
+    mode_state: str,
     fleet_version: int,
     export: ExportFacts | None,
     can_push: bool,
 ) -> StrategyChoice:
-    """Immediate from a ``ready`` export of the fleet's version when the mode allows it; else a
+    """Immediate from a ``ready`` export of the fleet's version when the mode is ``enabled``; else a
     targeted push when a transport can do one; else deferred. A late (abandoned) export, an
     older one or one still being written is never used."""
-    if not mode_allows:
-        reason = "immediate recovery not allowed now"
+    if mode_state != "enabled":
+        reason = f"immediate recovery {mode_state}"
     elif export is None:
         reason = f"no export of v{fleet_version}"
     elif export.version != fleet_version or export.state != "ready":

@@ -671,7 +671,7 @@ class RecoveryCoordinator:
                 handle = exporter.handle(version)
                 facts = policy.ExportFacts(version, str(handle.lifecycle.state))
         choice = policy.choose_strategy(
-            mode_allows=mode.allows_immediate,
+            mode_state=mode.state,
             fleet_version=version,
             export=facts,
             can_push=self.transport is not None,

@@ -342,7 +342,7 @@ class FleetModel:
             else None
         )
         choice = policy.choose_strategy(
-            mode_allows=self.mode.allows_immediate,
+            mode_state=self.mode.state,
             fleet_version=self.version,
             export=facts,
             can_push=True,
@@ -578,19 +578,20 @@ class FleetModel:
             return event in self._allowed[self._group_cls][group.state]
         if name in ("launch", "crash"):
             g, r = args
-            alive = self.truth[g][r][0]
+            alive: bool = self.truth[g][r][0]
             state = self.groups[g].state
             if name == "launch":
                 return state == "launching" and not alive
             return alive and state != "retired"
         if name in ("restart", "recover", "probe", "push"):
             state = self.groups[args[0]].state
-            return {
+            allowed: dict[str, bool] = {
                 "restart": state == "recovering",
                 "recover": state == "inactive",
                 "probe": state in ("active", "pending_weights"),
                 "push": state == "pending_weights",
-            }[name] is True
+            }
+            return allowed[name]
         if name == "sync":
             failing = args[1]
             # an update failing in a group that is not updated is the same as no failure
