@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, TypeAlias
 from rollsafe.adapters.engines.errors import bound_text
 from rollsafe.fleet import policy
 from rollsafe.fleet.registry import FleetRegistry, WorkerGroup
+from rollsafe.fleet.settings import HealthSettings, with_overrides
 from rollsafe.statemachines.base import TransitionRefused
 
 __all__ = [
@@ -257,23 +258,30 @@ class HealthManager:
         self,
         registry: FleetRegistry,
         probe: Probe | None = None,
-        interval_s: float = 1.0,
-        timeout_s: float = 2.0,
-        failure_threshold: int = 3,
+        interval_s: float | None = None,
+        timeout_s: float | None = None,
+        failure_threshold: int | None = None,
         *,
-        max_workers: int = 64,
+        settings: HealthSettings | None = None,
+        max_workers: int | None = None,
         probe_states: Iterable[str] = DEFAULT_PROBE_STATES,
         on_group_failed: Callable[[GroupFailure], None] | None = None,
         name: str = "rollsafe-health",
     ) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if failure_threshold < 1:
-            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        # The defaults are HealthSettings'; keyword arguments override its fields.
+        self.settings = with_overrides(
+            settings or HealthSettings(),
+            {
+                "interval_s": interval_s,
+                "timeout_s": timeout_s,
+                "failure_threshold": failure_threshold,
+                "max_workers": max_workers,
+            },
+        )
+        interval_s = self.settings.interval_s
+        timeout_s = self.settings.timeout_s
+        failure_threshold = self.settings.failure_threshold
+        max_workers = self.settings.max_workers
         self.registry = registry
         self.probe: Probe = probe if probe is not None else client_health_probe
         self.interval_s = interval_s

@@ -85,6 +85,8 @@ class FleetPicture:
     registration_state: str | None = None
     published: tuple[str, int] | None = None
     last_published_version: int | None = None
+    #: whether every rank succeeded in the last register (None: unknown)
+    last_register_complete: bool | None = None
     exports: tuple[ExportPicture, ...] = ()
     mode_state: str | None = None
     rearm_after: int = 1
@@ -185,6 +187,8 @@ def no_publish_on_failed_register(p: FleetPicture) -> list[str]:
     out = []
     if p.published is not None and p.registration_state not in ("registered", "updating"):
         out.append(f"{p.published} is published in state {p.registration_state}")
+    if p.published is not None and p.last_register_complete is False:
+        out.append(f"{p.published} is published although a rank failed to register")
     if p.registration_state is not None and p.fleet_version > 0:
         last = p.last_published_version
         if last is None or last < p.fleet_version:

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_check
 from rollsafe.adapters.engines.errors import bound_text
 from rollsafe.fleet import policy
 from rollsafe.fleet.registry import FleetError, FleetRegistry, UnknownGroup, WorkerGroup
+from rollsafe.fleet.settings import RecoverySettings, with_overrides
 from rollsafe.fleet.sync import ExporterLike, default_target, shared_transport_lock
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
@@ -282,40 +283,48 @@ class RecoveryCoordinator:
         exporter: ExporterLike | None = None,
         transport: WeightTransport | None = None,
         mode: ImmediateRecoveryMode | None = None,
-        max_workers: int = 4,
-        recovery_timeout_s: float = 300.0,
+        max_workers: int | None = None,
+        recovery_timeout_s: float | None = None,
         remaining_work_s: Callable[[], float | None] | None = None,
-        expected_recovery_s: float = 30.0,
+        expected_recovery_s: float | None = None,
         targets_for: Callable[[WorkerGroup], EngineTarget] | None = None,
-        health_timeout_s: float = 5.0,
-        retry: bool = True,
-        retry_delay_s: float = 0.5,
+        health_timeout_s: float | None = None,
+        retry: bool | None = None,
+        retry_delay_s: float | None = None,
         transport_lock: threading.RLock | None = None,
         name: str = "rollsafe-recovery",
-        stop_timeout_s: float = 2.0,
+        stop_timeout_s: float | None = None,
+        settings: RecoverySettings | None = None,
     ) -> None:
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-        if recovery_timeout_s <= 0:
-            raise ValueError(f"recovery_timeout_s must be > 0, got {recovery_timeout_s}")
-        if expected_recovery_s < 0:
-            raise ValueError(f"expected_recovery_s must be >= 0, got {expected_recovery_s}")
-        if retry_delay_s < 0:
-            raise ValueError(f"retry_delay_s must be >= 0, got {retry_delay_s}")
+        # The defaults are RecoverySettings'; keyword arguments override its fields.
+        self.settings = rs = with_overrides(
+            settings or RecoverySettings(),
+            {
+                "max_workers": max_workers,
+                "timeout_s": recovery_timeout_s,
+                "remaining_work_s": remaining_work_s,
+                "expected_recovery_s": expected_recovery_s,
+                "health_timeout_s": health_timeout_s,
+                "retry": retry,
+                "retry_delay_s": retry_delay_s,
+                "stop_timeout_s": stop_timeout_s,
+            },
+        )
+        max_workers = rs.max_workers
         self.registry = registry
         self.launcher_for = launcher_for
         self.exporter = exporter
         self.transport = transport
         self.mode = mode
-        self.max_workers = max_workers
-        self.recovery_timeout_s = recovery_timeout_s
-        self.remaining_work_s = remaining_work_s
-        self.expected_recovery_s = expected_recovery_s
+        self.max_workers = rs.max_workers
+        self.recovery_timeout_s = rs.timeout_s
+        self.remaining_work_s = rs.remaining_work_s
+        self.expected_recovery_s = rs.expected_recovery_s
         self.targets_for = targets_for or default_target
-        self.health_timeout_s = health_timeout_s
-        self.retry = retry
-        self.retry_delay_s = retry_delay_s
-        self.stop_timeout_s = stop_timeout_s
+        self.health_timeout_s = rs.health_timeout_s
+        self.retry = rs.retry
+        self.retry_delay_s = rs.retry_delay_s
+        self.stop_timeout_s = rs.stop_timeout_s
         self.transport_lock = transport_lock or (
             shared_transport_lock(transport) if transport is not None else threading.RLock()
         )

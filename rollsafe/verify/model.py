@@ -107,6 +107,7 @@ class _Audit:
     immediate: tuple[RecoveryPicture, ...] = ()
     recovery_threads: tuple[tuple[str, str], ...] = ()
     refused: tuple[str, ...] = ()
+    register_complete: bool | None = None
 
 
 def _declared() -> dict[str, frozenset[str]]:
@@ -186,6 +187,7 @@ class FleetModel:
         for g in range(cfg.groups):
             yield Action("sync", (True, g, "fail"))
             yield Action("sync", (True, g, "stale"))
+        yield Action("stray_delete")
         yield Action("export_finish")
         yield Action("export_fail")
         yield Action("retention")
@@ -432,6 +434,7 @@ class FleetModel:
         ranks_ok = list(range(reg.world_size))
         if not registered_everywhere:
             ranks_ok = ranks_ok[:-1]
+        self.audit.register_complete = registered_everywhere
         reg.finish_register(ranks_ok=ranks_ok, expected_keys=_KEYS, registered_keys=_REGISTERED)
         if not policy.proceed_after_register(reg.published, new):
             return True
@@ -448,13 +451,21 @@ class FleetModel:
         index = {grp.group_id: g for g, grp in enumerate(self.groups)}
         rank_ok: dict[str, dict[int, bool]] = {}
         if selection.targets:
-            reg.begin_update(targets=[list(self.groups[index[t]].ranks) for t in selection.targets])
-            per_rank: dict[int, bool] = {}
-            for gid in selection.targets:
-                g = index[gid]
-                rank_ok[gid] = self._push_to(g, new, 0 if g == failing_group else None)
-                per_rank.update(rank_ok[gid])
-            reg.update_done(results=per_rank)
+            try:
+                reg.begin_update(
+                    targets=[list(self.groups[index[t]].ranks) for t in selection.targets]
+                )
+            except TransitionNotAllowed as exc:  # the transport refuses: every target failed
+                self._refuse(f"policy.proceed_after_register: update refused: {exc}")
+                rank_ok = {t: dict.fromkeys(self.groups[index[t]].ranks, False)
+                           for t in selection.targets}  # fmt: skip
+            else:
+                per_rank: dict[int, bool] = {}
+                for gid in selection.targets:
+                    g = index[gid]
+                    rank_ok[gid] = self._push_to(g, new, 0 if g == failing_group else None)
+                    per_rank.update(rank_ok[gid])
+                reg.update_done(results=per_rank)
         considered = [f for f in facts if f.group_id in selection.considered]
         settlement = policy.settle_update(
             new, considered, selection.targets, rank_ok, on_failure=on_failure
@@ -568,6 +579,21 @@ class FleetModel:
             self._release_lease(g)
         return True
 
+    def _do_stray_delete(self) -> bool:
+        """A racing retention sends ``delete`` to every superseded export (the machine's lease
+        guard must refuse a leased one)."""
+        changed = False
+        for version, export in sorted(self.exports.items()):
+            if export.state != "superseded":
+                continue
+            try:
+                export.delete()
+            except TransitionNotAllowed:
+                continue
+            self.dirs[version] = False
+            changed = True
+        return changed
+
     # ------------------------------------------------------------------ pre-filter
     def _may_change(self, action: Action) -> bool:
         """False only where the action certainly changes nothing (it would be refused)."""
@@ -596,6 +622,8 @@ class FleetModel:
             failing = args[1]
             # an update failing in a group that is not updated is the same as no failure
             return failing is None or self.groups[failing].state in ("active", "pending_weights")
+        if name == "stray_delete":
+            return any(e.state == "superseded" for e in self.exports.values())
         if name in ("export_finish", "export_fail"):
             export = self.exports.get(self.version)
             return export is not None and export.state in _RUNNING_EXPORT
@@ -621,6 +649,7 @@ class FleetModel:
             registration_state=reg.state,
             published=reg.published,
             last_published_version=reg.last_published_version,
+            last_register_complete=audit.register_complete,
             exports=tuple(
                 ExportPicture(v, e.state, len(e.leases), self.dirs.get(v))
                 for v, e in sorted(self.exports.items())
@@ -673,6 +702,7 @@ class FleetModel:
                 a.immediate,
                 a.recovery_threads,
                 a.refused,
+                a.register_complete,
             ),
         )
 
@@ -701,7 +731,7 @@ class FleetModel:
                                  for r in audit_s[4]))
         return (
             version, tuple(rows), reg_s, exports, mode_s, last,
-            (*audit_s[:4], immediate, len(audit_s[5]), len(audit_s[6])),
+            (*audit_s[:4], immediate, len(audit_s[5]), len(audit_s[6]), audit_s[7]),
         )  # fmt: skip
 
     def restore(self, snap: tuple[Any, ...]) -> None:
