@@ -96,3 +96,21 @@ def test_mermaid_parser_rejects_a_broken_diagram(tmp_path: Path) -> None:
     result = _mermaid(broken)
     assert result.returncode == 1
     assert "error" in result.stdout
+
+
+def test_sender_table_is_generated_from_the_policy_declarations() -> None:
+    from rollsafe.fleet import policy
+
+    table = diagrams.sender_table()
+    assert table in diagrams.overview_markdown()
+    for sender in policy.SENDERS:
+        assert f"`{sender.module}`" in table
+        if sender.decided_by is not None:
+            assert callable(getattr(policy, sender.decided_by))
+            assert f"`policy.{sender.decided_by}`" in table
+    # The rows the old hand-written table got wrong: who really sends these.
+    rows = {(s.component, s.machine): s for s in policy.SENDERS}
+    transport = rows[("WeightTransport", "CheckpointRegistration")]
+    assert transport.module == "rollsafe/transports/base.py"
+    assert rows[("RolloutFleet", "WorkerGroupLifecycle")].events == ("launched",)
+    assert rows[("RolloutFleet", "WorkerGroupLifecycle")].module == "rollsafe/fleet/fleet.py"

@@ -22,13 +22,6 @@ from profiles import examples
 from spec import ExportSpec, GroupSpec, ModeSpec, RegistrationSpec
 from statemachine.exceptions import TransitionNotAllowed
 
-from rollsafe.statemachines import (
-    CheckpointRegistration,
-    ExportLifecycle,
-    ImmediateRecoveryMode,
-    LeaseError,
-    WorkerGroupLifecycle,
-)
 from rollsafe.fleet import invariants, policy
 from rollsafe.fleet.invariants import (
     ExportPicture,
@@ -37,7 +30,14 @@ from rollsafe.fleet.invariants import (
     MemberPicture,
     RecoveryPicture,
 )
-from rollsafe.statemachines import GroupEvent
+from rollsafe.statemachines import (
+    CheckpointRegistration,
+    ExportLifecycle,
+    GroupEvent,
+    ImmediateRecoveryMode,
+    LeaseError,
+    WorkerGroupLifecycle,
+)
 from rollsafe.verify import FleetModel, ModelConfig
 
 STEPS = 40

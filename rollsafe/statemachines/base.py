@@ -11,8 +11,9 @@ Owns three things the four lifecycle machines share:
   timeline.
 
 It uses python-statemachine's public seams only: ``send`` (under one lock), the
-``after_transition`` listener callback (the history), ``validators=`` (missing guard inputs), ``enabled_events``
-(``can``), ``current_state_value`` / ``is_terminated`` (model checking's ``restore_state``).
+``after_transition`` listener callback (the history), ``validators=`` (missing guard inputs),
+``enabled_events`` (``can``), ``current_state_value`` / ``is_terminated`` (model checking's
+``restore_state``).
 
 Machines here import nothing heavier than python-statemachine: guards read plain data that the
 fleet passes in (event keyword arguments) or recorded with ``report_*`` methods.
