@@ -222,6 +222,7 @@ def run_demo(opts: DemoOptions) -> int:
         RecoverySettings,
         RolloutFleet,
     )
+    from rollsafe.fleet.invariants import check_all
 
     if opts.groups < 2:
         print("--groups must be >= 2 (one of them is the 2-rank group)")
@@ -407,6 +408,8 @@ def run_demo(opts: DemoOptions) -> int:
         bad_dispatch = {g: c for g, c in dispatch.items() if set(c) - {"active"}}
         if bad_dispatch:
             failures.append(f"requests admitted to non-active groups: {bad_dispatch}")
+        # The named invariants the verifier and the property tests check, on the live fleet.
+        failures.extend(f"invariant {v}" for v in check_all(fleet.picture()))
         timeline = fleet.timeline()
         snapshot = fleet.snapshot()
         recoveries = [r.as_dict() for r in fleet.recoveries()]

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollsafe.fleet import policy
 from rollsafe.fleet.health import HealthManager
+from rollsafe.fleet.invariants import ExportPicture, FleetPicture, GroupPicture, MemberPicture
 from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
 from rollsafe.fleet.registry import FleetError, FleetRegistry
 from rollsafe.fleet.router import RoutedResult, Router
@@ -757,6 +758,45 @@ class RolloutFleet:
 
             write_svg(out / "timeline.svg", rows)
         return out
+
+    def picture(self) -> FleetPicture:
+        """The fleet as :mod:`rollsafe.fleet.invariants` reads it (what the fleet records; the
+        engines' ground truth is unknown here). ``check_all(fleet.picture())`` is the demo's
+        final invariant check."""
+        groups = tuple(
+            GroupPicture(
+                g.group_id,
+                g.state,
+                g.is_routable,
+                g.machine.restart_budget,
+                tuple(
+                    MemberPicture(r, m.known, m.healthy, m.weights_version)
+                    for r, m in g.machine.members.items()
+                ),
+            )
+            for g in self.registry.groups()
+        )
+        registration = getattr(self.transport, "registration", None)
+        exports: tuple[ExportPicture, ...] = ()
+        if self.exporter is not None:
+            exports = tuple(
+                ExportPicture(r.version, r.state, len(r.lifecycle.leases), r.path.exists())
+                for r in self.exporter.exports()
+            )
+        return FleetPicture(
+            fleet_version=self.registry.fleet_version,
+            groups=groups,
+            initial_version=self.config.initial_version,
+            registration_state=registration.state if registration is not None else None,
+            published=registration.published if registration is not None else None,
+            last_published_version=(
+                registration.last_published_version if registration is not None else None
+            ),
+            exports=exports,
+            mode_state=self.mode.state,
+            rearm_after=self.mode.rearm_after,
+            max_version_seen=self.registry.fleet_version,
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly picture of the fleet right now."""

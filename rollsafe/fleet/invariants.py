@@ -82,6 +82,8 @@ class FleetPicture:
 
     fleet_version: int
     groups: tuple[GroupPicture, ...]
+    #: the version the fleet started at (it was never registered by a sync)
+    initial_version: int = 0
     registration_state: str | None = None
     published: tuple[str, int] | None = None
     last_published_version: int | None = None
@@ -189,7 +191,7 @@ def no_publish_on_failed_register(p: FleetPicture) -> list[str]:
         out.append(f"{p.published} is published in state {p.registration_state}")
     if p.published is not None and p.last_register_complete is False:
         out.append(f"{p.published} is published although a rank failed to register")
-    if p.registration_state is not None and p.fleet_version > 0:
+    if p.registration_state is not None and p.fleet_version > p.initial_version:
         last = p.last_published_version
         if last is None or last < p.fleet_version:
             out.append(

@@ -22,7 +22,17 @@ __all__ = [
 ]
 
 
-class GroupEvent(str, Enum):
+class _Event(str, Enum):
+    """An event constant: a ``str`` equal to, and printed as, the event's name."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class GroupEvent(_Event):
     """Events of :class:`~rollsafe.statemachines.WorkerGroupLifecycle`."""
 
     LAUNCHED = "launched"
@@ -35,7 +45,7 @@ class GroupEvent(str, Enum):
     RETIRE = "retire"
 
 
-class ExportEvent(str, Enum):
+class ExportEvent(_Event):
     """Events of :class:`~rollsafe.statemachines.ExportLifecycle`."""
 
     ADOPT = "adopt"
@@ -49,7 +59,7 @@ class ExportEvent(str, Enum):
     ABANDON = "abandon"
 
 
-class RegistrationEvent(str, Enum):
+class RegistrationEvent(_Event):
     """Events of :class:`~rollsafe.statemachines.CheckpointRegistration`."""
 
     BEGIN_REGISTER = "begin_register"
@@ -59,7 +69,7 @@ class RegistrationEvent(str, Enum):
     UPDATE_DONE = "update_done"
 
 
-class ModeEvent(str, Enum):
+class ModeEvent(_Event):
     """Events of :class:`~rollsafe.statemachines.ImmediateRecoveryMode`."""
 
     ENABLE = "enable"
