@@ -109,9 +109,7 @@ def lease_free_delete(
     exports: Sequence[policy.ExportFacts], keep_last: int
 ) -> policy.RetentionPlan:
     """Bug: retention deletes superseded exports without looking at their leases."""
-    plan = policy_original("plan_retention")(
-        [replace(e, leases=0) for e in exports], keep_last
-    )
+    plan = policy_original("plan_retention")([replace(e, leases=0) for e in exports], keep_last)
     return plan
 
 

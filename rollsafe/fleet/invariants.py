@@ -137,8 +137,10 @@ def active_groups_whole_and_current(p: FleetPicture) -> list[str]:
                     f"{g.group_id} is active but r{m.rank} is recorded healthy={m.healthy} "
                     f"v={m.version} (fleet at v{p.fleet_version})"
                 )
-            elif m.alive is not None and m.true_version is not None and (
-                not m.alive or m.true_version != p.fleet_version
+            elif (
+                m.alive is not None
+                and m.true_version is not None
+                and (not m.alive or m.true_version != p.fleet_version)
             ):
                 out.append(
                     f"{g.group_id} is active but engine r{m.rank} holds v{m.true_version} "
@@ -194,9 +196,7 @@ def no_publish_on_failed_register(p: FleetPicture) -> list[str]:
     if p.registration_state is not None and p.fleet_version > p.initial_version:
         last = p.last_published_version
         if last is None or last < p.fleet_version:
-            out.append(
-                f"fleet at v{p.fleet_version} but the last published version is {last}"
-            )
+            out.append(f"fleet at v{p.fleet_version} but the last published version is {last}")
     return out
 
 
@@ -284,7 +284,5 @@ INVARIANTS: tuple[Callable[[FleetPicture], list[str]], ...] = (
 def check_all(picture: FleetPicture) -> list[InvariantViolation]:
     """Run every invariant on ``picture``; return the violations (empty when all hold)."""
     return [
-        InvariantViolation(fn.__name__, message)
-        for fn in INVARIANTS
-        for message in fn(picture)
+        InvariantViolation(fn.__name__, message) for fn in INVARIANTS for message in fn(picture)
     ]

@@ -140,9 +140,7 @@ def judge_probe(
     """
     bad = set(unhealthy)
     new_counts = {r: n for r, n in counts.items() if r in bad}
-    report_healthy = tuple(
-        r for r in ranks if r not in bad and not recorded_healthy.get(r, False)
-    )
+    report_healthy = tuple(r for r in ranks if r not in bad and not recorded_healthy.get(r, False))
     at_threshold: list[int] = []
     for rank in ranks:
         if rank in bad:

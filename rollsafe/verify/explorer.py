@@ -3,8 +3,8 @@
 Starting from a fresh :class:`~rollsafe.verify.model.FleetModel`, every enabled action is tried
 from every reached state, up to a depth bound; states are deduplicated by the model's canonical
 form (up to group and rank symmetry), and every invariant is checked in every reached state. The
-model is restored to a state only after an action that changed it. Breadth-first order makes the first
-counterexample found a shortest one, reported as the event trace that leads to it.
+model is restored to a state only after an action that changed it. Breadth-first order makes the
+first counterexample found a shortest one, reported as the event trace that leads to it.
 """
 
 from __future__ import annotations

@@ -727,8 +727,9 @@ class FleetModel:
             ),
             key=repr,
         )
-        immediate = tuple(sorted((r.export_version, r.export_state, r.fleet_version)
-                                 for r in audit_s[4]))
+        immediate = tuple(
+            sorted((r.export_version, r.export_state, r.fleet_version) for r in audit_s[4])
+        )
         return (
             version, tuple(rows), reg_s, exports, mode_s, last,
             (*audit_s[:4], immediate, len(audit_s[5]), len(audit_s[6]), audit_s[7]),
@@ -742,7 +743,9 @@ class FleetModel:
             grp = self.groups[g]
             if grp.state != state:
                 grp = self.groups[g] = _pooled(
-                    self._group_pool[g], state, lambda g=g: self._new_group(g)  # type: ignore[misc]
+                    self._group_pool[g],
+                    state,
+                    lambda g=g: self._new_group(g),  # type: ignore[misc]
                 )
             grp.restart_budget = budget
             current = tuple((m.known, m.healthy, m.weights_version) for m in grp._members.values())
