@@ -37,6 +37,7 @@ from rollsafe.statemachines.events import (
 __all__ = [
     "SENDERS",
     "ExportFacts",
+    "ExportJudgement",
     "ExportVerdict",
     "GroupFacts",
     "Handoff",
@@ -51,6 +52,7 @@ __all__ = [
     "Strategy",
     "StrategyChoice",
     "TargetSelection",
+    "UpdateFailurePolicy",
     "after_push",
     "after_restart",
     "choose_strategy",
@@ -67,7 +69,6 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_WG = "WorkerGroupLifecycle"
 _EX = "ExportLifecycle"
 _REG = "CheckpointRegistration"
 _MODE = "ImmediateRecoveryMode"
@@ -95,9 +96,6 @@ def sends(component: str, module: str, **machines: Sequence[AnyEvent]) -> Callab
             _senders.append(
                 Sender(component, module, machine, tuple(e.value for e in events), fn.__name__)
             )
-        fn.declared_events = frozenset(  # type: ignore[attr-defined]
-            e.value for events in machines.values() for e in events
-        )
         return fn
 
     return declare
