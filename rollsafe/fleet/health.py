@@ -14,7 +14,9 @@ Owns failure *detection* (never recovery):
   ``timeout_s``;
 * consecutive failures are counted per rank; when a rank reaches ``failure_threshold`` it is
   reported unhealthy and the group is sent ``fail`` (the whole group leaves routing); a healthy
-  answer resets the count and reports the members healthy;
+  answer resets the count and reports the members healthy. What each answer means is
+  :func:`rollsafe.fleet.policy.judge_probe`'s decision; this module only probes and executes it.
+  Defaults come from :class:`~rollsafe.fleet.settings.HealthSettings`;
 * hand-off: each ``fail`` the manager sends is passed to ``on_group_failed(failure)`` on a
   separate notifier thread, never on the probe loop. The callback must return quickly (enqueue
   the group for the recovery coordinator); it is never where a recovery runs, so probes keep
