@@ -64,7 +64,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     )
     print(f"states explored: {result.states}")
     print(f"transitions taken: {result.transitions} ({result.refused} refused events)")
-    print(f"time: {result.seconds:.1f} s")
+    print(f"time: {result.seconds:.1f} s ({result.cpu_seconds:.1f} s CPU)")
     if not result.complete:
         print(f"stopped early at --max-states {args.max_states}: exploration incomplete")
     if result.ok:

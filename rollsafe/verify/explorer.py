@@ -43,6 +43,7 @@ class ExplorationResult:
     refused: int = 0
     frontier_sizes: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # process CPU time (wall time also counts other processes' load)
     counterexamples: list[Counterexample] = field(default_factory=list)
     complete: bool = True
 
@@ -78,6 +79,7 @@ def explore(
     model = model_factory(cfg) if model_factory is not None else FleetModel(cfg)
     result = ExplorationResult(config=cfg, depth=depth)
     started = time.perf_counter()
+    cpu_started = time.process_time()
 
     initial = model.snapshot()
     # Deduplicate on the canonical form (group/rank symmetry); keep real snapshots to restore.
@@ -145,6 +147,7 @@ def explore(
             break
     result.states = len(seen)
     result.seconds = time.perf_counter() - started
+    result.cpu_seconds = time.process_time() - cpu_started
     return result
 
 

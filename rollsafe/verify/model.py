@@ -52,9 +52,13 @@ from rollsafe.statemachines.events import AnyEvent, ExportEvent, GroupEvent, eve
 __all__ = ["GROUP_EVENTS", "Action", "FleetModel", "ModelConfig", "Violation"]
 
 #: Stray group events the model may fire at any group (the guards must refuse the wrong ones).
-#: ``fail`` comes from probes and updates, ``retire`` from a spent budget (as in the fleet).
-GROUP_EVENTS: tuple[str, ...] = tuple(
-    e.value for e in GroupEvent if e not in (GroupEvent.FAIL, GroupEvent.RETIRE)
+#: ``fail`` comes from probes and updates, ``claim`` / ``retire`` / ``restart_failed`` from the
+#: recovery actions (as in the fleet); the guarded events are also fired stray.
+GROUP_EVENTS: tuple[str, ...] = (
+    GroupEvent.LAUNCHED.value,
+    GroupEvent.RESTARTED.value,
+    GroupEvent.MARK_STALE.value,
+    GroupEvent.WEIGHTS_LOADED.value,
 )
 
 _KEYS: tuple[str, ...] = ("model.embed_tokens.weight", "lm_head.weight", "mtp.layer.weight")
@@ -508,10 +512,9 @@ class FleetModel:
             except TransitionNotAllowed as exc:
                 self._refuse(f"policy.judge_export: {exc}")
         if verdict.abandon and export is not None:
-            try:
-                export.send(ExportEvent.ABANDON, reason="the next sync began first")
-            except TransitionNotAllowed as exc:
-                self._refuse(f"policy.judge_export: {exc}")
+            refused = _end_export(export, ExportEvent.ABANDON)
+            if refused is not None:
+                self._refuse(f"policy.judge_export: {refused}")
 
     # -- the exporter and retention
     def _do_export_finish(self) -> bool:
@@ -529,8 +532,8 @@ class FleetModel:
         export = self.exports.get(self.version)
         if export is None or export.state not in _RUNNING_EXPORT:
             return False
-        export.fail(reason="writer died")
-        return True
+        refused = _end_export(export, ExportEvent.FAIL)
+        return refused is None
 
     def _do_retention(self) -> bool:
         before = self.snapshot()
@@ -558,10 +561,9 @@ class FleetModel:
             self.dirs[version] = False  # the directory goes on the policy's word
             if export is None:
                 continue
-            try:
-                export.delete()
-            except TransitionNotAllowed as exc:
-                self._refuse(f"policy.plan_retention: {exc}")
+            refused = _end_export(export, ExportEvent.DELETE)
+            if refused is not None:
+                self._refuse(f"policy.plan_retention: {refused}")
 
     def _do_mode_toggle(self) -> bool:
         if self.mode.state == "disabled":
@@ -586,9 +588,7 @@ class FleetModel:
         for version, export in sorted(self.exports.items()):
             if export.state != "superseded":
                 continue
-            try:
-                export.delete()
-            except TransitionNotAllowed:
+            if _end_export(export, ExportEvent.DELETE) is not None:
                 continue
             self.dirs[version] = False
             changed = True
@@ -775,6 +775,28 @@ class FleetModel:
 
 
 M = TypeVar("M", bound=GuardedMachine)
+
+_FINAL_STATE_OF = {
+    ExportEvent.ABANDON: "abandoned",
+    ExportEvent.FAIL: "failed",
+    ExportEvent.DELETE: "deleted",
+}
+
+
+def _end_export(export: ExportLifecycle, event: ExportEvent) -> str | None:
+    """Take an export's transition into a final state; return None, or why it was refused.
+
+    The machine's own guards decide (``can``); the state is then set with ``restore_state``
+    rather than by sending the event, because a python-statemachine engine that reached a final
+    state can never be restored, and rebuilding a machine costs about a millisecond: this keeps
+    the exploration's machines reusable. (These transitions have no actions that matter here.)
+    """
+    if not export.can(event):
+        return f"{export.label} refused {event.value!r} in state {export.state!r}: " + "; ".join(
+            export.explain(event)
+        )
+    export.restore_state(_FINAL_STATE_OF[event])
+    return None
 
 
 def _pooled(pool: list[M], state: str, build: Callable[[], M]) -> M:
