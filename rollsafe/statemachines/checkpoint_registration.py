@@ -77,6 +77,18 @@ class CheckpointRegistration(GuardedMachine):
             return self._published
         return None
 
+    def restore_published(
+        self,
+        published: tuple[str, int] | None,
+        pending: tuple[str, int] | None,
+        last_published_version: int | None,
+    ) -> None:
+        """Set what is published, pending and last published (model checking only; the state
+        is set with ``restore_state``)."""
+        with self._lock:
+            self._published, self.pending = published, pending
+            self.last_published_version = last_published_version
+
     @property
     def failed_targets(self) -> list[int]:
         """Ranks whose last update failed (for the fleet to act on)."""

@@ -119,6 +119,12 @@ class ExportLifecycle(GuardedMachine):
             if self._leases.pop(lease.lease_id, None) is None:
                 raise LeaseError(f"{self.label}: lease {lease.lease_id} is not held")
 
+    def restore_lease(self, lease: ExportLease) -> None:
+        """Hold ``lease`` whatever the state (model checking only: the explorer restores leased
+        exports into any state it reached)."""
+        with self._lock:
+            self._leases[lease.lease_id] = lease
+
     @property
     def offerable(self) -> bool:
         """Whether recovery may load from this export now (``ready``)."""

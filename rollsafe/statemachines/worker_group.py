@@ -147,6 +147,14 @@ class WorkerGroupLifecycle(GuardedMachine):
                 )
             self._members = {**self._members, rank: MemberFacts(rank)}
 
+    def restore_members(self, members: Iterable[MemberFacts]) -> None:
+        """Set every member's facts at once, bypassing reports (model checking only)."""
+        with self._lock:
+            facts = {m.rank: m for m in members}
+            if set(facts) != set(self.ranks):
+                raise ValueError(f"{self.label}: facts for ranks {sorted(facts)} != {self.ranks}")
+            self._members = {r: facts[r] for r in self.ranks}
+
     def facts_token(self) -> Any:
         return (self._members, self.restart_budget)
 

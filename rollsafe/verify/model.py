@@ -227,7 +227,7 @@ class FleetModel:
             if lease_version is not None and lease_version in self.exports:
                 export = self.exports[lease_version]
                 lease = ExportLease(-(g + 1), lease_version, f"g{g}")
-                export._leases[lease.lease_id] = lease
+                export.restore_lease(lease)
                 self.leases[g] = lease
 
     def _pooled_export(self, version: int, state: str) -> ExportLifecycle:
@@ -748,18 +748,19 @@ class FleetModel:
                     lambda g=g: self._new_group(g),  # type: ignore[misc]
                 )
             grp.restart_budget = budget
-            current = tuple((m.known, m.healthy, m.weights_version) for m in grp._members.values())
+            facts = grp.members
+            current = tuple((m.known, m.healthy, m.weights_version) for m in facts.values())
             if current != members:
-                grp._members = {
-                    rank: MemberFacts(rank, known, healthy, ver)
+                grp.restore_members(
+                    MemberFacts(rank, known, healthy, ver)
                     for rank, (known, healthy, ver) in zip(grp.ranks, members, strict=True)
-                }
+                )
             self.truth[g] = truth
             self.counts[g] = dict(counts)
         reg = self.registration
         if reg.state != reg_s[0]:
             reg.restore_state(reg_s[0])
-        reg._published, reg.pending, reg.last_published_version = reg_s[1], reg_s[2], reg_s[3]
+        reg.restore_published(reg_s[1], reg_s[2], reg_s[3])
         now = tuple(
             (v, e.state, len(e.leases), self.dirs.get(v)) for v, e in sorted(self.exports.items())
         )
