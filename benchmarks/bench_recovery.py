@@ -13,10 +13,12 @@ step is doing then (an export being written, a sync just done...). Crashes never
 next one waits until the previous recovery finished.
 
 Modes (one fleet each, ``--crashes`` crashes each): **warm_standby** (``FleetConfig.warm_standby
-=True``: one standby per group, the demo's default), **warm_standby_x2** (the same with
-``engine_options={"standbys": 2}``: a crash right after a recovery still finds a ready standby
-while the one used is replaced) and **no_standby** (every restart spawns a fresh interpreter).
-A standby still importing when a crash comes is raced against a fresh spawn by the launcher.
+=True``: one standby per group, the demo's default; the standby is a resident fork server, so a
+restart forks the engine from it and it stays ready for the next crash), **warm_standby_x2**
+(the same with ``engine_options={"standbys": 2}``: two fork servers, the second only covering
+the death of the first) and **no_standby** (every restart spawns a fresh interpreter). A
+standby still importing when a crash comes (only before its first import finished) is raced
+against a fresh spawn by the launcher.
 
 For every crash: crash -> ``active`` with the current weights (the first ``active`` transition
 of the group after the SIGKILL; the engine's weights checksum is then compared with the
@@ -35,10 +37,11 @@ trainer's), split into
   fleet moved to a new version during the restart);
 * ``other``: the rest (hand-off to the recovery worker, claim, lease, health, transitions).
 
-Reports p50 / p95 / max of each, overall and by restart source. Exits 1 when its own checks
-fail: a recovery that did not end ``active``, or an engine whose checksum differs from the
-trainer's once its group is ``active`` again. Writes ``benchmarks/results/recovery_cpu.json``
-(``--out``).
+Reports p50 / p95 / max of each, overall and by restart source. Other work on the machine
+shows in the 1-minute load average, recorded at the start, at the end and at every crash.
+Exits 1 when its own checks fail: a recovery that did not end ``active``, or an engine whose
+checksum differs from the trainer's once its group is ``active`` again. Writes
+``benchmarks/results/recovery_cpu.json`` (``--out``).
 
     .venv/bin/python benchmarks/bench_recovery.py [--crashes 25] [--rollout-s 2.5] [--seed 0]
 """
@@ -213,6 +216,7 @@ def run_mode(
                             "since_previous_back_s": round(now - last_back, 3),
                             "standby_at_crash": state,
                             "fleet_version": fleet.registry.fleet_version,
+                            "loadavg_1m": round(os.getloadavg()[0], 2),
                         }
                     if pending is not None:
                         done = _check(fleet, gid, trainer, pending)
@@ -372,6 +376,9 @@ def main() -> int:
             "machine": platform.machine(),
             "loadavg_1m_at_start": round(load_before, 2),
             "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
+            "loadavg_1m_at_crashes": dist(
+                [c["loadavg_1m"] for r in results.values() for c in r["crashes"]]
+            ),
         },
         "config": {
             "crashes_per_mode": args.crashes,
@@ -413,6 +420,11 @@ def main() -> int:
     for mode, p95 in p95_warm.items():
         verdict = "met" if p95 <= TARGET_P95_WARM_S else "NOT met"
         print(f"{mode} p95 {p95:.3f}s, target <= {TARGET_P95_WARM_S:g}s: {verdict}")
+    load = result["host"]["loadavg_1m_at_crashes"]
+    print(
+        f"1-min load average ({result['host']['cpus']} cpus): {load_before:.2f} at the start, "
+        f"{load['p50']} p50 / {load['max']} max at the crashes"
+    )
     print(f"wrote {out} ({result['wall_s']}s)")
     if failures:
         print("CHECKS FAILED:")

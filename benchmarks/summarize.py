@@ -197,6 +197,35 @@ def _checkpoint_engine_gpu(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _continuation(d: dict[str, Any]) -> list[Row]:
+    cfg = d["config"]
+    shape = (
+        f"{cfg['requests_per_step']} x {cfg['tokens_per_request']}-token greedy rollouts, "
+        f"SIGKILL at {cfg['kill_at_tokens']} streamed tokens, {cfg['crashes']} crashes"
+    )
+    cont, over = d["modes"]["continue"], d["modes"]["start_over"]
+    regen_ok = cont["tokens_regenerated_per_crash_median"] == 0 and cont["mismatches"] == 0
+    return [
+        (
+            f"tokens regenerated per crash, continue vs start over ({shape})",
+            f"{cont['tokens_regenerated_per_crash_median']:g} vs "
+            f"{over['tokens_regenerated_per_crash_median']:g} (kept "
+            f"{cont['tokens_kept_per_crash_median']:g}; results equal uninterrupted: "
+            f"{cont['mismatches'] + over['mismatches'] == 0})",
+            "0 beyond the last streamed token",
+            _verdict(regen_ok),
+        ),
+        (
+            "crash step lost throughput, continue vs start over (median)",
+            f"{cont['lost_throughput_median']:.1%} vs {over['lost_throughput_median']:.1%} "
+            f"(step {cont['crash_step_s_median']:.2f} s vs {over['crash_step_s_median']:.2f} s; "
+            f"normal {cont['normal_step_s_median']:.2f} s)",
+            "-",
+            "-",
+        ),
+    ]
+
+
 def _recovery(d: dict[str, Any]) -> list[Row]:
     def ppm(x: dict[str, Any]) -> str:
         return f"{x['p50']:.2f} / {x['p95']:.2f} / {x['max']:.2f} s"
@@ -239,6 +268,12 @@ def _recovery(d: dict[str, Any]) -> list[Row]:
          "all" if checks["ok"] else f"{len(checks['failures'])} failed", "all",
          _verdict(checks["ok"]))
     )  # fmt: skip
+    load = d["host"].get("loadavg_1m_at_crashes")
+    if load:
+        rows.append(
+            (f"recovery bench: 1-min load average at the crashes, p50 / max ({d['host']['cpus']} "
+             "cpus shared with other work)", f"{load['p50']:.2f} / {load['max']:.2f}", "-", "-")
+        )  # fmt: skip
     return rows
 
 
@@ -331,6 +366,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "transports_cpu.json": _transports_cpu,
     "control_plane.json": _control_plane,
     "recovery_cpu.json": _recovery,
+    "continuation_cpu.json": _continuation,
     "gpu/transports_h200.json": _transports_gpu,
     "gpu/checkpoint_engine_h200.json": _checkpoint_engine_gpu,
     "gpu/ce_p2p_h200.json": _ce_p2p,

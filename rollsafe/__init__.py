@@ -3,15 +3,25 @@
 Worker-group lifecycle, HF-export lifecycle, checkpoint registration and the immediate-recovery
 mode are formal, guarded state machines (``rollsafe.statemachines``) that drive pluggable weight
 transports (``rollsafe.transports``) and engine adapters (``rollsafe.adapters``).
-Importing this package stays light: only python-statemachine is imported eagerly.
+Importing this package imports nothing: the machines below load on first use (PEP 562), so a
+process that only decodes weights (:mod:`rollsafe.wire`) never loads python-statemachine.
+The layers and which may import which: ``docs/architecture.md``.
 """
 
-from rollsafe.statemachines import (
-    CheckpointRegistration,
-    ExportLifecycle,
-    ImmediateRecoveryMode,
-    WorkerGroupLifecycle,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rollsafe.errors import RollsafeError
+from rollsafe.lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from rollsafe.statemachines import (
+        CheckpointRegistration,
+        ExportLifecycle,
+        ImmediateRecoveryMode,
+        WorkerGroupLifecycle,
+    )
 
 __version__ = "0.1.0"
 
@@ -19,6 +29,21 @@ __all__ = [
     "CheckpointRegistration",
     "ExportLifecycle",
     "ImmediateRecoveryMode",
+    "RollsafeError",
     "WorkerGroupLifecycle",
     "__version__",
 ]
+
+__getattr__, __dir__ = lazy_attributes(
+    __name__,
+    dict.fromkeys(
+        (
+            "CheckpointRegistration",
+            "ExportLifecycle",
+            "ImmediateRecoveryMode",
+            "WorkerGroupLifecycle",
+        ),
+        "rollsafe.statemachines",
+    ),
+    public=__all__,
+)

@@ -34,7 +34,7 @@ same ``algorithm`` here.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
 if TYPE_CHECKING:  # torch is imported where tensors are hashed: engine clients stay torch-free
@@ -276,12 +276,19 @@ def sglang_gpu_hash(tensor: torch.Tensor, *, seed: int = SGLANG_GPU_SEED) -> int
     Vectorised torch integer ops (no per-block Python loop; one loop step per 16 Mi words), the
     same result on CPU and CUDA. On CUDA nothing but two scalars is copied to the host.
     """
+    totals = _sglang_gpu_totals(tensor, seed)
+    return 0 if totals is None else _sglang_gpu_finish(totals.tolist())
+
+
+def _sglang_gpu_totals(tensor: torch.Tensor, seed: int = SGLANG_GPU_SEED) -> torch.Tensor | None:
+    """The two exact int64 lane sums of :func:`sglang_gpu_hash`, left on the tensor's device
+    (None for an empty tensor), so a whole model needs one host transfer, not one per tensor."""
     import torch
 
     words = _words(tensor)
     n = words.numel()
     if n == 0:
-        return 0
+        return None
     if n >= 1 << 31:
         raise ValueError(
             f"sglang gpu hash: {n} 32-bit words; SGLang's kernel indexes words with int32 and "
@@ -290,17 +297,18 @@ def sglang_gpu_hash(tensor: torch.Tensor, *, seed: int = SGLANG_GPU_SEED) -> int
     seed1 = seed & _M32
     seed2 = ((seed * 0x9E3779B1) ^ 0xDEADBEEF) & _M32
     nbytes = (4 * n) & _M32
-    total_hi = torch.zeros((), dtype=torch.int64, device=words.device)
-    total_lo = torch.zeros((), dtype=torch.int64, device=words.device)
+    totals = torch.zeros(2, dtype=torch.int64, device=words.device)
     with torch.no_grad():
         for start in range(0, n, _CHUNK_WORDS):
             sums = _tile_sums(words[start : start + _CHUNK_WORDS], start, seed1, seed2)
-            h = _fmix32_lanes64(sums ^ nbytes)
             # exact int64 sums: at most 2**18 tiles of values < 2**32
-            total_hi += h[:, 0].sum()
-            total_lo += h[:, 1].sum()
-    total = (int(total_hi.item()) << 32) + int(total_lo.item())
-    return _splitmix64_final(total)
+            totals += _fmix32_lanes64(sums ^ nbytes).sum(dim=0)
+    return totals
+
+
+def _sglang_gpu_finish(totals: Sequence[int]) -> int:
+    hi, lo = int(totals[0]), int(totals[1])
+    return _splitmix64_final((hi << 32) + lo)
 
 
 # ---------------------------------------------------------------------------- public API
@@ -357,15 +365,29 @@ def weights_checksum(
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {algorithm!r}")
+    import torch
+
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     digests: dict[str, str] = {}
     used: set[str] = set()
+    # sglang-gpu digests of device tensors: lane sums stay on the device until one transfer
+    pending: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in items:
         if name in digests:
             raise ValueError(f"weights_checksum: tensor name {name!r} appears twice")
         if algorithm.startswith("sglang") and sglang_skips(name):
             continue
-        used.add(resolve_algorithm(algorithm, tensor))
-        digests[name] = tensor_digest(tensor, algorithm)
+        algo = resolve_algorithm(algorithm, tensor)
+        used.add(algo)
+        totals = _sglang_gpu_totals(tensor) if algo == "sglang-gpu" else None
+        if totals is not None:
+            digests[name] = ""  # placed now so that the order and the duplicate check hold
+            pending.setdefault(totals.device, []).append((name, totals))
+        else:
+            digests[name] = tensor_digest(tensor, algorithm)
+    for rows in pending.values():
+        host = torch.stack([t for _, t in rows]).cpu().tolist()
+        for (name, _), pair in zip(rows, host, strict=True):
+            digests[name] = f"{_sglang_gpu_finish(pair):016x}"
     resolved = used.pop() if len(used) == 1 else algorithm
     return {"model": model_digest(digests), "tensors": digests, "algorithm": resolved}

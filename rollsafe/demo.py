@@ -60,6 +60,8 @@ class DemoOptions(argparse.Namespace):
     trainer: str
     quiet: bool
     warm_standby: bool
+    max_new_tokens: int
+    no_continuation: bool
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,6 +85,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no live progress lines")
     p.add_argument(
+        "--max-new-tokens", type=int, default=8, help="tokens per rollout request (default 8)"
+    )
+    p.add_argument(
+        "--no-continuation",
+        action="store_true",
+        help="baseline: a request whose group dies starts over (its tokens regenerated) instead "
+        "of continuing from its last streamed token",
+    )
+    p.add_argument(
         "--warm-standby",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -95,8 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class RolloutLoad:
     """Background threads issuing generate requests while ``active`` is set."""
 
-    def __init__(self, fleet: Any, workers: int, seed: int = 0) -> None:
+    def __init__(self, fleet: Any, workers: int, seed: int = 0, max_new_tokens: int = 8) -> None:
         self.fleet = fleet
+        self.max_new_tokens = max_new_tokens
         self.active = threading.Event()
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -119,7 +131,9 @@ class RolloutLoad:
                 continue
             prompt = [rng.randrange(1, 500) for _ in range(8)]
             try:
-                res = self.fleet.generate(prompt, sampling_params={"max_new_tokens": 8})
+                res = self.fleet.generate(
+                    prompt, sampling_params={"max_new_tokens": self.max_new_tokens}
+                )
             except (NoRoutableGroup, RouterError) as exc:
                 with self.lock:
                     self.failed += 1
@@ -153,6 +167,16 @@ def _states(fleet: Any) -> str:
     return " ".join(
         f"{g.group_id}={g.state}" + (f"/sb:{g.standby_state}" if standby else "")
         for g in fleet.registry.groups()
+    )
+
+
+def _continued(fleet: Any) -> str:
+    """``continued 3 (kept 412 tok, regenerated 0)``: requests continued after their group
+    failed or a sync aborted them, the tokens they kept, the tokens started over (baseline)."""
+    c = fleet.router.stats()["continuation"]
+    return (
+        f"continued {c['after_failure'] + c['after_abort']} (kept {c['tokens_kept']} tok,"
+        f" regenerated {c['tokens_regenerated']})"
     )
 
 
@@ -306,8 +330,10 @@ def run_demo(opts: DemoOptions) -> int:
         initial = fleet.checksums()
         if any(v != want for v in initial.values()):
             failures.append(f"step 0: engines do not start on the trainer's weights: {initial}")
-        load = RolloutLoad(fleet, opts.workers)
+        fleet.router.keep_tokens = not getattr(opts, "no_continuation", False)
+        load = RolloutLoad(fleet, opts.workers, max_new_tokens=getattr(opts, "max_new_tokens", 8))
         crash_gid = fleet.group_ids[CRASH_GROUP_INDEX]
+        cont_seen: dict[str, int] = {}
         for step in range(1, opts.steps + 1):
             record: dict[str, Any] = {"step": step, "version_served": fleet.registry.fleet_version}
             # -------- rollout
@@ -331,12 +357,16 @@ def run_demo(opts: DemoOptions) -> int:
                         n_ok, n_bad = sum(load.served.values()), load.failed
                     say(
                         f"  step {step} rollout {now - t:4.1f}s | {_states(fleet)} |"
-                        f" served {n_ok} failed {n_bad} | export {_exports(fleet)}"
+                        f" served {n_ok} failed {n_bad} | {_continued(fleet)} |"
+                        f" export {_exports(fleet)}"
                     )
                     next_print = now + 1.0
                 time.sleep(0.05)
             load.active.clear()
             served, failed = load.take()
+            cont_now = fleet.router.stats()["continuation"]
+            record["continuation"] = {k: v - cont_seen.get(k, 0) for k, v in cont_now.items()}
+            cont_seen = cont_now
             rollout_s = time.monotonic() - t
             timings["rollout"] += rollout_s
             record.update(served_by_group=served, served=sum(served.values()), failed=failed,
@@ -503,6 +533,20 @@ def run_demo(opts: DemoOptions) -> int:
             )
         throughput["group_unavailable_s"] = recovery.get("latency_s")
 
+    # -------- continued requests (#17): tokens kept vs regenerated, the crash step's share
+    continuation: dict[str, Any] = {
+        "mode": "start_over" if getattr(opts, "no_continuation", False) else "continue",
+        "max_new_tokens": getattr(opts, "max_new_tokens", 8),
+        "total": snapshot["router"]["continuation"],
+        "per_step": {s["step"]: s.get("continuation", {}) for s in steps},
+    }
+    if crash is not None:
+        cstep = next(s for s in steps if s["step"] == crash["step"]).get("continuation", {})
+        continuation["crash_step"] = cstep
+        continuation["tokens_regenerated_after_crash"] = cstep.get("tokens_regenerated", 0)
+        continuation["tokens_kept_after_crash"] = cstep.get("tokens_kept", 0)
+        continuation["crash_step_lost_fraction"] = throughput.get("fraction_of_crash_step_lost")
+
     standbys: dict[str, Any] = {
         gid: g.get("standby") for gid, g in snapshot["registry"]["groups"].items()
     }
@@ -518,6 +562,7 @@ def run_demo(opts: DemoOptions) -> int:
         "groups": dict(zip([f"g{i}" for i in range(len(sizes))], sizes, strict=True)),
         "recovery": recovery,
         "throughput": throughput,
+        "continuation": continuation,
         "standby": standbys,
         "checksums": {
             "per_step": {s["step"]: s["checksums"] for s in steps},
@@ -573,6 +618,18 @@ def run_demo(opts: DemoOptions) -> int:
             f"  lost in the crash step: ~{throughput['requests_lost_in_crash_step']} requests"
             f" of {crash and crash['group']}"
             f" ({throughput['fraction_of_crash_step_lost']:.1%} of a normal step's total)"
+        )
+    total = continuation["total"]
+    print(
+        f"continued requests ({continuation['mode']}): after a failure {total['after_failure']},"
+        f" after a sync abort {total['after_abort']}; tokens kept {total['tokens_kept']},"
+        f" regenerated {total['tokens_regenerated']}"
+    )
+    if "crash_step" in continuation:
+        print(
+            f"  crash step: {continuation['tokens_kept_after_crash']} token(s) kept,"
+            f" {continuation['tokens_regenerated_after_crash']} regenerated, lost throughput"
+            f" {continuation['crash_step_lost_fraction'] or 0:.1%}"
         )
     matched = checksums_ok
     print(f"checksums: every active engine == trainer after every step: {matched}")

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rollsafe.errors import RollsafeError
+
 if TYPE_CHECKING:
     import torch
 
@@ -56,7 +58,7 @@ CALL_TIMEOUT_S = 120.0
 OBJECT_STORE_BYTES = 128 << 20
 
 
-class TrainerError(RuntimeError):
+class TrainerError(RollsafeError, RuntimeError):
     """The trainer actor could not be started, or a weights snapshot arrived corrupted."""
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollsafe.errors import RollsafeError
 from rollsafe.fleet import policy
 from rollsafe.statemachines import MACHINES, GuardedMachine
 from rollsafe.statemachines.base import event_names
@@ -39,7 +40,7 @@ README_BEGIN = "<!-- rollsafe:diagrams:begin -->"
 README_END = "<!-- rollsafe:diagrams:end -->"
 
 
-class DiagramCheckError(RuntimeError):
+class DiagramCheckError(RollsafeError, RuntimeError):
     """A diagram on disk differs from what the code generates (or the feed table is wrong)."""
 
 

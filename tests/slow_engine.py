@@ -5,7 +5,8 @@
 in ``standby_s`` there, else those in ``fresh_s`` (no file: no sleep), then runs the reference
 engine's ``main()`` unchanged. A test gets a standby that stays ``warming`` as long as it needs,
 or fresh spawns slower than any standby, without changing the engine's environment (a changed
-environment would discard the standby).
+environment would discard the standby). A file ``standby_thread`` there makes a standby start a
+thread (so that it is not fork-safe).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ if __name__ == "__main__":
     control = Path(os.environ.get("SLOW_ENGINE_DIR", "/nonexistent")) / name
     if control.exists():
         time.sleep(float(control.read_text()))
+    if "--standby" in sys.argv and (control.parent / "standby_thread").exists():
+        import threading  # a standby that is not single-threaded: it must refuse to fork
+
+        threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
     from rollsafe.adapters.reference_engine.__main__ import exit_fast, main
 
     exit_fast(main())

@@ -82,6 +82,10 @@ class Recorder:
             query.setdefault(key, []).append(value)
         flat = {k: v if len(v) > 1 else v[0] for k, v in query.items()}
         self.requests.append((request.method, request.url.path, flat, body))
+        if isinstance(body, dict) and body.get("stream"):
+            events = [_answer(request.url.path, body), "[DONE]"]
+            sse = "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
+            return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
         return httpx.Response(200, json=_answer(request.url.path, body))
 
 
@@ -99,6 +103,9 @@ SGLANG_CALLS: dict[str, Callable[[SGLangClient], object]] = {
     "generate_ids": lambda c: c.generate([1, 2, 3], sampling_params={"max_new_tokens": 4}),
     "generate_text": lambda c: c.generate(
         text="hi", sampling_params={"temperature": 0.0, "sampling_seed": 3, "top_k": 5}
+    ),
+    "generate_stream": lambda c: list(
+        c.generate_stream([1, 2, 3], sampling_params={"max_new_tokens": 4, "sampling_seed": 7})
     ),
     "pause_abort": lambda c: c.pause_generation("abort"),
     "pause_retract": lambda c: c.pause_generation("retract"),
@@ -134,6 +141,11 @@ VLLM_CALLS: dict[str, Callable[[VLLMClient], object]] = {
         [1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0.0, "sampling_seed": 1}
     ),
     "generate_text": lambda c: c.generate(text="hi", sampling_params={"min_new_tokens": 1}),
+    "generate_stream": lambda c: list(
+        c.generate_stream(
+            [1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0.0, "seed": 2}
+        )
+    ),
     "pause_abort": lambda c: c.pause_generation("abort"),
     "pause_retract": lambda c: c.pause_generation("retract"),
     "pause_in_place": lambda c: c.pause_generation("in_place"),

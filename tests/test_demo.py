@@ -105,6 +105,11 @@ def test_demo_small_run_recovers_and_checksums_match(tmp_path: Path, transport: 
     assert registrations == {transport}
     assert "stateDiagram-v2" in (out / "paths.md").read_text()
     assert "recovery:" in result.stdout and "where time went:" in result.stdout
+    # continued requests (#17): in the live line, the report and the summary
+    cont = summary["continuation"]
+    assert cont["mode"] == "continue" and cont["tokens_regenerated_after_crash"] == 0
+    assert cont["total"]["tokens_regenerated"] == 0
+    assert "continued requests (continue)" in result.stdout and "| continued " in result.stdout
     assert "train (trainer actor round trip)" in result.stdout
     assert "fetch weights (object store)" in result.stdout
     # nothing the demo started outlives it: engines, the actor, the local Ray

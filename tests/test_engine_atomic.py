@@ -146,6 +146,29 @@ def test_non_finite_index_one_reduction_per_dtype_first_bad_wins() -> None:
     assert non_finite_index([torch.ones(2).to(torch.float8_e5m2), f8]) == 1
 
 
+def test_non_finite_index_checks_back_to_back_views_as_one_span() -> None:
+    from rollsafe.adapters.reference_engine.model import _spans
+
+    flat = torch.ones(40)
+    views = [flat[0:10], flat[10:20], flat[20:30], flat[30:40]]
+    shuffled = [views[2], views[0], views[3], views[1]]  # out of address order
+    spans = _spans(shuffled, [0, 1, 2, 3])
+    assert len(spans) == 1 and spans[0][0].numel() == 40
+    assert sorted(spans[0][1]) == [0, 1, 2, 3]
+    assert non_finite_index(shuffled) is None
+    flat[25] = float("nan")  # inside views[2], i.e. shuffled[0]
+    flat[12] = float("inf")  # inside views[1], i.e. shuffled[3]
+    assert non_finite_index(shuffled) == 0
+    assert non_finite_index([views[3], views[1]]) == 1  # a gap: two spans, the second is bad
+    assert len(_spans([views[3], views[1]], [0, 1])) == 2
+    # a gap, another storage, a non-contiguous tensor: each stays on its own
+    other = torch.ones(10)
+    strided = torch.ones(4, 4).t()
+    parts = _spans([views[0], other, strided, views[2]], [0, 1, 2, 3])
+    assert sorted(len(m) for _, m in parts) == [1, 1, 1, 1]
+    assert non_finite_index([views[0], other, strided]) is None
+
+
 # ---- a two-rank engine in this process --------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[ReferenceEngine]:  # noqa: F811

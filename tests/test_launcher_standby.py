@@ -1,11 +1,13 @@
 """Warm standby: ``EngineSpec.warm_standby`` and the reference engine's ``--standby`` mode.
 
 Real processes throughout: a launcher keeps an idle, already-imported engine process that takes
-the next (re)start; its pid becomes the engine's pid. Every test checks nothing is left running.
+the next (re)start: it stays resident and forks the engine (a zygote), so it is still ready for
+the next crash. Every test checks nothing is left running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -48,20 +50,25 @@ def standby_launcher(model: Path, **kw: object) -> EngineLauncher:
     return EngineLauncher(EngineSpec(model_path=str(model), warm_standby=True, **kw))  # type: ignore[arg-type]
 
 
-def test_restart_hands_off_to_the_idle_standby_and_a_new_one_follows(
+def parent_pid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(stat[stat.rindex(b")") + 2 :].split()[1])
+
+
+def test_restarts_fork_from_the_resident_standby_which_stays_ready(
     tiny_model_dir: Path,  # noqa: F811
     launchers: list[EngineLauncher],
 ) -> None:
     launcher = standby_launcher(tiny_model_dir)
     launchers.append(launcher)
     launcher.start()
-    assert not launcher.last_start_from_standby  # nothing to hand off to the first time
+    assert not launcher.last_start_from_standby  # nothing to fork from the first time
     assert not launcher.ready_info["from_standby"]
     assert launcher.wait_standby(STANDBY_WAIT_S)
     standby = launcher.standby_pid
     assert standby is not None and standby not in (launcher.pid, *launcher.rank_pids)
     assert os.getsid(standby) == standby  # its own session, like an engine group
-    assert wait_for(lambda: is_idle(standby), 10.0)  # blocked reading its handoff line
+    assert wait_for(lambda: is_idle(standby), 10.0)  # blocked on its control socket
     old = [launcher.pid, *launcher.rank_pids]
 
     assert launcher.standby_state == "ready"
@@ -69,9 +76,13 @@ def test_restart_hands_off_to_the_idle_standby_and_a_new_one_follows(
     assert launcher.last_start_from_standby
     assert launcher.last_start_source == "ready_standby"
     assert launcher.last_start_standby_state == "ready"
-    assert launcher.pid == standby and launcher.rank_pids == [standby]
+    engine = launcher.pid
+    assert engine != standby and launcher.rank_pids == [engine]
+    assert parent_pid(engine) == standby  # forked by the standby...
+    assert os.getsid(engine) == engine  # ...into a session of its own
     info = launcher.ready_info
     assert info["from_standby"] and info["standby"]["import_s"] > 0
+    assert info["standby"]["zygote_pid"] == standby
     assert info["weight_version"] == "7"
     assert all_gone(old)
     out = launcher.client.generate(
@@ -79,14 +90,22 @@ def test_restart_hands_off_to_the_idle_standby_and_a_new_one_follows(
     )
     assert len(out.output_ids) == 4 and out.weight_version == "7"
     log_text = Path(str(launcher.log_path)).read_text()
-    assert "ROLLSAFE_STANDBY" in log_text and "# handoff:" in log_text
-    assert "ROLLSAFE_READY" in log_text  # the standby's log became the engine's log
+    assert "# forked by the warm standby" in log_text and "ROLLSAFE_READY" in log_text
 
-    assert launcher.wait_standby(STANDBY_WAIT_S)  # the next standby, spawned after ready
-    second = launcher.standby_pid
-    assert second is not None and second != standby
-    assert launcher.standby_stats["used"] == 1 and launcher.standby_stats["fallbacks"] == 0
-    pids = [launcher.pid, *launcher.rank_pids, second]
+    # the standby was not consumed: still ready, so a crash right now forks again
+    assert launcher.standby_state == "ready" and launcher.standby_pid == standby
+    launcher.kill_rank(0)
+    assert all_gone([engine])
+    assert not launcher.is_alive()
+    launcher.restart()
+    assert launcher.last_start_source == "ready_standby"
+    assert launcher.last_start_standby_state == "ready"
+    assert launcher.pid not in (engine, standby) and parent_pid(launcher.pid) == standby
+    assert launcher.client.is_healthy()
+    stats = launcher.standby_stats
+    assert stats["spawned"] == 1 and stats["used"] == stats["used_ready"] == 2
+    assert stats["fallbacks"] == 0
+    pids = [launcher.pid, *launcher.rank_pids, standby]
     launcher.stop()
     assert not launcher.started and launcher.standby_pid is None
     assert all_gone(pids)
@@ -132,10 +151,11 @@ def test_two_ranks_start_from_a_standby_by_fork(
     assert launcher.wait_standby(STANDBY_WAIT_S)
     standby = launcher.standby_pid
     launcher.restart()
-    assert launcher.last_start_from_standby and launcher.pid == standby
+    assert launcher.last_start_from_standby and parent_pid(launcher.pid) == standby
     info = launcher.ready_info
     assert info["ranks"] == 2 and info["rank_start_method"] == "fork"
-    assert len(launcher.rank_pids) == 2 and launcher.rank_pids[0] == standby
+    assert len(launcher.rank_pids) == 2 and launcher.rank_pids[0] == launcher.pid
+    assert parent_pid(launcher.rank_pids[1]) == launcher.pid  # forked by the forked engine
     out = launcher.client.generate(
         input_ids=[5, 6], sampling_params={"max_new_tokens": 3, "ignore_eos": True}
     )
@@ -194,8 +214,78 @@ def test_handoff_lines_are_checked() -> None:
             parse_handoff(bad)
 
 
+def test_fork_server_protocol(tiny_model_dir: Path) -> None:  # noqa: F811
+    """``--standby --fork-server-fd FD``: bad requests are answered with an error and the
+    zygote goes on; a good one forks an engine onto the passed stdout; its exit is reported;
+    EOF ends the zygote with 0 while its engine lives on in its own session."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    cmd = [sys.executable, "-m", "rollsafe.adapters.reference_engine", "--standby",
+           "--fork-server-fd", str(theirs.fileno())]  # fmt: skip
+    zygote = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(theirs.fileno(),)
+    )
+    theirs.close()
+    engines: list[int] = []
+    try:
+        assert zygote.stdout is not None
+        line = zygote.stdout.readline().decode()
+        info = json.loads(line.split(" ", 1)[1])
+        assert info["pid"] == zygote.pid and info["fork_server"] is True
+
+        def ask(msg: object, fds: list[int]) -> dict[str, object]:
+            socket.send_fds(ours, [json.dumps(msg).encode()], fds)
+            answer = json.loads(ours.recv(65536))
+            assert isinstance(answer, dict)
+            return answer
+
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        bad = ask({"id": 1, "argv": ["--standby"]}, [out_w, err_w])
+        assert bad["op"] == "error" and bad["id"] == 1 and "--standby" in str(bad["error"])
+        assert ask({"id": 2, "argv": []}, [])["error"] == (
+            "expected 2 file descriptors (stdout, stderr), got 0"
+        )
+        argv = ["--model-path", str(tiny_model_dir), "--weight-version", "5"]
+        forked = ask({"id": 3, "argv": argv, "env": {"ROLLSAFE_TEST": "1"}}, [out_w, err_w])
+        os.close(out_w)
+        os.close(err_w)
+        assert forked["op"] == "forked" and forked["id"] == 3
+        pid = int(str(forked["pid"]))
+        engines.append(pid)
+        assert os.getsid(pid) == pid and pid_alive(pid)
+        with os.fdopen(out_r, "rb") as out:
+            ready = json.loads(out.readline().decode().split(" ", 1)[1])
+        os.close(err_r)
+        assert ready["pid"] == pid and ready["weight_version"] == "5"
+        assert ready["from_standby"] and ready["standby"]["zygote_pid"] == zygote.pid
+        os.kill(pid, signal.SIGKILL)
+        assert json.loads(ours.recv(65536)) == {"op": "exit", "pid": pid, "returncode": -9}
+
+        # a second engine, then EOF: the zygote exits 0 and the engine lives on
+        out_r, out_w = os.pipe()
+        forked = ask({"id": 4, "argv": argv}, [out_w, out_w])
+        os.close(out_w)
+        engines.append(int(str(forked["pid"])))
+        ours.close()
+        assert zygote.wait(timeout=30) == 0
+        assert pid_alive(engines[-1])
+        with os.fdopen(out_r, "rb") as out:
+            assert out.readline().startswith(b"ROLLSAFE_READY ")
+    finally:
+        for pid in engines:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        zygote.kill()
+        zygote.wait()
+        ours.close()
+    assert all_gone(engines)
+
+
 def test_the_standby_dies_with_a_killed_parent(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
-    """A launcher process killed with SIGKILL cannot clean up; the watchdogs reap both."""
+    """A launcher process killed with SIGKILL cannot clean up; the watchdogs reap the standby
+    and the engine it forked."""
     pid_file = tmp_path / "pids"
     script = textwrap.dedent(
         f"""
@@ -204,16 +294,19 @@ def test_the_standby_dies_with_a_killed_parent(tiny_model_dir: Path, tmp_path: P
         spec = EngineSpec(model_path={str(tiny_model_dir)!r}, warm_standby=True)
         launcher = EngineLauncher(spec).start()
         assert launcher.wait_standby({STANDBY_WAIT_S})
+        first = launcher.pid
+        launcher.restart()  # an engine forked by the standby: not the launcher's child
+        assert launcher.last_start_source == "ready_standby"
         with open({str(pid_file)!r}, "w") as f:
-            f.write(" ".join(map(str, [launcher.pid, launcher.standby_pid])))
+            f.write(" ".join(map(str, [launcher.pid, launcher.standby_pid, first])))
         time.sleep(600)
         """
     )
     parent = subprocess.Popen([sys.executable, "-c", script])
     try:
         assert wait_for(lambda: pid_file.exists() and pid_file.read_text() != "", 180.0)
-        pids = [int(p) for p in pid_file.read_text().split()]
-        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+        *pids, first = [int(p) for p in pid_file.read_text().split()]
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids) and not pid_alive(first)
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
@@ -278,7 +371,8 @@ def test_fleet_recovery_restarts_on_the_standby(tiny_model_dir: Path, tmp_path: 
         result = fleet.recoveries()[0]
         assert result.status == "active" and result.strategy == "immediate", result
         assert result.standby_at_restart == "ready" and result.restart_source == "ready_standby"
-        assert launcher.last_start_from_standby and launcher.pid == standby != crashed
+        assert launcher.last_start_from_standby and launcher.pid not in (standby, crashed)
+        assert launcher.standby_pid == standby and launcher.standby_state == "ready"
         assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
         assert fleet.generate([1, 2], sampling_params={"max_new_tokens": 2}).group_id == "g0"
         assert launcher.wait_standby(STANDBY_WAIT_S)

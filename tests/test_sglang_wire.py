@@ -220,7 +220,7 @@ def test_reference_decoder_refuses_what_sglang_could_not_load() -> None:
         buf = io.BytesIO()
         ForkingPickler(buf, 3).dump({"flattened_tensor": flat, "metadata": [meta]})
         raw = buf.getvalue().replace(
-            b"rollsafe.transports.bucket\nFlattenedTensorMetadata",
+            b"rollsafe.wire.bucket\nFlattenedTensorMetadata",
             b"sglang.srt.weight_sync.tensor_bucket\nFlattenedTensorMetadata",
         )
         return base64.b64encode(raw).decode()

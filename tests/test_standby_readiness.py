@@ -71,14 +71,13 @@ def test_a_restart_while_the_standby_warms_is_won_by_a_fresh_spawn(
     assert state_at_start(launcher) == "warming"
     assert not launcher.last_start_from_standby and launcher.pid != warming
     assert launcher.client.is_healthy()
-    assert all_gone([warming])  # the standby that lost the race was killed
     stats = launcher.standby_stats
     assert stats["raced"] == 1 and stats["fallbacks"] == 1 and stats["used"] == 0
     assert "still importing" in str(stats["last_fallback"])
     assert launcher.standby_status()["fallbacks"] == 1
-    # the next standby warms again
-    assert wait_for(lambda: launcher.standby_pid not in (None, warming), 30.0)
-    assert sb_state(launcher) == "warming"
+    # the standby that lost the race is kept (a fork never consumes it): it goes on warming
+    assert launcher.standby_pid == warming and sb_state(launcher) == "warming"
+    assert launcher.standby_stats["spawned"] == 1
     pids = [launcher.pid, launcher.standby_pid]
     launcher.stop()
     assert sb_state(launcher) == "none"
@@ -102,14 +101,14 @@ def test_a_warming_standby_that_is_ready_first_takes_the_restart(
     launcher.restart(weight_version="3")
     assert state_at_start(launcher) == "warming"
     assert source(launcher) == "warming_standby"
-    assert launcher.last_start_from_standby and launcher.pid == warming
+    assert launcher.last_start_from_standby
+    assert launcher.ready_info["standby"]["zygote_pid"] == warming != launcher.pid
     assert launcher.ready_info["weight_version"] == "3" and launcher.client.is_healthy()
     stats = launcher.standby_stats
     assert stats["raced"] == 1 and stats["used"] == stats["used_warming"] == 1
     assert stats["fallbacks"] == 0
-    (tmp_path / "standby_s").write_text("0")
-    assert launcher.wait_standby(STANDBY_WAIT_S)
-    assert sb_state(launcher) == "ready"
+    # the same standby, now imported, is ready for the next start
+    assert sb_state(launcher) == "ready" and launcher.standby_pid == warming
     assert launcher.standby_status()["import_s"] > 0
 
     launcher.restart()  # a ready standby: no race
@@ -117,6 +116,7 @@ def test_a_warming_standby_that_is_ready_first_takes_the_restart(
     assert state_at_start(launcher) == "ready"
     stats = launcher.standby_stats
     assert stats["raced"] == 1 and stats["used_ready"] == 1 and stats["used"] == 2
+    assert stats["spawned"] == 1
     pids = [launcher.pid, *([launcher.standby_pid] if launcher.standby_pid else [])]
     launcher.kill()
     assert all_gone(pids)
@@ -230,10 +230,14 @@ def test_a_dummy_restart_after_the_export_it_ran_on_was_deleted(
     assert all_gone(pids)
 
 
-def test_a_pool_of_two_keeps_a_ready_standby_for_back_to_back_restarts(
+def test_a_pool_of_two_covers_the_death_of_a_standby(
     tiny_model_dir: Path,  # noqa: F811
     launchers: list[EngineLauncher],
 ) -> None:
+    """Back-to-back restarts fork from the same standby (a fork does not consume it); with two,
+    a standby that died is covered by the other while it is replaced."""
+    import signal
+
     launcher = EngineLauncher(EngineSpec(model_path=str(tiny_model_dir), warm_standby=True,
                                          standbys=2))  # fmt: skip
     launchers.append(launcher)
@@ -242,20 +246,56 @@ def test_a_pool_of_two_keeps_a_ready_standby_for_back_to_back_restarts(
     first, second = launcher.standby_pids
     assert launcher.standby_pid == first  # the oldest ready one goes first
     launcher.restart()
-    assert source(launcher) == "ready_standby" and launcher.pid == first
-    # right after that restart the second standby is still ready; its replacement warms
-    assert launcher.standby_pid == second
-    launcher.restart()
+    assert source(launcher) == "ready_standby"
+    assert launcher.ready_info["standby"]["zygote_pid"] == first
+    launcher.restart()  # right after: the same standby, still ready
     assert source(launcher) == "ready_standby" and state_at_start(launcher) == "ready"
-    assert launcher.pid == second
+    assert launcher.ready_info["standby"]["zygote_pid"] == first
+    assert launcher.standby_pids == [first, second]
+
+    os.kill(first, signal.SIGKILL)
+    assert all_gone([first])
+    launcher.restart()  # the other one takes it: no fallback
+    assert source(launcher) == "ready_standby"
+    assert launcher.ready_info["standby"]["zygote_pid"] == second
     stats = launcher.standby_stats
-    assert stats["used_ready"] == 2 and stats["fallbacks"] == 0 and stats["raced"] == 0
-    # the pool refills, one import at a time
+    assert stats["used_ready"] == 3 and stats["fallbacks"] == 0 and stats["raced"] == 0
+    # the pool refills
     assert wait_for(lambda: launcher.standby_status()["ready"] == 2, STANDBY_WAIT_S)
-    assert launcher.standby_stats["spawned"] == 4
+    assert launcher.standby_stats["spawned"] == 3
     pids = [launcher.pid, *launcher.standby_pids]
     launcher.stop()
     assert launcher.standby_pids == [] and sb_state(launcher) == "none"
+    assert all_gone(pids)
+
+
+def test_a_standby_that_is_not_fork_safe_refuses_and_is_replaced(
+    tiny_model_dir: Path,  # noqa: F811
+    launchers: list[EngineLauncher],
+    tmp_path: Path,
+) -> None:
+    """A standby with a second thread refuses the fork (it would inherit that thread's locks
+    half-way): the start falls back to a fresh spawn, counted, and the standby is replaced."""
+    (tmp_path / "standby_thread").write_text("")
+    launcher = slow_launcher(tiny_model_dir, tmp_path)
+    launchers.append(launcher)
+    launcher.start()
+    assert launcher.wait_standby(STANDBY_WAIT_S)
+    refusing = launcher.standby_pid
+    (tmp_path / "standby_thread").unlink()  # its replacement is fork-safe
+    launcher.restart()
+    assert source(launcher) == "fresh_spawn" and state_at_start(launcher) == "ready"
+    assert launcher.client.is_healthy()
+    stats = launcher.standby_stats
+    assert stats["fallbacks"] == 1 and stats["used"] == 0
+    assert "not single-threaded" in str(stats["last_fallback"])
+    assert refusing is not None and all_gone([refusing])
+    assert launcher.wait_standby(STANDBY_WAIT_S) and launcher.standby_pid != refusing
+    launcher.restart()
+    assert source(launcher) == "ready_standby"
+    assert launcher.standby_stats["spawned"] == 2
+    pids = [launcher.pid, *launcher.standby_pids]
+    launcher.stop()
     assert all_gone(pids)
 
 

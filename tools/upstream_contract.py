@@ -1165,6 +1165,22 @@ def extract_sglang(tree: SourceTree) -> JSON:
         SGLANG_TOKENIZER,
         "return not self.is_pause and self.is_healthy()",
     )
+    # Streaming (#17): SSE framing, cumulative events by default, spans on the finished event.
+    facts.contains(
+        tree, "sglang.stream_is_sse_data_events_then_done", SGLANG_HTTP,
+        'yield b"data: [DONE]\\n\\n"',
+    )  # fmt: skip
+    facts.contains(
+        tree, "sglang.stream_events_cumulative_by_default",
+        f"{SGLANG_FIELDS_DIR}/serving.py",
+        "incremental_streaming_output: A[\n        bool,\n"
+        '        "Whether to output as a sequence of disjoint segments.",\n    ] = False',
+    )  # fmt: skip
+    facts.contains(
+        tree, "sglang.stream_weight_version_spans_on_finished_event_only",
+        "sglang/srt/managers/scheduler_components/output_streamer.py",
+        "        else:\n            self.weight_versions.append(None)",
+    )  # fmt: skip
     facts.contains(
         tree,
         "sglang.health_and_ready_skip_auth",
@@ -1541,6 +1557,20 @@ def extract_vllm(tree: SourceTree) -> JSON:
         source="vllm/outputs.py", unknown_keys="n/a",
     )  # fmt: skip
 
+    # Streaming (#17): SSE framing, delta token ids, weight_versions on the final output only.
+    facts.contains(
+        tree, "vllm.stream_is_sse_data_events_then_done",
+        "vllm/entrypoints/openai/completion/serving.py", 'yield "data: [DONE]\\n\\n"',
+    )  # fmt: skip
+    facts.contains(
+        tree, "vllm.stream_token_ids_are_deltas", VLLM_COMPLETION_PROTOCOL,
+        "output_kind=RequestOutputKind.DELTA",
+    )  # fmt: skip
+    facts.contains(
+        tree, "vllm.stream_weight_versions_on_final_output_only",
+        "vllm/v1/engine/output_processor.py",
+        "weight_versions=self._weight_version_spans() if finished else None",
+    )  # fmt: skip
     # Pause semantics.
     facts.contains(
         tree, "vllm.paused_engine_rejects_new_requests", VLLM_CORE, 'code="engine_paused"'

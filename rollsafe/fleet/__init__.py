@@ -39,6 +39,7 @@ from rollsafe.fleet.health import (
     ProbeResult,
     client_health_probe,
 )
+from rollsafe.fleet.provenance import Segment, off_policy, versions_used
 from rollsafe.fleet.recovery import (
     RecoveryClosed,
     RecoveryCoordinator,
@@ -62,8 +63,10 @@ from rollsafe.fleet.registry import (
     UnknownGroup,
     WorkerGroup,
 )
+from rollsafe.fleet.request_health import RequestHealth
 from rollsafe.fleet.router import (
     DEFAULT_MAX_ERROR_CHARS,
+    ContinuationFailed,
     NoRoutableGroup,
     RequestFailed,
     RoutedResult,
@@ -85,6 +88,7 @@ __all__ = [
     "DEFAULT_MAX_ERROR_CHARS",
     "DEFAULT_PROBE_STATES",
     "LISTENER_HOOKS",
+    "ContinuationFailed",
     "DuplicateGroup",
     "ExportJudgement",
     "FleetConfig",
@@ -114,11 +118,13 @@ __all__ = [
     "RecoveryStep",
     "RecoveryStrategy",
     "RequestFailed",
+    "RequestHealth",
     "RestartableEngine",
     "RolloutFleet",
     "RoutedResult",
     "Router",
     "RouterError",
+    "Segment",
     "StepTimeout",
     "SyncCoordinator",
     "SyncError",
@@ -129,5 +135,7 @@ __all__ = [
     "client_health_probe",
     "default_target",
     "is_retryable",
+    "off_policy",
     "shared_transport_lock",
+    "versions_used",
 ]

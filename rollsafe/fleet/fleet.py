@@ -36,8 +36,10 @@ from typing import TYPE_CHECKING, Any
 from rollsafe.fleet import policy
 from rollsafe.fleet.health import HealthManager
 from rollsafe.fleet.invariants import ExportPicture, FleetPicture, GroupPicture, MemberPicture
+from rollsafe.fleet.partial_rollouts import SYNC_PAUSE_MODES, SyncPauseMode, paused_generation
 from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
 from rollsafe.fleet.registry import FleetError, FleetRegistry
+from rollsafe.fleet.request_health import RequestHealth
 from rollsafe.fleet.router import RoutedResult, Router
 from rollsafe.fleet.settings import (
     FleetConfigError,
@@ -382,7 +384,9 @@ class RolloutFleet:
         # record() and the timeline picture; a registry listener and the router's error hook
         self.observer = FleetObserver(self.registry)
         self.registry.add_listener(self.observer)
-        self.router.on_group_error = self.observer.request_failed
+        self.router.on_group_error = self._request_failed
+        #: request-failure detection (#17), counted apart from probes; built by start()
+        self.request_health: RequestHealth | None = None
         self.metrics: FleetMetrics | None = None
         if (metrics is not None and metrics is not False) or metrics_port is not None:
             from rollsafe.observe.metrics import FleetMetrics
@@ -524,6 +528,14 @@ class RolloutFleet:
         self.health = HealthManager(
             self.registry, settings=cfg.health, on_group_failed=recovery.on_group_failed
         )
+        health = self.health
+        self.request_health = RequestHealth(
+            self.registry,
+            failure_threshold=cfg.health.failure_threshold,
+            on_group_failed=lambda gid, reason: recovery.submit(gid, reason=reason),
+            paused=lambda: health.paused,
+        )
+        self.router.on_group_ok = self.request_health.ok
         self.sync = SyncCoordinator(
             self.registry,
             transport,
@@ -639,11 +651,24 @@ class RolloutFleet:
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         version: int,
+        *,
+        pause_mode: SyncPauseMode | None = None,
     ) -> SyncReport:
-        """Push ``version`` to every active and pending group, then export it asynchronously."""
+        """Push ``version`` to every active and pending group, then export it asynchronously.
+
+        ``pause_mode`` (``"retract"`` or ``"abort"``): pause generation around the push and
+        continue the paused requests from their tokens so far on the new weights, their
+        segments tagged with each version (:mod:`rollsafe.fleet.partial_rollouts`); None
+        (default): requests keep running while the weights change, as before."""
         self._require_started()
         assert self.sync is not None
-        report = self.sync.sync(named_tensors, version)
+        if pause_mode is None:
+            report = self.sync.sync(named_tensors, version)
+        else:
+            if pause_mode not in SYNC_PAUSE_MODES:
+                raise ValueError(f"pause_mode must be in {SYNC_PAUSE_MODES}, not {pause_mode!r}")
+            bracket = paused_generation(self.registry, self.router, pause_mode)
+            report = self.sync.sync(named_tensors, version, around_update=bracket)
         self._harvest_exports()
         return report
 
@@ -693,6 +718,12 @@ class RolloutFleet:
             except Exception:
                 out[group.group_id] = None
         return out
+
+    def _request_failed(self, group_id: str, exc: BaseException | None = None) -> None:
+        """The router's error hook: the observer's episodes, then request health."""
+        self.observer.request_failed(group_id, exc)
+        if self.request_health is not None:
+            self.request_health.failed(group_id, exc)
 
     # ------------------------------------------------------------------ inspection
     def _harvest_exports(self) -> None:
@@ -813,4 +844,7 @@ class RolloutFleet:
             "recoveries": [r.as_dict() for r in self.recoveries()],
             "router": self.router.stats(),
             "health": self.health.stats() if self.health is not None else None,
+            "request_health": (
+                self.request_health.stats() if self.request_health is not None else None
+            ),
         }

@@ -59,6 +59,7 @@ __all__ = [
     "gate_recovery",
     "judge_export",
     "judge_probe",
+    "judge_request_failures",
     "launch_events",
     "plan_push",
     "plan_retention",
@@ -150,6 +151,13 @@ def judge_probe(
     return ProbeVerdict(
         {}, report_healthy, tuple(at_threshold), (GroupEvent.FAIL,), Handoff.ENQUEUE
     )
+
+
+@sends("RequestHealth", "rollsafe/fleet/request_health.py", WorkerGroupLifecycle=(GroupEvent.FAIL,))
+def judge_request_failures(consecutive: int, threshold: int) -> tuple[GroupEvent, ...]:
+    """``consecutive`` requests in a row failed on one incarnation of an active group: at
+    ``threshold`` the whole group is sent ``fail`` (and handed to recovery, off this thread)."""
+    return (GroupEvent.FAIL,) if consecutive >= threshold else ()
 
 
 # ====================================================================== recovery

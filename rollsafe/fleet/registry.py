@@ -37,6 +37,7 @@ from typing import Any
 
 from rollsafe.adapters.engines.client import EngineClient
 from rollsafe.adapters.engines.errors import bound_text
+from rollsafe.errors import RollsafeError
 from rollsafe.statemachines.events import GroupEvent, event_name
 from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
 
@@ -72,7 +73,7 @@ LISTENER_HOOKS = (
 SNAPSHOT_TRANSITIONS = 8
 
 
-class FleetError(Exception):
+class FleetError(RollsafeError):
     """Base class of the fleet control plane's errors."""
 
 

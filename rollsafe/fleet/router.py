@@ -9,6 +9,10 @@ Owns the request path of the fleet:
 * sticky sessions: a session id keeps going to the group that served it while that group stays
   routable; when the group leaves routing (a registry listener) or fails a request, its
   sessions are unpinned and move to another group on their next request;
+* streaming and continuation: a token-id request on streaming clients is streamed and, when
+  its group fails or a sync aborts it, continued elsewhere from its tokens so far
+  (:mod:`rollsafe.fleet.continuation`); its result carries ``segments`` (provenance,
+  :mod:`rollsafe.fleet.provenance`). Text prompts keep the path below;
 * failures: retryable ones (:class:`EngineUnavailable`, :class:`EngineTimeout`, and 5xx
   answers) are retried on ANOTHER routable group, at most ``max_attempts`` tries in all; final
   ones (4xx :class:`EngineRequestError`) are not retried. The error text a caller gets is
@@ -34,6 +38,7 @@ from rollsafe.adapters.engines.errors import (
     EngineUnavailable,
     bound_text,
 )
+from rollsafe.fleet.provenance import Segment, off_policy, versions_used
 from rollsafe.fleet.registry import (
     FleetError,
     FleetListener,
@@ -44,6 +49,7 @@ from rollsafe.fleet.registry import (
 
 __all__ = [
     "DEFAULT_MAX_ERROR_CHARS",
+    "ContinuationFailed",
     "NoRoutableGroup",
     "RequestFailed",
     "RoutedResult",
@@ -96,13 +102,53 @@ class RequestFailed(RouterError):
         return tuple(g for g, _ in self.attempts)
 
 
+class ContinuationFailed(RequestFailed):
+    """A streamed request gave up (bounded tries spent, no group left, or a final error):
+    ``segments`` lists what each try generated, ``output_ids`` the tokens received before it
+    gave up (:mod:`rollsafe.fleet.continuation`)."""
+
+    def __init__(
+        self,
+        message: str,
+        attempts: Sequence[tuple[str, str]],
+        *,
+        retryable: bool,
+        segments: Sequence[Segment] = (),
+        output_ids: Sequence[int] = (),
+    ) -> None:
+        super().__init__(message, attempts, retryable=retryable)
+        self.segments = tuple(segments)
+        self.output_ids = tuple(output_ids)
+
+
 @dataclass(frozen=True)
 class RoutedResult:
-    """A completion and where it came from."""
+    """A completion and where it came from: ``group_id`` served its last token; ``segments``
+    (:class:`~rollsafe.fleet.provenance.Segment`) say which group and weights version produced
+    each token range (one segment unless the request was continued after a failure or across
+    a weight sync; empty for a text prompt served without streaming)."""
 
     result: GenerateResult
     group_id: str
     attempts: int
+    segments: tuple[Segment, ...] = ()
+
+    @property
+    def weights_versions(self) -> tuple[str | None, ...]:
+        """The weights versions that produced this result's tokens, oldest first."""
+        if not self.segments:
+            return (self.result.weight_version,)
+        return versions_used(self.segments)
+
+    @property
+    def off_policy(self) -> int | None:
+        """Newest minus oldest weights version used (0: one version; None: not numbers)."""
+        return off_policy(self.segments)
+
+    @property
+    def continued(self) -> bool:
+        """Whether more than one try produced this result's tokens."""
+        return len({s.attempt for s in self.segments}) > 1
 
     @property
     def text(self) -> str:
@@ -153,6 +199,8 @@ class Router(FleetListener):
         wait_for_routable_s: float = 0.0,
         request_timeout_s: float | None = None,
         on_group_error: Callable[[str, EngineError], None] | None = None,
+        continue_on_failure: bool = True,
+        max_aborts: int = 8,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -169,6 +217,24 @@ class Router(FleetListener):
         self.wait_for_routable_s = wait_for_routable_s
         self.request_timeout_s = request_timeout_s
         self.on_group_error = on_group_error
+        #: called with a group id after a request succeeded on it (request-failure health)
+        self.on_group_ok: Callable[[str], None] | None = None
+        #: stream token-id prompts and continue them on another group when theirs fails
+        #: (:mod:`rollsafe.fleet.continuation`); False: retry from scratch, as before
+        self.continue_on_failure = continue_on_failure
+        #: called on the request's thread after each streamed event with (group id, tokens of
+        #: the request so far); keep it quick (tests and benchmarks hook crashes in here)
+        self.on_progress: Callable[[str, int], None] | None = None
+        self.max_aborts = max_aborts
+        #: False: a streamed request whose group failed starts over on another group, its
+        #: tokens counted as regenerated (the behaviour before #17; benchmarks compare both)
+        self.keep_tokens = True
+        #: set unless a sync holds continuations (:meth:`hold`): aborted requests wait on it
+        self._released = threading.Event()
+        self._released.set()
+        from rollsafe.fleet.continuation import ContinuationStats
+
+        self.continuation = ContinuationStats()
         self._lock = threading.Lock()
         self._routable_changed = threading.Condition(self._lock)
         self._sessions: OrderedDict[str, str] = OrderedDict()
@@ -247,9 +313,7 @@ class Router(FleetListener):
             self._sessions_moved += len(sessions)
 
     # ------------------------------------------------------------------ choice
-    def acquire(
-        self, session_id: str | None = None, exclude: Iterable[str] = ()
-    ) -> WorkerGroup:
+    def acquire(self, session_id: str | None = None, exclude: Iterable[str] = ()) -> WorkerGroup:
         """Admit one request on a routable group and return it; the caller must call
         ``group.end_request(...)`` when done. Raises :class:`NoRoutableGroup`."""
         excluded = frozenset(exclude)
@@ -303,6 +367,14 @@ class Router(FleetListener):
         Non-engine errors (a bad argument) propagate unchanged.
         """
         call_timeout = self.request_timeout_s if timeout is None else timeout
+        streamed = self.continue_on_failure and input_ids is not None and text is None
+        if streamed and input_ids is not None and self._all_stream():
+            from rollsafe.fleet.continuation import generate_continued
+
+            return generate_continued(
+                self, input_ids, sampling_params=sampling_params, session_id=session_id,
+                timeout=call_timeout, max_aborts=self.max_aborts,
+            )  # fmt: skip
         tried: list[str] = []
         attempts: list[tuple[str, str]] = []
         notes: list[str] = []
@@ -330,32 +402,72 @@ class Router(FleetListener):
                 attempts.append((group.group_id, type(exc).__name__))
                 notes.append(f"{group.group_id}: {type(exc).__name__}: {exc}")
                 last_exc = exc
-                with self._lock:
-                    self._failures += 1
+                self._request_failed(group.group_id, exc, notify=retryable)
                 if not retryable:
                     raise self._failed(attempts, notes, retryable=False) from exc
                 if session_id is not None and self.session_group(session_id) == group.group_id:
                     self.end_session(session_id)
-                if self.on_group_error is not None:
-                    try:
-                        self.on_group_error(group.group_id, exc)
-                    except Exception:
-                        log.exception("router on_group_error hook raised; continuing")
                 if attempt < self.max_attempts:
-                    with self._lock:
-                        self._retries += 1
+                    self._count_retry()
                 continue
             except BaseException:
                 group.end_request(ok=False, error="request interrupted")
                 raise
             group.end_request(ok=True)
+            self._request_ok(group.group_id)
             if session_id is not None:
                 self._pin(session_id, group.group_id)
-            with self._lock:
-                self._served[group.group_id] += 1
+            self._count_served(group.group_id)
             return RoutedResult(result, group.group_id, attempt)
         assert last_exc is not None
         raise self._failed(attempts, notes, retryable=True) from last_exc
+
+    # ------------------------------------------------------------------ partial rollouts
+    def hold(self) -> None:
+        """Hold continuations of aborted requests until :meth:`release` (a sync that pauses
+        generation in ``abort`` mode holds them while it pushes the new weights)."""
+        self._released.clear()
+
+    def release(self) -> None:
+        """Let held continuations go (to the groups' new weights)."""
+        self._released.set()
+
+    def wait_released(self, timeout: float | None = None) -> bool:
+        """Block while continuations are held; return False if still held after ``timeout``."""
+        return self._released.wait(timeout)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _all_stream(self) -> bool:
+        from rollsafe.fleet.continuation import StreamingClient
+
+        clients = [g.client for g in self.registry.groups()]
+        return bool(clients) and all(isinstance(c, StreamingClient) for c in clients)
+
+    def _request_failed(self, group_id: str, exc: EngineError, *, notify: bool = True) -> None:
+        """A request failed on ``group_id``: count it; tell the hook when ``notify`` (a
+        retryable failure: the group's fault, not the request's)."""
+        with self._lock:
+            self._failures += 1
+        if notify and self.on_group_error is not None:
+            try:
+                self.on_group_error(group_id, exc)
+            except Exception:
+                log.exception("router on_group_error hook raised; continuing")
+
+    def _request_ok(self, group_id: str) -> None:
+        if self.on_group_ok is not None:
+            try:
+                self.on_group_ok(group_id)
+            except Exception:
+                log.exception("router on_group_ok hook raised; continuing")
+
+    def _count_retry(self) -> None:
+        with self._lock:
+            self._retries += 1
+
+    def _count_served(self, group_id: str) -> None:
+        with self._lock:
+            self._served[group_id] += 1
 
     def _failed(
         self, attempts: Sequence[tuple[str, str]], notes: Sequence[str], *, retryable: bool
@@ -378,4 +490,5 @@ class Router(FleetListener):
                 "retries": self._retries,
                 "sessions": len(self._sessions),
                 "sessions_moved": self._sessions_moved,
+                "continuation": self.continuation.as_dict(),
             }

@@ -30,6 +30,7 @@ Importing this module does not import torch (the transports are imported when fi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -288,8 +289,13 @@ class SyncCoordinator:
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         version: int,
+        *,
+        around_update: contextlib.AbstractContextManager[object] | None = None,
     ) -> SyncReport:
         """Sync ``version`` of ``named_tensors`` to the fleet; return what happened.
+
+        ``around_update`` is entered once health checks are paused and left before they resume
+        (:func:`rollsafe.fleet.partial_rollouts.paused_generation` pauses generation there).
 
         Raises :class:`SyncVersionError` (nothing changes) if ``version`` is not newer than the
         fleet's. Every other failure is reported in the returned :class:`SyncReport`: ``ok`` is
@@ -311,7 +317,7 @@ class SyncCoordinator:
             )  # fmt: skip
             t_all = time.perf_counter()
             try:
-                self._sync(weights, version, report)
+                self._sync(weights, version, report, around_update)
             finally:
                 report.timings["total_s"] = time.perf_counter() - t_all
                 report.mode_state = self.mode.state if self.mode is not None else None
@@ -330,8 +336,10 @@ class SyncCoordinator:
         weights: Mapping[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
         version: int,
         report: SyncReport,
+        around_update: contextlib.AbstractContextManager[object] | None = None,
     ) -> None:
         timings = report.timings
+        bracket = contextlib.ExitStack()  # around_update (#17), inside the health pause
         t = time.perf_counter()
         self._judge_previous_export(version, report)
         timings["judge_export_s"] = time.perf_counter() - t
@@ -369,6 +377,8 @@ class SyncCoordinator:
                 if self.health is not None:
                     self.health.pause()
                     paused = True
+                if around_update is not None:
+                    bracket.enter_context(around_update)
                 if not (
                     self._hook("offload_trainer", self.offload_trainer, report)
                     and self._hook("onload_engines", self.onload_engines, report)
@@ -395,6 +405,7 @@ class SyncCoordinator:
                 report.ok = True
             trainer_back = self._hook("onload_trainer", self.onload_trainer, report)
         finally:
+            bracket.close()
             if paused and self.health is not None:
                 self.health.resume()
         if not trainer_back:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollsafe.errors import RollsafeError
+
 __all__ = [
     "DuplicateTensorName",
     "EmptyExport",
@@ -36,7 +38,7 @@ def display_path(path: str | Path) -> str:
     return p.name or str(p)
 
 
-class HFExportError(Exception):
+class HFExportError(RollsafeError):
     """Base class of every error raised by ``rollsafe.hf``."""
 
 

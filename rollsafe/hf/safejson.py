@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from rollsafe.errors import RollsafeError
+
 __all__ = ["MAX_INT_DIGITS", "MAX_JSON_DEPTH", "BadJSON", "json_depth_exceeds", "loads_bounded"]
 
 #: Default nesting limit of every JSON file read from an export (headers need 3, configs ~6).
@@ -31,7 +33,7 @@ _STEPS[[ord("["), ord("{")]] = 1
 _STEPS[[ord("]"), ord("}")]] = -1
 
 
-class BadJSON(ValueError):
+class BadJSON(RollsafeError, ValueError):
     """The bytes are not bounded, finite, strict JSON; the message says what and where."""
 
 

@@ -28,7 +28,7 @@ import hashlib
 import os
 import re
 import stat
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +37,10 @@ from typing import Any, TypeGuard
 from rollsafe.hf.errors import ExportInputError, ExportVerificationError, display_path
 from rollsafe.hf.layout import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME, SINGLE_FILE_NAME
 from rollsafe.hf.safejson import MAX_JSON_DEPTH, BadJSON, loads_bounded
+from rollsafe.text import few as _few
+from rollsafe.text import short_repr as _short
+from rollsafe.wire.hf_index import safe_file_name as _safe_name
+from rollsafe.wire.hf_index import weight_map_problems
 
 __all__ = [
     "CONFIG_NAME",
@@ -65,41 +69,15 @@ _ITEM_SIZES = {
 }  # fmt: skip
 _MAX_HEADER = MAX_HEADER_BYTES  # kept for callers of the old private name
 _READ_BYTES = 16 << 20
-_KEYS_SHOWN = 12
 _ENTRIES_SHOWN = 8
-_SHOWN_CHARS = 80
 _MAX_NDIM = 64
 _MAX_INT64 = (1 << 63) - 1
-_NAME_MAX_BYTES = 255
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _FD_DIR = "/proc/self/fd"
 
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-
-
-def _short(value: Any) -> str:
-    """``repr`` of a (possibly hostile, huge) value, cut to a readable length."""
-    try:
-        text = repr(value) if not isinstance(value, (dict, list)) else _shape_of(value)
-    except Exception:  # a repr that fails (never for JSON values, but be safe)
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
-
-
-def _shape_of(value: dict[Any, Any] | list[Any]) -> str:
-    if isinstance(value, dict):
-        return f"<object of {len(value)} field(s)>"
-    items = ", ".join(repr(v) if not isinstance(v, (dict, list)) else "..." for v in value[:8])
-    return f"[{items}{', ...' if len(value) > 8 else ''}]"
-
-
-def _few(keys: Iterable[str]) -> str:
-    items = sorted(keys)
-    shown = ", ".join(_short(k) for k in items[:_KEYS_SHOWN])
-    more = len(items) - _KEYS_SHOWN
-    return f"[{shown}{f', ... +{more} more' if more > 0 else ''}]"
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
@@ -269,18 +247,6 @@ class _Refused(Exception):
 def _reason(exc: OSError) -> str:
     """An OSError's reason without its file name (which would carry a host path)."""
     return exc.strerror or type(exc).__name__
-
-
-def _safe_name(name: Any) -> bool:
-    """A plain file name directly inside the directory (no separators, NUL, controls, dots)."""
-    if not isinstance(name, str) or name in ("", ".", ".."):
-        return False
-    if any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name):
-        return False
-    try:
-        return len(name.encode("utf-8")) <= _NAME_MAX_BYTES
-    except UnicodeEncodeError:  # lone surrogates from a JSON \\ud800 escape
-        return False
 
 
 def _open_dir(root: Path, allow_symlinks: bool, problems: list[str]) -> int | None:
@@ -616,48 +582,11 @@ def _manifest_fields(
 
 
 def _index_weight_map(index: Any, problems: list[str]) -> dict[str, str] | None:
-    """The index's well-formed weight map, problems naming every malformed field."""
-    i = INDEX_NAME
-    if not isinstance(index, dict):
-        problems.append(f"index {i} is not a JSON object")
-        return None
-    wm = index.get("weight_map")
-    if not isinstance(wm, dict):
-        problems.append(f"index {i} has no 'weight_map' mapping")
-        return None
-    meta = index.get("metadata")
-    if meta is not None and not isinstance(meta, dict):
-        problems.append(f"index {i}: field 'metadata' is {_short(meta)}, not an object")
-    elif isinstance(meta, dict) and "total_size" in meta:
-        total = meta["total_size"]
-        if not (_is_int(total) and 0 <= total <= _MAX_INT64):
-            problems.append(
-                f"index {i}: field 'metadata.total_size' {_short(total)} is not an int >= 0"
-            )
-    if not wm:
-        problems.append(
-            f"index {i}: field 'weight_map' is empty (an export holds at least one tensor)"
-        )
-        return None
-    not_names = sorted(k for k, v in wm.items() if not isinstance(v, str))
-    if not_names:
-        problems.append(
-            f"index {i}: field 'weight_map' maps {len(not_names)} key(s) to values that are not "
-            f"file names: {_few(not_names)}"
-        )
-    unsafe = sorted({v for v in wm.values() if isinstance(v, str) and not _safe_name(v)})
-    if unsafe:
-        problems.append(
-            f"index {i}: field 'weight_map' maps keys to file names outside the directory: "
-            f"{_few(unsafe)}"
-        )
-    not_st = sorted({v for v in wm.values() if _safe_name(v) and not v.endswith(".safetensors")})
-    if not_st:
-        problems.append(
-            f"index {i}: field 'weight_map' maps keys to files that are not .safetensors: "
-            f"{_few(not_st)}"
-        )
-    return {k: v for k, v in wm.items() if _safe_name(v) and v.endswith(".safetensors")}
+    """The index's well-formed weight map, problems naming every malformed field
+    (:func:`rollsafe.wire.hf_index.weight_map_problems`)."""
+    wm, found = weight_map_problems(index, where=INDEX_NAME)
+    problems.extend(found)
+    return wm
 
 
 def _expected_set(expected_keys: Collection[str] | None) -> set[str] | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollsafe.errors import RollsafeError
 from rollsafe.hf.layout import MANIFEST_FORMAT, ShardPlan, safetensors_header
 
 __all__ = [
@@ -39,7 +40,7 @@ CHUNK_BYTES = 32 << 20
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
-class WriteAborted(Exception):
+class WriteAborted(RollsafeError):
     """Raised inside the writer when the export was abandoned; unwinds to the exporter."""
 
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollsafe.errors import RollsafeError
+
 if TYPE_CHECKING:
     from rollsafe.fleet.fleet import RolloutFleet
 
@@ -64,7 +66,7 @@ _KNOWN_KINDS = (
 )
 
 
-class RunFileError(ValueError):
+class RunFileError(RollsafeError, ValueError):
     """A recorded-run file is missing, truncated or malformed; ``path`` and ``line`` name where."""
 
     def __init__(self, path: Path | str, message: str, line: int | None = None) -> None:

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 from statemachine import StateMachine
 from statemachine.exceptions import TransitionNotAllowed
 
+from rollsafe.errors import RollsafeError
 from rollsafe.statemachines.events import AnyEvent, event_name
 
 __all__ = [
@@ -101,7 +102,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class GuardInputMissing(ValueError):
+class GuardInputMissing(RollsafeError, ValueError):
     """Raised by a validator when an input an event needs (``current_version=``...) is absent.
 
     The machine turns it into :class:`MissingGuardInput`, a refusal; ``can()`` answers False and
@@ -109,7 +110,7 @@ class GuardInputMissing(ValueError):
     """
 
 
-class TransitionRefused(TransitionNotAllowed):
+class TransitionRefused(RollsafeError, TransitionNotAllowed):
     """An event was refused: not allowed in this state, or blocked by a guard. Nothing changed.
 
     ``reasons`` lists, per candidate transition, which named guard failed and what it saw; it is

@@ -15,6 +15,7 @@ from typing import Any
 
 from statemachine import State
 
+from rollsafe.errors import RollsafeError
 from rollsafe.statemachines.base import GuardedMachine, GuardInputMissing
 
 __all__ = ["ExportLease", "ExportLifecycle", "LeaseError"]
@@ -22,7 +23,7 @@ __all__ = ["ExportLease", "ExportLifecycle", "LeaseError"]
 _lease_ids = itertools.count(1)
 
 
-class LeaseError(RuntimeError):
+class LeaseError(RollsafeError, RuntimeError):
     """A lease was asked for outside ``ready``, or an unknown lease was released."""
 
 

@@ -15,31 +15,73 @@ per-target :class:`UpdateReport`) and drives a
 * :class:`DiskTransport` -- engines load a verified HF export (``/update_weights_from_disk``)
   while the transport holds a lease on it.
 
-Importing this package imports torch.
+Importing this package is light: every name below is imported on first use (PEP 562), so
+code that only decodes a bucket (:mod:`rollsafe.wire`) never loads the transports. The
+transports themselves import torch.
 """
 
-from rollsafe.transports.base import (
-    EngineTarget,
-    NamedTensors,
-    RegisterError,
-    StagedTransport,
-    StaleRegistration,
-    TargetResult,
-    TransportError,
-    UpdateReport,
-    WeightTransport,
-    named_tensor_list,
-)
-from rollsafe.transports.bucket import DEFAULT_BUCKET_BYTES, BucketFormatError, FlatBucket
-from rollsafe.transports.checkpoint_engine import (
-    CheckpointEngineFleetTransport,
-    CheckpointEngineTransport,
-    P2PUnavailable,
-)
-from rollsafe.transports.disk import DiskTransport
-from rollsafe.transports.ipc import DEFAULT_IPC_BUCKET_BYTES, IPCTransport
-from rollsafe.transports.nccl import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
-from rollsafe.transports.pipeline import BucketPlan, BucketStream, plan_buckets
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rollsafe.lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from rollsafe.transports.base import (
+        EngineTarget,
+        NamedTensors,
+        RegisterError,
+        StagedTransport,
+        StaleRegistration,
+        TargetResult,
+        TransportError,
+        UpdateReport,
+        WeightTransport,
+        named_tensor_list,
+    )
+    from rollsafe.transports.checkpoint_engine import (
+        CheckpointEngineFleetTransport,
+        CheckpointEngineTransport,
+        P2PUnavailable,
+    )
+    from rollsafe.transports.disk import DiskTransport
+    from rollsafe.transports.ipc import DEFAULT_IPC_BUCKET_BYTES, IPCTransport
+    from rollsafe.transports.nccl import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
+    from rollsafe.transports.pipeline import BucketPlan, BucketStream, plan_buckets
+    from rollsafe.wire.bucket import DEFAULT_BUCKET_BYTES, BucketFormatError, FlatBucket
+
+#: public name -> module that defines it (imported on first attribute access)
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "EngineTarget",
+            "NamedTensors",
+            "RegisterError",
+            "StagedTransport",
+            "StaleRegistration",
+            "TargetResult",
+            "TransportError",
+            "UpdateReport",
+            "WeightTransport",
+            "named_tensor_list",
+        ),
+        "rollsafe.transports.base",
+    ),
+    **dict.fromkeys(
+        ("DEFAULT_BUCKET_BYTES", "BucketFormatError", "FlatBucket"), "rollsafe.wire.bucket"
+    ),
+    **dict.fromkeys(
+        ("CheckpointEngineFleetTransport", "CheckpointEngineTransport", "P2PUnavailable"),
+        "rollsafe.transports.checkpoint_engine",
+    ),
+    "DiskTransport": "rollsafe.transports.disk",
+    "DEFAULT_IPC_BUCKET_BYTES": "rollsafe.transports.ipc",
+    "IPCTransport": "rollsafe.transports.ipc",
+    "DEFAULT_NCCL_BUCKET_BYTES": "rollsafe.transports.nccl",
+    "NCCLTransport": "rollsafe.transports.nccl",
+    **dict.fromkeys(("BucketPlan", "BucketStream", "plan_buckets"), "rollsafe.transports.pipeline"),
+}
+
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -67,3 +109,5 @@ __all__ = [
     "named_tensor_list",
     "plan_buckets",
 ]
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, public=__all__)

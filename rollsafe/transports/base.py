@@ -17,15 +17,23 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
+# the contract types cross layers (the fleet holds them, every transport implements them): they
+# live in the torch- and httpx-free rollsafe.ports; every name stays importable from here
+from rollsafe.errors import RollsafeError
+from rollsafe.ports import (
+    EngineTarget,
+    NamedTensors,
+    TargetResult,
+    UpdateReport,
+    WeightTransport,
+)
 from rollsafe.statemachines import CheckpointRegistration
+from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
     import torch
-
-    from rollsafe.adapters.engines.client import EngineClient
 
 __all__ = [
     "EngineTarget",
@@ -39,92 +47,15 @@ __all__ = [
     "named_tensor_list",
 ]
 
-NamedTensors = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
-
 _MAX_REASON = 2048
 
 
-class TransportError(RuntimeError):
+class TransportError(RollsafeError, RuntimeError):
     """A transport could not do what was asked (the message names the target/key/rank)."""
 
 
 class RegisterError(TransportError):
     """Staging a version failed; nothing was published."""
-
-
-@dataclass(frozen=True)
-class EngineTarget:
-    """One engine group a transport pushes to.
-
-    ``ranks`` are the group's ranks in the transport's target rank space (the fleet's global
-    engine-rank numbering; for checkpoint-engine, the parameter-server ranks), used for the
-    registration guard; ``client`` talks to the group's rank-0 HTTP server; ``tp_size`` is the
-    number of engine processes (one serialized entry each for ``/update_weights_from_tensor``).
-    """
-
-    name: str
-    ranks: tuple[int, ...]
-    client: EngineClient
-    tp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if not self.ranks:
-            raise ValueError(f"EngineTarget {self.name!r} has no ranks")
-        if self.tp_size < 1:
-            raise ValueError(f"EngineTarget {self.name!r}: tp_size must be >= 1")
-
-
-@dataclass(frozen=True)
-class TargetResult:
-    """Outcome of pushing one version to one target."""
-
-    target: str
-    ok: bool
-    reason: str = ""
-    seconds: float = 0.0
-    nbytes: int = 0
-
-
-@dataclass
-class UpdateReport:
-    """Per-target outcomes of one ``update``."""
-
-    name: str
-    version: int
-    results: dict[str, TargetResult] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.results) and all(r.ok for r in self.results.values())
-
-    @property
-    def failed(self) -> list[str]:
-        return sorted(name for name, r in self.results.items() if not r.ok)
-
-    @property
-    def succeeded(self) -> list[str]:
-        return sorted(name for name, r in self.results.items() if r.ok)
-
-
-@runtime_checkable
-class WeightTransport(Protocol):
-    """What the fleet needs from any transport."""
-
-    name: str
-    registration: CheckpointRegistration
-
-    def register(self, weights: NamedTensors, version: int) -> None:
-        """Stage ``weights`` as ``version``; raise :class:`RegisterError` (nothing published)."""
-        ...
-
-    def update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
-        """Push the registered version; one target failing is reported, not raised."""
-        ...
-
-    def close(self) -> None:
-        """Release staged memory, process groups and sockets."""
-        ...
 
 
 def named_tensor_list(weights: NamedTensors) -> list[tuple[str, torch.Tensor]]:
@@ -323,4 +254,4 @@ def _version_of(t: torch.Tensor) -> int | None:
 
 
 def _bounded(text: str) -> str:
-    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+    return bound_text(text, _MAX_REASON)

@@ -27,7 +27,6 @@ the version it names -- the manifest checksums guarantee the files are the ones 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollsafe.statemachines import ExportLease, ExportLifecycle
 from rollsafe.transports.base import EngineTarget, RegisterError, StagedTransport, TransportError
+from rollsafe.wire.hf_index import HFIndexError, read_hf_index
 
 if TYPE_CHECKING:
     import torch
@@ -231,19 +231,10 @@ class DiskTransport(StagedTransport):
 
 def _export_keys(path: Path) -> list[str]:
     """Tensor names of an HF directory, from its index (or the single file's header)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return sorted(json.loads(index.read_text())["weight_map"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise RegisterError(f"{index}: unreadable index: {exc}") from exc
-    single = path / "model.safetensors"
-    if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt", device="cpu") as f:
-            return sorted(f.keys())
-    raise RegisterError(f"{path} has neither model.safetensors nor an index")
+    try:
+        return read_hf_index(path).keys
+    except HFIndexError as exc:
+        raise RegisterError(str(exc)) from exc
 
 
 def _weight_bytes(path: Path) -> int:

@@ -34,7 +34,6 @@ from typing import Any, cast
 import torch
 
 from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
-from rollsafe.transports.bucket import FlatBucket, serialize_bucket
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -43,6 +42,7 @@ from rollsafe.transports.pipeline import (
     direct_view,
     plan_buckets,
 )
+from rollsafe.wire.bucket import FlatBucket, serialize_bucket
 
 __all__ = ["DEFAULT_IPC_BUCKET_BYTES", "IPCTransport"]
 

@@ -9,7 +9,7 @@ its own process group** (trainer rank 0 plus the target's ``tp_size`` engine ran
 1. unless a group is kept for the target from an earlier update (``keep_groups``, the default,
    as slime and verl keep theirs: NCCL communicator set-up costs far more than a small update),
    ``/init_weights_update_group`` is sent while the trainer joins the group
-   (:func:`rollsafe.adapters.reference_engine.collective.open_weight_update_group`, rank 0,
+   (:func:`rollsafe.wire.group.open_weight_update_group`, rank 0,
    store master); both must finish within ``group_timeout``. A kept group is dropped when the
    target's engine address or rank layout changed; one whose engine lost it (a restart on the
    same address) fails on its first bucket, before anything was applied, and is re-formed once;
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -54,12 +53,9 @@ from typing import Any
 
 import torch
 
-from rollsafe.adapters.reference_engine.collective import (
-    WeightUpdateGroup,
-    open_weight_update_group,
-)
+from rollsafe.concurrency import DaemonCall, Outcome, start_daemon
+from rollsafe.net import free_port
 from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
-from rollsafe.transports.bucket import FlatBucket, packed_chunks
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -69,6 +65,8 @@ from rollsafe.transports.pipeline import (
     plan_buckets,
     split_unpacked,
 )
+from rollsafe.wire.bucket import FlatBucket, packed_chunks
+from rollsafe.wire.group import WeightUpdateGroup, open_weight_update_group
 
 __all__ = ["DEFAULT_NCCL_BUCKET_BYTES", "NCCLTransport"]
 
@@ -94,12 +92,6 @@ DEFAULT_UNPACKED_MIN_BYTES: dict[str, int] = {"gloo": 64 << 20, "nccl": 0}
 HTTP_MARGIN_S = 30.0
 #: Seconds the engine gets to leave a group after an update (best effort).
 DESTROY_TIMEOUT_S = 10.0
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host not in ("localhost", "") else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class NCCLTransport(StagedTransport):
@@ -308,7 +300,7 @@ class NCCLTransport(StagedTransport):
         SGLang: a packed bucket is one uint8 buffer (``flattened_bucket``: its bytes, no copy);
         an unpacked one is one broadcast per tensor. vLLM (packed, fixed at init): the call's
         tensors cut into uint8 chunks by vLLM's packed rule
-        (:func:`~rollsafe.transports.bucket.packed_chunks` with ``bucket_bytes``); a chunk of a
+        (:func:`~rollsafe.wire.bucket.packed_chunks` with ``bucket_bytes``); a chunk of a
         packed bucket is a slice of it (no copy), one of an unpacked bucket is concatenated.
         """
         if not vllm:
@@ -333,7 +325,7 @@ class NCCLTransport(StagedTransport):
         """A store port for a new group: ``master_port + k`` for the smallest ``k`` no kept or
         forming group owns, or a free port when ``master_port`` is None."""
         if self.master_port is None:
-            return _free_port(self.master_address)
+            return free_port(self.master_address)
         with self._live_lock:
             taken = {g.port for g in self._live.values()} | self._ports_in_use
             port = self.master_port
@@ -442,30 +434,24 @@ class NCCLTransport(StagedTransport):
         init: Future[Any],
         where: str,
     ) -> WeightUpdateGroup:
-        """Open rank 0's side of the group while the engine's init call runs; bounded."""
-        joined: Future[WeightUpdateGroup] = Future()
-        abandoned = threading.Event()
+        """Open rank 0's side of the group while the engine's init call runs; bounded.
 
-        def join() -> None:
-            try:
-                g = open_weight_update_group(
-                    master_address=self.master_address,
-                    master_port=port,
-                    rank=0,
-                    world_size=world,
-                    group_name=group_name,
-                    backend=backend,
-                    timeout_s=self.group_timeout,
-                )
-            except BaseException as exc:
-                joined.set_exception(exc)
-                return
-            if abandoned.is_set():
-                g.close()  # nobody will use it: the update already gave up on this target
-            else:
-                joined.set_result(g)
+        The join runs on a :class:`~rollsafe.concurrency.DaemonCall`: given up on, a group it
+        forms late is closed on the joining thread (nobody will use it)."""
 
-        threading.Thread(target=join, name=f"rollsafe-join-{group_name}", daemon=True).start()
+        def join() -> WeightUpdateGroup:
+            return open_weight_update_group(
+                master_address=self.master_address,
+                master_port=port,
+                rank=0,
+                world_size=world,
+                group_name=group_name,
+                backend=backend,
+                timeout_s=self.group_timeout,
+            )
+
+        call = DaemonCall.start(join, name=f"rollsafe-join-{group_name}", on_late=_close_group)
+        joined = call.future
         done = threading.Event()
         init.add_done_callback(lambda _: done.set())
         joined.add_done_callback(lambda _: done.set())
@@ -478,21 +464,14 @@ class NCCLTransport(StagedTransport):
             init.result(timeout=0)  # an init failure names the engine's reason
             return joined.result(timeout=0)
         except TransportError:
-            abandoned.set()
-            self._close_if_joined(joined)
+            _give_up(call)
             raise
         except Exception as exc:
-            abandoned.set()
-            self._close_if_joined(joined)
+            _give_up(call)
             raise TransportError(
                 f"{where}: joining weight-update group {group_name!r} "
                 f"({self.master_address}:{port}, world {world}, {backend}) failed: {exc}"
             ) from exc
-
-    @staticmethod
-    def _close_if_joined(joined: Future[WeightUpdateGroup]) -> None:
-        if joined.done() and joined.exception() is None:
-            joined.result().close()
 
     def _await_pair(self, works: Sequence[Any], call: Future[Any], what: str) -> None:
         """Wait for the broadcasts and the engine's answer; the first failure wins; bounded."""
@@ -528,7 +507,7 @@ class NCCLTransport(StagedTransport):
                     break  # the group is broken: the rest cannot finish either
             group.close()
 
-        threading.Thread(target=reap, name="rollsafe-nccl-reaper", daemon=True).start()
+        start_daemon(reap, name="rollsafe-nccl-reaper")
 
     def _after_push(self, targets: Sequence[EngineTarget]) -> None:
         stream, self._stream = self._stream, None
@@ -605,6 +584,19 @@ def _failed(f: Any) -> bool:
     if isinstance(f, _TorchFuture):
         return f.failed()
     return bool(f.done() and f.exception() is not None)
+
+
+def _close_group(outcome: Outcome[WeightUpdateGroup]) -> None:
+    """A join given up on formed its group late: close it (nobody will use it)."""
+    if outcome.ok and outcome.value is not None:
+        outcome.value.close()
+
+
+def _give_up(call: DaemonCall[WeightUpdateGroup]) -> None:
+    """The update gives up on a join: a still running one closes its group late; a finished one
+    is closed now."""
+    if not call.abandon():
+        _close_group(call.outcome())
 
 
 def _wait_both(a: Any, b: Any, signal: threading.Event, timeout: float) -> bool:

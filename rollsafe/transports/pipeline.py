@@ -4,9 +4,9 @@ Owns two things:
 
 * :func:`plan_buckets` -- computed once at ``register``: which registered tensors go into which
   dtype-homogeneous flattened bucket (the same grouping rule as
-  :func:`rollsafe.transports.bucket.pack_buckets`: order kept per dtype, a dtype's open bucket
+  :func:`rollsafe.wire.bucket.pack_buckets`: order kept per dtype, a dtype's open bucket
   is flushed when the next tensor would overflow ``bucket_bytes``, a bigger tensor is alone), and
-  the :class:`~rollsafe.transports.bucket.TensorMeta` of every slot. Nothing is copied.
+  the :class:`~rollsafe.wire.bucket.TensorMeta` of every slot. Nothing is copied.
 * :class:`BucketStream` -- used for one ``update``: a packer thread copies bucket ``i + 1`` into
   one of **two** reusable buffers while the consumers (one per target, each in its own thread)
   push bucket ``i``; a buffer is reused only once every consumer still in the update released
@@ -33,15 +33,14 @@ from typing import Any
 
 import torch
 
+from rollsafe.concurrency import DaemonCall
+from rollsafe.errors import BucketFormatError
 from rollsafe.transports.base import RegisterError, TransportError
-from rollsafe.transports.bucket import (
-    BucketFormatError,
-    FlatBucket,
-    TensorMeta,
-    dtype_from_name,
-    dtype_name,
-)
 from rollsafe.wire import shm
+from rollsafe.wire.bucket import FlatBucket, TensorMeta
+from rollsafe.wire.copy import copy_pairs
+from rollsafe.wire.dtypes import dtype_from_name, dtype_name
+from rollsafe.wire.dtypes import itemsize as _itemsize
 
 __all__ = [
     "BucketPlan",
@@ -58,10 +57,8 @@ __all__ = [
 ]
 
 _ALIGN = 64  # bytes; every dtype view of a buffer starts aligned
-#: Tensors below this size are copied by multi-tensor ``_foreach_copy_`` launches; bigger ones
-#: by their own ``copy_`` (one launch is negligible next to the copy, and the plain copy kernel
-#: reaches full bandwidth).
-_FOREACH_MAX_BYTES = 1 << 20
+#: Seconds :meth:`BucketStream.close` waits for the packer thread (a late one just ends).
+_CLOSE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -82,10 +79,6 @@ class BucketPlan:
     @property
     def names(self) -> list[str]:
         return [m.name for m in self.metas]
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def check_tensors(
@@ -396,10 +389,8 @@ class BucketStream:
         if device.type == "cuda":
             cuda: Any = torch.cuda
             self._cuda_stream = cuda.Stream(device=device)
-        self._packer = threading.Thread(
-            target=self._run, name="rollsafe-bucket-packer", daemon=True
-        )
-        self._packer.start()
+        # a daemon thread: a packer stuck in a copy never holds up interpreter exit
+        self._packer = DaemonCall.start(self._run, name="rollsafe-bucket-packer")
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -442,7 +433,7 @@ class BucketStream:
             self._closed = True
             self._ready.clear()
             self._cv.notify_all()
-        self._packer.join(timeout=30)
+        self._packer.wait(_CLOSE_WAIT_S)
 
     # ------------------------------------------------------------------ packer
     def _released_all(self) -> int:
@@ -513,46 +504,3 @@ class BucketStream:
         ]
         with torch.no_grad():
             copy_pairs(pairs)
-
-
-def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every ``(dst, src)`` pair, on the current stream.
-
-    Runs of small (< 1 MiB) same-shape pairs that are all on one CUDA device with one dtype go
-    through ``torch._foreach_copy_`` (a few multi-tensor kernel launches instead of one launch
-    per tensor: a Qwen3-4B update has ~400 tensors, a third of them tiny norms); big tensors
-    get one plain ``copy_`` each (the launch is negligible next to the copy, and the plain copy
-    kernel reaches full bandwidth); host/device pairs are copied ``non_blocking``. The checks
-    are kept cheap: with hundreds of tensors the Python cost per pair is what bounds a
-    device-to-device update.
-    """
-    foreach: Any = getattr(torch, "_foreach_copy_", None)
-    run_dst: list[torch.Tensor] = []
-    run_src: list[torch.Tensor] = []
-
-    def flush() -> None:
-        if len(run_dst) == 1:
-            run_dst[0].copy_(run_src[0])
-        elif run_dst:
-            foreach(run_dst, run_src)
-        run_dst.clear()
-        run_src.clear()
-
-    for dst, src in pairs:
-        if dst.device != src.device:
-            flush()
-            dst.copy_(src, non_blocking=True)
-        elif (
-            foreach is None
-            or dst.nbytes >= _FOREACH_MAX_BYTES
-            or not dst.is_cuda
-            or src.dtype != dst.dtype
-            or src.shape != dst.shape
-        ):
-            dst.copy_(src)  # no ordering against a pending foreach run needed: disjoint
-        else:
-            if run_dst and run_dst[0].dtype != dst.dtype:
-                flush()
-            run_dst.append(dst)
-            run_src.append(src)
-    flush()

@@ -1,3 +1,15 @@
-"""Wire formats shared by weight senders (``rollsafe.transports``) and receivers (the reference
-engine): imports only torch. :mod:`rollsafe.wire.shm` owns the shared-memory namespace CPU
-buckets travel in."""
+"""What both ends of a weight transfer share: the trainer's transports (``rollsafe.transports``)
+send with it, the reference engine receives with it, and neither imports the other.
+
+Imports only torch (safetensors for a single file's header); importing this package imports
+none of its modules:
+
+* :mod:`.bucket`: SGLang's flattened-bucket wire format (pack, serialize, checked decode);
+* :mod:`.unpickle`: the restricted unpickler payloads decode through;
+* :mod:`.shm`: the shared-memory namespace CPU buckets travel in;
+* :mod:`.dtypes`: dtype names on the wire and element sizes;
+* :mod:`.copy`: :func:`~rollsafe.wire.copy.copy_pairs`, batched tensor copies;
+* :mod:`.hf_index`: the HF safetensors index, read one way by every reader;
+* :mod:`.group`: the weight-update process group trainer and engine ranks join;
+* :mod:`.lines`: the ``ROLLSAFE_READY`` / ``ROLLSAFE_STANDBY`` start-up lines.
+"""

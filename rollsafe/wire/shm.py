@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from rollsafe.errors import RollsafeError
+
 __all__ = [
     "NAME_PATTERN",
     "SHM_DIR",
@@ -54,7 +56,7 @@ _counter = 0
 _counter_lock = threading.Lock()
 
 
-class SegmentError(ValueError):
+class SegmentError(RollsafeError, ValueError):
     """A shared-memory segment named by a payload may not be mapped; the message names it."""
 
 

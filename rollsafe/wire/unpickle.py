@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from rollsafe.errors import RollsafeError
 from rollsafe.wire.shm import open_segment
 
 __all__ = ["MAX_OPCODES", "MAX_PAYLOAD_BYTES", "UnsafePayload", "loads", "scan"]
@@ -53,7 +54,7 @@ _ALLOWED_OPS = frozenset(
 )  # fmt: skip
 
 
-class UnsafePayload(ValueError):
+class UnsafePayload(RollsafeError, ValueError):
     """A weight payload tries something a weight payload never needs; the message names it."""
 
 

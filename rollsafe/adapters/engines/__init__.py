@@ -3,8 +3,13 @@
 ``SGLangClient`` / ``VLLMClient`` implement the :class:`EngineClient` protocol; the
 :class:`EngineLauncher` runs one engine group as OS processes described by an
 :class:`EngineSpec`. Errors derive from :class:`EngineError`. Needs the ``engine`` extra (httpx);
-nothing here imports Ray.
+nothing here imports Ray. The protocol and the errors import without it; the clients and the
+launcher load on first use and name the missing extra (``pip install 'rollsafe[engine]'``).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from rollsafe.adapters.engines.client import (
     Dialect,
@@ -25,18 +30,42 @@ from rollsafe.adapters.engines.errors import (
     EngineUnavailable,
     bound_text,
 )
-from rollsafe.adapters.engines.http import NO_RETRY, HttpTransport, RetryPolicy
-from rollsafe.adapters.engines.launcher import (
-    ENGINE_KINDS,
-    READY_PREFIX,
-    EngineKind,
-    EngineLauncher,
-    EngineSpec,
-    EngineStartTimeout,
-    pid_alive,
-)
-from rollsafe.adapters.engines.sglang import SGLangClient
-from rollsafe.adapters.engines.vllm import VLLMClient
+from rollsafe.lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from rollsafe.adapters.engines.http import NO_RETRY, HttpTransport, RetryPolicy
+    from rollsafe.adapters.engines.launcher import (
+        ENGINE_KINDS,
+        READY_PREFIX,
+        EngineKind,
+        EngineLauncher,
+        EngineSpec,
+        EngineStartTimeout,
+        pid_alive,
+    )
+    from rollsafe.adapters.engines.sglang import SGLangClient
+    from rollsafe.adapters.engines.vllm import VLLMClient
+
+#: names whose modules need httpx (the ``engine`` extra): imported on first use (PEP 562), so
+#: the protocol and the errors above stay importable on a plain ``pip install rollsafe``
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(("NO_RETRY", "HttpTransport", "RetryPolicy"), "rollsafe.adapters.engines.http"),
+    **dict.fromkeys(
+        (
+            "ENGINE_KINDS",
+            "READY_PREFIX",
+            "EngineKind",
+            "EngineLauncher",
+            "EngineSpec",
+            "EngineStartTimeout",
+            "pid_alive",
+        ),
+        "rollsafe.adapters.engines.launcher",
+    ),
+    "SGLangClient": "rollsafe.adapters.engines.sglang",
+    "VLLMClient": "rollsafe.adapters.engines.vllm",
+}
+
 
 __all__ = [
     "ENGINE_KINDS",
@@ -70,12 +99,20 @@ __all__ = [
 ]
 
 
+#: top-level modules of the ``engine`` extra the clients and the launcher need
+_ENGINE_EXTRA = {"httpx": "engine", "anyio": "engine", "httpcore": "engine", "h11": "engine"}
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, public=__all__, extras=_ENGINE_EXTRA)
+
+
 def make_client(
     dialect: Dialect, url: str, *, api_key: str | None = None, timeout: float = 60.0
 ) -> SGLangClient | VLLMClient:
     """Build the client for ``dialect`` (``"sglang"`` or ``"vllm"``)."""
     if dialect == "sglang":
-        return SGLangClient(url, api_key=api_key, timeout=timeout)
+        sglang: type[SGLangClient] = __getattr__("SGLangClient")
+        return sglang(url, api_key=api_key, timeout=timeout)
     if dialect == "vllm":
-        return VLLMClient(url, api_key=api_key, timeout=timeout)
+        vllm: type[VLLMClient] = __getattr__("VLLMClient")
+        return vllm(url, api_key=api_key, timeout=timeout)
     raise ValueError(f"unknown engine dialect {dialect!r}; expected 'sglang' or 'vllm'")

@@ -26,6 +26,8 @@ from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
+from rollsafe.errors import RollsafeError
+
 __all__ = [
     "PINNED_VERSIONS",
     "ContractError",
@@ -67,7 +69,7 @@ class ContractViolation:
         return f"{self.where}: {self.problem}"
 
 
-class ContractError(ValueError):
+class ContractError(RollsafeError, ValueError):
     """A request violates the pinned upstream contract; the message lists every violation."""
 
     def __init__(self, violations: list[ContractViolation], context: str = "") -> None:

@@ -9,23 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: The most characters of any server-provided text kept in an exception.
-MAX_MESSAGE_CHARS = 2048
+from rollsafe.errors import RollsafeError
+
+# one definition of text bounding for the whole package (re-exported here)
+from rollsafe.text import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from rollsafe.text import bound_text as bound_text
 
 
-def bound_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """Return ``text`` cut to at most about ``limit`` characters, keeping its head and tail."""
-    if limit <= 0:
-        return ""
-    if len(text) <= limit:
-        return text
-    marker = f" ...[{len(text) - limit} chars elided]... "
-    keep = max(limit - len(marker), 2)
-    head = keep // 2
-    return text[:head] + marker + text[len(text) - (keep - head) :]
-
-
-class EngineError(Exception):
+class EngineError(RollsafeError):
     """Base class of every error raised while talking to or running an engine."""
 
 

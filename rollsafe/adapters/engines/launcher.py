@@ -15,28 +15,43 @@ starts with ``--load-format dummy`` (random weights, to be replaced by a weight 
 work for real engines too (stop the group, start again with the new paths / load format).
 
 Warm standby (``EngineSpec.warm_standby``): importing torch and transformers is most of an
-engine's start, so the launcher keeps one idle engine process that already did it (``python -m
-MODULE --standby``, which prints ``ROLLSAFE_STANDBY {json}`` and waits on stdin). ``start()``
-(and so ``restart()`` / ``reinit()``) hands the engine arguments to it as one JSON line
-``{"argv": [...], "env": {...}}`` instead of spawning a fresh interpreter, then waits for the
-ready line and a health check exactly as for a fresh spawn; the standby's log becomes the
-engine's log and its pid the engine's pid. A standby is used while it is alive (one still
-importing takes the handoff once done, see below) and was started with the
-same interpreter, module and environment; otherwise, or if it dies before it took the
-handoff, the start falls back to a fresh spawn (logged, counted in
-:attr:`EngineLauncher.standby_stats`). A standby still importing (``warming``, see
-:attr:`EngineLauncher.standby_state`) gets the handoff and is waited for alone at most as long
-as a fresh spawn of this launcher took (:meth:`EngineLauncher.fresh_start_estimate`); if it is
-not ready by then a fresh engine is spawned next to it, whichever prints its ready line first is
-the engine and the other is killed (:attr:`EngineLauncher.last_start_source` says which:
-``ready_standby``, ``warming_standby`` or ``fresh_spawn``; a lost race counts as a fallback).
-``EngineSpec.standbys`` keeps more than one standby (refilled one import at a time).
-After every successful start the next standby is spawned
-on a background thread (so it never competes with the start itself). The standby runs in its own
+engine's start, so the launcher keeps a resident engine process that already did it, a fork
+server or "zygote" (``python -m MODULE --standby --fork-server-fd FD``; it prints
+``ROLLSAFE_STANDBY {json}``, then serves fork requests on an ``AF_UNIX`` socket pair only the
+launcher holds, see ``rollsafe.adapters.reference_engine.zygote``). ``start()`` (and so
+``restart()`` / ``reinit()``) asks it to fork the engine with the engine arguments instead of
+spawning a fresh interpreter; the child detaches into its own session, writes to pipes the
+launcher passed with the request (its own log, ``# forked by the warm standby`` noted) and then
+starts exactly like a fresh spawn: ready line, health check, parent-death watchdog, finalizer.
+The zygote reaps the child and reports its exit status; the launcher signals it by pid and
+process group as any engine. A fork does not consume the zygote: it stays ``ready`` for the
+next start, so back-to-back crashes all fork in milliseconds.
+
+Table: which start source (:attr:`EngineLauncher.last_start_source`) and what is counted in
+:attr:`EngineLauncher.standby_stats`.
+
+===============================================  ===================  =======================
+zygote when the start begins                      source               counted
+===============================================  ===================  =======================
+ready (imports done)                              ``ready_standby``    ``used_ready``
+warming (imports running), its fork ready first   ``warming_standby``  ``used_warming``
+warming, a fresh spawn ready first                ``fresh_spawn``      ``raced``, ``fallbacks``
+dead, other interpreter / module / environment,   ``fresh_spawn``      ``fallbacks`` (replaced)
+refused or did not answer the fork request
+none wanted (``warm_standby=False``)              ``fresh_spawn``      nothing
+===============================================  ===================  =======================
+
+A warming zygote gets the request (served once its imports are done) and is waited for alone at
+most as long as a fresh spawn of this launcher took (:meth:`EngineLauncher.fresh_start_estimate`);
+then a fresh engine is spawned next to it and whichever prints its ready line first is the
+engine; the other engine is killed, the zygote is kept. After every successful start the
+launcher tops the pool up on a background thread (``EngineSpec.standbys`` zygotes, spawned one
+import at a time, so it never competes with the start itself). Each zygote runs in its own
 session with its own parent-death watchdog and finalizer: ``stop()``, ``kill()``, context exit,
 garbage collection and interpreter exit kill it too; ``stop(keep_standby=True)`` (what recovery
-uses before a restart) keeps it. Real engines have no standby mode (``warm_standby=True`` with a
-real ``kind`` is refused by :class:`EngineSpec`).
+uses before a restart) keeps it. The stdin hand-off of a plain ``--standby`` (the process
+becomes the engine) stays available to other callers. Real engines have no standby mode
+(``warm_standby=True`` with a real ``kind`` is refused by :class:`EngineSpec`).
 
 The API key never reaches the launcher's log file or an :class:`EngineStartError` as it is
 (replaced by ``***``), and a real engine gets it outside its command line (see
@@ -66,7 +81,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, TypeAlias
 
 import httpx
 
@@ -74,12 +89,13 @@ from rollsafe.adapters.engines.client import Dialect
 from rollsafe.adapters.engines.errors import EngineNotSupported, EngineStartError
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
+from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
 
-READY_PREFIX = "ROLLSAFE_READY "
-#: The line a warm standby prints once its imports are done (``--standby``).
-STANDBY_PREFIX = "ROLLSAFE_STANDBY "
 #: The flag that makes an engine module run as a warm standby.
 STANDBY_FLAG = "--standby"
+#: With :data:`STANDBY_FLAG`: the standby stays resident and forks engines on request over this
+#: file descriptor (a zygote; ``rollsafe.adapters.reference_engine.zygote``).
+FORK_SERVER_FLAG = "--fork-server-fd"
 #: The module run with ``python -m`` unless the spec names another one.
 REFERENCE_ENGINE_MODULE = "rollsafe.adapters.reference_engine"
 #: The module a real SGLang server runs as (``python -m sglang.launch_server``).
@@ -162,16 +178,17 @@ class EngineSpec:
     interpreter, resolved where the launcher runs (so a spec built on a Ray driver works on any
     node); real engines run with it too unless ``executable`` names their program.
 
-    ``warm_standby`` keeps one idle, already-imported engine process next to the running one, so
-    a ``start()`` / ``restart()`` skips the interpreter start and the torch / transformers
-    imports (seconds on CPU). It needs an engine ``module`` that supports ``--standby`` (the
-    reference engine does); it costs one more process holding those imports (a few hundred MB
-    of host memory) and, after each start, the CPU of one import in the background. Real engines
+    ``warm_standby`` keeps one resident, already-imported engine process (a fork server) next to
+    the running one, so a ``start()`` / ``restart()`` forks the engine from it (milliseconds)
+    instead of starting an interpreter and importing torch / transformers (seconds on CPU); the
+    fork server stays ready for the next start. It needs an engine ``module`` that supports
+    ``--standby --fork-server-fd`` (the reference engine does); it costs one more process
+    holding those imports (a few hundred MB of host memory, shared copy-on-write with the
+    engines it forks) and one background import after the launcher's first start. Real engines
     have no standby mode: ``warm_standby=True`` with a real ``kind`` is a ``ValueError``.
-    ``standbys`` (with ``warm_standby``) is how many such processes are kept: with 2, a crash
-    right after a restart still finds one ready while the replacement of the one just used is
-    importing (the pool is refilled one import at a time); each costs its host memory, and
-    the CPU per start stays one import.
+    ``standbys`` (with ``warm_standby``) is how many fork servers are kept: one is enough, since
+    a fork does not consume it; a second only covers the death of the first (refilled one
+    import at a time), at its host memory.
 
     Real engines only: ``ranks`` is the tensor-parallel size; ``port=0`` picks a free port on
     ``host`` right before each start (read :attr:`EngineLauncher.url`); ``executable`` replaces
@@ -231,8 +248,10 @@ class EngineSpec:
             raise ValueError(f"EngineSpec.port out of range: {self.port}")
         if self.ready_timeout <= 0:
             raise ValueError(f"EngineSpec.ready_timeout must be > 0, got {self.ready_timeout}")
-        if isinstance(self.standbys, bool) or not isinstance(self.standbys, int) or (
-            self.standbys < 1
+        if (
+            isinstance(self.standbys, bool)
+            or not isinstance(self.standbys, int)
+            or (self.standbys < 1)
         ):
             raise ValueError(f"EngineSpec.standbys must be an int >= 1, got {self.standbys!r}")
         if isinstance(self.executable, str):
@@ -589,7 +608,9 @@ def _warn_exposure(spec: EngineSpec) -> None:
         )
 
 
-def _spawn_group(cmd: list[str], env: dict[str, str], *, stdin: int) -> subprocess.Popen[bytes]:
+def _spawn_group(
+    cmd: list[str], env: dict[str, str], *, stdin: int, pass_fds: Sequence[int] = ()
+) -> subprocess.Popen[bytes]:
     """Start ``cmd`` as the leader of a new session (the whole group can be signalled at once),
     stdout and stderr piped for an :class:`_OutputPump`."""
     return subprocess.Popen(
@@ -600,6 +621,7 @@ def _spawn_group(cmd: list[str], env: dict[str, str], *, stdin: int) -> subproce
         env=env,
         start_new_session=True,
         close_fds=True,
+        pass_fds=tuple(pass_fds),
     )
 
 
@@ -644,9 +666,7 @@ class _OutputPump:
     """Drains a child's stdout and stderr into a log file and a bounded tail, spotting READY
     (and a warm standby's STANDBY line)."""
 
-    def __init__(
-        self, proc: subprocess.Popen[bytes], log_path: str, secrets: Sequence[str] = ()
-    ) -> None:
+    def __init__(self, proc: _Proc, log_path: str, secrets: Sequence[str] = ()) -> None:
         self.log_path = log_path
         self._secrets = [s for s in secrets if s]  # replaced by *** in the log and the tail
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
@@ -718,7 +738,7 @@ class _OutputPump:
 
 
 def _reap(
-    proc: subprocess.Popen[bytes],
+    proc: _Proc,
     rank_pids: Sequence[int],
     watchdog: subprocess.Popen[bytes] | None,
     files: Sequence[str] = (),
@@ -740,9 +760,181 @@ def _reap(
             os.unlink(path)
 
 
+class _ZygoteError(Exception):
+    """A warm standby (zygote) could not fork an engine: gone, refused, or no answer."""
+
+
+class _ForkTicket:
+    """One fork request in flight: set once the zygote answered (``pid`` or ``error``)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.pid: int | None = None
+        self.error: str | None = None
+        self.abandoned = False
+
+
+class _ZygoteLink:
+    """The launcher's end of a zygote's control socket (protocol:
+    ``rollsafe.adapters.reference_engine.zygote``): sends fork requests, and a reader thread
+    collects the answers and the exit statuses of the zygote's children (the zygote is their
+    parent and reaps them). Holds no reference to the launcher."""
+
+    def __init__(self, sock: socket.socket, zygote_pid: int) -> None:
+        self._sock = sock
+        self.zygote_pid = zygote_pid
+        self._cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self._tickets: dict[int, _ForkTicket] = {}
+        self._exits: dict[int, int] = {}
+        self.closed = False
+        self.close_reason = ""
+        self._thread = threading.Thread(
+            target=self._read, daemon=True, name=f"rollsafe-zygote-{zygote_pid}"
+        )
+        self._thread.start()
+
+    def request(self, argv: list[str], env: dict[str, str], fds: Sequence[int]) -> _ForkTicket:
+        """Ask for one engine with ``fds`` (its stdout, stderr) attached; answered later."""
+        ticket = _ForkTicket()
+        with self._cond:
+            if self.closed:
+                raise _ZygoteError(self.close_reason)
+            req_id = next(self._ids)
+            self._tickets[req_id] = ticket
+        data = json.dumps({"id": req_id, "argv": argv, "env": env}).encode()
+        try:
+            socket.send_fds(self._sock, [data], list(fds))
+        except OSError as exc:
+            with self._cond:
+                self._tickets.pop(req_id, None)
+            raise _ZygoteError(f"cannot send the fork request: {exc}") from exc
+        return ticket
+
+    def abandon(self, ticket: _ForkTicket) -> None:
+        """Nobody wants this fork any more: its engine is killed now or as soon as it forks."""
+        with self._cond:
+            ticket.abandoned = True
+            pid = ticket.pid
+        if pid is not None:
+            _signal_group(pid, signal.SIGKILL)
+
+    def exit_code(self, pid: int, timeout: float) -> int | None:
+        """The reported exit status of child ``pid``, waiting up to ``timeout`` s for it (None:
+        not reported, or the zygote is gone)."""
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._exits or self.closed, timeout)
+            return self._exits.get(pid)  # kept: several threads may poll the same engine
+
+    def close(self) -> None:
+        """Release the zygote (EOF on its socket makes it exit)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _read(self) -> None:
+        reason = f"the standby (pid {self.zygote_pid}) closed its control socket (exited)"
+        try:
+            while True:
+                data = self._sock.recv(65536)
+                if not data:
+                    break
+                try:
+                    msg = json.loads(data)
+                except ValueError:
+                    log.warning("zygote %d: unparsable packet %r", self.zygote_pid, data[:200])
+                    continue
+                if isinstance(msg, dict):
+                    self._dispatch(msg)
+        except OSError as exc:
+            reason = f"the standby's (pid {self.zygote_pid}) control socket failed: {exc}"
+        finally:
+            with self._cond:
+                self.closed = True
+                self.close_reason = reason
+                tickets = list(self._tickets.values())
+                self._tickets.clear()
+                self._cond.notify_all()
+            for ticket in tickets:
+                ticket.error = reason
+                ticket.event.set()
+            with contextlib.suppress(OSError):
+                self._sock.close()
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "exit":
+            with self._cond:
+                self._exits[int(msg["pid"])] = int(msg["returncode"])
+                self._cond.notify_all()
+            return
+        if op not in ("forked", "error"):
+            return
+        with self._cond:
+            ticket = self._tickets.pop(msg.get("id", -1), None)
+            if ticket is None:
+                return
+            if op == "forked":
+                ticket.pid = int(msg["pid"])
+            else:
+                ticket.error = str(msg.get("error"))
+            kill = ticket.abandoned and ticket.pid is not None
+        if kill and ticket.pid is not None:
+            _signal_group(ticket.pid, signal.SIGKILL)
+        ticket.event.set()
+
+
+#: ``returncode`` of a forked engine whose exit status nobody could tell (its zygote was gone).
+EXIT_UNKNOWN = 255
+
+
+class _ForkedProcess:
+    """A ``Popen``-like handle on an engine a zygote forked. The launcher is not its parent: the
+    zygote reaps it and reports its exit status over the control socket; liveness comes from
+    ``/proc`` (a killed engine is a zombie at once, so a crash is seen without waiting for the
+    report). Signalled by pid / process group like any engine."""
+
+    stdin: None = None
+
+    def __init__(self, pid: int, link: _ZygoteLink, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+        self.pid = pid
+        self.link = link
+        self.stdout = stdout
+        self.stderr = stderr
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        code = self.link.exit_code(self.pid, 0.0)
+        if code is None and not pid_alive(self.pid):
+            # dead: the zygote reaps it on SIGCHLD and reports within milliseconds
+            code = self.link.exit_code(self.pid, 1.0)
+            if code is None:
+                code = EXIT_UNKNOWN
+        self.returncode = code
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            code = self.poll()
+            if code is not None:
+                return code
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"forked engine (pid {self.pid})", timeout or 0.0)
+            time.sleep(0.01)
+
+
+#: A process the launcher watches: one it spawned, or an engine a zygote forked.
+_Proc: TypeAlias = "subprocess.Popen[bytes] | _ForkedProcess"
+#: Seconds a ready zygote has to answer a fork request before it counts as broken.
+FORK_TIMEOUT_S = 10.0
+
+
 @dataclass
 class _Standby:
-    """One warm-standby process (idle until a handoff) and what it was started with."""
+    """One warm standby: a resident zygote that forks engines (it is never consumed), and what
+    it was started with."""
 
     proc: subprocess.Popen[bytes]
     pump: _OutputPump
@@ -751,20 +943,21 @@ class _Standby:
     interpreter: str
     module: str
     env: dict[str, str]
+    link: _ZygoteLink
     spawned_at: float = dataclasses.field(default_factory=time.monotonic)
+    forks: int = 0
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.poll() is None and not self.link.closed
 
     def announced(self) -> bool:
         return self.pump.standby is not None
 
     def discard(self) -> None:
-        """SIGKILL its process group (it is idle: nothing to shut down) and reap it."""
+        """Release and SIGKILL it (it is idle: nothing to shut down) and reap it. The engines it
+        forked live on: each has its own session."""
         self.finalizer.detach()
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
+        self.link.close()
         _signal_group(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5.0)
@@ -772,8 +965,47 @@ class _Standby:
         self.pump.close(timeout=1.0)
 
 
+@dataclass
+class _Candidate:
+    """An engine started but not installed yet (a fresh spawn, or a fork racing one)."""
+
+    proc: _Proc
+    pump: _OutputPump
+    watchdog: subprocess.Popen[bytes] | None
+    finalizer: weakref.finalize[Any, Any]
+
+    def discard(self) -> None:
+        """SIGKILL its group and reap it."""
+        self.finalizer.detach()
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5.0)
+        _stop_watchdog(self.watchdog)
+        self.pump.close(timeout=1.0)
+
+
+@dataclass
+class _PendingFork:
+    """A fork request sent to a zygote, and the read ends of the engine's stdout and stderr."""
+
+    zygote: _Standby
+    ticket: _ForkTicket
+    out_r: int
+    err_r: int
+    taken: bool = False
+
+    def abandon(self) -> None:
+        """Kill the engine if it forks, close the pipes (unless a candidate owns them)."""
+        self.zygote.link.abandon(self.ticket)
+        if not self.taken:
+            self.taken = True
+            for fd in (self.out_r, self.err_r):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
 class _StandbyLost(Exception):
-    """The standby an engine start was handed to died before it took the handoff."""
+    """The engine a warm standby started died (killed) before its ready line."""
 
 
 def _standby_spawner(ref: weakref.ReferenceType[EngineLauncher]) -> None:
@@ -808,7 +1040,7 @@ class EngineLauncher:
     def __init__(self, spec: EngineSpec) -> None:
         self._spec = spec
         self._lock = threading.RLock()
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: _Proc | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._pump: _OutputPump | None = None
         self._info: dict[str, Any] = {}
@@ -816,7 +1048,7 @@ class EngineLauncher:
         self._finalizer: weakref.finalize[Any, EngineLauncher] | None = None
         self._log_dir = spec.log_dir or tempfile.mkdtemp(prefix="rollsafe-engine-")
         self._starts = 0
-        self._standbys: list[_Standby] = []  # idle standbys, oldest first
+        self._standbys: list[_Standby] = []  # resident fork servers (zygotes), oldest first
         self._standby_wanted = False  # set by a successful start, cleared by stop() / kill()
         self._standby_thread: threading.Thread | None = None
         self._standby_stats = {
@@ -879,32 +1111,32 @@ class EngineLauncher:
         return self._last_from_standby
 
     def _next_standby(self) -> _Standby | None:
-        """The idle standby the next start would take: the oldest ready one, else the oldest
+        """The standby the next start would take: the oldest ready one, else the oldest
         one still importing (lock-free)."""
         alive = [sb for sb in list(self._standbys) if sb.alive()]
         return next((sb for sb in alive if sb.announced()), alive[0] if alive else None)
 
     @property
     def standby_pid(self) -> int | None:
-        """The pid of the idle warm standby the next start takes, if one is alive (ready or
+        """The pid of the warm standby (fork server) the next start takes, if one is alive (ready or
         still importing)."""
         sb = self._next_standby()
         return sb.proc.pid if sb is not None else None
 
     @property
     def standby_pids(self) -> list[int]:
-        """The pids of every idle warm standby alive (``EngineSpec.standbys`` of them at most)."""
+        """The pids of every warm standby (fork server) alive (``EngineSpec.standbys`` at most)."""
         return [sb.proc.pid for sb in list(self._standbys) if sb.alive()]
 
     @property
     def standby_ready(self) -> bool:
-        """True while an idle warm standby is alive and has finished its imports."""
+        """True while a warm standby is alive and has finished its imports."""
         sb = self._next_standby()
         return sb is not None and sb.announced()
 
     @property
     def standby_state(self) -> StandbyState:
-        """``ready``: an idle standby is alive and imported; ``warming``: one is being spawned
+        """``ready``: a standby is alive and imported; ``warming``: one is being spawned
         or still importing (a start now waits for it, at most what a fresh spawn costs before
         racing it against one); ``none`` otherwise.
         Never blocks (no lock: safe to read from health checks and metrics while a restart
@@ -932,18 +1164,18 @@ class EngineLauncher:
 
     @property
     def standby_stats(self) -> dict[str, Any]:
-        """Counters: standbys ``spawned``; starts that ``used`` one (``used_ready`` /
-        ``used_warming``: it was ready, or still importing and ready first); ``raced``: starts
-        that spawned a fresh engine next to a warming standby (it took longer than a fresh
-        spawn would); ``fallbacks``: starts that
-        expected a standby and ended on a fresh spawn (none spawned yet, dead, changed
-        environment, lost race); ``last_fallback`` (the reason, or None)."""
+        """Counters: standbys (fork servers) ``spawned``; starts forked from one (``used``;
+        ``used_ready`` / ``used_warming``: it was ready, or still importing and ready first);
+        ``raced``: starts that spawned a fresh engine next to a warming standby (it took longer
+        than a fresh spawn would); ``fallbacks``: starts that expected a standby and ended on a
+        fresh spawn (none spawned yet, dead, changed environment, refused fork, lost race);
+        ``last_fallback`` (the reason, or None)."""
         return {**self._standby_stats, "last_fallback": self._last_fallback}
 
     def standby_status(self) -> dict[str, Any]:
         """A JSON-friendly view of the warm standby, lock-free (the fleet's snapshot, metrics
         and the demo read it): ``enabled``, ``state``, ``pool`` (``EngineSpec.standbys``),
-        ``ready`` / ``warming`` (how many idle standbys are in each state), and of the one the
+        ``ready`` / ``warming`` (how many standbys are in each state), and of the one the
         next start takes ``pid``, ``age_s`` (since its spawn) and ``import_s`` (once ready);
         the :attr:`standby_stats` counters, ``last_start_source`` and
         ``last_start_standby_state``."""
@@ -966,7 +1198,7 @@ class EngineLauncher:
         }  # fmt: skip
 
     def wait_standby(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for an idle standby to finish its imports; return whether."""
+        """Wait up to ``timeout`` s for a standby to finish its imports; return whether."""
         deadline = time.monotonic() + timeout
         while not self.standby_ready:
             if time.monotonic() >= deadline or not self._standby_wanted:
@@ -1010,14 +1242,14 @@ class EngineLauncher:
         exit. A vLLM spec with a ``weight_version`` then sets it with ``POST
         /update_weight_version`` (vLLM has no such flag).
 
-        With ``spec.warm_standby`` a ready standby takes the start (see the module docstring);
-        a standby still importing takes it too, raced by a fresh spawn once it took longer than
-        a fresh spawn would (the first ready line wins); a fresh spawn is the fallback.
+        With ``spec.warm_standby`` a ready standby forks the engine (see the module docstring);
+        a standby still importing forks it once imported, raced by a fresh spawn once it took
+        longer than a fresh spawn would (the first ready line wins); a fresh spawn is the
+        fallback.
         :attr:`last_start_source` records which. Raises :class:`EngineStartError` (with the
         output tail, exit code and command) if the engine exits, prints a bad ready line or is
         not healthy within ``spec.ready_timeout`` (:class:`EngineStartTimeout` when it was still
-        running); nothing is left running in that case (an idle standby the start did not use
-        stays).
+        running); nothing is left running in that case (the standbys stay).
         """
         with self._lock:
             if self._proc is not None:
@@ -1034,17 +1266,14 @@ class EngineLauncher:
             warming = standby is not None and not standby.announced()
             source: StartSource = "fresh_spawn"
             try:
-                if warming:
-                    assert standby is not None
+                if standby is None:
+                    self._launch_fresh(spec, cmd)
+                elif warming:
                     source = self._race(standby, spec, cmd)
+                elif self._launch_forked(standby, spec, cmd):
+                    source = "ready_standby"
                 else:
-                    from_standby = standby is not None and self._launch_from_standby(
-                        standby, spec, cmd
-                    )
-                    if from_standby:
-                        source = "ready_standby"
-                    else:
-                        self._launch_fresh(spec, cmd)
+                    self._launch_fresh(spec, cmd)
                 try:
                     self._wait_ready(
                         self._require_proc(), cmd, from_standby=source != "fresh_spawn"
@@ -1123,15 +1352,16 @@ class EngineLauncher:
 
     def _launch_fresh(self, spec: EngineSpec, cmd: list[str]) -> None:
         """Spawn a new interpreter running ``cmd``; sets the process, pump, watchdog, finalizer."""
-        proc, pump, watchdog = self._spawn_fresh(spec, cmd)
-        self._proc = proc
-        self._pump = pump
-        self._watchdog = watchdog
-        self._finalizer = weakref.finalize(self, _reap, proc, [], self._watchdog, self._files())
+        self._install(self._fresh_candidate(spec, cmd))
 
-    def _spawn_fresh(
-        self, spec: EngineSpec, cmd: list[str]
-    ) -> tuple[subprocess.Popen[bytes], _OutputPump, subprocess.Popen[bytes] | None]:
+    def _install(self, cand: _Candidate) -> None:
+        """Make ``cand`` the launcher's engine (its finalizer becomes the launcher's)."""
+        cand.finalizer.detach()
+        self._proc, self._pump, self._watchdog = cand.proc, cand.pump, cand.watchdog
+        self._finalizer = weakref.finalize(self, _reap, cand.proc, [], cand.watchdog,
+                                           self._files())  # fmt: skip
+
+    def _fresh_candidate(self, spec: EngineSpec, cmd: list[str]) -> _Candidate:
         log_path = self._new_log("engine", cmd)
         try:
             proc = _spawn_group(cmd, spec.environment(), stdin=subprocess.DEVNULL)
@@ -1143,11 +1373,14 @@ class EngineLauncher:
                 output_tail="",
                 log_path=log_path,
             ) from exc
-        pump = _OutputPump(proc, log_path, spec.secrets())
+        return self._candidate(spec, proc, _OutputPump(proc, log_path, spec.secrets()))
+
+    def _candidate(self, spec: EngineSpec, proc: _Proc, pump: _OutputPump) -> _Candidate:
+        """``proc`` with a parent-death watchdog on its group and a finalizer."""
         watchdog = (
             _start_watchdog(spec.interpreter(), proc.pid) if spec.reap_on_parent_death else None
         )
-        return proc, pump, watchdog
+        return _Candidate(proc, pump, watchdog, weakref.finalize(self, _reap, proc, [], watchdog))
 
     def fresh_start_estimate(self) -> float | None:
         """Seconds a fresh spawn of this launcher takes to its ready line: the median of its
@@ -1155,61 +1388,144 @@ class EngineLauncher:
         times = list(self._fresh_start_times)
         return float(statistics.median(times)) if times else None
 
-    def _race(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> StartSource:
-        """A start while the standby still imports: hand it off to the standby, wait for it
-        alone at most :meth:`fresh_start_estimate` seconds (what a fresh spawn would cost; no
-        estimate: no wait), then also spawn a fresh engine; install whichever prints its ready
-        line first, kill the other.
+    # ------------------------------------------------------------------ warm standby (zygote)
+    def _request_fork(self, sb: _Standby, spec: EngineSpec) -> _PendingFork:
+        """Send ``sb`` a fork request for this spec's engine (answered once it is imported)."""
+        env = spec.environment()
+        delta = {k: v for k, v in env.items() if sb.env.get(k) != v}
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            ticket = sb.link.request(spec.engine_args(), delta, (out_w, err_w))
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:  # the zygote's child holds the write ends now: EOF comes when it is gone
+            os.close(out_w)
+            os.close(err_w)
+        return _PendingFork(sb, ticket, out_r, err_r)
 
-        The bounded wait keeps a standby that is on its way from competing with a fresh
-        import for the CPU (two imports on two cores take longer than one); the fresh spawn
-        after it bounds what a stalled standby costs. A contender that exits before its ready
-        line drops out (e.g. the loser of a fixed port); when both did, the fresh one is
-        installed so that :meth:`_wait_ready` reports its exit. Returns the installed engine's
-        source (:meth:`_wait_ready` follows).
+    def _forked_candidate(self, pending: _PendingFork, spec: EngineSpec, cmd: list[str],
+                          timeout: float) -> _Candidate:  # fmt: skip
+        """The engine of an answered fork request (waiting up to ``timeout`` s for the answer);
+        :class:`_ZygoteError` if the zygote did not fork it."""
+        sb, ticket = pending.zygote, pending.ticket
+        if not ticket.event.wait(timeout):
+            pending.abandon()
+            raise _ZygoteError(f"no answer to a fork request within {timeout:.1f}s")
+        if ticket.error is not None or ticket.pid is None:
+            pending.abandon()
+            raise _ZygoteError(ticket.error or "no pid in the answer")
+        pending.taken = True
+        proc = _ForkedProcess(
+            ticket.pid, sb.link, os.fdopen(pending.out_r, "rb"), os.fdopen(pending.err_r, "rb")
+        )
+        log_path = self._new_log("engine", cmd)
+        pump = _OutputPump(proc, log_path, spec.secrets())
+        sb.forks += 1
+        pump.note(f"forked by the warm standby (zygote pid {sb.proc.pid}): pid {proc.pid}")
+        return self._candidate(spec, proc, pump)
+
+    def _launch_forked(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> bool:
+        """Fork the engine from the ready zygote ``sb``; False (zygote dropped, fallback
+        counted) if it could not."""
+        try:
+            cand = self._forked_candidate(self._request_fork(sb, spec), spec, cmd,
+                                          FORK_TIMEOUT_S)  # fmt: skip
+        except _ZygoteError as exc:
+            self._drop_standby(sb)
+            self._fallback(f"the standby (pid {sb.proc.pid}) could not fork the engine: {exc}")
+            return False
+        self._install(cand)
+        return True
+
+    def _zygote_turn(
+        self, pending: _PendingFork, spec: EngineSpec, cmd: list[str]
+    ) -> _Candidate | str | None:
+        """One look at a warming zygote's fork: its engine once forked, why it failed (the
+        zygote is then dropped), or None while it still imports."""
+        sb = pending.zygote
+        if pending.ticket.event.is_set():
+            try:
+                return self._forked_candidate(pending, spec, cmd, 0.0)
+            except _ZygoteError as exc:
+                self._drop_standby(sb)
+                return f"could not fork the engine: {exc}"
+        if not sb.alive():
+            pending.abandon()
+            self._drop_standby(sb)
+            return f"exited with code {sb.proc.poll()} before it forked the engine"
+        return None
+
+    def _race(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> StartSource:
+        """A start while the zygote still imports: send it the fork request (served once its
+        imports are done), wait for that engine alone at most :meth:`fresh_start_estimate`
+        seconds (what a fresh spawn would cost; no estimate: no wait), then also spawn a fresh
+        engine; install whichever prints its ready line first, kill the other. The zygote
+        stays either way (a fork it serves after losing is killed on arrival).
+
+        The bounded wait keeps a zygote that is on its way from competing with a fresh import
+        for the CPU (two imports on two cores take longer than one); the fresh spawn after it
+        bounds what a stalled zygote costs. A contender that exits before its ready line drops
+        out (e.g. the loser of a fixed port); when both did, the fresh one is installed so that
+        :meth:`_wait_ready` reports its exit. Returns the installed engine's source.
         """
-        if not self._handoff(sb, spec, cmd):
+        try:
+            pending = self._request_fork(sb, spec)
+        except _ZygoteError as exc:
+            self._drop_standby(sb)
+            self._fallback(f"the standby (pid {sb.proc.pid}) could not take the request: {exc}")
             self._launch_fresh(spec, cmd)
             return "fresh_spawn"
         bound = self.fresh_start_estimate()
         alone_until = time.monotonic() + min(bound or 0.0, spec.ready_timeout)
-        while not sb.pump.ready_event.is_set() and sb.proc.poll() is None:
-            remaining = alone_until - time.monotonic()
-            if remaining <= 0:
-                break
-            sb.pump.ready_event.wait(min(0.05, remaining))
-        if sb.pump.ready_event.is_set():
-            sb.finalizer.detach()
-            self._proc, self._pump, self._watchdog = sb.proc, sb.pump, sb.watchdog
-            self._finalizer = weakref.finalize(self, _reap, sb.proc, [], sb.watchdog)
-            return "warming_standby"
-        if sb.proc.poll() is not None:
-            sb.pump.wait_eof(0.2)
-            sb.discard()
-            self._fallback(
-                f"the standby (pid {sb.proc.pid}) exited with code {sb.proc.returncode} before "
-                "its ready line"
-            )
-            self._launch_fresh(spec, cmd)
-            return "fresh_spawn"
-        proc, pump, watchdog = self._spawn_fresh(spec, cmd)
-        fresh = _Standby(
-            proc=proc, pump=pump, watchdog=watchdog,
-            finalizer=weakref.finalize(self, _reap, proc, [], watchdog),
-            interpreter=sb.interpreter, module=sb.module, env=sb.env,
-        )  # fmt: skip
+        forked: _Candidate | None = None
+        try:
+            while time.monotonic() < alone_until:
+                if forked is None:
+                    turn = self._zygote_turn(pending, spec, cmd)
+                    if isinstance(turn, str):
+                        self._fallback(f"the standby (pid {sb.proc.pid}) {turn}")
+                        self._launch_fresh(spec, cmd)
+                        return "fresh_spawn"
+                    forked = turn
+                if forked is not None and (
+                    forked.pump.ready_event.is_set() or forked.proc.poll() is not None
+                ):
+                    self._install(forked)  # _wait_ready reports how it ended
+                    return "warming_standby"
+                time.sleep(0.01)
+        except BaseException:
+            if forked is not None:
+                forked.discard()
+            pending.abandon()
+            raise
+        fresh = self._fresh_candidate(spec, cmd)
         self._standby_stats["raced"] += 1
         log.info(
             "engine start: the standby (pid %d) is still importing after %.1fs (what a fresh "
-            "spawn takes); a fresh engine (pid %d) races it", sb.proc.pid, bound or 0.0, proc.pid,
+            "spawn takes); a fresh engine (pid %d) races it", sb.proc.pid, bound or 0.0,
+            fresh.proc.pid,
         )  # fmt: skip
-        everyone: dict[StartSource, _Standby] = {"warming_standby": sb, "fresh_spawn": fresh}
-        running = dict(everyone)
+        running: dict[StartSource, _Candidate | None] = {
+            "warming_standby": forked, "fresh_spawn": fresh,
+        }  # fmt: skip
+        zygote_failure: str | None = None
         deadline = time.monotonic() + spec.ready_timeout
         winner: StartSource | None = None
         try:
             while winner is None:
+                if "warming_standby" in running and running["warming_standby"] is None:
+                    turn = self._zygote_turn(pending, spec, cmd)
+                    if isinstance(turn, str):
+                        zygote_failure = turn
+                        del running["warming_standby"]
+                    else:
+                        running["warming_standby"] = turn
                 for name, c in list(running.items()):
+                    if c is None:
+                        continue
                     if c.pump.ready_event.is_set():
                         winner = name
                         break
@@ -1222,33 +1538,42 @@ class EngineLauncher:
                             "engine start: the %s contender (pid %d) exited with code %s "
                             "before its ready line", name, c.proc.pid, c.proc.returncode,
                         )  # fmt: skip
+                        c.discard()
                         del running[name]
+                        if name == "warming_standby":
+                            zygote_failure = (
+                                f"forked an engine (pid {c.proc.pid}) that exited with code "
+                                f"{c.proc.returncode} before its ready line"
+                            )
+                if winner is None and not running:  # both dropped out: report the fresh one
+                    winner = "fresh_spawn"
                 if winner is None:
                     if time.monotonic() >= deadline:
-                        winner = "fresh_spawn" if "fresh_spawn" in running else "warming_standby"
+                        # nobody ready: a fork still running is reported, else the fresh spawn
+                        late = running.get("warming_standby")
+                        alone = late is not None and "fresh_spawn" not in running
+                        winner = "warming_standby" if alone else "fresh_spawn"
                         break
-                    next(iter(running.values())).pump.ready_event.wait(0.01)
+                    time.sleep(0.01)
         except BaseException:
-            for c in everyone.values():
-                c.discard()
+            for c in running.values():
+                if c is not None:
+                    c.discard()
+            pending.abandon()
             raise
         assert winner is not None
-        chosen = everyone[winner]
+        for name, c in running.items():
+            if name != winner and c is not None:
+                c.discard()
         if winner == "fresh_spawn":
-            why = (
-                f"exited with code {sb.proc.returncode} before its ready line"
-                if sb.proc.poll() is not None
-                else "was still importing and a fresh engine started next to it was ready first"
+            pending.abandon()
+            why = zygote_failure or (
+                "was still importing and a fresh engine started next to it was ready first"
             )
             self._fallback(f"the standby (pid {sb.proc.pid}) {why}")
-        for name, c in everyone.items():
-            if name != winner:
-                c.discard()
-        chosen.finalizer.detach()
-        self._proc = chosen.proc
-        self._pump = chosen.pump
-        self._watchdog = chosen.watchdog
-        self._finalizer = weakref.finalize(self, _reap, chosen.proc, [], chosen.watchdog)
+        # a fresh spawn that exited and dropped out is installed so that its exit is reported
+        chosen = running.get(winner) or fresh
+        self._install(chosen)
         if not chosen.pump.ready_event.is_set() and chosen.proc.poll() is None:
             # nobody was ready in time
             raise self._fail(
@@ -1257,17 +1582,16 @@ class EngineLauncher:
             )  # fmt: skip
         return winner
 
-    # ------------------------------------------------------------------ warm standby
     def _fallback(self, reason: str) -> None:
         self._standby_stats["fallbacks"] += 1
         self._last_fallback = reason
         log.info("engine start without its warm standby (fresh spawn): %s", reason)
 
     def _take_standby(self, spec: EngineSpec) -> _Standby | None:
-        """The idle standby that takes this start (the oldest ready one, else the oldest still
-        importing), removed from the pool; unusable ones are discarded. None (counted as a
-        fallback when a standby was expected) if none can."""
-        pool, self._standbys = self._standbys, []
+        """The zygote that takes this start (the oldest ready one, else the oldest still
+        importing); it stays in the pool (a fork does not consume it). Unusable ones are
+        discarded. None (counted as a fallback when a standby was expected) if none can."""
+        pool = list(self._standbys)
         if not pool:
             if spec.warm_standby and self._standby_wanted:
                 self._fallback("no standby was spawned yet")
@@ -1280,7 +1604,12 @@ class EngineLauncher:
             if not spec.warm_standby:
                 why = "warm_standby is off"
             elif not sb.alive():
-                why = f"the standby (pid {sb.proc.pid}) exited with code {sb.proc.returncode}"
+                code = sb.proc.poll()
+                why = (
+                    f"the standby (pid {sb.proc.pid}) exited with code {code}"
+                    if code is not None
+                    else f"the standby (pid {sb.proc.pid}) closed its control socket"
+                )
             elif sb.interpreter != spec.interpreter() or sb.module != spec.module:
                 why = "the interpreter or module changed since the standby was spawned"
             elif sb.env != env:
@@ -1292,42 +1621,17 @@ class EngineLauncher:
                 usable.append(sb)
             else:
                 reason = why
-                sb.discard()
+                self._drop_standby(sb)
         chosen = next((sb for sb in usable if sb.announced()), usable[0] if usable else None)
-        self._standbys = [sb for sb in usable if sb is not chosen]
         if chosen is None and spec.warm_standby:
             self._fallback(reason or "no standby alive")
         return chosen
 
-    def _launch_from_standby(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> bool:
-        """Hand ``cmd``'s arguments to ``sb``; False (standby discarded) if it is gone."""
-        if not self._handoff(sb, spec, cmd):
-            return False
-        sb.finalizer.detach()
-        self._proc = sb.proc
-        self._pump = sb.pump
-        self._watchdog = sb.watchdog
-        self._finalizer = weakref.finalize(self, _reap, sb.proc, [], sb.watchdog)
-        return True
-
-    def _handoff(self, sb: _Standby, spec: EngineSpec, cmd: list[str]) -> bool:
-        """Write the handoff line to ``sb``; False (standby discarded, fallback counted) if it
-        could not take it."""
-        env = spec.environment()
-        delta = {k: v for k, v in env.items() if sb.env.get(k) != v}
-        line = json.dumps({"argv": spec.engine_args(), "env": delta}) + "\n"
-        sb.pump.note(f"handoff: {' '.join(cmd)}")
-        stdin = sb.proc.stdin
-        try:
-            assert stdin is not None
-            stdin.write(line.encode("utf-8"))
-            stdin.flush()
-            stdin.close()
-        except (OSError, ValueError) as exc:
-            sb.discard()
-            self._fallback(f"the standby (pid {sb.proc.pid}) could not take the handoff: {exc}")
-            return False
-        return True
+    def _drop_standby(self, sb: _Standby) -> None:
+        """Remove ``sb`` from the pool and discard it (the spawner replaces it)."""
+        with contextlib.suppress(ValueError):
+            self._standbys.remove(sb)
+        sb.discard()
 
     def _schedule_standby(self) -> None:
         t = self._standby_thread
@@ -1360,7 +1664,7 @@ class EngineLauncher:
                 return None
             # The model directory whose classes the standby imports ahead: the launcher's first
             # one, which stays put; the current one may be a recovery export that is deleted
-            # while the standby imports (it would then import those classes only at handoff,
+            # while the standby imports (it would then import those classes only at the fork,
             # a second or more on CPU).
             base = self._base_model_path
             if base != spec.model_path and os.path.isdir(base):
@@ -1368,14 +1672,19 @@ class EngineLauncher:
             else:
                 cmd = spec.standby_command()
             env = spec.environment()
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            cmd += [FORK_SERVER_FLAG, str(theirs.fileno())]
             log_path = self._new_log("standby", cmd)
             try:
-                proc = _spawn_group(cmd, env, stdin=subprocess.PIPE)
+                proc = _spawn_group(cmd, env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
             except OSError as exc:
+                ours.close()
                 log.warning("cannot spawn a warm standby (%s): %s", " ".join(cmd), exc)
                 if threading.current_thread() is self._standby_thread:
                     self._standby_thread = None
                 return None
+            finally:
+                theirs.close()  # the zygote's end lives in the zygote only
             watchdog = (
                 _start_watchdog(spec.interpreter(), proc.pid) if spec.reap_on_parent_death else None
             )
@@ -1387,6 +1696,7 @@ class EngineLauncher:
                 interpreter=spec.interpreter(),
                 module=spec.module,
                 env=env,
+                link=_ZygoteLink(ours, proc.pid),
             )
             self._standbys.append(sb)
             self._standby_stats["spawned"] += 1
@@ -1406,7 +1716,7 @@ class EngineLauncher:
         self,
         reason: str,
         cmd: list[str],
-        proc: subprocess.Popen[bytes],
+        proc: _Proc,
         *,
         timeout: bool = False,
     ) -> EngineStartError:
@@ -1426,9 +1736,7 @@ class EngineLauncher:
             log_path=self._pump.log_path,
         )
 
-    def _wait_ready(
-        self, proc: subprocess.Popen[bytes], cmd: list[str], *, from_standby: bool = False
-    ) -> None:
+    def _wait_ready(self, proc: _Proc, cmd: list[str], *, from_standby: bool = False) -> None:
         spec = self._spec
         pump = self._pump
         assert pump is not None
@@ -1436,12 +1744,14 @@ class EngineLauncher:
         while not pump.ready_event.wait(0.05):
             if proc.poll() is not None:
                 pump.wait_eof(0.2)  # collect the last output lines
+                code = proc.returncode
                 if pump.ready is None:
-                    if from_standby and (pump.standby is None or proc.returncode < 0):
-                        # died before it took the handoff (or was killed): not the engine's fault
+                    if from_standby and code is not None and (code < 0 or code == EXIT_UNKNOWN):
+                        # killed (or its zygote vanished) before its ready line: not the
+                        # engine's fault
                         raise _StandbyLost(
-                            f"the standby (pid {proc.pid}) exited with code {proc.returncode} "
-                            "before it took the handoff"
+                            f"the engine forked by the standby (pid {proc.pid}) exited with "
+                            f"code {code} before its ready line"
                         )
                     raise self._fail(
                         f"engine exited with code {proc.returncode} before it was ready", cmd, proc
@@ -1489,7 +1799,7 @@ class EngineLauncher:
                 )
             time.sleep(0.1)
 
-    def _wait_http_ready(self, proc: subprocess.Popen[bytes], cmd: list[str], url: str) -> None:
+    def _wait_http_ready(self, proc: _Proc, cmd: list[str], url: str) -> None:
         """A real engine's readiness: poll ``/health``, then its info endpoint, until both
         answered 200, the process exits or ``spec.ready_timeout`` passes."""
         spec = self._spec
@@ -1576,7 +1886,7 @@ class EngineLauncher:
         http: httpx.Client,
         spec: EngineSpec,
         cmd: list[str],
-        proc: subprocess.Popen[bytes],
+        proc: _Proc,
         deadline: float,
     ) -> str:
         """vLLM 0.33.0 takes no weight version at start: ``POST /update_weight_version``
@@ -1776,7 +2086,7 @@ class EngineLauncher:
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
-    def _require_proc(self) -> subprocess.Popen[bytes]:
+    def _require_proc(self) -> _Proc:
         if self._proc is None:
             raise RuntimeError("engine is not running: call start() first")
         return self._proc

@@ -6,7 +6,7 @@ drives a real SGLang server and rollsafe's reference engine in its ``sglang`` di
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rollsafe.adapters.engines.base import HttpEngineClient
@@ -17,6 +17,7 @@ from rollsafe.adapters.engines.client import (
     PauseMode,
 )
 from rollsafe.adapters.engines.errors import EngineOperationFailed
+from rollsafe.adapters.engines.streaming import StreamDelta, stream_deltas
 
 
 def _finish_reason(meta: Mapping[str, Any]) -> str | None:
@@ -81,6 +82,20 @@ class SGLangClient(HttpEngineClient):
             finish_reason=_finish_reason(meta),
             meta_info=dict(meta),
         )
+
+    def generate_stream(
+        self,
+        input_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[StreamDelta]:
+        """POST ``/generate`` with ``stream: true`` once; yield each event's new tokens
+        (:mod:`~rollsafe.adapters.engines.streaming`). ``timeout`` bounds each wait for an event."""
+        body = _generate_body(input_ids, text, sampling_params)
+        body["stream"] = True
+        return stream_deltas(self._http, "/generate", body, timeout, "sglang")
 
     def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
         """POST ``/pause_generation`` {mode}."""

@@ -36,7 +36,7 @@ pinned contract (``rollsafe/adapters/engines/contracts/vllm-0.33.0.json``; check
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -53,6 +53,7 @@ from rollsafe.adapters.engines.errors import (
     EngineOperationFailed,
 )
 from rollsafe.adapters.engines.http import RetryPolicy
+from rollsafe.adapters.engines.streaming import StreamDelta, stream_deltas
 
 _SAMPLING_RENAMES = {
     "max_new_tokens": "max_tokens",
@@ -122,15 +123,8 @@ class VLLMClient(HttpEngineClient):
         vLLM reports the serving weights only when asked (``return_weight_versions``): as spans
         ``[{version, start, end}]`` over the generated tokens; ``weight_version`` is the last
         span's version (the one that produced the final token)."""
-        if (input_ids is None) == (text is None):
-            raise ValueError("generate needs exactly one of input_ids or text")
         path = "/v1/completions"
-        body: dict[str, Any] = to_vllm_sampling(sampling_params)
-        body["prompt"] = [int(t) for t in input_ids] if input_ids is not None else text
-        body.setdefault("return_token_ids", True)
-        body.setdefault("return_weight_versions", True)
-        if self.model is not None:
-            body.setdefault("model", self.model)
+        body = self._completion_body(input_ids, text, sampling_params)
         answer = self._post(path, body, timeout=timeout)
         choices = answer.get("choices") if isinstance(answer, Mapping) else None
         if not choices or not isinstance(choices[0], Mapping):
@@ -150,6 +144,37 @@ class VLLMClient(HttpEngineClient):
             finish_reason=None if reason is None else str(reason),
             meta_info=meta,
         )
+
+    def _completion_body(
+        self,
+        input_ids: Sequence[int] | None,
+        text: str | None,
+        sampling_params: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        if (input_ids is None) == (text is None):
+            raise ValueError("generate needs exactly one of input_ids or text")
+        body: dict[str, Any] = to_vllm_sampling(sampling_params)
+        body["prompt"] = [int(t) for t in input_ids] if input_ids is not None else text
+        body.setdefault("return_token_ids", True)
+        body.setdefault("return_weight_versions", True)
+        if self.model is not None:
+            body.setdefault("model", self.model)
+        return body
+
+    def generate_stream(
+        self,
+        input_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[StreamDelta]:
+        """POST ``/v1/completions`` with ``stream: true`` once (``return_token_ids``, so each
+        event carries its token ids); yield each event's new tokens. ``timeout`` bounds each
+        wait for an event."""
+        body = self._completion_body(input_ids, text, sampling_params)
+        body["stream"] = True
+        return stream_deltas(self._http, "/v1/completions", body, timeout, "vllm")
 
     def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
         """POST ``/pause?mode=`` (``abort`` -> abort, ``in_place`` -> keep, ``retract`` -> wait)."""

@@ -3,7 +3,8 @@
 Run it with ``python -m rollsafe.adapters.reference_engine --model-path DIR``; once serving it
 prints one line ``ROLLSAFE_READY {"url": ..., "pid": ..., "rank_pids": [...], ...}`` on stdout.
 ``--standby`` starts a warm standby instead: it imports everything, prints
-``ROLLSAFE_STANDBY {json}`` and waits for one handoff line on stdin (see ``__main__``).
+``ROLLSAFE_STANDBY {json}`` and waits for one handoff line on stdin (see ``__main__``), or, with
+``--fork-server-fd FD``, stays resident and forks engines on request (:mod:`.zygote`).
 Modules: :mod:`.tiny_model` (deterministic tiny Llama checkpoints), :mod:`.model` (one rank's
 shard), :mod:`.weights` (receiving side of weight updates), :mod:`.collective` (process groups),
 :mod:`.bootstrap` (how ranks start: fork after rank 0's imports on CPU, early spawn on CUDA; the
@@ -16,8 +17,7 @@ submodules (``bootstrap``, ``codec``, ``paths`` and ``errors`` never import them
 
 from __future__ import annotations
 
-__all__ = ["READY_PREFIX", "STANDBY_PREFIX"]
+# one definition for the engine and the launcher (each includes the separating space)
+from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
 
-READY_PREFIX = "ROLLSAFE_READY"
-#: First word of the line a warm standby (``--standby``) prints once its imports are done.
-STANDBY_PREFIX = "ROLLSAFE_STANDBY"
+__all__ = ["READY_PREFIX", "STANDBY_PREFIX"]

@@ -25,6 +25,12 @@ the same ``ROLLSAFE_READY`` line, with ``startup_s`` counted from the handoff,
 ``from_standby: true`` and ``standby: {"import_s", "idle_s"}``. The process stays
 single-threaded while it waits, so CPU ranks are still forked from it.
 
+Fork server (``--standby --fork-server-fd FD``, what ``EngineLauncher`` runs): the same imports
+and line (with ``"fork_server": true``), then the process stays resident and forks one engine
+per request read from ``FD`` instead of becoming the engine; each child runs ``main()`` as
+above (``standby`` also holds ``zygote_pid``). Protocol and why forking is safe:
+:mod:`.zygote`.
+
 The API key comes from ``--api-key-file PATH`` (the file's content, surrounding whitespace
 stripped) or the ``ROLLSAFE_API_KEY`` environment variable, so that it does not show in ``ps``;
 ``--api-key KEY`` is still accepted but visible to every user of the host.
@@ -59,6 +65,8 @@ from rollsafe.adapters.reference_engine.bootstrap import (
 )
 from rollsafe.adapters.reference_engine.errors import EngineError, StartupError
 from rollsafe.adapters.reference_engine.paths import check_dir
+from rollsafe.adapters.reference_engine.zygote import FORK_SERVER_FLAG
+from rollsafe.errors import RollsafeError
 
 EXIT_USAGE = 2
 EXIT_START = 3
@@ -67,6 +75,15 @@ STANDBY_FLAG = "--standby"
 _PACKAGE = "rollsafe.adapters.reference_engine"
 #: What start-up imports besides torch (``api`` modules are per dialect).
 _ENGINE_MODULES = ("aiohttp.web", "ranks", "engine", "faults", "server")
+#: What a start imports on its way (besides :data:`_ENGINE_MODULES`); a standby imports them
+#: ahead, best effort.
+_LAZY_MODULES = (
+    "checker_api",
+    "rollsafe.adapters.engines.contract",
+    "rollsafe.checksum",
+    "safetensors",
+    "safetensors.torch",
+)
 #: the environment variable an API key may come from (read once, then removed)
 API_KEY_ENV = "ROLLSAFE_API_KEY"
 
@@ -75,15 +92,22 @@ API_KEY_ENV = "ROLLSAFE_API_KEY"
 class StandbyStart:
     """How a start that came from a warm standby began (reported in the ready line)."""
 
-    handoff_at: float  # time.monotonic() when the handoff line was read
+    handoff_at: float  # time.monotonic() when the handoff line (or fork request) was read
     import_s: float  # the standby's imports
     idle_s: float  # from the standby line to the handoff
+    zygote_pid: int | None = None  # set when forked by a fork server (``--fork-server-fd``)
 
-    def as_dict(self) -> dict[str, float]:
-        return {"import_s": round(self.import_s, 3), "idle_s": round(self.idle_s, 3)}
+    def as_dict(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {
+            "import_s": round(self.import_s, 3),
+            "idle_s": round(self.idle_s, 3),
+        }
+        if self.zygote_pid is not None:
+            out["zygote_pid"] = self.zygote_pid
+        return out
 
 
-class HandoffError(ValueError):
+class HandoffError(RollsafeError, ValueError):
     """A warm standby's handoff line is malformed (the standby exits with ``EXIT_USAGE``)."""
 
 
@@ -417,7 +441,7 @@ async def serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the ready line: a stop right after it
         loop.add_signal_handler(sig, stop.set)  # is a graceful one
-    sys.stdout.write(f"{READY_PREFIX} {json.dumps(ready)}\n")
+    sys.stdout.write(f"{READY_PREFIX}{json.dumps(ready)}\n")
     sys.stdout.flush()
     await stop.wait()
     await runner.cleanup()
@@ -486,6 +510,15 @@ def parse_standby_args(argv: list[str]) -> argparse.Namespace:
         help="also import the transformers classes of this model's architecture (any directory "
         "with the same config.json architecture as the one handed off later)",
     )
+    p.add_argument(
+        FORK_SERVER_FLAG,
+        type=int,
+        default=None,
+        metavar="FD",
+        help="stay resident as a fork server ('zygote'): read fork requests from this AF_UNIX "
+        "SOCK_SEQPACKET descriptor instead of one handoff line from stdin (see the "
+        "reference_engine.zygote module)",
+    )
     return p.parse_args(argv)
 
 
@@ -500,6 +533,17 @@ def standby_imports(model_path: str | None = None) -> None:
         importlib.import_module(name if "." in name else f"{_PACKAGE}.{name}")
     importlib.import_module("tokenizers")
     importlib.import_module("transformers.models.auto.modeling_auto")
+    # what a start still imports lazily (a few hundred ms on CPU, paid by every fork otherwise):
+    # the HTTP contracts build_app checks requests against (parsed once per process), the
+    # weights loader and the checksum of the checker routes
+    for name in _LAZY_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name if "." in name else f"{_PACKAGE}.{name}")
+    with contextlib.suppress(Exception):
+        from rollsafe.adapters.engines.contract import load_contract
+
+        load_contract("sglang")
+        load_contract("vllm")
     if model_path:
         from rollsafe.adapters.reference_engine.model import load_config, model_class
 
@@ -513,6 +557,11 @@ def parse_handoff(line: str) -> tuple[list[str], dict[str, str]]:
         msg = json.loads(line)
     except ValueError as exc:
         raise HandoffError(f"not JSON ({exc}): {line[:200]!r}") from exc
+    return check_handoff(msg)
+
+
+def check_handoff(msg: object) -> tuple[list[str], dict[str, str]]:
+    """The ``(argv, env)`` of a decoded handoff (a line, or a fork server's request)."""
     if not isinstance(msg, dict):
         raise HandoffError(f"expected a JSON object, got {type(msg).__name__}")
     unknown = sorted(set(msg) - {"argv", "env"})
@@ -555,8 +604,12 @@ def standby_main(argv: list[str]) -> int:
         "python": sys.executable,
         "cuda_initialized": bool(cast(Any, torch.cuda).is_initialized()),
     }
-    sys.stdout.write(f"{STANDBY_PREFIX} {json.dumps(info)}\n")
+    if args.fork_server_fd is not None:
+        info["fork_server"] = True
+    sys.stdout.write(f"{STANDBY_PREFIX}{json.dumps(info)}\n")
     sys.stdout.flush()
+    if args.fork_server_fd is not None:
+        return _serve_forks(args.fork_server_fd, t0, announced)
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # EOF or an empty line: released without a start
@@ -573,6 +626,32 @@ def standby_main(argv: list[str]) -> int:
         handoff_at=handoff_at, import_s=announced - t0, idle_s=handoff_at - announced
     )
     return main(engine_argv, standby=start)
+
+
+def _serve_forks(fd: int, t0: float, announced: float) -> int:
+    """``--standby --fork-server-fd FD``: fork one engine per request (see :mod:`.zygote`)."""
+    import socket
+
+    from rollsafe.adapters.reference_engine.zygote import serve_forks
+
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        print(
+            f"rollsafe engine: error: {FORK_SERVER_FLAG} {fd}: {exc}", file=sys.stderr, flush=True
+        )
+        return EXIT_USAGE
+
+    def run(argv: list[str], handoff_at: float) -> int:
+        start = StandbyStart(
+            handoff_at=handoff_at,
+            import_s=announced - t0,
+            idle_s=handoff_at - announced,
+            zygote_pid=os.getppid(),
+        )
+        return main(argv, standby=start)
+
+    return serve_forks(sock, run, check_handoff, exit_fast)
 
 
 def exit_fast(code: int) -> NoReturn:

@@ -1,10 +1,9 @@
-"""Process groups of the reference engine: its own rank group and trainer weight-update groups.
+"""Process groups of the reference engine: its own rank group (:class:`RankGroup`).
 
-Owns how groups are built, never through the default ``torch.distributed`` group: every group is
-a standalone ``ProcessGroupGloo`` (CPU) or NCCL group over a ``PrefixStore`` so the engine can
-join several (its internal tensor-parallel group, one or more trainer groups) and leave them
-independently. :func:`open_weight_update_group` is the same call on the trainer (rank 0, store
-master) and on every engine rank, matching SGLang's ``init_weights_update_group`` semantics.
+Trainer weight-update groups (:func:`open_weight_update_group`, :class:`WeightUpdateGroup`) are
+shared with the trainer's transports and live in :mod:`rollsafe.wire.group`; they are
+re-exported here. Every group is a standalone group over a ``PrefixStore``, never the default
+``torch.distributed`` group, so the engine can join several and leave them independently.
 
 The engine's own :class:`RankGroup` is gloo by default, also on CUDA: its traffic is one logits
 row per decode step (and ``lm_head`` for checksums), so GPU tensors are copied to the host and
@@ -16,103 +15,23 @@ the tensors on the device.
 from __future__ import annotations
 
 import datetime
-import ipaddress
 from typing import Any
 
 import torch
 import torch.distributed
 
+# the weight-update group is shared with the trainer's transports: it lives in rollsafe.wire
+from rollsafe.wire.group import (
+    WeightUpdateGroup,
+    gloo_group,
+    is_loopback,
+    open_weight_update_group,
+)
+
 # torch stubs do not export the store/group classes; they exist at runtime
 dist: Any = torch.distributed
 
 __all__ = ["RankGroup", "WeightUpdateGroup", "is_loopback", "open_weight_update_group"]
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP literals."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _gloo(store: Any, rank: int, world_size: int, timeout_s: float, host: str | None) -> Any:
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(seconds=timeout_s)
-    if host is not None and is_loopback(host):
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    else:
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, rank, world_size, opts)
-
-
-def open_weight_update_group(
-    *,
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str = "gloo",
-    timeout_s: float = 120.0,
-    connect_timeout_s: float | None = None,
-) -> WeightUpdateGroup:
-    """Join (rank 0: create) a standalone weight-update process group; blocks until all join.
-
-    Rank 0 hosts the ``TCPStore`` on ``master_address:master_port``. Returns a process-group
-    :class:`WeightUpdateGroup`; ``broadcast(tensor, root)`` returns a ``Work`` (``.wait()``).
-    ``timeout_s`` bounds every collective of the group; ``connect_timeout_s`` (default
-    ``timeout_s``) the store connect and the rendezvous. The store does not always honour it
-    (a silent peer holds the connect for minutes): the engine calls this on a thread of its own
-    and enforces its deadline itself (``ranks.GroupJoin``).
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address,
-        int(master_port),
-        world_size,
-        is_master=(rank == 0),
-        timeout=datetime.timedelta(seconds=connect_timeout_s or timeout_s),
-        wait_for_workers=False,
-    )
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        pg = _gloo(prefixed, rank, world_size, timeout_s, master_address)
-    elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    else:
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    return WeightUpdateGroup(pg, store, group_name, backend)
-
-
-class WeightUpdateGroup:
-    """A weight-update process group plus its store (rank 0 hosts the store's server)."""
-
-    def __init__(self, pg: Any, store: Any, name: str, backend: str = "gloo") -> None:
-        self.pg = pg
-        self.store = store
-        self.name = name
-        self.backend = backend
-        #: the engine's id of the join that created it (``init_group_cancel`` matches it)
-        self.token: str | None = None
-
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Any:
-        """Start a broadcast from ``root``; returns the ``Work`` (call ``.wait()``)."""
-        return self.pg.broadcast(tensor, root)
-
-    def close(self) -> None:
-        try:
-            self.pg.abort()
-        except Exception:
-            pass
-        self.pg = None
-        self.store = None
 
 
 class RankGroup:
@@ -150,7 +69,7 @@ class RankGroup:
         self.store = store
         prefixed = dist.PrefixStore("rollsafe_engine_tp", self.store)
         if backend == "gloo":
-            self.pg = _gloo(prefixed, rank, world_size, timeout_s, "127.0.0.1")
+            self.pg = gloo_group(prefixed, rank, world_size, timeout_s, "127.0.0.1")
         elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = datetime.timedelta(seconds=timeout_s)

@@ -72,6 +72,9 @@ class GenerationResult:
     output_logprobs: list[float]
     weight_version: str
     latency_s: float
+    #: ``[{version, start, end}]`` over ``output_ids``: which weights produced which tokens (a
+    #: request retracted across a weight update spans two versions), as SGLang 0.5.23 reports
+    weight_spans: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +89,10 @@ class _Session:
     started: bool = False
     ended: bool = False  # the ranks' state of this session was dropped (driver thread only)
     t0: float = field(default_factory=time.monotonic)
+    #: (version, first output index) each time the serving weights changed under this session
+    spans: list[tuple[str, int]] = field(default_factory=list)
+    #: called on the driver thread with (token, weights version) after each sampled token
+    listener: Callable[[int, str], None] | None = None
 
 
 def sample_token(
@@ -237,8 +244,12 @@ class ReferenceEngine:
         rids: list[str | None],
         *,
         max_running: int | None = None,
+        listeners: list[Callable[[int, str], None] | None] | None = None,
     ) -> list[Future[GenerationResult]]:
         """Queue every prompt of a request, or none of them.
+
+        ``listeners`` (one per prompt, or None) are called on the driver thread with each
+        sampled token and the weights version that produced it (streaming); they must be quick.
 
         Every prompt is checked (:meth:`check_generate`) before any is queued, so one bad
         prompt is a :class:`BadRequest` and nothing of the batch runs. ``max_running`` caps
@@ -247,6 +258,8 @@ class ReferenceEngine:
         """
         if not len(prompts) == len(params) == len(rids):
             raise BadRequest("one sampling_params and rid per prompt")
+        if listeners is not None and len(listeners) != len(prompts):
+            raise BadRequest("one listener per prompt")
         for prompt, sp in zip(prompts, params, strict=True):
             self.check_generate(prompt, sp)
         if self._released:
@@ -256,12 +269,14 @@ class ReferenceEngine:
             )
         sessions: list[_Session] = []
         futs: list[Future[GenerationResult]] = []
-        for prompt, sp, rid in zip(prompts, params, rids, strict=True):
+        for i, (prompt, sp, rid) in enumerate(zip(prompts, params, rids, strict=True)):
             gen = torch.Generator()
             gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ())))
             fut: Future[GenerationResult] = Future()
             sid = f"{rid or 'req'}#{next(self._ids)}"
-            sessions.append(_Session(sid, list(prompt), sp, fut, gen))
+            sess = _Session(sid, list(prompt), sp, fut, gen)
+            sess.listener = listeners[i] if listeners is not None else None
+            sessions.append(sess)
             futs.append(fut)
         with self._cv:
             if self._failure is not None:
@@ -367,8 +382,13 @@ class ReferenceEngine:
         sess.started = True
         tok, lp = sample_token(logits, sess.params, sess.generator)
         self.tokens_generated += 1
+        version = self.weight_version
+        if not sess.spans or sess.spans[-1][0] != version:
+            sess.spans.append((version, len(sess.out)))
         sess.out.append(tok)
         sess.logprobs.append(lp)
+        if sess.listener is not None:
+            sess.listener(tok, version)
         p = sess.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
         if tok in stops and len(sess.out) >= p.min_new_tokens:
@@ -384,6 +404,7 @@ class ReferenceEngine:
             list(sess.logprobs),
             self.weight_version,
             time.monotonic() - sess.t0,
+            weight_spans(sess.spans, self.weight_version, len(sess.out)),
         )
 
     def _finish(
@@ -847,6 +868,18 @@ class ReferenceEngine:
     @property
     def update_in_progress(self) -> bool:
         return self._update_in_progress
+
+
+def weight_spans(changes: list[tuple[str, int]], current: str, n_out: int) -> list[dict[str, Any]]:
+    """``[{version, start, end}]`` over ``n_out`` output tokens from the (version, start) points
+    where the serving weights changed; no tokens yet: one empty span of ``current``."""
+    if not changes:
+        return [{"version": current, "start": 0, "end": n_out}]
+    ends = [start for _, start in changes[1:]] + [n_out]
+    return [
+        {"version": v, "start": start, "end": end}
+        for (v, start), end in zip(changes, ends, strict=True)
+    ]
 
 
 def _short_int(value: int) -> str:

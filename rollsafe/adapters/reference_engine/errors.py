@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rollsafe.errors import RollsafeError
+
 __all__ = [
     "BadRequest",
     "EngineBusy",
@@ -16,7 +18,7 @@ __all__ = [
 ]
 
 
-class EngineError(Exception):
+class EngineError(RollsafeError):
     """Base class; ``status`` is the HTTP status the server answers with."""
 
     status = 500

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +44,9 @@ import torch
 
 from rollsafe.adapters.reference_engine.errors import EngineUnavailable, WeightUpdateError
 from rollsafe.adapters.reference_engine.paths import check_dir
-from rollsafe.transports.bucket import dtype_name
-from rollsafe.transports.pipeline import copy_pairs
+from rollsafe.adapters.reference_engine.profiling import profile_line
+from rollsafe.wire.copy import copy_pairs
+from rollsafe.wire.dtypes import dtype_name
 
 __all__ = [
     "LM_HEAD",
@@ -231,7 +233,9 @@ class ShardedCausalLM:
                 t = t[self.row_start : self.row_end]
             staged[name] = self._placed(name, t, copy, prefix)
         if not allow_non_finite:
+            t0 = time.perf_counter()
             bad = non_finite_index(list(staged.values()))
+            profile_line("stage.finite_check", 0, time.perf_counter() - t0)
             if bad is not None:
                 name = list(staged)[bad]
                 raise WeightUpdateError(
@@ -419,20 +423,61 @@ def non_finite_index(tensors: list[torch.Tensor]) -> int | None:
             groups.setdefault((t.device, t.dtype), []).append(i)
     if not groups:
         return None
-    flags: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    flags: dict[torch.device, list[tuple[list[list[int]], torch.Tensor]]] = {}
     with torch.no_grad():
         for (device, _), idx in groups.items():
-            ok = _finite_by_norm([tensors[i] for i in idx])
-            flags.setdefault(device, []).append((idx, ok))
+            spans = _spans(tensors, idx)
+            ok = _finite_by_norm([view for view, _ in spans])
+            flags.setdefault(device, []).append(([members for _, members in spans], ok))
     bad: list[int] = []
     for per_device in flags.values():
         every = torch.cat([ok for _, ok in per_device])
         if bool(every.all()):  # the one host sync of this device
             continue
         got = every.cpu().tolist()
-        order = [i for idx, _ in per_device for i in idx]
-        bad.extend(i for i, fine in zip(order, got, strict=True) if not fine)
+        order = [members for spans, _ in per_device for members in spans]
+        for members, fine in zip(order, got, strict=True):
+            if fine:
+                continue
+            if len(members) == 1:
+                bad.extend(members)
+                continue
+            member_ok = _finite_by_norm([tensors[i] for i in members]).cpu().tolist()
+            bad.extend(i for i, f in zip(members, member_ok, strict=True) if not f)
     return min(bad) if bad else None
+
+
+def _spans(tensors: list[torch.Tensor], idx: list[int]) -> list[tuple[torch.Tensor, list[int]]]:
+    """The tensors ``idx`` (one device and dtype) as reduction inputs: contiguous tensors that
+    lie back to back in one storage (a flattened bucket's views, a flat trainer buffer's slices)
+    become one 1-D view spanning them, so hundreds of views are checked by one large reduction;
+    anything else stays on its own. Returns ``(view, member indices)`` pairs."""
+    out: list[tuple[torch.Tensor, list[int]]] = []
+    runs: list[tuple[torch.Tensor, list[int], int]] = []  # (first tensor, members, end address)
+    alone = [i for i in idx if not tensors[i].is_contiguous()]
+    chained = sorted((i for i in idx if tensors[i].is_contiguous()),
+                     key=lambda i: tensors[i].data_ptr())  # fmt: skip
+    for i in chained:
+        t = tensors[i]
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        if (
+            runs
+            and runs[-1][2] == start
+            and (runs[-1][0].untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
+        ):
+            first, members, _ = runs[-1]
+            runs[-1] = (first, [*members, i], end)
+        else:
+            runs.append((t, [i], end))
+    for first, members, end in runs:
+        if len(members) == 1:
+            out.append((first, members))
+            continue
+        numel = (end - first.data_ptr()) // first.element_size()
+        out.append((first.as_strided((numel,), (1,), first.storage_offset()), members))
+    out.extend((tensors[i], [i]) for i in alone)
+    return out
 
 
 def describe_non_finite(t: torch.Tensor) -> str:

@@ -92,14 +92,32 @@ class RankRuntime:
     :mod:`.bootstrap` for the start-up order.
     """
 
-    def __init__(self, opts: RankOptions, rank: int, group: RankGroup | None = None) -> None:
+    def __init__(
+        self,
+        opts: RankOptions,
+        rank: int,
+        group: RankGroup | None = None,
+        *,
+        clock: Any = None,
+    ) -> None:
+        """``clock`` (a :class:`~.bootstrap.StartupClock`, rank 0's) gets the load's phases:
+        ``cuda_init`` (CUDA context created), ``model_built``, ``weights_read`` (the HF files
+        read into host memory) and ``weights_loaded`` (staged onto the device, checked and
+        committed); the ready line reports them, which is how a recovery's restart is timed."""
         self.opts = opts
         self.rank = rank
         self.group = group
         check_rank_setup(opts)
         self.device = torch.device(rank_devices(opts)[rank])
+
+        def mark(phase: str) -> None:
+            if clock is not None:
+                clock.mark(phase)
+
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.empty(1, device=self.device)  # the context exists from here on
+            mark("cuda_init")
         config = load_config(opts.model_path)
         dtype = getattr(torch, opts.dtype) if opts.dtype else None
         self.model = ShardedCausalLM(
@@ -119,11 +137,13 @@ class RankRuntime:
         self.recv_buffers = ReceiveBuffers(pin=self.device.type == "cuda")
         self._recv_stream: Any = None
         self.shm_mappings = SharedMappings()
+        mark("model_built")
         if opts.load_format == "auto":
             # the start-up load serves what it is given, as upstream engines do; only weight
             # update requests refuse NaN / inf unless they opt in
-            self.op_stage_disk(opts.model_path, allow_non_finite=True)
+            self.op_stage_disk(opts.model_path, allow_non_finite=True, on_read=mark)
             self.op_commit()
+            mark("weights_loaded")
         elif opts.load_format != "dummy":
             raise WeightUpdateError(
                 f"load_format must be 'auto' or 'dummy', got {opts.load_format!r}"
@@ -198,12 +218,19 @@ class RankRuntime:
     # a refusal is a named :class:`WeightUpdateError` (every rank then discards), never a
     # :class:`RankFailure`, so bad data cannot fail a multi-rank engine. ``allow_non_finite``
     # lets NaN / inf through (see ``ShardedCausalLM.stage``).
-    def op_stage_disk(self, model_path: str, allow_non_finite: bool = False) -> None:
+    def op_stage_disk(
+        self,
+        model_path: str,
+        allow_non_finite: bool = False,
+        on_read: Callable[[str], None] | None = None,
+    ) -> None:
         check_model_path(model_path)
         try:
             named = read_checkpoint_dir(model_path, self.model.specs)
         except (OSError, ValueError) as exc:  # a file vanished or became unreadable mid-read
             raise WeightUpdateError(f"model_path {model_path!r}: cannot be read: {exc}") from exc
+        if on_read is not None:
+            on_read("weights_read")
         self._stage(named.items(), f"rank {self.rank}", allow_non_finite=allow_non_finite)
 
     def op_stage_tensor(self, entry: Any, allow_non_finite: bool = False) -> None:
@@ -610,7 +637,7 @@ class RankSet:
         self._conns = [c.conn for c in self._children]
         deadline = time.monotonic() + opts.start_timeout_s
         try:
-            self.local = RankRuntime(opts, 0)
+            self.local = RankRuntime(opts, 0, clock=clock)
             if clock is not None:
                 clock.mark("rank0_loaded")
             if self.world_size > 1:

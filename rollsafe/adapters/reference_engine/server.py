@@ -63,6 +63,7 @@ __all__ = [
     "read_json",
     "run_generate",
     "start_server",
+    "submit_checked",
 ]
 
 T = TypeVar("T")
@@ -392,6 +393,28 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def submit_checked(
+    ctx: ServerContext,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    rids: list[str | None],
+    listeners: list[Callable[[int, str], None] | None] | None = None,
+) -> list[Future[GenerationResult]]:
+    """Check the request limits (see :func:`run_generate`), then queue every prompt."""
+    limits = ctx.limits
+    check_prompt_count(ctx, len(prompts))
+    total = sum(sp.max_new_tokens for sp in params)
+    if total > limits.max_total_new_tokens:
+        raise LimitExceeded(
+            f"request asks for {_int(total)} new tokens in all (max_new_tokens summed over its "
+            f"{len(prompts)} prompts); the limit is {limits.max_total_new_tokens} "
+            "(--max-total-new-tokens)"
+        )
+    return ctx.engine.submit_batch(
+        prompts, params, rids, max_running=limits.max_concurrent_requests, listeners=listeners
+    )
+
+
 async def run_generate(
     ctx: ServerContext,
     prompts: list[list[int]],
@@ -405,18 +428,7 @@ async def run_generate(
     checks every prompt before queueing any. If the handler is cancelled (its client
     disconnected) or one prompt fails, the engine aborts the others at once.
     """
-    limits = ctx.limits
-    check_prompt_count(ctx, len(prompts))
-    total = sum(sp.max_new_tokens for sp in params)
-    if total > limits.max_total_new_tokens:
-        raise LimitExceeded(
-            f"request asks for {_int(total)} new tokens in all (max_new_tokens summed over its "
-            f"{len(prompts)} prompts); the limit is {limits.max_total_new_tokens} "
-            "(--max-total-new-tokens)"
-        )
-    futs = ctx.engine.submit_batch(
-        prompts, params, rids, max_running=limits.max_concurrent_requests
-    )
+    futs = submit_checked(ctx, prompts, params, rids)
     try:
         return list(await asyncio.gather(*(await_future(f) for f in futs)))
     except BaseException:

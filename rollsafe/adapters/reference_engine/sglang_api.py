@@ -30,6 +30,7 @@ from rollsafe.adapters.reference_engine.server import (
     run_generate,
     want,
 )
+from rollsafe.adapters.reference_engine.streaming import stream_generation
 from rollsafe.adapters.reference_engine.weights import parse_update_meta
 
 __all__ = ["routes"]
@@ -48,9 +49,7 @@ def _response(
         "finish_reason": res.finish_reason,
         "weight_version": res.weight_version,
         # SGLang 0.5.23: spans of the generated tokens per weights version that produced them
-        "weight_versions": [
-            {"version": res.weight_version, "start": 0, "end": len(res.output_ids)}
-        ],
+        "weight_versions": res.weight_spans,
         "e2e_latency": res.latency_s,
     }
     if logprobs:
@@ -64,7 +63,61 @@ def _response(
     }
 
 
-async def generate(request: web.Request) -> web.Response:
+class _StreamChunks:
+    """SGLang 0.5.23's ``/generate`` stream events with ``incremental_streaming_output`` off (its
+    default): every event carries the text and ``output_ids`` so far (cumulative), and
+    ``meta_info`` with the weights version serving now; ``weight_versions`` spans and the finish
+    reason come with the last event only."""
+
+    def __init__(self, ctx: ServerContext, rid: str | None, prompt_tokens: int) -> None:
+        self.ctx = ctx
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        self.out: list[int] = []
+
+    def _meta(self, version: str, finish: Any) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "finish_reason": finish,
+            "prompt_tokens": self.prompt_tokens,
+            "weight_version": version,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": len(self.out),
+            "cached_tokens": 0,
+        }
+
+    def token(self, token: int, version: str) -> dict[str, Any]:
+        self.out.append(token)
+        return {
+            "text": self.ctx.codec.decode(self.out),
+            "output_ids": list(self.out),
+            "meta_info": self._meta(version, None),
+        }
+
+    def final(self, result: GenerationResult) -> dict[str, Any]:
+        self.out = list(result.output_ids)
+        meta = self._meta(result.weight_version, result.finish_reason)
+        meta["weight_versions"] = result.weight_spans
+        meta["e2e_latency"] = result.latency_s
+        return {
+            "text": self.ctx.codec.decode(self.out),
+            "output_ids": list(self.out),
+            "meta_info": meta,
+        }
+
+    def error(self, exc: BaseException) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": str(exc),
+                "type": "invalid_request_error",
+                "code": getattr(exc, "status", 400),
+                "retryable": False,
+            }
+        }
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     body = await read_json(
         request,
@@ -80,9 +133,10 @@ async def generate(request: web.Request) -> web.Response:
             "return_text_in_logprobs",
         },
     )
-    if want(body, "stream", bool, False):
-        raise BadRequest("stream=true is not supported by the reference engine")
+    stream = bool(want(body, "stream", bool, False))
     prompts, batch = parse_prompts(ctx, body.get("text"), body.get("input_ids"))
+    if stream and batch:
+        raise BadRequest("stream=true takes one prompt in the reference engine (not a batch)")
     sp_raw = body.get("sampling_params") or {}
     if isinstance(sp_raw, dict):
         sp_list = [sp_raw] * len(prompts)
@@ -106,6 +160,12 @@ async def generate(request: web.Request) -> web.Response:
     else:
         raise BadRequest("'rid' must be a string or a list of strings")
     logprobs = bool(want(body, "return_logprob", bool, False))
+    if stream:
+        if logprobs:
+            raise BadRequest("return_logprob with stream=true is not supported by the reference "
+                             "engine")  # fmt: skip
+        renderer = _StreamChunks(ctx, rids[0], len(prompts[0]))
+        return await stream_generation(request, ctx, prompts[0], params[0], rids[0], renderer)
     results = await run_generate(ctx, prompts, params, rids)
     out = [_response(ctx, r, i, logprobs) for r, i in zip(results, rids, strict=False)]
     return web.json_response(out if batch else out[0])

@@ -29,13 +29,14 @@ from typing import Any
 
 from aiohttp import web
 
-from rollsafe.adapters.reference_engine.engine import SamplingParams
+from rollsafe.adapters.reference_engine.engine import GenerationResult, SamplingParams
 from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
     EnginePaused,
     WeightUpdateError,
 )
 from rollsafe.adapters.reference_engine.server import (
+    ServerContext,
     await_future,
     check_prompt_count,
     ctx_of,
@@ -46,6 +47,7 @@ from rollsafe.adapters.reference_engine.server import (
     run_generate,
     want,
 )
+from rollsafe.adapters.reference_engine.streaming import stream_generation
 from rollsafe.adapters.reference_engine.weights import parse_update_meta
 
 __all__ = ["WEIGHT_TRANSFER_GROUP", "routes"]
@@ -77,7 +79,80 @@ def _prompts(ctx: Any, prompt: Any) -> tuple[list[list[int]], bool]:
     raise BadRequest("'prompt' must be a string, a list of token ids, or a list of either")
 
 
-async def completions(request: web.Request) -> web.Response:
+_FINISH = {"stop": "stop", "length": "length"}
+
+
+class _StreamChunks:
+    """vLLM 0.33.0's ``/v1/completions`` stream events (``CompletionStreamResponse`` dumped with
+    ``exclude_unset``): one per token with the text and ``token_ids`` of that token only (deltas;
+    ``token_ids`` and, on the first event, ``prompt_token_ids`` only with ``return_token_ids``);
+    ``weight_versions`` (with ``return_weight_versions``) on the final event only."""
+
+    def __init__(
+        self, model: str, ctx: ServerContext, prompt: list[int], *, token_ids: bool, spans: bool
+    ) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.prompt = prompt
+        self.token_ids = token_ids
+        self.spans = spans
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.sent_prompt = False
+        self.sent = 0  # output tokens sent so far
+
+    def _chunk(self, text: str, ids: list[int], finish: str | None, stop: Any) -> dict[str, Any]:
+        prompt_ids = None
+        if self.token_ids and not self.sent_prompt:
+            prompt_ids, self.sent_prompt = self.prompt, True
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": stop,
+            "prompt_token_ids": prompt_ids,
+            "token_ids": ids if self.token_ids else None,
+            "weight_versions": None,
+        }
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "kv_transfer_params": None,
+        }
+
+    def token(self, token: int, version: str) -> dict[str, Any]:
+        self.sent += 1
+        return self._chunk(self.ctx.codec.decode([token]), [token], None, None)
+
+    def final(self, result: GenerationResult) -> dict[str, Any]:
+        kind = result.finish_reason["type"]
+        rest = result.output_ids[self.sent :]
+        self.sent += len(rest)
+        text = self.ctx.codec.decode(rest) if rest else ""
+        chunk = self._chunk(
+            text, rest, _FINISH.get(kind, "abort"), result.finish_reason.get("matched")
+        )
+        if self.spans:
+            chunk["choices"][0]["weight_versions"] = result.weight_spans
+        return chunk
+
+    def error(self, exc: BaseException) -> dict[str, Any]:
+        status = getattr(exc, "status", 500)
+        return {
+            "error": {
+                "message": str(exc),
+                "type": "BadRequestError" if status < 500 else "InternalServerError",
+                "param": None,
+                "code": status,
+            }
+        }
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     _refuse_while_paused(ctx)
     body = await read_json(
@@ -105,8 +180,7 @@ async def completions(request: web.Request) -> web.Response:
         },
         required=("prompt",),
     )
-    if want(body, "stream", bool, False):
-        raise BadRequest("stream=true is not supported by the reference engine")
+    stream = bool(want(body, "stream", bool, False))
     if want(body, "echo", bool, False):
         raise BadRequest("echo=true is not supported by the reference engine")
     prompts, _ = _prompts(ctx, body["prompt"])
@@ -129,6 +203,18 @@ async def completions(request: web.Request) -> web.Response:
     params = parse_sampling(sp, defaults=VLLM_DEFAULTS)
     logprobs = want(body, "logprobs", int, None)
     spans = want(body, "return_weight_versions", bool, False)
+    if stream:
+        if len(prompts) != 1 or body.get("n") not in (None, 1) or logprobs is not None:
+            raise BadRequest("stream=true takes one prompt, n=1 and no logprobs in the reference "
+                             "engine")  # fmt: skip
+        renderer = _StreamChunks(
+            body.get("model") or ctx.model_name,
+            ctx,
+            prompts[0],
+            token_ids=bool(want(body, "return_token_ids", bool, False)),
+            spans=spans,
+        )
+        return await stream_generation(request, ctx, prompts[0], params, None, renderer)
     results = await run_generate(ctx, prompts, [params] * len(prompts), [None] * len(prompts))
     choices = []
     for i, r in enumerate(results):
@@ -136,16 +222,14 @@ async def completions(request: web.Request) -> web.Response:
         choice: dict[str, Any] = {
             "index": i,
             "text": ctx.codec.decode(r.output_ids),
-            "finish_reason": {"stop": "stop", "length": "length"}.get(kind, "abort"),
+            "finish_reason": _FINISH.get(kind, "abort"),
             "stop_reason": r.finish_reason.get("matched"),
             "token_ids": r.output_ids,
             "prompt_token_ids": r.prompt_ids,
             "logprobs": None,
         }
         if spans:  # vLLM: [{version, start, end}] over the generated tokens
-            choice["weight_versions"] = [
-                {"version": r.weight_version, "start": 0, "end": len(r.output_ids)}
-            ]
+            choice["weight_versions"] = r.weight_spans
         if logprobs is not None:
             choice["logprobs"] = {
                 "tokens": [ctx.codec.decode([t], False) for t in r.output_ids],

@@ -5,7 +5,7 @@ Owns the sources a rank can stage weights from, each validated before anything i
 * :func:`read_checkpoint_dir` -- an HF directory (``save_pretrained`` output or a rollsafe HF
   export: ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + index);
 * :func:`decode_tensor_entry` -- one rank's ``serialized_named_tensors`` entry (shared memory
-  or CUDA IPC via :mod:`rollsafe.transports.bucket`), as views of the sender's memory;
+  or CUDA IPC via :mod:`rollsafe.wire.bucket`), as views of the sender's memory;
   :class:`SharedMappings` keeps the last few shared-memory buckets mapped so a sender that
   reuses its buffers is not re-mapped (and page-faulted) on every call;
 * :func:`receive_broadcast` -- tensors broadcast by rank 0 of a weight-update group, one flat
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -31,8 +30,9 @@ from rollsafe.adapters.reference_engine.errors import Unsupported, WeightUpdateE
 from rollsafe.adapters.reference_engine.model import ParamSpec
 from rollsafe.adapters.reference_engine.paths import check_dir, show_path
 from rollsafe.adapters.reference_engine.profiling import profile_line
-from rollsafe.transports.bucket import BucketFormatError, WireBucket, deserialize_payload
-from rollsafe.transports.bucket import packed_chunks as wire_chunks
+from rollsafe.wire.bucket import BucketFormatError, WireBucket, deserialize_payload
+from rollsafe.wire.bucket import packed_chunks as wire_chunks
+from rollsafe.wire.hf_index import INDEX_FILE, SINGLE_FILE, HFIndexError, weight_files
 
 __all__ = [
     "ReceiveBuffers",
@@ -50,8 +50,6 @@ __all__ = [
 
 UpdateMeta = list[tuple[str, tuple[int, ...], torch.dtype]]
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 def check_model_path(model_path: object) -> Path:
@@ -73,26 +71,15 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _find_weight_files(path: Path) -> list[Path]:
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise WeightUpdateError(f"{index}: unreadable index ({exc})") from exc
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise WeightUpdateError(f"{index}: 'weight_map' is empty or not an object")
-        files = sorted({str(f) for f in weight_map.values()})
-        for f in files:
-            if "/" in f or f.startswith("."):
-                raise WeightUpdateError(f"{index}: shard name {f!r} is not a plain file name")
-            if not (path / f).is_file():
-                raise WeightUpdateError(f"{index}: shard {f!r} listed in the index is missing")
-        return [path / f for f in files]
-    if (path / SINGLE_FILE).is_file():
-        return [path / SINGLE_FILE]
-    raise WeightUpdateError(
-        f"model_path {show_path(path)} has neither {SINGLE_FILE} nor {INDEX_FILE}"
-    )
+    try:
+        files = weight_files(path, shown=f"{show_path(path)}/{INDEX_FILE}")
+    except HFIndexError as exc:
+        raise WeightUpdateError(str(exc)) from exc
+    if files is None:
+        raise WeightUpdateError(
+            f"model_path {show_path(path)} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+        )
+    return files
 
 
 def read_checkpoint_dir(
@@ -319,7 +306,7 @@ def parse_update_meta(
     names: Any, dtypes: Any, shapes: Any, *, dtype_key: str = "dtypes"
 ) -> UpdateMeta:
     """Check the parallel ``names`` / ``dtypes`` / ``shapes`` lists of a distributed update."""
-    from rollsafe.transports.bucket import dtype_from_name
+    from rollsafe.wire.dtypes import dtype_from_name
 
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise WeightUpdateError("'names' must be a list of strings")
@@ -345,7 +332,7 @@ def parse_update_meta(
 
 def packed_chunks(meta: UpdateMeta, chunk_bytes: int | None) -> list[list[int]]:
     """Indices of ``meta`` per broadcast of a packed call: one chunk when ``chunk_bytes`` is
-    None (SGLang), else vLLM's packed rule (:func:`rollsafe.transports.bucket.packed_chunks`)."""
+    None (SGLang), else vLLM's packed rule (:func:`rollsafe.wire.bucket.packed_chunks`)."""
     sizes = [math.prod(shape) * torch.empty((), dtype=dt).element_size() for _, shape, dt in meta]
     return [list(range(a, b)) for a, b in wire_chunks(sizes, chunk_bytes)]
 

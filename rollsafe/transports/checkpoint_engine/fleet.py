@@ -48,12 +48,8 @@ from rollsafe.transports.base import (
     check_update_targets,
     named_tensor_list,
 )
-from rollsafe.transports.checkpoint_engine.transport import (
-    CheckpointEngineTransport,
-    UpdatePlan,
-    _bounded,
-    plan_update,
-)
+from rollsafe.transports.checkpoint_engine.planning import UpdatePlan, _bounded, plan_update
+from rollsafe.transports.checkpoint_engine.transport import CheckpointEngineTransport
 
 __all__ = [
     "FALLBACK_TRANSPORT",

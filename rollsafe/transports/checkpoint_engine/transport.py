@@ -1,4 +1,4 @@
-"""The ``checkpoint_engine`` transport core: MoonshotAI checkpoint-engine's ``ParameterServer``.
+"""The ``checkpoint_engine`` transport: MoonshotAI checkpoint-engine's ``ParameterServer``.
 
 One :class:`CheckpointEngineTransport` per trainer rank wraps one
 ``checkpoint_engine.ps.ParameterServer`` (0.4.2) that reuses the trainer's initialized
@@ -37,27 +37,23 @@ start leaves P2P off with the reason (:attr:`CheckpointEngineTransport.p2p_reaso
 
 ``checkpoint_engine`` is imported only when a transport is constructed; on a host without CUDA or
 Ascend, or without the package, construction raises :class:`CheckpointEngineUnavailable`.
-Everything except the parameter-server calls is plain Python and unit-tested on CPU.
+Everything except the parameter-server calls is plain Python, in one sibling module per concern
+(sharding, environment, experts, agreement, planning), and unit-tested on CPU; this module's
+``__all__`` re-exports their names as before the split.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import logging
 import math
-import os
-import re
-import socket
-import sys
-import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from rollsafe.statemachines import TransitionNotAllowed
 from rollsafe.transports.base import (
@@ -71,6 +67,53 @@ from rollsafe.transports.base import (
     check_update_targets,
     named_tensor_list,
 )
+
+# the plain-Python parts live in one module per concern; every name stays importable from here
+from rollsafe.transports.checkpoint_engine.agreement import (
+    _dist,
+    agree_store_address,
+    gather_rank_status,
+)
+from rollsafe.transports.checkpoint_engine.availability import (
+    checkpoint_engine_unavailable_reasons,
+    mooncake_available,
+)
+from rollsafe.transports.checkpoint_engine.environment import (
+    TCP_PLACEHOLDER_DEVICE,
+    P2PProtocol,
+    _hidden_modules,
+    p2p_environment,
+    scoped_env,
+)
+from rollsafe.transports.checkpoint_engine.errors import (
+    CheckpointEngineUnavailable,
+    ExpertGatherError,
+    KeyCoverageError,
+    P2PUnavailable,
+    ProcessGroupError,
+)
+from rollsafe.transports.checkpoint_engine.experts import (
+    ExpertGather,
+    _full_shape,
+    expert_signatures,
+    gather_expert_shards,
+)
+from rollsafe.transports.checkpoint_engine.planning import (
+    LocalResults,
+    UpdatePlan,
+    _bounded,
+    merge_rank_results,
+    plan_update,
+    socket_paths_for,
+)
+from rollsafe.transports.checkpoint_engine.sharding import (
+    KeyCoverage,
+    assign_files,
+    check_key_coverage,
+    partition_keys,
+    read_hf_index,
+)
+from rollsafe.wire.hf_index import HFIndex
 
 if TYPE_CHECKING:
     import torch
@@ -106,630 +149,13 @@ __all__ = [
     "socket_paths_for",
 ]
 
-INSTALL_HINT = "pip install 'rollsafe[ce]'"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-_MAX_LISTED = 10
-_MAX_REASON = 2048
 _GIB = 1 << 30
 DEFAULT_BUCKET = 8 * _GIB  # checkpoint-engine 0.4.2's own default cap (PS_MAX_BUCKET_SIZE_GB=8)
 DEFAULT_MEM_FRACTION = 0.9  # its default share of free device memory (PS_MEM_FRACTION=0.9)
-#: The device name put in ``PS_P2P_STORE_RDMA_DEVICES`` for P2P over TCP when none is set: it
-#: only passes checkpoint-engine's device detection (Mooncake's TCP transport uses no device).
-TCP_PLACEHOLDER_DEVICE = "tcp0"
-#: How P2P moves bytes: Mooncake over RDMA, or over TCP (``MC_FORCE_TCP=1``; no RDMA needed).
-P2PProtocol = Literal["rdma", "tcp"]
 
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------- errors
-class CheckpointEngineUnavailable(TransportError):
-    """checkpoint-engine cannot run here; ``reasons`` says why (package missing, no accelerator)."""
-
-    def __init__(self, reasons: Sequence[str]) -> None:
-        self.reasons: tuple[str, ...] = tuple(reasons)
-        super().__init__("checkpoint-engine transport unavailable: " + "; ".join(self.reasons))
-
-
-class P2PUnavailable(TransportError):
-    """A subset of ranks (or a targeted push) needs P2P (Mooncake, over RDMA or TCP) and P2P is
-    not usable.
-
-    Raised before any state changes; the fleet decides the fallback (broadcast to every rank at
-    the next sync, disk, another transport). ``ranks`` is the subset that was asked for.
-    """
-
-    def __init__(self, ranks: Sequence[int], world_size: int, reason: str) -> None:
-        self.ranks: tuple[int, ...] = tuple(ranks)
-        self.world_size = world_size
-        self.reason = reason
-        super().__init__(
-            f"checkpoint_engine: targets cover ranks {list(self.ranks)} of {world_size}, which "
-            f"needs P2P, and P2P is unavailable ({reason}); refusing to broadcast to every rank "
-            "instead: choose a fallback explicitly"
-        )
-
-
-class ProcessGroupError(TransportError):
-    """The trainer's torch.distributed default group is missing or cannot carry device tensors."""
-
-
-class KeyCoverageError(RegisterError):
-    """Registered keys do not cover the expected ones exactly (message names the keys)."""
-
-    def __init__(self, message: str, coverage: KeyCoverage) -> None:
-        self.coverage = coverage
-        super().__init__(message)
-
-
-class ExpertGatherError(RegisterError):
-    """Expert-parallel slices disagree across ranks (names, dtypes or shapes; message says)."""
-
-
-# ---------------------------------------------------------------------------------- availability
-def mooncake_available() -> bool:
-    """True when Mooncake (checkpoint-engine's optional P2P transfer engine) is installed."""
-    try:
-        return importlib.util.find_spec("mooncake") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _accelerator_reason() -> str | None:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard requirement of this transport
-        return "checkpoint-engine needs torch: torch is not installed"
-    npu = getattr(torch, "npu", None)
-    if npu is not None:
-        with contextlib.suppress(Exception):
-            if npu.is_available():
-                return None
-    if torch.cuda.is_available():
-        return None
-    return "checkpoint-engine needs CUDA or Ascend: torch.cuda.is_available() is False"
-
-
-def checkpoint_engine_unavailable_reasons() -> list[str]:
-    """Why checkpoint-engine cannot run in this process (empty when it can).
-
-    Checks the package without importing it unless it is installed (the import itself then has
-    to succeed) and the accelerator (CUDA or Ascend; the ``ParameterServer`` constructor raises
-    ``TypeError`` on a CPU-only host).
-    """
-    reasons: list[str] = []
-    if importlib.util.find_spec("checkpoint_engine") is None:
-        reasons.append(f"checkpoint_engine is not installed: {INSTALL_HINT}")
-    else:
-        try:
-            import checkpoint_engine.ps  # noqa: F401
-        except Exception as exc:
-            reasons.append(
-                f"checkpoint_engine is installed but cannot be imported "
-                f"({type(exc).__name__}: {exc}): {INSTALL_HINT}"
-            )
-    accel = _accelerator_reason()
-    if accel is not None:
-        reasons.append(accel)
-    return reasons
-
-
-# ---------------------------------------------------------------------------------- environment
-_ENV_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def scoped_env(values: Mapping[str, str | None]) -> Iterator[None]:
-    """Set (str) or unset (None) environment variables for the block; restore them exactly after.
-
-    A variable that was absent is removed again; one that was set gets its old value back, also
-    when the block raises. Serialized by a module lock, since ``os.environ`` is process-wide.
-    """
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in values}
-        try:
-            for k, v in values.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = str(v)
-            yield
-        finally:
-            for k, old in saved.items():
-                if old is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = old
-
-
-@contextlib.contextmanager
-def _hidden_modules(names: Sequence[str]) -> Iterator[None]:
-    """Make ``import NAME`` raise ImportError inside the block (restores ``sys.modules`` after)."""
-    missing = object()
-    saved = {n: sys.modules.get(n, missing) for n in names}
-    try:
-        for n in names:
-            sys.modules[n] = None  # type: ignore[assignment]
-        yield
-    finally:
-        for n, old in saved.items():
-            if old is missing:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = old  # type: ignore[assignment]
-
-
-def p2p_environment(
-    protocol: P2PProtocol | None,
-    rdma_devices: Sequence[str] | None = None,
-    transfer_timeout_s: float | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-) -> dict[str, str | None]:
-    """The variables to set (str) or clear (None) around the parameter server for ``protocol``.
-
-    ``"tcp"``: ``MC_FORCE_TCP=1`` and ``PS_P2P_STORE_RDMA_DEVICES`` = ``rdma_devices`` joined, else
-    the ambient value (``environ``, default ``os.environ``), else :data:`TCP_PLACEHOLDER_DEVICE`.
-    ``"rdma"``: the devices, and ``MC_FORCE_TCP`` cleared (an ambient one would silently turn
-    RDMA into TCP). None: nothing. ``transfer_timeout_s`` sets ``MC_TRANSFER_TIMEOUT`` (whole
-    seconds, at least 1) with either protocol.
-    """
-    env = os.environ if environ is None else environ
-    out: dict[str, str | None] = {}
-    if protocol is None:
-        return out
-    if protocol == "tcp":
-        out["MC_FORCE_TCP"] = "1"
-        devices = ",".join(rdma_devices) if rdma_devices else None
-        out["PS_P2P_STORE_RDMA_DEVICES"] = (
-            devices or env.get("PS_P2P_STORE_RDMA_DEVICES") or TCP_PLACEHOLDER_DEVICE
-        )
-    elif protocol == "rdma":
-        if not rdma_devices:
-            raise ValueError("P2P over RDMA needs rdma_devices")
-        out["MC_FORCE_TCP"] = None
-        out["PS_P2P_STORE_RDMA_DEVICES"] = ",".join(rdma_devices)
-    else:
-        raise ValueError(f"p2p protocol must be 'rdma' or 'tcp', got {protocol!r}")
-    if transfer_timeout_s is not None:
-        out["MC_TRANSFER_TIMEOUT"] = str(max(1, math.ceil(transfer_timeout_s)))
-    return out
-
-
-# ---------------------------------------------------------------------------------- sharding
-def partition_keys(sizes: Iterable[tuple[str, int]], world_size: int) -> list[list[str]]:
-    """Split keys over ``world_size`` ranks, balancing bytes; deterministic for the same input.
-
-    Largest first onto the least-loaded rank (ties: lower rank), keys in each share sorted.
-    Every rank computing this from the same (name, nbytes) list gets the same answer.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ordered = sorted(sizes, key=lambda kv: (-int(kv[1]), kv[0]))
-    names = [n for n, _ in ordered]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"duplicate keys in partition input: {dup[:_MAX_LISTED]}")
-    load = [0] * world_size
-    shares: list[list[str]] = [[] for _ in range(world_size)]
-    for name, nbytes in ordered:
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        shares[rank].append(name)
-        load[rank] += max(int(nbytes), 1)
-    return [sorted(s) for s in shares]
-
-
-def assign_files(file_sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
-    """Assign shard files to ranks, balancing bytes (same rule as :func:`partition_keys`)."""
-    return partition_keys(file_sizes.items(), world_size)
-
-
-@dataclass(frozen=True)
-class HFIndex:
-    """An HF safetensors directory: ``weight_map`` (key -> file) and each file's size in bytes."""
-
-    path: Path
-    weight_map: dict[str, str]
-    file_sizes: dict[str, int]
-
-    @property
-    def keys(self) -> list[str]:
-        return sorted(self.weight_map)
-
-    def files_of(self, names: Iterable[str]) -> list[Path]:
-        return [self.path / n for n in names]
-
-
-def read_hf_index(export_dir: str | Path) -> HFIndex:
-    """Read ``model.safetensors.index.json`` (or a single ``model.safetensors``) of a directory.
-
-    Raises :class:`RegisterError` naming the path when the index is unreadable, empty, names a
-    non-plain or missing shard file, or the directory holds neither layout.
-    """
-    path = Path(export_dir)
-    if not path.is_dir():
-        raise RegisterError(f"export dir {str(path)!r} is not a directory")
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise RegisterError(f"{index}: unreadable index ({exc})") from exc
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise RegisterError(f"{index}: 'weight_map' is empty or not an object")
-        sizes: dict[str, int] = {}
-        for key, fname in sorted(weight_map.items()):
-            if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
-                raise RegisterError(f"{index}: key {key!r} maps to {fname!r}, not a plain file")
-            if fname not in sizes:
-                if not (path / fname).is_file():
-                    raise RegisterError(f"{index}: shard {fname!r} (key {key!r}) is missing")
-                sizes[fname] = (path / fname).stat().st_size
-        return HFIndex(path, {str(k): str(v) for k, v in weight_map.items()}, sizes)
-    single = path / SINGLE_FILE
-    if single.is_file():
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(single), framework="pt") as f:
-                keys = list(f.keys())
-        except Exception as exc:
-            raise RegisterError(f"{single}: unreadable safetensors file ({exc})") from exc
-        if not keys:
-            raise RegisterError(f"{single}: holds no tensors")
-        return HFIndex(path, dict.fromkeys(keys, SINGLE_FILE), {SINGLE_FILE: single.stat().st_size})
-    raise RegisterError(f"{str(path)!r} has neither {INDEX_FILE} nor {SINGLE_FILE}")
-
-
-# ---------------------------------------------------------------------------------- key coverage
-def _listed(keys: Collection[str]) -> str:
-    ordered = sorted(keys)
-    head = ", ".join(repr(k) for k in ordered[:_MAX_LISTED])
-    more = len(ordered) - _MAX_LISTED
-    return f"[{head}{f', ... {more} more' if more > 0 else ''}]"
-
-
-@dataclass(frozen=True)
-class KeyCoverage:
-    """Registered keys against expected ones: what is missing (allowed or not), extra, doubled."""
-
-    missing: tuple[str, ...] = ()
-    allowed_missing: tuple[str, ...] = ()
-    extra: tuple[str, ...] = ()
-    duplicated: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return not (self.missing or self.extra or self.duplicated)
-
-    def describe(self) -> str:
-        """One line naming the offending keys (bounded); empty when ``ok``."""
-        parts = []
-        if self.missing:
-            parts.append(f"{len(self.missing)} missing key(s) {_listed(self.missing)}")
-        if self.extra:
-            parts.append(f"{len(self.extra)} extra key(s) {_listed(self.extra)}")
-        if self.duplicated:
-            parts.append(
-                f"{len(self.duplicated)} key(s) registered by several ranks "
-                f"{_listed(self.duplicated)}"
-            )
-        return "; ".join(parts)
-
-
-def check_key_coverage(
-    expected: Iterable[str],
-    registered: Iterable[str],
-    allow_missing_prefixes: Sequence[str] = ("mtp.",),
-) -> KeyCoverage:
-    """Compare keys like the registration guard does, keeping the names for the error message.
-
-    ``registered`` may repeat a key (one entry per rank that registered it): a repeat is
-    reported as ``duplicated``. Missing keys under ``allow_missing_prefixes`` are tolerated.
-    """
-    exp = set(expected)
-    seen: set[str] = set()
-    dup: set[str] = set()
-    for k in registered:
-        (dup if k in seen else seen).add(k)
-    prefixes = tuple(allow_missing_prefixes)
-    gone = exp - seen
-    allowed = {k for k in gone if prefixes and k.startswith(prefixes)}
-    return KeyCoverage(
-        missing=tuple(sorted(gone - allowed)),
-        allowed_missing=tuple(sorted(allowed)),
-        extra=tuple(sorted(seen - exp)),
-        duplicated=tuple(sorted(dup)),
-    )
-
-
-# ---------------------------------------------------------------------------------- collectives
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist
-
-
-def gather_rank_status(
-    ok: bool, error: str = "", *, group: Any = None
-) -> dict[int, tuple[bool, str]]:
-    """All-gather ``(ok, error)`` of every rank of ``group`` (None: default): ``{rank: ...}``."""
-    dist = _dist()
-    world = dist.get_world_size(group)
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, (bool(ok), str(error)[:_MAX_REASON]), group=group)
-    return {r: (bool(o[0]), str(o[1])) for r, o in enumerate(out)}
-
-
-def agree_store_address(
-    master_addr: str | None = None, store_port: int | None = None, *, group: Any = None
-) -> tuple[str, int]:
-    """The TCPStore address every parameter server connects to, agreed over the trainer group.
-
-    With both given, they are used as is (every rank must pass the same). Otherwise rank 0 picks
-    (its outbound IP, or 127.0.0.1 for a single rank; a free port) and broadcasts its choice.
-    Nothing is read from ``MASTER_ADDR``/``MASTER_PORT``.
-    """
-    if master_addr and store_port:
-        return master_addr, int(store_port)
-    dist = _dist()
-    world = dist.get_world_size(group)
-    choice: list[Any] = [None]
-    if dist.get_rank(group) == 0:
-        addr = master_addr or ("127.0.0.1" if world == 1 else _outbound_ip())
-        choice = [(addr, int(store_port) if store_port else _free_port(addr))]
-    if world > 1:
-        dist.broadcast_object_list(
-            choice, src=dist.get_global_rank(group, 0) if group else 0, group=group
-        )
-    addr, port = choice[0]
-    return str(addr), int(port)
-
-
-def _outbound_ip() -> str:
-    """The IP of the interface that routes outwards (no packet is sent), else the host's name IP."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-
-
-def _free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# ---------------------------------------------------------------------------------- expert gather
-@dataclass(frozen=True)
-class ExpertGather:
-    """How to rebuild full expert tensors from expert-parallel slices before registration.
-
-    ``is_expert(name)`` picks the tensors an EP rank holds only a slice of (fused experts, e.g.
-    ``...mlp.experts.w1`` of shape ``[local_experts, ...]``); the slices of the ranks of ``group``
-    (a torch.distributed group; None = the default group) are concatenated along ``dim`` in
-    group-rank order. Slices may be uneven along ``dim``; every other dimension and the dtype
-    must match, and every rank must hold the same expert names.
-    """
-
-    is_expert: Callable[[str], bool]
-    group: Any = None
-    dim: int = 0
-
-    @classmethod
-    def by_pattern(
-        cls, pattern: str = r"\.experts\.", group: Any = None, dim: int = 0
-    ) -> ExpertGather:
-        """Experts are the keys matching the regular expression ``pattern``."""
-        rx = re.compile(pattern)
-        return cls(lambda name: rx.search(name) is not None, group, dim)
-
-
-def expert_signatures(
-    items: Sequence[tuple[str, torch.Tensor]], spec: ExpertGather
-) -> dict[str, list[tuple[int, ...]]]:
-    """Collective: ``{expert name: [slice shape of each group rank]}``, validated across ranks.
-
-    Raises :class:`ExpertGatherError` naming the key and rank when ranks hold different expert
-    names, dtypes, or shapes that differ outside ``dim``.
-    """
-    dist = _dist()
-    local = [
-        (n, tuple(int(d) for d in t.shape), str(t.dtype)) for n, t in items if spec.is_expert(n)
-    ]
-    world = dist.get_world_size(spec.group)
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, local, group=spec.group)
-    names0 = [n for n, _, _ in every[0]]
-    for r, sig in enumerate(every):
-        names = [n for n, _, _ in sig]
-        if names != names0:
-            diff = sorted(set(names) ^ set(names0)) or names
-            raise ExpertGatherError(
-                f"expert gather: group rank {r} holds expert keys that differ from rank 0's "
-                f"(or are in another order): {_listed(diff)}"
-            )
-    out: dict[str, list[tuple[int, ...]]] = {}
-    for i, name in enumerate(names0):
-        shapes = [every[r][i][1] for r in range(world)]
-        dtypes = {every[r][i][2] for r in range(world)}
-        if len(dtypes) != 1:
-            raise ExpertGatherError(
-                f"expert gather: {name!r} has dtypes {sorted(dtypes)} across ranks"
-            )
-        s0 = shapes[0]
-        d = spec.dim if spec.dim >= 0 else spec.dim + len(s0)
-        if not 0 <= d < len(s0):
-            raise ExpertGatherError(f"expert gather: {name!r} of shape {s0} has no dim {spec.dim}")
-        for r, s in enumerate(shapes):
-            if len(s) != len(s0) or any(
-                a != b for j, (a, b) in enumerate(zip(s, s0, strict=True)) if j != d
-            ):
-                raise ExpertGatherError(
-                    f"expert gather: {name!r} on group rank {r} has shape {s}, incompatible with "
-                    f"rank 0's {s0} outside dim {d}"
-                )
-        out[name] = shapes
-    return out
-
-
-def _full_shape(shapes: Sequence[tuple[int, ...]], dim: int) -> tuple[int, ...]:
-    s0 = list(shapes[0])
-    d = dim if dim >= 0 else dim + len(s0)
-    s0[d] = sum(s[d] for s in shapes)
-    return tuple(s0)
-
-
-def gather_expert_shards(
-    items: Sequence[tuple[str, torch.Tensor]],
-    spec: ExpertGather,
-    *,
-    keep: Callable[[str], bool] | None = None,
-    signatures: Mapping[str, Sequence[tuple[int, ...]]] | None = None,
-) -> list[tuple[str, torch.Tensor]]:
-    """Collective over ``spec.group``: replace each expert slice by the full tensor.
-
-    Every rank takes part in every gather; a rank keeps a gathered tensor only when
-    ``keep(name)`` (default: all), so a rank that does not register that key frees it at once.
-    Non-expert items pass through unchanged. ``signatures`` (from :func:`expert_signatures`)
-    saves the metadata exchange when the caller already has it.
-    """
-    import torch
-
-    dist = _dist()
-    sigs = signatures if signatures is not None else expert_signatures(items, spec)
-    world = dist.get_world_size(spec.group)
-    out: list[tuple[str, torch.Tensor]] = []
-    for name, t in items:
-        if name not in sigs:
-            out.append((name, t))
-            continue
-        shapes = sigs[name]
-        d = spec.dim if spec.dim >= 0 else spec.dim + t.dim()
-        sizes = [s[d] for s in shapes]
-        width = max(sizes)
-        src = t.contiguous()
-        if t.shape[d] != width:  # uneven split: pad to the widest slice, trim after
-            padded_shape = list(t.shape)
-            padded_shape[d] = width
-            src = t.new_zeros(padded_shape)
-            src.narrow(d, 0, t.shape[d]).copy_(t)
-        parts = [torch.empty_like(src) for _ in range(world)]
-        dist.all_gather(parts, src, group=spec.group)
-        if keep is None or keep(name):
-            full = torch.cat([p.narrow(d, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=d)
-            out.append((name, full))
-        del parts, src
-    return out
-
-
-# ---------------------------------------------------------------------------------- update planning
-@dataclass(frozen=True)
-class UpdatePlan:
-    """How one update runs: ``broadcast`` to every rank, or ``p2p`` to ``ranks`` only."""
-
-    mode: Literal["broadcast", "p2p"]
-    ranks: tuple[int, ...] | None
-
-    @property
-    def ps_ranks(self) -> list[int] | None:
-        """The ``ranks=`` argument of ``ParameterServer.update`` (None means broadcast)."""
-        return None if self.ranks is None else list(self.ranks)
-
-
-def plan_update(
-    target_ranks: Sequence[Sequence[int]],
-    world_size: int,
-    *,
-    p2p_available: bool,
-    p2p_reason: str = "mooncake is not installed",
-    force_p2p: bool = False,
-) -> UpdatePlan:
-    """Broadcast when the targets cover every rank; P2P for a subset if usable; else refuse.
-
-    With ``force_p2p`` the plan is P2P to the targets' ranks even when they cover every rank (a
-    world of one included): a targeted push exercises P2P, never a broadcast. Targets are
-    assumed valid (the registration machine's guard checks them first). Raises
-    :class:`P2PUnavailable` when P2P is needed and unusable: never a silent broadcast.
-    """
-    union = sorted({int(r) for group in target_ranks for r in group})
-    bad = [r for r in union if not 0 <= r < world_size]
-    if bad:
-        raise TransportError(f"checkpoint_engine: target ranks {bad} out of range(0, {world_size})")
-    if union == list(range(world_size)) and not force_p2p:
-        return UpdatePlan("broadcast", None)
-    if not p2p_available:
-        raise P2PUnavailable(union, world_size, p2p_reason)
-    return UpdatePlan("p2p", tuple(union))
-
-
-def socket_paths_for(socket_paths: Sequence[Sequence[str]], ranks: Iterable[int]) -> dict[str, str]:
-    """``{device uuid: zmq socket path}`` of ``ranks``, from the list ``req_func`` receives.
-
-    checkpoint-engine calls ``req_func(socket_paths)`` with one ``(device_uuid, "ipc://...")``
-    pair per parameter-server rank, in rank order; an engine's workers each pick their device's
-    entry, so a target gets exactly the entries of its ranks.
-    """
-    out: dict[str, str] = {}
-    for r in ranks:
-        if not 0 <= r < len(socket_paths):
-            raise TransportError(
-                f"checkpoint_engine: rank {r} has no socket path ({len(socket_paths)} ranks known)"
-            )
-        uuid, path = socket_paths[r]
-        out[str(uuid)] = str(path)
-    return out
-
-
-LocalResults = dict[str, tuple[bool, str, float]]
-
-
-def merge_rank_results(
-    gathered: Sequence[tuple[Mapping[str, tuple[bool, str, float]], str | None]],
-    targets: Sequence[EngineTarget],
-    *,
-    nbytes: int = 0,
-) -> dict[str, TargetResult]:
-    """Map what every rank saw into one result per target.
-
-    ``gathered[rank]`` is ``(results this rank posted, error of its ParameterServer.update or
-    None)``; a target's own result comes from its lowest rank (the one that posted it). A failed
-    collective fails every target (the broadcast is all or nothing; an engine may hold a partial
-    update), keeping the target's own reason first when it has one.
-    """
-    errors = {r: e for r, (_, e) in enumerate(gathered) if e}
-    collective = (
-        "ParameterServer.update failed on rank(s) "
-        + ", ".join(f"{r}: {e}" for r, e in sorted(errors.items()))
-        if errors
-        else ""
-    )
-    out: dict[str, TargetResult] = {}
-    for t in targets:
-        poster = min(t.ranks)
-        own = gathered[poster][0].get(t.name) if poster < len(gathered) else None
-        if own is None:
-            reason = "the engine was never asked to load (update aborted before its request)"
-            if collective:
-                reason += f"; {collective}"
-            out[t.name] = TargetResult(t.name, False, _bounded(reason))
-            continue
-        ok, reason, seconds = own
-        if collective:
-            reason = f"{reason}; {collective}" if reason else collective
-            ok = False
-        out[t.name] = TargetResult(t.name, ok, _bounded(reason), seconds, nbytes if ok else 0)
-    return out
-
-
-def _bounded(text: str) -> str:
-    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
-
-
-# ---------------------------------------------------------------------------------- transport
 @dataclass
 class _Staged:
     """What this rank has registered in its parameter server."""

@@ -1,0 +1,255 @@
+"""Streaming generation: read an engine's server-sent events as normalized token deltas.
+
+Owns the client side of ``stream: true`` for both dialects (facts from the pinned wheels;
+docs/engines.md, "Streaming", lists them with their source files):
+
+=====================  ===========================================  ==========================
+                       SGLang 0.5.23 ``POST /generate``             vLLM 0.33.0
+                                                                    ``POST /v1/completions``
+=====================  ===========================================  ==========================
+framing                ``data: <json>\\n\\n`` per event, ``data: [DONE]\\n\\n`` last (both)
+tokens per event       ``output_ids`` so far (cumulative: the        ``choices[0].token_ids``:
+                       server default ``incremental_streaming_       this event's tokens only
+                       output=False``)                              (with ``return_token_ids``)
+serving version        ``meta_info.weight_version`` on every event  none until the end
+spans of versions      ``meta_info.weight_versions`` on the last    ``weight_versions`` on the
+                       event                                        last event (when asked)
+finish                 ``meta_info.finish_reason`` (``{type}``)     ``finish_reason`` (string)
+error after the start  ``data: {"error": {message, code, ...}}``    ``data: {"error": {...}}``
+=====================  ===========================================  ==========================
+
+:func:`read_events` turns an HTTP response into JSON events; :class:`SGLangDeltas` and
+:class:`VLLMDeltas` turn events into :class:`StreamDelta` (new tokens only, never a token twice:
+a cumulative event that does not extend what was already received is a
+:class:`StreamProtocolError`). A stream that ends without a finished event (the engine died, the
+connection dropped) raises :class:`EngineUnavailable` after the deltas already yielded, so the
+caller keeps every token it saw.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from rollsafe.adapters.engines.errors import (
+    EngineError,
+    EngineRequestError,
+    EngineTimeout,
+    EngineUnavailable,
+)
+from rollsafe.adapters.engines.http import HttpTransport, _read_bounded
+
+__all__ = [
+    "SGLangDeltas",
+    "StreamDelta",
+    "StreamProtocolError",
+    "VLLMDeltas",
+    "WeightSpan",
+    "read_events",
+    "stream_deltas",
+]
+
+#: the data of the event that ends every stream
+DONE = "[DONE]"
+#: an event longer than this is refused (a stream is never a way to exhaust the router's memory)
+MAX_EVENT_BYTES = 64 << 20
+
+
+class StreamProtocolError(EngineError):
+    """An engine's event stream broke the dialect's contract (bad JSON, a cumulative event that
+    does not extend the tokens already received, an event past ``[DONE]``)."""
+
+    def __init__(self, url: str, path: str, reason: str) -> None:
+        self.url, self.path, self.reason = url, path, reason
+        super().__init__(f"engine {url} sent a malformed stream on {path}: {reason}")
+
+
+@dataclass(frozen=True)
+class WeightSpan:
+    """Output tokens ``[start, end)`` were produced by weights ``version`` (engine's string)."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What one event added: ``token_ids`` new since the previous event, their ``text``, the
+    serving ``weight_version`` when the event says (SGLang: every event; vLLM: the last), and
+    on the last event ``finished``, ``finish_reason`` and the ``spans`` over the whole output."""
+
+    token_ids: tuple[int, ...]
+    text: str = ""
+    weight_version: str | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    spans: tuple[WeightSpan, ...] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+def read_events(
+    transport: HttpTransport, path: str, body: Mapping[str, Any], timeout: float | None
+) -> Iterator[dict[str, Any]]:
+    """POST ``body`` and yield each JSON event of the answer until ``data: [DONE]``.
+
+    An HTTP error status is :class:`EngineRequestError`; a connection that fails or ends before
+    ``[DONE]`` is :class:`EngineUnavailable` (:class:`EngineTimeout` when no byte came within
+    ``timeout``); an ``{"error": ...}`` event is :class:`EngineRequestError` with its code.
+    """
+    url = transport.url
+    if transport.closed:
+        raise EngineUnavailable(url, path, "client is closed")
+    call_timeout = transport.timeout if timeout is None else timeout
+    client = transport._client  # the transport's pool (its auth header, its limits)
+    try:
+        request = client.build_request("POST", path, json=dict(body), timeout=call_timeout)
+        response = client.send(request, stream=True)
+    except httpx.TimeoutException as exc:
+        raise EngineTimeout(url, path, f"no answer within {call_timeout}s") from exc
+    except (httpx.TransportError, RuntimeError) as exc:
+        raise EngineUnavailable(url, path, f"{type(exc).__name__}: {exc}") from exc
+    try:
+        if response.status_code >= 400:
+            raise EngineRequestError(url, path, response.status_code, _read_bounded(response))
+        data: list[str] = []
+        size = 0
+        try:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    chunk = line[5:].lstrip(" ")
+                    size += len(chunk)
+                    if size > MAX_EVENT_BYTES:
+                        raise StreamProtocolError(url, path, "event larger than 64 MiB")
+                    data.append(chunk)
+                    continue
+                if line or not data:
+                    continue  # comments, other fields, keep-alive blank lines
+                text, data, size = "\n".join(data), [], 0
+                if text == DONE:
+                    return
+                yield _event(url, path, text)
+        except httpx.TimeoutException as exc:
+            raise EngineTimeout(url, path, f"no event within {call_timeout}s") from exc
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(
+                url, path, f"stream broke: {type(exc).__name__}: {exc}"
+            ) from exc
+        if data and "\n".join(data) == DONE:
+            return
+        raise EngineUnavailable(url, path, "stream ended before data: [DONE]")
+    finally:
+        response.close()
+
+
+def _event(url: str, path: str, text: str) -> dict[str, Any]:
+    try:
+        event = json.loads(text)
+    except ValueError as exc:
+        raise StreamProtocolError(url, path, f"event is not JSON: {text[:80]!r}") from exc
+    if not isinstance(event, dict):
+        raise StreamProtocolError(url, path, f"event is not an object: {text[:80]!r}")
+    error = event.get("error")
+    if error is not None:
+        message = error.get("message") if isinstance(error, Mapping) else error
+        code = error.get("code") if isinstance(error, Mapping) else None
+        status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        raise EngineRequestError(url, path, status, f"error in stream: {message}")
+    return event
+
+
+def _spans(raw: Any) -> tuple[WeightSpan, ...]:
+    if not isinstance(raw, Sequence):
+        return ()
+    out: list[WeightSpan] = []
+    for item in raw:
+        if isinstance(item, Mapping):
+            out.append(WeightSpan(str(item["version"]), int(item["start"]), int(item["end"])))
+        elif isinstance(item, Sequence) and len(item) == 3:  # msgspec array_like form
+            out.append(WeightSpan(str(item[0]), int(item[1]), int(item[2])))
+    return tuple(out)
+
+
+class SGLangDeltas:
+    """SGLang events (cumulative ``output_ids`` and ``text``) -> :class:`StreamDelta`."""
+
+    def __init__(self, url: str, path: str) -> None:
+        self.url, self.path = url, path
+        self.ids: list[int] = []
+        self.text = ""
+
+    def __call__(self, event: Mapping[str, Any]) -> StreamDelta:
+        ids = [int(t) for t in event.get("output_ids") or []]
+        n = len(self.ids)
+        if len(ids) < n or ids[:n] != self.ids:
+            raise StreamProtocolError(
+                self.url, self.path,
+                f"cumulative output_ids ({len(ids)}) do not extend the {n} already received",
+            )  # fmt: skip
+        new = ids[n:]
+        self.ids = ids
+        text = event.get("text")
+        delta_text = ""
+        if isinstance(text, str):
+            delta_text = text[len(self.text) :] if text.startswith(self.text) else text
+            self.text = text
+        meta = event.get("meta_info") or {}
+        reason = meta.get("finish_reason")
+        kind = reason.get("type") if isinstance(reason, Mapping) else reason
+        version = meta.get("weight_version")
+        return StreamDelta(
+            tuple(new),
+            delta_text,
+            None if version is None else str(version),
+            finished=reason is not None,
+            finish_reason=None if kind is None else str(kind),
+            spans=_spans(meta.get("weight_versions")),
+            meta=dict(meta),
+        )
+
+
+class VLLMDeltas:
+    """vLLM completion events (``token_ids`` per event) -> :class:`StreamDelta`."""
+
+    def __init__(self, url: str, path: str) -> None:
+        self.url, self.path = url, path
+
+    def __call__(self, event: Mapping[str, Any]) -> StreamDelta:
+        choices = event.get("choices") or []
+        if not choices:  # the usage-only event (stream_options.include_usage)
+            return StreamDelta((), meta={k: v for k, v in event.items() if k != "choices"})
+        choice = choices[0]
+        if not isinstance(choice, Mapping):
+            raise StreamProtocolError(self.url, self.path, "choice is not an object")
+        raw = choice.get("token_ids")
+        if raw is None and choice.get("text"):
+            raise StreamProtocolError(
+                self.url, self.path, "event has text but no token_ids (return_token_ids unset?)"
+            )
+        reason = choice.get("finish_reason")
+        spans = _spans(choice.get("weight_versions"))
+        return StreamDelta(
+            tuple(int(t) for t in raw or []),
+            str(choice.get("text") or ""),
+            spans[-1].version if spans else None,
+            finished=reason is not None,
+            finish_reason=None if reason is None else str(reason),
+            spans=spans,
+        )
+
+
+def stream_deltas(
+    transport: HttpTransport,
+    path: str,
+    body: Mapping[str, Any],
+    timeout: float | None,
+    dialect: str,
+) -> Iterator[StreamDelta]:
+    """:func:`read_events` through the dialect's delta reader."""
+    reader = (SGLangDeltas if dialect == "sglang" else VLLMDeltas)(transport.url, path)
+    for event in read_events(transport, path, body, timeout):
+        yield reader(event)

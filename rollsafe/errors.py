@@ -1,0 +1,96 @@
+"""One root for every rollsafe exception: ``except RollsafeError`` catches any of them.
+
+Owns :class:`RollsafeError`, the errors of the wire layer (which sits below everything else)
+and :class:`MissingExtra`. Every other exception class stays in the module that raises it and
+derives from :class:`RollsafeError` (directly or through its layer's root), keeping the
+built-in base callers already catch (``ValueError``, ``RuntimeError``, ``KeyError``,
+``TimeoutError``, python-statemachine's ``TransitionNotAllowed``). Imports nothing but the
+standard library.
+
+The tree (other bases in brackets, then where the class lives)::
+
+    RollsafeError
+    ├── MissingExtra [ImportError]                    rollsafe.errors
+    ├── BucketFormatError [ValueError]                rollsafe.errors (wire)
+    ├── HFIndexError [ValueError]                     rollsafe.wire.hf_index
+    ├── UnsafePayload [ValueError]                    rollsafe.wire.unpickle
+    ├── SegmentError [ValueError]                     rollsafe.wire.shm
+    ├── DeadlineExceeded [TimeoutError]               rollsafe.concurrency
+    ├── TransitionRefused [TransitionNotAllowed]      rollsafe.statemachines
+    │   └── MissingGuardInput [ValueError]
+    ├── GuardInputMissing [ValueError]                rollsafe.statemachines
+    ├── LeaseError [RuntimeError]                     rollsafe.statemachines.export
+    ├── TransportError [RuntimeError]                 rollsafe.transports
+    │   ├── RegisterError
+    │   │   └── KeyCoverageError, ExpertGatherError   (checkpoint_engine)
+    │   ├── StaleRegistration
+    │   └── CheckpointEngineUnavailable, P2PUnavailable, ProcessGroupError
+    ├── HFExportError                                 rollsafe.hf
+    │   ├── ExportInputError [ValueError]
+    │   │   └── EmptyExport, DuplicateTensorName, NotATensor, UnsupportedTensor
+    │   ├── ExportExists, ExportBusy, ExportVerificationError
+    │   ├── ExportFailed
+    │   │   └── ExportAbandoned
+    │   └── UnknownExport [KeyError]
+    ├── BadJSON [ValueError]                          rollsafe.hf.safejson
+    ├── WriteAborted                                  rollsafe.hf.writer
+    ├── EngineError                                   rollsafe.adapters.engines (clients)
+    │   ├── EngineUnavailable
+    │   │   └── EngineTimeout
+    │   ├── EngineRequestError
+    │   │   └── EngineOperationFailed
+    │   ├── EngineNotSupported
+    │   ├── StreamProtocolError                     (adapters.engines.streaming)
+    │   └── EngineStartError
+    │       └── EngineStartTimeout
+    ├── ContractError [ValueError]                    rollsafe.adapters.engines.contract
+    ├── EngineError                                   rollsafe.adapters.reference_engine (server)
+    │   ├── BadRequest
+    │   │   └── LimitExceeded, WeightUpdateError, Unsupported
+    │   ├── RequestTimeout, StartupError
+    │   └── EngineUnavailable
+    │       └── EngineBusy, EnginePaused, RankFailure
+    ├── HandoffError [ValueError]                     rollsafe.adapters.reference_engine
+    ├── FleetError                                    rollsafe.fleet
+    │   ├── UnknownGroup [KeyError]
+    │   ├── DuplicateGroup, OverlappingRanks, FleetVersionRegression [ValueError]
+    │   ├── FleetConfigError [ValueError], FleetNotStarted [RuntimeError]
+    │   ├── RouterError
+    │   │   └── NoRoutableGroup, RequestFailed
+    │   │                          └── ContinuationFailed
+    │   ├── SyncError
+    │   │   └── SyncVersionError [ValueError]
+    │   └── RecoveryError
+    │       └── RecoveryClosed, StepTimeout [TimeoutError]
+    ├── RunFileError [ValueError]                     rollsafe.observe.runfile
+    ├── DiagramCheckError [RuntimeError]              rollsafe.diagrams
+    └── TrainerError [RuntimeError]                   rollsafe.demo_trainer
+
+``tests/test_errors.py`` imports every module and fails on a public exception class outside
+this tree.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BucketFormatError", "MissingExtra", "RollsafeError"]
+
+
+class RollsafeError(Exception):
+    """Base class of every exception rollsafe raises on purpose."""
+
+
+class MissingExtra(RollsafeError, ImportError):
+    """An optional dependency is not installed; the message names the extra that provides it."""
+
+    def __init__(self, module: str, extra: str) -> None:
+        self.module = module
+        self.extra = extra
+        super().__init__(
+            f"this part of rollsafe needs {module!r}, which is not installed: "
+            f"pip install 'rollsafe[{extra}]'",
+            name=module,
+        )
+
+
+class BucketFormatError(RollsafeError, ValueError):
+    """A bucket or payload is malformed; the message names the offending tensor or field."""

@@ -1,0 +1,328 @@
+"""Continuation: a streamed rollout request that survives its group, keeping every token.
+
+Owns the request path of :meth:`Router.generate` for token-id prompts on streaming clients:
+
+* the request is streamed (:mod:`rollsafe.adapters.engines.streaming`) and the tokens received
+  so far are kept;
+* when its group fails mid-generation (connection drop, engine death, a 5xx), the request is
+  resubmitted to another ``active`` group as ``prompt + tokens so far`` with
+  ``max_new_tokens`` / ``min_new_tokens`` reduced by what was generated and the seed, where
+  given, advanced deterministically (:func:`continued_params`); the failed group is not tried
+  again for this request. A final (4xx) error is not retried;
+* when the engine ends the request with ``finish_reason`` ``abort`` (``pause_generation`` in
+  ``abort`` mode, as a sync with continuation does), it is continued the same way on any
+  ``active`` group, the same one included, at most ``max_aborts`` times;
+* the caller gets one :class:`~rollsafe.fleet.router.RoutedResult` whose ``output_ids`` are the
+  concatenation (no duplicate, no gap) and whose ``segments`` say which group and weights
+  version produced each token range (:mod:`rollsafe.fleet.provenance`);
+* after ``max_attempts`` failed tries, or when no group is left, :class:`ContinuationFailed`
+  (a :class:`~rollsafe.fleet.router.RequestFailed`) lists the segments generated so far.
+
+Tokens are never regenerated here: a continued request re-prefills its tokens, it does not
+sample them again. Greedy decoding on the same weights therefore gives the uninterrupted run's
+tokens (tests/test_continuation.py checks it with real engines).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from rollsafe.adapters.engines.client import GenerateResult
+from rollsafe.adapters.engines.errors import EngineError, bound_text
+from rollsafe.adapters.engines.streaming import StreamDelta, WeightSpan
+from rollsafe.fleet.provenance import Segment, group_version
+from rollsafe.fleet.router import (
+    ContinuationFailed,
+    NoRoutableGroup,
+    RequestFailed,
+    RoutedResult,
+    RouterError,
+    is_retryable,
+)
+
+if TYPE_CHECKING:
+    from rollsafe.fleet.registry import WorkerGroup
+    from rollsafe.fleet.router import Router
+
+__all__ = [
+    "ContinuationStats",
+    "StreamingClient",
+    "advance_seed",
+    "continued_params",
+    "generate_continued",
+]
+
+log = logging.getLogger(__name__)
+
+_SEED_KEYS = ("seed", "sampling_seed")
+_INT63 = (1 << 63) - 1
+
+
+@runtime_checkable
+class StreamingClient(Protocol):
+    """An engine client that can stream a generation (both HTTP clients can)."""
+
+    def generate_stream(
+        self,
+        input_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[StreamDelta]: ...
+
+
+def advance_seed(seed: int, generated: int) -> int:
+    """The seed of a piece that starts after ``generated`` tokens: ``seed`` itself for the first
+    piece, else a fixed mix of both (same inputs, same seed; stays in the int64 range)."""
+    if generated == 0:
+        return seed
+    return (seed * 6364136223846793005 + generated * 1442695040888963407) & _INT63
+
+
+def continued_params(sampling_params: Mapping[str, Any] | None, generated: int) -> dict[str, Any]:
+    """``sampling_params`` for the piece after ``generated`` tokens: budgets reduced, seed
+    advanced (:func:`advance_seed`), everything else kept."""
+    out = dict(sampling_params or {})
+    if generated == 0:
+        return out
+    for key in ("max_new_tokens", "max_tokens"):
+        if isinstance(out.get(key), int):
+            out[key] = max(0, out[key] - generated)
+    for key in ("min_new_tokens", "min_tokens"):
+        if isinstance(out.get(key), int):
+            out[key] = max(0, out[key] - generated)
+    for key in _SEED_KEYS:
+        if isinstance(out.get(key), int) and not isinstance(out.get(key), bool):
+            out[key] = advance_seed(out[key], generated)
+    return out
+
+
+def _budget(sampling_params: Mapping[str, Any] | None) -> int | None:
+    for key in ("max_new_tokens", "max_tokens"):
+        value = (sampling_params or {}).get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+@dataclass
+class ContinuationStats:
+    """Counters of the continuation path (thread-safe; :meth:`as_dict` for ``Router.stats``)."""
+
+    streamed: int = 0
+    continued: int = 0  #: requests that needed more than one piece and finished
+    after_failure: int = 0  #: pieces started because a group failed
+    after_abort: int = 0  #: pieces started because the engine aborted (a sync's pause)
+    tokens_kept: int = 0  #: tokens carried into a continuation instead of being regenerated
+    tokens_regenerated: int = 0  #: tokens generated again after a failure (0 by design)
+    failed: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for key, n in counts.items():
+                setattr(self, key, getattr(self, key) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "streamed": self.streamed,
+                "continued": self.continued,
+                "after_failure": self.after_failure,
+                "after_abort": self.after_abort,
+                "tokens_kept": self.tokens_kept,
+                "tokens_regenerated": self.tokens_regenerated,
+                "failed": self.failed,
+            }
+
+
+class _Piece:
+    """The tokens one try added, with the version marks needed to split it into segments."""
+
+    def __init__(self, group: WorkerGroup, base: int, attempt: int) -> None:
+        self.group = group
+        self.base = base
+        self.attempt = attempt
+        self.marks: list[tuple[int, str | None]] = []  # (output index, version) per event
+        self.spans: tuple[WeightSpan, ...] = ()
+
+    def segments(self, end: int, ended: str) -> list[Segment]:
+        gid, fallback = self.group.group_id, group_version(self.group)
+        if end <= self.base:
+            return []
+        if self.spans:
+            spans = [s for s in self.spans if s.end > s.start]
+            out: list[Segment] = []
+            for i, span in enumerate(spans):
+                last = i == len(spans) - 1
+                rng = (self.base + span.start, min(end, self.base + span.end))
+                if rng[1] > rng[0]:
+                    state = ended if last else "version_change"
+                    out.append(Segment(gid, span.version, rng, self.attempt, state))
+            if out and out[-1].end == end:
+                return out
+        pieces: list[tuple[int, str | None]] = []
+        for index, version in self.marks:
+            version = version if version is not None else fallback
+            if not pieces or pieces[-1][1] != version:
+                pieces.append((index, version))
+        if not pieces:
+            pieces = [(self.base, fallback)]
+        segs: list[Segment] = []
+        for i, (start, version) in enumerate(pieces):
+            stop = pieces[i + 1][0] if i + 1 < len(pieces) else end
+            state = ended if i + 1 == len(pieces) else "version_change"
+            segs.append(Segment(gid, version, (start, stop), self.attempt, state))
+        return segs
+
+
+def generate_continued(
+    router: Router,
+    input_ids: Sequence[int],
+    *,
+    sampling_params: Mapping[str, Any] | None,
+    session_id: str | None,
+    timeout: float | None,
+    max_aborts: int = 8,
+) -> RoutedResult:
+    """Stream ``input_ids`` through ``router``, continuing on failure (see the module)."""
+
+    prompt = [int(t) for t in input_ids]
+    budget = _budget(sampling_params)
+    stats = router.continuation
+    stats.add(streamed=1)
+    tokens: list[int] = []
+    text_parts: list[str] = []
+    segments: list[Segment] = []
+    attempts: list[tuple[str, str]] = []
+    notes: list[str] = []
+    excluded: list[str] = []
+    aborts = 0
+    tries = 0
+    last_exc: EngineError | None = None
+    finish: StreamDelta | None = None
+
+    def fail(message: str, *, retryable: bool, cause: BaseException | None) -> RequestFailed:
+        stats.add(failed=1)
+        err = router._failed(attempts, [*notes, message] if message else notes, retryable=retryable)
+        shown = "; ".join(f"{s.group_id}@{s.weights_version}[{s.start}:{s.end})" for s in segments)
+        failed = ContinuationFailed(
+            bound_text(f"{err} | segments: {shown or 'none'}", router.max_error_chars),
+            attempts,
+            retryable=retryable,
+            segments=segments,
+            output_ids=tokens,
+        )
+        failed.__cause__ = cause
+        return failed
+
+    while True:
+        if budget is not None and len(tokens) >= budget:
+            finish = StreamDelta((), finished=True, finish_reason="length")
+            break
+        try:
+            group = router.acquire(session_id, exclude=excluded)
+        except NoRoutableGroup as exc:
+            if last_exc is None and not segments:
+                raise
+            raise fail(
+                f"no other routable group to continue on ({bound_text(str(exc), 256)})",
+                retryable=True,
+                cause=last_exc,
+            ) from last_exc
+        client = group.client
+        if client is None:
+            group.end_request(ok=False, error="group has no engine client")
+            raise RouterError(f"worker group {group.group_id!r} has no engine client")
+        tries += 1
+        piece = _Piece(group, len(tokens), tries)
+        params = continued_params(sampling_params, len(tokens))
+        delta: StreamDelta | None = None
+        try:
+            assert isinstance(client, StreamingClient)
+            for delta in client.generate_stream(
+                prompt + tokens, sampling_params=params, timeout=timeout
+            ):
+                if delta.token_ids:
+                    piece.marks.append((len(tokens), delta.weight_version))
+                    tokens.extend(delta.token_ids)
+                    text_parts.append(delta.text)
+                if delta.finished:
+                    piece.spans = delta.spans
+                    break
+                if router.on_progress is not None and delta.token_ids:
+                    router.on_progress(group.group_id, len(tokens))
+            else:
+                delta = None
+        except EngineError as exc:
+            retryable = is_retryable(exc)
+            group.end_request(ok=False, error=f"{type(exc).__name__}: {exc}")
+            router._request_failed(group.group_id, exc, notify=retryable)
+            attempts.append((group.group_id, type(exc).__name__))
+            notes.append(f"{group.group_id}: {type(exc).__name__}: {exc}")
+            segments.extend(piece.segments(len(tokens), "failed"))
+            last_exc = exc
+            if not retryable:
+                raise fail("", retryable=False, cause=exc) from exc
+            excluded.append(group.group_id)
+            if session_id is not None and router.session_group(session_id) == group.group_id:
+                router.end_session(session_id)
+            if len(attempts) >= router.max_attempts:
+                raise fail("", retryable=True, cause=exc) from exc
+            router._count_retry()
+            if not router.keep_tokens:  # the baseline: start over, regenerating every token
+                stats.add(after_failure=1, tokens_regenerated=len(tokens))
+                tokens.clear()
+                text_parts.clear()
+                segments.clear()
+                continue
+            stats.add(after_failure=1, tokens_kept=len(tokens))
+            log.info(
+                "request continues after %s failed: %d token(s) kept", group.group_id, len(tokens)
+            )
+            continue
+        except BaseException:
+            group.end_request(ok=False, error="request interrupted")
+            raise
+        group.end_request(ok=True)
+        router._request_ok(group.group_id)
+        if delta is None or not delta.finished:  # [DONE] without a finish: treat as ended
+            delta = StreamDelta((), finished=True, finish_reason=None)
+        if delta.finish_reason == "abort" and (budget is None or len(tokens) < budget):
+            segments.extend(piece.segments(len(tokens), "aborted"))
+            aborts += 1
+            if aborts > max_aborts:
+                raise fail(
+                    f"aborted by the engine {aborts} times (max_aborts={max_aborts})",
+                    retryable=True,
+                    cause=None,
+                )
+            stats.add(after_abort=1, tokens_kept=len(tokens))
+            router.wait_released(timeout)  # a sync in abort mode: continue on its new weights
+            continue
+        segments.extend(piece.segments(len(tokens), "finished"))
+        finish = delta
+        break
+
+    if session_id is not None and segments:
+        router._pin(session_id, segments[-1].group_id)
+    last_gid = segments[-1].group_id if segments else excluded[-1] if excluded else ""
+    if len({(s.group_id, s.attempt) for s in segments}) > 1:
+        stats.add(continued=1)
+    router._count_served(last_gid)
+    meta: dict[str, Any] = dict(finish.meta) if finish is not None else {}
+    meta["segments"] = [s.as_dict() for s in segments]
+    version = segments[-1].weights_version if segments else None
+    result = GenerateResult(
+        text="".join(text_parts),
+        output_ids=list(tokens),
+        weight_version=version,
+        finish_reason=finish.finish_reason if finish is not None else None,
+        meta_info=meta,
+    )
+    return RoutedResult(result, last_gid, tries, tuple(segments))

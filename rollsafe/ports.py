@@ -1,0 +1,323 @@
+"""The contracts that cross layers: protocols and plain data types, nothing else.
+
+Owns what the fleet, the transports and the engine adapters agree on, so that none of them has
+to import another to name it:
+
+* :class:`EngineClient` (with :class:`GenerateResult`, :class:`WeightsChecksum`,
+  :data:`Dialect`, :data:`PauseMode`, :data:`MemoryTag`): what the fleet may ask of one engine;
+  ``SGLangClient`` and ``VLLMClient`` (:mod:`rollsafe.adapters.engines`) implement it;
+* :class:`WeightTransport` (with :class:`EngineTarget`, :class:`TargetResult`,
+  :class:`UpdateReport`, :data:`NamedTensors`): the two-phase transport contract every
+  :mod:`rollsafe.transports` transport implements;
+* :class:`RestartableEngine`: what recovery needs from one engine group's handle
+  (``EngineLauncher`` has it).
+
+Imports neither torch nor httpx (nor python-statemachine at run time): importing it is free.
+The old import paths (``rollsafe.adapters.engines.client``, ``rollsafe.transports.base``,
+``rollsafe.fleet.recovery``) re-export these names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollsafe.statemachines import CheckpointRegistration
+
+__all__ = [
+    "Dialect",
+    "EngineClient",
+    "EngineTarget",
+    "GenerateResult",
+    "MemoryTag",
+    "NamedTensors",
+    "PauseMode",
+    "RestartableEngine",
+    "TargetResult",
+    "UpdateReport",
+    "WeightTransport",
+    "WeightsChecksum",
+]
+
+# ------------------------------------------------------------------------------ engine client
+Dialect = Literal["sglang", "vllm"]
+PauseMode = Literal["abort", "retract", "in_place"]
+MemoryTag = Literal["weights", "kv_cache"]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One completion: decoded ``text``, generated ``output_ids`` and the serving weights."""
+
+    text: str
+    output_ids: list[int]
+    weight_version: str | None = None
+    finish_reason: str | None = None
+    meta_info: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightsChecksum:
+    """What an engine's own weight checker reports about the weights it serves.
+
+    ``tensors`` maps parameter names to digests (ranks that agree on a name are merged; a name
+    whose digest differs between ranks, a TP shard, appears once per rank as ``"rank<i>:name"``);
+    ``model`` is :func:`rollsafe.checksum.model_digest` of them (SGLang's ``per_gpu_checksum``
+    when every rank reports the same one, else its ``per_engine_checksum``); ``algorithm`` names
+    the digest algorithm (:mod:`rollsafe.checksum`) a trainer must use to compare; ``ranks`` holds
+    each rank's own ``{name: digest}``; ``per_engine`` SGLang's ``per_engine_checksum``.
+
+    ``weight_version`` is always ``None`` from SGLang's ``/weights_checker`` and vLLM's
+    ``/weight_checker`` (neither reports it): read the version through the dialect's version
+    path instead. The field stays for callers that build their own reports.
+    """
+
+    weight_version: str | None
+    model: str | None
+    tensors: Mapping[str, str]
+    algorithm: str = "sglang"
+    ranks: tuple[Mapping[str, str], ...] = ()
+    per_engine: str | None = None
+
+    def same_weights(self, other: WeightsChecksum) -> bool:
+        """True when both report the same per-tensor digests (versions may differ)."""
+        return dict(self.tensors) == dict(other.tensors)
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """A client for one engine (one worker group behind one HTTP endpoint)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def dialect(self) -> Dialect: ...
+
+    # -- liveness and serving -------------------------------------------------------------
+    def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
+        """Raise unless the engine answers its health endpoint with success.
+
+        Retried (bounded) by default; ``retry=False`` sends exactly one request, which is what a
+        health manager with its own failure threshold wants.
+        """
+
+    def is_healthy(self, *, timeout: float | None = None) -> bool:
+        """``health()`` as a bool: False on any :class:`EngineError`."""
+
+    def generate(
+        self,
+        input_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        """Generate from token ids or text. Never retried."""
+
+    def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
+        """Stop scheduling: ``abort`` in-flight requests, ``retract`` them or keep ``in_place``."""
+
+    def continue_generation(self, *, timeout: float | None = None) -> None:
+        """Resume scheduling after :meth:`pause_generation`."""
+
+    def flush_cache(self, *, timeout: float | None = None) -> None:
+        """Drop the prefix/KV cache (stale after a weight change)."""
+
+    # -- memory ---------------------------------------------------------------------------
+    def release_memory_occupation(
+        self, tags: Sequence[MemoryTag] | None = None, *, timeout: float | None = None
+    ) -> None:
+        """Offload weights and/or KV cache (all when ``tags`` is None)."""
+
+    def resume_memory_occupation(
+        self, tags: Sequence[MemoryTag] | None = None, *, timeout: float | None = None
+    ) -> None:
+        """Onload what :meth:`release_memory_occupation` released."""
+
+    # -- weights --------------------------------------------------------------------------
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        timeout: float | None = None,
+    ) -> str:
+        """Load weights from an HF directory; return the engine's message."""
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """Load weights handed over in-process (one serialized payload per TP rank)."""
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout: float | None = None,
+    ) -> str:
+        """Join a torch.distributed group with the trainer (blocks until all ranks joined)."""
+
+    def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group", *, timeout: float | None = None
+    ) -> str:
+        """Leave the group created by :meth:`init_weights_update_group`."""
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """Receive a broadcast of the named tensors; blocks while the trainer sends."""
+
+    def update_weights_from_ipc(
+        self,
+        zmq_handles: Mapping[str, str],
+        *,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """checkpoint-engine's path: load weights announced on per-device ZMQ sockets."""
+
+    def weights_checksum(self, *, timeout: float | None = None) -> WeightsChecksum:
+        """Per-tensor digests of the served weights (retried)."""
+
+    # -- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the HTTP connection pool (the engine keeps running)."""
+
+    def shutdown(self) -> None:
+        """Stop using this engine from this client: closes it for good.
+
+        Neither SGLang nor vLLM serves a shutdown endpoint, so the processes are stopped by
+        whoever owns them (:meth:`EngineLauncher.stop`, the Ray ``EngineActor``'s ``stop``).
+        """
+
+
+# ------------------------------------------------------------------------------ weight transport
+NamedTensors = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One engine group a transport pushes to.
+
+    ``ranks`` are the group's ranks in the transport's target rank space (the fleet's global
+    engine-rank numbering; for checkpoint-engine, the parameter-server ranks), used for the
+    registration guard; ``client`` talks to the group's rank-0 HTTP server; ``tp_size`` is the
+    number of engine processes (one serialized entry each for ``/update_weights_from_tensor``).
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    client: EngineClient
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            raise ValueError(f"EngineTarget {self.name!r} has no ranks")
+        if self.tp_size < 1:
+            raise ValueError(f"EngineTarget {self.name!r}: tp_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    """Outcome of pushing one version to one target."""
+
+    target: str
+    ok: bool
+    reason: str = ""
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+@dataclass
+class UpdateReport:
+    """Per-target outcomes of one ``update``."""
+
+    name: str
+    version: int
+    results: dict[str, TargetResult] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.results) and all(r.ok for r in self.results.values())
+
+    @property
+    def failed(self) -> list[str]:
+        return sorted(name for name, r in self.results.items() if not r.ok)
+
+    @property
+    def succeeded(self) -> list[str]:
+        return sorted(name for name, r in self.results.items() if r.ok)
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """What the fleet needs from any transport."""
+
+    name: str
+    registration: CheckpointRegistration
+
+    def register(self, weights: NamedTensors, version: int) -> None:
+        """Stage ``weights`` as ``version``; raise :class:`RegisterError` (nothing published)."""
+        ...
+
+    def update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
+        """Push the registered version; one target failing is reported, not raised."""
+        ...
+
+    def close(self) -> None:
+        """Release staged memory, process groups and sockets."""
+        ...
+
+
+# ------------------------------------------------------------------------------ recovery
+class RestartableEngine(Protocol):
+    """What recovery needs from one engine group's handle (``EngineLauncher`` has it).
+
+    ``restart`` (called with keywords only) stops the group if it runs and starts it again,
+    returning once it is ready;
+    ``client`` is the (possibly new) client of the restarted group. An optional ``stop()`` is
+    used as the explicit shutdown step (with ``keep_standby=True`` when it takes that keyword:
+    an :class:`~rollsafe.adapters.engines.EngineLauncher`'s warm standby must survive it to take
+    the restart), and an optional ``weight_version=`` keyword of ``restart`` is passed when the
+    group loads a known version.
+    """
+
+    def restart(
+        self,
+        *,
+        model_path: str | None = None,
+        load_format: str | None = None,
+        skip_load_weights: bool | None = None,
+    ) -> object: ...
+
+    @property
+    def client(self) -> EngineClient: ...

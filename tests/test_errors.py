@@ -1,0 +1,139 @@
+"""One error root: every public rollsafe exception derives from ``RollsafeError``, keeping its
+built-in base; ``import rollsafe.fleet`` needs no optional extra."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rollsafe
+from rollsafe.errors import MissingExtra, RollsafeError
+
+#: modules that need an optional dependency this test environment may lack
+_OPTIONAL = {"ray", "checkpoint_engine", "prometheus_client"}
+
+
+def _modules() -> list[str]:
+    names = [rollsafe.__name__]
+    for info in pkgutil.walk_packages(rollsafe.__path__, prefix="rollsafe."):
+        if info.name.endswith("__main__"):
+            continue
+        names.append(info.name)
+    return names
+
+
+def _exception_classes() -> dict[str, type[BaseException]]:
+    found: dict[str, type[BaseException]] = {}
+    for name in _modules():
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.split(".")[0] in _OPTIONAL:
+                continue
+            raise
+        for attr, value in vars(module).items():
+            if (
+                inspect.isclass(value)
+                and issubclass(value, BaseException)
+                and value.__module__.startswith("rollsafe")
+                and not attr.startswith("_")
+            ):
+                found[f"{value.__module__}.{value.__qualname__}"] = value
+    return found
+
+
+def test_every_public_exception_derives_from_the_root() -> None:
+    classes = _exception_classes()
+    assert len(classes) >= 55, sorted(classes)
+    outside = sorted(n for n, c in classes.items() if not issubclass(c, RollsafeError))
+    assert not outside, f"exceptions outside RollsafeError: {outside}"
+
+
+def test_the_builtin_bases_callers_catch_are_kept() -> None:
+    from rollsafe.fleet import FleetConfigError, StepTimeout, UnknownGroup
+    from rollsafe.statemachines import TransitionNotAllowed, TransitionRefused
+    from rollsafe.transports import BucketFormatError, TransportError
+    from rollsafe.wire.unpickle import UnsafePayload
+
+    assert issubclass(TransportError, RuntimeError)
+    assert issubclass(BucketFormatError, ValueError)
+    assert issubclass(UnsafePayload, ValueError)
+    assert issubclass(TransitionRefused, TransitionNotAllowed)
+    assert issubclass(FleetConfigError, ValueError)
+    assert issubclass(UnknownGroup, KeyError)
+    assert issubclass(StepTimeout, TimeoutError)
+
+
+def test_the_tree_in_the_docstring_names_every_exception() -> None:
+    import rollsafe.errors
+
+    doc = rollsafe.errors.__doc__ or ""
+    names = {c.__name__ for c in _exception_classes().values()}
+    missing = sorted(n for n in names if not re.search(rf"\b{n}\b", doc))
+    assert not missing, f"exceptions missing from the tree in rollsafe/errors.py: {missing}"
+
+
+_BLOCK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _run(blocked: set[str], body: str) -> subprocess.CompletedProcess[str]:
+    code = _BLOCK.format(blocked=blocked) + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_fleet_imports_without_the_engine_extra_and_names_it_when_needed() -> None:
+    r = _run(
+        {"httpx", "torch", "aiohttp"},
+        """
+        import rollsafe.fleet
+        from rollsafe.fleet import RolloutFleet, FleetConfig
+        from rollsafe.adapters.engines import EngineClient, EngineError
+        from rollsafe.errors import MissingExtra
+        try:
+            from rollsafe.adapters.engines import EngineLauncher
+        except MissingExtra as exc:
+            print("MISSING:", exc)
+        assert "torch" not in sys.modules and "httpx" not in sys.modules
+        """,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "pip install 'rollsafe[engine]'" in r.stdout
+
+
+def test_decoding_a_bucket_loads_no_transport_and_no_statemachine() -> None:
+    r = _run(
+        set(),
+        """
+        import rollsafe.wire.bucket, rollsafe.wire.hf_index, rollsafe.wire.group
+        import rollsafe.adapters.reference_engine.weights
+        import rollsafe.adapters.reference_engine.model
+        heavy = ("rollsafe.transports", "statemachine")
+        bad = sorted(m for m in sys.modules if m.startswith(heavy))
+        assert not bad, bad
+        """,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_missing_extra_is_an_import_error_and_a_rollsafe_error() -> None:
+    exc = MissingExtra("httpx", "engine")
+    assert isinstance(exc, ImportError) and isinstance(exc, RollsafeError)
+    assert exc.name == "httpx"
+    with pytest.raises(RollsafeError, match=r"rollsafe\[engine\]"):
+        raise exc
