@@ -362,7 +362,7 @@ class GuardedMachine(StateMachine):
         return reasons
 
 
-class MachineTerminated(RuntimeError):
+class MachineTerminated(RollsafeError, RuntimeError):
     """:meth:`GuardedMachine.restore_state` was asked to revive a machine in a final state."""
 
 
