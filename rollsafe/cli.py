@@ -35,7 +35,7 @@ def _cmd_diagrams(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from rollsafe.fleet.invariants import INVARIANTS
+    from rollsafe.invariants import INVARIANTS
     from rollsafe.verify import ModelConfig, explore
 
     config = ModelConfig(
@@ -47,7 +47,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     print(
         f"exploring the composed fleet model: {config.groups} groups x {config.ranks} ranks,"
         f" depth {args.depth}, real machines and policy"
-        f" ({len(INVARIANTS)} invariants of rollsafe.fleet.invariants in every state)",
+        f" ({len(INVARIANTS)} invariants of rollsafe.invariants in every state)",
         flush=True,
     )
 

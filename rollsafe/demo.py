@@ -246,7 +246,7 @@ def run_demo(opts: DemoOptions) -> int:
         RecoverySettings,
         RolloutFleet,
     )
-    from rollsafe.fleet.invariants import check_all
+    from rollsafe.invariants import check_all
 
     if opts.groups < 2:
         print("--groups must be >= 2 (one of them is the 2-rank group)")

@@ -4,7 +4,7 @@ Each machine's diagram is built by walking its structure (``states``, each trans
 ``source``, ``targets``, ``events`` and ``cond``), so a diagram can never disagree with the code;
 ``--check`` fails and names the stale file when one does. The overview shows which fleet
 component feeds which events to which machine; it is generated from
-:data:`rollsafe.fleet.policy.SENDERS` (the decision functions declare what they send), and is
+:data:`rollsafe.policy.SENDERS` (the decision functions declare what they send), and is
 checked against the classes too, so an event nobody sends, or a feed naming an event that does
 not exist, is an error.
 """
@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import rollsafe.policy as policy
 from rollsafe.errors import RollsafeError
-from rollsafe.fleet import policy
 from rollsafe.statemachines import MACHINES, GuardedMachine
 from rollsafe.statemachines.base import event_names
 
@@ -54,7 +54,7 @@ class Feed:
 
 
 def _feeds() -> tuple[Feed, ...]:
-    """One feed per (component, machine), merged from :data:`rollsafe.fleet.policy.SENDERS`."""
+    """One feed per (component, machine), merged from :data:`rollsafe.policy.SENDERS`."""
     merged: dict[tuple[str, str], list[str]] = {}
     for sender in policy.SENDERS:
         events = merged.setdefault((sender.component, sender.machine), [])
@@ -233,7 +233,7 @@ def overview_markdown() -> str:
             "",
             "## Who sends what",
             "",
-            "Generated from `rollsafe.fleet.policy.SENDERS`: a decision function declares the",
+            "Generated from `rollsafe.policy.SENDERS`: a decision function declares the",
             "events it may return (`rollsafe verify` checks every returned event was declared).",
             "",
             sender_table(),

@@ -2,7 +2,7 @@
 
 Two kinds. Machine mutants subclass a real machine and break one guard or action; they are
 passed to :class:`~rollsafe.verify.FleetModel` as machine classes. Policy mutants replace one
-function of :mod:`rollsafe.fleet.policy` (the module the fleet, the verifier and the property
+function of :mod:`rollsafe.policy` (the module the fleet, the verifier and the property
 tests all call); they are planted with ``monkeypatch.setattr(policy, name, mutant)``. The
 mutation tests assert that the exhaustive verifier and the property tests catch every one.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from rollsafe.fleet import policy
+from rollsafe import policy
 from rollsafe.statemachines import (
     CheckpointRegistration,
     ExportLifecycle,

@@ -99,7 +99,7 @@ def test_mermaid_parser_rejects_a_broken_diagram(tmp_path: Path) -> None:
 
 
 def test_sender_table_is_generated_from_the_policy_declarations() -> None:
-    from rollsafe.fleet import policy
+    from rollsafe import policy
 
     table = diagrams.sender_table()
     assert table in diagrams.overview_markdown()

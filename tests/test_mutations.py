@@ -2,7 +2,7 @@
 
 For every mutant in ``tests/mutants.py`` (machine mutants and policy mutants) two independent
 nets are asserted to fail: the exhaustive verifier (a counterexample trace is found) and the
-hypothesis property tests. Policy mutants are planted in :mod:`rollsafe.fleet.policy` itself,
+hypothesis property tests. Policy mutants are planted in :mod:`rollsafe.policy` itself,
 the module the fleet runs, so both nets see exactly what the fleet would execute. A mutant that
 slipped through either would mean the proof machinery cannot see that class of bug.
 """
@@ -33,7 +33,7 @@ from test_sm_properties import (
     WorkerGroupProperties,
 )
 
-from rollsafe.fleet import policy
+from rollsafe import policy
 from rollsafe.verify import FleetModel, ModelConfig, explore
 
 # One group of two ranks is the smallest model in which any() and all() differ.

@@ -3,9 +3,9 @@
 Rules draw from the events enabled now and also fire arbitrary events; a refused event must raise
 ``TransitionNotAllowed`` and change nothing. Per-member facts change at random. The machine-level
 invariants (``docs/design.md``) are ``@invariant``s; the composed model and the policy
-properties check :mod:`rollsafe.fleet.invariants`, the functions ``rollsafe verify`` and the
+properties check :mod:`rollsafe.invariants`, the functions ``rollsafe verify`` and the
 demo check. Each test class takes its machine classes as attributes, and the policy is looked up
-on :mod:`rollsafe.fleet.policy` at call time, so the mutation tests run the very same tests
+on :mod:`rollsafe.policy` at call time, so the mutation tests run the very same tests
 against planted bugs.
 """
 
@@ -22,8 +22,8 @@ from profiles import examples
 from spec import ExportSpec, GroupSpec, ModeSpec, RegistrationSpec
 from statemachine.exceptions import TransitionNotAllowed
 
-from rollsafe.fleet import invariants, policy
-from rollsafe.fleet.invariants import (
+from rollsafe import invariants, policy
+from rollsafe.invariants import (
     ExportPicture,
     FleetPicture,
     GroupPicture,
@@ -453,8 +453,8 @@ _STATES = ("ready", "superseded", "snapshotting", "writing", "committing", "aban
 
 
 class PolicyProperties(RuleBasedStateMachine):
-    """Each decision of :mod:`rollsafe.fleet.policy` on random observations, executed on real
-    machines where it sends events, and judged by :mod:`rollsafe.fleet.invariants`."""
+    """Each decision of :mod:`rollsafe.policy` on random observations, executed on real
+    machines where it sends events, and judged by :mod:`rollsafe.invariants`."""
 
     @rule(
         ranks=st.integers(1, 3),

@@ -54,11 +54,12 @@ def test_refused_action_changes_nothing() -> None:
 
 def test_verify_runs_the_policy_module_the_fleet_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """One module of decisions: the fleet's coordinators, the verifier and the property tests
-    all hold rollsafe.fleet.policy itself, and changing one of its functions changes what the
+    all hold rollsafe.policy itself, and changing one of its functions changes what the
     verifier reports."""
     import test_sm_properties
 
-    from rollsafe.fleet import health, invariants, policy, recovery, sync
+    from rollsafe import invariants, policy
+    from rollsafe.fleet import health, recovery, sync
     from rollsafe.hf import retention
     from rollsafe.verify import model
 
@@ -76,7 +77,7 @@ def test_verify_runs_the_policy_module_the_fleet_runs(monkeypatch: pytest.Monkey
 
 
 def test_every_event_a_decision_returns_is_declared(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rollsafe.fleet import policy
+    from rollsafe import policy
     from rollsafe.statemachines import GroupEvent
 
     monkeypatch.setattr(policy, "launch_events", lambda recorded: (GroupEvent.CLAIM,))

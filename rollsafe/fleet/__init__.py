@@ -4,8 +4,8 @@ What is here so far, in dependency order (each module imports only the ones abov
 
 * :mod:`~rollsafe.fleet.registry`: :class:`FleetRegistry`, the worker groups, their
   ``WorkerGroupLifecycle`` machines, the fleet version and the listeners;
-* :mod:`~rollsafe.fleet.policy`: every decision of the components below, as pure functions
-  (``rollsafe verify`` explores the same functions); :mod:`~rollsafe.fleet.invariants`: what
+* :mod:`~rollsafe.policy`: every decision of the components below, as pure functions
+  (``rollsafe verify`` explores the same functions); :mod:`~rollsafe.invariants`: what
   consistent means, one named function per invariant;
 * :mod:`~rollsafe.fleet.settings`: :class:`HealthSettings` and :class:`RecoverySettings`, the one
   source of the components' defaults;

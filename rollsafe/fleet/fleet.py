@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollsafe.fleet import policy
+import rollsafe.policy as policy
 from rollsafe.fleet.health import HealthManager
-from rollsafe.fleet.invariants import ExportPicture, FleetPicture, GroupPicture, MemberPicture
 from rollsafe.fleet.partial_rollouts import SYNC_PAUSE_MODES, SyncPauseMode, paused_generation
 from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
 from rollsafe.fleet.registry import FleetError, FleetRegistry
@@ -48,6 +47,7 @@ from rollsafe.fleet.settings import (
     check_number,
 )
 from rollsafe.fleet.sync import SyncCoordinator, SyncReport
+from rollsafe.invariants import ExportPicture, FleetPicture, GroupPicture, MemberPicture
 from rollsafe.observe.observer import FleetObserver
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 
@@ -791,7 +791,7 @@ class RolloutFleet:
         return out
 
     def picture(self) -> FleetPicture:
-        """The fleet as :mod:`rollsafe.fleet.invariants` reads it (what the fleet records; the
+        """The fleet as :mod:`rollsafe.invariants` reads it (what the fleet records; the
         engines' ground truth is unknown here). ``check_all(fleet.picture())`` is the demo's
         final invariant check."""
         groups = tuple(

@@ -15,7 +15,7 @@ Owns failure *detection* (never recovery):
 * consecutive failures are counted per rank; when a rank reaches ``failure_threshold`` it is
   reported unhealthy and the group is sent ``fail`` (the whole group leaves routing); a healthy
   answer resets the count and reports the members healthy. What each answer means is
-  :func:`rollsafe.fleet.policy.judge_probe`'s decision; this module only probes and executes it.
+  :func:`rollsafe.policy.judge_probe`'s decision; this module only probes and executes it.
   Defaults come from :class:`~rollsafe.fleet.settings.HealthSettings`;
 * hand-off: each ``fail`` the manager sends is passed to ``on_group_failed(failure)`` on a
   separate notifier thread, never on the probe loop. The callback must return quickly (enqueue
@@ -42,8 +42,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
+import rollsafe.policy as policy
 from rollsafe.adapters.engines.errors import bound_text
-from rollsafe.fleet import policy
 from rollsafe.fleet.registry import FleetRegistry, WorkerGroup
 from rollsafe.fleet.settings import HealthSettings, with_overrides
 from rollsafe.statemachines.base import TransitionRefused

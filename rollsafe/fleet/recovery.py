@@ -1,7 +1,7 @@
 """RecoveryCoordinator: bring failed worker groups back, off the health checks' threads.
 
 Owns the recovery of ``inactive`` groups (``docs/design.md``, "Fleet control"). Every decision
-(claim, skip, retire, strategy, what a restart or a push means) is :mod:`rollsafe.fleet.policy`'s;
+(claim, skip, retire, strategy, what a restart or a push means) is :mod:`rollsafe.policy`'s;
 this module executes them and does the I/O. :meth:`RecoveryCoordinator.submit`
 (what the health manager's ``on_group_failed`` callback calls) only enqueues: recoveries run on a
 bounded worker pool, one at a time per group (a second submit while one runs returns the same
@@ -53,8 +53,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
+import rollsafe.policy as policy
 from rollsafe.adapters.engines.errors import bound_text
-from rollsafe.fleet import policy
 from rollsafe.fleet.registry import FleetError, FleetRegistry, UnknownGroup, WorkerGroup
 from rollsafe.fleet.settings import RecoverySettings, with_overrides
 from rollsafe.fleet.sync import ExporterLike, default_target, shared_transport_lock

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import rollsafe.policy as policy
 from rollsafe.adapters.engines.errors import bound_text
-from rollsafe.fleet import policy
 from rollsafe.fleet.registry import FleetRegistry
 from rollsafe.statemachines.base import TransitionRefused
 

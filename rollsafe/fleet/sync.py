@@ -1,7 +1,7 @@
 """SyncCoordinator: one weight sync of the whole fleet, driving the machines in order.
 
 Owns the sequence of one sync of version N (``docs/design.md``, "Fleet control"), always in this
-order; every decision in it is :mod:`rollsafe.fleet.policy`'s (``judge_export``,
+order; every decision in it is :mod:`rollsafe.policy`'s (``judge_export``,
 ``proceed_after_register``, ``select_targets``, ``settle_update``), this module does the I/O:
 
 1. **judge the previous export** (version N-1): still running -> ``export_late`` on the
@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import rollsafe.policy as policy
 from rollsafe.adapters.engines.errors import bound_text
-from rollsafe.fleet import policy
 from rollsafe.fleet.registry import FleetError, FleetRegistry, WorkerGroup
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.events import GroupEvent

@@ -1,7 +1,7 @@
 """Which exports stay on disk: keep the newest N ready ones, delete the rest once unleased.
 
 Owns the exporter's records (version, path, lifecycle, adopted or written by us), the execution
-of the retention step that :func:`rollsafe.fleet.policy.plan_retention` decides (older ``ready``
+of the retention step that :func:`rollsafe.policy.plan_retention` decides (older ``ready``
 exports are superseded; superseded exports without leases are deleted; the machine's ``delete``
 guard refuses a leased one as a second net), the removal of a directory
 (renamed to a hidden trash name first, so a half-deleted export is never visible under its final
@@ -74,7 +74,7 @@ def apply_retention(
     returns the deleted records whose directories the caller must remove (adopted ones are not
     returned: they stay on disk). Call with the exporter's lock held; remove directories after.
     """
-    from rollsafe.fleet import policy  # the decision; this function executes it
+    import rollsafe.policy as policy  # the decision; this function executes it
 
     facts = [
         policy.ExportFacts(r.version, r.state, len(r.lifecycle.leases)) for r in records.values()

@@ -5,7 +5,7 @@
 and one ``ImmediateRecoveryMode``, plus the ground truth the fleet can only observe: whether
 each engine rank is alive and which weights it really holds, and whether each export's
 directory exists. It contains no sequencing of its own: every decision is a call to
-:mod:`rollsafe.fleet.policy` (looked up at call time, so a patched policy function is what the
+:mod:`rollsafe.policy` (looked up at call time, so a patched policy function is what the
 model runs) and every event it sends is the one that decision named.
 
 What the model chooses nondeterministically are the outcomes of I/O, each an :class:`Action`:
@@ -15,7 +15,7 @@ fails on one rank of a group or not, an export finishes on time, fails or is sti
 the next sync begins, retention runs. It also fires stray group events (a racing or duplicated
 sender): the guards must refuse the wrong ones, and a refused event must change nothing.
 
-Invariants are :mod:`rollsafe.fleet.invariants` on :meth:`FleetModel.picture`.
+Invariants are :mod:`rollsafe.invariants` on :meth:`FleetModel.picture`.
 ``snapshot()``/``restore()`` turn the model into a hashable value and back; ``canonical()``
 identifies states that differ only by a permutation of groups or of ranks inside a group.
 """
@@ -28,15 +28,16 @@ from typing import Any, TypeVar
 
 from statemachine.exceptions import TransitionNotAllowed
 
-from rollsafe.fleet import invariants, policy
-from rollsafe.fleet.invariants import (
+import rollsafe.invariants as invariants
+import rollsafe.policy as policy
+from rollsafe.invariants import (
     ExportPicture,
     FleetPicture,
     GroupPicture,
     MemberPicture,
     RecoveryPicture,
 )
-from rollsafe.fleet.invariants import InvariantViolation as Violation
+from rollsafe.invariants import InvariantViolation as Violation
 from rollsafe.statemachines import (
     CheckpointRegistration,
     ExportLease,
@@ -127,7 +128,7 @@ _DECLARED = _declared()
 
 class FleetModel:
     """The composed fleet model. Machine classes are parameters so tests can plant bugs in
-    them; policy bugs are planted by patching :mod:`rollsafe.fleet.policy`."""
+    them; policy bugs are planted by patching :mod:`rollsafe.policy`."""
 
     def __init__(
         self,
@@ -665,7 +666,7 @@ class FleetModel:
         )
 
     def check(self) -> list[Violation]:
-        """Every invariant of :mod:`rollsafe.fleet.invariants` on the current state."""
+        """Every invariant of :mod:`rollsafe.invariants` on the current state."""
         return invariants.check_all(self.picture())
 
     # ------------------------------------------------------------------ snapshot / restore
