@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rollsafe.fleet import FleetRegistry, HealthManager, Router, WorkerGroup
-from rollsafe.statemachines import WorkerGroupLifecycle
+from rollsafe.statemachines import GroupEvent, WorkerGroupLifecycle
 
 RESULTS = Path(__file__).resolve().parent / "results" / "control_plane.json"
 PROBE_LATENCY_S = 0.010
@@ -50,7 +50,7 @@ def _fleet(n_groups: int, ranks_per_group: int = 1, budget: int = 3) -> FleetReg
         reg.add_group(gid, ranks, restart_budget=budget)
         for r in ranks:
             reg.report_member(gid, r, healthy=True, weights_version=1)
-        reg.send(gid, "launched")
+        reg.send(gid, GroupEvent.LAUNCHED)
     return reg
 
 
@@ -136,10 +136,10 @@ def _cycle_events(reg: FleetRegistry, gids: list[str], cycles: int) -> int:
     sent = 0
     for _ in range(cycles):
         for gid in gids:
-            reg.send(gid, "fail")
-            reg.send(gid, "claim")
+            reg.send(gid, GroupEvent.FAIL)
+            reg.send(gid, GroupEvent.CLAIM)
             reg.report_member(gid, reg.get(gid).ranks[0], healthy=True, weights_version=1)
-            reg.send(gid, "restarted")
+            reg.send(gid, GroupEvent.RESTARTED)
             sent += 3
     return sent
 
@@ -149,16 +149,16 @@ def _bare_rate(n_groups: int, cycles: int) -> float:
     for i in range(n_groups):
         m = WorkerGroupLifecycle([i], restart_budget=10**9, group_id=f"g{i}")
         m.report_member(i, healthy=True, weights_version=1)
-        m.send("launched", current_version=1)
+        m.send(GroupEvent.LAUNCHED, current_version=1)
         machines.append(m)
     t0 = time.perf_counter()
     n = 0
     for _ in range(cycles):
         for i, m in enumerate(machines):
-            m.send("fail")
-            m.send("claim")
+            m.send(GroupEvent.FAIL)
+            m.send(GroupEvent.CLAIM)
             m.report_member(i, healthy=True, weights_version=1)
-            m.send("restarted", current_version=1)
+            m.send(GroupEvent.RESTARTED, current_version=1)
             n += 3
     return n / (time.perf_counter() - t0)
 

@@ -35,6 +35,7 @@ def _cmd_diagrams(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from rollsafe.invariants import INVARIANTS
     from rollsafe.verify import ModelConfig, explore
 
     config = ModelConfig(
@@ -45,7 +46,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     )
     print(
         f"exploring the composed fleet model: {config.groups} groups x {config.ranks} ranks,"
-        f" depth {args.depth} (invariants 1-6 and 8 in every state)",
+        f" depth {args.depth}, real machines and policy"
+        f" ({len(INVARIANTS)} invariants of rollsafe.invariants in every state)",
         flush=True,
     )
 
@@ -62,7 +64,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     )
     print(f"states explored: {result.states}")
     print(f"transitions taken: {result.transitions} ({result.refused} refused events)")
-    print(f"time: {result.seconds:.1f} s")
+    print(f"time: {result.seconds:.1f} s ({result.cpu_seconds:.1f} s CPU)")
     if not result.complete:
         print(f"stopped early at --max-states {args.max_states}: exploration incomplete")
     if result.ok:

@@ -3,8 +3,10 @@
 Each machine's diagram is built by walking its structure (``states``, each transition's
 ``source``, ``targets``, ``events`` and ``cond``), so a diagram can never disagree with the code;
 ``--check`` fails and names the stale file when one does. The overview shows which fleet
-component feeds which events to which machine; its table is checked against the classes too, so
-an event nobody sends, or a feed naming an event that does not exist, is an error.
+component feeds which events to which machine; it is generated from
+:data:`rollsafe.policy.SENDERS` (the decision functions declare what they send), and is
+checked against the classes too, so an event nobody sends, or a feed naming an event that does
+not exist, is an error.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import rollsafe.policy as policy
 from rollsafe.errors import RollsafeError
 from rollsafe.statemachines import MACHINES, GuardedMachine
+from rollsafe.statemachines.base import event_names
 
 __all__ = [
     "FEEDS",
@@ -27,6 +31,7 @@ __all__ = [
     "overview_markdown",
     "readme_section",
     "render_all",
+    "sender_table",
     "write_all",
 ]
 
@@ -48,31 +53,31 @@ class Feed:
     events: tuple[str, ...]
 
 
-#: Who sends which event to which machine (DESIGN.md section 6). Checked against the classes.
-FEEDS: tuple[Feed, ...] = (
-    Feed("EngineLauncher", "WorkerGroupLifecycle", ("launched",)),
-    Feed("HealthManager", "WorkerGroupLifecycle", ("fail",)),
-    Feed(
-        "RecoveryCoordinator",
-        "WorkerGroupLifecycle",
-        ("claim", "restarted", "restart_failed", "retire"),
-    ),
-    Feed("SyncCoordinator", "WorkerGroupLifecycle", ("mark_stale", "weights_loaded")),
-    Feed(
-        "SyncCoordinator",
-        "CheckpointRegistration",
-        ("begin_register", "register_ok", "register_failed", "begin_update", "update_done"),
-    ),
-    Feed(
-        "HFExporter",
-        "ExportLifecycle",
-        ("adopt", "snapshot", "snapshot_done", "shards_written", "publish", "fail"),
-    ),
-    Feed("Retention", "ExportLifecycle", ("supersede", "delete")),
-    Feed("SyncCoordinator", "ExportLifecycle", ("abandon",)),
-    Feed("SyncCoordinator", "ImmediateRecoveryMode", ("export_late", "export_on_time")),
-    Feed("RolloutFleet config", "ImmediateRecoveryMode", ("enable", "disable")),
-)
+def _feeds() -> tuple[Feed, ...]:
+    """One feed per (component, machine), merged from :data:`rollsafe.policy.SENDERS`."""
+    merged: dict[tuple[str, str], list[str]] = {}
+    for sender in policy.SENDERS:
+        events = merged.setdefault((sender.component, sender.machine), [])
+        events.extend(e for e in sender.events if e not in events)
+    return tuple(Feed(c, m, tuple(events)) for (c, m), events in merged.items())
+
+
+#: Who sends which event to which machine, derived from the policy module's declarations (the
+#: decision functions and the senders outside the policy). Checked against the classes.
+FEEDS: tuple[Feed, ...] = _feeds()
+
+
+def sender_table() -> str:
+    """The "who sends what" markdown table, one row per policy declaration."""
+    rows = [
+        "| component | module | machine | events | decided by |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for s in policy.SENDERS:
+        decided = f"`policy.{s.decided_by}`" if s.decided_by else "-"
+        events = ", ".join(f"`{e}`" for e in s.events)
+        rows.append(f"| {s.component} | `{s.module}` | {s.machine} | {events} | {decided} |")
+    return "\n".join(rows)
 
 
 def _invariants(cls: type[GuardedMachine]) -> list[str]:
@@ -175,7 +180,7 @@ def _check_feeds(machines: Sequence[type[GuardedMachine]], feeds: Iterable[Feed]
             raise DiagramCheckError(
                 f"feed from {feed.component} names unknown machine {feed.machine}"
             )
-        events = {str(e) for e in cls._events}
+        events = set(event_names(cls))
         unknown = sorted(set(feed.events) - events)
         if unknown:
             raise DiagramCheckError(
@@ -183,7 +188,7 @@ def _check_feeds(machines: Sequence[type[GuardedMachine]], feeds: Iterable[Feed]
             )
         fed[feed.machine].update(feed.events)
     for name, cls in by_name.items():
-        missing = sorted({str(e) for e in cls._events} - fed[name])
+        missing = sorted(set(event_names(cls)) - fed[name])
         if missing:
             raise DiagramCheckError(f"no fleet component sends {name} events {missing}")
 
@@ -225,6 +230,13 @@ def overview_markdown() -> str:
             "```mermaid",
             overview_mermaid().rstrip("\n"),
             "```",
+            "",
+            "## Who sends what",
+            "",
+            "Generated from `rollsafe.policy.SENDERS`: a decision function declares the",
+            "events it may return (`rollsafe verify` checks every returned event was declared).",
+            "",
+            sender_table(),
             "",
             "Machines: "
             + ", ".join(f"[{cls.__name__}]({_file_name(cls)})" for cls in MACHINES)

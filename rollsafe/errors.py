@@ -20,6 +20,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   └── MissingGuardInput [ValueError]
     ├── GuardInputMissing [ValueError]                rollsafe.statemachines
     ├── LeaseError [RuntimeError]                     rollsafe.statemachines.export
+    ├── MachineTerminated [RuntimeError]              rollsafe.statemachines.base
     ├── TransportError [RuntimeError]                 rollsafe.transports
     │   ├── RegisterError
     │   │   └── KeyCoverageError, ExpertGatherError   (checkpoint_engine)

@@ -1,19 +1,28 @@
-"""Deliberately planted versions of the reviewers' bugs (DESIGN.md section 1).
+"""Deliberately planted versions of the reviewers' bugs (``docs/design.md``, "The problem").
 
-Each mutant subclasses a real machine and breaks exactly one thing; the mutation tests assert that
-the property tests and the exhaustive verifier catch every one of them.
+Two kinds. Machine mutants subclass a real machine and break one guard or action; they are
+passed to :class:`~rollsafe.verify.FleetModel` as machine classes. Policy mutants replace one
+function of :mod:`rollsafe.policy` (the module the fleet, the verifier and the property
+tests all call); they are planted with ``monkeypatch.setattr(policy, name, mutant)``. The
+mutation tests assert that the exhaustive verifier and the property tests catch every one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
+from rollsafe import policy
 from rollsafe.statemachines import (
     CheckpointRegistration,
     ExportLifecycle,
     ImmediateRecoveryMode,
     WorkerGroupLifecycle,
 )
+from rollsafe.verify import ModelConfig
+
+# ---------------------------------------------------------------------- machine mutants
 
 
 class AnyHealthyGroup(WorkerGroupLifecycle):
@@ -64,3 +73,102 @@ MUTANTS = {
     "delete_leased_export": {"export_cls": DeleteLeasedExport},
     "suspended_forever": {"mode_cls": SuspendedForever},
 }
+
+# ---------------------------------------------------------------------- policy mutants
+_settle = policy.settle_update
+_judge_probe = policy.judge_probe
+
+
+def activate_with_failed_rank(
+    version: int,
+    groups: Sequence[policy.GroupFacts],
+    targeted: Sequence[str],
+    rank_ok: Mapping[str, Mapping[int, bool]],
+    moved: Sequence[str] = (),
+    on_failure: policy.UpdateFailurePolicy = "fail",
+) -> policy.Settlement:
+    """Bug: a group whose push failed for one rank counts as updated (any() rank loaded)."""
+    lenient = {g: dict.fromkeys(r, any(r.values())) for g, r in rank_ok.items()}
+    return _settle(version, groups, targeted, lenient, moved, on_failure)
+
+
+def recover_on_probe_thread(*args: Any, **kwargs: Any) -> policy.ProbeVerdict:
+    """Bug: the health manager recovers the failed group itself, on the probe thread."""
+    verdict = _judge_probe(*args, **kwargs)
+    if verdict.handoff is policy.Handoff.ENQUEUE:
+        return replace(verdict, handoff=policy.Handoff.INLINE)
+    return verdict
+
+
+def proceed_after_failed_register(published: tuple[str, int] | None, version: int) -> bool:
+    """Bug: the sync goes on (versions, update, export) although the register failed."""
+    return True
+
+
+def lease_free_delete(
+    exports: Sequence[policy.ExportFacts], keep_last: int
+) -> policy.RetentionPlan:
+    """Bug: retention deletes superseded exports without looking at their leases."""
+    plan = policy_original("plan_retention")([replace(e, leases=0) for e in exports], keep_last)
+    return plan
+
+
+def late_export_for_recovery(
+    *, mode_state: str, fleet_version: int, export: policy.ExportFacts | None, can_push: bool
+) -> policy.StrategyChoice:
+    """Bug: recovery restarts from any export that has not failed: also one still being written
+    when the next sync judges it late, or an abandoned one."""
+    if mode_state == "enabled" and export is not None and export.state != "failed":
+        return policy.StrategyChoice(policy.Strategy.IMMEDIATE, export.version, "any export")
+    return policy_original("choose_strategy")(
+        mode_state=mode_state, fleet_version=fleet_version, export=export, can_push=can_push
+    )
+
+
+def subset_recorded_fleet_wide(
+    version: int,
+    groups: Sequence[policy.GroupFacts],
+    targeted: Sequence[str],
+    rank_ok: Mapping[str, Mapping[int, bool]],
+    moved: Sequence[str] = (),
+    on_failure: policy.UpdateFailurePolicy = "fail",
+) -> policy.Settlement:
+    """Bug: the version pushed to a subset of the fleet is recorded for every group, and no
+    group that missed it is marked stale."""
+    right = _settle(version, groups, targeted, rank_ok, moved, on_failure)
+    everyone = tuple(g.group_id for g in groups)
+    events = tuple((g, e) for g, e in right.events if e is not policy.GroupEvent.MARK_STALE)
+    return replace(right, record_version=everyone, events=events)
+
+
+_ORIGINALS: dict[str, Callable[..., Any]] = {
+    name: getattr(policy, name)
+    for name in ("settle_update", "judge_probe", "proceed_after_register", "plan_retention",
+                 "choose_strategy")
+}  # fmt: skip
+
+
+def policy_original(name: str) -> Callable[..., Any]:
+    """The unmutated policy function (a mutant may delegate to it while one is planted)."""
+    return _ORIGINALS[name]
+
+
+#: name -> (policy function replaced, mutant, the smallest model that reaches the bug)
+POLICY_MUTANTS: dict[str, tuple[str, Callable[..., Any], ModelConfig]] = {
+    "activate_group_whose_push_failed_for_one_rank": (
+        "settle_update", activate_with_failed_rank, ModelConfig(groups=1, ranks=2),
+    ),
+    "recover_on_the_probe_thread": (
+        "judge_probe", recover_on_probe_thread, ModelConfig(groups=1, ranks=1),
+    ),
+    "publish_after_a_failed_register": (
+        "proceed_after_register", proceed_after_failed_register, ModelConfig(groups=1, ranks=1),
+    ),
+    "lease_free_delete": ("plan_retention", lease_free_delete, ModelConfig(groups=1, ranks=1)),
+    "late_export_used_for_recovery": (
+        "choose_strategy", late_export_for_recovery, ModelConfig(groups=1, ranks=1),
+    ),
+    "version_pushed_to_a_subset_recorded_fleet_wide": (
+        "settle_update", subset_recorded_fleet_wide, ModelConfig(groups=1, ranks=2),
+    ),
+}  # fmt: skip

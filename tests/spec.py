@@ -1,4 +1,4 @@
-"""Independent reference models of the four machines, written from DESIGN.md section 3's tables.
+"""Independent reference models of the four machines, written from docs/design.md's machine tables.
 
 The property tests drive a real machine and one of these side by side: after every event the
 real machine must be in the state the spec predicts, and a refused event must change nothing.

@@ -56,8 +56,8 @@ def test_feed_table_is_checked_against_the_classes() -> None:
     bogus = (*diagrams.FEEDS, diagrams.Feed("X", "WorkerGroupLifecycle", ("no_such_event",)))
     with pytest.raises(diagrams.DiagramCheckError, match="no_such_event"):
         diagrams.overview_mermaid(feeds=bogus)
-    partial = tuple(f for f in diagrams.FEEDS if f.component != "HealthManager")
-    with pytest.raises(diagrams.DiagramCheckError, match="fail"):
+    partial = tuple(f for f in diagrams.FEEDS if f.component != "RolloutFleet")
+    with pytest.raises(diagrams.DiagramCheckError, match="launched"):
         diagrams.overview_mermaid(feeds=partial)
 
 
@@ -96,3 +96,21 @@ def test_mermaid_parser_rejects_a_broken_diagram(tmp_path: Path) -> None:
     result = _mermaid(broken)
     assert result.returncode == 1
     assert "error" in result.stdout
+
+
+def test_sender_table_is_generated_from_the_policy_declarations() -> None:
+    from rollsafe import policy
+
+    table = diagrams.sender_table()
+    assert table in diagrams.overview_markdown()
+    for sender in policy.SENDERS:
+        assert f"`{sender.module}`" in table
+        if sender.decided_by is not None:
+            assert callable(getattr(policy, sender.decided_by))
+            assert f"`policy.{sender.decided_by}`" in table
+    # The rows the old hand-written table got wrong: who really sends these.
+    rows = {(s.component, s.machine): s for s in policy.SENDERS}
+    transport = rows[("WeightTransport", "CheckpointRegistration")]
+    assert transport.module == "rollsafe/transports/base.py"
+    assert rows[("RolloutFleet", "WorkerGroupLifecycle")].events == ("launched",)
+    assert rows[("RolloutFleet", "WorkerGroupLifecycle")].module == "rollsafe/fleet/fleet.py"

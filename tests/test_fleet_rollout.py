@@ -41,14 +41,46 @@ def test_malformed_config_names_the_key(
     kw: dict[str, object],
     key: str,
 ) -> None:
-    if key == "health":
-        from rollsafe.fleet import HealthSettings
-
-        kw = {"health": HealthSettings(interval_s=0)}
-        key = "health.interval_s"
     with pytest.raises(FleetConfigError) as info:
         RolloutFleet(config(tiny_model_dir, tmp_path, **kw))
     assert info.value.key == key and key in str(info.value)
+
+
+def test_settings_validate_when_built_and_name_the_field() -> None:
+    from rollsafe.fleet import HealthSettings, RecoverySettings
+
+    with pytest.raises(FleetConfigError) as info:
+        HealthSettings(interval_s=0)
+    assert info.value.key == "health.interval_s" and "health.interval_s" in str(info.value)
+    with pytest.raises(FleetConfigError, match="recovery_timeout_s") as rinfo:
+        RecoverySettings(timeout_s=-1)
+    assert rinfo.value.key == "recovery.timeout_s"
+
+
+def test_components_take_their_defaults_from_the_settings() -> None:
+    from rollsafe.fleet import (
+        FleetRegistry,
+        HealthManager,
+        HealthSettings,
+        RecoveryCoordinator,
+        RecoverySettings,
+    )
+
+    reg = FleetRegistry()
+    hm = HealthManager(reg)
+    assert (hm.interval_s, hm.timeout_s, hm.failure_threshold) == (
+        HealthSettings.interval_s, HealthSettings.timeout_s, HealthSettings.failure_threshold,
+    )  # fmt: skip
+    hm2 = HealthManager(reg, settings=HealthSettings(interval_s=3.0), failure_threshold=5)
+    assert (hm2.interval_s, hm2.failure_threshold) == (3.0, 5)  # a keyword overrides a field
+    rc = RecoveryCoordinator(reg, launcher_for=lambda gid: None)  # type: ignore[arg-type,return-value]
+    try:
+        assert (rc.max_workers, rc.recovery_timeout_s, rc.expected_recovery_s) == (
+            RecoverySettings.max_workers, RecoverySettings.timeout_s,
+            RecoverySettings.expected_recovery_s,
+        )  # fmt: skip
+    finally:
+        rc.close()
 
 
 def test_bad_paths_are_named(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811

@@ -1,9 +1,10 @@
 """Mutation check: each of the reviewers' bugs, planted on purpose, must be caught.
 
-For every mutant in ``tests/mutants.py`` two independent nets are asserted to fail: the
-exhaustive verifier (a counterexample trace is found) and the hypothesis property tests (the
-machine's own stateful test raises). A mutant that slipped through both would mean the proof
-machinery cannot see that class of bug.
+For every mutant in ``tests/mutants.py`` (machine mutants and policy mutants) two independent
+nets are asserted to fail: the exhaustive verifier (a counterexample trace is found) and the
+hypothesis property tests. Policy mutants are planted in :mod:`rollsafe.policy` itself,
+the module the fleet runs, so both nets see exactly what the fleet would execute. A mutant that
+slipped through either would mean the proof machinery cannot see that class of bug.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 from mutants import (
     MUTANTS,
+    POLICY_MUTANTS,
     AnyHealthyGroup,
     DeleteLeasedExport,
     PublishAfterRegisterThrew,
@@ -23,27 +25,33 @@ from mutants import (
     SuspendedForever,
 )
 from test_sm_properties import (
+    ComposedFleetProperties,
     ExportProperties,
     ModeProperties,
+    PolicyProperties,
     RegistrationProperties,
     WorkerGroupProperties,
 )
 
+from rollsafe import policy
 from rollsafe.verify import FleetModel, ModelConfig, explore
 
 # One group of two ranks is the smallest model in which any() and all() differ.
 MUTATION_CONFIG = ModelConfig(groups=1, ranks=2)
+# A leased export is superseded within depth 8 only with one rank to launch.
+CONFIGS = {"delete_leased_export": ModelConfig(groups=1, ranks=1)}
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_verifier_catches_planted_bug(name: str) -> None:
     kwargs = MUTANTS[name]
-    result = explore(MUTATION_CONFIG, depth=8, model_factory=lambda cfg: FleetModel(cfg, **kwargs))
+    config = CONFIGS.get(name, MUTATION_CONFIG)
+    result = explore(config, depth=8, model_factory=lambda cfg: FleetModel(cfg, **kwargs))
     assert not result.ok, f"the verifier missed the planted bug {name!r}"
     cex = result.counterexamples[0]
     assert cex.trace, "a counterexample must be a non-empty event trace"
     # Replaying the trace on a fresh mutant model reproduces the violation.
-    model = FleetModel(MUTATION_CONFIG, **kwargs)
+    model = FleetModel(config, **kwargs)
     for action in cex.trace:
         model.apply(action)
     assert model.check(), f"replaying {[str(a) for a in cex.trace]} did not reproduce it"
@@ -89,3 +97,51 @@ def test_property_tests_catch_planted_bug(name: str) -> None:
     )
     with pytest.raises((AssertionError, Flaky)):
         run_state_machine_as_test(mutant_test, settings=quick)
+
+
+# ---------------------------------------------------------------------- policy mutants
+@pytest.mark.parametrize("name", sorted(POLICY_MUTANTS))
+def test_verifier_catches_planted_policy_bug(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    function, mutant, config = POLICY_MUTANTS[name]
+    monkeypatch.setattr(policy, function, mutant)
+    result = explore(config, depth=8)
+    assert not result.ok, f"the verifier missed the planted policy bug {name!r}"
+    cex = result.counterexamples[0]
+    model = FleetModel(config)
+    for action in cex.trace:
+        model.apply(action)
+    assert model.check(), f"replaying {[str(a) for a in cex.trace]} did not reproduce it"
+
+
+def test_clean_policy_passes_the_mutants_bounds() -> None:
+    for config in {c for _, _, c in POLICY_MUTANTS.values()} - {MUTATION_CONFIG}:
+        result = explore(config, depth=6)
+        assert result.ok, result.counterexamples[0].format()
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_MUTANTS))
+def test_property_tests_catch_planted_policy_bug(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    function, mutant, _config = POLICY_MUTANTS[name]
+    monkeypatch.setattr(policy, function, mutant)
+    quick = settings(
+        max_examples=300,
+        stateful_step_count=30,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+    )
+    with pytest.raises((AssertionError, Flaky)):
+        run_state_machine_as_test(PolicyProperties, settings=quick)
+
+
+def test_composed_property_test_uses_the_planted_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The composed hypothesis model runs the module's functions too: a planted bug that the
+    first steps reach is caught there as well."""
+    function, mutant, _ = POLICY_MUTANTS["publish_after_a_failed_register"]
+    monkeypatch.setattr(policy, function, mutant)
+    quick = settings(max_examples=100, stateful_step_count=20, database=None, derandomize=True,
+                     phases=[Phase.explicit, Phase.generate])  # fmt: skip
+    with pytest.raises((AssertionError, Flaky)):
+        run_state_machine_as_test(ComposedFleetProperties, settings=quick)

@@ -72,7 +72,7 @@ def test_engine_actor_lifecycle(local_ray: None, model_dir: Path) -> None:
         assert ray.get(actor.url.remote()) is None
         assert wait_pids_gone(group)
 
-        # a threaded actor answers health while a restart is still running (invariant 7)
+        # a threaded actor answers health while a restart runs (recovery_never_on_health_thread)
         restarting = actor.restart.remote()
         assert ray.get(actor.health.remote(timeout=1.0), timeout=30) in (False, True)
         still_running, _ = ray.wait([restarting], timeout=0)

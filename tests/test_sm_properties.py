@@ -2,9 +2,11 @@
 
 Rules draw from the events enabled now and also fire arbitrary events; a refused event must raise
 ``TransitionNotAllowed`` and change nothing. Per-member facts change at random. The machine-level
-invariants of DESIGN.md section 3 are ``@invariant``s; the composed model checks invariants 1-6
-and 8 across machines. Each test class takes its machine classes as attributes, so the mutation
-tests run the very same classes against planted bugs.
+invariants (``docs/design.md``) are ``@invariant``s; the composed model and the policy
+properties check :mod:`rollsafe.invariants`, the functions ``rollsafe verify`` and the
+demo check. Each test class takes its machine classes as attributes, and the policy is looked up
+on :mod:`rollsafe.policy` at call time, so the mutation tests run the very same tests
+against planted bugs.
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ from profiles import examples
 from spec import ExportSpec, GroupSpec, ModeSpec, RegistrationSpec
 from statemachine.exceptions import TransitionNotAllowed
 
+from rollsafe import invariants, policy
+from rollsafe.invariants import (
+    ExportPicture,
+    FleetPicture,
+    GroupPicture,
+    MemberPicture,
+    RecoveryPicture,
+)
 from rollsafe.statemachines import (
     CheckpointRegistration,
     ExportLifecycle,
+    GroupEvent,
     ImmediateRecoveryMode,
     LeaseError,
     WorkerGroupLifecycle,
@@ -435,6 +446,147 @@ class ComposedFleetProperties(RuleBasedStateMachine):
             snap = self.model.snapshot()
             self.model.restore(snap)
             assert self.model.snapshot() == snap
+
+
+# ---------------------------------------------------------------------- the policy functions
+_STATES = ("ready", "superseded", "snapshotting", "writing", "committing", "abandoned", "failed")
+
+
+class PolicyProperties(RuleBasedStateMachine):
+    """Each decision of :mod:`rollsafe.policy` on random observations, executed on real
+    machines where it sends events, and judged by :mod:`rollsafe.invariants`."""
+
+    @rule(
+        ranks=st.integers(1, 3),
+        data=st.data(),
+        threshold=st.integers(1, 3),
+    )
+    def probe(self, ranks: int, data: st.DataObject, threshold: int) -> None:
+        rank_ids = list(range(ranks))
+        unhealthy = data.draw(st.lists(st.sampled_from(rank_ids), unique=True))
+        counts = {r: data.draw(st.integers(0, threshold)) for r in unhealthy}
+        recorded = {r: data.draw(st.booleans()) for r in rank_ids}
+        verdict = policy.judge_probe(rank_ids, unhealthy, counts, recorded, threshold)
+        assert bool(verdict.report_unhealthy) == (GroupEvent.FAIL in verdict.events)
+        threads = (
+            (("g0", "health" if verdict.handoff is policy.Handoff.INLINE else "recovery"),)
+            if verdict.events
+            else ()
+        )
+        picture = FleetPicture(fleet_version=0, groups=(), recovery_threads=threads)
+        assert not invariants.recovery_never_on_health_thread(picture)
+
+    @rule(
+        data=st.data(),
+        groups=st.integers(1, 3),
+        ranks=st.integers(1, 3),
+        on_failure=st.sampled_from(["fail", "stale"]),
+    )
+    def settle(self, data: st.DataObject, groups: int, ranks: int, on_failure: str) -> None:
+        new = 2
+        machines = []
+        facts = []
+        truth: dict[str, dict[int, int]] = {}
+        rank_ok: dict[str, dict[int, bool]] = {}
+        for g in range(groups):
+            ids = list(range(g * ranks, (g + 1) * ranks))
+            m = WorkerGroupLifecycle(ids, group_id=f"g{g}")
+            for r in ids:
+                m.report_member(r, healthy=True, weights_version=new - 1)
+            m.launched(current_version=new - 1)
+            if data.draw(st.booleans()):
+                m.mark_stale(current_version=new)  # pending_weights
+            machines.append(m)
+            facts.append(policy.GroupFacts(m.group_id, m.state, tuple(ids)))
+            rank_ok[m.group_id] = {r: data.draw(st.booleans()) for r in ids}
+            truth[m.group_id] = {r: new if ok else new - 1 for r, ok in rank_ok[m.group_id].items()}
+        settlement = policy.settle_update(
+            new, facts, [f.group_id for f in facts], rank_ok, (), on_failure  # type: ignore[arg-type]
+        )
+        by_id = {m.group_id: m for m in machines}
+        for gid in settlement.record_version:
+            for r in by_id[gid].ranks:
+                by_id[gid].report_member(r, healthy=True, weights_version=new)
+        refused = []
+        for gid, event in settlement.events:
+            if not _fire(by_id[gid], event.value, True, current_version=new):
+                refused.append(f"{gid} refused {event.value}")
+        picture = FleetPicture(
+            fleet_version=new,
+            groups=tuple(
+                GroupPicture(
+                    m.group_id, m.state, m.is_routable, m.restart_budget,
+                    tuple(
+                        MemberPicture(r, f.known, f.healthy, f.weights_version, True,
+                                      truth[m.group_id][r])
+                        for r, f in m.members.items()
+                    ),
+                )
+                for m in machines
+            ),
+            refused_decisions=tuple(refused),
+        )  # fmt: skip
+        broken = invariants.check_all(picture)
+        assert not broken, "; ".join(str(v) for v in broken)
+
+    @rule(published=st.sampled_from([None, ("c", 1), ("c", 2)]))
+    def register(self, published: tuple[str, int] | None) -> None:
+        if policy.proceed_after_register(published, 2):
+            picture = FleetPicture(
+                fleet_version=2,
+                groups=(),
+                registration_state="registered" if published else "failed",
+                published=published,
+                last_published_version=published[1] if published else None,
+            )
+            assert not invariants.no_publish_on_failed_register(picture)
+
+    @rule(
+        exports=st.lists(
+            st.tuples(st.sampled_from(_STATES), st.integers(0, 2)), min_size=1, max_size=4
+        ),
+        keep=st.integers(1, 2),
+    )
+    def retention(self, exports: list[tuple[str, int]], keep: int) -> None:
+        facts = [policy.ExportFacts(v, state, leases) for v, (state, leases) in enumerate(exports)]
+        plan = policy.plan_retention(facts, keep)
+        deleted = set(plan.delete)
+        picture = FleetPicture(
+            fleet_version=len(exports),
+            groups=(),
+            exports=tuple(
+                ExportPicture(
+                    f.version,
+                    "deleted" if f.version in deleted else f.state,
+                    f.leases,
+                    f.version not in deleted,
+                )
+                for f in facts
+            ),
+        )
+        assert not invariants.no_delete_under_lease(picture)
+
+    @rule(
+        mode=st.sampled_from(["enabled", "suspended", "disabled"]),
+        state=st.sampled_from(_STATES),
+        version=st.integers(0, 2),
+        can_push=st.booleans(),
+    )
+    def strategy(self, mode: str, state: str, version: int, can_push: bool) -> None:
+        export = policy.ExportFacts(version, state)
+        choice = policy.choose_strategy(
+            mode_state=mode, fleet_version=2, export=export, can_push=can_push
+        )
+        if choice.strategy is policy.Strategy.IMMEDIATE:
+            used = RecoveryPicture("g0", export.version, export.state, 2)
+            picture = FleetPicture(fleet_version=2, groups=(), immediate_recoveries=(used,))
+            assert not invariants.late_export_never_used(picture)
+        else:
+            assert choice.export_version is None
+
+
+def test_policy_decisions_keep_the_invariants() -> None:
+    run_machine_test(PolicyProperties, examples(300))
 
 
 def run_machine_test(cls: type[RuleBasedStateMachine], count: int) -> None:

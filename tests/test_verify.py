@@ -13,7 +13,7 @@ def test_bounded_exploration_finds_no_violation() -> None:
     result = explore(ModelConfig(groups=2, ranks=2), depth=5)
     assert result.ok, result.counterexamples[0].format()
     assert result.complete
-    assert result.states > 1000 and result.transitions > result.states
+    assert result.states > 300 and result.transitions > result.states
     assert result.frontier_sizes[0] == 1
 
 
@@ -31,11 +31,11 @@ def test_counterexample_is_a_shortest_replayable_trace() -> None:
     )
     assert not result.ok
     cex = result.counterexamples[0]
-    # late export (two syncs), then rearm_after=2 on-time exports: six actions at least.
+    # A late export (two syncs), then rearm_after=2 on-time exports: six actions at least.
     assert len(cex.trace) == 6
-    assert any(v.invariant == 8 for v in cex.violations)
+    assert any(v.invariant == "immediate_recovery_rearms" for v in cex.violations)
     text = cex.format()
-    assert "sync(True)" in text and "invariant 8" in text
+    assert "sync(True, None, 'fail')" in text and "immediate_recovery_rearms" in text
     # Every proper prefix of a shortest trace is violation-free.
     model = FleetModel(ModelConfig(groups=1, ranks=1), mode_cls=SuspendedForever)
     for action in cex.trace[:-1]:
@@ -46,9 +46,82 @@ def test_counterexample_is_a_shortest_replayable_trace() -> None:
 def test_refused_action_changes_nothing() -> None:
     model = FleetModel(ModelConfig(groups=2, ranks=2))
     before = model.snapshot()
-    assert model.apply(Action("group_event", (0, "claim"))) is False  # launching: not allowed
-    assert model.apply(Action("group_event", (1, "launched"))) is False  # nobody healthy yet
+    assert model.apply(Action("stray", (0, "claim"))) is False  # launching: not allowed
+    assert model.apply(Action("stray", (1, "launched"))) is False  # nobody healthy yet
+    assert model.apply(Action("restart", (0, True))) is False  # not recovering
     assert model.snapshot() == before
+
+
+def test_verify_runs_the_policy_module_the_fleet_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One module of decisions: the fleet's coordinators, the verifier and the property tests
+    all hold rollsafe.policy itself, and changing one of its functions changes what the
+    verifier reports."""
+    import test_sm_properties
+
+    from rollsafe import invariants, policy
+    from rollsafe.fleet import health, recovery, sync
+    from rollsafe.hf import retention
+    from rollsafe.verify import model
+
+    for module in (health, recovery, sync, model, test_sm_properties):
+        assert module.policy is policy
+    assert model.invariants is invariants and test_sm_properties.invariants is invariants
+    config = ModelConfig(groups=1, ranks=1)
+    clean = explore(config, depth=4)
+    assert clean.ok
+    monkeypatch.setattr(policy, "proceed_after_register", lambda published, version: True)
+    changed = explore(config, depth=4)
+    assert not changed.ok
+    assert changed.counterexamples[0].violations[0].invariant == "no_publish_on_failed_register"
+    assert "plan_retention" in retention.apply_retention.__code__.co_names
+
+
+def test_every_event_a_decision_returns_is_declared(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollsafe import policy
+    from rollsafe.statemachines import GroupEvent
+
+    monkeypatch.setattr(policy, "launch_events", lambda recorded: (GroupEvent.CLAIM,))
+    result = explore(ModelConfig(groups=1, ranks=1), depth=2)
+    assert not result.ok
+    assert any("undeclared" in v.message for v in result.counterexamples[0].violations)
+
+
+def test_typed_event_constants_match_the_machines() -> None:
+    from rollsafe.statemachines import (
+        CheckpointRegistration,
+        ExportEvent,
+        ExportLifecycle,
+        GroupEvent,
+        ImmediateRecoveryMode,
+        ModeEvent,
+        RegistrationEvent,
+        WorkerGroupLifecycle,
+    )
+    from rollsafe.statemachines.base import event_names
+
+    for enum, cls in (
+        (GroupEvent, WorkerGroupLifecycle),
+        (ExportEvent, ExportLifecycle),
+        (RegistrationEvent, CheckpointRegistration),
+        (ModeEvent, ImmediateRecoveryMode),
+    ):
+        assert {e.value for e in enum} == set(event_names(cls))
+
+
+def test_machines_use_no_private_statemachine_attribute() -> None:
+    from pathlib import Path
+
+    import rollsafe
+
+    private = ("._engine", "_put_nonblocking", "_processing_loop", "._events", "_callbacks")
+    root = Path(rollsafe.__file__).parent
+    offenders = [
+        f"{path.relative_to(root)}: {name}"
+        for path in root.rglob("*.py")
+        for name in private
+        if name in path.read_text(encoding="utf-8")
+    ]
+    assert offenders == []
 
 
 def test_max_states_marks_the_run_incomplete() -> None:

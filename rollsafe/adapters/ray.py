@@ -3,7 +3,8 @@
 ``EngineActor`` runs an :class:`~rollsafe.adapters.engines.EngineLauncher` on the node it is
 scheduled on, so an engine group's processes live and die with the actor's node placement. It is
 a threaded actor (``max_concurrency`` > 1): a health probe or ``url()`` answers while a slow
-``restart()`` runs, so one recovery never blocks health checking (DESIGN.md invariant 7).
+``restart()`` runs, so one recovery never blocks health checking (``docs/design.md``, invariant
+``recovery_never_on_health_thread``).
 
 Ray is imported only when ``init_ray()`` is called or ``EngineActor`` / ``engine_actor()`` is
 first used, so ``import rollsafe.adapters`` and ``rollsafe.adapters.engines`` work without it.

@@ -73,11 +73,11 @@ def check_final(run: DemoRun) -> None:
     if run.bad_dispatch:
         run.failures.append(f"requests admitted to non-active groups: {run.bad_dispatch}")
 
-    # ------------------------------------------------------------------ further final checks
-    # Appended here, in order (run.failures prints in that order), while the fleet is up and
-    # before report.collect reads its timeline. The fleet's named invariants (#14) go here as
-    #     from rollsafe.fleet.invariants import check_all
-    #     run.failures.extend(f"invariant {v}" for v in check_all(fleet.picture()))
+    # The named invariants the verifier and the property tests check, on the live fleet
+    # (while it is up and before report.collect reads its timeline).
+    from rollsafe.invariants import check_all
+
+    run.failures.extend(f"invariant {v}" for v in check_all(fleet.picture()))
 
 
 def check_recovered(run: DemoRun, recovery: dict[str, Any]) -> None:

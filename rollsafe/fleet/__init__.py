@@ -4,6 +4,11 @@ What is here so far, in dependency order (each module imports only the ones abov
 
 * :mod:`~rollsafe.fleet.registry`: :class:`FleetRegistry`, the worker groups, their
   ``WorkerGroupLifecycle`` machines, the fleet version and the listeners;
+* :mod:`~rollsafe.policy`: every decision of the components below, as pure functions
+  (``rollsafe verify`` explores the same functions); :mod:`~rollsafe.invariants`: what
+  consistent means, one named function per invariant;
+* :mod:`~rollsafe.fleet.settings`: :class:`HealthSettings` and :class:`RecoverySettings`, the one
+  source of the components' defaults;
 * :mod:`~rollsafe.fleet.router`: :class:`Router`, requests to routable groups only;
 * :mod:`~rollsafe.fleet.health`: :class:`HealthManager`, concurrent probes that take failed
   groups out of routing and hand them off (never recovering them itself);

@@ -33,13 +33,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import rollsafe.policy as policy
 from rollsafe.fleet.health import HealthManager
 from rollsafe.fleet.partial_rollouts import SYNC_PAUSE_MODES, SyncPauseMode, paused_generation
 from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
 from rollsafe.fleet.registry import FleetError, FleetRegistry
 from rollsafe.fleet.request_health import RequestHealth
 from rollsafe.fleet.router import RoutedResult, Router
+from rollsafe.fleet.settings import (
+    FleetConfigError,
+    HealthSettings,
+    RecoverySettings,
+    check_number,
+)
 from rollsafe.fleet.sync import SyncCoordinator, SyncReport
+from rollsafe.invariants import ExportPicture, FleetPicture, GroupPicture, MemberPicture
 from rollsafe.observe.observer import FleetObserver
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 
@@ -72,14 +80,6 @@ TRANSPORTS = ("ipc", "nccl", "checkpoint_engine")
 CE_P2P_PROTOCOLS = ("rdma", "tcp")
 
 
-class FleetConfigError(FleetError, ValueError):
-    """A :class:`FleetConfig` value is malformed; ``key`` names it (e.g. ``groups[1].ranks``)."""
-
-    def __init__(self, key: str, message: str) -> None:
-        self.key = key
-        super().__init__(f"fleet config {key!r}: {message}")
-
-
 class FleetNotStarted(FleetError, RuntimeError):
     """The fleet was used before :meth:`RolloutFleet.start` (or after :meth:`close`)."""
 
@@ -97,28 +97,6 @@ class GroupSpec:
     group_id: str | None = None
     fleet_ranks: tuple[int, ...] | None = None
     warm_standby: bool | None = None
-
-
-@dataclass(frozen=True)
-class HealthSettings:
-    interval_s: float = 0.5
-    timeout_s: float = 2.0
-    failure_threshold: int = 2
-
-
-@dataclass(frozen=True)
-class RecoverySettings:
-    """``targeted_push=False`` gives the recovery no transport: without immediate recovery a
-    restarted group then waits in ``pending_weights`` for the next sync (the deferred baseline).
-    """
-
-    max_workers: int = 2
-    timeout_s: float = 120.0
-    restart_budget: int = 3
-    targeted_push: bool = True
-    expected_recovery_s: float = 10.0
-    retry_delay_s: float = 0.5
-    remaining_work_s: Callable[[], float | None] | None = None
 
 
 #: ``launcher_factory(group_id, spec)`` returns an un-started launcher for the group.
@@ -204,12 +182,7 @@ class _ResolvedGroup:
 
 
 def _positive(key: str, value: object, *, integer: bool = False, zero: bool = False) -> None:
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type:
-        raise FleetConfigError(key, f"must be a{'n int' if integer else ' number'}, got {value!r}")
-    assert isinstance(value, (int, float))
-    if value < 0 or (value == 0 and not zero):
-        raise FleetConfigError(key, f"must be {'>= 0' if zero else '> 0'}, got {value!r}")
+    check_number(key, value, integer=integer, zero=zero)
 
 
 def _validate_checkpoint_engine(config: FleetConfig) -> None:
@@ -279,15 +252,13 @@ def _validate(config: FleetConfig) -> list[_ResolvedGroup]:
             raise FleetConfigError("export_root", f"parent directory {parent} does not exist")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise FleetConfigError("export_root", f"parent directory {parent} is not writable")
-    h, r = config.health, config.recovery
-    _positive("health.interval_s", h.interval_s)
-    _positive("health.timeout_s", h.timeout_s)
-    _positive("health.failure_threshold", h.failure_threshold, integer=True)
-    _positive("recovery.max_workers", r.max_workers, integer=True)
-    _positive("recovery.timeout_s", r.timeout_s)
-    _positive("recovery.restart_budget", r.restart_budget, integer=True, zero=True)
-    _positive("recovery.expected_recovery_s", r.expected_recovery_s, zero=True)
-    _positive("recovery.retry_delay_s", r.retry_delay_s, zero=True)
+    # The settings objects validated their own fields when they were built.
+    if not isinstance(config.health, HealthSettings):
+        raise FleetConfigError("health", f"must be a HealthSettings, got {config.health!r}")
+    if not isinstance(config.recovery, RecoverySettings):
+        raise FleetConfigError(
+            "recovery", f"must be a RecoverySettings, got {config.recovery!r}"
+        )
     _positive("rearm_after", config.rearm_after, integer=True)
     _positive("initial_version", config.initial_version, integer=True, zero=True)
     _positive("router_max_attempts", config.router_max_attempts, integer=True)
@@ -488,7 +459,11 @@ class RolloutFleet:
                     self.registry.report_member(
                         g.group_id, rank, healthy=True, weights_version=version
                     )
-                self.registry.send(g.group_id, "launched")
+                recorded = {
+                    r: m.healthy for r, m in self.registry.get(g.group_id).machine.members.items()
+                }
+                for event in policy.launch_events(recorded):
+                    self.registry.send(g.group_id, event)
             assert self.health is not None
             self.health.start()
             self.observer.start()
@@ -547,19 +522,11 @@ class RolloutFleet:
             exporter=self.exporter,
             transport=transport if rs.targeted_push else None,
             mode=self.mode,
-            max_workers=rs.max_workers,
-            recovery_timeout_s=rs.timeout_s,
-            remaining_work_s=rs.remaining_work_s,
-            expected_recovery_s=rs.expected_recovery_s,
-            retry_delay_s=rs.retry_delay_s,
+            settings=rs,
         )
         recovery = self.recovery
         self.health = HealthManager(
-            self.registry,
-            interval_s=cfg.health.interval_s,
-            timeout_s=cfg.health.timeout_s,
-            failure_threshold=cfg.health.failure_threshold,
-            on_group_failed=recovery.on_group_failed,
+            self.registry, settings=cfg.health, on_group_failed=recovery.on_group_failed
         )
         health = self.health
         self.request_health = RequestHealth(
@@ -822,6 +789,45 @@ class RolloutFleet:
 
             write_svg(out / "timeline.svg", rows)
         return out
+
+    def picture(self) -> FleetPicture:
+        """The fleet as :mod:`rollsafe.invariants` reads it (what the fleet records; the
+        engines' ground truth is unknown here). ``check_all(fleet.picture())`` is the demo's
+        final invariant check."""
+        groups = tuple(
+            GroupPicture(
+                g.group_id,
+                g.state,
+                g.is_routable,
+                g.machine.restart_budget,
+                tuple(
+                    MemberPicture(r, m.known, m.healthy, m.weights_version)
+                    for r, m in g.machine.members.items()
+                ),
+            )
+            for g in self.registry.groups()
+        )
+        registration = getattr(self.transport, "registration", None)
+        exports: tuple[ExportPicture, ...] = ()
+        if self.exporter is not None:
+            exports = tuple(
+                ExportPicture(r.version, r.state, len(r.lifecycle.leases), r.path.exists())
+                for r in self.exporter.exports()
+            )
+        return FleetPicture(
+            fleet_version=self.registry.fleet_version,
+            groups=groups,
+            initial_version=self.config.initial_version,
+            registration_state=registration.state if registration is not None else None,
+            published=registration.published if registration is not None else None,
+            last_published_version=(
+                registration.last_published_version if registration is not None else None
+            ),
+            exports=exports,
+            mode_state=self.mode.state,
+            rearm_after=self.mode.rearm_after,
+            max_version_seen=self.registry.fleet_version,
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly picture of the fleet right now."""

@@ -14,7 +14,9 @@ Owns failure *detection* (never recovery):
   ``timeout_s``;
 * consecutive failures are counted per rank; when a rank reaches ``failure_threshold`` it is
   reported unhealthy and the group is sent ``fail`` (the whole group leaves routing); a healthy
-  answer resets the count and reports the members healthy;
+  answer resets the count and reports the members healthy. What each answer means is
+  :func:`rollsafe.policy.judge_probe`'s decision; this module only probes and executes it.
+  Defaults come from :class:`~rollsafe.fleet.settings.HealthSettings`;
 * hand-off: each ``fail`` the manager sends is passed to ``on_group_failed(failure)`` on a
   separate notifier thread, never on the probe loop. The callback must return quickly (enqueue
   the group for the recovery coordinator); it is never where a recovery runs, so probes keep
@@ -40,8 +42,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
+import rollsafe.policy as policy
 from rollsafe.adapters.engines.errors import bound_text
 from rollsafe.fleet.registry import FleetRegistry, WorkerGroup
+from rollsafe.fleet.settings import HealthSettings, with_overrides
 from rollsafe.statemachines.base import TransitionRefused
 
 __all__ = [
@@ -256,23 +260,30 @@ class HealthManager:
         self,
         registry: FleetRegistry,
         probe: Probe | None = None,
-        interval_s: float = 1.0,
-        timeout_s: float = 2.0,
-        failure_threshold: int = 3,
+        interval_s: float | None = None,
+        timeout_s: float | None = None,
+        failure_threshold: int | None = None,
         *,
-        max_workers: int = 64,
+        settings: HealthSettings | None = None,
+        max_workers: int | None = None,
         probe_states: Iterable[str] = DEFAULT_PROBE_STATES,
         on_group_failed: Callable[[GroupFailure], None] | None = None,
         name: str = "rollsafe-health",
     ) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if failure_threshold < 1:
-            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        # The defaults are HealthSettings'; keyword arguments override its fields.
+        self.settings = with_overrides(
+            settings or HealthSettings(),
+            {
+                "interval_s": interval_s,
+                "timeout_s": timeout_s,
+                "failure_threshold": failure_threshold,
+                "max_workers": max_workers,
+            },
+        )
+        interval_s = self.settings.interval_s
+        timeout_s = self.settings.timeout_s
+        failure_threshold = self.settings.failure_threshold
+        max_workers = self.settings.max_workers
         self.registry = registry
         self.probe: Probe = probe if probe is not None else client_health_probe
         self.interval_s = interval_s
@@ -282,6 +293,7 @@ class HealthManager:
         self.name = name
         self._async_probe = _is_async(self.probe)
         self._pool = _DaemonPool(max_workers, f"{name}-probe")
+        self._on_group_failed = on_group_failed
         self._notifier = (
             _Notifier(on_group_failed, name) if on_group_failed is not None else None
         )
@@ -617,36 +629,31 @@ class HealthManager:
                 # about an incarnation that no longer exists.
                 self._failures.pop(gid, None)
                 return False, False
-            counts = self._failures.get(gid)
-            if counts is None:
-                counts = self._failures[gid] = {}
-            unhealthy = outcome.unhealthy
-            if len(unhealthy) < len(group.ranks):
-                # Healthy ranks: reset their counts; report them healthy only where the record
-                # says otherwise (the common all-healthy answer costs one guard call).
-                for rank in [r for r in counts if r not in unhealthy]:
-                    del counts[rank]
-                if unhealthy or not group.machine.all_members_healthy():
-                    for rank, fact in group.machine.members.items():
-                        if rank not in unhealthy and not fact.healthy:
-                            self.registry.report_member(gid, rank, healthy=True)
-            at_threshold: list[int] = []
-            for rank in unhealthy:
-                n = counts.get(rank, 0) + 1
-                counts[rank] = n
-                if n >= self.failure_threshold:
-                    at_threshold.append(rank)
-            if not at_threshold:
-                return False, True
-            for rank in at_threshold:
+            machine = group.machine
+            recorded = {rank: fact.healthy for rank, fact in machine.members.items()}
+            verdict = policy.judge_probe(
+                group.ranks,
+                outcome.unhealthy,
+                self._failures.get(gid, {}),
+                recorded,
+                self.failure_threshold,
+            )
+            for rank in verdict.report_healthy:
+                self.registry.report_member(gid, rank, healthy=True)
+            for rank in verdict.report_unhealthy:
                 self.registry.report_member(gid, rank, healthy=False)
-            worst = max(counts[r] for r in at_threshold)
+            if not verdict.events:
+                self._failures[gid] = verdict.counts
+                return False, True
+            at_threshold = list(verdict.report_unhealthy)
+            worst = self.failure_threshold
             self._failures.pop(gid, None)
         # The decision is taken; send ``fail`` outside our lock, since registry listeners run
         # on this thread during send and must be free to call pause()/wake() or take their own
         # locks without ever waiting on the probe loop.
         try:
-            self.registry.send(gid, "fail")
+            for event in verdict.events:
+                self.registry.send(gid, event)
         except TransitionRefused as exc:  # it moved meanwhile (someone else failed it...)
             log.info("%s: could not fail group %s: %s", self.name, gid, exc)
             return False, True
@@ -659,6 +666,8 @@ class HealthManager:
             "routing",
             self.name, gid, worst, list(at_threshold), failure.reason,
         )
-        if self._notifier is not None:
+        if verdict.handoff is policy.Handoff.ENQUEUE and self._notifier is not None:
             self._notifier.put(failure)
+        elif verdict.handoff is policy.Handoff.INLINE and self._on_group_failed is not None:
+            self._on_group_failed(failure)  # what the policy said, wrong as it is: see invariants
         return True, True

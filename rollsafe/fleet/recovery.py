@@ -1,6 +1,8 @@
 """RecoveryCoordinator: bring failed worker groups back, off the health checks' threads.
 
-Owns the recovery of ``inactive`` groups (DESIGN.md section 6). :meth:`RecoveryCoordinator.submit`
+Owns the recovery of ``inactive`` groups (``docs/design.md``, "Fleet control"). Every decision
+(claim, skip, retire, strategy, what a restart or a push means) is :mod:`rollsafe.policy`'s;
+this module executes them and does the I/O. :meth:`RecoveryCoordinator.submit`
 (what the health manager's ``on_group_failed`` callback calls) only enqueues: recoveries run on a
 bounded worker pool, one at a time per group (a second submit while one runs returns the same
 future). Each recovery is a sequence of machine events and engine steps:
@@ -51,8 +53,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
+import rollsafe.policy as policy
 from rollsafe.adapters.engines.errors import bound_text
 from rollsafe.fleet.registry import FleetError, FleetRegistry, UnknownGroup, WorkerGroup
+from rollsafe.fleet.settings import RecoverySettings, with_overrides
 from rollsafe.fleet.sync import ExporterLike, default_target, shared_transport_lock
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
@@ -279,40 +283,48 @@ class RecoveryCoordinator:
         exporter: ExporterLike | None = None,
         transport: WeightTransport | None = None,
         mode: ImmediateRecoveryMode | None = None,
-        max_workers: int = 4,
-        recovery_timeout_s: float = 300.0,
+        max_workers: int | None = None,
+        recovery_timeout_s: float | None = None,
         remaining_work_s: Callable[[], float | None] | None = None,
-        expected_recovery_s: float = 30.0,
+        expected_recovery_s: float | None = None,
         targets_for: Callable[[WorkerGroup], EngineTarget] | None = None,
-        health_timeout_s: float = 5.0,
-        retry: bool = True,
-        retry_delay_s: float = 0.5,
+        health_timeout_s: float | None = None,
+        retry: bool | None = None,
+        retry_delay_s: float | None = None,
         transport_lock: threading.RLock | None = None,
         name: str = "rollsafe-recovery",
-        stop_timeout_s: float = 2.0,
+        stop_timeout_s: float | None = None,
+        settings: RecoverySettings | None = None,
     ) -> None:
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-        if recovery_timeout_s <= 0:
-            raise ValueError(f"recovery_timeout_s must be > 0, got {recovery_timeout_s}")
-        if expected_recovery_s < 0:
-            raise ValueError(f"expected_recovery_s must be >= 0, got {expected_recovery_s}")
-        if retry_delay_s < 0:
-            raise ValueError(f"retry_delay_s must be >= 0, got {retry_delay_s}")
+        # The defaults are RecoverySettings'; keyword arguments override its fields.
+        self.settings = rs = with_overrides(
+            settings or RecoverySettings(),
+            {
+                "max_workers": max_workers,
+                "timeout_s": recovery_timeout_s,
+                "remaining_work_s": remaining_work_s,
+                "expected_recovery_s": expected_recovery_s,
+                "health_timeout_s": health_timeout_s,
+                "retry": retry,
+                "retry_delay_s": retry_delay_s,
+                "stop_timeout_s": stop_timeout_s,
+            },
+        )
+        max_workers = rs.max_workers
         self.registry = registry
         self.launcher_for = launcher_for
         self.exporter = exporter
         self.transport = transport
         self.mode = mode
-        self.max_workers = max_workers
-        self.recovery_timeout_s = recovery_timeout_s
-        self.remaining_work_s = remaining_work_s
-        self.expected_recovery_s = expected_recovery_s
+        self.max_workers = rs.max_workers
+        self.recovery_timeout_s = rs.timeout_s
+        self.remaining_work_s = rs.remaining_work_s
+        self.expected_recovery_s = rs.expected_recovery_s
         self.targets_for = targets_for or default_target
-        self.health_timeout_s = health_timeout_s
-        self.retry = retry
-        self.retry_delay_s = retry_delay_s
-        self.stop_timeout_s = stop_timeout_s
+        self.health_timeout_s = rs.health_timeout_s
+        self.retry = rs.retry
+        self.retry_delay_s = rs.retry_delay_s
+        self.stop_timeout_s = rs.stop_timeout_s
         self.transport_lock = transport_lock or (
             shared_transport_lock(transport) if transport is not None else threading.RLock()
         )
@@ -498,16 +510,23 @@ class RecoveryCoordinator:
                 group = self.registry.get(gid)
             except UnknownGroup:
                 return "not_needed", "the group was removed from the registry"
-            if group.state != "inactive":
+            machine = group.machine
+            gate = policy.gate_recovery(
+                group.state,
+                budget_left=machine.restart_budget_left(),
+                complete=machine.group_complete(),
+                remaining_s=self._remaining_s(),
+                expected_s=self.expected_recovery_s,
+            )
+            if gate.start is policy.RecoveryStart.NOT_NEEDED:
                 if run.attempt == 0:
-                    return "not_needed", f"group is {group.state}, not inactive"
+                    return "not_needed", gate.reason
                 return "failed", f"group left inactive meanwhile ({group.state})"
-            skip = self._skip_reason()
-            if skip is not None:
-                self._step(run, "skip", time.perf_counter(), True, skip)
-                log.warning("%s: recovery of %s skipped: %s", self.name, gid, skip)
-                return "skipped", skip
-            claimed = self._claim(run, group)
+            if gate.start is policy.RecoveryStart.SKIP:
+                self._step(run, "skip", time.perf_counter(), True, gate.reason)
+                log.warning("%s: recovery of %s skipped: %s", self.name, gid, gate.reason)
+                return "skipped", gate.reason
+            claimed = self._claim(run, group, gate)
             if claimed is not None:
                 return claimed
             try:
@@ -520,48 +539,45 @@ class RecoveryCoordinator:
                 if self.retry_delay_s:
                     time.sleep(self.retry_delay_s)
 
-    def _skip_reason(self) -> str | None:
+    def _remaining_s(self) -> float | None:
+        """The rollout's remaining seconds as ``remaining_work_s()`` estimates them (None:
+        unknown, or the estimate raised)."""
         if self.remaining_work_s is None:
             return None
         try:
-            remaining = self.remaining_work_s()
+            return self.remaining_work_s()
         except Exception as exc:
             log.warning("%s: remaining_work_s() raised (%s); recovering anyway", self.name, exc)
             return None
-        if remaining is None or remaining >= self.expected_recovery_s:
-            return None
-        return (
-            f"rollout about to finish: {remaining:.1f}s of work left < expected recovery time "
-            f"{self.expected_recovery_s:.1f}s"
-        )
 
-    def _claim(self, run: _Run, group: WorkerGroup) -> tuple[RecoveryStatus, str] | None:
+    def _claim(
+        self, run: _Run, group: WorkerGroup, gate: policy.RecoveryGate
+    ) -> tuple[RecoveryStatus, str] | None:
+        """Execute the gate's decision: claim the group (None: go on), or retire it."""
         gid = group.group_id
+        machine = group.machine
         t = time.perf_counter()
+        if gate.start is policy.RecoveryStart.WAIT:
+            self._step(run, "claim", t, False, gate.reason)
+            return "failed", f"claim refused: {gate.reason}"
         try:
-            self.registry.send(gid, "claim")
+            for event in gate.events:
+                self.registry.send(gid, event)
         except TransitionRefused as exc:
-            machine = group.machine
-            if group.state == "inactive" and not machine.restart_budget_left():
-                self._step(run, "claim", t, False, "restart budget spent")
-                try:
-                    self.registry.send(gid, "retire")
-                except TransitionRefused as rexc:
-                    return "failed", f"budget spent but retire refused: {rexc}"
-                self._step(run, "retire", t, True, "restart budget spent")
-                log.error(
-                    "%s: group %s retired: restart budget (%d) spent; the fleet goes on without it",
-                    self.name,
-                    gid,
-                    machine.initial_restart_budget,
-                )
-                return "retired", (
-                    f"restart budget of {machine.initial_restart_budget} spent; retired"
-                )
             self._step(run, "claim", t, False, str(exc))
             return "failed", f"claim refused: {exc}"
+        if gate.start is policy.RecoveryStart.RETIRE:
+            self._step(run, "claim", t, False, gate.reason)
+            self._step(run, "retire", t, True, gate.reason)
+            log.error(
+                "%s: group %s retired: restart budget (%d) spent; the fleet goes on without it",
+                self.name,
+                gid,
+                machine.initial_restart_budget,
+            )
+            return "retired", f"restart budget of {machine.initial_restart_budget} spent; retired"
         run.attempt += 1
-        self._step(run, "claim", t, True, f"budget left {group.machine.restart_budget}")
+        self._step(run, "claim", t, True, f"budget left {machine.restart_budget}")
         return None
 
     def _attempt(self, run: _Run, group: WorkerGroup) -> tuple[RecoveryStatus, str]:
@@ -617,16 +633,20 @@ class RecoveryCoordinator:
                 )
             client = self._rebind(group, handle)
             self._run_step(run, "health", deadline, lambda: self._wait_healthy(client, deadline))
-            version = lease.version if lease is not None else None
+            outcome = policy.after_restart(True, lease.version if lease is not None else None)
             for rank in group.ranks:
-                self.registry.report_member(gid, rank, healthy=True, weights_version=version)
+                self.registry.report_member(
+                    gid, rank, healthy=True, weights_version=outcome.member_version
+                )
             t = time.perf_counter()
+            target = group.state
             try:
-                record = self.registry.send(gid, "restarted")
+                for event in outcome.events:
+                    target = self.registry.send(gid, event).target
             except TransitionRefused as exc:
                 self._step(run, "restarted", t, False, str(exc))
                 raise _Attempt(f"restarted refused: {exc}") from exc
-            self._step(run, "restarted", t, True, f"-> {record.target}")
+            self._step(run, "restarted", t, True, f"-> {target}")
         except _Attempt:
             self._restart_failed(group)
             raise
@@ -636,7 +656,7 @@ class RecoveryCoordinator:
         finally:
             if lease is not None and not lease_handed_off:
                 self._release(lease)
-        if record.target == "active":
+        if target == "active":
             run.active_at = time.time()
             if lease is not None:
                 return "active", f"restarted from the ready export of v{lease.version}"
@@ -645,25 +665,40 @@ class RecoveryCoordinator:
 
     # ------------------------------------------------------------------ strategies
     def _take_lease(self, run: _Run) -> tuple[ExportLease | None, str | None]:
+        """Ask the policy for the strategy; for an immediate restart, lease the export."""
         mode, exporter = self.mode, self.exporter
         t = time.perf_counter()
         if mode is None or exporter is None:
             return None, None
-        if not mode.allows_immediate:
-            self._step(run, "lease", t, False, f"immediate recovery {mode.state}")
-            return None, None
         version = self.registry.fleet_version
         record = exporter.latest_ready(version)
-        if record is None:
-            self._step(run, "lease", t, False, f"no ready export of v{version}")
+        facts: policy.ExportFacts | None = None
+        if record is not None:
+            facts = policy.ExportFacts(record.version, record.state)
+        else:
+            with contextlib.suppress(Exception):  # the exporter does not know this version
+                handle = exporter.handle(version)
+                facts = policy.ExportFacts(version, str(handle.lifecycle.state))
+        choice = policy.choose_strategy(
+            mode_state=mode.state,
+            fleet_version=version,
+            export=facts,
+            can_push=self.transport is not None,
+        )
+        if choice.strategy is not policy.Strategy.IMMEDIATE or choice.export_version is None:
+            self._step(run, "lease", t, False, choice.reason)
             return None, None
         try:
-            lease = exporter.lease(version, holder=f"recovery:{run.group_id}")
-        except Exception as exc:  # superseded or deleted meanwhile
+            lease = exporter.lease(choice.export_version, holder=f"recovery:{run.group_id}")
+        except Exception as exc:  # superseded or deleted meanwhile (or never ready)
             self._step(run, "lease", t, False, f"{type(exc).__name__}: {exc}")
             return None, None
-        run.export_version = version
-        self._step(run, "lease", t, True, f"export v{version} at {record.path}")
+        if record is None or record.version != choice.export_version:
+            self._release(lease)
+            self._step(run, "lease", t, False, f"export v{choice.export_version} is not ready")
+            return None, None
+        run.export_version = choice.export_version
+        self._step(run, "lease", t, True, f"export v{choice.export_version} at {record.path}")
         return lease, str(record.path)
 
     def _release(self, lease: ExportLease) -> None:
@@ -689,27 +724,29 @@ class RecoveryCoordinator:
             with self.transport_lock:
                 if cancelled.is_set():
                     return "cancelled"
-                published = transport.registration.published
-                current = self.registry.fleet_version
-                if published is None or published[1] != current:
-                    return f"no registered checkpoint of v{current} (published: {published})"
-                if group.state != "pending_weights":
-                    return f"group moved to {group.state}"
+                plan = policy.plan_push(
+                    transport.registration.published, self.registry.fleet_version, group.state
+                )
+                if not plan.push or plan.version is None:
+                    return plan.reason
                 target = self.targets_for(group)
                 push_to = targeted if callable(targeted) else transport.update
                 with group.loading():  # not probed meanwhile: a loading engine answers late
                     report = push_to([target])
                 pushed["detail"] = _push_detail(transport, target, report)
                 result = report.results.get(target.name)
-                if result is None or not result.ok:
+                ok = result is not None and result.ok
+                events = policy.after_push({rank: ok for rank in group.ranks}, plan.version)
+                if not events:
                     why = result.reason if result is not None else "no result"
                     return f"push failed: {why}"
                 for rank in group.ranks:
                     self.registry.report_member(
                         gid, rank, healthy=group.machine.members[rank].healthy,
-                        weights_version=published[1],
+                        weights_version=plan.version,
                     )  # fmt: skip
-                self.registry.send(gid, "weights_loaded")
+                for event in events:
+                    self.registry.send(gid, event)
                 return "ok"
 
         from rollsafe.transports.base import TransportError
@@ -784,7 +821,8 @@ class RecoveryCoordinator:
         if group.state != "recovering":
             return
         try:
-            self.registry.send(group.group_id, "restart_failed")
+            for event in policy.after_restart(False, None).events:
+                self.registry.send(group.group_id, event)
         except TransitionRefused as exc:
             log.info("%s: restart_failed refused for %s: %s", self.name, group.group_id, exc)
 

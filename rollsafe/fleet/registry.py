@@ -7,8 +7,10 @@ Owns four things:
   across the whole fleet;
 * the fleet's current weights version (:attr:`FleetRegistry.fleet_version`), which never
   decreases and is passed to the machines' guards as ``current_version=`` automatically;
-* event delivery: :meth:`FleetRegistry.send` feeds an event to one group's machine under that
-  group's lock, then notifies listeners (``on_transition``, ``on_group_active``,
+* event delivery: :meth:`FleetRegistry.send` feeds a typed event
+  (:class:`~rollsafe.statemachines.events.GroupEvent`) to one group's machine under that
+  group's lock; an ordinary python-statemachine listener on each machine records the
+  transition; the registry then notifies its own listeners (``on_transition``, ``on_group_active``,
   ``on_group_inactive``, ``on_group_pending_weights``, ``on_group_retired``) OUTSIDE every lock,
   in transition order;
 * the per-group dispatch gate the router uses (:meth:`WorkerGroup.begin_request`): whether a
@@ -36,6 +38,7 @@ from typing import Any
 from rollsafe.adapters.engines.client import EngineClient
 from rollsafe.adapters.engines.errors import bound_text
 from rollsafe.errors import RollsafeError
+from rollsafe.statemachines.events import GroupEvent, event_name
 from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
 
 __all__ = [
@@ -349,6 +352,18 @@ class WorkerGroup:
             }
 
 
+class _GroupTap:
+    """The ordinary python-statemachine listener the registry attaches to each group machine:
+    every transition becomes a :class:`GroupTransition` for the registry's listeners."""
+
+    def __init__(self, registry: FleetRegistry, group: WorkerGroup) -> None:
+        self.registry = registry
+        self.group = group
+
+    def after_transition(self, event: Any, source: Any, target: Any) -> None:
+        self.registry._on_transition(self.group, str(event), str(source.id), str(target.id))
+
+
 def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
@@ -384,6 +399,7 @@ class FleetRegistry:
         self._pending: deque[Notification] = deque()
         self._deliver_lock = threading.Lock()
         self._draining = False
+        self._local = threading.local()  # the transition the current thread's send took
         self._listener_errors = 0
         for listener in listeners:
             self.add_listener(listener)
@@ -484,6 +500,7 @@ class FleetRegistry:
             self._groups[group_id] = group
             for r in rank_list:
                 self._rank_owner[r] = group_id
+        machine.add_listener(_GroupTap(self, group))  # type: ignore[no-untyped-call]
         return group
 
     def remove_group(self, group_id: str, *, retire: bool = True) -> WorkerGroup:
@@ -493,7 +510,7 @@ class FleetRegistry:
         """
         group = self.get(group_id)
         if retire and group.state != "retired":
-            self.send(group_id, "retire")
+            self.send(group_id, GroupEvent.RETIRE)
         with self._lock:
             if self._groups.get(group_id) is group:
                 del self._groups[group_id]
@@ -555,30 +572,40 @@ class FleetRegistry:
         return self.get(gid)
 
     # ------------------------------------------------------------------ events
-    def send(self, group_id: str, event: str, **kwargs: Any) -> GroupTransition:
-        """Send ``event`` to the group's machine; notify listeners; return the transition.
+    def send(self, group_id: str, event: GroupEvent, **kwargs: Any) -> GroupTransition:
+        """Send ``event`` (a :class:`GroupEvent`) to the group's machine; notify listeners;
+        return the transition.
 
         ``current_version=`` is filled in with :attr:`fleet_version` for the events whose guards
         need it. A refused event raises the machine's
-        :class:`~rollsafe.statemachines.base.TransitionRefused` and notifies nobody.
+        :class:`~rollsafe.statemachines.base.TransitionRefused` and notifies nobody. The
+        transition is recorded by the registry's python-statemachine listener on the machine
+        (``after_transition``), so an event sent to the machine directly is seen as well.
         """
         group = self.get(group_id)
-        if event in VERSIONED_EVENTS and "current_version" not in kwargs:
+        name = event_name(event)
+        if name in VERSIONED_EVENTS and "current_version" not in kwargs:
             kwargs["current_version"] = self._version
         with group._lock:
-            source = group.machine.state
-            group.machine.send(event, **kwargs)
-            target = group.machine.state
-            with self._lock:
-                self._seq += 1
-                seq = self._seq
-                version = self._version
-            record = GroupTransition(seq, group_id, event, source, target, time.time(), version)
-            group._transitions.append(record)
-            group._generation += 1
-            self._pending.append((group, record))
+            self._local.record = None
+            group.machine.send(name, **kwargs)
+            record: GroupTransition | None = self._local.record
         self._deliver()
+        assert record is not None, "the machine took the event but its listener saw nothing"
         return record
+
+    def _on_transition(self, group: WorkerGroup, event: str, source: str, target: str) -> None:
+        """Called by a group machine's listener after each of its transitions."""
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            version = self._version
+        record = GroupTransition(seq, group.group_id, event, source, target, time.time(), version)
+        group._transitions.append(record)
+        group._generation += 1
+        self._local.record = record
+        if self._groups.get(group.group_id) is group:
+            self._pending.append((group, record))
 
     def can(self, group_id: str, event: str, **kwargs: Any) -> bool:
         """Whether ``event`` would be taken now (with the fleet version filled in as by send)."""

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import rollsafe.policy as policy
 from rollsafe.adapters.engines.errors import bound_text
 from rollsafe.fleet.registry import FleetRegistry
 from rollsafe.statemachines.base import TransitionRefused
@@ -68,12 +69,14 @@ class RequestHealth:
             self._failed_total[group_id] = self._failed_total.get(group_id, 0) + 1
             gen, n = self._counts.get(group_id, (generation, 0))
             n = n + 1 if gen == generation else 1
-            if n < self.failure_threshold:
+            events = policy.judge_request_failures(n, self.failure_threshold)
+            if not events:
                 self._counts[group_id] = (generation, n)
                 return
             self._counts.pop(group_id, None)
         try:
-            self.registry.send(group_id, "fail")
+            for event in events:
+                self.registry.send(group_id, event)
         except TransitionRefused as exc2:  # it moved meanwhile (a probe failed it first...)
             log.info("request health: could not fail group %s: %s", group_id, exc2)
             return

@@ -1,6 +1,8 @@
 """SyncCoordinator: one weight sync of the whole fleet, driving the machines in order.
 
-Owns the sequence of one sync of version N (DESIGN.md section 6), always in this order:
+Owns the sequence of one sync of version N (``docs/design.md``, "Fleet control"), always in this
+order; every decision in it is :mod:`rollsafe.policy`'s (``judge_export``,
+``proceed_after_register``, ``select_targets``, ``settle_update``), this module does the I/O:
 
 1. **judge the previous export** (version N-1): still running -> ``export_late`` on the
    :class:`~rollsafe.statemachines.ImmediateRecoveryMode`, the export is abandoned (never used,
@@ -36,11 +38,13 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+import rollsafe.policy as policy
 from rollsafe.adapters.engines.errors import bound_text
 from rollsafe.fleet.registry import FleetError, FleetRegistry, WorkerGroup
 from rollsafe.statemachines.base import TransitionRefused
+from rollsafe.statemachines.events import GroupEvent
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 
 if TYPE_CHECKING:
@@ -66,9 +70,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: How the previous export was judged when a sync began.
-ExportJudgement = Literal["none", "on_time", "late", "failed"]
+ExportJudgement = policy.ExportJudgement
 #: What happens to a group whose update failed.
-UpdateFailurePolicy = Literal["fail", "stale"]
+UpdateFailurePolicy = policy.UpdateFailurePolicy
 
 _REPORTS_KEPT = 64
 _MAX_ERROR = 1024
@@ -256,6 +260,7 @@ class SyncCoordinator:
         self._sync_lock = threading.Lock()
         self._last_export_version: int | None = None
         self._judged: set[int] = set()
+        self._facts: dict[str, policy.GroupFacts] = {}  # the last sync's considered groups
         self._reports: deque[SyncReport] = deque(maxlen=_REPORTS_KEPT)
 
     # ------------------------------------------------------------------ inspection
@@ -359,6 +364,15 @@ class SyncCoordinator:
                     )
                     return
                 timings["register_s"] = time.perf_counter() - t
+                registration = getattr(self.transport, "registration", None)
+                published = (
+                    registration.published if registration is not None else ("", version)
+                )
+                if not policy.proceed_after_register(published, version):
+                    report.error = f"register of v{version} did not publish it ({published})"
+                    log.error("sync v%d: %s; fleet stays at v%d", version, report.error,
+                              report.fleet_version_before)  # fmt: skip
+                    return
 
                 if self.health is not None:
                     self.health.pause()
@@ -383,8 +397,6 @@ class SyncCoordinator:
                     )
                     update = self._update(targets, version)
                     report.update_results = dict(update.results)
-                    report.updated = [n for n in report.targeted if _ok(update, n)]
-                    report.failed = [n for n in report.targeted if not _ok(update, n)]
                 timings["update_s"] = time.perf_counter() - t
 
                 t = time.perf_counter()
@@ -416,10 +428,19 @@ class SyncCoordinator:
             log.warning("sync v%d: export v%d is unknown to the exporter", version, prev)
             return
         mode = self.mode
-        if not handle.done():
-            report.previous_export = "late"
-            if mode is not None and mode.state != "disabled":
-                mode.export_late()
+        running = not handle.done()
+        if running:
+            observed = "writing"
+        elif exporter.latest_ready(prev) is not None:
+            observed = "ready"
+        else:
+            observed = str(handle.lifecycle.state)
+        verdict = policy.judge_export(observed, mode.state if mode is not None else None)
+        report.previous_export = verdict.judgement
+        if mode is not None:
+            for event in verdict.mode_events:
+                mode.send(event)
+        if verdict.abandon:
             abandoned = exporter.abandon(prev, reason=f"sync v{version} began first")
             log.warning(
                 "sync v%d: export v%d was not ready in time: abandoned (%s), immediate "
@@ -437,22 +458,13 @@ class SyncCoordinator:
                 log.exception(
                     "sync v%d: cleaning up after abandoned export v%d failed", version, prev
                 )
-            return
-        if exporter.latest_ready(prev) is not None or handle.lifecycle.state in (
-            "ready",
-            "superseded",
-        ):
-            report.previous_export = "on_time"
-            if mode is not None and mode.state != "disabled":
-                mode.export_on_time()
-            return
-        report.previous_export = "failed"
-        log.warning(
-            "sync v%d: export v%d failed (%s); it will not be offered for recovery",
-            version,
-            prev,
-            handle.lifecycle.state,
-        )
+        elif verdict.judgement == "failed":
+            log.warning(
+                "sync v%d: export v%d failed (%s); it will not be offered for recovery",
+                version,
+                prev,
+                observed,
+            )
 
     def _hook(self, name: str, fn: Callable[[], object] | None, report: SyncReport) -> bool:
         """Run a colocated hook; a hook that raises is reported (``error``) and returns False."""
@@ -474,21 +486,27 @@ class SyncCoordinator:
         self, report: SyncReport
     ) -> tuple[dict[str, WorkerGroup], list[EngineTarget]]:
         groups: dict[str, WorkerGroup] = {}
-        targets: list[EngineTarget] = []
+        facts: list[policy.GroupFacts] = []
         for group in self.registry.groups():
-            state = group.state
-            if state not in ("active", "pending_weights"):
-                report.not_targeted[group.group_id] = f"state {state}"
-                continue
+            members = group.machine.members
+            facts.append(
+                policy.GroupFacts(
+                    group.group_id,
+                    group.state,
+                    tuple(group.ranks),
+                    tuple(r for r, m in members.items() if not m.healthy),
+                )
+            )
             groups[group.group_id] = group
-            if not group.machine.all_members_healthy():
-                sick = [r for r, m in group.machine.members.items() if not m.healthy]
-                report.not_targeted[group.group_id] = f"unhealthy rank(s) {sick}"
-                continue
+        selection = policy.select_targets(facts)
+        report.not_targeted.update(selection.not_targeted)
+        self._facts = {f.group_id: f for f in facts if f.group_id in selection.considered}
+        targets: list[EngineTarget] = []
+        for gid in selection.targets:
             try:
-                target = self.targets_for(group)
+                target = self.targets_for(groups[gid])
             except Exception as exc:
-                report.not_targeted[group.group_id] = bound_text(
+                report.not_targeted[gid] = bound_text(
                     f"no target: {type(exc).__name__}: {exc}", 256
                 )
                 continue
@@ -498,7 +516,8 @@ class SyncCoordinator:
         missing = [g for g in names if g not in groups]
         if missing:
             raise SyncError(f"targets_for must name targets after their group ids; got {missing}")
-        return groups, targets
+        considered = {gid: groups[gid] for gid in selection.considered}
+        return considered, targets
 
     def _update(self, targets: Sequence[EngineTarget], version: int) -> UpdateReport:
         from rollsafe.transports.base import TargetResult, UpdateReport
@@ -520,59 +539,56 @@ class SyncCoordinator:
         version: int,
         report: SyncReport,
     ) -> None:
+        """Execute the policy's settlement of the update (versions, events, recoveries)."""
         reg = self.registry
-        for gid in list(report.updated):
-            group = groups[gid]
-            if group.generation != generations[gid]:
-                # It moved while we pushed (failed, claimed by a recovery): its members' facts
-                # now describe a new incarnation; never credit it with this version.
-                report.updated.remove(gid)
-                report.not_targeted[gid] = f"moved to {group.state} during the update"
-                continue
-            for rank, facts in group.machine.members.items():
+        moved = [gid for gid in report.targeted if groups[gid].generation != generations[gid]]
+        rank_ok = {
+            gid: {rank: _ok_result(report.update_results.get(gid)) for rank in groups[gid].ranks}
+            for gid in report.targeted
+        }
+        settlement = policy.settle_update(
+            version,
+            [self._facts[gid] for gid in groups],
+            report.targeted,
+            rank_ok,
+            moved,
+            self.on_update_failure,
+        )
+        report.updated = list(settlement.updated)
+        report.failed = list(settlement.failed)
+        for gid in settlement.moved:
+            # It moved while we pushed (failed, claimed by a recovery): its members' facts
+            # now describe a new incarnation; never credit it with this version.
+            report.not_targeted[gid] = f"moved to {groups[gid].state} during the update"
+        for gid in settlement.record_version:
+            for rank, facts in groups[gid].machine.members.items():
                 reg.report_member(gid, rank, healthy=facts.healthy, weights_version=version)
-        reg.fleet_version = version
-        report.fleet_version_after = version
-        for gid in report.failed:
-            reason = report.update_results[gid].reason if gid in report.update_results else ""
-            self._update_failed(gid, reason, report)
-        updated = set(report.updated)
-        for gid, group in groups.items():
-            if gid in report.failed:
-                continue
-            state = group.state
+        reg.fleet_version = settlement.fleet_version
+        report.fleet_version_after = settlement.fleet_version
+        failed = set(settlement.failed)
+        for gid, event in settlement.events:
             try:
-                if state == "active" and gid not in updated:
-                    reg.send(gid, "mark_stale")
-                    report.marked_stale.append(gid)
-                elif state == "pending_weights" and gid in updated:
-                    reg.send(gid, "weights_loaded")
-                    report.weights_loaded.append(gid)
+                reg.send(gid, event)
             except TransitionRefused as exc:  # it moved meanwhile (failed, for instance)
                 log.info("sync v%d: group %s: %s", version, gid, exc)
-
-    def _update_failed(self, gid: str, reason: str, report: SyncReport) -> None:
-        reg = self.registry
-        try:
-            if self.on_update_failure == "fail":
-                reg.send(gid, "fail")
+                continue
+            if event is GroupEvent.FAIL:
                 report.failed_groups.append(gid)
-            elif reg.get(gid).state == "active":
-                reg.send(gid, "mark_stale")
+            elif event is GroupEvent.MARK_STALE:
                 report.marked_stale.append(gid)
-        except TransitionRefused as exc:
-            log.info("sync v%d: group %s already moved: %s", report.version, gid, exc)
-            return
-        log.warning(
-            "sync v%d: update of group %s failed (%s): %s",
-            report.version,
-            gid,
-            reason,
-            "taken out of routing"
-            if self.on_update_failure == "fail"
-            else "left for the next sync",
-        )
-        if self.on_update_failure == "fail" and self.on_group_failed is not None:
+            elif event is GroupEvent.WEIGHTS_LOADED:
+                report.weights_loaded.append(gid)
+            if gid in failed:
+                reason = report.update_results[gid].reason if gid in report.update_results else ""
+                log.warning(
+                    "sync v%d: update of group %s failed (%s): %s", version, gid, reason,
+                    "taken out of routing" if event is GroupEvent.FAIL
+                    else "left for the next sync",
+                )  # fmt: skip
+        for gid in settlement.recover:
+            if self.on_group_failed is None or gid not in report.failed_groups:
+                continue
+            reason = report.update_results[gid].reason if gid in report.update_results else ""
             try:
                 self.on_group_failed(gid, reason)
             except Exception:
@@ -598,8 +614,7 @@ class SyncCoordinator:
         log.info("sync v%d: export started", version)
 
 
-def _ok(report: UpdateReport, name: str) -> bool:
-    result = report.results.get(name)
+def _ok_result(result: TargetResult | None) -> bool:
     return result is not None and result.ok
 
 

@@ -1,8 +1,9 @@
 """Which exports stay on disk: keep the newest N ready ones, delete the rest once unleased.
 
-Owns the exporter's records (version, path, lifecycle, adopted or written by us), the retention
-step (older ``ready`` exports are superseded; superseded exports without leases are deleted; the
-machine's ``delete`` guard is what forbids deleting a leased one), the removal of a directory
+Owns the exporter's records (version, path, lifecycle, adopted or written by us), the execution
+of the retention step that :func:`rollsafe.policy.plan_retention` decides (older ``ready``
+exports are superseded; superseded exports without leases are deleted; the machine's ``delete``
+guard refuses a leased one as a second net), the removal of a directory
 (renamed to a hidden trash name first, so a half-deleted export is never visible under its final
 name) and the clean-up of hidden temp/trash directories left by a writer that was killed.
 Adopted directories (a user's regular ``save_pretrained`` output) are only un-listed, never
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from rollsafe.hf.layout import fsync_dir, parse_temp_name, temp_dir
 from rollsafe.hf.verify import VerifiedExport, reverify, verify_hf_dir
-from rollsafe.statemachines import ExportLifecycle
+from rollsafe.statemachines import ExportEvent, ExportLifecycle, TransitionNotAllowed
 
 __all__ = [
     "ExportRecord",
@@ -73,25 +74,32 @@ def apply_retention(
     returns the deleted records whose directories the caller must remove (adopted ones are not
     returned: they stay on disk). Call with the exporter's lock held; remove directories after.
     """
-    ready = sorted((r for r in records.values() if r.state == "ready"), key=lambda r: -r.version)
-    if ready:
-        newest = ready[0].version
-        for old in ready[keep_last:]:
-            old.lifecycle.supersede(newer_version=newest)
-            log.info("export v%d superseded by v%d (%s)", old.version, newest, old.path)
+    import rollsafe.policy as policy  # the decision; this function executes it
+
+    facts = [
+        policy.ExportFacts(r.version, r.state, len(r.lifecycle.leases)) for r in records.values()
+    ]
+    plan = policy.plan_retention(facts, keep_last)
+    for version, newest in plan.supersede:
+        old = records[version]
+        old.lifecycle.send(ExportEvent.SUPERSEDE, newer_version=newest)
+        log.info("export v%d superseded by v%d (%s)", old.version, newest, old.path)
+    for version, why in plan.kept.items():
+        record = records[version]
+        log.info(
+            "export v%d kept: %s (%s)",
+            version,
+            why,
+            ", ".join(lease.holder for lease in record.lifecycle.leases),
+        )
     to_remove: list[ExportRecord] = []
-    for record in sorted(records.values(), key=lambda r: r.version):
-        if record.state != "superseded":
+    for version in plan.delete:
+        record = records[version]
+        try:
+            record.lifecycle.send(ExportEvent.DELETE)
+        except TransitionNotAllowed as exc:  # a lease was taken meanwhile: keep it
+            log.info("export v%d kept: %s", version, exc)
             continue
-        if not record.lifecycle.can("delete"):
-            log.info(
-                "export v%d kept: %d lease(s) held (%s)",
-                record.version,
-                len(record.lifecycle.leases),
-                ", ".join(lease.holder for lease in record.lifecycle.leases),
-            )
-            continue
-        record.lifecycle.delete()
         del records[record.version]
         if record.adopted:
             log.info("adopted export v%d un-listed; %s left on disk", record.version, record.path)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollsafe.fleet.registry import FleetListener, GroupTransition, WorkerGroup
 from rollsafe.statemachines.base import MissingGuardInput, TransitionRefused
+from rollsafe.statemachines.events import GroupEvent, event_name
 from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
 
 if TYPE_CHECKING:
@@ -388,7 +389,9 @@ class FleetMetrics(FleetListener):
         with self._lock:
             self._transitions[(type(group.machine).__name__, record.event)] += 1
 
-    def _counting_send(self, group_id: str, event: str, **kwargs: Any) -> GroupTransition:
+    def _counting_send(
+        self, group_id: str, event: GroupEvent, **kwargs: Any
+    ) -> GroupTransition:
         try:
             return self._original_send(group_id, event, **kwargs)
         except TransitionRefused as exc:
@@ -396,7 +399,7 @@ class FleetMetrics(FleetListener):
             label = str(getattr(exc, "machine_label", "")).split("(")[0]
             label = label or WorkerGroupLifecycle.__name__
             with self._lock:
-                self._refused[(label, event, refusal_guard(exc))] += 1
+                self._refused[(label, event_name(event), refusal_guard(exc))] += 1
             raise
 
     # ------------------------------------------------------------------ refresh

@@ -5,7 +5,8 @@
 * :class:`CheckpointRegistration` — one per weight transport that stages weights.
 * :class:`ImmediateRecoveryMode` — one per fleet.
 
-State and event names are a public contract (see DESIGN.md section 3); refused events raise
+State and event names are a public contract (``docs/design.md``, "The four machines"); the
+events are typed constants in :mod:`rollsafe.statemachines.events`. Refused events raise
 :class:`TransitionRefused`, a ``statemachine.exceptions.TransitionNotAllowed``.
 """
 
@@ -18,6 +19,7 @@ from rollsafe.statemachines.base import (
     TransitionRefused,
 )
 from rollsafe.statemachines.checkpoint_registration import CheckpointRegistration
+from rollsafe.statemachines.events import ExportEvent, GroupEvent, ModeEvent, RegistrationEvent
 from rollsafe.statemachines.export import ExportLease, ExportLifecycle, LeaseError
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 from rollsafe.statemachines.worker_group import MemberFacts, WorkerGroupLifecycle
@@ -33,13 +35,17 @@ MACHINES: tuple[type[GuardedMachine], ...] = (
 __all__ = [
     "MACHINES",
     "CheckpointRegistration",
+    "ExportEvent",
     "ExportLease",
     "ExportLifecycle",
+    "GroupEvent",
     "GuardedMachine",
     "ImmediateRecoveryMode",
     "LeaseError",
     "MemberFacts",
     "MissingGuardInput",
+    "ModeEvent",
+    "RegistrationEvent",
     "TransitionNotAllowed",
     "TransitionRecord",
     "TransitionRefused",

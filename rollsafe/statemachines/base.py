@@ -10,6 +10,11 @@ Owns three things the four lifecycle machines share:
   target, wall-clock timestamp, guard inputs) to a ring buffer used by audits and the demo
   timeline.
 
+It uses python-statemachine's public seams only: ``send`` (under one lock), the
+``after_transition`` listener callback (the history), ``validators=`` (missing guard inputs),
+``enabled_events`` (``can``), ``current_state_value`` / ``is_terminated`` (model checking's
+``restore_state``).
+
 Machines here import nothing heavier than python-statemachine: guards read plain data that the
 fleet passes in (event keyword arguments) or recorded with ``report_*`` methods.
 """
@@ -27,13 +32,16 @@ from statemachine import StateMachine
 from statemachine.exceptions import TransitionNotAllowed
 
 from rollsafe.errors import RollsafeError
+from rollsafe.statemachines.events import AnyEvent, event_name
 
 __all__ = [
     "GuardInputMissing",
     "GuardedMachine",
+    "MachineTerminated",
     "MissingGuardInput",
     "TransitionRecord",
     "TransitionRefused",
+    "event_names",
     "summarize",
 ]
 
@@ -95,10 +103,10 @@ def _jsonable(value: Any) -> Any:
 
 
 class GuardInputMissing(RollsafeError, ValueError):
-    """Raised inside a guard whose input (``current_version=``...) was not passed.
+    """Raised by a validator when an input an event needs (``current_version=``...) is absent.
 
-    The machine turns it into :class:`MissingGuardInput`, a refusal; ``can()`` and ``explain()``
-    count the guard as failed.
+    The machine turns it into :class:`MissingGuardInput`, a refusal; ``can()`` answers False and
+    ``explain()`` returns its message.
     """
 
 
@@ -144,11 +152,20 @@ class MissingGuardInput(TransitionRefused, ValueError):
 
 
 class GuardedMachine(StateMachine):
-    """Base for rollsafe's machines: strict, thread-safe, audited.
+    """Base for rollsafe's machines: strict, thread-safe, audited, on public seams only.
 
-    Subclasses define states, events and named guard methods, and may override
-    :meth:`guard_facts` to add model data (per-member facts, lease counts) to each history record.
-    Events are sent as ``machine.send("event", **kw)`` or ``machine.event(**kw)``.
+    Subclasses define states, events, named guard methods (``cond=``) and, for events that need
+    an input, validators (``validators=``) that raise :class:`GuardInputMissing` when it is
+    absent; they may override :meth:`facts_token` / :meth:`facts_from_token` to add model data
+    (per-member facts, lease counts) to each history record.
+
+    Events are sent as ``machine.send(GroupEvent.CLAIM, **kw)`` (a constant from
+    :mod:`rollsafe.statemachines.events`), ``machine.send("claim", **kw)`` or
+    ``machine.claim(**kw)``; all three go through :meth:`send`, which holds the machine's lock
+    for the whole event, so events sent from several threads run one at a time, each in its
+    caller's thread (every caller gets its own result or refusal). The history is kept by the
+    ``after_transition`` callback python-statemachine calls on every listener, the machine
+    itself first.
     """
 
     history_limit: ClassVar[int] = 256
@@ -158,8 +175,10 @@ class GuardedMachine(StateMachine):
         self._history: deque[tuple[Any, ...]] = deque(maxlen=self.history_limit)
         self._seq = 0
         self._last_trigger: tuple[str, Mapping[str, Any]] = ("", {})
-        self._held_for_loop = 0
         super().__init__(start_value=start_value)
+        # Calling an event as a method (``machine.claim()``) goes through send() as well.
+        for name in event_names(type(self)):
+            object.__setattr__(self, name, _SerializedEvent(self, getattr(type(self), name)))
 
     # ------------------------------------------------------------------ public API
     @property
@@ -205,108 +224,81 @@ class GuardedMachine(StateMachine):
         """Turn a :meth:`facts_token` into the facts dict shown in history and refusals."""
         return {}
 
-    def can(self, event: str, **kwargs: Any) -> bool:
-        """Whether ``event`` would be taken now with these inputs (nothing changes)."""
-        with self._lock:
-            try:
-                return any(ok for _, ok, _ in self._candidates(event, kwargs))
-            except GuardInputMissing:
-                return False  # sending it would raise MissingGuardInput, a refusal
+    def send(self, event: AnyEvent | str, *args: Any, **kwargs: Any) -> Any:
+        """Send ``event`` (a constant of :mod:`~rollsafe.statemachines.events` or its name).
 
-    def explain(self, event: str, **kwargs: Any) -> list[str]:
+        Raises :class:`TransitionRefused` (nothing changed) when the event is not allowed here
+        or a guard blocks it, :class:`MissingGuardInput` when a needed input was not passed.
+        """
+        name = event_name(event)
+        with self._lock:
+            self._last_trigger = (name, kwargs)
+            state = self.state
+            try:
+                return super().send(name, *args, **kwargs)
+            except TransitionRefused:
+                raise
+            except GuardInputMissing as missing:
+                text = str(missing)
+                raise MissingGuardInput(
+                    TransitionNotAllowed(None, self.configuration),
+                    self.label,
+                    state,
+                    name,
+                    lambda: [text],
+                ) from None
+            except TransitionNotAllowed as exc:
+                terminated = self.is_terminated
+
+                def reasons() -> list[str]:
+                    if terminated:
+                        return [f"{state!r} is a final state"]
+                    return self._refusal_reasons(name, kwargs, state)
+
+                raise TransitionRefused(exc, self.label, state, name, reasons) from None
+
+    def can(self, event: AnyEvent | str, **kwargs: Any) -> bool:
+        """Whether ``event`` would be taken now with these inputs (nothing changes)."""
+        name = event_name(event)
+        with self._lock:
+            if self._missing_input(name, kwargs) is not None:
+                return False  # sending it would raise MissingGuardInput, a refusal
+            return any(e.id == name for e in self.enabled_events(**kwargs))
+
+    def explain(self, event: AnyEvent | str, **kwargs: Any) -> list[str]:
         """Why ``event`` would be refused now (empty if it would be taken)."""
         with self._lock:
-            return self._refusal_reasons(event, kwargs)
+            return self._refusal_reasons(event_name(event), kwargs)
 
     def restore_state(self, state_id: str) -> None:
         """Put the machine into ``state_id`` directly, bypassing guards, actions and history.
 
-        For model checking only (the explorer restores snapshots); never used by the fleet.
+        For model checking and benchmarks only; never used by the fleet. A machine that reached
+        a final state by a transition has terminated and cannot be restored: build a new one
+        (:class:`MachineTerminated`).
         """
         with self._lock:
             state = type(self).states_map[state_id]
+            if self.is_terminated and not state.final:
+                raise MachineTerminated(
+                    f"{self.label} terminated in {self.state!r}; build a new machine instead of "
+                    f"restoring it to {state_id!r}"
+                )
             self.current_state_value = state_id
-            self._engine.running = not state.final
 
     def state_ids(self) -> list[str]:
         """All state ids of this machine, in definition order."""
         return [s.id for s in type(self).states]
 
     # ------------------------------------------------------------------ internals
-    def _put_nonblocking(self, trigger_data: Any, internal: bool = False) -> None:
-        # Hold the lock from queuing an event until its processing loop ends, so events sent
-        # from several threads run one at a time, each in its caller's thread: every caller gets
-        # its own result or refusal, and every transition is recorded once, in order.
-        if internal:
-            super()._put_nonblocking(trigger_data, internal=internal)
-            return
-        self._lock.acquire()
-        try:
-            self._last_trigger = (str(trigger_data.event), trigger_data.kwargs)
-            super()._put_nonblocking(trigger_data, internal=internal)
-        except TransitionNotAllowed as exc:  # final state: the engine no longer runs
-            self._lock.release()
-            event, state = str(trigger_data.event), self.state
-            raise TransitionRefused(
-                exc, self.label, state, event, lambda: [f"{state!r} is a final state"]
-            ) from None
-        except BaseException:
-            self._lock.release()
-            raise
-        self._held_for_loop += 1
-
-    def _processing_loop(self, caller_future: Any | None = None) -> Any:
-        with self._lock:
-            try:
-                return self._process_one(caller_future)
-            finally:
-                if self._held_for_loop:
-                    self._held_for_loop -= 1
-                    self._lock.release()
-
-    def _process_one(self, caller_future: Any | None) -> Any:
-        source = self.current_state_value
-        try:
-            result = super()._processing_loop(caller_future)
-        except TransitionRefused:
-            raise
-        except GuardInputMissing as missing:
-            event, _ = self._last_trigger
-            state = self.state
-            text = str(missing)
-            raise MissingGuardInput(
-                TransitionNotAllowed(None, self.configuration),
-                self.label,
-                state,
-                event,
-                lambda: [text],
-            ) from None
-        except TransitionNotAllowed as exc:
-            event, kwargs = self._last_trigger
-            state = self.state
-            raise TransitionRefused(
-                exc,
-                self.label,
-                state,
-                event,
-                lambda: self._refusal_reasons(event, kwargs, state),
-            ) from None
-        # Strict machine: no exception means exactly one transition was taken. Record it raw;
-        # TransitionRecord objects are built only when the history is read.
+    def after_transition(self, source: Any, target: Any) -> None:
+        """python-statemachine's ``after_transition`` callback (the machine is its own first
+        listener): append the transition to the history. ``send`` holds the lock."""
         self._seq += 1
         event, kwargs = self._last_trigger
         self._history.append(
-            (
-                self._seq,
-                event,
-                source,
-                self.current_state_value,
-                time.time(),
-                kwargs,
-                self.facts_token(),
-            )
+            (self._seq, event, source.id, target.id, time.time(), kwargs, self.facts_token())
         )
-        return result
 
     def _candidates(
         self, event: str, kwargs: Mapping[str, Any]
@@ -321,6 +313,19 @@ class GuardedMachine(StateMachine):
                 ]
                 yield transition, not failed, failed
 
+    def _missing_input(self, event: str, kwargs: Mapping[str, Any]) -> str | None:
+        """The message of the first validator of ``event`` that finds an input missing."""
+        for state in self.configuration:
+            for transition in state.transitions:
+                if not transition.match(event):
+                    continue
+                for name in _validator_names(transition):
+                    try:
+                        self._guard(name, kwargs)
+                    except GuardInputMissing as missing:
+                        return str(missing)
+        return None
+
     def _guard(self, name: str, kwargs: Mapping[str, Any]) -> bool:
         method = getattr(self, name)
         code = method.__code__
@@ -331,17 +336,16 @@ class GuardedMachine(StateMachine):
         self, event: str, kwargs: Mapping[str, Any], state: str | None = None
     ) -> list[str]:
         state = state or self.state
-        known = sorted(str(e) for e in type(self)._events)
+        known = sorted(event_names(type(self)))
         if event not in known:
             return [f"unknown event {event!r}; events are {known}"]
+        missing = self._missing_input(event, kwargs)
+        if missing is not None:
+            return [missing]
         reasons: list[str] = []
         facts = {**{k: summarize(v) for k, v in kwargs.items()}, **self.guard_facts()}
         any_candidate = False
-        try:
-            candidates = list(self._candidates(event, kwargs))
-        except GuardInputMissing as missing:
-            return [str(missing)]
-        for transition, ok, failed in candidates:
+        for transition, ok, failed in list(self._candidates(event, kwargs)):
             any_candidate = True
             if ok:
                 continue
@@ -358,6 +362,42 @@ class GuardedMachine(StateMachine):
         return reasons
 
 
+class MachineTerminated(RollsafeError, RuntimeError):
+    """:meth:`GuardedMachine.restore_state` was asked to revive a machine in a final state."""
+
+
+class _SerializedEvent:
+    """``machine.claim(**kw)``: the event called as a method, routed through ``send``."""
+
+    __slots__ = ("delay", "id", "internal", "machine", "name")
+
+    def __init__(self, machine: GuardedMachine, event: Any) -> None:
+        self.machine = machine
+        self.id = str(event.id)
+        self.name = event.name
+        self.delay = event.delay
+        self.internal = event.internal
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.machine.send(self.id, *args, **kwargs)
+
+    def __str__(self) -> str:
+        return self.id
+
+    def __repr__(self) -> str:
+        return f"<event {self.id!r} of {self.machine.label}>"
+
+
+def event_names(cls: type[StateMachine]) -> list[str]:
+    """Every event name of a machine class, in definition order (from its public structure)."""
+    names: dict[str, None] = {}
+    for state in cls.states:
+        for transition in state.transitions:
+            for event in transition.events:
+                names[str(event)] = None
+    return list(names)
+
+
 def _record(
     label: str, entry: tuple[Any, ...], facts_from_token: Callable[[Any], dict[str, Any]]
 ) -> TransitionRecord:
@@ -371,3 +411,8 @@ def _record(
 def _guard_names(transition: Any) -> list[str]:
     """The named condition methods on a transition (``cond=`` entries), in order."""
     return [str(spec) for spec in transition.cond]
+
+
+def _validator_names(transition: Any) -> list[str]:
+    """The named validator methods on a transition (``validators=`` entries), in order."""
+    return [str(spec) for spec in transition.validators]

@@ -12,6 +12,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from statemachine import State
+from statemachine.exceptions import TransitionNotAllowed
 
 from rollsafe.statemachines.base import GuardedMachine, GuardInputMissing
 
@@ -43,13 +44,17 @@ class CheckpointRegistration(GuardedMachine):
     failed = State("Failed")
 
     begin_register = (
-        empty.to(registering, cond="version_not_older")
-        | registered.to(registering, cond="version_not_older")
-        | failed.to(registering, cond="version_not_older")
+        empty.to(registering, cond="version_not_older", validators="version_given")
+        | registered.to(registering, cond="version_not_older", validators="version_given")
+        | failed.to(registering, cond="version_not_older", validators="version_given")
     )
-    register_ok = registering.to(registered, cond=["every_rank_registered", "key_coverage_exact"])
+    register_ok = registering.to(
+        registered,
+        cond=["every_rank_registered", "key_coverage_exact"],
+        validators="register_report_given",
+    )
     register_failed = registering.to(failed)
-    begin_update = registered.to(updating, cond="targets_valid")
+    begin_update = registered.to(updating, cond="targets_valid", validators="targets_given")
     update_done = updating.to(registered)
 
     def __init__(self, world_size: int, allow_missing_prefixes: Iterable[str] = ("mtp.",)) -> None:
@@ -72,6 +77,18 @@ class CheckpointRegistration(GuardedMachine):
             return self._published
         return None
 
+    def restore_published(
+        self,
+        published: tuple[str, int] | None,
+        pending: tuple[str, int] | None,
+        last_published_version: int | None,
+    ) -> None:
+        """Set what is published, pending and last published (model checking only; the state
+        is set with ``restore_state``)."""
+        with self._lock:
+            self._published, self.pending = published, pending
+            self.last_published_version = last_published_version
+
     @property
     def failed_targets(self) -> list[int]:
         """Ranks whose last update failed (for the fleet to act on)."""
@@ -83,18 +100,43 @@ class CheckpointRegistration(GuardedMachine):
     def facts_from_token(self, token: Any) -> dict[str, Any]:
         return {"world_size": self.world_size, "published": token}
 
+    # ------------------------------------------------------------------ validators
+    def version_given(self, version: int | None = None) -> None:
+        """``begin_register`` needs ``name=`` and ``version=``."""
+        if version is None:
+            raise GuardInputMissing(f"{self.label}: begin_register needs name= and version=")
+
+    def register_report_given(
+        self,
+        ranks_ok: Collection[int] | None = None,
+        expected_keys: Collection[str] | None = None,
+        registered_keys: Collection[str] | None = None,
+    ) -> None:
+        """``register_ok`` needs what the ranks reported."""
+        if ranks_ok is None:
+            raise GuardInputMissing(f"{self.label}: register_ok needs ranks_ok=")
+        if expected_keys is None or registered_keys is None:
+            raise GuardInputMissing(
+                f"{self.label}: register_ok needs expected_keys= and registered_keys="
+            )
+
+    def targets_given(self, targets: Sequence[Sequence[int]] | None = None) -> None:
+        """``begin_update`` needs ``targets=``."""
+        if targets is None:
+            raise GuardInputMissing(f"{self.label}: begin_update needs targets=")
+
     # ------------------------------------------------------------------ guards
     def version_not_older(self, version: int | None = None) -> bool:
         """The version to register is not older than the last published one."""
         if version is None:
-            raise GuardInputMissing(f"{self.label}: begin_register needs name= and version=")
+            return False
         last = self.last_published_version
         return last is None or version >= last
 
     def every_rank_registered(self, ranks_ok: Collection[int] | None = None) -> bool:
         """Every rank in range(world_size) registered its shard."""
         if ranks_ok is None:
-            raise GuardInputMissing(f"{self.label}: register_ok needs ranks_ok=")
+            return False
         return set(ranks_ok) == set(range(self.world_size))
 
     def key_coverage_exact(
@@ -104,9 +146,7 @@ class CheckpointRegistration(GuardedMachine):
     ) -> bool:
         """No extra key, and every missing key starts with an allowed prefix."""
         if expected_keys is None or registered_keys is None:
-            raise GuardInputMissing(
-                f"{self.label}: register_ok needs expected_keys= and registered_keys="
-            )
+            return False
         expected, got = set(expected_keys), set(registered_keys)
         if got - expected:
             return False
@@ -115,7 +155,7 @@ class CheckpointRegistration(GuardedMachine):
     def targets_valid(self, targets: Sequence[Sequence[int]] | None = None) -> bool:
         """Non-empty list of non-empty rank lists, each rank in range, none named twice."""
         if targets is None:
-            raise GuardInputMissing(f"{self.label}: begin_update needs targets=")
+            return False
         if isinstance(targets, (str, bytes)) or len(targets) == 0:
             return False
         seen: set[int] = set()
@@ -129,6 +169,29 @@ class CheckpointRegistration(GuardedMachine):
                     return False
                 seen.add(rank)
         return True
+
+    # ------------------------------------------------------------------ the register protocol
+    def finish_register(
+        self,
+        *,
+        ranks_ok: Collection[int],
+        expected_keys: Collection[str],
+        registered_keys: Collection[str],
+    ) -> str | None:
+        """End a register begun with ``begin_register``: ``register_ok`` with what the ranks
+        reported, or ``register_failed`` when the guards refuse it. Returns None when the
+        checkpoint is published, else why not (the refusal's text). Every transport ends its
+        register this way, and so does ``rollsafe verify``.
+        """
+        try:
+            self.register_ok(
+                ranks_ok=ranks_ok, expected_keys=expected_keys, registered_keys=registered_keys
+            )
+        except TransitionNotAllowed as exc:
+            reason = str(exc)
+            self.register_failed(reason=reason[:2048])
+            return reason
+        return None
 
     # ------------------------------------------------------------------ actions
     def on_begin_register(self, name: str = "", version: int | None = None) -> None:

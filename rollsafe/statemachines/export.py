@@ -65,14 +65,18 @@ class ExportLifecycle(GuardedMachine):
     failed = State("Failed", final=True)
     abandoned = State("Abandoned", final=True)
 
-    adopt = requested.to(ready, cond="regular_save_verified")
+    adopt = requested.to(ready, cond="regular_save_verified", validators="save_version_given")
     snapshot = requested.to(snapshotting)
     snapshot_done = snapshotting.to(writing)
-    shards_written = writing.to(committing, cond="every_rank_reported_success")
-    publish = committing.to(
-        ready, cond=["index_covers_every_key", "manifest_checksums_verify", "atomic_rename_done"]
+    shards_written = writing.to(
+        committing, cond="every_rank_reported_success", validators="writer_report_given"
     )
-    supersede = ready.to(superseded, cond="newer_export_ready")
+    publish = committing.to(
+        ready,
+        cond=["index_covers_every_key", "manifest_checksums_verify", "atomic_rename_done"],
+        validators="index_report_given",
+    )
+    supersede = ready.to(superseded, cond="newer_export_ready", validators="newer_version_given")
     delete = superseded.to(deleted, cond="no_leases_held")
     fail = snapshotting.to(failed) | writing.to(failed) | committing.to(failed)
     abandon = snapshotting.to(abandoned) | writing.to(abandoned) | committing.to(abandoned)
@@ -116,6 +120,12 @@ class ExportLifecycle(GuardedMachine):
             if self._leases.pop(lease.lease_id, None) is None:
                 raise LeaseError(f"{self.label}: lease {lease.lease_id} is not held")
 
+    def restore_lease(self, lease: ExportLease) -> None:
+        """Hold ``lease`` whatever the state (model checking only: the explorer restores leased
+        exports into any state it reached)."""
+        with self._lock:
+            self._leases[lease.lease_id] = lease
+
     @property
     def offerable(self) -> bool:
         """Whether recovery may load from this export now (``ready``)."""
@@ -127,23 +137,44 @@ class ExportLifecycle(GuardedMachine):
     def facts_from_token(self, token: Any) -> dict[str, Any]:
         return {"version": self.version, "leases": token}
 
+    # ------------------------------------------------------------------ validators
+    def save_version_given(self, version: int | None = None) -> None:
+        """``adopt`` needs the regular save's ``version=``."""
+        if version is None:
+            raise GuardInputMissing(f"{self.label}: adopt needs version= of the regular save")
+
+    def writer_report_given(self, ranks_ok: Collection[int] | None = None) -> None:
+        """``shards_written`` needs the writers' ``ranks_ok=``."""
+        if ranks_ok is None:
+            raise GuardInputMissing(f"{self.label}: shards_written needs ranks_ok=")
+
+    def index_report_given(self, index_missing_keys: Collection[str] | None = None) -> None:
+        """``publish`` needs the index check's ``index_missing_keys=``."""
+        if index_missing_keys is None:
+            raise GuardInputMissing(f"{self.label}: publish needs index_missing_keys=")
+
+    def newer_version_given(self, newer_version: int | None = None) -> None:
+        """``supersede`` needs ``newer_version=``."""
+        if newer_version is None:
+            raise GuardInputMissing(f"{self.label}: supersede needs newer_version=")
+
     # ------------------------------------------------------------------ guards
     def regular_save_verified(self, verified: bool = False, version: int | None = None) -> bool:
         """A regular HF save of the same version exists and verified."""
         if version is None:
-            raise GuardInputMissing(f"{self.label}: adopt needs version= of the regular save")
+            return False
         return bool(verified) and version == self.version
 
     def every_rank_reported_success(self, ranks_ok: Collection[int] | None = None) -> bool:
         """Every writer rank in range(world_size) reported success."""
         if ranks_ok is None:
-            raise GuardInputMissing(f"{self.label}: shards_written needs ranks_ok=")
+            return False
         return set(ranks_ok) == set(range(self.world_size))
 
     def index_covers_every_key(self, index_missing_keys: Collection[str] | None = None) -> bool:
         """The written index maps every expected key to a shard."""
         if index_missing_keys is None:
-            raise GuardInputMissing(f"{self.label}: publish needs index_missing_keys=")
+            return False
         return len(index_missing_keys) == 0
 
     def manifest_checksums_verify(self, checksums_verified: bool = False) -> bool:
@@ -157,7 +188,7 @@ class ExportLifecycle(GuardedMachine):
     def newer_export_ready(self, newer_version: int | None = None) -> bool:
         """A newer version's export is ready."""
         if newer_version is None:
-            raise GuardInputMissing(f"{self.label}: supersede needs newer_version=")
+            return False
         return newer_version > self.version
 
     def no_leases_held(self) -> bool:

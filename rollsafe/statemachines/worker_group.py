@@ -55,17 +55,23 @@ class WorkerGroupLifecycle(GuardedMachine):
     retired = State("Retired", final=True)
 
     launched = launching.to(
-        active, cond=["all_members_healthy", "all_at_current_version"]
+        active,
+        cond=["all_members_healthy", "all_at_current_version"],
+        validators="current_version_given",
     ) | launching.to(pending_weights, cond="all_members_healthy")
     fail = launching.to(inactive) | active.to(inactive) | pending_weights.to(inactive)
     claim = inactive.to(recovering, cond=["group_complete", "restart_budget_left"])
     restarted = recovering.to(
-        active, cond=["all_members_healthy", "all_at_current_version"]
+        active,
+        cond=["all_members_healthy", "all_at_current_version"],
+        validators="current_version_given",
     ) | recovering.to(pending_weights, cond="all_members_healthy")
     restart_failed = recovering.to(inactive)
     mark_stale = active.to(pending_weights, cond="behind_current_version")
     weights_loaded = pending_weights.to(
-        active, cond=["all_members_healthy", "all_at_current_version"]
+        active,
+        cond=["all_members_healthy", "all_at_current_version"],
+        validators="current_version_given",
     )
     retire = (
         launching.to(retired)
@@ -141,6 +147,14 @@ class WorkerGroupLifecycle(GuardedMachine):
                 )
             self._members = {**self._members, rank: MemberFacts(rank)}
 
+    def restore_members(self, members: Iterable[MemberFacts]) -> None:
+        """Set every member's facts at once, bypassing reports (model checking only)."""
+        with self._lock:
+            facts = {m.rank: m for m in members}
+            if set(facts) != set(self.ranks):
+                raise ValueError(f"{self.label}: facts for ranks {sorted(facts)} != {self.ranks}")
+            self._members = {r: facts[r] for r in self.ranks}
+
     def facts_token(self) -> Any:
         return (self._members, self.restart_budget)
 
@@ -153,6 +167,12 @@ class WorkerGroupLifecycle(GuardedMachine):
             "restart_budget": budget,
         }
 
+    # ------------------------------------------------------------------ validators
+    def current_version_given(self, current_version: int | None = None) -> None:
+        """``launched``, ``restarted`` and ``weights_loaded`` need the fleet's version."""
+        if current_version is None:
+            raise GuardInputMissing(f"{self.label}: this event needs current_version=")
+
     # ------------------------------------------------------------------ guards (all(), never any())
     def all_members_healthy(self) -> bool:
         """Every member reported healthy."""
@@ -161,7 +181,7 @@ class WorkerGroupLifecycle(GuardedMachine):
     def all_at_current_version(self, current_version: int | None = None) -> bool:
         """Every member reports the same weights version, equal to the fleet's current one."""
         if current_version is None:
-            raise GuardInputMissing(f"{self.label}: this event needs current_version=")
+            return False
         return all(m.weights_version == current_version for m in self._members.values())
 
     def group_complete(self) -> bool:

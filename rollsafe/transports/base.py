@@ -29,7 +29,7 @@ from rollsafe.ports import (
     UpdateReport,
     WeightTransport,
 )
-from rollsafe.statemachines import CheckpointRegistration, TransitionNotAllowed
+from rollsafe.statemachines import CheckpointRegistration
 from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
@@ -146,13 +146,13 @@ class StagedTransport:
                 raise
             raise RegisterError(f"{self.name}: staging v{version} failed: {exc}") from exc
         expected = [n for n, _ in items]
-        try:
-            reg.register_ok(ranks_ok=ranks_ok, expected_keys=expected, registered_keys=registered)
-        except TransitionNotAllowed as exc:
-            reg.register_failed(reason=_bounded(str(exc)))
+        refused = reg.finish_register(
+            ranks_ok=ranks_ok, expected_keys=expected, registered_keys=registered
+        )
+        if refused is not None:
             self.version, self.keys = None, ()
             self._unstage()
-            raise RegisterError(f"{self.name}: v{version} not published: {exc}") from exc
+            raise RegisterError(f"{self.name}: v{version} not published: {refused}")
         self.version, self.keys = version, tuple(expected)
         self._watched = (
             [(n, t, v) for n, t in items if (v := _version_of(t)) is not None]

@@ -1,4 +1,6 @@
-"""What proves the machines right: the composed fleet model and its exhaustive explorer."""
+"""What proves the fleet right: the real machines and the real policy composed into one model
+(:mod:`~rollsafe.verify.model`), explored exhaustively (:mod:`~rollsafe.verify.explorer`) against
+the invariants of :mod:`rollsafe.invariants`."""
 
 from rollsafe.verify.explorer import Counterexample, ExplorationResult, explore
 from rollsafe.verify.model import GROUP_EVENTS, Action, FleetModel, ModelConfig, Violation

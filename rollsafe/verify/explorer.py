@@ -1,9 +1,10 @@
 """Exhaustive breadth-first exploration of the composed fleet model (``rollsafe verify``).
 
 Starting from a fresh :class:`~rollsafe.verify.model.FleetModel`, every enabled action is tried
-from every reached state, up to a depth bound; states are deduplicated by the model's snapshot,
-and every invariant is checked in every reached state. Breadth-first order makes the first
-counterexample found a shortest one, reported as the event trace that leads to it.
+from every reached state, up to a depth bound; states are deduplicated by the model's canonical
+form (up to group and rank symmetry), and every invariant is checked in every reached state. The
+model is restored to a state only after an action that changed it. Breadth-first order makes the
+first counterexample found a shortest one, reported as the event trace that leads to it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ExplorationResult:
     refused: int = 0
     frontier_sizes: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # process CPU time (wall time also counts other processes' load)
     counterexamples: list[Counterexample] = field(default_factory=list)
     complete: bool = True
 
@@ -77,6 +79,7 @@ def explore(
     model = model_factory(cfg) if model_factory is not None else FleetModel(cfg)
     result = ExplorationResult(config=cfg, depth=depth)
     started = time.perf_counter()
+    cpu_started = time.process_time()
 
     initial = model.snapshot()
     # Deduplicate on the canonical form (group/rank symmetry); keep real snapshots to restore.
@@ -93,18 +96,27 @@ def explore(
         next_frontier: list[Any] = []
         for snap in frontier:
             model.restore(snap)
+            dirty = False  # restore only after an action that changed the model
             for action in list(model.enabled_actions()):
-                model.restore(snap)
+                if dirty:
+                    model.restore(snap)
                 changed = model.apply(action)
                 result.transitions += 1
+                dirty = True
                 if not changed:
                     result.refused += 1
                     after = model.snapshot()
-                    if after != snap:
+                    dirty = after != snap
+                    if dirty:
                         result.counterexamples.append(
                             Counterexample(
                                 (*_trace(parents, snap), action),
-                                (Violation(0, f"refused action {action} changed the model"),),
+                                (
+                                    Violation(
+                                        "refused_action_changes_nothing",
+                                        f"{action} changed the model",
+                                    ),
+                                ),
                             )
                         )
                     continue
@@ -135,6 +147,7 @@ def explore(
             break
     result.states = len(seen)
     result.seconds = time.perf_counter() - started
+    result.cpu_seconds = time.process_time() - cpu_started
     return result
 
 

@@ -1,52 +1,70 @@
-"""The composed fleet model: the four real machines wired together as the fleet wires them.
+"""The composed fleet model: the four real machines driven by the real policy functions.
 
 ``FleetModel`` holds N worker groups of R ranks (``WorkerGroupLifecycle``), one
-``CheckpointRegistration`` over all engine ranks, the chain of ``ExportLifecycle`` machines (one
-per weights version) and one ``ImmediateRecoveryMode``, plus the fleet's current version. Its
-actions are the things that happen to a fleet (a member comes up or crashes, a group event is
-sent, a weight sync runs or fails to register, an export finishes or fails, a recovery takes a
-lease, a targeted push lands, retention runs). Each action feeds events to the REAL machine
-classes, so a bug planted in a machine (a guard written with ``any()``, a publish on a failed
-register...) shows up as a violated invariant here.
+``CheckpointRegistration`` over all engine ranks, one ``ExportLifecycle`` per weights version
+and one ``ImmediateRecoveryMode``, plus the ground truth the fleet can only observe: whether
+each engine rank is alive and which weights it really holds, and whether each export's
+directory exists. It contains no sequencing of its own: every decision is a call to
+:mod:`rollsafe.policy` (looked up at call time, so a patched policy function is what the
+model runs) and every event it sends is the one that decision named.
 
-The model is deliberately free: it also fires events the fleet would not send, because a guard
-must refuse them and a refused event must change nothing. ``snapshot()``/``restore()`` turn the
-whole model into a hashable value and back, which is what the exhaustive explorer deduplicates.
+What the model chooses nondeterministically are the outcomes of I/O, each an :class:`Action`:
+a rank comes up or crashes, a probe runs, a recovery claims a group, a restart succeeds or
+fails, a targeted push succeeds or fails, a sync registers on every rank or not and its update
+fails on one rank of a group or not, an export finishes on time, fails or is still running when
+the next sync begins, retention runs. It also fires stray group events (a racing or duplicated
+sender): the guards must refuse the wrong ones, and a refused event must change nothing.
+
+Invariants are :mod:`rollsafe.invariants` on :meth:`FleetModel.picture`.
+``snapshot()``/``restore()`` turn the model into a hashable value and back; ``canonical()``
+identifies states that differ only by a permutation of groups or of ranks inside a group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from statemachine.exceptions import TransitionNotAllowed
 
+import rollsafe.invariants as invariants
+import rollsafe.policy as policy
+from rollsafe.invariants import (
+    ExportPicture,
+    FleetPicture,
+    GroupPicture,
+    MemberPicture,
+    RecoveryPicture,
+)
+from rollsafe.invariants import InvariantViolation as Violation
 from rollsafe.statemachines import (
     CheckpointRegistration,
     ExportLease,
     ExportLifecycle,
+    GuardedMachine,
     ImmediateRecoveryMode,
+    LeaseError,
     MemberFacts,
     WorkerGroupLifecycle,
 )
+from rollsafe.statemachines.events import AnyEvent, ExportEvent, GroupEvent, event_name
 
 __all__ = ["GROUP_EVENTS", "Action", "FleetModel", "ModelConfig", "Violation"]
 
-#: Group events the model may fire at any group (the guards must refuse the wrong ones).
+#: Stray group events the model may fire at any group (the guards must refuse the wrong ones).
+#: ``fail`` comes from probes and updates, ``claim`` / ``retire`` / ``restart_failed`` from the
+#: recovery actions (as in the fleet); the guarded events are also fired stray.
 GROUP_EVENTS: tuple[str, ...] = (
-    "launched",
-    "claim",
-    "restarted",
-    "restart_failed",
-    "weights_loaded",
-    "mark_stale",
-    "retire",
+    GroupEvent.LAUNCHED.value,
+    GroupEvent.RESTARTED.value,
+    GroupEvent.MARK_STALE.value,
+    GroupEvent.WEIGHTS_LOADED.value,
 )
 
 _KEYS: tuple[str, ...] = ("model.embed_tokens.weight", "lm_head.weight", "mtp.layer.weight")
-_EXPECTED = _KEYS
 _REGISTERED = _KEYS[:2]  # the MTP key is legitimately missing (allow-listed)
+_RUNNING_EXPORT = ("requested", "snapshotting", "writing", "committing")
 
 
 @dataclass(frozen=True)
@@ -58,25 +76,17 @@ class ModelConfig:
     restart_budget: int = 2
     rearm_after: int = 2
     keep_last: int = 1
+    failure_threshold: int = 1
     max_version: int | None = None
-    #: Also toggle immediate recovery off/on (the property tests do; the exhaustive run keeps the
-    #: mode's transitions to export outcomes, since enable/disable are covered machine-by-machine).
+    #: Also toggle immediate recovery off/on (the property tests do; the exhaustive run leaves
+    #: enable/disable to the machine-level tests).
     mode_toggles: bool = False
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.ranks < 1:
             raise ValueError(f"need at least one group of one rank, got {self}")
-
-
-@dataclass(frozen=True)
-class Violation:
-    """An invariant that failed, with the number of the invariant (DESIGN.md section 3)."""
-
-    invariant: int
-    message: str
-
-    def __str__(self) -> str:
-        return f"invariant {self.invariant}: {self.message}"
+        if self.failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be >= 1, got {self.failure_threshold}")
 
 
 @dataclass(frozen=True)
@@ -93,19 +103,32 @@ class Action:
 
 @dataclass
 class _Audit:
-    """Facts the model keeps beside the machines, only to check invariants."""
+    """Facts kept beside the machines, only for the invariants."""
 
     max_version_seen: int = 0
-    published_from: tuple[str, int] | None = None
-    publish_was_complete: bool = True
     late_versions: frozenset[int] = frozenset()
     on_time_since_late: int | None = None
-    lease_versions_at_take: dict[int, tuple[int, int]] = field(default_factory=dict)
     judged_version: int = 0
+    immediate: tuple[RecoveryPicture, ...] = ()
+    recovery_threads: tuple[tuple[str, str], ...] = ()
+    refused: tuple[str, ...] = ()
+    register_complete: bool | None = None
+
+
+def _declared() -> dict[str, frozenset[str]]:
+    table: dict[str, set[str]] = {}
+    for sender in policy.SENDERS:
+        if sender.decided_by is not None:
+            table.setdefault(sender.decided_by, set()).update(sender.events)
+    return {k: frozenset(v) for k, v in table.items()}
+
+
+_DECLARED = _declared()
 
 
 class FleetModel:
-    """The composed fleet model. Machine classes are parameters so tests can plant bugs."""
+    """The composed fleet model. Machine classes are parameters so tests can plant bugs in
+    them; policy bugs are planted by patching :mod:`rollsafe.policy`."""
 
     def __init__(
         self,
@@ -117,42 +140,59 @@ class FleetModel:
         mode_cls: type[ImmediateRecoveryMode] = ImmediateRecoveryMode,
     ) -> None:
         self.config = cfg = config or ModelConfig()
+        self._group_cls = group_cls
         self._export_cls = export_cls
-        self.groups: list[WorkerGroupLifecycle] = [
-            group_cls(
-                range(g * cfg.ranks, (g + 1) * cfg.ranks),
-                restart_budget=cfg.restart_budget,
-                group_id=f"g{g}",
-            )
-            for g in range(cfg.groups)
-        ]
+        self.groups: list[WorkerGroupLifecycle] = [self._new_group(g) for g in range(cfg.groups)]
+        self._group_pool: list[list[WorkerGroupLifecycle]] = [[grp] for grp in self.groups]
         self.registration = registration_cls(world_size=cfg.groups * cfg.ranks)
         self.mode = mode_cls(enabled=True, rearm_after=cfg.rearm_after)
         self.version = 0
+        #: ground truth per group: per rank (alive, weights really held)
+        self.truth: list[tuple[tuple[bool, int | None], ...]] = [
+            tuple((False, None) for _ in range(cfg.ranks)) for _ in range(cfg.groups)
+        ]
+        self.counts: list[dict[int, int]] = [{} for _ in range(cfg.groups)]
         self.exports: dict[int, ExportLifecycle] = {}
-        self._export_pool: dict[int, ExportLifecycle] = {}
+        # Export machines by version, reused across restores (building one costs ~1 ms).
+        self._export_pool: dict[int, list[ExportLifecycle]] = {}
+        self.dirs: dict[int, bool] = {}
+        self.last_export: int | None = None
         self.leases: dict[int, ExportLease] = {}  # group index -> lease
         self.audit = _Audit()
         self._allowed = {
-            cls: _allowed_events_table(cls)
-            for cls in (group_cls, export_cls, registration_cls, mode_cls)
+            cls: _allowed_events_table(cls) for cls in (group_cls, export_cls, registration_cls)
         }
+
+    def _new_group(self, g: int) -> WorkerGroupLifecycle:
+        cfg = self.config
+        return self._group_cls(
+            range(g * cfg.ranks, (g + 1) * cfg.ranks),
+            restart_budget=cfg.restart_budget,
+            group_id=f"g{g}",
+        )
 
     # ------------------------------------------------------------------ actions
     def actions(self) -> Iterator[Action]:
-        """Every action the model may take now (refused machine events included)."""
+        """Every action the model may take now (refused ones included)."""
         cfg = self.config
         for g in range(cfg.groups):
             for r in range(cfg.ranks):
-                yield Action("member_up", (g, r, True))
-                yield Action("member_up", (g, r, False))
-                yield Action("member_crash", (g, r))
-                yield Action("member_lost", (g, r))
+                yield Action("launch", (g, r))
+                yield Action("crash", (g, r))
+            yield Action("probe", (g,))
+            yield Action("recover", (g,))
+            yield Action("restart", (g, True))
+            yield Action("restart", (g, False))
+            yield Action("push", (g, True))
+            yield Action("push", (g, False))
             for event in GROUP_EVENTS:
-                yield Action("group_event", (g, event))
-            yield Action("targeted_push", (g,))
-        yield Action("sync", (True,))
-        yield Action("sync", (False,))
+                yield Action("stray", (g, event))
+        yield Action("sync", (False, None, "fail"))
+        yield Action("sync", (True, None, "fail"))
+        for g in range(cfg.groups):
+            yield Action("sync", (True, g, "fail"))
+            yield Action("sync", (True, g, "stale"))
+        yield Action("stray_delete")
         yield Action("export_finish")
         yield Action("export_fail")
         yield Action("retention")
@@ -160,109 +200,233 @@ class FleetModel:
             yield Action("mode_toggle")
 
     def enabled_actions(self) -> Iterator[Action]:
-        """Actions that can change something now (cheap pre-filter on the state tables)."""
+        """Actions that can change something now (a cheap pre-filter on states)."""
         for action in self.actions():
             if self._may_change(action):
                 yield action
 
     def apply(self, action: Action) -> bool:
-        """Take ``action``. Returns False when the machines refused it (nothing changed)."""
+        """Take ``action``. Returns False when nothing happened (nothing changed)."""
         handler: Callable[..., bool] = getattr(self, f"_do_{action.name}")
         try:
             return handler(*action.args)
         except TransitionNotAllowed:
             return False
 
-    # -- members
-    def _do_member_up(self, g: int, r: int, loaded: bool) -> bool:
-        group = self.groups[g]
-        rank = group.ranks[r]
-        if group.state not in ("launching", "recovering"):
-            return False
-        if group.members[rank].healthy:
-            return False
-        if group.state == "launching":
-            version: int | None = 0 if loaded else None
-        else:
-            lease = self.leases.get(g)
-            if loaded and lease is None:
-                return False
-            version = lease.version if (loaded and lease is not None) else None
-        group.report_member(rank, healthy=True, weights_version=version)
-        return True
+    def _restore_exports(self, exports: tuple[Any, ...], groups: tuple[Any, ...]) -> None:
+        self.exports = {}
+        self.dirs = {}
+        self.leases = {}
+        for v, state, _leases, present in exports:
+            export = self._pooled_export(v, state)
+            for lease in export.leases:
+                export.release_lease(lease)
+            self.exports[v] = export
+            self.dirs[v] = present
+        for g, row in enumerate(groups):
+            lease_version = row[5]
+            if lease_version is not None and lease_version in self.exports:
+                export = self.exports[lease_version]
+                lease = ExportLease(-(g + 1), lease_version, f"g{g}")
+                export.restore_lease(lease)
+                self.leases[g] = lease
 
-    def _do_member_crash(self, g: int, r: int) -> bool:
-        group = self.groups[g]
-        rank = group.ranks[r]
-        if group.state == "retired" or not group.members[rank].healthy:
-            return False
-        group.report_member(rank, healthy=False)
-        # The health manager takes the whole group out of routing at once.
-        if group.state in ("launching", "active", "pending_weights"):
-            group.fail()
-        return True
+    def _pooled_export(self, version: int, state: str) -> ExportLifecycle:
+        """An export machine of ``version`` in ``state``: a pooled one when possible."""
+        return _pooled(
+            self._export_pool.setdefault(version, []), state, lambda: self._export_cls(version)
+        )
 
-    def _do_member_lost(self, g: int, r: int) -> bool:
-        group = self.groups[g]
-        rank = group.ranks[r]
-        if group.state == "retired" or not group.members[rank].known:
-            return False
-        group.forget_member(rank)
-        if group.state in ("launching", "active", "pending_weights"):
-            group.fail()
-        return True
+    # -- sending what the policy decided
+    def _decided(self, fn: str, events: tuple[AnyEvent, ...]) -> None:
+        extra = {event_name(e) for e in events} - _DECLARED.get(fn, frozenset())
+        if extra:
+            self._refuse(f"policy.{fn} returned undeclared events {sorted(extra)}")
 
-    # -- group events, with the fleet's side effects around them
-    def _do_group_event(self, g: int, event: str) -> bool:
+    def _refuse(self, text: str) -> None:
+        self.audit.refused = (*self.audit.refused, text)
+
+    def _send_group(self, g: int, event: GroupEvent, by: str) -> bool:
         group = self.groups[g]
-        if event == "mark_stale" or event in ("launched", "restarted", "weights_loaded"):
+        try:
             group.send(event, current_version=self.version)
-        else:
-            group.send(event)
-        if event == "claim":
-            self._take_lease_for(g)
-        elif event in ("restarted", "restart_failed", "retire"):
-            self._release_lease_of(g)
+        except TransitionNotAllowed as exc:
+            self._refuse(f"policy.{by}: {exc}")
+            return False
+        if group.state != "recovering" and event in (
+            GroupEvent.RESTARTED,
+            GroupEvent.RESTART_FAILED,
+            GroupEvent.RETIRE,
+        ):
+            self._release_lease(g)
         return True
 
-    def _take_lease_for(self, g: int) -> None:
-        """Immediate strategy: lease the ready export of the current version, if allowed."""
-        export = self.exports.get(self.version)
-        if self.mode.allows_immediate and export is not None and export.offerable:
-            lease = export.acquire_lease(holder=f"g{g}")
-            self.leases[g] = lease
-            self.audit.lease_versions_at_take[g] = (lease.version, self.version)
-
-    def _release_lease_of(self, g: int) -> None:
+    def _release_lease(self, g: int) -> None:
         lease = self.leases.pop(g, None)
-        self.audit.lease_versions_at_take.pop(g, None)
-        if lease is not None:
-            self.exports[lease.version].release_lease(lease)
+        if lease is not None and lease.version in self.exports:
+            export = self.exports[lease.version]
+            if any(held.lease_id == lease.lease_id for held in export.leases):
+                export.release_lease(lease)
 
-    def _do_targeted_push(self, g: int) -> bool:
-        """Strategy 2: push the registered checkpoint to one pending group only."""
+    def _recorded(self, g: int) -> dict[int, bool]:
+        return {rank: m.healthy for rank, m in self.groups[g].members.items()}
+
+    # -- engines coming up and going down
+    def _do_launch(self, g: int, r: int) -> bool:
         group = self.groups[g]
-        published = self.registration.published
-        if group.state != "pending_weights" or published is None:
+        alive, _ = self.truth[g][r]
+        if group.state != "launching" or alive:
             return False
-        if published[1] != self.version or not group.all_members_healthy():
-            return False
-        self._update_targets([g], published[1])
-        group.weights_loaded(current_version=self.version)
+        self._set_truth(g, r, True, 0)
+        group.report_member(group.ranks[r], healthy=True, weights_version=0)
+        events = policy.launch_events(self._recorded(g))
+        self._decided("launch_events", events)
+        for event in events:
+            self._send_group(g, event, "launch_events")
         return True
 
-    def _update_targets(self, targets: list[int], version: int) -> None:
-        rank_lists = [list(self.groups[g].ranks) for g in targets]
-        self.registration.begin_update(targets=rank_lists)
-        results: dict[int, bool] = {}
-        for g in targets:
-            for rank in self.groups[g].ranks:
-                self.groups[g].report_member(rank, healthy=True, weights_version=version)
-                results[rank] = True
-        self.registration.update_done(results=results)
+    def _do_crash(self, g: int, r: int) -> bool:
+        alive, _ = self.truth[g][r]
+        if not alive or self.groups[g].state == "retired":
+            return False
+        self._set_truth(g, r, False, None)
+        return True
 
-    # -- weight sync
-    def _do_sync(self, complete_register: bool) -> bool:
+    def _set_truth(self, g: int, r: int, alive: bool, version: int | None) -> None:
+        row = list(self.truth[g])
+        row[r] = (alive, version)
+        self.truth[g] = tuple(row)
+
+    # -- the health manager
+    def _do_probe(self, g: int) -> bool:
+        group = self.groups[g]
+        if group.state not in ("active", "pending_weights"):
+            return False
+        unhealthy = [group.ranks[r] for r, (alive, _) in enumerate(self.truth[g]) if not alive]
+        recorded = self._recorded(g)
+        if not unhealthy and all(recorded.values()):
+            return False  # a healthy answer that changes nothing
+        verdict = policy.judge_probe(
+            group.ranks, unhealthy, self.counts[g], recorded, self.config.failure_threshold
+        )
+        self._decided("judge_probe", verdict.events)
+        self.counts[g] = dict(verdict.counts)
+        for rank in verdict.report_healthy:
+            group.report_member(rank, healthy=True)
+        for rank in verdict.report_unhealthy:
+            group.report_member(rank, healthy=False)
+        for event in verdict.events:
+            self._send_group(g, event, "judge_probe")
+        if verdict.handoff is policy.Handoff.INLINE:
+            self.audit.recovery_threads = (*self.audit.recovery_threads, (f"g{g}", "health"))
+            self._do_recover(g)
+        return True
+
+    # -- the recovery coordinator
+    def _do_recover(self, g: int) -> bool:
+        group = self.groups[g]
+        if group.state != "inactive":
+            return False
+        gate = policy.gate_recovery(
+            group.state,
+            budget_left=group.restart_budget_left(),
+            complete=group.group_complete(),
+            remaining_s=None,
+            expected_s=0.0,
+        )
+        self._decided("gate_recovery", gate.events)
+        if gate.start not in (policy.RecoveryStart.CLAIM, policy.RecoveryStart.RETIRE):
+            return False
+        for event in gate.events:
+            if not self._send_group(g, event, "gate_recovery"):
+                return True
+        if gate.start is not policy.RecoveryStart.CLAIM:
+            return True
+        export = self.exports.get(self.version)
+        facts = (
+            policy.ExportFacts(export.version, export.state, len(export.leases))
+            if export is not None
+            else None
+        )
+        choice = policy.choose_strategy(
+            mode_state=self.mode.state,
+            fleet_version=self.version,
+            export=facts,
+            can_push=True,
+        )
+        if choice.strategy is policy.Strategy.IMMEDIATE and choice.export_version is not None:
+            chosen = self.exports.get(choice.export_version)
+            state = chosen.state if chosen is not None else "gone"
+            self.audit.immediate = (
+                *self.audit.immediate,
+                RecoveryPicture(f"g{g}", choice.export_version, state, self.version),
+            )
+            if chosen is None:
+                self._refuse(f"policy.choose_strategy chose gone export v{choice.export_version}")
+                return True
+            try:
+                self.leases[g] = chosen.acquire_lease(holder=f"g{g}")
+            except LeaseError as exc:
+                self._refuse(f"policy.choose_strategy: {exc}")
+        return True
+
+    def _do_restart(self, g: int, ok: bool) -> bool:
+        group = self.groups[g]
+        if group.state != "recovering":
+            return False
+        lease = self.leases.get(g)
+        outcome = policy.after_restart(ok, lease.version if lease is not None else None)
+        self._decided("after_restart", outcome.events)
+        if ok:
+            for r, rank in enumerate(group.ranks):
+                self._set_truth(g, r, True, outcome.member_version)
+                group.report_member(rank, healthy=True, weights_version=outcome.member_version)
+        self.counts[g] = {}
+        for event in outcome.events:
+            self._send_group(g, event, "after_restart")
+        self._release_lease(g)
+        return True
+
+    def _do_push(self, g: int, ok: bool) -> bool:
+        group = self.groups[g]
+        if group.state != "pending_weights":
+            return False
+        plan = policy.plan_push(self.registration.published, self.version, group.state)
+        if not plan.push or plan.version is None:
+            return False  # deferred to the next sync: nothing happens now
+        reg = self.registration
+        reg.begin_update(targets=[list(group.ranks)])
+        rank_ok = self._push_to(g, plan.version, None if ok else 0)
+        reg.update_done(results=rank_ok)
+        events = policy.after_push(rank_ok, plan.version)
+        self._decided("after_push", events)
+        if events:
+            for rank in group.ranks:
+                group.report_member(rank, healthy=True, weights_version=plan.version)
+        for event in events:
+            self._send_group(g, event, "after_push")
+        return True
+
+    def _push_to(self, g: int, version: int, failing_rank: int | None) -> dict[int, bool]:
+        """Move ``version`` into the live ranks of group ``g`` except ``failing_rank``."""
+        rank_ok: dict[int, bool] = {}
+        ranks = self.groups[g].ranks
+        for r, (alive, _held) in enumerate(self.truth[g]):
+            loaded = alive and r != failing_rank
+            rank_ok[ranks[r]] = loaded
+            if loaded:
+                self._set_truth(g, r, True, version)
+        return rank_ok
+
+    # -- the sync coordinator
+    def _do_sync(
+        self,
+        registered_everywhere: bool,
+        failing_group: int | None,
+        on_failure: policy.UpdateFailurePolicy = "fail",
+    ) -> bool:
+        """A sync of the next version: registered on every rank or not; its update fails on one
+        rank of ``failing_group`` (None: on none); the fleet's ``on_update_failure`` setting."""
         cfg = self.config
         new = self.version + 1
         if cfg.max_version is not None and new > cfg.max_version:
@@ -270,65 +434,90 @@ class FleetModel:
         reg = self.registration
         if reg.state not in ("empty", "registered", "failed"):
             return False
-        self._judge_export_deadline()
+        self._judge_export()
         reg.begin_register(name=f"ckpt-v{new}", version=new)
         ranks_ok = list(range(reg.world_size))
-        if not complete_register:
+        if not registered_everywhere:
             ranks_ok = ranks_ok[:-1]
-        try:
-            reg.register_ok(ranks_ok=ranks_ok, expected_keys=_EXPECTED, registered_keys=_REGISTERED)
-        except TransitionNotAllowed:
-            reg.register_failed(reason="a rank failed to register")
+        self.audit.register_complete = registered_everywhere
+        reg.finish_register(ranks_ok=ranks_ok, expected_keys=_KEYS, registered_keys=_REGISTERED)
+        if not policy.proceed_after_register(reg.published, new):
             return True
-        self.audit.published_from = reg.published
-        self.audit.publish_was_complete = set(ranks_ok) == set(range(reg.world_size))
-        # Update every serving or waiting group whose members are all healthy.
-        targets = [
-            g
-            for g, grp in enumerate(self.groups)
-            if grp.state in ("active", "pending_weights") and grp.all_members_healthy()
+        facts = [
+            policy.GroupFacts(
+                grp.group_id,
+                grp.state,
+                grp.ranks,
+                tuple(r for r, m in grp.members.items() if not m.healthy),
+            )
+            for grp in self.groups
         ]
-        if targets:
-            self._update_targets(targets, new)
-        self.version = new
-        self.audit.max_version_seen = max(self.audit.max_version_seen, new)
-        for grp in self.groups:
-            if grp.state == "active" and grp.behind_current_version(current_version=new):
-                grp.mark_stale(current_version=new)
-            elif grp.state == "pending_weights" and grp.can("weights_loaded", current_version=new):
-                grp.weights_loaded(current_version=new)
-        self._start_export(new)
+        selection = policy.select_targets(facts)
+        index = {grp.group_id: g for g, grp in enumerate(self.groups)}
+        rank_ok: dict[str, dict[int, bool]] = {}
+        if selection.targets:
+            try:
+                reg.begin_update(
+                    targets=[list(self.groups[index[t]].ranks) for t in selection.targets]
+                )
+            except TransitionNotAllowed as exc:  # the transport refuses: every target failed
+                self._refuse(f"policy.proceed_after_register: update refused: {exc}")
+                rank_ok = {t: dict.fromkeys(self.groups[index[t]].ranks, False)
+                           for t in selection.targets}  # fmt: skip
+            else:
+                per_rank: dict[int, bool] = {}
+                for gid in selection.targets:
+                    g = index[gid]
+                    rank_ok[gid] = self._push_to(g, new, 0 if g == failing_group else None)
+                    per_rank.update(rank_ok[gid])
+                reg.update_done(results=per_rank)
+        considered = [f for f in facts if f.group_id in selection.considered]
+        settlement = policy.settle_update(
+            new, considered, selection.targets, rank_ok, on_failure=on_failure
+        )
+        self._decided("settle_update", tuple(e for _, e in settlement.events))
+        for gid in settlement.record_version:
+            grp = self.groups[index[gid]]
+            for rank, m in grp.members.items():
+                grp.report_member(rank, healthy=m.healthy, weights_version=new)
+        self.version = settlement.fleet_version
+        self.audit.max_version_seen = max(self.audit.max_version_seen, self.version)
+        for gid, event in settlement.events:
+            self._send_group(index[gid], event, "settle_update")
+        export = self._pooled_export(new, "requested")
+        for lease in export.leases:
+            export.release_lease(lease)
+        export.snapshot()
+        self.exports[new] = export
+        self.dirs[new] = False
+        self.last_export = new
         return True
 
-    def _judge_export_deadline(self) -> None:
-        """Before sync N+1: the export of N is either ready (on time) or late (abandoned)."""
-        export = self.exports.get(self.version)
-        if export is None or self.audit.judged_version >= export.version:
-            return  # each export is judged once, by the first sync attempt after it
-        self.audit.judged_version = export.version
-        if export.state in ("snapshotting", "writing", "committing"):
-            export.abandon(reason=f"sync v{self.version + 1} began first")
-            self.audit.late_versions = self.audit.late_versions | {export.version}
+    def _judge_export(self) -> None:
+        """Sync N+1 began: the export of N is judged once, by the policy."""
+        prev = self.last_export
+        if prev is None or self.audit.judged_version >= prev:
+            return
+        self.audit.judged_version = prev
+        export = self.exports.get(prev)
+        verdict = policy.judge_export(export.state if export else None, self.mode.state)
+        self._decided("judge_export", verdict.mode_events)
+        if verdict.judgement == "late":
+            self.audit.late_versions = self.audit.late_versions | {prev}
             self.audit.on_time_since_late = 0
-            if self.mode.state != "disabled":
-                self.mode.export_late()
-        elif export.state == "ready":
-            if self.audit.on_time_since_late is not None:
-                self.audit.on_time_since_late += 1
-            if self.mode.state != "disabled":
-                self.mode.export_on_time()
+        elif verdict.judgement == "on_time" and self.audit.on_time_since_late is not None:
+            self.audit.on_time_since_late += 1
+        for event in verdict.mode_events:
+            try:
+                self.mode.send(event)
+            except TransitionNotAllowed as exc:
+                self._refuse(f"policy.judge_export: {exc}")
+        if verdict.abandon and export is not None:
+            refused = _end_export(export, ExportEvent.ABANDON)
+            if refused is not None:
+                self._refuse(f"policy.judge_export: {refused}")
 
-    def _start_export(self, version: int) -> None:
-        export = self._export_pool.get(version)
-        if export is None:
-            export = self._export_cls(version)
-            self._export_pool[version] = export
-        export.restore_state("requested")
-        export._leases.clear()
-        export.snapshot()
-        self.exports[version] = export
-
-    # -- exports
+    # -- the exporter and retention
     def _do_export_finish(self) -> bool:
         export = self.exports.get(self.version)
         if export is None or export.state != "snapshotting":
@@ -336,28 +525,46 @@ class FleetModel:
         export.snapshot_done()
         export.shards_written(ranks_ok=list(range(export.world_size)))
         export.publish(index_missing_keys=[], checksums_verified=True, renamed=True)
-        ready = sorted(v for v, e in self.exports.items() if e.state == "ready")
-        for old in ready[: max(0, len(ready) - self.config.keep_last)]:
-            self.exports[old].supersede(newer_version=ready[-1])
+        self.dirs[export.version] = True
+        self._retain()
         return True
 
     def _do_export_fail(self) -> bool:
         export = self.exports.get(self.version)
-        if export is None or export.state not in ("snapshotting", "writing", "committing"):
+        if export is None or export.state not in _RUNNING_EXPORT:
             return False
-        export.fail(reason="writer died")
-        return True
+        refused = _end_export(export, ExportEvent.FAIL)
+        return refused is None
 
     def _do_retention(self) -> bool:
-        changed = False
-        for export in list(self.exports.values()):
-            if export.state == "superseded" and export.can("delete"):
-                export.delete()
-                changed = True
-            elif export.state in ("deleted", "failed", "abandoned") and not export.leases:
-                del self.exports[export.version]
-                changed = True
-        return changed
+        before = self.snapshot()
+        self._retain()
+        for version, export in list(self.exports.items()):
+            if export.state in ("deleted", "failed", "abandoned") and not export.leases:
+                del self.exports[version]
+                self.dirs.pop(version, None)
+        return self.snapshot() != before
+
+    def _retain(self) -> None:
+        facts = [
+            policy.ExportFacts(v, e.state, len(e.leases)) for v, e in sorted(self.exports.items())
+        ]
+        plan = policy.plan_retention(facts, self.config.keep_last)
+        decided = (ExportEvent.SUPERSEDE,) * bool(plan.supersede)
+        self._decided("plan_retention", decided + (ExportEvent.DELETE,) * bool(plan.delete))
+        for version, newer in plan.supersede:
+            try:
+                self.exports[version].supersede(newer_version=newer)
+            except (KeyError, TransitionNotAllowed) as exc:
+                self._refuse(f"policy.plan_retention: supersede v{version}: {exc}")
+        for version in plan.delete:
+            export = self.exports.get(version)
+            self.dirs[version] = False  # the directory goes on the policy's word
+            if export is None:
+                continue
+            refused = _end_export(export, ExportEvent.DELETE)
+            if refused is not None:
+                self._refuse(f"policy.plan_retention: {refused}")
 
     def _do_mode_toggle(self) -> bool:
         if self.mode.state == "disabled":
@@ -367,221 +574,250 @@ class FleetModel:
             self.mode.disable()
         return True
 
-    # ------------------------------------------------------------------ pre-filter
-    def _may_change(self, action: Action) -> bool:
-        """False for actions that certainly change nothing here (cheap checks, no machine call).
-
-        Events the state table allows are always kept, so a guard still gets to refuse them.
-        """
-        name, args = action.name, action.args
-        if name == "group_event":
-            group = self.groups[args[0]]
-            return args[1] in self._allowed[type(group)].get(group.state, ())
-        if name in ("member_up", "member_crash", "member_lost"):
-            g: int = args[0]
-            r: int = args[1]
-            group = self.groups[g]
-            facts = group._members[group.ranks[r]]
-            healthy = facts.healthy
-            if name == "member_lost":
-                return group.state != "retired" and facts.known
-            if name == "member_crash":
-                return group.state != "retired" and healthy
-            if healthy or group.state not in ("launching", "recovering"):
-                return False
-            return not (args[2] and group.state == "recovering" and g not in self.leases)
-        if name == "targeted_push":
-            target: int = args[0]
-            return self.groups[target].state == "pending_weights"
-        if name in ("export_finish", "export_fail"):
-            export = self.exports.get(self.version)
-            return export is not None and export.state == "snapshotting"
-        if name == "retention":
-            return any(e.state != "ready" for e in self.exports.values())
+    # -- stray events (a duplicated or racing sender)
+    def _do_stray(self, g: int, event: str) -> bool:
+        group = self.groups[g]
+        group.send(event, current_version=self.version)
+        if group.state != "recovering":
+            self._release_lease(g)
         return True
 
-    def canonical(self, snap: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
-        """A snapshot with the symmetry of identical groups and ranks factored out.
+    def _do_stray_delete(self) -> bool:
+        """A racing retention sends ``delete`` to every superseded export (the machine's lease
+        guard must refuse a leased one)."""
+        changed = False
+        for version, export in sorted(self.exports.items()):
+            if export.state != "superseded":
+                continue
+            if _end_export(export, ExportEvent.DELETE) is not None:
+                continue
+            self.dirs[version] = False
+            changed = True
+        return changed
 
-        Groups are interchangeable (same size and budget) and so are the ranks inside a group, so
-        states that differ only by a permutation of them are one state for the explorer.
-        """
-        snap = snap if snap is not None else self.snapshot()
-        version, groups, reg_s, exports, leases, mode_s, audit_s = snap
-        lease_of = dict(leases)
-        taken = dict(audit_s[5])
-        per_group = sorted(
-            (
-                (state, budget, tuple(sorted(members, key=repr)), lease_of.get(g), taken.get(g))
-                for g, (state, budget, members) in enumerate(groups)
-            ),
-            key=repr,
-        )
-        exports_c = tuple((v, st, len(holders)) for v, st, holders in exports)
-        return (version, tuple(per_group), reg_s, exports_c, mode_s, audit_s[:5], audit_s[6])
+    # ------------------------------------------------------------------ pre-filter
+    def _may_change(self, action: Action) -> bool:
+        """False only where the action certainly changes nothing (it would be refused)."""
+        name, args = action.name, action.args
+        if name == "stray":
+            g, event = args
+            group = self.groups[g]
+            return event in self._allowed[self._group_cls][group.state]
+        if name in ("launch", "crash"):
+            g, r = args
+            alive: bool = self.truth[g][r][0]
+            state = self.groups[g].state
+            if name == "launch":
+                return state == "launching" and not alive
+            return alive and state != "retired"
+        if name in ("restart", "recover", "probe", "push"):
+            state = self.groups[args[0]].state
+            allowed: dict[str, bool] = {
+                "restart": state == "recovering",
+                "recover": state == "inactive",
+                "probe": state in ("active", "pending_weights"),
+                "push": state == "pending_weights",
+            }
+            return allowed[name]
+        if name == "sync":
+            failing = args[1]
+            # an update failing in a group that is not updated is the same as no failure
+            return failing is None or self.groups[failing].state in ("active", "pending_weights")
+        if name == "stray_delete":
+            return any(e.state == "superseded" for e in self.exports.values())
+        if name in ("export_finish", "export_fail"):
+            export = self.exports.get(self.version)
+            return export is not None and export.state in _RUNNING_EXPORT
+        return True
 
     # ------------------------------------------------------------------ invariants
-    def check(self) -> list[Violation]:
-        """Check invariants 1-6 and 8 of DESIGN.md section 3 on the current state."""
-        out: list[Violation] = []
-        for group in self.groups:
-            state = group.state
-            members = group.members.values()
-            if group.is_routable != (state == "active"):
-                out.append(
-                    Violation(1, f"{group.group_id} routable={group.is_routable} in {state}")
-                )
-            if state == "active":
-                bad = [m for m in members if not m.healthy or m.weights_version != self.version]
-                if bad:
-                    out.append(
-                        Violation(
-                            1,
-                            f"{group.group_id} is active but members {_fmt(bad)} are not healthy"
-                            f" at current version {self.version}",
-                        )
-                    )
-            if state in ("active", "pending_weights"):
-                sick = [m.rank for m in members if not m.healthy]
-                if sick:
-                    out.append(
-                        Violation(2, f"{group.group_id} is {state} with unhealthy ranks {sick}")
-                    )
-            if group.restart_budget < 0:
-                out.append(Violation(2, f"{group.group_id} restart budget below zero"))
+    def picture(self) -> FleetPicture:
+        """The model as the invariants see it (machines, ground truth, audit)."""
+        groups = []
+        for g, grp in enumerate(self.groups):
+            members = tuple(
+                MemberPicture(m.rank, m.known, m.healthy, m.weights_version, alive, held)
+                for m, (alive, held) in zip(grp.members.values(), self.truth[g], strict=True)
+            )
+            groups.append(
+                GroupPicture(grp.group_id, grp.state, grp.is_routable, grp.restart_budget, members)
+            )
         reg = self.registration
-        published = reg.published
-        if published is not None:
-            if reg.state not in ("registered", "updating"):
-                out.append(Violation(3, f"{published} is published in state {reg.state}"))
-            if published != self.audit.published_from or not self.audit.publish_was_complete:
-                out.append(
-                    Violation(3, f"published {published} without a complete, successful register")
-                )
-        for g, lease in self.leases.items():
-            export = self.exports.get(lease.version)
-            if export is None or export.state not in ("ready", "superseded"):
-                where = export.state if export else "gone"
-                out.append(Violation(4, f"g{g} holds a lease on v{lease.version} in {where}"))
-            taken = self.audit.lease_versions_at_take.get(g)
-            if taken is not None and taken[0] != taken[1]:
-                out.append(
-                    Violation(4, f"g{g} leased v{taken[0]} while the fleet was at {taken[1]}")
-                )
-        for export in self.exports.values():
-            if export.state == "deleted" and export.leases:
-                out.append(
-                    Violation(
-                        5, f"export v{export.version} deleted with {len(export.leases)} leases"
-                    )
-                )
-            if export.state in ("failed", "abandoned") and export.leases:
-                out.append(Violation(4, f"{export.state} export v{export.version} is leased"))
-        if self.version < self.audit.max_version_seen:
-            out.append(Violation(6, f"fleet version went back to {self.version}"))
-        last = reg.last_published_version
-        if last is not None and last > self.version + 1:
-            out.append(Violation(6, f"registered v{last} is ahead of fleet v{self.version}"))
-        for lease in self.leases.values():
-            if lease.version in self.audit.late_versions:
-                out.append(Violation(8, f"late export v{lease.version} was used for recovery"))
-        streak = self.audit.on_time_since_late
-        if self.mode.state != "disabled" and streak is not None:
-            if streak == 0 and self.mode.state != "suspended":
-                out.append(Violation(8, f"a late export left the mode {self.mode.state}"))
-            if streak >= self.mode.rearm_after and self.mode.state != "enabled":
-                out.append(
-                    Violation(
-                        8,
-                        f"{streak} on-time exports since the last late one, mode still"
-                        f" {self.mode.state} (rearm_after={self.mode.rearm_after})",
-                    )
-                )
-        return out
+        audit = self.audit
+        return FleetPicture(
+            fleet_version=self.version,
+            groups=tuple(groups),
+            registration_state=reg.state,
+            published=reg.published,
+            last_published_version=reg.last_published_version,
+            last_register_complete=audit.register_complete,
+            exports=tuple(
+                ExportPicture(v, e.state, len(e.leases), self.dirs.get(v))
+                for v, e in sorted(self.exports.items())
+            ),
+            mode_state=self.mode.state,
+            rearm_after=self.mode.rearm_after,
+            on_time_since_late=audit.on_time_since_late,
+            late_versions=audit.late_versions,
+            max_version_seen=audit.max_version_seen,
+            immediate_recoveries=audit.immediate,
+            recovery_threads=audit.recovery_threads,
+            refused_decisions=audit.refused,
+        )
+
+    def check(self) -> list[Violation]:
+        """Every invariant of :mod:`rollsafe.invariants` on the current state."""
+        return invariants.check_all(self.picture())
 
     # ------------------------------------------------------------------ snapshot / restore
     def snapshot(self) -> tuple[Any, ...]:
-        """The whole model as a hashable value (machines' states and the facts guards read)."""
+        """The whole model as a hashable value (machines, facts guards read, truth, audit)."""
         groups = tuple(
             (
                 grp.state,
                 grp.restart_budget,
-                tuple((m.known, m.healthy, m.weights_version) for m in grp._members.values()),
+                tuple((m.known, m.healthy, m.weights_version) for m in grp.members.values()),
+                self.truth[g],
+                tuple(sorted(self.counts[g].items())),
+                self.leases[g].version if g in self.leases else None,
             )
-            for grp in self.groups
+            for g, grp in enumerate(self.groups)
         )
         reg = self.registration
         exports = tuple(
-            (v, e.state, tuple(sorted(lease.holder for lease in e._leases.values())))
-            for v, e in sorted(self.exports.items())
+            (v, e.state, len(e.leases), self.dirs.get(v)) for v, e in sorted(self.exports.items())
         )
-        leases = tuple(sorted((g, lease.version) for g, lease in self.leases.items()))
-        audit = self.audit
+        a = self.audit
         return (
             self.version,
             groups,
-            (reg.state, reg._published, reg.pending, reg.last_published_version),
+            (reg.state, reg.published, reg.pending, reg.last_published_version),
             exports,
-            leases,
             (self.mode.state, self.mode.on_time_streak),
+            self.last_export,
             (
-                audit.max_version_seen,
-                audit.published_from,
-                audit.publish_was_complete,
-                audit.late_versions,
-                audit.on_time_since_late,
-                tuple(sorted(audit.lease_versions_at_take.items())),
-                audit.judged_version,
+                a.max_version_seen,
+                a.late_versions,
+                a.on_time_since_late,
+                a.judged_version,
+                a.immediate,
+                a.recovery_threads,
+                a.refused,
+                a.register_complete,
             ),
         )
 
+    def canonical(self, snap: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
+        """``snap`` up to symmetry: groups are interchangeable, so are ranks inside a group.
+
+        Group ids in the audit are dropped (they only name a group in messages), the groups'
+        rows are sorted, and inside each group the (recorded, true) rank pairs are sorted.
+        """
+        snap = snap if snap is not None else self.snapshot()
+        version, groups, reg_s, exports, mode_s, last, audit_s = snap
+        rows = sorted(
+            (
+                (
+                    state,
+                    budget,
+                    tuple(sorted(zip(members, truth, strict=True), key=repr)),
+                    len(counts),
+                    lease,
+                )
+                for state, budget, members, truth, counts, lease in groups
+            ),
+            key=repr,
+        )
+        immediate = tuple(
+            sorted((r.export_version, r.export_state, r.fleet_version) for r in audit_s[4])
+        )
+        return (
+            version, tuple(rows), reg_s, exports, mode_s, last,
+            (*audit_s[:4], immediate, len(audit_s[5]), len(audit_s[6]), audit_s[7]),
+        )  # fmt: skip
+
     def restore(self, snap: tuple[Any, ...]) -> None:
         """Put the model back into a state produced by :meth:`snapshot`."""
-        version, groups, reg_s, exports, leases, mode_s, audit_s = snap
+        version, groups, reg_s, exports, mode_s, last, audit_s = snap
         self.version = version
-        for grp, (state, budget, members) in zip(self.groups, groups, strict=True):
-            if grp.current_state_value != state:
-                grp.restore_state(state)
+        for g, (state, budget, members, truth, counts, _lease) in enumerate(groups):
+            grp = self.groups[g]
+            if grp.state != state:
+                grp = self.groups[g] = _pooled(
+                    self._group_pool[g],
+                    state,
+                    lambda g=g: self._new_group(g),  # type: ignore[misc]
+                )
             grp.restart_budget = budget
-            grp._members = {
-                rank: MemberFacts(rank, known, healthy, ver)
-                for rank, (known, healthy, ver) in zip(grp.ranks, members, strict=True)
-            }
+            facts = grp.members
+            current = tuple((m.known, m.healthy, m.weights_version) for m in facts.values())
+            if current != members:
+                grp.restore_members(
+                    MemberFacts(rank, known, healthy, ver)
+                    for rank, (known, healthy, ver) in zip(grp.ranks, members, strict=True)
+                )
+            self.truth[g] = truth
+            self.counts[g] = dict(counts)
         reg = self.registration
-        if reg.current_state_value != reg_s[0]:
+        if reg.state != reg_s[0]:
             reg.restore_state(reg_s[0])
-        reg._published, reg.pending, reg.last_published_version = reg_s[1], reg_s[2], reg_s[3]
-        self.exports = {}
-        lease_by_holder: dict[str, ExportLease] = {}
-        for v, state, holders in exports:
-            export = self._export_pool.get(v)
-            if export is None:
-                export = self._export_cls(v)
-                self._export_pool[v] = export
-            if export.current_state_value != state or not export._engine.running:
-                export.restore_state(state)
-            export._leases.clear()
-            for i, holder in enumerate(holders):
-                lease = ExportLease(lease_id=-(v * 1000 + i + 1), version=v, holder=holder)
-                export._leases[lease.lease_id] = lease
-                lease_by_holder[holder] = lease
-            self.exports[v] = export
-        self.leases = {}
-        for g, v in leases:
-            held = lease_by_holder.get(f"g{g}")
-            self.leases[g] = held if held is not None else ExportLease(-1, v, f"g{g}")
+        reg.restore_published(reg_s[1], reg_s[2], reg_s[3])
+        now = tuple(
+            (v, e.state, len(e.leases), self.dirs.get(v)) for v, e in sorted(self.exports.items())
+        )
+        held = {g: lease.version for g, lease in self.leases.items()}
+        wanted = {g: row[5] for g, row in enumerate(groups) if row[5] is not None}
+        if now != exports or held != wanted:
+            self._restore_exports(exports, groups)
         if self.mode.current_state_value != mode_s[0]:
             self.mode.restore_state(mode_s[0])
         self.mode.on_time_streak = mode_s[1]
-        self.audit = _Audit(
-            max_version_seen=audit_s[0],
-            published_from=audit_s[1],
-            publish_was_complete=audit_s[2],
-            late_versions=audit_s[3],
-            on_time_since_late=audit_s[4],
-            lease_versions_at_take=dict(audit_s[5]),
-            judged_version=audit_s[6],
+        self.last_export = last
+        self.audit = _Audit(*audit_s)
+
+
+M = TypeVar("M", bound=GuardedMachine)
+
+_FINAL_STATE_OF = {
+    ExportEvent.ABANDON: "abandoned",
+    ExportEvent.FAIL: "failed",
+    ExportEvent.DELETE: "deleted",
+}
+
+
+def _end_export(export: ExportLifecycle, event: ExportEvent) -> str | None:
+    """Take an export's transition into a final state; return None, or why it was refused.
+
+    The machine's own guards decide (``can``); the state is then set with ``restore_state``
+    rather than by sending the event, because a python-statemachine engine that reached a final
+    state can never be restored, and rebuilding a machine costs about a millisecond: this keeps
+    the exploration's machines reusable. (These transitions have no actions that matter here.)
+    """
+    if not export.can(event):
+        return f"{export.label} refused {event.value!r} in state {export.state!r}: " + "; ".join(
+            export.explain(event)
         )
+    export.restore_state(_FINAL_STATE_OF[event])
+    return None
+
+
+def _pooled(pool: list[M], state: str, build: Callable[[], M]) -> M:
+    """A machine of ``pool`` put into ``state``; a new one only when every pooled machine has
+    terminated in another state (a machine that reached a final state by a transition cannot
+    be restored; building one costs about a millisecond, so they are reused)."""
+    for machine in pool:
+        if machine.state == state:
+            return machine
+    for machine in pool:
+        if not machine.is_terminated:
+            machine.restore_state(state)
+            return machine
+    machine = build()
+    machine.restore_state(state)
+    # keep one terminated machine per final state, and the new live one
+    finals = {m.state: m for m in pool if m.is_terminated}
+    pool[:] = [*finals.values(), machine]
+    return machine
 
 
 def _allowed_events_table(cls: type[Any]) -> dict[str, frozenset[str]]:
@@ -589,7 +825,3 @@ def _allowed_events_table(cls: type[Any]) -> dict[str, frozenset[str]]:
     return {
         state.id: frozenset(str(e) for e in state.transitions.unique_events) for state in cls.states
     }
-
-
-def _fmt(members: list[MemberFacts]) -> str:
-    return ", ".join(f"r{m.rank}(healthy={m.healthy}, v={m.weights_version})" for m in members)

@@ -1,7 +1,8 @@
 """The ``EngineClient`` protocol (defined in :mod:`rollsafe.ports`) and its error contract.
 
-The method names follow SGLang's HTTP API (DESIGN.md section 7); :class:`~.vllm.VLLMClient` maps
-the same calls onto vLLM's endpoints. Every call raises a subclass of
+The method names follow SGLang's HTTP API (``docs/design.md``, "Engine facts");
+:class:`~.vllm.VLLMClient` maps the same calls onto vLLM's endpoints. Every call raises a
+subclass of
 :class:`~rollsafe.adapters.engines.errors.EngineError` on failure:
 
 * :class:`EngineUnavailable` / :class:`EngineTimeout`: the engine could not be reached in time;

@@ -1,7 +1,7 @@
 """``SGLangClient``: the :class:`EngineClient` protocol over SGLang's HTTP API.
 
-Endpoints and payloads are SGLang's (DESIGN.md section 7), so the same client drives a real
-SGLang server and rollsafe's reference engine in its ``sglang`` dialect.
+Endpoints and payloads are SGLang's (``docs/design.md``, "Engine facts"), so the same client
+drives a real SGLang server and rollsafe's reference engine in its ``sglang`` dialect.
 """
 
 from __future__ import annotations

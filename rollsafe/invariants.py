@@ -1,0 +1,288 @@
+"""The fleet's invariants, one named function each, over a plain picture of the fleet.
+
+Owns what "consistent" means (``docs/design.md``, "Invariants"). Each invariant is a function
+``(FleetPicture) -> list[str]`` returning what it found broken (empty when it holds). The
+exhaustive verifier (``rollsafe verify``), the hypothesis property tests and the demo's final
+check all call :func:`check_all` on a :class:`FleetPicture`: the verifier builds one from its
+model (machines plus the engines' ground truth), the demo from a running fleet
+(:meth:`rollsafe.fleet.RolloutFleet.picture`). Facts a source cannot know are ``None`` and the
+invariants that need them skip them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "INVARIANTS",
+    "ExportPicture",
+    "FleetPicture",
+    "GroupPicture",
+    "InvariantViolation",
+    "MemberPicture",
+    "RecoveryPicture",
+    "active_groups_whole_and_current",
+    "check_all",
+    "fleet_version_never_decreases",
+    "immediate_recovery_rearms",
+    "late_export_never_used",
+    "no_delete_under_lease",
+    "no_publish_on_failed_register",
+    "policy_agrees_with_machines",
+    "recorded_versions_are_true",
+    "recovery_never_on_health_thread",
+    "routable_iff_active",
+    "whole_group_transitions",
+]
+
+
+@dataclass(frozen=True)
+class MemberPicture:
+    """One rank: what the fleet recorded and, where known, what the engine really is."""
+
+    rank: int
+    known: bool
+    healthy: bool
+    version: int | None
+    alive: bool | None = None  # ground truth (the verifier knows it; a live fleet does not)
+    true_version: int | None = None  # the weights the engine really holds (None: unknown)
+
+
+@dataclass(frozen=True)
+class GroupPicture:
+    group_id: str
+    state: str
+    routable: bool
+    restart_budget: int
+    members: tuple[MemberPicture, ...]
+
+
+@dataclass(frozen=True)
+class ExportPicture:
+    version: int
+    state: str
+    leases: int
+    dir_present: bool | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryPicture:
+    """One recovery that loaded from an export: which, in what state, at which fleet version."""
+
+    group_id: str
+    export_version: int
+    export_state: str
+    fleet_version: int
+
+
+@dataclass(frozen=True)
+class FleetPicture:
+    """Everything the invariants read. Built by the verifier's model or by a live fleet."""
+
+    fleet_version: int
+    groups: tuple[GroupPicture, ...]
+    #: the version the fleet started at (it was never registered by a sync)
+    initial_version: int = 0
+    registration_state: str | None = None
+    published: tuple[str, int] | None = None
+    last_published_version: int | None = None
+    #: whether every rank succeeded in the last register (None: unknown)
+    last_register_complete: bool | None = None
+    exports: tuple[ExportPicture, ...] = ()
+    mode_state: str | None = None
+    rearm_after: int = 1
+    #: on-time exports judged since the last late one (None: none was late, or unknown)
+    on_time_since_late: int | None = None
+    late_versions: frozenset[int] = frozenset()
+    max_version_seen: int = 0
+    immediate_recoveries: tuple[RecoveryPicture, ...] = ()
+    #: (group id, the thread a recovery ran on) for recoveries started by the health manager
+    recovery_threads: tuple[tuple[str, str], ...] = ()
+    #: decisions the machines refused (event, machine, why): the policy and guards disagree
+    refused_decisions: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class InvariantViolation:
+    """An invariant that failed: its function's name and what was found."""
+
+    invariant: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.message}"
+
+
+def routable_iff_active(p: FleetPicture) -> list[str]:
+    """A group takes traffic exactly when it is ``active``."""
+    return [
+        f"{g.group_id} routable={g.routable} in {g.state}"
+        for g in p.groups
+        if g.routable != (g.state == "active")
+    ]
+
+
+def active_groups_whole_and_current(p: FleetPicture) -> list[str]:
+    """No routing to a group that is not whole and current: every member of an ``active``
+    group is healthy and holds the fleet's version (by the record, and by the engines
+    themselves where that is known)."""
+    out = []
+    for g in p.groups:
+        if g.state != "active":
+            continue
+        for m in g.members:
+            if not m.healthy or m.version != p.fleet_version:
+                out.append(
+                    f"{g.group_id} is active but r{m.rank} is recorded healthy={m.healthy} "
+                    f"v={m.version} (fleet at v{p.fleet_version})"
+                )
+            elif (
+                m.alive is not None
+                and m.true_version is not None
+                and (not m.alive or m.true_version != p.fleet_version)
+            ):
+                out.append(
+                    f"{g.group_id} is active but engine r{m.rank} holds v{m.true_version} "
+                    f"(alive={m.alive}, fleet at v{p.fleet_version})"
+                )
+    return out
+
+
+def whole_group_transitions(p: FleetPicture) -> list[str]:
+    """Transitions move whole groups: an ``active`` or ``pending_weights`` group has no member
+    recorded unhealthy, and a restart budget never goes below zero."""
+    out = []
+    for g in p.groups:
+        if g.state in ("active", "pending_weights"):
+            sick = [m.rank for m in g.members if not m.healthy]
+            if sick:
+                out.append(f"{g.group_id} is {g.state} with unhealthy ranks {sick}")
+        if g.restart_budget < 0:
+            out.append(f"{g.group_id} restart budget below zero")
+    return out
+
+
+def recorded_versions_are_true(p: FleetPicture) -> list[str]:
+    """The fleet never credits a live member with the current version its engine does not hold
+    (a version pushed to a subset is never recorded for the others; a failed push is never
+    recorded). Under-claiming is safe: such a group waits for weights, out of routing."""
+    out = []
+    for g in p.groups:
+        if g.state in ("inactive", "retired"):
+            continue
+        for m in g.members:
+            if (
+                m.alive
+                and m.healthy
+                and m.version == p.fleet_version
+                and m.true_version != p.fleet_version
+            ):
+                out.append(
+                    f"{g.group_id} r{m.rank} recorded at v{m.version}, engine holds "
+                    f"v{m.true_version}"
+                )
+    return out
+
+
+def no_publish_on_failed_register(p: FleetPicture) -> list[str]:
+    """A checkpoint is published only by a successful register, and the fleet moves to a
+    version only once the transport published it."""
+    out = []
+    if p.published is not None and p.registration_state not in ("registered", "updating"):
+        out.append(f"{p.published} is published in state {p.registration_state}")
+    if p.published is not None and p.last_register_complete is False:
+        out.append(f"{p.published} is published although a rank failed to register")
+    if p.registration_state is not None and p.fleet_version > p.initial_version:
+        last = p.last_published_version
+        if last is None or last < p.fleet_version:
+            out.append(f"fleet at v{p.fleet_version} but the last published version is {last}")
+    return out
+
+
+def no_delete_under_lease(p: FleetPicture) -> list[str]:
+    """An export with leases is never deleted (machine state or directory)."""
+    return [
+        f"export v{e.version} {e.state} (dir present: {e.dir_present}) with {e.leases} lease(s)"
+        for e in p.exports
+        if e.leases and (e.state == "deleted" or e.dir_present is False)
+    ]
+
+
+def late_export_never_used(p: FleetPicture) -> list[str]:
+    """Only a ``ready`` export of the fleet's current version is used for recovery: never a
+    late (abandoned) one, one still being written, or an older one."""
+    out = []
+    for r in p.immediate_recoveries:
+        if r.export_state != "ready" or r.export_version != r.fleet_version:
+            out.append(
+                f"{r.group_id} recovered from export v{r.export_version} in {r.export_state} "
+                f"(fleet at v{r.fleet_version})"
+            )
+        elif r.export_version in p.late_versions:
+            out.append(f"{r.group_id} recovered from late export v{r.export_version}")
+    for e in p.exports:
+        if e.state in ("failed", "abandoned") and e.leases:
+            out.append(f"{e.state} export v{e.version} is leased")
+    return out
+
+
+def immediate_recovery_rearms(p: FleetPicture) -> list[str]:
+    """A late export suspends immediate recovery; ``rearm_after`` on-time exports after the
+    last late one re-arm it (never suspended forever)."""
+    streak = p.on_time_since_late
+    if p.mode_state in (None, "disabled") or streak is None:
+        return []
+    if streak == 0 and p.mode_state != "suspended":
+        return [f"a late export left the mode {p.mode_state}"]
+    if streak >= p.rearm_after and p.mode_state != "enabled":
+        return [
+            f"{streak} on-time exports since the last late one, mode still {p.mode_state} "
+            f"(rearm_after={p.rearm_after})"
+        ]
+    return []
+
+
+def fleet_version_never_decreases(p: FleetPicture) -> list[str]:
+    """The fleet version never goes back."""
+    if p.fleet_version < p.max_version_seen:
+        return [f"fleet version went back to {p.fleet_version} from {p.max_version_seen}"]
+    return []
+
+
+def recovery_never_on_health_thread(p: FleetPicture) -> list[str]:
+    """Recovery never runs on the health-check thread (probes keep running meanwhile)."""
+    return [
+        f"recovery of {gid} ran on the health thread {thread!r}"
+        for gid, thread in p.recovery_threads
+        if thread == "health"
+    ]
+
+
+def policy_agrees_with_machines(p: FleetPicture) -> list[str]:
+    """Every event the policy decided was taken by its machine: a decision a guard refuses
+    means the policy and the machines disagree."""
+    return list(p.refused_decisions)
+
+
+#: Every invariant, in the order reports list them.
+INVARIANTS: tuple[Callable[[FleetPicture], list[str]], ...] = (
+    routable_iff_active,
+    active_groups_whole_and_current,
+    whole_group_transitions,
+    recorded_versions_are_true,
+    no_publish_on_failed_register,
+    no_delete_under_lease,
+    late_export_never_used,
+    immediate_recovery_rearms,
+    fleet_version_never_decreases,
+    recovery_never_on_health_thread,
+    policy_agrees_with_machines,
+)
+
+
+def check_all(picture: FleetPicture) -> list[InvariantViolation]:
+    """Run every invariant on ``picture``; return the violations (empty when all hold)."""
+    return [
+        InvariantViolation(fn.__name__, message) for fn in INVARIANTS for message in fn(picture)
+    ]

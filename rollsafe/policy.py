@@ -1,0 +1,531 @@
+"""The fleet's decisions, as pure functions: what to send and what to do after each observation.
+
+Owns every decision the fleet control plane takes (``docs/design.md``, "The policy"): the health
+manager, the recovery coordinator, the sync coordinator and retention observe the world (a
+probe's answer, a register or update report, an export's state, a restart's outcome, the time
+left in the rollout), ask a function here, and execute the answer: send the events it names, do
+the I/O it names. No function here does I/O, starts a thread or reads a clock.
+
+``rollsafe verify`` composes these same functions with the four real machines and explores the
+outcomes of the I/O as nondeterministic choices, so what the verifier proves is what the fleet
+runs. Callers look the functions up on this module at call time (``policy.judge_probe(...)``),
+never by ``from ... import``: patching one function here changes the fleet and the verifier
+alike, which is how the mutation tests plant bugs.
+
+Each decision function is declared with :func:`sends` (which component calls it, which events it
+may return); :data:`SENDERS` is that table plus the senders outside the policy (the launcher, the
+transports, the exporter, the fleet's configuration). ``rollsafe diagrams`` draws its "who sends
+what" overview from :data:`SENDERS`, and the verifier checks that every event a decision returns
+was declared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal, TypeVar
+
+from rollsafe.statemachines.events import (
+    AnyEvent,
+    ExportEvent,
+    GroupEvent,
+    ModeEvent,
+    RegistrationEvent,
+)
+
+__all__ = [
+    "SENDERS",
+    "ExportFacts",
+    "ExportJudgement",
+    "ExportVerdict",
+    "GroupFacts",
+    "Handoff",
+    "ProbeVerdict",
+    "PushPlan",
+    "RecoveryGate",
+    "RecoveryStart",
+    "RestartOutcome",
+    "RetentionPlan",
+    "Sender",
+    "Settlement",
+    "Strategy",
+    "StrategyChoice",
+    "TargetSelection",
+    "UpdateFailurePolicy",
+    "after_push",
+    "after_restart",
+    "choose_strategy",
+    "gate_recovery",
+    "judge_export",
+    "judge_probe",
+    "judge_request_failures",
+    "launch_events",
+    "plan_push",
+    "plan_retention",
+    "proceed_after_register",
+    "select_targets",
+    "settle_update",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_EX = "ExportLifecycle"
+_REG = "CheckpointRegistration"
+_MODE = "ImmediateRecoveryMode"
+
+
+@dataclass(frozen=True)
+class Sender:
+    """One component that sends some events to one machine (a row of the overview)."""
+
+    component: str
+    module: str
+    machine: str
+    events: tuple[str, ...]
+    decided_by: str | None = None  # the policy function that decides them, if any
+
+
+_senders: list[Sender] = []
+
+
+def sends(component: str, module: str, **machines: Sequence[AnyEvent]) -> Callable[[F], F]:
+    """Declare which events a decision function may return and who executes it."""
+
+    def declare(fn: F) -> F:
+        for machine, events in machines.items():
+            _senders.append(
+                Sender(component, module, machine, tuple(e.value for e in events), fn.__name__)
+            )
+        return fn
+
+    return declare
+
+
+# ====================================================================== health
+class Handoff(Enum):
+    """Where a failed group goes after the health manager sent ``fail``."""
+
+    NONE = "none"  # no group failed
+    ENQUEUE = "enqueue"  # queued for the recovery coordinator: recovery runs on its own pool
+    INLINE = "inline"  # run on the probe thread: never correct (the invariants refuse it)
+
+
+@dataclass(frozen=True)
+class ProbeVerdict:
+    """What to do with one probe answer of one group."""
+
+    counts: dict[int, int]  # the new consecutive-failure counts (ranks with a count only)
+    report_healthy: tuple[int, ...]  # ranks to report healthy (were recorded unhealthy)
+    report_unhealthy: tuple[int, ...]  # ranks that reached the threshold
+    events: tuple[GroupEvent, ...]
+    handoff: Handoff
+
+
+@sends("HealthManager", "rollsafe/fleet/health.py", WorkerGroupLifecycle=(GroupEvent.FAIL,))
+def judge_probe(
+    ranks: Sequence[int],
+    unhealthy: Sequence[int],
+    counts: Mapping[int, int],
+    recorded_healthy: Mapping[int, bool],
+    threshold: int,
+) -> ProbeVerdict:
+    """A probe found ``unhealthy`` ranks of a group (empty: all healthy).
+
+    Healthy ranks reset their count (and are reported healthy where the record says otherwise);
+    unhealthy ones count one more failure. Any rank at ``threshold`` consecutive failures is
+    reported unhealthy and the whole group is sent ``fail`` (never a part of it), and the group
+    is queued for recovery: recovery never runs on the probe thread.
+    """
+    bad = set(unhealthy)
+    new_counts = {r: n for r, n in counts.items() if r in bad}
+    report_healthy = tuple(r for r in ranks if r not in bad and not recorded_healthy.get(r, False))
+    at_threshold: list[int] = []
+    for rank in ranks:
+        if rank in bad:
+            new_counts[rank] = new_counts.get(rank, 0) + 1
+            if new_counts[rank] >= threshold:
+                at_threshold.append(rank)
+    if not at_threshold:
+        return ProbeVerdict(new_counts, report_healthy, (), (), Handoff.NONE)
+    return ProbeVerdict(
+        {}, report_healthy, tuple(at_threshold), (GroupEvent.FAIL,), Handoff.ENQUEUE
+    )
+
+
+@sends("RequestHealth", "rollsafe/fleet/request_health.py", WorkerGroupLifecycle=(GroupEvent.FAIL,))
+def judge_request_failures(consecutive: int, threshold: int) -> tuple[GroupEvent, ...]:
+    """``consecutive`` requests in a row failed on one incarnation of an active group: at
+    ``threshold`` the whole group is sent ``fail`` (and handed to recovery, off this thread)."""
+    return (GroupEvent.FAIL,) if consecutive >= threshold else ()
+
+
+# ====================================================================== recovery
+class RecoveryStart(Enum):
+    """How a recovery of a group begins."""
+
+    CLAIM = "claim"
+    SKIP = "skip"  # the rollout ends before a recovery would
+    RETIRE = "retire"  # restart budget spent
+    NOT_NEEDED = "not_needed"  # the group is not inactive
+    WAIT = "wait"  # a rank of the group is unknown: nothing to restart as a whole yet
+
+
+@dataclass(frozen=True)
+class RecoveryGate:
+    start: RecoveryStart
+    reason: str
+    events: tuple[GroupEvent, ...] = ()
+
+
+@sends(
+    "RecoveryCoordinator",
+    "rollsafe/fleet/recovery.py",
+    WorkerGroupLifecycle=(GroupEvent.CLAIM, GroupEvent.RETIRE),
+)
+def gate_recovery(
+    state: str,
+    *,
+    budget_left: bool,
+    complete: bool,
+    remaining_s: float | None,
+    expected_s: float,
+) -> RecoveryGate:
+    """Whether to recover an ``inactive`` group now: claim it, skip, retire it, or leave it."""
+    if state != "inactive":
+        return RecoveryGate(RecoveryStart.NOT_NEEDED, f"group is {state}, not inactive")
+    if remaining_s is not None and remaining_s < expected_s:
+        return RecoveryGate(
+            RecoveryStart.SKIP,
+            f"rollout about to finish: {remaining_s:.1f}s of work left < expected recovery time "
+            f"{expected_s:.1f}s",
+        )
+    if not budget_left:
+        return RecoveryGate(RecoveryStart.RETIRE, "restart budget spent", (GroupEvent.RETIRE,))
+    if not complete:
+        return RecoveryGate(RecoveryStart.WAIT, "a rank of the group is unknown")
+    return RecoveryGate(RecoveryStart.CLAIM, "claimed", (GroupEvent.CLAIM,))
+
+
+class Strategy(Enum):
+    """How a claimed group gets the current weights back (tried in this order)."""
+
+    IMMEDIATE = "immediate"  # restart from the ready export of the current version
+    TARGETED_PUSH = "targeted_push"  # restart on dummy weights, push the registered checkpoint
+    DEFERRED = "deferred"  # restart, wait in pending_weights for the next sync
+
+
+@dataclass(frozen=True)
+class ExportFacts:
+    """What the exporter says about one export."""
+
+    version: int
+    state: str
+    leases: int = 0
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    strategy: Strategy
+    export_version: int | None
+    reason: str
+
+
+def choose_strategy(
+    *,
+    mode_state: str,
+    fleet_version: int,
+    export: ExportFacts | None,
+    can_push: bool,
+) -> StrategyChoice:
+    """Immediate from a ``ready`` export of the fleet's version when the mode is ``enabled``; else a
+    targeted push when a transport can do one; else deferred. A late (abandoned) export, an
+    older one or one still being written is never used."""
+    if mode_state != "enabled":
+        reason = f"immediate recovery {mode_state}"
+    elif export is None:
+        reason = f"no export of v{fleet_version}"
+    elif export.version != fleet_version or export.state != "ready":
+        reason = f"export v{export.version} is {export.state}, fleet at v{fleet_version}"
+    else:
+        return StrategyChoice(Strategy.IMMEDIATE, export.version, f"ready export v{export.version}")
+    if can_push:
+        return StrategyChoice(Strategy.TARGETED_PUSH, None, reason)
+    return StrategyChoice(Strategy.DEFERRED, None, reason)
+
+
+@dataclass(frozen=True)
+class RestartOutcome:
+    events: tuple[GroupEvent, ...]
+    member_version: int | None  # the version each restarted member reports (None: unknown)
+
+
+@sends(
+    "RecoveryCoordinator",
+    "rollsafe/fleet/recovery.py",
+    WorkerGroupLifecycle=(GroupEvent.RESTARTED, GroupEvent.RESTART_FAILED),
+)
+def after_restart(ok: bool, export_version: int | None) -> RestartOutcome:
+    """A restart ended: ``restarted`` with the members at the export's version (immediate) or
+    at no known version (dummy weights); ``restart_failed`` when it raised or timed out."""
+    if not ok:
+        return RestartOutcome((GroupEvent.RESTART_FAILED,), None)
+    return RestartOutcome((GroupEvent.RESTARTED,), export_version)
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    push: bool
+    version: int | None
+    reason: str
+
+
+def plan_push(published: tuple[str, int] | None, fleet_version: int, state: str) -> PushPlan:
+    """Push the registered checkpoint to a restarted group only when it is the fleet's version
+    and the group still waits for weights."""
+    if published is None or published[1] != fleet_version:
+        return PushPlan(
+            False, None, f"no registered checkpoint of v{fleet_version} (published: {published})"
+        )
+    if state != "pending_weights":
+        return PushPlan(False, None, f"group moved to {state}")
+    return PushPlan(True, published[1], f"push v{published[1]}")
+
+
+@sends(
+    "RecoveryCoordinator",
+    "rollsafe/fleet/recovery.py",
+    WorkerGroupLifecycle=(GroupEvent.WEIGHTS_LOADED,),
+)
+def after_push(rank_ok: Mapping[int, bool], version: int) -> tuple[GroupEvent, ...]:
+    """A targeted push ended: ``weights_loaded`` only when every rank of the group loaded it."""
+    if rank_ok and all(rank_ok.values()):
+        return (GroupEvent.WEIGHTS_LOADED,)
+    return ()
+
+
+# ====================================================================== sync
+ExportJudgement = Literal["none", "on_time", "late", "failed"]
+
+
+@dataclass(frozen=True)
+class ExportVerdict:
+    judgement: ExportJudgement
+    mode_events: tuple[ModeEvent, ...]
+    abandon: bool
+
+
+@sends(
+    "SyncCoordinator",
+    "rollsafe/fleet/sync.py",
+    ImmediateRecoveryMode=(ModeEvent.EXPORT_LATE, ModeEvent.EXPORT_ON_TIME),
+    ExportLifecycle=(ExportEvent.ABANDON,),
+)
+def judge_export(export_state: str | None, mode_state: str | None) -> ExportVerdict:
+    """Sync N+1 began: judge the export of N. Still running: late (abandoned, the mode is
+    suspended); ready: on time (counts toward re-arming); failed or unknown: nothing."""
+    mode_on = mode_state is not None and mode_state != "disabled"
+    if export_state in ("requested", "snapshotting", "writing", "committing"):
+        return ExportVerdict("late", (ModeEvent.EXPORT_LATE,) if mode_on else (), True)
+    if export_state in ("ready", "superseded"):
+        return ExportVerdict("on_time", (ModeEvent.EXPORT_ON_TIME,) if mode_on else (), False)
+    if export_state is None:
+        return ExportVerdict("none", (), False)
+    return ExportVerdict("failed", (), False)
+
+
+def proceed_after_register(published: tuple[str, int] | None, version: int) -> bool:
+    """Go on with the sync only when the transport published exactly this version; a failed
+    register ends the sync (fleet version unchanged, no update, no export)."""
+    return published is not None and published[1] == version
+
+
+@dataclass(frozen=True)
+class GroupFacts:
+    """What the fleet knows about one group when a sync decides."""
+
+    group_id: str
+    state: str
+    ranks: tuple[int, ...]
+    unhealthy: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TargetSelection:
+    targets: tuple[str, ...]
+    considered: tuple[str, ...]  # active/pending groups (targeted or not)
+    not_targeted: dict[str, str]
+
+
+def select_targets(groups: Sequence[GroupFacts]) -> TargetSelection:
+    """Update every ``active`` and ``pending_weights`` group whose members are all healthy."""
+    targets: list[str] = []
+    considered: list[str] = []
+    skipped: dict[str, str] = {}
+    for g in groups:
+        if g.state not in ("active", "pending_weights"):
+            skipped[g.group_id] = f"state {g.state}"
+            continue
+        considered.append(g.group_id)
+        if g.unhealthy:
+            skipped[g.group_id] = f"unhealthy rank(s) {list(g.unhealthy)}"
+            continue
+        targets.append(g.group_id)
+    return TargetSelection(tuple(targets), tuple(considered), skipped)
+
+
+UpdateFailurePolicy = Literal["fail", "stale"]
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """What a sync does once the update of version N returned."""
+
+    fleet_version: int
+    record_version: tuple[str, ...]  # groups whose members now report N
+    events: tuple[tuple[str, GroupEvent], ...]  # in this order
+    recover: tuple[str, ...]  # groups handed to the recovery coordinator
+    updated: tuple[str, ...]
+    failed: tuple[str, ...]
+    moved: tuple[str, ...]
+
+
+@sends(
+    "SyncCoordinator",
+    "rollsafe/fleet/sync.py",
+    WorkerGroupLifecycle=(GroupEvent.FAIL, GroupEvent.MARK_STALE, GroupEvent.WEIGHTS_LOADED),
+)
+def settle_update(
+    version: int,
+    groups: Sequence[GroupFacts],
+    targeted: Sequence[str],
+    rank_ok: Mapping[str, Mapping[int, bool]],
+    moved: Sequence[str] = (),
+    on_failure: UpdateFailurePolicy = "fail",
+) -> Settlement:
+    """Settle the update of version N over the groups considered by :func:`select_targets`.
+
+    A group counts as updated only if every one of its ranks loaded N and it did not move while
+    we pushed (``moved``: a new incarnation; never credit it). Only updated groups record N.
+    Failed groups are sent ``fail`` and handed to recovery (``"fail"``) or, if active, marked
+    stale (``"stale"``); active groups not updated are marked stale; pending groups updated are
+    sent ``weights_loaded``. The fleet version becomes N.
+    """
+    moved_set = set(moved)
+    updated: list[str] = []
+    failed: list[str] = []
+    for gid in targeted:
+        results = rank_ok.get(gid, {})
+        if gid in moved_set:
+            continue
+        if results and all(results.values()):
+            updated.append(gid)
+        else:
+            failed.append(gid)
+    events: list[tuple[str, GroupEvent]] = []
+    recover: list[str] = []
+    by_id = {g.group_id: g for g in groups}
+    for gid in failed:
+        if on_failure == "fail":
+            events.append((gid, GroupEvent.FAIL))
+            recover.append(gid)
+        elif by_id[gid].state == "active":
+            events.append((gid, GroupEvent.MARK_STALE))
+    done = set(updated)
+    for g in groups:
+        if g.group_id in failed or g.group_id in moved_set:
+            continue
+        if g.state == "active" and g.group_id not in done:
+            events.append((g.group_id, GroupEvent.MARK_STALE))
+        elif g.state == "pending_weights" and g.group_id in done:
+            events.append((g.group_id, GroupEvent.WEIGHTS_LOADED))
+    return Settlement(
+        fleet_version=version,
+        record_version=tuple(updated),
+        events=tuple(events),
+        recover=tuple(recover),
+        updated=tuple(updated),
+        failed=tuple(failed),
+        moved=tuple(g for g in targeted if g in moved_set),
+    )
+
+
+# ====================================================================== retention
+@dataclass(frozen=True)
+class RetentionPlan:
+    supersede: tuple[tuple[int, int], ...]  # (version, newer version)
+    delete: tuple[int, ...]
+    kept: dict[int, str] = field(default_factory=dict)  # version -> why it stays
+
+
+@sends(
+    "Retention",
+    "rollsafe/hf/retention.py",
+    ExportLifecycle=(ExportEvent.SUPERSEDE, ExportEvent.DELETE),
+)
+def plan_retention(exports: Sequence[ExportFacts], keep_last: int) -> RetentionPlan:
+    """Keep the newest ``keep_last`` ready exports; supersede older ready ones; delete
+    superseded exports that no restart holds a lease on (a leased one stays until released)."""
+    ready = sorted((e for e in exports if e.state == "ready"), key=lambda e: -e.version)
+    supersede: list[tuple[int, int]] = []
+    now_superseded: set[int] = set()
+    if ready:
+        newest = ready[0].version
+        for old in ready[keep_last:]:
+            supersede.append((old.version, newest))
+            now_superseded.add(old.version)
+    delete: list[int] = []
+    kept: dict[int, str] = {}
+    for e in sorted(exports, key=lambda e: e.version):
+        if e.state != "superseded" and e.version not in now_superseded:
+            continue
+        if e.leases:
+            kept[e.version] = f"{e.leases} lease(s) held"
+            continue
+        delete.append(e.version)
+    return RetentionPlan(tuple(supersede), tuple(delete), kept)
+
+
+# ====================================================================== launch
+@sends("RolloutFleet", "rollsafe/fleet/fleet.py", WorkerGroupLifecycle=(GroupEvent.LAUNCHED,))
+def launch_events(recorded_healthy: Mapping[int, bool]) -> tuple[GroupEvent, ...]:
+    """A launched group is sent ``launched`` once every member reported healthy."""
+    if recorded_healthy and all(recorded_healthy.values()):
+        return (GroupEvent.LAUNCHED,)
+    return ()
+
+
+# ====================================================================== senders outside the policy
+def _declare(component: str, module: str, machine: str, events: Sequence[AnyEvent]) -> None:
+    _senders.append(Sender(component, module, machine, tuple(e.value for e in events)))
+
+
+_declare(
+    "WeightTransport",
+    "rollsafe/transports/base.py",
+    _REG,
+    tuple(RegistrationEvent),
+)
+_declare(
+    "HFExporter",
+    "rollsafe/hf/exporter.py",
+    _EX,
+    (
+        ExportEvent.ADOPT,
+        ExportEvent.SNAPSHOT,
+        ExportEvent.SNAPSHOT_DONE,
+        ExportEvent.SHARDS_WRITTEN,
+        ExportEvent.PUBLISH,
+        ExportEvent.FAIL,
+    ),
+)
+_declare(
+    "RolloutFleet config",
+    "rollsafe/fleet/fleet.py",
+    _MODE,
+    (ModeEvent.ENABLE, ModeEvent.DISABLE),
+)
+
+#: Who sends which events to which machine: the decision functions above (``decided_by``) and
+#: the senders outside the policy. ``rollsafe diagrams`` draws the overview from it.
+SENDERS: tuple[Sender, ...] = tuple(_senders)
