@@ -52,6 +52,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   └── EngineUnavailable
     │       └── EngineBusy, EnginePaused, RankFailure
     ├── HandoffError [ValueError]                     rollsafe.adapters.reference_engine
+    ├── ForkRequestError [ValueError]                 rollsafe.adapters.reference_engine.zygote
     ├── FleetError                                    rollsafe.fleet
     │   ├── UnknownGroup [KeyError]
     │   ├── DuplicateGroup, OverlappingRanks, FleetVersionRegression [ValueError]

@@ -53,6 +53,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from rollsafe.adapters.reference_engine.bootstrap import other_threads
+from rollsafe.errors import RollsafeError
 
 __all__ = ["FORK_SERVER_FLAG", "MAX_PACKET", "ForkRequestError", "check_request", "serve_forks"]
 
@@ -64,7 +65,7 @@ MAX_PACKET = 1 << 20
 _SETSID_TIMEOUT_S = 10.0
 
 
-class ForkRequestError(ValueError):
+class ForkRequestError(RollsafeError, ValueError):
     """A fork request is malformed or cannot be served (answered with an ``error`` packet);
     ``req_id`` is the request's id when it could be read."""
 
