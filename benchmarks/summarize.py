@@ -120,6 +120,33 @@ def _transports_gpu(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _recovery_gpu(d: dict[str, Any]) -> list[Row]:
+    p = d["phases"]
+    fresh = not d["args"].get("warm_standby", True)
+    source = "fresh spawn" if fresh else "fork from a ready standby"
+    gb = p.get("setup", {}).get("weights_gb")
+    rows: list[Row] = []
+    for name, label in (("immediate", "immediate, warm page cache"),
+                        ("immediate_cold_cache", "immediate, page cache dropped"),
+                        ("targeted", "targeted ipc push"),
+                        ("deferred", "deferred to the next sync")):
+        sm = (p.get(name) or {}).get("summary")
+        if not sm or not sm["kill_to_active_s"].get("n"):
+            continue
+        k = sm["kill_to_active_s"]
+        io = sm.get("engine_export_to_device_gb_s", {})
+        extra = f"; export -> GPU {io['median']} GB/s" if io.get("n") else ""
+        target, ok = "-", "-"
+        if name == "immediate":
+            limit = 15.0 if fresh else 5.0
+            target, ok = f"<= {limit:.0f} s", _verdict(k["median"] <= limit)
+        rows.append(
+            (f"H200 recovery of a {gb} GB engine, {label} ({source}), kill -> active",
+             f"median of {k['n']}: {k['median']} s (max {k['max']}){extra}", target, ok),
+        )  # fmt: skip
+    return rows
+
+
 def _ce_p2p(d: dict[str, Any]) -> list[Row]:
     p = d["phases"]
     gb = p["setup"]["weights_gb"]
@@ -368,6 +395,10 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "recovery_cpu.json": _recovery,
     "continuation_cpu.json": _continuation,
     "gpu/transports_h200.json": _transports_gpu,
+    "gpu/ipc_h200_hardened.json": _transports_gpu,
+    "gpu/ipc_h200_hardened_run2.json": _transports_gpu,
+    "gpu/recovery_h200_standby.json": _recovery_gpu,
+    "gpu/recovery_h200_fresh.json": _recovery_gpu,
     "gpu/checkpoint_engine_h200.json": _checkpoint_engine_gpu,
     "gpu/ce_p2p_h200.json": _ce_p2p,
     "gpu/sglang_gpu_hash_h200.json": _sglang_gpu_hash,
