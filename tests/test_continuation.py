@@ -245,17 +245,23 @@ def _no_restarts() -> Any:
     return RecoverySettings(restart_budget=0)
 
 
-@pytest.mark.parametrize("mode", ["retract", "abort"])
+@pytest.mark.parametrize(
+    ("dialect", "mode"), [("sglang", "retract"), ("sglang", "abort"), ("vllm", "abort")]
+)
 def test_sync_with_pause_continues_requests_on_the_new_weights(
     tiny_model_dir: Path,  # noqa: F811
     tmp_path: Path,
+    dialect: str,
     mode: str,
 ) -> None:
+    """A sync in ``retract`` / ``abort`` mode pauses the in-flight request, pushes the new
+    version (``ipc`` to SGLang, ``nccl`` to vLLM: its ``retract`` waits for requests instead)
+    and continues it on the new weights from its tokens so far."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     weights = {n: p.detach() for n, p in model.named_parameters()}  # same values, version 1
-    with _fleet(tiny_model_dir, tmp_path, groups=1) as fleet:
+    with _fleet(tiny_model_dir, tmp_path, dialect, groups=1) as fleet:
         ref = fleet.generate(PROMPT, sampling_params=GREEDY)
         reached = threading.Event()
         fleet.router.on_progress = lambda gid, n: reached.set() if n >= KILL_AT else None
