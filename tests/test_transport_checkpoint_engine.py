@@ -500,7 +500,7 @@ def test_gpu_p2p_over_tcp_pushes_ranks_in_a_world_of_one(
 ) -> None:
     """P2P without RDMA (Mooncake's TCP transport): needs Mooncake carried (``.mc/env.sh``)."""
     if not mooncake_available():
-        pytest.skip("mooncake is not importable here (carry .mc: ../shared/device/mooncake-tcp.sh)")
+        pytest.skip("mooncake is not importable here (carry .mc: benchmarks/gpu/README.md)")
     from rollsafe.adapters.engines.sglang import SGLangClient
     from rollsafe.checksum import weights_checksum
 

@@ -4,7 +4,7 @@
 #   phase "bench": the ipc / nccl transport benchmark (8 GB Qwen3-4B shapes)
 #   phase "ce_p2p" / "ce_p2p_smoke": ce_p2p_recovery.py (issue #13: a checkpoint-engine fleet
 #     re-syncs a SIGKILLed group by P2P over Mooncake's TCP transport; smoke: a tiny model).
-#     Needs ".mc" carried too (bash ../shared/device/mooncake-tcp.sh); exits with its status.
+#     Needs ".mc" carried too (a Mooncake TCP build, see benchmarks/gpu/README.md); exits with its status.
 # Outputs land in $OUT (logs and JSON). Usage: bash benchmarks/gpu/run_device.sh tests|bench|ce_p2p|ce_p2p_smoke
 set -u
 phase=${1:-tests}
@@ -28,7 +28,7 @@ if [ "$phase" = tests ]; then
     --out "$OUT/checkpoint_engine_gpu.json" --deadline-s 240 2>&1 | tee "$OUT/ce_bench.log" | tail -30
 elif [ "$phase" = ce_p2p ] || [ "$phase" = ce_p2p_smoke ]; then
   # shellcheck disable=SC1091
-  source .mc/env.sh || { echo "no .mc/env.sh: carry .mc (../shared/device/mooncake-tcp.sh)"; exit 1; }
+  source .mc/env.sh || { echo "no .mc/env.sh: carry .mc (see benchmarks/gpu/README.md)"; exit 1; }
   python3 -c "import mooncake.engine, checkpoint_engine.ps; print('mooncake ok')" 2>&1 \
     | tee -a "$OUT/deps.log"
   name=ce_p2p; extra=()
