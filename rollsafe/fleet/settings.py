@@ -48,7 +48,9 @@ def check_number(
 class HealthSettings:
     """How the health manager probes: every ``interval_s`` (or at once on a wake), each probe
     bounded by ``timeout_s``; ``failure_threshold`` consecutive failures of a rank fail its
-    group; ``max_workers`` threads run sync probes."""
+    group. ``max_workers`` is validated but caps nothing: each sync probe runs on a daemon
+    thread of its own and a group whose probe hangs is not probed again, so at most one probe
+    thread per group is alive."""
 
     interval_s: float = 0.5
     timeout_s: float = 2.0
