@@ -64,9 +64,15 @@ def test_transport_settings_are_typed_and_the_flat_keywords_fold_into_them(
     import dataclasses
 
     from rollsafe.fleet import CheckpointEngineSettings, NcclSettings
+    from rollsafe.fleet.fleet import _TRANSPORT_BUILDERS, TRANSPORTS
     from rollsafe.fleet.settings import TRANSPORT_SETTINGS
 
-    assert set(TRANSPORT_SETTINGS) == {"ipc", "nccl", "checkpoint_engine"}
+    # one settings class, one FleetConfig field and one builder per transport
+    assert set(TRANSPORT_SETTINGS) == {"ipc", "nccl", "checkpoint_engine"} == set(TRANSPORTS)
+    assert set(_TRANSPORT_BUILDERS) == set(TRANSPORT_SETTINGS)
+    fields = {f.name: f for f in dataclasses.fields(FleetConfig)}
+    for name, cls in TRANSPORT_SETTINGS.items():
+        assert fields[name].default_factory is cls
     flat = config(
         tiny_model_dir,
         tmp_path,

@@ -143,7 +143,10 @@ CE_P2P_PROTOCOLS = ("rdma", "tcp")
 class TransportSettings:
     """Base of one fleet transport's settings: a subclass names its ``transport`` and the
     ``field_prefix`` of its flat ``FleetConfig`` keywords, validates in ``__post_init__`` and is
-    registered in :data:`TRANSPORT_SETTINGS` (adding a fleet transport starts with one)."""
+    registered in :data:`TRANSPORT_SETTINGS`. Adding a fleet transport: one such class, a
+    ``FleetConfig`` field named after its ``transport`` (the settings object users pass) and
+    its builder in ``rollsafe.fleet.fleet._TRANSPORT_BUILDERS`` (a test checks the three
+    agree)."""
 
     transport: ClassVar[str] = ""
     field_prefix: ClassVar[str] = ""
