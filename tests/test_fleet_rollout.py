@@ -57,6 +57,56 @@ def test_settings_validate_when_built_and_name_the_field() -> None:
     assert rinfo.value.key == "recovery.timeout_s"
 
 
+def test_transport_settings_are_typed_and_the_flat_keywords_fold_into_them(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    import dataclasses
+
+    from rollsafe.fleet import CheckpointEngineSettings, NcclSettings
+    from rollsafe.fleet.fleet import _TRANSPORT_BUILDERS, TRANSPORTS
+    from rollsafe.fleet.settings import TRANSPORT_SETTINGS
+
+    # one settings class, one FleetConfig field and one builder per transport
+    assert set(TRANSPORT_SETTINGS) == {"ipc", "nccl", "checkpoint_engine"} == set(TRANSPORTS)
+    assert set(_TRANSPORT_BUILDERS) == set(TRANSPORT_SETTINGS)
+    fields = {f.name: f for f in dataclasses.fields(FleetConfig)}
+    for name, cls in TRANSPORT_SETTINGS.items():
+        assert fields[name].default_factory is cls
+    flat = config(
+        tiny_model_dir,
+        tmp_path,
+        nccl_backend="nccl",
+        nccl_group_timeout_s=30.0,
+        ce_p2p=True,
+        ce_p2p_protocol="tcp",
+        ce_rdma_devices=["mlx5_0"],
+    )
+    typed = config(
+        tiny_model_dir,
+        tmp_path,
+        nccl=NcclSettings(backend="nccl", group_timeout_s=30.0),
+        checkpoint_engine=CheckpointEngineSettings(
+            p2p=True, p2p_protocol="tcp", rdma_devices=("mlx5_0",)
+        ),
+    )
+    assert flat == typed and flat.checkpoint_engine.rdma_devices == ("mlx5_0",)
+    # dataclasses.replace (benchmarks use it) keeps the settings; a new settings object wins
+    assert dataclasses.replace(flat, warm_standby=True).nccl == flat.nccl
+    assert dataclasses.replace(flat, nccl=NcclSettings()).nccl == NcclSettings()
+    # the same value twice is fine; a contradiction names the flat key
+    config(tiny_model_dir, tmp_path, nccl=NcclSettings(backend="nccl"), nccl_backend="nccl")
+    with pytest.raises(FleetConfigError) as info:
+        config(tiny_model_dir, tmp_path, nccl=NcclSettings(backend="nccl"), nccl_backend="gloo")
+    assert info.value.key == "nccl_backend" and "nccl.backend" in str(info.value)
+    with pytest.raises(FleetConfigError) as info:
+        NcclSettings(group_timeout_s=0)
+    assert info.value.key == "nccl_group_timeout_s"
+    with pytest.raises(FleetConfigError) as info:
+        config(tiny_model_dir, tmp_path, checkpoint_engine={"p2p": True})
+    assert info.value.key == "checkpoint_engine"
+
+
 def test_components_take_their_defaults_from_the_settings() -> None:
     from rollsafe.fleet import (
         FleetRegistry,
@@ -69,16 +119,19 @@ def test_components_take_their_defaults_from_the_settings() -> None:
     reg = FleetRegistry()
     hm = HealthManager(reg)
     assert (hm.interval_s, hm.timeout_s, hm.failure_threshold) == (
-        HealthSettings.interval_s, HealthSettings.timeout_s, HealthSettings.failure_threshold,
-    )  # fmt: skip
+        HealthSettings.interval_s,
+        HealthSettings.timeout_s,
+        HealthSettings.failure_threshold,
+    )
     hm2 = HealthManager(reg, settings=HealthSettings(interval_s=3.0), failure_threshold=5)
     assert (hm2.interval_s, hm2.failure_threshold) == (3.0, 5)  # a keyword overrides a field
     rc = RecoveryCoordinator(reg, launcher_for=lambda gid: None)  # type: ignore[arg-type,return-value]
     try:
         assert (rc.max_workers, rc.recovery_timeout_s, rc.expected_recovery_s) == (
-            RecoverySettings.max_workers, RecoverySettings.timeout_s,
+            RecoverySettings.max_workers,
+            RecoverySettings.timeout_s,
             RecoverySettings.expected_recovery_s,
-        )  # fmt: skip
+        )
     finally:
         rc.close()
 
@@ -110,9 +163,11 @@ def test_start_generate_sync_timeline_and_close(tiny_model_dir: Path, tmp_path: 
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     cfg = config(
-        tiny_model_dir, tmp_path, groups=[GroupSpec(1), GroupSpec(2)],
+        tiny_model_dir,
+        tmp_path,
+        groups=[GroupSpec(1), GroupSpec(2)],
         enable_immediate_recovery=True,
-    )  # fmt: skip
+    )
     with RolloutFleet(cfg) as fleet:
         pids = [p for gid in fleet.group_ids for p in fleet.launcher(gid).rank_pids]
         assert len(pids) == 3 and all(pid_alive(p) for p in pids)
@@ -155,9 +210,12 @@ def test_nccl_fleet_takes_its_backend_and_bucket_size(
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     cfg = config(
-        tiny_model_dir, tmp_path, transport="nccl", nccl_backend=None,
+        tiny_model_dir,
+        tmp_path,
+        transport="nccl",
+        nccl_backend=None,
         nccl_bucket_bytes=64 << 10,
-    )  # fmt: skip
+    )
     with RolloutFleet(cfg) as fleet:
         tr = fleet.transport
         assert isinstance(tr, NCCLTransport)

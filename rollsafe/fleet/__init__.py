@@ -7,8 +7,9 @@ What is here so far, in dependency order (each module imports only the ones abov
 * :mod:`~rollsafe.policy`: every decision of the components below, as pure functions
   (``rollsafe verify`` explores the same functions); :mod:`~rollsafe.invariants`: what
   consistent means, one named function per invariant;
-* :mod:`~rollsafe.fleet.settings`: :class:`HealthSettings` and :class:`RecoverySettings`, the one
-  source of the components' defaults;
+* :mod:`~rollsafe.fleet.settings`: :class:`HealthSettings`, :class:`RecoverySettings` and one
+  settings class per transport (:class:`NcclSettings`, :class:`CheckpointEngineSettings`,
+  :class:`IpcSettings`), the one source of the components' defaults;
 * :mod:`~rollsafe.fleet.router`: :class:`Router`, requests to routable groups only;
 * :mod:`~rollsafe.fleet.health`: :class:`HealthManager`, concurrent probes that take failed
   groups out of routing and hand them off (never recovering them itself);
@@ -21,11 +22,14 @@ What is here so far, in dependency order (each module imports only the ones abov
 """
 
 from rollsafe.fleet.fleet import (
+    CheckpointEngineSettings,
     FleetConfig,
     FleetConfigError,
     FleetNotStarted,
     GroupSpec,
     HealthSettings,
+    IpcSettings,
+    NcclSettings,
     RecoverySettings,
     RolloutFleet,
 )
@@ -88,6 +92,7 @@ __all__ = [
     "DEFAULT_MAX_ERROR_CHARS",
     "DEFAULT_PROBE_STATES",
     "LISTENER_HOOKS",
+    "CheckpointEngineSettings",
     "ContinuationFailed",
     "DuplicateGroup",
     "ExportJudgement",
@@ -104,6 +109,8 @@ __all__ = [
     "HealthManager",
     "HealthRound",
     "HealthSettings",
+    "IpcSettings",
+    "NcclSettings",
     "NoRoutableGroup",
     "OverlappingRanks",
     "Probe",

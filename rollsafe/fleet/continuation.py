@@ -31,8 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from rollsafe.adapters.engines.client import GenerateResult
-from rollsafe.adapters.engines.errors import EngineError, bound_text
+from rollsafe.adapters.engines.errors import EngineError
 from rollsafe.adapters.engines.streaming import StreamDelta, WeightSpan
 from rollsafe.fleet.provenance import Segment, group_version
 from rollsafe.fleet.router import (
@@ -43,6 +42,8 @@ from rollsafe.fleet.router import (
     RouterError,
     is_retryable,
 )
+from rollsafe.ports import GenerateResult
+from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
     from rollsafe.fleet.registry import WorkerGroup

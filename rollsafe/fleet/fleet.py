@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -41,8 +42,13 @@ from rollsafe.fleet.registry import FleetError, FleetRegistry
 from rollsafe.fleet.request_health import RequestHealth
 from rollsafe.fleet.router import RoutedResult, Router
 from rollsafe.fleet.settings import (
+    CE_P2P_PROTOCOLS,
+    TRANSPORT_SETTINGS,
+    CheckpointEngineSettings,
     FleetConfigError,
     HealthSettings,
+    IpcSettings,
+    NcclSettings,
     RecoverySettings,
     check_number,
 )
@@ -62,22 +68,41 @@ if TYPE_CHECKING:
     from rollsafe.transports.base import WeightTransport
 
 __all__ = [
+    "CE_P2P_PROTOCOLS",
     "TRANSPORTS",
+    "CheckpointEngineSettings",
     "FleetConfig",
     "FleetConfigError",
     "FleetNotStarted",
     "GroupSpec",
     "HealthSettings",
+    "IpcSettings",
+    "NcclSettings",
     "RecoverySettings",
     "RolloutFleet",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Transports a :class:`RolloutFleet` can build by name.
-TRANSPORTS = ("ipc", "nccl", "checkpoint_engine")
-#: The values of :attr:`FleetConfig.ce_p2p_protocol`.
-CE_P2P_PROTOCOLS = ("rdma", "tcp")
+#: Transports a :class:`RolloutFleet` can build by name (each is a settings class in
+#: :data:`~rollsafe.fleet.settings.TRANSPORT_SETTINGS`, a ``FleetConfig`` field of that name
+#: and a builder in ``_TRANSPORT_BUILDERS``).
+TRANSPORTS = tuple(TRANSPORT_SETTINGS)
+_TRANSPORT_FIELDS = TRANSPORTS
+
+
+class _Unset:
+    """A flat transport keyword that was not given."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Any = _Unset()
+
+
+def _normal(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value
 
 
 class FleetNotStarted(FleetError, RuntimeError):
@@ -122,25 +147,22 @@ class FleetConfig:
     standby state (``none``, ``warming``: still importing, ``ready``) is in
     :meth:`RolloutFleet.snapshot` (``registry.groups.<id>.standby``), the metrics and each
     :class:`RecoveryResult` (``standby_at_restart``, ``restart_source``).
-    ``transport="nccl"`` only: ``nccl_backend``
-    (``"gloo"``, the default, moves host memory and works with engines anywhere; ``"nccl"``
-    for trainer weights and engines on GPUs; None picks by the weights' device) and
-    ``nccl_bucket_bytes`` (None: :data:`~rollsafe.transports.DEFAULT_NCCL_BUCKET_BYTES`).
+    ``transport``: ``"ipc"``, ``"nccl"`` or ``"checkpoint_engine"``; each has one typed,
+    frozen settings object, the field of the same name: ``nccl=NcclSettings(backend="nccl")``,
+    ``checkpoint_engine=CheckpointEngineSettings(p2p=True, p2p_protocol="tcp")`` (the fields and
+    their defaults are documented there; both are always present and validated, whatever the
+    transport: ``checkpoint_engine`` falls back to ``nccl``). The flat keywords of earlier
+    releases still work and are folded into those objects: ``nccl_backend``,
+    ``nccl_bucket_bytes``, ``nccl_group_timeout_s`` and ``ce_<field>`` (``ce_p2p=True``...);
+    they are write-only (read ``config.nccl.backend``), and one that contradicts a value set
+    in the settings object raises :class:`FleetConfigError` naming it.
 
     ``transport="checkpoint_engine"`` (``docs/transports.md``): MoonshotAI checkpoint-engine
     for a colocated trainer (one process, weights on CUDA, a one-rank NCCL default group made
     before :meth:`RolloutFleet.start`) and SGLang-dialect engines on the trainer's GPU
     (1-rank groups; several may share the GPU). Whole-fleet syncs broadcast; a recovery's
-    targeted push is P2P to the restarted group's ranks only. ``ce_bucket_bytes``: the update's
-    bucket cap (None: checkpoint-engine's 8 GiB; an update holds about 3 caps of extra GPU
-    memory). ``ce_p2p``: turn P2P on (needs Mooncake, ``checkpoint-engine[p2p]``);
-    ``ce_p2p_protocol``: ``"rdma"`` (needs ``ce_rdma_devices``) or ``"tcp"`` (Mooncake's TCP
-    transport, no RDMA devices; ``ce_rdma_devices`` then only names the placeholder device).
-    Timeouts: ``ce_request_timeout_s`` (each engine's ``/update_weights_from_ipc``),
-    ``ce_socket_timeout_s`` (the parameter server's ZMQ sockets, so a vanished engine fails the
-    update instead of hanging it; None waits forever), ``ce_transfer_timeout_s`` (Mooncake's
-    per-batch ``MC_TRANSFER_TIMEOUT``; None: its 30 s). With a vLLM engine, engines off the
-    trainer's GPU or no CUDA, the fleet builds ``nccl`` instead and logs one warning naming
+    targeted push is P2P to the restarted group's ranks only. With a vLLM engine, engines off
+    the trainer's GPU or no CUDA, the fleet builds ``nccl`` instead and logs one warning naming
     the reason (:attr:`RolloutFleet.transport_fallback`).
     """
 
@@ -159,18 +181,166 @@ class FleetConfig:
     router_max_attempts: int = 3
     wait_for_routable_s: float = 0.0
     request_timeout_s: float | None = 30.0
-    nccl_group_timeout_s: float = 120.0
     start_timeout_s: float = 180.0
     warm_standby: bool = False
-    nccl_backend: str | None = "gloo"
-    nccl_bucket_bytes: int | None = None
-    ce_bucket_bytes: int | None = None
-    ce_p2p: bool = False
-    ce_p2p_protocol: str = "rdma"
-    ce_rdma_devices: Sequence[str] | None = None
-    ce_request_timeout_s: float = 600.0
-    ce_socket_timeout_s: float | None = 300.0
-    ce_transfer_timeout_s: float | None = None
+    ipc: IpcSettings = field(default_factory=IpcSettings)
+    nccl: NcclSettings = field(default_factory=NcclSettings)
+    checkpoint_engine: CheckpointEngineSettings = field(default_factory=CheckpointEngineSettings)
+    # the flat keywords of earlier releases, folded into ``nccl``/``checkpoint_engine``
+    nccl_backend: str | _Unset | None = field(default=UNSET, repr=False)
+    nccl_bucket_bytes: int | _Unset | None = field(default=UNSET, repr=False)
+    nccl_group_timeout_s: float | _Unset = field(default=UNSET, repr=False)
+    ce_bucket_bytes: int | _Unset | None = field(default=UNSET, repr=False)
+    ce_p2p: bool | _Unset = field(default=UNSET, repr=False)
+    ce_p2p_protocol: str | _Unset = field(default=UNSET, repr=False)
+    ce_rdma_devices: Sequence[str] | _Unset | None = field(default=UNSET, repr=False)
+    ce_request_timeout_s: float | _Unset = field(default=UNSET, repr=False)
+    ce_socket_timeout_s: float | _Unset | None = field(default=UNSET, repr=False)
+    ce_transfer_timeout_s: float | _Unset | None = field(default=UNSET, repr=False)
+
+    def __post_init__(self) -> None:
+        """Fold the flat transport keywords into their settings objects, then check every
+        field that needs no filesystem (:meth:`validate` adds the paths)."""
+        for name in _TRANSPORT_FIELDS:
+            settings = getattr(self, name)
+            cls = TRANSPORT_SETTINGS[name]
+            if not isinstance(settings, cls):
+                continue  # _check names it
+            given: dict[str, Any] = {}
+            for f in dataclasses.fields(settings):
+                flat = settings.key(f.name)
+                value = getattr(self, flat, UNSET) if flat != f.name else UNSET
+                if value is UNSET:
+                    continue
+                current = getattr(settings, f.name)
+                default = getattr(cls(), f.name)
+                if current != default and _normal(current) != _normal(value):
+                    raise FleetConfigError(
+                        flat,
+                        f"{value!r} conflicts with {name}.{f.name}={current!r}; set one of them",
+                    )
+                given[f.name] = value
+                setattr(self, flat, UNSET)
+            if given:
+                setattr(self, name, dataclasses.replace(settings, **given))
+        self._check()
+
+    def validate(self) -> list[_ResolvedGroup]:
+        """Check the whole config (again: it is mutable), the paths included; return the groups
+        with ids and fleet ranks resolved. :class:`RolloutFleet` calls it."""
+        self._check()
+        model = Path(self.model_path)
+        if not model.is_dir():
+            raise FleetConfigError("model_path", f"{model} is not a directory")
+        template = Path(self.template_dir) if self.template_dir is not None else model
+        key = "template_dir" if self.template_dir is not None else "model_path"
+        if not template.is_dir():
+            raise FleetConfigError(key, f"{template} is not a directory")
+        if not (template / "config.json").is_file():
+            raise FleetConfigError(key, f"{template} is not an HF model directory (no config.json)")
+        root = Path(self.export_root)
+        if root.exists():
+            if not root.is_dir():
+                raise FleetConfigError("export_root", f"{root} exists and is not a directory")
+            if not os.access(root, os.W_OK | os.X_OK):
+                raise FleetConfigError("export_root", f"{root} is not writable")
+        else:
+            parent = root.parent
+            if not parent.is_dir():
+                raise FleetConfigError("export_root", f"parent directory {parent} does not exist")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise FleetConfigError("export_root", f"parent directory {parent} is not writable")
+        return self._resolve_groups()
+
+    def _check(self) -> None:
+        """The checks that need no filesystem (the settings objects checked their own fields)."""
+        if self.transport not in TRANSPORTS:
+            raise FleetConfigError(
+                "transport", f"unknown transport {self.transport!r}; choose one of {TRANSPORTS}"
+            )
+        options = dict(self.engine_options or {})
+        dialect = options.get("dialect") or ("vllm" if options.get("kind") == "vllm" else "sglang")
+        if self.transport == "ipc" and dialect == "vllm":
+            raise FleetConfigError(
+                "transport",
+                "'ipc' pushes through /update_weights_from_tensor, which vLLM 0.33.0 does not "
+                "serve; use transport='nccl' (vLLM's native weight transfer) with a vLLM engine",
+            )
+        kinds: dict[str, type] = {"health": HealthSettings, "recovery": RecoverySettings}
+        kinds.update((t, TRANSPORT_SETTINGS[t]) for t in _TRANSPORT_FIELDS)
+        for name, cls in kinds.items():
+            if not isinstance(getattr(self, name), cls):
+                raise FleetConfigError(
+                    name, f"must be a {cls.__name__}, got {getattr(self, name)!r}"
+                )
+        check_number("rearm_after", self.rearm_after, integer=True)
+        check_number("initial_version", self.initial_version, integer=True, zero=True)
+        check_number("router_max_attempts", self.router_max_attempts, integer=True)
+        check_number("wait_for_routable_s", self.wait_for_routable_s, zero=True)
+        check_number("start_timeout_s", self.start_timeout_s)
+        if self.request_timeout_s is not None:
+            check_number("request_timeout_s", self.request_timeout_s)
+        if not isinstance(self.warm_standby, bool):
+            raise FleetConfigError("warm_standby", f"must be a bool, got {self.warm_standby!r}")
+        if "warm_standby" in options:
+            raise FleetConfigError(
+                "engine_options.warm_standby",
+                "set FleetConfig.warm_standby (or GroupSpec.warm_standby per group) instead",
+            )
+        self._resolve_groups()
+
+    def _resolve_groups(self) -> list[_ResolvedGroup]:
+        groups = list(self.groups)
+        if not groups:
+            raise FleetConfigError("groups", "needs at least one group")
+        resolved: list[_ResolvedGroup] = []
+        owner: dict[int, str] = {}
+        next_rank = 0
+        for i, spec in enumerate(groups):
+            if not isinstance(spec, GroupSpec):
+                raise FleetConfigError(f"groups[{i}]", f"must be a GroupSpec, got {spec!r}")
+            check_number(f"groups[{i}].ranks", spec.ranks, integer=True)
+            if spec.warm_standby is not None and not isinstance(spec.warm_standby, bool):
+                raise FleetConfigError(
+                    f"groups[{i}].warm_standby",
+                    f"must be a bool or None, got {spec.warm_standby!r}",
+                )
+            standby = self.warm_standby if spec.warm_standby is None else spec.warm_standby
+            gid = spec.group_id if spec.group_id is not None else f"g{i}"
+            if not isinstance(gid, str) or not gid:
+                raise FleetConfigError(
+                    f"groups[{i}].group_id", f"must be a non-empty string: {gid!r}"
+                )
+            if any(g.group_id == gid for g in resolved):
+                raise FleetConfigError(f"groups[{i}].group_id", f"duplicate group id {gid!r}")
+            if spec.fleet_ranks is None:
+                ranks = tuple(range(next_rank, next_rank + spec.ranks))
+                while any(rk in owner for rk in ranks):  # skip ranks pinned by earlier groups
+                    next_rank += 1
+                    ranks = tuple(range(next_rank, next_rank + spec.ranks))
+            else:
+                ranks = tuple(int(rk) for rk in spec.fleet_ranks)
+                if len(ranks) != spec.ranks:
+                    raise FleetConfigError(
+                        f"groups[{i}].fleet_ranks",
+                        f"has {len(ranks)} ranks but the group has ranks={spec.ranks}",
+                    )
+                if len(set(ranks)) != len(ranks) or any(rk < 0 for rk in ranks):
+                    raise FleetConfigError(
+                        f"groups[{i}].fleet_ranks",
+                        f"ranks must be distinct and >= 0: {list(ranks)}",
+                    )
+            clash = sorted(rk for rk in ranks if rk in owner)
+            if clash:
+                raise FleetConfigError(
+                    f"groups[{i}].fleet_ranks",
+                    f"ranks {clash} overlap group {owner[clash[0]]!r}",
+                )
+            for rk in ranks:
+                owner[rk] = gid
+            next_rank = max(next_rank, max(ranks) + 1)
+            resolved.append(_ResolvedGroup(gid, spec.ranks, ranks, standby))
+        return resolved
 
 
 @dataclass(frozen=True)
@@ -179,155 +349,6 @@ class _ResolvedGroup:
     ranks: int
     fleet_ranks: tuple[int, ...]
     warm_standby: bool = False
-
-
-def _positive(key: str, value: object, *, integer: bool = False, zero: bool = False) -> None:
-    check_number(key, value, integer=integer, zero=zero)
-
-
-def _validate_checkpoint_engine(config: FleetConfig) -> None:
-    """The ``ce_*`` settings (checked whatever the transport, like the ``nccl_*`` ones)."""
-    if config.ce_bucket_bytes is not None:
-        _positive("ce_bucket_bytes", config.ce_bucket_bytes, integer=True)
-    if not isinstance(config.ce_p2p, bool):
-        raise FleetConfigError("ce_p2p", f"must be a bool, got {config.ce_p2p!r}")
-    if config.ce_p2p_protocol not in CE_P2P_PROTOCOLS:
-        raise FleetConfigError(
-            "ce_p2p_protocol", f"must be one of {CE_P2P_PROTOCOLS}, got {config.ce_p2p_protocol!r}"
-        )
-    devices = config.ce_rdma_devices
-    if devices is not None and (
-        isinstance(devices, (str, bytes))
-        or not devices
-        or not all(isinstance(d, str) and d for d in devices)
-    ):
-        raise FleetConfigError(
-            "ce_rdma_devices", f"must be a non-empty list of device names, got {devices!r}"
-        )
-    if config.ce_p2p and config.ce_p2p_protocol == "rdma" and devices is None:
-        raise FleetConfigError(
-            "ce_rdma_devices",
-            "P2P over RDMA needs the RDMA device names (e.g. ['mlx5_0']); without RDMA devices "
-            "use ce_p2p_protocol='tcp'",
-        )
-    _positive("ce_request_timeout_s", config.ce_request_timeout_s)
-    if config.ce_socket_timeout_s is not None:
-        _positive("ce_socket_timeout_s", config.ce_socket_timeout_s)
-    if config.ce_transfer_timeout_s is not None:
-        _positive("ce_transfer_timeout_s", config.ce_transfer_timeout_s)
-
-
-def _validate(config: FleetConfig) -> list[_ResolvedGroup]:
-    """Check ``config``; return the groups with ids and fleet ranks resolved."""
-    if config.transport not in TRANSPORTS:
-        raise FleetConfigError(
-            "transport", f"unknown transport {config.transport!r}; choose one of {TRANSPORTS}"
-        )
-    options = dict(config.engine_options or {})
-    dialect = options.get("dialect") or ("vllm" if options.get("kind") == "vllm" else "sglang")
-    if config.transport == "ipc" and dialect == "vllm":
-        raise FleetConfigError(
-            "transport",
-            "'ipc' pushes through /update_weights_from_tensor, which vLLM 0.33.0 does not serve; "
-            "use transport='nccl' (vLLM's native weight transfer) with a vLLM engine",
-        )
-    model = Path(config.model_path)
-    if not model.is_dir():
-        raise FleetConfigError("model_path", f"{model} is not a directory")
-    template = Path(config.template_dir) if config.template_dir is not None else model
-    key = "template_dir" if config.template_dir is not None else "model_path"
-    if not template.is_dir():
-        raise FleetConfigError(key, f"{template} is not a directory")
-    if not (template / "config.json").is_file():
-        raise FleetConfigError(key, f"{template} is not an HF model directory (no config.json)")
-    root = Path(config.export_root)
-    if root.exists():
-        if not root.is_dir():
-            raise FleetConfigError("export_root", f"{root} exists and is not a directory")
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise FleetConfigError("export_root", f"{root} is not writable")
-    else:
-        parent = root.parent
-        if not parent.is_dir():
-            raise FleetConfigError("export_root", f"parent directory {parent} does not exist")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise FleetConfigError("export_root", f"parent directory {parent} is not writable")
-    # The settings objects validated their own fields when they were built.
-    if not isinstance(config.health, HealthSettings):
-        raise FleetConfigError("health", f"must be a HealthSettings, got {config.health!r}")
-    if not isinstance(config.recovery, RecoverySettings):
-        raise FleetConfigError(
-            "recovery", f"must be a RecoverySettings, got {config.recovery!r}"
-        )
-    _positive("rearm_after", config.rearm_after, integer=True)
-    _positive("initial_version", config.initial_version, integer=True, zero=True)
-    _positive("router_max_attempts", config.router_max_attempts, integer=True)
-    _positive("wait_for_routable_s", config.wait_for_routable_s, zero=True)
-    _positive("start_timeout_s", config.start_timeout_s)
-    if config.request_timeout_s is not None:
-        _positive("request_timeout_s", config.request_timeout_s)
-    if config.nccl_backend not in ("gloo", "nccl", None):
-        raise FleetConfigError(
-            "nccl_backend", f"must be 'gloo', 'nccl' or None, got {config.nccl_backend!r}"
-        )
-    if config.nccl_bucket_bytes is not None:
-        _positive("nccl_bucket_bytes", config.nccl_bucket_bytes, integer=True)
-    _validate_checkpoint_engine(config)
-    if not isinstance(config.warm_standby, bool):
-        raise FleetConfigError("warm_standby", f"must be a bool, got {config.warm_standby!r}")
-    if "warm_standby" in config.engine_options:
-        raise FleetConfigError(
-            "engine_options.warm_standby",
-            "set FleetConfig.warm_standby (or GroupSpec.warm_standby per group) instead",
-        )
-
-    groups = list(config.groups)
-    if not groups:
-        raise FleetConfigError("groups", "needs at least one group")
-    resolved: list[_ResolvedGroup] = []
-    owner: dict[int, str] = {}
-    next_rank = 0
-    for i, spec in enumerate(groups):
-        if not isinstance(spec, GroupSpec):
-            raise FleetConfigError(f"groups[{i}]", f"must be a GroupSpec, got {spec!r}")
-        _positive(f"groups[{i}].ranks", spec.ranks, integer=True)
-        if spec.warm_standby is not None and not isinstance(spec.warm_standby, bool):
-            raise FleetConfigError(
-                f"groups[{i}].warm_standby", f"must be a bool or None, got {spec.warm_standby!r}"
-            )
-        standby = config.warm_standby if spec.warm_standby is None else spec.warm_standby
-        gid = spec.group_id if spec.group_id is not None else f"g{i}"
-        if not isinstance(gid, str) or not gid:
-            raise FleetConfigError(f"groups[{i}].group_id", f"must be a non-empty string: {gid!r}")
-        if any(g.group_id == gid for g in resolved):
-            raise FleetConfigError(f"groups[{i}].group_id", f"duplicate group id {gid!r}")
-        if spec.fleet_ranks is None:
-            ranks = tuple(range(next_rank, next_rank + spec.ranks))
-            while any(rk in owner for rk in ranks):  # skip ranks pinned by earlier groups
-                next_rank += 1
-                ranks = tuple(range(next_rank, next_rank + spec.ranks))
-        else:
-            ranks = tuple(int(rk) for rk in spec.fleet_ranks)
-            if len(ranks) != spec.ranks:
-                raise FleetConfigError(
-                    f"groups[{i}].fleet_ranks",
-                    f"has {len(ranks)} ranks but the group has ranks={spec.ranks}",
-                )
-            if len(set(ranks)) != len(ranks) or any(rk < 0 for rk in ranks):
-                raise FleetConfigError(
-                    f"groups[{i}].fleet_ranks", f"ranks must be distinct and >= 0: {list(ranks)}"
-                )
-        clash = sorted(rk for rk in ranks if rk in owner)
-        if clash:
-            raise FleetConfigError(
-                f"groups[{i}].fleet_ranks",
-                f"ranks {clash} overlap group {owner[clash[0]]!r}",
-            )
-        for rk in ranks:
-            owner[rk] = gid
-        next_rank = max(next_rank, max(ranks) + 1)
-        resolved.append(_ResolvedGroup(gid, spec.ranks, ranks, standby))
-    return resolved
 
 
 def _default_launcher(group_id: str, spec: EngineSpec) -> EngineLauncher:
@@ -355,7 +376,7 @@ class RolloutFleet:
         serve them on ``127.0.0.1:PORT/metrics`` from :meth:`start` to :meth:`close` (0 picks a
         free port; :attr:`metrics` ``.url``). Both need the ``[metrics]`` extra
         (prometheus-client): without it they raise ``ImportError``. See ``docs/metrics.md``."""
-        self._groups = _validate(config)
+        self._groups = config.validate()
         self.config = config
         self.registry = FleetRegistry(fleet_version=config.initial_version)
         self.mode = ImmediateRecoveryMode(
@@ -499,21 +520,7 @@ class RolloutFleet:
                     self.transport_fallback,
                 )
                 kind = FALLBACK_TRANSPORT
-        if kind == "ipc":
-            from rollsafe.transports import IPCTransport
-
-            transport = IPCTransport(self.world_size)
-        elif kind == "checkpoint_engine":
-            transport = self._checkpoint_engine_transport()
-        else:
-            from rollsafe.transports import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
-
-            transport = NCCLTransport(
-                self.world_size,
-                backend=cfg.nccl_backend,
-                bucket_bytes=cfg.nccl_bucket_bytes or DEFAULT_NCCL_BUCKET_BYTES,
-                group_timeout=cfg.nccl_group_timeout_s,
-            )
+        transport = _TRANSPORT_BUILDERS[kind](self)
         self.transport = transport
         rs = cfg.recovery
         self.recovery = RecoveryCoordinator(
@@ -544,6 +551,22 @@ class RolloutFleet:
             on_group_failed=lambda gid, reason: recovery.submit(gid, reason=reason),
         )
 
+    def _ipc_transport(self) -> WeightTransport:
+        from rollsafe.transports import IPCTransport
+
+        return IPCTransport(self.world_size)
+
+    def _nccl_transport(self) -> WeightTransport:
+        from rollsafe.transports import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
+
+        nccl = self.config.nccl
+        return NCCLTransport(
+            self.world_size,
+            backend=nccl.backend,
+            bucket_bytes=nccl.bucket_bytes or DEFAULT_NCCL_BUCKET_BYTES,
+            group_timeout=nccl.group_timeout_s,
+        )
+
     def _checkpoint_engine_transport(self) -> WeightTransport:
         """The fleet's checkpoint-engine transport (its parameter server is this process)."""
         from rollsafe.transports.checkpoint_engine import (
@@ -551,15 +574,15 @@ class RolloutFleet:
             ProcessGroupError,
         )
 
-        cfg = self.config
+        cfg = self.config.checkpoint_engine
         ce = CheckpointEngineFleetTransport(
             self.world_size,
-            max_bucket_bytes=cfg.ce_bucket_bytes,
-            p2p_protocol=cfg.ce_p2p_protocol if cfg.ce_p2p else None,
-            rdma_devices=tuple(cfg.ce_rdma_devices) if cfg.ce_p2p and cfg.ce_rdma_devices else None,
-            request_timeout_s=cfg.ce_request_timeout_s,
-            socket_timeout_s=cfg.ce_socket_timeout_s,
-            transfer_timeout_s=cfg.ce_transfer_timeout_s,
+            max_bucket_bytes=cfg.bucket_bytes,
+            p2p_protocol=cfg.p2p_protocol if cfg.p2p else None,
+            rdma_devices=cfg.rdma_devices if cfg.p2p and cfg.rdma_devices else None,
+            request_timeout_s=cfg.request_timeout_s,
+            socket_timeout_s=cfg.socket_timeout_s,
+            transfer_timeout_s=cfg.transfer_timeout_s,
         )
         if ce.world_size != 1:
             ce.close()
@@ -577,11 +600,11 @@ class RolloutFleet:
                     f"group {g.group_id!r} has {g.ranks} engine ranks but checkpoint-engine "
                     f"feeds one engine rank per trainer GPU ({ce.world_size} here)",
                 )
-        if cfg.ce_p2p and not ce.p2p_available:
+        if cfg.p2p and not ce.p2p_available:
             log.warning(
                 "transport 'checkpoint_engine': P2P (%s) is unavailable (%s); a recovery's "
                 "targeted push is refused and the restarted group waits for the next sync",
-                cfg.ce_p2p_protocol,
+                cfg.p2p_protocol,
                 ce.p2p_reason,
             )
         return ce
@@ -848,3 +871,11 @@ class RolloutFleet:
                 self.request_health.stats() if self.request_health is not None else None
             ),
         }
+
+
+#: transport name -> how a :class:`RolloutFleet` builds it (from its ``FleetConfig`` settings).
+_TRANSPORT_BUILDERS: dict[str, Callable[[RolloutFleet], WeightTransport]] = {
+    "ipc": RolloutFleet._ipc_transport,
+    "nccl": RolloutFleet._nccl_transport,
+    "checkpoint_engine": RolloutFleet._checkpoint_engine_transport,
+}

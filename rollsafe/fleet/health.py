@@ -7,11 +7,11 @@ Owns failure *detection* (never recovery):
   (``active`` and ``pending_weights`` by default; ``inactive``/``recovering`` groups belong to
   the recovery coordinator) concurrently, each probe bounded by ``timeout_s``;
 * async probes run on the loop itself (a thousand latency-bound probes cost one thread); sync
-  probes (the default, which calls each engine client's ``health()``) run on a bounded pool of
-  daemon threads. A probe that hangs past its timeout counts as a failure; while it is still
-  running its group is not probed again (so hung engines hold at most one pool thread each) and
-  every round counts another failure for it. A hung engine never delays the loop beyond
-  ``timeout_s``;
+  probes (the default, which calls each engine client's ``health()``) each run on a daemon
+  thread of their own (:class:`~rollsafe.concurrency.DaemonCall`). A probe that hangs past its
+  timeout counts as a failure; while it is still running its group is not probed again (so hung
+  engines hold at most one thread each) and every round counts another failure for it. A hung
+  engine never delays the loop beyond ``timeout_s``;
 * consecutive failures are counted per rank; when a rank reaches ``failure_threshold`` it is
   reported unhealthy and the group is sent ``fail`` (the whole group leaves routing); a healthy
   answer resets the count and reports the members healthy. What each answer means is
@@ -31,8 +31,8 @@ Owns failure *detection* (never recovery):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
+import functools
 import inspect
 import logging
 import queue
@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
 import rollsafe.policy as policy
-from rollsafe.adapters.engines.errors import bound_text
+from rollsafe.concurrency import DaemonCall
 from rollsafe.fleet.registry import FleetRegistry, WorkerGroup
 from rollsafe.fleet.settings import HealthSettings, with_overrides
 from rollsafe.statemachines.base import TransitionRefused
+from rollsafe.text import bound_text
 
 __all__ = [
     "DEFAULT_PROBE_STATES",
@@ -144,66 +145,6 @@ class HealthRound:
         }
 
 
-class _DaemonPool:
-    """A minimal bounded thread pool of daemon threads, grown on demand.
-
-    Unlike ``ThreadPoolExecutor`` its threads never block interpreter exit, so a probe stuck in
-    a hung engine cannot keep the trainer process alive after :meth:`HealthManager.stop`.
-    """
-
-    def __init__(self, max_workers: int, name: str) -> None:
-        self.max_workers = max_workers
-        self.name = name
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._load = 0  # queued + running
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:
-            self._load += 1
-            if self._load > len(self._threads) and len(self._threads) < self.max_workers:
-                t = threading.Thread(
-                    target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True
-                )
-                self._threads.append(t)
-                t.start()
-        self._queue.put((fut, fn, args))
-        return fut
-
-    @property
-    def threads(self) -> int:
-        return len(self._threads)
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            try:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(*args))
-                    except BaseException as exc:
-                        fut.set_exception(exc)
-            finally:
-                with self._lock:
-                    self._load -= 1
-
-    def shutdown(self, timeout: float) -> list[str]:
-        """Ask every worker to exit; join them for up to ``timeout`` s; return the stuck ones."""
-        with self._lock:
-            threads = list(self._threads)
-        for _ in threads:
-            self._queue.put(None)
-        deadline = time.monotonic() + timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return [t.name for t in threads if t.is_alive()]
-
-
 class _Notifier:
     """Runs ``on_group_failed`` callbacks on one dedicated thread, in order."""
 
@@ -246,10 +187,13 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 class HealthManager:
     """Concurrent health probing of a :class:`FleetRegistry`'s groups.
 
-    ``probe(group, timeout_s)`` defaults to :func:`client_health_probe`. ``max_workers`` sizes
-    the pool for sync probes: make it at least the number of groups you expect to probe at once
-    (probes are latency-bound, threads mostly wait); for very large simulated fleets pass an
-    async probe instead. ``on_group_failed`` is called on a notifier thread after each ``fail``
+    ``probe(group, timeout_s)`` defaults to :func:`client_health_probe`. A sync probe runs on a
+    daemon thread of its own (a :class:`~rollsafe.concurrency.DaemonCall`), so a probe stuck in a
+    hung engine never blocks interpreter exit; a group whose probe still hangs is not probed
+    again until it returns (it counts as a failure meanwhile), so at most one probe thread per
+    group is alive. ``max_workers`` is validated and kept for compatibility but caps nothing
+    since that bound (threads <= groups probed); for very large simulated fleets pass an async
+    probe instead. ``on_group_failed`` is called on a notifier thread after each ``fail``
     the manager sends; it must only enqueue (see the module docstring).
 
     Use :meth:`start` / :meth:`stop` (or ``with``) for the periodic loop, or :meth:`check_now`
@@ -283,7 +227,6 @@ class HealthManager:
         interval_s = self.settings.interval_s
         timeout_s = self.settings.timeout_s
         failure_threshold = self.settings.failure_threshold
-        max_workers = self.settings.max_workers
         self.registry = registry
         self.probe: Probe = probe if probe is not None else client_health_probe
         self.interval_s = interval_s
@@ -292,18 +235,15 @@ class HealthManager:
         self.probe_states = frozenset(probe_states)
         self.name = name
         self._async_probe = _is_async(self.probe)
-        self._pool = _DaemonPool(max_workers, f"{name}-probe")
         self._on_group_failed = on_group_failed
-        self._notifier = (
-            _Notifier(on_group_failed, name) if on_group_failed is not None else None
-        )
+        self._notifier = _Notifier(on_group_failed, name) if on_group_failed is not None else None
         # Held while a probe answer is applied (counts, member reports, the fail decision; not
         # the fail itself); pause() takes it too, so after pause() returns nothing is applied.
         self._apply_lock = threading.RLock()
         self._paused = False
         self._epoch = 0
         self._failures: dict[str, dict[int, int]] = {}
-        self._inflight: dict[str, concurrent.futures.Future[Any]] = {}
+        self._inflight: dict[str, DaemonCall[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake_event: asyncio.Event | None = None
         self._round_lock: asyncio.Lock | None = None
@@ -347,10 +287,15 @@ class HealthManager:
             clean = not thread.is_alive()
         if self._notifier is not None:
             clean = self._notifier.stop(max(0.0, deadline - time.monotonic())) and clean
-        stuck = self._pool.shutdown(max(0.0, min(0.5, deadline - time.monotonic())))
+        # probes left stuck in hung engines stay on their daemon threads; wait briefly for them
+        grace_end = time.monotonic() + max(0.0, min(0.5, deadline - time.monotonic()))
+        stuck = [
+            c.name
+            for c in list(self._inflight.values())
+            if not c.wait(grace_end - time.monotonic())
+        ]
         if stuck:
-            log.warning("%s: %d probe thread(s) still stuck in hung engines", self.name,
-                        len(stuck))
+            log.warning("%s: %d probe thread(s) still stuck in hung engines", self.name, len(stuck))
             clean = False
         return clean
 
@@ -419,7 +364,7 @@ class HealthManager:
             "paused": self._paused,
             "rounds": self._rounds,
             "groups_failed": self._groups_failed,
-            "probe_threads": self._pool.threads,
+            "probe_threads": sum(1 for c in list(self._inflight.values()) if not c.done()),
             "failure_counts": {
                 g: {str(r): n for r, n in c.items()} for g, c in self.failure_counts().items()
             },
@@ -520,7 +465,9 @@ class HealthManager:
                 record(group, hung, generation)
                 continue
             running[group.group_id] = (
-                loop.create_task(probe_one(group, generation)), group, generation
+                loop.create_task(probe_one(group, generation)),
+                group,
+                generation,
             )
         if running:
             deadline = loop.call_later(self.timeout_s, _resolve, all_done)
@@ -569,13 +516,17 @@ class HealthManager:
         previous = self._inflight.get(group.group_id)
         if previous is None or previous.done():
             return None
-        return self._outcome(group, t0, None, "previous probe still running (hung)",
-                             still_running=True)
+        return self._outcome(
+            group, t0, None, "previous probe still running (hung)", still_running=True
+        )
 
     async def _sync_probe(self, group: WorkerGroup) -> Any:
-        cfut = self._pool.submit(self.probe, group, self.timeout_s)
-        self._inflight[group.group_id] = cfut
-        return await asyncio.wrap_future(cfut)
+        call = DaemonCall.start(
+            functools.partial(self.probe, group, self.timeout_s),
+            name=f"{self.name}-probe-{group.group_id}",
+        )
+        self._inflight[group.group_id] = call
+        return await asyncio.wrap_future(call.future)
 
     def _outcome(
         self,
@@ -662,9 +613,12 @@ class HealthManager:
             gid, tuple(at_threshold), worst, outcome.error or "unhealthy", time.time()
         )
         log.warning(
-            "%s: group %s failed %d consecutive probe(s) on rank(s) %s: %s; taken out of "
-            "routing",
-            self.name, gid, worst, list(at_threshold), failure.reason,
+            "%s: group %s failed %d consecutive probe(s) on rank(s) %s: %s; taken out of routing",
+            self.name,
+            gid,
+            worst,
+            list(at_threshold),
+            failure.reason,
         )
         if verdict.handoff is policy.Handoff.ENQUEUE and self._notifier is not None:
             self._notifier.put(failure)

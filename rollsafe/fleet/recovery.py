@@ -51,19 +51,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import rollsafe.policy as policy
-from rollsafe.adapters.engines.errors import bound_text
+from rollsafe.concurrency import DaemonCall, Outcome
 from rollsafe.fleet.registry import FleetError, FleetRegistry, UnknownGroup, WorkerGroup
 from rollsafe.fleet.settings import RecoverySettings, with_overrides
 from rollsafe.fleet.sync import ExporterLike, default_target, shared_transport_lock
+from rollsafe.ports import RestartableEngine
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
+from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
-    from rollsafe.adapters.engines.client import EngineClient
     from rollsafe.fleet.health import GroupFailure
+    from rollsafe.ports import EngineClient
     from rollsafe.statemachines.export import ExportLease
     from rollsafe.transports.base import EngineTarget, WeightTransport
 
@@ -119,31 +121,6 @@ class StepTimeout(RecoveryError, TimeoutError):
             f"group {group_id!r}: step {step!r} did not finish within its deadline "
             f"({seconds:.1f}s left when it started); it continues on a background thread"
         )
-
-
-@runtime_checkable
-class RestartableEngine(Protocol):
-    """What recovery needs from one engine group's handle (``EngineLauncher`` has it).
-
-    ``restart`` (called with keywords only) stops the group if it runs and starts it again,
-    returning once it is ready;
-    ``client`` is the (possibly new) client of the restarted group. An optional ``stop()`` is
-    used as the explicit shutdown step (with ``keep_standby=True`` when it takes that keyword:
-    an :class:`~rollsafe.adapters.engines.EngineLauncher`'s warm standby must survive it to take
-    the restart), and an optional ``weight_version=`` keyword of ``restart`` is passed when the
-    group loads a known version.
-    """
-
-    def restart(
-        self,
-        *,
-        model_path: str | None = None,
-        load_format: str | None = None,
-        skip_load_weights: bool | None = None,
-    ) -> object: ...
-
-    @property
-    def client(self) -> EngineClient: ...
 
 
 @dataclass(frozen=True)
@@ -858,45 +835,29 @@ class RecoveryCoordinator:
         if remaining <= 0:
             self._step(run, name, t0, False, "deadline passed before the step")
             raise _Attempt(f"group {gid!r}: deadline passed before step {name!r}", retry=False)
-        box: dict[str, Any] = {}
-        finished = threading.Event()
-        handover = threading.Lock()
-        abandoned: list[bool] = []
 
-        def body() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as exc:
-                box["error"] = exc
-            finally:
-                with handover:
-                    finished.set()
-                    late = bool(abandoned)
-                if late:
-                    self._late_finish(gid, name, finished, on_late_finish)
+        def mark_busy() -> None:  # under the hand-over lock, before any late()
+            if cancel is not None:
+                cancel.set()
+            with self._lock:
+                self._busy[gid] = call.finished
 
-        thread = threading.Thread(target=body, name=f"{self.name}-{gid}-{name}", daemon=True)
-        thread.start()
-        finished.wait(remaining)
-        with handover:
-            if not finished.is_set():
-                abandoned.append(True)
-                if cancel is not None:
-                    cancel.set()
-                with self._lock:
-                    self._busy[gid] = finished
-        if abandoned:
+        def late(_outcome: Outcome[T]) -> None:
+            self._late_finish(gid, name, call.finished, on_late_finish)
+
+        call = DaemonCall.start(fn, name=f"{self.name}-{gid}-{name}", on_late=late)
+        if not call.wait(remaining) and call.abandon(mark_busy):
             timeout = StepTimeout(gid, name, remaining)
             self._step(run, name, t0, False, str(timeout))
             raise _Attempt(str(timeout), retry=False, timed_out=True)
-        error = box.get("error")
+        error = call.outcome().error
         if error is not None:
             self._step(run, name, t0, False, f"{type(error).__name__}: {error}")
             if _is_transport_error(error):
                 raise error
             raise _Attempt(f"step {name!r}: {type(error).__name__}: {error}") from error
         self._step(run, name, t0, True, detail)
-        return box["value"]  # type: ignore[no-any-return]
+        return call.outcome().value  # type: ignore[return-value]
 
     def _late_finish(
         self,

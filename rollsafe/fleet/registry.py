@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollsafe.adapters.engines.client import EngineClient
-from rollsafe.adapters.engines.errors import bound_text
 from rollsafe.errors import RollsafeError
+from rollsafe.ports import EngineClient
 from rollsafe.statemachines.events import GroupEvent, event_name
 from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
+from rollsafe.text import bound_text
 
 __all__ = [
     "LISTENER_HOOKS",
@@ -469,8 +469,9 @@ class FleetRegistry:
             raise ValueError(f"group_id must be a non-empty string, got {group_id!r}")
         rank_list = [int(r) for r in ranks]
         if machine is None:
-            machine = WorkerGroupLifecycle(rank_list, restart_budget=restart_budget,
-                                           group_id=group_id)
+            machine = WorkerGroupLifecycle(
+                rank_list, restart_budget=restart_budget, group_id=group_id
+            )
         elif tuple(machine.ranks) != tuple(rank_list):
             raise ValueError(
                 f"group {group_id!r}: machine ranks {list(machine.ranks)} != ranks {rank_list}"

@@ -31,12 +31,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollsafe.adapters.engines.client import GenerateResult
 from rollsafe.adapters.engines.errors import (
     EngineError,
     EngineRequestError,
     EngineUnavailable,
-    bound_text,
 )
 from rollsafe.fleet.provenance import Segment, off_policy, versions_used
 from rollsafe.fleet.registry import (
@@ -46,6 +44,8 @@ from rollsafe.fleet.registry import (
     GroupTransition,
     WorkerGroup,
 )
+from rollsafe.ports import GenerateResult
+from rollsafe.text import bound_text
 
 __all__ = [
     "DEFAULT_MAX_ERROR_CHARS",

@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import rollsafe.policy as policy
-from rollsafe.adapters.engines.errors import bound_text
 from rollsafe.fleet.registry import FleetError, FleetRegistry, WorkerGroup
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.events import GroupEvent
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
+from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -365,9 +365,7 @@ class SyncCoordinator:
                     return
                 timings["register_s"] = time.perf_counter() - t
                 registration = getattr(self.transport, "registration", None)
-                published = (
-                    registration.published if registration is not None else ("", version)
-                )
+                published = registration.published if registration is not None else ("", version)
                 if not policy.proceed_after_register(published, version):
                     report.error = f"register of v{version} did not publish it ({published})"
                     log.error("sync v%d: %s; fleet stays at v%d", version, report.error,
