@@ -58,10 +58,9 @@ for _p in (str(REPO), str(REPO / "tests"), str(HERE)):
 
 import torch  # noqa: E402
 from multi_gpu import (  # noqa: E402  (also sets NCCL_NVLS_ENABLE=0 before NCCL starts)
-    GroupMonitor,
     Rollout,
-    _restart_details,
     build_weights,
+    kill_and_measure,
     model_config,
     nbytes_of,
     write_model_dir,
@@ -221,9 +220,6 @@ def crash_and_recover(
         t0 = time.monotonic()
         out["standby_ready_before_kill"] = launcher.wait_standby(args.engine_start_timeout_s)
         out["standby_wait_s"] = round(time.monotonic() - t0, 2)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and rollout.served(VICTIM, since=time.time() - 5) < 1:
-        time.sleep(0.05)  # the victim is serving when it is killed
     version = fleet.registry.fleet_version
     out["fleet_version"] = version
     ready = fleet.exporter.latest_ready(version) is not None
@@ -232,81 +228,24 @@ def crash_and_recover(
         # the export may be written before the crash is detected (a tiny model, a fast disk):
         # immediate recovery is off for this phase, so the push runs whatever the export does
         fleet.mode.disable()
-        out["why_targeted"] = (
-            "immediate recovery off for this phase"
-            + ("" if ready else f" (and no ready export of v{version} at the kill)")
+        out["why_targeted"] = "immediate recovery off for this phase" + (
+            "" if ready else f" (and no ready export of v{version} at the kill)"
         )
     pushes_before = len(tr.pushes) if isinstance(tr, CheckpointEngineFleetTransport) else 0
-    n_results = len([r for r in fleet.recoveries() if r.group_id == VICTIM])
-    monitor = GroupMonitor(fleet.registry.get(VICTIM)).start()
-    time.sleep(0.05)
-    pid = launcher.pid
-    t_kill = time.time()
-    os.kill(pid, signal.SIGKILL)
-    out["killed_pid"] = pid
-    result = None
-    wait_until = time.monotonic() + args.recovery_timeout_s + 30
-    while time.monotonic() < wait_until:
-        mine = [r for r in fleet.recoveries() if r.group_id == VICTIM]
-        if len(mine) > n_results:
-            result = mine[-1]
-            break
-        time.sleep(0.05)
-    if result is None:
-        monitor.stop()
-        raise RuntimeError(f"no recovery of {VICTIM} ended within {args.recovery_timeout_s + 30}s")
-    t_after = time.time()
-    tail = time.monotonic() + 20
-    while time.monotonic() < tail and rollout.served(VICTIM, since=t_after) < 2:
-        time.sleep(0.05)
-    monitor.stop()
-    records = rollout.snapshot()
-    transitions = [t for t in fleet.registry.get(VICTIM).recent_transitions()
-                   if t.timestamp >= t_kill - 1e-3]  # fmt: skip
-    left = next((t for t in transitions if t.source == "active" and t.target != "active"), None)
-    after_left = [t for t in transitions if left is not None and t.seq > left.seq]
-    back = next((t for t in after_left if t.target == "active"), None)
-    t_left = left.timestamp if left is not None else None
-    t_back = back.timestamp if back is not None else None
-    end = t_back if t_back is not None else time.time()
-    dispatch = fleet.registry.dispatch_counts()
-    victim_in_window = sum(1 for t0r, t1r, g, e in records if e is None and g == VICTIM
-                           and t_left is not None and t0r >= t_left and t1r <= end)  # fmt: skip
-    others = sum(1 for _, t1r, g, e in records
-                 if e is None and g == SERVING and t_kill <= t1r <= end)  # fmt: skip
-    failed = sum(1 for _, t1r, _g, e in records if e is not None and t_kill <= t1r <= end)
+    figures, result = kill_and_measure(fleet, rollout, VICTIM, SERVING,
+                                       timeout_s=args.recovery_timeout_s)  # fmt: skip
+    out.update(figures)
     pushes = []
     if isinstance(tr, CheckpointEngineFleetTransport):
         pushes = list(tr.pushes)[pushes_before:]
-    states = monitor.states_seen()
     out.update({
-        "recovery": result.as_dict(),
-        "status": result.status,
-        "strategy": result.strategy,
         "lease_step": next((s.as_dict() for s in result.steps if s.name == "lease"), None),
         "push_step": next((s.as_dict() for s in result.steps if s.name == "push"), None),
-        "kill_to_left_routing_s": rounded(t_left - t_kill if t_left else None),
-        "kill_to_active_s": rounded(t_back - t_kill if t_back else None),
+        "kill_to_left_routing_s": figures["detection_s"],
         "restart_step_s": rounded(result.step_seconds("restart")),
         "push_step_s": rounded(result.step_seconds("push")),
-        "victim_transitions": [{"event": t.event, "source": t.source, "target": t.target,
-                                "at_s": round(t.timestamp - t_kill, 3)} for t in transitions],
-        "victim_states_sampled": states,
         "pushes_after_kill": [p.as_dict() for p in pushes],
-        "served_by_other_meanwhile": others,
-        "requests_failed_meanwhile": failed,
-        "dispatch_counts_by_state": dispatch,
-        "victim_dispatch_states": sorted(dispatch.get(VICTIM, {})),
-        "dispatches_to_victim_while_not_active": monitor.dispatches_while_not_active(),
-        "victim_served_while_not_active": victim_in_window,
-        "victim_restart": _restart_details(launcher),
     })  # fmt: skip
-    out["no_request_to_failed_group"] = (
-        set(out["victim_dispatch_states"]) <= {"active"}
-        and out["dispatches_to_victim_while_not_active"] == 0
-        and victim_in_window == 0
-        and any(s != "active" for s in states)
-    )
     if expect == "targeted_push" and pushes:
         p2p = [p for p in pushes if p.targeted]
         push = p2p[-1] if p2p else pushes[-1]

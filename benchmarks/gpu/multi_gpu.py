@@ -1224,6 +1224,106 @@ class GroupMonitor:
         return seen
 
 
+def kill_and_measure(
+    fleet: Any,
+    rollout: Rollout,
+    victim: str,
+    serving: str,
+    *,
+    timeout_s: float,
+    on_pending: Callable[[], dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], Any]:
+    """SIGKILL ``victim``'s engine while it serves; wait for its recovery's result, for
+    ``active`` again and for it to serve again; returns ``(figures, RecoveryResult)``.
+
+    ``on_pending`` (a deferred recovery): called once the group waits in ``pending_weights``,
+    as the trainer's next step (a sync); its answer is ``next_sync``. The figures: detection
+    (kill -> the group leaves ``active``), kill -> ``active``, the recovery's steps, the
+    victim's transitions, requests served by ``serving`` and failed meanwhile, and whether any
+    request reached the victim while it was not ``active`` (registry dispatch counts by state,
+    a 5 ms state/dispatch sampler, the clients' records)."""
+    launcher = fleet.launcher(victim)
+    group = fleet.registry.get(victim)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and rollout.served(victim, since=time.time() - 5) < 1:
+        time.sleep(0.05)  # the victim is serving when it is killed
+    n_results = len([r for r in fleet.recoveries() if r.group_id == victim])
+    monitor = GroupMonitor(group).start()
+    time.sleep(0.05)
+    pid = launcher.pid
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    result = None
+    pending_at: float | None = None
+    sync_row: dict[str, Any] | None = None
+    wait_until = time.monotonic() + timeout_s + 30
+    while time.monotonic() < wait_until:
+        mine = [r for r in fleet.recoveries() if r.group_id == victim]
+        if len(mine) > n_results:
+            result = mine[-1]
+        if result is not None and on_pending is None:
+            break
+        if on_pending is not None and result is not None and group.state == "pending_weights":
+            pending_at = time.time()
+            sync_row = on_pending()
+            break
+        time.sleep(0.02)
+    if result is None:
+        monitor.stop()
+        raise RuntimeError(f"no recovery of {victim} ended within {timeout_s + 30}s")
+    tail = time.monotonic() + 60
+    while time.monotonic() < tail and group.state != "active":
+        time.sleep(0.02)
+    t_after = time.time()
+    while time.monotonic() < tail and rollout.served(victim, since=t_after) < 2:
+        time.sleep(0.05)
+    monitor.stop()
+    records = rollout.snapshot()
+    transitions = [t for t in group.recent_transitions() if t.timestamp >= t_kill - 1e-3]
+    left = next((t for t in transitions if t.source == "active" and t.target != "active"), None)
+    back = next((t for t in transitions if left is not None and t.seq > left.seq
+                 and t.target == "active"), None)  # fmt: skip
+    t_left = left.timestamp if left is not None else None
+    t_back = back.timestamp if back is not None else None
+    end = t_back if t_back is not None else time.time()
+    victim_in_window = sum(1 for t0r, t1r, g, e in records if e is None and g == victim
+                           and t_left is not None and t0r >= t_left and t1r <= end)  # fmt: skip
+    dispatch = fleet.registry.dispatch_counts()
+    states = monitor.states_seen()
+    out: dict[str, Any] = {
+        "killed_pid": pid,
+        "status": result.status,
+        "strategy": result.strategy,
+        "restart_source": getattr(result, "restart_source", None),
+        "standby_at_restart": getattr(result, "standby_at_restart", None),
+        "recovery": result.as_dict(),
+        "steps_s": {s.name: round(s.seconds, 3) for s in result.steps},
+        "detection_s": None if t_left is None else round(t_left - t_kill, 3),
+        "kill_to_active_s": None if t_back is None else round(t_back - t_kill, 3),
+        "kill_to_pending_s": None if pending_at is None else round(pending_at - t_kill, 3),
+        "next_sync": sync_row,
+        "victim_transitions": [{"event": t.event, "source": t.source, "target": t.target,
+                                "at_s": round(t.timestamp - t_kill, 3)} for t in transitions],
+        "victim_states_sampled": states,
+        "served_by_other_meanwhile": sum(1 for _, t1r, g, e in records
+                                         if e is None and g == serving and t_kill <= t1r <= end),
+        "requests_failed_meanwhile": sum(1 for _, t1r, _g, e in records
+                                         if e is not None and t_kill <= t1r <= end),
+        "dispatch_counts_by_state": dispatch,
+        "victim_dispatch_states": sorted(dispatch.get(victim, {})),
+        "dispatches_to_victim_while_not_active": monitor.dispatches_while_not_active(),
+        "victim_served_while_not_active": victim_in_window,
+        "victim_restart": _restart_details(launcher),
+    }  # fmt: skip
+    out["no_request_to_failed_group"] = (
+        set(out["victim_dispatch_states"]) <= {"active"}
+        and out["dispatches_to_victim_while_not_active"] == 0
+        and victim_in_window == 0
+        and any(s != "active" for s in states)
+    )
+    return out, result
+
+
 def _restart_details(launcher: Any) -> dict[str, Any]:
     """How the victim's engine came back: from the warm standby or a fresh spawn, and its own
     start-up phases (seconds from the handoff or spawn, from its ready line)."""

@@ -64,12 +64,11 @@ for _p in (str(REPO), str(REPO / "tests"), str(HERE)):
         sys.path.insert(0, _p)
 
 import torch  # noqa: E402
-from ce_p2p_recovery import Digests, Result, engine_checksums, rounded  # noqa: E402
+from ce_p2p_recovery import Digests, Result, engine_checksums  # noqa: E402
 from multi_gpu import (  # noqa: E402  (also sets NCCL_NVLS_ENABLE=0)
-    GroupMonitor,
     Rollout,
-    _restart_details,
     build_weights,
+    kill_and_measure,
     model_config,
     nbytes_of,
     write_model_dir,
@@ -213,87 +212,16 @@ def engine_breakdown(ready: dict[str, Any], export_bytes: int) -> dict[str, Any]
 def crash(fleet: Any, rollout: Rollout, args: argparse.Namespace, *, expect: str,
           on_pending: Any = None) -> dict[str, Any]:  # fmt: skip
     """SIGKILL the victim's engine during rollout; wait for it to be ``active`` again."""
-    launcher = fleet.launcher(VICTIM)
-    group = fleet.registry.get(VICTIM)
     out: dict[str, Any] = {"expect": expect}
     if args.warm_standby:
         t0 = time.monotonic()
+        launcher = fleet.launcher(VICTIM)
         out["standby_ready_before_kill"] = launcher.wait_standby(args.engine_start_timeout_s)
         out["standby_wait_s"] = round(time.monotonic() - t0, 2)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and rollout.served(VICTIM, since=time.time() - 5) < 1:
-        time.sleep(0.05)  # the victim is serving when it is killed
-    n_results = len([r for r in fleet.recoveries() if r.group_id == VICTIM])
-    monitor = GroupMonitor(group).start()
-    time.sleep(0.05)
-    pid = launcher.pid
-    t_kill = time.time()
-    os.kill(pid, signal.SIGKILL)
-    out["killed_pid"] = pid
-    result = None
-    wait_until = time.monotonic() + args.recovery_timeout_s + 30
-    pending_at: float | None = None
-    sync_row: dict[str, Any] | None = None
-    while time.monotonic() < wait_until:
-        mine = [r for r in fleet.recoveries() if r.group_id == VICTIM]
-        if len(mine) > n_results:
-            result = mine[-1]
-        if result is not None and on_pending is None:
-            break
-        if on_pending is not None and result is not None and group.state == "pending_weights":
-            pending_at = time.time()
-            sync_row = on_pending()  # the trainer's next step: a sync of a new version
-            break
-        time.sleep(0.02)
-    if result is None:
-        monitor.stop()
-        raise RuntimeError(f"no recovery of {VICTIM} ended within {args.recovery_timeout_s + 30}s")
-    tail = time.monotonic() + 60
-    while time.monotonic() < tail and group.state != "active":
-        time.sleep(0.02)
-    t_after = time.time()
-    while time.monotonic() < tail and rollout.served(VICTIM, since=t_after) < 2:
-        time.sleep(0.05)
-    monitor.stop()
-    records = rollout.snapshot()
-    transitions = [t for t in group.recent_transitions() if t.timestamp >= t_kill - 1e-3]
-    left = next((t for t in transitions if t.source == "active" and t.target != "active"), None)
-    back = next((t for t in transitions if left is not None and t.seq > left.seq
-                 and t.target == "active"), None)  # fmt: skip
-    t_left = left.timestamp if left is not None else None
-    t_back = back.timestamp if back is not None else None
-    end = t_back if t_back is not None else time.time()
-    victim_in_window = sum(1 for t0r, t1r, g, e in records if e is None and g == VICTIM
-                           and t_left is not None and t0r >= t_left and t1r <= end)  # fmt: skip
-    served_other = sum(1 for _, t1r, g, e in records
-                       if e is None and g == SERVING and t_kill <= t1r <= end)  # fmt: skip
-    failed = sum(1 for _, t1r, _g, e in records if e is not None and t_kill <= t1r <= end)
-    states = monitor.states_seen()
-    steps = {s.name: round(s.seconds, 3) for s in result.steps}
-    out.update({
-        "status": result.status,
-        "strategy": result.strategy,
-        "restart_source": getattr(result, "restart_source", None),
-        "standby_at_restart": getattr(result, "standby_at_restart", None),
-        "recovery": result.as_dict(),
-        "steps_s": steps,
-        "detection_s": rounded(t_left - t_kill if t_left else None),
-        "kill_to_active_s": rounded(t_back - t_kill if t_back else None),
-        "kill_to_pending_s": rounded(pending_at - t_kill if pending_at else None),
-        "next_sync": sync_row,
-        "victim_transitions": [{"event": t.event, "source": t.source, "target": t.target,
-                                "at_s": round(t.timestamp - t_kill, 3)} for t in transitions],
-        "served_by_other_meanwhile": served_other,
-        "requests_failed_meanwhile": failed,
-        "dispatches_to_victim_while_not_active": monitor.dispatches_while_not_active(),
-        "victim_served_while_not_active": victim_in_window,
-        "victim_restart": _restart_details(launcher),
-    })  # fmt: skip
-    out["no_request_to_failed_group"] = (
-        monitor.dispatches_while_not_active() == 0
-        and victim_in_window == 0
-        and any(s != "active" for s in states)
+    figures, _result = kill_and_measure(
+        fleet, rollout, VICTIM, SERVING, timeout_s=args.recovery_timeout_s, on_pending=on_pending
     )
+    out.update(figures)
     return out
 
 
@@ -525,10 +453,11 @@ def checksum_timings(fleet: Any, weights: dict[str, torch.Tensor], repeats: int)
     engine: dict[str, Any] = {}
     for gid, client in clients.items():
         times, got = [], None
-        for _ in range(repeats):
+        for _ in range(max(1, repeats)):
             t0 = time.perf_counter()
             got = client.weights_checksum(timeout=120.0)
             times.append(round(time.perf_counter() - t0, 4))
+        assert got is not None
         engine[gid] = {"seconds": times, "algorithm": got.algorithm, "model": got.model}
     algorithm = next(iter(engine.values()))["algorithm"] if engine else "sglang"
     trainer_times, model = [], None
