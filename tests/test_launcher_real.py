@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("httpx")
 
 import httpx
-from engine_helpers import all_gone, tiny_model_dir  # noqa: F401  (fixture)
+from engine_helpers import all_gone, tiny_model_dir, wait_for  # noqa: F401  (fixture)
 
 from rollsafe.adapters.engines import (
     EngineLauncher,
@@ -481,8 +481,15 @@ def test_vllm_weight_version_is_set_after_start(
         return
     with launcher:
         assert launcher.ready_info["weight_version"] == "9"
-        posts = [line.split(" ", 3) for line in launcher.output_tail().splitlines()]
-        posts = [p for p in posts if p[:2] == ["[stdout]", "POST"]]
+
+        def posts_seen() -> list[list[str]]:
+            lines = [line.split(" ", 3) for line in launcher.output_tail().splitlines()]
+            return [p for p in lines if p[:2] == ["[stdout]", "POST"]]
+
+        # the server prints its line before it answers, but the launcher's reader thread may
+        # take it off the pipe a moment after the answer arrived
+        wait_for(lambda: len(posts_seen()) >= 1, 5)
+        posts = posts_seen()
         assert len(posts) == 1 and posts[0][2] == "/update_weight_version"
         body, auth = posts[0][3].rsplit(" auth ", 1)
         assert json.loads(body) == {"new_version": "9"} and auth == "True"

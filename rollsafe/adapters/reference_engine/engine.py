@@ -380,8 +380,11 @@ class ReferenceEngine:
         feed = sess.prompt + sess.out if not sess.started else [sess.out[-1]]
         logits = self.ranks.call("forward", {"sid": sess.sid, "token_ids": feed})  # on the CPU
         sess.started = True
+        with self._cv:
+            if sess.sid not in self._sessions:
+                return  # cancelled while its step ran: the token is dropped with the session
+            self.tokens_generated += 1
         tok, lp = sample_token(logits, sess.params, sess.generator)
-        self.tokens_generated += 1
         version = self.weight_version
         if not sess.spans or sess.spans[-1][0] != version:
             sess.spans.append((version, len(sess.out)))
