@@ -63,16 +63,17 @@ def test_transport_settings_are_typed_and_the_flat_keywords_fold_into_them(
 ) -> None:
     import dataclasses
 
-    from rollsafe.fleet import CheckpointEngineSettings, NcclSettings
-    from rollsafe.fleet.fleet import _TRANSPORT_BUILDERS, TRANSPORTS
+    from rollsafe.fleet import CheckpointEngineSettings, NcclSettings, TransportSettings
+    from rollsafe.fleet.fleet import TRANSPORTS
     from rollsafe.fleet.settings import TRANSPORT_SETTINGS
 
-    # one settings class, one FleetConfig field and one builder per transport
-    assert set(TRANSPORT_SETTINGS) == {"ipc", "nccl", "checkpoint_engine"} == set(TRANSPORTS)
-    assert set(_TRANSPORT_BUILDERS) == set(TRANSPORT_SETTINGS)
+    # each built-in transport: one settings class that builds it, and a FleetConfig field
+    assert set(TRANSPORTS) == {"ipc", "nccl", "checkpoint_engine"} <= set(TRANSPORT_SETTINGS)
     fields = {f.name: f for f in dataclasses.fields(FleetConfig)}
-    for name, cls in TRANSPORT_SETTINGS.items():
+    for name in TRANSPORTS:
+        cls = TRANSPORT_SETTINGS[name]
         assert fields[name].default_factory is cls
+        assert cls.build is not TransportSettings.build, name
     flat = config(
         tiny_model_dir,
         tmp_path,

@@ -9,7 +9,9 @@ What is here so far, in dependency order (each module imports only the ones abov
   consistent means, one named function per invariant;
 * :mod:`~rollsafe.fleet.settings`: :class:`HealthSettings`, :class:`RecoverySettings` and one
   settings class per transport (:class:`NcclSettings`, :class:`CheckpointEngineSettings`,
-  :class:`IpcSettings`), the one source of the components' defaults;
+  :class:`IpcSettings`), the one source of the components' defaults; a new fleet transport is
+  one :class:`TransportSettings` subclass (it builds the transport from a
+  :class:`TransportContext`);
 * :mod:`~rollsafe.fleet.router`: :class:`Router`, requests to routable groups only;
 * :mod:`~rollsafe.fleet.health`: :class:`HealthManager`, concurrent probes that take failed
   groups out of routing and hand them off (never recovering them itself);
@@ -32,6 +34,8 @@ from rollsafe.fleet.fleet import (
     NcclSettings,
     RecoverySettings,
     RolloutFleet,
+    TransportContext,
+    TransportSettings,
 )
 from rollsafe.fleet.health import (
     DEFAULT_PROBE_STATES,
@@ -137,6 +141,8 @@ __all__ = [
     "SyncError",
     "SyncReport",
     "SyncVersionError",
+    "TransportContext",
+    "TransportSettings",
     "UnknownGroup",
     "WorkerGroup",
     "client_health_probe",

@@ -50,6 +50,8 @@ from rollsafe.fleet.settings import (
     IpcSettings,
     NcclSettings,
     RecoverySettings,
+    TransportContext,
+    TransportSettings,
     check_number,
 )
 from rollsafe.fleet.sync import SyncCoordinator, SyncReport
@@ -80,13 +82,15 @@ __all__ = [
     "NcclSettings",
     "RecoverySettings",
     "RolloutFleet",
+    "TransportContext",
+    "TransportSettings",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Transports a :class:`RolloutFleet` can build by name (each is a settings class in
-#: :data:`~rollsafe.fleet.settings.TRANSPORT_SETTINGS`, a ``FleetConfig`` field of that name
-#: and a builder in ``_TRANSPORT_BUILDERS``).
+#: The built-in transports (each a settings class in
+#: :data:`~rollsafe.fleet.settings.TRANSPORT_SETTINGS` and a ``FleetConfig`` field of that
+#: name); a :class:`TransportSettings` subclass defined elsewhere adds one more.
 TRANSPORTS = tuple(TRANSPORT_SETTINGS)
 _TRANSPORT_FIELDS = TRANSPORTS
 
@@ -147,8 +151,12 @@ class FleetConfig:
     standby state (``none``, ``warming``: still importing, ``ready``) is in
     :meth:`RolloutFleet.snapshot` (``registry.groups.<id>.standby``), the metrics and each
     :class:`RecoveryResult` (``standby_at_restart``, ``restart_source``).
-    ``transport``: ``"ipc"``, ``"nccl"`` or ``"checkpoint_engine"``; each has one typed,
-    frozen settings object, the field of the same name: ``nccl=NcclSettings(backend="nccl")``,
+    ``transport``: ``"ipc"``, ``"nccl"``, ``"checkpoint_engine"``, the name of another
+    registered :class:`TransportSettings` subclass, or a settings object itself
+    (``transport=NcclSettings(backend="nccl")``: stored in its field, or in
+    ``transport_settings`` for a transport defined outside rollsafe, and ``transport`` then
+    reads back its name). Each built-in one has one typed, frozen settings object, the field
+    of the same name: ``nccl=NcclSettings(backend="nccl")``,
     ``checkpoint_engine=CheckpointEngineSettings(p2p=True, p2p_protocol="tcp")`` (the fields and
     their defaults are documented there; both are always present and validated, whatever the
     transport: ``checkpoint_engine`` falls back to ``nccl``). The flat keywords of earlier
@@ -169,7 +177,7 @@ class FleetConfig:
     model_path: str | os.PathLike[str]
     export_root: str | os.PathLike[str]
     groups: Sequence[GroupSpec] = (GroupSpec(),)
-    transport: str = "ipc"
+    transport: str | TransportSettings = "ipc"
     template_dir: str | os.PathLike[str] | None = None
     health: HealthSettings = field(default_factory=HealthSettings)
     recovery: RecoverySettings = field(default_factory=RecoverySettings)
@@ -186,6 +194,8 @@ class FleetConfig:
     ipc: IpcSettings = field(default_factory=IpcSettings)
     nccl: NcclSettings = field(default_factory=NcclSettings)
     checkpoint_engine: CheckpointEngineSettings = field(default_factory=CheckpointEngineSettings)
+    #: settings of transports defined outside rollsafe, by name (a missing one: its defaults)
+    transport_settings: Mapping[str, TransportSettings] = field(default_factory=dict)
     # the flat keywords of earlier releases, folded into ``nccl``/``checkpoint_engine``
     nccl_backend: str | _Unset | None = field(default=UNSET, repr=False)
     nccl_bucket_bytes: int | _Unset | None = field(default=UNSET, repr=False)
@@ -201,6 +211,7 @@ class FleetConfig:
     def __post_init__(self) -> None:
         """Fold the flat transport keywords into their settings objects, then check every
         field that needs no filesystem (:meth:`validate` adds the paths)."""
+        self._take_transport_object()
         for name in _TRANSPORT_FIELDS:
             settings = getattr(self, name)
             cls = TRANSPORT_SETTINGS[name]
@@ -224,6 +235,35 @@ class FleetConfig:
             if given:
                 setattr(self, name, dataclasses.replace(settings, **given))
         self._check()
+
+    def _take_transport_object(self) -> None:
+        """``transport=<settings object>``: keep the object where its name reads it from."""
+        chosen = self.transport
+        if not isinstance(chosen, TransportSettings):
+            return
+        name = chosen.transport
+        if name in _TRANSPORT_FIELDS:
+            current = getattr(self, name)
+            if current != type(chosen)() and current != chosen:
+                raise FleetConfigError(
+                    "transport", f"{chosen!r} conflicts with {name}={current!r}; set one of them"
+                )
+            setattr(self, name, chosen)
+        else:
+            self.transport_settings = {**dict(self.transport_settings), name: chosen}
+        self.transport = name
+
+    def settings_for(self, name: str | None = None) -> TransportSettings:
+        """The settings of transport ``name`` (default: the configured one): its field for a
+        built-in transport, else ``transport_settings[name]`` or the class's defaults."""
+        name = str(self.transport) if name is None else name
+        if name in _TRANSPORT_FIELDS:
+            settings: TransportSettings = getattr(self, name)
+            return settings
+        given = dict(self.transport_settings or {}).get(name)
+        if given is not None:
+            return given
+        return TRANSPORT_SETTINGS[name]()
 
     def validate(self) -> list[_ResolvedGroup]:
         """Check the whole config (again: it is mutable), the paths included; return the groups
@@ -254,18 +294,13 @@ class FleetConfig:
 
     def _check(self) -> None:
         """The checks that need no filesystem (the settings objects checked their own fields)."""
-        if self.transport not in TRANSPORTS:
-            raise FleetConfigError(
-                "transport", f"unknown transport {self.transport!r}; choose one of {TRANSPORTS}"
-            )
-        options = dict(self.engine_options or {})
-        dialect = options.get("dialect") or ("vllm" if options.get("kind") == "vllm" else "sglang")
-        if self.transport == "ipc" and dialect == "vllm":
+        if not isinstance(self.transport, str) or self.transport not in TRANSPORT_SETTINGS:
             raise FleetConfigError(
                 "transport",
-                "'ipc' pushes through /update_weights_from_tensor, which vLLM 0.33.0 does not "
-                "serve; use transport='nccl' (vLLM's native weight transfer) with a vLLM engine",
+                f"unknown transport {self.transport!r}; choose one of {tuple(TRANSPORT_SETTINGS)}"
+                " (or define a TransportSettings subclass)",
             )
+        options = dict(self.engine_options or {})
         kinds: dict[str, type] = {"health": HealthSettings, "recovery": RecoverySettings}
         kinds.update((t, TRANSPORT_SETTINGS[t]) for t in _TRANSPORT_FIELDS)
         for name, cls in kinds.items():
@@ -273,6 +308,19 @@ class FleetConfig:
                 raise FleetConfigError(
                     name, f"must be a {cls.__name__}, got {getattr(self, name)!r}"
                 )
+        if not isinstance(self.transport_settings, Mapping):
+            raise FleetConfigError(
+                "transport_settings", f"must be a mapping, got {self.transport_settings!r}"
+            )
+        for name, given in self.transport_settings.items():
+            key = f"transport_settings[{name!r}]"
+            if name in _TRANSPORT_FIELDS:
+                raise FleetConfigError(key, f"set FleetConfig.{name} instead")
+            registered = TRANSPORT_SETTINGS.get(name)
+            if registered is None or not isinstance(given, registered):
+                want = registered.__name__ if registered else "registered TransportSettings"
+                raise FleetConfigError(key, f"must be a {want} object, got {given!r}")
+        self.settings_for().check_engines(options)
         check_number("rearm_after", self.rearm_after, integer=True)
         check_number("initial_version", self.initial_version, integer=True, zero=True)
         check_number("router_max_attempts", self.router_max_attempts, integer=True)
@@ -502,25 +550,29 @@ class RolloutFleet:
         cfg = self.config
         template = cfg.template_dir if cfg.template_dir is not None else cfg.model_path
         self.exporter = HFExporter(cfg.export_root, template_dir=template)
-        transport: WeightTransport
-        kind = cfg.transport
         self.transport_fallback: str | None = None
-        if kind == "checkpoint_engine":
-            from rollsafe.transports.checkpoint_engine import (
-                FALLBACK_TRANSPORT,
-                fleet_fallback_reasons,
+        context = TransportContext(
+            world_size=self.world_size,
+            groups=tuple((g.group_id, g.ranks) for g in self._groups),
+            engine_options=dict(cfg.engine_options or {}),
+        )
+        settings = cfg.settings_for()
+        reasons = settings.fallback_reasons(context)
+        if reasons:
+            if settings.fallback is None:
+                raise FleetConfigError(
+                    "transport", f"{settings.transport!r} cannot serve this fleet: "
+                    + "; ".join(reasons)
+                )  # fmt: skip
+            self.transport_fallback = "; ".join(reasons)
+            log.warning(
+                "transport %r falls back to %r: %s",
+                settings.transport,
+                settings.fallback,
+                self.transport_fallback,
             )
-
-            reasons = fleet_fallback_reasons(cfg.engine_options)
-            if reasons:
-                self.transport_fallback = "; ".join(reasons)
-                log.warning(
-                    "transport 'checkpoint_engine' falls back to %r: %s",
-                    FALLBACK_TRANSPORT,
-                    self.transport_fallback,
-                )
-                kind = FALLBACK_TRANSPORT
-        transport = _TRANSPORT_BUILDERS[kind](self)
+            settings = cfg.settings_for(settings.fallback)
+        transport = settings.build(context)
         self.transport = transport
         rs = cfg.recovery
         self.recovery = RecoveryCoordinator(
@@ -550,64 +602,6 @@ class RolloutFleet:
             mode=self.mode,
             on_group_failed=lambda gid, reason: recovery.submit(gid, reason=reason),
         )
-
-    def _ipc_transport(self) -> WeightTransport:
-        from rollsafe.transports import IPCTransport
-
-        return IPCTransport(self.world_size)
-
-    def _nccl_transport(self) -> WeightTransport:
-        from rollsafe.transports import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
-
-        nccl = self.config.nccl
-        return NCCLTransport(
-            self.world_size,
-            backend=nccl.backend,
-            bucket_bytes=nccl.bucket_bytes or DEFAULT_NCCL_BUCKET_BYTES,
-            group_timeout=nccl.group_timeout_s,
-        )
-
-    def _checkpoint_engine_transport(self) -> WeightTransport:
-        """The fleet's checkpoint-engine transport (its parameter server is this process)."""
-        from rollsafe.transports.checkpoint_engine import (
-            CheckpointEngineFleetTransport,
-            ProcessGroupError,
-        )
-
-        cfg = self.config.checkpoint_engine
-        ce = CheckpointEngineFleetTransport(
-            self.world_size,
-            max_bucket_bytes=cfg.bucket_bytes,
-            p2p_protocol=cfg.p2p_protocol if cfg.p2p else None,
-            rdma_devices=cfg.rdma_devices if cfg.p2p and cfg.rdma_devices else None,
-            request_timeout_s=cfg.request_timeout_s,
-            socket_timeout_s=cfg.socket_timeout_s,
-            transfer_timeout_s=cfg.transfer_timeout_s,
-        )
-        if ce.world_size != 1:
-            ce.close()
-            raise ProcessGroupError(
-                f"transport 'checkpoint_engine': the default process group has {ce.world_size} "
-                "ranks; a RolloutFleet drives the parameter server from this one process, so "
-                "the trainer's group must have one rank (with several trainer ranks, run "
-                "CheckpointEngineTransport on every rank yourself)"
-            )
-        for i, g in enumerate(self._groups):
-            if g.ranks > ce.world_size:
-                ce.close()
-                raise FleetConfigError(
-                    f"groups[{i}].ranks",
-                    f"group {g.group_id!r} has {g.ranks} engine ranks but checkpoint-engine "
-                    f"feeds one engine rank per trainer GPU ({ce.world_size} here)",
-                )
-        if cfg.p2p and not ce.p2p_available:
-            log.warning(
-                "transport 'checkpoint_engine': P2P (%s) is unavailable (%s); a recovery's "
-                "targeted push is refused and the restarted group waits for the next sync",
-                cfg.p2p_protocol,
-                ce.p2p_reason,
-            )
-        return ce
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop health checks, recoveries, the router, the transport and every engine process.
@@ -871,11 +865,3 @@ class RolloutFleet:
                 self.request_health.stats() if self.request_health is not None else None
             ),
         }
-
-
-#: transport name -> how a :class:`RolloutFleet` builds it (from its ``FleetConfig`` settings).
-_TRANSPORT_BUILDERS: dict[str, Callable[[RolloutFleet], WeightTransport]] = {
-    "ipc": RolloutFleet._ipc_transport,
-    "nccl": RolloutFleet._nccl_transport,
-    "checkpoint_engine": RolloutFleet._checkpoint_engine_transport,
-}

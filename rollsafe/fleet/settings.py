@@ -7,22 +7,31 @@ settings object; its public keyword arguments (``interval_s=``, ``recovery_timeo
 still work and override the object's fields. A bad value raises :class:`FleetConfigError` naming
 the field (``health.interval_s``) when the settings object is built, before anything starts.
 
-Each fleet transport has one typed, frozen settings class here (:class:`IpcSettings`,
-:class:`NcclSettings`, :class:`CheckpointEngineSettings`), registered by its ``transport`` name
-in :data:`TRANSPORT_SETTINGS` and held by the :class:`~rollsafe.fleet.FleetConfig` field of the
-same name (``FleetConfig(nccl=NcclSettings(backend="nccl"))``). Their errors name the old flat
-``FleetConfig`` keyword (``nccl_backend``, ``ce_p2p``...), which still works: ``FleetConfig``
-folds it into the settings object (``field_prefix`` + field name).
+A fleet transport is one class: a frozen :class:`TransportSettings` subclass that names its
+``transport``, validates its fields in ``__post_init__``, may refuse engine options it cannot
+serve (:meth:`~TransportSettings.check_engines`), may name a ``fallback`` transport and say when
+to use it (:meth:`~TransportSettings.fallback_reasons`), and builds the transport from a
+:class:`TransportContext` (:meth:`~TransportSettings.build`). Defining the subclass registers it
+by name in :data:`TRANSPORT_SETTINGS`; ``FleetConfig(transport=MySettings(...))`` selects it.
+The built-in three (:class:`IpcSettings`, :class:`NcclSettings`,
+:class:`CheckpointEngineSettings`) are also held by the :class:`~rollsafe.fleet.FleetConfig`
+fields of the same name (``FleetConfig(nccl=NcclSettings(backend="nccl"))``). Their errors name
+the old flat ``FleetConfig`` keyword (``nccl_backend``, ``ce_p2p``...), which still works:
+``FleetConfig`` folds it into the settings object (``field_prefix`` + field name).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from rollsafe.fleet.registry import FleetError
+
+if TYPE_CHECKING:
+    from rollsafe.ports import WeightTransport
 
 __all__ = [
     "CE_P2P_PROTOCOLS",
@@ -33,11 +42,14 @@ __all__ = [
     "IpcSettings",
     "NcclSettings",
     "RecoverySettings",
+    "TransportContext",
     "TransportSettings",
+    "engine_dialect",
     "with_overrides",
 ]
 
 S = TypeVar("S")
+log = logging.getLogger(__name__)
 
 
 class FleetConfigError(FleetError, ValueError):
@@ -132,41 +144,103 @@ class RecoverySettings:
             )
 
 
-#: transport name -> its settings class (filled by :class:`TransportSettings` subclasses); the
-#: fleet builds one of these transports by name (``FleetConfig.transport``).
+#: transport name -> its settings class (filled by defining a :class:`TransportSettings`
+#: subclass); the fleet builds one of these transports by name (``FleetConfig.transport``).
 TRANSPORT_SETTINGS: dict[str, type[TransportSettings]] = {}
 #: The values of :attr:`CheckpointEngineSettings.p2p_protocol`.
 CE_P2P_PROTOCOLS = ("rdma", "tcp")
 
 
+def engine_dialect(engine_options: Mapping[str, Any]) -> str:
+    """The HTTP dialect the fleet's engines speak (``"sglang"`` or ``"vllm"``)."""
+    kind = engine_options.get("kind")
+    return str(engine_options.get("dialect") or ("vllm" if kind == "vllm" else "sglang"))
+
+
+@dataclass(frozen=True)
+class TransportContext:
+    """What a transport's builder knows of the fleet it serves: the transport's ``world_size``
+    (every engine rank of every group), the ``groups`` as ``(group_id, engine ranks)`` in
+    config order (``FleetConfig.groups[i]`` is ``groups[i]``) and the ``engine_options``
+    (``dialect``, ``device``, ``kind``...)."""
+
+    world_size: int
+    groups: tuple[tuple[str, int], ...] = ()
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class TransportSettings:
-    """Base of one fleet transport's settings: a subclass names its ``transport`` and the
-    ``field_prefix`` of its flat ``FleetConfig`` keywords, validates in ``__post_init__`` and is
-    registered in :data:`TRANSPORT_SETTINGS`. Adding a fleet transport: one such class, a
-    ``FleetConfig`` field named after its ``transport`` (the settings object users pass) and
-    its builder in ``rollsafe.fleet.fleet._TRANSPORT_BUILDERS`` (a test checks the three
-    agree)."""
+    """Base of one fleet transport, the only class a new transport needs.
+
+    A subclass sets ``transport`` (its name; defining the class registers it in
+    :data:`TRANSPORT_SETTINGS`), adds frozen fields with defaults, validates them in
+    ``__post_init__`` (raising :class:`FleetConfigError` naming the field) and implements
+    :meth:`build`. Optional: :meth:`check_engines` (refuse engine options at config time),
+    ``fallback`` with :meth:`fallback_reasons` (build another transport, with one warning, when
+    this one cannot serve the fleet), ``field_prefix`` (the flat ``FleetConfig`` keywords of the
+    built-in transports). Select it with ``FleetConfig(transport=MySettings(...))``.
+    """
 
     transport: ClassVar[str] = ""
     field_prefix: ClassVar[str] = ""
+    #: The transport built instead when :meth:`fallback_reasons` objects (None: never).
+    fallback: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.transport:
-            TRANSPORT_SETTINGS[cls.transport] = cls
+        if not cls.transport:
+            return
+        known = TRANSPORT_SETTINGS.get(cls.transport)
+        if known is not None and (known.__module__, known.__qualname__) != (
+            cls.__module__,
+            cls.__qualname__,
+        ):
+            raise TypeError(
+                f"transport {cls.transport!r} is already registered by "
+                f"{known.__module__}.{known.__qualname__}; pick another name"
+            )
+        TRANSPORT_SETTINGS[cls.transport] = cls
 
     def key(self, name: str) -> str:
-        """The flat ``FleetConfig`` key of field ``name`` (what errors name)."""
-        return self.field_prefix + name
+        """The key errors name for field ``name``: the flat ``FleetConfig`` keyword of a
+        built-in transport (``nccl_backend``), else ``<transport>.<name>``."""
+        return self.field_prefix + name if self.field_prefix else f"{self.transport}.{name}"
+
+    def check_engines(self, engine_options: Mapping[str, Any]) -> None:
+        """Raise :class:`FleetConfigError` if this transport can never serve such engines
+        (checked when the config is built). The base accepts every engine."""
+
+    def fallback_reasons(self, context: TransportContext) -> list[str]:
+        """Why the fleet must build ``fallback`` instead (empty: build this one; checked at
+        :meth:`~rollsafe.fleet.RolloutFleet.start`). The base never falls back."""
+        return []
+
+    def build(self, context: TransportContext) -> WeightTransport:
+        """The transport a :class:`~rollsafe.fleet.RolloutFleet` syncs through (one per fleet,
+        built at start, closed with the fleet)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement build()")
 
 
 @dataclass(frozen=True)
 class IpcSettings(TransportSettings):
     """``transport="ipc"`` (CUDA IPC / shared-memory handles to colocated engines): nothing to
-    set."""
+    set. Refuses vLLM-dialect engines (vLLM 0.33.0 serves no ``/update_weights_from_tensor``)."""
 
     transport: ClassVar[str] = "ipc"
+
+    def check_engines(self, engine_options: Mapping[str, Any]) -> None:
+        if engine_dialect(engine_options) == "vllm":
+            raise FleetConfigError(
+                "transport",
+                "'ipc' pushes through /update_weights_from_tensor, which vLLM 0.33.0 does not "
+                "serve; use transport='nccl' (vLLM's native weight transfer) with a vLLM engine",
+            )
+
+    def build(self, context: TransportContext) -> WeightTransport:
+        from rollsafe.transports import IPCTransport
+
+        return IPCTransport(context.world_size)
 
 
 @dataclass(frozen=True)
@@ -193,6 +267,16 @@ class NcclSettings(TransportSettings):
             check_number(self.key("bucket_bytes"), self.bucket_bytes, integer=True)
         check_number(self.key("group_timeout_s"), self.group_timeout_s)
 
+    def build(self, context: TransportContext) -> WeightTransport:
+        from rollsafe.transports import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
+
+        return NCCLTransport(
+            context.world_size,
+            backend=self.backend,
+            bucket_bytes=self.bucket_bytes or DEFAULT_NCCL_BUCKET_BYTES,
+            group_timeout=self.group_timeout_s,
+        )
+
 
 @dataclass(frozen=True)
 class CheckpointEngineSettings(TransportSettings):
@@ -200,7 +284,9 @@ class CheckpointEngineSettings(TransportSettings):
     update's buckets (None: checkpoint-engine's 8 GiB; an update holds about 3 caps of extra GPU
     memory); ``p2p`` turns P2P on (needs Mooncake, ``checkpoint-engine[p2p]``) over
     ``p2p_protocol`` ``"rdma"`` (needs ``rdma_devices``) or ``"tcp"`` (no RDMA devices;
-    ``rdma_devices`` then only names the placeholder device). Timeouts: ``request_timeout_s``
+    ``rdma_devices`` then only names the placeholder device). Falls back to ``nccl`` (one
+    warning naming the reason) with vLLM engines, engines off the trainer's GPU or no CUDA.
+    Timeouts: ``request_timeout_s``
     (each engine's ``/update_weights_from_ipc``), ``socket_timeout_s`` (the parameter server's
     ZMQ sockets, so a vanished engine fails the update instead of hanging it; None waits
     forever), ``transfer_timeout_s`` (Mooncake's per-batch ``MC_TRANSFER_TIMEOUT``; None: its
@@ -208,6 +294,7 @@ class CheckpointEngineSettings(TransportSettings):
 
     transport: ClassVar[str] = "checkpoint_engine"
     field_prefix: ClassVar[str] = "ce_"
+    fallback: ClassVar[str | None] = "nccl"
     bucket_bytes: int | None = None
     p2p: bool = False
     p2p_protocol: str = "rdma"
@@ -249,6 +336,52 @@ class CheckpointEngineSettings(TransportSettings):
         for name in ("socket_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) is not None:
                 check_number(self.key(name), getattr(self, name))
+
+    def fallback_reasons(self, context: TransportContext) -> list[str]:
+        from rollsafe.transports.checkpoint_engine import fleet_fallback_reasons
+
+        return fleet_fallback_reasons(context.engine_options)
+
+    def build(self, context: TransportContext) -> WeightTransport:
+        """The fleet's checkpoint-engine transport (its parameter server is this process)."""
+        from rollsafe.transports.checkpoint_engine import (
+            CheckpointEngineFleetTransport,
+            ProcessGroupError,
+        )
+
+        ce = CheckpointEngineFleetTransport(
+            context.world_size,
+            max_bucket_bytes=self.bucket_bytes,
+            p2p_protocol=self.p2p_protocol if self.p2p else None,
+            rdma_devices=self.rdma_devices if self.p2p and self.rdma_devices else None,
+            request_timeout_s=self.request_timeout_s,
+            socket_timeout_s=self.socket_timeout_s,
+            transfer_timeout_s=self.transfer_timeout_s,
+        )
+        if ce.world_size != 1:
+            ce.close()
+            raise ProcessGroupError(
+                f"transport 'checkpoint_engine': the default process group has {ce.world_size} "
+                "ranks; a RolloutFleet drives the parameter server from this one process, so "
+                "the trainer's group must have one rank (with several trainer ranks, run "
+                "CheckpointEngineTransport on every rank yourself)"
+            )
+        for i, (group_id, ranks) in enumerate(context.groups):
+            if ranks > ce.world_size:
+                ce.close()
+                raise FleetConfigError(
+                    f"groups[{i}].ranks",
+                    f"group {group_id!r} has {ranks} engine ranks but checkpoint-engine "
+                    f"feeds one engine rank per trainer GPU ({ce.world_size} here)",
+                )
+        if self.p2p and not ce.p2p_available:
+            log.warning(
+                "transport 'checkpoint_engine': P2P (%s) is unavailable (%s); a recovery's "
+                "targeted push is refused and the restarted group waits for the next sync",
+                self.p2p_protocol,
+                ce.p2p_reason,
+            )
+        return ce
 
 
 def with_overrides(settings: S, overrides: Mapping[str, Any]) -> S:
