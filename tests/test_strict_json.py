@@ -278,3 +278,21 @@ def test_the_engine_names_what_is_wrong(raw: bytes, message: str) -> None:
 
     with pytest.raises(BadRequest, match=f"^malformed JSON body: .*{message}"):
         parse_json(raw)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [(b"[" * 100_000, "nested too deeply"), (b'{"action": NaN}', "NaN"), (b"\xff", "not UTF-8")],
+)
+def test_the_weight_checkers_parse_bodies_like_the_engine(raw: bytes, message: str) -> None:
+    import asyncio
+
+    from rollsafe.adapters.reference_engine import checker_api
+    from rollsafe.adapters.reference_engine.errors import BadRequest
+
+    class Request:
+        async def read(self) -> bytes:
+            return raw
+
+    with pytest.raises(BadRequest, match=f"^malformed JSON body: .*{message}"):
+        asyncio.run(checker_api._body(Request()))  # type: ignore[arg-type]
