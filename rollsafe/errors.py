@@ -15,6 +15,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── HFIndexError [ValueError]                     rollsafe.wire.hf_index
     ├── UnsafePayload [ValueError]                    rollsafe.wire.unpickle
     ├── SegmentError [ValueError]                     rollsafe.wire.shm
+    ├── BadJSON [ValueError]                          rollsafe.wire.strict_json
     ├── DeadlineExceeded [TimeoutError]               rollsafe.concurrency
     ├── TransitionRefused [TransitionNotAllowed]      rollsafe.statemachines
     │   └── MissingGuardInput [ValueError]
@@ -33,7 +34,6 @@ The tree (other bases in brackets, then where the class lives)::
     │   ├── ExportFailed
     │   │   └── ExportAbandoned
     │   └── UnknownExport [KeyError]
-    ├── BadJSON [ValueError]                          rollsafe.hf.safejson
     ├── WriteAborted                                  rollsafe.hf.writer
     ├── EngineError                                   rollsafe.adapters.engines (clients)
     │   ├── EngineUnavailable

@@ -530,7 +530,7 @@ HOSTILE_INDEXES: dict[str, tuple[Any, str]] = {
     "dot": ({"weight_map": {"a": ".."}}, "outside the directory"),
     "empty-name": ({"weight_map": {"a": ""}}, "outside the directory"),
     "backslash": ({"weight_map": {"a": "..\\x.safetensors"}}, "outside the directory"),
-    "surrogate": (b'{"weight_map": {"a": "\\ud800.safetensors"}}', "outside the directory"),
+    "surrogate": (b'{"weight_map": {"a": "\\ud800.safetensors"}}', "lone UTF-16 surrogate"),
     "not-safetensors": ({"weight_map": {"a": "config.json"}}, "not .safetensors"),
     "metadata-list": ({"metadata": [], "weight_map": {"a": SHARD}}, "field 'metadata'"),
     "total-size-string": ({"metadata": {"total_size": "8"}, "weight_map": {"a": SHARD}},
@@ -693,9 +693,9 @@ def test_depth_prescan_matches_real_nesting() -> None:
 
 
 def test_depth_prescan_across_chunk_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
-    import rollsafe.hf.safejson as safejson
+    import rollsafe.wire.strict_json as strict_json
 
-    monkeypatch.setattr(safejson, "_CHUNK", 7)
+    monkeypatch.setattr(strict_json, "_CHUNK", 7)
     value = {"k[": ["]]]", {"x": [[['\\"[[[']]]}], "z": "{{{{"}
     data = json.dumps(value).encode()
     assert not json_depth_exceeds(data, 6) and json_depth_exceeds(data, 5)

@@ -16,9 +16,10 @@ is refused, not waited on). Symlinks are refused unless the caller passes
 file's identity (``st_dev``, ``st_ino``, size, ``mtime_ns``) is recorded in the result, so
 :func:`reverify` can check cheaply, before a recovery loads the export, that it still holds the
 very files that verified (or re-hash them all with ``full=True``). JSON is parsed with a size
-cap, a depth limit and no non-finite numbers (:mod:`rollsafe.hf.safejson`); every malformed
-input is a problem naming the file and the field, never an exception of another type. Messages
-name files by their name inside the directory, never by host path.
+cap, a depth limit, no duplicate keys, no non-finite numbers and no lone UTF-16 surrogates
+(:mod:`rollsafe.wire.strict_json`); every malformed input is a problem naming the file and the
+field, never an exception of another type. Messages name files by their name inside the
+directory, never by host path.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from typing import Any, TypeGuard
 
 from rollsafe.hf.errors import ExportInputError, ExportVerificationError, display_path
 from rollsafe.hf.layout import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME, SINGLE_FILE_NAME
-from rollsafe.hf.safejson import MAX_JSON_DEPTH, BadJSON, loads_bounded
 from rollsafe.text import few as _few
 from rollsafe.text import short_repr as _short
 from rollsafe.wire.hf_index import safe_file_name as _safe_name
 from rollsafe.wire.hf_index import weight_map_problems
+from rollsafe.wire.strict_json import MAX_JSON_DEPTH, BadJSON, loads_bounded
 
 __all__ = [
     "CONFIG_NAME",

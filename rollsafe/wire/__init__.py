@@ -1,8 +1,8 @@
 """What both ends of a weight transfer share: the trainer's transports (``rollsafe.transports``)
 send with it, the reference engine receives with it, and neither imports the other.
 
-Imports only torch (safetensors for a single file's header); importing this package imports
-none of its modules:
+Imports only torch and numpy (safetensors for a single file's header); importing this package
+imports none of its modules:
 
 * :mod:`.bucket`: SGLang's flattened-bucket wire format (pack, serialize, checked decode);
 * :mod:`.unpickle`: the restricted unpickler payloads decode through;
@@ -12,5 +12,6 @@ none of its modules:
 * :mod:`.hf_index`: the HF safetensors index, read one way by every reader;
 * :mod:`.group`: the weight-update process group trainer and engine ranks join;
 * :mod:`.group_names`: the name each end joins a group under (fixed for vLLM's one group);
-* :mod:`.lines`: the ``ROLLSAFE_READY`` / ``ROLLSAFE_STANDBY`` start-up lines.
+* :mod:`.lines`: the ``ROLLSAFE_READY`` / ``ROLLSAFE_STANDBY`` start-up lines;
+* :mod:`.strict_json`: the one strict JSON parser, for export files and engine request bodies.
 """

@@ -32,13 +32,12 @@ A real engine with TP > 1 reports each rank's shards instead.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 
 from rollsafe.adapters.reference_engine.errors import BadRequest
-from rollsafe.adapters.reference_engine.server import await_future, ctx_of
+from rollsafe.adapters.reference_engine.server import await_future, ctx_of, parse_json
 from rollsafe.checksum import overall_checksum, per_engine_checksum
 
 __all__ = ["SGLANG_ACTIONS", "VLLM_ACTIONS", "routes"]
@@ -61,10 +60,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     if not raw.strip():
         return {}
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}") from exc
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise BadRequest(f"JSON body must be an object, got {type(body).__name__}")
     return body

@@ -1,7 +1,8 @@
 """HTTP plumbing shared by both dialects of the reference engine.
 
 Owns the aiohttp application around a :class:`ReferenceEngine`: JSON body parsing with unknown
-key rejection (hostile JSON -- NaN, 1e400, lone surrogates, deep nesting -- is a named 400), the
+key rejection (hostile JSON -- NaN, 1e400, lone surrogates, deep nesting -- is a named 400;
+:func:`parse_json` is :mod:`rollsafe.wire.strict_json` with the real engines' options), the
 request limits (:class:`ServerLimits`: body size checked against ``Content-Length`` before
 reading (413), body read timeout (408), prompts and new tokens per request (400), concurrent
 generations (503), connections, header timeout), cancelling a generation whose client went
@@ -22,7 +23,6 @@ import hmac
 import json
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -49,6 +49,7 @@ from rollsafe.adapters.reference_engine.errors import (
 )
 from rollsafe.adapters.reference_engine.faults import FaultInjector
 from rollsafe.adapters.reference_engine.profiling import PROFILE, profile_line
+from rollsafe.wire.strict_json import BadJSON, loads_bounded
 
 __all__ = [
     "ServerContext",
@@ -120,47 +121,22 @@ async def await_future(fut: Future[T]) -> T:
 
 
 # ---- request bodies ------------------------------------------------------------------------
-#: a JSON string escape of a UTF-16 surrogate; only then can a lone one reach a parsed string
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-def _refuse_constant(name: str) -> Any:
-    raise BadRequest(f"malformed JSON body: {name} is not a JSON number (finite numbers only)")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise BadRequest(f"malformed JSON body: number {text[:32]!r} overflows a float")
-    return value
-
-
 def parse_json(raw: bytes) -> Any:
     """A JSON document from ``raw``, or a :class:`BadRequest` naming what is wrong.
 
-    Stricter than :func:`json.loads`, so that nothing hostile reaches a handler: UTF-8 only;
-    no ``NaN`` / ``Infinity`` and no number that overflows a float (``1e400``); integers of at
-    most 4300 digits (Python's limit); no lone UTF-16 surrogate in any string or key; nesting
-    within the interpreter's recursion limit (100k-deep arrays are refused, not a 500).
+    The shared strict parser (:func:`rollsafe.wire.strict_json.loads_bounded`) with what the
+    real servers accept (Python's json behind SGLang's and vLLM's FastAPI): a duplicate key is
+    allowed and the last one wins; integers of up to 4300 digits (Python's limit); nesting up to
+    the interpreter's recursion limit (a 100k-deep array is refused, not a 500). Stricter than
+    them, so that nothing hostile reaches a handler: UTF-8 only; no ``NaN`` / ``Infinity`` and
+    no number that overflows a float (``1e400``); no lone UTF-16 surrogate in any string or key.
     """
     try:
-        text = raw.decode("utf-8")
-        body = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except RecursionError as exc:
-        raise BadRequest("malformed JSON body: nested too deeply") from exc
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
-        raise BadRequest(f"malformed JSON body: {_clip(str(exc), 200)}") from exc
-    if _SURROGATE_ESCAPE.search(raw):
-        try:
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise BadRequest(
-                "malformed JSON body: a string holds a lone UTF-16 surrogate "
-                f"({_clip(ascii(exc.object[exc.start : exc.end]))}); send valid Unicode"
-            ) from exc
-        except RecursionError as exc:
-            raise BadRequest("malformed JSON body: nested too deeply") from exc
-    return body
+        return loads_bounded(
+            raw, max_depth=None, duplicate_keys=True, max_int_digits=None, lone_surrogates=False
+        )
+    except BadJSON as exc:
+        raise BadRequest(f"malformed JSON body: {exc}") from exc
 
 
 _BODY_BYTES = "rollsafe.body_bytes"
