@@ -270,7 +270,16 @@ def test_pause_returns_only_after_an_in_flight_apply_and_blocks_later_ones() -> 
 
 
 # ---------------------------------------------------------------------- hung probes
-def test_a_hung_probe_does_not_stall_the_others() -> None:
+def test_a_hung_probe_does_not_stall_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import rollsafe.fleet.health as health_module
+
+    # the manager's clock, held still or moved on by the test (the round deadlines run on the
+    # event loop's own clock, so rounds still end)
+    now = [100.0]
+    monkeypatch.setattr(health_module, "time", types.SimpleNamespace(
+        monotonic=lambda: now[0], time=time.time))  # fmt: skip
     reg, _ = make_fleet((1, 1, 1))
     probe = Switchboard()
     probe.gates["g0"] = hang = threading.Event()  # g0's engine never answers
@@ -279,7 +288,14 @@ def test_a_hung_probe_does_not_stall_the_others() -> None:
         r1 = hm.check_now()
         assert r1.timed_out == ("g0",)
         assert {o.group_id for o in r1.outcomes if o.ok} == {"g1", "g2"}
-        # next round: g0's probe is still stuck; it is not started again, it counts as failed
+        # a round before another timeout_s has passed: g0's probe is still stuck, it is not
+        # started again and not counted again (one slow probe is one failure, not one a round)
+        now[0] += 0.19
+        r_soon = hm.check_now()
+        assert "g0" not in {o.group_id for o in r_soon.outcomes} and r_soon.healthy == 2
+        assert reg.get("g0").state == "active"
+        # a full timeout_s after the first count and still stuck: the second failure
+        now[0] += 0.05
         r2 = hm.check_now()
         stuck = next(o for o in r2.outcomes if o.group_id == "g0")
         assert stuck.still_running and not stuck.ok
@@ -290,6 +306,7 @@ def test_a_hung_probe_does_not_stall_the_others() -> None:
             assert hm.check_now().healthy == 2
     finally:
         hang.set()
+        monkeypatch.undo()
         assert hm.stop()
 
 

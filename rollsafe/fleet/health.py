@@ -10,8 +10,11 @@ Owns failure *detection* (never recovery):
   probes (the default, which calls each engine client's ``health()``) each run on a daemon
   thread of their own (:class:`~rollsafe.concurrency.DaemonCall`). A probe that hangs past its
   timeout counts as a failure; while it is still running its group is not probed again (so hung
-  engines hold at most one thread each) and every round counts another failure for it. A hung
-  engine never delays the loop beyond ``timeout_s``;
+  engines hold at most one thread each) and it counts one more failure for every further
+  ``timeout_s`` it stays stuck, not one per round: ``failure_threshold`` failures always mean
+  about ``failure_threshold x timeout_s`` without an answer, whatever ``interval_s`` is (a probe
+  slowed by a busy host is not failed twice at once). A hung engine never delays the loop beyond
+  ``timeout_s``;
 * consecutive failures are counted per rank; when a rank reaches ``failure_threshold`` it is
   reported unhealthy and the group is sent ``fail`` (the whole group leaves routing); a healthy
   answer resets the count and reports the members healthy. What each answer means is
@@ -74,6 +77,8 @@ Probe: TypeAlias = Callable[[WorkerGroup, float], ProbeResult | Awaitable[ProbeR
 DEFAULT_PROBE_STATES = frozenset({"active", "pending_weights"})
 
 _MAX_REASON_CHARS = 512
+#: a stuck probe that may not count another failure yet (see ``_still_running``)
+_NOT_YET = object()
 
 
 def client_health_probe(group: WorkerGroup, timeout_s: float) -> ProbeResult:
@@ -244,6 +249,8 @@ class HealthManager:
         self._epoch = 0
         self._failures: dict[str, dict[int, int]] = {}
         self._inflight: dict[str, DaemonCall[Any]] = {}
+        #: group -> when its stuck sync probe last counted a failure (monotonic)
+        self._counted_at: dict[str, float] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake_event: asyncio.Event | None = None
         self._round_lock: asyncio.Lock | None = None
@@ -461,7 +468,9 @@ class HealthManager:
         for group in groups:
             generation = group.generation
             hung = self._still_running(group, t0)
-            if hung is not None:
+            if hung is _NOT_YET:
+                continue  # stuck for less than another timeout_s: not probed, nothing counted
+            if isinstance(hung, ProbeOutcome):
                 record(group, hung, generation)
                 continue
             running[group.group_id] = (
@@ -476,6 +485,7 @@ class HealthManager:
             closed = True
             for task, group, generation in list(running.values()):
                 task.cancel()  # a running sync probe keeps its thread until the engine answers
+                self._counted_at[group.group_id] = time.monotonic()
                 outcome = self._outcome(
                     group, t0, None, f"no answer within {self.timeout_s}s", timed_out=True
                 )
@@ -503,19 +513,26 @@ class HealthManager:
         if self._inflight:
             for gid in [g for g, f in self._inflight.items() if f.done()]:
                 del self._inflight[gid]
+                self._counted_at.pop(gid, None)
         if len(self._failures) > len(groups):
             known = {g.group_id for g in groups}
             with self._apply_lock:
                 for gid in [g for g in self._failures if g not in known]:
                     del self._failures[gid]
 
-    def _still_running(self, group: WorkerGroup, t0: float) -> ProbeOutcome | None:
-        """A failure outcome if this group's previous sync probe is still stuck, else None."""
+    def _still_running(self, group: WorkerGroup, t0: float) -> ProbeOutcome | object | None:
+        """None if the group may be probed; else its previous sync probe is still stuck: a
+        failure outcome once another ``timeout_s`` has passed since its last counted failure,
+        :data:`_NOT_YET` before that."""
         if self._async_probe:
             return None
         previous = self._inflight.get(group.group_id)
         if previous is None or previous.done():
             return None
+        now = time.monotonic()
+        if now - self._counted_at.get(group.group_id, now - self.timeout_s) < self.timeout_s:
+            return _NOT_YET
+        self._counted_at[group.group_id] = now
         return self._outcome(
             group, t0, None, "previous probe still running (hung)", still_running=True
         )
