@@ -169,6 +169,39 @@ def test_checkpoint_engine_reports_fold_into_one_record(script_module: ModuleTyp
     partial = script_module.ce_aggregate({0: ranks[0]}, 2, 3)
     assert partial["missing_ranks"] == [1] and partial["rounds_ok"] is False
     assert partial["want"] is None
+    # the subset update's new version: its digest over every rank's share, like the first
+    assert agg["want_new"] is None  # no rank pushed a new version
+    ranks[0]["digests_new"], ranks[1]["digests_new"] = {"a": "4", "b": "5"}, {"c": "6"}
+    again = script_module.ce_aggregate(ranks, 2, 3)
+    assert again["want_new"] == model_digest({"a": "4", "b": "5", "c": "6"})
+    assert again["want"] == agg["want"]
+
+
+def test_checkpoint_engine_p2p_protocol_choice(script_module: ModuleType) -> None:
+    choose = script_module.ce_p2p_choice
+    assert choose("auto", ["mlx5_0"], True) == ("rdma", None)
+    assert choose("auto", [], True) == ("tcp", None)  # the lent H200s: no RDMA, .mc carried
+    assert choose("tcp", ["mlx5_0"], True) == ("tcp", None)
+    protocol, why = choose("rdma", [], True)
+    assert protocol is None and "no RDMA devices" in why
+    protocol, why = choose("auto", ["mlx5_0"], False)
+    assert protocol is None and "mooncake is not importable" in why
+    assert choose("off", ["mlx5_0"], True) == (None, "--ce-p2p-protocol off")
+
+
+def test_checkpoint_engine_p2p_report_compares_with_the_broadcast(
+    script_module: ModuleType,
+) -> None:
+    report = script_module.ce_p2p_report
+    subset = {"mode": "p2p", "ok": True, "seconds": 16.0, "served_meanwhile": 40,
+              "failed_meanwhile": 0}  # fmt: skip
+    got = report(subset, 8_000_000_000, 0.8)
+    assert got["run"] and got["ok"] and got["seconds"] == 16.0
+    assert got["gb_s"] == 0.5 and got["broadcast_gb_s"] == 10.0
+    assert got["p2p_over_broadcast_time"] == 20.0 and got["served_on_gpu0_meanwhile"] == 40
+    refused = report({"mode": "refused", "error": "P2P unavailable"}, 8_000_000_000, 0.8)
+    assert refused == {"run": False, "mode": "refused", "error": "P2P unavailable"}
+    assert report(None, 0, None)["run"] is False
 
 
 @pytest.mark.gpu

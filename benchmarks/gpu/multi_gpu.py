@@ -1,4 +1,5 @@
-"""Multi-GPU proof for issue #6: NCCL and checkpoint-engine transports and a targeted recovery.
+"""Multi-GPU proof (issues #6 and #19): NCCL and checkpoint-engine transports, checkpoint-engine
+P2P across GPUs, and a targeted recovery with every engine on its own GPU.
 
 Owns the one run that needs a host with two or more GPUs (``nvidia-h200-x2`` or larger) and its
 CPU rehearsal (``--smoke``). Every phase writes into one JSON document at ``--out``, rewritten
@@ -19,12 +20,19 @@ measured; phases that would start after ``--deadline-s`` are skipped and listed 
 3. ``checkpoint_engine``: a world of one trainer rank per GPU (spawned processes, NCCL default
    group), each running :class:`~rollsafe.transports.CheckpointEngineTransport` (keys sharded
    across parameter-server ranks), registering its share and updating one engine per GPU by
-   broadcast; checksums must match; register / update times per round. A subset update is
-   tried too: P2P when RDMA devices exist and Mooncake imports, else the transport's refusal
+   broadcast; checksums must match; register / update times per round. Then a new version
+   (every weight + 1) is registered and pushed by P2P to the engines past GPU 0 only
+   (``ranks=[1..]``) while GPU 0's engine keeps serving (a client thread generates on it):
+   ``--ce-p2p-protocol auto`` uses RDMA with RDMA devices, else Mooncake's TCP transport when
+   ``mooncake`` imports (carry ``.mc``: ``../shared/device/mooncake-tcp.sh``). Reported: the P2P
+   time and GB/s against the broadcast of the same set in the same run, the requests GPU 0
+   served meanwhile, every engine's checksum (GPU 0's still the broadcast version, the others
+   the new one) and weight version. Without P2P the transport's refusal
    (:class:`~rollsafe.transports.checkpoint_engine.P2PUnavailable`) is recorded.
 4. ``targeted_recovery``: a :class:`~rollsafe.fleet.RolloutFleet` (transport ``nccl``, immediate
    recovery off, targeted push on) with 1-rank engine groups on GPUs 1..N-1 (two groups at
-   least); client threads generate through the fleet, one group's engine is SIGKILLed, the
+   least); client threads generate through the fleet, the middle group's engine (GPU 2 of
+   GPUs 1-3 on a 4-GPU host) is SIGKILLed, the
    fleet restarts it on dummy weights and re-syncs it through a group of the trainer and that
    engine only, while the other group serves. Reported: kill -> ``active``, requests served by
    the others meanwhile, and whether any request reached the failed group while it was not
@@ -98,6 +106,8 @@ from rollsafe.transports.nccl import DEFAULT_UNPACKED_MIN_BYTES  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
+#: the version the checkpoint-engine phase pushes by P2P to the engines past GPU 0 only
+SUBSET_VERSION = 200
 PHASES = ("env", "nccl", "checkpoint_engine", "targeted_recovery")
 #: The ratio of the transport's GB/s to the raw broadcast's that issue #6 asks for.
 TARGET_RATIO = 0.70
@@ -177,6 +187,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=2.0,
         help="checkpoint-engine bucket cap (update buffers are about 3 caps)",
+    )
+    p.add_argument(
+        "--ce-p2p-protocol",
+        choices=("auto", "rdma", "tcp", "off"),
+        default="auto",
+        help="P2P of the checkpoint-engine phase's subset update: auto = rdma with RDMA "
+        "devices, else tcp when mooncake imports (carry .mc: ../shared/device/mooncake-tcp.sh)",
     )
     p.add_argument(
         "--smoke-engines",
@@ -377,14 +394,90 @@ def mooncake_import() -> tuple[bool, str]:
     return True, ""
 
 
+def ce_p2p_choice(wanted: str, rdma: list[str], mooncake: bool) -> tuple[str | None, str | None]:
+    """The P2P protocol of the checkpoint-engine phase's subset update, or None and why not.
+
+    ``auto``: RDMA with RDMA devices, else TCP (Mooncake's TCP transport, GPU memory staged
+    through host memory) when mooncake imports; ``off``: no P2P (the subset update is refused).
+    """
+    if wanted == "off":
+        return None, "--ce-p2p-protocol off"
+    if not mooncake:
+        return None, (
+            "mooncake is not importable (carry .mc: ../shared/device/mooncake-tcp.sh; a full "
+            "mooncake install can break the ParameterServer without RDMA)"
+        )
+    if wanted == "rdma" or (wanted == "auto" and rdma):
+        if not rdma:
+            return None, "no RDMA devices (/sys/class/infiniband is empty or absent)"
+        return "rdma", None
+    return "tcp", None
+
+
+def ce_p2p_report(
+    subset: dict[str, Any] | None, nbytes: int, broadcast_s: float | None
+) -> dict[str, Any]:
+    """The subset P2P update against the broadcast of the same set in the same run."""
+    if not subset or subset.get("mode") != "p2p" or not subset.get("seconds"):
+        return {"run": False, "mode": (subset or {}).get("mode"),
+                "error": (subset or {}).get("error")}  # fmt: skip
+    seconds = float(subset["seconds"])
+    out: dict[str, Any] = {
+        "run": True,
+        "ok": bool(subset.get("ok")),
+        "seconds": round(seconds, 3),
+        "gb_s": gb_s(nbytes, seconds) if nbytes else None,
+        "broadcast_s": rounded(broadcast_s),
+        "broadcast_gb_s": gb_s(nbytes, broadcast_s) if nbytes and broadcast_s else None,
+        "served_on_gpu0_meanwhile": subset.get("served_meanwhile"),
+        "failed_on_gpu0_meanwhile": subset.get("failed_meanwhile"),
+    }
+    out["p2p_over_broadcast_time"] = round(seconds / broadcast_s, 2) if broadcast_s else None
+    return out
+
+
+class ServeLoad:
+    """Generations on one engine from a background thread (it keeps serving while others load)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.client = SGLangClient(url, timeout=timeout_s)
+        self.ok = 0
+        self.failed = 0
+        self.versions: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="serve-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                got = self.client.generate([1, 2, 3, 4], sampling_params={"max_new_tokens": 4})
+                self.ok += 1
+                if got.weight_version is not None:
+                    self.versions.add(got.weight_version)
+            except Exception:
+                self.failed += 1
+                self._stop.wait(0.05)
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(30)
+        self.client.close()
+        return {"served_meanwhile": self.ok, "failed_meanwhile": self.failed,
+                "versions_served": sorted(self.versions)}  # fmt: skip
+
+
 def ce_unavailable() -> list[str]:
     from rollsafe.transports.checkpoint_engine import checkpoint_engine_unavailable_reasons
 
     return checkpoint_engine_unavailable_reasons()
 
 
-def checksums_of(clients: dict[str, SGLangClient], want: str, timeout: float) -> dict[str, Any]:
-    """Every engine's ``/weights_checksum`` (in parallel) against ``want``."""
+def checksums_of(
+    clients: dict[str, SGLangClient], want: str | dict[str, str], timeout: float
+) -> dict[str, Any]:
+    """Every engine's ``/weights_checksum`` (in parallel) against ``want`` (one digest for all,
+    or one per engine name)."""
 
     def one(client: SGLangClient) -> str:
         return str(client.weights_checksum(timeout=timeout).model)
@@ -394,9 +487,10 @@ def checksums_of(clients: dict[str, SGLangClient], want: str, timeout: float) ->
     with ThreadPoolExecutor(max(1, len(clients))) as pool:
         futures = {name: pool.submit(one, c) for name, c in clients.items()}
         for name, fut in futures.items():
+            expected = want if isinstance(want, str) else want[name]
             try:
                 got = fut.result()
-                rows[name] = {"equal": got == want, "engine_model": got}
+                rows[name] = {"equal": got == expected, "engine_model": got}
             except Exception as exc:
                 rows[name] = {"equal": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
     return {
@@ -871,9 +965,12 @@ def _ce_rank(
     repeats: int,
     timeout_s: float,
     rdma: list[str] | None,
+    p2p_protocol: str | None,
     queue: Any,
 ) -> None:
-    """One trainer rank of the checkpoint-engine world (its own process, GPU ``rank``)."""
+    """One trainer rank of the checkpoint-engine world (its own process, GPU ``rank``): broadcast
+    rounds to every engine, then a new version P2P to the engines past GPU 0 only while GPU 0's
+    engine keeps serving (``p2p_protocol`` ``"rdma"``, ``"tcp"`` or None: no P2P)."""
     import torch.distributed as dist
 
     from rollsafe.checksum import tensor_digest
@@ -906,10 +1003,12 @@ def _ce_rank(
         out["share_bytes"] = sum(b for n, b in sizes if n in set(share))
         out["checksum_s"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
+        tcp = p2p_protocol == "tcp"
         tr = CheckpointEngineTransport(
             master_addr="127.0.0.1" if rdma is None else None,
-            max_bucket_bytes=cap_bytes, rdma_devices=rdma,
+            max_bucket_bytes=cap_bytes, rdma_devices=rdma if p2p_protocol == "rdma" else None,
             request_timeout_s=timeout_s, socket_timeout_s=timeout_s,
+            p2p_protocol="tcp" if tcp else None, transfer_timeout_s=timeout_s if tcp else None,
         )  # fmt: skip
         out["construct_s"] = round(time.perf_counter() - t0, 2)
         out["p2p_available"], out["p2p_reason"] = bool(tr.p2p_available), tr.p2p_reason
@@ -940,22 +1039,39 @@ def _ce_rank(
                     for n, r in report.results.items()
                 },
             })  # fmt: skip
+        # a new version (every weight + 1) for the engines past GPU 0 only, by P2P, while the
+        # engine on GPU 0 keeps serving the previous one
         dist.barrier()
         subset = targets[1:]
+        with torch.no_grad():
+            for t in weights.values():
+                t.add_(1)
+        torch.cuda.synchronize(dev)
+        out["digests_new"] = {n: tensor_digest(weights[n]) for n in share}
+        tr.register(weights, SUBSET_VERSION)
+        torch.cuda.synchronize(dev)
+        dist.barrier()
+        record: dict[str, Any] = {"targets": [t.name for t in subset], "version": SUBSET_VERSION}
+        load = ServeLoad(urls[0], timeout_s) if rank == 0 else None
         try:
             t0 = time.perf_counter()
             report = tr.update(subset)
-            out["subset"] = {
-                "targets": [t.name for t in subset],
-                "mode": "p2p",
+            torch.cuda.synchronize(dev)
+            plan = getattr(tr, "last_plan", None)
+            record.update({
+                "mode": getattr(plan, "mode", "p2p"),
+                "ps_ranks": list(getattr(plan, "ranks", None) or []),
                 "ok": report.ok,
                 "seconds": round(time.perf_counter() - t0, 4),
                 "results": {n: {"ok": r.ok, "reason": r.reason[:500]}
                             for n, r in report.results.items()},
-            }  # fmt: skip
+            })  # fmt: skip
         except P2PUnavailable as exc:
-            out["subset"] = {"targets": [t.name for t in subset], "mode": "refused",
-                             "error": str(exc)[:800]}  # fmt: skip
+            record.update({"mode": "refused", "error": str(exc)[:800]})
+        finally:
+            if load is not None:
+                record.update(load.stop())
+        out["subset"] = record
         dist.barrier()
     except BaseException as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"[:4000]
@@ -1020,6 +1136,10 @@ def ce_aggregate(ranks: dict[int, dict[str, Any]], world: int, n_keys: int) -> d
         not missing and not errors and bool(timed) and all(row["ok"] for row in table)
     )
     out["want"] = model_digest(digests) if len(digests) == n_keys else None
+    new: dict[str, str] = {}
+    for r in order:
+        new.update(ranks[r].get("digests_new") or {})
+    out["want_new"] = model_digest(new) if len(new) == n_keys else None
     return out
 
 
@@ -1038,20 +1158,16 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
     assert ctx.pool is not None
     rdma = ctx.facts.get("rdma", rdma_devices())
     mc = ctx.facts.get("mooncake", mooncake_import()[0])
-    p2p_run = bool(rdma) and bool(mc)
-    why_not = None if p2p_run else (
-        ("no RDMA devices (/sys/class/infiniband is empty or absent)" if not rdma else "")
-        + ("; " if not rdma and not mc else "")
-        + ("mooncake is not importable (not carried: installing it where the "
-           "ParameterServer cannot use RDMA can break its constructor)" if not mc else "")
-    )  # fmt: skip
+    protocol, why_not = ce_p2p_choice(args.ce_p2p_protocol, rdma, bool(mc))
+    p2p_run = protocol is not None
     out: dict[str, Any] = {
         "world": world,
         "model": f"Qwen3-4B shapes ({args.layers or 36} layers), bf16",
         "bucket_cap_gib": args.ce_bucket_gib,
         "engines": [layout.name(r) for r in range(world)],
         "p2p": {"rdma_devices": rdma, "mooncake_importable": bool(mc), "run": p2p_run,
-                "why_not_run": why_not},
+                "protocol": protocol, "why_not_run": why_not,
+                "MC_FORCE_TCP": os.environ.get("MC_FORCE_TCP")},
     }  # fmt: skip
     res.phase("checkpoint_engine", out)
     engines = {r: ctx.pool.get(r, min(args.engine_start_timeout_s, ctx.left() + 120))
@@ -1065,7 +1181,7 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
         spawn.Process(
             target=_ce_rank,
             args=(r, world, port, urls, args.layers, int(args.ce_bucket_gib * GiB), args.repeats,
-                  args.request_timeout_s, rdma if p2p_run else None, queue),
+                  args.request_timeout_s, rdma or None, protocol, queue),
             daemon=True,
         )
         for r in range(world)
@@ -1096,28 +1212,67 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
     out["exit_codes"] = [p.exitcode for p in procs]
     n_keys = len(model_config("qwen3-4b", args.layers)[1])
     agg = ce_aggregate(ranks, world, n_keys)
-    want = agg.pop("want")
+    want, want_new = agg.pop("want"), agg.pop("want_new")
     out.update(agg)
     rank0 = ranks.get(0, {})
     out["p2p"]["available_in_transport"] = rank0.get("p2p_available")
     out["p2p"]["transport_reason"] = rank0.get("p2p_reason")
+    subset = out.get("subset_update") or {}
+    pushed = subset.get("mode") == "p2p" and bool(subset.get("ok"))
+    out["p2p_vs_broadcast"] = ce_p2p_report(
+        subset, int(rank0.get("bytes") or 0), out.get("update_s_median")
+    )
+    # after the subset update: GPU 0's engine still holds the broadcast version, the others
+    # the new one when the P2P update ran (else still the broadcast version)
+    names = [layout.name(r) for r in range(world)]
+    wants: dict[str, str] = {}
     if want:
-        clients = {layout.name(r): SGLangClient(urls[r], timeout=args.request_timeout_s)
-                   for r in range(world)}  # fmt: skip
-        try:
-            out["checksum"] = checksums_of(clients, want, args.request_timeout_s)
-        finally:
-            for c in clients.values():
-                c.close()
+        wants = {n: want for n in names}
+        if pushed and want_new:
+            wants.update({n: want_new for n in names[1:]})
+    last_version = str(100 + args.repeats)
+    clients = {n: SGLangClient(urls[r], timeout=args.request_timeout_s)
+               for r, n in enumerate(names)}  # fmt: skip
+    try:
+        if len(wants) == world:
+            out["checksum"] = checksums_of(clients, wants, args.request_timeout_s)
+        versions: dict[str, str | None] = {}
+        for n, c in clients.items():
+            try:
+                versions[n] = c.weight_version(timeout=args.request_timeout_s)
+            except Exception as exc:
+                versions[n] = f"error: {type(exc).__name__}: {exc}"[:300]
+        out["versions_after"] = versions
+    finally:
+        for c in clients.values():
+            c.close()
     checks_ok = bool(out.get("checksum", {}).get("equal"))
-    out["ok"] = agg["rounds_ok"] and checks_ok
+    versions_ok = out["versions_after"].get(names[0]) == last_version and (
+        not pushed or all(out["versions_after"].get(n) == str(SUBSET_VERSION) for n in names[1:])
+    )
+    out["checks"] = {
+        "rounds_ok": bool(agg["rounds_ok"]),
+        "checksums_equal": checks_ok,
+        "gpu0_version_unchanged": out["versions_after"].get(names[0]) == last_version,
+        "versions_as_pushed": versions_ok,
+    }
+    if p2p_run:
+        out["checks"]["p2p_update_ok"] = pushed
+        out["checks"]["gpu0_served_during_p2p"] = int(
+            subset.get("served_meanwhile") or 0
+        ) > 0 and not int(subset.get("failed_meanwhile") or 0)
+    out["ok"] = all(out["checks"].values())
+    p2p = out["p2p_vs_broadcast"]
     res.summary(
         ce_world=world,
         ce_register_s=out["register_s_median"],
         ce_update_s=out["update_s_median"],
         ce_update_gb_s=out["update_gb_s"],
         ce_checksums_equal=checks_ok,
-        ce_p2p=(out["subset_update"] or {}).get("mode") if p2p_run else f"not run: {why_not}",
+        ce_p2p=f"{protocol}: {subset.get('mode')}" if p2p_run else f"not run: {why_not}",
+        ce_p2p_s=p2p.get("seconds"),
+        ce_p2p_gb_s=p2p.get("gb_s"),
+        ce_p2p_over_broadcast_time=p2p.get("p2p_over_broadcast_time"),
     )
     return out
 
@@ -1355,7 +1510,9 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
     slots = layout.recovery_slots()
     gids = [f"g{i}-{layout.name(s)}" for i, s in enumerate(slots)]
     slot_of = dict(zip(gids, slots, strict=True))
-    victim, others = gids[-1], gids[:-1]
+    # the middle group is killed: GPU 2 of GPUs 1-3 on a 4-GPU host, GPU 1's second group on 2
+    victim = gids[len(gids) // 2]
+    others = [g for g in gids if g != victim]
     out: dict[str, Any] = {
         "model": {
             "kind": kind,
