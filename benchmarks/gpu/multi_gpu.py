@@ -47,8 +47,10 @@ GPUs each has its own. On GPU the fleet is configured with ``FleetConfig(nccl_ba
 ``--smoke`` runs every phase on CPU: gloo instead of nccl, a tiny Qwen3, CPU engines (two by
 default, standing in for GPUs 1 and 2); ``checkpoint_engine`` is recorded as skipped because
 checkpoint-engine needs CUDA. ``--one-gpu`` rehearses the CUDA paths on a single GPU (engines
-share GPU 0, so gloo again; no ``checkpoint_engine``). ``run_multi_gpu.sh`` is the device call;
-``README.md`` (this directory) explains every JSON field.
+share GPU 0, so gloo again; ``checkpoint_engine`` as a world of one rank feeding two engines
+on GPU 0, each broadcast round one engine after the other, the subset a forced P2P to rank 0).
+``run_multi_gpu.sh`` is the device call; ``README.md`` (this directory) explains every JSON
+field.
 
     python3 benchmarks/gpu/multi_gpu.py --out /tmp/multi_gpu.json --deadline-s 480
     python3 benchmarks/gpu/multi_gpu.py --smoke --out /tmp/multi_gpu_smoke.json
@@ -144,8 +146,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--one-gpu",
         action="store_true",
-        help="rehearsal on one GPU: engines share GPU 0, gloo instead of nccl, no "
-        "checkpoint_engine (de-risks the CUDA paths where no multi-GPU host is lent)",
+        help="rehearsal on one GPU: engines share GPU 0, gloo instead of nccl, checkpoint_engine "
+        "as a world of one rank feeding two engines (de-risks the CUDA paths where no "
+        "multi-GPU host is lent)",
     )
     p.add_argument(
         "--deadline-s",
@@ -966,11 +969,14 @@ def _ce_rank(
     timeout_s: float,
     rdma: list[str] | None,
     p2p_protocol: str | None,
+    engine_ranks: list[int],
     queue: Any,
 ) -> None:
     """One trainer rank of the checkpoint-engine world (its own process, GPU ``rank``): broadcast
     rounds to every engine, then a new version P2P to the engines past GPU 0 only while GPU 0's
-    engine keeps serving (``p2p_protocol`` ``"rdma"``, ``"tcp"`` or None: no P2P)."""
+    engine keeps serving (``p2p_protocol`` ``"rdma"``, ``"tcp"`` or None: no P2P).
+    ``engine_ranks[i]``: the trainer rank that feeds ``urls[i]`` (``--one-gpu``: two engines
+    share rank 0, so each broadcast round updates them one after the other)."""
     import torch.distributed as dist
 
     from rollsafe.checksum import tensor_digest
@@ -1013,9 +1019,11 @@ def _ce_rank(
         out["construct_s"] = round(time.perf_counter() - t0, 2)
         out["p2p_available"], out["p2p_reason"] = bool(tr.p2p_available), tr.p2p_reason
         targets = [
-            EngineTarget(f"gpu{r}", (r,), SGLangClient(u, timeout=timeout_s))
-            for r, u in enumerate(urls)
+            EngineTarget(f"engine{i}", (engine_ranks[i],), SGLangClient(u, timeout=timeout_s))
+            for i, u in enumerate(urls)
         ]
+        # engines that share a rank cannot be one collective's targets: one wave each
+        waves = [targets] if len(set(engine_ranks)) == len(engine_ranks) else [[t] for t in targets]
         rounds: list[dict[str, Any]] = []
         out["rounds"] = rounds
         for i in range(repeats + 1):
@@ -1027,16 +1035,16 @@ def _ce_rank(
             t_reg = time.perf_counter() - t0
             dist.barrier()
             t0 = time.perf_counter()
-            report = tr.update(targets)
+            reports = [tr.update(wave) for wave in waves]
             torch.cuda.synchronize(dev)
             t_upd = time.perf_counter() - t0
             rounds.append({
                 "register_s": round(t_reg, 4),
                 "update_s": round(t_upd, 4),
-                "ok": report.ok,
+                "ok": all(rep.ok for rep in reports),
                 "results": {
                     n: {"ok": r.ok, "reason": r.reason[:500], "seconds": round(r.seconds, 4)}
-                    for n, r in report.results.items()
+                    for rep in reports for n, r in rep.results.items()
                 },
             })  # fmt: skip
         # a new version (every weight + 1) for the engines past GPU 0 only, by P2P, while the
@@ -1055,7 +1063,7 @@ def _ce_rank(
         load = ServeLoad(urls[0], timeout_s) if rank == 0 else None
         try:
             t0 = time.perf_counter()
-            report = tr.update(subset)
+            report = tr.update(subset, p2p=True)  # P2P or P2PUnavailable, never a broadcast
             torch.cuda.synchronize(dev)
             plan = getattr(tr, "last_plan", None)
             record.update({
@@ -1152,9 +1160,12 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
     reasons = ce_unavailable()
     if reasons:
         return "checkpoint-engine unavailable: " + "; ".join(reasons)
-    world = layout.gpus
-    if world < 2:
+    # --one-gpu rehearses the phase: a world of one rank feeding two engines on GPU 0
+    world = 1 if layout.one_gpu else layout.gpus
+    if world < 2 and not layout.one_gpu:
         return f"needs 2+ GPUs for a world of 2+ ranks; this host has {world}"
+    engine_ranks = [0, 0] if layout.one_gpu else list(range(world))
+    n_engines = len(engine_ranks)
     assert ctx.pool is not None
     rdma = ctx.facts.get("rdma", rdma_devices())
     mc = ctx.facts.get("mooncake", mooncake_import()[0])
@@ -1164,16 +1175,17 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
         "world": world,
         "model": f"Qwen3-4B shapes ({args.layers or 36} layers), bf16",
         "bucket_cap_gib": args.ce_bucket_gib,
-        "engines": [layout.name(r) for r in range(world)],
+        "engines": [layout.name(r) for r in range(n_engines)],
+        "engine_ranks": engine_ranks,
         "p2p": {"rdma_devices": rdma, "mooncake_importable": bool(mc), "run": p2p_run,
                 "protocol": protocol, "why_not_run": why_not,
                 "MC_FORCE_TCP": os.environ.get("MC_FORCE_TCP")},
     }  # fmt: skip
     res.phase("checkpoint_engine", out)
     engines = {r: ctx.pool.get(r, min(args.engine_start_timeout_s, ctx.left() + 120))
-               for r in range(world)}  # fmt: skip
-    out["engine_start_s"] = {layout.name(r): ctx.pool.start_s.get(r) for r in range(world)}
-    urls = [engines[r].url for r in range(world)]
+               for r in range(n_engines)}  # fmt: skip
+    out["engine_start_s"] = {layout.name(r): ctx.pool.start_s.get(r) for r in range(n_engines)}
+    urls = [engines[r].url for r in range(n_engines)]
     spawn = mp.get_context("spawn")
     queue = spawn.Queue()
     port = free_port()
@@ -1181,7 +1193,7 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
         spawn.Process(
             target=_ce_rank,
             args=(r, world, port, urls, args.layers, int(args.ce_bucket_gib * GiB), args.repeats,
-                  args.request_timeout_s, rdma or None, protocol, queue),
+                  args.request_timeout_s, rdma or None, protocol, engine_ranks, queue),
             daemon=True,
         )
         for r in range(world)
@@ -1224,7 +1236,7 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
     )
     # after the subset update: GPU 0's engine still holds the broadcast version, the others
     # the new one when the P2P update ran (else still the broadcast version)
-    names = [layout.name(r) for r in range(world)]
+    names = [layout.name(r) for r in range(n_engines)]
     wants: dict[str, str] = {}
     if want:
         wants = {n: want for n in names}
@@ -1234,7 +1246,7 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
     clients = {n: SGLangClient(urls[r], timeout=args.request_timeout_s)
                for r, n in enumerate(names)}  # fmt: skip
     try:
-        if len(wants) == world:
+        if len(wants) == n_engines:
             out["checksum"] = checksums_of(clients, wants, args.request_timeout_s)
         versions: dict[str, str | None] = {}
         for n, c in clients.items():
