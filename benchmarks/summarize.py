@@ -352,6 +352,17 @@ def _multi_gpu(d: dict[str, Any]) -> list[Row]:
              f"{s['ce_register_s']:.2f} s / {s['ce_update_s']:.2f} s; checksums equal: "
              f"{s['ce_checksums_equal']}; P2P: {str(s.get('ce_p2p', '-'))[:60]}", "-", "-"),
         )  # fmt: skip
+    if s.get("ce_p2p_s") is not None:
+        ce = d.get("phases", {}).get("checkpoint_engine", {})
+        checks = ce.get("checks", {})
+        rows.append(
+            (f"{gpus} GPU checkpoint-engine P2P of a new version to the engines past the first "
+             f"only, vs the same run's broadcast{note and ' (one-GPU rehearsal: tiny set)'}",
+             f"{s['ce_p2p_s']:.2f} s ({s['ce_p2p_gb_s']} GB/s) = "
+             f"{s['ce_p2p_over_broadcast_time']}x the broadcast; first engine kept serving its "
+             f"version: {checks.get('gpu0_version_unchanged')}",
+             "checks: checksums, versions, first engine served", _verdict(bool(ce.get("ok")))),
+        )  # fmt: skip
     if "recovery_kill_to_active_s" in s:
         rows.append(
             (f"{gpus} GPU targeted recovery kill -> active ({s['recovery_strategy']}){note}",
@@ -404,6 +415,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/sglang_gpu_hash_h200.json": _sglang_gpu_hash,
     "gpu/profile_ipc_h200.json": _profile_ipc_gpu,
     "gpu/multi_gpu_h200_one_gpu_rehearsal.json": _multi_gpu,
+    "gpu/multi_gpu_h200_one_gpu_ce_p2p_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200x2.json": _multi_gpu,
     "gpu/multi_gpu_h200x2_8gib.json": _multi_gpu,
     "gpu/multi_gpu_h200x2_packed_check.json": _multi_gpu_check,
