@@ -27,6 +27,7 @@ demo: $(STAMP)
 
 test: $(STAMP) $(MERMAID)
 	$(BIN)/ruff check rollsafe tests benchmarks examples
+	$(BIN)/ruff format --check rollsafe tests benchmarks examples
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 	$(BIN)/rollsafe diagrams --check

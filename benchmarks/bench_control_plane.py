@@ -236,29 +236,56 @@ def main(argv: list[str] | None = None) -> int:
         "all_within_target": ok,
     }
     rows = [
-        ("health round, 1 group (single probe)",
-         f"{health['single_probe_round_median_s'] * 1e3:.1f} ms", ""),
-        (f"health round, {args.groups} groups (async probes)",
-         f"{health['round_median_s']*1e3:.1f} ms (max {health['round_max_s']*1e3:.1f})",
-         f"{health['ratio_to_single_probe']}x single (target <= {HEALTH_TARGET_RATIO}x)"),
+        (
+            "health round, 1 group (single probe)",
+            f"{health['single_probe_round_median_s'] * 1e3:.1f} ms",
+            "",
+        ),
+        (
+            f"health round, {args.groups} groups (async probes)",
+            f"{health['round_median_s'] * 1e3:.1f} ms (max {health['round_max_s'] * 1e3:.1f})",
+            f"{health['ratio_to_single_probe']}x single (target <= {HEALTH_TARGET_RATIO}x)",
+        ),
     ]
-    rows.append(("  bare asyncio.gather of the same sleeps (floor)",
-                 f"{health['asyncio_gather_floor_median_s'] * 1e3:.1f} ms",
-                 f"round is {health['ratio_to_asyncio_floor']}x the floor"))
-    rows.append(("  CPU time of that round (probe loop thread)",
-                 f"{health['round_cpu_median_s'] * 1e3:.1f} ms", "asyncio + rollsafe, per round"))
+    rows.append(
+        (
+            "  bare asyncio.gather of the same sleeps (floor)",
+            f"{health['asyncio_gather_floor_median_s'] * 1e3:.1f} ms",
+            f"round is {health['ratio_to_asyncio_floor']}x the floor",
+        )
+    )
+    rows.append(
+        (
+            "  CPU time of that round (probe loop thread)",
+            f"{health['round_cpu_median_s'] * 1e3:.1f} ms",
+            "asyncio + rollsafe, per round",
+        )
+    )
     for k, v in health["sync_pool_rounds_s"].items():
-        rows.append((f"health round, {args.groups} groups, sync probes, {k}",
-                     f"{v*1e3:.1f} ms", "info only"))
+        rows.append(
+            (
+                f"health round, {args.groups} groups, sync probes, {k}",
+                f"{v * 1e3:.1f} ms",
+                "info only",
+            )
+        )
     rows += [
-        ("bare WorkerGroupLifecycle.send (same cycle)",
-         f"{registry['bare_machines_per_s']:,}/s", "floor: the machines themselves"),
-        ("FleetRegistry.send, 1 thread (+Router listener)",
-         f"{registry['registry_1_thread_per_s']:,}/s",
-         f"target >= {TRANSITIONS_TARGET:,.0f}/s; "
-         f"{registry['registry_cost_ratio_to_bare']}x bare cost"),
-        ("FleetRegistry.send, 2 threads", f"{registry['registry_2_threads_per_s']:,}/s",
-         "GIL-bound; info only"),
+        (
+            "bare WorkerGroupLifecycle.send (same cycle)",
+            f"{registry['bare_machines_per_s']:,}/s",
+            "floor: the machines themselves",
+        ),
+        (
+            "FleetRegistry.send, 1 thread (+Router listener)",
+            f"{registry['registry_1_thread_per_s']:,}/s",
+            f"target >= {TRANSITIONS_TARGET:,.0f}/s; "
+            f"{registry['registry_cost_ratio_to_bare']}x bare cost",
+        ),
+        (
+            "FleetRegistry.send, 2 threads",
+            f"{registry['registry_2_threads_per_s']:,}/s",
+            "GIL-bound; info only",
+        ),
     ]
     w = max(len(r[0]) for r in rows)
     w2 = max(len(r[1]) for r in rows)

@@ -434,8 +434,14 @@ def main() -> int:
         "best_ratio": best,
         "best_ratio_by_layout": {
             k: {
-                lay: max((r["ratio"] for r in rows if r["transport"] == k
-                          and r["engine"] == "shipped" and r["layout"] == lay), default=None)
+                lay: max(
+                    (
+                        r["ratio"]
+                        for r in rows
+                        if r["transport"] == k and r["engine"] == "shipped" and r["layout"] == lay
+                    ),
+                    default=None,
+                )
                 for lay in ("separate", "flat")
             }
             for k in ("ipc", "nccl")

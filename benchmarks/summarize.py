@@ -126,10 +126,12 @@ def _recovery_gpu(d: dict[str, Any]) -> list[Row]:
     source = "fresh spawn" if fresh else "fork from a ready standby"
     gb = p.get("setup", {}).get("weights_gb")
     rows: list[Row] = []
-    for name, label in (("immediate", "immediate, warm page cache"),
-                        ("immediate_cold_cache", "immediate, page cache dropped"),
-                        ("targeted", "targeted ipc push"),
-                        ("deferred", "deferred to the next sync")):
+    for name, label in (
+        ("immediate", "immediate, warm page cache"),
+        ("immediate_cold_cache", "immediate, page cache dropped"),
+        ("targeted", "targeted ipc push"),
+        ("deferred", "deferred to the next sync"),
+    ):
         sm = (p.get(name) or {}).get("summary")
         if not sm or not sm["kill_to_active_s"].get("n"):
             continue
@@ -185,8 +187,10 @@ def _sglang_gpu_hash(d: dict[str, Any]) -> list[Row]:
          + (f"; 8 GB equal: {timing['equal']}" if "equal" in timing else ""),
          "all equal", _verdict(bool(d.get("all_equal")))),
     ]  # fmt: skip
-    for key, what in (("ours_one_tensor_s", "one 8 GB tensor"),
-                      ("ours_model_digest_398_tensors_s", "8 GB as 398 tensors (model digest)")):
+    for key, what in (
+        ("ours_one_tensor_s", "one 8 GB tensor"),
+        ("ours_model_digest_398_tensors_s", "8 GB as 398 tensors (model digest)"),
+    ):
         if key in timing:
             rows.append((f"H200 sglang-gpu digest of {what}", f"{timing[key]} s", "<= 0.5 s",
                          _verdict(timing[key] <= 0.5)))  # fmt: skip

@@ -39,7 +39,7 @@ def test_a_late_call_is_abandoned_and_its_outcome_cleaned_up_on_its_thread() -> 
     assert not late
     release.set()
     assert cleaned.wait(5)
-    (outcome, thread), = late
+    ((outcome, thread),) = late
     assert outcome.ok and outcome.value == "group" and thread == "slow-join"
 
 

@@ -92,7 +92,9 @@ def _vllm_chunks(tensors: list[torch.Tensor], threshold: int) -> list[torch.Tens
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_native_weight_transfer(
-    vllm: EngineProcess, tiny_model_dir_b: Path, packed: bool  # noqa: F811
+    vllm: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
+    packed: bool,
 ) -> None:
     state = hf_state(tiny_model_dir_b)
     port = free_port()

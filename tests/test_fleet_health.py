@@ -62,9 +62,7 @@ class Switchboard:
         return answer
 
 
-def manager(
-    reg: FleetRegistry, probe: Callable[..., object], **kw: object
-) -> HealthManager:
+def manager(reg: FleetRegistry, probe: Callable[..., object], **kw: object) -> HealthManager:
     kw.setdefault("interval_s", 60.0)
     kw.setdefault("timeout_s", 5.0)
     kw.setdefault("failure_threshold", 3)
@@ -187,8 +185,7 @@ def test_bad_probe_answers_count_as_failures() -> None:
 
 def test_constructor_validates() -> None:
     reg = FleetRegistry()
-    for bad in ({"interval_s": 0}, {"timeout_s": -1}, {"failure_threshold": 0},
-                {"max_workers": 0}):
+    for bad in ({"interval_s": 0}, {"timeout_s": -1}, {"failure_threshold": 0}, {"max_workers": 0}):
         with pytest.raises(ValueError):
             HealthManager(reg, Switchboard(), **bad)  # type: ignore[arg-type]
 
@@ -481,8 +478,9 @@ def test_real_engine_killed_leaves_routing_and_the_router_keeps_serving(
     sampling: Mapping[str, object] = {"max_new_tokens": 4, "temperature": 0.0}
     try:
         with hm:
-            served = {router.generate([5, 17, 42], sampling_params=sampling).group_id
-                      for _ in range(6)}
+            served = {
+                router.generate([5, 17, 42], sampling_params=sampling).group_id for _ in range(6)
+            }
             assert served == {"a", "b"}
             os.killpg(engines["a"].proc.pid, signal.SIGKILL)
             # requests keep succeeding throughout detection (retried on b when a is hit)

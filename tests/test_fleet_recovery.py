@@ -562,7 +562,10 @@ def wait_result(rc: RecoveryCoordinator, gid: str, n: int = 1) -> RecoveryResult
 
 
 def test_real_kill_then_immediate_recovery_from_the_export(
-    engines: dict[str, EngineLauncher], trainer: Trainer, tiny_model_dir_b: Path, tmp_path: Path  # noqa: F811
+    engines: dict[str, EngineLauncher],
+    trainer: Trainer,
+    tiny_model_dir_b: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     # e0's launcher last started on dummy weights (as after a targeted push, or a spec that
     # starts on dummy ones): the immediate restart must still load the export's real weights
@@ -593,7 +596,8 @@ def test_real_kill_then_immediate_recovery_from_the_export(
         transport.close()
     assert result.status == "active" and result.strategy == "immediate", result
     assert watch.restarts[0] == {
-        "model_path": str(exporter.root / "hf-v1"), "skip_load_weights": False
+        "model_path": str(exporter.root / "hf-v1"),
+        "skip_load_weights": False,
     }
     assert watch.leases_at_restart == [1]  # lease held while the engine loaded the export
     assert all(not r.lifecycle.leases for r in exporter.exports())  # released afterwards

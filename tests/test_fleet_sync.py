@@ -387,7 +387,10 @@ def exported_checksum(path: Path) -> str:
 
 
 def test_real_sync_over_ipc_to_two_engines_and_export(
-    engines: dict[str, EngineLauncher], trainer: Trainer, tiny_model_dir_b: Path, tmp_path: Path  # noqa: F811
+    engines: dict[str, EngineLauncher],
+    trainer: Trainer,
+    tiny_model_dir_b: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     reg = real_fleet(engines, 0)
     exporter = HFExporter(tmp_path / "exports", template_dir=tiny_model_dir_b)

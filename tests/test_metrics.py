@@ -58,7 +58,9 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float | None:
 
 
 def test_without_prometheus_client_metrics_raise_and_the_fleet_works(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     for kw in ({"metrics_port": 0}, {"metrics": True}):
@@ -123,7 +125,8 @@ def _scrape(url: str) -> str:
 
 
 def test_loopback_endpoint_during_a_crash_and_recovery_follows_the_timeline(
-    tiny_model_dir: Path, tmp_path: Path  # noqa: F811
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -169,9 +172,7 @@ def test_loopback_endpoint_during_a_crash_and_recovery_follows_the_timeline(
         pid = fleet.launcher(crashed).kill_rank(0)
         fleet.observer.mark_crash(crashed, rank=0, pid=pid)
         deadline = time.monotonic() + 120
-        while not any(
-            r.group_id == crashed and r.status == "active" for r in fleet.recoveries()
-        ):
+        while not any(r.group_id == crashed and r.status == "active" for r in fleet.recoveries()):
             assert time.monotonic() < deadline, fleet.recoveries()
             time.sleep(0.1)
         time.sleep(1.0)

@@ -205,8 +205,12 @@ def test_the_engine_answers_400_and_keeps_serving(
         body = {"serialized_named_tensors": [entry], "weight_version": "X"}
         r = engine.post("/update_weights_from_tensor", body)
         assert r.status_code == 400, r.text
-    assert engine.post("/generate", {"input_ids": [1, 2, 3],
-                                     "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    assert (
+        engine.post(
+            "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        ).status_code
+        == 200
+    )
     assert engine.checksum() == before  # weights and version unchanged
     # and a real payload still goes through
     bucket = next(iter(pack_buckets([("model.norm.weight", torch.ones(16))], 1 << 20)))

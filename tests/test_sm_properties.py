@@ -501,7 +501,12 @@ class PolicyProperties(RuleBasedStateMachine):
             rank_ok[m.group_id] = {r: data.draw(st.booleans()) for r in ids}
             truth[m.group_id] = {r: new if ok else new - 1 for r, ok in rank_ok[m.group_id].items()}
         settlement = policy.settle_update(
-            new, facts, [f.group_id for f in facts], rank_ok, (), on_failure  # type: ignore[arg-type]
+            new,
+            facts,
+            [f.group_id for f in facts],
+            rank_ok,
+            (),
+            on_failure,  # type: ignore[arg-type]
         )
         by_id = {m.group_id: m for m in machines}
         for gid in settlement.record_version:

@@ -389,9 +389,7 @@ class FleetMetrics(FleetListener):
         with self._lock:
             self._transitions[(type(group.machine).__name__, record.event)] += 1
 
-    def _counting_send(
-        self, group_id: str, event: GroupEvent, **kwargs: Any
-    ) -> GroupTransition:
+    def _counting_send(self, group_id: str, event: GroupEvent, **kwargs: Any) -> GroupTransition:
         try:
             return self._original_send(group_id, event, **kwargs)
         except TransitionRefused as exc:
@@ -614,5 +612,3 @@ class _Collector:
                 for labels, buckets, total in hist.rows():
                     fam[name].add_metric(list(labels), buckets, total)
         yield from fam.values()
-
-

@@ -71,6 +71,7 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 #: the ``load_format`` of the bucket format (SGLang's name)
 PAYLOAD_FORMAT = "flattened_bucket"
 
+
 @dataclass(frozen=True)
 class TensorMeta:
     """Where one named tensor lives inside a flat bucket (offsets count elements)."""
@@ -594,9 +595,7 @@ class _ValidatedMetadata:
 class _LRU:
     def __init__(self, size: int) -> None:
         self.size = size
-        self._items: collections.OrderedDict[bytes, _ValidatedMetadata] = (
-            collections.OrderedDict()
-        )
+        self._items: collections.OrderedDict[bytes, _ValidatedMetadata] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, key: bytes) -> _ValidatedMetadata | None:

@@ -13,4 +13,3 @@ __all__ = ["READY_PREFIX", "STANDBY_PREFIX"]
 READY_PREFIX = "ROLLSAFE_READY "
 #: Start of the line a warm standby (``--standby``) prints once its imports are done.
 STANDBY_PREFIX = "ROLLSAFE_STANDBY "
-

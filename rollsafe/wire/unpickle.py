@@ -318,4 +318,3 @@ def loads(
         scan(raw)
     obj = _Unpickler(raw, extra or {}).load()
     return _unseal(obj)
-

@@ -51,7 +51,6 @@ __all__ = [
 UpdateMeta = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
-
 def check_model_path(model_path: object) -> Path:
     """``model_path`` of a disk update as a :class:`Path`; :class:`WeightUpdateError` if unusable.
 
