@@ -63,6 +63,7 @@ from multi_gpu import (  # noqa: E402  (also sets NCCL_NVLS_ENABLE=0 before NCCL
     kill_and_measure,
     model_config,
     nbytes_of,
+    on_sigterm,
     write_model_dir,
 )
 
@@ -514,13 +515,9 @@ def print_summary(doc: dict[str, Any]) -> None:
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # run the finally blocks: engines stopped, JSON flushed
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     res = Result(args.out, args)
     res.flush()
     tmp = Path(tempfile.mkdtemp(prefix="rollsafe-ce-p2p-"))

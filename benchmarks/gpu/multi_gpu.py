@@ -1743,13 +1743,15 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
 
 
 # ================================================================================ driver
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # run the finally blocks: engines stopped, JSON flushed
+def on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (a device call's time limit) as SystemExit, so the finally blocks run: engines
+    stopped, JSON flushed. The GPU benchmarks install it in ``main``."""
+    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     res = Result(args.out, args)
     res.flush()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

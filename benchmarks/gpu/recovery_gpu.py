@@ -71,6 +71,7 @@ from multi_gpu import (  # noqa: E402  (also sets NCCL_NVLS_ENABLE=0)
     kill_and_measure,
     model_config,
     nbytes_of,
+    on_sigterm,
     write_model_dir,
 )
 
@@ -530,13 +531,9 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # run the finally blocks: engines stopped, JSON flushed
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     res = Result(args.out, args)
     res.doc["benchmark"] = "recovery_gpu"
     res.doc["args"].pop("phase_list", None)
