@@ -1,4 +1,9 @@
-"""``VLLMClient``: the :class:`EngineClient` protocol mapped onto vLLM 0.33.0's HTTP endpoints.
+"""``VLLMClient``: the :class:`EngineClient` protocol mapped onto vLLM's HTTP endpoints.
+
+It speaks vLLM 0.33.0 and 0.32.0, picked from the server's ``GET /version`` (or pinned with
+``server_version=``); what differs and how 0.32 is made to look like 0.33 (the weight version
+from ``/weight_info``, generates refused while this client has the engine paused) is
+:mod:`rollsafe.adapters.engines.vllm_dialect`.
 
 =============================================  ==========================================
 EngineClient call                              vLLM endpoint
@@ -29,7 +34,7 @@ The sleep/wake, collective-RPC and weight-transfer routes exist on a real vLLM o
 (``VLLM_SERVER_DEV_MODE=1``, plus ``--enable-sleep-mode`` and ``--weight-transfer-config``).
 SGLang-style sampling parameters are translated (``max_new_tokens`` -> ``max_tokens``,
 ``min_new_tokens`` -> ``min_tokens``, ``sampling_seed`` -> ``seed``). Request bodies follow the
-pinned contract (``rollsafe/adapters/engines/contracts/vllm-0.33.0.json``; checked by
+contracts (``rollsafe/adapters/engines/contracts/vllm-{0.32.0,0.33.0}.json``; checked by
 ``tests/test_client_contracts.py``).
 
 vLLM has one weight-transfer group per engine and no group names (``init_info`` has none), so
