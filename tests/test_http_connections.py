@@ -268,3 +268,22 @@ def test_connection_refused_everywhere_is_unavailable_and_not_sent() -> None:
     finally:
         transport.close()
         server.close()
+
+
+def test_a_health_probe_without_retry_sends_exactly_one_request() -> None:
+    """The health manager's probe (``retry=False``) must fail fast, even on a refused
+    connection that a generate would retry."""
+    from rollsafe.adapters.engines import VLLMClient
+
+    server = DroppingServer(listen=False)
+    net = _ListenOnFirstRefusal(server)
+    client = VLLMClient(server.url, retry=RetryPolicy(attempts=3, backoff_s=0.0), transport=net)
+    try:
+        with pytest.raises(EngineUnavailable) as info:
+            client.health(retry=False)
+        assert info.value.request_sent is False and net.refused == 1
+        client.health()  # the server listens now: one more try reaches it
+    finally:
+        client.close()
+        server.close()
+    assert net.refused == 1 and server.requests == [("GET", "/health")]

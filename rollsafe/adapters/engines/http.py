@@ -128,14 +128,16 @@ class HttpTransport:
         params: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         idempotent: bool = False,
+        retries: bool = True,
     ) -> Any:
         """Send one request and return the decoded JSON body (or text, or ``None`` if empty).
 
         Retries per :attr:`retry`: any call whose request provably never reached the engine,
         and an ``idempotent`` one also after a 5xx, a broken connection or a timeout.
+        ``retries=False`` sends exactly one request (a health probe that must fail fast).
         """
         last: Exception | None = None
-        for attempt in range(self.retry.attempts):
+        for attempt in range(self.retry.attempts if retries else 1):
             if attempt:
                 time.sleep(self.retry.delay(attempt - 1))
             try:
