@@ -350,16 +350,20 @@ def test_vllm_0_32_contract_records_how_it_differs_from_0_33() -> None:
 
 
 def test_contract_version_for_a_server_version() -> None:
-    from rollsafe.adapters.engines.contract import SUPPORTED_VERSIONS, contract_version_for
+    from rollsafe.adapters.engines.contract import (
+        SUPPORTED_VERSIONS,
+        UnsupportedVersion,
+        contract_version_for,
+    )
 
     assert SUPPORTED_VERSIONS["vllm"] == ("0.32.0", "0.33.0")
     assert contract_version_for("vllm", "0.32.0") == "0.32.0"
     assert contract_version_for("vllm", "0.32.3+cpu") == "0.32.0"
     assert contract_version_for("vllm", "0.33.1.dev4+g1234abc") == "0.33.0"
     assert contract_version_for("vllm", "0.35.0") == "0.33.0"  # newer: the newest contract
-    with pytest.raises(ValueError, match="older than every supported release"):
+    with pytest.raises(UnsupportedVersion, match="older than every supported release"):
         contract_version_for("vllm", "0.31.2")
-    with pytest.raises(ValueError, match="not a release version"):
+    with pytest.raises(UnsupportedVersion, match="not a release version"):
         contract_version_for("vllm", "dev")
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from rollsafe.adapters.engines import EngineNotSupported, EngineRequestError, VLLMClient
-from rollsafe.adapters.engines.contract import load_contract
+from rollsafe.adapters.engines.contract import UnsupportedVersion, load_contract
 from rollsafe.adapters.engines.vllm_dialect import Mark, read_version_holds
 
 Hook = Callable[[VLLMClient], None]
@@ -122,7 +122,7 @@ def test_a_pinned_server_version_is_not_asked_and_bad_ones_are_named() -> None:
     with server.client_for(server_version="0.32.0") as client:
         client.generate([1], sampling_params={"max_new_tokens": 2})
     assert "/version" not in server.paths and "return_weight_versions" not in server.bodies[-1][1]
-    with pytest.raises(ValueError, match=r"server_version=.*older than every supported"):
+    with pytest.raises(UnsupportedVersion, match=r"server_version=.*older than every supported"):
         VLLMClient("http://engine", server_version="0.30.1")
     old = Server("0.31.0")
     with old.client_for() as client, pytest.raises(EngineNotSupported, match=r"0\.31\.0"):

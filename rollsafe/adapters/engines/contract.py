@@ -35,6 +35,7 @@ __all__ = [
     "ContractViolation",
     "EngineContract",
     "EngineName",
+    "UnsupportedVersion",
     "contract_version_for",
     "load_contract",
 ]
@@ -85,6 +86,10 @@ class ContractError(RollsafeError, ValueError):
         head = f"{context}: " if context else ""
         lines = "; ".join(str(v) for v in self.violations)
         super().__init__(f"{head}{len(self.violations)} contract violation(s): {lines}")
+
+
+class UnsupportedVersion(RollsafeError, ValueError):
+    """A server version no committed contract speaks (older than all, or not a version)."""
 
 
 @dataclass(frozen=True)
@@ -448,13 +453,14 @@ def _release(version: str) -> tuple[int, int]:
     try:
         return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or "x")
     except (IndexError, ValueError):
-        raise ValueError(f"not a release version: {version!r}") from None
+        raise UnsupportedVersion(f"not a release version: {version!r}") from None
 
 
 def contract_version_for(engine: EngineName, server_version: str) -> str:
     """The committed contract whose dialect a server reporting ``server_version`` speaks: the
     supported release of the same major.minor, a newer server the newest contract. A server
-    older than every contract (or an unreadable version) is a ``ValueError`` naming them."""
+    older than every contract (or an unreadable version) is :class:`UnsupportedVersion`
+    naming them."""
     supported = SUPPORTED_VERSIONS[engine]
     wanted = _release(server_version)
     for version in supported:
@@ -462,7 +468,7 @@ def contract_version_for(engine: EngineName, server_version: str) -> str:
             return version
     if wanted > _release(supported[-1]):
         return supported[-1]
-    raise ValueError(
+    raise UnsupportedVersion(
         f"{engine} server version {server_version!r} is older than every supported release "
         f"({', '.join(supported)})"
     )

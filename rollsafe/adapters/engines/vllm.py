@@ -59,7 +59,11 @@ from rollsafe.adapters.engines.base import (
     HttpEngineClient,
 )
 from rollsafe.adapters.engines.client import Dialect, GenerateResult, MemoryTag, PauseMode
-from rollsafe.adapters.engines.contract import PINNED_VERSIONS, contract_version_for
+from rollsafe.adapters.engines.contract import (
+    PINNED_VERSIONS,
+    UnsupportedVersion,
+    contract_version_for,
+)
 from rollsafe.adapters.engines.errors import (
     EngineError,
     EngineNotSupported,
@@ -131,8 +135,8 @@ class VLLMClient(HttpEngineClient):
         if server_version is not None:
             try:
                 pinned = contract_version_for("vllm", server_version)
-            except ValueError as exc:
-                raise ValueError(f"VLLMClient(server_version=...): {exc}") from None
+            except UnsupportedVersion as exc:
+                raise UnsupportedVersion(f"VLLMClient(server_version=...): {exc}") from None
             self._server_dialect = VLLMDialect.of(pinned)
         self._ledger = PauseLedger()
 
@@ -160,7 +164,7 @@ class VLLMClient(HttpEngineClient):
             else:
                 try:
                     version = contract_version_for("vllm", str(reported))
-                except ValueError as exc:
+                except UnsupportedVersion as exc:
                     raise EngineNotSupported(
                         "vllm",
                         f"a server reporting version {reported!r}",
