@@ -103,10 +103,13 @@ def test_vllm_stream_is_delta_with_token_ids_and_final_spans(
     tiny_model_dir: Path,  # noqa: F811
     version: str,
 ) -> None:
-    eng = engine_factory(tiny_model_dir, extra_args=["--dialect", "vllm", "--vllm-version", version])
+    eng = engine_factory(
+        tiny_model_dir, extra_args=["--dialect", "vllm", "--vllm-version", version]
+    )
     body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
     plain = eng.post("/v1/completions", body).json()["choices"][0]
-    r = eng.post("/v1/completions", {**body, "stream": True, "return_weight_versions": True})
+    spans = {"return_weight_versions": True} if version == "0.33.0" else {}  # 0.32.0: a 400
+    r = eng.post("/v1/completions", {**body, "stream": True, **spans})
     events = _events(r.text)
     assert events[-1] == "[DONE]"
     choices = [e["choices"][0] for e in events[:-1]]

@@ -1,10 +1,11 @@
 """The ``nccl`` transport (gloo on CPU) against vLLM-dialect reference engines, end to end.
 
-The engines imitate vLLM 0.32.0 (the reference engine's default). vLLM's weight transfer has one group per engine and no group names: ``init_info``
-carries none. rollsafe's rendezvous prefixes its store keys with a group name, so the
-reference engine's ranks join under the fixed ``VLLM_WEIGHT_TRANSFER_GROUP`` and the trainer
-must too; the transport once joined under a per-target name of its own and the first update
-waited out the rendezvous timeout (both sides waiting under different names).
+The engines imitate vLLM 0.32.0 (the reference engine's default). vLLM's weight transfer has
+one group per engine and no group names: ``init_info`` carries none. rollsafe's rendezvous
+prefixes its store keys with a group name, so the reference engine's ranks join under the fixed
+``VLLM_WEIGHT_TRANSFER_GROUP`` and the trainer must too; the transport once joined under a
+per-target name of its own and the first update waited out the rendezvous timeout (both sides
+waiting under different names).
 
 Engines for the module: a 1-rank and a 2-rank vLLM-dialect engine (model A) and a 1-rank
 SGLang one; the trainer holds model B. Checks: every engine's checksum equals the trainer's
