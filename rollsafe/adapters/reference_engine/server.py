@@ -472,14 +472,23 @@ def _vllm_error(message: str, status: int) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
+#: seconds between a dropped connection's answer and its reset (uvicorn logs the exception's
+#: traceback in between; a client's next request on the connection arrives in that window)
+DROP_AFTER_S = 0.2
+
+
 async def _answer_then_drop(request: web.Request, resp: web.Response) -> web.Response:
-    """Write ``resp`` as a kept-alive answer (no ``Connection: close``), then close the
-    connection: what uvicorn does once an exception escaped a vLLM route and its 500 was sent.
-    A client that reuses the pooled connection at once gets a reset or a closed connection
-    before its request was read (docs/engines.md, "Failure modes")."""
+    """Write ``resp`` as a kept-alive answer (no ``Connection: close``), read nothing more from
+    the connection and reset it shortly after: what uvicorn does once an exception escaped a
+    vLLM route and its 500 was sent. A client that reuses the pooled connection at once gets
+    ECONNRESET before its request was read (docs/engines.md, "The reference engine's vLLM
+    dialect")."""
     await resp.prepare(request)
     await resp.write_eof()
-    request.protocol.force_close()
+    transport = request.transport
+    if transport is not None:
+        transport.pause_reading()
+        asyncio.get_running_loop().call_later(DROP_AFTER_S, transport.abort)
     return resp
 
 

@@ -495,8 +495,9 @@ def _update_meta(ctx: ServerContext, info: dict[str, Any]) -> Any:
         missing = [k for k in _UPDATE_KEYS if k not in info]
         if missing:
             raise WeightUpdateError(
-                f"Invalid update_info for NCCLWeightTransferEngine: missing required argument "
-                f"{missing[0]!r} (vLLM {ctx.vllm.version} requires {list(_UPDATE_KEYS)})"
+                f"Invalid update_info for NCCLWeightTransferEngine: missing required "
+                f"argument(s) {', '.join(map(repr, missing))} (vLLM {ctx.vllm.version} requires "
+                f"{list(_UPDATE_KEYS)})"
             )
     names = info.get("names", [])
     if names == [] and info.get("dtype_names", []) == [] and info.get("shapes", []) == []:
