@@ -7,6 +7,8 @@ all-or-nothing weight updates (stage on every rank, then commit on every rank; a
 discards every rank's staging and keeps the previous weights and version). Every operation that
 touches the ranks runs on the driver thread, so collectives never interleave; HTTP handlers get
 ``concurrent.futures.Future`` objects. A rank failure fails every pending future at once.
+The vLLM dialect adds vLLM's failure state: poisoned weights (a failed reload or update) and
+the weight-update bracket, in which a forward pass kills the engine (:meth:`_die`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ key rejection (hostile JSON -- NaN, 1e400, lone surrogates, deep nesting -- is a
 request limits (:class:`ServerLimits`: body size checked against ``Content-Length`` before
 reading (413), body read timeout (408), prompts and new tokens per request (400), concurrent
 generations (503), connections, header timeout), cancelling a generation whose client went
-away, bearer-token authentication (401), mapping of named engine errors to HTTP statuses, the
+away, bearer-token authentication (401), mapping of named engine errors to HTTP statuses (a
+vLLM route's escaped exception: a 500 whose connection is then reset, as uvicorn does), the
 routes common to both dialects (``/health``, ``/get_server_info``), fault-injection wiring, and
 the text codec. :func:`start_server` serves an app under those limits. The SGLang and vLLM
 endpoint sets live in :mod:`.sglang_api` and :mod:`.vllm_api`, their weight checkers in

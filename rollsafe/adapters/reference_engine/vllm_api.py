@@ -1,6 +1,13 @@
 """vLLM-dialect endpoints of the reference engine, mapped onto the same engine.
 
-Owns vLLM 0.33.0's endpoint names and payloads: ``/v1/completions`` (OpenAI style),
+Imitates vLLM 0.32.0 (default) or 0.33.0 (``--vllm-version``; what differs:
+:mod:`.dialects`), failures included: a reload or an update that fails inside
+``/start_weight_update`` .. ``/finish_weight_update`` answers vLLM's worker 500
+(:class:`~.errors.WorkerFailed`, the connection dropped) and poisons the engine, whose next
+forward pass kills it (:meth:`~.engine.ReferenceEngine.poison`); docs/engines.md, "The
+reference engine's vLLM dialect". ``GET /version`` names the imitated release.
+
+Owns vLLM's endpoint names and payloads: ``/v1/completions`` (OpenAI style),
 ``/v1/models``, dev-mode ``/sleep`` (``?level=``), ``/wake_up`` (``?tags=``), ``/is_sleeping``,
 ``/collective_rpc`` ``{method, args, kwargs, timeout}``, ``/reset_prefix_cache``, ``/pause``
 (``?mode=abort|wait|keep``), ``/resume``, ``/is_paused``, ``/get_world_size``, and the native
