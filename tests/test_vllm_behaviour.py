@@ -27,6 +27,10 @@ from real_vllm import make_vllm_model
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, VLLMClient
 
+#: a real engine's start (minutes on the loaded 2-core machine) counts against the first test's
+#: pytest-timeout, a restart against the last one's
+pytestmark = pytest.mark.timeout(1200)
+
 PROMPT = [1, 17, 42, 99, 7]
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 KINDS = ["reference", pytest.param("real", marks=pytest.mark.real_vllm)]
