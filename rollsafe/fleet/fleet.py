@@ -45,6 +45,7 @@ from rollsafe.fleet.settings import (
     CE_P2P_PROTOCOLS,
     TRANSPORT_SETTINGS,
     CheckpointEngineSettings,
+    DiskSettings,
     FleetConfigError,
     HealthSettings,
     IpcSettings,
@@ -73,6 +74,7 @@ __all__ = [
     "CE_P2P_PROTOCOLS",
     "TRANSPORTS",
     "CheckpointEngineSettings",
+    "DiskSettings",
     "FleetConfig",
     "FleetConfigError",
     "FleetNotStarted",
@@ -151,7 +153,8 @@ class FleetConfig:
     standby state (``none``, ``warming``: still importing, ``ready``) is in
     :meth:`RolloutFleet.snapshot` (``registry.groups.<id>.standby``), the metrics and each
     :class:`RecoveryResult` (``standby_at_restart``, ``restart_source``).
-    ``transport``: ``"ipc"``, ``"nccl"``, ``"checkpoint_engine"``, the name of another
+    ``transport``: ``"ipc"``, ``"nccl"``, ``"checkpoint_engine"``, ``"disk"`` (engines load
+    each version from the fleet's own verified export: :class:`DiskSettings`), the name of another
     registered :class:`TransportSettings` subclass, or a settings object itself
     (``transport=NcclSettings(backend="nccl")``: stored in its field, or in
     ``transport_settings`` for a transport defined outside rollsafe, and ``transport`` then
@@ -206,6 +209,7 @@ class FleetConfig:
     ipc: IpcSettings = field(default_factory=IpcSettings)
     nccl: NcclSettings = field(default_factory=NcclSettings)
     checkpoint_engine: CheckpointEngineSettings = field(default_factory=CheckpointEngineSettings)
+    disk: DiskSettings = field(default_factory=DiskSettings)
     #: settings of transports defined outside rollsafe, by name (a missing one: its defaults)
     transport_settings: Mapping[str, TransportSettings] = field(default_factory=dict)
     # the flat keywords of earlier releases, folded into ``nccl``/``checkpoint_engine``
@@ -584,6 +588,7 @@ class RolloutFleet:
             world_size=self.world_size,
             groups=tuple((g.group_id, g.ranks) for g in self._groups),
             engine_options=dict(cfg.engine_options or {}),
+            exporter=self.exporter,
         )
         settings = cfg.settings_for()
         reasons = settings.fallback_reasons(context)

@@ -620,6 +620,12 @@ class SyncCoordinator:
         exporter = self.exporter
         if exporter is None or not report.ok:
             return
+        if exporter.latest_ready(version) is not None:
+            # the transport wrote it to sync through it (disk): the export is already there
+            report.export_started = True
+            self._last_export_version = version
+            log.info("sync v%d: export already written by the transport", version)
+            return
         try:
             exporter.start_hf_export(weights, version)
         except Exception as exc:
