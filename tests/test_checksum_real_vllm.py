@@ -57,7 +57,17 @@ def start_real_vllm(
             "VLLM_CPU_OMP_THREADS_BIND": core,
             "VLLM_CPU_KVCACHE_SPACE": "1",
         },
-        extra_args=("--dtype", "float32", "--max-model-len", "512", "--enforce-eager"),
+        # --model: this launcher passes the model positionally (``vllm serve``'s form), which
+        # the api_server entry point ignores (it then fetches its default model)
+        extra_args=(
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+        ),
         ready_timeout=600.0,
         client_timeout=300.0,
     )

@@ -129,8 +129,7 @@ class VLLMClient(HttpEngineClient):
 
         vLLM reports the serving weights only when asked (``return_weight_versions``): as spans
         ``[{version, start, end}]`` over the generated tokens; ``weight_version`` is the last
-        span's version (the one that produced the final token). With ``"logprobs": k`` in
-        ``sampling_params`` the choice's ``logprobs`` object is ``meta_info["logprobs"]``."""
+        span's version (the one that produced the final token)."""
         path = "/v1/completions"
         body = self._completion_body(input_ids, text, sampling_params)
         answer = self._post(path, body, timeout=timeout)
@@ -141,11 +140,11 @@ class VLLMClient(HttpEngineClient):
         meta: dict[str, Any] = {k: v for k, v in answer.items() if k != "choices"}
         spans = choice.get("weight_versions")
         version = None
+        if isinstance(choice.get("logprobs"), Mapping):  # asked for with "logprobs": k
+            meta["logprobs"] = choice["logprobs"]  # {tokens, token_logprobs, top_logprobs, ...}
         if isinstance(spans, list) and spans and isinstance(spans[-1], Mapping):
             version = spans[-1].get("version")
             meta["weight_versions"] = spans
-        if isinstance(choice.get("logprobs"), Mapping):  # asked for with "logprobs": k
-            meta["logprobs"] = choice["logprobs"]
         reason = choice.get("finish_reason")
         return GenerateResult(
             text=str(choice.get("text", "")),
