@@ -44,7 +44,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   ├── StreamProtocolError                     (adapters.engines.streaming)
     │   └── EngineStartError
     │       └── EngineStartTimeout
-    ├── ContractError [ValueError]                    rollsafe.adapters.engines.contract
+    ├── ContractError, UnsupportedVersion [ValueError] rollsafe.adapters.engines.contract
     ├── EngineError                                   rollsafe.adapters.reference_engine (server)
     │   ├── BadRequest
     │   │   └── LimitExceeded, WeightUpdateError, Unsupported

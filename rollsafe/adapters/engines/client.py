@@ -10,8 +10,9 @@ subclass of
 * :class:`EngineOperationFailed`: it answered ``{"success": false}`` to a weight/memory call;
 * :class:`EngineNotSupported`: the dialect has no such operation.
 
-Only idempotent reads (health, checksum, get-by-name) are retried; generate and every
-state-changing call are sent exactly once.
+Idempotent reads (health, checksum, get-by-name) are retried; generate and every
+state-changing call are sent once, and resent only when the request provably never reached the
+engine (no connection could be opened).
 """
 
 from __future__ import annotations

@@ -30,10 +30,13 @@ from rollsafe.errors import RollsafeError
 
 __all__ = [
     "PINNED_VERSIONS",
+    "SUPPORTED_VERSIONS",
     "ContractError",
     "ContractViolation",
     "EngineContract",
     "EngineName",
+    "UnsupportedVersion",
+    "contract_version_for",
     "load_contract",
 ]
 
@@ -41,6 +44,12 @@ EngineName = Literal["sglang", "vllm"]
 
 #: The upstream releases rollsafe is pinned to (one committed contract file each).
 PINNED_VERSIONS: dict[str, str] = {"sglang": "0.5.23", "vllm": "0.33.0"}
+#: Every release with a committed contract, oldest first; a client speaks each one's dialect
+#: (``VLLMClient`` picks it from the server's ``GET /version``).
+SUPPORTED_VERSIONS: dict[str, tuple[str, ...]] = {
+    "sglang": ("0.5.23",),
+    "vllm": ("0.32.0", "0.33.0"),
+}
 
 #: value types upstream only *annotates* (no runtime check) and that real callers rely on: vLLM's
 #: ``/collective_rpc`` hands ``kwargs`` to the worker method unchanged (typed ``dict[str, str]``),
@@ -77,6 +86,10 @@ class ContractError(RollsafeError, ValueError):
         head = f"{context}: " if context else ""
         lines = "; ".join(str(v) for v in self.violations)
         super().__init__(f"{head}{len(self.violations)} contract violation(s): {lines}")
+
+
+class UnsupportedVersion(RollsafeError, ValueError):
+    """A server version no committed contract speaks (older than all, or not a version)."""
 
 
 @dataclass(frozen=True)
@@ -432,6 +445,33 @@ def _load(engine: str, version: str) -> EngineContract:
             f"no committed contract {name} (regenerate: tools/upstream_contract.py)"
         ) from None
     return EngineContract(json.loads(text))
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version (``0.32.0``, ``0.33.1.dev3+g1234``, ``0.32.0+cpu``)."""
+    parts = version.strip().lstrip("v").split(".")
+    try:
+        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or "x")
+    except (IndexError, ValueError):
+        raise UnsupportedVersion(f"not a release version: {version!r}") from None
+
+
+def contract_version_for(engine: EngineName, server_version: str) -> str:
+    """The committed contract whose dialect a server reporting ``server_version`` speaks: the
+    supported release of the same major.minor, a newer server the newest contract. A server
+    older than every contract (or an unreadable version) is :class:`UnsupportedVersion`
+    naming them."""
+    supported = SUPPORTED_VERSIONS[engine]
+    wanted = _release(server_version)
+    for version in supported:
+        if _release(version) == wanted:
+            return version
+    if wanted > _release(supported[-1]):
+        return supported[-1]
+    raise UnsupportedVersion(
+        f"{engine} server version {server_version!r} is older than every supported release "
+        f"({', '.join(supported)})"
+    )
 
 
 def load_contract(engine: EngineName, version: str | None = None) -> EngineContract:

@@ -24,12 +24,18 @@ class EngineUnavailable(EngineError):
     """The engine could not be reached (connection refused/reset, DNS, closed socket).
 
     ``url`` is the engine's base URL and ``path`` the endpoint that was being called.
+    ``request_sent`` is ``False`` when the request provably never reached the engine (no
+    connection could be opened), ``None`` when that is unknown (the connection broke after the
+    request may have been written, or no answer came in time).
     """
 
-    def __init__(self, url: str, path: str, reason: str) -> None:
+    def __init__(
+        self, url: str, path: str, reason: str, *, request_sent: bool | None = None
+    ) -> None:
         self.url = url
         self.path = path
         self.reason = bound_text(reason)
+        self.request_sent = request_sent
         super().__init__(f"engine {url} unavailable on {path}: {self.reason}")
 
 

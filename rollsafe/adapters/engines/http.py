@@ -4,11 +4,28 @@ One :class:`HttpTransport` wraps one ``httpx.Client`` bound to an engine's base 
 
 * sends ``Authorization: Bearer <key>`` when an API key is given;
 * applies a per-call timeout (the client default unless the call overrides it);
-* retries with exponential backoff only when the caller marks the call idempotent
-  (health, checksum, get-by-name), on connection errors, timeouts and 5xx answers. Generate and
-  weight updates are sent exactly once;
-* maps transport failures to :class:`EngineUnavailable` / :class:`EngineTimeout` and HTTP error
-  statuses to :class:`EngineRequestError`, reading at most a few KB of an error body.
+* retries with exponential backoff (:class:`RetryPolicy`):
+
+  ==========================================  ====================  =========================
+  failure                                     idempotent call       generate, weight updates
+                                                                    and every other call
+  ==========================================  ====================  =========================
+  no connection could be opened (connect      retried               retried: the request
+  error, connect timeout)                                           provably never reached
+                                                                    the engine
+  connection broke after the request may      retried               sent once (the engine may
+  have been written, read timeout                                   have acted on it)
+  5xx answer                                  retried               sent once
+  4xx answer                                  never                 never
+  ==========================================  ====================  =========================
+
+* recycles the connection after every 5xx answer: a real vLLM drops its keep-alive connection
+  after a 500 without saying ``Connection: close``, so the pooled connection would fail the
+  next request (ECONNRESET, "server disconnected") and rollsafe would report a healthy engine
+  unavailable; the next request opens a fresh connection instead;
+* maps transport failures to :class:`EngineUnavailable` / :class:`EngineTimeout` (with
+  ``request_sent=False`` when no connection was opened) and HTTP error statuses to
+  :class:`EngineRequestError`, reading at most a few KB of an error body.
 """
 
 from __future__ import annotations
@@ -111,28 +128,106 @@ class HttpTransport:
         params: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         idempotent: bool = False,
+        retries: bool = True,
     ) -> Any:
         """Send one request and return the decoded JSON body (or text, or ``None`` if empty).
 
-        Retries per :attr:`retry` only when ``idempotent`` is true.
+        Retries per :attr:`retry`: any call whose request provably never reached the engine,
+        and an ``idempotent`` one also after a 5xx, a broken connection or a timeout.
+        ``retries=False`` sends exactly one request (a health probe that must fail fast).
         """
-        attempts = self.retry.attempts if idempotent else 1
         last: Exception | None = None
-        for attempt in range(attempts):
+        for attempt in range(self.retry.attempts if retries else 1):
             if attempt:
                 time.sleep(self.retry.delay(attempt - 1))
             try:
                 return self._once(method, path, json_body, params, timeout)
             except EngineRequestError as exc:
-                if exc.status_code < RETRY_MIN_STATUS:
+                if not idempotent or exc.status_code < RETRY_MIN_STATUS:
                     raise
                 last = exc
             except EngineUnavailable as exc:
-                if self._closed:
+                if self._closed or not (idempotent or exc.request_sent is False):
                     raise
                 last = exc
         assert last is not None
         raise last
+
+    def open(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Mapping[str, Any] | None = None,
+        params: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
+        """Send one request and return the response with its body unread (the caller closes
+        it, through :meth:`release` after an error status). A request that never reached the
+        engine is retried per :attr:`retry`; nothing else is."""
+        last: EngineUnavailable | None = None
+        for attempt in range(self.retry.attempts):
+            if attempt:
+                time.sleep(self.retry.delay(attempt - 1))
+            try:
+                return self._send(method, path, json_body, params, timeout)
+            except EngineUnavailable as exc:
+                if self._closed or exc.request_sent is not False:
+                    raise
+                last = exc
+        assert last is not None
+        raise last
+
+    def error_of(self, path: str, response: httpx.Response) -> EngineRequestError:
+        """The :class:`EngineRequestError` of an error answer (its body read, bounded); the
+        response is closed and, after a 5xx, its connection dropped from the pool."""
+        try:
+            return EngineRequestError(self.url, path, response.status_code, _read_bounded(response))
+        finally:
+            self.release(response)
+
+    @staticmethod
+    def release(response: httpx.Response) -> None:
+        """Close ``response``; after a 5xx also close its connection, so the pool opens a fresh
+        one for the next request instead of reusing one the server may drop silently."""
+        if response.status_code >= RETRY_MIN_STATUS:
+            _drop_connection(response)
+        response.close()
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        json_body: Mapping[str, Any] | None,
+        params: Mapping[str, Any] | None,
+        timeout: float | None,
+    ) -> httpx.Response:
+        if self._closed:
+            raise EngineUnavailable(self.url, path, "client is closed", request_sent=False)
+        call_timeout = self.timeout if timeout is None else timeout
+        try:
+            request = self._client.build_request(
+                method, path, json=json_body, params=params, timeout=call_timeout
+            )
+            return self._client.send(request, stream=True)
+        except httpx.ConnectTimeout as exc:
+            raise EngineTimeout(
+                self.url,
+                path,
+                f"no connection within {call_timeout}s (ConnectTimeout)",
+                request_sent=False,
+            ) from exc
+        except httpx.TimeoutException as exc:
+            raise EngineTimeout(
+                self.url, path, f"no answer within {call_timeout}s ({type(exc).__name__})"
+            ) from exc
+        except httpx.ConnectError as exc:
+            raise EngineUnavailable(
+                self.url, path, f"{type(exc).__name__}: {exc}", request_sent=False
+            ) from exc
+        except (httpx.TransportError, RuntimeError) as exc:
+            # RuntimeError: the pool was closed concurrently by close().
+            raise EngineUnavailable(self.url, path, f"{type(exc).__name__}: {exc}") from exc
 
     def _once(
         self,
@@ -142,34 +237,16 @@ class HttpTransport:
         params: Mapping[str, Any] | None,
         timeout: float | None,
     ) -> Any:
-        if self._closed:
-            raise EngineUnavailable(self.url, path, "client is closed")
         call_timeout = self.timeout if timeout is None else timeout
+        response = self._send(method, path, json_body, params, timeout)
+        if response.status_code >= 400:
+            raise self.error_of(path, response)
         try:
-            request = self._client.build_request(
-                method, path, json=json_body, params=params, timeout=call_timeout
-            )
-            response = self._client.send(request, stream=True)
+            body = response.read()
         except httpx.TimeoutException as exc:
-            raise EngineTimeout(
-                self.url, path, f"no answer within {call_timeout}s ({type(exc).__name__})"
-            ) from exc
-        except (httpx.TransportError, RuntimeError) as exc:
-            # RuntimeError: the pool was closed concurrently by close().
+            raise EngineTimeout(self.url, path, f"body not read within {call_timeout}s") from exc
+        except httpx.TransportError as exc:
             raise EngineUnavailable(self.url, path, f"{type(exc).__name__}: {exc}") from exc
-        try:
-            if response.status_code >= 400:
-                raise EngineRequestError(
-                    self.url, path, response.status_code, _read_bounded(response)
-                )
-            try:
-                body = response.read()
-            except httpx.TimeoutException as exc:
-                raise EngineTimeout(
-                    self.url, path, f"body not read within {call_timeout}s"
-                ) from exc
-            except httpx.TransportError as exc:
-                raise EngineUnavailable(self.url, path, f"{type(exc).__name__}: {exc}") from exc
         finally:
             response.close()
         if not body:
@@ -178,6 +255,19 @@ class HttpTransport:
             return json.loads(body)
         except ValueError:
             return body.decode("utf-8", errors="replace")
+
+
+def _drop_connection(response: httpx.Response) -> None:
+    """Close the socket under ``response`` (httpcore's documented ``network_stream``
+    extension): when the response is closed, the pool finds the connection unusable and
+    discards it instead of handing it to the next request."""
+    stream = response.extensions.get("network_stream")
+    close = getattr(stream, "close", None)
+    if close is not None:
+        try:
+            close()
+        except OSError:
+            pass
 
 
 def _read_bounded(response: httpx.Response, limit: int = 2 * MAX_MESSAGE_CHARS) -> str:

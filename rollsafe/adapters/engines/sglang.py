@@ -50,9 +50,10 @@ class SGLangClient(HttpEngineClient):
 
     # -- liveness and serving -------------------------------------------------------------
     def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
-        """GET ``/health`` (retried unless ``retry=False``); raises unless it answers 2xx."""
+        """GET ``/health`` (retried unless ``retry=False``: then exactly one request); raises
+        unless it answers 2xx."""
         limit = self.health_timeout if timeout is None else timeout
-        self._get("/health", timeout=limit, idempotent=retry)
+        self._get("/health", timeout=limit, idempotent=retry, retries=retry)
 
     def health_generate(self, *, timeout: float | None = None) -> None:
         """GET ``/health_generate``: a health check that runs one tiny generation."""

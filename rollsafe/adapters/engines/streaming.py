@@ -41,7 +41,7 @@ from rollsafe.adapters.engines.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from rollsafe.adapters.engines.http import HttpTransport, _read_bounded
+from rollsafe.adapters.engines.http import HttpTransport
 
 __all__ = [
     "SGLangDeltas",
@@ -97,25 +97,18 @@ def read_events(
 ) -> Iterator[dict[str, Any]]:
     """POST ``body`` and yield each JSON event of the answer until ``data: [DONE]``.
 
-    An HTTP error status is :class:`EngineRequestError`; a connection that fails or ends before
+    The request is resent only when it provably never reached the engine (no connection); a
+    5xx answer's connection is not reused (:class:`HttpTransport`). An HTTP error status is
+    :class:`EngineRequestError`; a connection that fails or ends before
     ``[DONE]`` is :class:`EngineUnavailable` (:class:`EngineTimeout` when no byte came within
     ``timeout``); an ``{"error": ...}`` event is :class:`EngineRequestError` with its code.
     """
     url = transport.url
-    if transport.closed:
-        raise EngineUnavailable(url, path, "client is closed")
     call_timeout = transport.timeout if timeout is None else timeout
-    client = transport._client  # the transport's pool (its auth header, its limits)
+    response = transport.open("POST", path, json_body=dict(body), timeout=timeout)
+    if response.status_code >= 400:
+        raise transport.error_of(path, response)
     try:
-        request = client.build_request("POST", path, json=dict(body), timeout=call_timeout)
-        response = client.send(request, stream=True)
-    except httpx.TimeoutException as exc:
-        raise EngineTimeout(url, path, f"no answer within {call_timeout}s") from exc
-    except (httpx.TransportError, RuntimeError) as exc:
-        raise EngineUnavailable(url, path, f"{type(exc).__name__}: {exc}") from exc
-    try:
-        if response.status_code >= 400:
-            raise EngineRequestError(url, path, response.status_code, _read_bounded(response))
         data: list[str] = []
         size = 0
         try:

@@ -1,4 +1,9 @@
-"""``VLLMClient``: the :class:`EngineClient` protocol mapped onto vLLM 0.33.0's HTTP endpoints.
+"""``VLLMClient``: the :class:`EngineClient` protocol mapped onto vLLM's HTTP endpoints.
+
+It speaks vLLM 0.33.0 and 0.32.0, picked from the server's ``GET /version`` (or pinned with
+``server_version=``); what differs and how 0.32 is made to look like 0.33 (the weight version
+from ``/weight_info``, generates refused while this client has the engine paused) is
+:mod:`rollsafe.adapters.engines.vllm_dialect`.
 
 =============================================  ==========================================
 EngineClient call                              vLLM endpoint
@@ -29,7 +34,7 @@ The sleep/wake, collective-RPC and weight-transfer routes exist on a real vLLM o
 (``VLLM_SERVER_DEV_MODE=1``, plus ``--enable-sleep-mode`` and ``--weight-transfer-config``).
 SGLang-style sampling parameters are translated (``max_new_tokens`` -> ``max_tokens``,
 ``min_new_tokens`` -> ``min_tokens``, ``sampling_seed`` -> ``seed``). Request bodies follow the
-pinned contract (``rollsafe/adapters/engines/contracts/vllm-0.33.0.json``; checked by
+contracts (``rollsafe/adapters/engines/contracts/vllm-{0.32.0,0.33.0}.json``; checked by
 ``tests/test_client_contracts.py``).
 
 vLLM has one weight-transfer group per engine and no group names (``init_info`` has none), so
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -53,13 +59,25 @@ from rollsafe.adapters.engines.base import (
     HttpEngineClient,
 )
 from rollsafe.adapters.engines.client import Dialect, GenerateResult, MemoryTag, PauseMode
+from rollsafe.adapters.engines.contract import (
+    PINNED_VERSIONS,
+    UnsupportedVersion,
+    contract_version_for,
+)
 from rollsafe.adapters.engines.errors import (
     EngineError,
     EngineNotSupported,
     EngineOperationFailed,
+    EngineRequestError,
 )
 from rollsafe.adapters.engines.http import RetryPolicy
-from rollsafe.adapters.engines.streaming import StreamDelta, stream_deltas
+from rollsafe.adapters.engines.streaming import StreamDelta, WeightSpan, stream_deltas
+from rollsafe.adapters.engines.vllm_dialect import (
+    Mark,
+    PauseLedger,
+    VLLMDialect,
+    read_version_holds,
+)
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 _SAMPLING_RENAMES = {
@@ -95,6 +113,7 @@ class VLLMClient(HttpEngineClient):
         weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT,
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
+        server_version: str | None = None,
     ) -> None:
         super().__init__(
             url,
@@ -110,12 +129,95 @@ class VLLMClient(HttpEngineClient):
         # one weight update (start .. finish) per version, possibly over many calls
         self._update_lock = threading.Lock()
         self._update_open = False
+        # the server's dialect: pinned here, else asked once (GET /version) on first need
+        self._dialect_lock = threading.Lock()
+        self._server_dialect: VLLMDialect | None = None
+        if server_version is not None:
+            try:
+                pinned = contract_version_for("vllm", server_version)
+            except UnsupportedVersion as exc:
+                raise UnsupportedVersion(f"VLLMClient(server_version=...): {exc}") from None
+            self._server_dialect = VLLMDialect.of(pinned)
+        self._ledger = PauseLedger()
+
+    # -- dialect --------------------------------------------------------------------------
+    def server_dialect(self, *, timeout: float | None = None) -> VLLMDialect:
+        """The vLLM release this server speaks: pinned by ``server_version=``, else asked once
+        with ``GET /version`` (retried) and cached. A server without ``/version`` (404: the
+        reference engine) speaks the pinned release (0.33.0); one older than every supported
+        release is :class:`EngineNotSupported`."""
+        dialect = self._server_dialect
+        if dialect is not None:
+            return dialect
+        with self._dialect_lock:
+            if self._server_dialect is not None:
+                return self._server_dialect
+            try:
+                answer = self._get("/version", timeout=timeout)
+            except EngineRequestError as exc:
+                if exc.status_code != 404:
+                    raise
+                answer = None
+            reported = answer.get("version") if isinstance(answer, Mapping) else None
+            if reported is None:
+                dialect = VLLMDialect.of(PINNED_VERSIONS["vllm"])
+            else:
+                try:
+                    version = contract_version_for("vllm", str(reported))
+                except UnsupportedVersion as exc:
+                    raise EngineNotSupported(
+                        "vllm",
+                        f"a server reporting version {reported!r}",
+                        f"{exc}; pin VLLMClient(server_version=...) to speak one of them",
+                    ) from None
+                dialect = VLLMDialect.of(version, str(reported))
+            self._server_dialect = dialect
+            return dialect
+
+    def _refuse_while_paused(self, path: str, dialect: VLLMDialect) -> None:
+        """On a server that queues new requests while paused (0.32), refuse a generate while
+        this client has it paused in ``abort``/``wait``, as 0.33 does with its 503."""
+        mode = self._ledger.refusing_mode()
+        if mode is not None and dialect.pause_queues_new_requests:
+            raise EngineRequestError(
+                self.url,
+                path,
+                503,
+                f"generation is paused by this client (mode={mode}); retry after /resume "
+                f"(refused here: vLLM {dialect.version} would queue the request until /resume, "
+                "vLLM 0.33 answers 503 engine_paused)",
+            )
+
+    def _version_before(self, path: str, dialect: VLLMDialect) -> tuple[Mark, str | None]:
+        """Refuse while paused, then read ``/weight_info`` with no pause, resume or weight
+        change of this client around the read (re-read if one happened, up to 3 times)."""
+        for _ in range(3):
+            self._refuse_while_paused(path, dialect)
+            before = self._ledger.mark()
+            version = self.weight_version()
+            self._refuse_while_paused(path, dialect)
+            if self._ledger.mark() == before:
+                return before, version
+        return Mark(-1, -1, -1, False), version  # kept changing: compare again after
+
+    def _version_after(
+        self, before: Mark, version: str | None, finish_reason: str | None
+    ) -> tuple[str | None, bool]:
+        """The version that produced an answer (see :mod:`.vllm_dialect`) and whether it is
+        exact."""
+        if read_version_holds(before, self._ledger.mark()):
+            return version, True
+        after = self.weight_version()
+        if after == version:
+            return version, True
+        return (version if finish_reason == "abort" else after), False
 
     # -- liveness and serving -------------------------------------------------------------
     def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
-        """GET ``/health`` (retried unless ``retry=False``); raises unless it answers 2xx."""
+        """GET ``/health`` (retried unless ``retry=False``: then exactly one request); raises
+        unless it answers 2xx."""
         limit = self.health_timeout if timeout is None else timeout
-        self._get("/health", timeout=limit, idempotent=retry)
+        self._get("/health", timeout=limit, idempotent=retry, retries=retry)
 
     def generate(
         self,
@@ -127,17 +229,27 @@ class VLLMClient(HttpEngineClient):
     ) -> GenerateResult:
         """POST ``/v1/completions`` once (never retried) and return the first choice.
 
-        vLLM reports the serving weights only when asked (``return_weight_versions``): as spans
-        ``[{version, start, end}]`` over the generated tokens; ``weight_version`` is the last
-        span's version (the one that produced the final token)."""
+        vLLM 0.33 reports the serving weights only when asked (``return_weight_versions``): as
+        spans ``[{version, start, end}]`` over the generated tokens; ``weight_version`` is the
+        last span's version (the one that produced the final token). vLLM 0.32 reports none:
+        the version comes from ``GET /weight_info`` (read before the completion, checked after
+        it, :mod:`.vllm_dialect`), and ``meta_info`` says ``weight_version_source:
+        "weight_info"`` and ``weight_version_exact``."""
         path = "/v1/completions"
-        body = self._completion_body(input_ids, text, sampling_params)
+        dialect = self.server_dialect()
+        body = self._completion_body(input_ids, text, sampling_params, dialect)
+        before: Mark | None = None
+        read: str | None = None
+        if not dialect.completion_weight_versions:
+            before, read = self._version_before(path, dialect)
         answer = self._post(path, body, timeout=timeout)
         choices = answer.get("choices") if isinstance(answer, Mapping) else None
         if not choices or not isinstance(choices[0], Mapping):
             raise EngineOperationFailed(self.url, path, 200, f"no choices in answer: {answer!r}")
         choice = choices[0]
         meta: dict[str, Any] = {k: v for k, v in answer.items() if k != "choices"}
+        reason = choice.get("finish_reason")
+        finish = None if reason is None else str(reason)
         spans = choice.get("weight_versions")
         version = None
         if isinstance(choice.get("logprobs"), Mapping):  # asked for with "logprobs": k
@@ -145,12 +257,15 @@ class VLLMClient(HttpEngineClient):
         if isinstance(spans, list) and spans and isinstance(spans[-1], Mapping):
             version = spans[-1].get("version")
             meta["weight_versions"] = spans
-        reason = choice.get("finish_reason")
+        elif before is not None:
+            version, exact = self._version_after(before, read, finish)
+            meta["weight_version_source"] = "weight_info"
+            meta["weight_version_exact"] = exact
         return GenerateResult(
             text=str(choice.get("text", "")),
             output_ids=[int(t) for t in choice.get("token_ids") or []],
             weight_version=None if version is None else str(version),
-            finish_reason=None if reason is None else str(reason),
+            finish_reason=finish,
             meta_info=meta,
         )
 
@@ -159,13 +274,18 @@ class VLLMClient(HttpEngineClient):
         input_ids: Sequence[int] | None,
         text: str | None,
         sampling_params: Mapping[str, Any] | None,
+        dialect: VLLMDialect,
     ) -> dict[str, Any]:
         if (input_ids is None) == (text is None):
             raise ValueError("generate needs exactly one of input_ids or text")
         body: dict[str, Any] = to_vllm_sampling(sampling_params)
         body["prompt"] = [int(t) for t in input_ids] if input_ids is not None else text
         body.setdefault("return_token_ids", True)
-        body.setdefault("return_weight_versions", True)
+        # text without special tokens on every release (0.33's default follows the model's
+        # generation config), as SGLang and the reference engine decode it
+        body.setdefault("skip_special_tokens", True)
+        if dialect.completion_weight_versions:
+            body.setdefault("return_weight_versions", True)
         if self.model is not None:
             body.setdefault("model", self.model)
         return body
@@ -180,22 +300,58 @@ class VLLMClient(HttpEngineClient):
     ) -> Iterator[StreamDelta]:
         """POST ``/v1/completions`` with ``stream: true`` once (``return_token_ids``, so each
         event carries its token ids); yield each event's new tokens. ``timeout`` bounds each
-        wait for an event."""
-        body = self._completion_body(input_ids, text, sampling_params)
+        wait for an event. On vLLM 0.32 the last event's version comes from ``/weight_info``
+        as in :meth:`generate` (a span over the whole output when exact)."""
+        path = "/v1/completions"
+        dialect = self.server_dialect()
+        body = self._completion_body(input_ids, text, sampling_params, dialect)
         body["stream"] = True
-        return stream_deltas(self._http, "/v1/completions", body, timeout, "vllm")
+        if dialect.completion_weight_versions:
+            return stream_deltas(self._http, path, body, timeout, "vllm")
+        before, read = self._version_before(path, dialect)
+        return self._stream_with_version(body, timeout, before, read)
+
+    def _stream_with_version(
+        self, body: dict[str, Any], timeout: float | None, before: Mark, read: str | None
+    ) -> Iterator[StreamDelta]:
+        produced = 0
+        for delta in stream_deltas(self._http, "/v1/completions", body, timeout, "vllm"):
+            produced += len(delta.token_ids)
+            if delta.finished and delta.weight_version is None:
+                version, exact = self._version_after(before, read, delta.finish_reason)
+                spans = (WeightSpan(str(version), 0, produced),) if exact and produced else ()
+                meta = {**delta.meta, "weight_version_source": "weight_info"}
+                meta["weight_version_exact"] = exact
+                delta = replace(
+                    delta,
+                    weight_version=None if version is None else str(version),
+                    spans=spans,
+                    meta=meta,
+                )
+            yield delta
 
     def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
-        """POST ``/pause?mode=`` (``abort`` -> abort, ``in_place`` -> keep, ``retract`` -> wait)."""
+        """POST ``/pause?mode=`` (``abort`` -> abort, ``in_place`` -> keep, ``retract`` -> wait).
+
+        On vLLM 0.32, which queues new requests while paused, this client refuses its own
+        generates from now until :meth:`continue_generation` in ``abort``/``retract`` mode with
+        the 503 :class:`EngineRequestError` that 0.33 answers (``in_place`` queues on both)."""
         if mode not in _PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {sorted(_PAUSE_MODES)}, got {mode!r}")
-        self._checked(
-            "/pause", self._post("/pause", params={"mode": _PAUSE_MODES[mode]}, timeout=timeout)
-        )
+        self._ledger.pausing(_PAUSE_MODES[mode])
+        try:
+            answer = self._post("/pause", params={"mode": _PAUSE_MODES[mode]}, timeout=timeout)
+            self._checked("/pause", answer)
+        except BaseException:
+            self._ledger.resumed()  # not paused: stop refusing
+            raise
 
     def continue_generation(self, *, timeout: float | None = None) -> None:
-        """POST ``/resume``."""
-        self._checked("/resume", self._post("/resume", timeout=timeout))
+        """POST ``/resume`` (this client stops refusing generates whatever it answers)."""
+        try:
+            self._checked("/resume", self._post("/resume", timeout=timeout))
+        finally:
+            self._ledger.resumed()
 
     def flush_cache(self, *, timeout: float | None = None) -> None:
         """POST ``/reset_prefix_cache``."""
@@ -246,6 +402,7 @@ class VLLMClient(HttpEngineClient):
         body: dict[str, Any] = {"method": method, "args": list(args), "kwargs": dict(kwargs or {})}
         if rpc_timeout is not None:
             body["timeout"] = rpc_timeout
+        self._ledger.changing_weights()  # reload_weights, update_weights_from_ipc, ...
         answer = self._post("/collective_rpc", body, timeout=self._weights_timeout(timeout))
         self._checked("/collective_rpc", answer)
         return answer.get("results") if isinstance(answer, Mapping) else answer
@@ -268,6 +425,7 @@ class VLLMClient(HttpEngineClient):
 
     def update_weight_version(self, new_version: str, *, timeout: float | None = None) -> None:
         """POST ``/update_weight_version`` {new_version}: the label the engine reports."""
+        self._ledger.changing_weights()
         self._post_checked(
             "/update_weight_version",
             {"new_version": str(new_version)},
@@ -418,6 +576,7 @@ class VLLMClient(HttpEngineClient):
         }
         with self._update_lock:
             opened, self._update_open = not self._update_open, True
+        self._ledger.changing_weights()
         try:
             if opened:
                 self._post_checked("/start_weight_update", None, timeout=wt)
@@ -438,6 +597,7 @@ class VLLMClient(HttpEngineClient):
         if not was_open:
             return
         body = {} if version is None else {"weight_version": version}
+        self._ledger.changing_weights()
         try:
             self._post_checked("/finish_weight_update", body, timeout=timeout)
         except EngineError:

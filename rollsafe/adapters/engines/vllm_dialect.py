@@ -1,0 +1,152 @@
+"""The vLLM releases ``VLLMClient`` speaks, and how it makes a 0.32 server look like 0.33.
+
+Owns two things the client needs per server:
+
+* :class:`VLLMDialect`: the facts that differ between the supported releases, read from the
+  committed contracts (``contracts/vllm-<version>.json``, ``"dialect"``; generated from the
+  wheels by ``tools/upstream_contract.py``). Which contract applies is decided by the server's
+  own ``GET /version`` (:func:`rollsafe.adapters.engines.contract.contract_version_for`).
+* :class:`PauseLedger`: what this client did to the engine (pauses, resumes, weight changes),
+  so that on a 0.32 server it can refuse its own generates while it has the engine paused
+  (0.33 answers 503; 0.32 would queue them and the engine would look hung) and can tell
+  whether the weight version it read from ``/weight_info`` is the one that produced a
+  completion (0.32 completions carry no ``weight_versions``).
+
+================================  ==============================  ==============================
+fact                              vLLM 0.32.0                     vLLM 0.33.0
+================================  ==============================  ==============================
+``weight_versions`` in            absent: the client reads        per choice with
+completions                       ``GET /weight_info``            ``return_weight_versions``
+new request while paused          queued until ``/resume``        503 (``engine_paused``,
+(``abort``/``wait``)                                              retryable)
+``update_info`` lists             required                        default ``[]``
+``skip_special_tokens`` default   true                            generation config, else true
+================================  ==============================  ==============================
+
+Why reading ``/weight_info`` is correct (:func:`read_version_holds`): rollsafe changes an
+engine's weights and their label only through the client that routes to it, with generation
+paused (every vLLM update runs paused), and a paused 0.32 engine runs nothing new. So when
+none of this client's pauses, resumes or unpaused weight changes happened between the version
+read (made just before the completion is sent) and the answer, the weights did not change in
+between and the version read is the one that produced every token. When the engine was paused
+by this client during the request and has not been resumed when the answer arrives, the
+request ran before the pause (a paused engine answers a queued request only after
+``/resume``): the version read before still holds. Otherwise (a whole pause/resume, or a weight
+change without a pause, overlapped the request) the client reads the version again after the
+answer: equal versions mean no change happened; different ones cannot be split into spans as
+0.33 does, and the result is marked ``weight_version_exact=False``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from rollsafe.adapters.engines.contract import PINNED_VERSIONS, load_contract
+
+__all__ = ["PauseLedger", "VLLMDialect", "read_version_holds"]
+
+#: vLLM ``/pause`` modes in which 0.33 answers new requests with 503 (``keep`` queues them)
+REFUSING_MODES = frozenset({"abort", "wait"})
+
+
+@dataclass(frozen=True)
+class VLLMDialect:
+    """What a vLLM release does differently (the ``"dialect"`` section of its contract)."""
+
+    #: the committed contract this server speaks (``"0.32.0"``, ``"0.33.0"``)
+    version: str
+    #: what the server's ``GET /version`` said; None when pinned by the user or not served
+    server_version: str | None = None
+    #: completions report ``weight_versions`` when asked (``return_weight_versions``)
+    completion_weight_versions: bool = True
+    #: a paused engine queues new requests (0.32) instead of answering 503 (0.33)
+    pause_queues_new_requests: bool = False
+    #: ``update_info`` must carry ``names``, ``dtype_names`` and ``shapes``
+    update_info_lists_required: bool = False
+    #: ``CompletionRequest.skip_special_tokens`` default (None: the server's generation config)
+    skip_special_tokens_default: bool | None = None
+
+    @classmethod
+    def of(cls, version: str | None = None, server_version: str | None = None) -> VLLMDialect:
+        """The dialect of the committed contract ``version`` (the pinned one when None)."""
+        contract = load_contract("vllm", version or PINNED_VERSIONS["vllm"])
+        facts = contract.data["dialect"]
+        return cls(
+            version=contract.version,
+            server_version=server_version,
+            completion_weight_versions=bool(facts["completion_weight_versions"]),
+            pause_queues_new_requests=facts["paused_new_requests"] == "queued",
+            update_info_lists_required=bool(facts["update_info_lists_required"]),
+            skip_special_tokens_default=facts["skip_special_tokens_default"],
+        )
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The ledger's counters at one instant (compared by :func:`read_version_holds`)."""
+
+    pauses: int
+    resumes: int
+    unpaused_changes: int
+    paused: bool
+
+
+def read_version_holds(before: Mark, after: Mark) -> bool:
+    """Whether a version read at ``before`` (right before a request was sent) is the one that
+    produced its answer, received at ``after`` (see the module for why)."""
+    if (before.pauses, before.resumes, before.unpaused_changes) == (
+        after.pauses,
+        after.resumes,
+        after.unpaused_changes,
+    ):
+        return True
+    return (
+        after.paused
+        and after.resumes == before.resumes
+        and after.unpaused_changes == before.unpaused_changes
+    )
+
+
+class PauseLedger:
+    """This client's pauses, resumes and weight changes of its engine (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mode: str | None = None
+        self._pauses = 0
+        self._resumes = 0
+        self._unpaused_changes = 0
+
+    @property
+    def mode(self) -> str | None:
+        """The vLLM ``/pause`` mode this client has the engine paused in (None: not paused)."""
+        return self._mode
+
+    def mark(self) -> Mark:
+        with self._lock:
+            return Mark(self._pauses, self._resumes, self._unpaused_changes, self._mode is not None)
+
+    def refusing_mode(self) -> str | None:
+        """The mode when new requests must be refused (0.33 would answer 503), else None."""
+        mode = self._mode
+        return mode if mode in REFUSING_MODES else None
+
+    def pausing(self, mode: str) -> None:
+        """Called before ``/pause`` is sent: from now on new generates are refused."""
+        with self._lock:
+            self._mode = mode
+            self._pauses += 1
+
+    def resumed(self) -> None:
+        """Called once ``/resume`` was sent (whatever it answered), or when ``/pause`` failed."""
+        with self._lock:
+            if self._mode is not None:
+                self._mode = None
+                self._resumes += 1
+
+    def changing_weights(self) -> None:
+        """Called before a request that may change the weights or their version label."""
+        with self._lock:
+            if self._mode is None:
+                self._unpaused_changes += 1
