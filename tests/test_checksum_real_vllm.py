@@ -42,32 +42,16 @@ DUMP = Path(__file__).with_name("vllm_digest_dump.py")
 
 
 def start_real_vllm(
-    vllm_python: str, model_dir: str | Path, launchers: list[EngineLauncher], core: str = "0"
+    vllm_python: str, model_dir: str | Path, launchers: list[EngineLauncher]
 ) -> EngineLauncher:
-    """The one place these tests start a real vLLM (CPU flags, ``core`` for its OpenMP
-    threads); the launcher kills it at the end of the test (``launchers`` fixture)."""
+    """The one place these tests start a real vLLM: the launcher's CPU defaults (entry point,
+    dtype, eager mode, KV size, one core per engine); it is killed at the end of the test
+    (``launchers`` fixture)."""
     spec = EngineSpec(
         model_path=str(model_dir),
         kind="vllm",
         python=vllm_python,
-        executable=(vllm_python, "-m", "vllm.entrypoints.openai.api_server"),
-        release_memory=False,
-        env={
-            "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_CPU_OMP_THREADS_BIND": core,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-        },
-        # --model: this launcher passes the model positionally (``vllm serve``'s form), which
-        # the api_server entry point ignores (it then fetches its default model)
-        extra_args=(
-            "--model",
-            str(model_dir),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--enforce-eager",
-        ),
+        max_model_len=512,
         ready_timeout=600.0,
         client_timeout=300.0,
     )
@@ -168,10 +152,10 @@ def test_probe_after_reload_equals_a_fresh_server(
 ) -> None:
     model_a, _, _ = _model(tmp_path / "a", seed=0)
     model_b, state_b, config = _model(tmp_path / "b", seed=1)
-    synced = start_real_vllm(vllm_python, model_a, launchers, core="0").client
+    synced = start_real_vllm(vllm_python, model_a, launchers).client
     on_a = record_answers(synced)  # the synced engine's answers on model A
     synced.update_weights_from_disk(model_b)  # collective_rpc reload_weights, nothing in flight
-    fresh = start_real_vllm(vllm_python, model_b, launchers, core="1").client
+    fresh = start_real_vllm(vllm_python, model_b, launchers).client
     on_b = record_answers(fresh)
     assert all(a.logprobs is not None for a in on_b.answers)
     verdicts = probe_engines({"synced": synced}, on_b)
