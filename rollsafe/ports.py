@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from rollsafe.digest_check import DigestCheck, compare_digests, compare_ranks
+
 if TYPE_CHECKING:
     import torch
 
@@ -84,8 +86,28 @@ class WeightsChecksum:
     per_engine: str | None = None
 
     def same_weights(self, other: WeightsChecksum) -> bool:
-        """True when both report the same per-tensor digests (versions may differ)."""
+        """True when both report the same per-tensor digests (versions may differ).
+
+        Engine against engine of the same kind only: two CPU vLLMs both report empty digests
+        for their linear weights, so this can be True with those never compared. Against a
+        trainer use :meth:`check`."""
         return dict(self.tensors) == dict(other.tensors)
+
+    def check(self, expected: Mapping[str, str] | Sequence[Mapping[str, str]]) -> DigestCheck:
+        """Per-tensor verdicts of these digests against ``expected`` (:mod:`rollsafe.digest_check`).
+
+        ``expected``: one ``{name: digest}`` (compared with the rank-merged :attr:`tensors`) or
+        one per TP rank (compared with :attr:`ranks`), in the engine's layout and algorithm:
+        for vLLM :func:`rollsafe.engine_layout.vllm_rank_digests`, for SGLang
+        :func:`rollsafe.checksum.weights_checksum` ``["tensors"]``. The verdict is ``"equal"``
+        only when every tensor was compared and equal; an empty-bytes digest from the engine
+        (vLLM's CPU linear weights) is ``no_data`` and makes it ``"unverified"``.
+        """
+        if isinstance(expected, Mapping):
+            return compare_digests(self.tensors, expected)
+        if len(expected) == 1:
+            return compare_digests(self.tensors, expected[0])
+        return compare_ranks(self.ranks or (self.tensors,), expected)
 
 
 @runtime_checkable

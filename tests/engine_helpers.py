@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from rollsafe.adapters.reference_engine import READY_PREFIX
+from rollsafe.digest_check import DigestCheck
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,25 +83,26 @@ class EngineProcess:
         """``{"model", "tensors", "algorithm", "weight_version"}`` from the engine's own checker.
 
         SGLang ``POST /weights_checker`` (``model``: rank 0's ``per_gpu_checksum``; the reference
-        engine's ranks all report the full model) or vLLM ``POST /weight_checker`` (prefixes
-        stripped from rank 0's keys; ``model``: :func:`rollsafe.checksum.model_digest`). Neither
-        reports a version, so ``weight_version`` comes from ``/get_server_info``. Compare with
-        ``weights_checksum(state, got["algorithm"])``.
+        engine's ranks all report the full model) or vLLM ``POST /weight_checker`` (``ranks``:
+        each TP rank's ``{name: digest}``, prefixes stripped; ``tensors``: rank 0's; ``model``:
+        :func:`rollsafe.checksum.model_digest`). Neither reports a version, so
+        ``weight_version`` comes from ``/get_server_info``. Compare SGLang with
+        ``weights_checksum(state, got["algorithm"])``, vLLM with :func:`assert_vllm_digests`.
         """
         from rollsafe.checksum import algorithm_for, model_digest
 
         info = self.get("/get_server_info")
         info.raise_for_status()
         server = info.json()
+        ranks: list[dict[str, str]] = []
         if server["dialect"] == "vllm":
             r = self.post("/weight_checker", {"action": "checksum"})
             r.raise_for_status()
-            prefix = "dp0:pp0:pcp0:tp0:"
-            tensors = {
-                k[len(prefix) :]: v
-                for k, v in r.json()["checksums"].items()
-                if k.startswith(prefix)
-            }
+            for key, value in r.json()["checksums"].items():
+                tp = int(key.split(":")[3].removeprefix("tp"))
+                ranks.extend({} for _ in range(tp + 1 - len(ranks)))
+                ranks[tp][key.split(":", 4)[4]] = value
+            tensors = ranks[0]
             model = model_digest(tensors)
         else:
             r = self.post("/weights_checker", {"action": "checksum"})
@@ -110,6 +112,7 @@ class EngineProcess:
         return {
             "model": model,
             "tensors": tensors,
+            "ranks": ranks,
             "algorithm": algorithm_for(server["dialect"], server["device"]),
             "weight_version": server["weight_version"],
         }
@@ -132,6 +135,27 @@ class EngineProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+
+def assert_vllm_digests(got: dict[str, Any], state: Mapping[str, Any]) -> DigestCheck:
+    """A vLLM-dialect engine's checker (``EngineProcess.checksum()``) against the HF tensors
+    ``state`` in vLLM's layout (fused, one shard per rank): no tensor differs, none is missing
+    or unexpected, and, as on a real CPU vLLM, every linear weight is ``no_data`` and every
+    other tensor ``equal`` (so the overall verdict is ``unverified``)."""
+    from rollsafe.digest_check import compare_ranks
+    from rollsafe.engine_layout import EngineLayout, vllm_cpu_emptied, vllm_rank_digests
+
+    ranks = got["ranks"]
+    config = {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2}
+    layout = EngineLayout.from_config(config, tp_size=len(ranks))
+    want = vllm_rank_digests(state, layout)
+    check = compare_ranks(ranks, want)
+    prefix = "tp{}:" if len(ranks) > 1 else ""
+    names = [prefix.format(r) + n for r, digests in enumerate(want) for n in digests]
+    assert check.names("no_data") == sorted(n for n in names if vllm_cpu_emptied(n)), check
+    assert check.names("equal") == sorted(n for n in names if not vllm_cpu_emptied(n)), check
+    assert check.verdict == "unverified", check.summary()
+    return check
 
 
 def free_port() -> int:

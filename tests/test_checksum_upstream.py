@@ -37,6 +37,8 @@ from rollsafe.checksum import (
     tensor_digest,
     weights_checksum,
 )
+from rollsafe.engine_layout import EngineLayout, vllm_cpu_emptied, vllm_rank_digests
+from rollsafe.fleet.weights_check import read_config
 
 M32 = 0xFFFFFFFF
 M64 = (1 << 64) - 1
@@ -309,18 +311,39 @@ def test_vllm_weight_checker_shapes(
     vll: EngineProcess,
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
+    """As real vLLM 0.32 on CPU answers: vLLM's fused parameter names under the rank prefix,
+    SHA-256 of each parameter's bytes, and the empty-bytes digest for the linear weights."""
     state = hf_state(tiny_model_dir)
     r = vll.post("/weight_checker", {"action": "checksum"})
     assert r.status_code == 200, r.text
     checksums = r.json()["checksums"]
     assert set(r.json()) == {"checksums"}
-    assert checksums == {
-        f"dp0:pp0:pcp0:tp0:{n}": hashlib.sha256(
-            t.contiguous().view(-1).view(torch.uint8).numpy()
-        ).hexdigest()
-        for n, t in state.items()
+    fused = {
+        f"model.layers.{i}.self_attn.qkv_proj.weight": [
+            state[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"
+        ]
+        for i in range(2)
+    } | {
+        f"model.layers.{i}.mlp.gate_up_proj.weight": [
+            state[f"model.layers.{i}.mlp.{p}_proj.weight"] for p in ("gate", "up")
+        ]
+        for i in range(2)
     }
-    assert all(HEX64.match(v) for v in checksums.values())
+    stacked = {n.rsplit(".", 2)[0] + f".{p}_proj.weight" for n in fused for p in "qkv"} | {
+        n.rsplit(".", 2)[0] + f".{p}_proj.weight" for n in fused for p in ("gate", "up")
+    }
+    empty = hashlib.sha256(b"").hexdigest()
+    linear = (".qkv_proj.", ".o_proj.", ".gate_up_proj.", ".down_proj.")
+    want = {n: torch.cat(parts) for n, parts in fused.items()} | {
+        n: t for n, t in state.items() if n not in stacked
+    }
+    assert checksums == {
+        f"dp0:pp0:pcp0:tp0:{n}": empty
+        if any(m in n for m in linear)
+        else hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        for n, t in want.items()
+    }
+    assert len(checksums) == 15 and all(HEX64.match(v) for v in checksums.values())
     r = vll.post("/weight_checker", {"action": "compare", "baseline": checksums})
     assert r.json() == {"match": True, "mismatches": []}
     key = sorted(checksums)[0]
@@ -353,16 +376,25 @@ def test_vllm_reset_then_update_matches_trainer(
 ) -> None:
     assert vll.post("/weight_checker", {"action": "reset"}).json() == {"status": "reset"}
     state = hf_state(tiny_model_dir)
-    zeros = weights_checksum({n: torch.zeros_like(t) for n, t in state.items()}, "vllm")
+    layout = EngineLayout.from_config(read_config(tiny_model_dir))
+    zeros = vllm_rank_digests({n: torch.zeros_like(t) for n, t in state.items()}, layout)
     client = VLLMClient(vll.url)
     try:
         got = client.weights_checksum()
-        assert got.algorithm == "vllm" and dict(got.tensors) == zeros["tensors"]
+        assert got.algorithm == "vllm"
+        check = got.check(zeros)
+        assert check.verdict == "unverified" and not check.names("differs")
+        assert check.names("equal") == sorted(n for n in zeros[0] if not vllm_cpu_emptied(n))
+        assert got.check(vllm_rank_digests(state, layout)).verdict == "differs"
         # a weight update through vLLM's collective_rpc reload brings the model back
         r = vll.post("/collective_rpc", {"method": "reload_weights"})
         assert r.status_code == 200, r.text
         got = client.weights_checksum()
-        want = weights_checksum(state, got.algorithm)
-        assert dict(got.tensors) == want["tensors"] and got.model == want["model"]
+        check = got.check(vllm_rank_digests(state, layout))
+        assert check.verdict == "unverified", check.summary()
+        assert check.names("no_data") == sorted(n for n in zeros[0] if vllm_cpu_emptied(n))
+        assert check.counts() == {"equal": 7, "no_data": 8}
+        # the trainer's HF-named digests never pass for the fused layout
+        assert got.check(weights_checksum(state, "vllm")["tensors"]).verdict == "unverified"
     finally:
         client.close()

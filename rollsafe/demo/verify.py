@@ -2,7 +2,9 @@
 
 * :func:`check_start`: the engines start on the trainer's weights;
 * :func:`check_step`: after each step's sync, every ``active`` engine serves the trainer's
-  weights (its own digest; the trainer actor computes it);
+  weights (its own digest; the trainer actor computes it); a vLLM-dialect engine is checked
+  tensor by tensor in its own layout (``RolloutFleet.check_weights``): ``unverified`` where its
+  checker reported no data for some tensors (CPU linear weights) and none differed;
 * :func:`check_final`: once the recoveries finished, every group is ``active`` on the trainer's
   weights, the last version's export became ready, and no request was admitted to a
   non-``active`` group;
@@ -13,36 +15,72 @@ Any failure makes the demo exit with status 1.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollsafe.demo.state import DemoRun, StepRecord
 
+if TYPE_CHECKING:
+    from rollsafe.digest_check import DigestCheck
+
 __all__ = ["check_final", "check_recovered", "check_start", "check_step"]
+
+
+def _layout_checks(run: DemoRun) -> dict[str, DigestCheck | None]:
+    """Per-tensor checks (in each engine's layout) of the groups whose model digest cannot be
+    compared with the trainer's: vLLM-dialect engines (fused names; no data for linear
+    weights on CPU). Empty when every engine speaks SGLang's dialect (no weights fetched)."""
+    fleet = run.fleet
+    vllm = [g.group_id for g in fleet.registry.groups() if _dialect(g) == "vllm"]
+    if not vllm:
+        return {}
+    checks = fleet.check_weights(run.trainer.weights())
+    return {gid: checks.get(gid) for gid in vllm}
+
+
+def _dialect(group: Any) -> str | None:
+    client = group.client
+    return None if client is None else str(client.dialect)
+
+
+def _verdict(got: str | None, want: str, check: DigestCheck | None, layout: bool) -> str:
+    """``match``, ``MISMATCH`` or ``unverified (<summary>)`` for one active group."""
+    if not layout:
+        return "match" if got == want else "MISMATCH"
+    if check is None or check.verdict == "differs":
+        return "MISMATCH"
+    return "match" if check.equal else f"unverified ({check.summary()})"
 
 
 def check_start(run: DemoRun) -> None:
     """The engines start on the trainer's weights."""
     want = run.trainer.checksum()
     initial = run.fleet.checksums()
-    if any(v != want for v in initial.values()):
-        run.failures.append(f"step 0: engines do not start on the trainer's weights: {initial}")
+    layout = _layout_checks(run)
+    bad = {
+        gid: got
+        for gid, got in initial.items()
+        if _verdict(got, want, layout.get(gid), gid in layout) == "MISMATCH"
+    }
+    if bad:
+        run.failures.append(f"step 0: engines do not start on the trainer's weights: {bad}")
 
 
 def check_step(run: DemoRun, record: StepRecord) -> None:
     """Every ``active`` engine == the trainer after the step's sync; per group in the record
-    (``match``, ``MISMATCH`` or ``not serving (<state>)``)."""
+    (``match``, ``MISMATCH``, ``unverified (...)`` where the engine's checker reported no data
+    for some tensors and none differed, or ``not serving (<state>)``)."""
     step, fleet = record["step"], run.fleet
     with run.timed(f"verify checksums (engines, {run.who})"):
         want = run.trainer.checksum()
+        layout = _layout_checks(run)
         checks: dict[str, str] = {}
         for gid, got in fleet.checksums().items():
             state = fleet.registry.get(gid).state
             if state != "active":
                 checks[gid] = f"not serving ({state})"
-            elif got == want:
-                checks[gid] = "match"
-            else:
-                checks[gid] = "MISMATCH"
+                continue
+            checks[gid] = _verdict(got, want, layout.get(gid), gid in layout)
+            if checks[gid] == "MISMATCH":
                 run.failures.append(f"step {step}: {gid} serves {got}, trainer has {want}")
         record["checksums"] = checks
 
@@ -56,9 +94,11 @@ def check_final(run: DemoRun) -> None:
         fleet.wait_recoveries(timeout=120.0)
         final = fleet.checksums()
         want = run.trainer.checksum()
+        layout = _layout_checks(run)
         for gid, got in final.items():
             state = fleet.registry.get(gid).state
-            check = "match" if state == "active" and got == want else f"{state}/{got}"
+            verdict = _verdict(got, want, layout.get(gid), gid in layout)
+            check = "match" if state == "active" and verdict != "MISMATCH" else f"{state}/{got}"
             run.final_checks[gid] = check
             if check != "match":
                 run.failures.append(f"final: {gid} is {state} with checksum {got}, want {want}")

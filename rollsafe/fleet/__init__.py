@@ -20,7 +20,10 @@ What is here so far, in dependency order (each module imports only the ones abov
 * :mod:`~rollsafe.fleet.fleet`: :class:`RolloutFleet`, the one object a trainer embeds, built
   from a :class:`FleetConfig` (above all the others);
 * :mod:`~rollsafe.fleet.recovery`: :class:`RecoveryCoordinator`, recoveries on a bounded pool
-  (immediate from the ready export, targeted push, or deferred to the next sync).
+  (immediate from the ready export, targeted push, or deferred to the next sync);
+* :mod:`~rollsafe.fleet.weights_check`: an engine's checker against the trainer's tensors in the
+  engine's own layout (``RolloutFleet.check_weights``); the behavioural check beside it is
+  :mod:`rollsafe.probe`.
 """
 
 from rollsafe.fleet.fleet import (

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from rollsafe.adapters.engines import EngineLauncher, EngineSpec
+    from rollsafe.digest_check import DigestCheck
     from rollsafe.hf import HFExporter
     from rollsafe.observe.metrics import FleetMetrics
     from rollsafe.statemachines.base import TransitionRecord
@@ -773,14 +774,40 @@ class RolloutFleet:
 
     def checksums(self, timeout: float = 10.0) -> dict[str, str | None]:
         """Each group's engine model digest from its own weight checker (None if it did not
-        answer); compare with ``rollsafe.checksum.weights_checksum(w, algorithm)["model"]`` using
-        the algorithm the engine reports (``client.weights_checksum().algorithm``)."""
+        answer). Equal model digests say two engines of one kind report the same; against a
+        trainer use :meth:`check_weights` (per tensor, in the engine's layout, never "equal"
+        without data). ``rollsafe.checksum.weights_checksum(w, algorithm)["model"]`` equals
+        an SGLang-dialect engine's; vLLM reports fused parameter names and, on CPU, empty
+        digests for linear weights, so its model digest is not a trainer's."""
         out: dict[str, str | None] = {}
         for group in self.registry.groups():
             client = group.client
             try:
                 out[group.group_id] = (
                     client.weights_checksum(timeout=timeout).model if client else None
+                )
+            except Exception:
+                out[group.group_id] = None
+        return out
+
+    def check_weights(
+        self, weights: Mapping[str, torch.Tensor], timeout: float = 10.0
+    ) -> dict[str, DigestCheck | None]:
+        """Each group's engine checked against the trainer's HF-named ``weights``, tensor by
+        tensor in the engine's own layout (:mod:`rollsafe.fleet.weights_check`); None where
+        the engine did not answer. A verdict is ``"equal"`` only when every tensor carried data
+        and matched: vLLM on CPU reports no data for its linear weights (``"unverified"``,
+        those tensors ``no_data``); check those with :mod:`rollsafe.probe`."""
+        from rollsafe.fleet.weights_check import check_engine, read_config
+
+        cfg = self.config
+        config = read_config(cfg.template_dir if cfg.template_dir is not None else cfg.model_path)
+        out: dict[str, DigestCheck | None] = {}
+        for group in self.registry.groups():
+            client = group.client
+            try:
+                out[group.group_id] = (
+                    check_engine(client, weights, config, timeout=timeout) if client else None
                 )
             except Exception:
                 out[group.group_id] = None

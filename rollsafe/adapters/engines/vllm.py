@@ -252,6 +252,8 @@ class VLLMClient(HttpEngineClient):
         finish = None if reason is None else str(reason)
         spans = choice.get("weight_versions")
         version = None
+        if isinstance(choice.get("logprobs"), Mapping):  # asked for with "logprobs": k
+            meta["logprobs"] = choice["logprobs"]  # {tokens, token_logprobs, top_logprobs, ...}
         if isinstance(spans, list) and spans and isinstance(spans[-1], Mapping):
             version = spans[-1].get("version")
             meta["weight_versions"] = spans

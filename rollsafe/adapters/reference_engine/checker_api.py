@@ -17,17 +17,21 @@ the engine's device (:mod:`rollsafe.checksum`: GPU hash on CUDA, SHA-256 prefix 
 **vLLM** ``POST /weight_checker`` ``{"action": "checksum"|"reset"|"compare", "baseline"?}``:
 ``{"checksums": {"dp0:pp0:pcp0:tp<r>:<name>": sha256 hex}}``, ``{"status": "reset"}`` (every
 parameter zeroed), ``{"match": bool, "mismatches": [sorted keys]}``; errors are vLLM's
-``{"error": {"message", "type", "param", "code"}}`` with 400.
+``{"error": {"message", "type", "param", "code"}}`` with 400. The checksums are what vLLM 0.32
+reports (:func:`vllm_checker_answer`): vLLM's parameter names (fused ``qkv_proj`` and
+``gate_up_proj``), one TP shard per rank, and on a CPU engine the SHA-256 of empty bytes for
+the linear weights, exactly as a real CPU vLLM answers; a trainer's HF digests do not compare
+with them directly (:mod:`rollsafe.engine_layout`, :mod:`rollsafe.digest_check`).
 
 Stricter than upstream, on purpose (the suite must not pass where a real engine would fail):
 unknown body keys and values outside a field's domain are a 400 naming them (SGLang ignores
 nothing here either way; vLLM's FastAPI ignores unknown keys).
 
-The reference engine differs in what a rank's entry covers: its trunk is replicated and its
-``lm_head`` rows are split across ranks in its own (not SGLang's/vLLM's) layout, so every rank's
-entry is computed on the driver from the replicated trunk and the gathered full ``lm_head``:
-all ranks report the full model, and a trainer's digest of its full weights compares directly.
-A real engine with TP > 1 reports each rank's shards instead.
+The SGLang checker differs in what a rank's entry covers: the reference engine's trunk is
+replicated and its ``lm_head`` rows are split across ranks in its own (not SGLang's) layout, so
+every rank's entry is computed on the driver from the replicated trunk and the gathered full
+``lm_head``: all ranks report the full model under HF names, and a trainer's digest of its full
+weights compares directly. A real SGLang with TP > 1 reports each rank's shards instead.
 """
 
 from __future__ import annotations
@@ -39,8 +43,15 @@ from aiohttp import web
 from rollsafe.adapters.reference_engine.errors import BadRequest
 from rollsafe.adapters.reference_engine.server import await_future, ctx_of, parse_json
 from rollsafe.checksum import overall_checksum, per_engine_checksum
+from rollsafe.engine_layout import (
+    EMPTY_SHA256,
+    EngineLayout,
+    checker_key,
+    vllm_cpu_emptied,
+    vllm_rank_digests,
+)
 
-__all__ = ["SGLANG_ACTIONS", "VLLM_ACTIONS", "routes"]
+__all__ = ["SGLANG_ACTIONS", "VLLM_ACTIONS", "routes", "vllm_checker_answer"]
 
 SGLANG_ACTIONS = ("checksum", "snapshot", "reset_tensors", "compare")
 SGLANG_SELECTORS = ("target", "draft", "all")
@@ -159,6 +170,22 @@ def _vllm_error(message: str, param: str | None = None, status: int = 400) -> we
     )
 
 
+def vllm_checker_answer(engine: Any) -> dict[str, str]:
+    """Driver thread only: vLLM's ``checksums`` object for this engine's weights, as vLLM 0.32
+    reports it (:mod:`rollsafe.engine_layout`): fused ``qkv_proj`` / ``gate_up_proj``, each TP
+    rank's shard under ``dp0:pp0:pcp0:tp<r>:``, and on a CPU engine the empty-bytes digest for
+    every linear weight (real vLLM empties them after prepacking on CPU)."""
+    world = engine.ranks.world_size
+    layout = EngineLayout.from_config(engine.ranks.local.model.config, tp_size=world)
+    ranks = vllm_rank_digests(engine.full_named_tensors(), layout)
+    on_cpu = engine.device.type == "cpu"
+    return {
+        checker_key(name, r): EMPTY_SHA256 if on_cpu and vllm_cpu_emptied(name) else digest
+        for r, digests in enumerate(ranks)
+        for name, digest in digests.items()
+    }
+
+
 async def weight_checker(request: web.Request) -> web.Response:
     """vLLM ``/weight_checker``: checksum | reset | compare (``baseline``)."""
     engine = ctx_of(request).engine
@@ -189,12 +216,7 @@ async def weight_checker(request: web.Request) -> web.Response:
         return web.json_response({"status": "reset"})
     if action == "compare" and baseline is None:
         return _vllm_error("action='compare' requires a 'baseline' object")
-    digest = await await_future(engine.checksum("vllm"))
-    checksums = {
-        f"dp0:pp0:pcp0:tp{r}:{name}": value
-        for r in range(engine.ranks.world_size)
-        for name, value in digest["tensors"].items()
-    }
+    checksums = await await_future(engine.submit(lambda: vllm_checker_answer(engine)))
     if action == "checksum":
         return web.json_response({"checksums": checksums})
     assert baseline is not None

@@ -1,0 +1,70 @@
+"""Checking an engine's weights against the trainer's, in the engine's own layout.
+
+:func:`expected_digests` computes, from HF-named tensors, what an engine's checker reports when
+it holds exactly those weights: SGLang's per-tensor digests under HF names (the reference
+engine's layout; a real SGLang fuses like vLLM, not covered yet), vLLM's fused, TP-sharded
+parameters (:mod:`rollsafe.engine_layout`). :func:`check_engine` asks the engine and compares
+(:mod:`rollsafe.digest_check`): its verdict is ``"equal"`` only when every tensor carried data
+and matched; vLLM on CPU reports no data for its linear weights, so there the verdict is
+``"unverified"`` at best, and the behavioural probe (:mod:`rollsafe.probe`) is the check that
+covers them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollsafe.checksum import weights_checksum
+from rollsafe.digest_check import DigestCheck
+from rollsafe.engine_layout import EngineLayout, vllm_rank_digests
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollsafe.ports import EngineClient, WeightsChecksum
+
+__all__ = ["check_engine", "expected_digests", "read_config"]
+
+
+def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """``config.json`` of an HF model directory, as a dict (the layout is read from it)."""
+    path = Path(model_dir) / "config.json"
+    with path.open() as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return config
+
+
+def expected_digests(
+    weights: Mapping[str, torch.Tensor],
+    reported: WeightsChecksum,
+    config: Mapping[str, Any],
+    *,
+    dialect: str,
+) -> list[dict[str, str]]:
+    """What an engine of ``dialect`` that reported ``reported`` would report for ``weights``:
+    one ``{name: digest}`` per rank for vLLM (TP size: the ranks it reported), one merged
+    mapping for SGLang (HF names, ``reported.algorithm``)."""
+    if dialect == "vllm":
+        tp = max(1, len(reported.ranks))
+        layout = EngineLayout.from_config(config, tp_size=tp)
+        return list(vllm_rank_digests(weights, layout))
+    return [dict(weights_checksum(weights, reported.algorithm)["tensors"])]
+
+
+def check_engine(
+    client: EngineClient,
+    weights: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    *,
+    timeout: float | None = None,
+) -> DigestCheck:
+    """Ask ``client``'s checker and compare with ``weights`` in its layout (raises the client's
+    ``EngineError`` when it does not answer)."""
+    reported = client.weights_checksum(timeout=timeout)
+    return reported.check(expected_digests(weights, reported, config, dialect=client.dialect))
