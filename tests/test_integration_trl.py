@@ -101,21 +101,25 @@ def _reward(completions: list[str], **_: Any) -> list[float]:
     return [len(c) / 10.0 for c in completions]
 
 
-def _trainer_digest(model: Any, algorithm: str) -> str | None:
-    weights = {n: p.detach() for n, p in model.named_parameters()}
+def _digest(weights: Any, algorithm: str) -> str | None:
     return weights_checksum(weights, algorithm)["model"]
 
 
-def _engine_checks(fleet: RolloutFleet, model: Any) -> dict[str, tuple[str, bool | None]]:
-    """Per group: (state, whether its engine's digest equals the trainer's; None: not asked)."""
+def _engine_checks(fleet: RolloutFleet, weights: Any) -> dict[str, tuple[str, bool | None]]:
+    """Per group: (state, whether its engine's digest equals that of ``weights``, computed with
+    the algorithm the engine reports; None: not serving, not asked)."""
     out: dict[str, tuple[str, bool | None]] = {}
     for group in fleet.registry.groups():
         if group.state != "active" or group.client is None:
             out[group.group_id] = (group.state, None)
             continue
         got = group.client.weights_checksum(timeout=30)
-        out[group.group_id] = (group.state, got.model == _trainer_digest(model, got.algorithm))
+        out[group.group_id] = (group.state, got.model == _digest(weights, got.algorithm))
     return out
+
+
+def _snapshot(model: Any) -> dict[str, Any]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 # ---- the run -----------------------------------------------------------------------------
@@ -136,9 +140,13 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
         **ENGINE_KINDS[engine_kind],
     )
     syncs: list[tuple[int, dict[str, tuple[str, bool | None]]]] = []
+    synced = [_snapshot(model)]  # the weights of the fleet's version (0: the start checkpoint)
     killed: dict[str, int] = {}
     with RolloutFleet(config) as fleet:
-        assert _engine_checks(fleet, model) == {"g0": ("active", True), "g1": ("active", True)}
+        assert _engine_checks(fleet, synced[-1]) == {
+            "g0": ("active", True),
+            "g1": ("active", True),
+        }
         trainer_box: list[Any] = []
 
         def on_progress(gid: str, tokens: int) -> None:
@@ -149,7 +157,8 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
                     os.kill(pid, signal.SIGKILL)
 
         def on_sync(report: SyncReport) -> None:
-            syncs.append((report.version, _engine_checks(fleet, model)))
+            synced.append(_snapshot(model))
+            syncs.append((report.version, _engine_checks(fleet, synced[-1])))
 
         trainer = RollsafeGRPOTrainer(
             model=model,
@@ -166,7 +175,7 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
         fleet.router.on_progress = None
         generation = trainer.fleet_generation
         assert fleet.wait_recoveries(timeout=120)
-        final = _engine_checks(fleet, model)
+        final = _engine_checks(fleet, synced[-1])
 
     # training finished, the loss is finite
     assert trainer.state.global_step == STEPS
@@ -199,7 +208,8 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
     assert all(h.get("rollsafe/off_policy_tokens", 0.0) == 0.0 for h in trainer.state.log_history)
 
     # after every sync, every serving engine holds the trainer's weights; a group that was not
-    # serving (recovering from the crash) is back on them at the end
+    # serving (recovering from the crash) is back on exactly the last synced version at the end
+    # (TRL syncs before generating, so the last optimizer step is never pushed)
     for version, checks in syncs:
         serving = {g: ok for g, (state, ok) in checks.items() if state == "active"}
         assert serving and all(serving.values()), (version, checks)
@@ -259,6 +269,7 @@ class _StubFleet:
         self.results = list(results or [])
         self.ok = ok
         self.synced: list[tuple[list[str], int]] = []
+        self.tensors: list[dict[str, torch.Tensor]] = []
         self._lock = threading.Lock()
 
     def generate(self, ids: list[int], **_: Any) -> RoutedResult:
@@ -266,7 +277,9 @@ class _StubFleet:
             return self.results.pop(0)
 
     def sync_weights(self, named: Any, version: int, **_: Any) -> SyncReport:
+        named = list(named)
         self.synced.append(([n for n, _ in named], version))
+        self.tensors.append(dict(named))
         report = SyncReport(version, ok=self.ok, error=None if self.ok else "register failed")
         if self.ok:
             self.registry.fleet_version = version
@@ -347,3 +360,31 @@ def test_sync_pushes_the_step_once_and_raises_a_failed_sync(
     with pytest.raises(FleetSyncFailed, match="version 1 failed: register failed") as info:
         gen.sync_weights()
     assert info.value.report.version == 1 and gen.fleet_version == 0  # not swallowed
+
+
+def test_pushed_weights_are_a_snapshot_that_a_fused_optimizer_step_cannot_change(
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """A fused optimizer (the Trainer's ``adamw_torch_fused`` default) changes parameters
+    without bumping their version counters, so the transports' ``StaleRegistration`` guard
+    cannot see it: the registered tensors must be a copy, or a recovered group's targeted push
+    would carry newer weights under the old version (the SIGKILL test caught exactly that)."""
+    model, _ = _model(tiny_model_dir)
+    step = [1]
+    fleet = _StubFleet()
+    _generation(fleet, model, step).sync_weights()
+    pushed = fleet.tensors[0]
+    before = {n: t.clone() for n, t in pushed.items()}
+    versions = {n: p._version for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed, "the optimizer step changed nothing"
+    assert all(p._version == versions[n] for n, p in model.named_parameters())  # unseen
+    assert all(torch.equal(pushed[n], before[n]) for n in pushed)  # the snapshot held
+    live = _StubFleet()
+    _generation(live, model, step, snapshot_weights=False).sync_weights()
+    params = dict(model.named_parameters())
+    assert all(t.data_ptr() == params[n].data_ptr() for n, t in live.tensors[0].items())

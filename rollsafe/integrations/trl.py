@@ -182,7 +182,9 @@ class FleetGeneration(VLLMGeneration):
     ``fleet.sync_weights`` (None: requests are not paused, there are none during TRL's sync);
     ``history_size`` bounds :attr:`history`; ``on_generation(record)`` is called on every
     process after each generation, ``on_sync(report)`` on the main process after each sync
-    that published its version (check the engines' weights there: ``fleet.checksums()``).
+    that published its version (check the engines' weights there: ``fleet.checksums()``);
+    ``snapshot_weights`` (default True) pushes a copy of the parameters (see
+    :meth:`_named_tensors`).
     """
 
     def __init__(
@@ -207,6 +209,7 @@ class FleetGeneration(VLLMGeneration):
         history_size: int = 10_000,
         on_generation: Callable[[GenerationRecord], None] | None = None,
         on_sync: Callable[[SyncReport], None] | None = None,
+        snapshot_weights: bool = True,
     ) -> None:
         from accelerate.utils import broadcast_object_list
         from trl.distributed import DistributedBackend
@@ -244,6 +247,7 @@ class FleetGeneration(VLLMGeneration):
         self.pause_mode = pause_mode
         self.on_generation = on_generation
         self.on_sync = on_sync
+        self.snapshot_weights = snapshot_weights
         #: one record per generation (this process's completions), oldest first
         self.history: deque[GenerationRecord] = deque(maxlen=history_size)
         #: this process's completions of the last generation, in TRL's order
@@ -296,13 +300,26 @@ class FleetGeneration(VLLMGeneration):
             self.on_sync(report)
 
     def _named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """TRL's own parameter walk (names as vLLM expects them; ZeRO-3/FSDP gathered, PEFT
-        merged), copied when the tensor is only valid while the walk holds it."""
+        """The parameters under the names vLLM expects, as TRL's backend walks them
+        (ZeRO-3/FSDP gathered, PEFT adapters merged).
+
+        Each tensor is copied unless ``snapshot_weights=False``: ``ipc`` and ``nccl`` read the
+        registered tensors again when a recovered group gets a targeted push, and their guard
+        against in-place changes reads the version counter, which fused optimizers
+        (``torch.optim.AdamW(fused=True)``, the Trainer's ``adamw_torch_fused`` default) do not
+        bump: without the copy such a push would send newer weights under this version.
+        ``snapshot_weights=False`` (no copy) is for plain models with an optimizer that bumps
+        version counters; sharded and PEFT models are always copied (the walk's tensors are
+        only valid while it holds them)."""
         from accelerate.utils import is_peft_model
 
-        transient = self._dist.is_zero3 or self._dist.is_fsdp or is_peft_model(self.model)
-        for name, tensor in self._iter_named_params():  # type: ignore[no-untyped-call]
-            yield name, (tensor.detach().clone() if transient else tensor.detach())
+        sharded = self._dist.is_zero3 or self._dist.is_fsdp or is_peft_model(self.model)
+        if sharded or self.snapshot_weights:
+            for name, tensor in self._iter_named_params():  # type: ignore[no-untyped-call]
+                yield name, tensor.detach().clone()
+            return
+        for name, param in self.model.named_parameters():
+            yield self._fix_param_name_to_vllm(name), param.detach()  # shares _version
 
     def generate(
         self,
