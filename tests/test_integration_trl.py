@@ -253,7 +253,7 @@ def test_streamed_logprobs_are_the_sampling_distribution(
                 lps,
                 want,
             )
-            plain = client.generate(prompt, sampling_params={**params, "seed": 3})
+            plain = client.generate(prompt, sampling_params={**params, "sampling_seed": 3})
             assert plain.output_logprobs is not None
             assert len(plain.output_logprobs) == len(plain.output_ids) == 10
         without = list(client.generate_stream(prompt, sampling_params={"max_new_tokens": 3}))
@@ -270,10 +270,12 @@ class _StubFleet:
         self.ok = ok
         self.synced: list[tuple[list[str], int]] = []
         self.tensors: list[dict[str, torch.Tensor]] = []
+        self.requests: list[tuple[list[int], dict[str, Any]]] = []
         self._lock = threading.Lock()
 
-    def generate(self, ids: list[int], **_: Any) -> RoutedResult:
+    def generate(self, ids: list[int], **kw: Any) -> RoutedResult:
         with self._lock:
+            self.requests.append((ids, kw["sampling_params"]))
             return self.results.pop(0)
 
     def sync_weights(self, named: Any, version: int, **_: Any) -> SyncReport:
@@ -310,8 +312,13 @@ def _routed(ids: list[int], lps: tuple[float | None, ...] | None, gid: str = "g0
 def test_generate_returns_trls_shapes_with_provenance(tiny_model_dir: Path) -> None:  # noqa: F811
     model, _ = _model(tiny_model_dir)
     fleet = _StubFleet([_routed([5, 6], (-0.5, -1.5)), _routed([7], (None,), "g1")])
-    gen = _generation(fleet, model, [0])
+    gen = _generation(fleet, model, [0], generation_kwargs={"seed": 5})
     prompt_ids, completion_ids, logprobs, token_ids = gen.generate([[1, 2], [1, 2]], None, 2)
+    sent = sorted(fleet.requests, key=lambda r: r[1]["sampling_seed"])
+    assert [ids for ids, _ in sent] == [[1, 2], [1, 2]]  # the unique prompt, twice
+    assert [sp["sampling_seed"] for _, sp in sent] == [5, 6]  # two samples, not one twice
+    assert all(sp["return_logprob"] and sp["max_new_tokens"] == 4 for _, sp in sent)
+    assert all("seed" not in sp and sp["top_k"] == -1 for _, sp in sent)
     assert prompt_ids == [[1, 2], [1, 2]]
     assert completion_ids == [[5, 6], [7]]
     assert logprobs == [[[-0.5], [-1.5]], [[None]]]  # a null from the engine stays None

@@ -372,9 +372,11 @@ class FleetGeneration(VLLMGeneration):
         for prompt in unique:
             for _ in range(n):
                 params = dict(base)
-                seed = params.get("seed")
+                # rollsafe's seed key (the vLLM client sends it as ``seed``); request i gets
+                # seed + i: n samples, not n copies of one
+                seed = params.pop("seed", params.get("sampling_seed"))
                 if isinstance(seed, int) and not isinstance(seed, bool):
-                    params["seed"] = seed + len(jobs)  # n samples, not n copies of one
+                    params["sampling_seed"] = seed + len(jobs)
                 jobs.append(([int(t) for t in prompt], params))
         workers = min(self.max_concurrency, max(1, len(jobs)))
         with concurrent.futures.ThreadPoolExecutor(workers, "rollsafe-trl") as pool:
