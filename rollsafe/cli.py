@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollsafe.policy import ENGINE_TRAITS
+
 __all__ = ["main"]
 
 
@@ -43,9 +45,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         ranks=args.ranks,
         restart_budget=args.restart_budget,
         rearm_after=args.rearm_after,
+        engine=args.engine,
     )
+    traits = config.traits
     print(
         f"exploring the composed fleet model: {config.groups} groups x {config.ranks} ranks,"
+        f" {traits.kind} engines (a failed update "
+        f"{'keeps' if traits.failed_update_keeps_weights else 'loses'} the old weights),"
         f" depth {args.depth}, real machines and policy"
         f" ({len(INVARIANTS)} invariants of rollsafe.invariants in every state)",
         flush=True,
@@ -130,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--restart-budget", type=int, default=2)
     p.add_argument("--rearm-after", type=int, default=2)
+    p.add_argument(
+        "--engine",
+        choices=sorted({kind for kind, _ in ENGINE_TRAITS}),
+        default="vllm",
+        help="whose failure semantics to explore (default vllm: a failed update loses the "
+        "weights; reference: its SGLang dialect keeps them)",
+    )
     p.add_argument("--max-states", type=int, default=None, help="stop after this many states")
     p.add_argument("--all-violations", action="store_true", help="keep going after the first")
     p.add_argument("--show", type=int, default=3, help="counterexamples to print")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "INVARIANTS",
+    "POISONED",
     "ExportPicture",
     "FleetPicture",
     "GroupPicture",
@@ -33,8 +34,15 @@ __all__ = [
     "recorded_versions_are_true",
     "recovery_never_on_health_thread",
     "routable_iff_active",
+    "unknown_weights_taken_out",
     "whole_group_transitions",
 ]
+
+
+#: ``MemberPicture.true_version`` of a live engine whose update failed on an engine kind that
+#: keeps no weights then (vLLM, SGLang): it holds nothing known, answers ``/health``, and dies
+#: on its next forward pass.
+POISONED = -1
 
 
 @dataclass(frozen=True)
@@ -259,6 +267,21 @@ def recovery_never_on_health_thread(p: FleetPicture) -> list[str]:
     ]
 
 
+def unknown_weights_taken_out(p: FleetPicture) -> list[str]:
+    """A group with a live member that holds unknown weights (an update failed on an engine
+    that keeps none, :data:`POISONED`) is out of routing and in recovery (``inactive``,
+    ``recovering``) or retired: never ``active`` on the word of ``/health``, never left
+    ``pending_weights`` for a push into an engine that cannot take one."""
+    out = []
+    for g in p.groups:
+        if g.state in ("inactive", "recovering", "retired"):
+            continue
+        bad = [m.rank for m in g.members if m.alive and m.true_version == POISONED]
+        if bad:
+            out.append(f"{g.group_id} is {g.state} although r{bad} hold unknown weights")
+    return out
+
+
 def policy_agrees_with_machines(p: FleetPicture) -> list[str]:
     """Every event the policy decided was taken by its machine: a decision a guard refuses
     means the policy and the machines disagree."""
@@ -277,6 +300,7 @@ INVARIANTS: tuple[Callable[[FleetPicture], list[str]], ...] = (
     immediate_recovery_rearms,
     fleet_version_never_decreases,
     recovery_never_on_health_thread,
+    unknown_weights_taken_out,
     policy_agrees_with_machines,
 )
 

@@ -35,7 +35,10 @@ from rollsafe.statemachines.events import (
 )
 
 __all__ = [
+    "ENGINE_TRAITS",
     "SENDERS",
+    "UNKNOWN_ENGINE",
+    "EngineTraits",
     "ExportFacts",
     "ExportJudgement",
     "ExportVerdict",
@@ -56,6 +59,7 @@ __all__ = [
     "after_push",
     "after_restart",
     "choose_strategy",
+    "engine_traits",
     "gate_recovery",
     "judge_export",
     "judge_probe",
@@ -100,6 +104,52 @@ def sends(component: str, module: str, **machines: Sequence[AnyEvent]) -> Callab
         return fn
 
     return declare
+
+
+# ====================================================================== engine kinds
+@dataclass(frozen=True)
+class EngineTraits:
+    """What an engine kind does when a weight update fails, and whether an update must run
+    paused: facts of the engine read from its source and checked on the real server
+    (``docs/engines.md``, "How engines fail"), which the decisions below and ``rollsafe
+    verify`` read.
+
+    ``failed_update_keeps_weights``: a refused or failed update leaves the weights the engine
+    served before (the reference engine's SGLang dialect stages every tensor and applies all
+    or nothing). False for every real engine: vLLM 0.32 answers 500 to a failed
+    ``reload_weights`` or update, keeps answering ``/health``, and dies on its next forward
+    pass; SGLang 0.5.23's ``update_weights_from_disk`` points the model at the new path before
+    loading, so its rollback re-reads the new files. Such a group is never trusted again on
+    the word of ``/health``: it is taken out of routing and restarted.
+
+    ``update_needs_pause``: a request that reaches the engine between the start and the end
+    of an update kills it (vLLM), so every update runs with generation paused.
+    """
+
+    kind: str
+    failed_update_keeps_weights: bool
+    update_needs_pause: bool
+
+
+#: (engine kind, HTTP dialect) -> its traits. ``None`` as dialect: any dialect of that kind.
+ENGINE_TRAITS: dict[tuple[str, str | None], EngineTraits] = {
+    ("reference", "sglang"): EngineTraits("reference-sglang", True, False),
+    ("reference", "vllm"): EngineTraits("reference-vllm", False, True),
+    ("sglang", None): EngineTraits("sglang", False, False),
+    ("vllm", None): EngineTraits("vllm", False, True),
+}
+#: an engine rollsafe knows nothing about: the careful answer to both questions
+UNKNOWN_ENGINE = EngineTraits("unknown", False, True)
+
+
+def engine_traits(kind: str | None, dialect: str | None = None) -> EngineTraits:
+    """The traits of engine ``kind`` (``"reference"``, ``"sglang"``, ``"vllm"``) speaking
+    ``dialect``; an unknown kind gets :data:`UNKNOWN_ENGINE` (keeps nothing, needs a pause)."""
+    kind = kind or "reference"
+    found = ENGINE_TRAITS.get((kind, dialect)) or ENGINE_TRAITS.get((kind, None))
+    if found is None and kind == "reference":
+        found = ENGINE_TRAITS.get((kind, "sglang"))
+    return found or UNKNOWN_ENGINE
 
 
 # ====================================================================== health
@@ -295,13 +345,17 @@ def plan_push(published: tuple[str, int] | None, fleet_version: int, state: str)
 @sends(
     "RecoveryCoordinator",
     "rollsafe/fleet/recovery.py",
-    WorkerGroupLifecycle=(GroupEvent.WEIGHTS_LOADED,),
+    WorkerGroupLifecycle=(GroupEvent.WEIGHTS_LOADED, GroupEvent.FAIL),
 )
-def after_push(rank_ok: Mapping[int, bool], version: int) -> tuple[GroupEvent, ...]:
-    """A targeted push ended: ``weights_loaded`` only when every rank of the group loaded it."""
+def after_push(
+    rank_ok: Mapping[int, bool], version: int, *, keeps_weights: bool = True
+) -> tuple[GroupEvent, ...]:
+    """A targeted push ended: ``weights_loaded`` only when every rank of the group loaded it.
+    A failed push leaves the group waiting for the next sync when the engine kept the weights
+    it had (``keeps_weights``); otherwise its weights are unknown: ``fail`` (restart it)."""
     if rank_ok and all(rank_ok.values()):
         return (GroupEvent.WEIGHTS_LOADED,)
-    return ()
+    return () if keeps_weights else (GroupEvent.FAIL,)
 
 
 # ====================================================================== sync
@@ -348,6 +402,8 @@ class GroupFacts:
     state: str
     ranks: tuple[int, ...]
     unhealthy: tuple[int, ...] = ()
+    #: :attr:`EngineTraits.failed_update_keeps_weights` of the group's engine (careful default)
+    keeps_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -408,8 +464,10 @@ def settle_update(
     A group counts as updated only if every one of its ranks loaded N and it did not move while
     we pushed (``moved``: a new incarnation; never credit it). Only updated groups record N.
     Failed groups are sent ``fail`` and handed to recovery (``"fail"``) or, if active, marked
-    stale (``"stale"``); active groups not updated are marked stale; pending groups updated are
-    sent ``weights_loaded``. The fleet version becomes N.
+    stale (``"stale"``, only for an engine that keeps its weights after a failed update:
+    :attr:`GroupFacts.keeps_weights`; any other failed group holds unknown weights and is
+    failed and recovered whatever the setting); active groups not updated are marked stale;
+    pending groups updated are sent ``weights_loaded``. The fleet version becomes N.
     """
     moved_set = set(moved)
     updated: list[str] = []
@@ -426,7 +484,7 @@ def settle_update(
     recover: list[str] = []
     by_id = {g.group_id: g for g in groups}
     for gid in failed:
-        if on_failure == "fail":
+        if on_failure == "fail" or not by_id[gid].keeps_weights:
             events.append((gid, GroupEvent.FAIL))
             recover.append(gid)
         elif by_id[gid].state == "active":

@@ -1,4 +1,4 @@
-"""Shared test configuration: hypothesis profiles and the GPU marker.
+"""Shared test configuration: hypothesis profiles, the GPU marker, the real engine's interpreter.
 
 Profiles (``HYPOTHESIS_PROFILE``): ``ci`` (default) runs at least 300 examples per machine and 200
 for the composed model; ``thorough`` runs ten times that. Tests scale their own example counts by
@@ -43,6 +43,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The real vLLM's interpreter (``tests/real_vllm.py``): skip without it, fail under CI."""
+    from real_vllm import require_vllm_python
+
+    return require_vllm_python()
 
 
 @pytest.fixture

@@ -141,6 +141,32 @@ def subset_recorded_fleet_wide(
     return replace(right, record_version=everyone, events=events)
 
 
+def stale_trusts_a_failed_engine(
+    version: int,
+    groups: Sequence[policy.GroupFacts],
+    targeted: Sequence[str],
+    rank_ok: Mapping[str, Mapping[int, bool]],
+    moved: Sequence[str] = (),
+    on_failure: policy.UpdateFailurePolicy = "fail",
+) -> policy.Settlement:
+    """Bug: every engine is assumed to keep its old weights after a failed update, so under
+    ``"stale"`` a vLLM group whose update failed waits in ``pending_weights`` (its ``/health``
+    still answers) instead of being restarted."""
+    trusting = [replace(g, keeps_weights=True) for g in groups]
+    return _settle(version, trusting, targeted, rank_ok, moved, on_failure)
+
+
+_after_push = policy.after_push
+
+
+def failed_push_left_pending(
+    rank_ok: Mapping[int, bool], version: int, *, keeps_weights: bool = True
+) -> tuple[policy.GroupEvent, ...]:
+    """Bug: a failed targeted push leaves the group waiting for the next sync, whatever the
+    engine kind (a vLLM engine's weights are unknown after it)."""
+    return _after_push(rank_ok, version, keeps_weights=True)
+
+
 _ORIGINALS: dict[str, Callable[..., Any]] = {
     name: getattr(policy, name)
     for name in ("settle_update", "judge_probe", "proceed_after_register", "plan_retention",
@@ -169,6 +195,14 @@ POLICY_MUTANTS: dict[str, tuple[str, Callable[..., Any], ModelConfig]] = {
         "choose_strategy", late_export_for_recovery, ModelConfig(groups=1, ranks=1),
     ),
     "version_pushed_to_a_subset_recorded_fleet_wide": (
-        "settle_update", subset_recorded_fleet_wide, ModelConfig(groups=1, ranks=2),
+        # reached through a "stale" group, which only an engine that keeps its weights has
+        "settle_update", subset_recorded_fleet_wide,
+        ModelConfig(groups=1, ranks=2, engine="reference"),
+    ),
+    "stale_policy_trusts_a_failed_vllm_engine": (
+        "settle_update", stale_trusts_a_failed_engine, ModelConfig(groups=1, ranks=1),
+    ),
+    "failed_push_left_pending_on_vllm": (
+        "after_push", failed_push_left_pending, ModelConfig(groups=1, ranks=1),
     ),
 }  # fmt: skip

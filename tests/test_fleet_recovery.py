@@ -31,6 +31,7 @@ from engine_helpers import (
 from fleet_sim import SimEngineClient, bring_up, make_fleet
 from transport_helpers import Trainer
 
+import rollsafe.policy as policy
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, EngineUnavailable
 from rollsafe.fleet import (
     FleetRegistry,
@@ -336,6 +337,34 @@ def test_failed_push_defers_and_a_sync_may_finish_the_job(sim: SimFleet) -> None
     sync = SyncCoordinator(sim.reg, sim.transport)
     report = sync.sync(sim_tensors(2), 2)
     assert report.weights_loaded == ["g1"] and sim.reg.get("g1").state == "active"
+
+
+def test_failed_push_into_an_engine_that_keeps_no_weights_restarts_it(sim: SimFleet) -> None:
+    """vLLM (and SGLang) keep no known weights after a failed update and still answer
+    /health: the group is failed and restarted again, never left waiting for a push."""
+    sim.register(1)
+    sim.transport.fail = {"g1"}
+    # the second restart's push succeeds
+    sim.handles["g1"].on_restart = lambda kw: (
+        sim.transport.fail.clear() if len(sim.handles["g1"].calls) == 2 else None
+    )
+    vllm = policy.engine_traits("vllm")
+    rc = sim.coordinator(mode=None, traits_for=lambda _group: vllm)
+    fail_group(sim.reg, "g1")
+    result = rc.submit("g1").result(WAIT_S)
+    assert result.status == "active" and result.attempts == 2, result
+    assert len(sim.handles["g1"].calls) == 2 and sim.transport.pushed == ["g1", "g1"]
+    # after the failed push the group went out of routing and back to a restart
+    states = [r.target for r in sim.reg.get("g1").machine.history]
+    at = states.index("recovering")
+    assert states[at : at + 5] == [
+        "recovering",
+        "pending_weights",
+        "inactive",
+        "recovering",
+        "pending_weights",
+    ], states
+    assert sim.reg.get("g1").state == "active"
 
 
 def test_budget_exhaustion_retires_and_the_fleet_goes_on(tmp_path: Path) -> None:

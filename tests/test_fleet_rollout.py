@@ -68,7 +68,9 @@ def test_transport_settings_are_typed_and_the_flat_keywords_fold_into_them(
     from rollsafe.fleet.settings import TRANSPORT_SETTINGS
 
     # each built-in transport: one settings class that builds it, and a FleetConfig field
-    assert set(TRANSPORTS) == {"ipc", "nccl", "checkpoint_engine"} <= set(TRANSPORT_SETTINGS)
+    assert (
+        set(TRANSPORTS) == {"ipc", "nccl", "checkpoint_engine", "disk"} <= set(TRANSPORT_SETTINGS)
+    )
     fields = {f.name: f for f in dataclasses.fields(FleetConfig)}
     for name in TRANSPORTS:
         cls = TRANSPORT_SETTINGS[name]
@@ -230,3 +232,38 @@ def test_nccl_fleet_takes_its_backend_and_bucket_size(
         assert tr.resolved_backend() == "gloo"  # None: chosen by the weights' device (CPU)
         assert len(tr.plans) > 1  # the small buckets were used
         assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
+
+
+def test_disk_fleet_loads_each_version_from_its_own_export(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rollsafe.fleet import DiskSettings
+    from rollsafe.transports import DiskTransport
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    cfg = config(
+        tiny_model_dir,
+        tmp_path,
+        groups=[GroupSpec(1), GroupSpec(1)],
+        transport=DiskSettings(export_timeout_s=60.0),
+    )
+    assert cfg.transport == "disk" and cfg.disk.export_timeout_s == 60.0
+    with RolloutFleet(cfg) as fleet:
+        assert isinstance(fleet.transport, DiskTransport)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.03)
+        weights = {n: p.detach() for n, p in model.named_parameters()}
+        report = fleet.sync_weights(weights, 1)
+        assert report.ok and report.updated == ["g0", "g1"], report
+        # the sync wrote the export once, loaded both groups from it, and did not export again
+        assert report.export_started and report.export_error is None
+        assert fleet.exporter is not None and fleet.exporter.latest_ready(1) is not None
+        want = weights_checksum(weights)["model"]
+        assert fleet.checksums() == {"g0": want, "g1": want}
+    with pytest.raises(FleetConfigError) as info:
+        DiskSettings(request_timeout_s=0)
+    assert info.value.key == "disk.request_timeout_s"

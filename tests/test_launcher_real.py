@@ -10,6 +10,7 @@ scripts that exit early or never become healthy. Every test checks nothing is le
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -33,6 +34,14 @@ from rollsafe.adapters.engines import (
     VLLMClient,
 )
 from rollsafe.adapters.engines.launcher import API_KEY_FILE_PLACEHOLDER
+from rollsafe.adapters.engines.vllm_cpu import (
+    ROLLSAFE_GLOO_BACKEND,
+    VLLM_LEGACY_SERVER_MODULE,
+    VLLM_SERVER_MODULE,
+    available_cores,
+    deal_cores,
+    vllm_server_module,
+)
 
 # ------------------------------------------------------------------------- upstream flag data
 # "flag": (takes a value?, allowed values or None). Only flags the launcher emits or documents.
@@ -80,6 +89,7 @@ VLLM_LOAD_FORMATS = (
     "sharded_state", "tensorizer",
 )  # fmt: skip
 VLLM_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
+    "--model": (True, None),  # engine/arg_utils.py (the API server module has no positional)
     "--host": (True, None),  # entrypoints/common/cli_args.py FrontendArgs
     "--port": (True, None),
     "--api-key": (True, None),
@@ -92,7 +102,42 @@ VLLM_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
     "--tensor-parallel-size": (True, None),
     "-tp": (True, None),
     "--weight-transfer-config": (True, None),
+    "--dtype": (True, ("auto", "bfloat16", "float", "float16", "float32", "half")),
+    "--max-model-len": (True, None),
+    "--kv-cache-memory-bytes": (True, None),
+    "--enforce-eager": (False, None),
 }
+# vllm-cpu 0.32.0, what the launcher starts on CPU (`python -m
+# vllm.entrypoints.launchers.api_server.entry`, whose main() builds the parser with
+# make_arg_parser, vllm/entrypoints/launchers/cli_args.py): FrontendArgs host / port / api_key in
+# that same file (0.32.0 has no vllm/entrypoints/common/cli_args.py); engine flags from
+# vllm/engine/arg_utils.py: --model, --tokenizer, --dtype (choices: ModelDType), --max-model-len,
+# --enforce-eager and --enable-sleep-mode (BooleanOptionalAction), --load-format,
+# --tensor-parallel-size / -tp, --kv-cache-memory-bytes, --weight-transfer-config (JSON into
+# WeightTransferConfig, whose backend is any string: "Validated against the
+# WeightTransferEngineFactory registry at engine creation time", vllm/config/weight_transfer.py).
+# The real_vllm test in tests/test_launcher_vllm_real.py parses the same argv with the installed
+# 0.32.0 parser itself.
+VLLM_032_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
+    "--model": (True, None),
+    "--host": (True, None),
+    "--port": (True, None),
+    "--api-key": (True, None),
+    "--tokenizer": (True, None),
+    "--dtype": (True, ("auto", "bfloat16", "float", "float16", "float32", "half")),
+    "--max-model-len": (True, None),
+    "--enforce-eager": (False, None),
+    "--enable-sleep-mode": (False, None),
+    "--load-format": (True, ("auto", "hf", "dummy", "safetensors", "pt", "npcache")),
+    "--tensor-parallel-size": (True, None),
+    "--kv-cache-memory-bytes": (True, None),
+    "--weight-transfer-config": (True, None),
+}
+# vllm/envs.py (0.32.0): VLLM_TARGET_DEVICE, VLLM_CPU_OMP_THREADS_BIND ("auto", "nobind" or one
+# "|"-separated core list per rank, vllm/utils/ompmultiprocessing.py), VLLM_CPU_KVCACHE_SPACE
+# (GiB; vllm/platforms/cpu.py lets it override --kv-cache-memory-bytes, so the launcher drops an
+# inherited one).
+VLLM_CPU_ENV = ("VLLM_TARGET_DEVICE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
 # vllm/config/weight_transfer.py: WeightTransferConfig has one field, `backend`.
 VLLM_WEIGHT_TRANSFER_FIELDS = {"backend"}
 VLLM_WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc", "sparse_nccl", "sharded_rdt", "nccl_m2n")
@@ -167,17 +212,18 @@ def test_vllm_argv_and_env_flag_by_flag(monkeypatch: pytest.MonkeyPatch) -> None
     spec = EngineSpec(
         model_path="/models/m", kind="vllm", ranks=4, port=8001, load_format="dummy",
         tokenizer_path="/models/tok", api_key=KEY, python="/venv/bin/python",
-        host="0.0.0.0", env={"EXTRA": "1"},
+        host="0.0.0.0", env={"EXTRA": "1"}, device="cuda",
     )  # fmt: skip
-    assert spec.dialect == "vllm"
+    assert spec.dialect == "vllm" and not spec.on_cpu
     cmd = spec.command()
     assert cmd == [
-        "/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "serve", "/models/m",
+        "/venv/bin/python", "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", "/models/m",
         "--host", "0.0.0.0", "--port", "8001", "--tensor-parallel-size", "4",
         "--load-format", "dummy", "--tokenizer", "/models/tok", "--enable-sleep-mode",
         "--weight-transfer-config", '{"backend":"nccl"}',
     ]  # fmt: skip
-    seen = check_flags(cmd[5:], VLLM_FLAGS)
+    seen = check_flags(cmd[3:], VLLM_FLAGS)
     transfer = json.loads(str(seen["--weight-transfer-config"]))
     assert set(transfer) <= VLLM_WEIGHT_TRANSFER_FIELDS
     assert transfer["backend"] in VLLM_WEIGHT_TRANSFER_BACKENDS
@@ -187,17 +233,102 @@ def test_vllm_argv_and_env_flag_by_flag(monkeypatch: pytest.MonkeyPatch) -> None
     assert env["VLLM_API_KEY"] == KEY and env["EXTRA"] == "1"
     assert spec.client_url(8001) == "http://127.0.0.1:8001"
     assert set(VLLM_ENV) <= set(env)
+    assert "VLLM_TARGET_DEVICE" not in env or env["VLLM_TARGET_DEVICE"] == os.environ.get(
+        "VLLM_TARGET_DEVICE"
+    )  # an accelerator: no CPU variables
 
     # no key: an inherited VLLM_API_KEY would lock the launcher's client out
-    bare = EngineSpec(model_path="/m", kind="vllm", release_memory=False,
+    bare = EngineSpec(model_path="/m", kind="vllm", release_memory=False, device="cuda",
                       weight_transfer_backend="ipc", executable=("vllm", "serve"))  # fmt: skip
     assert "VLLM_API_KEY" not in bare.environment()
     cmd = bare.command(port=9)
-    assert cmd[:3] == ["vllm", "serve", "/m"] and "--enable-sleep-mode" not in cmd
+    assert cmd[:4] == ["vllm", "serve", "--model", "/m"] and "--enable-sleep-mode" not in cmd
     assert "--tokenizer" not in cmd  # only when it differs from the model
-    seen = check_flags(cmd[3:], VLLM_FLAGS)
+    seen = check_flags(cmd[2:], VLLM_FLAGS)
     assert json.loads(str(seen["--weight-transfer-config"])) == {"backend": "ipc"}
     assert EngineSpec(model_path="/m", kind="vllm", host="::").client_url(5) == "http://[::1]:5"
+
+
+def test_vllm_cpu_argv_and_env_against_0_32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # would override --kv-cache-memory-bytes
+    spec = EngineSpec(
+        model_path="/models/m", kind="vllm", ranks=2, port=8002, max_model_len=512,
+        python="/venv/bin/python", cpu_cores=(0, 1),
+    )  # fmt: skip
+    assert spec.device == "cpu" and spec.on_cpu and spec.cpu_cores == (0, 1)
+    cmd = spec.command()
+    assert cmd == [
+        "/venv/bin/python", "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", "/models/m", "--host", "127.0.0.1", "--port", "8002",
+        "--tensor-parallel-size", "2", "--load-format", "auto", "--max-model-len", "512",
+        "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20),
+        "--weight-transfer-config", '{"backend":"rollsafe_gloo"}',
+    ]  # fmt: skip
+    seen = check_flags(cmd[3:], VLLM_032_FLAGS)
+    assert "--enable-sleep-mode" not in seen  # vLLM refuses sleep mode on CPU
+    assert json.loads(str(seen["--weight-transfer-config"])) == {"backend": ROLLSAFE_GLOO_BACKEND}
+    check_flags(cmd[3:], VLLM_FLAGS)  # and 0.33.0 takes them too
+    env = spec.environment()
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"  # one core list per rank
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+    assert set(VLLM_CPU_ENV) >= {k for k in env if k.startswith("VLLM_CPU")}
+
+    sized = EngineSpec(model_path="/m", kind="vllm", dtype="bfloat16", kv_cache_bytes=1 << 30,
+                       cpu_cores=[1], env={"VLLM_CPU_KVCACHE_SPACE": "2"})  # fmt: skip
+    args = sized.command(port=7)[3:]
+    seen = check_flags(args, VLLM_032_FLAGS)
+    assert seen["--dtype"] == "bfloat16" and seen["--kv-cache-memory-bytes"] == str(1 << 30)
+    assert "--max-model-len" not in seen  # the model's own unless set
+    env = sized.environment()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and sized.cpu_cores == (1,)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # the spec's own env wins (documented)
+    unbound = EngineSpec(model_path="/m", kind="vllm", cpu_cores=())
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in unbound.environment()
+    assert EngineLauncher(unbound).spec.cpu_cores == ()  # () binds nothing: no core dealt
+
+
+def test_each_cpu_launcher_gets_its_own_cores() -> None:
+    cores = available_cores()
+    # consecutive deals walk the host's cores round-robin: every core once, then again
+    first = [deal_cores(1)[0] for _ in cores]
+    assert sorted(first) == cores
+    assert [deal_cores(1)[0] for _ in cores] == first
+    spec = EngineSpec(model_path="/m", kind="vllm")
+    assert spec.cpu_cores is None and "VLLM_CPU_OMP_THREADS_BIND" not in spec.environment()
+    a, b = EngineLauncher(spec), EngineLauncher(spec)  # nothing starts
+    assert a.spec.cpu_cores is not None and b.spec.cpu_cores is not None
+    assert len(a.spec.cpu_cores) == len(b.spec.cpu_cores) == 1
+    if len(cores) >= 2:
+        assert a.spec.cpu_cores != b.spec.cpu_cores
+    bind = a.spec.environment()["VLLM_CPU_OMP_THREADS_BIND"]
+    assert bind == str(a.spec.cpu_cores[0])
+    two = EngineLauncher(dataclasses.replace(spec, ranks=2)).spec
+    assert two.cpu_cores is not None and len(two.cpu_cores) == 2
+    assert two.environment()["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+    # an accelerator gets no cores
+    assert EngineLauncher(dataclasses.replace(spec, device="cuda")).spec.cpu_cores is None
+
+
+def test_vllm_entry_point_follows_the_installed_release(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API server module of 0.32+ where it exists, the deprecated one before it."""
+    vllm_server_module.cache_clear()
+    try:
+        assert vllm_server_module(str(tmp_path / "no-python")) == VLLM_SERVER_MODULE
+        old = tmp_path / "old" / "vllm"
+        (old / "entrypoints" / "openai").mkdir(parents=True)
+        (old / "__init__.py").write_text("raise ImportError('never imported')\n")
+        monkeypatch.setenv("PYTHONPATH", str(old.parent))
+        assert vllm_server_module(sys.executable) == VLLM_LEGACY_SERVER_MODULE
+        vllm_server_module.cache_clear()
+        entry = old / "entrypoints" / "launchers" / "api_server" / "entry.py"
+        entry.parent.mkdir(parents=True)
+        entry.write_text("")
+        assert vllm_server_module(sys.executable) == VLLM_SERVER_MODULE
+    finally:
+        vllm_server_module.cache_clear()
 
 
 def test_reference_stays_the_default() -> None:
@@ -222,6 +353,18 @@ def test_reference_stays_the_default() -> None:
         ({"kind": "vllm", "executable": "vllm serve"}, r"EngineSpec\.executable must be a seq"),
         ({"kind": "sglang", "api_key": KEY, "extra_args": ["--config", "c.yaml"]}, r"--config"),
         ({"kind": "vllm", "weight_transfer_backend": ""}, r"weight_transfer_backend"),
+        ({"kind": "vllm", "release_memory": True}, r"release_memory=True needs an accel"),
+        ({"kind": "vllm", "weight_transfer_backend": "nccl"}, r"'nccl' needs an accelerator"),
+        ({"kind": "vllm", "cpu_cores": (0,), "device": "cuda"}, r"cpu_cores applies to dev"),
+        ({"kind": "vllm", "cpu_cores": (0, 0), "ranks": 2}, r"cpu_cores names a core twice"),
+        ({"kind": "vllm", "cpu_cores": (0, 1, 2), "ranks": 2}, r"cannot be split evenly"),
+        ({"kind": "vllm", "cpu_cores": (-1,)}, r"cpu_cores core numbers must be >= 0"),
+        ({"kind": "vllm", "cpu_cores": "0"}, r"cpu_cores must be a sequence of core numbers"),
+        ({"kind": "vllm", "kv_cache_bytes": 0}, r"kv_cache_bytes must be a positive int"),
+        ({"kind": "vllm", "max_model_len": -5}, r"max_model_len must be a positive int"),
+        ({"kind": "vllm", "dtype": "fp8"}, r"EngineSpec\.dtype must be one of"),
+        ({"kind": "sglang", "max_model_len": 512}, r"max_model_len=512 applies to kind='vllm'"),
+        ({"cpu_cores": (0,)}, r"cpu_cores=\(0,\) applies to kind='vllm' only"),
     ],
 )
 def test_contradictions_are_named(kwargs: dict[str, object], match: str) -> None:
@@ -254,12 +397,15 @@ SHIM = textwrap.dedent(
     out = ["--dialect", kind]
     if kind == "vllm":
         assert os.environ.get("VLLM_SERVER_DEV_MODE") == "1", "no dev mode"
-        serve_model = args.pop(0)
-        out += ["--model-path", serve_model, "--ranks", take("--tensor-parallel-size")]
+        assert os.environ.get("VLLM_TARGET_DEVICE") == "cpu", "not the CPU build's variables"
+        assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "no core binding"
+        out += ["--model-path", take("--model"), "--ranks", take("--tensor-parallel-size")]
         tok = take("--tokenizer")
         key = os.environ.get("VLLM_API_KEY")
-        assert "--enable-sleep-mode" in args and take("--weight-transfer-config")
-        args.remove("--enable-sleep-mode")
+        assert "--enable-sleep-mode" not in args, "sleep mode on CPU"
+        assert take("--weight-transfer-config") == '{"backend":"rollsafe_gloo"}'
+        assert take("--dtype") == "float32" and take("--kv-cache-memory-bytes")
+        args.remove("--enforce-eager")
     else:
         out += ["--model-path", take("--model-path"), "--ranks", take("--tp-size")]
         tok = take("--tokenizer-path")

@@ -484,6 +484,10 @@ class PolicyProperties(RuleBasedStateMachine):
     )
     def settle(self, data: st.DataObject, groups: int, ranks: int, on_failure: str) -> None:
         new = 2
+        # the engine kind: a failed update keeps the old weights (reference SGLang dialect) or
+        # leaves unknown ones behind a healthy /health (vLLM, SGLang)
+        keeps = data.draw(st.booleans())
+        lost = new - 1 if keeps else invariants.POISONED
         machines = []
         facts = []
         truth: dict[str, dict[int, int]] = {}
@@ -497,9 +501,9 @@ class PolicyProperties(RuleBasedStateMachine):
             if data.draw(st.booleans()):
                 m.mark_stale(current_version=new)  # pending_weights
             machines.append(m)
-            facts.append(policy.GroupFacts(m.group_id, m.state, tuple(ids)))
+            facts.append(policy.GroupFacts(m.group_id, m.state, tuple(ids), keeps_weights=keeps))
             rank_ok[m.group_id] = {r: data.draw(st.booleans()) for r in ids}
-            truth[m.group_id] = {r: new if ok else new - 1 for r, ok in rank_ok[m.group_id].items()}
+            truth[m.group_id] = {r: new if ok else lost for r, ok in rank_ok[m.group_id].items()}
         settlement = policy.settle_update(
             new,
             facts,
@@ -531,6 +535,39 @@ class PolicyProperties(RuleBasedStateMachine):
             ),
             refused_decisions=tuple(refused),
         )  # fmt: skip
+        broken = invariants.check_all(picture)
+        assert not broken, "; ".join(str(v) for v in broken)
+
+    @rule(data=st.data(), ranks=st.integers(1, 3), keeps=st.booleans())
+    def push(self, data: st.DataObject, ranks: int, keeps: bool) -> None:
+        """A targeted push into a restarted (``pending_weights``) group ended."""
+        new = 2
+        ids = list(range(ranks))
+        m = WorkerGroupLifecycle(ids, group_id="g0")
+        for r in ids:
+            m.report_member(r, healthy=True, weights_version=None)
+        m.launched(current_version=new)  # pending_weights: restarted on dummy weights
+        rank_ok = {r: data.draw(st.booleans()) for r in ids}
+        events = policy.after_push(rank_ok, new, keeps_weights=keeps)
+        if GroupEvent.WEIGHTS_LOADED in events:
+            for r in ids:
+                m.report_member(r, healthy=True, weights_version=new)
+        refused = [
+            f"g0 refused {e.value}"
+            for e in events
+            if not _fire(m, e.value, True, current_version=new)
+        ]
+        lost = None if keeps else invariants.POISONED
+        members = tuple(
+            MemberPicture(r, f.known, f.healthy, f.weights_version, True,
+                          new if rank_ok[r] else lost)
+            for r, f in m.members.items()
+        )  # fmt: skip
+        picture = FleetPicture(
+            fleet_version=new,
+            groups=(GroupPicture("g0", m.state, m.is_routable, m.restart_budget, members),),
+            refused_decisions=tuple(refused),
+        )
         broken = invariants.check_all(picture)
         assert not broken, "; ".join(str(v) for v in broken)
 

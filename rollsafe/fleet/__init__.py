@@ -9,9 +9,9 @@ What is here so far, in dependency order (each module imports only the ones abov
   consistent means, one named function per invariant;
 * :mod:`~rollsafe.fleet.settings`: :class:`HealthSettings`, :class:`RecoverySettings` and one
   settings class per transport (:class:`NcclSettings`, :class:`CheckpointEngineSettings`,
-  :class:`IpcSettings`), the one source of the components' defaults; a new fleet transport is
-  one :class:`TransportSettings` subclass (it builds the transport from a
-  :class:`TransportContext`);
+  :class:`IpcSettings`, :class:`DiskSettings`), the one source of the components'
+  defaults; a new fleet transport is one :class:`TransportSettings` subclass (it builds the
+  transport from a :class:`TransportContext`);
 * :mod:`~rollsafe.fleet.router`: :class:`Router`, requests to routable groups only;
 * :mod:`~rollsafe.fleet.health`: :class:`HealthManager`, concurrent probes that take failed
   groups out of routing and hand them off (never recovering them itself);
@@ -25,6 +25,7 @@ What is here so far, in dependency order (each module imports only the ones abov
 
 from rollsafe.fleet.fleet import (
     CheckpointEngineSettings,
+    DiskSettings,
     FleetConfig,
     FleetConfigError,
     FleetNotStarted,
@@ -98,6 +99,7 @@ __all__ = [
     "LISTENER_HOOKS",
     "CheckpointEngineSettings",
     "ContinuationFailed",
+    "DiskSettings",
     "DuplicateGroup",
     "ExportJudgement",
     "FleetConfig",

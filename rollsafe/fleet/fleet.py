@@ -45,6 +45,7 @@ from rollsafe.fleet.settings import (
     CE_P2P_PROTOCOLS,
     TRANSPORT_SETTINGS,
     CheckpointEngineSettings,
+    DiskSettings,
     FleetConfigError,
     HealthSettings,
     IpcSettings,
@@ -73,6 +74,7 @@ __all__ = [
     "CE_P2P_PROTOCOLS",
     "TRANSPORTS",
     "CheckpointEngineSettings",
+    "DiskSettings",
     "FleetConfig",
     "FleetConfigError",
     "FleetNotStarted",
@@ -151,7 +153,8 @@ class FleetConfig:
     standby state (``none``, ``warming``: still importing, ``ready``) is in
     :meth:`RolloutFleet.snapshot` (``registry.groups.<id>.standby``), the metrics and each
     :class:`RecoveryResult` (``standby_at_restart``, ``restart_source``).
-    ``transport``: ``"ipc"``, ``"nccl"``, ``"checkpoint_engine"``, the name of another
+    ``transport``: ``"ipc"``, ``"nccl"``, ``"checkpoint_engine"``, ``"disk"`` (engines load
+    each version from the fleet's own verified export: :class:`DiskSettings`), the name of another
     registered :class:`TransportSettings` subclass, or a settings object itself
     (``transport=NcclSettings(backend="nccl")``: stored in its field, or in
     ``transport_settings`` for a transport defined outside rollsafe, and ``transport`` then
@@ -164,6 +167,16 @@ class FleetConfig:
     ``nccl_bucket_bytes``, ``nccl_group_timeout_s`` and ``ce_<field>`` (``ce_p2p=True``...);
     they are write-only (read ``config.nccl.backend``), and one that contradicts a value set
     in the settings object raises :class:`FleetConfigError` naming it.
+
+    ``on_update_failure``: what a sync does with a group whose update failed: ``"fail"``
+    (default: out of routing, recovered now) or ``"stale"`` (left ``pending_weights`` for the
+    next sync), the latter only for an engine that keeps its weights after a failed update
+    (:class:`~rollsafe.policy.EngineTraits`: only the reference engine's SGLang dialect; a real
+    engine's group is failed and recovered under either setting). ``pause_mode``: how
+    :meth:`RolloutFleet.sync_weights` pauses generation around a push when the call does not
+    say (``"retract"`` or ``"abort"``, :mod:`rollsafe.fleet.partial_rollouts`); None: no pause,
+    except for an engine whose update must run paused (vLLM: a request during an update kills
+    it), which is paused with ``"abort"`` (cut requests continue from their last token).
 
     ``transport="checkpoint_engine"`` (``docs/transports.md``): MoonshotAI checkpoint-engine
     for a colocated trainer (one process, weights on CUDA, a one-rank NCCL default group made
@@ -191,9 +204,12 @@ class FleetConfig:
     request_timeout_s: float | None = 30.0
     start_timeout_s: float = 180.0
     warm_standby: bool = False
+    on_update_failure: policy.UpdateFailurePolicy = "fail"
+    pause_mode: SyncPauseMode | None = None
     ipc: IpcSettings = field(default_factory=IpcSettings)
     nccl: NcclSettings = field(default_factory=NcclSettings)
     checkpoint_engine: CheckpointEngineSettings = field(default_factory=CheckpointEngineSettings)
+    disk: DiskSettings = field(default_factory=DiskSettings)
     #: settings of transports defined outside rollsafe, by name (a missing one: its defaults)
     transport_settings: Mapping[str, TransportSettings] = field(default_factory=dict)
     # the flat keywords of earlier releases, folded into ``nccl``/``checkpoint_engine``
@@ -330,6 +346,14 @@ class FleetConfig:
             check_number("request_timeout_s", self.request_timeout_s)
         if not isinstance(self.warm_standby, bool):
             raise FleetConfigError("warm_standby", f"must be a bool, got {self.warm_standby!r}")
+        if self.on_update_failure not in ("fail", "stale"):
+            raise FleetConfigError(
+                "on_update_failure", f"must be 'fail' or 'stale', got {self.on_update_failure!r}"
+            )
+        if self.pause_mode is not None and self.pause_mode not in SYNC_PAUSE_MODES:
+            raise FleetConfigError(
+                "pause_mode", f"must be None or one of {SYNC_PAUSE_MODES}, got {self.pause_mode!r}"
+            )
         if "warm_standby" in options:
             raise FleetConfigError(
                 "engine_options.warm_standby",
@@ -478,6 +502,15 @@ class RolloutFleet:
         self._require_started()
         return self._launchers[group_id]
 
+    @property
+    def engine_traits(self) -> policy.EngineTraits:
+        """How this fleet's engines fail (:class:`~rollsafe.policy.EngineTraits`): from the
+        engine kind and dialect of ``engine_options``."""
+        options = self.config.engine_options or {}
+        kind = str(options.get("kind", "reference"))
+        dialect = options.get("dialect") or ("sglang" if kind == "reference" else kind)
+        return policy.engine_traits(kind, str(dialect))
+
     def _spec(self, group: _ResolvedGroup) -> EngineSpec:
         from rollsafe.adapters.engines import EngineSpec
 
@@ -555,6 +588,7 @@ class RolloutFleet:
             world_size=self.world_size,
             groups=tuple((g.group_id, g.ranks) for g in self._groups),
             engine_options=dict(cfg.engine_options or {}),
+            exporter=self.exporter,
         )
         settings = cfg.settings_for()
         reasons = settings.fallback_reasons(context)
@@ -575,6 +609,7 @@ class RolloutFleet:
         transport = settings.build(context)
         self.transport = transport
         rs = cfg.recovery
+        traits = self.engine_traits
         self.recovery = RecoveryCoordinator(
             self.registry,
             launcher_for=self._launchers.__getitem__,
@@ -582,6 +617,7 @@ class RolloutFleet:
             transport=transport if rs.targeted_push else None,
             mode=self.mode,
             settings=rs,
+            traits_for=lambda _group: traits,
         )
         recovery = self.recovery
         self.health = HealthManager(
@@ -600,7 +636,9 @@ class RolloutFleet:
             transport,
             exporter=self.exporter,
             mode=self.mode,
+            on_update_failure=cfg.on_update_failure,
             on_group_failed=lambda gid, reason: recovery.submit(gid, reason=reason),
+            traits_for=lambda _group: traits,
         )
 
     def close(self, timeout: float = 10.0) -> None:
@@ -676,9 +714,12 @@ class RolloutFleet:
         ``pause_mode`` (``"retract"`` or ``"abort"``): pause generation around the push and
         continue the paused requests from their tokens so far on the new weights, their
         segments tagged with each version (:mod:`rollsafe.fleet.partial_rollouts`); None
-        (default): requests keep running while the weights change, as before."""
+        (default): :attr:`FleetConfig.pause_mode`, and when that is None too, requests keep
+        running while the weights change, except on an engine whose update must run paused
+        (:attr:`engine_traits`, vLLM), which is paused with ``"abort"``."""
         self._require_started()
         assert self.sync is not None
+        pause_mode = self.sync_pause_mode(pause_mode)
         if pause_mode is None:
             report = self.sync.sync(named_tensors, version)
         else:
@@ -688,6 +729,15 @@ class RolloutFleet:
             report = self.sync.sync(named_tensors, version, around_update=bracket)
         self._harvest_exports()
         return report
+
+    def sync_pause_mode(self, requested: SyncPauseMode | None = None) -> SyncPauseMode | None:
+        """The pause mode a sync runs with: ``requested``, else :attr:`FleetConfig.pause_mode`,
+        else ``"abort"`` for an engine whose update must run paused, else None (no pause)."""
+        if requested is not None:
+            return requested
+        if self.config.pause_mode is not None:
+            return self.config.pause_mode
+        return "abort" if self.engine_traits.update_needs_pause else None
 
     def pause(self) -> None:
         """Pause health checks, then generation on every routable group (before offload)."""

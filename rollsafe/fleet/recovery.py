@@ -25,7 +25,10 @@ with the strategy chosen in this order:
    fleet: P2P, ``ranks=[that group's ranks]``, never a broadcast; the ``push`` step's detail
    names the mode and ranks), else ``transport.update([target])``. A transport that cannot
    reach just one group (checkpoint-engine without usable P2P raises ``P2PUnavailable``, a
-   ``TransportError``, before anything moves) falls through to 3;
+   ``TransportError``, before anything moves) falls through to 3. A push that fails (or is cut
+   short) on an engine that keeps no known weights after a failed update (every real engine:
+   :class:`~rollsafe.policy.EngineTraits`, ``traits_for``) sends ``fail``: the group is
+   restarted again (budget permitting), never left waiting on weights nobody knows;
 3. **deferred**: the group waits in ``pending_weights`` for the next sync.
 
 Recovery is skipped, with the reason logged and recorded, when ``remaining_work_s()`` says the
@@ -57,9 +60,15 @@ import rollsafe.policy as policy
 from rollsafe.concurrency import DaemonCall, Outcome
 from rollsafe.fleet.registry import FleetError, FleetRegistry, UnknownGroup, WorkerGroup
 from rollsafe.fleet.settings import RecoverySettings, with_overrides
-from rollsafe.fleet.sync import ExporterLike, default_target, shared_transport_lock
+from rollsafe.fleet.sync import (
+    ExporterLike,
+    default_target,
+    default_traits,
+    shared_transport_lock,
+)
 from rollsafe.ports import RestartableEngine
 from rollsafe.statemachines.base import TransitionRefused
+from rollsafe.statemachines.events import GroupEvent
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 from rollsafe.text import bound_text
 
@@ -272,6 +281,7 @@ class RecoveryCoordinator:
         name: str = "rollsafe-recovery",
         stop_timeout_s: float | None = None,
         settings: RecoverySettings | None = None,
+        traits_for: Callable[[WorkerGroup], policy.EngineTraits] | None = None,
     ) -> None:
         # The defaults are RecoverySettings'; keyword arguments override its fields.
         self.settings = rs = with_overrides(
@@ -298,6 +308,7 @@ class RecoveryCoordinator:
         self.remaining_work_s = rs.remaining_work_s
         self.expected_recovery_s = rs.expected_recovery_s
         self.targets_for = targets_for or default_target
+        self.traits_for = traits_for or default_traits
         self.health_timeout_s = rs.health_timeout_s
         self.retry = rs.retry
         self.retry_delay_s = rs.retry_delay_s
@@ -696,6 +707,8 @@ class RecoveryCoordinator:
         cancelled = threading.Event()
         targeted = getattr(transport, "targeted_update", None)
         pushed: dict[str, str] = {}
+        poisoned: dict[str, str] = {}
+        keeps = self.traits_for(group).failed_update_keeps_weights
 
         def push() -> str:
             with self.transport_lock:
@@ -713,9 +726,15 @@ class RecoveryCoordinator:
                 pushed["detail"] = _push_detail(transport, target, report)
                 result = report.results.get(target.name)
                 ok = result is not None and result.ok
-                events = policy.after_push({rank: ok for rank in group.ranks}, plan.version)
+                events = policy.after_push(
+                    {rank: ok for rank in group.ranks}, plan.version, keeps_weights=keeps
+                )
+                why = result.reason if result is not None else "no result"
+                if GroupEvent.FAIL in events:  # its weights are unknown now: restart it
+                    self.registry.send(gid, GroupEvent.FAIL)
+                    poisoned["why"] = why
+                    return f"push failed: {why}"
                 if not events:
-                    why = result.reason if result is not None else "no result"
                     return f"push failed: {why}"
                 for rank in group.ranks:
                     self.registry.report_member(
@@ -732,6 +751,14 @@ class RecoveryCoordinator:
         try:
             outcome = self._run_step(run, "push", deadline, push, cancel=cancelled)
         except _Attempt as exc:
+            if not keeps:  # a push cut short leaves this engine's weights unknown: restart it
+                with contextlib.suppress(TransitionRefused):
+                    self.registry.send(gid, GroupEvent.FAIL)
+                raise _Attempt(
+                    f"targeted push did not finish ({exc}): its weights are unknown, restarting",
+                    retry=exc.retry,
+                    timed_out=exc.timed_out,
+                ) from exc
             # The engine is up on dummy weights (not routable): leave it for the next sync.
             return self._defer(run, t, str(exc), logged=True)
         except TransportError as exc:  # e.g. P2PUnavailable: this transport cannot do subsets
@@ -743,6 +770,12 @@ class RecoveryCoordinator:
         if outcome == "ok":
             run.active_at = time.time()
             return "active", f"targeted push of v{self.registry.fleet_version} loaded"
+        if poisoned:
+            raise _Attempt(
+                f"targeted push failed ({poisoned['why']}) and a "
+                f"{self.traits_for(group).kind} engine keeps no known weights after a failed "
+                "update: restarting it"
+            )
         return self._defer(run, t, outcome)
 
     def _defer(

@@ -161,12 +161,14 @@ def engine_dialect(engine_options: Mapping[str, Any]) -> str:
 class TransportContext:
     """What a transport's builder knows of the fleet it serves: the transport's ``world_size``
     (every engine rank of every group), the ``groups`` as ``(group_id, engine ranks)`` in
-    config order (``FleetConfig.groups[i]`` is ``groups[i]``) and the ``engine_options``
-    (``dialect``, ``device``, ``kind``...)."""
+    config order (``FleetConfig.groups[i]`` is ``groups[i]``), the ``engine_options``
+    (``dialect``, ``device``, ``kind``...) and the fleet's ``exporter``."""
 
     world_size: int
     groups: tuple[tuple[str, int], ...] = ()
     engine_options: Mapping[str, Any] = field(default_factory=dict)
+    #: the fleet's :class:`~rollsafe.hf.HFExporter` (``disk`` loads its exports)
+    exporter: Any = None
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,35 @@ class NcclSettings(TransportSettings):
             backend=self.backend,
             bucket_bytes=self.bucket_bytes or DEFAULT_NCCL_BUCKET_BYTES,
             group_timeout=self.group_timeout_s,
+        )
+
+
+@dataclass(frozen=True)
+class DiskSettings(TransportSettings):
+    """``transport="disk"``: every engine loads the synced version from the fleet's own verified
+    HF export (SGLang ``/update_weights_from_disk``, vLLM ``reload_weights``), read under a
+    lease. The sync writes the export first (or adopts a ready one) and waits up to
+    ``export_timeout_s`` for it; each engine may take ``request_timeout_s`` to load. Engines
+    must see ``export_root`` at the trainer's path (one machine, or shared storage)."""
+
+    transport: ClassVar[str] = "disk"
+    export_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        check_number(self.key("export_timeout_s"), self.export_timeout_s)
+        check_number(self.key("request_timeout_s"), self.request_timeout_s)
+
+    def build(self, context: TransportContext) -> WeightTransport:
+        from rollsafe.transports import DiskTransport
+
+        if context.exporter is None:
+            raise FleetConfigError("transport", "'disk' needs the fleet's exporter")
+        return DiskTransport(
+            context.exporter,
+            world_size=context.world_size,
+            export_timeout=self.export_timeout_s,
+            request_timeout=self.request_timeout_s,
         )
 
 

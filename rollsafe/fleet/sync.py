@@ -17,7 +17,9 @@ order; every decision in it is :mod:`rollsafe.policy`'s (``judge_export``,
 4. **versions**: updated groups' members report N; ``fleet_version`` becomes N; groups whose
    update failed are sent ``fail`` (their weights are in an unknown, possibly mixed state) and
    handed to ``on_group_failed`` (the recovery coordinator), or ``mark_stale`` under the
-   ``"stale"`` policy; ``active`` groups that were not updated get ``mark_stale``;
+   ``"stale"`` policy when the engine kind keeps its weights after a failed update
+   (:class:`~rollsafe.policy.EngineTraits`; no real engine does); ``active`` groups that
+   were not updated get ``mark_stale``;
    ``pending_weights`` groups that were updated get ``weights_loaded``;
 5. **export**: the async HF export of N starts (``exporter.start_hf_export``).
 
@@ -64,6 +66,7 @@ __all__ = [
     "SyncReport",
     "SyncVersionError",
     "default_target",
+    "default_traits",
     "shared_transport_lock",
 ]
 
@@ -106,6 +109,15 @@ def default_target(group: WorkerGroup) -> EngineTarget:
             "its transport target"
         )
     return EngineTarget(group.group_id, tuple(group.ranks), client, tp_size=len(group.ranks))
+
+
+def default_traits(group: WorkerGroup) -> policy.EngineTraits:
+    """A group's engine traits when the fleet does not say: the reference engine speaking its
+    client's dialect (no client: an unknown engine, the careful traits)."""
+    client = group.client
+    if client is None:
+        return policy.UNKNOWN_ENGINE
+    return policy.engine_traits("reference", client.dialect)
 
 
 class SyncError(FleetError):
@@ -217,7 +229,11 @@ class SyncCoordinator:
 
     ``on_update_failure``: ``"fail"`` (default) sends ``fail`` to a group whose update failed and
     calls ``on_group_failed(group_id, reason)`` (give it the recovery coordinator's ``submit``);
-    ``"stale"`` leaves such a group ``pending_weights`` for the next sync instead.
+    ``"stale"`` leaves such a group ``pending_weights`` for the next sync instead, but only when
+    its engine kept the weights it had (``traits_for(group)``, a
+    :class:`~rollsafe.policy.EngineTraits`; default: the reference engine in the group's client
+    dialect). A group of an engine that does not (every real engine) is failed and recovered
+    under either setting: its weights are unknown and its ``/health`` still answers.
     ``abandon_wait_s`` bounds how long a sync waits for an abandoned export's writer to stop.
     """
 
@@ -237,6 +253,7 @@ class SyncCoordinator:
         on_group_failed: Callable[[str, str], object] | None = None,
         abandon_wait_s: float = 10.0,
         transport_lock: threading.RLock | None = None,
+        traits_for: Callable[[WorkerGroup], policy.EngineTraits] | None = None,
     ) -> None:
         if on_update_failure not in ("fail", "stale"):
             raise SyncError(
@@ -256,6 +273,7 @@ class SyncCoordinator:
         self.on_update_failure: UpdateFailurePolicy = on_update_failure
         self.on_group_failed = on_group_failed
         self.abandon_wait_s = abandon_wait_s
+        self.traits_for = traits_for or default_traits
         self.transport_lock = transport_lock or shared_transport_lock(transport)
         self._sync_lock = threading.Lock()
         self._last_export_version: int | None = None
@@ -493,6 +511,7 @@ class SyncCoordinator:
                     group.state,
                     tuple(group.ranks),
                     tuple(r for r, m in members.items() if not m.healthy),
+                    self.traits_for(group).failed_update_keeps_weights,
                 )
             )
             groups[group.group_id] = group
@@ -600,6 +619,12 @@ class SyncCoordinator:
     ) -> None:
         exporter = self.exporter
         if exporter is None or not report.ok:
+            return
+        if exporter.latest_ready(version) is not None:
+            # the transport wrote it to sync through it (disk): the export is already there
+            report.export_started = True
+            self._last_export_version = version
+            log.info("sync v%d: export already written by the transport", version)
             return
         try:
             exporter.start_hf_export(weights, version)

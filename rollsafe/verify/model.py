@@ -62,6 +62,8 @@ GROUP_EVENTS: tuple[str, ...] = (
     GroupEvent.WEIGHTS_LOADED.value,
 )
 
+POISONED = invariants.POISONED
+
 _KEYS: tuple[str, ...] = ("model.embed_tokens.weight", "lm_head.weight", "mtp.layer.weight")
 _REGISTERED = _KEYS[:2]  # the MTP key is legitimately missing (allow-listed)
 _RUNNING_EXPORT = ("requested", "snapshotting", "writing", "committing")
@@ -81,12 +83,24 @@ class ModelConfig:
     #: Also toggle immediate recovery off/on (the property tests do; the exhaustive run leaves
     #: enable/disable to the machine-level tests).
     mode_toggles: bool = False
+    #: the engine kind whose failures the model explores (:func:`rollsafe.policy.engine_traits`):
+    #: ``"vllm"`` (a failed update leaves unknown weights that ``/health`` does not reveal) or
+    #: ``"reference"`` (its SGLang dialect keeps the old weights)
+    engine: str = "vllm"
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.ranks < 1:
             raise ValueError(f"need at least one group of one rank, got {self}")
         if self.failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {self.failure_threshold}")
+        if policy.engine_traits(self.engine) is policy.UNKNOWN_ENGINE:
+            known = sorted({kind for kind, _ in policy.ENGINE_TRAITS})
+            raise ValueError(f"engine must be one of {known}, got {self.engine!r}")
+
+    @property
+    def traits(self) -> policy.EngineTraits:
+        """The explored engine kind's :class:`~rollsafe.policy.EngineTraits`."""
+        return policy.engine_traits(self.engine)
 
 
 @dataclass(frozen=True)
@@ -398,9 +412,11 @@ class FleetModel:
         reg.begin_update(targets=[list(group.ranks)])
         rank_ok = self._push_to(g, plan.version, None if ok else 0)
         reg.update_done(results=rank_ok)
-        events = policy.after_push(rank_ok, plan.version)
+        events = policy.after_push(
+            rank_ok, plan.version, keeps_weights=self.config.traits.failed_update_keeps_weights
+        )
         self._decided("after_push", events)
-        if events:
+        if GroupEvent.WEIGHTS_LOADED in events:
             for rank in group.ranks:
                 group.report_member(rank, healthy=True, weights_version=plan.version)
         for event in events:
@@ -408,14 +424,21 @@ class FleetModel:
         return True
 
     def _push_to(self, g: int, version: int, failing_rank: int | None) -> dict[int, bool]:
-        """Move ``version`` into the live ranks of group ``g`` except ``failing_rank``."""
+        """Move ``version`` into the live ranks of group ``g`` except ``failing_rank``.
+
+        On an engine that keeps no weights after a failed update, the failing rank is left
+        holding :data:`POISONED` weights (its ``/health`` still answers), and a push into a
+        poisoned rank fails too: only a restart clears it."""
         rank_ok: dict[int, bool] = {}
         ranks = self.groups[g].ranks
-        for r, (alive, _held) in enumerate(self.truth[g]):
-            loaded = alive and r != failing_rank
+        keeps = self.config.traits.failed_update_keeps_weights
+        for r, (alive, held) in enumerate(self.truth[g]):
+            loaded = alive and r != failing_rank and held != POISONED
             rank_ok[ranks[r]] = loaded
             if loaded:
                 self._set_truth(g, r, True, version)
+            elif alive and not keeps:
+                self._set_truth(g, r, True, POISONED)
         return rank_ok
 
     # -- the sync coordinator
@@ -449,6 +472,7 @@ class FleetModel:
                 grp.state,
                 grp.ranks,
                 tuple(r for r, m in grp.members.items() if not m.healthy),
+                cfg.traits.failed_update_keeps_weights,
             )
             for grp in self.groups
         ]

