@@ -19,8 +19,8 @@ to put it into a trainer: :class:`RollsafeGRPOTrainer` (``GRPOTrainer`` plus ``f
   treats as "no correction" for that token.
 * **sync**: TRL calls ``sync_weights()`` before the first generation of each optimizer step
   (``_last_loaded_step`` skips the gradient-accumulation and ``steps_per_generation``
-  repeats); :meth:`FleetGeneration.sync_weights` pushes the model's parameters (gathered and
-  named the way TRL's own backend does it: DeepSpeed ZeRO-3, FSDP, PEFT merged) with
+  repeats); :meth:`FleetGeneration.sync_weights` pushes a copy of the model's parameters
+  (gathered and named the way TRL's own backend does it: DeepSpeed ZeRO-3, FSDP, PEFT merged) with
   ``fleet.sync_weights(..., version=trainer.state.global_step)``. The fleet's current version
   is not pushed again (at step 0 the engines already serve the checkpoint they started from).
   A sync whose registration failed raises :class:`FleetSyncFailed`; a version older than the
@@ -35,8 +35,9 @@ to put it into a trainer: :class:`RollsafeGRPOTrainer` (``GRPOTrainer`` plus ``f
 No vLLM in the trainer's environment: the trainer is built with ``use_vllm=False`` (which
 imports nothing of vLLM) and switched to the fleet afterwards (``use_vllm`` set, ``vllm_mode``
 ``"server"``), which is what :class:`RollsafeGRPOTrainer` does; images (VLMs) are refused with
-:class:`UnsupportedByFleet`. Supported TRL: ``>=1.16.0,<1.17`` (the private names used here,
-``_last_loaded_step`` and ``VLLMGeneration._iter_named_params``, are checked at attach time).
+:class:`UnsupportedByFleet`. Supported TRL: ``>=1.16.0,<1.17`` (private names used here:
+``GRPOTrainer._last_loaded_step``, which TRL reads and :func:`attach_fleet` sets, and
+``VLLMGeneration._iter_named_params``, checked at attach time).
 """
 
 from __future__ import annotations
