@@ -184,8 +184,11 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
 
         model_dir = Path(make_vllm_model(tmp_path / "model"))
         kind = _real_vllm(request.getfixturevalue("vllm_python"))
+        # vLLM on CPU finishes 12 tokens before a SIGKILL lands (the stream is already in the
+        # socket): longer completions keep the kill mid-generation
+        length = 96
     else:
-        model_dir, kind = tiny_model_dir, _reference("sglang")
+        model_dir, kind, length = tiny_model_dir, _reference("sglang"), 12
     model, tokenizer = _model(model_dir)
     probe = model if engine_kind == "real-vllm" else None  # how engine weights are compared
     config = FleetConfig(
@@ -209,8 +212,12 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
             step = trainer_box[0].state.global_step if trainer_box else -1
             if step == CRASH_STEP and tokens >= KILL_AFTER_TOKENS and not killed:
                 killed[gid] = tokens
-                for pid in fleet.launcher(gid).rank_pids:
-                    os.kill(pid, signal.SIGKILL)
+                launcher = fleet.launcher(gid)
+                if launcher.rank_pids:  # the reference engine: its rank processes
+                    for pid in launcher.rank_pids:
+                        os.kill(pid, signal.SIGKILL)
+                else:  # a real engine names no rank: SIGKILL its whole process group
+                    launcher.kill()
 
         def on_sync(report: SyncReport) -> None:
             synced.append(_snapshot(model))
@@ -219,7 +226,8 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
         trainer = RollsafeGRPOTrainer(
             model=model,
             reward_funcs=_reward,
-            args=_config(tmp_path / "out", use_vllm=True),  # no vLLM here: the fleet serves
+            # use_vllm=True: no vLLM here, the fleet serves
+            args=_config(tmp_path / "out", use_vllm=True, max_completion_length=length),
             train_dataset=_dataset(),
             processing_class=tokenizer,
             fleet=fleet,

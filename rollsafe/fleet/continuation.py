@@ -153,9 +153,13 @@ class _Piece:
         self.attempt = attempt
         self.marks: list[tuple[int, str | None]] = []  # (output index, version) per event
         self.spans: tuple[WeightSpan, ...] = ()
+        #: the group's recorded version when the piece was dispatched: a vLLM stream names
+        #: its versions only on the final event, and a group that failed may record none
+        self.dispatched_version = group_version(group)
 
     def segments(self, end: int, ended: str) -> list[Segment]:
-        gid, fallback = self.group.group_id, group_version(self.group)
+        gid = self.group.group_id
+        fallback = group_version(self.group) or self.dispatched_version
         if end <= self.base:
             return []
         if self.spans:

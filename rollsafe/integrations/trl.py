@@ -180,7 +180,8 @@ class FleetGeneration(VLLMGeneration):
     ``version_of()`` returns the version a sync publishes (:func:`attach_fleet` passes the
     trainer's ``state.global_step``). ``max_concurrency`` bounds the requests in flight;
     ``request_timeout`` bounds each (None: the fleet's); ``pause_mode`` is passed to
-    ``fleet.sync_weights`` (None: requests are not paused, there are none during TRL's sync);
+    ``fleet.sync_weights`` (None: the fleet's own choice, ``FleetConfig.pause_mode``; no
+    request is in flight during TRL's sync anyway);
     ``history_size`` bounds :attr:`history`; ``on_generation(record)`` is called on every
     process after each generation, ``on_sync(report)`` on the main process after each sync
     that published its version (check the engines' weights there: ``fleet.checksums()``);
