@@ -42,7 +42,7 @@ from rollsafe.adapters.reference_engine.ranks import RankSet
 from rollsafe.adapters.reference_engine.weights import UpdateMeta, check_model_path, packed_layout
 from rollsafe.checksum import WeightsChecksum, algorithm_for, weights_checksum
 
-__all__ = ["GenerationResult", "ReferenceEngine", "SamplingParams"]
+__all__ = ["GenerationResult", "ReferenceEngine", "SamplingParams", "TokenListener"]
 
 T = TypeVar("T")
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -51,6 +51,11 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 GREEDY_BELOW_TEMPERATURE = 1e-5
 #: ``seed`` / ``sampling_seed`` must fit in an int64, as vLLM's request model requires
 SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+#: called on the engine's driver thread after each sampled token with (token, weights version,
+#: the token's log-probability as :func:`sample_token` reports it); it must be quick
+TokenListener = Callable[[int, str, float], None]
 
 
 @dataclass(frozen=True)
@@ -94,19 +99,22 @@ class _Session:
     t0: float = field(default_factory=time.monotonic)
     #: (version, first output index) each time the serving weights changed under this session
     spans: list[tuple[str, int]] = field(default_factory=list)
-    #: called on the driver thread with (token, weights version) after each sampled token
-    listener: Callable[[int, str], None] | None = None
+    #: called on the driver thread with (token, weights version, logprob) after each token
+    listener: TokenListener | None = None
 
 
 def sample_token(
     logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
 ) -> tuple[int, float]:
-    """Greedy when ``temperature == 0``; else temperature / top-k / top-p sampling."""
+    """Greedy when ``temperature == 0``; else temperature / top-k / top-p sampling.
+
+    Returns the token and its log-probability under the distribution it was drawn from: after
+    temperature, top-k and top-p (vLLM's ``--logprobs-mode processed_logprobs``, what TRL's
+    importance-sampling correction needs); greedy: the log-softmax of the logits."""
     logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
     if params.temperature < GREEDY_BELOW_TEMPERATURE:
         tok = int(torch.argmax(logits))
-        return tok, float(logp[tok])
+        return tok, float(torch.log_softmax(logits, dim=-1)[tok])
     scaled = logits / params.temperature
     if 0 < params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -121,7 +129,7 @@ def sample_token(
         probs = torch.where(mask, probs, torch.zeros_like(probs))
         probs = probs / probs.sum()
     tok = int(torch.multinomial(probs, 1, generator=gen))
-    return tok, float(logp[tok])
+    return tok, float(torch.log(probs[tok]))
 
 
 class ReferenceEngine:
@@ -259,7 +267,7 @@ class ReferenceEngine:
         rids: list[str | None],
         *,
         max_running: int | None = None,
-        listeners: list[Callable[[int, str], None] | None] | None = None,
+        listeners: list[TokenListener | None] | None = None,
     ) -> list[Future[GenerationResult]]:
         """Queue every prompt of a request, or none of them.
 
@@ -456,7 +464,7 @@ class ReferenceEngine:
         sess.out.append(tok)
         sess.logprobs.append(lp)
         if sess.listener is not None:
-            sess.listener(tok, version)
+            sess.listener(tok, version, lp)
         p = sess.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
         if tok in stops and len(sess.out) >= p.min_new_tokens:

@@ -41,6 +41,7 @@ from rollsafe.adapters.reference_engine.engine import (
     GenerationResult,
     ReferenceEngine,
     SamplingParams,
+    TokenListener,
 )
 from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
@@ -380,7 +381,7 @@ def submit_checked(
     prompts: list[list[int]],
     params: list[SamplingParams],
     rids: list[str | None],
-    listeners: list[Callable[[int, str], None] | None] | None = None,
+    listeners: list[TokenListener | None] | None = None,
 ) -> list[Future[GenerationResult]]:
     """Check the request limits (see :func:`run_generate`), then queue every prompt."""
     limits = ctx.limits

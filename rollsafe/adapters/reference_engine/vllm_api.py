@@ -104,10 +104,19 @@ class _StreamChunks:
     """vLLM 0.33.0's ``/v1/completions`` stream events (``CompletionStreamResponse`` dumped with
     ``exclude_unset``): one per token with the text and ``token_ids`` of that token only (deltas;
     ``token_ids`` and, on the first event, ``prompt_token_ids`` only with ``return_token_ids``);
-    ``weight_versions`` (with ``return_weight_versions``) on the final event only."""
+    ``weight_versions`` (with ``return_weight_versions``) on the final event only; with
+    ``logprobs: 0`` each event's ``logprobs`` (``CompletionLogProbs``: ``tokens``,
+    ``token_logprobs``, ``top_logprobs``, ``text_offset``) covers that event's tokens."""
 
     def __init__(
-        self, model: str, ctx: ServerContext, prompt: list[int], *, token_ids: bool, spans: bool
+        self,
+        model: str,
+        ctx: ServerContext,
+        prompt: list[int],
+        *,
+        token_ids: bool,
+        spans: bool,
+        logprobs: bool = False,
     ) -> None:
         self.model = model
         self.ctx = ctx
@@ -115,20 +124,39 @@ class _StreamChunks:
         self.token_ids = token_ids
         self.spans = spans
         self.versioned = ctx.vllm.reports_weight_versions  # 0.32.0's choices have no such key
+        self.logprobs = logprobs
+        self.text_offset = 0  # where the next token's text starts (vLLM's ``text_offset``)
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sent_prompt = False
         self.sent = 0  # output tokens sent so far
         self.skip = True  # skip_special_tokens
 
-    def _chunk(self, text: str, ids: list[int], finish: str | None, stop: Any) -> dict[str, Any]:
+    def _logprobs(self, ids: list[int], lps: list[float]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        tokens = [self.ctx.codec.decode([t], False) for t in ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(tok)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [max(lp, -9999.0) for lp in lps],
+            "tokens": tokens,
+            "top_logprobs": [{t: max(lp, -9999.0)} for t, lp in zip(tokens, lps, strict=True)],
+        }
+
+    def _chunk(
+        self, text: str, ids: list[int], finish: str | None, stop: Any, lps: list[float]
+    ) -> dict[str, Any]:
         prompt_ids = None
         if self.token_ids and not self.sent_prompt:
             prompt_ids, self.sent_prompt = self.prompt, True
         choice = {
             "index": 0,
             "text": text,
-            "logprobs": None,
+            "logprobs": self._logprobs(ids, lps),
             "finish_reason": finish,
             "stop_reason": stop,
             "prompt_token_ids": prompt_ids,
@@ -145,17 +173,20 @@ class _StreamChunks:
             "kv_transfer_params": None,
         }
 
-    def token(self, token: int, version: str) -> dict[str, Any]:
+    def token(self, token: int, version: str, logprob: float) -> dict[str, Any]:
         self.sent += 1
-        return self._chunk(self.ctx.codec.decode([token], self.skip), [token], None, None)
+        return self._chunk(
+            self.ctx.codec.decode([token], self.skip), [token], None, None, [logprob]
+        )
 
     def final(self, result: GenerationResult) -> dict[str, Any]:
         kind = result.finish_reason["type"]
         rest = result.output_ids[self.sent :]
+        rest_lps = result.output_logprobs[self.sent :]
         self.sent += len(rest)
         text = self.ctx.codec.decode(rest, self.skip) if rest else ""
         chunk = self._chunk(
-            text, rest, _FINISH.get(kind, "abort"), result.finish_reason.get("matched")
+            text, rest, _FINISH.get(kind, "abort"), result.finish_reason.get("matched"), rest_lps
         )
         if self.spans:
             chunk["choices"][0]["weight_versions"] = result.weight_spans
@@ -229,15 +260,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     token_ids = bool(want(body, "return_token_ids", bool, False))
     skip_special = bool(want(body, "skip_special_tokens", bool, True))
     if stream:
-        if len(prompts) != 1 or body.get("n") not in (None, 1) or logprobs is not None:
-            raise BadRequest("stream=true takes one prompt, n=1 and no logprobs in the reference "
-                             "engine")  # fmt: skip
+        if len(prompts) != 1 or body.get("n") not in (None, 1):
+            raise BadRequest("stream=true takes one prompt and n=1 in the reference engine")
+        if logprobs not in (None, 0):
+            raise BadRequest(
+                "stream=true reports only the sampled token's logprob in the reference engine: "
+                f"'logprobs' must be 0, got {logprobs}"
+            )
         renderer = _StreamChunks(
             body.get("model") or ctx.model_name,
             ctx,
             prompts[0],
             token_ids=token_ids,
             spans=spans,
+            logprobs=logprobs is not None,
         )
         renderer.skip = skip_special
         return await stream_generation(request, ctx, prompts[0], params, None, renderer)
