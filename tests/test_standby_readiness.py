@@ -11,6 +11,7 @@ recorded source, never on timings.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ pytest.importorskip("torch")
 
 from engine_helpers import all_gone, tiny_model_dir, wait_for  # noqa: F401  (fixture)
 
-from rollsafe.adapters.engines import EngineLauncher, EngineSpec
+from rollsafe.adapters.engines import EngineLauncher, EngineSpec, EngineStartError
+from rollsafe.adapters.engines.launcher import pid_alive
 
 TESTS = Path(__file__).resolve().parent
 STANDBY_WAIT_S = 120.0
@@ -303,3 +305,37 @@ def test_standbys_must_be_a_positive_int(tiny_model_dir: Path) -> None:  # noqa:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="standbys"):
             EngineSpec(model_path=str(tiny_model_dir), warm_standby=True, standbys=bad)  # type: ignore[arg-type]
+
+
+def test_stop_during_a_slow_start_ends_the_start_instead_of_waiting_for_it(
+    tiny_model_dir: Path,  # noqa: F811
+    launchers: list[EngineLauncher],
+    tmp_path: Path,
+) -> None:
+    """A start that holds the launcher for minutes (a real vLLM on a loaded machine) must not
+    hold a fleet's close() for as long: stop() makes it give up and kills what it started."""
+    (tmp_path / "fresh_s").write_text("600")  # the engine takes ten minutes to import
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, "SLOW_ENGINE_DIR": str(tmp_path)}
+    launcher = EngineLauncher(
+        EngineSpec(model_path=str(tiny_model_dir), module="slow_engine", env=env)
+    )
+    launchers.append(launcher)
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            launcher.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    assert wait_for(lambda: launcher._proc is not None, 30.0)  # the engine process runs
+    pid = launcher._proc.pid if launcher._proc is not None else -1
+    launcher.stop(timeout=5.0)
+    starter.join(30.0)
+    assert not starter.is_alive(), "stop() waited for the ten-minute start"
+    assert len(errors) == 1 and isinstance(errors[0], EngineStartError), errors
+    assert "stop() was called while the engine was starting" in str(errors[0])
+    assert not pid_alive(pid) and not launcher.started

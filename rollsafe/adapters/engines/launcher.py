@@ -1082,6 +1082,9 @@ class EngineLauncher:
             spec = dataclasses.replace(spec, cpu_cores=deal_cores(spec.ranks))
         self._spec = spec
         self._lock = threading.RLock()
+        # set by stop()/kill() before they wait for the lock: a start in progress (a real
+        # engine can take minutes) gives up at its next poll instead of holding the lock
+        self._stop_requested = threading.Event()
         self._proc: _Proc | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._pump: _OutputPump | None = None
@@ -1784,6 +1787,7 @@ class EngineLauncher:
         assert pump is not None
         deadline = time.monotonic() + spec.ready_timeout
         while not pump.ready_event.wait(0.05):
+            self._check_not_stopped(cmd, proc)
             if proc.poll() is not None:
                 pump.wait_eof(0.2)  # collect the last output lines
                 code = proc.returncode
@@ -1818,6 +1822,7 @@ class EngineLauncher:
         )  # fmt: skip
         last = ""
         while True:
+            self._check_not_stopped(cmd, proc)
             if proc.poll() is not None:
                 raise self._fail(
                     f"engine exited with code {proc.returncode} after its ready "
@@ -1841,6 +1846,11 @@ class EngineLauncher:
                 )
             time.sleep(0.1)
 
+    def _check_not_stopped(self, cmd: list[str], proc: _Proc) -> None:
+        """A start in progress ends (the engine killed) once stop() or kill() was called."""
+        if self._stop_requested.is_set():
+            raise self._fail("stop() was called while the engine was starting", cmd, proc)
+
     def _wait_http_ready(self, proc: _Proc, cmd: list[str], url: str) -> None:
         """A real engine's readiness: poll ``/health``, then its info endpoint, until both
         answered 200, the process exits or ``spec.ready_timeout`` passes."""
@@ -1860,6 +1870,7 @@ class EngineLauncher:
         ) as http:
             while True:
                 path = info_paths[0] if healthy else health_path
+                self._check_not_stopped(cmd, proc)
                 if proc.poll() is not None:
                     pump.wait_eof(0.5)  # collect the last output lines
                     raise self._fail(
@@ -1968,18 +1979,26 @@ class EngineLauncher:
 
         The warm standby is killed too unless ``keep_standby`` (a stop before a restart).
         """
+        self._stop_requested.set()
         with self._lock:
-            self._teardown(sig_first=signal.SIGTERM, timeout=timeout)
-            if not keep_standby:
-                self._standby_wanted = False
-                self._discard_standby()
+            try:
+                self._teardown(sig_first=signal.SIGTERM, timeout=timeout)
+                if not keep_standby:
+                    self._standby_wanted = False
+                    self._discard_standby()
+            finally:
+                self._stop_requested.clear()
 
     def kill(self) -> None:
         """SIGKILL the whole group and the warm standby at once (no graceful shutdown); reap."""
+        self._stop_requested.set()
         with self._lock:
-            self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
-            self._standby_wanted = False
-            self._discard_standby()
+            try:
+                self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+                self._standby_wanted = False
+                self._discard_standby()
+            finally:
+                self._stop_requested.clear()
 
     def kill_rank(self, rank: int) -> int:
         """SIGKILL one rank process (for chaos tests); return its pid. The server keeps running.
