@@ -308,6 +308,68 @@ def _recovery(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _real_vllm(d: dict[str, Any]) -> list[Row]:
+    def pp(x: dict[str, Any]) -> str:
+        if not x["n"]:
+            return "not measured"
+        return f"{x['p50']:.2f} / {x['p95']:.2f} s (n={x['n']})"
+
+    host = d["host"]
+    load = host.get("loadavg_1m_at_start")
+    tag = f"{host['cpus']} cpus, 1-min load {load} at the start"
+    if not d.get("complete", True):
+        tag += "; run cut short"
+    ratio = d.get("ratio_vllm_over_reference", {})
+    names = {
+        "cold_start": "fleet cold start (2 groups active)",
+        "single_start": "one engine start (standalone launcher)",
+        "restart": "launcher.restart() of one engine",
+        "sync": "sync of one version over nccl (gloo)",
+        "crash_to_active": "SIGKILL mid-request -> active at the current version",
+    }
+    rows: list[Row] = []
+    for key, name in names.items():
+        for engine, r in d["engines"].items():
+            x = r["summary"][key]
+            if not x["n"]:
+                continue
+            q = ratio.get(key)
+            extra = (
+                f"; vLLM/reference p50 x{q['p50']}, p95 x{q['p95']}"
+                if q and engine == "vllm"
+                else ""
+            )
+            rows.append((f"{engine}: {name}, p50 / p95 ({tag})", pp(x) + extra, "-", "-"))
+        if key == "crash_to_active":
+            for engine, r in d["engines"].items():
+                parts = r["summary"]["parts"]
+                if not r["summary"]["crash_to_active"]["n"]:
+                    continue
+                rows.append(
+                    (
+                        f"{engine}: crash parts p50 / p95: detection, restart, health, other",
+                        ", ".join(
+                            f"{parts[p]['p50']:.2f}/{parts[p]['p95']:.2f}"
+                            for p in ("detection_s", "restart_s", "health_s", "other_s")
+                        )
+                        + " s",
+                        "-",
+                        "-",
+                    )
+                )
+    checks = d["checks"]
+    rows.append(
+        (
+            "real vLLM bench checks: recoveries active at the current version, no dispatch to a "
+            "group not active, probes agree",
+            "all held" if checks["ok"] else f"{len(checks['failures'])} failed",
+            "all",
+            _verdict(checks["ok"]),
+        )
+    )
+    return rows
+
+
 def _profile_ipc_gpu(d: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     for r in d.get("run3_hybrid", []):
@@ -408,6 +470,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "transports_cpu.json": _transports_cpu,
     "control_plane.json": _control_plane,
     "recovery_cpu.json": _recovery,
+    "real_vllm_cpu.json": _real_vllm,
     "continuation_cpu.json": _continuation,
     "gpu/transports_h200.json": _transports_gpu,
     "gpu/ipc_h200_hardened.json": _transports_gpu,
@@ -456,7 +519,8 @@ def render(results: Path = RESULTS) -> str:
         "How to rerun: `make bench` (transitions), `python benchmarks/bench_engine.py`,",
         "`python benchmarks/bench_hf_export.py`, `python benchmarks/bench_transports_cpu.py`,",
         "`python benchmarks/bench_control_plane.py`,",
-        "`python benchmarks/bench_recovery.py`; GPU: `benchmarks/gpu/README.md`.",
+        "`python benchmarks/bench_recovery.py`, `python benchmarks/bench_real_vllm.py`;",
+        "GPU: `benchmarks/gpu/README.md`.",
         "",
     ]
     return "\n".join(lines)
