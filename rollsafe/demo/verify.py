@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rollsafe.demo.setup import VLLM_START_S
 from rollsafe.demo.state import DemoRun, StepRecord
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ def check_final(run: DemoRun) -> None:
     admitted to a non-``active`` group."""
     fleet, steps = run.fleet, run.opts.steps
     with run.timed("settle (recoveries, last export)"):
-        fleet.wait_recoveries(timeout=120.0)
+        fleet.wait_recoveries(timeout=VLLM_START_S if run.vllm else 120.0)
         final = fleet.checksums()
         want = run.trainer.checksum()
         layout = _layout_checks(run)
