@@ -66,7 +66,10 @@ The tree (other bases in brackets, then where the class lives)::
     │       └── RecoveryClosed, StepTimeout [TimeoutError]
     ├── RunFileError [ValueError]                     rollsafe.observe.runfile
     ├── DiagramCheckError [RuntimeError]              rollsafe.diagrams
-    └── TrainerError [RuntimeError]                   rollsafe.demo_trainer
+    ├── TrainerError [RuntimeError]                   rollsafe.demo_trainer
+    └── TRLIntegrationError                           rollsafe.integrations.trl
+        ├── LogprobsUnavailable, FleetSyncFailed [RuntimeError]
+        └── UnsupportedByFleet [ValueError]
 
 ``tests/test_errors.py`` imports every module and fails on a public exception class outside
 this tree.

@@ -53,13 +53,16 @@ MemoryTag = Literal["weights", "kv_cache"]
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """One completion: decoded ``text``, generated ``output_ids`` and the serving weights."""
+    """One completion: decoded ``text``, generated ``output_ids`` and the serving weights;
+    ``output_logprobs``: each generated token's log-probability as the engine reported it (None
+    for a token it gave none for), when the request asked (``return_logprob``), else None."""
 
     text: str
     output_ids: list[int]
     weight_version: str | None = None
     finish_reason: str | None = None
     meta_info: Mapping[str, Any] = field(default_factory=dict)
+    output_logprobs: tuple[float | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,15 @@ class EngineProcess:
     def get(self, path: str, **kw: Any) -> httpx.Response:
         return self.client.get(path, **kw)
 
+    def post_once(self, path: str, json_body: Any = None, **kw: Any) -> httpx.Response:
+        """POST on a connection of its own, closed afterwards: for a request that may be
+        answered with a 5xx by a vLLM-dialect engine, which then drops the connection (a pooled
+        one would fail the next request)."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        kw.setdefault("timeout", 60.0)
+        with httpx.Client(base_url=self.url, headers=headers) as client:
+            return client.post(path, json=json_body, **kw)
+
     def checksum(self) -> dict[str, Any]:
         """``{"model", "tensors", "algorithm", "weight_version"}`` from the engine's own checker.
 

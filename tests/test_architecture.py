@@ -166,3 +166,17 @@ def test_the_layer_diagram_parses_in_mermaid() -> None:
     result = _mermaid(DOC)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("ok ") == 1
+
+
+def test_integrations_sit_above_the_fleet_and_below_the_demo() -> None:
+    """A trainer integration embeds a fleet (it may import it); no other rollsafe module imports
+    an integration, so importing rollsafe never imports a trainer framework (TRL...)."""
+    layers = layers_from_doc(DOC.read_text())
+    assert layers["rollsafe.integrations"] > layers["rollsafe.fleet"]
+    assert layers["rollsafe.integrations"] < layers["rollsafe.demo"]
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        if module.startswith("rollsafe.integrations"):
+            continue
+        bad = [m for _, m in imports_of(path) if m.startswith("rollsafe.integrations")]
+        assert not bad, f"{module} imports {bad}"

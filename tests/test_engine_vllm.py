@@ -1,4 +1,9 @@
-"""Process-level tests of the reference engine's vLLM dialect (one rank)."""
+"""Process-level tests of the reference engine's vLLM dialect (one rank).
+
+The module engine imitates vLLM 0.32.0 (the default, ``--vllm-version``); ``vllm033`` imitates
+0.33.0 where the two differ. A vLLM route that fails answers 500 and drops its connection, so
+requests that may fail go through ``post_once``. Poison and death: tests/test_vllm_behaviour.py.
+"""
 
 from __future__ import annotations
 
@@ -28,16 +33,67 @@ def vllm(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:
     return module_engine(request, tiny_model_dir, extra_args=["--dialect", "vllm"])
 
 
+@pytest.fixture(scope="module")
+def vllm033(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(
+        request, tiny_model_dir, extra_args=["--dialect", "vllm", "--vllm-version", "0.33.0"]
+    )
+
+
 def test_completions_greedy(vllm: EngineProcess, tiny_model_dir: Path) -> None:  # noqa: F811
-    assert vllm.ready["dialect"] == "vllm"
-    r = vllm.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    assert vllm.ready["dialect"] == "vllm" and vllm.ready["vllm_version"] == "0.32.0"
+    assert vllm.get("/version").json() == {"version": "0.32.0"}
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    r = vllm.post("/v1/completions", {**body, "return_token_ids": True})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["token_ids"] == hf_greedy(tiny_model_dir, PROMPT, 8)
+    assert choice["prompt_token_ids"] == PROMPT
+    assert "weight_versions" not in choice  # 0.32.0 has none
     assert r.json()["usage"]["prompt_tokens"] == len(PROMPT)
+    # vLLM: the ids only with return_token_ids
+    choice = vllm.post("/v1/completions", body).json()["choices"][0]
+    assert choice["token_ids"] is None and choice["prompt_token_ids"] is None
+    # 0.32.0 has no return_weight_versions: it would ignore the field, the reference engine
+    # refuses it (its 0.32.0 contract), so that no caller waits for spans that never come
+    r = vllm.post("/v1/completions", {**body, "return_weight_versions": True})
+    assert r.status_code == 400 and "return_weight_versions" in r.json()["message"]
     r = vllm.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and isinstance(r.json()["choices"][0]["text"], str)
     assert vllm.post("/generate", {"input_ids": PROMPT}).status_code == 404  # SGLang-only
+
+
+def test_vllm_version_flag_needs_the_vllm_dialect(tiny_model_dir: Path) -> None:  # noqa: F811
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "rollsafe.adapters.reference_engine", "--model-path",
+         str(tiny_model_dir), "--vllm-version", "0.33.0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "--vllm-version 0.33.0 needs --dialect vllm" in out.stderr
+
+
+def test_0_33_refuses_new_requests_while_paused_and_reports_spans(
+    vllm033: EngineProcess,
+) -> None:
+    assert vllm033.get("/version").json() == {"version": "0.33.0"}
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    r = vllm033.post("/v1/completions", {**body, "return_weight_versions": True})
+    assert r.json()["choices"][0]["weight_versions"] == [
+        {"version": "default", "start": 0, "end": 3}
+    ]
+    # vLLM 0.33.0: abort/wait pauses turn new requests away with a 503 until /resume; keep
+    # queues them (0.32.0 queues in every mode: tests/test_vllm_behaviour.py)
+    for mode in ("abort", "wait"):
+        assert vllm033.post(f"/pause?mode={mode}").json() == {"status": "paused"}
+        r = vllm033.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and "paused" in r.json()["message"]
+        assert vllm033.post("/resume").json() == {"status": "resumed"}
+        r = vllm033.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200
 
 
 def test_sleep_wake_pause(vllm: EngineProcess) -> None:
@@ -48,13 +104,6 @@ def test_sleep_wake_pause(vllm: EngineProcess) -> None:
     assert vllm.post("/wake_up").status_code == 200
     assert vllm.get("/is_sleeping").json() == {"is_sleeping": False}
     assert vllm.checksum() == before  # level 1 keeps a host copy
-    # vLLM: abort/wait pauses turn new requests away with a 503 until /resume; keep queues them
-    for mode in ("abort", "wait"):
-        assert vllm.post(f"/pause?mode={mode}").json() == {"status": "paused"}
-        r = vllm.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
-        assert r.status_code == 503 and "paused" in r.json()["message"]
-        assert vllm.post("/resume").json() == {"status": "resumed"}
-        assert vllm.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
     assert vllm.post("/pause?mode=keep").status_code == 200
     assert vllm.get("/is_paused").json() == {"is_paused": True}
     assert vllm.post("/resume").status_code == 200
@@ -66,11 +115,14 @@ def test_sleep_wake_pause(vllm: EngineProcess) -> None:
     assert r.status_code == 400 and "args[0]" in r.json()["message"]  # vLLM: args are strings
     r = vllm.post(rpc, {"method": "rm_rf"})
     assert r.status_code == 400 and "'rm_rf'" in r.json()["message"]
-    # vLLM's reload_weights takes weights_path (not model_path, which it would reject)
-    r = vllm.post(rpc, {"method": "reload_weights", "kwargs": {"model_path": "/m"}})
-    assert r.status_code == 400 and "'model_path'" in r.json()["message"]
-    r = vllm.post(rpc, {"method": "reload_weights", "kwargs": {"weights_path": "/" + "x" * 5000}})
-    assert r.status_code == 400 and "File name too long" in r.json()["message"]
+    # vLLM's reload_weights takes weights_path: model_path is the worker's TypeError (a 500
+    # that drops the connection), raised before anything was touched: the engine serves on
+    r = vllm.post_once(rpc, {"method": "reload_weights", "kwargs": {"model_path": "/m"}})
+    assert r.status_code == 500
+    message = r.json()["error"]["message"]
+    assert "unexpected keyword argument 'model_path'" in message
+    assert r.headers.get("connection") is None  # dropped without saying so
+    assert vllm.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
     assert vllm.checksum() == before
 
 
@@ -97,6 +149,7 @@ def test_native_weight_transfer(
     packed: bool,
 ) -> None:
     state = hf_state(tiny_model_dir_b)
+    version_before = vllm.get("/weight_info").json()
     port = free_port()
     res: dict[str, httpx.Response] = {}
     threshold = 3000  # bytes: several chunks per call
@@ -134,14 +187,28 @@ def test_native_weight_transfer(
         "dtype_names": ["float32"] * len(names),
         "shapes": [list(state[n].shape) for n in names],
     }
-    r = vllm.post("/update_weights", {"update_info": info})
-    assert r.status_code == 400 and "start_weight_update" in r.json()["message"]
-    # vLLM 0.33.0: packing belongs to init_info, the version to finish; no body on start
+    # vLLM's worker refuses an update outside start .. finish (a 500, nothing changed)
+    r = vllm.post_once("/update_weights", {"update_info": info})
+    assert r.status_code == 500 and "start_weight_update must be called" in r.text
+    # packing belongs to init_info, the version to finish; no body on start
     r = vllm.post("/start_weight_update", {"is_checkpoint_format": True})
     assert r.status_code == 400 and "takes no JSON body" in r.json()["message"]
     assert vllm.post("/start_weight_update").status_code == 200
-    r = vllm.post("/update_weights", {"update_info": {**info, "packed": packed}})
-    assert r.status_code == 400 and "'packed'" in r.json()["message"]
+    r = vllm.post_once("/start_weight_update")
+    assert r.status_code == 500 and "already active" in r.text
+    r = vllm.post_once("/shutdown_weight_transfer_engine")
+    assert r.status_code == 500 and "during a weight update" in r.text
+    # a key vLLM's nccl update_info does not take fails inside the update: vLLM ends the
+    # update with the layers on the meta device (poisoned; /health says nothing of it)
+    r = vllm.post_once("/update_weights", {"update_info": {**info, "packed": packed}})
+    assert r.status_code == 500 and "'packed'" in r.json()["error"]["message"]
+    assert vllm.get("/health").status_code == 200
+    assert vllm.get("/get_server_info").json()["poisoned"] is not None
+    r = vllm.post_once("/finish_weight_update", {"weight_version": "V"})
+    assert r.status_code == 500 and "without a matching start_weight_update" in r.text
+    assert vllm.get("/weight_info").json() == version_before
+    # a complete update afterwards restores every layer (vLLM's finalize_layerwise_reload)
+    assert vllm.post("/start_weight_update").status_code == 200
     t = threading.Thread(target=call, args=("upd", "/update_weights", {"update_info": info}))
     t.start()
     tensors = [state[n] for n in names]
@@ -153,6 +220,7 @@ def test_native_weight_transfer(
     t.join(60)
     assert res["upd"].status_code == 200, res["upd"].text
     assert vllm.post("/finish_weight_update", {"weight_version": "V"}).status_code == 200
+    assert vllm.get("/get_server_info").json()["poisoned"] is None
     got = vllm.checksum()
     assert_vllm_digests(got, state)  # fused names, no data for the linear weights (CPU)
     assert got["weight_version"] == "V"

@@ -17,7 +17,7 @@ import rollsafe
 from rollsafe.errors import MissingExtra, RollsafeError
 
 #: modules that need an optional dependency this test environment may lack
-_OPTIONAL = {"ray", "checkpoint_engine", "prometheus_client"}
+_OPTIONAL = {"ray", "checkpoint_engine", "prometheus_client", "trl"}
 
 
 def _modules() -> list[str]:

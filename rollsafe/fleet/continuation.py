@@ -14,7 +14,9 @@ Owns the request path of :meth:`Router.generate` for token-id prompts on streami
   ``active`` group, the same one included, at most ``max_aborts`` times;
 * the caller gets one :class:`~rollsafe.fleet.router.RoutedResult` whose ``output_ids`` are the
   concatenation (no duplicate, no gap) and whose ``segments`` say which group and weights
-  version produced each token range (:mod:`rollsafe.fleet.provenance`);
+  version produced each token range (:mod:`rollsafe.fleet.provenance`); with
+  ``return_logprob`` its ``output_logprobs`` are the pieces' logprobs in the same order, each
+  from the engine that sampled the token (None for a token whose engine sent none);
 * after ``max_attempts`` failed tries, or when no group is left, :class:`ContinuationFailed`
   (a :class:`~rollsafe.fleet.router.RequestFailed`) lists the segments generated so far.
 
@@ -151,9 +153,13 @@ class _Piece:
         self.attempt = attempt
         self.marks: list[tuple[int, str | None]] = []  # (output index, version) per event
         self.spans: tuple[WeightSpan, ...] = ()
+        #: the group's recorded version when the piece was dispatched: a vLLM stream names
+        #: its versions only on the final event, and a group that failed may record none
+        self.dispatched_version = group_version(group)
 
     def segments(self, end: int, ended: str) -> list[Segment]:
-        gid, fallback = self.group.group_id, group_version(self.group)
+        gid = self.group.group_id
+        fallback = group_version(self.group) or self.dispatched_version
         if end <= self.base:
             return []
         if self.spans:
@@ -198,6 +204,8 @@ def generate_continued(
     stats = router.continuation
     stats.add(streamed=1)
     tokens: list[int] = []
+    logprobs: list[float | None] = []  # one per token (None: its engine sent none)
+    any_logprobs = False
     text_parts: list[str] = []
     segments: list[Segment] = []
     attempts: list[tuple[str, str]] = []
@@ -252,6 +260,11 @@ def generate_continued(
                 if delta.token_ids:
                     piece.marks.append((len(tokens), delta.weight_version))
                     tokens.extend(delta.token_ids)
+                    if len(delta.logprobs) == len(delta.token_ids):
+                        logprobs.extend(delta.logprobs)
+                        any_logprobs = True
+                    else:
+                        logprobs.extend([None] * len(delta.token_ids))
                     text_parts.append(delta.text)
                 if delta.finished:
                     piece.spans = delta.spans
@@ -279,6 +292,7 @@ def generate_continued(
             if not router.keep_tokens:  # the baseline: start over, regenerating every token
                 stats.add(after_failure=1, tokens_regenerated=len(tokens))
                 tokens.clear()
+                logprobs.clear()
                 text_parts.clear()
                 segments.clear()
                 continue
@@ -325,5 +339,6 @@ def generate_continued(
         weight_version=version,
         finish_reason=finish.finish_reason if finish is not None else None,
         meta_info=meta,
+        output_logprobs=tuple(logprobs) if any_logprobs else None,
     )
     return RoutedResult(result, last_gid, tries, tuple(segments))

@@ -162,6 +162,11 @@ class RoutedResult:
     def weight_version(self) -> str | None:
         return self.result.weight_version
 
+    @property
+    def output_logprobs(self) -> tuple[float | None, ...] | None:
+        """The sampled tokens' logprobs (asked with ``return_logprob``), else None."""
+        return self.result.output_logprobs
+
 
 def is_retryable(exc: BaseException) -> bool:
     """Whether a failed generate may be retried on another group.

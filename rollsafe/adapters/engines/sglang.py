@@ -35,12 +35,23 @@ def _generate_body(
 ) -> dict[str, Any]:
     if (input_ids is None) == (text is None):
         raise ValueError("generate needs exactly one of input_ids or text")
-    body: dict[str, Any] = {"sampling_params": dict(sampling_params or {})}
+    params = dict(sampling_params or {})
+    # rollsafe's ``return_logprob`` sampling key is SGLang's request field of that name
+    return_logprob = params.pop("return_logprob", None)
+    body: dict[str, Any] = {"sampling_params": params}
+    if return_logprob is not None:
+        body["return_logprob"] = bool(return_logprob)
     if input_ids is not None:
         body["input_ids"] = [int(t) for t in input_ids]
     else:
         body["text"] = text
     return body
+
+
+def _token_logprob(item: Any) -> float | None:
+    """The logprob of one ``output_token_logprobs`` entry (``[logprob, token id, text]``)."""
+    value = item[0] if isinstance(item, Sequence) and not isinstance(item, str) else item
+    return None if value is None else float(value)
 
 
 class SGLangClient(HttpEngineClient):
@@ -76,12 +87,17 @@ class SGLangClient(HttpEngineClient):
             raise EngineOperationFailed(self.url, path, 200, f"unexpected answer: {answer!r}")
         meta = answer.get("meta_info") or {}
         version = meta.get("weight_version")
+        raw_lps = meta.get("output_token_logprobs")  # [[logprob, token id, text], ...]
+        logprobs = None
+        if isinstance(raw_lps, Sequence):
+            logprobs = tuple(_token_logprob(item) for item in raw_lps)
         return GenerateResult(
             text=str(answer.get("text", "")),
             output_ids=[int(t) for t in answer.get("output_ids") or []],
             weight_version=None if version is None else str(version),
             finish_reason=_finish_reason(meta),
             meta_info=dict(meta),
+            output_logprobs=logprobs,
         )
 
     def generate_stream(

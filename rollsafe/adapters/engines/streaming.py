@@ -81,7 +81,10 @@ class WeightSpan:
 class StreamDelta:
     """What one event added: ``token_ids`` new since the previous event, their ``text``, the
     serving ``weight_version`` when the event says (SGLang: every event; vLLM: the last), and
-    on the last event ``finished``, ``finish_reason`` and the ``spans`` over the whole output."""
+    on the last event ``finished``, ``finish_reason`` and the ``spans`` over the whole output.
+    ``logprobs``: the sampled tokens' log-probabilities, one per ``token_ids`` entry (None where
+    the engine sent a null), when the request asked for them (``return_logprob``) and the
+    engine sent them; else empty."""
 
     token_ids: tuple[int, ...]
     text: str = ""
@@ -90,6 +93,11 @@ class StreamDelta:
     finish_reason: str | None = None
     spans: tuple[WeightSpan, ...] = ()
     meta: Mapping[str, Any] = field(default_factory=dict)
+    logprobs: tuple[float | None, ...] = ()
+
+
+def _logprob(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def read_events(
@@ -174,6 +182,7 @@ class SGLangDeltas:
         self.url, self.path = url, path
         self.ids: list[int] = []
         self.text = ""
+        self.logprobs_seen = 0
 
     def __call__(self, event: Mapping[str, Any]) -> StreamDelta:
         ids = [int(t) for t in event.get("output_ids") or []]
@@ -194,6 +203,14 @@ class SGLangDeltas:
         reason = meta.get("finish_reason")
         kind = reason.get("type") if isinstance(reason, Mapping) else reason
         version = meta.get("weight_version")
+        logprobs: tuple[float | None, ...] = ()
+        raw_lps = meta.get("output_token_logprobs")  # cumulative [logprob, token id, text]
+        if isinstance(raw_lps, Sequence) and len(raw_lps) > self.logprobs_seen:
+            fresh = raw_lps[self.logprobs_seen :]
+            self.logprobs_seen = len(raw_lps)
+            logprobs = tuple(
+                _logprob(item[0] if isinstance(item, Sequence) else item) for item in fresh
+            )
         return StreamDelta(
             tuple(new),
             delta_text,
@@ -202,6 +219,7 @@ class SGLangDeltas:
             finish_reason=None if kind is None else str(kind),
             spans=_spans(meta.get("weight_versions")),
             meta=dict(meta),
+            logprobs=logprobs,
         )
 
 
@@ -225,6 +243,8 @@ class VLLMDeltas:
             )
         reason = choice.get("finish_reason")
         spans = _spans(choice.get("weight_versions"))
+        lp = choice.get("logprobs")
+        token_lps = lp.get("token_logprobs") if isinstance(lp, Mapping) else None
         return StreamDelta(
             tuple(int(t) for t in raw or []),
             str(choice.get("text") or ""),
@@ -232,6 +252,7 @@ class VLLMDeltas:
             finished=reason is not None,
             finish_reason=None if reason is None else str(reason),
             spans=spans,
+            logprobs=tuple(_logprob(v) for v in token_lps or ()),
         )
 
 

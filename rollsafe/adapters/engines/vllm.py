@@ -90,10 +90,17 @@ _PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "wait"}
 
 
 def to_vllm_sampling(sampling_params: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Translate SGLang-style sampling parameters into OpenAI/vLLM completion fields."""
+    """Translate SGLang-style sampling parameters into OpenAI/vLLM completion fields
+    (``return_logprob: true`` asks for the sampled tokens' logprobs: ``logprobs: 0``)."""
     out: dict[str, Any] = {}
+    return_logprob = False
     for key, value in (sampling_params or {}).items():
+        if key == "return_logprob":
+            return_logprob = bool(value)
+            continue
         out[_SAMPLING_RENAMES.get(key, key)] = value
+    if return_logprob:
+        out.setdefault("logprobs", 0)
     return out
 
 
@@ -261,12 +268,19 @@ class VLLMClient(HttpEngineClient):
             version, exact = self._version_after(before, read, finish)
             meta["weight_version_source"] = "weight_info"
             meta["weight_version_exact"] = exact
+        lp = choice.get("logprobs")
+        token_lps = lp.get("token_logprobs") if isinstance(lp, Mapping) else None
         return GenerateResult(
             text=str(choice.get("text", "")),
             output_ids=[int(t) for t in choice.get("token_ids") or []],
             weight_version=None if version is None else str(version),
             finish_reason=finish,
             meta_info=meta,
+            output_logprobs=(
+                None
+                if not isinstance(token_lps, Sequence)
+                else tuple(None if v is None else float(v) for v in token_lps)
+            ),
         )
 
     def _completion_body(

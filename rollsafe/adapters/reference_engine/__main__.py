@@ -62,6 +62,7 @@ from rollsafe.adapters.reference_engine.bootstrap import (
     StartupClock,
     start_ranks,
 )
+from rollsafe.adapters.reference_engine.dialects import DEFAULT_VLLM_VERSION, VLLM_VERSIONS
 from rollsafe.adapters.reference_engine.errors import EngineError, StartupError
 from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.adapters.reference_engine.zygote import FORK_SERVER_FLAG
@@ -70,7 +71,13 @@ from rollsafe.net import is_loopback
 
 EXIT_USAGE = 2
 EXIT_START = 3
+#: the exit status after the engine core died (vLLM dialect: a forward pass over poisoned
+#: weights or in the middle of a weight update); what vLLM's API server exits with then
+EXIT_ENGINE_DEAD = 0
 STANDBY_FLAG = "--standby"
+
+#: seconds between an engine death and the exit: the 500s of what was in flight are written
+DEATH_GRACE_S = 0.5
 
 _PACKAGE = "rollsafe.adapters.reference_engine"
 #: What start-up imports besides torch (``api`` modules are per dialect).
@@ -148,6 +155,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"key flag the key comes from ${API_KEY_ENV} if set",
     )
     p.add_argument("--dialect", choices=["sglang", "vllm"], default="sglang")
+    p.add_argument(
+        "--vllm-version",
+        choices=list(VLLM_VERSIONS),
+        default=None,
+        help=f"the vLLM release --dialect vllm imitates (default {DEFAULT_VLLM_VERSION}); "
+        "docs/engines.md lists what differs",
+    )
     _limit_args(p)
     p.add_argument(
         "--collective-timeout",
@@ -271,6 +285,8 @@ def resolve_api_key(args: argparse.Namespace, environ: Any = None) -> str | None
 def check_args(args: argparse.Namespace) -> str | None:
     if args.ranks < 1:
         return f"--ranks must be >= 1, got {args.ranks}"
+    if args.vllm_version is not None and args.dialect != "vllm":
+        return f"--vllm-version {args.vllm_version} needs --dialect vllm (got {args.dialect})"
     problem = resolve_api_key(args)
     if problem is not None:
         return problem
@@ -369,6 +385,7 @@ async def serve(
     start_method: str,
     standby: StandbyStart | None = None,
 ) -> int:
+    from rollsafe.adapters.reference_engine.dialects import VLLMRelease
     from rollsafe.adapters.reference_engine.engine import ReferenceEngine
     from rollsafe.adapters.reference_engine.faults import FaultInjector, fault_injection_enabled
     from rollsafe.adapters.reference_engine.ranks import RankSet
@@ -410,9 +427,27 @@ async def serve(
         device=args.device,
         rank_pids=ranks.rank_pids,
         limits=server_limits(args),
+        vllm=VLLMRelease(args.vllm_version or DEFAULT_VLLM_VERSION),
     )
     app = build_app(ctx, api_key=args.api_key, faults=FaultInjector(fault_injection_enabled()))
     runner, port = await start_server(app, args.host, args.port, ctx.limits)
+    stop = asyncio.Event()
+    died: list[str] = []
+
+    def on_death(reason: str) -> None:  # driver thread
+        loop.call_soon_threadsafe(_engine_died, reason)
+
+    def _engine_died(reason: str) -> None:
+        # vLLM's API server stops listening at once and exits once the answers are out
+        print(f"rollsafe engine: engine core died: {reason}", file=sys.stderr, flush=True)
+        died.append(reason)
+        for site in runner.sites:
+            server = getattr(site, "_server", None)
+            if server is not None:
+                server.close()
+        loop.call_later(DEATH_GRACE_S, stop.set)
+
+    engine.on_death = on_death
     url_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     clock.mark("serving")
     ready = {
@@ -421,6 +456,7 @@ async def serve(
         "rank_pids": ranks.rank_pids,
         "ranks": args.ranks,
         "dialect": args.dialect,
+        "vllm_version": ctx.vllm.version if args.dialect == "vllm" else None,
         "device": args.device,
         "weight_version": engine.weight_version,
         "tokenizer_path": str(codec.path) if codec.tokenizer is not None else None,
@@ -429,12 +465,16 @@ async def serve(
         "from_standby": standby is not None,
         "standby": standby.as_dict() if standby is not None else None,
     }
-    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the ready line: a stop right after it
         loop.add_signal_handler(sig, stop.set)  # is a graceful one
     sys.stdout.write(f"{READY_PREFIX}{json.dumps(ready)}\n")
     sys.stdout.flush()
     await stop.wait()
+    if died:  # the answers in flight were written during the grace; nothing waits for more
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(runner.cleanup(), DEATH_GRACE_S)
+        engine.close()
+        return EXIT_ENGINE_DEAD
     await runner.cleanup()
     engine.close()
     return 0

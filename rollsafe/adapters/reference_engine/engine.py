@@ -7,6 +7,8 @@ all-or-nothing weight updates (stage on every rank, then commit on every rank; a
 discards every rank's staging and keeps the previous weights and version). Every operation that
 touches the ranks runs on the driver thread, so collectives never interleave; HTTP handlers get
 ``concurrent.futures.Future`` objects. A rank failure fails every pending future at once.
+The vLLM dialect adds vLLM's failure state: poisoned weights (a failed reload or update) and
+the weight-update bracket, in which a forward pass kills the engine (:meth:`_die`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
     EngineBusy,
+    EngineDead,
     EngineError,
     EngineUnavailable,
     RankFailure,
@@ -39,7 +42,7 @@ from rollsafe.adapters.reference_engine.ranks import RankSet
 from rollsafe.adapters.reference_engine.weights import UpdateMeta, check_model_path, packed_layout
 from rollsafe.checksum import WeightsChecksum, algorithm_for, weights_checksum
 
-__all__ = ["GenerationResult", "ReferenceEngine", "SamplingParams"]
+__all__ = ["GenerationResult", "ReferenceEngine", "SamplingParams", "TokenListener"]
 
 T = TypeVar("T")
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -48,6 +51,11 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 GREEDY_BELOW_TEMPERATURE = 1e-5
 #: ``seed`` / ``sampling_seed`` must fit in an int64, as vLLM's request model requires
 SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+#: called on the engine's driver thread after each sampled token with (token, weights version,
+#: the token's log-probability as :func:`sample_token` reports it); it must be quick
+TokenListener = Callable[[int, str, float], None]
 
 
 @dataclass(frozen=True)
@@ -91,19 +99,22 @@ class _Session:
     t0: float = field(default_factory=time.monotonic)
     #: (version, first output index) each time the serving weights changed under this session
     spans: list[tuple[str, int]] = field(default_factory=list)
-    #: called on the driver thread with (token, weights version) after each sampled token
-    listener: Callable[[int, str], None] | None = None
+    #: called on the driver thread with (token, weights version, logprob) after each token
+    listener: TokenListener | None = None
 
 
 def sample_token(
     logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
 ) -> tuple[int, float]:
-    """Greedy when ``temperature == 0``; else temperature / top-k / top-p sampling."""
+    """Greedy when ``temperature == 0``; else temperature / top-k / top-p sampling.
+
+    Returns the token and its log-probability under the distribution it was drawn from: after
+    temperature, top-k and top-p (vLLM's ``--logprobs-mode processed_logprobs``, what TRL's
+    importance-sampling correction needs); greedy: the log-softmax of the logits."""
     logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
     if params.temperature < GREEDY_BELOW_TEMPERATURE:
         tok = int(torch.argmax(logits))
-        return tok, float(logp[tok])
+        return tok, float(torch.log_softmax(logits, dim=-1)[tok])
     scaled = logits / params.temperature
     if 0 < params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -118,7 +129,7 @@ def sample_token(
         probs = torch.where(mask, probs, torch.zeros_like(probs))
         probs = probs / probs.sum()
     tok = int(torch.multinomial(probs, 1, generator=gen))
-    return tok, float(logp[tok])
+    return tok, float(torch.log(probs[tok]))
 
 
 class ReferenceEngine:
@@ -155,6 +166,12 @@ class ReferenceEngine:
         self._failure: str | None = None
         self._stopping = False
         self._update_in_progress = False  # vLLM start/finish_weight_update bracket
+        #: vLLM dialect: why the weights cannot be trusted (a failed reload or update left
+        #: them half loaded); the next forward pass kills the engine (:meth:`_die`)
+        self._poison: str | None = None
+        #: called once, on the driver thread, when the engine died (the server then exits)
+        self.on_death: Callable[[str], None] | None = None
+        self._dead = False
         self._driver = threading.Thread(target=self._loop, name="engine-driver", daemon=True)
         self._driver.start()
 
@@ -179,12 +196,18 @@ class ReferenceEngine:
         """Generation requests (one per prompt) queued or running in the engine."""
         return len(self._sessions)
 
-    def fail(self, reason: str) -> None:
-        """Mark the engine unhealthy; every pending request and operation gets an error now."""
+    @property
+    def dead(self) -> bool:
+        """The engine died (vLLM dialect, :meth:`_die`); the server is exiting."""
+        return self._dead
+
+    def fail(self, reason: str, error: EngineError | None = None) -> None:
+        """Mark the engine unhealthy; every pending request and operation gets ``error`` (a
+        :class:`RankFailure` by default) now."""
         with self._cv:
             if self._failure is None:
                 self._failure = reason
-            err = RankFailure(f"engine failed: {reason}")
+            err = error or RankFailure(f"engine failed: {reason}")
             for s in self._sessions.values():
                 if not s.future.done():
                     s.future.set_exception(err)
@@ -208,7 +231,7 @@ class ReferenceEngine:
         fut: Future[T] = Future()
         with self._cv:
             if self._failure is not None:
-                fut.set_exception(RankFailure(f"engine failed: {self._failure}"))
+                fut.set_exception(self._failure_error())
                 return fut
             self._ops.append((fn, fut))
             self._cv.notify_all()
@@ -244,7 +267,7 @@ class ReferenceEngine:
         rids: list[str | None],
         *,
         max_running: int | None = None,
-        listeners: list[Callable[[int, str], None] | None] | None = None,
+        listeners: list[TokenListener | None] | None = None,
     ) -> list[Future[GenerationResult]]:
         """Queue every prompt of a request, or none of them.
 
@@ -280,7 +303,7 @@ class ReferenceEngine:
             futs.append(fut)
         with self._cv:
             if self._failure is not None:
-                raise RankFailure(f"engine failed: {self._failure}")
+                raise self._failure_error()
             queued = [s for s in sessions if s.params.max_new_tokens > 0]
             if max_running is not None and len(self._sessions) + len(queued) > max_running:
                 raise EngineBusy(
@@ -366,6 +389,52 @@ class ReferenceEngine:
                     self._finish(sess, None, exc)
                     self._maybe_fail(exc)
 
+    def _failure_error(self) -> EngineError:
+        if self._dead:
+            return EngineDead(str(self._failure))
+        return RankFailure(f"engine failed: {self._failure}")
+
+    # ---- vLLM dialect: poisoned weights and death -------------------------------------------
+    @property
+    def poisoned(self) -> str | None:
+        """Why the weights cannot be used (vLLM dialect), or None."""
+        return self._poison
+
+    def poison(self, reason: str) -> None:
+        """vLLM: a reload or weight update failed after it began replacing the weights (vLLM
+        moves every layer to the meta device first and restores it only when the layer's new
+        weights all arrived). ``/health`` stays 200; the next forward pass kills the engine.
+        A later successful full reload or finished update clears it (:meth:`heal`)."""
+        with self._cv:
+            if self._poison is None:
+                self._poison = reason
+
+    def heal(self) -> None:
+        with self._cv:
+            self._poison = None
+
+    def _fatal_forward(self) -> str | None:
+        """Why a forward pass now would kill the engine (vLLM dialect), or None."""
+        if self._poison is not None:
+            return f"a forward pass over weights left unusable by a failed update ({self._poison})"
+        if self._update_in_progress:
+            return (
+                "a forward pass in the middle of a weight update (between /start_weight_update "
+                "and /finish_weight_update the weights are on the meta device)"
+            )
+        return None
+
+    def _die(self, reason: str) -> None:
+        """Driver thread: the engine core died. Everything in flight gets :class:`EngineDead`
+        (500), later requests too, and :attr:`on_death` tells the server to exit."""
+        with self._cv:
+            if self._dead:
+                return
+            self._dead = True
+        self.fail(f"engine core died: {reason}", EngineDead(reason))
+        if self.on_death is not None:
+            self.on_death(reason)
+
     def _maybe_fail(self, exc: BaseException) -> None:
         if isinstance(exc, RankFailure) and self.ranks.world_size > 1:
             self.fail(str(exc))
@@ -376,6 +445,10 @@ class ReferenceEngine:
     def _step(self, sess: _Session) -> None:
         if sess.future.done():  # failed/aborted elsewhere
             self._finish(sess, None)
+            return
+        fatal = self._fatal_forward()
+        if fatal is not None:
+            self._die(fatal)
             return
         feed = sess.prompt + sess.out if not sess.started else [sess.out[-1]]
         logits = self.ranks.call("forward", {"sid": sess.sid, "token_ids": feed})  # on the CPU
@@ -391,7 +464,7 @@ class ReferenceEngine:
         sess.out.append(tok)
         sess.logprobs.append(lp)
         if sess.listener is not None:
-            sess.listener(tok, version)
+            sess.listener(tok, version, lp)
         p = sess.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
         if tok in stops and len(sess.out) >= p.min_new_tokens:
@@ -860,13 +933,20 @@ class ReferenceEngine:
         return self.submit(run)
 
     # vLLM native weight-transfer bracket
-    def begin_update(self) -> None:
-        self._update_in_progress = True
+    def begin_update(self) -> bool:
+        """Open the bracket; False if one is open already (vLLM refuses a second start)."""
+        with self._cv:
+            if self._update_in_progress:
+                return False
+            self._update_in_progress = True
+            return True
 
     def end_update(self) -> bool:
-        was = self._update_in_progress
-        self._update_in_progress = False
-        return was
+        """Close the bracket; False if none was open."""
+        with self._cv:
+            was = self._update_in_progress
+            self._update_in_progress = False
+            return was
 
     @property
     def update_in_progress(self) -> bool:

@@ -7,6 +7,7 @@ from rollsafe.errors import RollsafeError
 __all__ = [
     "BadRequest",
     "EngineBusy",
+    "EngineDead",
     "EngineError",
     "EngineUnavailable",
     "LimitExceeded",
@@ -15,13 +16,20 @@ __all__ = [
     "StartupError",
     "Unsupported",
     "WeightUpdateError",
+    "WorkerFailed",
 ]
 
 
 class EngineError(RollsafeError):
-    """Base class; ``status`` is the HTTP status the server answers with."""
+    """Base class; ``status`` is the HTTP status the server answers with.
+
+    ``drops_connection``: the server closes the connection once this error's answer is written,
+    without a ``Connection: close`` header (as uvicorn does after an exception escaped a vLLM
+    route), so a client's next request on that pooled connection fails.
+    """
 
     status = 500
+    drops_connection = False
 
 
 class BadRequest(EngineError):
@@ -67,6 +75,34 @@ class EnginePaused(EngineUnavailable):
 
 class RankFailure(EngineUnavailable):
     """A rank process died or a collective among the ranks failed; the engine is unhealthy."""
+
+
+class WorkerFailed(EngineError):
+    """vLLM dialect: a worker call behind a dev/RL route raised (``collective_rpc``, the weight
+    transfer routes). vLLM lets that exception escape the route: a 500 with
+    ``{"error": {"message": "Call to collective_rpc method failed: Worker failed with error
+    '...'", ...}}``, then the connection is dropped. Whether the weights survived is the
+    route's business (a failed reload or a failed update poisons the engine)."""
+
+    drops_connection = True
+
+    def __init__(self, message: str) -> None:
+        super().__init__(
+            f"Call to collective_rpc method failed: Worker failed with error '{message}', "
+            "please check the stack trace above for the root cause"
+        )
+
+
+class EngineDead(EngineError):
+    """vLLM dialect: the engine core died (a forward pass over poisoned weights or in the middle
+    of a weight update); what was in flight gets this 500 (vLLM's ``EngineDeadError``) and the
+    server exits."""
+
+    def __init__(self, reason: str = "") -> None:
+        super().__init__(
+            "EngineCore encountered an issue. See stack trace (above) for the root cause."
+        )
+        self.reason = reason
 
 
 class StartupError(EngineError):

@@ -6,7 +6,8 @@ key rejection (hostile JSON -- NaN, 1e400, lone surrogates, deep nesting -- is a
 request limits (:class:`ServerLimits`: body size checked against ``Content-Length`` before
 reading (413), body read timeout (408), prompts and new tokens per request (400), concurrent
 generations (503), connections, header timeout), cancelling a generation whose client went
-away, bearer-token authentication (401), mapping of named engine errors to HTTP statuses, the
+away, bearer-token authentication (401), mapping of named engine errors to HTTP statuses (a
+vLLM route's escaped exception: a 500 whose connection is then reset, as uvicorn does), the
 routes common to both dialects (``/health``, ``/get_server_info``), fault-injection wiring, and
 the text codec. :func:`start_server` serves an app under those limits. The SGLang and vLLM
 endpoint sets live in :mod:`.sglang_api` and :mod:`.vllm_api`, their weight checkers in
@@ -29,23 +30,27 @@ from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 from aiohttp import web
 
 from rollsafe.adapters.reference_engine.codec import TextCodec
+from rollsafe.adapters.reference_engine.dialects import VLLMRelease
 from rollsafe.adapters.reference_engine.engine import (
     SEED_RANGE,
     GenerationResult,
     ReferenceEngine,
     SamplingParams,
+    TokenListener,
 )
 from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
+    EngineDead,
     EngineError,
     LimitExceeded,
     RequestTimeout,
     WeightUpdateError,
+    WorkerFailed,
 )
 from rollsafe.adapters.reference_engine.faults import FaultInjector
 from rollsafe.adapters.reference_engine.profiling import PROFILE, profile_line
@@ -110,6 +115,8 @@ class ServerContext:
     rank_pids: list[int]
     extra: dict[str, Any] = field(default_factory=dict)
     limits: ServerLimits = field(default_factory=ServerLimits)
+    #: the vLLM release the vLLM dialect imitates (``--vllm-version``)
+    vllm: VLLMRelease = field(default_factory=VLLMRelease)
 
 
 def ctx_of(request: web.Request) -> ServerContext:
@@ -374,7 +381,7 @@ def submit_checked(
     prompts: list[list[int]],
     params: list[SamplingParams],
     rids: list[str | None],
-    listeners: list[Callable[[int, str], None] | None] | None = None,
+    listeners: list[TokenListener | None] | None = None,
 ) -> list[Future[GenerationResult]]:
     """Check the request limits (see :func:`run_generate`), then queue every prompt."""
     limits = ctx.limits
@@ -428,12 +435,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except EngineError as exc:
-        resp = web.json_response(
-            {"success": False, "message": str(exc), "error": type(exc).__name__},
-            status=exc.status,
-        )
+        if isinstance(exc, (WorkerFailed, EngineDead)):  # vLLM's own error body
+            resp = web.json_response(_vllm_error(str(exc), exc.status), status=exc.status)
+        else:
+            resp = web.json_response(
+                {"success": False, "message": str(exc), "error": type(exc).__name__},
+                status=exc.status,
+            )
         if isinstance(exc, RequestTimeout):
             resp.force_close()  # the rest of the body is not waited for
+        if exc.drops_connection:
+            return await _answer_then_drop(request, resp)
         return resp
     except web.HTTPRequestEntityTooLarge as exc:
         return _too_large(request, exc.text or "")
@@ -447,10 +459,39 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             status=400,
         )
     except Exception as exc:
+        if request.app[CTX_KEY].dialect == "vllm":  # an exception escaping a vLLM route
+            resp = web.json_response(_vllm_error(f"{type(exc).__name__}: {exc}", 500), status=500)
+            return await _answer_then_drop(request, resp)
         return web.json_response(
             {"success": False, "message": f"{type(exc).__name__}: {exc}", "error": "InternalError"},
             status=500,
         )
+
+
+def _vllm_error(message: str, status: int) -> dict[str, Any]:
+    """vLLM's error body (``ErrorResponse``): ``{"error": {message, type, param, code}}``."""
+    kind = "InternalServerError" if status >= 500 else "BadRequestError"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+#: seconds between a dropped connection's answer and its reset (uvicorn logs the exception's
+#: traceback in between; a client's next request on the connection arrives in that window)
+DROP_AFTER_S = 0.2
+
+
+async def _answer_then_drop(request: web.Request, resp: web.Response) -> web.Response:
+    """Write ``resp`` as a kept-alive answer (no ``Connection: close``), read nothing more from
+    the connection and reset it shortly after: what uvicorn does once an exception escaped a
+    vLLM route and its 500 was sent. A client that reuses the pooled connection at once gets
+    ECONNRESET before its request was read (docs/engines.md, "The reference engine's vLLM
+    dialect")."""
+    await resp.prepare(request)
+    await resp.write_eof()
+    transport = request.transport
+    if transport is not None:
+        transport.pause_reading()
+        asyncio.get_running_loop().call_later(DROP_AFTER_S, transport.abort)
+    return resp
 
 
 def _too_large(request: web.Request, detail: str) -> web.Response:
@@ -514,14 +555,19 @@ _PARSED_BODY = "rollsafe.json_body"
 _OWN_ROUTES = ("/get_server_info", "/fault/")
 
 
-def contract_middleware(dialect: str) -> Callable[..., Any]:
-    """Refuse, with a 400 naming every offending key, what the pinned upstream release would not
+def contract_middleware(dialect: str, version: str | None = None) -> Callable[..., Any]:
+    """Refuse, with a 400 naming every offending key, what the upstream release would not
     understand (``rollsafe/adapters/engines/contracts``): unknown routes, methods, body keys,
     query parameters, missing keys, wrong types, values outside a literal domain. Stricter than
-    upstream where upstream silently ignores a key (docs/engines.md lists where)."""
+    upstream where upstream silently ignores a key (docs/engines.md lists where). ``version``
+    picks that release's committed contract, the pinned one when none is committed for it."""
     from rollsafe.adapters.engines.contract import load_contract
 
-    contract = load_contract("sglang" if dialect == "sglang" else "vllm")
+    engine: Literal["sglang", "vllm"] = "sglang" if dialect == "sglang" else "vllm"
+    try:
+        contract = load_contract(engine, version)
+    except ValueError:  # no committed contract for this release: the pinned one
+        contract = load_contract(engine)
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -540,6 +586,7 @@ def contract_middleware(dialect: str) -> Callable[..., Any]:
             problems = contract.check_request(request.method, path, query=query, body=body)
         except RecursionError as exc:
             raise BadRequest("malformed JSON body: nested too deeply") from exc
+        problems = [p for p in problems if not _worker_checked(dialect, path, p.where)]
         if problems:
             raise BadRequest(
                 f"{request.method} {path} does not match {contract.label}: "
@@ -548,6 +595,18 @@ def contract_middleware(dialect: str) -> Callable[..., Any]:
         return await handler(request)
 
     return check
+
+
+#: (dialect, route) -> body keys whose content the upstream server does not check at its HTTP
+#: layer but in the worker, mid-update: vLLM's ``update_info`` is a free dict there, parsed by
+#: the weight-transfer engine inside the update, where a bad one poisons the weights; the
+#: handler fails it that way (:mod:`.vllm_api`) instead of a 400 up front
+_WORKER_CHECKED = {("vllm", "/update_weights"): ("update_info.", "update_info[")}
+
+
+def _worker_checked(dialect: str, path: str, where: str) -> bool:
+    prefixes = _WORKER_CHECKED.get((dialect, path))
+    return prefixes is not None and where.startswith(prefixes)
 
 
 def _violation_text(where: str, problem: str) -> str:
@@ -607,6 +666,8 @@ async def server_info(request: web.Request) -> web.Response:
             "tokens_generated": e.tokens_generated,
             "limits": dataclasses.asdict(ctx.limits),
             "healthy": e.health() is None,
+            "poisoned": e.poisoned,
+            "vllm_version": ctx.vllm.version if ctx.dialect == "vllm" else None,
             "pid": os.getpid(),
         }
     )
@@ -637,7 +698,7 @@ def build_app(
             error_middleware,
             auth_middleware(api_key),
             faults.middleware,
-            contract_middleware(ctx.dialect),
+            contract_middleware(ctx.dialect, ctx.vllm.version if ctx.dialect == "vllm" else None),
         ],
     )
     app[CTX_KEY] = ctx

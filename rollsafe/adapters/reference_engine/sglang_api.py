@@ -67,16 +67,22 @@ class _StreamChunks:
     """SGLang 0.5.23's ``/generate`` stream events with ``incremental_streaming_output`` off (its
     default): every event carries the text and ``output_ids`` so far (cumulative), and
     ``meta_info`` with the weights version serving now; ``weight_versions`` spans and the finish
-    reason come with the last event only."""
+    reason come with the last event only. With ``return_logprob`` every event's ``meta_info``
+    carries ``output_token_logprobs`` so far (``[logprob, token_id, None]`` per token, cumulative
+    like ``output_ids``, as SGLang's tokenizer manager accumulates them)."""
 
-    def __init__(self, ctx: ServerContext, rid: str | None, prompt_tokens: int) -> None:
+    def __init__(
+        self, ctx: ServerContext, rid: str | None, prompt_tokens: int, logprobs: bool = False
+    ) -> None:
         self.ctx = ctx
         self.rid = rid
         self.prompt_tokens = prompt_tokens
+        self.logprobs = logprobs
         self.out: list[int] = []
+        self.lps: list[float] = []
 
     def _meta(self, version: str, finish: Any) -> dict[str, Any]:
-        return {
+        meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": finish,
             "prompt_tokens": self.prompt_tokens,
@@ -86,9 +92,16 @@ class _StreamChunks:
             "completion_tokens": len(self.out),
             "cached_tokens": 0,
         }
+        if self.logprobs:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(self.lps, self.out, strict=True)
+            ]
+            meta["output_token_logprobs_length"] = len(self.lps)
+        return meta
 
-    def token(self, token: int, version: str) -> dict[str, Any]:
+    def token(self, token: int, version: str, logprob: float) -> dict[str, Any]:
         self.out.append(token)
+        self.lps.append(logprob)
         return {
             "text": self.ctx.codec.decode(self.out),
             "output_ids": list(self.out),
@@ -97,6 +110,7 @@ class _StreamChunks:
 
     def final(self, result: GenerationResult) -> dict[str, Any]:
         self.out = list(result.output_ids)
+        self.lps = list(result.output_logprobs)
         meta = self._meta(result.weight_version, result.finish_reason)
         meta["weight_versions"] = result.weight_spans
         meta["e2e_latency"] = result.latency_s
@@ -161,10 +175,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise BadRequest("'rid' must be a string or a list of strings")
     logprobs = bool(want(body, "return_logprob", bool, False))
     if stream:
-        if logprobs:
-            raise BadRequest("return_logprob with stream=true is not supported by the reference "
-                             "engine")  # fmt: skip
-        renderer = _StreamChunks(ctx, rids[0], len(prompts[0]))
+        renderer = _StreamChunks(ctx, rids[0], len(prompts[0]), logprobs)
         return await stream_generation(request, ctx, prompts[0], params[0], rids[0], renderer)
     results = await run_generate(ctx, prompts, params, rids)
     out = [_response(ctx, r, i, logprobs) for r, i in zip(results, rids, strict=False)]

