@@ -199,3 +199,155 @@ def test_embed_in_trainer_example_runs() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2:" in result.stdout and "engines match trainer: True" in result.stdout
+
+
+# ------------------------------------------------------------------ --engine vllm
+
+
+def test_demo_refuses_ipc_with_vllm(tmp_path: Path) -> None:
+    """ipc cannot reach a real vLLM: refused with exit status 2 before anything starts."""
+    from rollsafe.demo import main
+
+    out = tmp_path / "report"
+    rc = main(["--engine", "vllm", "--transport", "ipc", "--out", str(out), "--quiet"])
+    assert rc == 2
+    assert not out.exists()  # nothing started, nothing written
+
+
+def test_demo_refuses_warm_standby_with_vllm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rollsafe.demo import main
+
+    assert main(["--engine", "vllm", "--warm-standby", "--out", str(tmp_path / "r")]) == 2
+    assert "--warm-standby is not available with --engine vllm" in capsys.readouterr().out
+
+
+def test_demo_vllm_without_an_interpreter_names_all_three_places(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No working vLLM interpreter: exit 2, and the message names the flag, the environment
+    variable and the default path, each with why it did not work."""
+    not_python = tmp_path / "not-python"
+    not_python.write_text("")
+    monkeypatch.setenv("ROLLSAFE_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm here
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollsafe.cli",
+            "demo",
+            "--engine",
+            "vllm",
+            "--vllm-python",
+            str(not_python),
+            "--out",
+            str(tmp_path / "report"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    msg = result.stdout
+    assert f"--vllm-python: {not_python} is not executable" in msg, msg
+    assert f"$ROLLSAFE_VLLM_PYTHON: {tmp_path / 'missing' / 'python'} does not exist" in msg, msg
+    assert f".venv-vllm/bin/python under {tmp_path}" in msg, msg
+    assert not (tmp_path / "report").exists()
+
+
+def test_demo_vllm_interpreter_without_vllm_is_refused(tmp_path: Path) -> None:
+    """An interpreter that runs but has no vllm package is not taken for the real engine."""
+    from rollsafe.demo.options import find_vllm_python
+
+    path, why = find_vllm_python(sys.executable)  # rollsafe's venv: no vllm
+    if path is None:
+        assert f"--vllm-python: {sys.executable} has no vllm package" in why
+    else:  # only if the environment or the current directory names a real one
+        assert path != sys.executable
+
+
+def test_demo_reference_defaults_unchanged() -> None:
+    """Without --engine: the reference engine, 3 groups, ipc, warm standbys (as before)."""
+    import argparse
+
+    from rollsafe.demo.options import DemoOptions, add_arguments, options_problem
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    opts = parser.parse_args([], namespace=DemoOptions())
+    assert options_problem(opts) is None
+    assert (opts.engine, opts.groups, opts.transport, opts.warm_standby) == (
+        "reference",
+        3,
+        "ipc",
+        True,
+    )
+
+
+@pytest.mark.real_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_demo_on_real_vllm_recovers_and_verifies(tmp_path: Path, vllm_python: str) -> None:
+    """`rollsafe demo --engine vllm`: two real vLLM groups, two steps synced over nccl/gloo,
+    g1's server SIGKILLed mid-rollout of step 2; exit 0, g1 active again at v2, every step
+    verified by the layout-aware digests and the probe (the recovered group answers like g0)."""
+    out = tmp_path / "report"
+    result = subprocess.run(
+        _demo_cmd(
+            "--engine",
+            "vllm",
+            "--vllm-python",
+            vllm_python,
+            "--steps",
+            "2",
+            "--crash-at",
+            "2",
+            "--rollout-s",
+            "4",
+            "--workers",
+            "1",
+            "--trainer",
+            "inprocess",
+            "--out",
+            str(out),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=1400,
+        check=False,
+        cwd=str(ROOT),
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] and summary["failures"] == []
+    assert summary["engine"] == "vllm" and summary["vllm_python"] == vllm_python
+    assert summary["options"]["transport"] == "nccl"
+    assert summary["groups"] == {"g0": 1, "g1": 1}
+    assert "engine vllm" in result.stdout and "engine: vllm" in result.stdout
+    # the crash: g1's vLLM server, SIGKILLed during step 2's rollout, back active at v2
+    rec = summary["recovery"]
+    assert rec["crashed"] and rec["group"] == "g1" and rec["status"] == "active", rec
+    assert rec["latency_s"] is not None
+    assert summary["steps"][-1]["step"] == 2
+    assert summary["final_snapshot"]["registry"]["fleet_version"] == 2
+    g1 = summary["final_snapshot"]["registry"]["groups"]["g1"]
+    assert g1["state"] == "active", g1
+    assert summary["checksums"]["final"] == {"g0": "match", "g1": "match"}
+    # verification: no tensor differs anywhere; the probe agrees after every step and at the
+    # end, where the recovered g1 (a fresh engine on the export) answers like the survivor
+    assert summary["checksums"]["all_matched"]
+    for checks in summary["checksums"]["per_step"].values():
+        assert all(
+            c == "match" or c.startswith(("unverified", "not serving")) for c in checks.values()
+        ), checks
+    probe = summary["probe"]
+    assert probe["all_alike"]
+    assert probe["final"]["g0"] == "reference"
+    assert probe["final"]["g1"].startswith("alike"), probe
+    assert set(probe["per_step"]) == {"1", "2"} or set(probe["per_step"]) == {1, 2}
+    assert all(s["sync"]["ok"] for s in summary["steps"])
+    assert all(set(c) <= {"active"} for c in summary["dispatch_counts"].values())

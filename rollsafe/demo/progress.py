@@ -49,7 +49,8 @@ def rollout_line(run: DemoRun, step: int, elapsed: float) -> str:
 
 
 def print_step(run: DemoRun, record: StepRecord) -> None:
-    """The line after each step: loss, requests, the sync, states, exports, checksums."""
+    """The line after each step: loss, requests, the sync, states, exports, checksums (and with
+    ``--engine vllm`` the probe)."""
     print(
         f"step {record['step']}/{run.opts.steps}: loss {record['loss']:.3f} |"
         f" served {record['served']} failed {record['failed']} | sync v{record['step']}"
@@ -57,4 +58,12 @@ def print_step(run: DemoRun, record: StepRecord) -> None:
         f" {sum(record['sync'].get('timings', {}).values()):.2f}s |"
         f" {states(run.fleet)} | export {exports(run.fleet)} |"
         f" checksums {sorted(set(record['checksums'].values()))}"
+        + (f" | probe {_probe(record['probe'])}" if "probe" in record else "")
     )
+
+
+def _probe(verdicts: dict[str, str]) -> str:
+    """``alike`` when every probed group answered like the reference group, else the verdicts."""
+    if all(v == "reference" or v.startswith("alike") for v in verdicts.values()):
+        return f"alike ({len(verdicts)} groups)"
+    return str(verdicts)

@@ -52,6 +52,8 @@ def summarize(run: DemoRun, figures: Figures) -> dict[str, Any]:
         "options": {
             k: v for k, v in vars(run.opts).items() if not k.startswith("_") and k != "func"
         },
+        "engine": run.opts.engine,
+        "vllm_python": run.opts.vllm_python if run.vllm else None,
         "immediate_recovery": run.immediate,
         "trainer": figures.trainer_info,
         "scratch_dir": str(run.work),
@@ -73,6 +75,18 @@ def summarize(run: DemoRun, figures: Figures) -> dict[str, Any]:
                 if check.startswith("unverified")
             ),
         },
+        # vLLM: greedy tokens and logprobs of fixed prompts, every active group against the
+        # first that did not crash (rollsafe.probe); empty for the reference engine
+        "probe": (
+            {
+                "start": run.probes.get("start", {}),
+                "per_step": {s["step"]: s.get("probe", {}) for s in steps},
+                "final": run.probes.get("final", {}),
+                "all_alike": not any("probe" in f for f in failures),
+            }
+            if run.vllm
+            else {}
+        ),
         "dispatch_counts": run.dispatch,
         "steps": steps,
         "final_snapshot": run.snapshot,
@@ -91,7 +105,8 @@ def _write(run: DemoRun, summary: dict[str, Any]) -> None:
 
 
 def _print(run: DemoRun, figures: Figures, summary: dict[str, Any]) -> None:
-    print("\ntimeline (every machine transition, seconds since start):")
+    print(f"\nengine: {run.engine}")
+    print("timeline (every machine transition, seconds since start):")
     print(timeline_table(run.timeline, run.t_begin))
     _print_recovery(run, figures)
     _print_throughput(run, figures)
@@ -105,6 +120,12 @@ def _print(run: DemoRun, figures: Figures, summary: dict[str, Any]) -> None:
             else ""
         )
     )
+    if run.vllm:
+        probe = summary["probe"]
+        print(
+            "probe: every active group answers the fixed prompts alike (greedy tokens and"
+            f" logprobs) after every step: {probe['all_alike']}; at the end {probe['final']}"
+        )
     print(f"dispatch to non-active groups: {run.bad_dispatch or 'none'}")
     _print_time(run, figures, summary["wall_s"])
     out = run.out
@@ -120,7 +141,7 @@ def _print_recovery(run: DemoRun, figures: Figures) -> None:
     else:
         lat = recovery["latency_s"]
         print(
-            f"  {crash['group']} rank 1 SIGKILLed at step {crash['step']};"
+            f"  {crash['group']} {crash.get('what', 'rank 1')} SIGKILLed at step {crash['step']};"
             f" out of routing after {recovery['detected_after_s'] or float('nan'):.2f}s;"
             f" active with current weights after {lat if lat is not None else float('nan'):.2f}s"
             f" (strategy {recovery['strategy']}, status {recovery['status']})"

@@ -3,12 +3,15 @@
 Owns :class:`RolloutLoad` (client threads sending generate requests through the fleet's router
 while a step's rollout is on), :func:`start_load` and :func:`rollout`: one step's rollout phase
 (``--rollout-s`` seconds of load, the live line once a second, and at ``--crash-at`` the SIGKILL
-of rank 1 of the 2-rank group), which opens the step's record.
+of rank 1 of the 2-rank group, or with ``--engine vllm`` of the second group's vLLM server
+process: a real engine does not say which process is which rank), which opens the step's record.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
 from collections import Counter
@@ -125,11 +128,19 @@ def rollout(run: DemoRun, step: int) -> StepRecord:
 
 
 def _crash(run: DemoRun, step: int) -> None:
-    """SIGKILL rank 1 of the 2-rank group, and mark the onset of the failure."""
+    """SIGKILL rank 1 of the 2-rank group (the vLLM server of the second group), and mark the
+    onset of the failure."""
     fleet = run.fleet
     crash_gid = fleet.group_ids[CRASH_GROUP_INDEX]
-    pid = fleet.launcher(crash_gid).kill_rank(1)
-    run.crash = {"group": crash_gid, "step": step, "rank": 1, "pid": pid, "at": time.time()}
+    launcher = fleet.launcher(crash_gid)
+    rank: int | None
+    if run.vllm:
+        pid, rank, what = launcher.pid, None, "the vLLM server"
+        os.kill(pid, signal.SIGKILL)
+    else:
+        pid, rank, what = launcher.kill_rank(1), 1, "rank 1"
+    at = time.time()
+    run.crash = {"group": crash_gid, "step": step, "rank": rank, "what": what, "pid": pid, "at": at}
     # the onset of the failure for the metrics, timeline.jsonl and its picture
-    fleet.observer.mark_crash(crash_gid, at=run.crash["at"], rank=1, pid=pid)
-    run.say(f"  !! step {step}: SIGKILL rank 1 (pid {pid}) of {crash_gid}")
+    fleet.observer.mark_crash(crash_gid, at=run.crash["at"], rank=rank, pid=pid)
+    run.say(f"  !! step {step}: SIGKILL {what} (pid {pid}) of {crash_gid}")

@@ -9,6 +9,8 @@ rollout phase; after each train step the driver fetches the actor's weights thro
 store and syncs them over ``--transport`` (``ipc`` or ``nccl``, gloo on CPU), and every version
 is exported asynchronously. During step ``--crash-at``'s rollout rank 1 of the 2-rank group is
 SIGKILLed. ``--trainer inprocess`` runs the same trainer in the driver (no Ray).
+``--engine vllm`` runs it on real vLLM servers instead (one rank per group, nccl/gloo, the
+second group's server SIGKILLed, every step also checked by the behavioural probe).
 
 It prints live progress, then a timeline of every machine transition, the recovery latency
 (crash -> ``active`` with current weights), the throughput lost, the per-step weights checksum

