@@ -26,7 +26,7 @@ from rollsafe.adapters.engines import (
     RetryPolicy,
 )
 from rollsafe.adapters.engines.http import HttpTransport
-from rollsafe.adapters.engines.streaming import read_events
+from rollsafe.adapters.engines.streaming import read_events, sse_lines
 
 
 def _read_request(conn: socket.socket, buffer: bytearray) -> tuple[str, str, bytes] | None:
@@ -58,6 +58,18 @@ def _reset(conn: socket.socket) -> None:
     """Close with an RST (SO_LINGER 0), as a server that drops the connection does."""
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     conn.close()
+
+
+#: vLLM writes token text into its JSON unescaped: text with characters str.splitlines (and
+#: so httpx's iter_lines) treats as line ends, and lines ended by CRLF, CR or LF
+UNICODE_TEXTS = ("a\u2028b", "c\x85d", "e\x1cf\u2029g")
+UNICODE_EVENTS = (
+    b"".join(
+        b"data: " + json.dumps({"text": t}, ensure_ascii=False).encode() + end
+        for t, end in zip(UNICODE_TEXTS, (b"\r\n\r\n", b"\r\r", b"\n\n"), strict=True)
+    )
+    + b"data: [DONE]\n\n"
+)
 
 
 class DroppingServer:
@@ -125,6 +137,8 @@ class DroppingServer:
                 elif path == "/stream":
                     events = b'data: {"n": 1}\n\ndata: [DONE]\n\n'
                     self._answer(conn, 200, events, "text/event-stream")
+                elif path == "/unicode-stream":
+                    self._answer(conn, 200, UNICODE_EVENTS, "text/event-stream")
                 else:
                     self._answer(conn, 200, {"ok": path})
         except OSError:
@@ -287,3 +301,22 @@ def test_a_health_probe_without_retry_sends_exactly_one_request() -> None:
         client.close()
         server.close()
     assert net.refused == 1 and server.requests == [("GET", "/health")]
+
+
+def test_events_carrying_unicode_line_separators_are_read_whole(server: DroppingServer) -> None:
+    """Server-sent events end lines at CRLF, LF or CR only: a U+2028 or U+0085 inside an event's
+    JSON (vLLM does not escape token text) does not cut the event."""
+    transport = HttpTransport(server.url, timeout=10.0)
+    try:
+        events = list(read_events(transport, "/unicode-stream", {}, None))
+    finally:
+        transport.close()
+    assert [e["text"] for e in events] == list(UNICODE_TEXTS)
+
+
+def test_sse_lines_split_only_at_line_ends_even_across_chunks() -> None:
+    raw = b"data: a\xe2\x80\xa8b\r\n\r\ndata: c\r\rdata: d\n\n"
+    for size in (1, 2, 3, 7, len(raw)):
+        chunks = [raw[i : i + size] for i in range(0, len(raw), size)]
+        lines = list(sse_lines(iter(chunks)))
+        assert lines == ["data: a\u2028b", "", "data: c", "", "data: d", ""], (size, lines)

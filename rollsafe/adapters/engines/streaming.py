@@ -29,6 +29,7 @@ caller keeps every token it saw.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "VLLMDeltas",
     "WeightSpan",
     "read_events",
+    "sse_lines",
     "stream_deltas",
 ]
 
@@ -120,7 +122,7 @@ def read_events(
         data: list[str] = []
         size = 0
         try:
-            for line in response.iter_lines():
+            for line in sse_lines(response.iter_bytes(), url, path):
                 if line.startswith("data:"):
                     chunk = line[5:].lstrip(" ")
                     size += len(chunk)
@@ -145,6 +147,32 @@ def read_events(
         raise EngineUnavailable(url, path, "stream ended before data: [DONE]")
     finally:
         response.close()
+
+
+#: Server-sent events end lines with CRLF, LF or CR only (the HTML spec). Not httpx's
+#: ``iter_lines``: it splits like ``str.splitlines``, also on U+0085, U+2028, U+2029 and
+#: \x0b-\x1e, which vLLM's JSON carries unescaped inside token text (a tiny model's random
+#: tokens produced them; the event was cut and read as bad JSON).
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
+def sse_lines(chunks: Iterator[bytes], url: str = "", path: str = "") -> Iterator[str]:
+    """The lines of a server-sent event stream, split only at CRLF, LF or CR, decoded as
+    UTF-8 (a CR at the end of a chunk waits for the next one: it may be half of a CRLF). A line
+    growing past :data:`MAX_EVENT_BYTES` is a :class:`StreamProtocolError`."""
+    pending = b""
+    for chunk in chunks:
+        data = pending + chunk
+        held = data.endswith(b"\r")
+        parts = _EOL.split(data[:-1] if held else data)
+        pending = parts.pop() + (b"\r" if held else b"")
+        if len(pending) > MAX_EVENT_BYTES:
+            raise StreamProtocolError(url, path, "event larger than 64 MiB")
+        for part in parts:
+            yield part.decode("utf-8", errors="replace")
+    for part in _EOL.split(pending) if pending else ():
+        if part:
+            yield part.decode("utf-8", errors="replace")
 
 
 def _event(url: str, path: str, text: str) -> dict[str, Any]:
