@@ -78,7 +78,8 @@ def test_one_subclass_is_a_working_fleet_transport(
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     with RolloutFleet(cfg) as fleet:
         assert isinstance(fleet.transport, IPCTransport) and fleet.transport_fallback is None
-        assert built == [TransportContext(1, (("g0", 1),), {})]
+        # the context names the fleet's exporter too (the disk transport loads its exports)
+        assert built == [TransportContext(1, (("g0", 1),), {}, fleet.exporter)]
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.03)
