@@ -48,10 +48,11 @@ The tree (other bases in brackets, then where the class lives)::
     ├── EngineError                                   rollsafe.adapters.reference_engine (server)
     │   ├── BadRequest
     │   │   └── LimitExceeded, WeightUpdateError, Unsupported
-    │   ├── RequestTimeout, StartupError
+    │   ├── RequestTimeout, StartupError, WorkerFailed, EngineDead
     │   └── EngineUnavailable
     │       └── EngineBusy, EnginePaused, RankFailure
     ├── HandoffError [ValueError]                     rollsafe.adapters.reference_engine
+    ├── LayoutError [ValueError]                      rollsafe.engine_layout
     ├── ForkRequestError [ValueError]                 rollsafe.adapters.reference_engine.zygote
     ├── FleetError                                    rollsafe.fleet
     │   ├── UnknownGroup [KeyError]

@@ -455,10 +455,26 @@ def _disk_messages(eng: EngineProcess, route: str, paths: list[str]) -> list[str
         if route == "/update_weights_from_disk":
             r = eng.post(route, {"model_path": p})
         else:
-            r = eng.post(route, {"method": "reload_weights", "kwargs": {"weights_path": p}})
-        assert r.status_code == 400, r.text
-        assert r.json()["error"] == "WeightUpdateError"
-        message = r.json()["message"]
+            r = eng.post_once(route, {"method": "reload_weights", "kwargs": {"weights_path": p}})
+        if route == "/update_weights_from_disk":  # SGLang: a 400 naming the error
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] == "WeightUpdateError"
+            message = r.json()["message"]
+        else:  # vLLM 0.32.0: collective_rpc wraps the worker's error in an OpenAI-style 500
+            assert r.status_code == 500, r.text
+            wrapped = re.fullmatch(
+                r"Call to collective_rpc method failed: Worker failed with error '(.*)', "
+                r"please check the stack trace above for the root cause",
+                r.json()["error"]["message"],
+                flags=re.S,
+            )
+            assert wrapped, r.text
+            message = wrapped.group(1)
+            # like vLLM, the failed reload took the old weights (the next forward pass would
+            # kill the engine) while /health still answers 200; a complete reload restores them
+            assert eng.get("/health").status_code == 200
+            heal = eng.post_once(route, {"method": "reload_weights", "kwargs": {}})
+            assert heal.status_code == 200, heal.text
         assert message.startswith(f"{key} {repr(p)[:40]}"), message  # the path as it was sent
         out.append(re.sub(rf"^{key} .*? is not", f"{key} <PATH> is not", message))
     return out

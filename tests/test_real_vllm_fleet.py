@@ -171,8 +171,13 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
     assert fleet.sync_pause_mode() == "abort"  # a vLLM update never runs unpaused
 
     # -- rollouts on the initial weights
-    outs = [fleet.generate([1, 2, 3, i], sampling_params={"max_new_tokens": 6}) for i in range(4)]
-    assert all(len(o.output_ids) == 6 and o.weight_version == "0" for o in outs)
+    outs = [
+        fleet.generate([1, 2, 3, i], sampling_params={"max_new_tokens": 6, "ignore_eos": True})
+        for i in range(4)
+    ]
+    assert all(len(o.output_ids) == 6 and o.weight_version == "0" for o in outs), [
+        (o.group_id, o.weight_version, o.output_ids) for o in outs
+    ]
     assert {o.group_id for o in outs} <= {"g0", "g1"}
     probe = _probe(fleet, "g0")
 
@@ -204,7 +209,11 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
     def rollout(i: int) -> None:
         try:
             results.append(
-                fleet.generate([9, 8, 7, i], sampling_params={"max_new_tokens": 40}, timeout=300)
+                fleet.generate(
+                    [9, 8, 7, i],
+                    sampling_params={"max_new_tokens": 40, "ignore_eos": True},
+                    timeout=300,
+                )
             )
         except BaseException as exc:
             errors.append(exc)
@@ -217,7 +226,10 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
     fleet.router.on_progress = None
     assert killed.is_set(), "no request reached g1 before the rollout ended"
     assert not errors, errors
-    assert all(len(r.output_ids) == 40 for r in results)
+    assert all(len(r.output_ids) == 40 for r in results), [
+        (len(r.output_ids), [(s.group_id, s.token_range, s.ended) for s in r.segments])
+        for r in results
+    ]
     cut = [r for r in results if r.continued]
     assert cut, "the kill cut no request"
     for r in cut:

@@ -14,6 +14,7 @@ engine, the second restarts it first. Weight checksums are owned by the checksum
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -140,20 +141,36 @@ def test_a_paused_engine_queues_new_requests_until_resume(
 
 
 def test_pause_abort_ends_a_running_request_with_abort(engine: EngineLauncher) -> None:
-    answer: dict[str, httpx.Response] = {}
-    body = completion(tokens=400, ignore_eos=True)
-    thread = threading.Thread(
-        target=lambda: answer.setdefault("r", once(engine, "POST", "/v1/completions", json=body))
-    )
+    """The pause comes once the request streams tokens: paused before it arrived, the request
+    would wait in the queue and, after resume, run to its length."""
+    tokens = 500  # the longest the 512-token context allows: the pause lands mid-generation
+    body = completion(tokens=tokens, ignore_eos=True, stream=True)
+    started = threading.Event()
+    finish: list[str | None] = []
+    got: list[int] = []
+
+    def stream() -> None:
+        with raw(engine) as client, client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[len("data: ") :])["choices"][0]
+                got.extend(choice.get("token_ids") or [])
+                started.set()
+                if choice.get("finish_reason"):
+                    finish.append(choice["finish_reason"])
+
+    thread = threading.Thread(target=stream)
     thread.start()
-    time.sleep(0.3)
     try:
+        assert started.wait(120), "the request streamed no token"
         assert once(engine, "POST", "/pause", params={"mode": "abort"}).status_code == 200
         thread.join(120)
     finally:
         once(engine, "POST", "/resume")
-    choice = answer["r"].json()["choices"][0]
-    assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) < 400
+    assert not thread.is_alive()
+    assert finish == ["abort"] and 0 < len(got) < tokens, (finish, len(got))
 
 
 # ---- updates -------------------------------------------------------------------------------
