@@ -424,9 +424,9 @@ def test_pushed_weights_are_a_snapshot_that_a_fused_optimizer_step_cannot_change
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
     """A fused optimizer (the Trainer's ``adamw_torch_fused`` default) changes parameters
-    without bumping their version counters, so the transports' ``StaleRegistration`` guard
-    cannot see it: the registered tensors must be a copy, or a recovered group's targeted push
-    would carry newer weights under the old version (the SIGKILL test caught exactly that)."""
+    without bumping their version counters; the transports' ``StaleRegistration`` fingerprint
+    would refuse the recovered group's targeted push, so the registered tensors are a copy
+    that the push can still send under its version."""
     model, _ = _model(tiny_model_dir)
     step = [1]
     fleet = _StubFleet()

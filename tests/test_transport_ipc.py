@@ -195,16 +195,25 @@ def test_flat_parameters_travel_without_a_copy(
     assert_serves(two, flat_trainer, 22)
 
 
+@pytest.mark.parametrize("step", ["add_", "fused_adamw"])
 def test_weights_changed_in_place_after_register_are_not_pushed(
     one: EngineProcess,
     tiny_model_dir_b: Path,  # noqa: F811
+    step: str,
 ) -> None:
+    """An optimizer step between register and update: an in-place ``add_`` bumps the version
+    counter; fused AdamW does not (the fingerprint sees it)."""
     model_trainer = Trainer(tiny_model_dir_b)
     tr = IPCTransport(1, bucket_bytes=SMALL_BUCKET)
     tr.register(model_trainer.weights(), 40)  # references to the live parameters
     assert tr.update([target("one", one, (0,))]).ok
     before = one.checksum()
-    model_trainer.perturb(seed=41, names=1)  # an optimizer step, before the next register
+    versions = [t._version for t in model_trainer.weights().values()]
+    if step == "add_":
+        model_trainer.perturb(seed=41, names=1)  # an optimizer step, before the next register
+    else:
+        model_trainer.fused_step(seed=41)
+        assert [t._version for t in model_trainer.weights().values()] == versions
     changed = next(iter(model_trainer.weights()))
     with pytest.raises(StaleRegistration, match=f"{changed!r} changed in place since v40"):
         tr.update([target("one", one, (0,))])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 # the contract types cross layers (the fleet holds them, every transport implements them): they
@@ -107,10 +108,16 @@ class StagedTransport:
     ``max_parallel_targets`` bounds concurrent pushes.
 
     Transports that keep references to the registered tensors instead of copies
-    (``reads_by_reference``: ``ipc``, ``nccl``) record each tensor's in-place version counter
-    at ``register``; ``update`` refuses with :class:`StaleRegistration`, naming the first
-    changed tensor, when one moved since (a targeted push after the trainer's next optimizer
-    step must not send those weights as the registered version).
+    (``reads_by_reference``: ``ipc``, ``nccl``) record, at ``register``, each tensor's in-place
+    version counter and a fingerprint: the bytes of :data:`FINGERPRINT_ELEMENTS` elements
+    spread evenly over it. ``update`` refuses with :class:`StaleRegistration`, naming the first
+    changed tensor, when either moved since (a targeted push after the trainer's next
+    optimizer step must not send those weights as the registered version). The counter alone
+    misses writes that bypass autograd's bookkeeping: a fused optimizer (``AdamW(fused=True)``,
+    TRL's default ``adamw_torch_fused``) and writes through ``.data`` leave it unchanged; such a
+    step moves nearly every element, so the fingerprint sees it. A write that touches none of
+    the sampled elements (a few embedding rows) is not seen: register a copy for those
+    (``snapshot_weights``, docs/transports.md).
     """
 
     name = "staged"
@@ -129,7 +136,7 @@ class StagedTransport:
         self.max_parallel_targets = max_parallel_targets
         self.version: int | None = None
         self.keys: tuple[str, ...] = ()
-        self._watched: list[tuple[str, torch.Tensor, int]] = []
+        self._watched: list[_Watched] = []
 
     # ------------------------------------------------------------------ register
     def register(self, weights: NamedTensors, version: int, *, name: str | None = None) -> None:
@@ -154,11 +161,7 @@ class StagedTransport:
             self._unstage()
             raise RegisterError(f"{self.name}: v{version} not published: {refused}")
         self.version, self.keys = version, tuple(expected)
-        self._watched = (
-            [(n, t, v) for n, t in items if (v := _version_of(t)) is not None]
-            if self.reads_by_reference
-            else []
-        )
+        self._watched = [_watch(n, t) for n, t in items] if self.reads_by_reference else []
 
     def _stage(
         self, items: list[tuple[str, torch.Tensor]], version: int
@@ -173,8 +176,9 @@ class StagedTransport:
     def update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
         reg = self.registration
         published = check_update_targets(self.name, reg, targets)
-        for key, tensor, version in self._watched:
-            if _version_of(tensor) != version:
+        for watched in self._watched:
+            if watched.moved():
+                key = watched.name
                 raise StaleRegistration(
                     f"{self.name}: registered weight {key!r} changed in place since "
                     f"v{published[1]} was registered (an optimizer step?); this transport "
@@ -243,6 +247,52 @@ class StagedTransport:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+#: elements of each registered tensor whose bytes make its fingerprint (``StagedTransport``)
+FINGERPRINT_ELEMENTS = 16
+
+
+@dataclass(frozen=True)
+class _Watched:
+    """One registered tensor a by-reference transport reads again at ``update``: its version
+    counter (None for inference tensors) and its fingerprint at ``register``."""
+
+    name: str
+    tensor: torch.Tensor
+    version: int | None
+    fingerprint: torch.Tensor | None
+
+    def moved(self) -> bool:
+        if self.version is not None and _version_of(self.tensor) != self.version:
+            return True
+        if self.fingerprint is None:
+            return False
+        now = _fingerprint(self.tensor)
+        if now is None or now.shape != self.fingerprint.shape:
+            return True
+        return not bool((now == self.fingerprint).all())
+
+
+def _watch(name: str, t: torch.Tensor) -> _Watched:
+    return _Watched(name, t, _version_of(t), _fingerprint(t))
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
+    """The raw bytes of up to :data:`FINGERPRINT_ELEMENTS` elements spread evenly over ``t``
+    (bytes, so NaNs compare equal to themselves); None for a tensor with no data to read."""
+    import torch  # the transports that watch tensors already run with torch loaded
+
+    n = t.numel()
+    if n == 0 or t.is_meta:
+        return None
+    with torch.no_grad():
+        t = t.detach()
+        if t.dim() == 0:
+            t = t.reshape(1)
+        index = torch.linspace(0, n - 1, min(n, FINGERPRINT_ELEMENTS), device=t.device)
+        where = torch.unravel_index(index.round().long(), t.shape)  # no copy of ``t``
+        return t[where].contiguous().view(torch.uint8).clone()
 
 
 def _version_of(t: torch.Tensor) -> int | None:
