@@ -506,6 +506,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/multi_gpu_h200x2_8gib.json": _multi_gpu,
     "gpu/multi_gpu_h200x2_packed_check.json": _multi_gpu_check,
     "trl_grpo_gpu.json": _trl_grpo_gpu,
+    "trl_grpo_gpu_6steps.json": _trl_grpo_gpu,
 }
 
 
