@@ -455,6 +455,25 @@ def _multi_gpu_check(d: dict[str, Any]) -> list[Row]:
     ]  # fmt: skip
 
 
+def _trl_grpo_gpu(d: dict[str, Any]) -> list[Row]:
+    """TRL GRPO through a fleet of vLLM-dialect engines on one GPU, synced over NCCL."""
+    checks = d["checks"]
+    held = sum(1 for v in checks.values() if v)
+    gb = round(d["model"]["bytes_float32"] / 1e9, 2)
+    syncs = ", ".join(f"{t} s" for t in d["sync_s"])
+    crash = d["crash"]
+    return [
+        (f"{d['env']['gpu']}: TRL {d['env']['trl']} GRPO, {d['steps']} steps, checks "
+         "(weights equal after every sync, SIGKILL recovered, versions, logprobs)",
+         f"{held} of {len(checks)} true", "all", _verdict(held == len(checks))),
+        (f"{d['env']['gpu']}: TRL sync of {gb} GB over nccl to 2 vLLM-dialect engines, "
+         "per step", syncs, "-", "-"),
+        ("TRL run: engine SIGKILLed mid-generation, kill -> active",
+         f"{crash['kill_to_active_s']} s ({crash['continued_completions']} completions "
+         "continued)", "-", "-"),
+    ]  # fmt: skip
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -486,6 +505,8 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/multi_gpu_h200x2.json": _multi_gpu,
     "gpu/multi_gpu_h200x2_8gib.json": _multi_gpu,
     "gpu/multi_gpu_h200x2_packed_check.json": _multi_gpu_check,
+    "trl_grpo_gpu.json": _trl_grpo_gpu,
+    "trl_grpo_gpu_6steps.json": _trl_grpo_gpu,
 }
 
 
