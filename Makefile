@@ -50,11 +50,7 @@ demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/rollsafe demo
 
 test: $(STAMP) $(VLLM_STAMP) $(MERMAID)
-	$(BIN)/ruff check rollsafe tests benchmarks examples
-	$(BIN)/ruff format --check rollsafe tests benchmarks examples
-	$(BIN)/mypy
-	$(BIN)/python -m pytest -q --durations=30
-	$(BIN)/rollsafe diagrams --check
+	tools/run_tests.sh $(BIN)
 
 verify: $(STAMP)
 	$(BIN)/rollsafe verify
