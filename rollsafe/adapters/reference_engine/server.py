@@ -4,8 +4,9 @@ Owns the aiohttp application around a :class:`ReferenceEngine`: JSON body parsin
 key rejection (hostile JSON -- NaN, 1e400, lone surrogates, deep nesting -- is a named 400;
 :func:`parse_json` is :mod:`rollsafe.wire.strict_json` with the real engines' options), the
 request limits (:class:`ServerLimits`: body size checked against ``Content-Length`` before
-reading (413), body read timeout (408), prompts and new tokens per request (400), concurrent
-generations (503), connections, header timeout), cancelling a generation whose client went
+reading (413), bytes of bodies in flight across connections (503), body read and idle timeouts
+(408), prompts and new tokens per request (400), concurrent generations (503), connections,
+header timeout), cancelling a generation whose client went
 away, bearer-token authentication (401), mapping of named engine errors to HTTP statuses (a
 vLLM route's escaped exception: a 500 whose connection is then reset, as uvicorn does), the
 routes common to both dialects (``/health``, ``/get_server_info``), fault-injection wiring, and
