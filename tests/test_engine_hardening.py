@@ -829,6 +829,8 @@ def test_bad_key_sources_and_limits_are_usage_errors(
     assert "ROLLSAFE_API_KEY" in _usage(tiny_model_dir, env={"ROLLSAFE_API_KEY": " "})
     assert "--max-connections" in _usage(tiny_model_dir, "--max-connections", "0")
     assert "--header-timeout" in _usage(tiny_model_dir, "--header-timeout", "nan")
+    assert "--body-idle-timeout" in _usage(tiny_model_dir, "--body-idle-timeout", "0")
+    assert "--max-inflight-body-bytes" in _usage(tiny_model_dir, "--max-inflight-body-bytes", "1")
     # off loopback a key is required; one from the environment is enough (the next check,
     # of the limits, is reached)
     assert "without an API key" in _usage(tiny_model_dir, "--host", "0.0.0.0")
