@@ -50,7 +50,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   │   └── LimitExceeded, WeightUpdateError, Unsupported
     │   ├── RequestTimeout, StartupError, WorkerFailed, EngineDead
     │   └── EngineUnavailable
-    │       └── EngineBusy, EnginePaused, RankFailure
+    │       └── EngineBusy, EnginePaused, RankFailure, BodyBudgetExceeded
     ├── HandoffError [ValueError]                     rollsafe.adapters.reference_engine
     ├── LayoutError [ValueError]                      rollsafe.engine_layout
     ├── ForkRequestError [ValueError]                 rollsafe.adapters.reference_engine.zygote

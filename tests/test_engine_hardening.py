@@ -43,8 +43,10 @@ MAX_TOTAL_NEW = 8000
 MAX_RUNNING = 16
 MAX_CONNECTIONS = 40
 HEADER_TIMEOUT = 1.5
-BODY_TIMEOUT = 1.5
+BODY_TIMEOUT = 2.5
+BODY_IDLE = 1.0
 MAX_BODY = 4 << 20
+MAX_INFLIGHT_BODY = 70 << 20  # the 32 concurrent 2 MiB bodies below fit
 LIMIT_ARGS = [
     "--max-prompts-per-request", str(MAX_PROMPTS),
     "--max-total-new-tokens", str(MAX_TOTAL_NEW),
@@ -52,7 +54,9 @@ LIMIT_ARGS = [
     "--max-connections", str(MAX_CONNECTIONS),
     "--header-timeout", str(HEADER_TIMEOUT),
     "--body-timeout", str(BODY_TIMEOUT),
+    "--body-idle-timeout", str(BODY_IDLE),
     "--max-body-bytes", str(MAX_BODY),
+    "--max-inflight-body-bytes", str(MAX_INFLIGHT_BODY),
 ]  # fmt: skip
 LONG = {"max_new_tokens": 1000, "ignore_eos": True}  # ~1 s of decoding per prompt
 
@@ -283,16 +287,145 @@ def test_slow_headers_are_closed(engine: EngineProcess, before: dict[str, Any]) 
 
 
 def test_slow_body_is_a_408_and_closed(engine: EngineProcess, before: dict[str, Any]) -> None:
+    """A body that keeps coming, but too slowly for --body-timeout (never idle for
+    --body-idle-timeout), is a 408 naming the total deadline."""
     sock = connect(engine)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(BODY_IDLE / 4):
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle, daemon=True)
     try:
         sock.sendall(post_bytes("/generate", b'{"input_ids"', content_length=1000))
+        t.start()
         data, seconds = read_all(sock, BODY_TIMEOUT + 5)
     finally:
+        stop.set()
+        t.join(5)
         sock.close()
     status, body = status_and_json(data)
     assert status == 408 and body["error"] == "RequestTimeout", data
     assert "--body-timeout" in body["message"]
     assert seconds < BODY_TIMEOUT + 4
+
+
+def test_slow_loris_bodies_are_cut_at_the_idle_deadline_and_others_are_served(
+    engine: EngineProcess, before: dict[str, Any]
+) -> None:
+    """Twenty clients trickle 4 body bytes every 1.5 --body-idle-timeout (the probe of issue 27
+    sent 4 bytes per 10 s and held 50 sockets for over 65 s): each is a 408 naming
+    --body-idle-timeout and closed within the idle deadline and some slack, long before
+    --body-timeout would matter, while another client is served meanwhile."""
+    socks = [connect(engine) for _ in range(20)]
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(BODY_IDLE * 1.5):
+            for s in socks:
+                try:
+                    s.sendall(b'{"a"')
+                except OSError:
+                    pass
+
+    for s in socks:
+        s.sendall(post_bytes("/generate", b'{"a"', content_length=100_000))
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        served = engine.post(
+            "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert served.status_code == 200, served.text
+        for s in socks:
+            data, seconds = read_all(s, BODY_IDLE + 6)
+            status, body = status_and_json(data)
+            assert status == 408 and body["error"] == "RequestTimeout", data
+            assert "--body-idle-timeout" in body["message"], body
+            assert seconds < BODY_IDLE + 5
+    finally:
+        stop.set()
+        t.join(5)
+        for s in socks:
+            s.close()
+
+
+def test_bodies_in_flight_are_bounded(engine: EngineProcess, before: dict[str, Any]) -> None:
+    """Bodies held open (all but their last bytes sent) count against
+    --max-inflight-body-bytes: past it a new body is a 503 BodyBudgetExceeded before it is read;
+    once the held clients go away their budget is free again."""
+    size = 3 << 20
+    payload = b'{"unknown_key": "' + b"x" * (size - 20)
+    held = [connect(engine) for _ in range(MAX_INFLIGHT_BODY // size)]  # one more: past it
+    try:
+        for s in held:
+            s.sendall(post_bytes("/generate", payload, content_length=size))
+        time.sleep(0.5)  # read by the engine, waiting for their last bytes
+        sock = connect(engine)  # declares one more: refused before any of it is sent
+        try:
+            sock.sendall(post_bytes("/generate", b"", content_length=size))
+            data, _ = read_all(sock, 5)
+        finally:
+            sock.close()
+        status, body = status_and_json(data)
+        assert status == 503 and body["error"] == "BodyBudgetExceeded", data
+        assert "--max-inflight-body-bytes" in body["message"], body
+        assert engine.get("/health").status_code == 200  # small requests are still served
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(1.0)  # the handlers are cancelled
+    ok = engine.post_once(
+        "/generate",
+        content=b'{"input_ids": [1, 2]' + b" " * (size - 40) + b"}",
+        headers={"Content-Type": "application/json"},
+    )
+    assert ok.status_code == 200, ok.text  # the held bodies' budget was given back
+
+
+def test_memory_of_held_large_bodies_is_given_back(
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """The probe of issue 27: eight 60 MiB bodies held open (all but their last bytes sent),
+    then dropped, took the engine's RSS from 416 MB to 896 MB for good. Now four are read (the
+    default --max-inflight-body-bytes, 256 MiB), four are refused 503 before reading, and once
+    the clients go away the RSS is back near where it was (a cut body's buffer left to the
+    garbage collector kept 122 MB here)."""
+    eng = _engine(request, tiny_model_dir, extra_args=["--max-body-bytes", str(64 << 20)])
+    size = 60 << 20
+    payload = b'{"unknown_key": "' + b"x" * (size - 20)
+    first = _rss_kib(eng.pid)
+    held = [connect(eng) for _ in range(8)]
+    answers: list[bytes] = []
+    try:
+        for s in held:
+            try:
+                s.sendall(post_bytes("/generate", payload, content_length=size))
+            except OSError:  # refused before it was read: the engine closed the connection
+                pass
+        # the four read bodies are held (the engine may take a while to copy 240 MiB)
+        assert wait_for(lambda: _rss_kib(eng.pid) - first > 200 << 10, 20)
+        for s in held:
+            s.settimeout(0.5)
+            try:
+                answers.append(s.recv(200))
+            except OSError:
+                answers.append(b"")
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+        assert len(refused) == 4, answers
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(2.0)  # the handlers are cancelled; the memory trimmer runs
+    grown = _rss_kib(eng.pid) - first
+    assert grown < 40 << 10, f"RSS grew by {grown} KiB after the held bodies went away"
+    r = eng.post("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
 
 
 def test_declared_huge_body_gets_an_immediate_413(
@@ -428,6 +561,101 @@ def test_hostile_json_vllm_dialect(vengine: EngineProcess, raw: bytes, needle: s
     r = vengine.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
     refused(r, 400, "BadRequest", needle)
     assert vengine.get("/health").status_code == 200
+
+
+# ---- 5. weight-update group arguments (issue 27) ---------------------------------------------
+GROUP = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+BAD_GROUP: list[tuple[str, Any, str]] = [
+    ("master_port", 70000, "1..65535"),
+    ("master_port", -1, "1..65535"),
+    ("master_port", 0, "1..65535"),
+    ("master_port", True, "must be an int"),
+    ("master_port", 2**70, "1..65535"),
+    ("world_size", 2**40, "world_size must be in"),
+    ("world_size", 1, "world_size must be in"),
+    ("rank_offset", False, "must be an int"),
+    ("rank_offset", 0, "does not fit"),
+    ("master_address", "", "host name or an IP address"),
+    ("master_address", "a b", "host name or an IP address"),
+    ("master_address", "x" * 300, "host name or an IP address"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "needle"), BAD_GROUP, ids=lambda v: str(v)[:12])
+def test_bad_group_arguments_are_a_named_400_and_change_nothing(
+    engine: EngineProcess,
+    vengine: EngineProcess,
+    before: dict[str, Any],
+    key: str,
+    value: Any,
+    needle: str,
+) -> None:
+    """The probe of issue 27 got a raw ``TypeError: __init__(): incompatible constructor
+    arguments`` for ``master_port`` 70000: every value torch could not take is a 400 naming the
+    key, in both dialects, and no group is made."""
+    r = engine.post("/init_weights_update_group", {**GROUP, key: value, "group_name": "g"})
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["error"] == "BadRequest" and key in body["message"], body
+    assert needle in body["message"] or "does not match" in body["message"], body
+    assert "TypeError" not in body["message"]
+    # the group was not made: destroying it is refused as unknown
+    gone = engine.post("/destroy_weights_update_group", {"group_name": "g"})
+    assert gone.status_code == 400 and "no weight update group 'g'" in gone.text, gone.text
+    r = vengine.post_once("/init_weight_transfer_engine", {"init_info": {**GROUP, key: value}})
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["error"] == "BadRequest" and key in body["message"], body
+    assert needle in body["message"] or "does not match" in body["message"], body
+    assert "TypeError" not in body["message"]
+    assert vengine.get("/health").status_code == 200
+
+
+# ---- 6. child processes (issue 27) --------------------------------------------------------
+def _children(pid: int) -> list[tuple[int, str, str]]:
+    """``(pid, name, state)`` of every process whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == pid:
+            found.append((int(text.split()[0]), name, state))
+    return found
+
+
+def test_a_shared_memory_update_leaves_no_child_of_the_engine(
+    engine: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+    before: dict[str, Any],
+) -> None:
+    """A shared-memory update (SGLang's ``flattened_bucket`` payload, CPU segments named in it)
+    maps the sender's segments read-only: the engine starts no ``torch_shm_manager`` and leaves
+    no zombie child; its only children are its ranks. (The defunct manager issue 27 saw is the
+    sender's: torch starts it in the process that shares memory, see docs/security.md.)"""
+    from safetensors.torch import load_file
+
+    from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+
+    state = load_file(str(tiny_model_dir / "model.safetensors"))
+    for bucket in pack_buckets(state.items(), bucket_bytes=64 << 10):
+        r = engine.post(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": [serialize_bucket(bucket)],
+                "load_format": "flattened_bucket",
+            },
+        )
+        assert r.status_code == 200, r.text
+    time.sleep(1.0)
+    tree = [engine.pid, *engine.rank_pids]
+    children = [c for pid in tree for c in _children(pid)]
+    assert not [c for c in children if c[2] == "Z"], f"zombie children: {children}"
+    assert not [c for c in children if "shm" in c[1]], f"shm manager in the engine: {children}"
+    assert {c[0] for c in children} <= set(engine.rank_pids), children
 
 
 def test_vllm_weight_version_is_type_checked(vengine: EngineProcess) -> None:
@@ -601,6 +829,8 @@ def test_bad_key_sources_and_limits_are_usage_errors(
     assert "ROLLSAFE_API_KEY" in _usage(tiny_model_dir, env={"ROLLSAFE_API_KEY": " "})
     assert "--max-connections" in _usage(tiny_model_dir, "--max-connections", "0")
     assert "--header-timeout" in _usage(tiny_model_dir, "--header-timeout", "nan")
+    assert "--body-idle-timeout" in _usage(tiny_model_dir, "--body-idle-timeout", "0")
+    assert "--max-inflight-body-bytes" in _usage(tiny_model_dir, "--max-inflight-body-bytes", "1")
     # off loopback a key is required; one from the environment is enough (the next check,
     # of the limits, is reached)
     assert "without an API key" in _usage(tiny_model_dir, "--host", "0.0.0.0")

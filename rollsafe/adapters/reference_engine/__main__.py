@@ -232,6 +232,11 @@ LIMIT_FLAGS: tuple[tuple[str, str, type, float, float, str], ...] = (
      "seconds for a request's headers to arrive (also the idle keep-alive time)"),
     ("--body-timeout", "body_timeout_s", float, 60.0, 0.001,
      "seconds for a request's body to arrive (408 past it)"),
+    ("--body-idle-timeout", "body_idle_timeout_s", float, 5.0, 0.001,
+     "longest pause in seconds between two pieces of a request's body (408 past it)"),
+    ("--max-inflight-body-bytes", "max_inflight_body_bytes", int, 256 << 20, 1024,
+     "request body bytes being read or held, all connections together; a body past it is "
+     "answered 503 before reading"),
 )  # fmt: skip
 
 

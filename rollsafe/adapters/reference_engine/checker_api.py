@@ -41,7 +41,7 @@ from typing import Any
 from aiohttp import web
 
 from rollsafe.adapters.reference_engine.errors import BadRequest
-from rollsafe.adapters.reference_engine.server import await_future, ctx_of, parse_json
+from rollsafe.adapters.reference_engine.server import await_future, ctx_of, parse_json, read_body
 from rollsafe.checksum import overall_checksum, per_engine_checksum
 from rollsafe.engine_layout import (
     EMPTY_SHA256,
@@ -68,7 +68,7 @@ VLLM_KEYS = ("action", "baseline")
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+    raw = await read_body(request)
     if not raw.strip():
         return {}
     body = parse_json(raw)

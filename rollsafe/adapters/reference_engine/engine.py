@@ -37,6 +37,7 @@ from rollsafe.adapters.reference_engine.errors import (
     RankFailure,
     WeightUpdateError,
 )
+from rollsafe.adapters.reference_engine.group_args import check_group_args
 from rollsafe.adapters.reference_engine.model import LM_HEAD
 from rollsafe.adapters.reference_engine.ranks import RankSet
 from rollsafe.adapters.reference_engine.weights import UpdateMeta, check_model_path, packed_layout
@@ -714,6 +715,7 @@ class ReferenceEngine:
         returned future fails with :class:`WeightUpdateError` once it passes, and generation
         runs meanwhile. A name that exists or is being set up is refused at once.
         """
+        check_group_args(kwargs, self.ranks.world_size)  # before any rank is asked
         name = kwargs["group_name"]
         if timeout_s is None:
             timeout_s = min(self.group_init_timeout_s, self.ranks.opts.weight_group_timeout_s)

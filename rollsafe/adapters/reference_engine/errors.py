@@ -6,6 +6,7 @@ from rollsafe.errors import RollsafeError
 
 __all__ = [
     "BadRequest",
+    "BodyBudgetExceeded",
     "EngineBusy",
     "EngineDead",
     "EngineError",
@@ -66,6 +67,11 @@ class EngineUnavailable(EngineError):
 class EngineBusy(EngineUnavailable):
     """The engine is at its ``--max-concurrent-requests`` limit; the request was not queued
     (retry later or elsewhere). The engine itself is healthy."""
+
+
+class BodyBudgetExceeded(EngineUnavailable):
+    """The request bodies being read or held, all connections together, would pass
+    ``--max-inflight-body-bytes``; the body was not read (retry later)."""
 
 
 class EnginePaused(EngineUnavailable):

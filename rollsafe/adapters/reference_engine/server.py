@@ -4,8 +4,9 @@ Owns the aiohttp application around a :class:`ReferenceEngine`: JSON body parsin
 key rejection (hostile JSON -- NaN, 1e400, lone surrogates, deep nesting -- is a named 400;
 :func:`parse_json` is :mod:`rollsafe.wire.strict_json` with the real engines' options), the
 request limits (:class:`ServerLimits`: body size checked against ``Content-Length`` before
-reading (413), body read timeout (408), prompts and new tokens per request (400), concurrent
-generations (503), connections, header timeout), cancelling a generation whose client went
+reading (413), bytes of bodies in flight across connections (503), body read and idle timeouts
+(408), prompts and new tokens per request (400), concurrent generations (503), connections,
+header timeout), cancelling a generation whose client went
 away, bearer-token authentication (401), mapping of named engine errors to HTTP statuses (a
 vLLM route's escaped exception: a 500 whose connection is then reset, as uvicorn does), the
 routes common to both dialects (``/health``, ``/get_server_info``), fault-injection wiring, and
@@ -45,6 +46,7 @@ from rollsafe.adapters.reference_engine.engine import (
 )
 from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
+    BodyBudgetExceeded,
     EngineDead,
     EngineError,
     LimitExceeded,
@@ -77,6 +79,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CTX_KEY: web.AppKey[ServerContext] = web.AppKey("rollsafe_ctx")
 LIMITS_KEY: web.AppKey[ServerLimits] = web.AppKey("rollsafe_limits")
 MAX_BODY_KEY: web.AppKey[int] = web.AppKey("rollsafe_max_body_bytes")
+BUDGET_KEY: web.AppKey[BodyBudget] = web.AppKey("rollsafe_body_budget")
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,14 @@ class ServerLimits:
     header_timeout_s: float = 30.0
     #: seconds for a request's body, from the start of its handling [--body-timeout]
     body_timeout_s: float = 60.0
+    #: longest pause, in seconds, between two pieces of a request's body (a slow-loris client
+    #: trickling a few bytes now and then is a 408 after this, not after --body-timeout)
+    #: [--body-idle-timeout]
+    body_idle_timeout_s: float = 5.0
+    #: bytes of request bodies being read or held by their handlers, all connections together
+    #: (declared ``Content-Length``, else the bytes read so far); a body that would take the
+    #: sum past it is a 503 before it is read [--max-inflight-body-bytes]
+    max_inflight_body_bytes: int = 256 << 20
 
 
 @dataclass
@@ -147,22 +158,99 @@ def parse_json(raw: bytes) -> Any:
 
 
 _BODY_BYTES = "rollsafe.body_bytes"
+_RAW_BODY = "rollsafe.raw_body"
+_BUDGET_TAKEN = "rollsafe.budget_taken"
 #: bodies at least this large give their memory back to the OS once answered
 _TRIM_AFTER_BYTES = 1 << 20
 
 
+class BodyBudget:
+    """The bytes of request bodies in flight (``--max-inflight-body-bytes``), all connections
+    together; touched only on the event loop."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more; False (nothing counted) if that would pass the limit."""
+        if self.used + nbytes > self.limit:
+            return False
+        self.used += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.used = max(0, self.used - nbytes)
+
+    def refusal(self, nbytes: int) -> str:
+        return (
+            f"request bodies in flight would take {self.used + nbytes} bytes; the limit is "
+            f"{self.limit} (--max-inflight-body-bytes); retry later"
+        )
+
+
 async def read_body(request: web.Request) -> bytes:
-    """The request body, read within ``--body-timeout`` (else :class:`RequestTimeout`, 408) and
-    at most ``--max-body-bytes`` (else 413; a larger ``Content-Length`` was refused before)."""
+    """The request body (read once; later calls get the same bytes), each piece within
+    ``--body-idle-timeout`` of the previous one and the whole within ``--body-timeout`` (else
+    :class:`RequestTimeout`, 408), at most ``--max-body-bytes`` (else 413; a larger
+    ``Content-Length`` was refused before reading). A body without a ``Content-Length`` counts
+    against ``--max-inflight-body-bytes`` as it arrives (:class:`BodyBudgetExceeded`, 503)."""
+    cached: bytes | None = request.get(_RAW_BODY)
+    if cached is not None:
+        return cached
     limits = request.app[LIMITS_KEY]
+    declared = request.content_length
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.body_timeout_s
+    buf = bytearray()
     try:
-        raw = await asyncio.wait_for(request.read(), limits.body_timeout_s)
-    except (TimeoutError, asyncio.TimeoutError) as exc:
-        raise RequestTimeout(
-            f"request body not received within {limits.body_timeout_s:g} s (--body-timeout)"
-        ) from exc
+        raw = await _read_pieces(request, buf, limits, deadline, declared is None)
+    finally:
+        buf.clear()  # at once, also when the client went away or was refused: not at a GC
     request[_BODY_BYTES] = len(raw)
+    request[_RAW_BODY] = raw
     return raw
+
+
+async def _read_pieces(
+    request: web.Request,
+    buf: bytearray,
+    limits: ServerLimits,
+    deadline: float,
+    counted: bool,
+) -> bytes:
+    """The body of :func:`read_body`, read into ``buf``."""
+    budget = request.app[BUDGET_KEY]
+    loop = asyncio.get_running_loop()
+    while True:
+        left = deadline - loop.time()
+        idle = limits.body_idle_timeout_s < left
+        try:
+            chunk = await asyncio.wait_for(
+                request.content.readany(), min(limits.body_idle_timeout_s, max(left, 0.0))
+            )
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            raise RequestTimeout(
+                f"request body stalled: nothing received for {limits.body_idle_timeout_s:g} s "
+                f"after {len(buf)} bytes (--body-idle-timeout)"
+                if idle
+                else f"request body not received within {limits.body_timeout_s:g} s "
+                f"(--body-timeout); {len(buf)} bytes arrived"
+            ) from exc
+        if not chunk:
+            break
+        if len(buf) + len(chunk) > limits.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=limits.max_body_bytes,
+                actual_size=len(buf) + len(chunk),
+                text=f"more than {len(buf) + len(chunk) - 1} bytes sent",
+            )
+        if counted:  # no Content-Length: counted as it arrives; given back when the request is done
+            if not budget.take(len(chunk)):
+                raise BodyBudgetExceeded(budget.refusal(len(chunk)))
+            request[_BUDGET_TAKEN] = request.get(_BUDGET_TAKEN, 0) + len(chunk)
+        buf += chunk
+    return bytes(buf)
 
 
 async def read_json(
@@ -508,19 +596,36 @@ def _too_large(request: web.Request, detail: str) -> web.Response:
     return resp
 
 
+def _over_budget(budget: BodyBudget, nbytes: int) -> web.Response:
+    resp = web.json_response(
+        {"success": False, "message": budget.refusal(nbytes), "error": "BodyBudgetExceeded"},
+        status=503,
+    )
+    resp.force_close()  # the body is never read: the connection cannot be reused
+    return resp
+
+
 def body_limit_middleware(trimmer: _MemoryTrimmer) -> Callable[..., Any]:
-    """A ``Content-Length`` above ``--max-body-bytes`` is a 413 before any of the body is read;
-    after a large body the freed memory goes back to the OS (:class:`_MemoryTrimmer`)."""
+    """A ``Content-Length`` above ``--max-body-bytes`` is a 413, and one that would take the
+    bodies in flight past ``--max-inflight-body-bytes`` a 503, before any of the body is read;
+    the declared bytes count until the request is answered. After a large body the freed
+    memory goes back to the OS (:class:`_MemoryTrimmer`)."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         declared = request.content_length
         limit = request.app[MAX_BODY_KEY]
+        budget = request.app[BUDGET_KEY]
         if declared is not None and declared > limit:
             return _too_large(request, f"Content-Length {declared}")
+        if declared and not budget.take(declared):
+            return _over_budget(budget, declared)
+        request[_BUDGET_TAKEN] = declared or 0
         try:
             return await handler(request)
         finally:
+            budget.give(request.get(_BUDGET_TAKEN, 0))
+            request.pop(_RAW_BODY, None)  # the body's bytes are not kept with the request
             if max(declared or 0, request.get(_BODY_BYTES, 0)) >= _TRIM_AFTER_BYTES:
                 trimmer.soon()
 
@@ -704,6 +809,7 @@ def build_app(
     app[CTX_KEY] = ctx
     app[MAX_BODY_KEY] = limits.max_body_bytes
     app[LIMITS_KEY] = limits
+    app[BUDGET_KEY] = BodyBudget(limits.max_inflight_body_bytes)
     app.add_routes([web.get("/get_server_info", server_info), *faults.routes()])
     if ctx.dialect == "vllm":
         app.add_routes([web.get("/health", health)])  # vLLM: pause does not affect it

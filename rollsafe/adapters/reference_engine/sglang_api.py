@@ -18,6 +18,7 @@ from aiohttp import web
 
 from rollsafe.adapters.reference_engine.engine import GenerationResult, SamplingParams
 from rollsafe.adapters.reference_engine.errors import BadRequest, EngineUnavailable
+from rollsafe.adapters.reference_engine.group_args import check_group_args
 from rollsafe.adapters.reference_engine.server import (
     ServerContext,
     await_future,
@@ -292,20 +293,15 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
         backend = "gloo"  # CPU engine: the trainer's nccl request maps to gloo
     if backend not in ("gloo", "nccl"):
         raise BadRequest(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    world = want(body, "world_size", int)
-    offset = want(body, "rank_offset", int)
-    if offset < 1 or offset + ctx.engine.ranks.world_size > world:
-        raise BadRequest(
-            f"rank_offset {offset} + {ctx.engine.ranks.world_size} engine ranks does not fit in "
-            f"world_size {world} (the trainer is rank 0)"
-        )
+    group = check_group_args(body, ctx.engine.ranks.world_size)
+    name = want(body, "group_name", str, "weight_update_group")
     await await_future(
         ctx.engine.init_group(
-            master_address=want(body, "master_address", str),
-            master_port=want(body, "master_port", int),
-            rank_offset=offset,
-            world_size=world,
-            group_name=want(body, "group_name", str, "weight_update_group"),
+            master_address=group.master_address,
+            master_port=group.master_port,
+            rank_offset=group.rank_offset,
+            world_size=group.world_size,
+            group_name=name,
             backend=backend,
         )
     )

@@ -50,6 +50,7 @@ from rollsafe.adapters.reference_engine.errors import (
     WeightUpdateError,
     WorkerFailed,
 )
+from rollsafe.adapters.reference_engine.group_args import check_group_args
 from rollsafe.adapters.reference_engine.server import (
     ServerContext,
     await_future,
@@ -473,10 +474,7 @@ async def init_weight_transfer_engine(request: web.Request) -> web.Response:
     for key in ("master_address", "master_port", "rank_offset", "world_size"):
         if key not in info:
             raise BadRequest(f"missing init_info key {key!r}")
-    world = want(info, "world_size", int)
-    offset = want(info, "rank_offset", int)
-    if offset < 1 or offset + ctx.engine.ranks.world_size > world:
-        raise BadRequest(f"rank_offset {offset} does not fit in world_size {world}")
+    group = check_group_args(info, ctx.engine.ranks.world_size, where="init_info.")
     packed = want(info, "packed", bool, INIT_INFO_DEFAULTS["packed"])
     chunk = want(info, "packed_buffer_size_bytes", int, INIT_INFO_DEFAULTS[_CHUNK])
     buffers = want(info, "packed_num_buffers", int, INIT_INFO_DEFAULTS["packed_num_buffers"])
@@ -487,10 +485,10 @@ async def init_weight_transfer_engine(request: web.Request) -> web.Response:
     ctx.extra[_TRANSFER] = {}
     await await_future(
         ctx.engine.init_group(
-            master_address=want(info, "master_address", str),
-            master_port=want(info, "master_port", int),
-            rank_offset=offset,
-            world_size=world,
+            master_address=group.master_address,
+            master_port=group.master_port,
+            rank_offset=group.rank_offset,
+            world_size=group.world_size,
             group_name=WEIGHT_TRANSFER_GROUP,
             backend="nccl" if ctx.device == "cuda" else "gloo",
         )
