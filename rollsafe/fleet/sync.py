@@ -1,8 +1,12 @@
-"""SyncCoordinator: one weight sync of the whole fleet, driving the machines in order.
+"""SyncCoordinator: one weight sync of the whole fleet, executing the sync's steps with real I/O.
 
-Owns the sequence of one sync of version N (``docs/design.md``, "Fleet control"), always in this
-order; every decision in it is :mod:`rollsafe.policy`'s (``judge_export``,
-``proceed_after_register``, ``select_targets``, ``settle_update``), this module does the I/O:
+The order of the steps of one sync of version N is :func:`rollsafe.operations.sync.sync`,
+written once (``rollsafe verify`` executes the same sequence on its model); every decision in
+it is :mod:`rollsafe.policy`'s (``judge_export``, ``proceed_after_register``,
+``select_targets``, ``settle_update``). This module is its executor: it performs each effect
+(register with the transport, pause health checks, run the hooks, update, send events, start
+the export) with threads, locks, timings and logs, answers with the outcome, and fills the
+:class:`SyncReport`. The steps, in order:
 
 1. **judge the previous export** (version N-1): still running -> ``export_late`` on the
    :class:`~rollsafe.statemachines.ImmediateRecoveryMode`, the export is abandoned (never used,

@@ -4,9 +4,13 @@
 ``CheckpointRegistration`` over all engine ranks, one ``ExportLifecycle`` per weights version
 and one ``ImmediateRecoveryMode``, plus the ground truth the fleet can only observe: whether
 each engine rank is alive and which weights it really holds, and whether each export's
-directory exists. It contains no sequencing of its own: every decision is a call to
-:mod:`rollsafe.policy` (looked up at call time, so a patched policy function is what the
-model runs) and every event it sends is the one that decision named.
+directory exists. Every decision is a call to :mod:`rollsafe.policy` (looked up at call time,
+so a patched policy function is what the model runs) and every event it sends is the one that
+decision named. A sync is not sequenced here at all: :meth:`FleetModel._do_sync` executes the
+steps of :func:`rollsafe.operations.sync.sync` (the sequence the fleet's ``SyncCoordinator``
+executes too), performing each effect on the machines and the ground truth and answering with
+the outcome the action chose. (Probe and recovery are still sequenced here; issue #27 moves
+them to :mod:`rollsafe.operations` next.)
 
 What the model chooses nondeterministically are the outcomes of I/O, each an :class:`Action`:
 a rank comes up or crashes, a probe runs, a recovery claims a group, a restart succeeds or
