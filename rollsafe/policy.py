@@ -371,7 +371,7 @@ class ExportVerdict:
 
 @sends(
     "SyncCoordinator",
-    "rollsafe/fleet/sync.py",
+    "rollsafe/operations/sync.py",
     ImmediateRecoveryMode=(ModeEvent.EXPORT_LATE, ModeEvent.EXPORT_ON_TIME),
     ExportLifecycle=(ExportEvent.ABANDON,),
 )
@@ -448,7 +448,7 @@ class Settlement:
 
 @sends(
     "SyncCoordinator",
-    "rollsafe/fleet/sync.py",
+    "rollsafe/operations/sync.py",
     WorkerGroupLifecycle=(GroupEvent.FAIL, GroupEvent.MARK_STALE, GroupEvent.WEIGHTS_LOADED),
 )
 def settle_update(

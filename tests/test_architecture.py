@@ -180,3 +180,20 @@ def test_integrations_sit_above_the_fleet_and_below_the_demo() -> None:
             continue
         bad = [m for _, m in imports_of(path) if m.startswith("rollsafe.integrations")]
         assert not bad, f"{module} imports {bad}"
+
+
+def test_operations_sit_between_the_policy_and_their_executors() -> None:
+    """The step sequences (``rollsafe.operations``) are pure: above the policy and the machines,
+    below the fleet and the verifier that execute them; they import no executor, adapter or
+    transport (and so no torch, no thread, no I/O)."""
+    layers = layers_from_doc(DOC.read_text())
+    ops = layers["rollsafe.operations"]
+    assert layers["rollsafe.policy"] < ops and layers["rollsafe.statemachines"] < ops
+    assert ops < layers["rollsafe.verify"] < layers["rollsafe.fleet"]
+    forbidden = ("rollsafe.fleet", "rollsafe.verify", "rollsafe.adapters", "rollsafe.transports")
+    found = 0
+    for path in (PACKAGE / "operations").rglob("*.py"):
+        found += 1
+        bad = [m for _, m in imports_of(path) if m.startswith(forbidden)]
+        assert not bad, f"{_module_name(path)} imports {bad}"
+    assert found >= 3

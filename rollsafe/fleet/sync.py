@@ -1,8 +1,12 @@
-"""SyncCoordinator: one weight sync of the whole fleet, driving the machines in order.
+"""SyncCoordinator: one weight sync of the whole fleet, executing the sync's steps with real I/O.
 
-Owns the sequence of one sync of version N (``docs/design.md``, "Fleet control"), always in this
-order; every decision in it is :mod:`rollsafe.policy`'s (``judge_export``,
-``proceed_after_register``, ``select_targets``, ``settle_update``), this module does the I/O:
+The order of the steps of one sync of version N is :func:`rollsafe.operations.sync.sync`,
+written once (``rollsafe verify`` executes the same sequence on its model); every decision in
+it is :mod:`rollsafe.policy`'s (``judge_export``, ``proceed_after_register``,
+``select_targets``, ``settle_update``). This module is its executor: it performs each effect
+(register with the transport, pause health checks, run the hooks, update, send events, start
+the export) with threads, locks, timings and logs, answers with the outcome, and fills the
+:class:`SyncReport`. The steps, in order:
 
 1. **judge the previous export** (version N-1): still running -> ``export_late`` on the
    :class:`~rollsafe.statemachines.ImmediateRecoveryMode`, the export is abandoned (never used,
@@ -38,12 +42,15 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
 from rollsafe.fleet.registry import FleetError, FleetRegistry, WorkerGroup
+from rollsafe.operations import sync as sync_op
+from rollsafe.operations.effects import drive
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.events import GroupEvent
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
@@ -56,7 +63,7 @@ if TYPE_CHECKING:
 
     from rollsafe.hf.retention import ExportRecord
     from rollsafe.statemachines.export import ExportLease
-    from rollsafe.transports.base import EngineTarget, TargetResult, UpdateReport, WeightTransport
+    from rollsafe.transports.base import EngineTarget, TargetResult, WeightTransport
 
 __all__ = [
     "ExportJudgement",
@@ -278,7 +285,6 @@ class SyncCoordinator:
         self._sync_lock = threading.Lock()
         self._last_export_version: int | None = None
         self._judged: set[int] = set()
-        self._facts: dict[str, policy.GroupFacts] = {}  # the last sync's considered groups
         self._reports: deque[SyncReport] = deque(maxlen=_REPORTS_KEPT)
 
     # ------------------------------------------------------------------ inspection
@@ -356,154 +362,229 @@ class SyncCoordinator:
         report: SyncReport,
         around_update: contextlib.AbstractContextManager[object] | None = None,
     ) -> None:
-        timings = report.timings
-        bracket = contextlib.ExitStack()  # around_update (#17), inside the health pause
-        t = time.perf_counter()
-        self._judge_previous_export(version, report)
-        timings["judge_export_s"] = time.perf_counter() - t
-
-        paused = trainer_back = False
+        """Execute :func:`rollsafe.operations.sync.sync`: perform each effect with real I/O."""
+        run = _SyncRun(self, weights, report, around_update)
         try:
-            with self.transport_lock:
-                t = time.perf_counter()
-                log.info("sync v%d: registering with %s", version, _name(self.transport))
-                try:
-                    self.transport.register(weights, version)
-                except Exception as exc:
-                    report.error = bound_text(
-                        f"register of v{version} failed: {type(exc).__name__}: {exc}", _MAX_ERROR
-                    )
-                    timings["register_s"] = time.perf_counter() - t
-                    log.error(
-                        "sync v%d: %s; fleet stays at v%d, nothing published",
-                        version,
-                        report.error,
-                        report.fleet_version_before,
-                    )
-                    return
-                timings["register_s"] = time.perf_counter() - t
-                registration = getattr(self.transport, "registration", None)
-                published = registration.published if registration is not None else ("", version)
-                if not policy.proceed_after_register(published, version):
-                    report.error = f"register of v{version} did not publish it ({published})"
-                    log.error("sync v%d: %s; fleet stays at v%d", version, report.error,
-                              report.fleet_version_before)  # fmt: skip
-                    return
-
-                if self.health is not None:
-                    self.health.pause()
-                    paused = True
-                if around_update is not None:
-                    bracket.enter_context(around_update)
-                if not (
-                    self._hook("offload_trainer", self.offload_trainer, report)
-                    and self._hook("onload_engines", self.onload_engines, report)
-                ):
-                    return  # nothing was updated: the fleet stays at its version
-
-                groups, targets = self._select_targets(report)
-                generations = {gid: g.generation for gid, g in groups.items()}
-                t = time.perf_counter()
-                if targets:
-                    log.info(
-                        "sync v%d: updating %d group(s): %s",
-                        version,
-                        len(targets),
-                        [tg.name for tg in targets],
-                    )
-                    update = self._update(targets, version)
-                    report.update_results = dict(update.results)
-                timings["update_s"] = time.perf_counter() - t
-
-                t = time.perf_counter()
-                self._record_versions(groups, generations, version, report)
-                timings["versions_s"] = time.perf_counter() - t
-                report.ok = True
-            trainer_back = self._hook("onload_trainer", self.onload_trainer, report)
+            result = drive(sync_op.sync(version, on_failure=self.on_update_failure), run.perform)
         finally:
-            bracket.close()
-            if paused and self.health is not None:
-                self.health.resume()
-        if not trainer_back:
-            return  # the fleet moved on, but the trainer's tensors are not there to export
+            run.close()  # an exception mid-sync: the transport lock and the pause are released
+        report.ok = result.ok
+        report.error = result.error
+        report.previous_export = result.previous_export
+        report.not_targeted = dict(result.not_targeted)
+        report.updated = list(result.updated)
+        report.failed = list(result.failed)
+        report.failed_groups = list(result.failed_groups)
+        report.marked_stale = list(result.marked_stale)
+        report.weights_loaded = list(result.weights_loaded)
+        report.export_started = result.export_started
+        report.export_error = result.export_error
+        if result.fleet_version is not None:
+            report.fleet_version_after = result.fleet_version
+        if result.error is not None and not result.ok:
+            log.error(
+                "sync v%d: %s; fleet stays at v%d, nothing published",
+                version,
+                result.error,
+                report.fleet_version_before,
+            )
+        elif result.error is not None:
+            log.error("sync v%d: %s; no export started", version, result.error)
 
+
+#: Which timing of :attr:`SyncReport.timings` an effect's seconds count toward (hooks: their own).
+_TIMED: dict[type[fx.Effect], str] = {
+    fx.ObserveExport: "judge_export_s",
+    fx.ExportJudged: "judge_export_s",
+    fx.SendMode: "judge_export_s",
+    fx.AbandonExport: "judge_export_s",
+    fx.Register: "register_s",
+    fx.ReadGroups: "update_s",
+    fx.PrepareTargets: "update_s",
+    fx.Update: "update_s",
+    fx.RecordVersions: "versions_s",
+    fx.SetFleetVersion: "versions_s",
+    fx.SendGroup: "versions_s",
+    fx.HandOff: "versions_s",
+    fx.StartExport: "export_start_s",
+}
+
+
+class _SyncRun:
+    """The fleet's executor of one sync's effects: the real I/O, the lock, the timings, the
+    logs and the :class:`SyncReport`'s per-target details."""
+
+    def __init__(
+        self,
+        coordinator: SyncCoordinator,
+        weights: Mapping[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
+        report: SyncReport,
+        around_update: contextlib.AbstractContextManager[object] | None,
+    ) -> None:
+        self.c = coordinator
+        self.weights = weights
+        self.report = report
+        self.around_update = around_update
+        self.bracket = contextlib.ExitStack()  # around_update (#17), inside the health pause
+        self.locked = self.paused = False
+        self.handle: Any = None  # the previous export's handle, once observed
+        self.groups: dict[str, WorkerGroup] = {}
+        self.targets: list[EngineTarget] = []
+        self.handlers: dict[type[fx.Effect], Callable[[Any], fx.Outcome]] = {
+            fx.ObserveExport: self.observe_export,
+            fx.ExportJudged: self.export_judged,
+            fx.SendMode: self.send_mode,
+            fx.AbandonExport: self.abandon_export,
+            fx.LockTransport: self.lock,
+            fx.UnlockTransport: self.unlock,
+            fx.Register: self.register,
+            fx.Pause: self.pause,
+            fx.Resume: self.resume,
+            fx.Hook: self.hook,
+            fx.ReadGroups: self.read_groups,
+            fx.PrepareTargets: self.prepare_targets,
+            fx.Update: self.update,
+            fx.RecordVersions: self.record_versions,
+            fx.SetFleetVersion: self.set_fleet_version,
+            fx.SendGroup: self.send_group,
+            fx.HandOff: self.hand_off,
+            fx.StartExport: self.start_export,
+        }
+
+    def perform(self, effect: fx.Effect) -> fx.Outcome:
+        key = _TIMED.get(type(effect))
         t = time.perf_counter()
-        self._start_export(weights, version, report)
-        timings["export_start_s"] = time.perf_counter() - t
+        try:
+            return self.handlers[type(effect)](effect)
+        finally:
+            if key is not None:
+                timings = self.report.timings
+                timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
 
-    # ------------------------------------------------------------------ steps
-    def _judge_previous_export(self, version: int, report: SyncReport) -> None:
-        exporter, prev = self.exporter, self._last_export_version
-        if exporter is None or prev is None or prev in self._judged:
-            return
-        self._judged.add(prev)
+    def close(self) -> None:
+        if self.locked:
+            self.unlock(fx.UnlockTransport())
+        self.resume(fx.Resume())
+
+    # -- the previous export
+    def observe_export(self, _effect: fx.ObserveExport) -> fx.Outcome:
+        c, report = self.c, self.report
+        exporter, prev = c.exporter, c._last_export_version
+        if exporter is None or prev is None or prev in c._judged:
+            return fx.Ok(None)
+        c._judged.add(prev)
         report.previous_export_version = prev
+        mode_state = c.mode.state if c.mode is not None else None
         try:
             handle = exporter.handle(prev)
         except Exception:  # the exporter no longer knows it: nothing to judge
-            log.warning("sync v%d: export v%d is unknown to the exporter", version, prev)
-            return
-        mode = self.mode
-        running = not handle.done()
-        if running:
+            log.warning("sync v%d: export v%d is unknown to the exporter", report.version, prev)
+            return fx.Ok(fx.ExportSeen(prev, None, mode_state))
+        self.handle = handle
+        if not handle.done():
             observed = "writing"
         elif exporter.latest_ready(prev) is not None:
             observed = "ready"
         else:
             observed = str(handle.lifecycle.state)
-        verdict = policy.judge_export(observed, mode.state if mode is not None else None)
-        report.previous_export = verdict.judgement
-        if mode is not None:
-            for event in verdict.mode_events:
-                mode.send(event)
-        if verdict.abandon:
-            abandoned = exporter.abandon(prev, reason=f"sync v{version} began first")
-            log.warning(
-                "sync v%d: export v%d was not ready in time: abandoned (%s), immediate "
-                "recovery %s", version, prev, "stopping" if abandoned else "already finished",
-                mode.state if mode is not None else "not configured",
-            )  # fmt: skip
-            if abandoned and self.abandon_wait_s > 0:
-                try:
-                    handle.wait(self.abandon_wait_s)
-                except Exception as exc:  # ExportAbandoned is the expected outcome
-                    log.debug("export v%d ended: %s", prev, exc)
-            try:
-                exporter.cleanup()
-            except Exception:
-                log.exception(
-                    "sync v%d: cleaning up after abandoned export v%d failed", version, prev
-                )
-        elif verdict.judgement == "failed":
+        return fx.Ok(fx.ExportSeen(prev, observed, mode_state))
+
+    def export_judged(self, effect: fx.ExportJudged) -> fx.Outcome:
+        self.report.previous_export = effect.judgement
+        if effect.judgement == "failed":
             log.warning(
                 "sync v%d: export v%d failed (%s); it will not be offered for recovery",
-                version,
-                prev,
-                observed,
+                self.report.version,
+                effect.version,
+                effect.observed,
             )
+        return _OK
 
-    def _hook(self, name: str, fn: Callable[[], object] | None, report: SyncReport) -> bool:
-        """Run a colocated hook; a hook that raises is reported (``error``) and returns False."""
+    def send_mode(self, effect: fx.SendMode) -> fx.Outcome:
+        if self.c.mode is not None:
+            self.c.mode.send(effect.event)
+        return _OK
+
+    def abandon_export(self, effect: fx.AbandonExport) -> fx.Outcome:
+        c, version, prev = self.c, self.report.version, effect.version
+        exporter = c.exporter
+        if exporter is None:
+            return _OK
+        abandoned = exporter.abandon(prev, reason=effect.reason)
+        log.warning(
+            "sync v%d: export v%d was not ready in time: abandoned (%s), immediate recovery %s",
+            version,
+            prev,
+            "stopping" if abandoned else "already finished",
+            c.mode.state if c.mode is not None else "not configured",
+        )
+        if abandoned and c.abandon_wait_s > 0 and self.handle is not None:
+            try:
+                self.handle.wait(c.abandon_wait_s)
+            except Exception as exc:  # ExportAbandoned is the expected outcome
+                log.debug("export v%d ended: %s", prev, exc)
+        try:
+            exporter.cleanup()
+        except Exception:
+            log.exception("sync v%d: cleaning up after abandoned export v%d failed", version, prev)
+        return _OK
+
+    # -- register, pause, hooks
+    def lock(self, _effect: fx.LockTransport) -> fx.Outcome:
+        self.c.transport_lock.acquire()
+        self.locked = True
+        return _OK
+
+    def unlock(self, _effect: fx.UnlockTransport) -> fx.Outcome:
+        if self.locked:
+            self.locked = False
+            self.c.transport_lock.release()
+        return _OK
+
+    def register(self, effect: fx.Register) -> fx.Outcome:
+        transport = self.c.transport
+        log.info("sync v%d: registering with %s", effect.version, _name(transport))
+        try:
+            transport.register(self.weights, effect.version)
+        except Exception as exc:
+            return fx.Failed(f"{type(exc).__name__}: {exc}")
+        registration = getattr(transport, "registration", None)
+        return fx.Ok(registration.published if registration is not None else ("", effect.version))
+
+    def pause(self, _effect: fx.Pause) -> fx.Outcome:
+        if self.c.health is not None:
+            self.c.health.pause()
+            self.paused = True
+        if self.around_update is not None:
+            self.bracket.enter_context(self.around_update)
+        return _OK
+
+    def resume(self, _effect: fx.Resume) -> fx.Outcome:
+        self.bracket.close()
+        if self.paused and self.c.health is not None:
+            self.paused = False
+            self.c.health.resume()
+        return _OK
+
+    def hook(self, effect: fx.Hook) -> fx.Outcome:
+        """Run a colocated hook; one that raises is :class:`~rollsafe.operations.Failed`."""
+        fn: Callable[[], object] | None = getattr(self.c, effect.name)
         if fn is None:
-            return True
+            return _OK
         t = time.perf_counter()
-        log.info("sync v%d: running %s", report.version, name)
+        log.info("sync v%d: running %s", self.report.version, effect.name)
         try:
             fn()
         except Exception as exc:
-            report.error = bound_text(f"{name} failed: {type(exc).__name__}: {exc}", _MAX_ERROR)
-            log.error("sync v%d: %s", report.version, report.error)
-            return False
+            return fx.Failed(f"{type(exc).__name__}: {exc}")
         finally:
-            report.timings[f"{name}_s"] = time.perf_counter() - t
-        return True
+            self.report.timings[f"{effect.name}_s"] = time.perf_counter() - t
+        return _OK
 
-    def _select_targets(
-        self, report: SyncReport
-    ) -> tuple[dict[str, WorkerGroup], list[EngineTarget]]:
-        groups: dict[str, WorkerGroup] = {}
+    # -- the update
+    def read_groups(self, _effect: fx.ReadGroups) -> fx.Outcome:
         facts: list[policy.GroupFacts] = []
-        for group in self.registry.groups():
+        for group in self.c.registry.groups():
             members = group.machine.members
             facts.append(
                 policy.GroupFacts(
@@ -511,130 +592,123 @@ class SyncCoordinator:
                     group.state,
                     tuple(group.ranks),
                     tuple(r for r, m in members.items() if not m.healthy),
-                    self.traits_for(group).failed_update_keeps_weights,
+                    self.c.traits_for(group).failed_update_keeps_weights,
                 )
             )
-            groups[group.group_id] = group
-        selection = policy.select_targets(facts)
-        report.not_targeted.update(selection.not_targeted)
-        self._facts = {f.group_id: f for f in facts if f.group_id in selection.considered}
-        targets: list[EngineTarget] = []
-        for gid in selection.targets:
+            self.groups[group.group_id] = group
+        return fx.Ok(tuple(facts))
+
+    def prepare_targets(self, effect: fx.PrepareTargets) -> fx.Outcome:
+        refused: dict[str, str] = {}
+        for facts in effect.groups:
+            gid = facts.group_id
             try:
-                target = self.targets_for(groups[gid])
+                target = self.c.targets_for(self.groups[gid])
             except Exception as exc:
-                report.not_targeted[gid] = bound_text(
-                    f"no target: {type(exc).__name__}: {exc}", 256
-                )
+                refused[gid] = bound_text(f"no target: {type(exc).__name__}: {exc}", 256)
                 continue
-            targets.append(target)
-            report.targeted.append(target.name)
-        names = [t.name for t in targets]
-        missing = [g for g in names if g not in groups]
+            self.targets.append(target)
+            self.report.targeted.append(target.name)
+        missing = [t.name for t in self.targets if t.name not in self.groups]
         if missing:
             raise SyncError(f"targets_for must name targets after their group ids; got {missing}")
-        considered = {gid: groups[gid] for gid in selection.considered}
-        return considered, targets
+        return fx.Ok(refused)
 
-    def _update(self, targets: Sequence[EngineTarget], version: int) -> UpdateReport:
-        from rollsafe.transports.base import TargetResult, UpdateReport
+    def update(self, effect: fx.Update) -> fx.Outcome:
+        from rollsafe.transports.base import TargetResult
 
+        report, targets, groups = self.report, self.targets, self.groups
+        generations = {t.name: groups[t.name].generation for t in targets}
+        log.info(
+            "sync v%d: updating %d group(s): %s",
+            effect.version,
+            len(targets),
+            [t.name for t in targets],
+        )
         try:
-            return self.transport.update(targets)
+            update = self.c.transport.update(targets)
         except Exception as exc:  # a collective set-up failure: every target failed
             reason = bound_text(f"{type(exc).__name__}: {exc}", _MAX_ERROR)
-            log.error("sync v%d: update raised: %s", version, reason)
-            return UpdateReport(
-                name=_name(self.transport), version=version,
-                results={t.name: TargetResult(t.name, False, reason) for t in targets},
-            )  # fmt: skip
-
-    def _record_versions(
-        self,
-        groups: Mapping[str, WorkerGroup],
-        generations: Mapping[str, int],
-        version: int,
-        report: SyncReport,
-    ) -> None:
-        """Execute the policy's settlement of the update (versions, events, recoveries)."""
-        reg = self.registry
-        moved = [gid for gid in report.targeted if groups[gid].generation != generations[gid]]
+            log.error("sync v%d: update raised: %s", effect.version, reason)
+            report.update_results = {t.name: TargetResult(t.name, False, reason) for t in targets}
+            return fx.Failed(reason)
+        report.update_results = dict(update.results)
         rank_ok = {
-            gid: {rank: _ok_result(report.update_results.get(gid)) for rank in groups[gid].ranks}
-            for gid in report.targeted
+            t.name: {rank: _ok_result(update.results.get(t.name)) for rank in groups[t.name].ranks}
+            for t in targets
         }
-        settlement = policy.settle_update(
-            version,
-            [self._facts[gid] for gid in groups],
-            report.targeted,
-            rank_ok,
-            moved,
-            self.on_update_failure,
-        )
-        report.updated = list(settlement.updated)
-        report.failed = list(settlement.failed)
-        for gid in settlement.moved:
-            # It moved while we pushed (failed, claimed by a recovery): its members' facts
-            # now describe a new incarnation; never credit it with this version.
-            report.not_targeted[gid] = f"moved to {groups[gid].state} during the update"
-        for gid in settlement.record_version:
-            for rank, facts in groups[gid].machine.members.items():
-                reg.report_member(gid, rank, healthy=facts.healthy, weights_version=version)
-        reg.fleet_version = settlement.fleet_version
-        report.fleet_version_after = settlement.fleet_version
-        failed = set(settlement.failed)
-        for gid, event in settlement.events:
-            try:
-                reg.send(gid, event)
-            except TransitionRefused as exc:  # it moved meanwhile (failed, for instance)
-                log.info("sync v%d: group %s: %s", version, gid, exc)
-                continue
-            if event is GroupEvent.FAIL:
-                report.failed_groups.append(gid)
-            elif event is GroupEvent.MARK_STALE:
-                report.marked_stale.append(gid)
-            elif event is GroupEvent.WEIGHTS_LOADED:
-                report.weights_loaded.append(gid)
-            if gid in failed:
-                reason = report.update_results[gid].reason if gid in report.update_results else ""
-                log.warning(
-                    "sync v%d: update of group %s failed (%s): %s", version, gid, reason,
-                    "taken out of routing" if event is GroupEvent.FAIL
-                    else "left for the next sync",
-                )  # fmt: skip
-        for gid in settlement.recover:
-            if self.on_group_failed is None or gid not in report.failed_groups:
-                continue
-            reason = report.update_results[gid].reason if gid in report.update_results else ""
-            try:
-                self.on_group_failed(gid, reason)
-            except Exception:
-                log.exception("on_group_failed raised for %s", gid)
+        moved = {
+            t.name: groups[t.name].state
+            for t in targets
+            if groups[t.name].generation != generations[t.name]
+        }
+        return fx.Ok(fx.UpdateDone(rank_ok, moved))
 
-    def _start_export(
-        self,
-        weights: Mapping[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
-        version: int,
-        report: SyncReport,
-    ) -> None:
-        exporter = self.exporter
-        if exporter is None or not report.ok:
-            return
+    # -- the settlement
+    def record_versions(self, effect: fx.RecordVersions) -> fx.Outcome:
+        reg = self.c.registry
+        for gid in effect.groups:
+            for rank, facts in self.groups[gid].machine.members.items():
+                reg.report_member(gid, rank, healthy=facts.healthy, weights_version=effect.version)
+        return _OK
+
+    def set_fleet_version(self, effect: fx.SetFleetVersion) -> fx.Outcome:
+        self.c.registry.fleet_version = effect.version
+        self.report.fleet_version_after = effect.version
+        return _OK
+
+    def send_group(self, effect: fx.SendGroup) -> fx.Outcome:
+        gid, event, version = effect.group, effect.event, self.report.version
+        try:
+            self.c.registry.send(gid, event)
+        except TransitionRefused as exc:  # it moved meanwhile (failed, for instance)
+            log.info("sync v%d: group %s: %s", version, gid, exc)
+            return fx.Failed(str(exc))
+        result = self.report.update_results.get(gid)
+        if result is not None and not result.ok:
+            log.warning(
+                "sync v%d: update of group %s failed (%s): %s",
+                version,
+                gid,
+                result.reason,
+                "taken out of routing" if event is GroupEvent.FAIL else "left for the next sync",
+            )
+        return _OK
+
+    def hand_off(self, effect: fx.HandOff) -> fx.Outcome:
+        on_group_failed = self.c.on_group_failed
+        if on_group_failed is None:
+            return _OK
+        result = self.report.update_results.get(effect.group)
+        try:
+            on_group_failed(effect.group, result.reason if result is not None else "")
+        except Exception:
+            log.exception("on_group_failed raised for %s", effect.group)
+        return _OK
+
+    # -- the export
+    def start_export(self, effect: fx.StartExport) -> fx.Outcome:
+        c, version = self.c, effect.version
+        exporter = c.exporter
+        if exporter is None:
+            return fx.Ok(False)
         if exporter.latest_ready(version) is not None:
             # the transport wrote it to sync through it (disk): the export is already there
-            report.export_started = True
-            self._last_export_version = version
+            c._last_export_version = version
             log.info("sync v%d: export already written by the transport", version)
-            return
+            return fx.Ok(True)
         try:
-            exporter.start_hf_export(weights, version)
+            exporter.start_hf_export(self.weights, version)
         except Exception as exc:
-            report.export_error = bound_text(f"{type(exc).__name__}: {exc}", _MAX_ERROR)
-            log.error("sync v%d: the export did not start: %s", version, report.export_error)
-            return
-        report.export_started = True
-        self._last_export_version = version
+            error = bound_text(f"{type(exc).__name__}: {exc}", _MAX_ERROR)
+            log.error("sync v%d: the export did not start: %s", version, error)
+            return fx.Failed(error)
+        c._last_export_version = version
         log.info("sync v%d: export started", version)
+        return fx.Ok(True)
+
+
+_OK = fx.Ok()
 
 
 def _ok_result(result: TargetResult | None) -> bool:

@@ -4,9 +4,13 @@
 ``CheckpointRegistration`` over all engine ranks, one ``ExportLifecycle`` per weights version
 and one ``ImmediateRecoveryMode``, plus the ground truth the fleet can only observe: whether
 each engine rank is alive and which weights it really holds, and whether each export's
-directory exists. It contains no sequencing of its own: every decision is a call to
-:mod:`rollsafe.policy` (looked up at call time, so a patched policy function is what the
-model runs) and every event it sends is the one that decision named.
+directory exists. Every decision is a call to :mod:`rollsafe.policy` (looked up at call time,
+so a patched policy function is what the model runs) and every event it sends is the one that
+decision named. A sync is not sequenced here at all: :meth:`FleetModel._do_sync` executes the
+steps of :func:`rollsafe.operations.sync.sync` (the sequence the fleet's ``SyncCoordinator``
+executes too), performing each effect on the machines and the ground truth and answering with
+the outcome the action chose. (Probe and recovery are still sequenced here; issue #27 moves
+them to :mod:`rollsafe.operations` next.)
 
 What the model chooses nondeterministically are the outcomes of I/O, each an :class:`Action`:
 a rank comes up or crashes, a probe runs, a recovery claims a group, a restart succeeds or
@@ -29,6 +33,7 @@ from typing import Any, TypeVar
 from statemachine.exceptions import TransitionNotAllowed
 
 import rollsafe.invariants as invariants
+import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
 from rollsafe.invariants import (
     ExportPicture,
@@ -38,6 +43,8 @@ from rollsafe.invariants import (
     RecoveryPicture,
 )
 from rollsafe.invariants import InvariantViolation as Violation
+from rollsafe.operations import sync as sync_op
+from rollsafe.operations.effects import Effect, Failed, Ok, Outcome, drive
 from rollsafe.statemachines import (
     CheckpointRegistration,
     ExportLease,
@@ -67,6 +74,8 @@ POISONED = invariants.POISONED
 _KEYS: tuple[str, ...] = ("model.embed_tokens.weight", "lm_head.weight", "mtp.layer.weight")
 _REGISTERED = _KEYS[:2]  # the MTP key is legitimately missing (allow-listed)
 _RUNNING_EXPORT = ("requested", "snapshotting", "writing", "committing")
+_OK = Ok()
+_NO_REFUSALS = Ok({})
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,9 @@ class FleetModel:
         self._allowed = {
             cls: _allowed_events_table(cls) for cls in (group_cls, export_cls, registration_cls)
         }
+        self._index = {grp.group_id: g for g, grp in enumerate(self.groups)}
+        self._choice: tuple[bool, int | None] = (True, None)  # the running sync's outcomes
+        self._effects = self._effect_table()
 
     def _new_group(self, g: int) -> WorkerGroupLifecycle:
         cfg = self.config
@@ -441,73 +453,155 @@ class FleetModel:
                 self._set_truth(g, r, True, POISONED)
         return rank_ok
 
-    # -- the sync coordinator
+    # -- the sync coordinator: the second executor of rollsafe.operations.sync
     def _do_sync(
         self,
         registered_everywhere: bool,
         failing_group: int | None,
         on_failure: policy.UpdateFailurePolicy = "fail",
     ) -> bool:
-        """A sync of the next version: registered on every rank or not; its update fails on one
-        rank of ``failing_group`` (None: on none); the fleet's ``on_update_failure`` setting."""
+        """A sync of the next version, the steps of :func:`rollsafe.operations.sync.sync`
+        performed on the machines and the ground truth. The action's arguments are the outcomes
+        it chooses: registered on every rank or not; the update fails on one rank of
+        ``failing_group`` (None: on none); the fleet's ``on_update_failure`` setting."""
         cfg = self.config
         new = self.version + 1
         if cfg.max_version is not None and new > cfg.max_version:
             return False
-        reg = self.registration
-        if reg.state not in ("empty", "registered", "failed"):
+        if self.registration.state not in ("empty", "registered", "failed"):
             return False
-        self._judge_export()
-        reg.begin_register(name=f"ckpt-v{new}", version=new)
+        self._choice = (registered_everywhere, failing_group)
+        drive(sync_op.sync(new, on_failure=on_failure), self._perform)
+        return True
+
+    def _perform(self, effect: Effect) -> Outcome:
+        """Perform one effect of an operation on the model (the table of effects below)."""
+        return self._effects[type(effect)](effect)
+
+    def _effect_table(self) -> dict[type[Effect], Callable[[Any], Outcome]]:
+        done = lambda _effect: _OK  # noqa: E731  # steps with no model state (locks, hooks)
+        return {
+            fx.ObserveExport: self._observe_export,
+            fx.ExportJudged: self._export_judged,
+            fx.SendMode: self._send_mode,
+            fx.AbandonExport: self._abandon_export,
+            fx.LockTransport: done,
+            fx.UnlockTransport: done,
+            fx.Register: self._register,
+            fx.Pause: done,
+            fx.Resume: done,
+            fx.Hook: done,
+            fx.ReadGroups: self._read_groups,
+            fx.PrepareTargets: lambda _effect: _NO_REFUSALS,
+            fx.Update: self._update,
+            fx.RecordVersions: self._record_versions,
+            fx.SetFleetVersion: self._set_fleet_version,
+            fx.SendGroup: self._send_group_effect,
+            fx.HandOff: done,  # the model's recovery is its own action (``recover``)
+            fx.StartExport: self._start_export,
+        }
+
+    def _observe_export(self, _effect: fx.ObserveExport) -> Outcome:
+        prev = self.last_export
+        if prev is None or self.audit.judged_version >= prev:
+            return Ok(None)
+        self.audit.judged_version = prev
+        export = self.exports.get(prev)
+        return Ok(fx.ExportSeen(prev, export.state if export else None, self.mode.state))
+
+    def _export_judged(self, effect: fx.ExportJudged) -> Outcome:
+        if effect.judgement == "late":
+            self.audit.late_versions = self.audit.late_versions | {effect.version}
+            self.audit.on_time_since_late = 0
+        elif effect.judgement == "on_time" and self.audit.on_time_since_late is not None:
+            self.audit.on_time_since_late += 1
+        return _OK
+
+    def _send_mode(self, effect: fx.SendMode) -> Outcome:
+        self._decided(effect.decided_by, (effect.event,))
+        try:
+            self.mode.send(effect.event)
+        except TransitionNotAllowed as exc:
+            self._refuse(f"policy.{effect.decided_by}: {exc}")
+            return Failed(str(exc))
+        return _OK
+
+    def _abandon_export(self, effect: fx.AbandonExport) -> Outcome:
+        self._decided("judge_export", (ExportEvent.ABANDON,))
+        export = self.exports.get(effect.version)
+        if export is None:
+            return _OK
+        refused = _end_export(export, ExportEvent.ABANDON)
+        if refused is not None:
+            self._refuse(f"policy.judge_export: {refused}")
+            return Failed(refused)
+        return _OK
+
+    def _register(self, effect: fx.Register) -> Outcome:
+        registered_everywhere = self._choice[0]
+        reg = self.registration
+        reg.begin_register(name=f"ckpt-v{effect.version}", version=effect.version)
         ranks_ok = list(range(reg.world_size))
         if not registered_everywhere:
             ranks_ok = ranks_ok[:-1]
         self.audit.register_complete = registered_everywhere
         reg.finish_register(ranks_ok=ranks_ok, expected_keys=_KEYS, registered_keys=_REGISTERED)
-        if not policy.proceed_after_register(reg.published, new):
-            return True
-        facts = [
-            policy.GroupFacts(
-                grp.group_id,
-                grp.state,
-                grp.ranks,
-                tuple(r for r, m in grp.members.items() if not m.healthy),
-                cfg.traits.failed_update_keeps_weights,
-            )
-            for grp in self.groups
-        ]
-        selection = policy.select_targets(facts)
-        index = {grp.group_id: g for g, grp in enumerate(self.groups)}
-        rank_ok: dict[str, dict[int, bool]] = {}
-        if selection.targets:
-            try:
-                reg.begin_update(
-                    targets=[list(self.groups[index[t]].ranks) for t in selection.targets]
+        return Ok(reg.published)
+
+    def _read_groups(self, _effect: fx.ReadGroups) -> Outcome:
+        keeps = self.config.traits.failed_update_keeps_weights
+        return Ok(
+            tuple(
+                policy.GroupFacts(
+                    grp.group_id,
+                    grp.state,
+                    grp.ranks,
+                    tuple(r for r, m in grp.members.items() if not m.healthy),
+                    keeps,
                 )
-            except TransitionNotAllowed as exc:  # the transport refuses: every target failed
-                self._refuse(f"policy.proceed_after_register: update refused: {exc}")
-                rank_ok = {t: dict.fromkeys(self.groups[index[t]].ranks, False)
-                           for t in selection.targets}  # fmt: skip
-            else:
-                per_rank: dict[int, bool] = {}
-                for gid in selection.targets:
-                    g = index[gid]
-                    rank_ok[gid] = self._push_to(g, new, 0 if g == failing_group else None)
-                    per_rank.update(rank_ok[gid])
-                reg.update_done(results=per_rank)
-        considered = [f for f in facts if f.group_id in selection.considered]
-        settlement = policy.settle_update(
-            new, considered, selection.targets, rank_ok, on_failure=on_failure
+                for grp in self.groups
+            )
         )
-        self._decided("settle_update", tuple(e for _, e in settlement.events))
-        for gid in settlement.record_version:
-            grp = self.groups[index[gid]]
+
+    def _update(self, effect: fx.Update) -> Outcome:
+        failing_group = self._choice[1]
+        reg = self.registration
+        try:
+            reg.begin_update(targets=[list(f.ranks) for f in effect.groups])
+        except TransitionNotAllowed as exc:  # the transport refuses: every target failed
+            self._refuse(f"policy.proceed_after_register: update refused: {exc}")
+            return Failed(str(exc))
+        rank_ok: dict[str, dict[int, bool]] = {}
+        per_rank: dict[int, bool] = {}
+        for facts in effect.groups:
+            g = self._index[facts.group_id]
+            rank_ok[facts.group_id] = self._push_to(
+                g, effect.version, 0 if g == failing_group else None
+            )
+            per_rank.update(rank_ok[facts.group_id])
+        reg.update_done(results=per_rank)
+        return Ok(fx.UpdateDone(rank_ok))
+
+    def _record_versions(self, effect: fx.RecordVersions) -> Outcome:
+        for gid in effect.groups:
+            grp = self.groups[self._index[gid]]
             for rank, m in grp.members.items():
-                grp.report_member(rank, healthy=m.healthy, weights_version=new)
-        self.version = settlement.fleet_version
+                grp.report_member(rank, healthy=m.healthy, weights_version=effect.version)
+        return _OK
+
+    def _set_fleet_version(self, effect: fx.SetFleetVersion) -> Outcome:
+        self.version = effect.version
         self.audit.max_version_seen = max(self.audit.max_version_seen, self.version)
-        for gid, event in settlement.events:
-            self._send_group(index[gid], event, "settle_update")
+        return _OK
+
+    def _send_group_effect(self, effect: fx.SendGroup) -> Outcome:
+        self._decided(effect.decided_by, (effect.event,))
+        if self._send_group(self._index[effect.group], effect.event, effect.decided_by):
+            return _OK
+        return Failed(f"{effect.group} refused {effect.event.value!r}")
+
+    def _start_export(self, effect: fx.StartExport) -> Outcome:
+        new = effect.version
         export = self._pooled_export(new, "requested")
         for lease in export.leases:
             export.release_lease(lease)
@@ -515,31 +609,7 @@ class FleetModel:
         self.exports[new] = export
         self.dirs[new] = False
         self.last_export = new
-        return True
-
-    def _judge_export(self) -> None:
-        """Sync N+1 began: the export of N is judged once, by the policy."""
-        prev = self.last_export
-        if prev is None or self.audit.judged_version >= prev:
-            return
-        self.audit.judged_version = prev
-        export = self.exports.get(prev)
-        verdict = policy.judge_export(export.state if export else None, self.mode.state)
-        self._decided("judge_export", verdict.mode_events)
-        if verdict.judgement == "late":
-            self.audit.late_versions = self.audit.late_versions | {prev}
-            self.audit.on_time_since_late = 0
-        elif verdict.judgement == "on_time" and self.audit.on_time_since_late is not None:
-            self.audit.on_time_since_late += 1
-        for event in verdict.mode_events:
-            try:
-                self.mode.send(event)
-            except TransitionNotAllowed as exc:
-                self._refuse(f"policy.judge_export: {exc}")
-        if verdict.abandon and export is not None:
-            refused = _end_export(export, ExportEvent.ABANDON)
-            if refused is not None:
-                self._refuse(f"policy.judge_export: {refused}")
+        return Ok(True)
 
     # -- the exporter and retention
     def _do_export_finish(self) -> bool:
