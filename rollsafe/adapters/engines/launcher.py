@@ -45,7 +45,7 @@ from typing import Any
 
 from rollsafe.adapters.engines.errors import EngineNotSupported, EngineStartError
 from rollsafe.adapters.engines.launch.fork_server import Proc
-from rollsafe.adapters.engines.launch.output import EngineLogs, OutputPump, redact
+from rollsafe.adapters.engines.launch.output import EngineLogs, OutputPump
 from rollsafe.adapters.engines.launch.process_group import (
     Candidate,
     descendants,
@@ -53,8 +53,7 @@ from rollsafe.adapters.engines.launch.process_group import (
     pid_alive,
     reap,
     signal_pid,
-    spawn_group,
-    start_watchdog,
+    spawn_candidate,
     stop_watchdog,
 )
 from rollsafe.adapters.engines.launch.readiness import (
@@ -81,10 +80,10 @@ from rollsafe.adapters.engines.launch.standby import (
     STANDBY_STATES,
     START_SOURCES,
     Standby,
-    StandbyLost,
     StandbyPool,
     StandbyState,
     StartSource,
+    _StandbyLost,
 )
 from rollsafe.adapters.engines.launch.standby_start import race, start_forked
 from rollsafe.adapters.engines.sglang import SGLangClient
@@ -186,37 +185,32 @@ class EngineLauncher:
         """Whether the last successful start was handed to a warm standby (no fresh spawn)."""
         return self._last_from_standby
 
+    # the warm standby, read without the lock (StandbyPool has the details)
     @property
     def standby_pid(self) -> int | None:
-        """The pid of the warm standby (fork server) the next start takes, if one is alive (ready or
-        still importing)."""
+        """The pid of the standby the next start takes, if one is alive (ready or importing)."""
         sb = self._standby.next()
         return sb.proc.pid if sb is not None else None
 
     @property
     def standby_pids(self) -> list[int]:
-        """The pids of every warm standby (fork server) alive (``EngineSpec.standbys`` at most)."""
+        """The pids of every standby alive (``EngineSpec.standbys`` at most)."""
         return self._standby.pids()
 
     @property
     def standby_ready(self) -> bool:
-        """True while a warm standby is alive and has finished its imports."""
+        """True while a standby is alive and has finished its imports."""
         return self._standby.ready()
 
     @property
     def standby_state(self) -> StandbyState:
-        """``ready``: a standby is alive and imported; ``warming``: one is being spawned
-        or still importing (a start now waits for it, at most what a fresh spawn costs before
-        racing it against one); ``none`` otherwise.
-        Never blocks (no lock: safe to read from health checks and metrics while a restart
-        holds the launcher)."""
+        """``ready``, ``warming`` or ``none``: :meth:`StandbyPool.state`."""
         return self._standby.state()
 
     @property
     def last_start_source(self) -> StartSource | None:
         """Where the last successful start's engine came from: ``ready_standby``,
-        ``warming_standby`` (a standby still importing, ready before any fresh spawn) or
-        ``fresh_spawn``; None before the first start."""
+        ``warming_standby`` or ``fresh_spawn``; None before the first start."""
         return self._last_source
 
     @property
@@ -226,21 +220,12 @@ class EngineLauncher:
 
     @property
     def standby_stats(self) -> dict[str, Any]:
-        """Counters: standbys (fork servers) ``spawned``; starts forked from one (``used``;
-        ``used_ready`` / ``used_warming``: it was ready, or still importing and ready first);
-        ``raced``: starts that spawned a fresh engine next to a warming standby (it took longer
-        than a fresh spawn would); ``fallbacks``: starts that expected a standby and ended on a
-        fresh spawn (none spawned yet, dead, changed environment, refused fork, lost race);
-        ``last_fallback`` (the reason, or None)."""
+        """The pool's counters: :meth:`StandbyPool.counters`."""
         return self._standby.counters()
 
     def standby_status(self) -> dict[str, Any]:
-        """A JSON-friendly view of the warm standby, lock-free (the fleet's snapshot, metrics
-        and the demo read it): ``enabled``, ``state``, ``pool`` (``EngineSpec.standbys``),
-        ``ready`` / ``warming`` (how many standbys are in each state), and of the one the
-        next start takes ``pid``, ``age_s`` (since its spawn) and ``import_s`` (once ready);
-        the :attr:`standby_stats` counters, ``last_start_source`` and
-        ``last_start_standby_state``."""
+        """A JSON-friendly view of the warm standby (:meth:`StandbyPool.status`), plus
+        ``last_start_source`` and ``last_start_standby_state``."""
         return {
             **self._standby.status(),
             "last_start_source": self._last_source,
@@ -338,7 +323,7 @@ class EngineLauncher:
             self._launch_fresh(spec, cmd)
         try:
             self._wait_ready(self._require_proc(), cmd, from_standby=source != "fresh_spawn")
-        except StandbyLost as exc:
+        except _StandbyLost as exc:
             self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
             self._standby.fallback(str(exc))
             source = "fresh_spawn"
@@ -390,25 +375,8 @@ class EngineLauncher:
         self._finalizer = weakref.finalize(self, reap, cand.proc, [], cand.watchdog, self._files())
 
     def _fresh_candidate(self, spec: EngineSpec, cmd: list[str]) -> Candidate:
-        log_path = self._logs.new("engine", cmd, self._spec.secrets())
-        try:
-            proc = spawn_group(cmd, spec.environment(), stdin=subprocess.DEVNULL)
-        except OSError as exc:
-            raise EngineStartError(
-                f"cannot execute the engine command: {exc}",
-                command=[redact(a, spec.secrets()) for a in cmd],
-                exit_code=None,
-                output_tail="",
-                log_path=log_path,
-            ) from exc
-        return self._candidate(spec, proc, OutputPump(proc, log_path, spec.secrets()))
-
-    def _candidate(self, spec: EngineSpec, proc: Proc, pump: OutputPump) -> Candidate:
-        """``proc`` with a parent-death watchdog on its group and a finalizer."""
-        watchdog = (
-            start_watchdog(spec.interpreter(), proc.pid) if spec.reap_on_parent_death else None
-        )
-        return Candidate(proc, pump, watchdog, weakref.finalize(self, reap, proc, [], watchdog))
+        """A fresh interpreter running ``cmd``, not installed yet (see :func:`spawn_candidate`)."""
+        return spawn_candidate(self, spec, cmd, self._logs.new("engine", cmd, self._spec.secrets()))
 
     # ------------------------------------------------------------------ readiness
     def _attempt(self, proc: Proc, cmd: list[str]) -> StartAttempt:

@@ -39,7 +39,6 @@ __all__ = [
     "ForkedProcess",
     "PendingFork",
     "Proc",
-    "ZygoteError",
     "ZygoteLink",
     "request_fork",
 ]
@@ -47,7 +46,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class ZygoteError(Exception):
+class _ZygoteError(Exception):
     """A warm standby (zygote) could not fork an engine: gone, refused, or no answer."""
 
 
@@ -86,7 +85,7 @@ class ZygoteLink:
         ticket = ForkTicket()
         with self._cond:
             if self.closed:
-                raise ZygoteError(self.close_reason)
+                raise _ZygoteError(self.close_reason)
             req_id = next(self._ids)
             self._tickets[req_id] = ticket
         data = json.dumps({"id": req_id, "argv": argv, "env": env}).encode()
@@ -95,7 +94,7 @@ class ZygoteLink:
         except OSError as exc:
             with self._cond:
                 self._tickets.pop(req_id, None)
-            raise ZygoteError(f"cannot send the fork request: {exc}") from exc
+            raise _ZygoteError(f"cannot send the fork request: {exc}") from exc
         return ticket
 
     def abandon(self, ticket: ForkTicket) -> None:
@@ -221,7 +220,7 @@ FORK_TIMEOUT_S = 10.0
 def request_fork(sb: Standby, spec: EngineSpec) -> PendingFork:
     """Send ``sb`` a fork request for ``spec``'s engine (answered once it is imported): the
     engine's arguments, the environment where it differs from the zygote's, and the write ends
-    of two new pipes for its stdout and stderr. :class:`ZygoteError` if it cannot be sent."""
+    of two new pipes for its stdout and stderr. :class:`_ZygoteError` if it cannot be sent."""
     env = spec.environment()
     delta = {k: v for k, v in env.items() if sb.env.get(k) != v}
     out_r, out_w = os.pipe()

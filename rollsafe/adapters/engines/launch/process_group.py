@@ -21,9 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rollsafe.adapters.engines.errors import EngineStartError
+from rollsafe.adapters.engines.launch.output import OutputPump, redact
+
 if TYPE_CHECKING:
     from rollsafe.adapters.engines.launch.fork_server import Proc
-    from rollsafe.adapters.engines.launch.output import OutputPump
+    from rollsafe.adapters.engines.launch.spec import EngineSpec
 
 __all__ = [
     "Candidate",
@@ -33,10 +36,12 @@ __all__ = [
     "reap",
     "signal_group",
     "signal_pid",
+    "spawn_candidate",
     "spawn_group",
     "start_watchdog",
     "stop_watchdog",
     "wait_gone",
+    "watch_candidate",
 ]
 
 
@@ -228,3 +233,27 @@ class Candidate:
             self.proc.wait(timeout=5.0)
         stop_watchdog(self.watchdog)
         self.pump.close(timeout=1.0)
+
+
+def spawn_candidate(owner: object, spec: EngineSpec, cmd: list[str], log_path: str) -> Candidate:
+    """Spawn ``cmd`` in ``spec``'s environment as a new group, its output pumped into
+    ``log_path``, watched as :func:`watch_candidate` does; :class:`EngineStartError` if it
+    cannot be executed."""
+    try:
+        proc = spawn_group(cmd, spec.environment(), stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        raise EngineStartError(
+            f"cannot execute the engine command: {exc}",
+            command=[redact(a, spec.secrets()) for a in cmd],
+            exit_code=None,
+            output_tail="",
+            log_path=log_path,
+        ) from exc
+    return watch_candidate(owner, spec, proc, OutputPump(proc, log_path, spec.secrets()))
+
+
+def watch_candidate(owner: object, spec: EngineSpec, proc: Proc, pump: OutputPump) -> Candidate:
+    """``proc`` with a parent-death watchdog on its group (``spec.reap_on_parent_death``) and a
+    finalizer that reaps it when ``owner`` is garbage-collected."""
+    watchdog = start_watchdog(spec.interpreter(), proc.pid) if spec.reap_on_parent_death else None
+    return Candidate(proc, pump, watchdog, weakref.finalize(owner, reap, proc, [], watchdog))

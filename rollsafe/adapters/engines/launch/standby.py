@@ -77,7 +77,6 @@ __all__ = [
     "STANDBY_STATES",
     "START_SOURCES",
     "Standby",
-    "StandbyLost",
     "StandbyPool",
     "StandbyState",
     "StartSource",
@@ -130,7 +129,7 @@ class Standby:
         self.pump.close(timeout=1.0)
 
 
-class StandbyLost(Exception):
+class _StandbyLost(Exception):
     """The engine a warm standby started died (killed) before its ready line."""
 
 
@@ -176,7 +175,9 @@ class StandbyPool:
         return sb is not None and sb.announced()
 
     def state(self) -> StandbyState:
-        """``ready``, ``warming`` or ``none`` (see :attr:`EngineLauncher.standby_state`)."""
+        """``ready``: a standby is alive and imported; ``warming``: one is being spawned or
+        still importing (a start now waits for it, at most what a fresh spawn costs before
+        racing it against one); ``none`` otherwise."""
         sb = self.next()
         if sb is not None:
             return "ready" if sb.announced() else "warming"
@@ -187,11 +188,19 @@ class StandbyPool:
         return "none"
 
     def counters(self) -> dict[str, Any]:
-        """The counters and ``last_fallback`` (see :attr:`EngineLauncher.standby_stats`)."""
+        """Standbys (fork servers) ``spawned``; starts forked from one (``used``;
+        ``used_ready`` / ``used_warming``: it was ready, or still importing and ready first);
+        ``raced``: starts that spawned a fresh engine next to a warming standby (it took longer
+        than a fresh spawn would); ``fallbacks``: starts that expected a standby and ended on a
+        fresh spawn (none spawned yet, dead, changed environment, refused fork, lost race);
+        ``last_fallback`` (the reason, or None)."""
         return {**self.stats, "last_fallback": self.last_fallback}
 
     def status(self) -> dict[str, Any]:
-        """The pool's part of :meth:`EngineLauncher.standby_status`."""
+        """``enabled``, ``state``, ``pool`` (``EngineSpec.standbys``), ``ready`` / ``warming``
+        (how many standbys are in each state), and of the one the next start takes ``pid``,
+        ``age_s`` (since its spawn) and ``import_s`` (once ready); then the :meth:`counters`.
+        The fleet's snapshot, metrics and the demo read it."""
         sb = self.next()
         alive = [s for s in list(self.standbys) if s.alive()]
         announced = sb.pump.standby if sb is not None else None

@@ -19,11 +19,11 @@ from rollsafe.adapters.engines.launch.fork_server import (
     FORK_TIMEOUT_S,
     ForkedProcess,
     PendingFork,
-    ZygoteError,
+    _ZygoteError,
     request_fork,
 )
 from rollsafe.adapters.engines.launch.output import OutputPump
-from rollsafe.adapters.engines.launch.process_group import Candidate
+from rollsafe.adapters.engines.launch.process_group import Candidate, watch_candidate
 from rollsafe.adapters.engines.launch.spec import EngineSpec
 from rollsafe.adapters.engines.launch.standby import Standby, StartSource
 
@@ -41,7 +41,7 @@ def start_forked(launcher: EngineLauncher, sb: Standby, spec: EngineSpec, cmd: l
     try:
         pending = request_fork(sb, spec)
         cand = _forked_candidate(launcher, pending, spec, cmd, FORK_TIMEOUT_S)
-    except ZygoteError as exc:
+    except _ZygoteError as exc:
         launcher._standby.drop(sb)
         launcher._standby.fallback(
             f"the standby (pid {sb.proc.pid}) could not fork the engine: {exc}"
@@ -72,14 +72,14 @@ def _forked_candidate(
     launcher: EngineLauncher, pending: PendingFork, spec: EngineSpec, cmd: list[str], timeout: float
 ) -> Candidate:
     """The engine of an answered fork request (waiting up to ``timeout`` s for the answer);
-    :class:`ZygoteError` if the zygote did not fork it."""
+    :class:`_ZygoteError` if the zygote did not fork it."""
     sb, ticket = pending.zygote, pending.ticket
     if not ticket.event.wait(timeout):
         pending.abandon()
-        raise ZygoteError(f"no answer to a fork request within {timeout:.1f}s")
+        raise _ZygoteError(f"no answer to a fork request within {timeout:.1f}s")
     if ticket.error is not None or ticket.pid is None:
         pending.abandon()
-        raise ZygoteError(ticket.error or "no pid in the answer")
+        raise _ZygoteError(ticket.error or "no pid in the answer")
     pending.taken = True
     proc = ForkedProcess(
         ticket.pid, sb.link, os.fdopen(pending.out_r, "rb"), os.fdopen(pending.err_r, "rb")
@@ -88,7 +88,7 @@ def _forked_candidate(
     pump = OutputPump(proc, log_path, spec.secrets())
     sb.forks += 1
     pump.note(f"forked by the warm standby (zygote pid {sb.proc.pid}): pid {proc.pid}")
-    return launcher._candidate(spec, proc, pump)
+    return watch_candidate(launcher, spec, proc, pump)
 
 
 class _Race:
@@ -106,7 +106,7 @@ class _Race:
     def run(self) -> StartSource:
         try:
             self.pending = request_fork(self.sb, self.spec)
-        except ZygoteError as exc:
+        except _ZygoteError as exc:
             self.pool.drop(self.sb)
             return self._fresh_instead(f"could not take the request: {exc}")
         bound = self.launcher.fresh_start_estimate()
@@ -130,7 +130,7 @@ class _Race:
         if pending.ticket.event.is_set():
             try:
                 return _forked_candidate(self.launcher, pending, self.spec, self.cmd, 0.0)
-            except ZygoteError as exc:
+            except _ZygoteError as exc:
                 self.pool.drop(sb)
                 return f"could not fork the engine: {exc}"
         if not sb.alive():
