@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import logging
 import os
 import signal
 import statistics
@@ -44,6 +43,7 @@ from types import TracebackType
 from typing import Any
 
 from rollsafe.adapters.engines.errors import EngineNotSupported, EngineStartError
+from rollsafe.adapters.engines.launch import real_engine
 from rollsafe.adapters.engines.launch.fork_server import Proc
 from rollsafe.adapters.engines.launch.output import EngineLogs, OutputPump
 from rollsafe.adapters.engines.launch.process_group import (
@@ -63,11 +63,6 @@ from rollsafe.adapters.engines.launch.readiness import (
     wait_for_health,
     wait_for_http_ready,
     wait_for_ready_line,
-)
-from rollsafe.adapters.engines.launch.real_engine import (
-    leftovers,
-    warn_exposure,
-    write_api_key_file,
 )
 from rollsafe.adapters.engines.launch.spec import (
     API_KEY_FILE_PLACEHOLDER,
@@ -108,8 +103,6 @@ __all__ = [
     "StartSource",
     "pid_alive",
 ]
-
-log = logging.getLogger(__name__)
 
 
 class EngineLauncher:
@@ -262,23 +255,18 @@ class EngineLauncher:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> EngineLauncher:
-        """Start the group; return once it printed its ready line and passed a health check.
+        """Start the group; return once it is ready: the reference engine printed its ready line
+        and passed a health check; a real engine (``spec.kind`` ``"sglang"`` / ``"vllm"``)
+        answered 200 on ``/health`` and its info endpoint (see
+        :mod:`~rollsafe.adapters.engines.launch.readiness`).
 
-        A real engine (``spec.kind`` ``"sglang"`` / ``"vllm"``) prints no ready line: it is
-        ready once ``GET /health`` and then its info endpoint (SGLang ``/model_info``, falling
-        back to ``/get_server_info`` where that answers 404; vLLM ``/v1/models``) answer 200,
-        polled every :data:`~rollsafe.adapters.engines.launch.readiness.READY_POLL_INTERVAL` s
-        while the process is watched for an early exit. A vLLM spec with a ``weight_version``
-        then sets it with ``POST /update_weight_version`` (vLLM has no such flag).
-
-        With ``spec.warm_standby`` a ready standby forks the engine (see
-        :mod:`~rollsafe.adapters.engines.launch.standby`); a standby still importing forks it
-        once imported, raced by a fresh spawn once it took longer than a fresh spawn would (the
-        first ready line wins); a fresh spawn is the fallback.
-        :attr:`last_start_source` records which. Raises :class:`EngineStartError` (with the
-        output tail, exit code and command) if the engine exits, prints a bad ready line or is
-        not healthy within ``spec.ready_timeout`` (:class:`EngineStartTimeout` when it was still
-        running); nothing is left running in that case (the standbys stay).
+        With ``spec.warm_standby`` a standby forks the engine, raced by a fresh spawn while it
+        still imports (see :mod:`~rollsafe.adapters.engines.launch.standby`); a fresh spawn is
+        the fallback; :attr:`last_start_source` records which. Raises
+        :class:`EngineStartError` (with the output tail, exit code and command) if the engine
+        exits, prints a bad ready line or is not ready within ``spec.ready_timeout``
+        (:class:`EngineStartTimeout` when it was still running); nothing is left running then
+        (the standbys stay).
         """
         with self._lock:
             if self._proc is not None:
@@ -343,8 +331,10 @@ class EngineLauncher:
         port = spec.port or free_port(spec.host)
         self._logs.starts += 1
         if self._logs.starts == 1:
-            warn_exposure(spec)
-        key_file = write_api_key_file(self._logs, spec) if spec.kind == "sglang" else None
+            real_engine.warn_exposure(spec)
+        key_file = (
+            real_engine.write_api_key_file(self._logs, spec) if spec.kind == "sglang" else None
+        )
         self._api_key_file = key_file
         cmd = spec.command(port=port, api_key_file=key_file)
         self._command = cmd
@@ -519,7 +509,7 @@ class EngineLauncher:
         rank_pids = [int(p) for p in self._info.get("rank_pids", [])]
         held: list[str] = []
         if self._spec.real and proc.poll() is None:
-            rank_pids, held = leftovers(self._spec, proc.pid, rank_pids)
+            rank_pids, held = real_engine.leftovers(self._spec, proc.pid, rank_pids)
         if self._client is not None:
             self._client.close()
         kill_group(proc, rank_pids, sig_first=sig_first, timeout=timeout)

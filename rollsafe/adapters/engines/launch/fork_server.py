@@ -43,7 +43,7 @@ __all__ = [
     "request_fork",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
 
 
 class _ZygoteError(Exception):

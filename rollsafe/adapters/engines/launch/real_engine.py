@@ -20,7 +20,7 @@ from rollsafe.net import is_loopback
 
 __all__ = ["leftovers", "warn_exposure", "write_api_key_file"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
 
 
 def write_api_key_file(logs: EngineLogs, spec: EngineSpec) -> str | None:

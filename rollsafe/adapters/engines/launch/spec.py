@@ -61,7 +61,7 @@ __all__ = [
     "restart_spec",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
 
 
 @dataclass(frozen=True)

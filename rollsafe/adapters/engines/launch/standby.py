@@ -82,7 +82,7 @@ __all__ = [
     "StartSource",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
 
 #: A launcher's warm standby right now: ``ready`` (idle, imports done: a start takes it at
 #: once), ``warming`` (being spawned or still importing: a start waits for it, racing it

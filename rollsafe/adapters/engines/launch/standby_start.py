@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["race", "start_forked"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
 
 
 def start_forked(launcher: EngineLauncher, sb: Standby, spec: EngineSpec, cmd: list[str]) -> bool:
