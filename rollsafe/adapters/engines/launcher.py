@@ -29,32 +29,25 @@ them).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import os
 import signal
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
-import weakref
 from types import TracebackType
 from typing import Any
 
 from rollsafe.adapters.engines.errors import EngineNotSupported, EngineStartError
 from rollsafe.adapters.engines.launch import real_engine
 from rollsafe.adapters.engines.launch.fork_server import Proc
-from rollsafe.adapters.engines.launch.output import EngineLogs, OutputPump
+from rollsafe.adapters.engines.launch.output import EngineLogs
 from rollsafe.adapters.engines.launch.process_group import (
     Candidate,
     descendants,
-    kill_group,
     pid_alive,
-    reap,
     signal_pid,
     spawn_candidate,
-    stop_watchdog,
 )
 from rollsafe.adapters.engines.launch.readiness import (
     EngineStartTimeout,
@@ -64,6 +57,7 @@ from rollsafe.adapters.engines.launch.readiness import (
     wait_for_http_ready,
     wait_for_ready_line,
 )
+from rollsafe.adapters.engines.launch.running import RunningEngine
 from rollsafe.adapters.engines.launch.spec import (
     API_KEY_FILE_PLACEHOLDER,
     ENGINE_KINDS,
@@ -83,7 +77,7 @@ from rollsafe.adapters.engines.launch.standby import (
 from rollsafe.adapters.engines.launch.standby_start import race, start_forked
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
-from rollsafe.adapters.engines.vllm_cpu import deal_cores, remove_files
+from rollsafe.adapters.engines.vllm_cpu import deal_cores
 from rollsafe.net import free_port
 from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
 
@@ -117,12 +111,7 @@ class EngineLauncher:
         # set by stop()/kill() before they wait for the lock: a start in progress (a real
         # engine can take minutes) gives up at its next poll instead of holding the lock
         self._stop_requested = threading.Event()
-        self._proc: Proc | None = None
-        self._watchdog: subprocess.Popen[bytes] | None = None
-        self._pump: OutputPump | None = None
-        self._info: dict[str, Any] = {}
-        self._client: SGLangClient | VLLMClient | None = None
-        self._finalizer: weakref.finalize[Any, EngineLauncher] | None = None
+        self._engine = RunningEngine()  # the group running now (none after a stop)
         self._logs = EngineLogs(spec.log_dir or tempfile.mkdtemp(prefix="rollsafe-engine-"))
         self._standby = StandbyPool(spec, self._lock, self._logs)  # resident fork servers
         self._last_from_standby = False
@@ -131,7 +120,6 @@ class EngineLauncher:
         self._command: list[str] | None = None  # the argv of the last start
         # how long this launcher's last fresh spawns took to be ready (bounds a standby wait)
         self._fresh_start_times: collections.deque[float] = collections.deque(maxlen=5)
-        self._api_key_file: str | None = None  # a real SGLang engine's --config file
 
     # ------------------------------------------------------------------ properties
     @property
@@ -140,19 +128,19 @@ class EngineLauncher:
 
     @property
     def started(self) -> bool:
-        return self._proc is not None
+        return self._engine.proc is not None
 
     @property
     def url(self) -> str:
-        return str(self._require_info()["url"])
+        return str(self._engine.require_info()["url"])
 
     @property
     def pid(self) -> int:
-        return int(self._require_info().get("pid", self._require_proc().pid))
+        return int(self._engine.require_info().get("pid", self._engine.require_proc().pid))
 
     @property
     def rank_pids(self) -> list[int]:
-        return [int(p) for p in self._require_info().get("rank_pids", [])]
+        return [int(p) for p in self._engine.require_info().get("rank_pids", [])]
 
     @property
     def ready_info(self) -> dict[str, Any]:
@@ -161,17 +149,18 @@ class EngineLauncher:
         ``pid``, ``rank_pids`` (empty: unknown), ``ranks``, ``kind``, ``dialect``,
         ``weight_version`` (as the engine reports it, or None), ``health_path``, ``info_path``,
         ``info`` (that endpoint's JSON answer), ``startup_s``."""
-        return dict(self._require_info())
+        return dict(self._engine.require_info())
 
     @property
     def client(self) -> SGLangClient | VLLMClient:
-        if self._client is None:
+        client = self._engine.client
+        if client is None:
             raise RuntimeError("engine is not running: call start() first")
-        return self._client
+        return client
 
     @property
     def log_path(self) -> str | None:
-        return None if self._pump is None else self._pump.log_path
+        return None if self._engine.pump is None else self._engine.pump.log_path
 
     @property
     def last_start_from_standby(self) -> bool:
@@ -231,7 +220,7 @@ class EngineLauncher:
 
     def output_tail(self) -> str:
         """The last lines of the engine's stdout/stderr (bounded)."""
-        return "" if self._pump is None else self._pump.text()
+        return "" if self._engine.pump is None else self._engine.pump.text()
 
     def command(self) -> list[str]:
         """The argv of the last start (a real engine's picked port and key file included);
@@ -245,7 +234,7 @@ class EngineLauncher:
         return float(statistics.median(times)) if times else None
 
     def __repr__(self) -> str:
-        state = self._info.get("url", "running") if self._proc else "stopped"
+        state = self._engine.info.get("url", "running") if self._engine.proc else "stopped"
         standby = f", standby pid {self.standby_pid}" if self.standby_pid is not None else ""
         kind = "" if self._spec.kind == "reference" else f"{self._spec.kind} server, "
         return (
@@ -269,8 +258,8 @@ class EngineLauncher:
         (the standbys stay).
         """
         with self._lock:
-            if self._proc is not None:
-                raise RuntimeError(f"engine already started (pid {self._proc.pid})")
+            if self._engine.proc is not None:
+                raise RuntimeError(f"engine already started (pid {self._engine.proc.pid})")
             spec = self._spec
             if spec.real:
                 return self._start_real(spec)
@@ -284,7 +273,7 @@ class EngineLauncher:
             try:
                 source = self._launch(spec, cmd, standby)
             except BaseException:
-                self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+                self._engine.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
                 if self._standby.wanted:  # a retry of this start can still use a standby
                     self._standby.schedule()
                 raise
@@ -310,13 +299,13 @@ class EngineLauncher:
         else:
             self._launch_fresh(spec, cmd)
         try:
-            self._wait_ready(self._require_proc(), cmd, from_standby=source != "fresh_spawn")
+            self._wait_ready(self._engine.require_proc(), cmd, from_standby=source != "fresh_spawn")
         except _StandbyLost as exc:
-            self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+            self._engine.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
             self._standby.fallback(str(exc))
             source = "fresh_spawn"
             self._launch_fresh(spec, cmd)
-            self._wait_ready(self._require_proc(), cmd)
+            self._wait_ready(self._engine.require_proc(), cmd)
         return source
 
     def _record_start(self, source: StartSource, state_at_start: StandbyState) -> None:
@@ -335,23 +324,21 @@ class EngineLauncher:
         key_file = (
             real_engine.write_api_key_file(self._logs, spec) if spec.kind == "sglang" else None
         )
-        self._api_key_file = key_file
+        self._engine.api_key_file = key_file
         cmd = spec.command(port=port, api_key_file=key_file)
         self._command = cmd
         try:
             self._launch_fresh(spec, cmd)
-            attempt = self._attempt(self._require_proc(), cmd)
-            self._info = wait_for_http_ready(attempt, spec.client_url(port))
-            self._client = engine_client(spec, str(self._info["url"]))
+            attempt = self._attempt(self._engine.require_proc(), cmd)
+            info = wait_for_http_ready(attempt, spec.client_url(port))
+            self._engine.info = info
+            self._engine.client = engine_client(spec, str(info["url"]))
         except BaseException:
-            self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+            self._engine.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
             raise
-        self._remove_files()  # SGLang read its --config at start: the key leaves the disk
+        self._engine.remove_files()  # SGLang read its --config at start: the key leaves the disk
         self._record_start("fresh_spawn", "none")
         return self
-
-    def _files(self) -> list[str]:
-        return [self._api_key_file] if self._api_key_file else []
 
     # ------------------------------------------------------------------ candidates
     def _launch_fresh(self, spec: EngineSpec, cmd: list[str]) -> None:
@@ -359,10 +346,8 @@ class EngineLauncher:
         self._install(self._fresh_candidate(spec, cmd))
 
     def _install(self, cand: Candidate) -> None:
-        """Make ``cand`` the launcher's engine (its finalizer becomes the launcher's)."""
-        cand.finalizer.detach()
-        self._proc, self._pump, self._watchdog = cand.proc, cand.pump, cand.watchdog
-        self._finalizer = weakref.finalize(self, reap, cand.proc, [], cand.watchdog, self._files())
+        """Make ``cand`` the launcher's engine."""
+        self._engine.install(cand)
 
     def _fresh_candidate(self, spec: EngineSpec, cmd: list[str]) -> Candidate:
         """A fresh interpreter running ``cmd``, not installed yet (see :func:`spawn_candidate`)."""
@@ -371,8 +356,8 @@ class EngineLauncher:
     # ------------------------------------------------------------------ readiness
     def _attempt(self, proc: Proc, cmd: list[str]) -> StartAttempt:
         """The start of the installed engine ``proc`` running ``cmd``, to wait for."""
-        assert self._pump is not None
-        return StartAttempt(self._spec, cmd, proc, self._pump, self._stop_requested)
+        assert self._engine.pump is not None
+        return StartAttempt(self._spec, cmd, proc, self._engine.pump, self._stop_requested)
 
     def _wait_ready(self, proc: Proc, cmd: list[str], *, from_standby: bool = False) -> None:
         """Wait for the installed engine's ready line, adopt it (its ranks in the finalizer,
@@ -381,18 +366,15 @@ class EngineLauncher:
         attempt = self._attempt(proc, cmd)
         deadline = time.monotonic() + spec.ready_timeout
         info = wait_for_ready_line(attempt, deadline, from_standby=from_standby)
-        self._info = info
-        rank_pids = [int(p) for p in info.get("rank_pids", [])]
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, reap, proc, rank_pids, self._watchdog)
-        self._client = engine_client(spec, str(info["url"]))
-        wait_for_health(attempt, self._client, deadline)
+        self._engine.info = info
+        self._engine.watch_ranks([int(p) for p in info.get("rank_pids", [])])
+        self._engine.client = client = engine_client(spec, str(info["url"]))
+        wait_for_health(attempt, client, deadline)
 
     # ------------------------------------------------------------------ running, stopping
     def is_alive(self) -> bool:
         """True while the server process and every rank process are running."""
-        proc = self._proc
+        proc = self._engine.proc
         if proc is None or proc.poll() is not None:
             return False
         return all(pid_alive(p) for p in self.rank_pids)
@@ -405,7 +387,7 @@ class EngineLauncher:
         self._stop_requested.set()
         with self._lock:
             try:
-                self._teardown(sig_first=signal.SIGTERM, timeout=timeout)
+                self._engine.stop(self._spec, sig_first=signal.SIGTERM, timeout=timeout)
                 if not keep_standby:
                     self._standby.wanted = False
                     self._standby.discard_all()
@@ -417,7 +399,7 @@ class EngineLauncher:
         self._stop_requested.set()
         with self._lock:
             try:
-                self._teardown(sig_first=signal.SIGKILL, timeout=5.0)
+                self._engine.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
                 self._standby.wanted = False
                 self._standby.discard_all()
             finally:
@@ -475,7 +457,7 @@ class EngineLauncher:
                 skip_load_weights=skip_load_weights,
                 weight_version=weight_version,
             )
-            self._teardown(sig_first=signal.SIGTERM, timeout=stop_timeout)
+            self._engine.stop(self._spec, sig_first=signal.SIGTERM, timeout=stop_timeout)
             self._spec = self._standby.spec = new_spec  # the pool spawns for the current spec
             return self.start()
 
@@ -496,55 +478,12 @@ class EngineLauncher:
     def descendant_pids(self) -> list[int]:
         """Every live process the engine's server process started (its ranks, schedulers,
         workers...), read from ``/proc``; empty when not running."""
-        proc = self._proc
+        proc = self._engine.proc
         return [] if proc is None or proc.poll() is not None else descendants(proc.pid)
-
-    def _teardown(self, *, sig_first: int, timeout: float) -> None:
-        """Stop the installed engine (see :func:`kill_group`) and forget it: its client,
-        watchdog, finalizer, output pump, what a killed vLLM leaves on disk, the key file."""
-        proc = self._proc
-        if proc is None:
-            self._remove_files()
-            return
-        rank_pids = [int(p) for p in self._info.get("rank_pids", [])]
-        held: list[str] = []
-        if self._spec.real and proc.poll() is None:
-            rank_pids, held = real_engine.leftovers(self._spec, proc.pid, rank_pids)
-        if self._client is not None:
-            self._client.close()
-        kill_group(proc, rank_pids, sig_first=sig_first, timeout=timeout)
-        remove_files(held)
-        stop_watchdog(self._watchdog)
-        self._watchdog = None
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-        if self._pump is not None:
-            self._pump.close(timeout=2.0)
-        self._proc = None
-        self._client = None
-        self._info = {}
-        self._remove_files()
-
-    def _remove_files(self) -> None:
-        path, self._api_key_file = self._api_key_file, None
-        if path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-
-    def _require_proc(self) -> Proc:
-        if self._proc is None:
-            raise RuntimeError("engine is not running: call start() first")
-        return self._proc
-
-    def _require_info(self) -> dict[str, Any]:
-        if not self._info:
-            raise RuntimeError("engine is not running: call start() first")
-        return self._info
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> EngineLauncher:
-        if self._proc is None:
+        if self._engine.proc is None:
             self.start()
         return self
 

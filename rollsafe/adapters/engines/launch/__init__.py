@@ -16,6 +16,7 @@ module                 owns
 ``standby_start``      a start forked from a ready zygote, or raced against a fresh spawn
 ``readiness``          the ready line, the health check, a real engine's HTTP readiness, the
                        start errors
+``running``            the engine group running now: install it, stop it, forget it
 ``real_engine``        what a real SGLang / vLLM start adds: the API-key file, the exposure
                        warning, the files a killed vLLM leaves behind
 =====================  ==========================================================================
