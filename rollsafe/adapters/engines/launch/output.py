@@ -83,11 +83,15 @@ class OutputPump:
         self._lock = threading.Lock()
         self._log: IO[str] = open(log_path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
         self._threads = [
-            threading.Thread(target=self._pump, args=(stream, name), daemon=True,
-                             name=f"rollsafe-engine-{name}-{proc.pid}")
+            threading.Thread(
+                target=self._pump,
+                args=(stream, name),
+                daemon=True,
+                name=f"rollsafe-engine-{name}-{proc.pid}",
+            )
             for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
             if stream is not None
-        ]  # fmt: skip
+        ]
         for t in self._threads:
             t.start()
 

@@ -150,10 +150,8 @@ class StandbyPool:
         self.standbys: list[Standby] = []
         self.wanted = False
         self.thread: threading.Thread | None = None
-        self.stats = {
-            "spawned": 0, "used": 0, "used_ready": 0, "used_warming": 0, "raced": 0,
-            "fallbacks": 0,
-        }  # fmt: skip
+        counters = ("spawned", "used", "used_ready", "used_warming", "raced", "fallbacks")
+        self.stats: dict[str, int] = dict.fromkeys(counters, 0)
         self.last_fallback: str | None = None
         self._lock = lock
         self._logs = logs
