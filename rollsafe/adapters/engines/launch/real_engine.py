@@ -1,0 +1,65 @@
+"""What starting and stopping a real SGLang / vLLM server adds to the launcher's steps.
+
+Owns the SGLang API-key file (SGLang reads no key from its environment, so it gets a 0600
+``--config`` YAML file instead of ``--api-key`` on a command line every user sees in ``ps``),
+the warning for a server bound beyond loopback, and :func:`leftovers` (a real engine's workers
+that may have left the process group, and what a killed vLLM leaves on disk).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from rollsafe.adapters.engines.launch.output import EngineLogs
+from rollsafe.adapters.engines.launch.process_group import descendants
+from rollsafe.adapters.engines.launch.spec import EngineSpec
+from rollsafe.adapters.engines.vllm_cpu import held_files
+from rollsafe.net import is_loopback
+
+__all__ = ["leftovers", "warn_exposure", "write_api_key_file"]
+
+log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
+
+
+def write_api_key_file(logs: EngineLogs, spec: EngineSpec) -> str | None:
+    """SGLang reads no API key from its environment: write it to a 0600 YAML file in the log
+    directory for its ``--config`` (the launcher deletes it once the engine read it, or at the
+    teardown), so that it is not on the command line. None without a key."""
+    if not spec.api_key:
+        return None
+    path = logs.path("sglang-auth", "yaml")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        # a JSON object is a YAML flow mapping, and json.dumps quotes any key safely
+        f.write(json.dumps({"api_key": spec.api_key}) + "\n")
+    return path
+
+
+def leftovers(spec: EngineSpec, pid: int, rank_pids: list[int]) -> tuple[list[int], list[str]]:
+    """Before a running real engine (server ``pid``) is killed: ``rank_pids`` plus its workers
+    (the process group covers them unless one left it), and the files they hold that a kill
+    leaves behind (vLLM's ``/dev/shm`` queues, ipc sockets)."""
+    pids = rank_pids + [p for p in descendants(pid) if p not in rank_pids]
+    held = held_files([pid, *pids]) if spec.kind == "vllm" else []
+    return pids, held
+
+
+def warn_exposure(spec: EngineSpec) -> None:
+    """Log what a real engine bound beyond loopback leaves open (it cannot be refused: a
+    cluster needs it)."""
+    if is_loopback(spec.host):
+        return
+    if spec.kind == "vllm":
+        log.warning(
+            "vLLM on %s: its API key only guards /v1, /v2, /inference and /cohere; the dev-mode "
+            "routes rollsafe uses (weight updates, pause, sleep) are open to anyone who can "
+            "reach the port: keep it on a private network",
+            spec.host,
+        )
+    elif not spec.api_key:
+        log.warning(
+            "SGLang on %s without api_key: anyone who can reach the port can replace its weights",
+            spec.host,
+        )
