@@ -5,8 +5,9 @@
 in ``standby_s`` there, else those in ``fresh_s`` (no file: no sleep), then runs the reference
 engine's ``main()`` unchanged. A test gets a standby that stays ``warming`` as long as it needs,
 or fresh spawns slower than any standby, without changing the engine's environment (a changed
-environment would discard the standby). A file ``standby_thread`` there makes a standby start a
-thread (so that it is not fork-safe).
+environment would discard the standby); while a file ``standby_hold`` exists there a standby
+waits on (the test decides when it may get ready). A file ``standby_thread`` there makes a
+standby start a thread (so that it is not fork-safe).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ if __name__ == "__main__":
     control = Path(os.environ.get("SLOW_ENGINE_DIR", "/nonexistent")) / name
     if control.exists():
         time.sleep(float(control.read_text()))
+    hold = control.parent / "standby_hold"
+    while "--standby" in sys.argv and hold.exists():  # warming until the test lets it go
+        time.sleep(0.05)
     if "--standby" in sys.argv and (control.parent / "standby_thread").exists():
         import threading  # a standby that is not single-threaded: it must refuse to fork
 

@@ -91,7 +91,8 @@ def test_a_warming_standby_that_is_ready_first_takes_the_restart(
     launchers: list[EngineLauncher],
     tmp_path: Path,
 ) -> None:
-    (tmp_path / "standby_s").write_text("2")  # the standby warms 2 s longer than its imports
+    hold = tmp_path / "standby_hold"
+    hold.touch()  # the standby warms until the restart has begun its race
     launcher = slow_launcher(tiny_model_dir, tmp_path)
     launchers.append(launcher)
     launcher.start()
@@ -100,7 +101,21 @@ def test_a_warming_standby_that_is_ready_first_takes_the_restart(
     (tmp_path / "fresh_s").write_text("600")  # from now on a fresh spawn never wins
     assert sb_state(launcher) == "warming"
 
-    launcher.restart(weight_version="3")
+    errors: list[BaseException] = []
+
+    def restart() -> None:
+        try:
+            launcher.restart(weight_version="3")
+        except BaseException as exc:
+            errors.append(exc)
+
+    restarting = threading.Thread(target=restart)
+    restarting.start()
+    # the start waits on the warming standby alone for what a fresh spawn cost, then races
+    raced = wait_for(lambda: launcher.standby_stats["raced"] == 1, STANDBY_WAIT_S)
+    hold.unlink()  # now the standby may get ready: it wins against the ten-minute fresh spawn
+    restarting.join(STANDBY_WAIT_S)
+    assert raced and not restarting.is_alive() and not errors, errors
     assert state_at_start(launcher) == "warming"
     assert source(launcher) == "warming_standby"
     assert launcher.last_start_from_standby
