@@ -155,18 +155,18 @@ class KillingLauncher(RecordingLauncher):
     def restart(self, *args: Any, **kwargs: Any) -> EngineLauncher:
         if self.armed.is_set():
             self.armed.clear()
-            before = self._engine.proc
+            before = self._running.proc
             threading.Thread(target=self._kill_next, args=(before,), daemon=True).start()
         return super().restart(*args, **kwargs)
 
     def _kill_next(self, before: Any) -> None:
         def spawned() -> bool:
-            proc = self._engine.proc
+            proc = self._running.proc
             return proc is not None and proc is not before
 
         if wait_for(spawned, timeout=WAIT_S, interval=0.005):
-            proc = self._engine.proc
-            if proc is not None and proc.poll() is None and not self._engine.info:
+            proc = self._running.proc
+            if proc is not None and proc.poll() is None and not self._running.info:
                 os.kill(proc.pid, signal.SIGKILL)  # before its ready line: still loading
                 self.killed.append(proc.pid)
 

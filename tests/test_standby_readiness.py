@@ -346,8 +346,8 @@ def test_stop_during_a_slow_start_ends_the_start_instead_of_waiting_for_it(
 
     starter = threading.Thread(target=start)
     starter.start()
-    assert wait_for(lambda: launcher._engine.proc is not None, 30.0)  # the engine process runs
-    pid = launcher._engine.proc.pid if launcher._engine.proc is not None else -1
+    assert wait_for(lambda: launcher._running.proc is not None, 30.0)  # the engine process runs
+    pid = launcher._running.proc.pid if launcher._running.proc is not None else -1
     launcher.stop(timeout=5.0)
     starter.join(30.0)
     assert not starter.is_alive(), "stop() waited for the ten-minute start"

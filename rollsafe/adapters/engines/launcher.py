@@ -111,7 +111,7 @@ class EngineLauncher:
         # set by stop()/kill() before they wait for the lock: a start in progress (a real
         # engine can take minutes) gives up at its next poll instead of holding the lock
         self._stop_requested = threading.Event()
-        self._engine = RunningEngine()  # the group running now (none after a stop)
+        self._running = RunningEngine()  # the group running now (none after a stop)
         self._logs = EngineLogs(spec.log_dir or tempfile.mkdtemp(prefix="rollsafe-engine-"))
         self._standby = StandbyPool(spec, self._lock, self._logs)  # resident fork servers
         self._last_from_standby = False
@@ -128,19 +128,19 @@ class EngineLauncher:
 
     @property
     def started(self) -> bool:
-        return self._engine.proc is not None
+        return self._running.proc is not None
 
     @property
     def url(self) -> str:
-        return str(self._engine.require_info()["url"])
+        return str(self._running.require_info()["url"])
 
     @property
     def pid(self) -> int:
-        return int(self._engine.require_info().get("pid", self._engine.require_proc().pid))
+        return int(self._running.require_info().get("pid", self._running.require_proc().pid))
 
     @property
     def rank_pids(self) -> list[int]:
-        return [int(p) for p in self._engine.require_info().get("rank_pids", [])]
+        return [int(p) for p in self._running.require_info().get("rank_pids", [])]
 
     @property
     def ready_info(self) -> dict[str, Any]:
@@ -149,18 +149,18 @@ class EngineLauncher:
         ``pid``, ``rank_pids`` (empty: unknown), ``ranks``, ``kind``, ``dialect``,
         ``weight_version`` (as the engine reports it, or None), ``health_path``, ``info_path``,
         ``info`` (that endpoint's JSON answer), ``startup_s``."""
-        return dict(self._engine.require_info())
+        return dict(self._running.require_info())
 
     @property
     def client(self) -> SGLangClient | VLLMClient:
-        client = self._engine.client
+        client = self._running.client
         if client is None:
             raise RuntimeError("engine is not running: call start() first")
         return client
 
     @property
     def log_path(self) -> str | None:
-        return None if self._engine.pump is None else self._engine.pump.log_path
+        return None if self._running.pump is None else self._running.pump.log_path
 
     @property
     def last_start_from_standby(self) -> bool:
@@ -220,7 +220,7 @@ class EngineLauncher:
 
     def output_tail(self) -> str:
         """The last lines of the engine's stdout/stderr (bounded)."""
-        return "" if self._engine.pump is None else self._engine.pump.text()
+        return "" if self._running.pump is None else self._running.pump.text()
 
     def command(self) -> list[str]:
         """The argv of the last start (a real engine's picked port and key file included);
@@ -234,7 +234,7 @@ class EngineLauncher:
         return float(statistics.median(times)) if times else None
 
     def __repr__(self) -> str:
-        state = self._engine.info.get("url", "running") if self._engine.proc else "stopped"
+        state = self._running.info.get("url", "running") if self._running.proc else "stopped"
         standby = f", standby pid {self.standby_pid}" if self.standby_pid is not None else ""
         kind = "" if self._spec.kind == "reference" else f"{self._spec.kind} server, "
         return (
@@ -258,8 +258,8 @@ class EngineLauncher:
         (the standbys stay).
         """
         with self._lock:
-            if self._engine.proc is not None:
-                raise RuntimeError(f"engine already started (pid {self._engine.proc.pid})")
+            if self._running.proc is not None:
+                raise RuntimeError(f"engine already started (pid {self._running.proc.pid})")
             spec = self._spec
             if spec.real:
                 return self._start_real(spec)
@@ -273,7 +273,7 @@ class EngineLauncher:
             try:
                 source = self._launch(spec, cmd, standby)
             except BaseException:
-                self._engine.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
+                self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
                 if self._standby.wanted:  # a retry of this start can still use a standby
                     self._standby.schedule()
                 raise
@@ -299,13 +299,15 @@ class EngineLauncher:
         else:
             self._launch_fresh(spec, cmd)
         try:
-            self._wait_ready(self._engine.require_proc(), cmd, from_standby=source != "fresh_spawn")
+            self._wait_ready(
+                self._running.require_proc(), cmd, from_standby=source != "fresh_spawn"
+            )
         except _StandbyLost as exc:
-            self._engine.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
+            self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
             self._standby.fallback(str(exc))
             source = "fresh_spawn"
             self._launch_fresh(spec, cmd)
-            self._wait_ready(self._engine.require_proc(), cmd)
+            self._wait_ready(self._running.require_proc(), cmd)
         return source
 
     def _record_start(self, source: StartSource, state_at_start: StandbyState) -> None:
@@ -324,19 +326,19 @@ class EngineLauncher:
         key_file = (
             real_engine.write_api_key_file(self._logs, spec) if spec.kind == "sglang" else None
         )
-        self._engine.api_key_file = key_file
+        self._running.api_key_file = key_file
         cmd = spec.command(port=port, api_key_file=key_file)
         self._command = cmd
         try:
             self._launch_fresh(spec, cmd)
-            attempt = self._attempt(self._engine.require_proc(), cmd)
+            attempt = self._attempt(self._running.require_proc(), cmd)
             info = wait_for_http_ready(attempt, spec.client_url(port))
-            self._engine.info = info
-            self._engine.client = engine_client(spec, str(info["url"]))
+            self._running.info = info
+            self._running.client = engine_client(spec, str(info["url"]))
         except BaseException:
-            self._engine.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
+            self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
             raise
-        self._engine.remove_files()  # SGLang read its --config at start: the key leaves the disk
+        self._running.remove_files()  # SGLang read its --config at start: the key leaves the disk
         self._record_start("fresh_spawn", "none")
         return self
 
@@ -347,7 +349,7 @@ class EngineLauncher:
 
     def _install(self, cand: Candidate) -> None:
         """Make ``cand`` the launcher's engine."""
-        self._engine.install(cand)
+        self._running.install(cand)
 
     def _fresh_candidate(self, spec: EngineSpec, cmd: list[str]) -> Candidate:
         """A fresh interpreter running ``cmd``, not installed yet (see :func:`spawn_candidate`)."""
@@ -356,8 +358,8 @@ class EngineLauncher:
     # ------------------------------------------------------------------ readiness
     def _attempt(self, proc: Proc, cmd: list[str]) -> StartAttempt:
         """The start of the installed engine ``proc`` running ``cmd``, to wait for."""
-        assert self._engine.pump is not None
-        return StartAttempt(self._spec, cmd, proc, self._engine.pump, self._stop_requested)
+        assert self._running.pump is not None
+        return StartAttempt(self._spec, cmd, proc, self._running.pump, self._stop_requested)
 
     def _wait_ready(self, proc: Proc, cmd: list[str], *, from_standby: bool = False) -> None:
         """Wait for the installed engine's ready line, adopt it (its ranks in the finalizer,
@@ -366,15 +368,15 @@ class EngineLauncher:
         attempt = self._attempt(proc, cmd)
         deadline = time.monotonic() + spec.ready_timeout
         info = wait_for_ready_line(attempt, deadline, from_standby=from_standby)
-        self._engine.info = info
-        self._engine.watch_ranks([int(p) for p in info.get("rank_pids", [])])
-        self._engine.client = client = engine_client(spec, str(info["url"]))
+        self._running.info = info
+        self._running.watch_ranks([int(p) for p in info.get("rank_pids", [])])
+        self._running.client = client = engine_client(spec, str(info["url"]))
         wait_for_health(attempt, client, deadline)
 
     # ------------------------------------------------------------------ running, stopping
     def is_alive(self) -> bool:
         """True while the server process and every rank process are running."""
-        proc = self._engine.proc
+        proc = self._running.proc
         if proc is None or proc.poll() is not None:
             return False
         return all(pid_alive(p) for p in self.rank_pids)
@@ -387,7 +389,7 @@ class EngineLauncher:
         self._stop_requested.set()
         with self._lock:
             try:
-                self._engine.stop(self._spec, sig_first=signal.SIGTERM, timeout=timeout)
+                self._running.stop(self._spec, sig_first=signal.SIGTERM, timeout=timeout)
                 if not keep_standby:
                     self._standby.wanted = False
                     self._standby.discard_all()
@@ -399,7 +401,7 @@ class EngineLauncher:
         self._stop_requested.set()
         with self._lock:
             try:
-                self._engine.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
+                self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
                 self._standby.wanted = False
                 self._standby.discard_all()
             finally:
@@ -457,7 +459,7 @@ class EngineLauncher:
                 skip_load_weights=skip_load_weights,
                 weight_version=weight_version,
             )
-            self._engine.stop(self._spec, sig_first=signal.SIGTERM, timeout=stop_timeout)
+            self._running.stop(self._spec, sig_first=signal.SIGTERM, timeout=stop_timeout)
             self._spec = self._standby.spec = new_spec  # the pool spawns for the current spec
             return self.start()
 
@@ -478,12 +480,12 @@ class EngineLauncher:
     def descendant_pids(self) -> list[int]:
         """Every live process the engine's server process started (its ranks, schedulers,
         workers...), read from ``/proc``; empty when not running."""
-        proc = self._engine.proc
+        proc = self._running.proc
         return [] if proc is None or proc.poll() is not None else descendants(proc.pid)
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> EngineLauncher:
-        if self._engine.proc is None:
+        if self._running.proc is None:
             self.start()
         return self
 

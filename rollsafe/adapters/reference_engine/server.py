@@ -202,11 +202,11 @@ async def read_body(request: web.Request) -> bytes:
     declared = request.content_length
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.body_timeout_s
-    buf = bytearray()
+    pieces: list[bytes] = []
     try:
-        raw = await _read_pieces(request, buf, limits, deadline, declared is None)
+        raw = await _read_pieces(request, pieces, limits, deadline, declared is None)
     finally:
-        buf.clear()  # at once, also when the client went away or was refused: not at a GC
+        pieces.clear()  # at once, also when the client went away or was refused: not at a GC
     request[_BODY_BYTES] = len(raw)
     request[_RAW_BODY] = raw
     return raw
@@ -214,14 +214,16 @@ async def read_body(request: web.Request) -> bytes:
 
 async def _read_pieces(
     request: web.Request,
-    buf: bytearray,
+    pieces: list[bytes],
     limits: ServerLimits,
     deadline: float,
     counted: bool,
 ) -> bytes:
-    """The body of :func:`read_body`, read into ``buf``."""
+    """The body of :func:`read_body`, its pieces kept in ``pieces`` and joined once (one
+    allocation of the body's size, not a growing copy)."""
     budget = request.app[BUDGET_KEY]
     loop = asyncio.get_running_loop()
+    size = 0
     while True:
         left = deadline - loop.time()
         idle = limits.body_idle_timeout_s < left
@@ -232,25 +234,26 @@ async def _read_pieces(
         except (TimeoutError, asyncio.TimeoutError) as exc:
             raise RequestTimeout(
                 f"request body stalled: nothing received for {limits.body_idle_timeout_s:g} s "
-                f"after {len(buf)} bytes (--body-idle-timeout)"
+                f"after {size} bytes (--body-idle-timeout)"
                 if idle
                 else f"request body not received within {limits.body_timeout_s:g} s "
-                f"(--body-timeout); {len(buf)} bytes arrived"
+                f"(--body-timeout); {size} bytes arrived"
             ) from exc
         if not chunk:
             break
-        if len(buf) + len(chunk) > limits.max_body_bytes:
+        if size + len(chunk) > limits.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(
                 max_size=limits.max_body_bytes,
-                actual_size=len(buf) + len(chunk),
-                text=f"more than {len(buf) + len(chunk) - 1} bytes sent",
+                actual_size=size + len(chunk),
+                text=f"more than {size + len(chunk) - 1} bytes sent",
             )
         if counted:  # no Content-Length: counted as it arrives; given back when the request is done
             if not budget.take(len(chunk)):
                 raise BodyBudgetExceeded(budget.refusal(len(chunk)))
             request[_BUDGET_TAKEN] = request.get(_BUDGET_TAKEN, 0) + len(chunk)
-        buf += chunk
-    return bytes(buf)
+        pieces.append(chunk)
+        size += len(chunk)
+    return b"".join(pieces)
 
 
 async def read_json(
