@@ -10,15 +10,20 @@ poisoned, cut short, refused). The second part runs the model: a restart that ti
 holding its export's lease keeps the export from deletion until the restart ends, and a
 sequence changed to forget that lease on a time-out is reported by the verifier
 (``leases_held_by_recoveries``), as is one that reports the pushed version before the push
-(``recorded_versions_are_true``).
+(``recorded_versions_are_true``); the fleet's ``RecoveryCoordinator`` runs the same changed
+step (its export keeps a leaked lease).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Generator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
+from test_fleet_recovery import WAIT_S, SimFleet, fail_group
 
 import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
@@ -481,3 +486,37 @@ def test_reporting_before_the_push_is_reported(monkeypatch: pytest.MonkeyPatch) 
     cex = changed.counterexamples[0]
     assert "recorded_versions_are_true" in {v.invariant for v in cex.violations}
     assert cex.trace[-1] == Action("push", (0, False))
+
+
+def test_the_fleet_runs_the_same_changed_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def hung_restart_then_recovered(root: Path) -> int:
+        """g0's restart from the export hangs past its deadline, then ends; g0 is recovered
+        again. Returns the leases left on the export."""
+        sim = SimFleet(root)
+        try:
+            sim.export_ready(1)
+            sim.register(1)
+            record = sim.exporter.latest_ready(1)
+            assert record is not None
+            gate = threading.Event()
+            sim.handles["g0"].gate = gate
+            rc = sim.coordinator(recovery_timeout_s=0.5, retry=False)
+            fail_group(sim.reg, "g0")
+            result = rc.submit("g0").result(WAIT_S)
+            assert result.status == "failed" and "did not finish" in result.reason
+            assert len(record.lifecycle.leases) == 1  # the background restart still loads
+            sim.handles["g0"].gate = None
+            gate.set()
+            deadline = time.monotonic() + WAIT_S
+            while rc.submit("g0").result(WAIT_S).status != "active":  # busy until it ends
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            return len(record.lifecycle.leases)
+        finally:
+            sim.close()
+
+    assert hung_restart_then_recovered(tmp_path / "clean") == 0
+    monkeypatch.setattr(recover_op, "restart", forgets_the_lease_on_a_time_out(recover_op.restart))
+    assert hung_restart_then_recovered(tmp_path / "changed") == 1  # the changed step ran

@@ -4,8 +4,8 @@ An effect names one step of I/O (register version N with the transport, update t
 send this event to that group, ...); the executor performs it and answers with an outcome:
 :class:`Ok` (with the step's value), :class:`Failed` (the error, as text: errors are data) or
 :class:`TimedOut`. Nothing here does I/O or imports torch; the executors
-(:class:`rollsafe.fleet.SyncCoordinator`, :class:`rollsafe.verify.FleetModel`) give each
-effect its meaning.
+(:class:`rollsafe.fleet.SyncCoordinator`, :class:`rollsafe.fleet.RecoveryCoordinator`,
+:class:`rollsafe.verify.FleetModel`) give each effect its meaning.
 """
 
 from __future__ import annotations
