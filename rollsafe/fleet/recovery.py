@@ -917,7 +917,7 @@ class _AttemptExecutor:
         if not isinstance(outcome, fx.Ok) or not run.steps or run.steps[-1].name != "push":
             return outcome
         end: recover_op.PushEnd = outcome.value
-        if end.result == "refused":  # the transport cannot push to one group
+        if end.result in ("refused", "cut_short"):  # cannot push to one group; it raised
             run.steps[-1] = dataclasses.replace(
                 run.steps[-1], ok=False, detail=bound_text(end.why, _MAX_TEXT)
             )
