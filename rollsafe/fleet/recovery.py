@@ -787,6 +787,7 @@ class _AttemptExecutor:
         if record is None or record.version != effect.version:
             self.c._release(lease)
             return fx.Failed(f"export v{effect.version} is not ready")
+        self.run.export_version = effect.version  # however the attempt ends
         return fx.Ok(fx.Leased(effect.version, str(record.path), lease))
 
     def _release_lease(self, effect: fx.ReleaseLease) -> fx.Outcome:
