@@ -21,6 +21,7 @@ __all__ = [
     "FleetPicture",
     "GroupPicture",
     "InvariantViolation",
+    "LeasePicture",
     "MemberPicture",
     "RecoveryPicture",
     "active_groups_whole_and_current",
@@ -28,6 +29,7 @@ __all__ = [
     "fleet_version_never_decreases",
     "immediate_recovery_rearms",
     "late_export_never_used",
+    "leases_held_by_recoveries",
     "no_delete_under_lease",
     "no_publish_on_failed_register",
     "policy_agrees_with_machines",
@@ -85,6 +87,17 @@ class RecoveryPicture:
 
 
 @dataclass(frozen=True)
+class LeasePicture:
+    """One export lease held by a recovery of ``group_id`` (in ``group_state``);
+    ``restart_running``: its restart timed out and still runs in the background."""
+
+    group_id: str
+    export_version: int
+    group_state: str
+    restart_running: bool = False
+
+
+@dataclass(frozen=True)
 class FleetPicture:
     """Everything the invariants read. Built by the verifier's model or by a live fleet."""
 
@@ -109,6 +122,8 @@ class FleetPicture:
     recovery_threads: tuple[tuple[str, str], ...] = ()
     #: decisions the machines refused (event, machine, why): the policy and guards disagree
     refused_decisions: tuple[str, ...] = field(default=())
+    #: every export lease and who holds it (None: unknown)
+    lease_holders: tuple[LeasePicture, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -235,6 +250,24 @@ def late_export_never_used(p: FleetPicture) -> list[str]:
     return out
 
 
+def leases_held_by_recoveries(p: FleetPicture) -> list[str]:
+    """Every export lease is held by a recovery still using it: its group is ``recovering``,
+    or its restart timed out and still loads in the background; an export's leases are
+    exactly those (none leaked, so retention can delete it once they end)."""
+    if p.lease_holders is None:
+        return []
+    out = [
+        f"{h.group_id} ({h.group_state}) still holds its lease on export v{h.export_version}"
+        for h in p.lease_holders
+        if h.group_state != "recovering" and not h.restart_running
+    ]
+    for e in p.exports:
+        held = sum(1 for h in p.lease_holders if h.export_version == e.version)
+        if e.leases != held:
+            out.append(f"export v{e.version} has {e.leases} lease(s), {held} held by recoveries")
+    return out
+
+
 def immediate_recovery_rearms(p: FleetPicture) -> list[str]:
     """A late export suspends immediate recovery; ``rearm_after`` on-time exports after the
     last late one re-arm it (never suspended forever)."""
@@ -297,6 +330,7 @@ INVARIANTS: tuple[Callable[[FleetPicture], list[str]], ...] = (
     no_publish_on_failed_register,
     no_delete_under_lease,
     late_export_never_used,
+    leases_held_by_recoveries,
     immediate_recovery_rearms,
     fleet_version_never_decreases,
     recovery_never_on_health_thread,

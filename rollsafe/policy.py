@@ -230,7 +230,7 @@ class RecoveryGate:
 
 @sends(
     "RecoveryCoordinator",
-    "rollsafe/fleet/recovery.py",
+    "rollsafe/operations/recover.py",
     WorkerGroupLifecycle=(GroupEvent.CLAIM, GroupEvent.RETIRE),
 )
 def gate_recovery(
@@ -312,7 +312,7 @@ class RestartOutcome:
 
 @sends(
     "RecoveryCoordinator",
-    "rollsafe/fleet/recovery.py",
+    "rollsafe/operations/recover.py",
     WorkerGroupLifecycle=(GroupEvent.RESTARTED, GroupEvent.RESTART_FAILED),
 )
 def after_restart(ok: bool, export_version: int | None) -> RestartOutcome:
@@ -344,7 +344,7 @@ def plan_push(published: tuple[str, int] | None, fleet_version: int, state: str)
 
 @sends(
     "RecoveryCoordinator",
-    "rollsafe/fleet/recovery.py",
+    "rollsafe/operations/recover.py",
     WorkerGroupLifecycle=(GroupEvent.WEIGHTS_LOADED, GroupEvent.FAIL),
 )
 def after_push(

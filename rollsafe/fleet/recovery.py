@@ -1,11 +1,14 @@
 """RecoveryCoordinator: bring failed worker groups back, off the health checks' threads.
 
-Owns the recovery of ``inactive`` groups (``docs/design.md``, "Fleet control"). Every decision
-(claim, skip, retire, strategy, what a restart or a push means) is :mod:`rollsafe.policy`'s;
-this module executes them and does the I/O. :meth:`RecoveryCoordinator.submit`
-(what the health manager's ``on_group_failed`` callback calls) only enqueues: recoveries run on a
-bounded worker pool, one at a time per group (a second submit while one runs returns the same
-future). Each recovery is a sequence of machine events and engine steps:
+Owns the recovery of ``inactive`` groups (``docs/design.md``, "Fleet control"). The order of
+an attempt's steps is :func:`rollsafe.operations.recover.attempt`'s (the sequence ``rollsafe
+verify`` executes too) and every decision in it (claim, skip, retire, strategy, what a restart
+or a push means) is :mod:`rollsafe.policy`'s; this module executes its effects and does the I/O
+(``_AttemptExecutor``: threads, deadlines, the launcher, the client, the transport, timings).
+:meth:`RecoveryCoordinator.submit` (what the health manager's ``on_group_failed`` callback
+calls) only enqueues: recoveries run on a bounded worker pool, one at a time per group (a second
+submit while one runs returns the same future). Each recovery is a sequence of machine events
+and engine steps:
 
 ``skip?`` -> ``claim`` -> (lease) -> ``shutdown`` -> ``restart`` -> ``health`` -> ``restarted`` ->
 (``push`` -> ``weights_loaded``)
@@ -56,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
 from rollsafe.concurrency import DaemonCall, Outcome
 from rollsafe.fleet.registry import FleetError, FleetRegistry, UnknownGroup, WorkerGroup
@@ -66,9 +70,10 @@ from rollsafe.fleet.sync import (
     default_traits,
     shared_transport_lock,
 )
+from rollsafe.operations import recover as recover_op
+from rollsafe.operations.effects import drive
 from rollsafe.ports import RestartableEngine
 from rollsafe.statemachines.base import TransitionRefused
-from rollsafe.statemachines.events import GroupEvent
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 from rollsafe.text import bound_text
 
@@ -106,6 +111,7 @@ RecoveryStrategy = Literal["immediate", "targeted_push", "deferred"]
 RestartSource = Literal["ready_standby", "warming_standby", "fresh_spawn"]
 RESTART_SOURCES: tuple[RestartSource, ...] = ("ready_standby", "warming_standby", "fresh_spawn")
 
+_OK = fx.Ok()
 _RESULTS_KEPT = 512
 _MAX_TEXT = 512
 
@@ -488,44 +494,40 @@ class RecoveryCoordinator:
         return result
 
     def _recover_loop(self, run: _Run) -> tuple[RecoveryStatus, str]:
+        """Run attempts of :func:`rollsafe.operations.recover.attempt` until one ends the
+        recovery (retrying, budget permitting, when ``retry`` is on)."""
         gid = run.group_id
-        with self._lock:
-            busy = self._busy.get(gid)
-        if busy is not None and not busy.is_set():
-            return "failed", "a previous attempt's step is still running in the background"
+        retried = False
         while True:
             try:
                 group = self.registry.get(gid)
             except UnknownGroup:
                 return "not_needed", "the group was removed from the registry"
-            machine = group.machine
-            gate = policy.gate_recovery(
-                group.state,
-                budget_left=machine.restart_budget_left(),
-                complete=machine.group_complete(),
-                remaining_s=self._remaining_s(),
-                expected_s=self.expected_recovery_s,
-            )
-            if gate.start is policy.RecoveryStart.NOT_NEEDED:
-                if run.attempt == 0:
-                    return "not_needed", gate.reason
-                return "failed", f"group left inactive meanwhile ({group.state})"
-            if gate.start is policy.RecoveryStart.SKIP:
-                self._step(run, "skip", time.perf_counter(), True, gate.reason)
-                log.warning("%s: recovery of %s skipped: %s", self.name, gid, gate.reason)
-                return "skipped", gate.reason
-            claimed = self._claim(run, group, gate)
-            if claimed is not None:
-                return claimed
-            try:
-                return self._attempt(run, group)
-            except _Attempt as exc:
-                detail = str(exc)
-                log.warning("%s: attempt %d for %s failed: %s", self.name, run.attempt, gid, detail)
-                if not self.retry or not exc.retry or self._closed:
-                    return "failed", detail
-                if self.retry_delay_s:
-                    time.sleep(self.retry_delay_s)
+            steps = recover_op.attempt(gid, self.traits_for(group), retried=retried)
+            end = drive(steps, _AttemptExecutor(self, run, group).perform)
+            if end.strategy is not None:
+                run.strategy = end.strategy
+            if end.export_version is not None:
+                run.export_version = end.export_version
+            if end.status == "active":
+                run.active_at = time.time()
+            elif end.status == "skipped":
+                log.warning("%s: recovery of %s skipped: %s", self.name, gid, end.reason)
+            elif end.status == "retired":
+                log.error(
+                    "%s: group %s retired: restart budget (%d) spent; the fleet goes on without it",
+                    self.name,
+                    gid,
+                    group.machine.initial_restart_budget,
+                )
+            if end.status != "failed" or not (end.retry or end.timed_out):
+                return end.status, end.reason
+            log.warning("%s: attempt %d for %s failed: %s", self.name, run.attempt, gid, end.reason)
+            if not self.retry or not end.retry or self._closed:
+                return "failed", end.reason
+            retried = True
+            if self.retry_delay_s:
+                time.sleep(self.retry_delay_s)
 
     def _remaining_s(self) -> float | None:
         """The rollout's remaining seconds as ``remaining_work_s()`` estimates them (None:
@@ -538,157 +540,6 @@ class RecoveryCoordinator:
             log.warning("%s: remaining_work_s() raised (%s); recovering anyway", self.name, exc)
             return None
 
-    def _claim(
-        self, run: _Run, group: WorkerGroup, gate: policy.RecoveryGate
-    ) -> tuple[RecoveryStatus, str] | None:
-        """Execute the gate's decision: claim the group (None: go on), or retire it."""
-        gid = group.group_id
-        machine = group.machine
-        t = time.perf_counter()
-        if gate.start is policy.RecoveryStart.WAIT:
-            self._step(run, "claim", t, False, gate.reason)
-            return "failed", f"claim refused: {gate.reason}"
-        try:
-            for event in gate.events:
-                self.registry.send(gid, event)
-        except TransitionRefused as exc:
-            self._step(run, "claim", t, False, str(exc))
-            return "failed", f"claim refused: {exc}"
-        if gate.start is policy.RecoveryStart.RETIRE:
-            self._step(run, "claim", t, False, gate.reason)
-            self._step(run, "retire", t, True, gate.reason)
-            log.error(
-                "%s: group %s retired: restart budget (%d) spent; the fleet goes on without it",
-                self.name,
-                gid,
-                machine.initial_restart_budget,
-            )
-            return "retired", f"restart budget of {machine.initial_restart_budget} spent; retired"
-        run.attempt += 1
-        self._step(run, "claim", t, True, f"budget left {machine.restart_budget}")
-        return None
-
-    def _attempt(self, run: _Run, group: WorkerGroup) -> tuple[RecoveryStatus, str]:
-        """One attempt on a claimed (``recovering``) group."""
-        gid = group.group_id
-        deadline = time.monotonic() + self.recovery_timeout_s
-        lease, export_path = self._take_lease(run)
-        run.strategy = "immediate" if lease is not None else "targeted_push"
-        # A restart that timed out may still be loading from the export: its lease is then
-        # released by the background thread when the restart ends, never before.
-        lease_handed_off = False
-        try:
-            handle = self._run_step(run, "launcher", deadline, lambda: self.launcher_for(gid))
-            run.standby_at_restart = _standby_state(handle)
-            run.restart_source = None
-            stop = getattr(handle, "stop", None)
-            if callable(stop):
-                if _accepts(stop, "timeout"):
-                    stop = functools.partial(stop, timeout=self.stop_timeout_s)
-                if _accepts(stop, "keep_standby"):  # the restart below hands off to it
-                    stop = functools.partial(stop, keep_standby=True)
-                self._run_step(run, "shutdown", deadline, stop)
-            kwargs: dict[str, Any] = {"skip_load_weights": True}
-            if _accepts(handle.restart, "stop_timeout"):
-                kwargs["stop_timeout"] = self.stop_timeout_s
-            if lease is not None:
-                # the export's real weights, whatever format the launcher last used (a targeted
-                # push restarts on dummy weights, and a spec may start on dummy ones)
-                kwargs["skip_load_weights"] = False
-                kwargs["model_path"] = export_path
-                if _accepts(handle.restart, "weight_version"):
-                    kwargs["weight_version"] = str(lease.version)
-            held = lease
-
-            def late_release() -> None:
-                if held is not None:
-                    self._release(held)
-
-            try:
-                self._run_step(
-                    run, "restart", deadline, lambda: handle.restart(**kwargs),
-                    detail=_describe(kwargs), on_late_finish=late_release,
-                )  # fmt: skip
-            except _Attempt as exc:
-                lease_handed_off = exc.timed_out
-                raise
-            run.restart_source = _start_source(handle)
-            if run.restart_source is not None and run.steps and run.steps[-1].name == "restart":
-                step = run.steps[-1]
-                note = f"source={run.restart_source} (standby was {run.standby_at_restart})"
-                run.steps[-1] = dataclasses.replace(
-                    step, detail=bound_text(f"{note}; {step.detail}", _MAX_TEXT)
-                )
-            client = self._rebind(group, handle)
-            self._run_step(run, "health", deadline, lambda: self._wait_healthy(client, deadline))
-            outcome = policy.after_restart(True, lease.version if lease is not None else None)
-            for rank in group.ranks:
-                self.registry.report_member(
-                    gid, rank, healthy=True, weights_version=outcome.member_version
-                )
-            t = time.perf_counter()
-            target = group.state
-            try:
-                for event in outcome.events:
-                    target = self.registry.send(gid, event).target
-            except TransitionRefused as exc:
-                self._step(run, "restarted", t, False, str(exc))
-                raise _Attempt(f"restarted refused: {exc}") from exc
-            self._step(run, "restarted", t, True, f"-> {target}")
-        except _Attempt:
-            self._restart_failed(group)
-            raise
-        except Exception as exc:
-            self._restart_failed(group)
-            raise _Attempt(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            if lease is not None and not lease_handed_off:
-                self._release(lease)
-        if target == "active":
-            run.active_at = time.time()
-            if lease is not None:
-                return "active", f"restarted from the ready export of v{lease.version}"
-            return "active", "restarted at the current version"
-        return self._push(run, group, deadline)
-
-    # ------------------------------------------------------------------ strategies
-    def _take_lease(self, run: _Run) -> tuple[ExportLease | None, str | None]:
-        """Ask the policy for the strategy; for an immediate restart, lease the export."""
-        mode, exporter = self.mode, self.exporter
-        t = time.perf_counter()
-        if mode is None or exporter is None:
-            return None, None
-        version = self.registry.fleet_version
-        record = exporter.latest_ready(version)
-        facts: policy.ExportFacts | None = None
-        if record is not None:
-            facts = policy.ExportFacts(record.version, record.state)
-        else:
-            with contextlib.suppress(Exception):  # the exporter does not know this version
-                handle = exporter.handle(version)
-                facts = policy.ExportFacts(version, str(handle.lifecycle.state))
-        choice = policy.choose_strategy(
-            mode_state=mode.state,
-            fleet_version=version,
-            export=facts,
-            can_push=self.transport is not None,
-        )
-        if choice.strategy is not policy.Strategy.IMMEDIATE or choice.export_version is None:
-            self._step(run, "lease", t, False, choice.reason)
-            return None, None
-        try:
-            lease = exporter.lease(choice.export_version, holder=f"recovery:{run.group_id}")
-        except Exception as exc:  # superseded or deleted meanwhile (or never ready)
-            self._step(run, "lease", t, False, f"{type(exc).__name__}: {exc}")
-            return None, None
-        if record is None or record.version != choice.export_version:
-            self._release(lease)
-            self._step(run, "lease", t, False, f"export v{choice.export_version} is not ready")
-            return None, None
-        run.export_version = choice.export_version
-        self._step(run, "lease", t, True, f"export v{choice.export_version} at {record.path}")
-        return lease, str(record.path)
-
     def _release(self, lease: ExportLease) -> None:
         if self.exporter is None:
             return
@@ -696,101 +547,6 @@ class RecoveryCoordinator:
             self.exporter.release(lease)
         except Exception:
             log.exception("%s: releasing lease %s failed", self.name, lease)
-
-    def _push(self, run: _Run, group: WorkerGroup, deadline: float) -> tuple[RecoveryStatus, str]:
-        """Targeted push to a ``pending_weights`` group; deferred when it cannot happen."""
-        gid = group.group_id
-        transport = self.transport
-        t = time.perf_counter()
-        if transport is None:
-            return self._defer(run, t, "no transport for a targeted push")
-        cancelled = threading.Event()
-        targeted = getattr(transport, "targeted_update", None)
-        pushed: dict[str, str] = {}
-        poisoned: dict[str, str] = {}
-        keeps = self.traits_for(group).failed_update_keeps_weights
-
-        def push() -> str:
-            with self.transport_lock:
-                if cancelled.is_set():
-                    return "cancelled"
-                plan = policy.plan_push(
-                    transport.registration.published, self.registry.fleet_version, group.state
-                )
-                if not plan.push or plan.version is None:
-                    return plan.reason
-                target = self.targets_for(group)
-                push_to = targeted if callable(targeted) else transport.update
-                with group.loading():  # not probed meanwhile: a loading engine answers late
-                    report = push_to([target])
-                pushed["detail"] = _push_detail(transport, target, report)
-                result = report.results.get(target.name)
-                ok = result is not None and result.ok
-                events = policy.after_push(
-                    {rank: ok for rank in group.ranks}, plan.version, keeps_weights=keeps
-                )
-                why = result.reason if result is not None else "no result"
-                if GroupEvent.FAIL in events:  # its weights are unknown now: restart it
-                    self.registry.send(gid, GroupEvent.FAIL)
-                    poisoned["why"] = why
-                    return f"push failed: {why}"
-                if not events:
-                    return f"push failed: {why}"
-                for rank in group.ranks:
-                    self.registry.report_member(
-                        gid, rank, healthy=group.machine.members[rank].healthy,
-                        weights_version=plan.version,
-                    )  # fmt: skip
-                for event in events:
-                    self.registry.send(gid, event)
-                return "ok"
-
-        from rollsafe.transports.base import TransportError
-
-        run.strategy = "targeted_push"
-        try:
-            outcome = self._run_step(run, "push", deadline, push, cancel=cancelled)
-        except _Attempt as exc:
-            if not keeps:  # a push cut short leaves this engine's weights unknown: restart it
-                with contextlib.suppress(TransitionRefused):
-                    self.registry.send(gid, GroupEvent.FAIL)
-                raise _Attempt(
-                    f"targeted push did not finish ({exc}): its weights are unknown, restarting",
-                    retry=exc.retry,
-                    timed_out=exc.timed_out,
-                ) from exc
-            # The engine is up on dummy weights (not routable): leave it for the next sync.
-            return self._defer(run, t, str(exc), logged=True)
-        except TransportError as exc:  # e.g. P2PUnavailable: this transport cannot do subsets
-            return self._defer(run, t, f"{type(exc).__name__}: {exc}", logged=True)
-        if pushed.get("detail") and run.steps and run.steps[-1].name == "push":
-            run.steps[-1] = dataclasses.replace(
-                run.steps[-1], detail=bound_text(pushed["detail"], _MAX_TEXT)
-            )
-        if outcome == "ok":
-            run.active_at = time.time()
-            return "active", f"targeted push of v{self.registry.fleet_version} loaded"
-        if poisoned:
-            raise _Attempt(
-                f"targeted push failed ({poisoned['why']}) and a "
-                f"{self.traits_for(group).kind} engine keeps no known weights after a failed "
-                "update: restarting it"
-            )
-        return self._defer(run, t, outcome)
-
-    def _defer(
-        self, run: _Run, t: float, why: str, *, logged: bool = False
-    ) -> tuple[RecoveryStatus, str]:
-        run.strategy = "deferred"
-        if not logged:
-            self._step(run, "push", t, False, why)
-        state = self.registry.get(run.group_id).state
-        if state == "active":  # a sync updated it meanwhile
-            run.active_at = time.time()
-            return "active", f"updated by a sync ({why})"
-        if state == "pending_weights":
-            return "pending_weights", f"deferred to the next sync: {why}"
-        return "failed", f"group is {state} after its restart ({why})"
 
     # ------------------------------------------------------------------ helpers
     def _wait_healthy(self, client: EngineClient | None, deadline: float) -> None:
@@ -826,15 +582,6 @@ class RecoveryCoordinator:
         )
         log.info("%s: group %s now served at %s", self.name, group.group_id, client.url)
         return client
-
-    def _restart_failed(self, group: WorkerGroup) -> None:
-        if group.state != "recovering":
-            return
-        try:
-            for event in policy.after_restart(False, None).events:
-                self.registry.send(group.group_id, event)
-        except TransitionRefused as exc:
-            log.info("%s: restart_failed refused for %s: %s", self.name, group.group_id, exc)
 
     def _step(self, run: _Run, name: str, t0: float, ok: bool, detail: str = "") -> None:
         seconds = time.perf_counter() - t0
@@ -929,6 +676,286 @@ class RecoveryCoordinator:
         if self.registry.get(group_id).state == "inactive":
             with contextlib.suppress(RecoveryError):
                 self.submit(group_id, reason=reason)
+
+
+class _AttemptExecutor:
+    """Performs the effects of one :func:`rollsafe.operations.recover.attempt` on the fleet:
+    the registry, the exporter's leases, the launcher, the client and the transport, each
+    blocking step on its own daemon thread under the attempt's deadline, every step timed into
+    the recovery's :class:`RecoveryStep` list."""
+
+    def __init__(self, coordinator: RecoveryCoordinator, run: _Run, group: WorkerGroup) -> None:
+        self.c = coordinator
+        self.run = run
+        self.group = group
+        self.gid = group.group_id
+        self.deadline = time.monotonic() + coordinator.recovery_timeout_s
+        self.t_mark = time.perf_counter()
+        self.handle: RestartableEngine | None = None
+        self.record: Any = None  # the exporter's ready record the strategy was chosen from
+        self.remaining_read = False
+        self._push_detail = ""  # what the push did, for the ``push`` step's detail
+        # a restart that timed out still runs in the background: what to do when it ends
+        self._late_lock = threading.Lock()
+        self._late_running = False
+        self._late_cleanups: list[Callable[[], None]] = []
+        self._table: dict[type[fx.Effect], Callable[[Any], fx.Outcome]] = {
+            fx.ReadRecovery: self._read_recovery,
+            fx.NoteStep: self._note,
+            fx.SendGroup: self._send,
+            fx.ReadStrategy: self._read_strategy,
+            fx.TakeLease: self._take_lease,
+            fx.ReleaseLease: self._release_lease,
+            fx.GetEngine: self._get_engine,
+            fx.StopEngine: self._stop_engine,
+            fx.Restart: self._restart,
+            fx.AwaitHealthy: self._await_healthy,
+            fx.ReportMembers: self._report_members,
+            fx.PushUnderLock: self._push_under_lock,
+            fx.ReadPushFacts: self._read_push_facts,
+            fx.TargetedPush: self._targeted_push,
+        }
+
+    def perform(self, effect: fx.Effect) -> fx.Outcome:
+        return self._table[type(effect)](effect)
+
+    # ------------------------------------------------------------------ decisions' facts
+    def _read_recovery(self, _effect: fx.ReadRecovery) -> fx.Outcome:
+        c = self.c
+        group = c.registry.get(self.gid)
+        machine = group.machine
+        with c._lock:
+            busy = c._busy.get(self.gid)
+        remaining = None
+        if group.state == "inactive" and not self.remaining_read:  # what the gate reads
+            self.remaining_read = True
+            remaining = c._remaining_s()
+        return fx.Ok(
+            fx.RecoveryFacts(
+                group.state,
+                budget_left=machine.restart_budget_left(),
+                complete=machine.group_complete(),
+                remaining_s=remaining,
+                expected_s=c.expected_recovery_s,
+                busy=busy is not None and not busy.is_set(),
+                budget=machine.restart_budget,
+                initial_budget=machine.initial_restart_budget,
+                can_push=c.transport is not None,
+            )
+        )
+
+    def _note(self, effect: fx.NoteStep) -> fx.Outcome:
+        if effect.name == "claim" and effect.ok:  # claimed: the attempt and its deadline begin
+            self.run.attempt += 1
+            self.deadline = time.monotonic() + self.c.recovery_timeout_s
+        self.c._step(self.run, effect.name, self.t_mark, effect.ok, effect.detail)
+        self.t_mark = time.perf_counter()
+        return _OK
+
+    def _send(self, effect: fx.SendGroup) -> fx.Outcome:
+        try:
+            return fx.Ok(self.c.registry.send(effect.group, effect.event).target)
+        except TransitionRefused as exc:
+            log.info("%s: %s refused for %s: %s", self.c.name, effect.event, effect.group, exc)
+            return fx.Failed(str(exc))
+
+    # ------------------------------------------------------------------ strategy and lease
+    def _read_strategy(self, _effect: fx.ReadStrategy) -> fx.Outcome:
+        c = self.c
+        mode, exporter = c.mode, c.exporter
+        if mode is None or exporter is None:
+            return fx.Ok(None)
+        version = c.registry.fleet_version
+        self.record = record = exporter.latest_ready(version)
+        facts: policy.ExportFacts | None = None
+        if record is not None:
+            facts = policy.ExportFacts(record.version, record.state)
+        else:
+            with contextlib.suppress(Exception):  # the exporter does not know this version
+                handle = exporter.handle(version)
+                facts = policy.ExportFacts(version, str(handle.lifecycle.state))
+        return fx.Ok(fx.StrategyFacts(mode.state, version, facts, c.transport is not None))
+
+    def _take_lease(self, effect: fx.TakeLease) -> fx.Outcome:
+        exporter = self.c.exporter
+        assert exporter is not None  # ReadStrategy answered facts: an exporter is there
+        try:
+            lease = exporter.lease(effect.version, holder=effect.holder)
+        except Exception as exc:  # superseded or deleted meanwhile (or never ready)
+            return fx.Failed(f"{type(exc).__name__}: {exc}")
+        record = self.record
+        if record is None or record.version != effect.version:
+            self.c._release(lease)
+            return fx.Failed(f"export v{effect.version} is not ready")
+        self.run.export_version = effect.version  # however the attempt ends
+        return fx.Ok(fx.Leased(effect.version, str(record.path), lease))
+
+    def _release_lease(self, effect: fx.ReleaseLease) -> fx.Outcome:
+        lease: ExportLease = effect.lease.token
+        if effect.once_restart_ends:
+            with self._late_lock:
+                if self._late_running:  # released by the restart's thread when it ends
+                    self._late_cleanups.append(lambda: self.c._release(lease))
+                    return _OK
+        self.c._release(lease)
+        return _OK
+
+    def _restart_ended_late(self) -> None:
+        """On the timed-out restart's own thread, once it has ended."""
+        with self._late_lock:
+            self._late_running = False
+            cleanups, self._late_cleanups = self._late_cleanups, []
+        for cleanup in cleanups:
+            cleanup()
+
+    # ------------------------------------------------------------------ the restart
+    def _timed(
+        self, name: str, fn: Callable[[], Any], *, detail: str = "", **kw: Any
+    ) -> fx.Outcome:
+        """Run ``fn`` as step ``name`` (its own daemon thread, the attempt's deadline)."""
+        remaining = self.deadline - time.monotonic()
+        try:
+            value = self.c._run_step(self.run, name, self.deadline, fn, detail=detail, **kw)
+        except _Attempt as exc:
+            if exc.timed_out or not exc.retry:  # ran past, or no time left to start it
+                return fx.TimedOut(max(0.0, remaining), str(exc))
+            return fx.Failed(str(exc))
+        except Exception as exc:  # a TransportError from a step that is not a push
+            return fx.Failed(f"{type(exc).__name__}: {exc}")
+        finally:
+            self.t_mark = time.perf_counter()
+        return fx.Ok(value)
+
+    def _get_engine(self, _effect: fx.GetEngine) -> fx.Outcome:
+        outcome = self._timed("launcher", lambda: self.c.launcher_for(self.gid))
+        if isinstance(outcome, fx.Ok):
+            self.handle = outcome.value
+            self.run.standby_at_restart = _standby_state(self.handle)
+            self.run.restart_source = None
+        return outcome
+
+    def _stop_engine(self, _effect: fx.StopEngine) -> fx.Outcome:
+        stop = getattr(self.handle, "stop", None)
+        if not callable(stop):
+            return _OK
+        if _accepts(stop, "timeout"):
+            stop = functools.partial(stop, timeout=self.c.stop_timeout_s)
+        if _accepts(stop, "keep_standby"):  # the restart below hands off to it
+            stop = functools.partial(stop, keep_standby=True)
+        return self._timed("shutdown", stop)
+
+    def _restart(self, effect: fx.Restart) -> fx.Outcome:
+        handle = self.handle
+        assert handle is not None  # GetEngine came first
+        kwargs: dict[str, Any] = {"skip_load_weights": True}
+        if _accepts(handle.restart, "stop_timeout"):
+            kwargs["stop_timeout"] = self.c.stop_timeout_s
+        if not effect.dummy:
+            # the export's real weights, whatever format the launcher last used (a targeted
+            # push restarts on dummy weights, and a spec may start on dummy ones)
+            kwargs["skip_load_weights"] = False
+            kwargs["model_path"] = effect.model_path
+            if effect.weight_version is not None and _accepts(handle.restart, "weight_version"):
+                kwargs["weight_version"] = str(effect.weight_version)
+        with self._late_lock:
+            self._late_running = True
+        outcome = self._timed(
+            "restart",
+            lambda: handle.restart(**kwargs),
+            detail=_describe(kwargs),
+            on_late_finish=self._restart_ended_late,
+        )
+        run = self.run
+        if not isinstance(outcome, fx.TimedOut) or "before step" in outcome.error:
+            with self._late_lock:  # it ended (or never started): nothing runs late
+                self._late_running = False
+        if not isinstance(outcome, fx.Ok):
+            return outcome
+        run.restart_source = _start_source(handle)
+        if run.restart_source is not None and run.steps and run.steps[-1].name == "restart":
+            step = run.steps[-1]
+            note = f"source={run.restart_source} (standby was {run.standby_at_restart})"
+            run.steps[-1] = dataclasses.replace(
+                step, detail=bound_text(f"{note}; {step.detail}", _MAX_TEXT)
+            )
+        return outcome
+
+    def _await_healthy(self, _effect: fx.AwaitHealthy) -> fx.Outcome:
+        assert self.handle is not None
+        try:
+            client = self.c._rebind(self.group, self.handle)
+        except Exception as exc:
+            return fx.Failed(f"{type(exc).__name__}: {exc}")
+        return self._timed("health", lambda: self.c._wait_healthy(client, self.deadline))
+
+    def _report_members(self, effect: fx.ReportMembers) -> fx.Outcome:
+        group = self.c.registry.get(effect.group)
+        for rank in group.ranks:
+            healthy = effect.healthy
+            if healthy is None:
+                healthy = group.machine.members[rank].healthy
+            self.c.registry.report_member(
+                effect.group, rank, healthy=healthy, weights_version=effect.weights_version
+            )
+        return _OK
+
+    # ------------------------------------------------------------------ the targeted push
+    def _push_under_lock(self, effect: fx.PushUnderLock) -> fx.Outcome:
+        """The ``push`` step: :func:`~rollsafe.operations.recover.push_locked` run on its own
+        thread under the transport's lock (a push that times out keeps the lock until it
+        ends; one that had not got the lock yet is cancelled)."""
+        c, run = self.c, self.run
+        cancelled = threading.Event()
+
+        def section() -> recover_op.PushEnd:
+            with c.transport_lock:
+                if cancelled.is_set():
+                    return recover_op.PushEnd("deferred", "cancelled")
+                steps = recover_op.push_locked(effect.group, effect.keeps_weights)
+                return drive(steps, self.perform)
+
+        outcome = self._timed("push", section, cancel=cancelled)
+        if not isinstance(outcome, fx.Ok) or not run.steps or run.steps[-1].name != "push":
+            return outcome
+        end: recover_op.PushEnd = outcome.value
+        if end.result in ("refused", "cut_short"):  # cannot push to one group; it raised
+            run.steps[-1] = dataclasses.replace(
+                run.steps[-1], ok=False, detail=bound_text(end.why, _MAX_TEXT)
+            )
+        elif self._push_detail:
+            run.steps[-1] = dataclasses.replace(
+                run.steps[-1], detail=bound_text(self._push_detail, _MAX_TEXT)
+            )
+        return outcome
+
+    def _read_push_facts(self, effect: fx.ReadPushFacts) -> fx.Outcome:
+        c = self.c
+        assert c.transport is not None  # the attempt checked can_push
+        state = c.registry.get(effect.group).state
+        return fx.Ok(
+            fx.PushFacts(c.transport.registration.published, c.registry.fleet_version, state)
+        )
+
+    def _targeted_push(self, effect: fx.TargetedPush) -> fx.Outcome:
+        c = self.c
+        transport = c.transport
+        assert transport is not None
+        group = c.registry.get(effect.group)
+        targeted = getattr(transport, "targeted_update", None)
+        push_to = targeted if callable(targeted) else transport.update
+        try:
+            target = c.targets_for(group)
+            with group.loading():  # not probed meanwhile: a loading engine answers late
+                report = push_to([target])
+        except Exception as exc:
+            if _is_transport_error(exc):  # e.g. P2PUnavailable: this transport cannot do subsets
+                return fx.Ok(fx.Pushed({}, f"{type(exc).__name__}: {exc}", refused=True))
+            return fx.Failed(f"step 'push': {type(exc).__name__}: {exc}")
+        self._push_detail = _push_detail(transport, target, report)
+        result = report.results.get(target.name)
+        ok = result is not None and result.ok
+        why = result.reason if result is not None else "no result"
+        return fx.Ok(fx.Pushed(dict.fromkeys(group.ranks, ok), why or ""))
 
 
 def _accepts(fn: Callable[..., Any], keyword: str) -> bool:

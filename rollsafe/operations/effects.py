@@ -4,8 +4,8 @@ An effect names one step of I/O (register version N with the transport, update t
 send this event to that group, ...); the executor performs it and answers with an outcome:
 :class:`Ok` (with the step's value), :class:`Failed` (the error, as text: errors are data) or
 :class:`TimedOut`. Nothing here does I/O or imports torch; the executors
-(:class:`rollsafe.fleet.SyncCoordinator`, :class:`rollsafe.verify.FleetModel`) give each
-effect its meaning.
+(:class:`rollsafe.fleet.SyncCoordinator`, :class:`rollsafe.fleet.RecoveryCoordinator`,
+:class:`rollsafe.verify.FleetModel`) give each effect its meaning.
 """
 
 from __future__ import annotations
@@ -14,31 +14,49 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rollsafe.policy import ExportJudgement, GroupFacts
+from rollsafe.policy import ExportFacts, ExportJudgement, GroupFacts
 from rollsafe.statemachines.events import GroupEvent, ModeEvent
 
 __all__ = [
     "AbandonExport",
+    "AwaitHealthy",
     "Effect",
     "ExportJudged",
     "ExportSeen",
     "Failed",
+    "GetEngine",
     "HandOff",
     "Hook",
+    "Leased",
     "LockTransport",
+    "NoteStep",
     "ObserveExport",
     "Ok",
     "Outcome",
     "Pause",
     "PrepareTargets",
+    "PushFacts",
+    "PushUnderLock",
+    "Pushed",
     "ReadGroups",
+    "ReadPushFacts",
+    "ReadRecovery",
+    "ReadStrategy",
     "RecordVersions",
+    "RecoveryFacts",
     "Register",
+    "ReleaseLease",
+    "ReportMembers",
+    "Restart",
     "Resume",
     "SendGroup",
     "SendMode",
     "SetFleetVersion",
     "StartExport",
+    "StopEngine",
+    "StrategyFacts",
+    "TakeLease",
+    "TargetedPush",
     "TimedOut",
     "UnlockTransport",
     "Update",
@@ -64,12 +82,16 @@ class Failed:
 
 @dataclass(frozen=True)
 class TimedOut:
-    """The step ran past its deadline; ``after_s`` is the deadline, when the executor has one."""
+    """The step ran past its deadline; ``after_s`` is the deadline, when the executor has one;
+    ``why`` is the executor's own wording of it (the fleet's ``StepTimeout`` message)."""
 
     after_s: float | None = None
+    why: str | None = None
 
     @property
     def error(self) -> str:
+        if self.why is not None:
+            return self.why
         return "timed out" if self.after_s is None else f"timed out after {self.after_s:g}s"
 
 
@@ -230,6 +252,176 @@ class StartExport(Effect):
     """Start the HF export of ``version``: ``Ok(True)`` started (or already written by the
     transport), ``Ok(False)`` no exporter, :class:`Failed` it did not start."""
 
+    version: int
+
+
+# ---------------------------------------------------------------------- recovery
+@dataclass(frozen=True)
+class RecoveryFacts:
+    """The value of :class:`ReadRecovery`: what the gate of a recovery reads."""
+
+    state: str  # the group's machine state
+    budget_left: bool
+    complete: bool  # every rank of the group is known
+    remaining_s: float | None  # the rollout's remaining seconds (None: unknown)
+    expected_s: float  # the expected seconds of a recovery
+    busy: bool = False  # a timed-out step of an earlier attempt still runs in the background
+    budget: int = 0  # restarts left
+    initial_budget: int = 0
+    can_push: bool = True  # a transport is there for a targeted push
+
+
+@dataclass(frozen=True)
+class ReadRecovery(Effect):
+    """The facts of group ``group`` now: :class:`Ok` of :class:`RecoveryFacts`."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class NoteStep(Effect):
+    """Record step ``name`` of the recovery (a decision, no I/O): the fleet times it into its
+    :class:`~rollsafe.fleet.RecoveryResult`; the verifier ignores it."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class StrategyFacts:
+    """The value of :class:`ReadStrategy`: what :func:`rollsafe.policy.choose_strategy` reads."""
+
+    mode_state: str
+    fleet_version: int
+    export: ExportFacts | None  # the export of the fleet's version, None: none known
+    can_push: bool
+
+
+@dataclass(frozen=True)
+class ReadStrategy(Effect):
+    """The facts a strategy is chosen from: :class:`Ok` of :class:`StrategyFacts`, or
+    ``Ok(None)`` when immediate recovery is not configured (no mode or no exporter)."""
+
+
+@dataclass(frozen=True)
+class Leased:
+    """The value of :class:`TakeLease`: a lease on the export of ``version`` at ``path``;
+    ``token`` is the executor's own lease object."""
+
+    version: int
+    path: str | None
+    token: Any = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class TakeLease(Effect):
+    """Lease the ``ready`` export of ``version`` for ``holder``: :class:`Ok` of :class:`Leased`,
+    :class:`Failed` when it cannot be leased (superseded, deleted, not ready)."""
+
+    version: int
+    holder: str
+
+
+@dataclass(frozen=True)
+class ReleaseLease(Effect):
+    """Release ``lease``. ``once_restart_ends``: the restart that loads from it timed out and
+    still runs in the background: release it when that restart ends, never before (the
+    directory must not be deleted under a loading engine)."""
+
+    lease: Leased
+    once_restart_ends: bool = False
+
+
+@dataclass(frozen=True)
+class GetEngine(Effect):
+    """Get group ``group``'s restartable engine handle (the ``launcher`` step)."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class StopEngine(Effect):
+    """Stop group ``group``'s failed engine (the ``shutdown`` step; its warm standby kept)."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class Restart(Effect):
+    """Restart group ``group``'s engine: from the export at ``model_path`` reporting
+    ``weight_version``, or on dummy weights when ``model_path`` is None."""
+
+    group: str
+    model_path: str | None = None
+    weight_version: int | None = None
+
+    @property
+    def dummy(self) -> bool:
+        return self.model_path is None
+
+
+@dataclass(frozen=True)
+class AwaitHealthy(Effect):
+    """Point group ``group`` at its restarted engine and wait until it answers ``/health``."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class ReportMembers(Effect):
+    """Every member of group ``group`` reports ``weights_version``; ``healthy``: their health
+    (None: keep what each reported last)."""
+
+    group: str
+    weights_version: int | None
+    healthy: bool | None = None
+
+
+@dataclass(frozen=True)
+class PushUnderLock(Effect):
+    """Take the transport's lock and run :func:`rollsafe.operations.recover.push_locked` for
+    ``group`` under it (the ``push`` step, under the attempt's deadline): :class:`Ok` of its
+    :class:`~rollsafe.operations.recover.PushEnd`, :class:`Failed` / :class:`TimedOut` when it
+    was cut short (the push may still run in the background, holding the lock)."""
+
+    group: str
+    keeps_weights: bool
+
+
+@dataclass(frozen=True)
+class PushFacts:
+    """The value of :class:`ReadPushFacts`: what :func:`rollsafe.policy.plan_push` reads."""
+
+    published: tuple[str, int] | None
+    fleet_version: int
+    state: str
+
+
+@dataclass(frozen=True)
+class ReadPushFacts(Effect):
+    """The transport's published checkpoint, the fleet's version and group ``group``'s state."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """The value of :class:`TargetedPush`: per rank of the group, whether it loaded the
+    version; ``why`` the transport's reason when it did not; ``refused``: the transport cannot
+    push to one group (a ``TransportError`` before anything moved, e.g. ``P2PUnavailable``)."""
+
+    rank_ok: Mapping[int, bool]
+    why: str = ""
+    refused: bool = False
+
+
+@dataclass(frozen=True)
+class TargetedPush(Effect):
+    """Push the registered checkpoint of ``version`` to group ``group`` only: :class:`Ok` of
+    :class:`Pushed`, :class:`Failed` / :class:`TimedOut` when it raised or was cut short."""
+
+    group: str
     version: int
 
 

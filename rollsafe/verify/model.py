@@ -9,15 +9,20 @@ so a patched policy function is what the model runs) and every event it sends is
 decision named. A sync is not sequenced here at all: :meth:`FleetModel._do_sync` executes the
 steps of :func:`rollsafe.operations.sync.sync` (the sequence the fleet's ``SyncCoordinator``
 executes too), performing each effect on the machines and the ground truth and answering with
-the outcome the action chose. (Probe and recovery are still sequenced here; issue #27 moves
-them to :mod:`rollsafe.operations` next.)
+the outcome the action chose. A recovery attempt is not sequenced here either: the ``recover``,
+``restart``, ``restart_timeout`` and ``push`` actions execute the phases of
+:func:`rollsafe.operations.recover.attempt` (claim and lease, restart, targeted push: the
+sequence the fleet's ``RecoveryCoordinator`` executes), and the rest of the fleet may move
+between phases as it does between the fleet's threads. (Probing is still sequenced here.)
 
 What the model chooses nondeterministically are the outcomes of I/O, each an :class:`Action`:
-a rank comes up or crashes, a probe runs, a recovery claims a group, a restart succeeds or
-fails, a targeted push succeeds or fails, a sync registers on every rank or not and its update
-fails on one rank of a group or not, an export finishes on time, fails or is still running when
-the next sync begins, retention runs. It also fires stray group events (a racing or duplicated
-sender): the guards must refuse the wrong ones, and a refused event must change nothing.
+a rank comes up or crashes, a probe runs, a recovery claims a group, a restart succeeds,
+fails or times out (a restart from an export then holds its lease until it ends in the
+background: ``restart_ends``), a targeted push succeeds or fails, a sync registers on every
+rank or not and its update fails on one rank of a group or not, an export finishes on time,
+fails or is still running when the next sync begins, retention runs. It also fires stray group
+events (a racing or duplicated sender): the guards must refuse the wrong ones, and a refused
+event must change nothing.
 
 Invariants are :mod:`rollsafe.invariants` on :meth:`FleetModel.picture`.
 ``snapshot()``/``restore()`` turn the model into a hashable value and back; ``canonical()``
@@ -39,12 +44,14 @@ from rollsafe.invariants import (
     ExportPicture,
     FleetPicture,
     GroupPicture,
+    LeasePicture,
     MemberPicture,
     RecoveryPicture,
 )
 from rollsafe.invariants import InvariantViolation as Violation
+from rollsafe.operations import recover as recover_op
 from rollsafe.operations import sync as sync_op
-from rollsafe.operations.effects import Effect, Failed, Ok, Outcome, drive
+from rollsafe.operations.effects import Effect, Failed, Ok, Outcome, TimedOut, drive
 from rollsafe.statemachines import (
     CheckpointRegistration,
     ExportLease,
@@ -181,12 +188,18 @@ class FleetModel:
         self.dirs: dict[int, bool] = {}
         self.last_export: int | None = None
         self.leases: dict[int, ExportLease] = {}  # group index -> lease
+        #: group index -> the lease its timed-out restart holds while it still runs in the
+        #: background (None: a dummy restart, no lease); no recovery claims the group meanwhile
+        self.late: dict[int, ExportLease | None] = {}
         self.audit = _Audit()
         self._allowed = {
             cls: _allowed_events_table(cls) for cls in (group_cls, export_cls, registration_cls)
         }
         self._index = {grp.group_id: g for g, grp in enumerate(self.groups)}
         self._choice: tuple[bool, int | None] = (True, None)  # the running sync's outcomes
+        self._restart_choice = "ok"  # the running restart's outcome: ok, failed, timeout
+        self._push_ok = True  # the running targeted push's outcome
+        self._acted = 0  # effects that changed the model (an action that took none: refused)
         self._effects = self._effect_table()
 
     def _new_group(self, g: int) -> WorkerGroupLifecycle:
@@ -209,6 +222,8 @@ class FleetModel:
             yield Action("recover", (g,))
             yield Action("restart", (g, True))
             yield Action("restart", (g, False))
+            yield Action("restart_timeout", (g,))
+            yield Action("restart_ends", (g,))
             yield Action("push", (g, True))
             yield Action("push", (g, False))
             for event in GROUP_EVENTS:
@@ -249,6 +264,7 @@ class FleetModel:
                 export.release_lease(lease)
             self.exports[v] = export
             self.dirs[v] = present
+        self.late = {}
         for g, row in enumerate(groups):
             lease_version = row[5]
             if lease_version is not None and lease_version in self.exports:
@@ -256,6 +272,12 @@ class FleetModel:
                 lease = ExportLease(-(g + 1), lease_version, f"g{g}")
                 export.restore_lease(lease)
                 self.leases[g] = lease
+            for late_version in row[6]:  # () not running; (None,) no lease; (v,) holds v
+                late_lease = None
+                if late_version is not None and late_version in self.exports:
+                    late_lease = ExportLease(-(g + 1) - 1000, late_version, f"g{g}")
+                    self.exports[late_version].restore_lease(late_lease)
+                self.late[g] = late_lease
 
     def _pooled_export(self, version: int, state: str) -> ExportLifecycle:
         """An export machine of ``version`` in ``state``: a pooled one when possible."""
@@ -273,22 +295,21 @@ class FleetModel:
         self.audit.refused = (*self.audit.refused, text)
 
     def _send_group(self, g: int, event: GroupEvent, by: str) -> bool:
+        """Send a decided event (a recovery's lease is released by the recovery itself: the
+        operation's ``ReleaseLease``, never as a side effect of an event)."""
         group = self.groups[g]
+        self._acted += 1
         try:
             group.send(event, current_version=self.version)
         except TransitionNotAllowed as exc:
             self._refuse(f"policy.{by}: {exc}")
             return False
-        if group.state != "recovering" and event in (
-            GroupEvent.RESTARTED,
-            GroupEvent.RESTART_FAILED,
-            GroupEvent.RETIRE,
-        ):
-            self._release_lease(g)
         return True
 
     def _release_lease(self, g: int) -> None:
-        lease = self.leases.pop(g, None)
+        self._release(self.leases.pop(g, None))
+
+    def _release(self, lease: ExportLease | None) -> None:
         if lease is not None and lease.version in self.exports:
             export = self.exports[lease.version]
             if any(held.lease_id == lease.lease_id for held in export.leases):
@@ -348,92 +369,52 @@ class FleetModel:
             self._do_recover(g)
         return True
 
-    # -- the recovery coordinator
+    # -- the recovery coordinator: the second executor of rollsafe.operations.recover
     def _do_recover(self, g: int) -> bool:
-        group = self.groups[g]
-        if group.state != "inactive":
+        """Gate, claim and lease: the first phases of :func:`rollsafe.operations.recover.attempt`
+        (the model's recoveries are retried by this action being enabled again)."""
+        if self.groups[g].state != "inactive" or g in self.late:
             return False
-        gate = policy.gate_recovery(
-            group.state,
-            budget_left=group.restart_budget_left(),
-            complete=group.group_complete(),
-            remaining_s=None,
-            expected_s=0.0,
-        )
-        self._decided("gate_recovery", gate.events)
-        if gate.start not in (policy.RecoveryStart.CLAIM, policy.RecoveryStart.RETIRE):
-            return False
-        for event in gate.events:
-            if not self._send_group(g, event, "gate_recovery"):
-                return True
-        if gate.start is not policy.RecoveryStart.CLAIM:
-            return True
-        export = self.exports.get(self.version)
-        facts = (
-            policy.ExportFacts(export.version, export.state, len(export.leases))
-            if export is not None
-            else None
-        )
-        choice = policy.choose_strategy(
-            mode_state=self.mode.state,
-            fleet_version=self.version,
-            export=facts,
-            can_push=True,
-        )
-        if choice.strategy is policy.Strategy.IMMEDIATE and choice.export_version is not None:
-            chosen = self.exports.get(choice.export_version)
-            state = chosen.state if chosen is not None else "gone"
-            self.audit.immediate = (
-                *self.audit.immediate,
-                RecoveryPicture(f"g{g}", choice.export_version, state, self.version),
-            )
-            if chosen is None:
-                self._refuse(f"policy.choose_strategy chose gone export v{choice.export_version}")
-                return True
-            try:
-                self.leases[g] = chosen.acquire_lease(holder=f"g{g}")
-            except LeaseError as exc:
-                self._refuse(f"policy.choose_strategy: {exc}")
-        return True
+        before = self._acted
+        gid = f"g{g}"
+        end = drive(recover_op.claim(gid), self._perform)
+        if end is None:  # claimed
+            drive(recover_op.take_lease(gid), self._perform)
+        return self._acted > before
 
     def _do_restart(self, g: int, ok: bool) -> bool:
-        group = self.groups[g]
-        if group.state != "recovering":
+        """The restart phase, its restart succeeding or failing."""
+        return self._restart_phase(g, "ok" if ok else "failed")
+
+    def _do_restart_timeout(self, g: int) -> bool:
+        """The restart phase, its restart timing out: it goes on in the background (holding
+        the export's lease, if any) until ``restart_ends``."""
+        return self._restart_phase(g, "timeout")
+
+    def _restart_phase(self, g: int, choice: str) -> bool:
+        if self.groups[g].state != "recovering":
             return False
+        self._restart_choice = choice
         lease = self.leases.get(g)
-        outcome = policy.after_restart(ok, lease.version if lease is not None else None)
-        self._decided("after_restart", outcome.events)
-        if ok:
-            for r, rank in enumerate(group.ranks):
-                self._set_truth(g, r, True, outcome.member_version)
-                group.report_member(rank, healthy=True, weights_version=outcome.member_version)
-        self.counts[g] = {}
-        for event in outcome.events:
-            self._send_group(g, event, "after_restart")
-        self._release_lease(g)
+        leased = fx.Leased(lease.version, _path(lease.version), lease) if lease else None
+        drive(recover_op.restart(f"g{g}", leased), self._perform)
+        return True
+
+    def _do_restart_ends(self, g: int) -> bool:
+        """A timed-out restart ends in the background: the lease it held is released."""
+        if g not in self.late:
+            return False
+        self._release(self.late.pop(g))
         return True
 
     def _do_push(self, g: int, ok: bool) -> bool:
-        group = self.groups[g]
-        if group.state != "pending_weights":
+        """The targeted push phase, the push succeeding or failing on one rank."""
+        if self.groups[g].state != "pending_weights":
             return False
-        plan = policy.plan_push(self.registration.published, self.version, group.state)
-        if not plan.push or plan.version is None:
-            return False  # deferred to the next sync: nothing happens now
-        reg = self.registration
-        reg.begin_update(targets=[list(group.ranks)])
-        rank_ok = self._push_to(g, plan.version, None if ok else 0)
-        reg.update_done(results=rank_ok)
-        events = policy.after_push(
-            rank_ok, plan.version, keeps_weights=self.config.traits.failed_update_keeps_weights
-        )
-        self._decided("after_push", events)
-        if GroupEvent.WEIGHTS_LOADED in events:
-            for rank in group.ranks:
-                group.report_member(rank, healthy=True, weights_version=plan.version)
-        for event in events:
-            self._send_group(g, event, "after_push")
-        return True
+        self._push_ok = ok
+        before = self._acted
+        drive(recover_op.push(f"g{g}", self.config.traits), self._perform)
+        return self._acted > before  # False: deferred, nothing pushed
 
     def _push_to(self, g: int, version: int, failing_rank: int | None) -> dict[int, bool]:
         """Move ``version`` into the live ranks of group ``g`` except ``failing_rank``.
@@ -499,7 +480,118 @@ class FleetModel:
             fx.SendGroup: self._send_group_effect,
             fx.HandOff: done,  # the model's recovery is its own action (``recover``)
             fx.StartExport: self._start_export,
+            # the recovery attempt (rollsafe.operations.recover)
+            fx.ReadRecovery: self._read_recovery,
+            fx.NoteStep: done,
+            fx.ReadStrategy: self._read_strategy,
+            fx.TakeLease: self._take_lease,
+            fx.ReleaseLease: self._release_lease_effect,
+            fx.GetEngine: done,
+            fx.StopEngine: done,
+            fx.Restart: self._restart,
+            fx.AwaitHealthy: done,
+            fx.ReportMembers: self._report_members,
+            fx.PushUnderLock: self._push_under_lock,
+            fx.ReadPushFacts: self._read_push_facts,
+            fx.TargetedPush: self._targeted_push,
         }
+
+    def _group_of(self, gid: str) -> tuple[int, WorkerGroupLifecycle]:
+        g = self._index[gid]
+        return g, self.groups[g]
+
+    def _read_recovery(self, effect: fx.ReadRecovery) -> Outcome:
+        g, group = self._group_of(effect.group)
+        return Ok(
+            fx.RecoveryFacts(
+                group.state,
+                budget_left=group.restart_budget_left(),
+                complete=group.group_complete(),
+                remaining_s=None,
+                expected_s=0.0,
+                busy=g in self.late,
+                budget=group.restart_budget,
+                initial_budget=self.config.restart_budget,
+            )
+        )
+
+    def _read_strategy(self, _effect: fx.ReadStrategy) -> Outcome:
+        export = self.exports.get(self.version)
+        facts = (
+            policy.ExportFacts(export.version, export.state, len(export.leases))
+            if export is not None
+            else None
+        )
+        return Ok(fx.StrategyFacts(self.mode.state, self.version, facts, can_push=True))
+
+    def _take_lease(self, effect: fx.TakeLease) -> Outcome:
+        g = self._index[effect.holder.removeprefix("recovery:")]
+        chosen = self.exports.get(effect.version)
+        state = chosen.state if chosen is not None else "gone"
+        self._acted += 1
+        self.audit.immediate = (
+            *self.audit.immediate,
+            RecoveryPicture(f"g{g}", effect.version, state, self.version),
+        )
+        if chosen is None:
+            self._refuse(f"policy.choose_strategy chose gone export v{effect.version}")
+            return Failed(f"export v{effect.version} is gone")
+        try:
+            lease = self.leases[g] = chosen.acquire_lease(holder=f"g{g}")
+        except LeaseError as exc:
+            self._refuse(f"policy.choose_strategy: {exc}")
+            return Failed(str(exc))
+        return Ok(fx.Leased(lease.version, _path(lease.version), lease))
+
+    def _release_lease_effect(self, effect: fx.ReleaseLease) -> Outcome:
+        lease: ExportLease = effect.lease.token
+        g = self._index[lease.holder]
+        self._acted += 1
+        if self.leases.get(g) is lease:
+            del self.leases[g]
+        if effect.once_restart_ends and g in self.late:
+            self.late[g] = lease  # released by ``restart_ends``
+        else:
+            self._release(lease)
+        return _OK
+
+    def _restart(self, effect: fx.Restart) -> Outcome:
+        g, _group = self._group_of(effect.group)
+        choice = self._restart_choice
+        self._acted += 1
+        self.counts[g] = {}
+        if choice == "ok":
+            version = None if effect.dummy else effect.weight_version
+            for r in range(self.config.ranks):
+                self._set_truth(g, r, True, version)
+            return _OK
+        if choice == "timeout":
+            self.late[g] = None  # it still runs: no new claim until ``restart_ends``
+            return TimedOut()
+        return Failed("restart failed")
+
+    def _report_members(self, effect: fx.ReportMembers) -> Outcome:
+        _g, group = self._group_of(effect.group)
+        for rank, m in group.members.items():
+            healthy = m.healthy if effect.healthy is None else effect.healthy
+            group.report_member(rank, healthy=healthy, weights_version=effect.weights_version)
+        return _OK
+
+    def _push_under_lock(self, effect: fx.PushUnderLock) -> Outcome:
+        return Ok(drive(recover_op.push_locked(effect.group, effect.keeps_weights), self._perform))
+
+    def _read_push_facts(self, effect: fx.ReadPushFacts) -> Outcome:
+        _g, group = self._group_of(effect.group)
+        return Ok(fx.PushFacts(self.registration.published, self.version, group.state))
+
+    def _targeted_push(self, effect: fx.TargetedPush) -> Outcome:
+        g, group = self._group_of(effect.group)
+        self._acted += 1
+        reg = self.registration
+        reg.begin_update(targets=[list(group.ranks)])
+        rank_ok = self._push_to(g, effect.version, None if self._push_ok else 0)
+        reg.update_done(results=rank_ok)
+        return Ok(fx.Pushed(rank_ok, "" if all(rank_ok.values()) else "a rank failed"))
 
     def _observe_export(self, _effect: fx.ObserveExport) -> Outcome:
         prev = self.last_export
@@ -596,8 +688,9 @@ class FleetModel:
 
     def _send_group_effect(self, effect: fx.SendGroup) -> Outcome:
         self._decided(effect.decided_by, (effect.event,))
-        if self._send_group(self._index[effect.group], effect.event, effect.decided_by):
-            return _OK
+        g = self._index[effect.group]
+        if self._send_group(g, effect.event, effect.decided_by):
+            return Ok(self.groups[g].state)
         return Failed(f"{effect.group} refused {effect.event.value!r}")
 
     def _start_export(self, effect: fx.StartExport) -> Outcome:
@@ -704,11 +797,14 @@ class FleetModel:
             if name == "launch":
                 return state == "launching" and not alive
             return alive and state != "retired"
-        if name in ("restart", "recover", "probe", "push"):
+        if name == "restart_ends":
+            return args[0] in self.late
+        if name in ("restart", "restart_timeout", "recover", "probe", "push"):
             state = self.groups[args[0]].state
             allowed: dict[str, bool] = {
                 "restart": state == "recovering",
-                "recover": state == "inactive",
+                "restart_timeout": state == "recovering",
+                "recover": state == "inactive" and args[0] not in self.late,
                 "probe": state in ("active", "pending_weights"),
                 "push": state == "pending_weights",
             }
@@ -757,6 +853,17 @@ class FleetModel:
             immediate_recoveries=audit.immediate,
             recovery_threads=audit.recovery_threads,
             refused_decisions=audit.refused,
+            lease_holders=(
+                *(
+                    LeasePicture(f"g{g}", lease.version, self.groups[g].state)
+                    for g, lease in sorted(self.leases.items())
+                ),
+                *(
+                    LeasePicture(f"g{g}", lease.version, self.groups[g].state, True)
+                    for g, lease in sorted(self.late.items())
+                    if lease is not None
+                ),
+            ),
         )
 
     def check(self) -> list[Violation]:
@@ -774,6 +881,7 @@ class FleetModel:
                 self.truth[g],
                 tuple(sorted(self.counts[g].items())),
                 self.leases[g].version if g in self.leases else None,
+                self._late_row(g),
             )
             for g, grp in enumerate(self.groups)
         )
@@ -801,6 +909,13 @@ class FleetModel:
             ),
         )
 
+    def _late_row(self, g: int) -> tuple[int | None, ...]:
+        """() no timed-out restart runs; (None,) one runs with no lease; (v,) holding v."""
+        if g not in self.late:
+            return ()
+        lease = self.late[g]
+        return (lease.version if lease is not None else None,)
+
     def canonical(self, snap: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
         """``snap`` up to symmetry: groups are interchangeable, so are ranks inside a group.
 
@@ -817,8 +932,9 @@ class FleetModel:
                     tuple(sorted(zip(members, truth, strict=True), key=repr)),
                     len(counts),
                     lease,
+                    late,
                 )
-                for state, budget, members, truth, counts, lease in groups
+                for state, budget, members, truth, counts, lease, late in groups
             ),
             key=repr,
         )
@@ -834,7 +950,7 @@ class FleetModel:
         """Put the model back into a state produced by :meth:`snapshot`."""
         version, groups, reg_s, exports, mode_s, last, audit_s = snap
         self.version = version
-        for g, (state, budget, members, truth, counts, _lease) in enumerate(groups):
+        for g, (state, budget, members, truth, counts, _lease, _late) in enumerate(groups):
             grp = self.groups[g]
             if grp.state != state:
                 grp = self.groups[g] = _pooled(
@@ -859,8 +975,13 @@ class FleetModel:
         now = tuple(
             (v, e.state, len(e.leases), self.dirs.get(v)) for v, e in sorted(self.exports.items())
         )
-        held = {g: lease.version for g, lease in self.leases.items()}
-        wanted = {g: row[5] for g, row in enumerate(groups) if row[5] is not None}
+        held: dict[int, tuple[int | None, tuple[int | None, ...]]] = {
+            g: (self.leases[g].version if g in self.leases else None, self._late_row(g))
+            for g in {*self.leases, *self.late}
+        }
+        wanted = {
+            g: (row[5], row[6]) for g, row in enumerate(groups) if row[5] is not None or row[6]
+        }
         if now != exports or held != wanted:
             self._restore_exports(exports, groups)
         if self.mode.current_state_value != mode_s[0]:
@@ -877,6 +998,11 @@ _FINAL_STATE_OF = {
     ExportEvent.FAIL: "failed",
     ExportEvent.DELETE: "deleted",
 }
+
+
+def _path(version: int) -> str:
+    """The model's name for the directory of the export of ``version``."""
+    return f"exports/v{version}"
 
 
 def _end_export(export: ExportLifecycle, event: ExportEvent) -> str | None:

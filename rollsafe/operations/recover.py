@@ -1,0 +1,333 @@
+"""One recovery attempt on an ``inactive`` group, written once (``docs/design.md``, "Operations").
+
+:func:`attempt` is the sequence, top-down; every decision in it is :mod:`rollsafe.policy`'s and
+every step of I/O is an effect its executor performs (:class:`rollsafe.fleet.RecoveryCoordinator`
+on the real fleet, :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``). It is four
+phases, each its own generator so that the verifier can let the rest of the fleet move between
+them (a sync, a crash, retention), as it does between the fleet's threads:
+
+1. :func:`claim` -- **gate** (:func:`~rollsafe.policy.gate_recovery`): a step of an earlier
+   attempt still running in the background, not inactive, skip (the rollout ends first),
+   retire (budget spent), wait (a rank unknown), or **claim** (``inactive`` -> ``recovering``);
+2. :func:`take_lease` -- **strategy** (:func:`~rollsafe.policy.choose_strategy`): immediate
+   from the ready export of the fleet's version (a lease is taken on it) or a dummy restart;
+3. :func:`restart` -- **launcher**, **shutdown**, **restart** (from the export, or on dummy
+   weights), **health**, each of which may fail or time out: then ``restart_failed`` and the
+   lease released (by a restart that timed out: only once it has ended in the background,
+   since it may still be loading from the export); else the members report the export's
+   version (or none) and ``restarted`` takes the group to ``active`` (immediate, done) or
+   ``pending_weights``, and the lease is released;
+4. :func:`push` -- the **targeted push** of the registered checkpoint, under the transport's
+   lock (:func:`push_locked`: :func:`~rollsafe.policy.plan_push`, the push,
+   :func:`~rollsafe.policy.after_push`): loaded -> ``weights_loaded`` (``active``); a failed
+   or cut-short push on an engine that keeps no known weights -> ``fail`` (restarted again);
+   otherwise **deferred**: the group waits in ``pending_weights`` for the next sync.
+
+The attempt returns an :class:`AttemptEnd`; retrying (budget permitting) is the executor's loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Literal
+
+import rollsafe.policy as policy
+from rollsafe.operations.effects import (
+    AwaitHealthy,
+    Effect,
+    Failed,
+    GetEngine,
+    Leased,
+    NoteStep,
+    Ok,
+    Outcome,
+    PushUnderLock,
+    ReadPushFacts,
+    ReadRecovery,
+    ReadStrategy,
+    RecoveryFacts,
+    ReleaseLease,
+    ReportMembers,
+    Restart,
+    SendGroup,
+    StopEngine,
+    StrategyFacts,
+    TakeLease,
+    TargetedPush,
+    TimedOut,
+)
+from rollsafe.statemachines.events import GroupEvent
+
+__all__ = [
+    "AttemptEnd",
+    "AttemptStatus",
+    "PushEnd",
+    "Steps",
+    "attempt",
+    "claim",
+    "push",
+    "push_locked",
+    "restart",
+    "take_lease",
+]
+
+#: How an attempt ended (the fleet's ``RecoveryStatus``).
+AttemptStatus = Literal["active", "pending_weights", "skipped", "retired", "failed", "not_needed"]
+Strategy = Literal["immediate", "targeted_push", "deferred"]
+
+#: A step sequence: yields effects, is sent their outcomes, returns its result.
+Steps = Generator[Effect, Outcome, "AttemptEnd"]
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How one attempt ended. ``retry``: another attempt may follow at once (budget
+    permitting); ``timed_out``: a step ran past its deadline (the executor retries once that
+    step has ended in the background). ``strategy`` / ``export_version``: None when the attempt
+    did not get that far."""
+
+    status: AttemptStatus
+    reason: str
+    strategy: Strategy | None = None
+    export_version: int | None = None
+    retry: bool = False
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class PushEnd:
+    """What :func:`push_locked` did. ``loaded``: every rank loaded ``version`` (``active``);
+    ``poisoned``: the push failed on an engine that keeps no known weights (``fail`` sent);
+    ``refused``: the transport cannot push to one group; ``deferred``: nothing pushed or a
+    failed push that kept the old weights; ``cut_short``: the push raised or timed out."""
+
+    result: Literal["loaded", "poisoned", "refused", "deferred", "cut_short"]
+    why: str = ""
+    version: int | None = None
+    pushed: bool = False  # the transport was asked to push
+    timed_out: bool = False
+
+
+def attempt(group: str, traits: policy.EngineTraits, *, retried: bool = False) -> Steps:
+    """The steps of one recovery attempt on ``group`` (an engine of ``traits``); ``retried``:
+    an earlier attempt of the same recovery failed."""
+    end = yield from claim(group, retried=retried)
+    if end is not None:
+        return end
+    lease = yield from take_lease(group)
+    end = yield from restart(group, lease)
+    if end is not None:
+        return end
+    return (yield from push(group, traits))
+
+
+# ====================================================================== 1. claim
+def claim(group: str, *, retried: bool = False) -> Generator[Effect, Outcome, AttemptEnd | None]:
+    """Gate and claim ``group``: None when it is ``recovering`` now (claimed), else the end."""
+    facts: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    if facts.busy:
+        return AttemptEnd("failed", "a previous attempt's step is still running in the background")
+    gate = policy.gate_recovery(
+        facts.state,
+        budget_left=facts.budget_left,
+        complete=facts.complete,
+        remaining_s=facts.remaining_s,
+        expected_s=facts.expected_s,
+    )
+    if gate.start is policy.RecoveryStart.NOT_NEEDED:
+        if retried:
+            return AttemptEnd("failed", f"group left inactive meanwhile ({facts.state})")
+        return AttemptEnd("not_needed", gate.reason)
+    if gate.start is policy.RecoveryStart.SKIP:
+        yield NoteStep("skip", True, gate.reason)
+        return AttemptEnd("skipped", gate.reason)
+    if gate.start is policy.RecoveryStart.WAIT:
+        yield NoteStep("claim", False, gate.reason)
+        return AttemptEnd("failed", f"claim refused: {gate.reason}")
+    for event in gate.events:
+        sent = yield SendGroup(group, event, "gate_recovery")
+        if not isinstance(sent, Ok):
+            yield NoteStep("claim", False, sent.error)
+            return AttemptEnd("failed", f"claim refused: {sent.error}")
+    if gate.start is policy.RecoveryStart.RETIRE:
+        yield NoteStep("claim", False, gate.reason)
+        yield NoteStep("retire", True, gate.reason)
+        return AttemptEnd("retired", f"restart budget of {facts.initial_budget} spent; retired")
+    claimed: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    yield NoteStep("claim", True, f"budget left {claimed.budget}")
+    return None
+
+
+# ====================================================================== 2. strategy
+def take_lease(group: str) -> Generator[Effect, Outcome, Leased | None]:
+    """Choose the strategy; for an immediate restart lease the export (None: restart on dummy
+    weights)."""
+    facts: StrategyFacts | None = (yield ReadStrategy()).value  # type: ignore[union-attr]
+    if facts is None:  # immediate recovery is not configured
+        return None
+    choice = policy.choose_strategy(
+        mode_state=facts.mode_state,
+        fleet_version=facts.fleet_version,
+        export=facts.export,
+        can_push=facts.can_push,
+    )
+    if choice.strategy is not policy.Strategy.IMMEDIATE or choice.export_version is None:
+        yield NoteStep("lease", False, choice.reason)
+        return None
+    taken = yield TakeLease(choice.export_version, f"recovery:{group}")
+    if not isinstance(taken, Ok):
+        yield NoteStep("lease", False, taken.error)
+        return None
+    lease: Leased = taken.value
+    yield NoteStep("lease", True, f"export v{lease.version} at {lease.path}")
+    return lease
+
+
+# ====================================================================== 3. restart
+def restart(group: str, lease: Leased | None) -> Generator[Effect, Outcome, AttemptEnd | None]:
+    """Restart the claimed ``group`` (from ``lease``'s export, or on dummy weights): None when
+    it is ``pending_weights`` now (a push follows), else the end. The lease is always released:
+    at once, or -- by a restart that timed out -- once that restart has ended."""
+    strategy: Strategy = "immediate" if lease is not None else "targeted_push"
+    version = lease.version if lease is not None else None
+    path = lease.path if lease is not None else None
+    for step in (
+        GetEngine(group),
+        StopEngine(group),
+        Restart(group, path, version),
+        AwaitHealthy(group),
+    ):
+        outcome = yield step
+        if not isinstance(outcome, Ok):
+            late = isinstance(outcome, TimedOut) and isinstance(step, Restart)
+            return (yield from _restart_failed(group, lease, outcome, strategy, late=late))
+    restarted = policy.after_restart(True, version)
+    yield ReportMembers(group, restarted.member_version, healthy=True)
+    target: str | None = None
+    for event in restarted.events:
+        sent = yield SendGroup(group, event, "after_restart")
+        if not isinstance(sent, Ok):
+            yield NoteStep("restarted", False, sent.error)
+            refused = Failed(f"restarted refused: {sent.error}")
+            return (yield from _restart_failed(group, lease, refused, strategy))
+        target = sent.value
+    yield NoteStep("restarted", True, f"-> {target}")
+    if lease is not None:
+        yield ReleaseLease(lease)
+    if target != "active":
+        return None
+    if lease is not None:
+        return AttemptEnd(
+            "active", f"restarted from the ready export of v{lease.version}", strategy, version
+        )
+    return AttemptEnd("active", "restarted at the current version", strategy)
+
+
+def _restart_failed(
+    group: str,
+    lease: Leased | None,
+    outcome: Failed | TimedOut,
+    strategy: Strategy,
+    *,
+    late: bool = False,
+) -> Generator[Effect, Outcome, AttemptEnd]:
+    """A restart step failed or timed out: ``restart_failed`` (when the group is still
+    ``recovering``), the lease released (``late``: once the timed-out restart has ended)."""
+    facts: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    if facts.state == "recovering":
+        for event in policy.after_restart(False, None).events:
+            yield SendGroup(group, event, "after_restart")
+    if lease is not None:
+        yield ReleaseLease(lease, once_restart_ends=late)
+    timed_out = isinstance(outcome, TimedOut)
+    return AttemptEnd(
+        "failed",
+        outcome.error,
+        strategy,
+        lease.version if lease is not None else None,
+        retry=not timed_out,
+        timed_out=timed_out,
+    )
+
+
+# ====================================================================== 4. push
+def push(group: str, traits: policy.EngineTraits) -> Steps:
+    """Push the fleet's registered checkpoint to the restarted (``pending_weights``) ``group``
+    only; defer to the next sync when it cannot happen."""
+    keeps = traits.failed_update_keeps_weights
+    facts: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    if not facts.can_push:
+        return (yield from _defer(group, "no transport for a targeted push", note=True))
+    section = yield PushUnderLock(group, keeps)
+    if isinstance(section, Ok):
+        end: PushEnd = section.value
+        if end.result == "loaded":
+            return AttemptEnd("active", f"targeted push of v{end.version} loaded", "targeted_push")
+        if end.result == "poisoned":
+            return AttemptEnd(
+                "failed",
+                f"targeted push failed ({end.why}) and a {traits.kind} engine keeps no known "
+                "weights after a failed update: restarting it",
+                "targeted_push",
+                retry=True,
+            )
+        if end.result != "cut_short":
+            return (yield from _defer(group, end.why, note=end.result == "deferred"))
+        why, timed_out = end.why, end.timed_out
+    else:
+        why, timed_out = section.error, isinstance(section, TimedOut)
+    if keeps:  # up on dummy weights (not routable): it waits for the next sync
+        return (yield from _defer(group, why, note=False))
+    # a push cut short leaves this engine's weights unknown: restart it
+    now: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    if now.state in ("active", "pending_weights"):
+        yield SendGroup(group, GroupEvent.FAIL, "after_push")
+    return AttemptEnd(
+        "failed",
+        f"targeted push did not finish ({why}): its weights are unknown, restarting",
+        "targeted_push",
+        retry=not timed_out,
+        timed_out=timed_out,
+    )
+
+
+def push_locked(group: str, keeps_weights: bool) -> Generator[Effect, Outcome, PushEnd]:
+    """The push itself, run under the transport's lock (no sync registers or updates
+    meanwhile): plan it, push, settle it."""
+    facts = (yield ReadPushFacts(group)).value  # type: ignore[union-attr]
+    plan = policy.plan_push(facts.published, facts.fleet_version, facts.state)
+    if not plan.push or plan.version is None:
+        return PushEnd("deferred", plan.reason)
+    pushed = yield TargetedPush(group, plan.version)
+    if not isinstance(pushed, Ok):
+        timed_out = isinstance(pushed, TimedOut)
+        return PushEnd("cut_short", pushed.error, plan.version, True, timed_out)
+    if pushed.value.refused:
+        return PushEnd("refused", pushed.value.why, plan.version, True)
+    events = policy.after_push(pushed.value.rank_ok, plan.version, keeps_weights=keeps_weights)
+    why = pushed.value.why or "no result"
+    if GroupEvent.FAIL in events:  # its weights are unknown now: restart it
+        for event in events:
+            yield SendGroup(group, event, "after_push")
+        return PushEnd("poisoned", why, plan.version, True)
+    if not events:
+        return PushEnd("deferred", f"push failed: {why}", plan.version, True)
+    yield ReportMembers(group, plan.version)
+    for event in events:
+        sent = yield SendGroup(group, event, "after_push")
+        if not isinstance(sent, Ok):
+            return PushEnd("cut_short", sent.error, plan.version, True)
+    return PushEnd("loaded", "", plan.version, True)
+
+
+def _defer(group: str, why: str, *, note: bool) -> Generator[Effect, Outcome, AttemptEnd]:
+    """No push now: the group waits for the next sync (or a sync updated it meanwhile)."""
+    if note:
+        yield NoteStep("push", False, why)
+    facts: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    if facts.state == "active":  # a sync updated it meanwhile
+        return AttemptEnd("active", f"updated by a sync ({why})", "deferred")
+    if facts.state == "pending_weights":
+        return AttemptEnd("pending_weights", f"deferred to the next sync: {why}", "deferred")
+    return AttemptEnd("failed", f"group is {facts.state} after its restart ({why})", "deferred")
