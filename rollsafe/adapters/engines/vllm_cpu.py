@@ -14,7 +14,9 @@ Owns the choices :class:`~rollsafe.adapters.engines.launch.spec.EngineSpec` make
   ``--enforce-eager``, ``--dtype`` (float32 unless set), ``--kv-cache-memory-bytes`` (the KV
   cache's size, :data:`DEFAULT_CPU_KV_CACHE_BYTES` unless set), no sleep mode (vLLM refuses
   ``--enable-sleep-mode`` on CPU), rollsafe's gloo weight-transfer backend (vLLM's own need an
-  accelerator), and one OpenMP core binding per engine (``VLLM_CPU_OMP_THREADS_BIND``);
+  accelerator), and one core binding per engine: the whole process tree runs on its cores
+  (``spawn_group`` in :mod:`~rollsafe.adapters.engines.launch.process_group`) and the worker's
+  OpenMP threads are pinned to them (``VLLM_CPU_OMP_THREADS_BIND``);
 * **core dealing**: by default every vLLM-CPU server binds the same core (vLLM's ``auto``
   binding picks by NUMA node, not by server), so two servers on one host share one core while
   the others idle. :func:`deal_cores` hands each launcher of this process its own cores,
@@ -154,9 +156,10 @@ def check_vllm_spec(spec: Any) -> None:
         "max_model_len": spec.max_model_len,
         "dtype": spec.dtype,
         "kv_cache_bytes": spec.kv_cache_bytes,
-        "cpu_cores": spec.cpu_cores,
         "weight_transfer_backend": spec.weight_transfer_backend,
     }
+    if spec.kind == "sglang":  # no CPU build: nothing to bind
+        vllm_only["cpu_cores"] = spec.cpu_cores
     if spec.kind != "vllm":
         for name, value in vllm_only.items():
             if value is not None:
@@ -164,6 +167,8 @@ def check_vllm_spec(spec: Any) -> None:
                     f"EngineSpec.{name}={value!r} applies to kind='vllm' only, got "
                     f"kind={spec.kind!r}"
                 )
+        if spec.cpu_cores is not None:  # the reference engine: its process bound to them
+            _check_cores(spec)
         return
     if spec.weight_transfer_backend is not None and not spec.weight_transfer_backend:
         raise ValueError(
@@ -201,10 +206,14 @@ def check_vllm_spec(spec: Any) -> None:
             "rollsafe's gloo backend"
         )
     if spec.cpu_cores is not None:
-        problem = check_cpu_cores(spec.cpu_cores, spec.ranks)
-        if problem is not None:
-            raise ValueError(f"EngineSpec.cpu_cores {problem}")
-        object.__setattr__(spec, "cpu_cores", tuple(spec.cpu_cores))
+        _check_cores(spec)
+
+
+def _check_cores(spec: Any) -> None:
+    problem = check_cpu_cores(spec.cpu_cores, spec.ranks)
+    if problem is not None:
+        raise ValueError(f"EngineSpec.cpu_cores {problem}")
+    object.__setattr__(spec, "cpu_cores", tuple(spec.cpu_cores))
 
 
 def held_files(pids: Sequence[int]) -> list[str]:

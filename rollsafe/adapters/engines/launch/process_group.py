@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -131,20 +131,61 @@ def descendants(pid: int) -> list[int]:
 
 
 def spawn_group(
-    cmd: list[str], env: dict[str, str], *, stdin: int, pass_fds: Sequence[int] = ()
+    cmd: list[str],
+    env: dict[str, str],
+    *,
+    stdin: int,
+    pass_fds: Sequence[int] = (),
+    cpu_cores: Sequence[int] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``cmd`` as the leader of a new session (the whole group can be signalled at once),
-    stdout and stderr piped for an :class:`OutputPump`."""
-    return subprocess.Popen(
-        cmd,
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        start_new_session=True,
-        close_fds=True,
-        pass_fds=tuple(pass_fds),
-    )
+    stdout and stderr piped for an :class:`OutputPump`. With ``cpu_cores`` (non-empty) the
+    process runs on those cores only from its first instruction, and so does every process it
+    starts (affinity is inherited across fork, spawn and exec); an ``OSError`` when none of
+    them can be used here. None or ``()`` binds nothing."""
+    with _spawning_on(cpu_cores):
+        return subprocess.Popen(
+            cmd,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=tuple(pass_fds),
+        )
+
+
+@contextlib.contextmanager
+def _spawning_on(cpu_cores: Sequence[int] | None) -> Iterator[None]:
+    """Run the body (a ``Popen``) with the CALLING THREAD bound to ``cpu_cores``, then restore
+    its affinity.
+
+    Why this way: a child inherits the affinity of the thread that forks it, so binding the
+    spawning thread for the duration of the ``Popen`` binds the engine from its first
+    instruction, before it can start a thread or a child (vLLM's EngineCore and Worker are
+    ``spawn``ed from the API server and inherit it; a warm standby's forks inherit the zygote's).
+    ``preexec_fn`` is unsafe in the multi-threaded launcher; ``sched_setaffinity(pid)`` after
+    ``Popen`` races the child (threads it started already keep the old mask); an exec wrapper
+    costs an interpreter start per engine and turns "cannot execute" into an exit code.
+    ``sched_setaffinity(0, ...)`` changes this thread only, never the launcher's other threads.
+    """
+    if not cpu_cores or not hasattr(os, "sched_setaffinity"):  # () binds nothing; not Linux
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, set(cpu_cores))
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"cannot bind the engine to cpu_cores={list(cpu_cores)} (this process may run on "
+            f"cores {sorted(saved)}): {exc.strerror}",
+        ) from exc
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 def start_watchdog(python: str, pgid: int) -> subprocess.Popen[bytes] | None:
@@ -240,7 +281,9 @@ def spawn_candidate(owner: object, spec: EngineSpec, cmd: list[str], log_path: s
     ``log_path``, watched as :func:`watch_candidate` does; :class:`EngineStartError` if it
     cannot be executed."""
     try:
-        proc = spawn_group(cmd, spec.environment(), stdin=subprocess.DEVNULL)
+        proc = spawn_group(
+            cmd, spec.environment(), stdin=subprocess.DEVNULL, cpu_cores=spec.cpu_cores
+        )
     except OSError as exc:
         raise EngineStartError(
             f"cannot execute the engine command: {exc}",

@@ -112,11 +112,14 @@ class EngineSpec:
     on CPU). ``module`` applies to the reference engine only. ``device`` is the reference
     engine's device, and says whether a vLLM server runs on CPU: ``"cpu"`` (the default) starts
     the CPU build with ``--enforce-eager``, ``dtype`` (default float32), ``--kv-cache-memory-bytes
-    kv_cache_bytes`` (default 256 MiB) and an OpenMP binding to ``cpu_cores``; any other device
-    (``"cuda"``) is an accelerator. ``cpu_cores`` None (the default) lets the launcher deal
-    this engine its own cores, one per rank, round-robin across the launchers of the process
-    (:func:`~rollsafe.adapters.engines.vllm_cpu.deal_cores`); ``()`` binds nothing (vLLM's own
-    ``VLLM_CPU_OMP_THREADS_BIND``, core 0 for every server by default). ``max_model_len`` is
+    kv_cache_bytes`` (default 256 MiB) and a binding to ``cpu_cores``; any other device
+    (``"cuda"``) is an accelerator. ``cpu_cores`` binds the engine's whole process tree to those
+    cores (CPU affinity, set at the spawn and inherited by every process it starts) and, for
+    vLLM, its OpenMP threads; None (the default) lets the launcher deal a vLLM-CPU engine its
+    own cores, one per rank, round-robin across the launchers of the process
+    (:func:`~rollsafe.adapters.engines.vllm_cpu.deal_cores`), and binds a reference engine to
+    nothing; ``()`` binds nothing (vLLM's own ``VLLM_CPU_OMP_THREADS_BIND``, core 0 for every
+    server by default). SGLang takes no ``cpu_cores``. ``max_model_len`` is
     vLLM's ``--max-model-len`` (None: the model's). The API key of
     a real engine is not put on its command line: vLLM reads it from ``VLLM_API_KEY``; SGLang
     from a ``--config`` YAML file the launcher writes (mode 0600, in its log directory) before

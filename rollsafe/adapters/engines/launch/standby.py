@@ -23,7 +23,7 @@ ready (imports done)                              ``ready_standby``    ``used_re
 warming (imports running), its fork ready first   ``warming_standby``  ``used_warming``
 warming, a fresh spawn ready first                ``fresh_spawn``      ``raced``, ``fallbacks``
 dead, other interpreter / module / environment,   ``fresh_spawn``      ``fallbacks`` (replaced)
-refused or did not answer the fork request
+cores, refused or did not answer the fork request
 none wanted (``warm_standby=False``)              ``fresh_spawn``      nothing
 ===============================================  ===================  =======================
 
@@ -107,6 +107,7 @@ class Standby:
     interpreter: str
     module: str
     env: dict[str, str]
+    cpu_cores: tuple[int, ...]  # the zygote's binding, inherited by every engine it forks
     link: ZygoteLink
     spawned_at: float = dataclasses.field(default_factory=time.monotonic)
     forks: int = 0
@@ -338,7 +339,14 @@ class StandbyPool:
         cmd += [FORK_SERVER_FLAG, str(theirs.fileno())]
         log_path = self._logs.new("standby", cmd, spec.secrets())
         try:
-            proc = spawn_group(cmd, env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+            # bound like the engine: the engines it forks inherit its cores
+            proc = spawn_group(
+                cmd,
+                env,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                cpu_cores=spec.cpu_cores,
+            )
         except OSError as exc:
             ours.close()
             log.warning("cannot spawn a warm standby (%s): %s", " ".join(cmd), exc)
@@ -356,6 +364,7 @@ class StandbyPool:
             interpreter=spec.interpreter(),
             module=spec.module,
             env=env,
+            cpu_cores=tuple(spec.cpu_cores or ()),
             link=ZygoteLink(ours, proc.pid),
         )
 
@@ -374,6 +383,8 @@ def _unusable(sb: Standby, spec: EngineSpec, env: dict[str, str]) -> str | None:
     if sb.env != env:
         changed = sorted(k for k in set(sb.env) | set(env) if sb.env.get(k) != env.get(k))
         return f"the environment changed since the standby was spawned: {changed[:10]}"
+    if sb.cpu_cores != tuple(spec.cpu_cores or ()):
+        return f"cpu_cores changed since the standby was spawned (it runs on {sb.cpu_cores})"
     return None
 
 
