@@ -172,7 +172,7 @@ class ProbeVerdict:
     handoff: Handoff
 
 
-@sends("HealthManager", "rollsafe/fleet/health.py", WorkerGroupLifecycle=(GroupEvent.FAIL,))
+@sends("HealthManager", "rollsafe/operations/probe.py", WorkerGroupLifecycle=(GroupEvent.FAIL,))
 def judge_probe(
     ranks: Sequence[int],
     unhealthy: Sequence[int],

@@ -18,8 +18,11 @@ Owns failure *detection* (never recovery):
 * consecutive failures are counted per rank; when a rank reaches ``failure_threshold`` it is
   reported unhealthy and the group is sent ``fail`` (the whole group leaves routing); a healthy
   answer resets the count and reports the members healthy. What each answer means is
-  :func:`rollsafe.policy.judge_probe`'s decision; this module only probes and executes it.
-  Defaults come from :class:`~rollsafe.fleet.settings.HealthSettings`;
+  :func:`rollsafe.policy.judge_probe`'s decision, and the steps that apply it are
+  :func:`rollsafe.operations.probe.probe`'s (the sequence ``rollsafe verify`` executes too):
+  this module only executes them, one sequence per probed group and round, performing every
+  group's probe step concurrently under the round's deadline. Defaults come from
+  :class:`~rollsafe.fleet.settings.HealthSettings`;
 * hand-off: each ``fail`` the manager sends is passed to ``on_group_failed(failure)`` on a
   separate notifier thread, never on the probe loop. The callback must return quickly (enqueue
   the group for the recovery coordinator); it is never where a recovery runs, so probes keep
@@ -45,10 +48,13 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
+import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
 from rollsafe.concurrency import DaemonCall
 from rollsafe.fleet.registry import FleetRegistry, WorkerGroup
 from rollsafe.fleet.settings import HealthSettings, with_overrides
+from rollsafe.operations import probe as probe_op
+from rollsafe.operations.probe import ProbeEnd
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.text import bound_text
 
@@ -439,14 +445,16 @@ class HealthManager:
         ]
         self._prune(every)
         results: list[tuple[ProbeOutcome, bool, bool]] = []
-        running: dict[str, tuple[asyncio.Task[None], WorkerGroup, int]] = {}
+        running: dict[str, tuple[asyncio.Task[None], _ProbeRun]] = {}
         all_done: asyncio.Future[None] = loop.create_future()
         closed = False
 
-        def record(group: WorkerGroup, outcome: ProbeOutcome, generation: int) -> None:
-            results.append((outcome, *self._apply(group, outcome, epoch, generation)))
+        def record(run: _ProbeRun, outcome: ProbeOutcome, answer: fx.Outcome) -> None:
+            end = run.answer(answer)
+            results.append((outcome, end.failed, end.applied))
 
-        async def probe_one(group: WorkerGroup, generation: int) -> None:
+        async def probe_one(run: _ProbeRun) -> None:
+            group = run.group
             try:
                 if self._async_probe:
                     value = await self.probe(group, self.timeout_s)  # type: ignore[misc]
@@ -456,12 +464,14 @@ class HealthManager:
                 raise
             except Exception as exc:
                 outcome = self._outcome(group, t0, None, f"{type(exc).__name__}: {exc}")
+                answer: fx.Outcome = fx.Failed(outcome.error or "probe failed")
             else:
                 outcome = self._outcome(group, t0, value, None)
+                answer = fx.Ok(fx.Probed(outcome.unhealthy, outcome.error))
             if closed:  # answered after the deadline; the round already counted it
                 return
             del running[group.group_id]
-            record(group, outcome, generation)
+            record(run, outcome, answer)
             if not running:
                 _resolve(all_done)
 
@@ -470,26 +480,24 @@ class HealthManager:
             hung = self._still_running(group, t0)
             if hung is _NOT_YET:
                 continue  # stuck for less than another timeout_s: not probed, nothing counted
-            if isinstance(hung, ProbeOutcome):
-                record(group, hung, generation)
+            run = _ProbeRun(self, group, epoch, generation)
+            if not run.start():  # the sequence ended before it probed
                 continue
-            running[group.group_id] = (
-                loop.create_task(probe_one(group, generation)),
-                group,
-                generation,
-            )
+            if isinstance(hung, ProbeOutcome):
+                record(run, hung, fx.Failed(hung.error or "probe still running"))
+                continue
+            running[group.group_id] = (loop.create_task(probe_one(run)), run)
         if running:
             deadline = loop.call_later(self.timeout_s, _resolve, all_done)
             await all_done
             deadline.cancel()
             closed = True
-            for task, group, generation in list(running.values()):
+            for task, run in list(running.values()):
                 task.cancel()  # a running sync probe keeps its thread until the engine answers
-                self._counted_at[group.group_id] = time.monotonic()
-                outcome = self._outcome(
-                    group, t0, None, f"no answer within {self.timeout_s}s", timed_out=True
-                )
-                record(group, outcome, generation)
+                self._counted_at[run.group.group_id] = time.monotonic()
+                why = f"no answer within {self.timeout_s}s"
+                outcome = self._outcome(run.group, t0, None, why, timed_out=True)
+                record(run, outcome, fx.TimedOut(self.timeout_s, outcome.error))
             running.clear()
         duration = time.monotonic() - t0
         outcomes = tuple(o for o, _, _ in results)
@@ -579,66 +587,120 @@ class HealthManager:
             still_running,
         )
 
-    def _apply(
-        self, group: WorkerGroup, outcome: ProbeOutcome, epoch: int, generation: int
-    ) -> tuple[bool, bool]:
-        """Apply one outcome; return (sent fail, applied at all)."""
-        gid = group.group_id
-        with self._apply_lock:
-            if self._paused or self._stopping or epoch != self._epoch:
-                return False, False
-            if (
-                group.generation != generation
-                or group.machine.state not in self.probe_states
-                or group.loading_weights
-                or gid not in self.registry
-            ):
-                # The group moved while we probed (failed, recovered, retired): this answer is
-                # about an incarnation that no longer exists.
-                self._failures.pop(gid, None)
-                return False, False
-            machine = group.machine
-            recorded = {rank: fact.healthy for rank, fact in machine.members.items()}
-            verdict = policy.judge_probe(
-                group.ranks,
-                outcome.unhealthy,
-                self._failures.get(gid, {}),
-                recorded,
-                self.failure_threshold,
-            )
-            for rank in verdict.report_healthy:
-                self.registry.report_member(gid, rank, healthy=True)
-            for rank in verdict.report_unhealthy:
-                self.registry.report_member(gid, rank, healthy=False)
-            if not verdict.events:
-                self._failures[gid] = verdict.counts
-                return False, True
-            at_threshold = list(verdict.report_unhealthy)
-            worst = self.failure_threshold
-            self._failures.pop(gid, None)
-        # The decision is taken; send ``fail`` outside our lock, since registry listeners run
-        # on this thread during send and must be free to call pause()/wake() or take their own
-        # locks without ever waiting on the probe loop.
-        try:
-            for event in verdict.events:
-                self.registry.send(gid, event)
-        except TransitionRefused as exc:  # it moved meanwhile (someone else failed it...)
-            log.info("%s: could not fail group %s: %s", self.name, gid, exc)
-            return False, True
+    def _group_failed(self, effect: fx.GroupFailed) -> None:
+        """A probe sent ``fail``: count it, log it, hand the group over as the policy said."""
         self._groups_failed += 1
         failure = GroupFailure(
-            gid, tuple(at_threshold), worst, outcome.error or "unhealthy", time.time()
+            effect.group, effect.unhealthy, effect.failures, effect.reason, time.time()
         )
         log.warning(
             "%s: group %s failed %d consecutive probe(s) on rank(s) %s: %s; taken out of routing",
             self.name,
-            gid,
-            worst,
-            list(at_threshold),
+            effect.group,
+            effect.failures,
+            list(effect.unhealthy),
             failure.reason,
         )
-        if verdict.handoff is policy.Handoff.ENQUEUE and self._notifier is not None:
+        if effect.handoff is policy.Handoff.ENQUEUE and self._notifier is not None:
             self._notifier.put(failure)
-        elif verdict.handoff is policy.Handoff.INLINE and self._on_group_failed is not None:
+        elif effect.handoff is policy.Handoff.INLINE and self._on_group_failed is not None:
             self._on_group_failed(failure)  # what the policy said, wrong as it is: see invariants
-        return True, True
+
+
+class _ProbeRun:
+    """The executor of one group's :func:`rollsafe.operations.probe.probe` in one round.
+
+    :meth:`start` runs the steps up to their probe; the round performs the probe (concurrently
+    with every other group's, bounded by its deadline) and :meth:`answer` sends its outcome and
+    performs the rest on the probe loop: the answer is applied under the manager's
+    ``_apply_lock`` (``LockHealth`` .. ``UnlockHealth``), the ``fail`` sent outside it, since
+    registry listeners run on this thread during the send and must be free to call
+    ``pause()``/``wake()`` or take their own locks without ever waiting on the probe loop.
+    """
+
+    __slots__ = ("epoch", "generation", "group", "held", "manager", "steps")
+
+    def __init__(
+        self, manager: HealthManager, group: WorkerGroup, epoch: int, generation: int
+    ) -> None:
+        self.manager = manager
+        self.group = group
+        self.epoch = epoch
+        self.generation = generation
+        self.held = False
+        self.steps = probe_op.probe(group.group_id, manager.failure_threshold)
+
+    def start(self) -> bool:
+        """Perform the steps before the probe; False when the sequence ended first."""
+        try:
+            effect = next(self.steps)
+            while not isinstance(effect, fx.ProbeMembers):
+                effect = self.steps.send(self._perform(effect))
+        except StopIteration:
+            self._close()
+            return False
+        except BaseException:
+            self._close()
+            raise
+        return True
+
+    def answer(self, outcome: fx.Outcome) -> ProbeEnd:
+        """The probe's ``outcome``: perform the rest of the steps; their :class:`ProbeEnd`."""
+        try:
+            effect = self.steps.send(outcome)
+            while True:
+                effect = self.steps.send(self._perform(effect))
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self.steps.close()
+        if self.held:
+            self.held = False
+            self.manager._apply_lock.release()
+
+    def _perform(self, effect: fx.Effect) -> fx.Outcome:
+        m, gid = self.manager, self.group.group_id
+        if isinstance(effect, fx.LockHealth):
+            m._apply_lock.acquire()
+            self.held = True
+        elif isinstance(effect, fx.UnlockHealth):
+            if self.held:
+                self.held = False
+                m._apply_lock.release()
+        elif isinstance(effect, fx.ReadProbeFacts):
+            return fx.Ok(self._facts())
+        elif isinstance(effect, fx.ReportRank):
+            m.registry.report_member(effect.group, effect.rank, healthy=effect.healthy)
+        elif isinstance(effect, fx.SetFailureCounts):
+            if effect.counts:
+                m._failures[effect.group] = dict(effect.counts)
+            else:
+                m._failures.pop(effect.group, None)
+        elif isinstance(effect, fx.SendGroup):
+            try:
+                m.registry.send(effect.group, effect.event)
+            except TransitionRefused as exc:  # it moved meanwhile (someone else failed it...)
+                log.info("%s: could not fail group %s: %s", m.name, effect.group, exc)
+                return fx.Failed(f"{type(exc).__name__}: {exc}")
+        elif isinstance(effect, fx.GroupFailed):
+            m._group_failed(effect)
+        else:
+            raise TypeError(f"{m.name}: a probe of {gid} cannot perform {effect!r}")
+        return fx.Ok()
+
+    def _facts(self) -> fx.ProbeFacts | None:
+        m, group = self.manager, self.group
+        if m._paused or m._stopping or self.epoch != m._epoch:
+            return None
+        if (
+            group.generation != self.generation
+            or group.machine.state not in m.probe_states
+            or group.loading_weights
+            or group.group_id not in m.registry
+        ):
+            return fx.ProbeFacts(group.ranks, {}, {}, moved=True)
+        recorded = {rank: fact.healthy for rank, fact in group.machine.members.items()}
+        return fx.ProbeFacts(group.ranks, m._failures.get(group.group_id, {}), recorded)

@@ -13,6 +13,7 @@ What the verifier explores is then what the fleet runs, by construction.
 | :mod:`~rollsafe.operations.effects` | the effects and outcomes, as frozen data |
 | :mod:`~rollsafe.operations.sync` | one weight sync of version N |
 | :mod:`~rollsafe.operations.recover` | one recovery attempt on an ``inactive`` group |
+| :mod:`~rollsafe.operations.probe` | one health probe of one group |
 
 Executors look a sequence up on its module at call time (``sync_op.sync(...)`` after
 ``from rollsafe.operations import sync as sync_op``), so patching it changes the fleet and the

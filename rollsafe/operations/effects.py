@@ -14,7 +14,7 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rollsafe.policy import ExportFacts, ExportJudgement, GroupFacts
+from rollsafe.policy import ExportFacts, ExportJudgement, GroupFacts, Handoff
 from rollsafe.statemachines.events import GroupEvent, ModeEvent
 
 __all__ = [
@@ -25,9 +25,11 @@ __all__ = [
     "ExportSeen",
     "Failed",
     "GetEngine",
+    "GroupFailed",
     "HandOff",
     "Hook",
     "Leased",
+    "LockHealth",
     "LockTransport",
     "NoteStep",
     "ObserveExport",
@@ -35,10 +37,14 @@ __all__ = [
     "Outcome",
     "Pause",
     "PrepareTargets",
+    "ProbeFacts",
+    "ProbeMembers",
+    "Probed",
     "PushFacts",
     "PushUnderLock",
     "Pushed",
     "ReadGroups",
+    "ReadProbeFacts",
     "ReadPushFacts",
     "ReadRecovery",
     "ReadStrategy",
@@ -47,10 +53,12 @@ __all__ = [
     "Register",
     "ReleaseLease",
     "ReportMembers",
+    "ReportRank",
     "Restart",
     "Resume",
     "SendGroup",
     "SendMode",
+    "SetFailureCounts",
     "SetFleetVersion",
     "StartExport",
     "StopEngine",
@@ -58,6 +66,7 @@ __all__ = [
     "TakeLease",
     "TargetedPush",
     "TimedOut",
+    "UnlockHealth",
     "UnlockTransport",
     "Update",
     "UpdateDone",
@@ -440,3 +449,83 @@ def drive(steps: Generator[Effect, Outcome, R], perform: Callable[[Effect], Outc
         return stop.value  # type: ignore[no-any-return]
     finally:
         steps.close()
+
+
+# ---------------------------------------------------------------------- probe
+@dataclass(frozen=True)
+class Probed:
+    """The value of :class:`ProbeMembers` when the probe answered: the ranks it found
+    unhealthy (empty: every member healthy) and its own wording of why (None when healthy)."""
+
+    unhealthy: tuple[int, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ProbeMembers(Effect):
+    """Probe every member of group ``group`` once: :class:`Ok` of :class:`Probed`;
+    :class:`Failed` when the probe raised (or an earlier one is still stuck in the engine);
+    :class:`TimedOut` when it did not answer in time. Both count as a failure of every rank."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class LockHealth(Effect):
+    """Take the health checker's lock: a ``pause()`` waits until :class:`UnlockHealth`, so once
+    it returns no probe answer is applied."""
+
+
+@dataclass(frozen=True)
+class UnlockHealth(Effect):
+    """Release the lock :class:`LockHealth` took."""
+
+
+@dataclass(frozen=True)
+class ProbeFacts:
+    """The value of :class:`ReadProbeFacts`: what :func:`rollsafe.policy.judge_probe` reads.
+    ``moved``: the group left the probed states (or was restarted, or removed) while it was
+    probed: the answer is about an incarnation that no longer exists."""
+
+    ranks: tuple[int, ...]
+    counts: Mapping[int, int]  # consecutive failures per rank so far
+    recorded_healthy: Mapping[int, bool]
+    moved: bool = False
+
+
+@dataclass(frozen=True)
+class ReadProbeFacts(Effect):
+    """The facts of group ``group`` now: :class:`Ok` of :class:`ProbeFacts`, or ``Ok(None)``
+    when no answer may be applied (checks paused or stopped since the probe began)."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class ReportRank(Effect):
+    """Rank ``rank`` of group ``group`` reports ``healthy``."""
+
+    group: str
+    rank: int
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class SetFailureCounts(Effect):
+    """Group ``group``'s consecutive failures per rank become ``counts`` (empty: forgotten)."""
+
+    group: str
+    counts: Mapping[int, int]
+
+
+@dataclass(frozen=True)
+class GroupFailed(Effect):
+    """Group ``group`` was sent ``fail`` by the probe: report it and hand it over as
+    ``handoff`` says (:class:`~rollsafe.policy.Handoff`: ``enqueue`` for the recovery
+    coordinator, off this thread)."""
+
+    group: str
+    unhealthy: tuple[int, ...]  # the ranks at the threshold
+    failures: int  # consecutive failures that decided it
+    reason: str
+    handoff: Handoff

@@ -13,12 +13,15 @@ the outcome the action chose. A recovery attempt is not sequenced here either: t
 ``restart``, ``restart_timeout`` and ``push`` actions execute the phases of
 :func:`rollsafe.operations.recover.attempt` (claim and lease, restart, targeted push: the
 sequence the fleet's ``RecoveryCoordinator`` executes), and the rest of the fleet may move
-between phases as it does between the fleet's threads. (Probing is still sequenced here.)
+between phases as it does between the fleet's threads. A health probe is not sequenced here
+either: the ``probe`` and ``probe_timeout`` actions execute :func:`rollsafe.operations.probe.probe`
+(the sequence the fleet's ``HealthManager`` executes), the probe answering with the ranks that
+are down, or timing out (every rank counts a failure).
 
-What the model chooses nondeterministically are the outcomes of I/O, each an :class:`Action`:
-a rank comes up or crashes, a probe runs, a recovery claims a group, a restart succeeds,
-fails or times out (a restart from an export then holds its lease until it ends in the
-background: ``restart_ends``), a targeted push succeeds or fails, a sync registers on every
+What the model chooses nondeterministically are the outcomes of I/O, each an :class:`Action`: a
+rank comes up or crashes, a probe answers or times out, a recovery claims a group, a restart
+succeeds, fails or times out (a restart from an export then holds its lease until it ends in
+the background: ``restart_ends``), a targeted push succeeds or fails, a sync registers on every
 rank or not and its update fails on one rank of a group or not, an export finishes on time,
 fails or is still running when the next sync begins, retention runs. It also fires stray group
 events (a racing or duplicated sender): the guards must refuse the wrong ones, and a refused
@@ -49,6 +52,7 @@ from rollsafe.invariants import (
     RecoveryPicture,
 )
 from rollsafe.invariants import InvariantViolation as Violation
+from rollsafe.operations import probe as probe_op
 from rollsafe.operations import recover as recover_op
 from rollsafe.operations import sync as sync_op
 from rollsafe.operations.effects import Effect, Failed, Ok, Outcome, TimedOut, drive
@@ -199,6 +203,7 @@ class FleetModel:
         self._choice: tuple[bool, int | None] = (True, None)  # the running sync's outcomes
         self._restart_choice = "ok"  # the running restart's outcome: ok, failed, timeout
         self._push_ok = True  # the running targeted push's outcome
+        self._probe_timed_out = False  # the running probe's outcome: no answer in time
         self._acted = 0  # effects that changed the model (an action that took none: refused)
         self._effects = self._effect_table()
 
@@ -219,6 +224,7 @@ class FleetModel:
                 yield Action("launch", (g, r))
                 yield Action("crash", (g, r))
             yield Action("probe", (g,))
+            yield Action("probe_timeout", (g,))
             yield Action("recover", (g,))
             yield Action("restart", (g, True))
             yield Action("restart", (g, False))
@@ -344,30 +350,22 @@ class FleetModel:
         row[r] = (alive, version)
         self.truth[g] = tuple(row)
 
-    # -- the health manager
+    # -- the health manager: the second executor of rollsafe.operations.probe
     def _do_probe(self, g: int) -> bool:
-        group = self.groups[g]
-        if group.state not in ("active", "pending_weights"):
+        """A probe of group ``g`` answers: the ranks that are down are unhealthy."""
+        return self._probe(g, timed_out=False)
+
+    def _do_probe_timeout(self, g: int) -> bool:
+        """A probe of group ``g`` gets no answer in time: every rank counts a failure."""
+        return self._probe(g, timed_out=True)
+
+    def _probe(self, g: int, *, timed_out: bool) -> bool:
+        if self.groups[g].state not in ("active", "pending_weights"):
             return False
-        unhealthy = [group.ranks[r] for r, (alive, _) in enumerate(self.truth[g]) if not alive]
-        recorded = self._recorded(g)
-        if not unhealthy and all(recorded.values()):
-            return False  # a healthy answer that changes nothing
-        verdict = policy.judge_probe(
-            group.ranks, unhealthy, self.counts[g], recorded, self.config.failure_threshold
-        )
-        self._decided("judge_probe", verdict.events)
-        self.counts[g] = dict(verdict.counts)
-        for rank in verdict.report_healthy:
-            group.report_member(rank, healthy=True)
-        for rank in verdict.report_unhealthy:
-            group.report_member(rank, healthy=False)
-        for event in verdict.events:
-            self._send_group(g, event, "judge_probe")
-        if verdict.handoff is policy.Handoff.INLINE:
-            self.audit.recovery_threads = (*self.audit.recovery_threads, (f"g{g}", "health"))
-            self._do_recover(g)
-        return True
+        self._probe_timed_out = timed_out
+        before = self._acted
+        drive(probe_op.probe(f"g{g}", self.config.failure_threshold), self._perform)
+        return self._acted > before  # False: an answer that changes nothing
 
     # -- the recovery coordinator: the second executor of rollsafe.operations.recover
     def _do_recover(self, g: int) -> bool:
@@ -494,7 +492,51 @@ class FleetModel:
             fx.PushUnderLock: self._push_under_lock,
             fx.ReadPushFacts: self._read_push_facts,
             fx.TargetedPush: self._targeted_push,
+            # the health probe (rollsafe.operations.probe)
+            fx.ProbeMembers: self._probe_members,
+            fx.LockHealth: done,
+            fx.UnlockHealth: done,
+            fx.ReadProbeFacts: self._read_probe_facts,
+            fx.ReportRank: self._report_rank,
+            fx.SetFailureCounts: self._set_failure_counts,
+            fx.GroupFailed: self._group_failed,
         }
+
+    def _probe_members(self, effect: fx.ProbeMembers) -> Outcome:
+        if self._probe_timed_out:
+            return TimedOut()
+        g, group = self._group_of(effect.group)
+        dead = tuple(group.ranks[r] for r, (alive, _) in enumerate(self.truth[g]) if not alive)
+        return Ok(fx.Probed(dead, f"ranks {list(dead)} down" if dead else None))
+
+    def _read_probe_facts(self, effect: fx.ReadProbeFacts) -> Outcome:
+        g, group = self._group_of(effect.group)
+        moved = group.state not in ("active", "pending_weights")
+        return Ok(fx.ProbeFacts(group.ranks, self.counts[g], self._recorded(g), moved))
+
+    def _report_rank(self, effect: fx.ReportRank) -> Outcome:
+        _g, group = self._group_of(effect.group)
+        if group.members[effect.rank].healthy != effect.healthy:
+            self._acted += 1
+        group.report_member(effect.rank, healthy=effect.healthy)
+        return _OK
+
+    def _set_failure_counts(self, effect: fx.SetFailureCounts) -> Outcome:
+        g = self._index[effect.group]
+        counts = dict(effect.counts)
+        if counts != self.counts[g]:
+            self._acted += 1
+            self.counts[g] = counts
+        return _OK
+
+    def _group_failed(self, effect: fx.GroupFailed) -> Outcome:
+        """Hand the failed group over: ``enqueue`` is the ``recover`` action's to take later;
+        ``inline`` (never correct) runs the recovery on the health thread, now."""
+        if effect.handoff is policy.Handoff.INLINE:
+            g = self._index[effect.group]
+            self.audit.recovery_threads = (*self.audit.recovery_threads, (effect.group, "health"))
+            self._do_recover(g)
+        return _OK
 
     def _group_of(self, gid: str) -> tuple[int, WorkerGroupLifecycle]:
         g = self._index[gid]
@@ -799,13 +841,14 @@ class FleetModel:
             return alive and state != "retired"
         if name == "restart_ends":
             return args[0] in self.late
-        if name in ("restart", "restart_timeout", "recover", "probe", "push"):
+        if name in ("restart", "restart_timeout", "recover", "probe", "probe_timeout", "push"):
             state = self.groups[args[0]].state
             allowed: dict[str, bool] = {
                 "restart": state == "recovering",
                 "restart_timeout": state == "recovering",
                 "recover": state == "inactive" and args[0] not in self.late,
                 "probe": state in ("active", "pending_weights"),
+                "probe_timeout": state in ("active", "pending_weights"),
                 "push": state == "pending_weights",
             }
             return allowed[name]
