@@ -7,10 +7,16 @@ to import another to name it:
   :data:`Dialect`, :data:`PauseMode`, :data:`MemoryTag`): what the fleet may ask of one engine;
   ``SGLangClient`` and ``VLLMClient`` (:mod:`rollsafe.adapters.engines`) implement it;
 * :class:`WeightTransport` (with :class:`EngineTarget`, :class:`TargetResult`,
-  :class:`UpdateReport`, :data:`NamedTensors`): the two-phase transport contract every
+  :class:`UpdateReport`, :class:`PushSummary`, :data:`NamedTensors`): the two-phase
+  transport contract every
   :mod:`rollsafe.transports` transport implements;
-* :class:`RestartableEngine`: what recovery needs from one engine group's handle
-  (``EngineLauncher`` has it).
+* :class:`RestartableEngine` (with :data:`StandbyState`, :data:`StartSource`): what recovery
+  needs from one engine group's handle (``EngineLauncher`` has it).
+
+Each protocol declares every capability the fleet uses (a targeted push, a restart from a
+path with a weight version, a stop that keeps the warm standby, the standby's status): the
+fleet calls them directly and never probes with ``getattr``/``hasattr`` (docs/architecture.md,
+"Ports and their capabilities"; ``tests/test_ports_capabilities.py`` checks both).
 
 Imports neither torch nor httpx (nor python-statemachine at run time): importing it is free.
 The old import paths (``rollsafe.adapters.engines.client``, ``rollsafe.transports.base``,
@@ -38,7 +44,10 @@ __all__ = [
     "MemoryTag",
     "NamedTensors",
     "PauseMode",
+    "PushSummary",
     "RestartableEngine",
+    "StandbyState",
+    "StartSource",
     "TargetResult",
     "UpdateReport",
     "WeightTransport",
@@ -303,9 +312,34 @@ class UpdateReport:
         return sorted(name for name, r in self.results.items() if r.ok)
 
 
+class PushSummary(Protocol):
+    """What a transport recorded about its last push (``WeightTransport.last_push``).
+
+    ``mode``: how it moved the weights (checkpoint-engine: ``broadcast`` or ``p2p``);
+    ``ps_ranks``: the transport's own ranks it pushed to (None: all of them); ``targets``: the
+    names of the targets that push served. ``CheckpointEngineFleetTransport``'s ``PushRecord``
+    has these fields (and more).
+    """
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def ps_ranks(self) -> tuple[int, ...] | None: ...
+
+    @property
+    def targets(self) -> tuple[str, ...]: ...
+
+
 @runtime_checkable
 class WeightTransport(Protocol):
-    """What the fleet needs from any transport."""
+    """What the fleet needs from any transport: every member below is declared by every
+    :mod:`rollsafe.transports` transport (``StagedTransport`` gives the defaults).
+
+    ``name`` appears in logs and recovery steps; ``registration`` is the registration machine
+    the fleet reads the published version from (and its ``state`` for ``rollsafe verify``'s
+    final picture).
+    """
 
     name: str
     registration: CheckpointRegistration
@@ -318,22 +352,55 @@ class WeightTransport(Protocol):
         """Push the registered version; one target failing is reported, not raised."""
         ...
 
+    def targeted_update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
+        """A recovery's push: the registered version to ``targets`` only, leaving every other
+        engine untouched (``update`` may choose a collective that reaches all of them).
+
+        A transport that cannot reach a subset raises a ``TransportError`` (for example
+        checkpoint-engine's ``P2PUnavailable``) before anything moves; recovery then defers
+        the group to the next sync. Transports that push to each target on its own
+        (``StagedTransport``: nccl, ipc, disk) run their ordinary ``update``.
+        """
+        ...
+
+    def last_push(self) -> PushSummary | None:
+        """The transport's record of its last push (its mode and ranks), None when it keeps
+        none (``StagedTransport``) or has not pushed yet."""
+        ...
+
     def close(self) -> None:
         """Release staged memory, process groups and sockets."""
         ...
 
 
 # ------------------------------------------------------------------------------ recovery
-class RestartableEngine(Protocol):
-    """What recovery needs from one engine group's handle (``EngineLauncher`` has it).
+#: A warm standby's state (``EngineLauncher.standby_state``): ``none``, ``warming`` (importing)
+#: or ``ready``.
+StandbyState = Literal["none", "warming", "ready"]
+#: Where a start's engine came from (``EngineLauncher.last_start_source``): a warm standby that
+#: was ``ready``, one still importing that was ready before any fresh spawn, or a fresh spawn.
+StartSource = Literal["ready_standby", "warming_standby", "fresh_spawn"]
 
-    ``restart`` (called with keywords only) stops the group if it runs and starts it again,
-    returning once it is ready;
-    ``client`` is the (possibly new) client of the restarted group. An optional ``stop()`` is
-    used as the explicit shutdown step (with ``keep_standby=True`` when it takes that keyword:
-    an :class:`~rollsafe.adapters.engines.EngineLauncher`'s warm standby must survive it to take
-    the restart), and an optional ``weight_version=`` keyword of ``restart`` is passed when the
-    group loads a known version.
+
+@runtime_checkable
+class RestartableEngine(Protocol):
+    """What recovery needs from one engine group's handle; ``EngineLauncher`` implements it.
+
+    Every member is declared by every handle (recovery calls them all, with keywords):
+
+    * ``stop(timeout=, keep_standby=True)``: the attempt's explicit shutdown step; a warm
+      standby must survive it to take the restart that follows;
+    * ``restart(model_path=, load_format=, skip_load_weights=, weight_version=, stop_timeout=)``
+      stops the group if it runs and starts it again, returning once it is ready:
+      ``model_path`` the directory to load (a recovery export), ``skip_load_weights=True`` dummy
+      weights (a targeted push follows), ``weight_version`` what the restarted engine reports
+      until its next update, ``stop_timeout`` the grace before SIGKILL of what still runs;
+    * ``client``: the (possibly new) client of the restarted group;
+    * ``standby_state`` / ``last_start_source``: the warm standby's state before a restart and
+      where the last start came from, recorded in the recovery's result (None: the handle has
+      no warm standby / does not tell);
+    * ``standby_status()``: a JSON-friendly view of the warm standby (at least ``state``) for
+      the registry's snapshot and metrics; it must not block.
     """
 
     def restart(
@@ -342,7 +409,19 @@ class RestartableEngine(Protocol):
         model_path: str | None = None,
         load_format: str | None = None,
         skip_load_weights: bool | None = None,
+        weight_version: str | None = None,
+        stop_timeout: float = 10.0,
     ) -> object: ...
+
+    def stop(self, *, timeout: float = 10.0, keep_standby: bool = False) -> None: ...
 
     @property
     def client(self) -> EngineClient: ...
+
+    @property
+    def standby_state(self) -> StandbyState | None: ...
+
+    @property
+    def last_start_source(self) -> StartSource | None: ...
+
+    def standby_status(self) -> Mapping[str, Any]: ...

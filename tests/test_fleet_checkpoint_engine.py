@@ -137,7 +137,11 @@ class IPCClient(SimEngineClient):
 
 
 class Handle:
-    """A restartable engine handle without a process (records each restart's arguments)."""
+    """A restartable engine handle without a process (records each restart's arguments); it
+    declares every ``RestartableEngine`` member and keeps no warm standby."""
+
+    standby_state = None
+    last_start_source = None
 
     def __init__(self, client: SimEngineClient) -> None:
         self._client = client
@@ -145,17 +149,26 @@ class Handle:
 
     def restart(
         self,
+        *,
         model_path: str | None = None,
         load_format: str | None = None,
         skip_load_weights: bool | None = None,
+        weight_version: str | None = None,
+        stop_timeout: float = 10.0,
     ) -> Handle:
         self.calls.append({"model_path": model_path, "skip_load_weights": skip_load_weights})
         self._client.health_error = None
         return self
 
+    def stop(self, *, timeout: float = 10.0, keep_standby: bool = False) -> None:
+        pass
+
     @property
     def client(self) -> SimEngineClient:
         return self._client
+
+    def standby_status(self) -> dict[str, Any]:
+        return {"state": "none"}
 
 
 @pytest.fixture
@@ -255,22 +268,14 @@ def test_fallback_reasons_name_each_cause() -> None:
     assert "disaggregated" in far
 
 
-class FakeLauncher:
+class FakeLauncher(Handle):
+    """A launcher for a fleet's factory: a :class:`Handle` that starts at once."""
+
     def __init__(self, gid: str) -> None:
-        self._client = SimEngineClient(gid)
+        super().__init__(SimEngineClient(gid))
 
     def start(self) -> FakeLauncher:
         return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        pass
-
-    def restart(self, **kw: Any) -> FakeLauncher:
-        return self
-
-    @property
-    def client(self) -> SimEngineClient:
-        return self._client
 
 
 @pytest.mark.parametrize("dialect", ["sglang", "vllm"])

@@ -45,6 +45,7 @@ from rollsafe.fleet import (
     WorkerGroup,
 )
 from rollsafe.hf import HFExporter
+from rollsafe.ports import StandbyState, StartSource
 from rollsafe.statemachines import ImmediateRecoveryMode
 from rollsafe.transports import (
     EngineTarget,
@@ -59,27 +60,42 @@ WAIT_S = 30.0  # bound for waiting on a condition; never asserted as a duration
 
 # ====================================================================== simulated fleet
 class SimHandle:
-    """A restartable engine handle without a process: records restarts, can raise or hang.
+    """A restartable engine handle without a process: records stops and restarts, can raise or
+    hang. It declares every :class:`RestartableEngine` member (no warm standby: its
+    ``standby_state`` and ``last_start_source`` are None).
 
     It serves through the group's simulated client; a successful restart clears the client's
-    health error (the new process is healthy)."""
+    health error (the new process is healthy). ``calls`` holds each restart's weight
+    arguments, ``options`` its ``weight_version`` and ``stop_timeout``."""
+
+    standby_state: StandbyState | None = None
+    last_start_source: StartSource | None = None
 
     def __init__(self, client: SimEngineClient) -> None:
         self.calls: list[dict[str, Any]] = []
+        self.options: list[dict[str, Any]] = []
+        self.stops: list[dict[str, Any]] = []
         self.error: Exception | None = None
         self.gate: threading.Event | None = None
         self.on_restart: Callable[[dict[str, Any]], None] | None = None
         self._client = client
 
+    def stop(self, *, timeout: float = 10.0, keep_standby: bool = False) -> None:
+        self.stops.append({"timeout": timeout, "keep_standby": keep_standby})
+
     def restart(
         self,
+        *,
         model_path: str | None = None,
         load_format: str | None = None,
         skip_load_weights: bool | None = None,
+        weight_version: str | None = None,
+        stop_timeout: float = 10.0,
     ) -> SimHandle:
         kw = {"model_path": model_path, "load_format": load_format,
               "skip_load_weights": skip_load_weights}  # fmt: skip
         self.calls.append(kw)
+        self.options.append({"weight_version": weight_version, "stop_timeout": stop_timeout})
         if self.on_restart is not None:
             self.on_restart(kw)
         if self.gate is not None:
@@ -92,6 +108,9 @@ class SimHandle:
     @property
     def client(self) -> SimEngineClient:
         return self._client
+
+    def standby_status(self) -> dict[str, Any]:
+        return {"state": "none"}
 
 
 class MemoryTransport(StagedTransport):
@@ -201,6 +220,10 @@ def test_immediate_restarts_from_the_ready_export_under_a_lease(sim: SimFleet) -
     assert sim.handles["g1"].calls == [
         {"model_path": str(path), "load_format": None, "skip_load_weights": False}
     ]
+    # the restart reports the export's version; the shutdown before it keeps the standby
+    stop_s = rc.stop_timeout_s
+    assert sim.handles["g1"].options == [{"weight_version": "1", "stop_timeout": stop_s}]
+    assert sim.handles["g1"].stops == [{"timeout": stop_s, "keep_standby": True}]
     assert leases_during_restart == [1]  # held while the engine loads ...
     assert record.lifecycle.leases == ()  # ... and released afterwards
     assert sim.transport.pushed == []  # no push needed
@@ -209,7 +232,15 @@ def test_immediate_restarts_from_the_ready_export_under_a_lease(sim: SimFleet) -
     assert all(m.weights_version == 1 and m.healthy for m in group.machine.members.values())
     assert group.machine.restart_budget == 2
     assert result.export_version == 1 and result.latency_s is not None
-    assert names(result) == ["claim", "lease", "launcher", "restart", "health", "restarted"]
+    assert names(result) == [
+        "claim",
+        "lease",
+        "launcher",
+        "shutdown",
+        "restart",
+        "health",
+        "restarted",
+    ]
     assert rc.recoveries() == [result]
     assert rc.summary()["by_strategy"] == {"immediate": 1}
     assert sim.reg.get("g0").state == "active"
@@ -222,15 +253,9 @@ class StandbyHandle(SimHandle):
     def __init__(self, client: SimEngineClient) -> None:
         super().__init__(client)
         self.standby_state = "warming"
-        self.last_start_source: str | None = None
 
-    def restart(
-        self,
-        model_path: str | None = None,
-        load_format: str | None = None,
-        skip_load_weights: bool | None = None,
-    ) -> SimHandle:
-        super().restart(model_path, load_format, skip_load_weights)
+    def restart(self, **kw: Any) -> SimHandle:
+        super().restart(**kw)
         self.last_start_source, self.standby_state = "warming_standby", "none"
         return self
 
@@ -543,20 +568,43 @@ class LeaseWatch:
 
     def restart(
         self,
+        *,
         model_path: str | None = None,
         load_format: str | None = None,
         skip_load_weights: bool | None = None,
+        weight_version: str | None = None,
+        stop_timeout: float = 10.0,
     ) -> EngineLauncher:
         self.restarts.append({"model_path": model_path, "skip_load_weights": skip_load_weights})
         if self.exporter is not None:
             self.leases_at_restart.append(
                 sum(len(r.lifecycle.leases) for r in self.exporter.exports())
             )
-        return self.launcher.restart(model_path, None, load_format, skip_load_weights)
+        return self.launcher.restart(
+            model_path=model_path,
+            load_format=load_format,
+            skip_load_weights=skip_load_weights,
+            weight_version=weight_version,
+            stop_timeout=stop_timeout,
+        )
+
+    def stop(self, *, timeout: float = 10.0, keep_standby: bool = False) -> None:
+        self.launcher.stop(timeout=timeout, keep_standby=keep_standby)
 
     @property
     def client(self) -> Any:
         return self.launcher.client
+
+    @property
+    def standby_state(self) -> StandbyState | None:
+        return self.launcher.standby_state
+
+    @property
+    def last_start_source(self) -> StartSource | None:
+        return self.launcher.last_start_source
+
+    def standby_status(self) -> dict[str, Any]:
+        return self.launcher.standby_status()
 
 
 def real_fleet(

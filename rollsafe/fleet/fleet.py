@@ -551,12 +551,11 @@ class RolloutFleet:
             for g in self._groups:
                 launcher = self._launchers[g.group_id]
                 launcher.client.health(timeout=self.config.health.timeout_s)
-                probe = getattr(launcher, "standby_status", None)  # a custom factory's may lack it
                 self.registry.add_group(
                     g.group_id, g.fleet_ranks, clients=[launcher.client],
                     restart_budget=self.config.recovery.restart_budget,
                     metadata={"engine_ranks": g.ranks},
-                    standby_probe=probe if callable(probe) else None,
+                    standby_probe=launcher.standby_status,
                 )  # fmt: skip
                 for rank in g.fleet_ranks:
                     self.registry.report_member(
@@ -901,7 +900,7 @@ class RolloutFleet:
             )
             for g in self.registry.groups()
         )
-        registration = getattr(self.transport, "registration", None)
+        registration = self.transport.registration if self.transport is not None else None
         exports: tuple[ExportPicture, ...] = ()
         if self.exporter is not None:
             exports = tuple(

@@ -49,7 +49,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import inspect
 import logging
 import sys
 import threading
@@ -72,7 +71,7 @@ from rollsafe.fleet.sync import (
 )
 from rollsafe.operations import recover as recover_op
 from rollsafe.operations.effects import drive
-from rollsafe.ports import RestartableEngine
+from rollsafe.ports import RestartableEngine, StandbyState, StartSource
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 from rollsafe.text import bound_text
@@ -81,7 +80,7 @@ if TYPE_CHECKING:
     from rollsafe.fleet.health import GroupFailure
     from rollsafe.ports import EngineClient
     from rollsafe.statemachines.export import ExportLease
-    from rollsafe.transports.base import EngineTarget, WeightTransport
+    from rollsafe.transports.base import EngineTarget, UpdateReport, WeightTransport
 
 __all__ = [
     "RecoveryClosed",
@@ -108,7 +107,7 @@ RecoveryStrategy = Literal["immediate", "targeted_push", "deferred"]
 #: Where the restarted engine came from (``EngineLauncher.last_start_source``): a warm standby
 #: that was ``ready``, one still importing (``warming``) that was ready before any fresh spawn,
 #: or a fresh spawn.
-RestartSource = Literal["ready_standby", "warming_standby", "fresh_spawn"]
+RestartSource = StartSource
 RESTART_SOURCES: tuple[RestartSource, ...] = ("ready_standby", "warming_standby", "fresh_spawn")
 
 _OK = fx.Ok()
@@ -835,27 +834,22 @@ class _AttemptExecutor:
         return outcome
 
     def _stop_engine(self, _effect: fx.StopEngine) -> fx.Outcome:
-        stop = getattr(self.handle, "stop", None)
-        if not callable(stop):
-            return _OK
-        if _accepts(stop, "timeout"):
-            stop = functools.partial(stop, timeout=self.c.stop_timeout_s)
-        if _accepts(stop, "keep_standby"):  # the restart below hands off to it
-            stop = functools.partial(stop, keep_standby=True)
-        return self._timed("shutdown", stop)
+        handle = self.handle
+        assert handle is not None  # GetEngine came first
+        timeout = self.c.stop_timeout_s
+        # keep_standby: the restart below hands off to the warm standby
+        return self._timed("shutdown", lambda: handle.stop(timeout=timeout, keep_standby=True))
 
     def _restart(self, effect: fx.Restart) -> fx.Outcome:
         handle = self.handle
         assert handle is not None  # GetEngine came first
-        kwargs: dict[str, Any] = {"skip_load_weights": True}
-        if _accepts(handle.restart, "stop_timeout"):
-            kwargs["stop_timeout"] = self.c.stop_timeout_s
+        kwargs: dict[str, Any] = {"skip_load_weights": True, "stop_timeout": self.c.stop_timeout_s}
         if not effect.dummy:
             # the export's real weights, whatever format the launcher last used (a targeted
             # push restarts on dummy weights, and a spec may start on dummy ones)
             kwargs["skip_load_weights"] = False
             kwargs["model_path"] = effect.model_path
-            if effect.weight_version is not None and _accepts(handle.restart, "weight_version"):
+            if effect.weight_version is not None:
                 kwargs["weight_version"] = str(effect.weight_version)
         with self._late_lock:
             self._late_running = True
@@ -941,12 +935,10 @@ class _AttemptExecutor:
         transport = c.transport
         assert transport is not None
         group = c.registry.get(effect.group)
-        targeted = getattr(transport, "targeted_update", None)
-        push_to = targeted if callable(targeted) else transport.update
         try:
             target = c.targets_for(group)
             with group.loading():  # not probed meanwhile: a loading engine answers late
-                report = push_to([target])
+                report = transport.targeted_update([target])
         except Exception as exc:
             if _is_transport_error(exc):  # e.g. P2PUnavailable: this transport cannot do subsets
                 return fx.Ok(fx.Pushed({}, f"{type(exc).__name__}: {exc}", refused=True))
@@ -958,28 +950,20 @@ class _AttemptExecutor:
         return fx.Ok(fx.Pushed(dict.fromkeys(group.ranks, ok), why or ""))
 
 
-def _accepts(fn: Callable[..., Any], keyword: str) -> bool:
-    """Whether ``fn`` takes ``keyword`` (or ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+def _standby_state(handle: RestartableEngine) -> StandbyState | None:
+    """The handle's warm standby state (``none`` / ``warming`` / ``ready``; None: it has none).
 
-
-def _standby_state(handle: object) -> str | None:
-    """The handle's warm standby state (``none`` / ``warming`` / ``ready``), None if unknown."""
+    Read for the record only: a handle whose property raises records None."""
     try:
-        state = getattr(handle, "standby_state", None)
+        return handle.standby_state
     except Exception:
         return None
-    return state if isinstance(state, str) else None
 
 
-def _start_source(handle: object) -> RestartSource | None:
-    """Where the handle's last start came from, None if it does not tell."""
+def _start_source(handle: RestartableEngine) -> RestartSource | None:
+    """Where the handle's last start came from (None: it does not tell); for the record only."""
     try:
-        source = getattr(handle, "last_start_source", None)
+        source = handle.last_start_source
     except Exception:
         return None
     return source if source in RESTART_SOURCES else None
@@ -990,15 +974,14 @@ def _is_transport_error(error: BaseException) -> bool:
     return transports is not None and isinstance(error, transports.TransportError)
 
 
-def _push_detail(transport: object, target: EngineTarget, report: Any) -> str:
+def _push_detail(transport: WeightTransport, target: EngineTarget, report: UpdateReport) -> str:
     """What the push did: the transport, its mode and ranks when it records them, the bytes."""
-    text = f"{getattr(transport, 'name', type(transport).__name__)} -> {target.name}"
-    last = getattr(transport, "last_push", None)
-    record = last() if callable(last) else None
-    if record is not None and target.name in getattr(record, "targets", ()):
+    text = f"{transport.name} -> {target.name}"
+    record = transport.last_push()
+    if record is not None and target.name in record.targets:
         ranks = record.ps_ranks
         text += f": {record.mode}" + (f" ranks={list(ranks)}" if ranks is not None else "")
-    result = report.results.get(target.name) if report is not None else None
+    result = report.results.get(target.name)
     if result is not None and result.nbytes:
         text += f", {result.nbytes / 1e9:.3f} GB in {result.seconds:.3f}s"
     return text

@@ -543,13 +543,12 @@ class _SyncRun:
 
     def register(self, effect: fx.Register) -> fx.Outcome:
         transport = self.c.transport
-        log.info("sync v%d: registering with %s", effect.version, _name(transport))
+        log.info("sync v%d: registering with %s", effect.version, transport.name)
         try:
             transport.register(self.weights, effect.version)
         except Exception as exc:
             return fx.Failed(f"{type(exc).__name__}: {exc}")
-        registration = getattr(transport, "registration", None)
-        return fx.Ok(registration.published if registration is not None else ("", effect.version))
+        return fx.Ok(transport.registration.published)
 
     def pause(self, _effect: fx.Pause) -> fx.Outcome:
         if self.c.health is not None:
@@ -568,7 +567,12 @@ class _SyncRun:
 
     def hook(self, effect: fx.Hook) -> fx.Outcome:
         """Run a colocated hook; one that raises is :class:`~rollsafe.operations.Failed`."""
-        fn: Callable[[], object] | None = getattr(self.c, effect.name)
+        hooks: dict[str, Callable[[], object] | None] = {
+            "offload_trainer": self.c.offload_trainer,
+            "onload_engines": self.c.onload_engines,
+            "onload_trainer": self.c.onload_trainer,
+        }
+        fn = hooks[effect.name]  # a KeyError: the operation names a hook the fleet lacks
         if fn is None:
             return _OK
         t = time.perf_counter()
@@ -713,7 +717,3 @@ _OK = fx.Ok()
 
 def _ok_result(result: TargetResult | None) -> bool:
     return result is not None and result.ok
-
-
-def _name(transport: object) -> str:
-    return str(getattr(transport, "name", type(transport).__name__))

@@ -26,6 +26,7 @@ from rollsafe.errors import RollsafeError
 from rollsafe.ports import (
     EngineTarget,
     NamedTensors,
+    PushSummary,
     TargetResult,
     UpdateReport,
     WeightTransport,
@@ -213,6 +214,15 @@ class StagedTransport:
                 reg.update_done(results=rank_results)
         report.seconds = time.perf_counter() - started
         return report
+
+    def targeted_update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
+        """A recovery's push to ``targets`` only: :meth:`update`, which pushes to each target on
+        its own and so never reaches an engine outside ``targets``."""
+        return self.update(targets)
+
+    def last_push(self) -> PushSummary | None:
+        """None: a staged transport keeps no push record (its :class:`UpdateReport` says it all)."""
+        return None
 
     def _push_one(self, target: EngineTarget) -> TargetResult:
         t0 = time.perf_counter()
