@@ -8,8 +8,12 @@
 * Bit-exact for the fused parameters too: vLLM's own ``compute_weight_checksums`` on an engine
   built with its linear weights kept (``vllm_digest_dump.py``) equals the trainer side for all
   15 tensors.
-* The probe: a real server after ``reload_weights`` to model B answers like a fresh real server
-  on B (tokens and logprobs bit for bit), and unlike its own answers on A, naming the prompt.
+* The probe: a real server after ``reload_weights`` to model A answers like a fresh real server
+  on A (tokens and logprobs bit for bit), and unlike its own answers on B, naming the prompt.
+
+One real server for the module, started on model A: "a fresh real server on A" is its answers
+recorded right after its start (the same weights, the same build and flags: a second start
+would only repeat them), taken before any test runs.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -34,19 +40,16 @@ from rollsafe.engine_layout import (
     vllm_rank_digests,
 )
 from rollsafe.fleet.weights_check import check_engine, read_config
-from rollsafe.probe import DEFAULT_PROMPTS, probe_engines, record_answers
+from rollsafe.probe import DEFAULT_PROMPTS, ProbeAnswers, probe_engines, record_answers
 
 pytestmark = pytest.mark.real_vllm
 
 DUMP = Path(__file__).with_name("vllm_digest_dump.py")
 
 
-def start_real_vllm(
-    vllm_python: str, model_dir: str | Path, launchers: list[EngineLauncher]
-) -> EngineLauncher:
+def start_real_vllm(vllm_python: str, model_dir: str | Path) -> EngineLauncher:
     """The one place these tests start a real vLLM: the launcher's CPU defaults (entry point,
-    dtype, eager mode, KV size, one core per engine); it is killed at the end of the test
-    (``launchers`` fixture)."""
+    dtype, eager mode, KV size, one core per engine)."""
     spec = EngineSpec(
         model_path=str(model_dir),
         kind="vllm",
@@ -56,8 +59,11 @@ def start_real_vllm(
         client_timeout=300.0,
     )
     launcher = EngineLauncher(spec)
-    launchers.append(launcher)
-    launcher.start()
+    try:
+        launcher.start()
+    except BaseException:
+        launcher.kill()
+        raise
     return launcher
 
 
@@ -71,12 +77,35 @@ def _model(path: Path, seed: int, vocab_size: int = 512) -> tuple[str, dict, dic
     return str(path), load_file(str(path / "model.safetensors")), read_config(path)
 
 
+Model = tuple[str, dict[str, Any], dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Model]:
+    """Models A and B: the same shape, a vocabulary vLLM pads (300 -> 320 rows), other seeds."""
+    root = tmp_path_factory.mktemp("checksum-real")
+    return _model(root / "a", seed=3, vocab_size=300), _model(root / "b", seed=4, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def server(
+    vllm_python: str, models: tuple[Model, Model]
+) -> Iterator[tuple[EngineLauncher, ProbeAnswers]]:
+    """The module's real server on model A and its answers recorded fresh (before any test)."""
+    launcher = start_real_vllm(vllm_python, models[0][0])
+    try:
+        fresh = record_answers(launcher.client)
+        yield launcher, fresh
+    finally:
+        launcher.kill()
+
+
 def test_layout_digests_against_a_real_server(
-    vllm_python: str, tmp_path: Path, launchers: list[EngineLauncher]
+    server: tuple[EngineLauncher, ProbeAnswers], models: tuple[Model, Model]
 ) -> None:
-    model, state, config = _model(tmp_path / "m300", seed=3, vocab_size=300)
+    (_, state, config), (_, other, _) = models
     layout = EngineLayout.from_config(config)
-    launcher = start_real_vllm(vllm_python, model, launchers)
+    launcher = server[0]
     client = launcher.client
     assert isinstance(client, VLLMClient)
     answer = httpx.post(launcher.url + "/weight_checker", json={"action": "checksum"}, timeout=120)
@@ -97,7 +126,6 @@ def test_layout_digests_against_a_real_server(
     assert fleet_check.counts() == {"equal": 7, "no_data": 8}
     assert fleet_check.verdict == "unverified"
     # other weights are caught by the tensors that carry data
-    _, other, _ = _model(tmp_path / "m300b", seed=4, vocab_size=300)
     wrong = client.weights_checksum().check(vllm_rank_digests(other, layout))
     assert wrong.verdict == "differs" and len(wrong.names("differs")) == 7
 
@@ -148,24 +176,23 @@ def test_fused_digests_bit_exact_with_weights_kept(
 
 
 def test_probe_after_reload_equals_a_fresh_server(
-    vllm_python: str, tmp_path: Path, launchers: list[EngineLauncher]
+    server: tuple[EngineLauncher, ProbeAnswers], models: tuple[Model, Model]
 ) -> None:
-    model_a, _, _ = _model(tmp_path / "a", seed=0)
-    model_b, state_b, config = _model(tmp_path / "b", seed=1)
-    synced = start_real_vllm(vllm_python, model_a, launchers).client
-    on_a = record_answers(synced)  # the synced engine's answers on model A
+    (model_a, state_a, config), (model_b, _, _) = models
+    launcher, fresh_on_a = server
+    synced = launcher.client
+    assert all(a.logprobs is not None for a in fresh_on_a.answers)
     synced.update_weights_from_disk(model_b)  # collective_rpc reload_weights, nothing in flight
-    fresh = start_real_vllm(vllm_python, model_b, launchers).client
-    on_b = record_answers(fresh)
-    assert all(a.logprobs is not None for a in on_b.answers)
-    verdicts = probe_engines({"synced": synced}, on_b)
+    on_b = record_answers(synced)  # the synced engine's answers on model B
+    synced.update_weights_from_disk(model_a)  # the sync under test: back to A
+    verdicts = probe_engines({"synced": synced}, fresh_on_a)
     assert verdicts["synced"].ok, verdicts["synced"].summary()
     assert verdicts["synced"].logprobs_compared  # bit for bit, tokens and logprobs
-    stale = probe_engines({"synced": synced}, on_a)["synced"]
+    stale = probe_engines({"synced": synced}, on_b)["synced"]
     assert not stale.ok and stale.error is None
     first = stale.mismatches[0]
     assert first.prompt_index == 0 and first.prompt == DEFAULT_PROMPTS[0]
     assert f"prompt 0 {list(DEFAULT_PROMPTS[0])}" in stale.summary()
-    # and the digests after the reload: B's, where the engine has data
-    check = check_engine(synced, state_b, config)
+    # and the digests after the reload: A's, where the engine has data
+    check = check_engine(synced, state_a, config)
     assert check.counts() == {"equal": 7, "no_data": 8}

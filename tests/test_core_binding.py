@@ -1,11 +1,11 @@
 """One core binding per engine: ``EngineSpec.cpu_cores`` binds the engine's WHOLE process tree.
 
-Real processes, read back with ``os.sched_getaffinity``: the leader a launcher spawns, the
-children and threads it starts afterwards (as vLLM's API server spawns its EngineCore and Worker),
-a warm standby (zygote) and the engines it forks are all bound to the engine's cores; the
-launching thread gets its own affinity back; ``()`` binds nothing; a core the host cannot run
-on is a start error naming ``cpu_cores``. The real vLLM's three processes are checked in
-``tests/test_launcher_vllm_real.py``.
+Real processes, read back with ``os.sched_getaffinity``: the leader a launcher spawns and the
+children and threads it starts afterwards (as vLLM's API server spawns its EngineCore and Worker)
+are all bound to the engine's cores; the launching thread gets its own affinity back; ``()``
+binds nothing; a core the host cannot run on is a start error naming ``cpu_cores``. A reference
+engine, its warm standby (zygote) and the engines it forks: ``tests/test_launcher_standby.py``
+(the first test); the real vLLM's three processes: ``tests/test_launcher_vllm_real.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("torch")
 
-from engine_helpers import all_gone, tiny_model_dir, wait_for  # noqa: F401  (fixture)
+from engine_helpers import all_gone, wait_for
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, EngineStartError
 from rollsafe.adapters.engines.launch.process_group import descendants, kill_group, spawn_group
@@ -112,37 +112,11 @@ def test_no_cores_binds_nothing(tmp_path: Path) -> None:
         assert all_gone(pids)
 
 
-def test_reference_engine_and_its_warm_standby_forks_run_on_their_cores(
-    tiny_model_dir: Path,  # noqa: F811
-    launchers: list[EngineLauncher],
-) -> None:
-    launcher = EngineLauncher(
-        EngineSpec(model_path=str(tiny_model_dir), warm_standby=True, cpu_cores=(CORE,))
-    )
-    launchers.append(launcher)
-    assert launcher.spec.cpu_cores == (CORE,)
-    launcher.start()  # a fresh spawn
-    assert set(tree_cores(launcher.pid).values()) == {frozenset({CORE})}
-    assert launcher.wait_standby(120.0)
-    zygote = launcher.standby_pid
-    assert zygote is not None and set(tree_cores(zygote).values()) == {frozenset({CORE})}
-    fresh = launcher.pid
-
-    launcher.restart()  # forked by the zygote: inherits its cores
-    assert launcher.last_start_source == "ready_standby" and launcher.pid != fresh
-    assert set(tree_cores(launcher.pid).values()) == {frozenset({CORE})}
-    forked = launcher.pid
-    assert os.sched_getaffinity(0) == ALL  # the launcher itself is not bound
-    launcher.stop()
-    assert all_gone([fresh, forked, zygote])
-
-
 def test_a_core_the_host_cannot_run_on_is_a_start_error(
-    tiny_model_dir: Path,  # noqa: F811
-    launchers: list[EngineLauncher],
+    tmp_path: Path, launchers: list[EngineLauncher]
 ) -> None:
-    missing = 4095  # no such core here
-    launcher = EngineLauncher(EngineSpec(model_path=str(tiny_model_dir), cpu_cores=(missing,)))
+    missing = 4095  # no such core here; refused before the engine would read its model
+    launcher = EngineLauncher(EngineSpec(model_path=str(tmp_path), cpu_cores=(missing,)))
     launchers.append(launcher)
     started = time.monotonic()
     with pytest.raises(EngineStartError, match=r"cpu_cores=\[4095\]"):

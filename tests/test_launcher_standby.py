@@ -50,6 +50,20 @@ def standby_launcher(model: Path, **kw: object) -> EngineLauncher:
     return EngineLauncher(EngineSpec(model_path=str(model), warm_standby=True, **kw))  # type: ignore[arg-type]
 
 
+#: the core the first test binds its engine to (not core 0 where the host has two)
+ALL = os.sched_getaffinity(0)
+CORE = max(ALL)
+
+
+def thread_cores(pid: int) -> set[frozenset[int]]:
+    """The core sets the threads of ``pid`` may run on (one set when they all agree)."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # the thread ended
+            found.add(frozenset(os.sched_getaffinity(int(tid))))
+    return found
+
+
 def parent_pid(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_bytes()
     return int(stat[stat.rindex(b")") + 2 :].split()[1])
@@ -59,15 +73,18 @@ def test_restarts_fork_from_the_resident_standby_which_stays_ready(
     tiny_model_dir: Path,  # noqa: F811
     launchers: list[EngineLauncher],
 ) -> None:
-    launcher = standby_launcher(tiny_model_dir)
+    # cpu_cores: the engine, the zygote and every engine it forks run on that core only
+    launcher = standby_launcher(tiny_model_dir, cpu_cores=(CORE,))
     launchers.append(launcher)
     launcher.start()
+    assert thread_cores(launcher.pid) == {frozenset({CORE})}
     assert not launcher.last_start_from_standby  # nothing to fork from the first time
     assert not launcher.ready_info["from_standby"]
     assert launcher.wait_standby(STANDBY_WAIT_S)
     standby = launcher.standby_pid
     assert standby is not None and standby not in (launcher.pid, *launcher.rank_pids)
     assert os.getsid(standby) == standby  # its own session, like an engine group
+    assert thread_cores(standby) == {frozenset({CORE})}
     assert wait_for(lambda: is_idle(standby), 10.0)  # blocked on its control socket
     old = [launcher.pid, *launcher.rank_pids]
 
@@ -80,6 +97,8 @@ def test_restarts_fork_from_the_resident_standby_which_stays_ready(
     assert engine != standby and launcher.rank_pids == [engine]
     assert parent_pid(engine) == standby  # forked by the standby...
     assert os.getsid(engine) == engine  # ...into a session of its own
+    assert thread_cores(engine) == {frozenset({CORE})}  # the zygote's core, inherited
+    assert os.sched_getaffinity(0) == ALL  # the launcher itself is not bound
     info = launcher.ready_info
     assert info["from_standby"] and info["standby"]["import_s"] > 0
     assert info["standby"]["zygote_pid"] == standby

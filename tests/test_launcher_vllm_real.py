@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 from engine_helpers import all_gone
-from real_vllm import make_vllm_model
-from vllm_real_helpers import greedy, served_model, server_env
+from real_vllm import greedy, make_vllm_model, served_model, server_env
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, VLLMClient
 from rollsafe.adapters.engines.vllm_cpu import held_files

@@ -7,9 +7,17 @@ through its ``VLLMClient`` or, where the server's own behaviour is the point (st
 dropped connection), raw HTTP. Where the two disagree the reference engine is wrong, or the
 difference is listed in docs/engines.md with the reason.
 
-Each engine starts once per module; the two kill tests come last: the first kills the module's
-engine, the second restarts it first. Weight checksums are owned by the checksum work (#24 part
-7) and go in the section marked for them below.
+``VLLMClient`` against both (#24 parts 2 and 6): the dialect picked from ``/version``, the
+weight version of a completion (and a stream) from ``/weight_info``, the client's own 503 while
+the engine queues others' requests, the request after a 500 going through on a fresh
+connection, the required ``update_info`` lists, a failed reload answered 500 with the client
+still working.
+
+Each engine starts once per module (the real one: one start and one restart for the module);
+the poisoning tests come last: ``update_info`` lists and a failed reload leave the engine
+poisoned (no forward pass after them), the next test kills it with one, the last restarts it
+first. Weight checksums are owned by the checksum work (#24 part 7) and go in the section marked
+for them below.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import pytest
 from engine_helpers import wait_for
 from real_vllm import make_vllm_model
 
-from rollsafe.adapters.engines import EngineLauncher, EngineSpec, VLLMClient
+from rollsafe.adapters.engines import EngineLauncher, EngineRequestError, EngineSpec, VLLMClient
 
 #: a real engine's start (minutes on the loaded 2-core machine) counts against the first test's
 #: pytest-timeout, a restart against the last one's
@@ -96,6 +104,9 @@ def test_speaks_0_32_and_generates_greedily(engine: EngineLauncher) -> None:
     client = engine.client
     assert isinstance(client, VLLMClient)
     assert once(engine, "GET", "/version").json() == {"version": "0.32.0"}
+    dialect = client.server_dialect()  # picked from the server's /version
+    assert dialect.server_version == "0.32.0" and dialect.version == "0.32.0"
+    assert dialect.pause_queues_new_requests and not dialect.completion_weight_versions
     first = client.generate(PROMPT, sampling_params=GREEDY)
     again = client.generate(PROMPT, sampling_params=GREEDY)
     assert len(first.output_ids) == 6 and first.output_ids == again.output_ids
@@ -113,6 +124,17 @@ def test_the_version_label_is_read_from_weight_info(engine: EngineLauncher) -> N
     assert once(engine, "GET", "/weight_info").json() == {"weight_version": "v7"}
     assert client.weight_version() == "v7"
     assert client.generate(PROMPT, sampling_params=GREEDY).weight_version == "v7"
+    for version in ("7", "8"):
+        client.update_weight_version(version)
+        result = client.generate(PROMPT, sampling_params=GREEDY)
+        assert result.weight_version == version and len(result.output_ids) == 6
+        assert result.meta_info["weight_version_source"] == "weight_info"
+        assert result.meta_info["weight_version_exact"] is True
+        deltas = list(client.generate_stream(PROMPT, sampling_params=GREEDY))
+        assert [t for d in deltas for t in d.token_ids] == result.output_ids
+        assert deltas[-1].weight_version == version
+        assert [(s.version, s.start, s.end) for s in deltas[-1].spans] == [(version, 0, 6)]
+    assert client.weight_version() == "8"
 
 
 # ---- pause modes ---------------------------------------------------------------------------
@@ -138,6 +160,33 @@ def test_a_paused_engine_queues_new_requests_until_resume(
     assert (
         answer["r"].status_code == 200 and len(answer["r"].json()["choices"][0]["token_ids"]) == 3
     )
+
+
+def test_a_paused_engine_queues_and_the_client_refuses_like_0_33(engine: EngineLauncher) -> None:
+    """A request from another client, sent while this client has the engine paused, is
+    answered only after /resume (the engine looks hung); this client refuses its own with
+    0.33's 503 meanwhile."""
+    client = engine.client
+    assert isinstance(client, VLLMClient)
+    client.pause_generation("abort")
+    answer: dict[str, httpx.Response] = {}
+    body = completion(tokens=2)
+    queued = threading.Thread(
+        target=lambda: answer.setdefault("r", once(engine, "POST", "/v1/completions", json=body))
+    )
+    try:
+        queued.start()
+        queued.join(timeout=3.0)
+        assert queued.is_alive() and "r" not in answer  # queued, not refused
+        assert once(engine, "GET", "/is_paused").json() == {"is_paused": True}
+        with pytest.raises(EngineRequestError) as info:
+            client.generate(PROMPT, sampling_params=GREEDY)
+        assert info.value.status_code == 503 and "paused" in info.value.message
+    finally:
+        client.continue_generation()
+    queued.join(timeout=120)
+    assert answer["r"].status_code == 200
+    assert client.generate(PROMPT, sampling_params=GREEDY).output_ids
 
 
 def test_pause_abort_ends_a_running_request_with_abort(engine: EngineLauncher) -> None:
@@ -243,6 +292,22 @@ def test_a_500_drops_the_connection_without_saying_so(engine: EngineLauncher) ->
     assert once(engine, "GET", "/health").status_code == 200  # a new connection is served
 
 
+def test_the_request_after_a_500_goes_through_on_a_fresh_connection(
+    engine: EngineLauncher,
+) -> None:
+    """Through ``VLLMClient``'s pool: ``/update_weights`` outside an update session answers 500
+    and the server drops the kept-alive connection; the next request (a generate: this 500
+    does not poison the engine) must not be reported unavailable."""
+    client = engine.client
+    assert isinstance(client, VLLMClient)
+    empty = {"update_info": {"names": [], "dtype_names": [], "shapes": []}}
+    for _ in range(3):
+        with pytest.raises(EngineRequestError) as info:
+            client._post_checked("/update_weights", empty)
+        assert info.value.status_code == 500 and "start_weight_update" in info.value.message
+        assert client.generate(PROMPT, sampling_params=GREEDY).output_ids
+
+
 # ---- checksums (#24 part 7: owned by the checksum work; add them here) -----------------------
 
 
@@ -258,6 +323,42 @@ def _assert_dies_on_the_next_forward_pass(engine: EngineLauncher, version: str) 
     assert wait_for(lambda: not engine.is_alive(), 60.0)
     with pytest.raises(httpx.ConnectError):
         once(engine, "GET", "/health")
+
+
+def test_update_info_lists_are_required(engine: EngineLauncher) -> None:
+    """0.32 refuses an ``update_info`` without its lists, naming them; the client's own update
+    always sends them and gets past that check (it fails later: no transfer engine was
+    initialised). Leaves an update session's layerwise reload behind: no forward pass after."""
+    client = engine.client
+    assert isinstance(client, VLLMClient)
+    client._post_checked("/start_weight_update")
+    with pytest.raises(EngineRequestError) as info:
+        client._post_checked("/update_weights", {"update_info": {"names": ["x"]}})
+    assert info.value.status_code == 500
+    assert "dtype_names" in info.value.message and "shapes" in info.value.message
+    with pytest.raises(EngineRequestError) as info:
+        client.update_weights_from_distributed(
+            ["model.norm.weight"], ["float32"], [[64]], weight_version="9"
+        )
+    assert "not initialized" in info.value.message and "dtype_names" not in info.value.message
+    client.health(retry=False)
+
+
+def test_a_failed_reload_answers_500_and_the_client_carries_on(engine: EngineLauncher) -> None:
+    """A failed ``reload_weights`` (bad path) through the client answers 500; the next request
+    through the same client (no forward pass: the engine is poisoned now) is answered, not
+    reported unavailable; the version is unchanged."""
+    client = engine.client
+    version = client.weight_version()
+    with pytest.raises(EngineRequestError) as info:
+        client.update_weights_from_disk("/nonexistent/rollsafe-export")
+    assert info.value.status_code == 500
+    client.health(retry=False)
+    assert client._get("/v1/models", idempotent=False)["data"]
+    with pytest.raises(EngineRequestError) as again:
+        client.update_weights_from_disk("/nonexistent/rollsafe-export")
+    assert again.value.status_code == 500
+    assert client.weight_version() == version
 
 
 def test_a_failed_reload_poisons_and_the_next_forward_pass_kills(

@@ -3,7 +3,7 @@
 An in-process ``httpx.MockTransport`` plays the server (requests recorded and checked against
 the contract of the release it plays); a handler may act through the client in the middle of
 a request, as another thread of the fleet (a sync) would. Against a real vLLM 0.32 server:
-``tests/test_vllm_real.py``.
+``tests/test_vllm_behaviour.py``.
 """
 
 from __future__ import annotations

