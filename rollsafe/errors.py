@@ -45,11 +45,11 @@ The tree (other bases in brackets, then where the class lives)::
     │   └── EngineStartError
     │       └── EngineStartTimeout
     ├── ContractError, UnsupportedVersion [ValueError] rollsafe.adapters.engines.contract
-    ├── EngineError                                   rollsafe.adapters.reference_engine (server)
+    ├── ServerError                                   rollsafe.adapters.reference_engine (server)
     │   ├── BadRequest
     │   │   └── LimitExceeded, WeightUpdateError, Unsupported
     │   ├── RequestTimeout, StartupError, WorkerFailed, EngineDead
-    │   └── EngineUnavailable
+    │   └── ServerUnavailable
     │       └── EngineBusy, EnginePaused, RankFailure, BodyBudgetExceeded
     ├── HandoffError [ValueError]                     rollsafe.adapters.reference_engine
     ├── LayoutError [ValueError]                      rollsafe.engine_layout

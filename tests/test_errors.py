@@ -139,3 +139,12 @@ def test_missing_extra_is_an_import_error_and_a_rollsafe_error() -> None:
     assert exc.name == "httpx"
     with pytest.raises(RollsafeError, match=r"rollsafe\[engine\]"):
         raise exc
+
+
+def test_no_two_exception_classes_share_a_name() -> None:
+    """One class per name: ``except EngineError`` means the same thing wherever it is written."""
+    by_name: dict[str, list[str]] = {}
+    for qualified, cls in _exception_classes().items():
+        by_name.setdefault(cls.__name__, []).append(qualified)
+    twice = {n: sorted(q) for n, q in by_name.items() if len(q) > 1}
+    assert not twice, f"exception names defined in more than one module: {twice}"

@@ -63,7 +63,7 @@ from rollsafe.adapters.reference_engine.bootstrap import (
     start_ranks,
 )
 from rollsafe.adapters.reference_engine.dialects import DEFAULT_VLLM_VERSION, VLLM_VERSIONS
-from rollsafe.adapters.reference_engine.errors import EngineError, StartupError
+from rollsafe.adapters.reference_engine.errors import ServerError, StartupError
 from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.adapters.reference_engine.zygote import FORK_SERVER_FLAG
 from rollsafe.errors import RollsafeError
@@ -321,7 +321,7 @@ def check_args(args: argparse.Namespace) -> str | None:
                 must_contain=("tokenizer.json",),
                 error=StartupError,
             )
-    except EngineError as exc:
+    except ServerError as exc:
         return str(exc)
     return None  # --device cuda is checked by each rank once torch is imported
 
