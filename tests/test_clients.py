@@ -17,9 +17,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("torch")
 
 from rollsafe.adapters.engines import (  # noqa: E402
-    MAX_MESSAGE_CHARS,
     NO_RETRY,
-    EngineClient,
     EngineLauncher,
     EngineRequestError,
     EngineSpec,
@@ -28,8 +26,9 @@ from rollsafe.adapters.engines import (  # noqa: E402
     RetryPolicy,
     SGLangClient,
     VLLMClient,
-    bound_text,
 )
+from rollsafe.ports import EngineClient  # noqa: E402
+from rollsafe.text import MAX_MESSAGE_CHARS, bound_text  # noqa: E402
 
 API_KEY = "rollsafe-test-key"
 PROMPT = [5, 17, 42, 99, 7]
@@ -348,7 +347,8 @@ def test_tensor_and_ipc_payloads_reach_the_engine(sglang_engine: EngineLauncher)
 
 
 def test_shutdown_closes_the_client_for_good() -> None:
-    from rollsafe.adapters.engines import EngineClient, EngineUnavailable, SGLangClient
+    from rollsafe.adapters.engines import EngineUnavailable, SGLangClient
+    from rollsafe.ports import EngineClient
 
     client = SGLangClient("http://127.0.0.1:9")
     assert isinstance(client, EngineClient)

@@ -5,7 +5,7 @@ group is gloo over host copies: NCCL refuses two ranks on one device). Everythin
 so greedy ids equal ``transformers`` greedy on the same GPU; a difference is accepted only where
 the reference itself has a near-tie (top-2 logits within ``TIE_TOLERANCE``), after which the two
 sequences legitimately diverge. Weight updates are sent from this process as flattened buckets
-of CUDA tensors (CUDA IPC handles, :mod:`rollsafe.transports.bucket`), one entry per rank.
+of CUDA tensors (CUDA IPC handles, :mod:`rollsafe.wire.bucket`), one entry per rank.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from engine_helpers import (
 from test_engine_sglang import PROMPT, hf_state
 
 from rollsafe.checksum import weights_checksum
-from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+from rollsafe.wire.bucket import pack_buckets, serialize_bucket
 
 pytestmark = pytest.mark.gpu
 

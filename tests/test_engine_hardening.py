@@ -638,7 +638,7 @@ def test_a_shared_memory_update_leaves_no_child_of_the_engine(
     sender's: torch starts it in the process that shares memory, see docs/security.md.)"""
     from safetensors.torch import load_file
 
-    from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+    from rollsafe.wire.bucket import pack_buckets, serialize_bucket
 
     state = load_file(str(tiny_model_dir / "model.safetensors"))
     for bucket in pack_buckets(state.items(), bucket_bytes=64 << 10):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollsafe.checksum import tensor_digest, weights_checksum
-from rollsafe.transports.bucket import (
+from rollsafe.wire.bucket import (
     BucketFormatError,
     FlatBucket,
     TensorMeta,

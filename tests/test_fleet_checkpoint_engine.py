@@ -34,10 +34,10 @@ from rollsafe.fleet import (
     RolloutFleet,
     SyncCoordinator,
 )
+from rollsafe.ports import EngineTarget
 from rollsafe.transports import (
     CheckpointEngineFleetTransport,
     CheckpointEngineTransport,
-    EngineTarget,
     NCCLTransport,
     P2PUnavailable,
     RegisterError,

@@ -45,14 +45,9 @@ from rollsafe.fleet import (
     WorkerGroup,
 )
 from rollsafe.hf import HFExporter
+from rollsafe.ports import EngineTarget
 from rollsafe.statemachines import ImmediateRecoveryMode
-from rollsafe.transports import (
-    EngineTarget,
-    IPCTransport,
-    NCCLTransport,
-    StagedTransport,
-    TransportError,
-)
+from rollsafe.transports import IPCTransport, NCCLTransport, StagedTransport, TransportError
 
 WAIT_S = 30.0  # bound for waiting on a condition; never asserted as a duration
 

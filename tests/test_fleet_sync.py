@@ -38,15 +38,9 @@ from rollsafe.fleet import (
     shared_transport_lock,
 )
 from rollsafe.hf import HFExporter, UnknownExport, verify_hf_dir
+from rollsafe.ports import EngineTarget, UpdateReport
 from rollsafe.statemachines import ImmediateRecoveryMode
-from rollsafe.transports import (
-    EngineTarget,
-    IPCTransport,
-    RegisterError,
-    StagedTransport,
-    TransportError,
-    UpdateReport,
-)
+from rollsafe.transports import IPCTransport, RegisterError, StagedTransport, TransportError
 
 WAIT_S = 60.0  # bound for waiting on a condition; never asserted as a duration
 

@@ -34,9 +34,9 @@ from rollsafe.hf import (
     verify_hf_dir,
 )
 from rollsafe.hf.errors import display_path
-from rollsafe.hf.safejson import BadJSON, json_depth_exceeds, loads_bounded
 from rollsafe.hf.verify import FileIdentity, reverify
 from rollsafe.statemachines import LeaseError
+from rollsafe.wire.strict_json import BadJSON, json_depth_exceeds, loads_bounded
 
 CONFIG = {"model_type": "llama", "hidden_size": 32, "rope_scaling": {"type": "linear"}}
 

@@ -17,14 +17,14 @@ import pytest
 import torch
 from engine_helpers import EngineProcess, module_engine, tiny_model_dir  # noqa: F401
 
-from rollsafe.transports.bucket import (
+from rollsafe.wire import shm
+from rollsafe.wire.bucket import (
     BucketFormatError,
     WireBucket,
     deserialize_payload,
     pack_buckets,
     serialize_bucket,
 )
-from rollsafe.wire import shm
 
 R = "torch.multiprocessing.reductions"
 

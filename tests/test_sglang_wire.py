@@ -17,7 +17,7 @@ import pytest
 import torch
 from sglang_decoder import load_safe_unpickler, sglang_deserialize, sglang_modules
 
-from rollsafe.transports.bucket import (
+from rollsafe.wire.bucket import (
     BucketFormatError,
     FlattenedTensorMetadata,
     WireBucket,
@@ -105,7 +105,7 @@ def test_metadata_opcodes_equal_what_pickle_writes_for_sglangs_class() -> None:
 
 def test_big_offsets_use_long_ints_sglang_reads() -> None:
     """Offsets past 2**31 bytes (an 8 GB direct bucket) encode as pickle longs."""
-    from rollsafe.transports.bucket import TensorMeta
+    from rollsafe.wire.bucket import TensorMeta
 
     start = 3 << 30
     meta = TensorMeta("w", "float32", (4,), start, start + 4)

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-import rollsafe.hf.safejson as safejson
 from rollsafe.errors import RollsafeError
 from rollsafe.wire import strict_json
 from rollsafe.wire.strict_json import (
@@ -213,16 +212,6 @@ def test_the_surrogate_scan_agrees_with_the_decoder() -> None:
 
 
 # ---------------------------------------------------------------- one parser, two users
-def test_the_hf_module_re_exports_the_shared_parser() -> None:
-    assert safejson.loads_bounded is strict_json.loads_bounded
-    assert safejson.BadJSON is strict_json.BadJSON
-    assert safejson.json_depth_exceeds is strict_json.json_depth_exceeds
-    assert (safejson.MAX_JSON_DEPTH, safejson.MAX_INT_DIGITS) == (MAX_JSON_DEPTH, MAX_INT_DIGITS)
-    assert safejson.__all__ == [
-        "MAX_INT_DIGITS", "MAX_JSON_DEPTH", "BadJSON", "json_depth_exceeds", "loads_bounded"
-    ]  # fmt: skip
-
-
 def test_the_hf_verifier_parses_with_the_shared_parser() -> None:
     import rollsafe.hf.verify as verify
 
@@ -254,12 +243,12 @@ def test_the_engine_accepts_a_duplicate_key_the_hf_reader_refuses() -> None:
     raw = b'{"rid": "a", "rid": "b"}'
     assert parse_json(raw) == {"rid": "b"}  # as Python's json, behind SGLang / vLLM
     with pytest.raises(BadJSON, match="duplicate key 'rid'"):
-        safejson.loads_bounded(raw)
+        strict_json.loads_bounded(raw)
     # and both refuse a lone surrogate, the engine as a named 400
     with pytest.raises(BadRequest, match="malformed JSON body: a string holds a lone UTF-16"):
         parse_json(b'{"\\ud800": 1}')
     with pytest.raises(BadJSON, match="lone UTF-16 surrogate"):
-        safejson.loads_bounded(b'{"\\ud800": 1}')
+        strict_json.loads_bounded(b'{"\\ud800": 1}')
 
 
 @pytest.mark.parametrize(

@@ -30,9 +30,9 @@ from rollsafe.transports import (
     TransportError,
     plan_buckets,
 )
-from rollsafe.transports.bucket import deserialize_payload, serialize_bucket
 from rollsafe.transports.contiguous import flatten_parameters
 from rollsafe.transports.pipeline import direct_view
+from rollsafe.wire.bucket import deserialize_payload, serialize_bucket
 
 SMALL_BUCKET = 96 << 10  # several buckets for the tiny model (about 0.5 MiB of weights)
 

@@ -40,7 +40,8 @@ from transport_helpers import PROMPT, Trainer, assert_serves, target, transport_
 from rollsafe.adapters.engines import EngineNotSupported, VLLMClient
 from rollsafe.engine_layout import vllm_cpu_emptied
 from rollsafe.fleet import FleetConfig, GroupSpec, RolloutFleet
-from rollsafe.transports import EngineTarget, NCCLTransport
+from rollsafe.ports import EngineTarget
+from rollsafe.transports import NCCLTransport
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 SMALL_BUCKET = 96 << 10

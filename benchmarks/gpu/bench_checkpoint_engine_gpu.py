@@ -314,7 +314,7 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
 
     from rollsafe.adapters.engines.sglang import SGLangClient
     from rollsafe.checksum import model_digest, tensor_digest
-    from rollsafe.transports.base import EngineTarget
+    from rollsafe.ports import EngineTarget
     from rollsafe.transports.checkpoint_engine import (
         CheckpointEngineTransport,
         checkpoint_engine_unavailable_reasons,

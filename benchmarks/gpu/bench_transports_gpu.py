@@ -56,7 +56,8 @@ from qwen3_shapes import qwen3_4b_shapes, qwen3_config, shapes_from_config  # no
 from rollsafe.adapters.engines import SGLangClient  # noqa: E402
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import weights_checksum  # noqa: E402
-from rollsafe.transports import EngineTarget, IPCTransport, NCCLTransport  # noqa: E402
+from rollsafe.ports import EngineTarget  # noqa: E402
+from rollsafe.transports import IPCTransport, NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
 
 MiB = 1 << 20
@@ -203,7 +204,7 @@ def per_call_overhead(
 ) -> dict[str, Any]:
     """Fixed cost of one engine call: ``/health`` (HTTP alone) and ``/update_weights_from_tensor``
     with a one-tensor bucket (HTTP + payload decode + CUDA IPC open/close + commit + sync)."""
-    from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+    from rollsafe.wire.bucket import pack_buckets, serialize_bucket
 
     name = min(weights, key=lambda k: weights[k].numel())
     bucket = next(iter(pack_buckets([(name, weights[name])], 1 << 20)))

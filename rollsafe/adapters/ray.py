@@ -19,8 +19,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollsafe.adapters.engines.client import GenerateResult, WeightsChecksum
 from rollsafe.adapters.engines.launcher import EngineLauncher, EngineSpec
+from rollsafe.ports import GenerateResult, WeightsChecksum
 
 # EngineActor is provided lazily by the module-level __getattr__ below.
 __all__ = ["EngineActor", "EngineHost", "engine_actor", "init_ray"]  # noqa: F822

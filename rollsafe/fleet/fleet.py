@@ -68,8 +68,8 @@ if TYPE_CHECKING:
     from rollsafe.digest_check import DigestCheck
     from rollsafe.hf import HFExporter
     from rollsafe.observe.metrics import FleetMetrics
+    from rollsafe.ports import WeightTransport
     from rollsafe.statemachines.base import TransitionRecord
-    from rollsafe.transports.base import WeightTransport
 
 __all__ = [
     "CE_P2P_PROTOCOLS",

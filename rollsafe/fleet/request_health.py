@@ -23,9 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 import rollsafe.policy as policy
-from rollsafe.adapters.engines.errors import bound_text
 from rollsafe.fleet.registry import FleetRegistry
 from rollsafe.statemachines.base import TransitionRefused
+from rollsafe.text import bound_text
 
 __all__ = ["RequestHealth"]
 

@@ -32,8 +32,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollsafe.ports import EngineTarget
 from rollsafe.statemachines import ExportLease, ExportLifecycle
-from rollsafe.transports.base import EngineTarget, RegisterError, StagedTransport, TransportError
+from rollsafe.transports.base import RegisterError, StagedTransport, TransportError
 from rollsafe.wire.hf_index import HFIndexError, read_hf_index
 
 if TYPE_CHECKING:

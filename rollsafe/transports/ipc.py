@@ -33,7 +33,8 @@ from typing import Any, cast
 
 import torch
 
-from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
+from rollsafe.ports import EngineTarget
+from rollsafe.transports.base import StagedTransport, TransportError
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,

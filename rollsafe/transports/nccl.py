@@ -59,7 +59,8 @@ import torch
 
 from rollsafe.concurrency import DaemonCall, Outcome, start_daemon
 from rollsafe.net import free_port
-from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
+from rollsafe.ports import EngineTarget
+from rollsafe.transports.base import StagedTransport, TransportError
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,

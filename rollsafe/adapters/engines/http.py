@@ -41,12 +41,8 @@ from typing import Any
 
 import httpx
 
-from rollsafe.adapters.engines.errors import (
-    MAX_MESSAGE_CHARS,
-    EngineRequestError,
-    EngineTimeout,
-    EngineUnavailable,
-)
+from rollsafe.adapters.engines.errors import EngineRequestError, EngineTimeout, EngineUnavailable
+from rollsafe.text import MAX_MESSAGE_CHARS
 
 #: An idempotent call is retried on a server-side status (>= this): repeating a read is safe and a
 #: 5xx is often transient (starting, overloaded, a proxy lost its upstream). 4xx is never retried.

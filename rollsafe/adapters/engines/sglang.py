@@ -10,14 +10,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rollsafe.adapters.engines.base import HttpEngineClient
-from rollsafe.adapters.engines.client import (
-    Dialect,
-    GenerateResult,
-    MemoryTag,
-    PauseMode,
-)
 from rollsafe.adapters.engines.errors import EngineOperationFailed
 from rollsafe.adapters.engines.streaming import StreamDelta, stream_deltas
+from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode
 
 
 def _finish_reason(meta: Mapping[str, Any]) -> str | None:

@@ -58,7 +58,6 @@ from rollsafe.adapters.engines.base import (
     DEFAULT_WEIGHTS_TIMEOUT,
     HttpEngineClient,
 )
-from rollsafe.adapters.engines.client import Dialect, GenerateResult, MemoryTag, PauseMode
 from rollsafe.adapters.engines.contract import (
     PINNED_VERSIONS,
     UnsupportedVersion,
@@ -78,6 +77,7 @@ from rollsafe.adapters.engines.vllm_dialect import (
     VLLMDialect,
     read_version_holds,
 )
+from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 _SAMPLING_RENAMES = {

@@ -55,15 +55,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollsafe.ports import EngineTarget, NamedTensors, TargetResult, UpdateReport
 from rollsafe.statemachines import TransitionNotAllowed
 from rollsafe.transports.base import (
-    EngineTarget,
-    NamedTensors,
     RegisterError,
     StagedTransport,
-    TargetResult,
     TransportError,
-    UpdateReport,
     check_update_targets,
     named_tensor_list,
 )

@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rollsafe.adapters.engines.client import Dialect
 from rollsafe.adapters.engines.vllm_cpu import (
     DEFAULT_CPU_DTYPE,
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -27,6 +26,7 @@ from rollsafe.adapters.engines.vllm_cpu import (
     omp_threads_bind,
     vllm_server_module,
 )
+from rollsafe.ports import Dialect
 
 #: The flag that makes an engine module run as a warm standby.
 STANDBY_FLAG = "--standby"
