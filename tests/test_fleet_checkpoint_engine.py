@@ -26,6 +26,7 @@ import torch
 from fleet_sim import SimEngineClient, make_fleet
 
 from rollsafe.fleet import (
+    CheckpointEngineSettings,
     FleetConfig,
     FleetConfigError,
     FleetRegistry,
@@ -209,36 +210,39 @@ def config(tmp_path: Path, **kw: Any) -> FleetConfig:
 @pytest.mark.parametrize(
     ("kw", "key"),
     [
-        ({"ce_bucket_bytes": 0}, "ce_bucket_bytes"),
-        ({"ce_bucket_bytes": 1.5}, "ce_bucket_bytes"),
-        ({"ce_p2p": "yes"}, "ce_p2p"),
-        ({"ce_p2p_protocol": "infiniband"}, "ce_p2p_protocol"),
-        ({"ce_rdma_devices": "mlx5_0"}, "ce_rdma_devices"),
-        ({"ce_rdma_devices": []}, "ce_rdma_devices"),
-        ({"ce_p2p": True, "ce_p2p_protocol": "rdma"}, "ce_rdma_devices"),
-        ({"ce_request_timeout_s": 0}, "ce_request_timeout_s"),
-        ({"ce_socket_timeout_s": -1.0}, "ce_socket_timeout_s"),
-        ({"ce_transfer_timeout_s": 0}, "ce_transfer_timeout_s"),
+        ({"bucket_bytes": 0}, "bucket_bytes"),
+        ({"bucket_bytes": 1.5}, "bucket_bytes"),
+        ({"p2p": "yes"}, "p2p"),
+        ({"p2p_protocol": "infiniband"}, "p2p_protocol"),
+        ({"rdma_devices": "mlx5_0"}, "rdma_devices"),
+        ({"rdma_devices": []}, "rdma_devices"),
+        ({"p2p": True, "p2p_protocol": "rdma"}, "rdma_devices"),
+        ({"request_timeout_s": 0}, "request_timeout_s"),
+        ({"socket_timeout_s": -1.0}, "socket_timeout_s"),
+        ({"transfer_timeout_s": 0}, "transfer_timeout_s"),
     ],
 )
 def test_malformed_checkpoint_engine_settings_name_the_key(
     tmp_path: Path, kw: dict[str, Any], key: str
 ) -> None:
     with pytest.raises(FleetConfigError) as info:
-        RolloutFleet(config(tmp_path, **kw))
+        RolloutFleet(config(tmp_path, checkpoint_engine=CheckpointEngineSettings(**kw)))
+    key = f"checkpoint_engine.{key}"
     assert info.value.key == key and key in str(info.value)
 
 
 def test_checkpoint_engine_settings_that_are_accepted(tmp_path: Path) -> None:
     for kw in (
         {},
-        {"ce_p2p": True, "ce_p2p_protocol": "tcp"},  # TCP needs no device names
-        {"ce_p2p": True, "ce_rdma_devices": ["mlx5_0", "mlx5_1"], "ce_bucket_bytes": 1 << 30},
-        {"ce_socket_timeout_s": None, "ce_transfer_timeout_s": 120.0},
+        {"p2p": True, "p2p_protocol": "tcp"},  # TCP needs no device names
+        {"p2p": True, "rdma_devices": ["mlx5_0", "mlx5_1"], "bucket_bytes": 1 << 30},
+        {"socket_timeout_s": None, "transfer_timeout_s": 120.0},
     ):
-        RolloutFleet(config(tmp_path, **kw)).close()
-    # the other transports keep working, and ignore the ce_* settings
-    RolloutFleet(config(tmp_path, transport="nccl", ce_p2p=True, ce_p2p_protocol="tcp")).close()
+        ce = CheckpointEngineSettings(**kw)
+        RolloutFleet(config(tmp_path, checkpoint_engine=ce)).close()
+    # the other transports keep working, and ignore the checkpoint_engine settings
+    ce = CheckpointEngineSettings(p2p=True, p2p_protocol="tcp")
+    RolloutFleet(config(tmp_path, transport="nccl", checkpoint_engine=ce)).close()
 
 
 def test_fallback_reasons_name_each_cause() -> None:
@@ -284,8 +288,7 @@ def test_a_fleet_without_cuda_falls_back_to_nccl_with_one_warning(
         groups=[GroupSpec(1), GroupSpec(1)],
         engine_options={"dialect": dialect, "device": "cuda"},
         launcher_factory=lambda gid, spec: FakeLauncher(gid),
-        ce_p2p=True,
-        ce_p2p_protocol="tcp",
+        checkpoint_engine=CheckpointEngineSettings(p2p=True, p2p_protocol="tcp"),
     )
     caplog.set_level(logging.WARNING)
     with RolloutFleet(cfg) as fleet:

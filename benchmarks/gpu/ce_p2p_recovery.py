@@ -264,6 +264,7 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
     import torch.distributed as dist
 
     from rollsafe.fleet import (
+        CheckpointEngineSettings,
         FleetConfig,
         GroupSpec,
         HealthSettings,
@@ -315,12 +316,14 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
         export_root=tmp / "exports",
         groups=[GroupSpec(1, group_id=SERVING), GroupSpec(1, group_id=VICTIM)],
         transport="checkpoint_engine",
-        ce_bucket_bytes=int(args.bucket_gib * GiB),
-        ce_p2p=True,
-        ce_p2p_protocol="tcp",
-        ce_transfer_timeout_s=args.transfer_timeout_s,
-        ce_request_timeout_s=args.request_timeout_s,
-        ce_socket_timeout_s=args.request_timeout_s,
+        checkpoint_engine=CheckpointEngineSettings(
+            bucket_bytes=int(args.bucket_gib * GiB),
+            p2p=True,
+            p2p_protocol="tcp",
+            transfer_timeout_s=args.transfer_timeout_s,
+            request_timeout_s=args.request_timeout_s,
+            socket_timeout_s=args.request_timeout_s,
+        ),
         health=HealthSettings(interval_s=0.2, timeout_s=2.0, failure_threshold=2),
         recovery=RecoverySettings(max_workers=2, timeout_s=args.recovery_timeout_s,
                                   restart_budget=4, targeted_push=True, expected_recovery_s=5.0,

@@ -41,7 +41,8 @@ measured; phases that would start after ``--deadline-s`` are skipped and listed 
 GPU layout: the trainer holds GPU 0 and NCCL refuses two ranks of one communicator on one GPU
 ("Duplicate GPU detected"), so no engine that receives over NCCL may sit on GPU 0. On 2 GPUs the
 two recovery groups therefore share GPU 1 (separate processes, separate communicators); on 3+
-GPUs each has its own. On GPU the fleet is configured with ``FleetConfig(nccl_backend="nccl")``
+GPUs each has its own. On GPU the fleet is configured with
+``FleetConfig(nccl=NcclSettings(backend="nccl"))``
 (its default is gloo).
 
 ``--smoke`` runs every phase on CPU: gloo instead of nccl, a tiny Qwen3, CPU engines (two by
@@ -1512,6 +1513,7 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         FleetConfig,
         GroupSpec,
         HealthSettings,
+        NcclSettings,
         RecoverySettings,
         RolloutFleet,
     )
@@ -1540,8 +1542,8 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         "groups": {g: {"gpu": layout.gpu_of(slot_of[g])} for g in gids},
         "victim": victim,
         "layout_note": layout.describe()["note"],
-        "transport": f"nccl (the fleet's NCCLTransport, FleetConfig(nccl_backend="
-                     f"{layout.backend!r}))",
+        "transport": f"nccl (the fleet's NCCLTransport, FleetConfig(nccl=NcclSettings("
+                     f"backend={layout.backend!r})))",
     }  # fmt: skip
 
     def factory(group_id: str, spec: EngineSpec) -> EngineLauncher:
@@ -1571,8 +1573,7 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         request_timeout_s=30.0,
         router_max_attempts=4,
         wait_for_routable_s=2.0,
-        nccl_group_timeout_s=args.group_timeout_s,
-        nccl_backend=layout.backend,
+        nccl=NcclSettings(group_timeout_s=args.group_timeout_s, backend=layout.backend),
         start_timeout_s=args.engine_start_timeout_s,
     )  # fmt: skip
     if args.warm_standby:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -98,20 +97,6 @@ TRANSPORTS = tuple(TRANSPORT_SETTINGS)
 _TRANSPORT_FIELDS = TRANSPORTS
 
 
-class _Unset:
-    """A flat transport keyword that was not given."""
-
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-UNSET: Any = _Unset()
-
-
-def _normal(value: object) -> object:
-    return tuple(value) if isinstance(value, list) else value
-
-
 class FleetNotStarted(FleetError, RuntimeError):
     """The fleet was used before :meth:`RolloutFleet.start` (or after :meth:`close`)."""
 
@@ -163,11 +148,8 @@ class FleetConfig:
     of the same name: ``nccl=NcclSettings(backend="nccl")``,
     ``checkpoint_engine=CheckpointEngineSettings(p2p=True, p2p_protocol="tcp")`` (the fields and
     their defaults are documented there; both are always present and validated, whatever the
-    transport: ``checkpoint_engine`` falls back to ``nccl``). The flat keywords of earlier
-    releases still work and are folded into those objects: ``nccl_backend``,
-    ``nccl_bucket_bytes``, ``nccl_group_timeout_s`` and ``ce_<field>`` (``ce_p2p=True``...);
-    they are write-only (read ``config.nccl.backend``), and one that contradicts a value set
-    in the settings object raises :class:`FleetConfigError` naming it.
+    transport: ``checkpoint_engine`` falls back to ``nccl``); their errors name the key as
+    ``<transport>.<field>`` (``checkpoint_engine.p2p_protocol``).
 
     ``on_update_failure``: what a sync does with a group whose update failed: ``"fail"``
     (default: out of routing, recovered now) or ``"stale"`` (left ``pending_weights`` for the
@@ -213,44 +195,11 @@ class FleetConfig:
     disk: DiskSettings = field(default_factory=DiskSettings)
     #: settings of transports defined outside rollsafe, by name (a missing one: its defaults)
     transport_settings: Mapping[str, TransportSettings] = field(default_factory=dict)
-    # the flat keywords of earlier releases, folded into ``nccl``/``checkpoint_engine``
-    nccl_backend: str | _Unset | None = field(default=UNSET, repr=False)
-    nccl_bucket_bytes: int | _Unset | None = field(default=UNSET, repr=False)
-    nccl_group_timeout_s: float | _Unset = field(default=UNSET, repr=False)
-    ce_bucket_bytes: int | _Unset | None = field(default=UNSET, repr=False)
-    ce_p2p: bool | _Unset = field(default=UNSET, repr=False)
-    ce_p2p_protocol: str | _Unset = field(default=UNSET, repr=False)
-    ce_rdma_devices: Sequence[str] | _Unset | None = field(default=UNSET, repr=False)
-    ce_request_timeout_s: float | _Unset = field(default=UNSET, repr=False)
-    ce_socket_timeout_s: float | _Unset | None = field(default=UNSET, repr=False)
-    ce_transfer_timeout_s: float | _Unset | None = field(default=UNSET, repr=False)
 
     def __post_init__(self) -> None:
-        """Fold the flat transport keywords into their settings objects, then check every
-        field that needs no filesystem (:meth:`validate` adds the paths)."""
+        """Keep a ``transport=<settings object>`` in its field, then check every field that
+        needs no filesystem (:meth:`validate` adds the paths)."""
         self._take_transport_object()
-        for name in _TRANSPORT_FIELDS:
-            settings = getattr(self, name)
-            cls = TRANSPORT_SETTINGS[name]
-            if not isinstance(settings, cls):
-                continue  # _check names it
-            given: dict[str, Any] = {}
-            for f in dataclasses.fields(settings):
-                flat = settings.key(f.name)
-                value = getattr(self, flat, UNSET) if flat != f.name else UNSET
-                if value is UNSET:
-                    continue
-                current = getattr(settings, f.name)
-                default = getattr(cls(), f.name)
-                if current != default and _normal(current) != _normal(value):
-                    raise FleetConfigError(
-                        flat,
-                        f"{value!r} conflicts with {name}.{f.name}={current!r}; set one of them",
-                    )
-                given[f.name] = value
-                setattr(self, flat, UNSET)
-            if given:
-                setattr(self, name, dataclasses.replace(settings, **given))
         self._check()
 
     def _take_transport_object(self) -> None:
