@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollsafe.errors import RollsafeError
+from rollsafe.errors import InvalidArgument, RollsafeError
 from rollsafe.ports import GenerateResult
 
 __all__ = [
@@ -136,7 +136,9 @@ class ProbeVerdict:
 def probe_sampling(dialect: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> dict[str, Any]:
     """Greedy, fixed-length sampling parameters; vLLM also returns each token's logprob."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        raise InvalidArgument(
+            "max_new_tokens", f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}"
+        )
     params: dict[str, Any] = {
         "temperature": 0.0,
         "max_new_tokens": max_new_tokens,

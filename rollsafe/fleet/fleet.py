@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import rollsafe.policy as policy
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.health import HealthManager
 from rollsafe.fleet.partial_rollouts import SYNC_PAUSE_MODES, SyncPauseMode, paused_generation
 from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
@@ -674,7 +675,9 @@ class RolloutFleet:
             report = self.sync.sync(named_tensors, version)
         else:
             if pause_mode not in SYNC_PAUSE_MODES:
-                raise ValueError(f"pause_mode must be in {SYNC_PAUSE_MODES}, not {pause_mode!r}")
+                raise InvalidArgument(
+                    "pause_mode", f"pause_mode must be in {SYNC_PAUSE_MODES}, not {pause_mode!r}"
+                )
             bracket = paused_generation(self.registry, self.router, pause_mode)
             report = self.sync.sync(named_tensors, version, around_update=bracket)
         self._harvest_exports()

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.registry import FleetError
 
 if TYPE_CHECKING:
@@ -52,12 +53,11 @@ S = TypeVar("S")
 log = logging.getLogger(__name__)
 
 
-class FleetConfigError(FleetError, ValueError):
+class FleetConfigError(FleetError, InvalidArgument):
     """A fleet setting is malformed; ``key`` names it (e.g. ``groups[1].ranks``)."""
 
     def __init__(self, key: str, message: str) -> None:
-        self.key = key
-        super().__init__(f"fleet config {key!r}: {message}")
+        super().__init__(key, f"fleet config {key!r}: {message}")
 
 
 def check_number(

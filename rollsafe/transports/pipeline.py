@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from rollsafe.concurrency import DaemonCall
-from rollsafe.errors import BucketFormatError
+from rollsafe.errors import BucketFormatError, InvalidArgument
 from rollsafe.transports.base import RegisterError, TransportError
 from rollsafe.wire import shm
 from rollsafe.wire.bucket import FlatBucket, TensorMeta
@@ -144,9 +144,12 @@ def plan_buckets(
     tensors must already be in shared memory for ``ipc``); tensors it refuses are packed.
     """
     if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        raise InvalidArgument("bucket_bytes", f"bucket_bytes must be positive, got {bucket_bytes}")
     if direct_bucket_bytes is not None and direct_bucket_bytes <= 0:
-        raise ValueError(f"direct_bucket_bytes must be positive, got {direct_bucket_bytes}")
+        raise InvalidArgument(
+            "direct_bucket_bytes",
+            f"direct_bucket_bytes must be positive, got {direct_bucket_bytes}",
+        )
     direct_cap = max(bucket_bytes, direct_bucket_bytes or bucket_bytes)
     plans: list[BucketPlan] = []
     open_: dict[torch.dtype, list[int]] = {}
@@ -364,7 +367,7 @@ class BucketStream:
             else [direct_view(items, p, device=device, shared=shared) for p in self._plans]
         )
         if len(self._direct_views) != len(self._plans):
-            raise ValueError("direct must hold one entry per plan")
+            raise InvalidArgument("direct", "direct must hold one entry per plan")
         self._device = device
         self._shared = shared
         self._slots = max(1, slots)

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
-from rollsafe.errors import BucketFormatError
+from rollsafe.errors import BucketFormatError, InvalidArgument
 from rollsafe.wire import shm, unpickle
 from rollsafe.wire.dtypes import WIRE_DTYPES, dtype_from_name, dtype_name
 
@@ -176,7 +176,7 @@ def pack_buckets(
     bucket. ``device`` moves the buckets (default: the tensors' own device).
     """
     if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        raise InvalidArgument("bucket_bytes", f"bucket_bytes must be positive, got {bucket_bytes}")
     open_: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     sizes: dict[torch.dtype, int] = {}
     seen: set[str] = set()
