@@ -409,12 +409,20 @@ def main() -> int:
         rows = [(f"{mode}: all {s['crash_to_active']['n']} crashes", s["crash_to_active"])]
         rows += [(f"  part {p.removesuffix('_s')}", s["parts"][p]) for p in PARTS]
         for src, d in s["by_restart_source"].items():
-            rows.append((f"  restart from {src} (n={d['crash_to_active']['n']}): total",
-                         d["crash_to_active"]))  # fmt: skip
+            rows.append(
+                (
+                    f"  restart from {src} (n={d['crash_to_active']['n']}): total",
+                    d["crash_to_active"],
+                )
+            )
             rows.append((f"  restart from {src}: restart part", d["restart"]))
         for st, d in s["by_standby_at_crash"].items():
-            rows.append((f"  standby {st} at the crash (n={d['crash_to_active']['n']})",
-                         d["crash_to_active"]))  # fmt: skip
+            rows.append(
+                (
+                    f"  standby {st} at the crash (n={d['crash_to_active']['n']})",
+                    d["crash_to_active"],
+                )
+            )
         for name, d in rows:
             print(f"{name:<52} {d['p50']:>7.3f} {d['p95']:>7.3f} {d['max']:>7.3f}")
     for mode, p95 in p95_warm.items():

@@ -300,9 +300,13 @@ def test_update_weights_from_distributed_over_gloo(
         )
     )
     trainer = open_weight_update_group(
-        master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name=group,
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name=group,
         timeout_s=60,
-    )  # fmt: skip
+    )
     joining.join(60)
     assert not errors, errors
 

@@ -72,8 +72,11 @@ class SimHandle:
         load_format: str | None = None,
         skip_load_weights: bool | None = None,
     ) -> SimHandle:
-        kw = {"model_path": model_path, "load_format": load_format,
-              "skip_load_weights": skip_load_weights}  # fmt: skip
+        kw = {
+            "model_path": model_path,
+            "load_format": load_format,
+            "skip_load_weights": skip_load_weights,
+        }
         self.calls.append(kw)
         if self.on_restart is not None:
             self.on_restart(kw)
@@ -462,8 +465,9 @@ def test_health_manager_hands_off_and_keeps_probing_while_a_recovery_hangs(
     gate = threading.Event()
     sim.handles["g0"].gate = gate
     rc = sim.coordinator(mode=None)
-    hm = HealthManager(sim.reg, interval_s=60, timeout_s=2, failure_threshold=1,
-                       on_group_failed=rc.on_group_failed)  # fmt: skip
+    hm = HealthManager(
+        sim.reg, interval_s=60, timeout_s=2, failure_threshold=1, on_group_failed=rc.on_group_failed
+    )
     try:
         sim.clients["g0"].health_error = EngineUnavailable("http://sim-g0", "/health", "refused")
         hm.check_now()
@@ -575,9 +579,12 @@ def engine_checksum(group: WorkerGroup) -> str | None:
 
 def health(reg: FleetRegistry, rc: RecoveryCoordinator) -> HealthManager:
     return HealthManager(
-        reg, interval_s=0.2, timeout_s=2.0, failure_threshold=2,
+        reg,
+        interval_s=0.2,
+        timeout_s=2.0,
+        failure_threshold=2,
         on_group_failed=rc.on_group_failed,
-    ).start()  # fmt: skip
+    ).start()
 
 
 def wait_result(rc: RecoveryCoordinator, gid: str, n: int = 1) -> RecoveryResult:
@@ -607,9 +614,13 @@ def test_real_kill_then_immediate_recovery_from_the_export(
 
     watch = LeaseWatch(engines["e0"], exporter)
     rc = RecoveryCoordinator(
-        reg, launcher_for={"e0": watch}.__getitem__, exporter=exporter, transport=transport,
-        mode=mode, recovery_timeout_s=120.0,
-    )  # fmt: skip
+        reg,
+        launcher_for={"e0": watch}.__getitem__,
+        exporter=exporter,
+        transport=transport,
+        mode=mode,
+        recovery_timeout_s=120.0,
+    )
     hm = health(reg, rc)
     try:
         sigkill(engines["e0"])
@@ -646,9 +657,12 @@ def test_real_targeted_push_over_an_nccl_subset(
 
     watch = LeaseWatch(engines["e1"], None)
     rc = RecoveryCoordinator(
-        reg, launcher_for={"e1": watch}.__getitem__, transport=transport,
-        mode=ImmediateRecoveryMode(enabled=False), recovery_timeout_s=120.0,
-    )  # fmt: skip
+        reg,
+        launcher_for={"e1": watch}.__getitem__,
+        transport=transport,
+        mode=ImmediateRecoveryMode(enabled=False),
+        recovery_timeout_s=120.0,
+    )
     hm = health(reg, rc)
     try:
         sigkill(engines["e1"])
@@ -671,9 +685,12 @@ def test_real_crash_near_the_end_is_skipped_then_picked_up(
     reg = real_fleet(engines, version=2)
     remaining: list[float | None] = [0.5]
     rc = RecoveryCoordinator(
-        reg, launcher_for=engines.__getitem__, remaining_work_s=lambda: remaining[0],
-        expected_recovery_s=20.0, recovery_timeout_s=120.0,
-    )  # fmt: skip
+        reg,
+        launcher_for=engines.__getitem__,
+        remaining_work_s=lambda: remaining[0],
+        expected_recovery_s=20.0,
+        recovery_timeout_s=120.0,
+    )
     hm = health(reg, rc)
     try:
         sigkill(engines["e1"])

@@ -195,8 +195,22 @@ def test_an_escaped_backslash_before_u_is_not_a_surrogate(raw: bytes) -> None:
 def test_the_surrogate_scan_agrees_with_the_decoder() -> None:
     """Random runs of escapes: refused exactly when the decoded string cannot be UTF-8."""
     rng = random.Random(7)
-    pieces = ["\\\\", "\\ud800", "\\uDBFF", "\\udc00", "\\uDFFF", "\\ud83d", "\\ude00", "a",
-              "\\n", '\\"', "\\u0041", "\\\\u", "ud800", "\\/"]  # fmt: skip
+    pieces = [
+        "\\\\",
+        "\\ud800",
+        "\\uDBFF",
+        "\\udc00",
+        "\\uDFFF",
+        "\\ud83d",
+        "\\ude00",
+        "a",
+        "\\n",
+        '\\"',
+        "\\u0041",
+        "\\\\u",
+        "ud800",
+        "\\/",
+    ]
     for _ in range(20_000):
         raw = ('"' + "".join(rng.choice(pieces) for _ in range(rng.randrange(9))) + '"').encode()
         text = json.loads(raw)

@@ -123,8 +123,10 @@ def test_flatten_parameters_keeps_values_identity_and_training() -> None:
     params = list(model.parameters())
     opt = torch.optim.SGD([p for p in params if p.dtype == torch.float64], lr=0.1)
     flats = flatten_parameters(model, shared_memory=True)
-    assert {f.dtype: f.numel() for f in flats} == {torch.float64: 4 * 8 + 8 + 8 * 2 + 2,
-                                                    torch.float32: 3}  # fmt: skip
+    assert {f.dtype: f.numel() for f in flats} == {
+        torch.float64: 4 * 8 + 8 + 8 * 2 + 2,
+        torch.float32: 3,
+    }
     assert all(f.untyped_storage().is_shared() for f in flats)
     assert list(model.parameters()) == params  # the same Parameter objects
     for n, p in model.named_parameters():

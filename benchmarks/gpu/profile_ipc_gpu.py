@@ -210,8 +210,10 @@ def main() -> int:
             rts.append(time.perf_counter() - t0)
             parts.append({**got, "serialize_s": t1 - t0})
         k = rts.index(min(rts))
-        frow[mode + ("" if mode not in frow else "_again")] = {"round_trip_s": round(rts[k], 5),
-                      **{key: round(v, 5) for key, v in parts[k].items()}}  # fmt: skip
+        frow[mode + ("" if mode not in frow else "_again")] = {
+            "round_trip_s": round(rts[k], 5),
+            **{key: round(v, 5) for key, v in parts[k].items()},
+        }
     result["rows"].append(frow)
     print(json.dumps(frow), flush=True)
     parent.send(None)

@@ -111,9 +111,10 @@ class EngineHost:
     ) -> dict[str, Any]:
         """XTuner rollout-worker contract (see :meth:`EngineLauncher.reinit`)."""
         return self.restart(
-            model_path=model_path, tokenizer_path=tokenizer_path,
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
             skip_load_weights=skip_load_weights,
-        )  # fmt: skip
+        )
 
     # -- observation ----------------------------------------------------------------------
     def is_alive(self) -> bool:

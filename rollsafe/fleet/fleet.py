@@ -503,11 +503,13 @@ class RolloutFleet:
                 launcher.client.health(timeout=self.config.health.timeout_s)
                 probe = getattr(launcher, "standby_status", None)  # a custom factory's may lack it
                 self.registry.add_group(
-                    g.group_id, g.fleet_ranks, clients=[launcher.client],
+                    g.group_id,
+                    g.fleet_ranks,
+                    clients=[launcher.client],
                     restart_budget=self.config.recovery.restart_budget,
                     metadata={"engine_ranks": g.ranks},
                     standby_probe=probe if callable(probe) else None,
-                )  # fmt: skip
+                )
                 for rank in g.fleet_ranks:
                     self.registry.report_member(
                         g.group_id, rank, healthy=True, weights_version=version
@@ -648,10 +650,15 @@ class RolloutFleet:
     ) -> RoutedResult:
         """One rollout request through the router (only ``active`` groups serve)."""
         self._require_started()
-        return self.observer.track(lambda: self.router.generate(
-            input_ids, text=text, sampling_params=sampling_params, session_id=session_id,
-            timeout=timeout,
-        ))  # fmt: skip
+        return self.observer.track(
+            lambda: self.router.generate(
+                input_ids,
+                text=text,
+                sampling_params=sampling_params,
+                session_id=session_id,
+                timeout=timeout,
+            )
+        )
 
     def sync_weights(
         self,

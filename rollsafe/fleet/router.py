@@ -383,9 +383,13 @@ class Router(FleetListener):
             from rollsafe.fleet.continuation import generate_continued
 
             return generate_continued(
-                self, input_ids, sampling_params=sampling_params, session_id=session_id,
-                timeout=call_timeout, max_aborts=self.max_aborts,
-            )  # fmt: skip
+                self,
+                input_ids,
+                sampling_params=sampling_params,
+                session_id=session_id,
+                timeout=call_timeout,
+                max_aborts=self.max_aborts,
+            )
         tried: list[str] = []
         attempts: list[tuple[str, str]] = []
         notes: list[str] = []

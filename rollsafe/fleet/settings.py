@@ -121,22 +121,27 @@ class RecoverySettings:
     stop_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
-        check_number("recovery.max_workers", self.max_workers, integer=True,
-                      alias="max_workers=")  # fmt: skip
+        check_number("recovery.max_workers", self.max_workers, integer=True, alias="max_workers=")
         check_number("recovery.timeout_s", self.timeout_s, alias="recovery_timeout_s=")
         check_number("recovery.restart_budget", self.restart_budget, integer=True, zero=True)
-        check_number("recovery.expected_recovery_s", self.expected_recovery_s, zero=True,
-                     alias="expected_recovery_s=")  # fmt: skip
-        check_number("recovery.retry_delay_s", self.retry_delay_s, zero=True,
-                     alias="retry_delay_s=")  # fmt: skip
-        check_number("recovery.health_timeout_s", self.health_timeout_s,
-                     alias="health_timeout_s=")  # fmt: skip
-        check_number("recovery.stop_timeout_s", self.stop_timeout_s, zero=True,
-                     alias="stop_timeout_s=")  # fmt: skip
+        check_number(
+            "recovery.expected_recovery_s",
+            self.expected_recovery_s,
+            zero=True,
+            alias="expected_recovery_s=",
+        )
+        check_number(
+            "recovery.retry_delay_s", self.retry_delay_s, zero=True, alias="retry_delay_s="
+        )
+        check_number("recovery.health_timeout_s", self.health_timeout_s, alias="health_timeout_s=")
+        check_number(
+            "recovery.stop_timeout_s", self.stop_timeout_s, zero=True, alias="stop_timeout_s="
+        )
         for name in ("targeted_push", "retry"):
             if not isinstance(getattr(self, name), bool):
-                raise FleetConfigError(f"recovery.{name}", f"must be a bool, got "
-                                       f"{getattr(self, name)!r}")  # fmt: skip
+                raise FleetConfigError(
+                    f"recovery.{name}", f"must be a bool, got {getattr(self, name)!r}"
+                )
         if self.remaining_work_s is not None and not callable(self.remaining_work_s):
             raise FleetConfigError(
                 "recovery.remaining_work_s",

@@ -268,8 +268,11 @@ class NCCLTransport(StagedTransport):
             except _FirstBucketFailed as exc:
                 # a kept group whose engine side is gone (the engine restarted on the same
                 # address): nothing was applied; build a fresh group once
-                log.info("%s: kept group failed on its first bucket (%s); re-forming it",
-                         target.name, exc.__cause__)  # fmt: skip
+                log.info(
+                    "%s: kept group failed on its first bucket (%s); re-forming it",
+                    target.name,
+                    exc.__cause__,
+                )
         try:
             live = self._form(target, world, backend, url)
         except BaseException:

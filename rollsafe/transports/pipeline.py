@@ -275,16 +275,22 @@ def split_unpacked(
         sub = plan_buckets([items[i] for i in small], bucket_bytes)
         for plan in sub:
             out_plans.append(
-                BucketPlan(plan.dtype, tuple(small[j] for j in plan.indices), plan.metas,
-                           plan.numel)
-            )  # fmt: skip
+                BucketPlan(
+                    plan.dtype, tuple(small[j] for j in plan.indices), plan.metas, plan.numel
+                )
+            )
             out_direct.append(None)
     if big:
         for plan in plan_buckets([items[i] for i in big], bucket_bytes):
             out_plans.append(
-                BucketPlan(plan.dtype, tuple(big[j] for j in plan.indices), plan.metas,
-                           plan.numel, unpacked=True)
-            )  # fmt: skip
+                BucketPlan(
+                    plan.dtype,
+                    tuple(big[j] for j in plan.indices),
+                    plan.metas,
+                    plan.numel,
+                    unpacked=True,
+                )
+            )
             out_direct.append(None)
     return out_plans, out_direct
 

@@ -367,15 +367,23 @@ def _metadata_ops(metas: tuple[TensorMeta, ...]) -> bytes:
         size = torch.empty((), dtype=dtype).element_size()
         shape = _op_tuple([_op_int(int(d)) for d in m.shape]) + b"\x85R"
         out += [
-            _META_CLASS_OP, b")\x81}(",
-            _FIELD_OPS["name"], _op_str(m.name),
-            _FIELD_OPS["shape"], _SIZE_OP, shape,
-            _FIELD_OPS["dtype"], b"ctorch\n" + dtype_name(dtype).encode() + b"\n",
-            _FIELD_OPS["start_idx"], _op_int(m.start * size),
-            _FIELD_OPS["end_idx"], _op_int(m.end * size),
-            _FIELD_OPS["numel"], _op_int(m.numel * size),
+            _META_CLASS_OP,
+            b")\x81}(",
+            _FIELD_OPS["name"],
+            _op_str(m.name),
+            _FIELD_OPS["shape"],
+            _SIZE_OP,
+            shape,
+            _FIELD_OPS["dtype"],
+            b"ctorch\n" + dtype_name(dtype).encode() + b"\n",
+            _FIELD_OPS["start_idx"],
+            _op_int(m.start * size),
+            _FIELD_OPS["end_idx"],
+            _op_int(m.end * size),
+            _FIELD_OPS["numel"],
+            _op_int(m.numel * size),
             b"ub",
-        ]  # fmt: skip
+        ]
     out.append(b"e")
     return b"".join(out)
 

@@ -384,9 +384,10 @@ class VLLMClient(HttpEngineClient):
         so ``tags`` can only be None or both tags."""
         if tags is not None and set(tags) != {"weights", "kv_cache"}:
             raise EngineNotSupported(
-                "vllm", f"release_memory_occupation(tags={list(tags)})",
+                "vllm",
+                f"release_memory_occupation(tags={list(tags)})",
                 "vLLM's /sleep releases weights and KV cache together",
-            )  # fmt: skip
+            )
         self._checked(
             "/sleep",
             self._post("/sleep", params={"level": 1}, timeout=self._weights_timeout(timeout)),
@@ -464,9 +465,10 @@ class VLLMClient(HttpEngineClient):
         """
         if load_format is not None:
             raise EngineNotSupported(
-                "vllm", f"update_weights_from_disk(load_format={load_format!r})",
+                "vllm",
+                f"update_weights_from_disk(load_format={load_format!r})",
                 "vLLM's reload_weights uses the load format the server was started with",
-            )  # fmt: skip
+            )
         kwargs = {"weights_path": str(model_path)}
         if abort_all_requests:
             self.pause_generation("abort", timeout=timeout)
@@ -494,9 +496,10 @@ class VLLMClient(HttpEngineClient):
         by GPU UUID through ``/update_weights``), a different payload; use the ``nccl``
         transport with vLLM, or an SGLang engine for ``ipc``."""
         raise EngineNotSupported(
-            "vllm", "update_weights_from_tensor",
+            "vllm",
+            "update_weights_from_tensor",
             "vLLM 0.33.0 has no such endpoint; use the nccl transport (native weight transfer)",
-        )  # fmt: skip
+        )
 
     def init_weights_update_group(
         self,
@@ -643,8 +646,9 @@ def _only_group(operation: str, group_name: str) -> None:
     """vLLM's one weight-transfer group has no name; refuse a call that names another group."""
     if group_name != VLLM_WEIGHT_TRANSFER_GROUP:
         raise EngineNotSupported(
-            "vllm", f"{operation}(group_name={group_name!r})",
+            "vllm",
+            f"{operation}(group_name={group_name!r})",
             "vLLM has one unnamed weight-transfer group (init_info carries no name); its ranks "
             f"join rollsafe's rendezvous as {VLLM_WEIGHT_TRANSFER_GROUP!r}, so the trainer must "
             f"join under that name and pass group_name={VLLM_WEIGHT_TRANSFER_GROUP!r}",
-        )  # fmt: skip
+        )

@@ -455,8 +455,9 @@ def _spans(tensors: list[torch.Tensor], idx: list[int]) -> list[tuple[torch.Tens
     out: list[tuple[torch.Tensor, list[int]]] = []
     runs: list[tuple[torch.Tensor, list[int], int]] = []  # (first tensor, members, end address)
     alone = [i for i in idx if not tensors[i].is_contiguous()]
-    chained = sorted((i for i in idx if tensors[i].is_contiguous()),
-                     key=lambda i: tensors[i].data_ptr())  # fmt: skip
+    chained = sorted(
+        (i for i in idx if tensors[i].is_contiguous()), key=lambda i: tensors[i].data_ptr()
+    )
     for i in chained:
         t = tensors[i]
         start = t.data_ptr()

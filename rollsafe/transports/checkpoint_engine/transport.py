@@ -318,8 +318,10 @@ class CheckpointEngineTransport(StagedTransport):
                     start_error = _bounded(f"{type(exc).__name__}: {exc}")
                     log.warning(
                         "checkpoint_engine: the parameter server with P2P (%s) failed to start "
-                        "(%s); starting it without P2P", self.p2p_protocol, start_error,
-                    )  # fmt: skip
+                        "(%s); starting it without P2P",
+                        self.p2p_protocol,
+                        start_error,
+                    )
             if not p2p_wanted or start_error:
                 with _hidden_modules(("mooncake", "mooncake.engine")):
                     self._ps = server_factory(**kwargs)

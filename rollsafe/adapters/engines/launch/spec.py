@@ -254,8 +254,8 @@ class EngineSpec:
 
     def standby_command(self) -> list[str]:
         """The argv of a warm standby for this spec (imports the model's classes ahead)."""
-        return [self.interpreter(), "-m", self.module, STANDBY_FLAG,
-                "--model-path", self.model_path]  # fmt: skip
+        head = [self.interpreter(), "-m", self.module, STANDBY_FLAG]
+        return head + _flags({"--model-path": self.model_path})
 
     def engine_args(self, *, port: int | None = None, api_key_file: str | None = None) -> list[str]:
         """The engine's own arguments: :meth:`command` without its :meth:`program`."""
@@ -263,15 +263,17 @@ class EngineSpec:
             return self._sglang_args(port, api_key_file)
         if self.kind == "vllm":
             return self._vllm_args(port)
-        cmd = [
-            "--model-path", self.model_path,
-            "--load-format", self.load_format,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--ranks", str(self.ranks),
-            "--device", self.device,
-            "--dialect", str(self.dialect),
-        ]  # fmt: skip
+        cmd = _flags(
+            {
+                "--model-path": self.model_path,
+                "--load-format": self.load_format,
+                "--host": self.host,
+                "--port": str(self.port),
+                "--ranks": str(self.ranks),
+                "--device": self.device,
+                "--dialect": str(self.dialect),
+            }
+        )
         if self._separate_tokenizer():
             # only when it differs: the tokenizer normally lives in the model directory
             cmd += ["--tokenizer-path", str(self.tokenizer_path)]
@@ -287,13 +289,15 @@ class EngineSpec:
     def _sglang_args(self, port: int | None, api_key_file: str | None) -> list[str]:
         # Every flag is checked against sglang 0.5.23's sglang/srt/arg_groups/fields/*.py (the
         # dataclasses server_args.py turns into flags) by tests/test_launcher_real.py.
-        cmd = [
-            "--model-path", self.model_path,
-            "--host", self.host,
-            "--port", str(self.port if port is None else port),
-            "--tp-size", str(self.ranks),
-            "--load-format", self.load_format,
-        ]  # fmt: skip
+        cmd = _flags(
+            {
+                "--model-path": self.model_path,
+                "--host": self.host,
+                "--port": str(self.port if port is None else port),
+                "--tp-size": str(self.ranks),
+                "--load-format": self.load_format,
+            }
+        )
         if self._separate_tokenizer():
             cmd += ["--tokenizer-path", str(self.tokenizer_path)]
         if self.weight_version is not None:
@@ -321,13 +325,15 @@ class EngineSpec:
         # Every flag is checked against vllm 0.33.0's vllm/engine/arg_utils.py and
         # vllm/entrypoints/common/cli_args.py, the CPU ones against 0.32.0 too, by
         # tests/test_launcher_real.py.
-        cmd = [
-            "--model", self.model_path,
-            "--host", self.host,
-            "--port", str(self.port if port is None else port),
-            "--tensor-parallel-size", str(self.ranks),
-            "--load-format", self.load_format,
-        ]  # fmt: skip
+        cmd = _flags(
+            {
+                "--model": self.model_path,
+                "--host": self.host,
+                "--port": str(self.port if port is None else port),
+                "--tensor-parallel-size": str(self.ranks),
+                "--load-format": self.load_format,
+            }
+        )
         if self._separate_tokenizer():
             cmd += ["--tokenizer", str(self.tokenizer_path)]
         if self.release_memory if self.on_cpu else self.release_memory is not False:
@@ -456,12 +462,24 @@ def restart_spec(
     return new_spec
 
 
+def _flags(table: Mapping[str, str]) -> list[str]:
+    """A command line from a ``{flag: value}`` table, in the table's order."""
+    return [part for flag, value in table.items() for part in (flag, value)]
+
+
 #: The config.json fields that make two model directories interchangeable for dummy weights.
 _ARCHITECTURE_KEYS = (
-    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
     "tie_word_embeddings",
-)  # fmt: skip
+)
 
 
 def _same_architecture(current: str, base: str) -> bool:
