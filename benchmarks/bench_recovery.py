@@ -65,11 +65,10 @@ sys.path.insert(0, str(REPO))
 
 from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model  # noqa: E402
 from rollsafe.demo import RolloutLoad, Trainer  # noqa: E402
+from rollsafe.fleet import HealthSettings, RecoverySettings  # noqa: E402
 from rollsafe.fleet.fleet import (  # noqa: E402
     FleetConfig,
     GroupSpec,
-    HealthSettings,
-    RecoverySettings,
     RolloutFleet,
 )
 from rollsafe.fleet.recovery import RecoveryResult  # noqa: E402

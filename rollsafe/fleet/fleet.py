@@ -42,7 +42,6 @@ from rollsafe.fleet.registry import FleetError, FleetRegistry
 from rollsafe.fleet.request_health import RequestHealth
 from rollsafe.fleet.router import RoutedResult, Router
 from rollsafe.fleet.settings import (
-    CE_P2P_PROTOCOLS,
     TRANSPORT_SETTINGS,
     CheckpointEngineSettings,
     DiskSettings,
@@ -71,23 +70,7 @@ if TYPE_CHECKING:
     from rollsafe.ports import WeightTransport
     from rollsafe.statemachines.base import TransitionRecord
 
-__all__ = [
-    "CE_P2P_PROTOCOLS",
-    "TRANSPORTS",
-    "CheckpointEngineSettings",
-    "DiskSettings",
-    "FleetConfig",
-    "FleetConfigError",
-    "FleetNotStarted",
-    "GroupSpec",
-    "HealthSettings",
-    "IpcSettings",
-    "NcclSettings",
-    "RecoverySettings",
-    "RolloutFleet",
-    "TransportContext",
-    "TransportSettings",
-]
+__all__ = ["TRANSPORTS", "FleetConfig", "FleetNotStarted", "GroupSpec", "RolloutFleet"]
 
 log = logging.getLogger(__name__)
 

@@ -38,6 +38,7 @@ __all__ = [
     "CE_P2P_PROTOCOLS",
     "TRANSPORT_SETTINGS",
     "CheckpointEngineSettings",
+    "DiskSettings",
     "FleetConfigError",
     "HealthSettings",
     "IpcSettings",
