@@ -173,7 +173,9 @@ def record_answers(
     empty one.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("record_answers needs at least one prompt and no empty prompt")
+        raise InvalidArgument(
+            "prompts", "record_answers: prompts must hold at least one prompt and no empty one"
+        )
     sampling = probe_sampling(engine.dialect, max_new_tokens)
     out = []
     for prompt in prompts:
@@ -199,7 +201,9 @@ def compare_answers(
     """Compare an engine's answers with the reference's, prompt by prompt: tokens exactly,
     logprobs within ``logprob_tolerance`` (0: bit-exact) where both sides report them."""
     if [a.prompt for a in reference.answers] != [a.prompt for a in got.answers]:
-        raise ValueError("compare_answers: the two recordings are of different prompts")
+        raise InvalidArgument(
+            "prompts", "compare_answers: the two recordings are of different prompts"
+        )
     mismatches: list[ProbeMismatch] = []
     compared = True
     for i, (want, have) in enumerate(zip(reference.answers, got.answers, strict=True)):

@@ -153,6 +153,7 @@ def test_no_two_exception_classes_share_a_name() -> None:
 
 
 def _bad_argument_calls() -> list[tuple[str, Any]]:
+    from rollsafe.adapters.engines import EngineSpec, RetryPolicy, make_client
     from rollsafe.checksum import algorithm_for
     from rollsafe.statemachines import CheckpointRegistration, WorkerGroupLifecycle
     from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
@@ -172,10 +173,14 @@ def _bad_argument_calls() -> list[tuple[str, Any]]:
         ("ranks", lambda: WorkerGroupLifecycle([0, 0])),
         ("restart_budget", lambda: WorkerGroupLifecycle([0], restart_budget=-1)),
         ("rearm_after", lambda: ImmediateRecoveryMode(rearm_after=0)),
+        ("EngineSpec.ranks", lambda: EngineSpec(model_path="m", ranks=0)),
+        ("EngineSpec.port", lambda: EngineSpec(model_path="m", port=70000)),
+        ("RetryPolicy.max_backoff_s", lambda: RetryPolicy(max_backoff_s=-1.0)),
+        ("dialect", lambda: make_client("trt", "http://127.0.0.1:1")),  # type: ignore[arg-type]
     ]
 
 
-@pytest.mark.parametrize("index", range(11))
+@pytest.mark.parametrize("index", range(15))
 def test_a_refused_argument_is_a_named_error_carrying_its_key(index: int) -> None:
     """One shape for bad input: :class:`InvalidArgument` (still a ``ValueError``) with ``key``,
     and the message names the key."""

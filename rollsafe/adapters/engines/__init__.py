@@ -21,6 +21,7 @@ from rollsafe.adapters.engines.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
+from rollsafe.errors import InvalidArgument
 from rollsafe.lazy import lazy_attributes
 from rollsafe.ports import Dialect
 
@@ -99,4 +100,6 @@ def make_client(
     if dialect == "vllm":
         vllm: type[VLLMClient] = __getattr__("VLLMClient")
         return vllm(url, api_key=api_key, timeout=timeout)
-    raise ValueError(f"unknown engine dialect {dialect!r}; expected 'sglang' or 'vllm'")
+    raise InvalidArgument(
+        "dialect", f"unknown engine dialect {dialect!r}; expected 'sglang' or 'vllm'"
+    )

@@ -77,6 +77,7 @@ from rollsafe.adapters.engines.vllm_dialect import (
     VLLMDialect,
     read_version_holds,
 )
+from rollsafe.errors import InvalidArgument
 from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
@@ -291,7 +292,7 @@ class VLLMClient(HttpEngineClient):
         dialect: VLLMDialect,
     ) -> dict[str, Any]:
         if (input_ids is None) == (text is None):
-            raise ValueError("generate needs exactly one of input_ids or text")
+            raise InvalidArgument("input_ids", "generate needs exactly one of input_ids or text")
         body: dict[str, Any] = to_vllm_sampling(sampling_params)
         body["prompt"] = [int(t) for t in input_ids] if input_ids is not None else text
         body.setdefault("return_token_ids", True)
@@ -351,7 +352,9 @@ class VLLMClient(HttpEngineClient):
         generates from now until :meth:`continue_generation` in ``abort``/``retract`` mode with
         the 503 :class:`EngineRequestError` that 0.33 answers (``in_place`` queues on both)."""
         if mode not in _PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {sorted(_PAUSE_MODES)}, got {mode!r}")
+            raise InvalidArgument(
+                "mode", f"pause mode must be one of {sorted(_PAUSE_MODES)}, got {mode!r}"
+            )
         self._ledger.pausing(_PAUSE_MODES[mode])
         try:
             answer = self._post("/pause", params={"mode": _PAUSE_MODES[mode]}, timeout=timeout)
