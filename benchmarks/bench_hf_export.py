@@ -164,18 +164,25 @@ def main(argv: list[str] | None = None) -> int:
     summary["writer_ok"] = summary["writer_vs_raw_median"] >= 0.70
 
     cols = [
-        ("round", "rnd", "{:>3}"), ("arena", "arena", "{:>6}"),
+        ("round", "rnd", "{:>3}"),
+        ("arena", "arena", "{:>6}"),
         ("raw_write_fsync_s", "raw s", "{:6.3f}"),
         ("raw_hinted_write_fsync_s", "raw+wb s", "{:8.3f}"),
         ("blocking_s", "block s", "{:7.3f}"),
-        ("write_s", "write s", "{:7.3f}"), ("verify_s", "verify s", "{:8.3f}"),
-        ("total_s", "total s", "{:7.3f}"), ("blocking_fraction", "block %", "{:7.1%}"),
-        ("raw_gb_s", "raw GB/s", "{:8.2f}"), ("writer_gb_s", "wr GB/s", "{:7.2f}"),
-        ("writer_vs_raw", "wr/raw", "{:6.0%}"), ("writer_vs_raw_hinted", "wr/raw+wb", "{:9.0%}"),
+        ("write_s", "write s", "{:7.3f}"),
+        ("verify_s", "verify s", "{:8.3f}"),
+        ("total_s", "total s", "{:7.3f}"),
+        ("blocking_fraction", "block %", "{:7.1%}"),
+        ("raw_gb_s", "raw GB/s", "{:8.2f}"),
+        ("writer_gb_s", "wr GB/s", "{:7.2f}"),
+        ("writer_vs_raw", "wr/raw", "{:6.0%}"),
+        ("writer_vs_raw_hinted", "wr/raw+wb", "{:9.0%}"),
         ("background_vs_raw", "bg/raw", "{:6.0%}"),
-    ]  # fmt: skip
-    print(f"HF export: {nbytes / 2**30:.2f} GiB in {len(tensors)} tensors (fp32+bf16), "
-          f"on {args.device}, shards of {args.shard_mib} MiB, {os.cpu_count()} CPU(s)")  # fmt: skip
+    ]
+    print(
+        f"HF export: {nbytes / 2**30:.2f} GiB in {len(tensors)} tensors (fp32+bf16), "
+        f"on {args.device}, shards of {args.shard_mib} MiB, {os.cpu_count()} CPU(s)"
+    )
     print("  ".join(f"{h:>{len(fmt.format(rounds[0][k]))}}" for k, h, fmt in cols))
     for row in rounds:
         print("  ".join(fmt.format(row[k]) for k, _, fmt in cols))

@@ -65,11 +65,10 @@ sys.path.insert(0, str(REPO))
 
 from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model  # noqa: E402
 from rollsafe.demo import RolloutLoad, Trainer  # noqa: E402
+from rollsafe.fleet import HealthSettings, RecoverySettings  # noqa: E402
 from rollsafe.fleet.fleet import (  # noqa: E402
     FleetConfig,
     GroupSpec,
-    HealthSettings,
-    RecoverySettings,
     RolloutFleet,
 )
 from rollsafe.fleet.recovery import RecoveryResult  # noqa: E402
@@ -409,12 +408,20 @@ def main() -> int:
         rows = [(f"{mode}: all {s['crash_to_active']['n']} crashes", s["crash_to_active"])]
         rows += [(f"  part {p.removesuffix('_s')}", s["parts"][p]) for p in PARTS]
         for src, d in s["by_restart_source"].items():
-            rows.append((f"  restart from {src} (n={d['crash_to_active']['n']}): total",
-                         d["crash_to_active"]))  # fmt: skip
+            rows.append(
+                (
+                    f"  restart from {src} (n={d['crash_to_active']['n']}): total",
+                    d["crash_to_active"],
+                )
+            )
             rows.append((f"  restart from {src}: restart part", d["restart"]))
         for st, d in s["by_standby_at_crash"].items():
-            rows.append((f"  standby {st} at the crash (n={d['crash_to_active']['n']})",
-                         d["crash_to_active"]))  # fmt: skip
+            rows.append(
+                (
+                    f"  standby {st} at the crash (n={d['crash_to_active']['n']})",
+                    d["crash_to_active"],
+                )
+            )
         for name, d in rows:
             print(f"{name:<52} {d['p50']:>7.3f} {d['p95']:>7.3f} {d['max']:>7.3f}")
     for mode, p95 in p95_warm.items():

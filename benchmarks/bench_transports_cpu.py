@@ -48,7 +48,8 @@ from engine_helpers import free_port, start_engine  # noqa: E402
 from rollsafe.adapters.engines import SGLangClient  # noqa: E402
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import weights_checksum  # noqa: E402
-from rollsafe.transports import EngineTarget, IPCTransport, NCCLTransport  # noqa: E402
+from rollsafe.ports import EngineTarget  # noqa: E402
+from rollsafe.transports import IPCTransport, NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
 from rollsafe.transports.pipeline import direct_view  # noqa: E402
 
@@ -193,9 +194,13 @@ def group_layouts(nbytes: int, repeats: int) -> dict[str, Any]:
     for p in procs:
         p.start()
     g = open_weight_update_group(
-        master_address="127.0.0.1", master_port=port, rank=0, world_size=3,
-        group_name="shared", timeout_s=300,
-    )  # fmt: skip
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=3,
+        group_name="shared",
+        timeout_s=300,
+    )
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -217,9 +222,13 @@ def group_layouts(nbytes: int, repeats: int) -> dict[str, Any]:
 
     def join(i: int) -> None:
         groups[i] = open_weight_update_group(
-            master_address="127.0.0.1", master_port=ports[i], rank=0, world_size=2,
-            group_name=f"pt{i}", timeout_s=300,
-        )  # fmt: skip
+            master_address="127.0.0.1",
+            master_port=ports[i],
+            rank=0,
+            world_size=2,
+            group_name=f"pt{i}",
+            timeout_s=300,
+        )
 
     joins = [threading.Thread(target=join, args=(i,)) for i in range(2)]
     for t in joins:
@@ -262,9 +271,14 @@ def run_transport(
     if whatif:  # the engine with zero-copy staging (benchmarks/whatif_zero_copy_engine.py)
         script = str(REPO / "benchmarks" / "whatif_zero_copy_engine.py")
         engine_helpers.engine_command = lambda model_dir, ranks=1, extra_args=(): [  # type: ignore[assignment]
-            sys.executable, script, "--model-path", str(model_dir), "--ranks", str(ranks),
+            sys.executable,
+            script,
+            "--model-path",
+            str(model_dir),
+            "--ranks",
+            str(ranks),
             *extra_args,
-        ]  # fmt: skip
+        ]
     try:
         eng = start_engine(model_dir, ranks=1, extra_args=extra, env=engine_env, timeout=600)
     finally:
@@ -278,17 +292,20 @@ def run_transport(
         else:
             tr = NCCLTransport(1, bucket_bytes=bucket_bytes, group_timeout=300)
         src = (
-            weights if layout == "separate"
+            weights
+            if layout == "separate"
             else contiguous_copy(weights, shared_memory=kind == "ipc")
-        )  # fmt: skip
+        )
         tr.register(src, 1)
         buckets = len(tr.plans)
         direct = sum(
             1
             for plan in tr.plans
-            if direct_view(list(src.items()), plan, device=torch.device("cpu"),
-                           shared=kind == "ipc") is not None
-        )  # fmt: skip
+            if direct_view(
+                list(src.items()), plan, device=torch.device("cpu"), shared=kind == "ipc"
+            )
+            is not None
+        )
         times = []
         for i in range(repeats + 1):
             t0 = time.perf_counter()
@@ -371,24 +388,50 @@ def main() -> int:
         ):
             mine: list[dict[str, Any]] = []
             for mib in [int(x) for x in sizes.split(",") if x]:
-                mine.append(run_transport(
-                    kind, model_dir, weights, want, mib * MiB, args.repeats, engine_env,
-                    args.engine_threads,
-                ))  # fmt: skip
+                mine.append(
+                    run_transport(
+                        kind,
+                        model_dir,
+                        weights,
+                        want,
+                        mib * MiB,
+                        args.repeats,
+                        engine_env,
+                        args.engine_threads,
+                    )
+                )
             if args.flat and mine:
                 best_mib = max(mine, key=lambda r: r["gb_s"])["bucket_mib"]
-                mine.append(run_transport(
-                    kind, model_dir, weights, want, best_mib * MiB, args.repeats, engine_env,
-                    args.engine_threads, layout="flat",
-                ))  # fmt: skip
+                mine.append(
+                    run_transport(
+                        kind,
+                        model_dir,
+                        weights,
+                        want,
+                        best_mib * MiB,
+                        args.repeats,
+                        engine_env,
+                        args.engine_threads,
+                        layout="flat",
+                    )
+                )
             if args.whatif and mine:
                 best_mib = max(
                     (r for r in mine if r["layout"] == "separate"), key=lambda r: r["gb_s"]
                 )["bucket_mib"]
-                mine.append(run_transport(
-                    kind, model_dir, weights, want, best_mib * MiB, args.repeats, engine_env,
-                    args.engine_threads, whatif=True,
-                ))  # fmt: skip
+                mine.append(
+                    run_transport(
+                        kind,
+                        model_dir,
+                        weights,
+                        want,
+                        best_mib * MiB,
+                        args.repeats,
+                        engine_env,
+                        args.engine_threads,
+                        whatif=True,
+                    )
+                )
             for row in mine:
                 row["baseline"] = "memcpy" if kind == "ipc" else "gloo"
                 row["ratio"] = round(row["gb_s"] / base["gb_s"], 3)
@@ -396,8 +439,10 @@ def main() -> int:
         groups = None if args.skip_groups else group_layouts(nbytes, args.repeats)
 
     print(f"\nbaselines: memcpy 1 thread {memcpy['gb_s']} GB/s; raw gloo {gloo['gb_s']} GB/s")
-    print(f"{'transport':<10}{'engine':<19}{'layout':<10}{'bucket MiB':>11}{'buckets':>9}"
-          f"{'seconds':>9}{'GB/s':>8}{'baseline':>10}{'ratio':>7}")  # fmt: skip
+    print(
+        f"{'transport':<10}{'engine':<19}{'layout':<10}{'bucket MiB':>11}{'buckets':>9}"
+        f"{'seconds':>9}{'GB/s':>8}{'baseline':>10}{'ratio':>7}"
+    )
     for r in rows:
         print(
             f"{r['transport']:<10}{r['engine']:<19}{r['layout']:<10}{r['bucket_mib']:>11}"
@@ -409,9 +454,13 @@ def main() -> int:
             f"groups: shared (world 3) {groups['shared_group_s']}s, two per-target groups "
             f"{groups['per_target_groups_s']}s -> x{groups['per_target_cost_ratio']}"
         )
-    best = {k: max((r["ratio"] for r in rows if r["transport"] == k
-                    and r["engine"] == "shipped"), default=math.nan)
-            for k in ("ipc", "nccl")}  # fmt: skip
+    best = {
+        k: max(
+            (r["ratio"] for r in rows if r["transport"] == k and r["engine"] == "shipped"),
+            default=math.nan,
+        )
+        for k in ("ipc", "nccl")
+    }
     result = {
         "benchmark": "transports_cpu",
         "model": {

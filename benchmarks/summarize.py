@@ -32,21 +32,43 @@ def _transitions(d: dict[str, Any]) -> list[Row]:
             continue
         ok = r["ratio_to_bare"] <= 1.5
         rows.append(
-            (f"guarded transition, {name}", f"{r['median_us']} µs = {r['ratio_to_bare']}x bare",
-             "<= 1.5x bare", _verdict(ok))
-        )  # fmt: skip
+            (
+                f"guarded transition, {name}",
+                f"{r['median_us']} µs = {r['ratio_to_bare']}x bare",
+                "<= 1.5x bare",
+                _verdict(ok),
+            )
+        )
     return rows
 
 
 def _engine(d: dict[str, Any]) -> list[Row]:
     rows = []
     for r in d["results"]:
-        rows.append((f"engine cold start, {r['config']} (spawn -> ready)",
-                     f"{r['spawn_to_ready_s']} s", "-", "-"))  # fmt: skip
-        rows.append((f"ready -> first generate, {r['config']}",
-                     f"{r['ready_to_first_generate_s']} s", "-", "-"))  # fmt: skip
-        rows.append((f"generate {d.get('tokens_per_generate', '?')} tokens, {r['config']} (median)",
-                     f"{r['generate_median_s'] * 1000:.1f} ms", "-", "-"))  # fmt: skip
+        rows.append(
+            (
+                f"engine cold start, {r['config']} (spawn -> ready)",
+                f"{r['spawn_to_ready_s']} s",
+                "-",
+                "-",
+            )
+        )
+        rows.append(
+            (
+                f"ready -> first generate, {r['config']}",
+                f"{r['ready_to_first_generate_s']} s",
+                "-",
+                "-",
+            )
+        )
+        rows.append(
+            (
+                f"generate {d.get('tokens_per_generate', '?')} tokens, {r['config']} (median)",
+                f"{r['generate_median_s'] * 1000:.1f} ms",
+                "-",
+                "-",
+            )
+        )
     return rows
 
 
@@ -56,11 +78,19 @@ def _hf_export(d: dict[str, Any]) -> list[Row]:
     host = d.get("host", {}).get("cpus", "?")
     tag = f"{where}, {host} cpus"
     return [
-        (f"export blocking part of start / whole ({tag})",
-         f"{s['blocking_fraction_median'] * 100:.1f}%", "<= 15%", _verdict(s.get("blocking_ok"))),
-        (f"export writer vs raw write+fsync ({tag})",
-         f"{s['writer_vs_raw_median'] * 100:.0f}%", ">= 70%", _verdict(s.get("writer_ok"))),
-    ]  # fmt: skip
+        (
+            f"export blocking part of start / whole ({tag})",
+            f"{s['blocking_fraction_median'] * 100:.1f}%",
+            "<= 15%",
+            _verdict(s.get("blocking_ok")),
+        ),
+        (
+            f"export writer vs raw write+fsync ({tag})",
+            f"{s['writer_vs_raw_median'] * 100:.0f}%",
+            ">= 70%",
+            _verdict(s.get("writer_ok")),
+        ),
+    ]
 
 
 def _transports_cpu(d: dict[str, Any]) -> list[Row]:
@@ -70,30 +100,45 @@ def _transports_cpu(d: dict[str, Any]) -> list[Row]:
     by_layout = d.get("best_ratio_by_layout") or {k: {"separate": v} for k, v in best.items()}
     rows: list[Row] = []
     for kind, what, base_key, tkey in (
-        ("ipc", "ipc (shared memory) vs single-thread memcpy", "memcpy_single_thread",
-         "ipc_vs_memcpy"),
+        (
+            "ipc",
+            "ipc (shared memory) vs single-thread memcpy",
+            "memcpy_single_thread",
+            "ipc_vs_memcpy",
+        ),
         ("nccl", "nccl (gloo) vs raw gloo broadcast", "gloo_broadcast_2proc", "nccl_vs_gloo"),
-    ):  # fmt: skip
+    ):
         for layout, ratio in by_layout[kind].items():
             if ratio is None:
                 continue
             where = "separate trainer tensors" if layout == "separate" else "one flat buffer"
             rows.append(
-                (f"{what}, 1 GiB, {where}",
-                 f"{ratio:.2f}x of {base[base_key]['gb_s']} GB/s",
-                 f">= {tg[tkey]}x", _verdict(ratio >= tg[tkey])),
-            )  # fmt: skip
+                (
+                    f"{what}, 1 GiB, {where}",
+                    f"{ratio:.2f}x of {base[base_key]['gb_s']} GB/s",
+                    f">= {tg[tkey]}x",
+                    _verdict(ratio >= tg[tkey]),
+                ),
+            )
     return rows
 
 
 def _control_plane(d: dict[str, Any]) -> list[Row]:
     h, r = d["health"], d["registry"]
     return [
-        (f"health round, {h['groups']} groups x {h['probe_latency_s'] * 1000:.0f} ms probes",
-         f"{h['ratio_to_single_probe']}x one probe", "<= 3x", _verdict(h["within_target"])),
-        ("registry transitions per second", f"{r['registry_1_thread_per_s']}/s", ">= 5000/s",
-         _verdict(r["within_target"])),
-    ]  # fmt: skip
+        (
+            f"health round, {h['groups']} groups x {h['probe_latency_s'] * 1000:.0f} ms probes",
+            f"{h['ratio_to_single_probe']}x one probe",
+            "<= 3x",
+            _verdict(h["within_target"]),
+        ),
+        (
+            "registry transitions per second",
+            f"{r['registry_1_thread_per_s']}/s",
+            ">= 5000/s",
+            _verdict(r["within_target"]),
+        ),
+    ]
 
 
 def _transports_gpu(d: dict[str, Any]) -> list[Row]:
@@ -111,12 +156,15 @@ def _transports_gpu(d: dict[str, Any]) -> list[Row]:
         med = _median(runs)
         ratio = p["d2d_copy"]["seconds"] / med  # the median run, not the best one
         rows.append(
-            (f"H200 ipc (CUDA IPC), 8 GB Qwen3-4B shapes, {what}",
-             f"median of {len(runs)}: {med * 1000:.1f} ms = {ratio * 100:.1f}% of {copy:.0f}"
-             f" GB/s d2d (best {min(runs) * 1000:.1f} ms); extra {r['peak_extra_buckets']}"
-             " buckets",
-             ">= 25% of d2d; <= 2 buckets", _verdict(ratio >= 0.25)),
-        )  # fmt: skip
+            (
+                f"H200 ipc (CUDA IPC), 8 GB Qwen3-4B shapes, {what}",
+                f"median of {len(runs)}: {med * 1000:.1f} ms = {ratio * 100:.1f}% of {copy:.0f}"
+                f" GB/s d2d (best {min(runs) * 1000:.1f} ms); extra {r['peak_extra_buckets']}"
+                " buckets",
+                ">= 25% of d2d; <= 2 buckets",
+                _verdict(ratio >= 0.25),
+            ),
+        )
     return rows
 
 
@@ -143,9 +191,13 @@ def _recovery_gpu(d: dict[str, Any]) -> list[Row]:
             limit = 15.0 if fresh else 5.0
             target, ok = f"<= {limit:.0f} s", _verdict(k["median"] <= limit)
         rows.append(
-            (f"H200 recovery of a {gb} GB engine, {label} ({source}), kill -> active",
-             f"median of {k['n']}: {k['median']} s (max {k['max']}){extra}", target, ok),
-        )  # fmt: skip
+            (
+                f"H200 recovery of a {gb} GB engine, {label} ({source}), kill -> active",
+                f"median of {k['n']}: {k['median']} s (max {k['max']}){extra}",
+                target,
+                ok,
+            ),
+        )
     return rows
 
 
@@ -155,24 +207,35 @@ def _ce_p2p(d: dict[str, Any]) -> list[Row]:
     t, i = p.get("targeted", {}), p.get("immediate", {})
     push = (t.get("pushes_after_kill") or [{}])[0]
     rows: list[Row] = [
-        (f"H200 checkpoint-engine broadcast of {gb} GB to one engine (a sync)",
-         f"{p['syncs']['broadcast_s']} s ({p['syncs']['broadcast_gb_s']} GB/s)", "-", "-"),
-    ]  # fmt: skip
+        (
+            f"H200 checkpoint-engine broadcast of {gb} GB to one engine (a sync)",
+            f"{p['syncs']['broadcast_s']} s ({p['syncs']['broadcast_gb_s']} GB/s)",
+            "-",
+            "-",
+        ),
+    ]
     if push and gb:
         rows.append(
-            (f"H200 checkpoint-engine P2P push of {gb} GB to the restarted group "
-             f"({p['setup']['p2p_protocol']})",
-             f"{push['seconds']:.1f} s ({gb / push['seconds']:.2f} GB/s)", "-", "-"),
-        )  # fmt: skip
+            (
+                f"H200 checkpoint-engine P2P push of {gb} GB to the restarted group "
+                f"({p['setup']['p2p_protocol']})",
+                f"{push['seconds']:.1f} s ({gb / push['seconds']:.2f} GB/s)",
+                "-",
+                "-",
+            ),
+        )
     for name, ph in (("targeted P2P push", t), ("immediate, from the ready export", i)):
         if "kill_to_active_s" in ph:
             rows.append(
-                (f"H200 checkpoint-engine fleet, {gb} GB: kill -> active, {name}",
-                 f"{ph['kill_to_active_s']} s; no request to the failed group: "
-                 f"{ph['no_request_to_failed_group']}; checksums equal: "
-                 f"{ph['checksums']['equal']}",
-                 "-", _verdict(bool(d.get("ok")))),
-            )  # fmt: skip
+                (
+                    f"H200 checkpoint-engine fleet, {gb} GB: kill -> active, {name}",
+                    f"{ph['kill_to_active_s']} s; no request to the failed group: "
+                    f"{ph['no_request_to_failed_group']}; checksums equal: "
+                    f"{ph['checksums']['equal']}",
+                    "-",
+                    _verdict(bool(d.get("ok"))),
+                ),
+            )
     return rows
 
 
@@ -182,18 +245,27 @@ def _sglang_gpu_hash(d: dict[str, Any]) -> list[Row]:
     kernel = str(d.get("kernel", ""))
     against = "SGLang's Triton kernel" if kernel.startswith("file") else "its own CPU result"
     rows: list[Row] = [
-        (f"H200 SGLang gpu_tensor_hash in torch vs {against}",
-         f"{sum(1 for c in cases if c.get('equal'))}/{len(cases)} cases equal"
-         + (f"; 8 GB equal: {timing['equal']}" if "equal" in timing else ""),
-         "all equal", _verdict(bool(d.get("all_equal")))),
-    ]  # fmt: skip
+        (
+            f"H200 SGLang gpu_tensor_hash in torch vs {against}",
+            f"{sum(1 for c in cases if c.get('equal'))}/{len(cases)} cases equal"
+            + (f"; 8 GB equal: {timing['equal']}" if "equal" in timing else ""),
+            "all equal",
+            _verdict(bool(d.get("all_equal"))),
+        ),
+    ]
     for key, what in (
         ("ours_one_tensor_s", "one 8 GB tensor"),
         ("ours_model_digest_398_tensors_s", "8 GB as 398 tensors (model digest)"),
     ):
         if key in timing:
-            rows.append((f"H200 sglang-gpu digest of {what}", f"{timing[key]} s", "<= 0.5 s",
-                         _verdict(timing[key] <= 0.5)))  # fmt: skip
+            rows.append(
+                (
+                    f"H200 sglang-gpu digest of {what}",
+                    f"{timing[key]} s",
+                    "<= 0.5 s",
+                    _verdict(timing[key] <= 0.5),
+                )
+            )
     return rows
 
 
@@ -201,30 +273,47 @@ def _checkpoint_engine_gpu(d: dict[str, Any]) -> list[Row]:
     ph = d["phases"]
     ov = ph["overhead"]
     rows = [
-        ("H200 checkpoint-engine raw register / update (median)",
-         f"{_median(ph['raw']['register_s']):.2f} s / {_median(ph['raw']['update_s']):.2f} s",
-         "-", "-"),
-        ("H200 CheckpointEngineTransport register / update (median)",
-         f"{_median(ph['ours']['register_s']):.2f} s / {_median(ph['ours']['update_s']):.2f} s",
-         "-", "-"),
-        ("H200 CheckpointEngineTransport overhead over raw",
-         f"{ov['ratio'] * 100:+.0f}%", "<= +10%", _verdict(ov["within_target"])),
-    ]  # fmt: skip
+        (
+            "H200 checkpoint-engine raw register / update (median)",
+            f"{_median(ph['raw']['register_s']):.2f} s / {_median(ph['raw']['update_s']):.2f} s",
+            "-",
+            "-",
+        ),
+        (
+            "H200 CheckpointEngineTransport register / update (median)",
+            f"{_median(ph['ours']['register_s']):.2f} s / {_median(ph['ours']['update_s']):.2f} s",
+            "-",
+            "-",
+        ),
+        (
+            "H200 CheckpointEngineTransport overhead over raw",
+            f"{ov['ratio'] * 100:+.0f}%",
+            "<= +10%",
+            _verdict(ov["within_target"]),
+        ),
+    ]
     ipc = ph.get("ipc")
     if ipc and "checkpoint_engine_over_ipc" in ipc:
         rows.append(
-            ("H200 ipc vs CheckpointEngineTransport, register+update, same run",
-             f"{ipc['total_median_s'] * 1000:.0f} ms vs "
-             f"{ipc['checkpoint_engine_total_median_s']:.2f} s = "
-             f"{ipc['checkpoint_engine_over_ipc']:.0f}x",
-             ">= 50x", _verdict(ipc["within_target"])),
-        )  # fmt: skip
+            (
+                "H200 ipc vs CheckpointEngineTransport, register+update, same run",
+                f"{ipc['total_median_s'] * 1000:.0f} ms vs "
+                f"{ipc['checkpoint_engine_total_median_s']:.2f} s = "
+                f"{ipc['checkpoint_engine_over_ipc']:.0f}x",
+                ">= 50x",
+                _verdict(ipc["within_target"]),
+            ),
+        )
     for s in ph.get("bucket_sweep", []):
         rows.append(
-            (f"H200 checkpoint-engine peak extra GPU memory, bucket cap {s['bucket_cap_gib']} GiB",
-             f"{s['process_peak_extra_mib'] / 1024:.1f} GiB (update {s['update_s']:.2f} s)",
-             "-", "-"),
-        )  # fmt: skip
+            (
+                "H200 checkpoint-engine peak extra GPU memory, bucket cap "
+                f"{s['bucket_cap_gib']} GiB",
+                f"{s['process_peak_extra_mib'] / 1024:.1f} GiB (update {s['update_s']:.2f} s)",
+                "-",
+                "-",
+            ),
+        )
     return rows
 
 
@@ -274,37 +363,58 @@ def _recovery(d: dict[str, Any]) -> list[Row]:
         total = s["crash_to_active"]
         warm = mode.startswith("warm")
         rows.append(
-            (f"{name}: crash -> active with current weights, p50 / p95 / max over {total['n']} "
-             f"crashes at random points of {cfg['rollout_s']:g} s rollouts "
-             f"({s['right_after_recovery']} right after the previous recovery), "
-             f"{d['host']['cpus']} cpus",
-             ppm(total), f"p95 <= {target:g} s" if warm else "-",
-             _verdict(total["p95"] <= target) if warm else "-")
-        )  # fmt: skip
+            (
+                f"{name}: crash -> active with current weights, p50 / p95 / max over {total['n']} "
+                f"crashes at random points of {cfg['rollout_s']:g} s rollouts "
+                f"({s['right_after_recovery']} right after the previous recovery), "
+                f"{d['host']['cpus']} cpus",
+                ppm(total),
+                f"p95 <= {target:g} s" if warm else "-",
+                _verdict(total["p95"] <= target) if warm else "-",
+            )
+        )
         parts = s["parts"]
         rows.append(
-            (f"{name}: parts p50 / p95: detection, restart, weight load, push, other",
-             ", ".join(f"{parts[p]['p50']:.2f}/{parts[p]['p95']:.2f}" for p in
-                       ("detection_s", "restart_s", "weight_load_s", "push_s", "other_s"))
-             + " s", "-", "-")
-        )  # fmt: skip
+            (
+                f"{name}: parts p50 / p95: detection, restart, weight load, push, other",
+                ", ".join(
+                    f"{parts[p]['p50']:.2f}/{parts[p]['p95']:.2f}"
+                    for p in ("detection_s", "restart_s", "weight_load_s", "push_s", "other_s")
+                )
+                + " s",
+                "-",
+                "-",
+            )
+        )
         for src, x in s["by_restart_source"].items():
             rows.append(
-                (f"{name}: restart from {src} (n={x['crash_to_active']['n']}): crash -> active",
-                 ppm(x["crash_to_active"]), "-", "-")
-            )  # fmt: skip
+                (
+                    f"{name}: restart from {src} (n={x['crash_to_active']['n']}): crash -> active",
+                    ppm(x["crash_to_active"]),
+                    "-",
+                    "-",
+                )
+            )
     checks = d["checks"]
     rows.append(
-        ("recoveries ended active with the trainer's weights (checksums)",
-         "all" if checks["ok"] else f"{len(checks['failures'])} failed", "all",
-         _verdict(checks["ok"]))
-    )  # fmt: skip
+        (
+            "recoveries ended active with the trainer's weights (checksums)",
+            "all" if checks["ok"] else f"{len(checks['failures'])} failed",
+            "all",
+            _verdict(checks["ok"]),
+        )
+    )
     load = d["host"].get("loadavg_1m_at_crashes")
     if load:
         rows.append(
-            (f"recovery bench: 1-min load average at the crashes, p50 / max ({d['host']['cpus']} "
-             "cpus shared with other work)", f"{load['p50']:.2f} / {load['max']:.2f}", "-", "-")
-        )  # fmt: skip
+            (
+                "recovery bench: 1-min load average at the crashes, p50 / max "
+                f"({d['host']['cpus']} cpus shared with other work)",
+                f"{load['p50']:.2f} / {load['max']:.2f}",
+                "-",
+                "-",
+            )
+        )
     return rows
 
 
@@ -375,12 +485,16 @@ def _profile_ipc_gpu(d: dict[str, Any]) -> list[Row]:
     for r in d.get("run3_hybrid", []):
         f = r["fresh"]
         rows.append(
-            (f"H200 CUDA-IPC parts without engine/HTTP, 8 GB, {r['bucket_mib']}"
-             + (" MiB buckets" if isinstance(r["bucket_mib"], int) else ""),
-             f"round trip {f['round_trip_s'] * 1000:.1f} ms: open {f['open_s'] * 1000:.1f}, "
-             f"copy {f['copy_s'] * 1000:.1f}, close {f['close_s'] * 1000:.1f} ms "
-             f"(d2d {d['d2d_copy_s'] * 1000:.1f} ms)", "-", "-"),
-        )  # fmt: skip
+            (
+                f"H200 CUDA-IPC parts without engine/HTTP, 8 GB, {r['bucket_mib']}"
+                + (" MiB buckets" if isinstance(r["bucket_mib"], int) else ""),
+                f"round trip {f['round_trip_s'] * 1000:.1f} ms: open {f['open_s'] * 1000:.1f}, "
+                f"copy {f['copy_s'] * 1000:.1f}, close {f['close_s'] * 1000:.1f} ms "
+                f"(d2d {d['d2d_copy_s'] * 1000:.1f} ms)",
+                "-",
+                "-",
+            ),
+        )
     return rows
 
 
@@ -393,48 +507,75 @@ def _multi_gpu(d: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     if "nccl_ratio_vs_raw_shared" in s:
         rows.append(
-            (f"{gpus} GPU nccl transport vs raw broadcast{size}{note}",
-             f"{s['nccl_ratio_vs_raw_shared']:.2f}x ({s['nccl_gb_s_total']} GB/s)",
-             ">= 0.7x on 2+ GPUs", "-" if note else _verdict(s["nccl_within_70pct"])),
-        )  # fmt: skip
+            (
+                f"{gpus} GPU nccl transport vs raw broadcast{size}{note}",
+                f"{s['nccl_ratio_vs_raw_shared']:.2f}x ({s['nccl_gb_s_total']} GB/s)",
+                ">= 0.7x on 2+ GPUs",
+                "-" if note else _verdict(s["nccl_within_70pct"]),
+            ),
+        )
     # the best row of each trainer layout (a flat buffer, or separately allocated tensors)
-    sweep = [r for r in d.get("phases", {}).get("nccl", {}).get("transport", [])
-             if "ratio_vs_raw_shared" in r and "error" not in r]  # fmt: skip
+    sweep = [
+        r
+        for r in d.get("phases", {}).get("nccl", {}).get("transport", [])
+        if "ratio_vs_raw_shared" in r and "error" not in r
+    ]
     layouts = sorted({r.get("weights_layout", "separate") for r in sweep})
     for lay in layouts if len(layouts) > 1 else []:
-        best = max((r for r in sweep if r.get("weights_layout", "separate") == lay),
-                   key=lambda r: r["ratio_vs_raw_shared"])  # fmt: skip
+        best = max(
+            (r for r in sweep if r.get("weights_layout", "separate") == lay),
+            key=lambda r: r["ratio_vs_raw_shared"],
+        )
         rows.append(
-            (f"{gpus} GPU nccl, best {lay} layout{size}{note}",
-             f"{best['ratio_vs_raw_shared']:.2f}x with {best['bucket_mib']:g} MiB buckets "
-             f"({best['buckets']} calls"
-             + (f", unpacked_min_bytes {best['unpacked_min_bytes']}" if lay == "separate" else "")
-             + f"); {best['update_s'] * 1000:.1f} ms", ">= 0.7x on 2+ GPUs",
-             "-" if note else _verdict(best["ratio_vs_raw_shared"] >= 0.7)),
-        )  # fmt: skip
+            (
+                f"{gpus} GPU nccl, best {lay} layout{size}{note}",
+                f"{best['ratio_vs_raw_shared']:.2f}x with {best['bucket_mib']:g} MiB buckets "
+                f"({best['buckets']} calls"
+                + (
+                    f", unpacked_min_bytes {best['unpacked_min_bytes']}"
+                    if lay == "separate"
+                    else ""
+                )
+                + f"); {best['update_s'] * 1000:.1f} ms",
+                ">= 0.7x on 2+ GPUs",
+                "-" if note else _verdict(best["ratio_vs_raw_shared"] >= 0.7),
+            ),
+        )
     if "ce_world" in s:
         rows.append(
-            (f"{gpus} GPU checkpoint-engine, world {s['ce_world']}, broadcast: register / update",
-             f"{s['ce_register_s']:.2f} s / {s['ce_update_s']:.2f} s; checksums equal: "
-             f"{s['ce_checksums_equal']}; P2P: {str(s.get('ce_p2p', '-'))[:60]}", "-", "-"),
-        )  # fmt: skip
+            (
+                f"{gpus} GPU checkpoint-engine, world {s['ce_world']}, broadcast: "
+                "register / update",
+                f"{s['ce_register_s']:.2f} s / {s['ce_update_s']:.2f} s; checksums equal: "
+                f"{s['ce_checksums_equal']}; P2P: {str(s.get('ce_p2p', '-'))[:60]}",
+                "-",
+                "-",
+            ),
+        )
     if s.get("ce_p2p_s") is not None:
         ce = d.get("phases", {}).get("checkpoint_engine", {})
         checks = ce.get("checks", {})
         rows.append(
-            (f"{gpus} GPU checkpoint-engine P2P of a new version to the engines past the first "
-             f"only, vs the same run's broadcast{note and ' (one-GPU rehearsal: tiny set)'}",
-             f"{s['ce_p2p_s']:.2f} s ({s['ce_p2p_gb_s']} GB/s) = "
-             f"{s['ce_p2p_over_broadcast_time']}x the broadcast; first engine kept serving its "
-             f"version: {checks.get('gpu0_version_unchanged')}",
-             "checks: checksums, versions, first engine served", _verdict(bool(ce.get("ok")))),
-        )  # fmt: skip
+            (
+                f"{gpus} GPU checkpoint-engine P2P of a new version to the engines past the first "
+                f"only, vs the same run's broadcast{note and ' (one-GPU rehearsal: tiny set)'}",
+                f"{s['ce_p2p_s']:.2f} s ({s['ce_p2p_gb_s']} GB/s) = "
+                f"{s['ce_p2p_over_broadcast_time']}x the broadcast; first engine kept serving its "
+                f"version: {checks.get('gpu0_version_unchanged')}",
+                "checks: checksums, versions, first engine served",
+                _verdict(bool(ce.get("ok"))),
+            ),
+        )
     if "recovery_kill_to_active_s" in s:
         rows.append(
-            (f"{gpus} GPU targeted recovery kill -> active ({s['recovery_strategy']}){note}",
-             f"{s['recovery_kill_to_active_s']:.1f} s; no request to the failed group: "
-             f"{s['recovery_no_request_to_failed_group']}", "-", "-"),
-        )  # fmt: skip
+            (
+                f"{gpus} GPU targeted recovery kill -> active ({s['recovery_strategy']}){note}",
+                f"{s['recovery_kill_to_active_s']:.1f} s; no request to the failed group: "
+                f"{s['recovery_no_request_to_failed_group']}",
+                "-",
+                "-",
+            ),
+        )
     return rows
 
 
@@ -449,10 +590,13 @@ def _multi_gpu_check(d: dict[str, Any]) -> list[Row]:
         for r in rows
     )
     return [
-        (f"{gpus} GPU nccl checksum check after {check.get('after', '?')}",
-         f"checksums equal: {check.get('equal')}; ratios (bucket/unpacked_min_bytes) {ratios}",
-         "-", "-"),
-    ]  # fmt: skip
+        (
+            f"{gpus} GPU nccl checksum check after {check.get('after', '?')}",
+            f"checksums equal: {check.get('equal')}; ratios (bucket/unpacked_min_bytes) {ratios}",
+            "-",
+            "-",
+        ),
+    ]
 
 
 def _trl_grpo_gpu(d: dict[str, Any]) -> list[Row]:
@@ -463,15 +607,27 @@ def _trl_grpo_gpu(d: dict[str, Any]) -> list[Row]:
     syncs = ", ".join(f"{t} s" for t in d["sync_s"])
     crash = d["crash"]
     return [
-        (f"{d['env']['gpu']}: TRL {d['env']['trl']} GRPO, {d['steps']} steps, checks "
-         "(weights equal after every sync, SIGKILL recovered, versions, logprobs)",
-         f"{held} of {len(checks)} true", "all", _verdict(held == len(checks))),
-        (f"{d['env']['gpu']}: TRL sync of {gb} GB over nccl to 2 vLLM-dialect engines, "
-         "per step", syncs, "-", "-"),
-        ("TRL run: engine SIGKILLed mid-generation, kill -> active",
-         f"{crash['kill_to_active_s']} s ({crash['continued_completions']} completions "
-         "continued)", "-", "-"),
-    ]  # fmt: skip
+        (
+            f"{d['env']['gpu']}: TRL {d['env']['trl']} GRPO, {d['steps']} steps, checks "
+            "(weights equal after every sync, SIGKILL recovered, versions, logprobs)",
+            f"{held} of {len(checks)} true",
+            "all",
+            _verdict(held == len(checks)),
+        ),
+        (
+            f"{d['env']['gpu']}: TRL sync of {gb} GB over nccl to 2 vLLM-dialect engines, per step",
+            syncs,
+            "-",
+            "-",
+        ),
+        (
+            "TRL run: engine SIGKILLed mid-generation, kill -> active",
+            f"{crash['kill_to_active_s']} s ({crash['continued_completions']} completions "
+            "continued)",
+            "-",
+            "-",
+        ),
+    ]
 
 
 def _median(values: list[float]) -> float:

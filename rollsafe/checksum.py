@@ -37,6 +37,8 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
+from rollsafe.errors import InvalidArgument
+
 if TYPE_CHECKING:  # torch is imported where tensors are hashed: engine clients stay torch-free
     import torch
 
@@ -99,7 +101,7 @@ def algorithm_for(dialect: str, device: str | torch.device | None) -> Algorithm:
     if dialect == "vllm":
         return "vllm"
     if dialect != "sglang":
-        raise ValueError(f"dialect must be 'sglang' or 'vllm', got {dialect!r}")
+        raise InvalidArgument("dialect", f"dialect must be 'sglang' or 'vllm', got {dialect!r}")
     if device is None:
         return "sglang-gpu"
     return "sglang-gpu" if str(device).split(":")[0] == "cuda" else "sglang-cpu"
@@ -108,7 +110,9 @@ def algorithm_for(dialect: str, device: str | torch.device | None) -> Algorithm:
 def resolve_algorithm(algorithm: str, tensor: torch.Tensor) -> Algorithm:
     """``"sglang"`` resolved for ``tensor``'s device (as SGLang's ``tensor_hash``); others as-is."""
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {algorithm!r}")
+        raise InvalidArgument(
+            "algorithm", f"algorithm must be one of {list(ALGORITHMS)}, got {algorithm!r}"
+        )
     if algorithm == "sglang":
         return "sglang-gpu" if tensor.is_cuda else "sglang-cpu"
     return cast(Algorithm, algorithm)
@@ -364,7 +368,9 @@ def weights_checksum(
     the same way. A duplicated name raises ``ValueError``.
     """
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {algorithm!r}")
+        raise InvalidArgument(
+            "algorithm", f"algorithm must be one of {list(ALGORITHMS)}, got {algorithm!r}"
+        )
     import torch
 
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
@@ -374,7 +380,7 @@ def weights_checksum(
     pending: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in items:
         if name in digests:
-            raise ValueError(f"weights_checksum: tensor name {name!r} appears twice")
+            raise InvalidArgument(name, f"weights_checksum: tensor name {name!r} appears twice")
         if algorithm.startswith("sglang") and sglang_skips(name):
             continue
         algo = resolve_algorithm(algorithm, tensor)

@@ -210,9 +210,12 @@ def tensors_from_snapshot(snapshot: dict[str, Any]) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
         for name, dtype, shape, arr in zip(
-            snapshot["names"], snapshot["dtypes"], snapshot["shapes"], snapshot["arrays"],
+            snapshot["names"],
+            snapshot["dtypes"],
+            snapshot["shapes"],
+            snapshot["arrays"],
             strict=True,
-        ):  # fmt: skip
+        ):
             flat = torch.from_numpy(arr)
             out[name] = flat.view(getattr(torch, dtype)).reshape(shape)
     return out

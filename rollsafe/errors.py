@@ -1,16 +1,19 @@
 """One root for every rollsafe exception: ``except RollsafeError`` catches any of them.
 
 Owns :class:`RollsafeError`, the errors of the wire layer (which sits below everything else)
-and :class:`MissingExtra`. Every other exception class stays in the module that raises it and
-derives from :class:`RollsafeError` (directly or through its layer's root), keeping the
-built-in base callers already catch (``ValueError``, ``RuntimeError``, ``KeyError``,
-``TimeoutError``, python-statemachine's ``TransitionNotAllowed``). Imports nothing but the
-standard library.
+and the two that any layer raises: :class:`MissingExtra` and :class:`InvalidArgument` (a
+caller's bad input, naming its ``key``). Every other exception class stays in the module
+that raises it and derives from :class:`RollsafeError` (directly or through its layer's
+root), keeping the built-in base callers already catch (``ValueError``, ``RuntimeError``,
+``KeyError``, ``TimeoutError``, python-statemachine's ``TransitionNotAllowed``). Imports nothing
+but the standard library.
 
 The tree (other bases in brackets, then where the class lives)::
 
     RollsafeError
     ├── MissingExtra [ImportError]                    rollsafe.errors
+    ├── InvalidArgument [ValueError]                  rollsafe.errors (a caller's input)
+    │   └── FleetConfigError                          rollsafe.fleet (also a FleetError)
     ├── BucketFormatError [ValueError]                rollsafe.errors (wire)
     ├── HFIndexError [ValueError]                     rollsafe.wire.hf_index
     ├── UnsafePayload [ValueError]                    rollsafe.wire.unpickle
@@ -45,11 +48,11 @@ The tree (other bases in brackets, then where the class lives)::
     │   └── EngineStartError
     │       └── EngineStartTimeout
     ├── ContractError, UnsupportedVersion [ValueError] rollsafe.adapters.engines.contract
-    ├── EngineError                                   rollsafe.adapters.reference_engine (server)
+    ├── ServerError                                   rollsafe.adapters.reference_engine (server)
     │   ├── BadRequest
     │   │   └── LimitExceeded, WeightUpdateError, Unsupported
     │   ├── RequestTimeout, StartupError, WorkerFailed, EngineDead
-    │   └── EngineUnavailable
+    │   └── ServerUnavailable
     │       └── EngineBusy, EnginePaused, RankFailure, BodyBudgetExceeded
     ├── HandoffError [ValueError]                     rollsafe.adapters.reference_engine
     ├── LayoutError [ValueError]                      rollsafe.engine_layout
@@ -57,7 +60,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── FleetError                                    rollsafe.fleet
     │   ├── UnknownGroup [KeyError]
     │   ├── DuplicateGroup, OverlappingRanks, FleetVersionRegression [ValueError]
-    │   ├── FleetConfigError [ValueError], FleetNotStarted [RuntimeError]
+    │   ├── FleetConfigError [InvalidArgument], FleetNotStarted [RuntimeError]
     │   ├── RouterError
     │   │   └── NoRoutableGroup, RequestFailed
     │   │                          └── ContinuationFailed
@@ -78,7 +81,7 @@ this tree.
 
 from __future__ import annotations
 
-__all__ = ["BucketFormatError", "MissingExtra", "RollsafeError"]
+__all__ = ["BucketFormatError", "InvalidArgument", "MissingExtra", "RollsafeError"]
 
 
 class RollsafeError(Exception):
@@ -96,6 +99,17 @@ class MissingExtra(RollsafeError, ImportError):
             f"pip install 'rollsafe[{extra}]'",
             name=module,
         )
+
+
+class InvalidArgument(RollsafeError, ValueError):
+    """A caller's input is refused before anything changed: an argument, a config value, a
+    path or a rank. ``key`` names it (``bucket_bytes``, ``ranks``, ``export_root``); the
+    message says what was wrong and names the key too. The one shape of "bad argument"
+    everywhere in rollsafe; :class:`~rollsafe.fleet.FleetConfigError` is the fleet config's."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(message)
 
 
 class BucketFormatError(RollsafeError, ValueError):

@@ -19,8 +19,7 @@ fleet calls them directly and never probes with ``getattr``/``hasattr`` (docs/ar
 "Ports and their capabilities"; ``tests/test_ports_capabilities.py`` checks both).
 
 Imports neither torch nor httpx (nor python-statemachine at run time): importing it is free.
-The old import paths (``rollsafe.adapters.engines.client``, ``rollsafe.transports.base``,
-``rollsafe.fleet.recovery``) re-export these names.
+This module is the one import path of these names (``tests/test_import_paths.py``).
 """
 
 from __future__ import annotations

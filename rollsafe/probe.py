@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollsafe.errors import RollsafeError
+from rollsafe.errors import InvalidArgument, RollsafeError
 from rollsafe.ports import GenerateResult
 
 __all__ = [
@@ -136,7 +136,9 @@ class ProbeVerdict:
 def probe_sampling(dialect: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> dict[str, Any]:
     """Greedy, fixed-length sampling parameters; vLLM also returns each token's logprob."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        raise InvalidArgument(
+            "max_new_tokens", f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}"
+        )
     params: dict[str, Any] = {
         "temperature": 0.0,
         "max_new_tokens": max_new_tokens,
@@ -171,7 +173,9 @@ def record_answers(
     empty one.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("record_answers needs at least one prompt and no empty prompt")
+        raise InvalidArgument(
+            "prompts", "record_answers: prompts must hold at least one prompt and no empty one"
+        )
     sampling = probe_sampling(engine.dialect, max_new_tokens)
     out = []
     for prompt in prompts:
@@ -197,7 +201,9 @@ def compare_answers(
     """Compare an engine's answers with the reference's, prompt by prompt: tokens exactly,
     logprobs within ``logprob_tolerance`` (0: bit-exact) where both sides report them."""
     if [a.prompt for a in reference.answers] != [a.prompt for a in got.answers]:
-        raise ValueError("compare_answers: the two recordings are of different prompts")
+        raise InvalidArgument(
+            "prompts", "compare_answers: the two recordings are of different prompts"
+        )
     mismatches: list[ProbeMismatch] = []
     compared = True
     for i, (want, have) in enumerate(zip(reference.answers, got.answers, strict=True)):

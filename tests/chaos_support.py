@@ -57,9 +57,13 @@ class RecordingLauncher(EngineLauncher):
             record.export_problems = self.journal.check_export(model_path)
         self.journal.restarts.append(record)
         return super().restart(
-            model_path, tokenizer_path, load_format, skip_load_weights,
-            weight_version=weight_version, stop_timeout=stop_timeout,
-        )  # fmt: skip
+            model_path,
+            tokenizer_path,
+            load_format,
+            skip_load_weights,
+            weight_version=weight_version,
+            stop_timeout=stop_timeout,
+        )
 
 
 @dataclass

@@ -13,14 +13,9 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from rollsafe.adapters.engines import (
-    EngineError,
-    EngineNotSupported,
-    GenerateResult,
-    WeightsChecksum,
-)
-from rollsafe.adapters.engines.client import Dialect, MemoryTag, PauseMode
+from rollsafe.adapters.engines import EngineError, EngineNotSupported
 from rollsafe.fleet import FleetRegistry
+from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode, WeightsChecksum
 
 
 class SimEngineClient:

@@ -169,9 +169,14 @@ def failed_push_left_pending(
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {
     name: getattr(policy, name)
-    for name in ("settle_update", "judge_probe", "proceed_after_register", "plan_retention",
-                 "choose_strategy")
-}  # fmt: skip
+    for name in (
+        "settle_update",
+        "judge_probe",
+        "proceed_after_register",
+        "plan_retention",
+        "choose_strategy",
+    )
+}
 
 
 def policy_original(name: str) -> Callable[..., Any]:
@@ -182,27 +187,40 @@ def policy_original(name: str) -> Callable[..., Any]:
 #: name -> (policy function replaced, mutant, the smallest model that reaches the bug)
 POLICY_MUTANTS: dict[str, tuple[str, Callable[..., Any], ModelConfig]] = {
     "activate_group_whose_push_failed_for_one_rank": (
-        "settle_update", activate_with_failed_rank, ModelConfig(groups=1, ranks=2),
+        "settle_update",
+        activate_with_failed_rank,
+        ModelConfig(groups=1, ranks=2),
     ),
     "recover_on_the_probe_thread": (
-        "judge_probe", recover_on_probe_thread, ModelConfig(groups=1, ranks=1),
+        "judge_probe",
+        recover_on_probe_thread,
+        ModelConfig(groups=1, ranks=1),
     ),
     "publish_after_a_failed_register": (
-        "proceed_after_register", proceed_after_failed_register, ModelConfig(groups=1, ranks=1),
+        "proceed_after_register",
+        proceed_after_failed_register,
+        ModelConfig(groups=1, ranks=1),
     ),
     "lease_free_delete": ("plan_retention", lease_free_delete, ModelConfig(groups=1, ranks=1)),
     "late_export_used_for_recovery": (
-        "choose_strategy", late_export_for_recovery, ModelConfig(groups=1, ranks=1),
+        "choose_strategy",
+        late_export_for_recovery,
+        ModelConfig(groups=1, ranks=1),
     ),
     "version_pushed_to_a_subset_recorded_fleet_wide": (
         # reached through a "stale" group, which only an engine that keeps its weights has
-        "settle_update", subset_recorded_fleet_wide,
+        "settle_update",
+        subset_recorded_fleet_wide,
         ModelConfig(groups=1, ranks=2, engine="reference"),
     ),
     "stale_policy_trusts_a_failed_vllm_engine": (
-        "settle_update", stale_trusts_a_failed_engine, ModelConfig(groups=1, ranks=1),
+        "settle_update",
+        stale_trusts_a_failed_engine,
+        ModelConfig(groups=1, ranks=1),
     ),
     "failed_push_left_pending_on_vllm": (
-        "after_push", failed_push_left_pending, ModelConfig(groups=1, ranks=1),
+        "after_push",
+        failed_push_left_pending,
+        ModelConfig(groups=1, ranks=1),
     ),
-}  # fmt: skip
+}

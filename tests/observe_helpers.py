@@ -17,10 +17,21 @@ EXPORT = "ExportLifecycle"
 REG = "CheckpointRegistration"
 
 
-def _tr(kind: str, subject: str, machine: str, t: float, event: str, src: str, dst: str,
-        seq: int) -> dict[str, Any]:  # fmt: skip
-    return {"kind": kind, "subject": subject, "machine": machine, "seq": seq, "event": event,
-            "source": src, "target": dst, "timestamp": T0 + t, "t": t, "inputs": {}}  # fmt: skip
+def _tr(
+    kind: str, subject: str, machine: str, t: float, event: str, src: str, dst: str, seq: int
+) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "subject": subject,
+        "machine": machine,
+        "seq": seq,
+        "event": event,
+        "source": src,
+        "target": dst,
+        "timestamp": T0 + t,
+        "t": t,
+        "inputs": {},
+    }
 
 
 def run_rows() -> list[dict[str, Any]]:

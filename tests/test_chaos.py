@@ -182,9 +182,11 @@ def test_a_hung_engine_is_taken_out_and_no_thread_stays_stuck(
 ) -> None:
     before = {t.ident for t in threading.enumerate()}
     fleet, journal = chaos_fleet(
-        tiny_model_dir, tmp_path, [GroupSpec(1), GroupSpec(1)],
+        tiny_model_dir,
+        tmp_path,
+        [GroupSpec(1), GroupSpec(1)],
         health=HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2),
-    )  # fmt: skip
+    )
     fleets.append(fleet)
     assert step(fleet, trainer, 1, seed=4).ok
     ready_export(fleet, 1)
@@ -270,9 +272,12 @@ def test_a_crash_as_the_rollout_ends_is_skipped_then_picked_up(
 ) -> None:
     remaining: list[float | None] = [0.5]
     fleet, journal = chaos_fleet(
-        tiny_model_dir, tmp_path, [GroupSpec(1), GroupSpec(1)],
-        remaining_work_s=lambda: remaining[0], expected_recovery_s=20.0,
-    )  # fmt: skip
+        tiny_model_dir,
+        tmp_path,
+        [GroupSpec(1), GroupSpec(1)],
+        remaining_work_s=lambda: remaining[0],
+        expected_recovery_s=20.0,
+    )
     fleets.append(fleet)
     assert step(fleet, trainer, 1, seed=9).ok
     ready_export(fleet, 1)

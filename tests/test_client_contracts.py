@@ -54,10 +54,17 @@ def _answer(path: str, body: Any) -> Any:
             "checksums": {"w": "00000000000000ff"},
             "per_gpu_checksum": "a" * 64,
             "parallelism_info": {
-                "role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
-                "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1,
+                "role": "target",
+                "tp_rank": 0,
+                "tp_size": 1,
+                "dp_rank": 0,
+                "dp_size": 1,
+                "pp_rank": 0,
+                "pp_size": 1,
+                "rank": 0,
+                "size": 1,
             },
-        }  # fmt: skip
+        }
         return {"success": True, "message": "", "ranks": [rank], "per_engine_checksum": "b" * 64}
     if path == "/weight_checker":
         return {"checksums": {"dp0:pp0:pcp0:tp0:w": "c" * 64}}
@@ -228,10 +235,17 @@ def test_vllm_update_lifecycle_is_one_start_many_updates_one_finish() -> None:
     paths = [p for _, p, _, _ in rec.requests]
     assert paths == [
         "/init_weight_transfer_engine",
-        "/start_weight_update", "/update_weights", "/update_weights", "/update_weights",
-        "/finish_weight_update", "/reset_prefix_cache",
-        "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache",
-    ]  # fmt: skip
+        "/start_weight_update",
+        "/update_weights",
+        "/update_weights",
+        "/update_weights",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+    ]
     finishes = [b for _, p, _, b in rec.requests if p == "/finish_weight_update"]
     assert finishes == [{"weight_version": "7"}, {"weight_version": "8"}]
     init = rec.requests[0][3]["init_info"]
@@ -267,10 +281,11 @@ def test_vllm_group_calls_take_only_the_fixed_group_name() -> None:
     with VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
         for call in (
             lambda: client.init_weights_update_group("127.0.0.1", 29500, 1, 2, group_name="g"),
-            lambda: client.update_weights_from_distributed(["w"], ["float32"], [[4]],
-                                                           group_name="weight_update_group"),
+            lambda: client.update_weights_from_distributed(
+                ["w"], ["float32"], [[4]], group_name="weight_update_group"
+            ),
             lambda: client.destroy_weights_update_group("g"),
-        ):  # fmt: skip
+        ):
             with pytest.raises(EngineNotSupported, match=VLLM_WEIGHT_TRANSFER_GROUP):
                 call()
         assert rec.requests == []
@@ -295,8 +310,15 @@ def test_vllm_has_no_update_weights_from_tensor() -> None:
 def test_contract_check_catches_what_the_old_clients_sent() -> None:
     """The requests rollsafe sent before it was pinned to upstream fail the same check."""
     vllm = load_contract("vllm")
-    old_update = {"update_info": {"names": ["w"], "dtype_names": ["float32"], "shapes": [[4]],
-                                  "packed": True, "weight_version": "3"}}  # fmt: skip
+    old_update = {
+        "update_info": {
+            "names": ["w"],
+            "dtype_names": ["float32"],
+            "shapes": [[4]],
+            "packed": True,
+            "weight_version": "3",
+        }
+    }
     where = {p.where for p in vllm.check_request("POST", "/update_weights", body=old_update)}
     assert {"update_info.packed", "update_info.weight_version"} <= where
     assert vllm.check_request("POST", "/start_weight_update", body={"is_checkpoint_format": True})

@@ -17,9 +17,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("torch")
 
 from rollsafe.adapters.engines import (  # noqa: E402
-    MAX_MESSAGE_CHARS,
     NO_RETRY,
-    EngineClient,
     EngineLauncher,
     EngineRequestError,
     EngineSpec,
@@ -28,8 +26,9 @@ from rollsafe.adapters.engines import (  # noqa: E402
     RetryPolicy,
     SGLangClient,
     VLLMClient,
-    bound_text,
 )
+from rollsafe.ports import EngineClient  # noqa: E402
+from rollsafe.text import MAX_MESSAGE_CHARS, bound_text  # noqa: E402
 
 API_KEY = "rollsafe-test-key"
 PROMPT = [5, 17, 42, 99, 7]
@@ -301,9 +300,13 @@ def test_update_weights_from_distributed_over_gloo(
         )
     )
     trainer = open_weight_update_group(
-        master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name=group,
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name=group,
         timeout_s=60,
-    )  # fmt: skip
+    )
     joining.join(60)
     assert not errors, errors
 
@@ -348,7 +351,8 @@ def test_tensor_and_ipc_payloads_reach_the_engine(sglang_engine: EngineLauncher)
 
 
 def test_shutdown_closes_the_client_for_good() -> None:
-    from rollsafe.adapters.engines import EngineClient, EngineUnavailable, SGLangClient
+    from rollsafe.adapters.engines import EngineUnavailable, SGLangClient
+    from rollsafe.ports import EngineClient
 
     client = SGLangClient("http://127.0.0.1:9")
     assert isinstance(client, EngineClient)

@@ -297,9 +297,11 @@ def test_group_failing_requests_but_passing_probes_is_taken_out(
     tmp_path: Path,
 ) -> None:
     with _fleet(
-        tiny_model_dir, tmp_path, engine_options={"fault_injection": True},
+        tiny_model_dir,
+        tmp_path,
+        engine_options={"fault_injection": True},
         recovery=_no_restarts(),
-    ) as fleet:  # fmt: skip
+    ) as fleet:
         launcher = fleet.launcher("g1")
         for _ in range(10):  # every /generate on g1 answers 500; /health still passes
             r = httpx.post(f"{launcher.url}/fault/fail_next", json={"endpoint": "/generate"})

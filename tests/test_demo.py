@@ -66,8 +66,12 @@ def test_demo_small_run_recovers_and_checksums_match(tmp_path: Path, transport: 
     out = tmp_path / "report"
     result = subprocess.run(
         _demo_cmd(*SMALL, "--transport", transport, "--out", str(out)),
-        capture_output=True, text=True, timeout=300, check=False, cwd=str(ROOT),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=str(ROOT),
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     for name in ("timeline.jsonl", "paths.md", "summary.json"):
         assert (out / name).is_file(), name
@@ -121,12 +125,25 @@ def test_demo_small_run_recovers_and_checksums_match(tmp_path: Path, transport: 
 def test_demo_sigterm_mid_rollout_shuts_everything_down(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         _demo_cmd(
-            "--steps", "2", "--groups", "2", "--crash-at", "0", "--rollout-s", "60",
-            "--workers", "1", "--out", str(tmp_path / "report"),
+            "--steps",
+            "2",
+            "--groups",
+            "2",
+            "--crash-at",
+            "0",
+            "--rollout-s",
+            "60",
+            "--workers",
+            "1",
+            "--out",
+            str(tmp_path / "report"),
         ),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(ROOT),
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     lines: queue.Queue[str] = queue.Queue()
     seen: list[str] = []
 
@@ -195,8 +212,12 @@ def test_trainer_host_snapshot_round_trips_without_copy(tmp_path: Path) -> None:
 def test_embed_in_trainer_example_runs() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "embed_in_trainer.py"), "--steps", "2"],
-        capture_output=True, text=True, timeout=120, check=False, cwd=str(ROOT),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=str(ROOT),
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2:" in result.stdout and "engines match trainer: True" in result.stdout
 

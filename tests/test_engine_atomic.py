@@ -46,7 +46,7 @@ from rollsafe.adapters.reference_engine.model import (
 )
 from rollsafe.adapters.reference_engine.ranks import RankSet
 from rollsafe.checksum import weights_checksum
-from rollsafe.transports.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
+from rollsafe.wire.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
 
 SETUP_DEADLINE_S = 2.0
 #: how late past its deadline a setup may answer (one poll interval plus the cleanup round trip)

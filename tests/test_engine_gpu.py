@@ -5,7 +5,7 @@ group is gloo over host copies: NCCL refuses two ranks on one device). Everythin
 so greedy ids equal ``transformers`` greedy on the same GPU; a difference is accepted only where
 the reference itself has a near-tie (top-2 logits within ``TIE_TOLERANCE``), after which the two
 sequences legitimately diverge. Weight updates are sent from this process as flattened buckets
-of CUDA tensors (CUDA IPC handles, :mod:`rollsafe.transports.bucket`), one entry per rank.
+of CUDA tensors (CUDA IPC handles, :mod:`rollsafe.wire.bucket`), one entry per rank.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from engine_helpers import (
 from test_engine_sglang import PROMPT, hf_state
 
 from rollsafe.checksum import weights_checksum
-from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+from rollsafe.wire.bucket import pack_buckets, serialize_bucket
 
 pytestmark = pytest.mark.gpu
 
@@ -236,9 +236,13 @@ def test_receive_overlaps_the_previous_copy_without_overwriting_it() -> None:
         dests = []
         for call in range(6):
             named = receive_broadcast(
-                _SlowCudaGroup(float(call + 1), 2_000_000), meta, flattened=True,
-                device=dev, buffers=bufs, stream=side,
-            )  # fmt: skip
+                _SlowCudaGroup(float(call + 1), 2_000_000),
+                meta,
+                flattened=True,
+                device=dev,
+                buffers=bufs,
+                stream=side,
+            )
             # the commit: a copy that starts late on the current stream, not waited for
             torch.cuda._sleep(20_000_000)
             dest = {n: torch.empty_like(t) for n, t in named}
@@ -249,8 +253,10 @@ def test_receive_overlaps_the_previous_copy_without_overwriting_it() -> None:
             bufs.mark_read(copied if tell_copies else None)
             dests.append(dest)
         torch.cuda.synchronize(dev)
-        return [all(bool((t == call + 1).all()) for t in dest.values())
-                for call, dest in enumerate(dests)]  # fmt: skip
+        return [
+            all(bool((t == call + 1).all()) for t in dest.values())
+            for call, dest in enumerate(dests)
+        ]
 
     bufs = ReceiveBuffers(slots=2)
     assert run(bufs, tell_copies=True) == [True] * 6  # every call kept its own data

@@ -48,16 +48,25 @@ BODY_IDLE = 1.0
 MAX_BODY = 4 << 20
 MAX_INFLIGHT_BODY = 70 << 20  # the 32 concurrent 2 MiB bodies below fit
 LIMIT_ARGS = [
-    "--max-prompts-per-request", str(MAX_PROMPTS),
-    "--max-total-new-tokens", str(MAX_TOTAL_NEW),
-    "--max-concurrent-requests", str(MAX_RUNNING),
-    "--max-connections", str(MAX_CONNECTIONS),
-    "--header-timeout", str(HEADER_TIMEOUT),
-    "--body-timeout", str(BODY_TIMEOUT),
-    "--body-idle-timeout", str(BODY_IDLE),
-    "--max-body-bytes", str(MAX_BODY),
-    "--max-inflight-body-bytes", str(MAX_INFLIGHT_BODY),
-]  # fmt: skip
+    "--max-prompts-per-request",
+    str(MAX_PROMPTS),
+    "--max-total-new-tokens",
+    str(MAX_TOTAL_NEW),
+    "--max-concurrent-requests",
+    str(MAX_RUNNING),
+    "--max-connections",
+    str(MAX_CONNECTIONS),
+    "--header-timeout",
+    str(HEADER_TIMEOUT),
+    "--body-timeout",
+    str(BODY_TIMEOUT),
+    "--body-idle-timeout",
+    str(BODY_IDLE),
+    "--max-body-bytes",
+    str(MAX_BODY),
+    "--max-inflight-body-bytes",
+    str(MAX_INFLIGHT_BODY),
+]
 LONG = {"max_new_tokens": 1000, "ignore_eos": True}  # ~1 s of decoding per prompt
 
 
@@ -503,12 +512,21 @@ HOSTILE: list[tuple[str, bytes, str]] = [
     ("-inf", b'{"input_ids":[1],"sampling_params":{"top_p":-Infinity}}', "Infinity"),
     ("1e400", b'{"input_ids":[1],"sampling_params":{"temperature":1e400}}', "overflows"),
     ("subnormal", b'{"input_ids":[1],"sampling_params":{"temperature":5e-324}}', "subnormal"),
-    ("seed", b'{"input_ids":[1],"sampling_params":{"sampling_seed":18446744073709551616}}',
-     "int64"),
-    ("-seed", b'{"input_ids":[1],"sampling_params":{"sampling_seed":-9223372036854775809}}',
-     "int64"),
-    ("digits", b'{"input_ids":[1],"sampling_params":{"sampling_seed":' + b"9" * 5000 + b"}}",
-     "digits"),
+    (
+        "seed",
+        b'{"input_ids":[1],"sampling_params":{"sampling_seed":18446744073709551616}}',
+        "int64",
+    ),
+    (
+        "-seed",
+        b'{"input_ids":[1],"sampling_params":{"sampling_seed":-9223372036854775809}}',
+        "int64",
+    ),
+    (
+        "digits",
+        b'{"input_ids":[1],"sampling_params":{"sampling_seed":' + b"9" * 5000 + b"}}",
+        "digits",
+    ),
     ("surrogate", b'{"text":"ab\\ud800cd","sampling_params":{"max_new_tokens":2}}', "surrogate"),
     ("surrogate-list", b'{"text":["a","\\udfff"]}', "surrogate"),
     ("surrogate-key", b'{"\\ud800":1}', "surrogate"),
@@ -519,7 +537,7 @@ HOSTILE: list[tuple[str, bytes, str]] = [
     ("array", b"[1, 2]", "JSON object"),
     ("string", b'"text"', "JSON object"),
     ("number", b"3", "JSON object"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("name", "raw", "needle"), HOSTILE, ids=[h[0] for h in HOSTILE])
@@ -638,7 +656,7 @@ def test_a_shared_memory_update_leaves_no_child_of_the_engine(
     sender's: torch starts it in the process that shares memory, see docs/security.md.)"""
     from safetensors.torch import load_file
 
-    from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+    from rollsafe.wire.bucket import pack_buckets, serialize_bucket
 
     state = load_file(str(tiny_model_dir / "model.safetensors"))
     for bucket in pack_buckets(state.items(), bucket_bytes=64 << 10):
@@ -836,9 +854,12 @@ def test_bad_key_sources_and_limits_are_usage_errors(
     assert "without an API key" in _usage(tiny_model_dir, "--host", "0.0.0.0")
     out = _usage(
         tiny_model_dir,
-        "--host", "0.0.0.0", "--max-body-bytes", "1",
+        "--host",
+        "0.0.0.0",
+        "--max-body-bytes",
+        "1",
         env={"ROLLSAFE_API_KEY": KEY},
-    )  # fmt: skip
+    )
     assert "--max-body-bytes" in out
 
 

@@ -33,7 +33,7 @@ from test_engine_sglang import GREEDY, PROMPT, hf_greedy, hf_state
 
 from rollsafe.adapters.reference_engine.bootstrap import START_FAULT_ENV
 from rollsafe.checksum import weights_checksum
-from rollsafe.transports.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
+from rollsafe.wire.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
 
 PROBE_DEADLINE_S = 5.0
 

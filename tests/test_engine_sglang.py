@@ -23,7 +23,7 @@ from engine_helpers import (
 )
 
 from rollsafe.checksum import weights_checksum
-from rollsafe.transports.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
+from rollsafe.wire.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
 PROMPT = [1, 17, 42, 99, 7]

@@ -17,10 +17,13 @@ def test_only_the_reference_sglang_dialect_keeps_weights_after_a_failed_update()
     keeps = {
         (kind, dialect): policy.engine_traits(kind, dialect).failed_update_keeps_weights
         for kind, dialect in [
-            ("reference", "sglang"), ("reference", "vllm"), ("sglang", "sglang"),
-            ("vllm", "vllm"), ("reference", None),
+            ("reference", "sglang"),
+            ("reference", "vllm"),
+            ("sglang", "sglang"),
+            ("vllm", "vllm"),
+            ("reference", None),
         ]
-    }  # fmt: skip
+    }
     assert keeps == {
         ("reference", "sglang"): True,
         ("reference", "vllm"): False,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollsafe.checksum import tensor_digest, weights_checksum
-from rollsafe.transports.bucket import (
+from rollsafe.wire.bucket import (
     BucketFormatError,
     FlatBucket,
     TensorMeta,
@@ -294,14 +294,15 @@ def test_receive_broadcast_reuses_its_buffer_and_drops_it_on_failure(tiny_lm: An
     ptr = first[0][1].data_ptr()
     second = receive_broadcast(_FakeGroup(2.0), meta, flattened=False, device=cpu, buffers=bufs)
     assert second[0][1].data_ptr() == ptr  # same memory: nothing allocated for the second call
-    assert all(bool((t == 2.0).all()) and tuple(t.shape) == s for (_, t), (_, s, _) in
-               zip(second, meta, strict=True))  # fmt: skip
+    assert all(
+        bool((t == 2.0).all()) and tuple(t.shape) == s
+        for (_, t), (_, s, _) in zip(second, meta, strict=True)
+    )
     # flattened calls receive SGLang's uint8 layout: one kept byte buffer, reused when smaller
     packed = receive_broadcast(_FakeGroup(3.0), meta, flattened=True, device=cpu, buffers=bufs)
     u8 = packed[0][1].data_ptr()
     assert u8 != ptr and [n for n, _ in packed] == [n for n, _, _ in meta]
-    smaller = receive_broadcast(_FakeGroup(3.0), meta[:2], flattened=True, device=cpu,
-                                buffers=bufs)  # fmt: skip
+    smaller = receive_broadcast(_FakeGroup(3.0), meta[:2], flattened=True, device=cpu, buffers=bufs)
     assert smaller[0][1].data_ptr() == u8 and bufs.nbytes > 0
     # a broadcast that fails half way: nothing staged, live weights untouched, buffer dropped
     before = weights_checksum(model.local_tensors())

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -105,7 +106,8 @@ def test_fleet_imports_without_the_engine_extra_and_names_it_when_needed() -> No
         """
         import rollsafe.fleet
         from rollsafe.fleet import RolloutFleet, FleetConfig
-        from rollsafe.adapters.engines import EngineClient, EngineError
+        from rollsafe.adapters.engines import EngineError
+        from rollsafe.ports import EngineClient
         from rollsafe.errors import MissingExtra
         try:
             from rollsafe.adapters.engines import EngineLauncher
@@ -139,3 +141,63 @@ def test_missing_extra_is_an_import_error_and_a_rollsafe_error() -> None:
     assert exc.name == "httpx"
     with pytest.raises(RollsafeError, match=r"rollsafe\[engine\]"):
         raise exc
+
+
+def test_no_two_exception_classes_share_a_name() -> None:
+    """One class per name: ``except EngineError`` means the same thing wherever it is written."""
+    by_name: dict[str, list[str]] = {}
+    for qualified, cls in _exception_classes().items():
+        by_name.setdefault(cls.__name__, []).append(qualified)
+    twice = {n: sorted(q) for n, q in by_name.items() if len(q) > 1}
+    assert not twice, f"exception names defined in more than one module: {twice}"
+
+
+def _bad_argument_calls() -> list[tuple[str, Any]]:
+    from rollsafe.adapters.engines import EngineSpec, RetryPolicy, make_client
+    from rollsafe.checksum import algorithm_for
+    from rollsafe.statemachines import CheckpointRegistration, WorkerGroupLifecycle
+    from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
+    from rollsafe.transports import IPCTransport, NCCLTransport
+    from rollsafe.wire.bucket import pack_buckets
+    from rollsafe.wire.shm import new_shared_buffer
+
+    return [
+        ("bucket_bytes", lambda: NCCLTransport(1, bucket_bytes=0)),
+        ("backend", lambda: NCCLTransport(1, backend="mpi")),
+        ("bucket_bytes", lambda: IPCTransport(1, bucket_bytes=-1)),
+        ("bucket_bytes", lambda: list(pack_buckets([], bucket_bytes=0))),
+        ("nbytes", lambda: new_shared_buffer(0)),
+        ("dialect", lambda: algorithm_for("trt", "cpu")),
+        ("world_size", lambda: CheckpointRegistration(0)),
+        ("ranks", lambda: WorkerGroupLifecycle([])),
+        ("ranks", lambda: WorkerGroupLifecycle([0, 0])),
+        ("restart_budget", lambda: WorkerGroupLifecycle([0], restart_budget=-1)),
+        ("rearm_after", lambda: ImmediateRecoveryMode(rearm_after=0)),
+        ("EngineSpec.ranks", lambda: EngineSpec(model_path="m", ranks=0)),
+        ("EngineSpec.port", lambda: EngineSpec(model_path="m", port=70000)),
+        ("RetryPolicy.max_backoff_s", lambda: RetryPolicy(max_backoff_s=-1.0)),
+        ("dialect", lambda: make_client("trt", "http://127.0.0.1:1")),  # type: ignore[arg-type]
+    ]
+
+
+@pytest.mark.parametrize("index", range(15))
+def test_a_refused_argument_is_a_named_error_carrying_its_key(index: int) -> None:
+    """One shape for bad input: :class:`InvalidArgument` (still a ``ValueError``) with ``key``,
+    and the message names the key."""
+    from rollsafe.errors import InvalidArgument
+
+    key, call = _bad_argument_calls()[index]
+    with pytest.raises(InvalidArgument) as info:
+        call()
+    assert info.value.key == key and key in str(info.value)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, RollsafeError)
+
+
+def test_the_fleet_config_error_is_an_invalid_argument() -> None:
+    from rollsafe.errors import InvalidArgument
+    from rollsafe.fleet import FleetConfigError, FleetError, NcclSettings
+
+    with pytest.raises(InvalidArgument) as info:
+        NcclSettings(bucket_bytes=0)
+    assert isinstance(info.value, FleetConfigError) and isinstance(info.value, FleetError)
+    assert info.value.key == "nccl.bucket_bytes"

@@ -26,6 +26,7 @@ import torch
 from fleet_sim import SimEngineClient, make_fleet
 
 from rollsafe.fleet import (
+    CheckpointEngineSettings,
     FleetConfig,
     FleetConfigError,
     FleetRegistry,
@@ -34,10 +35,10 @@ from rollsafe.fleet import (
     RolloutFleet,
     SyncCoordinator,
 )
+from rollsafe.ports import EngineTarget
 from rollsafe.transports import (
     CheckpointEngineFleetTransport,
     CheckpointEngineTransport,
-    EngineTarget,
     NCCLTransport,
     P2PUnavailable,
     RegisterError,
@@ -222,36 +223,39 @@ def config(tmp_path: Path, **kw: Any) -> FleetConfig:
 @pytest.mark.parametrize(
     ("kw", "key"),
     [
-        ({"ce_bucket_bytes": 0}, "ce_bucket_bytes"),
-        ({"ce_bucket_bytes": 1.5}, "ce_bucket_bytes"),
-        ({"ce_p2p": "yes"}, "ce_p2p"),
-        ({"ce_p2p_protocol": "infiniband"}, "ce_p2p_protocol"),
-        ({"ce_rdma_devices": "mlx5_0"}, "ce_rdma_devices"),
-        ({"ce_rdma_devices": []}, "ce_rdma_devices"),
-        ({"ce_p2p": True, "ce_p2p_protocol": "rdma"}, "ce_rdma_devices"),
-        ({"ce_request_timeout_s": 0}, "ce_request_timeout_s"),
-        ({"ce_socket_timeout_s": -1.0}, "ce_socket_timeout_s"),
-        ({"ce_transfer_timeout_s": 0}, "ce_transfer_timeout_s"),
+        ({"bucket_bytes": 0}, "bucket_bytes"),
+        ({"bucket_bytes": 1.5}, "bucket_bytes"),
+        ({"p2p": "yes"}, "p2p"),
+        ({"p2p_protocol": "infiniband"}, "p2p_protocol"),
+        ({"rdma_devices": "mlx5_0"}, "rdma_devices"),
+        ({"rdma_devices": []}, "rdma_devices"),
+        ({"p2p": True, "p2p_protocol": "rdma"}, "rdma_devices"),
+        ({"request_timeout_s": 0}, "request_timeout_s"),
+        ({"socket_timeout_s": -1.0}, "socket_timeout_s"),
+        ({"transfer_timeout_s": 0}, "transfer_timeout_s"),
     ],
 )
 def test_malformed_checkpoint_engine_settings_name_the_key(
     tmp_path: Path, kw: dict[str, Any], key: str
 ) -> None:
     with pytest.raises(FleetConfigError) as info:
-        RolloutFleet(config(tmp_path, **kw))
+        RolloutFleet(config(tmp_path, checkpoint_engine=CheckpointEngineSettings(**kw)))
+    key = f"checkpoint_engine.{key}"
     assert info.value.key == key and key in str(info.value)
 
 
 def test_checkpoint_engine_settings_that_are_accepted(tmp_path: Path) -> None:
     for kw in (
         {},
-        {"ce_p2p": True, "ce_p2p_protocol": "tcp"},  # TCP needs no device names
-        {"ce_p2p": True, "ce_rdma_devices": ["mlx5_0", "mlx5_1"], "ce_bucket_bytes": 1 << 30},
-        {"ce_socket_timeout_s": None, "ce_transfer_timeout_s": 120.0},
+        {"p2p": True, "p2p_protocol": "tcp"},  # TCP needs no device names
+        {"p2p": True, "rdma_devices": ["mlx5_0", "mlx5_1"], "bucket_bytes": 1 << 30},
+        {"socket_timeout_s": None, "transfer_timeout_s": 120.0},
     ):
-        RolloutFleet(config(tmp_path, **kw)).close()
-    # the other transports keep working, and ignore the ce_* settings
-    RolloutFleet(config(tmp_path, transport="nccl", ce_p2p=True, ce_p2p_protocol="tcp")).close()
+        ce = CheckpointEngineSettings(**kw)
+        RolloutFleet(config(tmp_path, checkpoint_engine=ce)).close()
+    # the other transports keep working, and ignore the checkpoint_engine settings
+    ce = CheckpointEngineSettings(p2p=True, p2p_protocol="tcp")
+    RolloutFleet(config(tmp_path, transport="nccl", checkpoint_engine=ce)).close()
 
 
 def test_fallback_reasons_name_each_cause() -> None:
@@ -289,8 +293,7 @@ def test_a_fleet_without_cuda_falls_back_to_nccl_with_one_warning(
         groups=[GroupSpec(1), GroupSpec(1)],
         engine_options={"dialect": dialect, "device": "cuda"},
         launcher_factory=lambda gid, spec: FakeLauncher(gid),
-        ce_p2p=True,
-        ce_p2p_protocol="tcp",
+        checkpoint_engine=CheckpointEngineSettings(p2p=True, p2p_protocol="tcp"),
     )
     caplog.set_level(logging.WARNING)
     with RolloutFleet(cfg) as fleet:
@@ -298,8 +301,11 @@ def test_a_fleet_without_cuda_falls_back_to_nccl_with_one_warning(
         assert fleet.transport.name == "nccl"
         assert fleet.recovery is not None and fleet.recovery.transport is fleet.transport
         reason = fleet.transport_fallback
-    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING
-                and "checkpoint_engine" in r.getMessage()]  # fmt: skip
+    warnings = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "checkpoint_engine" in r.getMessage()
+    ]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     text = warnings[0].getMessage()
     assert text.startswith("transport 'checkpoint_engine' falls back to 'nccl': ")
@@ -389,8 +395,10 @@ def test_groups_sharing_a_gpu_sync_in_broadcast_waves_and_push_by_p2p(world_of_o
     fleet_tr = CheckpointEngineFleetTransport(2, transport=tr)
     a, b = IPCClient("g0"), IPCClient("g1")
     targets = [EngineTarget("g0", (0,), a), EngineTarget("g1", (1,), b)]
-    assert [[t.name for t in w] for w in split_waves(
-        [EngineTarget(t.name, (0,), t.client) for t in targets])] == [["g0"], ["g1"]]  # fmt: skip
+    assert [
+        [t.name for t in w]
+        for w in split_waves([EngineTarget(t.name, (0,), t.client) for t in targets])
+    ] == [["g0"], ["g1"]]
     fleet_tr.register(weights(), 1)
     assert fleet_tr.registration.published == ("checkpoint_engine-v1", 1)
     report = fleet_tr.update(targets)
@@ -407,8 +415,12 @@ def test_groups_sharing_a_gpu_sync_in_broadcast_waves_and_push_by_p2p(world_of_o
     push = fleet_tr.last_push()
     assert push is not None
     assert (push.mode, push.ps_ranks, push.targets, push.fleet_ranks, push.targeted) == (
-        "p2p", (0,), ("g1",), ((1,),), True,
-    )  # fmt: skip
+        "p2p",
+        (0,),
+        ("g1",),
+        ((1,),),
+        True,
+    )
     assert len(a.ipc_calls) == 1 and len(b.ipc_calls) == 2  # g0 got nothing more
     assert b.ipc_calls[-1]["weight_version"] == "1"
     # the fleet-facing machine names fleet ranks
@@ -457,8 +469,9 @@ def test_recovery_restarts_on_dummy_weights_then_p2p_pushes_to_that_group_only(
     assert [u["ranks"] for u in ps.updates] == [None] * 4  # syncs broadcast
 
     handles = {gid: Handle(c) for gid, c in clients.items()}
-    rc = RecoveryCoordinator(reg, launcher_for=handles.__getitem__, transport=fleet_tr,
-                             retry_delay_s=0.0)  # fmt: skip
+    rc = RecoveryCoordinator(
+        reg, launcher_for=handles.__getitem__, transport=fleet_tr, retry_delay_s=0.0
+    )
     try:
         fail(reg, clients["g1"], "g1")
         result = rc.submit("g1").result(WAIT_S)
@@ -479,14 +492,18 @@ def test_recovery_restarts_on_dummy_weights_then_p2p_pushes_to_that_group_only(
     events = [t.event for t in reg.get("g1").recent_transitions()]
     assert events[-3:] == ["claim", "restarted", "weights_loaded"]
     assert [t.target for t in reg.get("g1").recent_transitions()][-2:] == [
-        "pending_weights", "active",
-    ]  # fmt: skip
+        "pending_weights",
+        "active",
+    ]
     assert all(m.weights_version == 2 for m in reg.get("g1").machine.members.values())
     assert reg.get("g0").state == "active"
     step = next(s for s in result.steps if s.name == "push")
     assert step.ok and "p2p ranks=[0]" in step.detail and "g1" in step.detail
-    begin = [r.as_dict()["inputs"]["targets"] for r in fleet_tr.registration.history
-             if r.event == "begin_update"]  # fmt: skip
+    begin = [
+        r.as_dict()["inputs"]["targets"]
+        for r in fleet_tr.registration.history
+        if r.event == "begin_update"
+    ]
     assert begin[-1] == [[1]]
 
 
@@ -499,8 +516,9 @@ def test_without_usable_p2p_the_restarted_group_waits_for_the_next_sync(
     assert sync.sync(weights(1), 1).ok
     n = len(ps.updates)
     handles = {gid: Handle(c) for gid, c in clients.items()}
-    rc = RecoveryCoordinator(reg, launcher_for=handles.__getitem__, transport=fleet_tr,
-                             retry_delay_s=0.0)  # fmt: skip
+    rc = RecoveryCoordinator(
+        reg, launcher_for=handles.__getitem__, transport=fleet_tr, retry_delay_s=0.0
+    )
     try:
         fail(reg, clients["g1"], "g1")
         result = rc.submit("g1").result(WAIT_S)
@@ -527,8 +545,9 @@ def test_a_failed_register_publishes_nothing_and_pushes_nothing(world_of_one: No
         fleet_tr.register(weights(3), 3)
     n = len(ps.updates)
     handles = {gid: Handle(c) for gid, c in clients.items()}
-    rc = RecoveryCoordinator(reg, launcher_for=handles.__getitem__, transport=fleet_tr,
-                             retry_delay_s=0.0)  # fmt: skip
+    rc = RecoveryCoordinator(
+        reg, launcher_for=handles.__getitem__, transport=fleet_tr, retry_delay_s=0.0
+    )
     try:
         fail(reg, clients["g1"], "g1")
         result = rc.submit("g1").result(WAIT_S)
@@ -557,8 +576,9 @@ def test_a_sync_and_a_push_never_overlap(world_of_one: None) -> None:
 
     ps.on_update = on_update
     handles = {gid: Handle(c) for gid, c in clients.items()}
-    rc = RecoveryCoordinator(reg, launcher_for=handles.__getitem__, transport=fleet_tr,
-                             retry_delay_s=0.0)  # fmt: skip
+    rc = RecoveryCoordinator(
+        reg, launcher_for=handles.__getitem__, transport=fleet_tr, retry_delay_s=0.0
+    )
     try:
         t = threading.Thread(target=lambda: sync.sync(weights(2), 2))
         fail(reg, clients["g1"], "g1")

@@ -275,8 +275,9 @@ def test_a_hung_probe_does_not_stall_the_others(monkeypatch: pytest.MonkeyPatch)
     # the manager's clock, held still or moved on by the test (the round deadlines run on the
     # event loop's own clock, so rounds still end)
     now = [100.0]
-    monkeypatch.setattr(health_module, "time", types.SimpleNamespace(
-        monotonic=lambda: now[0], time=time.time))  # fmt: skip
+    monkeypatch.setattr(
+        health_module, "time", types.SimpleNamespace(monotonic=lambda: now[0], time=time.time)
+    )
     reg, _ = make_fleet((1, 1, 1))
     probe = Switchboard()
     probe.gates["g0"] = hang = threading.Event()  # g0's engine never answers

@@ -45,15 +45,9 @@ from rollsafe.fleet import (
     WorkerGroup,
 )
 from rollsafe.hf import HFExporter
-from rollsafe.ports import StandbyState, StartSource
+from rollsafe.ports import EngineTarget, StandbyState, StartSource
 from rollsafe.statemachines import ImmediateRecoveryMode
-from rollsafe.transports import (
-    EngineTarget,
-    IPCTransport,
-    NCCLTransport,
-    StagedTransport,
-    TransportError,
-)
+from rollsafe.transports import IPCTransport, NCCLTransport, StagedTransport, TransportError
 
 WAIT_S = 30.0  # bound for waiting on a condition; never asserted as a duration
 
@@ -92,8 +86,11 @@ class SimHandle:
         weight_version: str | None = None,
         stop_timeout: float = 10.0,
     ) -> SimHandle:
-        kw = {"model_path": model_path, "load_format": load_format,
-              "skip_load_weights": skip_load_weights}  # fmt: skip
+        kw = {
+            "model_path": model_path,
+            "load_format": load_format,
+            "skip_load_weights": skip_load_weights,
+        }
         self.calls.append(kw)
         self.options.append({"weight_version": weight_version, "stop_timeout": stop_timeout})
         if self.on_restart is not None:
@@ -492,8 +489,9 @@ def test_health_manager_hands_off_and_keeps_probing_while_a_recovery_hangs(
     gate = threading.Event()
     sim.handles["g0"].gate = gate
     rc = sim.coordinator(mode=None)
-    hm = HealthManager(sim.reg, interval_s=60, timeout_s=2, failure_threshold=1,
-                       on_group_failed=rc.on_group_failed)  # fmt: skip
+    hm = HealthManager(
+        sim.reg, interval_s=60, timeout_s=2, failure_threshold=1, on_group_failed=rc.on_group_failed
+    )
     try:
         sim.clients["g0"].health_error = EngineUnavailable("http://sim-g0", "/health", "refused")
         hm.check_now()
@@ -628,9 +626,12 @@ def engine_checksum(group: WorkerGroup) -> str | None:
 
 def health(reg: FleetRegistry, rc: RecoveryCoordinator) -> HealthManager:
     return HealthManager(
-        reg, interval_s=0.2, timeout_s=2.0, failure_threshold=2,
+        reg,
+        interval_s=0.2,
+        timeout_s=2.0,
+        failure_threshold=2,
         on_group_failed=rc.on_group_failed,
-    ).start()  # fmt: skip
+    ).start()
 
 
 def wait_result(rc: RecoveryCoordinator, gid: str, n: int = 1) -> RecoveryResult:
@@ -660,9 +661,13 @@ def test_real_kill_then_immediate_recovery_from_the_export(
 
     watch = LeaseWatch(engines["e0"], exporter)
     rc = RecoveryCoordinator(
-        reg, launcher_for={"e0": watch}.__getitem__, exporter=exporter, transport=transport,
-        mode=mode, recovery_timeout_s=120.0,
-    )  # fmt: skip
+        reg,
+        launcher_for={"e0": watch}.__getitem__,
+        exporter=exporter,
+        transport=transport,
+        mode=mode,
+        recovery_timeout_s=120.0,
+    )
     hm = health(reg, rc)
     try:
         sigkill(engines["e0"])
@@ -699,9 +704,12 @@ def test_real_targeted_push_over_an_nccl_subset(
 
     watch = LeaseWatch(engines["e1"], None)
     rc = RecoveryCoordinator(
-        reg, launcher_for={"e1": watch}.__getitem__, transport=transport,
-        mode=ImmediateRecoveryMode(enabled=False), recovery_timeout_s=120.0,
-    )  # fmt: skip
+        reg,
+        launcher_for={"e1": watch}.__getitem__,
+        transport=transport,
+        mode=ImmediateRecoveryMode(enabled=False),
+        recovery_timeout_s=120.0,
+    )
     hm = health(reg, rc)
     try:
         sigkill(engines["e1"])
@@ -724,9 +732,12 @@ def test_real_crash_near_the_end_is_skipped_then_picked_up(
     reg = real_fleet(engines, version=2)
     remaining: list[float | None] = [0.5]
     rc = RecoveryCoordinator(
-        reg, launcher_for=engines.__getitem__, remaining_work_s=lambda: remaining[0],
-        expected_recovery_s=20.0, recovery_timeout_s=120.0,
-    )  # fmt: skip
+        reg,
+        launcher_for=engines.__getitem__,
+        remaining_work_s=lambda: remaining[0],
+        expected_recovery_s=20.0,
+        recovery_timeout_s=120.0,
+    )
     hm = health(reg, rc)
     try:
         sigkill(engines["e1"])

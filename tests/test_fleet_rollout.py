@@ -10,7 +10,14 @@ import torch
 from engine_helpers import pid_alive, tiny_model_dir  # noqa: F401  (fixture)
 
 from rollsafe.checksum import weights_checksum
-from rollsafe.fleet import FleetConfig, FleetConfigError, FleetNotStarted, GroupSpec, RolloutFleet
+from rollsafe.fleet import (
+    FleetConfig,
+    FleetConfigError,
+    FleetNotStarted,
+    GroupSpec,
+    NcclSettings,
+    RolloutFleet,
+)
 
 
 def config(model: Path, tmp_path: Path, **kw: object) -> FleetConfig:
@@ -31,8 +38,7 @@ def config(model: Path, tmp_path: Path, **kw: object) -> FleetConfig:
         ({"groups": [GroupSpec(0)]}, "groups[0].ranks"),
         ({"groups": []}, "groups"),
         ({"health": None}, "health"),
-        ({"nccl_backend": "mpi"}, "nccl_backend"),
-        ({"nccl_bucket_bytes": 0}, "nccl_bucket_bytes"),
+        ({"on_update_failure": "retry"}, "on_update_failure"),
     ],
 )
 def test_malformed_config_names_the_key(
@@ -63,7 +69,7 @@ def test_transport_settings_are_typed_and_the_flat_keywords_fold_into_them(
 ) -> None:
     import dataclasses
 
-    from rollsafe.fleet import CheckpointEngineSettings, NcclSettings, TransportSettings
+    from rollsafe.fleet import CheckpointEngineSettings, TransportSettings
     from rollsafe.fleet.fleet import TRANSPORTS
     from rollsafe.fleet.settings import TRANSPORT_SETTINGS
 
@@ -76,35 +82,31 @@ def test_transport_settings_are_typed_and_the_flat_keywords_fold_into_them(
         cls = TRANSPORT_SETTINGS[name]
         assert fields[name].default_factory is cls
         assert cls.build is not TransportSettings.build, name
-    flat = config(
-        tiny_model_dir,
-        tmp_path,
-        nccl_backend="nccl",
-        nccl_group_timeout_s=30.0,
-        ce_p2p=True,
-        ce_p2p_protocol="tcp",
-        ce_rdma_devices=["mlx5_0"],
-    )
     typed = config(
         tiny_model_dir,
         tmp_path,
         nccl=NcclSettings(backend="nccl", group_timeout_s=30.0),
         checkpoint_engine=CheckpointEngineSettings(
-            p2p=True, p2p_protocol="tcp", rdma_devices=("mlx5_0",)
+            p2p=True, p2p_protocol="tcp", rdma_devices=["mlx5_0"]
         ),
     )
-    assert flat == typed and flat.checkpoint_engine.rdma_devices == ("mlx5_0",)
+    assert typed.checkpoint_engine.rdma_devices == ("mlx5_0",)
+    # the flat keywords of earlier releases are gone: the settings classes are the one way
+    for flat in ("nccl_backend", "ce_p2p"):
+        with pytest.raises(TypeError, match=flat):
+            config(tiny_model_dir, tmp_path, **{flat: True})
     # dataclasses.replace (benchmarks use it) keeps the settings; a new settings object wins
-    assert dataclasses.replace(flat, warm_standby=True).nccl == flat.nccl
-    assert dataclasses.replace(flat, nccl=NcclSettings()).nccl == NcclSettings()
-    # the same value twice is fine; a contradiction names the flat key
-    config(tiny_model_dir, tmp_path, nccl=NcclSettings(backend="nccl"), nccl_backend="nccl")
-    with pytest.raises(FleetConfigError) as info:
-        config(tiny_model_dir, tmp_path, nccl=NcclSettings(backend="nccl"), nccl_backend="gloo")
-    assert info.value.key == "nccl_backend" and "nccl.backend" in str(info.value)
+    assert dataclasses.replace(typed, warm_standby=True).nccl == typed.nccl
+    assert dataclasses.replace(typed, nccl=NcclSettings()).nccl == NcclSettings()
+    for bad, key in (({"backend": "mpi"}, "backend"), ({"bucket_bytes": 0}, "bucket_bytes")):
+        with pytest.raises(FleetConfigError) as info:
+            NcclSettings(**bad)  # type: ignore[arg-type]
+        assert info.value.key == f"nccl.{key}" and f"nccl.{key}" in str(info.value)
     with pytest.raises(FleetConfigError) as info:
         NcclSettings(group_timeout_s=0)
-    assert info.value.key == "nccl_group_timeout_s"
+    assert info.value.key == "nccl.group_timeout_s"
+    # on_update_failure is a FleetConfig field, passed to the sync coordinator
+    assert config(tiny_model_dir, tmp_path, on_update_failure="stale").on_update_failure == "stale"
     with pytest.raises(FleetConfigError) as info:
         config(tiny_model_dir, tmp_path, checkpoint_engine={"p2p": True})
     assert info.value.key == "checkpoint_engine"
@@ -215,9 +217,7 @@ def test_nccl_fleet_takes_its_backend_and_bucket_size(
     cfg = config(
         tiny_model_dir,
         tmp_path,
-        transport="nccl",
-        nccl_backend=None,
-        nccl_bucket_bytes=64 << 10,
+        transport=NcclSettings(backend=None, bucket_bytes=64 << 10),
     )
     with RolloutFleet(cfg) as fleet:
         tr = fleet.transport

@@ -15,13 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from profiles import examples
 
-from rollsafe.adapters.engines import (
-    EngineClient,
-    EngineRequestError,
-    EngineTimeout,
-    EngineUnavailable,
-    GenerateResult,
-)
+from rollsafe.adapters.engines import EngineRequestError, EngineTimeout, EngineUnavailable
 from rollsafe.fleet import (
     FleetRegistry,
     NoRoutableGroup,
@@ -29,6 +23,7 @@ from rollsafe.fleet import (
     Router,
     is_retryable,
 )
+from rollsafe.ports import EngineClient, GenerateResult
 from rollsafe.statemachines.base import TransitionRefused
 
 PROMPT = [1, 2, 3]

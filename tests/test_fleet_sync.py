@@ -38,15 +38,9 @@ from rollsafe.fleet import (
     shared_transport_lock,
 )
 from rollsafe.hf import HFExporter, UnknownExport, verify_hf_dir
+from rollsafe.ports import EngineTarget, UpdateReport
 from rollsafe.statemachines import ImmediateRecoveryMode
-from rollsafe.transports import (
-    EngineTarget,
-    IPCTransport,
-    RegisterError,
-    StagedTransport,
-    TransportError,
-    UpdateReport,
-)
+from rollsafe.transports import IPCTransport, RegisterError, StagedTransport, TransportError
 
 WAIT_S = 60.0  # bound for waiting on a condition; never asserted as a duration
 
@@ -156,10 +150,12 @@ def test_a_failed_update_takes_the_group_out(
     handed: list[tuple[str, str]] = []
     traits = rollsafe_policy.engine_traits(engine)
     sync = SyncCoordinator(
-        reg, transport, on_update_failure=policy,
+        reg,
+        transport,
+        on_update_failure=policy,
         on_group_failed=lambda gid, why: handed.append((gid, why)),
         traits_for=lambda _group: traits,
-    )  # fmt: skip
+    )
     report = sync.sync(tensors(2), 2)
     assert report.ok and report.updated == ["g0", "g2"] and report.failed == ["g1"]
     assert "died mid-update" in report.update_results["g1"].reason
@@ -230,16 +226,23 @@ def test_colocated_hooks_run_in_order_with_health_paused(
             events.append("health.resume")
 
     sync = SyncCoordinator(
-        reg, transport, health=Health(),
+        reg,
+        transport,
+        health=Health(),
         offload_trainer=lambda: events.append("offload_trainer"),
         onload_engines=lambda: events.append("onload_engines"),
         onload_trainer=lambda: events.append("onload_trainer"),
-    )  # fmt: skip
+    )
     assert sync.sync(tensors(2), 2).ok
     assert events == [
-        "register", "health.pause", "offload_trainer", "onload_engines", "update",
-        "onload_trainer", "health.resume",
-    ]  # fmt: skip
+        "register",
+        "health.pause",
+        "offload_trainer",
+        "onload_engines",
+        "update",
+        "onload_trainer",
+        "health.resume",
+    ]
 
 
 def test_a_failing_hook_is_reported_and_health_resumes(
@@ -259,8 +262,9 @@ def test_a_failing_hook_is_reported_and_health_resumes(
         raise RuntimeError("engines would not wake up")
 
     exporter = HFExporter(tmp_path / "exports")
-    sync = SyncCoordinator(reg, transport, exporter=exporter, onload_engines=broken,
-                           health=Health())  # fmt: skip
+    sync = SyncCoordinator(
+        reg, transport, exporter=exporter, onload_engines=broken, health=Health()
+    )
     report = sync.sync(tensors(2), 2)
     assert not report.ok and "onload_engines failed" in (report.error or "")
     assert paused == [True, False]

@@ -77,8 +77,11 @@ def test_export_loads_in_transformers_with_equal_logits(
     assert path == tmp_path / "hf-v7" == handle.path
     assert exporter.is_hf_export_done() and handle.lifecycle.state == "ready"
     assert [r.event for r in handle.lifecycle.history] == [
-        "snapshot", "snapshot_done", "shards_written", "publish",
-    ]  # fmt: skip
+        "snapshot",
+        "snapshot_done",
+        "shards_written",
+        "publish",
+    ]
 
     names = sorted(p.name for p in path.iterdir())
     assert "config.json" in names and "generation_config.json" in names and MANIFEST_NAME in names

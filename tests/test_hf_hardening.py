@@ -34,9 +34,9 @@ from rollsafe.hf import (
     verify_hf_dir,
 )
 from rollsafe.hf.errors import display_path
-from rollsafe.hf.safejson import BadJSON, json_depth_exceeds, loads_bounded
 from rollsafe.hf.verify import FileIdentity, reverify
 from rollsafe.statemachines import LeaseError
+from rollsafe.wire.strict_json import BadJSON, json_depth_exceeds, loads_bounded
 
 CONFIG = {"model_type": "llama", "hidden_size": 32, "rope_scaling": {"type": "linear"}}
 
@@ -151,8 +151,11 @@ def test_exporter_records_what_verified(tmp_path: Path) -> None:
     for ident in verified.files:
         st = os.stat(path / ident.name)
         assert (ident.st_dev, ident.st_ino, ident.size, ident.mtime_ns) == (
-            st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-        )  # fmt: skip
+            st.st_dev,
+            st.st_ino,
+            st.st_size,
+            st.st_mtime_ns,
+        )
         assert not ident.symlink
 
 
@@ -185,8 +188,11 @@ def test_symlinked_members_are_refused_unless_allowed(
     ident = {f.name: f for f in verified.files}[member.name]
     st = os.stat(outside)
     assert ident.symlink and (ident.st_dev, ident.st_ino, ident.size, ident.mtime_ns) == (
-        st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-    )  # fmt: skip
+        st.st_dev,
+        st.st_ino,
+        st.st_size,
+        st.st_mtime_ns,
+    )
     assert verified.allow_symlinks
 
 
@@ -405,57 +411,75 @@ def _entry(**fields: Any) -> dict[str, Any]:
 HOSTILE_HEADERS: dict[str, tuple[bytes, str]] = {
     "not-json": (b"this is not json", "does not parse"),
     "not-utf8": (b'{"a": "\xff\xfe"}', "not UTF-8"),
-    "huge-float": (b'{"a": {"dtype": "F32", "shape": [1e400], "data_offsets": [0, 8]}}',
-                   "not finite"),
-    "infinity": (b'{"a": {"dtype": "F32", "shape": [Infinity], "data_offsets": [0, 8]}}',
-                 "Infinity"),
+    "huge-float": (
+        b'{"a": {"dtype": "F32", "shape": [1e400], "data_offsets": [0, 8]}}',
+        "not finite",
+    ),
+    "infinity": (
+        b'{"a": {"dtype": "F32", "shape": [Infinity], "data_offsets": [0, 8]}}',
+        "Infinity",
+    ),
     "nan": (b'{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 8]}}', "NaN"),
     "minus-infinity": (b'{"__metadata__": {"x": -Infinity}}', "-Infinity"),
     "deep-list": (b"[" * 100_000 + b"]" * 100_000, "nested deeper than"),
     "deep-object": (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "nested deeper than"),
-    "long-int": (b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b"]}}",
-                 "digits is too large"),
-    "duplicate-key": (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
-                      b'"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
-                      "duplicate key 'a'"),
+    "long-int": (
+        b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b"]}}",
+        "digits is too large",
+    ),
+    "duplicate-key": (
+        b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+        b'"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+        "duplicate key 'a'",
+    ),
     "list": (json.dumps([_F32]).encode(), "not a JSON object"),
     "null": (b"null", "not a JSON object"),
     "metadata-list": (json.dumps({"__metadata__": [1], "a": _F32}).encode(), "'__metadata__'"),
-    "metadata-values": (json.dumps({"__metadata__": {"k": 1}, "a": _F32}).encode(),
-                        "'__metadata__'"),
+    "metadata-values": (
+        json.dumps({"__metadata__": {"k": 1}, "a": _F32}).encode(),
+        "'__metadata__'",
+    ),
     "entry-not-object": (json.dumps({"a": [0, 8]}).encode(), "not an object"),
     "dtype-int": (json.dumps(_entry(dtype=5)).encode(), "field 'dtype' 5"),
     "dtype-unknown": (json.dumps(_entry(dtype="F33")).encode(), "field 'dtype' 'F33'"),
-    "dtype-missing": (json.dumps({"a": {"shape": [2], "data_offsets": [0, 8]}}).encode(),
-                      "field 'dtype' None"),
+    "dtype-missing": (
+        json.dumps({"a": {"shape": [2], "data_offsets": [0, 8]}}).encode(),
+        "field 'dtype' None",
+    ),
     "shape-string": (json.dumps(_entry(shape="2")).encode(), "field 'shape'"),
     "shape-float": (json.dumps(_entry(shape=[2.0])).encode(), "field 'shape'"),
     "shape-bool": (json.dumps(_entry(shape=[True, 2])).encode(), "field 'shape'"),
     "shape-negative": (json.dumps(_entry(shape=[-2])).encode(), "field 'shape'"),
     "shape-nested": (json.dumps(_entry(shape=[[2]])).encode(), "field 'shape'"),
     "shape-too-many-dims": (json.dumps(_entry(shape=[1] * 65)).encode(), "field 'shape'"),
-    "shape-overflow": (json.dumps(_entry(shape=[2**62, 2**62, 2**62])).encode(),
-                       "needs more bytes"),
+    "shape-overflow": (
+        json.dumps(_entry(shape=[2**62, 2**62, 2**62])).encode(),
+        "needs more bytes",
+    ),
     "shape-int64-max": (json.dumps(_entry(shape=[2**63])).encode(), "field 'shape'"),
     "offsets-string": (json.dumps(_entry(data_offsets="0,8")).encode(), "field 'data_offsets'"),
     "offsets-one": (json.dumps(_entry(data_offsets=[0])).encode(), "field 'data_offsets'"),
-    "offsets-three": (json.dumps(_entry(data_offsets=[0, 4, 8])).encode(),
-                      "field 'data_offsets'"),
-    "offsets-bool": (json.dumps(_entry(data_offsets=[False, 8])).encode(),
-                     "field 'data_offsets'"),
-    "offsets-reversed": (json.dumps(_entry(data_offsets=[8, 0])).encode(),
-                         "field 'data_offsets'"),
-    "offsets-negative": (json.dumps(_entry(data_offsets=[-8, 0])).encode(),
-                         "field 'data_offsets'"),
-    "offsets-float": (json.dumps(_entry(data_offsets=[0.0, 8.0])).encode(),
-                      "field 'data_offsets'"),
+    "offsets-three": (json.dumps(_entry(data_offsets=[0, 4, 8])).encode(), "field 'data_offsets'"),
+    "offsets-bool": (json.dumps(_entry(data_offsets=[False, 8])).encode(), "field 'data_offsets'"),
+    "offsets-reversed": (json.dumps(_entry(data_offsets=[8, 0])).encode(), "field 'data_offsets'"),
+    "offsets-negative": (json.dumps(_entry(data_offsets=[-8, 0])).encode(), "field 'data_offsets'"),
+    "offsets-float": (json.dumps(_entry(data_offsets=[0.0, 8.0])).encode(), "field 'data_offsets'"),
     "offsets-wrong-span": (json.dumps(_entry(data_offsets=[0, 4])).encode(), "need 8"),
-    "offsets-beyond-file": (json.dumps(_entry(shape=[4], data_offsets=[0, 16])).encode(),
-                            "needs more bytes"),
-    "offsets-overlap": (json.dumps({"a": _F32, "b": {**_F32, "data_offsets": [0, 8]},
-                                    "c": {**_F32, "shape": [0], "data_offsets": [8, 8]}})
-                        .encode(), "overlaps"),
-}  # fmt: skip
+    "offsets-beyond-file": (
+        json.dumps(_entry(shape=[4], data_offsets=[0, 16])).encode(),
+        "needs more bytes",
+    ),
+    "offsets-overlap": (
+        json.dumps(
+            {
+                "a": _F32,
+                "b": {**_F32, "data_offsets": [0, 8]},
+                "c": {**_F32, "shape": [0], "data_offsets": [8, 8]},
+            }
+        ).encode(),
+        "overlaps",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_HEADERS))
@@ -533,14 +557,18 @@ HOSTILE_INDEXES: dict[str, tuple[Any, str]] = {
     "surrogate": (b'{"weight_map": {"a": "\\ud800.safetensors"}}', "lone UTF-16 surrogate"),
     "not-safetensors": ({"weight_map": {"a": "config.json"}}, "not .safetensors"),
     "metadata-list": ({"metadata": [], "weight_map": {"a": SHARD}}, "field 'metadata'"),
-    "total-size-string": ({"metadata": {"total_size": "8"}, "weight_map": {"a": SHARD}},
-                          "field 'metadata.total_size'"),
-    "total-size-negative": ({"metadata": {"total_size": -1}, "weight_map": {"a": SHARD}},
-                            "field 'metadata.total_size'"),
+    "total-size-string": (
+        {"metadata": {"total_size": "8"}, "weight_map": {"a": SHARD}},
+        "field 'metadata.total_size'",
+    ),
+    "total-size-negative": (
+        {"metadata": {"total_size": -1}, "weight_map": {"a": SHARD}},
+        "field 'metadata.total_size'",
+    ),
     "deep": (b'{"weight_map": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested deeper"),
     "nan": (b'{"metadata": {"total_size": NaN}, "weight_map": {}}', "NaN"),
     "huge-number": (b'{"metadata": {"total_size": 1e400}, "weight_map": {}}', "not finite"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_INDEXES))
@@ -568,30 +596,45 @@ HOSTILE_MANIFESTS: dict[str, tuple[Any, str]] = {
     "version-negative": (lambda m: {**m, "version": -1}, "field 'version' -1"),
     "version-huge": (lambda m: {**m, "version": 10**30}, "field 'version'"),
     "files-list": (lambda m: {**m, "files": list(m["files"])}, "no 'files' mapping"),
-    "file-name-dotdot": (lambda m: {**m, "files": {**m["files"], "../x": m["files"][INDEX_NAME]}},
-                         "field 'files' entry '../x'"),
-    "file-name-absolute": (lambda m: {**m, "files": {"/etc/passwd": {"size": 1}}},
-                           "field 'files' entry '/etc/passwd'"),
+    "file-name-dotdot": (
+        lambda m: {**m, "files": {**m["files"], "../x": m["files"][INDEX_NAME]}},
+        "field 'files' entry '../x'",
+    ),
+    "file-name-absolute": (
+        lambda m: {**m, "files": {"/etc/passwd": {"size": 1}}},
+        "field 'files' entry '/etc/passwd'",
+    ),
     "file-entry-list": (lambda m: _file(m, [1, "x"]), "not an object"),
-    "size-negative": (lambda m: _file(m, {**m["files"][INDEX_NAME], "size": -1}),
-                      "field 'size' -1"),
-    "size-float": (lambda m: _file(m, {**m["files"][INDEX_NAME], "size": 10.0}),
-                   "field 'size' 10.0"),
-    "size-huge": (lambda m: _file(m, {**m["files"][INDEX_NAME], "size": 10**30}),
-                  "field 'size'"),
-    "size-bool": (lambda m: _file(m, {**m["files"][INDEX_NAME], "size": True}),
-                  "field 'size' True"),
+    "size-negative": (
+        lambda m: _file(m, {**m["files"][INDEX_NAME], "size": -1}),
+        "field 'size' -1",
+    ),
+    "size-float": (
+        lambda m: _file(m, {**m["files"][INDEX_NAME], "size": 10.0}),
+        "field 'size' 10.0",
+    ),
+    "size-huge": (lambda m: _file(m, {**m["files"][INDEX_NAME], "size": 10**30}), "field 'size'"),
+    "size-bool": (
+        lambda m: _file(m, {**m["files"][INDEX_NAME], "size": True}),
+        "field 'size' True",
+    ),
     "sha-int": (lambda m: _file(m, {**m["files"][INDEX_NAME], "sha256": 5}), "field 'sha256' 5"),
-    "sha-short": (lambda m: _file(m, {**m["files"][INDEX_NAME], "sha256": "abc"}),
-                  "field 'sha256' 'abc'"),
-    "sha-upper": (lambda m: _file(m, {**m["files"][INDEX_NAME], "sha256": "A" * 64}),
-                  "field 'sha256'"),
-    "sha-list": (lambda m: _file(m, {**m["files"][INDEX_NAME], "sha256": ["0" * 64]}),
-                 "field 'sha256'"),
+    "sha-short": (
+        lambda m: _file(m, {**m["files"][INDEX_NAME], "sha256": "abc"}),
+        "field 'sha256' 'abc'",
+    ),
+    "sha-upper": (
+        lambda m: _file(m, {**m["files"][INDEX_NAME], "sha256": "A" * 64}),
+        "field 'sha256'",
+    ),
+    "sha-list": (
+        lambda m: _file(m, {**m["files"][INDEX_NAME], "sha256": ["0" * 64]}),
+        "field 'sha256'",
+    ),
     "keys-missing": (lambda m: {k: v for k, v in m.items() if k != "keys"}, "field 'keys'"),
     "keys-ints": (lambda m: {**m, "keys": [1, 2]}, "field 'keys'"),
     "keys-duplicate": (lambda m: {**m, "keys": m["keys"] + m["keys"][:1]}, "lists a key twice"),
-}  # fmt: skip
+}
 
 
 def _file(manifest: dict[str, Any], info: Any) -> dict[str, Any]:
@@ -703,9 +746,20 @@ def test_depth_prescan_across_chunk_boundaries(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.parametrize(
     "raw",
-    [b"NaN", b"[Infinity]", b"-Infinity", b"1e400", b"-1e400", b"1" * 41, b'{"a":1,"a":2}',
-     b"\xc3\x28", b'{"a": 1', b"[" * 2000 + b"]" * 2000, b"\xef\xbb\xbf{}"],
-)  # fmt: skip
+    [
+        b"NaN",
+        b"[Infinity]",
+        b"-Infinity",
+        b"1e400",
+        b"-1e400",
+        b"1" * 41,
+        b'{"a":1,"a":2}',
+        b"\xc3\x28",
+        b'{"a": 1',
+        b"[" * 2000 + b"]" * 2000,
+        b"\xef\xbb\xbf{}",
+    ],
+)
 def test_loads_bounded_raises_only_badjson(raw: bytes) -> None:
     with pytest.raises(BadJSON):
         loads_bounded(raw)

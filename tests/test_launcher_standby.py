@@ -240,8 +240,14 @@ def test_fork_server_protocol(tiny_model_dir: Path) -> None:  # noqa: F811
     import socket
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    cmd = [sys.executable, "-m", "rollsafe.adapters.reference_engine", "--standby",
-           "--fork-server-fd", str(theirs.fileno())]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollsafe.adapters.reference_engine",
+        "--standby",
+        "--fork-server-fd",
+        str(theirs.fileno()),
+    ]
     zygote = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(theirs.fileno(),)
     )
@@ -426,8 +432,9 @@ def test_fork_check_tolerates_only_jemallocs_purging_thread() -> None:
         print("pool", _fork_problem())
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env=repo_env())  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=repo_env()
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
     assert lines["alone"] == "None"

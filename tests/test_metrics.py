@@ -229,22 +229,34 @@ def test_loopback_endpoint_during_a_crash_and_recovery_follows_the_timeline(
         assert got == want, event
     (rec,) = [r for r in run.of("recovery") if r["group_id"] == crashed]
     assert rec["strategy"] == "immediate" and rec["onset_source"] == "crash_mark"
-    assert value(final, "rollsafe_recoveries_total", group=crashed, strategy="immediate",
-                 outcome="active") == 1.0  # fmt: skip
+    assert (
+        value(
+            final,
+            "rollsafe_recoveries_total",
+            group=crashed,
+            strategy="immediate",
+            outcome="active",
+        )
+        == 1.0
+    )
     # onset (the crash mark) -> the timeline's fail and active transitions (clocks read a few
     # microseconds apart: the registry's record and the machine's history)
     (mark,) = [m for m in run.of("mark") if m["event"] == "crash"]
     assert mark["timestamp"] == rec["onset"]
-    active_at = next(r["timestamp"] for r in g1 if r["target"] == "active"
-                     and r["timestamp"] > fails[0]["timestamp"])  # fmt: skip
+    active_at = next(
+        r["timestamp"]
+        for r in g1
+        if r["target"] == "active" and r["timestamp"] > fails[0]["timestamp"]
+    )
     assert value(final, "rollsafe_recovery_latency_seconds_count", strategy="immediate") == 1.0
     got = value(final, "rollsafe_recovery_latency_seconds_sum", strategy="immediate")
     assert got is not None and abs(got - (active_at - rec["onset"])) < 0.01
     got = value(final, "rollsafe_detection_latency_seconds_sum", onset="crash_mark")
     assert got is not None and abs(got - (fails[0]["timestamp"] - rec["onset"])) < 0.01
     assert value(final, "rollsafe_syncs_total", transport="ipc", outcome="ok") == 1.0
-    assert value(final, "rollsafe_sync_duration_seconds_count", transport="ipc",
-                 phase="total") == 1.0  # fmt: skip
+    assert (
+        value(final, "rollsafe_sync_duration_seconds_count", transport="ipc", phase="total") == 1.0
+    )
     assert value(final, "rollsafe_exports_total", outcome="ready") == 1.0
     assert value(final, "rollsafe_export_ready_version") == 1.0
     assert value(final, "rollsafe_fleet_weights_version") == 1.0

@@ -193,8 +193,13 @@ def test_checkpoint_engine_p2p_report_compares_with_the_broadcast(
     script_module: ModuleType,
 ) -> None:
     report = script_module.ce_p2p_report
-    subset = {"mode": "p2p", "ok": True, "seconds": 16.0, "served_meanwhile": 40,
-              "failed_meanwhile": 0}  # fmt: skip
+    subset = {
+        "mode": "p2p",
+        "ok": True,
+        "seconds": 16.0,
+        "served_meanwhile": 40,
+        "failed_meanwhile": 0,
+    }
     got = report(subset, 8_000_000_000, 0.8)
     assert got["run"] and got["ok"] and got["seconds"] == 16.0
     assert got["gb_s"] == 0.5 and got["broadcast_gb_s"] == 10.0

@@ -141,7 +141,12 @@ def test_composed_property_test_uses_the_planted_policy(monkeypatch: pytest.Monk
     first steps reach is caught there as well."""
     function, mutant, _ = POLICY_MUTANTS["publish_after_a_failed_register"]
     monkeypatch.setattr(policy, function, mutant)
-    quick = settings(max_examples=100, stateful_step_count=20, database=None, derandomize=True,
-                     phases=[Phase.explicit, Phase.generate])  # fmt: skip
+    quick = settings(
+        max_examples=100,
+        stateful_step_count=20,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+    )
     with pytest.raises((AssertionError, Flaky)):
         run_state_machine_as_test(ComposedFleetProperties, settings=quick)

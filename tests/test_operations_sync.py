@@ -79,10 +79,23 @@ def sends(effects: list[fx.Effect]) -> list[tuple[str, GroupEvent]]:
 def test_a_clean_sync_yields_its_steps_in_order() -> None:
     effects, result = run()
     assert kinds(effects) == [
-        "ObserveExport", "LockTransport", "Register", "Pause", "Hook", "Hook", "ReadGroups",
-        "PrepareTargets", "Update", "RecordVersions", "SetFleetVersion", "SendGroup",
-        "UnlockTransport", "Hook", "Resume", "StartExport",
-    ]  # fmt: skip
+        "ObserveExport",
+        "LockTransport",
+        "Register",
+        "Pause",
+        "Hook",
+        "Hook",
+        "ReadGroups",
+        "PrepareTargets",
+        "Update",
+        "RecordVersions",
+        "SetFleetVersion",
+        "SendGroup",
+        "UnlockTransport",
+        "Hook",
+        "Resume",
+        "StartExport",
+    ]
     assert [e.name for e in effects if isinstance(e, fx.Hook)] == [
         "offload_trainer",
         "onload_engines",

@@ -17,14 +17,14 @@ import pytest
 import torch
 from engine_helpers import EngineProcess, module_engine, tiny_model_dir  # noqa: F401
 
-from rollsafe.transports.bucket import (
+from rollsafe.wire import shm
+from rollsafe.wire.bucket import (
     BucketFormatError,
     WireBucket,
     deserialize_payload,
     pack_buckets,
     serialize_bucket,
 )
-from rollsafe.wire import shm
 
 R = "torch.multiprocessing.reductions"
 
@@ -55,14 +55,20 @@ def storage_ops(handle: bytes, size: int) -> bytes:
     return (
         glob(R, "rebuild_typed_storage")
         + glob(R, "rebuild_storage_filename")
-        + b"(" + glob("torch.storage", "UntypedStorage") + op_bytes(b"/tmp/mgr.sock")
-        + op_bytes(handle) + op_int(size) + b"tR"
-        + glob("torch", "float32") + b"\x86R"
-    )  # fmt: skip
+        + b"("
+        + glob("torch.storage", "UntypedStorage")
+        + op_bytes(b"/tmp/mgr.sock")
+        + op_bytes(handle)
+        + op_int(size)
+        + b"tR"
+        + glob("torch", "float32")
+        + b"\x86R"
+    )
 
 
-def tensor_ops(storage: bytes, offset: int, size: tuple[int, ...], stride: tuple[int, ...]
-               ) -> bytes:  # fmt: skip
+def tensor_ops(
+    storage: bytes, offset: int, size: tuple[int, ...], stride: tuple[int, ...]
+) -> bytes:
     dims = b"(" + b"".join(op_int(d) for d in size) + b"t"
     strides = b"(" + b"".join(op_int(d) for d in stride) + b"t"
     meta = b"(" + op_int(offset) + dims + strides + b"\x89t"
@@ -90,8 +96,9 @@ _KEEP: list[torch.Tensor] = []
 
 def test_a_well_formed_hand_written_payload_decodes(segment: tuple[str, int]) -> None:
     name, size = segment
-    got = deserialize_payload(plain_payload(tensor_ops(storage_ops(name.encode(), size), 4,
-                                                       (2, 3), (3, 1))))  # fmt: skip
+    got = deserialize_payload(
+        plain_payload(tensor_ops(storage_ops(name.encode(), size), 4, (2, 3), (3, 1)))
+    )
     assert isinstance(got, list) and got[0][0] == "w"
     assert type(got[0][1]) is torch.Tensor
     assert got[0][1].tolist() == [[4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
@@ -100,8 +107,14 @@ def test_a_well_formed_hand_written_payload_decodes(segment: tuple[str, int]) ->
 def test_constructor_keyword_arguments_are_refused(segment: tuple[str, int]) -> None:
     """The SIGSEGV of the issue: NEWOBJ_EX hands keyword arguments (``cdata=``) to an allowed
     constructor. Refused by opcode, before anything runs."""
-    raw = (b"\x80\x04" + glob("torch", "UntypedStorage") + b")}" + op_str("cdata")
-           + op_int(12345) + b"s\x92.")  # fmt: skip
+    raw = (
+        b"\x80\x04"
+        + glob("torch", "UntypedStorage")
+        + b")}"
+        + op_str("cdata")
+        + op_int(12345)
+        + b"s\x92."
+    )
     with pytest.raises(BucketFormatError, match="NEWOBJ_EX"):
         deserialize_payload(b64(raw))
 
@@ -140,8 +153,9 @@ def test_views_outside_the_storage_are_refused(
 ) -> None:
     name, nbytes = segment
     with pytest.raises(BucketFormatError, match="reach element"):
-        deserialize_payload(plain_payload(tensor_ops(storage_ops(name.encode(), nbytes), offset,
-                                                     size, stride)))  # fmt: skip
+        deserialize_payload(
+            plain_payload(tensor_ops(storage_ops(name.encode(), nbytes), offset, size, stride))
+        )
 
 
 def test_other_processes_shared_memory_is_never_mapped_grown_or_unlinked(
@@ -159,15 +173,16 @@ def test_other_processes_shared_memory_is_never_mapped_grown_or_unlinked(
             handle: "not a rollsafe segment",  # another segment, by name
             b"/dev/shm/../etc/passwd": "not a rollsafe segment",
             b"/rollsafe-0000000000000000-424242": "cannot be opened",  # no such segment
-            str(link)[len("/dev/shm"):].encode(): "cannot be opened",  # a symlink: O_NOFOLLOW
-        }  # fmt: skip
+            str(link)[len("/dev/shm") :].encode(): "cannot be opened",  # a symlink: O_NOFOLLOW
+        }
         for bad, needle in cases.items():
             with pytest.raises(BucketFormatError, match=needle):
                 deserialize_payload(plain_payload(tensor_ops(storage_ops(bad, 16), 0, (4,), (1,))))
         before = (Path("/dev/shm") / name.lstrip("/")).stat().st_size
         with pytest.raises(BucketFormatError, match="declares"):  # a bigger size: never grown
-            deserialize_payload(plain_payload(tensor_ops(storage_ops(name.encode(), size * 4),
-                                                         0, (4,), (1,))))  # fmt: skip
+            deserialize_payload(
+                plain_payload(tensor_ops(storage_ops(name.encode(), size * 4), 0, (4,), (1,)))
+            )
         assert (Path("/dev/shm") / name.lstrip("/")).stat().st_size == before
         assert target.exists()  # nothing was unlinked
     finally:
@@ -179,8 +194,9 @@ def test_a_refused_decode_leaves_no_mapping_or_file_behind(segment: tuple[str, i
     before = set(os.listdir("/dev/shm"))
     for _ in range(3):
         with pytest.raises(BucketFormatError):
-            deserialize_payload(plain_payload(tensor_ops(storage_ops(name.encode(), size), 0,
-                                                         (99,), (1,))))  # fmt: skip
+            deserialize_payload(
+                plain_payload(tensor_ops(storage_ops(name.encode(), size), 0, (99,), (1,)))
+            )
     assert set(os.listdir("/dev/shm")) <= before
 
 
@@ -196,11 +212,17 @@ def test_the_engine_answers_400_and_keeps_serving(
     before = engine.checksum()
     name, size = segment
     hostile = [
-        b64(b"\x80\x04" + glob("torch", "UntypedStorage") + b")}" + op_str("cdata")
-            + op_int(12345) + b"s\x92."),
+        b64(
+            b"\x80\x04"
+            + glob("torch", "UntypedStorage")
+            + b")}"
+            + op_str("cdata")
+            + op_int(12345)
+            + b"s\x92."
+        ),
         plain_payload(tensor_ops(storage_ops(name.encode(), size), 0, (1 << 20,), (1,))),
         plain_payload(tensor_ops(storage_ops(b"/torch_1_2_3", 16), 0, (4,), (1,))),
-    ]  # fmt: skip
+    ]
     for entry in hostile:
         body = {"serialized_named_tensors": [entry], "weight_version": "X"}
         r = engine.post("/update_weights_from_tensor", body)
@@ -220,11 +242,26 @@ def test_the_engine_answers_400_and_keeps_serving(
 def cuda_payload(storage_module: str, storage_name: str, tensor_cls: tuple[str, str]) -> str:
     """What torch pickles for a CUDA tensor (``rebuild_cuda_tensor`` and its 15 arguments)."""
     args = (
-        glob(*tensor_cls) + glob("torch", "Size") + b"(" + op_int(4) + b"t\x85R"
-        + b"(" + op_int(1) + b"t" + op_int(0) + glob(storage_module, storage_name)
-        + glob("torch", "float32") + op_int(0) + op_bytes(b"\x00" * 65) + op_int(16)
-        + op_int(0) + b"\x89" + op_bytes(b"/torch_123_456_7") + op_int(3) + b"N\x89"
-    )  # fmt: skip
+        glob(*tensor_cls)
+        + glob("torch", "Size")
+        + b"("
+        + op_int(4)
+        + b"t\x85R"
+        + b"("
+        + op_int(1)
+        + b"t"
+        + op_int(0)
+        + glob(storage_module, storage_name)
+        + glob("torch", "float32")
+        + op_int(0)
+        + op_bytes(b"\x00" * 65)
+        + op_int(16)
+        + op_int(0)
+        + b"\x89"
+        + op_bytes(b"/torch_123_456_7")
+        + op_int(3)
+        + b"N\x89"
+    )
     return plain_payload(glob(R, "rebuild_cuda_tensor") + b"(" + args + b"tR")
 
 

@@ -32,8 +32,8 @@ from real_vllm import make_vllm_model
 
 from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RecoverySettings, RolloutFleet
 from rollsafe.fleet.router import RoutedResult
+from rollsafe.ports import EngineTarget
 from rollsafe.probe import ProbeAnswers, compare_answers, record_answers
-from rollsafe.transports.base import EngineTarget
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 

@@ -37,10 +37,21 @@ def test_report_prints_summary_recovery_and_checks_and_writes_the_svg(
 def test_the_cli_entry_point_and_svg_option(tmp_path: Path) -> None:
     run = write_run_dir(tmp_path / "run")
     res = subprocess.run(
-        [sys.executable, "-m", "rollsafe.cli", "report", str(run / "timeline.jsonl"),
-         "--svg", str(tmp_path / "pic.svg")],
-        capture_output=True, text=True, cwd=str(ROOT), timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rollsafe.cli",
+            "report",
+            str(run / "timeline.jsonl"),
+            "--svg",
+            str(tmp_path / "pic.svg"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=120,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert (tmp_path / "pic.svg").is_file() and not (run / "timeline.svg").exists()
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from sglang_decoder import load_safe_unpickler, sglang_deserialize, sglang_modules
 
-from rollsafe.transports.bucket import (
+from rollsafe.wire.bucket import (
     BucketFormatError,
     FlattenedTensorMetadata,
     WireBucket,
@@ -105,7 +105,7 @@ def test_metadata_opcodes_equal_what_pickle_writes_for_sglangs_class() -> None:
 
 def test_big_offsets_use_long_ints_sglang_reads() -> None:
     """Offsets past 2**31 bytes (an 8 GB direct bucket) encode as pickle longs."""
-    from rollsafe.transports.bucket import TensorMeta
+    from rollsafe.wire.bucket import TensorMeta
 
     start = 3 << 30
     meta = TensorMeta("w", "float32", (4,), start, start + 4)
@@ -143,8 +143,9 @@ def test_distributed_flattened_layout_matches_sglang_receive_bucket() -> None:
                 assert torch.equal(got, want), name
 
 
-def _sglang_sender_entry(named: list[tuple[str, torch.Tensor]], *, rollsafe_shm: bool = True
-                         ) -> str:  # fmt: skip
+def _sglang_sender_entry(
+    named: list[tuple[str, torch.Tensor]], *, rollsafe_shm: bool = True
+) -> str:
     """A bucket built with SGLang's ``FlattenedTensorBucket`` and serialized as SGLang does
     (``ForkingPickler``, default protocol, memo). ``rollsafe_shm``: its buffer in rollsafe's
     shared-memory namespace (a CPU engine maps nothing else), else in torch's own segments."""
@@ -271,11 +272,15 @@ def test_cuda_ipc_bucket_decodes_with_sglang_in_another_process() -> None:
     buckets = list(pack_buckets(named, bucket_bytes=200))
     entries = [serialize_bucket(b) for b in buckets]
     want = {
-        n: [str(t.dtype), list(t.shape),
-            hashlib.sha256(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            .hexdigest()]
+        n: [
+            str(t.dtype),
+            list(t.shape),
+            hashlib.sha256(
+                t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            ).hexdigest(),
+        ]
         for n, t in named
-    }  # fmt: skip
+    }
     proc = subprocess.run(
         [sys.executable, "-c", _DECODE_IN_CHILD, str(Path(__file__).parent)],
         input=json.dumps(entries),

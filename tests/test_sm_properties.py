@@ -524,17 +524,21 @@ class PolicyProperties(RuleBasedStateMachine):
             fleet_version=new,
             groups=tuple(
                 GroupPicture(
-                    m.group_id, m.state, m.is_routable, m.restart_budget,
+                    m.group_id,
+                    m.state,
+                    m.is_routable,
+                    m.restart_budget,
                     tuple(
-                        MemberPicture(r, f.known, f.healthy, f.weights_version, True,
-                                      truth[m.group_id][r])
+                        MemberPicture(
+                            r, f.known, f.healthy, f.weights_version, True, truth[m.group_id][r]
+                        )
                         for r, f in m.members.items()
                     ),
                 )
                 for m in machines
             ),
             refused_decisions=tuple(refused),
-        )  # fmt: skip
+        )
         broken = invariants.check_all(picture)
         assert not broken, "; ".join(str(v) for v in broken)
 
@@ -559,10 +563,11 @@ class PolicyProperties(RuleBasedStateMachine):
         ]
         lost = None if keeps else invariants.POISONED
         members = tuple(
-            MemberPicture(r, f.known, f.healthy, f.weights_version, True,
-                          new if rank_ok[r] else lost)
+            MemberPicture(
+                r, f.known, f.healthy, f.weights_version, True, new if rank_ok[r] else lost
+            )
             for r, f in m.members.items()
-        )  # fmt: skip
+        )
         picture = FleetPicture(
             fleet_version=new,
             groups=(GroupPicture("g0", m.state, m.is_routable, m.restart_budget, members),),

@@ -255,8 +255,9 @@ def test_a_pool_of_two_covers_the_death_of_a_standby(
     a standby that died is covered by the other while it is replaced."""
     import signal
 
-    launcher = EngineLauncher(EngineSpec(model_path=str(tiny_model_dir), warm_standby=True,
-                                         standbys=2))  # fmt: skip
+    launcher = EngineLauncher(
+        EngineSpec(model_path=str(tiny_model_dir), warm_standby=True, standbys=2)
+    )
     launchers.append(launcher)
     launcher.start()
     assert wait_for(lambda: launcher.standby_status()["ready"] == 2, STANDBY_WAIT_S)

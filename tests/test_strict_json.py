@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-import rollsafe.hf.safejson as safejson
 from rollsafe.errors import RollsafeError
 from rollsafe.wire import strict_json
 from rollsafe.wire.strict_json import (
@@ -196,8 +195,22 @@ def test_an_escaped_backslash_before_u_is_not_a_surrogate(raw: bytes) -> None:
 def test_the_surrogate_scan_agrees_with_the_decoder() -> None:
     """Random runs of escapes: refused exactly when the decoded string cannot be UTF-8."""
     rng = random.Random(7)
-    pieces = ["\\\\", "\\ud800", "\\uDBFF", "\\udc00", "\\uDFFF", "\\ud83d", "\\ude00", "a",
-              "\\n", '\\"', "\\u0041", "\\\\u", "ud800", "\\/"]  # fmt: skip
+    pieces = [
+        "\\\\",
+        "\\ud800",
+        "\\uDBFF",
+        "\\udc00",
+        "\\uDFFF",
+        "\\ud83d",
+        "\\ude00",
+        "a",
+        "\\n",
+        '\\"',
+        "\\u0041",
+        "\\\\u",
+        "ud800",
+        "\\/",
+    ]
     for _ in range(20_000):
         raw = ('"' + "".join(rng.choice(pieces) for _ in range(rng.randrange(9))) + '"').encode()
         text = json.loads(raw)
@@ -213,16 +226,6 @@ def test_the_surrogate_scan_agrees_with_the_decoder() -> None:
 
 
 # ---------------------------------------------------------------- one parser, two users
-def test_the_hf_module_re_exports_the_shared_parser() -> None:
-    assert safejson.loads_bounded is strict_json.loads_bounded
-    assert safejson.BadJSON is strict_json.BadJSON
-    assert safejson.json_depth_exceeds is strict_json.json_depth_exceeds
-    assert (safejson.MAX_JSON_DEPTH, safejson.MAX_INT_DIGITS) == (MAX_JSON_DEPTH, MAX_INT_DIGITS)
-    assert safejson.__all__ == [
-        "MAX_INT_DIGITS", "MAX_JSON_DEPTH", "BadJSON", "json_depth_exceeds", "loads_bounded"
-    ]  # fmt: skip
-
-
 def test_the_hf_verifier_parses_with_the_shared_parser() -> None:
     import rollsafe.hf.verify as verify
 
@@ -254,12 +257,12 @@ def test_the_engine_accepts_a_duplicate_key_the_hf_reader_refuses() -> None:
     raw = b'{"rid": "a", "rid": "b"}'
     assert parse_json(raw) == {"rid": "b"}  # as Python's json, behind SGLang / vLLM
     with pytest.raises(BadJSON, match="duplicate key 'rid'"):
-        safejson.loads_bounded(raw)
+        strict_json.loads_bounded(raw)
     # and both refuse a lone surrogate, the engine as a named 400
     with pytest.raises(BadRequest, match="malformed JSON body: a string holds a lone UTF-16"):
         parse_json(b'{"\\ud800": 1}')
     with pytest.raises(BadJSON, match="lone UTF-16 surrogate"):
-        safejson.loads_bounded(b'{"\\ud800": 1}')
+        strict_json.loads_bounded(b'{"\\ud800": 1}')
 
 
 @pytest.mark.parametrize(

@@ -32,8 +32,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from rollsafe.ports import EngineTarget
 from rollsafe.statemachines import CheckpointRegistration, TransitionNotAllowed
-from rollsafe.transports.base import EngineTarget, RegisterError, TransportError
+from rollsafe.transports.base import RegisterError, TransportError
 from rollsafe.transports.checkpoint_engine import (
     CheckpointEngineTransport,
     CheckpointEngineUnavailable,

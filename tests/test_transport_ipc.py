@@ -30,9 +30,9 @@ from rollsafe.transports import (
     TransportError,
     plan_buckets,
 )
-from rollsafe.transports.bucket import deserialize_payload, serialize_bucket
 from rollsafe.transports.contiguous import flatten_parameters
 from rollsafe.transports.pipeline import direct_view
+from rollsafe.wire.bucket import deserialize_payload, serialize_bucket
 
 SMALL_BUCKET = 96 << 10  # several buckets for the tiny model (about 0.5 MiB of weights)
 
@@ -123,8 +123,10 @@ def test_flatten_parameters_keeps_values_identity_and_training() -> None:
     params = list(model.parameters())
     opt = torch.optim.SGD([p for p in params if p.dtype == torch.float64], lr=0.1)
     flats = flatten_parameters(model, shared_memory=True)
-    assert {f.dtype: f.numel() for f in flats} == {torch.float64: 4 * 8 + 8 + 8 * 2 + 2,
-                                                    torch.float32: 3}  # fmt: skip
+    assert {f.dtype: f.numel() for f in flats} == {
+        torch.float64: 4 * 8 + 8 + 8 * 2 + 2,
+        torch.float32: 3,
+    }
     assert all(f.untyped_storage().is_shared() for f in flats)
     assert list(model.parameters()) == params  # the same Parameter objects
     for n, p in model.named_parameters():

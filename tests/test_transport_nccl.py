@@ -127,15 +127,19 @@ def test_big_tensors_travel_unpacked_and_flat_buffers_as_slices(
     trainer = Trainer(tiny_model_dir_b)
     trainer.perturb(seed=11)
     # tensors of >= 16 KiB go one broadcast each (no packing copy); the rest is packed
-    tr = NCCLTransport(3, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT,
-                       unpacked_min_bytes=16 << 10)  # fmt: skip
+    tr = NCCLTransport(
+        3, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT, unpacked_min_bytes=16 << 10
+    )
     weights = trainer.weights()
     tr.register(weights, 11)
     unpacked = [p for p in tr.plans if p.unpacked]
     packed = [p for p in tr.plans if not p.unpacked]
     assert unpacked and packed
-    assert all(weights[n].numel() * weights[n].element_size() >= 16 << 10
-               for p in unpacked for n in p.names)  # fmt: skip
+    assert all(
+        weights[n].numel() * weights[n].element_size() >= 16 << 10
+        for p in unpacked
+        for n in p.names
+    )
     assert sorted(n for p in tr.plans for n in p.names) == sorted(weights)
     report = tr.update([target("one", one, (0,)), target("two", two, (1, 2))])
     assert report.ok, report.results
@@ -164,15 +168,18 @@ def test_engine_killed_during_unpacked_broadcasts_fails_only_its_target(
     trainer = Trainer(tiny_model_dir_b)
     trainer.perturb(seed=13)
     doomed = engine_factory(tiny_model_dir, ranks=1)
-    tr = NCCLTransport(2, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT,
-                       unpacked_min_bytes=16 << 10)  # fmt: skip
+    tr = NCCLTransport(
+        2, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT, unpacked_min_bytes=16 << 10
+    )
     tr.register(trainer.weights(), 13)
     first_unpacked = next(i for i, p in enumerate(tr.plans) if p.unpacked)
     assert any(p.unpacked for p in tr.plans[first_unpacked + 1 :])  # more follow
     killer = KillingClient(  # killed as the first call of unpacked broadcasts starts
-        target("d", doomed, (1,)).client, doomed, "update_weights_from_distributed",
+        target("d", doomed, (1,)).client,
+        doomed,
+        "update_weights_from_distributed",
         n=first_unpacked + 1,
-    )  # fmt: skip
+    )
     t0 = time.monotonic()
     report = tr.update([target("one", one, (0,)), target("doomed", doomed, (1,), killer)])
     assert killer.killed.is_set()

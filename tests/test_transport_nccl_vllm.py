@@ -39,8 +39,9 @@ from transport_helpers import PROMPT, Trainer, assert_serves, target, transport_
 
 from rollsafe.adapters.engines import EngineNotSupported, VLLMClient
 from rollsafe.engine_layout import vllm_cpu_emptied
-from rollsafe.fleet import FleetConfig, GroupSpec, RolloutFleet
-from rollsafe.transports import EngineTarget, NCCLTransport
+from rollsafe.fleet import FleetConfig, GroupSpec, NcclSettings, RolloutFleet
+from rollsafe.ports import EngineTarget
+from rollsafe.transports import NCCLTransport
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 SMALL_BUCKET = 96 << 10
@@ -254,9 +255,7 @@ def test_vllm_fleet_syncs_twice_over_nccl(
         export_root=tmp_path / "exports",
         groups=[GroupSpec(1), GroupSpec(2)],
         engine_options={"dialect": "vllm"},
-        transport="nccl",
-        nccl_bucket_bytes=SMALL_BUCKET,
-        nccl_group_timeout_s=TIMEOUT,
+        transport=NcclSettings(bucket_bytes=SMALL_BUCKET, group_timeout_s=TIMEOUT),
     )
     with RolloutFleet(config) as fleet:
         tr = fleet.transport

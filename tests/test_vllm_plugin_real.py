@@ -30,7 +30,8 @@ from safetensors.torch import load_file
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, VLLMClient
 from rollsafe.adapters.engines.vllm_cpu import ROLLSAFE_GLOO_BACKEND
 from rollsafe.net import free_port
-from rollsafe.transports import EngineTarget, NCCLTransport
+from rollsafe.ports import EngineTarget
+from rollsafe.transports import NCCLTransport
 from rollsafe.vllm_plugin import BACKEND
 from rollsafe.wire.group import open_weight_update_group
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP

@@ -20,7 +20,7 @@ from engine_helpers import EngineProcess
 
 from rollsafe.adapters.engines import SGLangClient
 from rollsafe.checksum import weights_checksum
-from rollsafe.transports import EngineTarget
+from rollsafe.ports import EngineTarget
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 PROMPT = [1, 17, 42, 99, 7]

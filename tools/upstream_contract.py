@@ -233,9 +233,19 @@ def _looks_like_type(node: ast.expr) -> bool:
         base = node.value
         name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
         return name in {
-            "Literal", "Union", "Optional", "List", "Dict", "list", "dict", "Annotated",
-            "Tuple", "tuple", "Set", "set",
-        }  # fmt: skip
+            "Literal",
+            "Union",
+            "Optional",
+            "List",
+            "Dict",
+            "list",
+            "dict",
+            "Annotated",
+            "Tuple",
+            "tuple",
+            "Set",
+            "set",
+        }
     return isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr)
 
 
@@ -629,14 +639,17 @@ def response_variants(func: ast.FunctionDef | ast.AsyncFunctionDef) -> list[JSON
             content = _kw(node, "content")
             if content is None and node.args:
                 content = node.args[0]
-            variants.append({"status": _status(_kw(node, "status_code"), simple),
-                             **describe(content)})  # fmt: skip
+            variants.append(
+                {"status": _status(_kw(node, "status_code"), simple), **describe(content)}
+            )
         elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
             if _call_name(node.exc) == "HTTPException":
                 variants.append(
-                    {"status": _status(_kw(node.exc, "status_code"), simple),
-                     "raises": "HTTPException"}
-                )  # fmt: skip
+                    {
+                        "status": _status(_kw(node.exc, "status_code"), simple),
+                        "raises": "HTTPException",
+                    }
+                )
         elif isinstance(node, ast.Return) and node.value is not None:
             value = node.value.value if isinstance(node.value, ast.Await) else node.value
             if isinstance(value, ast.Call) and _is_response_call(value):
@@ -749,8 +762,12 @@ def _raw_body_fields(
                 var_to_key[target.id] = key
         elif isinstance(recv, ast.Attribute) and recv.attr == "query_params":
             if meth == "getlist":
-                query[key] = {"type": ["array"], "items": {"type": ["string"]}, "required": False,
-                              "repeated": True}  # fmt: skip
+                query[key] = {
+                    "type": ["array"],
+                    "items": {"type": ["string"]},
+                    "required": False,
+                    "repeated": True,
+                }
             elif meth == "get":
                 query[key] = {"type": ["string"], "required": False}
     # `if x is None: raise ...` right after reading x makes the key required.
@@ -816,8 +833,9 @@ def extract_routes(
             schema = type_schema(inner, ctx)
             cls_ref = schema.get("ref")
             is_default_marker = isinstance(default, ast.Call) and _call_name(default) in {
-                "Query", "Body"
-            }  # fmt: skip
+                "Query",
+                "Body",
+            }
             required, dflt = field_default(default, consts) if not is_default_marker else (True, {})
             if is_default_marker:
                 assert isinstance(default, ast.Call)
@@ -879,10 +897,13 @@ def extract_routes(
                     "fields": {**raw_body, **embedded},
                     "field_order": list(raw_body) + list(embedded),
                 }
-                entry["body"] = {"schema": synthetic, "required": bool(
-                    any(f["required"] for f in embedded.values())
-                    or any(f["required"] for f in raw_body.values())
-                )}  # fmt: skip
+                entry["body"] = {
+                    "schema": synthetic,
+                    "required": bool(
+                        any(f["required"] for f in embedded.values())
+                        or any(f["required"] for f in raw_body.values())
+                    ),
+                }
             elif body_schema is not None:
                 entry["body"] = {"schema": body_schema, "required": body_required}
             else:
@@ -1168,20 +1189,24 @@ def extract_sglang(tree: SourceTree) -> JSON:
     )
     # Streaming (#17): SSE framing, cumulative events by default, spans on the finished event.
     facts.contains(
-        tree, "sglang.stream_is_sse_data_events_then_done", SGLANG_HTTP,
+        tree,
+        "sglang.stream_is_sse_data_events_then_done",
+        SGLANG_HTTP,
         'yield b"data: [DONE]\\n\\n"',
-    )  # fmt: skip
+    )
     facts.contains(
-        tree, "sglang.stream_events_cumulative_by_default",
+        tree,
+        "sglang.stream_events_cumulative_by_default",
         f"{SGLANG_FIELDS_DIR}/serving.py",
         "incremental_streaming_output: A[\n        bool,\n"
         '        "Whether to output as a sequence of disjoint segments.",\n    ] = False',
-    )  # fmt: skip
+    )
     facts.contains(
-        tree, "sglang.stream_weight_version_spans_on_finished_event_only",
+        tree,
+        "sglang.stream_weight_version_spans_on_finished_event_only",
         "sglang/srt/managers/scheduler_components/output_streamer.py",
         "        else:\n            self.weight_versions.append(None)",
-    )  # fmt: skip
+    )
     facts.contains(
         tree,
         "sglang.health_and_ready_skip_auth",
@@ -1378,18 +1403,34 @@ VLLM_WEIGHT_TRANSFER_ROUTES = {
 }
 VLLM_SLEEP_ROUTES = {"/sleep", "/wake_up", "/is_sleeping"}
 VLLM_BACKENDS = {
-    "nccl": (VLLM_WT_NCCL_COMMON, "NCCLWeightTransferInitInfo", VLLM_WT_NCCL,
-             "NCCLWeightTransferUpdateInfo", "NCCLWeightTransferEngine"),
-    "ipc": (VLLM_WT_IPC, "IPCWeightTransferInitInfo", VLLM_WT_IPC,
-            "IPCWeightTransferUpdateInfo", "IPCWeightTransferEngine"),
-}  # fmt: skip
+    "nccl": (
+        VLLM_WT_NCCL_COMMON,
+        "NCCLWeightTransferInitInfo",
+        VLLM_WT_NCCL,
+        "NCCLWeightTransferUpdateInfo",
+        "NCCLWeightTransferEngine",
+    ),
+    "ipc": (
+        VLLM_WT_IPC,
+        "IPCWeightTransferInitInfo",
+        VLLM_WT_IPC,
+        "IPCWeightTransferUpdateInfo",
+        "IPCWeightTransferEngine",
+    ),
+}
 
 
 def extract_vllm(tree: SourceTree) -> JSON:
     facts = Facts()
     ctx = TypeContext()
-    for p in (VLLM_V1_ENGINE, VLLM_WT_BASE, VLLM_COMPLETION_PROTOCOL, VLLM_BASE_PROTOCOL,
-              VLLM_GENERATE_PROTOCOL, VLLM_SAMPLING):  # fmt: skip
+    for p in (
+        VLLM_V1_ENGINE,
+        VLLM_WT_BASE,
+        VLLM_COMPLETION_PROTOCOL,
+        VLLM_BASE_PROTOCOL,
+        VLLM_GENERATE_PROTOCOL,
+        VLLM_SAMPLING,
+    ):
         ctx.add_module(tree.module(p))
 
     # Gates: which flag/env registers which router (checked by AST on the registration code).
@@ -1410,29 +1451,34 @@ def extract_vllm(tree: SourceTree) -> JSON:
         f"{VLLM_SERVE_INIT}:register_vllm_dev_api_routers imports {dev_imports}",
     )
     facts.contains(
-        tree, "vllm.rl_router_is_online_api_router", VLLM_RL_FACTORIES,
+        tree,
+        "vllm.rl_router_is_online_api_router",
+        VLLM_RL_FACTORIES,
         "from .online.api_router import router as rl_router",
-    )  # fmt: skip
+    )
     facts.require(
         "vllm.generate_routers_need_generate_task",
-        "register_generate_api_routers" in if_block_calls(
-            routers_mod, "'generate' in supported_tasks"
-        ),
+        "register_generate_api_routers"
+        in if_block_calls(routers_mod, "'generate' in supported_tasks"),
         f"{VLLM_ROUTERS}: `if 'generate' in supported_tasks:` registers the generate routers",
-    )  # fmt: skip
+    )
     facts.contains(
-        tree, "vllm.weight_transfer_needs_config", VLLM_WORKER,
+        tree,
+        "vllm.weight_transfer_needs_config",
+        VLLM_WORKER,
         "Please set weight_transfer_config to enable weight transfer.",
-    )  # fmt: skip
+    )
     facts.contains(
         tree, "vllm.flag_weight_transfer_config", VLLM_ARGS, '"--weight-transfer-config"'
     )
     facts.contains(tree, "vllm.flag_enable_sleep_mode", VLLM_ARGS, '"--enable-sleep-mode"')
     facts.contains(tree, "vllm.env_server_dev_mode", VLLM_ENVS, '"VLLM_SERVER_DEV_MODE": lambda:')
     facts.contains(
-        tree, "vllm.sleep_mode_config_field", VLLM_MODEL_CONFIG,
+        tree,
+        "vllm.sleep_mode_config_field",
+        VLLM_MODEL_CONFIG,
         "enable_sleep_mode: bool = False",
-    )  # fmt: skip
+    )
     dev_env = {"env": {"VLLM_SERVER_DEV_MODE": "1"}}
     wt_requires = {
         "env": {"VLLM_SERVER_DEV_MODE": "1"},
@@ -1483,9 +1529,11 @@ def extract_vllm(tree: SourceTree) -> JSON:
     used = {r["body"]["schema"] for r in routes.values() if r["body"]}
     schemas = {k: v for k, v in schemas.items() if k in used}
     facts.contains(
-        tree, "vllm.openai_models_allow_extra_fields", VLLM_BASE_PROTOCOL,
+        tree,
+        "vllm.openai_models_allow_extra_fields",
+        VLLM_BASE_PROTOCOL,
         'model_config = ConfigDict(extra="allow")',
-    )  # fmt: skip
+    )
 
     # Backend-specific init_info / update_info.
     log(f"reading weight-transfer backends from {VLLM_WT}")
@@ -1518,19 +1566,27 @@ def extract_vllm(tree: SourceTree) -> JSON:
         )
         facts.contains(tree, f"vllm.{backend}_backend_registered", VLLM_WT_FACTORY, f'"{backend}",')
     facts.contains(
-        tree, "vllm.info_dicts_reject_unknown_keys", VLLM_WT_BASE,
+        tree,
+        "vllm.info_dicts_reject_unknown_keys",
+        VLLM_WT_BASE,
         "return self.init_info_cls(**init_dict)",
-    )  # fmt: skip
+    )
     facts.contains(
-        tree, "vllm.update_info_list_is_indexed_by_global_worker_rank", VLLM_WORKER,
+        tree,
+        "vllm.update_info_list_is_indexed_by_global_worker_rank",
+        VLLM_WORKER,
         "parallel_config.data_parallel_index * parallel_config.world_size",
-    )  # fmt: skip
+    )
     facts.contains(
-        tree, "vllm.ipc_handles_pickled_needs_insecure_serialization", VLLM_WT_IPC,
+        tree,
+        "vllm.ipc_handles_pickled_needs_insecure_serialization",
+        VLLM_WT_IPC,
         "VLLM_ALLOW_INSECURE_SERIALIZATION",
-    )  # fmt: skip
-    for name, route_field in (("/init_weight_transfer_engine", "init_info"),
-                              ("/update_weights", "update_info")):  # fmt: skip
+    )
+    for name, route_field in (
+        ("/init_weight_transfer_engine", "init_info"),
+        ("/update_weights", "update_info"),
+    ):
         body = routes[name]["body"]
         schemas[body["schema"]]["fields"][route_field]["backend_schema"] = route_field
 
@@ -1538,9 +1594,13 @@ def extract_vllm(tree: SourceTree) -> JSON:
     wctx = TypeContext()
     wctx.add_module(wt_config_mod)
     wt_config = class_schema(
-        [wt_config_mod], "WeightTransferConfig", wctx, {}, source=VLLM_WT_CONFIG,
+        [wt_config_mod],
+        "WeightTransferConfig",
+        wctx,
+        {},
+        source=VLLM_WT_CONFIG,
         unknown_keys="rejected",
-    )  # fmt: skip
+    )
 
     packed = {
         k: packed_consts[k]
@@ -1553,45 +1613,66 @@ def extract_vllm(tree: SourceTree) -> JSON:
     comp = schemas.get("CompletionRequest")
     completion_fields = sorted(comp["fields"]) if comp else []
     comp_choice = class_schema(
-        proto_mods, "CompletionResponseChoice", ctx, {}, source=VLLM_COMPLETION_PROTOCOL,
+        proto_mods,
+        "CompletionResponseChoice",
+        ctx,
+        {},
+        source=VLLM_COMPLETION_PROTOCOL,
         unknown_keys="n/a",
-    )  # fmt: skip
+    )
     wv_span = class_schema(
-        [tree.module("vllm/outputs.py")], "WeightVersionSpan", TypeContext(), {},
-        source="vllm/outputs.py", unknown_keys="n/a",
-    )  # fmt: skip
+        [tree.module("vllm/outputs.py")],
+        "WeightVersionSpan",
+        TypeContext(),
+        {},
+        source="vllm/outputs.py",
+        unknown_keys="n/a",
+    )
 
     # Streaming (#17): SSE framing, delta token ids, weight_versions on the final output only.
     facts.contains(
-        tree, "vllm.stream_is_sse_data_events_then_done",
-        "vllm/entrypoints/openai/completion/serving.py", 'yield "data: [DONE]\\n\\n"',
-    )  # fmt: skip
+        tree,
+        "vllm.stream_is_sse_data_events_then_done",
+        "vllm/entrypoints/openai/completion/serving.py",
+        'yield "data: [DONE]\\n\\n"',
+    )
     facts.contains(
-        tree, "vllm.stream_token_ids_are_deltas", VLLM_COMPLETION_PROTOCOL,
+        tree,
+        "vllm.stream_token_ids_are_deltas",
+        VLLM_COMPLETION_PROTOCOL,
         "output_kind=RequestOutputKind.DELTA",
-    )  # fmt: skip
+    )
     facts.contains(
-        tree, "vllm.stream_weight_versions_on_final_output_only",
+        tree,
+        "vllm.stream_weight_versions_on_final_output_only",
         "vllm/v1/engine/output_processor.py",
         "weight_versions=self._weight_version_spans() if finished else None",
-    )  # fmt: skip
+    )
     # Pause semantics (whether a paused engine rejects new requests differs: see dialect).
     facts.contains(
-        tree, "vllm.retryable_request_error_is_503", VLLM_EXC,
+        tree,
+        "vllm.retryable_request_error_is_503",
+        VLLM_EXC,
         "self.status_code = HTTPStatus.SERVICE_UNAVAILABLE",
-    )  # fmt: skip
+    )
     facts.contains(
-        tree, "vllm.finish_weight_update_sets_version", VLLM_ASYNC_LLM,
+        tree,
+        "vllm.finish_weight_update_sets_version",
+        VLLM_ASYNC_LLM,
         "await self.update_weight_version(weight_version)",
-    )  # fmt: skip
+    )
     facts.contains(
-        tree, "vllm.weight_checker_digest_is_sha256_of_raw_bytes", VLLM_CHECKSUM,
+        tree,
+        "vllm.weight_checker_digest_is_sha256_of_raw_bytes",
+        VLLM_CHECKSUM,
         "weight.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()",
-    )  # fmt: skip
+    )
     facts.contains(
-        tree, "vllm.weight_checker_key_prefix", VLLM_WORKER,
+        tree,
+        "vllm.weight_checker_key_prefix",
+        VLLM_WORKER,
         'return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"',
-    )  # fmt: skip
+    )
 
     dialect = vllm_dialect(tree, schemas, backend_schemas)
     return {
@@ -1750,8 +1831,16 @@ def get_wheel(engine: str, version: str, cache: Path) -> Path:
         log(f"using cached wheel {found[0]}")
         return Path(found[0])
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{package}=={version}",
-           "-d", str(cache)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        f"{package}=={version}",
+        "-d",
+        str(cache),
+    ]
     log("running " + " ".join(cmd))
     if subprocess.run(cmd, check=False).returncode != 0:
         cmd += list(spec.pip_args)

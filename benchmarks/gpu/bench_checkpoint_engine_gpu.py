@@ -314,7 +314,7 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
 
     from rollsafe.adapters.engines.sglang import SGLangClient
     from rollsafe.checksum import model_digest, tensor_digest
-    from rollsafe.transports.base import EngineTarget
+    from rollsafe.ports import EngineTarget
     from rollsafe.transports.checkpoint_engine import (
         CheckpointEngineTransport,
         checkpoint_engine_unavailable_reasons,
@@ -551,8 +551,11 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
                 perturb("ipc")
                 itr = IPCTransport(1, bucket_bytes=args.ipc_bucket_mib << 20)
                 target = EngineTarget("engine0", (0,), client)
-                ipc: dict[str, Any] = {"bucket_mib": args.ipc_bucket_mib, "register_s": [],
-                                       "update_s": []}  # fmt: skip
+                ipc: dict[str, Any] = {
+                    "bucket_mib": args.ipc_bucket_mib,
+                    "register_s": [],
+                    "update_s": [],
+                }
                 for i in range(args.repeats + 1):  # round 0 warms up (allocator, handles)
                     t_reg, _ = timed(partial(itr.register, weights, int(next_version())))
                     t_upd, report = timed(partial(itr.update, [target]))
@@ -649,15 +652,28 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     overhead = phases.get("overhead")
     if overhead:
-        rows.append(("overhead ours/raw - 1", f"{overhead['ratio']:+.3f} (target <= 0.10: "
-                     f"{'met' if overhead['within_target'] else 'not met'})"))  # fmt: skip
-        rows.append(("update GB/s raw / ours", f"{overhead['gbps_raw_update']:.2f} / "
-                     f"{overhead['gbps_ours_update']:.2f}"))  # fmt: skip
+        rows.append(
+            (
+                "overhead ours/raw - 1",
+                f"{overhead['ratio']:+.3f} (target <= 0.10: "
+                f"{'met' if overhead['within_target'] else 'not met'})",
+            )
+        )
+        rows.append(
+            (
+                "update GB/s raw / ours",
+                f"{overhead['gbps_raw_update']:.2f} / {overhead['gbps_ours_update']:.2f}",
+            )
+        )
     for row in phases.get("bucket_sweep", []):
         if "update_s" in row:
-            rows.append((f"sweep cap {row['bucket_cap_gib']} GiB",
-                         f"update {row['update_s']:.3f} s, peak extra "
-                         f"{row.get('process_peak_extra_mib', 0):.0f} MiB"))  # fmt: skip
+            rows.append(
+                (
+                    f"sweep cap {row['bucket_cap_gib']} GiB",
+                    f"update {row['update_s']:.3f} s, peak extra "
+                    f"{row.get('process_peak_extra_mib', 0):.0f} MiB",
+                )
+            )
     for name, ok in doc.get("checks", {}).items():
         rows.append((f"check: {name}", "ok" if ok else "FAILED"))
     for item in doc.get("skipped", []):

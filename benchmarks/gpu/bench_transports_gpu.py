@@ -56,7 +56,8 @@ from qwen3_shapes import qwen3_4b_shapes, qwen3_config, shapes_from_config  # no
 from rollsafe.adapters.engines import SGLangClient  # noqa: E402
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import weights_checksum  # noqa: E402
-from rollsafe.transports import EngineTarget, IPCTransport, NCCLTransport  # noqa: E402
+from rollsafe.ports import EngineTarget  # noqa: E402
+from rollsafe.transports import IPCTransport, NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
 
 MiB = 1 << 20
@@ -133,9 +134,14 @@ def _receiver(port: int, backend: str, numel: int, n: int, gpu: str | None) -> N
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     g = open_weight_update_group(
-        master_address="127.0.0.1", master_port=port, rank=1, world_size=2,
-        group_name="raw", backend=backend, timeout_s=300,
-    )  # fmt: skip
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=1,
+        world_size=2,
+        group_name="raw",
+        backend=backend,
+        timeout_s=300,
+    )
     buf = torch.zeros(numel, dtype=torch.bfloat16, device=dev)
     for _ in range(n):
         g.broadcast(buf, 0).wait()
@@ -153,9 +159,14 @@ def raw_broadcast(nbytes: int, backend: str, repeats: int) -> dict[str, Any]:
     proc.start()
     dev = torch.device("cuda:0" if backend == "nccl" else "cpu")
     g = open_weight_update_group(
-        master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-        group_name="raw", backend=backend, timeout_s=300,
-    )  # fmt: skip
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name="raw",
+        backend=backend,
+        timeout_s=300,
+    )
     buf = torch.ones(numel, dtype=torch.bfloat16, device=dev)
     times = []
     for _ in range(n):
@@ -203,7 +214,7 @@ def per_call_overhead(
 ) -> dict[str, Any]:
     """Fixed cost of one engine call: ``/health`` (HTTP alone) and ``/update_weights_from_tensor``
     with a one-tensor bucket (HTTP + payload decode + CUDA IPC open/close + commit + sync)."""
-    from rollsafe.transports.bucket import pack_buckets, serialize_bucket
+    from rollsafe.wire.bucket import pack_buckets, serialize_bucket
 
     name = min(weights, key=lambda k: weights[k].numel())
     bucket = next(iter(pack_buckets([(name, weights[name])], 1 << 20)))
@@ -301,8 +312,10 @@ def main() -> int:
     sync(device)
     nbytes = nbytes_of(weights)
     result["tensors"], result["bytes"] = len(weights), nbytes
-    print(f"{len(weights)} tensors, {nbytes / 1e9:.3f} GB bf16 on {device} "
-          f"({time.perf_counter() - t0:.1f}s)")  # fmt: skip
+    print(
+        f"{len(weights)} tensors, {nbytes / 1e9:.3f} GB bf16 on {device} "
+        f"({time.perf_counter() - t0:.1f}s)"
+    )
     t0 = time.perf_counter()
     want = weights_checksum(weights)["model"]
     result["phases"]["trainer_checksum_s"] = round(time.perf_counter() - t0, 2)
@@ -320,9 +333,12 @@ def main() -> int:
             extra += ["--device", "cuda"]
         t0 = time.perf_counter()
         eng = start_engine(
-            model_dir, ranks=1, extra_args=extra, timeout=900,
+            model_dir,
+            ranks=1,
+            extra_args=extra,
+            timeout=900,
             env={"ROLLSAFE_ENGINE_PROFILE": "1"},
-        )  # fmt: skip
+        )
         result["phases"]["engine_start_s"] = round(time.perf_counter() - t0, 1)
         save()
         try:
@@ -339,18 +355,20 @@ def main() -> int:
                 tr.register(src, 1)
                 times, extra_mem = timed_updates(tr, target, args.repeats, device)
                 best = statistics.median(times)  # the median of the repeats
-                rows.append({
-                    "layout": layout,
-                    "direct_buckets": tr.direct_buckets,
-                    "bucket_mib": mib,
-                    "buckets": len(tr.plans),
-                    "seconds": round(best, 4),
-                    "all_seconds": [round(t, 4) for t in times],
-                    "gb_s": round(nbytes / best / 1e9, 2),
-                    "ratio_vs_copy": round(nbytes / best / 1e9 / base["gb_s"], 3),
-                    "peak_extra_gpu_bytes": extra_mem,
-                    "peak_extra_buckets": round(extra_mem / (mib * MiB), 2),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "layout": layout,
+                        "direct_buckets": tr.direct_buckets,
+                        "bucket_mib": mib,
+                        "buckets": len(tr.plans),
+                        "seconds": round(best, 4),
+                        "all_seconds": [round(t, 4) for t in times],
+                        "gb_s": round(nbytes / best / 1e9, 2),
+                        "ratio_vs_copy": round(nbytes / best / 1e9 / base["gb_s"], 3),
+                        "peak_extra_gpu_bytes": extra_mem,
+                        "peak_extra_buckets": round(extra_mem / (mib * MiB), 2),
+                    }
+                )
                 if layout == "flat":
                     rows[-1]["client_profile"] = profile_client(tr, target, device)
                 # the engine's own account of the last update (ROLLSAFE_ENGINE_PROFILE=1)
@@ -405,15 +423,17 @@ def main() -> int:
                     ntr.register(weights, 2)
                     times, _ = timed_updates(ntr, target, args.repeats, device)
                     best = statistics.median(times)  # the median of the repeats
-                    rows.append({
-                        "backend": backend,
-                        "bucket_mib": mib,
-                        "buckets": len(ntr.plans),
-                        "seconds": round(best, 4),
-                        "all_seconds": [round(t, 4) for t in times],
-                        "gb_s": round(nbytes / best / 1e9, 2),
-                        "ratio_vs_raw_broadcast": round(nbytes / best / 1e9 / raw["gb_s"], 3),
-                    })  # fmt: skip
+                    rows.append(
+                        {
+                            "backend": backend,
+                            "bucket_mib": mib,
+                            "buckets": len(ntr.plans),
+                            "seconds": round(best, 4),
+                            "all_seconds": [round(t, 4) for t in times],
+                            "gb_s": round(nbytes / best / 1e9, 2),
+                            "ratio_vs_raw_broadcast": round(nbytes / best / 1e9 / raw["gb_s"], 3),
+                        }
+                    )
                     ntr.close()
                     print(f"nccl: {rows[-1]}")
                     result["phases"]["nccl"] = rows

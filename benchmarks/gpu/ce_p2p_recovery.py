@@ -103,7 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="restart engines cold (default: FleetConfig.warm_standby=True)",
     )
-    return p.parse_args(argv)  # fmt: skip
+    return p.parse_args(argv)
 
 
 class Result:
@@ -133,8 +133,13 @@ class Result:
         return bool(value)
 
     def error(self, where: str, exc: BaseException) -> None:
-        self.doc["errors"].append({"where": where, "error": f"{type(exc).__name__}: {exc}"[:4000],
-                                   "traceback": traceback.format_exc()[-4000:]})  # fmt: skip
+        self.doc["errors"].append(
+            {
+                "where": where,
+                "error": f"{type(exc).__name__}: {exc}"[:4000],
+                "traceback": traceback.format_exc()[-4000:],
+            }
+        )
         self.flush()
 
     def flush(self) -> None:
@@ -188,8 +193,12 @@ def engine_checksums(fleet: Any, digests: Digests, timeout: float) -> dict[str, 
             try:
                 got = fut.result()
                 want = digests.model(got.algorithm)
-                rows[gid] = {"equal": got.model == want, "engine_model": got.model,
-                             "trainer_model": want, "algorithm": got.algorithm}  # fmt: skip
+                rows[gid] = {
+                    "equal": got.model == want,
+                    "engine_model": got.model,
+                    "trainer_model": want,
+                    "algorithm": got.algorithm,
+                }
                 if got.model != want:  # name what differs
                     mine = digests.tensors(got.algorithm)
                     theirs = dict(got.tensors)
@@ -233,29 +242,35 @@ def crash_and_recover(
             "" if ready else f" (and no ready export of v{version} at the kill)"
         )
     pushes_before = len(tr.pushes) if isinstance(tr, CheckpointEngineFleetTransport) else 0
-    figures, result = kill_and_measure(fleet, rollout, VICTIM, SERVING,
-                                       timeout_s=args.recovery_timeout_s)  # fmt: skip
+    figures, result = kill_and_measure(
+        fleet, rollout, VICTIM, SERVING, timeout_s=args.recovery_timeout_s
+    )
     out.update(figures)
     pushes = []
     if isinstance(tr, CheckpointEngineFleetTransport):
         pushes = list(tr.pushes)[pushes_before:]
-    out.update({
-        "lease_step": next((s.as_dict() for s in result.steps if s.name == "lease"), None),
-        "push_step": next((s.as_dict() for s in result.steps if s.name == "push"), None),
-        "kill_to_left_routing_s": figures["detection_s"],
-        "restart_step_s": rounded(result.step_seconds("restart")),
-        "push_step_s": rounded(result.step_seconds("push")),
-        "pushes_after_kill": [p.as_dict() for p in pushes],
-    })  # fmt: skip
+    out.update(
+        {
+            "lease_step": next((s.as_dict() for s in result.steps if s.name == "lease"), None),
+            "push_step": next((s.as_dict() for s in result.steps if s.name == "push"), None),
+            "kill_to_left_routing_s": figures["detection_s"],
+            "restart_step_s": rounded(result.step_seconds("restart")),
+            "push_step_s": rounded(result.step_seconds("push")),
+            "pushes_after_kill": [p.as_dict() for p in pushes],
+        }
+    )
     if expect == "targeted_push" and pushes:
         p2p = [p for p in pushes if p.targeted]
         push = p2p[-1] if p2p else pushes[-1]
         gb = push.nbytes / 1e9
         out["p2p_push"] = {
-            "mode": push.mode, "ps_ranks": push.ps_ranks, "targets": push.targets,
-            "seconds": round(push.seconds, 3), "gb": round(gb, 3),
+            "mode": push.mode,
+            "ps_ranks": push.ps_ranks,
+            "targets": push.targets,
+            "seconds": round(push.seconds, 3),
+            "gb": round(gb, 3),
             "gb_s": round(gb / push.seconds, 3) if push.seconds else None,
-        }  # fmt: skip
+        }
     return out
 
 
@@ -264,6 +279,7 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
     import torch.distributed as dist
 
     from rollsafe.fleet import (
+        CheckpointEngineSettings,
         FleetConfig,
         GroupSpec,
         HealthSettings,
@@ -283,9 +299,11 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
     model_dir = write_model_dir(tmp / "model", cfg)
     cuda = torch.cuda.is_available()
     engine_options: dict[str, Any] = {
-        "device": "cuda", "load_format": "dummy", "extra_args": ("--dtype", "bfloat16"),
+        "device": "cuda",
+        "load_format": "dummy",
+        "extra_args": ("--dtype", "bfloat16"),
         "ready_timeout": args.engine_start_timeout_s,
-    }  # fmt: skip
+    }
     env = {
         "cuda": cuda,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
@@ -294,10 +312,11 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
         "MC_FORCE_TCP": os.environ.get("MC_FORCE_TCP"),
         "PS_P2P_STORE_RDMA_DEVICES": os.environ.get("PS_P2P_STORE_RDMA_DEVICES"),
         "rdma_devices": sorted(os.listdir("/sys/class/infiniband"))
-        if os.path.isdir("/sys/class/infiniband") else [],
+        if os.path.isdir("/sys/class/infiniband")
+        else [],
         "fleet_fallback_reasons": fleet_fallback_reasons(engine_options),
         "model": {"kind": kind, "tensors": len(shapes), "layers": cfg["num_hidden_layers"]},
-    }  # fmt: skip
+    }
     res.phase("env", env)
     if not cuda:
         res.doc["skipped"].append("fleet: no CUDA here (checkpoint-engine needs it)")
@@ -308,23 +327,35 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
 
     torch.cuda.set_device(0)
     port = _free_port()
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))  # fmt: skip
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0),
+    )
     config = FleetConfig(
         model_path=model_dir,
         export_root=tmp / "exports",
         groups=[GroupSpec(1, group_id=SERVING), GroupSpec(1, group_id=VICTIM)],
         transport="checkpoint_engine",
-        ce_bucket_bytes=int(args.bucket_gib * GiB),
-        ce_p2p=True,
-        ce_p2p_protocol="tcp",
-        ce_transfer_timeout_s=args.transfer_timeout_s,
-        ce_request_timeout_s=args.request_timeout_s,
-        ce_socket_timeout_s=args.request_timeout_s,
+        checkpoint_engine=CheckpointEngineSettings(
+            bucket_bytes=int(args.bucket_gib * GiB),
+            p2p=True,
+            p2p_protocol="tcp",
+            transfer_timeout_s=args.transfer_timeout_s,
+            request_timeout_s=args.request_timeout_s,
+            socket_timeout_s=args.request_timeout_s,
+        ),
         health=HealthSettings(interval_s=0.2, timeout_s=2.0, failure_threshold=2),
-        recovery=RecoverySettings(max_workers=2, timeout_s=args.recovery_timeout_s,
-                                  restart_budget=4, targeted_push=True, expected_recovery_s=5.0,
-                                  retry_delay_s=0.2),
+        recovery=RecoverySettings(
+            max_workers=2,
+            timeout_s=args.recovery_timeout_s,
+            restart_budget=4,
+            targeted_push=True,
+            expected_recovery_s=5.0,
+            retry_delay_s=0.2,
+        ),
         enable_immediate_recovery=True,
         engine_options=engine_options,
         request_timeout_s=60.0,
@@ -332,7 +363,7 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
         wait_for_routable_s=2.0,
         start_timeout_s=args.engine_start_timeout_s,
         warm_standby=args.warm_standby,
-    )  # fmt: skip
+    )
     fleet = RolloutFleet(config)
     rollout: Rollout | None = None
     try:
@@ -379,13 +410,16 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
             t0 = time.monotonic()
             report = fleet.sync_weights(weights, version)
             row = {
-                "ok": report.ok, "updated": report.updated, "failed": report.failed,
-                "error": report.error, "seconds": round(time.monotonic() - t0, 3),
+                "ok": report.ok,
+                "updated": report.updated,
+                "failed": report.failed,
+                "error": report.error,
+                "seconds": round(time.monotonic() - t0, 3),
                 "timings": {k: round(v, 3) for k, v in report.timings.items()},
                 "waves": [p.as_dict() for p in list(tr.pushes)[n:]],
                 "waited_for_previous_export_s": round(t0 - t_wait, 2),
                 "mode_after": fleet.mode.state,
-            }  # fmt: skip
+            }
             syncs[f"v{version}"] = row
             res.phase("syncs", syncs)
             return row
@@ -426,11 +460,14 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
             if push.get("seconds") and syncs.get("broadcast_s"):
                 a["p2p_over_broadcast_time"] = round(push["seconds"] / syncs["broadcast_s"], 2)
             res.phase("targeted", a)
-            res.check("targeted_active", a["status"] == "active" and a["strategy"] ==
-                      "targeted_push")  # fmt: skip
-            res.check("targeted_push_was_p2p_to_victim_only",
-                      [(p["mode"], p["ps_ranks"], p["targets"]) for p in a["pushes_after_kill"]]
-                      == [("p2p", [0], [VICTIM])])  # fmt: skip
+            res.check(
+                "targeted_active", a["status"] == "active" and a["strategy"] == "targeted_push"
+            )
+            res.check(
+                "targeted_push_was_p2p_to_victim_only",
+                [(p["mode"], p["ps_ranks"], p["targets"]) for p in a["pushes_after_kill"]]
+                == [("p2p", [0], [VICTIM])],
+            )
             res.check("targeted_checksums_equal", a["checksums"]["equal"])
             res.check("targeted_no_request_to_failed_group", a["no_request_to_failed_group"])
             res.check("targeted_other_group_served_meanwhile", a["served_by_other_meanwhile"] > 0)
@@ -485,20 +522,30 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
 
     rows = [
         ("weights", s(setup.get("weights_gb"), " GB")),
-        ("transport / P2P", f"{setup.get('transport', '-')} / {setup.get('p2p_protocol', '-')} "
-                            f"(available: {setup.get('p2p_available', '-')})"),
-        ("broadcast (sync v2, per engine)", f"{s(syncs.get('broadcast_s'), ' s')} "
-                                            f"({s(syncs.get('broadcast_gb_s'), ' GB/s')})"),
-        ("P2P push to the restarted group", f"{s(push.get('seconds'), ' s')} "
-                                            f"({s(push.get('gb_s'), ' GB/s')}, ranks "
-                                            f"{push.get('ps_ranks', '-')})"),
+        (
+            "transport / P2P",
+            f"{setup.get('transport', '-')} / {setup.get('p2p_protocol', '-')} "
+            f"(available: {setup.get('p2p_available', '-')})",
+        ),
+        (
+            "broadcast (sync v2, per engine)",
+            f"{s(syncs.get('broadcast_s'), ' s')} ({s(syncs.get('broadcast_gb_s'), ' GB/s')})",
+        ),
+        (
+            "P2P push to the restarted group",
+            f"{s(push.get('seconds'), ' s')} "
+            f"({s(push.get('gb_s'), ' GB/s')}, ranks "
+            f"{push.get('ps_ranks', '-')})",
+        ),
         ("kill -> active, targeted push", s(a.get("kill_to_active_s"), " s")),
-        ("  restart step / push step", f"{s(a.get('restart_step_s'), ' s')} / "
-                                       f"{s(a.get('push_step_s'), ' s')}"),
+        (
+            "  restart step / push step",
+            f"{s(a.get('restart_step_s'), ' s')} / {s(a.get('push_step_s'), ' s')}",
+        ),
         ("  other group served meanwhile", s(a.get("served_by_other_meanwhile"))),
         ("kill -> active, immediate", s(b.get("kill_to_active_s"), " s")),
         ("  restart step", s(b.get("restart_step_s"), " s")),
-    ]  # fmt: skip
+    ]
     for name, ok in doc["checks"].items():
         rows.append((f"check: {name}", "ok" if ok else "FAILED"))
     for item in doc["skipped"]:

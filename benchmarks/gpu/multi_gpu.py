@@ -41,7 +41,8 @@ measured; phases that would start after ``--deadline-s`` are skipped and listed 
 GPU layout: the trainer holds GPU 0 and NCCL refuses two ranks of one communicator on one GPU
 ("Duplicate GPU detected"), so no engine that receives over NCCL may sit on GPU 0. On 2 GPUs the
 two recovery groups therefore share GPU 1 (separate processes, separate communicators); on 3+
-GPUs each has its own. On GPU the fleet is configured with ``FleetConfig(nccl_backend="nccl")``
+GPUs each has its own. On GPU the fleet is configured with
+``FleetConfig(nccl=NcclSettings(backend="nccl"))``
 (its default is gloo).
 
 ``--smoke`` runs every phase on CPU: gloo instead of nccl, a tiny Qwen3, CPU engines (two by
@@ -102,7 +103,8 @@ from qwen3_shapes import qwen3_config, shapes_from_config  # noqa: E402
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, SGLangClient  # noqa: E402
 from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import model_digest, weights_checksum  # noqa: E402
-from rollsafe.transports import EngineTarget, NCCLTransport  # noqa: E402
+from rollsafe.ports import EngineTarget  # noqa: E402
+from rollsafe.transports import NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
 from rollsafe.transports.nccl import DEFAULT_UNPACKED_MIN_BYTES  # noqa: E402
 
@@ -422,8 +424,11 @@ def ce_p2p_report(
 ) -> dict[str, Any]:
     """The subset P2P update against the broadcast of the same set in the same run."""
     if not subset or subset.get("mode") != "p2p" or not subset.get("seconds"):
-        return {"run": False, "mode": (subset or {}).get("mode"),
-                "error": (subset or {}).get("error")}  # fmt: skip
+        return {
+            "run": False,
+            "mode": (subset or {}).get("mode"),
+            "error": (subset or {}).get("error"),
+        }
     seconds = float(subset["seconds"])
     out: dict[str, Any] = {
         "run": True,
@@ -466,8 +471,11 @@ class ServeLoad:
         self._stop.set()
         self._thread.join(30)
         self.client.close()
-        return {"served_meanwhile": self.ok, "failed_meanwhile": self.failed,
-                "versions_served": sorted(self.versions)}  # fmt: skip
+        return {
+            "served_meanwhile": self.ok,
+            "failed_meanwhile": self.failed,
+            "versions_served": sorted(self.versions),
+        }
 
 
 def ce_unavailable() -> list[str]:
@@ -585,10 +593,15 @@ class EnginePool:
 
     def extra_args(self) -> list[str]:
         extra = [
-            "--load-format", "dummy", "--dtype", "bfloat16",
-            "--weight-group-timeout", str(self.args.group_timeout_s),
-            "--start-timeout", str(self.args.engine_start_timeout_s),
-        ]  # fmt: skip
+            "--load-format",
+            "dummy",
+            "--dtype",
+            "bfloat16",
+            "--weight-group-timeout",
+            str(self.args.group_timeout_s),
+            "--start-timeout",
+            str(self.args.engine_start_timeout_s),
+        ]
         if not self.layout.smoke:
             extra += ["--device", "cuda"]
         return extra
@@ -600,9 +613,11 @@ class EnginePool:
         def run() -> EngineProcess:
             t0 = time.monotonic()
             eng = start_engine(
-                self.model_dir, extra_args=self.extra_args(), env=self.layout.env_for(slot),
+                self.model_dir,
+                extra_args=self.extra_args(),
+                env=self.layout.env_for(slot),
                 timeout=self.args.engine_start_timeout_s,
-            )  # fmt: skip
+            )
             self.start_s[slot] = round(time.monotonic() - t0, 1)
             return eng
 
@@ -709,9 +724,14 @@ def _raw_receiver(
         plan.append((pair_port, 1, 2, "raw-pair"))
     for p, r, w, name in plan:
         g = open_weight_update_group(
-            master_address="127.0.0.1", master_port=p, rank=r, world_size=w,
-            group_name=name, backend=backend, timeout_s=timeout_s,
-        )  # fmt: skip
+            master_address="127.0.0.1",
+            master_port=p,
+            rank=r,
+            world_size=w,
+            group_name=name,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
         for _ in range(rounds):
             g.broadcast(buf, 0).wait()
             sync(dev)
@@ -736,21 +756,33 @@ def raw_baselines(ctx: Ctx, nbytes: int) -> dict[str, Any]:
     procs = [
         spawn.Process(
             target=_raw_receiver,
-            args=(layout.env_for(s), backend, numel, (shared_port, i + 1, k + 1), pair_ports[i],
-                  rounds, args.group_timeout_s),
+            args=(
+                layout.env_for(s),
+                backend,
+                numel,
+                (shared_port, i + 1, k + 1),
+                pair_ports[i],
+                rounds,
+                args.group_timeout_s,
+            ),
             daemon=True,
         )
         for i, s in enumerate(slots)
-    ]  # fmt: skip
+    ]
     for proc in procs:
         proc.start()
     out: dict[str, Any] = {"backend": backend, "receivers": k, "bytes": nbytes}
     buf = torch.ones(numel, dtype=torch.bfloat16, device=device)
     try:
         g = open_weight_update_group(
-            master_address="127.0.0.1", master_port=shared_port, rank=0, world_size=k + 1,
-            group_name="raw-shared", backend=backend, timeout_s=args.group_timeout_s,
-        )  # fmt: skip
+            master_address="127.0.0.1",
+            master_port=shared_port,
+            rank=0,
+            world_size=k + 1,
+            group_name="raw-shared",
+            backend=backend,
+            timeout_s=args.group_timeout_s,
+        )
         times = []
         for _ in range(rounds):
             sync(device)
@@ -769,12 +801,17 @@ def raw_baselines(ctx: Ctx, nbytes: int) -> dict[str, Any]:
         if k > 1:
             groups = [
                 open_weight_update_group(
-                    master_address="127.0.0.1", master_port=int(port), rank=0, world_size=2,
-                    group_name="raw-pair", backend=backend, timeout_s=args.group_timeout_s,
+                    master_address="127.0.0.1",
+                    master_port=int(port),
+                    rank=0,
+                    world_size=2,
+                    group_name="raw-pair",
+                    backend=backend,
+                    timeout_s=args.group_timeout_s,
                 )
                 for port in pair_ports
                 if port is not None
-            ]  # fmt: skip
+            ]
             times = []
             for _ in range(rounds):
                 sync(device)
@@ -815,8 +852,9 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
     _, shapes = model_config(kind, None if ctx.smoke else args.layers)
     out: dict[str, Any] = {
         "backend": backend,
-        "model": "tiny Qwen3 (smoke)" if ctx.smoke else
-                 f"Qwen3-4B shapes ({args.layers or 36} layers), bf16",
+        "model": "tiny Qwen3 (smoke)"
+        if ctx.smoke
+        else f"Qwen3-4B shapes ({args.layers or 36} layers), bf16",
         "targets": [layout.name(s) for s in layout.slots],
         "design_note": (
             "NCCLTransport builds one group per target (trainer rank 0 + that engine), so rank 0 "
@@ -825,13 +863,16 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
             "(one pipelined broadcast to all k) the ratio falls roughly as 1/k once GPU 0's "
             "egress is the limit"
         ),
-    }  # fmt: skip
+    }
     t0 = time.perf_counter()
     weights = build_weights(shapes, device, seed=1)
     sync(device)
     nbytes = nbytes_of(weights)
-    out["weights"] = {"tensors": len(weights), "bytes": nbytes,
-                      "build_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    out["weights"] = {
+        "tensors": len(weights),
+        "bytes": nbytes,
+        "build_s": round(time.perf_counter() - t0, 2),
+    }
     t0 = time.perf_counter()
     want = weights_checksum(weights)["model"]
     out["weights"]["checksum_s"] = round(time.perf_counter() - t0, 2)
@@ -839,8 +880,9 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
     res.phase("nccl", out)
 
     t0 = time.perf_counter()
-    engines = {s: ctx.pool.get(s, min(args.engine_start_timeout_s, ctx.left() + 120)) for s in
-               layout.slots}  # fmt: skip
+    engines = {
+        s: ctx.pool.get(s, min(args.engine_start_timeout_s, ctx.left() + 120)) for s in layout.slots
+    }
     out["engine_wait_s"] = round(time.perf_counter() - t0, 1)
     out["engine_start_s"] = {layout.name(s): ctx.pool.start_s.get(s) for s in layout.slots}
     res.phase("nccl", out)
@@ -874,9 +916,12 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
             src = weights if weights_layout == "separate" else flat_weights
             assert src is not None
             tr = NCCLTransport(
-                k, backend=backend, bucket_bytes=int(mib * MiB),
-                group_timeout=args.group_timeout_s, unpacked_min_bytes=unpacked,
-            )  # fmt: skip
+                k,
+                backend=backend,
+                bucket_bytes=int(mib * MiB),
+                group_timeout=args.group_timeout_s,
+                unpacked_min_bytes=unpacked,
+            )
             row: dict[str, Any] = {
                 "weights_layout": weights_layout,
                 "bucket_mib": mib,
@@ -902,24 +947,29 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
                     if not report.ok:
                         raise RuntimeError(
                             "update failed: "
-                            + "; ".join(f"{n}: {r.reason}" for n, r in report.results.items()
-                                        if not r.ok)[:3000]
-                        )  # fmt: skip
+                            + "; ".join(
+                                f"{n}: {r.reason}" for n, r in report.results.items() if not r.ok
+                            )[:3000]
+                        )
                     runs.append((dt, {n: r.seconds for n, r in report.results.items()}))
                 timed = runs[1:]
                 dt, per = min(timed, key=lambda x: x[0])
-                row.update({
-                    "update_s_all": [round(t, 4) for t, _ in runs],
-                    "update_s": round(dt, 4),
-                    "per_target": {n: {"seconds": round(s, 4), "gb_s": gb_s(nbytes, s)}
-                                   for n, s in per.items()},
-                    "gb_s_per_target": gb_s(nbytes, dt),
-                    "gb_s_total": gb_s(k * nbytes, dt),
-                    "ratio_vs_raw_shared": round(raw_shared / dt, 3),
-                    "ratio_vs_raw_pairs": rounded(raw_pairs / dt if raw_pairs else None, 3),
-                    "target_ratio": TARGET_RATIO,
-                    "within_target": raw_shared / dt >= TARGET_RATIO,
-                })  # fmt: skip
+                row.update(
+                    {
+                        "update_s_all": [round(t, 4) for t, _ in runs],
+                        "update_s": round(dt, 4),
+                        "per_target": {
+                            n: {"seconds": round(s, 4), "gb_s": gb_s(nbytes, s)}
+                            for n, s in per.items()
+                        },
+                        "gb_s_per_target": gb_s(nbytes, dt),
+                        "gb_s_total": gb_s(k * nbytes, dt),
+                        "ratio_vs_raw_shared": round(raw_shared / dt, 3),
+                        "ratio_vs_raw_pairs": rounded(raw_pairs / dt if raw_pairs else None, 3),
+                        "target_ratio": TARGET_RATIO,
+                        "within_target": raw_shared / dt >= TARGET_RATIO,
+                    }
+                )
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:4000]
             finally:
@@ -992,9 +1042,13 @@ def _ce_rank(
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
         dist.init_process_group(
-            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s), device_id=dev,
-        )  # fmt: skip
+            "nccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev,
+        )
         _, shapes = model_config("qwen3-4b", layers)
         weights = build_weights(shapes, dev, seed=3)
         torch.cuda.synchronize(dev)
@@ -1012,10 +1066,13 @@ def _ce_rank(
         tcp = p2p_protocol == "tcp"
         tr = CheckpointEngineTransport(
             master_addr="127.0.0.1" if rdma is None else None,
-            max_bucket_bytes=cap_bytes, rdma_devices=rdma if p2p_protocol == "rdma" else None,
-            request_timeout_s=timeout_s, socket_timeout_s=timeout_s,
-            p2p_protocol="tcp" if tcp else None, transfer_timeout_s=timeout_s if tcp else None,
-        )  # fmt: skip
+            max_bucket_bytes=cap_bytes,
+            rdma_devices=rdma if p2p_protocol == "rdma" else None,
+            request_timeout_s=timeout_s,
+            socket_timeout_s=timeout_s,
+            p2p_protocol="tcp" if tcp else None,
+            transfer_timeout_s=timeout_s if tcp else None,
+        )
         out["construct_s"] = round(time.perf_counter() - t0, 2)
         out["p2p_available"], out["p2p_reason"] = bool(tr.p2p_available), tr.p2p_reason
         targets = [
@@ -1038,15 +1095,18 @@ def _ce_rank(
             reports = [tr.update(wave) for wave in waves]
             torch.cuda.synchronize(dev)
             t_upd = time.perf_counter() - t0
-            rounds.append({
-                "register_s": round(t_reg, 4),
-                "update_s": round(t_upd, 4),
-                "ok": all(rep.ok for rep in reports),
-                "results": {
-                    n: {"ok": r.ok, "reason": r.reason[:500], "seconds": round(r.seconds, 4)}
-                    for rep in reports for n, r in rep.results.items()
-                },
-            })  # fmt: skip
+            rounds.append(
+                {
+                    "register_s": round(t_reg, 4),
+                    "update_s": round(t_upd, 4),
+                    "ok": all(rep.ok for rep in reports),
+                    "results": {
+                        n: {"ok": r.ok, "reason": r.reason[:500], "seconds": round(r.seconds, 4)}
+                        for rep in reports
+                        for n, r in rep.results.items()
+                    },
+                }
+            )
         # a new version (every weight + 1) for the engines past GPU 0 only, by P2P, while the
         # engine on GPU 0 keeps serving the previous one
         dist.barrier()
@@ -1066,14 +1126,17 @@ def _ce_rank(
             report = tr.update(subset, p2p=True)  # P2P or P2PUnavailable, never a broadcast
             torch.cuda.synchronize(dev)
             plan = getattr(tr, "last_plan", None)
-            record.update({
-                "mode": getattr(plan, "mode", "p2p"),
-                "ps_ranks": list(getattr(plan, "ranks", None) or []),
-                "ok": report.ok,
-                "seconds": round(time.perf_counter() - t0, 4),
-                "results": {n: {"ok": r.ok, "reason": r.reason[:500]}
-                            for n, r in report.results.items()},
-            })  # fmt: skip
+            record.update(
+                {
+                    "mode": getattr(plan, "mode", "p2p"),
+                    "ps_ranks": list(getattr(plan, "ranks", None) or []),
+                    "ok": report.ok,
+                    "seconds": round(time.perf_counter() - t0, 4),
+                    "results": {
+                        n: {"ok": r.ok, "reason": r.reason[:500]} for n, r in report.results.items()
+                    },
+                }
+            )
         except P2PUnavailable as exc:
             record.update({"mode": "refused", "error": str(exc)[:800]})
         finally:
@@ -1123,16 +1186,18 @@ def ce_aggregate(ranks: dict[int, dict[str, Any]], world: int, n_keys: int) -> d
     table = []
     for i in range(n_rounds):
         per = [rounds_by_rank[r][i] for r in order]
-        table.append({
-            "round": i,
-            "warm_up": i == 0,
-            "register_s_max": max(p["register_s"] for p in per),
-            "update_s_max": max(p["update_s"] for p in per),
-            "register_s_by_rank": [p["register_s"] for p in per],
-            "update_s_by_rank": [p["update_s"] for p in per],
-            "ok": all(p["ok"] for p in per),
-            "results": per[0]["results"],
-        })  # fmt: skip
+        table.append(
+            {
+                "round": i,
+                "warm_up": i == 0,
+                "register_s_max": max(p["register_s"] for p in per),
+                "update_s_max": max(p["update_s"] for p in per),
+                "register_s_by_rank": [p["register_s"] for p in per],
+                "update_s_by_rank": [p["update_s"] for p in per],
+                "ok": all(p["ok"] for p in per),
+                "results": per[0]["results"],
+            }
+        )
     out["rounds"] = table
     out["subset_update"] = rank0.get("subset")
     timed = [row for row in table if not row["warm_up"]]
@@ -1155,8 +1220,10 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
     """Returns the phase's record, or a string: the reason it was skipped."""
     args, layout, res = ctx.args, ctx.layout, ctx.res
     if ctx.smoke or not torch.cuda.is_available():
-        return ("needs CUDA: checkpoint-engine's ParameterServer refuses to run without an "
-                "accelerator (its constructor raises TypeError on a CPU-only host)")  # fmt: skip
+        return (
+            "needs CUDA: checkpoint-engine's ParameterServer refuses to run without an "
+            "accelerator (its constructor raises TypeError on a CPU-only host)"
+        )
     reasons = ce_unavailable()
     if reasons:
         return "checkpoint-engine unavailable: " + "; ".join(reasons)
@@ -1177,13 +1244,20 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
         "bucket_cap_gib": args.ce_bucket_gib,
         "engines": [layout.name(r) for r in range(n_engines)],
         "engine_ranks": engine_ranks,
-        "p2p": {"rdma_devices": rdma, "mooncake_importable": bool(mc), "run": p2p_run,
-                "protocol": protocol, "why_not_run": why_not,
-                "MC_FORCE_TCP": os.environ.get("MC_FORCE_TCP")},
-    }  # fmt: skip
+        "p2p": {
+            "rdma_devices": rdma,
+            "mooncake_importable": bool(mc),
+            "run": p2p_run,
+            "protocol": protocol,
+            "why_not_run": why_not,
+            "MC_FORCE_TCP": os.environ.get("MC_FORCE_TCP"),
+        },
+    }
     res.phase("checkpoint_engine", out)
-    engines = {r: ctx.pool.get(r, min(args.engine_start_timeout_s, ctx.left() + 120))
-               for r in range(n_engines)}  # fmt: skip
+    engines = {
+        r: ctx.pool.get(r, min(args.engine_start_timeout_s, ctx.left() + 120))
+        for r in range(n_engines)
+    }
     out["engine_start_s"] = {layout.name(r): ctx.pool.start_s.get(r) for r in range(n_engines)}
     urls = [engines[r].url for r in range(n_engines)]
     spawn = mp.get_context("spawn")
@@ -1192,12 +1266,24 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
     procs = [
         spawn.Process(
             target=_ce_rank,
-            args=(r, world, port, urls, args.layers, int(args.ce_bucket_gib * GiB), args.repeats,
-                  args.request_timeout_s, rdma or None, protocol, engine_ranks, queue),
+            args=(
+                r,
+                world,
+                port,
+                urls,
+                args.layers,
+                int(args.ce_bucket_gib * GiB),
+                args.repeats,
+                args.request_timeout_s,
+                rdma or None,
+                protocol,
+                engine_ranks,
+                queue,
+            ),
             daemon=True,
         )
         for r in range(world)
-    ]  # fmt: skip
+    ]
     t0 = time.monotonic()
     for proc in procs:
         proc.start()
@@ -1243,8 +1329,9 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
         if pushed and want_new:
             wants.update({n: want_new for n in names[1:]})
     last_version = str(100 + args.repeats)
-    clients = {n: SGLangClient(urls[r], timeout=args.request_timeout_s)
-               for r, n in enumerate(names)}  # fmt: skip
+    clients = {
+        n: SGLangClient(urls[r], timeout=args.request_timeout_s) for r, n in enumerate(names)
+    }
     try:
         if len(wants) == n_engines:
             out["checksum"] = checksums_of(clients, wants, args.request_timeout_s)
@@ -1320,9 +1407,10 @@ class Rollout:
             rec: tuple[float, float, str | None, str | None]
             try:
                 out = self.fleet.generate(
-                    prompt, sampling_params={"max_new_tokens": self.max_new_tokens,
-                                             "temperature": 0.0}, timeout=30.0,
-                )  # fmt: skip
+                    prompt,
+                    sampling_params={"max_new_tokens": self.max_new_tokens, "temperature": 0.0},
+                    timeout=30.0,
+                )
                 rec = (t0, time.time(), str(out.group_id), None)
             except Exception as exc:
                 rec = (t0, time.time(), None, f"{type(exc).__name__}: {exc}"[:300])
@@ -1333,8 +1421,11 @@ class Rollout:
 
     def served(self, group: str | None = None, since: float = 0.0) -> int:
         with self.lock:
-            return sum(1 for _, t1, g, e in self.records
-                       if e is None and t1 >= since and (group is None or g == group))  # fmt: skip
+            return sum(
+                1
+                for _, t1, g, e in self.records
+                if e is None and t1 >= since and (group is None or g == group)
+            )
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -1448,13 +1539,18 @@ def kill_and_measure(
     records = rollout.snapshot()
     transitions = [t for t in group.recent_transitions() if t.timestamp >= t_kill - 1e-3]
     left = next((t for t in transitions if t.source == "active" and t.target != "active"), None)
-    back = next((t for t in transitions if left is not None and t.seq > left.seq
-                 and t.target == "active"), None)  # fmt: skip
+    back = next(
+        (t for t in transitions if left is not None and t.seq > left.seq and t.target == "active"),
+        None,
+    )
     t_left = left.timestamp if left is not None else None
     t_back = back.timestamp if back is not None else None
     end = t_back if t_back is not None else time.time()
-    victim_in_window = sum(1 for t0r, t1r, g, e in records if e is None and g == victim
-                           and t_left is not None and t0r >= t_left and t1r <= end)  # fmt: skip
+    victim_in_window = sum(
+        1
+        for t0r, t1r, g, e in records
+        if e is None and g == victim and t_left is not None and t0r >= t_left and t1r <= end
+    )
     dispatch = fleet.registry.dispatch_counts()
     states = monitor.states_seen()
     out: dict[str, Any] = {
@@ -1469,19 +1565,28 @@ def kill_and_measure(
         "kill_to_active_s": None if t_back is None else round(t_back - t_kill, 3),
         "kill_to_pending_s": None if pending_at is None else round(pending_at - t_kill, 3),
         "next_sync": sync_row,
-        "victim_transitions": [{"event": t.event, "source": t.source, "target": t.target,
-                                "at_s": round(t.timestamp - t_kill, 3)} for t in transitions],
+        "victim_transitions": [
+            {
+                "event": t.event,
+                "source": t.source,
+                "target": t.target,
+                "at_s": round(t.timestamp - t_kill, 3),
+            }
+            for t in transitions
+        ],
         "victim_states_sampled": states,
-        "served_by_other_meanwhile": sum(1 for _, t1r, g, e in records
-                                         if e is None and g == serving and t_kill <= t1r <= end),
-        "requests_failed_meanwhile": sum(1 for _, t1r, _g, e in records
-                                         if e is not None and t_kill <= t1r <= end),
+        "served_by_other_meanwhile": sum(
+            1 for _, t1r, g, e in records if e is None and g == serving and t_kill <= t1r <= end
+        ),
+        "requests_failed_meanwhile": sum(
+            1 for _, t1r, _g, e in records if e is not None and t_kill <= t1r <= end
+        ),
         "dispatch_counts_by_state": dispatch,
         "victim_dispatch_states": sorted(dispatch.get(victim, {})),
         "dispatches_to_victim_while_not_active": monitor.dispatches_while_not_active(),
         "victim_served_while_not_active": victim_in_window,
         "victim_restart": _restart_details(launcher),
-    }  # fmt: skip
+    }
     out["no_request_to_failed_group"] = (
         set(out["victim_dispatch_states"]) <= {"active"}
         and out["dispatches_to_victim_while_not_active"] == 0
@@ -1511,6 +1616,7 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         FleetConfig,
         GroupSpec,
         HealthSettings,
+        NcclSettings,
         RecoverySettings,
         RolloutFleet,
     )
@@ -1528,20 +1634,26 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": {
             "kind": kind,
-            "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers",
-                                          "intermediate_size", "vocab_size")},
-            "why": "tiny Qwen3 on CPU (smoke)" if ctx.smoke else (
+            "config": {
+                k: cfg[k]
+                for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+            },
+            "why": "tiny Qwen3 on CPU (smoke)"
+            if ctx.smoke
+            else (
                 "small Qwen3 (0.5 GB), so kill -> active measures the recovery rather than an "
                 "8 GB engine start (196.6 s in results/gpu/transports_h200.json); "
                 "--recovery-model qwen3-4b runs the full size"
-                if kind == "small" else "the 8.04 GB Qwen3-4B shapes"),
+                if kind == "small"
+                else "the 8.04 GB Qwen3-4B shapes"
+            ),
         },
         "groups": {g: {"gpu": layout.gpu_of(slot_of[g])} for g in gids},
         "victim": victim,
         "layout_note": layout.describe()["note"],
-        "transport": f"nccl (the fleet's NCCLTransport, FleetConfig(nccl_backend="
-                     f"{layout.backend!r}))",
-    }  # fmt: skip
+        "transport": f"nccl (the fleet's NCCLTransport, FleetConfig(nccl=NcclSettings("
+        f"backend={layout.backend!r})))",
+    }
 
     def factory(group_id: str, spec: EngineSpec) -> EngineLauncher:
         env = dict(spec.env or {})
@@ -1556,8 +1668,12 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         transport="nccl",
         health=HealthSettings(interval_s=0.2, timeout_s=2.0, failure_threshold=2),
         recovery=RecoverySettings(
-            max_workers=2, timeout_s=args.recovery_timeout_s, restart_budget=2,
-            targeted_push=True, expected_recovery_s=5.0, retry_delay_s=0.2,
+            max_workers=2,
+            timeout_s=args.recovery_timeout_s,
+            restart_budget=2,
+            targeted_push=True,
+            expected_recovery_s=5.0,
+            retry_delay_s=0.2,
         ),
         enable_immediate_recovery=False,
         launcher_factory=factory,
@@ -1570,10 +1686,9 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         request_timeout_s=30.0,
         router_max_attempts=4,
         wait_for_routable_s=2.0,
-        nccl_group_timeout_s=args.group_timeout_s,
-        nccl_backend=layout.backend,
+        nccl=NcclSettings(group_timeout_s=args.group_timeout_s, backend=layout.backend),
         start_timeout_s=args.engine_start_timeout_s,
-    )  # fmt: skip
+    )
     if args.warm_standby:
         if any(f.name == "warm_standby" for f in dataclasses.fields(FleetConfig)):
             config = dataclasses.replace(config, warm_standby=True)
@@ -1598,9 +1713,12 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         t0 = time.monotonic()
         report = fleet.sync_weights(weights, 1)
         out["initial_sync"] = {
-            "ok": report.ok, "updated": report.updated, "failed": report.failed,
-            "seconds": round(time.monotonic() - t0, 3), "error": report.error,
-        }  # fmt: skip
+            "ok": report.ok,
+            "updated": report.updated,
+            "failed": report.failed,
+            "seconds": round(time.monotonic() - t0, 3),
+            "error": report.error,
+        }
         before = fleet.checksums(timeout=args.request_timeout_s)
         out["checksums_before"] = {g: v == want for g, v in before.items()}
         res.phase("targeted_recovery", out)
@@ -1636,8 +1754,9 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
                 break
             time.sleep(0.05)
         if result is None:
-            raise RuntimeError(f"no recovery of {victim} finished within "
-                               f"{args.recovery_timeout_s + 30:.0f}s")  # fmt: skip
+            raise RuntimeError(
+                f"no recovery of {victim} finished within {args.recovery_timeout_s + 30:.0f}s"
+            )
         t_after = time.time()
         tail_deadline = time.monotonic() + 20
         while time.monotonic() < tail_deadline and rollout.served(victim, since=t_after) < 2:
@@ -1646,10 +1765,12 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         monitor.stop()
         records = rollout.snapshot()
 
-        transitions = [t for t in fleet.registry.get(victim).recent_transitions()
-                       if t.timestamp >= t_kill - 1e-3]  # fmt: skip
-        left = next((t for t in transitions if t.source == "active" and t.target != "active"),
-                    None)  # fmt: skip
+        transitions = [
+            t
+            for t in fleet.registry.get(victim).recent_transitions()
+            if t.timestamp >= t_kill - 1e-3
+        ]
+        left = next((t for t in transitions if t.source == "active" and t.target != "active"), None)
         back = next(
             (
                 t
@@ -1662,59 +1783,71 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         t_back = back.timestamp if back is not None else None
         end = t_back if t_back is not None else time.time()
         dispatch = fleet.registry.dispatch_counts()
-        victim_in_window = (
-            sum(1 for t0r, t1r, g, e in records
-                if e is None and g == victim and t_left is not None and t0r >= t_left
-                and t1r <= end)
-        )  # fmt: skip
+        victim_in_window = sum(
+            1
+            for t0r, t1r, g, e in records
+            if e is None and g == victim and t_left is not None and t0r >= t_left and t1r <= end
+        )
         others_meanwhile = sum(
             1 for _, t1r, g, e in records if e is None and g in others and t_kill <= t1r <= end
         )
-        failed_meanwhile = sum(1 for _, t1r, g, e in records if e is not None
-                               and t_kill <= t1r <= end)  # fmt: skip
+        failed_meanwhile = sum(
+            1 for _, t1r, g, e in records if e is not None and t_kill <= t1r <= end
+        )
         registration = [
             {k: r[k] for k in ("event", "source", "target", "timestamp", "inputs")}
             for r in fleet.timeline()
             if r["kind"] == "registration" and r["timestamp"] >= t_kill
         ]
-        pushed_targets = [r["inputs"].get("targets") for r in registration
-                          if r["event"] == "begin_update"]  # fmt: skip
+        pushed_targets = [
+            r["inputs"].get("targets") for r in registration if r["event"] == "begin_update"
+        ]
         victim_ranks = [list(fleet.registry.get(victim).ranks)]
         after = fleet.checksums(timeout=args.request_timeout_s)
         states = monitor.states_seen()
-        out.update({
-            "recovery": result.as_dict(),
-            "status": result.status,
-            "strategy": result.strategy,
-            "reached_active": t_back is not None and result.status == "active",
-            "kill_to_left_routing_s": rounded(t_left - t_kill if t_left else None, 3),
-            "kill_to_active_s": rounded(t_back - t_kill if t_back else None, 3),
-            "left_routing_to_active_s": rounded(t_back - t_left if t_back and t_left else None, 3),
-            "restart_step_s": rounded(result.step_seconds("restart"), 3),
-            "push_step_s": rounded(result.step_seconds("push"), 3),
-            "victim_transitions": [{"event": t.event, "source": t.source, "target": t.target,
-                                    "at_s": round(t.timestamp - t_kill, 3)}
-                                   for t in transitions],
-            "victim_states_sampled": states,
-            "served_by_others_meanwhile": others_meanwhile,
-            "requests_failed_meanwhile": failed_meanwhile,
-            "served_after_active": {g: rollout.served(g, since=end) for g in gids},
-            "served_total": {g: rollout.served(g) for g in gids},
-            "dispatch_counts_by_state": dispatch,
-            "victim_dispatch_states": sorted(dispatch.get(victim, {})),
-            "dispatches_to_victim_while_not_active": monitor.dispatches_while_not_active(),
-            "dispatches_to_dead_victim_before_detection": (
-                monitor.dispatches_between(t_kill, t_left) if t_left is not None else None
-            ),
-            "victim_served_while_not_active": victim_in_window,
-            "router": fleet.router.stats(),
-            "registration_after_kill": registration,
-            "pushed_targets_after_kill": pushed_targets,
-            "subset_push_only_victim": bool(pushed_targets)
-            and all(p == victim_ranks for p in pushed_targets),
-            "checksums_after": {g: v == want for g, v in after.items()},
-            "victim_restart": _restart_details(fleet.launcher(victim)),
-        })  # fmt: skip
+        out.update(
+            {
+                "recovery": result.as_dict(),
+                "status": result.status,
+                "strategy": result.strategy,
+                "reached_active": t_back is not None and result.status == "active",
+                "kill_to_left_routing_s": rounded(t_left - t_kill if t_left else None, 3),
+                "kill_to_active_s": rounded(t_back - t_kill if t_back else None, 3),
+                "left_routing_to_active_s": rounded(
+                    t_back - t_left if t_back and t_left else None, 3
+                ),
+                "restart_step_s": rounded(result.step_seconds("restart"), 3),
+                "push_step_s": rounded(result.step_seconds("push"), 3),
+                "victim_transitions": [
+                    {
+                        "event": t.event,
+                        "source": t.source,
+                        "target": t.target,
+                        "at_s": round(t.timestamp - t_kill, 3),
+                    }
+                    for t in transitions
+                ],
+                "victim_states_sampled": states,
+                "served_by_others_meanwhile": others_meanwhile,
+                "requests_failed_meanwhile": failed_meanwhile,
+                "served_after_active": {g: rollout.served(g, since=end) for g in gids},
+                "served_total": {g: rollout.served(g) for g in gids},
+                "dispatch_counts_by_state": dispatch,
+                "victim_dispatch_states": sorted(dispatch.get(victim, {})),
+                "dispatches_to_victim_while_not_active": monitor.dispatches_while_not_active(),
+                "dispatches_to_dead_victim_before_detection": (
+                    monitor.dispatches_between(t_kill, t_left) if t_left is not None else None
+                ),
+                "victim_served_while_not_active": victim_in_window,
+                "router": fleet.router.stats(),
+                "registration_after_kill": registration,
+                "pushed_targets_after_kill": pushed_targets,
+                "subset_push_only_victim": bool(pushed_targets)
+                and all(p == victim_ranks for p in pushed_targets),
+                "checksums_after": {g: v == want for g, v in after.items()},
+                "victim_restart": _restart_details(fleet.launcher(victim)),
+            }
+        )
         out["no_request_to_failed_group"] = (
             set(out["victim_dispatch_states"]) <= {"active"}
             and out["dispatches_to_victim_while_not_active"] == 0
@@ -1722,10 +1855,13 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
             and any(s != "active" for s in states)
         )
         out["ok"] = bool(
-            out["reached_active"] and result.strategy == "targeted_push"
-            and out["no_request_to_failed_group"] and out["subset_push_only_victim"]
-            and all(out["checksums_after"].values()) and others_meanwhile > 0
-        )  # fmt: skip
+            out["reached_active"]
+            and result.strategy == "targeted_push"
+            and out["no_request_to_failed_group"]
+            and out["subset_push_only_victim"]
+            and all(out["checksums_after"].values())
+            and others_meanwhile > 0
+        )
         res.summary(
             recovery_kill_to_active_s=out["kill_to_active_s"],
             recovery_strategy=result.strategy,
@@ -1783,8 +1919,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         wants = set(args.phase_list)
         if wants & {"nccl", "checkpoint_engine"} and ctx.left() > 0:
-            cfg, _ = model_config("smoke" if args.smoke else "qwen3-4b",
-                                  None if args.smoke else args.layers)  # fmt: skip
+            cfg, _ = model_config(
+                "smoke" if args.smoke else "qwen3-4b", None if args.smoke else args.layers
+            )
             ctx.pool = EnginePool(write_model_dir(tmp / "engine-model", cfg), layout, args)
             # start every engine now: an 8 GB engine takes minutes, phases wait only for theirs
             if "nccl" in wants:

@@ -8,7 +8,7 @@ receiver process standing in for the engine (its parameters: same shapes, on the
 
 * ``pack_loop_s`` / ``pack_foreach_s``: all buckets packed into two alternating buffers, one
   ``copy_`` per tensor vs :func:`rollsafe.transports.pipeline.copy_pairs` (``_foreach_copy_``);
-* ``serialize_s``: :func:`rollsafe.transports.bucket.serialize_bucket` of every bucket;
+* ``serialize_s``: :func:`rollsafe.wire.bucket.serialize_bucket` of every bucket;
 * receiver, per update: ``open_s`` (decode the payload: CUDA IPC handle open), ``copy_s`` (copy
   into the parameters, synchronized), ``close_s`` (drop the views: handle close), with handles
   ``fresh`` (dropped after each bucket, as SGLang does) or ``cached`` (the two buffers' storages
@@ -39,8 +39,8 @@ for p in (str(REPO), str(HERE)):
 
 from qwen3_shapes import qwen3_4b_shapes  # noqa: E402
 
-from rollsafe.transports.bucket import FlatBucket, deserialize_payload, serialize_bucket  # noqa: E402
 from rollsafe.transports.pipeline import alloc_buffer, copy_pairs, plan_buckets  # noqa: E402
+from rollsafe.wire.bucket import FlatBucket, deserialize_payload, serialize_bucket  # noqa: E402
 
 MiB = 1 << 20
 
@@ -210,8 +210,10 @@ def main() -> int:
             rts.append(time.perf_counter() - t0)
             parts.append({**got, "serialize_s": t1 - t0})
         k = rts.index(min(rts))
-        frow[mode + ("" if mode not in frow else "_again")] = {"round_trip_s": round(rts[k], 5),
-                      **{key: round(v, 5) for key, v in parts[k].items()}}  # fmt: skip
+        frow[mode + ("" if mode not in frow else "_again")] = {
+            "round_trip_s": round(rts[k], 5),
+            **{key: round(v, 5) for key, v in parts[k].items()},
+        }
     result["rows"].append(frow)
     print(json.dumps(frow), flush=True)
     parent.send(None)

@@ -78,8 +78,15 @@ from multi_gpu import (  # noqa: E402  (also sets NCCL_NVLS_ENABLE=0)
 VICTIM = "victim"
 SERVING = "serving"
 PHASES = ("immediate", "immediate_cold_cache", "targeted", "deferred")
-ENGINE_PHASES = ("preloaded", "cuda_init", "model_built", "weights_read", "weights_loaded",
-                 "rank0_loaded", "serving")  # fmt: skip
+ENGINE_PHASES = (
+    "preloaded",
+    "cuda_init",
+    "model_built",
+    "weights_read",
+    "weights_loaded",
+    "rank0_loaded",
+    "serving",
+)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -95,10 +102,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-start-timeout-s", type=float, default=300.0)
     p.add_argument("--recovery-timeout-s", type=float, default=240.0)
     p.add_argument("--deadline-s", type=float, default=540.0, help="skip phases after this")
-    p.add_argument("--export-dir", type=Path, default=None,
-                   help="where exports go (default: a temporary local directory)")  # fmt: skip
-    p.add_argument("--no-warm-standby", dest="warm_standby", action="store_false",
-                   help="restart engines with a fresh spawn (default: warm standby)")  # fmt: skip
+    p.add_argument(
+        "--export-dir",
+        type=Path,
+        default=None,
+        help="where exports go (default: a temporary local directory)",
+    )
+    p.add_argument(
+        "--no-warm-standby",
+        dest="warm_standby",
+        action="store_false",
+        help="restart engines with a fresh spawn (default: warm standby)",
+    )
     args = p.parse_args(argv)
     args.phase_list = [x for x in args.phases.split(",") if x]
     unknown = sorted(set(args.phase_list) - set(PHASES))
@@ -112,8 +127,7 @@ def drop_page_cache(paths: Sequence[Path], *, whole_host: bool) -> dict[str, Any
     """Evict ``paths`` from the page cache: ``posix_fadvise(DONTNEED)`` on each file (no
     privilege needed for clean pages), and with ``whole_host`` the global ``drop_caches``
     where it is writable (never in ``--smoke``: that would slow down a shared CI host)."""
-    out: dict[str, Any] = {"files": len(paths), "bytes": 0, "fadvise": False,
-                           "drop_caches": None}  # fmt: skip
+    out: dict[str, Any] = {"files": len(paths), "bytes": 0, "fadvise": False, "drop_caches": None}
     try:
         for path in paths:
             fd = os.open(path, os.O_RDONLY)
@@ -145,8 +159,14 @@ def resident_fraction(paths: Sequence[Path]) -> float | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         page = mmap.PAGESIZE
@@ -210,8 +230,9 @@ def engine_breakdown(ready: dict[str, Any], export_bytes: int) -> dict[str, Any]
     return out
 
 
-def crash(fleet: Any, rollout: Rollout, args: argparse.Namespace, *, expect: str,
-          on_pending: Any = None) -> dict[str, Any]:  # fmt: skip
+def crash(
+    fleet: Any, rollout: Rollout, args: argparse.Namespace, *, expect: str, on_pending: Any = None
+) -> dict[str, Any]:
     """SIGKILL the victim's engine during rollout; wait for it to be ``active`` again."""
     out: dict[str, Any] = {"expect": expect}
     if args.warm_standby:
@@ -227,17 +248,22 @@ def crash(fleet: Any, rollout: Rollout, args: argparse.Namespace, *, expect: str
 
 
 # ================================================================================ one phase
-def one_phase(fleet: Any, rollout: Rollout, args: argparse.Namespace, name: str,
-              sync: Any) -> dict[str, Any]:  # fmt: skip
+def one_phase(
+    fleet: Any, rollout: Rollout, args: argparse.Namespace, name: str, sync: Any
+) -> dict[str, Any]:
     """One crash of phase ``name`` (see the module docstring) and its measurements."""
     deadline = time.monotonic() + args.recovery_timeout_s
     version = fleet.registry.fleet_version
     fleet.exporter.wait_hf_export(version, timeout=max(1.0, deadline - time.monotonic()))
     _path, files = export_files(fleet, version)
     export_bytes = sum(f.stat().st_size for f in files)
-    pre: dict[str, Any] = {"export_version": version, "export_files": len(files),
-                           "export_bytes": export_bytes, "export_gb": round(export_bytes / 1e9, 3),
-                           "resident_before": resident_fraction(files)}  # fmt: skip
+    pre: dict[str, Any] = {
+        "export_version": version,
+        "export_files": len(files),
+        "export_bytes": export_bytes,
+        "export_gb": round(export_bytes / 1e9, 3),
+        "resident_before": resident_fraction(files),
+    }
     on_pending = None
     if name == "immediate_cold_cache":
         pre["page_cache"] = drop_page_cache(files, whole_host=not args.smoke)
@@ -254,8 +280,11 @@ def one_phase(fleet: Any, rollout: Rollout, args: argparse.Namespace, name: str,
         def on_pending() -> dict[str, Any]:
             return sync(fleet.registry.fleet_version + 1)  # type: ignore[no-any-return]
 
-    expect = "immediate" if name.startswith("immediate") else (
-        "targeted_push" if name == "targeted" else "deferred")  # fmt: skip
+    expect = (
+        "immediate"
+        if name.startswith("immediate")
+        else ("targeted_push" if name == "targeted" else "deferred")
+    )
     try:
         row = crash(fleet, rollout, args, expect=expect, on_pending=on_pending)
     finally:
@@ -273,8 +302,13 @@ def _dist(values: Sequence[float | None]) -> dict[str, Any]:
     if not xs:
         return {"n": 0}
     p95 = xs[min(len(xs) - 1, max(0, math.ceil(0.95 * len(xs)) - 1))]
-    return {"n": len(xs), "median": round(statistics.median(xs), 3), "p95": round(p95, 3),
-            "max": round(xs[-1], 3), "min": round(xs[0], 3)}  # fmt: skip
+    return {
+        "n": len(xs),
+        "median": round(statistics.median(xs), 3),
+        "p95": round(p95, 3),
+        "max": round(xs[-1], 3),
+        "min": round(xs[0], 3),
+    }
 
 
 def phase_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -302,7 +336,7 @@ def phase_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "export_read_s",
         "copy_to_device_s",
     ):
-        out[f"engine_{key}"] = col(lambda r, k=key: r["engine"].get(k))  # fmt: skip
+        out[f"engine_{key}"] = col(lambda r, k=key: r["engine"].get(k))
     marks = [r["engine"]["marks_s"] for r in runs]
     out["engine_preloaded_s"] = _dist([m.get("preloaded") for m in marks])
     out["engine_serving_s"] = _dist([m.get("serving") for m in marks])
@@ -330,16 +364,23 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
         res.check("cuda_available", False)
         return
     engine_options: dict[str, Any] = {
-        "device": "cuda" if cuda else "cpu", "load_format": "dummy",
-        "extra_args": ("--dtype", "bfloat16"), "ready_timeout": args.engine_start_timeout_s,
-    }  # fmt: skip
+        "device": "cuda" if cuda else "cpu",
+        "load_format": "dummy",
+        "extra_args": ("--dtype", "bfloat16"),
+        "ready_timeout": args.engine_start_timeout_s,
+    }
     export_root = args.export_dir or (tmp / "exports")
-    res.phase("env", {
-        "cuda": cuda, "gpu": torch.cuda.get_device_name(0) if cuda else None,
-        "model": {"kind": kind, "tensors": len(shapes), "layers": cfg["num_hidden_layers"]},
-        "export_root": str(export_root), "warm_standby": args.warm_standby,
-        "cpus": os.cpu_count(),
-    })  # fmt: skip
+    res.phase(
+        "env",
+        {
+            "cuda": cuda,
+            "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "model": {"kind": kind, "tensors": len(shapes), "layers": cfg["num_hidden_layers"]},
+            "export_root": str(export_root),
+            "warm_standby": args.warm_standby,
+            "cpus": os.cpu_count(),
+        },
+    )
     config = FleetConfig(
         model_path=model_dir,
         export_root=export_root,
@@ -371,11 +412,14 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
         fleet.start()
         exporter = fleet.exporter
         assert exporter is not None
-        res.phase("setup", {
-            "fleet_start_s": round(time.monotonic() - t0 - build_s, 1),
-            "weights_gb": round(nbytes_of(weights) / 1e9, 3),
-            "transport": type(fleet.transport).__name__,
-        })  # fmt: skip
+        res.phase(
+            "setup",
+            {
+                "fleet_start_s": round(time.monotonic() - t0 - build_s, 1),
+                "weights_gb": round(nbytes_of(weights) / 1e9, 3),
+                "transport": type(fleet.transport).__name__,
+            },
+        )
         syncs: dict[str, Any] = {}
 
         def sync(version: int) -> dict[str, Any]:
@@ -385,10 +429,15 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
             weights["model.norm.weight"].add_(0.5)  # every version differs from the last
             t1 = time.monotonic()
             report = fleet.sync_weights(weights, version)
-            row = {"ok": report.ok, "updated": report.updated, "failed": report.failed,
-                   "error": report.error, "seconds": round(time.monotonic() - t1, 3),
-                   "timings": {k: round(v, 3) for k, v in report.timings.items()},
-                   "waited_for_previous_export_s": round(t1 - t_wait, 2)}  # fmt: skip
+            row = {
+                "ok": report.ok,
+                "updated": report.updated,
+                "failed": report.failed,
+                "error": report.error,
+                "seconds": round(time.monotonic() - t1, 3),
+                "timings": {k: round(v, 3) for k, v in report.timings.items()},
+                "waited_for_previous_export_s": round(t1 - t_wait, 2),
+            }
             syncs[f"v{version}"] = row
             res.phase("syncs", syncs)
             return row
@@ -431,9 +480,12 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
                 (f"strategy_{expect}", row["strategy"] == expect),
                 ("no_request_to_failed_group", row["no_request_to_failed_group"]),
                 ("other_group_served", row["served_by_other_meanwhile"] > 0),
-                *((("page_cache_dropped", row["page_cache_dropped"]),)
-                  if name == "immediate_cold_cache" else ()),
-            ):  # fmt: skip
+                *(
+                    (("page_cache_dropped", row["page_cache_dropped"]),)
+                    if name == "immediate_cold_cache"
+                    else ()
+                ),
+            ):
                 res.check(f"{name}_{key}", ok.get(f"{name}_{key}", True) and value)
         if time.monotonic() < deadline:
             res.phase("checksums", checksum_timings(fleet, weights, args.checksum_repeats))
@@ -487,9 +539,10 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
         return "-" if x is None else f"{x}{unit}"
 
     ph = doc["phases"]
-    rows = [("weights", s(ph.get("setup", {}).get("weights_gb"), " GB")),
-            ("restart source", "warm standby" if doc["args"].get("warm_standby") else
-             "fresh spawn")]  # fmt: skip
+    rows = [
+        ("weights", s(ph.get("setup", {}).get("weights_gb"), " GB")),
+        ("restart source", "warm standby" if doc["args"].get("warm_standby") else "fresh spawn"),
+    ]
 
     def d(x: dict[str, Any] | None, unit: str = " s") -> str:
         if not x or not x.get("n"):
@@ -503,24 +556,32 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
         if not sm:
             continue
         rows.append((f"{name}: kill -> active (median / p95 / max)", d(sm["kill_to_active_s"])))
-        for label, key in (("detection", "detection_s"), ("restart step", "restart_step_s"),
-                           ("  engine start to import done", "engine_preloaded_s"),
-                           ("  engine CUDA init", "engine_cuda_init_part_s"),
-                           ("  engine export -> GPU", "engine_export_to_device_s"),
-                           ("  engine export -> GPU GB/s", "engine_export_to_device_gb_s"),
-                           ("health step", "health_step_s"), ("push step", "push_step_s"),
-                           ("kill -> pending", "kill_to_pending_s"),
-                           ("next sync", "next_sync_s")):  # fmt: skip
+        for label, key in (
+            ("detection", "detection_s"),
+            ("restart step", "restart_step_s"),
+            ("  engine start to import done", "engine_preloaded_s"),
+            ("  engine CUDA init", "engine_cuda_init_part_s"),
+            ("  engine export -> GPU", "engine_export_to_device_s"),
+            ("  engine export -> GPU GB/s", "engine_export_to_device_gb_s"),
+            ("health step", "health_step_s"),
+            ("push step", "push_step_s"),
+            ("kill -> pending", "kill_to_pending_s"),
+            ("next sync", "next_sync_s"),
+        ):
             if (sm.get(key) or {}).get("n"):
                 unit = "" if key.endswith("gb_s") else " s"
                 rows.append((f"  {label}", d(sm[key], unit)))
     c = ph.get("checksums")
     if c:
         eng = [x for e in c["engines"].values() for x in e["seconds"]]
-        rows.append((f"checksum {c['algorithm']} ({c['gb']} GB)",
-                     f"trainer first {c['trainer_first_s']} s, warm median "
-                     f"{c['trainer_warm_median_s']} s; engine calls {min(eng, default='-')}-"
-                     f"{max(eng, default='-')} s"))  # fmt: skip
+        rows.append(
+            (
+                f"checksum {c['algorithm']} ({c['gb']} GB)",
+                f"trainer first {c['trainer_first_s']} s, warm median "
+                f"{c['trainer_warm_median_s']} s; engine calls {min(eng, default='-')}-"
+                f"{max(eng, default='-')} s",
+            )
+        )
     for name, ok in doc["checks"].items():
         rows.append((f"check: {name}", "ok" if ok else "FAILED"))
     for item in doc["skipped"]:

@@ -137,7 +137,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig  # type: ignore[attr-defined]
 
-    from rollsafe.fleet import FleetConfig, GroupSpec, RolloutFleet, SyncReport
+    from rollsafe.fleet import FleetConfig, GroupSpec, NcclSettings, RolloutFleet, SyncReport
     from rollsafe.integrations.trl import RollsafeGRPOTrainer
 
     cuda = not args.smoke
@@ -180,8 +180,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         model_path=model_dir,
         export_root=work / "exports",
         groups=[GroupSpec(1), GroupSpec(1)],
-        transport="nccl",
-        nccl_backend="nccl" if cuda else "gloo",
+        transport=NcclSettings(backend="nccl" if cuda else "gloo"),
         enable_immediate_recovery=True,
         engine_options=engine_options,
         start_timeout_s=300.0,

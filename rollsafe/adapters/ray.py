@@ -19,8 +19,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollsafe.adapters.engines.client import GenerateResult, WeightsChecksum
 from rollsafe.adapters.engines.launcher import EngineLauncher, EngineSpec
+from rollsafe.ports import GenerateResult, WeightsChecksum
 
 # EngineActor is provided lazily by the module-level __getattr__ below.
 __all__ = ["EngineActor", "EngineHost", "engine_actor", "init_ray"]  # noqa: F822
@@ -111,9 +111,10 @@ class EngineHost:
     ) -> dict[str, Any]:
         """XTuner rollout-worker contract (see :meth:`EngineLauncher.reinit`)."""
         return self.restart(
-            model_path=model_path, tokenizer_path=tokenizer_path,
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
             skip_load_weights=skip_load_weights,
-        )  # fmt: skip
+        )
 
     # -- observation ----------------------------------------------------------------------
     def is_alive(self) -> bool:

@@ -49,15 +49,21 @@ def _recovery(run: DemoRun) -> dict[str, Any]:
     if crash is None:
         return recovery
     back = [
-        r for r in timeline
-        if r["kind"] == "group" and r["subject"] == crash["group"]
-        and r["target"] == "active" and r["timestamp"] > crash["at"]
-    ]  # fmt: skip
+        r
+        for r in timeline
+        if r["kind"] == "group"
+        and r["subject"] == crash["group"]
+        and r["target"] == "active"
+        and r["timestamp"] > crash["at"]
+    ]
     out_of_routing = [
-        r for r in timeline
-        if r["kind"] == "group" and r["subject"] == crash["group"]
-        and r["event"] == "fail" and r["timestamp"] > crash["at"]
-    ]  # fmt: skip
+        r
+        for r in timeline
+        if r["kind"] == "group"
+        and r["subject"] == crash["group"]
+        and r["event"] == "fail"
+        and r["timestamp"] > crash["at"]
+    ]
     recovery.update(crash)
     recovery["active_again_at"] = back[0]["timestamp"] if back else None
     recovery["latency_s"] = back[0]["timestamp"] - crash["at"] if back else None

@@ -122,8 +122,9 @@ def rollout(run: DemoRun, step: int) -> StepRecord:
     run.cont_seen = cont_now
     rollout_s = time.monotonic() - t
     run.timings["rollout"] += rollout_s
-    record.update(served_by_group=served, served=sum(served.values()), failed=failed,
-                  rollout_s=rollout_s)  # fmt: skip
+    record.update(
+        served_by_group=served, served=sum(served.values()), failed=failed, rollout_s=rollout_s
+    )
     return record
 
 

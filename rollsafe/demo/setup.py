@@ -57,11 +57,10 @@ def start(run: DemoRun) -> None:
     """The tiny model, the trainer and the fleet, up; each is kept on ``run`` as soon as it
     exists, so that settle shuts down whatever started."""
     from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
+    from rollsafe.fleet import HealthSettings, RecoverySettings
     from rollsafe.fleet.fleet import (
         FleetConfig,
         GroupSpec,
-        HealthSettings,
-        RecoverySettings,
         RolloutFleet,
     )
 

@@ -26,21 +26,7 @@ What is here so far, in dependency order (each module imports only the ones abov
   :mod:`rollsafe.probe`.
 """
 
-from rollsafe.fleet.fleet import (
-    CheckpointEngineSettings,
-    DiskSettings,
-    FleetConfig,
-    FleetConfigError,
-    FleetNotStarted,
-    GroupSpec,
-    HealthSettings,
-    IpcSettings,
-    NcclSettings,
-    RecoverySettings,
-    RolloutFleet,
-    TransportContext,
-    TransportSettings,
-)
+from rollsafe.fleet.fleet import FleetConfig, FleetNotStarted, GroupSpec, RolloutFleet
 from rollsafe.fleet.health import (
     DEFAULT_PROBE_STATES,
     GroupFailure,
@@ -85,6 +71,17 @@ from rollsafe.fleet.router import (
     Router,
     RouterError,
     is_retryable,
+)
+from rollsafe.fleet.settings import (
+    CheckpointEngineSettings,
+    DiskSettings,
+    FleetConfigError,
+    HealthSettings,
+    IpcSettings,
+    NcclSettings,
+    RecoverySettings,
+    TransportContext,
+    TransportSettings,
 )
 from rollsafe.fleet.sync import (
     ExportJudgement,

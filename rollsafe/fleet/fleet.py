@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import rollsafe.policy as policy
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.health import HealthManager
 from rollsafe.fleet.partial_rollouts import SYNC_PAUSE_MODES, SyncPauseMode, paused_generation
 from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
@@ -42,7 +42,6 @@ from rollsafe.fleet.registry import FleetError, FleetRegistry
 from rollsafe.fleet.request_health import RequestHealth
 from rollsafe.fleet.router import RoutedResult, Router
 from rollsafe.fleet.settings import (
-    CE_P2P_PROTOCOLS,
     TRANSPORT_SETTINGS,
     CheckpointEngineSettings,
     DiskSettings,
@@ -68,26 +67,10 @@ if TYPE_CHECKING:
     from rollsafe.digest_check import DigestCheck
     from rollsafe.hf import HFExporter
     from rollsafe.observe.metrics import FleetMetrics
+    from rollsafe.ports import WeightTransport
     from rollsafe.statemachines.base import TransitionRecord
-    from rollsafe.transports.base import WeightTransport
 
-__all__ = [
-    "CE_P2P_PROTOCOLS",
-    "TRANSPORTS",
-    "CheckpointEngineSettings",
-    "DiskSettings",
-    "FleetConfig",
-    "FleetConfigError",
-    "FleetNotStarted",
-    "GroupSpec",
-    "HealthSettings",
-    "IpcSettings",
-    "NcclSettings",
-    "RecoverySettings",
-    "RolloutFleet",
-    "TransportContext",
-    "TransportSettings",
-]
+__all__ = ["TRANSPORTS", "FleetConfig", "FleetNotStarted", "GroupSpec", "RolloutFleet"]
 
 log = logging.getLogger(__name__)
 
@@ -96,20 +79,6 @@ log = logging.getLogger(__name__)
 #: name); a :class:`TransportSettings` subclass defined elsewhere adds one more.
 TRANSPORTS = tuple(TRANSPORT_SETTINGS)
 _TRANSPORT_FIELDS = TRANSPORTS
-
-
-class _Unset:
-    """A flat transport keyword that was not given."""
-
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-UNSET: Any = _Unset()
-
-
-def _normal(value: object) -> object:
-    return tuple(value) if isinstance(value, list) else value
 
 
 class FleetNotStarted(FleetError, RuntimeError):
@@ -163,11 +132,8 @@ class FleetConfig:
     of the same name: ``nccl=NcclSettings(backend="nccl")``,
     ``checkpoint_engine=CheckpointEngineSettings(p2p=True, p2p_protocol="tcp")`` (the fields and
     their defaults are documented there; both are always present and validated, whatever the
-    transport: ``checkpoint_engine`` falls back to ``nccl``). The flat keywords of earlier
-    releases still work and are folded into those objects: ``nccl_backend``,
-    ``nccl_bucket_bytes``, ``nccl_group_timeout_s`` and ``ce_<field>`` (``ce_p2p=True``...);
-    they are write-only (read ``config.nccl.backend``), and one that contradicts a value set
-    in the settings object raises :class:`FleetConfigError` naming it.
+    transport: ``checkpoint_engine`` falls back to ``nccl``); their errors name the key as
+    ``<transport>.<field>`` (``checkpoint_engine.p2p_protocol``).
 
     ``on_update_failure``: what a sync does with a group whose update failed: ``"fail"``
     (default: out of routing, recovered now) or ``"stale"`` (left ``pending_weights`` for the
@@ -213,44 +179,11 @@ class FleetConfig:
     disk: DiskSettings = field(default_factory=DiskSettings)
     #: settings of transports defined outside rollsafe, by name (a missing one: its defaults)
     transport_settings: Mapping[str, TransportSettings] = field(default_factory=dict)
-    # the flat keywords of earlier releases, folded into ``nccl``/``checkpoint_engine``
-    nccl_backend: str | _Unset | None = field(default=UNSET, repr=False)
-    nccl_bucket_bytes: int | _Unset | None = field(default=UNSET, repr=False)
-    nccl_group_timeout_s: float | _Unset = field(default=UNSET, repr=False)
-    ce_bucket_bytes: int | _Unset | None = field(default=UNSET, repr=False)
-    ce_p2p: bool | _Unset = field(default=UNSET, repr=False)
-    ce_p2p_protocol: str | _Unset = field(default=UNSET, repr=False)
-    ce_rdma_devices: Sequence[str] | _Unset | None = field(default=UNSET, repr=False)
-    ce_request_timeout_s: float | _Unset = field(default=UNSET, repr=False)
-    ce_socket_timeout_s: float | _Unset | None = field(default=UNSET, repr=False)
-    ce_transfer_timeout_s: float | _Unset | None = field(default=UNSET, repr=False)
 
     def __post_init__(self) -> None:
-        """Fold the flat transport keywords into their settings objects, then check every
-        field that needs no filesystem (:meth:`validate` adds the paths)."""
+        """Keep a ``transport=<settings object>`` in its field, then check every field that
+        needs no filesystem (:meth:`validate` adds the paths)."""
         self._take_transport_object()
-        for name in _TRANSPORT_FIELDS:
-            settings = getattr(self, name)
-            cls = TRANSPORT_SETTINGS[name]
-            if not isinstance(settings, cls):
-                continue  # _check names it
-            given: dict[str, Any] = {}
-            for f in dataclasses.fields(settings):
-                flat = settings.key(f.name)
-                value = getattr(self, flat, UNSET) if flat != f.name else UNSET
-                if value is UNSET:
-                    continue
-                current = getattr(settings, f.name)
-                default = getattr(cls(), f.name)
-                if current != default and _normal(current) != _normal(value):
-                    raise FleetConfigError(
-                        flat,
-                        f"{value!r} conflicts with {name}.{f.name}={current!r}; set one of them",
-                    )
-                given[f.name] = value
-                setattr(self, flat, UNSET)
-            if given:
-                setattr(self, name, dataclasses.replace(settings, **given))
         self._check()
 
     def _take_transport_object(self) -> None:
@@ -552,11 +485,13 @@ class RolloutFleet:
                 launcher = self._launchers[g.group_id]
                 launcher.client.health(timeout=self.config.health.timeout_s)
                 self.registry.add_group(
-                    g.group_id, g.fleet_ranks, clients=[launcher.client],
+                    g.group_id,
+                    g.fleet_ranks,
+                    clients=[launcher.client],
                     restart_budget=self.config.recovery.restart_budget,
                     metadata={"engine_ranks": g.ranks},
                     standby_probe=launcher.standby_status,
-                )  # fmt: skip
+                )
                 for rank in g.fleet_ranks:
                     self.registry.report_member(
                         g.group_id, rank, healthy=True, weights_version=version
@@ -697,10 +632,15 @@ class RolloutFleet:
     ) -> RoutedResult:
         """One rollout request through the router (only ``active`` groups serve)."""
         self._require_started()
-        return self.observer.track(lambda: self.router.generate(
-            input_ids, text=text, sampling_params=sampling_params, session_id=session_id,
-            timeout=timeout,
-        ))  # fmt: skip
+        return self.observer.track(
+            lambda: self.router.generate(
+                input_ids,
+                text=text,
+                sampling_params=sampling_params,
+                session_id=session_id,
+                timeout=timeout,
+            )
+        )
 
     def sync_weights(
         self,
@@ -724,7 +664,9 @@ class RolloutFleet:
             report = self.sync.sync(named_tensors, version)
         else:
             if pause_mode not in SYNC_PAUSE_MODES:
-                raise ValueError(f"pause_mode must be in {SYNC_PAUSE_MODES}, not {pause_mode!r}")
+                raise InvalidArgument(
+                    "pause_mode", f"pause_mode must be in {SYNC_PAUSE_MODES}, not {pause_mode!r}"
+                )
             bracket = paused_generation(self.registry, self.router, pause_mode)
             report = self.sync.sync(named_tensors, version, around_update=bracket)
         self._harvest_exports()

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Iterator
 from typing import Literal
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.registry import FleetRegistry
 from rollsafe.fleet.router import Router
 
@@ -46,7 +47,9 @@ def paused_generation(
     """Pause generation on every routable group in ``mode`` for the body (see the module);
     yields the ids of the groups paused."""
     if mode not in SYNC_PAUSE_MODES:
-        raise ValueError(f"pause_mode must be one of {list(SYNC_PAUSE_MODES)}, got {mode!r}")
+        raise InvalidArgument(
+            "pause_mode", f"pause_mode must be one of {list(SYNC_PAUSE_MODES)}, got {mode!r}"
+        )
     paused: list[str] = []
     if mode == "abort":
         router.hold()

@@ -78,9 +78,8 @@ from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
     from rollsafe.fleet.health import GroupFailure
-    from rollsafe.ports import EngineClient
+    from rollsafe.ports import EngineClient, EngineTarget, UpdateReport, WeightTransport
     from rollsafe.statemachines.export import ExportLease
-    from rollsafe.transports.base import EngineTarget, UpdateReport, WeightTransport
 
 __all__ = [
     "RecoveryClosed",

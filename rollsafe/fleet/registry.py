@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollsafe.errors import RollsafeError
+from rollsafe.errors import InvalidArgument, RollsafeError
 from rollsafe.ports import EngineClient
 from rollsafe.statemachines.events import GroupEvent, event_name
 from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
@@ -387,7 +387,9 @@ class FleetRegistry:
 
     def __init__(self, *, fleet_version: int = 0, listeners: Iterable[object] = ()) -> None:
         if fleet_version < 0:
-            raise ValueError(f"fleet_version must be >= 0, got {fleet_version}")
+            raise InvalidArgument(
+                "fleet_version", f"fleet_version must be >= 0, got {fleet_version}"
+            )
         self._lock = threading.RLock()
         self._groups: dict[str, WorkerGroup] = {}
         self._rank_owner: dict[int, str] = {}
@@ -466,15 +468,18 @@ class FleetRegistry:
         ``endpoints`` default to the clients' URLs. ``standby_probe``: see :class:`WorkerGroup`.
         """
         if not isinstance(group_id, str) or not group_id:
-            raise ValueError(f"group_id must be a non-empty string, got {group_id!r}")
+            raise InvalidArgument(
+                "group_id", f"group_id must be a non-empty string, got {group_id!r}"
+            )
         rank_list = [int(r) for r in ranks]
         if machine is None:
             machine = WorkerGroupLifecycle(
                 rank_list, restart_budget=restart_budget, group_id=group_id
             )
         elif tuple(machine.ranks) != tuple(rank_list):
-            raise ValueError(
-                f"group {group_id!r}: machine ranks {list(machine.ranks)} != ranks {rank_list}"
+            raise InvalidArgument(
+                "ranks",
+                f"group {group_id!r}: machine ranks {list(machine.ranks)} != ranks {rank_list}",
             )
         client_tuple = tuple(clients)
         eps = tuple(endpoints) if endpoints is not None else tuple(c.url for c in client_tuple)
@@ -534,7 +539,9 @@ class FleetRegistry:
         group = self.get(group_id)
         client_tuple = tuple(clients)
         if not client_tuple:
-            raise ValueError(f"group {group_id!r}: rebind_clients needs at least one client")
+            raise InvalidArgument(
+                "clients", f"group {group_id!r}: rebind_clients needs at least one client"
+            )
         eps = tuple(endpoints) if endpoints is not None else tuple(c.url for c in client_tuple)
         with group._lock:
             group.clients = client_tuple

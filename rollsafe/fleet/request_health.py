@@ -23,9 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 import rollsafe.policy as policy
-from rollsafe.adapters.engines.errors import bound_text
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.registry import FleetRegistry
 from rollsafe.statemachines.base import TransitionRefused
+from rollsafe.text import bound_text
 
 __all__ = ["RequestHealth"]
 
@@ -44,7 +45,9 @@ class RequestHealth:
         paused: Callable[[], bool] | None = None,
     ) -> None:
         if failure_threshold < 1:
-            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
+            raise InvalidArgument(
+                "failure_threshold", f"failure_threshold must be >= 1, got {failure_threshold}"
+            )
         self.registry = registry
         self.failure_threshold = failure_threshold
         self.on_group_failed = on_group_failed

@@ -36,6 +36,7 @@ from rollsafe.adapters.engines.errors import (
     EngineRequestError,
     EngineUnavailable,
 )
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.provenance import Segment, off_policy, versions_used
 from rollsafe.fleet.registry import (
     FleetError,
@@ -208,13 +209,18 @@ class Router(FleetListener):
         max_aborts: int = 8,
     ) -> None:
         if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+            raise InvalidArgument("max_attempts", f"max_attempts must be >= 1, got {max_attempts}")
         if max_error_chars < 64:
-            raise ValueError(f"max_error_chars must be >= 64, got {max_error_chars}")
+            raise InvalidArgument(
+                "max_error_chars", f"max_error_chars must be >= 64, got {max_error_chars}"
+            )
         if max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+            raise InvalidArgument("max_sessions", f"max_sessions must be >= 1, got {max_sessions}")
         if wait_for_routable_s < 0:
-            raise ValueError(f"wait_for_routable_s must be >= 0, got {wait_for_routable_s}")
+            raise InvalidArgument(
+                "wait_for_routable_s",
+                f"wait_for_routable_s must be >= 0, got {wait_for_routable_s}",
+            )
         self.registry = registry
         self.max_attempts = max_attempts
         self.max_error_chars = max_error_chars
@@ -377,9 +383,13 @@ class Router(FleetListener):
             from rollsafe.fleet.continuation import generate_continued
 
             return generate_continued(
-                self, input_ids, sampling_params=sampling_params, session_id=session_id,
-                timeout=call_timeout, max_aborts=self.max_aborts,
-            )  # fmt: skip
+                self,
+                input_ids,
+                sampling_params=sampling_params,
+                session_id=session_id,
+                timeout=call_timeout,
+                max_aborts=self.max_aborts,
+            )
         tried: list[str] = []
         attempts: list[tuple[str, str]] = []
         notes: list[str] = []

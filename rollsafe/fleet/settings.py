@@ -13,11 +13,11 @@ serve (:meth:`~TransportSettings.check_engines`), may name a ``fallback`` transp
 to use it (:meth:`~TransportSettings.fallback_reasons`), and builds the transport from a
 :class:`TransportContext` (:meth:`~TransportSettings.build`). Defining the subclass registers it
 by name in :data:`TRANSPORT_SETTINGS`; ``FleetConfig(transport=MySettings(...))`` selects it.
-The built-in three (:class:`IpcSettings`, :class:`NcclSettings`,
-:class:`CheckpointEngineSettings`) are also held by the :class:`~rollsafe.fleet.FleetConfig`
-fields of the same name (``FleetConfig(nccl=NcclSettings(backend="nccl"))``). Their errors name
-the old flat ``FleetConfig`` keyword (``nccl_backend``, ``ce_p2p``...), which still works:
-``FleetConfig`` folds it into the settings object (``field_prefix`` + field name).
+The built-in four (:class:`IpcSettings`, :class:`NcclSettings`,
+:class:`CheckpointEngineSettings`, :class:`DiskSettings`) are also held by the
+:class:`~rollsafe.fleet.FleetConfig` fields of the same name
+(``FleetConfig(nccl=NcclSettings(backend="nccl"))``). Every error names its key as
+``<transport>.<field>`` (``nccl.backend``, ``checkpoint_engine.p2p``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.registry import FleetError
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "CE_P2P_PROTOCOLS",
     "TRANSPORT_SETTINGS",
     "CheckpointEngineSettings",
+    "DiskSettings",
     "FleetConfigError",
     "HealthSettings",
     "IpcSettings",
@@ -52,12 +54,11 @@ S = TypeVar("S")
 log = logging.getLogger(__name__)
 
 
-class FleetConfigError(FleetError, ValueError):
+class FleetConfigError(FleetError, InvalidArgument):
     """A fleet setting is malformed; ``key`` names it (e.g. ``groups[1].ranks``)."""
 
     def __init__(self, key: str, message: str) -> None:
-        self.key = key
-        super().__init__(f"fleet config {key!r}: {message}")
+        super().__init__(key, f"fleet config {key!r}: {message}")
 
 
 def check_number(
@@ -121,22 +122,27 @@ class RecoverySettings:
     stop_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
-        check_number("recovery.max_workers", self.max_workers, integer=True,
-                      alias="max_workers=")  # fmt: skip
+        check_number("recovery.max_workers", self.max_workers, integer=True, alias="max_workers=")
         check_number("recovery.timeout_s", self.timeout_s, alias="recovery_timeout_s=")
         check_number("recovery.restart_budget", self.restart_budget, integer=True, zero=True)
-        check_number("recovery.expected_recovery_s", self.expected_recovery_s, zero=True,
-                     alias="expected_recovery_s=")  # fmt: skip
-        check_number("recovery.retry_delay_s", self.retry_delay_s, zero=True,
-                     alias="retry_delay_s=")  # fmt: skip
-        check_number("recovery.health_timeout_s", self.health_timeout_s,
-                     alias="health_timeout_s=")  # fmt: skip
-        check_number("recovery.stop_timeout_s", self.stop_timeout_s, zero=True,
-                     alias="stop_timeout_s=")  # fmt: skip
+        check_number(
+            "recovery.expected_recovery_s",
+            self.expected_recovery_s,
+            zero=True,
+            alias="expected_recovery_s=",
+        )
+        check_number(
+            "recovery.retry_delay_s", self.retry_delay_s, zero=True, alias="retry_delay_s="
+        )
+        check_number("recovery.health_timeout_s", self.health_timeout_s, alias="health_timeout_s=")
+        check_number(
+            "recovery.stop_timeout_s", self.stop_timeout_s, zero=True, alias="stop_timeout_s="
+        )
         for name in ("targeted_push", "retry"):
             if not isinstance(getattr(self, name), bool):
-                raise FleetConfigError(f"recovery.{name}", f"must be a bool, got "
-                                       f"{getattr(self, name)!r}")  # fmt: skip
+                raise FleetConfigError(
+                    f"recovery.{name}", f"must be a bool, got {getattr(self, name)!r}"
+                )
         if self.remaining_work_s is not None and not callable(self.remaining_work_s):
             raise FleetConfigError(
                 "recovery.remaining_work_s",
@@ -180,12 +186,10 @@ class TransportSettings:
     ``__post_init__`` (raising :class:`FleetConfigError` naming the field) and implements
     :meth:`build`. Optional: :meth:`check_engines` (refuse engine options at config time),
     ``fallback`` with :meth:`fallback_reasons` (build another transport, with one warning, when
-    this one cannot serve the fleet), ``field_prefix`` (the flat ``FleetConfig`` keywords of the
-    built-in transports). Select it with ``FleetConfig(transport=MySettings(...))``.
+    this one cannot serve the fleet). Select it with ``FleetConfig(transport=MySettings(...))``.
     """
 
     transport: ClassVar[str] = ""
-    field_prefix: ClassVar[str] = ""
     #: The transport built instead when :meth:`fallback_reasons` objects (None: never).
     fallback: ClassVar[str | None] = None
 
@@ -205,9 +209,8 @@ class TransportSettings:
         TRANSPORT_SETTINGS[cls.transport] = cls
 
     def key(self, name: str) -> str:
-        """The key errors name for field ``name``: the flat ``FleetConfig`` keyword of a
-        built-in transport (``nccl_backend``), else ``<transport>.<name>``."""
-        return self.field_prefix + name if self.field_prefix else f"{self.transport}.{name}"
+        """The key errors name for field ``name``: ``<transport>.<name>`` (``nccl.backend``)."""
+        return f"{self.transport}.{name}"
 
     def check_engines(self, engine_options: Mapping[str, Any]) -> None:
         """Raise :class:`FleetConfigError` if this transport can never serve such engines
@@ -251,11 +254,9 @@ class NcclSettings(TransportSettings):
     (the default: moves host memory, works with engines anywhere), ``"nccl"`` (trainer weights
     and engines on GPUs) or None (picks by the weights' device); ``bucket_bytes`` (None:
     :data:`~rollsafe.transports.DEFAULT_NCCL_BUCKET_BYTES`); ``group_timeout_s`` bounds the
-    process-group setup and each collective. Flat keys: ``nccl_backend``, ``nccl_bucket_bytes``,
-    ``nccl_group_timeout_s``."""
+    process-group setup and each collective."""
 
     transport: ClassVar[str] = "nccl"
-    field_prefix: ClassVar[str] = "nccl_"
     backend: str | None = "gloo"
     bucket_bytes: int | None = None
     group_timeout_s: float = 120.0
@@ -321,10 +322,9 @@ class CheckpointEngineSettings(TransportSettings):
     (each engine's ``/update_weights_from_ipc``), ``socket_timeout_s`` (the parameter server's
     ZMQ sockets, so a vanished engine fails the update instead of hanging it; None waits
     forever), ``transfer_timeout_s`` (Mooncake's per-batch ``MC_TRANSFER_TIMEOUT``; None: its
-    30 s). Flat keys: ``ce_`` + the field name."""
+    30 s)."""
 
     transport: ClassVar[str] = "checkpoint_engine"
-    field_prefix: ClassVar[str] = "ce_"
     fallback: ClassVar[str | None] = "nccl"
     bucket_bytes: int | None = None
     p2p: bool = False
@@ -361,7 +361,7 @@ class CheckpointEngineSettings(TransportSettings):
             raise FleetConfigError(
                 self.key("rdma_devices"),
                 "P2P over RDMA needs the RDMA device names (e.g. ['mlx5_0']); without RDMA "
-                "devices use ce_p2p_protocol='tcp'",
+                "devices use p2p_protocol='tcp'",
             )
         check_number(self.key("request_timeout_s"), self.request_timeout_s)
         for name in ("socket_timeout_s", "transfer_timeout_s"):

@@ -62,8 +62,8 @@ if TYPE_CHECKING:
     import torch
 
     from rollsafe.hf.retention import ExportRecord
+    from rollsafe.ports import EngineTarget, TargetResult, WeightTransport
     from rollsafe.statemachines.export import ExportLease
-    from rollsafe.transports.base import EngineTarget, TargetResult, WeightTransport
 
 __all__ = [
     "ExportJudgement",
@@ -107,7 +107,7 @@ def shared_transport_lock(transport: object) -> threading.RLock:
 
 def default_target(group: WorkerGroup) -> EngineTarget:
     """The transport target of ``group``: its first client, its ranks, one process per rank."""
-    from rollsafe.transports.base import EngineTarget
+    from rollsafe.ports import EngineTarget
 
     client = group.client
     if client is None:
@@ -619,7 +619,7 @@ class _SyncRun:
         return fx.Ok(refused)
 
     def update(self, effect: fx.Update) -> fx.Outcome:
-        from rollsafe.transports.base import TargetResult
+        from rollsafe.ports import TargetResult
 
         report, targets, groups = self.report, self.targets, self.groups
         generations = {t.name: groups[t.name].generation for t in targets}

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from rollsafe.checksum import weights_checksum
 from rollsafe.digest_check import DigestCheck
 from rollsafe.engine_layout import EngineLayout, vllm_rank_digests
+from rollsafe.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +37,7 @@ def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     with path.open() as f:
         config = json.load(f)
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a JSON object")
+        raise InvalidArgument("path", f"{path}: not a JSON object")
     return config
 
 

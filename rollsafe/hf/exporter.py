@@ -285,9 +285,13 @@ class HFExporter:
         stats.blocking_s = time.perf_counter() - t0
         log.info(
             "export v%d: snapshot of %d tensors, %.1f MiB in %.3fs (%.2f GB/s); %d shard(s)",
-            version, len(tensors), copied / 2**20, stats.snapshot_s,
-            _gb_s(copied, stats.snapshot_s), len(plans),
-        )  # fmt: skip
+            version,
+            len(tensors),
+            copied / 2**20,
+            stats.snapshot_s,
+            _gb_s(copied, stats.snapshot_s),
+            len(plans),
+        )
         keys = [name for name, _ in tensors]
         writer = threading.Thread(
             target=self._write,
@@ -338,9 +342,12 @@ class HFExporter:
                     stats.write_s = time.perf_counter() - t
                     log.info(
                         "export v%d: %d shard(s), %.1f MiB written+fsynced in %.3fs (%.2f GB/s)",
-                        version, len(plans), stats.tensor_bytes / 2**20, stats.write_s,
+                        version,
+                        len(plans),
+                        stats.tensor_bytes / 2**20,
+                        stats.write_s,
                         _gb_s(stats.tensor_bytes, stats.write_s),
-                    )  # fmt: skip
+                    )
                     handle._aborted()
                     lifecycle.shards_written(ranks_ok=[0])
                     t = time.perf_counter()
@@ -375,8 +382,10 @@ class HFExporter:
             verified = report.raise_if_problems()
             log.info(
                 "export v%d: read-back verification of %d file(s) in %.3fs",
-                version, len(files), stats.verify_s,
-            )  # fmt: skip
+                version,
+                len(files),
+                stats.verify_s,
+            )
 
             t = time.perf_counter()
             with self._cond:
@@ -453,9 +462,16 @@ class HFExporter:
             log.info(
                 "export v%d ready at %s: %.1f MiB in %.3fs (blocking %.3fs, write %.3fs, "
                 "commit %.3fs, verify %.3fs, publish %.3fs)",
-                handle.version, handle.path, stats.tensor_bytes / 2**20, stats.total_s,
-                stats.blocking_s, stats.write_s, stats.commit_s, stats.verify_s, stats.publish_s,
-            )  # fmt: skip
+                handle.version,
+                handle.path,
+                stats.tensor_bytes / 2**20,
+                stats.total_s,
+                stats.blocking_s,
+                stats.write_s,
+                stats.commit_s,
+                stats.verify_s,
+                stats.publish_s,
+            )
         handle._error = error
         with self._cond:
             if self._in_flight is handle:
@@ -612,8 +628,11 @@ class HFExporter:
             reason = "; ".join(exc.problems[:3])
             with self._cond:
                 self._unfit[record.version] = reason
-            log.error("export v%d failed re-verification, not offered any more: %s",
-                      record.version, reason)  # fmt: skip
+            log.error(
+                "export v%d failed re-verification, not offered any more: %s",
+                record.version,
+                reason,
+            )
             raise
         with self._cond:
             self._unfit.pop(record.version, None)

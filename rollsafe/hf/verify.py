@@ -64,10 +64,26 @@ MAX_HEADER_BYTES = 100_000_000
 MAX_JSON_BYTES = 64 << 20
 
 _ITEM_SIZES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
-    "U16": 2, "U32": 4, "U64": 8, "C64": 8,
-}  # fmt: skip
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "C64": 8,
+}
 _MAX_HEADER = MAX_HEADER_BYTES  # kept for callers of the old private name
 _READ_BYTES = 16 << 20
 _ENTRIES_SHOWN = 8

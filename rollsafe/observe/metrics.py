@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.registry import FleetListener, GroupTransition, WorkerGroup
 from rollsafe.statemachines.base import MissingGuardInput, TransitionRefused
 from rollsafe.statemachines.events import GroupEvent, event_name
@@ -309,7 +310,9 @@ class FleetMetrics(FleetListener):
         if port is not None and (
             isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
         ):
-            raise ValueError(f"metrics_port must be an int in 0..65535, got {port!r}")
+            raise InvalidArgument(
+                "metrics_port", f"metrics_port must be an int in 0..65535, got {port!r}"
+            )
         self.fleet = fleet
         self.registry = registry if registry is not None else prom.CollectorRegistry()
         self.requested_port = port
@@ -344,7 +347,7 @@ class FleetMetrics(FleetListener):
     def serve(self) -> int:
         """Serve ``/metrics`` on 127.0.0.1 (the requested port; 0 picks a free one); return it."""
         if self.requested_port is None:
-            raise ValueError("no metrics_port was given")
+            raise InvalidArgument("metrics_port", "no metrics_port was given")
         with self._lock:
             if self._server is not None:
                 assert self.port is not None

@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from rollsafe.errors import InvalidArgument
+
 if TYPE_CHECKING:  # no runtime import: rollsafe.fleet imports this module
     from rollsafe.fleet.registry import FleetRegistry, GroupTransition, WorkerGroup
 
@@ -105,7 +107,9 @@ class FleetObserver:
         max_episodes: int = 10_000,
     ) -> None:
         if sample_interval_s <= 0:
-            raise ValueError(f"sample_interval_s must be > 0, got {sample_interval_s}")
+            raise InvalidArgument(
+                "sample_interval_s", f"sample_interval_s must be > 0, got {sample_interval_s}"
+            )
         self.registry = registry
         self.sample_interval_s = sample_interval_s
         self.onset_window_s = onset_window_s

@@ -14,6 +14,7 @@ from typing import Any
 from statemachine import State
 from statemachine.exceptions import TransitionNotAllowed
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.statemachines.base import GuardedMachine, GuardInputMissing
 
 __all__ = ["CheckpointRegistration"]
@@ -59,7 +60,9 @@ class CheckpointRegistration(GuardedMachine):
 
     def __init__(self, world_size: int, allow_missing_prefixes: Iterable[str] = ("mtp.",)) -> None:
         if world_size < 1:
-            raise ValueError(f"CheckpointRegistration world_size must be >= 1, got {world_size}")
+            raise InvalidArgument(
+                "world_size", f"CheckpointRegistration world_size must be >= 1, got {world_size}"
+            )
         self.world_size = world_size
         self.allow_missing_prefixes: tuple[str, ...] = tuple(allow_missing_prefixes)
         self.pending: tuple[str, int] | None = None
@@ -196,7 +199,7 @@ class CheckpointRegistration(GuardedMachine):
     # ------------------------------------------------------------------ actions
     def on_begin_register(self, name: str = "", version: int | None = None) -> None:
         if not name:
-            raise ValueError(f"{self.label}: begin_register needs a non-empty name=")
+            raise InvalidArgument("name", f"{self.label}: begin_register needs a non-empty name=")
         # The previous checkpoint is unregistered first (bounded pinned memory): unpublish now.
         self._published = None
         self.pending = (name, int(version if version is not None else -1))

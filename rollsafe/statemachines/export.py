@@ -15,7 +15,7 @@ from typing import Any
 
 from statemachine import State
 
-from rollsafe.errors import RollsafeError
+from rollsafe.errors import InvalidArgument, RollsafeError
 from rollsafe.statemachines.base import GuardedMachine, GuardInputMissing
 
 __all__ = ["ExportLease", "ExportLifecycle", "LeaseError"]
@@ -83,9 +83,9 @@ class ExportLifecycle(GuardedMachine):
 
     def __init__(self, version: int, world_size: int = 1) -> None:
         if version < 0:
-            raise ValueError(f"export version must be >= 0, got {version}")
+            raise InvalidArgument("version", f"export version must be >= 0, got {version}")
         if world_size < 1:
-            raise ValueError(f"export world_size must be >= 1, got {world_size}")
+            raise InvalidArgument("world_size", f"export world_size must be >= 1, got {world_size}")
         self.version = version
         self.world_size = world_size
         self.failure_reason: str | None = None

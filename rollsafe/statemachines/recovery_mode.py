@@ -12,6 +12,7 @@ from typing import Any
 
 from statemachine import State
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.statemachines.base import GuardedMachine
 
 __all__ = ["ImmediateRecoveryMode"]
@@ -47,7 +48,7 @@ class ImmediateRecoveryMode(GuardedMachine):
 
     def __init__(self, enabled: bool = False, rearm_after: int = 2) -> None:
         if rearm_after < 1:
-            raise ValueError(f"rearm_after must be >= 1, got {rearm_after}")
+            raise InvalidArgument("rearm_after", f"rearm_after must be >= 1, got {rearm_after}")
         self.rearm_after = rearm_after
         self.on_time_streak = 0
         super().__init__(start_value="enabled" if enabled else "disabled")

@@ -14,6 +14,7 @@ from typing import Any
 
 from statemachine import State
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.statemachines.base import GuardedMachine, GuardInputMissing
 
 __all__ = ["MemberFacts", "WorkerGroupLifecycle"]
@@ -89,12 +90,18 @@ class WorkerGroupLifecycle(GuardedMachine):
     ) -> None:
         rank_list = list(ranks)
         if not rank_list:
-            raise ValueError("WorkerGroupLifecycle needs at least one rank, got none")
+            raise InvalidArgument(
+                "ranks", "WorkerGroupLifecycle ranks: needs at least one rank, got none"
+            )
         if len(set(rank_list)) != len(rank_list):
             dup = sorted({r for r in rank_list if rank_list.count(r) > 1})
-            raise ValueError(f"WorkerGroupLifecycle ranks must be unique; repeated: {dup}")
+            raise InvalidArgument(
+                "ranks", f"WorkerGroupLifecycle ranks must be unique; repeated: {dup}"
+            )
         if restart_budget < 0:
-            raise ValueError(f"restart_budget must be >= 0, got {restart_budget}")
+            raise InvalidArgument(
+                "restart_budget", f"restart_budget must be >= 0, got {restart_budget}"
+            )
         self.ranks: tuple[int, ...] = tuple(rank_list)
         self.group_id = group_id if group_id is not None else f"group-{rank_list[0]}"
         self.restart_budget = restart_budget
@@ -131,8 +138,9 @@ class WorkerGroupLifecycle(GuardedMachine):
         with self._lock:
             old = self._members.get(rank)
             if old is None:
-                raise ValueError(
-                    f"{self.label}: rank {rank!r} is not a member (members: {list(self.ranks)})"
+                raise InvalidArgument(
+                    "rank",
+                    f"{self.label}: rank {rank!r} is not a member (members: {list(self.ranks)})",
                 )
             version = old.weights_version if weights_version is None else weights_version
             # Copy on write: history entries keep a reference to the dict they saw.
@@ -142,8 +150,9 @@ class WorkerGroupLifecycle(GuardedMachine):
         """Mark a rank unknown (its process or node vanished without a report)."""
         with self._lock:
             if rank not in self._members:
-                raise ValueError(
-                    f"{self.label}: rank {rank!r} is not a member (members: {list(self.ranks)})"
+                raise InvalidArgument(
+                    "rank",
+                    f"{self.label}: rank {rank!r} is not a member (members: {list(self.ranks)})",
                 )
             self._members = {**self._members, rank: MemberFacts(rank)}
 
@@ -152,7 +161,9 @@ class WorkerGroupLifecycle(GuardedMachine):
         with self._lock:
             facts = {m.rank: m for m in members}
             if set(facts) != set(self.ranks):
-                raise ValueError(f"{self.label}: facts for ranks {sorted(facts)} != {self.ranks}")
+                raise InvalidArgument(
+                    "facts", f"{self.label}: facts for ranks {sorted(facts)} != {self.ranks}"
+                )
             self._members = {r: facts[r] for r in self.ranks}
 
     def facts_token(self) -> Any:

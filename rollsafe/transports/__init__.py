@@ -1,7 +1,8 @@
 """Weight transports: move a trainer's weights into engines (ipc, nccl, checkpoint_engine, disk).
 
 Every transport is two-phase (``register(weights, version)`` then ``update(targets)`` returning a
-per-target :class:`UpdateReport`) and drives a
+per-target :class:`rollsafe.ports.UpdateReport`; the contract is
+:class:`rollsafe.ports.WeightTransport`) and drives a
 :class:`~rollsafe.statemachines.CheckpointRegistration` through :class:`StagedTransport`:
 
 * :class:`IPCTransport` -- colocated engines; shared memory on CPU, CUDA IPC handles on GPU
@@ -28,15 +29,10 @@ from rollsafe.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from rollsafe.transports.base import (
-        EngineTarget,
-        NamedTensors,
         RegisterError,
         StagedTransport,
         StaleRegistration,
-        TargetResult,
         TransportError,
-        UpdateReport,
-        WeightTransport,
         named_tensor_list,
     )
     from rollsafe.transports.checkpoint_engine import (
@@ -54,15 +50,10 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     **dict.fromkeys(
         (
-            "EngineTarget",
-            "NamedTensors",
             "RegisterError",
             "StagedTransport",
             "StaleRegistration",
-            "TargetResult",
             "TransportError",
-            "UpdateReport",
-            "WeightTransport",
             "named_tensor_list",
         ),
         "rollsafe.transports.base",
@@ -93,19 +84,14 @@ __all__ = [
     "CheckpointEngineFleetTransport",
     "CheckpointEngineTransport",
     "DiskTransport",
-    "EngineTarget",
     "FlatBucket",
     "IPCTransport",
     "NCCLTransport",
-    "NamedTensors",
     "P2PUnavailable",
     "RegisterError",
     "StagedTransport",
     "StaleRegistration",
-    "TargetResult",
     "TransportError",
-    "UpdateReport",
-    "WeightTransport",
     "named_tensor_list",
     "plan_buckets",
 ]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 # the contract types cross layers (the fleet holds them, every transport implements them): they
-# live in the torch- and httpx-free rollsafe.ports; every name stays importable from here
+# live in the torch- and httpx-free rollsafe.ports (their one import path)
 from rollsafe.errors import RollsafeError
 from rollsafe.ports import (
     EngineTarget,
@@ -29,7 +29,6 @@ from rollsafe.ports import (
     PushSummary,
     TargetResult,
     UpdateReport,
-    WeightTransport,
 )
 from rollsafe.statemachines import CheckpointRegistration
 from rollsafe.text import bound_text
@@ -38,14 +37,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "EngineTarget",
-    "NamedTensors",
     "RegisterError",
     "StagedTransport",
-    "TargetResult",
     "TransportError",
-    "UpdateReport",
-    "WeightTransport",
     "named_tensor_list",
 ]
 

@@ -32,8 +32,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollsafe.errors import InvalidArgument
+from rollsafe.ports import EngineTarget
 from rollsafe.statemachines import ExportLease, ExportLifecycle
-from rollsafe.transports.base import EngineTarget, RegisterError, StagedTransport, TransportError
+from rollsafe.transports.base import RegisterError, StagedTransport, TransportError
 from rollsafe.wire.hf_index import HFIndexError, read_hf_index
 
 if TYPE_CHECKING:
@@ -80,14 +82,18 @@ class DiskTransport(StagedTransport):
             self.exporter = None
             self.root = Path(exporter_or_root)
             if not self.root.is_dir():
-                raise ValueError(f"export root {str(self.root)!r} is not a directory")
+                raise InvalidArgument(
+                    str(self.root), f"export root {str(self.root)!r} is not a directory"
+                )
         else:
             raise TypeError(
                 "DiskTransport needs an HFExporter or an export root directory, got "
                 f"{type(exporter_or_root).__name__}"
             )
         if export_timeout <= 0 or request_timeout <= 0:
-            raise ValueError("export_timeout and request_timeout must be positive")
+            raise InvalidArgument(
+                "export_timeout", "export_timeout and request_timeout must be positive"
+            )
         self.export_timeout = float(export_timeout)
         self.request_timeout = float(request_timeout)
         self.allow_missing = tuple(allow_missing_prefixes)

@@ -33,7 +33,9 @@ from typing import Any, cast
 
 import torch
 
-from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
+from rollsafe.errors import InvalidArgument
+from rollsafe.ports import EngineTarget
+from rollsafe.transports.base import StagedTransport, TransportError
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -92,11 +94,18 @@ class IPCTransport(StagedTransport):
             max_parallel_targets=max_parallel_targets,
         )
         if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+            raise InvalidArgument(
+                "bucket_bytes", f"bucket_bytes must be positive, got {bucket_bytes}"
+            )
         if request_timeout <= 0:
-            raise ValueError(f"request_timeout must be positive, got {request_timeout}")
+            raise InvalidArgument(
+                "request_timeout", f"request_timeout must be positive, got {request_timeout}"
+            )
         if direct_bucket_bytes is not None and direct_bucket_bytes <= 0:
-            raise ValueError(f"direct_bucket_bytes must be positive, got {direct_bucket_bytes}")
+            raise InvalidArgument(
+                "direct_bucket_bytes",
+                f"direct_bucket_bytes must be positive, got {direct_bucket_bytes}",
+            )
         self.bucket_bytes = int(bucket_bytes)
         self.direct_bucket_bytes = direct_bucket_bytes
         self.device = torch.device(device) if device is not None else None

@@ -58,8 +58,10 @@ from typing import Any
 import torch
 
 from rollsafe.concurrency import DaemonCall, Outcome, start_daemon
+from rollsafe.errors import InvalidArgument
 from rollsafe.net import free_port
-from rollsafe.transports.base import EngineTarget, StagedTransport, TransportError
+from rollsafe.ports import EngineTarget
+from rollsafe.transports.base import StagedTransport, TransportError
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -144,13 +146,21 @@ class NCCLTransport(StagedTransport):
             max_parallel_targets=max_parallel_targets,
         )
         if backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
+            raise InvalidArgument(
+                "backend", f"backend must be 'gloo', 'nccl' or None, got {backend!r}"
+            )
         if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+            raise InvalidArgument(
+                "bucket_bytes", f"bucket_bytes must be positive, got {bucket_bytes}"
+            )
         if group_timeout <= 0:
-            raise ValueError(f"group_timeout must be positive, got {group_timeout}")
+            raise InvalidArgument(
+                "group_timeout", f"group_timeout must be positive, got {group_timeout}"
+            )
         if unpacked_min_bytes is not None and unpacked_min_bytes < 0:
-            raise ValueError(f"unpacked_min_bytes must be >= 0, got {unpacked_min_bytes}")
+            raise InvalidArgument(
+                "unpacked_min_bytes", f"unpacked_min_bytes must be >= 0, got {unpacked_min_bytes}"
+            )
         self.unpacked_min_bytes = unpacked_min_bytes
         self.master_address = master_address
         self.master_port = master_port
@@ -258,8 +268,11 @@ class NCCLTransport(StagedTransport):
             except _FirstBucketFailed as exc:
                 # a kept group whose engine side is gone (the engine restarted on the same
                 # address): nothing was applied; build a fresh group once
-                log.info("%s: kept group failed on its first bucket (%s); re-forming it",
-                         target.name, exc.__cause__)  # fmt: skip
+                log.info(
+                    "%s: kept group failed on its first bucket (%s); re-forming it",
+                    target.name,
+                    exc.__cause__,
+                )
         try:
             live = self._form(target, world, backend, url)
         except BaseException:

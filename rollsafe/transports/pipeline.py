@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from rollsafe.concurrency import DaemonCall
-from rollsafe.errors import BucketFormatError
+from rollsafe.errors import BucketFormatError, InvalidArgument
 from rollsafe.transports.base import RegisterError, TransportError
 from rollsafe.wire import shm
 from rollsafe.wire.bucket import FlatBucket, TensorMeta
@@ -144,9 +144,12 @@ def plan_buckets(
     tensors must already be in shared memory for ``ipc``); tensors it refuses are packed.
     """
     if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        raise InvalidArgument("bucket_bytes", f"bucket_bytes must be positive, got {bucket_bytes}")
     if direct_bucket_bytes is not None and direct_bucket_bytes <= 0:
-        raise ValueError(f"direct_bucket_bytes must be positive, got {direct_bucket_bytes}")
+        raise InvalidArgument(
+            "direct_bucket_bytes",
+            f"direct_bucket_bytes must be positive, got {direct_bucket_bytes}",
+        )
     direct_cap = max(bucket_bytes, direct_bucket_bytes or bucket_bytes)
     plans: list[BucketPlan] = []
     open_: dict[torch.dtype, list[int]] = {}
@@ -272,16 +275,22 @@ def split_unpacked(
         sub = plan_buckets([items[i] for i in small], bucket_bytes)
         for plan in sub:
             out_plans.append(
-                BucketPlan(plan.dtype, tuple(small[j] for j in plan.indices), plan.metas,
-                           plan.numel)
-            )  # fmt: skip
+                BucketPlan(
+                    plan.dtype, tuple(small[j] for j in plan.indices), plan.metas, plan.numel
+                )
+            )
             out_direct.append(None)
     if big:
         for plan in plan_buckets([items[i] for i in big], bucket_bytes):
             out_plans.append(
-                BucketPlan(plan.dtype, tuple(big[j] for j in plan.indices), plan.metas,
-                           plan.numel, unpacked=True)
-            )  # fmt: skip
+                BucketPlan(
+                    plan.dtype,
+                    tuple(big[j] for j in plan.indices),
+                    plan.metas,
+                    plan.numel,
+                    unpacked=True,
+                )
+            )
             out_direct.append(None)
     return out_plans, out_direct
 
@@ -364,7 +373,7 @@ class BucketStream:
             else [direct_view(items, p, device=device, shared=shared) for p in self._plans]
         )
         if len(self._direct_views) != len(self._plans):
-            raise ValueError("direct must hold one entry per plan")
+            raise InvalidArgument("direct", "direct must hold one entry per plan")
         self._device = device
         self._shared = shared
         self._slots = max(1, slots)

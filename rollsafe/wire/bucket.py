@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
-from rollsafe.errors import BucketFormatError
+from rollsafe.errors import BucketFormatError, InvalidArgument
 from rollsafe.wire import shm, unpickle
 from rollsafe.wire.dtypes import WIRE_DTYPES, dtype_from_name, dtype_name
 
@@ -176,7 +176,7 @@ def pack_buckets(
     bucket. ``device`` moves the buckets (default: the tensors' own device).
     """
     if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        raise InvalidArgument("bucket_bytes", f"bucket_bytes must be positive, got {bucket_bytes}")
     open_: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     sizes: dict[torch.dtype, int] = {}
     seen: set[str] = set()
@@ -367,15 +367,23 @@ def _metadata_ops(metas: tuple[TensorMeta, ...]) -> bytes:
         size = torch.empty((), dtype=dtype).element_size()
         shape = _op_tuple([_op_int(int(d)) for d in m.shape]) + b"\x85R"
         out += [
-            _META_CLASS_OP, b")\x81}(",
-            _FIELD_OPS["name"], _op_str(m.name),
-            _FIELD_OPS["shape"], _SIZE_OP, shape,
-            _FIELD_OPS["dtype"], b"ctorch\n" + dtype_name(dtype).encode() + b"\n",
-            _FIELD_OPS["start_idx"], _op_int(m.start * size),
-            _FIELD_OPS["end_idx"], _op_int(m.end * size),
-            _FIELD_OPS["numel"], _op_int(m.numel * size),
+            _META_CLASS_OP,
+            b")\x81}(",
+            _FIELD_OPS["name"],
+            _op_str(m.name),
+            _FIELD_OPS["shape"],
+            _SIZE_OP,
+            shape,
+            _FIELD_OPS["dtype"],
+            b"ctorch\n" + dtype_name(dtype).encode() + b"\n",
+            _FIELD_OPS["start_idx"],
+            _op_int(m.start * size),
+            _FIELD_OPS["end_idx"],
+            _op_int(m.end * size),
+            _FIELD_OPS["numel"],
+            _op_int(m.numel * size),
             b"ub",
-        ]  # fmt: skip
+        ]
     out.append(b"e")
     return b"".join(out)
 

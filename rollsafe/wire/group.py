@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.net import is_loopback
 
 # torch stubs do not export the store/group classes; they exist at runtime
@@ -55,7 +56,7 @@ def open_weight_update_group(
     and enforces its deadline itself (``ranks.GroupJoin``).
     """
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        raise InvalidArgument("rank", f"rank {rank} is outside world_size {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         master_address,
@@ -73,7 +74,7 @@ def open_weight_update_group(
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     else:
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        raise InvalidArgument("backend", f"backend must be 'gloo' or 'nccl', got {backend!r}")
     return WeightUpdateGroup(pg, store, group_name, backend)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rollsafe.errors import RollsafeError
+from rollsafe.errors import InvalidArgument, RollsafeError
 
 __all__ = [
     "NAME_PATTERN",
@@ -91,7 +91,7 @@ def new_shared_buffer(nbytes: int) -> torch.Tensor:
     reference count; a receiver that maps it read-only keeps its mapping, and nothing new can
     open it); torch's shared-memory manager removes it if the process dies first."""
     if nbytes <= 0:
-        raise ValueError(f"nbytes must be positive, got {nbytes}")
+        raise InvalidArgument("nbytes", f"nbytes must be positive, got {nbytes}")
     torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
     name = _next_name()
     fd = os.open(SHM_DIR + name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)

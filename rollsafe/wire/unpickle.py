@@ -42,16 +42,47 @@ MAX_OPCODES = 4_000_000
 _MAX_DIMS = 16
 _ALLOWED_OPS = frozenset(
     {
-        "PROTO", "FRAME", "STOP", "MARK",
-        "EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
-        "SETITEM", "SETITEMS", "APPEND", "APPENDS",
-        "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8",
-        "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
-        "BININT", "BININT1", "BININT2", "LONG1", "NONE", "NEWTRUE", "NEWFALSE", "BINFLOAT",
-        "GLOBAL", "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD",
-        "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
+        "PROTO",
+        "FRAME",
+        "STOP",
+        "MARK",
+        "EMPTY_DICT",
+        "EMPTY_LIST",
+        "EMPTY_TUPLE",
+        "TUPLE",
+        "TUPLE1",
+        "TUPLE2",
+        "TUPLE3",
+        "SETITEM",
+        "SETITEMS",
+        "APPEND",
+        "APPENDS",
+        "BINUNICODE",
+        "SHORT_BINUNICODE",
+        "BINUNICODE8",
+        "BINBYTES",
+        "SHORT_BINBYTES",
+        "BINBYTES8",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "LONG1",
+        "NONE",
+        "NEWTRUE",
+        "NEWFALSE",
+        "BINFLOAT",
+        "GLOBAL",
+        "STACK_GLOBAL",
+        "REDUCE",
+        "NEWOBJ",
+        "BUILD",
+        "MEMOIZE",
+        "BINPUT",
+        "LONG_BINPUT",
+        "BINGET",
+        "LONG_BINGET",
     }
-)  # fmt: skip
+)
 
 
 class UnsafePayload(RollsafeError, ValueError):
@@ -95,11 +126,21 @@ class _Storage:
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
-        "uint8", "bool", "float8_e4m3fn", "float8_e5m2",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float64",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
     )
     if isinstance(getattr(torch, name, None), torch.dtype)
-}  # fmt: skip
+}
 _ALLOWED_DTYPES = frozenset(_DTYPES.values())
 
 
@@ -140,8 +181,9 @@ def _check_extent(
 
 
 # ------------------------------------------------------------------ rebuild functions (ours)
-def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: Any, dtype: Any = None
-                              ) -> _Storage:  # fmt: skip
+def _rebuild_storage_filename(
+    cls: Any, manager: Any, handle: Any, size: Any, dtype: Any = None
+) -> _Storage:
     if cls is not _UNTYPED and cls is not _TYPED:
         raise UnsafePayload(f"rebuild_storage_filename: storage class {cls!r:.40}")
     if not isinstance(manager, (bytes, bytearray)):
@@ -194,12 +236,22 @@ _REF_COUNTER_ENTRIES = 10_000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE
 
 
 def _rebuild_cuda_tensor(
-    tensor_cls: Any, tensor_size: Any, tensor_stride: Any, tensor_offset: Any,
-    storage_cls: Any, tensor_dtype: Any, storage_device: Any, storage_handle: Any,
-    storage_size_bytes: Any, storage_offset_bytes: Any, requires_grad: Any,
-    ref_counter_handle: Any, ref_counter_offset: Any, event_handle: Any,
+    tensor_cls: Any,
+    tensor_size: Any,
+    tensor_stride: Any,
+    tensor_offset: Any,
+    storage_cls: Any,
+    tensor_dtype: Any,
+    storage_device: Any,
+    storage_handle: Any,
+    storage_size_bytes: Any,
+    storage_offset_bytes: Any,
+    requires_grad: Any,
+    ref_counter_handle: Any,
+    ref_counter_offset: Any,
+    event_handle: Any,
     event_sync_required: Any,
-) -> _Sealed:  # fmt: skip
+) -> _Sealed:
     # torch pickles ``type(tensor._typed_storage())``: TypedStorage (UntypedStorage accepted too)
     real_storage_cls = {_TYPED: torch.storage.TypedStorage, _UNTYPED: torch.UntypedStorage}
     if tensor_cls is not _TENSOR or storage_cls not in real_storage_cls:
@@ -231,10 +283,22 @@ def _rebuild_cuda_tensor(
 
     rebuild: Any = reductions.rebuild_cuda_tensor
     out: torch.Tensor = rebuild(
-        torch.Tensor, torch.Size(size), stride, offset, real_storage_cls[storage_cls], dtype,
-        storage_device, storage_handle, nbytes, storage_offset_bytes, False,
-        ref_counter_handle, ref_counter_offset, event_handle, event_sync_required,
-    )  # fmt: skip
+        torch.Tensor,
+        torch.Size(size),
+        stride,
+        offset,
+        real_storage_cls[storage_cls],
+        dtype,
+        storage_device,
+        storage_handle,
+        nbytes,
+        storage_offset_bytes,
+        False,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    )
     return out.as_subclass(_Sealed)
 
 

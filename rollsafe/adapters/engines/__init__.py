@@ -1,6 +1,7 @@
 """Engine clients (SGLang and vLLM dialects over HTTP) and the engine-group launcher.
 
-``SGLangClient`` / ``VLLMClient`` implement the :class:`EngineClient` protocol; the
+``SGLangClient`` / ``VLLMClient`` implement :class:`rollsafe.ports.EngineClient` (import the
+protocol and its data types from :mod:`rollsafe.ports`); the
 :class:`EngineLauncher` runs one engine group as OS processes described by an
 :class:`EngineSpec`. Errors derive from :class:`EngineError`. Needs the ``engine`` extra (httpx);
 nothing here imports Ray. The protocol and the errors import without it; the clients and the
@@ -11,16 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rollsafe.adapters.engines.client import (
-    Dialect,
-    EngineClient,
-    GenerateResult,
-    MemoryTag,
-    PauseMode,
-    WeightsChecksum,
-)
 from rollsafe.adapters.engines.errors import (
-    MAX_MESSAGE_CHARS,
     EngineError,
     EngineNotSupported,
     EngineOperationFailed,
@@ -28,9 +20,10 @@ from rollsafe.adapters.engines.errors import (
     EngineStartError,
     EngineTimeout,
     EngineUnavailable,
-    bound_text,
 )
+from rollsafe.errors import InvalidArgument
 from rollsafe.lazy import lazy_attributes
+from rollsafe.ports import Dialect
 
 if TYPE_CHECKING:
     from rollsafe.adapters.engines.http import NO_RETRY, HttpTransport, RetryPolicy
@@ -69,11 +62,8 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "ENGINE_KINDS",
-    "MAX_MESSAGE_CHARS",
     "NO_RETRY",
     "READY_PREFIX",
-    "Dialect",
-    "EngineClient",
     "EngineError",
     "EngineKind",
     "EngineLauncher",
@@ -85,15 +75,10 @@ __all__ = [
     "EngineStartTimeout",
     "EngineTimeout",
     "EngineUnavailable",
-    "GenerateResult",
     "HttpTransport",
-    "MemoryTag",
-    "PauseMode",
     "RetryPolicy",
     "SGLangClient",
     "VLLMClient",
-    "WeightsChecksum",
-    "bound_text",
     "make_client",
     "pid_alive",
 ]
@@ -115,4 +100,6 @@ def make_client(
     if dialect == "vllm":
         vllm: type[VLLMClient] = __getattr__("VLLMClient")
         return vllm(url, api_key=api_key, timeout=timeout)
-    raise ValueError(f"unknown engine dialect {dialect!r}; expected 'sglang' or 'vllm'")
+    raise InvalidArgument(
+        "dialect", f"unknown engine dialect {dialect!r}; expected 'sglang' or 'vllm'"
+    )

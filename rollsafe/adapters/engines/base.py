@@ -8,10 +8,10 @@ from typing import Any
 
 import httpx
 
-from rollsafe.adapters.engines.client import Dialect, WeightsChecksum
 from rollsafe.adapters.engines.errors import EngineError, EngineOperationFailed
 from rollsafe.adapters.engines.http import HttpTransport, RetryPolicy
 from rollsafe.checksum import algorithm_for, model_digest, overall_checksum, per_engine_checksum
+from rollsafe.ports import Dialect, WeightsChecksum
 
 #: Default timeout for health probes: short, a health check must never hang a prober.
 DEFAULT_HEALTH_TIMEOUT = 5.0

@@ -1,4 +1,16 @@
-"""Named errors raised by engine clients and the engine launcher.
+"""Named errors raised by engine clients and the engine launcher: the clients' error contract.
+
+Every :class:`rollsafe.ports.EngineClient` call (``SGLangClient``, ``VLLMClient``) raises a
+subclass of :class:`EngineError` on failure:
+
+* :class:`EngineUnavailable` / :class:`EngineTimeout`: the engine could not be reached in time;
+* :class:`EngineRequestError`: it answered an HTTP error (``status_code``, bounded ``message``);
+* :class:`EngineOperationFailed`: it answered ``{"success": false}`` to a weight/memory call;
+* :class:`EngineNotSupported`: the dialect has no such operation.
+
+Idempotent reads (health, checksum, get-by-name) are retried; generate and every
+state-changing call are sent once, and resent only when the request provably never reached the
+engine (no connection could be opened).
 
 Every message a server sends back is cut to a few KB (head and tail kept) before it is stored in
 an exception, so an engine that answers with a megabyte of traceback cannot make logs, routers or
@@ -11,9 +23,8 @@ from collections.abc import Sequence
 
 from rollsafe.errors import RollsafeError
 
-# one definition of text bounding for the whole package (re-exported here)
-from rollsafe.text import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
-from rollsafe.text import bound_text as bound_text
+# one definition of text bounding for the whole package
+from rollsafe.text import MAX_MESSAGE_CHARS, bound_text
 
 
 class EngineError(RollsafeError):

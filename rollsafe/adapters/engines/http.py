@@ -41,12 +41,9 @@ from typing import Any
 
 import httpx
 
-from rollsafe.adapters.engines.errors import (
-    MAX_MESSAGE_CHARS,
-    EngineRequestError,
-    EngineTimeout,
-    EngineUnavailable,
-)
+from rollsafe.adapters.engines.errors import EngineRequestError, EngineTimeout, EngineUnavailable
+from rollsafe.errors import InvalidArgument
+from rollsafe.text import MAX_MESSAGE_CHARS
 
 #: An idempotent call is retried on a server-side status (>= this): repeating a read is safe and a
 #: 5xx is often transient (starting, overloaded, a proxy lost its upstream). 4xx is never retried.
@@ -67,9 +64,15 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
-        if self.backoff_s < 0 or self.max_backoff_s < 0:
-            raise ValueError("RetryPolicy backoff values must be >= 0")
+            raise InvalidArgument(
+                "RetryPolicy.attempts", f"RetryPolicy.attempts must be >= 1, got {self.attempts}"
+            )
+        for name in ("backoff_s", "max_backoff_s"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(
+                    f"RetryPolicy.{name}",
+                    f"RetryPolicy.{name} must be >= 0, got {getattr(self, name)}",
+                )
 
     def delay(self, retry_index: int) -> float:
         """Seconds to sleep before retry number ``retry_index`` (0-based)."""
@@ -93,9 +96,11 @@ class HttpTransport:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"engine url must start with http:// or https://, got {url!r}")
+            raise InvalidArgument(
+                "url", f"engine url must start with http:// or https://, got {url!r}"
+            )
         if timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {timeout}")
+            raise InvalidArgument("timeout", f"timeout must be > 0, got {timeout}")
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()

@@ -10,14 +10,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rollsafe.adapters.engines.base import HttpEngineClient
-from rollsafe.adapters.engines.client import (
-    Dialect,
-    GenerateResult,
-    MemoryTag,
-    PauseMode,
-)
 from rollsafe.adapters.engines.errors import EngineOperationFailed
 from rollsafe.adapters.engines.streaming import StreamDelta, stream_deltas
+from rollsafe.errors import InvalidArgument
+from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode
 
 
 def _finish_reason(meta: Mapping[str, Any]) -> str | None:
@@ -34,7 +30,7 @@ def _generate_body(
     sampling_params: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     if (input_ids is None) == (text is None):
-        raise ValueError("generate needs exactly one of input_ids or text")
+        raise InvalidArgument("input_ids", "generate needs exactly one of input_ids or text")
     params = dict(sampling_params or {})
     # rollsafe's ``return_logprob`` sampling key is SGLang's request field of that name
     return_logprob = params.pop("return_logprob", None)

@@ -217,9 +217,10 @@ class SGLangDeltas:
         n = len(self.ids)
         if len(ids) < n or ids[:n] != self.ids:
             raise StreamProtocolError(
-                self.url, self.path,
+                self.url,
+                self.path,
                 f"cumulative output_ids ({len(ids)}) do not extend the {n} already received",
-            )  # fmt: skip
+            )
         new = ids[n:]
         self.ids = ids
         text = event.get("text")

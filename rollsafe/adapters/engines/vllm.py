@@ -58,7 +58,6 @@ from rollsafe.adapters.engines.base import (
     DEFAULT_WEIGHTS_TIMEOUT,
     HttpEngineClient,
 )
-from rollsafe.adapters.engines.client import Dialect, GenerateResult, MemoryTag, PauseMode
 from rollsafe.adapters.engines.contract import (
     PINNED_VERSIONS,
     UnsupportedVersion,
@@ -78,6 +77,8 @@ from rollsafe.adapters.engines.vllm_dialect import (
     VLLMDialect,
     read_version_holds,
 )
+from rollsafe.errors import InvalidArgument
+from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 _SAMPLING_RENAMES = {
@@ -291,7 +292,7 @@ class VLLMClient(HttpEngineClient):
         dialect: VLLMDialect,
     ) -> dict[str, Any]:
         if (input_ids is None) == (text is None):
-            raise ValueError("generate needs exactly one of input_ids or text")
+            raise InvalidArgument("input_ids", "generate needs exactly one of input_ids or text")
         body: dict[str, Any] = to_vllm_sampling(sampling_params)
         body["prompt"] = [int(t) for t in input_ids] if input_ids is not None else text
         body.setdefault("return_token_ids", True)
@@ -351,7 +352,9 @@ class VLLMClient(HttpEngineClient):
         generates from now until :meth:`continue_generation` in ``abort``/``retract`` mode with
         the 503 :class:`EngineRequestError` that 0.33 answers (``in_place`` queues on both)."""
         if mode not in _PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {sorted(_PAUSE_MODES)}, got {mode!r}")
+            raise InvalidArgument(
+                "mode", f"pause mode must be one of {sorted(_PAUSE_MODES)}, got {mode!r}"
+            )
         self._ledger.pausing(_PAUSE_MODES[mode])
         try:
             answer = self._post("/pause", params={"mode": _PAUSE_MODES[mode]}, timeout=timeout)
@@ -384,9 +387,10 @@ class VLLMClient(HttpEngineClient):
         so ``tags`` can only be None or both tags."""
         if tags is not None and set(tags) != {"weights", "kv_cache"}:
             raise EngineNotSupported(
-                "vllm", f"release_memory_occupation(tags={list(tags)})",
+                "vllm",
+                f"release_memory_occupation(tags={list(tags)})",
                 "vLLM's /sleep releases weights and KV cache together",
-            )  # fmt: skip
+            )
         self._checked(
             "/sleep",
             self._post("/sleep", params={"level": 1}, timeout=self._weights_timeout(timeout)),
@@ -464,9 +468,10 @@ class VLLMClient(HttpEngineClient):
         """
         if load_format is not None:
             raise EngineNotSupported(
-                "vllm", f"update_weights_from_disk(load_format={load_format!r})",
+                "vllm",
+                f"update_weights_from_disk(load_format={load_format!r})",
                 "vLLM's reload_weights uses the load format the server was started with",
-            )  # fmt: skip
+            )
         kwargs = {"weights_path": str(model_path)}
         if abort_all_requests:
             self.pause_generation("abort", timeout=timeout)
@@ -494,9 +499,10 @@ class VLLMClient(HttpEngineClient):
         by GPU UUID through ``/update_weights``), a different payload; use the ``nccl``
         transport with vLLM, or an SGLang engine for ``ipc``."""
         raise EngineNotSupported(
-            "vllm", "update_weights_from_tensor",
+            "vllm",
+            "update_weights_from_tensor",
             "vLLM 0.33.0 has no such endpoint; use the nccl transport (native weight transfer)",
-        )  # fmt: skip
+        )
 
     def init_weights_update_group(
         self,
@@ -643,8 +649,9 @@ def _only_group(operation: str, group_name: str) -> None:
     """vLLM's one weight-transfer group has no name; refuse a call that names another group."""
     if group_name != VLLM_WEIGHT_TRANSFER_GROUP:
         raise EngineNotSupported(
-            "vllm", f"{operation}(group_name={group_name!r})",
+            "vllm",
+            f"{operation}(group_name={group_name!r})",
             "vLLM has one unnamed weight-transfer group (init_info carries no name); its ranks "
             f"join rollsafe's rendezvous as {VLLM_WEIGHT_TRANSFER_GROUP!r}, so the trainer must "
             f"join under that name and pass group_name={VLLM_WEIGHT_TRANSFER_GROUP!r}",
-        )  # fmt: skip
+        )

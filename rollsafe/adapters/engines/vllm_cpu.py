@@ -71,8 +71,13 @@ VLLM_DTYPES = ("auto", "bfloat16", "float", "float16", "float32", "half")
 #: vLLM's built-in weight-transfer backends: every one needs an accelerator (on CPU
 #: ``/init_weight_transfer_engine`` answers 500 "Cannot access accelerator device").
 ACCELERATOR_ONLY_BACKENDS = (
-    "nccl", "ipc", "sparse_nccl", "sharded_rdt", "nccl_m2n", "modelexpress",
-)  # fmt: skip
+    "nccl",
+    "ipc",
+    "sparse_nccl",
+    "sharded_rdt",
+    "nccl_m2n",
+    "modelexpress",
+)
 
 _deal_lock = threading.Lock()
 _deal_counter = itertools.count()

@@ -63,7 +63,7 @@ from rollsafe.adapters.reference_engine.bootstrap import (
     start_ranks,
 )
 from rollsafe.adapters.reference_engine.dialects import DEFAULT_VLLM_VERSION, VLLM_VERSIONS
-from rollsafe.adapters.reference_engine.errors import EngineError, StartupError
+from rollsafe.adapters.reference_engine.errors import ServerError, StartupError
 from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.adapters.reference_engine.zygote import FORK_SERVER_FLAG
 from rollsafe.errors import RollsafeError
@@ -216,28 +216,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 #: kept here so that parsing the command line does not import the server (aiohttp, torch)
 #: before CUDA ranks are spawned.
 LIMIT_FLAGS: tuple[tuple[str, str, type, float, float, str], ...] = (
-    ("--max-body-bytes", "max_body_bytes", int, 64 << 20, 1024,
-     "largest request body; a larger Content-Length is answered 413 before reading"),
-    ("--max-prompts-per-request", "max_prompts", int, 1024, 1,
-     "most prompts in one generation request (400 past it)"),
-    ("--max-total-new-tokens", "max_total_new_tokens", int, 1 << 18, 1,
-     "most new tokens one request may ask for, max_new_tokens summed over its prompts "
-     "(400 past it)"),
-    ("--max-concurrent-requests", "max_concurrent_requests", int, 1024, 1,
-     "most prompts queued or running in the engine; a request past it is answered 503 and "
-     "not queued"),
-    ("--max-connections", "max_connections", int, 512, 1,
-     "most open HTTP connections; one more is answered 503 and closed"),
-    ("--header-timeout", "header_timeout_s", float, 30.0, 0.001,
-     "seconds for a request's headers to arrive (also the idle keep-alive time)"),
-    ("--body-timeout", "body_timeout_s", float, 60.0, 0.001,
-     "seconds for a request's body to arrive (408 past it)"),
-    ("--body-idle-timeout", "body_idle_timeout_s", float, 5.0, 0.001,
-     "longest pause in seconds between two pieces of a request's body (408 past it)"),
-    ("--max-inflight-body-bytes", "max_inflight_body_bytes", int, 256 << 20, 1024,
-     "request body bytes being read or held, all connections together; a body past it is "
-     "answered 503 before reading"),
-)  # fmt: skip
+    (
+        "--max-body-bytes",
+        "max_body_bytes",
+        int,
+        64 << 20,
+        1024,
+        "largest request body; a larger Content-Length is answered 413 before reading",
+    ),
+    (
+        "--max-prompts-per-request",
+        "max_prompts",
+        int,
+        1024,
+        1,
+        "most prompts in one generation request (400 past it)",
+    ),
+    (
+        "--max-total-new-tokens",
+        "max_total_new_tokens",
+        int,
+        1 << 18,
+        1,
+        "most new tokens one request may ask for, max_new_tokens summed over its prompts "
+        "(400 past it)",
+    ),
+    (
+        "--max-concurrent-requests",
+        "max_concurrent_requests",
+        int,
+        1024,
+        1,
+        "most prompts queued or running in the engine; a request past it is answered 503 and "
+        "not queued",
+    ),
+    (
+        "--max-connections",
+        "max_connections",
+        int,
+        512,
+        1,
+        "most open HTTP connections; one more is answered 503 and closed",
+    ),
+    (
+        "--header-timeout",
+        "header_timeout_s",
+        float,
+        30.0,
+        0.001,
+        "seconds for a request's headers to arrive (also the idle keep-alive time)",
+    ),
+    (
+        "--body-timeout",
+        "body_timeout_s",
+        float,
+        60.0,
+        0.001,
+        "seconds for a request's body to arrive (408 past it)",
+    ),
+    (
+        "--body-idle-timeout",
+        "body_idle_timeout_s",
+        float,
+        5.0,
+        0.001,
+        "longest pause in seconds between two pieces of a request's body (408 past it)",
+    ),
+    (
+        "--max-inflight-body-bytes",
+        "max_inflight_body_bytes",
+        int,
+        256 << 20,
+        1024,
+        "request body bytes being read or held, all connections together; a body past it is "
+        "answered 503 before reading",
+    ),
+)
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:
@@ -321,7 +375,7 @@ def check_args(args: argparse.Namespace) -> str | None:
                 must_contain=("tokenizer.json",),
                 error=StartupError,
             )
-    except EngineError as exc:
+    except ServerError as exc:
         return str(exc)
     return None  # --device cuda is checked by each rank once torch is imported
 

@@ -32,9 +32,9 @@ from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
     EngineBusy,
     EngineDead,
-    EngineError,
-    EngineUnavailable,
     RankFailure,
+    ServerError,
+    ServerUnavailable,
     WeightUpdateError,
 )
 from rollsafe.adapters.reference_engine.group_args import check_group_args
@@ -202,7 +202,7 @@ class ReferenceEngine:
         """The engine died (vLLM dialect, :meth:`_die`); the server is exiting."""
         return self._dead
 
-    def fail(self, reason: str, error: EngineError | None = None) -> None:
+    def fail(self, reason: str, error: ServerError | None = None) -> None:
         """Mark the engine unhealthy; every pending request and operation gets ``error`` (a
         :class:`RankFailure` by default) now."""
         with self._cv:
@@ -287,7 +287,7 @@ class ReferenceEngine:
         for prompt, sp in zip(prompts, params, strict=True):
             self.check_generate(prompt, sp)
         if self._released:
-            raise EngineUnavailable(
+            raise ServerUnavailable(
                 f"memory released ({', '.join(sorted(self._released))}): call "
                 "/resume_memory_occupation before generating"
             )
@@ -343,7 +343,7 @@ class ReferenceEngine:
     def _drop_rank_state(self, sess: _Session) -> None:
         """Driver thread only: free ``sess``'s KV state on the ranks, once."""
         if sess.started and not sess.ended and self.ranks.failure is None:
-            with contextlib.suppress(EngineError):
+            with contextlib.suppress(ServerError):
                 self.ranks.call("end", {"sid": sess.sid})
         sess.ended = True
 
@@ -390,7 +390,7 @@ class ReferenceEngine:
                     self._finish(sess, None, exc)
                     self._maybe_fail(exc)
 
-    def _failure_error(self) -> EngineError:
+    def _failure_error(self) -> ServerError:
         if self._dead:
             return EngineDead(str(self._failure))
         return RankFailure(f"engine failed: {self._failure}")
@@ -583,7 +583,7 @@ class ReferenceEngine:
             self.ranks.call(op, stage_args, per_rank)
         except BaseException:
             if self.ranks.failure is None:
-                with contextlib.suppress(EngineError):
+                with contextlib.suppress(ServerError):
                     self.ranks.call("discard")
             raise
         # an nccl call that is not an update's last (no version) is answered once its copies
@@ -771,7 +771,7 @@ class ReferenceEngine:
                 self.submit(lambda: self._group_step(name, token, deadline, late)), deadline, late
             ):
                 if self._stopping:
-                    raise EngineUnavailable("the engine is stopping")
+                    raise ServerUnavailable("the engine is stopping")
                 time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
                 pause = min(2 * pause, 0.1)
         except BaseException as exc:
@@ -830,7 +830,7 @@ class ReferenceEngine:
     def full_named_tensors(self) -> dict[str, torch.Tensor]:
         """Driver thread only: the full unsharded parameters (lm_head gathered from ranks)."""
         if "weights" in self._released:
-            raise EngineUnavailable("weights are released")
+            raise ServerUnavailable("weights are released")
         head = self.ranks.call("gather_lm_head")
         out = dict(self.ranks.local.local_tensors())
         if head is not None:
@@ -904,7 +904,7 @@ class ReferenceEngine:
         """Overwrite every live weight on every rank: ``"random"`` (SGLang ``reset_tensors``)
         or ``"zero"`` (vLLM ``reset``); names containing a ``skip`` substring are kept."""
         if "weights" in self._released:
-            raise EngineUnavailable("weights are released")
+            raise ServerUnavailable("weights are released")
         return self.submit(lambda: self.ranks.call("checker_reset", {"mode": mode, "skip": skip}))
 
     def get_weight(self, name: str) -> Future[torch.Tensor]:

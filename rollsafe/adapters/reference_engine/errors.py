@@ -9,11 +9,11 @@ __all__ = [
     "BodyBudgetExceeded",
     "EngineBusy",
     "EngineDead",
-    "EngineError",
-    "EngineUnavailable",
     "LimitExceeded",
     "RankFailure",
     "RequestTimeout",
+    "ServerError",
+    "ServerUnavailable",
     "StartupError",
     "Unsupported",
     "WeightUpdateError",
@@ -21,8 +21,10 @@ __all__ = [
 ]
 
 
-class EngineError(RollsafeError):
-    """Base class; ``status`` is the HTTP status the server answers with.
+class ServerError(RollsafeError):
+    """Base class of what the reference engine's server refuses or fails with (the client-side
+    counterpart is :class:`rollsafe.adapters.engines.EngineError`); ``status`` is the HTTP status
+    the server answers with.
 
     ``drops_connection``: the server closes the connection once this error's answer is written,
     without a ``Connection: close`` header (as uvicorn does after an exception escaped a vLLM
@@ -33,7 +35,7 @@ class EngineError(RollsafeError):
     drops_connection = False
 
 
-class BadRequest(EngineError):
+class BadRequest(ServerError):
     """The request is malformed (bad JSON, unknown key, wrong type); nothing was changed."""
 
     status = 400
@@ -52,38 +54,38 @@ class Unsupported(BadRequest):
     """The request is valid but this engine/device cannot do it (e.g. CUDA IPC on CPU)."""
 
 
-class RequestTimeout(EngineError):
+class RequestTimeout(ServerError):
     """The client did not send its request body within ``--body-timeout`` seconds."""
 
     status = 408
 
 
-class EngineUnavailable(EngineError):
-    """The engine cannot serve right now (weights released, shutting down, hung)."""
+class ServerUnavailable(ServerError):
+    """HTTP 503: the engine cannot serve right now (weights released, shutting down, hung)."""
 
     status = 503
 
 
-class EngineBusy(EngineUnavailable):
+class EngineBusy(ServerUnavailable):
     """The engine is at its ``--max-concurrent-requests`` limit; the request was not queued
     (retry later or elsewhere). The engine itself is healthy."""
 
 
-class BodyBudgetExceeded(EngineUnavailable):
+class BodyBudgetExceeded(ServerUnavailable):
     """The request bodies being read or held, all connections together, would pass
     ``--max-inflight-body-bytes``; the body was not read (retry later)."""
 
 
-class EnginePaused(EngineUnavailable):
+class EnginePaused(ServerUnavailable):
     """vLLM 0.33.0: generation is paused in ``abort`` or ``wait`` mode; new requests get a 503
     (``engine_paused``, retry after ``/resume``) instead of queueing."""
 
 
-class RankFailure(EngineUnavailable):
+class RankFailure(ServerUnavailable):
     """A rank process died or a collective among the ranks failed; the engine is unhealthy."""
 
 
-class WorkerFailed(EngineError):
+class WorkerFailed(ServerError):
     """vLLM dialect: a worker call behind a dev/RL route raised (``collective_rpc``, the weight
     transfer routes). vLLM lets that exception escape the route: a 500 with
     ``{"error": {"message": "Call to collective_rpc method failed: Worker failed with error
@@ -99,7 +101,7 @@ class WorkerFailed(EngineError):
         )
 
 
-class EngineDead(EngineError):
+class EngineDead(ServerError):
     """vLLM dialect: the engine core died (a forward pass over poisoned weights or in the middle
     of a weight update); what was in flight gets this 500 (vLLM's ``EngineDeadError``) and the
     server exits."""
@@ -111,5 +113,5 @@ class EngineDead(EngineError):
         self.reason = reason
 
 
-class StartupError(EngineError):
+class StartupError(ServerError):
     """The engine cannot start as configured (bad device, rank layout or tokenizer)."""

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rollsafe.adapters.reference_engine.errors import EngineUnavailable, WeightUpdateError
+from rollsafe.adapters.reference_engine.errors import ServerUnavailable, WeightUpdateError
 from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.adapters.reference_engine.profiling import profile_line
 from rollsafe.wire.copy import copy_pairs
@@ -214,7 +214,7 @@ class ShardedCausalLM:
         data, i.e. on this rank's ``lm_head`` rows only).
         """
         if self.released:
-            raise EngineUnavailable("weights are released; resume_memory_occupation first")
+            raise ServerUnavailable("weights are released; resume_memory_occupation first")
         prefix = f"{where}: " if where else ""
         items = list(named)
         for name, t in items:
@@ -263,7 +263,7 @@ class ShardedCausalLM:
         """Copy every staged tensor into the live weights (one copy per byte, straight from the
         staged source, across devices if need be); returns the updated names."""
         if self.released and self._staged:
-            raise EngineUnavailable("weights are released; resume_memory_occupation first")
+            raise ServerUnavailable("weights are released; resume_memory_occupation first")
         names = sorted(self._staged)
         try:
             with torch.no_grad():
@@ -343,7 +343,7 @@ class ShardedCausalLM:
     def forward(self, sid: str, token_ids: list[int]) -> torch.Tensor:
         """Feed ``token_ids`` to session ``sid`` (new or cached); return this rank's logits."""
         if self.released:
-            raise EngineUnavailable("weights are released (release_memory_occupation)")
+            raise ServerUnavailable("weights are released (release_memory_occupation)")
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             kwargs = {self._cache_kw: self._sessions.get(sid)}
@@ -455,8 +455,9 @@ def _spans(tensors: list[torch.Tensor], idx: list[int]) -> list[tuple[torch.Tens
     out: list[tuple[torch.Tensor, list[int]]] = []
     runs: list[tuple[torch.Tensor, list[int], int]] = []  # (first tensor, members, end address)
     alone = [i for i in idx if not tensors[i].is_contiguous()]
-    chained = sorted((i for i in idx if tensors[i].is_contiguous()),
-                     key=lambda i: tensors[i].data_ptr())  # fmt: skip
+    chained = sorted(
+        (i for i in idx if tensors[i].is_contiguous()), key=lambda i: tensors[i].data_ptr()
+    )
     for i in chained:
         t = tensors[i]
         start = t.data_ptr()

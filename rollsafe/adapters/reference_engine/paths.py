@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rollsafe.adapters.reference_engine.errors import EngineError, WeightUpdateError
+from rollsafe.adapters.reference_engine.errors import ServerError, WeightUpdateError
 
 __all__ = ["check_dir", "show_path"]
 
@@ -32,7 +32,7 @@ def check_dir(
     *,
     what: str,
     must_contain: tuple[str, ...] = (),
-    error: type[EngineError] = WeightUpdateError,
+    error: type[ServerError] = WeightUpdateError,
 ) -> Path:
     """Return ``path`` as a :class:`Path` if it is a readable directory holding ``must_contain``.
 

@@ -19,5 +19,8 @@ PROFILE = os.environ.get("ROLLSAFE_ENGINE_PROFILE") == "1"
 def profile_line(what: str, rank: int, seconds: float) -> None:
     """One ``rollsafe-profile`` line on stderr (only with ``ROLLSAFE_ENGINE_PROFILE=1``)."""
     if PROFILE:
-        print(f"rollsafe-profile op={what} rank={rank} ms={seconds * 1e3:.3f}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"rollsafe-profile op={what} rank={rank} ms={seconds * 1e3:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )

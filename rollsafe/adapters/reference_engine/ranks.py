@@ -36,8 +36,8 @@ from rollsafe.adapters.reference_engine.collective import (
     open_weight_update_group,
 )
 from rollsafe.adapters.reference_engine.errors import (
-    EngineError,
     RankFailure,
+    ServerError,
     StartupError,
     WeightUpdateError,
 )
@@ -240,7 +240,7 @@ class RankRuntime:
         t0 = time.perf_counter()
         try:
             named = decode_tensor_entry(entry, rank=self.rank, mappings=self.shm_mappings)
-        except EngineError:
+        except ServerError:
             raise
         except Exception as exc:  # a payload the decoder did not foresee: the request's fault
             raise WeightUpdateError(f"{where}: cannot be decoded: {type(exc).__name__}") from exc
@@ -258,7 +258,7 @@ class RankRuntime:
         """``model.stage`` with any unexpected error turned into a named refusal."""
         try:
             self.model.stage(named, where=where, copy=copy, allow_non_finite=allow_non_finite)
-        except EngineError:
+        except ServerError:
             raise
         except Exception as exc:
             raise WeightUpdateError(
@@ -554,7 +554,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _error_reply(rank: int, exc: BaseException, *, starting: bool) -> tuple[str, str, str]:
     what = f"rank {rank} failed to start" if starting else f"rank {rank}"
-    if isinstance(exc, EngineError):
+    if isinstance(exc, ServerError):
         return ("error", type(exc).__name__, f"{what}: {exc}" if starting else str(exc))
     return ("error", "RankFailure", f"{what}: {type(exc).__name__}: {exc}")
 
@@ -597,9 +597,9 @@ def child_main(rank: int, opts: RankOptions, conn: Any) -> None:
             conn.send(_error_reply(rank, exc, starting=False))
 
 
-def _rebuild_error(kind: str, message: str) -> EngineError:
+def _rebuild_error(kind: str, message: str) -> ServerError:
     cls = getattr(errors, kind, None)
-    if isinstance(cls, type) and issubclass(cls, EngineError):
+    if isinstance(cls, type) and issubclass(cls, ServerError):
         return cls(message)
     return RankFailure(message)
 
@@ -763,11 +763,11 @@ class RankSet:
         except (OSError, EOFError) as exc:
             self.fail(f"rank pipe broken while sending {op!r}: {exc}")
             raise RankFailure(self._failed or str(exc)) from exc
-        first_error: EngineError | None = None
+        first_error: ServerError | None = None
         results: list[Any] = [None] * self.world_size
         try:
             results[0] = self.local.handle(op, args_for(0))
-        except EngineError as exc:
+        except ServerError as exc:
             first_error = exc
         except Exception as exc:
             if self.world_size == 1:

@@ -48,9 +48,9 @@ from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
     BodyBudgetExceeded,
     EngineDead,
-    EngineError,
     LimitExceeded,
     RequestTimeout,
+    ServerError,
     WeightUpdateError,
     WorkerFailed,
 )
@@ -455,7 +455,7 @@ async def disk_update(
     check_disk_path(path, key)
     try:
         return await await_future(ctx.engine.update_from_disk(path, weight_version, abort))
-    except EngineError as exc:
+    except ServerError as exc:
         absolute = os.path.abspath(path)
         message = str(exc)
         if absolute != path and absolute in message:
@@ -525,7 +525,7 @@ async def profile_middleware(request: web.Request, handler: Handler) -> web.Stre
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except EngineError as exc:
+    except ServerError as exc:
         if isinstance(exc, (WorkerFailed, EngineDead)):  # vLLM's own error body
             resp = web.json_response(_vllm_error(str(exc), exc.status), status=exc.status)
         else:

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from rollsafe.adapters.reference_engine.engine import GenerationResult, SamplingParams
-from rollsafe.adapters.reference_engine.errors import BadRequest, EngineUnavailable
+from rollsafe.adapters.reference_engine.errors import BadRequest, ServerUnavailable
 from rollsafe.adapters.reference_engine.group_args import check_group_args
 from rollsafe.adapters.reference_engine.server import (
     ServerContext,
@@ -399,7 +399,7 @@ async def get_weights_by_name(request: web.Request) -> web.Response:
     truncate = want(body, "truncate_size", int, 100)
     engine = ctx_of(request).engine
     if "weights" in engine.released_tags:
-        raise EngineUnavailable("weights are released")
+        raise ServerUnavailable("weights are released")
     tensor = await await_future(engine.get_weight(name))
     return web.json_response(tensor[:truncate].float().tolist())
 

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
 
+from rollsafe.errors import InvalidArgument
+
 #: The device name put in ``PS_P2P_STORE_RDMA_DEVICES`` for P2P over TCP when none is set: it
 #: only passes checkpoint-engine's device detection (Mooncake's TCP transport uses no device).
 TCP_PLACEHOLDER_DEVICE = "tcp0"
@@ -93,11 +95,13 @@ def p2p_environment(
         )
     elif protocol == "rdma":
         if not rdma_devices:
-            raise ValueError("P2P over RDMA needs rdma_devices")
+            raise InvalidArgument("rdma_devices", "P2P over RDMA needs rdma_devices")
         out["MC_FORCE_TCP"] = None
         out["PS_P2P_STORE_RDMA_DEVICES"] = ",".join(rdma_devices)
     else:
-        raise ValueError(f"p2p protocol must be 'rdma' or 'tcp', got {protocol!r}")
+        raise InvalidArgument(
+            "p2p_protocol", f"p2p protocol must be 'rdma' or 'tcp', got {protocol!r}"
+        )
     if transfer_timeout_s is not None:
         out["MC_TRANSFER_TIMEOUT"] = str(max(1, math.ceil(transfer_timeout_s)))
     return out

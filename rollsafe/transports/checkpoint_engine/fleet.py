@@ -37,14 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rollsafe.ports import EngineTarget, NamedTensors, TargetResult, UpdateReport
 from rollsafe.statemachines import CheckpointRegistration, TransitionNotAllowed
 from rollsafe.transports.base import (
-    EngineTarget,
-    NamedTensors,
     RegisterError,
-    TargetResult,
     TransportError,
-    UpdateReport,
     check_update_targets,
     named_tensor_list,
 )

@@ -11,12 +11,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from rollsafe.ports import EngineTarget, TargetResult
 from rollsafe.text import bound_text
-from rollsafe.transports.base import (
-    EngineTarget,
-    TargetResult,
-    TransportError,
-)
+from rollsafe.transports.base import TransportError
 from rollsafe.transports.checkpoint_engine.errors import _MAX_REASON, P2PUnavailable
 
 

@@ -12,6 +12,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.transports.base import (
     RegisterError,
 )
@@ -28,12 +29,12 @@ def partition_keys(sizes: Iterable[tuple[str, int]], world_size: int) -> list[li
     Every rank computing this from the same (name, nbytes) list gets the same answer.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise InvalidArgument("world_size", f"world_size must be >= 1, got {world_size}")
     ordered = sorted(sizes, key=lambda kv: (-int(kv[1]), kv[0]))
     names = [n for n, _ in ordered]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"duplicate keys in partition input: {dup[:_MAX_LISTED]}")
+        raise InvalidArgument("keys", f"duplicate keys in partition input: {dup[:_MAX_LISTED]}")
     load = [0] * world_size
     shares: list[list[str]] = [[] for _ in range(world_size)]
     for name, nbytes in ordered:

@@ -55,15 +55,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollsafe.errors import InvalidArgument
+from rollsafe.ports import EngineTarget, NamedTensors, TargetResult, UpdateReport
 from rollsafe.statemachines import TransitionNotAllowed
 from rollsafe.transports.base import (
-    EngineTarget,
-    NamedTensors,
     RegisterError,
     StagedTransport,
-    TargetResult,
     TransportError,
-    UpdateReport,
     check_update_targets,
     named_tensor_list,
 )
@@ -249,18 +247,27 @@ class CheckpointEngineTransport(StagedTransport):
             )
         world_size, rank = int(dist.get_world_size()), int(dist.get_rank())
         if max_bucket_bytes is not None and max_bucket_bytes <= 0:
-            raise ValueError(f"max_bucket_bytes must be > 0, got {max_bucket_bytes}")
+            raise InvalidArgument(
+                "max_bucket_bytes", f"max_bucket_bytes must be > 0, got {max_bucket_bytes}"
+            )
         if rdma_devices is not None and not list(rdma_devices):
-            raise ValueError("rdma_devices, when given, must name at least one device")
+            raise InvalidArgument(
+                "rdma_devices", "rdma_devices, when given, must name at least one device"
+            )
         if p2p_protocol not in (None, "rdma", "tcp"):
-            raise ValueError(f"p2p_protocol must be 'rdma', 'tcp' or None, got {p2p_protocol!r}")
+            raise InvalidArgument(
+                "p2p_protocol", f"p2p_protocol must be 'rdma', 'tcp' or None, got {p2p_protocol!r}"
+            )
         if p2p_protocol == "rdma" and rdma_devices is None:
-            raise ValueError(
+            raise InvalidArgument(
+                "rdma_devices",
                 "p2p_protocol='rdma' needs rdma_devices (RDMA devices come only from explicit "
-                "configuration); without RDMA hardware use p2p_protocol='tcp'"
+                "configuration); without RDMA hardware use p2p_protocol='tcp'",
             )
         if transfer_timeout_s is not None and transfer_timeout_s <= 0:
-            raise ValueError(f"transfer_timeout_s must be > 0, got {transfer_timeout_s}")
+            raise InvalidArgument(
+                "transfer_timeout_s", f"transfer_timeout_s must be > 0, got {transfer_timeout_s}"
+            )
         if torch.cuda.is_available():
             count = gpu_count or torch.cuda.device_count()
             local = rank % count
@@ -311,8 +318,10 @@ class CheckpointEngineTransport(StagedTransport):
                     start_error = _bounded(f"{type(exc).__name__}: {exc}")
                     log.warning(
                         "checkpoint_engine: the parameter server with P2P (%s) failed to start "
-                        "(%s); starting it without P2P", self.p2p_protocol, start_error,
-                    )  # fmt: skip
+                        "(%s); starting it without P2P",
+                        self.p2p_protocol,
+                        start_error,
+                    )
             if not p2p_wanted or start_error:
                 with _hidden_modules(("mooncake", "mooncake.engine")):
                     self._ps = server_factory(**kwargs)

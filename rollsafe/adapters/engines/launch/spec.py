@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rollsafe.adapters.engines.client import Dialect
 from rollsafe.adapters.engines.vllm_cpu import (
     DEFAULT_CPU_DTYPE,
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -27,6 +26,8 @@ from rollsafe.adapters.engines.vllm_cpu import (
     omp_threads_bind,
     vllm_server_module,
 )
+from rollsafe.errors import InvalidArgument
+from rollsafe.ports import Dialect
 
 #: The flag that makes an engine module run as a warm standby.
 STANDBY_FLAG = "--standby"
@@ -159,73 +160,95 @@ class EngineSpec:
 
     def __post_init__(self) -> None:
         if not self.model_path:
-            raise ValueError("EngineSpec.model_path must be set")
+            raise InvalidArgument("EngineSpec.model_path", "EngineSpec.model_path must be set")
         if self.ranks < 1:
-            raise ValueError(f"EngineSpec.ranks must be >= 1, got {self.ranks}")
+            raise InvalidArgument(
+                "EngineSpec.ranks", f"EngineSpec.ranks must be >= 1, got {self.ranks}"
+            )
         if self.kind not in ENGINE_KINDS:
-            raise ValueError(
+            raise InvalidArgument(
+                "EngineSpec.kind",
                 f"EngineSpec.kind must be one of {', '.join(map(repr, ENGINE_KINDS))}, "
-                f"got {self.kind!r}"
+                f"got {self.kind!r}",
             )
         if self.dialect is None:
             object.__setattr__(self, "dialect", "sglang" if self.kind == "reference" else self.kind)
         if self.dialect not in ("sglang", "vllm"):
-            raise ValueError(f"EngineSpec.dialect must be 'sglang' or 'vllm', got {self.dialect!r}")
+            raise InvalidArgument(
+                "EngineSpec.dialect",
+                f"EngineSpec.dialect must be 'sglang' or 'vllm', got {self.dialect!r}",
+            )
         if not 0 <= self.port < 65536:
-            raise ValueError(f"EngineSpec.port out of range: {self.port}")
+            raise InvalidArgument("EngineSpec.port", f"EngineSpec.port out of range: {self.port}")
         if self.ready_timeout <= 0:
-            raise ValueError(f"EngineSpec.ready_timeout must be > 0, got {self.ready_timeout}")
+            raise InvalidArgument(
+                "EngineSpec.ready_timeout",
+                f"EngineSpec.ready_timeout must be > 0, got {self.ready_timeout}",
+            )
         if (
             isinstance(self.standbys, bool)
             or not isinstance(self.standbys, int)
             or (self.standbys < 1)
         ):
-            raise ValueError(f"EngineSpec.standbys must be an int >= 1, got {self.standbys!r}")
+            raise InvalidArgument(
+                "EngineSpec.standbys",
+                f"EngineSpec.standbys must be an int >= 1, got {self.standbys!r}",
+            )
         if isinstance(self.executable, str):
-            raise ValueError(
+            raise InvalidArgument(
+                "EngineSpec.executable",
                 "EngineSpec.executable must be a sequence of arguments, e.g. ('vllm', 'serve'), "
-                f"not the string {self.executable!r}"
+                f"not the string {self.executable!r}",
             )
         if isinstance(self.extra_args, str):
-            raise ValueError(f"EngineSpec.extra_args must be a sequence, not {self.extra_args!r}")
+            raise InvalidArgument(
+                "EngineSpec.extra_args",
+                f"EngineSpec.extra_args must be a sequence, not {self.extra_args!r}",
+            )
         check_vllm_spec(self)
         if self.kind == "reference":
             if self.executable:
-                raise ValueError(
+                raise InvalidArgument(
+                    "EngineSpec.executable",
                     "EngineSpec.executable applies to kind='sglang' / 'vllm' only; the reference "
-                    "engine runs `python -m module` (set EngineSpec.python / EngineSpec.module)"
+                    "engine runs `python -m module` (set EngineSpec.python / EngineSpec.module)",
                 )
             return
         # a real engine
         kind = self.kind
         if self.dialect != kind:
-            raise ValueError(
+            raise InvalidArgument(
+                "EngineSpec.dialect",
                 f"EngineSpec.kind={kind!r} contradicts EngineSpec.dialect={self.dialect!r}: a "
-                f"real {kind} server speaks the {kind} dialect (leave dialect unset)"
+                f"real {kind} server speaks the {kind} dialect (leave dialect unset)",
             )
         if self.warm_standby:
-            raise ValueError(
+            raise InvalidArgument(
+                "EngineSpec.warm_standby",
                 f"EngineSpec.warm_standby=True needs kind='reference', got kind={kind!r}: a real "
-                f"{kind} server has no standby mode (set warm_standby=False)"
+                f"{kind} server has no standby mode (set warm_standby=False)",
             )
         if self.fault_injection:
-            raise ValueError(
+            raise InvalidArgument(
+                "EngineSpec.fault_injection",
                 f"EngineSpec.fault_injection=True needs kind='reference', got kind={kind!r}: "
-                f"only the reference engine has /fault/* endpoints"
+                f"only the reference engine has /fault/* endpoints",
             )
         if self.module != REFERENCE_ENGINE_MODULE:
-            raise ValueError(
+            raise InvalidArgument(
+                "EngineSpec.module",
                 f"EngineSpec.module={self.module!r} applies to kind='reference' only, got "
-                f"kind={kind!r}: set EngineSpec.executable to run another program"
+                f"kind={kind!r}: set EngineSpec.executable to run another program",
             )
         if kind == "sglang" and self.api_key and "--config" in self.extra_args:
-            raise ValueError(
+            raise InvalidArgument(
+                "EngineSpec.extra_args",
                 "EngineSpec.api_key with kind='sglang' is passed in a --config file, and "
                 "EngineSpec.extra_args has a --config of its own (SGLang takes one): put "
-                "api_key in that file's place or drop one of them"
+                "api_key in that file's place or drop one of them",
             )
         if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("EngineSpec.api_key must not be empty")
+            raise InvalidArgument("EngineSpec.api_key", "EngineSpec.api_key must not be empty")
 
     @property
     def real(self) -> bool:
@@ -257,8 +280,8 @@ class EngineSpec:
 
     def standby_command(self) -> list[str]:
         """The argv of a warm standby for this spec (imports the model's classes ahead)."""
-        return [self.interpreter(), "-m", self.module, STANDBY_FLAG,
-                "--model-path", self.model_path]  # fmt: skip
+        head = [self.interpreter(), "-m", self.module, STANDBY_FLAG]
+        return head + _flags({"--model-path": self.model_path})
 
     def engine_args(self, *, port: int | None = None, api_key_file: str | None = None) -> list[str]:
         """The engine's own arguments: :meth:`command` without its :meth:`program`."""
@@ -266,15 +289,17 @@ class EngineSpec:
             return self._sglang_args(port, api_key_file)
         if self.kind == "vllm":
             return self._vllm_args(port)
-        cmd = [
-            "--model-path", self.model_path,
-            "--load-format", self.load_format,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--ranks", str(self.ranks),
-            "--device", self.device,
-            "--dialect", str(self.dialect),
-        ]  # fmt: skip
+        cmd = _flags(
+            {
+                "--model-path": self.model_path,
+                "--load-format": self.load_format,
+                "--host": self.host,
+                "--port": str(self.port),
+                "--ranks": str(self.ranks),
+                "--device": self.device,
+                "--dialect": str(self.dialect),
+            }
+        )
         if self._separate_tokenizer():
             # only when it differs: the tokenizer normally lives in the model directory
             cmd += ["--tokenizer-path", str(self.tokenizer_path)]
@@ -290,13 +315,15 @@ class EngineSpec:
     def _sglang_args(self, port: int | None, api_key_file: str | None) -> list[str]:
         # Every flag is checked against sglang 0.5.23's sglang/srt/arg_groups/fields/*.py (the
         # dataclasses server_args.py turns into flags) by tests/test_launcher_real.py.
-        cmd = [
-            "--model-path", self.model_path,
-            "--host", self.host,
-            "--port", str(self.port if port is None else port),
-            "--tp-size", str(self.ranks),
-            "--load-format", self.load_format,
-        ]  # fmt: skip
+        cmd = _flags(
+            {
+                "--model-path": self.model_path,
+                "--host": self.host,
+                "--port": str(self.port if port is None else port),
+                "--tp-size": str(self.ranks),
+                "--load-format": self.load_format,
+            }
+        )
         if self._separate_tokenizer():
             cmd += ["--tokenizer-path", str(self.tokenizer_path)]
         if self.weight_version is not None:
@@ -324,13 +351,15 @@ class EngineSpec:
         # Every flag is checked against vllm 0.33.0's vllm/engine/arg_utils.py and
         # vllm/entrypoints/common/cli_args.py, the CPU ones against 0.32.0 too, by
         # tests/test_launcher_real.py.
-        cmd = [
-            "--model", self.model_path,
-            "--host", self.host,
-            "--port", str(self.port if port is None else port),
-            "--tensor-parallel-size", str(self.ranks),
-            "--load-format", self.load_format,
-        ]  # fmt: skip
+        cmd = _flags(
+            {
+                "--model": self.model_path,
+                "--host": self.host,
+                "--port": str(self.port if port is None else port),
+                "--tensor-parallel-size": str(self.ranks),
+                "--load-format": self.load_format,
+            }
+        )
         if self._separate_tokenizer():
             cmd += ["--tokenizer", str(self.tokenizer_path)]
         if self.release_memory if self.on_cpu else self.release_memory is not False:
@@ -459,12 +488,24 @@ def restart_spec(
     return new_spec
 
 
+def _flags(table: Mapping[str, str]) -> list[str]:
+    """A command line from a ``{flag: value}`` table, in the table's order."""
+    return [part for flag, value in table.items() for part in (flag, value)]
+
+
 #: The config.json fields that make two model directories interchangeable for dummy weights.
 _ARCHITECTURE_KEYS = (
-    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
     "tie_word_embeddings",
-)  # fmt: skip
+)
 
 
 def _same_architecture(current: str, base: str) -> bool:
