@@ -68,10 +68,19 @@ def test_vllm_version_flag_needs_the_vllm_dialect(tiny_model_dir: Path) -> None:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "rollsafe.adapters.reference_engine", "--model-path",
-         str(tiny_model_dir), "--vllm-version", "0.33.0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rollsafe.adapters.reference_engine",
+            "--model-path",
+            str(tiny_model_dir),
+            "--vllm-version",
+            "0.33.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "--vllm-version 0.33.0 needs --dialect vllm" in out.stderr
 

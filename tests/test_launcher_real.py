@@ -52,11 +52,11 @@ from rollsafe.adapters.engines.vllm_cpu import (
 # (bool fields: store_true; `Arg(aliases=...)` adds aliases); `--config` (a YAML file whose keys
 # are merged in as flags, sglang/srt/utils/server_args_config_parser.py) is registered by hand in
 # sglang/srt/server_args.py. Load formats: LOAD_FORMAT_CHOICES, sglang/srt/arg_groups/choices.py.
-SGLANG_LOAD_FORMATS = (
-    "auto", "pt", "safetensors", "instanttensor", "npcache", "dummy", "sharded_state",
-    "presharded", "gguf", "expert_pack", "bitsandbytes", "mistral", "layered", "flash_rl",
-    "remote", "remote_instance", "fastsafetensors", "private", "runai_streamer",
-)  # fmt: skip
+SGLANG_LOAD_FORMATS = tuple(
+    "auto pt safetensors instanttensor npcache dummy sharded_state presharded gguf "
+    "expert_pack bitsandbytes mistral layered flash_rl remote remote_instance "
+    "fastsafetensors private runai_streamer".split()
+)
 SGLANG_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
     "--model-path": (True, None),  # fields/model.py, alias --model
     "--model": (True, None),
@@ -83,11 +83,10 @@ SGLANG_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
 # vllm/engine/arg_utils.py (`--enable-sleep-mode` is an argparse.BooleanOptionalAction;
 # `--weight-transfer-config` is parsed as JSON into WeightTransferConfig); load formats:
 # LoadFormats, vllm/model_executor/model_loader/__init__.py.
-VLLM_LOAD_FORMATS = (
-    "auto", "hf", "dummy", "fastsafetensors", "instanttensor", "ipc_cache", "mistral",
-    "modelexpress", "npcache", "pt", "runai_streamer", "runai_streamer_sharded", "safetensors",
-    "sharded_state", "tensorizer",
-)  # fmt: skip
+VLLM_LOAD_FORMATS = tuple(
+    "auto hf dummy fastsafetensors instanttensor ipc_cache mistral modelexpress npcache "
+    "pt runai_streamer runai_streamer_sharded safetensors sharded_state tensorizer".split()
+)
 VLLM_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
     "--model": (True, None),  # engine/arg_utils.py (the API server module has no positional)
     "--host": (True, None),  # entrypoints/common/cli_args.py FrontendArgs
@@ -176,19 +175,43 @@ def check_flags(
 # ------------------------------------------------------------------------- argv and env
 def test_sglang_argv_flag_by_flag() -> None:
     spec = EngineSpec(
-        model_path="/models/m", kind="sglang", ranks=2, port=31000, load_format="dummy",
-        tokenizer_path="/models/tok", weight_version="7", release_memory=True, api_key=KEY,
-        extra_args=("--skip-server-warmup",), python="/venv/bin/python",
-    )  # fmt: skip
+        model_path="/models/m",
+        kind="sglang",
+        ranks=2,
+        port=31000,
+        load_format="dummy",
+        tokenizer_path="/models/tok",
+        weight_version="7",
+        release_memory=True,
+        api_key=KEY,
+        extra_args=("--skip-server-warmup",),
+        python="/venv/bin/python",
+    )
     assert spec.dialect == "sglang" and spec.real
     cmd = spec.command(api_key_file="/run/key.yaml")
     assert cmd == [
-        "/venv/bin/python", "-m", "sglang.launch_server",
-        "--model-path", "/models/m", "--host", "127.0.0.1", "--port", "31000",
-        "--tp-size", "2", "--load-format", "dummy", "--tokenizer-path", "/models/tok",
-        "--weight-version", "7", "--enable-memory-saver", "--config", "/run/key.yaml",
+        "/venv/bin/python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31000",
+        "--tp-size",
+        "2",
+        "--load-format",
+        "dummy",
+        "--tokenizer-path",
+        "/models/tok",
+        "--weight-version",
+        "7",
+        "--enable-memory-saver",
+        "--config",
+        "/run/key.yaml",
         "--skip-server-warmup",
-    ]  # fmt: skip
+    ]
     seen = check_flags(cmd[3:], SGLANG_FLAGS)
     assert seen["--load-format"] == "dummy" and seen["--tp-size"] == "2"
     assert KEY not in " ".join(cmd)  # the key is in the --config file, not in `ps`
@@ -210,19 +233,40 @@ def test_sglang_argv_flag_by_flag() -> None:
 def test_vllm_argv_and_env_flag_by_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_API_KEY", "inherited")
     spec = EngineSpec(
-        model_path="/models/m", kind="vllm", ranks=4, port=8001, load_format="dummy",
-        tokenizer_path="/models/tok", api_key=KEY, python="/venv/bin/python",
-        host="0.0.0.0", env={"EXTRA": "1"}, device="cuda",
-    )  # fmt: skip
+        model_path="/models/m",
+        kind="vllm",
+        ranks=4,
+        port=8001,
+        load_format="dummy",
+        tokenizer_path="/models/tok",
+        api_key=KEY,
+        python="/venv/bin/python",
+        host="0.0.0.0",
+        env={"EXTRA": "1"},
+        device="cuda",
+    )
     assert spec.dialect == "vllm" and not spec.on_cpu
     cmd = spec.command()
     assert cmd == [
-        "/venv/bin/python", "-m", "vllm.entrypoints.launchers.api_server.entry",
-        "--model", "/models/m",
-        "--host", "0.0.0.0", "--port", "8001", "--tensor-parallel-size", "4",
-        "--load-format", "dummy", "--tokenizer", "/models/tok", "--enable-sleep-mode",
-        "--weight-transfer-config", '{"backend":"nccl"}',
-    ]  # fmt: skip
+        "/venv/bin/python",
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",
+        "--model",
+        "/models/m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8001",
+        "--tensor-parallel-size",
+        "4",
+        "--load-format",
+        "dummy",
+        "--tokenizer",
+        "/models/tok",
+        "--enable-sleep-mode",
+        "--weight-transfer-config",
+        '{"backend":"nccl"}',
+    ]
     seen = check_flags(cmd[3:], VLLM_FLAGS)
     transfer = json.loads(str(seen["--weight-transfer-config"]))
     assert set(transfer) <= VLLM_WEIGHT_TRANSFER_FIELDS
@@ -238,8 +282,14 @@ def test_vllm_argv_and_env_flag_by_flag(monkeypatch: pytest.MonkeyPatch) -> None
     )  # an accelerator: no CPU variables
 
     # no key: an inherited VLLM_API_KEY would lock the launcher's client out
-    bare = EngineSpec(model_path="/m", kind="vllm", release_memory=False, device="cuda",
-                      weight_transfer_backend="ipc", executable=("vllm", "serve"))  # fmt: skip
+    bare = EngineSpec(
+        model_path="/m",
+        kind="vllm",
+        release_memory=False,
+        device="cuda",
+        weight_transfer_backend="ipc",
+        executable=("vllm", "serve"),
+    )
     assert "VLLM_API_KEY" not in bare.environment()
     cmd = bare.command(port=9)
     assert cmd[:4] == ["vllm", "serve", "--model", "/m"] and "--enable-sleep-mode" not in cmd
@@ -252,18 +302,40 @@ def test_vllm_argv_and_env_flag_by_flag(monkeypatch: pytest.MonkeyPatch) -> None
 def test_vllm_cpu_argv_and_env_against_0_32(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # would override --kv-cache-memory-bytes
     spec = EngineSpec(
-        model_path="/models/m", kind="vllm", ranks=2, port=8002, max_model_len=512,
-        python="/venv/bin/python", cpu_cores=(0, 1),
-    )  # fmt: skip
+        model_path="/models/m",
+        kind="vllm",
+        ranks=2,
+        port=8002,
+        max_model_len=512,
+        python="/venv/bin/python",
+        cpu_cores=(0, 1),
+    )
     assert spec.device == "cpu" and spec.on_cpu and spec.cpu_cores == (0, 1)
     cmd = spec.command()
     assert cmd == [
-        "/venv/bin/python", "-m", "vllm.entrypoints.launchers.api_server.entry",
-        "--model", "/models/m", "--host", "127.0.0.1", "--port", "8002",
-        "--tensor-parallel-size", "2", "--load-format", "auto", "--max-model-len", "512",
-        "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20),
-        "--weight-transfer-config", '{"backend":"rollsafe_gloo"}',
-    ]  # fmt: skip
+        "/venv/bin/python",
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",
+        "--model",
+        "/models/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8002",
+        "--tensor-parallel-size",
+        "2",
+        "--load-format",
+        "auto",
+        "--max-model-len",
+        "512",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(256 << 20),
+        "--weight-transfer-config",
+        '{"backend":"rollsafe_gloo"}',
+    ]
     seen = check_flags(cmd[3:], VLLM_032_FLAGS)
     assert "--enable-sleep-mode" not in seen  # vLLM refuses sleep mode on CPU
     assert json.loads(str(seen["--weight-transfer-config"])) == {"backend": ROLLSAFE_GLOO_BACKEND}
@@ -274,8 +346,14 @@ def test_vllm_cpu_argv_and_env_against_0_32(monkeypatch: pytest.MonkeyPatch) -> 
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
     assert set(VLLM_CPU_ENV) >= {k for k in env if k.startswith("VLLM_CPU")}
 
-    sized = EngineSpec(model_path="/m", kind="vllm", dtype="bfloat16", kv_cache_bytes=1 << 30,
-                       cpu_cores=[1], env={"VLLM_CPU_KVCACHE_SPACE": "2"})  # fmt: skip
+    sized = EngineSpec(
+        model_path="/m",
+        kind="vllm",
+        dtype="bfloat16",
+        kv_cache_bytes=1 << 30,
+        cpu_cores=[1],
+        env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+    )
     args = sized.command(port=7)[3:]
     seen = check_flags(args, VLLM_032_FLAGS)
     assert seen["--dtype"] == "bfloat16" and seen["--kv-cache-memory-bytes"] == str(1 << 30)
@@ -446,10 +524,16 @@ def test_sglang_kind_polls_restarts_and_stops(
     launchers: list[EngineLauncher],
 ) -> None:
     spec = EngineSpec(
-        model_path=str(tiny_model_dir), kind="sglang", ranks=2, api_key=KEY, weight_version="5",
-        executable=(sys.executable, str(shim)), env={"SHIM_KIND": "sglang"}, ready_timeout=90.0,
+        model_path=str(tiny_model_dir),
+        kind="sglang",
+        ranks=2,
+        api_key=KEY,
+        weight_version="5",
+        executable=(sys.executable, str(shim)),
+        env={"SHIM_KIND": "sglang"},
+        ready_timeout=90.0,
         log_dir=str(tmp_path / "logs"),
-    )  # fmt: skip
+    )
     (tmp_path / "logs").mkdir()
     launcher = EngineLauncher(spec)
     launchers.append(launcher)

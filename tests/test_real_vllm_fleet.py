@@ -155,9 +155,13 @@ class _CorruptingClient:
 @pytest.fixture
 def nccl_fleet(vllm_model: Path, tmp_path: Path, vllm_python: str) -> Iterator[RolloutFleet]:
     config = _config(
-        vllm_model, tmp_path / "exports", vllm_python,
-        transport="nccl", enable_immediate_recovery=True, rearm_after=1,
-    )  # fmt: skip
+        vllm_model,
+        tmp_path / "exports",
+        vllm_python,
+        transport="nccl",
+        enable_immediate_recovery=True,
+        rearm_after=1,
+    )
     with RolloutFleet(config) as fleet:
         yield fleet
 
@@ -253,8 +257,9 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
         target = default_targets(group)
         if group.group_id != "g1":
             return target
-        return EngineTarget(target.name, target.ranks, _CorruptingClient(target.client),
-                            tp_size=target.tp_size)  # fmt: skip
+        return EngineTarget(
+            target.name, target.ranks, _CorruptingClient(target.client), tp_size=target.tp_size
+        )
 
     fleet.sync.targets_for = corrupt_g1
     weights = trainer.step()

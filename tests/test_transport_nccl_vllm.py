@@ -107,8 +107,12 @@ def assert_serves_vllm(eng: EngineProcess, trainer: Trainer, version: int) -> No
     assert got["weight_version"] == str(version)
     # vLLM 0.32.0 (the engines here) reports the version only on GET /weight_info
     assert eng.get("/weight_info").json() == {"weight_version": str(version)}
-    body = {"prompt": PROMPT, "max_tokens": GREEDY_TOKENS, "temperature": 0,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": GREEDY_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     r = eng.post("/v1/completions", body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -119,12 +123,17 @@ def assert_one_version(calls: list[tuple[str, Any]], version: int, buckets: int)
     """vLLM's lifecycle for one version: start -> update x buckets -> finish(version) -> reset;
     the version travels only on finish, nothing else sets it."""
     assert [p for p, _ in calls] == [
-        "/start_weight_update", *["/update_weights"] * buckets,
-        "/finish_weight_update", "/reset_prefix_cache",
-    ]  # fmt: skip
+        "/start_weight_update",
+        *["/update_weights"] * buckets,
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+    ]
     assert calls[-2][1] == {"weight_version": str(version)}
-    assert all(set(b["update_info"]) == {"names", "dtype_names", "shapes"}
-               for p, b in calls if p == "/update_weights")  # fmt: skip
+    assert all(
+        set(b["update_info"]) == {"names", "dtype_names", "shapes"}
+        for p, b in calls
+        if p == "/update_weights"
+    )
 
 
 def test_push_to_one_and_two_rank_vllm_engines_twice(

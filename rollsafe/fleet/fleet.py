@@ -530,9 +530,9 @@ class RolloutFleet:
         if reasons:
             if settings.fallback is None:
                 raise FleetConfigError(
-                    "transport", f"{settings.transport!r} cannot serve this fleet: "
-                    + "; ".join(reasons)
-                )  # fmt: skip
+                    "transport",
+                    f"{settings.transport!r} cannot serve this fleet: " + "; ".join(reasons),
+                )
             self.transport_fallback = "; ".join(reasons)
             log.warning(
                 "transport %r falls back to %r: %s",

@@ -485,10 +485,16 @@ class RecoveryCoordinator:
             else (logging.WARNING)
         )
         log.log(
-            level, "%s: recovery of %s -> %s (strategy %s, %d attempt(s), latency %s): %s",
-            self.name, gid, status, run.strategy, run.attempt,
-            "n/a" if result.latency_s is None else f"{result.latency_s:.3f}s", result.reason,
-        )  # fmt: skip
+            level,
+            "%s: recovery of %s -> %s (strategy %s, %d attempt(s), latency %s): %s",
+            self.name,
+            gid,
+            status,
+            run.strategy,
+            run.attempt,
+            "n/a" if result.latency_s is None else f"{result.latency_s:.3f}s",
+            result.reason,
+        )
         return result
 
     def _recover_loop(self, run: _Run) -> tuple[RecoveryStatus, str]:

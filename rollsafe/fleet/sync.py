@@ -336,9 +336,11 @@ class SyncCoordinator:
             if version <= current:
                 raise SyncVersionError(current, version)
             report = SyncReport(
-                version, fleet_version_before=current, fleet_version_after=current,
+                version,
+                fleet_version_before=current,
+                fleet_version_after=current,
                 started_at=time.time(),
-            )  # fmt: skip
+            )
             t_all = time.perf_counter()
             try:
                 self._sync(weights, version, report, around_update)
@@ -349,10 +351,16 @@ class SyncCoordinator:
             log.info(
                 "sync v%d %s in %.3fs: updated %s, failed %s, stale %s, loaded %s; previous "
                 "export %s; mode %s",
-                version, "done" if report.ok else f"FAILED ({report.error})",
-                report.timings["total_s"], report.updated, report.failed, report.marked_stale,
-                report.weights_loaded, report.previous_export, report.mode_state,
-            )  # fmt: skip
+                version,
+                "done" if report.ok else f"FAILED ({report.error})",
+                report.timings["total_s"],
+                report.updated,
+                report.failed,
+                report.marked_stale,
+                report.weights_loaded,
+                report.previous_export,
+                report.mode_state,
+            )
             return report
 
     def _sync(

@@ -985,9 +985,14 @@ class FleetModel:
             sorted((r.export_version, r.export_state, r.fleet_version) for r in audit_s[4])
         )
         return (
-            version, tuple(rows), reg_s, exports, mode_s, last,
+            version,
+            tuple(rows),
+            reg_s,
+            exports,
+            mode_s,
+            last,
             (*audit_s[:4], immediate, len(audit_s[5]), len(audit_s[6]), audit_s[7]),
-        )  # fmt: skip
+        )
 
     def restore(self, snap: tuple[Any, ...]) -> None:
         """Put the model back into a state produced by :meth:`snapshot`."""
