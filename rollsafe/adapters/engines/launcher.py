@@ -45,12 +45,10 @@ from rollsafe.adapters.engines.launch.output import EngineLogs
 from rollsafe.adapters.engines.launch.process_group import (
     Candidate,
     descendants,
-    pid_alive,
     signal_pid,
     spawn_candidate,
 )
 from rollsafe.adapters.engines.launch.readiness import (
-    EngineStartTimeout,
     StartAttempt,
     engine_client,
     wait_for_health,
@@ -59,19 +57,12 @@ from rollsafe.adapters.engines.launch.readiness import (
 )
 from rollsafe.adapters.engines.launch.running import RunningEngine
 from rollsafe.adapters.engines.launch.spec import (
-    API_KEY_FILE_PLACEHOLDER,
-    ENGINE_KINDS,
-    EngineKind,
     EngineSpec,
     restart_spec,
 )
 from rollsafe.adapters.engines.launch.standby import (
-    STANDBY_STATES,
-    START_SOURCES,
     Standby,
     StandbyPool,
-    StandbyState,
-    StartSource,
     _StandbyLost,
 )
 from rollsafe.adapters.engines.launch.standby_start import race, start_forked
@@ -79,23 +70,12 @@ from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
 from rollsafe.adapters.engines.vllm_cpu import deal_cores
 from rollsafe.net import free_port
-from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
+from rollsafe.ports import StandbyState, StartSource
+from rollsafe.processes import pid_alive
 
 __all__ = [
-    "API_KEY_FILE_PLACEHOLDER",
-    "ENGINE_KINDS",
-    "READY_PREFIX",
-    "STANDBY_PREFIX",
-    "STANDBY_STATES",
-    "START_SOURCES",
-    "EngineKind",
     "EngineLauncher",
-    "EngineSpec",
     "EngineStartError",
-    "EngineStartTimeout",
-    "StandbyState",
-    "StartSource",
-    "pid_alive",
 ]
 
 

@@ -25,7 +25,8 @@ from rollsafe.adapters.engines.launch.fork_server import (
 from rollsafe.adapters.engines.launch.output import OutputPump
 from rollsafe.adapters.engines.launch.process_group import Candidate, watch_candidate
 from rollsafe.adapters.engines.launch.spec import EngineSpec
-from rollsafe.adapters.engines.launch.standby import Standby, StartSource
+from rollsafe.adapters.engines.launch.standby import Standby
+from rollsafe.ports import StartSource
 
 if TYPE_CHECKING:
     from rollsafe.adapters.engines.launcher import EngineLauncher
