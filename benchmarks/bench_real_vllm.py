@@ -297,7 +297,7 @@ def launcher_times(
     engine: str, model_dir: Path, options: dict[str, Any], restarts: int
 ) -> tuple[float, list[float]]:
     """Start one standalone engine, restart it ``restarts`` times: (start, restarts) seconds."""
-    from rollsafe.adapters.engines.launcher import EngineLauncher, EngineSpec
+    from rollsafe.adapters.engines import EngineLauncher, EngineSpec
 
     launcher = EngineLauncher(EngineSpec(model_path=str(model_dir), ranks=1, **options))
     try:

@@ -1,7 +1,7 @@
 """Benchmark recovery on CPU as a distribution: crashes at random points of a running rollout.
 
 A real :class:`~rollsafe.fleet.fleet.RolloutFleet` of one 1-rank reference-engine group (the
-tiny Llama of ``make_tiny_model``), the demo's in-process :class:`~rollsafe.demo.Trainer` and
+tiny Llama of ``make_tiny_model``), the demo's in-process :class:`~rollsafe.demo_trainer.Trainer` and
 one rollout client thread (the demo's :class:`~rollsafe.demo.RolloutLoad`) run steps shaped like
 ``rollsafe demo``'s: a rollout phase (``--rollout-s``), a train step, a weight sync (``ipc``)
 with an asynchronous HF export; immediate recovery and the targeted push are on (the demo's
@@ -64,7 +64,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model  # noqa: E402
-from rollsafe.demo import RolloutLoad, Trainer  # noqa: E402
+from rollsafe.demo import RolloutLoad  # noqa: E402
+from rollsafe.demo_trainer import Trainer  # noqa: E402
 from rollsafe.fleet import HealthSettings, RecoverySettings  # noqa: E402
 from rollsafe.fleet.fleet import (  # noqa: E402
     FleetConfig,

@@ -46,12 +46,12 @@ import engine_helpers  # noqa: E402
 from engine_helpers import free_port, start_engine  # noqa: E402
 
 from rollsafe.adapters.engines import SGLangClient  # noqa: E402
-from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import weights_checksum  # noqa: E402
 from rollsafe.ports import EngineTarget  # noqa: E402
 from rollsafe.transports import IPCTransport, NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
 from rollsafe.transports.pipeline import direct_view  # noqa: E402
+from rollsafe.wire.group import open_weight_update_group  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rollsafe.adapters.reference_engine import READY_PREFIX
 from rollsafe.digest_check import DigestCheck
+from rollsafe.wire.lines import READY_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -200,7 +200,7 @@ def join_weight_group(
     The engine is asked (``/init_weights_update_group``, ``rank_offset`` 1) on a thread, since
     the call blocks until the test process joins too; returns the test's side of the group.
     """
-    from rollsafe.adapters.reference_engine.collective import open_weight_update_group
+    from rollsafe.wire.group import open_weight_update_group
 
     port = free_port()
     body = {

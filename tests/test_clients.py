@@ -273,8 +273,8 @@ def test_update_weights_from_distributed_over_gloo(
 
     from safetensors.torch import load_file
 
-    from rollsafe.adapters.reference_engine.collective import open_weight_update_group
     from rollsafe.adapters.reference_engine.vllm_api import WEIGHT_TRANSFER_GROUP
+    from rollsafe.wire.group import open_weight_update_group
 
     client = engine.client
     group = "rollsafe_test_group" if engine.spec.dialect == "sglang" else WEIGHT_TRANSFER_GROUP

@@ -47,7 +47,7 @@ def _processes_mentioning(*needles: str) -> list[tuple[int, str]]:
 
 def _assert_nothing_left(pids: list[int], dirs: list[str], timeout: float = 30.0) -> None:
     """No process with ``pids`` or naming one of ``dirs`` is alive, and the dirs are gone."""
-    from rollsafe.adapters.engines import pid_alive
+    from rollsafe.processes import pid_alive
 
     deadline = time.monotonic() + timeout
     while True:
@@ -187,8 +187,7 @@ def test_trainer_host_snapshot_round_trips_without_copy(tmp_path: Path) -> None:
 
     from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
     from rollsafe.checksum import weights_checksum
-    from rollsafe.demo import Trainer
-    from rollsafe.demo_trainer import TrainerHost, tensors_from_snapshot
+    from rollsafe.demo_trainer import Trainer, TrainerHost, tensors_from_snapshot
 
     model_dir = make_tiny_model(tmp_path / "model", seed=0)
     host, local = TrainerHost(str(model_dir), seed=0), Trainer(model_dir, seed=0)

@@ -300,7 +300,7 @@ def test_group_setup_to_a_dead_address_answers_in_time_and_generation_runs(
 
 
 def test_a_late_setup_leaves_no_group_and_frees_its_name(engine: ReferenceEngine) -> None:
-    from rollsafe.adapters.reference_engine.collective import open_weight_update_group
+    from rollsafe.wire.group import open_weight_update_group
 
     body = dict(
         master_address="127.0.0.1",

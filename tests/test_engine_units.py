@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rollsafe.checksum import tensor_digest, weights_checksum
+from rollsafe.errors import BucketFormatError
 from rollsafe.wire.bucket import (
-    BucketFormatError,
     FlatBucket,
     TensorMeta,
     WireBucket,

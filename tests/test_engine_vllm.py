@@ -24,7 +24,7 @@ from engine_helpers import (
 )
 from test_engine_sglang import PROMPT, hf_greedy, hf_state
 
-from rollsafe.adapters.reference_engine.collective import open_weight_update_group
+from rollsafe.wire.group import open_weight_update_group
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 

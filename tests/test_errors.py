@@ -60,9 +60,10 @@ def test_every_public_exception_derives_from_the_root() -> None:
 
 
 def test_the_builtin_bases_callers_catch_are_kept() -> None:
+    from rollsafe.errors import BucketFormatError
     from rollsafe.fleet import FleetConfigError, StepTimeout, UnknownGroup
     from rollsafe.statemachines import TransitionNotAllowed, TransitionRefused
-    from rollsafe.transports import BucketFormatError, TransportError
+    from rollsafe.transports import TransportError
     from rollsafe.wire.unpickle import UnsafePayload
 
     assert issubclass(TransportError, RuntimeError)

@@ -14,39 +14,6 @@ from typing import Any
 
 import rollsafe
 
-#: names still listed off their path; each is debt to pay (remove from here once fixed: the
-#: test fails on a name listed here that no longer breaks the rule, so the list only shrinks)
-_NOT_YET = {
-    "API_KEY_FILE_PLACEHOLDER",
-    "BucketFormatError",
-    "DEFAULT_BUCKET_BYTES",
-    "ENGINE_KINDS",
-    "EngineKind",
-    "EngineSpec",
-    "EngineStartTimeout",
-    "ExportJudgement",
-    "FlatBucket",
-    "HFIndex",
-    "INDEX_FILE",
-    "READY_PREFIX",
-    "RankOptions",
-    "RestartableEngine",
-    "SINGLE_FILE",
-    "STANDBY_PREFIX",
-    "STANDBY_STATES",
-    "START_SOURCES",
-    "StandbyState",
-    "StartSource",
-    "TextCodec",
-    "Trainer",
-    "WeightUpdateGroup",
-    "copy_pairs",
-    "dtype_from_name",
-    "dtype_name",
-    "is_loopback",
-    "open_weight_update_group",
-    "pid_alive",
-}
 #: modules whose imports need an optional dependency this environment may lack
 _OPTIONAL = {"ray", "checkpoint_engine", "prometheus_client", "trl", "vllm"}
 
@@ -89,10 +56,7 @@ def _off_path() -> dict[str, list[str]]:
 
 def test_every_public_name_has_one_import_path() -> None:
     off = _off_path()
-    new = {n: m for n, m in off.items() if n not in _NOT_YET}
-    assert not new, f"public names listed off their one import path: {new}"
-    paid = sorted(_NOT_YET - set(off))
-    assert not paid, f"no longer listed off their path, remove from _NOT_YET: {paid}"
+    assert not off, f"public names listed off their one import path: {off}"
 
 
 def test_the_removed_alias_modules_are_gone() -> None:

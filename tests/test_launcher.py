@@ -24,8 +24,8 @@ from rollsafe.adapters.engines import (
     EngineStartError,
     SGLangClient,
     VLLMClient,
-    pid_alive,
 )
+from rollsafe.processes import pid_alive
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from rollsafe.adapters.engines import (
     SGLangClient,
     VLLMClient,
 )
-from rollsafe.adapters.engines.launcher import API_KEY_FILE_PLACEHOLDER
+from rollsafe.adapters.engines.launch.spec import API_KEY_FILE_PLACEHOLDER
 from rollsafe.adapters.engines.vllm_cpu import (
     ROLLSAFE_GLOO_BACKEND,
     VLLM_LEGACY_SERVER_MODULE,
@@ -52,10 +52,26 @@ from rollsafe.adapters.engines.vllm_cpu import (
 # (bool fields: store_true; `Arg(aliases=...)` adds aliases); `--config` (a YAML file whose keys
 # are merged in as flags, sglang/srt/utils/server_args_config_parser.py) is registered by hand in
 # sglang/srt/server_args.py. Load formats: LOAD_FORMAT_CHOICES, sglang/srt/arg_groups/choices.py.
-SGLANG_LOAD_FORMATS = tuple(
-    "auto pt safetensors instanttensor npcache dummy sharded_state presharded gguf "
-    "expert_pack bitsandbytes mistral layered flash_rl remote remote_instance "
-    "fastsafetensors private runai_streamer".split()
+SGLANG_LOAD_FORMATS = (
+    "auto",
+    "pt",
+    "safetensors",
+    "instanttensor",
+    "npcache",
+    "dummy",
+    "sharded_state",
+    "presharded",
+    "gguf",
+    "expert_pack",
+    "bitsandbytes",
+    "mistral",
+    "layered",
+    "flash_rl",
+    "remote",
+    "remote_instance",
+    "fastsafetensors",
+    "private",
+    "runai_streamer",
 )
 SGLANG_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
     "--model-path": (True, None),  # fields/model.py, alias --model
@@ -83,9 +99,22 @@ SGLANG_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
 # vllm/engine/arg_utils.py (`--enable-sleep-mode` is an argparse.BooleanOptionalAction;
 # `--weight-transfer-config` is parsed as JSON into WeightTransferConfig); load formats:
 # LoadFormats, vllm/model_executor/model_loader/__init__.py.
-VLLM_LOAD_FORMATS = tuple(
-    "auto hf dummy fastsafetensors instanttensor ipc_cache mistral modelexpress npcache "
-    "pt runai_streamer runai_streamer_sharded safetensors sharded_state tensorizer".split()
+VLLM_LOAD_FORMATS = (
+    "auto",
+    "hf",
+    "dummy",
+    "fastsafetensors",
+    "instanttensor",
+    "ipc_cache",
+    "mistral",
+    "modelexpress",
+    "npcache",
+    "pt",
+    "runai_streamer",
+    "runai_streamer_sharded",
+    "safetensors",
+    "sharded_state",
+    "tensorizer",
 )
 VLLM_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
     "--model": (True, None),  # engine/arg_utils.py (the API server module has no positional)

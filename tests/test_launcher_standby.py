@@ -25,8 +25,9 @@ pytest.importorskip("torch")
 
 from engine_helpers import all_gone, repo_env, tiny_model_dir, wait_for  # noqa: F401  (fixture)
 
-from rollsafe.adapters.engines import EngineLauncher, EngineSpec, pid_alive
+from rollsafe.adapters.engines import EngineLauncher, EngineSpec
 from rollsafe.fleet import FleetConfig, FleetConfigError, GroupSpec, HealthSettings, RolloutFleet
+from rollsafe.processes import pid_alive
 
 STANDBY_WAIT_S = 120.0
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from engine_helpers import EngineProcess, module_engine, tiny_model_dir  # noqa: F401
 
+from rollsafe.errors import BucketFormatError
 from rollsafe.wire import shm
 from rollsafe.wire.bucket import (
-    BucketFormatError,
     WireBucket,
     deserialize_payload,
     pack_buckets,

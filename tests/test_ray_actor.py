@@ -12,9 +12,10 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("torch")
 
-from rollsafe.adapters.engines import EngineSpec, pid_alive  # noqa: E402
+from rollsafe.adapters.engines import EngineSpec  # noqa: E402
 from rollsafe.adapters.ray import EngineActor, engine_actor, init_ray  # noqa: E402
 from rollsafe.ports import GenerateResult  # noqa: E402
+from rollsafe.processes import pid_alive  # noqa: E402
 
 PROMPT = [3, 14, 15, 92, 65]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}

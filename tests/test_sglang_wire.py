@@ -17,8 +17,8 @@ import pytest
 import torch
 from sglang_decoder import load_safe_unpickler, sglang_deserialize, sglang_modules
 
+from rollsafe.errors import BucketFormatError
 from rollsafe.wire.bucket import (
-    BucketFormatError,
     FlattenedTensorMetadata,
     WireBucket,
     _metadata_ops,

@@ -22,7 +22,7 @@ pytest.importorskip("torch")
 from engine_helpers import all_gone, tiny_model_dir, wait_for  # noqa: F401  (fixture)
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, EngineStartError
-from rollsafe.adapters.engines.launcher import pid_alive
+from rollsafe.processes import pid_alive
 
 TESTS = Path(__file__).resolve().parent
 STANDBY_WAIT_S = 120.0

@@ -176,7 +176,7 @@ class Engine:
     """A reference-engine subprocess on cuda serving dummy Qwen3 weights."""
 
     def __init__(self, model_dir: Path, timeout: float) -> None:
-        from rollsafe.adapters.reference_engine import READY_PREFIX
+        from rollsafe.wire.lines import READY_PREFIX
 
         self.err_path = Path(tempfile.mkstemp(prefix="ce-bench-engine-", suffix=".log")[1])
         env = dict(os.environ)

@@ -54,11 +54,11 @@ from engine_helpers import free_port, start_engine  # noqa: E402
 from qwen3_shapes import qwen3_4b_shapes, qwen3_config, shapes_from_config  # noqa: E402
 
 from rollsafe.adapters.engines import SGLangClient  # noqa: E402
-from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import weights_checksum  # noqa: E402
 from rollsafe.ports import EngineTarget  # noqa: E402
 from rollsafe.transports import IPCTransport, NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
+from rollsafe.wire.group import open_weight_update_group  # noqa: E402
 
 MiB = 1 << 20
 

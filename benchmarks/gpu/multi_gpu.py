@@ -101,12 +101,12 @@ from engine_helpers import EngineProcess, free_port, start_engine  # noqa: E402
 from qwen3_shapes import qwen3_config, shapes_from_config  # noqa: E402
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, SGLangClient  # noqa: E402
-from rollsafe.adapters.reference_engine.collective import open_weight_update_group  # noqa: E402
 from rollsafe.checksum import model_digest, weights_checksum  # noqa: E402
 from rollsafe.ports import EngineTarget  # noqa: E402
 from rollsafe.transports import NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
 from rollsafe.transports.nccl import DEFAULT_UNPACKED_MIN_BYTES  # noqa: E402
+from rollsafe.wire.group import open_weight_update_group  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -7,7 +7,7 @@ receiver process standing in for the engine (its parameters: same shapes, on the
 ``multiprocessing`` pipe instead of HTTP:
 
 * ``pack_loop_s`` / ``pack_foreach_s``: all buckets packed into two alternating buffers, one
-  ``copy_`` per tensor vs :func:`rollsafe.transports.pipeline.copy_pairs` (``_foreach_copy_``);
+  ``copy_`` per tensor vs :func:`rollsafe.wire.copy.copy_pairs` (``_foreach_copy_``);
 * ``serialize_s``: :func:`rollsafe.wire.bucket.serialize_bucket` of every bucket;
 * receiver, per update: ``open_s`` (decode the payload: CUDA IPC handle open), ``copy_s`` (copy
   into the parameters, synchronized), ``close_s`` (drop the views: handle close), with handles
@@ -39,8 +39,9 @@ for p in (str(REPO), str(HERE)):
 
 from qwen3_shapes import qwen3_4b_shapes  # noqa: E402
 
-from rollsafe.transports.pipeline import alloc_buffer, copy_pairs, plan_buckets  # noqa: E402
+from rollsafe.transports.pipeline import alloc_buffer, plan_buckets  # noqa: E402
 from rollsafe.wire.bucket import FlatBucket, deserialize_payload, serialize_bucket  # noqa: E402
+from rollsafe.wire.copy import copy_pairs  # noqa: E402
 
 MiB = 1 << 20
 

@@ -19,7 +19,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollsafe.adapters.engines.launcher import EngineLauncher, EngineSpec
+from rollsafe.adapters.engines.launch.spec import EngineSpec
+from rollsafe.adapters.engines.launcher import EngineLauncher
 from rollsafe.ports import GenerateResult, WeightsChecksum
 
 # EngineActor is provided lazily by the module-level __getattr__ below.

@@ -24,7 +24,6 @@ from rollsafe.demo.options import CRASH_DELAY_S, CRASH_GROUP_INDEX, DemoOptions,
 from rollsafe.demo.report import mermaid_paths
 from rollsafe.demo.rollout import THINK_S, RolloutLoad
 from rollsafe.demo.run import main, run_demo
-from rollsafe.demo_trainer import Trainer
 
 __all__ = [
     "CRASH_DELAY_S",
@@ -32,7 +31,6 @@ __all__ = [
     "THINK_S",
     "DemoOptions",
     "RolloutLoad",
-    "Trainer",
     "add_arguments",
     "main",
     "mermaid_paths",

@@ -46,7 +46,6 @@ from rollsafe.fleet.recovery import (
     RecoveryStatus,
     RecoveryStep,
     RecoveryStrategy,
-    RestartableEngine,
     StepTimeout,
 )
 from rollsafe.fleet.registry import (
@@ -84,7 +83,6 @@ from rollsafe.fleet.settings import (
     TransportSettings,
 )
 from rollsafe.fleet.sync import (
-    ExportJudgement,
     SyncCoordinator,
     SyncError,
     SyncReport,
@@ -101,7 +99,6 @@ __all__ = [
     "ContinuationFailed",
     "DiskSettings",
     "DuplicateGroup",
-    "ExportJudgement",
     "FleetConfig",
     "FleetConfigError",
     "FleetError",
@@ -132,7 +129,6 @@ __all__ = [
     "RecoveryStrategy",
     "RequestFailed",
     "RequestHealth",
-    "RestartableEngine",
     "RolloutFleet",
     "RoutedResult",
     "Router",

@@ -90,7 +90,6 @@ __all__ = [
     "RecoveryStep",
     "RecoveryStrategy",
     "RestartSource",
-    "RestartableEngine",
     "StepTimeout",
 ]
 

@@ -66,7 +66,6 @@ if TYPE_CHECKING:
     from rollsafe.statemachines.export import ExportLease
 
 __all__ = [
-    "ExportJudgement",
     "ExporterLike",
     "SyncCoordinator",
     "SyncError",

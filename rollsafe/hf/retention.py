@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rollsafe.hf.layout import fsync_dir, parse_temp_name, temp_dir
 from rollsafe.hf.verify import VerifiedExport, reverify, verify_hf_dir
+from rollsafe.processes import pid_alive
 from rollsafe.statemachines import ExportEvent, ExportLifecycle, TransitionNotAllowed
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
     "apply_retention",
     "discard_dir",
     "move_to_trash",
-    "pid_alive",
     "remove_stale_temp_dirs",
 ]
 
@@ -125,22 +125,6 @@ def discard_dir(path: Path, version: int) -> None:
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
         log.info("export v%d deleted (%s)", version, path)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def remove_stale_temp_dirs(root: Path, live: Collection[Path] = ()) -> list[Path]:

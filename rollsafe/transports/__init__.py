@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from rollsafe.transports.ipc import DEFAULT_IPC_BUCKET_BYTES, IPCTransport
     from rollsafe.transports.nccl import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
     from rollsafe.transports.pipeline import BucketPlan, BucketStream, plan_buckets
-    from rollsafe.wire.bucket import DEFAULT_BUCKET_BYTES, BucketFormatError, FlatBucket
 
 #: public name -> module that defines it (imported on first attribute access)
 _LAZY: dict[str, str] = {
@@ -57,9 +56,6 @@ _LAZY: dict[str, str] = {
             "named_tensor_list",
         ),
         "rollsafe.transports.base",
-    ),
-    **dict.fromkeys(
-        ("DEFAULT_BUCKET_BYTES", "BucketFormatError", "FlatBucket"), "rollsafe.wire.bucket"
     ),
     **dict.fromkeys(
         ("CheckpointEngineFleetTransport", "CheckpointEngineTransport", "P2PUnavailable"),
@@ -75,16 +71,13 @@ _LAZY: dict[str, str] = {
 
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES",
     "DEFAULT_IPC_BUCKET_BYTES",
     "DEFAULT_NCCL_BUCKET_BYTES",
-    "BucketFormatError",
     "BucketPlan",
     "BucketStream",
     "CheckpointEngineFleetTransport",
     "CheckpointEngineTransport",
     "DiskTransport",
-    "FlatBucket",
     "IPCTransport",
     "NCCLTransport",
     "P2PUnavailable",

@@ -49,7 +49,6 @@ __all__ = [
     "TensorList",
     "alloc_buffer",
     "check_tensors",
-    "copy_pairs",
     "direct_view",
     "follows",
     "plan_buckets",

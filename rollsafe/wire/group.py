@@ -21,7 +21,7 @@ from rollsafe.net import is_loopback
 # torch stubs do not export the store/group classes; they exist at runtime
 dist: Any = torch.distributed
 
-__all__ = ["WeightUpdateGroup", "gloo_group", "is_loopback", "open_weight_update_group"]
+__all__ = ["WeightUpdateGroup", "gloo_group", "open_weight_update_group"]
 
 
 def gloo_group(store: Any, rank: int, world_size: int, timeout_s: float, host: str | None) -> Any:

@@ -27,15 +27,9 @@ from rollsafe.ports import Dialect
 
 if TYPE_CHECKING:
     from rollsafe.adapters.engines.http import NO_RETRY, HttpTransport, RetryPolicy
-    from rollsafe.adapters.engines.launcher import (
-        ENGINE_KINDS,
-        READY_PREFIX,
-        EngineKind,
-        EngineLauncher,
-        EngineSpec,
-        EngineStartTimeout,
-        pid_alive,
-    )
+    from rollsafe.adapters.engines.launch.readiness import EngineStartTimeout
+    from rollsafe.adapters.engines.launch.spec import ENGINE_KINDS, EngineKind, EngineSpec
+    from rollsafe.adapters.engines.launcher import EngineLauncher
     from rollsafe.adapters.engines.sglang import SGLangClient
     from rollsafe.adapters.engines.vllm import VLLMClient
 
@@ -44,17 +38,10 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     **dict.fromkeys(("NO_RETRY", "HttpTransport", "RetryPolicy"), "rollsafe.adapters.engines.http"),
     **dict.fromkeys(
-        (
-            "ENGINE_KINDS",
-            "READY_PREFIX",
-            "EngineKind",
-            "EngineLauncher",
-            "EngineSpec",
-            "EngineStartTimeout",
-            "pid_alive",
-        ),
-        "rollsafe.adapters.engines.launcher",
+        ("ENGINE_KINDS", "EngineKind", "EngineSpec"), "rollsafe.adapters.engines.launch.spec"
     ),
+    "EngineStartTimeout": "rollsafe.adapters.engines.launch.readiness",
+    "EngineLauncher": "rollsafe.adapters.engines.launcher",
     "SGLangClient": "rollsafe.adapters.engines.sglang",
     "VLLMClient": "rollsafe.adapters.engines.vllm",
 }
@@ -63,7 +50,6 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "ENGINE_KINDS",
     "NO_RETRY",
-    "READY_PREFIX",
     "EngineError",
     "EngineKind",
     "EngineLauncher",
@@ -80,7 +66,6 @@ __all__ = [
     "SGLangClient",
     "VLLMClient",
     "make_client",
-    "pid_alive",
 ]
 
 

@@ -45,12 +45,10 @@ from rollsafe.adapters.engines.launch.output import EngineLogs
 from rollsafe.adapters.engines.launch.process_group import (
     Candidate,
     descendants,
-    pid_alive,
     signal_pid,
     spawn_candidate,
 )
 from rollsafe.adapters.engines.launch.readiness import (
-    EngineStartTimeout,
     StartAttempt,
     engine_client,
     wait_for_health,
@@ -59,43 +57,25 @@ from rollsafe.adapters.engines.launch.readiness import (
 )
 from rollsafe.adapters.engines.launch.running import RunningEngine
 from rollsafe.adapters.engines.launch.spec import (
-    API_KEY_FILE_PLACEHOLDER,
-    ENGINE_KINDS,
-    EngineKind,
     EngineSpec,
     restart_spec,
 )
 from rollsafe.adapters.engines.launch.standby import (
-    STANDBY_STATES,
-    START_SOURCES,
     Standby,
     StandbyPool,
-    StandbyState,
-    StartSource,
     _StandbyLost,
 )
-from rollsafe.adapters.engines.launch.standby_start import race, start_forked
+from rollsafe.adapters.engines.launch.standby_start import StartHost, race, start_forked
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
 from rollsafe.adapters.engines.vllm_cpu import deal_cores
 from rollsafe.net import free_port
-from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
+from rollsafe.ports import StandbyState, StartSource
+from rollsafe.processes import pid_alive
 
 __all__ = [
-    "API_KEY_FILE_PLACEHOLDER",
-    "ENGINE_KINDS",
-    "READY_PREFIX",
-    "STANDBY_PREFIX",
-    "STANDBY_STATES",
-    "START_SOURCES",
-    "EngineKind",
     "EngineLauncher",
-    "EngineSpec",
     "EngineStartError",
-    "EngineStartTimeout",
-    "StandbyState",
-    "StartSource",
-    "pid_alive",
 ]
 
 
@@ -293,8 +273,8 @@ class EngineLauncher:
         if standby is None:
             self._launch_fresh(spec, cmd)
         elif not standby.announced():
-            source = race(self, standby, spec, cmd)
-        elif start_forked(self, standby, spec, cmd):
+            source = race(self._host(), standby, spec, cmd)
+        elif start_forked(self._host(), standby, spec, cmd):
             source = "ready_standby"
         else:
             self._launch_fresh(spec, cmd)
@@ -343,6 +323,18 @@ class EngineLauncher:
         return self
 
     # ------------------------------------------------------------------ candidates
+    def _host(self) -> StartHost:
+        """What a start from the standby (:mod:`.launch.standby_start`) may use of this launcher."""
+        return StartHost(
+            owner=self,
+            pool=self._standby,
+            logs=self._logs,
+            install=self._install,
+            fresh_candidate=self._fresh_candidate,
+            attempt=self._attempt,
+            fresh_start_estimate=self.fresh_start_estimate,
+        )
+
     def _launch_fresh(self, spec: EngineSpec, cmd: list[str]) -> None:
         """Spawn a new interpreter running ``cmd``; sets the process, pump, watchdog, finalizer."""
         self._install(self._fresh_candidate(spec, cmd))

@@ -17,7 +17,4 @@ submodules (``bootstrap``, ``codec``, ``paths`` and ``errors`` never import them
 
 from __future__ import annotations
 
-# one definition for the engine and the launcher (each includes the separating space)
-from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
-
-__all__ = ["READY_PREFIX", "STANDBY_PREFIX"]
+__all__: list[str] = []

@@ -55,7 +55,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
-from rollsafe.adapters.reference_engine import READY_PREFIX, STANDBY_PREFIX
 from rollsafe.adapters.reference_engine.bootstrap import (
     RankChild,
     RankOptions,
@@ -68,6 +67,7 @@ from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.adapters.reference_engine.zygote import FORK_SERVER_FLAG
 from rollsafe.errors import RollsafeError
 from rollsafe.net import is_loopback
+from rollsafe.wire.lines import READY_PREFIX, STANDBY_PREFIX
 
 EXIT_USAGE = 2
 EXIT_START = 3

@@ -22,16 +22,13 @@ import torch.distributed
 
 # the weight-update group is shared with the trainer's transports: it lives in rollsafe.wire
 from rollsafe.wire.group import (
-    WeightUpdateGroup,
     gloo_group,
-    is_loopback,
-    open_weight_update_group,
 )
 
 # torch stubs do not export the store/group classes; they exist at runtime
 dist: Any = torch.distributed
 
-__all__ = ["RankGroup", "WeightUpdateGroup", "is_loopback", "open_weight_update_group"]
+__all__ = ["RankGroup"]
 
 
 class RankGroup:

@@ -30,11 +30,7 @@ from rollsafe.adapters.reference_engine.bootstrap import (
     apply_start_fault,
     spawn_ranks,
 )
-from rollsafe.adapters.reference_engine.collective import (
-    RankGroup,
-    WeightUpdateGroup,
-    open_weight_update_group,
-)
+from rollsafe.adapters.reference_engine.collective import RankGroup
 from rollsafe.adapters.reference_engine.errors import (
     RankFailure,
     ServerError,
@@ -53,8 +49,9 @@ from rollsafe.adapters.reference_engine.weights import (
     receive_broadcast,
     receive_from_ipc,
 )
+from rollsafe.wire.group import WeightUpdateGroup, open_weight_update_group
 
-__all__ = ["GroupJoin", "RankOptions", "RankRuntime", "RankSet", "child_main", "rank_devices"]
+__all__ = ["GroupJoin", "RankRuntime", "RankSet", "child_main", "rank_devices"]
 
 RANK_BACKENDS = ("gloo", "nccl")
 

@@ -61,7 +61,6 @@ from rollsafe.wire.strict_json import BadJSON, loads_bounded
 __all__ = [
     "ServerContext",
     "ServerLimits",
-    "TextCodec",
     "await_future",
     "build_app",
     "check_disk_path",

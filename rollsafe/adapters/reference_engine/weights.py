@@ -30,7 +30,8 @@ from rollsafe.adapters.reference_engine.errors import Unsupported, WeightUpdateE
 from rollsafe.adapters.reference_engine.model import ParamSpec
 from rollsafe.adapters.reference_engine.paths import check_dir, show_path
 from rollsafe.adapters.reference_engine.profiling import profile_line
-from rollsafe.wire.bucket import BucketFormatError, WireBucket, deserialize_payload
+from rollsafe.errors import BucketFormatError
+from rollsafe.wire.bucket import WireBucket, deserialize_payload
 from rollsafe.wire.bucket import packed_chunks as wire_chunks
 from rollsafe.wire.hf_index import INDEX_FILE, SINGLE_FILE, HFIndexError, weight_files
 

@@ -71,22 +71,18 @@ from rollsafe.transports.checkpoint_engine.transport import (
     DEFAULT_MEM_FRACTION,
     CheckpointEngineTransport,
 )
-from rollsafe.wire.hf_index import INDEX_FILE, SINGLE_FILE, HFIndex
 
 __all__ = [
     "DEFAULT_BUCKET",
     "DEFAULT_MEM_FRACTION",
     "FALLBACK_TRANSPORT",
-    "INDEX_FILE",
     "INSTALL_HINT",
-    "SINGLE_FILE",
     "TCP_PLACEHOLDER_DEVICE",
     "CheckpointEngineFleetTransport",
     "CheckpointEngineTransport",
     "CheckpointEngineUnavailable",
     "ExpertGather",
     "ExpertGatherError",
-    "HFIndex",
     "KeyCoverage",
     "KeyCoverageError",
     "LocalResults",

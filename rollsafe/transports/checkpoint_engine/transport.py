@@ -123,7 +123,6 @@ __all__ = [
     "CheckpointEngineUnavailable",
     "ExpertGather",
     "ExpertGatherError",
-    "HFIndex",
     "KeyCoverage",
     "KeyCoverageError",
     "P2PProtocol",

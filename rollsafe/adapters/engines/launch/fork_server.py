@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
-from rollsafe.adapters.engines.launch.process_group import pid_alive, signal_group
+from rollsafe.adapters.engines.launch.process_group import signal_group
+from rollsafe.processes import pid_alive
 
 if TYPE_CHECKING:
     from rollsafe.adapters.engines.launch.spec import EngineSpec

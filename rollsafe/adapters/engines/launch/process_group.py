@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollsafe.adapters.engines.errors import EngineStartError
 from rollsafe.adapters.engines.launch.output import OutputPump, redact
+from rollsafe.processes import pid_alive
 
 if TYPE_CHECKING:
     from rollsafe.adapters.engines.launch.fork_server import Proc
@@ -32,7 +33,6 @@ __all__ = [
     "Candidate",
     "descendants",
     "kill_group",
-    "pid_alive",
     "reap",
     "signal_group",
     "signal_pid",
@@ -43,23 +43,6 @@ __all__ = [
     "wait_gone",
     "watch_candidate",
 ]
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # state is the first field after the parenthesised command name
-        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
-    except (OSError, ValueError):
-        return True
 
 
 def signal_group(pgid: int, sig: int) -> None:

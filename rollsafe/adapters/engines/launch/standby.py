@@ -60,7 +60,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from rollsafe.adapters.engines.launch.fork_server import ZygoteLink
 from rollsafe.adapters.engines.launch.output import EngineLogs, OutputPump
@@ -72,25 +72,19 @@ from rollsafe.adapters.engines.launch.process_group import (
     stop_watchdog,
 )
 from rollsafe.adapters.engines.launch.spec import FORK_SERVER_FLAG, EngineSpec
+from rollsafe.ports import StandbyState, StartSource
 
 __all__ = [
     "STANDBY_STATES",
     "START_SOURCES",
     "Standby",
     "StandbyPool",
-    "StandbyState",
-    "StartSource",
 ]
 
 log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
 
-#: A launcher's warm standby right now: ``ready`` (idle, imports done: a start takes it at
-#: once), ``warming`` (being spawned or still importing: a start waits for it, racing it
-#: against a fresh spawn after what a fresh spawn costs) or ``none`` (no standby: off, not
-#: started, or stopped).
-StandbyState = Literal["none", "warming", "ready"]
-#: Where the last start's engine came from.
-StartSource = Literal["ready_standby", "warming_standby", "fresh_spawn"]
+#: every value of :data:`~rollsafe.ports.StandbyState` / :data:`~rollsafe.ports.StartSource` (the
+#: types live in rollsafe.ports, the port recovery reads them through)
 STANDBY_STATES: tuple[StandbyState, ...] = ("none", "warming", "ready")
 START_SOURCES: tuple[StartSource, ...] = ("ready_standby", "warming_standby", "fresh_spawn")
 

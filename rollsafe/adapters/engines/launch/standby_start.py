@@ -13,48 +13,65 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from rollsafe.adapters.engines.launch.fork_server import (
     FORK_TIMEOUT_S,
     ForkedProcess,
     PendingFork,
+    Proc,
     _ZygoteError,
     request_fork,
 )
-from rollsafe.adapters.engines.launch.output import OutputPump
+from rollsafe.adapters.engines.launch.output import EngineLogs, OutputPump
 from rollsafe.adapters.engines.launch.process_group import Candidate, watch_candidate
+from rollsafe.adapters.engines.launch.readiness import StartAttempt
 from rollsafe.adapters.engines.launch.spec import EngineSpec
-from rollsafe.adapters.engines.launch.standby import Standby, StartSource
+from rollsafe.adapters.engines.launch.standby import Standby, StandbyPool
+from rollsafe.ports import StartSource
 
-if TYPE_CHECKING:
-    from rollsafe.adapters.engines.launcher import EngineLauncher
-
-__all__ = ["race", "start_forked"]
+__all__ = ["StartHost", "race", "start_forked"]
 
 log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
 
 
-def start_forked(launcher: EngineLauncher, sb: Standby, spec: EngineSpec, cmd: list[str]) -> bool:
+@dataclass(frozen=True)
+class StartHost:
+    """What a start from the standby needs of the launcher it works for. The launcher builds
+    one per start (``EngineLauncher._host``); this module never reaches into the launcher."""
+
+    owner: object  # whose garbage collection reaps an installed engine (watch_candidate)
+    pool: StandbyPool
+    logs: EngineLogs
+    install: Callable[[Candidate], None]  # make a candidate the launcher's engine
+    fresh_candidate: Callable[[EngineSpec, list[str]], Candidate]  # spawned, not installed
+    attempt: Callable[[Proc, list[str]], StartAttempt]  # the installed engine's start
+    fresh_start_estimate: Callable[[], float | None]  # what a fresh spawn costs (None: unknown)
+
+    def launch_fresh(self, spec: EngineSpec, cmd: list[str]) -> None:
+        """Spawn a fresh engine and install it."""
+        self.install(self.fresh_candidate(spec, cmd))
+
+
+def start_forked(launcher: StartHost, sb: Standby, spec: EngineSpec, cmd: list[str]) -> bool:
     """Fork the engine from the ready zygote ``sb`` and install it; False (zygote dropped,
     fallback counted) if it could not."""
     try:
         pending = request_fork(sb, spec)
         cand = _forked_candidate(launcher, pending, spec, cmd, FORK_TIMEOUT_S)
     except _ZygoteError as exc:
-        launcher._standby.drop(sb)
-        launcher._standby.fallback(
-            f"the standby (pid {sb.proc.pid}) could not fork the engine: {exc}"
-        )
+        launcher.pool.drop(sb)
+        launcher.pool.fallback(f"the standby (pid {sb.proc.pid}) could not fork the engine: {exc}")
         return False
-    launcher._install(cand)
+    launcher.install(cand)
     return True
 
 
-def race(launcher: EngineLauncher, sb: Standby, spec: EngineSpec, cmd: list[str]) -> StartSource:
+def race(launcher: StartHost, sb: Standby, spec: EngineSpec, cmd: list[str]) -> StartSource:
     """A start while the zygote still imports: send it the fork request (served once its
     imports are done), wait for that engine alone at most
-    :meth:`~EngineLauncher.fresh_start_estimate` seconds (what a fresh spawn would cost; no
+    ``host.fresh_start_estimate()`` seconds (what a fresh spawn would cost; no
     estimate: no wait), then also spawn a fresh engine; install whichever prints its ready line
     first, kill the other. The zygote stays either way (a fork it serves after losing is killed
     on arrival).
@@ -69,7 +86,7 @@ def race(launcher: EngineLauncher, sb: Standby, spec: EngineSpec, cmd: list[str]
 
 
 def _forked_candidate(
-    launcher: EngineLauncher, pending: PendingFork, spec: EngineSpec, cmd: list[str], timeout: float
+    launcher: StartHost, pending: PendingFork, spec: EngineSpec, cmd: list[str], timeout: float
 ) -> Candidate:
     """The engine of an answered fork request (waiting up to ``timeout`` s for the answer);
     :class:`_ZygoteError` if the zygote did not fork it."""
@@ -84,20 +101,18 @@ def _forked_candidate(
     proc = ForkedProcess(
         ticket.pid, sb.link, os.fdopen(pending.out_r, "rb"), os.fdopen(pending.err_r, "rb")
     )
-    log_path = launcher._logs.new("engine", cmd, spec.secrets())
+    log_path = launcher.logs.new("engine", cmd, spec.secrets())
     pump = OutputPump(proc, log_path, spec.secrets())
     sb.forks += 1
     pump.note(f"forked by the warm standby (zygote pid {sb.proc.pid}): pid {proc.pid}")
-    return watch_candidate(launcher, spec, proc, pump)
+    return watch_candidate(launcher.owner, spec, proc, pump)
 
 
 class _Race:
     """One race between a warming zygote's fork and a fresh spawn (see :func:`race`)."""
 
-    def __init__(
-        self, launcher: EngineLauncher, sb: Standby, spec: EngineSpec, cmd: list[str]
-    ) -> None:
-        self.launcher, self.pool = launcher, launcher._standby
+    def __init__(self, launcher: StartHost, sb: Standby, spec: EngineSpec, cmd: list[str]) -> None:
+        self.launcher, self.pool = launcher, launcher.pool
         self.sb, self.spec, self.cmd = sb, spec, cmd
         self.forked: Candidate | None = None  # the zygote's engine, once forked
         self.running: dict[StartSource, Candidate | None] = {}  # the contenders still in
@@ -120,7 +135,7 @@ class _Race:
     def _fresh_instead(self, why: str) -> StartSource:
         """The zygote failed: count the fallback and install a fresh spawn."""
         self.pool.fallback(f"the standby (pid {self.sb.proc.pid}) {why}")
-        self.launcher._launch_fresh(self.spec, self.cmd)
+        self.launcher.launch_fresh(self.spec, self.cmd)
         return "fresh_spawn"
 
     def _zygote_turn(self) -> Candidate | str | None:
@@ -155,7 +170,7 @@ class _Race:
                 if forked is not None and (
                     forked.pump.ready_event.is_set() or forked.proc.poll() is not None
                 ):
-                    self.launcher._install(forked)
+                    self.launcher.install(forked)
                     return "warming_standby"
                 time.sleep(0.01)
         except BaseException:
@@ -167,7 +182,7 @@ class _Race:
 
     def _spawn_fresh_contender(self, bound: float | None) -> None:
         """Step 2: spawn a fresh engine next to the zygote's."""
-        self.fresh = self.launcher._fresh_candidate(self.spec, self.cmd)
+        self.fresh = self.launcher.fresh_candidate(self.spec, self.cmd)
         self.pool.stats["raced"] += 1
         log.info(
             "engine start: the standby (pid %d) is still importing after %.1fs (what a fresh "
@@ -251,10 +266,10 @@ class _Race:
             )
             self.pool.fallback(f"the standby (pid {self.sb.proc.pid}) {why}")
         chosen = self.running.get(winner) or self.fresh
-        self.launcher._install(chosen)
+        self.launcher.install(chosen)
         if not chosen.pump.ready_event.is_set() and chosen.proc.poll() is None:
             # nobody was ready in time
-            raise self.launcher._attempt(chosen.proc, self.cmd).fail(
+            raise self.launcher.attempt(chosen.proc, self.cmd).fail(
                 f"no ready line within {self.spec.ready_timeout:.1f}s (standby and fresh spawn)",
                 timeout=True,
             )
