@@ -1,8 +1,8 @@
 """Benchmark recovery on CPU as a distribution: crashes at random points of a running rollout.
 
 A real :class:`~rollsafe.fleet.fleet.RolloutFleet` of one 1-rank reference-engine group (the
-tiny Llama of ``make_tiny_model``), the demo's in-process :class:`~rollsafe.demo_trainer.Trainer` and
-one rollout client thread (the demo's :class:`~rollsafe.demo.RolloutLoad`) run steps shaped like
+tiny Llama of ``make_tiny_model``), the demo's in-process
+:class:`~rollsafe.demo_trainer.Trainer` and one rollout client thread (the demo's :class:`~rollsafe.demo.RolloutLoad`) run steps shaped like
 ``rollsafe demo``'s: a rollout phase (``--rollout-s``), a train step, a weight sync (``ipc``)
 with an asynchronous HF export; immediate recovery and the targeted push are on (the demo's
 configuration). Crashes (SIGKILL of the engine's rank 0) come at random points of the rollout
