@@ -2,15 +2,15 @@
 
 A real :class:`~rollsafe.fleet.fleet.RolloutFleet` of one 1-rank reference-engine group (the
 tiny Llama of ``make_tiny_model``), the demo's in-process
-:class:`~rollsafe.demo_trainer.Trainer` and one rollout client thread (the demo's :class:`~rollsafe.demo.RolloutLoad`) run steps shaped like
-``rollsafe demo``'s: a rollout phase (``--rollout-s``), a train step, a weight sync (``ipc``)
-with an asynchronous HF export; immediate recovery and the targeted push are on (the demo's
-configuration). Crashes (SIGKILL of the engine's rank 0) come at random points of the rollout
-phases: after each recovery the next crash is due either at once (probability
-``--right-after``: the first rollout instant after the group is back, while a warm standby is
-still importing) or after a quiet time drawn uniformly from ``[0, --max-gap-s]``, whatever the
-step is doing then (an export being written, a sync just done...). Crashes never overlap: the
-next one waits until the previous recovery finished.
+:class:`~rollsafe.demo_trainer.Trainer` and one rollout client thread (the demo's
+:class:`~rollsafe.demo.RolloutLoad`) run steps shaped like ``rollsafe demo``'s: a rollout phase
+(``--rollout-s``), a train step, a weight sync (``ipc``) with an asynchronous HF export;
+immediate recovery and the targeted push are on (the demo's configuration). Crashes (SIGKILL of
+the engine's rank 0) come at random points of the rollout phases: after each recovery the next
+crash is due either at once (probability ``--right-after``: the first rollout instant after the
+group is back, while a warm standby is still importing) or after a quiet time drawn uniformly
+from ``[0, --max-gap-s]``, whatever the step is doing then (an export being written, a sync just
+done...). Crashes never overlap: the next one waits until the previous recovery finished.
 
 Modes (one fleet each, ``--crashes`` crashes each): **warm_standby** (``FleetConfig.warm_standby
 =True``: one standby per group, the demo's default; the standby is a resident fork server, so a
