@@ -294,9 +294,10 @@ def _sglang_gpu_totals(tensor: torch.Tensor, seed: int = SGLANG_GPU_SEED) -> tor
     if n == 0:
         return None
     if n >= 1 << 31:
-        raise ValueError(
+        raise InvalidArgument(
+            "tensor",
             f"sglang gpu hash: {n} 32-bit words; SGLang's kernel indexes words with int32 and "
-            "cannot hash a tensor of 8 GiB or more"
+            "cannot hash a tensor of 8 GiB or more",
         )
     seed1 = seed & _M32
     seed2 = ((seed * 0x9E3779B1) ^ 0xDEADBEEF) & _M32

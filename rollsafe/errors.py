@@ -13,6 +13,7 @@ The tree (other bases in brackets, then where the class lives)::
     RollsafeError
     ├── MissingExtra [ImportError]                    rollsafe.errors
     ├── InvalidArgument [ValueError]                  rollsafe.errors (a caller's input)
+    │   ├── InvalidArgumentType [TypeError]           rollsafe.errors (of the wrong type)
     │   └── FleetConfigError                          rollsafe.fleet (also a FleetError)
     ├── BucketFormatError [ValueError]                rollsafe.errors (wire)
     ├── HFIndexError [ValueError]                     rollsafe.wire.hf_index
@@ -81,7 +82,13 @@ this tree.
 
 from __future__ import annotations
 
-__all__ = ["BucketFormatError", "InvalidArgument", "MissingExtra", "RollsafeError"]
+__all__ = [
+    "BucketFormatError",
+    "InvalidArgument",
+    "InvalidArgumentType",
+    "MissingExtra",
+    "RollsafeError",
+]
 
 
 class RollsafeError(Exception):
@@ -110,6 +117,12 @@ class InvalidArgument(RollsafeError, ValueError):
     def __init__(self, key: str, message: str) -> None:
         self.key = key
         super().__init__(message)
+
+
+class InvalidArgumentType(InvalidArgument, TypeError):
+    """An :class:`InvalidArgument` of the wrong type (an object that is not a listener, an
+    exporter or an ``int``, or options given beside an object they would build): also a
+    ``TypeError``, which callers already catch."""
 
 
 class BucketFormatError(RollsafeError, ValueError):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from rollsafe.digest_check import DigestCheck, compare_digests, compare_ranks
+from rollsafe.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import torch
@@ -273,9 +274,9 @@ class EngineTarget:
 
     def __post_init__(self) -> None:
         if not self.ranks:
-            raise ValueError(f"EngineTarget {self.name!r} has no ranks")
+            raise InvalidArgument("ranks", f"EngineTarget {self.name!r} has no ranks")
         if self.tp_size < 1:
-            raise ValueError(f"EngineTarget {self.name!r}: tp_size must be >= 1")
+            raise InvalidArgument("tp_size", f"EngineTarget {self.name!r}: tp_size must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -155,10 +155,14 @@ def test_no_two_exception_classes_share_a_name() -> None:
 
 def _bad_argument_calls() -> list[tuple[str, Any]]:
     from rollsafe.adapters.engines import EngineSpec, RetryPolicy, make_client
+    from rollsafe.adapters.engines.contract import load_contract
     from rollsafe.checksum import algorithm_for
+    from rollsafe.fleet import FleetRegistry
+    from rollsafe.ports import EngineTarget
     from rollsafe.statemachines import CheckpointRegistration, WorkerGroupLifecycle
     from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
-    from rollsafe.transports import IPCTransport, NCCLTransport
+    from rollsafe.transports import DiskTransport, IPCTransport, NCCLTransport
+    from rollsafe.verify.model import ModelConfig
     from rollsafe.wire.bucket import pack_buckets
     from rollsafe.wire.shm import new_shared_buffer
 
@@ -178,20 +182,36 @@ def _bad_argument_calls() -> list[tuple[str, Any]]:
         ("EngineSpec.port", lambda: EngineSpec(model_path="m", port=70000)),
         ("RetryPolicy.max_backoff_s", lambda: RetryPolicy(max_backoff_s=-1.0)),
         ("dialect", lambda: make_client("trt", "http://127.0.0.1:1")),  # type: ignore[arg-type]
+        ("EngineSpec.max_model_len", lambda: EngineSpec(model_path="m", max_model_len=64)),
+        ("EngineSpec.cpu_cores", lambda: EngineSpec(model_path="m", cpu_cores=[0, 0])),
+        ("ranks", lambda: EngineTarget("g0", (), client=None)),  # type: ignore[arg-type]
+        ("failure_threshold", lambda: ModelConfig(failure_threshold=0)),
+        ("engine", lambda: load_contract("trt")),  # type: ignore[arg-type]
+        ("listener", lambda: FleetRegistry().add_listener(object())),
+        ("version", lambda: FleetRegistry().set_fleet_version("3")),  # type: ignore[arg-type]
+        ("exporter_or_root", lambda: DiskTransport(3)),  # type: ignore[arg-type]
     ]
 
 
-@pytest.mark.parametrize("index", range(15))
+#: refusals of an object of the wrong type: InvalidArgumentType, also a TypeError
+_WRONG_TYPE = {"listener", "version", "exporter_or_root"}
+
+
+@pytest.mark.parametrize("index", range(23))
 def test_a_refused_argument_is_a_named_error_carrying_its_key(index: int) -> None:
     """One shape for bad input: :class:`InvalidArgument` (still a ``ValueError``) with ``key``,
-    and the message names the key."""
-    from rollsafe.errors import InvalidArgument
+    and the message names the key; a refused type is also a ``TypeError``."""
+    from rollsafe.errors import InvalidArgument, InvalidArgumentType
 
-    key, call = _bad_argument_calls()[index]
+    calls = _bad_argument_calls()
+    assert len(calls) == 23  # the parametrization covers every row
+    key, call = calls[index]
     with pytest.raises(InvalidArgument) as info:
         call()
     assert info.value.key == key and key in str(info.value)
     assert isinstance(info.value, ValueError) and isinstance(info.value, RollsafeError)
+    assert isinstance(info.value, InvalidArgumentType) == (key in _WRONG_TYPE)
+    assert isinstance(info.value, TypeError) == (key in _WRONG_TYPE)
 
 
 def test_the_fleet_config_error_is_an_invalid_argument() -> None:

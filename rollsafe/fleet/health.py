@@ -51,6 +51,7 @@ from typing import Any, NamedTuple, TypeAlias
 import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
 from rollsafe.concurrency import DaemonCall
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.registry import FleetRegistry, WorkerGroup
 from rollsafe.fleet.settings import HealthSettings, with_overrides
 from rollsafe.operations import probe as probe_op
@@ -94,8 +95,9 @@ def client_health_probe(group: WorkerGroup, timeout_s: float) -> ProbeResult:
     request per client, never retried: the manager's consecutive-failure threshold is the retry.
     """
     if not group.clients:
-        raise ValueError(
-            f"worker group {group.group_id!r} has no engine clients; pass a probe function"
+        raise InvalidArgument(
+            "clients",
+            f"worker group {group.group_id!r} has no engine clients; pass a probe function",
         )
     for client in group.clients:
         client.health(timeout=timeout_s, retry=False)

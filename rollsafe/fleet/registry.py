@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollsafe.errors import InvalidArgument, RollsafeError
+from rollsafe.errors import InvalidArgument, InvalidArgumentType, RollsafeError
 from rollsafe.ports import EngineClient
 from rollsafe.statemachines.events import GroupEvent, event_name
 from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
@@ -410,8 +410,9 @@ class FleetRegistry:
     def add_listener(self, listener: object) -> None:
         """Register ``listener`` (any object with at least one of :data:`LISTENER_HOOKS`)."""
         if not any(callable(getattr(listener, h, None)) for h in LISTENER_HOOKS):
-            raise TypeError(
-                f"{listener!r} is not a fleet listener: it has none of {list(LISTENER_HOOKS)}"
+            raise InvalidArgumentType(
+                "listener",
+                f"{listener!r} is not a fleet listener: it has none of {list(LISTENER_HOOKS)}",
             )
         with self._lock:
             if any(existing is listener for existing in self._listeners):
@@ -441,7 +442,7 @@ class FleetRegistry:
     def set_fleet_version(self, version: int) -> int:
         """Move the fleet to ``version`` (equal is a no-op; lower raises, changing nothing)."""
         if isinstance(version, bool) or not isinstance(version, int):
-            raise TypeError(f"fleet version must be an int, got {version!r}")
+            raise InvalidArgumentType("version", f"fleet version must be an int, got {version!r}")
         with self._lock:
             if version < self._version:
                 raise FleetVersionRegression(self._version, version)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from rollsafe.errors import InvalidArgument
+from rollsafe.errors import InvalidArgument, InvalidArgumentType
 from rollsafe.fleet.registry import FleetError
 
 if TYPE_CHECKING:
@@ -202,9 +202,10 @@ class TransportSettings:
             cls.__module__,
             cls.__qualname__,
         ):
-            raise TypeError(
+            raise InvalidArgumentType(
+                "transport",
                 f"transport {cls.transport!r} is already registered by "
-                f"{known.__module__}.{known.__qualname__}; pick another name"
+                f"{known.__module__}.{known.__qualname__}; pick another name",
             )
         TRANSPORT_SETTINGS[cls.transport] = cls
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.transports.pipeline import alloc_buffer
 
 __all__ = ["contiguous_copy", "flatten_parameters"]
@@ -58,7 +59,9 @@ def _copy_into_buffers(
     groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
     for name, t in named.items():
         if t.layout != torch.strided or t.device.type == "meta":
-            raise ValueError(f"{what} {name!r}: cannot flatten a {t.layout} tensor on {t.device}")
+            raise InvalidArgument(
+                name, f"{what} {name!r}: cannot flatten a {t.layout} tensor on {t.device}"
+            )
         groups.setdefault((t.device, t.dtype), []).append(name)
     views: dict[str, torch.Tensor] = {}
     flats: list[torch.Tensor] = []

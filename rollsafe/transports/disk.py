@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollsafe.errors import InvalidArgument
+from rollsafe.errors import InvalidArgument, InvalidArgumentType
 from rollsafe.ports import EngineTarget
 from rollsafe.statemachines import ExportLease, ExportLifecycle
 from rollsafe.transports.base import RegisterError, StagedTransport, TransportError
@@ -86,9 +86,10 @@ class DiskTransport(StagedTransport):
                     str(self.root), f"export root {str(self.root)!r} is not a directory"
                 )
         else:
-            raise TypeError(
-                "DiskTransport needs an HFExporter or an export root directory, got "
-                f"{type(exporter_or_root).__name__}"
+            raise InvalidArgumentType(
+                "exporter_or_root",
+                "DiskTransport(exporter_or_root=...) needs an HFExporter or an export root "
+                f"directory, got {type(exporter_or_root).__name__}",
             )
         if export_timeout <= 0 or request_timeout <= 0:
             raise InvalidArgument(

@@ -43,6 +43,7 @@ from statemachine.exceptions import TransitionNotAllowed
 import rollsafe.invariants as invariants
 import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
+from rollsafe.errors import InvalidArgument
 from rollsafe.invariants import (
     ExportPicture,
     FleetPicture,
@@ -110,12 +111,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.ranks < 1:
-            raise ValueError(f"need at least one group of one rank, got {self}")
+            raise InvalidArgument("groups", f"need groups >= 1 and ranks >= 1, got {self}")
         if self.failure_threshold < 1:
-            raise ValueError(f"failure_threshold must be >= 1, got {self.failure_threshold}")
+            raise InvalidArgument(
+                "failure_threshold", f"failure_threshold must be >= 1, got {self.failure_threshold}"
+            )
         if policy.engine_traits(self.engine) is policy.UNKNOWN_ENGINE:
             known = sorted({kind for kind, _ in policy.ENGINE_TRAITS})
-            raise ValueError(f"engine must be one of {known}, got {self.engine!r}")
+            raise InvalidArgument("engine", f"engine must be one of {known}, got {self.engine!r}")
 
     @property
     def traits(self) -> policy.EngineTraits:

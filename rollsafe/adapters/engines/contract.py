@@ -26,7 +26,7 @@ from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
-from rollsafe.errors import RollsafeError
+from rollsafe.errors import InvalidArgument, RollsafeError
 
 __all__ = [
     "PINNED_VERSIONS",
@@ -441,8 +441,10 @@ def _load(engine: str, version: str) -> EngineContract:
     try:
         text = ref.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ValueError(
-            f"no committed contract {name} (regenerate: tools/upstream_contract.py)"
+        raise InvalidArgument(
+            "version",
+            f"no committed contract {name} for version {version!r} "
+            "(regenerate: tools/upstream_contract.py)",
         ) from None
     return EngineContract(json.loads(text))
 
@@ -477,5 +479,7 @@ def contract_version_for(engine: EngineName, server_version: str) -> str:
 def load_contract(engine: EngineName, version: str | None = None) -> EngineContract:
     """The pinned (or the given) release's contract; parsed once per process."""
     if engine not in PINNED_VERSIONS:
-        raise ValueError(f"unknown engine {engine!r} (known: {', '.join(PINNED_VERSIONS)})")
+        raise InvalidArgument(
+            "engine", f"unknown engine {engine!r} (known: {', '.join(PINNED_VERSIONS)})"
+        )
     return _load(engine, version or PINNED_VERSIONS[engine])

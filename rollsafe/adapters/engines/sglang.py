@@ -238,8 +238,9 @@ class SGLangClient(HttpEngineClient):
         """POST ``/update_weights_from_distributed``; blocks while the trainer broadcasts, so
         call it concurrently with the broadcast."""
         if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(
-                f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}"
+            raise InvalidArgument(
+                "names",
+                f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}",
             )
         body: dict[str, Any] = {
             "names": list(names),

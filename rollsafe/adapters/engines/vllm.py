@@ -585,8 +585,9 @@ class VLLMClient(HttpEngineClient):
         """
         _only_group("update_weights_from_distributed", group_name)
         if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(
-                f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}"
+            raise InvalidArgument(
+                "names",
+                f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}",
             )
         wt = self._weights_timeout(timeout)
         update_info: dict[str, Any] = {

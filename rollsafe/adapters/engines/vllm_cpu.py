@@ -36,6 +36,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.vllm_plugin import BACKEND as ROLLSAFE_GLOO_BACKEND
 
 __all__ = [
@@ -154,9 +155,10 @@ def _positive_int(value: object) -> bool:
 
 
 def check_vllm_spec(spec: Any) -> None:
-    """Refuse, with a ``ValueError`` naming the field, what a vLLM spec cannot start with:
-    the vLLM-only fields on another kind, a CPU server with sleep mode or an accelerator-only
-    weight-transfer backend, cores on an accelerator, and malformed values."""
+    """Refuse, with an :class:`~rollsafe.errors.InvalidArgument` naming the field, what a vLLM
+    spec cannot start with: the vLLM-only fields on another kind, a CPU server with sleep mode
+    or an accelerator-only weight-transfer backend, cores on an accelerator, and malformed
+    values."""
     vllm_only = {
         "max_model_len": spec.max_model_len,
         "dtype": spec.dtype,
@@ -168,47 +170,56 @@ def check_vllm_spec(spec: Any) -> None:
     if spec.kind != "vllm":
         for name, value in vllm_only.items():
             if value is not None:
-                raise ValueError(
+                raise InvalidArgument(
+                    f"EngineSpec.{name}",
                     f"EngineSpec.{name}={value!r} applies to kind='vllm' only, got "
-                    f"kind={spec.kind!r}"
+                    f"kind={spec.kind!r}",
                 )
         if spec.cpu_cores is not None:  # the reference engine: its process bound to them
             _check_cores(spec)
         return
     if spec.weight_transfer_backend is not None and not spec.weight_transfer_backend:
-        raise ValueError(
+        raise InvalidArgument(
+            "EngineSpec.weight_transfer_backend",
             "EngineSpec.weight_transfer_backend must be a backend name or None (by device), "
-            "not empty"
+            "not empty",
         )
     if spec.max_model_len is not None and not _positive_int(spec.max_model_len):
-        raise ValueError(
-            f"EngineSpec.max_model_len must be a positive int, got {spec.max_model_len!r}"
+        raise InvalidArgument(
+            "EngineSpec.max_model_len",
+            f"EngineSpec.max_model_len must be a positive int, got {spec.max_model_len!r}",
         )
     if spec.kv_cache_bytes is not None and not _positive_int(spec.kv_cache_bytes):
-        raise ValueError(
-            f"EngineSpec.kv_cache_bytes must be a positive int (bytes), got {spec.kv_cache_bytes!r}"
+        raise InvalidArgument(
+            "EngineSpec.kv_cache_bytes",
+            "EngineSpec.kv_cache_bytes must be a positive int (bytes), got "
+            f"{spec.kv_cache_bytes!r}",
         )
     if spec.dtype is not None and spec.dtype not in VLLM_DTYPES:
-        raise ValueError(
+        raise InvalidArgument(
+            "EngineSpec.dtype",
             f"EngineSpec.dtype must be one of {', '.join(VLLM_DTYPES)} (vLLM's --dtype), got "
-            f"{spec.dtype!r}"
+            f"{spec.dtype!r}",
         )
     if spec.device != "cpu":
         if spec.cpu_cores is not None:
-            raise ValueError(
-                f"EngineSpec.cpu_cores applies to device='cpu' only, got device={spec.device!r}"
+            raise InvalidArgument(
+                "EngineSpec.cpu_cores",
+                f"EngineSpec.cpu_cores applies to device='cpu' only, got device={spec.device!r}",
             )
         return
     if spec.release_memory:
-        raise ValueError(
+        raise InvalidArgument(
+            "EngineSpec.release_memory",
             "EngineSpec.release_memory=True needs an accelerator: vLLM refuses "
-            "--enable-sleep-mode on CPU (device='cpu'); leave it None or False"
+            "--enable-sleep-mode on CPU (device='cpu'); leave it None or False",
         )
     if spec.weight_transfer_backend in ACCELERATOR_ONLY_BACKENDS:
-        raise ValueError(
+        raise InvalidArgument(
+            "EngineSpec.weight_transfer_backend",
             f"EngineSpec.weight_transfer_backend={spec.weight_transfer_backend!r} needs an "
             f"accelerator (device='cpu'): leave it None for {ROLLSAFE_GLOO_BACKEND!r}, "
-            "rollsafe's gloo backend"
+            "rollsafe's gloo backend",
         )
     if spec.cpu_cores is not None:
         _check_cores(spec)
@@ -217,7 +228,7 @@ def check_vllm_spec(spec: Any) -> None:
 def _check_cores(spec: Any) -> None:
     problem = check_cpu_cores(spec.cpu_cores, spec.ranks)
     if problem is not None:
-        raise ValueError(f"EngineSpec.cpu_cores {problem}")
+        raise InvalidArgument("EngineSpec.cpu_cores", f"EngineSpec.cpu_cores {problem}")
     object.__setattr__(spec, "cpu_cores", tuple(spec.cpu_cores))
 
 

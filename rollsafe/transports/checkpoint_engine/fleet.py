@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rollsafe.errors import InvalidArgumentType
 from rollsafe.ports import EngineTarget, NamedTensors, TargetResult, UpdateReport
 from rollsafe.statemachines import CheckpointRegistration, TransitionNotAllowed
 from rollsafe.transports.base import (
@@ -177,7 +178,9 @@ class CheckpointEngineFleetTransport:
         **options: Any,
     ) -> None:
         if transport is not None and options:
-            raise TypeError(f"pass either transport= or its options, not both: {sorted(options)}")
+            raise InvalidArgumentType(
+                "transport", f"pass either transport= or its options, not both: {sorted(options)}"
+            )
         self.inner = transport if transport is not None else CheckpointEngineTransport(**options)
         self.fleet_world_size = fleet_world_size
         self.registration = CheckpointRegistration(
