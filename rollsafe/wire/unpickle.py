@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from rollsafe.errors import RollsafeError
+from rollsafe.wire.dtypes import WIRE_DTYPES
 from rollsafe.wire.shm import open_segment
 
 __all__ = ["MAX_OPCODES", "MAX_PAYLOAD_BYTES", "UnsafePayload", "loads", "scan"]
@@ -123,24 +124,8 @@ class _Storage:
         self.dtype = dtype
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float32",
-        "float16",
-        "bfloat16",
-        "float64",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e5m2",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
+#: the dtypes a payload may name (those a weight may travel as)
+_DTYPES = WIRE_DTYPES
 _ALLOWED_DTYPES = frozenset(_DTYPES.values())
 
 
