@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import pytest
 from fleet_sim import make_fleet
+from operations_helpers import rewritten
 
 import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
@@ -226,19 +227,12 @@ def hands_over_inline(original: Callable[..., probe_op.Steps]) -> Callable[..., 
     """The sequence with one step changed: the failed group is handed over ``inline`` (its
     recovery run on the probe thread) instead of queued for the recovery coordinator."""
 
-    def changed(group: str, threshold: int) -> Generator[fx.Effect, fx.Outcome, ProbeEnd]:
-        steps = original(group, threshold)
-        effect = next(steps)
-        while True:
-            if isinstance(effect, fx.GroupFailed):
-                effect = replace(effect, handoff=policy.Handoff.INLINE)
-            outcome = yield effect
-            try:
-                effect = steps.send(outcome)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+    def rewrite(effect: fx.Effect) -> list[fx.Effect]:
+        if isinstance(effect, fx.GroupFailed):
+            return [replace(effect, handoff=policy.Handoff.INLINE)]
+        return [effect]
 
-    return changed
+    return rewritten(original, rewrite)
 
 
 def test_changing_one_step_changes_what_verify_reports(monkeypatch: pytest.MonkeyPatch) -> None:

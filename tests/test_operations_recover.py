@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from operations_helpers import rewritten
 from test_fleet_recovery import WAIT_S, SimFleet, fail_group
 
 import rollsafe.operations.effects as fx
@@ -428,20 +429,12 @@ def forgets_the_lease_on_a_time_out(
     """The restart phase with one step changed: a restart that timed out never releases its
     lease (the case only the fleet had before the attempt was written once)."""
 
-    def changed(*args: Any, **kw: Any) -> Generator[fx.Effect, fx.Outcome, AttemptEnd | None]:
-        steps = original(*args, **kw)
-        outcome: fx.Outcome | None = None
-        while True:
-            try:
-                effect = steps.send(outcome) if outcome is not None else next(steps)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            if isinstance(effect, fx.ReleaseLease) and effect.once_restart_ends:
-                outcome = fx.Ok()  # skipped
-                continue
-            outcome = yield effect
+    def rewrite(effect: fx.Effect) -> list[fx.Effect] | fx.Outcome:
+        if isinstance(effect, fx.ReleaseLease) and effect.once_restart_ends:
+            return fx.Ok()  # skipped
+        return [effect]
 
-    return changed
+    return rewritten(original, rewrite)
 
 
 def reports_before_the_push(
@@ -450,19 +443,12 @@ def reports_before_the_push(
     """The locked push with one step changed: the members report the pushed version before
     the push has loaded it (marking the weights loaded too early)."""
 
-    def changed(*args: Any, **kw: Any) -> Generator[fx.Effect, fx.Outcome, Any]:
-        steps = original(*args, **kw)
-        outcome: fx.Outcome | None = None
-        while True:
-            try:
-                effect = steps.send(outcome) if outcome is not None else next(steps)
-            except StopIteration as stop:
-                return stop.value
-            if isinstance(effect, fx.TargetedPush):
-                yield fx.ReportMembers(effect.group, effect.version)
-            outcome = yield effect
+    def rewrite(effect: fx.Effect) -> list[fx.Effect]:
+        if isinstance(effect, fx.TargetedPush):
+            return [fx.ReportMembers(effect.group, effect.version), effect]
+        return [effect]
 
-    return changed
+    return rewritten(original, rewrite)
 
 
 def test_changing_one_step_changes_what_verify_reports(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,11 +11,12 @@ clean in both.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
 from fleet_sim import make_fleet
+from operations_helpers import rewritten
 from test_fleet_sync import MemoryTransport, tensors, versions
 
 import rollsafe.operations.effects as fx
@@ -244,23 +245,16 @@ def records_every_target(
 ) -> Callable[..., sync_op.Steps]:
     """The sequence with one step changed: every targeted group records N, whatever its
     update's outcome (the bug of recording versions before the update is settled)."""
+    targeted: list[str] = []
 
-    def changed(version: int, **kw: Any) -> Generator[fx.Effect, fx.Outcome, SyncResult]:
-        steps = original(version, **kw)
-        targeted: tuple[str, ...] = ()
-        effect = next(steps)
-        while True:
-            if isinstance(effect, fx.Update):
-                targeted = tuple(g.group_id for g in effect.groups)
-            elif isinstance(effect, fx.RecordVersions):
-                effect = fx.RecordVersions(targeted, effect.version)
-            outcome = yield effect
-            try:
-                effect = steps.send(outcome)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+    def rewrite(effect: fx.Effect) -> list[fx.Effect]:
+        if isinstance(effect, fx.Update):
+            targeted[:] = [g.group_id for g in effect.groups]
+        elif isinstance(effect, fx.RecordVersions):
+            return [fx.RecordVersions(tuple(targeted), effect.version)]
+        return [effect]
 
-    return changed
+    return rewritten(original, rewrite)
 
 
 def test_changing_one_step_changes_what_verify_reports(monkeypatch: pytest.MonkeyPatch) -> None:
