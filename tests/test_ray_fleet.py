@@ -94,8 +94,11 @@ def test_groups_on_two_nodes_serve_sync_over_nccl_and_recover_a_sigkill(
         # one node per group, both workers (the head offers no `rollout`), spread apart
         assert set(nodes.values()) == worker_ids(cluster), nodes
         assert fleet.snapshot()["placement"] == {"kind": "ray", "nodes": nodes}
+        node_ip = ray.util.get_node_ip_address()  # every node of this cluster is this machine
         for gid, group in groups.items():
             assert ray.get(group.actor.node_id.remote()) == nodes[gid]  # the actor is there
+            assert group.url.startswith(f"http://{node_ip}:")  # the engine is on its node's IP
+            assert group.spec.api_key  # and, reachable from the network, has a key
             assert group.placement is not None
             assert len(group.placement.bundles) == cfg.groups[int(gid[1])].ranks
             assert len(group.rank_pids) == cfg.groups[int(gid[1])].ranks

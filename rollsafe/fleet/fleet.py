@@ -26,6 +26,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -424,6 +425,9 @@ class RolloutFleet:
         )
         self.world_size = sum(g.ranks for g in self._groups)
         self._launchers: dict[str, LaunchableEngine] = {}
+        #: the API key of engines that ``placement="ray"`` binds to their node's IP when
+        #: ``engine_options`` names none (one per fleet; docs/cluster.md)
+        self._engine_key = secrets.token_urlsafe(32)
         #: the Ray placer of ``placement="ray"`` (None until start(), or for "local")
         self.placer: GroupPlacer | None = None
         self._export_machines: dict[int, Any] = {}
@@ -495,6 +499,10 @@ class RolloutFleet:
 
         options = dict(self.config.engine_options)
         options.setdefault("weight_version", str(self.config.initial_version))
+        cfg = self.config
+        if cfg.placement == "ray" and cfg.ray.bind_node_ip and options.get("api_key") is None:
+            # engines on a node's IP are reachable from the network: never without a key
+            options["api_key"] = self._engine_key
         return EngineSpec(
             model_path=str(self.config.model_path),
             ranks=group.ranks,
