@@ -18,12 +18,14 @@ live on whichever node Ray placed it on:
   engine and keeps actor, placement and warm standby; without it (the fleet's close) it also
   ends the actor and gives the placement back.
 
-Every Ray call has a timeout; the warm standby's status is read with a short one and falls back
-to what the last start reported (``standby_status()`` must not block).
+Every Ray call has a timeout; the warm standby's status is the actor's last report, refreshed in
+the background (``standby_status()`` never waits for Ray: a metrics scrape of many groups
+costs no round trips).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Callable, Mapping
@@ -38,9 +40,6 @@ if TYPE_CHECKING:
     from rollsafe.ports import StandbyState, StartSource
 
 __all__ = ["RayEngineGroup", "ray_engine_factory"]
-
-#: seconds a status read of the actor may take before the cached answer is used
-STATUS_TIMEOUT_S = 2.0
 
 
 class RayEngineGroup:
@@ -75,6 +74,8 @@ class RayEngineGroup:
         self._client: SGLangClient | VLLMClient | None = None
         self._info: dict[str, Any] = {}
         self._standby: dict[str, Any] = {"state": "none", "last_start_source": None, "status": {}}
+        self._refresh_lock = threading.Lock()
+        self._refreshing = False  # a standby view is on its way from the actor
         #: how many times the group was placed again after its actor (or node) was lost
         self.replacements = 0
 
@@ -128,8 +129,8 @@ class RayEngineGroup:
         return source
 
     def standby_status(self) -> dict[str, Any]:
-        """The warm standby as the actor sees it now (the last start's view if it does not
-        answer within :data:`STATUS_TIMEOUT_S`), plus ``node_id``."""
+        """The warm standby as the actor last reported it (never waits: a fresh view is asked
+        for in the background), plus ``node_id``."""
         view = self._read_standby()
         return {**dict(view.get("status") or {}), "node_id": self.node_id}
 
@@ -175,18 +176,19 @@ class RayEngineGroup:
         import ray
 
         actor = self._actor  # not under the lock: a stop interrupts a start in progress
-        if actor is not None:
-            try:
+        try:
+            if actor is not None:
                 ray.get(
                     actor.stop.remote(timeout=timeout, keep_standby=keep_standby),
                     timeout=timeout + self.call_timeout_s,
                 )
-            except ray.exceptions.RayActorError:
-                pass  # the actor (or its node) is gone, and its engine with it
-        with self._lock:
-            self._drop_client()
-            if not keep_standby:
-                self._forget()
+        except ray.exceptions.RayActorError:
+            pass  # the actor (or its node) is gone, and its engine with it
+        finally:  # a stop that did not answer still ends the actor (its watchdog: the engine)
+            with self._lock:
+                self._drop_client()
+                if not keep_standby:
+                    self._forget()
 
     def kill(self) -> None:
         """SIGKILL the engine group (and its standby) inside the actor; the actor stays."""
@@ -254,17 +256,30 @@ class RayEngineGroup:
             self._standby = self._call("standby")
 
     def _read_standby(self) -> dict[str, Any]:
-        import ray
-
+        """The last standby view the actor sent; asks it for a fresh one in the background
+        (one request in flight at most), so a read never waits for Ray."""
         actor = self._actor
-        if actor is None:
-            return self._standby
-        try:
-            view: dict[str, Any] = ray.get(actor.standby.remote(), timeout=STATUS_TIMEOUT_S)
-        except Exception:
-            return self._standby
-        self._standby = view
-        return view
+        if actor is not None:
+            with self._refresh_lock:
+                ask = not self._refreshing
+                self._refreshing = True
+            if ask:
+                try:
+                    future = actor.standby.remote().future()
+                except Exception:
+                    with self._refresh_lock:
+                        self._refreshing = False
+                else:
+                    future.add_done_callback(self._took_standby)
+        return self._standby
+
+    def _took_standby(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._refresh_lock:
+            self._refreshing = False
+        with contextlib.suppress(Exception):  # the actor died: keep the last view
+            view = future.result()
+            if isinstance(view, dict):
+                self._standby = view
 
     def _call(self, method: str, *args: Any) -> Any:
         import ray
