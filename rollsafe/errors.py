@@ -58,6 +58,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── HandoffError [ValueError]                     rollsafe.adapters.reference_engine
     ├── LayoutError [ValueError]                      rollsafe.engine_layout
     ├── ForkRequestError [ValueError]                 rollsafe.adapters.reference_engine.zygote
+    ├── PlacementUnavailable [RuntimeError]           rollsafe.adapters.ray.placement
     ├── FleetError                                    rollsafe.fleet
     │   ├── UnknownGroup [KeyError]
     │   ├── DuplicateGroup, OverlappingRanks, FleetVersionRegression [ValueError]

@@ -11,7 +11,9 @@ to import another to name it:
   transport contract every
   :mod:`rollsafe.transports` transport implements;
 * :class:`RestartableEngine` (with :data:`StandbyState`, :data:`StartSource`): what recovery
-  needs from one engine group's handle (``EngineLauncher`` has it).
+  needs from one engine group's handle (``EngineLauncher`` has it), and
+  :class:`LaunchableEngine`, that plus the first ``start()``: what a fleet's launcher factory
+  returns (``EngineLauncher``; ``RayEngineGroup`` for ``FleetConfig(placement="ray")``).
 
 Each protocol declares every capability the fleet uses (a targeted push, a restart from a
 path with a weight version, a stop that keeps the warm standby, the standby's status): the
@@ -41,6 +43,7 @@ __all__ = [
     "EngineClient",
     "EngineTarget",
     "GenerateResult",
+    "LaunchableEngine",
     "MemoryTag",
     "NamedTensors",
     "PauseMode",
@@ -425,3 +428,14 @@ class RestartableEngine(Protocol):
     def last_start_source(self) -> StartSource | None: ...
 
     def standby_status(self) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class LaunchableEngine(RestartableEngine, Protocol):
+    """A :class:`RestartableEngine` the fleet also starts: what ``FleetConfig.launcher_factory``
+    returns for each group. ``start()`` returns once the group is ready (its ``client``
+    answers); ``EngineLauncher`` (processes on this machine) and
+    ``rollsafe.adapters.ray.RayEngineGroup`` (processes in a Ray actor on the node Ray placed
+    the group on) implement it."""
+
+    def start(self) -> object: ...

@@ -199,3 +199,19 @@ def test_the_probe_check_catches_a_probe() -> None:
 def test_the_fleet_calls_ports_without_probing(module: str) -> None:
     found = probes((FLEET / module).read_text(), all_port_members())
     assert found == [], f"rollsafe/fleet/{module} probes a port: {found}"
+
+
+def test_the_ray_engine_group_declares_every_launchable_engine_member() -> None:
+    """``FleetConfig(placement="ray")``'s handle has what recovery and the fleet call (no Ray
+    needed to check it: nothing here imports Ray)."""
+    from rollsafe.adapters.ray import RayEngineGroup
+    from rollsafe.ports import LaunchableEngine
+
+    assert RestartableEngine in LaunchableEngine.__mro__
+    assert port_members(LaunchableEngine) == {"start"}  # what it adds
+    for name in ENGINE_PROPERTIES:
+        assert isinstance(inspect.getattr_static(RayEngineGroup, name), property), name
+    for method, kwargs in ENGINE_CALLS.items():
+        assert_takes(getattr(RayEngineGroup, method), **kwargs)
+    assert_takes(RayEngineGroup.start)
+    assert_takes(EngineLauncher.start)

@@ -7,7 +7,8 @@ What is here so far, in dependency order (each module imports only the ones abov
 * :mod:`~rollsafe.policy`: every decision of the components below, as pure functions
   (``rollsafe verify`` explores the same functions); :mod:`~rollsafe.invariants`: what
   consistent means, one named function per invariant;
-* :mod:`~rollsafe.fleet.settings`: :class:`HealthSettings`, :class:`RecoverySettings` and one
+* :mod:`~rollsafe.fleet.settings`: :class:`HealthSettings`, :class:`RecoverySettings`,
+  :class:`RaySettings` (``FleetConfig(placement="ray")``, ``docs/cluster.md``) and one
   settings class per transport (:class:`NcclSettings`, :class:`CheckpointEngineSettings`,
   :class:`IpcSettings`, :class:`DiskSettings`), the one source of the components'
   defaults; a new fleet transport is one :class:`TransportSettings` subclass (it builds the
@@ -78,6 +79,7 @@ from rollsafe.fleet.settings import (
     HealthSettings,
     IpcSettings,
     NcclSettings,
+    RaySettings,
     RecoverySettings,
     TransportContext,
     TransportSettings,
@@ -119,6 +121,7 @@ __all__ = [
     "Probe",
     "ProbeOutcome",
     "ProbeResult",
+    "RaySettings",
     "RecoveryClosed",
     "RecoveryCoordinator",
     "RecoveryError",

@@ -26,6 +26,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,6 +43,7 @@ from rollsafe.fleet.registry import FleetError, FleetRegistry
 from rollsafe.fleet.request_health import RequestHealth
 from rollsafe.fleet.router import RoutedResult, Router
 from rollsafe.fleet.settings import (
+    PLACEMENTS,
     TRANSPORT_SETTINGS,
     CheckpointEngineSettings,
     DiskSettings,
@@ -49,6 +51,7 @@ from rollsafe.fleet.settings import (
     HealthSettings,
     IpcSettings,
     NcclSettings,
+    RaySettings,
     RecoverySettings,
     TransportContext,
     TransportSettings,
@@ -64,10 +67,11 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from rollsafe.adapters.engines import EngineLauncher, EngineSpec
+    from rollsafe.adapters.ray import GroupPlacer
     from rollsafe.digest_check import DigestCheck
     from rollsafe.hf import HFExporter
     from rollsafe.observe.metrics import FleetMetrics
-    from rollsafe.ports import WeightTransport
+    from rollsafe.ports import LaunchableEngine, WeightTransport
     from rollsafe.statemachines.base import TransitionRecord
 
 __all__ = ["TRANSPORTS", "FleetConfig", "FleetNotStarted", "GroupSpec", "RolloutFleet"]
@@ -100,8 +104,9 @@ class GroupSpec:
     warm_standby: bool | None = None
 
 
-#: ``launcher_factory(group_id, spec)`` returns an un-started launcher for the group.
-LauncherFactory = Callable[[str, "EngineSpec"], "EngineLauncher"]
+#: ``launcher_factory(group_id, spec)`` returns an un-started launcher for the group (an
+#: ``EngineLauncher``, or any :class:`~rollsafe.ports.LaunchableEngine`).
+LauncherFactory = Callable[[str, "EngineSpec"], "LaunchableEngine"]
 
 
 @dataclass
@@ -152,6 +157,14 @@ class FleetConfig:
     targeted push is P2P to the restarted group's ranks only. With a vLLM engine, engines off
     the trainer's GPU or no CUDA, the fleet builds ``nccl`` instead and logs one warning naming
     the reason (:attr:`RolloutFleet.transport_fallback`).
+
+    ``placement``: where each group's engine processes run: ``"local"`` (default: children of
+    this process, :class:`~rollsafe.adapters.engines.EngineLauncher`) or ``"ray"`` (in a Ray
+    actor on the node Ray places the group on, one ``STRICT_PACK`` placement group per group,
+    groups spread over nodes: :class:`~rollsafe.adapters.ray.RayEngineGroup`, settings in
+    ``ray=RaySettings(...)``, ``RAY_ADDRESS`` joins an existing cluster; ``docs/cluster.md``).
+    ``transport="ipc"`` is refused with ``placement="ray"`` (it hands CUDA/shared-memory
+    handles to engines on the trainer's machine only). A ``launcher_factory`` wins over both.
     """
 
     model_path: str | os.PathLike[str]
@@ -177,6 +190,8 @@ class FleetConfig:
     nccl: NcclSettings = field(default_factory=NcclSettings)
     checkpoint_engine: CheckpointEngineSettings = field(default_factory=CheckpointEngineSettings)
     disk: DiskSettings = field(default_factory=DiskSettings)
+    placement: str = "local"
+    ray: RaySettings = field(default_factory=RaySettings)
     #: settings of transports defined outside rollsafe, by name (a missing one: its defaults)
     transport_settings: Mapping[str, TransportSettings] = field(default_factory=dict)
 
@@ -251,7 +266,11 @@ class FleetConfig:
                 " (or define a TransportSettings subclass)",
             )
         options = dict(self.engine_options or {})
-        kinds: dict[str, type] = {"health": HealthSettings, "recovery": RecoverySettings}
+        kinds: dict[str, type] = {
+            "health": HealthSettings,
+            "recovery": RecoverySettings,
+            "ray": RaySettings,
+        }
         kinds.update((t, TRANSPORT_SETTINGS[t]) for t in _TRANSPORT_FIELDS)
         for name, cls in kinds.items():
             if not isinstance(getattr(self, name), cls):
@@ -271,6 +290,16 @@ class FleetConfig:
                 want = registered.__name__ if registered else "registered TransportSettings"
                 raise FleetConfigError(key, f"must be a {want} object, got {given!r}")
         self.settings_for().check_engines(options)
+        if self.placement not in PLACEMENTS:
+            raise FleetConfigError(
+                "placement", f"must be one of {PLACEMENTS}, got {self.placement!r}"
+            )
+        if self.placement == "ray" and self.transport == "ipc":
+            raise FleetConfigError(
+                "transport",
+                "'ipc' reaches engines on the trainer's machine only; with placement='ray' "
+                "use 'nccl' (or 'disk' with an export_root every node reads)",
+            )
         check_number("rearm_after", self.rearm_after, integer=True)
         check_number("initial_version", self.initial_version, integer=True, zero=True)
         check_number("router_max_attempts", self.router_max_attempts, integer=True)
@@ -395,7 +424,12 @@ class RolloutFleet:
             request_timeout_s=config.request_timeout_s,
         )
         self.world_size = sum(g.ranks for g in self._groups)
-        self._launchers: dict[str, EngineLauncher] = {}
+        self._launchers: dict[str, LaunchableEngine] = {}
+        #: the API key of engines that ``placement="ray"`` binds to their node's IP when
+        #: ``engine_options`` names none (one per fleet; docs/cluster.md)
+        self._engine_key = secrets.token_urlsafe(32)
+        #: the Ray placer of ``placement="ray"`` (None until start(), or for "local")
+        self.placer: GroupPlacer | None = None
         self._export_machines: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._started = False
@@ -432,7 +466,22 @@ class RolloutFleet:
         return self._started and not self._closed
 
     def launcher(self, group_id: str) -> EngineLauncher:
-        """The launcher owning ``group_id``'s engine processes (chaos tests kill ranks here)."""
+        """The launcher owning ``group_id``'s engine processes (chaos tests kill ranks here);
+        :class:`FleetError` when the group is not run by an ``EngineLauncher`` (use
+        :meth:`engine`)."""
+        from rollsafe.adapters.engines import EngineLauncher
+
+        engine = self.engine(group_id)
+        if not isinstance(engine, EngineLauncher):
+            raise FleetError(
+                f"group {group_id!r} runs in a {type(engine).__name__}, not an EngineLauncher "
+                f"(placement={self.config.placement!r}): use fleet.engine({group_id!r})"
+            )
+        return engine
+
+    def engine(self, group_id: str) -> LaunchableEngine:
+        """The handle of ``group_id``'s engine: an ``EngineLauncher``, a ``RayEngineGroup``
+        (``placement="ray"``) or what the ``launcher_factory`` made."""
         self._require_started()
         return self._launchers[group_id]
 
@@ -450,6 +499,10 @@ class RolloutFleet:
 
         options = dict(self.config.engine_options)
         options.setdefault("weight_version", str(self.config.initial_version))
+        cfg = self.config
+        if cfg.placement == "ray" and cfg.ray.bind_node_ip and options.get("api_key") is None:
+            # engines on a node's IP are reachable from the network: never without a key
+            options["api_key"] = self._engine_key
         return EngineSpec(
             model_path=str(self.config.model_path),
             ranks=group.ranks,
@@ -472,7 +525,7 @@ class RolloutFleet:
         self.started_at = time.time()
         try:
             self._build_control_plane()
-            factory = self.config.launcher_factory or _default_launcher
+            factory = self.config.launcher_factory or self._default_factory()
             for g in self._groups:
                 self._launchers[g.group_id] = factory(g.group_id, self._spec(g))
             with concurrent.futures.ThreadPoolExecutor(len(self._groups)) as pool:
@@ -511,6 +564,29 @@ class RolloutFleet:
             raise
         self.start_seconds = time.monotonic() - t0
         return self
+
+    def _default_factory(self) -> LauncherFactory:
+        """``EngineLauncher`` for ``placement="local"``; for ``"ray"``, join Ray (``RAY_ADDRESS``
+        or ``ray.address``; a new local Ray otherwise) and place each group in its own
+        placement group (:mod:`rollsafe.adapters.ray`)."""
+        cfg = self.config
+        if cfg.placement != "ray":
+            return _default_launcher
+        from rollsafe.adapters.ray import GroupPlacer, init_ray, ray_engine_factory
+
+        settings = cfg.ray
+        init_ray(**({"address": settings.address} if settings.address else {}))
+        self.placer = GroupPlacer(
+            settings.resources_per_rank,
+            timeout_s=settings.placement_timeout_s,
+            spread=settings.spread,
+            name_prefix=f"rollsafe-{os.getpid()}-{id(self):x}",
+        )
+        return ray_engine_factory(
+            self.placer,
+            start_timeout_s=cfg.start_timeout_s,
+            bind_node_ip=settings.bind_node_ip,
+        )
 
     def _build_control_plane(self) -> None:
         from rollsafe.hf import HFExporter
@@ -869,6 +945,10 @@ class RolloutFleet:
         return {
             "started": self.started,
             "transport": self.config.transport,
+            "placement": {
+                "kind": self.config.placement,
+                "nodes": self.placer.nodes() if self.placer is not None else {},
+            },
             "registry": self.registry.snapshot(),
             "dispatch_counts": self.registry.dispatch_counts(),
             "mode": self.mode.state,

@@ -43,6 +43,7 @@ __all__ = [
     "HealthSettings",
     "IpcSettings",
     "NcclSettings",
+    "RaySettings",
     "RecoverySettings",
     "TransportContext",
     "TransportSettings",
@@ -148,6 +149,51 @@ class RecoverySettings:
                 "recovery.remaining_work_s",
                 f"must be a callable or None, got {self.remaining_work_s!r}",
             )
+
+
+#: The values of :attr:`FleetConfig.placement <rollsafe.fleet.FleetConfig>`.
+PLACEMENTS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """How ``FleetConfig(placement="ray")`` places groups (``docs/cluster.md``).
+
+    ``resources_per_rank``: the Ray resources one engine rank reserves (one bundle per rank,
+    a group's bundles packed on one node: ``{"CPU": 1.0}``, ``{"GPU": 1.0, "CPU": 2.0}``, a
+    custom resource that marks rollout nodes...); ``placement_timeout_s``: how long a group's
+    placement may wait for room; ``spread``: hint each group at the node holding the fewest of
+    the fleet's groups; ``address``: the cluster to join (None: ``RAY_ADDRESS``, else a new
+    local Ray; an already initialised Ray is used as it is); ``bind_node_ip``: engines listen
+    on their node's IP so the trainer's node reaches them (False: ``engine_options["host"]``,
+    loopback by default, which only a one-machine cluster reaches)."""
+
+    resources_per_rank: Mapping[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    placement_timeout_s: float = 60.0
+    spread: bool = True
+    address: str | None = None
+    bind_node_ip: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.resources_per_rank, Mapping) or not self.resources_per_rank:
+            raise FleetConfigError(
+                "ray.resources_per_rank",
+                f"must be a non-empty mapping of Ray resources, got {self.resources_per_rank!r}",
+            )
+        for name, amount in self.resources_per_rank.items():
+            check_number(f"ray.resources_per_rank[{name!r}]", amount, zero=True)
+        if not any(v > 0 for v in self.resources_per_rank.values()):
+            raise FleetConfigError(
+                "ray.resources_per_rank", "needs one resource > 0 (Ray refuses empty bundles)"
+            )
+        check_number("ray.placement_timeout_s", self.placement_timeout_s)
+        for name in ("spread", "bind_node_ip"):
+            if not isinstance(getattr(self, name), bool):
+                raise FleetConfigError(
+                    f"ray.{name}", f"must be a bool, got {getattr(self, name)!r}"
+                )
+        if self.address is not None and (not isinstance(self.address, str) or not self.address):
+            raise FleetConfigError("ray.address", f"must be None or a string, got {self.address!r}")
 
 
 #: transport name -> its settings class (filled by defining a :class:`TransportSettings`

@@ -1,4 +1,4 @@
-"""Ray integration: ``init_ray()`` and ``EngineActor``, a Ray actor owning one engine group.
+"""The Ray actor that owns one engine group: ``EngineHost`` / ``EngineActor``, and ``init_ray()``.
 
 ``EngineActor`` runs an :class:`~rollsafe.adapters.engines.EngineLauncher` on the node it is
 scheduled on, so an engine group's processes live and die with the actor's node placement. It is
@@ -9,6 +9,9 @@ a threaded actor (``max_concurrency`` > 1): a health probe or ``url()`` answers 
 Ray is imported only when ``init_ray()`` is called or ``EngineActor`` / ``engine_actor()`` is
 first used, so ``import rollsafe.adapters`` and ``rollsafe.adapters.engines`` work without it.
 The plain class :class:`EngineHost` holds the logic and can be used (and tested) without Ray.
+With ``bind_node_ip=True`` the engine listens on the IP of the node the actor runs on (Ray's
+``get_node_ip_address()``), so the URL it reports reaches it from another node
+(:class:`~rollsafe.adapters.ray.group.RayEngineGroup` uses that).
 """
 
 from __future__ import annotations
@@ -60,7 +63,9 @@ class EngineHost:
     answers (False) while a restart is in progress instead of waiting for it.
     """
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, *, bind_node_ip: bool = False) -> None:
+        if bind_node_ip:
+            spec = dataclasses.replace(spec, host=_node_ip())
         self._spec = spec
         self._launcher = EngineLauncher(spec)
         self._lock = threading.Lock()
@@ -93,14 +98,19 @@ class EngineHost:
         tokenizer_path: str | None = None,
         load_format: str | None = None,
         skip_load_weights: bool | None = None,
+        weight_version: str | None = None,
+        stop_timeout: float = 10.0,
     ) -> dict[str, Any]:
-        """Stop and start again with overrides; return the new ready info."""
+        """Stop and start again with overrides (:meth:`EngineLauncher.restart`); return the new
+        ready info."""
         with self._lock:
             self._launcher.restart(
                 model_path=model_path,
                 tokenizer_path=tokenizer_path,
                 load_format=load_format,
                 skip_load_weights=skip_load_weights,
+                weight_version=weight_version,
+                stop_timeout=stop_timeout,
             )
             return self._launcher.ready_info
 
@@ -142,6 +152,15 @@ class EngineHost:
             return {"pid": self._launcher.pid, "rank_pids": self._launcher.rank_pids}
         except RuntimeError:
             return {"pid": None, "rank_pids": []}
+
+    def standby(self) -> dict[str, Any]:
+        """The warm standby without the launcher lock (answers during a restart):
+        ``{"state": ..., "last_start_source": ..., "status": {...}}``."""
+        return {
+            "state": self._launcher.standby_state,
+            "last_start_source": self._launcher.last_start_source,
+            "status": self._launcher.standby_status(),
+        }
 
     def spec(self) -> dict[str, Any]:
         return dataclasses.asdict(self._launcher.spec)
@@ -188,6 +207,13 @@ class EngineHost:
         if method.startswith("_"):
             raise AttributeError(f"refusing to call private client method {method!r}")
         return getattr(self._launcher.client, method)(*args, **kwargs)
+
+
+def _node_ip() -> str:
+    import ray
+
+    api: Any = ray.util  # get_node_ip_address() is untyped
+    return str(api.get_node_ip_address())
 
 
 def engine_actor(**options: Any) -> Any:

@@ -1,0 +1,47 @@
+"""Ray integration: engine groups in Ray actors, placed on the nodes of a Ray cluster.
+
+==========================================  ==================================================
+module                                      owns
+==========================================  ==================================================
+:mod:`~rollsafe.adapters.ray.actor`         ``EngineHost`` / ``EngineActor``: one engine
+                                            group's launcher inside a Ray actor; ``init_ray``
+:mod:`~rollsafe.adapters.ray.placement`     one placement group per engine group (its ranks
+                                            packed on one node, groups spread over nodes)
+:mod:`~rollsafe.adapters.ray.group`         ``RayEngineGroup``: the fleet's handle of a
+                                            Ray-placed group (a ``RestartableEngine``)
+==========================================  ==================================================
+
+Nothing here imports Ray until it is used (``init_ray()``, ``EngineActor``, a placement or a
+group's start), so ``import rollsafe.adapters.ray`` works without Ray installed.
+``docs/cluster.md`` has the design.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollsafe.adapters.ray.actor import EngineHost, engine_actor, init_ray
+from rollsafe.adapters.ray.group import RayEngineGroup, ray_engine_factory
+from rollsafe.adapters.ray.placement import GroupPlacer, Placement, PlacementUnavailable
+
+# EngineActor is provided lazily by the module-level __getattr__ below.
+__all__ = [
+    "EngineActor",
+    "EngineHost",
+    "GroupPlacer",
+    "Placement",
+    "PlacementUnavailable",
+    "RayEngineGroup",
+    "engine_actor",
+    "init_ray",
+    "ray_engine_factory",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # ``EngineActor`` is built on first access so that importing this package does not import Ray
+    if name == "EngineActor":
+        from rollsafe.adapters.ray import actor
+
+        return actor.EngineActor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

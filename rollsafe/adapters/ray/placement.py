@@ -1,0 +1,163 @@
+"""One Ray placement group per engine group: its ranks packed on one node, groups spread.
+
+:class:`GroupPlacer` reserves, for one engine group of ``ranks`` processes, one bundle of
+``resources_per_rank`` per rank in a ``STRICT_PACK`` placement group (a TP group never spans
+nodes), and spreads the groups of one fleet over the nodes: each placement is hinted at the
+alive node that fits the group and holds the fewest of this placer's groups (Ray's
+``_soft_target_node_id``, a hint for ``STRICT_PACK`` groups: a node without room is passed
+over by Ray itself). :meth:`GroupPlacer.place` returns once Ray reserved the bundles, as a
+:class:`Placement` naming the node, or raises :class:`PlacementUnavailable` after
+``timeout_s`` (no node has room: the group waits, see ``docs/cluster.md``).
+
+Ray is imported when a placement is made, not when this module is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rollsafe.errors import InvalidArgument, RollsafeError
+
+__all__ = ["GroupPlacer", "Placement", "PlacementUnavailable"]
+
+
+class PlacementUnavailable(RollsafeError, RuntimeError):
+    """No node of the Ray cluster had room for a group's placement within the time allowed;
+    nothing stays reserved. ``group_id``, ``bundles`` (one per rank) and ``timeout_s`` say
+    which group asked for what."""
+
+    def __init__(
+        self, group_id: str, bundles: list[dict[str, float]], timeout_s: float, why: str = ""
+    ) -> None:
+        self.group_id = group_id
+        self.bundles = bundles
+        self.timeout_s = timeout_s
+        detail = f": {why}" if why else ""
+        super().__init__(
+            f"group {group_id!r}: no Ray node had room for {len(bundles)} bundle(s) of "
+            f"{bundles[0] if bundles else {}} packed on one node within {timeout_s:g} s{detail}"
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A group's reservation: the Ray placement group ``pg`` (its bundle 0 hosts the group's
+    actor), the ``node_id`` (hex) every bundle is on and the ``bundles`` reserved."""
+
+    group_id: str
+    pg: Any
+    node_id: str
+    bundles: tuple[Mapping[str, float], ...]
+
+
+class GroupPlacer:
+    """Places the engine groups of one fleet (thread-safe: groups start concurrently).
+
+    ``resources_per_rank``: Ray resources one engine rank needs (``{"CPU": 1.0}``,
+    ``{"GPU": 1.0}``, a custom resource...); ``timeout_s``: how long :meth:`place` waits for
+    Ray to reserve them; ``spread``: hint each group at the node holding the fewest of this
+    placer's groups (False: Ray chooses); ``name_prefix``: placement groups are named
+    ``{name_prefix}-{group_id}-{n}`` (visible in ``ray status`` / the dashboard)."""
+
+    def __init__(
+        self,
+        resources_per_rank: Mapping[str, float] | None = None,
+        *,
+        timeout_s: float = 60.0,
+        spread: bool = True,
+        name_prefix: str = "rollsafe",
+    ) -> None:
+        bundle = dict(resources_per_rank if resources_per_rank is not None else {"CPU": 1.0})
+        for name, amount in bundle.items():
+            if not isinstance(amount, (int, float)) or isinstance(amount, bool) or amount < 0:
+                raise InvalidArgument(
+                    f"resources_per_rank[{name!r}]", f"must be a number >= 0, got {amount!r}"
+                )
+        if not any(v > 0 for v in bundle.values()):
+            raise InvalidArgument(
+                "resources_per_rank",
+                f"needs one resource > 0 (Ray refuses empty bundles): {bundle}",
+            )
+        if timeout_s <= 0:
+            raise InvalidArgument("timeout_s", f"must be > 0, got {timeout_s!r}")
+        self.bundle = {k: float(v) for k, v in bundle.items()}
+        self.timeout_s = float(timeout_s)
+        self.spread = spread
+        self.name_prefix = name_prefix
+        self._lock = threading.Lock()
+        self._held: dict[str, str] = {}  # group id -> node id of its live placement (or hint)
+        self._made = 0
+
+    def bundles(self, ranks: int) -> list[dict[str, float]]:
+        """The bundles of a group of ``ranks`` processes: one :attr:`bundle` per rank."""
+        return [dict(self.bundle) for _ in range(ranks)]
+
+    def nodes(self) -> dict[str, str]:
+        """``{group_id: node_id}`` of every group this placer holds a placement for."""
+        with self._lock:
+            return dict(self._held)
+
+    def place(self, group_id: str, ranks: int) -> Placement:
+        """Reserve ``ranks`` bundles packed on one node for ``group_id``; wait up to
+        :attr:`timeout_s`. Raises :class:`PlacementUnavailable` (nothing left reserved)."""
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        bundles = self.bundles(ranks)
+        with self._lock:
+            target = self._target_node(ranks) if self.spread else None
+            self._made += 1
+            name = f"{self.name_prefix}-{group_id}-{self._made}"
+            if target is not None:
+                self._held[group_id] = target  # counted while Ray places it
+        hint: dict[str, Any] = {"_soft_target_node_id": target} if target is not None else {}
+        pg = placement_group(bundles, strategy="STRICT_PACK", name=name, **hint)
+        try:
+            ray.get(pg.ready(), timeout=self.timeout_s)
+        except Exception as exc:
+            self._drop(group_id)
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(pg)
+            why = "" if isinstance(exc, ray.exceptions.GetTimeoutError) else repr(exc)
+            raise PlacementUnavailable(group_id, bundles, self.timeout_s, why) from exc
+        node_id = str(placement_group_table(pg)["bundles_to_node_id"][0])
+        with self._lock:
+            self._held[group_id] = node_id
+        return Placement(group_id, pg, node_id, tuple(bundles))
+
+    def release(self, placement: Placement) -> None:
+        """Give the reservation back to Ray (idempotent; a dead node's is already gone)."""
+        import ray
+
+        self._drop(placement.group_id)
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(placement.pg)
+
+    def _drop(self, group_id: str) -> None:
+        with self._lock:
+            self._held.pop(group_id, None)
+
+    def _target_node(self, ranks: int) -> str | None:
+        """The alive node whose total resources fit the group and that holds the fewest of this
+        placer's groups (ties: Ray's node order); None when no node fits (Ray decides)."""
+        import ray
+
+        api: Any = ray  # ray.nodes() is untyped
+        load = Counter(self._held.values())
+        best: tuple[int, int, str] | None = None
+        for order, node in enumerate(api.nodes()):
+            if not node.get("Alive"):
+                continue
+            total: Mapping[str, float] = node.get("Resources", {})
+            if any(total.get(k, 0.0) < v * ranks for k, v in self.bundle.items()):
+                continue
+            node_id = str(node["NodeID"])
+            key = (load[node_id], order, node_id)
+            if best is None or key < best:
+                best = key
+        return None if best is None else best[2]

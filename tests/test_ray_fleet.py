@@ -1,0 +1,173 @@
+"""``FleetConfig(placement="ray")`` on a real multi-node Ray cluster on this machine.
+
+A head node and two worker nodes (``ray.cluster_utils.Cluster``: each its own raylet, 1 CPU and
+a custom ``rollout`` resource); the fleet joins through ``RAY_ADDRESS``. Its groups are placed
+one placement group each (ranks packed on one node, groups spread over the workers), serve
+rollouts and take an ``nccl`` (gloo) sync with checksums equal; a SIGKILLed engine recovers
+through the group's Ray handle on its node; a removed node's group leaves routing and is placed
+again on a node with room. Needs Ray (skipped without it, failed under ``CI=true``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import pid_alive, tiny_model_dir  # noqa: F401  (fixture)
+from ray_cluster import local_cluster, require_ray, wait_for
+
+from rollsafe.checksum import weights_checksum
+from rollsafe.fleet import (
+    FleetConfig,
+    FleetError,
+    GroupSpec,
+    HealthSettings,
+    RaySettings,
+    RolloutFleet,
+)
+
+ray = require_ray()
+pytestmark = pytest.mark.ray_cluster
+
+from rollsafe.adapters.ray import RayEngineGroup  # noqa: E402
+
+PROMPT = [3, 14, 15, 92, 65]
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
+#: each worker node offers room for this many engine ranks
+ROOM = 4
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    with local_cluster([{"rollout": ROOM}, {"rollout": ROOM}], head_resources={"head": 1}) as c:
+        yield c
+
+
+def ray_config(model: Path, tmp_path: Path, groups: list[GroupSpec]) -> FleetConfig:
+    return FleetConfig(
+        model_path=model,
+        export_root=tmp_path / "exports",
+        groups=groups,
+        transport="nccl",
+        placement="ray",
+        ray=RaySettings(resources_per_rank={"rollout": 1.0}, placement_timeout_s=60.0),
+        health=HealthSettings(interval_s=0.2, timeout_s=2.0, failure_threshold=2),
+        start_timeout_s=240.0,
+    )
+
+
+def trained_weights(model_dir: Path, delta: float) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(delta)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def handles(fleet: RolloutFleet) -> dict[str, RayEngineGroup]:
+    out = {}
+    for gid in fleet.group_ids:
+        engine = fleet.engine(gid)
+        assert isinstance(engine, RayEngineGroup), engine
+        out[gid] = engine
+    return out
+
+
+def worker_ids(cluster: Any) -> set[str]:
+    return {n.node_id for n in cluster.worker_nodes}
+
+
+def test_groups_on_two_nodes_serve_sync_over_nccl_and_recover_a_sigkill(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    cfg = ray_config(tiny_model_dir, tmp_path, [GroupSpec(2), GroupSpec(1)])
+    with RolloutFleet(cfg) as fleet:
+        groups = handles(fleet)
+        nodes = {gid: g.node_id for gid, g in groups.items()}
+        # one node per group, both workers (the head offers no `rollout`), spread apart
+        assert set(nodes.values()) == worker_ids(cluster), nodes
+        assert fleet.snapshot()["placement"] == {"kind": "ray", "nodes": nodes}
+        node_ip = ray.util.get_node_ip_address()  # every node of this cluster is this machine
+        for gid, group in groups.items():
+            assert ray.get(group.actor.node_id.remote()) == nodes[gid]  # the actor is there
+            assert group.url.startswith(f"http://{node_ip}:")  # the engine is on its node's IP
+            assert group.spec.api_key  # and, reachable from the network, has a key
+            assert group.placement is not None
+            assert len(group.placement.bundles) == cfg.groups[int(gid[1])].ranks
+            assert len(group.rank_pids) == cfg.groups[int(gid[1])].ranks
+        assert [g.state for g in fleet.registry.groups()] == ["active", "active"]
+        with pytest.raises(FleetError, match="RayEngineGroup"):
+            fleet.launcher("g0")  # not an EngineLauncher: fleet.engine() is the handle
+        for group in groups.values():  # each engine answers on the URL its actor reported
+            assert len(group.client.generate(PROMPT, sampling_params=GREEDY).output_ids) == 6
+        served = {fleet.generate(PROMPT, sampling_params=GREEDY).group_id for _ in range(6)}
+        assert served <= {"g0", "g1"} and served
+
+        weights = trained_weights(tiny_model_dir, 0.01)
+        report = fleet.sync_weights(weights, 1)
+        assert report.ok and report.updated == ["g0", "g1"], report
+        want = weights_checksum(weights)["model"]
+        assert fleet.checksums() == {"g0": want, "g1": want}
+
+        victim = groups["g1"]
+        pid = victim.kill_rank(0)  # SIGKILL of the engine's rank on its node
+        assert wait_for(lambda: not pid_alive(pid), 30)
+        assert wait_for(
+            lambda: (
+                any(r.group_id == "g1" for r in fleet.recoveries())
+                and fleet.registry.get("g1").state == "active"
+            ),
+            180,
+        ), fleet.snapshot()["recoveries"]
+        result = [r for r in fleet.recoveries() if r.group_id == "g1"][-1]
+        assert result.status == "active", result
+        assert victim.node_id == nodes["g1"] and victim.replacements == 0  # same node
+        assert fleet.registry.get("g0").state == "active"
+        assert fleet.checksums() == {"g0": want, "g1": want}
+        out = victim.client.generate(PROMPT, sampling_params=GREEDY)
+        assert out.weight_version == "1" and len(out.output_ids) == 6
+        placer = fleet.placer
+        assert placer is not None
+    assert placer.nodes() == {}  # close gave every placement back
+    assert all(g.actor is None and g.placement is None for g in groups.values())
+
+
+def test_a_removed_node_takes_its_group_out_and_it_is_placed_again(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    cfg = ray_config(tiny_model_dir, tmp_path, [GroupSpec(1), GroupSpec(1)])
+    with RolloutFleet(cfg) as fleet:
+        groups = handles(fleet)
+        nodes = {gid: g.node_id for gid, g in groups.items()}
+        assert set(nodes.values()) == worker_ids(cluster), nodes
+        weights = trained_weights(tiny_model_dir, 0.02)
+        assert fleet.sync_weights(weights, 1).ok
+        want = weights_checksum(weights)["model"]
+
+        driver = ray.get_runtime_context().get_node_id()  # never remove the driver's node
+        lost = next(gid for gid in ("g1", "g0") if nodes[gid] != driver)
+        kept = "g0" if lost == "g1" else "g1"
+        doomed = next(n for n in cluster.worker_nodes if n.node_id == nodes[lost])
+        cluster.remove_node(doomed, allow_graceful=False)  # its raylet and every process die
+        assert wait_for(lambda: not fleet.registry.get(lost).is_routable, 60)
+        # the other group never stops serving, and no request reaches the lost one
+        for _ in range(4):
+            assert fleet.generate(PROMPT, sampling_params=GREEDY).group_id == kept
+        assert wait_for(lambda: fleet.registry.get(lost).state == "active", 240), fleet.snapshot()[
+            "recoveries"
+        ]
+        assert groups[lost].node_id == nodes[kept]  # placed again on the surviving worker
+        assert worker_ids(cluster) == {nodes[kept]}
+        assert groups[lost].replacements == 1 and groups[kept].replacements == 0
+        assert fleet.checksums() == {"g0": want, "g1": want}
+        out = groups[lost].client.generate(PROMPT, sampling_params=GREEDY)
+        assert out.weight_version == "1"
