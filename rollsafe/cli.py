@@ -46,12 +46,15 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         restart_budget=args.restart_budget,
         rearm_after=args.rearm_after,
         engine=args.engine,
+        node_loss=not args.no_node_loss,
+        removals=args.removals,
     )
     traits = config.traits
     print(
         f"exploring the composed fleet model: {config.groups} groups x {config.ranks} ranks,"
         f" {traits.kind} engines (a failed update "
         f"{'keeps' if traits.failed_update_keeps_weights else 'loses'} the old weights),"
+        f" node loss {'on' if config.node_loss else 'off'}, {config.removals} removal(s),"
         f" depth {args.depth}, real machines and policy"
         f" ({len(INVARIANTS)} invariants of rollsafe.invariants in every state)",
         flush=True,
@@ -142,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="vllm",
         help="whose failure semantics to explore (default vllm: a failed update loses the "
         "weights; reference: its SGLang dialect keeps them)",
+    )
+    p.add_argument(
+        "--no-node-loss",
+        action="store_true",
+        help="leave out node deaths, the watcher's reports and re-placement",
+    )
+    p.add_argument(
+        "--removals", type=int, default=1, help="groups one run may remove (default 1; 0: none)"
     )
     p.add_argument("--max-states", type=int, default=None, help="stop after this many states")
     p.add_argument("--all-violations", action="store_true", help="keep going after the first")

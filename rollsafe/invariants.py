@@ -25,16 +25,19 @@ __all__ = [
     "MemberPicture",
     "RecoveryPicture",
     "active_groups_whole_and_current",
+    "budget_spent_only_by_claims",
     "check_all",
     "fleet_version_never_decreases",
     "immediate_recovery_rearms",
     "late_export_never_used",
     "leases_held_by_recoveries",
+    "lost_node_groups_wait_unplaced",
     "no_delete_under_lease",
     "no_publish_on_failed_register",
     "policy_agrees_with_machines",
     "recorded_versions_are_true",
     "recovery_never_on_health_thread",
+    "removed_group_never_returns",
     "routable_iff_active",
     "unknown_weights_taken_out",
     "whole_group_transitions",
@@ -66,6 +69,13 @@ class GroupPicture:
     routable: bool
     restart_budget: int
     members: tuple[MemberPicture, ...]
+    #: the fleet was told its node died, and it was not placed again since (None: unknown)
+    node_lost: bool | None = None
+    #: its removal began (``remove_group``) (None: unknown)
+    removed: bool | None = None
+    #: the restart budget it started with, and the claims made on it (None: unknown)
+    initial_budget: int | None = None
+    claims: int | None = None
 
 
 @dataclass(frozen=True)
@@ -307,12 +317,46 @@ def unknown_weights_taken_out(p: FleetPicture) -> list[str]:
     ``pending_weights`` for a push into an engine that cannot take one."""
     out = []
     for g in p.groups:
-        if g.state in ("inactive", "recovering", "retired"):
+        if g.state in ("inactive", "recovering", "retired", "unplaced", "draining"):
             continue
         bad = [m.rank for m in g.members if m.alive and m.true_version == POISONED]
         if bad:
             out.append(f"{g.group_id} is {g.state} although r{bad} hold unknown weights")
     return out
+
+
+def lost_node_groups_wait_unplaced(p: FleetPicture) -> list[str]:
+    """A group whose node the fleet knows is dead is ``unplaced`` until it is placed again
+    (or removed: ``draining``, ``retired``): never routable, never claimed, never restarted on
+    the dead node."""
+    return [
+        f"{g.group_id} is {g.state} although its node was reported dead and it was not placed"
+        for g in p.groups
+        if g.node_lost and g.state not in ("unplaced", "draining", "retired")
+    ]
+
+
+def budget_spent_only_by_claims(p: FleetPicture) -> list[str]:
+    """The restart budget goes down by one per claim and by nothing else: a node loss and
+    the placement after it spend none (the engine did nothing wrong)."""
+    return [
+        f"{g.group_id} has budget {g.restart_budget} after {g.claims} claim(s) of "
+        f"{g.initial_budget}"
+        for g in p.groups
+        if g.initial_budget is not None
+        and g.claims is not None
+        and g.restart_budget != g.initial_budget - g.claims
+    ]
+
+
+def removed_group_never_returns(p: FleetPicture) -> list[str]:
+    """A group whose removal began is ``draining`` or ``retired`` from then on: never
+    routable again, never recovered."""
+    return [
+        f"{g.group_id} is {g.state} after its removal began"
+        for g in p.groups
+        if g.removed and g.state not in ("draining", "retired")
+    ]
 
 
 def policy_agrees_with_machines(p: FleetPicture) -> list[str]:
@@ -335,6 +379,9 @@ INVARIANTS: tuple[Callable[[FleetPicture], list[str]], ...] = (
     fleet_version_never_decreases,
     recovery_never_on_health_thread,
     unknown_weights_taken_out,
+    lost_node_groups_wait_unplaced,
+    budget_spent_only_by_claims,
+    removed_group_never_returns,
     policy_agrees_with_machines,
 )
 

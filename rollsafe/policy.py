@@ -44,10 +44,13 @@ __all__ = [
     "ExportVerdict",
     "GroupFacts",
     "Handoff",
+    "NodeLossPlan",
+    "PlacementGate",
     "ProbeVerdict",
     "PushPlan",
     "RecoveryGate",
     "RecoveryStart",
+    "RemovalPlan",
     "RestartOutcome",
     "RetentionPlan",
     "Sender",
@@ -56,16 +59,21 @@ __all__ = [
     "StrategyChoice",
     "TargetSelection",
     "UpdateFailurePolicy",
+    "after_drain",
+    "after_placement",
     "after_push",
     "after_restart",
     "choose_strategy",
     "engine_traits",
+    "gate_placement",
     "gate_recovery",
     "judge_export",
     "judge_probe",
     "judge_request_failures",
     "launch_events",
+    "on_node_lost",
     "plan_push",
+    "plan_removal",
     "plan_retention",
     "proceed_after_register",
     "select_targets",
@@ -542,6 +550,99 @@ def plan_retention(exports: Sequence[ExportFacts], keep_last: int) -> RetentionP
             continue
         delete.append(e.version)
     return RetentionPlan(tuple(supersede), tuple(delete), kept)
+
+
+# ====================================================================== nodes and removals
+@dataclass(frozen=True)
+class NodeLossPlan:
+    """What a node's death does to the groups placed on it: ``events`` per group id (in the
+    order given); groups already out of the picture (``unplaced``, ``retired``) get none."""
+
+    events: tuple[tuple[str, tuple[GroupEvent, ...]], ...]
+
+    @property
+    def lost(self) -> tuple[str, ...]:
+        """The groups that leave for ``unplaced`` (they wait for a new placement)."""
+        return tuple(g for g, evs in self.events if GroupEvent.NODE_LOST in evs)
+
+
+@sends(
+    "NodeWatcher",
+    "rollsafe/operations/place.py",
+    WorkerGroupLifecycle=(GroupEvent.NODE_LOST, GroupEvent.RETIRE),
+)
+def on_node_lost(groups: Sequence[tuple[str, str]]) -> NodeLossPlan:
+    """A node died with ``groups`` (``(group id, state)``) on it: every one of them leaves
+    routing in the same step (``node_lost`` -> ``unplaced``), whatever its state; a group being
+    removed (``draining``) is retired instead. No restart budget is spent: the engine did
+    nothing wrong."""
+    plan: list[tuple[str, tuple[GroupEvent, ...]]] = []
+    for gid, state in groups:
+        if state == "draining":
+            plan.append((gid, (GroupEvent.RETIRE,)))
+        elif state in ("unplaced", "retired"):
+            plan.append((gid, ()))
+        else:
+            plan.append((gid, (GroupEvent.NODE_LOST,)))
+    return NodeLossPlan(tuple(plan))
+
+
+@dataclass(frozen=True)
+class PlacementGate:
+    """Whether to place an ``unplaced`` group now."""
+
+    place: bool
+    reason: str
+
+
+def gate_placement(state: str, *, busy: bool) -> PlacementGate:
+    """Place a group only while it is ``unplaced`` and no step of an earlier attempt still
+    runs in the background. Placement never spends restart budget and is never retried in a
+    loop: a group without room waits until a node joins or a group is removed."""
+    if state != "unplaced":
+        return PlacementGate(False, f"group is {state}, not unplaced")
+    if busy:
+        return PlacementGate(False, "a previous attempt's step is still running in the background")
+    return PlacementGate(True, "unplaced")
+
+
+@sends(
+    "RecoveryCoordinator", "rollsafe/operations/place.py", WorkerGroupLifecycle=(GroupEvent.PLACED,)
+)
+def after_placement(placed: bool) -> tuple[GroupEvent, ...]:
+    """A placement that found room sends ``placed`` (``unplaced`` -> ``recovering``, budget
+    untouched): the restart that follows is recovery's usual one. No room: nothing (it waits)."""
+    return (GroupEvent.PLACED,) if placed else ()
+
+
+@dataclass(frozen=True)
+class RemovalPlan:
+    """How ``remove_group`` takes a group out: ``drain`` first (out of routing), ``retire``
+    after its engine stopped; ``already``: it is retired or being removed."""
+
+    events: tuple[GroupEvent, ...]
+    reason: str
+    already: bool = False
+
+
+@sends(
+    "RolloutFleet",
+    "rollsafe/operations/place.py",
+    WorkerGroupLifecycle=(GroupEvent.DRAIN, GroupEvent.RETIRE),
+)
+def plan_removal(state: str) -> RemovalPlan:
+    """A removal drains a live group, then retires it; a removed group never comes back."""
+    if state == "retired":
+        return RemovalPlan((), "already retired", already=True)
+    if state == "draining":
+        return RemovalPlan((), "already being removed", already=True)
+    return RemovalPlan((GroupEvent.DRAIN,), f"draining from {state}")
+
+
+@sends("RolloutFleet", "rollsafe/operations/place.py", WorkerGroupLifecycle=(GroupEvent.RETIRE,))
+def after_drain() -> tuple[GroupEvent, ...]:
+    """A drained group whose engine stopped is retired (final)."""
+    return (GroupEvent.RETIRE,)
 
 
 # ====================================================================== launch

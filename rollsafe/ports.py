@@ -47,6 +47,7 @@ __all__ = [
     "MemoryTag",
     "NamedTensors",
     "PauseMode",
+    "PlaceableEngine",
     "PushSummary",
     "RestartableEngine",
     "StandbyState",
@@ -439,3 +440,20 @@ class LaunchableEngine(RestartableEngine, Protocol):
     the group on) implement it."""
 
     def start(self) -> object: ...
+
+
+@runtime_checkable
+class PlaceableEngine(Protocol):
+    """An engine group placed on a node by a scheduler (``RayEngineGroup``): what the node-loss
+    and removal operations (``rollsafe.operations.place``) need beyond a restart. ``node_id``
+    is the node it holds a placement on (None: none); ``place_again()`` gives the placement
+    back and reserves a new one, returning the new node's id (raises
+    ``PlacementUnavailable`` when no node has room); ``release_placement()`` ends the group's
+    actor and gives its placement back (its engine is stopped)."""
+
+    @property
+    def node_id(self) -> str | None: ...
+
+    def place_again(self) -> str: ...
+
+    def release_placement(self) -> None: ...

@@ -66,12 +66,22 @@ class SuspendedForever(ImmediateRecoveryMode):
         return False
 
 
+class PlacedSpendsBudget(WorkerGroupLifecycle):
+    """Bug: a re-placement after a node loss spends a unit of the restart budget (a fleet
+    that loses nodes often retires healthy groups)."""
+
+    def on_placed(self) -> None:
+        super().on_placed()
+        self.restart_budget -= 1
+
+
 MUTANTS = {
     "any_instead_of_all": {"group_cls": AnyHealthyGroup},
     "publish_on_failed_register": {"registration_cls": PublishOnFailedRegister},
     "publish_after_register_threw": {"registration_cls": PublishAfterRegisterThrew},
     "delete_leased_export": {"export_cls": DeleteLeasedExport},
     "suspended_forever": {"mode_cls": SuspendedForever},
+    "placement_spends_budget": {"group_cls": PlacedSpendsBudget},
 }
 
 # ---------------------------------------------------------------------- policy mutants
@@ -167,6 +177,25 @@ def failed_push_left_pending(
     return _after_push(rank_ok, version, keeps_weights=True)
 
 
+_on_node_lost = policy.on_node_lost
+
+
+def node_loss_spares_groups_not_serving(
+    groups: Sequence[tuple[str, str]],
+) -> policy.NodeLossPlan:
+    """Bug: only the ``active`` groups of a dead node leave for ``unplaced``; a group that was
+    ``pending_weights`` or recovering stays, and is pushed to and routed on a dead node."""
+    return _on_node_lost([(g, s) for g, s in groups if s == "active"])
+
+
+def removal_drains_only_active(state: str) -> policy.RemovalPlan:
+    """Bug: ``remove_group`` drains only a serving group; an ``inactive`` one is left to the
+    recovery, which brings it back after its removal."""
+    if state == "active":
+        return policy.RemovalPlan((policy.GroupEvent.DRAIN,), "draining")
+    return policy.RemovalPlan((), f"nothing to drain in {state}")
+
+
 _ORIGINALS: dict[str, Callable[..., Any]] = {
     name: getattr(policy, name)
     for name in (
@@ -184,43 +213,60 @@ def policy_original(name: str) -> Callable[..., Any]:
     return _ORIGINALS[name]
 
 
+#: the model without node loss and removals, for the mutants that are not about them (smaller)
+NO_NODES: dict[str, Any] = {"node_loss": False, "removals": 0}
+
 #: name -> (policy function replaced, mutant, the smallest model that reaches the bug)
 POLICY_MUTANTS: dict[str, tuple[str, Callable[..., Any], ModelConfig]] = {
     "activate_group_whose_push_failed_for_one_rank": (
         "settle_update",
         activate_with_failed_rank,
-        ModelConfig(groups=1, ranks=2),
+        ModelConfig(groups=1, ranks=2, **NO_NODES),
     ),
     "recover_on_the_probe_thread": (
         "judge_probe",
         recover_on_probe_thread,
-        ModelConfig(groups=1, ranks=1),
+        ModelConfig(groups=1, ranks=1, **NO_NODES),
     ),
     "publish_after_a_failed_register": (
         "proceed_after_register",
         proceed_after_failed_register,
-        ModelConfig(groups=1, ranks=1),
+        ModelConfig(groups=1, ranks=1, **NO_NODES),
     ),
-    "lease_free_delete": ("plan_retention", lease_free_delete, ModelConfig(groups=1, ranks=1)),
+    "lease_free_delete": (
+        "plan_retention",
+        lease_free_delete,
+        ModelConfig(groups=1, ranks=1, **NO_NODES),
+    ),
     "late_export_used_for_recovery": (
         "choose_strategy",
         late_export_for_recovery,
-        ModelConfig(groups=1, ranks=1),
+        ModelConfig(groups=1, ranks=1, **NO_NODES),
     ),
     "version_pushed_to_a_subset_recorded_fleet_wide": (
         # reached through a "stale" group, which only an engine that keeps its weights has
         "settle_update",
         subset_recorded_fleet_wide,
-        ModelConfig(groups=1, ranks=2, engine="reference"),
+        ModelConfig(groups=1, ranks=2, engine="reference", **NO_NODES),
     ),
     "stale_policy_trusts_a_failed_vllm_engine": (
         "settle_update",
         stale_trusts_a_failed_engine,
+        ModelConfig(groups=1, ranks=1, **NO_NODES),
+    ),
+    "node_loss_spares_groups_not_serving": (
+        "on_node_lost",
+        node_loss_spares_groups_not_serving,
+        ModelConfig(groups=1, ranks=1),
+    ),
+    "removal_drains_only_active": (
+        "plan_removal",
+        removal_drains_only_active,
         ModelConfig(groups=1, ranks=1),
     ),
     "failed_push_left_pending_on_vllm": (
         "after_push",
         failed_push_left_pending,
-        ModelConfig(groups=1, ranks=1),
+        ModelConfig(groups=1, ranks=1, **NO_NODES),
     ),
 }

@@ -14,6 +14,9 @@ REFUSED = None  # a spec step returns REFUSED when the event must be refused
 
 
 # ---------------------------------------------------------------------- WorkerGroupLifecycle
+_LIVE = ("launching", "active", "inactive", "recovering", "pending_weights")
+
+
 @dataclass
 class GroupSpec:
     ranks: tuple[int, ...]
@@ -72,6 +75,16 @@ class GroupSpec:
                 nxt = "active"
         elif event == "retire" and s != "retired":
             nxt = "retired"
+        elif event == "node_lost" and s in _LIVE:
+            nxt = "unplaced"
+            for r in self.ranks:
+                self.forget(r)
+        elif event == "placed" and s == "unplaced":
+            nxt = "recovering"
+            for r in self.ranks:
+                self.healthy[r], self.version[r], self.known[r] = False, None, True
+        elif event == "drain" and s in (*_LIVE, "unplaced"):
+            nxt = "draining"
         if nxt is not None:
             self.state = nxt
         return nxt

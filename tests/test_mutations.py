@@ -20,6 +20,7 @@ from mutants import (
     POLICY_MUTANTS,
     AnyHealthyGroup,
     DeleteLeasedExport,
+    PlacedSpendsBudget,
     PublishAfterRegisterThrew,
     PublishOnFailedRegister,
     SuspendedForever,
@@ -36,10 +37,14 @@ from test_sm_properties import (
 from rollsafe import policy
 from rollsafe.verify import FleetModel, ModelConfig, explore
 
-# One group of two ranks is the smallest model in which any() and all() differ.
-MUTATION_CONFIG = ModelConfig(groups=1, ranks=2)
+# One group of two ranks is the smallest model in which any() and all() differ. The machine
+# mutants that are not about nodes or removals keep the model without them (a smaller space).
+MUTATION_CONFIG = ModelConfig(groups=1, ranks=2, node_loss=False, removals=0)
 # A leased export is superseded within depth 8 only with one rank to launch.
-CONFIGS = {"delete_leased_export": ModelConfig(groups=1, ranks=1)}
+CONFIGS = {
+    "delete_leased_export": ModelConfig(groups=1, ranks=1, node_loss=False, removals=0),
+    "placement_spends_budget": ModelConfig(groups=1, ranks=1),
+}
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
@@ -75,6 +80,7 @@ PROPERTY_NETS: dict[str, tuple[type[Any], dict[str, Any]]] = {
     ),
     "delete_leased_export": (ExportProperties, {"machine_cls": DeleteLeasedExport}),
     "suspended_forever": (ModeProperties, {"machine_cls": SuspendedForever}),
+    "placement_spends_budget": (WorkerGroupProperties, {"machine_cls": PlacedSpendsBudget}),
 }
 
 

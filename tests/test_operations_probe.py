@@ -236,7 +236,7 @@ def hands_over_inline(original: Callable[..., probe_op.Steps]) -> Callable[..., 
 
 
 def test_changing_one_step_changes_what_verify_reports(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = ModelConfig(groups=1, ranks=1, engine="reference")
+    config = ModelConfig(groups=1, ranks=1, engine="reference", node_loss=False, removals=0)
     clean = explore(config, depth=3)
     assert clean.ok and clean.complete
     monkeypatch.setattr(probe_op, "probe", hands_over_inline(probe_op.probe))

@@ -452,7 +452,7 @@ def reports_before_the_push(
 
 
 def test_changing_one_step_changes_what_verify_reports(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = ModelConfig(groups=1, ranks=1)
+    config = ModelConfig(groups=1, ranks=1, node_loss=False, removals=0)
     clean = explore(config, depth=7)
     assert clean.ok and clean.complete
     monkeypatch.setattr(recover_op, "restart", forgets_the_lease_on_a_time_out(recover_op.restart))
@@ -464,7 +464,9 @@ def test_changing_one_step_changes_what_verify_reports(monkeypatch: pytest.Monke
 
 
 def test_reporting_before_the_push_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = ModelConfig(groups=1, ranks=1, engine="reference")  # a failed push keeps it pending
+    config = ModelConfig(
+        groups=1, ranks=1, engine="reference", node_loss=False, removals=0
+    )  # a failed push keeps it pending
     assert explore(config, depth=7).ok
     monkeypatch.setattr(recover_op, "push_locked", reports_before_the_push(recover_op.push_locked))
     changed = explore(config, depth=7)

@@ -258,7 +258,7 @@ def records_every_target(
 
 
 def test_changing_one_step_changes_what_verify_reports(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = ModelConfig(groups=1, ranks=1, engine="reference")
+    config = ModelConfig(groups=1, ranks=1, engine="reference", node_loss=False, removals=0)
     clean = explore(config, depth=3)
     assert clean.ok and clean.complete
     monkeypatch.setattr(sync_op, "sync", records_every_target(sync_op.sync))

@@ -50,6 +50,9 @@ GROUP_EVENTS = [
     "mark_stale",
     "weights_loaded",
     "retire",
+    "node_lost",
+    "placed",
+    "drain",
 ]
 
 
@@ -449,6 +452,26 @@ class ComposedFleetProperties(RuleBasedStateMachine):
 
 
 # ---------------------------------------------------------------------- the policy functions
+_GROUP_STATES = (
+    "launching",
+    "active",
+    "inactive",
+    "recovering",
+    "pending_weights",
+    "unplaced",
+    "draining",
+    "retired",
+)
+
+
+def _group_in(state: str, group_id: str) -> WorkerGroupLifecycle:
+    """A one-rank group with budget 2 put into ``state`` (members blank)."""
+    m = WorkerGroupLifecycle([0], restart_budget=2, group_id=group_id)
+    if state != "launching":
+        m.restore_state(state)
+    return m
+
+
 _STATES = ("ready", "superseded", "snapshotting", "writing", "committing", "abandoned", "failed")
 
 
@@ -574,6 +597,55 @@ class PolicyProperties(RuleBasedStateMachine):
             refused_decisions=tuple(refused),
         )
         broken = invariants.check_all(picture)
+        assert not broken, "; ".join(str(v) for v in broken)
+
+    def _placed_picture(
+        self, machines: list[WorkerGroupLifecycle], refused: list[str], **flags: bool
+    ) -> FleetPicture:
+        return FleetPicture(
+            fleet_version=1,
+            groups=tuple(
+                GroupPicture(
+                    m.group_id,
+                    m.state,
+                    m.is_routable,
+                    m.restart_budget,
+                    tuple(
+                        MemberPicture(r, f.known, f.healthy, f.weights_version)
+                        for r, f in m.members.items()
+                    ),
+                    initial_budget=2,
+                    claims=0,
+                    **flags,
+                )
+                for m in machines
+            ),
+            refused_decisions=tuple(refused),
+        )
+
+    @rule(states=st.lists(st.sampled_from(_GROUP_STATES), min_size=1, max_size=4))
+    def node_loss(self, states: list[str]) -> None:
+        """A node died with groups in any states on it: every one leaves routing at once,
+        none spends budget (the machines execute what ``on_node_lost`` decided)."""
+        machines = [_group_in(state, f"g{i}") for i, state in enumerate(states)]
+        plan = policy.on_node_lost([(m.group_id, m.state) for m in machines])
+        by_id = {m.group_id: m for m in machines}
+        refused = [
+            f"{gid} refused {e.value}"
+            for gid, events in plan.events
+            for e in events
+            if not _fire(by_id[gid], e.value, True)
+        ]
+        broken = invariants.check_all(self._placed_picture(machines, refused, node_lost=True))
+        assert not broken, "; ".join(str(v) for v in broken)
+
+    @rule(state=st.sampled_from(_GROUP_STATES))
+    def removal(self, state: str) -> None:
+        """``remove_group`` on a group in any state: it is draining or retired after."""
+        m = _group_in(state, "g0")
+        plan = policy.plan_removal(m.state)
+        refused = [f"g0 refused {e.value}" for e in plan.events if not _fire(m, e.value, True)]
+        broken = invariants.check_all(self._placed_picture([m], refused, removed=True))
         assert not broken, "; ".join(str(v) for v in broken)
 
     @rule(published=st.sampled_from([None, ("c", 1), ("c", 2)]))

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import rollsafe.policy as policy
 from rollsafe.errors import InvalidArgument
+from rollsafe.fleet.elastic import Membership
 from rollsafe.fleet.health import HealthManager
 from rollsafe.fleet.partial_rollouts import SYNC_PAUSE_MODES, SyncPauseMode, paused_generation
 from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
@@ -60,6 +61,7 @@ from rollsafe.fleet.settings import (
 from rollsafe.fleet.sync import SyncCoordinator, SyncReport
 from rollsafe.invariants import ExportPicture, FleetPicture, GroupPicture, MemberPicture
 from rollsafe.observe.observer import FleetObserver
+from rollsafe.operations.place import RemovalEnd
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 
 if TYPE_CHECKING:
@@ -192,6 +194,9 @@ class FleetConfig:
     disk: DiskSettings = field(default_factory=DiskSettings)
     placement: str = "local"
     ray: RaySettings = field(default_factory=RaySettings)
+    #: fleet ranks kept free for groups added at runtime (``RolloutFleet.add_group``): the
+    #: transports' rank space is the groups' ranks plus these
+    spare_ranks: int = 0
     #: settings of transports defined outside rollsafe, by name (a missing one: its defaults)
     transport_settings: Mapping[str, TransportSettings] = field(default_factory=dict)
 
@@ -301,6 +306,7 @@ class FleetConfig:
                 "use 'nccl' (or 'disk' with an export_root every node reads)",
             )
         check_number("rearm_after", self.rearm_after, integer=True)
+        check_number("spare_ranks", self.spare_ranks, integer=True, zero=True)
         check_number("initial_version", self.initial_version, integer=True, zero=True)
         check_number("router_max_attempts", self.router_max_attempts, integer=True)
         check_number("wait_for_routable_s", self.wait_for_routable_s, zero=True)
@@ -423,14 +429,17 @@ class RolloutFleet:
             wait_for_routable_s=config.wait_for_routable_s,
             request_timeout_s=config.request_timeout_s,
         )
-        self.world_size = sum(g.ranks for g in self._groups)
+        self.world_size = sum(g.ranks for g in self._groups) + config.spare_ranks
         self._launchers: dict[str, LaunchableEngine] = {}
+        self._factory: LauncherFactory | None = None
         #: the API key of engines that ``placement="ray"`` binds to their node's IP when
         #: ``engine_options`` names none (one per fleet; docs/cluster.md)
-        self._engine_key = secrets.token_urlsafe(32)
+        self._fleet_api_key = secrets.token_urlsafe(32)
         #: the Ray placer of ``placement="ray"`` (None until start(), or for "local")
         self.placer: GroupPlacer | None = None
         self._export_machines: dict[int, Any] = {}
+        #: node loss, groups added and removed at runtime (docs/cluster.md)
+        self.membership = Membership(self)
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
@@ -502,7 +511,7 @@ class RolloutFleet:
         cfg = self.config
         if cfg.placement == "ray" and cfg.ray.bind_node_ip and options.get("api_key") is None:
             # engines on a node's IP are reachable from the network: never without a key
-            options["api_key"] = self._engine_key
+            options["api_key"] = self._fleet_api_key
         return EngineSpec(
             model_path=str(self.config.model_path),
             ranks=group.ranks,
@@ -526,6 +535,7 @@ class RolloutFleet:
         try:
             self._build_control_plane()
             factory = self.config.launcher_factory or self._default_factory()
+            self._factory = factory
             for g in self._groups:
                 self._launchers[g.group_id] = factory(g.group_id, self._spec(g))
             with concurrent.futures.ThreadPoolExecutor(len(self._groups)) as pool:
@@ -777,6 +787,24 @@ class RolloutFleet:
                 client.continue_generation()
         self.health.resume()
 
+    # ------------------------------------------------------------------ membership
+    def add_group(self, spec: GroupSpec) -> str:
+        """Start a group at runtime and return its id; it is routed only once it holds the
+        fleet's version (``pending_weights`` until a targeted push or the next sync brings it
+        there). Its fleet ranks come from ``FleetConfig.spare_ranks``
+        (:meth:`rollsafe.fleet.elastic.Membership.add_group`)."""
+        return self.membership.add_group(spec)
+
+    def remove_group(self, group_id: str, *, drain_timeout_s: float = 30.0) -> RemovalEnd:
+        """Drain ``group_id``, wait up to ``drain_timeout_s`` for its requests (the rest
+        continue elsewhere), stop it, give its placement back and retire it for good."""
+        return self.membership.remove_group(group_id, drain_timeout_s=drain_timeout_s)
+
+    def node_lost(self, node_id: str, *, reason: str = "") -> list[str]:
+        """Node ``node_id`` died: every group on it leaves routing at once and is placed
+        again; returns those groups (``placement="ray"``; the ``NodeWatcher`` calls it)."""
+        return self.membership.node_lost(node_id, reason=reason)
+
     def recoveries(self) -> list[RecoveryResult]:
         return self.recovery.recoveries() if self.recovery is not None else []
 
@@ -948,6 +976,7 @@ class RolloutFleet:
             "placement": {
                 "kind": self.config.placement,
                 "nodes": self.placer.nodes() if self.placer is not None else {},
+                **self.membership.snapshot(),
             },
             "registry": self.registry.snapshot(),
             "dispatch_counts": self.registry.dispatch_counts(),

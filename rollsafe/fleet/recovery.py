@@ -69,9 +69,10 @@ from rollsafe.fleet.sync import (
     default_traits,
     shared_transport_lock,
 )
+from rollsafe.operations import place as place_op
 from rollsafe.operations import recover as recover_op
 from rollsafe.operations.effects import drive
-from rollsafe.ports import RestartableEngine, StandbyState, StartSource
+from rollsafe.ports import PlaceableEngine, RestartableEngine, StandbyState, StartSource
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 from rollsafe.text import bound_text
@@ -99,7 +100,9 @@ log = logging.getLogger(__name__)
 #: waiting for the next sync (deferred); ``skipped``: not attempted (rollout about to finish);
 #: ``retired``: restart budget spent; ``failed``: every attempt failed, the group is
 #: ``inactive``; ``not_needed``: the group was not ``inactive`` when the recovery started.
-RecoveryStatus = Literal["active", "pending_weights", "skipped", "retired", "failed", "not_needed"]
+RecoveryStatus = Literal[
+    "active", "pending_weights", "skipped", "retired", "failed", "not_needed", "unplaced"
+]
 #: Which strategy brought the group back (the last attempt's).
 RecoveryStrategy = Literal["immediate", "targeted_push", "deferred"]
 #: Where the restarted engine came from (``EngineLauncher.last_start_source``): a warm standby
@@ -240,6 +243,8 @@ class _Run:
     steps: list[RecoveryStep] = field(default_factory=list)
     standby_at_restart: str | None = None
     restart_source: RestartSource | None = None
+    #: a group added at runtime behind the fleet's version: only the targeted push
+    catch_up: bool = False
 
 
 class _Attempt(Exception):
@@ -331,9 +336,18 @@ class RecoveryCoordinator:
 
     # ------------------------------------------------------------------ submitting
     def submit(
-        self, group_id: str, *, failed_at: float | None = None, reason: str = ""
+        self,
+        group_id: str,
+        *,
+        failed_at: float | None = None,
+        reason: str = "",
+        catch_up: bool = False,
     ) -> concurrent.futures.Future[RecoveryResult]:
         """Queue a recovery of ``group_id`` and return its future; never blocks.
+
+        An ``unplaced`` group (its node died) is placed again first
+        (:func:`rollsafe.operations.place.attempt`); ``catch_up``: the group was added at
+        runtime and waits in ``pending_weights``: only the targeted push runs.
 
         Idempotent: while a recovery of this group is queued or running, the same future is
         returned. Raises :class:`RecoveryClosed` after :meth:`close`, :class:`UnknownGroup`
@@ -348,6 +362,7 @@ class RecoveryCoordinator:
             if existing is not None and not existing.done():
                 return existing
             run = _Run(group_id, failed_at if failed_at is not None else now, now)
+            run.catch_up = catch_up
             future = self._pool.submit(self._recover, run, reason)
             self._inflight[group_id] = future
         future.add_done_callback(functools.partial(self._forget, group_id))
@@ -506,7 +521,13 @@ class RecoveryCoordinator:
                 group = self.registry.get(gid)
             except UnknownGroup:
                 return "not_needed", "the group was removed from the registry"
-            steps = recover_op.attempt(gid, self.traits_for(group), retried=retried)
+            traits = self.traits_for(group)
+            if group.state == "unplaced":  # its node died: place it again, then recover
+                steps = place_op.attempt(gid, traits)
+            elif run.catch_up and group.state == "pending_weights" and not retried:
+                steps = recover_op.push(gid, traits)
+            else:
+                steps = recover_op.attempt(gid, traits, retried=retried)
             end = drive(steps, _AttemptExecutor(self, run, group).perform)
             if end.strategy is not None:
                 run.strategy = end.strategy
@@ -717,6 +738,8 @@ class _AttemptExecutor:
             fx.PushUnderLock: self._push_under_lock,
             fx.ReadPushFacts: self._read_push_facts,
             fx.TargetedPush: self._targeted_push,
+            fx.Place: self._place,
+            fx.ReleasePlacement: self._release_placement,
         }
 
     def perform(self, effect: fx.Effect) -> fx.Outcome:
@@ -748,7 +771,7 @@ class _AttemptExecutor:
         )
 
     def _note(self, effect: fx.NoteStep) -> fx.Outcome:
-        if effect.name == "claim" and effect.ok:  # claimed: the attempt and its deadline begin
+        if effect.name in ("claim", "place") and effect.ok:  # the attempt and its deadline begin
             self.run.attempt += 1
             self.deadline = time.monotonic() + self.c.recovery_timeout_s
         self.c._step(self.run, effect.name, self.t_mark, effect.ok, effect.detail)
@@ -828,6 +851,22 @@ class _AttemptExecutor:
         finally:
             self.t_mark = time.perf_counter()
         return fx.Ok(value)
+
+    def _place(self, _effect: fx.Place) -> fx.Outcome:
+        """A new placement for the group (its node died): the old one given back first."""
+        handle = self.c.launcher_for(self.gid)
+        if not isinstance(handle, PlaceableEngine):
+            return fx.Ok("local")  # a group on this machine has no placement to renew
+        self.deadline = time.monotonic() + self.c.recovery_timeout_s
+        outcome = self._timed("place", handle.place_again)
+        return outcome
+
+    def _release_placement(self, _effect: fx.ReleasePlacement) -> fx.Outcome:
+        handle = self.c.launcher_for(self.gid)
+        if isinstance(handle, PlaceableEngine):
+            with contextlib.suppress(Exception):
+                handle.release_placement()
+        return _OK
 
     def _get_engine(self, _effect: fx.GetEngine) -> fx.Outcome:
         outcome = self._timed("launcher", lambda: self.c.launcher_for(self.gid))

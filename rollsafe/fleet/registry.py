@@ -37,6 +37,7 @@ from typing import Any
 
 from rollsafe.errors import InvalidArgument, InvalidArgumentType, RollsafeError
 from rollsafe.ports import EngineClient
+from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.events import GroupEvent, event_name
 from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
 from rollsafe.text import bound_text
@@ -591,7 +592,14 @@ class FleetRegistry:
         transition is recorded by the registry's python-statemachine listener on the machine
         (``after_transition``), so an event sent to the machine directly is seen as well.
         """
-        group = self.get(group_id)
+        record = self._send_quietly(self.get(group_id), event, kwargs)
+        self._deliver()
+        return record
+
+    def _send_quietly(
+        self, group: WorkerGroup, event: GroupEvent, kwargs: dict[str, Any]
+    ) -> GroupTransition:
+        """Send under the group's lock; the listeners are told later (``_deliver``)."""
         name = event_name(event)
         if name in VERSIONED_EVENTS and "current_version" not in kwargs:
             kwargs["current_version"] = self._version
@@ -599,9 +607,38 @@ class FleetRegistry:
             self._local.record = None
             group.machine.send(name, **kwargs)
             record: GroupTransition | None = self._local.record
-        self._deliver()
         assert record is not None, "the machine took the event but its listener saw nothing"
         return record
+
+    def send_together(
+        self, events: Sequence[tuple[str, Sequence[GroupEvent]]]
+    ) -> list[tuple[str, str]]:
+        """Send each listed group its events in one step: every group's lock is held (taken
+        in id order) until all are sent, so the router admits no request to any of them in
+        between (a node's loss takes all its groups out at once). Returns ``(group id, why)``
+        for each event a machine refused (the others are taken); an unknown group is refused.
+        """
+        refused: list[tuple[str, str]] = []
+        known: dict[str, WorkerGroup] = {}
+        for gid, _ in events:
+            group = self._groups.get(gid)
+            if group is None:
+                refused.append((gid, "not in the fleet"))
+            else:
+                known[gid] = group
+        with contextlib.ExitStack() as held:
+            for gid in sorted(known):
+                held.enter_context(known[gid]._lock)
+            for gid, evs in events:
+                if gid not in known:
+                    continue
+                for event in evs:
+                    try:
+                        self._send_quietly(known[gid], event, {})
+                    except TransitionRefused as exc:
+                        refused.append((gid, str(exc)))
+        self._deliver()
+        return refused
 
     def _on_transition(self, group: WorkerGroup, event: str, source: str, target: str) -> None:
         """Called by a group machine's listener after each of its transitions."""

@@ -14,6 +14,7 @@ What the verifier explores is then what the fleet runs, by construction.
 | :mod:`~rollsafe.operations.sync` | one weight sync of version N |
 | :mod:`~rollsafe.operations.recover` | one recovery attempt on an ``inactive`` group |
 | :mod:`~rollsafe.operations.probe` | one health probe of one group |
+| :mod:`~rollsafe.operations.place` | a node's loss, a group's re-placement, a group's removal |
 
 Executors look a sequence up on its module at call time (``sync_op.sync(...)`` after
 ``from rollsafe.operations import sync as sync_op``), so patching it changes the fleet and the

@@ -19,6 +19,7 @@ from rollsafe.statemachines.events import GroupEvent, ModeEvent
 
 __all__ = [
     "AbandonExport",
+    "AwaitDrained",
     "AwaitHealthy",
     "Effect",
     "ExportJudged",
@@ -36,6 +37,7 @@ __all__ = [
     "Ok",
     "Outcome",
     "Pause",
+    "Place",
     "PrepareTargets",
     "ProbeFacts",
     "ProbeMembers",
@@ -47,16 +49,19 @@ __all__ = [
     "ReadProbeFacts",
     "ReadPushFacts",
     "ReadRecovery",
+    "ReadStates",
     "ReadStrategy",
     "RecordVersions",
     "RecoveryFacts",
     "Register",
     "ReleaseLease",
+    "ReleasePlacement",
     "ReportMembers",
     "ReportRank",
     "Restart",
     "Resume",
     "SendGroup",
+    "SendGroups",
     "SendMode",
     "SetFailureCounts",
     "SetFleetVersion",
@@ -529,3 +534,45 @@ class GroupFailed(Effect):
     failures: int  # consecutive failures that decided it
     reason: str
     handoff: Handoff
+
+
+# ---------------------------------------------------------------------- placement and removal
+@dataclass(frozen=True)
+class ReadStates(Effect):
+    """The machine states of ``groups``: :class:`Ok` of ``((group id, state), ...)``, in
+    order (a group the fleet no longer holds is left out)."""
+
+    groups: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SendGroups(Effect):
+    """Send each group its events in ONE step of the fleet's registry (no request is
+    dispatched between two of them): :class:`Ok` of the groups that refused an event (a
+    tuple of ``(group id, why)``; empty when every event was taken)."""
+
+    events: tuple[tuple[str, tuple[GroupEvent, ...]], ...]
+    decided_by: str
+
+
+@dataclass(frozen=True)
+class Place(Effect):
+    """Give group ``group``'s old placement back and place it anew (``GroupPlacer``):
+    :class:`Ok` of the new node's id, :class:`Failed` when no node has room (it waits)."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class ReleasePlacement(Effect):
+    """Give group ``group``'s placement back (its engine is stopped)."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class AwaitDrained(Effect):
+    """Wait for group ``group``'s in-flight requests to end (up to the fleet's drain bound):
+    :class:`Ok` of the requests still running (they continue elsewhere when it stops)."""
+
+    group: str

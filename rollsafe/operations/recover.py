@@ -73,7 +73,9 @@ __all__ = [
 ]
 
 #: How an attempt ended (the fleet's ``RecoveryStatus``).
-AttemptStatus = Literal["active", "pending_weights", "skipped", "retired", "failed", "not_needed"]
+AttemptStatus = Literal[
+    "active", "pending_weights", "skipped", "retired", "failed", "not_needed", "unplaced"
+]
 Strategy = Literal["immediate", "targeted_push", "deferred"]
 
 #: A step sequence: yields effects, is sent their outcomes, returns its result.

@@ -43,6 +43,9 @@ class GroupEvent(_Event):
     MARK_STALE = "mark_stale"
     WEIGHTS_LOADED = "weights_loaded"
     RETIRE = "retire"
+    NODE_LOST = "node_lost"
+    PLACED = "placed"
+    DRAIN = "drain"
 
 
 class ExportEvent(_Event):

@@ -35,17 +35,23 @@ class WorkerGroupLifecycle(GuardedMachine):
 
     States: ``launching`` (initial), ``active`` (the only routable state), ``inactive`` (out of
     routing after a failure), ``recovering`` (a recovery claimed it and is restarting it),
-    ``pending_weights`` (healthy but not at the fleet's current weights version), ``retired``
-    (final: restart budget spent or removed on purpose).
+    ``pending_weights`` (healthy but not at the fleet's current weights version), ``unplaced``
+    (its node died: waiting for a node with room), ``draining`` (being removed: no new
+    requests), ``retired`` (final: restart budget spent or removed on purpose).
+
+    Node loss (``docs/cluster.md``): ``node_lost`` takes a group whose node died out of every
+    non-final state but ``draining`` to ``unplaced`` and forgets its members; ``placed``
+    (``unplaced`` -> ``recovering``) follows a new placement. Neither touches the restart
+    budget: the engine did nothing wrong. ``drain`` starts a removal; ``retire`` ends it.
 
     Guards read the per-member facts recorded with :meth:`report_member` and, for the events
     that need it (``launched``, ``restarted``, ``weights_loaded``, optionally ``mark_stale``), the
     fleet's ``current_version=``. ``claim`` consumes one unit of the restart budget; ``claim``
     also forgets the members' health and versions, since the restarted processes start blank.
 
-    Invariants: routable iff ``active``; on entering ``active`` every member is healthy and at the
-    current version; no transition happens on the word of ``any()`` member; the budget never goes
-    below zero.
+    Invariants: routable iff ``active`` (never ``unplaced`` or ``draining``); on entering
+    ``active`` every member is healthy and at the current version; no transition happens on the
+    word of ``any()`` member; the budget never goes below zero.
     """
 
     launching = State("Launching", initial=True)
@@ -53,6 +59,8 @@ class WorkerGroupLifecycle(GuardedMachine):
     inactive = State("Inactive")
     recovering = State("Recovering")
     pending_weights = State("Pending weights")
+    unplaced = State("Unplaced")
+    draining = State("Draining")
     retired = State("Retired", final=True)
 
     launched = launching.to(
@@ -80,6 +88,24 @@ class WorkerGroupLifecycle(GuardedMachine):
         | inactive.to(retired)
         | recovering.to(retired)
         | pending_weights.to(retired)
+        | unplaced.to(retired)
+        | draining.to(retired)
+    )
+    node_lost = (
+        launching.to(unplaced)
+        | active.to(unplaced)
+        | inactive.to(unplaced)
+        | recovering.to(unplaced)
+        | pending_weights.to(unplaced)
+    )
+    placed = unplaced.to(recovering)
+    drain = (
+        launching.to(draining)
+        | active.to(draining)
+        | inactive.to(draining)
+        | recovering.to(draining)
+        | pending_weights.to(draining)
+        | unplaced.to(draining)
     )
 
     def __init__(
@@ -213,3 +239,12 @@ class WorkerGroupLifecycle(GuardedMachine):
     def on_claim(self) -> None:
         self.restart_budget -= 1
         self._members = {r: MemberFacts(r, known=m.known) for r, m in self._members.items()}
+
+    def on_node_lost(self) -> None:
+        """Every member went with its node: none is known until the group is placed again."""
+        self._members = {r: MemberFacts(r) for r in self._members}
+
+    def on_placed(self) -> None:
+        """Placed on a new node: the members are the ones about to start there (blank, known);
+        the budget is untouched."""
+        self._members = {r: MemberFacts(r, known=True) for r in self._members}

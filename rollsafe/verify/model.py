@@ -53,6 +53,7 @@ from rollsafe.invariants import (
     RecoveryPicture,
 )
 from rollsafe.invariants import InvariantViolation as Violation
+from rollsafe.operations import place as place_op
 from rollsafe.operations import probe as probe_op
 from rollsafe.operations import recover as recover_op
 from rollsafe.operations import sync as sync_op
@@ -108,6 +109,11 @@ class ModelConfig:
     #: ``"vllm"`` (a failed update leaves unknown weights that ``/health`` does not reveal) or
     #: ``"reference"`` (its SGLang dialect keeps the old weights)
     engine: str = "vllm"
+    #: explore node deaths (a node takes every group on it: one group, or all of them), the
+    #: watcher's report of them and the re-placement of each group (``docs/cluster.md``)
+    node_loss: bool = True
+    #: how many groups one run may remove (``remove_group``: drain, stop, retire)
+    removals: int = 1
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.ranks < 1:
@@ -116,6 +122,8 @@ class ModelConfig:
             raise InvalidArgument(
                 "failure_threshold", f"failure_threshold must be >= 1, got {self.failure_threshold}"
             )
+        if self.removals < 0:
+            raise InvalidArgument("removals", f"removals must be >= 0, got {self.removals}")
         if policy.engine_traits(self.engine) is policy.UNKNOWN_ENGINE:
             known = sorted({kind for kind, _ in policy.ENGINE_TRAITS})
             raise InvalidArgument("engine", f"engine must be one of {known}, got {self.engine!r}")
@@ -189,6 +197,14 @@ class FleetModel:
             tuple((False, None) for _ in range(cfg.ranks)) for _ in range(cfg.groups)
         ]
         self.counts: list[dict[int, int]] = [{} for _ in range(cfg.groups)]
+        #: ground truth per group: its node is alive
+        self.node_up: list[bool] = [True] * cfg.groups
+        #: groups whose node's death the fleet was told of, not placed again since
+        self.node_lost: set[int] = set()
+        #: groups whose removal began
+        self.removed: set[int] = set()
+        #: claims made on each group's restart budget
+        self.claims: list[int] = [0] * cfg.groups
         self.exports: dict[int, ExportLifecycle] = {}
         # Export machines by version, reused across restores (building one costs ~1 ms).
         self._export_pool: dict[int, list[ExportLifecycle]] = {}
@@ -237,6 +253,15 @@ class FleetModel:
             yield Action("push", (g, False))
             for event in GROUP_EVENTS:
                 yield Action("stray", (g, event))
+            if cfg.node_loss:
+                yield Action("place", (g,))
+            if cfg.removals:
+                yield Action("remove", (g,))
+                yield Action("finish_removal", (g,))
+        if cfg.node_loss:
+            for dying in _node_sets(cfg.groups):
+                yield Action("node_dies", (dying,))
+            yield Action("node_lost")
         yield Action("sync", (False, None, "fail"))
         yield Action("sync", (True, None, "fail"))
         for g in range(cfg.groups):
@@ -313,6 +338,8 @@ class FleetModel:
         except TransitionNotAllowed as exc:
             self._refuse(f"policy.{by}: {exc}")
             return False
+        if event is GroupEvent.CLAIM:
+            self.claims[g] += 1
         return True
 
     def _release_lease(self, g: int) -> None:
@@ -331,7 +358,7 @@ class FleetModel:
     def _do_launch(self, g: int, r: int) -> bool:
         group = self.groups[g]
         alive, _ = self.truth[g][r]
-        if group.state != "launching" or alive:
+        if group.state != "launching" or alive or not self.node_up[g]:
             return False
         self._set_truth(g, r, True, 0)
         group.report_member(group.ranks[r], healthy=True, weights_version=0)
@@ -435,6 +462,96 @@ class FleetModel:
                 self._set_truth(g, r, True, POISONED)
         return rank_ok
 
+    # -- nodes and removals: the second executor of rollsafe.operations.place
+    def _do_node_dies(self, dying: tuple[int, ...]) -> bool:
+        """The node holding groups ``dying`` dies (ground truth): every rank on it with it.
+        The fleet learns of it from a probe or from the watcher (``node_lost``)."""
+        changed = False
+        for g in dying:
+            if not self.node_up[g] or self.groups[g].state == "retired":
+                continue
+            self.node_up[g] = False
+            for r in range(self.config.ranks):
+                self._set_truth(g, r, False, None)
+            changed = True
+        return changed
+
+    def _lost_candidates(self) -> tuple[int, ...]:
+        return tuple(
+            g
+            for g in range(self.config.groups)
+            if not self.node_up[g] and g not in self.node_lost and self.groups[g].state != "retired"
+        )
+
+    def _do_node_lost(self) -> bool:
+        """The watcher reports every dead node: their groups leave routing in one step."""
+        lost = self._lost_candidates()
+        if not lost:
+            return False
+        self.node_lost.update(lost)
+        drive(place_op.node_lost(tuple(f"g{g}" for g in lost)), self._perform)
+        for g in lost:  # a recovery cut by the node's loss ends: its lease goes back
+            if self.groups[g].state != "recovering":
+                self._release_lease(g)
+        return True
+
+    def _do_place(self, g: int) -> bool:
+        """A node has room for the ``unplaced`` group ``g``: placement, then the recovery's
+        strategy and lease (its restart and push are the ``restart`` and ``push`` actions)."""
+        if self.groups[g].state != "unplaced" or g in self.late:
+            return False
+        gid = f"g{g}"
+        end = drive(place_op.place(gid), self._perform)
+        if end is None:
+            drive(recover_op.take_lease(gid), self._perform)
+        return True
+
+    def _do_remove(self, g: int) -> bool:
+        """``remove_group(g)`` begins: ``drain``."""
+        group = self.groups[g]
+        if len(self.removed) >= self.config.removals or group.state in ("draining", "retired"):
+            return False
+        self.removed.add(g)
+        drive(place_op.drain(f"g{g}"), self._perform)
+        if group.state != "recovering":
+            self._release_lease(g)
+        return True
+
+    def _do_finish_removal(self, g: int) -> bool:
+        """A drained group's requests ended: stop it, give its placement back, ``retire``."""
+        if self.groups[g].state != "draining":
+            return False
+        drive(place_op.finish_removal(f"g{g}"), self._perform)
+        return True
+
+    def _read_states(self, effect: fx.ReadStates) -> Outcome:
+        return Ok(tuple((gid, self.groups[self._index[gid]].state) for gid in effect.groups))
+
+    def _send_groups(self, effect: fx.SendGroups) -> Outcome:
+        refused: list[tuple[str, str]] = []
+        self._decided(effect.decided_by, tuple(e for _, evs in effect.events for e in evs))
+        for gid, events in effect.events:
+            for event in events:
+                if not self._send_group(self._index[gid], event, effect.decided_by):
+                    refused.append((gid, f"refused {event.value!r}"))
+        return Ok(tuple(refused))
+
+    def _place(self, effect: fx.Place) -> Outcome:
+        g = self._index[effect.group]
+        self._acted += 1
+        self.node_up[g] = True
+        self.node_lost.discard(g)
+        return Ok(f"node-of-{effect.group}")
+
+    def _stop_engine(self, effect: fx.StopEngine) -> Outcome:
+        """Stopping a group's engine: only a removal's stop changes the model (recovery's
+        ``shutdown`` step precedes a restart that sets every rank anyway)."""
+        g = self._index[effect.group]
+        if self.groups[g].state == "draining":
+            for r in range(self.config.ranks):
+                self._set_truth(g, r, False, None)
+        return _OK
+
     # -- the sync coordinator: the second executor of rollsafe.operations.sync
     def _do_sync(
         self,
@@ -488,7 +605,7 @@ class FleetModel:
             fx.TakeLease: self._take_lease,
             fx.ReleaseLease: self._release_lease_effect,
             fx.GetEngine: done,
-            fx.StopEngine: done,
+            fx.StopEngine: self._stop_engine,
             fx.Restart: self._restart,
             fx.AwaitHealthy: done,
             fx.ReportMembers: self._report_members,
@@ -503,6 +620,12 @@ class FleetModel:
             fx.ReportRank: self._report_rank,
             fx.SetFailureCounts: self._set_failure_counts,
             fx.GroupFailed: self._group_failed,
+            # node loss, placement, removal (rollsafe.operations.place)
+            fx.ReadStates: self._read_states,
+            fx.SendGroups: self._send_groups,
+            fx.Place: self._place,
+            fx.ReleasePlacement: done,
+            fx.AwaitDrained: lambda _effect: Ok(0),
         }
 
     def _probe_members(self, effect: fx.ProbeMembers) -> Outcome:
@@ -607,6 +730,7 @@ class FleetModel:
         self.counts[g] = {}
         if choice == "ok":
             version = None if effect.dummy else effect.weight_version
+            self.node_up[g] = True  # an actor gone with its node is placed anew (RayEngineGroup)
             for r in range(self.config.ranks):
                 self._set_truth(g, r, True, version)
             return _OK
@@ -844,6 +968,19 @@ class FleetModel:
             return alive and state != "retired"
         if name == "restart_ends":
             return args[0] in self.late
+        if name == "node_dies":
+            return any(self.node_up[g] and self.groups[g].state != "retired" for g in args[0])
+        if name == "node_lost":
+            return bool(self._lost_candidates())
+        if name in ("place", "remove", "finish_removal"):
+            g = int(args[0])
+            state = str(self.groups[g].state)
+            if name == "place":
+                return state == "unplaced" and g not in self.late
+            if name == "remove":
+                room = len(self.removed) < self.config.removals
+                return room and state not in ("draining", "retired")
+            return state == "draining"
         if name in ("restart", "restart_timeout", "recover", "probe", "probe_timeout", "push"):
             state = self.groups[args[0]].state
             allowed: dict[str, bool] = {
@@ -876,7 +1013,17 @@ class FleetModel:
                 for m, (alive, held) in zip(grp.members.values(), self.truth[g], strict=True)
             )
             groups.append(
-                GroupPicture(grp.group_id, grp.state, grp.is_routable, grp.restart_budget, members)
+                GroupPicture(
+                    grp.group_id,
+                    grp.state,
+                    grp.is_routable,
+                    grp.restart_budget,
+                    members,
+                    node_lost=g in self.node_lost,
+                    removed=g in self.removed,
+                    initial_budget=self.config.restart_budget,
+                    claims=self.claims[g],
+                )
             )
         reg = self.registration
         audit = self.audit
@@ -928,6 +1075,7 @@ class FleetModel:
                 tuple(sorted(self.counts[g].items())),
                 self.leases[g].version if g in self.leases else None,
                 self._late_row(g),
+                (self.node_up[g], g in self.node_lost, g in self.removed, self.claims[g]),
             )
             for g, grp in enumerate(self.groups)
         )
@@ -979,8 +1127,9 @@ class FleetModel:
                     len(counts),
                     lease,
                     late,
+                    place,
                 )
-                for state, budget, members, truth, counts, lease, late in groups
+                for state, budget, members, truth, counts, lease, late, place in groups
             ),
             key=repr,
         )
@@ -1001,7 +1150,10 @@ class FleetModel:
         """Put the model back into a state produced by :meth:`snapshot`."""
         version, groups, reg_s, exports, mode_s, last, audit_s = snap
         self.version = version
-        for g, (state, budget, members, truth, counts, _lease, _late) in enumerate(groups):
+        for g, (state, budget, members, truth, counts, _lease, _late, place) in enumerate(groups):
+            self.node_up[g], lost, removed, self.claims[g] = place
+            (self.node_lost.add if lost else self.node_lost.discard)(g)
+            (self.removed.add if removed else self.removed.discard)(g)
             grp = self.groups[g]
             if grp.state != state:
                 grp = self.groups[g] = _pooled(
@@ -1049,6 +1201,13 @@ _FINAL_STATE_OF = {
     ExportEvent.FAIL: "failed",
     ExportEvent.DELETE: "deleted",
 }
+
+
+def _node_sets(groups: int) -> tuple[tuple[int, ...], ...]:
+    """The sets of groups one node may hold in the model: each group alone on its node, and
+    (with more than one group) all of them on one node."""
+    alone = tuple((g,) for g in range(groups))
+    return alone + ((tuple(range(groups)),) if groups > 1 else ())
 
 
 def _path(version: int) -> str:

@@ -190,6 +190,24 @@ class RayEngineGroup:
                 if not keep_standby:
                     self._forget()
 
+    def place_again(self) -> str:
+        """Give the current placement back (ending the actor and its engine) and reserve a new
+        one; return its node id. Raises :class:`PlacementUnavailable` when no node has room
+        (the group then holds none). The engine starts on the next :meth:`restart`."""
+        with self._lock:
+            self._drop_client()
+            self._forget()
+            self._place()
+            self.replacements += 1
+            assert self._placement is not None
+            return self._placement.node_id
+
+    def release_placement(self) -> None:
+        """End the actor (and its engine) and give the placement back."""
+        with self._lock:
+            self._drop_client()
+            self._forget()
+
     def kill(self) -> None:
         """SIGKILL the engine group (and its standby) inside the actor; the actor stays."""
         self._call("kill")
