@@ -43,6 +43,7 @@ from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import (
     FleetConfig,
     GroupSpec,
+    RecoverySettings,
     RolloutFleet,
     RoutedResult,
     Segment,
@@ -74,6 +75,8 @@ def _real_vllm(python: str) -> dict[str, Any]:
         },
         "transport": "nccl",
         "start_timeout_s": 900.0,
+        # a real vLLM restart is about 50 s idle, several times that beside the other tests
+        "recovery": RecoverySettings(timeout_s=600.0),
     }
 
 
@@ -225,7 +228,7 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
         result = trainer.train()
         fleet.router.on_progress = None
         generation = trainer.fleet_generation
-        assert fleet.wait_recoveries(timeout=120)
+        assert fleet.wait_recoveries(timeout=600)
         final = _engine_checks(fleet, synced[-1], probe)
 
     # training finished, the loss is finite

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,20 +24,23 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def local_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def local_ray() -> Iterator[None]:
     if ray.is_initialized():
         ray.shutdown()
+    # short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
+    temp = tempfile.mkdtemp(prefix="rs-ray-", dir="/tmp")
     started = init_ray(
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        _temp_dir=temp,
     )
     assert started
     assert not init_ray()  # second call is a no-op
     yield
     ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
