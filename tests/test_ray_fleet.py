@@ -10,6 +10,7 @@ again on a node with room. Needs Ray (skipped without it, failed under ``CI=true
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,8 @@ def test_groups_on_two_nodes_serve_sync_over_nccl_and_recover_a_sigkill(
         nodes = {gid: g.node_id for gid, g in groups.items()}
         # one node per group, both workers (the head offers no `rollout`), spread apart
         assert set(nodes.values()) == worker_ids(cluster), nodes
-        assert fleet.snapshot()["placement"] == {"kind": "ray", "nodes": nodes}
+        placement = fleet.snapshot()["placement"]
+        assert placement["kind"] == "ray" and placement["nodes"] == nodes
         node_ip = ray.util.get_node_ip_address()  # every node of this cluster is this machine
         for gid, group in groups.items():
             assert ray.get(group.actor.node_id.remote()) == nodes[gid]  # the actor is there
@@ -171,3 +173,68 @@ def test_a_removed_node_takes_its_group_out_and_it_is_placed_again(
         assert fleet.checksums() == {"g0": want, "g1": want}
         out = groups[lost].client.generate(PROMPT, sampling_params=GREEDY)
         assert out.weight_version == "1"
+
+
+def test_a_lost_node_takes_all_its_groups_out_at_once_they_wait_for_room_and_a_new_node_takes_them(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Two of three groups share a node (capacities force it); the node dies; both leave
+    routing in one step without spending budget; with no room they wait ``unplaced``; a node
+    that joins takes both, at the fleet's version; the third group serves throughout."""
+    big = cluster.add_node(num_cpus=1, resources={"slot": 2})
+    small = cluster.add_node(num_cpus=1, resources={"slot": 1})
+    cluster.wait_for_nodes(timeout=120)
+    cfg = dataclasses.replace(
+        ray_config(tiny_model_dir, tmp_path, [GroupSpec(1), GroupSpec(1), GroupSpec(1)]),
+        ray=RaySettings(resources_per_rank={"slot": 1.0}, placement_timeout_s=5.0),
+        # probes stay out of it: the node's loss is the failure class under test
+        health=HealthSettings(interval_s=0.5, timeout_s=2.0, failure_threshold=1000),
+    )
+    with RolloutFleet(cfg) as fleet:
+        groups = handles(fleet)
+        on_big = sorted(g for g, h in groups.items() if h.node_id == big.node_id)
+        (alone,) = [g for g, h in groups.items() if h.node_id == small.node_id]
+        assert len(on_big) == 2, {g: h.node_id for g, h in groups.items()}
+        weights = trained_weights(tiny_model_dir, 0.03)
+        assert fleet.sync_weights(weights, 1).ok
+        want = weights_checksum(weights)["model"]
+        budget = {g: fleet.registry.get(g).machine.restart_budget for g in groups}
+
+        cluster.remove_node(big, allow_graceful=False)
+        lost = fleet.node_lost(big.node_id, reason="removed by the test")
+        assert sorted(lost) == on_big
+        # out of routing at once, before any placement: no request reaches them
+        assert all(not fleet.registry.get(g).is_routable for g in on_big)
+        for _ in range(4):
+            assert fleet.generate(PROMPT, sampling_params=GREEDY).group_id == alone
+        # no node has room: each waits unplaced, its budget untouched
+        assert wait_for(
+            lambda: all(
+                any(r.group_id == g and r.status == "unplaced" for r in fleet.recoveries())
+                for g in on_big
+            ),
+            120,
+        ), fleet.snapshot()["recoveries"]
+        assert all(fleet.registry.get(g).state == "unplaced" for g in on_big)
+        assert fleet.node_lost(big.node_id) == []  # a second report changes nothing
+
+        joined = cluster.add_node(num_cpus=1, resources={"slot": 2})
+        cluster.wait_for_nodes(timeout=120)
+        assert sorted(fleet.membership.place_waiting(reason="a node joined")) == on_big
+        assert wait_for(
+            lambda: all(fleet.registry.get(g).state == "active" for g in on_big), 240
+        ), fleet.snapshot()["recoveries"]
+        for g in on_big:
+            assert groups[g].node_id == joined.node_id
+            assert fleet.registry.get(g).machine.restart_budget == budget[g]
+            path = [t.target for t in fleet.registry.get(g).recent_transitions()]
+            i = path.index("unplaced")
+            assert path[i + 1] == "recovering" and path[-1] == "active", path
+        assert fleet.registry.get(alone).state == "active"
+        assert set(fleet.registry.dispatch_counts().get(on_big[0], {})) <= {"active"}
+        assert fleet.checksums() == {g: want for g in groups}
+        assert fleet.snapshot()["placement"]["lost_nodes"] == [big.node_id]
+    cluster.remove_node(small, allow_graceful=False)
+    cluster.remove_node(joined, allow_graceful=False)

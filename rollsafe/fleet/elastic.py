@@ -81,10 +81,21 @@ class Membership:
         log.warning("%s: groups %s out of routing, to be placed again", why, list(lost))
         recovery = self.fleet.recovery
         for gid in lost:
-            if recovery is not None:
-                with contextlib.suppress(FleetError):  # closed: nothing to place any more
-                    recovery.submit(gid, reason=why)
+            if recovery is None:
+                break
+            with contextlib.suppress(FleetError):  # closed: nothing to place any more
+                running = recovery.in_progress(gid)
+                future = recovery.submit(gid, reason=why)
+                if running:  # an attempt from before the loss: place the group once it ends
+                    future.add_done_callback(lambda _f, g=gid: self._place_if_waiting(g, why))
         return list(lost)
+
+    def _place_if_waiting(self, group_id: str, why: str) -> None:
+        recovery = self.fleet.recovery
+        with contextlib.suppress(FleetError):
+            group = self.fleet.registry.get(group_id)
+            if recovery is not None and group.state == "unplaced":
+                recovery.submit(group_id, reason=why)
 
     def place_waiting(self, reason: str = "room may have freed") -> list[str]:
         """Hand every ``unplaced`` group not already in recovery to the recovery (a node
