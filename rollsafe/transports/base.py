@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "NonFiniteWeights",
     "RegisterError",
     "StagedTransport",
     "TransportError",
@@ -71,6 +72,15 @@ def named_tensor_list(weights: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     if not items:
         raise RegisterError("no weights to register")
     return items
+
+
+class NonFiniteWeights(RegisterError):
+    """A weight of the version holds NaN or inf (the sender's finite check, ``ipc``): nothing
+    of it is registered or pushed. ``key`` names the first such weight."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class StaleRegistration(TransportError):
@@ -179,6 +189,7 @@ class StagedTransport:
                     f"v{published[1]} was registered (an optimizer step?); this transport "
                     "reads the registered tensors when it pushes: register the new version first"
                 )
+        self._before_begin_update(targets)
         reg.begin_update(targets=[list(t.ranks) for t in targets])
         report = UpdateReport(name=published[0], version=published[1])
         started = time.perf_counter()
@@ -230,6 +241,10 @@ class StagedTransport:
                 time.perf_counter() - t0,
             )
         return TargetResult(target.name, True, "", time.perf_counter() - t0, int(nbytes or 0))
+
+    def _before_begin_update(self, targets: Sequence[EngineTarget]) -> None:
+        """Checks of the registered data that refuse the whole update before the machine records
+        it (raise; default: none). Runs after the staleness check."""
 
     def _before_push(self, targets: Sequence[EngineTarget]) -> None:
         """Set-up shared by all targets of one update (e.g. a process group)."""
