@@ -1,7 +1,7 @@
 """``rollsafe.wire.finite``: the one-pass finite check both ends of a weight transfer use.
 
 The small-tensor path (one fused inf-norm) is covered in ``test_engine_atomic``; here the
-large-span path (``aminmax``, one pass per span) is forced by lowering the size threshold, so
+large-span path (a ``vector_norm`` of its own per span) is forced by lowering the size threshold, so
 each kind of bad value, dtype and position is seen by the same code that runs on an 8 GB flat
 buffer.
 """
@@ -47,7 +47,7 @@ def test_large_span_mixes_with_small_ones_and_first_bad_wins(big_path: None) -> 
     assert non_finite_index([other, small]) == 0
 
 
-def test_large_span_of_dtypes_without_minmax(big_path: None) -> None:
+def test_large_span_of_float8_and_complex(big_path: None) -> None:
     f8 = torch.ones(32).to(torch.float8_e5m2)
     assert non_finite_index([f8]) is None
     bad = torch.ones(32)
@@ -70,3 +70,19 @@ def test_integers_and_empty_tensors_are_finite(big_path: None) -> None:
 def test_describe_counts_each_kind() -> None:
     t = torch.tensor([1.0, float("nan"), float("inf"), float("-inf")], dtype=torch.bfloat16)
     assert describe_non_finite(t) == "holds non-finite values (1 NaN, 2 inf of 4)"
+
+
+@pytest.mark.gpu
+def test_cuda_flat_buffer_of_views_is_one_pass_and_names_the_view() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    n = finite.BIG_SPAN_ELEMENTS // 2  # three views: one span past the real threshold
+    flat = torch.randn(3 * n, device="cuda", dtype=torch.bfloat16)
+    views = [flat[:n], flat[n : 2 * n], flat[2 * n :]]
+    assert len(finite._spans(views, [0, 1, 2])) == 1
+    assert non_finite_index(views) is None
+    flat[-1] = float("-inf")
+    assert non_finite_index(views) == 2
+    flat[n + 7] = float("nan")
+    assert non_finite_index(views) == 1
+    assert describe_non_finite(views[1]) == f"holds non-finite values (1 NaN, 0 inf of {n})"

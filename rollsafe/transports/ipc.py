@@ -208,8 +208,8 @@ class IPCTransport(StagedTransport):
             raise NonFiniteWeights(
                 name,
                 f"{self.name}: weight {name!r} of v{version} {describe_non_finite(tensor)}; "
-                "nothing of the version was pushed (IPCTransport(check_finite=False) leaves the "
-                "check to each engine)",
+                "nothing was pushed (IPCTransport(check_finite=False) leaves the check to each "
+                "engine)",
             )
 
     def _before_begin_update(self, targets: Sequence[EngineTarget]) -> None:
