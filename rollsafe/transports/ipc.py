@@ -26,16 +26,18 @@ with :class:`~rollsafe.transports.base.NonFiniteWeights` naming the first such w
 nothing of it is registered or pushed. The transport checks the registered tensors itself, one
 pass over each byte (:func:`rollsafe.wire.finite.non_finite_index`), and tells each engine so
 (``finite_checked``), so the engines skip their own pass: once per version instead of once per
-engine and bucket. The verdict is keyed by the registration: the version id and each tensor's
-storage identity (data pointer, storage offset, shape, stride, dtype, device), taken at
-``register``. The check runs at every ``register`` (registering the same version id again
-checks again: never a cache hit across registers); the **first** ``update`` of a registration
-uses that verdict when the key still matches, since ``update`` has just refused any change its
-staleness check sees (version counter, fingerprint); every **later** ``update`` of the same
-registration (a recovery's targeted push, a re-push), or one whose key no longer matches,
-checks again before it pushes (one pass for all its targets) and is refused, nothing pushed, if
-a weight is no longer finite. With ``check_finite=False`` nothing is checked here and each
-engine checks every bucket itself.
+engine and bucket. What the verdict is bound to: the version id and the registration's own
+tensor references (detached at ``register``: their storage, offset, shape, stride and dtype
+cannot change afterwards; only the bytes can). The rule: every ``register`` checks (registering
+the same version id again checks again: never a cache hit across registers); the **first**
+``update`` of a registration uses that verdict, since ``update`` has just refused any change
+its staleness check sees (version counter, fingerprint); every **later** ``update`` of the same
+registration (a recovery's targeted push, a re-push) checks again before it pushes, one pass
+for all its targets, and is refused, nothing pushed, if a weight is no longer finite. The one
+window left is a write between ``register`` and the first ``update`` that the staleness check
+cannot see (through ``.data``, touching no sampled element): the same window in which such a
+write would already push unregistered bytes; register a copy there (``snapshot_weights``). With
+``check_finite=False`` nothing is checked here and each engine checks every call itself.
 
 Version and cache flush travel with the **last** bucket only: an engine that failed half way
 keeps reporting its old version (the fleet marks the target failed either way). Per-target
@@ -143,8 +145,6 @@ class IPCTransport(StagedTransport):
         self.check_finite = bool(check_finite)
         #: seconds of the last finite check (register or a later update); None: none ran
         self.finite_check_s: float | None = None
-        #: (version, storage identity) the registration was checked with at ``register``
-        self._finite_key: tuple[Any, ...] | None = None
         #: the register-time verdict is still unused by an update
         self._finite_fresh = False
         #: the current update's payloads say the sender checked them finite
@@ -187,15 +187,14 @@ class IPCTransport(StagedTransport):
         self._direct = [direct_view(self._items, p, device=device, shared=True) for p in plans]
         if self._pool is not None and self._pool.device != device:
             self._pool = None
-        if self.check_finite:
-            self._finite_key = (version, _identity(self._items))
-            self._finite_fresh = True
+        # the verdict of this registration (the _check_finite above), for its first update
+        self._finite_fresh = self.check_finite
         return range(self.registration.world_size), [n for n, _ in items]
 
     def _unstage(self) -> None:
         self._items, self._plans, self._pack_device = [], [], None
         self._direct = []
-        self._finite_key, self._finite_fresh, self._vouch = None, False, False
+        self._finite_fresh, self._vouch = False, False
 
     def _check_finite(self, items: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
         """One pass over every byte of ``items``; raise :class:`NonFiniteWeights` naming the
@@ -216,11 +215,8 @@ class IPCTransport(StagedTransport):
         self._vouch = False
         if not self.check_finite or self.version is None:
             return
-        key = (self.version, _identity(self._items))
-        if not (self._finite_fresh and key == self._finite_key):
-            # a later push of this registration (or its tensors moved storage): check again
+        if not self._finite_fresh:  # a later push of this registration: check again
             self._check_finite(self._items, self.version)
-            self._finite_key = key
         self._finite_fresh = False
         self._vouch = True
 
@@ -288,20 +284,3 @@ class IPCTransport(StagedTransport):
         self._unstage()
         self._pool = None
         super().close()
-
-
-def _identity(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
-    """What the finite verdict is keyed by, besides the version id: each tensor's name and
-    where its bytes are (storage pointer, offset, shape, stride, dtype, device)."""
-    return tuple(
-        (
-            n,
-            t.untyped_storage().data_ptr(),
-            t.storage_offset(),
-            tuple(t.shape),
-            t.stride(),
-            t.dtype,
-            t.device,
-        )
-        for n, t in items
-    )
