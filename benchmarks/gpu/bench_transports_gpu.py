@@ -307,10 +307,12 @@ def plans_of(tr: IPCTransport) -> tuple[Any, ...]:
 
 def profile_client(tr: IPCTransport, target: EngineTarget, device: torch.device) -> list[str]:
     """cProfile of one more update on the trainer's side: the 25 costliest functions (own
-    time), as text lines ``ncalls tottime cumtime where``."""
+    time), as text lines ``ncalls tottime cumtime where``; then the same update timed without
+    the profiler, phase by phase (``phase ...`` lines)."""
     import cProfile
     import pstats
 
+    tr.register(tr._items, (tr.version or 0) + 1)  # a first update, as the timed ones
     prof = cProfile.Profile()
     sync(device)
     prof.enable()
@@ -320,10 +322,54 @@ def profile_client(tr: IPCTransport, target: EngineTarget, device: torch.device)
     st = pstats.Stats(prof)
     stats: Any = st.stats  # type: ignore[attr-defined]
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]
-    return [
+    return phase_times(tr, target, device) + [
         f"{cc} {tt * 1e3:.3f}ms {ct * 1e3:.3f}ms {Path(f).name}:{ln}({fn})"
         for (f, ln, fn), (cc, _nc, tt, ct, _callers) in rows
     ]
+
+
+def phase_times(tr: IPCTransport, target: EngineTarget, device: torch.device) -> list[str]:
+    """One more first update of a new version, its trainer-side phases timed by wrapping the
+    transport's own steps (ms): staleness check, registration machine, set-up, the engine call
+    (HTTP + the engine's handler), tear-down, and the rest."""
+    import rollsafe.transports.base as base_mod
+
+    marks: list[tuple[str, float]] = []
+    orig: dict[str, Any] = {}
+
+    def wrap(obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+        orig[f"{id(obj)}.{name}"] = (obj, name, fn)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                marks.append((label, time.perf_counter() - t0))
+
+        setattr(obj, name, timed)
+
+    tr.register(tr._items, (tr.version or 0) + 1)  # a first update, as the timed ones
+    wrap(base_mod, "_first_moved", "staleness")
+    wrap(tr, "_before_push", "before_push")
+    wrap(tr, "_after_push", "after_push")
+    wrap(target.client, "update_weights_from_tensor", "engine_call")
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        tr.update([target])
+        sync(device)
+        total = time.perf_counter() - t0
+    finally:
+        for obj, name, fn in orig.values():
+            if obj is base_mod:
+                setattr(obj, name, fn)
+            else:
+                del obj.__dict__[name]  # the instance attribute shadowing the method
+    marks.append(("rest (registration machine, threads, sync)", total - sum(t for _, t in marks)))
+    out = [f"phase {label} {secs * 1e3:.3f}ms" for label, secs in marks]
+    return [*out, f"phase total {total * 1e3:.3f}ms"]
 
 
 def verify(client: SGLangClient, want: str, what: str) -> bool:
