@@ -152,6 +152,15 @@ def _transports_gpu(d: dict[str, Any]) -> list[Row]:
             if layout == "flat"
             else f"separate trainer tensors, {r['bucket_mib']} MiB buckets"
         )
+        if "check" in r:  # issue #28: where the finite check ran, and its cost per version
+            reg = r.get("register_s_median")
+            chk = r.get("finite_check_s_median")
+            what += (
+                "; finite check once per version at register (sender"
+                + (f", {chk * 1000:.1f} ms of register {reg * 1000:.1f} ms)" if chk else ")")
+                if r["check"] == "sender"
+                else "; finite check by the engine on every call (check_finite=False)"
+            )
         runs = r.get("all_seconds") or [r["seconds"]]
         med = _median(runs)
         ratio = p["d2d_copy"]["seconds"] / med  # the median run, not the best one
@@ -164,6 +173,46 @@ def _transports_gpu(d: dict[str, Any]) -> list[Row]:
                 ">= 25% of d2d; <= 2 buckets",
                 _verdict(ratio >= 0.25),
             ),
+        )
+    fc = p.get("finite_check")
+    if fc:
+        for layout in ("flat", "separate"):
+            got = fc.get(layout, {})
+            if "non_finite_index_s" in got:
+                new_s = got["non_finite_index_s"]["seconds"]
+                old_s = got["old_foreach_norm_s"]["seconds"]
+                rows.append(
+                    (
+                        f"H200 finite check alone, 8 GB, {layout} (median of {fc['repeats']})",
+                        f"{new_s * 1000:.2f} ms ({got['non_finite_index_s']['read_gb_s']} GB/s"
+                        f" read); the engine's old _foreach_norm {old_s * 1000:.2f} ms",
+                        "< 1 ms per push (the pass runs once per version)",
+                        "-",
+                    )
+                )
+    return rows
+
+
+def _ce_tcp_slices(d: dict[str, Any]) -> list[Row]:
+    rows = []
+    for s in d.get("slices", []):
+        if not s.get("median_s"):
+            continue
+        n = len(s["seconds_all"])
+        rows.append(
+            (
+                f"H200 checkpoint-engine P2P over Mooncake TCP, 8.045 GB, MC_TCP_SLICE_SIZE ="
+                f" {s['slice_kib']} KiB, another engine serving",
+                f"median of {n}: {s['median_s']} s ({s['gb_s']} GB/s), p95 {s['p95_s']} s;"
+                f" serving {s.get('serving_ok_per_s_during_median')} req/s;"
+                f" checksum equal: {s['raw'].get('checksum_equal')}",
+                "-",
+                "-",
+            )
+        )
+    if d.get("best_slice_kib") is not None:
+        rows.append(
+            ("H200 fastest slice in this run (median)", f"{d['best_slice_kib']} KiB", "-", "-")
         )
     return rows
 
@@ -650,6 +699,14 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/transports_h200.json": _transports_gpu,
     "gpu/ipc_h200_hardened.json": _transports_gpu,
     "gpu/ipc_h200_hardened_run2.json": _transports_gpu,
+    "gpu/ipc_h200_finite_run1.json": _transports_gpu,
+    "gpu/ipc_h200_finite_run2.json": _transports_gpu,
+    "gpu/ipc_h200_finite_run3.json": _transports_gpu,
+    "gpu/ipc_h200_finite_run4.json": _transports_gpu,
+    "gpu/ipc_h200_finite_run5.json": _transports_gpu,
+    "gpu/ipc_h200_fingerprint_per_tensor.json": _transports_gpu,
+    "gpu/ce_tcp_slices_h200_run1.json": _ce_tcp_slices,
+    "gpu/ce_tcp_slices_h200_run2.json": _ce_tcp_slices,
     "gpu/recovery_h200_standby.json": _recovery_gpu,
     "gpu/recovery_h200_fresh.json": _recovery_gpu,
     "gpu/checkpoint_engine_h200.json": _checkpoint_engine_gpu,

@@ -28,6 +28,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── MachineTerminated [RuntimeError]              rollsafe.statemachines.base
     ├── TransportError [RuntimeError]                 rollsafe.transports
     │   ├── RegisterError
+    │   │   ├── NonFiniteWeights                      (the ipc sender's finite check)
     │   │   └── KeyCoverageError, ExpertGatherError   (checkpoint_engine)
     │   ├── StaleRegistration
     │   └── CheckpointEngineUnavailable, P2PUnavailable, ProcessGroupError

@@ -197,6 +197,7 @@ class EngineClient(Protocol):
         flush_cache: bool = True,
         weight_version: str | None = None,
         timeout: float | None = None,
+        finite_checked: bool = False,
     ) -> str:
         """Load weights handed over in-process (one serialized payload per TP rank)."""
 

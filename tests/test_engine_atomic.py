@@ -42,11 +42,11 @@ from rollsafe.adapters.reference_engine.model import (
     LM_HEAD,
     ShardedCausalLM,
     load_config,
-    non_finite_index,
 )
 from rollsafe.adapters.reference_engine.ranks import RankSet
 from rollsafe.checksum import weights_checksum
 from rollsafe.wire.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
+from rollsafe.wire.finite import non_finite_index
 
 SETUP_DEADLINE_S = 2.0
 #: how late past its deadline a setup may answer (one poll interval plus the cleanup round trip)
@@ -147,7 +147,7 @@ def test_non_finite_index_one_reduction_per_dtype_first_bad_wins() -> None:
 
 
 def test_non_finite_index_checks_back_to_back_views_as_one_span() -> None:
-    from rollsafe.adapters.reference_engine.model import _spans
+    from rollsafe.wire.finite import _spans
 
     flat = torch.ones(40)
     views = [flat[0:10], flat[10:20], flat[20:30], flat[30:40]]

@@ -25,6 +25,7 @@ import pytest
 import torch
 from fleet_sim import SimEngineClient, make_fleet
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet import (
     CheckpointEngineSettings,
     FleetConfig,
@@ -44,6 +45,7 @@ from rollsafe.transports import (
     RegisterError,
 )
 from rollsafe.transports.checkpoint_engine import (
+    DEFAULT_TCP_SLICE_BYTES,
     TCP_PLACEHOLDER_DEVICE,
     fleet_fallback_reasons,
     p2p_environment,
@@ -51,7 +53,13 @@ from rollsafe.transports.checkpoint_engine import (
 )
 
 WAIT_S = 30.0
-P2P_VARS = ("MC_FORCE_TCP", "PS_P2P_STORE_RDMA_DEVICES", "MC_TRANSFER_TIMEOUT", "RANK")
+P2P_VARS = (
+    "MC_FORCE_TCP",
+    "PS_P2P_STORE_RDMA_DEVICES",
+    "MC_TRANSFER_TIMEOUT",
+    "MC_TCP_SLICE_SIZE",
+    "RANK",
+)
 
 
 # ====================================================================== stand-ins
@@ -233,6 +241,8 @@ def config(tmp_path: Path, **kw: Any) -> FleetConfig:
         ({"request_timeout_s": 0}, "request_timeout_s"),
         ({"socket_timeout_s": -1.0}, "socket_timeout_s"),
         ({"transfer_timeout_s": 0}, "transfer_timeout_s"),
+        ({"tcp_slice_bytes": 0}, "tcp_slice_bytes"),
+        ({"tcp_slice_bytes": 1.5}, "tcp_slice_bytes"),
     ],
 )
 def test_malformed_checkpoint_engine_settings_name_the_key(
@@ -250,6 +260,8 @@ def test_checkpoint_engine_settings_that_are_accepted(tmp_path: Path) -> None:
         {"p2p": True, "p2p_protocol": "tcp"},  # TCP needs no device names
         {"p2p": True, "rdma_devices": ["mlx5_0", "mlx5_1"], "bucket_bytes": 1 << 30},
         {"socket_timeout_s": None, "transfer_timeout_s": 120.0},
+        {"p2p": True, "p2p_protocol": "tcp", "tcp_slice_bytes": None},  # Mooncake's 64 KiB
+        {"p2p": True, "p2p_protocol": "tcp", "tcp_slice_bytes": 4 << 20},
     ):
         ce = CheckpointEngineSettings(**kw)
         RolloutFleet(config(tmp_path, checkpoint_engine=ce)).close()
@@ -326,6 +338,7 @@ def test_tcp_environment_is_scoped_around_the_parameter_server(
         "MC_FORCE_TCP": "1",
         "PS_P2P_STORE_RDMA_DEVICES": TCP_PLACEHOLDER_DEVICE,
         "MC_TRANSFER_TIMEOUT": "121",
+        "MC_TCP_SLICE_SIZE": str(16 << 20),  # rollsafe's default over TCP (Mooncake's: 64 KiB)
         "RANK": "0",
     }
     assert not ps.mooncake_hidden
@@ -360,6 +373,43 @@ def test_ambient_placeholder_is_kept_and_rdma_clears_forced_tcp(
     assert p2p_environment(None) == {}
     with pytest.raises(ValueError, match="rdma_devices"):
         ce_transport(p2p_protocol="rdma")
+
+
+def test_tcp_slice_defaults_to_16_mib_and_never_overrides_the_environment(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k in P2P_VARS:
+        monkeypatch.delenv(k, raising=False)
+    assert CheckpointEngineSettings().tcp_slice_bytes == DEFAULT_TCP_SLICE_BYTES == 16 << 20
+    tr, (ps,) = ce_transport(p2p_protocol="tcp", tcp_slice_bytes=4 << 20)
+    assert ps.env_at_init["MC_TCP_SLICE_SIZE"] == str(4 << 20)
+    tr.register(weights(), 1)  # Mooncake reads it at its first transfer: inside the scope
+    assert ps.env_at_register[-1]["MC_TCP_SLICE_SIZE"] == str(4 << 20)
+    tr.update([EngineTarget("g0", (0,), IPCClient("g0"))], p2p=True)
+    assert ps.updates[-1]["env"]["MC_TCP_SLICE_SIZE"] == str(4 << 20)
+    assert os.environ.get("MC_TCP_SLICE_SIZE") is None  # scoped: restored after each call
+    tr.close()
+    tr, (ps,) = ce_transport(p2p_protocol="tcp", tcp_slice_bytes=None)
+    assert ps.env_at_init["MC_TCP_SLICE_SIZE"] is None  # None: Mooncake's own default
+    tr.close()
+    tr, (ps,) = ce_transport(p2p_protocol="rdma", rdma_devices=["mlx5_0"])
+    assert ps.env_at_init["MC_TCP_SLICE_SIZE"] is None  # RDMA: no TCP slice
+    tr.close()
+    tr, (ps,) = ce_transport()  # no P2P: nothing set
+    assert ps.env_at_init["MC_TCP_SLICE_SIZE"] is None
+    tr.close()
+    # a value the user set in the environment wins over the default and over the argument
+    monkeypatch.setenv("MC_TCP_SLICE_SIZE", "1048576")
+    tr, (ps,) = ce_transport(p2p_protocol="tcp", tcp_slice_bytes=4 << 20)
+    assert ps.env_at_init["MC_TCP_SLICE_SIZE"] == "1048576"
+    assert "MC_TCP_SLICE_SIZE" not in tr.p2p_env
+    tr.close()
+    assert os.environ["MC_TCP_SLICE_SIZE"] == "1048576"
+    assert "MC_TCP_SLICE_SIZE" not in p2p_environment("tcp", environ={"MC_TCP_SLICE_SIZE": "7"})
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidArgument) as info:
+            p2p_environment("tcp", tcp_slice_bytes=bad, environ={})  # type: ignore[arg-type]
+        assert info.value.key == "tcp_slice_bytes"
 
 
 def test_without_p2p_a_targeted_push_is_refused_with_the_reason(world_of_one: None) -> None:

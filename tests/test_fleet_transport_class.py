@@ -225,3 +225,17 @@ def test_a_builtin_settings_object_as_transport_lands_in_its_field(
     cfg = _config(tiny_model_dir, tmp_path, transport=NcclSettings(backend=None))
     assert cfg.transport == "nccl" and cfg.nccl == NcclSettings(backend=None)
     assert cfg.settings_for() is cfg.nccl and dict(cfg.transport_settings) == {}
+
+
+def test_ipc_settings_check_finite_is_a_bool_and_reaches_the_transport() -> None:
+    from rollsafe.fleet import FleetConfigError, IpcSettings, TransportContext
+    from rollsafe.transports import IPCTransport
+
+    with pytest.raises(FleetConfigError) as info:
+        IpcSettings(check_finite="yes")  # type: ignore[arg-type]
+    assert info.value.key == "ipc.check_finite"
+    for value in (True, False):
+        tr = IpcSettings(check_finite=value).build(TransportContext(world_size=2))
+        assert isinstance(tr, IPCTransport) and tr.check_finite is value
+        tr.close()
+    assert IpcSettings().check_finite is True  # the default: the sender checks, once per version

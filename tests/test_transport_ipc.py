@@ -9,6 +9,7 @@ engine's ``/weights_checker`` checksum equals the trainer's and its greedy outpu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,10 +22,12 @@ from engine_helpers import (
 )
 from transport_helpers import KillingClient, Trainer, assert_serves, target, transport_threads
 
+from rollsafe.adapters.engines import SGLangClient
 from rollsafe.checksum import weights_checksum
 from rollsafe.transports import (
     BucketStream,
     IPCTransport,
+    NonFiniteWeights,
     RegisterError,
     StaleRegistration,
     TransportError,
@@ -286,6 +289,139 @@ def test_engine_killed_mid_update_fails_only_its_target(
     assert tr.registration.failed_targets == [1]
     assert_serves(one, trainer, 7)
     assert transport_threads() == []
+
+
+# ---------------------------------------------------------------------- the finite check
+class RecordingClient:
+    """Forwards to ``client``; records the ``finite_checked`` flag of every tensor update."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.flags: list[bool] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def update_weights_from_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        self.flags.append(bool(kwargs.get("finite_checked", False)))
+        return self._client.update_weights_from_tensor(*args, **kwargs)
+
+
+def _own_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """A private copy of the trainer's weights (the test writes into it)."""
+    return {n: t.clone() for n, t in trainer.weights().items()}
+
+
+def _poison(t: torch.Tensor, at: int, value: float = float("nan")) -> None:
+    t.view(-1)[at] = value  # bumps the tensor's version counter
+
+
+@pytest.fixture
+def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tensors each finite check of the ipc transport read (one entry per pass)."""
+    import rollsafe.transports.ipc as ipc_module
+
+    seen: list[int] = []
+    real = ipc_module.non_finite_index
+
+    def counted(tensors: Any) -> Any:
+        seen.append(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(ipc_module, "non_finite_index", counted)
+    return seen
+
+
+def test_non_finite_version_is_refused_at_register_naming_the_weight(
+    one: EngineProcess, trainer: Trainer, checks: list[int]
+) -> None:
+    tr = IPCTransport(1, bucket_bytes=SMALL_BUCKET)
+    good = _own_weights(trainer)
+    tr.register(good, 30)
+    assert checks == [len(good)]  # one pass over the version at register
+    client = RecordingClient(SGLangClient(one.url))
+    assert tr.update([target("one", one, (0,), client)]).ok
+    assert checks == [len(good)]  # the first update used that verdict: no second pass
+    assert client.flags and all(client.flags)  # every call told the engine
+    before = one.checksum()
+    assert before["weight_version"] == "30"
+    for value in (float("nan"), float("inf"), float("-inf")):
+        bad = _own_weights(trainer)
+        _poison(bad["model.norm.weight"], 3, value)
+        with pytest.raises(NonFiniteWeights) as info:
+            tr.register(bad, 31)
+        assert info.value.key == "model.norm.weight"
+        assert "'model.norm.weight' of v31 holds non-finite values" in str(info.value)
+        assert isinstance(info.value, RegisterError)
+        assert tr.registration.published is None and tr.registration.state == "failed"
+        with pytest.raises(TransportError, match="nothing is registered"):
+            tr.update([target("one", one, (0,))])
+        assert one.checksum() == before  # nothing of v31 reached the engine
+
+
+def test_cached_finite_verdict_never_lets_a_changed_buffer_through(
+    one: EngineProcess, trainer: Trainer, checks: list[int]
+) -> None:
+    """The verdict is per registration (version id + storage identity); every register checks,
+    only the first update of a registration reuses it, a re-push checks again."""
+    tr = IPCTransport(1, bucket_bytes=SMALL_BUCKET)
+    w = _own_weights(trainer)
+    name = "model.layers.0.mlp.down_proj.weight"
+    n = len(w)
+    tr.register(w, 50)
+    assert tr.update([target("one", one, (0,))]).ok
+    assert checks == [n]
+    good = one.checksum()
+
+    # 1. a tracked in-place write after register: refused as stale, nothing sent
+    _poison(w[name], 0)
+    with pytest.raises(StaleRegistration, match=repr(name)):
+        tr.update([target("one", one, (0,))])
+    # 2. the same version id over the same storage again: checked again, never a cache hit
+    with pytest.raises(NonFiniteWeights) as info:
+        tr.register(w, 50)
+    assert info.value.key == name and checks == [n, n]
+    assert one.checksum() == good
+
+    # 3. a write the staleness check cannot see (through .data, at an unsampled element)
+    w[name].view(-1)[0] = 0.0
+    tr.register(w, 51)
+    assert tr.update([target("one", one, (0,))]).ok  # the first update: the register verdict
+    assert checks == [n, n, n]
+    v51 = one.checksum()
+    assert v51["weight_version"] == "51"
+    w[name].data.view(-1)[1] = float("nan")  # no version bump; element 1 is not fingerprinted
+    client = RecordingClient(SGLangClient(one.url))
+    with pytest.raises(NonFiniteWeights, match=repr(name)):
+        tr.update([target("one", one, (0,), client)])  # a re-push of v51 checks again
+    assert checks == [n, n, n, n] and client.flags == []  # refused before any engine call
+    assert one.checksum() == v51  # the engine still holds the finite v51
+    assert tr.registration.state == "registered"  # v51 stays published; nothing was begun
+
+    # 4. fixed in place the same way: the re-push checks again and goes through, told
+    w[name].data.view(-1)[1] = 0.0
+    assert tr.update([target("one", one, (0,), client)]).ok
+    assert checks == [n, n, n, n, n] and client.flags and all(client.flags)
+
+
+def test_without_the_sender_check_the_engine_refuses_all_or_nothing(
+    one: EngineProcess, trainer: Trainer, checks: list[int]
+) -> None:
+    tr = IPCTransport(1, check_finite=False)  # one call: the engine refuses it whole
+    good = _own_weights(trainer)
+    tr.register(good, 60)
+    client = RecordingClient(SGLangClient(one.url))
+    assert tr.update([target("one", one, (0,), client)]).ok
+    assert checks == [] and client.flags and not any(client.flags)  # the engine checks itself
+    before = one.checksum()
+    bad = _own_weights(trainer)
+    _poison(bad["lm_head.weight"], 5, float("inf"))
+    tr.register(bad, 61)  # not checked here
+    report = tr.update([target("one", one, (0,))])
+    assert report.failed == ["one"]
+    reason = report.results["one"].reason
+    assert "'lm_head.weight'" in reason and "non-finite" in reason
+    assert one.checksum() == before  # the engine refused the call and kept v60
 
 
 @pytest.mark.gpu

@@ -13,6 +13,14 @@ endpoints, in one run:
   flat``, as Megatron keeps them: one direct bucket, no packing copy, one engine call); extra
   GPU memory on the trainer side = peak allocated during the update minus allocated before it
   (expected <= 2 buckets, 0 for ``flat``);
+* ``finite_check``: the all-or-nothing finite check alone on the same 8 GB, flat and separate:
+  the old engine-side reduction (one ``_foreach_norm`` over the spans), today's
+  :func:`rollsafe.wire.finite.non_finite_index` (a ``vector_norm`` per huge span), and the bare
+  ``aminmax`` / ``vector_norm`` passes, each the median of ``--finite-repeats``; ``ipc`` rows
+  register a new version before every timed update (as a trainer does every step), and say
+  where the finite check ran (``check``: ``sender``, once per version at ``register``, the
+  engine told so; ``engine``, ``check_finite=False``: the engine checks every call) and what
+  it cost (``finite_check_s``, ``register_s``);
 * ``per_call``: the fixed cost of one engine call (``/health``; a one-tensor update);
 * ``nccl``: :class:`~rollsafe.transports.NCCLTransport` with the trainer (this process) and the
   engine as separate processes, plus a raw broadcast baseline between two processes. NCCL
@@ -187,11 +195,15 @@ def timed_updates(
     target: EngineTarget,
     repeats: int,
     device: torch.device,
+    register: Any = None,
 ) -> tuple[list[float], int]:
-    """Warm-up + ``repeats`` updates; returns times and the peak extra bytes allocated."""
+    """Warm-up + ``repeats`` updates; returns times and the peak extra bytes allocated.
+    ``register(i)``, when given, runs (untimed) before update ``i``: a new version each time."""
     times: list[float] = []
     peak_extra = 0
     for i in range(repeats + 1):
+        if register is not None:
+            register(i)
         sync(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         if device.type == "cuda":
@@ -207,6 +219,60 @@ def timed_updates(
         if i:
             times.append(dt)
     return times, peak_extra
+
+
+def finite_check_bench(
+    weights: dict[str, torch.Tensor], device: torch.device, repeats: int
+) -> dict[str, Any]:
+    """The finite check alone over the set, flat (one buffer) and separate; median seconds."""
+    from rollsafe.wire import finite
+
+    def old_engine_check(tensors: list[torch.Tensor]) -> bool:
+        # the engine's reduction before issue #28: one _foreach_norm over the merged spans
+        spans = finite._spans(tensors, list(range(len(tensors))))
+        norms = torch._foreach_norm([v for v, _ in spans], float("inf"))
+        return bool(torch.isfinite(torch.stack([n.reshape(()) for n in norms])).all())
+
+    def timed(fn: Any) -> float:
+        fn()
+        sync(device)
+        times = []
+        for _ in range(repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    out: dict[str, Any] = {"repeats": repeats}
+    flat = contiguous_copy(weights)
+    whole = next(iter(flat.values()))
+    buf = whole.as_strided((sum(t.numel() for t in flat.values()),), (1,), 0)
+    for layout, src in (("flat", flat), ("separate", weights)):
+        tensors = list(src.values())
+        rows: dict[str, Any] = {
+            "old_foreach_norm_s": timed(lambda ts=tensors: old_engine_check(ts)),
+            "non_finite_index_s": timed(lambda ts=tensors: finite.non_finite_index(ts)),
+        }
+        if layout == "flat":
+            rows["bare_aminmax_s"] = timed(lambda b=buf: torch.aminmax(b))
+            rows["bare_vector_norm_inf_s"] = timed(
+                lambda b=buf: torch.linalg.vector_norm(b, float("inf"))
+            )
+            rows["bare_sum_s"] = timed(lambda b=buf: b.sum(dtype=torch.float32))
+        nbytes = nbytes_of(src)
+        out[layout] = {
+            k: {"seconds": round(v, 5), "read_gb_s": round(nbytes / v / 1e9, 1)}
+            for k, v in rows.items()
+        }
+    # a NaN in the last tensor of the flat buffer is found and named
+    last = list(flat)[-1]
+    flat[last].view(-1)[-1] = float("nan")
+    out["flat_nan_found_at_last"] = finite.non_finite_index(list(flat.values())) == len(flat) - 1
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
 def per_call_overhead(
@@ -241,10 +307,12 @@ def plans_of(tr: IPCTransport) -> tuple[Any, ...]:
 
 def profile_client(tr: IPCTransport, target: EngineTarget, device: torch.device) -> list[str]:
     """cProfile of one more update on the trainer's side: the 25 costliest functions (own
-    time), as text lines ``ncalls tottime cumtime where``."""
+    time), as text lines ``ncalls tottime cumtime where``; then the same update timed without
+    the profiler, phase by phase (``phase ...`` lines)."""
     import cProfile
     import pstats
 
+    tr.register(tr._items, (tr.version or 0) + 1)  # a first update, as the timed ones
     prof = cProfile.Profile()
     sync(device)
     prof.enable()
@@ -254,10 +322,54 @@ def profile_client(tr: IPCTransport, target: EngineTarget, device: torch.device)
     st = pstats.Stats(prof)
     stats: Any = st.stats  # type: ignore[attr-defined]
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]
-    return [
+    return phase_times(tr, target, device) + [
         f"{cc} {tt * 1e3:.3f}ms {ct * 1e3:.3f}ms {Path(f).name}:{ln}({fn})"
         for (f, ln, fn), (cc, _nc, tt, ct, _callers) in rows
     ]
+
+
+def phase_times(tr: IPCTransport, target: EngineTarget, device: torch.device) -> list[str]:
+    """One more first update of a new version, its trainer-side phases timed by wrapping the
+    transport's own steps (ms): staleness check, registration machine, set-up, the engine call
+    (HTTP + the engine's handler), tear-down, and the rest."""
+    import rollsafe.transports.base as base_mod
+
+    marks: list[tuple[str, float]] = []
+    orig: dict[str, Any] = {}
+
+    def wrap(obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+        orig[f"{id(obj)}.{name}"] = (obj, name, fn)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                marks.append((label, time.perf_counter() - t0))
+
+        setattr(obj, name, timed)
+
+    tr.register(tr._items, (tr.version or 0) + 1)  # a first update, as the timed ones
+    wrap(base_mod, "_first_moved", "staleness")
+    wrap(tr, "_before_push", "before_push")
+    wrap(tr, "_after_push", "after_push")
+    wrap(target.client, "update_weights_from_tensor", "engine_call")
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        tr.update([target])
+        sync(device)
+        total = time.perf_counter() - t0
+    finally:
+        for obj, name, fn in orig.values():
+            if obj is base_mod:
+                setattr(obj, name, fn)
+            else:
+                del obj.__dict__[name]  # the instance attribute shadowing the method
+    marks.append(("rest (registration machine, threads, sync)", total - sum(t for _, t in marks)))
+    out = [f"phase {label} {secs * 1e3:.3f}ms" for label, secs in marks]
+    return [*out, f"phase total {total * 1e3:.3f}ms"]
 
 
 def verify(client: SGLangClient, want: str, what: str) -> bool:
@@ -281,6 +393,13 @@ def main() -> int:
         help="skip the flat-buffer layout row (trainer tensors back to back in one buffer)",
     )
     ap.add_argument("--skip-nccl", action="store_true")
+    ap.add_argument(
+        "--finite-modes",
+        default="sender,engine",
+        help="where the ipc finite check runs, one row each for the flat layout: sender "
+        "(default, once per version) and engine (check_finite=False, every call)",
+    )
+    ap.add_argument("--finite-repeats", type=int, default=10)
     args = ap.parse_args()
 
     smoke = args.smoke
@@ -323,6 +442,9 @@ def main() -> int:
     result["phases"]["d2d_copy" if not smoke else "memcpy"] = base
     print(f"copy baseline: {base}")
     save()
+    result["phases"]["finite_check"] = finite_check_bench(weights, device, args.finite_repeats)
+    print(f"finite check: {result['phases']['finite_check']}")
+    save()
 
     with tempfile.TemporaryDirectory(prefix="rollsafe-gpu-transports-") as tmp:
         model_dir = Path(tmp) / "qwen3"
@@ -345,19 +467,46 @@ def main() -> int:
             client = SGLangClient(eng.url, timeout=900)
             target = EngineTarget("engine", (0,), client, 1)
             rows = []
-            runs = [("separate", int(x)) for x in args.ipc_buckets_mib.split(",") if x]
+            runs = [("separate", int(x), "sender") for x in args.ipc_buckets_mib.split(",") if x]
             if args.flat:
-                runs.append(("flat", runs[-1][1] if runs else 1024))
-            for layout, mib in runs:
+                for mode in [m for m in args.finite_modes.split(",") if m]:
+                    runs.append(("flat", runs[-1][1] if runs else 1024, mode))
+            version = 0
+            for layout, mib, mode in runs:
                 src = weights if layout == "separate" else contiguous_copy(weights)
                 log_mark = len(eng.stderr_path.read_text(errors="replace"))
-                tr = IPCTransport(1, bucket_bytes=mib * MiB)
-                tr.register(src, 1)
-                times, extra_mem = timed_updates(tr, target, args.repeats, device)
+                tr = IPCTransport(1, bucket_bytes=mib * MiB, check_finite=mode == "sender")
+                reg_s: list[float] = []
+                check_s: list[float] = []
+
+                def register(
+                    _i: int,
+                    tr: IPCTransport = tr,
+                    src: Any = src,
+                    reg_s: list[float] = reg_s,
+                    check_s: list[float] = check_s,
+                ) -> None:
+                    nonlocal version
+                    version += 1
+                    sync(device)
+                    t0 = time.perf_counter()
+                    tr.register(src, version)
+                    sync(device)
+                    reg_s.append(time.perf_counter() - t0)
+                    if tr.finite_check_s is not None:
+                        check_s.append(tr.finite_check_s)
+
+                times, extra_mem = timed_updates(tr, target, args.repeats, device, register)
                 best = statistics.median(times)  # the median of the repeats
                 rows.append(
                     {
                         "layout": layout,
+                        "check": mode,
+                        "register_s_median": round(statistics.median(reg_s[1:]), 4),
+                        "finite_check_s_median": (
+                            round(statistics.median(check_s[1:]), 5) if check_s[1:] else None
+                        ),
+                        "p95_seconds": round(sorted(times)[-1 if len(times) < 20 else -2], 4),
                         "direct_buckets": tr.direct_buckets,
                         "bucket_mib": mib,
                         "buckets": len(tr.plans),

@@ -29,6 +29,7 @@ from rollsafe.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from rollsafe.transports.base import (
+        NonFiniteWeights,
         RegisterError,
         StagedTransport,
         StaleRegistration,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     **dict.fromkeys(
         (
+            "NonFiniteWeights",
             "RegisterError",
             "StagedTransport",
             "StaleRegistration",
@@ -80,6 +82,7 @@ __all__ = [
     "DiskTransport",
     "IPCTransport",
     "NCCLTransport",
+    "NonFiniteWeights",
     "P2PUnavailable",
     "RegisterError",
     "StagedTransport",

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "NonFiniteWeights",
     "RegisterError",
     "StagedTransport",
     "TransportError",
@@ -71,6 +72,15 @@ def named_tensor_list(weights: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     if not items:
         raise RegisterError("no weights to register")
     return items
+
+
+class NonFiniteWeights(RegisterError):
+    """A weight of the version holds NaN or inf (the sender's finite check, ``ipc``): nothing
+    of it is registered or pushed. ``key`` names the first such weight."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class StaleRegistration(TransportError):
@@ -132,6 +142,7 @@ class StagedTransport:
         self.version: int | None = None
         self.keys: tuple[str, ...] = ()
         self._watched: list[_Watched] = []
+        self._prints: _Fingerprints | None = None
 
     # ------------------------------------------------------------------ register
     def register(self, weights: NamedTensors, version: int, *, name: str | None = None) -> None:
@@ -157,6 +168,7 @@ class StagedTransport:
             raise RegisterError(f"{self.name}: v{version} not published: {refused}")
         self.version, self.keys = version, tuple(expected)
         self._watched = [_watch(n, t) for n, t in items] if self.reads_by_reference else []
+        self._prints = _Fingerprints(items) if self.reads_by_reference else None
 
     def _stage(
         self, items: list[tuple[str, torch.Tensor]], version: int
@@ -171,14 +183,14 @@ class StagedTransport:
     def update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
         reg = self.registration
         published = check_update_targets(self.name, reg, targets)
-        for watched in self._watched:
-            if watched.moved():
-                key = watched.name
-                raise StaleRegistration(
-                    f"{self.name}: registered weight {key!r} changed in place since "
-                    f"v{published[1]} was registered (an optimizer step?); this transport "
-                    "reads the registered tensors when it pushes: register the new version first"
-                )
+        key = _first_moved(self._watched, self._prints)
+        if key is not None:
+            raise StaleRegistration(
+                f"{self.name}: registered weight {key!r} changed in place since "
+                f"v{published[1]} was registered (an optimizer step?); this transport "
+                "reads the registered tensors when it pushes: register the new version first"
+            )
+        self._before_begin_update(targets)
         reg.begin_update(targets=[list(t.ranks) for t in targets])
         report = UpdateReport(name=published[0], version=published[1])
         started = time.perf_counter()
@@ -231,6 +243,10 @@ class StagedTransport:
             )
         return TargetResult(target.name, True, "", time.perf_counter() - t0, int(nbytes or 0))
 
+    def _before_begin_update(self, targets: Sequence[EngineTarget]) -> None:
+        """Checks of the registered data that refuse the whole update before the machine records
+        it (raise; default: none). Runs after the staleness check."""
+
     def _before_push(self, targets: Sequence[EngineTarget]) -> None:
         """Set-up shared by all targets of one update (e.g. a process group)."""
 
@@ -245,6 +261,7 @@ class StagedTransport:
         """Release staged state. Subclasses extend."""
         self.version, self.keys = None, ()
         self._watched = []
+        self._prints = None
 
     def __enter__(self) -> StagedTransport:
         return self
@@ -260,43 +277,108 @@ FINGERPRINT_ELEMENTS = 16
 @dataclass(frozen=True)
 class _Watched:
     """One registered tensor a by-reference transport reads again at ``update``: its version
-    counter (None for inference tensors) and its fingerprint at ``register``."""
+    counter (None for inference tensors) at ``register``."""
 
     name: str
     tensor: torch.Tensor
     version: int | None
-    fingerprint: torch.Tensor | None
-
-    def moved(self) -> bool:
-        if self.version is not None and _version_of(self.tensor) != self.version:
-            return True
-        if self.fingerprint is None:
-            return False
-        now = _fingerprint(self.tensor)
-        if now is None or now.shape != self.fingerprint.shape:
-            return True
-        return not bool((now == self.fingerprint).all())
 
 
 def _watch(name: str, t: torch.Tensor) -> _Watched:
-    return _Watched(name, t, _version_of(t), _fingerprint(t))
+    return _Watched(name, t, _version_of(t))
 
 
-def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
-    """The raw bytes of up to :data:`FINGERPRINT_ELEMENTS` elements spread evenly over ``t``
-    (bytes, so NaNs compare equal to themselves); None for a tensor with no data to read."""
-    import torch  # the transports that watch tensors already run with torch loaded
+def _first_moved(watched: Sequence[_Watched], prints: _Fingerprints | None) -> str | None:
+    """The first registered tensor (in registration order) whose version counter or fingerprint
+    moved since ``register``, or None."""
+    moved = {
+        w.name for w in watched if w.version is not None and _version_of(w.tensor) != w.version
+    }
+    if prints is not None:
+        moved.update(prints.changed())
+    return next((w.name for w in watched if w.name in moved), None)
 
+
+class _Fingerprints:
+    """The raw bytes of up to :data:`FINGERPRINT_ELEMENTS` elements spread evenly over each
+    registered tensor (bytes, so NaNs compare equal to themselves), taken at ``register`` and
+    compared at ``update`` in a few batched kernels: one gather per storage (a flat parameter
+    buffer is one storage) and one comparison per device, so an ``update`` of hundreds of
+    tensors costs one host sync, not one per tensor."""
+
+    def __init__(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        import torch  # the transports that watch tensors already run with torch loaded
+
+        # (device, storage pointer, dtype) -> (1-D view of the storage, [(name, offsets)])
+        groups: dict[tuple[Any, int, Any], tuple[torch.Tensor, list[tuple[str, list[int]]]]] = {}
+        for name, t in items:
+            t = t.detach()
+            if t.numel() == 0 or t.is_meta:
+                continue
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr(), t.dtype)
+            if key not in groups:
+                whole = storage.nbytes() // t.element_size()
+                groups[key] = (t.as_strided((whole,), (1,), 0), [])
+            groups[key][1].append((name, _sample_offsets(t)))
+        self._gathers: list[tuple[torch.Tensor, torch.Tensor, list[tuple[str, int]]]] = []
+        for base, members in groups.values():
+            flat = [o for _, offsets in members for o in offsets]
+            index = torch.tensor(flat, dtype=torch.long, device=base.device)
+            self._gathers.append((base, index, [(n, len(o)) for n, o in members]))
+        self._taken = self._take()
+
+    def _take(self) -> list[torch.Tensor]:
+        import torch
+
+        with torch.no_grad():
+            return [base[index].view(torch.uint8) for base, index, _ in self._gathers]
+
+    def changed(self) -> list[str]:
+        """Names of the tensors whose sampled bytes differ from ``register``'s."""
+        import torch
+
+        now = self._take()
+        if not now:
+            return []
+        by_device: dict[Any, list[int]] = {}
+        for i, t in enumerate(now):
+            by_device.setdefault(t.device, []).append(i)
+        out: list[str] = []
+        for idx in by_device.values():
+            a = torch.cat([now[i] for i in idx])
+            b = torch.cat([self._taken[i] for i in idx])
+            if torch.equal(a, b):  # the one host sync of this device
+                continue
+            for i in idx:
+                _, _, members = self._gathers[i]
+                itemsize = self._gathers[i][0].element_size()
+                same = (now[i] == self._taken[i]).view(-1, itemsize).all(dim=1).cpu().tolist()
+                pos = 0
+                for name, count in members:
+                    if not all(same[pos : pos + count]):
+                        out.append(name)
+                    pos += count
+        return out
+
+
+def _sample_offsets(t: torch.Tensor) -> list[int]:
+    """Storage offsets (in elements) of up to :data:`FINGERPRINT_ELEMENTS` elements of ``t``
+    spread evenly over its logical order (the first and the last included)."""
     n = t.numel()
-    if n == 0 or t.is_meta:
-        return None
-    with torch.no_grad():
-        t = t.detach()
-        if t.dim() == 0:
-            t = t.reshape(1)
-        index = torch.linspace(0, n - 1, min(n, FINGERPRINT_ELEMENTS), device=t.device)
-        where = torch.unravel_index(index.round().long(), t.shape)  # no copy of ``t``
-        return t[where].contiguous().view(torch.uint8).clone()
+    m = min(n, FINGERPRINT_ELEMENTS)
+    linear = [round(k * (n - 1) / (m - 1)) for k in range(m)] if m > 1 else [0]
+    shape = [int(x) for x in t.shape]
+    stride = [int(x) for x in t.stride()]
+    base = int(t.storage_offset())
+    out: list[int] = []
+    for li in linear:
+        off = base
+        for size, st in zip(reversed(shape), reversed(stride), strict=True):
+            off += (li % size) * st
+            li //= size
+        out.append(off)
+    return out
 
 
 def _version_of(t: torch.Tensor) -> int | None:

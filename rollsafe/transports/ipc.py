@@ -21,6 +21,24 @@ buckets of up to ``direct_bucket_bytes`` (default: a whole run per call) at no e
 CUDA buffers are dropped after each update (the trainer gets the memory back between syncs);
 CPU shared-memory buffers are kept.
 
+**The finite check** (``check_finite``, default on): a version holding NaN or inf is refused
+with :class:`~rollsafe.transports.base.NonFiniteWeights` naming the first such weight, and
+nothing of it is registered or pushed. The transport checks the registered tensors itself, one
+pass over each byte (:func:`rollsafe.wire.finite.non_finite_index`), and tells each engine so
+(``finite_checked``), so the engines skip their own pass: once per version instead of once per
+engine and bucket. What the verdict is bound to: the version id and the registration's own
+tensor references (detached at ``register``: their storage, offset, shape, stride and dtype
+cannot change afterwards; only the bytes can). The rule: every ``register`` checks (registering
+the same version id again checks again: never a cache hit across registers); the **first**
+``update`` of a registration uses that verdict, since ``update`` has just refused any change
+its staleness check sees (version counter, fingerprint); every **later** ``update`` of the same
+registration (a recovery's targeted push, a re-push) checks again before it pushes, one pass
+for all its targets, and is refused, nothing pushed, if a weight is no longer finite. The one
+window left is a write between ``register`` and the first ``update`` that the staleness check
+cannot see (through ``.data``, touching no sampled element): the same window in which such a
+write would already push unregistered bytes; register a copy there (``snapshot_weights``). With
+``check_finite=False`` nothing is checked here and each engine checks every call itself.
+
 Version and cache flush travel with the **last** bucket only: an engine that failed half way
 keeps reporting its old version (the fleet marks the target failed either way). Per-target
 failures are reported in the :class:`~rollsafe.transports.base.UpdateReport`, never raised.
@@ -28,6 +46,7 @@ failures are reported in the :class:`~rollsafe.transports.base.UpdateReport`, ne
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -35,7 +54,7 @@ import torch
 
 from rollsafe.errors import InvalidArgument
 from rollsafe.ports import EngineTarget
-from rollsafe.transports.base import StagedTransport, TransportError
+from rollsafe.transports.base import NonFiniteWeights, StagedTransport, TransportError
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -45,6 +64,7 @@ from rollsafe.transports.pipeline import (
     plan_buckets,
 )
 from rollsafe.wire.bucket import FlatBucket, serialize_bucket
+from rollsafe.wire.finite import describe_non_finite, non_finite_index
 
 __all__ = ["DEFAULT_IPC_BUCKET_BYTES", "IPCTransport"]
 
@@ -68,7 +88,9 @@ class IPCTransport(StagedTransport):
     bucket. ``double_buffer``: pack the next bucket while the engine loads the current one (two
     buffers) instead of one buffer. ``keep_buffers``: keep the two pack buffers between updates
     (default: on CPU yes -- shared memory, no re-faulting; on CUDA no -- the trainer gets the
-    memory back between syncs).
+    memory back between syncs). ``check_finite``: refuse a version holding NaN or inf here, once
+    per version, and tell the engines they need not check it (module docstring); False leaves
+    the check to each engine.
     """
 
     name = "ipc"
@@ -87,6 +109,7 @@ class IPCTransport(StagedTransport):
         keep_buffers: bool | None = None,
         allow_missing_prefixes: Iterable[str] = ("mtp.",),
         max_parallel_targets: int = 8,
+        check_finite: bool = True,
     ) -> None:
         super().__init__(
             world_size,
@@ -119,6 +142,13 @@ class IPCTransport(StagedTransport):
         self._pack_device: torch.device | None = None
         self._stream: BucketStream | None = None
         self._direct: list[torch.Tensor | None] = []
+        self.check_finite = bool(check_finite)
+        #: seconds of the last finite check (register or a later update); None: none ran
+        self.finite_check_s: float | None = None
+        #: the register-time verdict is still unused by an update
+        self._finite_fresh = False
+        #: the current update's payloads say the sender checked them finite
+        self._vouch = False
 
     @property
     def plans(self) -> tuple[BucketPlan, ...]:
@@ -149,17 +179,46 @@ class IPCTransport(StagedTransport):
             direct_bucket_bytes=self.direct_bucket_bytes or _UNLIMITED,
             sendable=sendable,
         )
+        if self.check_finite:
+            self._check_finite(items, version)
         self._items = [(n, t.detach()) for n, t in items]
         self._plans, self._pack_device = plans, device
         # the registered tensors are fixed objects: which plans travel as is cannot change
         self._direct = [direct_view(self._items, p, device=device, shared=True) for p in plans]
         if self._pool is not None and self._pool.device != device:
             self._pool = None
+        # the verdict of this registration (the _check_finite above), for its first update
+        self._finite_fresh = self.check_finite
         return range(self.registration.world_size), [n for n, _ in items]
 
     def _unstage(self) -> None:
         self._items, self._plans, self._pack_device = [], [], None
         self._direct = []
+        self._finite_fresh, self._vouch = False, False
+
+    def _check_finite(self, items: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        """One pass over every byte of ``items``; raise :class:`NonFiniteWeights` naming the
+        first weight holding NaN or inf."""
+        t0 = time.perf_counter()
+        bad = non_finite_index([t.detach() for _, t in items])
+        self.finite_check_s = time.perf_counter() - t0
+        if bad is not None:
+            name, tensor = items[bad]
+            raise NonFiniteWeights(
+                name,
+                f"{self.name}: weight {name!r} of v{version} {describe_non_finite(tensor)}; "
+                "nothing was pushed (IPCTransport(check_finite=False) leaves the check to each "
+                "engine)",
+            )
+
+    def _before_begin_update(self, targets: Sequence[EngineTarget]) -> None:
+        self._vouch = False
+        if not self.check_finite or self.version is None:
+            return
+        if not self._finite_fresh:  # a later push of this registration: check again
+            self._check_finite(self._items, self.version)
+        self._finite_fresh = False
+        self._vouch = True
 
     # ------------------------------------------------------------------ update
     def _before_push(self, targets: Sequence[EngineTarget]) -> None:
@@ -197,6 +256,7 @@ class IPCTransport(StagedTransport):
                         flush_cache=self.flush_cache and i == last,
                         weight_version=version if i == last else None,
                         timeout=self.request_timeout,
+                        finite_checked=self._vouch,
                     )
                 except Exception as exc:
                     raise TransportError(

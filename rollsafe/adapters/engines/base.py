@@ -73,16 +73,28 @@ class HttpEngineClient:
         params: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         idempotent: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
         return self._http.request(
-            "POST", path, json_body=body, params=params, timeout=timeout, idempotent=idempotent
+            "POST",
+            path,
+            json_body=body,
+            params=params,
+            timeout=timeout,
+            idempotent=idempotent,
+            headers=headers,
         )
 
     def _post_checked(
-        self, path: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None
+        self,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> str:
         """POST a state-changing call once and raise unless it reports success."""
-        return self._checked(path, self._post(path, body, timeout=timeout))
+        return self._checked(path, self._post(path, body, timeout=timeout, headers=headers))
 
     def _checked(self, path: str, answer: Any) -> str:
         """Raise :class:`EngineOperationFailed` on ``{"success": false}``; return the message."""

@@ -134,6 +134,7 @@ class HttpTransport:
         timeout: float | None = None,
         idempotent: bool = False,
         retries: bool = True,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
         """Send one request and return the decoded JSON body (or text, or ``None`` if empty).
 
@@ -146,7 +147,7 @@ class HttpTransport:
             if attempt:
                 time.sleep(self.retry.delay(attempt - 1))
             try:
-                return self._once(method, path, json_body, params, timeout)
+                return self._once(method, path, json_body, params, timeout, headers)
             except EngineRequestError as exc:
                 if not idempotent or exc.status_code < RETRY_MIN_STATUS:
                     raise
@@ -206,13 +207,14 @@ class HttpTransport:
         json_body: Mapping[str, Any] | None,
         params: Mapping[str, Any] | None,
         timeout: float | None,
+        headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         if self._closed:
             raise EngineUnavailable(self.url, path, "client is closed", request_sent=False)
         call_timeout = self.timeout if timeout is None else timeout
         try:
             request = self._client.build_request(
-                method, path, json=json_body, params=params, timeout=call_timeout
+                method, path, json=json_body, params=params, timeout=call_timeout, headers=headers
             )
             return self._client.send(request, stream=True)
         except httpx.ConnectTimeout as exc:
@@ -241,9 +243,10 @@ class HttpTransport:
         json_body: Mapping[str, Any] | None,
         params: Mapping[str, Any] | None,
         timeout: float | None,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
         call_timeout = self.timeout if timeout is None else timeout
-        response = self._send(method, path, json_body, params, timeout)
+        response = self._send(method, path, json_body, params, timeout, headers)
         if response.status_code >= 400:
             raise self.error_of(path, response)
         try:

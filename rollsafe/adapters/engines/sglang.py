@@ -14,6 +14,7 @@ from rollsafe.adapters.engines.errors import EngineOperationFailed
 from rollsafe.adapters.engines.streaming import StreamDelta, stream_deltas
 from rollsafe.errors import InvalidArgument
 from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode
+from rollsafe.wire.finite import FINITE_CHECKED_HEADER
 
 
 def _finish_reason(meta: Mapping[str, Any]) -> str | None:
@@ -174,9 +175,13 @@ class SGLangClient(HttpEngineClient):
         flush_cache: bool = True,
         weight_version: str | None = None,
         timeout: float | None = None,
+        finite_checked: bool = False,
     ) -> str:
         """POST ``/update_weights_from_tensor`` {serialized_named_tensors (one per TP rank),
-        load_format, flush_cache, weight_version}."""
+        load_format, flush_cache, weight_version}. ``finite_checked``: the sender checked every
+        tensor finite (the ``ipc`` transport, once per version); sent as the
+        :data:`~rollsafe.wire.finite.FINITE_CHECKED_HEADER` header, so the reference engine
+        skips its own pass (SGLang ignores it)."""
         body: dict[str, Any] = {
             "serialized_named_tensors": list(serialized_named_tensors),
             "flush_cache": flush_cache,
@@ -186,7 +191,10 @@ class SGLangClient(HttpEngineClient):
         if weight_version is not None:
             body["weight_version"] = weight_version
         return self._post_checked(
-            "/update_weights_from_tensor", body, timeout=self._weights_timeout(timeout)
+            "/update_weights_from_tensor",
+            body,
+            timeout=self._weights_timeout(timeout),
+            headers={FINITE_CHECKED_HEADER: "1"} if finite_checked else None,
         )
 
     def init_weights_update_group(

@@ -492,6 +492,7 @@ class VLLMClient(HttpEngineClient):
         flush_cache: bool = True,
         weight_version: str | None = None,
         timeout: float | None = None,
+        finite_checked: bool = False,
     ) -> str:
         """Not available: vLLM 0.33.0 has no ``update_weights_from_tensor``.
 

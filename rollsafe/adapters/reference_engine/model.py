@@ -11,7 +11,7 @@ copy into live parameters) or ``discard``.
 records anything: the name, dtype and shape of every tensor of the call, then that each one is
 a real, readable tensor (dense strided layout, a plain tensor, not on the ``meta`` device, its
 storage large enough for its extent) and, unless the caller passes ``allow_non_finite``, that it
-holds no NaN or inf (:func:`non_finite_index`: one fused reduction per device and dtype, one
+holds no NaN or inf (:func:`rollsafe.wire.finite.non_finite_index`: each byte read once, one
 host sync per call). A tensor on this rank's device, or on the host (disk reads and gloo
 receives are staged there and copied to the device by the commit), is recorded **as it is**
 when contiguous (no copy): the sources of ``/update_weights_from_tensor`` (shared-memory / CUDA
@@ -35,7 +35,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.adapters.reference_engine.profiling import profile_line
 from rollsafe.wire.copy import copy_pairs
 from rollsafe.wire.dtypes import dtype_name
+from rollsafe.wire.finite import describe_non_finite, non_finite_index
 
 __all__ = [
     "LM_HEAD",
@@ -55,7 +56,6 @@ __all__ = [
     "check_materialized",
     "load_config",
     "model_class",
-    "non_finite_index",
 ]
 
 LM_HEAD = "lm_head.weight"
@@ -394,97 +394,3 @@ def check_materialized(name: str, t: torch.Tensor, prefix: str = "") -> None:
         raise WeightUpdateError(
             f"{what} addresses {need} bytes of a storage of {have}: it does not hold its data"
         )
-
-
-def _finite_by_norm(group: list[torch.Tensor]) -> torch.Tensor:
-    """A 1-D bool tensor (on ``group``'s device): whether each tensor is all-finite.
-
-    One multi-tensor launch on CUDA: the inf-norm (max ``|x|``) of a tensor is finite exactly
-    when every element is (it never overflows: it is one of the values; NaN propagates).
-    """
-    norms: Sequence[torch.Tensor]
-    try:
-        norms = torch._foreach_norm(group, float("inf"))
-    except (RuntimeError, NotImplementedError):  # a dtype without a norm kernel (float8)
-        norms = [torch.linalg.vector_norm(t.float(), float("inf")) for t in group]
-    return torch.isfinite(torch.stack([n.reshape(()) for n in norms]))
-
-
-def non_finite_index(tensors: list[torch.Tensor]) -> int | None:
-    """Index of the first tensor holding a NaN or inf, or ``None``.
-
-    Floating (and complex) tensors are grouped by device and dtype; each group is reduced in
-    one fused ``_foreach_norm`` and the per-tensor flags are read back with one transfer per
-    device (no per-tensor host sync). Integer and bool tensors are always finite.
-    """
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel() > 0:
-            groups.setdefault((t.device, t.dtype), []).append(i)
-    if not groups:
-        return None
-    flags: dict[torch.device, list[tuple[list[list[int]], torch.Tensor]]] = {}
-    with torch.no_grad():
-        for (device, _), idx in groups.items():
-            spans = _spans(tensors, idx)
-            ok = _finite_by_norm([view for view, _ in spans])
-            flags.setdefault(device, []).append(([members for _, members in spans], ok))
-    bad: list[int] = []
-    for per_device in flags.values():
-        every = torch.cat([ok for _, ok in per_device])
-        if bool(every.all()):  # the one host sync of this device
-            continue
-        got = every.cpu().tolist()
-        order = [members for spans, _ in per_device for members in spans]
-        for members, fine in zip(order, got, strict=True):
-            if fine:
-                continue
-            if len(members) == 1:
-                bad.extend(members)
-                continue
-            member_ok = _finite_by_norm([tensors[i] for i in members]).cpu().tolist()
-            bad.extend(i for i, f in zip(members, member_ok, strict=True) if not f)
-    return min(bad) if bad else None
-
-
-def _spans(tensors: list[torch.Tensor], idx: list[int]) -> list[tuple[torch.Tensor, list[int]]]:
-    """The tensors ``idx`` (one device and dtype) as reduction inputs: contiguous tensors that
-    lie back to back in one storage (a flattened bucket's views, a flat trainer buffer's slices)
-    become one 1-D view spanning them, so hundreds of views are checked by one large reduction;
-    anything else stays on its own. Returns ``(view, member indices)`` pairs."""
-    out: list[tuple[torch.Tensor, list[int]]] = []
-    runs: list[tuple[torch.Tensor, list[int], int]] = []  # (first tensor, members, end address)
-    alone = [i for i in idx if not tensors[i].is_contiguous()]
-    chained = sorted(
-        (i for i in idx if tensors[i].is_contiguous()), key=lambda i: tensors[i].data_ptr()
-    )
-    for i in chained:
-        t = tensors[i]
-        start = t.data_ptr()
-        end = start + t.numel() * t.element_size()
-        if (
-            runs
-            and runs[-1][2] == start
-            and (runs[-1][0].untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
-        ):
-            first, members, _ = runs[-1]
-            runs[-1] = (first, [*members, i], end)
-        else:
-            runs.append((t, [i], end))
-    for first, members, end in runs:
-        if len(members) == 1:
-            out.append((first, members))
-            continue
-        numel = (end - first.data_ptr()) // first.element_size()
-        out.append((first.as_strided((numel,), (1,), first.storage_offset()), members))
-    out.extend((tensors[i], [i]) for i in alone)
-    return out
-
-
-def describe_non_finite(t: torch.Tensor) -> str:
-    """How many NaN / inf values ``t`` holds (error path only)."""
-    with torch.no_grad():
-        x = t if t.dtype.is_complex else t.float() if t.dtype.itemsize == 1 else t
-        nan = int(torch.isnan(x).sum())
-        inf = int(torch.isinf(x).sum())
-    return f"holds non-finite values ({nan} NaN, {inf} inf of {t.numel()})"

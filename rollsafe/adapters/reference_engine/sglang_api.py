@@ -33,6 +33,7 @@ from rollsafe.adapters.reference_engine.server import (
 )
 from rollsafe.adapters.reference_engine.streaming import stream_generation
 from rollsafe.adapters.reference_engine.weights import parse_update_meta
+from rollsafe.wire.finite import FINITE_CHECKED_HEADER
 
 __all__ = ["routes"]
 
@@ -270,7 +271,12 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         raise BadRequest(f"load_format {fmt!r} is not supported (flattened_bucket or null)")
     if want(body, "abort_all_requests", bool, False):
         await await_future(ctx.engine.abort_all())
-    names = await await_future(ctx.engine.update_from_tensor(entries, _version(body)))
+    # the sender checked every tensor of this call finite (rollsafe's ipc transport, once per
+    # version): skip the engine's own pass; every other check of the staging still runs
+    checked = request.headers.get(FINITE_CHECKED_HEADER) == "1"
+    names = await await_future(
+        ctx.engine.update_from_tensor(entries, _version(body), allow_non_finite=checked)
+    )
     return _updated(names, _version(body))
 
 

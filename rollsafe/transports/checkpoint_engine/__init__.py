@@ -25,7 +25,9 @@ from rollsafe.transports.checkpoint_engine.availability import (
     mooncake_available,
 )
 from rollsafe.transports.checkpoint_engine.environment import (
+    DEFAULT_TCP_SLICE_BYTES,
     TCP_PLACEHOLDER_DEVICE,
+    TCP_SLICE_VARIABLE,
     P2PProtocol,
     p2p_environment,
     scoped_env,
@@ -75,9 +77,11 @@ from rollsafe.transports.checkpoint_engine.transport import (
 __all__ = [
     "DEFAULT_BUCKET",
     "DEFAULT_MEM_FRACTION",
+    "DEFAULT_TCP_SLICE_BYTES",
     "FALLBACK_TRANSPORT",
     "INSTALL_HINT",
     "TCP_PLACEHOLDER_DEVICE",
+    "TCP_SLICE_VARIABLE",
     "CheckpointEngineFleetTransport",
     "CheckpointEngineTransport",
     "CheckpointEngineUnavailable",

@@ -22,6 +22,14 @@ from rollsafe.errors import InvalidArgument
 TCP_PLACEHOLDER_DEVICE = "tcp0"
 #: How P2P moves bytes: Mooncake over RDMA, or over TCP (``MC_FORCE_TCP=1``; no RDMA needed).
 P2PProtocol = Literal["rdma", "tcp"]
+#: Mooncake's TCP slice (``MC_TCP_SLICE_SIZE``) rollsafe sets for P2P over TCP unless the
+#: environment names one. Mooncake's own default is 64 KiB: its TCP transport copies GPU memory
+#: one slice per synchronous ``cudaMemcpy`` (about 123,000 for 8 GB), which contend with a
+#: serving engine on the same GPU; on an H200, 8 GB moved in 33-34 s at 64 KiB and 4.5 s at
+#: 16 MiB (``docs/transports.md``, "P2P over TCP: the slice size").
+DEFAULT_TCP_SLICE_BYTES = 16 << 20
+#: The variable Mooncake reads, once per process, at its first TCP transfer.
+TCP_SLICE_VARIABLE = "MC_TCP_SLICE_SIZE"
 
 
 _ENV_LOCK = threading.RLock()
@@ -73,6 +81,7 @@ def p2p_environment(
     rdma_devices: Sequence[str] | None = None,
     transfer_timeout_s: float | None = None,
     *,
+    tcp_slice_bytes: int | None = DEFAULT_TCP_SLICE_BYTES,
     environ: Mapping[str, str] | None = None,
 ) -> dict[str, str | None]:
     """The variables to set (str) or clear (None) around the parameter server for ``protocol``.
@@ -81,7 +90,9 @@ def p2p_environment(
     the ambient value (``environ``, default ``os.environ``), else :data:`TCP_PLACEHOLDER_DEVICE`.
     ``"rdma"``: the devices, and ``MC_FORCE_TCP`` cleared (an ambient one would silently turn
     RDMA into TCP). None: nothing. ``transfer_timeout_s`` sets ``MC_TRANSFER_TIMEOUT`` (whole
-    seconds, at least 1) with either protocol.
+    seconds, at least 1) with either protocol. ``tcp_slice_bytes`` (``"tcp"`` only) sets
+    ``MC_TCP_SLICE_SIZE`` unless the environment already names one: a value the user set is
+    never overridden; None leaves Mooncake's 64 KiB.
     """
     env = os.environ if environ is None else environ
     out: dict[str, str | None] = {}
@@ -93,6 +104,17 @@ def p2p_environment(
         out["PS_P2P_STORE_RDMA_DEVICES"] = (
             devices or env.get("PS_P2P_STORE_RDMA_DEVICES") or TCP_PLACEHOLDER_DEVICE
         )
+        if tcp_slice_bytes is not None:
+            if isinstance(tcp_slice_bytes, bool) or not isinstance(tcp_slice_bytes, int):
+                raise InvalidArgument(
+                    "tcp_slice_bytes", f"tcp_slice_bytes must be an int, got {tcp_slice_bytes!r}"
+                )
+            if tcp_slice_bytes <= 0:
+                raise InvalidArgument(
+                    "tcp_slice_bytes", f"tcp_slice_bytes must be > 0, got {tcp_slice_bytes}"
+                )
+            if not env.get(TCP_SLICE_VARIABLE):
+                out[TCP_SLICE_VARIABLE] = str(tcp_slice_bytes)
     elif protocol == "rdma":
         if not rdma_devices:
             raise InvalidArgument("rdma_devices", "P2P over RDMA needs rdma_devices")

@@ -31,7 +31,9 @@ store address is passed explicitly). P2P comes only from explicit configuration
 so it cannot auto-detect devices. ``p2p_protocol="tcp"`` runs P2P without RDMA through Mooncake's
 TCP transport (GPU memory staged through host memory): ``MC_FORCE_TCP=1`` and a placeholder
 device in ``PS_P2P_STORE_RDMA_DEVICES`` (``tcp0`` unless set) are set only around the parameter
-server's construction, registrations and updates (:meth:`CheckpointEngineTransport.p2p_env`);
+server's construction, registrations and updates (:meth:`CheckpointEngineTransport.p2p_env`),
+with ``MC_TCP_SLICE_SIZE`` = ``tcp_slice_bytes`` (16 MiB) unless the environment names one
+(Mooncake reads it once per process, at its first TCP transfer, which happens inside that scope);
 ``p2p_protocol="rdma"`` clears an ambient ``MC_FORCE_TCP`` there instead. Mooncake that fails to
 start leaves P2P off with the reason (:attr:`CheckpointEngineTransport.p2p_reason`).
 
@@ -77,6 +79,7 @@ from rollsafe.transports.checkpoint_engine.availability import (
     mooncake_available,
 )
 from rollsafe.transports.checkpoint_engine.environment import (
+    DEFAULT_TCP_SLICE_BYTES,
     TCP_PLACEHOLDER_DEVICE,
     P2PProtocol,
     _hidden_modules,
@@ -193,6 +196,10 @@ class CheckpointEngineTransport(StagedTransport):
       :attr:`p2p_reason` says why (a subset update then raises :class:`P2PUnavailable`).
     * ``transfer_timeout_s``: Mooncake's per-batch timeout (``MC_TRANSFER_TIMEOUT``, default 30 s
       upstream; raise it for big buckets over TCP), set only where ``p2p_env`` applies.
+    * ``tcp_slice_bytes``: Mooncake's TCP slice (``MC_TCP_SLICE_SIZE``) for P2P over TCP,
+      default :data:`DEFAULT_TCP_SLICE_BYTES` (16 MiB; Mooncake's own is 64 KiB), set where
+      ``p2p_env`` applies unless the environment already names one (never overridden); None
+      leaves Mooncake's default.
     * ``expert_gather``: rebuild full expert tensors from EP slices before registering.
     * ``request_timeout_s``: HTTP timeout of each engine's ``/update_weights_from_ipc``.
     * ``socket_timeout_s``: optional ZMQ send/receive timeout inside the parameter server, so a
@@ -223,6 +230,7 @@ class CheckpointEngineTransport(StagedTransport):
         stand_in_timeout_s: float = 10.0,
         p2p_protocol: P2PProtocol | None = None,
         transfer_timeout_s: float | None = None,
+        tcp_slice_bytes: int | None = DEFAULT_TCP_SLICE_BYTES,
         server_factory: Callable[..., Any] | None = None,
     ) -> None:
         if server_factory is None:
@@ -290,7 +298,7 @@ class CheckpointEngineTransport(StagedTransport):
             "rdma" if rdma_devices is not None else None
         )
         self.p2p_env: dict[str, str | None] = p2p_environment(
-            self.p2p_protocol, rdma_devices, transfer_timeout_s
+            self.p2p_protocol, rdma_devices, transfer_timeout_s, tcp_slice_bytes=tcp_slice_bytes
         )
         self.store_address = agree_store_address(master_addr, store_port)
 
