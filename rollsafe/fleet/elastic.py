@@ -11,6 +11,7 @@ and the hand-over to the :class:`~rollsafe.fleet.RecoveryCoordinator`, which pla
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -87,10 +88,10 @@ class Membership:
                 running = recovery.in_progress(gid)
                 future = recovery.submit(gid, reason=why)
                 if running:  # an attempt from before the loss: place the group once it ends
-                    future.add_done_callback(lambda _f, g=gid: self._place_if_waiting(g, why))
+                    future.add_done_callback(functools.partial(self._place_if_waiting, gid, why))
         return list(lost)
 
-    def _place_if_waiting(self, group_id: str, why: str) -> None:
+    def _place_if_waiting(self, group_id: str, why: str, _done: object = None) -> None:
         recovery = self.fleet.recovery
         with contextlib.suppress(FleetError):
             group = self.fleet.registry.get(group_id)
