@@ -227,6 +227,7 @@ class RecoveryStart(Enum):
     RETIRE = "retire"  # restart budget spent
     NOT_NEEDED = "not_needed"  # the group is not inactive
     WAIT = "wait"  # a rank of the group is unknown: nothing to restart as a whole yet
+    NODE_LOST = "node_lost"  # its placement is gone with its node: placed again, no budget
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ class RecoveryGate:
 @sends(
     "RecoveryCoordinator",
     "rollsafe/operations/recover.py",
-    WorkerGroupLifecycle=(GroupEvent.CLAIM, GroupEvent.RETIRE),
+    WorkerGroupLifecycle=(GroupEvent.CLAIM, GroupEvent.RETIRE, GroupEvent.NODE_LOST),
 )
 def gate_recovery(
     state: str,
@@ -248,10 +249,23 @@ def gate_recovery(
     complete: bool,
     remaining_s: float | None,
     expected_s: float,
+    placement_alive: bool | None = None,
 ) -> RecoveryGate:
-    """Whether to recover an ``inactive`` group now: claim it, skip, retire it, or leave it."""
+    """Whether to recover an ``inactive`` group now: claim it, skip, retire it, or leave it.
+
+    ``placement_alive``: for a group placed on a node (``placement="ray"``), whether its actor
+    still answers (None: not placed, or not asked). False means the group's node (or its
+    placement) is gone: it is a node loss, not a crash (``node_lost`` -> ``unplaced``: placed
+    again, no budget spent), whoever saw the failure first (probes usually see it before
+    Ray's own node health check)."""
     if state != "inactive":
         return RecoveryGate(RecoveryStart.NOT_NEEDED, f"group is {state}, not inactive")
+    if placement_alive is False:
+        return RecoveryGate(
+            RecoveryStart.NODE_LOST,
+            "its actor does not answer: its node is lost",
+            (GroupEvent.NODE_LOST,),
+        )
     if remaining_s is not None and remaining_s < expected_s:
         return RecoveryGate(
             RecoveryStart.SKIP,

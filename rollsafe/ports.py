@@ -450,7 +450,8 @@ class PlaceableEngine(Protocol):
     is the node it holds a placement on (None: none); ``place_again()`` gives the placement
     back and reserves a new one, returning the new node's id (raises
     ``PlacementUnavailable`` when no node has room); ``release_placement()`` ends the group's
-    actor and gives its placement back (its engine is stopped)."""
+    actor and gives its placement back (its engine is stopped); ``placement_alive(timeout_s=)``
+    asks the group's actor (False: it is gone, or did not answer in time: its node is lost)."""
 
     @property
     def node_id(self) -> str | None: ...
@@ -458,3 +459,5 @@ class PlaceableEngine(Protocol):
     def place_again(self) -> str: ...
 
     def release_placement(self) -> None: ...
+
+    def placement_alive(self, *, timeout_s: float) -> bool: ...

@@ -205,3 +205,22 @@ def test_changing_the_node_loss_step_changes_what_verify_reports(
     cex = changed.counterexamples[0]
     assert "lost_node_groups_wait_unplaced" in {v.invariant for v in cex.violations}
     assert cex.trace[-1] == Action("node_lost")
+
+
+def test_a_probe_that_sees_a_dead_node_first_still_spends_no_budget() -> None:
+    """Probes usually notice a dead node before Ray's node health check: the recovery's gate
+    asks the group's actor, finds it gone, and treats it as a node loss (no claim)."""
+    model = FleetModel(ModelConfig(groups=1, ranks=1, restart_budget=1))
+    assert model.apply(Action("launch", (0, 0)))
+    assert model.apply(Action("node_dies", ((0,),)))
+    assert model.apply(Action("probe", (0,)))
+    assert model.groups[0].state == "inactive"
+    assert model.apply(Action("recover", (0,)))
+    assert model.groups[0].state == "unplaced" and model.groups[0].restart_budget == 1
+    assert model.apply(Action("node_lost"))  # the watcher's later report changes no state
+    assert model.groups[0].state == "unplaced" and model.check() == []
+    assert model.apply(Action("place", (0,)))
+    assert model.apply(Action("restart", (0, True)))  # on dummy weights: pending_weights
+    assert model.apply(Action("push", (0, True)))
+    assert model.groups[0].state == "active" and model.groups[0].restart_budget == 1
+    assert model.check() == []

@@ -321,6 +321,8 @@ class RecoveryCoordinator:
         self.retry = rs.retry
         self.retry_delay_s = rs.retry_delay_s
         self.stop_timeout_s = rs.stop_timeout_s
+        #: how long a placed group's actor may take to answer before its node counts as lost
+        self.placement_check_s = 5.0
         self.transport_lock = transport_lock or (
             shared_transport_lock(transport) if transport is not None else threading.RLock()
         )
@@ -544,6 +546,8 @@ class RecoveryCoordinator:
                     gid,
                     group.machine.initial_restart_budget,
                 )
+            if end.status == "unplaced" and end.retry and not self._closed:
+                continue  # the gate found its node lost: place the group now (no budget)
             if end.status != "failed" or not (end.retry or end.timed_out):
                 return end.status, end.reason
             log.warning("%s: attempt %d for %s failed: %s", self.name, run.attempt, gid, end.reason)
@@ -767,8 +771,25 @@ class _AttemptExecutor:
                 budget=machine.restart_budget,
                 initial_budget=machine.initial_restart_budget,
                 can_push=c.transport is not None,
+                placement_alive=self._placement_alive(group.state),
             )
         )
+
+    def _placement_alive(self, state: str) -> bool | None:
+        """For an ``inactive`` group placed on a node, whether its actor still answers (one
+        Ray call, on the failure path only); None otherwise."""
+        if state != "inactive":
+            return None
+        try:
+            handle = self.c.launcher_for(self.gid)
+        except Exception:
+            return None
+        if not isinstance(handle, PlaceableEngine):
+            return None
+        try:
+            return bool(handle.placement_alive(timeout_s=self.c.placement_check_s))
+        except Exception:
+            return None
 
     def _note(self, effect: fx.NoteStep) -> fx.Outcome:
         if effect.name in ("claim", "place") and effect.ok:  # the attempt and its deadline begin

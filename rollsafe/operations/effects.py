@@ -283,6 +283,8 @@ class RecoveryFacts:
     budget: int = 0  # restarts left
     initial_budget: int = 0
     can_push: bool = True  # a transport is there for a targeted push
+    #: a placed group's actor still answers (None: not placed, or not asked)
+    placement_alive: bool | None = None
 
 
 @dataclass(frozen=True)

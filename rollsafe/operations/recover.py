@@ -8,7 +8,9 @@ them (a sync, a crash, retention), as it does between the fleet's threads:
 
 1. :func:`claim` -- **gate** (:func:`~rollsafe.policy.gate_recovery`): a step of an earlier
    attempt still running in the background, not inactive, skip (the rollout ends first),
-   retire (budget spent), wait (a rank unknown), or **claim** (``inactive`` -> ``recovering``);
+   retire (budget spent), wait (a rank unknown), node lost (a placed group whose actor does
+   not answer: ``node_lost``, then :mod:`rollsafe.operations.place` places it, no budget
+   spent), or **claim** (``inactive`` -> ``recovering``);
 2. :func:`take_lease` -- **strategy** (:func:`~rollsafe.policy.choose_strategy`): immediate
    from the ready export of the fleet's version (a lease is taken on it) or a dummy restart;
 3. :func:`restart` -- **launcher**, **shutdown**, **restart** (from the export, or on dummy
@@ -136,6 +138,7 @@ def claim(group: str, *, retried: bool = False) -> Generator[Effect, Outcome, At
         complete=facts.complete,
         remaining_s=facts.remaining_s,
         expected_s=facts.expected_s,
+        placement_alive=facts.placement_alive,
     )
     if gate.start is policy.RecoveryStart.NOT_NEEDED:
         if retried:
@@ -152,6 +155,9 @@ def claim(group: str, *, retried: bool = False) -> Generator[Effect, Outcome, At
         if not isinstance(sent, Ok):
             yield NoteStep("claim", False, sent.error)
             return AttemptEnd("failed", f"claim refused: {sent.error}")
+    if gate.start is policy.RecoveryStart.NODE_LOST:
+        yield NoteStep("node_lost", True, gate.reason)
+        return AttemptEnd("unplaced", gate.reason, retry=True)
     if gate.start is policy.RecoveryStart.RETIRE:
         yield NoteStep("claim", False, gate.reason)
         yield NoteStep("retire", True, gate.reason)

@@ -680,6 +680,8 @@ class FleetModel:
                 busy=g in self.late,
                 budget=group.restart_budget,
                 initial_budget=self.config.restart_budget,
+                # the actor answers iff its node lives (the fleet asks it on a failure)
+                placement_alive=self.node_up[g] if self.config.node_loss else None,
             )
         )
 

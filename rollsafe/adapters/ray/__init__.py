@@ -9,6 +9,8 @@ module                                      owns
                                             packed on one node, groups spread over nodes)
 :mod:`~rollsafe.adapters.ray.group`         ``RayEngineGroup``: the fleet's handle of a
                                             Ray-placed group (a ``RestartableEngine``)
+:mod:`~rollsafe.adapters.ray.local`         ``local_cluster``: a real multi-node Ray cluster
+                                            on one machine (demo, benchmark, tests)
 ==========================================  ==================================================
 
 Nothing here imports Ray until it is used (``init_ray()``, ``EngineActor``, a placement or a

@@ -202,6 +202,23 @@ class RayEngineGroup:
             assert self._placement is not None
             return self._placement.node_id
 
+    def placement_alive(self, *, timeout_s: float = 5.0) -> bool:
+        """Whether the group's actor answers within ``timeout_s`` (one Ray call; the recovery
+        asks it once per failure, never per request). False: no actor, the actor is dead, or
+        it did not answer (its node is gone or cut off)."""
+        import ray
+
+        actor = self._actor
+        if actor is None:
+            return False
+        try:
+            ray.get(actor.node_id.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+        except ray.exceptions.RayError:
+            return False
+        return True
+
     def release_placement(self) -> None:
         """End the actor (and its engine) and give the placement back."""
         with self._lock:
