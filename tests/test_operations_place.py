@@ -212,6 +212,7 @@ def test_a_probe_that_sees_a_dead_node_first_still_spends_no_budget() -> None:
     asks the group's actor, finds it gone, and treats it as a node loss (no claim)."""
     model = FleetModel(ModelConfig(groups=1, ranks=1, restart_budget=1))
     assert model.apply(Action("launch", (0, 0)))
+    assert model.apply(Action("sync", (True, None, "fail")))  # the fleet at v1
     assert model.apply(Action("node_dies", ((0,),)))
     assert model.apply(Action("probe", (0,)))
     assert model.groups[0].state == "inactive"
