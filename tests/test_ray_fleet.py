@@ -93,8 +93,14 @@ def test_groups_on_two_nodes_serve_sync_over_nccl_and_recover_a_sigkill(
         nodes = {gid: g.node_id for gid, g in groups.items()}
         # one node per group, both workers (the head offers no `rollout`), spread apart
         assert set(nodes.values()) == worker_ids(cluster), nodes
-        assert fleet.snapshot()["placement"] == {"kind": "ray", "nodes": nodes}
+        assert fleet.snapshot()["placement"] == {"kind": "ray", "nodes": nodes, "exports": "local"}
         node_ip = ray.util.get_node_ip_address()  # every node of this cluster is this machine
+        # the weight-update store is on the driver's node IP, as Ray reports it (nccl's
+        # master_address was left unset): engines on other nodes reach it there
+        driver = ray.get_runtime_context().get_node_id()
+        driver_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == driver)
+        assert fleet.transport is not None
+        assert fleet.transport.master_address == driver_ip == node_ip  # type: ignore[attr-defined]
         for gid, group in groups.items():
             assert ray.get(group.actor.node_id.remote()) == nodes[gid]  # the actor is there
             assert group.url.startswith(f"http://{node_ip}:")  # the engine is on its node's IP

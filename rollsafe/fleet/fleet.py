@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from rollsafe.adapters.engines import EngineLauncher, EngineSpec
-    from rollsafe.adapters.ray import GroupPlacer
+    from rollsafe.adapters.ray import GroupPlacer, SharedExportsCheck
     from rollsafe.digest_check import DigestCheck
     from rollsafe.hf import HFExporter
     from rollsafe.observe.metrics import FleetMetrics
@@ -298,7 +298,14 @@ class FleetConfig:
             raise FleetConfigError(
                 "transport",
                 "'ipc' reaches engines on the trainer's machine only; with placement='ray' "
-                "use 'nccl' (or 'disk' with an export_root every node reads)",
+                "use 'nccl' (or 'disk' with ray=RaySettings(shared_exports=True))",
+            )
+        if self.placement == "ray" and self.transport == "disk" and not self.ray.shared_exports:
+            raise FleetConfigError(
+                "transport",
+                "'disk' makes every engine read export_root at the trainer's path; with "
+                "placement='ray' declare it shared on every node: "
+                "ray=RaySettings(shared_exports=True) (checked at start), or use 'nccl'",
             )
         check_number("rearm_after", self.rearm_after, integer=True)
         check_number("initial_version", self.initial_version, integer=True, zero=True)
@@ -430,6 +437,8 @@ class RolloutFleet:
         self._engine_key = secrets.token_urlsafe(32)
         #: the Ray placer of ``placement="ray"`` (None until start(), or for "local")
         self.placer: GroupPlacer | None = None
+        #: the passed check of a ``ray.shared_exports`` export_root (None: not checked)
+        self.shared_exports: SharedExportsCheck | None = None
         self._export_machines: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._started = False
@@ -576,6 +585,7 @@ class RolloutFleet:
 
         settings = cfg.ray
         init_ray(**({"address": settings.address} if settings.address else {}))
+        self._prepare_ray_cluster()
         self.placer = GroupPlacer(
             settings.resources_per_rank,
             timeout_s=settings.placement_timeout_s,
@@ -587,6 +597,28 @@ class RolloutFleet:
             start_timeout_s=cfg.start_timeout_s,
             bind_node_ip=settings.bind_node_ip,
         )
+
+    def _prepare_ray_cluster(self) -> None:
+        """``placement="ray"``, once Ray is joined and before any group is placed: the
+        weight-update store on the driver's node IP (unless ``nccl.master_address`` was set),
+        and the check of a ``ray.shared_exports`` export_root on every alive node
+        (:class:`~rollsafe.adapters.ray.SharedExportUnreadable` fails the start)."""
+        from rollsafe.adapters.ray import check_shared_exports, driver_node_ip
+        from rollsafe.transports import NCCLTransport
+
+        cfg = self.config
+        if cfg.nccl.master_address is None and isinstance(self.transport, NCCLTransport):
+            self.transport.master_address = driver_node_ip()
+        if cfg.ray.shared_exports:
+            self.shared_exports = check_shared_exports(
+                cfg.export_root, timeout_s=cfg.ray.placement_timeout_s
+            )
+            log.info(
+                "export_root %s read back on %d Ray node(s) in %.2f s",
+                cfg.export_root,
+                len(self.shared_exports.nodes),
+                self.shared_exports.seconds,
+            )
 
     def _build_control_plane(self) -> None:
         from rollsafe.hf import HFExporter
@@ -948,6 +980,7 @@ class RolloutFleet:
             "placement": {
                 "kind": self.config.placement,
                 "nodes": self.placer.nodes() if self.placer is not None else {},
+                "exports": "shared" if self.shared_exports is not None else "local",
             },
             "registry": self.registry.snapshot(),
             "dispatch_counts": self.registry.dispatch_counts(),

@@ -27,7 +27,7 @@ from rollsafe.adapters.engines.launcher import EngineLauncher
 from rollsafe.ports import GenerateResult, WeightsChecksum
 
 # EngineActor is provided lazily by the module-level __getattr__ below.
-__all__ = ["EngineActor", "EngineHost", "engine_actor", "init_ray"]  # noqa: F822
+__all__ = ["EngineActor", "EngineHost", "driver_node_ip", "engine_actor", "init_ray"]  # noqa: F822
 
 #: Default Ray options for the actor: threaded so health stays responsive during a restart.
 DEFAULT_ACTOR_OPTIONS: Mapping[str, Any] = {"num_cpus": 0, "max_concurrency": 8}
@@ -214,6 +214,12 @@ def _node_ip() -> str:
 
     api: Any = ray.util  # get_node_ip_address() is untyped
     return str(api.get_node_ip_address())
+
+
+def driver_node_ip() -> str:
+    """The IP of the Ray node this process (the trainer's driver) runs on, as Ray reports it:
+    the address engines on other nodes reach the trainer's weight-update store on."""
+    return _node_ip()
 
 
 def engine_actor(**options: Any) -> Any:
