@@ -74,6 +74,9 @@ def test_the_builtin_bases_callers_catch_are_kept() -> None:
     assert issubclass(UnknownGroup, KeyError)
     assert issubclass(StepTimeout, TimeoutError)
     from rollsafe.adapters.ray import PlacementUnavailable, SharedExportUnreadable
+    from rollsafe.adapters.ray.exports import ExportPullRefused
+
+    assert issubclass(ExportPullRefused, RuntimeError)
 
     assert issubclass(PlacementUnavailable, RuntimeError)
     assert issubclass(SharedExportUnreadable, RuntimeError)

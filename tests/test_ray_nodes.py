@@ -17,6 +17,7 @@ Needs Ray (skipped without it, failed under ``CI=true``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import threading
@@ -189,3 +190,49 @@ def test_a_fleet_with_shared_exports_checks_them_at_start_and_syncs(
         assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
         out = group.client.generate(PROMPT, sampling_params=GREEDY)
         assert out.weight_version == "1" and len(out.output_ids) == 6
+
+
+def test_a_moved_export_is_pulled_to_the_engines_node_checked_and_loaded(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    from rollsafe.adapters.engines import EngineSpec
+    from rollsafe.adapters.ray import GroupPlacer, RayEngineGroup
+    from rollsafe.adapters.ray.exports import ExportPullRefused, publish_export
+    from rollsafe.hf import HFExporter, verify_hf_dir
+
+    weights = trained_weights(tiny_model_dir, 0.05)
+    exporter = HFExporter(tmp_path / "exports", template_dir=tiny_model_dir)
+    src = exporter.start(weights, 2).wait(120)  # a verified export on the trainer's node
+    parcel = publish_export(src, chunk_bytes=256 << 10)  # chunks in Ray's object store
+    assert parcel.nbytes > 256 << 10 and sum(len(c) for c in parcel.chunks.values()) > 2
+
+    placer = GroupPlacer({"rollout": 1.0}, timeout_s=60)
+    spec = EngineSpec(model_path=str(tiny_model_dir), ranks=1, weight_version="0")
+    group = RayEngineGroup("g0", spec, placer, bind_node_ip=False).start()
+    try:
+        node = group.node_id
+        assert node != ray.get_runtime_context().get_node_id()  # a worker, not the driver's
+        dest = tmp_path / "node-local"  # that node's own disk (here: the same machine)
+        pulled = ray.get(group.actor.pull_export.remote(parcel, str(dest)), timeout=120)
+        assert pulled["node_id"] == node and pulled["nbytes"] == parcel.nbytes
+        assert pulled["path"] == str(dest / src.name) and not pulled["reused"]
+        assert verify_hf_dir(pulled["path"], require_manifest=True).checksums_verified
+        group.restart(model_path=pulled["path"], weight_version="2")  # load the moved export
+        assert group.client.weights_checksum().model == weights_checksum(weights)["model"]
+        out = group.client.generate(PROMPT, sampling_params=GREEDY)
+        assert out.weight_version == "2" and len(out.output_ids) == 6
+
+        name, refs = next((n, c) for n, c in parcel.chunks.items() if len(c) > 1)
+        damaged = dict(parcel.chunks)
+        damaged[name] = (refs[0], ray.put(b"\0" * (256 << 10)), *refs[2:])  # altered on the way
+        bad = dataclasses.replace(parcel, chunks=damaged)
+        with pytest.raises(ray.exceptions.RayTaskError) as err:
+            ray.get(group.actor.pull_export.remote(bad, str(tmp_path / "other")), timeout=120)
+        assert isinstance(err.value.cause, ExportPullRefused), err.value
+        assert err.value.cause.file == name and err.value.cause.export == src.name
+        assert list((tmp_path / "other").iterdir()) == []  # nothing left to load
+    finally:
+        group.stop()
+    assert placer.nodes() == {}

@@ -214,3 +214,72 @@ def test_a_node_that_reads_other_bytes_or_fails_is_named(tmp_path: Path) -> None
     os.unlink(probe.path)
     with pytest.raises(OSError):
         read_probe(probe.path)
+
+
+def fake_export(root: Path, files: dict[str, bytes]) -> Path:
+    """A directory with ``files`` and a ``rollsafe-manifest.json`` listing their sizes and
+    sha256 (what :class:`~rollsafe.hf.HFExporter` writes, minus the tensors' structure)."""
+    import json
+
+    from rollsafe.hf import MANIFEST_NAME
+
+    root.mkdir(parents=True)
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    manifest = {
+        "format": "rollsafe.hf-export.v1",
+        "version": 3,
+        "files": {
+            n: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in files.items()
+        },
+        "keys": [],
+    }
+    (root / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return root
+
+
+def test_a_moved_export_is_checked_against_its_manifest_before_it_is_kept(
+    tmp_path: Path,
+) -> None:
+    from rollsafe.adapters.ray.exports import (
+        ExportPullRefused,
+        publish_export,
+        receive_export,
+    )
+    from rollsafe.hf import MANIFEST_NAME
+
+    files = {"model.safetensors": os.urandom(5000), "config.json": b'{"a": 1}'}
+    src = fake_export(tmp_path / "src" / "v000003", files)
+    store: dict[int, bytes] = {}
+
+    def put(data: bytes) -> int:  # an object store of our own: ref -> bytes
+        store[len(store)] = data
+        return len(store) - 1
+
+    parcel = publish_export(src, chunk_bytes=1024, put=put)
+    assert parcel.name == "v000003" and parcel.nbytes == 5008
+    assert len(parcel.chunks["model.safetensors"]) == 5  # 5000 bytes in 1024-byte chunks
+    dest = tmp_path / "node-local"
+    pulled = receive_export(parcel, dest, get=store.__getitem__)
+    assert pulled.path == str(dest / "v000003") and pulled.nbytes == 5008 and not pulled.reused
+    for name, data in files.items():
+        assert (dest / "v000003" / name).read_bytes() == data
+    assert (dest / "v000003" / MANIFEST_NAME).read_bytes() == (src / MANIFEST_NAME).read_bytes()
+    again = receive_export(parcel, dest, get=lambda ref: pytest.fail("fetched again"))
+    assert again.reused and again.nbytes == 0  # a matching copy is used as it is
+
+    store[parcel.chunks["model.safetensors"][2]] = b"x" * 1024  # a chunk damaged on the way
+    other = tmp_path / "other-node"
+    with pytest.raises(ExportPullRefused) as err:
+        receive_export(parcel, other, get=store.__getitem__)
+    assert err.value.file == "model.safetensors" and err.value.export == "v000003"
+    assert "sha256" in str(err.value)
+    assert os.listdir(other) == []  # nothing left behind, nothing to load
+    (dest / "v000003" / "config.json").write_bytes(b'{"a": 2}')  # a damaged local copy...
+    with pytest.raises(ExportPullRefused):  # ...is not reused, and the pull is refused
+        receive_export(parcel, dest, get=store.__getitem__)
+    assert os.listdir(dest) == []  # the damaged copy is gone too: nothing a restart could load
+    (src / "config.json").write_bytes(b"changed")  # a source that no longer matches
+    with pytest.raises(ExportPullRefused) as err:
+        publish_export(src, put=put)
+    assert err.value.file == "config.json"

@@ -177,6 +177,16 @@ class EngineHost:
     def output_tail(self) -> str:
         return self._launcher.output_tail()
 
+    def pull_export(self, parcel: Any, dest_root: str) -> dict[str, Any]:
+        """Copy a published export (:func:`~rollsafe.adapters.ray.exports.publish_export`) to
+        this node's ``dest_root`` through Ray's object store, every file checked against the
+        export's manifest before it is kept (a mismatch raises ``ExportPullRefused``);
+        ``{"path", "nbytes", "reused", "node_id"}``: ``path`` is what a restart loads."""
+        from rollsafe.adapters.ray.exports import receive_export
+
+        pulled = receive_export(parcel, dest_root)
+        return {**dataclasses.asdict(pulled), "node_id": self.node_id()}
+
     # -- serving and weights --------------------------------------------------------------
     def generate(
         self,

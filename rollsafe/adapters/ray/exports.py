@@ -1,4 +1,4 @@
-"""The shared-exports check: a path the user declares shared is read back on every Ray node.
+"""Exports every Ray node can use: the ``shared`` check and the ``moved`` mode.
 
 ``RaySettings(shared_exports=True)`` declares that ``export_root`` is the same directory on
 every node of the cluster (NFS, a parallel file system...). :func:`check_shared_exports` checks
@@ -12,6 +12,13 @@ that at the fleet's start:
 3. a node that cannot read it, reads other bytes, or does not answer within ``timeout_s``
    fails the check with :class:`SharedExportUnreadable` naming the node id and the path;
 4. the probe file is removed afterwards, whatever happened.
+
+The ``moved`` mode (a node that cannot read the trainer's path): :func:`publish_export` puts a
+verified export's files into Ray's object store in chunks (hashing them against the export's
+``rollsafe-manifest.json`` on the way), and :func:`receive_export`, on the engine's node
+(``EngineHost.pull_export``), writes them under a local directory, checks every file's size and
+sha256 against the manifest **before** the directory is renamed into place, and refuses a
+mismatch (:class:`ExportPullRefused`, nothing left behind).
 
 Ray is imported when the check runs, not when this module is imported.
 """
@@ -32,13 +39,19 @@ from typing import Any
 from rollsafe.errors import InvalidArgument, RollsafeError
 
 __all__ = [
+    "DEFAULT_CHUNK_BYTES",
     "PROBE_PREFIX",
+    "ExportParcel",
+    "ExportPullRefused",
     "ProbeFile",
+    "PulledExport",
     "SharedExportUnreadable",
     "SharedExportsCheck",
     "check_shared_exports",
     "judge_reads",
+    "publish_export",
     "read_probe",
+    "receive_export",
     "write_probe",
 ]
 
@@ -104,11 +117,7 @@ def write_probe(root: str | os.PathLike[str], nbytes: int = 4096) -> ProbeFile:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(directory)
     return ProbeFile(str(final), nbytes, hashlib.sha256(data).hexdigest())
 
 
@@ -203,3 +212,205 @@ def check_shared_exports(
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(probe.path)
+
+
+# --------------------------------------------------------------------------- the "moved" mode
+#: bytes per object-store chunk of a published export
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+class ExportPullRefused(RollsafeError, RuntimeError):
+    """A pulled export's file did not match the export's manifest (size or sha256): nothing was
+    loaded or left in place. ``export`` names the export directory, ``file`` the file,
+    ``reason`` what differed."""
+
+    def __init__(self, export: str, file: str, reason: str) -> None:
+        self.export = export
+        self.file = file
+        self.reason = reason
+        super().__init__(f"pulled export {export!r}: file {file!r} refused: {reason}")
+
+
+@dataclass(frozen=True)
+class ExportParcel:
+    """A verified export published into Ray's object store (:func:`publish_export`): its
+    directory ``name``, the ``manifest`` bytes as written, each manifest file's ``(size,
+    sha256)`` in ``files`` and its chunks' object refs in ``chunks`` (in order)."""
+
+    name: str
+    manifest: bytes
+    files: Mapping[str, tuple[int, str]]
+    chunks: Mapping[str, tuple[Any, ...]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+
+@dataclass(frozen=True)
+class PulledExport:
+    """Where a node's copy of an export is (``path``), the bytes moved (0: a copy already
+    there matched the manifest, ``reused``)."""
+
+    path: str
+    nbytes: int
+    reused: bool
+
+
+def _manifest_files(manifest: bytes, where: str) -> dict[str, tuple[int, str]]:
+    import json
+
+    from rollsafe.hf.layout import MANIFEST_NAME
+
+    try:
+        files = json.loads(manifest)["files"]
+        out = {str(n): (int(i["size"]), str(i["sha256"])) for n, i in files.items()}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ExportPullRefused(where, MANIFEST_NAME, f"unreadable manifest: {exc!r}") from exc
+    for name in out:
+        if name != os.path.basename(name) or name.startswith("."):
+            raise ExportPullRefused(where, name, "not a plain file name inside the export")
+    return out
+
+
+def publish_export(
+    export_dir: str | os.PathLike[str],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    put: Any = None,
+) -> ExportParcel:
+    """Put a verified export (a directory with ``rollsafe-manifest.json``) into Ray's object
+    store, ``chunk_bytes`` per object; every file is hashed on the way and refused
+    (:class:`ExportPullRefused`) when it no longer matches the manifest. ``put``: what stores a
+    chunk (default ``ray.put``)."""
+    from rollsafe.hf.layout import MANIFEST_NAME
+
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise InvalidArgument("chunk_bytes", f"must be an int > 0, got {chunk_bytes!r}")
+    if put is None:
+        import ray
+
+        put = ray.put
+    src = Path(export_dir)
+    manifest = (src / MANIFEST_NAME).read_bytes()
+    files = _manifest_files(manifest, src.name)
+    chunks: dict[str, tuple[Any, ...]] = {}
+    for name, (size, sha256) in files.items():
+        digest = hashlib.sha256()
+        refs: list[Any] = []
+        got = 0
+        with open(src / name, "rb") as f:
+            while data := f.read(chunk_bytes):
+                digest.update(data)
+                got += len(data)
+                refs.append(put(data))
+        if (got, digest.hexdigest()) != (size, sha256):
+            raise ExportPullRefused(
+                src.name, name, f"the source reads {got} bytes / {digest.hexdigest()}"
+            )
+        chunks[name] = tuple(refs)
+    return ExportParcel(src.name, manifest, files, chunks)
+
+
+def _matches(directory: Path, files: Mapping[str, tuple[int, str]]) -> bool:
+    for name, (size, sha256) in files.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != size:
+            return False
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while data := f.read(1 << 20):
+                digest.update(data)
+        if digest.hexdigest() != sha256:
+            return False
+    return True
+
+
+def receive_export(
+    parcel: ExportParcel, dest_root: str | os.PathLike[str], *, get: Any = None
+) -> PulledExport:
+    """Write ``parcel`` under ``dest_root`` on this node (runs where the engine runs): each file
+    is fetched chunk by chunk (``get``, default ``ray.get``), hashed, and checked against the
+    manifest before the directory is renamed into place as ``dest_root/<name>``; a mismatch
+    raises :class:`ExportPullRefused` and leaves nothing behind. A copy already there that
+    matches the manifest is reused (nothing fetched)."""
+    from rollsafe.hf.layout import MANIFEST_NAME
+
+    if get is None:
+        import ray
+
+        get = ray.get
+    files = _manifest_files(parcel.manifest, parcel.name)
+    if dict(files) != dict(parcel.files) or set(parcel.chunks) != set(files):
+        raise ExportPullRefused(parcel.name, MANIFEST_NAME, "the parcel's files differ from it")
+    if parcel.name != os.path.basename(parcel.name) or parcel.name.startswith("."):
+        raise InvalidArgument("parcel.name", f"not a directory name: {parcel.name!r}")
+    root = Path(dest_root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / parcel.name
+    if final.is_dir() and _matches(final, files):
+        return PulledExport(str(final), 0, True)
+    if final.exists():  # an older or damaged copy: never left where a restart could load it
+        _remove_aside(final)
+    tmp = root / f".{parcel.name}.pull-{secrets.token_hex(6)}"
+    tmp.mkdir()
+    try:
+        moved = 0
+        for name, (size, sha256) in files.items():
+            digest = hashlib.sha256()
+            got = 0
+            with open(tmp / name, "wb") as f:
+                for ref in parcel.chunks[name]:
+                    data = get(ref)
+                    digest.update(data)
+                    got += len(data)
+                    if got > size:
+                        break
+                    f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if (got, digest.hexdigest()) != (size, sha256):
+                raise ExportPullRefused(
+                    parcel.name,
+                    name,
+                    f"received {got} bytes with sha256 {digest.hexdigest()}, the manifest "
+                    f"says {size} bytes with sha256 {sha256}",
+                )
+            moved += got
+        with open(tmp / MANIFEST_NAME, "wb") as f:
+            f.write(parcel.manifest)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # another pull on this node put it there first: use that copy if it is this one
+            if final.is_dir() and _matches(final, files):
+                return PulledExport(str(final), moved, True)
+            raise
+        _fsync_dir(root)
+        return PulledExport(str(final), moved, False)
+    finally:
+        _rmtree(tmp)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_aside(path: Path) -> None:
+    """Rename ``path`` to a hidden name at once, then remove it."""
+    old = path.with_name(f".{path.name}.old-{secrets.token_hex(6)}")
+    os.rename(path, old)
+    _rmtree(old)
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
