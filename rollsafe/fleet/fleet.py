@@ -164,7 +164,9 @@ class FleetConfig:
     groups spread over nodes: :class:`~rollsafe.adapters.ray.RayEngineGroup`, settings in
     ``ray=RaySettings(...)``, ``RAY_ADDRESS`` joins an existing cluster; ``docs/cluster.md``).
     ``transport="ipc"`` is refused with ``placement="ray"`` (it hands CUDA/shared-memory
-    handles to engines on the trainer's machine only). A ``launcher_factory`` wins over both.
+    handles to engines on the trainer's machine only), ``"disk"`` unless
+    ``ray=RaySettings(shared_exports=True)`` (checked on every node at start). A
+    ``launcher_factory`` wins over both.
     """
 
     model_path: str | os.PathLike[str]
