@@ -93,7 +93,7 @@ def test_the_watcher_reports_a_removed_node_once_and_a_joined_one(cluster: Any) 
     try:
         assert set(watcher.alive_nodes()) == alive_ids()  # the baseline, no event
         assert len(watcher.alive_nodes()) == 3 and got.calls == []
-        doomed = cluster.worker_nodes[-1]
+        doomed = min(cluster.worker_nodes, key=lambda n: n.node_id)
         address = watcher.alive_nodes()[doomed.node_id].address
         t0 = time.monotonic()
         cluster.remove_node(doomed, allow_graceful=False)  # its raylet and workers die

@@ -216,6 +216,19 @@ def test_a_node_that_reads_other_bytes_or_fails_is_named(tmp_path: Path) -> None
         read_probe(probe.path)
 
 
+def test_the_errors_keep_their_fields_through_pickling() -> None:
+    """Both are raised where Ray pickles them (a task, an actor): the fields survive."""
+    import pickle
+
+    from rollsafe.adapters.ray.exports import ExportPullRefused
+
+    err = pickle.loads(pickle.dumps(SharedExportUnreadable("n1", "/p", {"n1": "gone"})))
+    assert (err.node_id, err.path, err.failures) == ("n1", "/p", {"n1": "gone"})
+    pulled = pickle.loads(pickle.dumps(ExportPullRefused("v1", "a.safetensors", "bad sha256")))
+    assert (pulled.export, pulled.file, pulled.reason) == ("v1", "a.safetensors", "bad sha256")
+    assert "a.safetensors" in str(pulled)
+
+
 def fake_export(root: Path, files: dict[str, bytes]) -> Path:
     """A directory with ``files`` and a ``rollsafe-manifest.json`` listing their sizes and
     sha256 (what :class:`~rollsafe.hf.HFExporter` writes, minus the tensors' structure)."""

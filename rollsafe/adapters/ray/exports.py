@@ -76,6 +76,9 @@ class SharedExportUnreadable(RollsafeError, RuntimeError):
             + (more if others else "")
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps its fields through pickling
+        return (type(self), (self.node_id, self.path, self.failures))
+
 
 @dataclass(frozen=True)
 class ProbeFile:
@@ -229,6 +232,9 @@ class ExportPullRefused(RollsafeError, RuntimeError):
         self.file = file
         self.reason = reason
         super().__init__(f"pulled export {export!r}: file {file!r} refused: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a Ray actor: travels pickled
+        return (type(self), (self.export, self.file, self.reason))
 
 
 @dataclass(frozen=True)
