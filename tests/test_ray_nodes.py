@@ -132,6 +132,7 @@ def test_the_shared_export_check_reads_the_probe_on_every_node(
     assert all(ran == node for node, ran in check.nodes.items())  # each read ran on its node
     assert check.probe.size == 4096 and len(check.probe.sha256) == 64
     assert not any(p.name.startswith(PROBE_PREFIX) for p in root.iterdir())  # removed
+    print(f"shared-exports check on {len(nodes)} nodes: {check.seconds:.2f} s")
 
     gone = secrets.token_hex(28)  # a node id no node has (one that died since it was listed)
     with pytest.raises(SharedExportUnreadable) as err:
@@ -215,7 +216,9 @@ def test_a_moved_export_is_pulled_to_the_engines_node_checked_and_loaded(
         node = group.node_id
         assert node != ray.get_runtime_context().get_node_id()  # a worker, not the driver's
         dest = tmp_path / "node-local"  # that node's own disk (here: the same machine)
+        t0 = time.monotonic()
         pulled = ray.get(group.actor.pull_export.remote(parcel, str(dest)), timeout=120)
+        print(f"moved export: {pulled['nbytes']} bytes pulled in {time.monotonic() - t0:.2f} s")
         assert pulled["node_id"] == node and pulled["nbytes"] == parcel.nbytes
         assert pulled["path"] == str(dest / src.name) and not pulled["reused"]
         assert verify_hf_dir(pulled["path"], require_manifest=True).checksums_verified
