@@ -101,6 +101,7 @@ def test_the_first_round_is_the_baseline_and_later_rounds_report_each_change_onc
     assert watcher.run_round() == [NodeEvent("dead", "w2", "10.9")]
     assert (watcher.rounds, watcher.calls, fake.calls) == (4, 4, 4)  # one call per round
     assert watcher.events_delivered == 3 and watcher.failed_rounds == 0
+    assert watcher.stats()["last_call_s"] is not None and watcher.stats()["rounds"] == 4
 
 
 def test_a_failing_call_or_callback_never_stops_the_watcher() -> None:

@@ -136,6 +136,8 @@ class NodeWatcher:
         self.events_delivered = 0
         #: the last failed round's reason (None: none failed yet)
         self.last_error: str | None = None
+        #: seconds the last answered ``ray.nodes()`` call took (None: none answered yet)
+        self.last_call_s: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> NodeWatcher:
@@ -187,6 +189,7 @@ class NodeWatcher:
             "callback_errors": self.callback_errors,
             "events_delivered": self.events_delivered,
             "last_error": self.last_error,
+            "last_call_s": self.last_call_s,
         }
 
     # ------------------------------------------------------------------ rounds
@@ -227,7 +230,8 @@ class NodeWatcher:
         call: DaemonCall[Sequence[Mapping[str, Any]]] = DaemonCall.start(
             lambda: list(ray.nodes()), name=f"{self.name}-call"
         )
-        deadline = time.monotonic() + self.call_timeout_s
+        started = time.monotonic()
+        deadline = started + self.call_timeout_s
         while not call.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
             if self._stop.is_set() or time.monotonic() >= deadline:
                 self._pending = call
@@ -235,6 +239,7 @@ class NodeWatcher:
                     self._failed(f"ray.nodes() did not answer within {self.call_timeout_s:g} s")
                 return None
         self._pending = None
+        self.last_call_s = time.monotonic() - started
         outcome = call.outcome()
         if outcome.error is not None:
             self._failed(f"ray.nodes() failed: {outcome.error!r}")
