@@ -980,9 +980,9 @@ class RolloutFleet:
             "started": self.started,
             "transport": self.config.transport,
             "placement": {
+                "exports": "shared" if self.shared_exports is not None else "local",
                 "kind": self.config.placement,
                 "nodes": self.placer.nodes() if self.placer is not None else {},
-                "exports": "shared" if self.shared_exports is not None else "local",
             },
             "registry": self.registry.snapshot(),
             "dispatch_counts": self.registry.dispatch_counts(),
