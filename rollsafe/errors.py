@@ -60,6 +60,8 @@ The tree (other bases in brackets, then where the class lives)::
     ├── LayoutError [ValueError]                      rollsafe.engine_layout
     ├── ForkRequestError [ValueError]                 rollsafe.adapters.reference_engine.zygote
     ├── PlacementUnavailable [RuntimeError]           rollsafe.adapters.ray.placement
+    ├── SharedExportUnreadable [RuntimeError]         rollsafe.adapters.ray.exports
+    ├── ExportPullRefused [RuntimeError]              rollsafe.adapters.ray.exports
     ├── FleetError                                    rollsafe.fleet
     │   ├── UnknownGroup [KeyError]
     │   ├── DuplicateGroup, OverlappingRanks, FleetVersionRegression [ValueError]

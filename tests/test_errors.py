@@ -73,6 +73,15 @@ def test_the_builtin_bases_callers_catch_are_kept() -> None:
     assert issubclass(FleetConfigError, ValueError)
     assert issubclass(UnknownGroup, KeyError)
     assert issubclass(StepTimeout, TimeoutError)
+    from rollsafe.adapters.ray import PlacementUnavailable, SharedExportUnreadable
+    from rollsafe.adapters.ray.exports import ExportPullRefused
+
+    assert issubclass(ExportPullRefused, RuntimeError)
+
+    assert issubclass(PlacementUnavailable, RuntimeError)
+    assert issubclass(SharedExportUnreadable, RuntimeError)
+    err = SharedExportUnreadable("n1", "/x/.probe", {"n1": "OSError: gone", "n2": "timeout"})
+    assert err.node_id == "n1" and err.path == "/x/.probe" and "n2" in str(err)
 
 
 def test_the_tree_in_the_docstring_names_every_exception() -> None:

@@ -97,6 +97,13 @@ def test_groups_on_two_nodes_serve_sync_over_nccl_and_recover_a_sigkill(
         placement = fleet.snapshot()["placement"]
         assert placement["kind"] == "ray" and placement["nodes"] == nodes
         node_ip = ray.util.get_node_ip_address()  # every node of this cluster is this machine
+        assert placement["exports"] == "local"  # export_root not declared shared
+        # the weight-update store is on the driver's node IP, as Ray reports it (nccl's
+        # master_address was left unset): engines on other nodes reach it there
+        driver = ray.get_runtime_context().get_node_id()
+        driver_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == driver)
+        assert fleet.transport is not None
+        assert fleet.transport.master_address == driver_ip == node_ip  # type: ignore[attr-defined]
         for gid, group in groups.items():
             assert ray.get(group.actor.node_id.remote()) == nodes[gid]  # the actor is there
             assert group.url.startswith(f"http://{node_ip}:")  # the engine is on its node's IP

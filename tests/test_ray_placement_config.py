@@ -75,3 +75,29 @@ def test_a_group_of_n_ranks_reserves_n_bundles() -> None:
     placer = GroupPlacer({"GPU": 1, "CPU": 2})
     assert placer.bundles(3) == [{"GPU": 1.0, "CPU": 2.0}] * 3
     assert placer.nodes() == {}
+
+
+def test_disk_with_ray_needs_an_export_root_declared_shared(tmp_path: Path) -> None:
+    with pytest.raises(FleetConfigError) as err:
+        config(tmp_path, placement="ray", transport="disk")
+    assert err.value.key == "transport" and "shared_exports" in str(err.value)
+    cfg = config(tmp_path, placement="ray", transport="disk", ray=RaySettings(shared_exports=True))
+    assert cfg.ray.shared_exports
+    assert config(tmp_path, transport="disk").placement == "local"  # one machine: allowed
+    with pytest.raises(FleetConfigError) as err:
+        RaySettings(shared_exports="yes")  # type: ignore[arg-type]
+    assert err.value.key == "ray.shared_exports"
+
+
+def test_the_nccl_master_address_defaults_to_none_and_a_given_one_is_kept() -> None:
+    from rollsafe.fleet import NcclSettings
+    from rollsafe.fleet.settings import TransportContext
+
+    assert NcclSettings().master_address is None
+    assert NcclSettings().build(TransportContext(world_size=1)).master_address == "127.0.0.1"
+    given = NcclSettings(master_address="10.1.2.3").build(TransportContext(world_size=1))
+    assert given.master_address == "10.1.2.3"  # type: ignore[attr-defined]
+    for bad in ("", "  ", 7):
+        with pytest.raises(FleetConfigError) as err:
+            NcclSettings(master_address=bad)  # type: ignore[arg-type]
+        assert err.value.key == "nccl.master_address"

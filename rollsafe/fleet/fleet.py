@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from rollsafe.adapters.engines import EngineLauncher, EngineSpec
-    from rollsafe.adapters.ray import GroupPlacer
+    from rollsafe.adapters.ray import GroupPlacer, SharedExportsCheck
     from rollsafe.digest_check import DigestCheck
     from rollsafe.hf import HFExporter
     from rollsafe.observe.metrics import FleetMetrics
@@ -166,7 +166,9 @@ class FleetConfig:
     groups spread over nodes: :class:`~rollsafe.adapters.ray.RayEngineGroup`, settings in
     ``ray=RaySettings(...)``, ``RAY_ADDRESS`` joins an existing cluster; ``docs/cluster.md``).
     ``transport="ipc"`` is refused with ``placement="ray"`` (it hands CUDA/shared-memory
-    handles to engines on the trainer's machine only). A ``launcher_factory`` wins over both.
+    handles to engines on the trainer's machine only), ``"disk"`` unless
+    ``ray=RaySettings(shared_exports=True)`` (checked on every node at start). A
+    ``launcher_factory`` wins over both.
     """
 
     model_path: str | os.PathLike[str]
@@ -303,7 +305,14 @@ class FleetConfig:
             raise FleetConfigError(
                 "transport",
                 "'ipc' reaches engines on the trainer's machine only; with placement='ray' "
-                "use 'nccl' (or 'disk' with an export_root every node reads)",
+                "use 'nccl' (or 'disk' with ray=RaySettings(shared_exports=True))",
+            )
+        if self.placement == "ray" and self.transport == "disk" and not self.ray.shared_exports:
+            raise FleetConfigError(
+                "transport",
+                "'disk' makes every engine read export_root at the trainer's path; with "
+                "placement='ray' declare it shared on every node: "
+                "ray=RaySettings(shared_exports=True) (checked at start), or use 'nccl'",
             )
         check_number("rearm_after", self.rearm_after, integer=True)
         check_number("spare_ranks", self.spare_ranks, integer=True, zero=True)
@@ -437,6 +446,8 @@ class RolloutFleet:
         self._fleet_api_key = secrets.token_urlsafe(32)
         #: the Ray placer of ``placement="ray"`` (None until start(), or for "local")
         self.placer: GroupPlacer | None = None
+        #: the passed check of a ``ray.shared_exports`` export_root (None: not checked)
+        self.shared_exports: SharedExportsCheck | None = None
         self._export_machines: dict[int, Any] = {}
         #: node loss, groups added and removed at runtime (docs/cluster.md)
         self.membership = Membership(self)
@@ -586,6 +597,7 @@ class RolloutFleet:
 
         settings = cfg.ray
         init_ray(**({"address": settings.address} if settings.address else {}))
+        self._prepare_ray_cluster()
         self.placer = GroupPlacer(
             settings.resources_per_rank,
             timeout_s=settings.placement_timeout_s,
@@ -597,6 +609,28 @@ class RolloutFleet:
             start_timeout_s=cfg.start_timeout_s,
             bind_node_ip=settings.bind_node_ip,
         )
+
+    def _prepare_ray_cluster(self) -> None:
+        """``placement="ray"``, once Ray is joined and before any group is placed: the
+        weight-update store on the driver's node IP (unless ``nccl.master_address`` was set),
+        and the check of a ``ray.shared_exports`` export_root on every alive node
+        (:class:`~rollsafe.adapters.ray.SharedExportUnreadable` fails the start)."""
+        from rollsafe.adapters.ray import check_shared_exports, driver_node_ip
+        from rollsafe.transports import NCCLTransport
+
+        cfg = self.config
+        if cfg.nccl.master_address is None and isinstance(self.transport, NCCLTransport):
+            self.transport.master_address = driver_node_ip()
+        if cfg.ray.shared_exports:
+            self.shared_exports = check_shared_exports(
+                cfg.export_root, timeout_s=cfg.ray.placement_timeout_s
+            )
+            log.info(
+                "export_root %s read back on %d Ray node(s) in %.2f s",
+                cfg.export_root,
+                len(self.shared_exports.nodes),
+                self.shared_exports.seconds,
+            )
 
     def _build_control_plane(self) -> None:
         from rollsafe.hf import HFExporter
@@ -974,6 +1008,7 @@ class RolloutFleet:
             "started": self.started,
             "transport": self.config.transport,
             "placement": {
+                "exports": "shared" if self.shared_exports is not None else "local",
                 "kind": self.config.placement,
                 "nodes": self.placer.nodes() if self.placer is not None else {},
                 **self.membership.snapshot(),

@@ -166,13 +166,17 @@ class RaySettings:
     the fleet's groups; ``address``: the cluster to join (None: ``RAY_ADDRESS``, else a new
     local Ray; an already initialised Ray is used as it is); ``bind_node_ip``: engines listen
     on their node's IP so the trainer's node reaches them (False: ``engine_options["host"]``,
-    loopback by default, which only a one-machine cluster reaches)."""
+    loopback by default, which only a one-machine cluster reaches); ``shared_exports``:
+    declare ``export_root`` the same directory on every node (shared storage), checked at
+    start by reading a probe file back on every alive node (within ``placement_timeout_s``;
+    a node that cannot fails the start naming it); needed by ``transport="disk"``."""
 
     resources_per_rank: Mapping[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     placement_timeout_s: float = 60.0
     spread: bool = True
     address: str | None = None
     bind_node_ip: bool = True
+    shared_exports: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.resources_per_rank, Mapping) or not self.resources_per_rank:
@@ -187,7 +191,7 @@ class RaySettings:
                 "ray.resources_per_rank", "needs one resource > 0 (Ray refuses empty bundles)"
             )
         check_number("ray.placement_timeout_s", self.placement_timeout_s)
-        for name in ("spread", "bind_node_ip"):
+        for name in ("spread", "bind_node_ip", "shared_exports"):
             if not isinstance(getattr(self, name), bool):
                 raise FleetConfigError(
                     f"ray.{name}", f"must be a bool, got {getattr(self, name)!r}"
@@ -195,6 +199,10 @@ class RaySettings:
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
             raise FleetConfigError("ray.address", f"must be None or a string, got {self.address!r}")
 
+
+#: where engines reach the trainer's weight-update store when nothing else is known
+#: (``NcclSettings.master_address`` None, ``placement="local"``)
+DEFAULT_MASTER_ADDRESS = "127.0.0.1"
 
 #: transport name -> its settings class (filled by defining a :class:`TransportSettings`
 #: subclass); the fleet builds one of these transports by name (``FleetConfig.transport``).
@@ -312,17 +320,26 @@ class NcclSettings(TransportSettings):
     (the default: moves host memory, works with engines anywhere), ``"nccl"`` (trainer weights
     and engines on GPUs) or None (picks by the weights' device); ``bucket_bytes`` (None:
     :data:`~rollsafe.transports.DEFAULT_NCCL_BUCKET_BYTES`); ``group_timeout_s`` bounds the
-    process-group setup and each collective."""
+    process-group setup and each collective; ``master_address``: where the engines reach the
+    trainer's store (None: ``127.0.0.1`` with ``placement="local"``, the driver's Ray node IP
+    with ``placement="ray"``; a value given is kept)."""
 
     transport: ClassVar[str] = "nccl"
     backend: str | None = "gloo"
     bucket_bytes: int | None = None
     group_timeout_s: float = 120.0
+    master_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl", None):
             raise FleetConfigError(
                 self.key("backend"), f"must be 'gloo', 'nccl' or None, got {self.backend!r}"
+            )
+        address = self.master_address
+        if address is not None and (not isinstance(address, str) or not address.strip()):
+            raise FleetConfigError(
+                self.key("master_address"),
+                f"must be None or a host name / IP address, got {address!r}",
             )
         if self.bucket_bytes is not None:
             check_number(self.key("bucket_bytes"), self.bucket_bytes, integer=True)
@@ -333,6 +350,7 @@ class NcclSettings(TransportSettings):
 
         return NCCLTransport(
             context.world_size,
+            master_address=self.master_address or DEFAULT_MASTER_ADDRESS,
             backend=self.backend,
             bucket_bytes=self.bucket_bytes or DEFAULT_NCCL_BUCKET_BYTES,
             group_timeout=self.group_timeout_s,

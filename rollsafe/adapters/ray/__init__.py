@@ -11,6 +11,10 @@ module                                      owns
                                             Ray-placed group (a ``RestartableEngine``)
 :mod:`~rollsafe.adapters.ray.local`         ``local_cluster``: a real multi-node Ray cluster
                                             on one machine (demo, benchmark, tests)
+:mod:`~rollsafe.adapters.ray.nodes`         ``NodeWatcher``: nodes that died or joined, one
+                                            ``ray.nodes()`` call per round for a fleet
+:mod:`~rollsafe.adapters.ray.exports`       the shared-exports check: a probe file under
+                                            ``export_root`` read back on every node
 ==========================================  ==================================================
 
 Nothing here imports Ray until it is used (``init_ray()``, ``EngineActor``, a placement or a
@@ -22,8 +26,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollsafe.adapters.ray.actor import EngineHost, engine_actor, init_ray
+from rollsafe.adapters.ray.actor import EngineHost, driver_node_ip, engine_actor, init_ray
+from rollsafe.adapters.ray.exports import (
+    SharedExportsCheck,
+    SharedExportUnreadable,
+    check_shared_exports,
+)
 from rollsafe.adapters.ray.group import RayEngineGroup, ray_engine_factory
+from rollsafe.adapters.ray.nodes import NodeEvent, NodeInfo, NodeWatcher
 from rollsafe.adapters.ray.placement import GroupPlacer, Placement, PlacementUnavailable
 
 # EngineActor is provided lazily by the module-level __getattr__ below.
@@ -31,9 +41,16 @@ __all__ = [
     "EngineActor",
     "EngineHost",
     "GroupPlacer",
+    "NodeEvent",
+    "NodeInfo",
+    "NodeWatcher",
     "Placement",
     "PlacementUnavailable",
     "RayEngineGroup",
+    "SharedExportUnreadable",
+    "SharedExportsCheck",
+    "check_shared_exports",
+    "driver_node_ip",
     "engine_actor",
     "init_ray",
     "ray_engine_factory",

@@ -27,7 +27,7 @@ from rollsafe.adapters.engines.launcher import EngineLauncher
 from rollsafe.ports import GenerateResult, WeightsChecksum
 
 # EngineActor is provided lazily by the module-level __getattr__ below.
-__all__ = ["EngineActor", "EngineHost", "engine_actor", "init_ray"]  # noqa: F822
+__all__ = ["EngineActor", "EngineHost", "driver_node_ip", "engine_actor", "init_ray"]  # noqa: F822
 
 #: Default Ray options for the actor: threaded so health stays responsive during a restart.
 DEFAULT_ACTOR_OPTIONS: Mapping[str, Any] = {"num_cpus": 0, "max_concurrency": 8}
@@ -177,6 +177,16 @@ class EngineHost:
     def output_tail(self) -> str:
         return self._launcher.output_tail()
 
+    def pull_export(self, parcel: Any, dest_root: str) -> dict[str, Any]:
+        """Copy a published export (:func:`~rollsafe.adapters.ray.exports.publish_export`) to
+        this node's ``dest_root`` through Ray's object store, every file checked against the
+        export's manifest before it is kept (a mismatch raises ``ExportPullRefused``);
+        ``{"path", "nbytes", "reused", "node_id"}``: ``path`` is what a restart loads."""
+        from rollsafe.adapters.ray.exports import receive_export
+
+        pulled = receive_export(parcel, dest_root)
+        return {**dataclasses.asdict(pulled), "node_id": self.node_id()}
+
     # -- serving and weights --------------------------------------------------------------
     def generate(
         self,
@@ -214,6 +224,12 @@ def _node_ip() -> str:
 
     api: Any = ray.util  # get_node_ip_address() is untyped
     return str(api.get_node_ip_address())
+
+
+def driver_node_ip() -> str:
+    """The IP of the Ray node this process (the trainer's driver) runs on, as Ray reports it:
+    the address engines on other nodes reach the trainer's weight-update store on."""
+    return _node_ip()
 
 
 def engine_actor(**options: Any) -> Any:

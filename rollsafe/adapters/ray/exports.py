@@ -1,0 +1,422 @@
+"""Exports every Ray node can use: the ``shared`` check and the ``moved`` mode.
+
+``RaySettings(shared_exports=True)`` declares that ``export_root`` is the same directory on
+every node of the cluster (NFS, a parallel file system...). :func:`check_shared_exports` checks
+that at the fleet's start:
+
+1. a probe file of random bytes is written under ``export_root`` (written to a temporary name,
+   ``fsync``\\ ed, renamed into place, the directory ``fsync``\\ ed: what an export does);
+2. one lightweight Ray task per alive node (``num_cpus=0``, pinned there with
+   ``NodeAffinitySchedulingStrategy(node_id, soft=False)``) reads it and returns its size and
+   sha256 (and the node it ran on);
+3. a node that cannot read it, reads other bytes, or does not answer within ``timeout_s``
+   fails the check with :class:`SharedExportUnreadable` naming the node id and the path;
+4. the probe file is removed afterwards, whatever happened.
+
+The ``moved`` mode (a node that cannot read the trainer's path): :func:`publish_export` puts a
+verified export's files into Ray's object store in chunks (hashing them against the export's
+``rollsafe-manifest.json`` on the way), and :func:`receive_export`, on the engine's node
+(``EngineHost.pull_export``), writes them under a local directory, checks every file's size and
+sha256 against the manifest **before** the directory is renamed into place, and refuses a
+mismatch (:class:`ExportPullRefused`, nothing left behind).
+
+Ray is imported when the check runs, not when this module is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollsafe.errors import InvalidArgument, RollsafeError
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "PROBE_PREFIX",
+    "ExportParcel",
+    "ExportPullRefused",
+    "ProbeFile",
+    "PulledExport",
+    "SharedExportUnreadable",
+    "SharedExportsCheck",
+    "check_shared_exports",
+    "judge_reads",
+    "publish_export",
+    "read_probe",
+    "receive_export",
+    "write_probe",
+]
+
+#: the probe file's name starts with this (a hidden file: never taken for an export version)
+PROBE_PREFIX = ".rollsafe-shared-probe-"
+
+
+class SharedExportUnreadable(RollsafeError, RuntimeError):
+    """A node of the Ray cluster could not read back the probe file written under a path the
+    fleet declared shared (``RaySettings.shared_exports``). ``node_id`` and ``path`` name the
+    first such node and the file; ``failures`` maps every failing node id to its reason."""
+
+    def __init__(self, node_id: str, path: str, failures: Mapping[str, str]) -> None:
+        self.node_id = node_id
+        self.path = path
+        self.failures = dict(failures)
+        others = len(self.failures) - 1
+        more = f" (and {others} other node(s): {sorted(set(self.failures) - {node_id})})"
+        super().__init__(
+            f"export_root is declared shared (ray.shared_exports=True) but Ray node {node_id} "
+            f"cannot read the probe file {path}: {self.failures.get(node_id, '?')}"
+            + (more if others else "")
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps its fields through pickling
+        return (type(self), (self.node_id, self.path, self.failures))
+
+
+@dataclass(frozen=True)
+class ProbeFile:
+    """The probe written by the trainer's process: its ``path``, ``size`` and ``sha256``."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SharedExportsCheck:
+    """A passed check: the ``probe`` that every node in ``nodes`` (node id -> the node its
+    task actually ran on, the same id) read back equal, in ``seconds``."""
+
+    root: str
+    probe: ProbeFile
+    nodes: Mapping[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def write_probe(root: str | os.PathLike[str], nbytes: int = 4096) -> ProbeFile:
+    """Write ``nbytes`` random bytes to a new probe file under ``root`` (created if missing),
+    durably and atomically (temporary name, fsync, rename, fsync of the directory)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise InvalidArgument("nbytes", f"must be an int > 0, got {nbytes!r}")
+    directory = Path(root).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    data = secrets.token_bytes(nbytes)
+    name = f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    final = directory / name
+    tmp = directory / f"{name}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    _fsync_dir(directory)
+    return ProbeFile(str(final), nbytes, hashlib.sha256(data).hexdigest())
+
+
+def read_probe(path: str) -> dict[str, Any]:
+    """What one node sees at ``path``: ``{"size", "sha256", "node_id"}`` (runs in a Ray task
+    on that node; raises ``OSError`` when the file cannot be read)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    node_id: str | None = None
+    ray = sys.modules.get("ray")  # inside a Ray task it is imported; never start a Ray here
+    if ray is not None and ray.is_initialized():
+        with contextlib.suppress(Exception):
+            node_id = str(ray.get_runtime_context().get_node_id())
+    return {"size": size, "sha256": digest.hexdigest(), "node_id": node_id}
+
+
+def judge_reads(probe: ProbeFile, reads: Mapping[str, dict[str, Any] | BaseException]) -> None:
+    """Raise :class:`SharedExportUnreadable` unless every node's read (``node_id`` -> what
+    :func:`read_probe` returned there, or the exception its task raised) saw ``probe``'s
+    size and digest, on that very node. The first failing node id (in sorted order) is
+    the error's ``node_id``."""
+    failures: dict[str, str] = {}
+    for node_id, read in reads.items():
+        if isinstance(read, BaseException):
+            failures[node_id] = f"{type(read).__name__}: {read}"
+        elif read.get("node_id") not in (None, node_id):
+            failures[node_id] = f"the read ran on node {read.get('node_id')}, not there"
+        elif read.get("size") != probe.size or read.get("sha256") != probe.sha256:
+            failures[node_id] = (
+                f"read {read.get('size')} bytes with sha256 {read.get('sha256')}, "
+                f"want {probe.size} bytes with sha256 {probe.sha256}"
+            )
+    if failures:
+        first = sorted(failures)[0]
+        raise SharedExportUnreadable(first, probe.path, failures)
+
+
+def check_shared_exports(
+    root: str | os.PathLike[str],
+    *,
+    nodes: Iterable[str] | None = None,
+    timeout_s: float = 60.0,
+    nbytes: int = 4096,
+) -> SharedExportsCheck:
+    """Check that every node (default: every alive node of the joined Ray cluster; or the
+    ``nodes`` ids given) reads back a probe written under ``root`` within ``timeout_s``;
+    raise :class:`SharedExportUnreadable` naming the node and the path otherwise. The probe
+    is removed either way. Needs an initialised Ray."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise InvalidArgument("timeout_s", f"must be a number > 0, got {timeout_s!r}")
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    api: Any = ray  # ray.nodes() is untyped
+    t0 = time.monotonic()
+    if nodes is None:
+        targets = [str(n["NodeID"]) for n in api.nodes() if n.get("Alive")]
+    else:
+        targets = [str(n) for n in nodes]
+    if not targets:
+        raise InvalidArgument("nodes", "no Ray node to check the shared export_root on")
+    probe = write_probe(root, nbytes)
+    try:
+        task = ray.remote(num_cpus=0, max_retries=0)(read_probe)
+        refs = {
+            node_id: task.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                name=f"rollsafe-shared-probe-{node_id[:12]}",
+            ).remote(probe.path)
+            for node_id in targets
+        }
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        done = set(ready)
+        reads: dict[str, dict[str, Any] | BaseException] = {}
+        for node_id, ref in refs.items():
+            if ref not in done:
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref, force=True)
+                reads[node_id] = TimeoutError(f"no answer within {timeout_s:g} s")
+                continue
+            try:
+                reads[node_id] = ray.get(ref, timeout=timeout_s)
+            except Exception as exc:  # the task's own error (OSError) or Ray's (unschedulable)
+                reads[node_id] = exc
+        judge_reads(probe, reads)
+        ran_on = {n: str(r["node_id"]) for n, r in reads.items() if isinstance(r, dict)}
+        return SharedExportsCheck(str(Path(root)), probe, ran_on, time.monotonic() - t0)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(probe.path)
+
+
+# --------------------------------------------------------------------------- the "moved" mode
+#: bytes per object-store chunk of a published export
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+class ExportPullRefused(RollsafeError, RuntimeError):
+    """A pulled export's file did not match the export's manifest (size or sha256): nothing was
+    loaded or left in place. ``export`` names the export directory, ``file`` the file,
+    ``reason`` what differed."""
+
+    def __init__(self, export: str, file: str, reason: str) -> None:
+        self.export = export
+        self.file = file
+        self.reason = reason
+        super().__init__(f"pulled export {export!r}: file {file!r} refused: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a Ray actor: travels pickled
+        return (type(self), (self.export, self.file, self.reason))
+
+
+@dataclass(frozen=True)
+class ExportParcel:
+    """A verified export published into Ray's object store (:func:`publish_export`): its
+    directory ``name``, the ``manifest`` bytes as written, each manifest file's ``(size,
+    sha256)`` in ``files`` and its chunks' object refs in ``chunks`` (in order)."""
+
+    name: str
+    manifest: bytes
+    files: Mapping[str, tuple[int, str]]
+    chunks: Mapping[str, tuple[Any, ...]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+
+@dataclass(frozen=True)
+class PulledExport:
+    """Where a node's copy of an export is (``path``), the bytes moved (0: a copy already
+    there matched the manifest, ``reused``)."""
+
+    path: str
+    nbytes: int
+    reused: bool
+
+
+def _manifest_files(manifest: bytes, where: str) -> dict[str, tuple[int, str]]:
+    import json
+
+    from rollsafe.hf.layout import MANIFEST_NAME
+
+    try:
+        files = json.loads(manifest)["files"]
+        out = {str(n): (int(i["size"]), str(i["sha256"])) for n, i in files.items()}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ExportPullRefused(where, MANIFEST_NAME, f"unreadable manifest: {exc!r}") from exc
+    for name in out:
+        if name != os.path.basename(name) or name.startswith("."):
+            raise ExportPullRefused(where, name, "not a plain file name inside the export")
+    return out
+
+
+def publish_export(
+    export_dir: str | os.PathLike[str],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    put: Any = None,
+) -> ExportParcel:
+    """Put a verified export (a directory with ``rollsafe-manifest.json``) into Ray's object
+    store, ``chunk_bytes`` per object; every file is hashed on the way and refused
+    (:class:`ExportPullRefused`) when it no longer matches the manifest. ``put``: what stores a
+    chunk (default ``ray.put``)."""
+    from rollsafe.hf.layout import MANIFEST_NAME
+
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise InvalidArgument("chunk_bytes", f"must be an int > 0, got {chunk_bytes!r}")
+    if put is None:
+        import ray
+
+        put = ray.put
+    src = Path(export_dir)
+    manifest = (src / MANIFEST_NAME).read_bytes()
+    files = _manifest_files(manifest, src.name)
+    chunks: dict[str, tuple[Any, ...]] = {}
+    for name, (size, sha256) in files.items():
+        digest = hashlib.sha256()
+        refs: list[Any] = []
+        got = 0
+        with open(src / name, "rb") as f:
+            while data := f.read(chunk_bytes):
+                digest.update(data)
+                got += len(data)
+                refs.append(put(data))
+        if (got, digest.hexdigest()) != (size, sha256):
+            raise ExportPullRefused(
+                src.name, name, f"the source reads {got} bytes / {digest.hexdigest()}"
+            )
+        chunks[name] = tuple(refs)
+    return ExportParcel(src.name, manifest, files, chunks)
+
+
+def _matches(directory: Path, files: Mapping[str, tuple[int, str]]) -> bool:
+    for name, (size, sha256) in files.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != size:
+            return False
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while data := f.read(1 << 20):
+                digest.update(data)
+        if digest.hexdigest() != sha256:
+            return False
+    return True
+
+
+def receive_export(
+    parcel: ExportParcel, dest_root: str | os.PathLike[str], *, get: Any = None
+) -> PulledExport:
+    """Write ``parcel`` under ``dest_root`` on this node (runs where the engine runs): each file
+    is fetched chunk by chunk (``get``, default ``ray.get``), hashed, and checked against the
+    manifest before the directory is renamed into place as ``dest_root/<name>``; a mismatch
+    raises :class:`ExportPullRefused` and leaves nothing behind. A copy already there that
+    matches the manifest is reused (nothing fetched)."""
+    from rollsafe.hf.layout import MANIFEST_NAME
+
+    if get is None:
+        import ray
+
+        get = ray.get
+    files = _manifest_files(parcel.manifest, parcel.name)
+    if dict(files) != dict(parcel.files) or set(parcel.chunks) != set(files):
+        raise ExportPullRefused(parcel.name, MANIFEST_NAME, "the parcel's files differ from it")
+    if parcel.name != os.path.basename(parcel.name) or parcel.name.startswith("."):
+        raise InvalidArgument("parcel.name", f"not a directory name: {parcel.name!r}")
+    root = Path(dest_root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / parcel.name
+    if final.is_dir() and _matches(final, files):
+        return PulledExport(str(final), 0, True)
+    if final.exists():  # an older or damaged copy: never left where a restart could load it
+        _remove_aside(final)
+    tmp = root / f".{parcel.name}.pull-{secrets.token_hex(6)}"
+    tmp.mkdir()
+    try:
+        moved = 0
+        for name, (size, sha256) in files.items():
+            digest = hashlib.sha256()
+            got = 0
+            with open(tmp / name, "wb") as f:
+                for ref in parcel.chunks[name]:
+                    data = get(ref)
+                    digest.update(data)
+                    got += len(data)
+                    if got > size:
+                        break
+                    f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if (got, digest.hexdigest()) != (size, sha256):
+                raise ExportPullRefused(
+                    parcel.name,
+                    name,
+                    f"received {got} bytes with sha256 {digest.hexdigest()}, the manifest "
+                    f"says {size} bytes with sha256 {sha256}",
+                )
+            moved += got
+        with open(tmp / MANIFEST_NAME, "wb") as f:
+            f.write(parcel.manifest)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # another pull on this node put it there first: use that copy if it is this one
+            if final.is_dir() and _matches(final, files):
+                return PulledExport(str(final), moved, True)
+            raise
+        _fsync_dir(root)
+        return PulledExport(str(final), moved, False)
+    finally:
+        _rmtree(tmp)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_aside(path: Path) -> None:
+    """Rename ``path`` to a hidden name at once, then remove it."""
+    old = path.with_name(f".{path.name}.old-{secrets.token_hex(6)}")
+    os.rename(path, old)
+    _rmtree(old)
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
