@@ -210,10 +210,17 @@ def test_a_lost_node_takes_all_its_groups_out_at_once_they_wait_for_room_and_a_n
         budget = {g: fleet.registry.get(g).machine.restart_budget for g in groups}
 
         cluster.remove_node(big, allow_graceful=False)
-        lost = fleet.node_lost(big.node_id, reason="removed by the test")
-        assert sorted(lost) == on_big
-        # out of routing at once, before any placement: no request reaches them
-        assert all(not fleet.registry.get(g).is_routable for g in on_big)
+        # the fleet's NodeWatcher sees Ray report the node dead: both groups leave routing in
+        # one step (unplaced), before any placement
+        assert wait_for(lambda: big.node_id in fleet.membership.lost_nodes, 60)
+        assert all(fleet.registry.get(g).state in ("unplaced", "recovering") for g in on_big)
+        lost_at = {
+            g: next(
+                t.seq for t in fleet.registry.get(g).recent_transitions() if t.target == "unplaced"
+            )
+            for g in on_big
+        }
+        assert abs(lost_at[on_big[0]] - lost_at[on_big[1]]) == 1  # consecutive: one step
         for _ in range(4):
             assert fleet.generate(PROMPT, sampling_params=GREEDY).group_id == alone
         # no node has room: each waits unplaced, its budget untouched
@@ -229,7 +236,7 @@ def test_a_lost_node_takes_all_its_groups_out_at_once_they_wait_for_room_and_a_n
 
         joined = cluster.add_node(num_cpus=1, resources={"slot": 2})
         cluster.wait_for_nodes(timeout=120)
-        assert sorted(fleet.membership.place_waiting(reason="a node joined")) == on_big
+        # the watcher sees the node join and offers it the waiting groups
         assert wait_for(
             lambda: all(fleet.registry.get(g).state == "active" for g in on_big), 240
         ), fleet.snapshot()["recoveries"]
@@ -243,5 +250,6 @@ def test_a_lost_node_takes_all_its_groups_out_at_once_they_wait_for_room_and_a_n
         assert set(fleet.registry.dispatch_counts().get(on_big[0], {})) <= {"active"}
         assert fleet.checksums() == {g: want for g in groups}
         assert fleet.snapshot()["placement"]["lost_nodes"] == [big.node_id]
+        assert fleet.node_watcher is not None and fleet.node_watcher.rounds > 0
     cluster.remove_node(small, allow_graceful=False)
     cluster.remove_node(joined, allow_graceful=False)

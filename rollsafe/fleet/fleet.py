@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from rollsafe.adapters.engines import EngineLauncher, EngineSpec
-    from rollsafe.adapters.ray import GroupPlacer, SharedExportsCheck
+    from rollsafe.adapters.ray import GroupPlacer, NodeWatcher, SharedExportsCheck
     from rollsafe.digest_check import DigestCheck
     from rollsafe.hf import HFExporter
     from rollsafe.observe.metrics import FleetMetrics
@@ -446,6 +446,8 @@ class RolloutFleet:
         self._fleet_api_key = secrets.token_urlsafe(32)
         #: the Ray placer of ``placement="ray"`` (None until start(), or for "local")
         self.placer: GroupPlacer | None = None
+        #: ``placement="ray"``: the fleet's watcher of Ray's nodes (None until start())
+        self.node_watcher: NodeWatcher | None = None
         #: the passed check of a ``ray.shared_exports`` export_root (None: not checked)
         self.shared_exports: SharedExportsCheck | None = None
         self._export_machines: dict[int, Any] = {}
@@ -577,6 +579,7 @@ class RolloutFleet:
                     self.registry.send(g.group_id, event)
             assert self.health is not None
             self.health.start()
+            self._watch_nodes()
             self.observer.start()
             if self.metrics is not None and self.metrics.requested_port is not None:
                 self.metrics.serve()
@@ -609,6 +612,25 @@ class RolloutFleet:
             start_timeout_s=cfg.start_timeout_s,
             bind_node_ip=settings.bind_node_ip,
         )
+
+    def _watch_nodes(self) -> None:
+        """``placement="ray"``: one ``NodeWatcher`` for the fleet; a dead node's groups go
+        through :meth:`node_lost`, a joining node is offered the waiting groups."""
+        if self.placer is None:
+            return
+        from rollsafe.adapters.ray import NodeWatcher
+
+        membership = self.membership
+
+        def on_events(events: list[Any]) -> None:
+            for event in events:
+                if event.kind == "dead":
+                    membership.node_lost(event.node_id, reason="Ray reports the node dead")
+            if any(event.kind == "joined" for event in events):
+                membership.place_waiting(reason="a node joined")
+
+        self.node_watcher = NodeWatcher(on_events, interval_s=self.config.ray.node_watch_interval_s)
+        self.node_watcher.start()
 
     def _prepare_ray_cluster(self) -> None:
         """``placement="ray"``, once Ray is joined and before any group is placed: the
@@ -705,6 +727,9 @@ class RolloutFleet:
             if self._closed:
                 return
             self._closed = True
+        if self.node_watcher is not None:
+            with contextlib.suppress(Exception):
+                self.node_watcher.stop(timeout=timeout)
         if self.health is not None:
             with contextlib.suppress(Exception):
                 self.health.stop(timeout=timeout)
@@ -1012,6 +1037,7 @@ class RolloutFleet:
                 "kind": self.config.placement,
                 "nodes": self.placer.nodes() if self.placer is not None else {},
                 **self.membership.snapshot(),
+                "watcher": self.node_watcher.stats() if self.node_watcher is not None else None,
             },
             "registry": self.registry.snapshot(),
             "dispatch_counts": self.registry.dispatch_counts(),

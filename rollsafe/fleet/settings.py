@@ -169,7 +169,10 @@ class RaySettings:
     loopback by default, which only a one-machine cluster reaches); ``shared_exports``:
     declare ``export_root`` the same directory on every node (shared storage), checked at
     start by reading a probe file back on every alive node (within ``placement_timeout_s``;
-    a node that cannot fails the start naming it); needed by ``transport="disk"``."""
+    a node that cannot fails the start naming it); needed by ``transport="disk"``;
+    ``node_watch_interval_s``: the period of the fleet's ``NodeWatcher`` (one ``ray.nodes()``
+    call per round for the whole fleet): a node Ray reports dead takes its groups out of
+    routing at once and has them placed again; a node that joins takes waiting groups."""
 
     resources_per_rank: Mapping[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     placement_timeout_s: float = 60.0
@@ -177,6 +180,7 @@ class RaySettings:
     address: str | None = None
     bind_node_ip: bool = True
     shared_exports: bool = False
+    node_watch_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.resources_per_rank, Mapping) or not self.resources_per_rank:
@@ -191,6 +195,7 @@ class RaySettings:
                 "ray.resources_per_rank", "needs one resource > 0 (Ray refuses empty bundles)"
             )
         check_number("ray.placement_timeout_s", self.placement_timeout_s)
+        check_number("ray.node_watch_interval_s", self.node_watch_interval_s)
         for name in ("spread", "bind_node_ip", "shared_exports"):
             if not isinstance(getattr(self, name), bool):
                 raise FleetConfigError(
