@@ -685,6 +685,47 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def _node_loss(d: dict[str, Any]) -> list[Row]:
+    def pp(x: dict[str, Any]) -> str:
+        if not x["n"]:
+            return "not measured"
+        return f"{x['p50']:.2f} / {x['p95']:.2f} s (n={x['n']})"
+
+    tag = f"{d['machine']['cpus']} cpus, 1-min load {d['load1']['start']:.2f} at the start"
+    names = {
+        "node_removal": "Ray node removed -> its group active again",
+        "single_process_crash": "SIGKILL of one engine rank -> active again",
+    }
+    rows: list[Row] = []
+    for key, name in names.items():
+        parts = d["summary"][key]
+        rows.append((f"{name}, p50 / p95 ({tag})", pp(parts["total"]), "-", "-"))
+        rows.append(
+            (
+                f"{name}: detection, placement, restart, weights p50 / p95",
+                ", ".join(
+                    f"{parts[p]['p50']:.2f}/{parts[p]['p95']:.2f}"
+                    for p in ("detection", "placement", "restart", "weights")
+                    if parts[p]["n"]
+                )
+                + " s",
+                "-",
+                "-",
+            )
+        )
+    checks = d["checks"]
+    rows.append(
+        (
+            "node-loss bench checks: every group active at the fleet's version with the trainer's "
+            "checksum, no rollout request failed, no dispatch to a group not active",
+            "all held" if checks["ok"] else f"{len(checks['failures'])} failed",
+            "all",
+            _verdict(checks["ok"]),
+        )
+    )
+    return rows
+
+
 EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "transitions.json": _transitions,
     "engine_cpu.json": _engine,
@@ -695,6 +736,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "control_plane.json": _control_plane,
     "recovery_cpu.json": _recovery,
     "real_vllm_cpu.json": _real_vllm,
+    "node_loss_cpu.json": _node_loss,
     "continuation_cpu.json": _continuation,
     "gpu/transports_h200.json": _transports_gpu,
     "gpu/ipc_h200_hardened.json": _transports_gpu,
@@ -753,7 +795,8 @@ def render(results: Path = RESULTS) -> str:
         "How to rerun: `make bench` (transitions), `python benchmarks/bench_engine.py`,",
         "`python benchmarks/bench_hf_export.py`, `python benchmarks/bench_transports_cpu.py`,",
         "`python benchmarks/bench_control_plane.py`,",
-        "`python benchmarks/bench_recovery.py`, `python benchmarks/bench_real_vllm.py`;",
+        "`python benchmarks/bench_recovery.py`, `python benchmarks/bench_real_vllm.py`,",
+        "`python benchmarks/bench_node_loss.py`;",
         "GPU: `benchmarks/gpu/README.md`.",
         "",
     ]
