@@ -141,7 +141,9 @@ def wait_active(fleet: RolloutFleet, gid: str, since: float) -> Any:
         if any(r.status == "active" for r in done) and fleet.registry.get(gid).state == "active":
             return next(r for r in done if r.status == "active")
         time.sleep(0.1)
-    raise TimeoutError(f"{gid} not active {WAIT_S}s after {since}: {fleet.snapshot()['recoveries']}")
+    raise TimeoutError(
+        f"{gid} not active {WAIT_S}s after {since}: {fleet.snapshot()['recoveries']}"
+    )
 
 
 def transition_at(fleet: RolloutFleet, gid: str, target: str, since: float) -> float | None:
@@ -243,7 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     phases = ("detection", "placement", "restart", "weights", "total")
     summary = {
         "node_removal": {p: dist([r[p] for r in removals if r[p] is not None]) for p in phases},
-        "single_process_crash": {p: dist([r[p] for r in kills if r[p] is not None]) for p in phases},
+        "single_process_crash": {
+            p: dist([r[p] for r in kills if r[p] is not None]) for p in phases
+        },
     }
     out = {
         "benchmark": "node_loss_cpu",

@@ -46,7 +46,8 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     assert out.exists(), done.stderr[-4000:]
     doc: dict[str, Any] = json.loads(out.read_text())
-    assert done.returncode == 0, (done.stdout[-3000:], doc.get("error"), doc.get("checks"))
+    failed = sorted(k for k, ok in (doc.get("checks") or {}).items() if not ok)
+    assert done.returncode == 0, (failed, doc.get("error"), done.stdout[-2000:])
     return doc
 
 

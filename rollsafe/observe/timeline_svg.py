@@ -36,6 +36,8 @@ STATE_COLORS = {
     "pending_weights": "#fdae6b",
     "inactive": "#de2d26",
     "recovering": "#8c6bb1",
+    "unplaced": "#a50f15",
+    "draining": "#bdbdbd",
     "retired": "#636363",
 }
 _GROUP_COLORS = (
