@@ -293,7 +293,13 @@ def test_streamed_logprobs_are_the_sampling_distribution(
     cls = SGLangClient if dialect == "sglang" else VLLMClient
     with cls(eng.url) as client:
         for temperature in (1.0, 0.7):
-            params = {"max_new_tokens": 10, "temperature": temperature, "return_logprob": True}
+            # ignore_eos: a sampled EOS would end a completion early (randomly: no seed)
+            params = {
+                "max_new_tokens": 10,
+                "temperature": temperature,
+                "return_logprob": True,
+                "ignore_eos": True,
+            }
             deltas = list(client.generate_stream(prompt, sampling_params=params))
             ids = [t for d in deltas for t in d.token_ids]
             lps = [lp for d in deltas for lp in d.logprobs]
