@@ -1027,6 +1027,12 @@ class RolloutFleet:
             max_version_seen=self.registry.fleet_version,
         )
 
+    def _delta_stats(self) -> dict[str, object] | None:
+        """The transport's deltas (bases per group, snapshots held, the last sync's bytes);
+        None when its deltas are off or it has none."""
+        stats = getattr(self.transport, "delta_stats", None)
+        return stats() if callable(stats) else None
+
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly picture of the fleet right now."""
         return {
@@ -1045,6 +1051,7 @@ class RolloutFleet:
             "registration": (
                 self.transport.registration.state if self.transport is not None else None
             ),
+            "delta": self._delta_stats(),
             "exports": {str(v): s for v, s in self.export_states().items()},
             "recoveries": [r.as_dict() for r in self.recoveries()],
             "router": self.router.stats(),

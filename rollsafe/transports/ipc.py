@@ -55,6 +55,7 @@ import torch
 from rollsafe.errors import InvalidArgument
 from rollsafe.ports import EngineTarget
 from rollsafe.transports.base import NonFiniteWeights, StagedTransport, TransportError
+from rollsafe.transports.delta import DeltaSettings
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -95,6 +96,7 @@ class IPCTransport(StagedTransport):
 
     name = "ipc"
     reads_by_reference = True
+    supports_delta = True
 
     def __init__(
         self,
@@ -110,11 +112,13 @@ class IPCTransport(StagedTransport):
         allow_missing_prefixes: Iterable[str] = ("mtp.",),
         max_parallel_targets: int = 8,
         check_finite: bool = True,
+        delta: DeltaSettings | None = None,
     ) -> None:
         super().__init__(
             world_size,
             allow_missing_prefixes=allow_missing_prefixes,
             max_parallel_targets=max_parallel_targets,
+            delta=delta,
         )
         if bucket_bytes <= 0:
             raise InvalidArgument(

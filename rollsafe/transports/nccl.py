@@ -62,6 +62,7 @@ from rollsafe.errors import InvalidArgument
 from rollsafe.net import free_port
 from rollsafe.ports import EngineTarget
 from rollsafe.transports.base import StagedTransport, TransportError
+from rollsafe.transports.delta import DeltaSettings
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -122,6 +123,7 @@ class NCCLTransport(StagedTransport):
 
     name = "nccl"
     reads_by_reference = True
+    supports_delta = True
 
     def __init__(
         self,
@@ -139,11 +141,13 @@ class NCCLTransport(StagedTransport):
         max_parallel_targets: int = 8,
         unpacked_min_bytes: int | None = None,
         keep_groups: bool = True,
+        delta: DeltaSettings | None = None,
     ) -> None:
         super().__init__(
             world_size,
             allow_missing_prefixes=allow_missing_prefixes,
             max_parallel_targets=max_parallel_targets,
+            delta=delta,
         )
         if backend not in (None, "gloo", "nccl"):
             raise InvalidArgument(
@@ -434,7 +438,9 @@ class NCCLTransport(StagedTransport):
         live.group.close()
 
     def forget(self, target_name: str) -> None:
-        """Close the kept group of ``target_name`` (a retired or removed engine)."""
+        """Close the kept group of ``target_name`` (a retired or removed engine); its next push
+        is full (deltas on)."""
+        super().forget(target_name)
         with self._live_lock:
             live = self._live.pop(target_name, None)
         if live is not None:
