@@ -75,6 +75,14 @@ def test_clean_machines_pass_the_same_bound() -> None:
     assert result.states > 1000
 
 
+def test_clean_delta_bases_pass_the_mutants_bound() -> None:
+    """The model in which ``advance_base_on_send`` is caught within three steps holds every
+    invariant with the real DeltaBase, twice as deep."""
+    result = explore(CONFIGS["advance_base_on_send"], depth=6)
+    assert result.ok, result.counterexamples[0].format()
+    assert result.states > 500
+
+
 PROPERTY_NETS: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "any_instead_of_all": (WorkerGroupProperties, {"machine_cls": AnyHealthyGroup}),
     "publish_on_failed_register": (
