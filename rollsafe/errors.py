@@ -20,6 +20,8 @@ The tree (other bases in brackets, then where the class lives)::
     ├── UnsafePayload [ValueError]                    rollsafe.wire.unpickle
     ├── SegmentError [ValueError]                     rollsafe.wire.shm
     ├── BadJSON [ValueError]                          rollsafe.wire.strict_json
+    ├── DeltaError [ValueError]                       rollsafe.wire.delta (a refused delta)
+    │   └── DeltaBaseMismatch, DeltaFormatError, DeltaDigestMismatch
     ├── DeadlineExceeded [TimeoutError]               rollsafe.concurrency
     ├── TransitionRefused [TransitionNotAllowed]      rollsafe.statemachines
     │   └── MissingGuardInput [ValueError]
