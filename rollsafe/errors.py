@@ -54,7 +54,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── ContractError, UnsupportedVersion [ValueError] rollsafe.adapters.engines.contract
     ├── ServerError                                   rollsafe.adapters.reference_engine (server)
     │   ├── BadRequest
-    │   │   └── LimitExceeded, WeightUpdateError, Unsupported
+    │   │   └── LimitExceeded, WeightUpdateError (DeltaRefused), Unsupported
     │   ├── RequestTimeout, StartupError, WorkerFailed, EngineDead
     │   └── ServerUnavailable
     │       └── EngineBusy, EnginePaused, RankFailure, BodyBudgetExceeded
