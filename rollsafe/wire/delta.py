@@ -52,7 +52,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollsafe.checksum import tensor_digest
 from rollsafe.errors import RollsafeError
 
 __all__ = [
@@ -74,6 +73,7 @@ __all__ = [
     "is_delta",
     "is_delta_name",
     "read_header",
+    "result_digest",
 ]
 
 DELTA_HEADER_KEY = "__rollsafe_delta__"
@@ -295,6 +295,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def result_digest(t: torch.Tensor) -> str:
+    """A touched tensor's digest in a header: ``rollsafe.checksum.tensor_digest(t,
+    "sglang-gpu")`` (SGLang's GPU hash, the same value on CPU and CUDA, computed on ``t``'s
+    device). ``rollsafe.checksum`` sits beside ``rollsafe.wire`` in layer 2, so it is imported
+    here, in the function: an allowed exception of ``docs/architecture.md``."""
+    from rollsafe.checksum import tensor_digest
+
+    return tensor_digest(t, DIGEST_ALGORITHM)
+
+
 def changed_counts(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
     """How many elements differ in each ``(new_bits, base_bits)`` pair (same device each).
 
@@ -417,7 +427,7 @@ def encode_delta(
             kinds[name] = "sparse"
             tensors.append((name + IDX_SUFFIX, idx))
             tensors.append((name + VAL_SUFFIX, val))
-        digests[name] = tensor_digest(t.detach(), DIGEST_ALGORITHM)
+        digests[name] = result_digest(t.detach())
     header = DeltaHeader(
         base_version=str(base_version),
         version=str(version),
@@ -545,7 +555,7 @@ def apply_delta(
             scatter_bits(_bits(result), idx, _bits(val))
         out[name] = result
     for name in header.touched:
-        digest = tensor_digest(out[name], DIGEST_ALGORITHM)
+        digest = result_digest(out[name])
         if digest != header.digests[name]:
             raise DeltaDigestMismatch(
                 f"{name!r}: the result's digest is {digest}, the delta says "

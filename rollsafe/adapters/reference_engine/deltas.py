@@ -136,7 +136,13 @@ class DeltaParts:
                 )
             if name in self.parts:
                 raise DeltaFormatError(f"{name!r} received twice in one delta", key=name)
-            self.parts[name] = t.detach().clone(memory_format=torch.contiguous_format)
+            try:
+                self.parts[name] = t.detach().clone(memory_format=torch.contiguous_format)
+            except Exception as exc:  # a tensor whose data cannot be read (meta, sparse, ...)
+                raise DeltaFormatError(
+                    f"{name!r} cannot be read: {type(exc).__name__}: {exc}",
+                    key=delta_base_name(name),
+                ) from exc
 
     def take(self) -> list[tuple[str, torch.Tensor]]:
         """The whole delta as received (header first), dropped from here."""

@@ -406,6 +406,10 @@ class RankRuntime:
                 )
         except DeltaError as exc:
             raise refused(exc) from exc
+        except Exception as exc:  # what the checks did not foresee: still a refusal, not a fault
+            raise WeightUpdateError(
+                f"rank {self.rank}: the delta cannot be applied: {type(exc).__name__}: {exc}"
+            ) from exc
         self._stage(list(new.items()), f"rank {self.rank}", allow_non_finite=allow_non_finite)
         return sorted(new)
 
