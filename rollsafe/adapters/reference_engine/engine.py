@@ -4,7 +4,10 @@ Owns request scheduling and the engine-level state machine of a serving process:
 sessions (prefill, then one decode step at a time, round-robin across sessions), pause modes
 (``abort`` / ``retract`` / ``in_place``), memory release, the tracked weight version, and
 all-or-nothing weight updates (stage on every rank, then commit on every rank; any failure
-discards every rank's staging and keeps the previous weights and version). Every operation that
+discards every rank's staging and keeps the previous weights and version), delta updates
+included (:mod:`.deltas`: held across their calls, applied onto the weights served now at the
+update's versioned call, refused with a named 400 when the base, format or a result digest is
+wrong). Every operation that
 touches the ranks runs on the driver thread, so collectives never interleave; HTTP handlers get
 ``concurrent.futures.Future`` objects. A rank failure fails every pending future at once.
 The vLLM dialect adds vLLM's failure state: poisoned weights (a failed reload or update) and
@@ -574,6 +577,9 @@ class ReferenceEngine:
         copies its checked staging into its weights, a pure copy that cannot fail for data
         reasons; should it fail anyway (a device fault), the engine marks itself failed rather
         than serve weights that are half one version and half the other.
+
+        A call of a delta update (:mod:`.deltas`) is held by every rank instead of staged, and
+        the versioned call then applies the whole delta (:meth:`_apply_delta`), all or nothing.
         """
         if "weights" in self._released:
             raise WeightUpdateError(

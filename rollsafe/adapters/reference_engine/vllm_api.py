@@ -20,6 +20,13 @@ NCCL weight transfer, one lifecycle per version:
   -> ``/finish_weight_update`` ``{weight_version?}``; ``/update_weight_version``
   ``{new_version}`` and ``/weight_info`` set and read the version.
 
+A delta update (``rollsafe.wire.delta``: named tensors recognised by their header) is held
+across the ``/update_weights`` calls and applied, all or nothing, by ``/finish_weight_update``
+(the version it carries, or the delta's own); a refused delta (wrong base, format, digest) is a
+400 naming the error and the key or base, the weights and version unchanged, and unlike a
+failed vLLM update it does not poison the engine (nothing of the weights was replaced). Real
+vLLM applies no such delta (``rollsafe.policy.EngineTraits.applies_deltas``).
+
 Packed transfers are received as vLLM's ``packed_nccl_broadcast_consumer`` cuts them: uint8
 chunks of whole tensors, a chunk closed once it exceeds ``packed_buffer_size_bytes``
 (:func:`~rollsafe.adapters.reference_engine.weights.packed_chunks`); unpacked ones as one
