@@ -295,3 +295,18 @@ def test_vllm_dialect_applies_deltas_and_a_refusal_does_not_poison(
     r = vllm.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text  # a poisoned vLLM engine would die on this forward
     assert vllm.healthy()
+
+    # a part announced with the wrong dtype: refused by /update_weights, before it is received
+    payload = delta_step(trainer, v2, next(VERSIONS), seed=11)
+    key = "model.norm.weight" if "model.norm.weight" in payload.header.sparse else None
+    key = key or payload.header.sparse[-1]
+    odd = [(n, x.double() if n == key + VAL_SUFFIX else x) for n, x in payload.tensors]
+    tr.register(odd, int(payload.header.version))
+    report = tr.update([t])
+    assert report.failed == ["v"]
+    assert_refused(report.results["v"].reason, "DeltaFormatError", key)
+    assert vllm.checksum() == before
+    assert vllm.get("/weight_info").json() == {"weight_version": str(v2)}
+    r = vllm.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert vllm.healthy()

@@ -738,7 +738,11 @@ class ReferenceEngine:
     ) -> Future[list[str]]:
         """Receive one call's broadcast: per tensor, or ``flattened`` (one uint8 buffer, SGLang)
         cut into chunks of ``chunk_bytes`` (vLLM's packed transfer); see ``receive_broadcast``."""
-        self.validate_meta(meta)
+        try:
+            self.validate_meta(meta)
+        except BadRequest:
+            self.drop_delta()  # a delta this call belonged to is over: its parts go too
+            raise
         if flattened:
             packed_layout(meta, chunk_bytes)  # an unaligned layout is a 400 before any receive
         if group_name not in self.ranks.local.weight_groups:
