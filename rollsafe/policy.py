@@ -137,19 +137,27 @@ class EngineTraits:
 
     ``update_needs_pause``: a request that reaches the engine between the start and the end
     of an update kills it (vLLM), so every update runs with generation paused.
+
+    ``applies_deltas``: the engine applies a delta update (``rollsafe.wire.delta``, #28) sent
+    as named tensors over ``ipc``/``nccl`` onto exactly its base version, all or nothing, and
+    refuses anything else with a named 400 (the reference engine, both dialects). False for
+    every real engine: SGLang has no delta apply, vLLM's ``sparse_nccl`` is not this format
+    (and not transactional), and rollsafe's vLLM CPU transfer plugin does not apply one yet;
+    a transport sends those engines full syncs.
     """
 
     kind: str
     failed_update_keeps_weights: bool
     update_needs_pause: bool
+    applies_deltas: bool = False
 
 
 #: (engine kind, HTTP dialect) -> its traits. ``None`` as dialect: any dialect of that kind.
 ENGINE_TRAITS: dict[tuple[str, str | None], EngineTraits] = {
-    ("reference", "sglang"): EngineTraits("reference-sglang", True, False),
-    ("reference", "vllm"): EngineTraits("reference-vllm", False, True),
-    ("sglang", None): EngineTraits("sglang", False, False),
-    ("vllm", None): EngineTraits("vllm", False, True),
+    ("reference", "sglang"): EngineTraits("reference-sglang", True, False, applies_deltas=True),
+    ("reference", "vllm"): EngineTraits("reference-vllm", False, True, applies_deltas=True),
+    ("sglang", None): EngineTraits("sglang", False, False, applies_deltas=False),
+    ("vllm", None): EngineTraits("vllm", False, True, applies_deltas=False),
 }
 #: an engine rollsafe knows nothing about: the careful answer to both questions
 UNKNOWN_ENGINE = EngineTraits("unknown", False, True)

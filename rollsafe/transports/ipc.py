@@ -61,6 +61,7 @@ from rollsafe.transports.pipeline import (
     BucketStream,
     BufferPool,
     check_tensors,
+    delta_header_first,
     direct_view,
     plan_buckets,
 )
@@ -189,6 +190,7 @@ class IPCTransport(StagedTransport):
         self._plans, self._pack_device = plans, device
         # the registered tensors are fixed objects: which plans travel as is cannot change
         self._direct = [direct_view(self._items, p, device=device, shared=True) for p in plans]
+        self._plans, self._direct = delta_header_first(self._items, self._plans, self._direct)
         if self._pool is not None and self._pool.device != device:
             self._pool = None
         # the verdict of this registration (the _check_finite above), for its first update

@@ -68,6 +68,7 @@ from rollsafe.transports.pipeline import (
     BucketStream,
     TensorList,
     check_tensors,
+    delta_header_first,
     direct_view,
     plan_buckets,
     split_unpacked,
@@ -231,7 +232,7 @@ class NCCLTransport(StagedTransport):
                 bucket_bytes=self.bucket_bytes,
                 min_bytes=min_bytes,
             )
-        self._plans, self._direct = plans, direct
+        self._plans, self._direct = delta_header_first(self._items, plans, direct)
         return range(self.registration.world_size), [n for n, _ in items]
 
     def _unstage(self) -> None:
