@@ -27,6 +27,7 @@ CPU). Leaving :attr:`~rollsafe.demo.state.DemoRun.stack` (settle) shuts the clus
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,9 +88,11 @@ def start_cluster(run: DemoRun) -> None:
     run.node_names[run.cluster.head_node.node_id] = "head"
     for node in sorted(run.cluster.worker_nodes, key=lambda n: n.node_id):
         _name_worker(run, node.node_id)
+    run.ray_tmpdir = os.environ.get("RAY_TMPDIR")  # local_cluster's private directory
     run.say(
         f"Ray cluster up: {nodes} nodes on this machine, each its own raylet"
-        f" ({run.cluster.address}): head (trainer, no `{ENGINE_RESOURCE}`), "
+        f" ({run.cluster.address}, files {run.ray_tmpdir}): head (trainer, no"
+        f" `{ENGINE_RESOURCE}`), "
         + ", ".join(f"{n} ({ENGINE_RESOURCE}: {room})" for n in _workers(run))
     )
 
@@ -229,6 +232,7 @@ def figures(run: DemoRun) -> None:
     cont = fleet.router.stats()["continuation"]
     out: dict[str, Any] = {
         "nodes": run.nodes,
+        "ray_tmpdir": run.ray_tmpdir,
         "cluster": {name: node_id for node_id, name in run.node_names.items()},
         "placement": placement(run),
         "requests": {

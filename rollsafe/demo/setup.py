@@ -22,8 +22,11 @@ from rollsafe.demo.progress import states
 from rollsafe.demo.state import DemoRun
 from rollsafe.demo_trainer import Trainer
 
-__all__ = ["VLLM_START_S", "begin", "start"]
+__all__ = ["VLLM_START_S", "WAIT_FOR_ROUTABLE_NODES_S", "begin", "start"]
 
+#: how long a request waits for a routable group with ``--nodes`` (a node loss may take every
+#: group out until they are placed again)
+WAIT_FOR_ROUTABLE_NODES_S = 150.0
 #: how long one real vLLM may take to start, or to restart in a recovery, on a loaded machine
 VLLM_START_S = 600.0
 
@@ -134,7 +137,9 @@ def start(run: DemoRun) -> None:
         # every group keeps one pre-imported engine process: a restart skips the
         # interpreter start and the torch/transformers imports (seconds on CPU)
         warm_standby=run.opts.warm_standby,
-        wait_for_routable_s=2.0,
+        # --nodes 2: the one worker's loss takes every group out; a request waits for a group
+        # to come back (on the node added back) instead of failing
+        wait_for_routable_s=WAIT_FOR_ROUTABLE_NODES_S if run.nodes else 2.0,
         request_timeout_s=120.0 if run.vllm else 20.0,
         start_timeout_s=VLLM_START_S if run.vllm else 180.0,
     )

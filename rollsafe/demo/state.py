@@ -63,6 +63,7 @@ class DemoRun:
     # (node id -> ``head``, ``worker1``...), the node loss (nodes.remove_node fills it) and what
     # the report makes of it (nodes.figures); the cluster's context stays open on ``stack``
     cluster: Any = None
+    ray_tmpdir: str | None = None  # the cluster's private RAY_TMPDIR (removed with it)
     node_names: dict[str, str] = field(default_factory=dict)
     node_loss: dict[str, Any] | None = None
     node_figures: dict[str, Any] = field(default_factory=dict)
