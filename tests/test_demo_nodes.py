@@ -55,20 +55,21 @@ def _processes_mentioning(needle: str) -> list[tuple[int, str]]:
     return found
 
 
-def _assert_cluster_gone(ray_tmpdir: str, pids: list[int], timeout: float = 30.0) -> None:
-    """No process of the demo's cluster (its raylets and GCS name its directory) nor any of
-    ``pids`` is alive, and the directory is removed."""
+def _assert_cluster_gone(dirs: list[str], pids: list[int], timeout: float = 30.0) -> None:
+    """No process naming one of ``dirs`` (the cluster's RAY_TMPDIR: its raylets and GCS; the
+    demo's scratch: the engines' logs) nor any of ``pids`` is alive, and the dirs are gone."""
     from rollsafe.processes import pid_alive
 
     deadline = time.monotonic() + timeout
     while True:
-        left = _processes_mentioning(ray_tmpdir)
+        left = [p for d in dirs for p in _processes_mentioning(d)]
         alive = [p for p in pids if pid_alive(p)]
         if not left and not alive:
             break
         assert time.monotonic() < deadline, f"left running: {left}, pids {alive}"
         time.sleep(0.3)
-    assert not Path(ray_tmpdir).exists(), f"{ray_tmpdir} was not removed"
+    for d in dirs:
+        assert not Path(d).exists(), f"{d} was not removed"
 
 
 def _parse(argv: list[str]) -> tuple[DemoOptions, str | None]:
@@ -157,7 +158,7 @@ def test_demo_nodes_3_removes_a_worker_and_its_group_comes_back(tmp_path: Path) 
     timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     path = [r["target"] for r in timeline if r["kind"] == "group" and r["subject"] == "g1"]
     assert "unplaced" in path and path[-1] == "active", path
-    _assert_cluster_gone(nodes["ray_tmpdir"], [])
+    _assert_cluster_gone([nodes["ray_tmpdir"], summary["scratch_dir"]], [])
 
 
 @pytest.mark.ray_cluster
@@ -169,17 +170,19 @@ def test_demo_nodes_ctrl_c_mid_rollout_shuts_the_cluster_down(tmp_path: Path) ->
     proc = _demo("--nodes", "2", "--steps", "2", "--out", str(tmp_path / "report"))
     assert proc.stdout is not None
     lines: list[str] = []
-    ray_tmpdir = None
+    dirs: dict[str, str] = {}
     for line in proc.stdout:  # until the first rollout line: cluster, trainer and fleet up
         lines.append(line)
-        found = re.search(r"files (/tmp/rs-ray-\S+?)\)", line)
-        ray_tmpdir = ray_tmpdir or (found.group(1) if found else None)
+        for key, pattern in (("ray", r"files (/tmp/rs-ray-\S+?)\)"), ("work", r"scratch (\S+)")):
+            found = re.search(pattern, line)
+            if found:
+                dirs[key] = found.group(1).rstrip(",;")
         if "step 1 rollout" in line:
             break
-    assert ray_tmpdir is not None, "".join(lines)
+    assert set(dirs) == {"ray", "work"}, "".join(lines)
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=120)
     assert "demo interrupted (KeyboardInterrupt)" in rest, rest[-4000:]
     assert "and the 2-node Ray cluster shut down" in rest
     assert proc.returncode != 0
-    _assert_cluster_gone(ray_tmpdir, [])
+    _assert_cluster_gone(list(dirs.values()), [])
