@@ -11,9 +11,10 @@ cluster"):
   :func:`ray_settings` (one ``ENGINE_RESOURCE`` per rank: engines never land on the head);
 * :func:`remove_node` -- at ``--crash-at``'s rollout, the worker node holding the second group
   is removed (``allow_graceful=False``: its raylet and every process on it die); when it holds
-  every group (``--nodes 2``) the load pauses first until the requests in flight are done (a
-  cut request would have no other group to continue on), then resumes: new requests wait for a
-  group to come back (``FleetConfig.wait_for_routable_s``) instead of failing;
+  every group (``--nodes 2``) the load pauses first until the requests in flight are done, and
+  resumes once every group is out of routing (a request sent to a dead engine would be cut,
+  with no other group to continue on): then new requests wait for a group to come back
+  (``FleetConfig.wait_for_routable_s``) instead of failing;
 * :func:`tend` -- while the rollout goes on: when the lost groups wait ``unplaced`` because no
   node has room (``--nodes 2``: no worker is left), a worker node is added back, and the
   fleet's ``NodeWatcher`` offers it the waiting groups; says when every lost group is back;
@@ -147,8 +148,8 @@ def remove_node(run: DemoRun, step: int) -> None:
     raylet = _raylet_pid(node)
     budget = {g: fleet.registry.get(g).machine.restart_budget for g in lost}
     survivors = [g for g in fleet.group_ids if g not in lost]
-    if not survivors:
-        _quiesce(run)  # a request cut now would have no other group to continue on
+    if not survivors:  # a request cut now would have no other group to continue on
+        _quiesce(run)
     at = time.time()
     cluster.remove_node(node, allow_graceful=False)
     for g in lost:
@@ -168,12 +169,12 @@ def remove_node(run: DemoRun, step: int) -> None:
         "version": fleet.registry.fleet_version,
         "added_node": None,
         "served_during": {},
+        "paused": not survivors,  # the load resumes once every group left routing (tend)
     }
     run.say(
         f"  !! step {step}: removed {what}; raylet pid {raylet}, engine pids {pids};"
         f" groups on it: {', '.join(lost)}"
     )
-    run.load.active.set()  # (again, after _quiesce) new requests wait for a group to return
 
 
 def _quiesce(run: DemoRun, timeout_s: float = 30.0) -> None:
@@ -206,6 +207,10 @@ def tend(run: DemoRun) -> bool:
         return True
     fleet = run.fleet
     lost: list[str] = loss["groups"]
+    if loss["paused"] and not any(fleet.registry.get(g).is_routable for g in lost):
+        loss["paused"] = False  # no group can be picked: new requests wait for one to return
+        run.load.active.set()
+        run.say("  .. every group is out of routing: the load resumes, requests wait for a group")
     if loss["added_node"] is None and _unplaced_waits(run, lost, loss["at"]):
         run.say(f"  .. {', '.join(lost)} wait unplaced (no node has room): adding a worker node")
         t = time.monotonic()
