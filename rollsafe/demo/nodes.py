@@ -432,8 +432,8 @@ def print_report(run: DemoRun) -> None:
             print(
                 f"  {gid} ({r['ranks']} rank{'s' if r['ranks'] > 1 else ''}): {r['from']} ->"
                 f" {r['to']}; out of routing ({r['left_routing_by']}) after {_s(r['detection'])},"
-                f" active at v{max(r['versions'], default='?')} after {_s(r['total'])}"
-                f" (strategy {r['strategy']})"
+                f" active again after {_s(r['total'])} (strategy {r['strategy']}); at the end"
+                f" {r['state']} at v{max(r['versions'], default='?')}"
             )
             print(
                 f"    phases: detection {_s(r['detection'])} | placement {_s(r['placement'])} |"
