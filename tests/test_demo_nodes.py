@@ -163,6 +163,31 @@ def test_demo_nodes_3_removes_a_worker_and_its_group_comes_back(tmp_path: Path) 
 
 @pytest.mark.ray_cluster
 @pytest.mark.timeout(600)
+def test_demo_nodes_2_loses_every_group_they_wait_unplaced_and_a_joined_node_takes_them(
+    tmp_path: Path,
+) -> None:
+    """The one worker holds both groups: both wait ``unplaced`` (no room), the demo adds a
+    worker, the fleet's watcher offers it the groups; requests wait instead of failing."""
+    from ray_cluster import require_ray
+
+    require_ray()
+    out = tmp_path / "report"
+    proc = _demo("--nodes", "2", "--steps", "2", "--out", str(out))
+    stdout, _ = proc.communicate(timeout=540)
+    assert proc.returncode == 0, stdout[-6000:]
+    nodes = json.loads((out / "summary.json").read_text())["nodes"]
+    assert all(c["ok"] for c in nodes["checks"]), nodes["checks"]
+    assert "wait unplaced (no node has room): adding a worker node" in stdout
+    for gid in ("g0", "g1"):
+        group = nodes["groups"][gid]
+        assert (group["from"], group["to"], group["state"]) == ("worker1", "worker2", "active")
+        assert group["unplaced_at"] is not None and group["versions"] == [2], group
+    assert nodes["requests"]["failed"] == 0 and nodes["requests"]["served"] > 0
+    _assert_cluster_gone([nodes["ray_tmpdir"]], [])
+
+
+@pytest.mark.ray_cluster
+@pytest.mark.timeout(600)
 def test_demo_nodes_ctrl_c_mid_rollout_shuts_the_cluster_down(tmp_path: Path) -> None:
     from ray_cluster import require_ray
 
