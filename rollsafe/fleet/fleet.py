@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -40,7 +41,7 @@ from rollsafe.fleet.elastic import Membership
 from rollsafe.fleet.health import HealthManager
 from rollsafe.fleet.partial_rollouts import SYNC_PAUSE_MODES, SyncPauseMode, paused_generation
 from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
-from rollsafe.fleet.registry import FleetError, FleetRegistry
+from rollsafe.fleet.registry import FleetError, FleetRegistry, WorkerGroup
 from rollsafe.fleet.request_health import RequestHealth
 from rollsafe.fleet.router import RoutedResult, Router
 from rollsafe.fleet.settings import (
@@ -58,7 +59,7 @@ from rollsafe.fleet.settings import (
     TransportSettings,
     check_number,
 )
-from rollsafe.fleet.sync import SyncCoordinator, SyncReport
+from rollsafe.fleet.sync import SyncCoordinator, SyncReport, default_target
 from rollsafe.invariants import ExportPicture, FleetPicture, GroupPicture, MemberPicture
 from rollsafe.observe.observer import FleetObserver
 from rollsafe.operations.place import RemovalEnd
@@ -73,7 +74,7 @@ if TYPE_CHECKING:
     from rollsafe.digest_check import DigestCheck
     from rollsafe.hf import HFExporter
     from rollsafe.observe.metrics import FleetMetrics
-    from rollsafe.ports import LaunchableEngine, WeightTransport
+    from rollsafe.ports import EngineTarget, LaunchableEngine, WeightTransport
     from rollsafe.statemachines.base import TransitionRecord
 
 __all__ = ["TRANSPORTS", "FleetConfig", "FleetNotStarted", "GroupSpec", "RolloutFleet"]
@@ -687,6 +688,12 @@ class RolloutFleet:
         self.transport = transport
         rs = cfg.recovery
         traits = self.engine_traits
+
+        def targets_for(group: WorkerGroup) -> EngineTarget:
+            # the engine kind's declared capability decides whether a transport with deltas
+            # on may send this group a delta (docs/transports.md, "Deltas")
+            return dataclasses.replace(default_target(group), applies_deltas=traits.applies_deltas)
+
         self.recovery = RecoveryCoordinator(
             self.registry,
             launcher_for=self._launchers.__getitem__,
@@ -694,6 +701,7 @@ class RolloutFleet:
             transport=transport if rs.targeted_push else None,
             mode=self.mode,
             settings=rs,
+            targets_for=targets_for,
             traits_for=lambda _group: traits,
         )
         recovery = self.recovery
@@ -715,6 +723,7 @@ class RolloutFleet:
             mode=self.mode,
             on_update_failure=cfg.on_update_failure,
             on_group_failed=lambda gid, reason: recovery.submit(gid, reason=reason),
+            targets_for=targets_for,
             traits_for=lambda _group: traits,
         )
 
