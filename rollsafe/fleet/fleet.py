@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 
     from rollsafe.adapters.engines import EngineLauncher, EngineSpec
     from rollsafe.adapters.ray import GroupPlacer, NodeWatcher, SharedExportsCheck
+    from rollsafe.adapters.ray.exports import ExportMover
     from rollsafe.digest_check import DigestCheck
     from rollsafe.hf import HFExporter
     from rollsafe.observe.metrics import FleetMetrics
@@ -450,6 +451,9 @@ class RolloutFleet:
         self.node_watcher: NodeWatcher | None = None
         #: the passed check of a ``ray.shared_exports`` export_root (None: not checked)
         self.shared_exports: SharedExportsCheck | None = None
+        #: ``placement="ray"`` without shared exports: what moves an export to a recovering
+        #: group's node (None otherwise, or until start())
+        self.export_mover: ExportMover | None = None
         self._export_machines: dict[int, Any] = {}
         #: node loss, groups added and removed at runtime (docs/cluster.md)
         self.membership = Membership(self)
@@ -607,11 +611,32 @@ class RolloutFleet:
             spread=settings.spread,
             name_prefix=f"rollsafe-{os.getpid()}-{id(self):x}",
         )
+        self._move_exports()
         return ray_engine_factory(
             self.placer,
             start_timeout_s=cfg.start_timeout_s,
             bind_node_ip=settings.bind_node_ip,
         )
+
+    def _move_exports(self) -> None:
+        """``placement="ray"`` without shared exports: a recovery that restarts a group from
+        the current export moves it to the group's node first (``ExportMover``: published
+        once per version, dropped when the export is no longer ready; docs/cluster.md
+        section 5)."""
+        cfg = self.config
+        access = policy.export_access(placement=cfg.placement, shared=cfg.ray.shared_exports)
+        if access is not policy.ExportAccess.MOVED or self.recovery is None:
+            return
+        from rollsafe.adapters.ray.exports import ExportMover
+
+        exporter = self.exporter
+        self.export_mover = ExportMover(
+            self._launchers.__getitem__,
+            keep=lambda v: exporter is not None and exporter.latest_ready(v) is not None,
+            dest_root=cfg.ray.moved_exports_dir,
+            fleet=f"{os.getpid()}-{id(self):x}",
+        )
+        self.recovery.export_mover = self.export_mover
 
     def _watch_nodes(self) -> None:
         """``placement="ray"``: one ``NodeWatcher`` for the fleet; a dead node's groups go
@@ -927,6 +952,9 @@ class RolloutFleet:
     def _harvest_exports(self) -> None:
         if self.exporter is None:
             return
+        if self.export_mover is not None:  # a retired export's published parcel is dropped
+            with contextlib.suppress(Exception):
+                self.export_mover.prune()
         with contextlib.suppress(Exception):
             for record in self.exporter.exports():
                 self._export_machines.setdefault(record.version, record.lifecycle)
@@ -1027,13 +1055,21 @@ class RolloutFleet:
             max_version_seen=self.registry.fleet_version,
         )
 
+    def _export_access(self) -> str:
+        """``snapshot()["placement"]["exports"]``: ``shared`` (checked at start), ``moved``
+        (recoveries move the export to the group's node) or ``local``."""
+        if self.shared_exports is not None:
+            return "shared"
+        return "moved" if self.export_mover is not None else "local"
+
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly picture of the fleet right now."""
         return {
             "started": self.started,
             "transport": self.config.transport,
             "placement": {
-                "exports": "shared" if self.shared_exports is not None else "local",
+                "exports": self._export_access(),
+                "moved": self.export_mover.stats() if self.export_mover is not None else None,
                 "kind": self.config.placement,
                 "nodes": self.placer.nodes() if self.placer is not None else {},
                 **self.membership.snapshot(),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -172,7 +173,11 @@ class RaySettings:
     a node that cannot fails the start naming it); needed by ``transport="disk"``;
     ``node_watch_interval_s``: the period of the fleet's ``NodeWatcher`` (one ``ray.nodes()``
     call per round for the whole fleet): a node Ray reports dead takes its groups out of
-    routing at once and has them placed again; a node that joins takes waiting groups."""
+    routing at once and has them placed again; a node that joins takes waiting groups;
+    ``moved_exports_dir``: without ``shared_exports``, a recovery that restarts a group from
+    the current export first moves it to the group's node (Ray's object store, checked against
+    its manifest there): the directory on each node the copies go under (None: the node's
+    temporary directory), in ``rollsafe-moved/<fleet>/<node id>``."""
 
     resources_per_rank: Mapping[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     placement_timeout_s: float = 60.0
@@ -181,6 +186,7 @@ class RaySettings:
     bind_node_ip: bool = True
     shared_exports: bool = False
     node_watch_interval_s: float = 1.0
+    moved_exports_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.resources_per_rank, Mapping) or not self.resources_per_rank:
@@ -203,6 +209,11 @@ class RaySettings:
                 )
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
             raise FleetConfigError("ray.address", f"must be None or a string, got {self.address!r}")
+        moved = self.moved_exports_dir
+        if moved is not None and (not isinstance(moved, str) or not os.path.isabs(moved)):
+            raise FleetConfigError(
+                "ray.moved_exports_dir", f"must be None or an absolute path, got {moved!r}"
+            )
 
 
 #: where engines reach the trainer's weight-update store when nothing else is known

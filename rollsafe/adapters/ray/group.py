@@ -225,6 +225,29 @@ class RayEngineGroup:
             self._drop_client()
             self._forget()
 
+    def pull_export(
+        self, parcel: Any, dest_root: str | None, *, fleet: str | None = None
+    ) -> dict[str, Any]:
+        """Have the group's actor pull a published export to its node
+        (:meth:`EngineHost.pull_export`, checked there against the manifest); the actor's
+        ``ExportPullRefused`` is raised as itself. Bounded by ``start_timeout_s``."""
+        import ray
+
+        actor = self._actor
+        if actor is None:
+            raise RuntimeError(f"group {self.group_id!r} holds no actor: nothing to pull to")
+        try:
+            got: dict[str, Any] = ray.get(
+                actor.pull_export.remote(parcel, dest_root, fleet=fleet),
+                timeout=self.start_timeout_s,
+            )
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from exc
+            raise
+        return got
+
     def kill(self) -> None:
         """SIGKILL the engine group (and its standby) inside the actor; the actor stays."""
         self._call("kill")
