@@ -78,6 +78,9 @@ class RayEngineGroup:
         self._refreshing = False  # a standby view is on its way from the actor
         #: how many times the group was placed again after its actor (or node) was lost
         self.replacements = 0
+        #: place the group on this node only (None: where Ray finds room); the fleet pins
+        #: ``RaySettings.trainer_node_groups`` to the trainer's node
+        self.pin_node: str | None = None
 
     # ------------------------------------------------------------------ what it tells
     @property
@@ -287,7 +290,7 @@ class RayEngineGroup:
     def _place(self) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        placement = self._placer.place(self.group_id, self._spec.ranks)
+        placement = self._placer.place(self.group_id, self._spec.ranks, node=self.pin_node)
         options = {
             "num_cpus": 0,
             "max_restarts": 0,
