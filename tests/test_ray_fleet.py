@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -344,5 +345,83 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
             assert stats["failed_pulls"] == 1 and stats["bytes_pulled"] == nbytes
     finally:
         for node in (first, second):
+            with contextlib.suppress(Exception):
+                cluster.remove_node(node, allow_graceful=False)
+
+
+def test_groups_added_and_removed_during_rollouts_on_the_cluster(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """While three threads generate: ``add_group`` places a new group on the worker with room
+    and brings it to the fleet's version through ``pending_weights`` before any request
+    reaches it; ``remove_group`` drains the first group: no request fails, none reaches it
+    after the call, its engine stops and its placement is given back."""
+    nodes = [cluster.add_node(num_cpus=1, resources={"el": 1}) for _ in range(2)]
+    cluster.wait_for_nodes(timeout=120)
+    cfg = dataclasses.replace(
+        ray_config(tiny_model_dir, tmp_path, [GroupSpec(1)]),
+        ray=RaySettings(resources_per_rank={"el": 1.0}, placement_timeout_s=60.0),
+        spare_ranks=1,
+    )
+    errors: list[BaseException] = []
+    served: list[str] = []
+    stop = threading.Event()
+
+    def rollouts(fleet: RolloutFleet) -> None:
+        while not stop.is_set():
+            try:
+                served.append(fleet.generate(PROMPT, sampling_params=GREEDY).group_id)
+            except BaseException as exc:  # recorded: the test asserts none happened
+                errors.append(exc)
+
+    try:
+        with RolloutFleet(cfg) as fleet:
+            first = fleet.engine("g0")
+            assert isinstance(first, RayEngineGroup)
+            weights = trained_weights(tiny_model_dir, 0.07)
+            assert fleet.sync_weights(weights, 1).ok
+            want = weights_checksum(weights)["model"]
+            threads = [threading.Thread(target=rollouts, args=(fleet,)) for _ in range(3)]
+            for t in threads:
+                t.start()
+            try:
+                gid = fleet.add_group(GroupSpec(1))  # started at v0, behind the fleet's v1
+                assert fleet.wait_recoveries(timeout=180)
+                added = fleet.engine(gid)
+                assert isinstance(added, RayEngineGroup)
+                assert {added.node_id, first.node_id} == {n.node_id for n in nodes}
+                path = [(t.source, t.target) for t in fleet.registry.get(gid).recent_transitions()]
+                assert path == [("launching", "pending_weights"), ("pending_weights", "active")]
+                assert set(fleet.registry.dispatch_counts().get(gid, {})) <= {"active"}
+                assert fleet.checksums() == {"g0": want, gid: want}
+                n = len(served)
+                assert wait_for(lambda: gid in served[n:], 60)  # routed once active
+
+                pids = first.rank_pids
+                end = fleet.remove_group("g0", drain_timeout_s=30.0)
+                dispatched = dict(fleet.registry.dispatch_counts().get("g0", {}))
+                after = len(served)
+                assert wait_for(lambda: len(served) >= after + 10 or bool(errors), 60)
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(60)
+            assert not errors, errors[:3]
+            assert end.status == "retired", end
+            assert fleet.registry.get("g0").state == "retired"
+            assert dict(fleet.registry.dispatch_counts().get("g0", {})) == dispatched
+            assert set(served[after:]) == {gid}  # the removed group served nothing after
+            assert not any(pid_alive(p) for p in pids), "the removed group's engine still runs"
+            assert first.actor is None and first.placement is None  # placement given back
+            assert fleet.placer is not None and set(fleet.placer.nodes()) == {gid}
+            snap = fleet.snapshot()["placement"]
+            assert snap["added"] == [gid] and snap["removed"] == ["g0"]
+            weights2 = trained_weights(tiny_model_dir, 0.08)
+            report = fleet.sync_weights(weights2, 2)
+            assert report.ok and report.updated == [gid], report
+    finally:
+        for node in nodes:
             with contextlib.suppress(Exception):
                 cluster.remove_node(node, allow_graceful=False)
