@@ -99,7 +99,7 @@ def test_groups_on_two_nodes_serve_sync_over_nccl_and_recover_a_sigkill(
         placement = fleet.snapshot()["placement"]
         assert placement["kind"] == "ray" and placement["nodes"] == nodes
         node_ip = ray.util.get_node_ip_address()  # every node of this cluster is this machine
-        assert placement["exports"] == "local"  # export_root not declared shared
+        assert placement["exports"] == "moved"  # not declared shared: moved to a node on recovery
         # the weight-update store is on the driver's node IP, as Ray reports it (nccl's
         # master_address was left unset): engines on other nodes reach it there
         driver = ray.get_runtime_context().get_node_id()

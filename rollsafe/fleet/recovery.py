@@ -20,7 +20,11 @@ with the strategy chosen in this order:
    group restarts with ``model_path=<export dir>``, its members report that version, and
    ``restarted`` takes it straight to ``active``. The lease is released only once the restart
    step has ended (also when it timed out and is still loading in the background), so the
-   directory is never deleted under a loading engine;
+   directory is never deleted under a loading engine. With an ``export_mover`` (a Ray-placed
+   group whose node cannot read the exporter's path: ``docs/cluster.md`` section 5) the export
+   is first pulled to the group's node (a ``pull`` step: ``pulled N bytes``, checked against
+   its manifest there) and the restart loads that copy; a pull refused or failed falls back
+   to 2 (the ``strategy`` step says why), never loading unverified bytes;
 2. **targeted push**: the group restarts on dummy weights (``skip_load_weights=True``),
    ``restarted`` -> ``pending_weights``, then the transport's registered checkpoint of the
    current version is pushed to that group only and ``weights_loaded`` -> ``active``. The push

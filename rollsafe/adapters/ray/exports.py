@@ -18,7 +18,9 @@ verified export's files into Ray's object store in chunks (hashing them against 
 ``rollsafe-manifest.json`` on the way), and :func:`receive_export`, on the engine's node
 (``EngineHost.pull_export``), writes them under a local directory, checks every file's size and
 sha256 against the manifest **before** the directory is renamed into place, and refuses a
-mismatch (:class:`ExportPullRefused`, nothing left behind).
+mismatch (:class:`ExportPullRefused`, nothing left behind). :class:`ExportMover` is the fleet's
+use of the two in recovery: one publication per export version, reused by every recovery of
+it and dropped once the export is retired, pulled by the restarting group's actor.
 
 Ray is imported when the check runs, not when this module is imported.
 """

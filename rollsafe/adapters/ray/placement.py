@@ -7,7 +7,11 @@ alive node that fits the group and holds the fewest of this placer's groups (Ray
 ``_soft_target_node_id``, a hint for ``STRICT_PACK`` groups: a node without room is passed
 over by Ray itself). :meth:`GroupPlacer.place` returns once Ray reserved the bundles, as a
 :class:`Placement` naming the node, or raises :class:`PlacementUnavailable` after
-``timeout_s`` (no node has room: the group waits, see ``docs/cluster.md``).
+``timeout_s`` (no node has room: the group waits, see ``docs/cluster.md``). A group can be
+pinned to one node (``place(node=)``: the trainer's, ``RaySettings.trainer_node_groups``) and
+nodes can be excluded (:meth:`GroupPlacer.exclude`: a node that cannot read the shared
+``export_root``); Ray's placement groups take only a soft node hint, so a reservation Ray makes
+on a node it should not is given back and asked again (a few times, then refused).
 
 Ray is imported when a placement is made, not when this module is imported.
 """
