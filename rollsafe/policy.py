@@ -40,6 +40,7 @@ __all__ = [
     "SENDERS",
     "UNKNOWN_ENGINE",
     "EngineTraits",
+    "ExportAccess",
     "ExportFacts",
     "ExportJudgement",
     "ExportVerdict",
@@ -64,10 +65,12 @@ __all__ = [
     "UpdateFailurePolicy",
     "after_drain",
     "after_placement",
+    "after_pull",
     "after_push",
     "after_restart",
     "choose_strategy",
     "engine_traits",
+    "export_access",
     "gate_placement",
     "gate_recovery",
     "judge_export",
@@ -804,3 +807,35 @@ _declare(
 #: Who sends which events to which machine: the decision functions above (``decided_by``) and
 #: the senders outside the policy. ``rollsafe diagrams`` draws the overview from it.
 SENDERS: tuple[Sender, ...] = tuple(_senders)
+
+
+# ====================================================================== exports across nodes
+class ExportAccess(Enum):
+    """How the engines of a fleet reach an export written on the trainer's node
+    (``docs/cluster.md`` section 5)."""
+
+    LOCAL = "local"  # every engine is on the trainer's machine (placement "local")
+    SHARED = "shared"  # export_root is declared (and checked) the same on every node
+    MOVED = "moved"  # a restart elsewhere gets the export moved to its node's disk first
+
+
+def export_access(*, placement: str, shared: bool) -> ExportAccess:
+    """``placement="local"``: the engines read the trainer's path; ``"ray"`` with a shared
+    ``export_root``: every node reads it; otherwise a restart from an export moves it to the
+    group's node first (checked against its manifest there before it is loaded)."""
+    if placement != "ray":
+        return ExportAccess.LOCAL
+    return ExportAccess.SHARED if shared else ExportAccess.MOVED
+
+
+def after_pull(ok: bool, why: str, *, version: int, can_push: bool) -> StrategyChoice:
+    """The leased export was (``ok``) or was not moved to the group's node: restart from the
+    checked copy (immediate); else dummy weights and a targeted push of the registered
+    checkpoint (deferred without a transport for it), the reason naming why. Bytes that did
+    not match the manifest are never loaded."""
+    if ok:
+        return StrategyChoice(Strategy.IMMEDIATE, version, f"export v{version} moved and checked")
+    reason = f"export v{version} could not be moved to the group's node ({why})"
+    if can_push:
+        return StrategyChoice(Strategy.TARGETED_PUSH, None, f"{reason}: dummy weights and a push")
+    return StrategyChoice(Strategy.DEFERRED, None, f"{reason}: waits for the next sync")

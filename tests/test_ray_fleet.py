@@ -10,7 +10,9 @@ again on a node with room. Needs Ray (skipped without it, failed under ``CI=true
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,7 +99,7 @@ def test_groups_on_two_nodes_serve_sync_over_nccl_and_recover_a_sigkill(
         placement = fleet.snapshot()["placement"]
         assert placement["kind"] == "ray" and placement["nodes"] == nodes
         node_ip = ray.util.get_node_ip_address()  # every node of this cluster is this machine
-        assert placement["exports"] == "local"  # export_root not declared shared
+        assert placement["exports"] == "moved"  # not declared shared: moved to a node on recovery
         # the weight-update store is on the driver's node IP, as Ray reports it (nccl's
         # master_address was left unset): engines on other nodes reach it there
         driver = ray.get_runtime_context().get_node_id()
@@ -253,3 +255,173 @@ def test_a_lost_node_takes_all_its_groups_out_at_once_they_wait_for_room_and_a_n
         assert fleet.node_watcher is not None and fleet.node_watcher.rounds > 0
     cluster.remove_node(small, allow_graceful=False)
     cluster.remove_node(joined, allow_graceful=False)
+
+
+def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_damaged_one_is_refused(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Exports not shared: the export of v1 is on the trainer's disk only. The group's node is
+    removed; its restart on the other node pulls the export there (Ray's object store, checked
+    against the manifest) and starts from that copy at v1. Then a chunk of v2's export is
+    damaged on the way: the pull is refused and the group comes back by the targeted push."""
+    from rollsafe.adapters.ray.exports import publish_export
+
+    first = cluster.add_node(num_cpus=1, resources={"mv": 1})
+    second = cluster.add_node(num_cpus=1, resources={"mv": 1})
+    cluster.wait_for_nodes(timeout=120)
+    cfg = dataclasses.replace(
+        ray_config(tiny_model_dir, tmp_path, [GroupSpec(1)]),
+        ray=RaySettings(resources_per_rank={"mv": 1.0}, placement_timeout_s=30.0),
+        enable_immediate_recovery=True,
+    )
+    try:
+        with RolloutFleet(cfg) as fleet:
+            (group,) = handles(fleet).values()
+            assert fleet.snapshot()["placement"]["exports"] == "moved"
+            assert fleet.exporter is not None and fleet.export_mover is not None
+            weights = trained_weights(tiny_model_dir, 0.04)
+            assert fleet.sync_weights(weights, 1).ok
+            want = weights_checksum(weights)["model"]
+            assert wait_for(lambda: fleet.exporter.latest_ready(1) is not None, 120)
+            source = str(fleet.exporter.latest_ready(1).path)  # type: ignore[union-attr]
+
+            lost = next(n for n in (first, second) if n.node_id == group.node_id)
+            kept = second if lost is first else first
+            cluster.remove_node(lost, allow_graceful=False)
+            assert wait_for(lambda: any(r.status == "active" for r in fleet.recoveries()), 240), (
+                fleet.snapshot()["recoveries"]
+            )
+            result = fleet.recoveries()[-1]
+            assert group.node_id == kept.node_id and group.replacements == 1
+            assert result.strategy == "immediate" and result.export_version == 1, result
+            (pull,) = [s for s in result.steps if s.name == "pull"]
+            nbytes = int(pull.detail.split("pulled ")[1].split(" bytes")[0])
+            assert pull.ok and nbytes > 0, pull
+            copy = pull.detail.split(": ", 1)[1]
+            assert copy != source and "rollsafe-moved" in copy and kept.node_id[:16] in copy
+            (restart,) = [s for s in result.steps if s.name == "restart"]
+            assert f"model_path={copy}" in restart.detail, restart  # loaded the node's copy
+            assert not any(s.name == "push" for s in result.steps)  # at v1 from the export
+            assert fleet.checksums() == {"g0": want}
+            assert group.client.generate(PROMPT, sampling_params=GREEDY).weight_version == "1"
+
+            weights2 = trained_weights(tiny_model_dir, 0.05)
+            assert fleet.sync_weights(weights2, 2).ok
+            want2 = weights_checksum(weights2)["model"]
+            assert wait_for(lambda: fleet.exporter.latest_ready(2) is not None, 120)
+            fleet.snapshot()  # harvests the exports: v1's parcel is kept only while v1 is ready
+            v1_ready = fleet.exporter.latest_ready(1) is not None
+            assert (1 in fleet.export_mover.published()) == v1_ready
+
+            def tampering(path: str) -> Any:
+                parcel = publish_export(path, chunk_bytes=64 << 10)
+                name = max(parcel.chunks, key=lambda n: len(parcel.chunks[n]))
+                refs = parcel.chunks[name]
+                damaged = {**parcel.chunks, name: (refs[0], ray.put(b"\0" * (64 << 10)), *refs[2:])}
+                return dataclasses.replace(parcel, chunks=damaged)
+
+            fleet.export_mover.publish = tampering
+            done = len(fleet.recoveries())
+            group.kill_rank(0)
+            assert wait_for(
+                lambda: (
+                    len(fleet.recoveries()) > done and fleet.registry.get("g0").state == "active"
+                ),
+                240,
+            ), fleet.snapshot()["recoveries"]
+            result = fleet.recoveries()[-1]
+            (pull,) = [s for s in result.steps if s.name == "pull"]
+            assert not pull.ok and "ExportPullRefused" in pull.detail, pull
+            (why,) = [s for s in result.steps if s.name == "strategy"]
+            assert "could not be moved" in why.detail
+            (restart,) = [s for s in result.steps if s.name == "restart"]
+            assert "skip_load_weights=True" in restart.detail  # dummy weights, never the bytes
+            assert result.strategy == "targeted_push" and result.status == "active", result
+            assert fleet.checksums() == {"g0": want2}
+            assert group.client.generate(PROMPT, sampling_params=GREEDY).weight_version == "2"
+            stats = fleet.snapshot()["placement"]["moved"]
+            assert stats["failed_pulls"] == 1 and stats["bytes_pulled"] == nbytes
+    finally:
+        for node in (first, second):
+            with contextlib.suppress(Exception):
+                cluster.remove_node(node, allow_graceful=False)
+
+
+def test_groups_added_and_removed_during_rollouts_on_the_cluster(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """While three threads generate: ``add_group`` places a new group on the worker with room
+    and brings it to the fleet's version through ``pending_weights`` before any request
+    reaches it; ``remove_group`` drains the first group: no request fails, none reaches it
+    after the call, its engine stops and its placement is given back."""
+    nodes = [cluster.add_node(num_cpus=1, resources={"el": 1}) for _ in range(2)]
+    cluster.wait_for_nodes(timeout=120)
+    cfg = dataclasses.replace(
+        ray_config(tiny_model_dir, tmp_path, [GroupSpec(1)]),
+        ray=RaySettings(resources_per_rank={"el": 1.0}, placement_timeout_s=60.0),
+        spare_ranks=1,
+    )
+    errors: list[BaseException] = []
+    served: list[str] = []
+    stop = threading.Event()
+
+    def rollouts(fleet: RolloutFleet) -> None:
+        while not stop.is_set():
+            try:
+                served.append(fleet.generate(PROMPT, sampling_params=GREEDY).group_id)
+            except BaseException as exc:  # recorded: the test asserts none happened
+                errors.append(exc)
+
+    try:
+        with RolloutFleet(cfg) as fleet:
+            first = fleet.engine("g0")
+            assert isinstance(first, RayEngineGroup)
+            weights = trained_weights(tiny_model_dir, 0.07)
+            assert fleet.sync_weights(weights, 1).ok
+            want = weights_checksum(weights)["model"]
+            threads = [threading.Thread(target=rollouts, args=(fleet,)) for _ in range(3)]
+            for t in threads:
+                t.start()
+            try:
+                gid = fleet.add_group(GroupSpec(1))  # started at v0, behind the fleet's v1
+                assert fleet.wait_recoveries(timeout=180)
+                added = fleet.engine(gid)
+                assert isinstance(added, RayEngineGroup)
+                assert {added.node_id, first.node_id} == {n.node_id for n in nodes}
+                path = [(t.source, t.target) for t in fleet.registry.get(gid).recent_transitions()]
+                assert path == [("launching", "pending_weights"), ("pending_weights", "active")]
+                assert set(fleet.registry.dispatch_counts().get(gid, {})) <= {"active"}
+                assert fleet.checksums() == {"g0": want, gid: want}
+                n = len(served)
+                assert wait_for(lambda: gid in served[n:], 60)  # routed once active
+
+                pids = first.rank_pids
+                end = fleet.remove_group("g0", drain_timeout_s=30.0)
+                dispatched = dict(fleet.registry.dispatch_counts().get("g0", {}))
+                after = len(served)
+                assert wait_for(lambda: len(served) >= after + 10 or bool(errors), 60)
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(60)
+            assert not errors, errors[:3]
+            assert end.status == "retired", end
+            assert fleet.registry.get("g0").state == "retired"
+            assert dict(fleet.registry.dispatch_counts().get("g0", {})) == dispatched
+            assert set(served[after:]) == {gid}  # the removed group served nothing after
+            assert not any(pid_alive(p) for p in pids), "the removed group's engine still runs"
+            assert first.actor is None and first.placement is None  # placement given back
+            assert fleet.placer is not None and set(fleet.placer.nodes()) == {gid}
+            snap = fleet.snapshot()["placement"]
+            assert snap["added"] == [gid] and snap["removed"] == ["g0"]
+            weights2 = trained_weights(tiny_model_dir, 0.08)
+            report = fleet.sync_weights(weights2, 2)
+            assert report.ok and report.updated == [gid], report
+    finally:
+        for node in nodes:
+            with contextlib.suppress(Exception):
+                cluster.remove_node(node, allow_graceful=False)

@@ -17,6 +17,7 @@ Needs Ray (skipped without it, failed under ``CI=true``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -241,4 +242,122 @@ def test_a_moved_export_is_pulled_to_the_engines_node_checked_and_loaded(
         assert list((tmp_path / "other").iterdir()) == []  # nothing left to load
     finally:
         group.stop()
+    assert placer.nodes() == {}
+
+
+def test_a_node_that_joins_is_checked_and_one_that_cannot_read_the_shared_root_takes_no_group(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``shared_exports=True``: each node that joins after the start is checked. A node whose
+    check fails is recorded and passed over: the group whose node dies waits ``unplaced``
+    rather than go there, and is placed on the next node that joins and passes the check.
+    Every node of this cluster is this machine, so the failing node's read is simulated (the
+    check raises ``SharedExportUnreadable`` for it, as a node without the mount would); the
+    other checks are the real ones."""
+    home = cluster.add_node(num_cpus=1, resources={"sx": 1})
+    cluster.wait_for_nodes(timeout=120)
+    cfg = dataclasses.replace(
+        shared_config(tiny_model_dir, tmp_path, "nccl"),
+        ray=RaySettings(
+            resources_per_rank={"sx": 1.0},
+            placement_timeout_s=20.0,
+            shared_exports=True,
+            node_watch_interval_s=0.2,
+        ),
+    )
+    unmounted = {"on": True}  # nodes joining meanwhile lack the shared mount
+    checked: list[tuple[list[str], bool]] = []
+    added: list[Any] = []
+    try:
+        with RolloutFleet(cfg) as fleet:
+            assert fleet.engine("g0").node_id == home.node_id  # type: ignore[attr-defined]
+            real = fleet.shared_check
+            assert real is check_shared_exports
+
+            def check(root: Any, *, nodes: list[str], timeout_s: float) -> Any:
+                bad = unmounted["on"]
+                checked.append((list(nodes), bad))
+                if bad:
+                    path = f"{root}/{PROBE_PREFIX}simulated"
+                    raise SharedExportUnreadable(
+                        nodes[0], path, {nodes[0]: "FileNotFoundError: no such file"}
+                    )
+                return check_shared_exports(root, nodes=nodes, timeout_s=timeout_s)
+
+            fleet.shared_check = check
+            weights = trained_weights(tiny_model_dir, 0.06)
+            assert fleet.sync_weights(weights, 1).ok  # what a re-placed group is pushed
+            bad = cluster.add_node(num_cpus=1, resources={"sx": 1})
+            added.append(bad)
+            assert wait_for(lambda: bad.node_id in fleet.unreadable_nodes, 60), checked
+            unmounted["on"] = False
+            assert ([bad.node_id], True) in checked
+            snap = fleet.snapshot()["placement"]
+            assert set(snap["unreadable_nodes"]) == {bad.node_id}
+            assert PROBE_PREFIX in snap["unreadable_nodes"][bad.node_id]
+            warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert any(bad.node_id in m and PROBE_PREFIX in m for m in warned), warned
+            assert fleet.placer is not None and bad.node_id in fleet.placer.excluded()
+
+            cluster.remove_node(home, allow_graceful=False)
+            # only the unreadable node has room: the group waits rather than go there
+            assert wait_for(lambda: any(r.status == "unplaced" for r in fleet.recoveries()), 120), (
+                fleet.snapshot()["recoveries"]
+            )
+            assert fleet.registry.get("g0").state == "unplaced"
+            assert "g0" not in fleet.placer.nodes()
+
+            good = cluster.add_node(num_cpus=1, resources={"sx": 1})
+            added.append(good)
+            assert wait_for(lambda: fleet.registry.get("g0").state == "active", 240), (
+                fleet.snapshot()["recoveries"]
+            )
+            assert fleet.engine("g0").node_id == good.node_id  # type: ignore[attr-defined]
+            assert ([good.node_id], False) in checked  # the real check, passed
+            assert set(fleet.unreadable_nodes) == {bad.node_id}
+            assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
+            out = fleet.generate(PROMPT, sampling_params=GREEDY)
+            assert out.group_id == "g0" and out.weight_version == "1"
+    finally:
+        for node in added:
+            with contextlib.suppress(Exception):
+                cluster.remove_node(node, allow_graceful=False)
+
+
+def test_the_placer_pins_a_group_to_a_node_and_keeps_groups_off_an_excluded_one(
+    cluster: Any,
+) -> None:
+    """``GroupPlacer.place(node=)`` (``RaySettings.trainer_node_groups``) and
+    ``GroupPlacer.exclude`` (a node that cannot read the shared export_root): Ray's placement
+    groups take only a soft node hint, so a reservation on another node is given back and
+    asked again; where the node cannot hold the group it is refused, naming it."""
+    from rollsafe.adapters.ray import GroupPlacer, PlacementUnavailable
+
+    workers = sorted(n.node_id for n in cluster.worker_nodes)
+    head = ray.get_runtime_context().get_node_id()
+    placer = GroupPlacer({"rollout": 1.0}, timeout_s=5.0)
+    made = []
+    try:
+        for node in workers:  # each pinned placement lands on its node
+            made.append(placer.place(f"p-{node[:6]}", 1, node=node))
+            assert made[-1].node_id == node
+        with pytest.raises(PlacementUnavailable) as err:  # the head offers no `rollout`
+            placer.place("on-head", 1, node=head)
+        assert head in str(err.value)
+        for p in made:
+            placer.release(p)
+        made.clear()
+        placer.exclude(workers[0], "cannot read the shared export_root")
+        assert placer.excluded() == {workers[0]: "cannot read the shared export_root"}
+        for i in range(2):  # room for two on the other worker: never the excluded one
+            made.append(placer.place(f"x{i}", 1))
+            assert made[-1].node_id == workers[1]
+        with pytest.raises(PlacementUnavailable):
+            placer.place("pinned-excluded", 1, node=workers[0])
+    finally:
+        for p in made:
+            placer.release(p)
     assert placer.nodes() == {}

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import tiny_model_dir  # noqa: F401  (fixture)
 
 from rollsafe.errors import InvalidArgument
 from rollsafe.fleet import FleetConfig, FleetConfigError, RaySettings
@@ -101,3 +102,77 @@ def test_the_nccl_master_address_defaults_to_none_and_a_given_one_is_kept() -> N
         with pytest.raises(FleetConfigError) as err:
             NcclSettings(master_address=bad)  # type: ignore[arg-type]
         assert err.value.key == "nccl.master_address"
+
+
+def test_ipc_and_disk_follow_each_groups_topology_naming_the_group(tmp_path: Path) -> None:
+    from rollsafe.fleet import GroupSpec
+
+    two = [GroupSpec(1), GroupSpec(1)]
+    pinned = RaySettings(trainer_node_groups=("g0", "g1"))
+    # every group on the trainer's node: its memory (ipc) and its path (disk) are reachable
+    assert config(tmp_path, placement="ray", groups=two, ray=pinned).transport == "ipc"
+    cfg = config(tmp_path, placement="ray", transport="disk", groups=two, ray=pinned)
+    assert not cfg.ray.shared_exports
+    half = RaySettings(trainer_node_groups=("g0",))
+    for transport in ("ipc", "disk"):
+        with pytest.raises(FleetConfigError) as err:
+            config(tmp_path, placement="ray", transport=transport, groups=two, ray=half)
+        text = str(err.value)
+        assert err.value.key == "transport" and "group 'g1'" in text and "g0" not in text
+        assert "any node" in text and "trainer_node_groups" in text
+    # a shared export_root serves disk wherever the groups are; ipc still needs the node
+    shared = RaySettings(trainer_node_groups=("g0",), shared_exports=True)
+    assert config(tmp_path, placement="ray", transport="disk", groups=two, ray=shared)
+    with pytest.raises(FleetConfigError, match="group 'g1'"):
+        config(tmp_path, placement="ray", transport="ipc", groups=two, ray=shared)
+    for bad in ("g0", ("",), (1,)):
+        with pytest.raises(FleetConfigError) as err:
+            RaySettings(trainer_node_groups=bad)  # type: ignore[arg-type]
+        assert err.value.key == "ray.trainer_node_groups"
+    with pytest.raises(FleetConfigError) as err:
+        RaySettings(moved_exports_dir="relative/dir")
+    assert err.value.key == "ray.moved_exports_dir"
+
+
+def test_checkpoint_engine_follows_ray_placement_only_on_the_trainers_node() -> None:
+    from rollsafe.fleet.settings import topology_fallback, topology_refusal
+
+    kw: dict[str, Any] = {"placement": "ray", "group_ids": ["g0", "g1"]}
+    why = topology_fallback("checkpoint_engine", ray=RaySettings(), **kw)
+    assert why is not None and "['g0', 'g1']" in why and "colocated" in why
+    one = topology_fallback("checkpoint_engine", ray=RaySettings(trainer_node_groups=("g0",)), **kw)
+    assert one is not None and "['g1']" in one
+    all_pinned = RaySettings(trainer_node_groups=("g0", "g1"))
+    assert topology_fallback("checkpoint_engine", ray=all_pinned, **kw) is None
+    assert (
+        topology_fallback(
+            "checkpoint_engine", ray=RaySettings(), placement="local", group_ids=["g0"]
+        )
+        is None
+    )
+    assert topology_refusal("checkpoint_engine", ray=RaySettings(), **kw) is None  # falls back
+    assert topology_refusal("nccl", ray=RaySettings(), **kw) is None  # reaches every node
+
+
+def test_a_ray_fleet_with_checkpoint_engine_falls_back_naming_the_topology(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The reason reaches the fleet's fallback (built without starting Ray or engines)."""
+    from rollsafe.fleet import GroupSpec, RolloutFleet
+
+    cfg = FleetConfig(
+        model_path=tiny_model_dir,
+        export_root=tmp_path / "exports",
+        groups=[GroupSpec(1)],
+        transport="checkpoint_engine",
+        placement="ray",
+    )
+    fleet = RolloutFleet(cfg)
+    try:
+        fleet._build_control_plane()
+        assert fleet.transport is not None and fleet.transport.name == "nccl"
+        assert fleet.transport_fallback is not None
+        assert "placement='ray' groups ['g0']" in fleet.transport_fallback
+    finally:
+        fleet.close()

@@ -22,6 +22,7 @@ import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
 from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.registry import FleetError, UnknownGroup
+from rollsafe.fleet.settings import topology_refusal
 from rollsafe.operations import place as place_op
 from rollsafe.operations.effects import drive
 from rollsafe.operations.place import RemovalEnd
@@ -133,6 +134,12 @@ class Membership:
                 raise InvalidArgument("spec.group_id", f"must be a non-empty string: {gid!r}")
             if gid in fleet.registry or gid in fleet._launchers:
                 raise InvalidArgument("spec.group_id", f"a group {gid!r} is already in the fleet")
+            cfg = fleet.config
+            refused = topology_refusal(
+                cfg.settings_for().transport, placement=cfg.placement, ray=cfg.ray, group_ids=[gid]
+            )
+            if refused is not None:  # the transport cannot reach it where Ray may place it
+                raise InvalidArgument("spec.group_id", refused[1])
             ranks = self._take_ranks(gid, spec)
             group = _ResolvedGroup(
                 gid,

@@ -58,6 +58,8 @@ from rollsafe.fleet.settings import (
     TransportContext,
     TransportSettings,
     check_number,
+    topology_fallback,
+    topology_refusal,
 )
 from rollsafe.fleet.sync import SyncCoordinator, SyncReport, default_target
 from rollsafe.invariants import ExportPicture, FleetPicture, GroupPicture, MemberPicture
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
 
     from rollsafe.adapters.engines import EngineLauncher, EngineSpec
     from rollsafe.adapters.ray import GroupPlacer, NodeWatcher, SharedExportsCheck
+    from rollsafe.adapters.ray.exports import ExportMover
     from rollsafe.digest_check import DigestCheck
     from rollsafe.hf import HFExporter
     from rollsafe.observe.metrics import FleetMetrics
@@ -302,19 +305,6 @@ class FleetConfig:
             raise FleetConfigError(
                 "placement", f"must be one of {PLACEMENTS}, got {self.placement!r}"
             )
-        if self.placement == "ray" and self.transport == "ipc":
-            raise FleetConfigError(
-                "transport",
-                "'ipc' reaches engines on the trainer's machine only; with placement='ray' "
-                "use 'nccl' (or 'disk' with ray=RaySettings(shared_exports=True))",
-            )
-        if self.placement == "ray" and self.transport == "disk" and not self.ray.shared_exports:
-            raise FleetConfigError(
-                "transport",
-                "'disk' makes every engine read export_root at the trainer's path; with "
-                "placement='ray' declare it shared on every node: "
-                "ray=RaySettings(shared_exports=True) (checked at start), or use 'nccl'",
-            )
         check_number("rearm_after", self.rearm_after, integer=True)
         check_number("spare_ranks", self.spare_ranks, integer=True, zero=True)
         check_number("initial_version", self.initial_version, integer=True, zero=True)
@@ -338,7 +328,19 @@ class FleetConfig:
                 "engine_options.warm_standby",
                 "set FleetConfig.warm_standby (or GroupSpec.warm_standby per group) instead",
             )
-        self._resolve_groups()
+        self._check_topology(self._resolve_groups())
+
+    def _check_topology(self, resolved: list[_ResolvedGroup]) -> None:
+        """``placement="ray"``: transports that cannot reach a group where Ray may place it are
+        refused naming the group (``topology_refusal``; docs/cluster.md section 6)."""
+        if self.placement != "ray":
+            return
+        ids = [g.group_id for g in resolved]
+        refused = topology_refusal(
+            self.settings_for().transport, placement=self.placement, ray=self.ray, group_ids=ids
+        )
+        if refused is not None:
+            raise FleetConfigError("transport", refused[1])
 
     def _resolve_groups(self) -> list[_ResolvedGroup]:
         groups = list(self.groups)
@@ -451,6 +453,14 @@ class RolloutFleet:
         self.node_watcher: NodeWatcher | None = None
         #: the passed check of a ``ray.shared_exports`` export_root (None: not checked)
         self.shared_exports: SharedExportsCheck | None = None
+        #: ``ray.shared_exports``: nodes that joined after the start and could not read the
+        #: probe (node id -> "path: why"); no group is placed on them
+        self.unreadable_nodes: dict[str, str] = {}
+        #: the shared check run on a node that joins (``check_shared_exports``; tests wrap it)
+        self.shared_check: Callable[..., Any] | None = None
+        #: ``placement="ray"`` without shared exports: what moves an export to a recovering
+        #: group's node (None otherwise, or until start())
+        self.export_mover: ExportMover | None = None
         self._export_machines: dict[int, Any] = {}
         #: node loss, groups added and removed at runtime (docs/cluster.md)
         self.membership = Membership(self)
@@ -598,6 +608,7 @@ class RolloutFleet:
         if cfg.placement != "ray":
             return _default_launcher
         from rollsafe.adapters.ray import GroupPlacer, init_ray, ray_engine_factory
+        from rollsafe.adapters.ray.placement import ray_node_id
 
         settings = cfg.ray
         init_ray(**({"address": settings.address} if settings.address else {}))
@@ -608,11 +619,44 @@ class RolloutFleet:
             spread=settings.spread,
             name_prefix=f"rollsafe-{os.getpid()}-{id(self):x}",
         )
-        return ray_engine_factory(
+        self._move_exports()
+        factory = ray_engine_factory(
             self.placer,
             start_timeout_s=cfg.start_timeout_s,
             bind_node_ip=settings.bind_node_ip,
         )
+        if not settings.trainer_node_groups:
+            return factory
+        pinned = set(settings.trainer_node_groups)
+        trainer_node = str(ray_node_id())
+
+        def pinning(group_id: str, spec: EngineSpec) -> LaunchableEngine:
+            group = factory(group_id, spec)
+            if group_id in pinned:  # placed on the trainer's node only (docs/cluster.md, 6)
+                group.pin_node = trainer_node
+            return group
+
+        return pinning
+
+    def _move_exports(self) -> None:
+        """``placement="ray"`` without shared exports: a recovery that restarts a group from
+        the current export moves it to the group's node first (``ExportMover``: published
+        once per version, dropped when the export is no longer ready; docs/cluster.md
+        section 5)."""
+        cfg = self.config
+        access = policy.export_access(placement=cfg.placement, shared=cfg.ray.shared_exports)
+        if access is not policy.ExportAccess.MOVED or self.recovery is None:
+            return
+        from rollsafe.adapters.ray.exports import ExportMover
+
+        exporter = self.exporter
+        self.export_mover = ExportMover(
+            self._launchers.__getitem__,
+            keep=lambda v: exporter is not None and exporter.latest_ready(v) is not None,
+            dest_root=cfg.ray.moved_exports_dir,
+            fleet=f"{os.getpid()}-{id(self):x}",
+        )
+        self.recovery.export_mover = self.export_mover
 
     def _watch_nodes(self) -> None:
         """``placement="ray"``: one ``NodeWatcher`` for the fleet; a dead node's groups go
@@ -627,11 +671,58 @@ class RolloutFleet:
             for event in events:
                 if event.kind == "dead":
                     membership.node_lost(event.node_id, reason="Ray reports the node dead")
-            if any(event.kind == "joined" for event in events):
+            joined = [event.node_id for event in events if event.kind == "joined"]
+            if joined and self.config.ray.shared_exports:
+                # the check reads a file on the node (up to placement_timeout_s): off the
+                # watcher's thread, and before the waiting groups are offered the node
+                threading.Thread(
+                    target=self.nodes_joined,
+                    args=(joined,),
+                    name="rollsafe-shared-check",
+                    daemon=True,
+                ).start()
+            elif joined:
                 membership.place_waiting(reason="a node joined")
 
         self.node_watcher = NodeWatcher(on_events, interval_s=self.config.ray.node_watch_interval_s)
         self.node_watcher.start()
+
+    def nodes_joined(self, node_ids: list[str]) -> dict[str, str]:
+        """Nodes joined the cluster (the ``NodeWatcher``): with ``ray.shared_exports`` each is
+        checked (``check_shared_exports(export_root, nodes=[id])``); one that cannot read the
+        probe is recorded (``snapshot()["placement"]["unreadable_nodes"]``, a warning naming
+        the node and the path) and no group is placed on it (``GroupPlacer.exclude``). Then
+        the waiting groups are offered the room. Returns the nodes found unreadable now."""
+        from rollsafe.adapters.ray import SharedExportUnreadable
+
+        check = self.shared_check
+        found: dict[str, str] = {}
+        if self.config.ray.shared_exports and check is not None:
+            for node_id in node_ids:
+                try:
+                    check(
+                        self.config.export_root,
+                        nodes=[node_id],
+                        timeout_s=self.config.ray.placement_timeout_s,
+                    )
+                except SharedExportUnreadable as exc:
+                    why = exc.failures.get(node_id, str(exc))
+                    found[node_id] = f"{exc.path}: {why}"
+                except Exception as exc:  # the check itself failed: not known to read it
+                    found[node_id] = f"{self.config.export_root}: {type(exc).__name__}: {exc}"
+            for node_id, why in found.items():
+                log.warning(
+                    "Ray node %s joined but cannot read the shared export_root (%s); "
+                    "no group is placed on it",
+                    node_id,
+                    why,
+                )
+                with self._lock:
+                    self.unreadable_nodes[node_id] = why
+                if self.placer is not None:
+                    self.placer.exclude(node_id, f"cannot read the shared export_root: {why}")
+        self.membership.place_waiting(reason="a node joined")
+        return found
 
     def _prepare_ray_cluster(self) -> None:
         """``placement="ray"``, once Ray is joined and before any group is placed: the
@@ -645,6 +736,8 @@ class RolloutFleet:
         if cfg.nccl.master_address is None and isinstance(self.transport, NCCLTransport):
             self.transport.master_address = driver_node_ip()
         if cfg.ray.shared_exports:
+            if self.shared_check is None:
+                self.shared_check = check_shared_exports
             self.shared_exports = check_shared_exports(
                 cfg.export_root, timeout_s=cfg.ray.placement_timeout_s
             )
@@ -670,6 +763,14 @@ class RolloutFleet:
         )
         settings = cfg.settings_for()
         reasons = settings.fallback_reasons(context)
+        topology = topology_fallback(
+            settings.transport,
+            placement=cfg.placement,
+            ray=cfg.ray,
+            group_ids=[g.group_id for g in self._groups],
+        )
+        if topology is not None:  # checkpoint-engine's placement cannot follow Ray's
+            reasons = [*reasons, topology]
         if reasons:
             if settings.fallback is None:
                 raise FleetConfigError(
@@ -936,6 +1037,9 @@ class RolloutFleet:
     def _harvest_exports(self) -> None:
         if self.exporter is None:
             return
+        if self.export_mover is not None:  # a retired export's published parcel is dropped
+            with contextlib.suppress(Exception):
+                self.export_mover.prune()
         with contextlib.suppress(Exception):
             for record in self.exporter.exports():
                 self._export_machines.setdefault(record.version, record.lifecycle)
@@ -1042,13 +1146,22 @@ class RolloutFleet:
         stats = getattr(self.transport, "delta_stats", None)
         return stats() if callable(stats) else None
 
+    def _export_access(self) -> str:
+        """``snapshot()["placement"]["exports"]``: ``shared`` (checked at start), ``moved``
+        (recoveries move the export to the group's node) or ``local``."""
+        if self.shared_exports is not None:
+            return "shared"
+        return "moved" if self.export_mover is not None else "local"
+
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly picture of the fleet right now."""
         return {
             "started": self.started,
             "transport": self.config.transport,
             "placement": {
-                "exports": "shared" if self.shared_exports is not None else "local",
+                "exports": self._export_access(),
+                "moved": self.export_mover.stats() if self.export_mover is not None else None,
+                "unreadable_nodes": dict(self.unreadable_nodes),
                 "kind": self.config.placement,
                 "nodes": self.placer.nodes() if self.placer is not None else {},
                 **self.membership.snapshot(),

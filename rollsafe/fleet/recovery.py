@@ -20,7 +20,11 @@ with the strategy chosen in this order:
    group restarts with ``model_path=<export dir>``, its members report that version, and
    ``restarted`` takes it straight to ``active``. The lease is released only once the restart
    step has ended (also when it timed out and is still loading in the background), so the
-   directory is never deleted under a loading engine;
+   directory is never deleted under a loading engine. With an ``export_mover`` (a Ray-placed
+   group whose node cannot read the exporter's path: ``docs/cluster.md`` section 5) the export
+   is first pulled to the group's node (a ``pull`` step: ``pulled N bytes``, checked against
+   its manifest there) and the restart loads that copy; a pull refused or failed falls back
+   to 2 (the ``strategy`` step says why), never loading unverified bytes;
 2. **targeted push**: the group restarts on dummy weights (``skip_load_weights=True``),
    ``restarted`` -> ``pending_weights``, then the transport's registered checkpoint of the
    current version is pushed to that group only and ``weights_loaded`` -> ``active``. The push
@@ -56,7 +60,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
@@ -83,6 +87,7 @@ if TYPE_CHECKING:
     from rollsafe.statemachines.export import ExportLease
 
 __all__ = [
+    "ExportMoverLike",
     "RecoveryClosed",
     "RecoveryCoordinator",
     "RecoveryError",
@@ -116,6 +121,14 @@ _RESULTS_KEPT = 512
 _MAX_TEXT = 512
 
 T = TypeVar("T")
+
+
+class ExportMoverLike(Protocol):
+    """What moves a verified export to a group's node (``moved`` mode;
+    :class:`rollsafe.adapters.ray.ExportMover`): ``pull(group_id, version, path)`` returns the
+    node's checked copy (``path``, ``nbytes``, ``reused``, ``node_id``) or raises."""
+
+    def pull(self, group_id: str, version: int, path: str) -> Any: ...
 
 
 class RecoveryError(FleetError):
@@ -266,7 +279,10 @@ class RecoveryCoordinator:
     restarted client). ``remaining_work_s()`` estimates the rollout's remaining seconds (None:
     unknown, never skip). ``stop_timeout_s`` bounds the polite stop of the failed engine before
     it is killed (a crashed or hung engine rarely honours SIGTERM, so keep it short).
-    Thread-safe; use as a context manager or call :meth:`close`.
+    ``export_mover`` (:class:`ExportMoverLike`): the groups' nodes cannot read the exporter's
+    path, so an immediate restart first pulls the export to the group's node (a ``pull`` step,
+    ``pulled N bytes``) and loads that checked copy; a refused pull falls back to the targeted
+    push. Thread-safe; use as a context manager or call :meth:`close`.
     """
 
     def __init__(
@@ -290,6 +306,7 @@ class RecoveryCoordinator:
         stop_timeout_s: float | None = None,
         settings: RecoverySettings | None = None,
         traits_for: Callable[[WorkerGroup], policy.EngineTraits] | None = None,
+        export_mover: ExportMoverLike | None = None,
     ) -> None:
         # The defaults are RecoverySettings'; keyword arguments override its fields.
         self.settings = rs = with_overrides(
@@ -327,6 +344,9 @@ class RecoveryCoordinator:
             shared_transport_lock(transport) if transport is not None else threading.RLock()
         )
         self.name = name
+        #: moves an export to a Ray-placed group's node before a restart from it (the
+        #: ``moved`` mode, docs/cluster.md section 5); None: engines read the exporter's path
+        self.export_mover = export_mover
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix=name)
         self._lock = threading.Lock()
         self._inflight: dict[str, concurrent.futures.Future[RecoveryResult]] = {}
@@ -734,6 +754,7 @@ class _AttemptExecutor:
             fx.ReadStrategy: self._read_strategy,
             fx.TakeLease: self._take_lease,
             fx.ReleaseLease: self._release_lease,
+            fx.PullExport: self._pull_export,
             fx.GetEngine: self._get_engine,
             fx.StopEngine: self._stop_engine,
             fx.Restart: self._restart,
@@ -821,7 +842,8 @@ class _AttemptExecutor:
             with contextlib.suppress(Exception):  # the exporter does not know this version
                 handle = exporter.handle(version)
                 facts = policy.ExportFacts(version, str(handle.lifecycle.state))
-        return fx.Ok(fx.StrategyFacts(mode.state, version, facts, c.transport is not None))
+        moved = c.export_mover is not None
+        return fx.Ok(fx.StrategyFacts(mode.state, version, facts, c.transport is not None, moved))
 
     def _take_lease(self, effect: fx.TakeLease) -> fx.Outcome:
         exporter = self.c.exporter
@@ -846,6 +868,26 @@ class _AttemptExecutor:
                     return _OK
         self.c._release(lease)
         return _OK
+
+    def _pull_export(self, effect: fx.PullExport) -> fx.Outcome:
+        """The ``pull`` step: the export moved to the group's node and checked there."""
+        mover = self.c.export_mover
+        version, path = effect.lease.version, effect.lease.path
+        if mover is None or path is None:
+            return fx.Failed("no export mover")
+        outcome = self._timed("pull", lambda: mover.pull(effect.group, version, path))
+        if not isinstance(outcome, fx.Ok):
+            return outcome
+        got = outcome.value
+        pulled = fx.Pulled(str(got.path), int(got.nbytes), bool(got.reused), got.node_id)
+        node = (pulled.node_id or "?")[:12]
+        detail = f"pulled {pulled.nbytes} bytes of export v{version} to node {node}: {pulled.path}"
+        if pulled.reused:
+            detail += " (a checked copy was already there)"
+        run = self.run
+        if run.steps and run.steps[-1].name == "pull":
+            run.steps[-1] = dataclasses.replace(run.steps[-1], detail=bound_text(detail, _MAX_TEXT))
+        return fx.Ok(pulled)
 
     def _restart_ended_late(self) -> None:
         """On the timed-out restart's own thread, once it has ended."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -49,6 +50,8 @@ __all__ = [
     "TransportContext",
     "TransportSettings",
     "engine_dialect",
+    "topology_fallback",
+    "topology_refusal",
     "with_overrides",
 ]
 
@@ -173,7 +176,16 @@ class RaySettings:
     a node that cannot fails the start naming it); needed by ``transport="disk"``;
     ``node_watch_interval_s``: the period of the fleet's ``NodeWatcher`` (one ``ray.nodes()``
     call per round for the whole fleet): a node Ray reports dead takes its groups out of
-    routing at once and has them placed again; a node that joins takes waiting groups."""
+    routing at once and has them placed again; a node that joins takes waiting groups;
+    ``moved_exports_dir``: without ``shared_exports``, a recovery that restarts a group from
+    the current export first moves it to the group's node (Ray's object store, checked against
+    its manifest there): the directory on each node the copies go under (None: the node's
+    temporary directory), in ``rollsafe-moved/<fleet>/<node id>``; ``trainer_node_groups``:
+    the ids of groups placed on the trainer's (the driver's) node only, never elsewhere (a
+    placement Ray offers on another node is given back; none there: the group waits): such a
+    group reaches the trainer's memory and path, so ``transport="ipc"`` (or ``"disk"``
+    without ``shared_exports``) is allowed when every group is one
+    (:func:`topology_refusal`)."""
 
     resources_per_rank: Mapping[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     placement_timeout_s: float = 60.0
@@ -182,6 +194,8 @@ class RaySettings:
     bind_node_ip: bool = True
     shared_exports: bool = False
     node_watch_interval_s: float = 1.0
+    moved_exports_dir: str | None = None
+    trainer_node_groups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.resources_per_rank, Mapping) or not self.resources_per_rank:
@@ -204,6 +218,72 @@ class RaySettings:
                 )
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
             raise FleetConfigError("ray.address", f"must be None or a string, got {self.address!r}")
+        pinned = self.trainer_node_groups
+        if not isinstance(pinned, (tuple, list)) or not all(
+            isinstance(g, str) and g for g in pinned
+        ):
+            raise FleetConfigError(
+                "ray.trainer_node_groups", f"must be a tuple of group ids, got {pinned!r}"
+            )
+        moved = self.moved_exports_dir
+        if moved is not None and (not isinstance(moved, str) or not os.path.isabs(moved)):
+            raise FleetConfigError(
+                "ray.moved_exports_dir", f"must be None or an absolute path, got {moved!r}"
+            )
+
+
+def topology_refusal(
+    transport: str, *, placement: str, ray: RaySettings, group_ids: Sequence[str]
+) -> tuple[str, str] | None:
+    """Why ``transport`` cannot reach a group of this topology, as ``(group id, reason)``;
+    None when it can (``docs/cluster.md`` section 6). ``ipc`` hands CUDA / shared-memory
+    handles: only groups on the trainer's node (``ray.trainer_node_groups``) can open them;
+    ``disk`` makes engines read ``export_root`` at the trainer's path: groups on the trainer's
+    node, or any group when ``ray.shared_exports`` declares it shared. ``nccl`` reaches every
+    node; checkpoint-engine falls back instead (:func:`topology_fallback`)."""
+    if placement != "ray" or transport not in ("ipc", "disk"):
+        return None
+    if transport == "disk" and ray.shared_exports:
+        return None
+    for gid in group_ids:
+        if gid in ray.trainer_node_groups:
+            continue
+        where = (
+            "placed by Ray on any node with room (not in ray.trainer_node_groups), not "
+            "necessarily the trainer's node"
+        )
+        if transport == "ipc":
+            return gid, (
+                f"'ipc' reaches engines on the trainer's node only; group {gid!r} is {where}: "
+                "pin it with ray=RaySettings(trainer_node_groups=(...)) or use 'nccl'"
+            )
+        return gid, (
+            f"'disk' makes every engine read export_root at the trainer's path; group {gid!r} "
+            f"is {where}: declare export_root shared on every node "
+            "(ray=RaySettings(shared_exports=True), checked at start), pin the group "
+            "(ray.trainer_node_groups), or use 'nccl'"
+        )
+    return None
+
+
+def topology_fallback(
+    transport: str, *, placement: str, ray: RaySettings, group_ids: Sequence[str]
+) -> str | None:
+    """Why checkpoint-engine cannot serve this topology (None: it can). Its parameter server
+    runs in the trainer's process and hands each engine rank its GPU buffers (colocated: CUDA
+    IPC), so its ranks follow the groups' Ray placement only when every group is on the
+    trainer's node (``ray.trainer_node_groups``); otherwise the fleet falls back to ``nccl``
+    with this reason."""
+    if placement != "ray" or transport != "checkpoint_engine":
+        return None
+    away = [g for g in group_ids if g not in ray.trainer_node_groups]
+    if not away:
+        return None
+    return (
+        f"checkpoint-engine's parameter server reaches engines colocated with the trainer "
+        f"only; with placement='ray' groups {away} may be placed on other nodes (not in "
+        "ray.trainer_node_groups)"
+    )
 
 
 #: where engines reach the trainer's weight-update store when nothing else is known

@@ -42,6 +42,8 @@ __all__ = [
     "ProbeFacts",
     "ProbeMembers",
     "Probed",
+    "PullExport",
+    "Pulled",
     "PushFacts",
     "PushUnderLock",
     "Pushed",
@@ -312,6 +314,9 @@ class StrategyFacts:
     fleet_version: int
     export: ExportFacts | None  # the export of the fleet's version, None: none known
     can_push: bool
+    #: the group's node cannot read the trainer's export path: an export it restarts from is
+    #: moved there first (:class:`PullExport`, ``docs/cluster.md`` section 5)
+    moved: bool = False
 
 
 @dataclass(frozen=True)
@@ -337,6 +342,29 @@ class TakeLease(Effect):
 
     version: int
     holder: str
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """The value of :class:`PullExport`: the copy of the export on the group's node at
+    ``path``, ``nbytes`` moved there (0: a copy already there matched, ``reused``)."""
+
+    path: str
+    nbytes: int
+    reused: bool = False
+    node_id: str | None = None
+
+
+@dataclass(frozen=True)
+class PullExport(Effect):
+    """Move the leased export to group ``group``'s node (the ``moved`` mode: published once
+    per version into Ray's object store, pulled by the group's actor, every file checked
+    against the export's manifest before it is kept): :class:`Ok` of :class:`Pulled`,
+    :class:`Failed` (or :class:`TimedOut`) naming why; nothing unverified is ever left to
+    load."""
+
+    group: str
+    lease: Leased
 
 
 @dataclass(frozen=True)

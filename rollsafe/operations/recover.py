@@ -13,6 +13,11 @@ them (a sync, a crash, retention), as it does between the fleet's threads:
    spent), or **claim** (``inactive`` -> ``recovering``);
 2. :func:`take_lease` -- **strategy** (:func:`~rollsafe.policy.choose_strategy`): immediate
    from the ready export of the fleet's version (a lease is taken on it) or a dummy restart;
+   where the group's node cannot read the trainer's path (``moved``: a Ray-placed group
+   without shared exports) the export is **pulled** to that node first (:class:`PullExport`,
+   checked against its manifest there) and the restart loads the copy; a pull refused or
+   failed falls back to a dummy restart (:func:`~rollsafe.policy.after_pull`, the reason in
+   the ``strategy`` step);
 3. :func:`restart` -- **launcher**, **shutdown**, **restart** (from the export, or on dummy
    weights), **health**, each of which may fail or time out: then ``restart_failed`` and the
    lease released (by a restart that timed out: only once it has ended in the background,
@@ -30,6 +35,7 @@ The attempt returns an :class:`AttemptEnd`; retrying (budget permitting) is the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Literal
@@ -44,6 +50,8 @@ from rollsafe.operations.effects import (
     NoteStep,
     Ok,
     Outcome,
+    Pulled,
+    PullExport,
     PushUnderLock,
     ReadPushFacts,
     ReadRecovery,
@@ -189,7 +197,19 @@ def take_lease(group: str) -> Generator[Effect, Outcome, Leased | None]:
         return None
     lease: Leased = taken.value
     yield NoteStep("lease", True, f"export v{lease.version} at {lease.path}")
-    return lease
+    if not facts.moved:
+        return lease
+    # the group's node cannot read the trainer's path: move the export there, checked
+    pulled = yield PullExport(group, lease)
+    ok = isinstance(pulled, Ok)
+    why = "" if ok else pulled.error  # type: ignore[union-attr]
+    after = policy.after_pull(ok, why, version=lease.version, can_push=facts.can_push)
+    if after.strategy is policy.Strategy.IMMEDIATE and ok:
+        copy: Pulled = pulled.value  # type: ignore[union-attr]
+        return dataclasses.replace(lease, path=copy.path)
+    yield NoteStep("strategy", False, after.reason)
+    yield ReleaseLease(lease)
+    return None
 
 
 # ====================================================================== 3. restart

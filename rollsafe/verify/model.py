@@ -726,6 +726,8 @@ class FleetModel:
             fx.ReadStrategy: self._read_strategy,
             fx.TakeLease: self._take_lease,
             fx.ReleaseLease: self._release_lease_effect,
+            # the model's exports are readable everywhere (StrategyFacts.moved False): never asked
+            fx.PullExport: lambda effect: Ok(fx.Pulled(str(effect.lease.path), 0)),
             fx.GetEngine: done,
             fx.StopEngine: self._stop_engine,
             fx.Restart: self._restart,

@@ -177,13 +177,26 @@ class EngineHost:
     def output_tail(self) -> str:
         return self._launcher.output_tail()
 
-    def pull_export(self, parcel: Any, dest_root: str) -> dict[str, Any]:
+    def pull_export(
+        self, parcel: Any, dest_root: str | None, *, fleet: str | None = None
+    ) -> dict[str, Any]:
         """Copy a published export (:func:`~rollsafe.adapters.ray.exports.publish_export`) to
         this node's ``dest_root`` through Ray's object store, every file checked against the
         export's manifest before it is kept (a mismatch raises ``ExportPullRefused``);
-        ``{"path", "nbytes", "reused", "node_id"}``: ``path`` is what a restart loads."""
+        ``{"path", "nbytes", "reused", "node_id"}``: ``path`` is what a restart loads.
+        ``fleet`` (the fleet's mover): the copy goes under
+        ``<dest_root or this node's temporary directory>/rollsafe-moved/<fleet>/<node id>``,
+        so fleets, and nodes that share a disk, never take each other's copies."""
+        import tempfile
+
         from rollsafe.adapters.ray.exports import receive_export
 
+        if fleet is not None:
+            node = self.node_id() or "local"
+            base = dest_root if dest_root is not None else tempfile.gettempdir()
+            dest_root = os.path.join(base, "rollsafe-moved", fleet, node[:16])
+        elif dest_root is None:
+            raise ValueError("pull_export: dest_root is None and no fleet is named")
         pulled = receive_export(parcel, dest_root)
         return {**dataclasses.asdict(pulled), "node_id": self.node_id()}
 

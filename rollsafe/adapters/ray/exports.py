@@ -18,7 +18,9 @@ verified export's files into Ray's object store in chunks (hashing them against 
 ``rollsafe-manifest.json`` on the way), and :func:`receive_export`, on the engine's node
 (``EngineHost.pull_export``), writes them under a local directory, checks every file's size and
 sha256 against the manifest **before** the directory is renamed into place, and refuses a
-mismatch (:class:`ExportPullRefused`, nothing left behind).
+mismatch (:class:`ExportPullRefused`, nothing left behind). :class:`ExportMover` is the fleet's
+use of the two in recovery: one publication per export version, reused by every recovery of
+it and dropped once the export is retired, pulled by the restarting group's actor.
 
 Ray is imported when the check runs, not when this module is imported.
 """
@@ -41,6 +43,7 @@ from rollsafe.errors import InvalidArgument, RollsafeError
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "PROBE_PREFIX",
+    "ExportMover",
     "ExportParcel",
     "ExportPullRefused",
     "ProbeFile",
@@ -256,11 +259,12 @@ class ExportParcel:
 @dataclass(frozen=True)
 class PulledExport:
     """Where a node's copy of an export is (``path``), the bytes moved (0: a copy already
-    there matched the manifest, ``reused``)."""
+    there matched the manifest, ``reused``), the node (``node_id``, when known)."""
 
     path: str
     nbytes: int
     reused: bool
+    node_id: str | None = None
 
 
 def _manifest_files(manifest: bytes, where: str) -> dict[str, tuple[int, str]]:
@@ -420,3 +424,128 @@ def _rmtree(path: Path) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the fleet's mover
+class ExportMover:
+    """The fleet's ``moved`` mode for recovery: each verified export is published once per
+    version (:func:`publish_export`, reused by every recovery of that version) and pulled by
+    the restarting group's actor to its node (``EngineHost.pull_export``, checked against the
+    manifest there). ``handle_for(group_id)`` returns the group's handle (a
+    :class:`~rollsafe.adapters.ray.RayEngineGroup`); ``keep(version)`` says whether an export
+    is still current (False: its parcel is dropped, and Ray frees the chunks once no pull holds
+    them); ``dest_root``: the directory on each node the copies go under (None: the node's
+    temporary directory), one sub-directory per node and per ``fleet``. ``publish`` is what
+    publishes (default :func:`publish_export` with ``chunk_bytes``). Thread-safe."""
+
+    def __init__(
+        self,
+        handle_for: Any,
+        *,
+        keep: Any = None,
+        dest_root: str | None = None,
+        fleet: str = "rollsafe",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        publish: Any = None,
+    ) -> None:
+        import threading
+
+        self.handle_for = handle_for
+        self.keep = keep
+        self.dest_root = dest_root
+        self.fleet = fleet
+        self.chunk_bytes = chunk_bytes
+        self.publish = publish or (lambda path: publish_export(path, chunk_bytes=chunk_bytes))
+        self._lock = threading.Lock()
+        self._parcels: dict[int, tuple[str, ExportParcel]] = {}
+        self._publishing: dict[int, threading.Lock] = {}
+        #: counters: exports published, pulls asked, bytes moved, pulls refused or failed
+        self.publishes = 0
+        self.pulls = 0
+        self.bytes_pulled = 0
+        self.failed_pulls = 0
+        self.last_error: str | None = None
+
+    def parcel(self, version: int, path: str) -> ExportParcel:
+        """The published export of ``version`` at ``path``: published on the first call
+        (hashed against its manifest on the way), the same parcel afterwards."""
+        import threading
+
+        self.prune()
+        with self._lock:
+            gate = self._publishing.setdefault(version, threading.Lock())
+        with gate:  # one publication per version, even when recoveries ask at once
+            with self._lock:
+                held = self._parcels.get(version)
+            if held is not None and held[0] == str(path):
+                return held[1]
+            parcel = self.publish(str(path))
+            with self._lock:
+                self._parcels[version] = (str(path), parcel)
+                self.publishes += 1
+            return parcel
+
+    def pull(self, group_id: str, version: int, path: str) -> PulledExport:
+        """Move the export of ``version`` (at ``path`` on this node) to ``group_id``'s node:
+        its checked copy there (:class:`PulledExport`, with the node's id).
+        Raises :class:`ExportPullRefused` (a file did not match the manifest: nothing left
+        there) or the Ray error of a pull that failed."""
+        with self._lock:
+            self.pulls += 1
+        try:
+            parcel = self.parcel(version, path)
+            got = self.handle_for(group_id).pull_export(parcel, self.dest_root, fleet=self.fleet)
+        except BaseException as exc:
+            with self._lock:
+                self.failed_pulls += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, ExportPullRefused):  # a damaged parcel: publish it anew
+                    self._parcels.pop(version, None)
+            raise
+        node = got.get("node_id")
+        pulled = PulledExport(
+            str(got["path"]),
+            int(got["nbytes"]),
+            bool(got["reused"]),
+            None if node is None else str(node),
+        )
+        with self._lock:
+            self.bytes_pulled += pulled.nbytes
+        return pulled
+
+    def prune(self) -> list[int]:
+        """Drop the parcels of exports that ``keep`` no longer keeps (retired); return them."""
+        keep = self.keep
+        if keep is None:
+            return []
+        with self._lock:
+            versions = list(self._parcels)
+        gone = []
+        for version in versions:
+            try:
+                kept = bool(keep(version))
+            except Exception:
+                kept = True
+            if not kept:
+                gone.append(version)
+        with self._lock:
+            for version in gone:
+                self._parcels.pop(version, None)
+                self._publishing.pop(version, None)
+        return gone
+
+    def published(self) -> list[int]:
+        """The versions whose parcel is held now."""
+        with self._lock:
+            return sorted(self._parcels)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "published": sorted(self._parcels),
+                "publishes": self.publishes,
+                "pulls": self.pulls,
+                "bytes_pulled": self.bytes_pulled,
+                "failed_pulls": self.failed_pulls,
+                "last_error": self.last_error,
+            }

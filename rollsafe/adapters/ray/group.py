@@ -78,6 +78,9 @@ class RayEngineGroup:
         self._refreshing = False  # a standby view is on its way from the actor
         #: how many times the group was placed again after its actor (or node) was lost
         self.replacements = 0
+        #: place the group on this node only (None: where Ray finds room); the fleet pins
+        #: ``RaySettings.trainer_node_groups`` to the trainer's node
+        self.pin_node: str | None = None
 
     # ------------------------------------------------------------------ what it tells
     @property
@@ -225,6 +228,29 @@ class RayEngineGroup:
             self._drop_client()
             self._forget()
 
+    def pull_export(
+        self, parcel: Any, dest_root: str | None, *, fleet: str | None = None
+    ) -> dict[str, Any]:
+        """Have the group's actor pull a published export to its node
+        (:meth:`EngineHost.pull_export`, checked there against the manifest); the actor's
+        ``ExportPullRefused`` is raised as itself. Bounded by ``start_timeout_s``."""
+        import ray
+
+        actor = self._actor
+        if actor is None:
+            raise RuntimeError(f"group {self.group_id!r} holds no actor: nothing to pull to")
+        try:
+            got: dict[str, Any] = ray.get(
+                actor.pull_export.remote(parcel, dest_root, fleet=fleet),
+                timeout=self.start_timeout_s,
+            )
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from exc
+            raise
+        return got
+
     def kill(self) -> None:
         """SIGKILL the engine group (and its standby) inside the actor; the actor stays."""
         self._call("kill")
@@ -264,7 +290,7 @@ class RayEngineGroup:
     def _place(self) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        placement = self._placer.place(self.group_id, self._spec.ranks)
+        placement = self._placer.place(self.group_id, self._spec.ranks, node=self.pin_node)
         options = {
             "num_cpus": 0,
             "max_restarts": 0,

@@ -7,7 +7,11 @@ alive node that fits the group and holds the fewest of this placer's groups (Ray
 ``_soft_target_node_id``, a hint for ``STRICT_PACK`` groups: a node without room is passed
 over by Ray itself). :meth:`GroupPlacer.place` returns once Ray reserved the bundles, as a
 :class:`Placement` naming the node, or raises :class:`PlacementUnavailable` after
-``timeout_s`` (no node has room: the group waits, see ``docs/cluster.md``).
+``timeout_s`` (no node has room: the group waits, see ``docs/cluster.md``). A group can be
+pinned to one node (``place(node=)``: the trainer's, ``RaySettings.trainer_node_groups``) and
+nodes can be excluded (:meth:`GroupPlacer.exclude`: a node that cannot read the shared
+``export_root``); Ray's placement groups take only a soft node hint, so a reservation Ray makes
+on a node it should not is given back and asked again (a few times, then refused).
 
 Ray is imported when a placement is made, not when this module is imported.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +28,10 @@ from typing import Any
 
 from rollsafe.errors import InvalidArgument, RollsafeError
 
-__all__ = ["GroupPlacer", "Placement", "PlacementUnavailable"]
+__all__ = ["GroupPlacer", "Placement", "PlacementUnavailable", "ray_node_id"]
+
+#: how many reservations a placement makes when Ray puts them on excluded nodes
+_EXCLUDED_TRIES = 3
 
 
 class PlacementUnavailable(RollsafeError, RuntimeError):
@@ -91,44 +99,90 @@ class GroupPlacer:
         self.name_prefix = name_prefix
         self._lock = threading.Lock()
         self._held: dict[str, str] = {}  # group id -> node id of its live placement (or hint)
+        self._excluded: dict[str, str] = {}  # node id -> why no group may be placed there
         self._made = 0
 
     def bundles(self, ranks: int) -> list[dict[str, float]]:
         """The bundles of a group of ``ranks`` processes: one :attr:`bundle` per rank."""
         return [dict(self.bundle) for _ in range(ranks)]
 
+    def exclude(self, node_id: str, why: str) -> None:
+        """Place no group on ``node_id`` from now on (e.g. it cannot read the shared
+        ``export_root``). Ray's placement groups cannot be kept off a node, so :meth:`place`
+        hints each placement at an allowed node and, when Ray reserves the bundles on an
+        excluded one anyway, gives them back and asks again."""
+        with self._lock:
+            self._excluded[str(node_id)] = why
+
+    def excluded(self) -> dict[str, str]:
+        """``{node_id: why}`` of the nodes no group is placed on."""
+        with self._lock:
+            return dict(self._excluded)
+
     def nodes(self) -> dict[str, str]:
         """``{group_id: node_id}`` of every group this placer holds a placement for."""
         with self._lock:
             return dict(self._held)
 
-    def place(self, group_id: str, ranks: int) -> Placement:
+    def place(self, group_id: str, ranks: int, *, node: str | None = None) -> Placement:
         """Reserve ``ranks`` bundles packed on one node for ``group_id``; wait up to
-        :attr:`timeout_s`. Raises :class:`PlacementUnavailable` (nothing left reserved)."""
+        :attr:`timeout_s`. ``node``: that node only (a reservation Ray makes elsewhere is given
+        back and asked again). Raises :class:`PlacementUnavailable` (nothing left reserved)."""
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
 
         bundles = self.bundles(ranks)
-        with self._lock:
-            target = self._target_node(ranks) if self.spread else None
-            self._made += 1
-            name = f"{self.name_prefix}-{group_id}-{self._made}"
-            if target is not None:
-                self._held[group_id] = target  # counted while Ray places it
-        hint: dict[str, Any] = {"_soft_target_node_id": target} if target is not None else {}
-        pg = placement_group(bundles, strategy="STRICT_PACK", name=name, **hint)
-        try:
-            ray.get(pg.ready(), timeout=self.timeout_s)
-        except Exception as exc:
+        deadline = time.monotonic() + self.timeout_s
+        refused: list[str] = []  # excluded nodes Ray reserved the bundles on anyway
+        for _ in range(_EXCLUDED_TRIES):
+            with self._lock:
+                excluded = set(self._excluded)
+                if node is not None:
+                    target: str | None = node
+                    if node in excluded:
+                        raise PlacementUnavailable(
+                            group_id, bundles, self.timeout_s, f"its node {node} is excluded"
+                        )
+                elif self.spread or excluded:
+                    target = self._target_node(ranks, excluded)
+                else:
+                    target = None
+                if excluded and target is None:
+                    raise PlacementUnavailable(
+                        group_id,
+                        bundles,
+                        self.timeout_s,
+                        f"no node fits but the excluded {sorted(excluded)}",
+                    )
+                self._made += 1
+                name = f"{self.name_prefix}-{group_id}-{self._made}"
+                if target is not None:
+                    self._held[group_id] = target  # counted while Ray places it
+            hint: dict[str, Any] = {"_soft_target_node_id": target} if target is not None else {}
+            pg = placement_group(bundles, strategy="STRICT_PACK", name=name, **hint)
+            try:
+                ray.get(pg.ready(), timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:
+                self._drop(group_id)
+                with contextlib.suppress(Exception):
+                    ray.util.remove_placement_group(pg)
+                why = "" if isinstance(exc, ray.exceptions.GetTimeoutError) else repr(exc)
+                raise PlacementUnavailable(group_id, bundles, self.timeout_s, why) from exc
+            node_id = str(placement_group_table(pg)["bundles_to_node_id"][0])
+            with self._lock:
+                allowed = node_id not in self._excluded and node in (None, node_id)
+                if allowed:
+                    self._held[group_id] = node_id
+            if allowed:
+                return Placement(group_id, pg, node_id, tuple(bundles))
+            refused.append(node_id)  # Ray passed the hint over: give it back, ask again
             self._drop(group_id)
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(pg)
-            why = "" if isinstance(exc, ray.exceptions.GetTimeoutError) else repr(exc)
-            raise PlacementUnavailable(group_id, bundles, self.timeout_s, why) from exc
-        node_id = str(placement_group_table(pg)["bundles_to_node_id"][0])
-        with self._lock:
-            self._held[group_id] = node_id
-        return Placement(group_id, pg, node_id, tuple(bundles))
+        want = f"node {node}" if node is not None else "a node not excluded"
+        raise PlacementUnavailable(
+            group_id, bundles, self.timeout_s, f"Ray offered {refused}, not {want}"
+        )
 
     def release(self, placement: Placement) -> None:
         """Give the reservation back to Ray (idempotent; a dead node's is already gone)."""
@@ -142,16 +196,17 @@ class GroupPlacer:
         with self._lock:
             self._held.pop(group_id, None)
 
-    def _target_node(self, ranks: int) -> str | None:
-        """The alive node whose total resources fit the group and that holds the fewest of this
-        placer's groups (ties: Ray's node order); None when no node fits (Ray decides)."""
+    def _target_node(self, ranks: int, excluded: set[str] | None = None) -> str | None:
+        """The alive node (not ``excluded``) whose total resources fit the group and that holds
+        the fewest of this placer's groups (ties: Ray's node order); None when no node fits
+        (Ray decides)."""
         import ray
 
         api: Any = ray  # ray.nodes() is untyped
         load = Counter(self._held.values())
         best: tuple[int, int, str] | None = None
         for order, node in enumerate(api.nodes()):
-            if not node.get("Alive"):
+            if not node.get("Alive") or str(node["NodeID"]) in (excluded or ()):
                 continue
             total: Mapping[str, float] = node.get("Resources", {})
             if any(total.get(k, 0.0) < v * ranks for k, v in self.bundle.items()):
@@ -161,3 +216,10 @@ class GroupPlacer:
             if best is None or key < best:
                 best = key
         return None if best is None else best[2]
+
+
+def ray_node_id() -> str:
+    """The id (hex) of the Ray node this process runs on."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
