@@ -133,7 +133,9 @@ def flip_fraction(weights: dict[str, torch.Tensor], fraction: float, gen: torch.
 class Pair:
     """The two engines and their transports (full, delta)."""
 
-    def __init__(self, model_dir: Path, device: torch.device, transport: str, timeout: float):
+    def __init__(
+        self, model_dir: Path, device: torch.device, transport: str, backend: str, timeout: float
+    ):
         extra = ["--load-format", "dummy", "--dtype", "bfloat16", "--weight-group-timeout", "300"]
         if device.type == "cuda":
             extra += ["--device", "cuda"]
@@ -144,7 +146,7 @@ class Pair:
             for name, c in zip(("full", "delta"), self.clients, strict=True)
         ]
         cls: Callable[..., StagedTransport] = IPCTransport if transport == "ipc" else NCCLTransport
-        kw: dict[str, Any] = {"device": device} if transport == "ipc" else {"backend": None}
+        kw: dict[str, Any] = {"device": device} if transport == "ipc" else {"backend": backend}
         self.full = cls(1, **kw)
         self.delta = cls(1, delta=DeltaSettings(), **kw)
 
@@ -254,6 +256,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--transport", default="nccl", choices=("nccl", "ipc"))
+    ap.add_argument(
+        "--backend",
+        default="gloo",
+        choices=("gloo", "nccl"),
+        help="nccl transport's backend: gloo (host network path; the only one between two "
+        "processes on one GPU) or nccl (needs the engine on another GPU)",
+    )
     ap.add_argument("--train", action="store_true", help="versions from AdamW steps (CPU)")
     ap.add_argument("--fractions", default="", help="percent changed per synthetic step: 0.5,2,10")
     ap.add_argument("--steps", type=int, default=5, help="measured steps (per fraction)")
@@ -284,6 +293,7 @@ def main() -> int:
         "benchmark": "delta",
         "device": str(device),
         "transport": args.transport,
+        "backend": args.backend if args.transport == "nccl" else None,
         "mode": "train" if args.train else "synthetic",
         "host": {"python": platform.python_version(), "torch": torch.__version__},
         "args": vars(args),
@@ -321,7 +331,7 @@ def main() -> int:
         result["bytes"] = nbytes
         print(f"{result['model']}: {len(weights)} tensors, {nbytes / 1e6:.1f} MB on {device}")
         t0 = time.perf_counter()
-        pair = Pair(model_dir, device, args.transport, timeout=900)
+        pair = Pair(model_dir, device, args.transport, args.backend, timeout=900)
         result["engine_start_s"] = round(time.perf_counter() - t0, 1)
         rows: list[dict[str, Any]] = []
         try:

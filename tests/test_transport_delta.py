@@ -11,6 +11,7 @@ refused naming the key.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,96 @@ def test_settings_are_checked_and_disk_has_no_delta_mode() -> None:
     assert err.value.key == "delta"
     assert not DiskTransport.supports_delta
     assert NCCLTransport.supports_delta and IPCTransport.supports_delta
+
+
+def _kill(pids: list[int]) -> None:
+    import os
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_fleet_syncs_deltas_and_a_recovered_group_gets_a_full_push_first(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    import prometheus_client as prom
+    from transformers import AutoModelForCausalLM
+
+    from rollsafe.checksum import weights_checksum
+    from rollsafe.fleet import FleetConfig, GroupSpec, NcclSettings, RolloutFleet
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(5)
+
+    def step() -> None:
+        with torch.no_grad():
+            for t in weights.values():
+                t.add_((torch.rand(t.shape, generator=gen) < 0.01).to(t.dtype) * 0.01)
+
+    cfg = FleetConfig(
+        model_path=tiny_model_dir,
+        export_root=tmp_path / "exports",
+        groups=[GroupSpec(1), GroupSpec(1)],
+        transport=NcclSettings(delta=True),
+    )
+    registry = prom.CollectorRegistry()
+    with RolloutFleet(cfg, metrics=registry) as fleet:
+        step()
+        first = fleet.sync_weights(weights, 1)
+        assert first.ok and first.delta is not None
+        assert {t["kind"] for t in first.delta["targets"].values()} == {"full"}
+        step()
+        second = fleet.sync_weights(weights, 2)
+        assert second.ok and second.delta is not None
+        assert {g: t["kind"] for g, t in second.delta["targets"].items()} == {
+            "g0": "delta",
+            "g1": "delta",
+        }
+        want = weights_checksum(weights)["model"]
+        assert set(fleet.checksums().values()) == {want}
+        snap = fleet.snapshot()["delta"]
+        assert snap["bases"] == {"g0": 2, "g1": 2}
+
+        # g1 dies: its base is forgotten when it leaves routing; its recovery pushes in full
+        _kill(list(fleet.launcher("g1").rank_pids))
+        deadline = time.monotonic() + 60
+        while fleet.registry.get("g1").state == "active" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert fleet.registry.get("g1").state != "active"
+        assert fleet.wait_recoveries(timeout=180)
+        (recovery,) = [r for r in fleet.recoveries() if r.group_id == "g1"]
+        assert recovery.strategy == "targeted_push", recovery  # immediate recovery is off
+        assert fleet.registry.get("g1").state == "active"
+        step()
+        third = fleet.sync_weights(weights, 3)
+        assert third.ok and third.delta is not None
+        kinds = {g: t["kind"] for g, t in third.delta["targets"].items()}
+        # g1's base was forgotten when it failed; its recovery's push of v2 was full and
+        # confirmed, so v3 is a delta again for both
+        assert kinds == {"g0": "delta", "g1": "delta"}, third.delta
+        records = fleet.transport.delta_records()  # type: ignore[union-attr]
+        recovery_push = [r for r in records if [t.target for t in r.targets] == ["g1"]]
+        assert recovery_push, records
+        (row,) = recovery_push[-1].targets
+        assert (row.kind, row.reason, row.ok) == ("full", "forced", True), row
+        want = weights_checksum(weights)["model"]
+        assert set(fleet.checksums().values()) == {want}
+
+        samples = prom.generate_latest(registry).decode()
+        delta_bytes = [
+            float(line.rsplit(" ", 1)[1])
+            for line in samples.splitlines()
+            if line.startswith("rollsafe_sync_bytes_total{") and 'kind="delta"' in line
+        ]
+        full_bytes = [
+            float(line.rsplit(" ", 1)[1])
+            for line in samples.splitlines()
+            if line.startswith("rollsafe_sync_bytes_total{") and 'kind="full"' in line
+        ]
+        assert delta_bytes and full_bytes and 0 < delta_bytes[0] < full_bytes[0]

@@ -86,7 +86,10 @@ def test_round_trip_is_bit_exact_and_omits_unchanged_tensors(
     assert set(out) == {"a.weight", "c.bias"}
     for name, t in out.items():
         assert _same_bits(t, new[name]) and t.device == new[name].device
-        assert payload.header.digests[name] == tensor_digest(new[name], "sglang-gpu")
+        # the sender names the digest of its device: SGLang's GPU hash on CUDA, SHA-256 on the host
+        algorithm = "sglang-gpu" if new[name].is_cuda else "sglang-cpu"
+        assert payload.header.algorithm == algorithm
+        assert payload.header.digests[name] == tensor_digest(new[name], algorithm)
 
 
 @pytest.mark.parametrize("device", DEVICES)

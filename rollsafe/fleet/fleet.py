@@ -806,6 +806,8 @@ class RolloutFleet:
             traits_for=lambda _group: traits,
         )
         recovery = self.recovery
+        if getattr(transport, "delta_stats", lambda: None)() is not None:
+            self.registry.add_listener(_DeltaBaseReset(transport))
         self.health = HealthManager(
             self.registry, settings=cfg.health, on_group_failed=recovery.on_group_failed
         )
@@ -1182,3 +1184,24 @@ class RolloutFleet:
                 self.request_health.stats() if self.request_health is not None else None
             ),
         }
+
+
+class _DeltaBaseReset:
+    """With deltas on: a group that leaves service (failed, lost with its node, draining,
+    retired) or starts again (launching) has unknown weights until it confirms a push, so its
+    base is forgotten at once and its next push is full (``docs/transports.md``, "Deltas")."""
+
+    STATES = frozenset({"inactive", "unplaced", "draining", "retired", "launching"})
+
+    def __init__(self, transport: WeightTransport) -> None:
+        self.transport = transport
+
+    def on_transition(self, group: WorkerGroup, record: object) -> None:
+        if getattr(record, "target", None) not in self.STATES:
+            return
+        forget = getattr(self.transport, "forget", None)
+        if callable(forget):
+            try:
+                forget(group.group_id)
+            except Exception:  # a hook must not fail the sender's event
+                log.exception("forgetting %s's delta base failed", group.group_id)

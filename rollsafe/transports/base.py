@@ -341,6 +341,10 @@ class StagedTransport:
         """The last update's per-target deltas (None: deltas off, or no update yet)."""
         return None if self._delta is None else self._delta.last()
 
+    def delta_records(self) -> tuple[DeltaRecord, ...]:
+        """The last updates' per-target deltas, oldest first (at most 64; empty: deltas off)."""
+        return () if self._delta is None else tuple(self._delta.records)
+
     def delta_stats(self) -> dict[str, object] | None:
         """For a fleet's snapshot: bases per target, snapshots held (None: deltas off)."""
         return None if self._delta is None else self._delta.stats()

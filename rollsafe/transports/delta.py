@@ -30,6 +30,7 @@ lagging and gets a full push.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -58,6 +59,7 @@ __all__ = [
 DELTA_REFUSALS = ("DeltaBaseMismatch", "DeltaDigestMismatch", "DeltaFormatError")
 
 SyncKind = Literal["full", "delta"]
+log = logging.getLogger(__name__)
 
 
 def is_delta_refusal(reason: str) -> bool:
@@ -314,7 +316,12 @@ class DeltaSender:
         rows: list[TargetSync] = []
         for name, res in results.items():
             kind = sent.get(name, "full")
-            self.ledger.settle(name, version, ok=res.ok, refused=False)
+            try:
+                self.ledger.settle(name, version, ok=res.ok, refused=False)
+            except InvalidArgument:
+                # the target was reset while its push ran (it failed and left the fleet's
+                # routing): the reset wins, its next push is full
+                log.info("delta: %s was reset during its push of v%d", name, version)
             rows.append(
                 TargetSync(
                     target=name,

@@ -59,6 +59,7 @@ __all__ = [
     "DELTA_HEADER_KEY",
     "DENSE_FRACTION",
     "DIGEST_ALGORITHM",
+    "DIGEST_ALGORITHMS",
     "IDX_SUFFIX",
     "VAL_SUFFIX",
     "DeltaBaseMismatch",
@@ -85,6 +86,10 @@ DENSE_FRACTION: float = 0.2
 DELTA_FORMAT = "rollsafe-delta/1"
 #: the per-tensor result digest of a header (SGLang's GPU hash, the same on CPU and CUDA)
 DIGEST_ALGORITHM = "sglang-gpu"
+#: the result digests a header may name: SGLang's GPU hash (the sender's tensors on CUDA; the
+#: same value on any device, but about 33 MB/s on a CPU core) or its CPU hash (SHA-256, the
+#: sender's tensors on the host: about 0.5 GB/s)
+DIGEST_ALGORITHMS = ("sglang-gpu", "sglang-cpu")
 #: a tensor of at least this many elements gets int64 indices (int32 cannot address it)
 _INT64_INDEX_NUMEL = 1 << 31
 
@@ -136,12 +141,13 @@ class DeltaHeader:
     digests: Mapping[str, str]
     sparse: tuple[str, ...]
     dense: tuple[str, ...]
+    algorithm: str = DIGEST_ALGORITHM
 
     def to_tensor(self, *, device: torch.device | str | None = None) -> torch.Tensor:
         """The header as a 1-D ``uint8`` tensor of its UTF-8 JSON (on ``device``, default CPU)."""
         doc = {
             "format": DELTA_FORMAT,
-            "digest": DIGEST_ALGORITHM,
+            "digest": self.algorithm,
             "base_version": self.base_version,
             "version": self.version,
             "digests": dict(self.digests),
@@ -171,8 +177,8 @@ class DeltaHeader:
             raise bad("not a JSON object")
         if doc.get("format") != DELTA_FORMAT:
             raise bad(f"format {doc.get('format')!r} is not {DELTA_FORMAT!r}")
-        if doc.get("digest") != DIGEST_ALGORITHM:
-            raise bad(f"digest algorithm {doc.get('digest')!r} is not {DIGEST_ALGORITHM!r}")
+        if doc.get("digest") not in DIGEST_ALGORITHMS:
+            raise bad(f"digest algorithm {doc.get('digest')!r} is not one of {DIGEST_ALGORITHMS}")
         for key in ("base_version", "version"):
             if not isinstance(doc.get(key), str) or not doc[key]:
                 raise bad(f"{key!r} must be a non-empty string, got {doc.get(key)!r}")
@@ -205,6 +211,7 @@ class DeltaHeader:
             digests=dict(digests),
             sparse=lists["sparse"],
             dense=lists["dense"],
+            algorithm=doc["digest"],
         )
 
     @property
@@ -295,14 +302,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def result_digest(t: torch.Tensor) -> str:
+def result_digest(t: torch.Tensor, algorithm: str = DIGEST_ALGORITHM) -> str:
     """A touched tensor's digest in a header: ``rollsafe.checksum.tensor_digest(t,
-    "sglang-gpu")`` (SGLang's GPU hash, the same value on CPU and CUDA, computed on ``t``'s
-    device). ``rollsafe.checksum`` sits beside ``rollsafe.wire`` in layer 2, so it is imported
-    here, in the function: an allowed exception of ``docs/architecture.md``."""
+    algorithm)`` (one of :data:`DIGEST_ALGORITHMS`; each gives the same value on any device).
+    ``rollsafe.checksum`` sits beside ``rollsafe.wire`` in layer 2, so it is imported here, in
+    the function: an allowed exception of ``docs/architecture.md``."""
     from rollsafe.checksum import tensor_digest
 
-    return tensor_digest(t, DIGEST_ALGORITHM)
+    return tensor_digest(t, algorithm)
 
 
 def changed_counts(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
@@ -384,6 +391,7 @@ def encode_delta(
     if len(devices) > 1:
         raise DeltaFormatError(f"new tensors are on several devices: {sorted(map(str, devices))}")
     device = next(iter(devices)) if devices else torch.device("cpu")
+    algorithm = "sglang-gpu" if device.type == "cuda" else "sglang-cpu"
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     for name, n in new_items:
         b = base_items[name]
@@ -427,13 +435,14 @@ def encode_delta(
             kinds[name] = "sparse"
             tensors.append((name + IDX_SUFFIX, idx))
             tensors.append((name + VAL_SUFFIX, val))
-        digests[name] = result_digest(t.detach())
+        digests[name] = result_digest(t.detach(), algorithm)
     header = DeltaHeader(
         base_version=str(base_version),
         version=str(version),
         digests=digests,
         sparse=tuple(sparse),
         dense=tuple(dense),
+        algorithm=algorithm,
     )
     tensors.insert(0, (DELTA_HEADER_KEY, header.to_tensor(device=device)))
     return DeltaPayload(
@@ -555,7 +564,7 @@ def apply_delta(
             scatter_bits(_bits(result), idx, _bits(val))
         out[name] = result
     for name in header.touched:
-        digest = result_digest(out[name])
+        digest = result_digest(out[name], header.algorithm)
         if digest != header.digests[name]:
             raise DeltaDigestMismatch(
                 f"{name!r}: the result's digest is {digest}, the delta says "
