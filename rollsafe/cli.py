@@ -48,6 +48,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         engine=args.engine,
         node_loss=not args.no_node_loss,
         removals=args.removals,
+        deltas=not args.no_deltas,
     )
     traits = config.traits
     print(
@@ -55,6 +56,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         f" {traits.kind} engines (a failed update "
         f"{'keeps' if traits.failed_update_keeps_weights else 'loses'} the old weights),"
         f" node loss {'on' if config.node_loss else 'off'}, {config.removals} removal(s),"
+        f" deltas {'on' if config.deltas else 'off'},"
         f" depth {args.depth}, real machines and policy"
         f" ({len(INVARIANTS)} invariants of rollsafe.invariants in every state)",
         flush=True,
@@ -150,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-node-loss",
         action="store_true",
         help="leave out node deaths, the watcher's reports and re-placement",
+    )
+    p.add_argument(
+        "--no-deltas",
+        action="store_true",
+        help="push full weights only: no per-target DeltaBase, no delta planning (issue #28)",
     )
     p.add_argument(
         "--removals", type=int, default=1, help="groups one run may remove (default 1; 0: none)"

@@ -20,6 +20,8 @@ The tree (other bases in brackets, then where the class lives)::
     ├── UnsafePayload [ValueError]                    rollsafe.wire.unpickle
     ├── SegmentError [ValueError]                     rollsafe.wire.shm
     ├── BadJSON [ValueError]                          rollsafe.wire.strict_json
+    ├── DeltaError [ValueError]                       rollsafe.wire.delta (a refused delta)
+    │   └── DeltaBaseMismatch, DeltaFormatError, DeltaDigestMismatch
     ├── DeadlineExceeded [TimeoutError]               rollsafe.concurrency
     ├── TransitionRefused [TransitionNotAllowed]      rollsafe.statemachines
     │   └── MissingGuardInput [ValueError]
@@ -52,7 +54,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── ContractError, UnsupportedVersion [ValueError] rollsafe.adapters.engines.contract
     ├── ServerError                                   rollsafe.adapters.reference_engine (server)
     │   ├── BadRequest
-    │   │   └── LimitExceeded, WeightUpdateError, Unsupported
+    │   │   └── LimitExceeded, WeightUpdateError (DeltaRefused), Unsupported
     │   ├── RequestTimeout, StartupError, WorkerFailed, EngineDead
     │   └── ServerUnavailable
     │       └── EngineBusy, EnginePaused, RankFailure, BodyBudgetExceeded

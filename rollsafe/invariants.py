@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "INVARIANTS",
     "POISONED",
+    "DeltaPicture",
     "ExportPicture",
     "FleetPicture",
     "GroupPicture",
@@ -25,8 +26,10 @@ __all__ = [
     "MemberPicture",
     "RecoveryPicture",
     "active_groups_whole_and_current",
+    "base_never_ahead",
     "budget_spent_only_by_claims",
     "check_all",
+    "delta_only_onto_its_base",
     "fleet_version_never_decreases",
     "immediate_recovery_rearms",
     "late_export_never_used",
@@ -108,6 +111,18 @@ class LeasePicture:
 
 
 @dataclass(frozen=True)
+class DeltaPicture:
+    """The sender's base for one target (its :class:`~rollsafe.statemachines.DeltaBase`):
+    ``target`` is the group id; ``base`` the version it confirmed holding (None: unknown);
+    ``in_flight`` the version being pushed to it (None: no push under way)."""
+
+    target: str
+    state: str
+    base: int | None
+    in_flight: int | None = None
+
+
+@dataclass(frozen=True)
 class FleetPicture:
     """Everything the invariants read. Built by the verifier's model or by a live fleet."""
 
@@ -134,6 +149,10 @@ class FleetPicture:
     refused_decisions: tuple[str, ...] = field(default=())
     #: every export lease and who holds it (None: unknown)
     lease_holders: tuple[LeasePicture, ...] | None = None
+    #: the sender's base per target (delta sync; None: unknown or deltas off)
+    delta_bases: tuple[DeltaPicture, ...] | None = None
+    #: deltas sent to an engine that did not hold their base (what was seen; empty when none)
+    wrong_base_deltas: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -359,6 +378,37 @@ def removed_group_never_returns(p: FleetPicture) -> list[str]:
     ]
 
 
+def delta_only_onto_its_base(p: FleetPicture) -> list[str]:
+    """No delta is ever applied onto another version than the base it names, and none is even
+    sent to an engine that does not hold that base: the engine refuses such a delta (nothing
+    changed), but the sender's bookkeeping must make that check redundant, so that an engine
+    kind that cannot check (one applying raw sparse updates) is safe too."""
+    return list(p.wrong_base_deltas)
+
+
+def base_never_ahead(p: FleetPicture) -> list[str]:
+    """The sender's base for a target is what the target's engine really holds: whenever a
+    target is ``based`` on version B with no push in flight, every live rank of its group
+    holds B (a failed or lost push never moves the base; a restart resets it). A rank holding
+    unknown weights (:data:`POISONED`) is left to ``unknown_weights_taken_out``: its group is
+    restarted, which resets the base."""
+    if p.delta_bases is None:
+        return []
+    groups = {g.group_id: g for g in p.groups}
+    out = []
+    for d in p.delta_bases:
+        group = groups.get(d.target)
+        if d.state != "based" or d.in_flight is not None or group is None:
+            continue
+        for m in group.members:
+            if m.alive and m.true_version != POISONED and m.true_version != d.base:
+                out.append(
+                    f"the sender's base for {d.target} is v{d.base} but its r{m.rank} holds "
+                    f"v{m.true_version}"
+                )
+    return out
+
+
 def policy_agrees_with_machines(p: FleetPicture) -> list[str]:
     """Every event the policy decided was taken by its machine: a decision a guard refuses
     means the policy and the machines disagree."""
@@ -382,6 +432,8 @@ INVARIANTS: tuple[Callable[[FleetPicture], list[str]], ...] = (
     lost_node_groups_wait_unplaced,
     budget_spent_only_by_claims,
     removed_group_never_returns,
+    delta_only_onto_its_base,
+    base_never_ahead,
     policy_agrees_with_machines,
 )
 

@@ -21,13 +21,14 @@ was declared.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal, TypeVar
 
 from rollsafe.statemachines.events import (
     AnyEvent,
+    DeltaEvent,
     ExportEvent,
     GroupEvent,
     ModeEvent,
@@ -48,6 +49,7 @@ __all__ = [
     "NodeLossPlan",
     "PlacementGate",
     "ProbeVerdict",
+    "PushKind",
     "PushPlan",
     "RecoveryGate",
     "RecoveryStart",
@@ -59,6 +61,7 @@ __all__ = [
     "Strategy",
     "StrategyChoice",
     "TargetSelection",
+    "TargetedPushPlan",
     "UpdateFailurePolicy",
     "after_drain",
     "after_placement",
@@ -78,8 +81,10 @@ __all__ = [
     "plan_push",
     "plan_removal",
     "plan_retention",
+    "plan_targeted_push",
     "proceed_after_register",
     "select_targets",
+    "settle_push",
     "settle_update",
 ]
 
@@ -135,19 +140,27 @@ class EngineTraits:
 
     ``update_needs_pause``: a request that reaches the engine between the start and the end
     of an update kills it (vLLM), so every update runs with generation paused.
+
+    ``applies_deltas``: the engine applies a delta update (``rollsafe.wire.delta``, #28) sent
+    as named tensors over ``ipc``/``nccl`` onto exactly its base version, all or nothing, and
+    refuses anything else with a named 400 (the reference engine, both dialects). False for
+    every real engine: SGLang has no delta apply, vLLM's ``sparse_nccl`` is not this format
+    (and not transactional), and rollsafe's vLLM CPU transfer plugin does not apply one yet;
+    a transport sends those engines full syncs.
     """
 
     kind: str
     failed_update_keeps_weights: bool
     update_needs_pause: bool
+    applies_deltas: bool = False
 
 
 #: (engine kind, HTTP dialect) -> its traits. ``None`` as dialect: any dialect of that kind.
 ENGINE_TRAITS: dict[tuple[str, str | None], EngineTraits] = {
-    ("reference", "sglang"): EngineTraits("reference-sglang", True, False),
-    ("reference", "vllm"): EngineTraits("reference-vllm", False, True),
-    ("sglang", None): EngineTraits("sglang", False, False),
-    ("vllm", None): EngineTraits("vllm", False, True),
+    ("reference", "sglang"): EngineTraits("reference-sglang", True, False, applies_deltas=True),
+    ("reference", "vllm"): EngineTraits("reference-vllm", False, True, applies_deltas=True),
+    ("sglang", None): EngineTraits("sglang", False, False, applies_deltas=False),
+    ("vllm", None): EngineTraits("vllm", False, True, applies_deltas=False),
 }
 #: an engine rollsafe knows nothing about: the careful answer to both questions
 UNKNOWN_ENGINE = EngineTraits("unknown", False, True)
@@ -349,22 +362,27 @@ def after_restart(ok: bool, export_version: int | None) -> RestartOutcome:
 
 
 @dataclass(frozen=True)
-class PushPlan:
+class TargetedPushPlan:
+    """Whether a recovery pushes the registered checkpoint into a restarted group, and why."""
+
     push: bool
     version: int | None
     reason: str
 
 
-def plan_push(published: tuple[str, int] | None, fleet_version: int, state: str) -> PushPlan:
+def plan_targeted_push(
+    published: tuple[str, int] | None, fleet_version: int, state: str
+) -> TargetedPushPlan:
     """Push the registered checkpoint to a restarted group only when it is the fleet's version
-    and the group still waits for weights."""
+    and the group still waits for weights. (Named ``plan_push`` before issue #28, whose delta
+    sync took that name for the per-target delta-or-full decision.)"""
     if published is None or published[1] != fleet_version:
-        return PushPlan(
+        return TargetedPushPlan(
             False, None, f"no registered checkpoint of v{fleet_version} (published: {published})"
         )
     if state != "pending_weights":
-        return PushPlan(False, None, f"group moved to {state}")
-    return PushPlan(True, published[1], f"push v{published[1]}")
+        return TargetedPushPlan(False, None, f"group moved to {state}")
+    return TargetedPushPlan(True, published[1], f"push v{published[1]}")
 
 
 @sends(
@@ -662,6 +680,89 @@ def after_drain() -> tuple[GroupEvent, ...]:
     return (GroupEvent.RETIRE,)
 
 
+# ====================================================================== delta sync (issue #28)
+PushKind = Literal["delta", "full"]
+_DELTA = "DeltaBase"
+_LEDGER = ("DeltaLedger", "rollsafe/transports/delta_ledger.py")
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """How one target gets version N: a delta from its confirmed ``base``, or the full weights.
+
+    ``reason`` says why a push is full: ``"forced"`` (a recovery's targeted push, a restarted,
+    added or recovered target), ``"disabled"`` (deltas off), ``"engine cannot apply deltas"``
+    (the engine kind's declared capability), ``"no base"`` (nothing confirmed for the target
+    yet), ``"base vB not held"`` (a lagging target: the sender no longer holds the weights of
+    its base), ``"base vB is not older than vN"``, or (set by the transport through
+    :meth:`~rollsafe.transports.delta_ledger.DeltaLedger.fallback_full`) ``"delta not
+    smaller"``; for a delta it names the base (``"delta v3 -> v4"``).
+    """
+
+    kind: PushKind
+    base: int | None
+    reason: str
+
+    @property
+    def event(self) -> DeltaEvent:
+        """The :class:`~rollsafe.statemachines.DeltaBase` event that starts this push."""
+        return DeltaEvent.SEND_DELTA if self.kind == "delta" else DeltaEvent.SEND_FULL
+
+
+@sends(*_LEDGER, DeltaBase=(DeltaEvent.SEND_FULL, DeltaEvent.SEND_DELTA))
+def plan_push(
+    base: int | None,
+    version: int,
+    held: Collection[int],
+    *,
+    delta_enabled: bool,
+    engine_applies_deltas: bool,
+    force_full: bool,
+) -> PushPlan:
+    """Plan the push of ``version`` to one target whose confirmed base is ``base``.
+
+    A delta only when deltas are on, the engine kind can apply them, the push is not forced
+    full, the target has a confirmed base older than ``version`` and the sender still holds
+    that base's weights (``held``: the versions it keeps a copy of); otherwise the full
+    weights, with the reason (the first that applies, in that order). The sender's base for
+    the target moves only when the push is confirmed (:func:`settle_push`), never here.
+    """
+    if force_full:
+        return PushPlan("full", None, "forced")
+    if not delta_enabled:
+        return PushPlan("full", None, "disabled")
+    if not engine_applies_deltas:
+        return PushPlan("full", None, "engine cannot apply deltas")
+    if base is None:
+        return PushPlan("full", None, "no base")
+    if base not in held:
+        return PushPlan("full", None, f"base v{base} not held")
+    if base >= version:
+        return PushPlan("full", None, f"base v{base} is not older than v{version}")
+    return PushPlan("delta", base, f"delta v{base} -> v{version}")
+
+
+@sends(
+    *_LEDGER,
+    DeltaBase=(DeltaEvent.CONFIRM, DeltaEvent.UNCONFIRMED, DeltaEvent.REFUSED),
+)
+def settle_push(plan: PushPlan, *, ok: bool, refused: bool) -> DeltaEvent:
+    """Which :class:`~rollsafe.statemachines.DeltaBase` event a push's outcome sends.
+
+    ``ok``: the target confirmed the result (every rank applied it and its digest matched):
+    ``confirm`` (the base becomes the pushed version). ``refused``: the engine refused a delta
+    by name (base mismatch, format, digest), nothing changed: ``refused`` (base unchanged).
+    Anything else (failed, lost, timed out, a refused full push): ``unconfirmed``; after a
+    delta the base stays (an engine applies a delta all or nothing), after a full push it is
+    dropped (the engine's weights are unknown).
+    """
+    if ok:
+        return DeltaEvent.CONFIRM
+    if refused and plan.kind == "delta":
+        return DeltaEvent.REFUSED
+    return DeltaEvent.UNCONFIRMED
+
+
 # ====================================================================== launch
 @sends("RolloutFleet", "rollsafe/fleet/fleet.py", WorkerGroupLifecycle=(GroupEvent.LAUNCHED,))
 def launch_events(recorded_healthy: Mapping[int, bool]) -> tuple[GroupEvent, ...]:
@@ -695,6 +796,7 @@ _declare(
         ExportEvent.FAIL,
     ),
 )
+_declare(*_LEDGER, _DELTA, (DeltaEvent.FALLBACK_FULL, DeltaEvent.RESET))
 _declare(
     "RolloutFleet config",
     "rollsafe/fleet/fleet.py",

@@ -269,13 +269,17 @@ class EngineTarget:
     ``ranks`` are the group's ranks in the transport's target rank space (the fleet's global
     engine-rank numbering; for checkpoint-engine, the parameter-server ranks), used for the
     registration guard; ``client`` talks to the group's rank-0 HTTP server; ``tp_size`` is the
-    number of engine processes (one serialized entry each for ``/update_weights_from_tensor``).
+    number of engine processes (one serialized entry each for ``/update_weights_from_tensor``);
+    ``applies_deltas``: the engine kind applies rollsafe's delta payloads
+    (:attr:`rollsafe.policy.EngineTraits.applies_deltas`; a transport with deltas on sends the
+    others full pushes).
     """
 
     name: str
     ranks: tuple[int, ...]
     client: EngineClient
     tp_size: int = 1
+    applies_deltas: bool = False
 
     def __post_init__(self) -> None:
         if not self.ranks:

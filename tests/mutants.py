@@ -16,6 +16,7 @@ from typing import Any
 from rollsafe import policy
 from rollsafe.statemachines import (
     CheckpointRegistration,
+    DeltaBase,
     ExportLifecycle,
     ImmediateRecoveryMode,
     WorkerGroupLifecycle,
@@ -75,6 +76,20 @@ class PlacedSpendsBudget(WorkerGroupLifecycle):
         self.restart_budget -= 1
 
 
+class AdvanceBaseOnSend(DeltaBase):
+    """Bug (slime#2104's drift): the sender's base for a target moves to the new version when
+    the push is sent, not when the target confirmed it; a lost or failed delta leaves the
+    sender diffing against weights the engine never got."""
+
+    def on_send_full(self, version: int) -> None:
+        super().on_send_full(version)
+        self._base = version
+
+    def on_send_delta(self, version: int) -> None:
+        super().on_send_delta(version)
+        self._base = version
+
+
 MUTANTS = {
     "any_instead_of_all": {"group_cls": AnyHealthyGroup},
     "publish_on_failed_register": {"registration_cls": PublishOnFailedRegister},
@@ -82,6 +97,7 @@ MUTANTS = {
     "delete_leased_export": {"export_cls": DeleteLeasedExport},
     "suspended_forever": {"mode_cls": SuspendedForever},
     "placement_spends_budget": {"group_cls": PlacedSpendsBudget},
+    "advance_base_on_send": {"delta_cls": AdvanceBaseOnSend},
 }
 
 # ---------------------------------------------------------------------- policy mutants

@@ -18,6 +18,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from mutants import (
     MUTANTS,
     POLICY_MUTANTS,
+    AdvanceBaseOnSend,
     AnyHealthyGroup,
     DeleteLeasedExport,
     PlacedSpendsBudget,
@@ -25,6 +26,7 @@ from mutants import (
     PublishOnFailedRegister,
     SuspendedForever,
 )
+from test_delta_properties import DeltaLedgerProperties
 from test_sm_properties import (
     ComposedFleetProperties,
     ExportProperties,
@@ -44,6 +46,11 @@ MUTATION_CONFIG = ModelConfig(groups=1, ranks=2, node_loss=False, removals=0)
 CONFIGS = {
     "delete_leased_export": ModelConfig(groups=1, ranks=1, node_loss=False, removals=0),
     "placement_spends_budget": ModelConfig(groups=1, ranks=1),
+    # a failed delta leaves a group serving (not restarted) only on an engine that keeps its
+    # weights after a failed update; on vLLM the group is restarted, which resets its base
+    "advance_base_on_send": ModelConfig(
+        groups=1, ranks=1, engine="reference", node_loss=False, removals=0
+    ),
 }
 
 
@@ -68,6 +75,14 @@ def test_clean_machines_pass_the_same_bound() -> None:
     assert result.states > 1000
 
 
+def test_clean_delta_bases_pass_the_mutants_bound() -> None:
+    """The model in which ``advance_base_on_send`` is caught within three steps holds every
+    invariant with the real DeltaBase, twice as deep."""
+    result = explore(CONFIGS["advance_base_on_send"], depth=6)
+    assert result.ok, result.counterexamples[0].format()
+    assert result.states > 500
+
+
 PROPERTY_NETS: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "any_instead_of_all": (WorkerGroupProperties, {"machine_cls": AnyHealthyGroup}),
     "publish_on_failed_register": (
@@ -81,6 +96,7 @@ PROPERTY_NETS: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "delete_leased_export": (ExportProperties, {"machine_cls": DeleteLeasedExport}),
     "suspended_forever": (ModeProperties, {"machine_cls": SuspendedForever}),
     "placement_spends_budget": (WorkerGroupProperties, {"machine_cls": PlacedSpendsBudget}),
+    "advance_base_on_send": (DeltaLedgerProperties, {"machine_cls": AdvanceBaseOnSend}),
 }
 
 

@@ -14,9 +14,9 @@ from rollsafe import (
     ImmediateRecoveryMode,
     WorkerGroupLifecycle,
 )
-from rollsafe.statemachines import LeaseError, MissingGuardInput, TransitionRefused
+from rollsafe.statemachines import DeltaBase, LeaseError, MissingGuardInput, TransitionRefused
 
-DESIGN_STATES = {
+DESIGN_STATES: dict[type, tuple[str, str]] = {
     WorkerGroupLifecycle: (
         "launching active inactive recovering pending_weights retired",
         "launched fail claim restarted restart_failed mark_stale weights_loaded retire",
@@ -38,15 +38,25 @@ DESIGN_STATES = {
 
 #: names added by an issue on top of the design's (every design name is kept as it is): issue
 #: #25 (the fleet across nodes) gives a group a node to lose and a removal that drains it
-#: (``docs/cluster.md``, section 8)
+#: (``docs/cluster.md``, section 8); issue #28 (delta sync) adds a machine, the sender's base
+#: version per target (its names fixed by the issue's agreed interface; ``fallback_full`` is
+#: the transport's switch of a planned delta to a full push of the same version)
 ISSUE_ADDITIONS: dict[type, tuple[str, str]] = {
     WorkerGroupLifecycle: ("unplaced draining", "node_lost placed drain"),
+    DeltaBase: (
+        "no_base based sending_full sending_delta",
+        "send_full send_delta fallback_full confirm unconfirmed refused reset",
+    ),
 }
 
 
-@pytest.mark.parametrize("cls", list(DESIGN_STATES), ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls",
+    [*DESIGN_STATES, *(c for c in ISSUE_ADDITIONS if c not in DESIGN_STATES)],
+    ids=lambda c: c.__name__,
+)
 def test_state_and_event_names_are_exactly_the_design(cls: type) -> None:
-    states, events = DESIGN_STATES[cls]
+    states, events = DESIGN_STATES.get(cls, ("", ""))
     added_states, added_events = ISSUE_ADDITIONS.get(cls, ("", ""))
     assert set(states.split()).isdisjoint(added_states.split())
     assert {s.id for s in cls.states} == set(states.split()) | set(added_states.split())
@@ -336,3 +346,71 @@ def test_missing_guard_input_is_a_refusal_and_a_value_error() -> None:
     assert isinstance(info.value, TransitionNotAllowed) and isinstance(info.value, ValueError)
     assert e.state == "committing" and not e.can("publish")
     assert e.explain("publish") == [str(info.value.reasons[0])]
+
+
+# ---------------------------------------------------------------------- DeltaBase (issue #28)
+def test_the_design_transitions_of_delta_base() -> None:
+    """Every transition of the agreed interface, and no other."""
+    want = {
+        "send_full": {("no_base", "sending_full"), ("based", "sending_full")},
+        "send_delta": {("based", "sending_delta")},
+        "fallback_full": {("sending_delta", "sending_full")},
+        "confirm": {("sending_full", "based"), ("sending_delta", "based")},
+        "unconfirmed": {("sending_full", "no_base"), ("sending_delta", "based")},
+        "refused": {("sending_delta", "based")},
+        "reset": {(s.id, "no_base") for s in DeltaBase.states},
+    }
+    have: dict[str, set[tuple[str, str]]] = {}
+    for state in DeltaBase.states:
+        for t in state.transitions:
+            for event in t.events:
+                have.setdefault(str(event), set()).add((t.source.id, t.target.id))
+    assert have == want
+
+
+def test_delta_base_moves_only_on_confirm() -> None:
+    d = DeltaBase("g0")
+    assert (d.state, d.base, d.in_flight) == ("no_base", None, None)
+    d.send_full(version=1)
+    assert (d.state, d.base, d.in_flight) == ("sending_full", None, 1)
+    d.confirm(version=1)
+    assert (d.state, d.base) == ("based", 1)
+    d.send_delta(version=2, held={1})
+    assert (d.state, d.base, d.in_flight) == ("sending_delta", 1, 2)
+    d.unconfirmed()
+    assert (d.state, d.base, d.in_flight) == ("based", 1, None)  # a lost delta: base unchanged
+    d.send_delta(version=2, held={1, 2})
+    d.refused()
+    assert (d.state, d.base) == ("based", 1)
+    d.send_delta(version=2, held={1})
+    d.fallback_full()
+    assert (d.state, d.base, d.in_flight) == ("sending_full", None, 2)
+    d.unconfirmed()
+    assert (d.state, d.base) == ("no_base", None)  # a failed full push: weights unknown
+    d.send_full(version=3)
+    d.reset()
+    assert (d.state, d.base, d.in_flight) == ("no_base", None, None)
+
+
+def test_delta_base_refusals_name_the_guard_and_change_nothing() -> None:
+    d = DeltaBase("g0")
+    d.send_full(version=1)
+    with pytest.raises(TransitionRefused, match="confirms_the_push"):
+        d.confirm(version=2)
+    d.confirm(version=1)
+    before = (d.state, d.base, len(d.history))
+    with pytest.raises(TransitionRefused, match="base_snapshot_held") as info:
+        d.send_delta(version=2, held={0})
+    assert "DeltaBase(g0)" in str(info.value) and "base=1" in str(info.value)
+    with pytest.raises(TransitionRefused, match="newer_than_base"):
+        d.send_delta(version=1, held={1})
+    with pytest.raises(MissingGuardInput, match="held="):
+        d.send_delta(version=2)
+    with pytest.raises(MissingGuardInput, match="version="):
+        d.send_full()
+    with pytest.raises(TransitionNotAllowed):
+        d.refused()  # no delta in flight
+    assert (d.state, d.base, len(d.history)) == before
+    rec = d.history[-1]
+    assert (rec.event, rec.source, rec.target) == ("confirm", "sending_full", "based")
+    assert dict(rec.inputs)["base"] == 1 and dict(rec.inputs)["version"] == 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from mutants import SuspendedForever
+from mutants import AdvanceBaseOnSend, SuspendedForever
 
 from rollsafe.cli import main
 from rollsafe.verify import Action, FleetModel, ModelConfig, explore
@@ -89,6 +89,8 @@ def test_every_event_a_decision_returns_is_declared(monkeypatch: pytest.MonkeyPa
 def test_typed_event_constants_match_the_machines() -> None:
     from rollsafe.statemachines import (
         CheckpointRegistration,
+        DeltaBase,
+        DeltaEvent,
         ExportEvent,
         ExportLifecycle,
         GroupEvent,
@@ -104,6 +106,7 @@ def test_typed_event_constants_match_the_machines() -> None:
         (ExportEvent, ExportLifecycle),
         (RegistrationEvent, CheckpointRegistration),
         (ModeEvent, ImmediateRecoveryMode),
+        (DeltaEvent, DeltaBase),
     ):
         assert {e.value for e in enum} == set(event_names(cls))
 
@@ -140,3 +143,62 @@ def test_cli_inspect_lists_guards(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "WorkerGroupLifecycle"]) == 0
     out = capsys.readouterr().out
     assert "claim: inactive -> recovering [group_complete and restart_budget_left]" in out
+
+
+# ---------------------------------------------------------------------- delta sync (issue #28)
+def _run(model: FleetModel, *actions: Action) -> None:
+    for action in actions:
+        assert model.apply(action), f"{action} was refused"
+        assert model.check() == [], [str(v) for v in model.check()]
+
+
+def test_deltas_follow_the_confirmed_base_in_the_model() -> None:
+    """First push full, then deltas; a failed delta keeps the base (the engine kept its
+    weights: reference engine), a lagging group gets a full push, a restart resets."""
+    cfg = ModelConfig(groups=2, ranks=1, engine="reference", node_loss=False, removals=0)
+    model = FleetModel(cfg)
+    _run(model, Action("launch", (0, 0)), Action("launch", (1, 0)))
+    assert [d.state for d in model.delta] == ["no_base", "no_base"]
+    _run(model, Action("sync", (True, None, "fail")))
+    assert [(d.state, d.base) for d in model.delta] == [("based", 1), ("based", 1)]
+    assert [r.event for r in model.delta[0].history] == ["send_full", "confirm"]
+    _run(model, Action("sync", (True, 1, "stale")))  # g1's delta fails: g1 stale, kept v1
+    assert [(d.state, d.base) for d in model.delta] == [("based", 2), ("based", 1)]
+    assert [r.event for r in model.delta[1].history][-2:] == ["send_delta", "unconfirmed"]
+    _run(model, Action("sync", (True, None, "fail")))  # g1 lags: its base v1 is not held
+    assert [r.event for r in model.delta[0].history][-2:] == ["send_delta", "confirm"]
+    assert [r.event for r in model.delta[1].history][-2:] == ["send_full", "confirm"]
+    assert [d.base for d in model.delta] == [3, 3]
+    _run(model, Action("crash", (0, 0)), Action("probe", (0,)), Action("recover", (0,)))
+    _run(model, Action("restart", (0, True)))
+    assert model.delta[0].state == "no_base"
+
+
+def test_no_deltas_keeps_the_model_without_bases() -> None:
+    model = FleetModel(ModelConfig(groups=1, ranks=1, deltas=False))
+    _run(model, Action("launch", (0, 0)), Action("sync", (True, None, "fail")))
+    assert model.delta == [] and model.picture().delta_bases is None
+
+
+def test_advance_base_on_send_is_a_shortest_trace() -> None:
+    cfg = ModelConfig(groups=1, ranks=1, engine="reference", node_loss=False, removals=0)
+    result = explore(
+        cfg, depth=6, model_factory=lambda c: FleetModel(c, delta_cls=AdvanceBaseOnSend)
+    )
+    assert not result.ok
+    cex = result.counterexamples[0]
+    assert [str(a) for a in cex.trace] == [
+        "launch(0, 0)",
+        "sync(True, None, 'fail')",
+        "sync(True, 0, 'fail')",
+    ]
+    assert [v.invariant for v in cex.violations] == ["base_never_ahead"]
+
+
+def test_cli_verify_no_deltas(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["verify", "--groups", "1", "--ranks", "1", "--depth", "3", "--quiet"]
+    assert main([*argv, "--no-deltas"]) == 0
+    off = capsys.readouterr().out
+    assert main(argv) == 0
+    on = capsys.readouterr().out
+    assert "deltas off" in off and "deltas on" in on and "violations: 0" in on

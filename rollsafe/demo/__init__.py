@@ -14,6 +14,8 @@ What the demo does, and what it prints and writes: :mod:`rollsafe.demo.run`, who
 * :mod:`~rollsafe.demo.sync` -- the new version to every engine;
 * :mod:`~rollsafe.demo.verify` -- the invariants (checksums at the start, after each step and at
   the end, the last export, dispatch, the crashed group's return);
+* :mod:`~rollsafe.demo.nodes` -- ``--nodes``: the local Ray cluster, the removal of a worker
+  node mid-rollout, its phases and checks;
 * :mod:`~rollsafe.demo.settle` -- everything stops on every way out (SIGTERM included);
 * :mod:`~rollsafe.demo.progress` -- the live lines; :mod:`~rollsafe.demo.figures` -- recovery
   latency, throughput lost, continuation; :mod:`~rollsafe.demo.report` -- ``--out``'s files, the

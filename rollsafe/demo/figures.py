@@ -61,7 +61,7 @@ def _recovery(run: DemoRun) -> dict[str, Any]:
         for r in timeline
         if r["kind"] == "group"
         and r["subject"] == crash["group"]
-        and r["event"] == "fail"
+        and r["event"] in ("fail", "node_lost")  # a probe's verdict, or its node died
         and r["timestamp"] > crash["at"]
     ]
     recovery.update(crash)

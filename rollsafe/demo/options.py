@@ -16,6 +16,12 @@ flag               ``reference``        ``vllm``
 ``--transport``    ``ipc``              ``nccl`` (gloo; ``ipc`` is refused)
 ``--warm-standby`` on                   off (a real engine has none; on is refused)
 =================  ===================  =============================================
+
+With ``--nodes N`` (N >= 2: a head and N - 1 worker nodes of a local Ray cluster,
+:mod:`rollsafe.demo.nodes`) the defaults are 2 groups (the second of 2 ranks), ``nccl`` (gloo;
+``ipc`` is refused: engines on other nodes cannot reach the trainer's memory), no warm standby,
+3 steps of 5 s rollouts, and ``--crash-at`` names the step whose rollout loses a worker node;
+the engine is the reference engine (``--engine vllm`` is refused).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class DemoOptions(argparse.Namespace):
     warm_standby: bool
     max_new_tokens: int
     no_continuation: bool
+    nodes: int | None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"the real vLLM's interpreter (--engine vllm); else ${VLLM_PYTHON_ENV}, else "
         f"{DEFAULT_VLLM_PYTHON} under the current directory",
     )
-    p.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 4; --nodes: 3)")
     p.add_argument(
         "--groups", type=int, default=None, help="engine groups, >= 2 (default 3; vllm: 2)"
     )
@@ -90,13 +97,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="weight sync (default ipc; vllm: nccl over gloo, ipc refused)",
     )
     p.add_argument(
-        "--crash-at", type=int, default=2, help="step whose rollout loses a rank (0: no crash)"
+        "--crash-at",
+        type=int,
+        default=2,
+        help="step whose rollout loses a rank (0: no crash); --nodes: loses a worker node",
     )
     p.add_argument(
         "--no-immediate-recovery", action="store_true", help="deferred baseline for comparison"
     )
     p.add_argument("--out", default="demo-report", help="report directory (default demo-report)")
-    p.add_argument("--rollout-s", type=float, default=8.0, help="rollout phase per step (s)")
+    p.add_argument(
+        "--rollout-s",
+        type=float,
+        default=None,
+        help="rollout phase per step (s; default 8; --nodes: 5)",
+    )
     p.add_argument("--workers", type=int, default=2, help="rollout client threads")
     p.add_argument(
         "--trainer",
@@ -119,7 +134,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="keep a pre-imported standby engine process per group for fast restarts (default "
-        "on; vllm: off, a real engine has none)",
+        "on; vllm and --nodes: off)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run on a local Ray cluster of N nodes (N >= 2: a head for the trainer, N - 1 "
+        "workers for the engines, reference engines, nccl over gloo) and remove the worker "
+        "node of the second group mid-rollout at --crash-at (default: no cluster)",
     )
 
 
@@ -170,6 +194,15 @@ def options_problem(opts: DemoOptions) -> str | None:
     """Why the demo cannot run with ``opts`` (printed, exit status 2), or ``None``; fills the
     defaults that depend on ``--engine`` (groups, transport, warm standby, the vLLM
     interpreter)."""
+    nodes = getattr(opts, "nodes", None)
+    if nodes is not None:
+        problem = _nodes_problem(opts, nodes)
+        if problem is not None:
+            return problem
+    opts.steps = (3 if nodes else 4) if getattr(opts, "steps", None) is None else opts.steps
+    opts.rollout_s = (
+        (5.0 if nodes else 8.0) if getattr(opts, "rollout_s", None) is None else opts.rollout_s
+    )
     if getattr(opts, "engine", "reference") == "vllm":
         if opts.transport == "ipc":
             return (
@@ -194,4 +227,35 @@ def options_problem(opts: DemoOptions) -> str | None:
         return "--groups must be >= 2 (one of them is the group that crashes)"
     if opts.steps < 1:
         return "--steps must be >= 1"
+    if nodes is not None and not 1 <= opts.crash_at <= opts.steps:
+        return (
+            f"--crash-at {opts.crash_at}: with --nodes it names the step whose rollout loses a"
+            f" worker node, 1..{opts.steps} (--steps)"
+        )
+    return None
+
+
+def _nodes_problem(opts: DemoOptions, nodes: int) -> str | None:
+    """Why ``--nodes`` cannot run with ``opts``, or ``None``; fills its defaults (groups,
+    transport, warm standby)."""
+    if nodes < 2:
+        return (
+            f"--nodes must be >= 2 (got {nodes}): a head node for the trainer and at least one"
+            " worker node for the engines; 3 is the documented case"
+        )
+    if getattr(opts, "engine", "reference") != "reference":
+        return (
+            "--engine vllm is not available with --nodes (the cluster demo runs rollsafe's"
+            " reference engines)"
+        )
+    if opts.transport == "ipc":
+        return (
+            "--transport ipc is not available with --nodes (engines on other nodes cannot reach"
+            " the trainer's memory); use --transport nccl or leave it out"
+        )
+    if getattr(opts, "no_immediate_recovery", False):
+        return "--no-immediate-recovery is not available with --nodes"
+    opts.transport = "nccl"
+    opts.warm_standby = False if opts.warm_standby is None else opts.warm_standby
+    opts.groups = 2 if opts.groups is None else opts.groups
     return None

@@ -1,7 +1,8 @@
 """What the demo prints while it runs: the live rollout line and each step's line.
 
-Owns the short snippets both lines share: the groups' states (with their warm standbys), the
-requests continued so far and the last exports' states.
+Owns the short snippets both lines share: the groups' states (with their warm standbys and,
+with ``--nodes``, the node each group is placed on), the requests continued so far and the last
+exports' states.
 """
 
 from __future__ import annotations
@@ -13,14 +14,23 @@ from rollsafe.demo.state import DemoRun, StepRecord
 __all__ = ["continued", "exports", "print_step", "rollout_line", "states"]
 
 
-def states(fleet: Any) -> str:
+def states(fleet: Any, node_names: dict[str, str] | None = None) -> str:
     """``g0=active g1=inactive ...``; with warm standbys each group's standby state too
-    (``g0=active/sb:ready``: ``ready``, ``warming`` while it imports, ``none``)."""
+    (``g0=active/sb:ready``: ``ready``, ``warming`` while it imports, ``none``); with
+    ``node_names`` (``--nodes``: node id -> ``worker1``...) the node each group is placed on
+    (``g1=recovering@worker2``; ``@-`` while it holds no placement)."""
     standby = bool(getattr(fleet.config, "warm_standby", False))
     return " ".join(
-        f"{g.group_id}={g.state}" + (f"/sb:{g.standby_state}" if standby else "")
+        f"{g.group_id}={g.state}"
+        + (f"/sb:{g.standby_state}" if standby else "")
+        + (_node(fleet, g.group_id, node_names) if node_names else "")
         for g in fleet.registry.groups()
     )
+
+
+def _node(fleet: Any, gid: str, node_names: dict[str, str]) -> str:
+    node_id = getattr(fleet.engine(gid), "node_id", None)
+    return "@" + ("-" if node_id is None else node_names.get(node_id, str(node_id)[:8]))
 
 
 def continued(fleet: Any) -> str:
@@ -42,7 +52,7 @@ def rollout_line(run: DemoRun, step: int, elapsed: float) -> str:
     """The live line, once a second of a step's rollout."""
     n_ok, n_bad = run.load.so_far()
     return (
-        f"  step {step} rollout {elapsed:4.1f}s | {states(run.fleet)} |"
+        f"  step {step} rollout {elapsed:4.1f}s | {states(run.fleet, run.node_names)} |"
         f" served {n_ok} failed {n_bad} | {continued(run.fleet)} |"
         f" export {exports(run.fleet)}"
     )
@@ -56,7 +66,7 @@ def print_step(run: DemoRun, record: StepRecord) -> None:
         f" served {record['served']} failed {record['failed']} | sync v{record['step']}"
         f" {'ok' if record['sync'].get('ok') else 'FAILED'}"
         f" {sum(record['sync'].get('timings', {}).values()):.2f}s |"
-        f" {states(run.fleet)} | export {exports(run.fleet)} |"
+        f" {states(run.fleet, run.node_names)} | export {exports(run.fleet)} |"
         f" checksums {sorted(set(record['checksums'].values()))}"
         + (f" | probe {_probe(record['probe'])}" if "probe" in record else "")
     )

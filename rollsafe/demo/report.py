@@ -2,7 +2,8 @@
 
 Owns :func:`collect` (the timeline, snapshot and recoveries, read while the fleet is up),
 :func:`report` (``summary.json`` with its keys, ``timeline.jsonl``/``fleet.json``/
-``timeline.svg`` through :meth:`~rollsafe.fleet.fleet.RolloutFleet.record`, ``paths.md``; the
+``timeline.svg`` through :meth:`~rollsafe.fleet.fleet.RolloutFleet.record`, ``paths.md``, with
+``--nodes`` ``node_loss.svg``; the
 printed timeline, recovery, warm standbys, throughput, continued requests, checksums, dispatch
 and where the time went; then ``demo OK`` and 0, or ``demo FAILED`` with the failures and 1),
 and the two renderings of the timeline: :func:`mermaid_paths` and :func:`timeline_table`.
@@ -88,6 +89,8 @@ def summarize(run: DemoRun, figures: Figures) -> dict[str, Any]:
             else {}
         ),
         "dispatch_counts": run.dispatch,
+        # --nodes: the cluster, each lost group's return (phases), requests and checks
+        "nodes": run.node_figures or None,
         "steps": steps,
         "final_snapshot": run.snapshot,
         "timings_s": {k: round(v, 3) for k, v in run.timings.items()},
@@ -100,6 +103,10 @@ def _write(run: DemoRun, summary: dict[str, Any]) -> None:
     # timeline.svg; `rollsafe report <out>` reads them back and redraws the picture
     out = run.out
     run.fleet.record(out, t0=run.t_begin)
+    if run.nodes and run.node_loss is not None:
+        from rollsafe.demo.nodes import write_node_loss_svg
+
+        write_node_loss_svg(run, out / "node_loss.svg")
     (out / "paths.md").write_text(mermaid_paths(run.timeline))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
@@ -127,10 +134,16 @@ def _print(run: DemoRun, figures: Figures, summary: dict[str, Any]) -> None:
             f" logprobs) after every step: {probe['all_alike']}; at the end {probe['final']}"
         )
     print(f"dispatch to non-active groups: {run.bad_dispatch or 'none'}")
+    if run.nodes:
+        from rollsafe.demo.nodes import print_report
+
+        print_report(run)
     _print_time(run, figures, summary["wall_s"])
     out = run.out
     print(f"report: {out}/timeline.jsonl, {out}/paths.md, {out}/summary.json, {out}/fleet.json")
     print(f"picture: {out}/timeline.svg (`rollsafe report {out}` checks the run and redraws it)")
+    if run.nodes and run.node_loss is not None:
+        print(f"node loss picture: {out}/node_loss.svg (the same timeline from just before it)")
 
 
 def _print_recovery(run: DemoRun, figures: Figures) -> None:
@@ -141,7 +154,8 @@ def _print_recovery(run: DemoRun, figures: Figures) -> None:
     else:
         lat = recovery["latency_s"]
         print(
-            f"  {crash['group']} {crash.get('what', 'rank 1')} SIGKILLed at step {crash['step']};"
+            f"  {crash['group']}: {crash.get('what', 'rank 1')}"
+            f" {'removed' if run.nodes else 'SIGKILLed'} at step {crash['step']};"
             f" out of routing after {recovery['detected_after_s'] or float('nan'):.2f}s;"
             f" active with current weights after {lat if lat is not None else float('nan'):.2f}s"
             f" (strategy {recovery['strategy']}, status {recovery['status']})"

@@ -5,6 +5,10 @@ while a step's rollout is on), :func:`start_load` and :func:`rollout`: one step'
 (``--rollout-s`` seconds of load, the live line once a second, and at ``--crash-at`` the SIGKILL
 of rank 1 of the 2-rank group, or with ``--engine vllm`` of the second group's vLLM server
 process: a real engine does not say which process is which rank), which opens the step's record.
+With ``--nodes`` the crash is the removal of the second group's worker node
+(:func:`rollsafe.demo.nodes.remove_node`), and that step's rollout goes on past ``--rollout-s``
+until every group that was on the node is ``active`` again (at most
+:data:`~rollsafe.demo.nodes.BACK_TIMEOUT_S`), a line a second showing where each group is.
 """
 
 from __future__ import annotations
@@ -105,12 +109,23 @@ def rollout(run: DemoRun, step: int) -> StepRecord:
     load.active.set()
     end = t + opts.rollout_s
     crashed_now = False
+    back = True  # --nodes: every group the removed node held is active again
     next_print = t
-    while time.monotonic() < end:
+    while time.monotonic() < end or not back:
         now = time.monotonic()
         if step == opts.crash_at and not crashed_now and now - t >= CRASH_DELAY_S:
-            _crash(run, step)
+            if run.nodes:
+                from rollsafe.demo import nodes
+
+                nodes.remove_node(run, step)
+                back = False
+            else:
+                _crash(run, step)
             crashed_now = True
+        if not back:
+            from rollsafe.demo import nodes
+
+            back = nodes.tend(run) or now - t > nodes.BACK_TIMEOUT_S
         if now >= next_print:
             run.say(rollout_line(run, step, now - t))
             next_print = now + 1.0

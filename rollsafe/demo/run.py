@@ -11,6 +11,10 @@ is exported asynchronously. During step ``--crash-at``'s rollout rank 1 of the 2
 SIGKILLed. ``--trainer inprocess`` runs the same trainer in the driver (no Ray).
 ``--engine vllm`` runs it on real vLLM servers instead (one rank per group, nccl/gloo, the
 second group's server SIGKILLed, every step also checked by the behavioural probe).
+``--nodes N`` runs it on a local Ray cluster of N nodes (a head for the trainer actor, N - 1
+workers for the engine groups, ``FleetConfig(placement="ray")``, reference engines, nccl/gloo)
+and instead of the SIGKILL removes the second group's worker node mid-rollout; the report adds
+the node loss's phases and checks (:mod:`rollsafe.demo.nodes`).
 
 It prints live progress, then a timeline of every machine transition, the recovery latency
 (crash -> ``active`` with current weights), the throughput lost, the per-step weights checksum
@@ -31,6 +35,7 @@ import argparse
 from collections.abc import Sequence
 
 from rollsafe.demo.figures import analyse
+from rollsafe.demo.nodes import figures as node_figures
 from rollsafe.demo.options import DemoOptions, add_arguments, options_problem
 from rollsafe.demo.progress import print_step
 from rollsafe.demo.report import collect, report
@@ -65,6 +70,8 @@ def run_demo(opts: DemoOptions) -> int:
             print_step(run, record)  # progress: the step's line
         run.load.close()  # rollout: the load stops
         check_final(run)  # verify: recoveries done, every group back on current weights
+        if run.nodes:
+            node_figures(run)  # nodes: the node loss's phases, requests and checks
         collect(run)  # report: the fleet's timeline, snapshot and recoveries, while it is up
     figures = analyse(run)  # figures: recovery latency, throughput lost, continuation
     check_recovered(run, figures.recovery)  # verify: the crashed group came back

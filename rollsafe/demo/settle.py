@@ -3,12 +3,14 @@
 Owns :func:`shutting_down`, the context the run's phases execute in: whether they finish, raise,
 or are interrupted by Ctrl-C or SIGTERM (:func:`exit_on_sigterm` turns it into ``SystemExit``),
 it stops the rollout load, closes the fleet (its engines), closes the trainer (the actor and the
-local Ray), restores the SIGTERM handler, removes the scratch and Ray directories, and says so
-when interrupted.
+local Ray), shuts down the ``--nodes`` cluster (every node it started: ``DemoRun.stack``),
+restores the SIGTERM handler, removes the scratch and Ray directories, and says so when
+interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import threading
@@ -65,9 +67,13 @@ def _shut_down(run: DemoRun, restore_sigterm: Callable[[], None], interrupted: s
             with run.timed("close (fleet, engines)"):
                 run.fleet_or_none.close()
     finally:
-        if run.trainer_or_none is not None:
-            with run.timed("close (trainer actor, Ray)" if run.actor else "close (trainer)"):
-                run.trainer_or_none.close()
+        try:
+            if run.trainer_or_none is not None:
+                with run.timed("close (trainer actor, Ray)" if run.actor else "close (trainer)"):
+                    run.trainer_or_none.close()
+        finally:
+            with run.timed("close (Ray cluster)") if run.nodes else contextlib.nullcontext():
+                run.stack.close()  # --nodes: the local cluster's nodes, RAY_ADDRESS restored
         restore_sigterm()
         shutil.rmtree(run.work, ignore_errors=True)
         if run.ray_dir is not None:
@@ -76,5 +82,6 @@ def _shut_down(run: DemoRun, restore_sigterm: Callable[[], None], interrupted: s
             print(
                 f"demo interrupted ({interrupted}): engines"
                 + (", trainer actor and Ray" if run.actor else " and trainer")
+                + (f" and the {run.nodes}-node Ray cluster" if run.nodes else "")
                 + " shut down"
             )

@@ -5,11 +5,14 @@ Owns :func:`begin` (the report and scratch directories, the clock, the banner) a
 :class:`~rollsafe.fleet.fleet.RolloutFleet` of reference-engine groups, the second with 2 ranks,
 with its health, recovery and warm-standby settings; or, with ``--engine vllm``, groups of one
 real vLLM server each on a tiny Llama it serves (head_dim 32), synced over nccl/gloo, with
-timeouts sized for real starts and restarts).
+timeouts sized for real starts and restarts). With ``--nodes`` the local Ray cluster starts
+first (:func:`rollsafe.demo.nodes.start_cluster`), the trainer actor joins it on the head node
+and the fleet places its groups on the worker nodes (``FleetConfig(placement="ray")``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -19,8 +22,11 @@ from rollsafe.demo.progress import states
 from rollsafe.demo.state import DemoRun
 from rollsafe.demo_trainer import Trainer
 
-__all__ = ["VLLM_START_S", "begin", "start"]
+__all__ = ["VLLM_START_S", "WAIT_FOR_ROUTABLE_NODES_S", "begin", "start"]
 
+#: how long a request waits for a routable group with ``--nodes`` (a node loss may take every
+#: group out until they are placed again)
+WAIT_FOR_ROUTABLE_NODES_S = 150.0
 #: how long one real vLLM may take to start, or to restart in a recovery, on a loaded machine
 VLLM_START_S = 600.0
 
@@ -43,10 +49,16 @@ def begin(opts: DemoOptions) -> DemoRun:
         t_begin=time.time(),
         wall0=time.monotonic(),
     )
+    nodes = getattr(opts, "nodes", None)
+    crash = (
+        f" {nodes} Ray nodes on this machine (head + {nodes - 1} worker(s)),"
+        f" a worker node removed at step {opts.crash_at},"
+        if nodes
+        else f" crash at step {opts.crash_at or 'never'},"
+    )
     print(
         f"rollsafe demo: engine {run.engine}, {opts.steps} steps, groups {run.sizes} (ranks),"
-        f" transport {opts.transport},"
-        f" crash at step {opts.crash_at or 'never'},"
+        f" transport {opts.transport},{crash}"
         f" {'immediate' if run.immediate else 'deferred (baseline)'} recovery,"
         f" {'Ray trainer actor' if run.actor else 'in-process trainer'}"
     )
@@ -70,11 +82,15 @@ def start(run: DemoRun) -> None:
             model_dir = make_tiny_model(run.work / "model", seed=0, num_heads=2, num_kv_heads=1)
         else:
             model_dir = make_tiny_model(run.work / "model", seed=0)
+    if run.nodes:
+        from rollsafe.demo.nodes import start_cluster
+
+        start_cluster(run)  # RAY_ADDRESS: the trainer actor and the fleet join it
     t = time.monotonic()
     if run.actor:
         from rollsafe.demo_trainer import RayTrainer
 
-        run.ray_dir = Path(tempfile.mkdtemp(prefix="rollsafe-ray-"))
+        run.ray_dir = None if run.nodes else Path(tempfile.mkdtemp(prefix="rollsafe-ray-"))
         run.trainer_or_none = RayTrainer(model_dir, seed=0, temp_dir=run.ray_dir)
         run.timings["trainer actor start (ray.init, actor, model)"] += time.monotonic() - t
     else:
@@ -121,11 +137,17 @@ def start(run: DemoRun) -> None:
         # every group keeps one pre-imported engine process: a restart skips the
         # interpreter start and the torch/transformers imports (seconds on CPU)
         warm_standby=run.opts.warm_standby,
-        wait_for_routable_s=2.0,
+        # --nodes 2: the one worker's loss takes every group out; a request waits for a group
+        # to come back (on the node added back) instead of failing
+        wait_for_routable_s=WAIT_FOR_ROUTABLE_NODES_S if run.nodes else 2.0,
         request_timeout_s=120.0 if run.vllm else 20.0,
         start_timeout_s=VLLM_START_S if run.vllm else 180.0,
     )
+    if run.nodes:  # each group in a Ray actor on a worker node (one placement group each)
+        from rollsafe.demo.nodes import ray_settings
+
+        config = dataclasses.replace(config, placement="ray", ray=ray_settings())
     run.fleet_or_none = RolloutFleet(config)
     with run.timed("fleet start (engines up)"):
         run.fleet.start()
-    run.say(f"fleet up in {run.fleet.start_seconds:.1f}s: {states(run.fleet)}")
+    run.say(f"fleet up in {run.fleet.start_seconds:.1f}s: {states(run.fleet, run.node_names)}")

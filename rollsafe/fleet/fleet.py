@@ -1138,6 +1138,12 @@ class RolloutFleet:
             return "shared"
         return "moved" if self.export_mover is not None else "local"
 
+    def _delta_stats(self) -> dict[str, object] | None:
+        """The transport's deltas (bases per group, snapshots held, the last sync's bytes);
+        None when its deltas are off or it has none."""
+        stats = getattr(self.transport, "delta_stats", None)
+        return stats() if callable(stats) else None
+
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly picture of the fleet right now."""
         return {
@@ -1158,6 +1164,7 @@ class RolloutFleet:
             "registration": (
                 self.transport.registration.state if self.transport is not None else None
             ),
+            "delta": self._delta_stats(),
             "exports": {str(v): s for v, s in self.export_states().items()},
             "recoveries": [r.as_dict() for r in self.recoveries()],
             "router": self.router.stats(),

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from rollsafe.errors import InvalidArgument, InvalidArgumentType
 from rollsafe.fleet.registry import FleetError
+from rollsafe.transports.delta import DeltaSettings
 
 if TYPE_CHECKING:
     from rollsafe.ports import WeightTransport
@@ -316,6 +317,20 @@ class TransportContext:
     exporter: Any = None
 
 
+def check_delta(key: str, value: object) -> None:
+    """Raise :class:`FleetConfigError` unless ``value`` is a bool or a :class:`DeltaSettings`."""
+    if not isinstance(value, bool | DeltaSettings):
+        raise FleetConfigError(key, f"must be True, False or a DeltaSettings(...), got {value!r}")
+
+
+def delta_settings(value: bool | DeltaSettings) -> DeltaSettings | None:
+    """What a transport is built with: None for False (full pushes only), the defaults for
+    True."""
+    if value is True:
+        return DeltaSettings()
+    return value or None
+
+
 @dataclass(frozen=True)
 class TransportSettings:
     """Base of one fleet transport, the only class a new transport needs.
@@ -378,12 +393,14 @@ class IpcSettings(TransportSettings):
 
     transport: ClassVar[str] = "ipc"
     check_finite: bool = True
+    delta: bool | DeltaSettings = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.check_finite, bool):
             raise FleetConfigError(
                 self.key("check_finite"), f"must be a bool, got {self.check_finite!r}"
             )
+        check_delta(self.key("delta"), self.delta)
 
     def check_engines(self, engine_options: Mapping[str, Any]) -> None:
         if engine_dialect(engine_options) == "vllm":
@@ -396,7 +413,9 @@ class IpcSettings(TransportSettings):
     def build(self, context: TransportContext) -> WeightTransport:
         from rollsafe.transports import IPCTransport
 
-        return IPCTransport(context.world_size, check_finite=self.check_finite)
+        return IPCTransport(
+            context.world_size, check_finite=self.check_finite, delta=delta_settings(self.delta)
+        )
 
 
 @dataclass(frozen=True)
@@ -414,8 +433,10 @@ class NcclSettings(TransportSettings):
     bucket_bytes: int | None = None
     group_timeout_s: float = 120.0
     master_address: str | None = None
+    delta: bool | DeltaSettings = False
 
     def __post_init__(self) -> None:
+        check_delta(self.key("delta"), self.delta)
         if self.backend not in ("gloo", "nccl", None):
             raise FleetConfigError(
                 self.key("backend"), f"must be 'gloo', 'nccl' or None, got {self.backend!r}"
@@ -439,6 +460,7 @@ class NcclSettings(TransportSettings):
             backend=self.backend,
             bucket_bytes=self.bucket_bytes or DEFAULT_NCCL_BUCKET_BYTES,
             group_timeout=self.group_timeout_s,
+            delta=delta_settings(self.delta),
         )
 
 
@@ -448,7 +470,12 @@ class DiskSettings(TransportSettings):
     HF export (SGLang ``/update_weights_from_disk``, vLLM ``reload_weights``), read under a
     lease. The sync writes the export first (or adopts a ready one) and waits up to
     ``export_timeout_s`` for it; each engine may take ``request_timeout_s`` to load. Engines
-    must see ``export_root`` at the trainer's path (one machine, or shared storage)."""
+    must see ``export_root`` at the trainer's path (one machine, or shared storage).
+
+    No delta mode: the full export is written every version anyway (recoveries restart from
+    it), so a delta file beside it would add bytes, not save them, and the real engines' disk
+    loaders (SGLang ``/update_weights_from_disk``, vLLM ``reload_weights``) read whole
+    checkpoints only (``docs/transports.md``, "Deltas")."""
 
     transport: ClassVar[str] = "disk"
     export_timeout_s: float = 600.0

@@ -190,6 +190,8 @@ class SyncReport:
     fleet_version_after: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     started_at: float = 0.0
+    #: the transport's deltas of this sync (``DeltaRecord.as_dict()``; None: deltas off)
+    delta: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-friendly view (demo report, logs)."""
@@ -217,6 +219,7 @@ class SyncReport:
             "fleet_version_after": self.fleet_version_after,
             "timings": dict(self.timings),
             "started_at": self.started_at,
+            "delta": self.delta,
         }
 
 
@@ -644,6 +647,11 @@ class _SyncRun:
             report.update_results = {t.name: TargetResult(t.name, False, reason) for t in targets}
             return fx.Failed(reason)
         report.update_results = dict(update.results)
+        record_of = getattr(self.c.transport, "delta_record", None)
+        record = record_of() if callable(record_of) else None
+        if record is not None and record.version == effect.version:
+            report.delta = record.as_dict()
+            log.info("sync v%d: %s", effect.version, record.summary())
         rank_ok = {
             t.name: {rank: _ok_result(update.results.get(t.name)) for rank in groups[t.name].ranks}
             for t in targets

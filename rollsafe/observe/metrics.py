@@ -28,7 +28,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +191,27 @@ METRICS: tuple[MetricSpec, ...] = (
         "Weight syncs by transport and outcome (ok, failed)",
     ),
     _m(
+        "rollsafe_sync_bytes_total",
+        "counter",
+        "transport kind",
+        "Bytes pushed to engines by weight syncs, by kind: full (the whole model) or delta",
+    ),
+    _m(
+        "rollsafe_delta_fallbacks_total",
+        "counter",
+        "reason",
+        "Targets that could take a delta but were pushed the full version: not_smaller (the "
+        "delta was not smaller than a full sync) or refused (the engine refused the delta: "
+        "wrong base or digest; nothing changed, the full push followed)",
+    ),
+    _m(
+        "rollsafe_delta_changed_fraction",
+        "gauge",
+        "",
+        "Fraction of elements whose bits changed since the base, in the last sync that encoded "
+        "a delta",
+    ),
+    _m(
         "rollsafe_exports_total",
         "counter",
         "outcome",
@@ -325,6 +346,9 @@ class FleetMetrics(FleetListener):
         self._recoveries: Counter[tuple[str, str, str]] = Counter()
         self._syncs: Counter[tuple[str, str]] = Counter()
         self._exports: Counter[tuple[str]] = Counter()
+        self._sync_bytes: Counter[tuple[str, str]] = Counter()
+        self._delta_fallbacks: Counter[tuple[str]] = Counter()
+        self._changed_fraction: float | None = None
         self._recovery_latency = _Histogram(LATENCY_BUCKETS)
         self._detection_latency = _Histogram(LATENCY_BUCKETS)
         self._step_duration = _Histogram(DURATION_BUCKETS)
@@ -493,7 +517,23 @@ class FleetMetrics(FleetListener):
             self._syncs[(name, "ok" if rep.ok else "failed")] += 1
             for phase, seconds in rep.timings.items():
                 self._sync_duration.observe((name, phase.removesuffix("_s")), seconds)
+            self._count_delta(name, rep.delta)
         self._seen_syncs = keys
+
+    def _count_delta(self, name: str, delta: Mapping[str, Any] | None) -> None:
+        """Bytes by kind, fallbacks by reason and the changed fraction of one sync's deltas."""
+        if not delta:
+            return
+        for row in delta.get("targets", {}).values():
+            self._sync_bytes[(name, row["kind"])] += int(row["nbytes"])
+            if row["kind"] != "full":
+                continue
+            if row.get("refused"):
+                self._delta_fallbacks[("refused",)] += 1
+            elif "not smaller" in str(row.get("reason", "")):
+                self._delta_fallbacks[("not_smaller",)] += 1
+        if delta.get("changed_fraction") is not None:
+            self._changed_fraction = float(delta["changed_fraction"])
 
     def _refresh_exports(self) -> None:
         exporter = self.fleet.exporter
@@ -599,10 +639,14 @@ class _Collector:
                 ("rollsafe_recoveries_total", m._recoveries),
                 ("rollsafe_syncs_total", m._syncs),
                 ("rollsafe_exports_total", m._exports),
+                ("rollsafe_sync_bytes_total", m._sync_bytes),
+                ("rollsafe_delta_fallbacks_total", m._delta_fallbacks),
             ]
             for name, counter in counters:
                 for labels, value in sorted(counter.items()):
                     fam[name].add_metric(list(labels), float(value))
+            if m._changed_fraction is not None:
+                fam["rollsafe_delta_changed_fraction"].add_metric([], m._changed_fraction)
             hists: list[tuple[str, _Histogram]] = [
                 ("rollsafe_recovery_latency_seconds", m._recovery_latency),
                 ("rollsafe_detection_latency_seconds", m._detection_latency),

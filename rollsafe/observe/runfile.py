@@ -176,6 +176,7 @@ def build_rows(
                             "previous_export",
                         )
                     },
+                    **({"delta": _delta_brief(d["delta"])} if d.get("delta") else {}),
                 }
             )
     episodes = observer.episodes()
@@ -429,3 +430,20 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
         setattr(data, "summary" if name == "summary.json" else "fleet", obj)
         data.files.append(name)
     return data
+
+
+def _delta_brief(delta: Mapping[str, Any]) -> dict[str, Any]:
+    """A sync row's deltas: bytes by kind, targets that got a delta, fallbacks, refusals."""
+    rows = list(delta.get("targets", {}).values())
+    return {
+        "delta_targets": sum(1 for r in rows if r["kind"] == "delta"),
+        "bytes_delta": sum(int(r["nbytes"]) for r in rows if r["kind"] == "delta"),
+        "bytes_full": sum(int(r["nbytes"]) for r in rows if r["kind"] == "full"),
+        "fallbacks": sum(
+            1
+            for r in rows
+            if r["kind"] == "full" and (r.get("refused") or "not smaller" in str(r.get("reason")))
+        ),
+        "refusals": sum(1 for r in rows if r.get("refused")),
+        "changed_fraction": delta.get("changed_fraction"),
+    }

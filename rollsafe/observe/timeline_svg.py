@@ -173,7 +173,15 @@ def _syncs(rows: Sequence[Mapping[str, Any]]) -> list[tuple[float, float, str, b
     for r in rows:
         if r["kind"] == "sync":
             secs = float(r.get("seconds") or 0.0)
-            out.append((_t(r), _t(r) + secs, f"v{r.get('version')}", bool(r.get("ok"))))
+            label = f"v{r.get('version')}"
+            delta = r.get("delta")
+            if isinstance(delta, Mapping) and delta.get("delta_targets"):
+                # a delta sync: the label says so, with its bytes and fallbacks
+                label += (
+                    f" \u0394 ({delta.get('bytes_delta', 0)} B delta, "
+                    f"{delta.get('bytes_full', 0)} B full, {delta.get('fallbacks', 0)} fallback(s))"
+                )
+            out.append((_t(r), _t(r) + secs, label, bool(r.get("ok"))))
     if out:
         return out
     start: dict[str, float] = {}  # files without sync rows: the registration's own transitions
@@ -311,7 +319,7 @@ def render_svg(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) -
         parts.append(
             _el(
                 "text",
-                text=label,
+                text=label.split(" (")[0],  # "v3" or "v3 \u0394"; the details are in the title
                 x=round(x(t0) + w + 2, 2),
                 y=y + 14,
                 font_size=10,

@@ -435,7 +435,8 @@ class PushUnderLock(Effect):
 
 @dataclass(frozen=True)
 class PushFacts:
-    """The value of :class:`ReadPushFacts`: what :func:`rollsafe.policy.plan_push` reads."""
+    """The value of :class:`ReadPushFacts`: what :func:`rollsafe.policy.plan_targeted_push`
+    reads."""
 
     published: tuple[str, int] | None
     fleet_version: int

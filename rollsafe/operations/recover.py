@@ -25,7 +25,7 @@ them (a sync, a crash, retention), as it does between the fleet's threads:
    version (or none) and ``restarted`` takes the group to ``active`` (immediate, done) or
    ``pending_weights``, and the lease is released;
 4. :func:`push` -- the **targeted push** of the registered checkpoint, under the transport's
-   lock (:func:`push_locked`: :func:`~rollsafe.policy.plan_push`, the push,
+   lock (:func:`push_locked`: :func:`~rollsafe.policy.plan_targeted_push`, the push,
    :func:`~rollsafe.policy.after_push`): loaded -> ``weights_loaded`` (``active``); a failed
    or cut-short push on an engine that keeps no known weights -> ``fail`` (restarted again);
    otherwise **deferred**: the group waits in ``pending_weights`` for the next sync.
@@ -324,7 +324,7 @@ def push_locked(group: str, keeps_weights: bool) -> Generator[Effect, Outcome, P
     """The push itself, run under the transport's lock (no sync registers or updates
     meanwhile): plan it, push, settle it."""
     facts = (yield ReadPushFacts(group)).value  # type: ignore[union-attr]
-    plan = policy.plan_push(facts.published, facts.fleet_version, facts.state)
+    plan = policy.plan_targeted_push(facts.published, facts.fleet_version, facts.state)
     if not plan.push or plan.version is None:
         return PushEnd("deferred", plan.reason)
     pushed = yield TargetedPush(group, plan.version)

@@ -14,6 +14,7 @@ from enum import Enum
 
 __all__ = [
     "AnyEvent",
+    "DeltaEvent",
     "ExportEvent",
     "GroupEvent",
     "ModeEvent",
@@ -81,7 +82,19 @@ class ModeEvent(_Event):
     EXPORT_ON_TIME = "export_on_time"
 
 
-AnyEvent = GroupEvent | ExportEvent | RegistrationEvent | ModeEvent
+class DeltaEvent(_Event):
+    """Events of :class:`~rollsafe.statemachines.DeltaBase` (issue #28, delta sync)."""
+
+    SEND_FULL = "send_full"
+    SEND_DELTA = "send_delta"
+    FALLBACK_FULL = "fallback_full"
+    CONFIRM = "confirm"
+    UNCONFIRMED = "unconfirmed"
+    REFUSED = "refused"
+    RESET = "reset"
+
+
+AnyEvent = GroupEvent | ExportEvent | RegistrationEvent | ModeEvent | DeltaEvent
 
 
 def event_name(event: AnyEvent | str) -> str:

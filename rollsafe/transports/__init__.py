@@ -16,6 +16,10 @@ per-target :class:`rollsafe.ports.UpdateReport`; the contract is
 * :class:`DiskTransport` -- engines load a verified HF export (``/update_weights_from_disk``)
   while the transport holds a lease on it.
 
+``ipc`` and ``nccl`` push deltas when built with ``delta=DeltaSettings()``
+(:mod:`rollsafe.transports.delta`): only the elements that changed since each target's
+confirmed base version.
+
 Importing this package is light: every name below is imported on first use (PEP 562), so
 code that only decodes a bucket (:mod:`rollsafe.wire`) never loads the transports. The
 transports themselves import torch.
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
         CheckpointEngineTransport,
         P2PUnavailable,
     )
+    from rollsafe.transports.delta import DeltaRecord, DeltaSettings, TargetSync
     from rollsafe.transports.disk import DiskTransport
     from rollsafe.transports.ipc import DEFAULT_IPC_BUCKET_BYTES, IPCTransport
     from rollsafe.transports.nccl import DEFAULT_NCCL_BUCKET_BYTES, NCCLTransport
@@ -63,6 +68,7 @@ _LAZY: dict[str, str] = {
         ("CheckpointEngineFleetTransport", "CheckpointEngineTransport", "P2PUnavailable"),
         "rollsafe.transports.checkpoint_engine",
     ),
+    **dict.fromkeys(("DeltaRecord", "DeltaSettings", "TargetSync"), "rollsafe.transports.delta"),
     "DiskTransport": "rollsafe.transports.disk",
     "DEFAULT_IPC_BUCKET_BYTES": "rollsafe.transports.ipc",
     "IPCTransport": "rollsafe.transports.ipc",
@@ -79,6 +85,8 @@ __all__ = [
     "BucketStream",
     "CheckpointEngineFleetTransport",
     "CheckpointEngineTransport",
+    "DeltaRecord",
+    "DeltaSettings",
     "DiskTransport",
     "IPCTransport",
     "NCCLTransport",
@@ -87,6 +95,7 @@ __all__ = [
     "RegisterError",
     "StagedTransport",
     "StaleRegistration",
+    "TargetSync",
     "TransportError",
     "named_tensor_list",
     "plan_buckets",

@@ -14,15 +14,16 @@ published version. Subclasses implement only the data movement.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 # the contract types cross layers (the fleet holds them, every transport implements them): they
 # live in the torch- and httpx-free rollsafe.ports (their one import path)
-from rollsafe.errors import RollsafeError
+from rollsafe.errors import InvalidArgument, RollsafeError
 from rollsafe.ports import (
     EngineTarget,
     NamedTensors,
@@ -36,6 +37,8 @@ from rollsafe.text import bound_text
 if TYPE_CHECKING:
     import torch
 
+    from rollsafe.transports.delta import DeltaRecord, DeltaSender, DeltaSettings
+
 __all__ = [
     "NonFiniteWeights",
     "RegisterError",
@@ -45,6 +48,7 @@ __all__ = [
 ]
 
 _MAX_REASON = 2048
+log = logging.getLogger(__name__)
 
 
 class TransportError(RollsafeError, RuntimeError):
@@ -127,6 +131,8 @@ class StagedTransport:
 
     name = "staged"
     reads_by_reference = False
+    #: whether the transport moves named tensors it can replace by a delta payload (ipc, nccl)
+    supports_delta = False
 
     def __init__(
         self,
@@ -134,6 +140,7 @@ class StagedTransport:
         *,
         allow_missing_prefixes: Iterable[str] = ("mtp.",),
         max_parallel_targets: int = 8,
+        delta: DeltaSettings | None = None,
     ) -> None:
         self.registration = CheckpointRegistration(
             world_size, allow_missing_prefixes=allow_missing_prefixes
@@ -143,6 +150,21 @@ class StagedTransport:
         self.keys: tuple[str, ...] = ()
         self._watched: list[_Watched] = []
         self._prints: _Fingerprints | None = None
+        self._delta: DeltaSender | None = None
+        if delta is not None:
+            if not self.supports_delta:
+                raise InvalidArgument(
+                    "delta",
+                    f"{self.name} cannot push deltas (only the tensor transports ipc and nccl "
+                    "can); leave delta=None",
+                )
+            from rollsafe.transports.delta import DeltaSender
+
+            self._delta = DeltaSender(delta)
+        # with deltas on: the registered (name, tensor) pairs, and which payload is staged now
+        # (None: the registered version itself; an int: the delta from that base)
+        self._registered: list[tuple[str, torch.Tensor]] = []
+        self._staged_base: int | None = None
 
     # ------------------------------------------------------------------ register
     def register(self, weights: NamedTensors, version: int, *, name: str | None = None) -> None:
@@ -167,6 +189,8 @@ class StagedTransport:
             self._unstage()
             raise RegisterError(f"{self.name}: v{version} not published: {refused}")
         self.version, self.keys = version, tuple(expected)
+        self._registered = items if self._delta is not None else []
+        self._staged_base = None
         self._watched = [_watch(n, t) for n, t in items] if self.reads_by_reference else []
         self._prints = _Fingerprints(items) if self.reads_by_reference else None
 
@@ -181,8 +205,14 @@ class StagedTransport:
 
     # ------------------------------------------------------------------ update
     def update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
-        reg = self.registration
-        published = check_update_targets(self.name, reg, targets)
+        """Push the registered version to ``targets`` (with deltas on: a delta to each target
+        that confirmed a base the sender holds, a full push to the others; see
+        :mod:`rollsafe.transports.delta`)."""
+        if self._delta is None:
+            return self._update(targets)
+        return self._delta_update(targets, force_full=False)
+
+    def _check_stale(self, published: tuple[str, int]) -> None:
         key = _first_moved(self._watched, self._prints)
         if key is not None:
             raise StaleRegistration(
@@ -190,6 +220,13 @@ class StagedTransport:
                 f"v{published[1]} was registered (an optimizer step?); this transport "
                 "reads the registered tensors when it pushes: register the new version first"
             )
+
+    def _update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
+        """One push of what is staged now (the registered version, or one delta payload) to
+        ``targets``, recorded by the registration machine."""
+        reg = self.registration
+        published = check_update_targets(self.name, reg, targets)
+        self._check_stale(published)
         self._before_begin_update(targets)
         reg.begin_update(targets=[list(t.ranks) for t in targets])
         report = UpdateReport(name=published[0], version=published[1])
@@ -223,8 +260,95 @@ class StagedTransport:
 
     def targeted_update(self, targets: Sequence[EngineTarget]) -> UpdateReport:
         """A recovery's push to ``targets`` only: :meth:`update`, which pushes to each target on
-        its own and so never reaches an engine outside ``targets``."""
-        return self.update(targets)
+        its own and so never reaches an engine outside ``targets``. With deltas on, always a
+        full push, and each target's base is forgotten first (a recovered engine's weights are
+        known only once it confirms this push)."""
+        if self._delta is None:
+            return self.update(targets)
+        for t in targets:
+            self._delta.reset(t.name)
+        return self._delta_update(targets, force_full=True)
+
+    # ------------------------------------------------------------------ deltas
+    def _delta_update(self, targets: Sequence[EngineTarget], *, force_full: bool) -> UpdateReport:
+        """The update with deltas on: plan each target, push the full ones, then each base's
+        payload; a target whose engine refused its delta is pushed full in the same update;
+        settle every target's base (it moves only on a confirmed push)."""
+        from rollsafe.transports.delta import is_delta_refusal
+
+        sender = self._delta
+        assert sender is not None
+        published = check_update_targets(self.name, self.registration, targets)
+        self._check_stale(published)
+        version = published[1]
+        items = self._registered
+        report = UpdateReport(name=published[0], version=version)
+        started = time.perf_counter()
+        plan = sender.plan(targets, version, items, force_full=force_full)
+        sent: dict[str, Literal["full", "delta"]] = {}
+        refusals: dict[str, str] = {}
+        full = list(plan.full)
+        try:
+            sender.keep(version, items)  # a possible base, once its targets confirm it
+            for base, (payload, group) in plan.deltas.items():
+                try:
+                    self._restage(payload.tensors, version, base)
+                except Exception as exc:  # nothing was pushed to them: send them full
+                    reason = _bounded(f"staging the delta from v{base} failed: {exc}")
+                    log.warning("%s: %s", self.name, reason)
+                    for t in group:
+                        sender.refused(t.name, version)
+                        plan.reasons[t.name] = reason
+                    full.extend(group)
+                    continue
+                part = self._update(group)
+                for t in group:
+                    res = part.results[t.name]
+                    if not res.ok and is_delta_refusal(res.reason):
+                        refusals[t.name] = res.reason
+                        sender.refused(t.name, version)
+                        plan.reasons[t.name] = "delta refused"
+                        full.append(t)
+                        continue
+                    report.results[t.name], sent[t.name] = res, "delta"
+            if full:
+                self._restage(items, version, None)
+                part = self._update(full)
+                for t in full:
+                    report.results[t.name], sent[t.name] = part.results[t.name], "full"
+        finally:
+            for t in targets:  # a raised update: nothing confirmed for those not reported
+                report.results.setdefault(
+                    t.name, TargetResult(t.name, False, "the update raised before this target")
+                )
+            full_nbytes = sum(t.numel() * t.element_size() for _, t in items)
+            sender.settle(plan, report.results, sent, refusals, full_nbytes)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _restage(
+        self, items: Sequence[tuple[str, torch.Tensor]], version: int, base: int | None
+    ) -> None:
+        """Stage ``items`` for the next push (a delta payload from ``base``, or the registered
+        version when ``base`` is None) without touching the registration machine: the
+        published version is the same, only its encoding differs."""
+        if base is None and self._staged_base is None:
+            return
+        self._stage(list(items), version)
+        self._staged_base = base
+
+    def delta_record(self) -> DeltaRecord | None:
+        """The last update's per-target deltas (None: deltas off, or no update yet)."""
+        return None if self._delta is None else self._delta.last()
+
+    def delta_stats(self) -> dict[str, object] | None:
+        """For a fleet's snapshot: bases per target, snapshots held (None: deltas off)."""
+        return None if self._delta is None else self._delta.stats()
+
+    def forget(self, target_name: str) -> None:
+        """The target restarted or left: its next push is full (deltas on)."""
+        if self._delta is not None:
+            self._delta.reset(target_name)
 
     def last_push(self) -> PushSummary | None:
         """None: a staged transport keeps no push record (its :class:`UpdateReport` says it all)."""
@@ -259,6 +383,9 @@ class StagedTransport:
 
     def close(self) -> None:
         """Release staged state. Subclasses extend."""
+        if self._delta is not None:
+            self._delta = type(self._delta)(self._delta.settings)  # snapshots freed
+        self._registered, self._staged_base = [], None
         self.version, self.keys = None, ()
         self._watched = []
         self._prints = None

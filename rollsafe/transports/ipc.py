@@ -55,11 +55,13 @@ import torch
 from rollsafe.errors import InvalidArgument
 from rollsafe.ports import EngineTarget
 from rollsafe.transports.base import NonFiniteWeights, StagedTransport, TransportError
+from rollsafe.transports.delta import DeltaSettings
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
     BufferPool,
     check_tensors,
+    delta_header_first,
     direct_view,
     plan_buckets,
 )
@@ -95,6 +97,7 @@ class IPCTransport(StagedTransport):
 
     name = "ipc"
     reads_by_reference = True
+    supports_delta = True
 
     def __init__(
         self,
@@ -110,11 +113,13 @@ class IPCTransport(StagedTransport):
         allow_missing_prefixes: Iterable[str] = ("mtp.",),
         max_parallel_targets: int = 8,
         check_finite: bool = True,
+        delta: DeltaSettings | None = None,
     ) -> None:
         super().__init__(
             world_size,
             allow_missing_prefixes=allow_missing_prefixes,
             max_parallel_targets=max_parallel_targets,
+            delta=delta,
         )
         if bucket_bytes <= 0:
             raise InvalidArgument(
@@ -185,6 +190,7 @@ class IPCTransport(StagedTransport):
         self._plans, self._pack_device = plans, device
         # the registered tensors are fixed objects: which plans travel as is cannot change
         self._direct = [direct_view(self._items, p, device=device, shared=True) for p in plans]
+        self._plans, self._direct = delta_header_first(self._items, self._plans, self._direct)
         if self._pool is not None and self._pool.device != device:
             self._pool = None
         # the verdict of this registration (the _check_finite above), for its first update

@@ -62,11 +62,13 @@ from rollsafe.errors import InvalidArgument
 from rollsafe.net import free_port
 from rollsafe.ports import EngineTarget
 from rollsafe.transports.base import StagedTransport, TransportError
+from rollsafe.transports.delta import DeltaSettings
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
     TensorList,
     check_tensors,
+    delta_header_first,
     direct_view,
     plan_buckets,
     split_unpacked,
@@ -122,6 +124,7 @@ class NCCLTransport(StagedTransport):
 
     name = "nccl"
     reads_by_reference = True
+    supports_delta = True
 
     def __init__(
         self,
@@ -139,11 +142,13 @@ class NCCLTransport(StagedTransport):
         max_parallel_targets: int = 8,
         unpacked_min_bytes: int | None = None,
         keep_groups: bool = True,
+        delta: DeltaSettings | None = None,
     ) -> None:
         super().__init__(
             world_size,
             allow_missing_prefixes=allow_missing_prefixes,
             max_parallel_targets=max_parallel_targets,
+            delta=delta,
         )
         if backend not in (None, "gloo", "nccl"):
             raise InvalidArgument(
@@ -227,7 +232,7 @@ class NCCLTransport(StagedTransport):
                 bucket_bytes=self.bucket_bytes,
                 min_bytes=min_bytes,
             )
-        self._plans, self._direct = plans, direct
+        self._plans, self._direct = delta_header_first(self._items, plans, direct)
         return range(self.registration.world_size), [n for n, _ in items]
 
     def _unstage(self) -> None:
@@ -434,7 +439,9 @@ class NCCLTransport(StagedTransport):
         live.group.close()
 
     def forget(self, target_name: str) -> None:
-        """Close the kept group of ``target_name`` (a retired or removed engine)."""
+        """Close the kept group of ``target_name`` (a retired or removed engine); its next push
+        is full (deltas on)."""
+        super().forget(target_name)
         with self._live_lock:
             live = self._live.pop(target_name, None)
         if live is not None:

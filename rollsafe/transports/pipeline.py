@@ -49,6 +49,7 @@ __all__ = [
     "TensorList",
     "alloc_buffer",
     "check_tensors",
+    "delta_header_first",
     "direct_view",
     "follows",
     "plan_buckets",
@@ -191,6 +192,30 @@ def plan_buckets(
     for dt in list(open_):
         flush(dt)
     return plans
+
+
+def delta_header_first(
+    items: Sequence[tuple[str, torch.Tensor]],
+    plans: Sequence[BucketPlan],
+    direct: Sequence[torch.Tensor | None],
+) -> tuple[list[BucketPlan], list[torch.Tensor | None]]:
+    """The plans (and their direct views) with the one holding a delta's header first.
+
+    A delta (:mod:`rollsafe.wire.delta`) is ordinary named tensors, but its receiver must see
+    the header (``DELTA_HEADER_KEY``) in the update's first call: a dense tensor of a delta is
+    named like the weight itself, so a call of those alone, sent before the header, would be
+    taken for a full update's and applied at once. Buckets are per dtype and a dtype's bucket
+    that overflows is flushed early, so the header's (``uint8``) bucket is otherwise not always
+    first. Anything without a header keeps its order.
+    """
+    from rollsafe.wire.delta import DELTA_HEADER_KEY
+
+    at = next(
+        (k for k, p in enumerate(plans) if any(items[i][0] == DELTA_HEADER_KEY for i in p.indices)),
+        0,
+    )
+    order = [at, *(k for k in range(len(plans)) if k != at)] if plans else []
+    return [plans[k] for k in order], [direct[k] for k in order]
 
 
 def direct_view(

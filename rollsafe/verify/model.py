@@ -18,6 +18,18 @@ either: the ``probe`` and ``probe_timeout`` actions execute :func:`rollsafe.oper
 (the sequence the fleet's ``HealthManager`` executes), the probe answering with the ranks that
 are down, or timing out (every rank counts a failure).
 
+With ``ModelConfig(deltas=True)`` (the default) every push to a group goes through a
+:class:`~rollsafe.statemachines.DeltaBase` per group, planned by :func:`rollsafe.policy.plan_push`
+and settled by :func:`rollsafe.policy.settle_push`, exactly as
+:class:`rollsafe.transports.delta_ledger.DeltaLedger` does for a transport (the verifier cannot
+import a transport: it is a lower layer): the sender holds the weights of the fleet's current
+version only (a target whose base is older lags: full push); a delta reaches an engine whose
+ranks all hold its base and is applied on all of them or none (a live rank that holds another
+version refuses it, nothing changed, and the sync retries that target with a full push); a
+failed push leaves the engines' weights as a failed full push would (a rank that keeps no weights
+is poisoned), the others unchanged; every restart, recovery push (forced full) and removal resets
+the group's base. The invariants ``delta_only_onto_its_base`` and ``base_never_ahead`` judge it.
+
 What the model chooses nondeterministically are the outcomes of I/O, each an :class:`Action`: a
 rank comes up or crashes, a probe answers or times out, a recovery claims a group, a restart
 succeeds, fails or times out (a restart from an export then holds its lease until it ends in
@@ -45,6 +57,7 @@ import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
 from rollsafe.errors import InvalidArgument
 from rollsafe.invariants import (
+    DeltaPicture,
     ExportPicture,
     FleetPicture,
     GroupPicture,
@@ -60,6 +73,7 @@ from rollsafe.operations import sync as sync_op
 from rollsafe.operations.effects import Effect, Failed, Ok, Outcome, TimedOut, drive
 from rollsafe.statemachines import (
     CheckpointRegistration,
+    DeltaBase,
     ExportLease,
     ExportLifecycle,
     GuardedMachine,
@@ -68,7 +82,13 @@ from rollsafe.statemachines import (
     MemberFacts,
     WorkerGroupLifecycle,
 )
-from rollsafe.statemachines.events import AnyEvent, ExportEvent, GroupEvent, event_name
+from rollsafe.statemachines.events import (
+    AnyEvent,
+    DeltaEvent,
+    ExportEvent,
+    GroupEvent,
+    event_name,
+)
 
 __all__ = ["GROUP_EVENTS", "Action", "FleetModel", "ModelConfig", "Violation"]
 
@@ -114,6 +134,10 @@ class ModelConfig:
     node_loss: bool = True
     #: how many groups one run may remove (``remove_group``: drain, stop, retire)
     removals: int = 1
+    #: push through per-group :class:`~rollsafe.statemachines.DeltaBase` machines, deltas
+    #: where :func:`rollsafe.policy.plan_push` allows them (issue #28); False: every push full,
+    #: no base tracked (the model before deltas)
+    deltas: bool = True
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.ranks < 1:
@@ -158,6 +182,7 @@ class _Audit:
     recovery_threads: tuple[tuple[str, str], ...] = ()
     refused: tuple[str, ...] = ()
     register_complete: bool | None = None
+    wrong_base_deltas: tuple[str, ...] = ()
 
 
 def _declared() -> dict[str, frozenset[str]]:
@@ -183,6 +208,7 @@ class FleetModel:
         export_cls: type[ExportLifecycle] = ExportLifecycle,
         registration_cls: type[CheckpointRegistration] = CheckpointRegistration,
         mode_cls: type[ImmediateRecoveryMode] = ImmediateRecoveryMode,
+        delta_cls: type[DeltaBase] = DeltaBase,
     ) -> None:
         self.config = cfg = config or ModelConfig()
         self._group_cls = group_cls
@@ -225,6 +251,10 @@ class FleetModel:
         self._probe_timed_out = False  # the running probe's outcome: no answer in time
         self._acted = 0  # effects that changed the model (an action that took none: refused)
         self._effects = self._effect_table()
+        #: the sender's base per group (one DeltaBase per target, as a DeltaLedger keeps them)
+        self.delta: list[DeltaBase] = (
+            [delta_cls(f"g{g}") for g in range(cfg.groups)] if cfg.deltas else []
+        )
 
     def _new_group(self, g: int) -> WorkerGroupLifecycle:
         cfg = self.config
@@ -462,6 +492,97 @@ class FleetModel:
                 self._set_truth(g, r, True, POISONED)
         return rank_ok
 
+    # -- delta sync: the DeltaLedger's steps on the group's DeltaBase (issue #28)
+    def _push_group(
+        self, g: int, version: int, failing_rank: int | None, *, force: bool = False
+    ) -> dict[int, bool]:
+        """Push ``version`` into group ``g`` as the transport does: planned by
+        :func:`rollsafe.policy.plan_push` on the group's DeltaBase, settled by
+        :func:`rollsafe.policy.settle_push`; a refused delta is pushed again in full."""
+        if not self.config.deltas:
+            return self._push_to(g, version, failing_rank)
+        plan = self._plan(g, version, force)
+        if plan is None:
+            return self._push_to(g, version, failing_rank)
+        if plan.kind == "delta":
+            assert plan.base is not None
+            rank_ok, refused = self._apply_delta(g, version, plan.base, failing_rank)
+            self._settle(g, plan, version, ok=all(rank_ok.values()), refused=refused)
+            if not refused:
+                return rank_ok
+            plan = self._plan(g, version, True)  # retried in full in the same update
+            if plan is None:
+                return rank_ok
+        rank_ok = self._push_to(g, version, failing_rank)
+        self._settle(g, plan, version, ok=all(rank_ok.values()), refused=False)
+        return rank_ok
+
+    def _plan(self, g: int, version: int, force: bool) -> policy.PushPlan | None:
+        machine = self.delta[g]
+        plan = policy.plan_push(
+            machine.base,
+            version,
+            frozenset({self.version}),  # the sender keeps the current version's weights only
+            delta_enabled=True,
+            engine_applies_deltas=True,
+            force_full=force,
+        )
+        self._decided("plan_push", (plan.event,))
+        try:
+            if plan.kind == "delta":
+                machine.send(plan.event, version=version, held=frozenset({self.version}))
+            else:
+                machine.send(plan.event, version=version)
+        except TransitionNotAllowed as exc:
+            self._refuse(f"policy.plan_push: {exc}")
+            return None
+        return plan
+
+    def _settle(
+        self, g: int, plan: policy.PushPlan, version: int, *, ok: bool, refused: bool
+    ) -> None:
+        event = policy.settle_push(plan, ok=ok, refused=refused)
+        self._decided("settle_push", (event,))
+        try:
+            self.delta[g].send(event, version=version)
+        except TransitionNotAllowed as exc:
+            self._refuse(f"policy.settle_push: {exc}")
+
+    def _apply_delta(
+        self, g: int, version: int, base: int, failing_rank: int | None
+    ) -> tuple[dict[int, bool], bool]:
+        """A delta from ``base`` reaches group ``g``: (per-rank result, refused).
+
+        A live rank that holds another version than ``base`` refuses it (the engine's check;
+        nothing changes anywhere; the sender should never have sent it: recorded for
+        ``delta_only_onto_its_base``). A dead rank or ``failing_rank`` fails the apply on every
+        rank (all or nothing); a failing rank of an engine that keeps no weights is poisoned.
+        Otherwise every rank moves to ``version``."""
+        ranks = self.groups[g].ranks
+        truth = self.truth[g]
+        failed = dict.fromkeys(ranks, False)
+        wrong = [(r, held) for r, (alive, held) in enumerate(truth) if alive and held != base]
+        if wrong:
+            r, held = wrong[0]
+            self.audit.wrong_base_deltas = (
+                *self.audit.wrong_base_deltas,
+                f"a delta v{base} -> v{version} was sent to g{g}, whose r{ranks[r]} holds "
+                f"v{held} (refused by the engine; one that cannot check would apply it)",
+            )
+            return failed, True
+        if failing_rank is not None or not all(alive for alive, _ in truth):
+            keeps = self.config.traits.failed_update_keeps_weights
+            if failing_rank is not None and truth[failing_rank][0] and not keeps:
+                self._set_truth(g, failing_rank, True, POISONED)
+            return failed, False
+        for r in range(len(truth)):
+            self._set_truth(g, r, True, version)
+        return dict.fromkeys(ranks, True), False
+
+    def _reset_base(self, g: int) -> None:
+        if self.config.deltas and self.delta[g].state != "no_base":
+            self.delta[g].send(DeltaEvent.RESET)
+
     # -- nodes and removals: the second executor of rollsafe.operations.place
     def _do_node_dies(self, dying: tuple[int, ...]) -> bool:
         """The node holding groups ``dying`` dies (ground truth): every rank on it with it.
@@ -550,6 +671,7 @@ class FleetModel:
         if self.groups[g].state == "draining":
             for r in range(self.config.ranks):
                 self._set_truth(g, r, False, None)
+            self._reset_base(g)
         return _OK
 
     # -- the sync coordinator: the second executor of rollsafe.operations.sync
@@ -732,6 +854,7 @@ class FleetModel:
         choice = self._restart_choice
         self._acted += 1
         self.counts[g] = {}
+        self._reset_base(g)  # a restarted engine's weights are new: its next push is full
         if choice == "ok":
             version = None if effect.dummy else effect.weight_version
             self.node_up[g] = True  # an actor gone with its node is placed anew (RayEngineGroup)
@@ -762,7 +885,8 @@ class FleetModel:
         self._acted += 1
         reg = self.registration
         reg.begin_update(targets=[list(group.ranks)])
-        rank_ok = self._push_to(g, effect.version, None if self._push_ok else 0)
+        self._reset_base(g)  # a recovery's targeted push: reset, then full
+        rank_ok = self._push_group(g, effect.version, None if self._push_ok else 0, force=True)
         reg.update_done(results=rank_ok)
         return Ok(fx.Pushed(rank_ok, "" if all(rank_ok.values()) else "a rank failed"))
 
@@ -840,7 +964,7 @@ class FleetModel:
         per_rank: dict[int, bool] = {}
         for facts in effect.groups:
             g = self._index[facts.group_id]
-            rank_ok[facts.group_id] = self._push_to(
+            rank_ok[facts.group_id] = self._push_group(
                 g, effect.version, 0 if g == failing_group else None
             )
             per_rank.update(rank_ok[facts.group_id])
@@ -1050,6 +1174,15 @@ class FleetModel:
             immediate_recoveries=audit.immediate,
             recovery_threads=audit.recovery_threads,
             refused_decisions=audit.refused,
+            delta_bases=(
+                tuple(
+                    DeltaPicture(f"g{g}", d.state, d.base, d.in_flight)
+                    for g, d in enumerate(self.delta)
+                )
+                if self.config.deltas
+                else None
+            ),
+            wrong_base_deltas=audit.wrong_base_deltas,
             lease_holders=(
                 *(
                     LeasePicture(f"g{g}", lease.version, self.groups[g].state)
@@ -1080,6 +1213,7 @@ class FleetModel:
                 self.leases[g].version if g in self.leases else None,
                 self._late_row(g),
                 (self.node_up[g], g in self.node_lost, g in self.removed, self.claims[g]),
+                self._delta_row(g),
             )
             for g, grp in enumerate(self.groups)
         )
@@ -1104,8 +1238,16 @@ class FleetModel:
                 a.recovery_threads,
                 a.refused,
                 a.register_complete,
+                a.wrong_base_deltas,
             ),
         )
+
+    def _delta_row(self, g: int) -> tuple[Any, ...]:
+        """() without deltas; else (state, base, version in flight) of the group's DeltaBase."""
+        if not self.config.deltas:
+            return ()
+        d = self.delta[g]
+        return (d.state, *d.facts_token())
 
     def _late_row(self, g: int) -> tuple[int | None, ...]:
         """() no timed-out restart runs; (None,) one runs with no lease; (v,) holding v."""
@@ -1132,8 +1274,9 @@ class FleetModel:
                     lease,
                     late,
                     place,
+                    delta,
                 )
-                for state, budget, members, truth, counts, lease, late, place in groups
+                for state, budget, members, truth, counts, lease, late, place, delta in groups
             ),
             key=repr,
         )
@@ -1147,15 +1290,21 @@ class FleetModel:
             exports,
             mode_s,
             last,
-            (*audit_s[:4], immediate, len(audit_s[5]), len(audit_s[6]), audit_s[7]),
+            (*audit_s[:4], immediate, len(audit_s[5]), len(audit_s[6]), *audit_s[7:]),
         )
 
     def restore(self, snap: tuple[Any, ...]) -> None:
         """Put the model back into a state produced by :meth:`snapshot`."""
         version, groups, reg_s, exports, mode_s, last, audit_s = snap
         self.version = version
-        for g, (state, budget, members, truth, counts, _lease, _late, place) in enumerate(groups):
+        for g, row in enumerate(groups):
+            state, budget, members, truth, counts, _lease, _late, place, delta = row
             self.node_up[g], lost, removed, self.claims[g] = place
+            if delta:
+                machine = self.delta[g]
+                if machine.state != delta[0]:
+                    machine.restore_state(delta[0])
+                machine.restore_base(delta[1], delta[2])
             (self.node_lost.add if lost else self.node_lost.discard)(g)
             (self.removed.add if removed else self.removed.discard)(g)
             grp = self.groups[g]

@@ -5,6 +5,7 @@ Imports only torch and numpy (safetensors for a single file's header); importing
 imports none of its modules:
 
 * :mod:`.bucket`: SGLang's flattened-bucket wire format (pack, serialize, checked decode);
+* :mod:`.delta`: delta weight sync as named tensors (encode, checked apply);
 * :mod:`.unpickle`: the restricted unpickler payloads decode through;
 * :mod:`.shm`: the shared-memory namespace CPU buckets travel in;
 * :mod:`.dtypes`: dtype names on the wire and element sizes;

@@ -6,7 +6,8 @@ prints one line ``ROLLSAFE_READY {"url": ..., "pid": ..., "rank_pids": [...], ..
 ``ROLLSAFE_STANDBY {json}`` and waits for one handoff line on stdin (see ``__main__``), or, with
 ``--fork-server-fd FD``, stays resident and forks engines on request (:mod:`.zygote`).
 Modules: :mod:`.tiny_model` (deterministic tiny Llama checkpoints), :mod:`.model` (one rank's
-shard), :mod:`.weights` (receiving side of weight updates), :mod:`.collective` (process groups),
+shard), :mod:`.weights` (receiving side of weight updates), :mod:`.deltas` (a delta update
+held across its calls, then applied), :mod:`.collective` (process groups),
 :mod:`.bootstrap` (how ranks start: fork after rank 0's imports on CPU, early spawn on CUDA; the
 start-up protocol), :mod:`.ranks` (multi-process ranks), :mod:`.engine` (scheduler),
 :mod:`.server`, :mod:`.sglang_api`, :mod:`.vllm_api` (HTTP), :mod:`.codec` (tokenizer,

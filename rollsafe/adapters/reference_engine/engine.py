@@ -4,7 +4,10 @@ Owns request scheduling and the engine-level state machine of a serving process:
 sessions (prefill, then one decode step at a time, round-robin across sessions), pause modes
 (``abort`` / ``retract`` / ``in_place``), memory release, the tracked weight version, and
 all-or-nothing weight updates (stage on every rank, then commit on every rank; any failure
-discards every rank's staging and keeps the previous weights and version). Every operation that
+discards every rank's staging and keeps the previous weights and version), delta updates
+included (:mod:`.deltas`: held across their calls, applied onto the weights served now at the
+update's versioned call, refused with a named 400 when the base, format or a result digest is
+wrong). Every operation that
 touches the ranks runs on the driver thread, so collectives never interleave; HTTP handlers get
 ``concurrent.futures.Future`` objects. A rank failure fails every pending future at once.
 The vLLM dialect adds vLLM's failure state: poisoned weights (a failed reload or update) and
@@ -28,6 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from rollsafe.adapters.reference_engine.deltas import check_delta_meta
 from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
     EngineBusy,
@@ -42,6 +46,7 @@ from rollsafe.adapters.reference_engine.model import LM_HEAD
 from rollsafe.adapters.reference_engine.ranks import RankSet
 from rollsafe.adapters.reference_engine.weights import UpdateMeta, check_model_path, packed_layout
 from rollsafe.checksum import WeightsChecksum, algorithm_for, weights_checksum
+from rollsafe.wire.delta import is_delta_name
 
 __all__ = ["GenerationResult", "ReferenceEngine", "SamplingParams", "TokenListener"]
 
@@ -572,6 +577,9 @@ class ReferenceEngine:
         copies its checked staging into its weights, a pure copy that cannot fail for data
         reasons; should it fail anyway (a device fault), the engine marks itself failed rather
         than serve weights that are half one version and half the other.
+
+        A call of a delta update (:mod:`.deltas`) is held by every rank instead of staged, and
+        the versioned call then applies the whole delta (:meth:`_apply_delta`), all or nothing.
         """
         if "weights" in self._released:
             raise WeightUpdateError(
@@ -590,6 +598,19 @@ class ReferenceEngine:
         # are queued, so the next call's receive overlaps them (SGLang answers these calls
         # without a device sync too); every other call waits for its copies
         sync = not (op == "stage_distributed" and weight_version is None)
+        names = self._commit(sync)
+        if weight_version is not None and self.ranks.local.delta.pending:
+            # the versioned call of a delta update: apply the held delta now (rank 0's
+            # holding mirrors every rank's: they all received the same calls)
+            names = self._apply_delta(weight_version, allow)
+        # the version moves only with the call that carries it, once that call committed on
+        # every rank: buckets sent without it (or failing) leave the previous version served
+        if weight_version is not None:
+            self.weight_version = weight_version
+        return names
+
+    def _commit(self, sync: bool = True) -> list[str]:
+        """Phase 2 on every rank; a failure here marks the engine failed (see _two_phase)."""
         try:
             names: list[str] = self.ranks.call("commit", {"sync": sync})
         except BaseException as exc:
@@ -599,11 +620,67 @@ class ReferenceEngine:
             )
             self.fail(reason)
             raise RankFailure(f"engine failed: {reason}") from exc
-        # the version moves only with the call that carries it, once that call committed on
-        # every rank: buckets sent without it (or failing) leave the previous version served
-        if weight_version is not None:
-            self.weight_version = weight_version
         return names
+
+    def _apply_delta(self, weight_version: str | None, allow_non_finite: bool) -> list[str]:
+        """Driver thread: apply the delta every rank holds onto the weights served now, all or
+        nothing. Phase 1 (``stage_delta``): every rank builds and checks the new tensors (base
+        version, format, result digests, finite) and stages them; any refusal on any rank
+        (:class:`~.errors.DeltaRefused`, 400) makes every rank discard its staging and its held
+        delta, weights and version unchanged. Phase 2: the usual commit. The caller sets the
+        version; ``weight_version`` None (vLLM's finish without one): the delta's own."""
+        header = self.ranks.local.delta.header
+        assert header is not None
+        model = self.ranks.local.model
+        args = {
+            "current_version": self.weight_version,
+            "weight_version": weight_version,
+            "gather_lm_head": LM_HEAD in header.touched and not model.tied,
+            "allow_non_finite": allow_non_finite,
+        }
+        try:
+            self.ranks.call("stage_delta", args)
+        except BaseException:
+            if self.ranks.failure is None:
+                with contextlib.suppress(ServerError):
+                    self.ranks.call("discard")
+            raise
+        names = self._commit()
+        if weight_version is None:
+            self.weight_version = header.version
+        return names
+
+    def apply_pending_delta(
+        self, weight_version: str | None, *, allow_non_finite: bool = False
+    ) -> Future[list[str] | None]:
+        """vLLM dialect (``/finish_weight_update``): apply the delta the update's calls left
+        held, if any (None: there was none), and move the version with it."""
+
+        def run() -> list[str] | None:
+            if not self.ranks.local.delta.pending:
+                return None
+            if "weights" in self._released:
+                with contextlib.suppress(ServerError):
+                    self.ranks.call("discard")
+                raise WeightUpdateError(
+                    "weights are released: call /resume_memory_occupation before updating them"
+                )
+            allow = bool(allow_non_finite or self.allow_non_finite)
+            names = self._apply_delta(weight_version, allow)
+            if weight_version is not None:
+                self.weight_version = weight_version
+            return names
+
+        return self.submit(run)
+
+    def drop_delta(self) -> Future[None]:
+        """Drop a delta held by the ranks (its update was abandoned)."""
+
+        def run() -> None:
+            if self.ranks.local.delta.pending and self.ranks.failure is None:
+                self.ranks.call("discard")
+
+        return self.submit(run)
 
     def update_from_disk(
         self,
@@ -641,6 +718,12 @@ class ReferenceEngine:
         )
 
     def validate_meta(self, meta: UpdateMeta) -> None:
+        if any(is_delta_name(n) for n, _, _ in meta):
+            specs = self.ranks.local.model.specs
+            check_delta_meta(meta, specs)
+            plain = [m for m in meta if not is_delta_name(m[0])]
+            self.ranks.local.model.validate(plain)
+            return
         self.ranks.local.model.validate(meta)
 
     def update_from_distributed(
@@ -655,7 +738,11 @@ class ReferenceEngine:
     ) -> Future[list[str]]:
         """Receive one call's broadcast: per tensor, or ``flattened`` (one uint8 buffer, SGLang)
         cut into chunks of ``chunk_bytes`` (vLLM's packed transfer); see ``receive_broadcast``."""
-        self.validate_meta(meta)
+        try:
+            self.validate_meta(meta)
+        except BadRequest:
+            self.drop_delta()  # a delta this call belonged to is over: its parts go too
+            raise
         if flattened:
             packed_layout(meta, chunk_bytes)  # an unaligned layout is a 400 before any receive
         if group_name not in self.ranks.local.weight_groups:

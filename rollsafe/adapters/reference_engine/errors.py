@@ -7,6 +7,7 @@ from rollsafe.errors import RollsafeError
 __all__ = [
     "BadRequest",
     "BodyBudgetExceeded",
+    "DeltaRefused",
     "EngineBusy",
     "EngineDead",
     "LimitExceeded",
@@ -48,6 +49,18 @@ class LimitExceeded(BadRequest):
 
 class WeightUpdateError(BadRequest):
     """A weight update was refused before touching live weights (names the key/path/rank)."""
+
+
+class DeltaRefused(WeightUpdateError):
+    """A delta update (``rollsafe.wire.delta``) was refused: the message starts with the
+    :class:`~rollsafe.wire.delta.DeltaError` class name (``DeltaBaseMismatch: ...``,
+    ``DeltaFormatError: ...``, ``DeltaDigestMismatch: ...``) and names the key or the base.
+    Nothing was applied, the weights and ``weight_version`` are unchanged, the engine serves on."""
+
+    @property
+    def kind(self) -> str:
+        """The refusing :class:`~rollsafe.wire.delta.DeltaError` class name."""
+        return str(self).split(":", 1)[0]
 
 
 class Unsupported(BadRequest):

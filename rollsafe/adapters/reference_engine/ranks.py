@@ -31,13 +31,14 @@ from rollsafe.adapters.reference_engine.bootstrap import (
     spawn_ranks,
 )
 from rollsafe.adapters.reference_engine.collective import RankGroup
+from rollsafe.adapters.reference_engine.deltas import DeltaParts, refused
 from rollsafe.adapters.reference_engine.errors import (
     RankFailure,
     ServerError,
     StartupError,
     WeightUpdateError,
 )
-from rollsafe.adapters.reference_engine.model import ShardedCausalLM, load_config
+from rollsafe.adapters.reference_engine.model import LM_HEAD, ShardedCausalLM, load_config
 from rollsafe.adapters.reference_engine.profiling import PROFILE, profile_line
 from rollsafe.adapters.reference_engine.weights import (
     ReceiveBuffers,
@@ -49,6 +50,7 @@ from rollsafe.adapters.reference_engine.weights import (
     receive_broadcast,
     receive_from_ipc,
 )
+from rollsafe.wire.delta import DeltaError, DeltaFormatError, apply_delta, read_header
 from rollsafe.wire.group import WeightUpdateGroup, open_weight_update_group
 
 __all__ = ["GroupJoin", "RankRuntime", "RankSet", "child_main", "rank_devices"]
@@ -134,6 +136,8 @@ class RankRuntime:
         self.recv_buffers = ReceiveBuffers(pin=self.device.type == "cuda")
         self._recv_stream: Any = None
         self.shm_mappings = SharedMappings()
+        #: a delta update in transit (``rollsafe.wire.delta``): held until its versioned call
+        self.delta = DeltaParts()
         mark("model_built")
         if opts.load_format == "auto":
             # the start-up load serves what it is given, as upstream engines do; only weight
@@ -222,6 +226,7 @@ class RankRuntime:
         on_read: Callable[[str], None] | None = None,
     ) -> None:
         check_model_path(model_path)
+        self.delta.drop()  # another kind of update: a delta in transit was given up
         try:
             named = read_checkpoint_dir(model_path, self.model.specs)
         except (OSError, ValueError) as exc:  # a file vanished or became unreadable mid-read
@@ -230,7 +235,7 @@ class RankRuntime:
             on_read("weights_read")
         self._stage(named.items(), f"rank {self.rank}", allow_non_finite=allow_non_finite)
 
-    def op_stage_tensor(self, entry: Any, allow_non_finite: bool = False) -> None:
+    def op_stage_tensor(self, entry: Any, allow_non_finite: bool = False) -> str:
         # views of the sender's shared memory / CUDA IPC buffers: the sender keeps them
         # unchanged until this request is answered, and commit runs before the answer
         where = f"serialized_named_tensors[{self.rank}]"
@@ -242,7 +247,21 @@ class RankRuntime:
         except Exception as exc:  # a payload the decoder did not foresee: the request's fault
             raise WeightUpdateError(f"{where}: cannot be decoded: {type(exc).__name__}") from exc
         profile_line("stage_tensor.decode", self.rank, time.perf_counter() - t0)
+        return self._stage_or_hold(named, where, allow_non_finite=allow_non_finite)
+
+    def _stage_or_hold(
+        self, named: Sequence[tuple[str, torch.Tensor]], where: str, *, allow_non_finite: bool
+    ) -> str:
+        """Stage an ordinary call (a delta in transit is then given up) or hold a delta's call
+        until the update's versioned call applies it (:mod:`.deltas`). Returns ``"delta"`` or
+        ``"weights"``."""
+        if self.delta.belongs([n for n, _ in named]):
+            self.delta.hold(named)
+            self._sync()  # the copies are made before the sender may reuse its buffers
+            return "delta"
+        self.delta.drop()
         self._stage(named, where, allow_non_finite=allow_non_finite)
+        return "weights"
 
     def _stage(
         self,
@@ -269,7 +288,7 @@ class RankRuntime:
         flattened: bool,
         chunk_bytes: int | None = None,
         allow_non_finite: bool = False,
-    ) -> None:
+    ) -> str:
         pg = self.weight_groups.get(group_name)
         if pg is None:
             raise WeightUpdateError(f"rank {self.rank}: no weight update group {group_name!r}")
@@ -287,7 +306,7 @@ class RankRuntime:
             stream=stream,
             chunk_bytes=chunk_bytes,
         )
-        self._stage(named, f"rank {self.rank}", allow_non_finite=allow_non_finite)
+        return self._stage_or_hold(named, f"rank {self.rank}", allow_non_finite=allow_non_finite)
 
     def _receive_stream(self) -> Any:
         """The CUDA stream nccl receives are posted from (see :func:`receive_broadcast`)."""
@@ -297,6 +316,7 @@ class RankRuntime:
         return self._recv_stream
 
     def op_stage_ipc(self, zmq_handles: Any, allow_non_finite: bool = False) -> None:
+        self.delta.drop()  # another kind of update: a delta in transit was given up
         receive_from_ipc(
             zmq_handles,
             device=self.device,
@@ -336,7 +356,62 @@ class RankRuntime:
 
     def op_discard(self) -> None:
         self.model.discard()
+        self.delta.drop()
         self.recv_buffers.mark_read(None)
+
+    def op_delta_pending(self) -> bool:
+        return self.delta.pending
+
+    def op_stage_delta(
+        self,
+        current_version: str,
+        weight_version: str | None,
+        gather_lm_head: bool,
+        allow_non_finite: bool = False,
+    ) -> list[str]:
+        """Phase 1 of a delta's commit: apply the held delta onto this rank's current weights
+        (:func:`~rollsafe.wire.delta.apply_delta`: base ``current_version``, format and every
+        touched tensor's result digest checked) and stage the new tensors like an ordinary
+        update's (finite check included). The held parts are dropped whatever happens.
+
+        ``gather_lm_head`` (decided by rank 0 from its header, the same on every rank, so the
+        collective runs everywhere before anything can refuse): the full ``lm_head`` is gathered
+        from every rank's rows first, so its delta (flat indices into the full matrix) and its
+        digest are checked whole on every rank, which then stages its own rows.
+        """
+        current = dict(self.model.local_tensors())
+        if gather_lm_head:
+            shard = self.model.lm_head_shard
+            full = (
+                shard
+                if self.group is None
+                else self.group.all_gather_rows(
+                    shard.t().contiguous(), self.model.rows_per_rank, self.model.vocab_size
+                ).t()
+            )
+            current[LM_HEAD] = full
+        received = self.delta.take() if self.delta.pending else None
+        try:
+            if received is None:
+                raise DeltaFormatError(
+                    f"rank {self.rank}: no delta was received for this update", key=None
+                )
+            new = apply_delta(current, received, current_version=current_version)
+            made = read_header(received).version
+            if weight_version is not None and made != weight_version:
+                raise DeltaFormatError(
+                    f"the delta makes v{made} but the update carries weight_version "
+                    f"{weight_version!r}; nothing was applied",
+                    key=None,
+                )
+        except DeltaError as exc:
+            raise refused(exc) from exc
+        except Exception as exc:  # what the checks did not foresee: still a refusal, not a fault
+            raise WeightUpdateError(
+                f"rank {self.rank}: the delta cannot be applied: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._stage(list(new.items()), f"rank {self.rank}", allow_non_finite=allow_non_finite)
+        return sorted(new)
 
     def op_gather_lm_head(self) -> torch.Tensor | None:
         """All ranks contribute their ``lm_head`` rows; rank 0 gets the full matrix."""
@@ -450,6 +525,7 @@ class RankRuntime:
             self.recv_buffers.clear()
 
     def op_release(self, backup: bool = False) -> None:
+        self.delta.drop()
         self.recv_buffers.clear()  # before release() hands cached CUDA blocks back
         self.shm_mappings.clear()
         self.model.release(backup=backup)

@@ -20,6 +20,13 @@ NCCL weight transfer, one lifecycle per version:
   -> ``/finish_weight_update`` ``{weight_version?}``; ``/update_weight_version``
   ``{new_version}`` and ``/weight_info`` set and read the version.
 
+A delta update (``rollsafe.wire.delta``: named tensors recognised by their header) is held
+across the ``/update_weights`` calls and applied, all or nothing, by ``/finish_weight_update``
+(the version it carries, or the delta's own); a refused delta (wrong base, format, digest) is a
+400 naming the error and the key or base, the weights and version unchanged, and unlike a
+failed vLLM update it does not poison the engine (nothing of the weights was replaced). Real
+vLLM applies no such delta (``rollsafe.policy.EngineTraits.applies_deltas``).
+
 Packed transfers are received as vLLM's ``packed_nccl_broadcast_consumer`` cuts them: uint8
 chunks of whole tensors, a chunk closed once it exceeds ``packed_buffer_size_bytes``
 (:func:`~rollsafe.adapters.reference_engine.weights.packed_chunks`); unpacked ones as one
@@ -46,6 +53,7 @@ from aiohttp import web
 from rollsafe.adapters.reference_engine.engine import GenerationResult, SamplingParams
 from rollsafe.adapters.reference_engine.errors import (
     BadRequest,
+    DeltaRefused,
     EnginePaused,
     WeightUpdateError,
     WorkerFailed,
@@ -509,11 +517,13 @@ async def start_weight_update(request: web.Request) -> web.Response:
     ``/finish_weight_update`` a forward pass kills the engine. No group is needed yet (vLLM
     checks it in ``/update_weights``)."""
     await _no_body(request)
-    if not ctx_of(request).engine.begin_update():
+    engine = ctx_of(request).engine
+    if not engine.begin_update():
         raise WorkerFailed(
             "start_weight_update called while a weight update is already active. "
             "Call finish_weight_update first."
         )
+    await await_future(engine.drop_delta())  # one left by an update that never finished
     return web.json_response({"message": "Weight update started"})
 
 
@@ -578,6 +588,11 @@ async def update_weights(request: web.Request) -> web.Response:
             )
             state["meta"] = meta
             await await_future(fut)
+    except DeltaRefused:
+        # a delta's calls are only held until /finish_weight_update applies them: nothing of
+        # the weights was replaced, so the engine is not poisoned (a 400, the update over)
+        engine.end_update()
+        raise
     except BadRequest as exc:
         engine.end_update()
         engine.poison(f"/update_weights failed: {exc}")
@@ -589,11 +604,22 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     body = await read_json(request, allowed={"weight_version"})
     version = want(body, "weight_version", str, None)
-    if not ctx.engine.end_update():
+    engine = ctx.engine
+    if not engine.update_in_progress:
         raise WorkerFailed("finish_weight_update called without a matching start_weight_update.")
-    ctx.engine.heal()  # every layer is complete again (vLLM's finalize_layerwise_reload)
+    try:
+        # a delta update's calls were held: it is applied here, all or nothing, and sets the
+        # version (``weight_version``, or the delta's own when none is given)
+        await await_future(engine.apply_pending_delta(version))
+    except BadRequest:
+        # refused (DeltaRefused: base, format, digest; or a non-finite result): nothing was
+        # applied, the version is unchanged, the engine is not poisoned
+        engine.end_update()
+        raise
+    engine.end_update()
+    engine.heal()  # every layer is complete again (vLLM's finalize_layerwise_reload)
     if version is not None:
-        ctx.engine.weight_version = version
+        engine.weight_version = version
     return web.json_response({"message": "Weight update finished"})
 
 

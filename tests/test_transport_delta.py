@@ -1,0 +1,234 @@
+"""Delta mode of the ``nccl`` (gloo) and ``ipc`` transports against real reference engines.
+
+The trainer holds model B; every engine starts from model A. Checks: the first push to a target
+is full (no base), the next ones are deltas from the confirmed base with far fewer bytes and the
+engine's weights equal the trainer's after each; an engine whose version is not the sender's
+base refuses the delta (nothing changed) and gets the full push in the same update; a failed
+push never moves the base; a recovery's targeted push is full; an engine kind that cannot apply
+deltas, and a delta that is not smaller, get full pushes with their reason; bad settings are
+refused naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import (
+    EngineProcess,
+    engine_factory,  # noqa: F401  (fixture)
+    module_engine,
+    tiny_model_dir,  # noqa: F401  (fixture)
+    tiny_model_dir_b,  # noqa: F401  (fixture)
+)
+from transport_helpers import Trainer, assert_serves
+
+from rollsafe.adapters.engines import SGLangClient
+from rollsafe.errors import InvalidArgument
+from rollsafe.ports import EngineTarget
+from rollsafe.transports import (
+    DeltaSettings,
+    DiskTransport,
+    IPCTransport,
+    NCCLTransport,
+    StagedTransport,
+)
+
+SMALL_BUCKET = 96 << 10
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def eng(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(request, tiny_model_dir, ranks=1)
+
+
+@pytest.fixture(scope="module")
+def eng2(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(request, tiny_model_dir, ranks=2)
+
+
+@pytest.fixture
+def trainer(tiny_model_dir_b: Path) -> Trainer:  # noqa: F811
+    return Trainer(tiny_model_dir_b)
+
+
+def delta_target(
+    name: str, eng: EngineProcess, ranks: tuple[int, ...], **kw: object
+) -> EngineTarget:
+    return EngineTarget(
+        name, ranks, SGLangClient(eng.url), tp_size=len(ranks), **{"applies_deltas": True, **kw}
+    )
+
+
+DELTA = DeltaSettings()
+
+
+def nccl(delta: DeltaSettings | None = DELTA, world: int = 3) -> NCCLTransport:
+    return NCCLTransport(world, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT, delta=delta)
+
+
+def small_step(trainer: Trainer, seed: int, fraction: float = 0.01) -> None:
+    """Change ``fraction`` of every weight's elements (one RL-like step)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            mask = torch.rand(p.shape, generator=gen) < fraction
+            p.add_(mask.to(p.dtype) * 0.01)
+
+
+def kinds(tr: NCCLTransport | IPCTransport) -> dict[str, tuple[str, int | None, str]]:
+    rec = tr.delta_record()
+    assert rec is not None
+    return {t.target: (t.kind, t.base, t.reason) for t in rec.targets}
+
+
+def test_full_first_then_deltas_with_fewer_bytes(
+    eng: EngineProcess, eng2: EngineProcess, trainer: Trainer
+) -> None:
+    tr = nccl()
+    targets = [delta_target("one", eng, (0,)), delta_target("two", eng2, (1, 2))]
+    try:
+        tr.register(trainer.weights(), 1)
+        rep = tr.update(targets)
+        assert rep.ok, rep.results
+        assert {k: v[0] for k, v in kinds(tr).items()} == {"one": "full", "two": "full"}
+        assert "no base" in kinds(tr)["one"][2]
+        full_bytes = rep.results["one"].nbytes
+        assert_serves(eng, trainer, 1)
+        assert_serves(eng2, trainer, 1)
+
+        for version in (2, 3):
+            small_step(trainer, seed=version)
+            tr.register(trainer.weights(), version)
+            rep = tr.update(targets)
+            assert rep.ok, rep.results
+            got = kinds(tr)
+            assert got["one"][:2] == ("delta", version - 1), got
+            assert got["two"][:2] == ("delta", version - 1), got
+            # about 1 % of the elements changed: index + value is far below the whole model
+            assert rep.results["one"].nbytes * 5 < full_bytes, (rep.results, full_bytes)
+            record = tr.delta_record()
+            assert record is not None and record.changed_fraction is not None
+            assert 0.0 < record.changed_fraction < 0.05
+            assert_serves(eng, trainer, version)
+            assert_serves(eng2, trainer, version)
+        stats = tr.delta_stats()
+        assert stats is not None and stats["bases"] == {"one": 3, "two": 3}
+        assert stats["held"] == [3]  # the older base was dropped once no target named it
+    finally:
+        tr.close()
+
+
+def test_an_engine_off_the_base_refuses_and_gets_the_full_push(
+    eng: EngineProcess, trainer: Trainer
+) -> None:
+    tr, other = nccl(), nccl(delta=None)
+    t = delta_target("one", eng, (0,))
+    try:
+        tr.register(trainer.weights(), 1)
+        assert tr.update([t]).ok
+        # another sender moves the engine to v2 behind this transport's back
+        small_step(trainer, seed=11)
+        other.register(trainer.weights(), 2)
+        assert other.update([t]).ok
+        small_step(trainer, seed=12)
+        tr.register(trainer.weights(), 3)
+        rep = tr.update([t])
+        assert rep.ok, rep.results
+        record = tr.delta_record()
+        assert record is not None
+        (row,) = record.targets
+        assert row.kind == "full" and "DeltaBaseMismatch" in row.refused, row
+        assert len(record.refusals) == 1 and len(record.fallbacks) == 1
+        assert_serves(eng, trainer, 3)
+        assert tr.delta_stats()["bases"] == {"one": 3}  # type: ignore[index]
+    finally:
+        tr.close()
+        other.close()
+
+
+def test_a_failed_push_never_moves_the_base_and_recovery_pushes_full(
+    eng: EngineProcess, trainer: Trainer
+) -> None:
+    tr = nccl()
+    good = delta_target("one", eng, (0,))
+    try:
+        tr.register(trainer.weights(), 1)
+        assert tr.update([good]).ok
+        # the same target name now reaches nothing (its engine is gone): the push fails
+        dead = EngineTarget(
+            "one", (0,), SGLangClient("http://127.0.0.1:9", timeout=2.0), applies_deltas=True
+        )
+        small_step(trainer, seed=21)
+        tr.register(trainer.weights(), 2)
+        rep = tr.update([dead])
+        assert not rep.ok
+        assert kinds(tr)["one"][0] == "delta"
+        assert tr.delta_stats()["bases"] == {"one": 1}  # type: ignore[index]
+        # the recovery's targeted push: full, whatever the base was
+        rep = tr.targeted_update([good])
+        assert rep.ok, rep.results
+        assert kinds(tr)["one"][0] == "full" and "forced" in kinds(tr)["one"][2]
+        assert_serves(eng, trainer, 2)
+        assert tr.delta_stats()["bases"] == {"one": 2}  # type: ignore[index]
+    finally:
+        tr.close()
+
+
+def test_engines_that_cannot_apply_and_deltas_not_smaller_get_full_pushes(
+    eng: EngineProcess, trainer: Trainer
+) -> None:
+    tr = nccl()
+    plain = EngineTarget("one", (0,), SGLangClient(eng.url), applies_deltas=False)
+    try:
+        tr.register(trainer.weights(), 1)
+        assert tr.update([plain]).ok
+        small_step(trainer, seed=31)
+        tr.register(trainer.weights(), 2)
+        assert tr.update([plain]).ok
+        kind, _, reason = kinds(tr)["one"]
+        assert kind == "full" and "cannot apply" in reason
+        assert_serves(eng, trainer, 2)
+
+        capable = delta_target("one", eng, (0,))
+        small_step(trainer, seed=32, fraction=0.9)  # nearly everything changed
+        tr.register(trainer.weights(), 3)
+        assert tr.update([capable]).ok
+        kind, _, reason = kinds(tr)["one"]
+        assert kind == "full" and "not smaller" in reason, reason
+        assert_serves(eng, trainer, 3)
+    finally:
+        tr.close()
+
+
+def test_ipc_pushes_deltas_too(eng: EngineProcess, trainer: Trainer) -> None:
+    tr = IPCTransport(3, delta=DeltaSettings())
+    t = delta_target("one", eng, (0,))
+    try:
+        tr.register(trainer.weights(), 1)
+        assert tr.update([t]).ok
+        small_step(trainer, seed=41)
+        tr.register(trainer.weights(), 2)
+        rep = tr.update([t])
+        assert rep.ok, rep.results
+        assert kinds(tr)["one"][:2] == ("delta", 1)
+        assert_serves(eng, trainer, 2)
+    finally:
+        tr.close()
+
+
+def test_settings_are_checked_and_disk_has_no_delta_mode() -> None:
+    with pytest.raises(InvalidArgument) as err:
+        DeltaSettings(dense_fraction=1.5)
+    assert err.value.key == "delta.dense_fraction"
+    with pytest.raises(InvalidArgument) as err:
+        DeltaSettings(max_bases=0)
+    assert err.value.key == "delta.max_bases"
+    # a transport that does not move named tensors has no delta mode: refused by name
+    with pytest.raises(InvalidArgument) as err:
+        StagedTransport(1, delta=DeltaSettings())
+    assert err.value.key == "delta"
+    assert not DiskTransport.supports_delta
+    assert NCCLTransport.supports_delta and IPCTransport.supports_delta
