@@ -1142,18 +1142,18 @@ class RolloutFleet:
             max_version_seen=self.registry.fleet_version,
         )
 
-    def _delta_stats(self) -> dict[str, object] | None:
-        """The transport's deltas (bases per group, snapshots held, the last sync's bytes);
-        None when its deltas are off or it has none."""
-        stats = getattr(self.transport, "delta_stats", None)
-        return stats() if callable(stats) else None
-
     def _export_access(self) -> str:
         """``snapshot()["placement"]["exports"]``: ``shared`` (checked at start), ``moved``
         (recoveries move the export to the group's node) or ``local``."""
         if self.shared_exports is not None:
             return "shared"
         return "moved" if self.export_mover is not None else "local"
+
+    def _delta_stats(self) -> dict[str, object] | None:
+        """The transport's deltas (bases per group, snapshots held, the last sync's bytes);
+        None when its deltas are off or it has none."""
+        stats = getattr(self.transport, "delta_stats", None)
+        return stats() if callable(stats) else None
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly picture of the fleet right now."""
