@@ -726,6 +726,40 @@ def _node_loss(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _delta(d: dict[str, Any]) -> list[Row]:
+    where = "H200, " + d["model"] if d["device"].startswith("cuda") else "CPU, " + d["model"]
+    link = f"{d['transport']}" + (f" ({d['backend']})" if d.get("backend") else "")
+    rows: list[Row] = []
+    for label, s in d["summary"].items():
+        frac = 100 * s["changed_fraction"]["median"]
+        rows.append(
+            (
+                f"delta vs full sync, {where}, {link}, {label} changed "
+                f"({s['steps']} steps, median / p95)",
+                f"{s['delta_s']['median']:.3f} / {s['delta_s']['p95']:.3f} s vs "
+                f"{s['full_s']['median']:.3f} / {s['full_s']['p95']:.3f} s = "
+                f"{s['speedup']}x faster; {s['bytes_ratio']}x fewer bytes "
+                f"({s['delta_bytes'] / 1e6:.1f} vs {s['full_bytes'] / 1e6:.1f} MB; "
+                f"{frac:.2f}% of elements changed; encode {1e3 * s['encode_s']['median']:.0f} ms); "
+                f"digests equal: {s['digests_equal']}",
+                ">= 5x fewer bytes, >= 3x faster at 2 %; never slower at 10 %"
+                if d["mode"] == "synthetic"
+                else "fewer bytes",
+                "-",
+            )
+        )
+    ok = all(d["checks"].values())
+    rows.append(
+        (
+            f"delta bench checks ({where})",
+            "all held" if ok else f"{sum(not v for v in d['checks'].values())} failed",
+            "all",
+            _verdict(ok),
+        )
+    )
+    return rows
+
+
 EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "transitions.json": _transitions,
     "engine_cpu.json": _engine,
@@ -737,6 +771,8 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "recovery_cpu.json": _recovery,
     "real_vllm_cpu.json": _real_vllm,
     "node_loss_cpu.json": _node_loss,
+    "delta_cpu_train.json": _delta,
+    "gpu/delta_h200.json": _delta,
     "continuation_cpu.json": _continuation,
     "gpu/transports_h200.json": _transports_gpu,
     "gpu/ipc_h200_hardened.json": _transports_gpu,
@@ -796,7 +832,7 @@ def render(results: Path = RESULTS) -> str:
         "`python benchmarks/bench_hf_export.py`, `python benchmarks/bench_transports_cpu.py`,",
         "`python benchmarks/bench_control_plane.py`,",
         "`python benchmarks/bench_recovery.py`, `python benchmarks/bench_real_vllm.py`,",
-        "`python benchmarks/bench_node_loss.py`;",
+        "`python benchmarks/bench_node_loss.py`, `python benchmarks/bench_delta.py --train`;",
         "GPU: `benchmarks/gpu/README.md`.",
         "",
     ]

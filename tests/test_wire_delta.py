@@ -25,6 +25,7 @@ from rollsafe.wire.delta import (
     apply_delta,
     encode_delta,
     is_delta,
+    lin64_digest,
 )
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -86,10 +87,13 @@ def test_round_trip_is_bit_exact_and_omits_unchanged_tensors(
     assert set(out) == {"a.weight", "c.bias"}
     for name, t in out.items():
         assert _same_bits(t, new[name]) and t.device == new[name].device
-        # the sender names the digest of its device: SGLang's GPU hash on CUDA, SHA-256 on the host
-        algorithm = "sglang-gpu" if new[name].is_cuda else "sglang-cpu"
-        assert payload.header.algorithm == algorithm
-        assert payload.header.digests[name] == tensor_digest(new[name], algorithm)
+        # the sender's device picks the digest: one-pass lin64 on CUDA, SHA-256 on the host
+        if new[name].is_cuda:
+            assert payload.header.algorithm == "rollsafe-lin64"
+            assert payload.header.digests[name] == lin64_digest(new[name])
+        else:
+            assert payload.header.algorithm == "sglang-cpu"
+            assert payload.header.digests[name] == tensor_digest(new[name], "sglang-cpu")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -416,3 +420,56 @@ def test_any_change_round_trips_exactly(
     out = apply_delta(base, payload.tensors, current_version="5")
     result = {**base, **out}
     assert all(_same_bits(result[k], new[k]) for k in base)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lin64_sees_any_changed_or_moved_word_and_is_the_same_on_every_device(
+    device: str,
+) -> None:
+    gen = torch.Generator().manual_seed(9)
+    t = torch.randn(3 * 1024 + 5, generator=gen).to(torch.bfloat16)
+    want = lin64_digest(t)
+    assert want == lin64_digest(t.clone()) and len(want) == 16
+    on = t.to(device)
+    assert lin64_digest(on) == want  # integer ops only: the same value on CPU and CUDA
+    seen = {want}
+    for pos in (0, 1, 1023, 1024, 2048 + 7, t.numel() - 1):  # one element, any row
+        bumped = on.clone()
+        bumped.view(torch.int16)[pos] ^= 1
+        seen.add(lin64_digest(bumped))
+    swapped = on.clone()
+    swapped[[3, 1500]] = on[[1500, 3]]  # two elements trade places (other rows)
+    seen.add(lin64_digest(swapped))
+    within = on.clone()
+    within[[10, 11]] = on[[11, 10]]  # and within one row
+    seen.add(lin64_digest(within))
+    assert len(seen) == 9, seen
+    # the byte count is part of it: a trailing zero element is not nothing
+    assert lin64_digest(torch.zeros(4, dtype=torch.bfloat16, device=device)) != lin64_digest(
+        torch.zeros(6, dtype=torch.bfloat16, device=device)
+    )
+
+
+def test_a_header_naming_sglang_digests_is_still_checked() -> None:
+    base = {"w": torch.zeros(64, dtype=torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    new["w"][5] = 1.0
+    payload = encode_delta(base, new, base_version=1, version=2)
+    header = payload.header
+    sglang = DeltaHeader(
+        base_version=header.base_version,
+        version=header.version,
+        digests={"w": tensor_digest(new["w"], "sglang-cpu")},
+        sparse=header.sparse,
+        dense=header.dense,
+        algorithm="sglang-cpu",
+    )
+    received = [(DELTA_HEADER_KEY, sglang.to_tensor()), *payload.tensors[1:]]
+    out = apply_delta(base, received, current_version="1")
+    assert torch.equal(out["w"], new["w"])
+    wrong = DeltaHeader(**{**sglang.__dict__, "digests": {"w": "0" * 16}})
+    with pytest.raises(DeltaDigestMismatch) as err:
+        apply_delta(
+            base, [(DELTA_HEADER_KEY, wrong.to_tensor()), *payload.tensors[1:]], current_version="1"
+        )
+    assert err.value.key == "w"
