@@ -72,8 +72,8 @@ __all__ = [
     "delta_base_name",
     "encode_delta",
     "is_delta",
-    "lin64_digest",
     "is_delta_name",
+    "lin64_digest",
     "read_header",
     "result_digest",
 ]
