@@ -161,9 +161,15 @@ def test_sigkill_during_a_weight_update_fails_that_target_only(
     with RequestLoop(fleet) as loop:
         report = step(fleet, trainer, 1, seed=3)  # the trainer's step completes
         assert killed.is_set()
-        assert report.failed == ["g1"] and report.updated == ["g0"], report
+        assert report.updated == ["g0"], report
         assert report.ok  # per-group failures are listed; the step itself completed
-        assert "g1" in report.failed_groups, report
+        # g1's push failed, and the sync took it out; or, on a loaded machine, the health
+        # probes saw the dead engine first and it left routing while the push ran (the sync
+        # then never credits it): either way only g1 is out
+        if report.failed:
+            assert report.failed == ["g1"] and "g1" in report.failed_groups, report
+        else:
+            assert "moved to" in report.not_targeted.get("g1", ""), report
         result = wait_recovery(fleet, "g1")
         assert wait_for(lambda: loop.served_total() > 0)
     g1 = events(fleet, "g1")

@@ -191,6 +191,8 @@ def test_engines_that_cannot_apply_and_deltas_not_smaller_get_full_pushes(
         assert tr.update([plain]).ok
         kind, _, reason = kinds(tr)["one"]
         assert kind == "full" and "cannot apply" in reason
+        record = tr.delta_record()
+        assert record is not None and len(record.fallbacks) == 1  # counted, never silent
         assert_serves(eng, trainer, 2)
 
         capable = delta_target("one", eng, (0,))
@@ -326,3 +328,32 @@ def test_a_fleet_syncs_deltas_and_a_recovered_group_gets_a_full_push_first(
             if line.startswith("rollsafe_sync_bytes_total{") and 'kind="full"' in line
         ]
         assert delta_bytes and full_bytes and 0 < delta_bytes[0] < full_bytes[0]
+
+
+def test_a_version_with_other_names_than_its_base_is_pushed_full(
+    eng: EngineProcess, trainer: Trainer
+) -> None:
+    tr = nccl()
+    t = delta_target("one", eng, (0,))
+    try:
+        weights = trainer.weights()
+        tr.register(weights, 1)
+        assert tr.update([t]).ok
+        # the next version renames nothing but changes a shape: no delta can describe it
+        first = next(iter(weights))
+        odd = dict(weights)
+        odd[first] = weights[first].reshape(-1)
+        tr.register(odd, 2)
+        rep = tr.update([t])
+        kind, _, reason = kinds(tr)["one"]
+        assert kind == "full" and "not encoded" in reason and "DeltaFormatError" in reason
+        # the engine refuses the wrong shape as from any sender: a failed full push drops the
+        # base (the engine's weights are unknown), and the ledger is not left mid-push
+        assert not rep.results["one"].ok
+        assert tr.delta_stats()["bases"] == {}  # type: ignore[index]
+        tr.register(weights, 3)
+        assert tr.update([t]).ok
+        assert kinds(tr)["one"][:1] == ("full",) and "no base" in kinds(tr)["one"][2]
+        assert_serves(eng, trainer, 3)
+    finally:
+        tr.close()

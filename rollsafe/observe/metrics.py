@@ -200,9 +200,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "rollsafe_delta_fallbacks_total",
         "counter",
         "reason",
-        "Targets that could take a delta but were pushed the full version: not_smaller (the "
-        "delta was not smaller than a full sync) or refused (the engine refused the delta: "
-        "wrong base or digest; nothing changed, the full push followed)",
+        "Full pushes where deltas are on and the target had a confirmed base: not_smaller (the "
+        "delta was not smaller than a full sync), refused (the engine refused the delta: "
+        "wrong base or digest; nothing changed, the full push followed) or engine_capability "
+        "(the engine kind does not apply deltas)",
     ),
     _m(
         "rollsafe_delta_changed_fraction",
@@ -532,6 +533,8 @@ class FleetMetrics(FleetListener):
                 self._delta_fallbacks[("refused",)] += 1
             elif "not smaller" in str(row.get("reason", "")):
                 self._delta_fallbacks[("not_smaller",)] += 1
+            elif "cannot apply" in str(row.get("reason", "")):
+                self._delta_fallbacks[("engine_capability",)] += 1
         if delta.get("changed_fraction") is not None:
             self._changed_fraction = float(delta["changed_fraction"])
 

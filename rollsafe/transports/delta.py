@@ -133,10 +133,15 @@ class DeltaRecord:
 
     @property
     def fallbacks(self) -> tuple[TargetSync, ...]:
-        """Targets that could have taken a delta but were sent full (``not smaller``, a
-        refusal): what ``rollsafe_delta_fallbacks_total`` counts."""
+        """Targets sent full for a reason a delta would not have had: ``not smaller``, a
+        refusal, or an engine kind that cannot apply deltas (what
+        ``rollsafe_delta_fallbacks_total`` counts; a first push, a forced one and a lagging
+        base are not fallbacks)."""
         return tuple(
-            t for t in self.targets if t.kind == "full" and (t.refused or "not smaller" in t.reason)
+            t
+            for t in self.targets
+            if t.kind == "full"
+            and (t.refused or "not smaller" in t.reason or "cannot apply" in t.reason)
         )
 
     @property
@@ -269,9 +274,18 @@ class DeltaSender:
         for base, group in sorted(by_base.items()):
             with self._lock:
                 base_items = self._snapshots[base]
-            payload = encode_delta(
-                base_items, items, base_version=base, version=version, dense_fraction=frac
-            )
+            try:
+                payload = encode_delta(
+                    base_items, items, base_version=base, version=version, dense_fraction=frac
+                )
+            except Exception as exc:  # e.g. the version's names or shapes differ from the base's
+                reason = f"delta from v{base} not encoded: {type(exc).__name__}: {exc}"[:512]
+                log.warning("delta: %s; sending %d target(s) full", reason, len(group))
+                for t in group:
+                    self.ledger.fallback_full(t.name, reason)
+                    plan.full.append(t)
+                    plan.reasons[t.name] = reason
+                continue
             plan.encode_s += payload.encode_s
             if plan.changed_fraction is None and payload.total_elements:
                 plan.changed_fraction = payload.changed_elements / payload.total_elements
