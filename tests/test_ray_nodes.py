@@ -10,7 +10,9 @@ driver joined through ``RAY_ADDRESS``:
   node) and removes it; a node that cannot run the read is named with the probe's path;
 * a fleet with ``RaySettings(shared_exports=True)`` checks ``export_root`` at start, says
   ``"shared"`` in its snapshot and syncs through ``transport="disk"`` from that export; an
-  explicitly set ``nccl.master_address`` is kept.
+  explicitly set ``nccl.master_address`` is kept;
+* an actor whose node was removed still answers calls for a moment, as an orphan: its
+  ``node_alive`` says lost every time (the recovery then sends ``node_lost``, not a restart).
 
 Needs Ray (skipped without it, failed under ``CI=true``).
 """
@@ -361,3 +363,38 @@ def test_the_placer_pins_a_group_to_a_node_and_keeps_groups_off_an_excluded_one(
         for p in made:
             placer.release(p)
     assert placer.nodes() == {}
+
+
+def test_an_actor_whose_raylet_died_reports_its_node_lost_while_it_still_answers(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """An actor's worker outlives its raylet for a moment and answers calls meanwhile (they go
+    worker to worker): the recovery's liveness question (``node_alive``, asked by
+    ``RayEngineGroup.placement_alive``) must say lost from the raylet's death on, or a node
+    loss is taken for an engine crash and restarted on the dead node."""
+    from rollsafe.adapters.engines import EngineSpec
+    from rollsafe.adapters.ray import engine_actor
+
+    node = cluster.add_node(num_cpus=1, resources={"orphan": 1})
+    removed = False
+    try:
+        spec = EngineSpec(model_path=str(tiny_model_dir), dialect="sglang")
+        actor = engine_actor(resources={"orphan": 1}).remote(spec)
+        assert ray.get(actor.node_id.remote(), timeout=60) == node.node_id
+        assert ray.get(actor.node_alive.remote(), timeout=30) is True
+        removed = True
+        cluster.remove_node(node, allow_graceful=False)  # as the demo does: raylet killed
+        answers = []  # every answer after the raylet's death
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                answers.append(ray.get(actor.node_alive.remote(), timeout=5))
+            except ray.exceptions.RayError:
+                break  # the worker noticed and exited (or Ray declared the actor dead)
+        assert answers.count(True) == 0, answers
+        print(f"the orphaned worker answered {len(answers)} call(s), each: node lost")
+    finally:
+        if not removed:
+            with contextlib.suppress(Exception):
+                cluster.remove_node(node, allow_graceful=False)

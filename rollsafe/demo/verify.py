@@ -172,4 +172,26 @@ def check_recovered(run: DemoRun, recovery: dict[str, Any]) -> None:
     """The crashed group became ``active`` again after the crash (``recovery``: the report's
     recovery figures)."""
     if run.crash is not None and recovery["active_again_at"] is None:
-        run.failures.append(f"{run.crash['group']} never became active again after the crash")
+        run.failures.append(
+            f"{run.crash['group']} never became active again after the crash"
+            + "".join(_recovery_steps(recovery.get("coordinator") or []))
+        )
+
+
+def _recovery_steps(recoveries: list[dict[str, Any]]) -> list[str]:
+    """Each recovery of the group and its steps, one line each (what to read first when a
+    group did not come back)."""
+    lines = []
+    for rec in recoveries:
+        lines.append(
+            f"\n      recovery: {rec.get('status')} ({rec.get('strategy')}), "
+            f"{rec.get('attempts')} attempt(s): {rec.get('reason')}"
+        )
+        for st in rec.get("steps") or []:
+            mark = "ok" if st.get("ok") else "FAILED"
+            detail = f": {st['detail']}" if st.get("detail") else ""
+            lines.append(
+                f"\n        #{st.get('attempt')} {st.get('name'):<10} {mark:<6}"
+                f" {float(st.get('seconds') or 0.0):7.2f}s{detail}"
+            )
+    return lines

@@ -69,6 +69,8 @@ class EngineHost:
         self._spec = spec
         self._launcher = EngineLauncher(spec)
         self._lock = threading.Lock()
+        #: the process that started this one: under Ray, the raylet of the actor's node
+        self._parent_pid = os.getppid()
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -164,6 +166,13 @@ class EngineHost:
 
     def spec(self) -> dict[str, Any]:
         return dataclasses.asdict(self._launcher.spec)
+
+    def node_alive(self) -> bool:
+        """Whether the process that started this one (under Ray: the raylet of the actor's
+        node) still runs. A worker whose raylet died is orphaned: it answers actor calls for a
+        while (calls go worker to worker, not through the raylet; 0.2-2 s idle, longer on a
+        loaded machine) until it notices, but its node is lost (``docs/cluster.md``)."""
+        return os.getppid() == self._parent_pid
 
     def node_id(self) -> str | None:
         """The Ray node this actor runs on (None outside Ray)."""

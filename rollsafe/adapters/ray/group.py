@@ -208,19 +208,18 @@ class RayEngineGroup:
     def placement_alive(self, *, timeout_s: float = 5.0) -> bool:
         """Whether the group's actor answers within ``timeout_s`` (one Ray call; the recovery
         asks it once per failure, never per request). False: no actor, the actor is dead, or
-        it did not answer (its node is gone or cut off)."""
+        it did not answer (its node is gone or cut off), or it answered as an orphan: its
+        raylet is dead (:meth:`EngineHost.node_alive`; an orphaned worker still answers for a
+        while after its node was lost, so an answer alone is no proof)."""
         import ray
 
         actor = self._actor
         if actor is None:
             return False
         try:
-            ray.get(actor.node_id.remote(), timeout=timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return bool(ray.get(actor.node_alive.remote(), timeout=timeout_s))
+        except ray.exceptions.RayError:  # dead, unavailable, or no answer in time
             return False
-        except ray.exceptions.RayError:
-            return False
-        return True
 
     def release_placement(self) -> None:
         """End the actor (and its engine) and give the placement back."""
