@@ -306,6 +306,9 @@ class NCCLTransport(StagedTransport):
             if dialect == "vllm"
             else {}
         )
+        if extra and target.delta_base_by_content and self._delta is not None:
+            # rollsafe's vLLM CPU plugin keeps a host copy of what it loads, to apply deltas onto
+            extra["keep_delta_base"] = True
         init = calls.submit(
             target.client.init_weights_update_group,
             self.master_address,
