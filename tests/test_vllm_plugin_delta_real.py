@@ -8,7 +8,8 @@ and logprobs then equal, bit for bit, the same server's after a disk reload of v
 onto other weights is refused with the named ``DeltaBaseMismatch`` and leaves the server serving
 exactly what it served before (generation works: not poisoned); a sender whose base snapshot is
 not what the engine holds has its delta refused and pushes the version full in the same update;
-the next delta applies onto the mirror that full push rebuilt. Every update runs paused.
+the next delta applies onto the mirror that full push rebuilt; an engine joined without
+``keep_delta_base`` keeps no mirror and refuses a delta. Every update runs paused.
 """
 
 from __future__ import annotations
@@ -69,9 +70,15 @@ def paused(client: VLLMClient, fn, *args, **kwargs):  # type: ignore[no-untyped-
         client.continue_generation()
 
 
-def push_by_hand(client: VLLMClient, tensors: list[tuple[str, torch.Tensor]], version: str) -> None:
+def push_by_hand(
+    client: VLLMClient,
+    tensors: list[tuple[str, torch.Tensor]],
+    version: str,
+    *,
+    keep: bool = True,
+) -> None:
     """One update of ``tensors`` (unpacked, one gloo broadcast each) through vLLM's routes,
-    joining with ``keep_delta_base`` as rollsafe's sender does for this engine."""
+    joining with ``keep_delta_base=keep`` (rollsafe's sender sets it for this engine)."""
     port = free_port("127.0.0.1")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         init = pool.submit(
@@ -81,7 +88,7 @@ def push_by_hand(client: VLLMClient, tensors: list[tuple[str, torch.Tensor]], ve
             1,
             2,
             packed=False,
-            keep_delta_base=True,
+            keep_delta_base=keep,
             timeout=180,
         )
         group = open_weight_update_group(
@@ -204,6 +211,13 @@ def test_vllm_cpu_applies_deltas_refuses_other_bases_and_falls_back_full(
     assert on_v4 not in (on_v3, on_v2)
     transport.close_groups([target])
     transport.close()
+
+    # joined without keep_delta_base, the engine drops its mirror: a delta is refused at once
+    # (its header came first) and v4 is still served
+    onto_v4 = encode_delta(w4, w3, base_version=4, version=5, base_digests=True)
+    with pytest.raises(EngineError, match=r"DeltaBaseMismatch.*keeps no base"):
+        paused(client, push_by_hand, client, onto_v4.tensors, "5", keep=False)
+    assert weight_version(a.url) == "4" and greedy(a.url) == on_v4
     assert reference(w4, "m4") == on_v4
     assert reference(w3, "m3") == on_v3
 

@@ -1,7 +1,8 @@
 """The ``rollsafe_gloo`` weight-transfer engine: vLLM's weight-update protocol over a gloo group.
 
 Runs inside vLLM's workers (vLLM's factory imports it on first use, see
-:mod:`rollsafe.vllm_plugin`); imports only torch and vLLM. It receives exactly what rollsafe's
+:mod:`rollsafe.vllm_plugin`); imports torch, vLLM and rollsafe's delta wire format
+(:mod:`rollsafe.wire.delta`: torch, numpy). It receives exactly what rollsafe's
 ``NCCLTransport(backend="gloo")`` sends a vLLM-dialect engine:
 
 * **join** (``/init_weight_transfer_engine`` {init_info}): the ``init_info`` ``VLLMClient``
