@@ -62,7 +62,7 @@ from rollsafe.errors import InvalidArgument
 from rollsafe.net import free_port
 from rollsafe.ports import EngineTarget
 from rollsafe.transports.base import StagedTransport, TransportError
-from rollsafe.transports.delta import DeltaSettings
+from rollsafe.transports.delta import DeltaSettings, is_delta_refusal
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -409,7 +409,10 @@ class NCCLTransport(StagedTransport):
                 moved += bucket.nbytes
             ok = True
         except TransportError as exc:
-            if i == 0 and moved == 0 and self.keep_groups and live.reused:
+            # an engine that refused a delta on its first bucket answered: the group is fine,
+            # the delta is not (the full push follows in the same update)
+            refused = is_delta_refusal(str(exc))
+            if i == 0 and moved == 0 and self.keep_groups and live.reused and not refused:
                 retry = True
                 raise _FirstBucketFailed(str(exc)) from exc
             raise
