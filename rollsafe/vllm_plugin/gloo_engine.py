@@ -48,9 +48,10 @@ nothing: the open reload is finalized with nothing loaded (vLLM then puts every 
 tensors back, the weights served before, logging "Failed to load weights" per layer), and
 ``/update_weights`` fails with :class:`DeltaRefused`, whose message starts with the
 :class:`~rollsafe.wire.delta.DeltaError` class name (what the sender's ``is_delta_refusal``
-reads; it then pushes the version full in the same update). Raising inside ``update_weights``
-is where vLLM's worker clears its update flag; the client's closing ``/finish_weight_update``
-is then answered with an error it ignores.
+reads; it then pushes the version full in the same update). A delta whose receive fails before
+it is applied is closed the same way, and the receive's own error raised. Raising inside
+``update_weights`` is where vLLM's worker clears its update flag; the client's closing
+``/finish_weight_update`` is then answered with an error it ignores.
 """
 
 from __future__ import annotations
@@ -369,8 +370,15 @@ class GlooWeightTransferEngine(_EngineBase):  # type: ignore[misc]
         the merged mirror. A refusal closes the reload with nothing loaded, then raises."""
         parts = update.parts if update.parts is not None else []
         update.parts = parts
-        for batch in self._batches(group, update_info):  # the wire first: both ends stay paired
-            parts.extend(batch)
+        try:
+            for batch in self._batches(group, update_info):  # the wire first: ends stay paired
+                parts.extend(batch)
+        except BaseException:
+            if update.result is None:  # nothing loaded yet: close the reload on the old weights
+                self._update = None
+                with contextlib.suppress(Exception):
+                    self._finalize()
+            raise
         if update.result is not None:
             self._update = None
             self.mirror = self.mirror_version = None
