@@ -8,7 +8,8 @@ and logprobs then equal, bit for bit, the same server's after a disk reload of v
 onto other weights is refused with the named ``DeltaBaseMismatch`` and leaves the server serving
 exactly what it served before (generation works: not poisoned); a sender whose base snapshot is
 not what the engine holds has its delta refused and pushes the version full in the same update;
-the next delta applies onto the mirror that full push rebuilt; an engine joined without
+the next deltas apply onto the mirror that full push rebuilt (a delta onto a delta checks the
+mirror's version too) and equal their disk reloads; an engine joined without
 ``keep_delta_base`` keeps no mirror and refuses a delta. Every update runs paused.
 """
 
@@ -126,6 +127,7 @@ def test_vllm_cpu_applies_deltas_refuses_other_bases_and_falls_back_full(
     w2 = nudged(w1, 2)
     w3 = nudged(w2, 3)
     w4 = nudged(w3, 4)
+    w5 = nudged(w4, 5)
     spec = EngineSpec(
         model_path=m1,
         kind="vllm",
@@ -209,15 +211,23 @@ def test_vllm_cpu_applies_deltas_refuses_other_bases_and_falls_back_full(
     assert record is not None and record.delta_targets == ("a",), record.summary()
     on_v4 = greedy(a.url)
     assert on_v4 not in (on_v3, on_v2)
+
+    # a delta onto a delta: the mirror's version (4) is checked too, and the result is exact
+    push(w5, 5)
+    record = transport.delta_record()
+    assert record is not None and record.delta_targets == ("a",), record.summary()
+    on_v5 = greedy(a.url)
+    assert on_v5 != on_v4
     transport.close_groups([target])
     transport.close()
 
     # joined without keep_delta_base, the engine drops its mirror: a delta is refused at once
-    # (its header came first) and v4 is still served
-    onto_v4 = encode_delta(w4, w3, base_version=4, version=5, base_digests=True)
+    # (its header came first) and v5 is still served
+    onto_v5 = encode_delta(w5, w4, base_version=5, version=6, base_digests=True)
     with pytest.raises(EngineError, match=r"DeltaBaseMismatch.*keeps no base"):
-        paused(client, push_by_hand, client, onto_v4.tensors, "5", keep=False)
-    assert weight_version(a.url) == "4" and greedy(a.url) == on_v4
+        paused(client, push_by_hand, client, onto_v5.tensors, "6", keep=False)
+    assert weight_version(a.url) == "5" and greedy(a.url) == on_v5
+    assert reference(w5, "m5") == on_v5
     assert reference(w4, "m4") == on_v4
     assert reference(w3, "m3") == on_v3
 
