@@ -37,8 +37,10 @@ from rollsafe.statemachines.events import (
 
 __all__ = [
     "ENGINE_TRAITS",
+    "ROLLSAFE_GLOO_BACKEND",
     "SENDERS",
     "UNKNOWN_ENGINE",
+    "VLLM_GLOO_TRAITS",
     "EngineTraits",
     "ExportAccess",
     "ExportFacts",
@@ -142,17 +144,27 @@ class EngineTraits:
     of an update kills it (vLLM), so every update runs with generation paused.
 
     ``applies_deltas``: the engine applies a delta update (``rollsafe.wire.delta``, #28) sent
-    as named tensors over ``ipc``/``nccl`` onto exactly its base version, all or nothing, and
-    refuses anything else with a named 400 (the reference engine, both dialects). False for
-    every real engine: SGLang has no delta apply, vLLM's ``sparse_nccl`` is not this format
-    (and not transactional), and rollsafe's vLLM CPU transfer plugin does not apply one yet;
-    a transport sends those engines full syncs.
+    as named tensors over ``ipc``/``nccl`` onto exactly its base, all or nothing, and refuses
+    anything else with a named error (``DeltaBaseMismatch``, ``DeltaFormatError``,
+    ``DeltaDigestMismatch``) having changed nothing, so the sender pushes it full in the same
+    update. True for the reference engine (both dialects) and for vLLM served through
+    rollsafe's ``rollsafe_gloo`` weight-transfer plugin (vLLM on CPU, the launcher's default
+    there: ``vllm-cpu``). False for SGLang (no delta apply) and for vLLM on a GPU: its backends
+    are vLLM's own, whose ``sparse_nccl`` is neither this format nor transactional (a failed
+    update there leaves a half-loaded model); a transport sends those engines full syncs.
+
+    ``delta_base_by_content``: the engine knows no version label to check a delta's base by
+    (vLLM's workers never see ``weight_version``), so it checks the touched tensors' digests
+    against the header's ``base_digests`` instead, and keeps a host copy of the weights it
+    loaded (one model's worth of host memory) to apply deltas onto: the sender writes the base
+    digests and asks for the copy (``keep_delta_base``) for such a target only.
     """
 
     kind: str
     failed_update_keeps_weights: bool
     update_needs_pause: bool
     applies_deltas: bool = False
+    delta_base_by_content: bool = False
 
 
 #: (engine kind, HTTP dialect) -> its traits. ``None`` as dialect: any dialect of that kind.
@@ -162,14 +174,27 @@ ENGINE_TRAITS: dict[tuple[str, str | None], EngineTraits] = {
     ("sglang", None): EngineTraits("sglang", False, False, applies_deltas=False),
     ("vllm", None): EngineTraits("vllm", False, True, applies_deltas=False),
 }
+#: vLLM served through rollsafe's ``rollsafe_gloo`` weight-transfer plugin (vLLM on CPU): a
+#: failed update still poisons it, but it applies deltas, checking the base by content
+VLLM_GLOO_TRAITS = EngineTraits(
+    "vllm-cpu", False, True, applies_deltas=True, delta_base_by_content=True
+)
+#: the weight-transfer backend of :data:`VLLM_GLOO_TRAITS` (``rollsafe.vllm_plugin.BACKEND``)
+ROLLSAFE_GLOO_BACKEND = "rollsafe_gloo"
 #: an engine rollsafe knows nothing about: the careful answer to both questions
 UNKNOWN_ENGINE = EngineTraits("unknown", False, True)
 
 
-def engine_traits(kind: str | None, dialect: str | None = None) -> EngineTraits:
+def engine_traits(
+    kind: str | None, dialect: str | None = None, *, weight_transfer_backend: str | None = None
+) -> EngineTraits:
     """The traits of engine ``kind`` (``"reference"``, ``"sglang"``, ``"vllm"``) speaking
-    ``dialect``; an unknown kind gets :data:`UNKNOWN_ENGINE` (keeps nothing, needs a pause)."""
+    ``dialect``; an unknown kind gets :data:`UNKNOWN_ENGINE` (keeps nothing, needs a pause).
+    A ``"vllm"`` engine whose ``weight_transfer_backend`` is rollsafe's plugin
+    (:data:`ROLLSAFE_GLOO_BACKEND`) gets :data:`VLLM_GLOO_TRAITS`."""
     kind = kind or "reference"
+    if kind == "vllm" and weight_transfer_backend == ROLLSAFE_GLOO_BACKEND:
+        return VLLM_GLOO_TRAITS
     found = ENGINE_TRAITS.get((kind, dialect)) or ENGINE_TRAITS.get((kind, None))
     if found is None and kind == "reference":
         found = ENGINE_TRAITS.get((kind, "sglang"))

@@ -272,7 +272,10 @@ class EngineTarget:
     number of engine processes (one serialized entry each for ``/update_weights_from_tensor``);
     ``applies_deltas``: the engine kind applies rollsafe's delta payloads
     (:attr:`rollsafe.policy.EngineTraits.applies_deltas`; a transport with deltas on sends the
-    others full pushes).
+    others full pushes); ``delta_base_by_content``: it checks a delta's base by content, not by
+    version label (:attr:`rollsafe.policy.EngineTraits.delta_base_by_content`, rollsafe's vLLM
+    CPU plugin): the sender writes the base digests into that delta's header and asks the
+    engine, when it joins, to keep its base.
     """
 
     name: str
@@ -280,6 +283,7 @@ class EngineTarget:
     client: EngineClient
     tp_size: int = 1
     applies_deltas: bool = False
+    delta_base_by_content: bool = False
 
     def __post_init__(self) -> None:
         if not self.ranks:

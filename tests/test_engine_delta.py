@@ -122,6 +122,20 @@ def test_the_reference_engine_declares_it_applies_deltas_and_real_engines_do_not
     assert not engine_traits("lmdeploy").applies_deltas
 
 
+def test_vllm_through_rollsafes_gloo_plugin_applies_deltas_and_vllm_on_gpu_does_not() -> None:
+    from rollsafe.policy import ROLLSAFE_GLOO_BACKEND, VLLM_GLOO_TRAITS
+    from rollsafe.vllm_plugin import BACKEND
+
+    assert ROLLSAFE_GLOO_BACKEND == BACKEND
+    cpu = engine_traits("vllm", "vllm", weight_transfer_backend=BACKEND)
+    assert cpu is VLLM_GLOO_TRAITS and cpu.applies_deltas and cpu.delta_base_by_content
+    assert not cpu.failed_update_keeps_weights and cpu.update_needs_pause
+    gpu = engine_traits("vllm", "vllm", weight_transfer_backend="nccl")
+    assert not gpu.applies_deltas and not gpu.delta_base_by_content
+    for kind in ("reference", "sglang"):  # the backend names a vLLM plugin only
+        assert engine_traits(kind, weight_transfer_backend=BACKEND) is engine_traits(kind)
+
+
 # ---------------------------------------------------------------------- SGLang dialect, tp=2
 def test_nccl_full_then_deltas_on_two_ranks(two: EngineProcess, trainer: Trainer) -> None:
     tr = nccl()

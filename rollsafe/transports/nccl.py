@@ -62,7 +62,7 @@ from rollsafe.errors import InvalidArgument
 from rollsafe.net import free_port
 from rollsafe.ports import EngineTarget
 from rollsafe.transports.base import StagedTransport, TransportError
-from rollsafe.transports.delta import DeltaSettings
+from rollsafe.transports.delta import DeltaSettings, is_delta_refusal
 from rollsafe.transports.pipeline import (
     BucketPlan,
     BucketStream,
@@ -306,6 +306,9 @@ class NCCLTransport(StagedTransport):
             if dialect == "vllm"
             else {}
         )
+        if extra and target.delta_base_by_content and self._delta is not None:
+            # rollsafe's vLLM CPU plugin keeps a host copy of what it loads, to apply deltas onto
+            extra["keep_delta_base"] = True
         init = calls.submit(
             target.client.init_weights_update_group,
             self.master_address,
@@ -406,7 +409,10 @@ class NCCLTransport(StagedTransport):
                 moved += bucket.nbytes
             ok = True
         except TransportError as exc:
-            if i == 0 and moved == 0 and self.keep_groups and live.reused:
+            # an engine that refused a delta on its first bucket answered: the group is fine,
+            # the delta is not (the full push follows in the same update)
+            refused = is_delta_refusal(str(exc))
+            if i == 0 and moved == 0 and self.keep_groups and live.reused and not refused:
                 retry = True
                 raise _FirstBucketFailed(str(exc)) from exc
             raise

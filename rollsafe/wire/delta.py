@@ -39,6 +39,13 @@ bad header, a name the header does not list or one it lists that is missing, an 
 wrong dtype/shape, an index out of range or not ascending), and a result whose digest (the
 header's algorithm: :func:`lin64_digest` from this module's encoder) is not the sender's
 (:class:`DeltaDigestMismatch`). It never mutates its inputs.
+
+A receiver that knows no version label (vLLM's workers never see ``weight_version``) checks its
+base by content instead: the sender, asked with ``encode_delta(..., base_digests=True)``, writes
+the header's optional ``base_digests`` (each touched name's digest of the *base* tensor, in the
+header's algorithm), and ``apply_delta(..., current_version=None)`` refuses with
+:class:`DeltaBaseMismatch` naming the first touched tensor whose current digest differs (or a
+header without them). Untouched tensors are not hashed: the receiver answers for them.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ __all__ = [
     "DeltaHeader",
     "DeltaPayload",
     "apply_delta",
+    "check_base_digests",
     "delta_base_name",
     "encode_delta",
     "is_delta",
@@ -114,12 +122,16 @@ class DeltaError(RollsafeError, ValueError):
 
 
 class DeltaBaseMismatch(DeltaError):
-    """The delta applies onto ``expected`` but the receiver holds ``actual``."""
+    """The delta applies onto ``expected`` but the receiver holds ``actual`` (``message``, when
+    given, says how the base was found different; ``key`` names the tensor when by content)."""
 
-    def __init__(self, expected: str, actual: str) -> None:
+    def __init__(
+        self, expected: str, actual: str, *, message: str | None = None, key: str | None = None
+    ) -> None:
         super().__init__(
-            f"delta base v{expected} but the receiver holds v{actual}; nothing was applied",
-            key=None,
+            message
+            or f"delta base v{expected} but the receiver holds v{actual}; nothing was applied",
+            key=key,
         )
         self.expected = expected
         self.actual = actual
@@ -144,6 +156,9 @@ class DeltaHeader:
     sparse: tuple[str, ...]
     dense: tuple[str, ...]
     algorithm: str = DIGEST_ALGORITHM
+    #: per touched name, the digest of the *base* tensor (``algorithm``); None: not written
+    #: (only a receiver that checks its base by content needs them)
+    base_digests: Mapping[str, str] | None = None
 
     def to_tensor(self, *, device: torch.device | str | None = None) -> torch.Tensor:
         """The header as a 1-D ``uint8`` tensor of its UTF-8 JSON (on ``device``, default CPU)."""
@@ -156,6 +171,8 @@ class DeltaHeader:
             "sparse": list(self.sparse),
             "dense": list(self.dense),
         }
+        if self.base_digests is not None:
+            doc["base_digests"] = dict(self.base_digests)
         raw = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
         t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         return t if device is None else t.to(device)
@@ -207,6 +224,17 @@ class DeltaHeader:
         for name in touched:
             if is_delta_name(name):
                 raise bad(f"touched name {name!r} uses a reserved delta suffix")
+        base_digests = doc.get("base_digests")
+        if base_digests is not None:
+            if not isinstance(base_digests, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in base_digests.items()
+            ):
+                raise bad("'base_digests' must map names to digest strings")
+            if set(base_digests) != touched:
+                odd = sorted(set(base_digests) ^ touched)[0]
+                raise bad(
+                    f"'base_digests' must cover exactly the touched names (differs at {odd!r})"
+                )
         return cls(
             base_version=doc["base_version"],
             version=doc["version"],
@@ -214,6 +242,7 @@ class DeltaHeader:
             sparse=lists["sparse"],
             dense=lists["dense"],
             algorithm=doc["digest"],
+            base_digests=None if base_digests is None else dict(base_digests),
         )
 
     @property
@@ -444,8 +473,13 @@ def encode_delta(
     base_version: int | str,
     version: int | str,
     dense_fraction: float = DENSE_FRACTION,
+    base_digests: bool = False,
 ) -> DeltaPayload:
     """The delta that turns ``base`` into ``new`` (exact raw bits, no tolerance).
+
+    ``base_digests``: also write each touched name's base digest into the header (one more
+    digest pass over the touched base tensors), for a receiver that checks its base by content
+    (``apply_delta(..., current_version=None)``).
 
     ``base`` and ``new`` must hold the same names with the same shapes and dtypes
     (:class:`DeltaFormatError` naming the key otherwise); ``base`` may live on another device
@@ -489,6 +523,7 @@ def encode_delta(
     sparse: list[str] = []
     dense: list[str] = []
     digests: dict[str, str] = {}
+    bases: dict[str, str] = {}
     kinds: dict[str, str] = {}
     changed = total = full = 0
     new_map = dict(new_items)
@@ -515,6 +550,8 @@ def encode_delta(
             tensors.append((name + IDX_SUFFIX, idx))
             tensors.append((name + VAL_SUFFIX, val))
         digests[name] = result_digest(t.detach(), algorithm)
+        if base_digests:
+            bases[name] = result_digest(base_items[name].detach(), algorithm)
     header = DeltaHeader(
         base_version=str(base_version),
         version=str(version),
@@ -522,6 +559,7 @@ def encode_delta(
         sparse=tuple(sparse),
         dense=tuple(dense),
         algorithm=algorithm,
+        base_digests=bases if base_digests else None,
     )
     tensors.insert(0, (DELTA_HEADER_KEY, header.to_tensor(device=device)))
     return DeltaPayload(
@@ -556,18 +594,21 @@ def apply_delta(
     current: Mapping[str, torch.Tensor],
     received: Sequence[tuple[str, torch.Tensor]],
     *,
-    current_version: str,
+    current_version: str | None,
 ) -> dict[str, torch.Tensor]:
     """The new tensor of every name the delta touches, built from ``current`` (never mutated).
 
     Raises, before returning anything: :class:`DeltaBaseMismatch` when the header's base is
-    not ``current_version``; :class:`DeltaFormatError` naming the key for an unlisted, missing,
-    duplicate or unknown name, a wrong dtype or shape, an index out of range or not strictly
-    ascending; :class:`DeltaDigestMismatch` naming the key when a result's digest is not the
-    header's. Results live on each current tensor's device and share no memory with the inputs.
+    not ``current_version`` or, with ``current_version=None`` (a receiver that knows no
+    version), when the header carries no ``base_digests`` or a touched tensor of ``current``
+    does not hash to its base digest (:func:`check_base_digests`); :class:`DeltaFormatError`
+    naming the key for an unlisted, missing, duplicate or unknown name, a wrong dtype or shape,
+    an index out of range or not strictly ascending; :class:`DeltaDigestMismatch` naming the
+    key when a result's digest is not the header's. Results live on each current tensor's
+    device and share no memory with the inputs.
     """
     header = _header_of(received)
-    if header.base_version != str(current_version):
+    if current_version is not None and header.base_version != str(current_version):
         raise DeltaBaseMismatch(header.base_version, str(current_version))
     got: dict[str, torch.Tensor] = {}
     for name, t in received:
@@ -596,6 +637,8 @@ def apply_delta(
     for name in header.touched:
         if name not in current:
             raise DeltaFormatError(f"{name!r}: no such weight here", key=name)
+    if current_version is None:
+        check_base_digests(current, header)
     out: dict[str, torch.Tensor] = {}
     for name in header.dense:
         cur, t = current[name], got[name]
@@ -652,6 +695,37 @@ def apply_delta(
                 key=name,
             )
     return {name: out[name] for name in header.touched}
+
+
+def check_base_digests(current: Mapping[str, torch.Tensor], header: DeltaHeader) -> None:
+    """Check by content that ``current`` holds the delta's base: every touched tensor hashes
+    (the header's algorithm) to the header's ``base_digests``. :class:`DeltaBaseMismatch` for
+    a header without them (the sender was not asked for them) or naming the first touched
+    tensor that differs; :class:`DeltaFormatError` for a touched name ``current`` lacks."""
+    if header.base_digests is None:
+        raise DeltaBaseMismatch(
+            header.base_version,
+            "unknown",
+            message=(
+                f"delta base v{header.base_version} carries no base_digests and this receiver "
+                "knows no version to check it by; nothing was applied"
+            ),
+        )
+    for name in header.touched:
+        if name not in current:
+            raise DeltaFormatError(f"{name!r}: no such weight here", key=name)
+        digest = result_digest(current[name], header.algorithm)
+        if digest != header.base_digests[name]:
+            raise DeltaBaseMismatch(
+                header.base_version,
+                "other weights",
+                message=(
+                    f"delta base v{header.base_version}: {name!r} here hashes to {digest}, the "
+                    f"base's to {header.base_digests[name]}: the receiver holds other weights; "
+                    "nothing was applied"
+                ),
+                key=name,
+            )
 
 
 def _raise_bad_indices(

@@ -518,6 +518,7 @@ class VLLMClient(HttpEngineClient):
         packed: bool = True,
         packed_buffer_size_bytes: int | None = None,
         packed_num_buffers: int | None = None,
+        keep_delta_base: bool = False,
     ) -> str:
         """POST ``/init_weight_transfer_engine`` {init_info}; blocks until the trainer joins.
 
@@ -527,7 +528,9 @@ class VLLMClient(HttpEngineClient):
         refused with :class:`EngineNotSupported`, nothing sent). Packing
         is fixed here for every later ``/update_weights``: ``packed`` (rollsafe's default, as
         vLLM's own trainer side) sends each call as uint8 chunks closed once they exceed
-        ``packed_buffer_size_bytes`` (vLLM's default 1 GiB when None).
+        ``packed_buffer_size_bytes`` (vLLM's default 1 GiB when None). ``keep_delta_base``
+        (sent only when True; rollsafe's ``rollsafe_gloo`` backend alone knows it): the engine
+        keeps a host copy of the weights it loads, to apply later deltas onto.
         """
         _only_group("init_weights_update_group", group_name)
         init_info: dict[str, Any] = {
@@ -541,6 +544,8 @@ class VLLMClient(HttpEngineClient):
             init_info["packed_buffer_size_bytes"] = int(packed_buffer_size_bytes)
         if packed_num_buffers is not None:
             init_info["packed_num_buffers"] = int(packed_num_buffers)
+        if keep_delta_base:
+            init_info["keep_delta_base"] = True
         with self._update_lock:
             self._update_open = False  # a new group starts outside any update
         return self._post_checked(

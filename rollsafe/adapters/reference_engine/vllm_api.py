@@ -25,7 +25,8 @@ across the ``/update_weights`` calls and applied, all or nothing, by ``/finish_w
 (the version it carries, or the delta's own); a refused delta (wrong base, format, digest) is a
 400 naming the error and the key or base, the weights and version unchanged, and unlike a
 failed vLLM update it does not poison the engine (nothing of the weights was replaced). Real
-vLLM applies no such delta (``rollsafe.policy.EngineTraits.applies_deltas``).
+vLLM applies one only through rollsafe's ``rollsafe_gloo`` plugin (vLLM on CPU, checking the
+base by content: ``rollsafe.policy.EngineTraits``); vLLM's own backends do not.
 
 Packed transfers are received as vLLM's ``packed_nccl_broadcast_consumer`` cuts them: uint8
 chunks of whole tensors, a chunk closed once it exceeds ``packed_buffer_size_bytes``
