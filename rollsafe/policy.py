@@ -37,7 +37,6 @@ from rollsafe.statemachines.events import (
 
 __all__ = [
     "ENGINE_TRAITS",
-    "ROLLSAFE_GLOO_BACKEND",
     "SENDERS",
     "UNKNOWN_ENGINE",
     "VLLM_GLOO_TRAITS",
@@ -179,8 +178,9 @@ ENGINE_TRAITS: dict[tuple[str, str | None], EngineTraits] = {
 VLLM_GLOO_TRAITS = EngineTraits(
     "vllm-cpu", False, True, applies_deltas=True, delta_base_by_content=True
 )
-#: the weight-transfer backend of :data:`VLLM_GLOO_TRAITS` (``rollsafe.vllm_plugin.BACKEND``)
-ROLLSAFE_GLOO_BACKEND = "rollsafe_gloo"
+#: the weight-transfer backend of :data:`VLLM_GLOO_TRAITS`, ``rollsafe.vllm_plugin.BACKEND`` (the
+#: policy imports no adapter; tests/test_engine_delta.py checks that BACKEND selects these traits)
+_GLOO_PLUGIN_BACKEND = "rollsafe_gloo"
 #: an engine rollsafe knows nothing about: the careful answer to both questions
 UNKNOWN_ENGINE = EngineTraits("unknown", False, True)
 
@@ -191,9 +191,9 @@ def engine_traits(
     """The traits of engine ``kind`` (``"reference"``, ``"sglang"``, ``"vllm"``) speaking
     ``dialect``; an unknown kind gets :data:`UNKNOWN_ENGINE` (keeps nothing, needs a pause).
     A ``"vllm"`` engine whose ``weight_transfer_backend`` is rollsafe's plugin
-    (:data:`ROLLSAFE_GLOO_BACKEND`) gets :data:`VLLM_GLOO_TRAITS`."""
+    (``"rollsafe_gloo"``) gets :data:`VLLM_GLOO_TRAITS`."""
     kind = kind or "reference"
-    if kind == "vllm" and weight_transfer_backend == ROLLSAFE_GLOO_BACKEND:
+    if kind == "vllm" and weight_transfer_backend == _GLOO_PLUGIN_BACKEND:
         return VLLM_GLOO_TRAITS
     found = ENGINE_TRAITS.get((kind, dialect)) or ENGINE_TRAITS.get((kind, None))
     if found is None and kind == "reference":

@@ -527,8 +527,10 @@ class RolloutFleet:
         dialect = options.get("dialect") or ("sglang" if kind == "reference" else kind)
         # vLLM's weight-transfer backend as the launcher picks it (EngineSpec.vllm_backend):
         # rollsafe's gloo plugin on CPU (EngineSpec's default device), vLLM's nccl elsewhere
+        from rollsafe.adapters.engines.vllm_cpu import ROLLSAFE_GLOO_BACKEND
+
         backend = options.get("weight_transfer_backend") or (
-            policy.ROLLSAFE_GLOO_BACKEND if str(options.get("device", "cpu")) == "cpu" else "nccl"
+            ROLLSAFE_GLOO_BACKEND if str(options.get("device", "cpu")) == "cpu" else "nccl"
         )
         return policy.engine_traits(kind, str(dialect), weight_transfer_backend=str(backend))
 
