@@ -297,6 +297,12 @@ def test_a_fleet_syncs_deltas_and_a_recovered_group_gets_a_full_push_first(
         while fleet.registry.get("g1").state == "active" and time.monotonic() < deadline:
             time.sleep(0.1)
         assert fleet.registry.get("g1").state != "active"
+        # the health thread takes g1 out first and hands it to the recovery just after: wait
+        # for the recovery's record, not only for no recovery running (one may not be yet)
+        deadline = time.monotonic() + 180
+        while not [r for r in fleet.recoveries() if r.group_id == "g1"]:
+            assert time.monotonic() < deadline, "g1's recovery did not end in 180 s"
+            time.sleep(0.1)
         assert fleet.wait_recoveries(timeout=180)
         (recovery,) = [r for r in fleet.recoveries() if r.group_id == "g1"]
         assert recovery.strategy == "targeted_push", recovery  # immediate recovery is off

@@ -14,8 +14,10 @@ import contextlib
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 
 from rollsafe.demo.state import DemoRun
@@ -75,9 +77,9 @@ def _shut_down(run: DemoRun, restore_sigterm: Callable[[], None], interrupted: s
             with run.timed("close (Ray cluster)") if run.nodes else contextlib.nullcontext():
                 run.stack.close()  # --nodes: the local cluster's nodes, RAY_ADDRESS restored
         restore_sigterm()
-        shutil.rmtree(run.work, ignore_errors=True)
-        if run.ray_dir is not None:
-            shutil.rmtree(run.ray_dir, ignore_errors=True)
+        for scratch in (run.work, run.ray_dir):
+            if scratch is not None:
+                _remove_tree(Path(scratch))
         if interrupted:
             print(
                 f"demo interrupted ({interrupted}): engines"
@@ -85,3 +87,18 @@ def _shut_down(run: DemoRun, restore_sigterm: Callable[[], None], interrupted: s
                 + (f" and the {run.nodes}-node Ray cluster" if run.nodes else "")
                 + " shut down"
             )
+
+
+def _remove_tree(path: Path, timeout_s: float = 10.0) -> None:
+    """Remove ``path`` and everything under it. A process that was stopped a moment ago may
+    still be writing there (a log line, a temp file) while the tree is removed, which leaves
+    the directory behind: try again until it is gone or ``timeout_s`` passed, then say so."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        if time.monotonic() >= deadline:
+            print(f"note: could not remove {path} (still in use); remove it by hand")
+            return
+        time.sleep(0.1)
