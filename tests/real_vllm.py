@@ -156,3 +156,54 @@ def weight_version(url: str) -> str | None:
     r.raise_for_status()
     version = r.json()["weight_version"]
     return None if version is None else str(version)
+
+
+def push_unpacked(
+    client: Any, tensors: list[tuple[str, Any]], version: str, **init_options: Any
+) -> None:
+    """One update of ``tensors`` through vLLM's routes by hand, ``packed=False``: this process
+    joins vLLM's weight-transfer group as the trainer (rank 0 of 2) and broadcasts each tensor
+    in its dtype while ``/update_weights`` receives them. ``init_options`` go to
+    ``init_weights_update_group`` (e.g. ``keep_delta_base``)."""
+    import concurrent.futures
+
+    from rollsafe.net import free_port
+    from rollsafe.wire.group import open_weight_update_group
+    from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
+
+    port = free_port("127.0.0.1")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        init = pool.submit(
+            client.init_weights_update_group,
+            "127.0.0.1",
+            port,
+            1,
+            2,
+            packed=False,
+            timeout=180,
+            **init_options,
+        )
+        group = open_weight_update_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=0,
+            world_size=2,
+            group_name=VLLM_WEIGHT_TRANSFER_GROUP,
+            timeout_s=120,
+        )
+        init.result(timeout=180)
+        try:
+            call = pool.submit(
+                client.update_weights_from_distributed,
+                [n for n, _ in tensors],
+                [str(t.dtype) for _, t in tensors],
+                [list(t.shape) for _, t in tensors],
+                weight_version=version,
+                timeout=180,
+            )
+            for _, t in tensors:
+                group.broadcast(t.contiguous(), 0).wait()
+            call.result(timeout=180)
+        finally:
+            client.destroy_weights_update_group(timeout=60)
+            group.close()

@@ -15,26 +15,22 @@ mirror's version too) and equal their disk reloads; an engine joined without
 
 from __future__ import annotations
 
-import concurrent.futures
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from engine_helpers import all_gone
-from real_vllm import greedy, make_vllm_model, server_env, weight_version
+from real_vllm import greedy, make_vllm_model, push_unpacked, server_env, weight_version
 from safetensors.torch import load_file, save_file
 
 from rollsafe.adapters.engines import EngineError, EngineLauncher, EngineSpec, VLLMClient
-from rollsafe.net import free_port
 from rollsafe.policy import VLLM_GLOO_TRAITS, engine_traits
 from rollsafe.ports import EngineTarget
 from rollsafe.transports import NCCLTransport
 from rollsafe.transports.delta import DeltaSettings
 from rollsafe.vllm_plugin import BACKEND
 from rollsafe.wire.delta import encode_delta
-from rollsafe.wire.group import open_weight_update_group
-from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(1800)]
 
@@ -80,42 +76,7 @@ def push_by_hand(
 ) -> None:
     """One update of ``tensors`` (unpacked, one gloo broadcast each) through vLLM's routes,
     joining with ``keep_delta_base=keep`` (rollsafe's sender sets it for this engine)."""
-    port = free_port("127.0.0.1")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        init = pool.submit(
-            client.init_weights_update_group,
-            "127.0.0.1",
-            port,
-            1,
-            2,
-            packed=False,
-            keep_delta_base=keep,
-            timeout=180,
-        )
-        group = open_weight_update_group(
-            master_address="127.0.0.1",
-            master_port=port,
-            rank=0,
-            world_size=2,
-            group_name=VLLM_WEIGHT_TRANSFER_GROUP,
-            timeout_s=120,
-        )
-        init.result(timeout=180)
-        try:
-            call = pool.submit(
-                client.update_weights_from_distributed,
-                [n for n, _ in tensors],
-                [str(t.dtype) for _, t in tensors],
-                [list(t.shape) for _, t in tensors],
-                weight_version=version,
-                timeout=180,
-            )
-            for _, t in tensors:
-                group.broadcast(t.contiguous(), 0).wait()
-            call.result(timeout=180)
-        finally:
-            client.destroy_weights_update_group(timeout=60)
-            group.close()
+    push_unpacked(client, tensors, version, keep_delta_base=keep)
 
 
 def test_vllm_cpu_applies_deltas_refuses_other_bases_and_falls_back_full(

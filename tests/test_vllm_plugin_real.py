@@ -16,24 +16,20 @@ model 1 back, compared with the fresh answers.
 
 from __future__ import annotations
 
-import concurrent.futures
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 from engine_helpers import all_gone
-from real_vllm import greedy, make_vllm_model, server_env, weight_version
+from real_vllm import greedy, make_vllm_model, push_unpacked, server_env, weight_version
 from safetensors.torch import load_file
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, VLLMClient
 from rollsafe.adapters.engines.vllm_cpu import ROLLSAFE_GLOO_BACKEND
-from rollsafe.net import free_port
 from rollsafe.ports import EngineTarget
 from rollsafe.transports import NCCLTransport
 from rollsafe.vllm_plugin import BACKEND
-from rollsafe.wire.group import open_weight_update_group
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(2400)]
@@ -97,41 +93,6 @@ print(GROUP_NAME)
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == VLLM_WEIGHT_TRANSFER_GROUP
-
-
-def push_unpacked(client: VLLMClient, weights: dict[str, torch.Tensor], version: str) -> None:
-    """``packed=False`` through vLLM's routes by hand: one gloo broadcast per tensor, in its
-    dtype, while ``/update_weights`` receives them."""
-    port = free_port("127.0.0.1")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        init = pool.submit(
-            client.init_weights_update_group, "127.0.0.1", port, 1, 2, packed=False, timeout=180
-        )
-        group = open_weight_update_group(
-            master_address="127.0.0.1",
-            master_port=port,
-            rank=0,
-            world_size=2,
-            group_name=VLLM_WEIGHT_TRANSFER_GROUP,
-            timeout_s=120,
-        )
-        init.result(timeout=180)
-        try:
-            names = list(weights)
-            call = pool.submit(
-                client.update_weights_from_distributed,
-                names,
-                [str(weights[n].dtype) for n in names],
-                [list(weights[n].shape) for n in names],
-                weight_version=version,
-                timeout=180,
-            )
-            for name in names:
-                group.broadcast(weights[name].contiguous(), 0).wait()
-            call.result(timeout=180)
-        finally:
-            client.destroy_weights_update_group(timeout=60)
-            group.close()
 
 
 def test_gloo_pushes_and_disk_reload_equal_fresh_servers(
@@ -198,7 +159,7 @@ def test_gloo_pushes_and_disk_reload_equal_fresh_servers(
     # 2. unpacked (init_info packed=false): one broadcast per tensor
     away()
     client.pause_generation("abort")
-    push_unpacked(client, load_file(str(Path(m1) / "model.safetensors")), "4")
+    push_unpacked(client, list(load_file(str(Path(m1) / "model.safetensors")).items()), "4")
     client.continue_generation()
     assert weight_version(a.url) == "4" and greedy(a.url) == on_m1
 
