@@ -37,6 +37,7 @@ from rollsafe.statemachines.events import (
 
 __all__ = [
     "ENGINE_TRAITS",
+    "PULL_SHARE",
     "SENDERS",
     "UNKNOWN_ENGINE",
     "VLLM_GLOO_TRAITS",
@@ -84,6 +85,7 @@ __all__ = [
     "plan_retention",
     "plan_targeted_push",
     "proceed_after_register",
+    "pull_budget_s",
     "select_targets",
     "settle_push",
     "settle_update",
@@ -851,6 +853,18 @@ def export_access(*, placement: str, shared: bool) -> ExportAccess:
     if placement != "ray":
         return ExportAccess.LOCAL
     return ExportAccess.SHARED if shared else ExportAccess.MOVED
+
+
+#: the share of a recovery attempt's remaining time its ``pull`` step may take (moved mode)
+PULL_SHARE = 0.5
+
+
+def pull_budget_s(remaining_s: float) -> float:
+    """How long the ``pull`` step may take when ``remaining_s`` of the attempt are left:
+    :data:`PULL_SHARE` of it, so a pull that does not finish (a node whose object store or
+    actor is stuck) still leaves the fallback -- dummy weights and a targeted push -- the
+    rest of the attempt instead of failing the whole recovery on the deadline."""
+    return max(0.0, remaining_s) * PULL_SHARE
 
 
 def after_pull(ok: bool, why: str, *, version: int, can_push: bool) -> StrategyChoice:

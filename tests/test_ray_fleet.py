@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -265,7 +266,9 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
     """Exports not shared: the export of v1 is on the trainer's disk only. The group's node is
     removed; its restart on the other node pulls the export there (Ray's object store, checked
     against the manifest) and starts from that copy at v1. Then a chunk of v2's export is
-    damaged on the way: the pull is refused and the group comes back by the targeted push."""
+    damaged on the way: the pull is refused and the group comes back by the targeted push.
+    Last, a chunk never arrives: the pull gives up within its share of the attempt
+    (``policy.pull_budget_s``), named, and the push in the same attempt brings it back."""
     from rollsafe.adapters.ray.exports import publish_export
 
     first = cluster.add_node(num_cpus=1, resources={"mv": 1})
@@ -276,6 +279,7 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
         ray=RaySettings(resources_per_rank={"mv": 1.0}, placement_timeout_s=30.0),
         enable_immediate_recovery=True,
     )
+    stuck_refs: list[Any] = []
     try:
         with RolloutFleet(cfg) as fleet:
             (group,) = handles(fleet).values()
@@ -343,7 +347,46 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
             assert group.client.generate(PROMPT, sampling_params=GREEDY).weight_version == "2"
             stats = fleet.snapshot()["placement"]["moved"]
             assert stats["failed_pulls"] == 1 and stats["bytes_pulled"] == nbytes
+
+            # a chunk that never arrives (its object is the result of a task that does not
+            # end): the pull gives up within its share of the attempt, named, and the group
+            # still comes back at v2 by the push in the time left
+            # (a lambda: pickled by value, the workers cannot import this test module)
+            never = ray.remote(num_cpus=0, max_retries=0)(lambda: time.sleep(3600)).remote()
+            stuck_refs.append(never)
+
+            def stuck(path: str) -> Any:
+                parcel = publish_export(path, chunk_bytes=64 << 10)
+                name = max(parcel.chunks, key=lambda n: len(parcel.chunks[n]))
+                refs = parcel.chunks[name]
+                return dataclasses.replace(parcel, chunks={**parcel.chunks, name: (never, *refs)})
+
+            fleet.export_mover.publish = stuck
+            assert fleet.recovery is not None
+            fleet.recovery.recovery_timeout_s = 60.0  # the pull may take half: 30 s
+            done = len(fleet.recoveries())
+            group.kill_rank(0)
+            assert wait_for(
+                lambda: (
+                    len(fleet.recoveries()) > done and fleet.registry.get("g0").state == "active"
+                ),
+                240,
+            ), fleet.snapshot()["recoveries"]
+            result = fleet.recoveries()[-1]
+            (pull,) = [s for s in result.steps if s.name == "pull"]
+            assert not pull.ok and "ExportPullTimeout" in pull.detail, pull
+            assert ".safetensors' did not arrive" in pull.detail, pull  # names the file
+            assert pull.seconds < 0.5 * 60.0 + 5.0, pull  # its share, not the whole attempt
+            (restart,) = [s for s in result.steps if s.name == "restart"]
+            assert "skip_load_weights=True" in restart.detail
+            assert result.strategy == "targeted_push" and result.status == "active", result
+            assert result.attempts == 1, result  # the fallback fit in the same attempt
+            assert fleet.checksums() == {"g0": want2}
+            assert fleet.snapshot()["placement"]["moved"]["failed_pulls"] == 2
     finally:
+        for ref in stuck_refs:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
         for node in (first, second):
             with contextlib.suppress(Exception):
                 cluster.remove_node(node, allow_graceful=False)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import rollsafe.policy as policy
 from rollsafe.adapters.ray.exports import (
     ExportMover,
     ExportPullRefused,
+    ExportPullTimeout,
     publish_export,
     receive_export,
 )
@@ -102,13 +105,21 @@ class Store:
 
     def __init__(self) -> None:
         self.objects: dict[int, bytes] = {}
+        #: refs whose object never arrives (``get`` waits its timeout, then raises as Ray's)
+        self.never: set[int] = set()
+        self.timeouts: list[float | None] = []
 
     def put(self, data: bytes) -> int:
         ref = len(self.objects)
         self.objects[ref] = data
         return ref
 
-    def get(self, ref: int) -> bytes:
+    def get(self, ref: int, timeout: float | None = None) -> bytes:
+        self.timeouts.append(timeout)
+        if ref in self.never:
+            assert timeout is not None, "an unbounded get of an object that never arrives"
+            time.sleep(timeout)
+            raise TimeoutError(f"object {ref} not ready after {timeout} s")  # as ray.get's
         return self.objects[ref]
 
 
@@ -120,10 +131,14 @@ class Handle:
         self.node = node
         self.asked: list[tuple[str | None, str | None]] = []
 
-    def pull_export(self, parcel: Any, dest_root: str | None, *, fleet: str) -> dict[str, Any]:
+    def pull_export(
+        self, parcel: Any, dest_root: str | None, *, fleet: str, timeout_s: float | None = None
+    ) -> dict[str, Any]:
         self.asked.append((dest_root, fleet))
         assert dest_root is not None
-        got = receive_export(parcel, Path(dest_root) / fleet / self.node, get=self.store.get)
+        got = receive_export(
+            parcel, Path(dest_root) / fleet / self.node, get=self.store.get, timeout_s=timeout_s
+        )
         return {"path": got.path, "nbytes": got.nbytes, "reused": got.reused, "node_id": self.node}
 
 
@@ -186,3 +201,63 @@ def test_a_damaged_chunk_is_refused_counted_and_leaves_no_copy(tmp_path: Path) -
     stats = mover.stats()
     assert stats["failed_pulls"] == 1 and "ExportPullRefused" in str(stats["last_error"])
     assert stats["bytes_pulled"] == 0
+
+
+def test_a_chunk_that_never_arrives_is_a_named_timeout_that_leaves_nothing(tmp_path: Path) -> None:
+    store = Store()
+    v1 = write_export(tmp_path / "exports", 1)
+    parcel = publish_export(v1, chunk_bytes=1024, put=store.put)
+    store.never.add(parcel.chunks["model.safetensors"][2])
+    handle = Handle(store, "node-a")
+    mover = ExportMover(
+        lambda g: handle, dest_root=str(tmp_path / "nodes"), fleet="f", publish=lambda p: parcel
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ExportPullTimeout) as err:
+        mover.pull("g0", 1, str(v1), timeout_s=0.3)
+    assert time.monotonic() - t0 < 5.0  # bounded by the pull's timeout, not by the object
+    assert err.value.phase == "transfer" and err.value.file == "model.safetensors"
+    assert "did not arrive" in str(err.value) and "hf-v1" in str(err.value)
+    node_dir = tmp_path / "nodes" / "f" / "node-a"
+    assert list(node_dir.iterdir()) == []  # neither the copy nor its temporary directory
+    left = [t for t in store.timeouts if t is not None]
+    assert left and all(0 < t <= 0.3 for t in left)  # every chunk asked with what was left
+    assert left == sorted(left, reverse=True)
+    assert mover.stats()["failed_pulls"] == 1
+    assert "ExportPullTimeout" in str(mover.stats()["last_error"])
+    store.never.clear()  # the object arrives after all: the next pull moves it
+    again = mover.pull("g0", 1, str(v1), timeout_s=5.0)
+    assert again.nbytes == 10000 and not again.reused
+
+
+def test_without_a_timeout_a_chunk_is_asked_unbounded_and_a_bad_timeout_is_refused(
+    tmp_path: Path,
+) -> None:
+    store = Store()
+    v1 = write_export(tmp_path / "exports", 1)
+    parcel = publish_export(v1, chunk_bytes=1024, put=store.put)
+    got = receive_export(parcel, tmp_path / "a", get=store.get)
+    assert got.nbytes == 10000 and set(store.timeouts) == {None}
+    for bad in (0, -1.0, True, "5"):
+        with pytest.raises(ValueError, match="timeout_s"):
+            receive_export(parcel, tmp_path / "b", get=store.get, timeout_s=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_pull_timeout_names_its_phase_and_survives_pickling() -> None:
+    actor = ExportPullTimeout("hf-v3", "actor", 12.5)
+    assert "actor did not answer" in str(actor) and "12.5 s" in str(actor)
+    transfer = pickle.loads(pickle.dumps(ExportPullTimeout("hf-v3", "transfer", 4.0, "m.st")))
+    assert (transfer.export, transfer.phase, transfer.timeout_s, transfer.file) == (
+        "hf-v3",
+        "transfer",
+        4.0,
+        "m.st",
+    )
+    assert isinstance(transfer, TimeoutError) and "'m.st' did not arrive" in str(transfer)
+
+
+def test_the_pull_may_take_half_of_what_is_left_of_the_attempt() -> None:
+    assert policy.pull_budget_s(120.0) == pytest.approx(120.0 * policy.PULL_SHARE)
+    assert 0 < policy.PULL_SHARE < 1  # the fallback always keeps a share
+    assert policy.pull_budget_s(-3.0) == 0.0

@@ -90,6 +90,26 @@ class Recorder:
             return [e for _, batch in self.calls for e in batch]
 
 
+def test_the_local_clusters_raylets_run_with_its_settings(cluster: Any) -> None:
+    """Every raylet (and the GCS) ``local_cluster`` started reads its settings from its own
+    environment: the private ``RAY_TMPDIR``, the 1 s node health check, the 300 s worker
+    registration timeout (a loaded one-machine cluster must not kill a worker still starting)."""
+    from rollsafe.adapters.ray.local import HEALTH_PERIOD, REGISTER_TIMEOUT
+
+    nodes = [cluster.head_node, *cluster.worker_nodes]
+    seen = 0
+    for node in nodes:
+        for kind in ("raylet", "gcs_server"):
+            for info in node.all_processes.get(kind, []):
+                raw = Path(f"/proc/{info.process.pid}/environ").read_bytes().split(b"\0")
+                env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+                assert env.get(REGISTER_TIMEOUT) == "300", (kind, env.get(REGISTER_TIMEOUT))
+                assert env.get(HEALTH_PERIOD) == "1000", (kind, env.get(HEALTH_PERIOD))
+                assert env.get("RAY_TMPDIR", "").startswith("/tmp/rs-ray-"), kind
+                seen += 1
+    assert seen == len(nodes) + 1  # a raylet per node and the head's GCS
+
+
 def test_the_watcher_reports_a_removed_node_once_and_a_joined_one(cluster: Any) -> None:
     got = Recorder()
     watcher = NodeWatcher(got, interval_s=0.2).start()

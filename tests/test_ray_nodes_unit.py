@@ -297,3 +297,27 @@ def test_a_moved_export_is_checked_against_its_manifest_before_it_is_kept(
     with pytest.raises(ExportPullRefused) as err:
         publish_export(src, put=put)
     assert err.value.file == "config.json"
+
+
+def test_a_clusters_ray_logs_are_copied_when_asked_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollsafe.adapters.ray.local import KEEP_LOGS, _keep_logs
+
+    tmp = tmp_path / "rs-ray-abc"
+    logs = tmp / "ray" / "session_2026-12-02_1" / "logs"
+    (logs / "old").mkdir(parents=True)
+    (logs / "raylet.out").write_text("raylet says")
+    (logs / "old" / "worker-1.err").write_text("a worker died")
+    (tmp / "ray" / "session_2026-12-02_1" / "sockets").mkdir()
+    (tmp / "ray" / "session_2026-12-02_1" / "sockets" / "plasma").write_text("not a log")
+    monkeypatch.delenv(KEEP_LOGS, raising=False)
+    _keep_logs(str(tmp))  # not asked: nothing copied anywhere
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rs-ray-abc"]
+    keep = tmp_path / "kept"
+    monkeypatch.setenv(KEEP_LOGS, str(keep))
+    _keep_logs(str(tmp))
+    copied = keep / "rs-ray-abc" / "ray" / "session_2026-12-02_1" / "logs"
+    assert (copied / "raylet.out").read_text() == "raylet says"
+    assert not (copied / "old").exists()  # only the logs directory's own files
+    assert not (keep / "rs-ray-abc" / "ray" / "session_2026-12-02_1" / "sockets").exists()

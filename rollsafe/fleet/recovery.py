@@ -125,10 +125,13 @@ T = TypeVar("T")
 
 class ExportMoverLike(Protocol):
     """What moves a verified export to a group's node (``moved`` mode;
-    :class:`rollsafe.adapters.ray.ExportMover`): ``pull(group_id, version, path)`` returns the
-    node's checked copy (``path``, ``nbytes``, ``reused``, ``node_id``) or raises."""
+    :class:`rollsafe.adapters.ray.ExportMover`): ``pull(group_id, version, path, timeout_s=)``
+    returns the node's checked copy (``path``, ``nbytes``, ``reused``, ``node_id``) within
+    ``timeout_s``, or raises."""
 
-    def pull(self, group_id: str, version: int, path: str) -> Any: ...
+    def pull(
+        self, group_id: str, version: int, path: str, *, timeout_s: float | None = None
+    ) -> Any: ...
 
 
 class RecoveryError(FleetError):
@@ -870,12 +873,21 @@ class _AttemptExecutor:
         return _OK
 
     def _pull_export(self, effect: fx.PullExport) -> fx.Outcome:
-        """The ``pull`` step: the export moved to the group's node and checked there."""
+        """The ``pull`` step: the export moved to the group's node and checked there, within
+        its share of the attempt's time (:func:`~rollsafe.policy.pull_budget_s`): a pull
+        that does not finish leaves the fallback (dummy weights and a push) the rest."""
         mover = self.c.export_mover
         version, path = effect.lease.version, effect.lease.path
         if mover is None or path is None:
             return fx.Failed("no export mover")
-        outcome = self._timed("pull", lambda: mover.pull(effect.group, version, path))
+        budget = policy.pull_budget_s(self.deadline - time.monotonic())
+        # the pull's own bound ends a little before the step's, so its named error
+        # (ExportPullTimeout: which phase waited) is what the step reports
+        outcome = self._timed(
+            "pull",
+            lambda: mover.pull(effect.group, version, path, timeout_s=0.9 * budget),
+            until=time.monotonic() + budget,
+        )
         if not isinstance(outcome, fx.Ok):
             return outcome
         got = outcome.value
@@ -899,12 +911,20 @@ class _AttemptExecutor:
 
     # ------------------------------------------------------------------ the restart
     def _timed(
-        self, name: str, fn: Callable[[], Any], *, detail: str = "", **kw: Any
+        self,
+        name: str,
+        fn: Callable[[], Any],
+        *,
+        detail: str = "",
+        until: float | None = None,
+        **kw: Any,
     ) -> fx.Outcome:
-        """Run ``fn`` as step ``name`` (its own daemon thread, the attempt's deadline)."""
-        remaining = self.deadline - time.monotonic()
+        """Run ``fn`` as step ``name`` (its own daemon thread, the attempt's deadline, or the
+        earlier ``until``)."""
+        deadline = self.deadline if until is None else min(until, self.deadline)
+        remaining = deadline - time.monotonic()
         try:
-            value = self.c._run_step(self.run, name, self.deadline, fn, detail=detail, **kw)
+            value = self.c._run_step(self.run, name, deadline, fn, detail=detail, **kw)
         except _Attempt as exc:
             if exc.timed_out or not exc.retry:  # ran past, or no time left to start it
                 return fx.TimedOut(max(0.0, remaining), str(exc))

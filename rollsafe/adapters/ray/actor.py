@@ -187,7 +187,12 @@ class EngineHost:
         return self._launcher.output_tail()
 
     def pull_export(
-        self, parcel: Any, dest_root: str | None, *, fleet: str | None = None
+        self,
+        parcel: Any,
+        dest_root: str | None,
+        *,
+        fleet: str | None = None,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Copy a published export (:func:`~rollsafe.adapters.ray.exports.publish_export`) to
         this node's ``dest_root`` through Ray's object store, every file checked against the
@@ -195,7 +200,8 @@ class EngineHost:
         ``{"path", "nbytes", "reused", "node_id"}``: ``path`` is what a restart loads.
         ``fleet`` (the fleet's mover): the copy goes under
         ``<dest_root or this node's temporary directory>/rollsafe-moved/<fleet>/<node id>``,
-        so fleets, and nodes that share a disk, never take each other's copies."""
+        so fleets, and nodes that share a disk, never take each other's copies. ``timeout_s``
+        bounds the fetch (``ExportPullTimeout``, nothing left behind; None: no bound)."""
         import tempfile
 
         from rollsafe.adapters.ray.exports import receive_export
@@ -206,7 +212,7 @@ class EngineHost:
             dest_root = os.path.join(base, "rollsafe-moved", fleet, node[:16])
         elif dest_root is None:
             raise ValueError("pull_export: dest_root is None and no fleet is named")
-        pulled = receive_export(parcel, dest_root)
+        pulled = receive_export(parcel, dest_root, timeout_s=timeout_s)
         return {**dataclasses.asdict(pulled), "node_id": self.node_id()}
 
     # -- serving and weights --------------------------------------------------------------

@@ -46,6 +46,7 @@ __all__ = [
     "ExportMover",
     "ExportParcel",
     "ExportPullRefused",
+    "ExportPullTimeout",
     "ProbeFile",
     "PulledExport",
     "SharedExportUnreadable",
@@ -240,6 +241,28 @@ class ExportPullRefused(RollsafeError, RuntimeError):
         return (type(self), (self.export, self.file, self.reason))
 
 
+class ExportPullTimeout(RollsafeError, TimeoutError):
+    """A pull of export ``export`` did not finish within ``timeout_s``: ``phase`` says what
+    waited (``"actor"``: the group's actor did not answer, its worker process has not started;
+    ``"transfer"``: a chunk of ``file`` did not arrive from the object store). Nothing was
+    left in place."""
+
+    def __init__(self, export: str, phase: str, timeout_s: float, file: str = "") -> None:
+        self.export = export
+        self.phase = phase
+        self.timeout_s = timeout_s
+        self.file = file
+        what = (
+            "the group's actor did not answer (its worker process has not started)"
+            if phase == "actor"
+            else f"a chunk of {file!r} did not arrive from Ray's object store"
+        )
+        super().__init__(f"pulled export {export!r}: {what} within {timeout_s:.1f} s")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a Ray actor: travels pickled
+        return (type(self), (self.export, self.phase, self.timeout_s, self.file))
+
+
 @dataclass(frozen=True)
 class ExportParcel:
     """A verified export published into Ray's object store (:func:`publish_export`): its
@@ -337,19 +360,31 @@ def _matches(directory: Path, files: Mapping[str, tuple[int, str]]) -> bool:
 
 
 def receive_export(
-    parcel: ExportParcel, dest_root: str | os.PathLike[str], *, get: Any = None
+    parcel: ExportParcel,
+    dest_root: str | os.PathLike[str],
+    *,
+    get: Any = None,
+    timeout_s: float | None = None,
 ) -> PulledExport:
     """Write ``parcel`` under ``dest_root`` on this node (runs where the engine runs): each file
     is fetched chunk by chunk (``get``, default ``ray.get``), hashed, and checked against the
     manifest before the directory is renamed into place as ``dest_root/<name>``; a mismatch
     raises :class:`ExportPullRefused` and leaves nothing behind. A copy already there that
-    matches the manifest is reused (nothing fetched)."""
+    matches the manifest is reused (nothing fetched). ``timeout_s`` bounds the whole fetch:
+    each chunk is asked with ``get(ref, timeout=<what is left>)``, and a chunk that does not
+    arrive in time (``get`` raises ``TimeoutError``, as ``ray.get`` does) raises
+    :class:`ExportPullTimeout`, nothing left behind; None: ``get(ref)``, no bound."""
     from rollsafe.hf.layout import MANIFEST_NAME
 
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0
+    ):
+        raise InvalidArgument("timeout_s", f"timeout_s must be a number > 0 or None: {timeout_s!r}")
     if get is None:
         import ray
 
         get = ray.get
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     files = _manifest_files(parcel.manifest, parcel.name)
     if dict(files) != dict(parcel.files) or set(parcel.chunks) != set(files):
         raise ExportPullRefused(parcel.name, MANIFEST_NAME, "the parcel's files differ from it")
@@ -371,7 +406,18 @@ def receive_export(
             got = 0
             with open(tmp / name, "wb") as f:
                 for ref in parcel.chunks[name]:
-                    data = get(ref)
+                    if deadline is None:
+                        data = get(ref)
+                    else:
+                        left = deadline - time.monotonic()
+                        try:
+                            if left <= 0:
+                                raise TimeoutError("no time left")
+                            data = get(ref, timeout=left)
+                        except TimeoutError as late:
+                            raise ExportPullTimeout(
+                                parcel.name, "transfer", float(timeout_s or 0.0), name
+                            ) from late
                     digest.update(data)
                     got += len(data)
                     if got > size:
@@ -485,16 +531,22 @@ class ExportMover:
                 self.publishes += 1
             return parcel
 
-    def pull(self, group_id: str, version: int, path: str) -> PulledExport:
+    def pull(
+        self, group_id: str, version: int, path: str, *, timeout_s: float | None = None
+    ) -> PulledExport:
         """Move the export of ``version`` (at ``path`` on this node) to ``group_id``'s node:
         its checked copy there (:class:`PulledExport`, with the node's id).
         Raises :class:`ExportPullRefused` (a file did not match the manifest: nothing left
-        there) or the Ray error of a pull that failed."""
+        there), :class:`ExportPullTimeout` (not done within ``timeout_s``; None: the handle's
+        own bound) or the Ray error of a pull that failed."""
         with self._lock:
             self.pulls += 1
         try:
             parcel = self.parcel(version, path)
-            got = self.handle_for(group_id).pull_export(parcel, self.dest_root, fleet=self.fleet)
+            kwargs: dict[str, Any] = {"fleet": self.fleet}
+            if timeout_s is not None:
+                kwargs["timeout_s"] = timeout_s
+            got = self.handle_for(group_id).pull_export(parcel, self.dest_root, **kwargs)
         except BaseException as exc:
             with self._lock:
                 self.failed_pulls += 1

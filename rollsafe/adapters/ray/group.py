@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -228,21 +229,40 @@ class RayEngineGroup:
             self._forget()
 
     def pull_export(
-        self, parcel: Any, dest_root: str | None, *, fleet: str | None = None
+        self,
+        parcel: Any,
+        dest_root: str | None,
+        *,
+        fleet: str | None = None,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Have the group's actor pull a published export to its node
         (:meth:`EngineHost.pull_export`, checked there against the manifest); the actor's
-        ``ExportPullRefused`` is raised as itself. Bounded by ``start_timeout_s``."""
+        ``ExportPullRefused`` is raised as itself. Bounded by ``timeout_s`` (None:
+        ``start_timeout_s``), in two phases a timeout names (``ExportPullTimeout.phase``):
+        the actor answering (a new placement's actor may still be starting), then the
+        transfer with the time left."""
         import ray
+
+        from rollsafe.adapters.ray.exports import ExportPullTimeout
 
         actor = self._actor
         if actor is None:
             raise RuntimeError(f"group {self.group_id!r} holds no actor: nothing to pull to")
+        bound = self.start_timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + bound
+        try:
+            ray.get(actor.node_alive.remote(), timeout=bound)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise ExportPullTimeout(str(parcel.name), "actor", bound) from exc
+        left = max(deadline - time.monotonic(), 0.001)
         try:
             got: dict[str, Any] = ray.get(
-                actor.pull_export.remote(parcel, dest_root, fleet=fleet),
-                timeout=self.start_timeout_s,
+                actor.pull_export.remote(parcel, dest_root, fleet=fleet, timeout_s=left),
+                timeout=left + self.call_timeout_s,  # the actor's own bound ends it first
             )
+        except ray.exceptions.GetTimeoutError as exc:
+            raise ExportPullTimeout(str(parcel.name), "transfer", bound) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, Exception):

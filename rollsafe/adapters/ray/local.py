@@ -5,9 +5,15 @@ benchmark and the tests (``docs/cluster.md``, "Testing on one machine").
 its own raylet with its own resources, in a private temporary directory (``RAY_TMPDIR``, so the
 cluster's address file never makes another process's bare ``ray.init()`` join it; short, since
 Ray's socket paths under it must fit AF_UNIX's 107 bytes), with the GCS's node health check at
-``health_check_period_ms`` (so a removed node is noticed within seconds), and sets
+``health_check_period_ms`` (so a removed node is noticed within seconds), the raylets' worker
+registration timeout at ``worker_register_timeout_s`` (Ray's 60 s default kills a worker that
+has not registered by then and fails the lease that waited for it: on a loaded one-machine
+cluster, where a worker's start alone has taken 50 s, that turns a slow actor start into a
+lost one), and sets
 ``RAY_ADDRESS`` for whoever calls ``ray.init`` next. Leaving the context disconnects the
-driver, shuts down exactly the nodes it started and restores the environment.
+driver, shuts down exactly the nodes it started and restores the environment; with
+``ROLLSAFE_KEEP_RAY_LOGS=DIR`` set, the cluster's Ray logs (GCS, raylets, workers) are copied
+to ``DIR/<the private directory's name>`` first, for a post-mortem.
 """
 
 from __future__ import annotations
@@ -19,10 +25,14 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["HEALTH_PERIOD", "local_cluster"]
+__all__ = ["HEALTH_PERIOD", "KEEP_LOGS", "REGISTER_TIMEOUT", "local_cluster"]
 
 #: the GCS's node health-check period (ms; Ray's default 3000), read by the GCS it starts
 HEALTH_PERIOD = "RAY_health_check_period_ms"
+#: the raylets' worker registration timeout (s; Ray's default 60), read by each raylet
+REGISTER_TIMEOUT = "RAY_worker_register_timeout_seconds"
+#: where the cluster's Ray logs are copied when it shuts down (unset: they are removed with it)
+KEEP_LOGS = "ROLLSAFE_KEEP_RAY_LOGS"
 
 
 @contextlib.contextmanager
@@ -32,6 +42,7 @@ def local_cluster(
     head_resources: Mapping[str, float] | None = None,
     cpus_per_node: int = 1,
     health_check_period_ms: int = 1000,
+    worker_register_timeout_s: int = 300,
 ) -> Iterator[Any]:
     """A head node (``cpus_per_node`` CPUs, ``head_resources``) and one worker node per
     ``workers`` entry (``cpus_per_node`` CPUs and those custom resources each); yields the
@@ -42,9 +53,11 @@ def local_cluster(
     if ray.is_initialized():
         ray.shutdown()
     tmp = tempfile.mkdtemp(prefix="rs-ray-", dir="/tmp")
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_ADDRESS", HEALTH_PERIOD)}
+    keys = ("RAY_TMPDIR", "RAY_ADDRESS", HEALTH_PERIOD, REGISTER_TIMEOUT)
+    saved = {k: os.environ.get(k) for k in keys}
     os.environ["RAY_TMPDIR"] = tmp
     os.environ[HEALTH_PERIOD] = str(health_check_period_ms)
+    os.environ[REGISTER_TIMEOUT] = str(worker_register_timeout_s)
     cluster = Cluster(shutdown_at_exit=True)
     try:
         cluster.add_node(
@@ -65,4 +78,22 @@ def local_cluster(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        _keep_logs(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _keep_logs(tmp: str) -> None:
+    """Copy ``tmp``'s Ray session logs under ``$ROLLSAFE_KEEP_RAY_LOGS`` (when set)."""
+    keep = os.environ.get(KEEP_LOGS)
+    if not keep:
+        return
+    dest = os.path.join(keep, os.path.basename(tmp))
+    for root, _dirs, files in os.walk(tmp):
+        if os.path.basename(root) != "logs":
+            continue
+        for name in files:
+            src = os.path.join(root, name)
+            rel = os.path.relpath(src, tmp)
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+                shutil.copyfile(src, os.path.join(dest, rel))
