@@ -8,8 +8,8 @@ Ray's socket paths under it must fit AF_UNIX's 107 bytes), with the GCS's node h
 ``health_check_period_ms`` (so a removed node is noticed within seconds), the raylets' worker
 registration timeout at ``worker_register_timeout_s`` (Ray's 60 s default kills a worker that
 has not registered by then and fails the lease that waited for it: on a loaded one-machine
-cluster, where a worker's start alone has taken 50 s, that turns a slow actor start into a
-lost one), and sets
+cluster, where starting the demo's trainer actor has taken 52 s, that turns a slow actor
+start into a lost one), and sets
 ``RAY_ADDRESS`` for whoever calls ``ray.init`` next. Leaving the context disconnects the
 driver, shuts down exactly the nodes it started and restores the environment; with
 ``ROLLSAFE_KEEP_RAY_LOGS=DIR`` set, the cluster's Ray logs (GCS, raylets, workers) are copied
