@@ -64,6 +64,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── PlacementUnavailable [RuntimeError]           rollsafe.adapters.ray.placement
     ├── SharedExportUnreadable [RuntimeError]         rollsafe.adapters.ray.exports
     ├── ExportPullRefused [RuntimeError]              rollsafe.adapters.ray.exports
+    ├── ExportPullTimeout [TimeoutError]              rollsafe.adapters.ray.exports
     ├── FleetError                                    rollsafe.fleet
     │   ├── UnknownGroup [KeyError]
     │   ├── DuplicateGroup, OverlappingRanks, FleetVersionRegression [ValueError]
