@@ -58,7 +58,8 @@ def _assert_nothing_left(pids: list[int], dirs: list[str], timeout: float = 30.0
         assert time.monotonic() < deadline, f"leaked: pids {alive}, processes {left}"
         time.sleep(0.2)
     for d in dirs:
-        assert not Path(d).exists(), f"{d} was not removed"
+        left_there = sorted(str(p.relative_to(d)) for p in Path(d).rglob("*"))[:40]
+        assert not Path(d).exists(), f"{d} was not removed; in it: {left_there}"
 
 
 @pytest.mark.parametrize("transport", ["ipc", "nccl"])

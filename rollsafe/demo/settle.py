@@ -89,16 +89,24 @@ def _shut_down(run: DemoRun, restore_sigterm: Callable[[], None], interrupted: s
             )
 
 
-def _remove_tree(path: Path, timeout_s: float = 10.0) -> None:
-    """Remove ``path`` and everything under it. A process that was stopped a moment ago may
-    still be writing there (a log line, a temp file) while the tree is removed, which leaves
-    the directory behind: try again until it is gone or ``timeout_s`` passed, then say so."""
+def _remove_tree(path: Path, timeout_s: float = 10.0, quiet_s: float = 1.0) -> None:
+    """Remove ``path`` and everything under it. A process or thread that was stopped a moment
+    ago may still be writing there (a log line, a temp file, a directory made with its
+    parents) while or just after the tree is removed, which leaves it behind: remove it again
+    until it has stayed gone for ``quiet_s`` or ``timeout_s`` passed, then say so."""
     deadline = time.monotonic() + timeout_s
+    gone_since: float | None = None
     while True:
-        shutil.rmtree(path, ignore_errors=True)
+        if path.exists():
+            gone_since = None
+            shutil.rmtree(path, ignore_errors=True)
+        now = time.monotonic()
         if not path.exists():
-            return
-        if time.monotonic() >= deadline:
-            print(f"note: could not remove {path} (still in use); remove it by hand")
+            gone_since = now if gone_since is None else gone_since
+            if now - gone_since >= quiet_s:
+                return
+        if now >= deadline:
+            if path.exists():
+                print(f"note: could not remove {path} (still in use); remove it by hand")
             return
         time.sleep(0.1)
