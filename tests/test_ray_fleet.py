@@ -82,6 +82,17 @@ def handles(fleet: RolloutFleet) -> dict[str, RayEngineGroup]:
     return out
 
 
+def kill_and_recover(fleet: RolloutFleet, group: RayEngineGroup) -> Any:
+    """SIGKILL the group's rank 0; wait for a new recovery and g0 ``active``; its result."""
+    done = len(fleet.recoveries())
+    group.kill_rank(0)
+    assert wait_for(
+        lambda: len(fleet.recoveries()) > done and fleet.registry.get("g0").state == "active",
+        240,
+    ), fleet.snapshot()["recoveries"]
+    return fleet.recoveries()[-1]
+
+
 def worker_ids(cluster: Any) -> set[str]:
     return {n.node_id for n in cluster.worker_nodes}
 
@@ -327,15 +338,7 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
                 return dataclasses.replace(parcel, chunks=damaged)
 
             fleet.export_mover.publish = tampering
-            done = len(fleet.recoveries())
-            group.kill_rank(0)
-            assert wait_for(
-                lambda: (
-                    len(fleet.recoveries()) > done and fleet.registry.get("g0").state == "active"
-                ),
-                240,
-            ), fleet.snapshot()["recoveries"]
-            result = fleet.recoveries()[-1]
+            result = kill_and_recover(fleet, group)
             (pull,) = [s for s in result.steps if s.name == "pull"]
             assert not pull.ok and "ExportPullRefused" in pull.detail, pull
             (why,) = [s for s in result.steps if s.name == "strategy"]
@@ -364,15 +367,7 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
             fleet.export_mover.publish = stuck
             assert fleet.recovery is not None
             fleet.recovery.recovery_timeout_s = 60.0  # the pull may take half: 30 s
-            done = len(fleet.recoveries())
-            group.kill_rank(0)
-            assert wait_for(
-                lambda: (
-                    len(fleet.recoveries()) > done and fleet.registry.get("g0").state == "active"
-                ),
-                240,
-            ), fleet.snapshot()["recoveries"]
-            result = fleet.recoveries()[-1]
+            result = kill_and_recover(fleet, group)
             (pull,) = [s for s in result.steps if s.name == "pull"]
             assert not pull.ok and "ExportPullTimeout" in pull.detail, pull
             assert ".safetensors' did not arrive" in pull.detail, pull  # names the file
