@@ -172,14 +172,16 @@ def handlers() -> tuple[dict[str, dict[str, list[str]]], list[str]]:
         if mod == "rollsafe.operations.effects":
             continue
         tree = ast.parse(path.read_text())
-        side = (mod.split(".") + ["root"])[1]
+        side = [*mod.split("."), "root"][1]
         for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
             owner = cls.name
             for top in cls.body:
                 for node in ast.walk(top):
                     hits: list[str] = []
                     if isinstance(node, ast.Dict):
-                        hits += [h for k in node.keys if k is not None and (h := _effect_ref(k, effects))]
+                        hits += [
+                            h for k in node.keys if k is not None and (h := _effect_ref(k, effects))
+                        ]
                     elif (
                         isinstance(node, ast.Call)
                         and isinstance(node.func, ast.Name)
@@ -365,10 +367,15 @@ def main() -> int:
         f"{rf.get('public_attributes')} public attributes ({rf.get('module')})"
     )
     ti = report["type_ignores"]
-    print(f"type: ignore: {ti['rollsafe']} in rollsafe/, {ti['rollsafe/operations']} in operations/")
+    print(
+        f"type: ignore: {ti['rollsafe']} in rollsafe/, {ti['rollsafe/operations']} in operations/"
+    )
     if args.trace:
         tr = report["trace"]
-        print(f"modules run in the driver: sync {tr['sync_modules']}, recovery {tr['recovery_modules']}")
+        print(
+            f"modules run in the driver: sync {tr['sync_modules']}, "
+            f"recovery {tr['recovery_modules']}"
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return 0
