@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from rollsafe.errors import RollsafeError
 from rollsafe.lazy import lazy_attributes
+from rollsafe.version import VERSION
 
 if TYPE_CHECKING:
     from rollsafe.fleet.config import FleetConfig, GroupSpec
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
         WorkerGroupLifecycle,
     )
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "CheckpointRegistration",

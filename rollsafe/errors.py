@@ -29,8 +29,8 @@ The tree (other bases in brackets, then where the class lives)::
     ├── LeaseError [RuntimeError]                     rollsafe.statemachines.export
     ├── MachineTerminated [RuntimeError]              rollsafe.statemachines.base
     ├── OperationError [RuntimeError]                 rollsafe.operations (an executor bug)
+    ├── StagingFailed [RuntimeError]                  rollsafe.transports.delta (sent full)
     ├── TransportError [RuntimeError]                 rollsafe.transports
-    │   ├── StagingFailed                             (a delta payload not staged: sent full)
     │   ├── RegisterError
     │   │   ├── NonFiniteWeights                      (the ipc sender's finite check)
     │   │   └── KeyCoverageError, ExpertGatherError   (checkpoint_engine)

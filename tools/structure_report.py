@@ -202,6 +202,42 @@ def handlers() -> tuple[dict[str, dict[str, list[str]]], list[str]]:
     return {e: dict(v) for e, v in sorted(table.items())}, sorted(executors)
 
 
+def executor_tables() -> dict[str, Any] | None:
+    """From the code itself, where it has executors (``rollsafe.operations.executor``): each
+    executor class, and each effect's handlers (the class that handles it, not the ones that
+    hold that class as a part). None for a tree from before the executor shape."""
+    import importlib
+    import pkgutil
+
+    try:
+        from rollsafe.operations.executor import Executor
+    except ImportError:
+        return None
+    import rollsafe
+
+    for info in pkgutil.walk_packages(rollsafe.__path__, prefix="rollsafe."):
+        if not info.name.endswith("__main__"):
+            try:
+                importlib.import_module(info.name)
+            except ImportError:
+                continue
+    classes: list[type] = []
+    todo = list(Executor.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    handled: dict[str, list[str]] = defaultdict(list)
+    for cls in classes:
+        for effect, (part, _) in cls.table.items():
+            if part is None:
+                handled[effect.__name__].append(f"{cls.__module__}:{cls.__name__}")
+    return {
+        "executors": sorted(f"{c.__module__}:{c.__name__}" for c in classes),
+        "handlers": {e: sorted(v) for e, v in sorted(handled.items())},
+    }
+
+
 # ============================================================================ RolloutFleet
 def rolloutfleet() -> dict[str, Any]:
     for path in (PACKAGE / "fleet").rglob("*.py"):
@@ -338,6 +374,7 @@ def main() -> int:
         "executors": executors,
         "rolloutfleet": rolloutfleet(),
         "type_ignores": type_ignores(),
+        "executor_tables": executor_tables(),
     }
     if args.trace:
         report["trace"] = trace_modules()
@@ -361,6 +398,19 @@ def main() -> int:
         print(f"effects handled in more than one place ({label}): {len(multi)} of {len(table)}")
         for e, places in multi.items():
             print(f"  {e}: {len(places)}: {', '.join(places)}")
+    tables = report["executor_tables"]
+    if tables is not None:
+        fleet_side = {
+            e: [w for w in where if not w.startswith("rollsafe.verify")]
+            for e, where in tables["handlers"].items()
+        }
+        twice = {e: w for e, w in fleet_side.items() if len(w) > 1}
+        print(f"executor tables (from the code): {len(tables['executors'])} executor classes")
+        print(f"  effects with more than one fleet-side handler: {len(twice)} {twice or ''}")
+        verify_only = sorted(
+            e for e, where in tables["handlers"].items() if all("verify" not in w for w in where)
+        )
+        print(f"  effects the verifier performs with the fleet's own handler: {verify_only}")
     rf = report["rolloutfleet"]
     print(
         f"RolloutFleet: {rf.get('lines')} lines, {rf.get('public_methods')} public methods, "

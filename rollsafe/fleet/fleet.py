@@ -43,7 +43,7 @@ from rollsafe.fleet.elastic import Membership
 from rollsafe.fleet.engines import EngineGroups
 from rollsafe.fleet.inspection import ExportHistory, picture, timeline
 from rollsafe.fleet.partial_rollouts import SYNC_PAUSE_MODES, SyncPauseMode, paused_generation
-from rollsafe.fleet.placement import PlacementContext, make_placement
+from rollsafe.fleet.placement import LocalPlacement, Placement, PlacementContext
 from rollsafe.fleet.router import RoutedResult, Router
 from rollsafe.observe.observer import FleetObserver
 from rollsafe.registry import FleetError, FleetRegistry
@@ -68,6 +68,16 @@ if TYPE_CHECKING:
 __all__ = ["FleetNotStarted", "RolloutFleet"]
 
 log = logging.getLogger(__name__)
+
+
+def make_placement(config: FleetConfig) -> Placement:
+    """The placement ``config`` asks for: its ``launcher_factory`` (which wins), else
+    ``placement`` (``"local"`` or ``"ray"``)."""
+    if config.launcher_factory is not None or config.placement != "ray":
+        return LocalPlacement(config.launcher_factory)
+    from rollsafe.fleet.ray_placement import RayPlacement
+
+    return RayPlacement(config)
 
 
 class FleetNotStarted(FleetError, RuntimeError):
@@ -338,46 +348,25 @@ class RolloutFleet:
 
     def checksums(self, timeout: float = 10.0) -> dict[str, str | None]:
         """Each group's engine model digest from its own weight checker (None if it did not
-        answer). Equal model digests say two engines of one kind report the same; against a
-        trainer use :meth:`check_weights` (per tensor, in the engine's layout, never "equal"
-        without data). ``rollsafe.checksum.weights_checksum(w, algorithm)["model"]`` equals
-        an SGLang-dialect engine's; vLLM reports fused parameter names and, on CPU, empty
-        digests for linear weights, so its model digest is not a trainer's."""
-        out: dict[str, str | None] = {}
-        for group in self.registry.groups():
-            client = group.client
-            try:
-                out[group.group_id] = (
-                    client.weights_checksum(timeout=timeout).model if client else None
-                )
-            except Exception:
-                out[group.group_id] = None
-        return out
+        answer): :func:`rollsafe.fleet.weights_check.engine_checksums`. Against a trainer use
+        :meth:`check_weights`."""
+        from rollsafe.fleet.weights_check import engine_checksums
+
+        return engine_checksums(self.registry, timeout=timeout)
 
     def check_weights(
         self, weights: Mapping[str, torch.Tensor], timeout: float = 10.0
     ) -> dict[str, DigestCheck | None]:
         """Each group's engine checked against the trainer's HF-named ``weights``, tensor by
-        tensor in the engine's own layout (:mod:`rollsafe.fleet.weights_check`); None where
-        the engine did not answer. A verdict is ``"equal"`` only when every tensor carried data
-        and matched: vLLM on CPU reports no data for its linear weights (``"unverified"``,
-        those tensors ``no_data``); check those with :mod:`rollsafe.probe`."""
-        from rollsafe.fleet.weights_check import check_engine, read_config
+        tensor in the engine's own layout (:func:`rollsafe.fleet.weights_check.check_engines`);
+        ``"equal"`` only when every tensor carried data and matched (vLLM on CPU reports no
+        data for its linear weights: ``"unverified"``; check those with :mod:`rollsafe.probe`)."""
+        from rollsafe.fleet.weights_check import check_engines
 
         cfg = self.config
         template = cfg.template_dir if cfg.template_dir is not None else cfg.model_path
         assert template is not None  # the config settled model_path
-        config = read_config(template)
-        out: dict[str, DigestCheck | None] = {}
-        for group in self.registry.groups():
-            client = group.client
-            try:
-                out[group.group_id] = (
-                    check_engine(client, weights, config, timeout=timeout) if client else None
-                )
-            except Exception:
-                out[group.group_id] = None
-        return out
+        return check_engines(self.registry, weights, template, timeout=timeout)
 
     # ------------------------------------------------------------------ inspection
     def timeline(self) -> list[dict[str, Any]]:

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollsafe.fleet.config import FleetConfig, LauncherFactory
+from rollsafe.fleet.config import LauncherFactory
 
 if TYPE_CHECKING:
     from rollsafe.adapters.engines import EngineLauncher, EngineSpec
     from rollsafe.fleet.recovery import ExportMoverLike
     from rollsafe.ports import LaunchableEngine, WeightTransport
 
-__all__ = ["LocalPlacement", "NodeEvents", "Placement", "PlacementContext", "make_placement"]
+__all__ = ["LocalPlacement", "NodeEvents", "Placement", "PlacementContext"]
 
 
 @dataclass(frozen=True)
@@ -122,13 +122,3 @@ class LocalPlacement:
 
     def close(self, timeout: float) -> None:
         return None
-
-
-def make_placement(config: FleetConfig) -> Placement:
-    """The placement ``config`` asks for: its ``launcher_factory`` (which wins), else
-    ``placement`` (``"local"`` or ``"ray"``)."""
-    if config.launcher_factory is not None or config.placement != "ray":
-        return LocalPlacement(config.launcher_factory)
-    from rollsafe.fleet.ray_placement import RayPlacement
-
-    return RayPlacement(config)

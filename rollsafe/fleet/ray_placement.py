@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import rollsafe.policy as policy
 from rollsafe.fleet.config import FleetConfig, LauncherFactory
-from rollsafe.fleet.placement import NodeEvents, PlacementContext
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
     from rollsafe.adapters.engines import EngineSpec
     from rollsafe.adapters.ray import GroupPlacer, NodeWatcher, SharedExportsCheck
     from rollsafe.adapters.ray.exports import ExportMover
+    from rollsafe.fleet.placement import NodeEvents, PlacementContext
     from rollsafe.fleet.recovery import ExportMoverLike
     from rollsafe.ports import LaunchableEngine
 

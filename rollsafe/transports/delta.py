@@ -43,13 +43,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import rollsafe.operations.effects as fx
-from rollsafe.errors import InvalidArgument
+from rollsafe.errors import InvalidArgument, RollsafeError
 from rollsafe.operations import push as push_op
 from rollsafe.operations.effects import drive
 from rollsafe.operations.executor import Executor, handles
 from rollsafe.registry import DeltaLedger
 from rollsafe.text import bound_text
-from rollsafe.transports.base import TransportError
 
 if TYPE_CHECKING:
     import torch
@@ -405,7 +404,7 @@ class DeltaSender(Executor):
         }
 
 
-class StagingFailed(TransportError):
+class StagingFailed(RollsafeError, RuntimeError):
     """Raised by a transport's ``send`` when a delta payload could not be staged (nothing was
     pushed): the push treats it as a refusal and sends those targets full."""
 
