@@ -21,6 +21,7 @@ from rollsafe.adapters.engines.contract import (
     ContractViolation,
     load_contract,
 )
+from rollsafe.errors import InvalidArgument
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,7 +77,7 @@ def test_sglang_bucket_metadata_fields_and_sampling_keys() -> None:
     ]
     keys = sg.sampling_keys()
     assert {"max_new_tokens", "temperature", "top_p", "stop"} <= keys
-    assert sg.data["sampling_params"]["unknown_keys"] == "rejected"
+    assert sg.data["sampling_params"]["unknown_keys"] == "reject"
 
 
 def test_vllm_nccl_update_info_is_names_dtypes_shapes_and_packed_is_init_info() -> None:
@@ -126,8 +127,9 @@ def test_each_kind_of_violation_is_named() -> None:
     unknown = sg.check_request(
         "POST", "/update_weights_from_tensor", body={"serialized_named_tensors": [], "bogus": 1}
     )
-    assert unknown == [ContractViolation("bogus", unknown[0].problem)]
+    assert unknown == [ContractViolation("bogus", unknown[0].problem, "ignore")]
     assert "unknown key" in str(unknown[0]) and str(unknown[0]).startswith("bogus: ")
+    assert str(unknown[0]).endswith("sglang 0.5.23 ignores it")
     missing = sg.check_request("POST", "/update_weight_version", body={})
     assert _wheres(missing) == {"new_version"} and "missing required" in missing[0].problem
     wrong = sg.check_request(
@@ -183,7 +185,7 @@ def test_vllm_nested_keys_are_checked_per_backend() -> None:
 def test_vllm_routes_without_body_and_query_checks() -> None:
     vl = load_contract("vllm")
     body = vl.check_request("POST", "/start_weight_update", body={"is_checkpoint_format": True})
-    assert _wheres(body) == {"body"}
+    assert _wheres(body) == {"body"} and body[0].tolerated == "ignore"
     assert vl.check_request("POST", "/start_weight_update") == []
     query = vl.check_request("POST", "/pause", query={"mode": "drain", "force": "1"})
     assert _wheres(query) == {"query.mode", "query.force"}
@@ -214,13 +216,18 @@ _ROUTER = """
 from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 
 router = APIRouter()
 Mode = Literal["abort", "wait"]
 BUF = 4 * 1024
 
 
-class StartReq:
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StartReq(Strict):
     kind: Literal["full", "delta"] = "full"
     size: int = BUF
     names: list[str]
@@ -267,7 +274,7 @@ def test_extractor_reads_a_synthetic_tree(tmp_path: Path) -> None:
     schemas: dict = {}
     routes = tool.extract_routes(
         tree,
-        tool.RouteOptions(path="fake/router.py", request_mods=[mod], unknown_keys="ignored"),
+        tool.RouteOptions(path="fake/router.py", request_mods=[mod]),
         ctx,
         tool.module_constants(mod),
         schemas,
@@ -279,6 +286,8 @@ def test_extractor_reads_a_synthetic_tree(tmp_path: Path) -> None:
         "required": True,
     }
     assert start["responses"] == [{"status": [200, 400], "keys": ["message", "success"]}]
+    assert schemas["StartReq"]["unknown_keys"] == "reject"
+    assert "extra='forbid'" in schemas["StartReq"]["unknown_keys_evidence"]
     fields = schemas["StartReq"]["fields"]
     assert set(fields) == {"kind", "size", "names", "note"}
     assert fields["kind"]["enum"] == ["full", "delta"] and fields["kind"]["default"] == "full"
@@ -290,6 +299,7 @@ def test_extractor_reads_a_synthetic_tree(tmp_path: Path) -> None:
     assert pause["query"]["mode"]["enum"] == ["abort", "wait"]
     assert pause["query"]["level"]["maximum"] == 2 and pause["query"]["level"]["minimum"] == 0
     embed = routes["/embed"]
+    assert schemas[embed["body"]["schema"]]["unknown_keys"] == "ignore"  # named keys only
     emb = schemas[embed["body"]["schema"]]["fields"]
     assert emb["info"]["required"] and emb["info"]["type"] == ["object"]
     assert emb["version"] == {"type": ["null", "string"], "required": False, "default": None}
@@ -304,6 +314,144 @@ def test_extractor_reads_a_synthetic_tree(tmp_path: Path) -> None:
     facts = tool.Facts()
     with pytest.raises(tool.ContractAssertionError):
         facts.contains(tree, "label", "fake/router.py", "no such text")
+
+
+_MODELS = """
+from dataclasses import dataclass
+from pydantic import BaseModel, ConfigDict
+
+
+class Logged(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def __log_extra_fields__(cls, data, handler):
+        return handler(data)
+
+
+class Completion(Logged):
+    prompt: str
+
+
+class Kept(BaseModel):
+    model_config = {"extra": "allow"}
+
+
+class Plain(BaseModel):
+    x: int
+
+
+@dataclass
+class Generate:
+    text: str | None = None
+
+
+class Struct:
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return struct_schema(cls, handler)
+
+
+class Req(Struct):
+    name: str
+
+
+class Mystery:
+    y: int
+"""
+
+
+def test_unknown_key_policy_is_read_from_the_model_definition(tmp_path: Path) -> None:
+    tool = _tool()
+    (tmp_path / "models.py").write_text(_MODELS)
+    mods = [tool.SourceTree(tmp_path).module("models.py")]
+    hook = {"struct_schema": {"policy": "ignore", "evidence": 'extra_behavior="ignore"'}}
+
+    def policy(name: str) -> str:
+        return str(tool.unknown_key_policy(mods, name, hook)["policy"])
+
+    assert policy("Completion") == "allow_and_log"  # through the base's config and validator
+    assert policy("Kept") == "allow"
+    assert policy("Plain") == "ignore"  # pydantic's default
+    assert policy("Generate") == "ignore"  # a stdlib dataclass under FastAPI
+    assert policy("Req") == "ignore"  # the checked hook
+    assert "struct_schema" in tool.unknown_key_policy(mods, "Req", hook)["evidence"]
+    with pytest.raises(tool.ContractAssertionError, match="cannot tell how Mystery"):
+        policy("Mystery")
+    with pytest.raises(tool.ContractAssertionError, match="cannot tell how Struct"):
+        tool.unknown_key_policy(mods, "Req")  # the hook was not checked: no guess
+
+
+def test_every_route_records_its_unknown_key_policy() -> None:
+    """Read off the wheels: SGLang ignores unknown top-level keys (its msgspec request structs'
+    pydantic schema and the ``GenerateReqInput`` dataclass) and rejects unknown
+    ``sampling_params`` keys; vLLM keeps and logs unknown ``/v1/completions`` fields, reads only
+    named keys elsewhere, and rejects unknown ``init_info`` / ``update_info`` keys; FastAPI
+    never reads an undeclared body or query parameter."""
+    sg = load_contract("sglang")
+    for path in sg.routes():
+        assert sg.route(path)["unknown_keys"]["query"] == "ignore"
+        assert sg.unknown_key_policy(path) == "ignore", path
+    assert sg.route("/generate")["unknown_keys"]["nested"] == {"sampling_params": "reject"}
+    assert "sglang.generate_gate_ignores_unknown_top_level_keys" in sg.data["checked_facts"]
+    for version in ("0.32.0", "0.33.0"):
+        vl = load_contract("vllm", version)
+        policies = {p: vl.unknown_key_policy(p) for p in vl.routes()}
+        assert policies.pop("/v1/completions") == "allow_and_log"
+        assert set(policies.values()) == {"ignore"}
+        assert vl.route("/init_weight_transfer_engine")["unknown_keys"]["nested"] == {
+            "init_info": "reject"
+        }
+        assert vl.route("/update_weights")["unknown_keys"]["nested"] == {"update_info": "reject"}
+
+
+def test_strict_and_upstream_readings_of_unknown_keys() -> None:
+    """The clients' wire tests read strictly (a key rollsafe sends must exist upstream); the
+    reference engine reads as upstream does. Types of known keys count in both."""
+    sg, vl = load_contract("sglang"), load_contract("vllm")
+    router = {"model": None, "input_ids": [1], "sampling_params": {"max_new_tokens": 2}}
+    strict = sg.check_request("POST", "/generate", body=router)
+    assert _wheres(strict) == {"model"} and strict[0].tolerated == "ignore"
+    assert sg.check_request("POST", "/generate", body=router, unknown_keys="upstream") == []
+    bad = {**router, "stream": "yes", "sampling_params": {"top_q": 1}}
+    upstream = sg.check_request("POST", "/generate", body=bad, unknown_keys="upstream")
+    assert _wheres(upstream) == {"stream", "sampling_params.top_q"}
+    completion = {"prompt": [1], "no_stop_trim": False, "return_hidden_states": False}
+    logged = vl.check_request("POST", "/v1/completions", body=completion)
+    assert {v.tolerated for v in logged} == {"allow_and_log"}
+    assert "accepts it and logs it" in logged[0].problem
+    assert (
+        vl.check_request("POST", "/v1/completions", body=completion, unknown_keys="upstream") == []
+    )
+    init = {
+        "init_info": {
+            "master_address": "h",
+            "master_port": 1,
+            "rank_offset": 1,
+            "world_size": 2,
+            "bogus": 1,
+        },
+        "extra": 2,
+    }
+    assert _wheres(
+        vl.check_request("POST", "/init_weight_transfer_engine", body=init, unknown_keys="upstream")
+    ) == {"init_info.bogus"}
+    query = vl.check_request("POST", "/pause", query={"mode": "wait", "force": "1"})
+    assert _wheres(query) == {"query.force"} and query[0].tolerated == "ignore"
+    assert vl.check_request(
+        "POST", "/pause", query={"mode": "drain", "force": "1"}, unknown_keys="upstream"
+    ) == [ContractViolation("query.mode", query_problem(vl))]
+    with pytest.raises(InvalidArgument):
+        vl.check_request("POST", "/pause", unknown_keys="lenient")  # type: ignore[arg-type]
+
+
+def query_problem(vl: object) -> str:
+    from rollsafe.adapters.engines.contract import EngineContract
+
+    assert isinstance(vl, EngineContract)
+    (v,) = vl.check_request("POST", "/pause", query={"mode": "drain"})
+    return v.problem
 
 
 def test_dump_is_deterministic_and_sorted() -> None:

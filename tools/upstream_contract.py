@@ -509,6 +509,120 @@ def class_schema(
 
 
 # --------------------------------------------------------------------------------------------
+# Unknown body keys: what the release does with a key its request model does not declare.
+# --------------------------------------------------------------------------------------------
+
+#: ``ignore``: dropped silently; ``allow``: kept on the model, read by nothing; ``allow_and_log``:
+#: kept and logged (vLLM's ``OpenAIBaseModel``); ``reject``: the request fails
+UNKNOWN_KEY_POLICIES = ("ignore", "allow", "allow_and_log", "reject")
+#: the body of a route whose handler declares none, and query parameters no handler declares:
+#: FastAPI never reads them
+UNDECLARED = {
+    "policy": "ignore",
+    "evidence": "FastAPI reads only what the handler declares (no body model / query parameter)",
+}
+#: bodies read key by key (``Body(embed=True)`` parameters, ``body.get("k")`` on the raw JSON)
+NAMED_KEYS_ONLY = {
+    "policy": "ignore",
+    "evidence": "the handler reads only named keys of the JSON object "
+    "(Body(embed=True) parameters or body.get)",
+}
+
+
+def _extra_setting(node: ast.expr) -> Any:
+    """``extra`` of ``ConfigDict(extra=...)`` / ``{"extra": ...}``; _NOT_CONST if absent."""
+    if isinstance(node, ast.Call) and _call_name(node) in {"ConfigDict", "dict"}:
+        value = _kw(node, "extra")
+        return const_eval(value, {}) if value is not None else _NOT_CONST
+    if isinstance(node, ast.Dict):
+        for k, v in zip(node.keys, node.values, strict=True):
+            if isinstance(k, ast.Constant) and k.value == "extra":
+                return const_eval(v, {})
+    return _NOT_CONST
+
+
+def unknown_key_policy(
+    mods: list[ast.Module], name: str, hooks: dict[str, JSON] | None = None, _seen: int = 0
+) -> JSON:
+    """``{"policy", "evidence"}``: how a request class treats keys it does not declare, read
+    from its definition and its bases (in ``mods``): a pydantic ``model_config`` ``extra``
+    setting (``forbid`` rejects, ``allow`` keeps, with a ``__log_extra_fields__`` validator it
+    also logs), a ``__get_pydantic_core_schema__`` that calls one of ``hooks`` (a function whose
+    policy was checked separately), a stdlib ``@dataclass`` or a plain ``BaseModel`` (pydantic's
+    default: ignore). Anything else is a :class:`ContractAssertionError`: review it by hand."""
+    cls = find_class(mods, name)
+    if cls is None or _seen > 8:
+        raise ContractAssertionError(f"cannot tell how {name} treats unknown keys: not found")
+    for node in cls.body:
+        if (
+            isinstance(node, (ast.Assign, ast.AnnAssign))
+            and any(
+                isinstance(t, ast.Name) and t.id == "model_config"
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            )
+            and node.value is not None
+        ):
+            extra = _extra_setting(node.value)
+            if extra is _NOT_CONST:
+                continue
+            where = f"{name}.model_config extra={extra!r}"
+            if extra == "forbid":
+                return {"policy": "reject", "evidence": where}
+            if extra == "allow":
+                logged = _logs_extra(mods, cls)
+                return {
+                    "policy": "allow_and_log" if logged else "allow",
+                    "evidence": where + (f"; {logged} logs them" if logged else ""),
+                }
+            if extra == "ignore":
+                return {"policy": "ignore", "evidence": where}
+            raise ContractAssertionError(f"{where}: unknown pydantic extra setting")
+        if isinstance(node, ast.FunctionDef) and node.name == "__get_pydantic_core_schema__":
+            called = called_names(node) & set(hooks or {})
+            if called:
+                hook = sorted(called)[0]
+                policy = dict((hooks or {})[hook])
+                policy["evidence"] = f"{name}.__get_pydantic_core_schema__ -> {hook}: " + str(
+                    policy["evidence"]
+                )
+                return policy
+    for base in cls.bases:
+        base_name = _call_name(base) if not isinstance(base, ast.Subscript) else ""
+        if base_name and find_class(mods, base_name) is not None:
+            inherited = unknown_key_policy(mods, base_name, hooks, _seen + 1)
+            if inherited["evidence"].startswith(f"{base_name}"):
+                inherited = {**inherited, "evidence": f"{name}({inherited['evidence']})"}
+            return inherited
+    decorators = {_call_name(d) for d in cls.decorator_list}
+    if "dataclass" in decorators:
+        return {
+            "policy": "ignore",
+            "evidence": f"{name} is a stdlib @dataclass with no pydantic config: FastAPI "
+            "validates it with pydantic's default extra='ignore'",
+        }
+    if any(_call_name(b) == "BaseModel" for b in cls.bases):
+        return {
+            "policy": "ignore",
+            "evidence": f"{name}(BaseModel) with no extra setting: pydantic's default 'ignore'",
+        }
+    raise ContractAssertionError(f"cannot tell how {name} treats unknown keys")
+
+
+def _logs_extra(mods: list[ast.Module], cls: ast.ClassDef) -> str:
+    """The name of a validator of ``cls`` (or a base in ``mods``) that logs extra fields."""
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and "extra" in node.name and "log" in node.name:
+            return f"{cls.name}.{node.name}"
+    for base in cls.bases:
+        found = find_class(mods, _call_name(base)) if not isinstance(base, ast.Subscript) else None
+        if found is not None:
+            logged = _logs_extra(mods, found)
+            if logged:
+                return logged
+    return ""
+
+
+# --------------------------------------------------------------------------------------------
 # FastAPI routes.
 # --------------------------------------------------------------------------------------------
 
@@ -795,7 +909,9 @@ class RouteOptions:
     path: str
     request_mods: list[ast.Module]
     requires: JSON = field(default_factory=dict)
-    unknown_keys: str = "ignored"
+    #: functions a request class's ``__get_pydantic_core_schema__`` may call, with the
+    #: unknown-key policy each was checked to give (:func:`unknown_key_policy`)
+    policy_hooks: dict[str, JSON] = field(default_factory=dict)
 
 
 def extract_routes(
@@ -853,14 +969,16 @@ def extract_routes(
                 body_schema = cls_ref
                 body_required = required
                 if cls_ref not in schemas:
+                    policy = unknown_key_policy(opts.request_mods, cls_ref, opts.policy_hooks)
                     schemas[cls_ref] = class_schema(
                         opts.request_mods,
                         cls_ref,
                         ctx,
                         consts,
                         source="",
-                        unknown_keys=opts.unknown_keys,
+                        unknown_keys=policy["policy"],
                     )
+                    schemas[cls_ref]["unknown_keys_evidence"] = policy["evidence"]
             else:
                 query[arg.arg] = {**schema, "required": required, **dflt}
                 query[arg.arg].update(_numeric_bounds(ann, default))
@@ -893,7 +1011,8 @@ def extract_routes(
                 schemas[synthetic] = {
                     "class": None,
                     "source": opts.path,
-                    "unknown_keys": opts.unknown_keys,
+                    "unknown_keys": NAMED_KEYS_ONLY["policy"],
+                    "unknown_keys_evidence": NAMED_KEYS_ONLY["evidence"],
                     "fields": {**raw_body, **embedded},
                     "field_order": list(raw_body) + list(embedded),
                 }
@@ -914,6 +1033,41 @@ def extract_routes(
             else:
                 routes[path] = entry
     return routes
+
+
+def record_unknown_key_policies(
+    routes: dict[str, JSON], schemas: dict[str, JSON], backend_schemas: JSON | None = None
+) -> None:
+    """Each route's ``unknown_keys``: what the release does with a body key its request model
+    does not declare (``body``), with a query parameter no handler declares (``query``) and,
+    per nested object it checks on its own, with a key inside it (``nested``)."""
+    for route in routes.values():
+        body = route["body"]
+        if body is None:
+            entry: JSON = {
+                "body": UNDECLARED["policy"],
+                "body_evidence": UNDECLARED["evidence"],
+            }
+        else:
+            schema = schemas[body["schema"]]
+            entry = {
+                "body": schema["unknown_keys"],
+                "body_evidence": schema.get("unknown_keys_evidence", ""),
+            }
+            nested: JSON = {}
+            for name, spec in schema["fields"].items():
+                if spec.get("nested") in schemas:
+                    nested[name] = schemas[spec["nested"]]["unknown_keys"]
+                elif spec.get("backend_schema") and backend_schemas:
+                    per_backend = backend_schemas[spec["backend_schema"]]
+                    nested[name] = sorted({b["unknown_keys"] for b in per_backend.values()})[0]
+            if nested:
+                entry["nested"] = nested
+        entry["query"] = UNDECLARED["policy"]
+        route["unknown_keys"] = entry
+        for policy in (entry["body"], entry["query"], *entry.get("nested", {}).values()):
+            if policy not in UNKNOWN_KEY_POLICIES:
+                raise ContractAssertionError(f"unknown-key policy {policy!r} not recognised")
 
 
 def select_routes(all_routes: dict[str, JSON], wanted: list[str], engine: str) -> dict[str, JSON]:
@@ -1043,9 +1197,22 @@ def extract_sglang(tree: SourceTree) -> JSON:
 
     schemas: dict[str, JSON] = {}
     log(f"reading routes from {SGLANG_HTTP}")
+    # Unknown keys of msgspec request structs: the pydantic core schema ignores extras.
+    facts.contains(
+        tree,
+        "sglang.request_structs_ignore_unknown_keys",
+        SGLANG_MSGSPEC,
+        'extra_behavior="ignore"',
+    )
+    hooks = {
+        "msgspec_struct_pydantic_core_schema": {
+            "policy": "ignore",
+            "evidence": f'{SGLANG_MSGSPEC} builds a typed_dict_schema with extra_behavior="ignore"',
+        }
+    }
     all_routes = extract_routes(
         tree,
-        RouteOptions(path=SGLANG_HTTP, request_mods=[io_mod], unknown_keys="ignored"),
+        RouteOptions(path=SGLANG_HTTP, request_mods=[io_mod], policy_hooks=hooks),
         ctx,
         consts,
         schemas,
@@ -1056,21 +1223,17 @@ def extract_sglang(tree: SourceTree) -> JSON:
     used = {r["body"]["schema"] for r in routes.values() if r["body"]}
     schemas = {k: v for k, v in schemas.items() if k in used}
 
-    # Unknown keys of msgspec request structs: the pydantic core schema ignores extras.
-    facts.contains(
-        tree,
-        "sglang.request_structs_ignore_unknown_keys",
-        SGLANG_MSGSPEC,
-        'extra_behavior="ignore"',
-    )
-
     # sampling_params: the /generate contract gate decodes them with the generated
     # api_types.SamplingParams, which rejects unknown keys ("unknown field `x`").
     log(f"reading sampling params from {SGLANG_API} and {SGLANG_SAMPLING}")
     api_ctx = TypeContext()
     api_ctx.add_module(api_mod)
     api_sampling = class_schema(
-        [api_mod], "SamplingParams", api_ctx, {}, source=SGLANG_API, unknown_keys="rejected"
+        [api_mod], "SamplingParams", api_ctx, {}, source=SGLANG_API, unknown_keys="reject"
+    )
+    api_sampling["unknown_keys_evidence"] = (
+        f"{SGLANG_API}:SamplingParams is decoded by the /generate contract gate, which "
+        "rejects unknown keys (HTTP 400)"
     )
     facts.contains(
         tree,
@@ -1083,6 +1246,12 @@ def extract_sglang(tree: SourceTree) -> JSON:
         "sglang.generate_route_runs_contract_gate",
         SGLANG_HTTP,
         "contract_error = generate_contract_error(await request.json())",
+    )
+    facts.contains(
+        tree,
+        "sglang.generate_gate_ignores_unknown_top_level_keys",
+        SGLANG_API,
+        '"""sglang.api.v1.GenerateRequest: JSON object (unknown keys ignored)."""',
     )
     facts.contains(
         tree,
@@ -1099,13 +1268,13 @@ def extract_sglang(tree: SourceTree) -> JSON:
         srt_ctx,
         module_constants(srt_mod),
         source=SGLANG_SAMPLING,
-        unknown_keys="rejected",
+        unknown_keys="reject",
     )
     gate_keys = set(api_sampling["fields"])
     runtime_keys = set(srt_sampling["fields"])
     sampling = {
         "schema": "SamplingParams",
-        "unknown_keys": "rejected",
+        "unknown_keys": "reject",
         "rejected_by": [
             f"{SGLANG_HTTP}:generate_request -> {SGLANG_API}:decode_SamplingParams "
             "(HTTP 400 {'error': 'unknown field `KEY`, expected one of ...'})",
@@ -1275,6 +1444,7 @@ def extract_sglang(tree: SourceTree) -> JSON:
 
     # Server flags.
     flags = sglang_flags(tree, facts)
+    record_unknown_key_policies(routes, schemas)
 
     return {
         "routes": routes,
@@ -1497,23 +1667,21 @@ def extract_vllm(tree: SourceTree) -> JSON:
     all_routes: dict[str, JSON] = {}
     proto_mods = [tree.module(VLLM_COMPLETION_PROTOCOL), tree.module(VLLM_BASE_PROTOCOL)]
     files = [
-        (VLLM_RL, dev_env, "ignored"),
-        (VLLM_SLEEP, dev_env, "ignored"),
-        (VLLM_RPC, dev_env, "ignored"),
-        (VLLM_CACHE, dev_env, "ignored"),
-        (VLLM_HEALTH, {}, "ignored"),
-        (VLLM_BASIC, {}, "ignored"),
-        (VLLM_COMPLETION, {"supported_task": "generate"}, "ignored (logged as extra fields)"),
+        (VLLM_RL, dev_env),
+        (VLLM_SLEEP, dev_env),
+        (VLLM_RPC, dev_env),
+        (VLLM_CACHE, dev_env),
+        (VLLM_HEALTH, {}),
+        (VLLM_BASIC, {}),
+        (VLLM_COMPLETION, {"supported_task": "generate"}),
     ]
-    for path, requires, unknown in files:
+    for path, requires in files:
         log(f"reading routes from {path}")
         consts = module_constants(tree.module(path))
         all_routes.update(
             extract_routes(
                 tree,
-                RouteOptions(
-                    path=path, request_mods=proto_mods, requires=requires, unknown_keys=unknown
-                ),
+                RouteOptions(path=path, request_mods=proto_mods, requires=requires),
                 ctx,
                 consts,
                 schemas,
@@ -1553,7 +1721,10 @@ def extract_vllm(tree: SourceTree) -> JSON:
                 bctx,
                 {**packed_consts, **module_constants(mod)},
                 source=path,
-                unknown_keys="rejected",
+                unknown_keys="reject",
+            )
+            schema["unknown_keys_evidence"] = (
+                f"{VLLM_WT_BASE}: the engine builds {cls}(**dict); an undeclared key is a TypeError"
             )
             backend_schemas[kind][backend] = schema
         eng = find_class([tree.module(upd_path)], engine_cls)
@@ -1589,6 +1760,7 @@ def extract_vllm(tree: SourceTree) -> JSON:
     ):
         body = routes[name]["body"]
         schemas[body["schema"]]["fields"][route_field]["backend_schema"] = route_field
+    record_unknown_key_policies(routes, schemas, backend_schemas)
 
     wt_config_mod = tree.module(VLLM_WT_CONFIG)
     wctx = TypeContext()
@@ -1599,7 +1771,7 @@ def extract_vllm(tree: SourceTree) -> JSON:
         wctx,
         {},
         source=VLLM_WT_CONFIG,
-        unknown_keys="rejected",
+        unknown_keys="reject",
     )
 
     packed = {
@@ -1686,7 +1858,7 @@ def extract_vllm(tree: SourceTree) -> JSON:
         "completion": {
             "schema": "CompletionRequest",
             "fields": completion_fields,
-            "unknown_keys": "ignored (logged as extra fields)",
+            "unknown_keys": schemas["CompletionRequest"]["unknown_keys"] if comp else None,
             "choice_fields": sorted(comp_choice["fields"]),
             "weight_versions_item": sorted(wv_span["fields"]),
         },

@@ -31,8 +31,9 @@ base by content: ``rollsafe.policy.EngineTraits``); vLLM's own backends do not.
 Packed transfers are received as vLLM's ``packed_nccl_broadcast_consumer`` cuts them: uint8
 chunks of whole tensors, a chunk closed once it exceeds ``packed_buffer_size_bytes``
 (:func:`~rollsafe.adapters.reference_engine.weights.packed_chunks`); unpacked ones as one
-broadcast per tensor. Unknown keys are refused with a 400 naming them, also where vLLM ignores
-them (a body sent to ``/start_weight_update``).
+broadcast per tensor. Unknown keys are what vLLM does with them (the contract records it per
+route): ignored on the RL and dev routes (a body sent to ``/start_weight_update`` too), kept and
+logged on ``/v1/completions``, refused inside ``init_info`` and ``update_info``.
 
 The rendezvous is rollsafe's ``TCPStore`` + ``torch.distributed`` stand-in for vLLM's
 ``StatelessProcessGroup`` + PyNccl (a documented gap); its keys are prefixed with a group name,
@@ -507,10 +508,9 @@ async def init_weight_transfer_engine(request: web.Request) -> web.Response:
 
 
 async def _no_body(request: web.Request) -> None:
-    """Routes that take no body: upstream ignores one, the reference engine refuses it."""
-    body = await read_json(request, allowed=set())
-    if body:
-        raise BadRequest(f"{request.path} takes no body; got keys {sorted(body)}")
+    """Routes that take no body: vLLM never reads one, so any body is ignored (it is still
+    read and parsed: malformed JSON is a 400, as the contract check reads every body)."""
+    await read_json(request, allowed=set())
 
 
 async def start_weight_update(request: web.Request) -> web.Response:
