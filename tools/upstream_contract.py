@@ -95,6 +95,25 @@ class SourceTree:
             self._ast[path] = ast.parse(self.text(path), filename=path)
         return self._ast[path]
 
+    def metadata_requirements(self) -> set[str] | None:
+        """Distribution names the wheel's METADATA requires unconditionally of extras
+        (``Requires-Dist`` lines without ``extra ==``); None when there is no METADATA."""
+        if self._zip is None:
+            return None
+        found = [n for n in self._zip.namelist() if n.endswith(".dist-info/METADATA")]
+        if not found:
+            return None
+        text = self.text(found[0])
+        names = set()
+        for line in text.splitlines():
+            if line.startswith("Requires-Dist:") and "extra ==" not in line:
+                spec = line.split(":", 1)[1].strip()
+                name = spec.split(";")[0].split("[")[0]
+                for stop in "<>=!~ (":
+                    name = name.split(stop)[0]
+                names.add(name.strip().lower().replace("_", "-"))
+        return names
+
     def listdir(self, prefix: str) -> list[str]:
         """Python files directly under the folder ``prefix`` (sorted)."""
         prefix = prefix.rstrip("/") + "/"
@@ -1539,6 +1558,33 @@ VLLM_CHECKSUM = "vllm/model_executor/model_loader/weight_checksum.py"
 VLLM_MODEL_CONFIG = "vllm/config/model.py"
 VLLM_GENERATE_PROTOCOL = "vllm/entrypoints/generate/base/protocol.py"
 VLLM_SAMPLING = "vllm/sampling_params.py"
+#: vLLM 0.26.0's places of what later releases moved (the RL routes sat with the dev routes,
+#: the app was built in the OpenAI server module, OpenAIBaseModel lived under openai/)
+VLLM_RL_026 = "vllm/entrypoints/serve/dev/rlhf/api_router.py"
+VLLM_ROUTERS_026 = "vllm/entrypoints/openai/api_server.py"
+VLLM_BASE_PROTOCOL_026 = "vllm/entrypoints/openai/engine/protocol.py"
+
+
+@dataclass(frozen=True)
+class VLLMLayout:
+    """Where one vLLM release keeps the files the extractor reads (0.26.0 kept some elsewhere;
+    :func:`vllm_layout` tells them apart by what the wheel holds)."""
+
+    rl: str  # the router of /pause, /init_weight_transfer_engine, /update_weights, ...
+    routers: str  # the module whose `if envs.VLLM_SERVER_DEV_MODE:` registers dev routers
+    base_protocol: str  # OpenAIBaseModel
+    generate_protocol: str | None  # shared request types of the generate routes
+    rl_in_dev_routers: bool  # the RL router is one of register_vllm_dev_api_routers' routers
+
+
+def vllm_layout(tree: SourceTree) -> VLLMLayout:
+    if tree.exists(VLLM_RL):
+        return VLLMLayout(VLLM_RL, VLLM_ROUTERS, VLLM_BASE_PROTOCOL, VLLM_GENERATE_PROTOCOL, False)
+    if tree.exists(VLLM_RL_026):
+        log(f"{VLLM_RL} absent: the RL routes are read from {VLLM_RL_026} (vLLM <= 0.26 layout)")
+        return VLLMLayout(VLLM_RL_026, VLLM_ROUTERS_026, VLLM_BASE_PROTOCOL_026, None, True)
+    raise ContractAssertionError(f"vllm: neither {VLLM_RL} nor {VLLM_RL_026} in the wheel")
+
 
 VLLM_ROUTES = [
     "/health",
@@ -1549,19 +1595,23 @@ VLLM_ROUTES = [
     "/is_paused",
     "/abort_requests",
     "/init_weight_transfer_engine",
-    "/shutdown_weight_transfer_engine",
     "/start_weight_update",
     "/update_weights",
     "/finish_weight_update",
-    "/update_weight_version",
-    "/weight_info",
-    "/weight_checker",
     "/get_world_size",
     "/sleep",
     "/wake_up",
     "/is_sleeping",
     "/collective_rpc",
     "/reset_prefix_cache",
+]
+
+#: routes a release may lack (vLLM 0.26.0 has none of them): recorded under "absent_routes"
+VLLM_OPTIONAL_ROUTES = [
+    "/shutdown_weight_transfer_engine",
+    "/update_weight_version",
+    "/weight_info",
+    "/weight_checker",
 ]
 
 # Which routes need a configured weight-transfer engine (worker-side check, see facts).
@@ -1593,44 +1643,55 @@ VLLM_BACKENDS = {
 def extract_vllm(tree: SourceTree) -> JSON:
     facts = Facts()
     ctx = TypeContext()
+    layout = vllm_layout(tree)
     for p in (
         VLLM_V1_ENGINE,
         VLLM_WT_BASE,
         VLLM_COMPLETION_PROTOCOL,
-        VLLM_BASE_PROTOCOL,
-        VLLM_GENERATE_PROTOCOL,
+        layout.base_protocol,
+        layout.generate_protocol,
         VLLM_SAMPLING,
     ):
-        ctx.add_module(tree.module(p))
+        if p is not None:
+            ctx.add_module(tree.module(p))
 
     # Gates: which flag/env registers which router (checked by AST on the registration code).
-    routers_mod = tree.module(VLLM_ROUTERS)
+    routers_mod = tree.module(layout.routers)
     dev_calls = if_block_calls(routers_mod, "envs.VLLM_SERVER_DEV_MODE")
-    facts.require(
-        "vllm.dev_mode_registers_dev_and_rl_routers",
-        {"register_vllm_dev_api_routers", "register_rl_api_routers"} <= dev_calls,
-        f"{VLLM_ROUTERS}: `if envs.VLLM_SERVER_DEV_MODE:` calls {sorted(dev_calls)}",
-    )
     dev_fn = function_def(tree.module(VLLM_SERVE_INIT), "register_vllm_dev_api_routers")
     dev_imports = sorted(
         (n.module or "") for n in ast.walk(dev_fn) if isinstance(n, ast.ImportFrom)
     )
+    if layout.rl_in_dev_routers:
+        facts.require(
+            "vllm.dev_mode_registers_dev_and_rl_routers",
+            "register_vllm_dev_api_routers" in dev_calls and "dev.rlhf.api_router" in dev_imports,
+            f"{layout.routers}: `if envs.VLLM_SERVER_DEV_MODE:` calls {sorted(dev_calls)}; "
+            f"{VLLM_SERVE_INIT}:register_vllm_dev_api_routers imports {dev_imports}",
+        )
+    else:
+        facts.require(
+            "vllm.dev_mode_registers_dev_and_rl_routers",
+            {"register_vllm_dev_api_routers", "register_rl_api_routers"} <= dev_calls,
+            f"{layout.routers}: `if envs.VLLM_SERVER_DEV_MODE:` calls {sorted(dev_calls)}",
+        )
     facts.require(
         "vllm.dev_routers_are_cache_rpc_sleep",
         {"dev.cache.api_router", "dev.rpc.api_router", "dev.sleep.api_router"} <= set(dev_imports),
         f"{VLLM_SERVE_INIT}:register_vllm_dev_api_routers imports {dev_imports}",
     )
-    facts.contains(
-        tree,
-        "vllm.rl_router_is_online_api_router",
-        VLLM_RL_FACTORIES,
-        "from .online.api_router import router as rl_router",
-    )
+    if not layout.rl_in_dev_routers:
+        facts.contains(
+            tree,
+            "vllm.rl_router_is_online_api_router",
+            VLLM_RL_FACTORIES,
+            "from .online.api_router import router as rl_router",
+        )
     facts.require(
         "vllm.generate_routers_need_generate_task",
         "register_generate_api_routers"
         in if_block_calls(routers_mod, "'generate' in supported_tasks"),
-        f"{VLLM_ROUTERS}: `if 'generate' in supported_tasks:` registers the generate routers",
+        f"{layout.routers}: `if 'generate' in supported_tasks:` registers the generate routers",
     )
     facts.contains(
         tree,
@@ -1665,9 +1726,9 @@ def extract_vllm(tree: SourceTree) -> JSON:
 
     schemas: dict[str, JSON] = {}
     all_routes: dict[str, JSON] = {}
-    proto_mods = [tree.module(VLLM_COMPLETION_PROTOCOL), tree.module(VLLM_BASE_PROTOCOL)]
+    proto_mods = [tree.module(VLLM_COMPLETION_PROTOCOL), tree.module(layout.base_protocol)]
     files = [
-        (VLLM_RL, dev_env),
+        (layout.rl, dev_env),
         (VLLM_SLEEP, dev_env),
         (VLLM_RPC, dev_env),
         (VLLM_CACHE, dev_env),
@@ -1687,7 +1748,9 @@ def extract_vllm(tree: SourceTree) -> JSON:
                 schemas,
             )
         )
-    routes = select_routes(all_routes, VLLM_ROUTES, "vllm")
+    present = [r for r in VLLM_OPTIONAL_ROUTES if r in all_routes]
+    absent_routes = sorted(set(VLLM_OPTIONAL_ROUTES) - set(present))
+    routes = select_routes(all_routes, VLLM_ROUTES + present, "vllm")
     for path in VLLM_WEIGHT_TRANSFER_ROUTES:
         routes[path]["requires"] = wt_requires
     for path in VLLM_SLEEP_ROUTES:
@@ -1699,7 +1762,7 @@ def extract_vllm(tree: SourceTree) -> JSON:
     facts.contains(
         tree,
         "vllm.openai_models_allow_extra_fields",
-        VLLM_BASE_PROTOCOL,
+        layout.base_protocol,
         'model_config = ConfigDict(extra="allow")',
     )
 
@@ -1742,12 +1805,15 @@ def extract_vllm(tree: SourceTree) -> JSON:
         VLLM_WT_BASE,
         "return self.init_info_cls(**init_dict)",
     )
-    facts.contains(
-        tree,
-        "vllm.update_info_list_is_indexed_by_global_worker_rank",
-        VLLM_WORKER,
-        "parallel_config.data_parallel_index * parallel_config.world_size",
-    )
+    per_rank_marker = "parallel_config.data_parallel_index * parallel_config.world_size"
+    per_rank_lists = per_rank_marker in tree.text(VLLM_WORKER)
+    if per_rank_lists:
+        facts.contains(
+            tree,
+            "vllm.update_info_list_is_indexed_by_global_worker_rank",
+            VLLM_WORKER,
+            per_rank_marker,
+        )
     facts.contains(
         tree,
         "vllm.ipc_handles_pickled_needs_insecure_serialization",
@@ -1792,13 +1858,18 @@ def extract_vllm(tree: SourceTree) -> JSON:
         source=VLLM_COMPLETION_PROTOCOL,
         unknown_keys="n/a",
     )
-    wv_span = class_schema(
-        [tree.module("vllm/outputs.py")],
-        "WeightVersionSpan",
-        TypeContext(),
-        {},
-        source="vllm/outputs.py",
-        unknown_keys="n/a",
+    has_spans = find_class([tree.module("vllm/outputs.py")], "WeightVersionSpan") is not None
+    wv_span = (
+        class_schema(
+            [tree.module("vllm/outputs.py")],
+            "WeightVersionSpan",
+            TypeContext(),
+            {},
+            source="vllm/outputs.py",
+            unknown_keys="n/a",
+        )
+        if has_spans
+        else None
     )
 
     # Streaming (#17): SSE framing, delta token ids, weight_versions on the final output only.
@@ -1814,39 +1885,41 @@ def extract_vllm(tree: SourceTree) -> JSON:
         VLLM_COMPLETION_PROTOCOL,
         "output_kind=RequestOutputKind.DELTA",
     )
-    facts.contains(
-        tree,
-        "vllm.stream_weight_versions_on_final_output_only",
-        "vllm/v1/engine/output_processor.py",
-        "weight_versions=self._weight_version_spans() if finished else None",
-    )
+    if has_spans:
+        facts.contains(
+            tree,
+            "vllm.stream_weight_versions_on_final_output_only",
+            "vllm/v1/engine/output_processor.py",
+            "weight_versions=self._weight_version_spans() if finished else None",
+        )
     # Pause semantics (whether a paused engine rejects new requests differs: see dialect).
-    facts.contains(
-        tree,
-        "vllm.retryable_request_error_is_503",
-        VLLM_EXC,
-        "self.status_code = HTTPStatus.SERVICE_UNAVAILABLE",
-    )
-    facts.contains(
-        tree,
-        "vllm.finish_weight_update_sets_version",
-        VLLM_ASYNC_LLM,
-        "await self.update_weight_version(weight_version)",
-    )
-    facts.contains(
-        tree,
-        "vllm.weight_checker_digest_is_sha256_of_raw_bytes",
-        VLLM_CHECKSUM,
-        "weight.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()",
-    )
-    facts.contains(
-        tree,
-        "vllm.weight_checker_key_prefix",
-        VLLM_WORKER,
-        'return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"',
-    )
+    retryable = "self.status_code = HTTPStatus.SERVICE_UNAVAILABLE"
+    if retryable in tree.text(VLLM_EXC):  # vLLM 0.26.0 has no retryable request error
+        facts.contains(tree, "vllm.retryable_request_error_is_503", VLLM_EXC, retryable)
+    finish_body = routes["/finish_weight_update"]["body"]
+    finish = schemas[finish_body["schema"]] if finish_body else {"fields": {}}
+    if "weight_version" in finish["fields"]:
+        facts.contains(
+            tree,
+            "vllm.finish_weight_update_sets_version",
+            VLLM_ASYNC_LLM,
+            "await self.update_weight_version(weight_version)",
+        )
+    if "/weight_checker" in routes:
+        facts.contains(
+            tree,
+            "vllm.weight_checker_digest_is_sha256_of_raw_bytes",
+            VLLM_CHECKSUM,
+            "weight.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()",
+        )
+        facts.contains(
+            tree,
+            "vllm.weight_checker_key_prefix",
+            VLLM_WORKER,
+            'return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"',
+        )
 
-    dialect = vllm_dialect(tree, schemas, backend_schemas)
+    dialect = vllm_dialect(tree, schemas, backend_schemas, routes, layout, per_rank_lists)
     return {
         "routes": routes,
         "schemas": schemas,
@@ -1860,9 +1933,13 @@ def extract_vllm(tree: SourceTree) -> JSON:
             "fields": completion_fields,
             "unknown_keys": schemas["CompletionRequest"]["unknown_keys"] if comp else None,
             "choice_fields": sorted(comp_choice["fields"]),
-            "weight_versions_item": sorted(wv_span["fields"]),
+            "weight_versions_item": sorted(wv_span["fields"]) if wv_span else None,
         },
-        "response_schemas": {"CompletionResponseChoice": comp_choice, "WeightVersionSpan": wv_span},
+        "response_schemas": {
+            "CompletionResponseChoice": comp_choice,
+            **({"WeightVersionSpan": wv_span} if wv_span else {}),
+        },
+        "absent_routes": absent_routes,
         "server_flags": {
             "dev_mode_env": "VLLM_SERVER_DEV_MODE=1",
             "weight_transfer": "--weight-transfer-config",
@@ -1878,9 +1955,18 @@ def extract_vllm(tree: SourceTree) -> JSON:
             "health": "GET /health: 200 unless the engine core is dead (503); not affected "
             "by pause.",
             "weight_update_session": "one /start_weight_update, then any number of "
-            "/update_weights, then one /finish_weight_update (optional weight_version).",
-            "weight_version": "POST /update_weight_version {new_version} or "
-            "/finish_weight_update {weight_version}; GET /weight_info reads it; "
+            "/update_weights, then one /finish_weight_update"
+            + (
+                " (optional weight_version)."
+                if dialect["finish_weight_update_takes_version"]
+                else " (no body)."
+            ),
+            "weight_version": (
+                "POST /update_weight_version {new_version} or "
+                "/finish_weight_update {weight_version}; GET /weight_info reads it; "
+                if dialect["weight_version_routes"]
+                else "no HTTP route sets or reads a weight version; "
+            )
             + (
                 "completions report it per choice in weight_versions when "
                 "return_weight_versions=true."
@@ -1892,10 +1978,11 @@ def extract_vllm(tree: SourceTree) -> JSON:
     }
 
 
-#: Paused-engine behaviour markers (present in 0.33.0, absent in 0.32.0).
-VLLM_PAUSE_REJECT_MARKERS = (
+#: Paused-engine behaviour markers (present in 0.33.0, absent in 0.32.0): (path or None for the
+#: release's RL router, text)
+VLLM_PAUSE_REJECT_MARKERS: tuple[tuple[str | None, str], ...] = (
     (VLLM_CORE, 'code="engine_paused"'),
-    (VLLM_RL, "In ``abort`` and ``wait`` modes new requests are rejected with HTTP 503"),
+    (None, "In ``abort`` and ``wait`` modes new requests are rejected with HTTP 503"),
 )
 #: The completion field default falls back to the model's generation config, else true (0.33.0).
 VLLM_SKIP_SPECIAL_FALLBACK = (
@@ -1903,39 +1990,113 @@ VLLM_SKIP_SPECIAL_FALLBACK = (
 )
 
 
-def vllm_dialect(tree: SourceTree, schemas: JSON, backend_schemas: JSON) -> JSON:
+def _sleep_levels(tree: SourceTree) -> list[int]:
+    """The levels ``EngineCore.sleep`` documents (``- Level N: ...`` in its docstring)."""
+    func = function_def(tree.module(VLLM_CORE), "sleep")
+    doc = ast.get_docstring(func) or ""
+    levels = sorted(
+        {
+            int(line.split("Level", 1)[1].split(":", 1)[0])
+            for line in doc.splitlines()
+            if line.strip().startswith("- Level") and ":" in line
+        }
+    )
+    if not levels:
+        raise ContractAssertionError(f"{VLLM_CORE}:EngineCore.sleep documents no levels")
+    return levels
+
+
+def vllm_dialect(
+    tree: SourceTree,
+    schemas: JSON,
+    backend_schemas: JSON,
+    routes: JSON | None = None,
+    layout: VLLMLayout | None = None,
+    per_rank_lists: bool = True,
+) -> JSON:
     """The facts rollsafe's client adapts to that differ between vLLM releases, recorded as
     data (never a failure): a release that changes one of them still generates, and the
     contract says which way it went, with the evidence read from the wheel."""
+    rl = layout.rl if layout is not None else VLLM_RL
     completion = schemas.get("CompletionRequest", {"fields": {}})["fields"]
     rejects = {
-        f"{path} contains {needle!r}": needle in tree.text(path)
+        f"{path or rl} contains {needle!r}": needle in tree.text(path or rl)
         for path, needle in VLLM_PAUSE_REJECT_MARKERS
     }
     update = backend_schemas["update_info"]["nccl"]["fields"]
     lists = ("names", "dtype_names", "shapes")
     skip = completion.get("skip_special_tokens", {})
     fallback = VLLM_SKIP_SPECIAL_FALLBACK in tree.text(VLLM_COMPLETION_PROTOCOL)
-    return {
+    out: JSON = {
         "completion_weight_versions": "return_weight_versions" in completion,
         "paused_new_requests": "rejected_503" if all(rejects.values()) else "queued",
         "update_info_lists_required": all(update[k]["required"] for k in lists if k in update),
         "skip_special_tokens_default": skip.get("default"),
         "skip_special_tokens_server_default": "generation config, else true" if fallback else None,
-        "evidence": {
-            "completion_weight_versions": f"CompletionRequest fields of {VLLM_COMPLETION_PROTOCOL}"
-            f" {'include' if 'return_weight_versions' in completion else 'lack'} "
-            "return_weight_versions",
-            "paused_new_requests": "; ".join(
-                f"{k}: {'yes' if v else 'no'}" for k, v in rejects.items()
-            ),
-            "update_info_lists_required": "required in the nccl update_info schema: "
-            + ", ".join(k for k in lists if update.get(k, {}).get("required")),
-            "skip_special_tokens_default": f"CompletionRequest.skip_special_tokens default "
-            f"{skip.get('default')!r}; server fallback to the generation config: "
-            f"{'yes' if fallback else 'no'}",
-        },
     }
+    evidence: JSON = {
+        "completion_weight_versions": f"CompletionRequest fields of {VLLM_COMPLETION_PROTOCOL}"
+        f" {'include' if 'return_weight_versions' in completion else 'lack'} "
+        "return_weight_versions",
+        "paused_new_requests": "; ".join(
+            f"{k}: {'yes' if v else 'no'}" for k, v in rejects.items()
+        ),
+        "update_info_lists_required": "required in the nccl update_info schema: "
+        + ", ".join(k for k in lists if update.get(k, {}).get("required")),
+        "skip_special_tokens_default": f"CompletionRequest.skip_special_tokens default "
+        f"{skip.get('default')!r}; server fallback to the generation config: "
+        f"{'yes' if fallback else 'no'}",
+    }
+    if routes is not None:
+        finish = routes["/finish_weight_update"]["body"]
+        finish_fields = schemas[finish["schema"]]["fields"] if finish else {}
+        init = backend_schemas["init_info"]["nccl"]["fields"]
+        out.update(
+            {
+                "weight_version_routes": "/update_weight_version" in routes
+                and "/weight_info" in routes,
+                "weight_checker": "/weight_checker" in routes,
+                "shutdown_weight_transfer_engine": "/shutdown_weight_transfer_engine" in routes,
+                "finish_weight_update_takes_version": "weight_version" in finish_fields,
+                "packed_in": "init_info" if "packed" in init else "update_info",
+                "update_info_per_rank_list": per_rank_lists,
+                "sleep_levels": _sleep_levels(tree),
+            }
+        )
+        evidence.update(
+            {
+                "weight_version_routes": f"{rl}: /update_weight_version and /weight_info "
+                + ("registered" if out["weight_version_routes"] else "absent"),
+                "weight_checker": f"{rl}: /weight_checker "
+                + ("registered" if out["weight_checker"] else "absent"),
+                "shutdown_weight_transfer_engine": f"{rl}: /shutdown_weight_transfer_engine "
+                + ("registered" if out["shutdown_weight_transfer_engine"] else "absent"),
+                "finish_weight_update_takes_version": f"{rl}: /finish_weight_update body "
+                f"fields {sorted(finish_fields)}",
+                "packed_in": f"nccl init_info fields {sorted(init)}; nccl update_info fields "
+                f"{sorted(update)}",
+                "update_info_per_rank_list": f"{VLLM_WORKER} "
+                + ("indexes" if per_rank_lists else "does not index")
+                + " a list of update_info dicts by global worker rank",
+                "sleep_levels": f"{VLLM_CORE}:EngineCore.sleep documents levels "
+                f"{out['sleep_levels']}",
+            }
+        )
+    top_imports = {
+        alias.name.split(".")[0]
+        for node in (tree.module(VLLM_WT_IPC).body if tree.exists(VLLM_WT_IPC) else [])
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    declared = tree.metadata_requirements()
+    if declared is not None:
+        out["ipc_backend_imports_undeclared_ray"] = "ray" in top_imports and "ray" not in declared
+        evidence["ipc_backend_imports_undeclared_ray"] = (
+            f"{VLLM_WT_IPC} imports ray at module level: {'yes' if 'ray' in top_imports else 'no'}"
+            f"; the wheel's METADATA requires ray: {'yes' if 'ray' in declared else 'no'}"
+        )
+    out["evidence"] = evidence
+    return out
 
 
 # --------------------------------------------------------------------------------------------

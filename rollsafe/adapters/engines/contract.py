@@ -66,7 +66,7 @@ PINNED_VERSIONS: dict[str, str] = {"sglang": "0.5.23", "vllm": "0.33.0"}
 #: (``VLLMClient`` picks it from the server's ``GET /version``).
 SUPPORTED_VERSIONS: dict[str, tuple[str, ...]] = {
     "sglang": ("0.5.23",),
-    "vllm": ("0.32.0", "0.33.0"),
+    "vllm": ("0.26.0", "0.32.0", "0.33.0"),
 }
 
 #: value types upstream only *annotates* (no runtime check) and that real callers rely on: vLLM's
@@ -566,6 +566,11 @@ def contract_version_for(engine: EngineName, server_version: str) -> str:
             return version
     if wanted > _release(supported[-1]):
         return supported[-1]
+    if wanted > _release(supported[0]):
+        raise UnsupportedVersion(
+            f"{engine} server version {server_version!r} is no supported release (supported: "
+            f"{', '.join(supported)}; one between them has no committed contract)"
+        )
     raise UnsupportedVersion(
         f"{engine} server version {server_version!r} is older than every supported release "
         f"({', '.join(supported)})"

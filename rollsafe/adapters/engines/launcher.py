@@ -314,7 +314,9 @@ class EngineLauncher:
             attempt = self._attempt(self._running.require_proc(), cmd)
             info = wait_for_http_ready(attempt, spec.client_url(port))
             self._running.info = info
-            self._running.client = engine_client(spec, str(info["url"]))
+            self._running.client = client = engine_client(spec, str(info["url"]))
+            if isinstance(client, VLLMClient) and info.get("weight_version_source") == "client":
+                client.update_weight_version(str(info["weight_version"]))  # 0.26: a label
         except BaseException:
             self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
             raise

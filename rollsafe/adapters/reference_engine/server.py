@@ -890,7 +890,8 @@ def build_app(
         app.add_routes([web.get("/health", health)])  # vLLM: pause does not affect it
     from rollsafe.adapters.reference_engine import checker_api
 
-    app.add_routes(checker_api.routes(ctx.dialect))  # /weights_checker or /weight_checker
+    if ctx.dialect == "sglang" or ctx.vllm.weight_checker:  # vLLM 0.26.0 has none
+        app.add_routes(checker_api.routes(ctx.dialect))  # /weights_checker or /weight_checker
     if ctx.dialect == "sglang":
         from rollsafe.adapters.reference_engine import sglang_api
 
@@ -898,7 +899,7 @@ def build_app(
     elif ctx.dialect == "vllm":
         from rollsafe.adapters.reference_engine import vllm_api
 
-        app.add_routes(vllm_api.routes())
+        app.add_routes(vllm_api.routes(ctx.vllm))
     else:
         raise ValueError(f"dialect must be 'sglang' or 'vllm', got {ctx.dialect!r}")
     return app
