@@ -21,7 +21,12 @@ import pytest
 
 from rollsafe.adapters.engines import SGLangClient, VLLMClient
 from rollsafe.adapters.engines.contract import load_contract
-from rollsafe.adapters.engines.errors import EngineAsleep, EngineNotSupported, NoWeightChecker
+from rollsafe.adapters.engines.errors import (
+    EngineAsleep,
+    EngineNotSupported,
+    EngineRequestError,
+    NoWeightChecker,
+)
 from rollsafe.errors import InvalidArgument
 
 Recorded = tuple[str, str, dict[str, Any], Any]
@@ -94,11 +99,15 @@ class Recorder:
     """Records every request; answers as a vLLM ``version`` would (``/version``; no
     ``weight_versions`` in 0.32 completions)."""
 
-    def __init__(self, version: str = "0.33.0") -> None:
+    def __init__(self, version: str = "0.33.0", sglang: str | None = None) -> None:
         self.requests: list[Recorded] = []
         self.version = version
+        self.sglang = sglang  # the SGLang release /server_info reports (None: no version)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info" and self.sglang is not None:
+            self.requests.append((request.method, "/server_info", {}, None))
+            return httpx.Response(200, json={"version": self.sglang, "tp_size": 1})
         if request.url.path == "/version":
             self.requests.append((request.method, "/version", {}, None))
             return httpx.Response(200, json={"version": self.version})
@@ -215,12 +224,76 @@ VLLM_CALLS: dict[str, Callable[[VLLMClient], object]] = {
 }
 
 
+SGLANG_VERSIONS = ("0.5.16", "0.5.23")
+
+
+@pytest.mark.parametrize("version", SGLANG_VERSIONS)
 @pytest.mark.parametrize("name", sorted(SGLANG_CALLS))
-def test_sglang_client_requests_match_sglang_0_5_23(name: str) -> None:
-    rec = Recorder()
+def test_sglang_client_requests_match_each_sglang_release(name: str, version: str) -> None:
+    rec = Recorder(sglang=version)
     with SGLangClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
         SGLANG_CALLS[name](client)
-    _check("sglang", rec.requests)
+        if name.startswith("generate"):
+            assert client.server_dialect().version == version
+    _check("sglang", rec.requests, version=version)
+
+
+def test_sglang_0_5_16_unknown_sampling_keys_are_refused_by_the_client() -> None:
+    """SGLang 0.5.16 has no contract gate: an unknown sampling key is a TypeError its
+    ``/generate`` does not catch (a 500, which the router would count against the engine). The
+    client refuses it with the 400 that 0.5.23 answers, nothing sent; 0.5.23 gets the request
+    and answers for itself."""
+    for version, refused in (("0.5.16", True), ("0.5.23", False)):
+        rec = Recorder(sglang=version)
+        with SGLangClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
+            bad = {"max_new_tokens": 2, "temprature": 0.5}
+            for call in (
+                lambda c=client, b=bad: c.generate([1, 2], sampling_params=b),
+                lambda c=client, b=bad: list(c.generate_stream([1, 2], sampling_params=b)),
+            ):
+                if refused:
+                    with pytest.raises(EngineRequestError) as info:
+                        call()
+                    assert info.value.status_code == 400 and "'temprature'" in info.value.message
+                else:
+                    call()  # the recorder answers 200; a real 0.5.23 answers 400 itself
+            sent = [p for _, p, _, _ in rec.requests if p == "/generate"]
+        assert len(sent) == (0 if refused else 2), version
+        dialect = client.server_dialect()
+        assert dialect.version == version and dialect.weight_version_spans is (not refused)
+
+
+def test_sglang_dialect_comes_from_server_info_once() -> None:
+    """``/server_info`` reports the release; a server without it (404) is asked
+    ``/get_server_info``; no version at all speaks the pinned 0.5.23; a release no contract
+    speaks is named; a pin asks nothing."""
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if request.url.path == "/server_info":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if request.url.path == "/get_server_info":
+            return httpx.Response(200, json={"version": "0.5.16.post1"})
+        return httpx.Response(200, json={"text": "", "output_ids": [], "meta_info": {}})
+
+    with SGLangClient("http://engine", transport=httpx.MockTransport(handler)) as client:
+        for _ in range(3):
+            client.generate([1], sampling_params={"max_new_tokens": 1})
+        assert client.server_dialect().version == "0.5.16"
+    assert paths.count("/server_info") == paths.count("/get_server_info") == 1
+    rec = Recorder(sglang="0.5.19")
+    with (
+        SGLangClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client,
+        pytest.raises(EngineNotSupported, match="no supported release"),
+    ):
+        client.server_dialect()
+    rec = Recorder(sglang="0.5.16")
+    with SGLangClient(
+        "http://engine", transport=httpx.MockTransport(rec.handler), server_version="0.5.23"
+    ) as client:
+        client.generate([1], sampling_params={"max_new_tokens": 1, "temprature": 1.0})
+    assert [p for _, p, _, _ in rec.requests] == ["/generate"]
 
 
 @pytest.mark.parametrize("version", VLLM_VERSIONS)

@@ -389,11 +389,12 @@ def test_every_route_records_its_unknown_key_policy() -> None:
     ``sampling_params`` keys; vLLM keeps and logs unknown ``/v1/completions`` fields, reads only
     named keys elsewhere, and rejects unknown ``init_info`` / ``update_info`` keys; FastAPI
     never reads an undeclared body or query parameter."""
-    sg = load_contract("sglang")
-    for path in sg.routes():
-        assert sg.route(path)["unknown_keys"]["query"] == "ignore"
-        assert sg.unknown_key_policy(path) == "ignore", path
-    assert sg.route("/generate")["unknown_keys"]["nested"] == {"sampling_params": "reject"}
+    for version in ("0.5.16", "0.5.23"):
+        sg = load_contract("sglang", version)
+        for path in sg.routes():
+            assert sg.route(path)["unknown_keys"]["query"] == "ignore"
+            assert sg.unknown_key_policy(path) == "ignore", path
+        assert sg.route("/generate")["unknown_keys"]["nested"] == {"sampling_params": "reject"}
     assert "sglang.generate_gate_ignores_unknown_top_level_keys" in sg.data["checked_facts"]
     for version in ("0.26.0", "0.32.0", "0.33.0"):
         vl = load_contract("vllm", version)
@@ -546,6 +547,43 @@ def test_vllm_0_26_contract_records_what_it_lacks() -> None:
     assert "unknown route" in old.check_request("GET", "/weight_info")[0].problem
 
 
+def test_sglang_0_5_16_contract_records_how_it_differs_from_0_5_23() -> None:
+    """Generated from the sglang 0.5.16 wheel (the release built for the GPU image's torch):
+    no /generate contract gate (an unknown sampling key is a 500 there), no weight-version
+    spans, no /ready or begin/end weight update, an unpickler by module prefix; both report
+    the release on /server_info."""
+    old, new = load_contract("sglang", "0.5.16"), load_contract("sglang", "0.5.23")
+    assert old.data["wheel"]["filename"].startswith("sglang-0.5.16")
+    facts = {k: v for k, v in old.data["dialect"].items() if k != "evidence"}
+    assert facts == {
+        "generate_contract_gate": False,
+        "sampling_unknown_key_status": 500,
+        "weight_version_spans": False,
+        "version_route": "/server_info",
+    }
+    assert {k: v for k, v in new.data["dialect"].items() if k != "evidence"} == {
+        **facts,
+        "generate_contract_gate": True,
+        "sampling_unknown_key_status": 400,
+        "weight_version_spans": True,
+    }
+    assert old.data["absent_routes"] == ["/begin_weight_update", "/end_weight_update", "/ready"]
+    assert set(new.routes()) - set(old.routes()) == set(old.data["absent_routes"])
+    assert "sglang.generate_catches_only_value_errors" in old.data["checked_facts"]
+    assert "sglang.server_info_reports_the_version" in old.data["checked_facts"]
+    assert {"max_new_tokens", "temperature", "sampling_seed"} <= old.sampling_keys()
+    bad = old.check_request(
+        "POST",
+        "/generate",
+        body={"input_ids": [1], "sampling_params": {"temprature": 0}},
+        unknown_keys="upstream",
+    )
+    assert _wheres(bad) == {"sampling_params.temprature"}  # refused upstream too (a 500)
+    assert old.unpickler_admits("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+    with pytest.raises(ContractError):
+        old.allowed_pickle_globals()
+
+
 def test_contract_version_for_a_server_version() -> None:
     from rollsafe.adapters.engines.contract import (
         SUPPORTED_VERSIONS,
@@ -555,6 +593,11 @@ def test_contract_version_for_a_server_version() -> None:
 
     assert SUPPORTED_VERSIONS["vllm"] == ("0.26.0", "0.32.0", "0.33.0")
     assert contract_version_for("vllm", "0.26.0") == "0.26.0"
+    assert SUPPORTED_VERSIONS["sglang"] == ("0.5.16", "0.5.23")
+    assert contract_version_for("sglang", "0.5.16.post1") == "0.5.16"
+    assert contract_version_for("sglang", "0.5.24") == "0.5.23"  # newer: the newest
+    with pytest.raises(UnsupportedVersion, match="no supported release"):
+        contract_version_for("sglang", "0.5.20")  # the patch level names the dialect
     assert contract_version_for("vllm", "0.32.0") == "0.32.0"
     assert contract_version_for("vllm", "0.32.3+cpu") == "0.32.0"
     assert contract_version_for("vllm", "0.33.1.dev4+g1234abc") == "0.33.0"

@@ -1167,11 +1167,14 @@ SGLANG_MSGSPEC = "sglang/srt/utils/msgspec_utils.py"
 SGLANG_FIELDS_DIR = "sglang/srt/arg_groups/fields"
 SGLANG_ARG_UTILS = "sglang/srt/arg_groups/arg_utils.py"
 
+#: routes some releases lack (SGLang 0.5.16 has none of them): recorded under "absent_routes"
+SGLANG_OPTIONAL_ROUTES = ["/ready", "/begin_weight_update", "/end_weight_update"]
+SGLANG_SERVER_ARGS = "sglang/srt/server_args.py"
+
 SGLANG_ROUTES = [
     "/generate",
     "/health",
     "/health_generate",
-    "/ready",
     "/model_info",
     "/get_model_info",
     "/server_info",
@@ -1186,8 +1189,6 @@ SGLANG_ROUTES = [
     "/update_weights_from_tensor",
     "/update_weights_from_distributed",
     "/update_weights_from_ipc",
-    "/begin_weight_update",
-    "/end_weight_update",
     "/update_weight_version",
     "/get_weights_by_name",
     "/release_memory_occupation",
@@ -1208,7 +1209,9 @@ SGLANG_FLAGS = [
 def extract_sglang(tree: SourceTree) -> JSON:
     facts = Facts()
     io_mod = tree.module(SGLANG_IO)
-    api_mod = tree.module(SGLANG_API)
+    # the /generate contract gate (sglang/api/v1, generated decoders): 0.5.23 has it, 0.5.16 not
+    gate = tree.exists(SGLANG_API)
+    api_mod = tree.module(SGLANG_API) if gate else None
     ctx = TypeContext()
     for m in (io_mod, tree.module(SGLANG_HTTP)):
         ctx.add_module(m)
@@ -1236,42 +1239,18 @@ def extract_sglang(tree: SourceTree) -> JSON:
         consts,
         schemas,
     )
-    routes = select_routes(all_routes, SGLANG_ROUTES, "sglang")
+    present = [r for r in SGLANG_OPTIONAL_ROUTES if r in all_routes]
+    absent_routes = sorted(set(SGLANG_OPTIONAL_ROUTES) - set(present))
+    routes = select_routes(all_routes, SGLANG_ROUTES + present, "sglang")
     for name in list(schemas):
         schemas[name] = _strip_sources(schemas[name], SGLANG_IO)
     used = {r["body"]["schema"] for r in routes.values() if r["body"]}
     schemas = {k: v for k, v in schemas.items() if k in used}
 
-    # sampling_params: the /generate contract gate decodes them with the generated
-    # api_types.SamplingParams, which rejects unknown keys ("unknown field `x`").
-    log(f"reading sampling params from {SGLANG_API} and {SGLANG_SAMPLING}")
-    api_ctx = TypeContext()
-    api_ctx.add_module(api_mod)
-    api_sampling = class_schema(
-        [api_mod], "SamplingParams", api_ctx, {}, source=SGLANG_API, unknown_keys="reject"
-    )
-    api_sampling["unknown_keys_evidence"] = (
-        f"{SGLANG_API}:SamplingParams is decoded by the /generate contract gate, which "
-        "rejects unknown keys (HTTP 400)"
-    )
-    facts.contains(
-        tree,
-        "sglang.generate_gate_rejects_unknown_sampling_keys",
-        SGLANG_API,
-        '"""sglang.api.v1.SamplingParams: JSON object (unknown keys rejected)."""',
-    )
-    facts.contains(
-        tree,
-        "sglang.generate_route_runs_contract_gate",
-        SGLANG_HTTP,
-        "contract_error = generate_contract_error(await request.json())",
-    )
-    facts.contains(
-        tree,
-        "sglang.generate_gate_ignores_unknown_top_level_keys",
-        SGLANG_API,
-        '"""sglang.api.v1.GenerateRequest: JSON object (unknown keys ignored)."""',
-    )
+    # sampling_params: 0.5.23's /generate contract gate decodes them with the generated
+    # api_types.SamplingParams, which rejects unknown keys ("unknown field `x`", HTTP 400); with
+    # no gate (0.5.16) the tokenizer manager's SamplingParams(**kwargs), a msgspec Struct,
+    # raises TypeError on one, which /generate does not catch (HTTP 500).
     facts.contains(
         tree,
         "sglang.tokenizer_builds_sampling_params_from_kwargs",
@@ -1289,23 +1268,77 @@ def extract_sglang(tree: SourceTree) -> JSON:
         source=SGLANG_SAMPLING,
         unknown_keys="reject",
     )
-    gate_keys = set(api_sampling["fields"])
     runtime_keys = set(srt_sampling["fields"])
-    sampling = {
-        "schema": "SamplingParams",
-        "unknown_keys": "reject",
-        "rejected_by": [
-            f"{SGLANG_HTTP}:generate_request -> {SGLANG_API}:decode_SamplingParams "
-            "(HTTP 400 {'error': 'unknown field `KEY`, expected one of ...'})",
-            f"{SGLANG_TOKENIZER}: self.sampling_params_class(**sampling_kwargs) "
-            f"({SGLANG_SAMPLING}:SamplingParams, a msgspec Struct: unexpected keyword -> "
-            "TypeError)",
-        ],
-        "keys": sorted(gate_keys),
-        "keys_accepted_by_gate_only": sorted(gate_keys - runtime_keys),
-        "runtime_only_fields": sorted(runtime_keys - gate_keys),
-    }
-    schemas["SamplingParams"] = api_sampling
+    api_ctx = TypeContext()
+    if api_mod is not None:
+        log(f"reading sampling params from {SGLANG_API} and {SGLANG_SAMPLING}")
+        api_ctx.add_module(api_mod)
+        api_sampling = class_schema(
+            [api_mod], "SamplingParams", api_ctx, {}, source=SGLANG_API, unknown_keys="reject"
+        )
+        api_sampling["unknown_keys_evidence"] = (
+            f"{SGLANG_API}:SamplingParams is decoded by the /generate contract gate, which "
+            "rejects unknown keys (HTTP 400)"
+        )
+        facts.contains(
+            tree,
+            "sglang.generate_gate_rejects_unknown_sampling_keys",
+            SGLANG_API,
+            '"""sglang.api.v1.SamplingParams: JSON object (unknown keys rejected)."""',
+        )
+        facts.contains(
+            tree,
+            "sglang.generate_route_runs_contract_gate",
+            SGLANG_HTTP,
+            "contract_error = generate_contract_error(await request.json())",
+        )
+        facts.contains(
+            tree,
+            "sglang.generate_gate_ignores_unknown_top_level_keys",
+            SGLANG_API,
+            '"""sglang.api.v1.GenerateRequest: JSON object (unknown keys ignored)."""',
+        )
+        gate_keys = set(api_sampling["fields"])
+        sampling = {
+            "schema": "SamplingParams",
+            "unknown_keys": "reject",
+            "rejected_by": [
+                f"{SGLANG_HTTP}:generate_request -> {SGLANG_API}:decode_SamplingParams "
+                "(HTTP 400 {'error': 'unknown field `KEY`, expected one of ...'})",
+                f"{SGLANG_TOKENIZER}: self.sampling_params_class(**sampling_kwargs) "
+                f"({SGLANG_SAMPLING}:SamplingParams, a msgspec Struct: unexpected keyword -> "
+                "TypeError)",
+            ],
+            "keys": sorted(gate_keys),
+            "keys_accepted_by_gate_only": sorted(gate_keys - runtime_keys),
+            "runtime_only_fields": sorted(runtime_keys - gate_keys),
+        }
+        schemas["SamplingParams"] = api_sampling
+    else:
+        log(f"no {SGLANG_API}: sampling params from {SGLANG_SAMPLING} (no contract gate)")
+        facts.require(
+            "sglang.generate_catches_only_value_errors",
+            "except TypeError"
+            not in ast.unparse(function_def(tree.module(SGLANG_HTTP), "generate_request")),
+            f"{SGLANG_HTTP}:generate_request catches ValueError only: a TypeError is a 500",
+        )
+        srt_sampling["unknown_keys_evidence"] = (
+            f"{SGLANG_TOKENIZER}: SamplingParams(**sampling_kwargs) (a msgspec Struct) raises "
+            "TypeError on an unknown key; /generate catches only ValueError (HTTP 500)"
+        )
+        sampling = {
+            "schema": "SamplingParams",
+            "unknown_keys": "reject",
+            "rejected_by": [
+                f"{SGLANG_TOKENIZER}: self.sampling_params_class(**sampling_kwargs) "
+                f"({SGLANG_SAMPLING}:SamplingParams, a msgspec Struct: unexpected keyword -> "
+                "TypeError, uncaught by /generate: HTTP 500)",
+            ],
+            "keys": sorted(runtime_keys),
+            "keys_accepted_by_gate_only": [],
+            "runtime_only_fields": [],
+        }
+        schemas["SamplingParams"] = srt_sampling
     gen = schemas.get("GenerateReqInput")
     if gen is not None and "sampling_params" in gen["fields"]:
         gen["fields"]["sampling_params"]["nested"] = "SamplingParams"
@@ -1333,10 +1366,14 @@ def extract_sglang(tree: SourceTree) -> JSON:
         schemas["CheckWeightsReqInput"]["fields"]["action"]["enum_source"] = (
             f"{SGLANG_CHECKER}:WeightChecker.handle"
         )
-    generate_response = {
-        name: class_schema([api_mod], name, api_ctx, {}, source=SGLANG_API, unknown_keys="n/a")
-        for name in ("GenerateResponse", "GenerateMetaInfo", "WeightVersionSpan")
-    }
+    generate_response = (
+        {
+            name: class_schema([api_mod], name, api_ctx, {}, source=SGLANG_API, unknown_keys="n/a")
+            for name in ("GenerateResponse", "GenerateMetaInfo", "WeightVersionSpan")
+        }
+        if api_mod is not None
+        else {}
+    )
     checksum_info = class_schema(
         [io_mod], "ChecksumInfo", ctx, consts, source=SGLANG_IO, unknown_keys="n/a"
     )
@@ -1369,12 +1406,13 @@ def extract_sglang(tree: SourceTree) -> JSON:
         SGLANG_TOKENIZER,
         "await self.is_pause_cond.wait_for(lambda: not self.is_pause)",
     )
-    facts.contains(
-        tree,
-        "sglang.ready_is_503_while_paused",
-        SGLANG_TOKENIZER,
-        "return not self.is_pause and self.is_healthy()",
-    )
+    if "/ready" in routes:
+        facts.contains(
+            tree,
+            "sglang.ready_is_503_while_paused",
+            SGLANG_TOKENIZER,
+            "return not self.is_pause and self.is_healthy()",
+        )
     # Streaming (#17): SSE framing, cumulative events by default, spans on the finished event.
     facts.contains(
         tree,
@@ -1382,19 +1420,22 @@ def extract_sglang(tree: SourceTree) -> JSON:
         SGLANG_HTTP,
         'yield b"data: [DONE]\\n\\n"',
     )
+    serving_fields = f"{SGLANG_FIELDS_DIR}/serving.py"
     facts.contains(
         tree,
         "sglang.stream_events_cumulative_by_default",
-        f"{SGLANG_FIELDS_DIR}/serving.py",
+        serving_fields if tree.exists(serving_fields) else SGLANG_SERVER_ARGS,
         "incremental_streaming_output: A[\n        bool,\n"
         '        "Whether to output as a sequence of disjoint segments.",\n    ] = False',
     )
-    facts.contains(
-        tree,
-        "sglang.stream_weight_version_spans_on_finished_event_only",
-        "sglang/srt/managers/scheduler_components/output_streamer.py",
-        "        else:\n            self.weight_versions.append(None)",
-    )
+    spans = "add_weight_versions_to_meta_info" in tree.text(SGLANG_TOKENIZER)
+    if spans:
+        facts.contains(
+            tree,
+            "sglang.stream_weight_version_spans_on_finished_event_only",
+            "sglang/srt/managers/scheduler_components/output_streamer.py",
+            "        else:\n            self.weight_versions.append(None)",
+        )
     facts.contains(
         tree,
         "sglang.health_and_ready_skip_auth",
@@ -1444,14 +1485,36 @@ def extract_sglang(tree: SourceTree) -> JSON:
     }
 
     # Unpickler allow-list and the flattened-bucket metadata.
-    log(f"reading SafeUnpickler.ALLOWED_GLOBALS from {SGLANG_COMMON}")
-    allowed = class_set_literal(tree.module(SGLANG_COMMON), "SafeUnpickler", "ALLOWED_GLOBALS")
-    facts.contains(
-        tree,
-        "sglang.unpickler_special_cases_torch_storage_load_from_bytes",
-        SGLANG_COMMON,
-        'if (module, name) == ("torch.storage", "_load_from_bytes"):',
-    )
+    common = tree.module(SGLANG_COMMON)
+    unpickler: JSON = {}
+    if "ALLOWED_GLOBALS" in ast.unparse(find_class([common], "SafeUnpickler") or ast.Module()):
+        log(f"reading SafeUnpickler.ALLOWED_GLOBALS from {SGLANG_COMMON}")
+        unpickler["pickle_allowed_globals"] = class_set_literal(
+            common, "SafeUnpickler", "ALLOWED_GLOBALS"
+        )
+        facts.contains(
+            tree,
+            "sglang.unpickler_special_cases_torch_storage_load_from_bytes",
+            SGLANG_COMMON,
+            'if (module, name) == ("torch.storage", "_load_from_bytes"):',
+        )
+    else:  # 0.5.16: an allow-list of module prefixes and a deny-list of classes
+        log(f"reading SafeUnpickler.ALLOWED_MODULE_PREFIXES from {SGLANG_COMMON}")
+        cls = find_class([common], "SafeUnpickler")
+        assert cls is not None
+        values = {
+            n.targets[0].id: ast.literal_eval(n.value)
+            for n in cls.body
+            if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+        }
+        unpickler["pickle_allowed_module_prefixes"] = sorted(values["ALLOWED_MODULE_PREFIXES"])
+        unpickler["pickle_denied_globals"] = sorted(list(x) for x in values["DENY_CLASSES"])
+        facts.contains(
+            tree,
+            "sglang.unpickler_allows_by_module_prefix",
+            SGLANG_COMMON,
+            '(module + ".").startswith(prefix) for prefix in self.ALLOWED_MODULE_PREFIXES',
+        )
     bucket_mod = tree.module(SGLANG_BUCKET)
     meta_fields = dataclass_field_names(bucket_mod, "FlattenedTensorMetadata")
     facts.contains(
@@ -1464,6 +1527,29 @@ def extract_sglang(tree: SourceTree) -> JSON:
     # Server flags.
     flags = sglang_flags(tree, facts)
     record_unknown_key_policies(routes, schemas)
+    facts.require(
+        "sglang.server_info_reports_the_version",
+        '"version": __version__'
+        in ast.unparse(function_def(tree.module(SGLANG_HTTP), "server_info")).replace("'", '"'),
+        f"{SGLANG_HTTP}:server_info answers the release as 'version' (/server_info, and "
+        "/get_server_info through it)",
+    )
+    dialect = {
+        "generate_contract_gate": gate,
+        "sampling_unknown_key_status": 400 if gate else 500,
+        "weight_version_spans": spans,
+        "version_route": "/server_info",
+        "evidence": {
+            "generate_contract_gate": f"{SGLANG_API} "
+            + ("present: /generate runs generate_contract_error" if gate else "absent"),
+            "sampling_unknown_key_status": sampling["rejected_by"][0],
+            "weight_version_spans": f"{SGLANG_TOKENIZER} "
+            + ("calls" if spans else "lacks")
+            + " add_weight_versions_to_meta_info (meta_info.weight_versions on the finished "
+            "event); meta_info.weight_version is the label at output time on both",
+            "version_route": f"{SGLANG_HTTP}:server_info answers 'version': __version__",
+        },
+    }
 
     return {
         "routes": routes,
@@ -1474,7 +1560,7 @@ def extract_sglang(tree: SourceTree) -> JSON:
             **generate_response,
         },
         "sampling_params": sampling,
-        "pickle_allowed_globals": allowed,
+        **unpickler,
         "flattened_tensor_metadata_fields": meta_fields,
         "flattened_tensor_bucket": {
             "buffer_dtype": "uint8",
@@ -1482,6 +1568,8 @@ def extract_sglang(tree: SourceTree) -> JSON:
             "bucket_class": "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket",
         },
         "server_flags": flags,
+        "dialect": dialect,
+        "absent_routes": absent_routes,
         "auth": auth,
         "semantics": semantics,
         "checked_facts": facts.checked,
@@ -1496,7 +1584,10 @@ def sglang_flags(tree: SourceTree, facts: Facts) -> JSON:
         'return "--" + name.replace("_", "-")',
     )
     found: JSON = {}
-    for path in tree.listdir(SGLANG_FIELDS_DIR):
+    # 0.5.23 spreads ServerArgs' fields over arg_groups/fields/*.py; 0.5.16 keeps them in one
+    # module (the same Annotated[type, "help"] fields)
+    paths = tree.listdir(SGLANG_FIELDS_DIR) or [SGLANG_SERVER_ARGS]
+    for path in paths:
         mod = tree.module(path)
         for node in ast.walk(mod):
             if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):

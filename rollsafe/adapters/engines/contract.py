@@ -65,7 +65,7 @@ PINNED_VERSIONS: dict[str, str] = {"sglang": "0.5.23", "vllm": "0.33.0"}
 #: Every release with a committed contract, oldest first; a client speaks each one's dialect
 #: (``VLLMClient`` picks it from the server's ``GET /version``).
 SUPPORTED_VERSIONS: dict[str, tuple[str, ...]] = {
-    "sglang": ("0.5.23",),
+    "sglang": ("0.5.16", "0.5.23"),
     "vllm": ("0.26.0", "0.32.0", "0.33.0"),
 }
 
@@ -289,13 +289,27 @@ class EngineContract:
         return frozenset(self._backends[kind][backend].fields)
 
     def allowed_pickle_globals(self) -> frozenset[tuple[str, str]]:
-        """SGLang's ``SafeUnpickler.ALLOWED_GLOBALS`` as ``(module, name)`` pairs."""
+        """SGLang's ``SafeUnpickler.ALLOWED_GLOBALS`` as ``(module, name)`` pairs (0.5.23;
+        0.5.16 allows by module prefix: :meth:`unpickler_admits`)."""
         pairs = self.data.get("pickle_allowed_globals")
         if pairs is None:
             raise ContractError(
-                [ContractViolation(self.label, "has no unpickler allow-list (SGLang only)")]
+                [ContractViolation(self.label, "has no unpickler allow-list of globals")]
             )
         return frozenset((m, n) for m, n in pairs)
+
+    def unpickler_admits(self, module: str, name: str) -> bool:
+        """Whether SGLang's ``SafeUnpickler`` of this release loads the global ``module.name``:
+        by its allow-list of globals (0.5.23) or by module prefix less a deny-list (0.5.16)."""
+        if "pickle_allowed_globals" in self.data:
+            return (module, name) in self.allowed_pickle_globals()
+        prefixes = self.data.get("pickle_allowed_module_prefixes")
+        if prefixes is None:
+            raise ContractError([ContractViolation(self.label, "has no unpickler (SGLang only)")])
+        denied = {(m, n) for m, n in self.data.get("pickle_denied_globals", [])}
+        if (module, name) in denied:
+            return False
+        return any((module + ".").startswith(prefix) for prefix in prefixes)
 
     def sampling_keys(self) -> frozenset[str]:
         """SGLang ``sampling_params`` keys, or vLLM ``/v1/completions`` body fields."""
@@ -545,28 +559,46 @@ def _load(engine: str, version: str) -> EngineContract:
     return EngineContract(json.loads(text))
 
 
-def _release(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a version (``0.32.0``, ``0.33.1.dev3+g1234``, ``0.32.0+cpu``)."""
-    parts = version.strip().lstrip("v").split(".")
+#: how many leading version numbers name one dialect: vLLM changes its API per minor release
+#: (0.32.3 speaks 0.32.0's), SGLang per patch release (0.5.16 and 0.5.23 differ)
+RELEASE_DEPTH: dict[str, int] = {"vllm": 2, "sglang": 3}
+
+
+def _release(version: str, depth: int = 2) -> tuple[int, ...]:
+    """The first ``depth`` numbers of a version (``0.32.0``, ``0.33.1.dev3+g1234``,
+    ``0.32.0+cpu``, ``0.5.16.post1``)."""
+    parts = version.strip().lstrip("v").split("+")[0].split(".")
     try:
-        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or "x")
+        out = [int(parts[0])]
+        for part in parts[1:depth]:
+            digits = ""
+            for ch in part:
+                if not ch.isdigit():
+                    break
+                digits += ch
+            out.append(int(digits))
+        if len(out) < depth:
+            raise ValueError(version)
+        return tuple(out)
     except (IndexError, ValueError):
         raise UnsupportedVersion(f"not a release version: {version!r}") from None
 
 
 def contract_version_for(engine: EngineName, server_version: str) -> str:
     """The committed contract whose dialect a server reporting ``server_version`` speaks: the
-    supported release of the same major.minor, a newer server the newest contract. A server
-    older than every contract (or an unreadable version) is :class:`UnsupportedVersion`
+    supported release of the same major.minor (vLLM) or major.minor.patch (SGLang,
+    :data:`RELEASE_DEPTH`), a newer server the newest contract. A server older than every
+    contract, between two of them, or with an unreadable version is :class:`UnsupportedVersion`
     naming them."""
     supported = SUPPORTED_VERSIONS[engine]
-    wanted = _release(server_version)
+    depth = RELEASE_DEPTH[engine]
+    wanted = _release(server_version, depth)
     for version in supported:
-        if _release(version) == wanted:
+        if _release(version, depth) == wanted:
             return version
-    if wanted > _release(supported[-1]):
+    if wanted > _release(supported[-1], depth):
         return supported[-1]
-    if wanted > _release(supported[0]):
+    if wanted > _release(supported[0], depth):
         raise UnsupportedVersion(
             f"{engine} server version {server_version!r} is no supported release (supported: "
             f"{', '.join(supported)}; one between them has no committed contract)"

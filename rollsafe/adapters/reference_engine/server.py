@@ -722,7 +722,9 @@ class _MemoryTrimmer:
 _PARSED_BODY = "rollsafe.json_body"
 _CONTRACT = "rollsafe.contract"  # the contract the request was checked against
 #: routes the reference engine serves on top of its dialect (fault injection, its own info)
-_OWN_ROUTES = ("/get_server_info", "/fault/")
+_OWN_ROUTES = ("/get_server_info", "/server_info", "/fault/")
+#: the SGLang release the ``sglang`` dialect imitates (reported as ``"version"``)
+SGLANG_VERSION = "0.5.23"
 
 
 def contract_middleware(dialect: str, version: str | None = None) -> Callable[..., Any]:
@@ -848,6 +850,8 @@ async def server_info(request: web.Request) -> web.Response:
             "healthy": e.health() is None,
             "poisoned": e.poisoned,
             "vllm_version": ctx.vllm.version if ctx.dialect == "vllm" else None,
+            # SGLang's /server_info reports its release as "version": the one imitated here
+            "version": SGLANG_VERSION if ctx.dialect == "sglang" else ctx.vllm.version,
             "pid": os.getpid(),
         }
     )
@@ -886,6 +890,8 @@ def build_app(
     app[LIMITS_KEY] = limits
     app[BUDGET_KEY] = BodyBudget(limits.max_inflight_body_bytes)
     app.add_routes([web.get("/get_server_info", server_info), *faults.routes()])
+    if ctx.dialect == "sglang":  # SGLang's newer name of the same route
+        app.add_routes([web.get("/server_info", server_info)])
     if ctx.dialect == "vllm":
         app.add_routes([web.get("/health", health)])  # vLLM: pause does not affect it
     from rollsafe.adapters.reference_engine import checker_api
