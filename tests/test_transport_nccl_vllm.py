@@ -311,7 +311,9 @@ def test_vllm_0_26_fleet_syncs_over_nccl_with_client_labels_and_the_probe(
         model_path=tiny_model_dir,
         export_root=tmp_path / "exports",
         groups=[GroupSpec(1), GroupSpec(2)],
-        engine_options={"dialect": "vllm", "extra_args": ["--vllm-version", "0.26.0"]},
+        engine=EngineSpec(
+            model_path=str(tiny_model_dir), dialect="vllm", extra_args=["--vllm-version", "0.26.0"]
+        ),
         transport=NcclSettings(bucket_bytes=SMALL_BUCKET, group_timeout_s=TIMEOUT),
     )
     fresh = module_engine(

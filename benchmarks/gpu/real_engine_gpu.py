@@ -1,9 +1,9 @@
 """A real vLLM 0.26 or SGLang 0.5.16 server on one GPU, driven by the fleet (issues 38 and 39).
 
 ``--engine vllm`` (issue 38, item 2) and ``--engine sglang`` (issue 39, items 2 and 3) run the
-same phases against real servers started by the fleet's launcher (``engine_options={"kind":
-...}``) on a random-weight Llama (``make_tiny_model``, a few hundred MB), the wheels carried by
-``tools/carry.py`` (benchmarks/gpu/README.md, "Carrying an engine"):
+same phases against real servers started by the fleet's launcher (``FleetConfig(engine=
+EngineSpec(kind=...))``) on a random-weight Llama (``make_tiny_model``, a few hundred MB), the
+wheels carried by ``tools/carry.py`` (benchmarks/gpu/README.md, "Carrying an engine"):
 
 ``start``      a two-group fleet; each group's client names the release it speaks
 ``generate``   greedy completions through the fleet, at the start version
@@ -131,8 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_options(args: argparse.Namespace, work: Path, *, real: bool) -> dict[str, Any]:
-    """The fleet's ``engine_options``: the real server on the GPU, or the reference engine in
-    the same dialect (``--smoke``: on the CPU; ``real=False`` on the GPU: the comparison)."""
+    """The fields of the fleet's ``EngineSpec``: the real server on the GPU, or the reference
+    engine in the same dialect (``--smoke``: on the CPU; ``real=False`` on the GPU: the
+    comparison)."""
     logs = str(work / "engine-logs")
     cuda = not args.smoke
     if not real:
@@ -140,7 +141,6 @@ def engine_options(args: argparse.Namespace, work: Path, *, real: bool) -> dict[
             "dialect": args.engine,
             "device": "cuda" if cuda else "cpu",
             "log_dir": logs,
-            "weight_version": "0",
         }
         if args.engine == "vllm":
             opts["extra_args"] = ["--vllm-version", "0.26.0"]
@@ -152,7 +152,6 @@ def engine_options(args: argparse.Namespace, work: Path, *, real: bool) -> dict[
         "device": "cuda",
         "python": sys.executable,
         "log_dir": logs,
-        "weight_version": "0",
         "release_memory": True,
         "ready_timeout": 900.0,
         "client_timeout": 300.0,
@@ -367,6 +366,7 @@ def fleet_config(
     groups: int,
     name: str,
 ) -> Any:
+    from rollsafe.adapters.engines import EngineSpec
     from rollsafe.fleet import FleetConfig, GroupSpec, RecoverySettings
 
     return FleetConfig(
@@ -375,7 +375,8 @@ def fleet_config(
         groups=[GroupSpec(1) for _ in range(groups)],
         transport=transport,
         enable_immediate_recovery=True,
-        engine_options=opts,
+        # the fleet sets ranks and the start version (initial_version 0) per group
+        engine=EngineSpec(model_path=str(model_dir), **opts),
         start_timeout_s=900.0,
         request_timeout_s=300.0,
         recovery=RecoverySettings(timeout_s=900.0),
@@ -408,7 +409,7 @@ def run(args: argparse.Namespace, r: Run) -> None:
     trainer = Trainer(model_dir, "cuda" if cuda else "cpu")
     real = not args.smoke
     opts = engine_options(args, work, real=real)
-    r.doc["engine_options"] = {k: v for k, v in opts.items() if k != "env"}
+    r.doc["engine"] = {k: v for k, v in opts.items() if k != "env"}
     config = fleet_config(args, work, model_dir, opts, nccl_settings(args), 2, "main")
     version = 0
     t = time.perf_counter()
