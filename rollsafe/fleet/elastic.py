@@ -2,8 +2,8 @@
 
 Owns the executor of :mod:`rollsafe.operations.place` on a live fleet (the verifier is its
 other executor) and the bookkeeping around it: which nodes were lost, which groups were added
-and removed, and the hand-over to the :class:`~rollsafe.fleet.RecoveryCoordinator`, which places
-an ``unplaced`` group again and brings an added group to the fleet's version
+and removed, and the hand-over to the :class:`~rollsafe.fleet.recovery.RecoveryCoordinator`,
+which places an ``unplaced`` group again and brings an added group to the fleet's version
 (``docs/cluster.md``, sections 4 and 7). It is handed what it works on explicitly: the
 registry, the :class:`~rollsafe.fleet.engines.EngineGroups`, the recovery coordinator and the
 config; it holds no fleet.

@@ -1,6 +1,6 @@
 """RecoveryCoordinator: bring failed worker groups back, off the health checks' threads.
 
-Owns the recovery of ``inactive`` groups (``docs/design.md``, "Fleet control"). The order of
+Owns the recovery of ``inactive`` groups (``docs/design.md``, "Operations"). The order of
 an attempt's steps is :func:`rollsafe.operations.recover.attempt`'s (the sequence ``rollsafe
 verify`` executes too) and every decision in it (claim, skip, retire, strategy, what a restart
 or a push means) is :mod:`rollsafe.policy`'s; this module executes its effects and does the I/O
@@ -112,9 +112,9 @@ _MAX_TEXT = 512
 
 class ExportMoverLike(Protocol):
     """What moves a verified export to a group's node (``moved`` mode;
-    :class:`rollsafe.adapters.ray.ExportMover`): ``pull(group_id, version, path, timeout_s=)``
-    returns the node's checked copy (``path``, ``nbytes``, ``reused``, ``node_id``) within
-    ``timeout_s``, or raises."""
+    :class:`rollsafe.adapters.ray.exports.ExportMover`):
+    ``pull(group_id, version, path, timeout_s=)`` returns the node's checked copy (``path``,
+    ``nbytes``, ``reused``, ``node_id``) within ``timeout_s``, or raises."""
 
     def pull(
         self, group_id: str, version: int, path: str, *, timeout_s: float | None = None
@@ -354,7 +354,7 @@ class RecoveryCoordinator:
         return future
 
     def on_group_failed(self, failure: GroupFailure) -> None:
-        """The :class:`~rollsafe.fleet.HealthManager` callback: enqueue, return at once."""
+        """The :class:`~rollsafe.fleet.health.HealthManager` callback: enqueue, return at once."""
         self.submit(failure.group_id, failed_at=failure.timestamp, reason=failure.reason)
 
     def on_update_failed(self, group_id: str, reason: str) -> None:

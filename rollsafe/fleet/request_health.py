@@ -1,7 +1,7 @@
 """Request health: groups that fail requests leave routing, even when they pass health probes.
 
-Owns the request side of failure detection (the :class:`~rollsafe.fleet.HealthManager` owns the
-probe side; the two are counted and reported separately):
+Owns the request side of failure detection (the :class:`~rollsafe.fleet.health.HealthManager` owns
+the probe side; the two are counted and reported separately):
 
 * the router reports every request that failed retryably on a group (:meth:`failed`: a
   connection drop, a timeout, a 5xx, a stream cut short) and every request a group served

@@ -1,10 +1,11 @@
 """The fleet components' settings: the one place their defaults live, validated on construction.
 
-Owns :class:`HealthSettings` (the :class:`~rollsafe.fleet.HealthManager`'s probing) and
-:class:`RecoverySettings` (the :class:`~rollsafe.fleet.RecoveryCoordinator`'s pool, deadlines and
-retries, plus the fleet-level restart budget and targeted-push switch). Each component takes its
-settings object; its public keyword arguments (``interval_s=``, ``recovery_timeout_s=``...)
-still work and override the object's fields. A bad value raises :class:`FleetConfigError` naming
+Owns :class:`HealthSettings` (the :class:`~rollsafe.fleet.health.HealthManager`'s probing) and
+:class:`RecoverySettings` (the :class:`~rollsafe.fleet.recovery.RecoveryCoordinator`'s pool,
+deadlines and retries, plus the fleet-level restart budget and targeted-push switch). Each
+component takes its settings object (``settings=``); the ``HealthManager``'s keyword arguments
+(``interval_s=``...) override the object's fields, the ``RecoveryCoordinator`` has none that
+mirror a field (``rc.settings`` holds them). A bad value raises :class:`FleetConfigError` naming
 the field (``health.interval_s``) when the settings object is built, before anything starts.
 
 A fleet transport is one class: a frozen :class:`TransportSettings` subclass that names its

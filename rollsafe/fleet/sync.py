@@ -227,14 +227,14 @@ class SyncReport:
 class SyncCoordinator:
     """Runs weight syncs of a :class:`FleetRegistry`'s groups through one transport.
 
-    ``transport``: any :class:`~rollsafe.transports.WeightTransport`. ``exporter``: an
+    ``transport``: any :class:`~rollsafe.ports.WeightTransport`. ``exporter``: an
     :class:`~rollsafe.hf.HFExporter` (optional: without it no export is judged or started).
     ``mode``: the fleet's :class:`ImmediateRecoveryMode` (optional). ``targets_for(group)``
     builds the transport target of a group (default :func:`default_target`).
 
     Colocated hooks (all optional, plain callables, run in this order around the update):
     ``offload_trainer()`` after register, ``onload_engines()`` before the update,
-    ``onload_trainer()`` after it. ``health`` (a :class:`~rollsafe.fleet.HealthManager`) is
+    ``onload_trainer()`` after it. ``health`` (a :class:`~rollsafe.fleet.health.HealthManager`) is
     paused from before the first hook until after the last one.
 
     ``on_update_failure``: ``"fail"`` (default) sends ``fail`` to a group whose update failed and

@@ -2,7 +2,7 @@
 
 :func:`probe` is the sequence, top-down; its one decision is
 :func:`rollsafe.policy.judge_probe`'s and every step of I/O is an effect its executor performs
-(:class:`rollsafe.fleet.HealthManager`, which runs one per probed group in each round, and
+(:class:`rollsafe.fleet.health.HealthManager`, which runs one per probed group in each round, and
 :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``, whose ``probe`` and
 ``probe_timeout`` actions choose the probe's outcome):
 

@@ -1,8 +1,9 @@
 """One recovery attempt on an ``inactive`` group, written once (``docs/design.md``, "Operations").
 
 :func:`attempt` is the sequence, top-down; every decision in it is :mod:`rollsafe.policy`'s and
-every step of I/O is an effect its executor performs (:class:`rollsafe.fleet.RecoveryCoordinator`
-on the real fleet, :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``). It is four
+every step of I/O is an effect its executor performs
+(:class:`rollsafe.fleet.recovery.RecoveryCoordinator` on the real fleet,
+:class:`rollsafe.verify.FleetModel` in ``rollsafe verify``). It is four
 phases, each its own generator so that the verifier can let the rest of the fleet move between
 them (a sync, a crash, retention), as it does between the fleet's threads:
 

@@ -1,7 +1,7 @@
-"""One weight sync of version N, written once (``docs/design.md``, "Fleet control").
+"""One weight sync of version N, written once (``docs/design.md``, "Operations").
 
 :func:`sync` is the sequence, top-down; every decision in it is :mod:`rollsafe.policy`'s and
-every step of I/O is an effect its executor performs (:class:`rollsafe.fleet.SyncCoordinator`
+every step of I/O is an effect its executor performs (:class:`rollsafe.fleet.sync.SyncCoordinator`
 on the real fleet, :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``):
 
 1. **judge the previous export** once: still running -> late (mode ``export_late``, the
