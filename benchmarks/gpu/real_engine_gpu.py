@@ -583,7 +583,7 @@ def run(args: argparse.Namespace, r: Run) -> None:
 
         def kill(row: dict[str, Any]) -> None:
             kills = []
-            length = 128 if args.smoke else 512
+            length = 512  # long enough that the SIGKILL lands mid-rollout (a loaded CPU too)
             for k in range(args.kills):
                 killed: dict[str, Any] = {}
                 done: dict[str, Any] = {}
