@@ -50,6 +50,8 @@ The tree (other bases in brackets, then where the class lives)::
     │   ├── EngineRequestError
     │   │   └── EngineOperationFailed
     │   ├── EngineNotSupported
+    │   │   └── NoWeightChecker
+    │   ├── EngineAsleep
     │   ├── StreamProtocolError                     (adapters.engines.streaming)
     │   ├── StandbyLost                             (a standby's engine died: start afresh)
     │   └── EngineStartError

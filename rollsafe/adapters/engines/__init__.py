@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rollsafe.adapters.engines.errors import (
+    EngineAsleep,
     EngineError,
     EngineNotSupported,
     EngineOperationFailed,
@@ -20,6 +21,7 @@ from rollsafe.adapters.engines.errors import (
     EngineStartError,
     EngineTimeout,
     EngineUnavailable,
+    NoWeightChecker,
 )
 from rollsafe.errors import InvalidArgument
 from rollsafe.lazy import lazy_attributes
@@ -50,6 +52,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "ENGINE_KINDS",
     "NO_RETRY",
+    "EngineAsleep",
     "EngineError",
     "EngineKind",
     "EngineLauncher",
@@ -62,6 +65,7 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
     "HttpTransport",
+    "NoWeightChecker",
     "RetryPolicy",
     "SGLangClient",
     "VLLMClient",

@@ -1,16 +1,38 @@
 """``SGLangClient``: the :class:`EngineClient` protocol over SGLang's HTTP API.
 
 Endpoints and payloads are SGLang's (``docs/design.md``, "Engine facts"), so the same client
-drives a real SGLang server and rollsafe's reference engine in its ``sglang`` dialect.
+drives a real SGLang server and rollsafe's reference engine in its ``sglang`` dialect. It speaks
+SGLang 0.5.23 and 0.5.16, picked from the server's ``GET /server_info`` ``"version"`` (or pinned
+with ``server_version=``); what differs and what the client does about it:
+:mod:`rollsafe.adapters.engines.sglang_dialect`. A server that reports no version (the reference
+engine reports the release it imitates) speaks the pinned release, 0.5.23.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from rollsafe.adapters.engines.base import HttpEngineClient
-from rollsafe.adapters.engines.errors import EngineOperationFailed
+import httpx
+
+from rollsafe.adapters.engines.base import (
+    DEFAULT_HEALTH_TIMEOUT,
+    DEFAULT_WEIGHTS_TIMEOUT,
+    HttpEngineClient,
+)
+from rollsafe.adapters.engines.contract import (
+    PINNED_VERSIONS,
+    UnsupportedVersion,
+    contract_version_for,
+)
+from rollsafe.adapters.engines.errors import (
+    EngineNotSupported,
+    EngineOperationFailed,
+    EngineRequestError,
+)
+from rollsafe.adapters.engines.http import RetryPolicy
+from rollsafe.adapters.engines.sglang_dialect import SGLangDialect
 from rollsafe.adapters.engines.streaming import StreamDelta, stream_deltas
 from rollsafe.errors import InvalidArgument
 from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode
@@ -51,10 +73,101 @@ def _token_logprob(item: Any) -> float | None:
     return None if value is None else float(value)
 
 
+#: where SGLang reports its release (``/get_server_info``: 0.5.x's older name, and the
+#: reference engine's)
+_VERSION_ROUTES = ("/server_info", "/get_server_info")
+
+
 class SGLangClient(HttpEngineClient):
     """Drive one SGLang(-compatible) engine over HTTP."""
 
     _dialect: Dialect = "sglang"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
+        weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT,
+        retry: RetryPolicy | None = None,
+        transport: httpx.BaseTransport | None = None,
+        server_version: str | None = None,
+    ) -> None:
+        super().__init__(
+            url,
+            api_key=api_key,
+            timeout=timeout,
+            health_timeout=health_timeout,
+            weights_timeout=weights_timeout,
+            retry=retry,
+            transport=transport,
+        )
+        self._dialect_lock = threading.Lock()
+        self._server_dialect: SGLangDialect | None = None
+        if server_version is not None:
+            try:
+                pinned = contract_version_for("sglang", server_version)
+            except UnsupportedVersion as exc:
+                raise UnsupportedVersion(f"SGLangClient(server_version=...): {exc}") from None
+            self._server_dialect = SGLangDialect.of(pinned)
+
+    # -- dialect --------------------------------------------------------------------------
+    def server_dialect(self, *, timeout: float | None = None) -> SGLangDialect:
+        """The SGLang release this server speaks: pinned by ``server_version=``, else asked once
+        (``GET /server_info``, then ``/get_server_info`` where that is 404; retried) and cached.
+        A server that reports no ``version`` speaks the pinned release (0.5.23); one no
+        committed contract speaks is :class:`EngineNotSupported`."""
+        dialect = self._server_dialect
+        if dialect is not None:
+            return dialect
+        with self._dialect_lock:
+            if self._server_dialect is not None:
+                return self._server_dialect
+            reported = None
+            for path in _VERSION_ROUTES:
+                try:
+                    answer = self._get(path, timeout=timeout)
+                except EngineRequestError as exc:
+                    if exc.status_code != 404:
+                        raise
+                    continue
+                if isinstance(answer, Mapping) and isinstance(answer.get("version"), str):
+                    reported = answer["version"]
+                break
+            if reported is None:
+                dialect = SGLangDialect.of(PINNED_VERSIONS["sglang"])
+            else:
+                try:
+                    version = contract_version_for("sglang", reported)
+                except UnsupportedVersion as exc:
+                    raise EngineNotSupported(
+                        "sglang",
+                        f"a server reporting version {reported!r}",
+                        f"{exc}; pin SGLangClient(server_version=...) to speak one of them",
+                    ) from None
+                dialect = SGLangDialect.of(version, reported)
+            self._server_dialect = dialect
+            return dialect
+
+    def _refuse_unknown_sampling(self, body: Mapping[str, Any]) -> None:
+        """On a release whose ``/generate`` answers an unknown ``sampling_params`` key with a
+        500 (0.5.16: a ``TypeError`` it does not catch), refuse it here with the 400 0.5.23
+        answers, nothing sent: a 500 would read as a failing engine."""
+        dialect = self.server_dialect()
+        if dialect.sampling_unknown_key_status < 500:
+            return
+        unknown = sorted(set(body.get("sampling_params") or {}) - dialect.sampling_keys)
+        if unknown:
+            raise EngineRequestError(
+                self.url,
+                "/generate",
+                400,
+                f"unknown sampling parameter {unknown[0]!r} (refused by the client: SGLang "
+                f"{dialect.version} would fail the request with a 500; known: "
+                f"{', '.join(sorted(dialect.sampling_keys))})",
+            )
 
     # -- liveness and serving -------------------------------------------------------------
     def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
@@ -75,9 +188,12 @@ class SGLangClient(HttpEngineClient):
         sampling_params: Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> GenerateResult:
-        """POST ``/generate`` once (never retried)."""
+        """POST ``/generate`` once (never retried). On SGLang 0.5.16 an unknown sampling key is
+        refused here (:mod:`.sglang_dialect`)."""
         path = "/generate"
-        answer = self._post(path, _generate_body(input_ids, text, sampling_params), timeout=timeout)
+        body = _generate_body(input_ids, text, sampling_params)
+        self._refuse_unknown_sampling(body)
+        answer = self._post(path, body, timeout=timeout)
         if isinstance(answer, list) and len(answer) == 1:
             answer = answer[0]
         if not isinstance(answer, Mapping):
@@ -108,6 +224,7 @@ class SGLangClient(HttpEngineClient):
         """POST ``/generate`` with ``stream: true`` once; yield each event's new tokens
         (:mod:`~rollsafe.adapters.engines.streaming`). ``timeout`` bounds each wait for an event."""
         body = _generate_body(input_ids, text, sampling_params)
+        self._refuse_unknown_sampling(body)
         body["stream"] = True
         return stream_deltas(self._http, "/generate", body, timeout, "sglang")
 
