@@ -48,8 +48,12 @@ def free_port() -> int:
 
 
 def _raise_nofile() -> None:
+    """The soft limit on open files up to the hard one (raising the hard one needs privileges
+    a container may not have)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    want = NOFILE if hard == resource.RLIM_INFINITY else min(NOFILE, hard)
     with contextlib.suppress(ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def raise_own_nofile() -> None:

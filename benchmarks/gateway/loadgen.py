@@ -273,8 +273,8 @@ async def open_streams(
     while_open: Any = None,
 ) -> dict[str, Any]:
     """Open ``count`` streams (at most ``opening`` being opened at once), wait until every one
-    has sent its first event, call ``while_open()`` (its result is returned under ``"at_open"``),
-    then close them all."""
+    has sent its first event or failed (or ``timeout``), call ``while_open()`` (its result is
+    returned under ``"at_open"``), then close them all."""
     api, stream = WORKLOADS[workload]
     assert stream, workload
     body = json.dumps(request_body(api, True, tokens)).encode()
@@ -294,7 +294,9 @@ async def open_streams(
                 try:
                     resp = await s.post(next(rr) + PATHS[api], data=body)
                     if resp.status != 200:
-                        failed[str(resp.status)] = failed.get(str(resp.status), 0) + 1
+                        text = (await resp.text())[:120]
+                        key = f"{resp.status}: {text}"
+                        failed[key] = failed.get(key, 0) + 1
                         resp.release()
                         return
                     line = await resp.content.readline()
@@ -305,7 +307,7 @@ async def open_streams(
                         return
                     responses.append(resp)
                 except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-                    key = type(exc).__name__
+                    key = f"{type(exc).__name__}: {str(exc)[:120]}"
                     failed[key] = failed.get(key, 0) + 1
                     return
             opened += 1
@@ -325,7 +327,7 @@ async def open_streams(
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(all_open.wait(), timeout)
         open_s = time.perf_counter() - t0
-        at_open = while_open() if while_open is not None and opened == count else None
+        at_open = while_open() if while_open is not None and opened else None
         release.set()
         for r in responses:
             r.close()

@@ -125,6 +125,7 @@ class Stub:
         self.interval = token_interval_s
         self.keys_seen: dict[str, list[str]] = {}
         self.not_found: list[str] = []
+        self.probe_paths: dict[str, int] = {}
         self.started = time.time()
 
     def note_keys(self, route: str, body: dict[str, Any]) -> None:
@@ -140,6 +141,8 @@ class Stub:
 
     def get(self, path: str) -> tuple[int, Any]:
         self.counters.add("probes")
+        if path != "/stub/stats":
+            self.probe_paths[path] = self.probe_paths.get(path, 0) + 1
         if path in ("/health", "/health_generate", "/liveness", "/readiness"):
             return 200, None
         if path == "/v1/models":
@@ -167,6 +170,7 @@ class Stub:
                 "counters": self.counters.snapshot(),
                 "keys_seen": self.keys_seen,
                 "not_found": self.not_found,
+                "probe_paths": self.probe_paths,
                 "pid": os.getpid(),
             }
         self.counters.add("probes", -1)
