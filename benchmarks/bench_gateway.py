@@ -864,8 +864,24 @@ def reference(
                     for x, a in zip(usable, saved, strict=True):
                         x.apis = a
             out[dialect] = res
+            for fname, by_w in res.get("throughput_runs", {}).items():
+                for w, rs in by_w.items():
+                    checks[f"reference {dialect} {fname} {w}: no failed or cut request"] = all(
+                        r["failed"] == 0 and r["cut"] == 0 for r in rs
+                    )
         finally:
             stop_all(engines)
+    accepted = {
+        f.name
+        for f in fronts
+        if f.name == "direct"
+        or any(
+            checks.get(f"reference {d}: {f.name} request accepted by the engine")
+            for d in ("sglang", "vllm")
+        )
+    }
+    names = [n for n in ("direct", "sglang-router", "vllm-router", "gateway") if n in accepted]
+    out["crash"] = crash(names, tmp, args, checks, kind="reference", model=model)
     return out
 
 

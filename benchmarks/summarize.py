@@ -853,12 +853,56 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
             f"{cc['httpx']['cpu_us_per_req_median']:.0f} µs (same stubs, "
             f"{cc['concurrency']} clients): the client is aiohttp.",
         ]
-    lines += ["", *GATEWAY_STACK_NOTE, ""]
+    lines += ["", *_stack_note(d), ""]
     return lines
 
 
-#: the recommendation that follows from the table (kept with the table it reads)
-GATEWAY_STACK_NOTE: list[str] = []
+def _stack_note(d: dict[str, Any]) -> list[str]:
+    """The server-stack recommendation, with the figures of the table it follows from."""
+    tp, lat, mem = d["stub"]["throughput"], d["stub"]["latency"], d.get("open_streams", {})
+
+    def fig(front: str) -> str:
+        if front not in tp:
+            return f"{front}: not measured"
+        la = lat.get(front, {})
+        parts = []
+        for w, s in tp[front].items():
+            name = "streams" if w.endswith("-stream") else "short"
+            added = la.get(w, {}).get("added_p50_ms")
+            parts.append(
+                f"{name} {s['vs_direct']}x direct at {s['front_cpu_us_per_req']:.0f} µs/req"
+                + (f", +{added} ms p50" if added is not None else "")
+            )
+        m = mem.get(front, {})
+        if "front_kb_per_stream" in m:
+            parts.append(f"{m['front_kb_per_stream']} KB per open stream ({m['opened']} held)")
+        return f"{front}: " + "; ".join(parts)
+
+    return [
+        "**Server stack for rollsafe's gateway: httptools' parser on uvloop in a bare asyncio "
+        "protocol, aiohttp's pooled client to the engines** (`rollsafe[gateway]`; "
+        "`benchmarks/gateway/proxy_raw.py` is the measured shape). Why, from the rows above:",
+        "",
+        f"- {fig('proxy-raw')}: the most requests per second, the least CPU per request and "
+        "the least memory per open stream of the Python candidates, about the Rust routers' "
+        "CPU per request;",
+        f"- {fig('proxy-aiohttp-uvloop')}; {fig('proxy-aiohttp')}: aiohttp's own server "
+        "costs more CPU per request and more memory per stream;",
+        f"- {fig('proxy-starlette')}: starlette on uvicorn with an httpx client is an order of "
+        "magnitude slower and could not open all the streams in 120 s; its httpx client is the "
+        "cost (the load-generator line above: httpx against aiohttp, same stubs, same clients);",
+        f"- the Rust routers, for scale: {fig('sglang-router')}; {fig('vllm-router')}.",
+        "",
+        "Added latencies are medians of the rounds on a machine shared with other work (the "
+        "1-min load is in the rows above): read them as rough; the CPU per request is the "
+        "steadier figure. What the choice costs: two compiled wheels (uvloop, httptools; "
+        "manylinux wheels, both already in vLLM's own lock), and the gateway writes its "
+        "HTTP/1.1 responses itself "
+        "(status line, `content-length` or chunked SSE, keep-alive) and its limits (body size, "
+        "idle-body timeout, requests in flight) where aiohttp's server would give them. "
+        "Details of the routers (flags, worker API, retries, what they add to a request): "
+        "[docs/routers.md](../docs/routers.md).",
+    ]
 
 
 EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
