@@ -854,7 +854,7 @@ def reference(
                 if good:
                     usable.append(f)
             res: dict[str, Any] = {}
-            if len(usable) > 1:
+            if usable:
                 saved = [x.apis for x in usable]
                 for x in usable:
                     x.apis = (api,)
