@@ -248,3 +248,37 @@ def test_smoke_routers(tmp_path: Path) -> None:
         wapi = got["worker_api"][name]
         assert wapi["add"]["status"] in (200, 202) and wapi["add"]["first_request_s"] is not None
         assert wapi["remove"]["status"] in (200, 202)
+
+
+@pytest.mark.parametrize("stack", ["aiohttp", "raw", "starlette"])
+def test_proxy_candidates_pass_answers_and_streams_through(
+    bench: ModuleType, stub: Any, tmp_path: Path, stack: str
+) -> None:
+    needs = {"aiohttp": ["aiohttp"], "raw": ["uvloop", "httptools"], "starlette": ["uvicorn"]}
+    for mod in needs[stack]:
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} missing: `pip install -e .[gateway-bench]` (make test installs it)")
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gateway"))
+    import fronts
+
+    proxy = fronts.make_front(f"proxy-{stack}", tmp_path)
+    proxy.start([stub.url])
+    try:
+        body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 3}}
+        with httpx.Client(timeout=30) as c:
+            direct = c.post(stub.url + "/generate", json=body)
+            via = c.post(proxy.url + "/generate", json=body)
+            assert (via.status_code, via.json()) == (200, direct.json())
+            streamed = c.post(proxy.url + "/generate", json={**body, "stream": True})
+            assert streamed.headers["content-type"].startswith("text/event-stream")
+            events = _events(streamed.text)
+            assert events[-1] == "[DONE]" and [e["output_ids"] for e in events[:-1]] == [
+                [7],
+                [7, 7],
+                [7, 7, 7],
+            ]
+            bad = c.post(proxy.url + "/generate", json={"sampling_params": {"max_new_tokens": -1}})
+            assert bad.status_code == 400  # the engine's answer, passed through
+        assert stub.read()["generate"] == 3 and stub.read()["bad_request"] == 1
+    finally:
+        proxy.stop()
