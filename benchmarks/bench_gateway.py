@@ -812,6 +812,7 @@ def main(argv: list[str] | None = None) -> int:
         if "reference" in args.engine_kinds:
             print("reference engines ...", flush=True)
             results["reference"] = reference(fronts, tmp, args, checks)
+        gateway_targets(results, checks)
     finally:
         results["wall_s"] = round(time.monotonic() - t_start, 1)
         results["checks"] = checks
@@ -884,6 +885,54 @@ def reference(
     names = [n for n in ("direct", "sglang-router", "vllm-router", "gateway") if n in accepted]
     out["crash"] = crash(names, tmp, args, checks, kind="reference", model=model)
     return out
+
+
+#: issue #35's targets for rollsafe's gateway: (engines, minimum throughput vs each router)
+THROUGHPUT_TARGETS = (("stub", 0.5), ("reference", 0.95))
+ADDED_P50_TARGET_MS = 1.0
+
+
+def gateway_targets(results: dict[str, Any], checks: dict[str, bool]) -> None:
+    """Issue #35's targets as checks, where the gateway was measured: throughput at least 0.5x
+    each router's on the stubs and 0.95x on real engines (same API), added p50 at most 1 ms,
+    and no failed or cut request when an engine is SIGKILLed."""
+    where = {
+        "stub": results.get("stub", {}),
+        "reference": {
+            "throughput": {
+                f: by_w
+                for d in ("sglang", "vllm")
+                for f, by_w in results.get("reference", {}).get(d, {}).get("throughput", {}).items()
+            },
+            "latency": {
+                f: by_w
+                for d in ("sglang", "vllm")
+                for f, by_w in results.get("reference", {}).get(d, {}).get("latency", {}).items()
+            },
+        },
+    }
+    for kind, floor in THROUGHPUT_TARGETS:
+        tp = where[kind].get("throughput", {})
+        gw = tp.get("gateway", {})
+        for w, s in gw.items():
+            for router in ("sglang-router", "vllm-router"):
+                r = tp.get(router, {}).get(w)
+                if r:
+                    checks[f"target [{kind}] gateway {w}: >= {floor}x {router}"] = (
+                        s["best_req_per_s"] >= floor * r["best_req_per_s"]
+                    )
+        for w, la in where[kind].get("latency", {}).get("gateway", {}).items():
+            if "added_p50_ms" in la:
+                checks[f"target [{kind}] gateway {w}: added p50 <= {ADDED_P50_TARGET_MS} ms"] = (
+                    la["added_p50_ms"] <= ADDED_P50_TARGET_MS
+                )
+    crashes = [("stub", results.get("crash", {}))]
+    crashes.append(("reference", results.get("reference", {}).get("crash", {})))
+    for kind, by_front in crashes:
+        for w, r in by_front.get("gateway", {}).items():
+            checks[f"target [{kind}] gateway crash {w}: 0 failed or cut"] = (
+                r["failed"] + r["cut"] == 0
+            )
 
 
 def print_table(results: dict[str, Any]) -> None:

@@ -282,3 +282,44 @@ def test_proxy_candidates_pass_answers_and_streams_through(
         assert stub.read()["generate"] == 3 and stub.read()["bad_request"] == 1
     finally:
         proxy.stop()
+
+
+def test_the_gateways_targets_become_checks(bench: ModuleType) -> None:
+    def tp(rps: float) -> dict[str, Any]:
+        return {"best_req_per_s": rps}
+
+    results = {
+        "stub": {
+            "throughput": {
+                "sglang-router": {"generate": tp(1000)},
+                "vllm-router": {"completions": tp(1000)},
+                "gateway": {"generate": tp(600), "completions": tp(400)},
+            },
+            "latency": {"gateway": {"generate": {"added_p50_ms": 0.8}, "completions": {}}},
+        },
+        "crash": {"gateway": {"generate-stream": {"failed": 0, "cut": 1}}},
+        "reference": {
+            "sglang": {
+                "throughput": {
+                    "sglang-router": {"generate": tp(100)},
+                    "gateway": {"generate": tp(96)},
+                },
+                "latency": {"gateway": {"generate": {"added_p50_ms": 1.5}}},
+            },
+            "crash": {"gateway": {"generate": {"failed": 0, "cut": 0}}},
+        },
+    }
+    checks: dict[str, bool] = {}
+    bench.gateway_targets(results, checks)
+    assert checks == {
+        "target [stub] gateway generate: >= 0.5x sglang-router": True,
+        "target [stub] gateway completions: >= 0.5x vllm-router": False,
+        "target [stub] gateway generate: added p50 <= 1.0 ms": True,
+        "target [reference] gateway generate: >= 0.95x sglang-router": True,
+        "target [reference] gateway generate: added p50 <= 1.0 ms": False,
+        "target [stub] gateway crash generate-stream: 0 failed or cut": False,
+        "target [reference] gateway crash generate: 0 failed or cut": True,
+    }
+    none: dict[str, bool] = {}
+    bench.gateway_targets({"stub": results["stub"] | {"throughput": {}, "latency": {}}}, none)
+    assert none == {}  # no gateway measured: no target checked
