@@ -343,7 +343,11 @@ class Proxy(Front):
 
 
 class Gateway(Front):
-    """rollsafe's gateway (issue #35): not built yet."""
+    """rollsafe's gateway (issue #35): not built yet. To fill the slot, ``start`` launches a
+    process serving the gateway in front of ``engine_urls`` (both APIs), sets ``self.proc``
+    (its CPU and memory are the front's: the whole process tree is counted) and ``self.url``;
+    ``stop`` is inherited. The benchmark then measures it in every phase and checks issue #35's
+    targets (``bench_gateway.gateway_targets``)."""
 
     name = "gateway"
 
