@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -37,6 +41,7 @@ from rollsafe.gateway.http import (
 )
 
 CHUNK = 16 * 1024
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class App:
@@ -489,6 +494,11 @@ def test_http10_with_and_without_keepalive(serve: Callable[..., Served]) -> None
     raw.send(get("/echo", "Connection: keep-alive\r\n", version="1.0"))
     a = raw.answer()
     assert a.headers["connection"] == "keep-alive"
+    assert json.loads(a.body)["version"] == "1.0"
+    raw.send(get("/echo", "Proxy-Connection: keep-alive\r\n", version="1.0"))
+    a = raw.answer()  # llhttp reads proxy-connection as connection
+    assert a.headers["connection"] == "keep-alive"
+    assert json.loads(a.body)["version"] == "1.0"
     raw.send(get("/echo?two=1", "Connection: keep-alive\r\n", version="1.0"))
     assert json.loads(raw.answer().body)["query"] == {"two": "1"}
     # a stream to HTTP/1.0: no chunked encoding; the body ends with the connection
@@ -983,3 +993,32 @@ def test_new_event_loop_sets_no_policy() -> None:
         assert asyncio.get_event_loop_policy() is policy
     finally:
         loop.close()
+
+
+# ---- the micro-benchmark's own checks
+
+
+def test_http_server_bench_smoke(tmp_path: Path) -> None:
+    """``benchmarks/gateway/http_server_bench.py --smoke``: both servers answer every request
+    whole and rollsafe's counters match what the client sent (the CPU ratio is checked by a
+    full run only: timing belongs to the benchmark)."""
+    out = tmp_path / "bench.json"
+    script = ROOT / "benchmarks" / "gateway" / "http_server_bench.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["results"]) == {
+        "raw generate",
+        "raw generate-stream",
+        "rollsafe generate",
+        "rollsafe generate-stream",
+    }
+    assert result["checks"] and all(result["checks"].values())
+    assert result["rollsafe_server_stats"]["requests"]["200"] > 0

@@ -96,10 +96,11 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from email.utils import formatdate
 from http import HTTPStatus
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
@@ -205,16 +206,17 @@ class ServerStats:
 
 
 class Request:
-    """One parsed request. ``headers``: lowercase names (repeated ones joined with ``", "``);
-    ``path``: percent-decoded, without the query; ``query``: the query string's fields (a
-    repeated name keeps its last value; ``query_string`` has them all); ``client``: the peer's
-    ``(host, port)``."""
+    """One parsed request. ``headers``: lowercase names (repeated ones joined with ``", "``;
+    decoded when first read); ``path``: percent-decoded, without the query; ``query``: the
+    query string's fields (a repeated name keeps its last value; ``query_string`` has them all);
+    ``client``: the peer's ``(host, port)``; ``target``: the request line's target as sent."""
 
     __slots__ = (
+        "_headers",
         "_query",
+        "_raw",
         "body",
         "client",
-        "headers",
         "http_version",
         "method",
         "path",
@@ -226,7 +228,7 @@ class Request:
         self,
         method: str,
         target: str,
-        headers: Mapping[str, str],
+        headers: Mapping[str, str] | None = None,
         body: bytes = b"",
         *,
         client: tuple[str, int] | None = None,
@@ -234,15 +236,43 @@ class Request:
     ) -> None:
         self.method = method
         self.target = target
-        path, _, self.query_string = target.partition("?")
-        if not path.startswith("/") and "://" in path:  # absolute form: keep the path
-            path = "/" + path.split("://", 1)[1].partition("/")[2]
-        self.path = unquote(path) if "%" in path else path
-        self.headers = headers
+        self.path, self.query_string = _split_target(target)
+        self._headers: Mapping[str, str] | None = {k.lower(): v for k, v in (headers or {}).items()}
+        self._raw: list[tuple[bytes, bytes]] | None = None
         self.body = body
         self.client = client
         self.http_version = http_version
         self._query: Mapping[str, str] | None = None
+
+    @classmethod
+    def _parsed(
+        cls,
+        method: str,
+        target: str,
+        raw: list[tuple[bytes, bytes]],
+        body: bytes,
+        client: tuple[str, int] | None,
+        http_version: str,
+    ) -> Request:
+        """From the wire: the headers stay bytes until read."""
+        self = cls.__new__(cls)
+        self.method = method
+        self.target = target
+        self.path, self.query_string = _split_target(target)
+        self._headers = None
+        self._raw = raw
+        self.body = body
+        self.client = client
+        self.http_version = http_version
+        self._query = None
+        return self
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = _header_dict(self._raw or ())
+        return headers
 
     @property
     def query(self) -> Mapping[str, str]:
@@ -252,6 +282,24 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request({self.method} {bound_text(self.target, 200)!r}, {len(self.body)} bytes)"
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    """(percent-decoded path, query string) of a request target."""
+    path, _, query = target.partition("?")
+    if not path.startswith("/") and "://" in path:  # absolute form: keep the path
+        path = "/" + path.split("://", 1)[1].partition("/")[2]
+    return (unquote(path) if "%" in path else path), query
+
+
+def _header_dict(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """Lowercase names; a repeated name's values joined with ``", "``, in order."""
+    headers: dict[str, str] = {}
+    for name, value in raw:
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+        old = headers.get(key)
+        headers[key] = text if old is None else f"{old}, {text}"
+    return headers
 
 
 #: response headers only the server writes
@@ -289,6 +337,7 @@ def _check_status(status: int) -> int:
 
 
 _JSON_LINE = _content_type_line("application/json")
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 
 class Response:
@@ -305,13 +354,20 @@ class Response:
         headers: Mapping[str, str] | None = None,
         content_type: str = "application/json",
     ) -> None:
-        self.status = _check_status(status)
-        if not isinstance(body, (bytes, bytearray, memoryview)):
-            raise InvalidArgument("body", f"body must be bytes, got {type(body).__name__}")
-        self.body = bytes(body)
-        self.headers: Mapping[str, str] = dict(headers or {})
+        self.status = (
+            status if status.__class__ is int and 200 <= status <= 599 else _check_status(status)
+        )
+        if body.__class__ is not bytes:
+            if not isinstance(body, (bytes, bytearray, memoryview)):
+                raise InvalidArgument("body", f"body must be bytes, got {type(body).__name__}")
+            body = bytes(body)
+        self.body = body
         self.content_type = content_type
-        self._extra = _header_block(self.headers)
+        if headers:
+            self.headers: Mapping[str, str] = dict(headers)
+            self._extra = _header_block(self.headers)
+        else:
+            self.headers, self._extra = _NO_HEADERS, b""
         self._ctype = (
             _JSON_LINE if content_type == "application/json" else _content_type_line(content_type)
         )
@@ -383,6 +439,17 @@ _ERROR_TYPES = {
 }
 _NO_BODY = frozenset({204, 304})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: lengths of the request headers the server reads itself (expect, connection, content-length,
+#: proxy-connection, transfer-encoding)
+_SPECIAL_LENGTHS = frozenset({6, 10, 14, 16, 17})
+_METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH")}
+#: (keep alive, HTTP/1.0) -> the connection header of an answer
+_CONNECTION = {
+    (True, False): b"",
+    (True, True): b"connection: keep-alive\r\n",
+    (False, False): b"connection: close\r\n",
+    (False, True): b"connection: close\r\n",
+}
 
 
 def _status_line(status: int) -> bytes:
@@ -461,6 +528,7 @@ class HttpServer:
         self._all_closed: asyncio.Event | None = None
         self._date_at = -1
         self._date = b""
+        self._date_timer: asyncio.TimerHandle | None = None
 
     @property
     def port(self) -> int:
@@ -481,6 +549,7 @@ class HttpServer:
             lambda: _Connection(self), self.host, self._port, backlog=self._backlog
         )
         self._port = self._server.sockets[0].getsockname()[1]
+        self._refresh_date()
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Stop accepting, close idle connections, let answers in progress end for up to
@@ -489,6 +558,8 @@ class HttpServer:
             return
         self._closing = True
         self._server.close()
+        if self._date_timer is not None:
+            self._date_timer.cancel()
         for conn in list(self._conns):
             conn.shutdown()
         assert self._all_closed is not None
@@ -518,11 +589,17 @@ class HttpServer:
 
     # used by the connections
     def date_line(self) -> bytes:
-        now = int(time.time())
-        if now != self._date_at:
-            self._date_at = now
-            self._date = b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+        """The ``date`` header line, made once a second (not per answer)."""
+        now = time.time()
+        if int(now) != self._date_at:
+            self._date_at = int(now)
+            self._date = b"date: " + formatdate(self._date_at, usegmt=True).encode() + b"\r\n"
         return self._date
+
+    def _refresh_date(self) -> None:
+        self.date_line()
+        assert self._loop is not None
+        self._date_timer = self._loop.call_later(1.0 - time.time() % 1.0, self._refresh_date)
 
     def forget(self, conn: _Connection) -> None:
         self._conns.discard(conn)
@@ -546,9 +623,14 @@ class _Connection(asyncio.Protocol):
         self.client: tuple[str, int] | None = None
         # the message being parsed
         self.url = b""
-        self.headers: dict[str, str] = {}
-        self.head_size = 0
-        self.nheaders = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.content_length = 0
+        self.has_te = False
+        self.expect = False
+        self.says_connection = False
+        self.header_timeout = server.limits.header_timeout_s
+        self.max_head = server.limits.max_header_bytes
+        self.max_headers = server.limits.max_headers
         self.body: list[bytes] = []
         self.body_size = 0
         self.in_message = False
@@ -640,7 +722,13 @@ class _Connection(asyncio.Protocol):
         if not self.reading:
             return  # after an error or the last request: dropped
         try:
-            self.feed(data)
+            if self.head_done:
+                self.parser.feed_data(data)
+            elif self.head_raw + len(data) <= self.max_head:
+                self.head_raw += len(data)
+                self.parser.feed_data(data)
+            else:
+                self.feed(data)
         except httptools.HttpParserUpgrade:
             self.reading = False  # the message is queued; answer it and close
             if self.pending and isinstance(self.pending[-1], _Pending):
@@ -691,15 +779,16 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.in_message = True
-        self.head_done = False
         self.url = b""
-        self.headers = {}
-        self.head_size = 0
-        self.nheaders = 0
+        self.raw_headers = []
+        self.content_length = 0
+        self.has_te = self.expect = self.says_connection = False
         self.body = []
         self.body_size = 0
         self.begun_at = self.last_data
-        self.arm(self.begun_at + self.limits.header_timeout_s)
+        deadline = self.begun_at + self.header_timeout
+        if deadline < self.timer_at:
+            self.arm(deadline)
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -708,40 +797,39 @@ class _Connection(asyncio.Protocol):
             raise self.reject(414, "max_url_bytes", f"request target over max_url_bytes={limit}")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        limits = self.limits
-        self.nheaders += 1
-        if self.nheaders > limits.max_headers:
-            raise self.reject(431, "max_headers", f"more than max_headers={limits.max_headers}")
-        self.head_size += len(name) + len(value) + 4
-        if self.head_size > limits.max_header_bytes:
-            limit = limits.max_header_bytes
-            raise self.reject(431, "max_header_bytes", f"headers over max_header_bytes={limit}")
-        key = name.decode("latin-1").lower()
-        text = value.decode("latin-1")
-        old = self.headers.get(key)
-        self.headers[key] = text if old is None else f"{old}, {text}"
+        raw = self.raw_headers
+        raw.append((name, value))
+        if len(raw) > self.max_headers:
+            limit = self.max_headers
+            raise self.reject(431, "max_headers", f"more than max_headers={limit} headers")
+        if len(name) in _SPECIAL_LENGTHS:  # cheap filter before lowering the name
+            special = name.lower()
+            if special == b"content-length":
+                try:
+                    self.content_length = int(value)
+                except ValueError:  # the parser refuses these first; never trust it alone
+                    raise self.reject(
+                        400, "malformed", "malformed HTTP: bad content-length"
+                    ) from None
+            elif special == b"transfer-encoding":
+                self.has_te = True
+            elif special == b"expect":
+                self.expect = value.lower() == b"100-continue"
+            elif special in (b"connection", b"proxy-connection"):
+                self.says_connection = True
 
     def on_headers_complete(self) -> None:
         self.head_done = True
         self.head_raw = 0
-        headers = self.headers
-        length = headers.get("content-length")
-        if length is not None:
-            limit = self.limits.max_body_bytes
-            if int(length) > limit:  # the parser checked it is digits
-                raise self.reject(
-                    413,
-                    "max_body_bytes",
-                    f"request body of {length} bytes over max_body_bytes={limit}",
-                )
-        if (length is not None and length != "0") or "transfer-encoding" in headers:
+        length = self.content_length
+        limit = self.limits.max_body_bytes
+        if length > limit:
+            raise self.reject(
+                413, "max_body_bytes", f"request body of {length} bytes over max_body_bytes={limit}"
+            )
+        if length > 0 or self.has_te:
             self.arm(self.last_data + self.limits.idle_body_timeout_s)
-            expect = headers.get("expect")
-            if (
-                expect is not None
-                and expect.lower() == "100-continue"
-                and self.parser.get_http_version() == "1.1"
-            ):
+            if self.expect and self.parser.get_http_version() == "1.1":
                 transport = self.transport
                 if self.runner is not None or self.pending:
                     self.continue_owed = True  # sent when the answers before it are
@@ -763,15 +851,18 @@ class _Connection(asyncio.Protocol):
         self.head_done = False
         self.continue_owed = False
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        self.body = []
         keep_alive = parser.should_keep_alive()
-        request = Request(
-            parser.get_method().decode("ascii"),
+        method = parser.get_method()
+        # HTTP/1.0 keeps a connection only when a connection header says so: without one, a
+        # kept connection is HTTP/1.1 (and get_http_version, which formats a string, is skipped)
+        version = "1.1" if keep_alive and not self.says_connection else parser.get_http_version()
+        request = Request._parsed(
+            _METHODS.get(method) or method.decode("ascii"),
             self.url.decode("latin-1"),
-            self.headers,
+            self.raw_headers,
             body,
-            client=self.client,
-            http_version=parser.get_http_version(),
+            self.client,
+            version,
         )
         if not keep_alive or self.closing:
             self.reading = False
@@ -813,15 +904,12 @@ class _Connection(asyncio.Protocol):
         http10: bool,
         chunked: bool = False,
     ) -> bytes:
-        parts = [_status_line(status), self.server.date_line(), ctype]
+        parts = [_status_line(status), self.server._date, ctype]
         if length is not None:
             parts.append(b"content-length: %d\r\n" % length)
         if chunked:
             parts.append(b"transfer-encoding: chunked\r\n")
-        if not keep_alive:
-            parts.append(b"connection: close\r\n")
-        elif http10:
-            parts.append(b"connection: keep-alive\r\n")
+        parts.append(_CONNECTION[keep_alive, http10])
         parts.append(extra)
         parts.append(b"\r\n")
         return b"".join(parts)
@@ -870,8 +958,9 @@ class _Connection(asyncio.Protocol):
         finally:
             self.runner = None
             if self.transport is not None and not self.pending:
-                self.idle_since = self.loop.time()
-                self.arm(self.idle_since + self.tick)
+                self.idle_since = now = self.loop.time()
+                if now + self.tick < self.timer_at:
+                    self.arm(now + self.tick)
 
     def refuse(self, reject: _Reject) -> None:
         key = reject.limit or "internal"
@@ -883,10 +972,10 @@ class _Connection(asyncio.Protocol):
         """Call the handler for one request and send its answer; whether the connection stays
         open for the next."""
         request = item.request
-        keep_alive = self.keeps(item)
         http10 = request.http_version != "1.1"
         server, stats = self.server, self.stats
         if stats.in_flight >= self.limits.max_in_flight:
+            keep_alive = self.keeps(item)
             stats.rejected["max_in_flight"] = stats.rejected.get("max_in_flight", 0) + 1
             limit = self.limits.max_in_flight
             message = f"too many requests in flight (max_in_flight={limit}); retry later"
@@ -931,16 +1020,29 @@ class _Connection(asyncio.Protocol):
 
     def send(self, response: Response, request: Request, keep_alive: bool, http10: bool) -> None:
         status = response.status
-        body = b"" if status in _NO_BODY else response.body
-        length = None if status in _NO_BODY else len(body)
-        head = self.head(status, response._ctype, response._extra, length, keep_alive, http10)
-        self.count(status)
+        requests = self.stats.requests
+        requests[status] = requests.get(status, 0) + 1
+        if status in _NO_BODY:
+            self.write(
+                self.head(status, response._ctype, response._extra, None, keep_alive, http10)
+            )
+            return
+        body = response.body
+        head = (
+            _STATUS_LINES.get(status) or _status_line(status),
+            self.server._date,
+            response._ctype,
+            b"content-length: %d\r\n" % len(body),
+            _CONNECTION[keep_alive, http10],
+            response._extra,
+            b"\r\n",
+        )
         if request.method == "HEAD" or not body:
-            self.write(head)
+            self.write(b"".join(head))
         elif len(body) < 65536:
-            self.write(head + body)
+            self.write(b"".join((*head, body)))
         else:
-            self.write(head)
+            self.write(b"".join(head))
             self.write(body)
 
     async def stream(
