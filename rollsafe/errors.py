@@ -15,7 +15,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── InvalidArgument [ValueError]                  rollsafe.errors (a caller's input)
     │   ├── InvalidArgumentType [TypeError]           rollsafe.errors (of the wrong type)
     │   ├── FleetConfigError                          rollsafe.fleet (also a FleetError)
-    │   └── BadRequest                                rollsafe.gateway.requests (a 400)
+    │   └── InvalidRequest                            rollsafe.gateway.requests (a 400)
     ├── BucketFormatError [ValueError]                rollsafe.errors (wire)
     ├── HFIndexError [ValueError]                     rollsafe.wire.hf_index
     ├── UnsafePayload [ValueError]                    rollsafe.wire.unpickle

@@ -41,9 +41,9 @@ from typing import Any
 from rollsafe.fleet.provenance import TokenChunk
 from rollsafe.gateway.output import ChoiceDelta, ChoiceOutput
 from rollsafe.gateway.requests import (
-    BadRequest,
     Fields,
     GenRequest,
+    InvalidRequest,
     OutputSpec,
     ProtocolLimits,
     check_ids,
@@ -148,7 +148,7 @@ class _Common:
         self.include_usage = self.continuous_usage = False
         if options is not None and options.body:
             if not self.stream:
-                raise BadRequest(
+                raise InvalidRequest(
                     "stream_options", "Stream options can only be defined when `stream=True`."
                 )
             self.include_usage = options.get_bool("include_usage", False)
@@ -156,7 +156,7 @@ class _Common:
         self.seed = f.get_int("seed", None, lo=-(2**63), hi=2**63 - 1)
         self.sampling = common_sampling(f, limits)
         if self.n > 1 and self.sampling.get("temperature", 1.0) < 1e-5:
-            raise BadRequest("n", f"n must be 1 when using greedy sampling, got {self.n}.")
+            raise InvalidRequest("n", f"n must be 1 when using greedy sampling, got {self.n}.")
         self.include_stop = f.get_bool("include_stop_str_in_output", False)
         self.return_token_ids = bool(f.get_bool("return_token_ids", False))
         self.return_weight_versions = f.get_bool("return_weight_versions", False)
@@ -171,17 +171,19 @@ class _Common:
         if value is None:
             return default
         if value < 1:
-            raise BadRequest(key, f"{key} must be at least 1, got {value}.")
+            raise InvalidRequest(key, f"{key} must be at least 1, got {value}.")
         if value > limits.max_model_len:
-            raise BadRequest(
+            raise InvalidRequest(
                 key,
                 f"{key}={value} cannot be greater than max_model_len={limits.max_model_len}. "
                 "Please request fewer output tokens.",
             )
         if value > limits.output_cap:
-            raise BadRequest(key, f"{key}={value} is above the gateway's limit {limits.output_cap}")
+            raise InvalidRequest(
+                key, f"{key}={value} is above the gateway's limit {limits.output_cap}"
+            )
         if self.min_tokens > value:
-            raise BadRequest(
+            raise InvalidRequest(
                 "min_tokens",
                 f"min_tokens must be less than or equal to {key}={value}, got {self.min_tokens}.",
             )
@@ -197,7 +199,7 @@ class _Common:
     ) -> tuple[GenRequest, ...]:
         out: list[GenRequest] = []
         if len(prompts) * self.n > limits.max_choices:
-            raise BadRequest(
+            raise InvalidRequest(
                 "n", f"{len(prompts)} prompts x n={self.n} is above {limits.max_choices}"
             )
         base = dict(self.sampling)
@@ -245,16 +247,18 @@ def _text_prompt(
     text: str, where: str, tokenizer: GatewayTokenizer, limits: ProtocolLimits, add: bool
 ) -> tuple[int, ...]:
     if not text:
-        raise BadRequest(where, "Either prompt or prompt_embeds must be provided and non-empty.")
+        raise InvalidRequest(
+            where, "Either prompt or prompt_embeds must be provided and non-empty."
+        )
     if len(text) > limits.text_chars:
-        raise BadRequest(
+        raise InvalidRequest(
             where,
             f"This model's maximum context length is {limits.max_model_len} tokens. However, "
             f"your prompt contains {len(text)} characters.",
         )
     ids = tokenizer.encode(text, add_special_tokens=add)
     if not ids:
-        raise BadRequest(where, f"{where} encodes to no tokens")
+        raise InvalidRequest(where, f"{where} encodes to no tokens")
     return tuple(ids)
 
 
@@ -265,11 +269,13 @@ def _prompts(
     token-id lists. Returns the token ids and the text of each prompt (None for ids)."""
     max_ids = limits.max_model_len
     if value is None or value == "":
-        raise BadRequest("prompt", "Either prompt or prompt_embeds must be provided and non-empty.")
+        raise InvalidRequest(
+            "prompt", "Either prompt or prompt_embeds must be provided and non-empty."
+        )
     if isinstance(value, str):
         return [_text_prompt(value, "prompt", tokenizer, limits, add)], [value]
     if not isinstance(value, list) or not value:
-        raise BadRequest(
+        raise InvalidRequest(
             "prompt",
             "prompt must be a string, a list of strings, a list of token ids or a list of "
             "token-id lists",
@@ -278,7 +284,7 @@ def _prompts(
     if isinstance(first, int) and not isinstance(first, bool):
         return [check_ids(value, "prompt", limits, max_len=max_ids, empty_ok=False)], [None]
     if len(value) > limits.max_prompts:
-        raise BadRequest(
+        raise InvalidRequest(
             "prompt",
             f"prompt list length {len(value)} exceeds the maximum allowed count of "
             f"{limits.max_prompts}.",
@@ -294,7 +300,7 @@ def _prompts(
             ids_out.append(check_ids(item, where, limits, max_len=max_ids, empty_ok=False))
             texts.append(None)
         else:
-            raise BadRequest(where, f"{where} must be a string or a list of token ids")
+            raise InvalidRequest(where, f"{where} must be a string or a list of token ids")
     return ids_out, texts
 
 
@@ -311,18 +317,20 @@ def parse_completion(
     common = _Common(f, headers, limits, _REFUSED_COMPLETION)
     logprobs = f.body.get("logprobs")
     if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)):
-        raise BadRequest("logprobs", "`logprobs` must be an integer.")
+        raise InvalidRequest("logprobs", "`logprobs` must be an integer.")
     if logprobs is not None and logprobs < 0 and logprobs != -1:
-        raise BadRequest("logprobs", "`logprobs` must be a positive value or -1.")
+        raise InvalidRequest("logprobs", "`logprobs` must be a positive value or -1.")
     if logprobs not in (None, 0):
-        raise BadRequest(
+        raise InvalidRequest(
             "logprobs",
             f"logprobs={logprobs} asks for alternatives to the sampled token, which the rollsafe "
             "gateway does not return: use logprobs=0 (the sampled token's logprob)",
         )
     echo = bool(f.get_bool("echo", False))
     if echo and logprobs is not None:
-        raise BadRequest("echo", "echo with logprobs needs prompt logprobs, which are not served")
+        raise InvalidRequest(
+            "echo", "echo with logprobs needs prompt logprobs, which are not served"
+        )
     add_special = f.get_bool("add_special_tokens", True)
     prompts, texts = _prompts(f.body.get("prompt"), tokenizer, limits, add_special)
     max_tokens = common.max_tokens(f, "max_tokens", 16, limits)
@@ -347,9 +355,9 @@ def _content(value: Any, where: str, role: str) -> str | None:
     if value is None:
         if role == "assistant":
             return None
-        raise BadRequest(where, f"{where} must be a string or a list of text parts")
+        raise InvalidRequest(where, f"{where} must be a string or a list of text parts")
     if not isinstance(value, list):
-        raise BadRequest(where, f"{where} must be a string or a list of text parts")
+        raise InvalidRequest(where, f"{where} must be a string or a list of text parts")
     texts: list[str] = []
     for j, part in enumerate(value):
         here = f"{where}[{j}]"
@@ -357,37 +365,37 @@ def _content(value: Any, where: str, role: str) -> str | None:
             texts.append(part)
             continue
         if not isinstance(part, Mapping):
-            raise BadRequest(here, f"{here} must be a content part object")
+            raise InvalidRequest(here, f"{here} must be a content part object")
         kind = part.get("type", "text")
         if kind not in ("text", "input_text", "refusal"):
-            raise BadRequest(
+            raise InvalidRequest(
                 f"{here}.type", f"content parts of type {kind!r} are not served (text only)"
             )
         text = part.get("text", part.get("refusal"))
         if not isinstance(text, str):
-            raise BadRequest(f"{here}.text", f"{here}.text must be a string")
+            raise InvalidRequest(f"{here}.text", f"{here}.text must be a string")
         texts.append(text)
     return "\n".join(texts)  # vLLM's "string" content format joins text parts with newlines
 
 
 def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(value, list):
-        raise BadRequest(where, f"{where} must be a list")
+        raise InvalidRequest(where, f"{where} must be a list")
     out: list[dict[str, Any]] = []
     for j, call in enumerate(value):
         here = f"{where}[{j}]"
         if not isinstance(call, Mapping):
-            raise BadRequest(here, f"{here} must be an object")
+            raise InvalidRequest(here, f"{here} must be an object")
         fn = call.get("function")
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise BadRequest(f"{here}.function", f"{here}.function must name the function")
+            raise InvalidRequest(f"{here}.function", f"{here}.function must name the function")
         args = fn.get("arguments", {})
         if isinstance(args, str):
             # as vLLM does for HF templates: the JSON string becomes an object
             try:
                 args = json.loads(args) if args.strip() else {}
             except ValueError as exc:
-                raise BadRequest(
+                raise InvalidRequest(
                     f"{here}.function.arguments", f"arguments are not valid JSON: {exc}"
                 ) from None
         item: dict[str, Any] = {
@@ -402,9 +410,9 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
 
 def _messages(value: Any, limits: ProtocolLimits) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
-        raise BadRequest("messages", "messages must be a non-empty list of message objects")
+        raise InvalidRequest("messages", "messages must be a non-empty list of message objects")
     if len(value) > limits.max_messages:
-        raise BadRequest(
+        raise InvalidRequest(
             "messages", f"messages has {len(value)} entries, more than {limits.max_messages}"
         )
     out: list[dict[str, Any]] = []
@@ -412,10 +420,10 @@ def _messages(value: Any, limits: ProtocolLimits) -> list[dict[str, Any]]:
     for i, msg in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(msg, Mapping):
-            raise BadRequest(where, f"{where} must be an object")
+            raise InvalidRequest(where, f"{where} must be an object")
         role = msg.get("role")
         if role not in ROLES:
-            raise BadRequest(
+            raise InvalidRequest(
                 f"{where}.role", f"{where}.role must be one of {sorted(ROLES)}, got {role!r}"
             )
         content = _content(msg.get("content"), f"{where}.content", role)
@@ -424,17 +432,21 @@ def _messages(value: Any, limits: ProtocolLimits) -> list[dict[str, Any]]:
         name = msg.get("name")
         if name is not None:
             if not isinstance(name, str):
-                raise BadRequest(f"{where}.name", f"{where}.name must be a string")
+                raise InvalidRequest(f"{where}.name", f"{where}.name must be a string")
             item["name"] = name
         if msg.get("tool_calls") is not None:
             if role != "assistant":
-                raise BadRequest(f"{where}.tool_calls", "only assistant messages have tool_calls")
+                raise InvalidRequest(
+                    f"{where}.tool_calls", "only assistant messages have tool_calls"
+                )
             item["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
         elif content is None:
             item["content"] = ""
         if msg.get("tool_call_id") is not None:
             if not isinstance(msg["tool_call_id"], str):
-                raise BadRequest(f"{where}.tool_call_id", f"{where}.tool_call_id must be a string")
+                raise InvalidRequest(
+                    f"{where}.tool_call_id", f"{where}.tool_call_id must be a string"
+                )
             item["tool_call_id"] = msg["tool_call_id"]
         reasoning = msg.get("reasoning", msg.get("reasoning_content"))
         if isinstance(reasoning, str):
@@ -442,7 +454,7 @@ def _messages(value: Any, limits: ProtocolLimits) -> list[dict[str, Any]]:
             chars += len(reasoning)
         out.append(item)
     if chars > limits.text_chars:
-        raise BadRequest(
+        raise InvalidRequest(
             "messages",
             f"This model's maximum context length is {limits.max_model_len} tokens. However, "
             f"your messages contain {chars} characters.",
@@ -455,23 +467,25 @@ def _tools(f: Fields, limits: ProtocolLimits) -> list[dict[str, Any]] | None:
     if value is None:
         return None
     if value == []:
-        raise BadRequest(
+        raise InvalidRequest(
             "tools",
             "`tools` must not be an empty array. Either provide at least one tool or omit the "
             "field entirely.",
         )
     if not isinstance(value, list) or len(value) > limits.max_tools:
-        raise BadRequest("tools", f"tools must be a list of at most {limits.max_tools} tools")
+        raise InvalidRequest("tools", f"tools must be a list of at most {limits.max_tools} tools")
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise BadRequest(where, f"{where} must be a function tool")
+            raise InvalidRequest(where, f"{where} must be a function tool")
         fn = tool.get("function")
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise BadRequest(f"{where}.function.name", f"{where}.function.name must be a string")
+            raise InvalidRequest(
+                f"{where}.function.name", f"{where}.function.name must be a string"
+            )
         params = fn.get("parameters")
         if params is not None and not isinstance(params, Mapping):
-            raise BadRequest(f"{where}.function.parameters", "parameters must be an object")
+            raise InvalidRequest(f"{where}.function.parameters", "parameters must be an object")
     return [dict(t) for t in value]
 
 
@@ -490,15 +504,15 @@ def parse_chat(
     top = f.body.get("top_logprobs")
     if top is not None:
         if not isinstance(top, int) or isinstance(top, bool):
-            raise BadRequest("top_logprobs", "`top_logprobs` must be an integer.")
+            raise InvalidRequest("top_logprobs", "`top_logprobs` must be an integer.")
         if top < 0 and top != -1:
-            raise BadRequest("top_logprobs", "`top_logprobs` must be a positive value or -1.")
+            raise InvalidRequest("top_logprobs", "`top_logprobs` must be a positive value or -1.")
         if top != 0 and not logprobs:
-            raise BadRequest(
+            raise InvalidRequest(
                 "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true."
             )
         if top != 0:
-            raise BadRequest(
+            raise InvalidRequest(
                 "top_logprobs",
                 f"top_logprobs={top} asks for alternatives to the sampled token, which the "
                 "rollsafe gateway does not return: use top_logprobs=0",
@@ -507,14 +521,14 @@ def parse_chat(
     choice = f.body.get("tool_choice")
     if choice is not None and choice != "none":
         if tools is None:
-            raise BadRequest("tool_choice", "When using `tool_choice`, `tools` must be set.")
+            raise InvalidRequest("tool_choice", "When using `tool_choice`, `tools` must be set.")
         if choice != "auto":
             shown = (
                 f"function {choice.get('function', {}).get('name')!r}"
                 if isinstance(choice, Mapping)
                 else repr(choice)
             )
-            raise BadRequest(
+            raise InvalidRequest(
                 "tool_choice",
                 f"tool_choice={shown} needs a tool-call parser, which the rollsafe gateway does "
                 "not have: use tool_choice 'auto' or 'none' (tool calls come back as text)",
@@ -524,7 +538,7 @@ def parse_chat(
     add_generation_prompt = f.get_bool("add_generation_prompt", True)
     continue_final = f.get_bool("continue_final_message", False)
     if add_generation_prompt and continue_final:
-        raise BadRequest(
+        raise InvalidRequest(
             "continue_final_message",
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
         )
@@ -534,14 +548,14 @@ def parse_chat(
     if extra is not None:
         for key in extra.body:
             if not isinstance(key, str) or key in _RESERVED_TEMPLATE_KEYS:
-                raise BadRequest(
+                raise InvalidRequest(
                     f"chat_template_kwargs.{key}", f"chat_template_kwargs may not set {key!r}"
                 )
         kwargs.update(extra.body)
     documents = f.body.get("documents")
     if documents is not None:
         if not isinstance(documents, list) or not all(isinstance(d, Mapping) for d in documents):
-            raise BadRequest("documents", "documents must be a list of objects")
+            raise InvalidRequest("documents", "documents must be a list of objects")
         kwargs["documents"] = documents
     if continue_final:
         kwargs["continue_final_message"] = True
@@ -551,7 +565,7 @@ def parse_chat(
     add_special = bool(f.get_bool("add_special_tokens", False))
     ids = tuple(tokenizer.encode(text, add_special_tokens=add_special))
     if not ids:
-        raise BadRequest("messages", "the messages render to no tokens")
+        raise InvalidRequest("messages", "the messages render to no tokens")
     max_tokens = common.max_tokens(f, "max_completion_tokens", None, limits)
     if max_tokens is None:
         max_tokens = common.max_tokens(f, "max_tokens", None, limits)

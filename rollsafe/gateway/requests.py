@@ -3,7 +3,7 @@
 Owns :class:`GenRequest` (one engine request: the token ids, the fleet's sampling parameters,
 the session, and the :class:`OutputSpec` the formatters need to turn its tokens into an
 answer), :class:`ProtocolLimits` (the bounds every request is checked against) and
-:class:`BadRequest` (a 400 naming the field, with the error body each dialect answers), plus
+:class:`InvalidRequest` (a 400 naming the field, with the error body each dialect answers), plus
 :class:`Fields`, the plain-dict reader both dialects parse with (no pydantic on the hot path).
 
 The fleet's sampling vocabulary is SGLang's ``sampling_params`` names
@@ -44,9 +44,9 @@ from rollsafe.errors import InvalidArgument
 __all__ = [
     "INT64_MAX",
     "INT64_MIN",
-    "BadRequest",
     "Fields",
     "GenRequest",
+    "InvalidRequest",
     "OutputSpec",
     "ProtocolLimits",
     "check_ids",
@@ -64,7 +64,7 @@ INT64_MAX = 2**63 - 1
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
-class BadRequest(InvalidArgument):
+class InvalidRequest(InvalidArgument):
     """A request refused before anything reached an engine: ``field`` is its dotted path in
     the body (``messages[2].content``, ``sampling_params.top_p``), ``status`` the HTTP status
     (400: what vLLM 0.33 and SGLang 0.5.23 answer for every such refusal, a too long prompt
@@ -114,9 +114,9 @@ def session_of(body: Mapping[str, Any], headers: Mapping[str, str] | None) -> st
     value = body.get("session_id")
     if value is not None:
         if not isinstance(value, str) or not value:
-            raise BadRequest("session_id", "session_id must be a non-empty string")
+            raise InvalidRequest("session_id", "session_id must be a non-empty string")
         if len(value) > 256:
-            raise BadRequest("session_id", "session_id must be at most 256 characters")
+            raise InvalidRequest("session_id", "session_id must be at most 256 characters")
         return value
     value = header(headers, "x-session-id")
     if value:
@@ -126,7 +126,7 @@ def session_of(body: Mapping[str, Any], headers: Mapping[str, str] | None) -> st
 
 @dataclass(frozen=True)
 class ProtocolLimits:
-    """The bounds a request is checked against; each violation is a :class:`BadRequest`
+    """The bounds a request is checked against; each violation is a :class:`InvalidRequest`
     naming the field.
 
     ``max_model_len``: the context (prompt and output tokens), from the model's
@@ -176,9 +176,9 @@ class ProtocolLimits:
         try:
             config = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise InvalidArgument("model_path", f"cannot read {path}: {exc}") from None
+            raise InvalidArgument("model_path", f"model_path: cannot read {path}: {exc}") from None
         if not isinstance(config, dict):
-            raise InvalidArgument("model_path", f"{path} is not a JSON object")
+            raise InvalidArgument("model_path", f"model_path: {path} is not a JSON object")
         inner = config.get("text_config")
         text: dict[str, Any] = inner if isinstance(inner, dict) else {}
         values: dict[str, Any] = {}
@@ -193,7 +193,8 @@ class ProtocolLimits:
         values.update(overrides)
         if "max_model_len" not in values:
             raise InvalidArgument(
-                "model_path", f"{path} names no context length (max_position_embeddings)"
+                "model_path",
+                f"model_path: {path} names no context length (max_position_embeddings)",
             )
         return cls(**values)
 
@@ -241,7 +242,7 @@ class GenRequest:
 
 
 class Fields:
-    """Typed reads of one JSON object, each refusal a :class:`BadRequest` naming the dotted
+    """Typed reads of one JSON object, each refusal a :class:`InvalidRequest` naming the dotted
     path; ``prefix`` is the object's own path (``sampling_params``). Plain ``dict`` checks: a
     bool is never an int, a float must be finite."""
 
@@ -250,7 +251,7 @@ class Fields:
     def __init__(self, body: Any, prefix: str = "") -> None:
         if not isinstance(body, Mapping):
             name = prefix or "body"
-            raise BadRequest(name, f"{name} must be a JSON object, got {_kind(body)}")
+            raise InvalidRequest(name, f"{name} must be a JSON object, got {_kind(body)}")
         self.body: Mapping[str, Any] = body
         self.prefix = prefix
 
@@ -269,7 +270,7 @@ class Fields:
         if isinstance(value, float) and value.is_integer() and not isinstance(value, bool):
             value = int(value)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise BadRequest(self.path(key), f"{key} must be an integer, got {_kind(value)}")
+            raise InvalidRequest(self.path(key), f"{key} must be an integer, got {_kind(value)}")
         _bounds(self.path(key), key, value, lo, hi)
         return value
 
@@ -280,9 +281,9 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise BadRequest(self.path(key), f"{key} must be a number, got {_kind(value)}")
+            raise InvalidRequest(self.path(key), f"{key} must be a number, got {_kind(value)}")
         if not math.isfinite(value):
-            raise BadRequest(self.path(key), f"{key} must be a finite number, got {value}")
+            raise InvalidRequest(self.path(key), f"{key} must be a finite number, got {value}")
         _bounds(self.path(key), key, value, lo, hi)
         return value
 
@@ -291,7 +292,7 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise BadRequest(self.path(key), f"{key} must be a boolean, got {_kind(value)}")
+            raise InvalidRequest(self.path(key), f"{key} must be a boolean, got {_kind(value)}")
         return value
 
     def get_str(self, key: str, default: Any = None, *, max_chars: int | None = None) -> Any:
@@ -299,9 +300,9 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, str):
-            raise BadRequest(self.path(key), f"{key} must be a string, got {_kind(value)}")
+            raise InvalidRequest(self.path(key), f"{key} must be a string, got {_kind(value)}")
         if max_chars is not None and len(value) > max_chars:
-            raise BadRequest(self.path(key), f"{key} must be at most {max_chars} characters")
+            raise InvalidRequest(self.path(key), f"{key} must be at most {max_chars} characters")
         return value
 
     def object(self, key: str) -> Fields | None:
@@ -314,7 +315,7 @@ class Fields:
         value = self.body.get(key)
         if value is None or any(value == a and type(value) is type(a) for a in allowed):
             return
-        raise BadRequest(
+        raise InvalidRequest(
             self.path(key), f"{key} is not supported by the rollsafe gateway: {reason}"
         )
 
@@ -326,21 +327,21 @@ class Fields:
             return ()
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list):
-            raise BadRequest(
+            raise InvalidRequest(
                 self.path(key), f"{key} must be a string or a list of strings, got {_kind(value)}"
             )
         if len(items) > limits.max_stop:
-            raise BadRequest(
+            raise InvalidRequest(
                 self.path(key), f"{key} takes at most {limits.max_stop} strings, got {len(items)}"
             )
         for i, item in enumerate(items):
             where = f"{self.path(key)}[{i}]" if not isinstance(value, str) else self.path(key)
             if not isinstance(item, str):
-                raise BadRequest(where, f"{key} entries must be strings, got {_kind(item)}")
+                raise InvalidRequest(where, f"{key} entries must be strings, got {_kind(item)}")
             if not item:
-                raise BadRequest(where, "stop cannot contain an empty string.")
+                raise InvalidRequest(where, "stop cannot contain an empty string.")
             if len(item) > limits.max_stop_chars:
-                raise BadRequest(
+                raise InvalidRequest(
                     where, f"a stop string must be at most {limits.max_stop_chars} characters"
                 )
         return tuple(dict.fromkeys(items))
@@ -358,18 +359,20 @@ def check_ids(
 ) -> tuple[int, ...]:
     """``value`` as token ids: a list of ints in ``[0, vocab_size)``, at most ``max_len``."""
     if not isinstance(value, list):
-        raise BadRequest(where, f"{where} must be a list of token ids, got {_kind(value)}")
+        raise InvalidRequest(where, f"{where} must be a list of token ids, got {_kind(value)}")
     if len(value) > max_len:
-        raise BadRequest(where, f"{where} has {len(value)} token ids, more than {max_len}")
+        raise InvalidRequest(where, f"{where} has {len(value)} token ids, more than {max_len}")
     if not value and not empty_ok:
-        raise BadRequest(where, f"{where} must not be empty")
+        raise InvalidRequest(where, f"{where} must not be empty")
     vocab = limits.vocab_size
     for i, tok in enumerate(value):
         if not isinstance(tok, int) or isinstance(tok, bool):
-            raise BadRequest(f"{where}[{i}]", f"token ids must be integers, got {_kind(tok)}")
+            raise InvalidRequest(f"{where}[{i}]", f"token ids must be integers, got {_kind(tok)}")
         if tok < 0 or (vocab is not None and tok >= vocab):
             bound = f"[0, {vocab})" if vocab is not None else ">= 0"
-            raise BadRequest(f"{where}[{i}]", f"token id {tok} is out of the vocabulary {bound}")
+            raise InvalidRequest(
+                f"{where}[{i}]", f"token id {tok} is out of the vocabulary {bound}"
+            )
     return tuple(value)
 
 
@@ -377,7 +380,7 @@ def prompt_fits(where: str, n_prompt: int, limits: ProtocolLimits) -> int:
     """The output tokens left after a prompt of ``n_prompt`` tokens; a prompt that leaves none
     is vLLM's 400 ("This model's maximum context length is ...")."""
     if n_prompt >= limits.max_model_len:
-        raise BadRequest(
+        raise InvalidRequest(
             where,
             f"This model's maximum context length is {limits.max_model_len} tokens. However, "
             f"your prompt ({where}) contains {n_prompt} input tokens, which leaves no room for "
@@ -415,9 +418,9 @@ _NEUTRAL: dict[str, Any] = {
 
 def _bounds(where: str, key: str, value: float, lo: float | None, hi: float | None) -> None:
     if lo is not None and value < lo:
-        raise BadRequest(where, f"{key} must be at least {lo}, got {value}")
+        raise InvalidRequest(where, f"{key} must be at least {lo}, got {value}")
     if hi is not None and value > hi:
-        raise BadRequest(where, f"{key} must be at most {hi}, got {value}")
+        raise InvalidRequest(where, f"{key} must be at most {hi}, got {value}")
 
 
 def _kind(value: Any) -> str:
@@ -451,7 +454,7 @@ def common_sampling(f: Fields, limits: ProtocolLimits) -> dict[str, Any]:
     top_p = f.get_float("top_p", None, hi=1.0)
     if top_p is not None:
         if top_p <= 0.0:
-            raise BadRequest(f.path("top_p"), f"top_p must be in (0, 1], got {top_p}.")
+            raise InvalidRequest(f.path("top_p"), f"top_p must be in (0, 1], got {top_p}.")
         out["top_p"] = top_p
     top_k = f.get_int("top_k", None, lo=-1, hi=1 << 30)
     if top_k is not None:
@@ -467,7 +470,7 @@ def common_sampling(f: Fields, limits: ProtocolLimits) -> dict[str, Any]:
     rep = f.get_float("repetition_penalty", None, hi=2.0)
     if rep is not None:
         if rep <= 0.0:
-            raise BadRequest(
+            raise InvalidRequest(
                 f.path("repetition_penalty"),
                 f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rep}.",
             )

@@ -56,9 +56,9 @@ from typing import Any
 from rollsafe.fleet.provenance import TokenChunk
 from rollsafe.gateway.output import ChoiceOutput
 from rollsafe.gateway.requests import (
-    BadRequest,
     Fields,
     GenRequest,
+    InvalidRequest,
     OutputSpec,
     ProtocolLimits,
     check_ids,
@@ -160,7 +160,7 @@ def _sampling(
     f = Fields({} if raw is None else raw, where)
     for key in f.body:
         if key not in SAMPLING_KEYS:
-            raise BadRequest(
+            raise InvalidRequest(
                 f.path(str(key)),
                 f"unknown sampling parameter {key!r}: SGLang 0.5.23's SamplingParams has no "
                 "such field",
@@ -169,13 +169,13 @@ def _sampling(
         f.refuse(key, reason, allowed=allowed)
     custom = f.body.get("custom_params")
     if custom is not None and not isinstance(custom, Mapping):
-        raise BadRequest(f.path("custom_params"), "custom_params must be an object")
+        raise InvalidRequest(f.path("custom_params"), "custom_params must be an object")
     f.get_int("stream_interval", None, lo=1)
     params = common_sampling(f, limits)
     max_new = f.get_int("max_new_tokens", None, lo=0)
     min_new = f.get_int("min_new_tokens", 0, lo=0)
     if max_new is not None and min_new > max_new:
-        raise BadRequest(
+        raise InvalidRequest(
             f.path("min_new_tokens"),
             f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.",
         )
@@ -195,10 +195,10 @@ def _flags(value: Any, count: int, where: str) -> list[bool]:
     """A boolean, or one per prompt."""
     items = value if isinstance(value, list) else [value] * count
     if isinstance(value, list) and len(value) != count:
-        raise BadRequest(where, f"{where} must have one entry per prompt ({count})")
+        raise InvalidRequest(where, f"{where} must have one entry per prompt ({count})")
     for i, item in enumerate(items):
         if item is not None and not isinstance(item, bool):
-            raise BadRequest(
+            raise InvalidRequest(
                 f"{where}[{i}]" if isinstance(value, list) else where, f"{where} must be a boolean"
             )
     return [bool(item) for item in items]
@@ -216,27 +216,31 @@ def parse_generate(
         f.refuse(key, reason, allowed=allowed)
     start = f.get_int("logprob_start_len", None)
     if start not in (None, -1):
-        raise BadRequest("logprob_start_len", "input logprobs are not served: use -1 (the default)")
+        raise InvalidRequest(
+            "logprob_start_len", "input logprobs are not served: use -1 (the default)"
+        )
     stream = bool(f.get_bool("stream", False))
     text, ids = f.body.get("text"), f.body.get("input_ids")
     if text is None and ids is None:
-        raise BadRequest("text", "Either text, input_ids or input_embeds should be provided.")
+        raise InvalidRequest("text", "Either text, input_ids or input_embeds should be provided.")
     if text is not None and ids is not None:
-        raise BadRequest("input_ids", "give text or input_ids, not both")
+        raise InvalidRequest("input_ids", "give text or input_ids, not both")
     prompts: list[tuple[int, ...]]
     batch: bool
     where = "input_ids" if ids is not None else "text"
     if ids is not None:
         if not isinstance(ids, list):
-            raise BadRequest(
+            raise InvalidRequest(
                 "input_ids", f"input_ids must be list or null; got {type(ids).__name__}"
             )
         if not ids:
-            raise BadRequest("input_ids", "input_ids cannot be empty.")
+            raise InvalidRequest("input_ids", "input_ids cannot be empty.")
         batch = isinstance(ids[0], list)
         rows = ids if batch else [ids]
         if len(rows) > limits.max_prompts:
-            raise BadRequest("input_ids", f"a batch of {len(rows)} is above {limits.max_prompts}")
+            raise InvalidRequest(
+                "input_ids", f"a batch of {len(rows)} is above {limits.max_prompts}"
+            )
         prompts = [
             check_ids(
                 row,
@@ -251,34 +255,34 @@ def parse_generate(
         batch = isinstance(text, list)
         rows = list(text) if isinstance(text, list) else [text]
         if batch and not rows:
-            raise BadRequest("text", "text cannot be an empty list")
+            raise InvalidRequest("text", "text cannot be an empty list")
         if len(rows) > limits.max_prompts:
-            raise BadRequest("text", f"a batch of {len(rows)} is above {limits.max_prompts}")
+            raise InvalidRequest("text", f"a batch of {len(rows)} is above {limits.max_prompts}")
         prompts = []
         for i, item in enumerate(rows):
             here = f"text[{i}]" if batch else "text"
             if not isinstance(item, str):
-                raise BadRequest(here, f"{here} must be a string")
+                raise InvalidRequest(here, f"{here} must be a string")
             if len(item) > limits.text_chars:
-                raise BadRequest(here, f"{here} is longer than the context can hold")
+                raise InvalidRequest(here, f"{here} is longer than the context can hold")
             encoded = tuple(tokenizer.encode(item))
             if not encoded:
-                raise BadRequest(here, f"{here} encodes to no tokens")
+                raise InvalidRequest(here, f"{here} encodes to no tokens")
             prompts.append(encoded)
     count = len(prompts)
     raw_sp = f.body.get("sampling_params")
     sps = raw_sp if isinstance(raw_sp, list) else [raw_sp] * count
     if isinstance(raw_sp, list) and len(raw_sp) != count:
-        raise BadRequest(
+        raise InvalidRequest(
             "sampling_params", f"sampling_params must have one object per prompt ({count})"
         )
     logprob_flags = _flags(f.body.get("return_logprob"), count, "return_logprob")
     text_lps = bool(f.get_bool("return_text_in_logprobs", False))
     rid = f.body.get("rid")
     if rid is not None and not isinstance(rid, (str, list)):
-        raise BadRequest("rid", "The rid should be a string or a list of strings.")
+        raise InvalidRequest("rid", "The rid should be a string or a list of strings.")
     if isinstance(rid, list) and (len(rid) != count or not all(isinstance(r, str) for r in rid)):
-        raise BadRequest(
+        raise InvalidRequest(
             "rid", "The specified rids length mismatch with the batch_size for batch processing."
         )
     session = session_of(f.body, headers) or header(headers, "x-smg-routing-key")
@@ -290,13 +294,13 @@ def parse_generate(
         if n_first is None:
             n_first = n
         elif n != n_first:
-            raise BadRequest(
+            raise InvalidRequest(
                 f"{sp_where}.n",
                 "The parallel_sample_num should be the same for all samples in sample params.",
             )
         n_prompt = len(prompt)
         if n_prompt >= limits.max_model_len:
-            raise BadRequest(
+            raise InvalidRequest(
                 where,
                 f"The input ({n_prompt} tokens) is longer than the model's context length "
                 f"({limits.max_model_len} tokens).",
@@ -309,7 +313,7 @@ def parse_generate(
                 else room
             )
         elif max_new > room:
-            raise BadRequest(
+            raise InvalidRequest(
                 f"{sp_where}.max_new_tokens",
                 "Requested token count exceeds the model's maximum context length of "
                 f"{limits.max_model_len} tokens. You requested a total of {n_prompt + max_new} "
@@ -318,7 +322,7 @@ def parse_generate(
                 "completion to fit within the limit.",
             )
         elif max_new > limits.output_cap:
-            raise BadRequest(
+            raise InvalidRequest(
                 f"{sp_where}.max_new_tokens",
                 f"max_new_tokens={max_new} is above the gateway's limit {limits.output_cap}",
             )
@@ -361,12 +365,12 @@ def parse_generate(
                 )
             )
     if len(requests) > limits.max_choices:
-        raise BadRequest(
+        raise InvalidRequest(
             "sampling_params.n", f"{len(requests)} requests is above {limits.max_choices}"
         )
     listed = batch or (n_first or 1) > 1
     if stream and listed:
-        raise BadRequest(
+        raise InvalidRequest(
             "stream",
             "stream=true takes one prompt and n=1 in the rollsafe gateway (not a batch)",
         )

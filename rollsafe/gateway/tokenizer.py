@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rollsafe.errors import InvalidArgument
-from rollsafe.gateway.requests import BadRequest
+from rollsafe.gateway.requests import InvalidRequest
 
 __all__ = ["INITIAL_OFFSET", "Detokenizer", "GatewayTokenizer", "StopStrings"]
 
@@ -71,11 +71,13 @@ class GatewayTokenizer:
         from transformers import AutoTokenizer
 
         path = Path(model_path)
+        if not path.is_dir():
+            raise InvalidArgument("model_path", f"model_path {path} is not a model directory")
         try:
             hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
         except (OSError, ValueError) as exc:
             raise InvalidArgument(
-                "model_path", f"cannot load a tokenizer from {path}: {exc}"
+                "model_path", f"model_path: cannot load a tokenizer from {path}: {exc}"
             ) from None
         eos: set[int] = set()
         for name in ("config.json", "generation_config.json"):
@@ -123,10 +125,10 @@ class GatewayTokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """``messages`` rendered with the model's chat template (a :class:`BadRequest` naming
+        """``messages`` rendered with the model's chat template (a :class:`InvalidRequest` naming
         ``messages`` when the model has none or the template refuses them)."""
         if not self.has_chat_template:
-            raise BadRequest(
+            raise InvalidRequest(
                 "messages",
                 f"the model {self.name or ''} has no chat template (tokenizer_config.json "
                 "chat_template or chat_template.jinja): send a text prompt to /v1/completions",
@@ -141,16 +143,16 @@ class GatewayTokenizer:
             )
         except Exception as exc:  # jinja2's TemplateError and what a template raises
             if type(exc).__name__ in ("TemplateError", "TemplateSyntaxError", "UndefinedError"):
-                raise BadRequest(
+                raise InvalidRequest(
                     "messages", f"the chat template refused the messages: {exc}"
                 ) from None
             if isinstance(exc, (ValueError, TypeError, KeyError)):
-                raise BadRequest(
+                raise InvalidRequest(
                     "messages", f"the chat template refused the messages: {exc}"
                 ) from None
             raise
         if not isinstance(text, str):
-            raise BadRequest("messages", "the chat template did not render to text")
+            raise InvalidRequest("messages", "the chat template did not render to text")
         return text
 
     def chat_prompt(
