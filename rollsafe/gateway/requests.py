@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -61,7 +61,6 @@ __all__ = [
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 class InvalidRequest(InvalidArgument):
@@ -238,7 +237,6 @@ class GenRequest:
     index: int = 0
     prompt_index: int = 0
     rid: str | None = None
-    meta: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
 
 
 class Fields:
