@@ -16,11 +16,13 @@ Protocol
   header) and without (closed after the answer); a request with ``Connection: close`` is
   answered with it and the connection closed.
 * Pipelined requests are answered in order, one at a time per connection; past
-  ``max_pipelined`` waiting, the connection stops being read until they drain.
+  ``max_pipelined`` waiting, the connection stops being read until half have been answered
+  (the rest of the read that passed it, at most 256 KiB, is still parsed and queued).
 * Request bodies by ``Content-Length`` or chunked; ``Expect: 100-continue`` (HTTP/1.1) gets
   ``100 Continue`` when the request is next to be answered, never when its size is refused.
 * ``HEAD``: the handler sees ``HEAD``; the server sends the head (with the ``content-length``
   the body would have) and no body; a stream's iterator is closed unread.
+* :class:`Request`: headers are decoded to ``str`` when first read (most routes read few).
 * :class:`Response`: ``content-length``; 204 and 304 carry no body. :class:`StreamResponse`:
   chunked transfer encoding (to an HTTP/1.0 client: the raw bytes, then the connection is
   closed); ``text/event-stream`` adds ``cache-control: no-cache`` and ``x-accel-buffering: no``.
@@ -38,7 +40,9 @@ field                   default      past it
 max_body_bytes          64 MiB       413, before reading past it (a ``Content-Length`` over
                                      it: at once, no ``100 Continue``; chunked: when the sum
                                      passes it), then close
-max_header_bytes        64 KiB       431, then close (request line and headers, raw bytes)
+max_header_bytes        64 KiB       431, then close (the request line and headers as read;
+                                     a head in the same read as the body before it may pass
+                                     it by up to that read, at most 256 KiB)
 max_headers             100          431, then close
 max_url_bytes           16 KiB       414, then close
 header_timeout_s        30 s         408, then close (a head begun and not ended in time)
@@ -71,9 +75,13 @@ the handler raises                     500 ``<ExceptionType>: <message>`` (cut t
                                        characters), logged with its traceback on
                                        ``rollsafe.gateway.http``; the connection and the
                                        server go on
-the handler returns something else     500, logged the same way
-a stream's iterator raises after the   logged; the connection is closed without the last
-head was sent                          chunk, so the client sees a cut body, not a whole one
+the handler returns something else,    500, logged the same way
+or raises ``CancelledError`` itself
+a stream's iterator raises (the head   logged; the connection is closed without the last
+is sent before the first chunk is      chunk, so the client sees a cut body, not a whole
+asked for: what can fail before the    one; counted in ``handler_errors``
+stream starts belongs before the
+handler returns)
 the client disconnects (or half-       the handler's task is cancelled (it sees
 closes) while its request is answered  ``CancelledError``), a stream's iterator is
                                        ``aclose()``-d; counted in ``disconnects``
@@ -575,6 +583,7 @@ class HttpServer:
                 runners.append(conn.runner)
                 if conn.active:
                     self.stats.cut_at_close += 1
+            conn.cut_by_server = True  # not a client's disconnect
             conn.abort()
         if runners:  # let the cancelled handlers run their cleanup (engine requests cancelled)
             await asyncio.wait(runners, timeout=max(grace_s, 1.0))
@@ -659,6 +668,10 @@ class _Connection(asyncio.Protocol):
         self.tick = min(self.limits.keepalive_timeout_s, self.limits.header_timeout_s)
         #: the runner was cancelled by the server (client gone, close), not by the handler
         self.cut = False
+        #: the server cut the connection (close's grace ran out): no disconnect to count
+        self.cut_by_server = False
+        #: the request being answered was counted in ``disconnects`` already
+        self.gone_counted = False
 
     # ---- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -698,11 +711,17 @@ class _Connection(asyncio.Protocol):
         if self.drain_waiter is not None and not self.drain_waiter.done():
             self.drain_waiter.set_exception(_ClientGone())
         if self.runner is not None:
-            if self.active:
-                self.stats.disconnects += 1
+            if not self.cut_by_server:
+                self.client_gone()
             self.cut = True
             self.runner.cancel()
         self.server.forget(self)
+
+    def client_gone(self) -> None:
+        """Count the request being answered (if one is) in ``disconnects``, once."""
+        if self.active and not self.gone_counted:
+            self.gone_counted = True
+            self.stats.disconnects += 1
 
     def eof_received(self) -> bool | None:
         return None  # a half-close is a client gone: close (connection_lost cancels its work)
@@ -983,6 +1002,7 @@ class _Connection(asyncio.Protocol):
             return keep_alive
         stats.in_flight += 1
         self.active = True
+        self.gone_counted = False
         try:
             try:
                 response = await server.handler(request)
@@ -1000,7 +1020,10 @@ class _Connection(asyncio.Protocol):
                 f"the handler returned {type(response).__name__}, not a Response or a "
                 "StreamResponse"
             )
-        except (asyncio.CancelledError, _ClientGone):
+        except asyncio.CancelledError:
+            raise
+        except _ClientGone:
+            self.client_gone()
             raise
         except Exception as exc:
             stats.handler_errors += 1
@@ -1101,9 +1124,7 @@ class _Connection(asyncio.Protocol):
             self.stats.rejected["write_stall_timeout_s"] = (
                 self.stats.rejected.get("write_stall_timeout_s", 0) + 1
             )
-            if self.active:
-                self.stats.disconnects += 1
-                self.active = False  # counted here, not again by connection_lost
+            self.client_gone()
             self.abort()
             raise _ClientGone() from None
         finally:
