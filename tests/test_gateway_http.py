@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import httptools
 import httpx
+import openai
 import pytest
 import requests
 import uvloop
@@ -96,6 +97,34 @@ class App:
             yield b"data: [DONE]\n\n"
 
         return StreamResponse(events(), headers={"X-Group": "g0"})
+
+    async def r_v1(self, req: Request) -> Response | StreamResponse:
+        """``POST /v1/completions`` in OpenAI's shape: one choice, a token per event."""
+        body = json.loads(req.body)
+        words = ["Hello", ",", " wor\u2028ld", "\n\ndata: not an event"]
+
+        def chunk(i: int) -> dict[str, Any]:
+            finish = "length" if i == len(words) - 1 else None
+            choice = {"index": 0, "text": words[i], "logprobs": None, "finish_reason": finish}
+            return {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [choice],
+            }
+
+        if not body.get("stream"):
+            whole = chunk(len(words) - 1)
+            whole["choices"][0]["text"] = "".join(words)
+            return Response.json(whole)
+
+        async def events() -> AsyncIterator[bytes]:
+            for i in range(len(words)):
+                yield b"data: " + json.dumps(chunk(i)).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamResponse(events())
 
     async def r_boom(self, req: Request) -> Response:
         raise ValueError("x" * 5000)
@@ -565,6 +594,26 @@ def test_sse_read_by_rollsafe_engine_client(serve: Callable[..., Served]) -> Non
     assert events[1]["text"] == "line\u2028sep"  # U+2028 inside an event does not split it
 
 
+def test_openai_sdk_reads_answers_and_streams(serve: Callable[..., Served]) -> None:
+    s = serve()
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    whole = client.completions.create(model="m", prompt="p", max_tokens=4)
+    assert whole.choices[0].text == "Hello, wor\u2028ld\n\ndata: not an event"
+    stream = client.completions.create(model="m", prompt="p", max_tokens=4, stream=True)
+    texts = [c.choices[0].text for c in stream]
+    assert texts == ["Hello", ",", " wor\u2028ld", "\n\ndata: not an event"]
+    client.close()
+
+    async def with_async_client() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        stream = await aclient.completions.create(model="m", prompt="p", stream=True)
+        got = [c.choices[0].text async for c in stream]
+        await aclient.close()
+        return got
+
+    assert asyncio.run(with_async_client()) == texts
+
+
 def test_sse_headers_and_framing_with_aiohttp(serve: Callable[..., Served]) -> None:
     s = serve()
 
@@ -918,6 +967,7 @@ def test_close_cuts_what_outlives_the_grace(serve: Callable[..., Served]) -> Non
     assert raw.closed_by_server()
     stats = s.stats()
     assert stats["cut_at_close"] == 1
+    assert stats["disconnects"] == 0  # the server cut it, not the client
     assert stats["in_flight"] == 0 and stats["open_connections"] == 0
     raw.close()
 
