@@ -221,6 +221,7 @@ class Request:
 
     __slots__ = (
         "_headers",
+        "_keep",
         "_query",
         "_raw",
         "body",
@@ -247,6 +248,7 @@ class Request:
         self.path, self.query_string = _split_target(target)
         self._headers: Mapping[str, str] | None = {k.lower(): v for k, v in (headers or {}).items()}
         self._raw: list[tuple[bytes, bytes]] | None = None
+        self._keep = True
         self.body = body
         self.client = client
         self.http_version = http_version
@@ -261,11 +263,14 @@ class Request:
         body: bytes,
         client: tuple[str, int] | None,
         http_version: str,
+        keep_alive: bool,
     ) -> Request:
-        """From the wire: the headers stay bytes until read."""
+        """From the wire: the headers stay bytes until read; ``keep_alive``: the client's wish
+        (the server's business)."""
         self = cls.__new__(cls)
         self.method = method
         self.target = target
+        self._keep = keep_alive
         self.path, self.query_string = _split_target(target)
         self._headers = None
         self._raw = raw
@@ -493,14 +498,6 @@ class _ClientGone(Exception):
     """The client stopped taking the answer (write stall) or the transport closed."""
 
 
-class _Pending:
-    __slots__ = ("keep_alive", "request")
-
-    def __init__(self, request: Request, keep_alive: bool) -> None:
-        self.request = request
-        self.keep_alive = keep_alive
-
-
 class HttpServer:
     """An HTTP/1.1 server calling ``handler`` for every request (module docstring: protocol,
     limits, errors). ``port=0`` picks a free port (read :attr:`port` after :meth:`start`).
@@ -648,7 +645,7 @@ class _Connection(asyncio.Protocol):
         self.begun_at = 0.0
         self.rejected: _Reject | None = None
         # answering
-        self.pending: collections.deque[_Pending | _Reject] = collections.deque()
+        self.pending: collections.deque[Request | _Reject] = collections.deque()
         self.runner: asyncio.Task[None] | None = None
         self.active = False
         self.reading = True
@@ -750,8 +747,8 @@ class _Connection(asyncio.Protocol):
                 self.feed(data)
         except httptools.HttpParserUpgrade:
             self.reading = False  # the message is queued; answer it and close
-            if self.pending and isinstance(self.pending[-1], _Pending):
-                self.pending[-1].keep_alive = False
+            if self.pending and isinstance(self.pending[-1], Request):
+                self.pending[-1]._keep = False
         except _Reject as budget:  # the head's byte budget (feed)
             self.rejected = None
             self.fail(budget)
@@ -816,11 +813,8 @@ class _Connection(asyncio.Protocol):
             raise self.reject(414, "max_url_bytes", f"request target over max_url_bytes={limit}")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        raw = self.raw_headers
-        raw.append((name, value))
-        if len(raw) > self.max_headers:
-            limit = self.max_headers
-            raise self.reject(431, "max_headers", f"more than max_headers={limit} headers")
+        # counted when the head ends: until then max_header_bytes bounds the list
+        self.raw_headers.append((name, value))
         if len(name) in _SPECIAL_LENGTHS:  # cheap filter before lowering the name
             special = name.lower()
             if special == b"content-length":
@@ -840,6 +834,9 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.head_done = True
         self.head_raw = 0
+        if len(self.raw_headers) > self.max_headers:
+            limit = self.max_headers
+            raise self.reject(431, "max_headers", f"more than max_headers={limit} headers")
         length = self.content_length
         limit = self.limits.max_body_bytes
         if length > limit:
@@ -847,7 +844,9 @@ class _Connection(asyncio.Protocol):
                 413, "max_body_bytes", f"request body of {length} bytes over max_body_bytes={limit}"
             )
         if length > 0 or self.has_te:
-            self.arm(self.last_data + self.limits.idle_body_timeout_s)
+            deadline = self.last_data + self.limits.idle_body_timeout_s
+            if deadline < self.timer_at:
+                self.arm(deadline)
             if self.expect and self.parser.get_http_version() == "1.1":
                 transport = self.transport
                 if self.runner is not None or self.pending:
@@ -882,10 +881,11 @@ class _Connection(asyncio.Protocol):
             body,
             self.client,
             version,
+            keep_alive,
         )
         if not keep_alive or self.closing:
             self.reading = False
-        self.pending.append(_Pending(request, keep_alive))
+        self.pending.append(request)
         if self.runner is None:
             self.runner = self.loop.create_task(self.run())
         elif len(self.pending) >= self.limits.max_pipelined and not self.read_paused:
@@ -987,14 +987,13 @@ class _Connection(asyncio.Protocol):
         self.send_error(reject.status, reject.message, reject.limit, False, reject.retry)
         self.linger()
 
-    async def answer(self, item: _Pending) -> bool:
+    async def answer(self, request: Request) -> bool:
         """Call the handler for one request and send its answer; whether the connection stays
         open for the next."""
-        request = item.request
         http10 = request.http_version != "1.1"
         server, stats = self.server, self.stats
         if stats.in_flight >= self.limits.max_in_flight:
-            keep_alive = self.keeps(item)
+            keep_alive = self.keeps(request)
             stats.rejected["max_in_flight"] = stats.rejected.get("max_in_flight", 0) + 1
             limit = self.limits.max_in_flight
             message = f"too many requests in flight (max_in_flight={limit}); retry later"
@@ -1010,7 +1009,7 @@ class _Connection(asyncio.Protocol):
                 if self.cut or self.transport is None:
                     raise  # the client went away or the server closes
                 raise RuntimeError("the handler raised CancelledError") from None
-            keep_alive = self.keeps(item)  # the server may have begun closing meanwhile
+            keep_alive = self.keeps(request)  # the server may have begun closing meanwhile
             if isinstance(response, Response):
                 self.send(response, request, keep_alive, http10)
                 return keep_alive
@@ -1029,17 +1028,17 @@ class _Connection(asyncio.Protocol):
             stats.handler_errors += 1
             log.error("gateway handler failed on %r", request, exc_info=exc)
             message = bound_text(f"{type(exc).__name__}: {exc}", ERROR_MESSAGE_CHARS)
-            keep_alive = self.keeps(item)
+            keep_alive = self.keeps(request)
             self.send_error(500, message, None, keep_alive)
             return keep_alive
         finally:
             stats.in_flight -= 1
             self.active = False
 
-    def keeps(self, item: _Pending) -> bool:
-        """Whether the connection stays open after ``item``'s answer: the client's wish, unless
-        the server closes and nothing else is queued or being received."""
-        return item.keep_alive and not (self.closing and not self.pending and not self.in_message)
+    def keeps(self, request: Request) -> bool:
+        """Whether the connection stays open after answering ``request``: the client's wish,
+        unless the server closes and nothing else is queued or being received."""
+        return request._keep and not (self.closing and not self.pending and not self.in_message)
 
     def send(self, response: Response, request: Request, keep_alive: bool, http10: bool) -> None:
         status = response.status
@@ -1063,7 +1062,12 @@ class _Connection(asyncio.Protocol):
         if request.method == "HEAD" or not body:
             self.write(b"".join(head))
         elif len(body) < 65536:
-            self.write(b"".join((*head, body)))
+            data = b"".join((*head, body))
+            transport = self.transport  # write(), inlined: the path of every short answer
+            if transport is None or transport.is_closing():
+                raise _ClientGone()
+            self.stats.bytes_sent += len(data)
+            transport.write(data)
         else:
             self.write(b"".join(head))
             self.write(body)
