@@ -247,7 +247,7 @@ class Request:
         self.target = target
         self.path, self.query_string = _split_target(target)
         self._headers: Mapping[str, str] | None = {k.lower(): v for k, v in (headers or {}).items()}
-        self._raw: list[tuple[bytes, bytes]] | None = None
+        self._raw: list[bytes] | None = None
         self._keep = True
         self.body = body
         self.client = client
@@ -259,14 +259,14 @@ class Request:
         cls,
         method: str,
         target: str,
-        raw: list[tuple[bytes, bytes]],
+        raw: list[bytes],
         body: bytes,
         client: tuple[str, int] | None,
         http_version: str,
         keep_alive: bool,
     ) -> Request:
-        """From the wire: the headers stay bytes until read; ``keep_alive``: the client's wish
-        (the server's business)."""
+        """From the wire: the headers stay bytes until read (``raw``: name, value, name, ...);
+        ``keep_alive``: the client's wish (the server's business)."""
         self = cls.__new__(cls)
         self.method = method
         self.target = target
@@ -284,7 +284,8 @@ class Request:
     def headers(self) -> Mapping[str, str]:
         headers = self._headers
         if headers is None:
-            headers = self._headers = _header_dict(self._raw or ())
+            raw = self._raw or []
+            headers = self._headers = _header_dict(zip(raw[0::2], raw[1::2], strict=True))
         return headers
 
     @property
@@ -629,7 +630,9 @@ class _Connection(asyncio.Protocol):
         self.client: tuple[str, int] | None = None
         # the message being parsed
         self.url = b""
-        self.raw_headers: list[tuple[bytes, bytes]] = []
+        #: name, value, name, value, ...: one list per request, not a tuple per header (fewer
+        #: objects for the garbage collector)
+        self.raw_headers: list[bytes] = []
         self.content_length = 0
         self.has_te = False
         self.expect = False
@@ -637,7 +640,9 @@ class _Connection(asyncio.Protocol):
         self.header_timeout = server.limits.header_timeout_s
         self.max_head = server.limits.max_header_bytes
         self.max_headers = server.limits.max_headers
-        self.body: list[bytes] = []
+        #: the body's first piece, then (only when there are more) all its pieces
+        self.body: bytes = b""
+        self.body_parts: list[bytes] | None = None
         self.body_size = 0
         self.in_message = False
         self.head_done = False
@@ -799,7 +804,8 @@ class _Connection(asyncio.Protocol):
         self.raw_headers = []
         self.content_length = 0
         self.has_te = self.expect = self.says_connection = False
-        self.body = []
+        self.body = b""
+        self.body_parts = None
         self.body_size = 0
         self.begun_at = self.last_data
         deadline = self.begun_at + self.header_timeout
@@ -814,7 +820,9 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # counted when the head ends: until then max_header_bytes bounds the list
-        self.raw_headers.append((name, value))
+        raw = self.raw_headers
+        raw.append(name)
+        raw.append(value)
         if len(name) in _SPECIAL_LENGTHS:  # cheap filter before lowering the name
             special = name.lower()
             if special == b"content-length":
@@ -834,7 +842,7 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.head_done = True
         self.head_raw = 0
-        if len(self.raw_headers) > self.max_headers:
+        if len(self.raw_headers) > 2 * self.max_headers:
             limit = self.max_headers
             raise self.reject(431, "max_headers", f"more than max_headers={limit} headers")
         length = self.content_length
@@ -861,14 +869,19 @@ class _Connection(asyncio.Protocol):
             raise self.reject(
                 413, "max_body_bytes", f"request body over max_body_bytes={limit} (chunked)"
             )
-        self.body.append(body)
+        if not self.body:  # the first piece
+            self.body = body
+        elif self.body_parts is None:
+            self.body_parts = [self.body, body]
+        else:
+            self.body_parts.append(body)
 
     def on_message_complete(self) -> None:
         parser = self.parser
         self.in_message = False
         self.head_done = False
         self.continue_owed = False
-        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        body = self.body if self.body_parts is None else b"".join(self.body_parts)
         keep_alive = parser.should_keep_alive()
         method = parser.get_method()
         # HTTP/1.0 keeps a connection only when a connection header says so: without one, a
