@@ -1035,6 +1035,17 @@ def test_bad_settings_are_named() -> None:
     assert info.value.key == "chunks"
 
 
+def test_a_request_built_by_hand_reads_like_a_parsed_one() -> None:
+    """Routes can be tested without a server."""
+    req = Request("POST", "/v1/a%2Fb?n=1&n=2&x=", {"Authorization": "Bearer k"}, b"{}")
+    assert req.path == "/v1/a/b"
+    assert req.query == {"n": "2", "x": ""}
+    assert req.query_string == "n=1&n=2&x="
+    assert req.headers == {"authorization": "Bearer k"}
+    assert req.body == b"{}" and req.http_version == "1.1" and req.client is None
+    assert Request("GET", "http://h:1/p?q=1", None).path == "/p"  # absolute form
+
+
 def test_new_event_loop_sets_no_policy() -> None:
     policy = asyncio.get_event_loop_policy()
     loop = new_event_loop()

@@ -22,7 +22,8 @@ Protocol
   ``100 Continue`` when the request is next to be answered, never when its size is refused.
 * ``HEAD``: the handler sees ``HEAD``; the server sends the head (with the ``content-length``
   the body would have) and no body; a stream's iterator is closed unread.
-* :class:`Request`: headers are decoded to ``str`` when first read (most routes read few).
+* :class:`Request`: headers are decoded to ``str`` when first read (most routes read few); one
+  built by hand (``Request("POST", "/generate", {...}, body)``) tests a route without a server.
 * :class:`Response`: ``content-length``; 204 and 304 carry no body. :class:`StreamResponse`:
   chunked transfer encoding (to an HTTP/1.0 client: the raw bytes, then the connection is
   closed); ``text/event-stream`` adds ``cache-control: no-cache`` and ``x-accel-buffering: no``.
