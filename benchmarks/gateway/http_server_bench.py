@@ -4,16 +4,19 @@ uvloop), both answering by themselves with the same trivial answers, so the diff
 the server's features cost (limits, timers, counters, a handler call per request).
 
 Each server runs in its own process on uvloop; the load generator (``loadgen.py``'s aiohttp
-closed loop, ``--concurrency`` clients) posts SGLang ``/generate`` bodies: ``generate`` (a JSON
-answer) and ``generate-stream`` (``--tokens`` SSE events as chunks, then ``[DONE]``). Each
-repeat runs both servers on both workloads (their order alternating between repeats); the
-figures are medians over ``--repeats`` (3). CPU per request is the server process's user +
-system time over the measured window divided by the requests answered.
+closed loop, ``--concurrency`` clients per server) posts SGLang ``/generate`` bodies:
+``generate`` (a JSON answer) and ``generate-stream`` (``--tokens`` SSE events as chunks, then
+``[DONE]``). Each repeat, on each workload: each server alone (their order alternating between
+repeats: requests/s, latency, CPU per request), then both at once, each from its own clients
+(``side_by_side``: whatever else the shared machine does hits both alike, so the CPU ratio is
+taken there, per repeat). Figures are medians over ``--repeats`` (3). CPU per request: the
+server process's user + system time over the measured window over the requests answered.
 
 Checks (exit 1 when one is false): every request answered whole by both servers; rollsafe's
 own counters (read from its ``/stats`` route) equal the requests the client sent; and, except
-with ``--smoke``, rollsafe's CPU per request at most ``--max-cpu-ratio`` (1.3) times the bare
-protocol's on each workload. ``--out PATH`` writes the result as JSON; stdout has it too.
+with ``--smoke``, the median side-by-side ratio of rollsafe's CPU per request to the bare
+protocol's at most ``--max-cpu-ratio`` (1.3) on each workload. ``--out PATH`` writes the
+result as JSON; stdout has it too.
 
 ``python benchmarks/gateway/http_server_bench.py [--smoke]``
 """
@@ -207,22 +210,21 @@ def serve_raw(port: int, tokens: int) -> None:
 # ---- the measurement
 
 
-def run_once(url: str, pid: int, workload: str, args: argparse.Namespace) -> dict[str, Any]:
+async def load(url: str, pid: int, workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One closed loop on one server; its CPU over the measured window."""
     marks: dict[str, float] = {}
 
     def on_start(_: float) -> None:
         marks["cpu0"] = F.cpu_seconds([pid])
 
-    stats = asyncio.run(
-        L.closed_loop(
-            [url],
-            workload,
-            concurrency=args.concurrency,
-            duration=args.duration,
-            tokens=args.tokens,
-            warmup=args.warmup,
-            on_start=on_start,
-        )
+    stats = await L.closed_loop(
+        [url],
+        workload,
+        concurrency=args.concurrency,
+        duration=args.duration,
+        tokens=args.tokens,
+        warmup=args.warmup,
+        on_start=on_start,
     )
     cpu = F.cpu_seconds([pid]) - marks["cpu0"]
     summary = stats.summary()
@@ -238,6 +240,24 @@ def run_once(url: str, pid: int, workload: str, args: argparse.Namespace) -> dic
         "failed": summary["failed"],
         "errors": summary["errors"],
     }
+
+
+def run_alone(url: str, pid: int, workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    return asyncio.run(load(url, pid, workload, args))
+
+
+def run_side_by_side(
+    urls: dict[str, str], pids: dict[str, int], workload: str, args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Both servers loaded at once, each by its own clients: whatever else the machine does
+    hits both alike, so their CPU per request compares in one window."""
+
+    async def both() -> list[dict[str, Any]]:
+        return list(
+            await asyncio.gather(*(load(urls[s], pids[s], workload, args) for s in SERVERS))
+        )
+
+    return dict(zip(SERVERS, asyncio.run(both()), strict=True))
 
 
 def median(values: list[float | None]) -> float | None:
@@ -267,13 +287,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         runs: dict[str, dict[str, list[dict[str, Any]]]] = {
             s: {w: [] for w in WORKLOADS} for s in SERVERS
         }
+        paired: dict[str, dict[str, list[dict[str, Any]]]] = {
+            s: {w: [] for w in WORKLOADS} for s in SERVERS
+        }
+        pids = {name: procs[name].pid for name in SERVERS}
         for r in range(args.repeats):
             order = SERVERS if r % 2 == 0 else tuple(reversed(SERVERS))
             for workload in WORKLOADS:
                 for name in order:
-                    runs[name][workload].append(
-                        run_once(urls[name], procs[name].pid, workload, args)
-                    )
+                    runs[name][workload].append(run_alone(urls[name], pids[name], workload, args))
+                for name, got in run_side_by_side(urls, pids, workload, args).items():
+                    paired[name][workload].append(got)
         status, text = F.http("GET", urls["rollsafe"] + "/stats")
         server_stats = json.loads(text) if status == 200 else {"status": status}
     finally:
@@ -294,20 +318,39 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "p99_ms": median([x["p99_ms"] for x in rs]),
                 "runs": rs,
             }
-    ratios = {}
+    ratios: dict[str, float | None] = {}
+    alone_ratios: dict[str, float | None] = {}
+    side_by_side: dict[str, Any] = {}
     for workload in WORKLOADS:
         ours = table[f"rollsafe {workload}"]["cpu_us_per_req"]
         base = table[f"raw {workload}"]["cpu_us_per_req"]
-        ratios[workload] = round(ours / base, 3) if ours and base else None
+        alone_ratios[workload] = round(ours / base, 3) if ours and base else None
+        each = [
+            round(a["cpu_us_per_req"] / b["cpu_us_per_req"], 3)
+            if a["cpu_us_per_req"] and b["cpu_us_per_req"]
+            else None
+            for a, b in zip(paired["rollsafe"][workload], paired["raw"][workload], strict=True)
+        ]
+        ratios[workload] = median(list(each))
+        side_by_side[workload] = {
+            "ratio_each_repeat": each,
+            **{
+                f"{s}_cpu_us_per_req": [x["cpu_us_per_req"] for x in paired[s][workload]]
+                for s in SERVERS
+            },
+            **{f"{s}_req_per_s": [x["req_per_s"] for x in paired[s][workload]] for s in SERVERS},
+        }
 
-    sent_rollsafe = sum(x["sent"] for w in WORKLOADS for x in runs["rollsafe"][w])
+    sent_rollsafe = sum(
+        x["sent"] for w in WORKLOADS for x in runs["rollsafe"][w] + paired["rollsafe"][w]
+    )
     answered = server_stats.get("requests", {}).get("200", 0) if "requests" in server_stats else 0
     checks = {
         "every request answered whole": all(
             x["failed"] == 0 and x["cut"] == 0 and x["ok"] > 0
             for s in SERVERS
             for w in WORKLOADS
-            for x in runs[s][w]
+            for x in runs[s][w] + paired[s][w]
         ),
         "rollsafe's counters equal what the client sent": answered == sent_rollsafe
         and not server_stats.get("rejected")
@@ -334,6 +377,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         },
         "results": table,
         "cpu_ratio_rollsafe_over_raw": ratios,
+        "cpu_ratio_alone_runs": alone_ratios,
+        "side_by_side": side_by_side,
         "rollsafe_server_stats": server_stats,
         "checks": checks,
     }
