@@ -54,6 +54,8 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import aiohttp
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.connector import Connection
 
 from rollsafe.adapters.engines.base import HttpEngineClient, parse_weight_version
 from rollsafe.adapters.engines.errors import (
@@ -140,6 +142,30 @@ def _failure(exc: BaseException, url: str, path: str, timeout: float) -> EngineU
     return None
 
 
+class _Response(aiohttp.ClientResponse):
+    """aiohttp's response (``ClientSession(response_class=...)``), remembering the protocol of
+    the connection that carried it: aiohttp hands a connection back to the pool as soon as a
+    body has arrived whole, which for a short 5xx body is before the caller sees the status."""
+
+    served_by: ResponseHandler | None = None
+
+    async def start(self, connection: Connection) -> aiohttp.ClientResponse:
+        self.served_by = connection.protocol
+        return await super().start(connection)
+
+
+def _drop_connection(response: aiohttp.ClientResponse) -> None:
+    """Never reuse the connection that carried ``response``: closed when it is released if the
+    body is still being read, closed now if the pool has it back already."""
+    held = response.connection
+    if held is not None and held.protocol is not None:
+        held.protocol.force_close()
+        return
+    served = response.served_by if isinstance(response, _Response) else None
+    if served is not None:
+        served.close()  # the pool skips a closed connection
+
+
 class AsyncHttp:
     """The pooled HTTP client of one event loop (see the module). ``limit`` (0: none) bounds
     the connections open at once, ``limit_per_host`` those to one engine; with a bound, a
@@ -180,7 +206,9 @@ class AsyncHttp:
                 limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive_timeout
             )
         self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            response_class=_Response,
         )
         self._closed = False
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
@@ -294,7 +322,7 @@ class AsyncHttp:
         if data is not None:
             send_headers["Content-Type"] = "application/json"
         try:
-            return await self._session.request(
+            response = await self._session.request(
                 method,
                 url + path,
                 data=data,
@@ -307,6 +335,9 @@ class AsyncHttp:
             if mapped is None:
                 raise
             raise mapped from exc
+        if response.status >= RETRY_MIN_STATUS:
+            _drop_connection(response)  # a real vLLM drops keep-alive after a 500, silently
+        return response
 
     async def open(
         self,
