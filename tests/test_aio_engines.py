@@ -557,31 +557,29 @@ def test_a_stream_stopped_early_aborts_the_engines_request(
         async with AsyncHttp() as http:
             async_ = async_engine(client, http)
             before = await server_info(http, engine)
-            first = asyncio.Event()
+            running: list[int] = []  # the engine's requests in flight once the stream began
             got: list[int] = []
+            started = asyncio.Event()
 
             async def consume() -> None:
-                if how == "aclose":
-                    stream = async_.generate_stream(PROMPT, sampling_params=LONG)
-                    async for delta in stream:
-                        got.extend(delta.token_ids)
-                        if got:
-                            break
-                    await stream.aclose()  # type: ignore[attr-defined]
-                    return
-                async for delta in async_.generate_stream(PROMPT, sampling_params=LONG):
+                stream = async_.generate_stream(PROMPT, sampling_params=LONG)
+                async for delta in stream:
                     got.extend(delta.token_ids)
-                    first.set()
-                    if how == "break" and got:
-                        break
+                    if got and not running:
+                        running.append((await server_info(http, engine))["running_requests"])
+                        started.set()
+                        if how == "break":
+                            break
+                        if how == "aclose":
+                            await stream.aclose()  # type: ignore[attr-defined]
+                            return
+                if how == "break":
+                    del stream  # nothing else holds it: collected, so closed
 
             task = asyncio.create_task(consume())
+            await started.wait()
             if how == "cancel":
-                await first.wait()
-                running = (await server_info(http, engine))["running_requests"]
                 task.cancel()
-            else:
-                running = 1
             cancelled = False
             try:
                 await task
@@ -593,7 +591,7 @@ def test_a_stream_stopped_early_aborts_the_engines_request(
                 await asyncio.sleep(0.05)
             after = await server_info(http, engine)
             generated = after["tokens_generated"] - before["tokens_generated"]
-            return running, generated, len(got), cancelled
+            return running[0], generated, len(got), cancelled
 
     running, generated, got, cancelled = run(main())
     assert running == 1 and got >= 1
@@ -733,6 +731,27 @@ def test_a_pause_through_the_blocking_client_refuses_the_async_generate(
     client.close()
 
 
+def test_vllm_0_32s_version_read_is_an_awaited_get_not_a_thread(vllm032: EngineProcess) -> None:
+    client = VLLMClient(vllm032.url, server_version="0.32.0")  # dialect known: no I/O to learn it
+
+    async def main() -> tuple[GenerateResult, list[StreamDelta], int]:
+        executor = CountingExecutor()
+        asyncio.get_running_loop().set_default_executor(executor)
+        async with AsyncHttp() as http:
+            engine = async_engine(client, http)
+            whole = await engine.generate(PROMPT, sampling_params=GREEDY)
+            deltas = await collect(engine.generate_stream(PROMPT, sampling_params=GREEDY))
+        executor.shutdown()
+        return whole, deltas, executor.submitted
+
+    whole, deltas, submitted = run(main())
+    assert submitted == 0  # the /weight_info reads around both requests ran on the loop
+    assert whole.meta_info["weight_version_source"] == "weight_info"
+    assert whole.weight_version == deltas[-1].weight_version == "default"
+    assert deltas[-1].meta["weight_version_exact"] is True
+    client.close()
+
+
 # ---- the loop itself ------------------------------------------------------------------------
 def test_async_http_belongs_to_one_running_loop() -> None:
     with pytest.raises(EventLoopError, match="running event loop"):
@@ -759,6 +778,28 @@ def test_async_http_belongs_to_one_running_loop() -> None:
         assert info.value.request_sent is False
 
     run(closed())
+
+
+def test_bad_pool_settings_are_refused_naming_the_key() -> None:
+    from rollsafe.errors import InvalidArgument
+
+    async def main() -> list[str]:
+        keys = []
+        for kw in ({"limit": -1}, {"limit_per_host": 1.5}, {"keepalive_timeout": 0}):
+            with pytest.raises(InvalidArgument) as info:
+                AsyncHttp(**kw)  # type: ignore[arg-type]
+            keys.append(info.value.key)
+        connector = aiohttp.TCPConnector()
+        with pytest.raises(InvalidArgument) as info:
+            AsyncHttp(connector=connector, limit=4)
+        keys.append(info.value.key)
+        await connector.close()
+        with pytest.raises(InvalidArgument) as info:
+            async_engine(SGLangClient("http://127.0.0.1:1"), object())  # type: ignore[arg-type]
+        keys.append(info.value.key)
+        return keys
+
+    assert run(main()) == ["limit", "limit_per_host", "keepalive_timeout", "connector", "http"]
 
 
 def test_a_closed_blocking_client_closes_its_companion(sglang: EngineProcess) -> None:

@@ -597,11 +597,8 @@ class _HttpEngine:
             raise EngineUnavailable(self._url, path, "client is closed", request_sent=False)
 
     async def _dialect(self, known: Callable[[], _D | None], ask: Callable[[], _D]) -> _D:
-        """The server's dialect: the blocking client's, asked there once (its ``server_dialect``
-        in a thread, one at a time) when it is not known yet."""
-        dialect = known()
-        if dialect is not None:
-            return dialect
+        """The server's dialect, not known yet: the blocking client's ``server_dialect()`` in a
+        thread, one caller at a time (the others find it known)."""
         async with self._dialect_lock:
             dialect = known()
             if dialect is None:
@@ -650,8 +647,10 @@ class AsyncSGLangEngine(_HttpEngine):
     ) -> dict[str, Any]:
         body = generate_body(input_ids, text, sampling_params)
         self._ready(GENERATE_PATH)
-        known = lambda: self._sglang.known_dialect  # noqa: E731
-        dialect = await self._dialect(known, self._sglang.server_dialect)
+        dialect = self._sglang.known_dialect
+        if dialect is None:
+            known = lambda: self._sglang.known_dialect  # noqa: E731
+            dialect = await self._dialect(known, self._sglang.server_dialect)
         refuse_unknown_sampling(self._url, dialect, body)
         return body
 
@@ -703,8 +702,11 @@ class AsyncVLLMEngine(_HttpEngine):
 
     async def _server_dialect(self) -> VLLMDialect:
         self._ready(COMPLETIONS_PATH)
-        known = lambda: self._vllm.known_dialect  # noqa: E731
-        return await self._dialect(known, self._vllm.server_dialect)
+        dialect = self._vllm.known_dialect
+        if dialect is None:
+            known = lambda: self._vllm.known_dialect  # noqa: E731
+            dialect = await self._dialect(known, self._vllm.server_dialect)
+        return dialect
 
     async def _read_version(self, dialect: VLLMDialect) -> str | None:
         if not dialect.weight_version_routes:
