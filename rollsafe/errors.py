@@ -14,7 +14,8 @@ The tree (other bases in brackets, then where the class lives)::
     ├── MissingExtra [ImportError]                    rollsafe.errors
     ├── InvalidArgument [ValueError]                  rollsafe.errors (a caller's input)
     │   ├── InvalidArgumentType [TypeError]           rollsafe.errors (of the wrong type)
-    │   └── FleetConfigError                          rollsafe.fleet (also a FleetError)
+    │   ├── FleetConfigError                          rollsafe.fleet (also a FleetError)
+    │   └── InvalidRequest                            rollsafe.gateway.requests (a 400)
     ├── BucketFormatError [ValueError]                rollsafe.errors (wire)
     ├── HFIndexError [ValueError]                     rollsafe.wire.hf_index
     ├── UnsafePayload [ValueError]                    rollsafe.wire.unpickle
