@@ -53,6 +53,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   ├── EngineNotSupported
     │   │   └── NoWeightChecker
     │   ├── EngineAsleep
+    │   ├── EventLoopError [RuntimeError]         (adapters.engines.aio: not on its loop)
     │   ├── StreamProtocolError                     (adapters.engines.streaming)
     │   ├── StandbyLost                             (a standby's engine died: start afresh)
     │   └── EngineStartError
