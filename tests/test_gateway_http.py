@@ -32,13 +32,13 @@ import uvloop
 from rollsafe.adapters.engines.http import HttpTransport
 from rollsafe.adapters.engines.streaming import read_events
 from rollsafe.errors import InvalidArgument
+from rollsafe.event_loop import new_event_loop
 from rollsafe.gateway.http import (
     HttpServer,
     Request,
     Response,
     ServerLimits,
     StreamResponse,
-    new_event_loop,
 )
 
 CHUNK = 16 * 1024

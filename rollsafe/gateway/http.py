@@ -126,7 +126,6 @@ __all__ = [
     "ServerLimits",
     "ServerStats",
     "StreamResponse",
-    "new_event_loop",
 ]
 
 log = logging.getLogger(__name__)
@@ -430,16 +429,6 @@ class StreamResponse:
 
 #: ``async (Request) -> Response | StreamResponse``
 Handler = Callable[[Request], Awaitable["Response | StreamResponse"]]
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop: uvloop's where it is installed (``rollsafe[gateway]``), else asyncio's.
-    Sets no policy; the caller runs it (on its own thread, for the fleet)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}

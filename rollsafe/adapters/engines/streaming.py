@@ -35,9 +35,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from rollsafe.adapters.engines.errors import (
     EngineError,
@@ -45,7 +43,9 @@ from rollsafe.adapters.engines.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from rollsafe.adapters.engines.http import HttpTransport
+
+if TYPE_CHECKING:  # the blocking clients' transport (httpx); the readers below need none
+    from rollsafe.adapters.engines.http import HttpTransport
 
 __all__ = [
     "SGLangDeltas",
@@ -119,6 +119,8 @@ def read_events(
     ``[DONE]`` is :class:`EngineUnavailable` (:class:`EngineTimeout` when no byte came within
     ``timeout``); an ``{"error": ...}`` event is :class:`EngineRequestError` with its code.
     """
+    import httpx  # the blocking clients' extra; the dataclasses above need none
+
     url = transport.url
     call_timeout = transport.timeout if timeout is None else timeout
     response = transport.open("POST", path, json_body=dict(body), timeout=timeout)
