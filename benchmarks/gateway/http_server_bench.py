@@ -80,7 +80,8 @@ async def produce(events: list[bytes]) -> AsyncIterator[bytes]:
 
 
 def serve_rollsafe(port: int, tokens: int) -> None:
-    from rollsafe.gateway.http import HttpServer, Request, Response, StreamResponse, new_event_loop
+    from rollsafe.event_loop import new_event_loop
+    from rollsafe.gateway.http import HttpServer, Request, Response, StreamResponse
 
     whole, events = answers(tokens)
     server: HttpServer | None = None
