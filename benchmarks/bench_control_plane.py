@@ -33,7 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollsafe.fleet import FleetRegistry, HealthManager, Router, WorkerGroup
+from rollsafe.fleet.health import HealthManager
+from rollsafe.fleet.router import Router
+from rollsafe.registry import FleetRegistry, WorkerGroup
 from rollsafe.statemachines import GroupEvent, WorkerGroupLifecycle
 
 RESULTS = Path(__file__).resolve().parent / "results" / "control_plane.json"

@@ -166,7 +166,7 @@ class Pair:
             if not res.ok:
                 raise RuntimeError(f"{key} push of v{version} failed: {res.reason}")
             out[f"{key}_bytes"] = res.nbytes
-        record = self.delta.delta_record()
+        record = self.delta.deltas.last()
         assert record is not None
         row = record.targets[0]
         out["delta_kind"] = row.kind

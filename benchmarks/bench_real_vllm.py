@@ -125,7 +125,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def engine_options(engine: str, vllm_python: str, log_dir: Path) -> dict[str, Any]:
-    """The fleet's ``engine_options`` (and the standalone launcher's spec fields)."""
+    """The engine spec's fields (the fleet's ``engine``, the standalone launcher's spec)."""
     common: dict[str, Any] = {"ready_timeout": START_S, "log_dir": str(log_dir)}
     if engine == "vllm":
         return {
@@ -320,6 +320,7 @@ def run_engine(
     checkpoint: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     """One engine's figures; ``checkpoint`` gets the result so far after every kill."""
+    from rollsafe.adapters.engines import EngineSpec
     from rollsafe.fleet import (
         FleetConfig,
         GroupSpec,
@@ -341,7 +342,7 @@ def run_engine(
         export_root=work / "exports",
         groups=[GroupSpec(1), GroupSpec(1)],
         transport="nccl",
-        engine_options=options,
+        engine=EngineSpec(model_path=str(model_dir), **options),
         health=HealthSettings(**HEALTH),
         recovery=RecoverySettings(
             timeout_s=START_S, expected_recovery_s=1.0, restart_budget=args.kills + 5

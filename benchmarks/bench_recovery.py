@@ -15,7 +15,7 @@ done...). Crashes never overlap: the next one waits until the previous recovery 
 Modes (one fleet each, ``--crashes`` crashes each): **warm_standby** (``FleetConfig.warm_standby
 =True``: one standby per group, the demo's default; the standby is a resident fork server, so a
 restart forks the engine from it and it stays ready for the next crash), **warm_standby_x2**
-(the same with ``engine_options={"standbys": 2}``: two fork servers, the second only covering
+(the same with ``engine=EngineSpec(..., standbys=2)``: two fork servers, the second only covering
 the death of the first) and **no_standby** (every restart spawns a fresh interpreter). A
 standby still importing when a crash comes (only before its first import finished) is raced
 against a fresh spawn by the launcher.
@@ -63,16 +63,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from rollsafe.adapters.engines import EngineSpec  # noqa: E402
 from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model  # noqa: E402
 from rollsafe.demo import RolloutLoad  # noqa: E402
 from rollsafe.demo_trainer import Trainer  # noqa: E402
-from rollsafe.fleet import HealthSettings, RecoverySettings  # noqa: E402
-from rollsafe.fleet.fleet import (  # noqa: E402
+from rollsafe.fleet import (  # noqa: E402
     FleetConfig,
     GroupSpec,
+    HealthSettings,
+    RecoveryResult,
+    RecoverySettings,
     RolloutFleet,
 )
-from rollsafe.fleet.recovery import RecoveryResult  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "recovery_cpu.json"
 HEALTH = HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2)  # the demo's
@@ -98,7 +100,7 @@ def _config(model_dir: Path, work: Path, standbys: int, budget: int) -> FleetCon
             max_workers=2, timeout_s=120.0, restart_budget=budget, targeted_push=True
         ),
         enable_immediate_recovery=True,
-        engine_options=options,
+        engine=EngineSpec(model_path=str(model_dir), **options),
         wait_for_routable_s=2.0,
         request_timeout_s=20.0,
         warm_standby=standbys > 0,

@@ -3,8 +3,10 @@
 Worker-group lifecycle, HF-export lifecycle, checkpoint registration and the immediate-recovery
 mode are formal, guarded state machines (``rollsafe.statemachines``) that drive pluggable weight
 transports (``rollsafe.transports``) and engine adapters (``rollsafe.adapters``).
-Importing this package imports nothing: the machines below load on first use (PEP 562), so a
-process that only decodes weights (:mod:`rollsafe.wire`) never loads python-statemachine.
+Importing this package imports nothing: the machines and the fleet's three trainer-facing
+names (``from rollsafe import RolloutFleet, FleetConfig, GroupSpec``) load on first use
+(PEP 562), so a process that only decodes weights (:mod:`rollsafe.wire`) never loads
+python-statemachine.
 The layers and which may import which: ``docs/architecture.md``.
 """
 
@@ -14,8 +16,11 @@ from typing import TYPE_CHECKING
 
 from rollsafe.errors import RollsafeError
 from rollsafe.lazy import lazy_attributes
+from rollsafe.version import VERSION
 
 if TYPE_CHECKING:
+    from rollsafe.fleet.config import FleetConfig, GroupSpec
+    from rollsafe.fleet.fleet import RolloutFleet
     from rollsafe.statemachines import (
         CheckpointRegistration,
         ExportLifecycle,
@@ -23,12 +28,15 @@ if TYPE_CHECKING:
         WorkerGroupLifecycle,
     )
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "CheckpointRegistration",
     "ExportLifecycle",
+    "FleetConfig",
+    "GroupSpec",
     "ImmediateRecoveryMode",
+    "RolloutFleet",
     "RollsafeError",
     "WorkerGroupLifecycle",
     "__version__",
@@ -36,14 +44,19 @@ __all__ = [
 
 __getattr__, __dir__ = lazy_attributes(
     __name__,
-    dict.fromkeys(
-        (
-            "CheckpointRegistration",
-            "ExportLifecycle",
-            "ImmediateRecoveryMode",
-            "WorkerGroupLifecycle",
+    {
+        **dict.fromkeys(
+            (
+                "CheckpointRegistration",
+                "ExportLifecycle",
+                "ImmediateRecoveryMode",
+                "WorkerGroupLifecycle",
+            ),
+            "rollsafe.statemachines",
         ),
-        "rollsafe.statemachines",
-    ),
+        "RolloutFleet": "rollsafe.fleet.fleet",
+        "FleetConfig": "rollsafe.fleet.config",
+        "GroupSpec": "rollsafe.fleet.config",
+    },
     public=__all__,
 )

@@ -28,6 +28,8 @@ The tree (other bases in brackets, then where the class lives)::
     ├── GuardInputMissing [ValueError]                rollsafe.statemachines
     ├── LeaseError [RuntimeError]                     rollsafe.statemachines.export
     ├── MachineTerminated [RuntimeError]              rollsafe.statemachines.base
+    ├── OperationError [RuntimeError]                 rollsafe.operations (an executor bug)
+    ├── StagingFailed [RuntimeError]                  rollsafe.transports.delta (sent full)
     ├── TransportError [RuntimeError]                 rollsafe.transports
     │   ├── RegisterError
     │   │   ├── NonFiniteWeights                      (the ipc sender's finite check)
@@ -49,6 +51,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   │   └── EngineOperationFailed
     │   ├── EngineNotSupported
     │   ├── StreamProtocolError                     (adapters.engines.streaming)
+    │   ├── StandbyLost                             (a standby's engine died: start afresh)
     │   └── EngineStartError
     │       └── EngineStartTimeout
     ├── ContractError, UnsupportedVersion [ValueError] rollsafe.adapters.engines.contract
@@ -65,7 +68,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── SharedExportUnreadable [RuntimeError]         rollsafe.adapters.ray.exports
     ├── ExportPullRefused [RuntimeError]              rollsafe.adapters.ray.exports
     ├── ExportPullTimeout [TimeoutError]              rollsafe.adapters.ray.exports
-    ├── FleetError                                    rollsafe.fleet
+    ├── FleetError                                    rollsafe.registry (the fleet's root)
     │   ├── UnknownGroup [KeyError]
     │   ├── DuplicateGroup, OverlappingRanks, FleetVersionRegression [ValueError]
     │   ├── FleetConfigError [InvalidArgument], FleetNotStarted [RuntimeError]

@@ -205,11 +205,14 @@ def engine_traits(
 
 # ====================================================================== health
 class Handoff(Enum):
-    """Where a failed group goes after the health manager sent ``fail``."""
+    """Where a failed group goes after the health manager sent ``fail``: nowhere (none
+    failed) or queued for the recovery coordinator, whose pool runs the recovery. There is no
+    third choice: the probe's executor has no handler for a recovery's effects, so a recovery
+    cannot run on the probe thread (``rollsafe verify`` shows what happens if a changed probe
+    sequence tried: ``recovery_never_on_health_thread``)."""
 
     NONE = "none"  # no group failed
     ENQUEUE = "enqueue"  # queued for the recovery coordinator: recovery runs on its own pool
-    INLINE = "inline"  # run on the probe thread: never correct (the invariants refuse it)
 
 
 @dataclass(frozen=True)
@@ -322,8 +325,9 @@ def gate_recovery(
     return RecoveryGate(RecoveryStart.CLAIM, "claimed", (GroupEvent.CLAIM,))
 
 
-class Strategy(Enum):
-    """How a claimed group gets the current weights back (tried in this order)."""
+class Strategy(str, Enum):
+    """How a claimed group gets the current weights back (tried in this order). A ``str``
+    enum: a recovery's record carries it and compares equal to its value (``"immediate"``)."""
 
     IMMEDIATE = "immediate"  # restart from the ready export of the current version
     TARGETED_PUSH = "targeted_push"  # restart on dummy weights, push the registered checkpoint
@@ -710,7 +714,7 @@ def after_drain() -> tuple[GroupEvent, ...]:
 # ====================================================================== delta sync (issue #28)
 PushKind = Literal["delta", "full"]
 _DELTA = "DeltaBase"
-_LEDGER = ("DeltaLedger", "rollsafe/transports/delta_ledger.py")
+_LEDGER = ("DeltaSender", "rollsafe/operations/push.py")
 
 
 @dataclass(frozen=True)
@@ -722,7 +726,7 @@ class PushPlan:
     (the engine kind's declared capability), ``"no base"`` (nothing confirmed for the target
     yet), ``"base vB not held"`` (a lagging target: the sender no longer holds the weights of
     its base), ``"base vB is not older than vN"``, or (set by the transport through
-    :meth:`~rollsafe.transports.delta_ledger.DeltaLedger.fallback_full`) ``"delta not
+    :meth:`~rollsafe.registry.delta_ledger.DeltaLedger.fallback_full`) ``"delta not
     smaller"``; for a delta it names the base (``"delta v3 -> v4"``).
     """
 

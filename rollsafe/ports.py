@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from rollsafe.statemachines import CheckpointRegistration
 
 __all__ = [
+    "DeltaRecordLike",
+    "DeltaState",
     "Dialect",
     "EngineClient",
     "EngineTarget",
@@ -344,6 +346,28 @@ class PushSummary(Protocol):
     def targets(self) -> tuple[str, ...]: ...
 
 
+class DeltaRecordLike(Protocol):
+    """What one update's deltas were (``rollsafe.transports.delta.DeltaRecord``): the
+    ``version`` pushed, a one-line ``summary()`` and a JSON-friendly ``as_dict()``."""
+
+    @property
+    def version(self) -> int: ...
+
+    def summary(self) -> str: ...
+
+    def as_dict(self) -> dict[str, Any]: ...
+
+
+class DeltaState(Protocol):
+    """A transport's delta sync, as the fleet reads it (``WeightTransport.deltas``):
+    ``stats()`` for the snapshot (bases per target, snapshots held, the last sync's bytes) and
+    ``last()``, the last update's :class:`DeltaRecordLike` (None before one)."""
+
+    def stats(self) -> Mapping[str, object]: ...
+
+    def last(self) -> DeltaRecordLike | None: ...
+
+
 @runtime_checkable
 class WeightTransport(Protocol):
     """What the fleet needs from any transport: every member below is declared by every
@@ -351,11 +375,24 @@ class WeightTransport(Protocol):
 
     ``name`` appears in logs and recovery steps; ``registration`` is the registration machine
     the fleet reads the published version from (and its ``state`` for ``rollsafe verify``'s
-    final picture).
+    final picture); ``deltas`` is the transport's delta sync (None: it pushes whole versions
+    only), and ``forget(target)`` drops what it keeps for a target that left service.
     """
 
     name: str
     registration: CheckpointRegistration
+
+    @property
+    def deltas(self) -> DeltaState | None:
+        """The transport's delta sync (``docs/transports.md``, "Deltas"); None when its deltas
+        are off or it has none."""
+        ...
+
+    def forget(self, target_name: str) -> None:
+        """``target_name`` left service (failed, restarted, removed): what the transport keeps
+        for it (its delta base, a kept weight-update group) is dropped; its next push is full.
+        A transport that keeps nothing per target does nothing."""
+        ...
 
     def register(self, weights: NamedTensors, version: int) -> None:
         """Stage ``weights`` as ``version``; raise :class:`RegisterError` (nothing published)."""

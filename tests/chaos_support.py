@@ -121,7 +121,7 @@ def chaos_fleet(
         recovery=RecoverySettings(**rs),
         enable_immediate_recovery=immediate,
         launcher_factory=factory,
-        engine_options={"fault_injection": True},
+        engine=EngineSpec(model_path=str(model), **{"fault_injection": True}),
         request_timeout_s=5.0,
         router_max_attempts=4,
         wait_for_routable_s=2.0,

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rollsafe.adapters.engines import EngineError, EngineNotSupported
-from rollsafe.fleet import FleetRegistry
 from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode, WeightsChecksum
+from rollsafe.registry import FleetRegistry
 
 
 class SimEngineClient:

@@ -102,7 +102,6 @@ MUTANTS = {
 
 # ---------------------------------------------------------------------- policy mutants
 _settle = policy.settle_update
-_judge_probe = policy.judge_probe
 
 
 def activate_with_failed_rank(
@@ -116,14 +115,6 @@ def activate_with_failed_rank(
     """Bug: a group whose push failed for one rank counts as updated (any() rank loaded)."""
     lenient = {g: dict.fromkeys(r, any(r.values())) for g, r in rank_ok.items()}
     return _settle(version, groups, targeted, lenient, moved, on_failure)
-
-
-def recover_on_probe_thread(*args: Any, **kwargs: Any) -> policy.ProbeVerdict:
-    """Bug: the health manager recovers the failed group itself, on the probe thread."""
-    verdict = _judge_probe(*args, **kwargs)
-    if verdict.handoff is policy.Handoff.ENQUEUE:
-        return replace(verdict, handoff=policy.Handoff.INLINE)
-    return verdict
 
 
 def proceed_after_failed_register(published: tuple[str, int] | None, version: int) -> bool:
@@ -238,11 +229,6 @@ POLICY_MUTANTS: dict[str, tuple[str, Callable[..., Any], ModelConfig]] = {
         "settle_update",
         activate_with_failed_rank,
         ModelConfig(groups=1, ranks=2, **NO_NODES),
-    ),
-    "recover_on_the_probe_thread": (
-        "judge_probe",
-        recover_on_probe_thread,
-        ModelConfig(groups=1, ranks=1, **NO_NODES),
     ),
     "publish_after_a_failed_register": (
         "proceed_after_register",

@@ -188,7 +188,7 @@ def killing_fleet(
         recovery=RecoverySettings(restart_budget=3, retry_delay_s=0.1, timeout_s=90.0),
         enable_immediate_recovery=True,
         launcher_factory=factory,
-        engine_options={"fault_injection": True},
+        engine=EngineSpec(model_path=str(model), **{"fault_injection": True}),
         request_timeout_s=5.0,
         router_max_attempts=4,
         wait_for_routable_s=2.0,

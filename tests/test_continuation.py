@@ -21,7 +21,7 @@ import httpx
 import pytest
 from engine_helpers import engine_factory, tiny_model_dir  # noqa: F401  (fixtures)
 
-from rollsafe.adapters.engines import SGLangClient
+from rollsafe.adapters.engines import EngineSpec, SGLangClient
 from rollsafe.adapters.engines.streaming import SGLangDeltas, StreamProtocolError
 from rollsafe.fleet import (
     ContinuationFailed,
@@ -44,7 +44,7 @@ def _fleet(model: Path, tmp: Path, dialect: str = "sglang", groups: int = 2, **k
             model_path=model,
             export_root=tmp / "exports",
             groups=[GroupSpec(1) for _ in range(groups)],
-            engine_options={"dialect": dialect, **kw.pop("engine_options", {})},
+            engine=EngineSpec(model_path=str(model), dialect=dialect, **kw.pop("engine", {})),
             transport="nccl" if dialect == "vllm" else "ipc",
             **kw,
         )
@@ -299,7 +299,7 @@ def test_group_failing_requests_but_passing_probes_is_taken_out(
     with _fleet(
         tiny_model_dir,
         tmp_path,
-        engine_options={"fault_injection": True},
+        engine={"fault_injection": True},
         recovery=_no_restarts(),
     ) as fleet:
         launcher = fleet.launcher("g1")

@@ -12,8 +12,8 @@ from statemachine.exceptions import TransitionNotAllowed
 
 from rollsafe.errors import InvalidArgument, InvalidArgumentType
 from rollsafe.policy import PushPlan
+from rollsafe.registry.delta_ledger import DeltaLedger
 from rollsafe.statemachines import TransitionRefused
-from rollsafe.transports.delta_ledger import DeltaLedger
 
 ON = {"delta_enabled": True, "engine_applies_deltas": True, "force_full": False}
 
@@ -179,7 +179,7 @@ def test_threads_pushing_to_their_targets() -> None:
 
 def test_the_ledger_imports_no_torch() -> None:
     code = (
-        "import sys, rollsafe.transports.delta_ledger as m; "
+        "import sys, rollsafe.registry.delta_ledger as m; "
         "assert 'torch' not in sys.modules, 'torch loaded'; print(m.DeltaLedger.__name__)"
     )
     out = subprocess.run(

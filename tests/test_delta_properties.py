@@ -3,7 +3,7 @@
 * :class:`DeltaBaseProperties`: :class:`~rollsafe.statemachines.DeltaBase` against an
   independent reference model written from its documented transitions; every event, legal or
   not, with valid and arbitrary inputs; a refused event changes nothing.
-* :class:`DeltaLedgerProperties`: a :class:`~rollsafe.transports.delta_ledger.DeltaLedger` used
+* :class:`DeltaLedgerProperties`: a :class:`~rollsafe.registry.delta_ledger.DeltaLedger` used
   the way a transport uses it, against engines whose true weights version the test keeps:
   pushes confirmed, lost, failed half way, refused, fallen back to full; targets restarted,
   added, lagging (the sender dropped their base's snapshot); the engine applies a delta only
@@ -28,8 +28,8 @@ from statemachine.exceptions import TransitionNotAllowed
 
 from rollsafe import invariants, policy
 from rollsafe.invariants import DeltaPicture, FleetPicture, GroupPicture, MemberPicture
+from rollsafe.registry.delta_ledger import DeltaLedger
 from rollsafe.statemachines import DeltaBase, DeltaEvent
-from rollsafe.transports.delta_ledger import DeltaLedger
 
 STEPS = 40
 EVENTS = [e.value for e in DeltaEvent]

@@ -15,7 +15,8 @@ from engine_helpers import pid_alive, tiny_model_dir  # noqa: F401  (fixture)
 
 from rollsafe.checksum import weights_checksum
 from rollsafe.errors import InvalidArgument
-from rollsafe.fleet import FleetConfig, GroupSpec, RolloutFleet, UnknownGroup
+from rollsafe.fleet import FleetConfig, GroupSpec, RolloutFleet
+from rollsafe.registry import UnknownGroup
 
 
 def _bumped(model_dir: Path, delta: float) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 import rollsafe.policy as policy
+from rollsafe.adapters.engines import EngineSpec
 from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
 from rollsafe.fleet import FleetConfig, FleetConfigError, RolloutFleet
 
@@ -53,8 +54,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _config(model: Path, tmp: Path, **kw: Any) -> FleetConfig:
-    return FleetConfig(model_path=model, export_root=tmp / "exports", transport="nccl", **kw)
+def _config(model: Path, tmp: Path, engine: dict[str, Any] | None = None, **kw: Any) -> FleetConfig:
+    """A fleet config on ``model``; ``engine``: the engine spec's fields."""
+    spec = EngineSpec(model_path=str(model), **(engine or {}))
+    return FleetConfig(export_root=tmp / "exports", transport="nccl", engine=spec, **kw)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +89,7 @@ def test_the_sync_pause_mode_is_the_fleets_choice_and_vllm_is_never_left_unpause
     requested: Any,
     expected: Any,
 ) -> None:
-    fleet = RolloutFleet(_config(model, tmp_path, engine_options=options, pause_mode=configured))
+    fleet = RolloutFleet(_config(model, tmp_path, engine=options, pause_mode=configured))
     assert fleet.sync_pause_mode(requested) == expected
 
 
@@ -105,6 +108,6 @@ def test_the_sync_pause_mode_is_the_fleets_choice_and_vllm_is_never_left_unpause
 def test_vllm_applies_deltas_only_through_rollsafes_gloo_plugin(
     model: Path, tmp_path: Path, options: dict[str, Any], kind: str, deltas: bool
 ) -> None:
-    traits = RolloutFleet(_config(model, tmp_path, engine_options=options)).engine_traits
+    traits = RolloutFleet(_config(model, tmp_path, engine=options)).engine_traits
     assert (traits.kind, traits.applies_deltas) == (kind, deltas)
     assert traits.delta_base_by_content == (kind == "vllm-cpu")

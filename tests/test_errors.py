@@ -61,7 +61,9 @@ def test_every_public_exception_derives_from_the_root() -> None:
 
 def test_the_builtin_bases_callers_catch_are_kept() -> None:
     from rollsafe.errors import BucketFormatError
-    from rollsafe.fleet import FleetConfigError, StepTimeout, UnknownGroup
+    from rollsafe.fleet import FleetConfigError
+    from rollsafe.fleet.recovery import StepTimeout
+    from rollsafe.registry import UnknownGroup
     from rollsafe.statemachines import TransitionNotAllowed, TransitionRefused
     from rollsafe.transports import TransportError
     from rollsafe.wire.unpickle import UnsafePayload
@@ -166,8 +168,8 @@ def _bad_argument_calls() -> list[tuple[str, Any]]:
     from rollsafe.adapters.engines import EngineSpec, RetryPolicy, make_client
     from rollsafe.adapters.engines.contract import load_contract
     from rollsafe.checksum import algorithm_for
-    from rollsafe.fleet import FleetRegistry
     from rollsafe.ports import EngineTarget
+    from rollsafe.registry import FleetRegistry
     from rollsafe.statemachines import CheckpointRegistration, WorkerGroupLifecycle
     from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
     from rollsafe.transports import DiskTransport, IPCTransport, NCCLTransport
@@ -225,7 +227,8 @@ def test_a_refused_argument_is_a_named_error_carrying_its_key(index: int) -> Non
 
 def test_the_fleet_config_error_is_an_invalid_argument() -> None:
     from rollsafe.errors import InvalidArgument
-    from rollsafe.fleet import FleetConfigError, FleetError, NcclSettings
+    from rollsafe.fleet import FleetConfigError, NcclSettings
+    from rollsafe.registry import FleetError
 
     with pytest.raises(InvalidArgument) as info:
         NcclSettings(bucket_bytes=0)

@@ -25,18 +25,20 @@ import pytest
 import torch
 from fleet_sim import SimEngineClient, make_fleet
 
+from rollsafe.adapters.engines import EngineSpec
 from rollsafe.errors import InvalidArgument
 from rollsafe.fleet import (
     CheckpointEngineSettings,
     FleetConfig,
     FleetConfigError,
-    FleetRegistry,
     GroupSpec,
-    RecoveryCoordinator,
+    RecoverySettings,
     RolloutFleet,
-    SyncCoordinator,
 )
+from rollsafe.fleet.recovery import RecoveryCoordinator
+from rollsafe.fleet.sync import SyncCoordinator
 from rollsafe.ports import EngineTarget
+from rollsafe.registry import FleetRegistry
 from rollsafe.transports import (
     CheckpointEngineFleetTransport,
     CheckpointEngineTransport,
@@ -225,6 +227,8 @@ def config(tmp_path: Path, **kw: Any) -> FleetConfig:
         "transport": "checkpoint_engine",
     }
     args.update(kw)
+    if isinstance(args.get("engine"), dict):  # the engine's fields: its spec on this model
+        args["engine"] = EngineSpec(model_path=str(args["model_path"]), **args["engine"])
     return FleetConfig(**args)
 
 
@@ -271,16 +275,15 @@ def test_checkpoint_engine_settings_that_are_accepted(tmp_path: Path) -> None:
 
 
 def test_fallback_reasons_name_each_cause() -> None:
-    colocated = {"kind": "sglang"}
-    assert fleet_fallback_reasons(colocated, cuda_available=True) == []
-    assert fleet_fallback_reasons({"device": "cuda"}, cuda_available=True) == []
-    (vllm,) = fleet_fallback_reasons({"kind": "vllm"}, cuda_available=True)
+    assert fleet_fallback_reasons(kind="sglang", cuda_available=True) == []
+    assert fleet_fallback_reasons(device="cuda", cuda_available=True) == []
+    (vllm,) = fleet_fallback_reasons(kind="vllm", cuda_available=True)
     assert "vLLM dialect" in vllm and "kind='vllm'" in vllm
-    (vllm,) = fleet_fallback_reasons({"dialect": "vllm", "device": "cuda"}, cuda_available=True)
+    (vllm,) = fleet_fallback_reasons(dialect="vllm", device="cuda", cuda_available=True)
     assert "dialect='vllm'" in vllm
-    (cpu,) = fleet_fallback_reasons({"kind": "sglang"}, cuda_available=False)
+    (cpu,) = fleet_fallback_reasons(kind="sglang", cuda_available=False)
     assert "weights are on CPU" in cpu
-    (far,) = fleet_fallback_reasons({"device": "cpu"}, cuda_available=True)
+    (far,) = fleet_fallback_reasons(device="cpu", cuda_available=True)
     assert "disaggregated" in far
 
 
@@ -303,7 +306,7 @@ def test_a_fleet_without_cuda_falls_back_to_nccl_with_one_warning(
     cfg = config(
         tmp_path,
         groups=[GroupSpec(1), GroupSpec(1)],
-        engine_options={"dialect": dialect, "device": "cuda"},
+        engine={"dialect": dialect, "device": "cuda"},
         launcher_factory=lambda gid, spec: FakeLauncher(gid),
         checkpoint_engine=CheckpointEngineSettings(p2p=True, p2p_protocol="tcp"),
     )
@@ -520,7 +523,10 @@ def test_recovery_restarts_on_dummy_weights_then_p2p_pushes_to_that_group_only(
 
     handles = {gid: Handle(c) for gid, c in clients.items()}
     rc = RecoveryCoordinator(
-        reg, launcher_for=handles.__getitem__, transport=fleet_tr, retry_delay_s=0.0
+        reg,
+        launcher_for=handles.__getitem__,
+        transport=fleet_tr,
+        settings=RecoverySettings(retry_delay_s=0.0),
     )
     try:
         fail(reg, clients["g1"], "g1")
@@ -567,7 +573,10 @@ def test_without_usable_p2p_the_restarted_group_waits_for_the_next_sync(
     n = len(ps.updates)
     handles = {gid: Handle(c) for gid, c in clients.items()}
     rc = RecoveryCoordinator(
-        reg, launcher_for=handles.__getitem__, transport=fleet_tr, retry_delay_s=0.0
+        reg,
+        launcher_for=handles.__getitem__,
+        transport=fleet_tr,
+        settings=RecoverySettings(retry_delay_s=0.0),
     )
     try:
         fail(reg, clients["g1"], "g1")
@@ -596,7 +605,10 @@ def test_a_failed_register_publishes_nothing_and_pushes_nothing(world_of_one: No
     n = len(ps.updates)
     handles = {gid: Handle(c) for gid, c in clients.items()}
     rc = RecoveryCoordinator(
-        reg, launcher_for=handles.__getitem__, transport=fleet_tr, retry_delay_s=0.0
+        reg,
+        launcher_for=handles.__getitem__,
+        transport=fleet_tr,
+        settings=RecoverySettings(retry_delay_s=0.0),
     )
     try:
         fail(reg, clients["g1"], "g1")
@@ -627,7 +639,10 @@ def test_a_sync_and_a_push_never_overlap(world_of_one: None) -> None:
     ps.on_update = on_update
     handles = {gid: Handle(c) for gid, c in clients.items()}
     rc = RecoveryCoordinator(
-        reg, launcher_for=handles.__getitem__, transport=fleet_tr, retry_delay_s=0.0
+        reg,
+        launcher_for=handles.__getitem__,
+        transport=fleet_tr,
+        settings=RecoverySettings(retry_delay_s=0.0),
     )
     try:
         t = threading.Thread(target=lambda: sync.sync(weights(2), 2))

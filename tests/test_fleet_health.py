@@ -26,16 +26,10 @@ from engine_helpers import (
 from fleet_sim import make_fleet
 
 from rollsafe.adapters.engines import EngineUnavailable, SGLangClient
-from rollsafe.fleet import (
-    FleetListener,
-    FleetRegistry,
-    GroupFailure,
-    HealthManager,
-    NoRoutableGroup,
-    ProbeResult,
-    Router,
-    WorkerGroup,
-)
+from rollsafe.fleet import NoRoutableGroup
+from rollsafe.fleet.health import GroupFailure, HealthManager, ProbeResult
+from rollsafe.fleet.router import Router
+from rollsafe.registry import FleetListener, FleetRegistry, WorkerGroup
 
 WAIT_S = 15.0  # bound for waiting on a condition; never asserted as a duration
 
@@ -185,7 +179,7 @@ def test_bad_probe_answers_count_as_failures() -> None:
 
 def test_constructor_validates() -> None:
     reg = FleetRegistry()
-    for bad in ({"interval_s": 0}, {"timeout_s": -1}, {"failure_threshold": 0}, {"max_workers": 0}):
+    for bad in ({"interval_s": 0}, {"timeout_s": -1}, {"failure_threshold": 0}):
         with pytest.raises(ValueError):
             HealthManager(reg, Switchboard(), **bad)  # type: ignore[arg-type]
 
@@ -281,7 +275,7 @@ def test_a_hung_probe_does_not_stall_the_others(monkeypatch: pytest.MonkeyPatch)
     reg, _ = make_fleet((1, 1, 1))
     probe = Switchboard()
     probe.gates["g0"] = hang = threading.Event()  # g0's engine never answers
-    hm = manager(reg, probe, timeout_s=0.2, failure_threshold=2, max_workers=4)
+    hm = manager(reg, probe, timeout_s=0.2, failure_threshold=2)
     try:
         r1 = hm.check_now()
         assert r1.timed_out == ("g0",)

@@ -13,6 +13,7 @@ Waits are bounded; no assertion is about timing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -33,19 +34,14 @@ from transport_helpers import Trainer
 
 import rollsafe.policy as policy
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, EngineUnavailable
-from rollsafe.fleet import (
-    FleetRegistry,
-    HealthManager,
-    RecoveryClosed,
-    RecoveryCoordinator,
-    RecoveryResult,
-    Router,
-    SyncCoordinator,
-    UnknownGroup,
-    WorkerGroup,
-)
+from rollsafe.fleet import RecoveryResult, RecoverySettings
+from rollsafe.fleet.health import HealthManager
+from rollsafe.fleet.recovery import RecoveryClosed, RecoveryCoordinator
+from rollsafe.fleet.router import Router
+from rollsafe.fleet.sync import SyncCoordinator
 from rollsafe.hf import HFExporter
 from rollsafe.ports import EngineTarget, StandbyState, StartSource
+from rollsafe.registry import FleetRegistry, UnknownGroup, WorkerGroup
 from rollsafe.statemachines import ImmediateRecoveryMode
 from rollsafe.transports import IPCTransport, NCCLTransport, StagedTransport, TransportError
 
@@ -169,15 +165,20 @@ class SimFleet:
         self.transport.register(sim_tensors(version), version)
 
     def coordinator(self, **kw: Any) -> RecoveryCoordinator:
+        """A coordinator over this fleet; keywords naming a ``RecoverySettings`` field (or
+        ``recovery_timeout_s`` for ``timeout_s``) go into its settings."""
+        fields = {f.name for f in dataclasses.fields(RecoverySettings)}
+        knobs: dict[str, Any] = {"retry_delay_s": 0.0}
         args: dict[str, Any] = {
             "launcher_for": self.handles.__getitem__,
             "exporter": self.exporter,
             "transport": self.transport,
             "mode": self.mode,
-            "retry_delay_s": 0.0,
         }
-        args.update(kw)
-        rc = RecoveryCoordinator(self.reg, **args)
+        for key, value in kw.items():
+            name = "timeout_s" if key == "recovery_timeout_s" else key
+            (knobs if name in fields else args)[name] = value
+        rc = RecoveryCoordinator(self.reg, settings=RecoverySettings(**knobs), **args)
         self.coordinators.append(rc)
         return rc
 
@@ -218,7 +219,7 @@ def test_immediate_restarts_from_the_ready_export_under_a_lease(sim: SimFleet) -
         {"model_path": str(path), "load_format": None, "skip_load_weights": False}
     ]
     # the restart reports the export's version; the shutdown before it keeps the standby
-    stop_s = rc.stop_timeout_s
+    stop_s = rc.settings.stop_timeout_s
     assert sim.handles["g1"].options == [{"weight_version": "1", "stop_timeout": stop_s}]
     assert sim.handles["g1"].stops == [{"timeout": stop_s, "keep_standby": True}]
     assert leases_during_restart == [1]  # held while the engine loads ...
@@ -284,7 +285,7 @@ def test_the_result_records_the_standby_and_the_restart_source(sim: SimFleet) ->
 
 
 def test_the_registry_snapshot_shows_the_standby_probe() -> None:
-    from rollsafe.fleet import FleetRegistry
+    from rollsafe.registry import FleetRegistry
 
     reg = FleetRegistry()
     status = {"state": "warming", "pid": 12, "fallbacks": 0}
@@ -529,9 +530,15 @@ def test_fleet_moving_on_during_an_immediate_restart_ends_with_a_push(sim: SimFl
 
 def test_bad_arguments_fail_at_construction(sim: SimFleet) -> None:
     with pytest.raises(ValueError, match="max_workers"):
-        RecoveryCoordinator(sim.reg, launcher_for=sim.handles.__getitem__, max_workers=0)
-    with pytest.raises(ValueError, match="recovery_timeout_s"):
-        RecoveryCoordinator(sim.reg, launcher_for=sim.handles.__getitem__, recovery_timeout_s=0)
+        RecoverySettings(max_workers=0)
+    with pytest.raises(ValueError, match=r"recovery\.timeout_s"):
+        RecoverySettings(timeout_s=0)
+    with pytest.raises(TypeError, match="RecoverySettings"):
+        RecoveryCoordinator(
+            sim.reg,
+            launcher_for=sim.handles.__getitem__,
+            settings={"timeout_s": 1.0},  # type: ignore[arg-type]
+        )
 
 
 # ====================================================================== real engines
@@ -666,7 +673,7 @@ def test_real_kill_then_immediate_recovery_from_the_export(
         exporter=exporter,
         transport=transport,
         mode=mode,
-        recovery_timeout_s=120.0,
+        settings=RecoverySettings(timeout_s=120.0),
     )
     hm = health(reg, rc)
     try:
@@ -708,7 +715,7 @@ def test_real_targeted_push_over_an_nccl_subset(
         launcher_for={"e1": watch}.__getitem__,
         transport=transport,
         mode=ImmediateRecoveryMode(enabled=False),
-        recovery_timeout_s=120.0,
+        settings=RecoverySettings(timeout_s=120.0),
     )
     hm = health(reg, rc)
     try:
@@ -734,9 +741,9 @@ def test_real_crash_near_the_end_is_skipped_then_picked_up(
     rc = RecoveryCoordinator(
         reg,
         launcher_for=engines.__getitem__,
-        remaining_work_s=lambda: remaining[0],
-        expected_recovery_s=20.0,
-        recovery_timeout_s=120.0,
+        settings=RecoverySettings(
+            remaining_work_s=lambda: remaining[0], expected_recovery_s=20.0, timeout_s=120.0
+        ),
     )
     hm = health(reg, rc)
     try:

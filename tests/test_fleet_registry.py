@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fleet_sim import SimEngineClient, bring_up, make_fleet
 
-from rollsafe.fleet import (
+from rollsafe.registry import (
     DuplicateGroup,
     FleetListener,
     FleetRegistry,

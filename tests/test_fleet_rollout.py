@@ -69,8 +69,7 @@ def test_transport_settings_are_typed_and_the_flat_keywords_fold_into_them(
 ) -> None:
     import dataclasses
 
-    from rollsafe.fleet import CheckpointEngineSettings, TransportSettings
-    from rollsafe.fleet.fleet import TRANSPORTS
+    from rollsafe.fleet import TRANSPORTS, CheckpointEngineSettings, TransportSettings
     from rollsafe.fleet.settings import TRANSPORT_SETTINGS
 
     # each built-in transport: one settings class that builds it, and a FleetConfig field
@@ -113,13 +112,10 @@ def test_transport_settings_are_typed_and_the_flat_keywords_fold_into_them(
 
 
 def test_components_take_their_defaults_from_the_settings() -> None:
-    from rollsafe.fleet import (
-        FleetRegistry,
-        HealthManager,
-        HealthSettings,
-        RecoveryCoordinator,
-        RecoverySettings,
-    )
+    from rollsafe.fleet import HealthSettings, RecoverySettings
+    from rollsafe.fleet.health import HealthManager
+    from rollsafe.fleet.recovery import RecoveryCoordinator
+    from rollsafe.registry import FleetRegistry
 
     reg = FleetRegistry()
     hm = HealthManager(reg)
@@ -132,11 +128,7 @@ def test_components_take_their_defaults_from_the_settings() -> None:
     assert (hm2.interval_s, hm2.failure_threshold) == (3.0, 5)  # a keyword overrides a field
     rc = RecoveryCoordinator(reg, launcher_for=lambda gid: None)  # type: ignore[arg-type,return-value]
     try:
-        assert (rc.max_workers, rc.recovery_timeout_s, rc.expected_recovery_s) == (
-            RecoverySettings.max_workers,
-            RecoverySettings.timeout_s,
-            RecoverySettings.expected_recovery_s,
-        )
+        assert rc.settings == RecoverySettings()
     finally:
         rc.close()
 

@@ -16,14 +16,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from profiles import examples
 
 from rollsafe.adapters.engines import EngineRequestError, EngineTimeout, EngineUnavailable
-from rollsafe.fleet import (
-    FleetRegistry,
-    NoRoutableGroup,
-    RequestFailed,
-    Router,
-    is_retryable,
-)
+from rollsafe.fleet import NoRoutableGroup, RequestFailed
+from rollsafe.fleet.router import Router, is_retryable
 from rollsafe.ports import EngineClient, GenerateResult
+from rollsafe.registry import FleetRegistry
 from rollsafe.statemachines.base import TransitionRefused
 
 PROMPT = [1, 2, 3]

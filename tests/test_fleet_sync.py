@@ -30,15 +30,11 @@ from transport_helpers import Trainer
 import rollsafe.policy as rollsafe_policy
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec
 from rollsafe.checksum import weights_checksum
-from rollsafe.fleet import (
-    FleetRegistry,
-    SyncCoordinator,
-    SyncError,
-    SyncVersionError,
-    shared_transport_lock,
-)
+from rollsafe.fleet import SyncError, SyncVersionError
+from rollsafe.fleet.sync import SyncCoordinator, shared_transport_lock
 from rollsafe.hf import HFExporter, UnknownExport, verify_hf_dir
 from rollsafe.ports import EngineTarget, UpdateReport
+from rollsafe.registry import FleetRegistry
 from rollsafe.statemachines import ImmediateRecoveryMode
 from rollsafe.transports import IPCTransport, RegisterError, StagedTransport, TransportError
 

@@ -7,7 +7,7 @@ the other tests keeps its three built-in transports.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,6 +16,7 @@ import pytest
 import torch
 from engine_helpers import tiny_model_dir  # noqa: F401  (fixture)
 
+from rollsafe.adapters.engines import EngineSpec
 from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import (
     FleetConfig,
@@ -25,7 +26,9 @@ from rollsafe.fleet import (
     TransportContext,
     TransportSettings,
 )
+from rollsafe.fleet.control_plane import build_transport
 from rollsafe.fleet.settings import TRANSPORT_SETTINGS
+from rollsafe.hf import HFExporter
 from rollsafe.ports import WeightTransport
 
 
@@ -38,8 +41,12 @@ def registry_guard() -> Iterator[None]:
     TRANSPORT_SETTINGS.update(before)
 
 
-def _config(model: Path, tmp_path: Path, **kw: Any) -> FleetConfig:
-    return FleetConfig(model_path=model, export_root=tmp_path / "exports", **kw)
+def _config(
+    model: Path, tmp_path: Path, engine: dict[str, Any] | None = None, **kw: Any
+) -> FleetConfig:
+    """A fleet config on ``model``; ``engine``: the engine spec's fields."""
+    spec = EngineSpec(model_path=str(model), **(engine or {}))
+    return FleetConfig(export_root=tmp_path / "exports", engine=spec, **kw)
 
 
 def test_one_subclass_is_a_working_fleet_transport(
@@ -79,7 +86,7 @@ def test_one_subclass_is_a_working_fleet_transport(
     with RolloutFleet(cfg) as fleet:
         assert isinstance(fleet.transport, IPCTransport) and fleet.transport_fallback is None
         # the context names the fleet's exporter too (the disk transport loads its exports)
-        assert built == [TransportContext(1, (("g0", 1),), {}, fleet.exporter)]
+        assert built == [TransportContext(1, (("g0", 1),), cfg.engine, fleet.exporter)]
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.03)
@@ -119,18 +126,16 @@ def test_check_engines_refuses_at_config_time(
     class SglangOnly(TransportSettings):
         transport: ClassVar[str] = "sglang_only"
 
-        def check_engines(self, engine_options: Mapping[str, Any]) -> None:
-            if engine_options.get("dialect") == "vllm":
+        def check_engines(self, engine: EngineSpec) -> None:
+            if engine.dialect == "vllm":
                 raise FleetConfigError("transport", "serves SGLang engines only")
 
     _config(tiny_model_dir, tmp_path, transport="sglang_only")
     with pytest.raises(FleetConfigError, match="SGLang engines only"):
-        _config(
-            tiny_model_dir, tmp_path, transport="sglang_only", engine_options={"dialect": "vllm"}
-        )
+        _config(tiny_model_dir, tmp_path, transport="sglang_only", engine={"dialect": "vllm"})
     # the built-in ipc refuses vLLM engines the same way
     with pytest.raises(FleetConfigError, match="update_weights_from_tensor") as info:
-        _config(tiny_model_dir, tmp_path, engine_options={"dialect": "vllm"})
+        _config(tiny_model_dir, tmp_path, engine={"dialect": "vllm"})
     assert info.value.key == "transport"
 
 
@@ -155,13 +160,14 @@ def test_fallback_builds_the_named_transport_with_one_warning(
 
     caplog.set_level(logging.WARNING)
     cfg = _config(tiny_model_dir, tmp_path, transport="needs_rdma", nccl=NcclSettings(None))
-    fleet = RolloutFleet(cfg)
+    exporter = HFExporter(tmp_path / "exports", template_dir=tiny_model_dir)
+    # what start() does before launching engines
+    transport, fallback = build_transport(cfg, cfg.validate(), 1, exporter)
     try:
-        fleet._build_control_plane()  # what start() does before launching engines
-        assert isinstance(fleet.transport, NCCLTransport) and fleet.transport.backend is None
-        assert fleet.transport_fallback == "no RDMA device for 1 group(s)"
+        assert isinstance(transport, NCCLTransport) and transport.backend is None
+        assert fallback == "no RDMA device for 1 group(s)"
     finally:
-        fleet.close()
+        transport.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == [
         "transport 'needs_rdma' falls back to 'nccl': no RDMA device for 1 group(s)"
@@ -174,13 +180,9 @@ def test_fallback_builds_the_named_transport_with_one_warning(
         def fallback_reasons(self, context: TransportContext) -> list[str]:
             return ["the engines are too far"]
 
-    fleet = RolloutFleet(_config(tiny_model_dir, tmp_path, transport="no_fallback"))
-    try:
-        with pytest.raises(FleetConfigError, match="cannot serve this fleet: the engines are"):
-            fleet._build_control_plane()
-        assert fleet.transport is None
-    finally:
-        fleet.close()
+    cfg = _config(tiny_model_dir, tmp_path, transport="no_fallback")
+    with pytest.raises(FleetConfigError, match="cannot serve this fleet: the engines are"):
+        build_transport(cfg, cfg.validate(), 1, exporter)
 
 
 @pytest.mark.parametrize(

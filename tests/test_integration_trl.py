@@ -38,7 +38,7 @@ if sys.version_info < (3, 11):  # rollsafe[trl] leaves TRL out there; anywhere e
 import torch
 from engine_helpers import engine_factory, tiny_model_dir  # noqa: F401  (fixtures)
 
-from rollsafe.adapters.engines import SGLangClient, VLLMClient
+from rollsafe.adapters.engines import EngineSpec, SGLangClient, VLLMClient
 from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import (
     FleetConfig,
@@ -60,14 +60,14 @@ KILL_AFTER_TOKENS = 3
 # ---- engine kinds ------------------------------------------------------------------------
 def _reference(dialect: str) -> dict[str, Any]:
     return {
-        "engine_options": {"dialect": dialect},
+        "engine": {"dialect": dialect},
         "transport": "nccl" if dialect == "vllm" else "ipc",
     }
 
 
 def _real_vllm(python: str) -> dict[str, Any]:
     return {
-        "engine_options": {
+        "engine": {
             "kind": "vllm",
             "python": python,
             "ready_timeout": 420.0,
@@ -184,11 +184,12 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
         model_dir, kind, length = tiny_model_dir, _reference("sglang"), 128
     model, tokenizer = _model(model_dir)
     probe = model if engine_kind == "real-vllm" else None  # how engine weights are compared
+    engine = EngineSpec(model_path=str(model_dir), **kind.pop("engine"))
     config = FleetConfig(
-        model_path=model_dir,
         export_root=tmp_path / "exports",
         groups=[GroupSpec(1), GroupSpec(1)],
         enable_immediate_recovery=True,
+        engine=engine,
         **kind,
     )
     syncs: list[tuple[int, dict[str, tuple[str, bool | None]]]] = []

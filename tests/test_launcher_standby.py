@@ -344,7 +344,10 @@ def test_fleet_config_plumbs_warm_standby(tiny_model_dir: Path, tmp_path: Path) 
     for kw, key in [
         ({"warm_standby": "yes"}, "warm_standby"),
         ({"groups": [GroupSpec(1, warm_standby=1)]}, "groups[0].warm_standby"),  # type: ignore[arg-type]
-        ({"engine_options": {"warm_standby": True}}, "engine_options.warm_standby"),
+        (
+            {"engine": EngineSpec(model_path=str(tiny_model_dir), warm_standby=True)},
+            "engine.warm_standby",
+        ),
     ]:
         with pytest.raises(FleetConfigError) as info:
             RolloutFleet(FleetConfig(**base, **kw))  # type: ignore[arg-type]

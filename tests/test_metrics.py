@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from engine_helpers import tiny_model_dir  # noqa: F401  (fixture)
 
+from rollsafe.adapters.engines import EngineSpec
 from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RecoverySettings, RolloutFleet
 from rollsafe.observe.metrics import INSTALL_HINT, METRICS, refusal_guard
 from rollsafe.observe.runfile import load_run
@@ -38,9 +39,9 @@ def config(model: Path, tmp_path: Path, **kw: Any) -> FleetConfig:
         "enable_immediate_recovery": True,
         "wait_for_routable_s": 2.0,
         "request_timeout_s": 20.0,
-        "engine_options": {"log_dir": str(tmp_path / "logs")},
     }
     args.update(kw)
+    args["engine"] = EngineSpec(model_path=str(model), log_dir=str(tmp_path / "logs"))
     (tmp_path / "logs").mkdir(exist_ok=True)
     return FleetConfig(**args)
 

@@ -5,29 +5,31 @@ scripted outcomes, the ``HealthManager`` executing them, and one changed step ch
 The first part answers each effect the sequence yields from a script (no I/O, no machines) and
 asserts the effects it yields and the result it returns. The second part runs the manager on a
 registry with a scripted probe function (no engines) and the model's ``probe_timeout`` action.
-The third patches the sequence (the failed group is handed over ``inline``, on the probe
-thread, instead of queued): the verifier finds ``recovery_never_on_health_thread`` broken and
-the fleet's manager calls ``on_group_failed`` on its probe loop; the unpatched sequence is
-clean in both.
+The third patches the sequence (after failing the group, the probe begins its recovery itself,
+on the probe thread): the verifier finds ``recovery_never_on_health_thread`` broken, and the
+fleet's probe executor, which has no handler for a recovery's effects, refuses it; the
+unpatched sequence is clean in both.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import pytest
 from fleet_sim import make_fleet
-from operations_helpers import rewritten
 
 import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
-from rollsafe.fleet import GroupFailure, HealthManager, WorkerGroup
+from rollsafe.fleet.health import GroupFailure, HealthManager
 from rollsafe.operations import probe as probe_op
+from rollsafe.operations import recover as recover_op
 from rollsafe.operations.probe import ProbeEnd
+from rollsafe.registry import WorkerGroup
 from rollsafe.statemachines import GroupEvent
 from rollsafe.verify import Action, FleetModel, ModelConfig, explore
 
@@ -223,23 +225,24 @@ def test_the_model_chooses_a_probe_time_out() -> None:
 
 
 # ====================================================================== one changed step
-def hands_over_inline(original: Callable[..., probe_op.Steps]) -> Callable[..., probe_op.Steps]:
-    """The sequence with one step changed: the failed group is handed over ``inline`` (its
-    recovery run on the probe thread) instead of queued for the recovery coordinator."""
+def recovers_inline(original: Callable[..., fx.Steps[ProbeEnd]]) -> Callable[..., Any]:
+    """The sequence with one step changed: after failing the group, the probe begins its
+    recovery itself (a claim, on the probe thread) instead of only queueing it."""
 
-    def rewrite(effect: fx.Effect) -> list[fx.Effect]:
-        if isinstance(effect, fx.GroupFailed):
-            return [replace(effect, handoff=policy.Handoff.INLINE)]
-        return [effect]
+    def changed(group: str, threshold: int) -> fx.Steps[ProbeEnd]:
+        end = yield from original(group, threshold)
+        if end.failed:
+            yield from recover_op.claim(group)
+        return end
 
-    return rewritten(original, rewrite)
+    return changed
 
 
 def test_changing_one_step_changes_what_verify_reports(monkeypatch: pytest.MonkeyPatch) -> None:
     config = ModelConfig(groups=1, ranks=1, engine="reference", node_loss=False, removals=0)
     clean = explore(config, depth=3)
     assert clean.ok and clean.complete
-    monkeypatch.setattr(probe_op, "probe", hands_over_inline(probe_op.probe))
+    monkeypatch.setattr(probe_op, "probe", recovers_inline(probe_op.probe))
     changed = explore(config, depth=3)
     assert not changed.ok
     cex = changed.counterexamples[0]
@@ -247,8 +250,15 @@ def test_changing_one_step_changes_what_verify_reports(monkeypatch: pytest.Monke
     assert cex.trace[-1].name in ("probe", "probe_timeout")
 
 
-def test_the_fleet_runs_the_same_changed_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    def failed_on_thread() -> str:
+def test_the_fleet_cannot_run_the_changed_step(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fleet's probe executor has no handler for a recovery's effects: the changed
+    sequence fails the group (queued for recovery as before), its inline claim is refused by
+    the executor (``OperationError``, logged) and no recovery step runs on the probe loop; the
+    manager keeps probing."""
+
+    def run_once() -> tuple[str, list[str], int]:
         reg, _ = make_fleet((1,))
         threads: queue.Queue[str] = queue.Queue()
         hm = HealthManager(
@@ -259,10 +269,22 @@ def test_the_fleet_runs_the_same_changed_step(monkeypatch: pytest.MonkeyPatch) -
             name="hm",
         ).start()
         try:
-            return threads.get(timeout=WAIT_S)
+            thread = threads.get(timeout=WAIT_S)
+            rounds = hm.rounds
+            deadline = time.monotonic() + WAIT_S
+            while hm.rounds < rounds + 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            events = [t.event for t in reg.get("g0").machine.history]
+            return thread, events, hm.rounds - rounds
         finally:
             assert hm.stop()
 
-    assert failed_on_thread() == "hm-notify"
-    monkeypatch.setattr(probe_op, "probe", hands_over_inline(probe_op.probe))
-    assert failed_on_thread() == "hm"  # the changed step ran: on the probe loop's thread
+    thread, events, more = run_once()
+    assert thread == "hm-notify" and "fail" in events and "claim" not in events and more >= 2
+    monkeypatch.setattr(probe_op, "probe", recovers_inline(probe_op.probe))
+    with caplog.at_level("ERROR"):
+        thread, events, more = run_once()
+    assert thread == "hm-notify"  # queued for the recovery coordinator, as before
+    assert "fail" in events and "claim" not in events  # no recovery began on the probe loop
+    assert more >= 2  # the manager keeps probing
+    assert any("cannot perform ReadRecovery" in r.getMessage() for r in caplog.records)

@@ -21,7 +21,7 @@ from test_fleet_sync import MemoryTransport, tensors, versions
 
 import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
-from rollsafe.fleet import SyncCoordinator
+from rollsafe.fleet.sync import SyncCoordinator
 from rollsafe.operations import sync as sync_op
 from rollsafe.operations.sync import SyncResult
 from rollsafe.statemachines import GroupEvent, ModeEvent

@@ -24,14 +24,8 @@ from engine_helpers import pid_alive, tiny_model_dir  # noqa: F401  (fixture)
 from ray_cluster import local_cluster, require_ray, wait_for
 
 from rollsafe.checksum import weights_checksum
-from rollsafe.fleet import (
-    FleetConfig,
-    FleetError,
-    GroupSpec,
-    HealthSettings,
-    RaySettings,
-    RolloutFleet,
-)
+from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RaySettings, RolloutFleet
+from rollsafe.registry import FleetError
 
 ray = require_ray()
 pytestmark = pytest.mark.ray_cluster
@@ -156,7 +150,7 @@ def test_groups_on_two_nodes_serve_sync_over_nccl_and_recover_a_sigkill(
         assert fleet.checksums() == {"g0": want, "g1": want}
         out = victim.client.generate(PROMPT, sampling_params=GREEDY)
         assert out.weight_version == "1" and len(out.output_ids) == 6
-        placer = fleet.placer
+        placer = fleet.placement.placer
         assert placer is not None
     assert placer.nodes() == {}  # close gave every placement back
     assert all(g.actor is None and g.placement is None for g in groups.values())
@@ -264,7 +258,7 @@ def test_a_lost_node_takes_all_its_groups_out_at_once_they_wait_for_room_and_a_n
         assert set(fleet.registry.dispatch_counts().get(on_big[0], {})) <= {"active"}
         assert fleet.checksums() == {g: want for g in groups}
         assert fleet.snapshot()["placement"]["lost_nodes"] == [big.node_id]
-        assert fleet.node_watcher is not None and fleet.node_watcher.rounds > 0
+        assert fleet.placement.node_watcher is not None and fleet.placement.node_watcher.rounds > 0
     cluster.remove_node(small, allow_graceful=False)
     cluster.remove_node(joined, allow_graceful=False)
 
@@ -295,7 +289,7 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
         with RolloutFleet(cfg) as fleet:
             (group,) = handles(fleet).values()
             assert fleet.snapshot()["placement"]["exports"] == "moved"
-            assert fleet.exporter is not None and fleet.export_mover is not None
+            assert fleet.exporter is not None and fleet.placement.export_mover is not None
             weights = trained_weights(tiny_model_dir, 0.04)
             assert fleet.sync_weights(weights, 1).ok
             want = weights_checksum(weights)["model"]
@@ -328,7 +322,7 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
             assert wait_for(lambda: fleet.exporter.latest_ready(2) is not None, 120)
             fleet.snapshot()  # harvests the exports: v1's parcel is kept only while v1 is ready
             v1_ready = fleet.exporter.latest_ready(1) is not None
-            assert (1 in fleet.export_mover.published()) == v1_ready
+            assert (1 in fleet.placement.export_mover.published()) == v1_ready
 
             def tampering(path: str) -> Any:
                 parcel = publish_export(path, chunk_bytes=64 << 10)
@@ -337,7 +331,7 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
                 damaged = {**parcel.chunks, name: (refs[0], ray.put(b"\0" * (64 << 10)), *refs[2:])}
                 return dataclasses.replace(parcel, chunks=damaged)
 
-            fleet.export_mover.publish = tampering
+            fleet.placement.export_mover.publish = tampering
             result = kill_and_recover(fleet, group)
             (pull,) = [s for s in result.steps if s.name == "pull"]
             assert not pull.ok and "ExportPullRefused" in pull.detail, pull
@@ -364,9 +358,11 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
                 refs = parcel.chunks[name]
                 return dataclasses.replace(parcel, chunks={**parcel.chunks, name: (never, *refs)})
 
-            fleet.export_mover.publish = stuck
-            assert fleet.recovery is not None
-            fleet.recovery.recovery_timeout_s = 60.0  # the pull may take half: 30 s
+            mover = fleet.placement.export_mover
+            assert mover is not None and fleet.recovery is not None
+            mover.publish = stuck  # type: ignore[attr-defined]
+            # the pull may take half of the attempt: 30 s
+            fleet.recovery.settings = dataclasses.replace(fleet.recovery.settings, timeout_s=60.0)
             result = kill_and_recover(fleet, group)
             (pull,) = [s for s in result.steps if s.name == "pull"]
             assert not pull.ok and "ExportPullTimeout" in pull.detail, pull
@@ -453,7 +449,9 @@ def test_groups_added_and_removed_during_rollouts_on_the_cluster(
             assert set(served[after:]) == {gid}  # the removed group served nothing after
             assert not any(pid_alive(p) for p in pids), "the removed group's engine still runs"
             assert first.actor is None and first.placement is None  # placement given back
-            assert fleet.placer is not None and set(fleet.placer.nodes()) == {gid}
+            assert fleet.placement.placer is not None and set(fleet.placement.placer.nodes()) == {
+                gid
+            }
             snap = fleet.snapshot()["placement"]
             assert snap["added"] == [gid] and snap["removed"] == ["g0"]
             weights2 = trained_weights(tiny_model_dir, 0.08)

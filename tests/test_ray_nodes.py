@@ -205,7 +205,7 @@ def test_a_fleet_with_shared_exports_checks_them_at_start_and_syncs(
     with RolloutFleet(cfg) as fleet:
         snap = fleet.snapshot()["placement"]
         assert snap["kind"] == "ray" and snap["exports"] == "shared"
-        check = fleet.shared_exports
+        check = fleet.placement.shared_exports
         assert check is not None and set(check.nodes) == alive_ids()
         group = fleet.engine("g0")
         assert snap["nodes"]["g0"] != ray.get_runtime_context().get_node_id()  # on a worker
@@ -296,7 +296,7 @@ def test_a_node_that_joins_is_checked_and_one_that_cannot_read_the_shared_root_t
     try:
         with RolloutFleet(cfg) as fleet:
             assert fleet.engine("g0").node_id == home.node_id  # type: ignore[attr-defined]
-            real = fleet.shared_check
+            real = fleet.placement.shared_check
             assert real is check_shared_exports
 
             def check(root: Any, *, nodes: list[str], timeout_s: float) -> Any:
@@ -309,12 +309,12 @@ def test_a_node_that_joins_is_checked_and_one_that_cannot_read_the_shared_root_t
                     )
                 return check_shared_exports(root, nodes=nodes, timeout_s=timeout_s)
 
-            fleet.shared_check = check
+            fleet.placement.shared_check = check
             weights = trained_weights(tiny_model_dir, 0.06)
             assert fleet.sync_weights(weights, 1).ok  # what a re-placed group is pushed
             bad = cluster.add_node(num_cpus=1, resources={"sx": 1})
             added.append(bad)
-            assert wait_for(lambda: bad.node_id in fleet.unreadable_nodes, 60), checked
+            assert wait_for(lambda: bad.node_id in fleet.placement.unreadable_nodes, 60), checked
             unmounted["on"] = False
             assert ([bad.node_id], True) in checked
             snap = fleet.snapshot()["placement"]
@@ -322,7 +322,10 @@ def test_a_node_that_joins_is_checked_and_one_that_cannot_read_the_shared_root_t
             assert PROBE_PREFIX in snap["unreadable_nodes"][bad.node_id]
             warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
             assert any(bad.node_id in m and PROBE_PREFIX in m for m in warned), warned
-            assert fleet.placer is not None and bad.node_id in fleet.placer.excluded()
+            assert (
+                fleet.placement.placer is not None
+                and bad.node_id in fleet.placement.placer.excluded()
+            )
 
             cluster.remove_node(home, allow_graceful=False)
             # only the unreadable node has room: the group waits rather than go there
@@ -330,7 +333,7 @@ def test_a_node_that_joins_is_checked_and_one_that_cannot_read_the_shared_root_t
                 fleet.snapshot()["recoveries"]
             )
             assert fleet.registry.get("g0").state == "unplaced"
-            assert "g0" not in fleet.placer.nodes()
+            assert "g0" not in fleet.placement.placer.nodes()
 
             good = cluster.add_node(num_cpus=1, resources={"sx": 1})
             added.append(good)
@@ -339,7 +342,7 @@ def test_a_node_that_joins_is_checked_and_one_that_cannot_read_the_shared_root_t
             )
             assert fleet.engine("g0").node_id == good.node_id  # type: ignore[attr-defined]
             assert ([good.node_id], False) in checked  # the real check, passed
-            assert set(fleet.unreadable_nodes) == {bad.node_id}
+            assert set(fleet.placement.unreadable_nodes) == {bad.node_id}
             assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
             out = fleet.generate(PROMPT, sampling_params=GREEDY)
             assert out.group_id == "g0" and out.weight_version == "1"

@@ -159,7 +159,7 @@ def test_a_ray_fleet_with_checkpoint_engine_falls_back_naming_the_topology(
     tmp_path: Path,
 ) -> None:
     """The reason reaches the fleet's fallback (built without starting Ray or engines)."""
-    from rollsafe.fleet import GroupSpec, RolloutFleet
+    from rollsafe.fleet import GroupSpec
 
     cfg = FleetConfig(
         model_path=tiny_model_dir,
@@ -168,11 +168,13 @@ def test_a_ray_fleet_with_checkpoint_engine_falls_back_naming_the_topology(
         transport="checkpoint_engine",
         placement="ray",
     )
-    fleet = RolloutFleet(cfg)
+    from rollsafe.fleet.control_plane import build_transport
+    from rollsafe.hf import HFExporter
+
+    exporter = HFExporter(tmp_path / "exports", template_dir=tiny_model_dir)
+    transport, fallback = build_transport(cfg, cfg.validate(), 1, exporter)
     try:
-        fleet._build_control_plane()
-        assert fleet.transport is not None and fleet.transport.name == "nccl"
-        assert fleet.transport_fallback is not None
-        assert "placement='ray' groups ['g0']" in fleet.transport_fallback
+        assert transport.name == "nccl"
+        assert fallback is not None and "placement='ray' groups ['g0']" in fallback
     finally:
-        fleet.close()
+        transport.close()

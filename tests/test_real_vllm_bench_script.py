@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from rollsafe.fleet.recovery import RecoveryResult, RecoveryStep
+from rollsafe.fleet import RecoveryResult, RecoveryStep
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_real_vllm.py"

@@ -30,6 +30,7 @@ import pytest
 import torch
 from real_vllm import make_vllm_model
 
+from rollsafe.adapters.engines import EngineSpec
 from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RecoverySettings, RolloutFleet
 from rollsafe.fleet.router import RoutedResult
 from rollsafe.ports import EngineTarget
@@ -59,7 +60,7 @@ def _config(model: Path, root: Path, python: str, **kw: Any) -> FleetConfig:
         model_path=model,
         export_root=root,
         groups=[GroupSpec(1), GroupSpec(1)],
-        engine_options=_options(python),
+        engine=EngineSpec(model_path=str(model), **_options(python)),
         health=HealthSettings(interval_s=0.5, timeout_s=5.0, failure_threshold=2),
         recovery=RecoverySettings(timeout_s=RECOVER_S, expected_recovery_s=1.0),
         start_timeout_s=START_S,

@@ -491,13 +491,9 @@ class PolicyProperties(RuleBasedStateMachine):
         recorded = {r: data.draw(st.booleans()) for r in rank_ids}
         verdict = policy.judge_probe(rank_ids, unhealthy, counts, recorded, threshold)
         assert bool(verdict.report_unhealthy) == (GroupEvent.FAIL in verdict.events)
-        threads = (
-            (("g0", "health" if verdict.handoff is policy.Handoff.INLINE else "recovery"),)
-            if verdict.events
-            else ()
-        )
-        picture = FleetPicture(fleet_version=0, groups=(), recovery_threads=threads)
-        assert not invariants.recovery_never_on_health_thread(picture)
+        # a failed group is queued for the recovery coordinator, never recovered here
+        expected = policy.Handoff.ENQUEUE if verdict.events else policy.Handoff.NONE
+        assert verdict.handoff is expected
 
     @rule(
         data=st.data(),

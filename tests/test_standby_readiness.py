@@ -166,10 +166,13 @@ def test_the_fleet_knows_a_warming_standby_and_the_recovery_records_its_source(
         health=HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2),
         enable_immediate_recovery=True,
         warm_standby=True,
-        engine_options={
-            "module": "slow_engine",
-            "env": {"PYTHONPATH": path, "SLOW_ENGINE_DIR": str(control)},
-        },
+        engine=EngineSpec(
+            model_path=str(tiny_model_dir),
+            **{
+                "module": "slow_engine",
+                "env": {"PYTHONPATH": path, "SLOW_ENGINE_DIR": str(control)},
+            },
+        ),
     )
 
     def scrape(fleet: RolloutFleet) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

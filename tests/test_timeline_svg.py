@@ -11,7 +11,13 @@ from pathlib import Path
 from observe_helpers import run_rows, write_run_dir
 
 from rollsafe.observe.runfile import load_run
-from rollsafe.observe.timeline_svg import STATE_COLORS, group_spans, render_svg, write_svg
+from rollsafe.observe.timeline_svg import (
+    STATE_COLORS,
+    TITLE_CHAR_W,
+    group_spans,
+    render_svg,
+    write_svg,
+)
 
 NS = "{http://www.w3.org/2000/svg}"
 
@@ -104,3 +110,28 @@ def test_old_timelines_without_run_rows_still_draw(tmp_path: Path) -> None:
     (rec,) = [e for e in root.iter() if e.get("class") == "recovery"]
     assert float(rec.get("data-t0", "nan")) == 2.8  # the crash mark before the fail
     assert [e.get("data-label") for e in root.iter() if e.get("class") == "sync"] == ["sync"]
+
+
+def test_a_long_title_wraps_inside_the_picture(tmp_path: Path) -> None:
+    """The demo's node-loss title ran off the right edge: it wraps at words now, every line
+    within the picture, and the lanes move down to make room."""
+    run = load_run(write_run_dir(tmp_path / "run"))
+    title = "rollsafe demo --nodes 3: worker2 removed at step 2 (groups on it: g1)"
+    root = _tree(render_svg(run.rows, title=title))
+    lines = [t for t in root.iter(f"{NS}text") if t.get("class") == "title"]
+    assert len(lines) == 2
+    text = " ".join(t.text or "" for t in lines)
+    assert text.startswith(f"{title}: 2 group(s), ")  # the whole title, in order
+    width = float(root.get("width", "0"))
+    for line in lines:
+        assert _f(line, "x") + len(line.text or "") * TITLE_CHAR_W <= width
+    assert _f(lines[1], "y") > _f(lines[0], "y")
+    short = [t for t in _tree(render_svg(run.rows)).iter(f"{NS}text") if t.get("class") == "title"]
+    assert len(short) == 1
+    lane_top = min(_f(g, "y") for g in root.iter(f"{NS}rect") if g.get("class") == "span")
+    short_top = min(
+        _f(g, "y")
+        for g in _tree(render_svg(run.rows)).iter(f"{NS}rect")
+        if g.get("class") == "span"
+    )
+    assert lane_top > short_top  # the second title line pushed the lanes down

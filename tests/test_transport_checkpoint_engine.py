@@ -41,13 +41,13 @@ from rollsafe.transports.checkpoint_engine import (
     ExpertGather,
     ExpertGatherError,
     P2PUnavailable,
-    _hidden_modules,
     agree_store_address,
     assign_files,
     check_key_coverage,
     checkpoint_engine_unavailable_reasons,
     gather_expert_shards,
     gather_rank_status,
+    hidden_modules,
     merge_rank_results,
     mooncake_available,
     partition_keys,
@@ -383,7 +383,7 @@ def test_rank_env_is_restored_exactly() -> None:
 def test_hidden_modules_block_imports_and_restore() -> None:
     import json as json_module
 
-    with _hidden_modules(["json", "rollsafe_never_a_module"]):
+    with hidden_modules(["json", "rollsafe_never_a_module"]):
         with pytest.raises(ImportError):
             __import__("json")
         with pytest.raises(ImportError):

@@ -12,7 +12,9 @@ refused naming the key.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,7 +82,7 @@ def small_step(trainer: Trainer, seed: int, fraction: float = 0.01) -> None:
 
 
 def kinds(tr: NCCLTransport | IPCTransport) -> dict[str, tuple[str, int | None, str]]:
-    rec = tr.delta_record()
+    rec = tr.deltas.last()
     assert rec is not None
     return {t.target: (t.kind, t.base, t.reason) for t in rec.targets}
 
@@ -110,12 +112,12 @@ def test_full_first_then_deltas_with_fewer_bytes(
             assert got["two"][:2] == ("delta", version - 1), got
             # about 1 % of the elements changed: index + value is far below the whole model
             assert rep.results["one"].nbytes * 5 < full_bytes, (rep.results, full_bytes)
-            record = tr.delta_record()
+            record = tr.deltas.last()
             assert record is not None and record.changed_fraction is not None
             assert 0.0 < record.changed_fraction < 0.05
             assert_serves(eng, trainer, version)
             assert_serves(eng2, trainer, version)
-        stats = tr.delta_stats()
+        stats = tr.deltas.stats()
         assert stats is not None and stats["bases"] == {"one": 3, "two": 3}
         assert stats["held"] == [3]  # the older base was dropped once no target named it
     finally:
@@ -138,13 +140,13 @@ def test_an_engine_off_the_base_refuses_and_gets_the_full_push(
         tr.register(trainer.weights(), 3)
         rep = tr.update([t])
         assert rep.ok, rep.results
-        record = tr.delta_record()
+        record = tr.deltas.last()
         assert record is not None
         (row,) = record.targets
         assert row.kind == "full" and "DeltaBaseMismatch" in row.refused, row
         assert len(record.refusals) == 1 and len(record.fallbacks) == 1
         assert_serves(eng, trainer, 3)
-        assert tr.delta_stats()["bases"] == {"one": 3}  # type: ignore[index]
+        assert tr.deltas.stats()["bases"] == {"one": 3}  # type: ignore[index]
     finally:
         tr.close()
         other.close()
@@ -167,13 +169,13 @@ def test_a_failed_push_never_moves_the_base_and_recovery_pushes_full(
         rep = tr.update([dead])
         assert not rep.ok
         assert kinds(tr)["one"][0] == "delta"
-        assert tr.delta_stats()["bases"] == {"one": 1}  # type: ignore[index]
+        assert tr.deltas.stats()["bases"] == {"one": 1}  # type: ignore[index]
         # the recovery's targeted push: full, whatever the base was
         rep = tr.targeted_update([good])
         assert rep.ok, rep.results
         assert kinds(tr)["one"][0] == "full" and "forced" in kinds(tr)["one"][2]
         assert_serves(eng, trainer, 2)
-        assert tr.delta_stats()["bases"] == {"one": 2}  # type: ignore[index]
+        assert tr.deltas.stats()["bases"] == {"one": 2}  # type: ignore[index]
     finally:
         tr.close()
 
@@ -191,7 +193,7 @@ def test_engines_that_cannot_apply_and_deltas_not_smaller_get_full_pushes(
         assert tr.update([plain]).ok
         kind, _, reason = kinds(tr)["one"]
         assert kind == "full" and "cannot apply" in reason
-        record = tr.delta_record()
+        record = tr.deltas.last()
         assert record is not None and len(record.fallbacks) == 1  # counted, never silent
         assert_serves(eng, trainer, 2)
 
@@ -356,7 +358,7 @@ def test_a_version_with_other_names_than_its_base_is_pushed_full(
         # the engine refuses the wrong shape as from any sender: a failed full push drops the
         # base (the engine's weights are unknown), and the ledger is not left mid-push
         assert not rep.results["one"].ok
-        assert tr.delta_stats()["bases"] == {}  # type: ignore[index]
+        assert tr.deltas.stats()["bases"] == {}  # type: ignore[index]
         tr.register(weights, 3)
         assert tr.update([t]).ok
         assert kinds(tr)["one"][:1] == ("full",) and "no base" in kinds(tr)["one"][2]
@@ -370,6 +372,7 @@ def test_base_digests_are_written_only_for_a_base_whose_targets_check_content() 
     checks the base by content (vllm-cpu); the reference engine's headers stay as they were."""
     from rollsafe.ports import TargetResult
     from rollsafe.transports.delta import DeltaSender
+    from rollsafe.wire.delta import read_header
 
     gen = torch.Generator().manual_seed(0)
     v1 = [("w", torch.randn(64, 64, generator=gen)), ("b", torch.randn(64, generator=gen))]
@@ -382,15 +385,24 @@ def test_base_digests_are_written_only_for_a_base_whose_targets_check_content() 
             EngineTarget("ref", (0,), client, applies_deltas=True),
             EngineTarget("x", (1,), client, applies_deltas=True, delta_base_by_content=by_content),
         ]
-        first = sender.plan(targets, 1, v1, force_full=False)
-        assert not first.deltas
-        sender.keep(1, v1)
-        ok = {t.name: TargetResult(t.name, True) for t in targets}
-        sender.settle(first, ok, {t.name: "full" for t in targets}, {}, 0)
-        plan = sender.plan(targets, 2, v2, force_full=False)
-        ((payload, group),) = plan.deltas.values()
-        assert {t.name for t in group} == {"ref", "x"}
-        header = payload.header
+        sent: list[tuple[list[str], int | None, list[tuple[str, torch.Tensor]]]] = []
+
+        def send(
+            group: list[EngineTarget],
+            base: int | None,
+            tensors: Sequence[tuple[str, torch.Tensor]],
+            sent: list[Any] = sent,
+        ) -> dict[str, TargetResult]:
+            sent.append(([t.name for t in group], base, list(tensors)))
+            return {t.name: TargetResult(t.name, True) for t in group}
+
+        sender.push(targets, 1, v1, send)  # no base yet: both full
+        assert [(names, base) for names, base, _ in sent] == [(["ref", "x"], None)]
+        sent.clear()
+        sender.push(targets, 2, v2, send)  # one delta from v1 for both
+        ((names, base, tensors),) = sent
+        assert set(names) == {"ref", "x"} and base == 1
+        header = read_header(tensors)
         assert header.touched == ("w",)
         if by_content:
             assert header.base_digests is not None and set(header.base_digests) == {"w"}

@@ -37,7 +37,7 @@ from engine_helpers import (
 )
 from transport_helpers import PROMPT, Trainer, assert_serves, target, transport_threads
 
-from rollsafe.adapters.engines import EngineNotSupported, VLLMClient
+from rollsafe.adapters.engines import EngineNotSupported, EngineSpec, VLLMClient
 from rollsafe.engine_layout import vllm_cpu_emptied
 from rollsafe.fleet import FleetConfig, GroupSpec, NcclSettings, RolloutFleet
 from rollsafe.ports import EngineTarget
@@ -263,7 +263,7 @@ def test_vllm_fleet_syncs_twice_over_nccl(
         model_path=tiny_model_dir,
         export_root=tmp_path / "exports",
         groups=[GroupSpec(1), GroupSpec(2)],
-        engine_options={"dialect": "vllm"},
+        engine=EngineSpec(model_path=str(tiny_model_dir), **{"dialect": "vllm"}),
         transport=NcclSettings(bucket_bytes=SMALL_BUCKET, group_timeout_s=TIMEOUT),
     )
     with RolloutFleet(config) as fleet:

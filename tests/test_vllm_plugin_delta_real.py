@@ -131,13 +131,13 @@ def test_vllm_cpu_applies_deltas_refuses_other_bases_and_falls_back_full(
 
     # v1 full: the plugin keeps its mirror
     push(w1, 1)
-    record = transport.delta_record()
+    record = transport.deltas.last()
     assert record is not None and record.targets[0].kind == "full"
     assert greedy(a.url) == on_m1
 
     # v2 as a delta: fewer bytes, the same answers as v2 loaded from disk
     push(w2, 2)
-    record = transport.delta_record()
+    record = transport.deltas.last()
     assert record is not None and record.delta_targets == ("a",), record.summary()
     assert 0 < record.nbytes("delta") < record.full_nbytes / 2, record.summary()
     on_v2 = greedy(a.url)
@@ -158,7 +158,7 @@ def test_vllm_cpu_applies_deltas_refuses_other_bases_and_falls_back_full(
     name, tensor = forged[0]
     tensor.reshape(-1)[:8] += 1.0
     push(w3, 3)
-    record = transport.delta_record()
+    record = transport.deltas.last()
     assert record is not None and record.delta_targets == (), record.summary()
     (row,) = record.targets
     assert row.kind == "full" and row.ok and "DeltaBaseMismatch" in row.refused, row
@@ -168,14 +168,14 @@ def test_vllm_cpu_applies_deltas_refuses_other_bases_and_falls_back_full(
 
     # the full push rebuilt the mirror: v4 goes as a delta again, and equals v4 from disk
     push(w4, 4)
-    record = transport.delta_record()
+    record = transport.deltas.last()
     assert record is not None and record.delta_targets == ("a",), record.summary()
     on_v4 = greedy(a.url)
     assert on_v4 not in (on_v3, on_v2)
 
     # a delta onto a delta: the mirror's version (4) is checked too, and the result is exact
     push(w5, 5)
-    record = transport.delta_record()
+    record = transport.deltas.last()
     assert record is not None and record.delta_targets == ("a",), record.summary()
     on_v5 = greedy(a.url)
     assert on_v5 != on_v4

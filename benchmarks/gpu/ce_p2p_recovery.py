@@ -67,6 +67,7 @@ from multi_gpu import (  # noqa: E402  (also sets NCCL_NVLS_ENABLE=0 before NCCL
     write_model_dir,
 )
 
+from rollsafe.adapters.engines import EngineSpec  # noqa: E402
 from rollsafe.checksum import weights_checksum  # noqa: E402
 
 GiB = 1 << 30
@@ -314,7 +315,9 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
         "rdma_devices": sorted(os.listdir("/sys/class/infiniband"))
         if os.path.isdir("/sys/class/infiniband")
         else [],
-        "fleet_fallback_reasons": fleet_fallback_reasons(engine_options),
+        "fleet_fallback_reasons": fleet_fallback_reasons(
+            kind="reference", dialect="sglang", device=str(engine_options["device"])
+        ),
         "model": {"kind": kind, "tensors": len(shapes), "layers": cfg["num_hidden_layers"]},
     }
     res.phase("env", env)
@@ -357,7 +360,7 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
             retry_delay_s=0.2,
         ),
         enable_immediate_recovery=True,
-        engine_options=engine_options,
+        engine=EngineSpec(model_path=str(model_dir), **engine_options),
         request_timeout_s=60.0,
         router_max_attempts=4,
         wait_for_routable_s=2.0,

@@ -1677,12 +1677,15 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         ),
         enable_immediate_recovery=False,
         launcher_factory=factory,
-        engine_options={
-            "device": "cpu" if ctx.smoke else "cuda",
-            "load_format": "dummy",
-            "extra_args": extra,
-            "ready_timeout": args.engine_start_timeout_s,
-        },
+        engine=EngineSpec(
+            model_path=str(model_dir),
+            **{
+                "device": "cpu" if ctx.smoke else "cuda",
+                "load_format": "dummy",
+                "extra_args": extra,
+                "ready_timeout": args.engine_start_timeout_s,
+            },
+        ),
         request_timeout_s=30.0,
         router_max_attempts=4,
         wait_for_routable_s=2.0,

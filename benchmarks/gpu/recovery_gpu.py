@@ -345,6 +345,7 @@ def phase_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 # ================================================================================ the run
 def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
+    from rollsafe.adapters.engines import EngineSpec
     from rollsafe.fleet import (
         FleetConfig,
         GroupSpec,
@@ -396,7 +397,7 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
             retry_delay_s=0.2,
         ),
         enable_immediate_recovery=True,
-        engine_options=engine_options,
+        engine=EngineSpec(model_path=str(model_dir), **engine_options),
         request_timeout_s=60.0,
         router_max_attempts=4,
         wait_for_routable_s=2.0,

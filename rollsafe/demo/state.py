@@ -23,7 +23,7 @@ from rollsafe.demo_trainer import TrainerLike
 
 if TYPE_CHECKING:
     from rollsafe.demo.rollout import RolloutLoad
-    from rollsafe.fleet.fleet import RolloutFleet
+    from rollsafe.fleet import RolloutFleet
 
 __all__ = ["DemoRun", "StepRecord"]
 

@@ -48,8 +48,8 @@ from rollsafe.ports import GenerateResult
 from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
-    from rollsafe.fleet.registry import WorkerGroup
     from rollsafe.fleet.router import Router
+    from rollsafe.registry import WorkerGroup
 
 __all__ = [
     "ContinuationStats",
@@ -218,7 +218,7 @@ def generate_continued(
 
     def fail(message: str, *, retryable: bool, cause: BaseException | None) -> RequestFailed:
         stats.add(failed=1)
-        err = router._failed(attempts, [*notes, message] if message else notes, retryable=retryable)
+        err = router.failure(attempts, [*notes, message] if message else notes, retryable=retryable)
         shown = "; ".join(f"{s.group_id}@{s.weights_version}[{s.start}:{s.end})" for s in segments)
         failed = ContinuationFailed(
             bound_text(f"{err} | segments: {shown or 'none'}", router.max_error_chars),
@@ -276,7 +276,7 @@ def generate_continued(
         except EngineError as exc:
             retryable = is_retryable(exc)
             group.end_request(ok=False, error=f"{type(exc).__name__}: {exc}")
-            router._request_failed(group.group_id, exc, notify=retryable)
+            router.request_failed(group.group_id, exc, notify=retryable)
             attempts.append((group.group_id, type(exc).__name__))
             notes.append(f"{group.group_id}: {type(exc).__name__}: {exc}")
             segments.extend(piece.segments(len(tokens), "failed"))
@@ -288,7 +288,7 @@ def generate_continued(
                 router.end_session(session_id)
             if len(attempts) >= router.max_attempts:
                 raise fail("", retryable=True, cause=exc) from exc
-            router._count_retry()
+            router.count_retry()
             if not router.keep_tokens:  # the baseline: start over, regenerating every token
                 stats.add(after_failure=1, tokens_regenerated=len(tokens))
                 tokens.clear()
@@ -305,7 +305,7 @@ def generate_continued(
             group.end_request(ok=False, error="request interrupted")
             raise
         group.end_request(ok=True)
-        router._request_ok(group.group_id)
+        router.request_ok(group.group_id)
         if delta is None or not delta.finished:  # [DONE] without a finish: treat as ended
             delta = StreamDelta((), finished=True, finish_reason=None)
         if delta.finish_reason == "abort" and (budget is None or len(tokens) < budget):
@@ -325,11 +325,11 @@ def generate_continued(
         break
 
     if session_id is not None and segments:
-        router._pin(session_id, segments[-1].group_id)
+        router.pin(session_id, segments[-1].group_id)
     last_gid = segments[-1].group_id if segments else excluded[-1] if excluded else ""
     if len({(s.group_id, s.attempt) for s in segments}) > 1:
         stats.add(continued=1)
-    router._count_served(last_gid)
+    router.count_served(last_gid)
     meta: dict[str, Any] = dict(finish.meta) if finish is not None else {}
     meta["segments"] = [s.as_dict() for s in segments]
     version = segments[-1].weights_version if segments else None

@@ -52,11 +52,11 @@ import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
 from rollsafe.concurrency import DaemonCall
 from rollsafe.errors import InvalidArgument
-from rollsafe.fleet.registry import FleetRegistry, WorkerGroup
 from rollsafe.fleet.settings import HealthSettings, with_overrides
 from rollsafe.operations import probe as probe_op
+from rollsafe.operations.executor import Executor, handles
 from rollsafe.operations.probe import ProbeEnd
-from rollsafe.statemachines.base import TransitionRefused
+from rollsafe.registry import FleetRegistry, RegistryEffects, WorkerGroup
 from rollsafe.text import bound_text
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "HealthManager",
     "HealthRound",
     "Probe",
+    "ProbeLedger",
     "ProbeOutcome",
     "ProbeResult",
     "client_health_probe",
@@ -158,6 +159,80 @@ class HealthRound:
         }
 
 
+class ProbeLedger:
+    """What the probes of one :class:`HealthManager` share: consecutive failures per group and
+    rank, the lock a probe's answer is applied under, and whether an answer may be applied at
+    all (checks not paused, not stopping, and in the same epoch as when its probe began: a
+    ``pause()`` or ``resume()`` in between voids it).
+
+    Held while an answer is applied (counts, member reports, the fail decision; not the fail
+    itself); ``pause()`` takes it too, so after ``pause()`` returns nothing is applied."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._failures: dict[str, dict[int, int]] = {}
+        self._paused = False
+        self._stopping = False
+        self._epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def applies(self, epoch: int) -> bool:
+        """Whether an answer to a probe begun in ``epoch`` may be applied now."""
+        return not self._paused and not self._stopping and epoch == self._epoch
+
+    def pause(self) -> None:
+        with self.lock:
+            self._paused = True
+            self._epoch += 1
+
+    def resume(self) -> None:
+        """Checks go on with fresh failure counts."""
+        with self.lock:
+            self._paused = False
+            self._epoch += 1
+            self._failures.clear()
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stopping = True
+            self._epoch += 1
+
+    def counts(self, group_id: str) -> dict[int, int]:
+        """Group ``group_id``'s consecutive failures per rank (a copy)."""
+        return dict(self._failures.get(group_id, {}))
+
+    def set_counts(self, group_id: str, counts: Mapping[int, int]) -> None:
+        """Group ``group_id``'s counts become ``counts`` (empty: forgotten)."""
+        if counts:
+            self._failures[group_id] = dict(counts)
+        else:
+            self._failures.pop(group_id, None)
+
+    def keep_only(self, groups: Iterable[str]) -> None:
+        """Forget the counts of groups not in ``groups`` (they left the registry)."""
+        known = set(groups)
+        if len(self._failures) > len(known) or any(g not in known for g in self._failures):
+            with self.lock:
+                for gid in [g for g in self._failures if g not in known]:
+                    del self._failures[gid]
+
+    def nonzero(self) -> dict[str, dict[int, int]]:
+        """Every group's non-zero counts (copies)."""
+        with self.lock:
+            return {g: dict(c) for g, c in self._failures.items() if c}
+
+
 class _Notifier:
     """Runs ``on_group_failed`` callbacks on one dedicated thread, in order."""
 
@@ -192,9 +267,8 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004  (callable objects with async __call__)
-    )
+    """A coroutine function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 class HealthManager:
@@ -204,8 +278,7 @@ class HealthManager:
     daemon thread of its own (a :class:`~rollsafe.concurrency.DaemonCall`), so a probe stuck in a
     hung engine never blocks interpreter exit; a group whose probe still hangs is not probed
     again until it returns (it counts as a failure meanwhile), so at most one probe thread per
-    group is alive. ``max_workers`` is validated and kept for compatibility but caps nothing
-    since that bound (threads <= groups probed); for very large simulated fleets pass an async
+    group is alive (threads <= groups probed); for very large simulated fleets pass an async
     probe instead. ``on_group_failed`` is called on a notifier thread after each ``fail``
     the manager sends; it must only enqueue (see the module docstring).
 
@@ -222,7 +295,6 @@ class HealthManager:
         failure_threshold: int | None = None,
         *,
         settings: HealthSettings | None = None,
-        max_workers: int | None = None,
         probe_states: Iterable[str] = DEFAULT_PROBE_STATES,
         on_group_failed: Callable[[GroupFailure], None] | None = None,
         name: str = "rollsafe-health",
@@ -234,7 +306,6 @@ class HealthManager:
                 "interval_s": interval_s,
                 "timeout_s": timeout_s,
                 "failure_threshold": failure_threshold,
-                "max_workers": max_workers,
             },
         )
         interval_s = self.settings.interval_s
@@ -248,14 +319,11 @@ class HealthManager:
         self.probe_states = frozenset(probe_states)
         self.name = name
         self._async_probe = _is_async(self.probe)
-        self._on_group_failed = on_group_failed
         self._notifier = _Notifier(on_group_failed, name) if on_group_failed is not None else None
-        # Held while a probe answer is applied (counts, member reports, the fail decision; not
-        # the fail itself); pause() takes it too, so after pause() returns nothing is applied.
-        self._apply_lock = threading.RLock()
-        self._paused = False
-        self._epoch = 0
-        self._failures: dict[str, dict[int, int]] = {}
+        #: failure counts, the apply lock and the epoch the probe executors share
+        self.ledger = ProbeLedger()
+        #: the registry's effects, performed for every probe (one handler in the code base)
+        self.registry_effects = RegistryEffects(registry)
         self._inflight: dict[str, DaemonCall[Any]] = {}
         #: group -> when its stuck sync probe last counted a failure (monotonic)
         self._counted_at: dict[str, float] = {}
@@ -265,7 +333,6 @@ class HealthManager:
         self._offline_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self._stopping = False
         self._rounds = 0
         self._groups_failed = 0
         self._last_round: HealthRound | None = None
@@ -275,7 +342,7 @@ class HealthManager:
         """Start the periodic probe loop on its own thread (idempotent)."""
         if self._thread is not None and self._thread.is_alive():
             return self
-        if self._stopping:
+        if self.ledger.stopping:
             raise RuntimeError(f"{self.name}: a stopped HealthManager cannot be restarted")
         self._ready.clear()
         self._thread = threading.Thread(target=self._run_loop, name=self.name, daemon=True)
@@ -291,9 +358,7 @@ class HealthManager:
         engine is left on its daemon thread (logged) and makes this return False.
         """
         deadline = time.monotonic() + timeout
-        with self._apply_lock:
-            self._stopping = True
-            self._epoch += 1
+        self.ledger.stop()
         clean = True
         thread = self._thread
         if thread is not None:
@@ -322,7 +387,7 @@ class HealthManager:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._thread is not None and self._thread.is_alive() and not self.ledger.stopping
 
     def pause(self) -> None:
         """Stop checking (engines offloaded or updating).
@@ -331,21 +396,16 @@ class HealthManager:
         :meth:`resume`; a ``fail`` decided just before (from answers obtained before the pause)
         may still be delivered. Never blocks on listeners or callbacks.
         """
-        with self._apply_lock:
-            self._paused = True
-            self._epoch += 1
+        self.ledger.pause()
 
     def resume(self) -> None:
         """Resume checking with fresh failure counts, and probe at once."""
-        with self._apply_lock:
-            self._paused = False
-            self._epoch += 1
-            self._failures.clear()
+        self.ledger.resume()
         self.wake()
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self.ledger.paused
 
     def wake(self) -> None:
         """Probe now (e.g. a request just failed on a group) instead of at the next interval."""
@@ -369,14 +429,13 @@ class HealthManager:
 
     def failure_counts(self) -> dict[str, dict[int, int]]:
         """Consecutive failures per group and rank (only non-zero counts)."""
-        with self._apply_lock:
-            return {g: dict(c) for g, c in self._failures.items() if c}
+        return self.ledger.nonzero()
 
     def stats(self) -> dict[str, Any]:
         last = self._last_round
         return {
             "running": self.running,
-            "paused": self._paused,
+            "paused": self.ledger.paused,
             "rounds": self._rounds,
             "groups_failed": self._groups_failed,
             "probe_threads": sum(1 for c in list(self._inflight.values()) if not c.done()),
@@ -419,15 +478,15 @@ class HealthManager:
         self._round_lock = asyncio.Lock()
         self._loop = loop
         self._ready.set()
-        while not self._stopping:
+        while not self.ledger.stopping:
             began = time.monotonic()
-            if not self._paused:
+            if not self.ledger.paused:
                 try:
                     await self._serialized_round()
                 except Exception:  # a bug in a probe wrapper must not end health checking
                     log.exception("%s: health round failed", self.name)
             wait = self.interval_s - (time.monotonic() - began)
-            if wait > 0 and not self._stopping:
+            if wait > 0 and not self.ledger.stopping:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake_event.wait(), wait)
             self._wake_event.clear()
@@ -437,7 +496,7 @@ class HealthManager:
         # task per probe that awaits the probe itself and applies its answer inline, no
         # per-probe timers or callbacks; one deadline, ``timeout_s`` from the start of the
         # round, cancels the probes that did not answer and counts them as timed out.
-        epoch = self._epoch
+        epoch = self.ledger.epoch
         started_at = time.time()
         t0 = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -451,8 +510,12 @@ class HealthManager:
         all_done: asyncio.Future[None] = loop.create_future()
         closed = False
 
-        def record(run: _ProbeRun, outcome: ProbeOutcome, answer: fx.Outcome) -> None:
-            end = run.answer(answer)
+        def record(run: _ProbeRun, outcome: ProbeOutcome, answer: fx.Outcome[Any]) -> None:
+            try:
+                end = run.answer(answer)
+            except Exception as exc:  # a broken sequence or executor: logged, the round goes on
+                log.exception("%s: the probe of %s failed: %s", self.name, run.group.group_id, exc)
+                end = ProbeEnd()
             results.append((outcome, end.failed, end.applied))
 
         async def probe_one(run: _ProbeRun) -> None:
@@ -466,7 +529,7 @@ class HealthManager:
                 raise
             except Exception as exc:
                 outcome = self._outcome(group, t0, None, f"{type(exc).__name__}: {exc}")
-                answer: fx.Outcome = fx.Failed(outcome.error or "probe failed")
+                answer: fx.Outcome[Any] = fx.Failed(outcome.error or "probe failed")
             else:
                 outcome = self._outcome(group, t0, value, None)
                 answer = fx.Ok(fx.Probed(outcome.unhealthy, outcome.error))
@@ -524,11 +587,7 @@ class HealthManager:
             for gid in [g for g, f in self._inflight.items() if f.done()]:
                 del self._inflight[gid]
                 self._counted_at.pop(gid, None)
-        if len(self._failures) > len(groups):
-            known = {g.group_id for g in groups}
-            with self._apply_lock:
-                for gid in [g for g in self._failures if g not in known]:
-                    del self._failures[gid]
+        self.ledger.keep_only(g.group_id for g in groups)
 
     def _still_running(self, group: WorkerGroup, t0: float) -> ProbeOutcome | object | None:
         """None if the group may be probed; else its previous sync probe is still stuck: a
@@ -589,8 +648,10 @@ class HealthManager:
             still_running,
         )
 
-    def _group_failed(self, effect: fx.GroupFailed) -> None:
-        """A probe sent ``fail``: count it, log it, hand the group over as the policy said."""
+    def hand_off(self, effect: fx.GroupFailed) -> None:
+        """A probe sent ``fail`` (its :class:`~rollsafe.operations.effects.GroupFailed` step):
+        count it, log it, queue the group for ``on_group_failed`` as the policy said (on the
+        notifier thread, never here)."""
         self._groups_failed += 1
         failure = GroupFailure(
             effect.group, effect.unhealthy, effect.failures, effect.reason, time.time()
@@ -605,104 +666,89 @@ class HealthManager:
         )
         if effect.handoff is policy.Handoff.ENQUEUE and self._notifier is not None:
             self._notifier.put(failure)
-        elif effect.handoff is policy.Handoff.INLINE and self._on_group_failed is not None:
-            self._on_group_failed(failure)  # what the policy said, wrong as it is: see invariants
 
 
-class _ProbeRun:
+class _ProbeRun(Executor):
     """The executor of one group's :func:`rollsafe.operations.probe.probe` in one round.
 
-    :meth:`start` runs the steps up to their probe; the round performs the probe (concurrently
-    with every other group's, bounded by its deadline) and :meth:`answer` sends its outcome and
-    performs the rest on the probe loop: the answer is applied under the manager's
-    ``_apply_lock`` (``LockHealth`` .. ``UnlockHealth``), the ``fail`` sent outside it, since
+    The round drives the sequence up to its probe (:meth:`~rollsafe.operations.effects.Run.until`
+    ``ProbeMembers``), performs every group's probe concurrently under its deadline, and
+    :meth:`answer` resumes the sequence with the outcome: the answer is applied under the
+    ledger's lock (``LockHealth`` .. ``UnlockHealth``), the ``fail`` sent outside it, since
     registry listeners run on this thread during the send and must be free to call
     ``pause()``/``wake()`` or take their own locks without ever waiting on the probe loop.
+    The registry's effects are the registry's own handlers (a part).
     """
 
-    __slots__ = ("epoch", "generation", "group", "held", "manager", "steps")
+    parts = {RegistryEffects: "registry_effects"}
 
     def __init__(
         self, manager: HealthManager, group: WorkerGroup, epoch: int, generation: int
     ) -> None:
-        self.manager = manager
+        self.ledger = manager.ledger
+        self.registry = manager.registry
+        self.registry_effects = manager.registry_effects
+        self.hand_off = manager.hand_off
+        self.probe_states = manager.probe_states
         self.group = group
         self.epoch = epoch
         self.generation = generation
         self.held = False
-        self.steps = probe_op.probe(group.group_id, manager.failure_threshold)
+        self.run = fx.Run(probe_op.probe(group.group_id, manager.failure_threshold), self.perform)
 
     def start(self) -> bool:
         """Perform the steps before the probe; False when the sequence ended first."""
         try:
-            effect = next(self.steps)
-            while not isinstance(effect, fx.ProbeMembers):
-                effect = self.steps.send(self._perform(effect))
-        except StopIteration:
-            self._close()
-            return False
-        except BaseException:
-            self._close()
-            raise
-        return True
+            stopped = self.run.until(fx.ProbeMembers)
+        finally:
+            if self.run.done:
+                self._release()
+        return stopped is not None
 
-    def answer(self, outcome: fx.Outcome) -> ProbeEnd:
+    def answer(self, outcome: fx.Outcome[fx.Probed]) -> ProbeEnd:
         """The probe's ``outcome``: perform the rest of the steps; their :class:`ProbeEnd`."""
         try:
-            effect = self.steps.send(outcome)
-            while True:
-                effect = self.steps.send(self._perform(effect))
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return self.run.resume(outcome)
         finally:
-            self._close()
+            self._release()
 
-    def _close(self) -> None:
-        self.steps.close()
+    def _release(self) -> None:
         if self.held:
             self.held = False
-            self.manager._apply_lock.release()
+            self.ledger.lock.release()
 
-    def _perform(self, effect: fx.Effect) -> fx.Outcome:
-        m, gid = self.manager, self.group.group_id
-        if isinstance(effect, fx.LockHealth):
-            m._apply_lock.acquire()
-            self.held = True
-        elif isinstance(effect, fx.UnlockHealth):
-            if self.held:
-                self.held = False
-                m._apply_lock.release()
-        elif isinstance(effect, fx.ReadProbeFacts):
-            return fx.Ok(self._facts())
-        elif isinstance(effect, fx.ReportRank):
-            m.registry.report_member(effect.group, effect.rank, healthy=effect.healthy)
-        elif isinstance(effect, fx.SetFailureCounts):
-            if effect.counts:
-                m._failures[effect.group] = dict(effect.counts)
-            else:
-                m._failures.pop(effect.group, None)
-        elif isinstance(effect, fx.SendGroup):
-            try:
-                m.registry.send(effect.group, effect.event)
-            except TransitionRefused as exc:  # it moved meanwhile (someone else failed it...)
-                log.info("%s: could not fail group %s: %s", m.name, effect.group, exc)
-                return fx.Failed(f"{type(exc).__name__}: {exc}")
-        elif isinstance(effect, fx.GroupFailed):
-            m._group_failed(effect)
-        else:
-            raise TypeError(f"{m.name}: a probe of {gid} cannot perform {effect!r}")
-        return fx.Ok()
+    @handles(fx.LockHealth)
+    def lock(self, _effect: fx.LockHealth) -> fx.Outcome[None]:
+        self.ledger.lock.acquire()
+        self.held = True
+        return fx.DONE
 
-    def _facts(self) -> fx.ProbeFacts | None:
-        m, group = self.manager, self.group
-        if m._paused or m._stopping or self.epoch != m._epoch:
-            return None
+    @handles(fx.UnlockHealth)
+    def unlock(self, _effect: fx.UnlockHealth) -> fx.Outcome[None]:
+        self._release()
+        return fx.DONE
+
+    @handles(fx.ReadProbeFacts)
+    def read_facts(self, _effect: fx.ReadProbeFacts) -> fx.Outcome[fx.ProbeFacts | None]:
+        ledger, group = self.ledger, self.group
+        if not ledger.applies(self.epoch):
+            return fx.Ok(None)
         if (
             group.generation != self.generation
-            or group.machine.state not in m.probe_states
+            or group.machine.state not in self.probe_states
             or group.loading_weights
-            or group.group_id not in m.registry
+            or group.group_id not in self.registry
         ):
-            return fx.ProbeFacts(group.ranks, {}, {}, moved=True)
+            return fx.Ok(fx.ProbeFacts(group.ranks, {}, {}, moved=True))
         recorded = {rank: fact.healthy for rank, fact in group.machine.members.items()}
-        return fx.ProbeFacts(group.ranks, m._failures.get(group.group_id, {}), recorded)
+        return fx.Ok(fx.ProbeFacts(group.ranks, ledger.counts(group.group_id), recorded))
+
+    @handles(fx.SetFailureCounts)
+    def set_counts(self, effect: fx.SetFailureCounts) -> fx.Outcome[None]:
+        self.ledger.set_counts(effect.group, effect.counts)
+        return fx.DONE
+
+    @handles(fx.GroupFailed)
+    def group_failed(self, effect: fx.GroupFailed) -> fx.Outcome[None]:
+        self.hand_off(effect)
+        return fx.DONE

@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from typing import Literal
 
 from rollsafe.errors import InvalidArgument
-from rollsafe.fleet.registry import FleetRegistry
 from rollsafe.fleet.router import Router
+from rollsafe.registry import FleetRegistry
 
 __all__ = ["SYNC_PAUSE_MODES", "SyncPauseMode", "paused_generation"]
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollsafe.fleet.registry import WorkerGroup
+from rollsafe.registry import WorkerGroup
 
 __all__ = ["Segment", "group_version", "off_policy", "version_number", "versions_used"]
 

@@ -1,10 +1,13 @@
 """RecoveryCoordinator: bring failed worker groups back, off the health checks' threads.
 
-Owns the recovery of ``inactive`` groups (``docs/design.md``, "Fleet control"). The order of
+Owns the recovery of ``inactive`` groups (``docs/design.md``, "Operations"). The order of
 an attempt's steps is :func:`rollsafe.operations.recover.attempt`'s (the sequence ``rollsafe
 verify`` executes too) and every decision in it (claim, skip, retire, strategy, what a restart
 or a push means) is :mod:`rollsafe.policy`'s; this module executes its effects and does the I/O
-(``_AttemptExecutor``: threads, deadlines, the launcher, the client, the transport, timings).
+(``_AttemptExecutor``: threads, deadlines, the launcher, the client, the transport, timings;
+each blocking step is declared once, on its handler, as a :class:`~rollsafe.fleet.steps.TimedStep`:
+it runs on its own daemon thread under the attempt's deadline, its record is written once, and
+its outcome is typed, a time-out saying whether the step began).
 :meth:`RecoveryCoordinator.submit` (what the health manager's ``on_group_failed`` callback
 calls) only enqueues: recoveries run on a bounded worker pool, one at a time per group (a second
 submit while one runs returns the same future). Each recovery is a sequence of machine events
@@ -51,7 +54,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import logging
 import sys
@@ -59,14 +61,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
-from rollsafe.concurrency import DaemonCall, Outcome
-from rollsafe.fleet.registry import FleetError, FleetRegistry, UnknownGroup, WorkerGroup
-from rollsafe.fleet.settings import RecoverySettings, with_overrides
+from rollsafe.concurrency import DaemonCall
+from rollsafe.fleet.engines import EngineEffects
+from rollsafe.fleet.settings import RecoverySettings
+from rollsafe.fleet.steps import RecoveryStep, StepLog, TimedStep
 from rollsafe.fleet.sync import (
     ExporterLike,
     default_target,
@@ -76,8 +79,10 @@ from rollsafe.fleet.sync import (
 from rollsafe.operations import place as place_op
 from rollsafe.operations import recover as recover_op
 from rollsafe.operations.effects import drive
+from rollsafe.operations.executor import Executor, handles
+from rollsafe.operations.recover import RecoveryStatus
 from rollsafe.ports import PlaceableEngine, RestartableEngine, StandbyState, StartSource
-from rollsafe.statemachines.base import TransitionRefused
+from rollsafe.registry import FleetError, FleetRegistry, RegistryEffects, UnknownGroup, WorkerGroup
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 from rollsafe.text import bound_text
 
@@ -92,42 +97,24 @@ __all__ = [
     "RecoveryCoordinator",
     "RecoveryError",
     "RecoveryResult",
-    "RecoveryStatus",
-    "RecoveryStep",
-    "RecoveryStrategy",
-    "RestartSource",
     "StepTimeout",
 ]
 
 log = logging.getLogger(__name__)
 
-#: How a recovery ended. ``active``: serving the current version; ``pending_weights``: up and
-#: waiting for the next sync (deferred); ``skipped``: not attempted (rollout about to finish);
-#: ``retired``: restart budget spent; ``failed``: every attempt failed, the group is
-#: ``inactive``; ``not_needed``: the group was not ``inactive`` when the recovery started.
-RecoveryStatus = Literal[
-    "active", "pending_weights", "skipped", "retired", "failed", "not_needed", "unplaced"
-]
-#: Which strategy brought the group back (the last attempt's).
-RecoveryStrategy = Literal["immediate", "targeted_push", "deferred"]
-#: Where the restarted engine came from (``EngineLauncher.last_start_source``): a warm standby
-#: that was ``ready``, one still importing (``warming``) that was ready before any fresh spawn,
-#: or a fresh spawn.
-RestartSource = StartSource
-RESTART_SOURCES: tuple[RestartSource, ...] = ("ready_standby", "warming_standby", "fresh_spawn")
+START_SOURCES: tuple[StartSource, ...] = ("ready_standby", "warming_standby", "fresh_spawn")
+#: the decisions an attempt begins with (its number and its deadline start there)
+_BEGINS_ATTEMPT = frozenset({"claim", "place"})
 
-_OK = fx.Ok()
 _RESULTS_KEPT = 512
 _MAX_TEXT = 512
-
-T = TypeVar("T")
 
 
 class ExportMoverLike(Protocol):
     """What moves a verified export to a group's node (``moved`` mode;
-    :class:`rollsafe.adapters.ray.ExportMover`): ``pull(group_id, version, path, timeout_s=)``
-    returns the node's checked copy (``path``, ``nbytes``, ``reused``, ``node_id``) within
-    ``timeout_s``, or raises."""
+    :class:`rollsafe.adapters.ray.exports.ExportMover`):
+    ``pull(group_id, version, path, timeout_s=)`` returns the node's checked copy (``path``,
+    ``nbytes``, ``reused``, ``node_id``) within ``timeout_s``, or raises."""
 
     def pull(
         self, group_id: str, version: int, path: str, *, timeout_s: float | None = None
@@ -155,34 +142,14 @@ class StepTimeout(RecoveryError, TimeoutError):
 
 
 @dataclass(frozen=True)
-class RecoveryStep:
-    """One timed step of a recovery (``attempt`` counts from 1)."""
-
-    name: str
-    attempt: int
-    started_at: float
-    seconds: float
-    ok: bool
-    detail: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "attempt": self.attempt,
-            "started_at": self.started_at,
-            "seconds": self.seconds,
-            "ok": self.ok,
-            "detail": self.detail,
-        }
-
-
-@dataclass(frozen=True)
 class RecoveryResult:
     """The record of one recovery of one group.
 
     Timestamps are wall-clock (``time.time()``); ``failed_at`` is when the failure was detected
     (the health manager's ``GroupFailure.timestamp``, else the submit time). ``latency_s`` is
-    failure -> ``active`` when the group got there.
+    failure -> ``active`` when the group got there. ``status`` and ``strategy`` are the last
+    attempt's (:data:`~rollsafe.operations.recover.RecoveryStatus`,
+    :class:`~rollsafe.policy.Strategy`).
 
     ``standby_at_restart``: the group's warm standby when the (last) attempt began (``none``,
     ``warming``, ``ready``); ``restart_source``: where the restarted engine came from
@@ -192,7 +159,7 @@ class RecoveryResult:
 
     group_id: str
     status: RecoveryStatus
-    strategy: RecoveryStrategy | None
+    strategy: policy.Strategy | None
     reason: str
     failed_at: float
     submitted_at: float
@@ -204,7 +171,7 @@ class RecoveryResult:
     fleet_version: int
     steps: tuple[RecoveryStep, ...] = ()
     standby_at_restart: str | None = None
-    restart_source: RestartSource | None = None
+    restart_source: StartSource | None = None
 
     @property
     def latency_s(self) -> float | None:
@@ -227,7 +194,7 @@ class RecoveryResult:
         return {
             "group_id": self.group_id,
             "status": self.status,
-            "strategy": self.strategy,
+            "strategy": self.strategy.value if self.strategy is not None else None,
             "reason": self.reason,
             "failed_at": self.failed_at,
             "submitted_at": self.submitted_at,
@@ -244,44 +211,57 @@ class RecoveryResult:
         }
 
 
-@dataclass
 class _Run:
-    """Mutable state of one recovery while it runs (becomes a RecoveryResult)."""
+    """One recovery while it runs (it becomes a :class:`RecoveryResult`): its step log and
+    what its attempts found."""
 
-    group_id: str
-    failed_at: float
-    submitted_at: float
-    started_at: float = 0.0
-    attempt: int = 0
-    strategy: RecoveryStrategy | None = None
-    export_version: int | None = None
-    active_at: float | None = None
-    steps: list[RecoveryStep] = field(default_factory=list)
-    standby_at_restart: str | None = None
-    restart_source: RestartSource | None = None
-    #: a group added at runtime behind the fleet's version: only the targeted push
-    catch_up: bool = False
+    def __init__(self, group_id: str, failed_at: float, submitted_at: float) -> None:
+        self.group_id = group_id
+        self.failed_at = failed_at
+        self.submitted_at = submitted_at
+        self.started_at = 0.0
+        self.strategy: policy.Strategy | None = None
+        self.export_version: int | None = None
+        self.active_at: float | None = None
+        self.standby_at_restart: str | None = None
+        self.restart_source: StartSource | None = None
+        #: a group added at runtime behind the fleet's version: only the targeted push
+        self.catch_up = False
+        self.log = StepLog(label=f"recovery of {group_id}: ")
 
 
-class _Attempt(Exception):
-    """Internal: one attempt failed; ``retry`` says whether another may follow."""
+class BusyGroups:
+    """Groups whose last attempt left a step running in the background (it timed out): no new
+    recovery starts on one until that step's thread ends (it may still be using the engine)."""
 
-    def __init__(self, message: str, *, retry: bool = True, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.retry = retry
-        self.timed_out = timed_out
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._until: dict[str, threading.Event] = {}
+
+    def mark(self, group_id: str, finished: threading.Event) -> None:
+        with self._lock:
+            self._until[group_id] = finished
+
+    def clear(self, group_id: str, finished: threading.Event) -> None:
+        with self._lock:
+            if self._until.get(group_id) is finished:
+                del self._until[group_id]
+
+    def busy(self, group_id: str) -> bool:
+        with self._lock:
+            finished = self._until.get(group_id)
+        return finished is not None and not finished.is_set()
 
 
 class RecoveryCoordinator:
     """Runs recoveries of a :class:`FleetRegistry`'s failed groups on a bounded pool.
 
     ``launcher_for(group_id)`` returns the group's :class:`RestartableEngine` handle.
-    ``exporter`` (an :class:`~rollsafe.hf.HFExporter`) and ``mode`` enable the immediate
-    strategy; ``transport`` (the sync's transport: the same object, so they share its lock)
-    enables the targeted push; ``targets_for(group)`` builds its target (default: the group's
-    restarted client). ``remaining_work_s()`` estimates the rollout's remaining seconds (None:
-    unknown, never skip). ``stop_timeout_s`` bounds the polite stop of the failed engine before
-    it is killed (a crashed or hung engine rarely honours SIGTERM, so keep it short).
+    ``settings`` (:class:`~rollsafe.fleet.settings.RecoverySettings`) holds every knob: workers,
+    the attempt's deadline, retries, the stop grace, the skip estimate. ``exporter`` (an
+    :class:`~rollsafe.hf.HFExporter`) and ``mode`` enable the immediate strategy; ``transport``
+    (the sync's transport: the same object, so they share its lock) enables the targeted push;
+    ``targets_for(group)`` builds its target (default: the group's restarted client).
     ``export_mover`` (:class:`ExportMoverLike`): the groups' nodes cannot read the exporter's
     path, so an immediate restart first pulls the export to the group's node (a ``pull`` step,
     ``pulled N bytes``) and loads that checked copy; a refused pull falls back to the targeted
@@ -293,54 +273,26 @@ class RecoveryCoordinator:
         registry: FleetRegistry,
         *,
         launcher_for: Callable[[str], RestartableEngine],
+        settings: RecoverySettings | None = None,
         exporter: ExporterLike | None = None,
         transport: WeightTransport | None = None,
         mode: ImmediateRecoveryMode | None = None,
-        max_workers: int | None = None,
-        recovery_timeout_s: float | None = None,
-        remaining_work_s: Callable[[], float | None] | None = None,
-        expected_recovery_s: float | None = None,
         targets_for: Callable[[WorkerGroup], EngineTarget] | None = None,
-        health_timeout_s: float | None = None,
-        retry: bool | None = None,
-        retry_delay_s: float | None = None,
-        transport_lock: threading.RLock | None = None,
-        name: str = "rollsafe-recovery",
-        stop_timeout_s: float | None = None,
-        settings: RecoverySettings | None = None,
         traits_for: Callable[[WorkerGroup], policy.EngineTraits] | None = None,
+        transport_lock: threading.RLock | None = None,
         export_mover: ExportMoverLike | None = None,
+        name: str = "rollsafe-recovery",
     ) -> None:
-        # The defaults are RecoverySettings'; keyword arguments override its fields.
-        self.settings = rs = with_overrides(
-            settings or RecoverySettings(),
-            {
-                "max_workers": max_workers,
-                "timeout_s": recovery_timeout_s,
-                "remaining_work_s": remaining_work_s,
-                "expected_recovery_s": expected_recovery_s,
-                "health_timeout_s": health_timeout_s,
-                "retry": retry,
-                "retry_delay_s": retry_delay_s,
-                "stop_timeout_s": stop_timeout_s,
-            },
-        )
-        max_workers = rs.max_workers
+        self.settings = rs = settings if settings is not None else RecoverySettings()
+        if not isinstance(rs, RecoverySettings):
+            raise TypeError(f"settings must be a RecoverySettings, got {rs!r}")
         self.registry = registry
         self.launcher_for = launcher_for
         self.exporter = exporter
         self.transport = transport
         self.mode = mode
-        self.max_workers = rs.max_workers
-        self.recovery_timeout_s = rs.timeout_s
-        self.remaining_work_s = rs.remaining_work_s
-        self.expected_recovery_s = rs.expected_recovery_s
         self.targets_for = targets_for or default_target
         self.traits_for = traits_for or default_traits
-        self.health_timeout_s = rs.health_timeout_s
-        self.retry = rs.retry
-        self.retry_delay_s = rs.retry_delay_s
-        self.stop_timeout_s = rs.stop_timeout_s
         #: how long a placed group's actor may take to answer before its node counts as lost
         self.placement_check_s = 5.0
         self.transport_lock = transport_lock or (
@@ -350,12 +302,14 @@ class RecoveryCoordinator:
         #: moves an export to a Ray-placed group's node before a restart from it (the
         #: ``moved`` mode, docs/cluster.md section 5); None: engines read the exporter's path
         self.export_mover = export_mover
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix=name)
+        #: the registry's effects and the engines' (one handler each in the code base)
+        self.registry_effects = RegistryEffects(registry)
+        self.engine_effects = EngineEffects(launcher_for, stop_timeout_s=rs.stop_timeout_s)
+        #: groups a timed-out step still runs on
+        self.busy = BusyGroups()
+        self._pool = concurrent.futures.ThreadPoolExecutor(rs.max_workers, thread_name_prefix=name)
         self._lock = threading.Lock()
         self._inflight: dict[str, concurrent.futures.Future[RecoveryResult]] = {}
-        # Groups whose last attempt left a step running in the background (timed out): no new
-        # recovery starts on them until that step ends (it may still be using the engine).
-        self._busy: dict[str, threading.Event] = {}
         self._results: deque[RecoveryResult] = deque(maxlen=_RESULTS_KEPT)
         self._closed = False
 
@@ -400,12 +354,13 @@ class RecoveryCoordinator:
         return future
 
     def on_group_failed(self, failure: GroupFailure) -> None:
-        """The :class:`~rollsafe.fleet.HealthManager` callback: enqueue, return at once."""
+        """The :class:`~rollsafe.fleet.health.HealthManager` callback: enqueue, return at once."""
         self.submit(failure.group_id, failed_at=failure.timestamp, reason=failure.reason)
 
     def on_update_failed(self, group_id: str, reason: str) -> None:
-        """The :class:`~rollsafe.fleet.sync.SyncCoordinator` ``on_group_failed`` callback."""
-        self.submit(group_id, reason=f"weight update failed: {reason}")
+        """The :class:`~rollsafe.fleet.sync.SyncCoordinator` and request-health callback:
+        enqueue the group whose update (or requests) failed."""
+        self.submit(group_id, reason=reason)
 
     def recover_inactive(self) -> list[str]:
         """Submit every ``inactive`` group not already being recovered (e.g. after a skip,
@@ -434,6 +389,20 @@ class RecoveryCoordinator:
         with self._lock:
             return [g for g, f in self._inflight.items() if not f.done()]
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no recovery is queued or running (each one's own future, no polling);
+        True when that happened within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                futures = [f for f in self._inflight.values() if not f.done()]
+            if not futures:
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            concurrent.futures.wait(futures, timeout=left)
+
     def recoveries(self) -> list[RecoveryResult]:
         """Finished recoveries, oldest first (the last 512)."""
         with self._lock:
@@ -449,7 +418,7 @@ class RecoveryCoordinator:
         for r in results:
             by_status[r.status] = by_status.get(r.status, 0) + 1
             if r.strategy is not None:
-                by_strategy[r.strategy] = by_strategy.get(r.strategy, 0) + 1
+                by_strategy[r.strategy.value] = by_strategy.get(r.strategy.value, 0) + 1
             if r.restart_source is not None:
                 by_source[r.restart_source] = by_source.get(r.restart_source, 0) + 1
         return {
@@ -482,6 +451,10 @@ class RecoveryCoordinator:
             log.warning("%s: %d recovery(ies) still running at close", self.name, len(not_done))
         return not not_done
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __enter__(self) -> RecoveryCoordinator:
         return self
 
@@ -509,10 +482,10 @@ class RecoveryCoordinator:
             started_at=run.started_at,
             finished_at=time.time(),
             active_at=run.active_at,
-            attempts=run.attempt,
+            attempts=run.log.attempt,
             export_version=run.export_version,
             fleet_version=self.registry.fleet_version,
-            steps=tuple(run.steps),
+            steps=run.log.steps,
             standby_at_restart=run.standby_at_restart,
             restart_source=run.restart_source,
         )
@@ -529,8 +502,8 @@ class RecoveryCoordinator:
             self.name,
             gid,
             status,
-            run.strategy,
-            run.attempt,
+            run.strategy.value if run.strategy is not None else None,
+            run.log.attempt,
             "n/a" if result.latency_s is None else f"{result.latency_s:.3f}s",
             result.reason,
         )
@@ -573,25 +546,29 @@ class RecoveryCoordinator:
                 continue  # the gate found its node lost: place the group now (no budget)
             if end.status != "failed" or not (end.retry or end.timed_out):
                 return end.status, end.reason
-            log.warning("%s: attempt %d for %s failed: %s", self.name, run.attempt, gid, end.reason)
-            if not self.retry or not end.retry or self._closed:
+            log.warning(
+                "%s: attempt %d for %s failed: %s", self.name, run.log.attempt, gid, end.reason
+            )
+            if not self.settings.retry or not end.retry or self._closed:
                 return "failed", end.reason
             retried = True
-            if self.retry_delay_s:
-                time.sleep(self.retry_delay_s)
+            if self.settings.retry_delay_s:
+                time.sleep(self.settings.retry_delay_s)
 
-    def _remaining_s(self) -> float | None:
-        """The rollout's remaining seconds as ``remaining_work_s()`` estimates them (None:
-        unknown, or the estimate raised)."""
-        if self.remaining_work_s is None:
+    def remaining_s(self) -> float | None:
+        """The rollout's remaining seconds as ``settings.remaining_work_s()`` estimates them
+        (None: unknown, or the estimate raised)."""
+        estimate = self.settings.remaining_work_s
+        if estimate is None:
             return None
         try:
-            return self.remaining_work_s()
+            return estimate()
         except Exception as exc:
             log.warning("%s: remaining_work_s() raised (%s); recovering anyway", self.name, exc)
             return None
 
-    def _release(self, lease: ExportLease) -> None:
+    def release(self, lease: ExportLease) -> None:
+        """Give ``lease`` back to the exporter (logged, never raised: a recovery ends anyway)."""
         if self.exporter is None:
             return
         try:
@@ -599,124 +576,20 @@ class RecoveryCoordinator:
         except Exception:
             log.exception("%s: releasing lease %s failed", self.name, lease)
 
-    # ------------------------------------------------------------------ helpers
-    def _wait_healthy(self, client: EngineClient | None, deadline: float) -> None:
-        if client is None:
-            return
-        last: Exception | None = None
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RecoveryError(
-                    f"engine at {client.url} not healthy before the deadline: {last}"
-                )
-            try:
-                client.health(timeout=max(0.1, min(self.health_timeout_s, remaining)))
-                return
-            except Exception as exc:
-                last = exc
-                time.sleep(min(0.1, max(0.0, remaining)))
-
-    def _rebind(self, group: WorkerGroup, handle: RestartableEngine) -> EngineClient | None:
-        """Point the group at the restarted engine's client (its URL may have changed)."""
-        try:
-            client = handle.client
-        except Exception:
-            return group.client
-        current = group.client
-        if current is client or (current is not None and current.url == client.url):
-            return current
-        self.registry.rebind_clients(
-            group.group_id,
-            (client, *group.clients[1:]),
-            (client.url, *group.endpoints[1:]),
-        )
-        log.info("%s: group %s now served at %s", self.name, group.group_id, client.url)
-        return client
-
-    def _step(self, run: _Run, name: str, t0: float, ok: bool, detail: str = "") -> None:
-        seconds = time.perf_counter() - t0
-        run.steps.append(
-            RecoveryStep(
-                name, run.attempt, time.time() - seconds, seconds, ok, bound_text(detail, _MAX_TEXT)
-            )
-        )
-
-    def _run_step(
-        self,
-        run: _Run,
-        name: str,
-        deadline: float,
-        fn: Callable[[], T],
-        *,
-        detail: str = "",
-        cancel: threading.Event | None = None,
-        on_late_finish: Callable[[], None] | None = None,
-    ) -> T:
-        """Run ``fn`` on its own daemon thread until ``deadline``; time it; raise ``_Attempt``.
-
-        On timeout the thread is left running: ``cancel`` is set, the group is marked busy (no
-        new recovery starts on it) until the thread ends, and then ``on_late_finish`` runs on
-        that thread, followed by a fresh recovery of the group when ``retry`` is on.
-        A :class:`TransportError` raised by ``fn`` propagates as is.
-        """
-        gid = run.group_id
-        t0 = time.perf_counter()
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            self._step(run, name, t0, False, "deadline passed before the step")
-            raise _Attempt(f"group {gid!r}: deadline passed before step {name!r}", retry=False)
-
-        def mark_busy() -> None:  # under the hand-over lock, before any late()
-            if cancel is not None:
-                cancel.set()
-            with self._lock:
-                self._busy[gid] = call.finished
-
-        def late(_outcome: Outcome[T]) -> None:
-            self._late_finish(gid, name, call.finished, on_late_finish)
-
-        call = DaemonCall.start(fn, name=f"{self.name}-{gid}-{name}", on_late=late)
-        if not call.wait(remaining) and call.abandon(mark_busy):
-            timeout = StepTimeout(gid, name, remaining)
-            self._step(run, name, t0, False, str(timeout))
-            raise _Attempt(str(timeout), retry=False, timed_out=True)
-        error = call.outcome().error
-        if error is not None:
-            self._step(run, name, t0, False, f"{type(error).__name__}: {error}")
-            if _is_transport_error(error):
-                raise error
-            raise _Attempt(f"step {name!r}: {type(error).__name__}: {error}") from error
-        self._step(run, name, t0, True, detail)
-        return call.outcome().value  # type: ignore[return-value]
-
-    def _late_finish(
-        self,
-        group_id: str,
-        step: str,
-        finished: threading.Event,
-        cleanup: Callable[[], None] | None,
-    ) -> None:
-        """A timed-out step finally ended (on its own thread): clean up, maybe recover again."""
+    def step_ended_late(self, group_id: str, step: str, finished: threading.Event) -> None:
+        """A timed-out step of ``group_id`` finally ended (on its own thread): the group is no
+        longer busy; with ``retry`` on, it is recovered again (after the recovery that gave up
+        on the step returns, if it has not yet)."""
         log.warning(
             "%s: the timed-out %s step of %s ended in the background", self.name, step, group_id
         )
-        if cleanup is not None:
-            try:
-                cleanup()
-            except Exception:
-                log.exception(
-                    "%s: clean-up after the late %s of %s failed", self.name, step, group_id
-                )
-        with self._lock:
-            if self._busy.get(group_id) is finished:
-                del self._busy[group_id]
-            running = self._inflight.get(group_id)
-        if not self.retry:
+        self.busy.clear(group_id, finished)
+        if not self.settings.retry:
             return
+        with self._lock:
+            running = self._inflight.get(group_id)
         reason = f"retry after the timed-out {step} step"
         if running is not None and not running.done():
-            # The recovery that gave up on this step has not returned yet: retry after it.
             running.add_done_callback(lambda _f: self._retry(group_id, reason))
         else:
             self._retry(group_id, reason)
@@ -729,69 +602,159 @@ class RecoveryCoordinator:
                 self.submit(group_id, reason=reason)
 
 
-class _AttemptExecutor:
+def wait_healthy(client: EngineClient | None, deadline: float, per_try_s: float) -> None:
+    """Wait until ``client`` answers ``health()`` (each try bounded by ``per_try_s``) or raise
+    :class:`RecoveryError` at ``deadline`` (``time.monotonic()``)."""
+    if client is None:
+        return
+    last: Exception | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RecoveryError(f"engine at {client.url} not healthy before the deadline: {last}")
+        try:
+            client.health(timeout=max(0.1, min(per_try_s, remaining)))
+            return
+        except Exception as exc:
+            last = exc
+            time.sleep(min(0.1, max(0.0, remaining)))
+
+
+class _AttemptExecutor(Executor):
     """Performs the effects of one :func:`rollsafe.operations.recover.attempt` on the fleet:
-    the registry, the exporter's leases, the launcher, the client and the transport, each
-    blocking step on its own daemon thread under the attempt's deadline, every step timed into
-    the recovery's :class:`RecoveryStep` list."""
+    the registry's effects are the registry's handlers, the engines' (stop, place, release) the
+    :class:`~rollsafe.fleet.engines.EngineEffects`', a decision's record the recovery's
+    :class:`~rollsafe.fleet.steps.StepLog`; the rest is here: leases, the moved export, the
+    restart, the health wait, the targeted push.
+
+    A handler declared with a :class:`~rollsafe.fleet.steps.TimedStep` runs on its own daemon
+    thread under the attempt's deadline (:meth:`perform`); its step is recorded once, with the
+    detail the handler left in :attr:`note`; a step that runs late answers
+    :class:`~rollsafe.operations.effects.TimedOut` (``started`` says whether it began) and leaves
+    the group busy until it ends, when the clean-ups it left (a lease that waits for a late
+    restart) run and the group is recovered again."""
+
+    parts = {
+        RegistryEffects: "registry_effects",
+        EngineEffects: "engine_effects",
+        StepLog: "log",
+    }
 
     def __init__(self, coordinator: RecoveryCoordinator, run: _Run, group: WorkerGroup) -> None:
         self.c = coordinator
         self.run = run
+        self.log = run.log
+        self.registry_effects = coordinator.registry_effects
+        self.engine_effects = coordinator.engine_effects
         self.group = group
         self.gid = group.group_id
-        self.deadline = time.monotonic() + coordinator.recovery_timeout_s
-        self.t_mark = time.perf_counter()
+        self.deadline = time.monotonic() + coordinator.settings.timeout_s
+        self.step_deadline = self.deadline  # the running timed step's own deadline
         self.handle: RestartableEngine | None = None
         self.record: Any = None  # the exporter's ready record the strategy was chosen from
         self.remaining_read = False
-        self._push_detail = ""  # what the push did, for the ``push`` step's detail
-        # a restart that timed out still runs in the background: what to do when it ends
+        #: what the running timed step says in its record (a handler sets it), and whether
+        #: the step counts as done although it returned (a refused push does not)
+        self.note = ""
+        self.note_ok = True
+        #: set when the running timed step ran past its deadline (the push section gives up
+        #: if it has not got the transport's lock by then)
+        self.cancel = threading.Event()
+        # a timed-out step still runs in the background: what to do when it ends
         self._late_lock = threading.Lock()
-        self._late_running = False
+        self._late: DaemonCall[Any] | None = None
         self._late_cleanups: list[Callable[[], None]] = []
-        self._table: dict[type[fx.Effect], Callable[[Any], fx.Outcome]] = {
-            fx.ReadRecovery: self._read_recovery,
-            fx.NoteStep: self._note,
-            fx.SendGroup: self._send,
-            fx.ReadStrategy: self._read_strategy,
-            fx.TakeLease: self._take_lease,
-            fx.ReleaseLease: self._release_lease,
-            fx.PullExport: self._pull_export,
-            fx.GetEngine: self._get_engine,
-            fx.StopEngine: self._stop_engine,
-            fx.Restart: self._restart,
-            fx.AwaitHealthy: self._await_healthy,
-            fx.ReportMembers: self._report_members,
-            fx.PushUnderLock: self._push_under_lock,
-            fx.ReadPushFacts: self._read_push_facts,
-            fx.TargetedPush: self._targeted_push,
-            fx.Place: self._place,
-            fx.ReleasePlacement: self._release_placement,
-        }
+        self.log.mark()
 
-    def perform(self, effect: fx.Effect) -> fx.Outcome:
-        return self._table[type(effect)](effect)
+    # ------------------------------------------------------------------ timed steps
+    def perform(self, effect: fx.Effect[Any]) -> fx.Outcome[Any]:
+        step = self.declared_steps.get(type(effect))
+        if isinstance(step, TimedStep):
+            if step.starts_attempt:  # the attempt's clock starts with this step
+                self.deadline = time.monotonic() + self.c.settings.timeout_s
+            return self._timed(step, effect)
+        if isinstance(effect, fx.NoteStep) and effect.ok and effect.name in _BEGINS_ATTEMPT:
+            self.log.begin_attempt()  # the attempt and its deadline begin with this decision
+            self.deadline = time.monotonic() + self.c.settings.timeout_s
+        return super().perform(effect)
+
+    def _timed(self, step: TimedStep, effect: fx.Effect[Any]) -> fx.Outcome[Any]:
+        """Run ``effect``'s handler as step ``step`` on its own daemon thread until the
+        attempt's deadline (or the step's share of it); record the step once; answer with its
+        typed outcome."""
+        gid, log_ = self.gid, self.log
+        t0 = time.perf_counter()
+        remaining = self.deadline - time.monotonic()
+        if step.share is not None and remaining > 0:
+            remaining = step.share(remaining)
+        self.step_deadline = time.monotonic() + remaining
+        if remaining <= 0:
+            why = f"group {gid!r}: deadline passed before step {step.name!r}"
+            log_.record(step.name, t0, False, "deadline passed before the step")
+            return fx.TimedOut(0.0, why, started=False)
+        self.note, self.note_ok = "", True
+        self.cancel = cancel = threading.Event()
+        handler = functools.partial(Executor.perform, self, effect)
+        call: DaemonCall[fx.Outcome[Any]] = DaemonCall.start(
+            handler, name=f"{self.c.name}-{gid}-{step.name}", on_late=lambda _o: self._ended(step)
+        )
+
+        def mark_busy() -> None:  # under the hand-over lock, before any on_late
+            cancel.set()
+            with self._late_lock:
+                self._late = call
+            self.c.busy.mark(gid, call.finished)
+
+        if not call.wait(remaining) and call.abandon(mark_busy):
+            timeout = StepTimeout(gid, step.name, remaining)
+            log_.record(step.name, t0, False, str(timeout))
+            return fx.TimedOut(remaining, str(timeout), started=True)
+        ended = call.outcome()
+        if ended.error is not None:  # a handler bug: recorded, the attempt fails
+            error = f"{type(ended.error).__name__}: {ended.error}"
+            log_.record(step.name, t0, False, error)
+            return fx.Failed(f"step {step.name!r}: {error}")
+        outcome = ended.value
+        assert outcome is not None
+        ok = isinstance(outcome, fx.Ok) and self.note_ok
+        detail = self.note if isinstance(outcome, fx.Ok) else outcome.error
+        log_.record(step.name, t0, ok, detail)
+        return outcome
+
+    def _ended(self, step: TimedStep) -> None:
+        """The timed-out step's thread ended: run the clean-ups it left, then hand the group
+        back to the coordinator (no longer busy; recovered again)."""
+        with self._late_lock:
+            call, self._late = self._late, None
+            cleanups, self._late_cleanups = self._late_cleanups, []
+        for cleanup in cleanups:
+            try:
+                cleanup()
+            except Exception:
+                log.exception(
+                    "%s: clean-up after the late %s of %s failed", self.c.name, step.name, self.gid
+                )
+        if call is not None:
+            self.c.step_ended_late(self.gid, step.name, call.finished)
 
     # ------------------------------------------------------------------ decisions' facts
-    def _read_recovery(self, _effect: fx.ReadRecovery) -> fx.Outcome:
+    @handles(fx.ReadRecovery)
+    def read_recovery(self, _effect: fx.ReadRecovery) -> fx.Outcome[fx.RecoveryFacts]:
         c = self.c
         group = c.registry.get(self.gid)
         machine = group.machine
-        with c._lock:
-            busy = c._busy.get(self.gid)
         remaining = None
         if group.state == "inactive" and not self.remaining_read:  # what the gate reads
             self.remaining_read = True
-            remaining = c._remaining_s()
+            remaining = c.remaining_s()
         return fx.Ok(
             fx.RecoveryFacts(
                 group.state,
                 budget_left=machine.restart_budget_left(),
                 complete=machine.group_complete(),
                 remaining_s=remaining,
-                expected_s=c.expected_recovery_s,
-                busy=busy is not None and not busy.is_set(),
+                expected_s=c.settings.expected_recovery_s,
+                busy=c.busy.busy(self.gid),
                 budget=machine.restart_budget,
                 initial_budget=machine.initial_restart_budget,
                 can_push=c.transport is not None,
@@ -815,23 +778,9 @@ class _AttemptExecutor:
         except Exception:
             return None
 
-    def _note(self, effect: fx.NoteStep) -> fx.Outcome:
-        if effect.name in ("claim", "place") and effect.ok:  # the attempt and its deadline begin
-            self.run.attempt += 1
-            self.deadline = time.monotonic() + self.c.recovery_timeout_s
-        self.c._step(self.run, effect.name, self.t_mark, effect.ok, effect.detail)
-        self.t_mark = time.perf_counter()
-        return _OK
-
-    def _send(self, effect: fx.SendGroup) -> fx.Outcome:
-        try:
-            return fx.Ok(self.c.registry.send(effect.group, effect.event).target)
-        except TransitionRefused as exc:
-            log.info("%s: %s refused for %s: %s", self.c.name, effect.event, effect.group, exc)
-            return fx.Failed(str(exc))
-
     # ------------------------------------------------------------------ strategy and lease
-    def _read_strategy(self, _effect: fx.ReadStrategy) -> fx.Outcome:
+    @handles(fx.ReadStrategy)
+    def read_strategy(self, _effect: fx.ReadStrategy) -> fx.Outcome[fx.StrategyFacts | None]:
         c = self.c
         mode, exporter = c.mode, c.exporter
         if mode is None or exporter is None:
@@ -842,13 +791,16 @@ class _AttemptExecutor:
         if record is not None:
             facts = policy.ExportFacts(record.version, record.state)
         else:
-            with contextlib.suppress(Exception):  # the exporter does not know this version
+            try:
                 handle = exporter.handle(version)
                 facts = policy.ExportFacts(version, str(handle.lifecycle.state))
+            except Exception:  # the exporter does not know this version
+                facts = None
         moved = c.export_mover is not None
         return fx.Ok(fx.StrategyFacts(mode.state, version, facts, c.transport is not None, moved))
 
-    def _take_lease(self, effect: fx.TakeLease) -> fx.Outcome:
+    @handles(fx.TakeLease)
+    def take_lease(self, effect: fx.TakeLease) -> fx.Outcome[fx.Leased]:
         exporter = self.c.exporter
         assert exporter is not None  # ReadStrategy answered facts: an exporter is there
         try:
@@ -857,119 +809,64 @@ class _AttemptExecutor:
             return fx.Failed(f"{type(exc).__name__}: {exc}")
         record = self.record
         if record is None or record.version != effect.version:
-            self.c._release(lease)
+            self.c.release(lease)
             return fx.Failed(f"export v{effect.version} is not ready")
         self.run.export_version = effect.version  # however the attempt ends
         return fx.Ok(fx.Leased(effect.version, str(record.path), lease))
 
-    def _release_lease(self, effect: fx.ReleaseLease) -> fx.Outcome:
+    @handles(fx.ReleaseLease)
+    def release_lease(self, effect: fx.ReleaseLease) -> fx.Outcome[None]:
         lease: ExportLease = effect.lease.token
         if effect.once_restart_ends:
             with self._late_lock:
-                if self._late_running:  # released by the restart's thread when it ends
-                    self._late_cleanups.append(lambda: self.c._release(lease))
-                    return _OK
-        self.c._release(lease)
-        return _OK
+                late = self._late
+                if late is not None and not late.done():  # released when the restart ends
+                    self._late_cleanups.append(lambda: self.c.release(lease))
+                    return fx.DONE
+        self.c.release(lease)
+        return fx.DONE
 
-    def _pull_export(self, effect: fx.PullExport) -> fx.Outcome:
-        """The ``pull`` step: the export moved to the group's node and checked there, within
-        its share of the attempt's time (:func:`~rollsafe.policy.pull_budget_s`): a pull
-        that does not finish leaves the fallback (dummy weights and a push) the rest."""
+    @handles(fx.PullExport, step=TimedStep("pull", share=policy.pull_budget_s))
+    def pull_export(self, effect: fx.PullExport) -> fx.Outcome[fx.Pulled]:
+        """The export moved to the group's node and checked there, within its share of the
+        attempt's time (:func:`~rollsafe.policy.pull_budget_s`): the mover's own bound ends a
+        little before the attempt's, so its named error (``ExportPullTimeout``: which phase
+        waited) is what the step reports, and a pull that does not finish leaves the fallback
+        (dummy weights and a push) the rest of the attempt."""
         mover = self.c.export_mover
         version, path = effect.lease.version, effect.lease.path
         if mover is None or path is None:
             return fx.Failed("no export mover")
-        budget = policy.pull_budget_s(self.deadline - time.monotonic())
-        # the pull's own bound ends a little before the step's, so its named error
-        # (ExportPullTimeout: which phase waited) is what the step reports
-        outcome = self._timed(
-            "pull",
-            lambda: mover.pull(effect.group, version, path, timeout_s=0.9 * budget),
-            until=time.monotonic() + budget,
-        )
-        if not isinstance(outcome, fx.Ok):
-            return outcome
-        got = outcome.value
+        budget = self.step_deadline - time.monotonic()
+        try:
+            got = mover.pull(effect.group, version, path, timeout_s=0.9 * budget)
+        except Exception as exc:
+            return fx.Failed(f"{type(exc).__name__}: {exc}")
         pulled = fx.Pulled(str(got.path), int(got.nbytes), bool(got.reused), got.node_id)
         node = (pulled.node_id or "?")[:12]
-        detail = f"pulled {pulled.nbytes} bytes of export v{version} to node {node}: {pulled.path}"
+        self.note = (
+            f"pulled {pulled.nbytes} bytes of export v{version} to node {node}: {pulled.path}"
+        )
         if pulled.reused:
-            detail += " (a checked copy was already there)"
-        run = self.run
-        if run.steps and run.steps[-1].name == "pull":
-            run.steps[-1] = dataclasses.replace(run.steps[-1], detail=bound_text(detail, _MAX_TEXT))
+            self.note += " (a checked copy was already there)"
         return fx.Ok(pulled)
 
-    def _restart_ended_late(self) -> None:
-        """On the timed-out restart's own thread, once it has ended."""
-        with self._late_lock:
-            self._late_running = False
-            cleanups, self._late_cleanups = self._late_cleanups, []
-        for cleanup in cleanups:
-            cleanup()
-
     # ------------------------------------------------------------------ the restart
-    def _timed(
-        self,
-        name: str,
-        fn: Callable[[], Any],
-        *,
-        detail: str = "",
-        until: float | None = None,
-        **kw: Any,
-    ) -> fx.Outcome:
-        """Run ``fn`` as step ``name`` (its own daemon thread, the attempt's deadline, or the
-        earlier ``until``)."""
-        deadline = self.deadline if until is None else min(until, self.deadline)
-        remaining = deadline - time.monotonic()
-        try:
-            value = self.c._run_step(self.run, name, deadline, fn, detail=detail, **kw)
-        except _Attempt as exc:
-            if exc.timed_out or not exc.retry:  # ran past, or no time left to start it
-                return fx.TimedOut(max(0.0, remaining), str(exc))
-            return fx.Failed(str(exc))
-        except Exception as exc:  # a TransportError from a step that is not a push
-            return fx.Failed(f"{type(exc).__name__}: {exc}")
-        finally:
-            self.t_mark = time.perf_counter()
-        return fx.Ok(value)
+    @handles(fx.GetEngine, step=TimedStep("launcher"))
+    def get_engine(self, _effect: fx.GetEngine) -> fx.Outcome[None]:
+        self.handle = handle = self.c.launcher_for(self.gid)
+        self.run.standby_at_restart = _standby_state(handle)
+        self.run.restart_source = None
+        return fx.DONE
 
-    def _place(self, _effect: fx.Place) -> fx.Outcome:
-        """A new placement for the group (its node died): the old one given back first."""
-        handle = self.c.launcher_for(self.gid)
-        if not isinstance(handle, PlaceableEngine):
-            return fx.Ok("local")  # a group on this machine has no placement to renew
-        self.deadline = time.monotonic() + self.c.recovery_timeout_s
-        outcome = self._timed("place", handle.place_again)
-        return outcome
-
-    def _release_placement(self, _effect: fx.ReleasePlacement) -> fx.Outcome:
-        handle = self.c.launcher_for(self.gid)
-        if isinstance(handle, PlaceableEngine):
-            with contextlib.suppress(Exception):
-                handle.release_placement()
-        return _OK
-
-    def _get_engine(self, _effect: fx.GetEngine) -> fx.Outcome:
-        outcome = self._timed("launcher", lambda: self.c.launcher_for(self.gid))
-        if isinstance(outcome, fx.Ok):
-            self.handle = outcome.value
-            self.run.standby_at_restart = _standby_state(self.handle)
-            self.run.restart_source = None
-        return outcome
-
-    def _stop_engine(self, _effect: fx.StopEngine) -> fx.Outcome:
+    @handles(fx.Restart, step=TimedStep("restart"))
+    def restart(self, effect: fx.Restart) -> fx.Outcome[None]:
         handle = self.handle
         assert handle is not None  # GetEngine came first
-        timeout = self.c.stop_timeout_s
-        # keep_standby: the restart below hands off to the warm standby
-        return self._timed("shutdown", lambda: handle.stop(timeout=timeout, keep_standby=True))
-
-    def _restart(self, effect: fx.Restart) -> fx.Outcome:
-        handle = self.handle
-        assert handle is not None  # GetEngine came first
-        kwargs: dict[str, Any] = {"skip_load_weights": True, "stop_timeout": self.c.stop_timeout_s}
+        kwargs: dict[str, Any] = {
+            "skip_load_weights": True,
+            "stop_timeout": self.c.settings.stop_timeout_s,
+        }
         if not effect.dummy:
             # the export's real weights, whatever format the launcher last used (a targeted
             # push restarts on dummy weights, and a spec may start on dummy ones)
@@ -977,78 +874,59 @@ class _AttemptExecutor:
             kwargs["model_path"] = effect.model_path
             if effect.weight_version is not None:
                 kwargs["weight_version"] = str(effect.weight_version)
-        with self._late_lock:
-            self._late_running = True
-        outcome = self._timed(
-            "restart",
-            lambda: handle.restart(**kwargs),
-            detail=_describe(kwargs),
-            on_late_finish=self._restart_ended_late,
-        )
-        run = self.run
-        if not isinstance(outcome, fx.TimedOut) or "before step" in outcome.error:
-            with self._late_lock:  # it ended (or never started): nothing runs late
-                self._late_running = False
-        if not isinstance(outcome, fx.Ok):
-            return outcome
-        run.restart_source = _start_source(handle)
-        if run.restart_source is not None and run.steps and run.steps[-1].name == "restart":
-            step = run.steps[-1]
-            note = f"source={run.restart_source} (standby was {run.standby_at_restart})"
-            run.steps[-1] = dataclasses.replace(
-                step, detail=bound_text(f"{note}; {step.detail}", _MAX_TEXT)
-            )
-        return outcome
-
-    def _await_healthy(self, _effect: fx.AwaitHealthy) -> fx.Outcome:
-        assert self.handle is not None
+        described = ", ".join(f"{k}={v}" for k, v in kwargs.items())
         try:
-            client = self.c._rebind(self.group, self.handle)
+            handle.restart(**kwargs)
         except Exception as exc:
             return fx.Failed(f"{type(exc).__name__}: {exc}")
-        return self._timed("health", lambda: self.c._wait_healthy(client, self.deadline))
+        source = self.run.restart_source = _start_source(handle)
+        self.note = described
+        if source is not None:
+            self.note = f"source={source} (standby was {self.run.standby_at_restart}); {described}"
+        return fx.DONE
 
-    def _report_members(self, effect: fx.ReportMembers) -> fx.Outcome:
-        group = self.c.registry.get(effect.group)
-        for rank in group.ranks:
-            healthy = effect.healthy
-            if healthy is None:
-                healthy = group.machine.members[rank].healthy
-            self.c.registry.report_member(
-                effect.group, rank, healthy=healthy, weights_version=effect.weights_version
-            )
-        return _OK
+    @handles(fx.AwaitHealthy, step=TimedStep("health"))
+    def await_healthy(self, _effect: fx.AwaitHealthy) -> fx.Outcome[None]:
+        assert self.handle is not None
+        try:
+            client = self._rebind(self.handle)
+            wait_healthy(client, self.deadline, self.c.settings.health_timeout_s)
+        except Exception as exc:
+            return fx.Failed(f"{type(exc).__name__}: {exc}")
+        return fx.DONE
+
+    def _rebind(self, handle: RestartableEngine) -> EngineClient | None:
+        """Point the group at the restarted engine's client (its URL may have changed)."""
+        group = self.c.registry.get(self.gid)
+        try:
+            client = handle.client
+        except Exception:
+            return group.client
+        current = group.client
+        if current is client or (current is not None and current.url == client.url):
+            return current
+        self.c.registry.rebind_clients(
+            self.gid, (client, *group.clients[1:]), (client.url, *group.endpoints[1:])
+        )
+        log.info("%s: group %s now served at %s", self.c.name, self.gid, client.url)
+        return client
 
     # ------------------------------------------------------------------ the targeted push
-    def _push_under_lock(self, effect: fx.PushUnderLock) -> fx.Outcome:
-        """The ``push`` step: :func:`~rollsafe.operations.recover.push_locked` run on its own
-        thread under the transport's lock (a push that times out keeps the lock until it
-        ends; one that had not got the lock yet is cancelled)."""
-        c, run = self.c, self.run
-        cancelled = threading.Event()
-
-        def section() -> recover_op.PushEnd:
-            with c.transport_lock:
-                if cancelled.is_set():
-                    return recover_op.PushEnd("deferred", "cancelled")
-                steps = recover_op.push_locked(effect.group, effect.keeps_weights)
-                return drive(steps, self.perform)
-
-        outcome = self._timed("push", section, cancel=cancelled)
-        if not isinstance(outcome, fx.Ok) or not run.steps or run.steps[-1].name != "push":
-            return outcome
-        end: recover_op.PushEnd = outcome.value
+    @handles(fx.PushUnderLock, step=TimedStep("push"))
+    def push_under_lock(self, effect: fx.PushUnderLock) -> fx.Outcome[fx.PushEnd]:
+        """The ``push`` step: :func:`~rollsafe.operations.recover.push_locked` under the
+        transport's lock (a push that times out keeps the lock until it ends; one that had not
+        got the lock yet gives up)."""
+        with self.c.transport_lock:
+            if self.cancel.is_set():
+                return fx.Ok(fx.PushEnd("deferred", "cancelled"))
+            end = drive(recover_op.push_locked(effect.group, effect.keeps_weights), self.perform)
         if end.result in ("refused", "cut_short"):  # cannot push to one group; it raised
-            run.steps[-1] = dataclasses.replace(
-                run.steps[-1], ok=False, detail=bound_text(end.why, _MAX_TEXT)
-            )
-        elif self._push_detail:
-            run.steps[-1] = dataclasses.replace(
-                run.steps[-1], detail=bound_text(self._push_detail, _MAX_TEXT)
-            )
-        return outcome
+            self.note, self.note_ok = end.why, False
+        return fx.Ok(end)
 
-    def _read_push_facts(self, effect: fx.ReadPushFacts) -> fx.Outcome:
+    @handles(fx.ReadPushFacts)
+    def read_push_facts(self, effect: fx.ReadPushFacts) -> fx.Outcome[fx.PushFacts]:
         c = self.c
         assert c.transport is not None  # the attempt checked can_push
         state = c.registry.get(effect.group).state
@@ -1056,7 +934,8 @@ class _AttemptExecutor:
             fx.PushFacts(c.transport.registration.published, c.registry.fleet_version, state)
         )
 
-    def _targeted_push(self, effect: fx.TargetedPush) -> fx.Outcome:
+    @handles(fx.TargetedPush)
+    def targeted_push(self, effect: fx.TargetedPush) -> fx.Outcome[fx.Pushed]:
         c = self.c
         transport = c.transport
         assert transport is not None
@@ -1069,7 +948,7 @@ class _AttemptExecutor:
             if _is_transport_error(exc):  # e.g. P2PUnavailable: this transport cannot do subsets
                 return fx.Ok(fx.Pushed({}, f"{type(exc).__name__}: {exc}", refused=True))
             return fx.Failed(f"step 'push': {type(exc).__name__}: {exc}")
-        self._push_detail = _push_detail(transport, target, report)
+        self.note = _push_detail(transport, target, report)
         result = report.results.get(target.name)
         ok = result is not None and result.ok
         why = result.reason if result is not None else "no result"
@@ -1086,13 +965,13 @@ def _standby_state(handle: RestartableEngine) -> StandbyState | None:
         return None
 
 
-def _start_source(handle: RestartableEngine) -> RestartSource | None:
+def _start_source(handle: RestartableEngine) -> StartSource | None:
     """Where the handle's last start came from (None: it does not tell); for the record only."""
     try:
         source = handle.last_start_source
     except Exception:
         return None
-    return source if source in RESTART_SOURCES else None
+    return source if source in START_SOURCES else None
 
 
 def _is_transport_error(error: BaseException) -> bool:
@@ -1111,7 +990,3 @@ def _push_detail(transport: WeightTransport, target: EngineTarget, report: Updat
     if result is not None and result.nbytes:
         text += f", {result.nbytes / 1e9:.3f} GB in {result.seconds:.3f}s"
     return text
-
-
-def _describe(kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in kwargs.items())

@@ -1,7 +1,7 @@
 """Request health: groups that fail requests leave routing, even when they pass health probes.
 
-Owns the request side of failure detection (the :class:`~rollsafe.fleet.HealthManager` owns the
-probe side; the two are counted and reported separately):
+Owns the request side of failure detection (the :class:`~rollsafe.fleet.health.HealthManager` owns
+the probe side; the two are counted and reported separately):
 
 * the router reports every request that failed retryably on a group (:meth:`failed`: a
   connection drop, a timeout, a 5xx, a stream cut short) and every request a group served
@@ -9,7 +9,7 @@ probe side; the two are counted and reported separately):
 * ``failure_threshold`` consecutive failed requests on one incarnation of a group (its
   ``generation``) send it ``fail``, exactly as probe failures do, and hand it to
   ``on_group_failed(group_id, reason)`` (the recovery coordinator);
-* failures are not counted while ``paused()`` says so (the health manager's pause around a
+* failures are not counted while ``health.paused`` says so (the health manager's pause around a
   weight sync), nor for a group that is not ``active``;
 * :meth:`stats`: the consecutive counts per group and the groups failed by requests.
 """
@@ -20,17 +20,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import rollsafe.policy as policy
 from rollsafe.errors import InvalidArgument
-from rollsafe.fleet.registry import FleetRegistry
+from rollsafe.registry import FleetRegistry
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.text import bound_text
 
 __all__ = ["RequestHealth"]
 
 log = logging.getLogger(__name__)
+
+
+class _Pausable(Protocol):
+    @property
+    def paused(self) -> bool: ...
 
 
 class RequestHealth:
@@ -42,7 +47,7 @@ class RequestHealth:
         *,
         failure_threshold: int = 3,
         on_group_failed: Callable[[str, str], object] | None = None,
-        paused: Callable[[], bool] | None = None,
+        health: _Pausable | None = None,
     ) -> None:
         if failure_threshold < 1:
             raise InvalidArgument(
@@ -51,7 +56,8 @@ class RequestHealth:
         self.registry = registry
         self.failure_threshold = failure_threshold
         self.on_group_failed = on_group_failed
-        self.paused = paused
+        #: the health checks whose pause this counting follows (a sync's push)
+        self.health = health
         self._lock = threading.Lock()
         self._counts: dict[str, tuple[int, int]] = {}  # group -> (generation, consecutive)
         self._failed_total: dict[str, int] = {}
@@ -59,7 +65,7 @@ class RequestHealth:
 
     def failed(self, group_id: str, exc: BaseException | None = None) -> None:
         """A request failed retryably on ``group_id`` (the router's error hook)."""
-        if self.paused is not None and self.paused():
+        if self.health is not None and self.health.paused:
             return
         if group_id not in self.registry:
             return

@@ -38,14 +38,14 @@ from rollsafe.adapters.engines.errors import (
 )
 from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.provenance import Segment, off_policy, versions_used
-from rollsafe.fleet.registry import (
+from rollsafe.ports import GenerateResult
+from rollsafe.registry import (
     FleetError,
     FleetListener,
     FleetRegistry,
     GroupTransition,
     WorkerGroup,
 )
-from rollsafe.ports import GenerateResult
 from rollsafe.text import bound_text
 
 __all__ = [
@@ -292,7 +292,7 @@ class Router(FleetListener):
         with self._lock:
             self._drop_session(session_id)
 
-    def _pin(self, session_id: str, group_id: str) -> None:
+    def pin(self, session_id: str, group_id: str) -> None:
         with self._lock:
             old = self._sessions.get(session_id)
             if old == group_id:
@@ -356,7 +356,7 @@ class Router(FleetListener):
             group = tied[next(self._rotor) % len(tied)]
             if group.begin_request() is not None:
                 if session_id is not None:
-                    self._pin(session_id, group.group_id)
+                    self.pin(session_id, group.group_id)
                 return group
             candidates.remove(group)  # left routing since the snapshot
         return None
@@ -417,25 +417,25 @@ class Router(FleetListener):
                 attempts.append((group.group_id, type(exc).__name__))
                 notes.append(f"{group.group_id}: {type(exc).__name__}: {exc}")
                 last_exc = exc
-                self._request_failed(group.group_id, exc, notify=retryable)
+                self.request_failed(group.group_id, exc, notify=retryable)
                 if not retryable:
-                    raise self._failed(attempts, notes, retryable=False) from exc
+                    raise self.failure(attempts, notes, retryable=False) from exc
                 if session_id is not None and self.session_group(session_id) == group.group_id:
                     self.end_session(session_id)
                 if attempt < self.max_attempts:
-                    self._count_retry()
+                    self.count_retry()
                 continue
             except BaseException:
                 group.end_request(ok=False, error="request interrupted")
                 raise
             group.end_request(ok=True)
-            self._request_ok(group.group_id)
+            self.request_ok(group.group_id)
             if session_id is not None:
-                self._pin(session_id, group.group_id)
-            self._count_served(group.group_id)
+                self.pin(session_id, group.group_id)
+            self.count_served(group.group_id)
             return RoutedResult(result, group.group_id, attempt)
         assert last_exc is not None
-        raise self._failed(attempts, notes, retryable=True) from last_exc
+        raise self.failure(attempts, notes, retryable=True) from last_exc
 
     # ------------------------------------------------------------------ partial rollouts
     def hold(self) -> None:
@@ -458,7 +458,7 @@ class Router(FleetListener):
         clients = [g.client for g in self.registry.groups()]
         return bool(clients) and all(isinstance(c, StreamingClient) for c in clients)
 
-    def _request_failed(self, group_id: str, exc: EngineError, *, notify: bool = True) -> None:
+    def request_failed(self, group_id: str, exc: EngineError, *, notify: bool = True) -> None:
         """A request failed on ``group_id``: count it; tell the hook when ``notify`` (a
         retryable failure: the group's fault, not the request's)."""
         with self._lock:
@@ -469,22 +469,22 @@ class Router(FleetListener):
             except Exception:
                 log.exception("router on_group_error hook raised; continuing")
 
-    def _request_ok(self, group_id: str) -> None:
+    def request_ok(self, group_id: str) -> None:
         if self.on_group_ok is not None:
             try:
                 self.on_group_ok(group_id)
             except Exception:
                 log.exception("router on_group_ok hook raised; continuing")
 
-    def _count_retry(self) -> None:
+    def count_retry(self) -> None:
         with self._lock:
             self._retries += 1
 
-    def _count_served(self, group_id: str) -> None:
+    def count_served(self, group_id: str) -> None:
         with self._lock:
             self._served[group_id] += 1
 
-    def _failed(
+    def failure(
         self, attempts: Sequence[tuple[str, str]], notes: Sequence[str], *, retryable: bool
     ) -> RequestFailed:
         kind = "retryable" if retryable else "final"

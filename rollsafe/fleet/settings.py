@@ -1,10 +1,11 @@
 """The fleet components' settings: the one place their defaults live, validated on construction.
 
-Owns :class:`HealthSettings` (the :class:`~rollsafe.fleet.HealthManager`'s probing) and
-:class:`RecoverySettings` (the :class:`~rollsafe.fleet.RecoveryCoordinator`'s pool, deadlines and
-retries, plus the fleet-level restart budget and targeted-push switch). Each component takes its
-settings object; its public keyword arguments (``interval_s=``, ``recovery_timeout_s=``...)
-still work and override the object's fields. A bad value raises :class:`FleetConfigError` naming
+Owns :class:`HealthSettings` (the :class:`~rollsafe.fleet.health.HealthManager`'s probing) and
+:class:`RecoverySettings` (the :class:`~rollsafe.fleet.recovery.RecoveryCoordinator`'s pool,
+deadlines and retries, plus the fleet-level restart budget and targeted-push switch). Each
+component takes its settings object (``settings=``); the ``HealthManager``'s keyword arguments
+(``interval_s=``...) override the object's fields, the ``RecoveryCoordinator`` has none that
+mirror a field (``rc.settings`` holds them). A bad value raises :class:`FleetConfigError` naming
 the field (``health.interval_s``) when the settings object is built, before anything starts.
 
 A fleet transport is one class: a frozen :class:`TransportSettings` subclass that names its
@@ -30,10 +31,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from rollsafe.errors import InvalidArgument, InvalidArgumentType
-from rollsafe.fleet.registry import FleetError
+from rollsafe.registry import FleetError
 from rollsafe.transports.delta import DeltaSettings
 
 if TYPE_CHECKING:
+    from rollsafe.adapters.engines import EngineSpec
     from rollsafe.ports import WeightTransport
 
 __all__ = [
@@ -49,7 +51,6 @@ __all__ = [
     "RecoverySettings",
     "TransportContext",
     "TransportSettings",
-    "engine_dialect",
     "topology_fallback",
     "topology_refusal",
     "with_overrides",
@@ -84,14 +85,12 @@ def check_number(
 class HealthSettings:
     """How the health manager probes: every ``interval_s`` (or at once on a wake), each probe
     bounded by ``timeout_s``; ``failure_threshold`` consecutive failures of a rank fail its
-    group. ``max_workers`` is validated but caps nothing: each sync probe runs on a daemon
-    thread of its own and a group whose probe hangs is not probed again, so at most one probe
-    thread per group is alive."""
+    group. No pool to size: each sync probe runs on a daemon thread of its own and a group
+    whose probe hangs is not probed again, so at most one probe thread per group is alive."""
 
     interval_s: float = 0.5
     timeout_s: float = 2.0
     failure_threshold: int = 2
-    max_workers: int = 64
 
     def __post_init__(self) -> None:
         check_number("health.interval_s", self.interval_s, alias="interval_s=")
@@ -102,7 +101,6 @@ class HealthSettings:
             integer=True,
             alias="failure_threshold=",
         )
-        check_number("health.max_workers", self.max_workers, integer=True, alias="max_workers=")
 
 
 @dataclass(frozen=True)
@@ -169,7 +167,7 @@ class RaySettings:
     placement may wait for room; ``spread``: hint each group at the node holding the fewest of
     the fleet's groups; ``address``: the cluster to join (None: ``RAY_ADDRESS``, else a new
     local Ray; an already initialised Ray is used as it is); ``bind_node_ip``: engines listen
-    on their node's IP so the trainer's node reaches them (False: ``engine_options["host"]``,
+    on their node's IP so the trainer's node reaches them (False: the engine's ``host``,
     loopback by default, which only a one-machine cluster reaches); ``shared_exports``:
     declare ``export_root`` the same directory on every node (shared storage), checked at
     start by reading a probe file back on every alive node (within ``placement_timeout_s``;
@@ -297,22 +295,18 @@ TRANSPORT_SETTINGS: dict[str, type[TransportSettings]] = {}
 CE_P2P_PROTOCOLS = ("rdma", "tcp")
 
 
-def engine_dialect(engine_options: Mapping[str, Any]) -> str:
-    """The HTTP dialect the fleet's engines speak (``"sglang"`` or ``"vllm"``)."""
-    kind = engine_options.get("kind")
-    return str(engine_options.get("dialect") or ("vllm" if kind == "vllm" else "sglang"))
-
-
 @dataclass(frozen=True)
 class TransportContext:
     """What a transport's builder knows of the fleet it serves: the transport's ``world_size``
     (every engine rank of every group), the ``groups`` as ``(group_id, engine ranks)`` in
-    config order (``FleetConfig.groups[i]`` is ``groups[i]``), the ``engine_options``
-    (``dialect``, ``device``, ``kind``...) and the fleet's ``exporter``."""
+    config order (``FleetConfig.groups[i]`` is ``groups[i]``), the ``engine`` template
+    (:class:`~rollsafe.adapters.engines.EngineSpec`: ``kind``, ``dialect``, ``device``...) and
+    the fleet's ``exporter``."""
 
     world_size: int
     groups: tuple[tuple[str, int], ...] = ()
-    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    #: the fleet's engine template (None: not known, a transport built outside a fleet)
+    engine: EngineSpec | None = None
     #: the fleet's :class:`~rollsafe.hf.HFExporter` (``disk`` loads its exports)
     exporter: Any = None
 
@@ -367,9 +361,9 @@ class TransportSettings:
         """The key errors name for field ``name``: ``<transport>.<name>`` (``nccl.backend``)."""
         return f"{self.transport}.{name}"
 
-    def check_engines(self, engine_options: Mapping[str, Any]) -> None:
-        """Raise :class:`FleetConfigError` if this transport can never serve such engines
-        (checked when the config is built). The base accepts every engine."""
+    def check_engines(self, engine: EngineSpec) -> None:
+        """Raise :class:`FleetConfigError` if this transport can never serve engines started
+        from ``engine`` (checked when the config is built). The base accepts every engine."""
 
     def fallback_reasons(self, context: TransportContext) -> list[str]:
         """Why the fleet must build ``fallback`` instead (empty: build this one; checked at
@@ -402,8 +396,8 @@ class IpcSettings(TransportSettings):
             )
         check_delta(self.key("delta"), self.delta)
 
-    def check_engines(self, engine_options: Mapping[str, Any]) -> None:
-        if engine_dialect(engine_options) == "vllm":
+    def check_engines(self, engine: EngineSpec) -> None:
+        if engine.dialect == "vllm":
             raise FleetConfigError(
                 "transport",
                 "'ipc' pushes through /update_weights_from_tensor, which vLLM 0.33.0 does not "
@@ -566,7 +560,12 @@ class CheckpointEngineSettings(TransportSettings):
     def fallback_reasons(self, context: TransportContext) -> list[str]:
         from rollsafe.transports.checkpoint_engine import fleet_fallback_reasons
 
-        return fleet_fallback_reasons(context.engine_options)
+        engine = context.engine
+        if engine is None:  # no fleet's engines to judge: the reference engine's defaults
+            return fleet_fallback_reasons()
+        return fleet_fallback_reasons(
+            kind=engine.kind, dialect=str(engine.dialect), device=engine.device
+        )
 
     def build(self, context: TransportContext) -> WeightTransport:
         """The fleet's checkpoint-engine transport (its parameter server is this process)."""

@@ -48,11 +48,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
-from rollsafe.fleet.registry import FleetError, FleetRegistry, WorkerGroup
 from rollsafe.operations import sync as sync_op
 from rollsafe.operations.effects import drive
-from rollsafe.statemachines.base import TransitionRefused
-from rollsafe.statemachines.events import GroupEvent
+from rollsafe.operations.executor import Executor, handles
+from rollsafe.registry import FleetError, FleetRegistry, RegistryEffects, WorkerGroup
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 from rollsafe.text import bound_text
 
@@ -159,6 +158,8 @@ class ExporterLike(Protocol):
 
     def cleanup(self) -> list[Path]: ...
 
+    def exports(self) -> list[ExportRecord]: ...
+
 
 class _HealthPause(Protocol):
     def pause(self) -> None: ...
@@ -226,14 +227,14 @@ class SyncReport:
 class SyncCoordinator:
     """Runs weight syncs of a :class:`FleetRegistry`'s groups through one transport.
 
-    ``transport``: any :class:`~rollsafe.transports.WeightTransport`. ``exporter``: an
+    ``transport``: any :class:`~rollsafe.ports.WeightTransport`. ``exporter``: an
     :class:`~rollsafe.hf.HFExporter` (optional: without it no export is judged or started).
     ``mode``: the fleet's :class:`ImmediateRecoveryMode` (optional). ``targets_for(group)``
     builds the transport target of a group (default :func:`default_target`).
 
     Colocated hooks (all optional, plain callables, run in this order around the update):
     ``offload_trainer()`` after register, ``onload_engines()`` before the update,
-    ``onload_trainer()`` after it. ``health`` (a :class:`~rollsafe.fleet.HealthManager`) is
+    ``onload_trainer()`` after it. ``health`` (a :class:`~rollsafe.fleet.health.HealthManager`) is
     paused from before the first hook until after the last one.
 
     ``on_update_failure``: ``"fail"`` (default) sends ``fail`` to a group whose update failed and
@@ -284,9 +285,11 @@ class SyncCoordinator:
         self.abandon_wait_s = abandon_wait_s
         self.traits_for = traits_for or default_traits
         self.transport_lock = transport_lock or shared_transport_lock(transport)
+        #: the registry's effects (one handler in the code base)
+        self.registry_effects = RegistryEffects(registry)
+        #: the export the next sync judges
+        self.exports = ExportTrack()
         self._sync_lock = threading.Lock()
-        self._last_export_version: int | None = None
-        self._judged: set[int] = set()
         self._reports: deque[SyncReport] = deque(maxlen=_REPORTS_KEPT)
 
     # ------------------------------------------------------------------ inspection
@@ -301,14 +304,13 @@ class SyncCoordinator:
     @property
     def last_export_version(self) -> int | None:
         """The version whose export this coordinator started last."""
-        return self._last_export_version
+        return self.exports.last
 
     def track_export(self, version: int) -> None:
         """Judge the export of ``version`` at the next sync, as if this coordinator had started
         it (for an export the embedding fleet started itself, e.g. of the initial weights)."""
         with self._sync_lock:
-            self._last_export_version = version
-            self._judged.discard(version)
+            self.exports.started(version)
 
     # ------------------------------------------------------------------ the sync
     def sync(
@@ -378,6 +380,16 @@ class SyncCoordinator:
             result = drive(sync_op.sync(version, on_failure=self.on_update_failure), run.perform)
         finally:
             run.close()  # an exception mid-sync: the transport lock and the pause are released
+        for gid in result.failed:
+            why = report.update_results[gid].reason if gid in report.update_results else ""
+            settled = (
+                "taken out of routing"
+                if gid in result.failed_groups
+                else "left for the next sync"
+                if gid in result.marked_stale
+                else "it moved meanwhile"
+            )
+            log.warning("sync v%d: update of group %s failed (%s): %s", version, gid, why, settled)
         report.ok = result.ok
         report.error = result.error
         report.previous_export = result.previous_export
@@ -402,27 +414,34 @@ class SyncCoordinator:
             log.error("sync v%d: %s; no export started", version, result.error)
 
 
-#: Which timing of :attr:`SyncReport.timings` an effect's seconds count toward (hooks: their own).
-_TIMED: dict[type[fx.Effect], str] = {
-    fx.ObserveExport: "judge_export_s",
-    fx.ExportJudged: "judge_export_s",
-    fx.SendMode: "judge_export_s",
-    fx.AbandonExport: "judge_export_s",
-    fx.Register: "register_s",
-    fx.ReadGroups: "update_s",
-    fx.PrepareTargets: "update_s",
-    fx.Update: "update_s",
-    fx.RecordVersions: "versions_s",
-    fx.SetFleetVersion: "versions_s",
-    fx.SendGroup: "versions_s",
-    fx.HandOff: "versions_s",
-    fx.StartExport: "export_start_s",
-}
+class ExportTrack:
+    """Which export the next sync judges: the one started last, judged once."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+        self._judged: set[int] = set()
+
+    def started(self, version: int) -> None:
+        """The export of ``version`` started (or was adopted): the next sync judges it."""
+        self.last = version
+        self._judged.discard(version)
+
+    def take(self) -> int | None:
+        """The export to judge now, once: None when there is none or it was judged."""
+        if self.last is None or self.last in self._judged:
+            return None
+        self._judged.add(self.last)
+        return self.last
 
 
-class _SyncRun:
+class _SyncRun(Executor):
     """The fleet's executor of one sync's effects: the real I/O, the lock, the timings, the
-    logs and the :class:`SyncReport`'s per-target details."""
+    logs and the :class:`SyncReport`'s per-target details. Each handler declares the timing of
+    :attr:`SyncReport.timings` its seconds count toward (``step=``; a hook times itself); the
+    registry's effects (the settlement) are the registry's own handlers and count toward
+    ``versions_s``."""
+
+    parts = {RegistryEffects: "registry_effects"}
 
     def __init__(
         self,
@@ -432,6 +451,7 @@ class _SyncRun:
         around_update: contextlib.AbstractContextManager[object] | None,
     ) -> None:
         self.c = coordinator
+        self.registry_effects = coordinator.registry_effects
         self.weights = weights
         self.report = report
         self.around_update = around_update
@@ -440,36 +460,18 @@ class _SyncRun:
         self.handle: Any = None  # the previous export's handle, once observed
         self.groups: dict[str, WorkerGroup] = {}
         self.targets: list[EngineTarget] = []
-        self.handlers: dict[type[fx.Effect], Callable[[Any], fx.Outcome]] = {
-            fx.ObserveExport: self.observe_export,
-            fx.ExportJudged: self.export_judged,
-            fx.SendMode: self.send_mode,
-            fx.AbandonExport: self.abandon_export,
-            fx.LockTransport: self.lock,
-            fx.UnlockTransport: self.unlock,
-            fx.Register: self.register,
-            fx.Pause: self.pause,
-            fx.Resume: self.resume,
-            fx.Hook: self.hook,
-            fx.ReadGroups: self.read_groups,
-            fx.PrepareTargets: self.prepare_targets,
-            fx.Update: self.update,
-            fx.RecordVersions: self.record_versions,
-            fx.SetFleetVersion: self.set_fleet_version,
-            fx.SendGroup: self.send_group,
-            fx.HandOff: self.hand_off,
-            fx.StartExport: self.start_export,
-        }
 
-    def perform(self, effect: fx.Effect) -> fx.Outcome:
-        key = _TIMED.get(type(effect))
+    def perform(self, effect: fx.Effect[Any]) -> fx.Outcome[Any]:
+        step = self.declared_steps.get(type(effect))
+        if step is None and type(effect) in RegistryEffects.table:
+            step = "versions_s"
         t = time.perf_counter()
         try:
-            return self.handlers[type(effect)](effect)
+            return super().perform(effect)
         finally:
-            if key is not None:
+            if step is not None:
                 timings = self.report.timings
-                timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
+                timings[step] = timings.get(step, 0.0) + time.perf_counter() - t
 
     def close(self) -> None:
         if self.locked:
@@ -477,12 +479,13 @@ class _SyncRun:
         self.resume(fx.Resume())
 
     # -- the previous export
-    def observe_export(self, _effect: fx.ObserveExport) -> fx.Outcome:
+    @handles(fx.ObserveExport, step="judge_export_s")
+    def observe_export(self, _effect: fx.ObserveExport) -> fx.Outcome[fx.ExportSeen | None]:
         c, report = self.c, self.report
-        exporter, prev = c.exporter, c._last_export_version
-        if exporter is None or prev is None or prev in c._judged:
+        exporter = c.exporter
+        prev = c.exports.take() if exporter is not None else None
+        if exporter is None or prev is None:
             return fx.Ok(None)
-        c._judged.add(prev)
         report.previous_export_version = prev
         mode_state = c.mode.state if c.mode is not None else None
         try:
@@ -499,7 +502,8 @@ class _SyncRun:
             observed = str(handle.lifecycle.state)
         return fx.Ok(fx.ExportSeen(prev, observed, mode_state))
 
-    def export_judged(self, effect: fx.ExportJudged) -> fx.Outcome:
+    @handles(fx.ExportJudged, step="judge_export_s")
+    def export_judged(self, effect: fx.ExportJudged) -> fx.Outcome[None]:
         self.report.previous_export = effect.judgement
         if effect.judgement == "failed":
             log.warning(
@@ -508,18 +512,20 @@ class _SyncRun:
                 effect.version,
                 effect.observed,
             )
-        return _OK
+        return fx.DONE
 
-    def send_mode(self, effect: fx.SendMode) -> fx.Outcome:
+    @handles(fx.SendMode, step="judge_export_s")
+    def send_mode(self, effect: fx.SendMode) -> fx.Outcome[None]:
         if self.c.mode is not None:
             self.c.mode.send(effect.event)
-        return _OK
+        return fx.DONE
 
-    def abandon_export(self, effect: fx.AbandonExport) -> fx.Outcome:
+    @handles(fx.AbandonExport, step="judge_export_s")
+    def abandon_export(self, effect: fx.AbandonExport) -> fx.Outcome[None]:
         c, version, prev = self.c, self.report.version, effect.version
         exporter = c.exporter
         if exporter is None:
-            return _OK
+            return fx.DONE
         abandoned = exporter.abandon(prev, reason=effect.reason)
         log.warning(
             "sync v%d: export v%d was not ready in time: abandoned (%s), immediate recovery %s",
@@ -537,21 +543,24 @@ class _SyncRun:
             exporter.cleanup()
         except Exception:
             log.exception("sync v%d: cleaning up after abandoned export v%d failed", version, prev)
-        return _OK
+        return fx.DONE
 
     # -- register, pause, hooks
-    def lock(self, _effect: fx.LockTransport) -> fx.Outcome:
+    @handles(fx.LockTransport)
+    def lock(self, _effect: fx.LockTransport) -> fx.Outcome[None]:
         self.c.transport_lock.acquire()
         self.locked = True
-        return _OK
+        return fx.DONE
 
-    def unlock(self, _effect: fx.UnlockTransport) -> fx.Outcome:
+    @handles(fx.UnlockTransport)
+    def unlock(self, _effect: fx.UnlockTransport) -> fx.Outcome[None]:
         if self.locked:
             self.locked = False
             self.c.transport_lock.release()
-        return _OK
+        return fx.DONE
 
-    def register(self, effect: fx.Register) -> fx.Outcome:
+    @handles(fx.Register, step="register_s")
+    def register(self, effect: fx.Register) -> fx.Outcome[tuple[str, int] | None]:
         transport = self.c.transport
         log.info("sync v%d: registering with %s", effect.version, transport.name)
         try:
@@ -560,22 +569,25 @@ class _SyncRun:
             return fx.Failed(f"{type(exc).__name__}: {exc}")
         return fx.Ok(transport.registration.published)
 
-    def pause(self, _effect: fx.Pause) -> fx.Outcome:
+    @handles(fx.Pause)
+    def pause(self, _effect: fx.Pause) -> fx.Outcome[None]:
         if self.c.health is not None:
             self.c.health.pause()
             self.paused = True
         if self.around_update is not None:
             self.bracket.enter_context(self.around_update)
-        return _OK
+        return fx.DONE
 
-    def resume(self, _effect: fx.Resume) -> fx.Outcome:
+    @handles(fx.Resume)
+    def resume(self, _effect: fx.Resume) -> fx.Outcome[None]:
         self.bracket.close()
         if self.paused and self.c.health is not None:
             self.paused = False
             self.c.health.resume()
-        return _OK
+        return fx.DONE
 
-    def hook(self, effect: fx.Hook) -> fx.Outcome:
+    @handles(fx.Hook)
+    def hook(self, effect: fx.Hook) -> fx.Outcome[None]:
         """Run a colocated hook; one that raises is :class:`~rollsafe.operations.Failed`."""
         hooks: dict[str, Callable[[], object] | None] = {
             "offload_trainer": self.c.offload_trainer,
@@ -584,7 +596,7 @@ class _SyncRun:
         }
         fn = hooks[effect.name]  # a KeyError: the operation names a hook the fleet lacks
         if fn is None:
-            return _OK
+            return fx.DONE
         t = time.perf_counter()
         log.info("sync v%d: running %s", self.report.version, effect.name)
         try:
@@ -593,10 +605,11 @@ class _SyncRun:
             return fx.Failed(f"{type(exc).__name__}: {exc}")
         finally:
             self.report.timings[f"{effect.name}_s"] = time.perf_counter() - t
-        return _OK
+        return fx.DONE
 
     # -- the update
-    def read_groups(self, _effect: fx.ReadGroups) -> fx.Outcome:
+    @handles(fx.ReadGroups, step="update_s")
+    def read_groups(self, _effect: fx.ReadGroups) -> fx.Outcome[tuple[policy.GroupFacts, ...]]:
         facts: list[policy.GroupFacts] = []
         for group in self.c.registry.groups():
             members = group.machine.members
@@ -612,7 +625,8 @@ class _SyncRun:
             self.groups[group.group_id] = group
         return fx.Ok(tuple(facts))
 
-    def prepare_targets(self, effect: fx.PrepareTargets) -> fx.Outcome:
+    @handles(fx.PrepareTargets, step="update_s")
+    def prepare_targets(self, effect: fx.PrepareTargets) -> fx.Outcome[Mapping[str, str]]:
         refused: dict[str, str] = {}
         for facts in effect.groups:
             gid = facts.group_id
@@ -628,7 +642,8 @@ class _SyncRun:
             raise SyncError(f"targets_for must name targets after their group ids; got {missing}")
         return fx.Ok(refused)
 
-    def update(self, effect: fx.Update) -> fx.Outcome:
+    @handles(fx.Update, step="update_s")
+    def update(self, effect: fx.Update) -> fx.Outcome[fx.UpdateDone]:
         from rollsafe.ports import TargetResult
 
         report, targets, groups = self.report, self.targets, self.groups
@@ -647,8 +662,8 @@ class _SyncRun:
             report.update_results = {t.name: TargetResult(t.name, False, reason) for t in targets}
             return fx.Failed(reason)
         report.update_results = dict(update.results)
-        record_of = getattr(self.c.transport, "delta_record", None)
-        record = record_of() if callable(record_of) else None
+        deltas = self.c.transport.deltas
+        record = deltas.last() if deltas is not None else None
         if record is not None and record.version == effect.version:
             report.delta = record.as_dict()
             log.info("sync v%d: %s", effect.version, record.summary())
@@ -663,57 +678,29 @@ class _SyncRun:
         }
         return fx.Ok(fx.UpdateDone(rank_ok, moved))
 
-    # -- the settlement
-    def record_versions(self, effect: fx.RecordVersions) -> fx.Outcome:
-        reg = self.c.registry
-        for gid in effect.groups:
-            for rank, facts in self.groups[gid].machine.members.items():
-                reg.report_member(gid, rank, healthy=facts.healthy, weights_version=effect.version)
-        return _OK
-
-    def set_fleet_version(self, effect: fx.SetFleetVersion) -> fx.Outcome:
-        self.c.registry.fleet_version = effect.version
-        self.report.fleet_version_after = effect.version
-        return _OK
-
-    def send_group(self, effect: fx.SendGroup) -> fx.Outcome:
-        gid, event, version = effect.group, effect.event, self.report.version
-        try:
-            self.c.registry.send(gid, event)
-        except TransitionRefused as exc:  # it moved meanwhile (failed, for instance)
-            log.info("sync v%d: group %s: %s", version, gid, exc)
-            return fx.Failed(str(exc))
-        result = self.report.update_results.get(gid)
-        if result is not None and not result.ok:
-            log.warning(
-                "sync v%d: update of group %s failed (%s): %s",
-                version,
-                gid,
-                result.reason,
-                "taken out of routing" if event is GroupEvent.FAIL else "left for the next sync",
-            )
-        return _OK
-
-    def hand_off(self, effect: fx.HandOff) -> fx.Outcome:
+    # -- the settlement (the registry's effects are the registry's handlers)
+    @handles(fx.HandOff, step="versions_s")
+    def hand_off(self, effect: fx.HandOff) -> fx.Outcome[None]:
         on_group_failed = self.c.on_group_failed
         if on_group_failed is None:
-            return _OK
+            return fx.DONE
         result = self.report.update_results.get(effect.group)
         try:
             on_group_failed(effect.group, result.reason if result is not None else "")
         except Exception:
             log.exception("on_group_failed raised for %s", effect.group)
-        return _OK
+        return fx.DONE
 
     # -- the export
-    def start_export(self, effect: fx.StartExport) -> fx.Outcome:
+    @handles(fx.StartExport, step="export_start_s")
+    def start_export(self, effect: fx.StartExport) -> fx.Outcome[bool]:
         c, version = self.c, effect.version
         exporter = c.exporter
         if exporter is None:
             return fx.Ok(False)
         if exporter.latest_ready(version) is not None:
             # the transport wrote it to sync through it (disk): the export is already there
-            c._last_export_version = version
+            c.exports.started(version)
             log.info("sync v%d: export already written by the transport", version)
             return fx.Ok(True)
         try:
@@ -722,12 +709,9 @@ class _SyncRun:
             error = bound_text(f"{type(exc).__name__}: {exc}", _MAX_ERROR)
             log.error("sync v%d: the export did not start: %s", version, error)
             return fx.Failed(error)
-        c._last_export_version = version
+        c.exports.started(version)
         log.info("sync v%d: export started", version)
         return fx.Ok(True)
-
-
-_OK = fx.Ok()
 
 
 def _ok_result(result: TargetResult | None) -> bool:

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     import torch
 
     from rollsafe.ports import EngineClient, WeightsChecksum
+    from rollsafe.registry import FleetRegistry
 
-__all__ = ["check_engine", "expected_digests", "read_config"]
+__all__ = ["check_engine", "check_engines", "engine_checksums", "expected_digests", "read_config"]
 
 
 def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -69,3 +70,44 @@ def check_engine(
     ``EngineError`` when it does not answer)."""
     reported = client.weights_checksum(timeout=timeout)
     return reported.check(expected_digests(weights, reported, config, dialect=client.dialect))
+
+
+def check_engines(
+    registry: FleetRegistry,
+    weights: Mapping[str, torch.Tensor],
+    model_dir: str | os.PathLike[str],
+    *,
+    timeout: float | None = None,
+) -> dict[str, DigestCheck | None]:
+    """Every group's engine checked against ``weights`` (the layout read from ``model_dir``'s
+    ``config.json``); None for a group whose engine did not answer or has no client."""
+    config = read_config(model_dir)
+    out: dict[str, DigestCheck | None] = {}
+    for group in registry.groups():
+        client = group.client
+        try:
+            out[group.group_id] = (
+                check_engine(client, weights, config, timeout=timeout) if client else None
+            )
+        except Exception:
+            out[group.group_id] = None
+    return out
+
+
+def engine_checksums(
+    registry: FleetRegistry, *, timeout: float | None = None
+) -> dict[str, str | None]:
+    """Each group's engine model digest from its own weight checker (None if it did not
+    answer). Equal model digests say two engines of one kind report the same; against a
+    trainer use :func:`check_engines` (per tensor, in the engine's layout, never "equal"
+    without data). ``rollsafe.checksum.weights_checksum(w, algorithm)["model"]`` equals an
+    SGLang-dialect engine's; vLLM reports fused parameter names and, on CPU, empty digests for
+    linear weights, so its model digest is not a trainer's."""
+    out: dict[str, str | None] = {}
+    for group in registry.groups():
+        client = group.client
+        try:
+            out[group.group_id] = client.weights_checksum(timeout=timeout).model if client else None
+        except Exception:
+            out[group.group_id] = None
+    return out

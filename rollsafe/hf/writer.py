@@ -141,14 +141,14 @@ def build_manifest(
     version: int, files: Iterable[FileRecord], keys: Iterable[str], extra: Mapping[str, Any]
 ) -> dict[str, Any]:
     """``rollsafe-manifest.json``: version, every file's size and SHA-256, keys, provenance."""
-    from rollsafe import __version__
+    from rollsafe.version import VERSION
 
     return {
         "format": MANIFEST_FORMAT,
         "version": version,
         "created": time.time(),
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "rollsafe_version": __version__,
+        "rollsafe_version": VERSION,
         "files": {
             f.name: {"size": f.size, "sha256": f.sha256}
             for f in sorted(files, key=lambda f: f.name)

@@ -33,13 +33,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollsafe.errors import InvalidArgument
-from rollsafe.fleet.registry import FleetListener, GroupTransition, WorkerGroup
+from rollsafe.registry import FleetListener, GroupTransition, WorkerGroup
 from rollsafe.statemachines.base import MissingGuardInput, TransitionRefused
-from rollsafe.statemachines.events import GroupEvent, event_name
 from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
 
 if TYPE_CHECKING:
-    from rollsafe.fleet.fleet import RolloutFleet
+    from rollsafe.observe.view import FleetView
 
 __all__ = ["INSTALL_HINT", "METRICS", "FleetMetrics", "MetricSpec", "require_prometheus"]
 
@@ -323,7 +322,7 @@ class FleetMetrics(FleetListener):
 
     def __init__(
         self,
-        fleet: RolloutFleet,
+        fleet: FleetView,
         *,
         registry: Any = None,
         port: int | None = None,
@@ -365,8 +364,6 @@ class FleetMetrics(FleetListener):
         self._collector = _Collector(self, prom)
         self.registry.register(self._collector)
         fleet.registry.add_listener(self)
-        self._original_send = fleet.registry.send
-        setattr(fleet.registry, "send", self._counting_send)  # noqa: B010
 
     # ------------------------------------------------------------------ server
     def serve(self) -> int:
@@ -408,25 +405,18 @@ class FleetMetrics(FleetListener):
         with contextlib.suppress(KeyError):
             self.registry.unregister(self._collector)
         self.fleet.registry.remove_listener(self)
-        if getattr(self.fleet.registry, "send", None) == self._counting_send:
-            with contextlib.suppress(AttributeError):
-                delattr(self.fleet.registry, "send")
 
     # ------------------------------------------------------------------ event hooks
     def on_transition(self, group: WorkerGroup, record: GroupTransition) -> None:
         with self._lock:
             self._transitions[(type(group.machine).__name__, record.event)] += 1
 
-    def _counting_send(self, group_id: str, event: GroupEvent, **kwargs: Any) -> GroupTransition:
-        try:
-            return self._original_send(group_id, event, **kwargs)
-        except TransitionRefused as exc:
-            # the class name only: the machine's label carries the group id
-            label = str(getattr(exc, "machine_label", "")).split("(")[0]
-            label = label or WorkerGroupLifecycle.__name__
-            with self._lock:
-                self._refused[(label, event_name(event), refusal_guard(exc))] += 1
-            raise
+    def on_refused(self, group: WorkerGroup, event: str, error: TransitionRefused) -> None:
+        """The registry refused ``event`` for ``group`` (its machine's guard said no)."""
+        # the class name only: the machine's label carries the group id
+        label = error.machine_label.split("(")[0] or WorkerGroupLifecycle.__name__
+        with self._lock:
+            self._refused[(label, event, refusal_guard(error))] += 1
 
     # ------------------------------------------------------------------ refresh
     def refresh(self) -> None:

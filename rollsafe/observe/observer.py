@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from rollsafe.errors import InvalidArgument
 
 if TYPE_CHECKING:  # no runtime import: rollsafe.fleet imports this module
-    from rollsafe.fleet.registry import FleetRegistry, GroupTransition, WorkerGroup
+    from rollsafe.registry import FleetRegistry, GroupTransition, WorkerGroup
 
 __all__ = ["Episode", "FleetObserver", "RequestSample"]
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from rollsafe.errors import RollsafeError
 
 if TYPE_CHECKING:
-    from rollsafe.fleet.fleet import RolloutFleet
+    from rollsafe.observe.view import FleetView
 
 __all__ = [
     "FORMAT",
@@ -123,7 +123,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def build_rows(
-    fleet: RolloutFleet, *, t0: float | None = None, marks: Iterable[Mapping[str, Any]] = ()
+    fleet: FleetView, *, t0: float | None = None, marks: Iterable[Mapping[str, Any]] = ()
 ) -> list[dict[str, Any]]:
     """Every row of ``fleet``'s run so far (see the module doc), ``t`` counted from ``t0``
     (default: when the fleet started). ``marks``: extra ``{"kind": "crash", "group": gid,

@@ -235,6 +235,24 @@ def _nice(x: float) -> float:
 
 
 # ---------------------------------------------------------------------------- drawing
+#: the title's font size, and the width of one of its characters at most (bold sans serif)
+TITLE_FONT = 15
+TITLE_CHAR_W = 0.62 * TITLE_FONT
+
+
+def title_lines(text: str, width: float) -> list[str]:
+    """``text`` wrapped at spaces into lines of at most ``width`` pixels of title font (a
+    word longer than a line stays whole on its own line)."""
+    per_line = max(8, int(width // TITLE_CHAR_W))
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and len(lines[-1]) + 1 + len(word) <= per_line:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines or [""]
+
+
 def render_svg(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) -> str:
     """The SVG text of a recorded run's rows (as :func:`~rollsafe.observe.runfile.load_run`
     or :func:`~rollsafe.observe.runfile.build_rows` give them)."""
@@ -269,18 +287,21 @@ def render_svg(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) -
     info = [f"{len(groups)} group(s)", f"{end_t:.1f} s"]
     if header is not None and header.get("transport"):
         info.append(f"transport {header['transport']}")
-    parts.append(
-        _el(
-            "text",
-            text=f"{heading}: {', '.join(info)}",
-            x=LEFT,
-            y=y + 14,
-            font_size=15,
-            font_weight="bold",
-            class_="title",
+    # the title never runs off the picture: wrapped at words to the width it has
+    for line in title_lines(f"{heading}: {', '.join(info)}", W - LEFT - 10):
+        parts.append(
+            _el(
+                "text",
+                text=line,
+                x=LEFT,
+                y=y + 14,
+                font_size=TITLE_FONT,
+                font_weight="bold",
+                class_="title",
+            )
         )
-    )
-    y += 30
+        y += 18
+    y += 12
 
     # -- syncs row
     parts.append(_el("text", text="syncs", x=LEFT - 8, y=y + 14, text_anchor="end", font_size=11))

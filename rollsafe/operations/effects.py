@@ -3,25 +3,33 @@
 An effect names one step of I/O (register version N with the transport, update these groups,
 send this event to that group, ...); the executor performs it and answers with an outcome:
 :class:`Ok` (with the step's value), :class:`Failed` (the error, as text: errors are data) or
-:class:`TimedOut`. Nothing here does I/O or imports torch; the executors
-(:class:`rollsafe.fleet.SyncCoordinator`, :class:`rollsafe.fleet.RecoveryCoordinator`,
-:class:`rollsafe.verify.FleetModel`) give each effect its meaning.
+:class:`TimedOut`. Every effect declares the type of its value (``Register`` is an
+``Effect[tuple[str, int] | None]``): an operation asks with :func:`ask` (the outcome, typed) or
+:func:`read` (a fact the executor always has: its value), so each reply has its type. Nothing
+here does I/O or imports torch; the executors (:mod:`rollsafe.operations.executor`) give each
+effect its meaning, and :class:`Run` drives a sequence (to its end, or to a stop point).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, Literal, TypeAlias, TypeVar, cast
 
+from rollsafe.errors import RollsafeError
 from rollsafe.policy import ExportFacts, ExportJudgement, GroupFacts, Handoff
-from rollsafe.statemachines.events import GroupEvent, ModeEvent
+from rollsafe.statemachines.events import DeltaEvent, GroupEvent, ModeEvent
 
 __all__ = [
+    "DONE",
     "AbandonExport",
     "AwaitDrained",
     "AwaitHealthy",
+    "BaseFacts",
+    "Delivered",
     "Effect",
+    "EncodeDelta",
+    "Encoded",
     "ExportJudged",
     "ExportSeen",
     "Failed",
@@ -29,12 +37,14 @@ __all__ = [
     "GroupFailed",
     "HandOff",
     "Hook",
+    "KeepSnapshot",
     "Leased",
     "LockHealth",
     "LockTransport",
     "NoteStep",
     "ObserveExport",
     "Ok",
+    "OperationError",
     "Outcome",
     "Pause",
     "Place",
@@ -44,9 +54,12 @@ __all__ = [
     "Probed",
     "PullExport",
     "Pulled",
+    "PushEnd",
     "PushFacts",
+    "PushTargets",
     "PushUnderLock",
     "Pushed",
+    "ReadBase",
     "ReadGroups",
     "ReadProbeFacts",
     "ReadPushFacts",
@@ -62,12 +75,15 @@ __all__ = [
     "ReportRank",
     "Restart",
     "Resume",
+    "Run",
+    "SendBase",
     "SendGroup",
     "SendGroups",
     "SendMode",
     "SetFailureCounts",
     "SetFleetVersion",
     "StartExport",
+    "Steps",
     "StopEngine",
     "StrategyFacts",
     "TakeLease",
@@ -77,16 +93,30 @@ __all__ = [
     "UnlockTransport",
     "Update",
     "UpdateDone",
+    "ask",
     "drive",
+    "read",
 ]
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class OperationError(RollsafeError, RuntimeError):
+    """An executor answered an effect in a way the operation cannot use (a fact it must always
+    have came back failed): a bug in the executor, never an outcome of I/O."""
 
 
 # ====================================================================== outcomes
 @dataclass(frozen=True)
-class Ok:
+class Ok(Generic[R_co]):
     """The step was done; ``value`` is what it returned (None for a plain step)."""
 
-    value: Any = None
+    value: R_co = None  # type: ignore[assignment]  # a plain step's Ok() carries None
+
+
+#: The outcome of a plain step that was done (``Ok(None)``).
+DONE: Ok[None] = Ok(None)
 
 
 @dataclass(frozen=True)
@@ -99,10 +129,13 @@ class Failed:
 @dataclass(frozen=True)
 class TimedOut:
     """The step ran past its deadline; ``after_s`` is the deadline, when the executor has one;
-    ``why`` is the executor's own wording of it (the fleet's ``StepTimeout`` message)."""
+    ``why`` is the executor's own wording of it (the fleet's ``StepTimeout`` message).
+    ``started``: False when the deadline had passed before the step began (nothing of it runs
+    on in the background), True when it began and is still running past its deadline."""
 
     after_s: float | None = None
     why: str | None = None
+    started: bool = True
 
     @property
     def error(self) -> str:
@@ -111,13 +144,14 @@ class TimedOut:
         return "timed out" if self.after_s is None else f"timed out after {self.after_s:g}s"
 
 
-Outcome = Ok | Failed | TimedOut
+Outcome: TypeAlias = Ok[R] | Failed | TimedOut
 
 
 # ====================================================================== effects
 @dataclass(frozen=True)
-class Effect:
-    """One step of I/O an operation asks its executor to perform."""
+class Effect(Generic[R_co]):
+    """One step of I/O an operation asks its executor to perform; ``R_co`` is the type of the
+    value an :class:`Ok` answer carries."""
 
 
 @dataclass(frozen=True)
@@ -130,14 +164,14 @@ class ExportSeen:
 
 
 @dataclass(frozen=True)
-class ObserveExport(Effect):
+class ObserveExport(Effect["ExportSeen | None"]):
     """Look at the export started by the previous sync, once: :class:`Ok` of
     :class:`ExportSeen`, or ``Ok(None)`` when there is none to judge (no exporter, never
     started, already judged)."""
 
 
 @dataclass(frozen=True)
-class ExportJudged(Effect):
+class ExportJudged(Effect[None]):
     """Record how the previous export was judged (:func:`rollsafe.policy.judge_export`)."""
 
     version: int
@@ -146,7 +180,7 @@ class ExportJudged(Effect):
 
 
 @dataclass(frozen=True)
-class SendMode(Effect):
+class SendMode(Effect[None]):
     """Send ``event`` to the immediate-recovery mode (decided by ``decided_by``)."""
 
     event: ModeEvent
@@ -154,7 +188,7 @@ class SendMode(Effect):
 
 
 @dataclass(frozen=True)
-class AbandonExport(Effect):
+class AbandonExport(Effect[None]):
     """Abandon the export of ``version`` (it was late): never used, its directory removed."""
 
     version: int
@@ -162,18 +196,18 @@ class AbandonExport(Effect):
 
 
 @dataclass(frozen=True)
-class LockTransport(Effect):
+class LockTransport(Effect[None]):
     """Take the transport's lock: no other register or update runs until
     :class:`UnlockTransport`."""
 
 
 @dataclass(frozen=True)
-class UnlockTransport(Effect):
+class UnlockTransport(Effect[None]):
     """Release the lock :class:`LockTransport` took."""
 
 
 @dataclass(frozen=True)
-class Register(Effect):
+class Register(Effect["tuple[str, int] | None"]):
     """Register ``version`` with the transport: :class:`Ok` of what it published
     (``(name, version)`` or None), or :class:`Failed`."""
 
@@ -181,17 +215,17 @@ class Register(Effect):
 
 
 @dataclass(frozen=True)
-class Pause(Effect):
+class Pause(Effect[None]):
     """Pause the health checks (and generation, where the caller asked) until :class:`Resume`."""
 
 
 @dataclass(frozen=True)
-class Resume(Effect):
+class Resume(Effect[None]):
     """Undo :class:`Pause`."""
 
 
 @dataclass(frozen=True)
-class Hook(Effect):
+class Hook(Effect[None]):
     """Run the colocated hook ``name`` (``offload_trainer``, ``onload_engines``,
     ``onload_trainer``); :class:`Ok` also when none is configured."""
 
@@ -199,13 +233,13 @@ class Hook(Effect):
 
 
 @dataclass(frozen=True)
-class ReadGroups(Effect):
+class ReadGroups(Effect["tuple[GroupFacts, ...]"]):
     """The facts of every group now: :class:`Ok` of a tuple of
     :class:`~rollsafe.policy.GroupFacts`."""
 
 
 @dataclass(frozen=True)
-class PrepareTargets(Effect):
+class PrepareTargets(Effect["Mapping[str, str]"]):
     """Build the transport target of each of ``groups``: :class:`Ok` of ``{group: why}`` for
     the groups whose target could not be built (they are not updated)."""
 
@@ -222,7 +256,7 @@ class UpdateDone:
 
 
 @dataclass(frozen=True)
-class Update(Effect):
+class Update(Effect["UpdateDone"]):
     """Push ``version`` to ``groups`` in one transport update: :class:`Ok` of
     :class:`UpdateDone`; :class:`Failed` / :class:`TimedOut` when the update as a whole failed
     (then every target failed)."""
@@ -232,7 +266,7 @@ class Update(Effect):
 
 
 @dataclass(frozen=True)
-class RecordVersions(Effect):
+class RecordVersions(Effect[None]):
     """The members of ``groups`` now report ``version`` (their engines hold it)."""
 
     groups: tuple[str, ...]
@@ -240,14 +274,14 @@ class RecordVersions(Effect):
 
 
 @dataclass(frozen=True)
-class SetFleetVersion(Effect):
+class SetFleetVersion(Effect[None]):
     """The fleet's version becomes ``version``."""
 
     version: int
 
 
 @dataclass(frozen=True)
-class SendGroup(Effect):
+class SendGroup(Effect[str]):
     """Send ``event`` to group ``group`` (decided by ``decided_by``): :class:`Ok`, or
     :class:`Failed` when its machine refused it (it moved meanwhile)."""
 
@@ -257,14 +291,14 @@ class SendGroup(Effect):
 
 
 @dataclass(frozen=True)
-class HandOff(Effect):
+class HandOff(Effect[None]):
     """Hand failed group ``group`` to the recovery coordinator."""
 
     group: str
 
 
 @dataclass(frozen=True)
-class StartExport(Effect):
+class StartExport(Effect[bool]):
     """Start the HF export of ``version``: ``Ok(True)`` started (or already written by the
     transport), ``Ok(False)`` no exporter, :class:`Failed` it did not start."""
 
@@ -290,14 +324,14 @@ class RecoveryFacts:
 
 
 @dataclass(frozen=True)
-class ReadRecovery(Effect):
+class ReadRecovery(Effect["RecoveryFacts"]):
     """The facts of group ``group`` now: :class:`Ok` of :class:`RecoveryFacts`."""
 
     group: str
 
 
 @dataclass(frozen=True)
-class NoteStep(Effect):
+class NoteStep(Effect[None]):
     """Record step ``name`` of the recovery (a decision, no I/O): the fleet times it into its
     :class:`~rollsafe.fleet.RecoveryResult`; the verifier ignores it."""
 
@@ -320,7 +354,7 @@ class StrategyFacts:
 
 
 @dataclass(frozen=True)
-class ReadStrategy(Effect):
+class ReadStrategy(Effect["StrategyFacts | None"]):
     """The facts a strategy is chosen from: :class:`Ok` of :class:`StrategyFacts`, or
     ``Ok(None)`` when immediate recovery is not configured (no mode or no exporter)."""
 
@@ -336,7 +370,7 @@ class Leased:
 
 
 @dataclass(frozen=True)
-class TakeLease(Effect):
+class TakeLease(Effect["Leased"]):
     """Lease the ``ready`` export of ``version`` for ``holder``: :class:`Ok` of :class:`Leased`,
     :class:`Failed` when it cannot be leased (superseded, deleted, not ready)."""
 
@@ -356,7 +390,7 @@ class Pulled:
 
 
 @dataclass(frozen=True)
-class PullExport(Effect):
+class PullExport(Effect["Pulled"]):
     """Move the leased export to group ``group``'s node (the ``moved`` mode: published once
     per version into Ray's object store, pulled by the group's actor, every file checked
     against the export's manifest before it is kept): :class:`Ok` of :class:`Pulled`,
@@ -368,7 +402,7 @@ class PullExport(Effect):
 
 
 @dataclass(frozen=True)
-class ReleaseLease(Effect):
+class ReleaseLease(Effect[None]):
     """Release ``lease``. ``once_restart_ends``: the restart that loads from it timed out and
     still runs in the background: release it when that restart ends, never before (the
     directory must not be deleted under a loading engine)."""
@@ -378,21 +412,23 @@ class ReleaseLease(Effect):
 
 
 @dataclass(frozen=True)
-class GetEngine(Effect):
+class GetEngine(Effect[None]):
     """Get group ``group``'s restartable engine handle (the ``launcher`` step)."""
 
     group: str
 
 
 @dataclass(frozen=True)
-class StopEngine(Effect):
-    """Stop group ``group``'s failed engine (the ``shutdown`` step; its warm standby kept)."""
+class StopEngine(Effect[None]):
+    """Stop group ``group``'s engine: a failed one before its restart (the ``shutdown`` step,
+    ``keep_standby``: its warm standby takes the restart), or a removed one (everything)."""
 
     group: str
+    keep_standby: bool = False
 
 
 @dataclass(frozen=True)
-class Restart(Effect):
+class Restart(Effect[None]):
     """Restart group ``group``'s engine: from the export at ``model_path`` reporting
     ``weight_version``, or on dummy weights when ``model_path`` is None."""
 
@@ -406,14 +442,14 @@ class Restart(Effect):
 
 
 @dataclass(frozen=True)
-class AwaitHealthy(Effect):
+class AwaitHealthy(Effect[None]):
     """Point group ``group`` at its restarted engine and wait until it answers ``/health``."""
 
     group: str
 
 
 @dataclass(frozen=True)
-class ReportMembers(Effect):
+class ReportMembers(Effect[None]):
     """Every member of group ``group`` reports ``weights_version``; ``healthy``: their health
     (None: keep what each reported last)."""
 
@@ -423,7 +459,7 @@ class ReportMembers(Effect):
 
 
 @dataclass(frozen=True)
-class PushUnderLock(Effect):
+class PushUnderLock(Effect["PushEnd"]):
     """Take the transport's lock and run :func:`rollsafe.operations.recover.push_locked` for
     ``group`` under it (the ``push`` step, under the attempt's deadline): :class:`Ok` of its
     :class:`~rollsafe.operations.recover.PushEnd`, :class:`Failed` / :class:`TimedOut` when it
@@ -444,7 +480,7 @@ class PushFacts:
 
 
 @dataclass(frozen=True)
-class ReadPushFacts(Effect):
+class ReadPushFacts(Effect["PushFacts"]):
     """The transport's published checkpoint, the fleet's version and group ``group``'s state."""
 
     group: str
@@ -462,7 +498,7 @@ class Pushed:
 
 
 @dataclass(frozen=True)
-class TargetedPush(Effect):
+class TargetedPush(Effect["Pushed"]):
     """Push the registered checkpoint of ``version`` to group ``group`` only: :class:`Ok` of
     :class:`Pushed`, :class:`Failed` / :class:`TimedOut` when it raised or was cut short."""
 
@@ -470,21 +506,20 @@ class TargetedPush(Effect):
     version: int
 
 
-R = TypeVar("R")
+@dataclass(frozen=True)
+class PushEnd:
+    """The value of :class:`PushUnderLock`: what
+    :func:`rollsafe.operations.recover.push_locked` did. ``loaded``: every rank loaded
+    ``version`` (``active``); ``poisoned``: the push failed on an engine that keeps no known
+    weights (``fail`` sent); ``refused``: the transport cannot push to one group;
+    ``deferred``: nothing pushed or a failed push that kept the old weights; ``cut_short``: the
+    push raised or timed out."""
 
-
-def drive(steps: Generator[Effect, Outcome, R], perform: Callable[[Effect], Outcome]) -> R:
-    """Run the step sequence ``steps`` to its end, answering each effect with
-    ``perform(effect)``; return the sequence's result. An exception ``perform`` raises ends
-    the sequence (it is closed) and propagates."""
-    try:
-        effect = next(steps)
-        while True:
-            effect = steps.send(perform(effect))
-    except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
-    finally:
-        steps.close()
+    result: Literal["loaded", "poisoned", "refused", "deferred", "cut_short"]
+    why: str = ""
+    version: int | None = None
+    pushed: bool = False  # the transport was asked to push
+    timed_out: bool = False
 
 
 # ---------------------------------------------------------------------- probe
@@ -498,7 +533,7 @@ class Probed:
 
 
 @dataclass(frozen=True)
-class ProbeMembers(Effect):
+class ProbeMembers(Effect["Probed"]):
     """Probe every member of group ``group`` once: :class:`Ok` of :class:`Probed`;
     :class:`Failed` when the probe raised (or an earlier one is still stuck in the engine);
     :class:`TimedOut` when it did not answer in time. Both count as a failure of every rank."""
@@ -507,13 +542,13 @@ class ProbeMembers(Effect):
 
 
 @dataclass(frozen=True)
-class LockHealth(Effect):
+class LockHealth(Effect[None]):
     """Take the health checker's lock: a ``pause()`` waits until :class:`UnlockHealth`, so once
     it returns no probe answer is applied."""
 
 
 @dataclass(frozen=True)
-class UnlockHealth(Effect):
+class UnlockHealth(Effect[None]):
     """Release the lock :class:`LockHealth` took."""
 
 
@@ -530,7 +565,7 @@ class ProbeFacts:
 
 
 @dataclass(frozen=True)
-class ReadProbeFacts(Effect):
+class ReadProbeFacts(Effect["ProbeFacts | None"]):
     """The facts of group ``group`` now: :class:`Ok` of :class:`ProbeFacts`, or ``Ok(None)``
     when no answer may be applied (checks paused or stopped since the probe began)."""
 
@@ -538,7 +573,7 @@ class ReadProbeFacts(Effect):
 
 
 @dataclass(frozen=True)
-class ReportRank(Effect):
+class ReportRank(Effect[None]):
     """Rank ``rank`` of group ``group`` reports ``healthy``."""
 
     group: str
@@ -547,7 +582,7 @@ class ReportRank(Effect):
 
 
 @dataclass(frozen=True)
-class SetFailureCounts(Effect):
+class SetFailureCounts(Effect[None]):
     """Group ``group``'s consecutive failures per rank become ``counts`` (empty: forgotten)."""
 
     group: str
@@ -555,7 +590,7 @@ class SetFailureCounts(Effect):
 
 
 @dataclass(frozen=True)
-class GroupFailed(Effect):
+class GroupFailed(Effect[None]):
     """Group ``group`` was sent ``fail`` by the probe: report it and hand it over as
     ``handoff`` says (:class:`~rollsafe.policy.Handoff`: ``enqueue`` for the recovery
     coordinator, off this thread)."""
@@ -569,7 +604,7 @@ class GroupFailed(Effect):
 
 # ---------------------------------------------------------------------- placement and removal
 @dataclass(frozen=True)
-class ReadStates(Effect):
+class ReadStates(Effect["tuple[tuple[str, str], ...]"]):
     """The machine states of ``groups``: :class:`Ok` of ``((group id, state), ...)``, in
     order (a group the fleet no longer holds is left out)."""
 
@@ -577,7 +612,7 @@ class ReadStates(Effect):
 
 
 @dataclass(frozen=True)
-class SendGroups(Effect):
+class SendGroups(Effect["tuple[tuple[str, str], ...]"]):
     """Send each group its events in ONE step of the fleet's registry (no request is
     dispatched between two of them): :class:`Ok` of the groups that refused an event (a
     tuple of ``(group id, why)``; empty when every event was taken)."""
@@ -587,7 +622,7 @@ class SendGroups(Effect):
 
 
 @dataclass(frozen=True)
-class Place(Effect):
+class Place(Effect[str]):
     """Give group ``group``'s old placement back and place it anew (``GroupPlacer``):
     :class:`Ok` of the new node's id, :class:`Failed` when no node has room (it waits)."""
 
@@ -595,15 +630,196 @@ class Place(Effect):
 
 
 @dataclass(frozen=True)
-class ReleasePlacement(Effect):
+class ReleasePlacement(Effect[None]):
     """Give group ``group``'s placement back (its engine is stopped)."""
 
     group: str
 
 
 @dataclass(frozen=True)
-class AwaitDrained(Effect):
+class AwaitDrained(Effect[int]):
     """Wait for group ``group``'s in-flight requests to end (up to the fleet's drain bound):
     :class:`Ok` of the requests still running (they continue elsewhere when it stops)."""
 
     group: str
+
+
+# ---------------------------------------------------------------------- delta push
+@dataclass(frozen=True)
+class BaseFacts:
+    """The value of :class:`ReadBase`: what :func:`rollsafe.policy.plan_push` reads of one
+    target: its confirmed ``base`` (None: none), the versions the sender ``held`` copies of,
+    whether deltas are on and whether the target's engine applies them."""
+
+    base: int | None
+    held: frozenset[int]
+    delta_enabled: bool
+    applies_deltas: bool
+
+
+@dataclass(frozen=True)
+class ReadBase(Effect[BaseFacts]):
+    """The delta facts of ``target`` now: :class:`Ok` of :class:`BaseFacts`."""
+
+    target: str
+
+
+@dataclass(frozen=True)
+class SendBase(Effect[str]):
+    """Send ``event`` to ``target``'s :class:`~rollsafe.statemachines.DeltaBase` (with the
+    ``version`` pushed and the versions ``held``, which its guards read), decided by
+    ``decided_by``: :class:`Ok` of its state, :class:`Failed` when refused (the target was
+    reset while its push ran: the reset wins)."""
+
+    target: str
+    event: DeltaEvent
+    version: int | None
+    held: frozenset[int]
+    decided_by: str
+
+
+@dataclass(frozen=True)
+class KeepSnapshot(Effect[None]):
+    """Keep a copy of ``version``'s weights: a possible base once targets confirm it."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """The value of :class:`EncodeDelta`: the delta's bytes, the full weights' bytes, and
+    whether it is worth sending (smaller)."""
+
+    nbytes: int
+    full_nbytes: int
+    worthwhile: bool
+
+
+@dataclass(frozen=True)
+class EncodeDelta(Effect[Encoded]):
+    """Encode the delta from ``base`` to ``version`` for ``targets`` (one encoding per base):
+    :class:`Ok` of :class:`Encoded`, :class:`Failed` when it cannot be encoded (the version's
+    names or shapes differ from the base's)."""
+
+    base: int
+    version: int
+    targets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """What one target of a :class:`PushTargets` did: ``ok`` (it confirmed the version: every
+    rank applied it), ``refused`` (its engine refused a delta by name; nothing changed), the
+    transport's ``reason``, the bytes and seconds."""
+
+    ok: bool
+    reason: str = ""
+    refused: bool = False
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PushTargets(Effect[Mapping[str, Delivered]]):
+    """Push ``version`` to ``targets`` in one transport update: the delta from ``base`` (its
+    encoding), or the full weights (``base`` None). :class:`Ok` of a :class:`Delivered` per
+    target (an update that raised fails every target, never raises here)."""
+
+    targets: tuple[str, ...]
+    version: int
+    base: int | None
+
+
+# ====================================================================== asking and driving
+#: A step sequence: yields effects, is sent their outcomes, returns its result.
+Steps = Generator[Effect[Any], Outcome[Any], R]
+
+
+def ask(effect: Effect[R]) -> Generator[Effect[Any], Outcome[Any], Outcome[R]]:
+    """Yield ``effect`` and return its outcome, typed by the effect (``yield from ask(e)``)."""
+    outcome = yield effect
+    return cast("Outcome[R]", outcome)
+
+
+def read(effect: Effect[R]) -> Generator[Effect[Any], Outcome[Any], R]:
+    """Yield ``effect``, a fact every executor has, and return its value. An executor that
+    does not answer it :class:`Ok` is broken: :class:`OperationError` names the effect."""
+    outcome = yield effect
+    if not isinstance(outcome, Ok):
+        raise OperationError(f"{type(effect).__name__} must be answered Ok, got {outcome!r}")
+    return cast(R, outcome.value)
+
+
+Perform = Callable[[Effect[Any]], Outcome[Any]]
+
+
+class Run(Generic[R]):
+    """One sequence driven by ``perform``: to its end (:meth:`finish`), or to a stop point
+    (:meth:`until`: the first effect of a type, handed back unperformed) and on from there
+    with that effect's outcome (:meth:`resume`). A health round stops every probe's sequence
+    at :class:`ProbeMembers`, performs the probes together under one deadline, and resumes
+    each with its answer. An exception ``perform`` raises ends the sequence (it is closed)
+    and propagates."""
+
+    __slots__ = ("_done", "_perform", "_result", "_steps")
+
+    def __init__(self, steps: Steps[R], perform: Perform) -> None:
+        self._steps = steps
+        self._perform = perform
+        self._done = False
+        self._result: R | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def result(self) -> R:
+        """The sequence's result (it must have ended)."""
+        if not self._done:
+            raise OperationError("the sequence has not ended")
+        return cast(R, self._result)
+
+    def until(self, stop: type[Effect[Any]]) -> Effect[Any] | None:
+        """Start the sequence and perform its effects up to the first of type ``stop``,
+        which is returned unperformed; None when the sequence ended first (:attr:`result`)."""
+        return self._advance(None, stop)
+
+    def resume(self, outcome: Outcome[Any]) -> R:
+        """Answer the effect :meth:`until` stopped at with ``outcome`` and run to the end."""
+        self._advance(outcome, None)
+        return self.result
+
+    def finish(self) -> R:
+        """Run the whole sequence; return its result."""
+        self._advance(None, None)
+        return self.result
+
+    def close(self) -> None:
+        """Abandon the sequence (its ``finally`` blocks run)."""
+        self._steps.close()
+
+    def _advance(
+        self, answer: Outcome[Any] | None, stop: type[Effect[Any]] | None
+    ) -> Effect[Any] | None:
+        """Send ``answer`` (None: start the sequence) and perform effects up to ``stop``."""
+        steps = self._steps
+        try:
+            effect = next(steps) if answer is None else steps.send(answer)
+            while stop is None or not isinstance(effect, stop):
+                effect = steps.send(self._perform(effect))
+        except StopIteration as ended:
+            self._done, self._result = True, ended.value
+            steps.close()
+            return None
+        except BaseException:
+            steps.close()
+            raise
+        return effect
+
+
+def drive(steps: Steps[R], perform: Perform) -> R:
+    """Run the step sequence ``steps`` to its end, answering each effect with
+    ``perform(effect)``; return the sequence's result. An exception ``perform`` raises ends
+    the sequence (it is closed) and propagates."""
+    return Run(steps, perform).finish()

@@ -20,25 +20,24 @@ every step of I/O an effect its executor performs (the fleet's ``RolloutFleet`` 
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Literal
 
 import rollsafe.policy as policy
 from rollsafe.operations.effects import (
     AwaitDrained,
-    Effect,
     NoteStep,
     Ok,
-    Outcome,
     Place,
     ReadRecovery,
     ReadStates,
-    RecoveryFacts,
     ReleasePlacement,
     SendGroup,
     SendGroups,
+    Steps,
     StopEngine,
+    ask,
+    read,
 )
 from rollsafe.operations.recover import AttemptEnd, push, restart, take_lease
 
@@ -58,13 +57,13 @@ class RemovalEnd:
 
 
 # ====================================================================== 1. node loss
-def node_lost(groups: tuple[str, ...]) -> Generator[Effect, Outcome, tuple[str, ...]]:
+def node_lost(groups: tuple[str, ...]) -> Steps[tuple[str, ...]]:
     """A node died with ``groups`` placed on it: all of them leave routing in one step.
     Returns the groups now ``unplaced`` (each to be placed again)."""
-    read = yield ReadStates(groups)
-    states: tuple[tuple[str, str], ...] = read.value if isinstance(read, Ok) else ()
+    states = yield from read(ReadStates(groups))
     plan = policy.on_node_lost(states)
-    sent = yield SendGroups(tuple((g, evs) for g, evs in plan.events if evs), "on_node_lost")
+    events = tuple((g, evs) for g, evs in plan.events if evs)
+    sent = yield from ask(SendGroups(events, "on_node_lost"))
     refused: tuple[tuple[str, str], ...] = sent.value if isinstance(sent, Ok) else ()
     refused_ids = {g for g, _ in refused}
     lost = tuple(g for g in plan.lost if g not in refused_ids)
@@ -73,19 +72,19 @@ def node_lost(groups: tuple[str, ...]) -> Generator[Effect, Outcome, tuple[str, 
 
 
 # ====================================================================== 2. placement
-def place(group: str) -> Generator[Effect, Outcome, AttemptEnd | None]:
+def place(group: str) -> Steps[AttemptEnd | None]:
     """Place the ``unplaced`` ``group`` anew: None when it is ``recovering`` now (the
     restart follows), else the end (``unplaced``: no room, it waits; budget intact)."""
-    facts: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    facts = yield from read(ReadRecovery(group))
     gate = policy.gate_placement(facts.state, busy=facts.busy)
     if not gate.place:
         return AttemptEnd("not_needed" if not facts.busy else "failed", gate.reason)
-    where = yield Place(group)
+    where = yield from ask(Place(group))
     if not isinstance(where, Ok):
         yield NoteStep("place", False, where.error)
         return AttemptEnd("unplaced", f"no room: {where.error}")
     for event in policy.after_placement(True):
-        sent = yield SendGroup(group, event, "after_placement")
+        sent = yield from ask(SendGroup(group, event, "after_placement"))
         if not isinstance(sent, Ok):  # it moved meanwhile (removed): give the placement back
             yield ReleasePlacement(group)
             yield NoteStep("place", False, sent.error)
@@ -94,7 +93,7 @@ def place(group: str) -> Generator[Effect, Outcome, AttemptEnd | None]:
     return None
 
 
-def attempt(group: str, traits: policy.EngineTraits) -> Generator[Effect, Outcome, AttemptEnd]:
+def attempt(group: str, traits: policy.EngineTraits) -> Steps[AttemptEnd]:
     """Place ``group`` and bring it back: recovery's phases after the placement."""
     end = yield from place(group)
     if end is not None:
@@ -107,41 +106,40 @@ def attempt(group: str, traits: policy.EngineTraits) -> Generator[Effect, Outcom
 
 
 # ====================================================================== 3. removal
-def drain(group: str) -> Generator[Effect, Outcome, RemovalEnd | None]:
+def drain(group: str) -> Steps[RemovalEnd | None]:
     """Take ``group`` out of routing for good: None when it is ``draining`` now."""
-    read = yield ReadStates((group,))
-    states = read.value if isinstance(read, Ok) else ()
+    states = yield from read(ReadStates((group,)))
     if not states:
         return RemovalEnd("already", f"{group} is not in the fleet")
     plan = policy.plan_removal(states[0][1])
     if plan.already:
         return RemovalEnd("already", plan.reason)
     for event in plan.events:
-        sent = yield SendGroup(group, event, "plan_removal")
+        sent = yield from ask(SendGroup(group, event, "plan_removal"))
         if not isinstance(sent, Ok):
             return RemovalEnd("refused", sent.error)
     yield NoteStep("drain", True, plan.reason)
     return None
 
 
-def finish_removal(group: str) -> Generator[Effect, Outcome, RemovalEnd]:
+def finish_removal(group: str) -> Steps[RemovalEnd]:
     """Wait for the drained ``group``'s requests, stop its engine, give its placement back
     and retire it."""
-    waited = yield AwaitDrained(group)
-    cut = int(waited.value) if isinstance(waited, Ok) and waited.value else 0
-    stopped = yield StopEngine(group)
+    waited = yield from ask(AwaitDrained(group))
+    cut = waited.value if isinstance(waited, Ok) else 0
+    stopped = yield from ask(StopEngine(group))
     yield NoteStep(
         "stop", isinstance(stopped, Ok), "" if isinstance(stopped, Ok) else stopped.error
     )
     yield ReleasePlacement(group)
     for event in policy.after_drain():
-        sent = yield SendGroup(group, event, "after_drain")
+        sent = yield from ask(SendGroup(group, event, "after_drain"))
         if not isinstance(sent, Ok):
             return RemovalEnd("refused", sent.error, cut)
     return RemovalEnd("retired", f"removed ({cut} request(s) continued elsewhere)", cut)
 
 
-def remove(group: str) -> Generator[Effect, Outcome, RemovalEnd]:
+def remove(group: str) -> Steps[RemovalEnd]:
     """The whole removal: :func:`drain`, then :func:`finish_removal`."""
     end = yield from drain(group)
     if end is not None:

@@ -2,7 +2,7 @@
 
 :func:`probe` is the sequence, top-down; its one decision is
 :func:`rollsafe.policy.judge_probe`'s and every step of I/O is an effect its executor performs
-(:class:`rollsafe.fleet.HealthManager`, which runs one per probed group in each round, and
+(:class:`rollsafe.fleet.health.HealthManager`, which runs one per probed group in each round, and
 :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``, whose ``probe`` and
 ``probe_timeout`` actions choose the probe's outcome):
 
@@ -21,25 +21,25 @@ The sequence returns a :class:`ProbeEnd`.
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass
 
 import rollsafe.policy as policy
 from rollsafe.operations.effects import (
-    Effect,
     GroupFailed,
     LockHealth,
     Ok,
-    Outcome,
     ProbeMembers,
     ReadProbeFacts,
     ReportRank,
     SendGroup,
     SetFailureCounts,
+    Steps,
     UnlockHealth,
+    ask,
+    read,
 )
 
-__all__ = ["ProbeEnd", "Steps", "probe"]
+__all__ = ["ProbeEnd", "probe"]
 
 
 @dataclass(frozen=True)
@@ -51,18 +51,13 @@ class ProbeEnd:
     failed: bool = False
 
 
-#: A step sequence: yields effects, is sent their outcomes, returns its result.
-Steps = Generator[Effect, Outcome, ProbeEnd]
-
-
-def probe(group: str, threshold: int) -> Steps:
+def probe(group: str, threshold: int) -> Steps[ProbeEnd]:
     """The steps of one probe of ``group``; ``threshold`` consecutive failures of a rank fail
     the group."""
-    answer = yield ProbeMembers(group)
+    answer = yield from ask(ProbeMembers(group))
 
     yield LockHealth()
-    read = yield ReadProbeFacts(group)
-    facts = read.value if isinstance(read, Ok) else None
+    facts = yield from read(ReadProbeFacts(group))
     if facts is None:  # paused or stopped since the probe began: nothing is applied
         yield UnlockHealth()
         return ProbeEnd()
@@ -87,7 +82,7 @@ def probe(group: str, threshold: int) -> Steps:
         return ProbeEnd(applied=True)
 
     for event in verdict.events:
-        sent = yield SendGroup(group, event, "judge_probe")
+        sent = yield from ask(SendGroup(group, event, "judge_probe"))
         if not isinstance(sent, Ok):  # it moved meanwhile (someone else failed it first...)
             return ProbeEnd(applied=True)
     yield GroupFailed(

@@ -1,8 +1,9 @@
 """One recovery attempt on an ``inactive`` group, written once (``docs/design.md``, "Operations").
 
 :func:`attempt` is the sequence, top-down; every decision in it is :mod:`rollsafe.policy`'s and
-every step of I/O is an effect its executor performs (:class:`rollsafe.fleet.RecoveryCoordinator`
-on the real fleet, :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``). It is four
+every step of I/O is an effect its executor performs
+(:class:`rollsafe.fleet.recovery.RecoveryCoordinator` on the real fleet,
+:class:`rollsafe.verify.FleetModel` in ``rollsafe verify``). It is four
 phases, each its own generator so that the verifier can let the rest of the fleet move between
 them (a sync, a crash, retention), as it does between the fleet's threads:
 
@@ -36,44 +37,40 @@ The attempt returns an :class:`AttemptEnd`; retrying (budget permitting) is the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Literal
 
 import rollsafe.policy as policy
 from rollsafe.operations.effects import (
     AwaitHealthy,
-    Effect,
     Failed,
     GetEngine,
     Leased,
     NoteStep,
     Ok,
-    Outcome,
-    Pulled,
     PullExport,
+    PushEnd,
     PushUnderLock,
     ReadPushFacts,
     ReadRecovery,
     ReadStrategy,
-    RecoveryFacts,
     ReleaseLease,
     ReportMembers,
     Restart,
     SendGroup,
+    Steps,
     StopEngine,
-    StrategyFacts,
     TakeLease,
     TargetedPush,
     TimedOut,
+    ask,
+    read,
 )
 from rollsafe.statemachines.events import GroupEvent
 
 __all__ = [
     "AttemptEnd",
-    "AttemptStatus",
-    "PushEnd",
-    "Steps",
+    "RecoveryStatus",
     "attempt",
     "claim",
     "push",
@@ -82,14 +79,15 @@ __all__ = [
     "take_lease",
 ]
 
-#: How an attempt ended (the fleet's ``RecoveryStatus``).
-AttemptStatus = Literal[
+#: How an attempt, and so a recovery, ended. ``active``: serving the current version;
+#: ``pending_weights``: up and waiting for the next sync (deferred); ``skipped``: not attempted
+#: (the rollout ends first); ``retired``: restart budget spent; ``failed``: every attempt
+#: failed, the group is ``inactive``; ``not_needed``: the group was not ``inactive`` when the
+#: recovery started; ``unplaced``: its node is lost and no node has room (it waits).
+RecoveryStatus = Literal[
     "active", "pending_weights", "skipped", "retired", "failed", "not_needed", "unplaced"
 ]
-Strategy = Literal["immediate", "targeted_push", "deferred"]
-
-#: A step sequence: yields effects, is sent their outcomes, returns its result.
-Steps = Generator[Effect, Outcome, "AttemptEnd"]
+Strategy = policy.Strategy
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,7 @@ class AttemptEnd:
     step has ended in the background). ``strategy`` / ``export_version``: None when the attempt
     did not get that far."""
 
-    status: AttemptStatus
+    status: RecoveryStatus
     reason: str
     strategy: Strategy | None = None
     export_version: int | None = None
@@ -107,21 +105,7 @@ class AttemptEnd:
     timed_out: bool = False
 
 
-@dataclass(frozen=True)
-class PushEnd:
-    """What :func:`push_locked` did. ``loaded``: every rank loaded ``version`` (``active``);
-    ``poisoned``: the push failed on an engine that keeps no known weights (``fail`` sent);
-    ``refused``: the transport cannot push to one group; ``deferred``: nothing pushed or a
-    failed push that kept the old weights; ``cut_short``: the push raised or timed out."""
-
-    result: Literal["loaded", "poisoned", "refused", "deferred", "cut_short"]
-    why: str = ""
-    version: int | None = None
-    pushed: bool = False  # the transport was asked to push
-    timed_out: bool = False
-
-
-def attempt(group: str, traits: policy.EngineTraits, *, retried: bool = False) -> Steps:
+def attempt(group: str, traits: policy.EngineTraits, *, retried: bool = False) -> Steps[AttemptEnd]:
     """The steps of one recovery attempt on ``group`` (an engine of ``traits``); ``retried``:
     an earlier attempt of the same recovery failed."""
     end = yield from claim(group, retried=retried)
@@ -135,9 +119,9 @@ def attempt(group: str, traits: policy.EngineTraits, *, retried: bool = False) -
 
 
 # ====================================================================== 1. claim
-def claim(group: str, *, retried: bool = False) -> Generator[Effect, Outcome, AttemptEnd | None]:
+def claim(group: str, *, retried: bool = False) -> Steps[AttemptEnd | None]:
     """Gate and claim ``group``: None when it is ``recovering`` now (claimed), else the end."""
-    facts: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    facts = yield from read(ReadRecovery(group))
     if facts.busy:
         return AttemptEnd("failed", "a previous attempt's step is still running in the background")
     gate = policy.gate_recovery(
@@ -159,7 +143,7 @@ def claim(group: str, *, retried: bool = False) -> Generator[Effect, Outcome, At
         yield NoteStep("claim", False, gate.reason)
         return AttemptEnd("failed", f"claim refused: {gate.reason}")
     for event in gate.events:
-        sent = yield SendGroup(group, event, "gate_recovery")
+        sent = yield from ask(SendGroup(group, event, "gate_recovery"))
         if not isinstance(sent, Ok):
             yield NoteStep("claim", False, sent.error)
             return AttemptEnd("failed", f"claim refused: {sent.error}")
@@ -170,16 +154,16 @@ def claim(group: str, *, retried: bool = False) -> Generator[Effect, Outcome, At
         yield NoteStep("claim", False, gate.reason)
         yield NoteStep("retire", True, gate.reason)
         return AttemptEnd("retired", f"restart budget of {facts.initial_budget} spent; retired")
-    claimed: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    claimed = yield from read(ReadRecovery(group))
     yield NoteStep("claim", True, f"budget left {claimed.budget}")
     return None
 
 
 # ====================================================================== 2. strategy
-def take_lease(group: str) -> Generator[Effect, Outcome, Leased | None]:
+def take_lease(group: str) -> Steps[Leased | None]:
     """Choose the strategy; for an immediate restart lease the export (None: restart on dummy
     weights)."""
-    facts: StrategyFacts | None = (yield ReadStrategy()).value  # type: ignore[union-attr]
+    facts = yield from read(ReadStrategy())
     if facts is None:  # immediate recovery is not configured
         return None
     choice = policy.choose_strategy(
@@ -191,7 +175,7 @@ def take_lease(group: str) -> Generator[Effect, Outcome, Leased | None]:
     if choice.strategy is not policy.Strategy.IMMEDIATE or choice.export_version is None:
         yield NoteStep("lease", False, choice.reason)
         return None
-    taken = yield TakeLease(choice.export_version, f"recovery:{group}")
+    taken = yield from ask(TakeLease(choice.export_version, f"recovery:{group}"))
     if not isinstance(taken, Ok):
         yield NoteStep("lease", False, taken.error)
         return None
@@ -200,41 +184,42 @@ def take_lease(group: str) -> Generator[Effect, Outcome, Leased | None]:
     if not facts.moved:
         return lease
     # the group's node cannot read the trainer's path: move the export there, checked
-    pulled = yield PullExport(group, lease)
-    ok = isinstance(pulled, Ok)
-    why = "" if ok else pulled.error  # type: ignore[union-attr]
-    after = policy.after_pull(ok, why, version=lease.version, can_push=facts.can_push)
-    if after.strategy is policy.Strategy.IMMEDIATE and ok:
-        copy: Pulled = pulled.value  # type: ignore[union-attr]
-        return dataclasses.replace(lease, path=copy.path)
+    pulled = yield from ask(PullExport(group, lease))
+    why = "" if isinstance(pulled, Ok) else pulled.error
+    after = policy.after_pull(
+        isinstance(pulled, Ok), why, version=lease.version, can_push=facts.can_push
+    )
+    if after.strategy is policy.Strategy.IMMEDIATE and isinstance(pulled, Ok):
+        return dataclasses.replace(lease, path=pulled.value.path)
     yield NoteStep("strategy", False, after.reason)
     yield ReleaseLease(lease)
     return None
 
 
 # ====================================================================== 3. restart
-def restart(group: str, lease: Leased | None) -> Generator[Effect, Outcome, AttemptEnd | None]:
+def restart(group: str, lease: Leased | None) -> Steps[AttemptEnd | None]:
     """Restart the claimed ``group`` (from ``lease``'s export, or on dummy weights): None when
     it is ``pending_weights`` now (a push follows), else the end. The lease is always released:
     at once, or -- by a restart that timed out -- once that restart has ended."""
-    strategy: Strategy = "immediate" if lease is not None else "targeted_push"
+    strategy = Strategy.IMMEDIATE if lease is not None else Strategy.TARGETED_PUSH
     version = lease.version if lease is not None else None
     path = lease.path if lease is not None else None
     for step in (
         GetEngine(group),
-        StopEngine(group),
+        StopEngine(group, keep_standby=True),
         Restart(group, path, version),
         AwaitHealthy(group),
     ):
-        outcome = yield step
+        outcome = yield from ask(step)
         if not isinstance(outcome, Ok):
-            late = isinstance(outcome, TimedOut) and isinstance(step, Restart)
+            # a restart that began and timed out still runs, loading from the export
+            late = isinstance(outcome, TimedOut) and outcome.started and isinstance(step, Restart)
             return (yield from _restart_failed(group, lease, outcome, strategy, late=late))
     restarted = policy.after_restart(True, version)
     yield ReportMembers(group, restarted.member_version, healthy=True)
     target: str | None = None
     for event in restarted.events:
-        sent = yield SendGroup(group, event, "after_restart")
+        sent = yield from ask(SendGroup(group, event, "after_restart"))
         if not isinstance(sent, Ok):
             yield NoteStep("restarted", False, sent.error)
             refused = Failed(f"restarted refused: {sent.error}")
@@ -259,10 +244,10 @@ def _restart_failed(
     strategy: Strategy,
     *,
     late: bool = False,
-) -> Generator[Effect, Outcome, AttemptEnd]:
+) -> Steps[AttemptEnd]:
     """A restart step failed or timed out: ``restart_failed`` (when the group is still
     ``recovering``), the lease released (``late``: once the timed-out restart has ended)."""
-    facts: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    facts = yield from read(ReadRecovery(group))
     if facts.state == "recovering":
         for event in policy.after_restart(False, None).events:
             yield SendGroup(group, event, "after_restart")
@@ -280,24 +265,26 @@ def _restart_failed(
 
 
 # ====================================================================== 4. push
-def push(group: str, traits: policy.EngineTraits) -> Steps:
+def push(group: str, traits: policy.EngineTraits) -> Steps[AttemptEnd]:
     """Push the fleet's registered checkpoint to the restarted (``pending_weights``) ``group``
     only; defer to the next sync when it cannot happen."""
     keeps = traits.failed_update_keeps_weights
-    facts: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    facts = yield from read(ReadRecovery(group))
     if not facts.can_push:
         return (yield from _defer(group, "no transport for a targeted push", note=True))
-    section = yield PushUnderLock(group, keeps)
+    section = yield from ask(PushUnderLock(group, keeps))
     if isinstance(section, Ok):
-        end: PushEnd = section.value
+        end = section.value
         if end.result == "loaded":
-            return AttemptEnd("active", f"targeted push of v{end.version} loaded", "targeted_push")
+            return AttemptEnd(
+                "active", f"targeted push of v{end.version} loaded", Strategy.TARGETED_PUSH
+            )
         if end.result == "poisoned":
             return AttemptEnd(
                 "failed",
                 f"targeted push failed ({end.why}) and a {traits.kind} engine keeps no known "
                 "weights after a failed update: restarting it",
-                "targeted_push",
+                Strategy.TARGETED_PUSH,
                 retry=True,
             )
         if end.result != "cut_short":
@@ -308,26 +295,26 @@ def push(group: str, traits: policy.EngineTraits) -> Steps:
     if keeps:  # up on dummy weights (not routable): it waits for the next sync
         return (yield from _defer(group, why, note=False))
     # a push cut short leaves this engine's weights unknown: restart it
-    now: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    now = yield from read(ReadRecovery(group))
     if now.state in ("active", "pending_weights"):
         yield SendGroup(group, GroupEvent.FAIL, "after_push")
     return AttemptEnd(
         "failed",
         f"targeted push did not finish ({why}): its weights are unknown, restarting",
-        "targeted_push",
+        Strategy.TARGETED_PUSH,
         retry=not timed_out,
         timed_out=timed_out,
     )
 
 
-def push_locked(group: str, keeps_weights: bool) -> Generator[Effect, Outcome, PushEnd]:
+def push_locked(group: str, keeps_weights: bool) -> Steps[PushEnd]:
     """The push itself, run under the transport's lock (no sync registers or updates
     meanwhile): plan it, push, settle it."""
-    facts = (yield ReadPushFacts(group)).value  # type: ignore[union-attr]
+    facts = yield from read(ReadPushFacts(group))
     plan = policy.plan_targeted_push(facts.published, facts.fleet_version, facts.state)
     if not plan.push or plan.version is None:
         return PushEnd("deferred", plan.reason)
-    pushed = yield TargetedPush(group, plan.version)
+    pushed = yield from ask(TargetedPush(group, plan.version))
     if not isinstance(pushed, Ok):
         timed_out = isinstance(pushed, TimedOut)
         return PushEnd("cut_short", pushed.error, plan.version, True, timed_out)
@@ -343,19 +330,20 @@ def push_locked(group: str, keeps_weights: bool) -> Generator[Effect, Outcome, P
         return PushEnd("deferred", f"push failed: {why}", plan.version, True)
     yield ReportMembers(group, plan.version)
     for event in events:
-        sent = yield SendGroup(group, event, "after_push")
+        sent = yield from ask(SendGroup(group, event, "after_push"))
         if not isinstance(sent, Ok):
             return PushEnd("cut_short", sent.error, plan.version, True)
     return PushEnd("loaded", "", plan.version, True)
 
 
-def _defer(group: str, why: str, *, note: bool) -> Generator[Effect, Outcome, AttemptEnd]:
+def _defer(group: str, why: str, *, note: bool) -> Steps[AttemptEnd]:
     """No push now: the group waits for the next sync (or a sync updated it meanwhile)."""
     if note:
         yield NoteStep("push", False, why)
-    facts: RecoveryFacts = (yield ReadRecovery(group)).value  # type: ignore[union-attr]
+    facts = yield from read(ReadRecovery(group))
+    deferred = Strategy.DEFERRED
     if facts.state == "active":  # a sync updated it meanwhile
-        return AttemptEnd("active", f"updated by a sync ({why})", "deferred")
+        return AttemptEnd("active", f"updated by a sync ({why})", deferred)
     if facts.state == "pending_weights":
-        return AttemptEnd("pending_weights", f"deferred to the next sync: {why}", "deferred")
-    return AttemptEnd("failed", f"group is {facts.state} after its restart ({why})", "deferred")
+        return AttemptEnd("pending_weights", f"deferred to the next sync: {why}", deferred)
+    return AttemptEnd("failed", f"group is {facts.state} after its restart ({why})", deferred)

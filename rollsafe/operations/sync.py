@@ -1,7 +1,7 @@
-"""One weight sync of version N, written once (``docs/design.md``, "Fleet control").
+"""One weight sync of version N, written once (``docs/design.md``, "Operations").
 
 :func:`sync` is the sequence, top-down; every decision in it is :mod:`rollsafe.policy`'s and
-every step of I/O is an effect its executor performs (:class:`rollsafe.fleet.SyncCoordinator`
+every step of I/O is an effect its executor performs (:class:`rollsafe.fleet.sync.SyncCoordinator`
 on the real fleet, :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``):
 
 1. **judge the previous export** once: still running -> late (mode ``export_late``, the
@@ -21,20 +21,18 @@ on the real fleet, :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``):
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import rollsafe.policy as policy
 from rollsafe.operations.effects import (
     AbandonExport,
-    Effect,
     ExportJudged,
     HandOff,
     Hook,
     LockTransport,
     ObserveExport,
     Ok,
-    Outcome,
     Pause,
     PrepareTargets,
     ReadGroups,
@@ -45,19 +43,19 @@ from rollsafe.operations.effects import (
     SendMode,
     SetFleetVersion,
     StartExport,
+    Steps,
     UnlockTransport,
     Update,
     UpdateDone,
+    ask,
+    read,
 )
 from rollsafe.statemachines.events import GroupEvent
 from rollsafe.text import bound_text
 
-__all__ = ["Steps", "SyncResult", "sync"]
+__all__ = ["SyncResult", "sync"]
 
 _MAX_ERROR = 1024
-
-#: A step sequence: yields effects, is sent their outcomes, returns its result.
-Steps = Generator[Effect, Outcome, "SyncResult"]
 
 
 @dataclass(frozen=True)
@@ -85,12 +83,12 @@ class SyncResult:
     export_error: str | None = None
 
 
-def sync(version: int, *, on_failure: policy.UpdateFailurePolicy = "fail") -> Steps:
+def sync(version: int, *, on_failure: policy.UpdateFailurePolicy = "fail") -> Steps[SyncResult]:
     """The steps of one sync of ``version`` (the fleet's ``on_update_failure`` setting)."""
     judged = yield from judge_previous_export(version)
 
     yield LockTransport()
-    registered = yield Register(version)
+    registered = yield from ask(Register(version))
     if not isinstance(registered, Ok):
         yield UnlockTransport()
         error = f"register of v{version} failed: {registered.error}"
@@ -102,25 +100,25 @@ def sync(version: int, *, on_failure: policy.UpdateFailurePolicy = "fail") -> St
 
     yield Pause()
     for name in ("offload_trainer", "onload_engines"):
-        hooked = yield Hook(name)
+        hooked = yield from ask(Hook(name))
         if not isinstance(hooked, Ok):  # nothing was updated: the fleet stays at its version
             yield UnlockTransport()
             yield Resume()
             error = bound_text(f"{name} failed: {hooked.error}", _MAX_ERROR)
             return SyncResult(version, error=error, previous_export=judged)
 
-    facts: tuple[policy.GroupFacts, ...] = (yield ReadGroups()).value  # type: ignore[union-attr]
+    facts = yield from read(ReadGroups())
     selection = policy.select_targets(facts)
     by_id = {f.group_id: f for f in facts}
     not_targeted = dict(selection.not_targeted)
     targets = tuple(by_id[gid] for gid in selection.targets)
     if targets:
-        prepared = yield PrepareTargets(targets)
+        prepared = yield from ask(PrepareTargets(targets))
         not_targeted.update(prepared.value if isinstance(prepared, Ok) else {})
         targets = tuple(t for t in targets if t.group_id not in not_targeted)
     done = UpdateDone({})
     if targets:
-        pushed = yield Update(version, targets)
+        pushed = yield from ask(Update(version, targets))
         if isinstance(pushed, Ok):
             done = pushed.value
         else:  # the update failed as a whole (a collective set-up, a deadline): every target
@@ -141,7 +139,7 @@ def sync(version: int, *, on_failure: policy.UpdateFailurePolicy = "fail") -> St
     yield SetFleetVersion(settlement.fleet_version)
     sent: dict[GroupEvent, list[str]] = {}
     for gid, event in settlement.events:
-        outcome = yield SendGroup(gid, event, "settle_update")
+        outcome = yield from ask(SendGroup(gid, event, "settle_update"))
         if isinstance(outcome, Ok):  # else it moved meanwhile (failed, for instance)
             sent.setdefault(event, []).append(gid)
     handed = tuple(g for g in settlement.recover if g in sent.get(GroupEvent.FAIL, ()))
@@ -149,7 +147,7 @@ def sync(version: int, *, on_failure: policy.UpdateFailurePolicy = "fail") -> St
         yield HandOff(gid)
     yield UnlockTransport()
 
-    trainer = yield Hook("onload_trainer")
+    trainer = yield from ask(Hook("onload_trainer"))
     yield Resume()
     result = SyncResult(
         version,
@@ -168,15 +166,15 @@ def sync(version: int, *, on_failure: policy.UpdateFailurePolicy = "fail") -> St
         error = bound_text(f"onload_trainer failed: {trainer.error}", _MAX_ERROR)
         return replace(result, error=error)
 
-    started = yield StartExport(version)
+    started = yield from ask(StartExport(version))
     if isinstance(started, Ok):
         return replace(result, export_started=bool(started.value))
     return replace(result, export_error=bound_text(started.error, _MAX_ERROR))
 
 
-def judge_previous_export(version: int) -> Generator[Effect, Outcome, policy.ExportJudgement]:
+def judge_previous_export(version: int) -> Steps[policy.ExportJudgement]:
     """Sync ``version`` began: judge the previous export once, by the policy."""
-    seen = yield ObserveExport()
+    seen = yield from ask(ObserveExport())
     if not isinstance(seen, Ok) or seen.value is None:
         return "none"
     export = seen.value

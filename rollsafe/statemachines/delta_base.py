@@ -5,7 +5,7 @@ so the sender must know, per target, the exact version that target's engine hold
 knowledge is this machine's ``base``; it moves only when the target confirmed the result of a
 push (never when a push is sent), is dropped when a full push fails (the engine's weights are
 then unknown) and when the target restarts, is added or recovers (``reset``). One machine per
-(transport, target); :class:`rollsafe.transports.delta_ledger.DeltaLedger` keeps them, and
+(transport, target); :class:`rollsafe.registry.delta_ledger.DeltaLedger` keeps them, and
 ``rollsafe verify`` drives the same machine against each engine's true version.
 """
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 # the contract types cross layers (the fleet holds them, every transport implements them): they
 # live in the torch- and httpx-free rollsafe.ports (their one import path)
@@ -47,7 +47,6 @@ __all__ = [
     "named_tensor_list",
 ]
 
-_MAX_REASON = 2048
 log = logging.getLogger(__name__)
 
 
@@ -175,7 +174,7 @@ class StagedTransport:
         try:
             ranks_ok, registered = self._stage(items, version)
         except Exception as exc:
-            reg.register_failed(reason=_bounded(f"{type(exc).__name__}: {exc}"))
+            reg.register_failed(reason=bound_text(f"{type(exc).__name__}: {exc}"))
             self.version, self.keys = None, ()
             if isinstance(exc, RegisterError):
                 raise
@@ -243,7 +242,7 @@ class StagedTransport:
             for result in outcomes:
                 report.results[result.target] = result
         except Exception as exc:  # a collective set-up failure fails every target
-            reason = _bounded(f"{type(exc).__name__}: {exc}")
+            reason = bound_text(f"{type(exc).__name__}: {exc}")
             for t in targets:
                 report.results.setdefault(t.name, TargetResult(t.name, False, reason))
         finally:
@@ -265,64 +264,37 @@ class StagedTransport:
         known only once it confirms this push)."""
         if self._delta is None:
             return self.update(targets)
-        for t in targets:
-            self._delta.reset(t.name)
         return self._delta_update(targets, force_full=True)
 
     # ------------------------------------------------------------------ deltas
     def _delta_update(self, targets: Sequence[EngineTarget], *, force_full: bool) -> UpdateReport:
-        """The update with deltas on: plan each target, push the full ones, then each base's
-        payload; a target whose engine refused its delta is pushed full in the same update;
-        settle every target's base (it moves only on a confirmed push)."""
-        from rollsafe.transports.delta import is_delta_refusal
-
+        """The update with deltas on: :func:`rollsafe.operations.push.push`, executed by the
+        transport's :class:`~rollsafe.transports.delta.DeltaSender`, each payload staged here
+        and pushed by :meth:`_update` (the registration machine records every one)."""
         sender = self._delta
         assert sender is not None
         published = check_update_targets(self.name, self.registration, targets)
         self._check_stale(published)
         version = published[1]
-        items = self._registered
         report = UpdateReport(name=published[0], version=version)
         started = time.perf_counter()
-        plan = sender.plan(targets, version, items, force_full=force_full)
-        sent: dict[str, Literal["full", "delta"]] = {}
-        refusals: dict[str, str] = {}
-        full = list(plan.full)
-        try:
-            sender.keep(version, items)  # a possible base, once its targets confirm it
-            for base, (payload, group) in plan.deltas.items():
-                try:
-                    self._restage(payload.tensors, version, base)
-                except Exception as exc:  # nothing was pushed to them: send them full
-                    reason = _bounded(f"staging the delta from v{base} failed: {exc}")
-                    log.warning("%s: %s", self.name, reason)
-                    for t in group:
-                        sender.refused(t.name, version)
-                        plan.reasons[t.name] = reason
-                    full.extend(group)
-                    continue
-                part = self._update(group)
-                for t in group:
-                    res = part.results[t.name]
-                    if not res.ok and is_delta_refusal(res.reason):
-                        refusals[t.name] = res.reason
-                        sender.refused(t.name, version)
-                        plan.reasons[t.name] = "delta refused"
-                        full.append(t)
-                        continue
-                    report.results[t.name], sent[t.name] = res, "delta"
-            if full:
-                self._restage(items, version, None)
-                part = self._update(full)
-                for t in full:
-                    report.results[t.name], sent[t.name] = part.results[t.name], "full"
-        finally:
-            for t in targets:  # a raised update: nothing confirmed for those not reported
-                report.results.setdefault(
-                    t.name, TargetResult(t.name, False, "the update raised before this target")
-                )
-            full_nbytes = sum(t.numel() * t.element_size() for _, t in items)
-            sender.settle(plan, report.results, sent, refusals, full_nbytes)
+
+        def send(
+            group: list[EngineTarget], base: int | None, tensors: Sequence[tuple[str, torch.Tensor]]
+        ) -> dict[str, TargetResult]:
+            from rollsafe.transports.delta import StagingFailed
+
+            try:
+                self._restage(tensors, version, base)
+            except Exception as exc:  # nothing was pushed: the push sends them full
+                if base is None:
+                    raise
+                raise StagingFailed(f"{type(exc).__name__}: {exc}") from exc
+            return self._update(group).results
+
+        report.results = sender.push(
+            targets, version, self._registered, send, force_full=force_full
+        )
         report.seconds = time.perf_counter() - started
         return report
 
@@ -337,20 +309,18 @@ class StagedTransport:
         self._stage(list(items), version)
         self._staged_base = base
 
-    def delta_record(self) -> DeltaRecord | None:
-        """The last update's per-target deltas (None: deltas off, or no update yet)."""
-        return None if self._delta is None else self._delta.last()
+    @property
+    def deltas(self) -> DeltaSender | None:
+        """The transport's delta sync (its :class:`~rollsafe.transports.delta.DeltaSender`:
+        ``stats()``, ``last()``, ``records``); None when deltas are off."""
+        return self._delta
 
     def delta_records(self) -> tuple[DeltaRecord, ...]:
         """The last updates' per-target deltas, oldest first (at most 64; empty: deltas off)."""
         return () if self._delta is None else tuple(self._delta.records)
 
-    def delta_stats(self) -> dict[str, object] | None:
-        """For a fleet's snapshot: bases per target, snapshots held (None: deltas off)."""
-        return None if self._delta is None else self._delta.stats()
-
     def forget(self, target_name: str) -> None:
-        """The target restarted or left: its next push is full (deltas on)."""
+        """The target left service: its delta base is forgotten (its next push is full)."""
         if self._delta is not None:
             self._delta.reset(target_name)
 
@@ -366,7 +336,7 @@ class StagedTransport:
             return TargetResult(
                 target.name,
                 False,
-                _bounded(f"{type(exc).__name__}: {exc}"),
+                bound_text(f"{type(exc).__name__}: {exc}"),
                 time.perf_counter() - t0,
             )
         return TargetResult(target.name, True, "", time.perf_counter() - t0, int(nbytes or 0))
@@ -518,7 +488,3 @@ def _version_of(t: torch.Tensor) -> int | None:
         return int(t._version)
     except RuntimeError:
         return None
-
-
-def _bounded(text: str) -> str:
-    return bound_text(text, _MAX_REASON)

@@ -1,14 +1,17 @@
 """Delta weight sync, the sender's half: what each target of one update receives.
 
 Owns :class:`DeltaSettings` (how a tensor transport uses deltas), :class:`DeltaSender` (the
-base snapshots, the per-target plan and its settlement) and the records an update leaves
+base snapshots, the encodings, and the executor of one push) and the records an update leaves
 (:class:`TargetSync`, :class:`DeltaRecord`). ``docs/transports.md``, "Deltas", and
 ``docs/design.md``, "Delta sync", say why it is built this way.
 
-One update of version N, when deltas are on (:meth:`DeltaSender.plan`):
+The order of one update's steps is :func:`rollsafe.operations.push.push`'s, written once
+(``rollsafe verify`` executes the same sequence on its model); :meth:`DeltaSender.push`
+performs its effects: the ledger's machines (a part), the snapshots, the encoder, and the
+transport's own push of a staged payload. One update of version N, when deltas are on:
 
 1. each target is planned by :func:`rollsafe.policy.plan_push` through the transport's
-   :class:`~rollsafe.transports.delta_ledger.DeltaLedger` (one ``DeltaBase`` machine per
+   :class:`~rollsafe.registry.delta_ledger.DeltaLedger` (one ``DeltaBase`` machine per
    target): a delta only from a base the target **confirmed** and whose snapshot the sender
    still holds, and only to an engine kind that applies deltas; anything else is a full push
    with its reason (no base yet, a lagging base, a recovery's forced full, an engine that cannot);
@@ -35,12 +38,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from rollsafe.errors import InvalidArgument
-from rollsafe.transports.delta_ledger import DeltaLedger
+import rollsafe.operations.effects as fx
+from rollsafe.errors import InvalidArgument, RollsafeError
+from rollsafe.operations import push as push_op
+from rollsafe.operations.effects import drive
+from rollsafe.operations.executor import Executor, handles
+from rollsafe.registry import DeltaLedger
+from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +61,8 @@ __all__ = [
     "DeltaRecord",
     "DeltaSender",
     "DeltaSettings",
+    "SendStaged",
+    "StagingFailed",
     "TargetSync",
     "is_delta_refusal",
 ]
@@ -186,21 +196,11 @@ class DeltaRecord:
         }
 
 
-@dataclass
-class DeltaPlan:
-    """The targets of one update, split: full pushes and, per base version, one payload."""
+class DeltaSender(Executor):
+    """Base snapshots, encodings and the executor of one push for one transport (thread-safe;
+    the transport's own lock serializes updates). The ledger's machines are a part."""
 
-    version: int
-    full: list[EngineTarget]
-    deltas: dict[int, tuple[DeltaPayload, list[EngineTarget]]]
-    reasons: dict[str, str]
-    encode_s: float = 0.0
-    changed_fraction: float | None = None
-
-
-class DeltaSender:
-    """Base snapshots, per-target plans and settlement for one transport (thread-safe; the
-    transport's own lock serializes updates)."""
+    parts = {DeltaLedger: "ledger"}
 
     def __init__(self, settings: DeltaSettings) -> None:
         self.settings = settings
@@ -208,6 +208,7 @@ class DeltaSender:
         self._snapshots: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._lock = threading.Lock()
         self.records: deque[DeltaRecord] = deque(maxlen=64)
+        self._run: _PushRun | None = None
 
     # ------------------------------------------------------------------ snapshots
     @property
@@ -219,154 +220,159 @@ class DeltaSender:
         with self._lock:
             return sum(t.numel() * t.element_size() for s in self._snapshots.values() for _, t in s)
 
-    def keep(self, version: int, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Copy ``items`` (the version being pushed) as a possible base (one copy per version)."""
-        import torch
-
-        with self._lock:
-            if version in self._snapshots:
-                return
-        with torch.no_grad():
-            copy = [(n, t.detach().clone()) for n, t in items]
-        with self._lock:
-            self._snapshots[version] = copy
-
-    def _evict(self, keep_also: int | None = None) -> None:
+    def _evict(self) -> None:
         """Drop the snapshots no target's base names (and the oldest above ``max_bases``)."""
         referenced = set(self.ledger.bases().values())
-        if keep_also is not None:
-            referenced.add(keep_also)
         with self._lock:
             for v in [v for v in self._snapshots if v not in referenced]:
                 del self._snapshots[v]
             while len(self._snapshots) > self.settings.max_bases:
                 del self._snapshots[min(self._snapshots)]
 
-    # ------------------------------------------------------------------ plan
-    def plan(
+    # ------------------------------------------------------------------ one push
+    def push(
         self,
         targets: Sequence[EngineTarget],
         version: int,
         items: Sequence[tuple[str, torch.Tensor]],
+        send: SendStaged,
         *,
-        force_full: bool,
-    ) -> DeltaPlan:
-        """Plan every target (the ledger's machines move to ``sending_*``) and encode one payload
-        per base; a payload not smaller than a full sync sends its targets full."""
+        force_full: bool = False,
+    ) -> dict[str, TargetResult]:
+        """Push ``version`` (``items``) to ``targets``: :func:`rollsafe.operations.push.push`,
+        each payload handed to ``send(targets, base, tensors)`` (the transport stages it and
+        pushes it in one update). ``force_full``: a recovery's push (the targets restarted:
+        their bases are forgotten first, every push full). Returns each target's result and
+        keeps the update's :class:`DeltaRecord`."""
+        from rollsafe.ports import TargetResult
+
+        run = self._run = _PushRun({t.name: t for t in targets}, list(items), send)
+        try:
+            steps = push_op.push(
+                version, tuple(run.targets), force_full=force_full, fresh=force_full
+            )
+            outcome = drive(steps, self.perform)
+        finally:
+            self._run = None
+        results = {
+            name: TargetResult(name, got.ok, got.reason, got.seconds, got.nbytes)
+            for name, got in outcome.delivered.items()
+        }
+        full_nbytes = sum(t.numel() * t.element_size() for _, t in run.items)
+        rows = [
+            TargetSync(
+                target=name,
+                kind="delta" if outcome.kinds.get(name) == "delta" else "full",
+                base=outcome.bases.get(name),
+                reason=outcome.reasons.get(name, "") if outcome.kinds.get(name) != "delta" else "",
+                nbytes=got.nbytes,
+                ok=got.ok,
+                refused=outcome.refusals.get(name, ""),
+            )
+            for name, got in outcome.delivered.items()
+        ]
+        self._evict()
+        self.records.append(
+            DeltaRecord(
+                version=version,
+                targets=tuple(sorted(rows, key=lambda r: r.target)),
+                full_nbytes=full_nbytes,
+                changed_fraction=run.changed_fraction,
+                encode_s=run.encode_s,
+                payload_nbytes={b: p.nbytes for b, p in run.payloads.items()},
+            )
+        )
+        return results
+
+    def _current(self) -> _PushRun:
+        run = self._run
+        assert run is not None, "a push effect outside DeltaSender.push"
+        return run
+
+    @handles(fx.ReadBase)
+    def read_base(self, effect: fx.ReadBase) -> fx.Outcome[fx.BaseFacts]:
+        target = self._current().targets[effect.target]
+        return fx.Ok(
+            fx.BaseFacts(
+                self.ledger.base(effect.target),
+                frozenset(self.held),
+                self.settings.enabled,
+                target.applies_deltas,
+            )
+        )
+
+    @handles(fx.KeepSnapshot)
+    def keep(self, effect: fx.KeepSnapshot) -> fx.Outcome[None]:
+        """Copy the version being pushed as a possible base (one copy per version)."""
+        import torch
+
+        with self._lock:
+            if effect.version in self._snapshots:
+                return fx.DONE
+        with torch.no_grad():
+            copy = [(n, t.detach().clone()) for n, t in self._current().items]
+        with self._lock:
+            self._snapshots[effect.version] = copy
+        return fx.DONE
+
+    @handles(fx.EncodeDelta)
+    def encode(self, effect: fx.EncodeDelta) -> fx.Outcome[fx.Encoded]:
+        """One encoding per base (with the touched base tensors' digests when a target checks
+        its base by content)."""
         from rollsafe.wire.delta import DENSE_FRACTION, encode_delta
 
-        held = self.held
-        plan = DeltaPlan(version, [], {}, {})
-        by_base: dict[int, list[EngineTarget]] = {}
-        for t in targets:
-            p = self.ledger.plan(
-                t.name,
-                version,
-                held,
-                delta_enabled=self.settings.enabled,
-                engine_applies_deltas=t.applies_deltas,
-                force_full=force_full,
+        run = self._current()
+        with self._lock:
+            base_items = self._snapshots[effect.base]
+        try:
+            payload = encode_delta(
+                base_items,
+                run.items,
+                base_version=effect.base,
+                version=effect.version,
+                dense_fraction=self.settings.dense_fraction or DENSE_FRACTION,
+                base_digests=any(run.targets[t].delta_base_by_content for t in effect.targets),
             )
-            if p.kind == "delta" and p.base is not None:
-                by_base.setdefault(p.base, []).append(t)
-            else:
-                plan.full.append(t)
-                plan.reasons[t.name] = p.reason
-        frac = self.settings.dense_fraction or DENSE_FRACTION
-        for base, group in sorted(by_base.items()):
-            with self._lock:
-                base_items = self._snapshots[base]
-            try:
-                payload = encode_delta(
-                    base_items,
-                    items,
-                    base_version=base,
-                    version=version,
-                    dense_fraction=frac,
-                    # an engine that checks its base by content needs the base's digests
-                    base_digests=any(t.delta_base_by_content for t in group),
-                )
-            except Exception as exc:  # e.g. the version's names or shapes differ from the base's
-                reason = f"delta from v{base} not encoded: {type(exc).__name__}: {exc}"[:512]
-                log.warning("delta: %s; sending %d target(s) full", reason, len(group))
-                for t in group:
-                    self.ledger.fallback_full(t.name, reason)
-                    plan.full.append(t)
-                    plan.reasons[t.name] = reason
+        except Exception as exc:  # e.g. the version's names or shapes differ from the base's
+            why = bound_text(f"{type(exc).__name__}: {exc}", 512)
+            log.warning("delta from v%d not encoded: %s; sending full", effect.base, why)
+            return fx.Failed(why)
+        run.encode_s += payload.encode_s
+        if run.changed_fraction is None and payload.total_elements:
+            run.changed_fraction = payload.changed_elements / payload.total_elements
+        if payload.worthwhile:
+            run.payloads[effect.base] = payload
+        return fx.Ok(fx.Encoded(payload.nbytes, payload.full_nbytes, payload.worthwhile))
+
+    @handles(fx.PushTargets)
+    def push_targets(self, effect: fx.PushTargets) -> fx.Outcome[Mapping[str, fx.Delivered]]:
+        """The transport stages the payload (a base's delta, or the version itself) and pushes
+        it to the targets in one update; an update that raised fails every target, and a
+        delta that could not even be staged counts as refused (nothing was sent)."""
+        run = self._current()
+        group = [run.targets[name] for name in effect.targets]
+        base = effect.base
+        tensors = run.items if base is None else run.payloads[base].tensors
+        try:
+            results = run.send(group, base, tensors)
+        except StagingFailed as exc:
+            why = bound_text(f"staging the delta from v{base} failed: {exc}", 512)
+            log.warning("delta: %s", why)
+            return fx.Ok({t.name: fx.Delivered(False, why, refused=True) for t in group})
+        except Exception as exc:  # a collective set-up failure: every target failed
+            why = bound_text(f"{type(exc).__name__}: {exc}", 2048)
+            return fx.Ok({t.name: fx.Delivered(False, why) for t in group})
+        delivered: dict[str, fx.Delivered] = {}
+        for t in group:
+            res = results.get(t.name)
+            if res is None:
+                delivered[t.name] = fx.Delivered(False, "the update raised before this target")
                 continue
-            plan.encode_s += payload.encode_s
-            if plan.changed_fraction is None and payload.total_elements:
-                plan.changed_fraction = payload.changed_elements / payload.total_elements
-            if payload.worthwhile:
-                plan.deltas[base] = (payload, group)
-                continue
-            reason = (
-                f"delta from v{base} not smaller ({payload.nbytes} >= {payload.full_nbytes} bytes)"
-            )
-            for t in group:
-                self.ledger.fallback_full(t.name, reason)
-                plan.full.append(t)
-                plan.reasons[t.name] = reason
-        return plan
+            refused = base is not None and not res.ok and is_delta_refusal(res.reason)
+            delivered[t.name] = fx.Delivered(res.ok, res.reason, refused, res.nbytes, res.seconds)
+        return fx.Ok(delivered)
 
-    def refused(self, target: str, version: int) -> None:
-        """The engine refused its delta (nothing changed): the ledger records the refusal (the
-        base stays) and plans the target's full push of ``version``, in the same update."""
-        self.ledger.settle(target, version, ok=False, refused=True)
-        self.ledger.plan(
-            target,
-            version,
-            self.held,
-            delta_enabled=self.settings.enabled,
-            engine_applies_deltas=False,
-            force_full=True,
-        )
-
-    # ------------------------------------------------------------------ settle
-    def settle(
-        self,
-        plan: DeltaPlan,
-        results: Mapping[str, TargetResult],
-        sent: Mapping[str, SyncKind],
-        refusals: Mapping[str, str],
-        full_nbytes: int,
-    ) -> DeltaRecord:
-        """Each target's outcome to its machine (the base moves only on a confirmed push), drop
-        unreferenced snapshots, return the update's record."""
-        version = plan.version
-        base_of = {t.name: base for base, (_, ts) in plan.deltas.items() for t in ts}
-        rows: list[TargetSync] = []
-        for name, res in results.items():
-            kind = sent.get(name, "full")
-            try:
-                self.ledger.settle(name, version, ok=res.ok, refused=False)
-            except InvalidArgument:
-                # the target was reset while its push ran (it failed and left the fleet's
-                # routing): the reset wins, its next push is full
-                log.info("delta: %s was reset during its push of v%d", name, version)
-            rows.append(
-                TargetSync(
-                    target=name,
-                    kind=kind,
-                    base=base_of.get(name) if kind == "delta" else None,
-                    reason=plan.reasons.get(name, "") if kind == "full" else "",
-                    nbytes=res.nbytes,
-                    ok=res.ok,
-                    refused=refusals.get(name, ""),
-                )
-            )
-        self._evict()
-        record = DeltaRecord(
-            version=version,
-            targets=tuple(sorted(rows, key=lambda r: r.target)),
-            full_nbytes=full_nbytes,
-            changed_fraction=plan.changed_fraction,
-            encode_s=plan.encode_s,
-            payload_nbytes={b: p.nbytes for b, (p, _) in plan.deltas.items()},
-        )
-        self.records.append(record)
-        return record
-
+    # ------------------------------------------------------------------ the rest
     def reset(self, target: str) -> None:
         """The target restarted (or was added, or recovered): its next push is full."""
         self.ledger.reset(target)
@@ -396,3 +402,35 @@ class DeltaSender:
                 "refusals": len(last.refusals),
             },
         }
+
+
+class StagingFailed(RollsafeError, RuntimeError):
+    """Raised by a transport's ``send`` when a delta payload could not be staged (nothing was
+    pushed): the push treats it as a refusal and sends those targets full."""
+
+
+#: ``send(targets, base, tensors)``: stage ``tensors`` (the delta from ``base``, or the version
+#: itself when ``base`` is None) and push them to ``targets`` in one update; the results by
+#: target name (raise :class:`StagingFailed` when the payload could not be staged)
+SendStaged = Callable[
+    [list["EngineTarget"], "int | None", "Sequence[tuple[str, torch.Tensor]]"],
+    "Mapping[str, TargetResult]",
+]
+
+
+class _PushRun:
+    """One push's working set: the targets by name, the version's tensors, the transport's
+    ``send``, and what the encodings cost."""
+
+    def __init__(
+        self,
+        targets: dict[str, EngineTarget],
+        items: list[tuple[str, torch.Tensor]],
+        send: SendStaged,
+    ) -> None:
+        self.targets = targets
+        self.items = items
+        self.send = send
+        self.payloads: dict[int, DeltaPayload] = {}
+        self.encode_s = 0.0
+        self.changed_fraction: float | None = None

@@ -21,7 +21,7 @@ are down, or timing out (every rank counts a failure).
 With ``ModelConfig(deltas=True)`` (the default) every push to a group goes through a
 :class:`~rollsafe.statemachines.DeltaBase` per group, planned by :func:`rollsafe.policy.plan_push`
 and settled by :func:`rollsafe.policy.settle_push`, exactly as
-:class:`rollsafe.transports.delta_ledger.DeltaLedger` does for a transport (the verifier cannot
+:class:`rollsafe.registry.delta_ledger.DeltaLedger` does for a transport (the verifier cannot
 import a transport: it is a lower layer): the sender holds the weights of the fleet's current
 version only (a target whose base is older lags: full push); a delta reaches an engine whose
 ranks all hold its base and is applied on all of them or none (a live rank that holds another
@@ -46,7 +46,7 @@ identifies states that differ only by a permutation of groups or of ranks inside
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -68,9 +68,12 @@ from rollsafe.invariants import (
 from rollsafe.invariants import InvariantViolation as Violation
 from rollsafe.operations import place as place_op
 from rollsafe.operations import probe as probe_op
+from rollsafe.operations import push as push_op
 from rollsafe.operations import recover as recover_op
 from rollsafe.operations import sync as sync_op
-from rollsafe.operations.effects import Effect, Failed, Ok, Outcome, TimedOut, drive
+from rollsafe.operations.effects import DONE, Failed, Ok, Outcome, TimedOut, drive
+from rollsafe.operations.executor import Executor, handles
+from rollsafe.registry import DeltaLedger, FleetRegistry, RegistryEffects
 from rollsafe.statemachines import (
     CheckpointRegistration,
     DeltaBase,
@@ -84,7 +87,6 @@ from rollsafe.statemachines import (
 )
 from rollsafe.statemachines.events import (
     AnyEvent,
-    DeltaEvent,
     ExportEvent,
     GroupEvent,
     event_name,
@@ -107,8 +109,9 @@ POISONED = invariants.POISONED
 _KEYS: tuple[str, ...] = ("model.embed_tokens.weight", "lm_head.weight", "mtp.layer.weight")
 _REGISTERED = _KEYS[:2]  # the MTP key is legitimately missing (allow-listed)
 _RUNNING_EXPORT = ("requested", "snapshotting", "writing", "committing")
-_OK = Ok()
-_NO_REFUSALS = Ok({})
+_OK = DONE
+#: the push's decisions the model audits (a policy function's declared events)
+_DELTA_DECISIONS = frozenset({"plan_push", "settle_push"})
 
 
 @dataclass(frozen=True)
@@ -196,9 +199,18 @@ def _declared() -> dict[str, frozenset[str]]:
 _DECLARED = _declared()
 
 
-class FleetModel:
+class FleetModel(Executor):
     """The composed fleet model. Machine classes are parameters so tests can plant bugs in
-    them; policy bugs are planted by patching :mod:`rollsafe.policy`."""
+    them; policy bugs are planted by patching :mod:`rollsafe.policy`.
+
+    The model is the verifier's executor of the operations: one table of handlers (the
+    I/O's outcomes, chosen by the actions) and, as a part, the registry's own handlers
+    (:class:`~rollsafe.registry.RegistryEffects`) on a real
+    :class:`~rollsafe.registry.FleetRegistry` holding the model's group machines: an event the
+    policy decided is sent, refused and recorded exactly as on the fleet. The model hears
+    those sends as the registry's :class:`~rollsafe.registry.SendAudit`."""
+
+    parts = {RegistryEffects: "registry_effects", DeltaLedger: "ledger"}
 
     def __init__(
         self,
@@ -217,7 +229,11 @@ class FleetModel:
         self._group_pool: list[list[WorkerGroupLifecycle]] = [[grp] for grp in self.groups]
         self.registration = registration_cls(world_size=cfg.groups * cfg.ranks)
         self.mode = mode_cls(enabled=True, rearm_after=cfg.rearm_after)
-        self.version = 0
+        #: the fleet's table: the groups' machines and the fleet version, as the fleet keeps them
+        self.registry = FleetRegistry()
+        for grp in self.groups:
+            self.registry.add_group(grp.group_id, grp.ranks, machine=grp)
+        self.registry_effects = RegistryEffects(self.registry, audit=self)
         #: ground truth per group: per rank (alive, weights really held)
         self.truth: list[tuple[tuple[bool, int | None], ...]] = [
             tuple((False, None) for _ in range(cfg.ranks)) for _ in range(cfg.groups)
@@ -249,12 +265,41 @@ class FleetModel:
         self._restart_choice = "ok"  # the running restart's outcome: ok, failed, timeout
         self._push_ok = True  # the running targeted push's outcome
         self._probe_timed_out = False  # the running probe's outcome: no answer in time
-        self._acted = 0  # effects that changed the model (an action that took none: refused)
-        self._effects = self._effect_table()
-        #: the sender's base per group (one DeltaBase per target, as a DeltaLedger keeps them)
+        self._own_acts = 0  # the model's own effects that changed it
+        #: the thread the running action stands for: ``health`` while a probe runs
+        self._thread = "recovery"
+        #: the sender's base per group: a real DeltaLedger (a part: it sends the push's
+        #: decided events), one DeltaBase per group
+        self.ledger = DeltaLedger(machine_cls=delta_cls)
         self.delta: list[DeltaBase] = (
-            [delta_cls(f"g{g}") for g in range(cfg.groups)] if cfg.deltas else []
+            [self.ledger.machine_for(f"g{g}") for g in range(cfg.groups)] if cfg.deltas else []
         )
+        self._failing: dict[int, int] = {}  # the running push's failing rank per group
+        self._pushed: dict[int, dict[int, bool]] = {}  # the running push's results
+
+    @property
+    def version(self) -> int:
+        """The fleet's version (the registry's)."""
+        return self.registry.fleet_version
+
+    @property
+    def _acted(self) -> int:
+        """Effects that changed the model so far (an action that took none changed nothing)."""
+        return self._own_acts + self.registry_effects.changes
+
+    # -- the registry's sends, heard as its SendAudit
+    def decided(self, by: str, events: Sequence[GroupEvent]) -> None:
+        self._decided(by, tuple(events))
+
+    def taken(self, group: str, event: GroupEvent) -> None:
+        if event is GroupEvent.CLAIM:
+            g = self._index[group]
+            self.claims[g] += 1
+            if self._thread == "health":  # a recovery began inside a probe's sequence
+                self.audit.recovery_threads = (*self.audit.recovery_threads, (group, "health"))
+
+    def refused(self, by: str, why: str) -> None:
+        self._refuse(f"policy.{by}: {why}")
 
     def _new_group(self, g: int) -> WorkerGroupLifecycle:
         cfg = self.config
@@ -263,6 +308,9 @@ class FleetModel:
             restart_budget=cfg.restart_budget,
             group_id=f"g{g}",
         )
+
+    def _builder(self, g: int) -> Callable[[], WorkerGroupLifecycle]:
+        return lambda: self._new_group(g)
 
     # ------------------------------------------------------------------ actions
     def actions(self) -> Iterator[Action]:
@@ -317,6 +365,9 @@ class FleetModel:
             return handler(*action.args)
         except TransitionNotAllowed:
             return False
+        finally:
+            if self.version > self.audit.max_version_seen:
+                self.audit.max_version_seen = self.version
 
     def _restore_exports(self, exports: tuple[Any, ...], groups: tuple[Any, ...]) -> None:
         self.exports = {}
@@ -359,18 +410,9 @@ class FleetModel:
         self.audit.refused = (*self.audit.refused, text)
 
     def _send_group(self, g: int, event: GroupEvent, by: str) -> bool:
-        """Send a decided event (a recovery's lease is released by the recovery itself: the
-        operation's ``ReleaseLease``, never as a side effect of an event)."""
-        group = self.groups[g]
-        self._acted += 1
-        try:
-            group.send(event, current_version=self.version)
-        except TransitionNotAllowed as exc:
-            self._refuse(f"policy.{by}: {exc}")
-            return False
-        if event is GroupEvent.CLAIM:
-            self.claims[g] += 1
-        return True
+        """Send a decided event through the registry's handler (a recovery's lease is released
+        by the recovery itself: the operation's ``ReleaseLease``, never as a side effect)."""
+        return isinstance(self.perform(fx.SendGroup(f"g{g}", event, by)), Ok)
 
     def _release_lease(self, g: int) -> None:
         self._release(self.leases.pop(g, None))
@@ -391,9 +433,8 @@ class FleetModel:
         if group.state != "launching" or alive or not self.node_up[g]:
             return False
         self._set_truth(g, r, True, 0)
-        group.report_member(group.ranks[r], healthy=True, weights_version=0)
+        self.registry.report_member(group.group_id, group.ranks[r], healthy=True, weights_version=0)
         events = policy.launch_events(self._recorded(g))
-        self._decided("launch_events", events)
         for event in events:
             self._send_group(g, event, "launch_events")
         return True
@@ -424,7 +465,11 @@ class FleetModel:
             return False
         self._probe_timed_out = timed_out
         before = self._acted
-        drive(probe_op.probe(f"g{g}", self.config.failure_threshold), self._perform)
+        self._thread = "health"
+        try:
+            drive(probe_op.probe(f"g{g}", self.config.failure_threshold), self.perform)
+        finally:
+            self._thread = "recovery"
         return self._acted > before  # False: an answer that changes nothing
 
     # -- the recovery coordinator: the second executor of rollsafe.operations.recover
@@ -435,9 +480,9 @@ class FleetModel:
             return False
         before = self._acted
         gid = f"g{g}"
-        end = drive(recover_op.claim(gid), self._perform)
+        end = drive(recover_op.claim(gid), self.perform)
         if end is None:  # claimed
-            drive(recover_op.take_lease(gid), self._perform)
+            drive(recover_op.take_lease(gid), self.perform)
         return self._acted > before
 
     def _do_restart(self, g: int, ok: bool) -> bool:
@@ -455,7 +500,7 @@ class FleetModel:
         self._restart_choice = choice
         lease = self.leases.get(g)
         leased = fx.Leased(lease.version, _path(lease.version), lease) if lease else None
-        drive(recover_op.restart(f"g{g}", leased), self._perform)
+        drive(recover_op.restart(f"g{g}", leased), self.perform)
         return True
 
     def _do_restart_ends(self, g: int) -> bool:
@@ -471,7 +516,7 @@ class FleetModel:
             return False
         self._push_ok = ok
         before = self._acted
-        drive(recover_op.push(f"g{g}", self.config.traits), self._perform)
+        drive(recover_op.push(f"g{g}", self.config.traits), self.perform)
         return self._acted > before  # False: deferred, nothing pushed
 
     def _push_to(self, g: int, version: int, failing_rank: int | None) -> dict[int, bool]:
@@ -492,61 +537,65 @@ class FleetModel:
                 self._set_truth(g, r, True, POISONED)
         return rank_ok
 
-    # -- delta sync: the DeltaLedger's steps on the group's DeltaBase (issue #28)
-    def _push_group(
-        self, g: int, version: int, failing_rank: int | None, *, force: bool = False
-    ) -> dict[int, bool]:
-        """Push ``version`` into group ``g`` as the transport does: planned by
-        :func:`rollsafe.policy.plan_push` on the group's DeltaBase, settled by
-        :func:`rollsafe.policy.settle_push`; a refused delta is pushed again in full."""
+    # -- pushes: every group at once (a sync) or one group (a recovery), as a transport does
+    def _push(
+        self, version: int, groups: tuple[int, ...], failing: dict[int, int], *, force: bool
+    ) -> dict[int, dict[int, bool]]:
+        """Push ``version`` to ``groups`` as the transport does (``failing``: group -> the rank
+        whose push fails): with deltas on, the steps of :func:`rollsafe.operations.push.push`
+        on the groups' ``DeltaBase`` machines (a real :class:`DeltaLedger`, a part); without,
+        each group full. Returns each group's per-rank result."""
+        self._failing = failing
+        self._pushed = {}
         if not self.config.deltas:
-            return self._push_to(g, version, failing_rank)
-        plan = self._plan(g, version, force)
-        if plan is None:
-            return self._push_to(g, version, failing_rank)
-        if plan.kind == "delta":
-            assert plan.base is not None
-            rank_ok, refused = self._apply_delta(g, version, plan.base, failing_rank)
-            self._settle(g, plan, version, ok=all(rank_ok.values()), refused=refused)
-            if not refused:
-                return rank_ok
-            plan = self._plan(g, version, True)  # retried in full in the same update
-            if plan is None:
-                return rank_ok
-        rank_ok = self._push_to(g, version, failing_rank)
-        self._settle(g, plan, version, ok=all(rank_ok.values()), refused=False)
-        return rank_ok
+            for g in groups:
+                self._pushed[g] = self._push_to(g, version, failing.get(g))
+            return self._pushed
+        targets = tuple(f"g{g}" for g in groups)
+        drive(push_op.push(version, targets, force_full=force, fresh=force), self.perform)
+        return self._pushed
 
-    def _plan(self, g: int, version: int, force: bool) -> policy.PushPlan | None:
-        machine = self.delta[g]
-        plan = policy.plan_push(
-            machine.base,
-            version,
-            frozenset({self.version}),  # the sender keeps the current version's weights only
-            delta_enabled=True,
-            engine_applies_deltas=True,
-            force_full=force,
-        )
-        self._decided("plan_push", (plan.event,))
-        try:
-            if plan.kind == "delta":
-                machine.send(plan.event, version=version, held=frozenset({self.version}))
+    @handles(fx.ReadBase)
+    def _read_base(self, effect: fx.ReadBase) -> Outcome[Any]:
+        """The sender keeps the weights of the fleet's current version only (a target whose
+        base is older lags: full push); the model's engines apply deltas."""
+        held = frozenset({self.version})
+        return Ok(fx.BaseFacts(self.ledger.base(effect.target), held, True, True))
+
+    @handles(fx.KeepSnapshot)
+    def _keep_snapshot(self, _effect: fx.KeepSnapshot) -> Outcome[Any]:
+        return _OK
+
+    @handles(fx.EncodeDelta)
+    def _encode_delta(self, _effect: fx.EncodeDelta) -> Outcome[Any]:
+        return Ok(fx.Encoded(1, 2, True))  # a delta is smaller than the full weights
+
+    @handles(fx.PushTargets)
+    def _push_targets(self, effect: fx.PushTargets) -> Outcome[Any]:
+        delivered: dict[str, fx.Delivered] = {}
+        for gid in effect.targets:
+            g = self._index[gid]
+            failing = self._failing.get(g)
+            if effect.base is None:
+                rank_ok = self._push_to(g, effect.version, failing)
+                refused = False
             else:
-                machine.send(plan.event, version=version)
-        except TransitionNotAllowed as exc:
-            self._refuse(f"policy.plan_push: {exc}")
-            return None
-        return plan
+                rank_ok, refused = self._apply_delta(g, effect.version, effect.base, failing)
+            self._pushed[g] = rank_ok
+            ok = all(rank_ok.values())
+            delivered[gid] = fx.Delivered(ok, "" if ok else "a rank failed", refused)
+        return Ok(delivered)
 
-    def _settle(
-        self, g: int, plan: policy.PushPlan, version: int, *, ok: bool, refused: bool
-    ) -> None:
-        event = policy.settle_push(plan, ok=ok, refused=refused)
-        self._decided("settle_push", (event,))
-        try:
-            self.delta[g].send(event, version=version)
-        except TransitionNotAllowed as exc:
-            self._refuse(f"policy.settle_push: {exc}")
+    def perform(self, effect: fx.Effect[Any]) -> Outcome[Any]:
+        """Every effect through the table; the ledger's sends are audited like the registry's
+        (a decided event must be declared by its policy function and taken by its machine)."""
+        if not isinstance(effect, fx.SendBase) or effect.decided_by not in _DELTA_DECISIONS:
+            return super().perform(effect)
+        self._decided(effect.decided_by, (effect.event,))
+        outcome = super().perform(effect)
+        if not isinstance(outcome, Ok):
+            self._refuse(f"policy.{effect.decided_by}: {outcome.error}")
+        return outcome
 
     def _apply_delta(
         self, g: int, version: int, base: int, failing_rank: int | None
@@ -581,7 +630,7 @@ class FleetModel:
 
     def _reset_base(self, g: int) -> None:
         if self.config.deltas and self.delta[g].state != "no_base":
-            self.delta[g].send(DeltaEvent.RESET)
+            self.ledger.reset(f"g{g}")
 
     # -- nodes and removals: the second executor of rollsafe.operations.place
     def _do_node_dies(self, dying: tuple[int, ...]) -> bool:
@@ -610,7 +659,7 @@ class FleetModel:
         if not lost:
             return False
         self.node_lost.update(lost)
-        drive(place_op.node_lost(tuple(f"g{g}" for g in lost)), self._perform)
+        drive(place_op.node_lost(tuple(f"g{g}" for g in lost)), self.perform)
         for g in lost:  # a recovery cut by the node's loss ends: its lease goes back
             if self.groups[g].state != "recovering":
                 self._release_lease(g)
@@ -622,9 +671,9 @@ class FleetModel:
         if self.groups[g].state != "unplaced" or g in self.late:
             return False
         gid = f"g{g}"
-        end = drive(place_op.place(gid), self._perform)
+        end = drive(place_op.place(gid), self.perform)
         if end is None:
-            drive(recover_op.take_lease(gid), self._perform)
+            drive(recover_op.take_lease(gid), self.perform)
         return True
 
     def _do_remove(self, g: int) -> bool:
@@ -633,7 +682,7 @@ class FleetModel:
         if len(self.removed) >= self.config.removals or group.state in ("draining", "retired"):
             return False
         self.removed.add(g)
-        drive(place_op.drain(f"g{g}"), self._perform)
+        drive(place_op.drain(f"g{g}"), self.perform)
         if group.state != "recovering":
             self._release_lease(g)
         return True
@@ -642,29 +691,19 @@ class FleetModel:
         """A drained group's requests ended: stop it, give its placement back, ``retire``."""
         if self.groups[g].state != "draining":
             return False
-        drive(place_op.finish_removal(f"g{g}"), self._perform)
+        drive(place_op.finish_removal(f"g{g}"), self.perform)
         return True
 
-    def _read_states(self, effect: fx.ReadStates) -> Outcome:
-        return Ok(tuple((gid, self.groups[self._index[gid]].state) for gid in effect.groups))
-
-    def _send_groups(self, effect: fx.SendGroups) -> Outcome:
-        refused: list[tuple[str, str]] = []
-        self._decided(effect.decided_by, tuple(e for _, evs in effect.events for e in evs))
-        for gid, events in effect.events:
-            for event in events:
-                if not self._send_group(self._index[gid], event, effect.decided_by):
-                    refused.append((gid, f"refused {event.value!r}"))
-        return Ok(tuple(refused))
-
-    def _place(self, effect: fx.Place) -> Outcome:
+    @handles(fx.Place)
+    def _place(self, effect: fx.Place) -> Outcome[Any]:
         g = self._index[effect.group]
-        self._acted += 1
+        self._own_acts += 1
         self.node_up[g] = True
         self.node_lost.discard(g)
         return Ok(f"node-of-{effect.group}")
 
-    def _stop_engine(self, effect: fx.StopEngine) -> Outcome:
+    @handles(fx.StopEngine)
+    def _stop_engine(self, effect: fx.StopEngine) -> Outcome[Any]:
         """Stopping a group's engine: only a removal's stop changes the model (recovery's
         ``shutdown`` step precedes a restart that sets every rank anyway)."""
         g = self._index[effect.group]
@@ -692,107 +731,74 @@ class FleetModel:
         if self.registration.state not in ("empty", "registered", "failed"):
             return False
         self._choice = (registered_everywhere, failing_group)
-        drive(sync_op.sync(new, on_failure=on_failure), self._perform)
+        drive(sync_op.sync(new, on_failure=on_failure), self.perform)
         return True
 
-    def _perform(self, effect: Effect) -> Outcome:
-        """Perform one effect of an operation on the model (the table of effects below)."""
-        return self._effects[type(effect)](effect)
+    @handles(
+        fx.LockTransport,
+        fx.UnlockTransport,
+        fx.Pause,
+        fx.Resume,
+        fx.Hook,
+        fx.HandOff,  # the model's recovery is its own action (``recover``)
+        fx.NoteStep,
+        fx.GetEngine,
+        fx.AwaitHealthy,
+        fx.ReleasePlacement,
+        fx.LockHealth,
+        fx.UnlockHealth,
+    )
+    def _nothing(self, _effect: Any) -> Outcome[Any]:
+        """Steps whose I/O leaves nothing in the model."""
+        return _OK
 
-    def _effect_table(self) -> dict[type[Effect], Callable[[Any], Outcome]]:
-        done = lambda _effect: _OK  # noqa: E731  # steps with no model state (locks, hooks)
-        return {
-            fx.ObserveExport: self._observe_export,
-            fx.ExportJudged: self._export_judged,
-            fx.SendMode: self._send_mode,
-            fx.AbandonExport: self._abandon_export,
-            fx.LockTransport: done,
-            fx.UnlockTransport: done,
-            fx.Register: self._register,
-            fx.Pause: done,
-            fx.Resume: done,
-            fx.Hook: done,
-            fx.ReadGroups: self._read_groups,
-            fx.PrepareTargets: lambda _effect: _NO_REFUSALS,
-            fx.Update: self._update,
-            fx.RecordVersions: self._record_versions,
-            fx.SetFleetVersion: self._set_fleet_version,
-            fx.SendGroup: self._send_group_effect,
-            fx.HandOff: done,  # the model's recovery is its own action (``recover``)
-            fx.StartExport: self._start_export,
-            # the recovery attempt (rollsafe.operations.recover)
-            fx.ReadRecovery: self._read_recovery,
-            fx.NoteStep: done,
-            fx.ReadStrategy: self._read_strategy,
-            fx.TakeLease: self._take_lease,
-            fx.ReleaseLease: self._release_lease_effect,
-            # the model's exports are readable everywhere (StrategyFacts.moved False): never asked
-            fx.PullExport: lambda effect: Ok(fx.Pulled(str(effect.lease.path), 0)),
-            fx.GetEngine: done,
-            fx.StopEngine: self._stop_engine,
-            fx.Restart: self._restart,
-            fx.AwaitHealthy: done,
-            fx.ReportMembers: self._report_members,
-            fx.PushUnderLock: self._push_under_lock,
-            fx.ReadPushFacts: self._read_push_facts,
-            fx.TargetedPush: self._targeted_push,
-            # the health probe (rollsafe.operations.probe)
-            fx.ProbeMembers: self._probe_members,
-            fx.LockHealth: done,
-            fx.UnlockHealth: done,
-            fx.ReadProbeFacts: self._read_probe_facts,
-            fx.ReportRank: self._report_rank,
-            fx.SetFailureCounts: self._set_failure_counts,
-            fx.GroupFailed: self._group_failed,
-            # node loss, placement, removal (rollsafe.operations.place)
-            fx.ReadStates: self._read_states,
-            fx.SendGroups: self._send_groups,
-            fx.Place: self._place,
-            fx.ReleasePlacement: done,
-            fx.AwaitDrained: lambda _effect: Ok(0),
-        }
+    @handles(fx.PrepareTargets)
+    def _prepare_targets(self, _effect: fx.PrepareTargets) -> Outcome[Any]:
+        return Ok({})
 
-    def _probe_members(self, effect: fx.ProbeMembers) -> Outcome:
+    @handles(fx.PullExport)
+    def _pull_export(self, effect: fx.PullExport) -> Outcome[Any]:
+        """A moved export is checked on the node: its copy is the export itself here."""
+        return Ok(fx.Pulled(str(effect.lease.path), 0))
+
+    @handles(fx.AwaitDrained)
+    def _await_drained(self, _effect: fx.AwaitDrained) -> Outcome[Any]:
+        return Ok(0)
+
+    @handles(fx.ProbeMembers)
+    def _probe_members(self, effect: fx.ProbeMembers) -> Outcome[Any]:
         if self._probe_timed_out:
             return TimedOut()
         g, group = self._group_of(effect.group)
         dead = tuple(group.ranks[r] for r, (alive, _) in enumerate(self.truth[g]) if not alive)
         return Ok(fx.Probed(dead, f"ranks {list(dead)} down" if dead else None))
 
-    def _read_probe_facts(self, effect: fx.ReadProbeFacts) -> Outcome:
+    @handles(fx.ReadProbeFacts)
+    def _read_probe_facts(self, effect: fx.ReadProbeFacts) -> Outcome[Any]:
         g, group = self._group_of(effect.group)
         moved = group.state not in ("active", "pending_weights")
         return Ok(fx.ProbeFacts(group.ranks, self.counts[g], self._recorded(g), moved))
 
-    def _report_rank(self, effect: fx.ReportRank) -> Outcome:
-        _g, group = self._group_of(effect.group)
-        if group.members[effect.rank].healthy != effect.healthy:
-            self._acted += 1
-        group.report_member(effect.rank, healthy=effect.healthy)
-        return _OK
-
-    def _set_failure_counts(self, effect: fx.SetFailureCounts) -> Outcome:
+    @handles(fx.SetFailureCounts)
+    def _set_failure_counts(self, effect: fx.SetFailureCounts) -> Outcome[Any]:
         g = self._index[effect.group]
         counts = dict(effect.counts)
         if counts != self.counts[g]:
-            self._acted += 1
+            self._own_acts += 1
             self.counts[g] = counts
         return _OK
 
-    def _group_failed(self, effect: fx.GroupFailed) -> Outcome:
-        """Hand the failed group over: ``enqueue`` is the ``recover`` action's to take later;
-        ``inline`` (never correct) runs the recovery on the health thread, now."""
-        if effect.handoff is policy.Handoff.INLINE:
-            g = self._index[effect.group]
-            self.audit.recovery_threads = (*self.audit.recovery_threads, (effect.group, "health"))
-            self._do_recover(g)
+    @handles(fx.GroupFailed)
+    def _group_failed(self, effect: fx.GroupFailed) -> Outcome[Any]:
+        """Hand the failed group over: queued, the ``recover`` action's to take later."""
         return _OK
 
     def _group_of(self, gid: str) -> tuple[int, WorkerGroupLifecycle]:
         g = self._index[gid]
         return g, self.groups[g]
 
-    def _read_recovery(self, effect: fx.ReadRecovery) -> Outcome:
+    @handles(fx.ReadRecovery)
+    def _read_recovery(self, effect: fx.ReadRecovery) -> Outcome[Any]:
         g, group = self._group_of(effect.group)
         return Ok(
             fx.RecoveryFacts(
@@ -809,7 +815,8 @@ class FleetModel:
             )
         )
 
-    def _read_strategy(self, _effect: fx.ReadStrategy) -> Outcome:
+    @handles(fx.ReadStrategy)
+    def _read_strategy(self, _effect: fx.ReadStrategy) -> Outcome[Any]:
         export = self.exports.get(self.version)
         facts = (
             policy.ExportFacts(export.version, export.state, len(export.leases))
@@ -818,11 +825,12 @@ class FleetModel:
         )
         return Ok(fx.StrategyFacts(self.mode.state, self.version, facts, can_push=True))
 
-    def _take_lease(self, effect: fx.TakeLease) -> Outcome:
+    @handles(fx.TakeLease)
+    def _take_lease(self, effect: fx.TakeLease) -> Outcome[Any]:
         g = self._index[effect.holder.removeprefix("recovery:")]
         chosen = self.exports.get(effect.version)
         state = chosen.state if chosen is not None else "gone"
-        self._acted += 1
+        self._own_acts += 1
         self.audit.immediate = (
             *self.audit.immediate,
             RecoveryPicture(f"g{g}", effect.version, state, self.version),
@@ -837,10 +845,11 @@ class FleetModel:
             return Failed(str(exc))
         return Ok(fx.Leased(lease.version, _path(lease.version), lease))
 
-    def _release_lease_effect(self, effect: fx.ReleaseLease) -> Outcome:
+    @handles(fx.ReleaseLease)
+    def _release_lease_effect(self, effect: fx.ReleaseLease) -> Outcome[Any]:
         lease: ExportLease = effect.lease.token
         g = self._index[lease.holder]
-        self._acted += 1
+        self._own_acts += 1
         if self.leases.get(g) is lease:
             del self.leases[g]
         if effect.once_restart_ends and g in self.late:
@@ -849,10 +858,11 @@ class FleetModel:
             self._release(lease)
         return _OK
 
-    def _restart(self, effect: fx.Restart) -> Outcome:
+    @handles(fx.Restart)
+    def _restart(self, effect: fx.Restart) -> Outcome[Any]:
         g, _group = self._group_of(effect.group)
         choice = self._restart_choice
-        self._acted += 1
+        self._own_acts += 1
         self.counts[g] = {}
         self._reset_base(g)  # a restarted engine's weights are new: its next push is full
         if choice == "ok":
@@ -866,31 +876,29 @@ class FleetModel:
             return TimedOut()
         return Failed("restart failed")
 
-    def _report_members(self, effect: fx.ReportMembers) -> Outcome:
-        _g, group = self._group_of(effect.group)
-        for rank, m in group.members.items():
-            healthy = m.healthy if effect.healthy is None else effect.healthy
-            group.report_member(rank, healthy=healthy, weights_version=effect.weights_version)
-        return _OK
+    @handles(fx.PushUnderLock)
+    def _push_under_lock(self, effect: fx.PushUnderLock) -> Outcome[Any]:
+        return Ok(drive(recover_op.push_locked(effect.group, effect.keeps_weights), self.perform))
 
-    def _push_under_lock(self, effect: fx.PushUnderLock) -> Outcome:
-        return Ok(drive(recover_op.push_locked(effect.group, effect.keeps_weights), self._perform))
-
-    def _read_push_facts(self, effect: fx.ReadPushFacts) -> Outcome:
+    @handles(fx.ReadPushFacts)
+    def _read_push_facts(self, effect: fx.ReadPushFacts) -> Outcome[Any]:
         _g, group = self._group_of(effect.group)
         return Ok(fx.PushFacts(self.registration.published, self.version, group.state))
 
-    def _targeted_push(self, effect: fx.TargetedPush) -> Outcome:
+    @handles(fx.TargetedPush)
+    def _targeted_push(self, effect: fx.TargetedPush) -> Outcome[Any]:
         g, group = self._group_of(effect.group)
-        self._acted += 1
+        self._own_acts += 1
         reg = self.registration
         reg.begin_update(targets=[list(group.ranks)])
-        self._reset_base(g)  # a recovery's targeted push: reset, then full
-        rank_ok = self._push_group(g, effect.version, None if self._push_ok else 0, force=True)
+        # a recovery's targeted push: the group's base forgotten, then full
+        failing = {} if self._push_ok else {g: 0}
+        rank_ok = self._push(effect.version, (g,), failing, force=True)[g]
         reg.update_done(results=rank_ok)
         return Ok(fx.Pushed(rank_ok, "" if all(rank_ok.values()) else "a rank failed"))
 
-    def _observe_export(self, _effect: fx.ObserveExport) -> Outcome:
+    @handles(fx.ObserveExport)
+    def _observe_export(self, _effect: fx.ObserveExport) -> Outcome[Any]:
         prev = self.last_export
         if prev is None or self.audit.judged_version >= prev:
             return Ok(None)
@@ -898,7 +906,8 @@ class FleetModel:
         export = self.exports.get(prev)
         return Ok(fx.ExportSeen(prev, export.state if export else None, self.mode.state))
 
-    def _export_judged(self, effect: fx.ExportJudged) -> Outcome:
+    @handles(fx.ExportJudged)
+    def _export_judged(self, effect: fx.ExportJudged) -> Outcome[Any]:
         if effect.judgement == "late":
             self.audit.late_versions = self.audit.late_versions | {effect.version}
             self.audit.on_time_since_late = 0
@@ -906,7 +915,8 @@ class FleetModel:
             self.audit.on_time_since_late += 1
         return _OK
 
-    def _send_mode(self, effect: fx.SendMode) -> Outcome:
+    @handles(fx.SendMode)
+    def _send_mode(self, effect: fx.SendMode) -> Outcome[Any]:
         self._decided(effect.decided_by, (effect.event,))
         try:
             self.mode.send(effect.event)
@@ -915,7 +925,8 @@ class FleetModel:
             return Failed(str(exc))
         return _OK
 
-    def _abandon_export(self, effect: fx.AbandonExport) -> Outcome:
+    @handles(fx.AbandonExport)
+    def _abandon_export(self, effect: fx.AbandonExport) -> Outcome[Any]:
         self._decided("judge_export", (ExportEvent.ABANDON,))
         export = self.exports.get(effect.version)
         if export is None:
@@ -926,7 +937,8 @@ class FleetModel:
             return Failed(refused)
         return _OK
 
-    def _register(self, effect: fx.Register) -> Outcome:
+    @handles(fx.Register)
+    def _register(self, effect: fx.Register) -> Outcome[Any]:
         registered_everywhere = self._choice[0]
         reg = self.registration
         reg.begin_register(name=f"ckpt-v{effect.version}", version=effect.version)
@@ -937,7 +949,8 @@ class FleetModel:
         reg.finish_register(ranks_ok=ranks_ok, expected_keys=_KEYS, registered_keys=_REGISTERED)
         return Ok(reg.published)
 
-    def _read_groups(self, _effect: fx.ReadGroups) -> Outcome:
+    @handles(fx.ReadGroups)
+    def _read_groups(self, _effect: fx.ReadGroups) -> Outcome[Any]:
         keeps = self.config.traits.failed_update_keeps_weights
         return Ok(
             tuple(
@@ -952,7 +965,8 @@ class FleetModel:
             )
         )
 
-    def _update(self, effect: fx.Update) -> Outcome:
+    @handles(fx.Update)
+    def _update(self, effect: fx.Update) -> Outcome[Any]:
         failing_group = self._choice[1]
         reg = self.registration
         try:
@@ -960,37 +974,16 @@ class FleetModel:
         except TransitionNotAllowed as exc:  # the transport refuses: every target failed
             self._refuse(f"policy.proceed_after_register: update refused: {exc}")
             return Failed(str(exc))
-        rank_ok: dict[str, dict[int, bool]] = {}
-        per_rank: dict[int, bool] = {}
-        for facts in effect.groups:
-            g = self._index[facts.group_id]
-            rank_ok[facts.group_id] = self._push_group(
-                g, effect.version, 0 if g == failing_group else None
-            )
-            per_rank.update(rank_ok[facts.group_id])
+        groups = tuple(self._index[f.group_id] for f in effect.groups)
+        failing = {failing_group: 0} if failing_group in groups else {}
+        pushed = self._push(effect.version, groups, failing, force=False)
+        rank_ok = {f"g{g}": pushed[g] for g in groups}
+        per_rank = {rank: ok for g in groups for rank, ok in pushed[g].items()}
         reg.update_done(results=per_rank)
         return Ok(fx.UpdateDone(rank_ok))
 
-    def _record_versions(self, effect: fx.RecordVersions) -> Outcome:
-        for gid in effect.groups:
-            grp = self.groups[self._index[gid]]
-            for rank, m in grp.members.items():
-                grp.report_member(rank, healthy=m.healthy, weights_version=effect.version)
-        return _OK
-
-    def _set_fleet_version(self, effect: fx.SetFleetVersion) -> Outcome:
-        self.version = effect.version
-        self.audit.max_version_seen = max(self.audit.max_version_seen, self.version)
-        return _OK
-
-    def _send_group_effect(self, effect: fx.SendGroup) -> Outcome:
-        self._decided(effect.decided_by, (effect.event,))
-        g = self._index[effect.group]
-        if self._send_group(g, effect.event, effect.decided_by):
-            return Ok(self.groups[g].state)
-        return Failed(f"{effect.group} refused {effect.event.value!r}")
-
-    def _start_export(self, effect: fx.StartExport) -> Outcome:
+    @handles(fx.StartExport)
+    def _start_export(self, effect: fx.StartExport) -> Outcome[Any]:
         new = effect.version
         export = self._pooled_export(new, "requested")
         for lease in export.leases:
@@ -1061,7 +1054,7 @@ class FleetModel:
     # -- stray events (a duplicated or racing sender)
     def _do_stray(self, g: int, event: str) -> bool:
         group = self.groups[g]
-        group.send(event, current_version=self.version)
+        self.registry.send(group.group_id, GroupEvent(event))
         if group.state != "recovering":
             self._release_lease(g)
         return True
@@ -1296,7 +1289,7 @@ class FleetModel:
     def restore(self, snap: tuple[Any, ...]) -> None:
         """Put the model back into a state produced by :meth:`snapshot`."""
         version, groups, reg_s, exports, mode_s, last, audit_s = snap
-        self.version = version
+        self.registry.restore_version(version)
         for g, row in enumerate(groups):
             state, budget, members, truth, counts, _lease, _late, place, delta = row
             self.node_up[g], lost, removed, self.claims[g] = place
@@ -1309,11 +1302,8 @@ class FleetModel:
             (self.removed.add if removed else self.removed.discard)(g)
             grp = self.groups[g]
             if grp.state != state:
-                grp = self.groups[g] = _pooled(
-                    self._group_pool[g],
-                    state,
-                    lambda g=g: self._new_group(g),  # type: ignore[misc]
-                )
+                grp = self.groups[g] = _pooled(self._group_pool[g], state, self._builder(g))
+                self.registry.adopt_machine(grp.group_id, grp)
             grp.restart_budget = budget
             facts = grp.members
             current = tuple((m.known, m.healthy, m.weights_version) for m in facts.values())

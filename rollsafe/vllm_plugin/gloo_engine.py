@@ -46,9 +46,9 @@ takes the result when the update finishes.
 A refused delta (no mirror, another base, a malformed payload, a wrong result digest) changes
 nothing: the open reload is finalized with nothing loaded (vLLM then puts every layer's own
 tensors back, the weights served before, logging "Failed to load weights" per layer), and
-``/update_weights`` fails with :class:`DeltaRefused`, whose message starts with the
-:class:`~rollsafe.wire.delta.DeltaError` class name (what the sender's ``is_delta_refusal``
-reads; it then pushes the version full in the same update). A delta whose receive fails before
+``/update_weights`` fails with the :class:`~rollsafe.wire.delta.DeltaError` itself, its class
+name first (``DeltaBaseMismatch: ...``: what the sender's ``is_delta_refusal`` reads; it then
+pushes the version full in the same update). A delta whose receive fails before
 it is applied is closed the same way, and the receive's own error raised. Raising inside
 ``update_weights`` is where vLLM's worker clears its update flag; the client's closing
 ``/finish_weight_update`` is then answered with an error it ignores.
@@ -84,7 +84,6 @@ from rollsafe.wire.delta import (
 
 __all__ = [
     "GROUP_NAME",
-    "DeltaRefused",
     "GlooInitInfo",
     "GlooUpdateInfo",
     "GlooWeightTransferEngine",
@@ -201,21 +200,6 @@ class _GlooGroup:
         self.store = None
 
 
-class DeltaRefused(RuntimeError):
-    """A delta this engine refused; the model holds exactly the weights it served before.
-
-    The message starts with the cause's class name (``DeltaBaseMismatch``,
-    ``DeltaFormatError``, ``DeltaDigestMismatch``: ``rollsafe.transports.delta.DELTA_REFUSALS``).
-    """
-
-    def __init__(self, cause: DeltaError) -> None:
-        super().__init__(
-            f"{type(cause).__name__}: {cause} (rollsafe_gloo: the update was closed with the "
-            "weights served before)"
-        )
-        self.cause = cause
-
-
 @dataclass
 class _Update:
     """One open update (start .. finish)."""
@@ -294,11 +278,9 @@ class GlooWeightTransferEngine(_EngineBase):  # type: ignore[misc]
             header = update.header
             assert header is not None  # the delta mode is set by its header
             missing = sorted(header.wire_names() - {n for n, _ in update.parts or []})[:1]
-            raise DeltaRefused(
-                DeltaFormatError(
-                    f"the update finished before the delta was complete (missing {missing})",
-                    key=missing[0] if missing else None,
-                )
+            raise DeltaFormatError(
+                f"the update finished before the delta was complete (missing {missing})",
+                key=missing[0] if missing else None,
             )
         self._finalize()
         if update is None or update.mode is None:
@@ -394,10 +376,10 @@ class GlooWeightTransferEngine(_EngineBase):  # type: ignore[misc]
                 return  # more to come
             assert self.mirror is not None
             touched = apply_delta(self.mirror, parts, current_version=None)
-        except DeltaError as exc:
+        except DeltaError:
             self._update = None
             self._finalize()
-            raise DeltaRefused(exc) from exc
+            raise  # its class name (DeltaBaseMismatch...) is what the sender reads
         merged = dict(self.mirror)
         merged.update(touched)
         update.parts = None

@@ -62,8 +62,8 @@ from rollsafe.adapters.engines.launch.spec import (
 )
 from rollsafe.adapters.engines.launch.standby import (
     Standby,
+    StandbyLost,
     StandbyPool,
-    _StandbyLost,
 )
 from rollsafe.adapters.engines.launch.standby_start import StartHost, race, start_forked
 from rollsafe.adapters.engines.sglang import SGLangClient
@@ -282,7 +282,7 @@ class EngineLauncher:
             self._wait_ready(
                 self._running.require_proc(), cmd, from_standby=source != "fresh_spawn"
             )
-        except _StandbyLost as exc:
+        except StandbyLost as exc:
             self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
             self._standby.fallback(str(exc))
             source = "fresh_spawn"

@@ -33,7 +33,7 @@ from rollsafe.transports.checkpoint_engine.environment import (
     scoped_env,
 )
 from rollsafe.transports.checkpoint_engine.environment import (
-    _hidden_modules as _hidden_modules,
+    hidden_modules as hidden_modules,
 )
 from rollsafe.transports.checkpoint_engine.errors import (
     CheckpointEngineUnavailable,

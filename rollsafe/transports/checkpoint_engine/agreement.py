@@ -11,10 +11,10 @@ import socket
 from typing import Any
 
 from rollsafe.net import free_port
-from rollsafe.transports.checkpoint_engine.errors import _MAX_REASON
+from rollsafe.text import MAX_MESSAGE_CHARS
 
 
-def _dist() -> Any:
+def dist_module() -> Any:
     import torch.distributed as dist
 
     return dist
@@ -24,10 +24,10 @@ def gather_rank_status(
     ok: bool, error: str = "", *, group: Any = None
 ) -> dict[int, tuple[bool, str]]:
     """All-gather ``(ok, error)`` of every rank of ``group`` (None: default): ``{rank: ...}``."""
-    dist = _dist()
+    dist = dist_module()
     world = dist.get_world_size(group)
     out: list[Any] = [None] * world
-    dist.all_gather_object(out, (bool(ok), str(error)[:_MAX_REASON]), group=group)
+    dist.all_gather_object(out, (bool(ok), str(error)[:MAX_MESSAGE_CHARS]), group=group)
     return {r: (bool(o[0]), str(o[1])) for r, o in enumerate(out)}
 
 
@@ -42,7 +42,7 @@ def agree_store_address(
     """
     if master_addr and store_port:
         return master_addr, int(store_port)
-    dist = _dist()
+    dist = dist_module()
     world = dist.get_world_size(group)
     choice: list[Any] = [None]
     if dist.get_rank(group) == 0:

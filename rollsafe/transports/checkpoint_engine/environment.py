@@ -60,7 +60,7 @@ def scoped_env(values: Mapping[str, str | None]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _hidden_modules(names: Sequence[str]) -> Iterator[None]:
+def hidden_modules(names: Sequence[str]) -> Iterator[None]:
     """Make ``import NAME`` raise ImportError inside the block (restores ``sys.modules`` after)."""
     missing = object()
     saved = {n: sys.modules.get(n, missing) for n in names}

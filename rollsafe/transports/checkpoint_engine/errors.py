@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 
 
 #: The most characters of one failure reason kept (a reason crosses ranks and lands in reports).
-_MAX_REASON = 2048
 
 
 class CheckpointEngineUnavailable(TransportError):

@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollsafe.transports.checkpoint_engine.agreement import _dist
+from rollsafe.transports.checkpoint_engine.agreement import dist_module
 from rollsafe.transports.checkpoint_engine.errors import ExpertGatherError
-from rollsafe.transports.checkpoint_engine.sharding import _listed
+from rollsafe.transports.checkpoint_engine.sharding import listed
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +52,7 @@ def expert_signatures(
     Raises :class:`ExpertGatherError` naming the key and rank when ranks hold different expert
     names, dtypes, or shapes that differ outside ``dim``.
     """
-    dist = _dist()
+    dist = dist_module()
     local = [
         (n, tuple(int(d) for d in t.shape), str(t.dtype)) for n, t in items if spec.is_expert(n)
     ]
@@ -66,7 +66,7 @@ def expert_signatures(
             diff = sorted(set(names) ^ set(names0)) or names
             raise ExpertGatherError(
                 f"expert gather: group rank {r} holds expert keys that differ from rank 0's "
-                f"(or are in another order): {_listed(diff)}"
+                f"(or are in another order): {listed(diff)}"
             )
     out: dict[str, list[tuple[int, ...]]] = {}
     for i, name in enumerate(names0):
@@ -92,7 +92,7 @@ def expert_signatures(
     return out
 
 
-def _full_shape(shapes: Sequence[tuple[int, ...]], dim: int) -> tuple[int, ...]:
+def full_shape(shapes: Sequence[tuple[int, ...]], dim: int) -> tuple[int, ...]:
     s0 = list(shapes[0])
     d = dim if dim >= 0 else dim + len(s0)
     s0[d] = sum(s[d] for s in shapes)
@@ -115,7 +115,7 @@ def gather_expert_shards(
     """
     import torch
 
-    dist = _dist()
+    dist = dist_module()
     sigs = signatures if signatures is not None else expert_signatures(items, spec)
     world = dist.get_world_size(spec.group)
     out: list[tuple[str, torch.Tensor]] = []

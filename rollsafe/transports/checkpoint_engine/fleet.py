@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -40,13 +40,14 @@ from typing import Any, Literal
 from rollsafe.errors import InvalidArgumentType
 from rollsafe.ports import EngineTarget, NamedTensors, TargetResult, UpdateReport
 from rollsafe.statemachines import CheckpointRegistration, TransitionNotAllowed
+from rollsafe.text import bound_text
 from rollsafe.transports.base import (
     RegisterError,
     TransportError,
     check_update_targets,
     named_tensor_list,
 )
-from rollsafe.transports.checkpoint_engine.planning import UpdatePlan, _bounded, plan_update
+from rollsafe.transports.checkpoint_engine.planning import UpdatePlan, plan_update
 from rollsafe.transports.checkpoint_engine.transport import CheckpointEngineTransport
 
 __all__ = [
@@ -63,22 +64,25 @@ _RECORDS_KEPT = 256
 
 
 def fleet_fallback_reasons(
-    engine_options: Mapping[str, Any] | None = None, *, cuda_available: bool | None = None
+    *,
+    kind: str = "reference",
+    dialect: str | None = None,
+    device: str = "cpu",
+    cuda_available: bool | None = None,
 ) -> list[str]:
-    """Why a fleet with these engine options cannot use checkpoint-engine (empty: it can).
+    """Why a fleet whose engines are ``kind`` speaking ``dialect`` (None: the kind's own) on
+    ``device`` cannot use checkpoint-engine (empty: it can).
 
     checkpoint-engine hands CUDA IPC handles of the trainer's GPU buffers to SGLang's
     ``/update_weights_from_ipc``: it needs a colocated trainer whose weights are on CUDA and
     SGLang-dialect engines on the trainer's GPUs. ``cuda_available`` defaults to
     ``torch.cuda.is_available()``.
     """
-    options = dict(engine_options or {})
     reasons: list[str] = []
-    kind = str(options.get("kind") or "reference")
-    dialect = options.get("dialect") or ("vllm" if kind == "vllm" else "sglang")
+    dialect = dialect or ("vllm" if kind == "vllm" else "sglang")
     if dialect == "vllm":
         reasons.append(
-            "the engines speak the vLLM dialect (engine_options "
+            f"the engines speak the vLLM dialect (EngineSpec "
             f"{'kind' if kind == 'vllm' else 'dialect'}='vllm'); checkpoint-engine pushes "
             "through SGLang's /update_weights_from_ipc"
         )
@@ -91,7 +95,6 @@ def fleet_fallback_reasons(
             "the trainer's weights are on CPU (torch.cuda.is_available() is False); "
             "checkpoint-engine needs a colocated trainer whose weights are on CUDA"
         )
-    device = str(options.get("device") or "cpu")
     if kind == "reference" and not device.startswith("cuda"):
         reasons.append(
             f"the engines run on {device!r}, not on the trainer's GPUs (a disaggregated "
@@ -270,7 +273,7 @@ class CheckpointEngineFleetTransport:
         try:
             stage(ckpt)
         except Exception as exc:
-            reg.register_failed(reason=_bounded(f"{type(exc).__name__}: {exc}"))
+            reg.register_failed(reason=bound_text(f"{type(exc).__name__}: {exc}"))
             if isinstance(exc, RegisterError):
                 raise
             raise RegisterError(f"{self.name}: staging v{version} failed: {exc}") from exc
@@ -280,7 +283,7 @@ class CheckpointEngineFleetTransport:
                 ranks_ok=range(self.fleet_world_size), expected_keys=keys, registered_keys=keys
             )
         except TransitionNotAllowed as exc:  # pragma: no cover - the inner guard passed
-            reg.register_failed(reason=_bounded(str(exc)))
+            reg.register_failed(reason=bound_text(str(exc)))
             raise RegisterError(f"{self.name}: v{version} not published: {exc}") from exc
 
     # ------------------------------------------------------------------ update
@@ -334,7 +337,7 @@ class CheckpointEngineFleetTransport:
                     sub = self.inner.update(wave, p2p=plan.mode == "p2p")
                     report.results.update(sub.results)
                 except Exception as exc:
-                    reason = _bounded(f"{type(exc).__name__}: {exc}")
+                    reason = bound_text(f"{type(exc).__name__}: {exc}")
                     for t in wave:
                         report.results[t.name] = TargetResult(t.name, False, reason)
                 results = [report.results[t.name] for t in wave]
@@ -367,6 +370,15 @@ class CheckpointEngineFleetTransport:
 
     def last_push(self) -> PushRecord | None:
         return self.pushes[-1] if self.pushes else None
+
+    @property
+    def deltas(self) -> None:
+        """None: checkpoint-engine pushes whole versions (its parameter server keeps no
+        per-target base)."""
+        return None
+
+    def forget(self, target_name: str) -> None:
+        """Nothing is kept per target (the parameter server serves every rank)."""
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -14,7 +14,7 @@ from typing import Literal
 from rollsafe.ports import EngineTarget, TargetResult
 from rollsafe.text import bound_text
 from rollsafe.transports.base import TransportError
-from rollsafe.transports.checkpoint_engine.errors import _MAX_REASON, P2PUnavailable
+from rollsafe.transports.checkpoint_engine.errors import P2PUnavailable
 
 
 @dataclass(frozen=True)
@@ -105,15 +105,11 @@ def merge_rank_results(
             reason = "the engine was never asked to load (update aborted before its request)"
             if collective:
                 reason += f"; {collective}"
-            out[t.name] = TargetResult(t.name, False, _bounded(reason))
+            out[t.name] = TargetResult(t.name, False, bound_text(reason))
             continue
         ok, reason, seconds = own
         if collective:
             reason = f"{reason}; {collective}" if reason else collective
             ok = False
-        out[t.name] = TargetResult(t.name, ok, _bounded(reason), seconds, nbytes if ok else 0)
+        out[t.name] = TargetResult(t.name, ok, bound_text(reason), seconds, nbytes if ok else 0)
     return out
-
-
-def _bounded(text: str) -> str:
-    return bound_text(text, _MAX_REASON)

@@ -58,7 +58,7 @@ def read_hf_index(export_dir: str | Path) -> HFIndex:
         raise RegisterError(str(exc)) from exc
 
 
-def _listed(keys: Collection[str]) -> str:
+def listed(keys: Collection[str]) -> str:
     ordered = sorted(keys)
     head = ", ".join(repr(k) for k in ordered[:_MAX_LISTED])
     more = len(ordered) - _MAX_LISTED
@@ -82,13 +82,13 @@ class KeyCoverage:
         """One line naming the offending keys (bounded); empty when ``ok``."""
         parts = []
         if self.missing:
-            parts.append(f"{len(self.missing)} missing key(s) {_listed(self.missing)}")
+            parts.append(f"{len(self.missing)} missing key(s) {listed(self.missing)}")
         if self.extra:
-            parts.append(f"{len(self.extra)} extra key(s) {_listed(self.extra)}")
+            parts.append(f"{len(self.extra)} extra key(s) {listed(self.extra)}")
         if self.duplicated:
             parts.append(
                 f"{len(self.duplicated)} key(s) registered by several ranks "
-                f"{_listed(self.duplicated)}"
+                f"{listed(self.duplicated)}"
             )
         return "; ".join(parts)
 

@@ -60,6 +60,9 @@ from typing import TYPE_CHECKING, Any
 from rollsafe.errors import InvalidArgument
 from rollsafe.ports import EngineTarget, NamedTensors, TargetResult, UpdateReport
 from rollsafe.statemachines import TransitionNotAllowed
+
+# the plain-Python parts live in one module per concern; every name stays importable from here
+from rollsafe.text import bound_text
 from rollsafe.transports.base import (
     RegisterError,
     StagedTransport,
@@ -67,11 +70,9 @@ from rollsafe.transports.base import (
     check_update_targets,
     named_tensor_list,
 )
-
-# the plain-Python parts live in one module per concern; every name stays importable from here
 from rollsafe.transports.checkpoint_engine.agreement import (
-    _dist,
     agree_store_address,
+    dist_module,
     gather_rank_status,
 )
 from rollsafe.transports.checkpoint_engine.availability import (
@@ -82,7 +83,7 @@ from rollsafe.transports.checkpoint_engine.environment import (
     DEFAULT_TCP_SLICE_BYTES,
     TCP_PLACEHOLDER_DEVICE,
     P2PProtocol,
-    _hidden_modules,
+    hidden_modules,
     p2p_environment,
     scoped_env,
 )
@@ -95,14 +96,13 @@ from rollsafe.transports.checkpoint_engine.errors import (
 )
 from rollsafe.transports.checkpoint_engine.experts import (
     ExpertGather,
-    _full_shape,
     expert_signatures,
+    full_shape,
     gather_expert_shards,
 )
 from rollsafe.transports.checkpoint_engine.planning import (
     LocalResults,
     UpdatePlan,
-    _bounded,
     merge_rank_results,
     plan_update,
     socket_paths_for,
@@ -239,7 +239,7 @@ class CheckpointEngineTransport(StagedTransport):
                 raise CheckpointEngineUnavailable(reasons)
         import torch
 
-        dist = _dist()
+        dist = dist_module()
         if not (dist.is_available() and dist.is_initialized()):
             raise ProcessGroupError(
                 "checkpoint_engine: call torch.distributed.init_process_group first; the "
@@ -322,7 +322,7 @@ class CheckpointEngineTransport(StagedTransport):
                 try:
                     self._ps: Any = server_factory(**kwargs)
                 except Exception as exc:  # Mooncake refused (no device, engine start failed)
-                    start_error = _bounded(f"{type(exc).__name__}: {exc}")
+                    start_error = bound_text(f"{type(exc).__name__}: {exc}")
                     log.warning(
                         "checkpoint_engine: the parameter server with P2P (%s) failed to start "
                         "(%s); starting it without P2P",
@@ -330,7 +330,7 @@ class CheckpointEngineTransport(StagedTransport):
                         start_error,
                     )
             if not p2p_wanted or start_error:
-                with _hidden_modules(("mooncake", "mooncake.engine")):
+                with hidden_modules(("mooncake", "mooncake.engine")):
                     self._ps = server_factory(**kwargs)
         local_p2p = getattr(self._ps, "_p2p_store", None) is not None
         if local_p2p:
@@ -433,7 +433,7 @@ class CheckpointEngineTransport(StagedTransport):
             with scoped_env(self.p2p_env):  # Mooncake registers the pinned memory too
                 ranks_ok, registered = stage(ckpt)
         except Exception as exc:
-            reg.register_failed(reason=_bounded(f"{type(exc).__name__}: {exc}"))
+            reg.register_failed(reason=bound_text(f"{type(exc).__name__}: {exc}"))
             self.version, self.keys = None, ()
             if isinstance(exc, RegisterError):
                 raise
@@ -454,7 +454,7 @@ class CheckpointEngineTransport(StagedTransport):
             detail = cov.describe() or (
                 f"rank(s) {missing_ranks} did not register" if missing_ranks else str(refused)
             )
-            reg.register_failed(reason=_bounded(detail))
+            reg.register_failed(reason=bound_text(detail))
             self.version, self.keys = None, ()
             self._unstage()
             raise KeyCoverageError(
@@ -509,7 +509,7 @@ class CheckpointEngineTransport(StagedTransport):
                 self._ps.unregister_checkpoint(ckpt, force=shared)
             if shared:
                 self._pool_layout = None
-            return False, _bounded(f"{type(exc).__name__}: {exc}")
+            return False, bound_text(f"{type(exc).__name__}: {exc}")
         self._staged = _Staged(ckpt, layout, shared)
         if shared:
             self._pool_layout = layout
@@ -524,7 +524,7 @@ class CheckpointEngineTransport(StagedTransport):
             sigs = expert_signatures(items, self.expert_gather)
             by_name = dict(items)
             for n, shapes in sigs.items():
-                numel = math.prod(_full_shape(shapes, self.expert_gather.dim))
+                numel = math.prod(full_shape(shapes, self.expert_gather.dim))
                 sizes[n] = numel * by_name[n].element_size()
         digest = hashlib.sha256(json.dumps(sorted(sizes.items())).encode()).hexdigest()
         agree = gather_rank_status(True, digest)
@@ -607,14 +607,14 @@ class CheckpointEngineTransport(StagedTransport):
                 with scoped_env(env):
                     self._ps.update(published[0], req_func, ranks=plan.ps_ranks)
             except Exception as exc:
-                error = _bounded(f"{type(exc).__name__}: {exc}")
-            dist = _dist()
+                error = bound_text(f"{type(exc).__name__}: {exc}")
+            dist = dist_module()
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, (local, error))
             nbytes = self._staged.nbytes if self._staged else 0
             report.results.update(merge_rank_results(gathered, targets, nbytes=nbytes))
         except Exception as exc:  # the result exchange itself failed: every target failed
-            reason = _bounded(f"{type(exc).__name__}: {exc}")
+            reason = bound_text(f"{type(exc).__name__}: {exc}")
             for t in targets:
                 report.results.setdefault(t.name, TargetResult(t.name, False, reason))
         finally:
@@ -646,7 +646,7 @@ class CheckpointEngineTransport(StagedTransport):
                         timeout=self.request_timeout_s,
                     )
                 except Exception as exc:
-                    reason = _bounded(f"{type(exc).__name__}: {exc}")
+                    reason = bound_text(f"{type(exc).__name__}: {exc}")
                     local[t.name] = (False, reason, time.perf_counter() - t0)
                     if _engine_never_connected(exc):
                         self._stand_in(handles, reason)

@@ -28,7 +28,7 @@ from rollsafe.adapters.engines.launch.fork_server import EXIT_UNKNOWN, Proc
 from rollsafe.adapters.engines.launch.output import OutputPump, redact
 from rollsafe.adapters.engines.launch.process_group import signal_group
 from rollsafe.adapters.engines.launch.spec import EngineSpec
-from rollsafe.adapters.engines.launch.standby import _StandbyLost
+from rollsafe.adapters.engines.launch.standby import StandbyLost
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
 
@@ -119,7 +119,7 @@ class StartAttempt:
 def wait_for_ready_line(
     attempt: StartAttempt, deadline: float, *, from_standby: bool = False
 ) -> dict[str, Any]:
-    """The reference engine's ``ROLLSAFE_READY`` payload, once printed. :class:`_StandbyLost`
+    """The reference engine's ``ROLLSAFE_READY`` payload, once printed. :class:`StandbyLost`
     if an engine forked by a standby (``from_standby``) was killed before it (not the engine's
     fault: the caller starts afresh)."""
     proc, pump = attempt.proc, attempt.pump
@@ -132,7 +132,7 @@ def wait_for_ready_line(
                 if from_standby and code is not None and (code < 0 or code == EXIT_UNKNOWN):
                     # killed (or its zygote vanished) before its ready line: not the
                     # engine's fault
-                    raise _StandbyLost(
+                    raise StandbyLost(
                         f"the engine forked by the standby (pid {proc.pid}) exited with "
                         f"code {code} before its ready line"
                     )

@@ -62,6 +62,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from rollsafe.adapters.engines.errors import EngineError
 from rollsafe.adapters.engines.launch.fork_server import ZygoteLink
 from rollsafe.adapters.engines.launch.output import EngineLogs, OutputPump
 from rollsafe.adapters.engines.launch.process_group import (
@@ -124,8 +125,9 @@ class Standby:
         self.pump.close(timeout=1.0)
 
 
-class _StandbyLost(Exception):
-    """The engine a warm standby started died (killed) before its ready line."""
+class StandbyLost(EngineError):
+    """The engine a warm standby started died (killed) before its ready line: not the engine's
+    fault; the launcher starts it afresh (raised and caught inside a start)."""
 
 
 class StandbyPool:

@@ -1,11 +1,14 @@
 """The sender's per-target base versions for delta sync (issue #28), torch-free and thread-safe.
 
-Owns one :class:`~rollsafe.statemachines.DeltaBase` per target of a transport and the two
-decisions around each push, :func:`rollsafe.policy.plan_push` (delta or full, and why) and
-:func:`rollsafe.policy.settle_push` (which event the outcome sends). A transport asks
-:meth:`DeltaLedger.plan` before it pushes version N to a target, sends what the plan says, and
-reports the outcome with :meth:`DeltaLedger.settle`; the base of a target moves only when the
-target confirmed the result. What the transport must do around it:
+Owns one :class:`~rollsafe.statemachines.DeltaBase` per target of a transport: it is the one
+handler of :class:`~rollsafe.operations.effects.SendBase` (the event the push operation
+decided, sent to the target's machine), a part of the transport's ``DeltaSender`` and of
+``rollsafe verify``'s model. The decisions around each push are the push operation's
+(:mod:`rollsafe.operations.push`: :func:`~rollsafe.policy.plan_push`, delta or full and why;
+:func:`~rollsafe.policy.settle_push`, which event the outcome sends). For a caller that pushes
+one target at a time, :meth:`DeltaLedger.plan`, :meth:`~DeltaLedger.fallback_full` and
+:meth:`~DeltaLedger.settle` drive that operation's steps for one target; the base of a target
+moves only when the target confirmed the result. What the transport must do around it:
 
 * a delta planned but not worth sending (the encoded delta is not smaller than a full sync),
   or one it cannot send, goes full with :meth:`DeltaLedger.fallback_full` (machine event
@@ -28,16 +31,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection
+from typing import Any, TypeVar
 
+import rollsafe.operations.effects as fx
 import rollsafe.policy as policy
 from rollsafe.errors import InvalidArgument, InvalidArgumentType
+from rollsafe.operations import push as push_op
+from rollsafe.operations.effects import drive
+from rollsafe.operations.executor import Executor, handles
+from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.delta_base import DeltaBase
 from rollsafe.statemachines.events import DeltaEvent
 
 __all__ = ["DeltaLedger"]
 
+R = TypeVar("R")
 
-class DeltaLedger:
+
+class DeltaLedger(Executor):
     """Per-target :class:`~rollsafe.statemachines.DeltaBase` machines of one transport.
 
     ``machine_cls`` builds each target's machine (tests plant bugs in it). Every method holds
@@ -49,8 +60,31 @@ class DeltaLedger:
         self._lock = threading.RLock()
         self._machines: dict[str, DeltaBase] = {}
         self._plans: dict[str, policy.PushPlan] = {}
+        self._refusal: TransitionRefused | None = None
 
-    # ------------------------------------------------------------------ pushes
+    # ------------------------------------------------------------------ the effect
+    @handles(fx.SendBase)
+    def send_base(self, effect: fx.SendBase) -> fx.Outcome[str]:
+        """Send the decided event to the target's machine (its guards read the version pushed
+        and the versions held): its state, or :class:`Failed` when it refused (nothing
+        changed; the refusal is kept for a caller that raises it)."""
+        with self._lock:
+            machine = self._machine(effect.target)
+            kwargs: dict[str, Any] = {}
+            if effect.version is not None:
+                kwargs["version"] = effect.version
+            if effect.event is DeltaEvent.SEND_DELTA:
+                kwargs["held"] = effect.held
+            try:
+                machine.send(effect.event, **kwargs)
+            except TransitionRefused as exc:
+                self._refusal = exc
+                return fx.Failed(str(exc))
+            if effect.event is DeltaEvent.RESET:
+                self._plans.pop(effect.target, None)
+            return fx.Ok(machine.state)
+
+    # ------------------------------------------------------------------ one target at a time
     def plan(
         self,
         target: str,
@@ -62,25 +96,16 @@ class DeltaLedger:
         force_full: bool,
     ) -> policy.PushPlan:
         """Plan the push of ``version`` to ``target`` and mark it in flight (``send_delta`` or
-        ``send_full``). Raises :class:`~rollsafe.statemachines.TransitionRefused` (nothing
-        changed) while a push to ``target`` is still in flight."""
+        ``send_full``): :func:`rollsafe.operations.push.plan_target`. Raises
+        :class:`~rollsafe.statemachines.TransitionRefused` (nothing changed) while a push to
+        ``target`` is still in flight."""
         _check_target(target)
         _check_version(version)
-        held = frozenset(held)
+        facts = fx.BaseFacts(
+            self.base(target), frozenset(held), delta_enabled, engine_applies_deltas
+        )
         with self._lock:
-            machine = self._machine(target)
-            plan = policy.plan_push(
-                machine.base,
-                version,
-                held,
-                delta_enabled=delta_enabled,
-                engine_applies_deltas=engine_applies_deltas,
-                force_full=force_full,
-            )
-            if plan.kind == "delta":
-                machine.send(DeltaEvent.SEND_DELTA, version=version, held=held)
-            else:
-                machine.send(DeltaEvent.SEND_FULL, version=version)
+            plan = self._drive(push_op.plan_target(target, version, force_full=force_full), facts)
             self._plans[target] = plan
             return plan
 
@@ -90,9 +115,9 @@ class DeltaLedger:
         delta to ``target`` is in flight."""
         _check_target(target)
         with self._lock:
-            machine = self._known(target)
-            machine.send(DeltaEvent.FALLBACK_FULL)
-            plan = self._plans[target] = policy.PushPlan("full", None, reason)
+            self._known(target)
+            plan = self._drive(push_op.fall_back(target, reason))
+            self._plans[target] = plan
             return plan
 
     def settle(self, target: str, version: int, *, ok: bool, refused: bool) -> None:
@@ -110,11 +135,8 @@ class DeltaLedger:
                     "target",
                     f"DeltaLedger: no push to {target!r} is in flight (state {machine.state!r})",
                 )
-            event = policy.settle_push(plan, ok=ok, refused=refused)
-            if event is DeltaEvent.CONFIRM:
-                machine.send(event, version=version)
-            else:
-                machine.send(event)
+            settle = push_op.settle_target(target, plan, version, ok=ok, refused=refused)
+            self._drive(settle)
             del self._plans[target]
 
     def reset(self, target: str) -> None:
@@ -122,8 +144,23 @@ class DeltaLedger:
         weights (its next push is full). A push in flight to it is forgotten."""
         _check_target(target)
         with self._lock:
-            self._machine(target).send(DeltaEvent.RESET)
-            self._plans.pop(target, None)
+            self.send_base(fx.SendBase(target, DeltaEvent.RESET, None, frozenset(), "reset"))
+
+    def _drive(self, steps: fx.Steps[R], facts: fx.BaseFacts | None = None) -> R:
+        """Drive one target's steps; a refused event raises its refusal (nothing changed)."""
+        self._refusal = None
+
+        def perform(effect: fx.Effect[Any]) -> fx.Outcome[Any]:
+            if isinstance(effect, fx.ReadBase):
+                assert facts is not None
+                return fx.Ok(facts)
+            outcome = self.perform(effect)
+            if self._refusal is not None:
+                refusal, self._refusal = self._refusal, None
+                raise refusal
+            return outcome
+
+        return drive(steps, perform)
 
     # ------------------------------------------------------------------ reads
     def base(self, target: str) -> int | None:
@@ -148,6 +185,11 @@ class DeltaLedger:
         """``target``'s machine (its history for audits and the timeline), if it has one."""
         with self._lock:
             return self._machines.get(target)
+
+    def machine_for(self, target: str) -> DeltaBase:
+        """``target``'s machine, made when it has none (a model checker restores its state)."""
+        with self._lock:
+            return self._machine(target)
 
     # ------------------------------------------------------------------ internals
     def _machine(self, target: str) -> DeltaBase:

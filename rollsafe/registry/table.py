@@ -1,6 +1,6 @@
 """FleetRegistry: the fleet's worker groups, their lifecycle machines and their listeners.
 
-Owns four things:
+Owns four things (the effects that act on them are :mod:`rollsafe.registry.handlers`'):
 
 * the table of worker groups (:class:`WorkerGroup`: id, ranks, engine clients/endpoints, one
   :class:`~rollsafe.statemachines.worker_group.WorkerGroupLifecycle` each), with ranks unique
@@ -30,17 +30,20 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollsafe.errors import InvalidArgument, InvalidArgumentType, RollsafeError
-from rollsafe.ports import EngineClient
 from rollsafe.statemachines.base import TransitionRefused
 from rollsafe.statemachines.events import GroupEvent, event_name
 from rollsafe.statemachines.worker_group import WorkerGroupLifecycle
 from rollsafe.text import bound_text
+
+if TYPE_CHECKING:
+    from rollsafe.ports import EngineClient
 
 __all__ = [
     "LISTENER_HOOKS",
@@ -68,6 +71,7 @@ LISTENER_HOOKS = (
     "on_group_inactive",
     "on_group_pending_weights",
     "on_group_retired",
+    "on_refused",
 )
 
 #: Transitions kept per group for :meth:`FleetRegistry.snapshot`.
@@ -175,6 +179,10 @@ class FleetListener:
     def on_group_retired(self, group: WorkerGroup) -> None:
         """A group was retired (restart budget spent, or removed)."""
 
+    def on_refused(self, group: WorkerGroup, event: str, error: TransitionRefused) -> None:
+        """The registry refused ``event`` for ``group``: its machine's guard (or state) said
+        no, ``error`` names why; nothing changed."""
+
 
 _TARGET_HOOK = {
     "active": "on_group_active",
@@ -218,6 +226,10 @@ class WorkerGroup:
     )
     _generation: int = field(default=0, repr=False)
     _loading: int = field(default=0, repr=False)
+    #: the machines the registry taps (a model checker swaps pooled machines in and out)
+    _tapped: weakref.WeakSet[WorkerGroupLifecycle] = field(
+        default_factory=weakref.WeakSet, repr=False
+    )
 
     @property
     def loading_weights(self) -> bool:
@@ -509,6 +521,7 @@ class FleetRegistry:
             for r in rank_list:
                 self._rank_owner[r] = group_id
         machine.add_listener(_GroupTap(self, group))  # type: ignore[no-untyped-call]
+        group._tapped.add(machine)
         return group
 
     def remove_group(self, group_id: str, *, retire: bool = True) -> WorkerGroup:
@@ -526,6 +539,31 @@ class FleetRegistry:
                     if self._rank_owner.get(r) == group_id:
                         del self._rank_owner[r]
         return group
+
+    def adopt_machine(self, group_id: str, machine: WorkerGroupLifecycle) -> None:
+        """Make ``machine`` group ``group_id``'s lifecycle machine (same ranks), its
+        transitions recorded like the first one's. For a model checker that restores a state
+        from a pool of machines (``rollsafe verify``); a running fleet never swaps machines."""
+        group = self.get(group_id)
+        if tuple(machine.ranks) != group.ranks:
+            raise InvalidArgument(
+                "machine",
+                f"group {group_id!r}: machine ranks {list(machine.ranks)} != {list(group.ranks)}",
+            )
+        with group._lock:
+            if machine is group.machine:
+                return
+            if machine not in group._tapped:
+                machine.add_listener(_GroupTap(self, group))  # type: ignore[no-untyped-call]
+                group._tapped.add(machine)
+            group.machine = machine
+
+    def restore_version(self, version: int) -> None:
+        """Set the fleet version, also to an older one: a model checker restoring an earlier
+        state (``rollsafe verify``). A running fleet moves it only forward
+        (:meth:`set_fleet_version`)."""
+        with self._lock:
+            self._version = version
 
     def rebind_clients(
         self,
@@ -592,7 +630,13 @@ class FleetRegistry:
         transition is recorded by the registry's python-statemachine listener on the machine
         (``after_transition``), so an event sent to the machine directly is seen as well.
         """
-        record = self._send_quietly(self.get(group_id), event, kwargs)
+        group = self.get(group_id)
+        try:
+            record = self._send_quietly(group, event, kwargs)
+        except TransitionRefused as exc:
+            self._deliver()
+            self._refused(group, event_name(event), exc)
+            raise
         self._deliver()
         return record
 
@@ -619,6 +663,7 @@ class FleetRegistry:
         for each event a machine refused (the others are taken); an unknown group is refused.
         """
         refused: list[tuple[str, str]] = []
+        refusals: list[tuple[WorkerGroup, str, TransitionRefused]] = []
         known: dict[str, WorkerGroup] = {}
         for gid, _ in events:
             group = self._groups.get(gid)
@@ -635,9 +680,12 @@ class FleetRegistry:
                 for event in evs:
                     try:
                         self._send_quietly(known[gid], event, {})
-                    except TransitionRefused as exc:
-                        refused.append((gid, str(exc)))
+                    except TransitionRefused as refusal:
+                        refused.append((gid, str(refusal)))
+                        refusals.append((known[gid], event_name(event), refusal))
         self._deliver()
+        for group, name, error in refusals:
+            self._refused(group, name, error)
         return refused
 
     def _on_transition(self, group: WorkerGroup, event: str, source: str, target: str) -> None:
@@ -721,6 +769,12 @@ class FleetRegistry:
             self._call(listener, "on_transition", group, record)
             if hook is not None:
                 self._call(listener, hook, group)
+
+    def _refused(self, group: WorkerGroup, event: str, error: TransitionRefused) -> None:
+        """Tell the listeners of a refusal (outside every lock, after the pending
+        transitions)."""
+        for listener in self._listeners:
+            self._call(listener, "on_refused", group, event, error)
 
     def _call(self, listener: object, hook: str, *args: Any) -> None:
         fn: Callable[..., Any] | None = getattr(listener, hook, None)
