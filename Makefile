@@ -10,12 +10,14 @@ STAMP := $(VENV)/.rollsafe-installed
 VLLM_VENV := .venv-vllm
 VLLM_DEPS := $(VLLM_VENV)/.vllm-installed
 VLLM_STAMP := $(VLLM_VENV)/.rollsafe-installed
+ROUTERS_VENV := .venv-routers
+ROUTERS_STAMP := $(ROUTERS_VENV)/.routers-installed
 MERMAID := tools/mermaid/node_modules/.package-lock.json
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the three installs (.venv, .venv-vllm's wheels, npm) run side by side; recipes stay in order
 MAKEFLAGS += --jobs=3
 
-.PHONY: real-engine demo test lint typecheck pytest diagrams-check verify diagrams bench clean
+.PHONY: real-engine routers demo test lint typecheck pytest diagrams-check verify diagrams bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +45,20 @@ $(VLLM_STAMP): $(VLLM_DEPS) $(STAMP) pyproject.toml
 
 real-engine: $(VLLM_STAMP)
 
+# The routers users run today (sglang-router 0.3.2, vllm-router 0.1.17 from PyPI) in their own
+# virtualenv, for benchmarks/bench_gateway.py (which runs `make routers` itself); not part of test.
+$(ROUTERS_VENV)/bin/python:
+	$(PYTHON) -m venv $(ROUTERS_VENV)
+
+$(ROUTERS_STAMP): $(ROUTERS_VENV)/bin/python constraints/routers.txt
+	$(ROUTERS_VENV)/bin/pip install -q --upgrade pip
+	$(ROUTERS_VENV)/bin/pip install -q --no-deps -r constraints/routers.txt
+	$(ROUTERS_VENV)/bin/python -m sglang_router.launch_router --help >/dev/null
+	$(ROUTERS_VENV)/bin/python -m vllm_router.launch_router --help >/dev/null
+	touch $(ROUTERS_STAMP)
+
+routers: $(ROUTERS_STAMP)
+
 $(MERMAID): tools/mermaid/package.json tools/mermaid/package-lock.json
 	cd tools/mermaid && npm ci --no-audit --no-fund --loglevel=error
 
@@ -62,4 +78,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_transitions.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) tools/mermaid/node_modules .pytest_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(ROUTERS_VENV) tools/mermaid/node_modules .pytest_cache .mypy_cache .hypothesis

@@ -760,6 +760,151 @@ def _delta(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _gateway(d: dict[str, Any]) -> list[Row]:
+    tag = f"{d['host']['cpus']} cpus, 1-min load {d['host']['load_1min_at_start']} at the start"
+    rows: list[Row] = []
+    tp = d["stub"]["throughput"]
+    lat = d["stub"]["latency"]
+    for front in ("sglang-router", "vllm-router", "gateway"):
+        for w, s in tp.get(front, {}).items():
+            la = lat.get(front, {}).get(w, {})
+            rows.append(
+                (
+                    f"stub engines, {front}, {w}: saturation vs direct; added p50 / p99 at "
+                    f"{la.get('rate', '-')} req/s ({tag})",
+                    f"{s['best_req_per_s']:.0f} req/s = {s['vs_direct']}x direct; "
+                    f"+{la.get('added_p50_ms', '-')} / +{la.get('added_p99_ms', '-')} ms",
+                    "-",
+                    "-",
+                )
+            )
+    for front, by_w in d.get("crash", {}).items():
+        for w, r in by_w.items():
+            rows.append(
+                (
+                    f"stub engines, {front}, {w}: one of 2 engines SIGKILLed under "
+                    f"{d['config']['crash_clients']} clients",
+                    f"{r['whole']} whole, {r['cut']} cut, {r['failed']} failed; "
+                    f"{r.get('tokens_regenerated', '-')} tokens regenerated; "
+                    f"{r['attempts_to_dead_engine']} connection attempts to the dead engine "
+                    f"(last {r.get('last_attempt_after_kill_s')} s after the kill)",
+                    "0 failed (gateway)" if front == "gateway" else "-",
+                    _verdict(r["failed"] + r["cut"] == 0) if front == "gateway" else "-",
+                )
+            )
+    ok = not d["failed_checks"]
+    rows.append(
+        (
+            "gateway bench checks (every phase ran; no request lost, duplicated or refused "
+            "outside the crash)",
+            "all held" if ok else f"{len(d['failed_checks'])} of {len(d['checks'])} false",
+            "all",
+            _verdict(ok),
+        )
+    )
+    return rows
+
+
+def gateway_section(results: Path = RESULTS) -> list[str]:
+    """The server-stack comparison for rollsafe's gateway (issue #35), from gateway_cpu.json."""
+    path = results / "gateway_cpu.json"
+    if not path.exists():
+        return []
+    d = json.loads(path.read_text(encoding="utf-8"))
+    tp, lat, mem = d["stub"]["throughput"], d["stub"]["latency"], d.get("open_streams", {})
+    cc = d.get("client_cost", {})
+    lines = [
+        "## Gateway: fronts and server stacks (`gateway_cpu.json`)",
+        "",
+        "Two zero-work stub engines (`benchmarks/gateway/stub_engine.py`), so each row is the "
+        "front's own cost; the load generator, the front and the stubs share the 2 cores. "
+        f"Medians of {d['config']['repeats']} rounds (fronts interleaved in each); saturation: "
+        f"the best of {d['config']['concurrency']} closed-loop clients; added latency: open loop "
+        f"at {d['config']['latency_frac']} of the slowest front's saturation rate, minus direct's; "
+        f"memory: RSS with {d['config']['streams']} streams held open. "
+        f"`python benchmarks/bench_gateway.py` (`--smoke` for a quick pass).",
+        "",
+        "| front | workload | req/s | x direct | front CPU µs/req | added p50 / p99 ms "
+        "| RSS idle / open MB (KB per stream) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for front, by_w in tp.items():
+        m = mem.get(front, {})
+        for w, s in by_w.items():
+            la = lat.get(front, {}).get(w, {})
+            added = (
+                f"+{la['added_p50_ms']} / +{la['added_p99_ms']}" if "added_p50_ms" in la else "-"
+            )
+            memory = (
+                f"{m['front_rss_idle_mb']} / {m['front_rss_open_mb']} ({m['front_kb_per_stream']})"
+                if "front_rss_open_mb" in m and w.endswith("stream")
+                else "-"
+            )
+            lines.append(
+                f"| {front} | {w} | {s['best_req_per_s']:.0f} | {s['vs_direct']} | "
+                f"{s['front_cpu_us_per_req']:.0f} | {added} | {memory} |"
+            )
+    if cc:
+        lines += [
+            "",
+            f"Load generator: aiohttp {cc['aiohttp']['req_per_s_median']:.0f} req/s at "
+            f"{cc['aiohttp']['cpu_us_per_req_median']:.0f} µs of client CPU per request, httpx "
+            f"{cc['httpx']['req_per_s_median']:.0f} req/s at "
+            f"{cc['httpx']['cpu_us_per_req_median']:.0f} µs (same stubs, "
+            f"{cc['concurrency']} clients): the client is aiohttp.",
+        ]
+    lines += ["", *_stack_note(d), ""]
+    return lines
+
+
+def _stack_note(d: dict[str, Any]) -> list[str]:
+    """The server-stack recommendation, with the figures of the table it follows from."""
+    tp, lat, mem = d["stub"]["throughput"], d["stub"]["latency"], d.get("open_streams", {})
+
+    def fig(front: str) -> str:
+        if front not in tp:
+            return f"{front}: not measured"
+        la = lat.get(front, {})
+        parts = []
+        for w, s in tp[front].items():
+            name = "streams" if w.endswith("-stream") else "short"
+            added = la.get(w, {}).get("added_p50_ms")
+            parts.append(
+                f"{name} {s['vs_direct']}x direct at {s['front_cpu_us_per_req']:.0f} µs/req"
+                + (f", +{added} ms p50" if added is not None else "")
+            )
+        m = mem.get(front, {})
+        if "front_kb_per_stream" in m:
+            parts.append(f"{m['front_kb_per_stream']} KB per open stream ({m['opened']} held)")
+        return f"{front}: " + "; ".join(parts)
+
+    return [
+        "**Server stack for rollsafe's gateway: httptools' parser on uvloop in a bare asyncio "
+        "protocol, aiohttp's pooled client to the engines** (`rollsafe[gateway]`; "
+        "`benchmarks/gateway/proxy_raw.py` is the measured shape). Why, from the rows above:",
+        "",
+        f"- {fig('proxy-raw')}: the most requests per second, the least CPU per request and "
+        "the least memory per open stream of the Python candidates, about the Rust routers' "
+        "CPU per request;",
+        f"- {fig('proxy-aiohttp-uvloop')}; {fig('proxy-aiohttp')}: aiohttp's own server "
+        "costs more CPU per request and more memory per stream;",
+        f"- {fig('proxy-starlette')}: starlette on uvicorn with an httpx client is an order of "
+        "magnitude slower and could not open all the streams in 120 s; its httpx client is the "
+        "cost (the load-generator line above: httpx against aiohttp, same stubs, same clients);",
+        f"- the Rust routers, for scale: {fig('sglang-router')}; {fig('vllm-router')}.",
+        "",
+        "Added latencies are medians of the rounds on a machine shared with other work (the "
+        "1-min load is in the rows above): read them as rough; the CPU per request is the "
+        "steadier figure. What the choice costs: two compiled wheels (uvloop, httptools; "
+        "manylinux wheels, both already in vLLM's own lock), and the gateway writes its "
+        "HTTP/1.1 responses itself "
+        "(status line, `content-length` or chunked SSE, keep-alive) and its limits (body size, "
+        "idle-body timeout, requests in flight) where aiohttp's server would give them. "
+        "Details of the routers (flags, worker API, retries, what they add to a request): "
+        "[docs/routers.md](../docs/routers.md).",
+    ]
+
+
 EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "transitions.json": _transitions,
     "engine_cpu.json": _engine,
@@ -798,6 +943,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/multi_gpu_h200x2_packed_check.json": _multi_gpu_check,
     "trl_grpo_gpu.json": _trl_grpo_gpu,
     "trl_grpo_gpu_6steps.json": _trl_grpo_gpu,
+    "gateway_cpu.json": _gateway,
 }
 
 
@@ -826,13 +972,14 @@ def render(results: Path = RESULTS) -> str:
             continue
         for figure, measured, target, verdict in rows:
             lines.append(f"| `{rel}` | {figure} | {measured} | {target} | {verdict} |")
+    lines += ["", *gateway_section(results)]
     lines += [
-        "",
         "How to rerun: `make bench` (transitions), `python benchmarks/bench_engine.py`,",
         "`python benchmarks/bench_hf_export.py`, `python benchmarks/bench_transports_cpu.py`,",
         "`python benchmarks/bench_control_plane.py`,",
         "`python benchmarks/bench_recovery.py`, `python benchmarks/bench_real_vllm.py`,",
-        "`python benchmarks/bench_node_loss.py`, `python benchmarks/bench_delta.py --train`;",
+        "`python benchmarks/bench_node_loss.py`, `python benchmarks/bench_delta.py --train`,",
+        "`python benchmarks/bench_gateway.py` (runs `make routers`);",
         "GPU: `benchmarks/gpu/README.md`.",
         "",
     ]

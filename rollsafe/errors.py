@@ -14,7 +14,8 @@ The tree (other bases in brackets, then where the class lives)::
     ├── MissingExtra [ImportError]                    rollsafe.errors
     ├── InvalidArgument [ValueError]                  rollsafe.errors (a caller's input)
     │   ├── InvalidArgumentType [TypeError]           rollsafe.errors (of the wrong type)
-    │   └── FleetConfigError                          rollsafe.fleet (also a FleetError)
+    │   ├── FleetConfigError                          rollsafe.fleet (also a FleetError)
+    │   └── InvalidRequest                            rollsafe.gateway.requests (a 400)
     ├── BucketFormatError [ValueError]                rollsafe.errors (wire)
     ├── HFIndexError [ValueError]                     rollsafe.wire.hf_index
     ├── UnsafePayload [ValueError]                    rollsafe.wire.unpickle
@@ -50,6 +51,9 @@ The tree (other bases in brackets, then where the class lives)::
     │   ├── EngineRequestError
     │   │   └── EngineOperationFailed
     │   ├── EngineNotSupported
+    │   │   └── NoWeightChecker
+    │   ├── EngineAsleep
+    │   ├── EventLoopError [RuntimeError]         (adapters.engines.aio: not on its loop)
     │   ├── StreamProtocolError                     (adapters.engines.streaming)
     │   ├── StandbyLost                             (a standby's engine died: start afresh)
     │   └── EngineStartError

@@ -6,8 +6,9 @@
   reimplementation written here independently (a Python loop over tiles and words, unbounded
   ints masked to 32/64 bits), on several dtypes and sizes, tile and chunk boundaries included.
 * The reference engine's SGLang ``/weights_checker`` and vLLM ``/weight_checker``: upstream's
-  response shapes, 400s naming bad actions and unknown keys, snapshot/reset/compare, and the
-  trainer's digest equal to the engine's after a weight update (through the clients).
+  response shapes, 400s naming bad actions and values (unknown keys ignored, as upstream),
+  snapshot/reset/compare, and the trainer's digest equal to the engine's after a weight update
+  (through the clients).
 """
 
 from __future__ import annotations
@@ -245,11 +246,13 @@ def test_sglang_weights_checker_checksum_shape(
 def test_sglang_weights_checker_rejects_with_named_400(sgl: EngineProcess) -> None:
     cases = [
         ({"action": "bogus"}, "bogus"),
-        ({"action": "checksum", "actoin": "x"}, "actoin"),
         ({"selector": "drafts"}, "drafts"),
         ({"skip_tensor_list": "lm_head"}, "skip_tensor_list"),
         ({"allow_quant_error": 1}, "allow_quant_error"),
     ]
+    # an unknown key is ignored, as SGLang's CheckWeightsReqInput parse ignores it
+    r = sgl.post("/weights_checker", {"action": "snapshot", "actoin": "x"})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
     for body, named in cases:
         r = sgl.post("/weights_checker", body)
         assert r.status_code == 400, (body, r.text)
@@ -355,7 +358,7 @@ def test_vllm_weight_checker_shapes(
 def test_vllm_weight_checker_rejects_with_named_400(vll: EngineProcess) -> None:
     for body, named in [
         ({"action": "checksums"}, "checksums"),
-        ({"action": "checksum", "baseline": {}, "extra": 1}, "extra"),
+        ({"action": "checksum", "baseline": {"k": 1}, "extra": 1}, "baseline"),
         ({}, "action"),
         ({"action": "compare"}, "baseline"),
     ]:
@@ -368,6 +371,9 @@ def test_vllm_weight_checker_rejects_with_named_400(vll: EngineProcess) -> None:
         else:  # refused earlier by the server's contract middleware (its own shape)
             assert named in r.json()["message"]
     assert vll.post("/weights_checker", {"action": "checksum"}).status_code == 404
+    # vLLM reads only its named Body parameters: another key is ignored
+    r = vll.post("/weight_checker", {"action": "checksum", "extra": 1})
+    assert r.status_code == 200 and "checksums" in r.json(), r.text
 
 
 def test_vllm_reset_then_update_matches_trainer(

@@ -21,7 +21,13 @@ import pytest
 
 from rollsafe.adapters.engines import SGLangClient, VLLMClient
 from rollsafe.adapters.engines.contract import load_contract
-from rollsafe.adapters.engines.errors import EngineNotSupported
+from rollsafe.adapters.engines.errors import (
+    EngineAsleep,
+    EngineNotSupported,
+    EngineRequestError,
+    NoWeightChecker,
+)
+from rollsafe.errors import InvalidArgument
 
 Recorded = tuple[str, str, dict[str, Any], Any]
 
@@ -79,22 +85,36 @@ def _answer(path: str, body: Any) -> Any:
     return {"success": True, "message": "ok"}
 
 
-VLLM_VERSIONS = ("0.32.0", "0.33.0")
+VLLM_VERSIONS = ("0.26.0", "0.32.0", "0.33.0")
+#: routes vLLM 0.26.0 does not serve (a real one answers 404)
+ABSENT_IN_0_26 = {
+    "/update_weight_version",
+    "/weight_info",
+    "/weight_checker",
+    "/shutdown_weight_transfer_engine",
+}
 
 
 class Recorder:
     """Records every request; answers as a vLLM ``version`` would (``/version``; no
     ``weight_versions`` in 0.32 completions)."""
 
-    def __init__(self, version: str = "0.33.0") -> None:
+    def __init__(self, version: str = "0.33.0", sglang: str | None = None) -> None:
         self.requests: list[Recorded] = []
         self.version = version
+        self.sglang = sglang  # the SGLang release /server_info reports (None: no version)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info" and self.sglang is not None:
+            self.requests.append((request.method, "/server_info", {}, None))
+            return httpx.Response(200, json={"version": self.sglang, "tp_size": 1})
         if request.url.path == "/version":
             self.requests.append((request.method, "/version", {}, None))
             return httpx.Response(200, json={"version": self.version})
-        if request.url.path == "/v1/completions" and self.version.startswith("0.32"):
+        if self.version.startswith("0.26") and request.url.path in ABSENT_IN_0_26:
+            self.requests.append((request.method, request.url.path, {}, None))
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if request.url.path == "/v1/completions" and self.version[:4] in ("0.26", "0.32"):
             answer = _answer("/v1/completions", None)
             for choice in answer["choices"]:
                 del choice["weight_versions"]
@@ -204,12 +224,76 @@ VLLM_CALLS: dict[str, Callable[[VLLMClient], object]] = {
 }
 
 
+SGLANG_VERSIONS = ("0.5.16", "0.5.23")
+
+
+@pytest.mark.parametrize("version", SGLANG_VERSIONS)
 @pytest.mark.parametrize("name", sorted(SGLANG_CALLS))
-def test_sglang_client_requests_match_sglang_0_5_23(name: str) -> None:
-    rec = Recorder()
+def test_sglang_client_requests_match_each_sglang_release(name: str, version: str) -> None:
+    rec = Recorder(sglang=version)
     with SGLangClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
         SGLANG_CALLS[name](client)
-    _check("sglang", rec.requests)
+        if name.startswith("generate"):
+            assert client.server_dialect().version == version
+    _check("sglang", rec.requests, version=version)
+
+
+def test_sglang_0_5_16_unknown_sampling_keys_are_refused_by_the_client() -> None:
+    """SGLang 0.5.16 has no contract gate: an unknown sampling key is a TypeError its
+    ``/generate`` does not catch (a 500, which the router would count against the engine). The
+    client refuses it with the 400 that 0.5.23 answers, nothing sent; 0.5.23 gets the request
+    and answers for itself."""
+    for version, refused in (("0.5.16", True), ("0.5.23", False)):
+        rec = Recorder(sglang=version)
+        with SGLangClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
+            bad = {"max_new_tokens": 2, "temprature": 0.5}
+            for call in (
+                lambda c=client, b=bad: c.generate([1, 2], sampling_params=b),
+                lambda c=client, b=bad: list(c.generate_stream([1, 2], sampling_params=b)),
+            ):
+                if refused:
+                    with pytest.raises(EngineRequestError) as info:
+                        call()
+                    assert info.value.status_code == 400 and "'temprature'" in info.value.message
+                else:
+                    call()  # the recorder answers 200; a real 0.5.23 answers 400 itself
+            sent = [p for _, p, _, _ in rec.requests if p == "/generate"]
+        assert len(sent) == (0 if refused else 2), version
+        dialect = client.server_dialect()
+        assert dialect.version == version and dialect.weight_version_spans is (not refused)
+
+
+def test_sglang_dialect_comes_from_server_info_once() -> None:
+    """``/server_info`` reports the release; a server without it (404) is asked
+    ``/get_server_info``; no version at all speaks the pinned 0.5.23; a release no contract
+    speaks is named; a pin asks nothing."""
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if request.url.path == "/server_info":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if request.url.path == "/get_server_info":
+            return httpx.Response(200, json={"version": "0.5.16.post1"})
+        return httpx.Response(200, json={"text": "", "output_ids": [], "meta_info": {}})
+
+    with SGLangClient("http://engine", transport=httpx.MockTransport(handler)) as client:
+        for _ in range(3):
+            client.generate([1], sampling_params={"max_new_tokens": 1})
+        assert client.server_dialect().version == "0.5.16"
+    assert paths.count("/server_info") == paths.count("/get_server_info") == 1
+    rec = Recorder(sglang="0.5.19")
+    with (
+        SGLangClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client,
+        pytest.raises(EngineNotSupported, match="no supported release"),
+    ):
+        client.server_dialect()
+    rec = Recorder(sglang="0.5.16")
+    with SGLangClient(
+        "http://engine", transport=httpx.MockTransport(rec.handler), server_version="0.5.23"
+    ) as client:
+        client.generate([1], sampling_params={"max_new_tokens": 1, "temprature": 1.0})
+    assert [p for _, p, _, _ in rec.requests] == ["/generate"]
 
 
 @pytest.mark.parametrize("version", VLLM_VERSIONS)
@@ -217,7 +301,12 @@ def test_sglang_client_requests_match_sglang_0_5_23(name: str) -> None:
 def test_vllm_client_requests_match_each_vllm_release(name: str, version: str) -> None:
     rec = Recorder(version)
     with VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
-        VLLM_CALLS[name](client)
+        if version == "0.26.0" and name == "checksum":  # no checker: the probe's job
+            with pytest.raises(NoWeightChecker, match=r"rollsafe\.probe"):
+                VLLM_CALLS[name](client)
+        else:
+            VLLM_CALLS[name](client)
+    assert not ABSENT_IN_0_26 & {p for _, p, _, _ in rec.requests} or version != "0.26.0"
     _check("vllm", rec.requests, version=version)
 
 
@@ -232,7 +321,7 @@ def test_vllm_update_lifecycle_is_one_start_many_updates_one_finish() -> None:
                 [f"w{i}"], ["float32"], [[4]], weight_version="7" if i == 2 else None
             )
         client.update_weights_from_distributed(["w0"], ["float32"], [[4]], weight_version="8")
-    paths = [p for _, p, _, _ in rec.requests]
+    paths = [p for _, p, _, _ in rec.requests if p != "/version"]  # the dialect, asked once
     assert paths == [
         "/init_weight_transfer_engine",
         "/start_weight_update",
@@ -248,8 +337,9 @@ def test_vllm_update_lifecycle_is_one_start_many_updates_one_finish() -> None:
     ]
     finishes = [b for _, p, _, b in rec.requests if p == "/finish_weight_update"]
     assert finishes == [{"weight_version": "7"}, {"weight_version": "8"}]
-    init = rec.requests[0][3]["init_info"]
-    assert init["packed"] is True and "packed" not in rec.requests[2][3]["update_info"]
+    bodies = [b for _, p, _, b in rec.requests if p != "/version"]
+    init = bodies[0]["init_info"]
+    assert init["packed"] is True and "packed" not in bodies[2]["update_info"]
     _check("vllm", rec.requests)
 
 
@@ -265,7 +355,11 @@ def test_vllm_failed_update_leaves_update_mode_without_a_version() -> None:
     with VLLMClient("http://engine", transport=httpx.MockTransport(handler), retry=None) as c:
         with pytest.raises(Exception, match="500"):
             c.update_weights_from_distributed(["w"], ["float32"], [[4]], weight_version="9")
-        assert calls == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+        assert [c for c in calls if c != "/version"] == [
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+        ]
 
 
 def test_vllm_group_calls_take_only_the_fixed_group_name() -> None:
@@ -292,8 +386,8 @@ def test_vllm_group_calls_take_only_the_fixed_group_name() -> None:
         client.init_weights_update_group(
             "127.0.0.1", 29500, 1, 2, group_name=VLLM_WEIGHT_TRANSFER_GROUP
         )
-    assert [p for _, p, _, _ in rec.requests] == ["/init_weight_transfer_engine"]
-    assert VLLM_WEIGHT_TRANSFER_GROUP not in json.dumps(rec.requests[0][3])
+    assert [p for _, p, _, _ in rec.requests] == ["/version", "/init_weight_transfer_engine"]
+    assert VLLM_WEIGHT_TRANSFER_GROUP not in json.dumps(rec.requests[1][3])
     _check("vllm", rec.requests)
 
 
@@ -305,6 +399,104 @@ def test_vllm_has_no_update_weights_from_tensor() -> None:
         with pytest.raises(EngineNotSupported, match="load format"):
             client.update_weights_from_disk("/m", load_format="safetensors")
     assert rec.requests == []
+
+
+def test_vllm_0_26_update_lifecycle_packs_every_call_and_keeps_the_version() -> None:
+    """vLLM 0.26.0: packing travels in every ``update_info`` (its ``init_info`` has none),
+    ``/finish_weight_update`` takes no body, and the version is the client's label (no
+    ``/update_weight_version``, no ``/weight_info``): completions report it."""
+    rec = Recorder("0.26.0")
+    with VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
+        assert client.weight_version() is None  # nothing known yet, nothing asked
+        client.init_weights_update_group("127.0.0.1", 29500, 1, 2, packed_buffer_size_bytes=64)
+        for i in range(2):
+            client.update_weights_from_distributed(
+                [f"w{i}"], ["float32"], [[4]], weight_version="7" if i == 1 else None
+            )
+        assert client.weight_version() == "7"
+        result = client.generate([1, 2], sampling_params={"max_new_tokens": 2})
+        assert result.weight_version == "7"
+        assert result.meta_info["weight_version_source"] == "client"
+        assert result.meta_info["weight_version_exact"] is True
+        client.update_weight_version("8")  # a label: nothing sent
+        assert client.weight_version() == "8"
+        assert "vLLM 0.26.0" in client.destroy_weights_update_group()  # nothing to send
+    paths = [p for _, p, _, _ in rec.requests]
+    assert paths == [
+        "/version",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/update_weights",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/v1/completions",
+    ]
+    bodies = {p: b for _, p, _, b in rec.requests}
+    assert "packed" not in bodies["/init_weight_transfer_engine"]["init_info"]
+    updates = [b["update_info"] for _, p, _, b in rec.requests if p == "/update_weights"]
+    assert all(u["packed"] is True and u["packed_buffer_size_bytes"] == 64 for u in updates)
+    assert bodies["/finish_weight_update"] is None
+    assert "return_weight_versions" not in bodies["/v1/completions"]
+    _check("vllm", rec.requests, version="0.26.0")
+
+
+def test_vllm_0_26_failed_update_forgets_the_version() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.26.0"})
+        if request.url.path == "/update_weights":
+            return httpx.Response(500, json={"error": "peer gone"})
+        return httpx.Response(200, json={"message": "ok"})
+
+    with VLLMClient("http://engine", transport=httpx.MockTransport(handler), retry=None) as c:
+        c.update_weight_version("3")
+        with pytest.raises(Exception, match="500"):
+            c.update_weights_from_distributed(["w"], ["float32"], [[4]], weight_version="4")
+        assert c.weight_version() is None  # the weights are unknown now
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+def test_vllm_weight_updates_are_refused_while_the_weights_sleep(version: str) -> None:
+    """vLLM 0.26.0 crashes on a weight update while asleep (vllm#57853): the client refuses
+    one, whatever the release, from its own ``/sleep`` (level >= 1) until the weights are woken,
+    before anything is sent; level 0 (scheduling only) and a woken engine let it through."""
+    rec = Recorder(version)
+    with VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client:
+        client.release_memory_occupation(level=2)
+        sent = len(rec.requests)
+        for call in (
+            lambda: client.update_weights_from_distributed(["w"], ["float32"], [[4]]),
+            lambda: client.update_weights_from_disk("/m", weight_version="3"),
+            lambda: client.update_weights_from_ipc({"GPU-0": "ipc:///tmp/s"}),
+            lambda: client.collective_rpc("reload_weights", kwargs={"weights_path": "/m"}),
+        ):
+            with pytest.raises(EngineAsleep, match="level 2"):
+                call()
+        assert len(rec.requests) == sent and client.asleep_level == 2
+        client.resume_memory_occupation(["kv_cache"])  # the weights still sleep
+        with pytest.raises(EngineAsleep):
+            client.update_weights_from_disk("/m")
+        client.resume_memory_occupation(["weights"])
+        client.update_weights_from_disk("/m", weight_version="3")
+        client.release_memory_occupation(level=0)
+        client.update_weights_from_disk("/m", weight_version="4")
+        with pytest.raises(InvalidArgument, match="levels"):
+            client.release_memory_occupation(level=3)
+    sleeps = [q for _, p, q, _ in rec.requests if p == "/sleep"]
+    assert sleeps == [{"level": "2"}, {"level": "0"}]
+    _check("vllm", rec.requests, version=version)
+
+
+def test_a_server_between_supported_releases_is_refused_by_name() -> None:
+    """A 0.28 server (between supported releases) is refused by name, nothing else asked."""
+    rec = Recorder("0.28.1")
+    with (
+        VLLMClient("http://engine", transport=httpx.MockTransport(rec.handler)) as client,
+        pytest.raises(EngineNotSupported, match="no supported release"),
+    ):
+        client.generate([1], sampling_params={"max_new_tokens": 1})
+    assert [p for _, p, _, _ in rec.requests] == ["/version"]
 
 
 def test_contract_check_catches_what_the_old_clients_sent() -> None:
@@ -329,3 +521,27 @@ def test_contract_check_catches_what_the_old_clients_sent() -> None:
     assert [p.where for p in sglang.check_request("POST", "/generate", body=bad)] == [
         "sampling_params.temprature"
     ]
+
+
+@pytest.mark.parametrize(
+    ("answer", "serves"),
+    [("0.26.0", False), ("0.32.0+cpu", True), ("0.33.0", True), (None, True)],
+)
+def test_the_launcher_sets_a_start_version_only_where_the_release_keeps_one(
+    answer: str | None, serves: bool
+) -> None:
+    """A real vLLM takes no weight version at start: the launcher posts
+    ``/update_weight_version`` once it is ready, except on 0.26.0, which has no such route
+    (its ``VLLMClient`` keeps the label instead); a server that does not say which release it
+    is gets the post."""
+    import time
+
+    from rollsafe.adapters.engines.launch.readiness import _serves_weight_version
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if answer is None:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, json={"version": answer})
+
+    with httpx.Client(base_url="http://engine", transport=httpx.MockTransport(handler)) as http:
+        assert _serves_weight_version(http, time.monotonic() + 5) is serves

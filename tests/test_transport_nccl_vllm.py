@@ -59,8 +59,9 @@ class Recording(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
-        with self._lock:
-            self.requests.append((request.url.path, body))
+        if request.url.path != "/version":  # the client's dialect, asked once: not a call
+            with self._lock:
+                self.requests.append((request.url.path, body))
         return self._inner.handle_request(request)
 
     def close(self) -> None:
@@ -290,3 +291,58 @@ def test_vllm_fleet_syncs_twice_over_nccl(
             out = fleet.generate(PROMPT, sampling_params={"max_new_tokens": 4, "temperature": 0})
             assert out.result.weight_version == str(version)
             assert out.result.output_ids == trainer.greedy(PROMPT, 4)
+
+
+def test_vllm_0_26_fleet_syncs_over_nccl_with_client_labels_and_the_probe(
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A fleet whose engines imitate vLLM 0.26.0 (the release the GPU image's torch runs):
+    packing travels in each ``update_info``, the version is each client's label (0.26 has
+    none), ``checksums`` has no checker to ask (None), and the behavioural probe against a
+    fresh engine on the trainer's weights is what says the weights are right."""
+    from rollsafe.adapters.engines import NoWeightChecker
+    from rollsafe.probe import probe_engines, record_answers
+
+    trainer = Trainer(tiny_model_dir_b)
+    config = FleetConfig(
+        model_path=tiny_model_dir,
+        export_root=tmp_path / "exports",
+        groups=[GroupSpec(1), GroupSpec(2)],
+        engine=EngineSpec(
+            model_path=str(tiny_model_dir), dialect="vllm", extra_args=["--vllm-version", "0.26.0"]
+        ),
+        transport=NcclSettings(bucket_bytes=SMALL_BUCKET, group_timeout_s=TIMEOUT),
+    )
+    fresh = module_engine(
+        request, tiny_model_dir_b, extra_args=["--dialect", "vllm", "--vllm-version", "0.26.0"]
+    )
+    with RolloutFleet(config) as fleet, VLLMClient(fresh.url) as fresh_client:
+        reference = record_answers(fresh_client)  # model B as loaded: the trainer's weights
+        weights = trainer.weights()
+        report = fleet.sync_weights(weights, 1)
+        assert report.ok, report
+        clients = {g.group_id: g.client for g in fleet.registry.groups()}
+        for client in clients.values():
+            assert isinstance(client, VLLMClient)
+            assert client.server_dialect().version == "0.26.0"
+            assert client.weight_version() == "1"  # the client's label
+            with pytest.raises(NoWeightChecker):
+                client.weights_checksum()
+        assert set(fleet.checksums().values()) == {None}  # no checker answers
+        verdicts = probe_engines(clients, reference)  # type: ignore[arg-type]
+        assert all(v.ok for v in verdicts.values()), {g: v.summary() for g, v in verdicts.items()}
+        out = fleet.generate(PROMPT, sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert out.result.weight_version == "1"
+        assert out.result.meta_info["weight_version_source"] == "client"
+        assert out.result.output_ids == trainer.greedy(PROMPT, 4)
+        trainer.perturb(seed=61)
+        assert fleet.sync_weights(trainer.weights(), 2).ok
+        out = fleet.generate(PROMPT, sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert out.result.weight_version == "2"
+        assert out.result.output_ids == trainer.greedy(PROMPT, 4)
+        # the old fresh engine (version 1's weights) now disagrees: the probe sees it
+        verdicts = probe_engines(clients, reference)  # type: ignore[arg-type]
+        assert not any(v.ok for v in verdicts.values())

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from mutants import AdvanceBaseOnSend, SuspendedForever
 
@@ -133,10 +139,62 @@ def test_max_states_marks_the_run_incomplete() -> None:
 
 
 def test_cli_verify_reports(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["verify", "--groups", "1", "--ranks", "2", "--depth", "4", "--quiet"])
+    argv = ["verify", "--groups", "1", "--ranks", "2", "--depth", "4", "--quiet"]
+    rc = main([*argv, "--workers", "1"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "states explored:" in out and "transitions taken:" in out and "violations: 0" in out
+    assert "1 worker)" in out
+    assert main([*argv, "--workers", "0"]) == 2
+    assert "--workers must be at least 1, got 0" in capsys.readouterr().out
+
+
+# Run in a fresh interpreter: the workers are spawned processes, kept out of pytest's.
+_WORKERS_SCRIPT = """
+import functools, json
+import rollsafe.verify.explorer as explorer
+from mutants import SuspendedForever
+from rollsafe.verify import FleetModel, ModelConfig, explore
+
+explorer._INLINE_BELOW = 1  # hand every level to the workers, however small
+out = {}
+for workers in (1, 2):
+    clean = explore(ModelConfig(groups=2, ranks=2), depth=5, workers=workers)
+    planted = explore(
+        ModelConfig(groups=1, ranks=1), depth=8, workers=workers,
+        model_factory=functools.partial(FleetModel, mode_cls=SuspendedForever),
+    )
+    out[workers] = {
+        "clean": [clean.states, clean.transitions, clean.refused, clean.frontier_sizes, clean.ok],
+        "trace": [str(a) for a in planted.counterexamples[0].trace],
+        "broken": sorted(v.invariant for v in planted.counterexamples[0].violations),
+        "workers": [clean.workers, planted.workers],
+    }
+print(json.dumps(out))
+"""
+
+
+def test_workers_explore_the_same_states_and_find_the_same_trace() -> None:
+    """Two worker processes reach the same states, transitions and shortest counterexample as
+    one: the merge takes the expansions in frontier order."""
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKERS_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    one, two = out["1"], out["2"]
+    assert one["workers"] == [1, 1] and two["workers"] == [2, 2]
+    assert two["clean"] == one["clean"] and one["clean"][-1] is True
+    assert one["clean"][0] > 300
+    assert two["trace"] == one["trace"] and len(one["trace"]) == 6
+    assert two["broken"] == one["broken"] and "immediate_recovery_rearms" in one["broken"]
 
 
 def test_cli_inspect_lists_guards(capsys: pytest.CaptureFixture[str]) -> None:

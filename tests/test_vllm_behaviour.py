@@ -34,6 +34,7 @@ import httpx
 import pytest
 from engine_helpers import wait_for
 from real_vllm import make_vllm_model
+from test_engine_unknown_keys import VLLM_ROUTER_COMPLETION, VLLM_ROUTER_SAMPLING
 
 from rollsafe.adapters.engines import EngineLauncher, EngineRequestError, EngineSpec, VLLMClient
 
@@ -116,6 +117,29 @@ def test_speaks_0_32_and_generates_greedily(engine: EngineLauncher) -> None:
     assert "weight_versions" not in choice  # 0.32.0: the version comes from /weight_info only
     bare = once(engine, "POST", "/v1/completions", json=completion(return_token_ids=False))
     assert bare.json()["choices"][0]["token_ids"] is None
+
+
+def test_router_bodies_are_served_and_known_keys_keep_their_types(
+    engine: EngineLauncher,
+) -> None:
+    """vllm-router 0.1.17 adds ``no_stop_trim`` and ``return_hidden_states`` (unknown to vLLM)
+    to every completion it forwards: vLLM keeps and logs them, and serves the request; a known
+    field of the wrong type is still a 400 (issue 35; the bodies: test_engine_unknown_keys;
+    ``model`` is left out: a real vLLM answers 404 for a model it does not serve)."""
+    greedy = {"max_new_tokens": 4, "temperature": 0}
+    expected = engine.client.generate(PROMPT, sampling_params=greedy).output_ids
+    answers = []
+    for body in (VLLM_ROUTER_COMPLETION, VLLM_ROUTER_SAMPLING):
+        sent = {k: v for k, v in body.items() if k != "model"}
+        r = once(engine, "POST", "/v1/completions", json={**sent, "prompt": PROMPT})
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["choices"][0])
+    assert answers[0]["token_ids"] == expected
+    assert len(answers[1]["logprobs"]["token_logprobs"]) == 4
+    bad = {**VLLM_ROUTER_COMPLETION, "prompt": PROMPT, "max_tokens": "four"}
+    del bad["model"]
+    r = once(engine, "POST", "/v1/completions", json=bad)
+    assert r.status_code == 400 and "max_tokens" in r.text, r.text
 
 
 def test_the_version_label_is_read_from_weight_info(engine: EngineLauncher) -> None:

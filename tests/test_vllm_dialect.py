@@ -1,4 +1,4 @@
-"""``VLLMClient`` picks its dialect from the server's version and makes 0.32 look like 0.33.
+"""``VLLMClient`` picks its dialect from the server's version and makes 0.26/0.32 look like 0.33.
 
 An in-process ``httpx.MockTransport`` plays the server (requests recorded and checked against
 the contract of the release it plays); a handler may act through the client in the middle of
@@ -88,7 +88,10 @@ class Server:
 
 
 def _contract(version: str) -> str:
-    return "0.32.0" if version.startswith("0.32") else "0.33.0"
+    for release in ("0.26.0", "0.32.0"):
+        if version.startswith(release[:4]):
+            return release
+    return "0.33.0"
 
 
 def completion_bodies(server: Server) -> list[Any]:
@@ -123,7 +126,9 @@ def test_a_pinned_server_version_is_not_asked_and_bad_ones_are_named() -> None:
         client.generate([1], sampling_params={"max_new_tokens": 2})
     assert "/version" not in server.paths and "return_weight_versions" not in server.bodies[-1][1]
     with pytest.raises(UnsupportedVersion, match=r"server_version=.*older than every supported"):
-        VLLMClient("http://engine", server_version="0.30.1")
+        VLLMClient("http://engine", server_version="0.25.1")
+    with pytest.raises(UnsupportedVersion, match=r"server_version=.*no supported release"):
+        VLLMClient("http://engine", server_version="0.30.1")  # between 0.26 and 0.32
     old = Server("0.31.0")
     with old.client_for() as client, pytest.raises(EngineNotSupported, match=r"0\.31\.0"):
         client.server_dialect()
@@ -133,11 +138,12 @@ def test_a_pinned_server_version_is_not_asked_and_bad_ones_are_named() -> None:
 # ---- pause semantics ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("version", ["0.26.0", "0.32.0"])
 @pytest.mark.parametrize("mode", ["abort", "retract"])
-def test_a_paused_0_32_engine_refuses_like_0_33_does(mode: str) -> None:
-    """0.32 would queue the request until /resume (a paused engine looks hung); the client
-    refuses it with the 503 0.33 answers, sending nothing, until it resumes the engine."""
-    server = Server("0.32.0")
+def test_a_paused_0_32_engine_refuses_like_0_33_does(mode: str, version: str) -> None:
+    """0.26 and 0.32 would queue the request until /resume (a paused engine looks hung); the
+    client refuses it with the 503 0.33 answers, sending nothing, until it resumes the engine."""
+    server = Server(version)
     with server.client_for() as client:
         client.pause_generation(mode)  # type: ignore[arg-type]
         for call in (
@@ -264,6 +270,35 @@ def test_a_0_32_stream_ends_with_the_version_and_one_span() -> None:
     assert deltas[-1].meta["weight_version_exact"] is True
     assert cut[-1].weight_version == "v2" and cut[-1].spans == ()  # inexact: no span claimed
     assert cut[-1].meta["weight_version_exact"] is False
+
+
+# ---- vLLM 0.26: the version is the client's label ------------------------------------------
+
+
+def test_a_0_26_completion_reports_the_clients_label_and_asks_nothing_for_it() -> None:
+    """0.26 has neither ``/weight_info`` nor ``/update_weight_version``: the label this
+    client set is the version of its completions (None while unknown), with the same
+    exactness rules as 0.32's read."""
+    server = Server("0.26.0")
+    with server.client_for() as client:
+        first = client.generate([1], sampling_params={"max_new_tokens": 2})
+        assert first.weight_version is None  # nothing set yet
+        client.update_weight_version("v1")
+        second = client.generate([1], sampling_params={"max_new_tokens": 2})
+        server.during_completion = sync_to("v2")
+        overlapped = client.generate([1], sampling_params={"max_new_tokens": 2})
+        stream = list(client.generate_stream([1], sampling_params={"max_new_tokens": 2}))
+    assert second.weight_version == "v1" and second.meta_info["weight_version_exact"] is True
+    assert second.meta_info["weight_version_source"] == "client"
+    assert (
+        overlapped.weight_version == "v2" and overlapped.meta_info["weight_version_exact"] is False
+    )
+    assert (
+        stream[-1].weight_version == "v2" and stream[-1].meta["weight_version_source"] == "client"
+    )
+    assert [(s.version, s.start, s.end) for s in stream[-1].spans] == [("v2", 0, 2)]
+    assert "/weight_info" not in server.paths and "/update_weight_version" not in server.paths
+    assert all("return_weight_versions" not in b for b in completion_bodies(server))
 
 
 def test_read_version_holds_table() -> None:

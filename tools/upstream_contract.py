@@ -95,6 +95,25 @@ class SourceTree:
             self._ast[path] = ast.parse(self.text(path), filename=path)
         return self._ast[path]
 
+    def metadata_requirements(self) -> set[str] | None:
+        """Distribution names the wheel's METADATA requires unconditionally of extras
+        (``Requires-Dist`` lines without ``extra ==``); None when there is no METADATA."""
+        if self._zip is None:
+            return None
+        found = [n for n in self._zip.namelist() if n.endswith(".dist-info/METADATA")]
+        if not found:
+            return None
+        text = self.text(found[0])
+        names = set()
+        for line in text.splitlines():
+            if line.startswith("Requires-Dist:") and "extra ==" not in line:
+                spec = line.split(":", 1)[1].strip()
+                name = spec.split(";")[0].split("[")[0]
+                for stop in "<>=!~ (":
+                    name = name.split(stop)[0]
+                names.add(name.strip().lower().replace("_", "-"))
+        return names
+
     def listdir(self, prefix: str) -> list[str]:
         """Python files directly under the folder ``prefix`` (sorted)."""
         prefix = prefix.rstrip("/") + "/"
@@ -509,6 +528,120 @@ def class_schema(
 
 
 # --------------------------------------------------------------------------------------------
+# Unknown body keys: what the release does with a key its request model does not declare.
+# --------------------------------------------------------------------------------------------
+
+#: ``ignore``: dropped silently; ``allow``: kept on the model, read by nothing; ``allow_and_log``:
+#: kept and logged (vLLM's ``OpenAIBaseModel``); ``reject``: the request fails
+UNKNOWN_KEY_POLICIES = ("ignore", "allow", "allow_and_log", "reject")
+#: the body of a route whose handler declares none, and query parameters no handler declares:
+#: FastAPI never reads them
+UNDECLARED = {
+    "policy": "ignore",
+    "evidence": "FastAPI reads only what the handler declares (no body model / query parameter)",
+}
+#: bodies read key by key (``Body(embed=True)`` parameters, ``body.get("k")`` on the raw JSON)
+NAMED_KEYS_ONLY = {
+    "policy": "ignore",
+    "evidence": "the handler reads only named keys of the JSON object "
+    "(Body(embed=True) parameters or body.get)",
+}
+
+
+def _extra_setting(node: ast.expr) -> Any:
+    """``extra`` of ``ConfigDict(extra=...)`` / ``{"extra": ...}``; _NOT_CONST if absent."""
+    if isinstance(node, ast.Call) and _call_name(node) in {"ConfigDict", "dict"}:
+        value = _kw(node, "extra")
+        return const_eval(value, {}) if value is not None else _NOT_CONST
+    if isinstance(node, ast.Dict):
+        for k, v in zip(node.keys, node.values, strict=True):
+            if isinstance(k, ast.Constant) and k.value == "extra":
+                return const_eval(v, {})
+    return _NOT_CONST
+
+
+def unknown_key_policy(
+    mods: list[ast.Module], name: str, hooks: dict[str, JSON] | None = None, _seen: int = 0
+) -> JSON:
+    """``{"policy", "evidence"}``: how a request class treats keys it does not declare, read
+    from its definition and its bases (in ``mods``): a pydantic ``model_config`` ``extra``
+    setting (``forbid`` rejects, ``allow`` keeps, with a ``__log_extra_fields__`` validator it
+    also logs), a ``__get_pydantic_core_schema__`` that calls one of ``hooks`` (a function whose
+    policy was checked separately), a stdlib ``@dataclass`` or a plain ``BaseModel`` (pydantic's
+    default: ignore). Anything else is a :class:`ContractAssertionError`: review it by hand."""
+    cls = find_class(mods, name)
+    if cls is None or _seen > 8:
+        raise ContractAssertionError(f"cannot tell how {name} treats unknown keys: not found")
+    for node in cls.body:
+        if (
+            isinstance(node, (ast.Assign, ast.AnnAssign))
+            and any(
+                isinstance(t, ast.Name) and t.id == "model_config"
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            )
+            and node.value is not None
+        ):
+            extra = _extra_setting(node.value)
+            if extra is _NOT_CONST:
+                continue
+            where = f"{name}.model_config extra={extra!r}"
+            if extra == "forbid":
+                return {"policy": "reject", "evidence": where}
+            if extra == "allow":
+                logged = _logs_extra(mods, cls)
+                return {
+                    "policy": "allow_and_log" if logged else "allow",
+                    "evidence": where + (f"; {logged} logs them" if logged else ""),
+                }
+            if extra == "ignore":
+                return {"policy": "ignore", "evidence": where}
+            raise ContractAssertionError(f"{where}: unknown pydantic extra setting")
+        if isinstance(node, ast.FunctionDef) and node.name == "__get_pydantic_core_schema__":
+            called = called_names(node) & set(hooks or {})
+            if called:
+                hook = sorted(called)[0]
+                policy = dict((hooks or {})[hook])
+                policy["evidence"] = f"{name}.__get_pydantic_core_schema__ -> {hook}: " + str(
+                    policy["evidence"]
+                )
+                return policy
+    for base in cls.bases:
+        base_name = _call_name(base) if not isinstance(base, ast.Subscript) else ""
+        if base_name and find_class(mods, base_name) is not None:
+            inherited = unknown_key_policy(mods, base_name, hooks, _seen + 1)
+            if inherited["evidence"].startswith(f"{base_name}"):
+                inherited = {**inherited, "evidence": f"{name}({inherited['evidence']})"}
+            return inherited
+    decorators = {_call_name(d) for d in cls.decorator_list}
+    if "dataclass" in decorators:
+        return {
+            "policy": "ignore",
+            "evidence": f"{name} is a stdlib @dataclass with no pydantic config: FastAPI "
+            "validates it with pydantic's default extra='ignore'",
+        }
+    if any(_call_name(b) == "BaseModel" for b in cls.bases):
+        return {
+            "policy": "ignore",
+            "evidence": f"{name}(BaseModel) with no extra setting: pydantic's default 'ignore'",
+        }
+    raise ContractAssertionError(f"cannot tell how {name} treats unknown keys")
+
+
+def _logs_extra(mods: list[ast.Module], cls: ast.ClassDef) -> str:
+    """The name of a validator of ``cls`` (or a base in ``mods``) that logs extra fields."""
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and "extra" in node.name and "log" in node.name:
+            return f"{cls.name}.{node.name}"
+    for base in cls.bases:
+        found = find_class(mods, _call_name(base)) if not isinstance(base, ast.Subscript) else None
+        if found is not None:
+            logged = _logs_extra(mods, found)
+            if logged:
+                return logged
+    return ""
+
+
+# --------------------------------------------------------------------------------------------
 # FastAPI routes.
 # --------------------------------------------------------------------------------------------
 
@@ -795,7 +928,9 @@ class RouteOptions:
     path: str
     request_mods: list[ast.Module]
     requires: JSON = field(default_factory=dict)
-    unknown_keys: str = "ignored"
+    #: functions a request class's ``__get_pydantic_core_schema__`` may call, with the
+    #: unknown-key policy each was checked to give (:func:`unknown_key_policy`)
+    policy_hooks: dict[str, JSON] = field(default_factory=dict)
 
 
 def extract_routes(
@@ -853,14 +988,16 @@ def extract_routes(
                 body_schema = cls_ref
                 body_required = required
                 if cls_ref not in schemas:
+                    policy = unknown_key_policy(opts.request_mods, cls_ref, opts.policy_hooks)
                     schemas[cls_ref] = class_schema(
                         opts.request_mods,
                         cls_ref,
                         ctx,
                         consts,
                         source="",
-                        unknown_keys=opts.unknown_keys,
+                        unknown_keys=policy["policy"],
                     )
+                    schemas[cls_ref]["unknown_keys_evidence"] = policy["evidence"]
             else:
                 query[arg.arg] = {**schema, "required": required, **dflt}
                 query[arg.arg].update(_numeric_bounds(ann, default))
@@ -893,7 +1030,8 @@ def extract_routes(
                 schemas[synthetic] = {
                     "class": None,
                     "source": opts.path,
-                    "unknown_keys": opts.unknown_keys,
+                    "unknown_keys": NAMED_KEYS_ONLY["policy"],
+                    "unknown_keys_evidence": NAMED_KEYS_ONLY["evidence"],
                     "fields": {**raw_body, **embedded},
                     "field_order": list(raw_body) + list(embedded),
                 }
@@ -914,6 +1052,41 @@ def extract_routes(
             else:
                 routes[path] = entry
     return routes
+
+
+def record_unknown_key_policies(
+    routes: dict[str, JSON], schemas: dict[str, JSON], backend_schemas: JSON | None = None
+) -> None:
+    """Each route's ``unknown_keys``: what the release does with a body key its request model
+    does not declare (``body``), with a query parameter no handler declares (``query``) and,
+    per nested object it checks on its own, with a key inside it (``nested``)."""
+    for route in routes.values():
+        body = route["body"]
+        if body is None:
+            entry: JSON = {
+                "body": UNDECLARED["policy"],
+                "body_evidence": UNDECLARED["evidence"],
+            }
+        else:
+            schema = schemas[body["schema"]]
+            entry = {
+                "body": schema["unknown_keys"],
+                "body_evidence": schema.get("unknown_keys_evidence", ""),
+            }
+            nested: JSON = {}
+            for name, spec in schema["fields"].items():
+                if spec.get("nested") in schemas:
+                    nested[name] = schemas[spec["nested"]]["unknown_keys"]
+                elif spec.get("backend_schema") and backend_schemas:
+                    per_backend = backend_schemas[spec["backend_schema"]]
+                    nested[name] = sorted({b["unknown_keys"] for b in per_backend.values()})[0]
+            if nested:
+                entry["nested"] = nested
+        entry["query"] = UNDECLARED["policy"]
+        route["unknown_keys"] = entry
+        for policy in (entry["body"], entry["query"], *entry.get("nested", {}).values()):
+            if policy not in UNKNOWN_KEY_POLICIES:
+                raise ContractAssertionError(f"unknown-key policy {policy!r} not recognised")
 
 
 def select_routes(all_routes: dict[str, JSON], wanted: list[str], engine: str) -> dict[str, JSON]:
@@ -994,11 +1167,14 @@ SGLANG_MSGSPEC = "sglang/srt/utils/msgspec_utils.py"
 SGLANG_FIELDS_DIR = "sglang/srt/arg_groups/fields"
 SGLANG_ARG_UTILS = "sglang/srt/arg_groups/arg_utils.py"
 
+#: routes some releases lack (SGLang 0.5.16 has none of them): recorded under "absent_routes"
+SGLANG_OPTIONAL_ROUTES = ["/ready", "/begin_weight_update", "/end_weight_update"]
+SGLANG_SERVER_ARGS = "sglang/srt/server_args.py"
+
 SGLANG_ROUTES = [
     "/generate",
     "/health",
     "/health_generate",
-    "/ready",
     "/model_info",
     "/get_model_info",
     "/server_info",
@@ -1013,8 +1189,6 @@ SGLANG_ROUTES = [
     "/update_weights_from_tensor",
     "/update_weights_from_distributed",
     "/update_weights_from_ipc",
-    "/begin_weight_update",
-    "/end_weight_update",
     "/update_weight_version",
     "/get_weights_by_name",
     "/release_memory_occupation",
@@ -1035,7 +1209,9 @@ SGLANG_FLAGS = [
 def extract_sglang(tree: SourceTree) -> JSON:
     facts = Facts()
     io_mod = tree.module(SGLANG_IO)
-    api_mod = tree.module(SGLANG_API)
+    # the /generate contract gate (sglang/api/v1, generated decoders): 0.5.23 has it, 0.5.16 not
+    gate = tree.exists(SGLANG_API)
+    api_mod = tree.module(SGLANG_API) if gate else None
     ctx = TypeContext()
     for m in (io_mod, tree.module(SGLANG_HTTP)):
         ctx.add_module(m)
@@ -1043,19 +1219,6 @@ def extract_sglang(tree: SourceTree) -> JSON:
 
     schemas: dict[str, JSON] = {}
     log(f"reading routes from {SGLANG_HTTP}")
-    all_routes = extract_routes(
-        tree,
-        RouteOptions(path=SGLANG_HTTP, request_mods=[io_mod], unknown_keys="ignored"),
-        ctx,
-        consts,
-        schemas,
-    )
-    routes = select_routes(all_routes, SGLANG_ROUTES, "sglang")
-    for name in list(schemas):
-        schemas[name] = _strip_sources(schemas[name], SGLANG_IO)
-    used = {r["body"]["schema"] for r in routes.values() if r["body"]}
-    schemas = {k: v for k, v in schemas.items() if k in used}
-
     # Unknown keys of msgspec request structs: the pydantic core schema ignores extras.
     facts.contains(
         tree,
@@ -1063,27 +1226,31 @@ def extract_sglang(tree: SourceTree) -> JSON:
         SGLANG_MSGSPEC,
         'extra_behavior="ignore"',
     )
+    hooks = {
+        "msgspec_struct_pydantic_core_schema": {
+            "policy": "ignore",
+            "evidence": f'{SGLANG_MSGSPEC} builds a typed_dict_schema with extra_behavior="ignore"',
+        }
+    }
+    all_routes = extract_routes(
+        tree,
+        RouteOptions(path=SGLANG_HTTP, request_mods=[io_mod], policy_hooks=hooks),
+        ctx,
+        consts,
+        schemas,
+    )
+    present = [r for r in SGLANG_OPTIONAL_ROUTES if r in all_routes]
+    absent_routes = sorted(set(SGLANG_OPTIONAL_ROUTES) - set(present))
+    routes = select_routes(all_routes, SGLANG_ROUTES + present, "sglang")
+    for name in list(schemas):
+        schemas[name] = _strip_sources(schemas[name], SGLANG_IO)
+    used = {r["body"]["schema"] for r in routes.values() if r["body"]}
+    schemas = {k: v for k, v in schemas.items() if k in used}
 
-    # sampling_params: the /generate contract gate decodes them with the generated
-    # api_types.SamplingParams, which rejects unknown keys ("unknown field `x`").
-    log(f"reading sampling params from {SGLANG_API} and {SGLANG_SAMPLING}")
-    api_ctx = TypeContext()
-    api_ctx.add_module(api_mod)
-    api_sampling = class_schema(
-        [api_mod], "SamplingParams", api_ctx, {}, source=SGLANG_API, unknown_keys="rejected"
-    )
-    facts.contains(
-        tree,
-        "sglang.generate_gate_rejects_unknown_sampling_keys",
-        SGLANG_API,
-        '"""sglang.api.v1.SamplingParams: JSON object (unknown keys rejected)."""',
-    )
-    facts.contains(
-        tree,
-        "sglang.generate_route_runs_contract_gate",
-        SGLANG_HTTP,
-        "contract_error = generate_contract_error(await request.json())",
-    )
+    # sampling_params: 0.5.23's /generate contract gate decodes them with the generated
+    # api_types.SamplingParams, which rejects unknown keys ("unknown field `x`", HTTP 400); with
+    # no gate (0.5.16) the tokenizer manager's SamplingParams(**kwargs), a msgspec Struct,
+    # raises TypeError on one, which /generate does not catch (HTTP 500).
     facts.contains(
         tree,
         "sglang.tokenizer_builds_sampling_params_from_kwargs",
@@ -1099,25 +1266,79 @@ def extract_sglang(tree: SourceTree) -> JSON:
         srt_ctx,
         module_constants(srt_mod),
         source=SGLANG_SAMPLING,
-        unknown_keys="rejected",
+        unknown_keys="reject",
     )
-    gate_keys = set(api_sampling["fields"])
     runtime_keys = set(srt_sampling["fields"])
-    sampling = {
-        "schema": "SamplingParams",
-        "unknown_keys": "rejected",
-        "rejected_by": [
-            f"{SGLANG_HTTP}:generate_request -> {SGLANG_API}:decode_SamplingParams "
-            "(HTTP 400 {'error': 'unknown field `KEY`, expected one of ...'})",
-            f"{SGLANG_TOKENIZER}: self.sampling_params_class(**sampling_kwargs) "
-            f"({SGLANG_SAMPLING}:SamplingParams, a msgspec Struct: unexpected keyword -> "
-            "TypeError)",
-        ],
-        "keys": sorted(gate_keys),
-        "keys_accepted_by_gate_only": sorted(gate_keys - runtime_keys),
-        "runtime_only_fields": sorted(runtime_keys - gate_keys),
-    }
-    schemas["SamplingParams"] = api_sampling
+    api_ctx = TypeContext()
+    if api_mod is not None:
+        log(f"reading sampling params from {SGLANG_API} and {SGLANG_SAMPLING}")
+        api_ctx.add_module(api_mod)
+        api_sampling = class_schema(
+            [api_mod], "SamplingParams", api_ctx, {}, source=SGLANG_API, unknown_keys="reject"
+        )
+        api_sampling["unknown_keys_evidence"] = (
+            f"{SGLANG_API}:SamplingParams is decoded by the /generate contract gate, which "
+            "rejects unknown keys (HTTP 400)"
+        )
+        facts.contains(
+            tree,
+            "sglang.generate_gate_rejects_unknown_sampling_keys",
+            SGLANG_API,
+            '"""sglang.api.v1.SamplingParams: JSON object (unknown keys rejected)."""',
+        )
+        facts.contains(
+            tree,
+            "sglang.generate_route_runs_contract_gate",
+            SGLANG_HTTP,
+            "contract_error = generate_contract_error(await request.json())",
+        )
+        facts.contains(
+            tree,
+            "sglang.generate_gate_ignores_unknown_top_level_keys",
+            SGLANG_API,
+            '"""sglang.api.v1.GenerateRequest: JSON object (unknown keys ignored)."""',
+        )
+        gate_keys = set(api_sampling["fields"])
+        sampling = {
+            "schema": "SamplingParams",
+            "unknown_keys": "reject",
+            "rejected_by": [
+                f"{SGLANG_HTTP}:generate_request -> {SGLANG_API}:decode_SamplingParams "
+                "(HTTP 400 {'error': 'unknown field `KEY`, expected one of ...'})",
+                f"{SGLANG_TOKENIZER}: self.sampling_params_class(**sampling_kwargs) "
+                f"({SGLANG_SAMPLING}:SamplingParams, a msgspec Struct: unexpected keyword -> "
+                "TypeError)",
+            ],
+            "keys": sorted(gate_keys),
+            "keys_accepted_by_gate_only": sorted(gate_keys - runtime_keys),
+            "runtime_only_fields": sorted(runtime_keys - gate_keys),
+        }
+        schemas["SamplingParams"] = api_sampling
+    else:
+        log(f"no {SGLANG_API}: sampling params from {SGLANG_SAMPLING} (no contract gate)")
+        facts.require(
+            "sglang.generate_catches_only_value_errors",
+            "except TypeError"
+            not in ast.unparse(function_def(tree.module(SGLANG_HTTP), "generate_request")),
+            f"{SGLANG_HTTP}:generate_request catches ValueError only: a TypeError is a 500",
+        )
+        srt_sampling["unknown_keys_evidence"] = (
+            f"{SGLANG_TOKENIZER}: SamplingParams(**sampling_kwargs) (a msgspec Struct) raises "
+            "TypeError on an unknown key; /generate catches only ValueError (HTTP 500)"
+        )
+        sampling = {
+            "schema": "SamplingParams",
+            "unknown_keys": "reject",
+            "rejected_by": [
+                f"{SGLANG_TOKENIZER}: self.sampling_params_class(**sampling_kwargs) "
+                f"({SGLANG_SAMPLING}:SamplingParams, a msgspec Struct: unexpected keyword -> "
+                "TypeError, uncaught by /generate: HTTP 500)",
+            ],
+            "keys": sorted(runtime_keys),
+            "keys_accepted_by_gate_only": [],
+            "runtime_only_fields": [],
+        }
+        schemas["SamplingParams"] = srt_sampling
     gen = schemas.get("GenerateReqInput")
     if gen is not None and "sampling_params" in gen["fields"]:
         gen["fields"]["sampling_params"]["nested"] = "SamplingParams"
@@ -1145,10 +1366,14 @@ def extract_sglang(tree: SourceTree) -> JSON:
         schemas["CheckWeightsReqInput"]["fields"]["action"]["enum_source"] = (
             f"{SGLANG_CHECKER}:WeightChecker.handle"
         )
-    generate_response = {
-        name: class_schema([api_mod], name, api_ctx, {}, source=SGLANG_API, unknown_keys="n/a")
-        for name in ("GenerateResponse", "GenerateMetaInfo", "WeightVersionSpan")
-    }
+    generate_response = (
+        {
+            name: class_schema([api_mod], name, api_ctx, {}, source=SGLANG_API, unknown_keys="n/a")
+            for name in ("GenerateResponse", "GenerateMetaInfo", "WeightVersionSpan")
+        }
+        if api_mod is not None
+        else {}
+    )
     checksum_info = class_schema(
         [io_mod], "ChecksumInfo", ctx, consts, source=SGLANG_IO, unknown_keys="n/a"
     )
@@ -1181,12 +1406,13 @@ def extract_sglang(tree: SourceTree) -> JSON:
         SGLANG_TOKENIZER,
         "await self.is_pause_cond.wait_for(lambda: not self.is_pause)",
     )
-    facts.contains(
-        tree,
-        "sglang.ready_is_503_while_paused",
-        SGLANG_TOKENIZER,
-        "return not self.is_pause and self.is_healthy()",
-    )
+    if "/ready" in routes:
+        facts.contains(
+            tree,
+            "sglang.ready_is_503_while_paused",
+            SGLANG_TOKENIZER,
+            "return not self.is_pause and self.is_healthy()",
+        )
     # Streaming (#17): SSE framing, cumulative events by default, spans on the finished event.
     facts.contains(
         tree,
@@ -1194,19 +1420,22 @@ def extract_sglang(tree: SourceTree) -> JSON:
         SGLANG_HTTP,
         'yield b"data: [DONE]\\n\\n"',
     )
+    serving_fields = f"{SGLANG_FIELDS_DIR}/serving.py"
     facts.contains(
         tree,
         "sglang.stream_events_cumulative_by_default",
-        f"{SGLANG_FIELDS_DIR}/serving.py",
+        serving_fields if tree.exists(serving_fields) else SGLANG_SERVER_ARGS,
         "incremental_streaming_output: A[\n        bool,\n"
         '        "Whether to output as a sequence of disjoint segments.",\n    ] = False',
     )
-    facts.contains(
-        tree,
-        "sglang.stream_weight_version_spans_on_finished_event_only",
-        "sglang/srt/managers/scheduler_components/output_streamer.py",
-        "        else:\n            self.weight_versions.append(None)",
-    )
+    spans = "add_weight_versions_to_meta_info" in tree.text(SGLANG_TOKENIZER)
+    if spans:
+        facts.contains(
+            tree,
+            "sglang.stream_weight_version_spans_on_finished_event_only",
+            "sglang/srt/managers/scheduler_components/output_streamer.py",
+            "        else:\n            self.weight_versions.append(None)",
+        )
     facts.contains(
         tree,
         "sglang.health_and_ready_skip_auth",
@@ -1256,14 +1485,36 @@ def extract_sglang(tree: SourceTree) -> JSON:
     }
 
     # Unpickler allow-list and the flattened-bucket metadata.
-    log(f"reading SafeUnpickler.ALLOWED_GLOBALS from {SGLANG_COMMON}")
-    allowed = class_set_literal(tree.module(SGLANG_COMMON), "SafeUnpickler", "ALLOWED_GLOBALS")
-    facts.contains(
-        tree,
-        "sglang.unpickler_special_cases_torch_storage_load_from_bytes",
-        SGLANG_COMMON,
-        'if (module, name) == ("torch.storage", "_load_from_bytes"):',
-    )
+    common = tree.module(SGLANG_COMMON)
+    unpickler: JSON = {}
+    if "ALLOWED_GLOBALS" in ast.unparse(find_class([common], "SafeUnpickler") or ast.Module()):
+        log(f"reading SafeUnpickler.ALLOWED_GLOBALS from {SGLANG_COMMON}")
+        unpickler["pickle_allowed_globals"] = class_set_literal(
+            common, "SafeUnpickler", "ALLOWED_GLOBALS"
+        )
+        facts.contains(
+            tree,
+            "sglang.unpickler_special_cases_torch_storage_load_from_bytes",
+            SGLANG_COMMON,
+            'if (module, name) == ("torch.storage", "_load_from_bytes"):',
+        )
+    else:  # 0.5.16: an allow-list of module prefixes and a deny-list of classes
+        log(f"reading SafeUnpickler.ALLOWED_MODULE_PREFIXES from {SGLANG_COMMON}")
+        cls = find_class([common], "SafeUnpickler")
+        assert cls is not None
+        values = {
+            n.targets[0].id: ast.literal_eval(n.value)
+            for n in cls.body
+            if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+        }
+        unpickler["pickle_allowed_module_prefixes"] = sorted(values["ALLOWED_MODULE_PREFIXES"])
+        unpickler["pickle_denied_globals"] = sorted(list(x) for x in values["DENY_CLASSES"])
+        facts.contains(
+            tree,
+            "sglang.unpickler_allows_by_module_prefix",
+            SGLANG_COMMON,
+            '(module + ".").startswith(prefix) for prefix in self.ALLOWED_MODULE_PREFIXES',
+        )
     bucket_mod = tree.module(SGLANG_BUCKET)
     meta_fields = dataclass_field_names(bucket_mod, "FlattenedTensorMetadata")
     facts.contains(
@@ -1275,6 +1526,30 @@ def extract_sglang(tree: SourceTree) -> JSON:
 
     # Server flags.
     flags = sglang_flags(tree, facts)
+    record_unknown_key_policies(routes, schemas)
+    facts.require(
+        "sglang.server_info_reports_the_version",
+        '"version": __version__'
+        in ast.unparse(function_def(tree.module(SGLANG_HTTP), "server_info")).replace("'", '"'),
+        f"{SGLANG_HTTP}:server_info answers the release as 'version' (/server_info, and "
+        "/get_server_info through it)",
+    )
+    dialect = {
+        "generate_contract_gate": gate,
+        "sampling_unknown_key_status": 400 if gate else 500,
+        "weight_version_spans": spans,
+        "version_route": "/server_info",
+        "evidence": {
+            "generate_contract_gate": f"{SGLANG_API} "
+            + ("present: /generate runs generate_contract_error" if gate else "absent"),
+            "sampling_unknown_key_status": sampling["rejected_by"][0],
+            "weight_version_spans": f"{SGLANG_TOKENIZER} "
+            + ("calls" if spans else "lacks")
+            + " add_weight_versions_to_meta_info (meta_info.weight_versions on the finished "
+            "event); meta_info.weight_version is the label at output time on both",
+            "version_route": f"{SGLANG_HTTP}:server_info answers 'version': __version__",
+        },
+    }
 
     return {
         "routes": routes,
@@ -1285,7 +1560,7 @@ def extract_sglang(tree: SourceTree) -> JSON:
             **generate_response,
         },
         "sampling_params": sampling,
-        "pickle_allowed_globals": allowed,
+        **unpickler,
         "flattened_tensor_metadata_fields": meta_fields,
         "flattened_tensor_bucket": {
             "buffer_dtype": "uint8",
@@ -1293,6 +1568,8 @@ def extract_sglang(tree: SourceTree) -> JSON:
             "bucket_class": "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket",
         },
         "server_flags": flags,
+        "dialect": dialect,
+        "absent_routes": absent_routes,
         "auth": auth,
         "semantics": semantics,
         "checked_facts": facts.checked,
@@ -1307,7 +1584,10 @@ def sglang_flags(tree: SourceTree, facts: Facts) -> JSON:
         'return "--" + name.replace("_", "-")',
     )
     found: JSON = {}
-    for path in tree.listdir(SGLANG_FIELDS_DIR):
+    # 0.5.23 spreads ServerArgs' fields over arg_groups/fields/*.py; 0.5.16 keeps them in one
+    # module (the same Annotated[type, "help"] fields)
+    paths = tree.listdir(SGLANG_FIELDS_DIR) or [SGLANG_SERVER_ARGS]
+    for path in paths:
         mod = tree.module(path)
         for node in ast.walk(mod):
             if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -1369,6 +1649,33 @@ VLLM_CHECKSUM = "vllm/model_executor/model_loader/weight_checksum.py"
 VLLM_MODEL_CONFIG = "vllm/config/model.py"
 VLLM_GENERATE_PROTOCOL = "vllm/entrypoints/generate/base/protocol.py"
 VLLM_SAMPLING = "vllm/sampling_params.py"
+#: vLLM 0.26.0's places of what later releases moved (the RL routes sat with the dev routes,
+#: the app was built in the OpenAI server module, OpenAIBaseModel lived under openai/)
+VLLM_RL_026 = "vllm/entrypoints/serve/dev/rlhf/api_router.py"
+VLLM_ROUTERS_026 = "vllm/entrypoints/openai/api_server.py"
+VLLM_BASE_PROTOCOL_026 = "vllm/entrypoints/openai/engine/protocol.py"
+
+
+@dataclass(frozen=True)
+class VLLMLayout:
+    """Where one vLLM release keeps the files the extractor reads (0.26.0 kept some elsewhere;
+    :func:`vllm_layout` tells them apart by what the wheel holds)."""
+
+    rl: str  # the router of /pause, /init_weight_transfer_engine, /update_weights, ...
+    routers: str  # the module whose `if envs.VLLM_SERVER_DEV_MODE:` registers dev routers
+    base_protocol: str  # OpenAIBaseModel
+    generate_protocol: str | None  # shared request types of the generate routes
+    rl_in_dev_routers: bool  # the RL router is one of register_vllm_dev_api_routers' routers
+
+
+def vllm_layout(tree: SourceTree) -> VLLMLayout:
+    if tree.exists(VLLM_RL):
+        return VLLMLayout(VLLM_RL, VLLM_ROUTERS, VLLM_BASE_PROTOCOL, VLLM_GENERATE_PROTOCOL, False)
+    if tree.exists(VLLM_RL_026):
+        log(f"{VLLM_RL} absent: the RL routes are read from {VLLM_RL_026} (vLLM <= 0.26 layout)")
+        return VLLMLayout(VLLM_RL_026, VLLM_ROUTERS_026, VLLM_BASE_PROTOCOL_026, None, True)
+    raise ContractAssertionError(f"vllm: neither {VLLM_RL} nor {VLLM_RL_026} in the wheel")
+
 
 VLLM_ROUTES = [
     "/health",
@@ -1379,19 +1686,23 @@ VLLM_ROUTES = [
     "/is_paused",
     "/abort_requests",
     "/init_weight_transfer_engine",
-    "/shutdown_weight_transfer_engine",
     "/start_weight_update",
     "/update_weights",
     "/finish_weight_update",
-    "/update_weight_version",
-    "/weight_info",
-    "/weight_checker",
     "/get_world_size",
     "/sleep",
     "/wake_up",
     "/is_sleeping",
     "/collective_rpc",
     "/reset_prefix_cache",
+]
+
+#: routes a release may lack (vLLM 0.26.0 has none of them): recorded under "absent_routes"
+VLLM_OPTIONAL_ROUTES = [
+    "/shutdown_weight_transfer_engine",
+    "/update_weight_version",
+    "/weight_info",
+    "/weight_checker",
 ]
 
 # Which routes need a configured weight-transfer engine (worker-side check, see facts).
@@ -1423,44 +1734,55 @@ VLLM_BACKENDS = {
 def extract_vllm(tree: SourceTree) -> JSON:
     facts = Facts()
     ctx = TypeContext()
+    layout = vllm_layout(tree)
     for p in (
         VLLM_V1_ENGINE,
         VLLM_WT_BASE,
         VLLM_COMPLETION_PROTOCOL,
-        VLLM_BASE_PROTOCOL,
-        VLLM_GENERATE_PROTOCOL,
+        layout.base_protocol,
+        layout.generate_protocol,
         VLLM_SAMPLING,
     ):
-        ctx.add_module(tree.module(p))
+        if p is not None:
+            ctx.add_module(tree.module(p))
 
     # Gates: which flag/env registers which router (checked by AST on the registration code).
-    routers_mod = tree.module(VLLM_ROUTERS)
+    routers_mod = tree.module(layout.routers)
     dev_calls = if_block_calls(routers_mod, "envs.VLLM_SERVER_DEV_MODE")
-    facts.require(
-        "vllm.dev_mode_registers_dev_and_rl_routers",
-        {"register_vllm_dev_api_routers", "register_rl_api_routers"} <= dev_calls,
-        f"{VLLM_ROUTERS}: `if envs.VLLM_SERVER_DEV_MODE:` calls {sorted(dev_calls)}",
-    )
     dev_fn = function_def(tree.module(VLLM_SERVE_INIT), "register_vllm_dev_api_routers")
     dev_imports = sorted(
         (n.module or "") for n in ast.walk(dev_fn) if isinstance(n, ast.ImportFrom)
     )
+    if layout.rl_in_dev_routers:
+        facts.require(
+            "vllm.dev_mode_registers_dev_and_rl_routers",
+            "register_vllm_dev_api_routers" in dev_calls and "dev.rlhf.api_router" in dev_imports,
+            f"{layout.routers}: `if envs.VLLM_SERVER_DEV_MODE:` calls {sorted(dev_calls)}; "
+            f"{VLLM_SERVE_INIT}:register_vllm_dev_api_routers imports {dev_imports}",
+        )
+    else:
+        facts.require(
+            "vllm.dev_mode_registers_dev_and_rl_routers",
+            {"register_vllm_dev_api_routers", "register_rl_api_routers"} <= dev_calls,
+            f"{layout.routers}: `if envs.VLLM_SERVER_DEV_MODE:` calls {sorted(dev_calls)}",
+        )
     facts.require(
         "vllm.dev_routers_are_cache_rpc_sleep",
         {"dev.cache.api_router", "dev.rpc.api_router", "dev.sleep.api_router"} <= set(dev_imports),
         f"{VLLM_SERVE_INIT}:register_vllm_dev_api_routers imports {dev_imports}",
     )
-    facts.contains(
-        tree,
-        "vllm.rl_router_is_online_api_router",
-        VLLM_RL_FACTORIES,
-        "from .online.api_router import router as rl_router",
-    )
+    if not layout.rl_in_dev_routers:
+        facts.contains(
+            tree,
+            "vllm.rl_router_is_online_api_router",
+            VLLM_RL_FACTORIES,
+            "from .online.api_router import router as rl_router",
+        )
     facts.require(
         "vllm.generate_routers_need_generate_task",
         "register_generate_api_routers"
         in if_block_calls(routers_mod, "'generate' in supported_tasks"),
-        f"{VLLM_ROUTERS}: `if 'generate' in supported_tasks:` registers the generate routers",
+        f"{layout.routers}: `if 'generate' in supported_tasks:` registers the generate routers",
     )
     facts.contains(
         tree,
@@ -1495,31 +1817,31 @@ def extract_vllm(tree: SourceTree) -> JSON:
 
     schemas: dict[str, JSON] = {}
     all_routes: dict[str, JSON] = {}
-    proto_mods = [tree.module(VLLM_COMPLETION_PROTOCOL), tree.module(VLLM_BASE_PROTOCOL)]
+    proto_mods = [tree.module(VLLM_COMPLETION_PROTOCOL), tree.module(layout.base_protocol)]
     files = [
-        (VLLM_RL, dev_env, "ignored"),
-        (VLLM_SLEEP, dev_env, "ignored"),
-        (VLLM_RPC, dev_env, "ignored"),
-        (VLLM_CACHE, dev_env, "ignored"),
-        (VLLM_HEALTH, {}, "ignored"),
-        (VLLM_BASIC, {}, "ignored"),
-        (VLLM_COMPLETION, {"supported_task": "generate"}, "ignored (logged as extra fields)"),
+        (layout.rl, dev_env),
+        (VLLM_SLEEP, dev_env),
+        (VLLM_RPC, dev_env),
+        (VLLM_CACHE, dev_env),
+        (VLLM_HEALTH, {}),
+        (VLLM_BASIC, {}),
+        (VLLM_COMPLETION, {"supported_task": "generate"}),
     ]
-    for path, requires, unknown in files:
+    for path, requires in files:
         log(f"reading routes from {path}")
         consts = module_constants(tree.module(path))
         all_routes.update(
             extract_routes(
                 tree,
-                RouteOptions(
-                    path=path, request_mods=proto_mods, requires=requires, unknown_keys=unknown
-                ),
+                RouteOptions(path=path, request_mods=proto_mods, requires=requires),
                 ctx,
                 consts,
                 schemas,
             )
         )
-    routes = select_routes(all_routes, VLLM_ROUTES, "vllm")
+    present = [r for r in VLLM_OPTIONAL_ROUTES if r in all_routes]
+    absent_routes = sorted(set(VLLM_OPTIONAL_ROUTES) - set(present))
+    routes = select_routes(all_routes, VLLM_ROUTES + present, "vllm")
     for path in VLLM_WEIGHT_TRANSFER_ROUTES:
         routes[path]["requires"] = wt_requires
     for path in VLLM_SLEEP_ROUTES:
@@ -1531,7 +1853,7 @@ def extract_vllm(tree: SourceTree) -> JSON:
     facts.contains(
         tree,
         "vllm.openai_models_allow_extra_fields",
-        VLLM_BASE_PROTOCOL,
+        layout.base_protocol,
         'model_config = ConfigDict(extra="allow")',
     )
 
@@ -1553,7 +1875,10 @@ def extract_vllm(tree: SourceTree) -> JSON:
                 bctx,
                 {**packed_consts, **module_constants(mod)},
                 source=path,
-                unknown_keys="rejected",
+                unknown_keys="reject",
+            )
+            schema["unknown_keys_evidence"] = (
+                f"{VLLM_WT_BASE}: the engine builds {cls}(**dict); an undeclared key is a TypeError"
             )
             backend_schemas[kind][backend] = schema
         eng = find_class([tree.module(upd_path)], engine_cls)
@@ -1571,12 +1896,15 @@ def extract_vllm(tree: SourceTree) -> JSON:
         VLLM_WT_BASE,
         "return self.init_info_cls(**init_dict)",
     )
-    facts.contains(
-        tree,
-        "vllm.update_info_list_is_indexed_by_global_worker_rank",
-        VLLM_WORKER,
-        "parallel_config.data_parallel_index * parallel_config.world_size",
-    )
+    per_rank_marker = "parallel_config.data_parallel_index * parallel_config.world_size"
+    per_rank_lists = per_rank_marker in tree.text(VLLM_WORKER)
+    if per_rank_lists:
+        facts.contains(
+            tree,
+            "vllm.update_info_list_is_indexed_by_global_worker_rank",
+            VLLM_WORKER,
+            per_rank_marker,
+        )
     facts.contains(
         tree,
         "vllm.ipc_handles_pickled_needs_insecure_serialization",
@@ -1589,6 +1917,7 @@ def extract_vllm(tree: SourceTree) -> JSON:
     ):
         body = routes[name]["body"]
         schemas[body["schema"]]["fields"][route_field]["backend_schema"] = route_field
+    record_unknown_key_policies(routes, schemas, backend_schemas)
 
     wt_config_mod = tree.module(VLLM_WT_CONFIG)
     wctx = TypeContext()
@@ -1599,7 +1928,7 @@ def extract_vllm(tree: SourceTree) -> JSON:
         wctx,
         {},
         source=VLLM_WT_CONFIG,
-        unknown_keys="rejected",
+        unknown_keys="reject",
     )
 
     packed = {
@@ -1620,13 +1949,18 @@ def extract_vllm(tree: SourceTree) -> JSON:
         source=VLLM_COMPLETION_PROTOCOL,
         unknown_keys="n/a",
     )
-    wv_span = class_schema(
-        [tree.module("vllm/outputs.py")],
-        "WeightVersionSpan",
-        TypeContext(),
-        {},
-        source="vllm/outputs.py",
-        unknown_keys="n/a",
+    has_spans = find_class([tree.module("vllm/outputs.py")], "WeightVersionSpan") is not None
+    wv_span = (
+        class_schema(
+            [tree.module("vllm/outputs.py")],
+            "WeightVersionSpan",
+            TypeContext(),
+            {},
+            source="vllm/outputs.py",
+            unknown_keys="n/a",
+        )
+        if has_spans
+        else None
     )
 
     # Streaming (#17): SSE framing, delta token ids, weight_versions on the final output only.
@@ -1642,39 +1976,41 @@ def extract_vllm(tree: SourceTree) -> JSON:
         VLLM_COMPLETION_PROTOCOL,
         "output_kind=RequestOutputKind.DELTA",
     )
-    facts.contains(
-        tree,
-        "vllm.stream_weight_versions_on_final_output_only",
-        "vllm/v1/engine/output_processor.py",
-        "weight_versions=self._weight_version_spans() if finished else None",
-    )
+    if has_spans:
+        facts.contains(
+            tree,
+            "vllm.stream_weight_versions_on_final_output_only",
+            "vllm/v1/engine/output_processor.py",
+            "weight_versions=self._weight_version_spans() if finished else None",
+        )
     # Pause semantics (whether a paused engine rejects new requests differs: see dialect).
-    facts.contains(
-        tree,
-        "vllm.retryable_request_error_is_503",
-        VLLM_EXC,
-        "self.status_code = HTTPStatus.SERVICE_UNAVAILABLE",
-    )
-    facts.contains(
-        tree,
-        "vllm.finish_weight_update_sets_version",
-        VLLM_ASYNC_LLM,
-        "await self.update_weight_version(weight_version)",
-    )
-    facts.contains(
-        tree,
-        "vllm.weight_checker_digest_is_sha256_of_raw_bytes",
-        VLLM_CHECKSUM,
-        "weight.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()",
-    )
-    facts.contains(
-        tree,
-        "vllm.weight_checker_key_prefix",
-        VLLM_WORKER,
-        'return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"',
-    )
+    retryable = "self.status_code = HTTPStatus.SERVICE_UNAVAILABLE"
+    if retryable in tree.text(VLLM_EXC):  # vLLM 0.26.0 has no retryable request error
+        facts.contains(tree, "vllm.retryable_request_error_is_503", VLLM_EXC, retryable)
+    finish_body = routes["/finish_weight_update"]["body"]
+    finish = schemas[finish_body["schema"]] if finish_body else {"fields": {}}
+    if "weight_version" in finish["fields"]:
+        facts.contains(
+            tree,
+            "vllm.finish_weight_update_sets_version",
+            VLLM_ASYNC_LLM,
+            "await self.update_weight_version(weight_version)",
+        )
+    if "/weight_checker" in routes:
+        facts.contains(
+            tree,
+            "vllm.weight_checker_digest_is_sha256_of_raw_bytes",
+            VLLM_CHECKSUM,
+            "weight.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()",
+        )
+        facts.contains(
+            tree,
+            "vllm.weight_checker_key_prefix",
+            VLLM_WORKER,
+            'return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"',
+        )
 
-    dialect = vllm_dialect(tree, schemas, backend_schemas)
+    dialect = vllm_dialect(tree, schemas, backend_schemas, routes, layout, per_rank_lists)
     return {
         "routes": routes,
         "schemas": schemas,
@@ -1686,11 +2022,15 @@ def extract_vllm(tree: SourceTree) -> JSON:
         "completion": {
             "schema": "CompletionRequest",
             "fields": completion_fields,
-            "unknown_keys": "ignored (logged as extra fields)",
+            "unknown_keys": schemas["CompletionRequest"]["unknown_keys"] if comp else None,
             "choice_fields": sorted(comp_choice["fields"]),
-            "weight_versions_item": sorted(wv_span["fields"]),
+            "weight_versions_item": sorted(wv_span["fields"]) if wv_span else None,
         },
-        "response_schemas": {"CompletionResponseChoice": comp_choice, "WeightVersionSpan": wv_span},
+        "response_schemas": {
+            "CompletionResponseChoice": comp_choice,
+            **({"WeightVersionSpan": wv_span} if wv_span else {}),
+        },
+        "absent_routes": absent_routes,
         "server_flags": {
             "dev_mode_env": "VLLM_SERVER_DEV_MODE=1",
             "weight_transfer": "--weight-transfer-config",
@@ -1706,9 +2046,18 @@ def extract_vllm(tree: SourceTree) -> JSON:
             "health": "GET /health: 200 unless the engine core is dead (503); not affected "
             "by pause.",
             "weight_update_session": "one /start_weight_update, then any number of "
-            "/update_weights, then one /finish_weight_update (optional weight_version).",
-            "weight_version": "POST /update_weight_version {new_version} or "
-            "/finish_weight_update {weight_version}; GET /weight_info reads it; "
+            "/update_weights, then one /finish_weight_update"
+            + (
+                " (optional weight_version)."
+                if dialect["finish_weight_update_takes_version"]
+                else " (no body)."
+            ),
+            "weight_version": (
+                "POST /update_weight_version {new_version} or "
+                "/finish_weight_update {weight_version}; GET /weight_info reads it; "
+                if dialect["weight_version_routes"]
+                else "no HTTP route sets or reads a weight version; "
+            )
             + (
                 "completions report it per choice in weight_versions when "
                 "return_weight_versions=true."
@@ -1720,10 +2069,11 @@ def extract_vllm(tree: SourceTree) -> JSON:
     }
 
 
-#: Paused-engine behaviour markers (present in 0.33.0, absent in 0.32.0).
-VLLM_PAUSE_REJECT_MARKERS = (
+#: Paused-engine behaviour markers (present in 0.33.0, absent in 0.32.0): (path or None for the
+#: release's RL router, text)
+VLLM_PAUSE_REJECT_MARKERS: tuple[tuple[str | None, str], ...] = (
     (VLLM_CORE, 'code="engine_paused"'),
-    (VLLM_RL, "In ``abort`` and ``wait`` modes new requests are rejected with HTTP 503"),
+    (None, "In ``abort`` and ``wait`` modes new requests are rejected with HTTP 503"),
 )
 #: The completion field default falls back to the model's generation config, else true (0.33.0).
 VLLM_SKIP_SPECIAL_FALLBACK = (
@@ -1731,39 +2081,113 @@ VLLM_SKIP_SPECIAL_FALLBACK = (
 )
 
 
-def vllm_dialect(tree: SourceTree, schemas: JSON, backend_schemas: JSON) -> JSON:
+def _sleep_levels(tree: SourceTree) -> list[int]:
+    """The levels ``EngineCore.sleep`` documents (``- Level N: ...`` in its docstring)."""
+    func = function_def(tree.module(VLLM_CORE), "sleep")
+    doc = ast.get_docstring(func) or ""
+    levels = sorted(
+        {
+            int(line.split("Level", 1)[1].split(":", 1)[0])
+            for line in doc.splitlines()
+            if line.strip().startswith("- Level") and ":" in line
+        }
+    )
+    if not levels:
+        raise ContractAssertionError(f"{VLLM_CORE}:EngineCore.sleep documents no levels")
+    return levels
+
+
+def vllm_dialect(
+    tree: SourceTree,
+    schemas: JSON,
+    backend_schemas: JSON,
+    routes: JSON | None = None,
+    layout: VLLMLayout | None = None,
+    per_rank_lists: bool = True,
+) -> JSON:
     """The facts rollsafe's client adapts to that differ between vLLM releases, recorded as
     data (never a failure): a release that changes one of them still generates, and the
     contract says which way it went, with the evidence read from the wheel."""
+    rl = layout.rl if layout is not None else VLLM_RL
     completion = schemas.get("CompletionRequest", {"fields": {}})["fields"]
     rejects = {
-        f"{path} contains {needle!r}": needle in tree.text(path)
+        f"{path or rl} contains {needle!r}": needle in tree.text(path or rl)
         for path, needle in VLLM_PAUSE_REJECT_MARKERS
     }
     update = backend_schemas["update_info"]["nccl"]["fields"]
     lists = ("names", "dtype_names", "shapes")
     skip = completion.get("skip_special_tokens", {})
     fallback = VLLM_SKIP_SPECIAL_FALLBACK in tree.text(VLLM_COMPLETION_PROTOCOL)
-    return {
+    out: JSON = {
         "completion_weight_versions": "return_weight_versions" in completion,
         "paused_new_requests": "rejected_503" if all(rejects.values()) else "queued",
         "update_info_lists_required": all(update[k]["required"] for k in lists if k in update),
         "skip_special_tokens_default": skip.get("default"),
         "skip_special_tokens_server_default": "generation config, else true" if fallback else None,
-        "evidence": {
-            "completion_weight_versions": f"CompletionRequest fields of {VLLM_COMPLETION_PROTOCOL}"
-            f" {'include' if 'return_weight_versions' in completion else 'lack'} "
-            "return_weight_versions",
-            "paused_new_requests": "; ".join(
-                f"{k}: {'yes' if v else 'no'}" for k, v in rejects.items()
-            ),
-            "update_info_lists_required": "required in the nccl update_info schema: "
-            + ", ".join(k for k in lists if update.get(k, {}).get("required")),
-            "skip_special_tokens_default": f"CompletionRequest.skip_special_tokens default "
-            f"{skip.get('default')!r}; server fallback to the generation config: "
-            f"{'yes' if fallback else 'no'}",
-        },
     }
+    evidence: JSON = {
+        "completion_weight_versions": f"CompletionRequest fields of {VLLM_COMPLETION_PROTOCOL}"
+        f" {'include' if 'return_weight_versions' in completion else 'lack'} "
+        "return_weight_versions",
+        "paused_new_requests": "; ".join(
+            f"{k}: {'yes' if v else 'no'}" for k, v in rejects.items()
+        ),
+        "update_info_lists_required": "required in the nccl update_info schema: "
+        + ", ".join(k for k in lists if update.get(k, {}).get("required")),
+        "skip_special_tokens_default": f"CompletionRequest.skip_special_tokens default "
+        f"{skip.get('default')!r}; server fallback to the generation config: "
+        f"{'yes' if fallback else 'no'}",
+    }
+    if routes is not None:
+        finish = routes["/finish_weight_update"]["body"]
+        finish_fields = schemas[finish["schema"]]["fields"] if finish else {}
+        init = backend_schemas["init_info"]["nccl"]["fields"]
+        out.update(
+            {
+                "weight_version_routes": "/update_weight_version" in routes
+                and "/weight_info" in routes,
+                "weight_checker": "/weight_checker" in routes,
+                "shutdown_weight_transfer_engine": "/shutdown_weight_transfer_engine" in routes,
+                "finish_weight_update_takes_version": "weight_version" in finish_fields,
+                "packed_in": "init_info" if "packed" in init else "update_info",
+                "update_info_per_rank_list": per_rank_lists,
+                "sleep_levels": _sleep_levels(tree),
+            }
+        )
+        evidence.update(
+            {
+                "weight_version_routes": f"{rl}: /update_weight_version and /weight_info "
+                + ("registered" if out["weight_version_routes"] else "absent"),
+                "weight_checker": f"{rl}: /weight_checker "
+                + ("registered" if out["weight_checker"] else "absent"),
+                "shutdown_weight_transfer_engine": f"{rl}: /shutdown_weight_transfer_engine "
+                + ("registered" if out["shutdown_weight_transfer_engine"] else "absent"),
+                "finish_weight_update_takes_version": f"{rl}: /finish_weight_update body "
+                f"fields {sorted(finish_fields)}",
+                "packed_in": f"nccl init_info fields {sorted(init)}; nccl update_info fields "
+                f"{sorted(update)}",
+                "update_info_per_rank_list": f"{VLLM_WORKER} "
+                + ("indexes" if per_rank_lists else "does not index")
+                + " a list of update_info dicts by global worker rank",
+                "sleep_levels": f"{VLLM_CORE}:EngineCore.sleep documents levels "
+                f"{out['sleep_levels']}",
+            }
+        )
+    top_imports = {
+        alias.name.split(".")[0]
+        for node in (tree.module(VLLM_WT_IPC).body if tree.exists(VLLM_WT_IPC) else [])
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    declared = tree.metadata_requirements()
+    if declared is not None:
+        out["ipc_backend_imports_undeclared_ray"] = "ray" in top_imports and "ray" not in declared
+        evidence["ipc_backend_imports_undeclared_ray"] = (
+            f"{VLLM_WT_IPC} imports ray at module level: {'yes' if 'ray' in top_imports else 'no'}"
+            f"; the wheel's METADATA requires ray: {'yes' if 'ray' in declared else 'no'}"
+        )
+    out["evidence"] = evidence
+    return out
 
 
 # --------------------------------------------------------------------------------------------

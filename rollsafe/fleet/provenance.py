@@ -1,21 +1,30 @@
 """Provenance of a rollout: which group and which weights produced which of its tokens.
 
 Owns :class:`Segment` (one contiguous run of output tokens from one group under one weights
-version) and the questions a trainer asks of a result's segments: the versions it mixed
-(:func:`versions_used`) and how off-policy it is (:func:`off_policy`, the newest minus the
-oldest version that produced any of its tokens). A result that was never interrupted has one
-segment; a result continued after a crash, or across a weight sync, has one per piece.
+version), :class:`TokenChunk` (what one engine event added to a streamed request, with the group
+and version that produced it: the data plane's unit, ``RolloutFleet.astream``) and the
+questions a trainer asks of a result's segments: the versions it mixed (:func:`versions_used`)
+and how off-policy it is (:func:`off_policy`, the newest minus the oldest version that produced
+any of its tokens). A result that was never interrupted has one segment; a result continued
+after a crash, or across a weight sync, has one per piece.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollsafe.registry import WorkerGroup
 
-__all__ = ["Segment", "group_version", "off_policy", "version_number", "versions_used"]
+__all__ = [
+    "Segment",
+    "TokenChunk",
+    "group_version",
+    "off_policy",
+    "version_number",
+    "versions_used",
+]
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,37 @@ class Segment:
             "attempt": self.attempt,
             "ended": self.ended,
         }
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New output tokens of a streamed request, in order, none twice, none missing.
+
+    ``token_ids`` were sampled by ``group_id`` on try ``attempt`` (1-based: a request continued
+    after a crash or a sync's abort has later tries) with weights ``weight_version`` (the
+    engine's version when its event names one, else the version the fleet recorded for the
+    group when the try was dispatched: weights change only while a group's generation is
+    paused, which ends the try in ``abort`` mode). ``text`` is the engine's text for these
+    tokens; ``logprobs`` one log-probability per token (None where the engine sent none) when
+    the request asked (``return_logprob``), else empty.
+
+    The last chunk has ``finished`` set, its ``finish_reason`` (``"stop"``, ``"length"``...,
+    never ``"abort"``: an aborted try is continued), ``segments`` (the authoritative provenance of
+    the whole output, from the engines' own spans where they report them) and ``meta`` (the
+    engine's last ``meta_info``, e.g. ``matched_stop``, plus ``segments`` as dicts). It may carry
+    tokens of its own.
+    """
+
+    token_ids: tuple[int, ...]
+    group_id: str
+    weight_version: str | None
+    attempt: int = 1
+    text: str = ""
+    logprobs: tuple[float | None, ...] = ()
+    finished: bool = False
+    finish_reason: str | None = None
+    segments: tuple[Segment, ...] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
 
 
 def version_number(version: str | None) -> int | None:

@@ -2,7 +2,7 @@
 (:mod:`~rollsafe.verify.model`), explored exhaustively (:mod:`~rollsafe.verify.explorer`) against
 the invariants of :mod:`rollsafe.invariants`."""
 
-from rollsafe.verify.explorer import Counterexample, ExplorationResult, explore
+from rollsafe.verify.explorer import Counterexample, ExplorationResult, default_workers, explore
 from rollsafe.verify.model import GROUP_EVENTS, Action, FleetModel, ModelConfig, Violation
 
 __all__ = [
@@ -13,5 +13,6 @@ __all__ = [
     "FleetModel",
     "ModelConfig",
     "Violation",
+    "default_workers",
     "explore",
 ]

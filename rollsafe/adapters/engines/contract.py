@@ -10,11 +10,22 @@ It is torch-free and httpx-free so that contract tests of the clients and the re
 :meth:`EngineContract.check_request` reports every violation with the path of the offending key
 (``update_info.packed``, ``sampling_params.foo``, ``query.mode``): unknown routes or methods,
 unknown body keys, missing required keys, wrong JSON types, values outside a ``Literal``
-domain or numeric bounds, and unknown query parameters. The contract is strict where upstream
-is lenient: SGLang and vLLM silently ignore unknown top-level keys on most routes, but a key
-upstream ignores is a key the sender believes does something, so it is reported all the same.
-Nested backend-specific dicts (vLLM ``init_info`` / ``update_info``) are checked against the
-schema of the ``backend`` argument (default ``"nccl"``).
+domain or numeric bounds, and unknown query parameters. Nested backend-specific dicts (vLLM
+``init_info`` / ``update_info``) are checked against the schema of the ``backend`` argument
+(default ``"nccl"``).
+
+Unknown keys have two readings (``unknown_keys=``), because upstream is lenient about most of
+them: the contract records, per route, what the release does with a key its request model does
+not declare (``"ignore"``, ``"allow"``, ``"allow_and_log"`` or ``"reject"``: SGLang ignores
+unknown top-level keys but rejects unknown ``sampling_params`` keys, vLLM keeps and logs unknown
+``/v1/completions`` fields and rejects unknown ``init_info`` / ``update_info`` keys, FastAPI
+never reads an undeclared body or query parameter).
+
+- ``"strict"`` (the default; rollsafe's own clients' wire tests): every unknown key is a
+  violation, also where upstream would drop it, since a key upstream drops is a key its sender
+  believes does something. Such a violation carries ``tolerated`` (what upstream does instead).
+- ``"upstream"`` (the reference engine): only what the release itself refuses; keys it drops
+  are not violations. Types of known keys are checked in both.
 """
 
 from __future__ import annotations
@@ -35,20 +46,27 @@ __all__ = [
     "ContractViolation",
     "EngineContract",
     "EngineName",
+    "UnknownKeyPolicy",
+    "UnknownKeys",
     "UnsupportedVersion",
     "contract_version_for",
     "load_contract",
 ]
 
 EngineName = Literal["sglang", "vllm"]
+#: how :meth:`EngineContract.check_request` reads keys a request model does not declare
+UnknownKeys = Literal["strict", "upstream"]
+#: what a release does with such a key (recorded per route in the contract files)
+UnknownKeyPolicy = Literal["ignore", "allow", "allow_and_log", "reject"]
+_TOLERATING: frozenset[str] = frozenset({"ignore", "allow", "allow_and_log"})
 
 #: The upstream releases rollsafe is pinned to (one committed contract file each).
 PINNED_VERSIONS: dict[str, str] = {"sglang": "0.5.23", "vllm": "0.33.0"}
 #: Every release with a committed contract, oldest first; a client speaks each one's dialect
 #: (``VLLMClient`` picks it from the server's ``GET /version``).
 SUPPORTED_VERSIONS: dict[str, tuple[str, ...]] = {
-    "sglang": ("0.5.23",),
-    "vllm": ("0.32.0", "0.33.0"),
+    "sglang": ("0.5.16", "0.5.23"),
+    "vllm": ("0.26.0", "0.32.0", "0.33.0"),
 }
 
 #: value types upstream only *annotates* (no runtime check) and that real callers rely on: vLLM's
@@ -58,6 +76,10 @@ SUPPORTED_VERSIONS: dict[str, tuple[str, ...]] = {
 ANNOTATION_ONLY: dict[tuple[str, str], tuple[str, ...]] = {
     ("vllm", "/collective_rpc"): ("kwargs.",),
 }
+
+
+def _tolerated(policy: str) -> str | None:
+    return policy if policy in _TOLERATING else None
 
 
 def _is_type_problem(v: ContractViolation) -> bool:
@@ -73,6 +95,9 @@ class ContractViolation:
 
     where: str
     problem: str
+    #: an unknown key the release does not refuse: its policy (``"ignore"``, ``"allow"``,
+    #: ``"allow_and_log"``); None for what it refuses
+    tolerated: str | None = None
 
     def __str__(self) -> str:
         return f"{self.where}: {self.problem}"
@@ -111,6 +136,7 @@ class _Schema:
     name: str
     fields: Mapping[str, _Field]
     required: tuple[str, ...]
+    unknown_keys: str = "reject"
 
 
 @dataclass(frozen=True)
@@ -122,6 +148,7 @@ class _Route:
     query: _Schema
     auth: str
     raw: Mapping[str, Any]
+    body_unknown_keys: str = "reject"  # a body on a route that declares none
 
 
 def _field(spec: Mapping[str, Any]) -> _Field:
@@ -142,9 +169,12 @@ def _field(spec: Mapping[str, Any]) -> _Field:
     )
 
 
-def _schema(name: str, fields: Mapping[str, Mapping[str, Any]]) -> _Schema:
+def _schema(
+    name: str, fields: Mapping[str, Mapping[str, Any]], unknown_keys: str | None = None
+) -> _Schema:
     compiled = {k: _field(v) for k, v in fields.items()}
-    return _Schema(name, compiled, tuple(sorted(k for k, f in compiled.items() if f.required)))
+    required = tuple(sorted(k for k, f in compiled.items() if f.required))
+    return _Schema(name, compiled, required, unknown_keys or "reject")
 
 
 def _json_type(value: Any) -> str:
@@ -189,23 +219,29 @@ class EngineContract:
         self.engine: str = data["engine"]
         self.version: str = data["version"]
         self._schemas: dict[str, _Schema] = {
-            name: _schema(name, spec["fields"]) for name, spec in data.get("schemas", {}).items()
+            name: _schema(name, spec["fields"], spec.get("unknown_keys"))
+            for name, spec in data.get("schemas", {}).items()
         }
         self._backends: dict[str, dict[str, _Schema]] = {
-            kind: {b: _schema(f"{kind}[{b}]", s["fields"]) for b, s in per.items()}
+            kind: {
+                b: _schema(f"{kind}[{b}]", s["fields"], s.get("unknown_keys"))
+                for b, s in per.items()
+            }
             for kind, per in data.get("backend_schemas", {}).items()
         }
         self._routes: dict[str, _Route] = {}
         for path, spec in data["routes"].items():
             body = spec.get("body")
+            policies = spec.get("unknown_keys", {})
             self._routes[path] = _Route(
                 path=path,
                 methods=frozenset(m.upper() for m in spec["methods"]),
                 body_schema=body["schema"] if body else None,
                 body_required=bool(body and body.get("required")),
-                query=_schema(f"query:{path}", spec.get("query", {})),
+                query=_schema(f"query:{path}", spec.get("query", {}), policies.get("query")),
                 auth=spec.get("auth", "normal"),
                 raw=spec,
+                body_unknown_keys=policies.get("body", "reject"),
             )
 
     def __repr__(self) -> str:
@@ -230,18 +266,50 @@ class EngineContract:
         name = self._routes[path].body_schema
         return frozenset(self._schemas[name].fields) if name else frozenset()
 
+    def body_default(self, path: str, key: str) -> tuple[bool, Any]:
+        """``(True, value)``: the default upstream gives the body key ``key`` of ``path`` when
+        it is left out (a constant in the request model); ``(False, None)`` when it has none
+        (required, or computed at run time)."""
+        name = self._routes[path].body_schema
+        if name is None:
+            return False, None
+        spec = self.data["schemas"][name]["fields"].get(key, {})
+        return ("default" in spec), spec.get("default")
+
+    def unknown_key_policy(self, path: str) -> str:
+        """What the release does with a top-level body key ``path``'s request model does not
+        declare: ``"ignore"``, ``"allow"``, ``"allow_and_log"`` or ``"reject"``."""
+        route = self._routes[path]
+        if route.body_schema is None:
+            return route.body_unknown_keys
+        return self._schemas[route.body_schema].unknown_keys
+
     def backend_fields(self, kind: str, backend: str = "nccl") -> frozenset[str]:
         """Keys of a backend-specific nested dict (vLLM ``init_info`` / ``update_info``)."""
         return frozenset(self._backends[kind][backend].fields)
 
     def allowed_pickle_globals(self) -> frozenset[tuple[str, str]]:
-        """SGLang's ``SafeUnpickler.ALLOWED_GLOBALS`` as ``(module, name)`` pairs."""
+        """SGLang's ``SafeUnpickler.ALLOWED_GLOBALS`` as ``(module, name)`` pairs (0.5.23;
+        0.5.16 allows by module prefix: :meth:`unpickler_admits`)."""
         pairs = self.data.get("pickle_allowed_globals")
         if pairs is None:
             raise ContractError(
-                [ContractViolation(self.label, "has no unpickler allow-list (SGLang only)")]
+                [ContractViolation(self.label, "has no unpickler allow-list of globals")]
             )
         return frozenset((m, n) for m, n in pairs)
+
+    def unpickler_admits(self, module: str, name: str) -> bool:
+        """Whether SGLang's ``SafeUnpickler`` of this release loads the global ``module.name``:
+        by its allow-list of globals (0.5.23) or by module prefix less a deny-list (0.5.16)."""
+        if "pickle_allowed_globals" in self.data:
+            return (module, name) in self.allowed_pickle_globals()
+        prefixes = self.data.get("pickle_allowed_module_prefixes")
+        if prefixes is None:
+            raise ContractError([ContractViolation(self.label, "has no unpickler (SGLang only)")])
+        denied = {(m, n) for m, n in self.data.get("pickle_denied_globals", [])}
+        if (module, name) in denied:
+            return False
+        return any((module + ".").startswith(prefix) for prefix in prefixes)
 
     def sampling_keys(self) -> frozenset[str]:
         """SGLang ``sampling_params`` keys, or vLLM ``/v1/completions`` body fields."""
@@ -259,8 +327,17 @@ class EngineContract:
         query: Mapping[str, Any] | None = None,
         body: Any = None,
         backend: str = "nccl",
+        unknown_keys: UnknownKeys = "strict",
     ) -> list[ContractViolation]:
-        """Every way ``method path?query`` with JSON ``body`` departs from the contract."""
+        """Every way ``method path?query`` with JSON ``body`` departs from the contract.
+
+        ``unknown_keys="strict"`` reports every key the release does not declare (rollsafe's
+        own clients' wire tests); ``"upstream"`` leaves out those the release tolerates (the
+        reference engine): see the module docstring."""
+        if unknown_keys not in ("strict", "upstream"):
+            raise InvalidArgument(
+                "unknown_keys", f"must be 'strict' or 'upstream', got {unknown_keys!r}"
+            )
         route = self._routes.get(path)
         if route is None:
             return [ContractViolation(path, f"unknown route for {self.label}")]
@@ -274,15 +351,32 @@ class EngineContract:
         self._check_query(route, query or {}, out)
         if route.body_schema is None:
             if body not in (None, {}):
-                out.append(ContractViolation("body", f"{path} takes no JSON body"))
-            return out
-        if body is None:
+                out.append(
+                    ContractViolation(
+                        "body",
+                        f"{path} takes no JSON body{self._tolerance(route.body_unknown_keys)}",
+                        _tolerated(route.body_unknown_keys),
+                    )
+                )
+        elif body is None:
             if route.body_required:
                 out.append(ContractViolation("body", "missing JSON body"))
-            return out
-        self._check_object(self._schemas[route.body_schema], body, "", backend, out)
-        loose = ANNOTATION_ONLY.get((self.engine, path), ())
-        return [v for v in out if not (v.where.startswith(loose) and _is_type_problem(v))]
+        else:
+            self._check_object(self._schemas[route.body_schema], body, "", backend, out)
+            loose = ANNOTATION_ONLY.get((self.engine, path), ())
+            out = [v for v in out if not (v.where.startswith(loose) and _is_type_problem(v))]
+        if unknown_keys == "upstream":
+            out = [v for v in out if v.tolerated is None]
+        return out
+
+    def _tolerance(self, policy: str) -> str:
+        """The part of an unknown-key message that says what the release does instead."""
+        if policy == "ignore":
+            return f"; {self.label} ignores it"
+        if policy in ("allow", "allow_and_log"):
+            logged = " and logs it" if policy == "allow_and_log" else ""
+            return f"; {self.label} accepts it{logged} (no effect)"
+        return ""
 
     def require_valid(
         self,
@@ -292,9 +386,12 @@ class EngineContract:
         query: Mapping[str, Any] | None = None,
         body: Any = None,
         backend: str = "nccl",
+        unknown_keys: UnknownKeys = "strict",
     ) -> None:
         """Raise :class:`ContractError` listing every violation; return if there are none."""
-        violations = self.check_request(method, path, query=query, body=body, backend=backend)
+        violations = self.check_request(
+            method, path, query=query, body=body, backend=backend, unknown_keys=unknown_keys
+        )
         if violations:
             raise ContractError(violations, f"{method.upper()} {path} ({self.label})")
 
@@ -307,7 +404,14 @@ class EngineContract:
             where = f"query.{key}"
             if spec is None:
                 known = ", ".join(sorted(fields)) or "none"
-                out.append(ContractViolation(where, f"unknown query parameter (known: {known})"))
+                policy = route.query.unknown_keys
+                out.append(
+                    ContractViolation(
+                        where,
+                        f"unknown query parameter (known: {known}){self._tolerance(policy)}",
+                        _tolerated(policy),
+                    )
+                )
                 continue
             values = list(value) if spec.repeated and isinstance(value, (list, tuple)) else [value]
             item_spec = spec.items if spec.repeated and spec.items is not None else spec
@@ -350,8 +454,14 @@ class EngineContract:
             spec = schema.fields.get(key)
             where = f"{prefix}{key}"
             if spec is None:
+                policy = schema.unknown_keys
                 out.append(
-                    ContractViolation(where, f"unknown key (not in {schema.name} of {self.label})")
+                    ContractViolation(
+                        where,
+                        f"unknown key (not in {schema.name} of {self.label})"
+                        + self._tolerance(policy),
+                        _tolerated(policy),
+                    )
                 )
                 continue
             self._check_value(spec, item, where, backend, out)
@@ -449,27 +559,50 @@ def _load(engine: str, version: str) -> EngineContract:
     return EngineContract(json.loads(text))
 
 
-def _release(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a version (``0.32.0``, ``0.33.1.dev3+g1234``, ``0.32.0+cpu``)."""
-    parts = version.strip().lstrip("v").split(".")
+#: how many leading version numbers name one dialect: vLLM changes its API per minor release
+#: (0.32.3 speaks 0.32.0's), SGLang per patch release (0.5.16 and 0.5.23 differ)
+RELEASE_DEPTH: dict[str, int] = {"vllm": 2, "sglang": 3}
+
+
+def _release(version: str, depth: int = 2) -> tuple[int, ...]:
+    """The first ``depth`` numbers of a version (``0.32.0``, ``0.33.1.dev3+g1234``,
+    ``0.32.0+cpu``, ``0.5.16.post1``)."""
+    parts = version.strip().lstrip("v").split("+")[0].split(".")
     try:
-        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or "x")
+        out = [int(parts[0])]
+        for part in parts[1:depth]:
+            digits = ""
+            for ch in part:
+                if not ch.isdigit():
+                    break
+                digits += ch
+            out.append(int(digits))
+        if len(out) < depth:
+            raise ValueError(version)
+        return tuple(out)
     except (IndexError, ValueError):
         raise UnsupportedVersion(f"not a release version: {version!r}") from None
 
 
 def contract_version_for(engine: EngineName, server_version: str) -> str:
     """The committed contract whose dialect a server reporting ``server_version`` speaks: the
-    supported release of the same major.minor, a newer server the newest contract. A server
-    older than every contract (or an unreadable version) is :class:`UnsupportedVersion`
+    supported release of the same major.minor (vLLM) or major.minor.patch (SGLang,
+    :data:`RELEASE_DEPTH`), a newer server the newest contract. A server older than every
+    contract, between two of them, or with an unreadable version is :class:`UnsupportedVersion`
     naming them."""
     supported = SUPPORTED_VERSIONS[engine]
-    wanted = _release(server_version)
+    depth = RELEASE_DEPTH[engine]
+    wanted = _release(server_version, depth)
     for version in supported:
-        if _release(version) == wanted:
+        if _release(version, depth) == wanted:
             return version
-    if wanted > _release(supported[-1]):
+    if wanted > _release(supported[-1], depth):
         return supported[-1]
+    if wanted > _release(supported[0], depth):
+        raise UnsupportedVersion(
+            f"{engine} server version {server_version!r} is no supported release (supported: "
+            f"{', '.join(supported)}; one between them has no committed contract)"
+        )
     raise UnsupportedVersion(
         f"{engine} server version {server_version!r} is older than every supported release "
         f"({', '.join(supported)})"

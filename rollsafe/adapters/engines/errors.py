@@ -6,7 +6,12 @@ subclass of :class:`EngineError` on failure:
 * :class:`EngineUnavailable` / :class:`EngineTimeout`: the engine could not be reached in time;
 * :class:`EngineRequestError`: it answered an HTTP error (``status_code``, bounded ``message``);
 * :class:`EngineOperationFailed`: it answered ``{"success": false}`` to a weight/memory call;
-* :class:`EngineNotSupported`: the dialect has no such operation.
+* :class:`EngineNotSupported`: the dialect has no such operation (:class:`NoWeightChecker`:
+  the server has no weight checker, check its weights with :mod:`rollsafe.probe`);
+* :class:`EngineAsleep`: a weight update refused because this client put the engine's weights
+  to sleep (nothing was sent);
+* :class:`EventLoopError`: an asyncio client (:mod:`~rollsafe.adapters.engines.aio`) made with
+  no running event loop, or used from a loop other than its own.
 
 Idempotent reads (health, checksum, get-by-name) are retried; generate and every
 state-changing call are sent once, and resent only when the request provably never reached the
@@ -83,6 +88,41 @@ class EngineNotSupported(EngineError):
         self.operation = operation
         msg = f"{operation} is not supported by the {dialect} dialect"
         super().__init__(f"{msg}: {hint}" if hint else msg)
+
+
+class NoWeightChecker(EngineNotSupported):
+    """The server has no weight checker (vLLM 0.26.0 has no ``/weight_checker``): nothing was
+    sent. Check what it serves with the behavioural probe instead (:mod:`rollsafe.probe`: a
+    fresh engine on the same weights and the same prompts, compared token by token)."""
+
+    def __init__(self, dialect: str, release: str) -> None:
+        self.release = release
+        super().__init__(
+            dialect,
+            "weights_checksum",
+            f"{dialect} {release} has no weight checker; compare behaviour with rollsafe.probe",
+        )
+
+
+class EngineAsleep(EngineError):
+    """A weight update refused before anything was sent: this client put the engine's weights
+    to sleep (vLLM ``/sleep`` level >= 1) and has not woken them. vLLM 0.26.0 crashes on an
+    update while asleep (vllm#57853); wake the weights first (``resume_memory_occupation``
+    with ``["weights"]`` or all tags)."""
+
+    def __init__(self, url: str, operation: str, level: int) -> None:
+        self.url = url
+        self.operation = operation
+        self.level = level
+        super().__init__(
+            f"{operation} refused: engine {url} sleeps (level {level}, weights released by this "
+            "client); wake its weights first (resume_memory_occupation), nothing was sent"
+        )
+
+
+class EventLoopError(EngineError, RuntimeError):
+    """An :class:`~rollsafe.adapters.engines.aio.AsyncHttp` made outside a running event loop,
+    or called from a loop other than the one it was made on (make one per loop)."""
 
 
 class EngineStartError(EngineError):

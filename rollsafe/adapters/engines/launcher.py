@@ -79,6 +79,16 @@ __all__ = [
 ]
 
 
+def _adopt_label(client: SGLangClient | VLLMClient, info: dict[str, Any]) -> None:
+    """Where the vLLM release keeps no weight version (0.26), the version the engine was
+    started with (its ready info) becomes the client's label; elsewhere nothing happens."""
+    version = info.get("weight_version")
+    if not isinstance(client, VLLMClient) or version is None:
+        return
+    if not client.server_dialect().weight_version_routes:
+        client.update_weight_version(str(version))  # a label: nothing sent
+
+
 class EngineLauncher:
     """Start, watch, restart and tear down one engine group (and its warm standby). Thread-safe."""
 
@@ -314,7 +324,9 @@ class EngineLauncher:
             attempt = self._attempt(self._running.require_proc(), cmd)
             info = wait_for_http_ready(attempt, spec.client_url(port))
             self._running.info = info
-            self._running.client = engine_client(spec, str(info["url"]))
+            self._running.client = client = engine_client(spec, str(info["url"]))
+            if info.get("weight_version_source") == "client":
+                _adopt_label(client, info)
         except BaseException:
             self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
             raise
@@ -364,6 +376,8 @@ class EngineLauncher:
         self._running.watch_ranks([int(p) for p in info.get("rank_pids", [])])
         self._running.client = client = engine_client(spec, str(info["url"]))
         wait_for_health(attempt, client, deadline)
+        if spec.dialect == "vllm":  # --vllm-version 0.26.0 keeps no version: the client does
+            _adopt_label(client, info)
 
     # ------------------------------------------------------------------ running, stopping
     def is_alive(self) -> bool:

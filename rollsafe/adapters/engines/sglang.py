@@ -1,20 +1,45 @@
 """``SGLangClient``: the :class:`EngineClient` protocol over SGLang's HTTP API.
 
 Endpoints and payloads are SGLang's (``docs/design.md``, "Engine facts"), so the same client
-drives a real SGLang server and rollsafe's reference engine in its ``sglang`` dialect.
+drives a real SGLang server and rollsafe's reference engine in its ``sglang`` dialect. It speaks
+SGLang 0.5.23 and 0.5.16, picked from the server's ``GET /server_info`` ``"version"`` (or pinned
+with ``server_version=``); what differs and what the client does about it:
+:mod:`rollsafe.adapters.engines.sglang_dialect`. A server that reports no version (the reference
+engine reports the release it imitates) speaks the pinned release, 0.5.23.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from rollsafe.adapters.engines.base import HttpEngineClient
-from rollsafe.adapters.engines.errors import EngineOperationFailed
+import httpx
+
+from rollsafe.adapters.engines.base import (
+    DEFAULT_HEALTH_TIMEOUT,
+    DEFAULT_WEIGHTS_TIMEOUT,
+    HttpEngineClient,
+)
+from rollsafe.adapters.engines.contract import (
+    PINNED_VERSIONS,
+    UnsupportedVersion,
+    contract_version_for,
+)
+from rollsafe.adapters.engines.errors import (
+    EngineNotSupported,
+    EngineOperationFailed,
+    EngineRequestError,
+)
+from rollsafe.adapters.engines.http import RetryPolicy
+from rollsafe.adapters.engines.sglang_dialect import SGLangDialect
 from rollsafe.adapters.engines.streaming import StreamDelta, stream_deltas
 from rollsafe.errors import InvalidArgument
 from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode
 from rollsafe.wire.finite import FINITE_CHECKED_HEADER
+
+#: SGLang's generation route (one prompt, or a batch; streamed with ``stream: true``)
+GENERATE_PATH = "/generate"
 
 
 def _finish_reason(meta: Mapping[str, Any]) -> str | None:
@@ -25,11 +50,13 @@ def _finish_reason(meta: Mapping[str, Any]) -> str | None:
     return None if reason is None else str(reason)
 
 
-def _generate_body(
+def generate_body(
     input_ids: Sequence[int] | None,
     text: str | None,
     sampling_params: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
+    """The ``/generate`` body of one prompt (token ids or text; rollsafe's ``return_logprob``
+    sampling key becomes SGLang's request field of that name)."""
     if (input_ids is None) == (text is None):
         raise InvalidArgument("input_ids", "generate needs exactly one of input_ids or text")
     params = dict(sampling_params or {})
@@ -45,16 +72,136 @@ def _generate_body(
     return body
 
 
+def refuse_unknown_sampling(url: str, dialect: SGLangDialect, body: Mapping[str, Any]) -> None:
+    """On a release whose ``/generate`` answers an unknown ``sampling_params`` key with a
+    500 (0.5.16: a ``TypeError`` it does not catch), refuse it here with the 400 0.5.23
+    answers, nothing sent: a 500 would read as a failing engine."""
+    if dialect.sampling_unknown_key_status < 500:
+        return
+    unknown = sorted(set(body.get("sampling_params") or {}) - dialect.sampling_keys)
+    if unknown:
+        raise EngineRequestError(
+            url,
+            GENERATE_PATH,
+            400,
+            f"unknown sampling parameter {unknown[0]!r} (refused by the client: SGLang "
+            f"{dialect.version} would fail the request with a 500; known: "
+            f"{', '.join(sorted(dialect.sampling_keys))})",
+        )
+
+
 def _token_logprob(item: Any) -> float | None:
     """The logprob of one ``output_token_logprobs`` entry (``[logprob, token id, text]``)."""
     value = item[0] if isinstance(item, Sequence) and not isinstance(item, str) else item
     return None if value is None else float(value)
 
 
+def generate_result(url: str, answer: Any) -> GenerateResult:
+    """The :class:`GenerateResult` of a ``/generate`` answer (one prompt's object, or a list
+    of one)."""
+    if isinstance(answer, list) and len(answer) == 1:
+        answer = answer[0]
+    if not isinstance(answer, Mapping):
+        raise EngineOperationFailed(url, GENERATE_PATH, 200, f"unexpected answer: {answer!r}")
+    meta = answer.get("meta_info") or {}
+    version = meta.get("weight_version")
+    raw_lps = meta.get("output_token_logprobs")  # [[logprob, token id, text], ...]
+    logprobs = None
+    if isinstance(raw_lps, Sequence):
+        logprobs = tuple(_token_logprob(item) for item in raw_lps)
+    return GenerateResult(
+        text=str(answer.get("text", "")),
+        output_ids=[int(t) for t in answer.get("output_ids") or []],
+        weight_version=None if version is None else str(version),
+        finish_reason=_finish_reason(meta),
+        meta_info=dict(meta),
+        output_logprobs=logprobs,
+    )
+
+
+#: where SGLang reports its release (``/get_server_info``: 0.5.x's older name, and the
+#: reference engine's)
+_VERSION_ROUTES = ("/server_info", "/get_server_info")
+
+
 class SGLangClient(HttpEngineClient):
     """Drive one SGLang(-compatible) engine over HTTP."""
 
     _dialect: Dialect = "sglang"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
+        weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT,
+        retry: RetryPolicy | None = None,
+        transport: httpx.BaseTransport | None = None,
+        server_version: str | None = None,
+    ) -> None:
+        super().__init__(
+            url,
+            api_key=api_key,
+            timeout=timeout,
+            health_timeout=health_timeout,
+            weights_timeout=weights_timeout,
+            retry=retry,
+            transport=transport,
+        )
+        self._dialect_lock = threading.Lock()
+        self._server_dialect: SGLangDialect | None = None
+        if server_version is not None:
+            try:
+                pinned = contract_version_for("sglang", server_version)
+            except UnsupportedVersion as exc:
+                raise UnsupportedVersion(f"SGLangClient(server_version=...): {exc}") from None
+            self._server_dialect = SGLangDialect.of(pinned)
+
+    # -- dialect --------------------------------------------------------------------------
+    @property
+    def known_dialect(self) -> SGLangDialect | None:
+        """The release this server speaks when already known (pinned, or asked once by
+        :meth:`server_dialect`); None before: reading it needs a request."""
+        return self._server_dialect
+
+    def server_dialect(self, *, timeout: float | None = None) -> SGLangDialect:
+        """The SGLang release this server speaks: pinned by ``server_version=``, else asked once
+        (``GET /server_info``, then ``/get_server_info`` where that is 404; retried) and cached.
+        A server that reports no ``version`` speaks the pinned release (0.5.23); one no
+        committed contract speaks is :class:`EngineNotSupported`."""
+        dialect = self._server_dialect
+        if dialect is not None:
+            return dialect
+        with self._dialect_lock:
+            if self._server_dialect is not None:
+                return self._server_dialect
+            reported = None
+            for path in _VERSION_ROUTES:
+                try:
+                    answer = self._get(path, timeout=timeout)
+                except EngineRequestError as exc:
+                    if exc.status_code != 404:
+                        raise
+                    continue
+                if isinstance(answer, Mapping) and isinstance(answer.get("version"), str):
+                    reported = answer["version"]
+                break
+            if reported is None:
+                dialect = SGLangDialect.of(PINNED_VERSIONS["sglang"])
+            else:
+                try:
+                    version = contract_version_for("sglang", reported)
+                except UnsupportedVersion as exc:
+                    raise EngineNotSupported(
+                        "sglang",
+                        f"a server reporting version {reported!r}",
+                        f"{exc}; pin SGLangClient(server_version=...) to speak one of them",
+                    ) from None
+                dialect = SGLangDialect.of(version, reported)
+            self._server_dialect = dialect
+            return dialect
 
     # -- liveness and serving -------------------------------------------------------------
     def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
@@ -75,27 +222,11 @@ class SGLangClient(HttpEngineClient):
         sampling_params: Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> GenerateResult:
-        """POST ``/generate`` once (never retried)."""
-        path = "/generate"
-        answer = self._post(path, _generate_body(input_ids, text, sampling_params), timeout=timeout)
-        if isinstance(answer, list) and len(answer) == 1:
-            answer = answer[0]
-        if not isinstance(answer, Mapping):
-            raise EngineOperationFailed(self.url, path, 200, f"unexpected answer: {answer!r}")
-        meta = answer.get("meta_info") or {}
-        version = meta.get("weight_version")
-        raw_lps = meta.get("output_token_logprobs")  # [[logprob, token id, text], ...]
-        logprobs = None
-        if isinstance(raw_lps, Sequence):
-            logprobs = tuple(_token_logprob(item) for item in raw_lps)
-        return GenerateResult(
-            text=str(answer.get("text", "")),
-            output_ids=[int(t) for t in answer.get("output_ids") or []],
-            weight_version=None if version is None else str(version),
-            finish_reason=_finish_reason(meta),
-            meta_info=dict(meta),
-            output_logprobs=logprobs,
-        )
+        """POST ``/generate`` once (never retried). On SGLang 0.5.16 an unknown sampling key is
+        refused here (:mod:`.sglang_dialect`)."""
+        body = generate_body(input_ids, text, sampling_params)
+        refuse_unknown_sampling(self.url, self.server_dialect(), body)
+        return generate_result(self.url, self._post(GENERATE_PATH, body, timeout=timeout))
 
     def generate_stream(
         self,
@@ -107,9 +238,10 @@ class SGLangClient(HttpEngineClient):
     ) -> Iterator[StreamDelta]:
         """POST ``/generate`` with ``stream: true`` once; yield each event's new tokens
         (:mod:`~rollsafe.adapters.engines.streaming`). ``timeout`` bounds each wait for an event."""
-        body = _generate_body(input_ids, text, sampling_params)
+        body = generate_body(input_ids, text, sampling_params)
+        refuse_unknown_sampling(self.url, self.server_dialect(), body)
         body["stream"] = True
-        return stream_deltas(self._http, "/generate", body, timeout, "sglang")
+        return stream_deltas(self._http, GENERATE_PATH, body, timeout, "sglang")
 
     def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
         """POST ``/pause_generation`` {mode}."""

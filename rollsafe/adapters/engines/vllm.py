@@ -1,8 +1,9 @@
 """``VLLMClient``: the :class:`EngineClient` protocol mapped onto vLLM's HTTP endpoints.
 
-It speaks vLLM 0.33.0 and 0.32.0, picked from the server's ``GET /version`` (or pinned with
-``server_version=``); what differs and how 0.32 is made to look like 0.33 (the weight version
-from ``/weight_info``, generates refused while this client has the engine paused) is
+It speaks vLLM 0.33.0, 0.32.0 and 0.26.0, picked from the server's ``GET /version`` (or pinned
+with ``server_version=``); what differs and how 0.26 and 0.32 are made to look like 0.33 (the
+weight version from ``/weight_info``, or kept by this client on 0.26; generates refused while
+this client has the engine paused; packing sent where 0.26 reads it) is
 :mod:`rollsafe.adapters.engines.vllm_dialect`.
 
 =============================================  ==========================================
@@ -13,13 +14,16 @@ generate                                       POST ``/v1/completions`` (token-i
                                                ``return_weight_versions``)
 pause_generation / continue_generation         POST ``/pause?mode=`` / ``/resume``
 flush_cache                                    POST ``/reset_prefix_cache``
-release / resume_memory_occupation             POST ``/sleep?level=1`` / ``/wake_up?tags=``
+release / resume_memory_occupation             POST ``/sleep?level=1`` (``level=``: 0-2)
+                                               / ``/wake_up?tags=``
 init_weights_update_group                      POST ``/init_weight_transfer_engine``
-                                               ``{init_info}`` (packing fixed here)
+                                               ``{init_info}`` (packing fixed here; 0.26:
+                                               sent in every ``update_info``)
 update_weights_from_distributed                ``/start_weight_update`` (first call of a
                                                version), ``/update_weights`` {update_info},
                                                ``/finish_weight_update`` {weight_version}
-                                               (the call that carries the version)
+                                               (the call that carries the version; 0.26: no
+                                               body, the client keeps the version)
 update_weights_from_disk                       POST ``/collective_rpc`` ``reload_weights``
                                                {weights_path}, ``/update_weight_version``
 update_weights_from_ipc                        POST ``/collective_rpc``
@@ -27,15 +31,26 @@ update_weights_from_ipc                        POST ``/collective_rpc``
                                                (checkpoint-engine's worker extension)
 update_weights_from_tensor                     not supported (raises EngineNotSupported)
 destroy_weights_update_group                   POST ``/shutdown_weight_transfer_engine``
+                                               (0.26: none, nothing sent)
 weights_checksum                               POST ``/weight_checker`` {action: checksum}
+                                               (0.26: none, raises NoWeightChecker: use
+                                               ``rollsafe.probe``)
+weight_version / update_weight_version         GET ``/weight_info`` / POST
+                                               ``/update_weight_version`` (0.26: the label
+                                               this client keeps, nothing sent)
 =============================================  ==========================================
+
+A weight update (``update_weights_from_distributed``, ``_from_disk``, ``_from_ipc``) while this
+client has the engine's weights asleep (``/sleep`` level >= 1, not woken) raises
+:class:`~rollsafe.adapters.engines.errors.EngineAsleep` before anything is sent: vLLM 0.26.0
+crashes on it (vllm#57853), and no release can load weights it has offloaded or discarded.
 
 The sleep/wake, collective-RPC and weight-transfer routes exist on a real vLLM only in dev mode
 (``VLLM_SERVER_DEV_MODE=1``, plus ``--enable-sleep-mode`` and ``--weight-transfer-config``).
 SGLang-style sampling parameters are translated (``max_new_tokens`` -> ``max_tokens``,
 ``min_new_tokens`` -> ``min_tokens``, ``sampling_seed`` -> ``seed``). Request bodies follow the
-contracts (``rollsafe/adapters/engines/contracts/vllm-{0.32.0,0.33.0}.json``; checked by
-``tests/test_client_contracts.py``).
+contracts (``rollsafe/adapters/engines/contracts/vllm-{0.26.0,0.32.0,0.33.0}.json``; checked
+by ``tests/test_client_contracts.py``).
 
 vLLM has one weight-transfer group per engine and no group names (``init_info`` has none), so
 the three group calls take only ``group_name=VLLM_WEIGHT_TRANSFER_GROUP`` (their default; the
@@ -64,22 +79,29 @@ from rollsafe.adapters.engines.contract import (
     contract_version_for,
 )
 from rollsafe.adapters.engines.errors import (
+    EngineAsleep,
     EngineError,
     EngineNotSupported,
     EngineOperationFailed,
     EngineRequestError,
+    NoWeightChecker,
 )
 from rollsafe.adapters.engines.http import RetryPolicy
 from rollsafe.adapters.engines.streaming import StreamDelta, WeightSpan, stream_deltas
 from rollsafe.adapters.engines.vllm_dialect import (
     Mark,
     PauseLedger,
+    VersionSteps,
     VLLMDialect,
     read_version_holds,
+    run_steps,
 )
 from rollsafe.errors import InvalidArgument
-from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode
+from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode, WeightsChecksum
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
+
+#: vLLM's completion route (token-id or text prompts; streamed with ``stream: true``)
+COMPLETIONS_PATH = "/v1/completions"
 
 _SAMPLING_RENAMES = {
     "max_new_tokens": "max_tokens",
@@ -147,8 +169,20 @@ class VLLMClient(HttpEngineClient):
                 raise UnsupportedVersion(f"VLLMClient(server_version=...): {exc}") from None
             self._server_dialect = VLLMDialect.of(pinned)
         self._ledger = PauseLedger()
+        # vLLM 0.26.0 has no weight version: the label this client keeps (None: unknown)
+        self._label: str | None = None
+        # NCCL packing for every /update_weights on 0.26 (its init_info takes none)
+        self._packing: dict[str, Any] = {}
+        # the /sleep level this client put the weights in (0: awake, or only paused)
+        self._asleep_level = 0
 
     # -- dialect --------------------------------------------------------------------------
+    @property
+    def known_dialect(self) -> VLLMDialect | None:
+        """The release this server speaks when already known (pinned, or asked once by
+        :meth:`server_dialect`); None before: reading it needs a request."""
+        return self._server_dialect
+
     def server_dialect(self, *, timeout: float | None = None) -> VLLMDialect:
         """The vLLM release this server speaks: pinned by ``server_version=``, else asked once
         with ``GET /version`` (retried) and cached. A server without ``/version`` (404: the
@@ -182,7 +216,7 @@ class VLLMClient(HttpEngineClient):
             self._server_dialect = dialect
             return dialect
 
-    def _refuse_while_paused(self, path: str, dialect: VLLMDialect) -> None:
+    def refuse_while_paused(self, path: str, dialect: VLLMDialect) -> None:
         """On a server that queues new requests while paused (0.32), refuse a generate while
         this client has it paused in ``abort``/``wait``, as 0.33 does with its 503."""
         mode = self._ledger.refusing_mode()
@@ -196,29 +230,57 @@ class VLLMClient(HttpEngineClient):
                 "vLLM 0.33 answers 503 engine_paused)",
             )
 
-    def _version_before(self, path: str, dialect: VLLMDialect) -> tuple[Mark, str | None]:
-        """Refuse while paused, then read ``/weight_info`` with no pause, resume or weight
-        change of this client around the read (re-read if one happened, up to 3 times)."""
+    def version_before(
+        self, path: str, dialect: VLLMDialect
+    ) -> VersionSteps[tuple[Mark, str | None]]:
+        """Steps: refuse while paused, then read the version (yield) with no pause, resume or
+        weight change of this client around the read (re-read if one happened, up to 3 times).
+        Returns the ledger's mark before the read and the version read."""
+        version: str | None = None
         for _ in range(3):
-            self._refuse_while_paused(path, dialect)
+            self.refuse_while_paused(path, dialect)
             before = self._ledger.mark()
-            version = self.weight_version()
-            self._refuse_while_paused(path, dialect)
+            version = yield
+            self.refuse_while_paused(path, dialect)
             if self._ledger.mark() == before:
                 return before, version
         return Mark(-1, -1, -1, False), version  # kept changing: compare again after
 
-    def _version_after(
+    def version_after(
         self, before: Mark, version: str | None, finish_reason: str | None
-    ) -> tuple[str | None, bool]:
-        """The version that produced an answer (see :mod:`.vllm_dialect`) and whether it is
-        exact."""
+    ) -> VersionSteps[tuple[str | None, bool]]:
+        """Steps: the version that produced an answer (see :mod:`.vllm_dialect`; read again,
+        yield, only when the ledger moved) and whether it is exact."""
         if read_version_holds(before, self._ledger.mark()):
             return version, True
-        after = self.weight_version()
+        after = yield
         if after == version:
             return version, True
         return (version if finish_reason == "abort" else after), False
+
+    # -- versions and checks ---------------------------------------------------------------
+    def weight_version(self, *, timeout: float | None = None) -> str | None:
+        """The weights version: ``GET /weight_info`` (retried), or on a release without it
+        (0.26) the label this client keeps (set by the update that carried a version or by
+        :meth:`update_weight_version`; None until then and after a failed update)."""
+        if self.server_dialect(timeout=timeout).weight_version_routes:
+            return super().weight_version(timeout=timeout)
+        return self._label
+
+    def weights_checksum(self, *, timeout: float | None = None) -> WeightsChecksum:
+        """``POST /weight_checker {action: checksum}``; on a release without it (0.26)
+        :class:`~rollsafe.adapters.engines.errors.NoWeightChecker` (an
+        :class:`EngineNotSupported`), nothing sent: check those weights with the behavioural
+        probe (:mod:`rollsafe.probe`)."""
+        dialect = self.server_dialect(timeout=timeout)
+        if not dialect.weight_checker:
+            raise NoWeightChecker("vllm", dialect.version)
+        return super().weights_checksum(timeout=timeout)
+
+    def _refuse_while_asleep(self, operation: str) -> None:
+        level = self._asleep_level
+        if level >= 1:
+            raise EngineAsleep(self.url, operation, level)
 
     # -- liveness and serving -------------------------------------------------------------
     def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
@@ -242,55 +304,31 @@ class VLLMClient(HttpEngineClient):
         last span's version (the one that produced the final token). vLLM 0.32 reports none:
         the version comes from ``GET /weight_info`` (read before the completion, checked after
         it, :mod:`.vllm_dialect`), and ``meta_info`` says ``weight_version_source:
-        "weight_info"`` and ``weight_version_exact``."""
-        path = "/v1/completions"
+        "weight_info"`` and ``weight_version_exact``; on 0.26 it is this client's label
+        (``weight_version_source: "client"``)."""
+        path = COMPLETIONS_PATH
         dialect = self.server_dialect()
-        body = self._completion_body(input_ids, text, sampling_params, dialect)
+        body = self.completion_body(input_ids, text, sampling_params, dialect)
         before: Mark | None = None
         read: str | None = None
         if not dialect.completion_weight_versions:
-            before, read = self._version_before(path, dialect)
-        answer = self._post(path, body, timeout=timeout)
-        choices = answer.get("choices") if isinstance(answer, Mapping) else None
-        if not choices or not isinstance(choices[0], Mapping):
-            raise EngineOperationFailed(self.url, path, 200, f"no choices in answer: {answer!r}")
-        choice = choices[0]
-        meta: dict[str, Any] = {k: v for k, v in answer.items() if k != "choices"}
-        reason = choice.get("finish_reason")
-        finish = None if reason is None else str(reason)
-        spans = choice.get("weight_versions")
-        version = None
-        if isinstance(choice.get("logprobs"), Mapping):  # asked for with "logprobs": k
-            meta["logprobs"] = choice["logprobs"]  # {tokens, token_logprobs, top_logprobs, ...}
-        if isinstance(spans, list) and spans and isinstance(spans[-1], Mapping):
-            version = spans[-1].get("version")
-            meta["weight_versions"] = spans
-        elif before is not None:
-            version, exact = self._version_after(before, read, finish)
-            meta["weight_version_source"] = "weight_info"
-            meta["weight_version_exact"] = exact
-        lp = choice.get("logprobs")
-        token_lps = lp.get("token_logprobs") if isinstance(lp, Mapping) else None
-        return GenerateResult(
-            text=str(choice.get("text", "")),
-            output_ids=[int(t) for t in choice.get("token_ids") or []],
-            weight_version=None if version is None else str(version),
-            finish_reason=finish,
-            meta_info=meta,
-            output_logprobs=(
-                None
-                if not isinstance(token_lps, Sequence)
-                else tuple(None if v is None else float(v) for v in token_lps)
-            ),
-        )
+            before, read = run_steps(self.version_before(path, dialect), self.weight_version)
+        result = completion_result(self.url, self._post(path, body, timeout=timeout))
+        if before is not None and "weight_versions" not in result.meta_info:
+            steps = self.version_after(before, read, result.finish_reason)
+            version, exact = run_steps(steps, self.weight_version)
+            result = with_read_version(result, version, exact, dialect)
+        return result
 
-    def _completion_body(
+    def completion_body(
         self,
         input_ids: Sequence[int] | None,
         text: str | None,
         sampling_params: Mapping[str, Any] | None,
         dialect: VLLMDialect,
     ) -> dict[str, Any]:
+        """The ``/v1/completions`` body of one prompt for a server speaking ``dialect``
+        (sampling translated, token ids asked for, this client's ``model``)."""
         if (input_ids is None) == (text is None):
             raise InvalidArgument("input_ids", "generate needs exactly one of input_ids or text")
         body: dict[str, Any] = to_vllm_sampling(sampling_params)
@@ -317,32 +355,30 @@ class VLLMClient(HttpEngineClient):
         event carries its token ids); yield each event's new tokens. ``timeout`` bounds each
         wait for an event. On vLLM 0.32 the last event's version comes from ``/weight_info``
         as in :meth:`generate` (a span over the whole output when exact)."""
-        path = "/v1/completions"
+        path = COMPLETIONS_PATH
         dialect = self.server_dialect()
-        body = self._completion_body(input_ids, text, sampling_params, dialect)
+        body = self.completion_body(input_ids, text, sampling_params, dialect)
         body["stream"] = True
         if dialect.completion_weight_versions:
             return stream_deltas(self._http, path, body, timeout, "vllm")
-        before, read = self._version_before(path, dialect)
-        return self._stream_with_version(body, timeout, before, read)
+        before, read = run_steps(self.version_before(path, dialect), self.weight_version)
+        return self._stream_with_version(body, timeout, before, read, dialect)
 
     def _stream_with_version(
-        self, body: dict[str, Any], timeout: float | None, before: Mark, read: str | None
+        self,
+        body: dict[str, Any],
+        timeout: float | None,
+        before: Mark,
+        read: str | None,
+        dialect: VLLMDialect,
     ) -> Iterator[StreamDelta]:
         produced = 0
-        for delta in stream_deltas(self._http, "/v1/completions", body, timeout, "vllm"):
+        for delta in stream_deltas(self._http, COMPLETIONS_PATH, body, timeout, "vllm"):
             produced += len(delta.token_ids)
             if delta.finished and delta.weight_version is None:
-                version, exact = self._version_after(before, read, delta.finish_reason)
-                spans = (WeightSpan(str(version), 0, produced),) if exact and produced else ()
-                meta = {**delta.meta, "weight_version_source": "weight_info"}
-                meta["weight_version_exact"] = exact
-                delta = replace(
-                    delta,
-                    weight_version=None if version is None else str(version),
-                    spans=spans,
-                    meta=meta,
-                )
+                steps = self.version_after(before, read, delta.finish_reason)
+                version, exact = run_steps(steps, self.weight_version)
+                delta = with_read_version_delta(delta, produced, version, exact, dialect)
             yield delta
 
     def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
@@ -381,30 +417,60 @@ class VLLMClient(HttpEngineClient):
 
     # -- memory ---------------------------------------------------------------------------
     def release_memory_occupation(
-        self, tags: Sequence[MemoryTag] | None = None, *, timeout: float | None = None
+        self,
+        tags: Sequence[MemoryTag] | None = None,
+        *,
+        timeout: float | None = None,
+        level: int = 1,
     ) -> None:
-        """POST ``/sleep?level=1``: vLLM offloads weights and drops the KV cache together,
-        so ``tags`` can only be None or both tags."""
+        """POST ``/sleep?level=`` (default 1): level 1 offloads the weights to host memory and
+        drops the KV cache, level 2 discards both (the weights must be loaded again after
+        waking), level 0 only pauses scheduling. vLLM releases weights and KV cache together,
+        so ``tags`` can only be None or both tags. From level 1 on, this client refuses weight
+        updates (:class:`~rollsafe.adapters.engines.errors.EngineAsleep`) until the weights are
+        woken (:meth:`resume_memory_occupation`)."""
         if tags is not None and set(tags) != {"weights", "kv_cache"}:
             raise EngineNotSupported(
                 "vllm",
                 f"release_memory_occupation(tags={list(tags)})",
                 "vLLM's /sleep releases weights and KV cache together",
             )
+        dialect = self.server_dialect(timeout=timeout)
+        if isinstance(level, bool) or not isinstance(level, int):
+            raise InvalidArgument("level", f"sleep level must be an int, got {level!r}")
+        if level not in dialect.sleep_levels:
+            raise InvalidArgument(
+                "level",
+                f"vLLM {dialect.version} sleeps at levels {list(dialect.sleep_levels)}, "
+                f"got {level}",
+            )
+        if level >= 1:
+            # from here on the weights may be gone, whatever /sleep answers
+            self._asleep_level = max(self._asleep_level, level)
         self._checked(
             "/sleep",
-            self._post("/sleep", params={"level": 1}, timeout=self._weights_timeout(timeout)),
+            self._post("/sleep", params={"level": level}, timeout=self._weights_timeout(timeout)),
         )
 
     def resume_memory_occupation(
         self, tags: Sequence[MemoryTag] | None = None, *, timeout: float | None = None
     ) -> None:
-        """POST ``/wake_up?tags=...`` (all when ``tags`` is None)."""
+        """POST ``/wake_up?tags=...`` (all when ``tags`` is None). Once it answered 2xx with
+        the weights among the tags, weight updates go through again (after level 2 the
+        weights woken are uninitialised: load some before serving)."""
         params = None if tags is None else {"tags": list(tags)}
         self._checked(
             "/wake_up",
             self._post("/wake_up", params=params, timeout=self._weights_timeout(timeout)),
         )
+        if tags is None or "weights" in tags:
+            self._asleep_level = 0
+
+    @property
+    def asleep_level(self) -> int:
+        """The ``/sleep`` level this client put the engine's weights in and has not woken
+        them from (0: awake as far as this client knows)."""
+        return self._asleep_level
 
     # -- weights --------------------------------------------------------------------------
     def collective_rpc(
@@ -417,6 +483,8 @@ class VLLMClient(HttpEngineClient):
         timeout: float | None = None,
     ) -> Any:
         """POST ``/collective_rpc`` {method, args, kwargs, timeout}; return ``results``."""
+        if method in _WEIGHT_RPCS:
+            self._refuse_while_asleep(f"collective_rpc {method}")
         body: dict[str, Any] = {"method": method, "args": list(args), "kwargs": dict(kwargs or {})}
         if rpc_timeout is not None:
             body["timeout"] = rpc_timeout
@@ -442,8 +510,12 @@ class VLLMClient(HttpEngineClient):
         raise EngineNotSupported("vllm", "get_weights_by_name", "use weights_checksum()")
 
     def update_weight_version(self, new_version: str, *, timeout: float | None = None) -> None:
-        """POST ``/update_weight_version`` {new_version}: the label the engine reports."""
+        """POST ``/update_weight_version`` {new_version}: the label the engine reports. On a
+        release without it (0.26) the label this client keeps and reports: nothing sent."""
         self._ledger.changing_weights()
+        if not self.server_dialect(timeout=timeout).weight_version_routes:
+            self._label = str(new_version)
+            return
         self._post_checked(
             "/update_weight_version",
             {"new_version": str(new_version)},
@@ -473,9 +545,11 @@ class VLLMClient(HttpEngineClient):
                 "vLLM's reload_weights uses the load format the server was started with",
             )
         kwargs = {"weights_path": str(model_path)}
+        self._refuse_while_asleep("update_weights_from_disk")
         if abort_all_requests:
             self.pause_generation("abort", timeout=timeout)
         try:
+            self._forget_label()
             message = self._rpc_message("reload_weights", kwargs, timeout)
             if weight_version is not None:
                 self.update_weight_version(weight_version, timeout=timeout)
@@ -533,21 +607,32 @@ class VLLMClient(HttpEngineClient):
         keeps a host copy of the weights it loads, to apply later deltas onto.
         """
         _only_group("init_weights_update_group", group_name)
+        dialect = self.server_dialect(timeout=timeout)
         init_info: dict[str, Any] = {
             "master_address": master_address,
             "master_port": int(master_port),
             "rank_offset": int(rank_offset),
             "world_size": int(world_size),
-            "packed": bool(packed),
         }
+        packing: dict[str, Any] = {"packed": bool(packed)}
         if packed_buffer_size_bytes is not None:
-            init_info["packed_buffer_size_bytes"] = int(packed_buffer_size_bytes)
+            packing["packed_buffer_size_bytes"] = int(packed_buffer_size_bytes)
         if packed_num_buffers is not None:
-            init_info["packed_num_buffers"] = int(packed_num_buffers)
+            packing["packed_num_buffers"] = int(packed_num_buffers)
+        if dialect.packed_in == "init_info":
+            init_info.update(packing)
+            packing = {}
         if keep_delta_base:
+            if dialect.packed_in != "init_info":  # rollsafe_gloo speaks 0.32+ only
+                raise EngineNotSupported(
+                    "vllm",
+                    "init_weights_update_group(keep_delta_base=True)",
+                    f"rollsafe's rollsafe_gloo backend does not run on vLLM {dialect.version}",
+                )
             init_info["keep_delta_base"] = True
         with self._update_lock:
             self._update_open = False  # a new group starts outside any update
+            self._packing = packing  # 0.26: sent with every /update_weights
         return self._post_checked(
             "/init_weight_transfer_engine",
             {"init_info": init_info},
@@ -558,10 +643,18 @@ class VLLMClient(HttpEngineClient):
         self, group_name: str = VLLM_WEIGHT_TRANSFER_GROUP, *, timeout: float | None = None
     ) -> str:
         """POST ``/shutdown_weight_transfer_engine`` (vLLM's single group; ``group_name`` is
-        not sent, and must be :data:`VLLM_WEIGHT_TRANSFER_GROUP`)."""
+        not sent, and must be :data:`VLLM_WEIGHT_TRANSFER_GROUP`). vLLM 0.26.0 has no such
+        route: nothing is sent, the engine keeps its group until the next
+        :meth:`init_weights_update_group` or a restart (the message says so)."""
         _only_group("destroy_weights_update_group", group_name)
         with self._update_lock:
             self._update_open = False
+        dialect = self.server_dialect(timeout=timeout)
+        if not dialect.shutdown_route:
+            return (
+                f"vLLM {dialect.version} has no /shutdown_weight_transfer_engine: its group "
+                "stays until the next /init_weight_transfer_engine or a restart"
+            )
         return self._post_checked(
             "/shutdown_weight_transfer_engine", None, timeout=self._weights_timeout(timeout)
         )
@@ -595,6 +688,7 @@ class VLLMClient(HttpEngineClient):
                 "names",
                 f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}",
             )
+        self._refuse_while_asleep("update_weights_from_distributed")
         wt = self._weights_timeout(timeout)
         update_info: dict[str, Any] = {
             "names": list(names),
@@ -603,7 +697,10 @@ class VLLMClient(HttpEngineClient):
         }
         with self._update_lock:
             opened, self._update_open = not self._update_open, True
+            update_info.update(self._packing)  # 0.26: packing travels with each call
         self._ledger.changing_weights()
+        if opened:
+            self._forget_label()
         try:
             if opened:
                 self._post_checked("/start_weight_update", None, timeout=wt)
@@ -623,13 +720,24 @@ class VLLMClient(HttpEngineClient):
             was_open, self._update_open = self._update_open, False
         if not was_open:
             return
-        body = {} if version is None else {"weight_version": version}
+        dialect = self.server_dialect()
+        body: dict[str, Any] | None = {} if version is None else {"weight_version": version}
+        if not dialect.finish_takes_version:
+            body = None  # 0.26: no body; the version is this client's label
         self._ledger.changing_weights()
         try:
             self._post_checked("/finish_weight_update", body, timeout=timeout)
         except EngineError:
             if not quiet:
                 raise
+            return
+        if version is not None and not dialect.weight_version_routes:
+            self._label = version
+
+    def _forget_label(self) -> None:
+        """The weights are about to change: until a version is set again the client's label
+        (0.26) is unknown."""
+        self._label = None
 
     def update_weights_from_ipc(
         self,
@@ -642,6 +750,7 @@ class VLLMClient(HttpEngineClient):
         """checkpoint-engine's vLLM path: ``/collective_rpc`` method ``update_weights_from_ipc``
         {zmq_handles} (its worker extension takes nothing else), then ``/reset_prefix_cache``
         and ``/update_weight_version``."""
+        self._forget_label()
         message = self._rpc_message(
             "update_weights_from_ipc", {"zmq_handles": dict(zmq_handles)}, timeout
         )
@@ -650,6 +759,75 @@ class VLLMClient(HttpEngineClient):
         if weight_version is not None:
             self.update_weight_version(weight_version, timeout=timeout)
         return message
+
+
+#: ``/collective_rpc`` methods that change the weights (refused while the weights sleep)
+_WEIGHT_RPCS = frozenset({"reload_weights", "update_weights_from_ipc"})
+
+
+def _version_source(dialect: VLLMDialect) -> str:
+    """Where a completion's version came from when the server does not report it."""
+    return "weight_info" if dialect.weight_version_routes else "client"
+
+
+def completion_result(url: str, answer: Any) -> GenerateResult:
+    """The :class:`GenerateResult` of a ``/v1/completions`` answer's first choice; its
+    ``weight_version`` is the last ``weight_versions`` span's (0.33, when asked), else None
+    (:func:`with_read_version` adds the one read around the request)."""
+    choices = answer.get("choices") if isinstance(answer, Mapping) else None
+    if not choices or not isinstance(choices[0], Mapping):
+        raise EngineOperationFailed(url, COMPLETIONS_PATH, 200, f"no choices in answer: {answer!r}")
+    assert isinstance(answer, Mapping)
+    choice = choices[0]
+    meta: dict[str, Any] = {k: v for k, v in answer.items() if k != "choices"}
+    reason = choice.get("finish_reason")
+    spans = choice.get("weight_versions")
+    version = None
+    lp = choice.get("logprobs")
+    if isinstance(lp, Mapping):  # asked for with "logprobs": k
+        meta["logprobs"] = lp  # {tokens, token_logprobs, top_logprobs, ...}
+    if isinstance(spans, list) and spans and isinstance(spans[-1], Mapping):
+        version = spans[-1].get("version")
+        meta["weight_versions"] = spans
+    token_lps = lp.get("token_logprobs") if isinstance(lp, Mapping) else None
+    return GenerateResult(
+        text=str(choice.get("text", "")),
+        output_ids=[int(t) for t in choice.get("token_ids") or []],
+        weight_version=None if version is None else str(version),
+        finish_reason=None if reason is None else str(reason),
+        meta_info=meta,
+        output_logprobs=(
+            None
+            if not isinstance(token_lps, Sequence)
+            else tuple(None if v is None else float(v) for v in token_lps)
+        ),
+    )
+
+
+def with_read_version(
+    result: GenerateResult, version: str | None, exact: bool, dialect: VLLMDialect
+) -> GenerateResult:
+    """``result`` of a server that reports no version (0.32, 0.26), with the version read
+    around the request (``meta_info``: ``weight_version_source``, ``weight_version_exact``)."""
+    meta = {
+        **result.meta_info,
+        "weight_version_source": _version_source(dialect),
+        "weight_version_exact": exact,
+    }
+    return replace(result, weight_version=None if version is None else str(version), meta_info=meta)
+
+
+def with_read_version_delta(
+    delta: StreamDelta, produced: int, version: str | None, exact: bool, dialect: VLLMDialect
+) -> StreamDelta:
+    """The last ``delta`` of a stream of ``produced`` tokens from a server that reports no
+    version, with the version read around it (a span over the whole output when exact)."""
+    spans = (WeightSpan(str(version), 0, produced),) if exact and produced else ()
+    meta = {**delta.meta, "weight_version_source": _version_source(dialect)}
+    meta["weight_version_exact"] = exact
+    return replace(
+        delta, weight_version=None if version is None else str(version), spans=spans, meta=meta
+    )
 
 
 def _only_group(operation: str, group_name: str) -> None:

@@ -1,4 +1,4 @@
-"""The vLLM releases ``VLLMClient`` speaks, and how it makes a 0.32 server look like 0.33.
+"""The vLLM releases ``VLLMClient`` speaks, and how it makes 0.26 and 0.32 servers look like 0.33.
 
 Owns two things the client needs per server:
 
@@ -12,16 +12,27 @@ Owns two things the client needs per server:
   whether the weight version it read from ``/weight_info`` is the one that produced a
   completion (0.32 completions carry no ``weight_versions``).
 
-================================  ==============================  ==============================
-fact                              vLLM 0.32.0                     vLLM 0.33.0
-================================  ==============================  ==============================
-``weight_versions`` in            absent: the client reads        per choice with
-completions                       ``GET /weight_info``            ``return_weight_versions``
-new request while paused          queued until ``/resume``        503 (``engine_paused``,
-(``abort``/``wait``)                                              retryable)
-``update_info`` lists             required                        default ``[]``
-``skip_special_tokens`` default   true                            generation config, else true
-================================  ==============================  ==============================
+What differs (0.26.0 / 0.32.0 / 0.33.0):
+
+* ``weight_versions`` in completions: absent (the client keeps the label) / absent (the client
+  reads ``GET /weight_info``) / per choice with ``return_weight_versions``;
+* ``/update_weight_version`` and ``/weight_info``: absent (the label is the client's) / present
+  / present;
+* ``/weight_checker``: absent (check with ``rollsafe.probe``) / present / present;
+* ``/shutdown_weight_transfer_engine``: absent (the group lives until the next init) / present
+  / present;
+* ``/finish_weight_update`` body: none / ``{weight_version?}`` / ``{weight_version?}``;
+* NCCL ``packed`` settings: in every ``update_info`` / ``init_info`` / ``init_info``;
+* a new request while paused (``abort``/``wait``): queued until ``/resume`` / queued / 503
+  (``engine_paused``, retryable);
+* ``update_info`` lists: required / required / default ``[]``;
+* ``skip_special_tokens`` default: true / true / the generation config, else true;
+* ``/sleep`` levels: 0, 1, 2 on all three.
+
+vLLM 0.26.0 keeps no weight version at all: :class:`~rollsafe.adapters.engines.VLLMClient`
+keeps the label itself (set by the update that carried it, or by ``update_weight_version``,
+which sends nothing there), and the same reasoning as for 0.32's ``/weight_info`` makes it the
+version of a completion: the label changes only through this client, with generation paused.
 
 Why reading ``/weight_info`` is correct (:func:`read_version_holds`): rollsafe changes an
 engine's weights and their label only through the client that routes to it, with generation
@@ -35,16 +46,23 @@ request ran before the pause (a paused engine answers a queued request only afte
 change without a pause, overlapped the request) the client reads the version again after the
 answer: equal versions mean no change happened; different ones cannot be split into spans as
 0.33 does, and the result is marked ``weight_version_exact=False``.
+
+Those reads are written once, as steps (:data:`VersionSteps`: generators that yield where they
+need the engine's version read and receive it), so the blocking client runs them with
+:func:`run_steps` and the asyncio companion with an awaited read, around the same
+:class:`PauseLedger`.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rollsafe.adapters.engines.contract import PINNED_VERSIONS, load_contract
 
-__all__ = ["PauseLedger", "VLLMDialect", "read_version_holds"]
+__all__ = ["PauseLedger", "VLLMDialect", "VersionSteps", "read_version_holds", "run_steps"]
 
 #: vLLM ``/pause`` modes in which 0.33 answers new requests with 503 (``keep`` queues them)
 REFUSING_MODES = frozenset({"abort", "wait"})
@@ -66,6 +84,19 @@ class VLLMDialect:
     update_info_lists_required: bool = False
     #: ``CompletionRequest.skip_special_tokens`` default (None: the server's generation config)
     skip_special_tokens_default: bool | None = None
+    #: ``/update_weight_version`` and ``/weight_info`` exist (0.32+; 0.26: the client keeps
+    #: the label)
+    weight_version_routes: bool = True
+    #: ``/weight_checker`` exists (0.32+; 0.26: weights are checked with ``rollsafe.probe``)
+    weight_checker: bool = True
+    #: ``/shutdown_weight_transfer_engine`` exists (0.32+)
+    shutdown_route: bool = True
+    #: ``/finish_weight_update`` takes ``{weight_version}`` (0.32+; 0.26: no body)
+    finish_takes_version: bool = True
+    #: where the NCCL packing settings go: ``"init_info"`` (0.32+) or ``"update_info"`` (0.26)
+    packed_in: str = "init_info"
+    #: the ``/sleep`` levels the release documents
+    sleep_levels: tuple[int, ...] = (0, 1, 2)
 
     @classmethod
     def of(cls, version: str | None = None, server_version: str | None = None) -> VLLMDialect:
@@ -79,6 +110,12 @@ class VLLMDialect:
             pause_queues_new_requests=facts["paused_new_requests"] == "queued",
             update_info_lists_required=bool(facts["update_info_lists_required"]),
             skip_special_tokens_default=facts["skip_special_tokens_default"],
+            weight_version_routes=bool(facts.get("weight_version_routes", True)),
+            weight_checker=bool(facts.get("weight_checker", True)),
+            shutdown_route=bool(facts.get("shutdown_weight_transfer_engine", True)),
+            finish_takes_version=bool(facts.get("finish_weight_update_takes_version", True)),
+            packed_in=str(facts.get("packed_in", "init_info")),
+            sleep_levels=tuple(int(x) for x in facts.get("sleep_levels", (0, 1, 2))),
         )
 
 
@@ -106,6 +143,24 @@ def read_version_holds(before: Mark, after: Mark) -> bool:
         and after.resumes == before.resumes
         and after.unpaused_changes == before.unpaused_changes
     )
+
+
+_T = TypeVar("_T")
+
+#: Steps that read the engine's weights version where they yield (the read's result is sent
+#: back in) and return their outcome.
+VersionSteps = Generator[None, "str | None", _T]
+
+
+def run_steps(steps: VersionSteps[_T], read: Callable[[], str | None]) -> _T:
+    """Run ``steps`` to the end, answering each of its yields with ``read()``."""
+    try:
+        next(steps)
+        while True:
+            steps.send(read())
+    except StopIteration as stop:
+        result: _T = stop.value
+        return result
 
 
 class PauseLedger:

@@ -23,9 +23,9 @@ reports (:func:`vllm_checker_answer`): vLLM's parameter names (fused ``qkv_proj`
 the linear weights, exactly as a real CPU vLLM answers; a trainer's HF digests do not compare
 with them directly (:mod:`rollsafe.engine_layout`, :mod:`rollsafe.digest_check`).
 
-Stricter than upstream, on purpose (the suite must not pass where a real engine would fail):
-unknown body keys and values outside a field's domain are a 400 naming them (SGLang ignores
-nothing here either way; vLLM's FastAPI ignores unknown keys).
+Unknown body keys are what the imitated release does with them (both ignore them: SGLang's
+``CheckWeightsReqInput`` parse and vLLM's named ``Body`` parameters drop them, recorded in the
+contracts); values outside a field's domain are a 400 naming them.
 
 The SGLang checker differs in what a rank's entry covers: the reference engine's trunk is
 replicated and its ``lm_head`` rows are split across ranks in its own (not SGLang's) layout, so
@@ -41,7 +41,7 @@ from typing import Any
 from aiohttp import web
 
 from rollsafe.adapters.reference_engine.errors import BadRequest
-from rollsafe.adapters.reference_engine.server import await_future, ctx_of, parse_json, read_body
+from rollsafe.adapters.reference_engine.server import await_future, ctx_of, request_body
 from rollsafe.checksum import overall_checksum, per_engine_checksum
 from rollsafe.engine_layout import (
     EMPTY_SHA256,
@@ -65,16 +65,6 @@ SGLANG_KEYS = (
 )
 VLLM_ACTIONS = ("checksum", "reset", "compare")
 VLLM_KEYS = ("action", "baseline")
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await read_body(request)
-    if not raw.strip():
-        return {}
-    body = parse_json(raw)
-    if not isinstance(body, dict):
-        raise BadRequest(f"JSON body must be an object, got {type(body).__name__}")
-    return body
 
 
 def _unknown(body: dict[str, Any], allowed: tuple[str, ...], path: str) -> None:
@@ -114,7 +104,7 @@ async def weights_checker(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     engine = ctx.engine
     try:
-        action, skip, selector = _sglang_request(await _body(request))
+        action, skip, selector = _sglang_request(await request_body(request))
         if selector == "draft":  # no draft runner: nothing ran, nothing to report
             return web.json_response({"success": True, "message": "Success."})
         if action == "snapshot":
@@ -190,7 +180,7 @@ async def weight_checker(request: web.Request) -> web.Response:
     """vLLM ``/weight_checker``: checksum | reset | compare (``baseline``)."""
     engine = ctx_of(request).engine
     try:
-        body = await _body(request)
+        body = await request_body(request)
         _unknown(body, VLLM_KEYS, "/weight_checker")
     except BadRequest as exc:
         return _vllm_error(str(exc), "body")

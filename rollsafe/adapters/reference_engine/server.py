@@ -1,8 +1,10 @@
 """HTTP plumbing shared by both dialects of the reference engine.
 
-Owns the aiohttp application around a :class:`ReferenceEngine`: JSON body parsing with unknown
-key rejection (hostile JSON -- NaN, 1e400, lone surrogates, deep nesting -- is a named 400;
-:func:`parse_json` is :mod:`rollsafe.wire.strict_json` with the real engines' options), the
+Owns the aiohttp application around a :class:`ReferenceEngine`: JSON body parsing checked
+against the imitated release's contract, unknown keys treated as that release treats them
+(:func:`contract_middleware`, :func:`read_json`; hostile JSON -- NaN, 1e400, lone surrogates,
+deep nesting -- is a named 400; :func:`parse_json` is :mod:`rollsafe.wire.strict_json` with the
+real engines' options), the
 request limits (:class:`ServerLimits`: body size checked against ``Content-Length`` before
 reading (413), bytes of bodies in flight across connections (503), body read and idle timeouts
 (408), prompts and new tokens per request (400), concurrent generations (503), connections,
@@ -23,6 +25,7 @@ import ctypes
 import dataclasses
 import hmac
 import json
+import logging
 import math
 import os
 import sys
@@ -31,7 +34,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from aiohttp import web
 
@@ -57,6 +60,11 @@ from rollsafe.adapters.reference_engine.errors import (
 from rollsafe.adapters.reference_engine.faults import FaultInjector
 from rollsafe.adapters.reference_engine.profiling import PROFILE, profile_line
 from rollsafe.wire.strict_json import BadJSON, loads_bounded
+
+if TYPE_CHECKING:
+    from rollsafe.adapters.engines.contract import EngineContract
+
+_log = logging.getLogger("rollsafe.reference_engine")
 
 __all__ = [
     "ServerContext",
@@ -258,16 +266,31 @@ async def _read_pieces(
 async def read_json(
     request: web.Request, *, allowed: Iterable[str], required: Iterable[str] = ()
 ) -> dict[str, Any]:
-    """Parse a JSON object body; reject unknown keys and missing required keys (HTTP 400)."""
-    body: Any = request.get(_PARSED_BODY)  # parsed once already by the contract check
-    if body is None:
-        raw = await read_body(request)
-        body = {} if not raw.strip() else parse_json(raw)
-    if not isinstance(body, dict):
-        raise BadRequest(f"JSON body must be an object, got {type(body).__name__}")
+    """Parse a JSON object body: the keys the handler implements (``allowed``), every required
+    one present (else a 400 naming it).
+
+    On a route of the imitated release's contract (checked by :func:`contract_middleware`),
+    the other keys are what that release does with them: one its request model does not
+    declare is dropped (logged at debug level where the release logs it, as vLLM's
+    ``/v1/completions`` does); one it declares but the reference engine does not implement is
+    dropped at the release's default value (it has no effect there) and refused otherwise, a
+    400 naming the key. Elsewhere (the engine's own routes) any other key is a 400."""
+    body = await request_body(request)
     allowed_set = set(allowed)
+    contract = request.get(_CONTRACT)
     unknown = sorted(set(body) - allowed_set)
-    if unknown:
+    if unknown and contract is not None:
+        body = {k: v for k, v in body.items() if k in allowed_set or not _no_effect(request, k, v)}
+        unknown = sorted(set(body) - allowed_set)
+        if unknown:
+            key = unknown[0]
+            has, default = contract.body_default(request.path, key)
+            only = f"; only its default {default!r} is accepted" if has else ""
+            raise BadRequest(
+                f"key {key!r} for {request.path}: {contract.label} knows it but the reference "
+                f"engine does not implement it{only}; implemented: {sorted(allowed_set)}"
+            )
+    elif unknown:
         raise BadRequest(
             f"unknown key {unknown[0]!r} for {request.path}; allowed: {sorted(allowed_set)}"
         )
@@ -275,6 +298,45 @@ async def read_json(
         if key not in body or body[key] is None:
             raise BadRequest(f"missing required key {key!r} for {request.path}")
     return body
+
+
+async def request_body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object body (``{}`` when empty; a 400 when not an object), without
+    the top-level keys the imitated release does not declare for this route: it drops them
+    (``ignore``) or keeps them unread (``allow``, ``allow_and_log``: logged here at debug level
+    as vLLM logs them), so no handler sees them. On a route outside the contract the body is
+    returned as sent."""
+    body: Any = request.get(_PARSED_BODY)  # parsed once already by the contract check
+    if body is None:
+        raw = await read_body(request)
+        body = {} if not raw.strip() else parse_json(raw)
+    if not isinstance(body, dict):
+        raise BadRequest(f"JSON body must be an object, got {type(body).__name__}")
+    contract: EngineContract | None = request.get(_CONTRACT)
+    if contract is None:
+        return body
+    known = contract.body_fields(request.path)
+    dropped = sorted(k for k in body if k not in known)
+    if not dropped:
+        return body
+    if contract.unknown_key_policy(request.path) == "allow_and_log":
+        _log.debug("The following fields were present in the request but ignored: %s", set(dropped))
+    return {k: v for k, v in body.items() if k in known}
+
+
+def _no_effect(request: web.Request, key: str, value: Any) -> bool:
+    """Whether ``value`` of the body key ``key`` is what the imitated release assumes when the
+    key is left out (null, or the request model's default): then a handler that does not
+    implement the key serves the request as that release would."""
+    if value is None:
+        return True
+    contract: EngineContract = request[_CONTRACT]
+    has, default = contract.body_default(request.path, key)
+    if not has:
+        return False
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    return bool(value == default)
 
 
 def ok(message: str, **extra: Any) -> web.Response:
@@ -658,16 +720,21 @@ class _MemoryTrimmer:
 
 
 _PARSED_BODY = "rollsafe.json_body"
+_CONTRACT = "rollsafe.contract"  # the contract the request was checked against
 #: routes the reference engine serves on top of its dialect (fault injection, its own info)
-_OWN_ROUTES = ("/get_server_info", "/fault/")
+_OWN_ROUTES = ("/get_server_info", "/server_info", "/fault/")
+#: the SGLang release the ``sglang`` dialect imitates (reported as ``"version"``)
+SGLANG_VERSION = "0.5.23"
 
 
 def contract_middleware(dialect: str, version: str | None = None) -> Callable[..., Any]:
-    """Refuse, with a 400 naming every offending key, what the upstream release would not
-    understand (``rollsafe/adapters/engines/contracts``): unknown routes, methods, body keys,
-    query parameters, missing keys, wrong types, values outside a literal domain. Stricter than
-    upstream where upstream silently ignores a key (docs/engines.md lists where). ``version``
-    picks that release's committed contract, the pinned one when none is committed for it."""
+    """Refuse, with a 400 naming every offending key, what the imitated release refuses
+    (``rollsafe/adapters/engines/contracts``): unknown routes and methods, missing keys, wrong
+    types, values outside a literal domain, and unknown keys where the release rejects them
+    (SGLang's ``sampling_params``, vLLM's ``init_info``); unknown keys it ignores or only logs
+    pass, and :func:`read_json` drops them before a handler sees the body (docs/engines.md,
+    "Unknown keys"). ``version`` picks that release's committed contract, the pinned one when
+    none is committed for it."""
     from rollsafe.adapters.engines.contract import load_contract
 
     engine: Literal["sglang", "vllm"] = "sglang" if dialect == "sglang" else "vllm"
@@ -681,16 +748,24 @@ def contract_middleware(dialect: str, version: str | None = None) -> Callable[..
         path = request.path
         if path.startswith(_OWN_ROUTES) or path not in contract.routes():
             return await handler(request)
-        raw = await read_body(request)
-        body: Any = parse_json(raw) if raw.strip() else None
+        body: Any = None
+        if contract.route(path)["body"] is None:
+            # the release's handler declares no body: it never reads one, whatever it holds
+            request[_PARSED_BODY] = {}
+        else:
+            raw = await read_body(request)
+            body = parse_json(raw) if raw.strip() else None
         query: dict[str, Any] = {}
         for key in request.query:
             values = request.query.getall(key)
             query[key] = values if len(values) > 1 else values[0]
         if body is not None:
             request[_PARSED_BODY] = body
+        request[_CONTRACT] = contract
         try:
-            problems = contract.check_request(request.method, path, query=query, body=body)
+            problems = contract.check_request(
+                request.method, path, query=query, body=body, unknown_keys="upstream"
+            )
         except RecursionError as exc:
             raise BadRequest("malformed JSON body: nested too deeply") from exc
         problems = [p for p in problems if not _worker_checked(dialect, path, p.where)]
@@ -775,6 +850,8 @@ async def server_info(request: web.Request) -> web.Response:
             "healthy": e.health() is None,
             "poisoned": e.poisoned,
             "vllm_version": ctx.vllm.version if ctx.dialect == "vllm" else None,
+            # SGLang's /server_info reports its release as "version": the one imitated here
+            "version": SGLANG_VERSION if ctx.dialect == "sglang" else ctx.vllm.version,
             "pid": os.getpid(),
         }
     )
@@ -813,11 +890,14 @@ def build_app(
     app[LIMITS_KEY] = limits
     app[BUDGET_KEY] = BodyBudget(limits.max_inflight_body_bytes)
     app.add_routes([web.get("/get_server_info", server_info), *faults.routes()])
+    if ctx.dialect == "sglang":  # SGLang's newer name of the same route
+        app.add_routes([web.get("/server_info", server_info)])
     if ctx.dialect == "vllm":
         app.add_routes([web.get("/health", health)])  # vLLM: pause does not affect it
     from rollsafe.adapters.reference_engine import checker_api
 
-    app.add_routes(checker_api.routes(ctx.dialect))  # /weights_checker or /weight_checker
+    if ctx.dialect == "sglang" or ctx.vllm.weight_checker:  # vLLM 0.26.0 has none
+        app.add_routes(checker_api.routes(ctx.dialect))  # /weights_checker or /weight_checker
     if ctx.dialect == "sglang":
         from rollsafe.adapters.reference_engine import sglang_api
 
@@ -825,7 +905,7 @@ def build_app(
     elif ctx.dialect == "vllm":
         from rollsafe.adapters.reference_engine import vllm_api
 
-        app.add_routes(vllm_api.routes())
+        app.add_routes(vllm_api.routes(ctx.vllm))
     else:
         raise ValueError(f"dialect must be 'sglang' or 'vllm', got {ctx.dialect!r}")
     return app

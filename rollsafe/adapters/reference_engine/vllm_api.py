@@ -1,6 +1,6 @@
 """vLLM-dialect endpoints of the reference engine, mapped onto the same engine.
 
-Imitates vLLM 0.32.0 (default) or 0.33.0 (``--vllm-version``; what differs:
+Imitates vLLM 0.32.0 (default), 0.33.0 or 0.26.0 (``--vllm-version``; what differs:
 :mod:`.dialects`), failures included: a reload or an update that fails inside
 ``/start_weight_update`` .. ``/finish_weight_update`` answers vLLM's worker 500
 (:class:`~.errors.WorkerFailed`, the connection dropped) and poisons the engine, whose next
@@ -31,8 +31,9 @@ base by content: ``rollsafe.policy.EngineTraits``); vLLM's own backends do not.
 Packed transfers are received as vLLM's ``packed_nccl_broadcast_consumer`` cuts them: uint8
 chunks of whole tensors, a chunk closed once it exceeds ``packed_buffer_size_bytes``
 (:func:`~rollsafe.adapters.reference_engine.weights.packed_chunks`); unpacked ones as one
-broadcast per tensor. Unknown keys are refused with a 400 naming them, also where vLLM ignores
-them (a body sent to ``/start_weight_update``).
+broadcast per tensor. Unknown keys are what vLLM does with them (the contract records it per
+route): ignored on the RL and dev routes (a body sent to ``/start_weight_update`` too), kept and
+logged on ``/v1/completions``, refused inside ``init_info`` and ``update_info``.
 
 The rendezvous is rollsafe's ``TCPStore`` + ``torch.distributed`` stand-in for vLLM's
 ``StatelessProcessGroup`` + PyNccl (a documented gap); its keys are prefixed with a group name,
@@ -339,28 +340,57 @@ async def models(request: web.Request) -> web.Response:
     )
 
 
+_SLEEP0 = "vllm_sleep_level0"  # key of ServerContext.extra: scheduling paused by /sleep?level=0
+
+
 async def sleep(request: web.Request) -> web.Response:
-    body = await read_json(request, allowed={"level", "mode"})
-    level = int(request.query.get("level", body.get("level", 1)))
-    if level not in (1, 2):
-        raise BadRequest(f"sleep level must be 1 or 2, got {level}")
+    """``/sleep?level=`` (vLLM: 0 pauses scheduling only, 1 offloads the weights to host
+    memory and drops the KV cache, 2 discards both). The level is read from the query only,
+    as vLLM does (a body is never read)."""
+    ctx = ctx_of(request)
+    await read_json(request, allowed=set())
+    raw = request.query.get("level", "1")
+    try:
+        level = int(raw)
+    except ValueError:
+        raise BadRequest(f"sleep level must be an integer, got {raw!r}") from None
+    if level not in (0, 1, 2):
+        raise BadRequest(f"sleep level must be 0, 1 or 2, got {level}")
+    if level == 0:
+        mode = request.query.get("mode", "abort")
+        if mode not in _PAUSE_MAP:
+            raise BadRequest(f"sleep mode must be one of {sorted(_PAUSE_MAP)}, got {mode!r}")
+        await await_future(ctx.engine.pause(_PAUSE_MAP[mode]))
+        ctx.extra[_SLEEP0] = True
+        return ok("sleeping (level 0: scheduling paused)")
     # level 1 keeps a host copy of the weights (restored by wake_up); level 2 discards them
-    await await_future(ctx_of(request).engine.release(["weights", "kv_cache"], backup=level == 1))
+    await await_future(ctx.engine.release(["weights", "kv_cache"], backup=level == 1))
     return ok(f"sleeping (level {level})")
 
 
 async def wake_up(request: web.Request) -> web.Response:
-    body = await read_json(request, allowed={"tags"})
-    tags = request.query.getall("tags", []) or body.get("tags") or ["weights", "kv_cache"]
-    bad = [t for t in tags if t not in ("weights", "kv_cache")]
+    """``/wake_up?tags=`` (all when none; vLLM's ``scheduling`` tag ends a level-0 sleep)."""
+    ctx = ctx_of(request)
+    await read_json(request, allowed=set())
+    asked = request.query.getall("tags", [])
+    bad = [t for t in asked if t not in ("weights", "kv_cache", "scheduling")]
     if bad:
-        raise BadRequest(f"unknown wake_up tag {bad[0]!r}; allowed: ['weights', 'kv_cache']")
-    await await_future(ctx_of(request).engine.resume_memory(list(tags)))
-    return ok(f"awake ({', '.join(tags)})")
+        raise BadRequest(
+            f"unknown wake_up tag {bad[0]!r}; allowed: ['weights', 'kv_cache', 'scheduling']"
+        )
+    tags = [t for t in asked if t != "scheduling"] if asked else ["weights", "kv_cache"]
+    if tags:
+        await await_future(ctx.engine.resume_memory(list(tags)))
+    if ctx.extra.get(_SLEEP0) and not ctx.engine.released_tags:
+        ctx.extra.pop(_SLEEP0, None)
+        ctx.engine.resume_generation()  # vLLM resumes scheduling once all memory is back
+    return ok(f"awake ({', '.join(asked or tags)})")
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
-    return web.json_response({"is_sleeping": bool(ctx_of(request).engine.released_tags)})
+    ctx = ctx_of(request)
+    asleep = bool(ctx.engine.released_tags) or bool(ctx.extra.get(_SLEEP0))
+    return web.json_response({"is_sleeping": asleep})
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
@@ -468,6 +498,16 @@ _INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size", *INI
 _TRANSFER = "vllm_weight_transfer"  # key of ServerContext.extra: init info, last metadata
 
 
+def _packing(info: dict[str, Any], where: str) -> tuple[bool, int]:
+    """``(packed, chunk bytes)`` of an ``init_info`` (0.32+) or ``update_info`` (0.26)."""
+    packed = want(info, "packed", bool, INIT_INFO_DEFAULTS["packed"])
+    chunk = want(info, "packed_buffer_size_bytes", int, INIT_INFO_DEFAULTS[_CHUNK])
+    buffers = want(info, "packed_num_buffers", int, INIT_INFO_DEFAULTS["packed_num_buffers"])
+    if chunk < 1 or buffers < 1:
+        raise BadRequest(f"{where}packed_buffer_size_bytes and packed_num_buffers must be >= 1")
+    return packed, chunk
+
+
 async def init_weight_transfer_engine(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     body = await read_json(request, allowed={"init_info"}, required=("init_info",))
@@ -477,18 +517,15 @@ async def init_weight_transfer_engine(request: web.Request) -> web.Response:
             "init_info.nccl_unique_id_b64: the reference engine joins by TCPStore rendezvous "
             "only (master_address + master_port)"
         )
-    unknown = sorted(set(info) - _INIT_KEYS)
+    keys = _INIT_KEYS - set(INIT_INFO_DEFAULTS) if ctx.vllm.packed_per_update else _INIT_KEYS
+    unknown = sorted(set(info) - keys)
     if unknown:
-        raise BadRequest(f"unknown init_info key {unknown[0]!r}; allowed: {sorted(_INIT_KEYS)}")
+        raise BadRequest(f"unknown init_info key {unknown[0]!r}; allowed: {sorted(keys)}")
     for key in ("master_address", "master_port", "rank_offset", "world_size"):
         if key not in info:
             raise BadRequest(f"missing init_info key {key!r}")
     group = check_group_args(info, ctx.engine.ranks.world_size, where="init_info.")
-    packed = want(info, "packed", bool, INIT_INFO_DEFAULTS["packed"])
-    chunk = want(info, "packed_buffer_size_bytes", int, INIT_INFO_DEFAULTS[_CHUNK])
-    buffers = want(info, "packed_num_buffers", int, INIT_INFO_DEFAULTS["packed_num_buffers"])
-    if chunk < 1 or buffers < 1:
-        raise BadRequest("init_info.packed_buffer_size_bytes and packed_num_buffers must be >= 1")
+    packed, chunk = _packing(info, "init_info.")
     if WEIGHT_TRANSFER_GROUP in ctx.engine.ranks.local.weight_groups:
         await await_future(ctx.engine.destroy_group(WEIGHT_TRANSFER_GROUP))
     ctx.extra[_TRANSFER] = {}
@@ -507,10 +544,9 @@ async def init_weight_transfer_engine(request: web.Request) -> web.Response:
 
 
 async def _no_body(request: web.Request) -> None:
-    """Routes that take no body: upstream ignores one, the reference engine refuses it."""
-    body = await read_json(request, allowed=set())
-    if body:
-        raise BadRequest(f"{request.path} takes no body; got keys {sorted(body)}")
+    """Routes that take no body: vLLM never reads one, so any body is ignored (it is still
+    read and parsed: malformed JSON is a 400, as the contract check reads every body)."""
+    await read_json(request, allowed=set())
 
 
 async def start_weight_update(request: web.Request) -> web.Response:
@@ -534,15 +570,22 @@ _UPDATE_KEYS = ("names", "dtype_names", "shapes")
 def _update_meta(ctx: ServerContext, info: dict[str, Any]) -> Any:
     """The call's ``(name, shape, dtype)`` list, or None for a call that receives nothing;
     a :class:`BadRequest` where vLLM's ``parse_update_info`` / ``load_weights`` would fail."""
-    unknown = sorted(set(info) - set(_UPDATE_KEYS))
+    keys = set(_UPDATE_KEYS) | (set(INIT_INFO_DEFAULTS) if ctx.vllm.packed_per_update else set())
+    unknown = sorted(set(info) - keys)
     if unknown:
+        where = (
+            "packing comes with each update_info, and 0.26.0 keeps no weight version"
+            if ctx.vllm.packed_per_update
+            else "packing is set by /init_weight_transfer_engine, the version by "
+            "/finish_weight_update or /update_weight_version"
+        )
         raise WeightUpdateError(
             f"Invalid update_info for NCCLWeightTransferEngine: unexpected keyword argument "
-            f"{unknown[0]!r} (the nccl update_info has only {list(_UPDATE_KEYS)}; packing is set "
-            "by /init_weight_transfer_engine, the version by /finish_weight_update or "
-            "/update_weight_version)"
+            f"{unknown[0]!r} (the nccl update_info has only {sorted(keys)}; {where})"
         )
     state = ctx.extra.setdefault(_TRANSFER, {})
+    if ctx.vllm.packed_per_update:  # 0.26.0: this call's packing
+        state["packed"], state["chunk"] = _packing(info, "update_info.")
     if ctx.vllm.update_lists_required:
         missing = [k for k in _UPDATE_KEYS if k not in info]
         if missing:
@@ -604,6 +647,7 @@ async def update_weights(request: web.Request) -> web.Response:
 async def finish_weight_update(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     body = await read_json(request, allowed={"weight_version"})
+    # 0.26.0 declares no body here: read_json left none, the version never changes
     version = want(body, "weight_version", str, None)
     engine = ctx.engine
     if not engine.update_in_progress:
@@ -651,7 +695,24 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": ctx_of(request).vllm.version})
 
 
-def routes() -> list[web.RouteDef]:
+#: routes vLLM 0.26.0 does not have (:attr:`~.dialects.VLLMRelease.weight_version_routes`,
+#: ``shutdown_route``)
+_VERSION_ROUTES = ("/update_weight_version", "/weight_info")
+_SHUTDOWN_ROUTE = "/shutdown_weight_transfer_engine"
+
+
+def routes(release: Any = None) -> list[web.RouteDef]:
+    """The routes of the imitated vLLM ``release`` (a :class:`~.dialects.VLLMRelease`; every
+    route when None)."""
+    absent: set[str] = set()
+    if release is not None and not release.weight_version_routes:
+        absent.update(_VERSION_ROUTES)
+    if release is not None and not release.shutdown_route:
+        absent.add(_SHUTDOWN_ROUTE)
+    return [r for r in _all_routes() if getattr(r, "path", None) not in absent]
+
+
+def _all_routes() -> list[web.RouteDef]:
     return [
         web.post("/v1/completions", completions),
         web.get("/v1/models", models),

@@ -187,8 +187,9 @@ def wait_for_http_ready(attempt: StartAttempt, url: str) -> dict[str, Any]:
     with httpx.Client(base_url=url, headers=headers, verify=ssl_context(), trust_env=False) as http:
         info, info_path = _poll_until_ready(attempt, http, deadline)
         weight_version = info.get("weight_version")
+        source = "engine"
         if spec.kind == "vllm" and spec.weight_version is not None:
-            weight_version = _set_vllm_weight_version(attempt, http, deadline)
+            weight_version, source = _set_vllm_weight_version(attempt, http, deadline)
     return {
         "url": url,
         "pid": attempt.proc.pid,
@@ -197,6 +198,7 @@ def wait_for_http_ready(attempt: StartAttempt, url: str) -> dict[str, Any]:
         "kind": spec.kind,
         "dialect": spec.dialect,
         "weight_version": weight_version,
+        "weight_version_source": source,
         "health_path": READINESS_PATHS[spec.kind][0],
         "info_path": info_path,
         "info": info,
@@ -256,10 +258,34 @@ def _poll_until_ready(
         time.sleep(min(READY_POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
 
 
-def _set_vllm_weight_version(attempt: StartAttempt, http: httpx.Client, deadline: float) -> str:
-    """vLLM 0.33.0 takes no weight version at start: ``POST /update_weight_version``
-    (a dev-mode route, ``vllm/entrypoints/rl/online/api_router.py``) sets it."""
+def _serves_weight_version(http: httpx.Client, deadline: float) -> bool:
+    """Whether the vLLM release behind ``http`` has ``/update_weight_version`` (0.32+; 0.26
+    has none: its client keeps the label), read from its ``GET /version`` and the committed
+    contracts. A server that does not say (no ``/version``, an unknown version) is assumed to
+    have it, as ``VLLMClient`` assumes the pinned release."""
+    from rollsafe.adapters.engines.contract import UnsupportedVersion, contract_version_for
+    from rollsafe.adapters.engines.vllm_dialect import VLLMDialect
+
+    try:
+        answer = http.get("/version", timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+        reported = answer.json().get("version") if answer.status_code == 200 else None
+        if not isinstance(reported, str):
+            return True
+        return VLLMDialect.of(contract_version_for("vllm", reported)).weight_version_routes
+    except (httpx.HTTPError, ValueError, AttributeError, UnsupportedVersion):
+        return True
+
+
+def _set_vllm_weight_version(
+    attempt: StartAttempt, http: httpx.Client, deadline: float
+) -> tuple[str, str]:
+    """vLLM takes no weight version at start: ``POST /update_weight_version`` (a dev-mode
+    route, ``vllm/entrypoints/rl/online/api_router.py``) sets it; vLLM 0.26.0 has no such
+    route, so there the label is the client's (``VLLMClient.update_weight_version``, nothing
+    sent). Returns ``(version, source)``: ``"engine"`` or ``"client"``."""
     version = str(attempt.spec.weight_version)
+    if not _serves_weight_version(http, deadline):
+        return version, "client"
     path = "/update_weight_version"
     try:
         resp = http.post(
@@ -276,4 +302,4 @@ def _set_vllm_weight_version(attempt: StartAttempt, http: httpx.Client, deadline
             f"POST {path} answered {resp.status_code} after the engine was ready (is "
             f"VLLM_SERVER_DEV_MODE=1 set?): {resp.text[:500]!r}"
         )
-    return version
+    return version, "engine"

@@ -1,0 +1,325 @@
+"""``benchmarks/bench_gateway.py`` and its parts (``benchmarks/gateway/``): the stub engine's
+answers and counters (which survive a SIGKILL), the SYN counter, the command line, the summary
+arithmetic, and the ``--smoke`` run end to end on the stubs (direct and the aiohttp proxy;
+the two Rust routers too where ``make routers`` has made ``.venv-routers``). Nothing here is
+timed: the smoke run's figures are not asserted, only its checks and its shape.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_gateway.py"
+ROUTERS_PYTHON = ROOT / ".venv-routers" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_gateway", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gateway"] = module  # its dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def stub(bench: ModuleType, tmp_path: Path) -> Any:
+    engines = bench.start_stubs(tmp_path, "t", n=1)
+    yield engines[0]
+    bench.stop_all(engines)
+
+
+def _events(text: str) -> list[Any]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_stub_accepts_the_routers_extra_keys_and_counts(stub: Any) -> None:
+    with httpx.Client(base_url=stub.url) as c:
+        body = {
+            "input_ids": [1, 2],
+            "sampling_params": {"max_new_tokens": 3},
+            "model": "m",  # sglang-router's
+            "return_hidden_states": False,  # both routers'
+        }
+        r = c.post("/generate", json=body)
+        assert r.status_code == 200
+        assert r.json()["output_ids"] == [7, 7, 7]
+        assert r.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+        r = c.post(
+            "/v1/completions",
+            json={"prompt": [1], "max_tokens": 2, "no_stop_trim": True, "stream": True},
+        )
+        events = _events(r.text)
+        assert r.headers["content-type"] == "text/event-stream" and events[-1] == "[DONE]"
+        assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, "length"]
+        stats = c.get("/stub/stats").json()
+    assert stats["keys_seen"]["/generate"][:4] == [
+        "input_ids",
+        "sampling_params",
+        "model",
+        "return_hidden_states",
+    ]
+    assert "no_stop_trim" in stats["keys_seen"]["/v1/completions"]
+    c = stats["counters"]
+    assert (c["generate"], c["completions"], c["tokens_generated"], c["tokens_in_finished"]) == (
+        1,
+        1,
+        5,
+        5,
+    )
+    assert (c["streams_started"], c["streams_finished"]) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "key"),
+    [
+        (
+            "/generate",
+            {"sampling_params": {"max_new_tokens": -1}},
+            "sampling_params.max_new_tokens",
+        ),
+        (
+            "/generate",
+            {"sampling_params": {"max_new_tokens": "8"}},
+            "sampling_params.max_new_tokens",
+        ),
+        ("/v1/completions", {"max_tokens": True}, "max_tokens"),
+        ("/v1/completions", [1, 2], "body"),
+    ],
+)
+def test_stub_bad_bodies_are_400_naming_the_key(stub: Any, path: str, body: Any, key: str) -> None:
+    r = httpx.post(stub.url + path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == key
+    assert stub.read()["bad_request"] == 1 and stub.read()["tokens_generated"] == 0
+
+
+def test_stub_counters_survive_sigkill(bench: ModuleType, tmp_path: Path) -> None:
+    (eng,) = bench.start_stubs(tmp_path, "k", interval_ms=1000, n=1)
+    try:
+        with (
+            httpx.Client(base_url=eng.url, timeout=10) as c,
+            c.stream(
+                "POST",
+                "/generate",
+                json={"sampling_params": {"max_new_tokens": 50}, "stream": True},
+            ) as r,
+        ):
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(eng.proc.pid, signal.SIGKILL)
+            eng.proc.wait(10)
+            with pytest.raises(httpx.HTTPError):
+                list(lines)
+        got = eng.read()
+        assert got["streams_started"] == 1 and got["streams_finished"] == 0
+        assert got["tokens_generated"] == 1 and got["tokens_in_finished"] == 0
+    finally:
+        bench.stop_all([eng])
+
+
+def test_syn_counter_counts_refused_connections_to_its_port_only() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gateway"))
+    from fronts import free_port
+    from syn_counter import SynCounter
+
+    port, other = free_port(), free_port()
+    counter = SynCounter(port).start()
+    if counter.error:
+        pytest.skip(f"no raw socket here (needs root or CAP_NET_RAW): {counter.error}")
+    try:
+        time.sleep(0.1)
+        for p in (port, port, port, other):
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", p), timeout=2)
+        deadline = time.monotonic() + 5
+        while len(counter.times) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+    finally:
+        counter.stop()
+    assert len(counter.times) == 3
+
+
+def test_arguments(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    args = bench.parse_args([])
+    assert args.front_names[:4] == ["direct", "sglang-router", "vllm-router", "gateway"]
+    assert args.engine_kinds == ["stub", "reference"] and args.streams == 9_900
+    assert args.out == str(ROOT / "benchmarks" / "results" / "gateway_cpu.json")
+    smoke = bench.parse_args(["--smoke"])
+    assert smoke.engine_kinds == ["stub"] and smoke.streams <= 200
+    assert smoke.out != args.out and "direct" in smoke.front_names
+    for argv, says in (
+        (["--fronts", "direct,nginx"], "unknown fronts ['nginx']"),
+        (["--fronts", "sglang-router"], "must include direct"),
+        (["--engines", "tgi"], "--engines"),
+        (["--crash-at", "20"], "--crash-at"),
+        (["--concurrency", "8,x"], "--concurrency"),
+        (["--streams", "0"], "--streams must be >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            bench.parse_args(argv)
+        assert exc.value.code == 2
+        assert says in capsys.readouterr().err
+
+
+def test_summaries_take_the_best_concurrency_and_ratios_to_direct(bench: ModuleType) -> None:
+    def r(c: int, rps: float) -> dict[str, Any]:
+        return {"concurrency": c, "req_per_s": rps, "front_cpu_us_per_req": 10.0}
+
+    runs = {
+        "direct": {"generate": [r(4, 100), r(16, 200), r(4, 110), r(16, 220)]},
+        "x": {"generate": [r(4, 90), r(16, 50), r(4, 100), r(16, 60)]},
+    }
+    s = bench.summarize_throughput(runs)
+    assert s["direct"]["generate"]["best_concurrency"] == 16
+    assert s["direct"]["generate"]["best_req_per_s"] == 210
+    assert (
+        s["x"]["generate"]["best_concurrency"] == 4 and s["x"]["generate"]["best_req_per_s"] == 95
+    )
+    assert s["x"]["generate"]["vs_direct"] == round(95 / 210, 3)
+    lat = {
+        "direct": {"generate": [{"rate": 5, "p50_ms": 1.0, "p99_ms": 3.0, "failed": 0, "cut": 0}]},
+        "x": {"generate": [{"rate": 5, "p50_ms": 1.5, "p99_ms": 2.0, "failed": 0, "cut": 1}]},
+    }
+    got = bench.summarize_latency(lat)["x"]["generate"]
+    assert (got["added_p50_ms"], got["added_p99_ms"], got["failed"]) == (0.5, -1.0, 1)
+
+
+def _smoke(tmp_path: Path, fronts: str) -> dict[str, Any]:
+    out = tmp_path / "smoke.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--fronts", fronts, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(ROOT),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["failed_checks"] == [] and all(got["checks"].values())
+    return got
+
+
+def test_smoke_direct_and_proxy(tmp_path: Path) -> None:
+    got = _smoke(tmp_path, "direct,proxy-aiohttp,gateway")
+    assert (
+        set(got["unavailable"]) == {"gateway"} and "not built yet" in got["unavailable"]["gateway"]
+    )
+    tp = got["stub"]["throughput"]
+    assert set(tp) == {"direct", "proxy-aiohttp"}
+    assert set(tp["direct"]) == {"generate", "generate-stream", "completions", "completions-stream"}
+    assert tp["direct"]["generate"]["vs_direct"] == 1.0
+    assert got["open_streams"]["proxy-aiohttp"]["opened"] == 200
+    crash = got["crash"]["direct"]["generate-stream"]
+    assert crash["killed"] and crash["dead_engine_at_kill"]["in_flight"] > 0
+    assert crash["attempts_to_dead_engine"] is None or crash["attempts_to_dead_engine"] > 0
+
+
+@pytest.mark.slow
+def test_smoke_routers(tmp_path: Path) -> None:
+    if not ROUTERS_PYTHON.exists():
+        pytest.skip(".venv-routers missing: `make routers` installs sglang-router and vllm-router")
+    got = _smoke(tmp_path, "direct,sglang-router,vllm-router")
+    assert set(got["stub"]["throughput"]) == {"direct", "sglang-router", "vllm-router"}
+    for name, extra in (("sglang-router", "model"), ("vllm-router", "return_hidden_states")):
+        keys = got["crash"][name]
+        seen = next(iter(keys.values()))["keys_seen"]
+        assert any(extra in k for k in seen.values()), (name, seen)
+        wapi = got["worker_api"][name]
+        assert wapi["add"]["status"] in (200, 202) and wapi["add"]["first_request_s"] is not None
+        assert wapi["remove"]["status"] in (200, 202)
+
+
+@pytest.mark.parametrize("stack", ["aiohttp", "raw", "starlette"])
+def test_proxy_candidates_pass_answers_and_streams_through(
+    bench: ModuleType, stub: Any, tmp_path: Path, stack: str
+) -> None:
+    needs = {"aiohttp": ["aiohttp"], "raw": ["uvloop", "httptools"], "starlette": ["uvicorn"]}
+    for mod in needs[stack]:
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} missing: `pip install -e .[gateway-bench]` (make test installs it)")
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gateway"))
+    import fronts
+
+    proxy = fronts.make_front(f"proxy-{stack}", tmp_path)
+    proxy.start([stub.url])
+    try:
+        body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 3}}
+        with httpx.Client(timeout=30) as c:
+            direct = c.post(stub.url + "/generate", json=body)
+            via = c.post(proxy.url + "/generate", json=body)
+            assert (via.status_code, via.json()) == (200, direct.json())
+            streamed = c.post(proxy.url + "/generate", json={**body, "stream": True})
+            assert streamed.headers["content-type"].startswith("text/event-stream")
+            events = _events(streamed.text)
+            assert events[-1] == "[DONE]" and [e["output_ids"] for e in events[:-1]] == [
+                [7],
+                [7, 7],
+                [7, 7, 7],
+            ]
+            bad = c.post(proxy.url + "/generate", json={"sampling_params": {"max_new_tokens": -1}})
+            assert bad.status_code == 400  # the engine's answer, passed through
+        assert stub.read()["generate"] == 3 and stub.read()["bad_request"] == 1
+    finally:
+        proxy.stop()
+
+
+def test_the_gateways_targets_become_checks(bench: ModuleType) -> None:
+    def tp(rps: float) -> dict[str, Any]:
+        return {"best_req_per_s": rps}
+
+    results = {
+        "stub": {
+            "throughput": {
+                "sglang-router": {"generate": tp(1000)},
+                "vllm-router": {"completions": tp(1000)},
+                "gateway": {"generate": tp(600), "completions": tp(400)},
+            },
+            "latency": {"gateway": {"generate": {"added_p50_ms": 0.8}, "completions": {}}},
+        },
+        "crash": {"gateway": {"generate-stream": {"failed": 0, "cut": 1}}},
+        "reference": {
+            "sglang": {
+                "throughput": {
+                    "sglang-router": {"generate": tp(100)},
+                    "gateway": {"generate": tp(96)},
+                },
+                "latency": {"gateway": {"generate": {"added_p50_ms": 1.5}}},
+            },
+            "crash": {"gateway": {"generate": {"failed": 0, "cut": 0}}},
+        },
+    }
+    checks: dict[str, bool] = {}
+    bench.gateway_targets(results, checks)
+    assert checks == {
+        "target [stub] gateway generate: >= 0.5x sglang-router": True,
+        "target [stub] gateway completions: >= 0.5x vllm-router": False,
+        "target [stub] gateway generate: added p50 <= 1.0 ms": True,
+        "target [reference] gateway generate: >= 0.95x sglang-router": True,
+        "target [reference] gateway generate: added p50 <= 1.0 ms": False,
+        "target [stub] gateway crash generate-stream: 0 failed or cut": False,
+        "target [reference] gateway crash generate: 0 failed or cut": True,
+    }
+    none: dict[str, bool] = {}
+    bench.gateway_targets({"stub": results["stub"] | {"throughput": {}, "latency": {}}}, none)
+    assert none == {}  # no gateway measured: no target checked
