@@ -43,7 +43,7 @@ KINDS = ("sglang-router", "vllm-router")
 #: deadline of every wait (a hang detector, not a timing assertion)
 WAIT_S = 60.0
 #: a sync that retries fast (these tests take routers down on purpose)
-FAST = {"timeout_s": 2.0, "retry_initial_s": 0.05, "retry_max_s": 0.5}
+FAST: dict[str, Any] = {"timeout_s": 2.0, "retry_initial_s": 0.05, "retry_max_s": 0.5}
 
 
 def _require_routers() -> None:
@@ -80,7 +80,7 @@ class Stub:
 
     def served(self) -> int:
         c = stub_engine.read_counters(self.counters)
-        return c["generate"] + c["completions"]
+        return int(c["generate"] + c["completions"])
 
     def stop(self) -> None:
         fronts.kill_group(self.proc)
@@ -167,6 +167,7 @@ class Router:
 
     def send(self, n: int) -> None:
         """``n`` generation requests through the router (its own API), each answered 200."""
+        body: dict[str, Any]
         for _ in range(n):
             if self.kind == "sglang-router":
                 body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
@@ -249,7 +250,8 @@ def restart(reg: FleetRegistry, gid: str, new_url: str | None = None) -> None:
 def start_sync(
     syncs: list[RouterSync], reg: FleetRegistry, router: Router, **settings: Any
 ) -> RouterSync:
-    sync = RouterSync(reg, ExternalRouter(router.url, router.kind, **{**FAST, **settings}))
+    kind: Any = router.kind
+    sync = RouterSync(reg, ExternalRouter(router.url, kind, **{**FAST, **settings}))
     syncs.append(sync.start())
     assert sync.wait_synced(WAIT_S), sync.stats()
     return sync
@@ -280,7 +282,7 @@ def start_sync(
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(settings: dict[str, Any], key: str) -> None:
-    base = {"url": "http://127.0.0.1:30000", "kind": "sglang-router", **settings}
+    base: dict[str, Any] = {"url": "http://127.0.0.1:30000", "kind": "sglang-router", **settings}
     with pytest.raises(InvalidArgument) as info:
         ExternalRouter(**base)
     assert info.value.key == key and key in str(info.value)
