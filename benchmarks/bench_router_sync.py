@@ -288,7 +288,10 @@ def one_run(
             after_t = [t - left.at for t in arrivals.rises if t > left.at]
             out["send_returned_s"] = round(marks.get("send_returned_s", -1), 4)
             out["requests_after_transition"] = victim.arrived() - (left.arrived_then or 0)
-            out["last_request_after_transition_s"] = round(max(after_t), 3) if after_t else None
+            # the sampler sees a rise up to 5 ms late: a request that arrived just before the
+            # transition can show after it; with none counted after, there is no last one
+            late = after_t and out["requests_after_transition"] > 0
+            out["last_request_after_transition_s"] = round(max(after_t), 3) if late else None
             if sync is not None and out.get("removal_lag_s") is not None:
                 confirmed = left.at + out["removal_lag_s"]
                 out["requests_after_confirmation"] = sum(t > confirmed for t in arrivals.rises)
