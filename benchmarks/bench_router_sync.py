@@ -60,7 +60,8 @@ from syn_counter import SynCounter  # noqa: E402
 from rollsafe.adapters.engines.sglang import SGLangClient  # noqa: E402
 from rollsafe.adapters.engines.vllm import VLLMClient  # noqa: E402
 from rollsafe.fleet.health import HealthManager  # noqa: E402
-from rollsafe.gateway.router_sync import ExternalRouter, RouterSync  # noqa: E402
+from rollsafe.gateway import ExternalRouter  # noqa: E402
+from rollsafe.gateway.router_sync import RouterSync  # noqa: E402
 from rollsafe.registry import FleetListener, FleetRegistry, GroupTransition, WorkerGroup  # noqa: E402
 from rollsafe.statemachines.events import GroupEvent  # noqa: E402
 

@@ -26,7 +26,8 @@ import pytest
 
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.errors import InvalidArgument
-from rollsafe.gateway.router_sync import ExternalRouter, RouterSync
+from rollsafe.gateway import ExternalRouter
+from rollsafe.gateway.router_sync import RouterSync
 from rollsafe.registry import FleetRegistry
 from rollsafe.statemachines.events import GroupEvent
 
@@ -36,9 +37,9 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "gateway"))
 import fronts  # noqa: E402
 import stub_engine  # noqa: E402
 
-#: False while ``make test`` does not install ``.venv-routers``: a missing venv skips the router
-#: tests everywhere. True: under ``CI=true`` a missing venv fails them (the lead's switch).
-ROUTERS_REQUIRED_IN_CI = False
+#: True: ``make test`` installs ``.venv-routers`` (``make routers``), so under ``CI=true`` a missing
+#: venv fails the router tests (elsewhere it skips them, naming ``make routers``).
+ROUTERS_REQUIRED_IN_CI = True
 KINDS = ("sglang-router", "vllm-router")
 #: deadline of every wait (a hang detector, not a timing assertion)
 WAIT_S = 60.0
@@ -486,3 +487,47 @@ def test_close_stops_the_threads_and_a_restart_catches_up(
     sync.start()  # a new start reads the router again
     until(lambda: router.listed() == {s0.url}, "the restarted sync's reconcile removed g1")
     assert sync.wait_synced(WAIT_S)
+
+
+def test_a_fleet_keeps_a_real_routers_workers_equal_to_its_routable_set(tmp_path: Path) -> None:
+    """``FleetConfig(external_routers=...)``: a real fleet (two reference-engine groups) fills an
+    empty sglang-router with its engines, takes a SIGKILLed engine out of it at once, and puts
+    the group's new URL in when the group is back at the fleet's version."""
+    from transformers import AutoModelForCausalLM
+
+    from rollsafe import FleetConfig, GroupSpec, RolloutFleet
+    from rollsafe.adapters.engines import EngineSpec
+    from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
+
+    _require_routers()
+    router = Router("sglang-router", tmp_path)
+    router.start([], wait=False)
+    until(lambda: router._call("GET", "/workers")[0] == 200, "sglang-router answers")
+    try:
+        model = make_tiny_model(tmp_path / "model")
+        config = FleetConfig(
+            model_path=model,
+            export_root=tmp_path / "exports",
+            groups=[GroupSpec(1), GroupSpec(1)],
+            engine=EngineSpec(model_path=str(model)),
+            external_routers=(ExternalRouter(url=router.url, kind="sglang-router", **FAST),),
+        )
+        with RolloutFleet(config) as running:
+            urls = lambda: {g.client.url for g in running.registry.routable()}  # noqa: E731
+            until(lambda: router.listed() == urls(), "the router lists the fleet's engines")
+            assert len(router.listed()) == 2
+            victim = running.registry.get("g1")
+            old = victim.client.url
+            for pid in running.launcher("g1").rank_pids:
+                os.kill(pid, signal.SIGKILL)
+            until(lambda: old not in router.listed(), "the dead engine leaves the router")
+            assert running.wait_recoveries(timeout=120)
+            hf = AutoModelForCausalLM.from_pretrained(str(model))
+            running.sync_weights({n: p.detach() for n, p in hf.named_parameters()}, 1)
+            until(lambda: victim.state == "active", "g1 back at version 1")
+            until(lambda: router.listed() == urls(), "the router lists the new URL")
+            assert old not in router.listed() and victim.client.url in router.listed()
+            (stats,) = running.snapshot()["external_routers"]
+            assert stats["removes"] >= 1 and stats["adds"] >= 3
+    finally:
+        router.stop()

@@ -67,126 +67,22 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
+from typing import Any
 
 from rollsafe.errors import InvalidArgument, InvalidArgumentType
+from rollsafe.gateway.settings import ExternalRouter, normal_url
 from rollsafe.registry import FleetListener, FleetRegistry, GroupTransition, WorkerGroup
 from rollsafe.text import bound_text
 
-__all__ = ["ROUTER_KINDS", "ExternalRouter", "RouterKind", "RouterSync"]
+__all__ = ["RouterSync"]
 
 log = logging.getLogger(__name__)
-
-RouterKind = Literal["sglang-router", "vllm-router"]
-#: the routers whose worker API :class:`RouterSync` speaks (the releases in ``docs/routers.md``)
-ROUTER_KINDS: tuple[str, ...] = get_args(RouterKind)
 
 #: how often a sglang-router background job is looked for in ``GET /workers``
 _CONFIRM_POLL_S = 0.02
 #: characters of a router's answer kept in an error
 _ANSWER_CHARS = 300
-
-
-def _normal_url(url: str) -> str:
-    """A worker URL as compared with a router's list (no trailing slash)."""
-    return url.strip().rstrip("/")
-
-
-def _positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgumentType(name, f"ExternalRouter.{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidArgument(name, f"ExternalRouter.{name} must be > 0 and finite, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class ExternalRouter:
-    """A router users run in front of the engines, to be kept in step with the fleet.
-
-    ``url``: the router's own address (``http://host:port``, optionally with a path prefix;
-    the worker routes are appended). ``kind``: ``"sglang-router"`` or ``"vllm-router"``.
-    ``api_key``: sent as ``Authorization: Bearer`` on every call (sglang-router's
-    ``--control-plane-api-keys`` admin key); never shown in ``repr``.
-
-    Timeouts (seconds): ``timeout_s`` bounds each list / remove call and sglang-router's add;
-    ``add_timeout_s`` bounds vllm-router's add, which answers only once the worker is healthy;
-    ``confirm_timeout_s`` is how long a sglang-router background job may take to show in (or
-    leave) ``GET /workers``. ``reconcile_interval_s``: how often the list is compared with the
-    fleet. ``remove_unknown``: whether listed workers that are no URL of the fleet are removed
-    (see :mod:`rollsafe.gateway.router_sync`). ``retry_initial_s`` / ``retry_max_s``: the
-    backoff of a failed call (doubling). Every field is checked here; a bad one is an
-    :class:`~rollsafe.errors.InvalidArgument` naming it.
-    """
-
-    url: str
-    kind: RouterKind
-    api_key: str | None = field(default=None, repr=False)
-    timeout_s: float = 5.0
-    add_timeout_s: float = 30.0
-    confirm_timeout_s: float = 10.0
-    reconcile_interval_s: float = 30.0
-    remove_unknown: bool = True
-    retry_initial_s: float = 0.25
-    retry_max_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.url, str):
-            raise InvalidArgumentType("url", f"ExternalRouter.url must be a str, got {self.url!r}")
-        parts = urllib.parse.urlsplit(self.url.strip())
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise InvalidArgument(
-                "url", f"ExternalRouter.url must be http(s)://host[:port], got {self.url!r}"
-            )
-        try:
-            parts.port  # noqa: B018 (raises on a bad port)
-        except ValueError as exc:
-            raise InvalidArgument("url", f"ExternalRouter.url {self.url!r}: {exc}") from None
-        if parts.query or parts.fragment:
-            raise InvalidArgument(
-                "url", f"ExternalRouter.url must have no query or fragment, got {self.url!r}"
-            )
-        object.__setattr__(self, "url", _normal_url(self.url))
-        if self.kind not in ROUTER_KINDS:
-            raise InvalidArgument(
-                "kind",
-                f"ExternalRouter.kind must be one of {list(ROUTER_KINDS)}, got {self.kind!r}",
-            )
-        if self.api_key is not None and (
-            not isinstance(self.api_key, str)
-            or not self.api_key
-            or any(c.isspace() or not c.isprintable() for c in self.api_key)
-        ):
-            raise InvalidArgument(
-                "api_key",
-                "ExternalRouter.api_key must be None or a non-empty string without spaces or "
-                "control characters",
-            )
-        for name in (
-            "timeout_s",
-            "add_timeout_s",
-            "confirm_timeout_s",
-            "reconcile_interval_s",
-            "retry_initial_s",
-            "retry_max_s",
-        ):
-            object.__setattr__(self, name, _positive(name, getattr(self, name)))
-        if self.retry_max_s < self.retry_initial_s:
-            raise InvalidArgument(
-                "retry_max_s",
-                f"ExternalRouter.retry_max_s ({self.retry_max_s}) must be >= retry_initial_s "
-                f"({self.retry_initial_s})",
-            )
-        if not isinstance(self.remove_unknown, bool):
-            raise InvalidArgumentType(
-                "remove_unknown",
-                f"ExternalRouter.remove_unknown must be a bool, got {self.remove_unknown!r}",
-            )
-
-    def backoff_s(self, failures: int) -> float:
-        """The wait before the next try after ``failures`` consecutive failures (>= 1)."""
-        return min(self.retry_max_s, self.retry_initial_s * 2.0 ** max(0, failures - 1))
 
 
 # --------------------------------------------------------------------------- the routers' APIs
@@ -271,7 +167,7 @@ class _SGLangRouterAPI(_RouterAPI):
         return [w for w in workers if isinstance(w, dict) and isinstance(w.get("url"), str)]
 
     def listed(self) -> set[str]:
-        return {_normal_url(w["url"]) for w in self.workers()}
+        return {normal_url(w["url"]) for w in self.workers()}
 
     def _confirm(self, url: str, present: bool, what: str) -> None:
         deadline = time.monotonic() + self.router.confirm_timeout_s
@@ -293,7 +189,7 @@ class _SGLangRouterAPI(_RouterAPI):
         self._confirm(url, True, "POST /workers")
 
     def remove(self, url: str) -> None:
-        ids = [str(w.get("id")) for w in self.workers() if _normal_url(w["url"]) == url]
+        ids = [str(w.get("id")) for w in self.workers() if normal_url(w["url"]) == url]
         for worker_id in ids:
             path = "/workers/" + urllib.parse.quote(worker_id, safe="")
             status, text = self.request("DELETE", path)
@@ -312,7 +208,7 @@ class _VLLMRouterAPI(_RouterAPI):
         urls = got.get("urls") if isinstance(got, dict) else None
         if not isinstance(urls, list):
             raise _CallFailed(f"GET /list_workers: no 'urls' list in {bound_text(str(got), 200)}")
-        return {_normal_url(u) for u in urls if isinstance(u, str)}
+        return {normal_url(u) for u in urls if isinstance(u, str)}
 
     def add(self, url: str) -> None:
         path = "/add_worker?" + urllib.parse.urlencode({"url": url})
@@ -509,7 +405,7 @@ class RouterSync(FleetListener):
     def _group_out(self, group: WorkerGroup, record: GroupTransition) -> None:
         with self._cond:
             self._seq += 1
-            urls = {_normal_url(u) for u in group.endpoints}
+            urls = {normal_url(u) for u in group.endpoints}
             serving = self._group_urls.pop(group.group_id, None)
             if serving is not None:
                 urls.add(serving)
@@ -520,7 +416,7 @@ class RouterSync(FleetListener):
     def _group_in(self, group: WorkerGroup, record: GroupTransition) -> None:
         with self._cond:
             self._seq += 1
-            serving = _normal_url(group.endpoints[0]) if group.endpoints else None
+            serving = normal_url(group.endpoints[0]) if group.endpoints else None
             old = self._group_urls.pop(group.group_id, None)
             if old is not None and old != serving:
                 self._set(old, False, self._seq, record.timestamp)
@@ -632,7 +528,7 @@ class RouterSync(FleetListener):
         desired: dict[str, str] = {}
         fleet: set[str] = set()
         for group in self.registry.groups():
-            eps = [_normal_url(u) for u in group.endpoints]
+            eps = [normal_url(u) for u in group.endpoints]
             fleet.update(eps)
             if eps and group.is_routable:
                 desired[eps[0]] = group.group_id
