@@ -205,6 +205,10 @@ class RolloutFleet:
         """Serve the gateway on the data plane's event loop (``docs/gateway.md``)."""
         from rollsafe.gateway.app import Gateway
 
+        if self.metrics is None:  # the gateway's /metrics serves the fleet's metrics too
+            from rollsafe.observe.metrics import FleetMetrics
+
+            self.metrics = FleetMetrics(self)
         assert self.config.model_path is not None
         gateway = Gateway(self, settings, model_path=Path(self.config.model_path))
         self.data_plane.loop_thread.run(gateway.start())
