@@ -61,19 +61,30 @@ def tokenizer_of(model_dir: Path) -> Any:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
-def spanning_stop(tok: Any, ids: list[int]) -> tuple[str, int]:
+def spanning_stop(tok: Any, ids: list[int], added_chars: int = 1) -> tuple[str, int]:
     """A stop string across a token boundary of the text of ``ids``: the last character of
-    one token's text and the whole next token's text (printable ASCII both), first appearing
-    there; and how many tokens the text has when it completes."""
+    one token's text and the whole next token's text (printable ASCII both, at least
+    ``added_chars`` of the latter), first appearing there; and how many tokens the text has
+    when it completes."""
     for k in range(2, len(ids) + 1):
         before, upto = tok.decode(ids[: k - 1]), tok.decode(ids[:k])
         added = upto[len(before) :]
-        if not (before and added and upto.startswith(before)):
+        if not (before and len(added) >= added_chars and upto.startswith(before)):
             continue
         stop = before[-1] + added
         if stop.isascii() and stop.isprintable() and upto.find(stop) == len(before) - 1:
             return stop, k
     raise AssertionError(f"no stop string spans two tokens of {ids}")
+
+
+def next_stop(tok: Any, ids: list[int], stop: str, after: int) -> int | None:
+    """How many tokens of ``ids`` the text has when ``stop`` next completes in the text a
+    token adds, after the first ``after`` tokens (None: never)."""
+    for m in range(after + 1, len(ids) + 1):
+        before, upto = tok.decode(ids[: m - 1]), tok.decode(ids[:m])
+        if len(upto) > len(before) and upto.find(stop, len(before) - len(stop) + 1) != -1:
+            return m
+    return None
 
 
 def fresh_token(tok: Any, ids: list[int], start: int = 1) -> int:
