@@ -367,11 +367,10 @@ StopFactory = Callable[[dict[str, Any], SamplingParams], StopRules]
 
 
 def parse_sampling(
-    sp: dict[str, Any], *, defaults: SamplingParams, stops: StopFactory | None = None
+    sp: dict[str, Any], *, defaults: SamplingParams, stops: StopFactory
 ) -> SamplingParams:
     """SGLang-style ``sampling_params`` (also used for mapped vLLM fields); ``stops`` reads the
-    stop strings and whether a matched stop stays in the text, as the dialect's release does
-    (without it a request with stop strings is refused)."""
+    stop strings and whether a matched stop stays in the text, as the dialect's release does."""
     allowed = {
         "max_new_tokens",
         "min_new_tokens",
@@ -423,10 +422,6 @@ def parse_sampling(
         ignore_eos=bool(want(sp, "ignore_eos", bool, defaults.ignore_eos)),
         seed=seed,
     )
-    if stops is None:
-        if stop_strings(sp):
-            raise BadRequest("stop strings are not read by this route")
-        return params
     return dataclasses.replace(params, stops=stops(sp, params))
 
 
