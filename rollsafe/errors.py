@@ -24,6 +24,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── DeltaError [ValueError]                       rollsafe.wire.delta (a refused delta)
     │   └── DeltaBaseMismatch, DeltaFormatError, DeltaDigestMismatch
     ├── DeadlineExceeded [TimeoutError]               rollsafe.concurrency
+    ├── LoopClosed [RuntimeError]                     rollsafe.event_loop
     ├── TransitionRefused [TransitionNotAllowed]      rollsafe.statemachines
     │   └── MissingGuardInput [ValueError]
     ├── GuardInputMissing [ValueError]                rollsafe.statemachines
@@ -53,6 +54,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   ├── EngineNotSupported
     │   │   └── NoWeightChecker
     │   ├── EngineAsleep
+    │   ├── EventLoopError [RuntimeError]         (adapters.engines.aio: not on its loop)
     │   ├── StreamProtocolError                     (adapters.engines.streaming)
     │   ├── StandbyLost                             (a standby's engine died: start afresh)
     │   └── EngineStartError

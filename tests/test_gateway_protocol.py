@@ -16,7 +16,7 @@ from typing import Any
 
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from openai._models import construct_type
 from openai._streaming import SSEDecoder
@@ -227,6 +227,9 @@ def test_detokenizer_equals_decoding_all_ids_for_any_split(
     skip = data.draw(st.booleans())
     cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=8)))
     prompt = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=8))
+    # a prompt that ends inside a UTF-8 character (random ids do) merges its last bytes with
+    # the output's first ones, as vLLM's window does: the output alone decodes otherwise
+    assume(not tok.decode(prompt, skip_special_tokens=skip).endswith("\ufffd"))
     detok = Detokenizer(tok, prompt, skip_special_tokens=skip)
     pieces, start = [], 0
     for cut in [*cuts, len(ids)]:

@@ -36,6 +36,7 @@ import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rollsafe.fleet.provenance import TokenChunk
@@ -61,6 +62,7 @@ __all__ = [
     "DONE",
     "Call",
     "ChatCall",
+    "ChatPrompt",
     "CompletionCall",
     "Streamer",
     "models_list",
@@ -580,6 +582,12 @@ def parse_chat(
         logprobs=logprobs,
         role=role,
         prompt_text=text if f.get_bool("return_prompt_text", False) else None,
+        chat=ChatPrompt(
+            tuple(messages),
+            tuple(tools) if tools else None,
+            dict(kwargs),
+            bool(add_generation_prompt),
+        ),
     )
 
 
@@ -823,6 +831,17 @@ class CompletionCall(Call):
         return choice
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What a chat prompt is rendered from: the checked ``messages``, ``tools`` and template
+    keyword arguments, and whether a generation prompt was added."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    tools: tuple[Mapping[str, Any], ...] | None
+    template_kwargs: Mapping[str, Any]
+    add_generation_prompt: bool
+
+
 class ChatCall(Call):
     """A ``/v1/chat/completions`` call."""
 
@@ -830,10 +849,19 @@ class ChatCall(Call):
     chunk_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, *, role: str, prompt_text: str | None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        role: str,
+        prompt_text: str | None,
+        chat: ChatPrompt | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.role = role
         self.prompt_text = prompt_text
+        #: what the prompt was rendered from (sessions reuse earlier turns' tokens with it)
+        self.chat = chat
 
     def _logprobs(self, ids: Sequence[int], lps: Sequence[float | None]) -> dict[str, Any]:
         content = []
