@@ -24,6 +24,7 @@ __all__ = [
     "InvariantViolation",
     "LeasePicture",
     "MemberPicture",
+    "PromotionPicture",
     "RecoveryPicture",
     "active_groups_whole_and_current",
     "base_never_ahead",
@@ -38,10 +39,14 @@ __all__ = [
     "no_delete_under_lease",
     "no_publish_on_failed_register",
     "policy_agrees_with_machines",
+    "promoted_only_at_current_version",
     "recorded_versions_are_true",
     "recovery_never_on_health_thread",
     "removed_group_never_returns",
     "routable_iff_active",
+    "spare_pool_kept",
+    "spares_never_routed",
+    "spares_ready_at_current_version",
     "unknown_weights_taken_out",
     "whole_group_transitions",
 ]
@@ -79,6 +84,22 @@ class GroupPicture:
     #: the restart budget it started with, and the claims made on it (None: unknown)
     initial_budget: int | None = None
     claims: int | None = None
+    #: its role: a spare (``standby`` when ready, never routed) or serving (None: unknown)
+    spare: bool | None = None
+
+
+@dataclass(frozen=True)
+class PromotionPicture:
+    """One spare promoted in place of ``covered``: the fleet's version then, its members'
+    recorded versions, what its engines really held (None: unknown) and what they answered to
+    the last version check (None: unknown; empty: they did not answer)."""
+
+    group_id: str
+    covered: str
+    fleet_version: int
+    recorded: tuple[int | None, ...]
+    true_versions: tuple[int | None, ...] | None = None
+    reported: tuple[str | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +174,11 @@ class FleetPicture:
     delta_bases: tuple[DeltaPicture, ...] | None = None
     #: deltas sent to an engine that did not hold their base (what was seen; empty when none)
     wrong_base_deltas: tuple[str, ...] = ()
+    #: how many groups are spares by configuration (``FleetConfig.spare_groups``; None:
+    #: unknown)
+    spare_groups: int | None = None
+    #: every promotion of a spare so far (what was seen)
+    promotions: tuple[PromotionPicture, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -202,11 +228,11 @@ def active_groups_whole_and_current(p: FleetPicture) -> list[str]:
 
 
 def whole_group_transitions(p: FleetPicture) -> list[str]:
-    """Transitions move whole groups: an ``active`` or ``pending_weights`` group has no member
-    recorded unhealthy, and a restart budget never goes below zero."""
+    """Transitions move whole groups: an ``active``, ``standby`` or ``pending_weights`` group
+    has no member recorded unhealthy, and a restart budget never goes below zero."""
     out = []
     for g in p.groups:
-        if g.state in ("active", "pending_weights"):
+        if g.state in ("active", "standby", "pending_weights"):
             sick = [m.rank for m in g.members if not m.healthy]
             if sick:
                 out.append(f"{g.group_id} is {g.state} with unhealthy ranks {sick}")
@@ -409,6 +435,71 @@ def base_never_ahead(p: FleetPicture) -> list[str]:
     return out
 
 
+def spares_never_routed(p: FleetPicture) -> list[str]:
+    """A spare is never routable before its promotion: a group whose role is spare is never
+    ``active`` (``promote`` makes it a serving group as it enters ``active``)."""
+    return [
+        f"{g.group_id} is a spare and {g.state} (routable={g.routable})"
+        for g in p.groups
+        if g.spare and (g.routable or g.state == "active")
+    ]
+
+
+def spares_ready_at_current_version(p: FleetPicture) -> list[str]:
+    """A spare in ``standby`` is ready to serve the fleet's version: every member is recorded
+    healthy at it and, where known, its engine holds it (every sync keeps the spares at the
+    fleet's version; one that misses it leaves ``standby``)."""
+    out = []
+    for g in p.groups:
+        if g.state != "standby":
+            continue
+        for m in g.members:
+            if not m.healthy or m.version != p.fleet_version:
+                out.append(
+                    f"{g.group_id} is standby but r{m.rank} is recorded healthy={m.healthy} "
+                    f"v={m.version} (fleet at v{p.fleet_version})"
+                )
+            elif m.alive and m.true_version is not None and m.true_version != p.fleet_version:
+                out.append(
+                    f"{g.group_id} is standby but engine r{m.rank} holds v{m.true_version} "
+                    f"(fleet at v{p.fleet_version})"
+                )
+    return out
+
+
+def promoted_only_at_current_version(p: FleetPicture) -> list[str]:
+    """A spare is promoted only at the fleet's current version: every member recorded at it,
+    every engine holding it (where known) and naming it when asked last."""
+    out = []
+    for pr in p.promotions:
+        want = pr.fleet_version
+        bad: list[object] = [v for v in pr.recorded if v != want]
+        if pr.true_versions is not None:
+            bad += [v for v in pr.true_versions if v != want]
+        if pr.reported is not None:
+            bad += [v for v in pr.reported if v != str(want)] or ([] if pr.reported else ["?"])
+        if bad:
+            out.append(
+                f"{pr.group_id} was promoted for {pr.covered} at v{want} holding {bad} "
+                f"(recorded {list(pr.recorded)}, engines {pr.true_versions}, "
+                f"answered {pr.reported})"
+            )
+    return out
+
+
+def spare_pool_kept(p: FleetPicture) -> list[str]:
+    """The pool refills: a spare is promoted only together with the enlisting of the group it
+    covers (whose recovery ends in ``standby``), so the number of groups in the spare role is
+    the configured one, always (a retired or removed spare still counts: the pool shrinks
+    only by what the fleet gave up)."""
+    if p.spare_groups is None or any(g.spare is None for g in p.groups):
+        return []
+    spares = sorted(g.group_id for g in p.groups if g.spare)
+    if len(spares) != p.spare_groups:
+        return [f"{len(spares)} group(s) are spares {spares}, {p.spare_groups} configured"]
+    return []
+
+
 def policy_agrees_with_machines(p: FleetPicture) -> list[str]:
     """Every event the policy decided was taken by its machine: a decision a guard refuses
     means the policy and the machines disagree."""
@@ -434,6 +525,10 @@ INVARIANTS: tuple[Callable[[FleetPicture], list[str]], ...] = (
     removed_group_never_returns,
     delta_only_onto_its_base,
     base_never_ahead,
+    spares_never_routed,
+    spares_ready_at_current_version,
+    promoted_only_at_current_version,
+    spare_pool_kept,
     policy_agrees_with_machines,
 )
 

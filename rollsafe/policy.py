@@ -36,11 +36,13 @@ from rollsafe.statemachines.events import (
 )
 
 __all__ = [
+    "COVERABLE",
     "ENGINE_TRAITS",
     "PULL_SHARE",
     "SENDERS",
     "UNKNOWN_ENGINE",
     "VLLM_GLOO_TRAITS",
+    "CoverPlan",
     "EngineTraits",
     "ExportAccess",
     "ExportFacts",
@@ -60,6 +62,8 @@ __all__ = [
     "RetentionPlan",
     "Sender",
     "Settlement",
+    "SpareFacts",
+    "SpareVerdict",
     "Strategy",
     "StrategyChoice",
     "TargetSelection",
@@ -78,8 +82,10 @@ __all__ = [
     "judge_export",
     "judge_probe",
     "judge_request_failures",
+    "judge_spare",
     "launch_events",
     "on_node_lost",
+    "plan_cover",
     "plan_push",
     "plan_removal",
     "plan_retention",
@@ -487,13 +493,20 @@ class TargetSelection:
     not_targeted: dict[str, str]
 
 
+#: the states a sync updates: serving, spare (kept at the fleet's version) and behind
+_SYNCED = ("active", "standby", "pending_weights")
+#: the states a group is ready in (serving or spare) that a sync that misses it leaves behind
+_READY = ("active", "standby")
+
+
 def select_targets(groups: Sequence[GroupFacts]) -> TargetSelection:
-    """Update every ``active`` and ``pending_weights`` group whose members are all healthy."""
+    """Update every ``active``, ``standby`` (a spare: kept at the fleet's version) and
+    ``pending_weights`` group whose members are all healthy."""
     targets: list[str] = []
     considered: list[str] = []
     skipped: dict[str, str] = {}
     for g in groups:
-        if g.state not in ("active", "pending_weights"):
+        if g.state not in _SYNCED:
             skipped[g.group_id] = f"state {g.state}"
             continue
         considered.append(g.group_id)
@@ -537,11 +550,13 @@ def settle_update(
 
     A group counts as updated only if every one of its ranks loaded N and it did not move while
     we pushed (``moved``: a new incarnation; never credit it). Only updated groups record N.
-    Failed groups are sent ``fail`` and handed to recovery (``"fail"``) or, if active, marked
-    stale (``"stale"``, only for an engine that keeps its weights after a failed update:
-    :attr:`GroupFacts.keeps_weights`; any other failed group holds unknown weights and is
-    failed and recovered whatever the setting); active groups not updated are marked stale;
-    pending groups updated are sent ``weights_loaded``. The fleet version becomes N.
+    Failed groups are sent ``fail`` and handed to recovery (``"fail"``) or, if ready
+    (``active`` or a spare in ``standby``), marked stale (``"stale"``, only for an engine that
+    keeps its weights after a failed update: :attr:`GroupFacts.keeps_weights`; any other
+    failed group holds unknown weights and is failed and recovered whatever the setting);
+    ready groups not updated are marked stale (a spare behind the version is never left in
+    ``standby``); pending groups updated are sent ``weights_loaded``. The fleet version
+    becomes N.
     """
     moved_set = set(moved)
     updated: list[str] = []
@@ -561,13 +576,13 @@ def settle_update(
         if on_failure == "fail" or not by_id[gid].keeps_weights:
             events.append((gid, GroupEvent.FAIL))
             recover.append(gid)
-        elif by_id[gid].state == "active":
+        elif by_id[gid].state in _READY:
             events.append((gid, GroupEvent.MARK_STALE))
     done = set(updated)
     for g in groups:
         if g.group_id in failed or g.group_id in moved_set:
             continue
-        if g.state == "active" and g.group_id not in done:
+        if g.state in _READY and g.group_id not in done:
             events.append((g.group_id, GroupEvent.MARK_STALE))
         elif g.state == "pending_weights" and g.group_id in done:
             events.append((g.group_id, GroupEvent.WEIGHTS_LOADED))
@@ -709,6 +724,111 @@ def plan_removal(state: str) -> RemovalPlan:
 def after_drain() -> tuple[GroupEvent, ...]:
     """A drained group whose engine stopped is retired (final)."""
     return (GroupEvent.RETIRE,)
+
+
+# ====================================================================== spare groups (issue #37)
+#: the states of a serving group out of routing that a spare may take over from: failed
+#: (``inactive``, ``recovering``), lost with its node (``unplaced``) or behind the version
+#: (``pending_weights``); a group being removed (``draining``) or ``retired`` is not covered
+COVERABLE = frozenset({"inactive", "recovering", "unplaced", "pending_weights"})
+
+
+@dataclass(frozen=True)
+class SpareFacts:
+    """What the fleet knows of one group when a spare is looked for: its state and role
+    (``spare``), its size (``ranks``), whether every member is recorded healthy, each
+    member's recorded version, and the node it runs on (None: unknown, or this machine)."""
+
+    group_id: str
+    state: str
+    spare: bool
+    ranks: int
+    healthy: bool
+    versions: tuple[int | None, ...]
+    node: str | None = None
+
+
+@dataclass(frozen=True)
+class CoverPlan:
+    """Which spares may take over from ``group``, in the order they are checked (empty: none
+    may), and why."""
+
+    group: str
+    candidates: tuple[str, ...]
+    reason: str
+
+    def swap(self, spare: str) -> tuple[tuple[str, tuple[GroupEvent, ...]], ...]:
+        """The events of one cover, sent all or nothing in one registry step: the spare is
+        promoted (``standby`` -> ``active``), the covered group enlisted as a spare (its
+        recovery refills the pool)."""
+        return ((spare, (GroupEvent.PROMOTE,)), (self.group, (GroupEvent.ENLIST,)))
+
+
+@sends(
+    "SparePool",
+    "rollsafe/operations/spare.py",
+    WorkerGroupLifecycle=(GroupEvent.PROMOTE, GroupEvent.ENLIST),
+)
+def plan_cover(group: SpareFacts, spares: Sequence[SpareFacts], fleet_version: int) -> CoverPlan:
+    """A serving ``group`` left routing: which spares may take over.
+
+    Only a serving group out of routing (:data:`COVERABLE`) is covered. A candidate is a
+    spare in ``standby`` of the same size whose members are all recorded healthy and at
+    ``fleet_version``; spares on another node than ``group`` come first (a node's loss should
+    not take both), then by id. Each is checked against its engine's own word before it is
+    promoted (:func:`judge_spare`)."""
+    if group.spare:
+        return CoverPlan(group.group_id, (), "it is a spare: it covers, it is not covered")
+    if group.state not in COVERABLE:
+        return CoverPlan(group.group_id, (), f"it is {group.state}: nothing to cover")
+    ready = [
+        s
+        for s in spares
+        if s.spare
+        and s.state == "standby"
+        and s.ranks == group.ranks
+        and s.healthy
+        and all(v == fleet_version for v in s.versions)
+    ]
+    if not ready:
+        seen = ", ".join(f"{s.group_id}={s.state}" for s in spares if s.spare) or "none"
+        return CoverPlan(group.group_id, (), f"no spare ready at v{fleet_version} ({seen})")
+    apart = group.node is None
+    ready.sort(key=lambda s: (not apart and s.node == group.node, s.group_id))
+    names = tuple(s.group_id for s in ready)
+    return CoverPlan(group.group_id, names, f"spares ready at v{fleet_version}: {list(names)}")
+
+
+@dataclass(frozen=True)
+class SpareVerdict:
+    """The last check of a spare before its promotion: ``promote`` it, or not and why;
+    ``events`` to send it (``fail``: its engine holds other weights than the fleet recorded)."""
+
+    promote: bool
+    reason: str
+    events: tuple[GroupEvent, ...] = ()
+
+
+@sends("SparePool", "rollsafe/operations/spare.py", WorkerGroupLifecycle=(GroupEvent.FAIL,))
+def judge_spare(reported: Sequence[str | None] | None, fleet_version: int) -> SpareVerdict:
+    """The spare's engines were asked which weights they serve (``reported``, one per engine
+    endpoint; None: no answer in time). Promoted only when every one names ``fleet_version``.
+    No answer, or an engine that names none: not promoted (the health probes judge its
+    health). An engine that names another version holds weights the fleet did not record:
+    ``fail`` (it is recovered like any group)."""
+    want = str(fleet_version)
+    if reported is None or not reported:
+        return SpareVerdict(False, "its engine did not answer the version check")
+    if any(v is None for v in reported):
+        return SpareVerdict(False, "its engine names no weights version")
+    other = sorted({str(v) for v in reported if v != want})
+    if other:
+        return SpareVerdict(
+            False,
+            f"its engine serves v{', v'.join(other)}, the fleet recorded v{want}",
+            (GroupEvent.FAIL,),
+        )
+    return SpareVerdict(True, f"its engine serves v{want}")
 
 
 # ====================================================================== delta sync (issue #28)

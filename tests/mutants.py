@@ -76,6 +76,17 @@ class PlacedSpendsBudget(WorkerGroupLifecycle):
         self.restart_budget -= 1
 
 
+class SpareServesAtLaunch(WorkerGroupLifecycle):
+    """Bug: the group's role is not read: a spare that comes up at the current version goes
+    to ``active`` like a serving group and takes requests before any promotion."""
+
+    def is_spare(self) -> bool:
+        return False
+
+    def is_serving(self) -> bool:
+        return True
+
+
 class AdvanceBaseOnSend(DeltaBase):
     """Bug (slime#2104's drift): the sender's base for a target moves to the new version when
     the push is sent, not when the target confirmed it; a lost or failed delta leaves the
@@ -98,6 +109,7 @@ MUTANTS = {
     "suspended_forever": {"mode_cls": SuspendedForever},
     "placement_spends_budget": {"group_cls": PlacedSpendsBudget},
     "advance_base_on_send": {"delta_cls": AdvanceBaseOnSend},
+    "spare_routed_before_promotion": {"group_cls": SpareServesAtLaunch},
 }
 
 # ---------------------------------------------------------------------- policy mutants
@@ -203,6 +215,32 @@ def removal_drains_only_active(state: str) -> policy.RemovalPlan:
     return policy.RemovalPlan((), f"nothing to drain in {state}")
 
 
+_plan_cover = policy.plan_cover
+
+
+def promote_unchecked_spare(
+    reported: Sequence[str | None] | None, fleet_version: int
+) -> policy.SpareVerdict:
+    """Bug: the last version check trusts the record: a spare is promoted whatever its engine
+    answered (or when it did not answer: its rank died since the last probe), so it may serve
+    weights behind the fleet's version, or none."""
+    return policy.SpareVerdict(True, "trusted without asking")
+
+
+class _NoRefill(policy.CoverPlan):
+    def swap(self, spare: str) -> tuple[tuple[str, tuple[policy.GroupEvent, ...]], ...]:
+        return ((spare, (policy.GroupEvent.PROMOTE,)),)
+
+
+def promotion_without_refill(
+    group: policy.SpareFacts, spares: Sequence[policy.SpareFacts], fleet_version: int
+) -> policy.CoverPlan:
+    """Bug: a spare is promoted but the group it covers is not enlisted: its recovery brings
+    it back serving, and the pool shrinks by one spare per failure."""
+    plan = _plan_cover(group, spares, fleet_version)
+    return _NoRefill(plan.group, plan.candidates, plan.reason)
+
+
 _ORIGINALS: dict[str, Callable[..., Any]] = {
     name: getattr(policy, name)
     for name in (
@@ -270,5 +308,15 @@ POLICY_MUTANTS: dict[str, tuple[str, Callable[..., Any], ModelConfig]] = {
         "after_push",
         failed_push_left_pending,
         ModelConfig(groups=1, ranks=1, **NO_NODES),
+    ),
+    "spare_promoted_without_its_version_check": (
+        "judge_spare",
+        promote_unchecked_spare,
+        ModelConfig(groups=1, ranks=1, spares=1, **NO_NODES),
+    ),
+    "spare_promoted_without_refilling_the_pool": (
+        "plan_cover",
+        promotion_without_refill,
+        ModelConfig(groups=1, ranks=1, spares=1, **NO_NODES),
     ),
 }

@@ -14,7 +14,7 @@ REFUSED = None  # a spec step returns REFUSED when the event must be refused
 
 
 # ---------------------------------------------------------------------- WorkerGroupLifecycle
-_LIVE = ("launching", "active", "inactive", "recovering", "pending_weights")
+_LIVE = ("launching", "active", "standby", "inactive", "recovering", "pending_weights")
 
 
 @dataclass
@@ -22,6 +22,7 @@ class GroupSpec:
     ranks: tuple[int, ...]
     budget: int
     state: str = "launching"
+    spare: bool = False  # the role: a spare is ready in standby, a serving group in active
     healthy: dict[int, bool] = field(default_factory=dict)
     version: dict[int, int | None] = field(default_factory=dict)
     known: dict[int, bool] = field(default_factory=dict)
@@ -52,11 +53,12 @@ class GroupSpec:
     def step(self, event: str, v: int) -> str | None:
         s = self.state
         nxt: str | None = REFUSED
+        ready = "standby" if self.spare else "active"
         starting = (event, s) in (("launched", "launching"), ("restarted", "recovering"))
         if starting:
             if self._healthy():
-                nxt = "active" if self._current(v) else "pending_weights"
-        elif event == "fail" and s in ("launching", "active", "pending_weights"):
+                nxt = ready if self._current(v) else "pending_weights"
+        elif event == "fail" and s in ("launching", "active", "standby", "pending_weights"):
             nxt = "inactive"
         elif event == "claim" and s == "inactive":
             if all(self.known[r] for r in self.ranks) and self.budget > 0:
@@ -67,12 +69,20 @@ class GroupSpec:
                     self.version[r] = None
         elif event == "restart_failed" and s == "recovering":
             nxt = "inactive"
-        elif event == "mark_stale" and s == "active":
+        elif event == "mark_stale" and s in ("active", "standby"):
             if not self._current(v):
                 nxt = "pending_weights"
         elif event == "weights_loaded" and s == "pending_weights":
             if self._healthy() and self._current(v):
+                nxt = ready
+        elif event == "promote" and s == "standby":
+            if self.spare and self._healthy() and self._current(v):
                 nxt = "active"
+                self.spare = False
+        elif event == "enlist" and s in ("inactive", "recovering", "unplaced", "pending_weights"):
+            if not self.spare:
+                nxt = s
+                self.spare = True
         elif event == "retire" and s != "retired":
             nxt = "retired"
         elif event == "node_lost" and s in _LIVE:

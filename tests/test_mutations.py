@@ -24,6 +24,7 @@ from mutants import (
     PlacedSpendsBudget,
     PublishAfterRegisterThrew,
     PublishOnFailedRegister,
+    SpareServesAtLaunch,
     SuspendedForever,
 )
 from test_delta_properties import DeltaLedgerProperties
@@ -50,6 +51,9 @@ CONFIGS = {
     # weights after a failed update; on vLLM the group is restarted, which resets its base
     "advance_base_on_send": ModelConfig(
         groups=1, ranks=1, engine="reference", node_loss=False, removals=0
+    ),
+    "spare_routed_before_promotion": ModelConfig(
+        groups=1, ranks=1, spares=1, node_loss=False, removals=0
     ),
 }
 
@@ -97,6 +101,7 @@ PROPERTY_NETS: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "suspended_forever": (ModeProperties, {"machine_cls": SuspendedForever}),
     "placement_spends_budget": (WorkerGroupProperties, {"machine_cls": PlacedSpendsBudget}),
     "advance_base_on_send": (DeltaLedgerProperties, {"machine_cls": AdvanceBaseOnSend}),
+    "spare_routed_before_promotion": (WorkerGroupProperties, {"machine_cls": SpareServesAtLaunch}),
 }
 
 

@@ -28,6 +28,7 @@ from rollsafe.invariants import (
     FleetPicture,
     GroupPicture,
     MemberPicture,
+    PromotionPicture,
     RecoveryPicture,
 )
 from rollsafe.statemachines import (
@@ -53,6 +54,8 @@ GROUP_EVENTS = [
     "node_lost",
     "placed",
     "drain",
+    "promote",
+    "enlist",
 ]
 
 
@@ -75,10 +78,11 @@ class WorkerGroupProperties(RuleBasedStateMachine):
     @initialize(
         ranks=st.lists(st.integers(0, 16), min_size=1, max_size=4, unique=True),
         budget=st.integers(0, 3),
+        spare=st.booleans(),
     )
-    def setup(self, ranks: list[int], budget: int) -> None:
-        self.g = self.machine_cls(ranks, restart_budget=budget, group_id="p")
-        self.spec = GroupSpec(tuple(ranks), budget)
+    def setup(self, ranks: list[int], budget: int, spare: bool) -> None:
+        self.g = self.machine_cls(ranks, restart_budget=budget, group_id="p", spare=spare)
+        self.spec = GroupSpec(tuple(ranks), budget, spare=spare)
         self.current = 1
         self.claims = 0
         self.budget0 = budget
@@ -141,6 +145,13 @@ class WorkerGroupProperties(RuleBasedStateMachine):
         if hasattr(self, "g"):
             assert self.g.is_routable == (self.g.state == "active")
             assert self.g.state == self.spec.state
+            assert self.g.spare == self.spec.spare
+
+    @invariant()
+    def spare_never_routable(self) -> None:
+        """A spare is never routed: it serves only once ``promote`` made it a serving group."""
+        if hasattr(self, "g"):
+            assert not (self.g.spare and self.g.is_routable)
 
     @invariant()
     def budget_accounting(self) -> None:
@@ -455,6 +466,7 @@ class ComposedFleetProperties(RuleBasedStateMachine):
 _GROUP_STATES = (
     "launching",
     "active",
+    "standby",
     "inactive",
     "recovering",
     "pending_weights",
@@ -633,6 +645,96 @@ class PolicyProperties(RuleBasedStateMachine):
             if not _fire(by_id[gid], e.value, True)
         ]
         broken = invariants.check_all(self._placed_picture(machines, refused, node_lost=True))
+        assert not broken, "; ".join(str(v) for v in broken)
+
+    @rule(
+        data=st.data(),
+        spares=st.integers(1, 3),
+        covered=st.sampled_from(["active", "inactive", "recovering", "unplaced", "retired"]),
+    )
+    def cover(self, data: st.DataObject, spares: int, covered: str) -> None:
+        """A serving group left routing (or did not): the spares' facts and their engines'
+        answers at random, the cover decided by ``plan_cover`` and ``judge_spare`` as
+        :func:`rollsafe.operations.spare.cover` decides it, the switch executed all or nothing
+        on real machines; then every spare invariant holds."""
+        new = 2
+        group = WorkerGroupLifecycle([0], restart_budget=2, group_id="g0")
+        group.report_member(0, healthy=True, weights_version=new)  # as it was while serving
+        group.restore_state(covered)
+        machines = [group]
+        answers: dict[str, tuple[str | None, ...] | None] = {}
+        for i in range(spares):
+            m = WorkerGroupLifecycle([i + 1], restart_budget=2, group_id=f"s{i}", spare=True)
+            m.report_member(
+                i + 1,
+                healthy=data.draw(st.booleans()),
+                weights_version=data.draw(st.sampled_from([new - 1, new])),
+            )
+            _fire(m, "launched", True, current_version=new)  # standby, pending or launching
+            machines.append(m)
+            answers[m.group_id] = data.draw(
+                st.sampled_from([None, (None,), (str(new),), (str(new - 1),)])
+            )
+
+        def facts(m: WorkerGroupLifecycle) -> policy.SpareFacts:
+            members = m.members.values()
+            return policy.SpareFacts(
+                m.group_id,
+                m.state,
+                m.spare,
+                len(m.ranks),
+                all(f.healthy for f in members),
+                tuple(f.weights_version for f in members),
+            )
+
+        plan = policy.plan_cover(facts(group), [facts(m) for m in machines[1:]], new)
+        by_id = {m.group_id: m for m in machines}
+        refused: list[str] = []
+        promotions: list[PromotionPicture] = []
+        for spare in plan.candidates:
+            verdict = policy.judge_spare(answers[spare], new)
+            for event in verdict.events:
+                if not _fire(by_id[spare], event.value, True):
+                    refused.append(f"{spare} refused {event.value}")
+            if not verdict.promote:
+                continue
+            swap = plan.swap(spare)
+            if not all(by_id[g].can(evs[0], current_version=new) for g, evs in swap):
+                refused.append(f"the switch to {spare} was refused")
+                break
+            promotions.append(
+                PromotionPicture(
+                    spare,
+                    "g0",
+                    new,
+                    tuple(f.weights_version for f in by_id[spare].members.values()),
+                    reported=answers[spare],
+                )
+            )
+            for g, evs in swap:
+                _fire(by_id[g], evs[0].value, True, current_version=new)
+            break
+        picture = FleetPicture(
+            fleet_version=new,
+            groups=tuple(
+                GroupPicture(
+                    m.group_id,
+                    m.state,
+                    m.is_routable,
+                    m.restart_budget,
+                    tuple(
+                        MemberPicture(r, f.known, f.healthy, f.weights_version)
+                        for r, f in m.members.items()
+                    ),
+                    spare=m.spare,
+                )
+                for m in machines
+            ),
+            refused_decisions=tuple(refused),
+            spare_groups=spares,
+            promotions=tuple(promotions),
+        )
+        broken = invariants.check_all(picture)
         assert not broken, "; ".join(str(v) for v in broken)
 
     @rule(state=st.sampled_from(_GROUP_STATES))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeAlias, TypeVar, cast
 
 from rollsafe.errors import RollsafeError
-from rollsafe.policy import ExportFacts, ExportJudgement, GroupFacts, Handoff
+from rollsafe.policy import ExportFacts, ExportJudgement, GroupFacts, Handoff, SpareFacts
 from rollsafe.statemachines.events import DeltaEvent, GroupEvent, ModeEvent
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "AwaitDrained",
     "AwaitHealthy",
     "BaseFacts",
+    "CheckVersion",
     "Delivered",
     "Effect",
     "EncodeDelta",
@@ -64,6 +65,7 @@ __all__ = [
     "ReadProbeFacts",
     "ReadPushFacts",
     "ReadRecovery",
+    "ReadSpares",
     "ReadStates",
     "ReadStrategy",
     "RecordVersions",
@@ -82,6 +84,7 @@ __all__ = [
     "SendMode",
     "SetFailureCounts",
     "SetFleetVersion",
+    "SparesSeen",
     "StartExport",
     "Steps",
     "StopEngine",
@@ -520,6 +523,8 @@ class PushEnd:
     version: int | None = None
     pushed: bool = False  # the transport was asked to push
     timed_out: bool = False
+    #: where ``loaded`` took the group: ``active``, or ``standby`` for a spare
+    state: str | None = None
 
 
 # ---------------------------------------------------------------------- probe
@@ -615,10 +620,13 @@ class ReadStates(Effect["tuple[tuple[str, str], ...]"]):
 class SendGroups(Effect["tuple[tuple[str, str], ...]"]):
     """Send each group its events in ONE step of the fleet's registry (no request is
     dispatched between two of them): :class:`Ok` of the groups that refused an event (a
-    tuple of ``(group id, why)``; empty when every event was taken)."""
+    tuple of ``(group id, why)``; empty when every event was taken). ``all_or_nothing`` (one
+    event per group): when one machine would refuse, none is sent and every group is
+    refused."""
 
     events: tuple[tuple[str, tuple[GroupEvent, ...]], ...]
     decided_by: str
+    all_or_nothing: bool = False
 
 
 @dataclass(frozen=True)
@@ -640,6 +648,34 @@ class ReleasePlacement(Effect[None]):
 class AwaitDrained(Effect[int]):
     """Wait for group ``group``'s in-flight requests to end (up to the fleet's drain bound):
     :class:`Ok` of the requests still running (they continue elsewhere when it stops)."""
+
+    group: str
+
+
+# ---------------------------------------------------------------------- spares
+@dataclass(frozen=True)
+class SparesSeen:
+    """The value of :class:`ReadSpares`: the facts of the group to cover, of every spare,
+    and the fleet's version, read together."""
+
+    group: SpareFacts
+    spares: tuple[SpareFacts, ...]
+    fleet_version: int
+
+
+@dataclass(frozen=True)
+class ReadSpares(Effect[SparesSeen]):
+    """The facts :func:`rollsafe.policy.plan_cover` reads to cover group ``group``:
+    :class:`Ok` of :class:`SparesSeen`."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class CheckVersion(Effect["tuple[str | None, ...]"]):
+    """Ask group ``group``'s engines which weights version they serve (the last check of a
+    spare before its promotion): :class:`Ok` of one answer per engine endpoint (None: it names
+    none), :class:`Failed` / :class:`TimedOut` when an engine did not answer."""
 
     group: str
 

@@ -80,12 +80,21 @@ __all__ = [
 ]
 
 #: How an attempt, and so a recovery, ended. ``active``: serving the current version;
-#: ``pending_weights``: up and waiting for the next sync (deferred); ``skipped``: not attempted
-#: (the rollout ends first); ``retired``: restart budget spent; ``failed``: every attempt
-#: failed, the group is ``inactive``; ``not_needed``: the group was not ``inactive`` when the
-#: recovery started; ``unplaced``: its node is lost and no node has room (it waits).
+#: ``standby``: a spare ready at the current version (back in the pool, never routed until
+#: promoted); ``pending_weights``: up and waiting for the next sync (deferred); ``skipped``:
+#: not attempted (the rollout ends first); ``retired``: restart budget spent; ``failed``:
+#: every attempt failed, the group is ``inactive``; ``not_needed``: the group was not
+#: ``inactive`` when the recovery started; ``unplaced``: its node is lost and no node has room
+#: (it waits).
 RecoveryStatus = Literal[
-    "active", "pending_weights", "skipped", "retired", "failed", "not_needed", "unplaced"
+    "active",
+    "standby",
+    "pending_weights",
+    "skipped",
+    "retired",
+    "failed",
+    "not_needed",
+    "unplaced",
 ]
 Strategy = policy.Strategy
 
@@ -228,13 +237,24 @@ def restart(group: str, lease: Leased | None) -> Steps[AttemptEnd | None]:
     yield NoteStep("restarted", True, f"-> {target}")
     if lease is not None:
         yield ReleaseLease(lease)
-    if target != "active":
+    ready = _ready(target)
+    if ready is None:
         return None
     if lease is not None:
         return AttemptEnd(
-            "active", f"restarted from the ready export of v{lease.version}", strategy, version
+            ready, f"restarted from the ready export of v{lease.version}", strategy, version
         )
-    return AttemptEnd("active", "restarted at the current version", strategy)
+    return AttemptEnd(ready, "restarted at the current version", strategy)
+
+
+def _ready(state: str | None) -> Literal["active", "standby"] | None:
+    """The status of a group ready at the current version in ``state``: ``active`` (serving)
+    or ``standby`` (a spare, back in the pool); None when it is not ready."""
+    if state == "active":
+        return "active"
+    if state == "standby":
+        return "standby"
+    return None
 
 
 def _restart_failed(
@@ -277,7 +297,9 @@ def push(group: str, traits: policy.EngineTraits) -> Steps[AttemptEnd]:
         end = section.value
         if end.result == "loaded":
             return AttemptEnd(
-                "active", f"targeted push of v{end.version} loaded", Strategy.TARGETED_PUSH
+                _ready(end.state) or "active",
+                f"targeted push of v{end.version} loaded",
+                Strategy.TARGETED_PUSH,
             )
         if end.result == "poisoned":
             return AttemptEnd(
@@ -329,11 +351,13 @@ def push_locked(group: str, keeps_weights: bool) -> Steps[PushEnd]:
     if not events:
         return PushEnd("deferred", f"push failed: {why}", plan.version, True)
     yield ReportMembers(group, plan.version)
+    state: str | None = None
     for event in events:
         sent = yield from ask(SendGroup(group, event, "after_push"))
         if not isinstance(sent, Ok):
             return PushEnd("cut_short", sent.error, plan.version, True)
-    return PushEnd("loaded", "", plan.version, True)
+        state = sent.value
+    return PushEnd("loaded", "", plan.version, True, state=state)
 
 
 def _defer(group: str, why: str, *, note: bool) -> Steps[AttemptEnd]:
@@ -342,8 +366,9 @@ def _defer(group: str, why: str, *, note: bool) -> Steps[AttemptEnd]:
         yield NoteStep("push", False, why)
     facts = yield from read(ReadRecovery(group))
     deferred = Strategy.DEFERRED
-    if facts.state == "active":  # a sync updated it meanwhile
-        return AttemptEnd("active", f"updated by a sync ({why})", deferred)
+    ready = _ready(facts.state)
+    if ready is not None:  # a sync updated it meanwhile
+        return AttemptEnd(ready, f"updated by a sync ({why})", deferred)
     if facts.state == "pending_weights":
         return AttemptEnd("pending_weights", f"deferred to the next sync: {why}", deferred)
     return AttemptEnd("failed", f"group is {facts.state} after its restart ({why})", deferred)

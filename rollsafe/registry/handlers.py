@@ -78,7 +78,7 @@ class RegistryEffects(Executor):
         audit = self.audit
         if audit is not None:
             audit.decided(effect.decided_by, tuple(e for _, evs in effect.events for e in evs))
-        refused = self.registry.send_together(effect.events)
+        refused = self.registry.send_together(effect.events, all_or_nothing=effect.all_or_nothing)
         refused_groups = {gid for gid, _ in refused}
         for gid, events in effect.events:
             if gid in refused_groups:

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 #: Events whose guards read the fleet's current version; :meth:`FleetRegistry.send` passes
 #: ``current_version=fleet_version`` to them unless the caller gave one.
-VERSIONED_EVENTS = frozenset({"launched", "restarted", "weights_loaded", "mark_stale"})
+VERSIONED_EVENTS = frozenset({"launched", "restarted", "weights_loaded", "mark_stale", "promote"})
 
 #: The hook names a listener may implement (any subset).
 LISTENER_HOOKS = (
@@ -341,6 +341,7 @@ class WorkerGroup:
                 "group_id": self.group_id,
                 "state": machine.state,
                 "routable": machine.is_routable,
+                "spare": machine.spare,
                 "ranks": list(self.ranks),
                 "endpoints": list(self.endpoints),
                 "restart_budget": machine.restart_budget,
@@ -474,12 +475,15 @@ class FleetRegistry:
         metadata: Mapping[str, Any] | None = None,
         machine: WorkerGroupLifecycle | None = None,
         standby_probe: Callable[[], Mapping[str, Any]] | None = None,
+        spare: bool = False,
     ) -> WorkerGroup:
         """Register a group in ``launching`` (or with a given ``machine``) and return it.
 
         Fails loudly and changes nothing on a duplicate id (:class:`DuplicateGroup`), ranks owned
         by another group (:class:`OverlappingRanks`) or repeated/empty ranks (``ValueError``).
         ``endpoints`` default to the clients' URLs. ``standby_probe``: see :class:`WorkerGroup`.
+        ``spare``: the group starts as a spare (``standby`` once ready, never routed until
+        promoted; ``FleetConfig.spare_groups``); ignored with a given ``machine``.
         """
         if not isinstance(group_id, str) or not group_id:
             raise InvalidArgument(
@@ -488,7 +492,7 @@ class FleetRegistry:
         rank_list = [int(r) for r in ranks]
         if machine is None:
             machine = WorkerGroupLifecycle(
-                rank_list, restart_budget=restart_budget, group_id=group_id
+                rank_list, restart_budget=restart_budget, group_id=group_id, spare=spare
             )
         elif tuple(machine.ranks) != tuple(rank_list):
             raise InvalidArgument(
@@ -655,13 +659,25 @@ class FleetRegistry:
         return record
 
     def send_together(
-        self, events: Sequence[tuple[str, Sequence[GroupEvent]]]
+        self,
+        events: Sequence[tuple[str, Sequence[GroupEvent]]],
+        *,
+        all_or_nothing: bool = False,
     ) -> list[tuple[str, str]]:
         """Send each listed group its events in one step: every group's lock is held (taken
         in id order) until all are sent, so the router admits no request to any of them in
         between (a node's loss takes all its groups out at once). Returns ``(group id, why)``
         for each event a machine refused (the others are taken); an unknown group is refused.
+
+        ``all_or_nothing`` (one event per group): every machine is asked first, under the
+        locks, whether it takes its event; when one would refuse, none is sent and every group
+        is reported refused, the refusing one with its machine's reasons (a spare's promotion
+        and the enlisting of the group it covers: both or neither).
         """
+        if all_or_nothing and any(len(evs) != 1 for _, evs in events):
+            raise InvalidArgument(
+                "events", "all_or_nothing sends exactly one event per group: " + repr(events)
+            )
         refused: list[tuple[str, str]] = []
         refusals: list[tuple[WorkerGroup, str, TransitionRefused]] = []
         known: dict[str, WorkerGroup] = {}
@@ -674,6 +690,11 @@ class FleetRegistry:
         with contextlib.ExitStack() as held:
             for gid in sorted(known):
                 held.enter_context(known[gid]._lock)
+            if all_or_nothing:
+                blocked = refused or self._would_refuse(known, events)
+                if blocked:
+                    why = "; ".join(f"{g}: {w}" for g, w in blocked)
+                    return [(gid, why) for gid, _ in events]
             for gid, evs in events:
                 if gid not in known:
                     continue
@@ -687,6 +708,24 @@ class FleetRegistry:
         for group, name, error in refusals:
             self._refused(group, name, error)
         return refused
+
+    def _would_refuse(
+        self,
+        known: Mapping[str, WorkerGroup],
+        events: Sequence[tuple[str, Sequence[GroupEvent]]],
+    ) -> list[tuple[str, str]]:
+        """``(group id, why)`` of each group whose machine would refuse its one event now."""
+        out: list[tuple[str, str]] = []
+        for gid, evs in events:
+            name = event_name(evs[0])
+            kwargs = {"current_version": self._version} if name in VERSIONED_EVENTS else {}
+            machine = known[gid].machine
+            if not machine.can(name, **kwargs):
+                reasons = "; ".join(machine.explain(name, **kwargs)) or "refused"
+                out.append(
+                    (gid, f"{machine.label} would refuse {name!r} in {machine.state!r}: {reasons}")
+                )
+        return out
 
     def _on_transition(self, group: WorkerGroup, event: str, source: str, target: str) -> None:
         """Called by a group machine's listener after each of its transitions."""

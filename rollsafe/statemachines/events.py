@@ -47,6 +47,8 @@ class GroupEvent(_Event):
     NODE_LOST = "node_lost"
     PLACED = "placed"
     DRAIN = "drain"
+    PROMOTE = "promote"
+    ENLIST = "enlist"
 
 
 class ExportEvent(_Event):

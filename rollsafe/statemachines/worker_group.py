@@ -33,11 +33,22 @@ class MemberFacts:
 class WorkerGroupLifecycle(GuardedMachine):
     """Lifecycle of one worker group: launching, serving, failing, recovering, retiring.
 
-    States: ``launching`` (initial), ``active`` (the only routable state), ``inactive`` (out of
-    routing after a failure), ``recovering`` (a recovery claimed it and is restarting it),
-    ``pending_weights`` (healthy but not at the fleet's current weights version), ``unplaced``
-    (its node died: waiting for a node with room), ``draining`` (being removed: no new
-    requests), ``retired`` (final: restart budget spent or removed on purpose).
+    States: ``launching`` (initial), ``active`` (the only routable state), ``standby`` (a
+    spare: healthy, at the fleet's current version, never routed until promoted),
+    ``inactive`` (out of routing after a failure), ``recovering`` (a recovery claimed it and is
+    restarting it), ``pending_weights`` (healthy but not at the fleet's current weights
+    version), ``unplaced`` (its node died: waiting for a node with room), ``draining`` (being
+    removed: no new requests), ``retired`` (final: restart budget spent or removed on purpose).
+
+    Spares (``FleetConfig(spare_groups=N)``, ``docs/recovery.md``): a group's role is a fact,
+    :attr:`spare`, read by the guards. A spare that reaches the current version (``launched``,
+    ``restarted``, ``weights_loaded``) goes to ``standby``, a serving group to ``active``;
+    ``mark_stale`` takes a spare behind the version to ``pending_weights`` like a serving one.
+    ``promote`` (``standby`` -> ``active``, every member healthy and at the current version)
+    makes a spare serve; ``enlist`` (a serving group out of routing: ``inactive``,
+    ``recovering``, ``unplaced``, ``pending_weights``; its state unchanged) makes it a spare,
+    so its recovery ends in ``standby``. The fleet sends both in one registry step, all or
+    nothing: the pool keeps its size.
 
     Node loss (``docs/cluster.md``): ``node_lost`` takes a group whose node died out of every
     non-final state but ``draining`` to ``unplaced`` and forgets its members; ``placed``
@@ -49,13 +60,15 @@ class WorkerGroupLifecycle(GuardedMachine):
     fleet's ``current_version=``. ``claim`` consumes one unit of the restart budget; ``claim``
     also forgets the members' health and versions, since the restarted processes start blank.
 
-    Invariants: routable iff ``active`` (never ``unplaced`` or ``draining``); on entering
+    Invariants: routable iff ``active`` (never ``standby``, ``unplaced`` or ``draining``); a
+    spare is never ``active`` (``promote`` makes it serving as it enters); on entering
     ``active`` every member is healthy and at the current version; no transition happens on the
     word of ``any()`` member; the budget never goes below zero.
     """
 
     launching = State("Launching", initial=True)
     active = State("Active")
+    standby = State("Standby")
     inactive = State("Inactive")
     recovering = State("Recovering")
     pending_weights = State("Pending weights")
@@ -63,28 +76,69 @@ class WorkerGroupLifecycle(GuardedMachine):
     draining = State("Draining")
     retired = State("Retired", final=True)
 
-    launched = launching.to(
-        active,
-        cond=["all_members_healthy", "all_at_current_version"],
-        validators="current_version_given",
-    ) | launching.to(pending_weights, cond="all_members_healthy")
-    fail = launching.to(inactive) | active.to(inactive) | pending_weights.to(inactive)
+    launched = (
+        launching.to(
+            standby,
+            cond=["is_spare", "all_members_healthy", "all_at_current_version"],
+            validators="current_version_given",
+        )
+        | launching.to(
+            active,
+            cond=["is_serving", "all_members_healthy", "all_at_current_version"],
+            validators="current_version_given",
+        )
+        | launching.to(pending_weights, cond="all_members_healthy")
+    )
+    fail = (
+        launching.to(inactive)
+        | active.to(inactive)
+        | standby.to(inactive)
+        | pending_weights.to(inactive)
+    )
     claim = inactive.to(recovering, cond=["group_complete", "restart_budget_left"])
-    restarted = recovering.to(
-        active,
-        cond=["all_members_healthy", "all_at_current_version"],
-        validators="current_version_given",
-    ) | recovering.to(pending_weights, cond="all_members_healthy")
+    restarted = (
+        recovering.to(
+            standby,
+            cond=["is_spare", "all_members_healthy", "all_at_current_version"],
+            validators="current_version_given",
+        )
+        | recovering.to(
+            active,
+            cond=["is_serving", "all_members_healthy", "all_at_current_version"],
+            validators="current_version_given",
+        )
+        | recovering.to(pending_weights, cond="all_members_healthy")
+    )
     restart_failed = recovering.to(inactive)
-    mark_stale = active.to(pending_weights, cond="behind_current_version")
+    mark_stale = active.to(pending_weights, cond="behind_current_version") | standby.to(
+        pending_weights, cond="behind_current_version"
+    )
     weights_loaded = pending_weights.to(
-        active,
-        cond=["all_members_healthy", "all_at_current_version"],
+        standby,
+        cond=["is_spare", "all_members_healthy", "all_at_current_version"],
         validators="current_version_given",
+    ) | pending_weights.to(
+        active,
+        cond=["is_serving", "all_members_healthy", "all_at_current_version"],
+        validators="current_version_given",
+    )
+    promote = standby.to(
+        active,
+        cond=["is_spare", "all_members_healthy", "all_at_current_version"],
+        validators="current_version_given",
+    )
+    enlist = (
+        inactive.to.itself(internal=True, cond="is_serving")  # type: ignore[no-untyped-call]
+        | recovering.to.itself(internal=True, cond="is_serving")  # type: ignore[no-untyped-call]
+        | unplaced.to.itself(internal=True, cond="is_serving")  # type: ignore[no-untyped-call]
+        | pending_weights.to.itself(  # type: ignore[no-untyped-call]
+            internal=True, cond="is_serving"
+        )
     )
     retire = (
         launching.to(retired)
         | active.to(retired)
+        | standby.to(retired)
         | inactive.to(retired)
         | recovering.to(retired)
         | pending_weights.to(retired)
@@ -94,6 +148,7 @@ class WorkerGroupLifecycle(GuardedMachine):
     node_lost = (
         launching.to(unplaced)
         | active.to(unplaced)
+        | standby.to(unplaced)
         | inactive.to(unplaced)
         | recovering.to(unplaced)
         | pending_weights.to(unplaced)
@@ -102,6 +157,7 @@ class WorkerGroupLifecycle(GuardedMachine):
     drain = (
         launching.to(draining)
         | active.to(draining)
+        | standby.to(draining)
         | inactive.to(draining)
         | recovering.to(draining)
         | pending_weights.to(draining)
@@ -113,6 +169,8 @@ class WorkerGroupLifecycle(GuardedMachine):
         ranks: Iterable[int],
         restart_budget: int = 3,
         group_id: str | None = None,
+        *,
+        spare: bool = False,
     ) -> None:
         rank_list = list(ranks)
         if not rank_list:
@@ -132,6 +190,9 @@ class WorkerGroupLifecycle(GuardedMachine):
         self.group_id = group_id if group_id is not None else f"group-{rank_list[0]}"
         self.restart_budget = restart_budget
         self.initial_restart_budget = restart_budget
+        #: the group's role: a spare (``standby`` when ready, never routed until promoted) or
+        #: a serving group; changed only by ``promote`` (-> serving) and ``enlist`` (-> spare)
+        self.spare = bool(spare)
         # Ranks given at construction are known; a rank whose process or node vanishes without
         # a report is forgotten (forget_member) until it reports again.
         self._members: dict[int, MemberFacts] = {r: MemberFacts(r, known=True) for r in self.ranks}
@@ -192,16 +253,23 @@ class WorkerGroupLifecycle(GuardedMachine):
                 )
             self._members = {r: facts[r] for r in self.ranks}
 
+    def restore_role(self, spare: bool) -> None:
+        """Set the group's role directly, bypassing ``promote`` / ``enlist`` (model checking
+        only)."""
+        with self._lock:
+            self.spare = bool(spare)
+
     def facts_token(self) -> Any:
-        return (self._members, self.restart_budget)
+        return (self._members, self.restart_budget, self.spare)
 
     def facts_from_token(self, token: Any) -> dict[str, Any]:
-        members_map, budget = token
+        members_map, budget, spare = token
         members = members_map.values()
         return {
             "unhealthy": tuple(m.rank for m in members if not m.healthy),
             "versions": tuple(m.weights_version for m in members),
             "restart_budget": budget,
+            "spare": spare,
         }
 
     # ------------------------------------------------------------------ validators
@@ -225,6 +293,14 @@ class WorkerGroupLifecycle(GuardedMachine):
         """Every rank of the group is known (none forgotten without reporting again)."""
         return all(m.known for m in self._members.values())
 
+    def is_spare(self) -> bool:
+        """The group is a spare (ready: ``standby``; serves only once promoted)."""
+        return self.spare
+
+    def is_serving(self) -> bool:
+        """The group serves (ready: ``active``); not a spare."""
+        return not self.spare
+
     def restart_budget_left(self) -> bool:
         """At least one restart of the budget remains."""
         return self.restart_budget > 0
@@ -239,6 +315,15 @@ class WorkerGroupLifecycle(GuardedMachine):
     def on_claim(self) -> None:
         self.restart_budget -= 1
         self._members = {r: MemberFacts(r, known=m.known) for r, m in self._members.items()}
+
+    def on_promote(self) -> None:
+        """A spare promoted serves from now on (its recovery, if it fails, ends in ``active``)."""
+        self.spare = False
+
+    def on_enlist(self) -> None:
+        """A serving group covered by a promoted spare refills the pool: its recovery ends in
+        ``standby``."""
+        self.spare = True
 
     def on_node_lost(self) -> None:
         """Every member went with its node: none is known until the group is placed again."""

@@ -63,6 +63,7 @@ from rollsafe.invariants import (
     GroupPicture,
     LeasePicture,
     MemberPicture,
+    PromotionPicture,
     RecoveryPicture,
 )
 from rollsafe.invariants import InvariantViolation as Violation
@@ -70,6 +71,7 @@ from rollsafe.operations import place as place_op
 from rollsafe.operations import probe as probe_op
 from rollsafe.operations import push as push_op
 from rollsafe.operations import recover as recover_op
+from rollsafe.operations import spare as spare_op
 from rollsafe.operations import sync as sync_op
 from rollsafe.operations.effects import DONE, Failed, Ok, Outcome, TimedOut, drive
 from rollsafe.operations.executor import Executor, handles
@@ -110,6 +112,8 @@ _KEYS: tuple[str, ...] = ("model.embed_tokens.weight", "lm_head.weight", "mtp.la
 _REGISTERED = _KEYS[:2]  # the MTP key is legitimately missing (allow-listed)
 _RUNNING_EXPORT = ("requested", "snapshotting", "writing", "committing")
 _OK = DONE
+#: the states the health manager probes (``rollsafe.fleet.health.DEFAULT_PROBE_STATES``)
+_PROBED = ("active", "standby", "pending_weights")
 #: the push's decisions the model audits (a policy function's declared events)
 _DELTA_DECISIONS = frozenset({"plan_push", "settle_push"})
 
@@ -141,10 +145,16 @@ class ModelConfig:
     #: where :func:`rollsafe.policy.plan_push` allows them (issue #28); False: every push full,
     #: no base tracked (the model before deltas)
     deltas: bool = True
+    #: spare groups besides the ``groups`` serving ones (``FleetConfig.spare_groups``): each
+    #: starts as a spare, ``standby`` once launched, promoted in place of a serving group that
+    #: left routing (``cover``); 0 (the default) explores no spare and no ``cover`` action
+    spares: int = 0
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.ranks < 1:
             raise InvalidArgument("groups", f"need groups >= 1 and ranks >= 1, got {self}")
+        if self.spares < 0:
+            raise InvalidArgument("spares", f"spares must be >= 0, got {self.spares}")
         if self.failure_threshold < 1:
             raise InvalidArgument(
                 "failure_threshold", f"failure_threshold must be >= 1, got {self.failure_threshold}"
@@ -154,6 +164,11 @@ class ModelConfig:
         if policy.engine_traits(self.engine) is policy.UNKNOWN_ENGINE:
             known = sorted({kind for kind, _ in policy.ENGINE_TRAITS})
             raise InvalidArgument("engine", f"engine must be one of {known}, got {self.engine!r}")
+
+    @property
+    def total_groups(self) -> int:
+        """The serving groups and the spares (the spares last)."""
+        return self.groups + self.spares
 
     @property
     def traits(self) -> policy.EngineTraits:
@@ -186,6 +201,7 @@ class _Audit:
     refused: tuple[str, ...] = ()
     register_complete: bool | None = None
     wrong_base_deltas: tuple[str, ...] = ()
+    promotions: tuple[PromotionPicture, ...] = ()
 
 
 def _declared() -> dict[str, frozenset[str]]:
@@ -225,9 +241,11 @@ class FleetModel(Executor):
         self.config = cfg = config or ModelConfig()
         self._group_cls = group_cls
         self._export_cls = export_cls
-        self.groups: list[WorkerGroupLifecycle] = [self._new_group(g) for g in range(cfg.groups)]
+        self.groups: list[WorkerGroupLifecycle] = [
+            self._new_group(g) for g in range(cfg.total_groups)
+        ]
         self._group_pool: list[list[WorkerGroupLifecycle]] = [[grp] for grp in self.groups]
-        self.registration = registration_cls(world_size=cfg.groups * cfg.ranks)
+        self.registration = registration_cls(world_size=cfg.total_groups * cfg.ranks)
         self.mode = mode_cls(enabled=True, rearm_after=cfg.rearm_after)
         #: the fleet's table: the groups' machines and the fleet version, as the fleet keeps them
         self.registry = FleetRegistry()
@@ -236,17 +254,17 @@ class FleetModel(Executor):
         self.registry_effects = RegistryEffects(self.registry, audit=self)
         #: ground truth per group: per rank (alive, weights really held)
         self.truth: list[tuple[tuple[bool, int | None], ...]] = [
-            tuple((False, None) for _ in range(cfg.ranks)) for _ in range(cfg.groups)
+            tuple((False, None) for _ in range(cfg.ranks)) for _ in range(cfg.total_groups)
         ]
-        self.counts: list[dict[int, int]] = [{} for _ in range(cfg.groups)]
+        self.counts: list[dict[int, int]] = [{} for _ in range(cfg.total_groups)]
         #: ground truth per group: its node is alive
-        self.node_up: list[bool] = [True] * cfg.groups
+        self.node_up: list[bool] = [True] * cfg.total_groups
         #: groups whose node's death the fleet was told of, not placed again since
         self.node_lost: set[int] = set()
         #: groups whose removal began
         self.removed: set[int] = set()
         #: claims made on each group's restart budget
-        self.claims: list[int] = [0] * cfg.groups
+        self.claims: list[int] = [0] * cfg.total_groups
         self.exports: dict[int, ExportLifecycle] = {}
         # Export machines by version, reused across restores (building one costs ~1 ms).
         self._export_pool: dict[int, list[ExportLifecycle]] = {}
@@ -272,8 +290,13 @@ class FleetModel(Executor):
         #: decided events), one DeltaBase per group
         self.ledger = DeltaLedger(machine_cls=delta_cls)
         self.delta: list[DeltaBase] = (
-            [self.ledger.machine_for(f"g{g}") for g in range(cfg.groups)] if cfg.deltas else []
+            [self.ledger.machine_for(f"g{g}") for g in range(cfg.total_groups)]
+            if cfg.deltas
+            else []
         )
+        #: what each spare's engines answered to the running cover's version check (``()``:
+        #: no answer)
+        self._reported: dict[str, tuple[str | None, ...]] = {}
         self._failing: dict[int, int] = {}  # the running push's failing rank per group
         self._pushed: dict[int, dict[int, bool]] = {}  # the running push's results
 
@@ -307,6 +330,7 @@ class FleetModel(Executor):
             range(g * cfg.ranks, (g + 1) * cfg.ranks),
             restart_budget=cfg.restart_budget,
             group_id=f"g{g}",
+            spare=g >= cfg.groups,
         )
 
     def _builder(self, g: int) -> Callable[[], WorkerGroupLifecycle]:
@@ -316,7 +340,7 @@ class FleetModel(Executor):
     def actions(self) -> Iterator[Action]:
         """Every action the model may take now (refused ones included)."""
         cfg = self.config
-        for g in range(cfg.groups):
+        for g in range(cfg.total_groups):
             for r in range(cfg.ranks):
                 yield Action("launch", (g, r))
                 yield Action("crash", (g, r))
@@ -336,13 +360,15 @@ class FleetModel(Executor):
             if cfg.removals:
                 yield Action("remove", (g,))
                 yield Action("finish_removal", (g,))
+            if cfg.spares:
+                yield Action("cover", (g,))
         if cfg.node_loss:
-            for dying in _node_sets(cfg.groups):
+            for dying in _node_sets(cfg.total_groups):
                 yield Action("node_dies", (dying,))
             yield Action("node_lost")
         yield Action("sync", (False, None, "fail"))
         yield Action("sync", (True, None, "fail"))
-        for g in range(cfg.groups):
+        for g in range(cfg.total_groups):
             yield Action("sync", (True, g, "fail"))
             yield Action("sync", (True, g, "stale"))
         yield Action("stray_delete")
@@ -461,7 +487,7 @@ class FleetModel(Executor):
         return self._probe(g, timed_out=True)
 
     def _probe(self, g: int, *, timed_out: bool) -> bool:
-        if self.groups[g].state not in ("active", "pending_weights"):
+        if self.groups[g].state not in _PROBED:
             return False
         self._probe_timed_out = timed_out
         before = self._acted
@@ -588,7 +614,13 @@ class FleetModel(Executor):
 
     def perform(self, effect: fx.Effect[Any]) -> Outcome[Any]:
         """Every effect through the table; the ledger's sends are audited like the registry's
-        (a decided event must be declared by its policy function and taken by its machine)."""
+        (a decided event must be declared by its policy function and taken by its machine);
+        a spare's promotion is recorded for ``promoted_only_at_current_version``."""
+        if isinstance(effect, fx.SendGroups):
+            sent = super().perform(effect)
+            if isinstance(sent, Ok) and not sent.value:
+                self._audit_promotions(effect)
+            return sent
         if not isinstance(effect, fx.SendBase) or effect.decided_by not in _DELTA_DECISIONS:
             return super().perform(effect)
         self._decided(effect.decided_by, (effect.event,))
@@ -649,7 +681,7 @@ class FleetModel(Executor):
     def _lost_candidates(self) -> tuple[int, ...]:
         return tuple(
             g
-            for g in range(self.config.groups)
+            for g in range(self.config.total_groups)
             if not self.node_up[g] and g not in self.node_lost and self.groups[g].state != "retired"
         )
 
@@ -675,6 +707,69 @@ class FleetModel(Executor):
         if end is None:
             drive(recover_op.take_lease(gid), self.perform)
         return True
+
+    # -- spares: the second executor of rollsafe.operations.spare
+    def _do_cover(self, g: int) -> bool:
+        """Serving group ``g`` left routing: a spare ready at the fleet's version takes over
+        (promoted, ``g`` enlisted as a spare), after the last check of its engine's version."""
+        group = self.groups[g]
+        if group.spare or group.state not in policy.COVERABLE:
+            return False
+        before = self._acted
+        self._reported = {}
+        drive(spare_op.cover(f"g{g}"), self.perform)
+        return self._acted > before
+
+    def _spare_facts(self, g: int) -> policy.SpareFacts:
+        grp = self.groups[g]
+        members = grp.members.values()
+        return policy.SpareFacts(
+            grp.group_id,
+            grp.state,
+            grp.spare,
+            len(grp.ranks),
+            all(m.healthy for m in members),
+            tuple(m.weights_version for m in members),
+        )
+
+    @handles(fx.ReadSpares)
+    def _read_spares(self, effect: fx.ReadSpares) -> Outcome[Any]:
+        g = self._index[effect.group]
+        spares = tuple(self._spare_facts(s) for s, grp in enumerate(self.groups) if grp.spare)
+        return Ok(fx.SparesSeen(self._spare_facts(g), spares, self.version))
+
+    @handles(fx.CheckVersion)
+    def _check_version(self, effect: fx.CheckVersion) -> Outcome[Any]:
+        """The spare's engines name the weights they hold (a dead one does not answer; one
+        holding unknown weights names none)."""
+        g = self._index[effect.group]
+        truth = self.truth[g]
+        if not all(alive for alive, _ in truth):
+            self._reported[effect.group] = ()  # no answer
+            return Failed("an engine of the group does not answer")
+        answer = tuple(None if v in (None, POISONED) else str(v) for _, v in truth)
+        self._reported[effect.group] = answer
+        return Ok(answer)
+
+    def _audit_promotions(self, effect: fx.SendGroups) -> None:
+        """Record each spare about to be promoted, as it is now (the invariant
+        ``promoted_only_at_current_version`` judges it)."""
+        promoted = [g for g, evs in effect.events if GroupEvent.PROMOTE in evs]
+        covered = [g for g, evs in effect.events if GroupEvent.ENLIST in evs]
+        for gid in promoted:
+            g = self._index[gid]
+            truth = self.truth[g]
+            self.audit.promotions = (
+                *self.audit.promotions,
+                PromotionPicture(
+                    gid,
+                    covered[0] if covered else "?",
+                    self.version,
+                    tuple(m.weights_version for m in self.groups[g].members.values()),
+                    tuple(v if alive else None for alive, v in truth),
+                    self._reported.get(gid),
+                ),
+            )
 
     def _do_remove(self, g: int) -> bool:
         """``remove_group(g)`` begins: ``drain``."""
@@ -776,7 +871,7 @@ class FleetModel(Executor):
     @handles(fx.ReadProbeFacts)
     def _read_probe_facts(self, effect: fx.ReadProbeFacts) -> Outcome[Any]:
         g, group = self._group_of(effect.group)
-        moved = group.state not in ("active", "pending_weights")
+        moved = group.state not in _PROBED
         return Ok(fx.ProbeFacts(group.ranks, self.counts[g], self._recorded(g), moved))
 
     @handles(fx.SetFailureCounts)
@@ -1108,15 +1203,22 @@ class FleetModel(Executor):
                 "restart": state == "recovering",
                 "restart_timeout": state == "recovering",
                 "recover": state == "inactive" and args[0] not in self.late,
-                "probe": state in ("active", "pending_weights"),
-                "probe_timeout": state in ("active", "pending_weights"),
+                "probe": state in _PROBED,
+                "probe_timeout": state in _PROBED,
                 "push": state == "pending_weights",
             }
             return allowed[name]
         if name == "sync":
             failing = args[1]
             # an update failing in a group that is not updated is the same as no failure
-            return failing is None or self.groups[failing].state in ("active", "pending_weights")
+            return failing is None or self.groups[failing].state in _PROBED
+        if name == "cover":
+            group = self.groups[args[0]]
+            return (
+                not group.spare
+                and group.state in policy.COVERABLE
+                and any(s.spare and s.state == "standby" for s in self.groups)
+            )
         if name == "stray_delete":
             return any(e.state == "superseded" for e in self.exports.values())
         if name in ("export_finish", "export_fail"):
@@ -1144,6 +1246,7 @@ class FleetModel(Executor):
                     removed=g in self.removed,
                     initial_budget=self.config.restart_budget,
                     claims=self.claims[g],
+                    spare=grp.spare,
                 )
             )
         reg = self.registration
@@ -1176,6 +1279,8 @@ class FleetModel(Executor):
                 else None
             ),
             wrong_base_deltas=audit.wrong_base_deltas,
+            spare_groups=self.config.spares,
+            promotions=audit.promotions,
             lease_holders=(
                 *(
                     LeasePicture(f"g{g}", lease.version, self.groups[g].state)
@@ -1207,6 +1312,7 @@ class FleetModel(Executor):
                 self._late_row(g),
                 (self.node_up[g], g in self.node_lost, g in self.removed, self.claims[g]),
                 self._delta_row(g),
+                grp.spare,
             )
             for g, grp in enumerate(self.groups)
         )
@@ -1232,6 +1338,7 @@ class FleetModel(Executor):
                 a.refused,
                 a.register_complete,
                 a.wrong_base_deltas,
+                a.promotions,
             ),
         )
 
@@ -1264,18 +1371,17 @@ class FleetModel(Executor):
                     budget,
                     tuple(sorted(zip(members, truth, strict=True), key=repr)),
                     len(counts),
-                    lease,
-                    late,
-                    place,
-                    delta,
+                    *rest,
                 )
-                for state, budget, members, truth, counts, lease, late, place, delta in groups
+                for state, budget, members, truth, counts, *rest in groups
             ),
             key=repr,
         )
         immediate = tuple(
             sorted((r.export_version, r.export_state, r.fleet_version) for r in audit_s[4])
         )
+        # a promotion that breaks no invariant changes nothing ahead: only the others count
+        promotions = sum(1 for p in audit_s[9] if _bad_promotion(p))
         return (
             version,
             tuple(rows),
@@ -1283,7 +1389,14 @@ class FleetModel(Executor):
             exports,
             mode_s,
             last,
-            (*audit_s[:4], immediate, len(audit_s[5]), len(audit_s[6]), *audit_s[7:]),
+            (
+                *audit_s[:4],
+                immediate,
+                len(audit_s[5]),
+                len(audit_s[6]),
+                *audit_s[7:9],
+                promotions,
+            ),
         )
 
     def restore(self, snap: tuple[Any, ...]) -> None:
@@ -1291,7 +1404,7 @@ class FleetModel(Executor):
         version, groups, reg_s, exports, mode_s, last, audit_s = snap
         self.registry.restore_version(version)
         for g, row in enumerate(groups):
-            state, budget, members, truth, counts, _lease, _late, place, delta = row
+            state, budget, members, truth, counts, _lease, _late, place, delta, spare = row
             self.node_up[g], lost, removed, self.claims[g] = place
             if delta:
                 machine = self.delta[g]
@@ -1305,6 +1418,8 @@ class FleetModel(Executor):
                 grp = self.groups[g] = _pooled(self._group_pool[g], state, self._builder(g))
                 self.registry.adopt_machine(grp.group_id, grp)
             grp.restart_budget = budget
+            if grp.spare != spare:
+                grp.restore_role(spare)
             facts = grp.members
             current = tuple((m.known, m.healthy, m.weights_version) for m in facts.values())
             if current != members:
@@ -1344,6 +1459,12 @@ _FINAL_STATE_OF = {
     ExportEvent.FAIL: "failed",
     ExportEvent.DELETE: "deleted",
 }
+
+
+def _bad_promotion(promotion: PromotionPicture) -> bool:
+    """Whether ``promotion`` breaks ``promoted_only_at_current_version``."""
+    picture = FleetPicture(promotion.fleet_version, (), promotions=(promotion,))
+    return bool(invariants.promoted_only_at_current_version(picture))
 
 
 def _node_sets(groups: int) -> tuple[tuple[int, ...], ...]:
