@@ -49,10 +49,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         node_loss=not args.no_node_loss,
         removals=args.removals,
         deltas=not args.no_deltas,
+        spares=args.spares,
     )
     traits = config.traits
+    spares = f" + {config.spares} spare(s)" if config.spares else ""
     print(
-        f"exploring the composed fleet model: {config.groups} groups x {config.ranks} ranks,"
+        f"exploring the composed fleet model: {config.groups} groups{spares} x {config.ranks}"
+        " ranks,"
         f" {traits.kind} engines (a failed update "
         f"{'keeps' if traits.failed_update_keeps_weights else 'loses'} the old weights),"
         f" node loss {'on' if config.node_loss else 'off'}, {config.removals} removal(s),"
@@ -168,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--removals", type=int, default=1, help="groups one run may remove (default 1; 0: none)"
+    )
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="spare groups beside --groups (default 0: none; each is kept in standby at the "
+        "fleet's version and promoted when a serving group leaves routing; issue #37)",
     )
     p.add_argument("--max-states", type=int, default=None, help="stop after this many states")
     p.add_argument("--all-violations", action="store_true", help="keep going after the first")

@@ -248,6 +248,10 @@ class EngineClient(Protocol):
     def weights_checksum(self, *, timeout: float | None = None) -> WeightsChecksum:
         """Per-tensor digests of the served weights (retried)."""
 
+    def weight_version(self, *, timeout: float | None = None) -> str | None:
+        """The weights version the engine names (retried; None: it names none): a spare's
+        last check before its promotion."""
+
     # -- teardown -------------------------------------------------------------------------
     def close(self) -> None:
         """Close the HTTP connection pool (the engine keeps running)."""

@@ -168,6 +168,13 @@ class FleetConfig:
     #: routers users keep in front of the engines (sglang-router, vllm-router) whose worker
     #: lists the fleet keeps equal to its routable set (``docs/routers.md``)
     external_routers: Sequence[ExternalRouter] = ()
+    #: spare groups started beside ``groups`` (``docs/recovery.md``, "Spare groups"): each is
+    #: shaped like the groups (they must all have one size), never routed (``standby``), kept
+    #: at the fleet's version by every sync, and promoted to ``active`` at once when a serving
+    #: group fails or loses its node; the failed group's recovery refills the pool. Their ids
+    #: are ``s0``, ``s1``... (an id names a group, not a role: a promoted ``s0`` serves and a
+    #: failed ``g0`` becomes a spare)
+    spare_groups: int = 0
 
     def __post_init__(self) -> None:
         """Keep a ``transport=<settings object>`` in its field, settle ``model_path`` and
@@ -329,6 +336,7 @@ class FleetConfig:
             )
         check_number("rearm_after", self.rearm_after, integer=True)
         check_number("spare_ranks", self.spare_ranks, integer=True, zero=True)
+        check_number("spare_groups", self.spare_groups, integer=True, zero=True)
         check_number("initial_version", self.initial_version, integer=True, zero=True)
         check_number("router_max_attempts", self.router_max_attempts, integer=True)
         check_number("wait_for_routable_s", self.wait_for_routable_s, zero=True)
@@ -419,15 +427,49 @@ class FleetConfig:
                 owner[rk] = gid
             next_rank = max(next_rank, max(ranks) + 1)
             resolved.append(GroupPlan(gid, spec.ranks, ranks, standby))
-        return resolved
+        return resolved + self._spare_plans(resolved, next_rank, owner)
+
+    def _spare_plans(
+        self, serving: list[GroupPlan], next_rank: int, owner: dict[int, str]
+    ) -> list[GroupPlan]:
+        """The ``spare_groups`` spares: the groups' size, the next free fleet ranks, ids
+        ``s0``, ``s1``... (skipping ids the groups took)."""
+        if not self.spare_groups:
+            return []
+        sizes = sorted({p.ranks for p in serving})
+        if len(sizes) != 1:
+            raise FleetConfigError(
+                "spare_groups",
+                f"spares take over from any group, so the groups must have one size; their "
+                f"ranks are {sizes}",
+            )
+        taken = {p.group_id for p in serving}
+        plans: list[GroupPlan] = []
+        index = 0
+        for _ in range(self.spare_groups):
+            while f"s{index}" in taken:
+                index += 1
+            gid = f"s{index}"
+            taken.add(gid)
+            ranks = tuple(range(next_rank, next_rank + sizes[0]))
+            while any(rk in owner for rk in ranks):
+                next_rank += 1
+                ranks = tuple(range(next_rank, next_rank + sizes[0]))
+            for rk in ranks:
+                owner[rk] = gid
+            next_rank = max(ranks) + 1
+            plans.append(GroupPlan(gid, sizes[0], ranks, self.warm_standby, spare=True))
+        return plans
 
 
 @dataclass(frozen=True)
 class GroupPlan:
     """One group as the fleet runs it: its id, its engine's ranks (processes), its fleet ranks
-    (the transport's world positions) and whether it keeps a warm standby."""
+    (the transport's world positions), whether it keeps a warm standby and whether it starts
+    as a spare (``FleetConfig.spare_groups``)."""
 
     group_id: str
     ranks: int
     fleet_ranks: tuple[int, ...]
     warm_standby: bool = False
+    spare: bool = False

@@ -5,15 +5,18 @@ request health and sync, wired to each other by name.
 and hands it the others' bound methods, never a closure: a failed probe goes to
 ``RecoveryCoordinator.on_group_failed``, a failed update or a run of failed requests to
 ``RecoveryCoordinator.on_update_failed``, request failures are not counted while the
-``HealthManager`` is paused. Every group of a fleet runs the same engine, so one
-:class:`FleetTraits` answers every coordinator's ``traits_for`` and one :class:`FleetTargets`
-builds every transport target (with the engine kind's delta capability).
+``HealthManager`` is paused; with ``spare_groups`` a :class:`~rollsafe.fleet.spares.SparePool`
+hears the registry and promotes a spare for a serving group that leaves routing. Every group
+of a fleet runs the same engine, so one :class:`FleetTraits` answers every coordinator's
+``traits_for`` and one :class:`FleetTargets` builds every transport target (with the engine
+kind's delta capability).
 :func:`build_transport` picks the configured transport or its named fallback.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +28,9 @@ from rollsafe.fleet.health import HealthManager
 from rollsafe.fleet.recovery import RecoveryCoordinator
 from rollsafe.fleet.request_health import RequestHealth
 from rollsafe.fleet.settings import FleetConfigError, TransportContext, topology_fallback
+from rollsafe.fleet.spares import SparePool
 from rollsafe.fleet.sync import SyncCoordinator, default_target
+from rollsafe.ports import PlaceableEngine
 from rollsafe.registry import FleetListener, FleetRegistry, GroupTransition, WorkerGroup
 from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
 
@@ -103,6 +108,8 @@ class ControlPlane:
     health: HealthManager
     request_health: RequestHealth
     sync: SyncCoordinator
+    #: the spares' pool (``FleetConfig.spare_groups``; None: no spares)
+    spares: SparePool | None = None
 
 
 def build_transport(
@@ -193,4 +200,22 @@ def build_control_plane(
         targets_for=targets_for,
         traits_for=traits_for,
     )
-    return ControlPlane(exporter, transport, fallback, recovery, health, request_health, sync)
+    spares = None
+    if config.spare_groups:
+        spares = SparePool(
+            registry,
+            transport_lock=recovery.transport_lock,
+            on_group_failed=recovery.on_update_failed,
+            node_of=functools.partial(_node_of, handle_for),
+            version_timeout_s=config.health.timeout_s,
+        )
+        registry.add_listener(spares)
+    return ControlPlane(
+        exporter, transport, fallback, recovery, health, request_health, sync, spares
+    )
+
+
+def _node_of(handle_for: Callable[[str], RestartableEngine], group_id: str) -> str | None:
+    """The node ``group_id``'s engine runs on (None: this machine, or not placed yet)."""
+    handle = handle_for(group_id)
+    return handle.node_id if isinstance(handle, PlaceableEngine) else None

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from rollsafe.fleet.health import HealthManager
     from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
     from rollsafe.fleet.request_health import RequestHealth
+    from rollsafe.fleet.spares import SparePool
     from rollsafe.fleet.sync import SyncCoordinator, SyncReport
     from rollsafe.gateway.app import Gateway
     from rollsafe.gateway.router_sync import RouterSync
@@ -180,7 +181,9 @@ class RolloutFleet:
                 handle_for=engines.handle,
             )
             factory = self.placement.prepare(
-                PlacementContext(control.transport, control.exporter, engines.handle)
+                PlacementContext(
+                    control.transport, control.exporter, engines.handle, apart=self._apart
+                )
             )
             self.router.on_group_ok = control.request_health.ok
             control.recovery.export_mover = self.placement.export_mover
@@ -244,6 +247,7 @@ class RolloutFleet:
                 restart_budget=self.config.recovery.restart_budget,
                 metadata={"engine_ranks": plan.ranks},
                 standby_probe=handle.standby_status,
+                spare=plan.spare,
             )
             for rank in plan.fleet_ranks:
                 self.registry.report_member(
@@ -386,6 +390,9 @@ class RolloutFleet:
         if control is not None:
             with contextlib.suppress(Exception):
                 control.health.stop(timeout=timeout)
+            if control.spares is not None:
+                with contextlib.suppress(Exception):
+                    control.spares.close()
         with contextlib.suppress(Exception):
             self.observer.stop()
         if self.metrics is not None:  # stop serving; a closed fleet leaves the registry
@@ -481,12 +488,15 @@ class RolloutFleet:
         """The fleet as :mod:`rollsafe.invariants` reads it (what the fleet records; the
         engines' ground truth is unknown here). ``check_all(fleet.picture())`` is the demo's
         final invariant check."""
+        spares = self.spares
         return picture(
             self.registry,
             initial_version=self.config.initial_version,
             transport=self.transport,
             exporter=self.exporter,
             mode=self.mode,
+            spare_groups=self.config.spare_groups,
+            promotions=[p.picture() for p in spares.promotions()] if spares is not None else (),
         )
 
     def record(
@@ -536,6 +546,7 @@ class RolloutFleet:
             "router": self.router.stats(),
             "health": control.health.stats() if control is not None else None,
             "request_health": control.request_health.stats() if control is not None else None,
+            "spares": self.spares.snapshot() if self.spares is not None else None,
             "gateway": (
                 {"url": self.gateway.url, **self.gateway.counters.as_dict()}
                 if self.gateway is not None
@@ -605,6 +616,12 @@ class RolloutFleet:
         return self._control.sync if self._control is not None else None
 
     @property
+    def spares(self) -> SparePool | None:
+        """The spares' pool (``FleetConfig.spare_groups``; None without spares or before
+        :meth:`start`): its promotions, :meth:`~rollsafe.fleet.spares.SparePool.wait_idle`."""
+        return self._control.spares if self._control is not None else None
+
+    @property
     def request_health(self) -> RequestHealth | None:
         return self._control.request_health if self._control is not None else None
 
@@ -621,6 +638,18 @@ class RolloutFleet:
         self._require_started()
         assert self.membership is not None
         return self.membership
+
+    def _apart(self, group_id: str) -> list[str]:
+        """The groups ``group_id`` should not share a node with where it can: for a spare,
+        the serving groups it covers; for a serving group, the spares (a node's loss should
+        not take a group and the spare that would take over). Empty without spares."""
+        if not self.config.spare_groups:
+            return []
+        roles = {p.group_id: p.spare for p in self.engines.plans()}
+        for group in self.registry.groups():  # roles change with promotions
+            roles[group.group_id] = group.machine.spare
+        mine = roles.get(group_id, False)
+        return [gid for gid, spare in roles.items() if spare != mine]
 
     def _request_failed(self, group_id: str, exc: BaseException | None = None) -> None:
         """The router's error hook: the observer's episodes, then request health."""

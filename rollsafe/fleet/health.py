@@ -4,8 +4,9 @@ Owns failure *detection* (never recovery):
 
 * one probe loop (an asyncio event loop on its own thread) runs a round every ``interval_s``,
   or at once on :meth:`HealthManager.wake`; a round probes every group in ``probe_states``
-  (``active`` and ``pending_weights`` by default; ``inactive``/``recovering`` groups belong to
-  the recovery coordinator) concurrently, each probe bounded by ``timeout_s``;
+  (``active``, ``standby`` -- a spare -- and ``pending_weights`` by default;
+  ``inactive``/``recovering`` groups belong to the recovery coordinator) concurrently, each
+  probe bounded by ``timeout_s``;
 * async probes run on the loop itself (a thousand latency-bound probes cost one thread); sync
   probes (the default, which calls each engine client's ``health()``) each run on a daemon
   thread of their own (:class:`~rollsafe.concurrency.DaemonCall`). A probe that hangs past its
@@ -82,7 +83,7 @@ ProbeResult: TypeAlias = bool | Mapping[int, bool] | None
 Probe: TypeAlias = Callable[[WorkerGroup, float], ProbeResult | Awaitable[ProbeResult]]
 
 #: States whose groups are probed by default.
-DEFAULT_PROBE_STATES = frozenset({"active", "pending_weights"})
+DEFAULT_PROBE_STATES = frozenset({"active", "standby", "pending_weights"})
 
 _MAX_REASON_CHARS = 512
 #: a stuck probe that may not count another failure yet (see ``_still_running``)

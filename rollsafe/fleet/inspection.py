@@ -16,7 +16,13 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from rollsafe.invariants import ExportPicture, FleetPicture, GroupPicture, MemberPicture
+from rollsafe.invariants import (
+    ExportPicture,
+    FleetPicture,
+    GroupPicture,
+    MemberPicture,
+    PromotionPicture,
+)
 
 if TYPE_CHECKING:
     from rollsafe.fleet.sync import ExporterLike
@@ -98,6 +104,8 @@ def picture(
     transport: WeightTransport | None,
     exporter: ExporterLike | None,
     mode: ImmediateRecoveryMode,
+    spare_groups: int | None = None,
+    promotions: Iterable[PromotionPicture] = (),
 ) -> FleetPicture:
     """The fleet as :mod:`rollsafe.invariants` reads it (what the fleet records; the engines'
     ground truth is unknown here)."""
@@ -111,6 +119,7 @@ def picture(
                 MemberPicture(r, m.known, m.healthy, m.weights_version)
                 for r, m in g.machine.members.items()
             ),
+            spare=g.machine.spare,
         )
         for g in registry.groups()
     )
@@ -134,4 +143,6 @@ def picture(
         mode_state=mode.state,
         rearm_after=mode.rearm_after,
         max_version_seen=registry.fleet_version,
+        spare_groups=spare_groups,
+        promotions=tuple(promotions),
     )

@@ -12,7 +12,7 @@ each group with Ray (``FleetConfig(placement="ray")``, ``docs/cluster.md``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,12 +30,14 @@ __all__ = ["LocalPlacement", "NodeEvents", "Placement", "PlacementContext"]
 class PlacementContext:
     """What a placement is prepared with: the fleet's ``transport`` (a Ray placement points
     its weight-update store at the driver node's IP), the ``exporter`` (what a moved export
-    is pulled from, while the export is ``ready``) and ``handle_for(group_id)`` (the group's
-    handle, for the export mover)."""
+    is pulled from, while the export is ``ready``), ``handle_for(group_id)`` (the group's
+    handle, for the export mover) and ``apart(group_id)`` (the groups it should not share a
+    node with where it can: a spare and the serving groups it covers)."""
 
     transport: WeightTransport | None
     exporter: Any
     handle_for: Callable[[str], LaunchableEngine]
+    apart: Callable[[str], Collection[str]] | None = None
 
 
 class NodeEvents(Protocol):

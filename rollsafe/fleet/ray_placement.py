@@ -77,6 +77,7 @@ class RayPlacement:
             spread=settings.spread,
             name_prefix=f"rollsafe-{os.getpid()}-{id(self):x}",
         )
+        self.placer.apart = context.apart  # spares off the nodes of the groups they cover
         self._move_exports(context)
         factory = ray_engine_factory(
             self.placer,

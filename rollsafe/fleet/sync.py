@@ -66,10 +66,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ExporterLike",
+    "HandOffs",
     "SyncCoordinator",
     "SyncError",
     "SyncReport",
     "SyncVersionError",
+    "TransportLocking",
     "default_target",
     "default_traits",
     "shared_transport_lock",
@@ -434,6 +436,57 @@ class ExportTrack:
         return self.last
 
 
+class TransportLocking(Executor):
+    """The one handler of :class:`~rollsafe.operations.effects.LockTransport` and
+    :class:`~rollsafe.operations.effects.UnlockTransport`: holds ``lock`` (the transport's,
+    :func:`shared_transport_lock`) between them; :meth:`release` lets it go if a sequence
+    ended between the two (an exception). A sync's run and the spares' pool hold one each."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self.lock = lock
+        self.locked = False
+
+    @handles(fx.LockTransport)
+    def lock_transport(self, _effect: fx.LockTransport) -> fx.Outcome[None]:
+        self.lock.acquire()
+        self.locked = True
+        return fx.DONE
+
+    @handles(fx.UnlockTransport)
+    def unlock_transport(self, _effect: fx.UnlockTransport) -> fx.Outcome[None]:
+        self.release()
+        return fx.DONE
+
+    def release(self) -> None:
+        if self.locked:
+            self.locked = False
+            self.lock.release()
+
+
+class HandOffs(Executor):
+    """The one handler of :class:`~rollsafe.operations.effects.HandOff`: a failed group goes
+    to ``on_group_failed(group_id, reason_for(group_id))`` (the recovery's
+    ``on_update_failed``: it only enqueues); one that raises is logged, never propagated."""
+
+    def __init__(
+        self,
+        on_group_failed: Callable[[str, str], object] | None,
+        reason_for: Callable[[str], str],
+    ) -> None:
+        self.on_group_failed = on_group_failed
+        self.reason_for = reason_for
+
+    @handles(fx.HandOff)
+    def hand_off(self, effect: fx.HandOff) -> fx.Outcome[None]:
+        if self.on_group_failed is None:
+            return fx.DONE
+        try:
+            self.on_group_failed(effect.group, self.reason_for(effect.group))
+        except Exception:
+            log.exception("on_group_failed raised for %s", effect.group)
+        return fx.DONE
+
+
 class _SyncRun(Executor):
     """The fleet's executor of one sync's effects: the real I/O, the lock, the timings, the
     logs and the :class:`SyncReport`'s per-target details. Each handler declares the timing of
@@ -441,7 +494,11 @@ class _SyncRun(Executor):
     registry's effects (the settlement) are the registry's own handlers and count toward
     ``versions_s``."""
 
-    parts = {RegistryEffects: "registry_effects"}
+    parts = {
+        RegistryEffects: "registry_effects",
+        TransportLocking: "locking",
+        HandOffs: "hand_offs",
+    }
 
     def __init__(
         self,
@@ -456,14 +513,16 @@ class _SyncRun(Executor):
         self.report = report
         self.around_update = around_update
         self.bracket = contextlib.ExitStack()  # around_update (#17), inside the health pause
-        self.locked = self.paused = False
+        self.paused = False
+        self.locking = TransportLocking(coordinator.transport_lock)
+        self.hand_offs = HandOffs(coordinator.on_group_failed, self._failure_reason)
         self.handle: Any = None  # the previous export's handle, once observed
         self.groups: dict[str, WorkerGroup] = {}
         self.targets: list[EngineTarget] = []
 
     def perform(self, effect: fx.Effect[Any]) -> fx.Outcome[Any]:
         step = self.declared_steps.get(type(effect))
-        if step is None and type(effect) in RegistryEffects.table:
+        if step is None and (type(effect) in RegistryEffects.table or type(effect) in _HANDED):
             step = "versions_s"
         t = time.perf_counter()
         try:
@@ -474,9 +533,12 @@ class _SyncRun(Executor):
                 timings[step] = timings.get(step, 0.0) + time.perf_counter() - t
 
     def close(self) -> None:
-        if self.locked:
-            self.unlock(fx.UnlockTransport())
+        self.locking.release()
         self.resume(fx.Resume())
+
+    def _failure_reason(self, group_id: str) -> str:
+        result = self.report.update_results.get(group_id)
+        return result.reason if result is not None else ""
 
     # -- the previous export
     @handles(fx.ObserveExport, step="judge_export_s")
@@ -546,19 +608,6 @@ class _SyncRun(Executor):
         return fx.DONE
 
     # -- register, pause, hooks
-    @handles(fx.LockTransport)
-    def lock(self, _effect: fx.LockTransport) -> fx.Outcome[None]:
-        self.c.transport_lock.acquire()
-        self.locked = True
-        return fx.DONE
-
-    @handles(fx.UnlockTransport)
-    def unlock(self, _effect: fx.UnlockTransport) -> fx.Outcome[None]:
-        if self.locked:
-            self.locked = False
-            self.c.transport_lock.release()
-        return fx.DONE
-
     @handles(fx.Register, step="register_s")
     def register(self, effect: fx.Register) -> fx.Outcome[tuple[str, int] | None]:
         transport = self.c.transport
@@ -678,18 +727,8 @@ class _SyncRun(Executor):
         }
         return fx.Ok(fx.UpdateDone(rank_ok, moved))
 
-    # -- the settlement (the registry's effects are the registry's handlers)
-    @handles(fx.HandOff, step="versions_s")
-    def hand_off(self, effect: fx.HandOff) -> fx.Outcome[None]:
-        on_group_failed = self.c.on_group_failed
-        if on_group_failed is None:
-            return fx.DONE
-        result = self.report.update_results.get(effect.group)
-        try:
-            on_group_failed(effect.group, result.reason if result is not None else "")
-        except Exception:
-            log.exception("on_group_failed raised for %s", effect.group)
-        return fx.DONE
+    # -- the settlement: the registry's effects are the registry's handlers, the hand-offs
+    # -- the recovery's (HandOffs)
 
     # -- the export
     @handles(fx.StartExport, step="export_start_s")
@@ -712,6 +751,10 @@ class _SyncRun(Executor):
         c.exports.started(version)
         log.info("sync v%d: export started", version)
         return fx.Ok(True)
+
+
+#: the settlement's effects handed to parts (timed as ``versions_s`` with the registry's)
+_HANDED = frozenset(HandOffs.table)
 
 
 def _ok_result(result: TargetResult | None) -> bool:

@@ -33,6 +33,7 @@ __all__ = ["STATE_COLORS", "group_spans", "recovery_spans", "render_svg", "write
 STATE_COLORS = {
     "launching": "#9ecae1",
     "active": "#2ca25f",
+    "standby": "#a1d99b",
     "pending_weights": "#fdae6b",
     "inactive": "#de2d26",
     "recovering": "#8c6bb1",

@@ -5,8 +5,11 @@
 nodes), and spreads the groups of one fleet over the nodes: each placement is hinted at the
 alive node that fits the group and holds the fewest of this placer's groups (Ray's
 ``_soft_target_node_id``, a hint for ``STRICT_PACK`` groups: a node without room is passed
-over by Ray itself). :meth:`GroupPlacer.place` returns once Ray reserved the bundles, as a
-:class:`Placement` naming the node, or raises :class:`PlacementUnavailable` after
+over by Ray itself). A group may also be kept apart from others where it can
+(:attr:`GroupPlacer.apart`: a spare from the groups it covers, so one node's loss does not take
+both): among the nodes that fit, those holding fewer of them come first.
+:meth:`GroupPlacer.place` returns once Ray reserved the bundles, as a :class:`Placement` naming
+the node, or raises :class:`PlacementUnavailable` after
 ``timeout_s`` (no node has room: the group waits, see ``docs/cluster.md``). A group can be
 pinned to one node (``place(node=)``: the trainer's, ``RaySettings.trainer_node_groups``) and
 nodes can be excluded (:meth:`GroupPlacer.exclude`: a node that cannot read the shared
@@ -22,7 +25,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +102,9 @@ class GroupPlacer:
         self.name_prefix = name_prefix
         self._lock = threading.Lock()
         self._held: dict[str, str] = {}  # group id -> node id of its live placement (or hint)
+        #: ``apart(group_id)``: the groups ``group_id`` should not share a node with, where
+        #: another node fits (a spare and the groups it covers; None: no such preference)
+        self.apart: Callable[[str], Collection[str]] | None = None
         self._excluded: dict[str, str] = {}  # node id -> why no group may be placed there
         self._made = 0
 
@@ -143,8 +149,9 @@ class GroupPlacer:
                         raise PlacementUnavailable(
                             group_id, bundles, self.timeout_s, f"its node {node} is excluded"
                         )
-                elif self.spread or excluded:
-                    target = self._target_node(ranks, excluded)
+                elif self.spread or excluded or self.apart is not None:
+                    avoid = self.apart(group_id) if self.apart is not None else ()
+                    target = self._target_node(ranks, excluded, avoid)
                 else:
                     target = None
                 if excluded and target is None:
@@ -196,15 +203,18 @@ class GroupPlacer:
         with self._lock:
             self._held.pop(group_id, None)
 
-    def _target_node(self, ranks: int, excluded: set[str] | None = None) -> str | None:
+    def _target_node(
+        self, ranks: int, excluded: set[str] | None = None, avoid: Collection[str] = ()
+    ) -> str | None:
         """The alive node (not ``excluded``) whose total resources fit the group and that holds
-        the fewest of this placer's groups (ties: Ray's node order); None when no node fits
-        (Ray decides)."""
+        the fewest of the ``avoid`` groups, then the fewest of this placer's groups (ties: Ray's
+        node order); None when no node fits (Ray decides)."""
         import ray
 
         api: Any = ray  # ray.nodes() is untyped
         load = Counter(self._held.values())
-        best: tuple[int, int, str] | None = None
+        shunned = Counter(self._held[g] for g in avoid if g in self._held)
+        best: tuple[int, int, int, str] | None = None
         for order, node in enumerate(api.nodes()):
             if not node.get("Alive") or str(node["NodeID"]) in (excluded or ()):
                 continue
@@ -212,10 +222,10 @@ class GroupPlacer:
             if any(total.get(k, 0.0) < v * ranks for k, v in self.bundle.items()):
                 continue
             node_id = str(node["NodeID"])
-            key = (load[node_id], order, node_id)
+            key = (shunned[node_id], load[node_id], order, node_id)
             if best is None or key < best:
                 best = key
-        return None if best is None else best[2]
+        return None if best is None else best[3]
 
 
 def ray_node_id() -> str:
