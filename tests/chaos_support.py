@@ -102,6 +102,7 @@ def chaos_fleet(
     budget: int = 3,
     immediate: bool = True,
     health: HealthSettings | None = None,
+    initial_version: int = 0,
     **recovery: Any,
 ) -> tuple[RolloutFleet, Journal]:
     """A started fleet of reference engines (fault injection on) with recording launchers."""
@@ -120,6 +121,7 @@ def chaos_fleet(
         health=health or HealthSettings(interval_s=0.2, timeout_s=1.5, failure_threshold=2),
         recovery=RecoverySettings(**rs),
         enable_immediate_recovery=immediate,
+        initial_version=initial_version,
         launcher_factory=factory,
         engine=EngineSpec(model_path=str(model), **{"fault_injection": True}),
         request_timeout_s=5.0,

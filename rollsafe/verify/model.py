@@ -141,6 +141,9 @@ class ModelConfig:
     #: where :func:`rollsafe.policy.plan_push` allows them (issue #28); False: every push full,
     #: no base tracked (the model before deltas)
     deltas: bool = True
+    #: the version the fleet starts at (``FleetConfig.initial_version``): the engines launch
+    #: holding it, and the start checkpoint (``model_path``) is its ready export from the start
+    initial_version: int = 0
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.ranks < 1:
@@ -151,6 +154,10 @@ class ModelConfig:
             )
         if self.removals < 0:
             raise InvalidArgument("removals", f"removals must be >= 0, got {self.removals}")
+        if self.initial_version < 0:
+            raise InvalidArgument(
+                "initial_version", f"initial_version must be >= 0, got {self.initial_version}"
+            )
         if policy.engine_traits(self.engine) is policy.UNKNOWN_ENGINE:
             known = sorted({kind for kind, _ in policy.ENGINE_TRAITS})
             raise InvalidArgument("engine", f"engine must be one of {known}, got {self.engine!r}")
@@ -230,7 +237,7 @@ class FleetModel(Executor):
         self.registration = registration_cls(world_size=cfg.groups * cfg.ranks)
         self.mode = mode_cls(enabled=True, rearm_after=cfg.rearm_after)
         #: the fleet's table: the groups' machines and the fleet version, as the fleet keeps them
-        self.registry = FleetRegistry()
+        self.registry = FleetRegistry(fleet_version=cfg.initial_version)
         for grp in self.groups:
             self.registry.add_group(grp.group_id, grp.ranks, machine=grp)
         self.registry_effects = RegistryEffects(self.registry, audit=self)
@@ -251,12 +258,21 @@ class FleetModel(Executor):
         # Export machines by version, reused across restores (building one costs ~1 ms).
         self._export_pool: dict[int, list[ExportLifecycle]] = {}
         self.dirs: dict[int, bool] = {}
+        # The start checkpoint: ``model_path``, verified at start, is the ready export of the
+        # initial version (``HFExporter.adopt_start``), leased and retained like any export.
+        start = export_cls(cfg.initial_version)
+        start.adopt(verified=True, version=cfg.initial_version)
+        self.exports[cfg.initial_version] = start
+        self._export_pool[cfg.initial_version] = [start]
+        self.dirs[cfg.initial_version] = True
         self.last_export: int | None = None
         self.leases: dict[int, ExportLease] = {}  # group index -> lease
         #: group index -> the lease its timed-out restart holds while it still runs in the
         #: background (None: a dummy restart, no lease); no recovery claims the group meanwhile
         self.late: dict[int, ExportLease | None] = {}
-        self.audit = _Audit()
+        self.audit = _Audit(
+            max_version_seen=cfg.initial_version, judged_version=cfg.initial_version
+        )
         self._allowed = {
             cls: _allowed_events_table(cls) for cls in (group_cls, export_cls, registration_cls)
         }
@@ -432,8 +448,11 @@ class FleetModel(Executor):
         alive, _ = self.truth[g][r]
         if group.state != "launching" or alive or not self.node_up[g]:
             return False
-        self._set_truth(g, r, True, 0)
-        self.registry.report_member(group.group_id, group.ranks[r], healthy=True, weights_version=0)
+        start = self.config.initial_version  # every engine launches on the start checkpoint
+        self._set_truth(g, r, True, start)
+        self.registry.report_member(
+            group.group_id, group.ranks[r], healthy=True, weights_version=start
+        )
         events = policy.launch_events(self._recorded(g))
         for event in events:
             self._send_group(g, event, "launch_events")
@@ -1151,6 +1170,7 @@ class FleetModel(Executor):
         return FleetPicture(
             fleet_version=self.version,
             groups=tuple(groups),
+            initial_version=self.config.initial_version,
             registration_state=reg.state,
             published=reg.published,
             last_published_version=reg.last_published_version,
