@@ -1,7 +1,8 @@
 """`rollsafe demo` end to end (small) as a subprocess, its trainer actor, and the embedding example.
 
 The demo runs with its Ray trainer actor on a local Ray over both transports (``ipc``, ``nccl``
-with gloo); each run checks the invariants in ``summary.json`` and that nothing it started (engine
+with gloo); each run checks the invariants in ``summary.json``, replays its recorded run through
+the verifier's model (``rollsafe verify --trace``) and checks that nothing it started (engine
 processes, the actor, the local Ray) outlives it. A SIGTERM mid-rollout must shut everything
 down too. The trainer actor's body and its zero-copy snapshot are checked without Ray.
 """
@@ -20,6 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from rollsafe.observe.runfile import load_run
+from rollsafe.verify.replay import replay_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--steps", "2", "--groups", "2", "--crash-at", "2", "--rollout-s", "3", "--workers", "1"]
@@ -108,6 +112,10 @@ def test_demo_small_run_recovers_and_checksums_match(tmp_path: Path, transport: 
     assert ("fail", "inactive") in g1 and g1[-1][1] == "active"
     registrations = {r["subject"] for r in rows if r["kind"] == "registration"}
     assert registrations == {transport}
+    # the recorded run is one of the verifier's model (#36): replayed with no divergence
+    replayed = replay_run(load_run(out).rows)
+    assert replayed.ok, replayed.divergence.format() if replayed.divergence else ""
+    assert replayed.replayed == replayed.transitions
     assert "stateDiagram-v2" in (out / "paths.md").read_text()
     assert "recovery:" in result.stdout and "where time went:" in result.stdout
     # continued requests (#17): in the live line, the report and the summary

@@ -10,7 +10,8 @@ copy loads.
 Fleet part (real reference engines): a group SIGKILLed before the first sync comes back
 ``active`` at ``initial_version`` through the immediate strategy, its restart loading
 ``model_path`` under a lease; later syncs retire the start export without touching the
-directory; the same with a resume-like ``initial_version=5``.
+directory; the same with a resume-like ``initial_version=5``; each run replays through the
+verifier's model (``rollsafe verify --trace``) with no divergence.
 Waits are bounded by deadlines; nothing asserts a duration.
 """
 
@@ -37,7 +38,9 @@ from rollsafe.errors import InvalidArgument
 from rollsafe.fleet import FleetConfig, FleetConfigError, GroupSpec, RolloutFleet
 from rollsafe.hf import ExportExists, ExportVerificationError, HFExporter, verify_hf_dir
 from rollsafe.hf.layout import MANIFEST_NAME
+from rollsafe.observe.runfile import load_run
 from rollsafe.statemachines import LeaseError
+from rollsafe.verify.replay import replay_run
 
 
 def digests(directory: Path) -> dict[str, str]:
@@ -220,6 +223,11 @@ def test_a_group_killed_before_the_first_sync_comes_back_from_the_start_checkpoi
         assert wait_for(lambda: fleet.export_states().get(initial) == "deleted")
         assert initial not in [r.version for r in fleet.exporter.exports()]
         assert_fleet_sound(fleet, journal, trainer.checksum())
+        # the run is one of the verifier's model, started with the start checkpoint ready
+        replayed = replay_run(load_run(fleet.record(tmp_path / "run", svg=False)).rows)
+        assert replayed.ok, replayed.divergence.format() if replayed.divergence else ""
+        assert replayed.config.initial_version == initial
+        assert replayed.replayed == replayed.transitions
     finally:
         fleet.close()
     assert digests(model) == before  # never removed, never written
