@@ -6,13 +6,17 @@ a SIGKILL after it (recovered from its export), a second sync. Its replay takes 
 transition with no divergence, every invariant checked in every state; edited copies of it
 plant what the model cannot produce (a restart that lands elsewhere than the model's, a launch
 at another version) and the divergence is named at the step the clean replay took that
-transition; a recording the replay cannot map is refused with exit 2.
+transition; a recording the replay cannot map is refused with exit 2. Seeded random walks of
+the model itself, written as recordings (every action kind: crashes, probes, node losses,
+placements, removals, timed-out restarts, pushes, syncs with failed registers and updates,
+exports finishing, failing, abandoned, retention), replay with no divergence.
 Waits are bounded by deadlines; nothing asserts a duration.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +33,8 @@ from transport_helpers import Trainer
 from rollsafe.cli import main
 from rollsafe.fleet import GroupSpec
 from rollsafe.observe.runfile import load_run
-from rollsafe.verify.replay import ReplayResult, TraceError, replay_run
+from rollsafe.verify import Action, FleetModel, ModelConfig
+from rollsafe.verify.replay import ReplayResult, TraceError, replay_run, rows_of_model_run
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +219,45 @@ def test_a_recording_without_model_facts_or_with_a_cut_history_is_refused(
     assert info.value.line is not None
     assert main(["verify", "--trace", str(tmp_path / "nowhere")]) == 2
     assert "timeline.jsonl" in capsys.readouterr().err
+
+
+# ====================================================================== the model's own runs
+#: actions a fleet never takes (stray and racing events are the guards' tests)
+_NOT_THE_FLEETS = {"stray", "stray_delete", "mode_toggle"}
+WALK_CONFIGS = [
+    ModelConfig(),
+    ModelConfig(engine="reference", deltas=False),
+    ModelConfig(group_ranks=(2, 1), initial_version=5, keep_last=2, targeted_push=False),
+    ModelConfig(groups=3, ranks=1, immediate_recovery=False, removals=2),
+]
+
+
+def walk(config: ModelConfig, seed: int, length: int) -> list[Action]:
+    """A seeded random run of the model: ``length`` actions that each changed something."""
+    rnd = random.Random(seed)
+    model = FleetModel(config)
+    taken: list[Action] = []
+    for _ in range(length):
+        actions = [
+            a
+            for a in model.enabled_actions()
+            if a.name not in _NOT_THE_FLEETS and not (a.name == "sync" and a.args[2] != "fail")
+        ]
+        action = rnd.choice(actions)
+        if model.apply(action):
+            taken.append(action)
+    return taken
+
+
+def test_every_run_of_the_model_replays_with_no_divergence() -> None:
+    seen: set[str] = set()
+    for config in WALK_CONFIGS:
+        for seed in range(6):
+            actions = walk(config, seed, 60)
+            seen |= {a.name for a in actions}
+            result = replay_run(rows_of_model_run(config, actions))
+            assert result.ok, (config, seed, [str(a) for a in actions], result.divergence)
+            assert result.replayed == result.transitions
+    # every action a fleet takes was in some walk
+    fleets = {a.name for a in FleetModel(ModelConfig()).actions()} - _NOT_THE_FLEETS
+    assert seen == fleets, sorted(fleets - seen)

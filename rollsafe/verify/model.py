@@ -39,6 +39,13 @@ fails or is still running when the next sync begins, retention runs. It also fir
 events (a racing or duplicated sender): the guards must refuse the wrong ones, and a refused
 event must change nothing.
 
+The model starts as the fleet does: the start checkpoint is the ready export of
+``ModelConfig.initial_version``. A sync starts the export of its version as the exporter does
+(``snapshot``, ``snapshot_done``); ``export_finish`` is the writer's ``shards_written`` and
+``publish``, then retention. ``rollsafe verify --trace`` (:mod:`rollsafe.verify.replay`) steps
+this same model with a recorded run, through replay-time arguments no exploration takes (a
+sync's recorded version and failing groups, one writer step: ``export_step``).
+
 Invariants are :mod:`rollsafe.invariants` on :meth:`FleetModel.picture`.
 ``snapshot()``/``restore()`` turn the model into a hashable value and back; ``canonical()``
 identifies states that differ only by a permutation of groups or of ranks inside a group.
@@ -309,9 +316,12 @@ class FleetModel(Executor):
             [self.ledger.machine_for(f"g{g}") for g in range(cfg.groups)] if cfg.deltas else []
         )
         #: hears the transitions into an export's final state, which the model takes with
-        #: ``restore_state`` (no machine history): ``((kind, subject), event, source, target)``
+        #: ``restore_state`` (no machine history): ``((kind, subject), event, source, target,
+        #: inputs)``
         #: (a replay of a recorded run: ``rollsafe.verify.replay``)
-        self.tap: Callable[[tuple[tuple[str, str], str, str, str]], None] | None = None
+        self.tap: Callable[[tuple[tuple[str, str], str, str, str, dict[str, Any]]], None] | None = (
+            None
+        )
         self._failing: dict[int, int] = {}  # the running push's failing rank per group
         self._pushed: dict[int, dict[int, bool]] = {}  # the running push's results
 
@@ -444,7 +454,7 @@ class FleetModel(Executor):
         source = export.state
         refused = _end_export(export, event)
         if refused is None and self.tap is not None:
-            self.tap((("export", f"v{export.version}"), event.value, source, export.state))
+            self.tap((("export", f"v{export.version}"), event.value, source, export.state, {}))
         return refused
 
     # -- sending what the policy decided

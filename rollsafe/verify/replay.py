@@ -63,7 +63,9 @@ __all__ = [
     "ReplayStep",
     "TraceError",
     "model_config_of",
+    "model_facts",
     "replay_run",
+    "rows_of_model_run",
 ]
 
 #: the recorded rows that are machine transitions
@@ -76,7 +78,10 @@ _TIMED_OUT = "did not finish within its deadline"
 _RESTART_STEPS = ("launcher", "shutdown", "restart", "health")
 
 Key = tuple[str, str]
-Emitted = tuple[Key, str, str, str]
+#: a transition the model took: its machine, event, source, target and the inputs a recording
+#: keeps of it (``decided_by``, a register's ``version``, an update's ``targets``)
+Emitted = tuple[Key, str, str, str, dict[str, Any]]
+_KEPT_INPUTS = ("decided_by", "version", "targets")
 
 
 class TraceError(RollsafeError, ValueError):
@@ -104,6 +109,7 @@ class RecordedTransition:
     timestamp: float
     seq: int
     inputs: Mapping[str, Any] = field(default_factory=dict)
+    index: int = 0  # its place among the recorded transitions (time order)
 
     @property
     def decided_by(self) -> str | None:
@@ -208,7 +214,9 @@ def _tapped(base: type[GuardedMachine], log: list[Emitted], key: Callable[[Any],
     class Tapped(base):  # type: ignore[valid-type, misc]
         def after_transition(self, source: Any, target: Any) -> None:
             super().after_transition(source, target)
-            log.append((key(self), self._last_trigger[0], source.id, target.id))
+            event, kwargs = self._last_trigger
+            kept = {k: kwargs[k] for k in _KEPT_INPUTS if k in kwargs}
+            log.append((key(self), event, source.id, target.id, kept))
 
     Tapped.__name__ = Tapped.__qualname__ = base.__name__
     return Tapped
@@ -247,6 +255,7 @@ class _Trace:
                 float(row["timestamp"]),
                 int(row.get("seq", 0)),
                 dict(inputs) if isinstance(inputs, Mapping) else {},
+                len(self.items),
             )
             self.queues.setdefault(key, []).append(len(self.items))
             self.items.append(item)
@@ -283,26 +292,41 @@ class _Trace:
 
     def match(
         self, emitted: Sequence[Emitted], anchor: RecordedTransition
-    ) -> tuple[list[int] | None, str]:
-        """The recorded transitions ``emitted`` takes, in order (None, why: not allowed)."""
+    ) -> tuple[list[int] | None, str, int]:
+        """The recorded transitions ``emitted`` takes, in order (None, why: not allowed), and
+        how many it steps around: transitions of the machines it touches, recorded before its
+        last one, left for a later step (the fleet's threads interleave: a recovery claims a
+        group a sync just failed before that sync starts its export; the fewer, the likelier
+        the step)."""
         ptr = dict(self.ptr)
         taken: list[int] = []
-        for key, event, source, target in emitted:
+        for key, event, source, target, _inputs in emitted:
             head = self.head(key, ptr)
             shown = f"{_key_name(key)} {event} {source} -> {target}"
             if head is None:
-                return None, f"takes {shown}, but the run has no more transitions of it"
+                return None, f"takes {shown}, but the run has no more transitions of it", 0
             if (head.event, head.source, head.target) != (event, source, target):
-                return None, f"takes {shown}, but the run's next one there is {head}"
+                return None, f"takes {shown}, but the run's next one there is {head}", 0
             taken.append(self.queues[key][ptr[key]])
             ptr[key] += 1
         if not taken:
-            return None, "changes nothing (refused, or nothing to do)"
-        if self.queues[anchor.key].index(self.items.index(anchor)) >= ptr[anchor.key]:
-            return None, "takes " + ", ".join(f"{_key_name(e[0])} {e[1]}" for e in emitted) + (
-                f", but not the recorded {anchor.kind} {anchor.subject} {anchor.event}"
+            return None, "changes nothing (refused, or nothing to do)", 0
+        if anchor.index not in taken:
+            return (
+                None,
+                "takes "
+                + ", ".join(f"{_key_name(e[0])} {e[1]}" for e in emitted)
+                + f", but not the recorded {anchor.kind} {anchor.subject} {anchor.event}",
+                0,
             )
-        return taken, ""
+        last, chosen = max(taken), set(taken)
+        around = sum(
+            1
+            for key in {self.items[i].key for i in taken}
+            for i in self.queues[key]
+            if i < last and not self.done[i] and i not in chosen
+        )
+        return taken, "", around
 
     def consume(self, taken: Iterable[int]) -> None:
         for i in taken:
@@ -327,31 +351,19 @@ class _Replayer:
             )
         self.config = model_config_of(facts)
         self.recorded_ids = [str(g["id"]) for g in facts["groups"]]
+        self.recorded_ranks = [tuple(int(r) for r in g["ranks"]) for g in facts["groups"]]
         self.group_ids = {gid: f"g{i}" for i, gid in enumerate(self.recorded_ids)}
         self.trace = _Trace(rows, self.group_ids)
         self.syncs = sorted(
             (r for r in rows if r.get("kind") == "sync"), key=lambda r: float(r["timestamp"])
         )
+        self._syncs_used: set[int] = set()  # sync rows a replayed sync took (in order)
+        self._sync_row: int | None = None  # the row the current sync candidate reads
         self.recoveries = [r for r in rows if r.get("kind") == "recovery"]
         self.end = next((r for r in rows if r.get("kind") == "end"), None)
         self.on_failure = str(facts.get("on_update_failure", "fail"))
         self.log: list[Emitted] = []
-        log = self.log
-
-        def group_key(m: Any) -> Key:
-            return ("group", str(m.group_id))
-
-        def export_key(m: Any) -> Key:
-            return ("export", f"v{m.version}")
-
-        self.model = FleetModel(
-            self.config,
-            group_cls=_tapped(WorkerGroupLifecycle, log, group_key),
-            export_cls=_tapped(ExportLifecycle, log, export_key),
-            registration_cls=_tapped(CheckpointRegistration, log, lambda m: ("registration", "")),
-            mode_cls=_tapped(ImmediateRecoveryMode, log, lambda m: ("mode", "")),
-        )
-        self.model.tap = log.append
+        self.model = _tapped_model(self.config, self.log)
         self.result = ReplayResult(self.config, len(self.trace.items))
 
     # ------------------------------------------------------------------ the loop
@@ -365,24 +377,34 @@ class _Replayer:
             if anchor is None:
                 break
             tried: list[str] = []
+            # the allowed candidate that steps around the fewest recorded transitions, and of
+            # those the one that takes the most (a failed push that leaves no group event is
+            # not the push whose group's ``weights_loaded`` follows)
+            best: tuple[tuple[int, int], tuple[Action, ...], int | None] | None = None
             for actions in self._candidates(anchor):
-                taken, why = self._try(actions, anchor)
-                if taken is not None:
-                    trace.consume(taken)
-                    consumed = tuple(trace.items[i] for i in taken)
-                    step = ReplayStep(len(result.steps) + 1, actions, consumed)
-                    result.steps.append(step)
-                    result.replayed += len(taken)
-                    self._check(anchor)
-                    break
-                tried.append(f"{_actions(actions)}: {why}")
-            else:
+                taken, why, around = self._try(actions, anchor, keep=False)
+                if taken is None:
+                    tried.append(f"{_actions(actions)}: {why}")
+                elif best is None or (around, -len(taken)) < best[0]:
+                    best = ((around, -len(taken)), actions, self._sync_row)
+            if best is None:
                 result.divergence = Divergence(
                     len(result.steps) + 1,
                     anchor,
                     "no action of the model takes the recorded transition",
                     (*tried, *self._where(anchor)),
                 )
+                break
+            _rank, actions, sync_row = best
+            taken, _why, _around = self._try(actions, anchor, keep=True)
+            assert taken is not None  # the model is deterministic: allowed again
+            if any(a.name == "sync" for a in actions) and sync_row is not None:
+                self._syncs_used.add(sync_row)
+            trace.consume(taken)
+            consumed = tuple(trace.items[i] for i in taken)
+            result.steps.append(ReplayStep(len(result.steps) + 1, actions, consumed))
+            result.replayed += len(taken)
+            self._check(anchor)
         if result.divergence is None:
             self._check_end()
         return result
@@ -412,17 +434,19 @@ class _Replayer:
         return True
 
     def _try(
-        self, actions: tuple[Action, ...], anchor: RecordedTransition
-    ) -> tuple[list[int] | None, str]:
+        self, actions: tuple[Action, ...], anchor: RecordedTransition, *, keep: bool
+    ) -> tuple[list[int] | None, str, int]:
+        """Run ``actions`` on the model and match what it took; the model is restored unless
+        ``keep`` and allowed."""
         model = self.model
         before = model.snapshot()
         self.log.clear()
         for action in actions:
             model.apply(action)
-        taken, why = self.trace.match(list(self.log), anchor)
-        if taken is None:
+        taken, why, around = self.trace.match(list(self.log), anchor)
+        if taken is None or not keep:
             model.restore(before)
-        return taken, why
+        return taken, why, around
 
     def _check(self, anchor: RecordedTransition | None) -> None:
         self.result.states_checked += 1
@@ -473,7 +497,7 @@ class _Replayer:
         elif a.kind == "registration":
             if a.event == "begin_register":
                 yield from self._sync()
-            yield from self._pushes()
+            yield from self._pushes(a)
         elif a.kind == "mode":
             yield from self._sync()
         elif a.kind == "export":
@@ -545,7 +569,18 @@ class _Replayer:
         if not isinstance(version, int):
             return
         everywhere = then is None or then.event != "register_failed"
-        row = next((r for r in self.syncs if r.get("version") == version), None)
+        # the first sync row of that version not replayed yet (a sync whose register failed
+        # leaves the fleet's version where it was: the next one registers it again)
+        index = next(
+            (
+                i
+                for i, r in enumerate(self.syncs)
+                if r.get("version") == version and i not in self._syncs_used
+            ),
+            None,
+        )
+        self._sync_row = index
+        row = self.syncs[index] if index is not None else None
         failed = row.get("failed") if row is not None else None
         failing = tuple(
             (int(self.group_ids[gid][1:]), 0)
@@ -555,10 +590,16 @@ class _Replayer:
         args = (everywhere, None, self.on_failure, version, failing)
         yield (Action("sync", args),)
 
-    def _pushes(self) -> Iterator[tuple[Action, ...]]:
-        """A recovery's targeted push into a group waiting for weights (loaded, or failed)."""
+    def _pushes(self, a: RecordedTransition) -> Iterator[tuple[Action, ...]]:
+        """A recovery's targeted push into a group waiting for weights (loaded, or failed):
+        the group whose fleet ranks the update targeted, when it says (``inputs.targets``)."""
+        targets = a.inputs.get("targets")
+        named: set[int] | None = None
+        if isinstance(targets, list) and all(isinstance(t, list) for t in targets):
+            wanted = {tuple(t) for t in targets}
+            named = {g for g, ranks in enumerate(self.recorded_ranks) if ranks in wanted}
         for g, group in enumerate(self.model.groups):
-            if group.state == "pending_weights":
+            if group.state == "pending_weights" and (named is None or g in named):
                 yield (Action("push", (g, True)),)
                 yield (Action("push", (g, False)),)
 
@@ -571,19 +612,24 @@ class _Replayer:
         return tuple(Action("restart_ends", (g,)) for g in sorted(self.model.late))
 
     def _lost_together(self, a: RecordedTransition) -> tuple[int, ...]:
-        """The groups one node's loss took: those whose next recorded transition is a
-        ``node_lost`` (or a draining group's ``retire``) by ``on_node_lost`` at that time."""
-        lost = []
-        for key in self.trace.queues:
-            head = self.trace.head(key)
-            if (
-                key[0] == "group"
-                and head is not None
-                and head.event in ("node_lost", "retire")
-                and head.decided_by in (None, "on_node_lost")
-                and abs(head.timestamp - a.timestamp) <= _TOGETHER_S
-            ):
-                lost.append(int(key[1][1:]))
+        """The groups one node's loss took, in one registry step: the anchor's group and those
+        whose ``node_lost`` (or a draining group's ``retire``) by ``on_node_lost`` follows it
+        in the recording with no other transition of a group between (and within a second)."""
+        lost: list[int] = []
+        trace = self.trace
+        for item in trace.items[a.index :]:
+            if item.kind != "group" or trace.done[item.index]:
+                continue
+            together = (
+                item.event in ("node_lost", "retire")
+                and item.decided_by in (None, "on_node_lost")
+                and abs(item.timestamp - a.timestamp) <= _TOGETHER_S
+                and trace.head(item.key) is item
+            )
+            g = int(item.key[1][1:])
+            if not together or g in lost:
+                break
+            lost.append(g)
         return tuple(sorted(lost))
 
     def _timed_out(self, a: RecordedTransition) -> bool:
@@ -626,6 +672,120 @@ class _Replayer:
 
 def _actions(actions: Sequence[Action]) -> str:
     return " then ".join(str(a) for a in actions)
+
+
+def _tapped_model(config: ModelConfig, log: list[Emitted]) -> FleetModel:
+    """A :class:`FleetModel` whose machines append every transition they take to ``log``."""
+
+    def group_key(m: Any) -> Key:
+        return ("group", str(m.group_id))
+
+    def export_key(m: Any) -> Key:
+        return ("export", f"v{m.version}")
+
+    model = FleetModel(
+        config,
+        group_cls=_tapped(WorkerGroupLifecycle, log, group_key),
+        export_cls=_tapped(ExportLifecycle, log, export_key),
+        registration_cls=_tapped(CheckpointRegistration, log, lambda m: ("registration", "")),
+        mode_cls=_tapped(ImmediateRecoveryMode, log, lambda m: ("mode", "")),
+    )
+    model.tap = log.append
+    return model
+
+
+def model_facts(config: ModelConfig, on_update_failure: str = "fail") -> dict[str, Any]:
+    """The ``run`` row's ``model`` facts of a fleet shaped like ``config`` (groups ``g0``,
+    ``g1``... on consecutive ranks): what :func:`model_config_of` reads back."""
+    first = 0
+    groups = []
+    for g, n in enumerate(config.rank_counts):
+        groups.append({"id": f"g{g}", "ranks": list(range(first, first + n))})
+        first += n
+    return {
+        "groups": groups,
+        "initial_version": config.initial_version,
+        "restart_budget": config.restart_budget,
+        "rearm_after": config.rearm_after,
+        "immediate_recovery": config.immediate_recovery,
+        "failure_threshold": config.failure_threshold,
+        "on_update_failure": on_update_failure,
+        "targeted_push": config.targeted_push,
+        "engine": config.traits.kind,
+        "failed_update_keeps_weights": config.traits.failed_update_keeps_weights,
+        "deltas": config.deltas,
+        "keep_last": config.keep_last,
+    }
+
+
+def rows_of_model_run(
+    config: ModelConfig, actions: Iterable[Action], *, on_update_failure: str = "fail"
+) -> list[dict[str, Any]]:
+    """The recording a fleet would write had it run exactly ``actions`` of the model: the
+    ``run`` row with :func:`model_facts`, every transition (each group event with its
+    ``decided_by``), a ``sync`` row per sync (version, the groups whose update failed), a
+    ``recovery`` row per timed-out restart, the ``end`` row. Actions that changed nothing
+    leave nothing. Every run of the model replays with no divergence (``tests/
+    test_trace_replay.py`` replays random walks): the replay's self-check."""
+    log: list[Emitted] = []
+    model = _tapped_model(config, log)
+    rows: list[dict[str, Any]] = []
+    seq: dict[Key, int] = {}
+    clock = [0.0]
+
+    def row(kind: str, subject: str, **fields: Any) -> dict[str, Any]:
+        clock[0] += 0.001
+        return {"kind": kind, "subject": subject, "timestamp": clock[0], "t": clock[0], **fields}
+
+    def transition(key: Key, event: str, source: str, target: str, inputs: Any) -> None:
+        seq[key] = seq.get(key, 0) + 1
+        subject = key[1] or ("immediate_recovery" if key[0] == "mode" else "model")
+        fields = {"seq": seq[key], "event": event, "source": source, "target": target}
+        rows.append(row(key[0], subject, **fields, inputs=dict(inputs)))
+
+    transition(("export", f"v{config.initial_version}"), "adopt", "requested", "ready", {})
+    for action in actions:
+        log.clear()
+        if not model.apply(action) and not log:
+            continue
+        for key, event, source, target, inputs in log:
+            transition(key, event, source, target, inputs)
+        begun = [i for k, e, _s, _t, i in log if k[0] == "registration" and e == "begin_register"]
+        if action.name == "sync" and begun:
+            failed = [f"g{g}" for g, ok in model._pushed.items() if not all(ok.values())]
+            rows.append(row("sync", "model", version=begun[0]["version"], ok=True, failed=failed))
+        if action.name == "restart_timeout":
+            g = int(action.args[0])
+            t = clock[0]
+            detail = f"group 'g{g}': step 'restart' did not finish within its deadline"
+            step = {"name": "restart", "ok": False, "started_at": t, "seconds": 0.0}
+            rows.append(
+                row(
+                    "recovery",
+                    f"g{g}",
+                    group_id=f"g{g}",
+                    status="failed",
+                    failed_at=t,
+                    finished_at=t,
+                    steps=[{**step, "detail": detail}],
+                )
+            )
+    header = {
+        "kind": "run",
+        "subject": "fleet",
+        "timestamp": 0.0,
+        "t": 0.0,
+        "format": "rollsafe-timeline/1",
+        "groups": [f"g{g}" for g in range(config.groups)],
+        "model": model_facts(config, on_update_failure),
+    }
+    end = row(
+        "end",
+        "fleet",
+        groups={g.group_id: g.state for g in model.groups},
+        fleet_version=model.version,
+    )
+    return [header, *rows, end]
 
 
 def replay_run(rows: Sequence[Mapping[str, Any]]) -> ReplayResult:
