@@ -41,6 +41,8 @@ from rollsafe.errors import RollsafeError
 if TYPE_CHECKING:
     import torch
 
+    from rollsafe.adapters.ray.session import RayStopReport
+
 __all__ = [
     "RayTrainer",
     "RoundTrips",
@@ -244,6 +246,19 @@ class RoundTrips:
         }
 
 
+def _stop_summary(stop: RayStopReport) -> dict[str, Any]:
+    """The local Ray's shutdown for the summary: how many processes its session had, which
+    outlived ``ray.shutdown()`` (ended here by pid), which needed SIGKILL, which are left."""
+    return {
+        "session": len(stop.processes),
+        "outlived_shutdown": [p.describe() for p in stop.outlived_shutdown],
+        "killed": [p.describe() for p in stop.killed],
+        "left": [f"{p.describe()}: {files}" for p, files in stop.left],
+        "shutdown_s": round(stop.shutdown_s, 3),
+        "wait_s": round(stop.wait_s, 3),
+    }
+
+
 class RayTrainer:
     """The demo's trainer as a Ray actor (:class:`TrainerHost`), with :class:`Trainer`'s API.
 
@@ -283,6 +298,8 @@ class RayTrainer:
         self.fetch_s = 0.0  # driver time rebuilding and verifying snapshots
         self.start_s = 0.0
         self.shutdown_s = 0.0
+        #: what the shutdown of the local Ray found and ended (``None``: not shut down here)
+        self.ray_stop: RayStopReport | None = None
         self.actor: Any = None
         self.started_ray = False
         self._closed = False
@@ -388,11 +405,14 @@ class RayTrainer:
             "fetch_rebuild_verify_s": round(self.fetch_s, 4),
             "weights_fetched_zero_copy": self._zero_copy,
             "shutdown_s": round(self.shutdown_s, 3),
+            "ray_processes": None if self.ray_stop is None else _stop_summary(self.ray_stop),
         }
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
-        """Kill the actor and shut down the Ray this object started. Idempotent."""
+        """Kill the actor and shut down the Ray this object started; with ``temp_dir``, wait
+        until every process of that Ray session is gone (:attr:`ray_stop` says what was found
+        and ended, and what could not be), so its files can be removed. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -405,5 +425,10 @@ class RayTrainer:
                 self.actor = None
         finally:
             if self.started_ray and ray.is_initialized():
-                ray.shutdown()
+                if self.temp_dir is None:
+                    ray.shutdown()
+                else:  # every process of the session gone, by pid, before its files go
+                    from rollsafe.adapters.ray.session import stop_local_ray
+
+                    self.ray_stop = stop_local_ray(ray.shutdown, self.temp_dir)
             self.shutdown_s = time.monotonic() - t

@@ -14,7 +14,8 @@ The tree (other bases in brackets, then where the class lives)::
     ├── MissingExtra [ImportError]                    rollsafe.errors
     ├── InvalidArgument [ValueError]                  rollsafe.errors (a caller's input)
     │   ├── InvalidArgumentType [TypeError]           rollsafe.errors (of the wrong type)
-    │   └── FleetConfigError                          rollsafe.fleet (also a FleetError)
+    │   ├── FleetConfigError                          rollsafe.fleet (also a FleetError)
+    │   └── InvalidRequest                            rollsafe.gateway.requests (a 400)
     ├── BucketFormatError [ValueError]                rollsafe.errors (wire)
     ├── HFIndexError [ValueError]                     rollsafe.wire.hf_index
     ├── UnsafePayload [ValueError]                    rollsafe.wire.unpickle
@@ -23,6 +24,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── DeltaError [ValueError]                       rollsafe.wire.delta (a refused delta)
     │   └── DeltaBaseMismatch, DeltaFormatError, DeltaDigestMismatch
     ├── DeadlineExceeded [TimeoutError]               rollsafe.concurrency
+    ├── LoopClosed [RuntimeError]                     rollsafe.event_loop
     ├── TransitionRefused [TransitionNotAllowed]      rollsafe.statemachines
     │   └── MissingGuardInput [ValueError]
     ├── GuardInputMissing [ValueError]                rollsafe.statemachines
@@ -52,6 +54,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   ├── EngineNotSupported
     │   │   └── NoWeightChecker
     │   ├── EngineAsleep
+    │   ├── EventLoopError [RuntimeError]         (adapters.engines.aio: not on its loop)
     │   ├── StreamProtocolError                     (adapters.engines.streaming)
     │   ├── StandbyLost                             (a standby's engine died: start afresh)
     │   └── EngineStartError

@@ -60,3 +60,14 @@ def launchers() -> Iterator[list[Any]]:
     yield made
     for launcher in made:
         launcher.kill()
+
+
+@pytest.fixture(autouse=True)
+def close_planes() -> Iterator[None]:
+    """Close the data planes ``fleet_sim.generate`` opened for a test (their loop threads)."""
+    yield
+    import sys
+
+    sim = sys.modules.get("fleet_sim")
+    if sim is not None:
+        sim.close_planes()

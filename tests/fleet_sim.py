@@ -180,3 +180,25 @@ def bring_up(reg: FleetRegistry, gid: str, event: str = "launched") -> None:
     for r in group.ranks:
         reg.report_member(gid, r, healthy=True, weights_version=reg.fleet_version)
     reg.send(gid, event)
+
+
+# -- the request path: a Router's requests go through a DataPlane (one per router per test)
+_PLANES: dict[int, Any] = {}
+
+
+def generate(router: Any, *args: Any, **kwargs: Any) -> Any:
+    """``router``'s blocking request, through a :class:`~rollsafe.fleet.dataplane.DataPlane`
+    kept for the test (closed by the ``close_planes`` fixture in conftest.py)."""
+    from rollsafe.fleet.dataplane import DataPlane
+
+    entry = _PLANES.get(id(router))
+    if entry is None or entry[0] is not router:
+        entry = _PLANES[id(router)] = (router, DataPlane(router))
+    return entry[1].generate(*args, **kwargs)
+
+
+def close_planes() -> None:
+    """Close every data plane :func:`generate` opened (their loop threads stop)."""
+    while _PLANES:
+        _, (_, plane) = _PLANES.popitem()
+        plane.close()

@@ -23,7 +23,7 @@ from engine_helpers import (
     tiny_model_dir,  # noqa: F401  (fixture)
     wait_for,
 )
-from fleet_sim import make_fleet
+from fleet_sim import generate, make_fleet
 
 from rollsafe.adapters.engines import EngineUnavailable, SGLangClient
 from rollsafe.fleet import NoRoutableGroup
@@ -474,20 +474,20 @@ def test_real_engine_killed_leaves_routing_and_the_router_keeps_serving(
     try:
         with hm:
             served = {
-                router.generate([5, 17, 42], sampling_params=sampling).group_id for _ in range(6)
+                generate(router, [5, 17, 42], sampling_params=sampling).group_id for _ in range(6)
             }
             assert served == {"a", "b"}
             os.killpg(engines["a"].proc.pid, signal.SIGKILL)
             # requests keep succeeding throughout detection (retried on b when a is hit)
             deadline = time.monotonic() + 30
             while reg.get("a").state == "active" and time.monotonic() < deadline:
-                out = router.generate([5, 17, 42], sampling_params=sampling, session_id="s")
+                out = generate(router, [5, 17, 42], sampling_params=sampling, session_id="s")
                 assert out.output_ids
             assert reg.get("a").state == "inactive"
             failure = failures.get(timeout=WAIT_S)
             assert failure.group_id == "a" and failure.unhealthy_ranks == (0,)
             for _ in range(5):
-                assert router.generate([5, 17, 42], sampling_params=sampling).group_id == "b"
+                assert generate(router, [5, 17, 42], sampling_params=sampling).group_id == "b"
             assert router.session_group("s") == "b"
             assert [g.group_id for g in reg.routable()] == ["b"]
             assert reg.get("b").state == "active"
@@ -495,7 +495,7 @@ def test_real_engine_killed_leaves_routing_and_the_router_keeps_serving(
             assert set(counts) <= {"active"}
         reg.send("b", "fail")
         with pytest.raises(NoRoutableGroup):
-            router.generate([1, 2])
+            generate(router, [1, 2])
     finally:
         hm.stop()
         router.close()

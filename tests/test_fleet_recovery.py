@@ -29,7 +29,7 @@ from engine_helpers import (
     tiny_model_dir_b,  # noqa: F401  (fixture)
     wait_for,
 )
-from fleet_sim import SimEngineClient, bring_up, make_fleet
+from fleet_sim import SimEngineClient, bring_up, generate, make_fleet
 from transport_helpers import Trainer
 
 import rollsafe.policy as policy
@@ -777,7 +777,7 @@ def test_real_budget_exhaustion_retires_while_the_other_group_serves(
         assert result.status == "retired"
         assert reg.get("e0").state == "retired"
         for _ in range(3):
-            routed = router.generate([1, 2, 3], sampling_params={"max_new_tokens": 2})
+            routed = generate(router, [1, 2, 3], sampling_params={"max_new_tokens": 2})
             assert routed.group_id == "e1"
         assert reg.dispatch_counts()["e0"].keys() <= {"active"}
     finally:

@@ -169,8 +169,13 @@ def test_start_generate_sync_timeline_and_close(tiny_model_dir: Path, tmp_path: 
         pids = [p for gid in fleet.group_ids for p in fleet.launcher(gid).rank_pids]
         assert len(pids) == 3 and all(pid_alive(p) for p in pids)
         assert [g.state for g in fleet.registry.groups()] == ["active", "active"]
-        out = fleet.generate([1, 2, 3], sampling_params={"max_new_tokens": 4})
-        assert out.group_id in ("g0", "g1") and len(out.output_ids) == 4
+        # SGLang's default temperature is 1.0: an unseeded sample from the tiny random model
+        # ends at its EOS within 4 tokens in about 1 % of requests (0.3 % at the first token),
+        # so the length is asked for, not left to luck
+        sample = {"max_new_tokens": 4, "ignore_eos": True}
+        out = fleet.generate([1, 2, 3], sampling_params=sample)
+        assert out.group_id in ("g0", "g1") and len(out.output_ids) == 4, out
+        assert out.result.finish_reason == "length", out
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fleet_sim import SimEngineClient, bring_up, make_fleet
+from fleet_sim import SimEngineClient, bring_up, generate, make_fleet
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -41,7 +41,7 @@ def test_requests_go_only_to_routable_groups() -> None:
     reg.send("g0", "fail")
     reg.set_fleet_version(2)
     reg.send("g2", "mark_stale")
-    served = {router.generate(PROMPT).group_id for _ in range(20)}
+    served = {generate(router, PROMPT).group_id for _ in range(20)}
     assert served == {"g1"}
     assert clients["g0"].generate_calls == clients["g2"].generate_calls == 0
     assert set(reg.dispatch_counts()["g1"]) == {"active"}
@@ -54,11 +54,11 @@ def test_no_routable_group_is_a_named_error_listing_states() -> None:
     reg.send("g0", "fail")
     reg.send("g1", "retire")
     with pytest.raises(NoRoutableGroup) as info:
-        router.generate(PROMPT)
+        generate(router, PROMPT)
     assert info.value.states == {"g0": "inactive", "g1": "retired"}
     assert "g0=inactive" in str(info.value)
     with pytest.raises(NoRoutableGroup, match="no groups"):
-        Router(FleetRegistry()).generate(PROMPT)
+        generate(Router(FleetRegistry()), PROMPT)
 
 
 def _wait_outstanding(reg: FleetRegistry, total: int) -> None:
@@ -78,7 +78,7 @@ def test_least_outstanding_choice_with_requests_in_flight() -> None:
     results: list[str] = []
     threads = []
     for n in (1, 2, 3):
-        t = threading.Thread(target=lambda: results.append(router.generate(PROMPT).group_id))
+        t = threading.Thread(target=lambda: results.append(generate(router, PROMPT).group_id))
         t.start()
         threads.append(t)
         _wait_outstanding(reg, n)
@@ -98,24 +98,24 @@ def test_least_outstanding_prefers_the_idle_group_deterministically() -> None:
     g0 = reg.get("g0")
     for _ in range(3):
         assert g0.begin_request() == "active"  # g0 busy with 3 requests
-    assert {router.generate(PROMPT).group_id for _ in range(5)} == {"g1"}
+    assert {generate(router, PROMPT).group_id for _ in range(5)} == {"g1"}
 
 
 def test_sticky_sessions_stay_then_move_when_their_group_leaves() -> None:
     reg, clients = make_fleet((1, 1, 1))
     router = Router(reg)
-    first = router.generate(PROMPT, session_id="s1").group_id
+    first = generate(router, PROMPT, session_id="s1").group_id
     assert router.session_group("s1") == first
-    assert {router.generate(PROMPT, session_id="s1").group_id for _ in range(10)} == {first}
+    assert {generate(router, PROMPT, session_id="s1").group_id for _ in range(10)} == {first}
     reg.send(first, "fail")  # the listener unpins s1
     assert router.session_group("s1") is None
-    moved = router.generate(PROMPT, session_id="s1").group_id
+    moved = generate(router, PROMPT, session_id="s1").group_id
     assert moved != first
-    assert {router.generate(PROMPT, session_id="s1").group_id for _ in range(10)} == {moved}
+    assert {generate(router, PROMPT, session_id="s1").group_id for _ in range(10)} == {moved}
     # a group leaving routing by going stale moves its sessions too
     reg.set_fleet_version(2)
     reg.send(moved, "mark_stale")
-    assert router.generate(PROMPT, session_id="s1").group_id not in {first, moved}
+    assert generate(router, PROMPT, session_id="s1").group_id not in {first, moved}
     assert router.stats()["sessions_moved"] >= 2
     no_violations(clients)
 
@@ -124,7 +124,7 @@ def test_session_table_is_bounded() -> None:
     reg, _ = make_fleet((1, 1))
     router = Router(reg, max_sessions=10)
     for i in range(50):
-        router.generate(PROMPT, session_id=f"s{i}")
+        generate(router, PROMPT, session_id=f"s{i}")
     assert router.stats()["sessions"] == 10
     assert router.session_group("s0") is None and router.session_group("s49") is not None
 
@@ -146,14 +146,14 @@ def test_retryable_failures_are_retried_on_another_group(error: Exception) -> No
     clients["g0"].generate_error = error  # type: ignore[assignment]
     g1 = reg.get("g1")
     assert g1.begin_request() == "active"  # g1 busier: g0 (least outstanding) is tried first
-    out = router.generate(PROMPT, session_id="s")
+    out = generate(router, PROMPT, session_id="s")
     g1.end_request(ok=True)
     assert (out.group_id, out.attempts) == ("g1", 2)
     assert hook == ["g0"] and clients["g0"].generate_calls == 1
     assert router.session_group("s") == "g1"
     # every request succeeds on g1 whatever the choice order
     for _ in range(5):
-        assert router.generate(PROMPT).group_id == "g1"
+        assert generate(router, PROMPT).group_id == "g1"
     assert clients["g0"].generate_calls >= 1
     assert reg.get("g0").last_error is not None
 
@@ -166,7 +166,7 @@ def test_final_failures_are_not_retried() -> None:
     clients["g0"].generate_error = bad
     clients["g1"].generate_error = bad
     with pytest.raises(RequestFailed) as info:
-        router.generate(PROMPT)
+        generate(router, PROMPT)
     assert info.value.retryable is False
     assert len(info.value.attempts) == 1
     assert clients["g0"].generate_calls + clients["g1"].generate_calls == 1
@@ -186,9 +186,9 @@ def test_non_engine_errors_propagate_unchanged() -> None:
     reg2.add_group("b", [0], clients=[Boom("b")])
     bring_up(reg2, "b")
     with pytest.raises(ValueError, match="bad sampling"):
-        Router(reg2).generate(PROMPT)
+        generate(Router(reg2), PROMPT)
     assert reg2.get("b").outstanding == 0
-    assert router.generate(PROMPT).group_id == "g0"
+    assert generate(router, PROMPT).group_id == "g0"
 
 
 def test_retries_are_bounded_and_each_on_a_different_group() -> None:
@@ -197,7 +197,7 @@ def test_retries_are_bounded_and_each_on_a_different_group() -> None:
     for c in clients.values():
         c.generate_error = EngineUnavailable(c.url, "/generate", "Connection refused")
     with pytest.raises(RequestFailed) as info:
-        router.generate(PROMPT)
+        generate(router, PROMPT)
     err = info.value
     assert err.retryable is True
     assert len(err.groups) == 3 and len(set(err.groups)) == 3
@@ -207,7 +207,7 @@ def test_retries_are_bounded_and_each_on_a_different_group() -> None:
     for c in clients2.values():
         c.generate_error = EngineTimeout(c.url, "/generate", "no answer")
     with pytest.raises(RequestFailed, match="no other routable group") as info2:
-        Router(reg2, max_attempts=5).generate(PROMPT)
+        generate(Router(reg2, max_attempts=5), PROMPT)
     assert len(info2.value.attempts) == 2
 
 
@@ -225,7 +225,7 @@ def test_error_text_is_bounded_across_attempts_and_repeated_failures() -> None:
     sizes = set()
     for _ in range(50):  # a rollout re-submitting its partial request over and over
         with pytest.raises(RequestFailed) as info:
-            router.generate(PROMPT)
+            generate(router, PROMPT)
         message = str(info.value)
         assert len(message) <= limit
         assert message.count("request failed") == 1  # errors never nest into each other
@@ -243,7 +243,7 @@ def test_wait_for_routable_group() -> None:
     router = Router(reg, wait_for_routable_s=JOIN_S)
     timer = threading.Timer(0.05, lambda: bring_up(reg, "g0", "restarted"))
     timer.start()
-    assert router.generate(PROMPT).group_id == "g0"
+    assert generate(router, PROMPT).group_id == "g0"
     timer.join()
     no_violations(clients)
 
@@ -262,7 +262,7 @@ def test_request_that_raced_a_transition_is_rechecked_under_the_lock() -> None:
 
     g0.begin_request = racing_begin  # type: ignore[method-assign]
     for _ in range(5):
-        assert router.generate(PROMPT).group_id == "g1"
+        assert generate(router, PROMPT).group_id == "g1"
     assert reg.dispatch_counts()["g0"] == {}
     no_violations(clients)
 
@@ -270,7 +270,7 @@ def test_request_that_raced_a_transition_is_rechecked_under_the_lock() -> None:
 def test_closed_router_stops_listening() -> None:
     reg, _ = make_fleet((1, 1))
     router = Router(reg)
-    router.generate(PROMPT, session_id="s")
+    generate(router, PROMPT, session_id="s")
     router.close()
     pinned = router.session_group("s")
     assert pinned is not None
@@ -321,7 +321,7 @@ class RouterModel(RuleBasedStateMachine):
     def request(self, session: str | None) -> None:
         routable = {g.group_id for g in self.reg.routable()}
         try:
-            out = self.router.generate(PROMPT, session_id=session)
+            out = generate(self.router, PROMPT, session_id=session)
         except NoRoutableGroup:
             assert not routable
             return

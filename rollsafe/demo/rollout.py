@@ -1,14 +1,16 @@
 """Rollout: the load generator and each step's rollout phase, where the crash happens.
 
-Owns :class:`RolloutLoad` (client threads sending generate requests through the fleet's router
-while a step's rollout is on), :func:`start_load` and :func:`rollout`: one step's rollout phase
-(``--rollout-s`` seconds of load, the live line once a second, and at ``--crash-at`` the SIGKILL
-of rank 1 of the 2-rank group, or with ``--engine vllm`` of the second group's vLLM server
-process: a real engine does not say which process is which rank), which opens the step's record.
-With ``--nodes`` the crash is the removal of the second group's worker node
-(:func:`rollsafe.demo.nodes.remove_node`), and that step's rollout goes on past ``--rollout-s``
-until every group that was on the node is ``active`` again (at most
-:data:`~rollsafe.demo.nodes.BACK_TIMEOUT_S`), a line a second showing where each group is.
+Owns :class:`RolloutLoad` (client threads sending completions to the fleet's rollout gateway
+with the ``openai`` SDK, token-id prompts as an RL framework sends them, while a step's rollout
+is on; each answer's ``x-rollsafe-group`` header names the group that served it),
+:func:`start_load` and :func:`rollout`: one step's rollout phase (``--rollout-s`` seconds of
+load, the live line once a second, and at ``--crash-at`` the SIGKILL of rank 1 of the 2-rank
+group, or with ``--engine vllm`` of the second group's vLLM server process: a real engine does
+not say which process is which rank), which opens the step's record. With ``--nodes`` the crash
+is the removal of the second group's worker node (:func:`rollsafe.demo.nodes.remove_node`), and
+that step's rollout goes on past ``--rollout-s`` until every group that was on the node is
+``active`` again (at most :data:`~rollsafe.demo.nodes.BACK_TIMEOUT_S`), a line a second showing
+where each group is.
 """
 
 from __future__ import annotations
@@ -31,11 +33,22 @@ THINK_S = 0.02  # pause between one client's requests
 
 
 class RolloutLoad:
-    """Background threads issuing generate requests while ``active`` is set."""
+    """Background threads sending completions through the fleet's gateway while ``active`` is
+    set (one ``openai.OpenAI`` client, shared: it is thread-safe)."""
 
     def __init__(self, fleet: Any, workers: int, seed: int = 0, max_new_tokens: int = 8) -> None:
+        import openai
+
         self.fleet = fleet
         self.max_new_tokens = max_new_tokens
+        self.client = openai.OpenAI(
+            base_url=f"{fleet.gateway_url}/v1",
+            api_key="rollsafe-demo",  # the demo's gateway asks for none; the SDK wants one
+            max_retries=0,  # a failed request counts as failed: the gateway did the retrying
+            timeout=fleet.config.request_timeout_s + 60.0,
+        )
+        models = self.client.models.list()
+        self.model = models.data[0].id
         self.active = threading.Event()
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -50,7 +63,7 @@ class RolloutLoad:
             t.start()
 
     def _run(self, seed: int) -> None:
-        from rollsafe.fleet import NoRoutableGroup, RouterError
+        import openai
 
         rng = random.Random(seed)
         while not self.stop.is_set():
@@ -58,10 +71,14 @@ class RolloutLoad:
                 continue
             prompt = [rng.randrange(1, 500) for _ in range(8)]
             try:
-                res = self.fleet.generate(
-                    prompt, sampling_params={"max_new_tokens": self.max_new_tokens}
+                raw = self.client.completions.with_raw_response.create(
+                    model=self.model,
+                    prompt=prompt,
+                    max_tokens=self.max_new_tokens,
+                    extra_body={"return_token_ids": True},
                 )
-            except (NoRoutableGroup, RouterError) as exc:
+                raw.parse()
+            except openai.OpenAIError as exc:
                 with self.lock:
                     self.failed += 1
                     if len(self.errors) < 20:
@@ -69,7 +86,7 @@ class RolloutLoad:
                 time.sleep(0.05)
                 continue
             with self.lock:
-                self.served[res.group_id] += 1
+                self.served[raw.headers.get("x-rollsafe-group", "?")] += 1
             time.sleep(THINK_S)  # leave CPU to the engines (and a restarting one) on 2 cores
 
     def so_far(self) -> tuple[int, int]:
@@ -92,8 +109,8 @@ class RolloutLoad:
 
 
 def start_load(run: DemoRun) -> None:
-    """The client threads, idle until the first rollout; requests continue from their last
-    streamed token unless ``--no-continuation``."""
+    """The client threads (through the fleet's gateway), idle until the first rollout; requests
+    continue from their last streamed token unless ``--no-continuation``."""
     opts = run.opts
     run.fleet.router.keep_tokens = not getattr(opts, "no_continuation", False)
     run.load_or_none = RolloutLoad(

@@ -3,9 +3,11 @@
 Owns :func:`shutting_down`, the context the run's phases execute in: whether they finish, raise,
 or are interrupted by Ctrl-C or SIGTERM (:func:`exit_on_sigterm` turns it into ``SystemExit``),
 it stops the rollout load, closes the fleet (its engines), closes the trainer (the actor and the
-local Ray), shuts down the ``--nodes`` cluster (every node it started: ``DemoRun.stack``),
-restores the SIGTERM handler, removes the scratch and Ray directories, and says so when
-interrupted.
+local Ray: every process of its session gone, by pid), shuts down the ``--nodes`` cluster (every
+node it started and their processes: ``DemoRun.stack``), restores the SIGTERM handler, removes
+the scratch and Ray directories (nothing the demo started runs any more, so nothing writes
+there), and says so when interrupted. What could not be ended or removed is named, with the
+processes holding it.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import contextlib
 import shutil
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
 from rollsafe.demo.state import DemoRun
+from rollsafe.demo_trainer import RayTrainer
+from rollsafe.processes import processes_using
 
 __all__ = ["exit_on_sigterm", "shutting_down"]
 
@@ -30,7 +33,8 @@ def exit_on_sigterm() -> Callable[[], None]:
 
     Only in the main thread (signal handlers cannot be set elsewhere). A second SIGTERM during
     the cleanup gets the previous handler. ``ray.init`` replaces it with its own equivalent
-    (``sys.exit(15)``), so with the trainer actor the exit status is 15.
+    (``sys.exit(15)``), so with the trainer actor the exit status is 15 (and ``init_ray``
+    keeps Ray's C++ failure handler, which would abort the cleanup 3 s later, out of its way).
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -77,6 +81,10 @@ def _shut_down(run: DemoRun, restore_sigterm: Callable[[], None], interrupted: s
             with run.timed("close (Ray cluster)") if run.nodes else contextlib.nullcontext():
                 run.stack.close()  # --nodes: the local cluster's nodes, RAY_ADDRESS restored
         restore_sigterm()
+        trainer = run.trainer_or_none
+        if isinstance(trainer, RayTrainer) and trainer.ray_stop and trainer.ray_stop.left:
+            left = trainer.ray_stop.describe_left()
+            print(f"note: processes of the trainer's Ray outlived SIGKILL: {left}")
         for scratch in (run.work, run.ray_dir):
             if scratch is not None:
                 _remove_tree(Path(scratch))
@@ -89,24 +97,17 @@ def _shut_down(run: DemoRun, restore_sigterm: Callable[[], None], interrupted: s
             )
 
 
-def _remove_tree(path: Path, timeout_s: float = 10.0, quiet_s: float = 1.0) -> None:
-    """Remove ``path`` and everything under it. A process or thread that was stopped a moment
-    ago may still be writing there (a log line, a temp file, a directory made with its
-    parents) while or just after the tree is removed, which leaves it behind: remove it again
-    until it has stayed gone for ``quiet_s`` or ``timeout_s`` passed, then say so."""
-    deadline = time.monotonic() + timeout_s
-    gone_since: float | None = None
-    while True:
-        if path.exists():
-            gone_since = None
-            shutil.rmtree(path, ignore_errors=True)
-        now = time.monotonic()
-        if not path.exists():
-            gone_since = now if gone_since is None else gone_since
-            if now - gone_since >= quiet_s:
-                return
-        if now >= deadline:
-            if path.exists():
-                print(f"note: could not remove {path} (still in use); remove it by hand")
-            return
-        time.sleep(0.1)
+def _remove_tree(path: Path) -> None:
+    """Remove ``path`` and everything under it; when it cannot be, say what is left and which
+    processes hold it (everything the demo started has ended by now: a holder is a leak)."""
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        left = sorted(str(p.relative_to(path)) for p in path.rglob("*"))[:10]
+        holders = "; ".join(
+            f"{info.describe()} holding {files[:3] or 'no file (its command line names it)'}"
+            for info, files in processes_using(path)
+        )
+        print(
+            f"note: could not remove {path} (in it: {left}; held by: {holders or 'no process'});"
+            " remove it by hand"
+        )

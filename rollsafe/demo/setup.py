@@ -77,6 +77,7 @@ def start(run: DemoRun) -> None:
         RecoverySettings,
         RolloutFleet,
     )
+    from rollsafe.gateway import GatewaySettings
 
     with run.timed("setup (tiny model)"):
         # vLLM's CPU attention needs head_dim >= 32: 2 heads of the 64-wide model
@@ -145,6 +146,10 @@ def start(run: DemoRun) -> None:
         wait_for_routable_s=WAIT_FOR_ROUTABLE_NODES_S if run.nodes else 2.0,
         request_timeout_s=120.0 if run.vllm else 20.0,
         start_timeout_s=VLLM_START_S if run.vllm else 180.0,
+        # the rollouts go through the rollout gateway with the openai SDK (docs/gateway.md)
+        gateway=GatewaySettings(
+            wait_for_routable_s=WAIT_FOR_ROUTABLE_NODES_S if run.nodes else 2.0
+        ),
     )
     if run.nodes:  # each group in a Ray actor on a worker node (one placement group each)
         from rollsafe.demo.nodes import ray_settings

@@ -1,9 +1,11 @@
 """Continuation: a streamed rollout request that survives its group, keeping every token.
 
-Owns the request path of :meth:`Router.generate` for token-id prompts on streaming clients:
+Owns :func:`stream_continued`, the data plane's path (:mod:`rollsafe.fleet.dataplane`) for
+token-id prompts on streaming engines, a coroutine generator of
+:class:`~rollsafe.fleet.provenance.TokenChunk`:
 
-* the request is streamed (:mod:`rollsafe.adapters.engines.streaming`) and the tokens received
-  so far are kept;
+* the request is streamed (:meth:`AsyncEngine.generate_stream`) and every new token is
+  yielded as it comes, with the group and weights version that produced it;
 * when its group fails mid-generation (connection drop, engine death, a 5xx), the request is
   resubmitted to another ``active`` group as ``prompt + tokens so far`` with
   ``max_new_tokens`` / ``min_new_tokens`` reduced by what was generated and the seed, where
@@ -11,43 +13,43 @@ Owns the request path of :meth:`Router.generate` for token-id prompts on streami
   again for this request. A final (4xx) error is not retried;
 * when the engine ends the request with ``finish_reason`` ``abort`` (``pause_generation`` in
   ``abort`` mode, as a sync with continuation does), it is continued the same way on any
-  ``active`` group, the same one included, at most ``max_aborts`` times;
-* the caller gets one :class:`~rollsafe.fleet.router.RoutedResult` whose ``output_ids`` are the
-  concatenation (no duplicate, no gap) and whose ``segments`` say which group and weights
-  version produced each token range (:mod:`rollsafe.fleet.provenance`); with
-  ``return_logprob`` its ``output_logprobs`` are the pieces' logprobs in the same order, each
-  from the engine that sampled the token (None for a token whose engine sent none);
+  ``active`` group, the same one included, at most ``max_aborts`` times, once the router
+  releases held continuations (the new weights are in);
+* the last chunk is ``finished`` and carries ``segments`` (which group and weights version
+  produced each token range, :mod:`rollsafe.fleet.provenance`) and the engine's last
+  ``meta_info``: the consumer sees one stream, no duplicate, no gap;
 * after ``max_attempts`` failed tries, or when no group is left, :class:`ContinuationFailed`
-  (a :class:`~rollsafe.fleet.router.RequestFailed`) lists the segments generated so far.
+  (a :class:`~rollsafe.fleet.router.RequestFailed`) lists the segments generated so far,
+  raised after the chunks already yielded.
 
 Tokens are never regenerated here: a continued request re-prefills its tokens, it does not
 sample them again. Greedy decoding on the same weights therefore gives the uninterrupted run's
-tokens (tests/test_continuation.py checks it with real engines).
+tokens (tests/test_continuation.py checks it with real engines). A consumer that stops (a
+gateway client disconnected: the task is cancelled) ends the engine request with it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rollsafe.adapters.engines.errors import EngineError
 from rollsafe.adapters.engines.streaming import StreamDelta, WeightSpan
-from rollsafe.fleet.provenance import Segment, group_version
+from rollsafe.fleet.provenance import Segment, TokenChunk, group_version
 from rollsafe.fleet.router import (
     ContinuationFailed,
     NoRoutableGroup,
     RequestFailed,
-    RoutedResult,
     RouterError,
     is_retryable,
 )
-from rollsafe.ports import GenerateResult
 from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
+    from rollsafe.adapters.engines.aio import AsyncEngine
     from rollsafe.fleet.router import Router
     from rollsafe.registry import WorkerGroup
 
@@ -56,7 +58,7 @@ __all__ = [
     "StreamingClient",
     "advance_seed",
     "continued_params",
-    "generate_continued",
+    "stream_continued",
 ]
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,8 @@ _INT63 = (1 << 63) - 1
 
 @runtime_checkable
 class StreamingClient(Protocol):
-    """An engine client that can stream a generation (both HTTP clients can)."""
+    """An engine client that can stream a generation (both HTTP clients can; the data plane
+    streams through its async companion, :func:`rollsafe.adapters.engines.aio.async_engine`)."""
 
     def generate_stream(
         self,
@@ -76,7 +79,7 @@ class StreamingClient(Protocol):
         text: str | None = None,
         sampling_params: Mapping[str, Any] | None = None,
         timeout: float | None = None,
-    ) -> Iterator[StreamDelta]: ...
+    ) -> Any: ...
 
 
 def advance_seed(seed: int, generated: int) -> int:
@@ -188,25 +191,41 @@ class _Piece:
         return segs
 
 
-def generate_continued(
+def _chunk(
+    piece: _Piece, start: int, delta: StreamDelta, logprobs: tuple[float | None, ...]
+) -> TokenChunk:
+    return TokenChunk(
+        token_ids=delta.token_ids,
+        group_id=piece.group.group_id,
+        weight_version=delta.weight_version or piece.dispatched_version,
+        attempt=piece.attempt,
+        start=start,
+        text=delta.text,
+        logprobs=logprobs,
+    )
+
+
+async def stream_continued(
     router: Router,
+    engine_for: Callable[[WorkerGroup], AsyncEngine],
     input_ids: Sequence[int],
     *,
     sampling_params: Mapping[str, Any] | None,
     session_id: str | None,
     timeout: float | None,
-    max_aborts: int = 8,
-) -> RoutedResult:
-    """Stream ``input_ids`` through ``router``, continuing on failure (see the module)."""
+    wait_s: float | None = None,
+) -> AsyncIterator[TokenChunk]:
+    """Stream ``input_ids`` through ``router``'s groups, continuing on failure (see the module).
 
+    ``engine_for(group)`` gives the async engine of a group's client on the running loop;
+    ``wait_s`` how long a try waits for a routable group (default the router's)."""
     prompt = [int(t) for t in input_ids]
     budget = _budget(sampling_params)
+    asked_logprobs = bool((sampling_params or {}).get("return_logprob"))
     stats = router.continuation
     stats.add(streamed=1)
+    generated = 0  # tokens of the request so far (kept across tries)
     tokens: list[int] = []
-    logprobs: list[float | None] = []  # one per token (None: its engine sent none)
-    any_logprobs = False
-    text_parts: list[str] = []
     segments: list[Segment] = []
     attempts: list[tuple[str, str]] = []
     notes: list[str] = []
@@ -231,11 +250,11 @@ def generate_continued(
         return failed
 
     while True:
-        if budget is not None and len(tokens) >= budget:
+        if budget is not None and generated >= budget:
             finish = StreamDelta((), finished=True, finish_reason="length")
             break
         try:
-            group = router.acquire(session_id, exclude=excluded)
+            group = await router.acquire(session_id, exclude=excluded, wait_s=wait_s)
         except NoRoutableGroup as exc:
             if last_exc is None and not segments:
                 raise
@@ -244,42 +263,46 @@ def generate_continued(
                 retryable=True,
                 cause=last_exc,
             ) from last_exc
-        client = group.client
-        if client is None:
+        if group.client is None:
             group.end_request(ok=False, error="group has no engine client")
             raise RouterError(f"worker group {group.group_id!r} has no engine client")
         tries += 1
-        piece = _Piece(group, len(tokens), tries)
-        params = continued_params(sampling_params, len(tokens))
+        piece = _Piece(group, generated, tries)
+        params = continued_params(sampling_params, generated)
         delta: StreamDelta | None = None
+        stream = engine_for(group).generate_stream(
+            prompt + tokens, sampling_params=params, timeout=timeout
+        )
         try:
-            assert isinstance(client, StreamingClient)
-            for delta in client.generate_stream(
-                prompt + tokens, sampling_params=params, timeout=timeout
-            ):
-                if delta.token_ids:
-                    piece.marks.append((len(tokens), delta.weight_version))
-                    tokens.extend(delta.token_ids)
-                    if len(delta.logprobs) == len(delta.token_ids):
-                        logprobs.extend(delta.logprobs)
-                        any_logprobs = True
-                    else:
-                        logprobs.extend([None] * len(delta.token_ids))
-                    text_parts.append(delta.text)
-                if delta.finished:
-                    piece.spans = delta.spans
-                    break
-                if router.on_progress is not None and delta.token_ids:
-                    router.on_progress(group.group_id, len(tokens))
-            else:
-                delta = None
+            try:
+                async for delta in stream:
+                    if delta.token_ids:
+                        piece.marks.append((generated, delta.weight_version))
+                        n = len(delta.token_ids)
+                        if len(delta.logprobs) == n:
+                            logprobs = delta.logprobs
+                        else:
+                            logprobs = (None,) * n if asked_logprobs else ()
+                        tokens.extend(delta.token_ids)
+                        generated += n
+                        yield _chunk(piece, generated - n, delta, logprobs)
+                    if delta.finished:
+                        piece.spans = delta.spans
+                        break
+                    if router.on_progress is not None and delta.token_ids:
+                        router.on_progress(group.group_id, generated)
+                else:
+                    delta = None
+            finally:
+                if isinstance(stream, AsyncGenerator):
+                    await stream.aclose()  # a stream left early ends its engine request
         except EngineError as exc:
             retryable = is_retryable(exc)
             group.end_request(ok=False, error=f"{type(exc).__name__}: {exc}")
             router.request_failed(group.group_id, exc, notify=retryable)
             attempts.append((group.group_id, type(exc).__name__))
             notes.append(f"{group.group_id}: {type(exc).__name__}: {exc}")
-            segments.extend(piece.segments(len(tokens), "failed"))
+            segments.extend(piece.segments(generated, "failed"))
             last_exc = exc
             if not retryable:
                 raise fail("", retryable=False, cause=exc) from exc
@@ -290,15 +313,14 @@ def generate_continued(
                 raise fail("", retryable=True, cause=exc) from exc
             router.count_retry()
             if not router.keep_tokens:  # the baseline: start over, regenerating every token
-                stats.add(after_failure=1, tokens_regenerated=len(tokens))
+                stats.add(after_failure=1, tokens_regenerated=generated)
                 tokens.clear()
-                logprobs.clear()
-                text_parts.clear()
                 segments.clear()
+                generated = 0  # the next chunk starts at 0 again (TokenChunk.start)
                 continue
-            stats.add(after_failure=1, tokens_kept=len(tokens))
+            stats.add(after_failure=1, tokens_kept=generated)
             log.info(
-                "request continues after %s failed: %d token(s) kept", group.group_id, len(tokens)
+                "request continues after %s failed: %d token(s) kept", group.group_id, generated
             )
             continue
         except BaseException:
@@ -308,19 +330,19 @@ def generate_continued(
         router.request_ok(group.group_id)
         if delta is None or not delta.finished:  # [DONE] without a finish: treat as ended
             delta = StreamDelta((), finished=True, finish_reason=None)
-        if delta.finish_reason == "abort" and (budget is None or len(tokens) < budget):
-            segments.extend(piece.segments(len(tokens), "aborted"))
+        if delta.finish_reason == "abort" and (budget is None or generated < budget):
+            segments.extend(piece.segments(generated, "aborted"))
             aborts += 1
-            if aborts > max_aborts:
+            if aborts > router.max_aborts:
                 raise fail(
-                    f"aborted by the engine {aborts} times (max_aborts={max_aborts})",
+                    f"aborted by the engine {aborts} times (max_aborts={router.max_aborts})",
                     retryable=True,
                     cause=None,
                 )
-            stats.add(after_abort=1, tokens_kept=len(tokens))
-            router.wait_released(timeout)  # a sync in abort mode: continue on its new weights
+            stats.add(after_abort=1, tokens_kept=generated)
+            await router.wait_released(timeout)  # a sync in abort mode: its new weights first
             continue
-        segments.extend(piece.segments(len(tokens), "finished"))
+        segments.extend(piece.segments(generated, "finished"))
         finish = delta
         break
 
@@ -332,13 +354,13 @@ def generate_continued(
     router.count_served(last_gid)
     meta: dict[str, Any] = dict(finish.meta) if finish is not None else {}
     meta["segments"] = [s.as_dict() for s in segments]
-    version = segments[-1].weights_version if segments else None
-    result = GenerateResult(
-        text="".join(text_parts),
-        output_ids=list(tokens),
-        weight_version=version,
+    yield TokenChunk(
+        token_ids=(),
+        group_id=last_gid,
+        weight_version=segments[-1].weights_version if segments else None,
+        attempt=tries,
+        finished=True,
         finish_reason=finish.finish_reason if finish is not None else None,
-        meta_info=meta,
-        output_logprobs=tuple(logprobs) if any_logprobs else None,
+        segments=tuple(segments),
+        meta=meta,
     )
-    return RoutedResult(result, last_gid, tries, tuple(segments))

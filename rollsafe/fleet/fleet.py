@@ -7,7 +7,9 @@ launched before :meth:`start`) and owns, in parts:
 * the engine groups (:class:`~rollsafe.fleet.engines.EngineGroups`: plans, handles, spare
   ranks) and where they run (:class:`~rollsafe.fleet.placement.Placement`: on this machine or
   placed by Ray);
-* the :class:`~rollsafe.registry.FleetRegistry` of their machines and the :class:`Router`;
+* the :class:`~rollsafe.registry.FleetRegistry` of their machines, the :class:`Router` and
+  the request path (:class:`~rollsafe.fleet.dataplane.DataPlane`: :meth:`generate` blocks,
+  :meth:`agenerate` / :meth:`astream` run on the caller's event loop);
 * the control plane (:mod:`rollsafe.fleet.control_plane`): transport, exporter, health,
   recovery, request health, sync, and the fleet's :class:`ImmediateRecoveryMode`;
 * the runtime membership (:class:`~rollsafe.fleet.elastic.Membership`: node loss, groups
@@ -17,6 +19,7 @@ Trainer-side use::
 
     with RolloutFleet(FleetConfig(model_path=..., export_root=..., groups=[GroupSpec(2)])) as fleet:
         out = fleet.generate([1, 2, 3], sampling_params={"max_new_tokens": 8})
+        # or, on an event loop: out = await fleet.agenerate([1, 2, 3], ...)
         fleet.sync_weights(dict(model.named_parameters()), version=1)
 
 :meth:`timeline` returns every machine transition in time order; :meth:`snapshot` the current
@@ -31,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +42,13 @@ import rollsafe.policy as policy
 from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.config import FleetConfig, GroupSpec
 from rollsafe.fleet.control_plane import ControlPlane, build_control_plane
+from rollsafe.fleet.dataplane import DataPlane
 from rollsafe.fleet.elastic import Membership
 from rollsafe.fleet.engines import EngineGroups
 from rollsafe.fleet.inspection import ExportHistory, picture, timeline
 from rollsafe.fleet.partial_rollouts import SYNC_PAUSE_MODES, SyncPauseMode, paused_generation
 from rollsafe.fleet.placement import LocalPlacement, Placement, PlacementContext
+from rollsafe.fleet.provenance import TokenChunk
 from rollsafe.fleet.router import RoutedResult, Router
 from rollsafe.observe.observer import FleetObserver
 from rollsafe.registry import FleetError, FleetRegistry
@@ -59,6 +64,9 @@ if TYPE_CHECKING:
     from rollsafe.fleet.recovery import RecoveryCoordinator, RecoveryResult
     from rollsafe.fleet.request_health import RequestHealth
     from rollsafe.fleet.sync import SyncCoordinator, SyncReport
+    from rollsafe.gateway.app import Gateway
+    from rollsafe.gateway.router_sync import RouterSync
+    from rollsafe.gateway.settings import ExternalRouter, GatewaySettings
     from rollsafe.hf import HFExporter
     from rollsafe.invariants import FleetPicture
     from rollsafe.observe.metrics import FleetMetrics
@@ -125,6 +133,12 @@ class RolloutFleet:
         self.observer = FleetObserver(self.registry)
         self.registry.add_listener(self.observer)
         self.router.on_group_error = self._request_failed
+        #: the request path, asyncio end to end (agenerate / astream; generate blocks on it)
+        self.data_plane = DataPlane(self.router, log_to=self.observer)
+        #: the rollout gateway (``FleetConfig.gateway``), serving from :meth:`start`
+        self.gateway: Gateway | None = None
+        #: the external routers kept in step (``FleetConfig.external_routers``)
+        self.router_syncs: list[RouterSync] = []
         self._control: ControlPlane | None = None
         self.membership: Membership | None = None
         self._exports = ExportHistory()
@@ -178,11 +192,44 @@ class RolloutFleet:
             self.observer.start()
             if self.metrics is not None and self.metrics.requested_port is not None:
                 self.metrics.serve()
+            if cfg.gateway is not None:
+                self._start_gateway(cfg.gateway)
+            self._start_router_syncs(cfg.external_routers)
         except BaseException:
             self.close()
             raise
         self.start_seconds = time.monotonic() - t0
         return self
+
+    def _start_gateway(self, settings: GatewaySettings) -> None:
+        """Serve the gateway on the data plane's event loop (``docs/gateway.md``)."""
+        from rollsafe.gateway.app import Gateway
+
+        if self.metrics is None:  # the gateway's /metrics serves the fleet's metrics too
+            from rollsafe.observe.metrics import FleetMetrics
+
+            self.metrics = FleetMetrics(self)
+        assert self.config.model_path is not None
+        gateway = Gateway(self, settings, model_path=Path(self.config.model_path))
+        self.data_plane.loop_thread.run(gateway.start())
+        self.gateway = gateway
+        log.info("rollout gateway serving at %s", gateway.url)
+
+    def _start_router_syncs(self, routers: Sequence[ExternalRouter]) -> None:
+        """Keep each external router's worker list equal to the routable set."""
+        if not routers:
+            return
+        from rollsafe.gateway.router_sync import RouterSync
+
+        for router in routers:
+            sync = RouterSync(self.registry, router)
+            sync.start()
+            self.router_syncs.append(sync)
+
+    @property
+    def gateway_url(self) -> str | None:
+        """Where the rollout gateway serves (``http://host:port``), None without one."""
+        return self.gateway.url if self.gateway is not None else None
 
     def _register_groups(self) -> None:
         """Every started group joins the registry at the fleet's version: ``launched``."""
@@ -215,17 +262,60 @@ class RolloutFleet:
         session_id: str | None = None,
         timeout: float | None = None,
     ) -> RoutedResult:
-        """One rollout request through the router (only ``active`` groups serve)."""
+        """One rollout request (only ``active`` groups serve), blocking: :meth:`agenerate` run
+        on the data plane's event loop thread."""
         self._require_started()
-        return self.observer.track(
-            lambda: self.router.generate(
-                input_ids,
-                text=text,
-                sampling_params=sampling_params,
-                session_id=session_id,
-                timeout=timeout,
-            )
+        return self.data_plane.generate(
+            input_ids,
+            text=text,
+            sampling_params=sampling_params,
+            session_id=session_id,
+            timeout=timeout,
         )
+
+    async def agenerate(
+        self,
+        input_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        session_id: str | None = None,
+        timeout: float | None = None,
+    ) -> RoutedResult:
+        """One rollout request on the caller's event loop (no thread per request): a token-id
+        prompt is streamed and continued on another group after a crash or a sync's abort
+        (:mod:`rollsafe.fleet.dataplane`). Close the loop's engine connections with
+        :meth:`aclose_loop` before closing a loop of yours."""
+        self._require_started()
+        return await self.data_plane.agenerate(
+            input_ids,
+            text=text,
+            sampling_params=sampling_params,
+            session_id=session_id,
+            timeout=timeout,
+        )
+
+    def astream(
+        self,
+        input_ids: Sequence[int],
+        *,
+        sampling_params: Mapping[str, Any] | None = None,
+        session_id: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[TokenChunk]:
+        """One rollout request's tokens as they come: each :class:`TokenChunk` names the group
+        and weights version that produced it; a stream cut by a crash or a sync continues on
+        another group from its last token; the last chunk is ``finished`` (with the whole
+        provenance). ``async for chunk in fleet.astream(ids): ...``"""
+        self._require_started()
+        return self.data_plane.astream(
+            input_ids, sampling_params=sampling_params, session_id=session_id, timeout=timeout
+        )
+
+    async def aclose_loop(self) -> None:
+        """Close the engine connections the running event loop opened (:meth:`agenerate` /
+        :meth:`astream` on a loop of yours): call it before that loop closes."""
+        await self.data_plane.aclose_loop()
 
     def sync_weights(
         self,
@@ -304,7 +394,15 @@ class RolloutFleet:
         if control is not None:
             with contextlib.suppress(Exception):
                 control.recovery.close(timeout=timeout)
+        for sync in self.router_syncs:
+            with contextlib.suppress(Exception):
+                sync.close()
+        if self.gateway is not None:
+            with contextlib.suppress(Exception):
+                self.data_plane.loop_thread.run(self.gateway.close(grace_s=min(timeout, 5.0)))
         self.router.close()
+        with contextlib.suppress(Exception):
+            self.data_plane.close()
         if control is not None:
             handle = control.exporter.in_flight
             if handle is not None:
@@ -438,6 +536,12 @@ class RolloutFleet:
             "router": self.router.stats(),
             "health": control.health.stats() if control is not None else None,
             "request_health": control.request_health.stats() if control is not None else None,
+            "gateway": (
+                {"url": self.gateway.url, **self.gateway.counters.as_dict()}
+                if self.gateway is not None
+                else None
+            ),
+            "external_routers": [sync.stats() for sync in self.router_syncs],
         }
 
     # ------------------------------------------------------------------ parts

@@ -74,7 +74,9 @@ class TokenChunk:
     group when the try was dispatched: weights change only while a group's generation is
     paused, which ends the try in ``abort`` mode). ``text`` is the engine's text for these
     tokens; ``logprobs`` one log-probability per token (None where the engine sent none) when
-    the request asked (``return_logprob``), else empty.
+    the request asked (``return_logprob``), else empty. ``start`` is the output index of the
+    first of ``token_ids`` (the tokens before it were in earlier chunks; a request restarted from
+    scratch, ``Router.keep_tokens`` off, starts again at 0).
 
     The last chunk has ``finished`` set, its ``finish_reason`` (``"stop"``, ``"length"``...,
     never ``"abort"``: an aborted try is continued), ``segments`` (the authoritative provenance of
@@ -87,6 +89,7 @@ class TokenChunk:
     group_id: str
     weight_version: str | None
     attempt: int = 1
+    start: int = 0
     text: str = ""
     logprobs: tuple[float | None, ...] = ()
     finished: bool = False

@@ -1,33 +1,36 @@
-"""Router: sends rollout requests to routable worker groups only.
+"""Router: which routable worker group takes a rollout request, and the request path's books.
 
-Owns the request path of the fleet:
+Owns the decisions and the bookkeeping of the fleet's request path (the I/O is the data
+plane's, :mod:`rollsafe.fleet.dataplane`, asyncio end to end):
 
-* choice: among the groups in ``active``, the one with the fewest outstanding requests (ties
-  rotate); a request is admitted only by :meth:`WorkerGroup.begin_request`, which re-checks the
-  state under the lock every transition of that group takes, so no request is ever dispatched
-  to a group that is not ``active`` at dispatch time;
+* choice (:meth:`Router.acquire`, a coroutine): among the groups in ``active``, the one with
+  the fewest outstanding requests (ties rotate); a request is admitted only by
+  :meth:`WorkerGroup.begin_request`, which re-checks the state under the lock every transition
+  of that group takes, so no request is ever dispatched to a group that is not ``active`` at
+  dispatch time; with none routable a request waits up to ``wait_for_routable_s`` (woken when a
+  group becomes active, no thread held);
 * sticky sessions: a session id keeps going to the group that served it while that group stays
   routable; when the group leaves routing (a registry listener) or fails a request, its
   sessions are unpinned and move to another group on their next request;
-* streaming and continuation: a token-id request on streaming clients is streamed and, when
-  its group fails or a sync aborts it, continued elsewhere from its tokens so far
-  (:mod:`rollsafe.fleet.continuation`); its result carries ``segments`` (provenance,
-  :mod:`rollsafe.fleet.provenance`). Text prompts keep the path below;
-* failures: retryable ones (:class:`EngineUnavailable`, :class:`EngineTimeout`, and 5xx
-  answers) are retried on ANOTHER routable group, at most ``max_attempts`` tries in all; final
-  ones (4xx :class:`EngineRequestError`) are not retried. The error text a caller gets is
-  bounded (``max_error_chars``, a few KB), however many attempts failed and however large the
-  engines' error bodies were.
+* failures: :func:`is_retryable` says which engine errors go on to ANOTHER routable group (at
+  most ``max_attempts`` tries in all); :meth:`Router.failure` builds the bounded error a caller
+  gets (``max_error_chars``, a few KB, however many attempts failed and however large the
+  engines' error bodies were); the request-health hooks (``on_group_error`` / ``on_group_ok``)
+  and the counters (:meth:`Router.stats`);
+* partial rollouts: :meth:`Router.hold` / :meth:`Router.release` hold new requests and the
+  continuations of aborted ones while a sync pushes (:mod:`rollsafe.fleet.partial_rollouts`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,12 +130,14 @@ class RoutedResult:
     """A completion and where it came from: ``group_id`` served its last token; ``segments``
     (:class:`~rollsafe.fleet.provenance.Segment`) say which group and weights version produced
     each token range (one segment unless the request was continued after a failure or across
-    a weight sync; empty for a text prompt served without streaming)."""
+    a weight sync; empty for a text prompt served without streaming); ``failed_on``: the groups
+    that failed this request before it was served, in order."""
 
     result: GenerateResult
     group_id: str
     attempts: int
     segments: tuple[Segment, ...] = ()
+    failed_on: tuple[str, ...] = ()
 
     @property
     def weights_versions(self) -> tuple[str | None, ...]:
@@ -183,14 +188,16 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 class Router(FleetListener):
-    """Least-outstanding, session-sticky request router over a :class:`FleetRegistry`.
+    """Least-outstanding, session-sticky choice of a routable group, and the request path's books.
 
     ``max_attempts`` bounds the tries per request (each on a different group);
     ``max_error_chars`` bounds a failed request's error text; ``max_sessions`` bounds the sticky
     table (least recently used sessions are forgotten first); ``wait_for_routable_s`` lets a
     request wait that long for a group to become active before :class:`NoRoutableGroup`;
-    ``on_group_error(group_id, exc)`` is called (quickly: enqueue or wake a health manager) when
-    a request fails retryably on a group.
+    ``request_timeout_s`` is a request's default wait for each engine event;
+    ``on_group_error(group_id, exc)`` is called (quickly: it runs on the data plane's event loop)
+    when a request fails retryably on a group. ``continue_on_failure``, ``max_aborts``,
+    ``keep_tokens`` and ``on_progress`` steer continuation (:mod:`rollsafe.fleet.continuation`).
 
     The router registers itself as a registry listener; :meth:`close` unregisters it.
     """
@@ -233,21 +240,22 @@ class Router(FleetListener):
         #: stream token-id prompts and continue them on another group when theirs fails
         #: (:mod:`rollsafe.fleet.continuation`); False: retry from scratch, as before
         self.continue_on_failure = continue_on_failure
-        #: called on the request's thread after each streamed event with (group id, tokens of
-        #: the request so far); keep it quick (tests and benchmarks hook crashes in here)
+        #: called on the data plane's event loop after each streamed event with (group id,
+        #: tokens of the request so far); keep it quick (tests and benchmarks hook crashes in)
         self.on_progress: Callable[[str, int], None] | None = None
         self.max_aborts = max_aborts
         #: False: a streamed request whose group failed starts over on another group, its
         #: tokens counted as regenerated (the behaviour before #17; benchmarks compare both)
         self.keep_tokens = True
-        #: set unless a sync holds continuations (:meth:`hold`): aborted requests wait on it
+        #: how long a request waits for a sync that holds requests (:meth:`hold`) to release
+        self.hold_wait_s = 120.0
+        #: set unless a sync holds requests (:meth:`hold`): new and aborted ones wait on it
         self._released = threading.Event()
         self._released.set()
         from rollsafe.fleet.continuation import ContinuationStats
 
         self.continuation = ContinuationStats()
         self._lock = threading.Lock()
-        self._routable_changed = threading.Condition(self._lock)
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._by_group: dict[str, set[str]] = {}
         self._rotor = itertools.count()
@@ -256,6 +264,9 @@ class Router(FleetListener):
         self._failures = 0
         self._sessions_moved = 0
         self._closed = False
+        #: requests waiting for a change (a group became active, continuations released, the
+        #: router closed), each on its own event loop
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         registry.add_listener(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -264,7 +275,11 @@ class Router(FleetListener):
         self.registry.remove_listener(self)
         with self._lock:
             self._closed = True
-            self._routable_changed.notify_all()
+        self._wake()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __enter__(self) -> Router:
         return self
@@ -278,8 +293,34 @@ class Router(FleetListener):
             self._unpin_group(group.group_id)
 
     def on_group_active(self, group: WorkerGroup) -> None:
+        self._wake()
+
+    # ------------------------------------------------------------------ waiting, no thread held
+    def _wake(self) -> None:
+        """Wake every waiting request (on its own loop; a loop already closed is skipped)."""
         with self._lock:
-            self._routable_changed.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop is closed
+                loop.call_soon_threadsafe(event.set)
+
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[asyncio.Event]:
+        """An event set by the next :meth:`_wake`; registered before the caller checks, so a
+        change between its check and its wait is never missed."""
+        entry = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            self._waiters.add(entry)
+        try:
+            yield entry[1]
+        finally:
+            with self._lock:
+                self._waiters.discard(entry)
+
+    @staticmethod
+    async def _wait(event: asyncio.Event, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
 
     # ------------------------------------------------------------------ sessions
     def session_group(self, session_id: str) -> str | None:
@@ -324,21 +365,39 @@ class Router(FleetListener):
             self._sessions_moved += len(sessions)
 
     # ------------------------------------------------------------------ choice
-    def acquire(self, session_id: str | None = None, exclude: Iterable[str] = ()) -> WorkerGroup:
+    async def acquire(
+        self,
+        session_id: str | None = None,
+        exclude: Iterable[str] = (),
+        *,
+        wait_s: float | None = None,
+    ) -> WorkerGroup:
         """Admit one request on a routable group and return it; the caller must call
-        ``group.end_request(...)`` when done. Raises :class:`NoRoutableGroup`."""
+        ``group.end_request(...)`` when done. While a sync holds requests (:meth:`hold`: it
+        pauses generation in ``abort`` mode and pushes) wait for its release, at most
+        ``hold_wait_s``; with none routable, wait (at most ``wait_s``, default
+        ``wait_for_routable_s``) for one to become active; then :class:`NoRoutableGroup`."""
         excluded = frozenset(exclude)
-        deadline = time.monotonic() + self.wait_for_routable_s
+        wait = self.wait_for_routable_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait
+        held_deadline = time.monotonic() + max(wait, self.hold_wait_s)
         while True:
-            group = self._try_acquire(session_id, excluded)
-            if group is not None:
-                return group
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._closed:
-                states = {g.group_id: g.state for g in self.registry.groups()}
-                raise NoRoutableGroup(states, sorted(excluded))
-            with self._lock:
-                self._routable_changed.wait(min(remaining, 0.05))
+            with self._change() as changed:
+                if self.held and not self._closed:  # a sync in abort mode: its new weights first
+                    remaining = held_deadline - time.monotonic()
+                    if remaining > 0:
+                        await self._wait(changed, min(remaining, 0.25))
+                        continue
+                group = self._try_acquire(session_id, excluded)
+                if group is not None:
+                    return group
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    states = {g.group_id: g.state for g in self.registry.groups()}
+                    raise NoRoutableGroup(states, sorted(excluded))
+                # a group that turns active wakes us; the cap re-checks groups that became
+                # routable without a transition into ``active`` (none today: a safety net)
+                await self._wait(changed, min(remaining, 0.25))
 
     def _try_acquire(self, session_id: str | None, excluded: frozenset[str]) -> WorkerGroup | None:
         if session_id is not None:
@@ -361,103 +420,36 @@ class Router(FleetListener):
             candidates.remove(group)  # left routing since the snapshot
         return None
 
-    # ------------------------------------------------------------------ requests
-    def generate(
-        self,
-        input_ids: Sequence[int] | None = None,
-        *,
-        text: str | None = None,
-        sampling_params: Mapping[str, Any] | None = None,
-        session_id: str | None = None,
-        timeout: float | None = None,
-    ) -> RoutedResult:
-        """Generate on a routable group; retry retryable failures on other groups.
-
-        Raises :class:`NoRoutableGroup` when no group can take the request at all, and
-        :class:`RequestFailed` (bounded message) when it failed finally or on every try.
-        Non-engine errors (a bad argument) propagate unchanged.
-        """
-        call_timeout = self.request_timeout_s if timeout is None else timeout
-        streamed = self.continue_on_failure and input_ids is not None and text is None
-        if streamed and input_ids is not None and self._all_stream():
-            from rollsafe.fleet.continuation import generate_continued
-
-            return generate_continued(
-                self,
-                input_ids,
-                sampling_params=sampling_params,
-                session_id=session_id,
-                timeout=call_timeout,
-                max_aborts=self.max_aborts,
-            )
-        tried: list[str] = []
-        attempts: list[tuple[str, str]] = []
-        notes: list[str] = []
-        last_exc: EngineError | None = None
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                group = self.acquire(session_id, exclude=tried)
-            except NoRoutableGroup as exc:
-                if last_exc is None:
-                    raise
-                notes.append(f"no other routable group to retry on ({bound_text(str(exc), 256)})")
-                break
-            tried.append(group.group_id)
-            client = group.client
-            if client is None:
-                group.end_request(ok=False, error="group has no engine client")
-                raise RouterError(f"worker group {group.group_id!r} has no engine client")
-            try:
-                result = client.generate(
-                    input_ids, text=text, sampling_params=sampling_params, timeout=call_timeout
-                )
-            except EngineError as exc:
-                retryable = is_retryable(exc)
-                group.end_request(ok=False, error=f"{type(exc).__name__}: {exc}")
-                attempts.append((group.group_id, type(exc).__name__))
-                notes.append(f"{group.group_id}: {type(exc).__name__}: {exc}")
-                last_exc = exc
-                self.request_failed(group.group_id, exc, notify=retryable)
-                if not retryable:
-                    raise self.failure(attempts, notes, retryable=False) from exc
-                if session_id is not None and self.session_group(session_id) == group.group_id:
-                    self.end_session(session_id)
-                if attempt < self.max_attempts:
-                    self.count_retry()
-                continue
-            except BaseException:
-                group.end_request(ok=False, error="request interrupted")
-                raise
-            group.end_request(ok=True)
-            self.request_ok(group.group_id)
-            if session_id is not None:
-                self.pin(session_id, group.group_id)
-            self.count_served(group.group_id)
-            return RoutedResult(result, group.group_id, attempt)
-        assert last_exc is not None
-        raise self.failure(attempts, notes, retryable=True) from last_exc
-
     # ------------------------------------------------------------------ partial rollouts
     def hold(self) -> None:
-        """Hold continuations of aborted requests until :meth:`release` (a sync that pauses
-        generation in ``abort`` mode holds them while it pushes the new weights)."""
+        """Hold new requests and continuations of aborted ones until :meth:`release` (a sync
+        that pauses generation in ``abort`` mode holds them while it pushes the new weights:
+        they are dispatched to the new weights, never to a paused engine)."""
         self._released.clear()
 
     def release(self) -> None:
         """Let held continuations go (to the groups' new weights)."""
         self._released.set()
+        self._wake()
 
-    def wait_released(self, timeout: float | None = None) -> bool:
-        """Block while continuations are held; return False if still held after ``timeout``."""
-        return self._released.wait(timeout)
+    @property
+    def held(self) -> bool:
+        """Whether continuations are held now."""
+        return not self._released.is_set()
+
+    async def wait_released(self, timeout: float | None = None) -> bool:
+        """Wait while continuations are held; return False if still held after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._change() as changed:
+                if self._released.is_set():
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                await self._wait(changed, 0.25 if remaining is None else min(remaining, 0.25))
 
     # ------------------------------------------------------------------ bookkeeping
-    def _all_stream(self) -> bool:
-        from rollsafe.fleet.continuation import StreamingClient
-
-        clients = [g.client for g in self.registry.groups()]
-        return bool(clients) and all(isinstance(c, StreamingClient) for c in clients)
-
     def request_failed(self, group_id: str, exc: EngineError, *, notify: bool = True) -> None:
         """A request failed on ``group_id``: count it; tell the hook when ``notify`` (a
         retryable failure: the group's fault, not the request's)."""

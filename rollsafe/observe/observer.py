@@ -13,8 +13,10 @@ recorded runs and their timeline picture:
   (the router's ``on_group_error`` hook), else the detection itself, within ``onset_window_s``
   before the group's ``fail``; *detection* is the ``fail`` transition (out of routing).
 
-It is a registry listener (``on_transition``, duck-typed) and the router's ``on_group_error``
-hook; both only take a lock and append, as listeners must. Nothing here needs prometheus-client.
+It is a registry listener (``on_transition``, duck-typed), the router's ``on_group_error``
+hook and the data plane's request log (``request_served`` / ``request_gave_up``: retried and
+continued requests per group); all only take a lock and append, as listeners must. Nothing
+here needs prometheus-client.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from rollsafe.errors import InvalidArgument
 
@@ -33,13 +35,6 @@ if TYPE_CHECKING:  # no runtime import: rollsafe.fleet imports this module
 
 __all__ = ["Episode", "FleetObserver", "RequestSample"]
 
-
-class _Routed(Protocol):
-    @property
-    def group_id(self) -> str: ...
-
-
-RoutedLike = TypeVar("RoutedLike", bound=_Routed)
 
 #: Onset sources, most trusted first.
 ONSET_SOURCES = ("crash_mark", "request_error", "detection")
@@ -122,7 +117,6 @@ class FleetObserver:
         self._first_error: dict[str, float] = {}
         self._retried: dict[str, int] = {}
         self._continued: dict[str, int] = {}
-        self._attempts = threading.local()
         self._subscribers: list[Callable[[Episode], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -219,41 +213,33 @@ class FleetObserver:
         with self._lock:
             self._subscribers.append(callback)
 
-    def track(self, call: Callable[[], RoutedLike]) -> RoutedLike:
-        """Run one routed request (``call`` returns the router's result) and count, per group,
-        the requests that failed there and went on elsewhere (``retried``) and the ones a group
-        finished after failing elsewhere (``continued``)."""
-        failed_on: list[str] = []
-        self._attempts.failed_on = failed_on
-        try:
-            result = call()
-        except BaseException as exc:
-            attempts = getattr(exc, "attempts", None) or ()  # RequestFailed: (group, error)s
-            with self._lock:
-                for gid, *_ in list(attempts)[:-1]:  # the last failure ended the request
-                    self._retried[gid] = self._retried.get(gid, 0) + 1
-            raise
-        finally:
-            self._attempts.failed_on = None
-        if failed_on:
-            with self._lock:
-                for gid in failed_on:
-                    self._retried[gid] = self._retried.get(gid, 0) + 1
-                gid = result.group_id
-                self._continued[gid] = self._continued.get(gid, 0) + 1
-        return result
+    def request_served(self, group_id: str, failed_on: Sequence[str]) -> None:
+        """A routed request was served by ``group_id`` after failing on ``failed_on`` (the
+        data plane's request log): each failed group counts one ``retried`` request and the
+        group that finished it one ``continued``."""
+        if not failed_on:
+            return
+        with self._lock:
+            for gid in failed_on:
+                self._retried[gid] = self._retried.get(gid, 0) + 1
+            self._continued[group_id] = self._continued.get(group_id, 0) + 1
+
+    def request_gave_up(self, error: BaseException) -> None:
+        """A routed request ended with ``error``: every group it failed on but the last (whose
+        failure ended it) counts one ``retried`` request."""
+        attempts = getattr(error, "attempts", None) or ()  # RequestFailed: (group, error)s
+        with self._lock:
+            for gid, *_ in list(attempts)[:-1]:
+                self._retried[gid] = self._retried.get(gid, 0) + 1
 
     def request_counts(self, group_id: str) -> tuple[int, int]:
-        """(retried, continued) requests of ``group_id`` (see :meth:`track`)."""
+        """(retried, continued) requests of ``group_id`` (see :meth:`request_served`)."""
         with self._lock:
             return self._retried.get(group_id, 0), self._continued.get(group_id, 0)
 
     def request_failed(self, group_id: str, exc: BaseException | None = None) -> None:
         """A request failed on ``group_id`` (the router's ``on_group_error`` hook)."""
         now = time.time()
-        failed_on = getattr(self._attempts, "failed_on", None)
-        if failed_on is not None:
-            failed_on.append(group_id)
         with self._lock:
             if group_id in self._open:
                 return

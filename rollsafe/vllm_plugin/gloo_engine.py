@@ -46,12 +46,14 @@ takes the result when the update finishes.
 A refused delta (no mirror, another base, a malformed payload, a wrong result digest) changes
 nothing: the open reload is finalized with nothing loaded (vLLM then puts every layer's own
 tensors back, the weights served before, logging "Failed to load weights" per layer), and
-``/update_weights`` fails with the :class:`~rollsafe.wire.delta.DeltaError` itself, its class
-name first (``DeltaBaseMismatch: ...``: what the sender's ``is_delta_refusal`` reads; it then
-pushes the version full in the same update). A delta whose receive fails before
-it is applied is closed the same way, and the receive's own error raised. Raising inside
-``update_weights`` is where vLLM's worker clears its update flag; the client's closing
-``/finish_weight_update`` is then answered with an error it ignores.
+``/update_weights`` fails with a ``RuntimeError`` whose message is the
+:class:`~rollsafe.wire.delta.DeltaError`'s class name and message (``DeltaBaseMismatch: ...``:
+what the sender's ``is_delta_refusal`` reads; it then pushes the version full in the same
+update). vLLM 0.32 hands a worker's exception to the caller as ``str(exc)`` only ("Worker failed
+with error '...'"), so the class name must be in the message itself. A delta whose receive
+fails before it is applied is closed the same way, and the receive's own error raised.
+Raising inside ``update_weights`` is where vLLM's worker clears its update flag; the client's
+closing ``/finish_weight_update`` is then answered with an error it ignores.
 """
 
 from __future__ import annotations
@@ -200,6 +202,16 @@ class _GlooGroup:
         self.store = None
 
 
+def _refusal(exc: DeltaError) -> RuntimeError:
+    """The error a refused delta leaves ``/update_weights`` with: vLLM passes only ``str()`` of
+    a worker's exception on, so the message starts with the refusal's class name
+    (``DeltaBaseMismatch: ...``), what the sender's ``is_delta_refusal`` looks for."""
+    return RuntimeError(
+        f"{type(exc).__name__}: {exc} (rollsafe_gloo: the update was closed with the weights"
+        " served before)"
+    )
+
+
 @dataclass
 class _Update:
     """One open update (start .. finish)."""
@@ -278,9 +290,11 @@ class GlooWeightTransferEngine(_EngineBase):  # type: ignore[misc]
             header = update.header
             assert header is not None  # the delta mode is set by its header
             missing = sorted(header.wire_names() - {n for n, _ in update.parts or []})[:1]
-            raise DeltaFormatError(
-                f"the update finished before the delta was complete (missing {missing})",
-                key=missing[0] if missing else None,
+            raise _refusal(
+                DeltaFormatError(
+                    f"the update finished before the delta was complete (missing {missing})",
+                    key=missing[0] if missing else None,
+                )
             )
         self._finalize()
         if update is None or update.mode is None:
@@ -376,10 +390,10 @@ class GlooWeightTransferEngine(_EngineBase):  # type: ignore[misc]
                 return  # more to come
             assert self.mirror is not None
             touched = apply_delta(self.mirror, parts, current_version=None)
-        except DeltaError:
+        except DeltaError as exc:
             self._update = None
             self._finalize()
-            raise  # its class name (DeltaBaseMismatch...) is what the sender reads
+            raise _refusal(exc) from exc
         merged = dict(self.mirror)
         merged.update(touched)
         update.parts = None

@@ -1,7 +1,8 @@
 """Engine clients (SGLang and vLLM dialects over HTTP) and the engine-group launcher.
 
 ``SGLangClient`` / ``VLLMClient`` implement :class:`rollsafe.ports.EngineClient` (import the
-protocol and its data types from :mod:`rollsafe.ports`); the
+protocol and its data types from :mod:`rollsafe.ports`); ``async_engine(client, AsyncHttp())``
+is a client's asyncio companion (:mod:`~rollsafe.adapters.engines.aio`, aiohttp); the
 :class:`EngineLauncher` runs one engine group as OS processes described by an
 :class:`EngineSpec`. Errors derive from :class:`EngineError`. Needs the ``engine`` extra (httpx);
 nothing here imports Ray. The protocol and the errors import without it; the clients and the
@@ -21,6 +22,7 @@ from rollsafe.adapters.engines.errors import (
     EngineStartError,
     EngineTimeout,
     EngineUnavailable,
+    EventLoopError,
     NoWeightChecker,
 )
 from rollsafe.errors import InvalidArgument
@@ -28,6 +30,14 @@ from rollsafe.lazy import lazy_attributes
 from rollsafe.ports import Dialect
 
 if TYPE_CHECKING:
+    from rollsafe.adapters.engines.aio import (
+        AsyncEngine,
+        AsyncHttp,
+        AsyncSGLangEngine,
+        AsyncVLLMEngine,
+        ThreadedEngine,
+        async_engine,
+    )
     from rollsafe.adapters.engines.http import NO_RETRY, HttpTransport, RetryPolicy
     from rollsafe.adapters.engines.launch.readiness import EngineStartTimeout
     from rollsafe.adapters.engines.launch.spec import ENGINE_KINDS, EngineKind, EngineSpec
@@ -46,12 +56,27 @@ _LAZY: dict[str, str] = {
     "EngineLauncher": "rollsafe.adapters.engines.launcher",
     "SGLangClient": "rollsafe.adapters.engines.sglang",
     "VLLMClient": "rollsafe.adapters.engines.vllm",
+    **dict.fromkeys(
+        (
+            "AsyncEngine",
+            "AsyncHttp",
+            "AsyncSGLangEngine",
+            "AsyncVLLMEngine",
+            "ThreadedEngine",
+            "async_engine",
+        ),
+        "rollsafe.adapters.engines.aio",
+    ),
 }
 
 
 __all__ = [
     "ENGINE_KINDS",
     "NO_RETRY",
+    "AsyncEngine",
+    "AsyncHttp",
+    "AsyncSGLangEngine",
+    "AsyncVLLMEngine",
     "EngineAsleep",
     "EngineError",
     "EngineKind",
@@ -64,17 +89,28 @@ __all__ = [
     "EngineStartTimeout",
     "EngineTimeout",
     "EngineUnavailable",
+    "EventLoopError",
     "HttpTransport",
     "NoWeightChecker",
     "RetryPolicy",
     "SGLangClient",
+    "ThreadedEngine",
     "VLLMClient",
+    "async_engine",
     "make_client",
 ]
 
 
 #: top-level modules of the ``engine`` extra the clients and the launcher need
-_ENGINE_EXTRA = {"httpx": "engine", "anyio": "engine", "httpcore": "engine", "h11": "engine"}
+_ENGINE_EXTRA = {
+    "httpx": "engine",
+    "anyio": "engine",
+    "httpcore": "engine",
+    "h11": "engine",
+    "aiohttp": "engine",
+    "multidict": "engine",
+    "yarl": "engine",
+}
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, public=__all__, extras=_ENGINE_EXTRA)
 

@@ -19,6 +19,15 @@ DEFAULT_HEALTH_TIMEOUT = 5.0
 DEFAULT_WEIGHTS_TIMEOUT = 600.0
 
 
+def parse_weight_version(url: str, path: str, answer: Any) -> str | None:
+    """The ``weight_version`` of a ``/model_info`` / ``/weight_info`` answer (None: unnamed);
+    :class:`EngineOperationFailed` when the answer has none."""
+    if not isinstance(answer, Mapping) or "weight_version" not in answer:
+        raise EngineOperationFailed(url, path, 200, f"no weight_version in {answer!r}")
+    version = answer["weight_version"]
+    return None if version is None else str(version)
+
+
 class HttpEngineClient:
     """Base of :class:`SGLangClient` and :class:`VLLMClient`; not an engine client by itself."""
 
@@ -48,6 +57,18 @@ class HttpEngineClient:
     @property
     def dialect(self) -> Dialect:
         return self._dialect
+
+    @property
+    def http(self) -> HttpTransport:
+        """This client's transport: its URL, default timeout, retry policy and API key, which
+        the asyncio companion (:func:`rollsafe.adapters.engines.aio.async_engine`) uses too."""
+        return self._http
+
+    @property
+    def version_route(self) -> str:
+        """Where the engine reports its weights version: SGLang ``/model_info``, vLLM
+        ``/weight_info``."""
+        return "/weight_info" if self._dialect == "vllm" else "/model_info"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -221,12 +242,8 @@ class HttpEngineClient:
     def weight_version(self, *, timeout: float | None = None) -> str | None:
         """The weights version the engine reports (retried): SGLang ``GET /model_info``,
         vLLM ``GET /weight_info``. The checkers report none, so this is how to read it."""
-        path = "/weight_info" if self._dialect == "vllm" else "/model_info"
-        answer = self._get(path, timeout=timeout)
-        if not isinstance(answer, Mapping) or "weight_version" not in answer:
-            raise EngineOperationFailed(self.url, path, 200, f"no weight_version in {answer!r}")
-        version = answer["weight_version"]
-        return None if version is None else str(version)
+        path = self.version_route
+        return parse_weight_version(self.url, path, self._get(path, timeout=timeout))
 
     def is_healthy(self, *, timeout: float | None = None) -> bool:
         """True when :meth:`health` passes; False on any engine error."""

@@ -9,7 +9,9 @@ subclass of :class:`EngineError` on failure:
 * :class:`EngineNotSupported`: the dialect has no such operation (:class:`NoWeightChecker`:
   the server has no weight checker, check its weights with :mod:`rollsafe.probe`);
 * :class:`EngineAsleep`: a weight update refused because this client put the engine's weights
-  to sleep (nothing was sent).
+  to sleep (nothing was sent);
+* :class:`EventLoopError`: an asyncio client (:mod:`~rollsafe.adapters.engines.aio`) made with
+  no running event loop, or used from a loop other than its own.
 
 Idempotent reads (health, checksum, get-by-name) are retried; generate and every
 state-changing call are sent once, and resent only when the request provably never reached the
@@ -116,6 +118,11 @@ class EngineAsleep(EngineError):
             f"{operation} refused: engine {url} sleeps (level {level}, weights released by this "
             "client); wake its weights first (resume_memory_occupation), nothing was sent"
         )
+
+
+class EventLoopError(EngineError, RuntimeError):
+    """An :class:`~rollsafe.adapters.engines.aio.AsyncHttp` made outside a running event loop,
+    or called from a loop other than the one it was made on (make one per loop)."""
 
 
 class EngineStartError(EngineError):

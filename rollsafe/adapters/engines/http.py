@@ -26,6 +26,11 @@ One :class:`HttpTransport` wraps one ``httpx.Client`` bound to an engine's base 
 * maps transport failures to :class:`EngineUnavailable` / :class:`EngineTimeout` (with
   ``request_sent=False`` when no connection was opened) and HTTP error statuses to
   :class:`EngineRequestError`, reading at most a few KB of an error body.
+
+The rules that do not depend on the HTTP library are module-level and shared with the asyncio
+clients (:mod:`rollsafe.adapters.engines.aio`): which failure is retried (:func:`retryable`), how
+much of an error body is read and what message is kept (:class:`BoundedBody`), how an answer's
+body is decoded (:func:`decode_body`).
 """
 
 from __future__ import annotations
@@ -83,6 +88,61 @@ class RetryPolicy:
 NO_RETRY = RetryPolicy(attempts=1)
 
 
+def retryable(exc: Exception, *, idempotent: bool) -> bool:
+    """Whether a failed try may be repeated (the table above): any call whose request provably
+    never reached the engine, and an ``idempotent`` one also after a 5xx, a broken connection or
+    a timeout. A 4xx never is."""
+    if isinstance(exc, EngineRequestError):
+        return idempotent and exc.status_code >= RETRY_MIN_STATUS
+    if isinstance(exc, EngineUnavailable):
+        return idempotent or exc.request_sent is False
+    return False
+
+
+def decode_body(body: bytes) -> Any:
+    """An answer's body: its JSON, else its text, ``None`` when empty."""
+    if not body:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", errors="replace")
+
+
+#: at most this many bytes of an error body are read (the message kept is shorter still)
+ERROR_BODY_LIMIT = 2 * MAX_MESSAGE_CHARS
+
+
+class BoundedBody:
+    """The first :data:`ERROR_BODY_LIMIT` bytes of an error body, fed chunk by chunk, and the
+    readable message they hold (``message``/``detail``/``error`` of a JSON body, else the text)."""
+
+    def __init__(self, limit: int = ERROR_BODY_LIMIT) -> None:
+        self.limit = limit
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self.truncated = False
+
+    def add(self, chunk: bytes) -> bool:
+        """Keep ``chunk``; True once the limit is reached (read no more)."""
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        if self._size >= self.limit:
+            self.truncated = True
+        return self.truncated
+
+    def unreadable(self, exc: BaseException) -> None:
+        """The rest of the body could not be read: say so in the message."""
+        self._chunks.append(f" [error body unreadable: {type(exc).__name__}]".encode())
+
+    def message(self, reason: str) -> str:
+        """The message to keep; ``reason`` (the status line's phrase) when the body is empty."""
+        raw = b"".join(self._chunks)[: self.limit].decode("utf-8", errors="replace")
+        if self.truncated:
+            return _message_from_truncated_json(raw) + " ...[truncated]"
+        return _message_from_body(raw) or reason
+
+
 class HttpTransport:
     """A thread-safe JSON-over-HTTP channel to one engine."""
 
@@ -105,6 +165,7 @@ class HttpTransport:
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = headers
         self._client = httpx.Client(
             base_url=self.url, headers=headers, timeout=timeout, transport=transport
         )
@@ -122,6 +183,11 @@ class HttpTransport:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers every request carries (``Authorization`` when an API key is set)."""
+        return dict(self._headers)
 
     # ------------------------------------------------------------------ calls
     def request(
@@ -148,12 +214,8 @@ class HttpTransport:
                 time.sleep(self.retry.delay(attempt - 1))
             try:
                 return self._once(method, path, json_body, params, timeout, headers)
-            except EngineRequestError as exc:
-                if not idempotent or exc.status_code < RETRY_MIN_STATUS:
-                    raise
-                last = exc
-            except EngineUnavailable as exc:
-                if self._closed or not (idempotent or exc.request_sent is False):
+            except (EngineRequestError, EngineUnavailable) as exc:
+                if self._closed or not retryable(exc, idempotent=idempotent):
                     raise
                 last = exc
         assert last is not None
@@ -178,7 +240,7 @@ class HttpTransport:
             try:
                 return self._send(method, path, json_body, params, timeout)
             except EngineUnavailable as exc:
-                if self._closed or exc.request_sent is not False:
+                if self._closed or not retryable(exc, idempotent=False):
                     raise
                 last = exc
         assert last is not None
@@ -257,12 +319,7 @@ class HttpTransport:
             raise EngineUnavailable(self.url, path, f"{type(exc).__name__}: {exc}") from exc
         finally:
             response.close()
-        if not body:
-            return None
-        try:
-            return json.loads(body)
-        except ValueError:
-            return body.decode("utf-8", errors="replace")
+        return decode_body(body)
 
 
 def _drop_connection(response: httpx.Response) -> None:
@@ -278,24 +335,16 @@ def _drop_connection(response: httpx.Response) -> None:
             pass
 
 
-def _read_bounded(response: httpx.Response, limit: int = 2 * MAX_MESSAGE_CHARS) -> str:
-    """Read at most ``limit`` bytes of an error body, then extract a readable message."""
-    chunks: list[bytes] = []
-    size = 0
-    truncated = False
+def _read_bounded(response: httpx.Response) -> str:
+    """Read at most :data:`ERROR_BODY_LIMIT` bytes of an error body; its readable message."""
+    body = BoundedBody()
     try:
         for chunk in response.iter_bytes():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size >= limit:
-                truncated = True
+            if body.add(chunk):
                 break
     except httpx.HTTPError as exc:
-        chunks.append(f" [error body unreadable: {type(exc).__name__}]".encode())
-    raw = b"".join(chunks)[:limit].decode("utf-8", errors="replace")
-    if truncated:
-        return _message_from_truncated_json(raw) + " ...[truncated]"
-    return _message_from_body(raw) or response.reason_phrase
+        body.unreadable(exc)
+    return body.message(response.reason_phrase)
 
 
 _MESSAGE_KEY = re.compile(r'"(?:message|detail|error)"\s*:\s*"')

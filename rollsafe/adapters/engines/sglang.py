@@ -38,6 +38,9 @@ from rollsafe.errors import InvalidArgument
 from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode
 from rollsafe.wire.finite import FINITE_CHECKED_HEADER
 
+#: SGLang's generation route (one prompt, or a batch; streamed with ``stream: true``)
+GENERATE_PATH = "/generate"
+
 
 def _finish_reason(meta: Mapping[str, Any]) -> str | None:
     reason = meta.get("finish_reason")
@@ -47,11 +50,13 @@ def _finish_reason(meta: Mapping[str, Any]) -> str | None:
     return None if reason is None else str(reason)
 
 
-def _generate_body(
+def generate_body(
     input_ids: Sequence[int] | None,
     text: str | None,
     sampling_params: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
+    """The ``/generate`` body of one prompt (token ids or text; rollsafe's ``return_logprob``
+    sampling key becomes SGLang's request field of that name)."""
     if (input_ids is None) == (text is None):
         raise InvalidArgument("input_ids", "generate needs exactly one of input_ids or text")
     params = dict(sampling_params or {})
@@ -67,10 +72,51 @@ def _generate_body(
     return body
 
 
+def refuse_unknown_sampling(url: str, dialect: SGLangDialect, body: Mapping[str, Any]) -> None:
+    """On a release whose ``/generate`` answers an unknown ``sampling_params`` key with a
+    500 (0.5.16: a ``TypeError`` it does not catch), refuse it here with the 400 0.5.23
+    answers, nothing sent: a 500 would read as a failing engine."""
+    if dialect.sampling_unknown_key_status < 500:
+        return
+    unknown = sorted(set(body.get("sampling_params") or {}) - dialect.sampling_keys)
+    if unknown:
+        raise EngineRequestError(
+            url,
+            GENERATE_PATH,
+            400,
+            f"unknown sampling parameter {unknown[0]!r} (refused by the client: SGLang "
+            f"{dialect.version} would fail the request with a 500; known: "
+            f"{', '.join(sorted(dialect.sampling_keys))})",
+        )
+
+
 def _token_logprob(item: Any) -> float | None:
     """The logprob of one ``output_token_logprobs`` entry (``[logprob, token id, text]``)."""
     value = item[0] if isinstance(item, Sequence) and not isinstance(item, str) else item
     return None if value is None else float(value)
+
+
+def generate_result(url: str, answer: Any) -> GenerateResult:
+    """The :class:`GenerateResult` of a ``/generate`` answer (one prompt's object, or a list
+    of one)."""
+    if isinstance(answer, list) and len(answer) == 1:
+        answer = answer[0]
+    if not isinstance(answer, Mapping):
+        raise EngineOperationFailed(url, GENERATE_PATH, 200, f"unexpected answer: {answer!r}")
+    meta = answer.get("meta_info") or {}
+    version = meta.get("weight_version")
+    raw_lps = meta.get("output_token_logprobs")  # [[logprob, token id, text], ...]
+    logprobs = None
+    if isinstance(raw_lps, Sequence):
+        logprobs = tuple(_token_logprob(item) for item in raw_lps)
+    return GenerateResult(
+        text=str(answer.get("text", "")),
+        output_ids=[int(t) for t in answer.get("output_ids") or []],
+        weight_version=None if version is None else str(version),
+        finish_reason=_finish_reason(meta),
+        meta_info=dict(meta),
+        output_logprobs=logprobs,
+    )
 
 
 #: where SGLang reports its release (``/get_server_info``: 0.5.x's older name, and the
@@ -114,6 +160,12 @@ class SGLangClient(HttpEngineClient):
             self._server_dialect = SGLangDialect.of(pinned)
 
     # -- dialect --------------------------------------------------------------------------
+    @property
+    def known_dialect(self) -> SGLangDialect | None:
+        """The release this server speaks when already known (pinned, or asked once by
+        :meth:`server_dialect`); None before: reading it needs a request."""
+        return self._server_dialect
+
     def server_dialect(self, *, timeout: float | None = None) -> SGLangDialect:
         """The SGLang release this server speaks: pinned by ``server_version=``, else asked once
         (``GET /server_info``, then ``/get_server_info`` where that is 404; retried) and cached.
@@ -151,24 +203,6 @@ class SGLangClient(HttpEngineClient):
             self._server_dialect = dialect
             return dialect
 
-    def _refuse_unknown_sampling(self, body: Mapping[str, Any]) -> None:
-        """On a release whose ``/generate`` answers an unknown ``sampling_params`` key with a
-        500 (0.5.16: a ``TypeError`` it does not catch), refuse it here with the 400 0.5.23
-        answers, nothing sent: a 500 would read as a failing engine."""
-        dialect = self.server_dialect()
-        if dialect.sampling_unknown_key_status < 500:
-            return
-        unknown = sorted(set(body.get("sampling_params") or {}) - dialect.sampling_keys)
-        if unknown:
-            raise EngineRequestError(
-                self.url,
-                "/generate",
-                400,
-                f"unknown sampling parameter {unknown[0]!r} (refused by the client: SGLang "
-                f"{dialect.version} would fail the request with a 500; known: "
-                f"{', '.join(sorted(dialect.sampling_keys))})",
-            )
-
     # -- liveness and serving -------------------------------------------------------------
     def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
         """GET ``/health`` (retried unless ``retry=False``: then exactly one request); raises
@@ -190,28 +224,9 @@ class SGLangClient(HttpEngineClient):
     ) -> GenerateResult:
         """POST ``/generate`` once (never retried). On SGLang 0.5.16 an unknown sampling key is
         refused here (:mod:`.sglang_dialect`)."""
-        path = "/generate"
-        body = _generate_body(input_ids, text, sampling_params)
-        self._refuse_unknown_sampling(body)
-        answer = self._post(path, body, timeout=timeout)
-        if isinstance(answer, list) and len(answer) == 1:
-            answer = answer[0]
-        if not isinstance(answer, Mapping):
-            raise EngineOperationFailed(self.url, path, 200, f"unexpected answer: {answer!r}")
-        meta = answer.get("meta_info") or {}
-        version = meta.get("weight_version")
-        raw_lps = meta.get("output_token_logprobs")  # [[logprob, token id, text], ...]
-        logprobs = None
-        if isinstance(raw_lps, Sequence):
-            logprobs = tuple(_token_logprob(item) for item in raw_lps)
-        return GenerateResult(
-            text=str(answer.get("text", "")),
-            output_ids=[int(t) for t in answer.get("output_ids") or []],
-            weight_version=None if version is None else str(version),
-            finish_reason=_finish_reason(meta),
-            meta_info=dict(meta),
-            output_logprobs=logprobs,
-        )
+        body = generate_body(input_ids, text, sampling_params)
+        refuse_unknown_sampling(self.url, self.server_dialect(), body)
+        return generate_result(self.url, self._post(GENERATE_PATH, body, timeout=timeout))
 
     def generate_stream(
         self,
@@ -223,10 +238,10 @@ class SGLangClient(HttpEngineClient):
     ) -> Iterator[StreamDelta]:
         """POST ``/generate`` with ``stream: true`` once; yield each event's new tokens
         (:mod:`~rollsafe.adapters.engines.streaming`). ``timeout`` bounds each wait for an event."""
-        body = _generate_body(input_ids, text, sampling_params)
-        self._refuse_unknown_sampling(body)
+        body = generate_body(input_ids, text, sampling_params)
+        refuse_unknown_sampling(self.url, self.server_dialect(), body)
         body["stream"] = True
-        return stream_deltas(self._http, "/generate", body, timeout, "sglang")
+        return stream_deltas(self._http, GENERATE_PATH, body, timeout, "sglang")
 
     def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
         """POST ``/pause_generation`` {mode}."""

@@ -18,8 +18,11 @@ finish                 ``meta_info.finish_reason`` (``{type}``)     ``finish_rea
 error after the start  ``data: {"error": {message, code, ...}}``    ``data: {"error": {...}}``
 =====================  ===========================================  ==========================
 
-:func:`read_events` turns an HTTP response into JSON events; :class:`SGLangDeltas` and
-:class:`VLLMDeltas` turn events into :class:`StreamDelta` (new tokens only, never a token twice:
+:class:`SSELineDecoder` splits bytes into lines and :class:`SSEEventReader` lines into JSON
+events (incrementally, chunk by chunk: the one implementation of the framing rules, used by the
+blocking :func:`read_events` and by the asyncio reader of :mod:`~rollsafe.adapters.engines.aio`);
+:class:`SGLangDeltas` and :class:`VLLMDeltas` (:func:`delta_reader`) turn events into
+:class:`StreamDelta` (new tokens only, never a token twice:
 a cumulative event that does not extend what was already received is a
 :class:`StreamProtocolError`). A stream that ends without a finished event (the engine died, the
 connection dropped) raises :class:`EngineUnavailable` after the deltas already yielded, so the
@@ -32,9 +35,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from rollsafe.adapters.engines.errors import (
     EngineError,
@@ -42,14 +43,19 @@ from rollsafe.adapters.engines.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from rollsafe.adapters.engines.http import HttpTransport
+
+if TYPE_CHECKING:  # the blocking clients' transport (httpx); the readers below need none
+    from rollsafe.adapters.engines.http import HttpTransport
 
 __all__ = [
     "SGLangDeltas",
+    "SSEEventReader",
+    "SSELineDecoder",
     "StreamDelta",
     "StreamProtocolError",
     "VLLMDeltas",
     "WeightSpan",
+    "delta_reader",
     "read_events",
     "sse_lines",
     "stream_deltas",
@@ -113,38 +119,27 @@ def read_events(
     ``[DONE]`` is :class:`EngineUnavailable` (:class:`EngineTimeout` when no byte came within
     ``timeout``); an ``{"error": ...}`` event is :class:`EngineRequestError` with its code.
     """
+    import httpx  # the blocking clients' extra; the dataclasses above need none
+
     url = transport.url
     call_timeout = transport.timeout if timeout is None else timeout
     response = transport.open("POST", path, json_body=dict(body), timeout=timeout)
     if response.status_code >= 400:
         raise transport.error_of(path, response)
     try:
-        data: list[str] = []
-        size = 0
+        reader = SSEEventReader(url, path)
         try:
-            for line in sse_lines(response.iter_bytes(), url, path):
-                if line.startswith("data:"):
-                    chunk = line[5:].lstrip(" ")
-                    size += len(chunk)
-                    if size > MAX_EVENT_BYTES:
-                        raise StreamProtocolError(url, path, "event larger than 64 MiB")
-                    data.append(chunk)
-                    continue
-                if line or not data:
-                    continue  # comments, other fields, keep-alive blank lines
-                text, data, size = "\n".join(data), [], 0
-                if text == DONE:
+            for chunk in response.iter_bytes():
+                yield from reader.feed(chunk)
+                if reader.done:
                     return
-                yield _event(url, path, text)
         except httpx.TimeoutException as exc:
             raise EngineTimeout(url, path, f"no event within {call_timeout}s") from exc
         except httpx.TransportError as exc:
             raise EngineUnavailable(
                 url, path, f"stream broke: {type(exc).__name__}: {exc}"
             ) from exc
-        if data and "\n".join(data) == DONE:
-            return
-        raise EngineUnavailable(url, path, "stream ended before data: [DONE]")
+        yield from reader.end()
     finally:
         response.close()
 
@@ -156,23 +151,88 @@ def read_events(
 _EOL = re.compile(rb"\r\n|\r|\n")
 
 
-def sse_lines(chunks: Iterator[bytes], url: str = "", path: str = "") -> Iterator[str]:
-    """The lines of a server-sent event stream, split only at CRLF, LF or CR, decoded as
-    UTF-8 (a CR at the end of a chunk waits for the next one: it may be half of a CRLF). A line
-    growing past :data:`MAX_EVENT_BYTES` is a :class:`StreamProtocolError`."""
-    pending = b""
-    for chunk in chunks:
-        data = pending + chunk
+class SSELineDecoder:
+    """The lines of a server-sent event stream fed chunk by chunk, split only at CRLF, LF or
+    CR, decoded as UTF-8 (a CR at the end of a chunk waits for the next one: it may be half of a
+    CRLF). A line growing past :data:`MAX_EVENT_BYTES` is a :class:`StreamProtocolError`."""
+
+    def __init__(self, url: str = "", path: str = "") -> None:
+        self.url, self.path = url, path
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The lines ``chunk`` completes."""
+        data = self._pending + chunk
         held = data.endswith(b"\r")
         parts = _EOL.split(data[:-1] if held else data)
-        pending = parts.pop() + (b"\r" if held else b"")
-        if len(pending) > MAX_EVENT_BYTES:
-            raise StreamProtocolError(url, path, "event larger than 64 MiB")
-        for part in parts:
-            yield part.decode("utf-8", errors="replace")
-    for part in _EOL.split(pending) if pending else ():
-        if part:
-            yield part.decode("utf-8", errors="replace")
+        self._pending = parts.pop() + (b"\r" if held else b"")
+        if len(self._pending) > MAX_EVENT_BYTES:
+            raise StreamProtocolError(self.url, self.path, "event larger than 64 MiB")
+        return [part.decode("utf-8", errors="replace") for part in parts]
+
+    def flush(self) -> list[str]:
+        """The stream ended: the non-empty lines still held."""
+        pending, self._pending = self._pending, b""
+        return [p.decode("utf-8", errors="replace") for p in _EOL.split(pending) if p]
+
+
+def sse_lines(chunks: Iterator[bytes], url: str = "", path: str = "") -> Iterator[str]:
+    """The lines of a server-sent event stream (:class:`SSELineDecoder` over ``chunks``)."""
+    decoder = SSELineDecoder(url, path)
+    for chunk in chunks:
+        yield from decoder.feed(chunk)
+    yield from decoder.flush()
+
+
+class SSEEventReader:
+    """The JSON events of a server-sent event stream fed chunk by chunk: ``data:`` lines are
+    joined until a blank line; comments, other fields and keep-alive blank lines are skipped;
+    ``data: [DONE]`` ends it (:attr:`done`; whatever follows is ignored); an event's data past
+    :data:`MAX_EVENT_BYTES` is a :class:`StreamProtocolError`; an ``{"error": ...}`` event is an
+    :class:`EngineRequestError` (raised after the events before it were yielded)."""
+
+    def __init__(self, url: str, path: str) -> None:
+        self.url, self.path = url, path
+        self.lines = SSELineDecoder(url, path)
+        #: ``data: [DONE]`` was read
+        self.done = False
+        self._data: list[str] = []
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> Iterator[dict[str, Any]]:
+        """The events ``chunk`` completes, up to ``[DONE]``."""
+        yield from self._events(self.lines.feed(chunk))
+
+    def end(self) -> Iterator[dict[str, Any]]:
+        """The stream ended: the events still held; :class:`EngineUnavailable` (after them)
+        unless ``[DONE]`` came."""
+        yield from self._events(self.lines.flush())
+        if self.done:
+            return
+        if self._data and "\n".join(self._data) == DONE:
+            self.done = True
+            return
+        raise EngineUnavailable(self.url, self.path, "stream ended before data: [DONE]")
+
+    def _events(self, lines: list[str]) -> Iterator[dict[str, Any]]:
+        for line in lines:
+            if self.done:
+                return
+            if line.startswith("data:"):
+                chunk = line[5:].lstrip(" ")
+                self._size += len(chunk)
+                if self._size > MAX_EVENT_BYTES:
+                    raise StreamProtocolError(self.url, self.path, "event larger than 64 MiB")
+                self._data.append(chunk)
+                continue
+            if line or not self._data:
+                continue  # comments, other fields, keep-alive blank lines
+            text = "\n".join(self._data)
+            self._data, self._size = [], 0
+            if text == DONE:
+                self.done = True
+                return
+            yield _event(self.url, self.path, text)
 
 
 def _event(url: str, path: str, text: str) -> dict[str, Any]:
@@ -285,6 +345,11 @@ class VLLMDeltas:
         )
 
 
+def delta_reader(dialect: str, url: str, path: str) -> SGLangDeltas | VLLMDeltas:
+    """The delta reader of ``dialect`` (``"sglang"`` or ``"vllm"``) for one stream."""
+    return (SGLangDeltas if dialect == "sglang" else VLLMDeltas)(url, path)
+
+
 def stream_deltas(
     transport: HttpTransport,
     path: str,
@@ -293,6 +358,6 @@ def stream_deltas(
     dialect: str,
 ) -> Iterator[StreamDelta]:
     """:func:`read_events` through the dialect's delta reader."""
-    reader = (SGLangDeltas if dialect == "sglang" else VLLMDeltas)(transport.url, path)
+    reader = delta_reader(dialect, transport.url, path)
     for event in read_events(transport, path, body, timeout):
         yield reader(event)

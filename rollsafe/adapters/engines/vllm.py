@@ -91,12 +91,17 @@ from rollsafe.adapters.engines.streaming import StreamDelta, WeightSpan, stream_
 from rollsafe.adapters.engines.vllm_dialect import (
     Mark,
     PauseLedger,
+    VersionSteps,
     VLLMDialect,
     read_version_holds,
+    run_steps,
 )
 from rollsafe.errors import InvalidArgument
 from rollsafe.ports import Dialect, GenerateResult, MemoryTag, PauseMode, WeightsChecksum
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
+
+#: vLLM's completion route (token-id or text prompts; streamed with ``stream: true``)
+COMPLETIONS_PATH = "/v1/completions"
 
 _SAMPLING_RENAMES = {
     "max_new_tokens": "max_tokens",
@@ -172,6 +177,12 @@ class VLLMClient(HttpEngineClient):
         self._asleep_level = 0
 
     # -- dialect --------------------------------------------------------------------------
+    @property
+    def known_dialect(self) -> VLLMDialect | None:
+        """The release this server speaks when already known (pinned, or asked once by
+        :meth:`server_dialect`); None before: reading it needs a request."""
+        return self._server_dialect
+
     def server_dialect(self, *, timeout: float | None = None) -> VLLMDialect:
         """The vLLM release this server speaks: pinned by ``server_version=``, else asked once
         with ``GET /version`` (retried) and cached. A server without ``/version`` (404: the
@@ -205,7 +216,7 @@ class VLLMClient(HttpEngineClient):
             self._server_dialect = dialect
             return dialect
 
-    def _refuse_while_paused(self, path: str, dialect: VLLMDialect) -> None:
+    def refuse_while_paused(self, path: str, dialect: VLLMDialect) -> None:
         """On a server that queues new requests while paused (0.32), refuse a generate while
         this client has it paused in ``abort``/``wait``, as 0.33 does with its 503."""
         mode = self._ledger.refusing_mode()
@@ -219,26 +230,30 @@ class VLLMClient(HttpEngineClient):
                 "vLLM 0.33 answers 503 engine_paused)",
             )
 
-    def _version_before(self, path: str, dialect: VLLMDialect) -> tuple[Mark, str | None]:
-        """Refuse while paused, then read ``/weight_info`` with no pause, resume or weight
-        change of this client around the read (re-read if one happened, up to 3 times)."""
+    def version_before(
+        self, path: str, dialect: VLLMDialect
+    ) -> VersionSteps[tuple[Mark, str | None]]:
+        """Steps: refuse while paused, then read the version (yield) with no pause, resume or
+        weight change of this client around the read (re-read if one happened, up to 3 times).
+        Returns the ledger's mark before the read and the version read."""
+        version: str | None = None
         for _ in range(3):
-            self._refuse_while_paused(path, dialect)
+            self.refuse_while_paused(path, dialect)
             before = self._ledger.mark()
-            version = self.weight_version()
-            self._refuse_while_paused(path, dialect)
+            version = yield
+            self.refuse_while_paused(path, dialect)
             if self._ledger.mark() == before:
                 return before, version
         return Mark(-1, -1, -1, False), version  # kept changing: compare again after
 
-    def _version_after(
+    def version_after(
         self, before: Mark, version: str | None, finish_reason: str | None
-    ) -> tuple[str | None, bool]:
-        """The version that produced an answer (see :mod:`.vllm_dialect`) and whether it is
-        exact."""
+    ) -> VersionSteps[tuple[str | None, bool]]:
+        """Steps: the version that produced an answer (see :mod:`.vllm_dialect`; read again,
+        yield, only when the ledger moved) and whether it is exact."""
         if read_version_holds(before, self._ledger.mark()):
             return version, True
-        after = self.weight_version()
+        after = yield
         if after == version:
             return version, True
         return (version if finish_reason == "abort" else after), False
@@ -291,54 +306,29 @@ class VLLMClient(HttpEngineClient):
         it, :mod:`.vllm_dialect`), and ``meta_info`` says ``weight_version_source:
         "weight_info"`` and ``weight_version_exact``; on 0.26 it is this client's label
         (``weight_version_source: "client"``)."""
-        path = "/v1/completions"
+        path = COMPLETIONS_PATH
         dialect = self.server_dialect()
-        body = self._completion_body(input_ids, text, sampling_params, dialect)
+        body = self.completion_body(input_ids, text, sampling_params, dialect)
         before: Mark | None = None
         read: str | None = None
         if not dialect.completion_weight_versions:
-            before, read = self._version_before(path, dialect)
-        answer = self._post(path, body, timeout=timeout)
-        choices = answer.get("choices") if isinstance(answer, Mapping) else None
-        if not choices or not isinstance(choices[0], Mapping):
-            raise EngineOperationFailed(self.url, path, 200, f"no choices in answer: {answer!r}")
-        choice = choices[0]
-        meta: dict[str, Any] = {k: v for k, v in answer.items() if k != "choices"}
-        reason = choice.get("finish_reason")
-        finish = None if reason is None else str(reason)
-        spans = choice.get("weight_versions")
-        version = None
-        if isinstance(choice.get("logprobs"), Mapping):  # asked for with "logprobs": k
-            meta["logprobs"] = choice["logprobs"]  # {tokens, token_logprobs, top_logprobs, ...}
-        if isinstance(spans, list) and spans and isinstance(spans[-1], Mapping):
-            version = spans[-1].get("version")
-            meta["weight_versions"] = spans
-        elif before is not None:
-            version, exact = self._version_after(before, read, finish)
-            meta["weight_version_source"] = _version_source(dialect)
-            meta["weight_version_exact"] = exact
-        lp = choice.get("logprobs")
-        token_lps = lp.get("token_logprobs") if isinstance(lp, Mapping) else None
-        return GenerateResult(
-            text=str(choice.get("text", "")),
-            output_ids=[int(t) for t in choice.get("token_ids") or []],
-            weight_version=None if version is None else str(version),
-            finish_reason=finish,
-            meta_info=meta,
-            output_logprobs=(
-                None
-                if not isinstance(token_lps, Sequence)
-                else tuple(None if v is None else float(v) for v in token_lps)
-            ),
-        )
+            before, read = run_steps(self.version_before(path, dialect), self.weight_version)
+        result = completion_result(self.url, self._post(path, body, timeout=timeout))
+        if before is not None and "weight_versions" not in result.meta_info:
+            steps = self.version_after(before, read, result.finish_reason)
+            version, exact = run_steps(steps, self.weight_version)
+            result = with_read_version(result, version, exact, dialect)
+        return result
 
-    def _completion_body(
+    def completion_body(
         self,
         input_ids: Sequence[int] | None,
         text: str | None,
         sampling_params: Mapping[str, Any] | None,
         dialect: VLLMDialect,
     ) -> dict[str, Any]:
+        """The ``/v1/completions`` body of one prompt for a server speaking ``dialect``
+        (sampling translated, token ids asked for, this client's ``model``)."""
         if (input_ids is None) == (text is None):
             raise InvalidArgument("input_ids", "generate needs exactly one of input_ids or text")
         body: dict[str, Any] = to_vllm_sampling(sampling_params)
@@ -365,33 +355,30 @@ class VLLMClient(HttpEngineClient):
         event carries its token ids); yield each event's new tokens. ``timeout`` bounds each
         wait for an event. On vLLM 0.32 the last event's version comes from ``/weight_info``
         as in :meth:`generate` (a span over the whole output when exact)."""
-        path = "/v1/completions"
+        path = COMPLETIONS_PATH
         dialect = self.server_dialect()
-        body = self._completion_body(input_ids, text, sampling_params, dialect)
+        body = self.completion_body(input_ids, text, sampling_params, dialect)
         body["stream"] = True
         if dialect.completion_weight_versions:
             return stream_deltas(self._http, path, body, timeout, "vllm")
-        before, read = self._version_before(path, dialect)
-        return self._stream_with_version(body, timeout, before, read)
+        before, read = run_steps(self.version_before(path, dialect), self.weight_version)
+        return self._stream_with_version(body, timeout, before, read, dialect)
 
     def _stream_with_version(
-        self, body: dict[str, Any], timeout: float | None, before: Mark, read: str | None
+        self,
+        body: dict[str, Any],
+        timeout: float | None,
+        before: Mark,
+        read: str | None,
+        dialect: VLLMDialect,
     ) -> Iterator[StreamDelta]:
-        dialect = self.server_dialect()
         produced = 0
-        for delta in stream_deltas(self._http, "/v1/completions", body, timeout, "vllm"):
+        for delta in stream_deltas(self._http, COMPLETIONS_PATH, body, timeout, "vllm"):
             produced += len(delta.token_ids)
             if delta.finished and delta.weight_version is None:
-                version, exact = self._version_after(before, read, delta.finish_reason)
-                spans = (WeightSpan(str(version), 0, produced),) if exact and produced else ()
-                meta = {**delta.meta, "weight_version_source": _version_source(dialect)}
-                meta["weight_version_exact"] = exact
-                delta = replace(
-                    delta,
-                    weight_version=None if version is None else str(version),
-                    spans=spans,
-                    meta=meta,
-                )
+                steps = self.version_after(before, read, delta.finish_reason)
+                version, exact = run_steps(steps, self.weight_version)
+                delta = with_read_version_delta(delta, produced, version, exact, dialect)
             yield delta
 
     def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
@@ -781,6 +768,66 @@ _WEIGHT_RPCS = frozenset({"reload_weights", "update_weights_from_ipc"})
 def _version_source(dialect: VLLMDialect) -> str:
     """Where a completion's version came from when the server does not report it."""
     return "weight_info" if dialect.weight_version_routes else "client"
+
+
+def completion_result(url: str, answer: Any) -> GenerateResult:
+    """The :class:`GenerateResult` of a ``/v1/completions`` answer's first choice; its
+    ``weight_version`` is the last ``weight_versions`` span's (0.33, when asked), else None
+    (:func:`with_read_version` adds the one read around the request)."""
+    choices = answer.get("choices") if isinstance(answer, Mapping) else None
+    if not choices or not isinstance(choices[0], Mapping):
+        raise EngineOperationFailed(url, COMPLETIONS_PATH, 200, f"no choices in answer: {answer!r}")
+    assert isinstance(answer, Mapping)
+    choice = choices[0]
+    meta: dict[str, Any] = {k: v for k, v in answer.items() if k != "choices"}
+    reason = choice.get("finish_reason")
+    spans = choice.get("weight_versions")
+    version = None
+    lp = choice.get("logprobs")
+    if isinstance(lp, Mapping):  # asked for with "logprobs": k
+        meta["logprobs"] = lp  # {tokens, token_logprobs, top_logprobs, ...}
+    if isinstance(spans, list) and spans and isinstance(spans[-1], Mapping):
+        version = spans[-1].get("version")
+        meta["weight_versions"] = spans
+    token_lps = lp.get("token_logprobs") if isinstance(lp, Mapping) else None
+    return GenerateResult(
+        text=str(choice.get("text", "")),
+        output_ids=[int(t) for t in choice.get("token_ids") or []],
+        weight_version=None if version is None else str(version),
+        finish_reason=None if reason is None else str(reason),
+        meta_info=meta,
+        output_logprobs=(
+            None
+            if not isinstance(token_lps, Sequence)
+            else tuple(None if v is None else float(v) for v in token_lps)
+        ),
+    )
+
+
+def with_read_version(
+    result: GenerateResult, version: str | None, exact: bool, dialect: VLLMDialect
+) -> GenerateResult:
+    """``result`` of a server that reports no version (0.32, 0.26), with the version read
+    around the request (``meta_info``: ``weight_version_source``, ``weight_version_exact``)."""
+    meta = {
+        **result.meta_info,
+        "weight_version_source": _version_source(dialect),
+        "weight_version_exact": exact,
+    }
+    return replace(result, weight_version=None if version is None else str(version), meta_info=meta)
+
+
+def with_read_version_delta(
+    delta: StreamDelta, produced: int, version: str | None, exact: bool, dialect: VLLMDialect
+) -> StreamDelta:
+    """The last ``delta`` of a stream of ``produced`` tokens from a server that reports no
+    version, with the version read around it (a span over the whole output when exact)."""
+    spans = (WeightSpan(str(version), 0, produced),) if exact and produced else ()
+    meta = {**delta.meta, "weight_version_source": _version_source(dialect)}
+    meta["weight_version_exact"] = exact
+    return replace(
+        delta, weight_version=None if version is None else str(version), spans=spans, meta=meta
+    )
 
 
 def _only_group(operation: str, group_name: str) -> None:

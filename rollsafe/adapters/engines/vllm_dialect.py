@@ -46,16 +46,23 @@ request ran before the pause (a paused engine answers a queued request only afte
 change without a pause, overlapped the request) the client reads the version again after the
 answer: equal versions mean no change happened; different ones cannot be split into spans as
 0.33 does, and the result is marked ``weight_version_exact=False``.
+
+Those reads are written once, as steps (:data:`VersionSteps`: generators that yield where they
+need the engine's version read and receive it), so the blocking client runs them with
+:func:`run_steps` and the asyncio companion with an awaited read, around the same
+:class:`PauseLedger`.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rollsafe.adapters.engines.contract import PINNED_VERSIONS, load_contract
 
-__all__ = ["PauseLedger", "VLLMDialect", "read_version_holds"]
+__all__ = ["PauseLedger", "VLLMDialect", "VersionSteps", "read_version_holds", "run_steps"]
 
 #: vLLM ``/pause`` modes in which 0.33 answers new requests with 503 (``keep`` queues them)
 REFUSING_MODES = frozenset({"abort", "wait"})
@@ -136,6 +143,24 @@ def read_version_holds(before: Mark, after: Mark) -> bool:
         and after.resumes == before.resumes
         and after.unpaused_changes == before.unpaused_changes
     )
+
+
+_T = TypeVar("_T")
+
+#: Steps that read the engine's weights version where they yield (the read's result is sent
+#: back in) and return their outcome.
+VersionSteps = Generator[None, "str | None", _T]
+
+
+def run_steps(steps: VersionSteps[_T], read: Callable[[], str | None]) -> _T:
+    """Run ``steps`` to the end, answering each of its yields with ``read()``."""
+    try:
+        next(steps)
+        while True:
+            steps.send(read())
+    except StopIteration as stop:
+        result: _T = stop.value
+        return result
 
 
 class PauseLedger:

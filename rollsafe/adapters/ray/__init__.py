@@ -15,6 +15,9 @@ module                                      owns
                                             ``ray.nodes()`` call per round for a fleet
 :mod:`~rollsafe.adapters.ray.exports`       the shared-exports check: a probe file under
                                             ``export_root`` read back on every node
+:mod:`~rollsafe.adapters.ray.session`       a local Ray this process started: SIGTERM kept
+                                            in Python, ``stop_local_ray`` (every process of
+                                            the session ended, by pid, before its files go)
 ==========================================  ==================================================
 
 Nothing here imports Ray until it is used (``init_ray()``, ``EngineActor``, a placement or a
@@ -35,6 +38,7 @@ from rollsafe.adapters.ray.exports import (
 from rollsafe.adapters.ray.group import RayEngineGroup, ray_engine_factory
 from rollsafe.adapters.ray.nodes import NodeEvent, NodeInfo, NodeWatcher
 from rollsafe.adapters.ray.placement import GroupPlacer, Placement, PlacementUnavailable
+from rollsafe.adapters.ray.session import RayStopReport, sigterm_back_to_python, stop_local_ray
 
 # EngineActor is provided lazily by the module-level __getattr__ below.
 __all__ = [
@@ -47,6 +51,7 @@ __all__ = [
     "Placement",
     "PlacementUnavailable",
     "RayEngineGroup",
+    "RayStopReport",
     "SharedExportUnreadable",
     "SharedExportsCheck",
     "check_shared_exports",
@@ -54,6 +59,8 @@ __all__ = [
     "engine_actor",
     "init_ray",
     "ray_engine_factory",
+    "sigterm_back_to_python",
+    "stop_local_ray",
 ]
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from rollsafe.adapters.engines.launch.spec import EngineSpec
 from rollsafe.adapters.engines.launcher import EngineLauncher
+from rollsafe.adapters.ray.session import sigterm_back_to_python
 from rollsafe.ports import GenerateResult, WeightsChecksum
 
 # EngineActor is provided lazily by the module-level __getattr__ below.
@@ -39,6 +40,9 @@ def init_ray(**kwargs: Any) -> bool:
     With ``RAY_ADDRESS`` set (or an ``address=`` argument) it connects to that cluster; otherwise
     it starts a new local Ray without the dashboard (never silently joining a cluster that
     ``ray start`` left running on this machine). Other keyword arguments go to ``ray.init``.
+    Afterwards SIGTERM reaches the Python handler ``ray.init`` set, not Ray's C++ failure
+    handler in front of it (whose alarm aborts the process 3 s after a SIGTERM, whatever its
+    cleanup is doing: :func:`~rollsafe.adapters.ray.session.sigterm_back_to_python`).
     Returns True if this call initialized Ray.
     """
     import ray
@@ -53,6 +57,7 @@ def init_ray(**kwargs: Any) -> bool:
         # (a bare ray.init() would join that one)
         kwargs.setdefault("include_dashboard", False)
         ray.init(address="local", **kwargs)
+    sigterm_back_to_python()
     return True
 
 

@@ -11,7 +11,9 @@ has not registered by then and fails the lease that waited for it: on a loaded o
 cluster, where starting the demo's trainer actor has taken 52 s, that turns a slow actor
 start into a lost one), and sets
 ``RAY_ADDRESS`` for whoever calls ``ray.init`` next. Leaving the context disconnects the
-driver, shuts down exactly the nodes it started and restores the environment; with
+driver, shuts down exactly the nodes it started, waits for every process of the cluster (its
+raylets' workers and agents too) to be gone (:func:`~rollsafe.adapters.ray.session.stop_local_ray`)
+and restores the environment; with
 ``ROLLSAFE_KEEP_RAY_LOGS=DIR`` set, the cluster's Ray logs (GCS, raylets, workers) are copied
 to ``DIR/<the private directory's name>`` first, for a post-mortem.
 """
@@ -24,6 +26,8 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+from rollsafe.adapters.ray.session import stop_local_ray
 
 __all__ = ["HEALTH_PERIOD", "KEEP_LOGS", "REGISTER_TIMEOUT", "local_cluster"]
 
@@ -69,10 +73,16 @@ def local_cluster(
         os.environ["RAY_ADDRESS"] = str(cluster.address)
         yield cluster
     finally:
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        with contextlib.suppress(Exception):
-            cluster.shutdown()  # type: ignore[no-untyped-call]
+
+        def shutdown() -> None:
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            with contextlib.suppress(Exception):
+                cluster.shutdown()  # type: ignore[no-untyped-call]
+
+        stopped = stop_local_ray(shutdown, tmp)
+        if stopped.left:
+            print(f"note: the local Ray cluster under {tmp} left {stopped.describe_left()}")
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

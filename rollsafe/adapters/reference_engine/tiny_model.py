@@ -2,8 +2,10 @@
 
 Owns :func:`make_tiny_model`: a few-MB random ``LlamaForCausalLM`` written with
 ``save_pretrained`` (``config.json`` + safetensors) plus a byte-level BPE tokenizer trained with
-the ``tokenizers`` library on a fixed in-code corpus. Nothing is downloaded; the same seed gives
-byte-identical weights and tokenizer.
+the ``tokenizers`` library on a fixed in-code corpus, and :data:`CHAT_TEMPLATE`, the ChatML-style
+chat template written into its ``tokenizer_config.json`` (``chat_template``), so the rollout
+gateway's ``/v1/chat/completions`` and any engine's chat endpoint can render conversations.
+Nothing is downloaded; the same seed gives byte-identical weights and tokenizer.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_CORPUS", "make_tiny_model", "make_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "TINY_CORPUS", "make_tiny_model", "make_tokenizer"]
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 
@@ -27,6 +29,33 @@ TINY_CORPUS: tuple[str, ...] = (
     "Tensor parallel ranks all gather their logits before sampling the next token.",
     "State machines guard every transition so half recovered groups never get traffic.",
     "Checkpoints are written atomically: temp dir, fsync, rename, fsync parent.",
+)
+
+
+#: ChatML-style: ``<|im_start|>ROLE\nCONTENT<|im_end|>\n`` per message (plain text markers: the
+#: tiny vocabulary has no such special tokens), tools listed as JSON in the system turn, an
+#: assistant's tool calls as ``<tool_call>{json}</tool_call>`` lines, tool results in ``tool``
+#: turns, and ``<|im_start|>assistant\n`` when ``add_generation_prompt``. (transformers renders
+#: with ``trim_blocks``: a newline right after a block tag is written ``{{ '\n' }}``.)
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if not (loop.first and tools and message.role == 'system') %}"
+    "<|im_start|>{{ message.role }}\n"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{% if message.role == 'assistant' and message.tool_calls %}"
+    "{% for call in message.tool_calls %}"
+    "{% if message.content or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
@@ -113,6 +142,8 @@ def make_tiny_model(
         pad_token="<pad>",
         unk_token="<unk>",
     )
-    fast.save_pretrained(out)
+    fast.chat_template = CHAT_TEMPLATE
+    # into tokenizer_config.json (transformers 5 would write chat_template.jinja beside it)
+    fast.save_pretrained(out, save_jinja_files=False)
     (out / "rollsafe-tiny.json").write_text(json.dumps({"seed": seed, "generator": "rollsafe"}))
     return out

@@ -1,0 +1,200 @@
+"""The asyncio data plane: thousands of requests on one event loop, no thread per request;
+the blocking call is the async path run on the plane's loop; waits hold no thread.
+
+Engines here are the gateway benchmark's stub (benchmarks/gateway/stub_engine.py: a real
+HTTP/1.1 server speaking SGLang's ``/generate``, fixed tokens, no model), reached through the
+real :class:`~rollsafe.adapters.engines.SGLangClient` and its async companion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import Any
+
+import pytest
+from stub_helpers import STUB_TOKEN, Stub, raise_nofile, stub_router, stubs  # noqa: F401
+
+from rollsafe.fleet.dataplane import DataPlane
+from rollsafe.fleet.router import NoRoutableGroup
+
+
+@pytest.mark.parametrize("stubs", [500.0], indirect=True)
+def test_ten_thousand_requests_in_flight_on_one_loop(stubs: list[Stub]) -> None:  # noqa: F811
+    """10,000 streamed requests at once on one event loop (each stays open for seconds: the
+    stub waits 500 ms per token): every one served whole, no thread per request."""
+    raise_nofile()
+    n, tokens = 10_000, 8
+    router = stub_router(stubs, request_timeout_s=120.0)
+    plane = DataPlane(router)
+    threads_before = threading.active_count()
+    peak = {"outstanding": 0, "threads": 0}
+
+    async def main() -> list[Any]:
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            while not done.is_set():
+                now = sum(g.outstanding for g in router.registry.groups())
+                peak["outstanding"] = max(peak["outstanding"], now)
+                peak["threads"] = max(peak["threads"], threading.active_count())
+                await asyncio.sleep(0.02)
+
+        watcher = asyncio.create_task(watch())
+        params = {"max_new_tokens": tokens}
+        results = await asyncio.gather(
+            *(plane.agenerate([1, 2, i % 500], sampling_params=params) for i in range(n))
+        )
+        done.set()
+        await watcher
+        await plane.aclose_loop()
+        return results
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        plane.close()
+        router.close()
+    assert len(results) == n
+    assert all(r.output_ids == [STUB_TOKEN] * tokens for r in results)
+    assert {r.group_id for r in results} == {"g0", "g1"}
+    assert peak["outstanding"] == n  # all of them in flight at once
+    assert peak["threads"] <= threads_before + 2  # no thread per request
+    served = sum(s.stats()["streams_finished"] for s in stubs)
+    assert served == n
+
+
+def test_blocking_generate_runs_the_async_path_on_one_loop_thread(stubs: list[Stub]) -> None:  # noqa: F811
+    router = stub_router(stubs)
+    plane = DataPlane(router)
+    try:
+        one = plane.generate([1, 2, 3], sampling_params={"max_new_tokens": 4})
+        outs: list[Any] = []
+        before = threading.active_count()
+        workers = [
+            threading.Thread(
+                target=lambda: outs.append(
+                    plane.generate([1, 2, 3], sampling_params={"max_new_tokens": 4})
+                )
+            )
+            for _ in range(8)
+        ]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(60)
+        assert threading.active_count() <= before  # the callers' threads only; they ended
+        assert plane.loop_thread.started
+    finally:
+        plane.close()
+        router.close()
+    assert one.output_ids == [STUB_TOKEN] * 4 and one.segments and one.segments[0].tokens == 4
+    assert len(outs) == 8 and all(o.output_ids == one.output_ids for o in outs)
+    assert sum(g.outstanding for g in router.registry.groups()) == 0
+
+
+@pytest.mark.parametrize("stubs", [200.0], indirect=True)
+def test_a_cancelled_stream_ends_its_admission_and_its_engine_request(
+    stubs: list[Stub],  # noqa: F811
+) -> None:
+    router = stub_router(stubs)
+    plane = DataPlane(router)
+
+    async def main() -> tuple[int, int]:
+        got = asyncio.Event()
+
+        async def consume() -> None:
+            async for chunk in plane.astream([1, 2, 3], sampling_params={"max_new_tokens": 50}):
+                if chunk.token_ids:
+                    got.set()
+
+        task = asyncio.create_task(consume())
+        await got.wait()
+        during = sum(g.outstanding for g in router.registry.groups())
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        after = sum(g.outstanding for g in router.registry.groups())
+        await plane.aclose_loop()
+        return during, after
+
+    try:
+        during, after = asyncio.run(main())
+    finally:
+        plane.close()
+        router.close()
+    assert (during, after) == (1, 0)
+    for _ in range(100):  # the stub notices the closed connection at its next token
+        if sum(s.stats()["streams_cut"] for s in stubs) == 1:
+            break
+        threading.Event().wait(0.05)
+    assert sum(s.stats()["streams_cut"] for s in stubs) == 1
+    assert sum(s.stats()["streams_finished"] for s in stubs) == 0
+
+
+def test_requests_wait_while_a_sync_holds_them(stubs: list[Stub]) -> None:  # noqa: F811
+    """While a sync holds requests (abort mode) nothing is dispatched; released, they go."""
+    router = stub_router(stubs)
+    plane = DataPlane(router)
+
+    async def main() -> tuple[int, list[Any]]:
+        router.hold()
+        tasks = [
+            asyncio.create_task(plane.agenerate([1, 2], sampling_params={"max_new_tokens": 2}))
+            for _ in range(4)
+        ]
+        await asyncio.sleep(0.5)
+        dispatched = sum(s.stats()["generate"] for s in stubs)
+        router.release()
+        results = await asyncio.gather(*tasks)
+        await plane.aclose_loop()
+        return dispatched, results
+
+    try:
+        dispatched, results = asyncio.run(main())
+    finally:
+        plane.close()
+        router.close()
+    assert dispatched == 0
+    assert [r.output_ids for r in results] == [[STUB_TOKEN] * 2] * 4
+
+
+def test_a_request_waits_for_a_group_to_become_active_then_gives_up_named(
+    stubs: list[Stub],  # noqa: F811
+) -> None:
+    router = stub_router(stubs)
+    reg = router.registry
+    for gid in ("g0", "g1"):
+        reg.send(gid, "fail")
+    plane = DataPlane(router)
+
+    async def main() -> tuple[Any, BaseException | None]:
+        waiting = asyncio.create_task(
+            plane.agenerate([1], sampling_params={"max_new_tokens": 2}, wait_for_routable_s=30.0)
+        )
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        reg.send("g1", "claim")  # a recovery takes g1 and restarts it
+        reg.report_member("g1", 1, healthy=True, weights_version=reg.fleet_version)
+        reg.send("g1", "restarted")
+        served = await waiting
+        reg.send("g1", "fail")
+        try:
+            await plane.agenerate(
+                [1], sampling_params={"max_new_tokens": 2}, wait_for_routable_s=0.2
+            )
+        except NoRoutableGroup as exc:
+            return served, exc
+        finally:
+            await plane.aclose_loop()
+        return served, None
+
+    try:
+        served, refused = asyncio.run(main())
+    finally:
+        plane.close()
+        router.close()
+    assert served.group_id == "g1" and served.output_ids == [STUB_TOKEN] * 2
+    assert isinstance(refused, NoRoutableGroup)
+    assert refused.states == {"g0": "inactive", "g1": "inactive"}
