@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from trace_support import assert_run_replays
 
 from rollsafe.observe.runfile import load_run
 from rollsafe.verify.replay import replay_run
@@ -322,7 +323,8 @@ def test_demo_reference_defaults_unchanged() -> None:
 def test_demo_on_real_vllm_recovers_and_verifies(tmp_path: Path, vllm_python: str) -> None:
     """`rollsafe demo --engine vllm`: two real vLLM groups, two steps synced over nccl/gloo,
     g1's server SIGKILLed mid-rollout of step 2; exit 0, g1 active again at v2, every step
-    verified by the layout-aware digests and the probe (the recovered group answers like g0)."""
+    verified by the layout-aware digests and the probe (the recovered group answers like g0);
+    the recorded run replays through the verifier's model (``rollsafe verify --trace``)."""
     out = tmp_path / "report"
     result = subprocess.run(
         _demo_cmd(
@@ -378,4 +380,5 @@ def test_demo_on_real_vllm_recovers_and_verifies(tmp_path: Path, vllm_python: st
     assert probe["final"]["g1"].startswith("alike"), probe
     assert set(probe["per_step"]) == {"1", "2"} or set(probe["per_step"]) == {1, 2}
     assert all(s["sync"]["ok"] for s in summary["steps"])
+    assert_run_replays(out)  # the report's timeline: a run of the verifier's model (#36)
     assert all(set(c) <= {"active"} for c in summary["dispatch_counts"].values())
