@@ -22,6 +22,7 @@ import httpx
 import pytest
 from chaos_support import WAIT_S, RequestLoop, wait_for
 from engine_helpers import tiny_model_dir, tiny_model_dir_b  # noqa: F401  (fixtures)
+from trace_support import assert_run_replays
 from transport_helpers import Trainer
 
 from rollsafe import invariants
@@ -105,15 +106,18 @@ def sync(fleet: RolloutFleet, trainer: Trainer, version: int) -> Any:
     return report
 
 
-def assert_sound(fleet: RolloutFleet) -> None:
-    """Every invariant the live fleet can judge holds (the spare ones among them), and only
-    ``active`` groups ever took a request."""
+def assert_sound(fleet: RolloutFleet, run_dir: Path | None = None) -> None:
+    """Every invariant the live fleet can judge holds (the spare ones among them), only
+    ``active`` groups ever took a request, and (``run_dir``) the recorded run replays through
+    the verifier's model (``rollsafe verify --trace``: promotions, enlistments and all)."""
     assert fleet.wait_recoveries(WAIT_S)
     assert fleet.spares is not None and fleet.spares.wait_idle(WAIT_S)
     broken = invariants.check_all(fleet.picture())
     assert not broken, broken
     for gid, counts in fleet.registry.dispatch_counts().items():
         assert set(counts) <= {"active"}, (gid, counts)
+    if run_dir is not None:
+        assert_run_replays(fleet.record(run_dir, svg=False))
 
 
 def test_spare_groups_are_checked_at_construction(
@@ -221,7 +225,7 @@ def test_a_spare_takes_over_a_killed_group_mid_request_and_the_pool_refills(
         ("s0", "g0"),
         ("g0", "s0"),
     ]
-    assert_sound(fleet)
+    assert_sound(fleet, tmp_path / "run")
 
 
 def test_a_spare_behind_the_version_is_never_promoted_and_a_failed_spare_stays_one(
@@ -275,4 +279,4 @@ def test_a_spare_behind_the_version_is_never_promoted_and_a_failed_spare_stays_o
     assert ("promote", "active") not in transitions(fleet, "s0")
     assert "active" not in {target for _, target in transitions(fleet, "s0")}
     assert registry.get("s0").dispatch_counts() == {}
-    assert_sound(fleet)
+    assert_sound(fleet, tmp_path / "run")
