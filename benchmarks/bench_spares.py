@@ -23,10 +23,13 @@ its descendants) -- a spare's is the memory a spare costs.
 
 Checks (exit 1 when one fails): with a spare every kill was covered by a promotion at the
 current version and the pool refilled; without one every kill ended ``active`` at the current
-version; capacity back with a spare <= ``--target-s`` (2 s) at p95; no rollout request failed;
-no request was dispatched to a group that was not ``active``; the reference engine's own count
-says the spare generated no token before its promotion; the fleets' invariants hold at the
-end. Writes ``benchmarks/results/spares_cpu.json`` (``--out``) after each fleet.
+version; capacity back with a spare <= ``--target-s`` (2 s) at p95; with a spare no rollout
+request failed (without one, the requests of the outage fail after ``wait_for_routable_s``, and
+the cut one with them: counted in ``rollout.failed``, the cost of the restart path with one
+serving group); no request was dispatched to a group that was not ``active``; the reference
+engine's own count says the spare generated no token before its promotion; the fleets'
+invariants hold at the end. Writes ``benchmarks/results/spares_cpu.json`` (``--out``) after
+each fleet.
 
     .venv/bin/python benchmarks/bench_spares.py [--engines reference,vllm] [--events 10] \\
         [--syncs 5] [--vllm-budget-s 300] [--vllm-python .venv-vllm/bin/python]
@@ -60,6 +63,11 @@ START_S = 600.0
 #: the real-vLLM fleet test's health settings
 HEALTH: dict[str, Any] = {"interval_s": 0.5, "timeout_s": 5.0, "failure_threshold": 2}
 TARGET_S = 2.0
+#: how long a request waits for a routable group (both fleets): with a spare the promotion
+#: comes well within it; without, the one serving group is out for its whole restart, so
+#: requests made meanwhile fail after it, and the cut request too (a cut request is never
+#: continued on the group it failed on: ``rollsafe.fleet.continuation``)
+WAIT_FOR_ROUTABLE_S = 10.0
 
 
 def pct(values: Sequence[float], q: float) -> float | None:
@@ -204,7 +212,7 @@ def checks(engine: str, result: dict[str, Any], target_s: float) -> list[str]:
             if set(per_state) - {"active"}:
                 out.append(f"{where}: requests dispatched to {gid} while {sorted(per_state)}")
         failed = r.get("rollout", {}).get("failed", 0)
-        if failed:
+        if failed and mode == "spare":  # without a spare, the outage's requests may fail
             out.append(f"{where}: {failed} rollout requests failed ({r['rollout']['errors'][:3]})")
         if r.get("violations"):
             out.append(f"{where}: invariants broken at the end: {r['violations'][:3]}")
@@ -466,7 +474,7 @@ def run_fleet(
         enable_immediate_recovery=True,
         start_timeout_s=START_S,
         request_timeout_s=120.0,
-        wait_for_routable_s=START_S,
+        wait_for_routable_s=WAIT_FOR_ROUTABLE_S,
     )
     trainer = Trainer(model_dir)
     t0 = time.monotonic()

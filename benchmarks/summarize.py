@@ -726,6 +726,71 @@ def _node_loss(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _spares(d: dict[str, Any]) -> list[Row]:
+    def pp(x: dict[str, Any]) -> str:
+        if not x["n"]:
+            return "not measured"
+        return f"{x['p50']:.3f} / {x['p95']:.3f} s (n={x['n']})"
+
+    host = d["host"]
+    tag = f"{host['cpus']} cpus, 1-min load {host['loadavg_1m_at_start']:.2f} at the start"
+    target = d["config"]["target_s"]
+    failures = d["checks"]["failures"]
+    rows: list[Row] = []
+    for engine, r in d["engines"].items():
+        name = "real vLLM" if engine == "vllm" else "reference engine"
+        spare, restart = r.get("spare"), r.get("restart")
+        if spare is not None:
+            cap = spare["summary"]["capacity_back"]
+            ok = cap["p95"] is not None and cap["p95"] <= target
+            rows.append(
+                (
+                    f"SIGKILL -> capacity back with a spare, {name}, p50 / p95 ({tag})",
+                    pp(cap)
+                    + f"; detection {pp(spare['summary']['detection'])}, switch "
+                    + pp(spare["summary"]["switch"])
+                    + f"; refill {pp(spare['summary'].get('refill', {'n': 0}))}",
+                    f"<= {target:g} s p95",
+                    _verdict(ok),
+                )
+            )
+        if restart is not None:
+            rows.append(
+                (
+                    f"SIGKILL -> capacity back without a spare (restart path), {name}, p50 / p95",
+                    pp(restart["summary"]["capacity_back"])
+                    + f"; {restart['rollout']['failed']} requests failed in the outages",
+                    "-",
+                    "-",
+                )
+            )
+        cost = r.get("costs", {})
+        if cost:
+            mem = cost.get("memory_per_spare_mb", {})
+            rows.append(
+                (
+                    f"cost of a spare, {name}: memory (RSS / PSS of its process tree), sync "
+                    "time added (p50 with minus without)",
+                    f"{mem.get('rss', '?')} / {mem.get('pss', '?')} MB; "
+                    f"+{cost.get('sync_added_per_spare_s', '?')} s per sync",
+                    "-",
+                    "-",
+                )
+            )
+    mine = [f for f in failures if "capacity back with a spare" not in f]
+    rows.append(
+        (
+            "spares bench checks: every kill covered by a promotion at the current version and "
+            "refilled (or restarted active at it), no failed request with a spare, no dispatch to "
+            "a group not active, no token on a spare before its promotion, invariants",
+            "all held" if not mine else f"{len(mine)} failed",
+            "all",
+            _verdict(not mine),
+        )
+    )
+    return rows
+
+
 def _delta(d: dict[str, Any]) -> list[Row]:
     where = "H200, " + d["model"] if d["device"].startswith("cuda") else "CPU, " + d["model"]
     link = f"{d['transport']}" + (f" ({d['backend']})" if d.get("backend") else "")
@@ -1019,6 +1084,8 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "recovery_cpu.json": _recovery,
     "real_vllm_cpu.json": _real_vllm,
     "node_loss_cpu.json": _node_loss,
+    "spares_cpu.json": _spares,
+    "spares_real_vllm_cpu.json": _spares,
     "delta_cpu_train.json": _delta,
     "gpu/delta_h200.json": _delta,
     "continuation_cpu.json": _continuation,
@@ -1083,7 +1150,8 @@ def render(results: Path = RESULTS) -> str:
         "`python benchmarks/bench_hf_export.py`, `python benchmarks/bench_transports_cpu.py`,",
         "`python benchmarks/bench_control_plane.py`,",
         "`python benchmarks/bench_recovery.py`, `python benchmarks/bench_real_vllm.py`,",
-        "`python benchmarks/bench_node_loss.py`, `python benchmarks/bench_delta.py --train`,",
+        "`python benchmarks/bench_node_loss.py`, `python benchmarks/bench_spares.py`,",
+        "`python benchmarks/bench_delta.py --train`,",
         "`python benchmarks/bench_gateway.py` (runs `make routers`),",
         "`python benchmarks/bench_router_sync.py` (runs `make routers`);",
         "GPU: `benchmarks/gpu/README.md`.",

@@ -116,7 +116,9 @@ def test_every_check_can_fail(bench: ModuleType) -> None:
     events[0].update(promoted=None, refill_s=None, spare_tokens_before=3, capacity_version=4)
     bad["restart"]["events"][0]["back"] = "g1"
     bad["restart"]["dispatch_counts"] = {"g0": {"active": 3, "recovering": 1}}
-    bad["restart"]["rollout"] = {"failed": 2, "errors": ["EngineUnavailable: x"]}
+    bad["spare"]["rollout"] = {"failed": 2, "errors": ["EngineUnavailable: x"]}
+    # without a spare the outage's requests may fail: counted, not a failed check
+    bad["restart"]["rollout"] = {"failed": 5, "errors": ["NoRoutableGroup: x"]}
     bad["restart"]["violations"] = ["spares_never_routed: s0 is a spare and active"]
     failures = bench.checks("vllm", bad, 2.0)
     for want in (
@@ -126,7 +128,7 @@ def test_every_check_can_fail(bench: ModuleType) -> None:
         "vllm/spare kill #1: the spare generated 3 token(s) before its promotion",
         "vllm/restart kill #1: capacity came back on g1",
         "vllm/restart: requests dispatched to g0 while ['active', 'recovering']",
-        "vllm/restart: 2 rollout requests failed (['EngineUnavailable: x'])",
+        "vllm/spare: 2 rollout requests failed (['EngineUnavailable: x'])",
         "vllm/restart: invariants broken at the end: "
         "['spares_never_routed: s0 is a spare and active']",
         "vllm: capacity back with a spare p95 2.425s > 2.0s",

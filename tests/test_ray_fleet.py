@@ -461,3 +461,82 @@ def test_groups_added_and_removed_during_rollouts_on_the_cluster(
         for node in nodes:
             with contextlib.suppress(Exception):
                 cluster.remove_node(node, allow_graceful=False)
+
+
+def test_a_spare_kept_off_the_serving_node_takes_over_its_node_loss_and_a_lost_spare_returns(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """``spare_groups=1`` over three nodes of its own (#37): the placer keeps the spare off the
+    serving group's node; the spare's node dies: it is placed again on the node without the
+    serving group and comes back ``standby``, nothing promoted; the serving group's node dies:
+    the spare is promoted at once (the requests go on, none fails), and the lost group is
+    placed again and comes back as the spare."""
+    from chaos_support import RequestLoop
+
+    from rollsafe import invariants
+
+    added = [cluster.add_node(num_cpus=1, resources={"spare_slot": 2}) for _ in range(3)]
+    cluster.wait_for_nodes(timeout=120)
+    mine = {n.node_id for n in added}
+    cfg = dataclasses.replace(
+        ray_config(tiny_model_dir, tmp_path, [GroupSpec(1)]),
+        spare_groups=1,
+        ray=RaySettings(resources_per_rank={"spare_slot": 1.0}, placement_timeout_s=30.0),
+        wait_for_routable_s=120.0,
+        request_timeout_s=10.0,
+    )
+    try:
+        with RolloutFleet(cfg) as fleet:
+            registry = fleet.registry
+            groups = handles(fleet)
+            where = {gid: g.node_id for gid, g in groups.items()}
+            assert set(where.values()) <= mine and where["g0"] != where["s0"], where
+            assert registry.get("s0").state == "standby"
+            weights = trained_weights(tiny_model_dir, 0.02)
+            assert fleet.sync_weights(weights, 1).ok
+            want = weights_checksum(weights)["model"]
+            assert fleet.exporter is not None
+            fleet.exporter.wait_hf_export(1, timeout=120)
+
+            # the spare's node dies: it is placed again, away from the serving group
+            doomed = next(n for n in added if n.node_id == where["s0"])
+            cluster.remove_node(doomed, allow_graceful=False)
+            assert wait_for(
+                lambda: (
+                    ("unplaced" in [t.target for t in registry.get("s0").recent_transitions()])
+                    and registry.get("s0").state == "standby"
+                ),
+                240,
+            ), fleet.snapshot()["recoveries"]
+            third = (mine - {where["g0"], where["s0"]}).pop()
+            assert groups["s0"].node_id == third  # not the serving group's node
+            assert registry.get("g0").state == "active"
+            assert fleet.spares is not None and fleet.spares.promotions() == []
+
+            # the serving group's node dies: the spare takes over, the lost group refills
+            with RequestLoop(fleet) as loop:
+                assert wait_for(lambda: loop.served_total() >= 5, 60)
+                doomed = next(n for n in added if n.node_id == where["g0"])
+                cluster.remove_node(doomed, allow_graceful=False)
+                assert wait_for(lambda: registry.get("s0").state == "active", 120)
+                served = loop.served_total()
+                assert wait_for(lambda: loop.served_total() > served + 3, 120)
+                assert wait_for(lambda: registry.get("g0").state == "standby", 240), (
+                    fleet.snapshot()["recoveries"]
+                )
+            assert loop.errors == [], loop.errors[:3]
+            assert set(loop.served) == {"g0", "s0"}
+            assert [(p.spare, p.covered) for p in fleet.spares.promotions()] == [("s0", "g0")]
+            assert registry.get("g0").machine.spare and not registry.get("s0").machine.spare
+            assert groups["g0"].node_id == third and groups["g0"].replacements == 1
+            assert fleet.checksums() == {"g0": want, "s0": want}
+            assert fleet.wait_recoveries(120) and fleet.spares.wait_idle(60)
+            assert not invariants.check_all(fleet.picture())
+            for counts in registry.dispatch_counts().values():
+                assert set(counts) <= {"active"}
+    finally:
+        for node in added:
+            with contextlib.suppress(Exception):
+                cluster.remove_node(node, allow_graceful=False)

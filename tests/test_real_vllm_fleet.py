@@ -340,3 +340,100 @@ def test_real_vllm_fleet_syncs_over_disk(
         )
         _no_dispatch_to_inactive(fleet)
         assert_run_replays(fleet.record(tmp_path / "run", svg=False))
+
+
+def _vllm_tokens(fleet: RolloutFleet, group_id: str) -> float:
+    """The real vLLM's own count of the tokens it generated (``/metrics``:
+    ``vllm:generation_tokens_total``, summed over its label sets)."""
+    import httpx
+
+    client = fleet.registry.get(group_id).client
+    assert client is not None
+    text = httpx.get(f"{client.url}/metrics", timeout=30.0).text
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    ]
+    assert values, "the real vLLM reports no vllm:generation_tokens_total"
+    return sum(values)
+
+
+def test_real_vllm_spare_takes_over_a_killed_group_and_the_pool_refills(
+    vllm_model: Path, tmp_path: Path, vllm_python: str
+) -> None:
+    """``FleetConfig(spare_groups=1)`` on real vLLM servers (#37): the spare is synced with the
+    serving group (digests and the behavioural probe agree), never reached by a request (the
+    engine's own token count), promoted when the serving group is SIGKILLed mid-stream (the cut
+    request continues on it token for token), and the killed group comes back as the spare."""
+    trainer = Trainer(vllm_model)
+    config = FleetConfig(
+        model_path=vllm_model,
+        export_root=tmp_path / "exports",
+        groups=[GroupSpec(1)],
+        spare_groups=1,
+        engine=EngineSpec(model_path=str(vllm_model), **_options(vllm_python)),
+        health=HealthSettings(interval_s=0.5, timeout_s=5.0, failure_threshold=2),
+        recovery=RecoverySettings(timeout_s=RECOVER_S, expected_recovery_s=1.0),
+        start_timeout_s=START_S,
+        request_timeout_s=120.0,
+        transport="nccl",
+        enable_immediate_recovery=True,
+        wait_for_routable_s=RECOVER_S,
+    )
+    with RolloutFleet(config) as fleet:
+        registry = fleet.registry
+        assert [(g.group_id, g.state) for g in registry.groups()] == [
+            ("g0", "active"),
+            ("s0", "standby"),
+        ]
+        weights = trainer.step()
+        report = fleet.sync_weights(weights, 1)
+        assert report.ok and report.updated == ["g0", "s0"], report.as_dict()
+        _check_synced(fleet, weights, None)  # the spare holds what the serving group holds
+        s0 = registry.get("s0").client
+        assert s0 is not None and s0.weight_version() == "1"
+        assert fleet.exporter is not None
+        fleet.exporter.wait_hf_export(1, timeout=120)
+
+        greedy = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+        probed = _vllm_tokens(fleet, "s0")  # the probe above asked the spare directly
+        uncut = fleet.generate([9, 8, 7, 6], sampling_params=greedy)
+        routed = [fleet.generate([1, 2, i], sampling_params={"max_new_tokens": 4}) for i in (3, 4)]
+        assert {o.group_id for o in (uncut, *routed)} == {"g0"}
+        # no routed request reached the spare: its own count did not move
+        assert _vllm_tokens(fleet, "s0") == probed
+        assert registry.get("s0").dispatch_counts() == {}
+
+        victim = fleet.launcher("g0").pid
+        killed = threading.Event()
+
+        def on_progress(group_id: str, tokens: int) -> None:
+            if group_id == "g0" and tokens >= 5 and not killed.is_set():
+                killed.set()
+                os.kill(victim, signal.SIGKILL)
+
+        fleet.router.on_progress = on_progress
+        out = fleet.generate([9, 8, 7, 6], sampling_params=greedy)
+        fleet.router.on_progress = None
+        assert killed.is_set()
+        assert out.output_ids == uncut.output_ids  # continued on the spare, token for token
+        assert [s.group_id for s in out.segments] == ["g0", "s0"], out.segments
+        assert registry.get("s0").state == "active" and not registry.get("s0").machine.spare
+        assert _vllm_tokens(fleet, "s0") > probed  # it serves now
+        assert fleet.spares is not None
+        (promotion,) = fleet.spares.promotions()
+        assert (promotion.spare, promotion.covered, promotion.reported) == ("s0", "g0", ("1",))
+
+        # the killed group's recovery refills the pool: a fresh vLLM on the export, standby
+        deadline = time.monotonic() + RECOVER_S
+        while registry.get("g0").state != "standby" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert registry.get("g0").state == "standby" and registry.get("g0").machine.spare
+        weights = trainer.step()
+        report = fleet.sync_weights(weights, 2)
+        assert report.ok and sorted(report.updated) == ["g0", "s0"], report.as_dict()
+        _check_synced(fleet, weights, None)
+        _no_dispatch_to_inactive(fleet)
+        assert fleet.wait_recoveries(RECOVER_S)
+        assert_run_replays(fleet.record(tmp_path / "run", svg=False))
