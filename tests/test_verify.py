@@ -117,145 +117,27 @@ def test_typed_event_constants_match_the_machines() -> None:
         assert {e.value for e in enum} == set(event_names(cls))
 
 
-def _statemachine_private_names() -> frozenset[str]:
-    """python-statemachine's private names on a machine and on its engine (instance and class
-    attributes, read off the installed release): what rollsafe must not reach into."""
-    from statemachine import State, StateMachine
-
-    class Probe(StateMachine):
-        idle = State(initial=True)
-        done = State(final=True)
-        finish = idle.to(done)
-
-    probe = Probe()
-    names: set[str] = set()
-    for part in (probe, vars(probe)["_engine"]):
-        names.update(vars(part))
-        for cls in type(part).__mro__:
-            if cls.__module__.startswith("statemachine"):
-                names.update(vars(cls))
-    return frozenset(n for n in names if n.startswith("_") and not n.startswith("__"))
-
-
-def _private_statemachine_uses(root: Path) -> list[str]:
-    """``path:line: .name`` for each attribute access (``x.name``, ``getattr(x, "name")``) of a
-    python-statemachine private name in the sources under ``root``, except a class's own
-    attribute read through ``self``/``cls`` (defined by the class or a base of it in ``root``,
-    the class not a machine: a machine's ``self._engine`` is the library's)."""
-    import ast
-
-    private = _statemachine_private_names()
-    trees = {p: ast.parse(p.read_text(encoding="utf-8")) for p in sorted(root.rglob("*.py"))}
-    bases: dict[str, set[str]] = {}
-    own: dict[str, set[str]] = {}
-    for tree in trees.values():
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.ClassDef):
-                continue
-            bases.setdefault(node.name, set()).update(
-                b.id if isinstance(b, ast.Name) else b.attr
-                for b in node.bases
-                if isinstance(b, (ast.Name, ast.Attribute))
-            )
-            names = own.setdefault(node.name, set())
-            for stmt in node.body:
-                if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    names.add(stmt.name)
-                elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-                    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                    names.update(t.id for t in targets if isinstance(t, ast.Name))
-            names.update(
-                sub.attr
-                for sub in ast.walk(node)
-                if isinstance(sub, ast.Attribute)
-                and isinstance(sub.ctx, ast.Store)
-                and isinstance(sub.value, ast.Name)
-                and sub.value.id in ("self", "cls")
-            )
-
-    def lineage(name: str) -> set[str]:
-        seen: set[str] = set()
-        todo = [name]
-        while todo:
-            if (cls := todo.pop()) not in seen:
-                seen.add(cls)
-                todo.extend(bases.get(cls, ()))
-        return seen
-
-    offenders: list[str] = []
-
-    class Visitor(ast.NodeVisitor):
-        def __init__(self, path: Path) -> None:
-            self.path = path
-            self.classes: list[str] = []
-
-        def visit_ClassDef(self, node: ast.ClassDef) -> None:
-            self.classes.append(node.name)
-            self.generic_visit(node)
-            self.classes.pop()
-
-        def check(self, node: ast.expr, receiver: ast.expr, name: str) -> None:
-            if name not in private:
-                return
-            if self.classes and isinstance(receiver, ast.Name) and receiver.id in ("self", "cls"):
-                line = lineage(self.classes[-1])
-                machine = bool(line & {"StateMachine", "StateChart"})
-                if not machine and any(name in own.get(c, ()) for c in line):
-                    return
-            offenders.append(f"{self.path.relative_to(root)}:{node.lineno}: .{name}")
-
-        def visit_Attribute(self, node: ast.Attribute) -> None:
-            self.check(node, node.value, node.attr)
-            self.generic_visit(node)
-
-        def visit_Call(self, node: ast.Call) -> None:
-            func, args = node.func, node.args
-            if (
-                isinstance(func, ast.Name)
-                and func.id in ("getattr", "setattr", "hasattr", "delattr")
-                and len(args) >= 2
-                and isinstance(args[1], ast.Constant)
-                and isinstance(args[1].value, str)
-            ):
-                self.check(node, args[0], args[1].value)
-            self.generic_visit(node)
-
-    for path, tree in trees.items():
-        Visitor(path).visit(tree)
-    return offenders
-
-
 def test_machines_use_no_private_statemachine_attribute() -> None:
+    """No python-statemachine internal is reached: in a module that builds machines (it imports
+    ``statemachine``) no use of the names at all; elsewhere no ``x._engine``-style access on
+    anything but the module's own objects (``self._events`` of an HTTP client is its own)."""
+    import re
+    from pathlib import Path
+
     import rollsafe
 
-    assert _private_statemachine_uses(Path(rollsafe.__file__).parent) == []
-
-
-def test_the_private_attribute_check_finds_uses_and_not_lookalikes(tmp_path: Path) -> None:
-    (tmp_path / "uses.py").write_text(
-        "class Lifecycle(GuardedMachine):\n"
-        "    def peek(self):\n"
-        "        return self._engine, getattr(self, '_callbacks')\n"
-        "def drain(machine):\n"
-        "    machine._engine._processing_loop()\n",
-        encoding="utf-8",
-    )
-    (tmp_path / "base.py").write_text("class GuardedMachine(StateMachine):\n    pass\n")
-    (tmp_path / "lookalikes.py").write_text(
-        "class Plane:\n"
-        "    def __init__(self):\n"
-        "        self._engines = {}\n"
-        "        self._engine = None\n"
-        "    def _events(self):\n"
-        "        return self._engine, self._engines, self._events(), self._engine_match\n",
-        encoding="utf-8",
-    )
-    assert _private_statemachine_uses(tmp_path) == [
-        "uses.py:3: ._engine",
-        "uses.py:3: ._callbacks",
-        "uses.py:5: ._processing_loop",
-        "uses.py:5: ._engine",
-    ]
+    private = r"_engine|_put_nonblocking|_processing_loop|_events|_callbacks"
+    access = re.compile(rf"(\w+)\.({private})\b")
+    machine_module = re.compile(r"^\s*(from|import) statemachine\b", re.M)
+    root = Path(rollsafe.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        builds_machines = machine_module.search(text) is not None
+        for m in access.finditer(text):
+            if builds_machines or m.group(1) not in ("self", "cls"):
+                offenders.append(f"{path.relative_to(root)}: {m.group(0)}")
+    assert offenders == []
 
 
 def test_max_states_marks_the_run_incomplete() -> None:
