@@ -301,8 +301,19 @@ print("RESULT " + json.dumps(got))
 """
 
 
+#: two ranks of one communicator on one GPU: NCCL must see two hosts (distinct host ids, the
+#: socket transport over loopback), as benchmarks/gpu/real_engine_gpu.py sets them
+NCCL_ENV = {
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_NVLS_ENABLE": "0",
+}
+
+
 @pytest.mark.gpu
-def test_trainer_joins_vllms_own_worker_side_and_broadcasts_packed_on_gpu() -> None:
+def test_trainer_joins_vllms_own_worker_side_and_broadcasts_packed_on_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     try:
@@ -315,7 +326,10 @@ def test_trainer_joins_vllms_own_worker_side_and_broadcasts_packed_on_gpu() -> N
     weights = [(n, t.cuda()) for n, t in _weights(3)]
     spec = [[n, "bfloat16", list(t.shape)] for n, t in weights]
     port = free_port("127.0.0.1")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for key, value in {**NCCL_ENV, "NCCL_HOSTID": "rollsafe-test-trainer"}.items():
+        monkeypatch.setenv(key, value)
+    env = dict(os.environ, **NCCL_ENV, NCCL_HOSTID="rollsafe-test-engine")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     worker = _run(sys.executable, WORKER, str(port), str(chunk), json.dumps(spec), env=env)
     group = open_vllm_weight_transfer_group(
         master_address="127.0.0.1", master_port=port, world_size=2, device="cuda:0", timeout_s=120
