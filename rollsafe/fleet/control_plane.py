@@ -70,6 +70,7 @@ class FleetTargets:
             default_target(group),
             applies_deltas=self.traits.applies_deltas,
             delta_base_by_content=self.traits.delta_base_by_content,
+            rendezvous=self.traits.rendezvous,
         )
 
 
