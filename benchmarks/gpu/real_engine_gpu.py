@@ -389,7 +389,7 @@ def fleet_config(
 def nccl_settings(args: argparse.Namespace) -> Any:
     from rollsafe.fleet import NcclSettings
 
-    return NcclSettings(backend="gloo" if args.smoke else "nccl", group_timeout_s=300.0)
+    return NcclSettings(backend="gloo" if args.smoke else "nccl", group_timeout_s=90.0)
 
 
 def run(args: argparse.Namespace, r: Run) -> None:
