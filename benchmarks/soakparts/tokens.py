@@ -1,0 +1,169 @@
+"""No token from an engine not at the version it reports: every served token replayed on the
+trainer's weights of that version.
+
+The soak's traffic is greedy (temperature 0), and every answer says which weights made which of
+its tokens (``rollsafe.segments``: group, ``weights_version``, ``token_range``). For each
+segment, :class:`TokenCheck` runs the trainer's model with that version's tensors
+(``torch.func.functional_call`` on a model of its own, never the trainer's) over the prompt and
+the output so far, teacher-forced, and requires every token of the segment to be the argmax
+there: its logit at most :data:`TIE` below the best one (float32 kernels of two engines may
+break a near tie differently; a wrong version's token is not near the best). A token that is
+not is a violation naming the fleet, the group, the version it claimed and the position.
+
+Answers arrive on a queue (:meth:`TokenCheck.submit`) from the traffic threads and are checked
+on the checker's thread; when it falls behind by more than :data:`MAX_BACKLOG` answers the
+oldest are counted as ``skipped`` (never silently). A version older than the trainer keeps
+(:data:`rig.KEEP_VERSIONS`) is counted ``unchecked``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Answer", "TokenCheck"]
+
+#: how far below the best logit a served token may be (float32, the tiny Llama's logits)
+TIE = 2e-3
+MAX_BACKLOG = 400
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One served answer: its fleet, the prompt and output ids, and its segments."""
+
+    fleet: str
+    kind: str  # plain / session
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    segments: tuple[Mapping[str, Any], ...]
+
+
+@dataclass
+class TokenStats:
+    answers: int = 0
+    segments: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    unchecked: int = 0
+    worst_gap: float = 0.0
+    by_version: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "answers_checked": self.answers,
+            "segments_checked": self.segments,
+            "tokens_checked": self.tokens,
+            "answers_skipped_backlog": self.skipped,
+            "segments_unchecked_old_version": self.unchecked,
+            "worst_gap_below_best_logit": round(self.worst_gap, 6),
+        }
+
+
+class TokenCheck:
+    """Replays answers on the trainer's versions (see the module); ``violation(msg)`` is called
+    for a token that its claimed version would not have produced."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        weights_at: Callable[[int], Mapping[str, torch.Tensor] | None],
+        violation: Callable[[str], None],
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model.eval()
+        self.weights_at = weights_at
+        self.violation = violation
+        self.stats = TokenStats()
+        self._queue: collections.deque[Answer] = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="soak-token-check", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, answer: Answer) -> None:
+        with self._cond:
+            self._queue.append(answer)
+            while len(self._queue) > MAX_BACKLOG:
+                self._queue.popleft()
+                self.stats.skipped += 1
+            self._cond.notify()
+
+    def stop(self, drain_s: float = 30.0) -> None:
+        """Check what is queued (up to ``drain_s``), then stop."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(drain_s)
+        with self._cond:
+            self.stats.skipped += len(self._queue)
+            self._queue.clear()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait(1.0)
+                if not self._queue:
+                    return
+                answer = self._queue.popleft()
+            try:
+                self.check(answer)
+            except Exception as exc:  # a bug of the check: said, never a silent pass
+                self.violation(f"token check failed to run: {type(exc).__name__}: {exc}")
+
+    def check(self, answer: Answer) -> None:
+        self.stats.answers += 1
+        ids = [*answer.prompt, *answer.output]
+        n_prompt = len(answer.prompt)
+        for seg in answer.segments:
+            start, end = (int(x) for x in seg["token_range"])
+            if end <= start:
+                continue
+            version = seg.get("weights_version")
+            weights = self.weights_at(int(version)) if version is not None else None
+            if weights is None:
+                self.stats.unchecked += 1
+                continue
+            self.stats.segments += 1
+            self.stats.by_version[str(version)] += 1
+            self._check_segment(answer, seg, ids, n_prompt, start, end, weights)
+
+    def _check_segment(
+        self,
+        answer: Answer,
+        seg: Mapping[str, Any],
+        ids: Sequence[int],
+        n_prompt: int,
+        start: int,
+        end: int,
+        weights: Mapping[str, torch.Tensor],
+    ) -> None:
+        context = torch.tensor([list(ids[: n_prompt + end - 1])])
+        with torch.no_grad():
+            logits = torch.func.functional_call(self.model, dict(weights), (context,)).logits[0]
+        for i in range(start, end):
+            row = logits[n_prompt + i - 1]
+            token = ids[n_prompt + i]
+            gap = float(row.max() - row[token])
+            self.stats.tokens += 1
+            if gap > self.stats.worst_gap and gap <= TIE:
+                self.stats.worst_gap = gap
+            if gap > TIE or not torch.isfinite(row).all():
+                self.violation(
+                    f"token {i} of a {answer.kind} answer of fleet {answer.fleet} (group "
+                    f"{seg.get('group')}, claimed weights v{seg.get('weights_version')}) is "
+                    f"{token}, {gap:.4g} below the best logit ({int(row.argmax())}) of that "
+                    "version: served by an engine not at the version it reports"
+                )
+                return
