@@ -2,18 +2,29 @@
 
 :class:`Injector` owns how each kind is produced and what it left to undo:
 
-| kind | how (real unless said) |
-| --- | --- |
-| ``sigkill_rank`` | ``SIGKILL`` of one engine rank's process (the reference engine's rank by its pid from the Ray actor; the real vLLM's server process) |
-| ``sigstop`` | ``SIGSTOP`` of the engine's whole process tree (server, ranks, their children); ``SIGCONT`` after ``cont_after_s`` if the same processes still exist, or never |
-| ``update_failed`` | the next sync's update of the group names a tensor the model lacks (the engine fails the update part-way, as ``tests/test_real_vllm_fleet.py`` does) |
-| ``update_poisoned`` | the trainer's next version holds a NaN (a diverged step) and is synced to both fleets |
-| ``kill_during_sync`` | ``SIGKILL`` of the group's server process 50 ms after its weight update's first call went out |
-| ``node_replace`` | the Ray node holding the group removed (``allow_graceful=False``: its raylet and every process on it die), a new node added ``add_after_s`` later |
-| ``export_disk_full`` | the fleet's export filesystem (a ``tmpfs`` of a fixed size) filled but 64 KiB for the next ``syncs`` syncs |
-| ``export_slow`` | *emulated*: the next export's writer held ``delay_s`` (:mod:`slow_export`; no way to slow one filesystem here) |
-| ``port_blackhole`` | every TCP packet to or from the engine's port dropped (iptables, :mod:`blackhole`) for ``seconds`` |
-| ``trainer_exception`` | the trainer raises in the middle of a sync: while the transport reads its tensors (``register``), or in a colocated hook (``offload_trainer``, ``onload_engines``, ``onload_trainer``) |
+Each kind, and how it is produced (real unless said):
+
+* ``sigkill_rank``: ``SIGKILL`` of one engine rank's process (the reference engine's rank by its
+  pid from the Ray actor; the real vLLM's server process);
+* ``sigstop``: ``SIGSTOP`` of the engine's whole process tree (server, ranks, their children);
+  ``SIGCONT`` after ``cont_after_s`` if the same processes still exist, or never;
+* ``update_failed``: the next sync's update of the group names a tensor the model lacks (the
+  engine fails the update part-way, as ``tests/test_real_vllm_fleet.py`` does);
+* ``update_poisoned``: the trainer's next version holds a NaN (a diverged step), synced to both
+  fleets;
+* ``kill_during_sync``: ``SIGKILL`` of the group's server process 50 ms after its weight
+  update's first call went out;
+* ``node_replace``: the Ray node holding the group removed (``allow_graceful=False``: its raylet
+  and every process on it die), a new node added ``add_after_s`` later;
+* ``export_disk_full``: the fleet's export filesystem (a ``tmpfs`` of a fixed size) filled but
+  64 KiB for the next ``syncs`` syncs;
+* ``export_slow``: *emulated*, the next export's writer held ``delay_s`` (:mod:`slow_export`:
+  no way to slow one filesystem down here);
+* ``port_blackhole``: every TCP packet to or from the engine's port dropped (iptables,
+  :mod:`blackhole`) for ``seconds``;
+* ``trainer_exception``: the trainer raises in the middle of a sync: while the transport reads
+  its tensors (``register``), or in a colocated hook (``offload_trainer``, ``onload_engines``,
+  ``onload_trainer``).
 
 Faults that act through a sync are *armed* here and fired by the soak's next sync
 (:meth:`Injector.sync_weights` hands the sync its weights; the hooks and the target wrapper are
@@ -435,7 +446,7 @@ class Injector:
             if timer.is_alive():
                 timer.cancel()
                 with contextlib.suppress(Exception):
-                    timer.function()  # type: ignore[attr-defined]
+                    timer.function()
         with self._lock:
             stopped = dict(self._stopped)
             fulls = list(self._full.values())

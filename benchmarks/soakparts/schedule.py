@@ -7,7 +7,8 @@ same seed replays the same schedule, printed at the start of every run
 (:func:`describe`; ``--schedule-only`` prints it and exits).
 
 The kinds come in rounds: each round is the seed's permutation of every kind, so a run long
-enough for one round injects each kind at least once; ``double`` is two single faults of
+enough for one round injects each kind at least once (ten minutes always is: 25 s, then gaps of
+30-55 s); ``double`` is two single faults of
 different kinds injected at the same moment. ``at_s`` is the earliest moment (seconds after the
 soak's first sync) the fault may go in; the soak injects it once its target group is routable
 again (a fault never waits more than :data:`MAX_WAIT_S`, then goes in anyway), so the runtime
@@ -103,7 +104,7 @@ def _single(rng: random.Random, kind: str, index: int, at_s: float) -> Fault:
     """One fault of ``kind``: its target and parameters drawn from ``rng``."""
     groups = sorted(GROUPS)
     group = rng.choice(groups)
-    fleet, ranks = GROUPS[group]
+    _, ranks = GROUPS[group]
     if kind == "sigkill_rank":
         return Fault(index, kind, at_s, group=group, params={"rank": rng.randrange(ranks)})
     if kind == "sigstop":
@@ -119,7 +120,9 @@ def _single(rng: random.Random, kind: str, index: int, at_s: float) -> Fault:
     if kind == "node_replace":
         return Fault(index, kind, at_s, group=group, params={"add_after_s": rng.randint(0, 20)})
     if kind == "export_disk_full":
-        return Fault(index, kind, at_s, fleet=rng.choice(FLEETS), params={"syncs": rng.randint(1, 2)})
+        return Fault(
+            index, kind, at_s, fleet=rng.choice(FLEETS), params={"syncs": rng.randint(1, 2)}
+        )
     if kind == "export_slow":
         return Fault(
             index, kind, at_s, fleet=rng.choice(FLEETS), params={"delay_s": rng.randint(35, 70)}
@@ -138,7 +141,7 @@ def draw(seed: int, minutes: float, *, smoke: bool = False) -> list[Fault]:
     run); only faults planned before the run's end are kept."""
     rng = random.Random(f"rollsafe-soak/{seed}")
     horizon = minutes * 60.0
-    gap = (20.0, 45.0) if smoke else (40.0, 90.0)
+    gap = (20.0, 45.0) if smoke else (30.0, 55.0)
     at = 15.0 if smoke else 25.0
     out: list[Fault] = []
     index = 0

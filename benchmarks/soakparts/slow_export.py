@@ -51,12 +51,12 @@ class SlowExporter(HFExporter):
         with self._slow_lock:
             self._armed = None
 
-    def start_hf_export(self, named_tensors: Any, version: int) -> Any:
+    def start_hf_export(self, named_tensors: Any, version: int, **kwargs: Any) -> Any:
         with self._slow_lock:
             if self._armed is not None:
                 self._delays[version] = self._armed
                 self._armed = None
-        return super().start_hf_export(named_tensors, version)
+        return super().start_hf_export(named_tensors, version, **kwargs)
 
     def _read_back(  # type: ignore[override]
         self, tmp: Path, plan: ShardPlan, arena: HostArena, handle: Any

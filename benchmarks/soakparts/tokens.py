@@ -79,12 +79,13 @@ class TokenCheck:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        self.model.eval()
+        self.model.eval()  # type: ignore[no-untyped-call]
         self.weights_at = weights_at
         self.violation = violation
         self.stats = TokenStats()
         self._queue: collections.deque[Answer] = collections.deque()
         self._cond = threading.Condition()
+        self._model_lock = threading.Lock()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="soak-token-check", daemon=True)
 
@@ -122,7 +123,16 @@ class TokenCheck:
             except Exception as exc:  # a bug of the check: said, never a silent pass
                 self.violation(f"token check failed to run: {type(exc).__name__}: {exc}")
 
-    def check(self, answer: Answer) -> None:
+    def check_now(self, answer: Answer, violation: Callable[[str], None]) -> None:
+        """Check ``answer`` on the caller's thread, reporting to ``violation`` (the weight
+        check's probe answers)."""
+        self.check(answer, violation)
+
+    def check(self, answer: Answer, violation: Callable[[str], None] | None = None) -> None:
+        with self._model_lock:
+            self._check(answer, violation or self.violation)
+
+    def _check(self, answer: Answer, violation: Callable[[str], None]) -> None:
         self.stats.answers += 1
         ids = [*answer.prompt, *answer.output]
         n_prompt = len(answer.prompt)
@@ -137,7 +147,7 @@ class TokenCheck:
                 continue
             self.stats.segments += 1
             self.stats.by_version[str(version)] += 1
-            self._check_segment(answer, seg, ids, n_prompt, start, end, weights)
+            self._check_segment(answer, seg, ids, n_prompt, start, end, weights, violation)
 
     def _check_segment(
         self,
@@ -148,6 +158,7 @@ class TokenCheck:
         start: int,
         end: int,
         weights: Mapping[str, torch.Tensor],
+        violation: Callable[[str], None],
     ) -> None:
         context = torch.tensor([list(ids[: n_prompt + end - 1])])
         with torch.no_grad():
@@ -160,7 +171,7 @@ class TokenCheck:
             if gap > self.stats.worst_gap and gap <= TIE:
                 self.stats.worst_gap = gap
             if gap > TIE or not torch.isfinite(row).all():
-                self.violation(
+                violation(
                     f"token {i} of a {answer.kind} answer of fleet {answer.fleet} (group "
                     f"{seg.get('group')}, claimed weights v{seg.get('weights_version')}) is "
                     f"{token}, {gap:.4g} below the best logit ({int(row.argmax())}) of that "

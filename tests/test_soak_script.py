@@ -1,0 +1,117 @@
+"""``benchmarks/soak.py`` (issue #36 items 1 and 2): the schedule is a function of the seed, and a
+``--smoke`` run on the real engines holds every one of its checks.
+
+The schedule tests need nothing started. The smoke run starts the whole soak (a three-node Ray
+cluster, two real vLLM groups, two reference-engine groups, gateways, the trainer, the faults of
+its seed's schedule) as its own process and reads its result: exit 0, no violation, the schedule
+it ran is the one ``--schedule-only`` prints for that seed, the watcher ran all along, tokens and
+weights were checked, nothing was left behind. Nothing is timed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "soak.py"
+PARTS = ROOT / "benchmarks" / "soakparts"
+
+
+@pytest.fixture(scope="module")
+def schedule() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("soak_schedule", PARTS / "schedule.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["soak_schedule"] = module  # its dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _schedule_only(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--schedule-only", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_same_seed_draws_the_same_schedule(schedule: ModuleType) -> None:
+    for seed in (1, 7, 123456):
+        a = [f.as_dict() for f in schedule.draw(seed, 60)]
+        b = [f.as_dict() for f in schedule.draw(seed, 60)]
+        assert a == b
+    assert schedule.draw(1, 60) != schedule.draw(2, 60)
+    # printed by the script, the same twice, and the seed is in it
+    first = _schedule_only("--seed", "42", "--minutes", "10")
+    assert first == _schedule_only("--seed", "42", "--minutes", "10")
+    assert first.startswith("soak schedule, seed 42:")
+    assert first != _schedule_only("--seed", "43", "--minutes", "10")
+
+
+def test_a_long_enough_run_injects_every_kind(schedule: ModuleType) -> None:
+    faults = schedule.draw(5, 10)
+    kinds = {f.kind for f in faults}
+    assert kinds == set(schedule.KINDS)  # ten minutes: one round of every kind
+    doubles = [f for f in faults if f.kind == "double"]
+    for d in doubles:
+        assert len(d.parts) == 2 and d.parts[0].kind != d.parts[1].kind
+        assert {p.at_s for p in d.parts} == {d.at_s}  # two faults at once
+    assert [f.at_s for f in faults] == sorted(f.at_s for f in faults)
+    assert all(f.at_s < 10 * 60 for f in faults)
+    smoke = schedule.draw(5, 2.5, smoke=True)
+    assert smoke and all(f.at_s < 150 for f in smoke)
+
+
+@pytest.mark.real_vllm
+@pytest.mark.ray_cluster
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_a_smoke_soak_holds_every_check(vllm_python: str, tmp_path: Path) -> None:
+    from ray_cluster import require_ray
+
+    require_ray()
+    seed = 20260
+    out = tmp_path / "soak.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ROLLSAFE_VLLM_PYTHON": vllm_python}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--seed", str(seed), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=2300,
+        env=env,
+        check=False,
+    )
+    tail = (run.stdout + run.stderr)[-6000:]
+    assert out.exists(), tail
+    result = json.loads(out.read_text(encoding="utf-8"))
+    assert run.returncode == 0 and result["violations"] == [], (result["violations"], tail)
+    assert result["seed"] == seed and str(seed) in run.stdout
+    # the schedule it ran is the seed's, as printed without running
+    printed = _schedule_only("--smoke", "--seed", str(seed))
+    assert run.stdout.startswith(printed)
+    assert result["schedule"] == [
+        json.loads(json.dumps(f)) for f in result["schedule"]
+    ] and len(result["schedule"]) == int(printed.splitlines()[0].split(": ")[1].split()[0])
+    injected = sum(k["injected"] for k in result["faults"].values())
+    assert injected >= 1, result["fault_log"]
+    # checked all the time: about a round a second, tokens replayed, weights compared
+    assert result["watcher_rounds"] >= result["duration_s"] * 0.5
+    assert result["tokens"]["tokens_checked"] > 0
+    assert result["syncs"]["done"] >= 3 and result["syncs"]["checksums_equal"]
+    assert result["syncs"]["weight_checks"].get("equal", 0) > 0
+    assert result["requests"]["served"] > 0
+    leaks = result["leaks"]
+    assert leaks["processes"] == [] and leaks["shm"] == [] and not leaks["ray_actors"]
