@@ -5,6 +5,7 @@ Every engine here is a real OS process group; every test checks that nothing is 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -161,6 +162,59 @@ def test_engine_dies_with_a_killed_parent(model_dir: Path, tmp_path: Path) -> No
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     assert all_gone(pids, timeout=10.0)
+
+
+def test_the_watchdog_reaps_the_group_when_its_parent_dies_with_its_children(
+    tmp_path: Path,
+) -> None:
+    """Ray's worker SIGKILLs its own children when it exits
+    (``kill_child_processes_on_worker_exit``): the engine's leader dies with it, and so would a
+    watchdog that were its child. The watchdog is detached, so it still SIGKILLs the group: the
+    leader's own children (vLLM's EngineCore) go too, none is left running."""
+    from rollsafe.processes import live_processes
+
+    pids_file, ready = tmp_path / "grandchild", tmp_path / "leader"
+    script = textwrap.dedent(
+        f"""
+        import subprocess, sys, time
+        from rollsafe.adapters.engines.launch.process_group import start_watchdog
+        leader = subprocess.Popen(
+            ["sh", "-c", "sleep 600 & echo $! > {pids_file}; wait"], start_new_session=True
+        )
+        start_watchdog(sys.executable, leader.pid)
+        with open({str(ready)!r}, "w") as f:
+            f.write(str(leader.pid))
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    grandchild = None
+    try:
+        assert wait_for(
+            lambda: (
+                ready.exists()
+                and ready.read_text() != ""
+                and pids_file.exists()
+                and pids_file.read_text().strip() != ""
+            ),
+            60.0,
+        )
+        leader, grandchild = int(ready.read_text()), int(pids_file.read_text())
+        assert pid_alive(leader) and pid_alive(grandchild)
+        # as Ray does: the parent and every direct child of it SIGKILLed at once
+        children = [p.pid for p in live_processes().values() if p.ppid == parent.pid]
+        assert leader in children
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        assert all_gone([leader, grandchild], timeout=10.0)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if grandchild is not None and pid_alive(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
 
 
 def test_weight_version_reaches_the_engine_command() -> None:

@@ -2,8 +2,8 @@
 
 Owns the OS side of one engine (or warm standby) process: :func:`spawn_group` starts a command
 as the leader of a new session (so one ``killpg`` reaches every process it starts), the
-parent-death watchdog (a tiny ``python -I -S`` process that SIGKILLs the group when the
-launching process dies without cleaning up), :func:`kill_group` (a polite signal, one deadline,
+parent-death watchdog (a tiny ``python -I -S`` process, detached from the launching process,
+that SIGKILLs the group when that process dies without cleaning up), :func:`kill_group` (a polite signal, one deadline,
 then SIGKILL for whatever is left, ranks that left the group included), :func:`reap` (the
 finalizer: SIGKILL everything, never raises), :func:`pid_alive` and :func:`descendants` (read
 from ``/proc``), and :class:`Candidate` (an engine started but not yet the launcher's).
@@ -64,11 +64,25 @@ def wait_gone(pids: Sequence[int], deadline: float) -> bool:
         time.sleep(0.02)
 
 
-# Runs with ``python -I -S -c``: exits when the engine group is gone; SIGKILLs the group when the
-# launching process (its parent) disappears.
+# Runs with ``python -I -S -c``, detached: it forks once and the first process exits, so the
+# watchdog is no child of the launching process. Ray's worker SIGKILLs its own children when it
+# exits (``kill_child_processes_on_worker_exit``, on by default): a watchdog that was one died with
+# the engine's leader, and the engine's other processes (vLLM's EngineCore and its workers) ran on
+# after their Ray node was removed. It exits when the engine group is gone, and SIGKILLs the group
+# once the launching process (its pid *and* start time: a reused pid is not it) is gone.
 _WATCHDOG = """
 import os, signal, sys, time
-parent, pgid = int(sys.argv[1]), int(sys.argv[2])
+parent, start, pgid = int(sys.argv[1]), sys.argv[2].encode(), int(sys.argv[3])
+if os.fork() > 0:
+    os._exit(0)
+def parent_alive():
+    try:
+        with open("/proc/%d/stat" % parent, "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[19] == start and fields[0] not in (b"Z", b"X")
 while True:
     try:
         os.killpg(pgid, 0)
@@ -76,7 +90,7 @@ while True:
         sys.exit(0)
     except PermissionError:
         pass
-    if os.getppid() != parent:
+    if not parent_alive():
         try:
             os.killpg(pgid, signal.SIGKILL)
         except OSError:
@@ -84,6 +98,13 @@ while True:
         sys.exit(0)
     time.sleep(0.25)
 """
+
+
+def _start_time(pid: int) -> str:
+    """Field 22 of ``/proc/PID/stat``: when the process started (clock ticks since boot)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rfind(b")") + 2 :].split()[19].decode()
 
 
 def descendants(pid: int) -> list[int]:
@@ -172,9 +193,21 @@ def _spawning_on(cpu_cores: Sequence[int] | None) -> Iterator[None]:
 
 
 def start_watchdog(python: str, pgid: int) -> subprocess.Popen[bytes] | None:
+    """Start the parent-death watchdog of group ``pgid`` (see ``_WATCHDOG``): detached from this
+    process, it SIGKILLs the group once this process is gone and exits once the group is. The
+    returned process is the one that forked it, already exited and reaped (None: no watchdog)."""
     try:
-        return subprocess.Popen(
-            [python, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(pgid)],
+        proc = subprocess.Popen(
+            [
+                python,
+                "-I",
+                "-S",
+                "-c",
+                _WATCHDOG,
+                str(os.getpid()),
+                _start_time(os.getpid()),
+                str(pgid),
+            ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -183,6 +216,9 @@ def start_watchdog(python: str, pgid: int) -> subprocess.Popen[bytes] | None:
         )
     except OSError:
         return None
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30.0)  # the fork's first half exits at once
+    return proc
 
 
 def stop_watchdog(watchdog: subprocess.Popen[bytes] | None) -> None:
