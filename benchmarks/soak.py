@@ -129,6 +129,15 @@ class Soak:
     def run(self) -> int:
         args = self.args
         become_subreaper()
+        # the driver's own imports first: the leak check compares its threads and descriptors
+        # with what it held before the rig started, not before its libraries were loaded
+        import aiohttp  # noqa: F401
+        import openai  # noqa: F401
+        import ray  # noqa: F401
+        import transformers  # noqa: F401
+
+        import rollsafe.fleet  # noqa: F401
+
         self.resources.start()
         wall0 = time.time()
         with R.pythonpath(REPO):
@@ -146,7 +155,7 @@ class Soak:
             say(f"not injectable here: {kind}: {why}")
         say("emulated: export_slow (the export writer held; see soakparts/slow_export.py)")
         self.tokens = TokenCheck(
-            rig.model_dir, rig.trainer.at, lambda m: self.violations("tokens", m)
+            rig.model_dir, rig.trainer.at, lambda m: self.violations("tokens", m), rig.trainer.kept
         )
         self.tokens.start()
         self.watcher = Watcher(fleets, self.resources, self.violations, lambda: set(self.poisoned))
@@ -185,6 +194,7 @@ class Soak:
                     waiting_since = None
                     self.inject(fault)
                     continue
+            self.injector.run_due()
             for fleet, gid in self.watcher.take_returned():
                 self._check(fleet, [gid], why=f"{gid} back in active")
             self.violations.stop.wait(0.2)
@@ -366,6 +376,9 @@ class Soak:
             and time.monotonic() < deadline
             and not self.violations.stop.is_set()
         ):
+            self.injector.run_due()
+            for fleet, gid in self.watcher.take_returned():
+                self._check(fleet, [gid], why=f"{gid} back in active")
             time.sleep(0.5)
         if not self.violations.stop.is_set():
             for name in self.rig.fleets:

@@ -138,6 +138,9 @@ class Injector:
         #: pids stopped and not (yet) continued: pid -> start time (for SIGCONT at the end)
         self._stopped: dict[int, float | None] = {}
         self._timers: list[threading.Timer] = []
+        #: steps that must run on the main thread (Ray's Cluster.add_node sets signal handlers),
+        #: (due, what, fn), run by :meth:`run_due`
+        self._main: list[tuple[float, str, Callable[[], None]]] = []
         self.removed_nodes = 0
         self.added_nodes = 0
         for name, fleet in rig.fleets.items():
@@ -413,7 +416,8 @@ class Injector:
             self.added_nodes += 1
             self.say(f"node {self.rig.name_node(node.node_id)} added")
 
-        self._later(after, add)
+        with self._lock:
+            self._main.append((time.monotonic() + after, "add a node", add))
         fleets = tuple(sorted({GROUPS[g][0] for g in on_it if g in GROUPS} | {fleet}))
         return f"node {name} removed (groups {on_it}); a node joins in {after:.0f}s", fleets
 
@@ -432,15 +436,29 @@ class Injector:
             self._timers.append(timer)
         timer.start()
 
+    def run_due(self) -> None:
+        """Run the main thread's deferred steps that are due."""
+        now = time.monotonic()
+        with self._lock:
+            due = [m for m in self._main if m[0] <= now]
+            self._main = [m for m in self._main if m not in due]
+        for _, what, fn in due:
+            try:
+                fn()
+            except Exception as exc:
+                self.say(f"deferred fault step ({what}) failed: {type(exc).__name__}: {exc}")
+
     def pending(self) -> int:
         """Deferred steps still to run (a SIGCONT, a black hole's end, a node to add)."""
         with self._lock:
-            return sum(1 for t in self._timers if t.is_alive())
+            return sum(1 for t in self._timers if t.is_alive()) + len(self._main)
 
     def close(self) -> dict[str, Any]:
-        """Undo what is left: run the pending steps now, SIGCONT the processes still stopped
+        """Undo what is left: run the pending timers now (a node still to add is not), SIGCONT
+        the processes still stopped
         (so that they can end), lift the black holes, free the filled filesystems."""
         with self._lock:
+            self._main.clear()  # a node still to add: the cluster stops next
             timers = list(self._timers)
         for timer in timers:
             if timer.is_alive():

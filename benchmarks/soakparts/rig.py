@@ -203,6 +203,11 @@ class Trainer:
         with self._lock:
             return self.history.get(version)
 
+    def kept(self) -> list[int]:
+        """The versions whose tensors are kept, oldest first."""
+        with self._lock:
+            return sorted(self.history)
+
     def checksum(self, version: int) -> str | None:
         weights = self.at(version)
         return None if weights is None else digest_map(weights)

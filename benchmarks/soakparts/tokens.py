@@ -75,12 +75,14 @@ class TokenCheck:
         model_dir: Path,
         weights_at: Callable[[int], Mapping[str, torch.Tensor] | None],
         violation: Callable[[str], None],
+        kept: Callable[[], list[int]] = list,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         self.model.eval()  # type: ignore[no-untyped-call]
         self.weights_at = weights_at
+        self.kept = kept
         self.violation = violation
         self.stats = TokenStats()
         self._queue: collections.deque[Answer] = collections.deque()
@@ -171,10 +173,28 @@ class TokenCheck:
             if gap > self.stats.worst_gap and gap <= TIE:
                 self.stats.worst_gap = gap
             if gap > TIE or not torch.isfinite(row).all():
+                matches = self._versions_matching(ids[: n_prompt + i], token)
                 violation(
                     f"token {i} of a {answer.kind} answer of fleet {answer.fleet} (group "
                     f"{seg.get('group')}, claimed weights v{seg.get('weights_version')}) is "
                     f"{token}, {gap:.4g} below the best logit ({int(row.argmax())}) of that "
-                    "version: served by an engine not at the version it reports"
+                    "version: served by an engine not at the version it reports; the kept "
+                    f"versions whose argmax it is: {matches or 'none'}; prompt "
+                    f"{len(answer.prompt)} ids, segments {list(answer.segments)}"
                 )
                 return
+
+    def _versions_matching(self, context: Sequence[int], token: int) -> list[int]:
+        """The kept versions under which ``token`` is the argmax after ``context`` (for the
+        violation's message: which weights did make it)."""
+        found: list[int] = []
+        x = torch.tensor([list(context)])
+        for version in self.kept():
+            weights = self.weights_at(version)
+            if weights is None:
+                continue
+            with torch.no_grad():
+                row = torch.func.functional_call(self.model, dict(weights), (x,)).logits[0, -1]
+            if float(row.max() - row[token]) <= TIE:
+                found.append(version)
+        return found

@@ -422,7 +422,7 @@ class NcclSettings(TransportSettings):
     trainer's store (None: ``127.0.0.1`` with ``placement="local"``, the driver's Ray node IP
     with ``placement="ray"``; a value given is kept). ``check_finite``: refuse a version
     holding NaN or inf at register (:class:`~rollsafe.transports.NonFiniteWeights`, nothing
-    pushed: the real vLLM would load it), one pass over its bytes per version."""
+    pushed: neither vLLM nor its rollsafe plugin checks), one pass over its bytes per version."""
 
     transport: ClassVar[str] = "nccl"
     backend: str | None = "gloo"
