@@ -170,18 +170,24 @@ def test_the_watchdog_reaps_the_group_when_its_parent_dies_with_its_children(
     """Ray's worker SIGKILLs its own children when it exits
     (``kill_child_processes_on_worker_exit``): the engine's leader dies with it, and so would a
     watchdog that were its child. The watchdog is detached, so it still SIGKILLs the group: the
-    leader's own children (vLLM's EngineCore) go too, none is left running."""
+    leader's own children (vLLM's EngineCore) go too, none is left running; with
+    ``unlink_shm`` the ``/dev/shm`` segment only the group held is removed, one that another
+    live process holds too is kept."""
     from rollsafe.processes import live_processes
 
+    tag = f"rs-watchdog-{os.getpid()}"
+    only, shared = Path(f"/dev/shm/{tag}-only"), Path(f"/dev/shm/{tag}-shared")
     pids_file, ready = tmp_path / "grandchild", tmp_path / "leader"
+    grandchild_sh = f"exec 3>>{only} 4>>{shared}; sleep 600"
     script = textwrap.dedent(
         f"""
         import subprocess, sys, time
         from rollsafe.adapters.engines.launch.process_group import start_watchdog
         leader = subprocess.Popen(
-            ["sh", "-c", "sleep 600 & echo $! > {pids_file}; wait"], start_new_session=True
+            ["sh", "-c", "sh -c '{grandchild_sh}' & echo $! > {pids_file}; wait"],
+            start_new_session=True,
         )
-        start_watchdog(sys.executable, leader.pid)
+        start_watchdog(sys.executable, leader.pid, unlink_shm=True)
         with open({str(ready)!r}, "w") as f:
             f.write(str(leader.pid))
         time.sleep(600)
@@ -190,31 +196,37 @@ def test_the_watchdog_reaps_the_group_when_its_parent_dies_with_its_children(
     parent = subprocess.Popen([sys.executable, "-c", script])
     grandchild = None
     try:
-        assert wait_for(
-            lambda: (
-                ready.exists()
-                and ready.read_text() != ""
-                and pids_file.exists()
-                and pids_file.read_text().strip() != ""
-            ),
-            60.0,
-        )
-        leader, grandchild = int(ready.read_text()), int(pids_file.read_text())
-        assert pid_alive(leader) and pid_alive(grandchild)
-        # as Ray does: the parent and every direct child of it SIGKILLed at once
-        children = [p.pid for p in live_processes().values() if p.ppid == parent.pid]
-        assert leader in children
-        for pid in children:
-            os.kill(pid, signal.SIGKILL)
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
-        assert all_gone([leader, grandchild], timeout=10.0)
+        with open(shared, "ab"):  # this process holds it too: it must stay
+            assert wait_for(
+                lambda: (
+                    ready.exists()
+                    and ready.read_text() != ""
+                    and pids_file.exists()
+                    and pids_file.read_text().strip() != ""
+                    and only.exists()
+                ),
+                60.0,
+            )
+            leader, grandchild = int(ready.read_text()), int(pids_file.read_text())
+            assert pid_alive(leader) and pid_alive(grandchild)
+            # as Ray does: the parent and every direct child of it SIGKILLed at once
+            children = [p.pid for p in live_processes().values() if p.ppid == parent.pid]
+            assert leader in children
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            parent.send_signal(signal.SIGKILL)
+            parent.wait()
+            assert all_gone([leader, grandchild], timeout=10.0)
+            assert wait_for(lambda: not only.exists(), 15.0), "the group's segment was left"
+            assert shared.exists()  # held by a live process outside the group
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
         if grandchild is not None and pid_alive(grandchild):
             os.kill(grandchild, signal.SIGKILL)
+        for path in (only, shared):
+            path.unlink(missing_ok=True)
 
 
 def test_weight_version_reaches_the_engine_command() -> None:
