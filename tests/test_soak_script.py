@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -75,6 +76,75 @@ def test_a_long_enough_run_injects_every_kind(schedule: ModuleType) -> None:
     assert smoke and all(f.at_s < 150 for f in smoke)
 
 
+@pytest.fixture(scope="module")
+def tokens_module() -> ModuleType:
+    sys.path.insert(0, str(PARTS))
+    try:
+        import tokens
+    finally:
+        sys.path.remove(str(PARTS))
+    return tokens
+
+
+def _greedy(model: Any, weights_by_step: list[dict[str, Any]], prompt: list[int]) -> list[int]:
+    """Greedy tokens decoded as an engine does, step ``i`` with ``weights_by_step[i]`` onto the
+    KV cache so far (the weights change mid-request when the list does)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache, out, feed = DynamicCache(), [], list(prompt)
+    for w in weights_by_step:
+        with torch.no_grad():
+            logits = torch.func.functional_call(
+                model, w, (torch.tensor([feed]),), {"past_key_values": cache, "use_cache": True}
+            ).logits[0, -1]
+        out.append(int(logits.argmax()))
+        feed = [out[-1]]
+    return out
+
+
+def test_the_token_check_replays_versions_and_names_a_wrong_one(
+    tokens_module: ModuleType, tmp_path: Path
+) -> None:
+    """Tokens of the version they claim pass (also across an update without a pause, replayed
+    on the KV cache the engine kept); a token of another version than claimed is a violation
+    naming it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    v0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    v1 = {n: t + torch.randn(t.shape, generator=gen) * 0.05 for n, t in v0.items()}
+    versions = {0: v0, 1: v1}
+    found: list[str] = []
+    check = tokens_module.TokenCheck(
+        Path(model_dir), versions.get, found.append, lambda: sorted(versions)
+    )
+    prompt = [5, 17, 33, 2, 40]
+
+    def answer(output: list[int], segments: list[tuple[int, int, int, int]]) -> Any:
+        segs = tuple(
+            {"group": "g", "weights_version": str(v), "token_range": [a, b], "attempt": t}
+            for v, a, b, t in segments
+        )
+        return tokens_module.Answer("f", "plain", tuple(prompt), tuple(output), segs)
+
+    plain = _greedy(model, [v1] * 8, prompt)
+    check.check(answer(plain, [(1, 0, 8, 1)]))
+    mixed = _greedy(model, [v0] * 3 + [v1] * 5, prompt)  # v1 pushed after token 2
+    assert mixed != plain and mixed[:3] == _greedy(model, [v0] * 3, prompt)
+    check.check(answer(mixed, [(0, 0, 3, 1), (1, 3, 8, 1)]))
+    assert found == []
+    assert check.stats.tokens == 16
+    # the same tokens all claimed as v1: the first ones were v0's
+    check.check(answer(_greedy(model, [v0] * 8, prompt), [(1, 0, 8, 1)]))
+    assert len(found) == 1 and "claimed weights v1" in found[0] and "[0]" in found[0]
+
+
 @pytest.mark.real_vllm
 @pytest.mark.ray_cluster
 @pytest.mark.slow
@@ -102,9 +172,9 @@ def test_a_smoke_soak_holds_every_check(vllm_python: str, tmp_path: Path) -> Non
     # the schedule it ran is the seed's, as printed without running
     printed = _schedule_only("--smoke", "--seed", str(seed))
     assert run.stdout.startswith(printed)
-    assert result["schedule"] == [
-        json.loads(json.dumps(f)) for f in result["schedule"]
-    ] and len(result["schedule"]) == int(printed.splitlines()[0].split(": ")[1].split()[0])
+    assert result["schedule"] == [json.loads(json.dumps(f)) for f in result["schedule"]] and len(
+        result["schedule"]
+    ) == int(printed.splitlines()[0].split(": ")[1].split()[0])
     injected = sum(k["injected"] for k in result["faults"].values())
     assert injected >= 1, result["fault_log"]
     # checked all the time: about a round a second, tokens replayed, weights compared

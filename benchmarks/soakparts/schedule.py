@@ -153,7 +153,7 @@ def draw(seed: int, minutes: float, *, smoke: bool = False) -> list[Fault]:
                 return out
             if kind == "double":
                 a, b = rng.sample(SINGLE_KINDS, 2)
-                parts = (_single(rng, a, index, at), _single(rng, b, index, at))
+                parts = (_single(rng, a, index, round(at, 1)), _single(rng, b, index, round(at, 1)))
                 out.append(Fault(index, "double", round(at, 1), parts=parts))
             else:
                 out.append(_single(rng, kind, index, round(at, 1)))

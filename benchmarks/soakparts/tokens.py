@@ -2,13 +2,17 @@
 trainer's weights of that version.
 
 The soak's traffic is greedy (temperature 0), and every answer says which weights made which of
-its tokens (``rollsafe.segments``: group, ``weights_version``, ``token_range``). For each
-segment, :class:`TokenCheck` runs the trainer's model with that version's tensors
+its tokens (``rollsafe.segments``: group, ``weights_version``, ``token_range``, ``attempt``).
+For each attempt, :class:`TokenCheck` runs the trainer's model with that version's tensors
 (``torch.func.functional_call`` on a model of its own, never the trainer's) over the prompt and
-the output so far, teacher-forced, and requires every token of the segment to be the argmax
-there: its logit at most :data:`TIE` below the best one (float32 kernels of two engines may
-break a near tie differently; a wrong version's token is not near the best). A token that is
-not is a violation naming the fleet, the group, the version it claimed and the position.
+the output so far, teacher-forced, and requires every token to be the argmax there: its logit at
+most :data:`TIE` below the best one (float32 kernels of two engines may break a near tie
+differently; a wrong version's token is not near the best). An attempt whose version changed
+while it ran (a sync without a pause: the reference engine's SGLang dialect, as SGLang, keeps the
+request's KV cache across the update) is replayed as the engine decoded it: the prefill with
+the first token's version, then each token fed with the weights of the token it makes, onto the
+KV cache computed so far. A token that is not the argmax is a violation naming the fleet, the
+group, the version it claimed, the position, and the kept versions that would have made it.
 
 Answers arrive on a queue (:meth:`TokenCheck.submit`) from the traffic threads and are checked
 on the checker's thread; when it falls behind by more than :data:`MAX_BACKLOG` answers the
@@ -138,18 +142,26 @@ class TokenCheck:
         self.stats.answers += 1
         ids = [*answer.prompt, *answer.output]
         n_prompt = len(answer.prompt)
+        attempts: dict[Any, list[Mapping[str, Any]]] = {}
         for seg in answer.segments:
             start, end = (int(x) for x in seg["token_range"])
-            if end <= start:
+            if end > start:
+                attempts.setdefault(seg.get("attempt"), []).append(seg)
+        for segs in attempts.values():
+            versions = [seg.get("weights_version") for seg in segs]
+            weights = {v: self.weights_at(int(v)) for v in versions if v is not None}
+            if None in versions or any(w is None for w in weights.values()):
+                self.stats.unchecked += len(segs)
                 continue
-            version = seg.get("weights_version")
-            weights = self.weights_at(int(version)) if version is not None else None
-            if weights is None:
-                self.stats.unchecked += 1
-                continue
-            self.stats.segments += 1
-            self.stats.by_version[str(version)] += 1
-            self._check_segment(answer, seg, ids, n_prompt, start, end, weights, violation)
+            self.stats.segments += len(segs)
+            for v in versions:
+                self.stats.by_version[str(v)] += 1
+            if len(set(versions)) == 1:
+                for seg in segs:
+                    if not self._check_segment(answer, seg, ids, n_prompt, weights, violation):
+                        return
+            elif not self._replay(answer, segs, ids, n_prompt, weights, violation):
+                return
 
     def _check_segment(
         self,
@@ -157,32 +169,91 @@ class TokenCheck:
         seg: Mapping[str, Any],
         ids: Sequence[int],
         n_prompt: int,
-        start: int,
-        end: int,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[Any, Mapping[str, torch.Tensor] | None],
         violation: Callable[[str], None],
-    ) -> None:
+    ) -> bool:
+        """One version: one teacher-forced forward over the prompt and the output so far."""
+        start, end = (int(x) for x in seg["token_range"])
+        w = weights[seg.get("weights_version")]
+        assert w is not None
         context = torch.tensor([list(ids[: n_prompt + end - 1])])
         with torch.no_grad():
-            logits = torch.func.functional_call(self.model, dict(weights), (context,)).logits[0]
-        for i in range(start, end):
-            row = logits[n_prompt + i - 1]
-            token = ids[n_prompt + i]
-            gap = float(row.max() - row[token])
-            self.stats.tokens += 1
-            if gap > self.stats.worst_gap and gap <= TIE:
-                self.stats.worst_gap = gap
-            if gap > TIE or not torch.isfinite(row).all():
-                matches = self._versions_matching(ids[: n_prompt + i], token)
-                violation(
-                    f"token {i} of a {answer.kind} answer of fleet {answer.fleet} (group "
-                    f"{seg.get('group')}, claimed weights v{seg.get('weights_version')}) is "
-                    f"{token}, {gap:.4g} below the best logit ({int(row.argmax())}) of that "
-                    "version: served by an engine not at the version it reports; the kept "
-                    f"versions whose argmax it is: {matches or 'none'}; prompt "
-                    f"{len(answer.prompt)} ids, segments {list(answer.segments)}"
+            logits = torch.func.functional_call(self.model, dict(w), (context,)).logits[0]
+        return all(
+            self._judge(answer, seg, i, ids, n_prompt, logits[n_prompt + i - 1], violation)
+            for i in range(start, end)
+        )
+
+    def _replay(
+        self,
+        answer: Answer,
+        segs: Sequence[Mapping[str, Any]],
+        ids: Sequence[int],
+        n_prompt: int,
+        weights: Mapping[Any, Mapping[str, torch.Tensor] | None],
+        violation: Callable[[str], None],
+    ) -> bool:
+        """One attempt whose versions changed while it ran (an update without a pause: the
+        engine keeps the request's KV cache): replayed as the engine decoded it, the prefill with
+        its first token's version, then each token fed with the weights of the token it makes,
+        onto the KV cache so far."""
+        from transformers import DynamicCache
+
+        label: dict[int, Mapping[str, Any]] = {}
+        for seg in segs:
+            start, end = (int(x) for x in seg["token_range"])
+            for i in range(start, end):
+                label[i] = seg
+        first, last = min(label), max(label)
+
+        def step(i: int, feed: Sequence[int], cache: Any) -> torch.Tensor:
+            w = weights[label[i].get("weights_version")]
+            assert w is not None
+            kwargs = {"past_key_values": cache, "use_cache": True}
+            with torch.no_grad():
+                out = torch.func.functional_call(
+                    self.model, dict(w), (torch.tensor([list(feed)]),), kwargs
                 )
-                return
+            logits: torch.Tensor = out.logits[0, -1]
+            return logits
+
+        cache = DynamicCache()
+        row = step(first, ids[: n_prompt + first], cache)
+        for i in range(first, last + 1):
+            if not self._judge(answer, label[i], i, ids, n_prompt, row, violation):
+                return False
+            if i < last:
+                row = step(i + 1, [ids[n_prompt + i]], cache)
+        return True
+
+    def _judge(
+        self,
+        answer: Answer,
+        seg: Mapping[str, Any],
+        i: int,
+        ids: Sequence[int],
+        n_prompt: int,
+        row: torch.Tensor,
+        violation: Callable[[str], None],
+    ) -> bool:
+        """Token ``i`` against the logits ``row`` its version gives; a violation if it is not
+        the argmax there (within :data:`TIE`)."""
+        token = ids[n_prompt + i]
+        gap = float(row.max() - row[token])
+        self.stats.tokens += 1
+        if gap <= TIE and bool(torch.isfinite(row).all()):
+            self.stats.worst_gap = max(self.stats.worst_gap, gap)
+            return True
+        matches = self._versions_matching(ids[: n_prompt + i], token)
+        violation(
+            f"token {i} of a {answer.kind} answer of fleet {answer.fleet} (group "
+            f"{seg.get('group')}, claimed weights v{seg.get('weights_version')}) is "
+            f"{token}, {gap:.4g} below the best logit ({int(row.argmax())}) of that "
+            "version: served by an engine not at the version it reports; the kept "
+            f"versions whose argmax it is (teacher-forced): {matches or 'none'}; prompt "
+            f"{len(answer.prompt)} ids, segments {list(answer.segments)}"
+        )
+        return False
 
     def _versions_matching(self, context: Sequence[int], token: int) -> list[int]:
         """The kept versions under which ``token`` is the argmax after ``context`` (for the
