@@ -54,7 +54,7 @@ sys.path.insert(0, str(HERE / "soakparts"))
 
 import faults as F  # noqa: E402
 import rig as R  # noqa: E402
-from resources import Resources, become_subreaper  # noqa: E402
+from resources import Resources, mark_processes  # noqa: E402
 from schedule import GROUPS, MAX_WAIT_S, SYNC_KINDS, Fault, describe, draw, leaves  # noqa: E402
 from tokens import TokenCheck  # noqa: E402
 from traffic import Traffic  # noqa: E402
@@ -128,7 +128,7 @@ class Soak:
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
         args = self.args
-        become_subreaper()
+        mark_processes()
         # the driver's own imports first: the leak check compares its threads and descriptors
         # with what it held before the rig started, not before its libraries were loaded
         import aiohttp  # noqa: F401
@@ -566,7 +566,10 @@ def leak_problems(leaks: dict[str, Any] | None) -> list[str]:
     threads, fds = leaks["threads"], leaks["fds"]
     if threads["after"] > threads["before"] + 8:
         out.append(f"driver threads {threads['before']} -> {threads['after']}")
-    if fds["after"] > fds["before"] + 16:
+    # Ray's core worker keeps about 18 after ray.shutdown (its gRPC event fds, its log files:
+    # once per driver, listed in the result's leaks.fds.new); growth during the run is bounded
+    # by the watcher
+    if fds["after"] > fds["before"] + 32:
         out.append(f"driver fds {fds['before']} -> {fds['after']}")
     return out
 
@@ -622,4 +625,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # a thread a closed fleet left running (a recovery still restarting an engine, logged at
+    # close and listed in the result's leaks) must not hold the exit: the result is written
+    os._exit(status)

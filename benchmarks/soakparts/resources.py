@@ -1,10 +1,11 @@
 """What the soak's driver and everything it started hold: processes, threads, file descriptors,
 shared-memory segments, Ray actors, and the driver's RSS; sampled, bounded, checked for leaks.
 
-:func:`become_subreaper` makes the driver the child subreaper of everything it starts (Linux
-``PR_SET_CHILD_SUBREAPER``): a process orphaned by a SIGKILLed parent (a removed Ray node's
-workers, an engine whose actor died) becomes the driver's child instead of init's, so "every
-process of the soak" is exactly the driver's descendants, and one left behind is seen.
+:func:`mark_processes` puts a marker in the driver's environment (``ROLLSAFE_SOAK_RUN``)
+before it starts anything: every process the soak starts inherits it (Ray's GCS and raylets,
+their workers, the engines, vLLM's EngineCore and workers), so "every process of the soak" is
+every process whose ``/proc/PID/environ`` holds the marker, also one orphaned by a SIGKILLed
+parent (a removed Ray node's workers, an engine whose actor died) and adopted by init.
 
 :class:`Resources` takes a :class:`Sample` (:meth:`Resources.sample`) each time the watcher asks;
 ``/dev/shm`` segments count as the soak's when one of its processes maps or holds them open
@@ -20,16 +21,15 @@ driver's threads and descriptors back near where they were before the rig starte
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rollsafe.processes import descendants, live_processes
+from rollsafe.processes import ProcessInfo, live_processes
 
-__all__ = ["Resources", "Sample", "become_subreaper"]
+__all__ = ["MARKER", "Resources", "Sample", "mark_processes", "marked_processes"]
 
 #: sample the shared-memory segments every this many samples
 SHM_EVERY = 10
@@ -40,16 +40,29 @@ SLACK = {"processes": 12, "threads": 40, "fds": 80, "shm": 16, "ray_actors": 4}
 RSS_SLOPE_MB_PER_MIN = 4.0
 #: ... judged once the samples after the warm-up span this long (s)
 RSS_MIN_SPAN_S = 180.0
-PR_SET_CHILD_SUBREAPER = 36
+#: the environment variable every process of the soak inherits
+MARKER = "ROLLSAFE_SOAK_RUN"
 
 
-def become_subreaper() -> bool:
-    """Orphans of the driver's descendants become its children (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
+def mark_processes() -> str:
+    """Set the marker (this run's id) in the driver's environment; returns it."""
+    value = f"{os.getpid()}-{time.time_ns()}"
+    os.environ[MARKER] = value
+    return value
+
+
+def marked_processes(value: str | None = None) -> list[ProcessInfo]:
+    """The live processes (but the driver) whose environment holds the marker."""
+    want = f"{MARKER}={value or os.environ.get(MARKER, '')}".encode()
+    me = os.getpid()
+    found: list[ProcessInfo] = []
+    for pid, info in live_processes().items():
+        if pid == me:
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            if want in f.read().split(b"\0"):
+                found.append(info)
+    return found
 
 
 @dataclass
@@ -73,18 +86,19 @@ class Resources:
     before: dict[str, int] = field(default_factory=dict)  # the driver before the rig started
     shm_seen: set[str] = field(default_factory=set)
     shm_at_start: set[str] = field(default_factory=set)
+    fds_at_start: set[str] = field(default_factory=set)
     _n: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
         """Before the rig starts: the driver's threads and descriptors, /dev/shm as it was."""
         self.before = {"threads": threading.active_count(), "fds": _fds()}
+        self.fds_at_start = _fd_targets()
         self.shm_at_start = _shm_names()
 
     def sample(self, ray_actors: int | None = None) -> Sample:
         self._n += 1
-        procs = live_processes()
-        mine = descendants(os.getpid(), procs)
+        mine = marked_processes()
         shm: int | None = None
         if self._n % SHM_EVERY == 1:
             names = _shm_of([os.getpid(), *(p.pid for p in mine)])
@@ -160,7 +174,7 @@ class Resources:
         ``settle_s`` for processes to be reaped and segments to be unlinked)."""
         deadline = time.monotonic() + settle_s
         while True:
-            left = descendants(os.getpid())
+            left = marked_processes()
             shm = sorted((self.shm_seen - self.shm_at_start) & _shm_names())
             if (not left and not shm) or time.monotonic() > deadline:
                 break
@@ -172,7 +186,12 @@ class Resources:
             "shm": shm,
             "ray_actors": ray_actors,
             "threads": {"before": self.before.get("threads"), "after": threads},
-            "fds": {"before": self.before.get("fds"), "after": fds},
+            "fds": {
+                "before": self.before.get("fds"),
+                "after": fds,
+                "new": sorted(_fd_targets() - self.fds_at_start)[:40],
+            },
+            "thread_names": sorted(t.name for t in threading.enumerate())[:40],
         }
 
     def summary(self) -> dict[str, Any]:
@@ -207,6 +226,16 @@ def _fds() -> int:
     with contextlib.suppress(OSError):
         return len(os.listdir("/proc/self/fd"))
     return -1
+
+
+def _fd_targets() -> set[str]:
+    """What the driver's descriptors point at (``fd -> target``)."""
+    out: set[str] = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                out.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+    return out
 
 
 def _rss_mb() -> float:

@@ -11,8 +11,8 @@ step it happened at.
 * ``invariants``: :func:`rollsafe.invariants.check_all` on the fleet's picture (routable iff
   active, active groups whole and at the fleet version, no publish on a failed register, no
   export deleted under a lease, leases held only by recoveries, versions never decrease, ...);
-* ``leased_exports``: every export a recovery holds a lease on is ``ready`` and its directory is
-  on disk;
+* ``leased_exports``: no export a recovery holds a lease on is deleted, machine or directory
+  (it may be superseded meanwhile);
 * ``poisoned``: no fleet ever reaches a version the trainer poisoned;
 * ``resources``: a :class:`~resources.Sample` each time, bounded after the warm-up
   (:meth:`resources.Resources.check`); Ray's alive actors counted;
@@ -128,7 +128,9 @@ class Watcher:
             if exporter is not None:
                 for record in exporter.exports():
                     leases = list(record.lifecycle.leases)
-                    if leases and (record.state != "ready" or not record.path.exists()):
+                    # a lease is taken on a ready export; a newer one may supersede it meanwhile,
+                    # but it is never deleted (machine or directory) while the lease is held
+                    if leases and (record.state == "deleted" or not record.path.exists()):
                         self.violation(
                             "leased_exports",
                             f"{name}: export v{record.version} leased by {leases} is "
