@@ -112,6 +112,7 @@ class Soak:
         self.weight_checks: Counter[str] = Counter()
         self.poisoned: set[int] = set()
         self.fault_index: int | None = None
+        self.outcomes_left = 0
         self.t0: float | None = None
         self.violations = Violations(args.seed, self.step)
         self._sync_now = threading.Event()
@@ -172,9 +173,20 @@ class Soak:
         queue = list(self.schedule)
         waiting_since: float | None = None
         next_sync = 0.0
+        draining = False
         while not self.violations.stop.is_set():
             now = time.monotonic() - self.t0
-            if now >= horizon:
+            if now >= horizon and not draining:
+                draining = True
+                self.outcomes_left = len(queue)
+                say(
+                    f"faults over ({len(queue)} not reached); syncs go on until the "
+                    f"{self.outcomes.pending()} open fault(s) end (at most {DRAIN_S:.0f}s)"
+                )
+            if draining and (
+                (not self.outcomes.pending() and not self.injector.pending())
+                or now >= horizon + DRAIN_S
+            ):
                 break
             if self.resources.warm_at is None and self.syncs_done > 0 and now >= warm:
                 self.resources.warm()
@@ -185,7 +197,7 @@ class Soak:
                 while next_sync <= time.monotonic() - self.t0:
                     next_sync += SYNC_EVERY_S
                 continue
-            if queue and now >= queue[0].at_s:
+            if not draining and queue and now >= queue[0].at_s:
                 fault = queue[0]
                 if waiting_since is None:
                     waiting_since = now
@@ -200,7 +212,8 @@ class Soak:
             self.violations.stop.wait(0.2)
         self.outcomes_left = len(queue)
         if not self.violations.stop.is_set():
-            self.drain()
+            for name in self.rig.fleets:
+                self._check(name, list(self.rig.fleets[name].group_ids), why="the end")
         return self.finish(wall0)
 
     def _ready_for(self, fault: Fault) -> bool:
@@ -366,24 +379,6 @@ class Soak:
         return outcome
 
     # ------------------------------------------------------------------ the end
-    def drain(self) -> None:
-        """No more faults: wait for the open ones to end (up to :data:`DRAIN_S`), then check
-        every group's weights once more."""
-        say(f"faults over; waiting for {self.outcomes.pending()} fault(s) to end")
-        deadline = time.monotonic() + DRAIN_S
-        while (
-            (self.outcomes.pending() or self.injector.pending())
-            and time.monotonic() < deadline
-            and not self.violations.stop.is_set()
-        ):
-            self.injector.run_due()
-            for fleet, gid in self.watcher.take_returned():
-                self._check(fleet, [gid], why=f"{gid} back in active")
-            time.sleep(0.5)
-        if not self.violations.stop.is_set():
-            for name in self.rig.fleets:
-                self._check(name, list(self.rig.fleets[name].group_ids), why="the end")
-
     def finish(self, wall0: float) -> int:
         self.duration_s = round(time.monotonic() - (self.t0 or time.monotonic()), 1)
         self.wall0 = wall0

@@ -89,14 +89,17 @@ def tokens_module() -> ModuleType:
 def _greedy(model: Any, weights_by_step: list[dict[str, Any]], prompt: list[int]) -> list[int]:
     """Greedy tokens decoded as an engine does, step ``i`` with ``weights_by_step[i]`` onto the
     KV cache so far (the weights change mid-request when the list does)."""
+    import inspect
+
     import torch
     from transformers import DynamicCache
 
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache, out, feed = DynamicCache(), [], list(prompt)
     for w in weights_by_step:
         with torch.no_grad():
             logits = torch.func.functional_call(
-                model, w, (torch.tensor([feed]),), {"past_key_values": cache, "use_cache": True}
+                model, w, (torch.tensor([feed]),), {kw: cache, "use_cache": True}
             ).logits[0, -1]
         out.append(int(logits.argmax()))
         feed = [out[-1]]

@@ -256,7 +256,7 @@ def _ray_settings() -> Any:
     # every node of the local cluster sees this machine's filesystem: the export root is shared
     # (checked on every node at start and on each node that joins)
     return RaySettings(
-        resources_per_rank={ENGINE_RESOURCE: 1.0}, placement_timeout_s=10.0, shared_exports=True
+        resources_per_rank={ENGINE_RESOURCE: 1.0}, placement_timeout_s=60.0, shared_exports=True
     )
 
 

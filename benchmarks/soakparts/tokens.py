@@ -23,6 +23,7 @@ oldest are counted as ``skipped`` (never silently). A version older than the tra
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,9 @@ class TokenCheck:
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         self.model.eval()  # type: ignore[no-untyped-call]
+        # the KV cache's keyword: ``cache`` in newer transformers, ``past_key_values`` before
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.weights_at = weights_at
         self.kept = kept
         self.violation = violation
@@ -209,7 +213,7 @@ class TokenCheck:
         def step(i: int, feed: Sequence[int], cache: Any) -> torch.Tensor:
             w = weights[label[i].get("weights_version")]
             assert w is not None
-            kwargs = {"past_key_values": cache, "use_cache": True}
+            kwargs = {self._cache_kw: cache, "use_cache": True}
             with torch.no_grad():
                 out = torch.func.functional_call(
                     self.model, dict(w), (torch.tensor([list(feed)]),), kwargs
