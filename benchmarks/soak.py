@@ -85,6 +85,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help=f"a {SMOKE_MINUTES}-minute run")
     p.add_argument("--schedule-only", action="store_true", help="print the schedule and exit")
     p.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="record every violation and go on (for diagnosis; the exit is still 1)",
+    )
+    p.add_argument(
         "--vllm-python",
         default=os.environ.get("ROLLSAFE_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python")),
     )
@@ -114,7 +119,7 @@ class Soak:
         self.fault_index: int | None = None
         self.outcomes_left = 0
         self.t0: float | None = None
-        self.violations = Violations(args.seed, self.step)
+        self.violations = Violations(args.seed, self.step, keep_going=args.keep_going)
         self._sync_now = threading.Event()
         self.snapshots: dict[str, Any] = {}
         self.teardown: dict[str, Any] = {}
@@ -485,6 +490,7 @@ class Soak:
             "seed": self.args.seed,
             "minutes": self.args.minutes,
             "smoke": self.args.smoke,
+            "keep_going": self.args.keep_going,
             "exit_code": code,
             "duration_s": getattr(self, "duration_s", None),
             "started": time.strftime(
@@ -529,6 +535,7 @@ class Soak:
             },
             "sync_log": self.sync_log,
             "violations": self.violations.items,
+            "violations_not_kept": self.violations.more,
             "watcher_rounds": self.watcher.rounds if hasattr(self, "watcher") else 0,
             "leaks": getattr(self, "leaks", None),
             "rss_mb": {

@@ -354,9 +354,9 @@ def start(seed: int, vllm_python: str, repo: Path) -> Rig:
         say(f"Ray cluster up in {rig.start_s['cluster']:.1f}s ({rig.ray_tmpdir})")
         rig.trainer = Trainer(rig.model_dir, seed)
         configs = fleet_configs(rig, vllm_python, repo)
-        for name in ("ref", "vllm"):
+        for name, config in configs.items():
             t = time.monotonic()
-            fleet = RolloutFleet(configs[name])
+            fleet = RolloutFleet(config)
             rig.fleets[name] = fleet
             with slow_exports():  # the fleet builds its exporter as a SlowExporter
                 fleet.start()

@@ -47,13 +47,24 @@ class Violations:
 
     seed: int
     step: Callable[[], str]
+    #: record every violation and go on (``--keep-going``, for diagnosis); the exit is still 1
+    keep_going: bool = False
     items: list[dict[str, Any]] = field(default_factory=list)
+    more: dict[str, int] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    #: violations kept per check (the rest counted in ``more``: a resource bound broken once
+    #: is broken every second after it under ``--keep-going``)
+    PER_CHECK = 10
+
     def __call__(self, check: str, message: str) -> None:
         with self._lock:
-            if any(v["check"] == check and v["message"] == message for v in self.items):
+            same = [v for v in self.items if v["check"] == check]
+            if any(v["message"] == message for v in same):
+                return
+            if len(same) >= self.PER_CHECK:
+                self.more[check] = self.more.get(check, 0) + 1
                 return
             self.items.append(
                 {
@@ -68,7 +79,8 @@ class Violations:
             f"[soak VIOLATION] {check}: {message[:2000]} (step {self.step()}, seed {self.seed})",
             flush=True,
         )
-        self.stop.set()
+        if not self.keep_going:
+            self.stop.set()
 
 
 class Watcher:
