@@ -5,6 +5,7 @@ Every engine here is a real OS process group; every test checks that nothing is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -227,6 +228,31 @@ def test_the_watchdog_reaps_the_group_when_its_parent_dies_with_its_children(
             os.kill(grandchild, signal.SIGKILL)
         for path in (only, shared):
             path.unlink(missing_ok=True)
+
+
+def test_leftovers_of_a_real_engine_whose_server_died_first() -> None:
+    """A SIGKILLed vLLM server's workers live on in its process group holding their
+    ``/dev/shm`` queues: the launcher's stop still finds them and the files (found by the soak:
+    each SIGKILL of a vLLM server left its queues, hundreds of MB)."""
+    import types
+
+    from rollsafe.adapters.engines.launch.real_engine import leftovers
+
+    shm = Path(f"/dev/shm/rs-leftover-{os.getpid()}")
+    leader = subprocess.Popen(
+        ["sh", "-c", f"sh -c 'exec 3>>{shm}; sleep 600' & exit 0"], start_new_session=True
+    )
+    leader.wait()  # the server is gone; its worker is not
+    try:
+        assert wait_for(shm.exists, 30.0)
+        spec = types.SimpleNamespace(kind="vllm")
+        pids, held = leftovers(spec, leader.pid, [])  # type: ignore[arg-type]
+        assert pids and all(pid_alive(p) for p in pids)
+        assert str(shm) in held
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)
+        shm.unlink(missing_ok=True)
 
 
 def test_weight_version_reaches_the_engine_command() -> None:

@@ -21,7 +21,9 @@ step it happened at.
 
 :class:`Outcomes` follows each injected fault until its targets are ``active`` at their fleet's
 version again after the fault's window (a black hole's seconds, a SIGSTOP until SIGCONT, an armed
-fault's sync): ``time_to_active`` from the injection; one not back within its deadline is a
+fault's sync): ``time_to_active`` from the injection to the moment they are back, for a fault
+that took them out of routing (``left_active``); one whose groups stayed in routing
+:data:`LEAVE_GRACE_S` past its window has none. One not back within its deadline is a
 violation.
 """
 
@@ -39,6 +41,8 @@ from resources import Resources
 __all__ = ["INTERVAL_S", "Outcomes", "Violations", "Watcher"]
 
 INTERVAL_S = 1.0
+#: a fault's groups that stayed in routing this long after its window: it took none out
+LEAVE_GRACE_S = 30.0
 
 
 @dataclass
@@ -186,6 +190,7 @@ class Outcome:
     window_end: Callable[[], bool]  # True once the fault's own window is over
     deadline_s: float
     detail: str = ""
+    window_done_at: float | None = None
     left_active: bool = False
     time_to_active_s: float | None = None
     survived: bool | None = None
@@ -235,8 +240,17 @@ class Outcomes:
                     back = all(self._back(f, g) for f, g in o.targets)
                     if not back:
                         o.left_active = True
-                    if back and o.window_end():
-                        o.time_to_active_s = round(now - o.injected, 2)
+                    if o.window_done_at is None and o.window_end():
+                        o.window_done_at = now
+                    # a fault that takes its group out is noticed after a while (the health
+                    # checks): it is over once the group left and came back, or once it stayed
+                    # in routing LEAVE_GRACE_S past the fault's window (no time to active then)
+                    over = o.window_done_at is not None and (
+                        o.left_active or now - o.window_done_at >= LEAVE_GRACE_S
+                    )
+                    if back and over:
+                        if o.left_active:
+                            o.time_to_active_s = round(now - o.injected, 2)
                         o.survived = True
                         self.done.append(o)
                     elif now - o.injected > o.deadline_s:

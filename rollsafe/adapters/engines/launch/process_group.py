@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Candidate",
     "descendants",
+    "group_members",
     "kill_group",
     "reap",
     "signal_group",
@@ -152,6 +153,28 @@ def _start_time(pid: int) -> str:
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read()
     return stat[stat.rfind(b")") + 2 :].split()[19].decode()
+
+
+def group_members(pgid: int) -> list[int]:
+    """Every live process of process group ``pgid`` (its leader may be gone: a SIGKILLed
+    server's workers stay in its group), read from ``/proc``."""
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+                found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def descendants(pid: int) -> list[int]:
