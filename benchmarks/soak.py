@@ -58,7 +58,7 @@ from resources import Resources, mark_processes  # noqa: E402
 from schedule import GROUPS, MAX_WAIT_S, SYNC_KINDS, Fault, describe, draw, leaves  # noqa: E402
 from tokens import TokenCheck  # noqa: E402
 from traffic import Traffic  # noqa: E402
-from watcher import Outcome, Outcomes, Violations, Watcher  # noqa: E402
+from watcher import Outcome, Outcomes, Transitions, Violations, Watcher  # noqa: E402
 from weights import check_groups  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -166,8 +166,11 @@ class Soak:
             rig.model_dir, rig.trainer.at, lambda m: self.violations("tokens", m), rig.trainer.kept
         )
         self.tokens.start()
-        self.watcher = Watcher(fleets, self.resources, self.violations, lambda: set(self.poisoned))
-        self.outcomes = Outcomes(fleets, self.violations)
+        transitions = Transitions(fleets)
+        self.watcher = Watcher(
+            fleets, self.resources, self.violations, lambda: set(self.poisoned), transitions
+        )
+        self.outcomes = Outcomes(fleets, self.violations, transitions)
         self.traffic = Traffic(
             {n: f.gateway_url for n, f in fleets.items()}, self.args.seed, self.tokens.submit, say
         )

@@ -1017,6 +1017,8 @@ def _soak(d: dict[str, Any]) -> list[Row]:
     leaks = d.get("leaks") or {}
     leaked = bool(leaks.get("processes") or leaks.get("shm") or leaks.get("ray_actors"))
     tag = f"soak, {d['minutes']:g} min, seed {d['seed']} ({d['host']['cpus']} cpus, shared)"
+    if d.get("note"):
+        tag += f" [{d['note'].split(' (')[0]}]"
     times = ", ".join(
         f"{kind} {v['time_to_active_s']['p50']}/{v['time_to_active_s']['p95']}"
         for kind, v in sorted(faults.items())
@@ -1031,7 +1033,12 @@ def _soak(d: dict[str, Any]) -> list[Row]:
             "-",
             "-",
         ),
-        (f"{tag}: time to active p50/p95 s, by kind", times or "-", "-", "-"),
+        (
+            f"{tag}: time to active p50/p95 s, by kind",
+            "not measured (see the note)" if d.get("note") else times or "-",
+            "-",
+            "-",
+        ),
         (
             f"{tag}: syncs ok of done (pushes), requests served / failed / continued",
             f"{syncs['ok']} of {syncs['done']} ({syncs['pushes']}); "
@@ -1090,6 +1097,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gateway_cpu.json": _gateway,
     "router_sync_cpu.json": _router_sync,
     "soak_cpu_10min.json": _soak,
+    "soak_cpu_10min_run1.json": _soak,
 }
 
 

@@ -16,8 +16,9 @@ step it happened at.
 * ``poisoned``: no fleet ever reaches a version the trainer poisoned;
 * ``resources``: a :class:`~resources.Sample` each time, bounded after the warm-up
   (:meth:`resources.Resources.check`); Ray's alive actors counted;
-* groups that came back to ``active`` are queued for the weight check (:attr:`Watcher.returned`,
-  taken by the soak's main loop between syncs).
+* groups that came back to ``active`` are queued for the weight check (taken by the soak's main
+  loop between syncs), from :class:`Transitions`: the registry's own transitions, so a recovery
+  from a warm standby (under a second) is seen too.
 
 :class:`Outcomes` follows each injected fault until its targets are ``active`` at their fleet's
 version again after the fault's window (a black hole's seconds, a SIGSTOP until SIGCONT, an armed
@@ -38,11 +39,49 @@ from typing import Any
 
 from resources import Resources
 
-__all__ = ["INTERVAL_S", "Outcomes", "Violations", "Watcher"]
+__all__ = ["INTERVAL_S", "Outcomes", "Transitions", "Violations", "Watcher"]
 
 INTERVAL_S = 1.0
 #: a fault's groups that stayed in routing this long after its window: it took none out
 LEAVE_GRACE_S = 30.0
+
+
+class Transitions:
+    """Every group transition of every fleet, as the registry sends them (a registry listener:
+    a recovery from a warm standby takes less than a second, too short for a sampler to see the
+    group out of routing). Keeps the last time each group left ``active`` and queues the groups
+    that entered it."""
+
+    def __init__(self, fleets: dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+        self.left_at: dict[tuple[str, str], float] = {}  # monotonic
+        self.entered: list[tuple[str, str]] = []
+        for name, fleet in fleets.items():
+            fleet.registry.add_listener(_Listener(self, name))
+
+    def note(self, fleet: str, gid: str, source: str, target: str) -> None:
+        with self._lock:
+            if source == "active" and target != "active":
+                self.left_at[(fleet, gid)] = time.monotonic()
+            if target == "active" and source != "active":
+                self.entered.append((fleet, gid))
+
+    def left_since(self, fleet: str, gid: str, since: float) -> bool:
+        with self._lock:
+            return self.left_at.get((fleet, gid), -1.0) >= since
+
+    def take_entered(self) -> list[tuple[str, str]]:
+        with self._lock:
+            out, self.entered = self.entered, []
+        return out
+
+
+class _Listener:
+    def __init__(self, transitions: Transitions, fleet: str) -> None:
+        self.transitions, self.fleet = transitions, fleet
+
+    def on_transition(self, group: Any, record: Any) -> None:
+        self.transitions.note(self.fleet, record.group_id, record.source, record.target)
 
 
 @dataclass
@@ -96,8 +135,10 @@ class Watcher:
         resources: Resources,
         violation: Violations,
         poisoned: Callable[[], set[int]],
+        transitions: Transitions | None = None,
     ) -> None:
         self.fleets = fleets
+        self.transitions = transitions
         self.resources = resources
         self.violation = violation
         self.poisoned = poisoned
@@ -117,6 +158,8 @@ class Watcher:
         self._thread.join(30)
 
     def take_returned(self) -> list[tuple[str, str]]:
+        if self.transitions is not None:
+            return list(dict.fromkeys(self.transitions.take_entered()))
         with self._lock:
             out, self.returned = self.returned, []
         return out
@@ -199,9 +242,15 @@ class Outcome:
 class Outcomes:
     """Follows each injected fault to the end of its targets' recovery (see the module)."""
 
-    def __init__(self, fleets: dict[str, Any], violation: Violations) -> None:
+    def __init__(
+        self,
+        fleets: dict[str, Any],
+        violation: Violations,
+        transitions: Transitions | None = None,
+    ) -> None:
         self.fleets = fleets
         self.violation = violation
+        self.transitions = transitions
         self.open: list[Outcome] = []
         self.done: list[Outcome] = []
         self._lock = threading.Lock()
@@ -238,7 +287,10 @@ class Outcomes:
                 still: list[Outcome] = []
                 for o in self.open:
                     back = all(self._back(f, g) for f, g in o.targets)
-                    if not back:
+                    if not back or (
+                        self.transitions is not None
+                        and any(self.transitions.left_since(f, g, o.injected) for f, g in o.targets)
+                    ):
                         o.left_active = True
                     if o.window_done_at is None and o.window_end():
                         o.window_done_at = now
