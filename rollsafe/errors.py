@@ -21,6 +21,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── UnsafePayload [ValueError]                    rollsafe.wire.unpickle
     ├── SegmentError [ValueError]                     rollsafe.wire.shm
     ├── BadJSON [ValueError]                          rollsafe.wire.strict_json
+    ├── VLLMRendezvousUnavailable [ImportError]       rollsafe.wire.vllm_group
     ├── DeltaError [ValueError]                       rollsafe.wire.delta (a refused delta)
     │   └── DeltaBaseMismatch, DeltaFormatError, DeltaDigestMismatch
     ├── DeadlineExceeded [TimeoutError]               rollsafe.concurrency
@@ -85,6 +86,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   └── RecoveryError
     │       └── RecoveryClosed, StepTimeout [TimeoutError]
     ├── RunFileError [ValueError]                     rollsafe.observe.runfile
+    ├── TraceError [ValueError]                       rollsafe.verify.replay
     ├── DiagramCheckError [RuntimeError]              rollsafe.diagrams
     ├── TrainerError [RuntimeError]                   rollsafe.demo_trainer
     └── TRLIntegrationError                           rollsafe.integrations.trl

@@ -34,6 +34,7 @@ from rollsafe.statemachines.events import (
     ModeEvent,
     RegistrationEvent,
 )
+from rollsafe.wire.group_names import RENDEZVOUS_TORCH, RENDEZVOUS_VLLM
 
 __all__ = [
     "ENGINE_TRAITS",
@@ -159,6 +160,13 @@ class EngineTraits:
     against the header's ``base_digests`` instead, and keeps a host copy of the weights it
     loaded (one model's worth of host memory) to apply deltas onto: the sender writes the base
     digests and asks for the copy (``keep_delta_base``) for such a target only.
+
+    ``rendezvous``: how the engine's ranks join an ``nccl``-transport weight-update group.
+    ``"torch"`` (:data:`~rollsafe.wire.group_names.RENDEZVOUS_TORCH`): rollsafe's
+    ``torch.distributed`` group over a prefixed ``TCPStore`` (SGLang, the reference engine,
+    rollsafe's ``rollsafe_gloo`` plugin). ``"vllm"``: a real vLLM's ``nccl`` backend, which
+    joins as vLLM's ``StatelessProcessGroup`` + PyNccl; the trainer joins it the same way
+    (:mod:`rollsafe.wire.vllm_group`, which needs ``vllm`` importable in the trainer).
     """
 
     kind: str
@@ -166,6 +174,7 @@ class EngineTraits:
     update_needs_pause: bool
     applies_deltas: bool = False
     delta_base_by_content: bool = False
+    rendezvous: str = RENDEZVOUS_TORCH
 
 
 #: (engine kind, HTTP dialect) -> its traits. ``None`` as dialect: any dialect of that kind.
@@ -173,7 +182,9 @@ ENGINE_TRAITS: dict[tuple[str, str | None], EngineTraits] = {
     ("reference", "sglang"): EngineTraits("reference-sglang", True, False, applies_deltas=True),
     ("reference", "vllm"): EngineTraits("reference-vllm", False, True, applies_deltas=True),
     ("sglang", None): EngineTraits("sglang", False, False, applies_deltas=False),
-    ("vllm", None): EngineTraits("vllm", False, True, applies_deltas=False),
+    ("vllm", None): EngineTraits(
+        "vllm", False, True, applies_deltas=False, rendezvous=RENDEZVOUS_VLLM
+    ),
 }
 #: vLLM served through rollsafe's ``rollsafe_gloo`` weight-transfer plugin (vLLM on CPU): a
 #: failed update still poisons it, but it applies deltas, checking the base by content

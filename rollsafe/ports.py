@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from rollsafe.digest_check import DigestCheck, compare_digests, compare_ranks
 from rollsafe.errors import InvalidArgument
+from rollsafe.wire.group_names import RENDEZVOUS_TORCH, RENDEZVOUS_VLLM
 
 if TYPE_CHECKING:
     import torch
@@ -277,7 +278,10 @@ class EngineTarget:
     others full pushes); ``delta_base_by_content``: it checks a delta's base by content, not by
     version label (:attr:`rollsafe.policy.EngineTraits.delta_base_by_content`, rollsafe's vLLM
     CPU plugin): the sender writes the base digests into that delta's header and asks the
-    engine, when it joins, to keep its base.
+    engine, when it joins, to keep its base. ``rendezvous``: how the engine's ranks join an
+    ``nccl`` weight-update group (:attr:`rollsafe.policy.EngineTraits.rendezvous`): ``"torch"``
+    (rollsafe's group) or ``"vllm"`` (a real vLLM's ``nccl`` backend: the trainer joins with
+    vLLM's ``StatelessProcessGroup`` + PyNccl, :mod:`rollsafe.wire.vllm_group`).
     """
 
     name: str
@@ -286,12 +290,19 @@ class EngineTarget:
     tp_size: int = 1
     applies_deltas: bool = False
     delta_base_by_content: bool = False
+    rendezvous: str = RENDEZVOUS_TORCH
 
     def __post_init__(self) -> None:
         if not self.ranks:
             raise InvalidArgument("ranks", f"EngineTarget {self.name!r} has no ranks")
         if self.tp_size < 1:
             raise InvalidArgument("tp_size", f"EngineTarget {self.name!r}: tp_size must be >= 1")
+        if self.rendezvous not in (RENDEZVOUS_TORCH, RENDEZVOUS_VLLM):
+            raise InvalidArgument(
+                "rendezvous",
+                f"EngineTarget {self.name!r}: rendezvous must be {RENDEZVOUS_TORCH!r} or "
+                f"{RENDEZVOUS_VLLM!r}, got {self.rendezvous!r}",
+            )
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ key, both with fault injection enabled so error paths and retries run against th
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -251,6 +253,45 @@ def test_timeout_maps_to_engine_timeout(sglang_engine: EngineLauncher) -> None:
     finally:
         fault(sglang_engine, "/fault/slow", {"seconds": 0})
     client.health()
+
+
+def _info(engine: EngineLauncher) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.get(f"{engine.url}/get_server_info", headers=headers, timeout=30)
+    r.raise_for_status()
+    info: dict[str, Any] = r.json()
+    return info
+
+
+def test_a_stall_holds_one_generation_until_a_pause_aborts_it(engine: EngineLauncher) -> None:
+    """``/fault/stall``: the next generation stops at that many tokens, held (not finished),
+    until ``pause_generation("abort")`` ends it with exactly those; it stalls one generation
+    once, and a disarmed stall holds none."""
+    client = engine.client
+    sampled = _info(engine)["tokens_generated"]
+    fault(engine, "/fault/stall", {"after_tokens": 3})
+    box: dict[str, Any] = {}
+    worker = threading.Thread(
+        target=lambda: box.setdefault("out", client.generate(PROMPT, sampling_params=GREEDY))
+    )
+    worker.start()
+    deadline = time.monotonic() + 60  # a hang detector, nothing timed
+    while _info(engine)["tokens_generated"] < sampled + 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.is_alive() and _info(engine)["tokens_generated"] == sampled + 3
+    client.pause_generation("abort")
+    client.continue_generation()
+    worker.join(60)
+    held = box["out"]
+    assert len(held.output_ids) == 3 and held.finish_reason == "abort"
+    assert len(client.generate(PROMPT, sampling_params=GREEDY).output_ids) == 8  # used up
+    fault(engine, "/fault/stall", {"after_tokens": 3})
+    fault(engine, "/fault/stall", {"after_tokens": None})
+    assert len(client.generate(PROMPT, sampling_params=GREEDY).output_ids) == 8  # disarmed
+    for bad in (0, "3", True, 1.5):
+        with pytest.raises(httpx.HTTPStatusError) as info:
+            fault(engine, "/fault/stall", {"after_tokens": bad})
+        assert info.value.response.status_code == 400 and "after_tokens" in info.value.response.text
 
 
 def test_api_key_header(vllm_engine: EngineLauncher) -> None:

@@ -807,6 +807,7 @@ def test_api_key_file_hides_the_key_and_faults_need_it(
             ("/fault/hang", {}),
             ("/fault/slow", {"seconds": 30}),
             ("/fault/fail_next", {"endpoint": "/health"}),
+            ("/fault/stall", {"after_tokens": 1}),
         ]:
             r = anon.post(path, json=body)
             assert r.status_code == 401, (path, r.text)

@@ -370,6 +370,7 @@ def test_fault_endpoints_are_404_without_env(fresh: EngineProcess) -> None:
         ("/fault/hang", {}),
         ("/fault/slow", {"seconds": 5}),
         ("/fault/fail_next", {"endpoint": "/health"}),
+        ("/fault/stall", {"after_tokens": 1}),
     ]:
         r = fresh.post(path, body)
         assert r.status_code == 404, (path, r.text)

@@ -47,7 +47,7 @@ def fleet(
         model_path=tiny_model_dir,
         export_root=tmp_path_factory.mktemp(f"gw-{dialect}") / "exports",
         groups=[GroupSpec(1), GroupSpec(1)],
-        engine=EngineSpec(model_path=str(tiny_model_dir), dialect=dialect),
+        engine=EngineSpec(model_path=str(tiny_model_dir), dialect=dialect, fault_injection=True),
         transport="nccl" if dialect == "vllm" else "ipc",
         request_timeout_s=60.0,
         gateway=GatewaySettings(api_key=KEY, wait_for_routable_s=120.0),
@@ -64,8 +64,9 @@ KILLED: list[tuple[str, tuple[int, ...]]] = []
 def ready(fleet: RolloutFleet) -> Iterator[RolloutFleet]:
     """The module's fleet with every group active at the fleet's version on a live engine (a
     group a test killed is detected, restarted and, when it came back behind the fleet's
-    version, synced), no crash hook left behind."""
+    version, synced), no crash hook or stall left behind."""
     _settle(fleet)
+    _stall(fleet, None)
     yield fleet
     fleet.router.on_progress = None
 
@@ -108,23 +109,41 @@ def _weights(fleet: RolloutFleet) -> dict[str, Any]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+def _stall(fleet: RolloutFleet, after_tokens: int | None) -> None:
+    """Arm (``None``: disarm) the reference engines' one-shot stall on every group (``POST
+    /fault/stall``): the next generation to reach ``after_tokens`` tokens makes no more until
+    it is aborted or its engine dies. The tiny engine makes a whole answer in a fraction of a
+    second, and a loaded test process reads it in bursts far behind: without the stall a sync
+    started when the reader saw ``KILL_AT`` tokens can find the generation over."""
+    for group in fleet.registry.groups():
+        r = httpx.post(
+            f"{fleet.launcher(group.group_id).url}/fault/stall",
+            json={"after_tokens": after_tokens},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+
+
 def _sdk(fleet: RolloutFleet) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{fleet.gateway_url}/v1", api_key=KEY, max_retries=0)
 
 
 def _kill_when(fleet: RolloutFleet, at: int = KILL_AT) -> dict[str, int]:
     """SIGKILL the engine of the group serving the next request once it streamed ``at``
-    tokens; the returned dict names the victim."""
+    tokens (its engine held at ``at + 1``: :func:`_stall`, disarmed before the kill so the
+    continuation runs free); the returned dict names the victim."""
     killed: dict[str, int] = {}
 
     def progress(gid: str, n: int) -> None:
         if n >= at and not killed:
             killed[gid] = n
+            _stall(fleet, None)
             pids = tuple(fleet.launcher(gid).rank_pids)
             KILLED.append((gid, pids))
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
 
+    _stall(fleet, at + 1)
     fleet.router.on_progress = progress
     return killed
 
@@ -311,14 +330,21 @@ def test_a_sync_mid_stream_continues_on_the_new_weights(ready: RolloutFleet) -> 
     fleet.router.on_progress = lambda gid, n: reached.set() if n >= KILL_AT else None
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.setdefault("out", _slime_generate_stream(fleet)))
-    worker.start()
-    assert reached.wait(120)
+    # the serving engine holds the stream at KILL_AT + 1 tokens (its newest is sent with the
+    # next event, so the reader sees KILL_AT): the sync's pause finds it mid-generation
+    _stall(fleet, KILL_AT + 1)
+    try:
+        worker.start()
+        assert reached.wait(120)
+    finally:
+        _stall(fleet, None)  # the continuation runs free; the stalled generation stays held
     report = fleet.sync_weights(weights, version, pause_mode="abort")
     worker.join(120)
     fleet.router.on_progress = None
     assert report.ok
     ids, segments = box["out"]
     assert ids == uncut
+    assert segments[0]["token_range"] == [0, KILL_AT + 1] and segments[0]["ended"] == "aborted"
     versions = [s["weights_version"] for s in segments]
     assert versions[0] == str(version - 1) and versions[-1] == str(version)
     _segments_cover(segments, TOKENS)

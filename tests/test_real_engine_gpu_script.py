@@ -57,6 +57,8 @@ def test_vllm_smoke_every_phase_and_check(tmp_path: Path) -> None:
         "failed",
     }
     assert doc["phases"]["start"]["dialects"] == {"g0": "0.26.0", "g1": "0.26.0"}
+    # the reference engine joins rollsafe's group; a real vLLM on the GPU reports "vllm"
+    assert doc["phases"]["sync"]["rendezvous"] == "torch"
     assert [c["level"] for c in doc["phases"]["sleep"]["cycles"]] == [1, 2]
     assert all(c["update_while_asleep_refused"] for c in doc["phases"]["sleep"]["cycles"])
     assert set(doc["phases"]["checks"]["checksums"].values()) == {None}  # no checker in 0.26

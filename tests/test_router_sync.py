@@ -317,6 +317,7 @@ def test_a_group_leaving_active_is_removed_and_added_back_when_it_returns(
     before = (s0.served(), s1.served())
     router.send(6)
     assert (s0.served(), s1.served()) == (before[0], before[1] + 6)  # none reached g0's engine
+    assert sync.wait_synced(WAIT_S)  # the router acts before the sync has its confirmation
     stats = sync.stats()
     assert (stats["removes"], stats["failures"], stats["removals_timed"]) == (1, 0, 1)
     assert stats["last_removal_lag_s"] is not None and stats["last_removal_lag_s"] >= 0
@@ -327,6 +328,7 @@ def test_a_group_leaving_active_is_removed_and_added_back_when_it_returns(
     before = (s0.served(), s1.served())
     router.send(8)
     assert s0.served() > before[0] and s1.served() > before[1]  # round robin over both again
+    assert sync.wait_synced(WAIT_S)
     assert sync.stats()["adds"] == 1
 
 
@@ -527,7 +529,11 @@ def test_a_fleet_keeps_a_real_routers_workers_equal_to_its_routable_set(tmp_path
             until(lambda: victim.state == "active", "g1 back at version 1")
             until(lambda: router.listed() == urls(), "the router lists the new URL")
             assert old not in router.listed() and victim.client.url in router.listed()
+            # the router lists a URL as soon as its background job ran; the sync counts the add
+            # when its own GET /workers confirms it, a moment later: wait for that
+            (sync,) = running.router_syncs
+            assert sync.wait_synced(WAIT_S)
             (stats,) = running.snapshot()["external_routers"]
-            assert stats["removes"] >= 1 and stats["adds"] >= 3
+            assert stats["removes"] >= 1 and stats["adds"] >= 3, stats
     finally:
         router.stop()

@@ -291,13 +291,29 @@ def test_the_weight_checkers_parse_bodies_like_the_engine(
     raw: bytes, message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import asyncio
+    import re
+    import types
 
-    from rollsafe.adapters.reference_engine import checker_api
-    from rollsafe.adapters.reference_engine.errors import BadRequest
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from rollsafe.adapters.reference_engine import checker_api, server
 
     async def read_body(request: object) -> bytes:  # the engine's read (deadlines, budget) is
         return raw  # tested in test_engine_hardening; here: what the checker does with the bytes
 
-    monkeypatch.setattr(checker_api, "read_body", read_body)
-    with pytest.raises(BadRequest, match=f"^malformed JSON body: .*{message}"):
-        asyncio.run(checker_api._body(object()))  # type: ignore[arg-type]
+    # the checkers read their bodies with the engine's request_body, which gets the bytes from
+    # server.read_body (looked up at call time: replaced there, it is what the checkers get)
+    monkeypatch.setattr(server, "read_body", read_body)
+    app = web.Application()
+    app[server.CTX_KEY] = types.SimpleNamespace(engine=None)  # type: ignore[assignment]
+    for path, handler in (
+        ("/weights_checker", checker_api.weights_checker),
+        ("/weight_checker", checker_api.weight_checker),
+    ):
+        answer = asyncio.run(handler(make_mocked_request("POST", path, app=app)))
+        assert answer.status == 400, path
+        assert isinstance(answer, web.Response) and isinstance(answer.text, str)
+        body = json.loads(answer.text)
+        said = body["message"] if path == "/weights_checker" else body["error"]["message"]
+        assert re.match(f"^malformed JSON body: .*{message}", said), (path, said)

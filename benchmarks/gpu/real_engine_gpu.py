@@ -8,8 +8,11 @@ wheels carried by ``tools/carry.py`` (benchmarks/gpu/README.md, "Carrying an eng
 ``start``      a two-group fleet; each group's client names the release it speaks
 ``generate``   greedy completions through the fleet, at the start version
 ``sync``       ``--syncs`` versions over the fleet's transport (``nccl``: vLLM's own NCCL weight
-               transfer / SGLang's ``/update_weights_from_distributed``), each group's version
-               and greedy output checked against the trainer's after each
+               transfer, which the trainer joins as vLLM's rank 0 with vLLM's own
+               ``StatelessProcessGroup`` + PyNccl, ``rollsafe.wire.vllm_group``: the carried
+               vLLM on ``PYTHONPATH`` makes it importable / SGLang's
+               ``/update_weights_from_distributed``), each group's version and greedy output
+               checked against the trainer's after each (``rendezvous`` says which join ran)
 ``probe``      the behavioural probe (``rollsafe.probe``) of every group against a fresh server
                started from the trainer's weights of the last version
 ``checks``     ``RolloutFleet.checksums`` / ``check_weights`` (vLLM 0.26 has no checker: None,
@@ -386,7 +389,7 @@ def fleet_config(
 def nccl_settings(args: argparse.Namespace) -> Any:
     from rollsafe.fleet import NcclSettings
 
-    return NcclSettings(backend="gloo" if args.smoke else "nccl", group_timeout_s=300.0)
+    return NcclSettings(backend="gloo" if args.smoke else "nccl", group_timeout_s=90.0)
 
 
 def run(args: argparse.Namespace, r: Run) -> None:
@@ -470,6 +473,9 @@ def run(args: argparse.Namespace, r: Run) -> None:
                 )
             row["syncs"] = rows
             row["sync_s_median"] = statistics.median(x["sync_s"] for x in rows)
+            # how the trainer joined the engines' weight-update groups: "vllm" for a real vLLM
+            # over NCCL (vLLM's StatelessProcessGroup + PyNccl: rollsafe.wire.vllm_group)
+            row["rendezvous"] = fleet.engine_traits.rendezvous
             r.check("sync_every_version_ok", all(x["ok"] and not x["failed"] for x in rows))
             r.check(
                 "sync_labels_and_served_version",

@@ -16,7 +16,12 @@ its own process group** (trainer rank 0 plus the target's ``tp_size`` engine ran
    group has no name (each target's group still has its own store port). A kept group is
    dropped when the target's engine address or rank layout changed; one whose engine lost it
    (a restart on the same address) fails on its first bucket, before anything was applied, and
-   is re-formed once;
+   is re-formed once. A real vLLM over NCCL (``EngineTarget.rendezvous == "vllm"``, the
+   ``vllm`` engine kind's trait) is joined as vLLM's ranks expect: rank 0 of vLLM's
+   ``StatelessProcessGroup`` (a ``TCPStore`` without prefix) and vLLM's ``PyNcclCommunicator``
+   (:mod:`rollsafe.wire.vllm_group`; ``vllm`` must be importable in this process, else the
+   update is refused at once with ``VLLMRendezvousUnavailable``); the buckets then go by
+   PyNccl's ``ncclBroadcast`` in the same packed chunks;
 2. for every bucket, ``/update_weights_from_distributed`` is sent while the trainer broadcasts
    the bucket, and the next bucket follows the engine's answer. An engine answers once the
    receive and its copies into the weights are queued on its GPU (SGLang does no device sync
@@ -76,7 +81,12 @@ from rollsafe.transports.pipeline import (
 from rollsafe.wire.bucket import FlatBucket, packed_chunks
 from rollsafe.wire.finite import describe_non_finite, non_finite_index
 from rollsafe.wire.group import WeightUpdateGroup, open_weight_update_group
-from rollsafe.wire.group_names import join_name
+from rollsafe.wire.group_names import RENDEZVOUS_TORCH, RENDEZVOUS_VLLM, join_name
+from rollsafe.wire.vllm_group import (
+    VLLMWeightTransferGroup,
+    open_vllm_weight_transfer_group,
+    require_vllm_rendezvous,
+)
 
 __all__ = ["DEFAULT_NCCL_BUCKET_BYTES", "NCCLTransport"]
 
@@ -264,6 +274,17 @@ class NCCLTransport(StagedTransport):
         self._direct = []
 
     # ------------------------------------------------------------------ update
+    def _before_begin_update(self, targets: Sequence[EngineTarget]) -> None:
+        """A real vLLM target over NCCL is joined with vLLM's own classes: without ``vllm`` in
+        this process the update is refused at once (:class:`~rollsafe.wire.vllm_group.
+        VLLMRendezvousUnavailable`), before any engine is asked to join."""
+        if self.resolved_backend() != "nccl":
+            return
+        for t in targets:
+            if t.rendezvous == RENDEZVOUS_VLLM:
+                require_vllm_rendezvous(f"{self.name} transport, target {t.name!r}")
+                return
+
     def _before_push(self, targets: Sequence[EngineTarget]) -> None:
         if self._pack_device is None or not self._plans:
             raise TransportError(f"{self.name}: no bucket plan registered")
@@ -288,7 +309,12 @@ class NCCLTransport(StagedTransport):
         url = str(getattr(target.client, "url", ""))
         with self._live_lock:
             live = self._live.pop(target.name, None)
-        if live is not None and (live.url, live.world, live.backend) != (url, world, backend):
+        if live is not None and (live.url, live.world, live.backend, live.rendezvous) != (
+            url,
+            world,
+            backend,
+            _rendezvous(target, backend),
+        ):
             self._drop(live, target, reason="its engine or layout changed")
             live = None
         if live is not None:
@@ -344,8 +370,9 @@ class NCCLTransport(StagedTransport):
             timeout=self.group_timeout + HTTP_MARGIN_S,
             **extra,
         )
-        group = self._join(port, world, group_name, backend, init, where)
-        return _LiveGroup(group, group_name, port, world, backend, url)
+        rendezvous = _rendezvous(target, backend)
+        group = self._join(port, world, group_name, backend, init, where, rendezvous)
+        return _LiveGroup(group, group_name, port, world, backend, url, rendezvous)
 
     def _wire(self, bucket: FlatBucket | TensorList, vllm: bool) -> list[torch.Tensor]:
         """What one call broadcasts, in order, in the target dialect's wire format.
@@ -395,7 +422,7 @@ class NCCLTransport(StagedTransport):
         where = f"target {target.name!r} (ranks {list(target.ranks)})"
         http_timeout = self.group_timeout + HTTP_MARGIN_S
         client = target.client
-        group: WeightUpdateGroup | None = live.group
+        group: _Group | None = live.group
         moved = 0
         ok = retry = False
         i = 0
@@ -491,13 +518,25 @@ class NCCLTransport(StagedTransport):
         backend: str,
         init: Future[Any],
         where: str,
-    ) -> WeightUpdateGroup:
+        rendezvous: str = RENDEZVOUS_TORCH,
+    ) -> _Group:
         """Open rank 0's side of the group while the engine's init call runs; bounded.
 
-        The join runs on a :class:`~rollsafe.concurrency.DaemonCall`: given up on, a group it
-        forms late is closed on the joining thread (nobody will use it)."""
+        ``rendezvous``: rollsafe's ``torch.distributed`` group, or (``"vllm"``, a real vLLM
+        over NCCL) vLLM's ``StatelessProcessGroup`` + PyNccl on this transport's device
+        (:func:`~rollsafe.wire.vllm_group.open_vllm_weight_transfer_group`). The join runs on a
+        :class:`~rollsafe.concurrency.DaemonCall`: given up on, a group it forms late is closed
+        on the joining thread (nobody will use it)."""
 
-        def join() -> WeightUpdateGroup:
+        def join() -> _Group:
+            if rendezvous == RENDEZVOUS_VLLM:
+                return open_vllm_weight_transfer_group(
+                    master_address=self.master_address,
+                    master_port=port,
+                    world_size=world,
+                    device=self._pack_device,
+                    timeout_s=self.group_timeout,
+                )
             return open_weight_update_group(
                 master_address=self.master_address,
                 master_port=port,
@@ -554,7 +593,7 @@ class NCCLTransport(StagedTransport):
         except Exception as exc:
             raise TransportError(f"{what}: engine refused or failed: {exc}") from exc
 
-    def _reap(self, group: WeightUpdateGroup, works: Sequence[Any]) -> None:
+    def _reap(self, group: _Group, works: Sequence[Any]) -> None:
         """Hand a group with possibly pending work to a daemon thread that waits it out."""
 
         def reap() -> None:
@@ -594,6 +633,16 @@ class NCCLTransport(StagedTransport):
                 self._drop(live, t, reason="closed")
 
 
+#: rank 0's side of a weight-update group: rollsafe's, or a real vLLM's (vLLM's own classes)
+_Group = WeightUpdateGroup | VLLMWeightTransferGroup
+
+
+def _rendezvous(target: EngineTarget, backend: str) -> str:
+    """How ``target``'s ranks join a group of ``backend``: vLLM's way only over NCCL (a vLLM
+    on CPU joins through rollsafe's ``rollsafe_gloo`` plugin, a ``torch.distributed`` group)."""
+    return target.rendezvous if backend == "nccl" else RENDEZVOUS_TORCH
+
+
 class _FirstBucketFailed(TransportError):
     """A kept group failed before any byte moved: safe to re-form it and retry once."""
 
@@ -603,12 +652,13 @@ class _LiveGroup:
 
     def __init__(
         self,
-        group: WeightUpdateGroup,
+        group: _Group,
         group_name: str,
         port: int,
         world: int,
         backend: str,
         url: str,
+        rendezvous: str = RENDEZVOUS_TORCH,
     ) -> None:
         self.group = group
         self.group_name = group_name
@@ -616,6 +666,7 @@ class _LiveGroup:
         self.world = world
         self.backend = backend
         self.url = url
+        self.rendezvous = rendezvous
         self.reused = False
 
 
@@ -644,13 +695,13 @@ def _failed(f: Any) -> bool:
     return bool(f.done() and f.exception() is not None)
 
 
-def _close_group(outcome: Outcome[WeightUpdateGroup]) -> None:
+def _close_group(outcome: Outcome[_Group]) -> None:
     """A join given up on formed its group late: close it (nobody will use it)."""
     if outcome.ok and outcome.value is not None:
         outcome.value.close()
 
 
-def _give_up(call: DaemonCall[WeightUpdateGroup]) -> None:
+def _give_up(call: DaemonCall[_Group]) -> None:
     """The update gives up on a join: a still running one closes its group late; a finished one
     is closed now."""
     if not call.abandon():

@@ -13,6 +13,8 @@ imports none of its modules:
 * :mod:`.hf_index`: the HF safetensors index, read one way by every reader;
 * :mod:`.group`: the weight-update process group trainer and engine ranks join;
 * :mod:`.group_names`: the name each end joins a group under (fixed for vLLM's one group);
+* :mod:`.vllm_group`: rank 0 of a real vLLM's ``nccl`` weight-transfer group (vLLM's own
+  ``StatelessProcessGroup`` + PyNccl join);
 * :mod:`.lines`: the ``ROLLSAFE_READY`` / ``ROLLSAFE_STANDBY`` start-up lines;
 * :mod:`.strict_json`: the one strict JSON parser, for export files and engine request bodies.
 """

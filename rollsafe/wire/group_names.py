@@ -11,12 +11,26 @@ trainer picks cannot reach the engine, so both ends of a vLLM-dialect group use 
 :data:`VLLM_WEIGHT_TRANSFER_GROUP` (the reference engine joins under it; the ``nccl``
 transport's trainer side joins under it; ``VLLMClient`` refuses any other). A trainer that
 joined under a name of its own would wait in the rendezvous until its timeout while the
-engine waits under this one. Imports nothing.
+engine waits under this one.
+
+How the engine's ranks join at all is named here too (:data:`RENDEZVOUS_TORCH`,
+:data:`RENDEZVOUS_VLLM`; an engine kind's trait, :attr:`rollsafe.policy.EngineTraits.rendezvous`):
+a real vLLM's ``nccl`` backend joins with vLLM's ``StatelessProcessGroup`` + PyNccl, which
+knows no group name and no ``torch.distributed`` group (:mod:`rollsafe.wire.vllm_group`).
+Imports nothing.
 """
 
 from __future__ import annotations
 
-__all__ = ["VLLM_WEIGHT_TRANSFER_GROUP", "join_name"]
+__all__ = ["RENDEZVOUS_TORCH", "RENDEZVOUS_VLLM", "VLLM_WEIGHT_TRANSFER_GROUP", "join_name"]
+
+#: the engine's ranks join rollsafe's ``torch.distributed`` group over a ``TCPStore`` prefixed
+#: with the group's name (SGLang, the reference engine, rollsafe's ``rollsafe_gloo`` vLLM
+#: plugin; :mod:`rollsafe.wire.group`)
+RENDEZVOUS_TORCH = "torch"
+#: the engine's ranks join as a real vLLM's ``nccl`` backend does: vLLM's
+#: ``StatelessProcessGroup`` (no prefix) + ``PyNcclCommunicator`` (:mod:`rollsafe.wire.vllm_group`)
+RENDEZVOUS_VLLM = "vllm"
 
 #: The name both ends of a vLLM-dialect weight-transfer group join under.
 VLLM_WEIGHT_TRANSFER_GROUP = "vllm_weight_transfer"

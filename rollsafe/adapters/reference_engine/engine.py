@@ -178,6 +178,9 @@ class ReferenceEngine:
         #: tokens sampled since start (every session; ``/get_server_info`` reports it)
         self.tokens_generated = 0
         self._paused: str | None = None
+        #: fault injection (:meth:`stall_next`): the output length at which the next generation
+        #: to reach it stops being scheduled (None: none armed)
+        self._stall_at: int | None = None
         self._released: set[str] = set()
         self._failure: str | None = None
         self._stopping = False
@@ -491,6 +494,11 @@ class ReferenceEngine:
         reason = scan.after(sess.out)
         if reason is not None:
             self._finish(sess, reason)
+        elif self._stall_at is not None and len(sess.out) >= self._stall_at:
+            with self._cv:  # stalled (fault injection): off the schedule, still running
+                self._stall_at = None
+                if sess.sid in self._order:
+                    self._order.remove(sess.sid)
 
     def _result(self, sess: _Session, reason: dict[str, Any]) -> GenerationResult:
         return GenerationResult(
@@ -548,6 +556,17 @@ class ReferenceEngine:
                     s.started = False
 
         return self.submit(run)
+
+    def stall_next(self, tokens: int | None) -> None:
+        """Fault injection (``POST /fault/stall``): the next generation to reach ``tokens``
+        output tokens (without finishing there) is taken off the schedule: it makes no more
+        tokens, and keeps its state, until it is aborted (a pause in ``abort`` mode, an
+        abort, its client gone) or the engine fails. One generation, once; ``None`` disarms
+        (a generation already stalled stays so)."""
+        if tokens is not None and (isinstance(tokens, bool) or tokens < 1):
+            raise BadRequest(f"'after_tokens' must be an int >= 1 or null, got {tokens!r}")
+        with self._cv:
+            self._stall_at = tokens
 
     def resume_generation(self) -> None:
         with self._cv:

@@ -7,7 +7,11 @@ Owns the ``/fault/*`` endpoints and the middleware that applies injected faults:
 * ``POST /fault/slow`` ``{"seconds": s}``: every later response is delayed by ``s`` seconds
   (``0`` clears it);
 * ``POST /fault/fail_next`` ``{"endpoint": "/generate"}``: the next call of that endpoint
-  answers HTTP 500.
+  answers HTTP 500;
+* ``POST /fault/stall`` ``{"after_tokens": n}``: the next generation to reach ``n`` output
+  tokens makes no more until it is aborted (a pause in ``abort`` mode) or the engine dies, so
+  a test's sync or SIGKILL lands mid-generation however far its client lags behind the
+  engine; once (``null`` disarms it).
 
 Without the environment variable the endpoints answer 404 and change nothing. Start-up faults
 of individual ranks (a delay, or a failure) are injected with ``ROLLSAFE_FAULT_RANK_START``; see
@@ -65,6 +69,7 @@ class FaultInjector:
             web.post("/fault/hang", self._hang),
             web.post("/fault/slow", self._slow),
             web.post("/fault/fail_next", self._fail_next),
+            web.post("/fault/stall", self._stall),
         ]
 
     def _disabled(self) -> web.Response:
@@ -76,7 +81,7 @@ class FaultInjector:
     async def _json(self, request: web.Request) -> dict[str, Any]:
         from rollsafe.adapters.reference_engine.server import read_json
 
-        return await read_json(request, allowed={"seconds", "endpoint"})
+        return await read_json(request, allowed={"seconds", "endpoint", "after_tokens"})
 
     async def _crash(self, request: web.Request) -> web.Response:
         if not self.enabled:
@@ -116,3 +121,21 @@ class FaultInjector:
         path = endpoint if endpoint.startswith("/") else f"/{endpoint}"
         self.fail_next[path] = self.fail_next.get(path, 0) + 1
         return web.json_response({"success": True, "message": f"next {path} answers 500"})
+
+    async def _stall(self, request: web.Request) -> web.Response:
+        from rollsafe.adapters.reference_engine.server import ctx_of
+
+        if not self.enabled:
+            return self._disabled()
+        body = await self._json(request)
+        tokens = body.get("after_tokens")
+        if tokens is not None and (
+            not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1
+        ):
+            return web.json_response(
+                {"success": False, "message": "'after_tokens' must be an int >= 1 or null"},
+                status=400,
+            )
+        ctx_of(request).engine.stall_next(tokens)
+        said = "disarmed" if tokens is None else f"the next generation stalls at {tokens} tokens"
+        return web.json_response({"success": True, "message": f"stall {said}"})
