@@ -1098,6 +1098,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "router_sync_cpu.json": _router_sync,
     "soak_cpu_10min.json": _soak,
     "soak_cpu_10min_run1.json": _soak,
+    "soak_cpu_10min_run2.json": _soak,
 }
 
 
