@@ -574,10 +574,12 @@ def leak_problems(leaks: dict[str, Any] | None) -> list[str]:
     threads, fds = leaks["threads"], leaks["fds"]
     if threads["after"] > threads["before"] + 8:
         out.append(f"driver threads {threads['before']} -> {threads['after']}")
-    # Ray's core worker keeps about 18 after ray.shutdown (its gRPC event fds, its log files:
-    # once per driver, listed in the result's leaks.fds.new); growth during the run is bounded
-    # by the watcher
-    if fds["after"] > fds["before"] + 32:
+    # the driver keeps some descriptors after everything closed: Ray's core worker ~18 after
+    # ray.shutdown (its gRPC event fds, its log files), and with two fleets placed by Ray ~26
+    # more (event polls, an io_uring per fleet, pipes, sockets; a local-placement fleet with a
+    # gateway, started and closed alone, leaves 2): one-time, listed in leaks.fds.new, and not
+    # attributed yet; growth during the run is bounded by the watcher
+    if fds["after"] > fds["before"] + 64:
         out.append(f"driver fds {fds['before']} -> {fds['after']}")
     return out
 
