@@ -152,7 +152,9 @@ def test_the_token_check_replays_versions_and_names_a_wrong_one(
 @pytest.mark.ray_cluster
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_a_smoke_soak_holds_every_check(vllm_python: str, tmp_path: Path) -> None:
+def test_a_smoke_soak_holds_every_check(
+    vllm_python: str, tmp_path: Path, schedule: ModuleType
+) -> None:
     from ray_cluster import require_ray
 
     require_ray()
@@ -175,9 +177,7 @@ def test_a_smoke_soak_holds_every_check(vllm_python: str, tmp_path: Path) -> Non
     # the schedule it ran is the seed's, as printed without running
     printed = _schedule_only("--smoke", "--seed", str(seed))
     assert run.stdout.startswith(printed)
-    assert result["schedule"] == [json.loads(json.dumps(f)) for f in result["schedule"]] and len(
-        result["schedule"]
-    ) == int(printed.splitlines()[0].split(": ")[1].split()[0])
+    assert result["schedule"] == [f.as_dict() for f in schedule.draw(seed, 2.5, smoke=True)]
     injected = sum(k["injected"] for k in result["faults"].values())
     assert injected >= 1, result["fault_log"]
     # checked all the time: about a round a second, tokens replayed, weights compared
