@@ -288,6 +288,25 @@ def _ce_p2p(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _real_engine_gpu(d: dict[str, Any]) -> list[Row]:
+    """``benchmarks/gpu/real_engine_gpu.py``: every check, and the phases not run."""
+    kind = str(d.get("args", {}).get("engine", ""))
+    engine = f"{kind} {d.get('env', {}).get(kind) or ''}".strip()
+    checks = d.get("checks", {})
+    rows: list[Row] = [
+        (
+            f"H200 real {engine}: check {name}",
+            str(value),
+            "true",
+            _verdict(bool(value)),
+        )
+        for name, value in checks.items()
+    ]
+    for phase, why in d.get("not_run", {}).items():
+        rows.append((f"H200 real {engine}: {phase}", f"not run ({why})", "run", "-"))
+    return rows
+
+
 def _sglang_gpu_hash(d: dict[str, Any]) -> list[Row]:
     cases = d.get("cases", [])
     timing = d.get("timing_8gb", {})
@@ -1087,6 +1106,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/ce_p2p_h200.json": _ce_p2p,
     "gpu/sglang_gpu_hash_h200.json": _sglang_gpu_hash,
     "gpu/profile_ipc_h200.json": _profile_ipc_gpu,
+    "gpu/real_vllm_gpu_attempt1.json": _real_engine_gpu,
     "gpu/multi_gpu_h200_one_gpu_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200_one_gpu_ce_p2p_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200x2.json": _multi_gpu,

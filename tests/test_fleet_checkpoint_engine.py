@@ -306,7 +306,7 @@ def test_a_fleet_without_cuda_falls_back_to_nccl_with_one_warning(
     cfg = config(
         tmp_path,
         groups=[GroupSpec(1), GroupSpec(1)],
-        engine={"dialect": dialect, "device": "cuda"},
+        engine={"dialect": dialect, "device": "cuda", "load_format": "dummy"},
         launcher_factory=lambda gid, spec: FakeLauncher(gid),
         checkpoint_engine=CheckpointEngineSettings(p2p=True, p2p_protocol="tcp"),
     )

@@ -152,7 +152,9 @@ def adopt_start_checkpoint(exporter: HFExporter, config: FleetConfig) -> None:
     under a lease, moved to the group's node like any export) instead of waiting in
     ``pending_weights`` for that sync. Retention treats it as any export but only un-lists
     it: the user's directory is never removed. :class:`FleetConfigError` (``model_path``)
-    naming the path and every problem when it is not a loadable HF checkpoint."""
+    naming the path and every problem when it is not a loadable HF checkpoint. Engines that
+    load dummy weights (``EngineSpec(load_format="dummy")``) have none: the fleet then adopts no
+    start checkpoint and a group failed before the first sync waits for that sync."""
     from rollsafe.hf import ExportVerificationError
 
     assert config.model_path is not None  # the config settled it
@@ -184,7 +186,10 @@ def build_control_plane(
     template = config.template_dir if config.template_dir is not None else config.model_path
     assert config.export_root is not None and template is not None  # the config checked both
     exporter = HFExporter(config.export_root, template_dir=template)
-    adopt_start_checkpoint(exporter, config)
+    if config.engine is None or config.engine.load_format != "dummy":
+        adopt_start_checkpoint(exporter, config)
+    else:  # random weights: not the trainer's initial_version, so no start export
+        log.info("engines load dummy weights: no start checkpoint; first recovery waits for a sync")
     transport, fallback = build_transport(config, plans, world_size, exporter)
     traits = config.engine_traits
     targets_for = FleetTargets(traits)
