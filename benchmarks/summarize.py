@@ -1092,6 +1092,54 @@ def router_sync_section(results: Path = RESULTS) -> list[str]:
     return lines
 
 
+def _soak(d: dict[str, Any]) -> list[Row]:
+    """The seeded soak (``benchmarks/soak.py``, issue #36)."""
+    faults = d["faults"]
+    injected = sum(k["injected"] for k in faults.values())
+    survived = sum(k["survived"] for k in faults.values())
+    syncs, req, rss = d["syncs"], d["requests"], d["rss_mb"]
+    leaks = d.get("leaks") or {}
+    leaked = bool(leaks.get("processes") or leaks.get("shm") or leaks.get("ray_actors"))
+    tag = f"soak, {d['minutes']:g} min, seed {d['seed']} ({d['host']['cpus']} cpus, shared)"
+    if d.get("note"):
+        tag += f" [{d['note'].split(' (')[0]}]"
+    times = ", ".join(
+        f"{kind} {v['time_to_active_s']['p50']}/{v['time_to_active_s']['p95']}"
+        for kind, v in sorted(faults.items())
+        if v["time_to_active_s"]["n"]
+    )
+    violations = d["violations"]
+    first = f"; first: {violations[0]['check']} at {violations[0]['step']}" if violations else ""
+    return [
+        (
+            f"{tag}: faults injected / survived ({len(faults)} kinds)",
+            f"{injected} / {survived}",
+            "-",
+            "-",
+        ),
+        (
+            f"{tag}: time to active p50/p95 s, by kind",
+            "not measured (see the note)" if d.get("note") else times or "-",
+            "-",
+            "-",
+        ),
+        (
+            f"{tag}: syncs ok of done (pushes), requests served / failed / continued",
+            f"{syncs['ok']} of {syncs['done']} ({syncs['pushes']}); "
+            f"{req['served']} / {req['failed']} / {req['continued']}",
+            "-",
+            "-",
+        ),
+        (
+            f"{tag}: violations, leaks, driver RSS start -> end (slope)",
+            f"{len(violations)}{first}; leaks: {'yes' if leaked else 'none'}; "
+            f"{rss['start']} -> {rss['end']} MB ({rss['slope_mb_per_min']} MB/min)",
+            "0 violations, no leak",
+            _verdict(not violations and not leaked),
+        ),
+    ]
+
+
 EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "transitions.json": _transitions,
     "engine_cpu.json": _engine,
@@ -1135,6 +1183,9 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "trl_grpo_gpu_6steps.json": _trl_grpo_gpu,
     "gateway_cpu.json": _gateway,
     "router_sync_cpu.json": _router_sync,
+    "soak_cpu_10min.json": _soak,
+    "soak_cpu_10min_run1.json": _soak,
+    "soak_cpu_10min_run2.json": _soak,
 }
 
 
@@ -1173,7 +1224,8 @@ def render(results: Path = RESULTS) -> str:
         "`python benchmarks/bench_node_loss.py`, `python benchmarks/bench_spares.py`,",
         "`python benchmarks/bench_delta.py --train`,",
         "`python benchmarks/bench_gateway.py` (runs `make routers`),",
-        "`python benchmarks/bench_router_sync.py` (runs `make routers`);",
+        "`python benchmarks/bench_router_sync.py` (runs `make routers`),",
+        "`python benchmarks/soak.py --minutes 10 --seed S` (docs/reliability.md);",
         "GPU: `benchmarks/gpu/README.md`.",
         "",
     ]

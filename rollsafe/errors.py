@@ -35,7 +35,7 @@ The tree (other bases in brackets, then where the class lives)::
     ├── StagingFailed [RuntimeError]                  rollsafe.transports.delta (sent full)
     ├── TransportError [RuntimeError]                 rollsafe.transports
     │   ├── RegisterError
-    │   │   ├── NonFiniteWeights                      (the ipc sender's finite check)
+    │   │   ├── NonFiniteWeights                      (the ipc / nccl sender's finite check)
     │   │   └── KeyCoverageError, ExpertGatherError   (checkpoint_engine)
     │   ├── StaleRegistration
     │   └── CheckpointEngineUnavailable, P2PUnavailable, ProcessGroupError

@@ -5,6 +5,8 @@ Every engine here is a real OS process group; every test checks that nothing is 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -161,6 +163,96 @@ def test_engine_dies_with_a_killed_parent(model_dir: Path, tmp_path: Path) -> No
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     assert all_gone(pids, timeout=10.0)
+
+
+def test_the_watchdog_reaps_the_group_when_its_parent_dies_with_its_children(
+    tmp_path: Path,
+) -> None:
+    """Ray's worker SIGKILLs its own children when it exits
+    (``kill_child_processes_on_worker_exit``): the engine's leader dies with it, and so would a
+    watchdog that were its child. The watchdog is detached, so it still SIGKILLs the group: the
+    leader's own children (vLLM's EngineCore) go too, none is left running; with
+    ``unlink_shm`` the ``/dev/shm`` segment only the group held is removed, one that another
+    live process holds too is kept."""
+    from rollsafe.processes import live_processes
+
+    tag = f"rs-watchdog-{os.getpid()}"
+    only, shared = Path(f"/dev/shm/{tag}-only"), Path(f"/dev/shm/{tag}-shared")
+    pids_file, ready = tmp_path / "grandchild", tmp_path / "leader"
+    grandchild_sh = f"exec 3>>{only} 4>>{shared}; sleep 600"
+    script = textwrap.dedent(
+        f"""
+        import subprocess, sys, time
+        from rollsafe.adapters.engines.launch.process_group import start_watchdog
+        leader = subprocess.Popen(
+            ["sh", "-c", "sh -c '{grandchild_sh}' & echo $! > {pids_file}; wait"],
+            start_new_session=True,
+        )
+        start_watchdog(sys.executable, leader.pid, unlink_shm=True)
+        with open({str(ready)!r}, "w") as f:
+            f.write(str(leader.pid))
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    grandchild = None
+    try:
+        with open(shared, "ab"):  # this process holds it too: it must stay
+            assert wait_for(
+                lambda: (
+                    ready.exists()
+                    and ready.read_text() != ""
+                    and pids_file.exists()
+                    and pids_file.read_text().strip() != ""
+                    and only.exists()
+                ),
+                60.0,
+            )
+            leader, grandchild = int(ready.read_text()), int(pids_file.read_text())
+            assert pid_alive(leader) and pid_alive(grandchild)
+            # as Ray does: the parent and every direct child of it SIGKILLed at once
+            children = [p.pid for p in live_processes().values() if p.ppid == parent.pid]
+            assert leader in children
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            parent.send_signal(signal.SIGKILL)
+            parent.wait()
+            assert all_gone([leader, grandchild], timeout=10.0)
+            assert wait_for(lambda: not only.exists(), 15.0), "the group's segment was left"
+            assert shared.exists()  # held by a live process outside the group
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if grandchild is not None and pid_alive(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
+        for path in (only, shared):
+            path.unlink(missing_ok=True)
+
+
+def test_leftovers_of_a_real_engine_whose_server_died_first() -> None:
+    """A SIGKILLed vLLM server's workers live on in its process group holding their
+    ``/dev/shm`` queues: the launcher's stop still finds them and the files (found by the soak:
+    each SIGKILL of a vLLM server left its queues, hundreds of MB)."""
+    import types
+
+    from rollsafe.adapters.engines.launch.real_engine import leftovers
+
+    shm = Path(f"/dev/shm/rs-leftover-{os.getpid()}")
+    leader = subprocess.Popen(
+        ["sh", "-c", f"sh -c 'exec 3>>{shm}; sleep 600' & exit 0"], start_new_session=True
+    )
+    leader.wait()  # the server is gone; its worker is not
+    try:
+        assert wait_for(shm.exists, 30.0)
+        spec = types.SimpleNamespace(kind="vllm")
+        pids, held = leftovers(spec, leader.pid, [])  # type: ignore[arg-type]
+        assert pids and all(pid_alive(p) for p in pids)
+        assert str(shm) in held
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)
+        shm.unlink(missing_ok=True)
 
 
 def test_weight_version_reaches_the_engine_command() -> None:

@@ -29,7 +29,7 @@ from engine_helpers import (
 from transport_helpers import KillingClient, Trainer, assert_serves, target, transport_threads
 
 from rollsafe.checksum import weights_checksum
-from rollsafe.transports import NCCLTransport, RegisterError, TransportError
+from rollsafe.transports import NCCLTransport, NonFiniteWeights, RegisterError, TransportError
 from rollsafe.transports.contiguous import flatten_parameters
 
 SMALL_BUCKET = 96 << 10
@@ -281,6 +281,33 @@ def test_failed_register_publishes_nothing_and_update_refuses(
         tr.register([*trainer.weights().items(), ("lm_head.weight", torch.zeros(1))], 10)
     assert tr.registration.published is None
     assert one.checksum() == before
+
+
+def test_non_finite_version_is_refused_at_register_naming_the_weight(
+    one: EngineProcess, trainer: Trainer
+) -> None:
+    """A version holding NaN or inf is refused before anything moves (the real vLLM would load
+    it: found by the soak's poisoned update); ``check_finite=False`` leaves it to the engines."""
+    tr = NCCLTransport(1, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT)
+    good = {n: t.clone() for n, t in trainer.weights().items()}
+    tr.register(good, 40)
+    assert tr.update([target("one", one, (0,))]).ok
+    before = one.checksum()
+    for value in (float("nan"), float("inf")):
+        bad = {n: t.clone() for n, t in good.items()}
+        bad["model.norm.weight"].view(-1)[3] = value
+        with pytest.raises(NonFiniteWeights) as info:
+            tr.register(bad, 41)
+        assert info.value.key == "model.norm.weight" and "v41" in str(info.value)
+        assert tr.registration.published is None and tr.registration.state == "failed"
+        with pytest.raises(TransportError, match="nothing is registered"):
+            tr.update([target("one", one, (0,))])
+        assert one.checksum() == before  # nothing of v41 reached the engine
+    unchecked = NCCLTransport(1, bucket_bytes=SMALL_BUCKET, check_finite=False)
+    unchecked.register(bad, 42)  # registered: the engine's own check is what is left
+    assert unchecked.registration.state == "registered"
+    tr.close()
+    unchecked.close()
 
 
 @pytest.mark.gpu

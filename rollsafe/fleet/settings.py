@@ -420,7 +420,9 @@ class NcclSettings(TransportSettings):
     :data:`~rollsafe.transports.DEFAULT_NCCL_BUCKET_BYTES`); ``group_timeout_s`` bounds the
     process-group setup and each collective; ``master_address``: where the engines reach the
     trainer's store (None: ``127.0.0.1`` with ``placement="local"``, the driver's Ray node IP
-    with ``placement="ray"``; a value given is kept)."""
+    with ``placement="ray"``; a value given is kept). ``check_finite``: refuse a version
+    holding NaN or inf at register (:class:`~rollsafe.transports.NonFiniteWeights`, nothing
+    pushed: neither vLLM nor its rollsafe plugin checks), one pass over its bytes per version."""
 
     transport: ClassVar[str] = "nccl"
     backend: str | None = "gloo"
@@ -428,9 +430,14 @@ class NcclSettings(TransportSettings):
     group_timeout_s: float = 120.0
     master_address: str | None = None
     delta: bool | DeltaSettings = False
+    check_finite: bool = True
 
     def __post_init__(self) -> None:
         check_delta(self.key("delta"), self.delta)
+        if not isinstance(self.check_finite, bool):
+            raise FleetConfigError(
+                self.key("check_finite"), f"must be a bool, got {self.check_finite!r}"
+            )
         if self.backend not in ("gloo", "nccl", None):
             raise FleetConfigError(
                 self.key("backend"), f"must be 'gloo', 'nccl' or None, got {self.backend!r}"
@@ -455,6 +462,7 @@ class NcclSettings(TransportSettings):
             bucket_bytes=self.bucket_bytes or DEFAULT_NCCL_BUCKET_BYTES,
             group_timeout=self.group_timeout_s,
             delta=delta_settings(self.delta),
+            check_finite=self.check_finite,
         )
 
 

@@ -78,8 +78,8 @@ def named_tensor_list(weights: NamedTensors) -> list[tuple[str, torch.Tensor]]:
 
 
 class NonFiniteWeights(RegisterError):
-    """A weight of the version holds NaN or inf (the sender's finite check, ``ipc``): nothing
-    of it is registered or pushed. ``key`` names the first such weight."""
+    """A weight of the version holds NaN or inf (the sender's finite check, ``ipc`` and
+    ``nccl``): nothing of it is registered or pushed. ``key`` names the first such weight."""
 
     def __init__(self, key: str, message: str) -> None:
         super().__init__(message)

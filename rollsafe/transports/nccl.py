@@ -66,7 +66,7 @@ from rollsafe.concurrency import DaemonCall, Outcome, start_daemon
 from rollsafe.errors import InvalidArgument
 from rollsafe.net import free_port
 from rollsafe.ports import EngineTarget
-from rollsafe.transports.base import StagedTransport, TransportError
+from rollsafe.transports.base import NonFiniteWeights, StagedTransport, TransportError
 from rollsafe.transports.delta import DeltaSettings, is_delta_refusal
 from rollsafe.transports.pipeline import (
     BucketPlan,
@@ -79,6 +79,7 @@ from rollsafe.transports.pipeline import (
     split_unpacked,
 )
 from rollsafe.wire.bucket import FlatBucket, packed_chunks
+from rollsafe.wire.finite import describe_non_finite, non_finite_index
 from rollsafe.wire.group import WeightUpdateGroup, open_weight_update_group
 from rollsafe.wire.group_names import RENDEZVOUS_TORCH, RENDEZVOUS_VLLM, join_name
 from rollsafe.wire.vllm_group import (
@@ -153,6 +154,7 @@ class NCCLTransport(StagedTransport):
         unpacked_min_bytes: int | None = None,
         keep_groups: bool = True,
         delta: DeltaSettings | None = None,
+        check_finite: bool = True,
     ) -> None:
         super().__init__(
             world_size,
@@ -160,6 +162,11 @@ class NCCLTransport(StagedTransport):
             max_parallel_targets=max_parallel_targets,
             delta=delta,
         )
+        #: refuse a version holding NaN or inf at register (one pass over its bytes), so that
+        #: nothing of it reaches an engine that would load it (the real vLLM does)
+        self.check_finite = bool(check_finite)
+        #: seconds of the last finite check (None: none ran)
+        self.finite_check_s: float | None = None
         if backend not in (None, "gloo", "nccl"):
             raise InvalidArgument(
                 "backend", f"backend must be 'gloo', 'nccl' or None, got {backend!r}"
@@ -224,6 +231,8 @@ class NCCLTransport(StagedTransport):
             )
         if backend == "gloo" and device.type != "cpu":
             device = torch.device("cpu")  # gloo broadcasts host buffers: pack there
+        if self.check_finite:
+            self._check_finite(items, version)
         self._items = [(n, t.detach()) for n, t in items]
         plans = plan_buckets(self._items, self.bucket_bytes)
         self._pack_device = device
@@ -244,6 +253,21 @@ class NCCLTransport(StagedTransport):
             )
         self._plans, self._direct = delta_header_first(self._items, plans, direct)
         return range(self.registration.world_size), [n for n, _ in items]
+
+    def _check_finite(self, items: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        """One pass over every byte of ``items``; raise :class:`NonFiniteWeights` naming the
+        first weight holding NaN or inf (nothing is registered, nothing pushed)."""
+        t0 = time.perf_counter()
+        bad = non_finite_index([t.detach() for _, t in items])
+        self.finite_check_s = time.perf_counter() - t0
+        if bad is not None:
+            name, tensor = items[bad]
+            raise NonFiniteWeights(
+                name,
+                f"{self.name}: weight {name!r} of v{version} {describe_non_finite(tensor)}; "
+                "nothing was pushed (NCCLTransport(check_finite=False) leaves the check to each "
+                "engine)",
+            )
 
     def _unstage(self) -> None:
         self._items, self._plans, self._pack_device = [], [], None

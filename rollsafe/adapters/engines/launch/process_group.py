@@ -2,11 +2,12 @@
 
 Owns the OS side of one engine (or warm standby) process: :func:`spawn_group` starts a command
 as the leader of a new session (so one ``killpg`` reaches every process it starts), the
-parent-death watchdog (a tiny ``python -I -S`` process that SIGKILLs the group when the
-launching process dies without cleaning up), :func:`kill_group` (a polite signal, one deadline,
-then SIGKILL for whatever is left, ranks that left the group included), :func:`reap` (the
-finalizer: SIGKILL everything, never raises), :func:`pid_alive` and :func:`descendants` (read
-from ``/proc``), and :class:`Candidate` (an engine started but not yet the launcher's).
+parent-death watchdog (a tiny ``python -I -S`` process, detached from the launching process,
+that SIGKILLs the group when that process dies without cleaning up), :func:`kill_group` (a
+polite signal, one deadline, then SIGKILL for whatever is left, ranks that left the group
+included), :func:`reap` (the finalizer: SIGKILL everything, never raises), :func:`pid_alive` and
+:func:`descendants` (read from ``/proc``), and :class:`Candidate` (an engine started but not
+yet the launcher's).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Candidate",
     "descendants",
+    "group_members",
     "kill_group",
     "reap",
     "signal_group",
@@ -64,11 +66,61 @@ def wait_gone(pids: Sequence[int], deadline: float) -> bool:
         time.sleep(0.02)
 
 
-# Runs with ``python -I -S -c``: exits when the engine group is gone; SIGKILLs the group when the
-# launching process (its parent) disappears.
+# Runs with ``python -I -S -c``, detached: it forks once and the first process exits, so the
+# watchdog is no child of the launching process. Ray's worker SIGKILLs its own children when it
+# exits (``kill_child_processes_on_worker_exit``, on by default): a watchdog that was one died with
+# the engine's leader, and the engine's other processes (vLLM's EngineCore and its workers) ran on
+# after their Ray node was removed. It exits when the engine group is gone, and SIGKILLs the group
+# once the launching process (its pid *and* start time: a reused pid is not it) is gone. With
+# ``--unlink-shm`` (a real vLLM) it then removes the ``/dev/shm`` segments the group's processes
+# mapped or held open and no other live process does (vLLM's shared-memory queues: a SIGKILLed
+# vLLM leaves them, hundreds of MB each, as ``launch.real_engine.leftovers`` knows).
 _WATCHDOG = """
 import os, signal, sys, time
-parent, pgid = int(sys.argv[1]), int(sys.argv[2])
+parent, start, pgid = int(sys.argv[1]), sys.argv[2].encode(), int(sys.argv[3])
+clean = sys.argv[4:] == ["--unlink-shm"]
+if os.fork() > 0:
+    os._exit(0)
+def stat(pid):
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 2:].split()
+def parent_alive():
+    fields = stat(parent)
+    return fields is not None and fields[19] == start and fields[0] not in (b"Z", b"X")
+def pids(group=None):
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = stat(int(entry))
+            if fields is not None and (group is None or int(fields[2]) == group):
+                out.append(int(entry))
+    return out
+def shm(of):
+    found = set()
+    for pid in of:
+        try:
+            with open("/proc/%d/maps" % pid, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    i = line.find("/dev/shm/")
+                    if i >= 0:
+                        found.add(line[i:].strip())
+        except OSError:
+            pass
+        try:
+            for fd in os.listdir("/proc/%d/fd" % pid):
+                try:
+                    target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+                except OSError:
+                    continue
+                if target.startswith("/dev/shm/"):
+                    found.add(target)
+        except OSError:
+            pass
+    return found
 while True:
     try:
         os.killpg(pgid, 0)
@@ -76,14 +128,53 @@ while True:
         sys.exit(0)
     except PermissionError:
         pass
-    if os.getppid() != parent:
+    if not parent_alive():
+        held = shm(pids(pgid)) if clean else set()
         try:
             os.killpg(pgid, signal.SIGKILL)
         except OSError:
             pass
+        if held:
+            deadline = time.monotonic() + 10
+            while pids(pgid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for path in held - shm(p for p in pids() if p != os.getpid()):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
         sys.exit(0)
     time.sleep(0.25)
 """
+
+
+def _start_time(pid: int) -> str:
+    """Field 22 of ``/proc/PID/stat``: when the process started (clock ticks since boot)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rfind(b")") + 2 :].split()[19].decode()
+
+
+def group_members(pgid: int) -> list[int]:
+    """Every live process of process group ``pgid`` (its leader may be gone: a SIGKILLed
+    server's workers stay in its group), read from ``/proc``."""
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+                found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def descendants(pid: int) -> list[int]:
@@ -171,10 +262,27 @@ def _spawning_on(cpu_cores: Sequence[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, saved)
 
 
-def start_watchdog(python: str, pgid: int) -> subprocess.Popen[bytes] | None:
+def start_watchdog(
+    python: str, pgid: int, *, unlink_shm: bool = False
+) -> subprocess.Popen[bytes] | None:
+    """Start the parent-death watchdog of group ``pgid`` (see ``_WATCHDOG``): detached from this
+    process, it SIGKILLs the group once this process is gone (``unlink_shm``: and removes the
+    ``/dev/shm`` segments only the group used) and exits once the group is gone. The returned
+    process is the one that forked it, already exited and reaped (None: no watchdog)."""
+    flags = ["--unlink-shm"] if unlink_shm else []
     try:
-        return subprocess.Popen(
-            [python, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(pgid)],
+        proc = subprocess.Popen(
+            [
+                python,
+                "-I",
+                "-S",
+                "-c",
+                _WATCHDOG,
+                str(os.getpid()),
+                _start_time(os.getpid()),
+                str(pgid),
+                *flags,
+            ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -183,6 +291,9 @@ def start_watchdog(python: str, pgid: int) -> subprocess.Popen[bytes] | None:
         )
     except OSError:
         return None
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30.0)  # the fork's first half exits at once
+    return proc
 
 
 def stop_watchdog(watchdog: subprocess.Popen[bytes] | None) -> None:
@@ -281,5 +392,9 @@ def spawn_candidate(owner: object, spec: EngineSpec, cmd: list[str], log_path: s
 def watch_candidate(owner: object, spec: EngineSpec, proc: Proc, pump: OutputPump) -> Candidate:
     """``proc`` with a parent-death watchdog on its group (``spec.reap_on_parent_death``) and a
     finalizer that reaps it when ``owner`` is garbage-collected."""
-    watchdog = start_watchdog(spec.interpreter(), proc.pid) if spec.reap_on_parent_death else None
+    watchdog = (
+        start_watchdog(spec.interpreter(), proc.pid, unlink_shm=spec.kind == "vllm")
+        if spec.reap_on_parent_death
+        else None
+    )
     return Candidate(proc, pump, watchdog, weakref.finalize(owner, reap, proc, [], watchdog))

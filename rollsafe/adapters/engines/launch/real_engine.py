@@ -13,7 +13,7 @@ import logging
 import os
 
 from rollsafe.adapters.engines.launch.output import EngineLogs
-from rollsafe.adapters.engines.launch.process_group import descendants
+from rollsafe.adapters.engines.launch.process_group import descendants, group_members
 from rollsafe.adapters.engines.launch.spec import EngineSpec
 from rollsafe.adapters.engines.vllm_cpu import held_files
 from rollsafe.net import is_loopback
@@ -38,10 +38,14 @@ def write_api_key_file(logs: EngineLogs, spec: EngineSpec) -> str | None:
 
 
 def leftovers(spec: EngineSpec, pid: int, rank_pids: list[int]) -> tuple[list[int], list[str]]:
-    """Before a running real engine (server ``pid``) is killed: ``rank_pids`` plus its workers
-    (the process group covers them unless one left it), and the files they hold that a kill
-    leaves behind (vLLM's ``/dev/shm`` queues, ipc sockets)."""
-    pids = rank_pids + [p for p in descendants(pid) if p not in rank_pids]
+    """Before a real engine (server ``pid``, also when it is already dead: a SIGKILLed server's
+    workers live on in its process group) is killed: ``rank_pids`` plus its workers (the
+    process group covers them unless one left it), and the files they hold that a kill leaves
+    behind (vLLM's ``/dev/shm`` queues, ipc sockets)."""
+    pids = list(rank_pids)
+    for p in [*descendants(pid), *group_members(pid)]:
+        if p not in pids and p != pid:
+            pids.append(p)
     held = held_files([pid, *pids]) if spec.kind == "vllm" else []
     return pids, held
 

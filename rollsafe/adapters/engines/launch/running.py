@@ -77,7 +77,7 @@ class RunningEngine:
             return
         rank_pids = [int(p) for p in self.info.get("rank_pids", [])]
         held: list[str] = []
-        if spec.real and proc.poll() is None:
+        if spec.real:  # also when the server died first: its workers hold the files
             rank_pids, held = real_engine.leftovers(spec, proc.pid, rank_pids)
         if self.client is not None:
             self.client.close()

@@ -1,0 +1,94 @@
+"""Every engine's weights equal to the trainer's: after each sync, and when a group comes back.
+
+:func:`check_groups` checks the ``active`` groups of one fleet against the trainer's tensors of
+the fleet's version:
+
+* the reference engine: its weight checker's digest (``fleet.checksums()``) equal to
+  :func:`rollsafe.checksum.weights_checksum` of the trainer's tensors;
+* the real vLLM: the layout-aware digests (``fleet.check_weights``: nothing ``differs`` or is
+  missing; what a CPU vLLM reports no data for is ``no_data``) and the behavioural probe
+  (:func:`rollsafe.probe.record_answers`: the greedy tokens of the fixed prompts), replayed on
+  the trainer's version by the token check (each token the argmax of that version).
+
+A group that fails its check is looked at again: when it left ``active`` or the fleet moved to
+another version meanwhile (a fault hit it during the check) the check is void, not a violation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tokens import Answer, TokenCheck
+
+__all__ = ["check_groups"]
+
+
+def check_groups(
+    name: str,
+    fleet: Any,
+    trainer: Any,
+    tokens: TokenCheck,
+    violation: Callable[[str, str], None],
+    groups: Sequence[str] | None = None,
+) -> dict[str, int]:
+    """Check ``groups`` (default: every group) of ``fleet`` that are ``active`` now; returns
+    ``{"equal": n, "void": n, "unequal": n}``."""
+    from rollsafe.probe import record_answers
+
+    registry = fleet.registry
+    version = registry.fleet_version
+    weights = trainer.at(version)
+    counts = {"equal": 0, "void": 0, "unequal": 0}
+    if weights is None:
+        return counts
+    wanted = [g for g in (groups or fleet.group_ids) if registry.get(g).state == "active"]
+    if not wanted:
+        return counts
+    problems: dict[str, str] = {}
+    if fleet.config.engine_spec.kind == "reference":
+        want = trainer.checksum(version)
+        got = fleet.checksums()
+        for gid in wanted:
+            if got.get(gid) != want:
+                problems[gid] = f"digest {got.get(gid)} != the trainer's {want} (v{version})"
+    else:
+        checks = fleet.check_weights(weights)
+        for gid in wanted:
+            check = checks.get(gid)
+            if check is None:
+                problems[gid] = "no answer from its weight checker"
+                continue
+            kinds = set(check.counts())
+            if not kinds <= {"equal", "no_data"} or "equal" not in kinds:
+                problems[gid] = f"digests: {check.summary()}"
+                continue
+            group = registry.get(gid)
+            try:
+                answers = record_answers(group.client, timeout=120)
+            except Exception as exc:
+                problems[gid] = f"probe failed: {type(exc).__name__}: {exc}"
+                continue
+            bad: list[str] = []
+            for a in answers.answers:
+                segment = {
+                    "group": gid,
+                    "weights_version": str(version),
+                    "token_range": [0, len(a.output_ids)],
+                }
+                tokens.check_now(
+                    Answer(name, "probe", a.prompt, a.output_ids, (segment,)), bad.append
+                )
+            if bad:
+                problems[gid] = f"probe: {bad[0]}"
+    for gid in wanted:
+        if gid not in problems:
+            counts["equal"] += 1
+            continue
+        group = registry.get(gid)
+        if group.state != "active" or registry.fleet_version != version:
+            counts["void"] += 1
+            continue
+        counts["unequal"] += 1
+        violation("weights", f"{name}/{gid} at v{version}: {problems[gid]}")
+    return counts
