@@ -1,7 +1,8 @@
 """``benchmarks/bench_gateway.py`` and its parts (``benchmarks/gateway/``): the stub engine's
 answers and counters (which survive a SIGKILL), the SYN counter, the command line, the summary
-arithmetic, and the ``--smoke`` run end to end on the stubs (direct and the aiohttp proxy;
-the two Rust routers too where ``make routers`` has made ``.venv-routers``). Nothing here is
+arithmetic, issue #35's targets as checks, and the ``--smoke`` run end to end on the stubs
+(direct, the aiohttp proxy, rollsafe's gateway; the two Rust routers too where ``make
+routers`` has made ``.venv-routers``). Nothing here is
 timed: the smoke run's figures are not asserted, only its checks and its shape.
 """
 
@@ -167,7 +168,7 @@ def test_arguments(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> Non
     assert args.out == str(ROOT / "benchmarks" / "results" / "gateway_cpu.json")
     smoke = bench.parse_args(["--smoke"])
     assert smoke.engine_kinds == ["stub"] and smoke.streams <= 200
-    assert smoke.out != args.out and "direct" in smoke.front_names
+    assert smoke.out != args.out and {"direct", "gateway"} <= set(smoke.front_names)
     for argv, says in (
         (["--fronts", "direct,nginx"], "unknown fronts ['nginx']"),
         (["--fronts", "sglang-router"], "must include direct"),
@@ -221,10 +222,8 @@ def _smoke(tmp_path: Path, fronts: str) -> dict[str, Any]:
 
 
 def test_smoke_direct_and_proxy(tmp_path: Path) -> None:
-    got = _smoke(tmp_path, "direct,proxy-aiohttp,gateway")
-    assert (
-        set(got["unavailable"]) == {"gateway"} and "not built yet" in got["unavailable"]["gateway"]
-    )
+    got = _smoke(tmp_path, "direct,proxy-aiohttp")
+    assert got["unavailable"] == {}
     tp = got["stub"]["throughput"]
     assert set(tp) == {"direct", "proxy-aiohttp"}
     assert set(tp["direct"]) == {"generate", "generate-stream", "completions", "completions-stream"}
@@ -233,6 +232,39 @@ def test_smoke_direct_and_proxy(tmp_path: Path) -> None:
     crash = got["crash"]["direct"]["generate-stream"]
     assert crash["killed"] and crash["dead_engine_at_kill"]["in_flight"] > 0
     assert crash["attempts_to_dead_engine"] is None or crash["attempts_to_dead_engine"] > 0
+
+
+def test_smoke_gateway(tmp_path: Path) -> None:
+    """rollsafe's gateway as a front (benchmarks/gateway/gateway_front.py): both APIs on the
+    stubs, the open streams, and the crash: every request whole, the dead engine's group out
+    of routing, its requests continued on the other engine."""
+    got = _smoke(tmp_path, "direct,gateway")
+    assert got["unavailable"] == {}
+    workloads = {"generate", "generate-stream", "completions", "completions-stream"}
+    assert set(got["stub"]["throughput"]["gateway"]) == workloads
+    assert set(got["stub"]["latency"]["gateway"]) == workloads
+    books = got["stub"]["gateway_books"]
+    assert books["states"] == {"g0": "active", "g1": "active"}
+    served = sum(books["router"]["served_by_group"].values())
+    sent = sum(r["sent"] for rs in got["stub"]["throughput_runs"]["gateway"].values() for r in rs)
+    assert served >= sent > 0  # the latency runs and the warm-up request come on top
+    held = got["open_streams"]["gateway"]
+    assert held["opened"] == 200 and not held["failed"]
+    assert 1.9 <= held["front_fds_per_stream"] <= 2.1  # the client's socket and the engine's
+    for w in ("generate-stream", "generate"):
+        crash = got["crash"]["gateway"][w]
+        assert crash["killed"] and (crash["failed"], crash["cut"]) == (0, 0)
+        gw = crash["gateway"]
+        assert gw["states"] == {"g0": "active", "g1": "inactive"}
+        assert gw["continuation"]["after_failure"] >= 1 and gw["continuation"]["failed"] == 0
+        assert (
+            crash["tokens_regenerated"]
+            <= crash["dead_engine_at_kill"]["tokens_generated_unfinished"]
+        )
+        assert got["checks"][f"target [stub] gateway crash {w}: 0 failed or cut"]
+    # timing targets are not checked on seconds of load, only recorded
+    assert "target [stub] gateway generate: added p50 <= 1.0 ms" in got["targets_not_checked"]
+    assert not any("added p50" in k or "x sglang-router" in k for k in got["checks"])
 
 
 @pytest.mark.slow
@@ -323,3 +355,38 @@ def test_the_gateways_targets_become_checks(bench: ModuleType) -> None:
     none: dict[str, bool] = {}
     bench.gateway_targets({"stub": results["stub"] | {"throughput": {}, "latency": {}}}, none)
     assert none == {}  # no gateway measured: no target checked
+    smoke: dict[str, bool] = {}
+    bench.gateway_targets(results, smoke, timed=False)  # --smoke: the crash target only
+    assert smoke == {k: v for k, v in checks.items() if "crash" in k}
+    assert results["targets_not_checked"] == {k: v for k, v in checks.items() if "crash" not in k}
+
+
+def test_reference_targets_take_both_dialects(bench: ModuleType) -> None:
+    """One front's workloads of the two reference dialects are checked side by side (the
+    SGLang dialect's are not overwritten by the vLLM dialect's)."""
+
+    def tp(rps: float) -> dict[str, Any]:
+        return {"best_req_per_s": rps}
+
+    results = {
+        "reference": {
+            "sglang": {
+                "throughput": {
+                    "sglang-router": {"generate": tp(100)},
+                    "gateway": {"generate": tp(90)},
+                }
+            },
+            "vllm": {
+                "throughput": {
+                    "vllm-router": {"completions": tp(100)},
+                    "gateway": {"completions": tp(99)},
+                }
+            },
+        }
+    }
+    checks: dict[str, bool] = {}
+    bench.gateway_targets(results, checks)
+    assert checks == {
+        "target [reference] gateway generate: >= 0.95x sglang-router": False,
+        "target [reference] gateway completions: >= 0.95x vllm-router": True,
+    }
