@@ -65,7 +65,7 @@ $(MERMAID): tools/mermaid/package.json tools/mermaid/package-lock.json
 demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/rollsafe demo
 
-test: $(STAMP) $(VLLM_STAMP) $(MERMAID)
+test: $(STAMP) $(VLLM_STAMP) $(MERMAID) $(ROUTERS_STAMP)
 	tools/run_tests.sh $(BIN)
 
 verify: $(STAMP)

@@ -1030,6 +1030,109 @@ def _stack_note(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def _mp(s: dict[str, Any], key: str, scale: float = 1.0, digits: int = 2) -> str:
+    """``median / p95`` of one summarized figure (``-`` where not measured)."""
+    v = s.get(key)
+    if not v or v.get("median") is None:
+        return "-"
+    return f"{v['median'] * scale:.{digits}f} / {v['p95'] * scale:.{digits}f}"
+
+
+def _router_sync(d: dict[str, Any]) -> list[Row]:
+    tag = f"{d['host']['cpus']} cpus, 1-min load {d['host']['load_1min_at_start']} at the start"
+    rows: list[Row] = []
+    for kind, by_s in d["summary"].items():
+        for scenario, by_m in by_s.items():
+            alone, synced = by_m.get("router", {}), by_m.get("sync", {})
+            if scenario == "sigkill":
+                what = "connection attempts to a SIGKILLed engine after the kill"
+                key = "attempts_after_kill"
+            else:
+                what = "requests to a group (engine up) after it left active"
+                key = "requests_after_transition"
+            rows.append(
+                (
+                    f"{kind}, {what}: router alone vs with RouterSync, median / p95 "
+                    f"(n={alone.get('n', 0)}; {tag})",
+                    f"{_mp(alone, key, digits=0)} vs {_mp(synced, key, digits=0)}; "
+                    + (
+                        f"after the first burst {_mp(alone, 'later_attempts', digits=0)} vs "
+                        f"{_mp(synced, 'later_attempts', digits=0)}; "
+                        if scenario == "sigkill"
+                        else ""
+                    )
+                    + f"removal confirmed {_mp(synced, 'removal_lag_s', 1000, 1)} ms after the "
+                    "group left active",
+                    "-",
+                    "-",
+                )
+            )
+    ok = not d["failed_checks"]
+    rows.append(
+        (
+            "router sync bench checks (every removal confirmed; no attempt after the first burst "
+            "with the sync; < 10% of the router-alone requests to a group out of active)",
+            "all held" if ok else f"{len(d['failed_checks'])} of {len(d['checks'])} false",
+            "all",
+            _verdict(ok),
+        )
+    )
+    return rows
+
+
+def router_sync_section(results: Path = RESULTS) -> list[str]:
+    """The external routers kept in sync (issue #35, item 5), from router_sync_cpu.json."""
+    path = results / "router_sync_cpu.json"
+    if not path.exists():
+        return []
+    d = json.loads(path.read_text(encoding="utf-8"))
+    c = d["config"]
+    lines = [
+        "## External routers kept in sync (`router_sync_cpu.json`)",
+        "",
+        f"sglang-router 0.3.2 (`/generate`) and vllm-router 0.1.17 (`/v1/completions`), "
+        f"round-robin over two stub engines, {c['clients']} closed-loop clients "
+        f"({c['tokens']} tokens at {c['token_interval_ms']} ms each). `router`: the router on "
+        "its own; `sync`: `RouterSync` drives its worker API. `sigkill`: one engine SIGKILLed, "
+        "detected by the fleet's `HealthManager` (defaults), attempts counted as SYN packets "
+        f"to its port for {c['tail_s']} s (the fleet's own probes excluded; first burst: "
+        f"within {c['burst_s']} s); `leaves_active`: the fleet sends `fail` to a group whose "
+        f"engine still runs, requests counted at that engine for {c['leave_tail_s']} s. "
+        f"Median / p95 over {c['repeats']} runs, modes interleaved; "
+        f"1-min load {d['host']['load_1min_at_start']} at the start. "
+        "`python benchmarks/bench_router_sync.py` (`--smoke` for a quick pass).",
+        "",
+        "| router | scenario | mode | sent to the failed group after | last one after (s) "
+        "| first burst: attempts, end (s) | later attempts | failed client requests "
+        "| fleet detection (s) | removal confirmed after (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for kind, by_s in d["summary"].items():
+        for scenario, by_m in by_s.items():
+            for mode, s in by_m.items():
+                if scenario == "sigkill":
+                    sent = _mp(s, "attempts_after_kill", digits=0) + " attempts"
+                    last = _mp(s, "last_attempt_after_kill_s")
+                    burst = f"{_mp(s, 'burst_attempts', digits=0)}, {_mp(s, 'burst_end_s')}"
+                    later = _mp(s, "later_attempts", digits=0)
+                else:
+                    sent = _mp(s, "requests_after_transition", digits=0) + " requests"
+                    last = _mp(s, "last_request_after_transition_s")
+                    burst = later = "-"
+                lines.append(
+                    f"| {kind} | {scenario} | {mode} | {sent} | {last} | {burst} | {later} "
+                    f"| {_mp(s, 'failed', digits=0)} | {_mp(s, 'detection_s')} "
+                    f"| {_mp(s, 'removal_lag_s', 1000, 1)} |"
+                )
+    lines += [
+        "",
+        "What the figures mean and what a router still cannot do: "
+        "[docs/routers.md](../docs/routers.md#keeping-a-routers-workers-in-sync).",
+        "",
+    ]
+    return lines
+
+
 EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "transitions.json": _transitions,
     "engine_cpu.json": _engine,
@@ -1069,6 +1172,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "trl_grpo_gpu.json": _trl_grpo_gpu,
     "trl_grpo_gpu_6steps.json": _trl_grpo_gpu,
     "gateway_cpu.json": _gateway,
+    "router_sync_cpu.json": _router_sync,
 }
 
 
@@ -1098,13 +1202,15 @@ def render(results: Path = RESULTS) -> str:
         for figure, measured, target, verdict in rows:
             lines.append(f"| `{rel}` | {figure} | {measured} | {target} | {verdict} |")
     lines += ["", *gateway_section(results)]
+    lines += router_sync_section(results)
     lines += [
         "How to rerun: `make bench` (transitions), `python benchmarks/bench_engine.py`,",
         "`python benchmarks/bench_hf_export.py`, `python benchmarks/bench_transports_cpu.py`,",
         "`python benchmarks/bench_control_plane.py`,",
         "`python benchmarks/bench_recovery.py`, `python benchmarks/bench_real_vllm.py`,",
         "`python benchmarks/bench_node_loss.py`, `python benchmarks/bench_delta.py --train`,",
-        "`python benchmarks/bench_gateway.py` (runs `make routers`);",
+        "`python benchmarks/bench_gateway.py` (runs `make routers`),",
+        "`python benchmarks/bench_router_sync.py` (runs `make routers`);",
         "GPU: `benchmarks/gpu/README.md`.",
         "",
     ]

@@ -26,13 +26,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import torch
 from real_vllm import make_vllm_model
 
 from rollsafe.adapters.engines import EngineSpec
 from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RecoverySettings, RolloutFleet
-from rollsafe.fleet.router import RoutedResult
+from rollsafe.gateway import GatewaySettings
 from rollsafe.ports import EngineTarget
 from rollsafe.probe import ProbeAnswers, compare_answers, record_answers
 
@@ -162,9 +163,33 @@ def nccl_fleet(vllm_model: Path, tmp_path: Path, vllm_python: str) -> Iterator[R
         transport="nccl",
         enable_immediate_recovery=True,
         rearm_after=1,
+        gateway=GatewaySettings(wait_for_routable_s=RECOVER_S),
     )
     with RolloutFleet(config) as fleet:
         yield fleet
+
+
+def _sdk_stream(fleet: RolloutFleet, prompt: list[int]) -> tuple[list[int], list[dict[str, Any]]]:
+    """One greedy completion streamed through the fleet's gateway with the openai SDK: its
+    token ids and the provenance segments of its last chunk."""
+    client = openai.OpenAI(base_url=f"{fleet.gateway_url}/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(
+        model="m",
+        prompt=prompt,
+        max_tokens=40,
+        temperature=0.0,
+        stream=True,
+        timeout=600,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    ids: list[int] = []
+    segments: list[dict[str, Any]] = []
+    for chunk in stream:
+        extra = chunk.choices[0].model_extra or {}
+        ids += extra.get("token_ids") or []
+        if chunk.choices[0].finish_reason is not None:
+            segments = extra["rollsafe"]["segments"]
+    return ids, segments
 
 
 def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
@@ -198,7 +223,10 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
     assert fleet.exporter is not None
     fleet.exporter.wait_hf_export(3, timeout=120)
 
-    # -- SIGKILL g1's server mid-rollout: continued elsewhere, back from the export
+    # -- SIGKILL g1's server mid-rollout, the rollouts streamed through the gateway with the
+    # openai SDK: continued elsewhere from their last token, back from the export
+    prompts = [[9, 8, 7, i] for i in range(4)]
+    uncut = {i: _sdk_stream(fleet, p)[0] for i, p in enumerate(prompts)}
     victim = fleet.launcher("g1").pid
     killed = threading.Event()
 
@@ -208,18 +236,12 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
             os.kill(victim, signal.SIGKILL)
 
     fleet.router.on_progress = on_progress
-    results: list[RoutedResult] = []
+    results: dict[int, tuple[list[int], list[dict[str, Any]]]] = {}
     errors: list[BaseException] = []
 
     def rollout(i: int) -> None:
         try:
-            results.append(
-                fleet.generate(
-                    [9, 8, 7, i],
-                    sampling_params={"max_new_tokens": 40, "ignore_eos": True},
-                    timeout=300,
-                )
-            )
+            results[i] = _sdk_stream(fleet, prompts[i])
         except BaseException as exc:
             errors.append(exc)
 
@@ -231,17 +253,15 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
     fleet.router.on_progress = None
     assert killed.is_set(), "no request reached g1 before the rollout ended"
     assert not errors, errors
-    assert all(len(r.output_ids) == 40 for r in results), [
-        (len(r.output_ids), [(s.group_id, s.token_range, s.ended) for s in r.segments])
-        for r in results
-    ]
-    cut = [r for r in results if r.continued]
+    assert {i: ids for i, (ids, _) in results.items()} == uncut  # none lost, none repeated
+    cut = [segs for _, segs in results.values() if len({s["attempt"] for s in segs}) > 1]
     assert cut, "the kill cut no request"
-    for r in cut:
-        assert r.segments[0].group_id == "g1" and r.segments[0].ended == "failed"
-        assert r.segments[-1].group_id == "g0"  # continued from its last token on the survivor
+    for segs in cut:
+        assert segs[0]["group"] == "g1" and segs[0]["ended"] == "failed"
+        assert segs[-1]["group"] == "g0"  # continued from its last token on the survivor
+        assert all(s["weights_version"] == "3" for s in segs)  # every token's version
     # the tokens g1 streamed before it died were kept, not generated again
-    assert max(r.segments[0].token_range[1] for r in cut) >= 3
+    assert max(segs[0]["token_range"][1] for segs in cut) >= 3
     _wait_active(fleet, "g1", 3, RECOVER_S)
     recovered = [r for r in fleet.recoveries() if r.group_id == "g1"][-1]
     assert recovered.status == "active" and recovered.strategy == "immediate", recovered
@@ -277,6 +297,25 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
     assert set(served_during) <= {"g0"}, served_during
     _wait_active(fleet, "g1", 4, 1.0)
     _check_synced(fleet, weights, None)
+    _no_dispatch_to_inactive(fleet)
+
+    # -- a sync mid-stream (the same values as version 5): the stream through the gateway goes
+    # on from its last token on version 5, and says which tokens were version 4
+    before = _sdk_stream(fleet, [4, 4, 4])[0]
+    reached = threading.Event()
+    fleet.router.on_progress = lambda gid, n: reached.set() if n >= 5 else None
+    box: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: box.setdefault("out", _sdk_stream(fleet, [4, 4, 4])))
+    worker.start()
+    assert reached.wait(300)
+    report = fleet.sync_weights(weights, 5)
+    worker.join(600)
+    fleet.router.on_progress = None
+    assert report.ok and report.updated == ["g0", "g1"], report.as_dict()
+    ids, segments = box["out"]
+    assert ids == before
+    versions = [s["weights_version"] for s in segments]
+    assert versions[0] == "4" and versions[-1] == "5"
     _no_dispatch_to_inactive(fleet)
 
 

@@ -44,12 +44,15 @@ def _filter(port: int) -> bytes:
 
 
 class SynCounter:
-    """``start()``, then ``times`` holds the monotonic time of each SYN to ``port``;
-    ``stop()``. ``error`` is set (and nothing counted) where a raw socket is not allowed."""
+    """``start()``, then ``times`` holds the monotonic time of each SYN to ``port`` and
+    ``sources`` (same order) the source address it came from (all of ``127.0.0.0/8`` is
+    loopback: a client bound to ``127.0.0.2`` is told apart); ``stop()``. ``error`` is set (and
+    nothing counted) where a raw socket is not allowed."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.times: list[float] = []
+        self.sources: list[str] = []
         self.error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -90,6 +93,7 @@ class SynCounter:
                     data, addr = self._sock.recvfrom(128)
                     if addr[2] != PACKET_OUTGOING and self._is_syn(data):
                         self.times.append(time.monotonic())
+                        self.sources.append(socket.inet_ntoa(data[26:30]))
 
     def _is_syn(self, data: bytes) -> bool:
         # the kernel filter already matched; re-check in case it let something else through

@@ -33,7 +33,7 @@ from rollsafe.fleet.settings import (
     check_number,
     topology_refusal,
 )
-from rollsafe.gateway.settings import GatewaySettings
+from rollsafe.gateway.settings import ExternalRouter, GatewaySettings
 
 if TYPE_CHECKING:
     from rollsafe.adapters.engines import EngineSpec
@@ -165,6 +165,9 @@ class FleetConfig:
     #: the rollout gateway (``docs/gateway.md``): OpenAI and SGLang-native HTTP served from this
     #: process at ``RolloutFleet.gateway_url`` (None: no gateway; needs ``rollsafe[gateway]``)
     gateway: GatewaySettings | None = None
+    #: routers users keep in front of the engines (sglang-router, vllm-router) whose worker
+    #: lists the fleet keeps equal to its routable set (``docs/routers.md``)
+    external_routers: Sequence[ExternalRouter] = ()
 
     def __post_init__(self) -> None:
         """Keep a ``transport=<settings object>`` in its field, settle ``model_path`` and
@@ -298,6 +301,15 @@ class FleetConfig:
                 "gateway",
                 f"must be a rollsafe.gateway.GatewaySettings or None, got {self.gateway!r}",
             )
+        for i, router in enumerate(self.external_routers):
+            if not isinstance(router, ExternalRouter):
+                raise FleetConfigError(
+                    f"external_routers[{i}]",
+                    f"must be an ExternalRouter (rollsafe.gateway), got {router!r}",
+                )
+        urls = [r.url for r in self.external_routers]
+        if len(set(urls)) != len(urls):
+            raise FleetConfigError("external_routers", f"names a router twice: {urls}")
         if not isinstance(self.transport_settings, Mapping):
             raise FleetConfigError(
                 "transport_settings", f"must be a mapping, got {self.transport_settings!r}"

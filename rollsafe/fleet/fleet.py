@@ -65,7 +65,8 @@ if TYPE_CHECKING:
     from rollsafe.fleet.request_health import RequestHealth
     from rollsafe.fleet.sync import SyncCoordinator, SyncReport
     from rollsafe.gateway.app import Gateway
-    from rollsafe.gateway.settings import GatewaySettings
+    from rollsafe.gateway.router_sync import RouterSync
+    from rollsafe.gateway.settings import ExternalRouter, GatewaySettings
     from rollsafe.hf import HFExporter
     from rollsafe.invariants import FleetPicture
     from rollsafe.observe.metrics import FleetMetrics
@@ -136,6 +137,8 @@ class RolloutFleet:
         self.data_plane = DataPlane(self.router, log_to=self.observer)
         #: the rollout gateway (``FleetConfig.gateway``), serving from :meth:`start`
         self.gateway: Gateway | None = None
+        #: the external routers kept in step (``FleetConfig.external_routers``)
+        self.router_syncs: list[RouterSync] = []
         self._control: ControlPlane | None = None
         self.membership: Membership | None = None
         self._exports = ExportHistory()
@@ -191,6 +194,7 @@ class RolloutFleet:
                 self.metrics.serve()
             if cfg.gateway is not None:
                 self._start_gateway(cfg.gateway)
+            self._start_router_syncs(cfg.external_routers)
         except BaseException:
             self.close()
             raise
@@ -201,11 +205,26 @@ class RolloutFleet:
         """Serve the gateway on the data plane's event loop (``docs/gateway.md``)."""
         from rollsafe.gateway.app import Gateway
 
+        if self.metrics is None:  # the gateway's /metrics serves the fleet's metrics too
+            from rollsafe.observe.metrics import FleetMetrics
+
+            self.metrics = FleetMetrics(self)
         assert self.config.model_path is not None
         gateway = Gateway(self, settings, model_path=Path(self.config.model_path))
         self.data_plane.loop_thread.run(gateway.start())
         self.gateway = gateway
         log.info("rollout gateway serving at %s", gateway.url)
+
+    def _start_router_syncs(self, routers: Sequence[ExternalRouter]) -> None:
+        """Keep each external router's worker list equal to the routable set."""
+        if not routers:
+            return
+        from rollsafe.gateway.router_sync import RouterSync
+
+        for router in routers:
+            sync = RouterSync(self.registry, router)
+            sync.start()
+            self.router_syncs.append(sync)
 
     @property
     def gateway_url(self) -> str | None:
@@ -375,6 +394,9 @@ class RolloutFleet:
         if control is not None:
             with contextlib.suppress(Exception):
                 control.recovery.close(timeout=timeout)
+        for sync in self.router_syncs:
+            with contextlib.suppress(Exception):
+                sync.close()
         if self.gateway is not None:
             with contextlib.suppress(Exception):
                 self.data_plane.loop_thread.run(self.gateway.close(grace_s=min(timeout, 5.0)))
@@ -514,6 +536,12 @@ class RolloutFleet:
             "router": self.router.stats(),
             "health": control.health.stats() if control is not None else None,
             "request_health": control.request_health.stats() if control is not None else None,
+            "gateway": (
+                {"url": self.gateway.url, **self.gateway.counters.as_dict()}
+                if self.gateway is not None
+                else None
+            ),
+            "external_routers": [sync.stats() for sync in self.router_syncs],
         }
 
     # ------------------------------------------------------------------ parts

@@ -164,7 +164,6 @@ class Gateway:
             settings.max_sessions, settings.session_ttl_s, self.limits.max_model_len
         )
         self.counters = GatewayCounters()
-        self._metrics: FleetMetrics | None = None
         self._server: HttpServer | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -292,17 +291,10 @@ class Gateway:
         )
 
     def _metrics_text(self) -> str:
+        """The fleet's Prometheus metrics (the fleet makes them when it starts a gateway) and
+        the gateway's own counters."""
         text = ""
         metrics = self.fleet.metrics
-        if metrics is None:
-            if self._metrics is None:
-                try:
-                    from rollsafe.observe.metrics import FleetMetrics
-
-                    self._metrics = FleetMetrics(self.fleet, registry=None)  # type: ignore[arg-type]
-                except ImportError:
-                    self._metrics = None
-            metrics = self._metrics
         if metrics is not None:
             from prometheus_client import generate_latest
 
@@ -325,17 +317,19 @@ class Gateway:
         engine does has its engine request closed; a request restarted from scratch
         (``Router.keep_tokens`` off) drops the chunks it replaces."""
         chunks: list[TokenChunk] = []
+        count = 0  # tokens in ``chunks``
         out = ChoiceOutput(self.tokenizer, req)
         stream = self._stream_of(req)
         try:
             async for chunk in stream:
-                if chunk.token_ids and chunk.start < out_count(chunks):
+                if chunk.token_ids and chunk.start < count:
                     while chunks and chunks[-1].start >= chunk.start:
-                        chunks.pop()
+                        count -= len(chunks.pop().token_ids)
                     out = ChoiceOutput(self.tokenizer, req)
                     for kept in chunks:
                         out.add(kept)
                 chunks.append(chunk)
+                count += len(chunk.token_ids)
                 out.add(chunk)
                 if out.stopped_early:
                     break  # ends the engine request (the stream is closed below)
@@ -381,14 +375,16 @@ class Gateway:
         group = first[1].group_id if first is not None and isinstance(first[1], TokenChunk) else ""
 
         async def body() -> AsyncIterator[bytes]:
+            self.counters.in_flight += 1  # a stream is in flight until its last event
             sent: dict[int, list[TokenChunk]] = {}
+            ends: dict[int, int] = {}  # tokens sent per choice
             item = first
             try:
                 while item is not None:
                     index, chunk = item
                     if isinstance(chunk, TokenChunk):
                         kept = sent.setdefault(index, [])
-                        if chunk.token_ids and chunk.start < sum(len(c.token_ids) for c in kept):
+                        if chunk.token_ids and chunk.start < ends.get(index, 0):
                             chunk = RequestFailed(
                                 "the request restarted from scratch (Router.keep_tokens off):"
                                 " a stream cannot take its tokens back",
@@ -400,6 +396,7 @@ class Gateway:
                         await choices.close(index)
                     else:
                         kept.append(chunk)
+                        ends[index] = ends.get(index, 0) + len(chunk.token_ids)
                         data = streamer.chunk(index, chunk)
                         if data:
                             yield data
@@ -408,6 +405,7 @@ class Gateway:
                     item = await choices.next()
                 yield streamer.end()
             finally:
+                self.counters.in_flight -= 1
                 await choices.aclose()
                 for chunks in sent.values():
                     self._count(chunks)
@@ -444,11 +442,6 @@ def _json_body(request: Request, path: str) -> Any:
         return json.loads(request.body or b"null")
     except ValueError as exc:
         raise InvalidRequest("body", f"the body is not JSON: {exc}") from None
-
-
-def out_count(chunks: Sequence[TokenChunk]) -> int:
-    """Tokens in ``chunks``."""
-    return sum(len(c.token_ids) for c in chunks)
 
 
 def _error_event(exc: BaseException, *, sglang: bool) -> bytes:

@@ -1,17 +1,27 @@
-"""The gateway's settings: where it listens, who may call it, and how much it takes.
+"""The gateway's settings: where it listens, who may call it, how much it takes, and the
+external routers kept in step with the fleet.
 
-Owns :class:`GatewaySettings` (``FleetConfig(gateway=GatewaySettings(...))``); a bad value is a
-:class:`~rollsafe.errors.InvalidArgument` naming the key as ``gateway.<field>``. Imports only
-:mod:`rollsafe.errors`, so the fleet's configuration can name it without loading the server.
+Owns :class:`GatewaySettings` (``FleetConfig(gateway=GatewaySettings(...))``) and
+:class:`ExternalRouter` (``FleetConfig(external_routers=(ExternalRouter(...),))``,
+:mod:`rollsafe.gateway.router_sync`); a bad value is a :class:`~rollsafe.errors.InvalidArgument`
+naming the key. Imports only :mod:`rollsafe.errors` and the standard library, so the fleet's
+configuration can name them without loading the server.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-from rollsafe.errors import InvalidArgument
+from rollsafe.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["GatewaySettings"]
+__all__ = ["ROUTER_KINDS", "ExternalRouter", "GatewaySettings", "RouterKind"]
+
+RouterKind = Literal["sglang-router", "vllm-router"]
+#: the routers whose worker API :class:`RouterSync` speaks (the releases in ``docs/routers.md``)
+ROUTER_KINDS: tuple[str, ...] = get_args(RouterKind)
 
 
 def _positive(key: str, value: object, *, integer: bool = False, zero: bool = False) -> None:
@@ -87,3 +97,104 @@ class GatewaySettings:
             _positive(key, getattr(self, key), integer=True)
         for key in ("idle_body_timeout_s", "keepalive_timeout_s", "session_ttl_s"):
             _positive(key, getattr(self, key))
+
+
+def normal_url(url: str) -> str:
+    """A worker URL as compared with a router's list (no trailing slash)."""
+    return url.strip().rstrip("/")
+
+
+def _router_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentType(name, f"ExternalRouter.{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(name, f"ExternalRouter.{name} must be > 0 and finite, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ExternalRouter:
+    """A router users run in front of the engines, to be kept in step with the fleet.
+
+    ``url``: the router's own address (``http://host:port``, optionally with a path prefix;
+    the worker routes are appended). ``kind``: ``"sglang-router"`` or ``"vllm-router"``.
+    ``api_key``: sent as ``Authorization: Bearer`` on every call (sglang-router's
+    ``--control-plane-api-keys`` admin key); never shown in ``repr``.
+
+    Timeouts (seconds): ``timeout_s`` bounds each list / remove call and sglang-router's add;
+    ``add_timeout_s`` bounds vllm-router's add, which answers only once the worker is healthy;
+    ``confirm_timeout_s`` is how long a sglang-router background job may take to show in (or
+    leave) ``GET /workers``. ``reconcile_interval_s``: how often the list is compared with the
+    fleet. ``remove_unknown``: whether listed workers that are no URL of the fleet are removed
+    (see :mod:`rollsafe.gateway.router_sync`). ``retry_initial_s`` / ``retry_max_s``: the
+    backoff of a failed call (doubling). Every field is checked here; a bad one is an
+    :class:`~rollsafe.errors.InvalidArgument` naming it.
+    """
+
+    url: str
+    kind: RouterKind
+    api_key: str | None = field(default=None, repr=False)
+    timeout_s: float = 5.0
+    add_timeout_s: float = 30.0
+    confirm_timeout_s: float = 10.0
+    reconcile_interval_s: float = 30.0
+    remove_unknown: bool = True
+    retry_initial_s: float = 0.25
+    retry_max_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str):
+            raise InvalidArgumentType("url", f"ExternalRouter.url must be a str, got {self.url!r}")
+        parts = urllib.parse.urlsplit(self.url.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InvalidArgument(
+                "url", f"ExternalRouter.url must be http(s)://host[:port], got {self.url!r}"
+            )
+        try:
+            parts.port  # noqa: B018 (raises on a bad port)
+        except ValueError as exc:
+            raise InvalidArgument("url", f"ExternalRouter.url {self.url!r}: {exc}") from None
+        if parts.query or parts.fragment:
+            raise InvalidArgument(
+                "url", f"ExternalRouter.url must have no query or fragment, got {self.url!r}"
+            )
+        object.__setattr__(self, "url", normal_url(self.url))
+        if self.kind not in ROUTER_KINDS:
+            raise InvalidArgument(
+                "kind",
+                f"ExternalRouter.kind must be one of {list(ROUTER_KINDS)}, got {self.kind!r}",
+            )
+        if self.api_key is not None and (
+            not isinstance(self.api_key, str)
+            or not self.api_key
+            or any(c.isspace() or not c.isprintable() for c in self.api_key)
+        ):
+            raise InvalidArgument(
+                "api_key",
+                "ExternalRouter.api_key must be None or a non-empty string without spaces or "
+                "control characters",
+            )
+        for name in (
+            "timeout_s",
+            "add_timeout_s",
+            "confirm_timeout_s",
+            "reconcile_interval_s",
+            "retry_initial_s",
+            "retry_max_s",
+        ):
+            object.__setattr__(self, name, _router_number(name, getattr(self, name)))
+        if self.retry_max_s < self.retry_initial_s:
+            raise InvalidArgument(
+                "retry_max_s",
+                f"ExternalRouter.retry_max_s ({self.retry_max_s}) must be >= retry_initial_s "
+                f"({self.retry_initial_s})",
+            )
+        if not isinstance(self.remove_unknown, bool):
+            raise InvalidArgumentType(
+                "remove_unknown",
+                f"ExternalRouter.remove_unknown must be a bool, got {self.remove_unknown!r}",
+            )
+
+    def backoff_s(self, failures: int) -> float:
+        """The wait before the next try after ``failures`` consecutive failures (>= 1)."""
+        return min(self.retry_max_s, self.retry_initial_s * 2.0 ** max(0, failures - 1))
