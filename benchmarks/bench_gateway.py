@@ -404,6 +404,7 @@ def summarize_throughput(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> di
             out.setdefault(front, {})[w] = {
                 "best_concurrency": best_c,
                 "best_req_per_s": per_c[best_c]["req_per_s_median"],
+                "best_req_per_s_p95": per_c[best_c]["req_per_s_p95"],
                 "front_cpu_us_per_req": per_c[best_c]["front_cpu_us_per_req_median"],
                 "by_concurrency": per_c,
             }
@@ -423,6 +424,7 @@ def summarize_latency(lat: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[s
                 "p50_ms": _med([r["p50_ms"] for r in rs if r["p50_ms"] is not None] or [0.0]),
                 "p99_ms": _med([r["p99_ms"] for r in rs if r["p99_ms"] is not None] or [0.0]),
                 "p50_ms_p95": _p95([r["p50_ms"] for r in rs if r["p50_ms"] is not None] or [0.0]),
+                "p99_ms_p95": _p95([r["p99_ms"] for r in rs if r["p99_ms"] is not None] or [0.0]),
                 "failed": sum(r["failed"] + r["cut"] for r in rs),
                 "n": len(rs),
             }
@@ -785,6 +787,13 @@ def host_info() -> dict[str, Any]:
     }
 
 
+def phase(results: dict[str, Any], name: str, message: str) -> None:
+    """Say which phase starts and record the machine's 1-min load then (the machine is shared:
+    the load beside each phase's figures)."""
+    print(message, flush=True)
+    results.setdefault("load_1min_by_phase", {})[name] = round(os.getloadavg()[0], 2)
+
+
 def make_routers(args: argparse.Namespace) -> tuple[bool, str]:
     if args.smoke or args.no_make:
         return F.ROUTERS_PYTHON.exists(), "not run (--smoke/--no-make)"
@@ -836,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
                     f.stop()
             stubs = start_stubs(tmp, "tp")
             try:
-                print("client cost ...", flush=True)
+                phase(results, "client_cost", "client cost ...")
                 results["client_cost"] = client_cost(stubs, args)
             finally:
                 stop_all(stubs)
@@ -845,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         results["unavailable"] = unavailable
         names = [f.name for f in fronts]
 
-        print(f"throughput and latency on the stubs: {names} ...", flush=True)
+        phase(results, "stub", f"throughput and latency on the stubs: {names} ...")
         stub_res: dict[str, Any] = {}
         stubs = start_stubs(tmp, "tp2")
         try:
@@ -870,23 +879,24 @@ def main(argv: list[str] | None = None) -> int:
         gateway_books_checks("stub", stub_res, checks)
 
         routers = [n for n in names if n.endswith("-router")]
-        print(f"worker API: {routers} ...", flush=True)
+        phase(results, "worker_api", f"worker API: {routers} ...")
         results["worker_api"] = worker_api(routers, tmp, args, checks)
 
         held = [n for n in names if n != "direct"]
-        print(f"{args.streams} open streams: {held} ...", flush=True)
+        phase(results, "open_streams", f"{args.streams} open streams: {held} ...")
         results["open_streams"] = open_streams(held, tmp, args, checks)
 
         crashed = [n for n in names if n in ("direct", "sglang-router", "vllm-router", "gateway")]
-        print(f"crash: {crashed} ...", flush=True)
+        phase(results, "crash", f"crash: {crashed} ...")
         results["crash"] = crash(crashed, tmp, args, checks)
 
         if "reference" in args.engine_kinds:
-            print("reference engines ...", flush=True)
+            phase(results, "reference", "reference engines ...")
             results["reference"] = reference(fronts, tmp, args, checks)
         gateway_targets(results, checks, timed=not args.smoke)
     finally:
         results["wall_s"] = round(time.monotonic() - t_start, 1)
+        results["host"]["load_1min_at_end"] = round(os.getloadavg()[0], 2)
         results["checks"] = checks
         results["failed_checks"] = sorted(k for k, v in checks.items() if not v)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -877,9 +877,9 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
         f"memory: RSS with {d['config']['streams']} streams held open. "
         f"`python benchmarks/bench_gateway.py` (`--smoke` for a quick pass).",
         "",
-        "| front | workload | req/s | x direct | front CPU µs/req | added p50 / p99 ms "
-        "| RSS idle / open MB (per stream) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| front | workload | req/s median / p95 | x direct | front CPU µs/req "
+        "| added p50 / p99 ms | p50 ms median / p95 | RSS idle / open MB (per stream) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for front, by_w in tp.items():
         m = mem.get(front, {})
@@ -896,8 +896,8 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
                 else "-"
             )
             lines.append(
-                f"| {front} | {w} | {s['best_req_per_s']:.0f} | {s['vs_direct']} | "
-                f"{s['front_cpu_us_per_req']:.0f} | {added} | {memory} |"
+                f"| {front} | {w} | {_rps(s)} | {s['vs_direct']} | "
+                f"{s['front_cpu_us_per_req']:.0f} | {added} | {_p50(la)} | {memory} |"
             )
     if cc:
         lines += [
@@ -913,6 +913,19 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
     return lines
 
 
+def _rps(s: dict[str, Any]) -> str:
+    """Requests/s at saturation: the median of the rounds / their p95."""
+    p95 = s.get("best_req_per_s_p95")
+    return f"{s['best_req_per_s']:.0f}" + (f" / {p95:.0f}" if p95 is not None else "")
+
+
+def _p50(la: dict[str, Any]) -> str:
+    """Open-loop p50 latency: the median of the rounds / their p95."""
+    if "p50_ms" not in la:
+        return "-"
+    return f"{la['p50_ms']} / {la.get('p50_ms_p95', '-')}"
+
+
 def _reference_table(d: dict[str, Any]) -> list[str]:
     ref = d.get("reference", {})
     if not any(ref.get(x) for x in ("sglang", "vllm")):
@@ -923,8 +936,9 @@ def _reference_table(d: dict[str, Any]) -> list[str]:
         "dialect behind sglang-router, vLLM dialect behind vllm-router; the gateway with "
         "clients of the engines' dialect), same phases:",
         "",
-        "| engines | front | workload | req/s | x direct | front CPU µs/req | added p50 / p99 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| engines | front | workload | req/s median / p95 | x direct | front CPU µs/req "
+        "| added p50 / p99 ms | p50 ms median / p95 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for dialect in ("sglang", "vllm"):
         res = ref.get(dialect, {})
@@ -937,8 +951,9 @@ def _reference_table(d: dict[str, Any]) -> list[str]:
                     else "-"
                 )
                 lines.append(
-                    f"| {dialect} | {front} | {w} | {s['best_req_per_s']:.0f} | "
-                    f"{s['vs_direct']} | {s['front_cpu_us_per_req']:.0f} | {added} |"
+                    f"| {dialect} | {front} | {w} | {_rps(s)} | "
+                    f"{s['vs_direct']} | {s['front_cpu_us_per_req']:.0f} | {added} | "
+                    f"{_p50(la)} |"
                 )
     return lines
 

@@ -1,30 +1,39 @@
 """Where the gateway's CPU goes per request: ``gateway_front.py`` in front of two stub engines,
 driven by the benchmark's load generator, one workload at a time, up to three runs each:
 
-1. plain: requests/s, and the gateway process's CPU per request (all its threads, from /proc);
+1. plain: requests/s, and the gateway process's CPU per request (all its threads) and each
+   thread's (``/proc/PID/task/TID/stat``);
 2. sampled, with py-spy when it is given (``--py-spy PATH``; not a dependency of rollsafe:
-   ``pip install py-spy`` anywhere): ``py-spy record --native --format raw`` of the gateway
-   process, samples of running threads only; each Python function's share of the serving loop
-   thread's samples, its own (C code below it included, down to the next Python frame) and
-   everything below it, turned into µs per request with the plain run's CPU per request;
+   ``pip install py-spy`` anywhere): ``py-spy record --native --threads --format raw`` of the
+   gateway process; the serving loop thread's samples that were not waiting in ``epoll``
+   (busy); each Python function's share of them, its own (C code below it included, down to
+   the next Python frame) and everything below it, turned into µs per request with the loop
+   thread's own CPU per request in the plain run (its thread id from py-spy's samples).
+   Samples inside a socket write are counted apart and left out of the shares: the write wakes
+   the process that reads it, which takes the core, so on a loaded 2-core machine they are
+   mostly a wait (the loop thread's system CPU stays a few percent of its total);
 3. cProfile (``gateway_front.py --profile``): calls per request of each function (its times
    are the wall clock's and not used).
 
 ``python benchmarks/gateway/profile_gateway.py [--workloads generate,generate-stream,...]
 [--concurrency 16] [--duration 5] [--tokens 16] [--top 25] [--py-spy PATH] [--json PATH]``.
 
-What a share means on a shared machine: py-spy samples a thread that runs or waits for a core,
-so time a loaded machine makes the gateway wait is charged where it waited (more often just
-after it woke another process: a socket write). The serving loop's own C work (uvloop between
-Python callbacks: reading and writing sockets, running the ready callbacks) is the own time of
-``LoopThread.loop.<locals>.run``, the outermost Python frame of that thread.
+What a share means on a shared machine: py-spy samples a thread that runs or waits for a core
+(its idle detection does not work here: a thread blocked in a wait is sampled too, hence the
+busy filter), so time a loaded machine makes the gateway wait for a core is charged where it
+waited (more often just after it woke another process: a socket write). The serving loop's own
+C work (uvloop between Python callbacks: reading and writing sockets, running the ready
+callbacks) is the own time of ``LoopThread.loop.<locals>.run``, the outermost Python frame of
+that thread.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import pstats
 import re
 import shutil
@@ -46,6 +55,12 @@ import loadgen as L  # noqa: E402
 
 LOOP_THREAD = "rollsafe-dataplane"
 _PY_FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*\.py):\d+\)$")
+_THREAD = re.compile(r"^thread \((?P<tid>\d+)\): (?P<name>.*)$")
+#: innermost native frames of a loop thread waiting for events (not running)
+_IDLE_LEAVES = ("epoll_wait", "epoll_pwait")
+#: innermost native frames of a socket write: on this machine mostly a wait for a core (the
+#: write wakes the reader, which takes the core; the thread's system time stays small)
+_WRITE_LEAVES = ("write (", "writev (", "sendmsg (", "send (")
 
 
 def drive(
@@ -54,6 +69,7 @@ def drive(
     """One closed-loop run through ``front`` (``during()`` started with the measuring)."""
     pids = front.pids
     cpu0 = F.cpu_seconds(pids)
+    threads0 = thread_cpu(front.proc.pid) if front.proc is not None else {}
     started: dict[str, Any] = {}
 
     def on_start(_: float) -> None:
@@ -71,48 +87,91 @@ def drive(
         )
     )
     cpu = F.cpu_seconds(pids) - cpu0
+    threads1 = thread_cpu(front.proc.pid) if front.proc is not None else {}
     s = stats.summary()
+    n = max(1, stats.sent)
     return {
         "req_per_s": s["req_per_s"],
         "sent": stats.sent,
         "measured": s["requests"],
         "failed": s["failed"] + s["cut"],
-        "cpu_us_per_req": round(cpu / max(1, stats.sent) * 1e6, 1),
+        "cpu_us_per_req": round(cpu / n * 1e6, 1),
+        "thread_cpu_us_per_req": {
+            tid: round((t - threads0.get(tid, 0.0)) / n * 1e6, 1)
+            for tid, t in threads1.items()
+            if t > threads0.get(tid, 0.0)
+        },
         "started": started.get("it"),
     }
 
 
-def py_frames(stack: str) -> tuple[str, list[str]]:
-    """(thread name, the Python frames of one raw py-spy stack, outermost first, as
-    ``func (file)``)."""
+def thread_cpu(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each thread of ``pid``, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def py_frames(stack: str) -> tuple[str, int | None, list[str], str]:
+    """(thread name, thread id, the Python frames of one raw py-spy stack, outermost first, as
+    ``func (file)``, and the innermost frame as py-spy wrote it)."""
     parts = stack.split(";")
-    thread = parts[0].split(": ", 1)[-1]
+    head = _THREAD.match(parts[0])
+    thread = head["name"] if head else parts[0].split(": ", 1)[-1]
+    tid = int(head["tid"]) if head else None
     frames = []
     for part in parts[1:]:
         m = _PY_FRAME.match(part)
         if m:
             frames.append(f"{m['func']} ({Path(m['file']).name})")
-    return thread, frames
+    return thread, tid, frames, parts[-1]
 
 
 def spy_shares(raw: Path) -> dict[str, Any]:
-    """Samples per thread, and per Python function of the loop thread: own and below."""
+    """Samples per thread; the loop thread's id, its busy and idle samples (idle: waiting in
+    ``epoll``), and per Python function of its busy samples: own and below."""
     threads: Counter[str] = Counter()
     own: Counter[str] = Counter()
     below: Counter[str] = Counter()
+    loop_tid: int | None = None
+    idle = busy = in_write = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         n = int(count)
-        thread, frames = py_frames(stack)
+        thread, tid, frames, leaf = py_frames(stack)
         threads[thread] += n
-        if thread != LOOP_THREAD or not frames:
+        if thread != LOOP_THREAD:
+            continue
+        loop_tid = tid
+        if leaf.startswith(_IDLE_LEAVES):
+            idle += n
+            continue
+        if leaf.startswith(_WRITE_LEAVES):
+            in_write += n
+            continue
+        busy += n
+        if not frames:
             continue
         own[frames[-1]] += n
         for f in set(frames):
             below[f] += n
-    return {"threads": threads, "own": own, "below": below}
+    return {
+        "threads": threads,
+        "own": own,
+        "below": below,
+        "loop_tid": loop_tid,
+        "busy": busy,
+        "idle": idle,
+        "in_write": in_write,
+    }
 
 
 def calls_per_request(prof: Path, sent: int) -> dict[str, float]:
@@ -142,10 +201,9 @@ def report(
     if spied is None or shares is None:
         return out
     threads = shares["threads"]
-    total = sum(threads.values())
-    loop = threads.get(LOOP_THREAD, 0)
-    # the plain run's CPU per request, the loop thread's part of it
-    loop_us = plain["cpu_us_per_req"] * (loop / total if total else 0.0)
+    loop = shares["busy"]
+    # the loop thread's own CPU per request in the plain run (same process, same thread)
+    loop_us = float(plain["thread_cpu_us_per_req"].get(shares["loop_tid"], 0.0))
 
     def rows(counter: Counter[str]) -> list[dict[str, Any]]:
         return [
@@ -163,7 +221,11 @@ def report(
     out.update(
         {
             "spied": spied,
-            "samples": {"all_threads": total, "loop_thread": loop},
+            "samples": {
+                "loop_thread_busy": loop,
+                "loop_thread_idle": shares["idle"],
+                "loop_thread_in_socket_write": shares["in_write"],
+            },
             "threads": dict(threads.most_common(8)),
             "loop_thread_us_per_req": round(loop_us, 1),
             "by_own": rows(shares["own"]) if loop else [],
@@ -183,9 +245,9 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
         print("(no py-spy: pass --py-spy PATH for the shares)")
         return
     print(f"under py-spy: {r['spied']}; samples {r['samples']}; threads {r['threads']}")
-    print(f"serving loop thread: {r['loop_thread_us_per_req']} us/req of the plain run's CPU")
+    print(f"serving loop thread: {r['loop_thread_us_per_req']} us/req of CPU in the plain run")
     for key, title in (("by_own", "own"), ("by_below", "below")):
-        print(f"-- by {title} (us per request, % of the loop thread's samples, calls/req)")
+        print(f"-- by {title} (us per request, % of the loop thread's busy samples, calls/req)")
         for row in r[key]:
             calls = "" if row["calls_per_req"] is None else f"{row['calls_per_req']:.2f}"
             print(
