@@ -793,7 +793,7 @@ def _gateway_targets(d: dict[str, Any]) -> list[Row]:
             target = key.rsplit(": ", 1)[1].rsplit(" ", 1)[0]  # ">= 0.5x"
         elif "added p50" in key:
             la = merged.get(f"{kind} latency", {})["gateway"][w]
-            measured = f"+{la['added_p50_ms']} ms (p99 +{la['added_p99_ms']} ms)"
+            measured = f"{_sgn(la['added_p50_ms'])} ms (p99 {_sgn(la['added_p99_ms'])} ms)"
             target = "<= 1 ms"
         else:
             where = (
@@ -822,7 +822,7 @@ def _gateway(d: dict[str, Any]) -> list[Row]:
                         f"{la.get('rate', '-')} req/s ({tag})",
                         f"{s['best_req_per_s']:.0f} req/s = {s['vs_direct']}x direct "
                         f"({s['front_cpu_us_per_req']:.0f} µs front CPU/req); "
-                        f"+{la.get('added_p50_ms', '-')} / +{la.get('added_p99_ms', '-')} ms",
+                        f"{_sgn(la.get('added_p50_ms'))} / {_sgn(la.get('added_p99_ms'))} ms",
                         "-",
                         "-",
                     )
@@ -875,7 +875,7 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
         f"the best of {d['config']['concurrency']} closed-loop clients; added latency: open loop "
         f"at {d['config']['latency_frac']} of the slowest front's saturation rate, minus direct's; "
         f"memory: RSS with {d['config']['streams']} streams held open. "
-        f"`python benchmarks/bench_gateway.py` (`--smoke` for a quick pass).",
+        f"`python benchmarks/bench_gateway.py` (`--smoke` for a quick pass). {_load(d)}",
         "",
         "| front | workload | req/s median / p95 | x direct | front CPU µs/req "
         "| added p50 / p99 ms | p50 ms median / p95 | RSS idle / open MB (per stream) |",
@@ -886,7 +886,9 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
         for w, s in by_w.items():
             la = lat.get(front, {}).get(w, {})
             added = (
-                f"+{la['added_p50_ms']} / +{la['added_p99_ms']}" if "added_p50_ms" in la else "-"
+                f"{_sgn(la['added_p50_ms'])} / {_sgn(la['added_p99_ms'])}"
+                if "added_p50_ms" in la
+                else "-"
             )
             fds = f"; {m['front_fds_per_stream']} fds" if "front_fds_per_stream" in m else ""
             memory = (
@@ -911,6 +913,22 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
     lines += _reference_table(d) + _crash_table(d)
     lines += ["", *_stack_note(d), ""]
     return lines
+
+
+def _load(d: dict[str, Any]) -> str:
+    """The machine's 1-min load over the run (shared with other work)."""
+    host, phases = d["host"], d.get("load_1min_by_phase", {})
+    during = f", {min(phases.values())} to {max(phases.values())} as phases began" if phases else ""
+    end = f", {host['load_1min_at_end']} at the end" if "load_1min_at_end" in host else ""
+    return (
+        f"Run of {d.get('wall_s', '-')} s on {host['cpus']} cores shared with other work: "
+        f"1-min load {host['load_1min_at_start']} at the start{during}{end}."
+    )
+
+
+def _sgn(v: float | None) -> str:
+    """An added latency with its sign (``+0.4``, ``-1.1``: noise can make it negative)."""
+    return "-" if v is None else f"{v:+}"
 
 
 def _rps(s: dict[str, Any]) -> str:
@@ -946,7 +964,7 @@ def _reference_table(d: dict[str, Any]) -> list[str]:
             for w, s in by_w.items():
                 la = res.get("latency", {}).get(front, {}).get(w, {})
                 added = (
-                    f"+{la['added_p50_ms']} / +{la['added_p99_ms']}"
+                    f"{_sgn(la['added_p50_ms'])} / {_sgn(la['added_p99_ms'])}"
                     if "added_p50_ms" in la
                     else "-"
                 )
@@ -1008,6 +1026,8 @@ def _stack_note(d: dict[str, Any]) -> list[str]:
         parts = []
         for w, s in tp[front].items():
             name = "streams" if w.endswith("-stream") else "short"
+            if len(tp[front]) > 2:  # both APIs: name the workload
+                name = w
             added = la.get(w, {}).get("added_p50_ms")
             parts.append(
                 f"{name} {s['vs_direct']}x direct at {s['front_cpu_us_per_req']:.0f} µs/req"
@@ -1023,15 +1043,20 @@ def _stack_note(d: dict[str, Any]) -> list[str]:
         "protocol, aiohttp's pooled client to the engines** (`rollsafe[gateway]`; "
         "`benchmarks/gateway/proxy_raw.py` is the measured shape). Why, from the rows above:",
         "",
-        f"- {fig('proxy-raw')}: the most requests per second, the least CPU per request and "
-        "the least memory per open stream of the Python candidates, about the Rust routers' "
-        "CPU per request;",
+        f"- {fig('proxy-raw')}: the least CPU per request and the least memory per open stream "
+        "of the Python candidates, the nearest to the Rust routers' CPU per request (requests "
+        "per second of the candidates on uvloop are within one another's spread over the "
+        "rounds);",
         f"- {fig('proxy-aiohttp-uvloop')}; {fig('proxy-aiohttp')}: aiohttp's own server "
         "costs more CPU per request and more memory per stream;",
         f"- {fig('proxy-starlette')}: starlette on uvicorn with an httpx client is an order of "
         "magnitude slower and could not open all the streams in 120 s; its httpx client is the "
         "cost (the load-generator line above: httpx against aiohttp, same stubs, same clients);",
-        f"- the Rust routers, for scale: {fig('sglang-router')}; {fig('vllm-router')}.",
+        f"- the Rust routers, for scale: {fig('sglang-router')}; {fig('vllm-router')};",
+        f"- rollsafe's {fig('gateway')}: on this stack, what it adds to the bare stack "
+        "is its own work (checking the request, routing, reading the engine's answer as a "
+        "stream so that a crash loses no token, detokenizing, rendering): where that CPU goes "
+        "and the issue's targets: [docs/gateway.md](../docs/gateway.md#measured).",
         "",
         "Added latencies are medians of the rounds on a machine shared with other work (the "
         "1-min load is in the rows above): read them as rough; the CPU per request is the "

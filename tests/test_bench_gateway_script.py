@@ -2,8 +2,9 @@
 answers and counters (which survive a SIGKILL), the SYN counter, the command line, the summary
 arithmetic, issue #35's targets as checks, and the ``--smoke`` run end to end on the stubs
 (direct, the aiohttp proxy, rollsafe's gateway; the two Rust routers too where ``make
-routers`` has made ``.venv-routers``). Nothing here is
-timed: the smoke run's figures are not asserted, only its checks and its shape.
+routers`` has made ``.venv-routers``); ``benchmarks/gateway/profile_gateway.py``'s reading of
+py-spy samples and its in-process mode. Nothing here is timed: the figures are not asserted,
+only the checks and the shape.
 """
 
 from __future__ import annotations
@@ -390,3 +391,71 @@ def test_reference_targets_take_both_dialects(bench: ModuleType) -> None:
         "target [reference] gateway generate: >= 0.95x sglang-router": False,
         "target [reference] gateway completions: >= 0.95x vllm-router": True,
     }
+
+
+def _profiler() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gateway"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "profile_gateway", ROOT / "benchmarks" / "gateway" / "profile_gateway.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_shares_count_the_loop_threads_busy_samples_only(tmp_path: Path) -> None:
+    prof = _profiler()
+    loop = "thread (41): rollsafe-dataplane;0x1 (libc.so.6);run (rollsafe/event_loop.py:9)"
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "\n".join(
+            [
+                f"{loop};epoll_wait (libc.so.6) 50",  # waiting for events: idle
+                f"{loop};handle (rollsafe/gateway/app.py:1);decode (tok.py:2) 6",
+                f"{loop};handle (rollsafe/gateway/app.py:1) 3",
+                f"{loop};send (rollsafe/gateway/http.py:3);write (libc.so.6) 7",  # a write
+                "thread (42): MainThread;wait (threading.py:1) 90",  # another thread
+            ]
+        )
+        + "\n"
+    )
+    shares = prof.spy_shares(raw)
+    assert (shares["loop_tid"], shares["busy"], shares["idle"], shares["in_write"]) == (
+        41,
+        9,
+        50,
+        7,
+    )
+    assert shares["own"] == {"decode (tok.py)": 6, "handle (app.py)": 3}
+    assert shares["below"]["run (event_loop.py)"] == 9
+    assert shares["below"]["handle (app.py)"] == 9
+    plain = {"cpu_us_per_req": 100.0, "thread_cpu_us_per_req": {41: 90.0, 43: 10.0}}
+    r = prof.report("generate", plain, {"req_per_s": 1.0}, shares, {"decode (tok.py)": 2.0}, 5)
+    assert r["loop_thread_us_per_req"] == 90.0  # the loop thread's own CPU, not the process's
+    top = r["by_own"][0]
+    assert top["function"] == "decode (tok.py)" and top["own_us_per_req"] == 60.0
+    assert top["calls_per_req"] == 2.0
+
+
+def test_profile_in_process_gives_a_cost_per_request_and_per_token(tmp_path: Path) -> None:
+    out = tmp_path / "prof.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = ROOT / "benchmarks" / "gateway" / "profile_gateway.py"
+    args = ["--in-process", "--workloads", "generate,completions-stream", "--tokens", "4"]
+    args += ["--duration", "0.2", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["workloads"]
+    assert [r["workload"] for r in rows] == ["generate", "completions-stream"]
+    for r in rows:
+        assert r["us_per_req_1_tokens"] > 0 and r["us_per_req_4_tokens"] > 0
+        assert set(r) >= {"us_fixed", "us_per_token"}

@@ -18,6 +18,18 @@ driven by the benchmark's load generator, one workload at a time, up to three ru
 ``python benchmarks/gateway/profile_gateway.py [--workloads generate,generate-stream,...]
 [--concurrency 16] [--duration 5] [--tokens 16] [--top 25] [--py-spy PATH] [--json PATH]``.
 
+``--in-process``: instead, the gateway's own Python work without sockets: the gateway, data plane
+and router of ``gateway_front.py`` built in this process, ``Gateway.handle`` called with
+hand-built requests one after the other, the engine replaced by one that yields its tokens at
+once (one delta per token); the loop thread's CPU per request at 1 token and at ``--tokens``
+gives a fixed cost and a cost per token. What the process costs beyond that is its HTTP server,
+the engine client (aiohttp, server-sent events) and the machine's wake-ups.
+
+``--engine-client``: the engine client alone (``AsyncSGLangEngine`` on uvloop against the
+stubs): CPU per request of an answer fetched whole and read as a stream. ``--token-interval-ms
+MS``: the stubs send a token every MS (events one at a time, as from a real engine).
+``--compare sglang-router,vllm-router``: those fronts run plain too, for their CPU per request.
+
 What a share means on a shared machine: py-spy samples a thread that runs or waits for a core
 (its idle detection does not work here: a thread blocked in a wait is sampled too, hence the
 busy filter), so time a loaded machine makes the gateway wait for a core is charged where it
@@ -257,6 +269,148 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
             )
 
 
+class _InstantEngine:
+    """An async engine whose stream yields ``tokens`` deltas of one token each, at once."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.url = "http://in-process"
+
+    async def generate_stream(
+        self,
+        input_ids: Any = None,
+        *,
+        text: Any = None,
+        sampling_params: Any = None,
+        timeout: Any = None,
+    ) -> Any:
+        from rollsafe.adapters.engines.streaming import StreamDelta
+
+        last = self.tokens - 1
+        for i in range(self.tokens):
+            yield StreamDelta(
+                (7,),
+                "x",
+                "1",
+                finished=i == last,
+                finish_reason="length" if i == last else None,
+                meta={"id": "in-process"},
+            )
+
+
+def in_process(args: argparse.Namespace, engines: list[Any], model: Path) -> list[dict[str, Any]]:
+    """The gateway's own CPU per request without sockets (see the module docstring)."""
+    import gateway_front as G
+
+    from rollsafe.fleet.dataplane import DataPlane
+    from rollsafe.gateway.app import Gateway
+    from rollsafe.gateway.http import Request, Response
+    from rollsafe.gateway.settings import GatewaySettings
+
+    ns = argparse.Namespace(
+        upstream=[e.url for e in engines],
+        dialect="sglang",
+        request_timeout_s=60.0,
+        wait_for_routable_s=30.0,
+    )
+    registry, router, _health, _request_health = G.build(ns)
+    plane = DataPlane(router)
+    gateway = Gateway(G.BenchFleet(registry, plane), GatewaySettings(), model_path=model)
+    headers = {"content-type": "application/json"}
+    reports = []
+    try:
+        for w in args.workloads.split(","):
+            api, stream = L.WORKLOADS[w]
+            row: dict[str, Any] = {"workload": w}
+            for tokens in (1, args.tokens):
+                engine = _InstantEngine(tokens)
+                plane.engine_for = lambda group, engine=engine: engine  # type: ignore[method-assign]
+                body = json.dumps(L.request_body(api, stream, tokens)).encode()
+
+                async def one(body: bytes = body, path: str = L.PATHS[api]) -> int:
+                    answer = await gateway.handle(Request("POST", path, headers, body))
+                    if answer.status != 200:
+                        raise RuntimeError(f"{path} answered {answer.status}")
+                    if isinstance(answer, Response):
+                        return len(answer.body)
+                    return sum([len(b) async for b in answer.chunks])
+
+                async def many(n: int, one: Any = one) -> float:
+                    for _ in range(50):  # warm
+                        await one()
+                    t0 = time.thread_time()
+                    for _ in range(n):
+                        await one()
+                    return time.thread_time() - t0
+
+                n = max(200, int(args.duration * 1000))
+                cpu = plane.loop_thread.run(many(n))
+                row[f"us_per_req_{tokens}_tokens"] = round(cpu / n * 1e6, 1)
+            a, b = row["us_per_req_1_tokens"], row[f"us_per_req_{args.tokens}_tokens"]
+            row["us_per_token"] = round((b - a) / max(1, args.tokens - 1), 2)
+            row["us_fixed"] = round(a - row["us_per_token"], 1)
+            print(
+                f"{w}: {a} us/req at 1 token, {b} at {args.tokens}: about {row['us_fixed']} us "
+                f"a request and {row['us_per_token']} us a token (the loop thread's CPU)"
+            )
+            reports.append(row)
+    finally:
+        plane.close()
+        router.close()
+    return reports
+
+
+def engine_client(args: argparse.Namespace, engines: list[Any]) -> list[dict[str, Any]]:
+    """The engine client alone (what the gateway's data plane calls), in this process on
+    uvloop: the CPU per request of a 16-token answer fetched whole (``generate``) and read as
+    a stream (``generate_stream``), ``--concurrency`` at a time."""
+    from rollsafe.adapters.engines import SGLangClient
+    from rollsafe.adapters.engines.aio import AsyncHttp, async_engine
+    from rollsafe.event_loop import new_event_loop
+
+    sampling = {"max_new_tokens": args.tokens}
+
+    async def measure() -> list[dict[str, Any]]:
+        http = AsyncHttp()
+        clients = [async_engine(SGLangClient(e.url), http) for e in engines]
+        rows = []
+        try:
+
+            async def whole(i: int) -> None:
+                await clients[i % len(clients)].generate([1, 2, 3, 4], sampling_params=sampling)
+
+            async def stream(i: int) -> None:
+                async for _ in clients[i % len(clients)].generate_stream(
+                    [1, 2, 3, 4], sampling_params=sampling
+                ):
+                    pass
+
+            for name, call in (("generate", whole), ("generate_stream", stream)):
+                for i in range(20):  # warm: connections open
+                    await call(i)
+                n = max(args.concurrency, int(args.duration * 200))
+                per = n // args.concurrency
+
+                async def worker(k: int, call: Any = call, per: int = per) -> None:
+                    for j in range(per):
+                        await call(k + j)
+
+                t0 = time.thread_time()
+                await asyncio.gather(*(worker(k) for k in range(args.concurrency)))
+                us = round((time.thread_time() - t0) / (per * args.concurrency) * 1e6, 1)
+                print(f"engine client {name}, {args.tokens} tokens: {us} us of CPU a request")
+                rows.append({"call": name, "tokens": args.tokens, "cpu_us_per_req": us})
+        finally:
+            await http.close()
+        return rows
+
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(measure())
+    finally:
+        loop.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="generate,generate-stream,completions,completions-stream")
@@ -266,13 +420,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--py-spy", default=shutil.which("py-spy"))
     p.add_argument("--json", default=None)
+    p.add_argument("--in-process", action="store_true", help="no sockets (see the docstring)")
+    p.add_argument("--engine-client", action="store_true", help="see the docstring")
+    p.add_argument("--token-interval-ms", type=float, default=0.0, help="the stubs' pace")
+    p.add_argument("--compare", default="", help="fronts also run plain, e.g. sglang-router")
     args = p.parse_args(argv)
     F.raise_own_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="rollsafe-gw-profile-"))
     reports = []
     try:
-        engines = B.start_stubs(tmp, "prof")
+        engines = B.start_stubs(tmp, "prof", interval_ms=args.token_interval_ms)
         try:
+            if args.in_process:
+                reports = in_process(args, engines, F.Gateway(tmp).stub_model())
+                return _write(args, reports)
+            if args.engine_client:
+                reports = engine_client(args, engines)
+                return _write(args, reports)
+            for name in [n for n in args.compare.split(",") if n]:
+                other = F.make_front(name, tmp)
+                other.start([e.url for e in engines])
+                try:
+                    for w in args.workloads.split(","):
+                        if L.WORKLOADS[w][0] in other.apis:
+                            r = drive(other, w, args)
+                            r.pop("started", None)
+                            r.pop("thread_cpu_us_per_req", None)
+                            print(f"{name} {w}: {r}")
+                            reports.append({"front": name, "workload": w, "plain": r})
+                finally:
+                    other.stop()
             for w in args.workloads.split(","):
                 front = F.Gateway(tmp)
                 front.start([e.url for e in engines])
@@ -315,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
             B.stop_all(engines)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return _write(args, reports)
+
+
+def _write(args: argparse.Namespace, reports: list[dict[str, Any]]) -> int:
     if args.json:
         out = {"config": vars(args), "host": B.host_info(), "workloads": reports}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
