@@ -85,6 +85,7 @@ The tree (other bases in brackets, then where the class lives)::
     │   └── RecoveryError
     │       └── RecoveryClosed, StepTimeout [TimeoutError]
     ├── RunFileError [ValueError]                     rollsafe.observe.runfile
+    ├── TraceError [ValueError]                       rollsafe.verify.replay
     ├── DiagramCheckError [RuntimeError]              rollsafe.diagrams
     ├── TrainerError [RuntimeError]                   rollsafe.demo_trainer
     └── TRLIntegrationError                           rollsafe.integrations.trl

@@ -4,8 +4,9 @@
 :class:`RecordingLauncher`: every restart is recorded together with what the exporter said about
 its ``model_path`` at that moment (a restart from an export must load a ``ready``, leased,
 verifiable export of that exact path). :class:`RequestLoop` keeps generating in a background
-thread. :func:`assert_fleet_sound` asserts the invariants every chaos scenario ends with.
-Waits are bounded by deadlines; nothing asserts a duration.
+thread. :func:`assert_fleet_sound` asserts the invariants every chaos scenario ends with;
+:func:`assert_replays` records the run and replays it through the verifier's model
+(``rollsafe verify --trace``, #36). Waits are bounded by deadlines; nothing asserts a duration.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trace_support import assert_run_replays
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec
 from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RecoverySettings, RolloutFleet
@@ -102,6 +105,7 @@ def chaos_fleet(
     budget: int = 3,
     immediate: bool = True,
     health: HealthSettings | None = None,
+    initial_version: int = 0,
     **recovery: Any,
 ) -> tuple[RolloutFleet, Journal]:
     """A started fleet of reference engines (fault injection on) with recording launchers."""
@@ -120,6 +124,7 @@ def chaos_fleet(
         health=health or HealthSettings(interval_s=0.2, timeout_s=1.5, failure_threshold=2),
         recovery=RecoverySettings(**rs),
         enable_immediate_recovery=immediate,
+        initial_version=initial_version,
         launcher_factory=factory,
         engine=EngineSpec(model_path=str(model), **{"fault_injection": True}),
         request_timeout_s=5.0,
@@ -209,3 +214,12 @@ def assert_fleet_sound(fleet: RolloutFleet, journal: Journal, want_checksum: str
     for gid in active:
         members = fleet.registry.get(gid).machine.members.values()
         assert all(m.healthy and m.weights_version == version for m in members), gid
+
+
+def assert_replays(fleet: RolloutFleet, tmp_path: Path) -> Path:
+    """Record the fleet's run so far into ``tmp_path / "run"`` and replay it through the
+    verifier's model with ``rollsafe verify --trace`` (#36): exit 0, no divergence, every
+    recorded transition taken. Returns the run's directory."""
+    run = fleet.record(tmp_path / "run", svg=False)
+    assert_run_replays(run)
+    return run

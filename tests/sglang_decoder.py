@@ -14,6 +14,13 @@ on a ``/update_weights_from_tensor`` call, from the installed files, without tho
   executed by itself (its module imports triton and friends at the top, the class uses only
   ``pickle``).
 
+For the reference engine's stop rules (``tests/test_engine_units.py``) :func:`load_stop_checks`
+compiles, the same way, the methods of SGLang's ``Req`` that end a generation
+(``update_finish_state`` and the stop-string and stop-token checks it calls, the stream's
+``check_match_stop_str_prefix``) with their finish-reason classes from
+``managers/schedule_batch.py``, and the detokenizer's ``trim_matched_stop`` from
+``managers/detokenizer_manager.py``.
+
 Nothing of SGLang is copied into this repository: the code is read from the installed wheel
 (or, on a GPU host whose image lacks it, from the two upstream files carried there and named by
 ``ROLLSAFE_SGLANG_SRC``: ``benchmarks/gpu/run_device.sh`` extracts them from the wheel).
@@ -125,3 +132,81 @@ def sglang_modules() -> Iterator[ModuleType]:
     finally:
         for name in (BUCKET_MODULE, *_PARENTS):
             sys.modules.pop(name, None)
+
+
+#: the ``Req`` methods a decode step goes through to decide whether the generation ended
+_REQ_METHODS = (
+    "finished",
+    "update_finish_state",
+    "_check_vocab_boundary_finish",
+    "_check_str_based_finish",
+    "_check_token_based_finish",
+    "_cap_finished_len_at_max_new_tokens",
+    "_locate_str_stop_finished_len",
+    "_stop_match_tail_len",
+    "tail_str",
+    "check_match_stop_str_prefix",
+    "output_ids_through_stop",
+)
+_FINISH_CLASSES = (
+    "BaseFinishReason",
+    "FINISH_MATCHED_TOKEN",
+    "FINISH_MATCHED_STR",
+    "FINISHED_MATCHED_REGEX",
+    "FINISH_LENGTH",
+    "FINISH_ABORT",
+)
+
+
+@functools.cache
+def load_stop_checks() -> tuple[type, Any]:
+    """``(Req, trim_matched_stop)``: a class holding SGLang 0.5.23's own ``Req`` methods listed
+    in :data:`_REQ_METHODS` (the caller sets the attributes they read: ``sampling_params``,
+    ``tokenizer``, ``eos_token_ids``, ``output_ids``, ``finished_reason``, ``finished_len``,
+    ``to_finish``, ``decoded_text``, ``vocab_size``, ``grammar``, ``rid``) and the
+    detokenizer's ``trim_matched_stop`` as a function of ``(self, output, finished_reason,
+    no_stop_trim)``."""
+    import re
+    from http import HTTPStatus
+    from typing import Optional, Union
+
+    batch_path = sglang_root() / "srt" / "managers" / "schedule_batch.py"
+    tree = ast.parse(batch_path.read_text())
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in _FINISH_CLASSES]
+    req = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Req")
+    methods = [
+        n
+        for n in req.body
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in _REQ_METHODS
+    ]
+    missing = set(_REQ_METHODS) - {m.name for m in methods}
+    if missing or len(classes) != len(_FINISH_CLASSES):
+        raise RuntimeError(f"{batch_path}: not found: {sorted(missing)} or a finish class")
+    stub = ast.ClassDef(
+        name="Req", bases=[], keywords=[], body=methods, decorator_list=[], type_params=[]
+    )
+    namespace: dict[str, Any] = {
+        "re": re,
+        "HTTPStatus": HTTPStatus,
+        "List": list,
+        "Dict": dict,
+        "Optional": Optional,
+        "Union": Union,
+        "array": list,
+        "logger": __import__("logging").getLogger("sglang.stub"),
+        "__name__": "sglang.srt.managers.schedule_batch",
+    }
+    module = ast.fix_missing_locations(ast.Module(body=[*classes, stub], type_ignores=[]))
+    exec(compile(module, str(batch_path), "exec"), namespace)
+
+    detok_path = sglang_root() / "srt" / "managers" / "detokenizer_manager.py"
+    detok = ast.parse(detok_path.read_text())
+    manager = next(
+        n for n in detok.body if isinstance(n, ast.ClassDef) and n.name == "DetokenizerManager"
+    )
+    trim = next(
+        n for n in manager.body if isinstance(n, ast.FunctionDef) and n.name == "trim_matched_stop"
+    )
+    trim_ns: dict[str, Any] = {"Union": Union, "List": list, "Dict": dict}
+    exec(compile(ast.Module(body=[trim], type_ignores=[]), str(detok_path), "exec"), trim_ns)
+    return namespace["Req"], trim_ns["trim_matched_stop"]

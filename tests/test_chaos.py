@@ -9,7 +9,9 @@ picked up); malformed configs failing at construction with a named error.
 
 Each fleet scenario ends with :func:`chaos_support.assert_fleet_sound`: no request reached a
 non-routable group, every active group holds the trainer's current weights, every restart from
-an export loaded a ready, leased, verified one; and the trainer's sync steps completed.
+an export loaded a ready, leased, verified one; and the trainer's sync steps completed. Its
+recorded run then replays through the verifier's model (:func:`chaos_support.assert_replays`,
+``rollsafe verify --trace``) with no divergence.
 Waits are bounded by deadlines; nothing asserts a duration.
 """
 
@@ -26,6 +28,7 @@ from chaos_support import (
     WAIT_S,
     RequestLoop,
     assert_fleet_sound,
+    assert_replays,
     chaos_fleet,
     results_for,
     wait_for,
@@ -134,6 +137,7 @@ def test_sigkill_of_a_rank_during_generate_recovers_immediately(
     report = step(fleet, trainer, 2, seed=2)
     assert report.ok and sorted(report.updated) == ["g0", "g1"], report
     assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_replays(fleet, tmp_path)
 
 
 def test_sigkill_during_a_weight_update_fails_that_target_only(
@@ -178,6 +182,7 @@ def test_sigkill_during_a_weight_update_fails_that_target_only(
     assert result.strategy == "targeted_push", result
     assert journal.restarts and journal.restarts[0].model_path is None
     assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_replays(fleet, tmp_path)
 
 
 def test_a_hung_engine_is_taken_out_and_no_thread_stays_stuck(
@@ -206,6 +211,7 @@ def test_a_hung_engine_is_taken_out_and_no_thread_stays_stuck(
     assert ("fail", "inactive") in events(fleet, "g1")
     assert result.status == "active" and result.strategy == "immediate", result
     assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_replays(fleet, tmp_path)
     fleet.close()
 
     # Every thread the fleet, its probes and the request loop started ends once it is closed.
@@ -241,6 +247,7 @@ def test_repeated_crashes_retire_the_group_while_the_rest_serves(
     for _ in range(3):
         assert fleet.generate([1, 2], sampling_params={"max_new_tokens": 1}).group_id == "g0"
     assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_replays(fleet, tmp_path)
 
 
 def test_two_groups_fail_at_once_while_a_third_serves(
@@ -268,6 +275,7 @@ def test_two_groups_fail_at_once_while_a_third_serves(
     report = step(fleet, trainer, 2, seed=8)
     assert report.ok and sorted(report.updated) == ["g0", "g1", "g2"], report
     assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_replays(fleet, tmp_path)
 
 
 def test_a_crash_as_the_rollout_ends_is_skipped_then_picked_up(
@@ -300,3 +308,4 @@ def test_a_crash_as_the_rollout_ends_is_skipped_then_picked_up(
     assert again.status == "active", again
     assert len(results_for(fleet, "g1")) == 2
     assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_replays(fleet, tmp_path)

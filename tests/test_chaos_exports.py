@@ -11,8 +11,9 @@ Seams: :class:`GatedExporter` is the real :class:`HFExporter` whose writer threa
 its shards already in the temp dir, until the test releases it or the export is abandoned; the
 fleet builds it because ``rollsafe.hf.HFExporter`` is patched while the fleet starts.
 :class:`KillingLauncher` SIGKILLs the process of its next restart as soon as it is spawned.
-Each scenario ends with :func:`chaos_support.assert_fleet_sound`. Waits are bounded by
-deadlines; nothing asserts a duration.
+Each scenario ends with :func:`chaos_support.assert_fleet_sound` and its recorded run replayed
+through the verifier's model (:func:`chaos_support.assert_replays`, ``rollsafe verify
+--trace``). Waits are bounded by deadlines; nothing asserts a duration.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from chaos_support import (
     RecordingLauncher,
     RequestLoop,
     assert_fleet_sound,
+    assert_replays,
     chaos_fleet,
     wait_for,
     wait_recovery,
@@ -273,6 +275,7 @@ def test_a_late_export_is_abandoned_suspends_immediate_recovery_then_rearms(
     assert_no_leases(fleet)
     assert_exports_sound(root)
     assert [p.name for p in final_dirs(root)] == ["hf-v4", "hf-v5"]  # retention keeps 2
+    assert_replays(fleet, tmp_path)
 
 
 # ====================================================================== kill while loading
@@ -313,6 +316,7 @@ def test_sigkill_while_a_restart_loads_the_export_retries_and_releases_the_lease
     assert_no_leases(fleet)
     assert_fleet_sound(fleet, journal, trainer.checksum())
     assert_exports_sound(root)
+    assert_replays(fleet, tmp_path)
 
 
 # ====================================================================== writer killed
@@ -413,3 +417,4 @@ def test_an_export_writer_killed_mid_write_leaves_nothing_partial_and_is_never_u
     ]
     assert_no_leases(fleet)
     assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_replays(fleet, tmp_path)

@@ -648,3 +648,123 @@ def test_the_extractor_records_a_differing_fact_instead_of_failing(
     said, unsaid = (": no", ": yes") if required else (": yes", ": no")
     evidence = dialect["evidence"]["paused_new_requests"]
     assert said in evidence and unsaid not in evidence
+
+
+# ---- how a generation ends (the "stops" section) ---------------------------------------------
+
+
+def test_each_contract_records_how_its_release_ends_a_generation() -> None:
+    """Read off the wheels: the number of stop strings a request may carry, which of several
+    matched stop strings wins (vLLM), whether out-of-vocabulary stop token ids are refused;
+    what every release shares is a checked fact (the reference engine imitates it)."""
+    facts = {
+        (engine, version): {
+            k: v for k, v in load_contract(engine, version).data["stops"].items() if k != "evidence"
+        }
+        for engine, version in (
+            ("vllm", "0.26.0"),
+            ("vllm", "0.32.0"),
+            ("vllm", "0.33.0"),
+            ("sglang", "0.5.16"),
+            ("sglang", "0.5.23"),
+        )
+    }
+    newer = {
+        "max_stop_strings": 4,
+        "stop_string_choice": "earliest_end",
+        "stop_token_ids_checked_against_vocab": True,
+    }
+    assert facts == {
+        ("vllm", "0.26.0"): {
+            "max_stop_strings": None,
+            "stop_string_choice": "list_order",
+            "stop_token_ids_checked_against_vocab": False,
+        },
+        ("vllm", "0.32.0"): newer,
+        ("vllm", "0.33.0"): newer,
+        ("sglang", "0.5.16"): {"max_stop_strings": None},
+        ("sglang", "0.5.23"): {"max_stop_strings": 32},
+    }
+    vllm = load_contract("vllm", "0.32.0").data["checked_facts"]
+    assert "vllm.stop_strings_count_only_after_min_tokens" in vllm
+    assert "vllm.ignore_eos_drops_only_eos" in vllm
+    sglang = load_contract("sglang", "0.5.23").data["checked_facts"]
+    assert "sglang.ignore_eos_skips_stop_token_ids_too" in sglang
+    assert "sglang.stream_holds_events_while_a_stop_string_may_be_forming" in sglang
+
+
+_DETOKENIZER_032 = """
+def update(self):
+    if stop_terminated and not self.include_stop_str_in_output:
+        pass
+    if self.stop and not self.include_stop_str_in_output:
+        self.stop_buffer_length = max(len(s) for s in self.stop) - 1
+    if token_offsets is not None and self.num_output_tokens() > self.min_tokens:
+        pass
+def check_stop_strings():
+    # Prefer the stop string that completes earliest in the text.
+    pass
+"""
+_SAMPLING_032 = """
+class SamplingParams:
+    def _verify_args(self):
+        raise VLLMValidationError("stop cannot contain an empty string.")
+    def update_from_generation_config(self):
+        if not self.ignore_eos:
+            self._eos_token_id = eos_token_id
+    def _validate_stop_token_ids(self, model_config):
+        pass
+"""
+_PROTOCOL_032 = """
+from vllm.entrypoints.generate.base.protocol import StopParam
+
+class CompletionRequest(OpenAIBaseModel):
+    stop: StopParam = []
+"""
+_ALIAS_032 = """
+StopParam: TypeAlias = (
+    str | Annotated[list[str], Field(max_length=envs.VLLM_MAX_STOP_STRINGS)] | None
+)
+"""
+_ENVS_032 = """
+if TYPE_CHECKING:
+    VLLM_MAX_STOP_STRINGS: int = 4
+"""
+
+
+@pytest.mark.parametrize("release", ["0.26", "0.32"])
+def test_the_extractor_reads_the_stop_facts_of_a_release(tmp_path: Path, release: str) -> None:
+    tool = _tool()
+    newer = release == "0.32"
+    files = {
+        tool.VLLM_DETOKENIZER: _DETOKENIZER_032
+        if newer
+        else _DETOKENIZER_032.replace("# Prefer the stop string", "# The first"),
+        tool.VLLM_SCHED_UTILS: "request.stop_reason = last_token_id\n",
+        tool.VLLM_BUILTIN_LOGITS: "stops = params.all_stop_token_ids\n",
+        tool.VLLM_SAMPLING: _SAMPLING_032
+        if newer
+        else _SAMPLING_032.replace("_validate_stop_token_ids", "_validate_logit_bias"),
+        tool.VLLM_COMPLETION_PROTOCOL: _PROTOCOL_032
+        if newer
+        else "class CompletionRequest(OpenAIBaseModel):\n    stop: str | list[str] | None = []\n",
+        tool.VLLM_GENERATE_PROTOCOL: _ALIAS_032,
+        tool.VLLM_ENVS: _ENVS_032,
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(textwrap.dedent(text))
+    tree = tool.SourceTree(tmp_path)
+    ctx = tool.TypeContext()
+    ctx.add_module(tree.module(tool.VLLM_GENERATE_PROTOCOL))
+    facts = tool.Facts()
+    stops = tool.vllm_stops(tree, facts, ctx)
+    assert stops["max_stop_strings"] == (4 if newer else None)
+    assert stops["stop_string_choice"] == ("earliest_end" if newer else "list_order")
+    assert stops["stop_token_ids_checked_against_vocab"] is newer
+    assert "VLLM_MAX_STOP_STRINGS: int = 4" in stops["evidence"]["max_stop_strings"] or not newer
+    assert "vllm.stop_strings_count_only_after_min_tokens" in facts.checked
+    # a release that changed what the reference engine imitates fails loudly
+    (tmp_path / tool.VLLM_SCHED_UTILS).write_text("request.stop_reason = None\n")
+    with pytest.raises(tool.ContractAssertionError, match="stop_token_id_is_the_stop_reason"):
+        tool.vllm_stops(tool.SourceTree(tmp_path), tool.Facts(), ctx)

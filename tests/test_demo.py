@@ -1,7 +1,8 @@
 """`rollsafe demo` end to end (small) as a subprocess, its trainer actor, and the embedding example.
 
 The demo runs with its Ray trainer actor on a local Ray over both transports (``ipc``, ``nccl``
-with gloo); each run checks the invariants in ``summary.json`` and that nothing it started (engine
+with gloo); each run checks the invariants in ``summary.json``, replays its recorded run through
+the verifier's model (``rollsafe verify --trace``) and checks that nothing it started (engine
 processes, the actor, the local Ray) outlives it. A SIGTERM mid-rollout must shut everything
 down too. The trainer actor's body and its zero-copy snapshot are checked without Ray.
 """
@@ -20,6 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
+from trace_support import assert_run_replays
+
+from rollsafe.observe.runfile import load_run
+from rollsafe.verify.replay import replay_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--steps", "2", "--groups", "2", "--crash-at", "2", "--rollout-s", "3", "--workers", "1"]
@@ -96,6 +101,10 @@ def test_demo_small_run_recovers_and_checksums_match(tmp_path: Path, transport: 
     assert ("fail", "inactive") in g1 and g1[-1][1] == "active"
     registrations = {r["subject"] for r in rows if r["kind"] == "registration"}
     assert registrations == {transport}
+    # the recorded run is one of the verifier's model (#36): replayed with no divergence
+    replayed = replay_run(load_run(out).rows)
+    assert replayed.ok, replayed.divergence.format() if replayed.divergence else ""
+    assert replayed.replayed == replayed.transitions
     assert "stateDiagram-v2" in (out / "paths.md").read_text()
     assert "recovery:" in result.stdout and "where time went:" in result.stdout
     # continued requests (#17): in the live line, the report and the summary
@@ -314,7 +323,8 @@ def test_demo_reference_defaults_unchanged() -> None:
 def test_demo_on_real_vllm_recovers_and_verifies(tmp_path: Path, vllm_python: str) -> None:
     """`rollsafe demo --engine vllm`: two real vLLM groups, two steps synced over nccl/gloo,
     g1's server SIGKILLed mid-rollout of step 2; exit 0, g1 active again at v2, every step
-    verified by the layout-aware digests and the probe (the recovered group answers like g0)."""
+    verified by the layout-aware digests and the probe (the recovered group answers like g0);
+    the recorded run replays through the verifier's model (``rollsafe verify --trace``)."""
     out = tmp_path / "report"
     result = subprocess.run(
         _demo_cmd(
@@ -370,4 +380,5 @@ def test_demo_on_real_vllm_recovers_and_verifies(tmp_path: Path, vllm_python: st
     assert probe["final"]["g1"].startswith("alike"), probe
     assert set(probe["per_step"]) == {"1", "2"} or set(probe["per_step"]) == {1, 2}
     assert all(s["sync"]["ok"] for s in summary["steps"])
+    assert_run_replays(out)  # the report's timeline: a run of the verifier's model (#36)
     assert all(set(c) <= {"active"} for c in summary["dispatch_counts"].values())

@@ -3,9 +3,10 @@
 End to end as a subprocess on a real three-node Ray cluster (``ray_cluster`` marker: each node
 its own raylet): the report's checks all ``ok``, the removed node's group re-placed on the
 surviving worker and ``active`` at the fleet's version, no failed request, the node-loss picture
-written, and nothing the demo started (raylets, GCS, engines, actors) left running, also when it
-is interrupted with Ctrl-C mid-rollout. Without a cluster: the flags it refuses, with a message
-naming the flag, before anything starts.
+written, the recorded run replayed through the verifier's model (``rollsafe verify --trace``:
+node losses and placements included), and nothing the demo started (raylets, GCS, engines,
+actors) left running, also when it is interrupted with Ctrl-C mid-rollout. Without a cluster:
+the flags it refuses, with a message naming the flag, before anything starts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from trace_support import assert_run_replays
 
 from rollsafe.demo import main
 from rollsafe.demo.options import DemoOptions, add_arguments, options_problem
@@ -162,6 +164,7 @@ def test_demo_nodes_3_removes_a_worker_and_its_group_comes_back(tmp_path: Path) 
     timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     path = [r["target"] for r in timeline if r["kind"] == "group" and r["subject"] == "g1"]
     assert "unplaced" in path and path[-1] == "active", path
+    assert_run_replays(out)  # the node loss and the re-placement: a run of the model (#36)
     _assert_cluster_gone([nodes["ray_tmpdir"], summary["scratch_dir"]], [])
 
 
@@ -187,6 +190,7 @@ def test_demo_nodes_2_loses_every_group_they_wait_unplaced_and_a_joined_node_tak
         assert (group["from"], group["to"], group["state"]) == ("worker1", "worker2", "active")
         assert group["unplaced_at"] is not None and group["versions"] == [2], group
     assert nodes["requests"]["failed"] == 0 and nodes["requests"]["served"] > 0
+    assert_run_replays(out)  # both groups lost, then placed on the joined node (#36)
     _assert_cluster_gone([nodes["ray_tmpdir"]], [])
 
 

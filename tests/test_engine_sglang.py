@@ -35,12 +35,69 @@ def hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
     return dict(AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict())
 
 
-def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+def hf_greedy(
+    model_dir: Path,
+    prompt: list[int],
+    n: int,
+    *,
+    min_new_tokens: int = 0,
+    eos_token_id: list[int] | None = None,
+) -> list[int]:
+    """``transformers`` greedy ids; with ``min_new_tokens`` the ``eos_token_id`` ids cannot be
+    sampled before it (and end the output once sampled, kept as its last token)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    extra: dict[str, Any] = {}
+    if eos_token_id is not None:
+        extra = {"min_new_tokens": min_new_tokens, "eos_token_id": eos_token_id}
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, **extra)
     return [int(t) for t in out[0, len(prompt) :]]
+
+
+def tokenizer_of(model_dir: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def spanning_stop(tok: Any, ids: list[int], added_chars: int = 1) -> tuple[str, int]:
+    """A stop string across a token boundary of the text of ``ids``: the last character of
+    one token's text and the whole next token's text (printable ASCII both, at least
+    ``added_chars`` of the latter), first appearing there; and how many tokens the text has
+    when it completes."""
+    for k in range(2, len(ids) + 1):
+        before, upto = tok.decode(ids[: k - 1]), tok.decode(ids[:k])
+        added = upto[len(before) :]
+        if not (before and len(added) >= added_chars and upto.startswith(before)):
+            continue
+        stop = before[-1] + added
+        if stop.isascii() and stop.isprintable() and upto.find(stop) == len(before) - 1:
+            return stop, k
+    raise AssertionError(f"no stop string spans two tokens of {ids}")
+
+
+def next_stop(tok: Any, ids: list[int], stop: str, after: int) -> int | None:
+    """How many tokens of ``ids`` the text has when ``stop`` next completes in the text a
+    token adds, after the first ``after`` tokens (None: never)."""
+    for m in range(after + 1, len(ids) + 1):
+        before, upto = tok.decode(ids[: m - 1]), tok.decode(ids[:m])
+        if len(upto) > len(before) and upto.find(stop, len(before) - len(stop) + 1) != -1:
+            return m
+    return None
+
+
+def fresh_token(tok: Any, ids: list[int], start: int = 1) -> int:
+    """The first index from ``start`` whose token did not come before (a stop token id that
+    ends the output exactly there), the text up to it and through it ending in a whole
+    character (vLLM's detokenizer holds back an incomplete one, a full decode shows U+FFFD)."""
+    return next(
+        j
+        for j in range(start, len(ids))
+        if ids[j] not in ids[:j]
+        and not tok.decode(ids[:j]).endswith("\ufffd")
+        and not tok.decode(ids[: j + 1]).endswith("\ufffd")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -420,3 +477,131 @@ def test_one_bad_entry_in_a_multi_tensor_request_leaves_every_weight_untouched(
     assert fresh.checksum() == before  # no weight of the request was applied, version kept
     out = generate(fresh, input_ids=PROMPT, sampling_params=GREEDY)
     assert out["meta_info"]["weight_version"] == "A"
+
+
+# ---- stop strings and stop tokens (SGLang 0.5.23's rules: rollsafe/.../stops.py) -----------
+def _events(r: Any) -> list[dict[str, Any]]:
+    import json
+
+    assert r.status_code == 200, r.text
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_a_stop_string_across_two_tokens_ends_the_generation(
+    fresh: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """SGLang keeps every generated token in ``output_ids`` (the stop string's included), cuts
+    the text before the matched string (after it with ``no_stop_trim``) and reports it as
+    ``matched``; a list of stop strings and ``min_new_tokens`` change nothing (strings count
+    from the first token in SGLang)."""
+    tok = tokenizer_of(tiny_model_dir)
+    greedy = hf_greedy(tiny_model_dir, PROMPT, 12)
+    stop, k = spanning_stop(tok, greedy)
+    text = tok.decode(greedy[:k])
+    at = text.find(stop)
+    for extra, kept in (({}, False), ({"no_stop_trim": True}, True)):
+        sp = {**GREEDY, "stop": stop, **extra}
+        out = generate(fresh, input_ids=PROMPT, sampling_params=sp)
+        assert out["output_ids"] == greedy[:k]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert out["meta_info"]["completion_tokens"] == k
+        assert out["text"] == (text[: at + len(stop)] if kept else text[:at])
+    sp = {**GREEDY, "stop": ["never there", stop], "min_new_tokens": k + 3}
+    out = generate(fresh, input_ids=PROMPT, sampling_params=sp)
+    assert out["output_ids"] == greedy[:k] and out["text"] == text[:at]
+    # the same as text prompts in a batch, one stop per prompt
+    batch = generate(
+        fresh, input_ids=[PROMPT, PROMPT], sampling_params=[{**GREEDY, "stop": stop}, GREEDY]
+    )
+    assert batch[0]["output_ids"] == greedy[:k] and batch[1]["output_ids"] == greedy
+
+
+def test_a_streamed_stop_string_is_held_back_until_it_ends_the_generation(
+    fresh: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """No event is sent while the text ends with the start of a stop string (SGLang's
+    scheduler holds the output); the last event carries every token and the trimmed text."""
+    tok = tokenizer_of(tiny_model_dir)
+    greedy = hf_greedy(tiny_model_dir, PROMPT, 12)
+    stop, k = spanning_stop(tok, greedy)
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "stop": stop}, "stream": True}
+    events = _events(fresh.post("/generate", body))
+    last = events[-1]
+    want = generate(fresh, input_ids=PROMPT, sampling_params={**GREEDY, "stop": stop})
+    assert last["output_ids"] == greedy[:k] and last["text"] == want["text"]
+    assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert len(events) < k  # the event after the stop string's first token was held
+    for event in events[:-1]:
+        assert event["meta_info"]["finish_reason"] is None
+        assert not any(event["text"].endswith(stop[:i]) for i in range(1, len(stop) + 1))
+        assert event["output_ids"] == greedy[: len(event["output_ids"])]
+
+
+def test_a_stop_token_id_ends_the_generation_and_ignore_eos_ignores_it(
+    fresh: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """The stop token stays in ``output_ids`` and is ``matched`` by its id; its text is left
+    out of the text unless ``no_stop_trim``. With ``ignore_eos`` SGLang ends on no token at
+    all, stop token ids included (``_check_token_based_finish`` returns at once)."""
+    tok = tokenizer_of(tiny_model_dir)
+    greedy = hf_greedy(tiny_model_dir, PROMPT, 12)
+    j = fresh_token(tokenizer_of(tiny_model_dir), greedy)
+    sp = {**GREEDY, "stop_token_ids": [greedy[j]]}
+    out = generate(fresh, input_ids=PROMPT, sampling_params=sp)
+    assert out["output_ids"] == greedy[: j + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": greedy[j]}
+    assert out["text"] == tok.decode(greedy[:j])
+    kept = generate(fresh, input_ids=PROMPT, sampling_params={**sp, "no_stop_trim": True})
+    assert kept["output_ids"] == greedy[: j + 1] and kept["text"] == tok.decode(greedy[: j + 1])
+    body = {"input_ids": PROMPT, "sampling_params": sp, "stream": True}
+    events = _events(fresh.post("/generate", body))
+    assert events[-1]["output_ids"] == greedy[: j + 1] and events[-1]["text"] == out["text"]
+    ignored = generate(fresh, input_ids=PROMPT, sampling_params={**sp, "ignore_eos": True})
+    assert ignored["output_ids"] == greedy
+    assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+
+
+def test_min_new_tokens_keeps_stop_tokens_from_being_sampled(
+    fresh: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """Before ``min_new_tokens`` SGLang masks EOS and the stop token ids out of the logits (its
+    min-new-tokens penalizer): greedy then takes the next best token, as ``transformers`` does
+    with the same minimum over the same ids."""
+    greedy = hf_greedy(tiny_model_dir, PROMPT, 12)
+    j = fresh_token(tokenizer_of(tiny_model_dir), greedy)
+    stop_id, minimum = greedy[j], j + 3
+    sp = {**GREEDY, "stop_token_ids": [stop_id], "min_new_tokens": minimum}
+    out = generate(fresh, input_ids=PROMPT, sampling_params=sp)
+    want = hf_greedy(tiny_model_dir, PROMPT, 12, min_new_tokens=minimum, eos_token_id=[stop_id, 2])
+    assert out["output_ids"] == want and want[:j] == greedy[:j] and want[j] != stop_id
+    assert stop_id not in out["output_ids"][:minimum]
+    if out["output_ids"][-1] in (stop_id, 2):
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": want[-1]}
+    else:
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("sampling", "needle"),
+    [
+        ({"stop": [f"s{i}" for i in range(33)]}, "at most 32 stop strings are allowed, got 33"),
+        ({"stop": 7}, "'stop'"),
+        ({"stop": ["ok", 3]}, "'stop"),
+        ({"no_stop_trim": "yes"}, "'no_stop_trim'"),
+        ({"stop_token_ids": "5"}, "'stop_token_ids'"),
+        ({"min_new_tokens": 20}, "min_new_tokens must be in [0, max_new_tokens(12)], got 20."),
+    ],
+)
+def test_stop_parameters_sglang_refuses_are_refused(
+    fresh: EngineProcess, sampling: dict[str, Any], needle: str
+) -> None:
+    r = fresh.post("/generate", {"input_ids": PROMPT, "sampling_params": {**GREEDY, **sampling}})
+    assert r.status_code == 400 and needle in r.json()["message"], r.text
+    ok = fresh.post("/generate", {"input_ids": PROMPT, "sampling_params": {**GREEDY, "stop": []}})
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 12

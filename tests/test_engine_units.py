@@ -1,5 +1,5 @@
 """Unit tests: the flattened-bucket wire format, the weight checksum, and the reference engine's
-path checks, tokenizer loading and rank start-up options (no engine process)."""
+path checks, tokenizer loading, rank start-up options and stop rules (no engine process)."""
 
 from __future__ import annotations
 
@@ -387,3 +387,204 @@ def test_shared_mappings_keep_the_last_buckets_mapped() -> None:
     assert len(maps._storages) <= 2
     maps.clear()
     assert maps.nbytes == 0
+
+
+# ---- stop rules: the cases a greedy tiny model does not reach (stops.py) ---------------------
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from rollsafe.adapters.reference_engine.codec import TextCodec
+    from rollsafe.adapters.reference_engine.tiny_model import make_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer().save(str(path / "tokenizer.json"))  # type: ignore[attr-defined]
+    return TextCodec(path)
+
+
+EOS = 2
+PROMPT_IDS = [1, 17, 42]
+
+
+def _run(rules: Any, ids: list[int], **sampling: Any) -> tuple[Any, list[int], Any]:
+    """Feed ``ids`` to a generation under ``rules`` until it ends: (finish, output, text)."""
+    from rollsafe.adapters.reference_engine.engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=sampling.pop("max_new_tokens", 64), **sampling)
+    scan = rules.scan(PROMPT_IDS, params, (EOS,))
+    out: list[int] = []
+    for token in ids:
+        assert token not in scan.banned(len(out))
+        out.append(token)
+        finish = scan.after(out)
+        if finish is not None:
+            return finish, out, scan.text(out, finish)
+    raise AssertionError("the generation did not end")
+
+
+def _ids(codec: Any, *pieces: str) -> list[int]:
+    return [codec.tokenizer.token_to_id(p) for p in pieces]
+
+
+def test_eos_is_reported_as_each_release_reports_it(codec: Any) -> None:
+    """SGLang: ``matched`` is the EOS id; vLLM: ``stop_reason`` null (EOS is no stop token id);
+    with ``ignore_eos`` both go on past it, and SGLang also past a stop token id."""
+    from rollsafe.adapters.reference_engine.stops import SGLangStops, VLLMStops
+
+    ids = [*_ids(codec, "w", "o"), EOS, *_ids(codec, "r", "l")]
+    sglang = SGLangStops(decode=codec.decode)
+    vllm = VLLMStops(stream=codec.decode_stream)
+    assert _run(sglang, ids) == ({"type": "stop", "matched": EOS}, ids[:3], "wo")
+    assert _run(vllm, ids) == ({"type": "stop", "matched": None}, ids[:3], "wo")
+    stop_id = ids[3]
+    finish, out, _ = _run(sglang, ids, ignore_eos=True, stop_token_ids=(stop_id,), max_new_tokens=5)
+    assert (finish, out) == ({"type": "length", "length": 5}, ids)
+    finish, out, text = _run(vllm, ids, ignore_eos=True, stop_token_ids=(stop_id,))
+    assert (finish, out, text) == ({"type": "stop", "matched": stop_id}, ids[:4], "wo")
+    # the minimum of new tokens bans EOS and the stop token ids, ignore_eos or not
+    from rollsafe.adapters.reference_engine.engine import SamplingParams
+
+    params = SamplingParams(min_new_tokens=2, stop_token_ids=(stop_id,), ignore_eos=True)
+    for rules in (sglang, vllm):
+        scan = rules.scan(PROMPT_IDS, params, (EOS,))
+        assert list(scan.banned(1)) == sorted({EOS, stop_id}) and not scan.banned(2)
+
+
+def test_sglang_looks_for_a_stop_string_in_a_tail_of_tokens_only(codec: Any) -> None:
+    """``" wor"`` is one token of the vocabulary, so SGLang decodes the last two tokens to look
+    for it: spelt in two tokens it ends the generation, spelt in three it is never seen. vLLM
+    looks in the text and finds it either way."""
+    from rollsafe.adapters.reference_engine.stops import SGLangStops, VLLMStops
+
+    assert codec.token_count(" wor") == 1
+    sglang = SGLangStops(strings=(" wor",), longest=1, decode=codec.decode)
+    vllm = VLLMStops(strings=(" wor",), stream=codec.decode_stream)
+    two = [*_ids(codec, "x", "\u0120w", "or", "l"), EOS]
+    three = [*_ids(codec, "x", "\u0120w", "o", "r", "l"), EOS]
+    assert _run(sglang, two) == ({"type": "stop", "matched": " wor"}, two[:3], "x")
+    assert _run(sglang, three)[0] == {"type": "stop", "matched": EOS}
+    for ids in (two, three):
+        assert _run(vllm, ids) == ({"type": "stop", "matched": " wor"}, ids[: len(ids) - 2], "x")
+
+
+def test_sglang_takes_an_empty_stop_string_and_holds_a_forming_one(codec: Any) -> None:
+    """An empty stop string is in every text: SGLang ends after the first token (vLLM refuses
+    it, tests/test_engine_vllm.py). A stream event waits while the tail ends with the start of
+    a stop string."""
+    from rollsafe.adapters.reference_engine.stops import SGLangStops
+
+    ids = _ids(codec, "w", "o", "r")
+    assert _run(SGLangStops(strings=("",), decode=codec.decode), ids) == (
+        {"type": "stop", "matched": ""},
+        ids[:1],
+        "",
+    )
+    rules = SGLangStops(strings=("ork",), longest=2, decode=codec.decode)
+    assert [rules.holds(ids[:n]) for n in (1, 2, 3)] == [False, True, True]
+
+
+def test_vllm_holds_back_an_incomplete_character_and_the_stop_string_length(codec: Any) -> None:
+    """The text grows token by token after the prompt: the first byte of a two-byte character
+    adds nothing until the second arrives; a stream shows all but the longest stop string's
+    length minus one until the end."""
+    from rollsafe.adapters.reference_engine.stops import VLLMStops, VLLMText
+
+    first, second = codec.tokenizer.encode("\u00e9").ids
+    text = VLLMText(VLLMStops(strings=("xyz", "q"), stream=codec.decode_stream), PROMPT_IDS, 0)
+    text.add(first)
+    assert (text.text, text.shown()) == ("", "")
+    text.add(second)
+    assert (text.text, text.shown()) == ("\u00e9", "")
+    for token in _ids(codec, "w", "o"):
+        text.add(token)
+    assert (text.text, text.shown()) == ("\u00e9wo", "\u00e9")
+
+
+def _sglang_req(req_cls: Any, codec: Any, sp: Any) -> Any:
+    """A ``Req`` of SGLang's own stop methods (tests/sglang_decoder.py) set up as the scheduler
+    sets one up for a decode without speculation, grammar or regex."""
+    from types import SimpleNamespace
+
+    req = req_cls()
+    req.sampling_params = sp
+    req.tokenizer = SimpleNamespace(
+        decode=lambda ids: codec.decode(list(ids), False),  # HF decode's default
+        eos_token_id=EOS,
+        additional_stop_token_ids=None,
+    )
+    req.eos_token_ids = {EOS}
+    req.vocab_size = codec.tokenizer.get_vocab_size()
+    req.output_ids, req.decoded_text, req.rid, req.grammar = [], "", "r", None
+    req.finished_reason = req.finished_len = req.to_finish = None
+    return req
+
+
+def test_sglang_stop_rules_agree_with_sglangs_own_code(codec: Any) -> None:
+    """Random outputs under random stop strings, stop token ids, ``ignore_eos`` and
+    ``no_stop_trim``: the reference engine's SGLang rules end each where SGLang 0.5.23's own
+    ``Req.update_finish_state`` does, with the same finish reason, the same output ids, the
+    text its detokenizer's ``trim_matched_stop`` gives, and the same stream holds
+    (``check_match_stop_str_prefix``)."""
+    import random
+    from types import SimpleNamespace
+
+    from sglang_decoder import load_stop_checks
+
+    from rollsafe.adapters.reference_engine.engine import SamplingParams
+    from rollsafe.adapters.reference_engine.stops import SGLangStops
+
+    req_cls, trim = load_stop_checks()
+    detok = SimpleNamespace(is_tool_call_parser_gpt_oss=False, tool_close_token_ids=set())
+    rng = random.Random(7)
+    vocab = codec.tokenizer.get_vocab_size()
+    ended_by = {"str": 0, "int": 0, "length": 0}
+    for _ in range(400):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 16))]
+        full = codec.decode(ids, False)
+        strings = []
+        for _ in range(rng.randint(0, 3)):
+            if full and rng.random() < 0.8:
+                at = rng.randrange(len(full))
+                strings.append(full[at : at + rng.randint(1, 5)])
+            else:
+                strings.append(rng.choice(["the", "</s>", "e", "zz"]))
+        stop_ids = tuple(rng.sample(ids, k=min(len(ids), rng.randint(0, 2))))
+        ignore_eos, keep = rng.random() < 0.3, rng.random() < 0.5
+        max_new = rng.randint(1, len(ids))
+        longest = max((codec.token_count(x) for x in strings), default=0)
+        sp = SimpleNamespace(
+            stop_strs=list(strings),
+            stop_str_max_len=longest,
+            stop_regex_strs=[],
+            stop_regex_max_len=0,
+            ignore_eos=ignore_eos,
+            stop_token_ids=set(stop_ids) or None,
+            max_new_tokens=max_new,
+        )
+        req, holds = _sglang_req(req_cls, codec, sp), []
+        for token in ids:
+            req.output_ids.append(token)
+            req.update_finish_state()
+            if req.finished():
+                break
+            holds.append(req.check_match_stop_str_prefix())
+        finish = req.finished_reason.to_json()
+        out_ids = list(req.output_ids_through_stop)
+        text = trim(detok, codec.decode(trim(detok, out_ids, finish, keep), True), finish, keep)
+
+        rules = SGLangStops(
+            strings=tuple(strings), no_stop_trim=keep, longest=longest, decode=codec.decode
+        )
+        params = SamplingParams(
+            max_new_tokens=max_new, stop_token_ids=stop_ids, ignore_eos=ignore_eos, stops=rules
+        )
+        scan, out = rules.scan([1], params, (EOS,)), []
+        for token in ids:
+            out.append(token)
+            mine = scan.after(out)
+            if mine is not None:
+                break
+            assert rules.holds(out) == holds[len(out) - 1], (strings, out)
+        case = (strings, stop_ids, ignore_eos, keep, ids[: len(out)])
+        assert (mine, out, scan.text(out, mine)) == (finish, out_ids, text), case
+        kind = type(finish.get("matched")).__name__ if finish["type"] == "stop" else "length"
+        ended_by[kind] += 1
+    assert min(ended_by.values()) >= 40, ended_by  # every way of ending was exercised

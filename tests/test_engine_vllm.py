@@ -22,7 +22,15 @@ from engine_helpers import (
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
 )
-from test_engine_sglang import PROMPT, hf_greedy, hf_state
+from test_engine_sglang import (
+    PROMPT,
+    fresh_token,
+    hf_greedy,
+    hf_state,
+    next_stop,
+    spanning_stop,
+    tokenizer_of,
+)
 
 from rollsafe.wire.group import open_weight_update_group
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
@@ -133,6 +141,157 @@ def test_sleep_wake_pause(vllm: EngineProcess) -> None:
     assert r.headers.get("connection") is None  # dropped without saying so
     assert vllm.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
     assert vllm.checksum() == before
+
+
+# ---- stop strings and stop tokens (vLLM's rules: rollsafe/.../stops.py) ---------------------
+#: greedy completions of 12 tokens with their ids (the stop tests' base)
+STOP_BASE = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+
+
+def _choice(engine: EngineProcess, **extra: Any) -> dict[str, Any]:
+    r = engine.post("/v1/completions", {**STOP_BASE, **extra})
+    assert r.status_code == 200, r.text
+    choice: dict[str, Any] = r.json()["choices"][0]
+    return choice
+
+
+def _stream(engine: EngineProcess, **extra: Any) -> list[dict[str, Any]]:
+    import json
+
+    r = engine.post("/v1/completions", {**STOP_BASE, **extra, "stream": True})
+    assert r.status_code == 200, r.text
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x)["choices"][0] for x in lines[:-1]]
+
+
+def test_a_stop_string_across_two_tokens_ends_the_completion(
+    vllm: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """vLLM keeps every token through the one completing the stop string in ``token_ids``,
+    cuts the text before the string (after it with ``include_stop_str_in_output``) and names
+    it in ``stop_reason``; the stream sends the same text, holding back the longest stop
+    string but one character until the end."""
+    tok = tokenizer_of(tiny_model_dir)
+    greedy = hf_greedy(tiny_model_dir, PROMPT, 12)
+    stop, k = spanning_stop(tok, greedy)
+    text = tok.decode(greedy[:k])
+    at = text.find(stop)
+    for extra, kept in (({}, False), ({"include_stop_str_in_output": True}, True)):
+        choice = _choice(vllm, stop=stop, **extra)
+        assert choice["token_ids"] == greedy[:k]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+        assert choice["text"] == (text[: at + len(stop)] if kept else text[:at])
+        chunks = _stream(vllm, stop=[stop], **extra)
+        assert [t for c in chunks for t in c["token_ids"]] == greedy[:k]
+        assert "".join(c["text"] for c in chunks) == choice["text"]
+        assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", stop)
+        assert all(c["finish_reason"] is None for c in chunks[:-1])
+        hold = 0 if kept else len(stop) - 1
+        for i in range(1, len(chunks)):  # what was sent never reaches into the hold-back
+            sent = "".join(c["text"] for c in chunks[:i])
+            assert len(sent) <= max(0, len(tok.decode(greedy[:i])) - hold)
+    # without stop strings the stream's text is the completion's, token by token
+    plain = _choice(vllm)
+    assert plain["token_ids"] == greedy and plain["text"] == tok.decode(greedy)
+    assert "".join(c["text"] for c in _stream(vllm)) == plain["text"]
+
+
+def test_stop_strings_count_only_after_min_tokens(
+    vllm: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """A stop string completed within the first ``min_tokens`` tokens does not end the
+    completion (vLLM's detokenizer looks only after them)."""
+    tok = tokenizer_of(tiny_model_dir)
+    greedy = hf_greedy(tiny_model_dir, PROMPT, 12)
+    stop, k = spanning_stop(tok, greedy)
+    assert _choice(vllm, stop=stop, min_tokens=k - 1)["token_ids"] == greedy[:k]
+    late = _choice(vllm, stop=stop, min_tokens=k)
+    m = next_stop(tok, greedy, stop, k)  # its next completion, or the length
+    assert late["token_ids"] == greedy[: m or len(greedy)]
+    assert late["stop_reason"] == (stop if m else None)
+
+
+def test_a_stop_token_id_ends_the_completion_even_with_ignore_eos(
+    vllm: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """The stop token stays in ``token_ids`` and is the ``stop_reason``; its text is left out
+    unless ``include_stop_str_in_output``. ``ignore_eos`` ignores EOS only: a stop token id
+    still ends the completion (unlike SGLang)."""
+    tok = tokenizer_of(tiny_model_dir)
+    greedy = hf_greedy(tiny_model_dir, PROMPT, 12)
+    j = fresh_token(tokenizer_of(tiny_model_dir), greedy)
+    for extra in ({}, {"ignore_eos": True}):
+        choice = _choice(vllm, stop_token_ids=[greedy[j]], **extra)
+        assert choice["token_ids"] == greedy[: j + 1]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", greedy[j])
+        assert choice["text"] == tok.decode(greedy[:j])
+    kept = _choice(vllm, stop_token_ids=[greedy[j]], include_stop_str_in_output=True)
+    assert kept["text"] == tok.decode(greedy[: j + 1])
+    chunks = _stream(vllm, stop_token_ids=[greedy[j]])
+    assert [t for c in chunks for t in c["token_ids"]] == greedy[: j + 1]
+    assert "".join(c["text"] for c in chunks) == tok.decode(greedy[:j])
+    assert chunks[-1]["stop_reason"] == greedy[j]
+
+
+def test_min_tokens_keeps_stop_tokens_from_being_sampled(
+    vllm: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """Before ``min_tokens`` vLLM masks EOS and the stop token ids out of the logits: greedy
+    takes the next best token, as ``transformers`` does with the same minimum."""
+    greedy = hf_greedy(tiny_model_dir, PROMPT, 12)
+    j = fresh_token(tokenizer_of(tiny_model_dir), greedy)
+    stop_id, minimum = greedy[j], j + 3
+    choice = _choice(vllm, stop_token_ids=[stop_id], min_tokens=minimum)
+    want = hf_greedy(tiny_model_dir, PROMPT, 12, min_new_tokens=minimum, eos_token_id=[stop_id, 2])
+    assert choice["token_ids"] == want and want[j] != stop_id
+    if want[-1] == stop_id:
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
+
+
+def test_which_stop_string_wins_and_the_limits_differ_by_release(
+    vllm: EngineProcess,
+    vllm026: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """Two stop strings completed by the same token: 0.32 names the one ending first, 0.26 the
+    first of the request's list. 0.32 takes at most 4 stop strings and refuses stop token ids
+    outside the vocabulary; 0.26 takes both."""
+    tok = tokenizer_of(tiny_model_dir)
+    greedy = hf_greedy(tiny_model_dir, PROMPT, 12)
+    stop, k = spanning_stop(tok, greedy, added_chars=2)  # its prefix also ends in token k
+    both = [stop, stop[:-1]]
+    assert _choice(vllm, stop=both)["stop_reason"] == stop[:-1]
+    assert _choice(vllm026, stop=both)["stop_reason"] == stop
+    for engine in (vllm, vllm026):
+        assert _choice(engine, stop=both)["token_ids"] == greedy[:k]
+    five = [stop, "a1", "b2", "c3", "d4"]
+    r = vllm.post("/v1/completions", {**STOP_BASE, "stop": five})
+    assert r.status_code == 400 and "at most 4 items" in r.json()["message"], r.text
+    assert _choice(vllm026, stop=five)["stop_reason"] == stop
+    r = vllm.post("/v1/completions", {**STOP_BASE, "stop_token_ids": [512]})
+    assert r.status_code == 400 and "out-of-vocab" in r.json()["message"], r.text
+    assert _choice(vllm026, stop_token_ids=[512])["token_ids"] == greedy
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"stop": ["ok", ""]}, "stop cannot contain an empty string."),
+        ({"stop": 5}, "'stop'"),
+        ({"include_stop_str_in_output": "yes"}, "'include_stop_str_in_output'"),
+        ({"min_tokens": 13}, "min_tokens must be less than or equal to max_tokens=12, got 13."),
+    ],
+)
+def test_stop_parameters_vllm_refuses_are_refused(
+    vllm: EngineProcess, extra: dict[str, Any], needle: str
+) -> None:
+    r = vllm.post("/v1/completions", {**STOP_BASE, **extra})
+    assert r.status_code == 400 and needle in r.json()["message"], r.text
 
 
 @pytest.fixture(scope="module")

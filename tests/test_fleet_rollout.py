@@ -195,7 +195,9 @@ def test_start_generate_sync_timeline_and_close(tiny_model_dir: Path, tmp_path: 
         times = [r["timestamp"] for r in rows]
         assert times == sorted(times)
         snap = fleet.snapshot()
-        assert snap["exports"] == {"1": "ready"} and snap["registry"]["fleet_version"] == 1
+        # the start checkpoint (model_path, the export of v0) and v1, both kept (keep_last 2)
+        assert snap["exports"] == {"0": "ready", "1": "ready"}
+        assert snap["registry"]["fleet_version"] == 1
         assert set(fleet.registry.dispatch_counts()["g0"]) <= {"active"}
     assert not any(pid_alive(p) for p in pids)  # the context manager reaped every rank
     with pytest.raises(FleetNotStarted):

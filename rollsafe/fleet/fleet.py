@@ -251,7 +251,7 @@ class RolloutFleet:
                 )
             members = self.registry.get(plan.group_id).machine.members
             for event in policy.launch_events({r: m.healthy for r, m in members.items()}):
-                self.registry.send(plan.group_id, event)
+                self.registry.send(plan.group_id, event, decided_by="launch_events")
 
     def generate(
         self,

@@ -85,7 +85,7 @@ class RequestHealth:
             self._counts.pop(group_id, None)
         try:
             for event in events:
-                self.registry.send(group_id, event)
+                self.registry.send(group_id, event, decided_by="judge_request_failures")
         except TransitionRefused as exc2:  # it moved meanwhile (a probe failed it first...)
             log.info("request health: could not fail group %s: %s", group_id, exc2)
             return

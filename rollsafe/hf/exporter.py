@@ -562,6 +562,61 @@ class HFExporter:
         self.cleanup()
         return record
 
+    def adopt_start(self, path: str | os.PathLike[str], version: int) -> ExportRecord:
+        """Make the directory a fleet's engines start on (its ``model_path``) the export of
+        ``version`` (its ``initial_version``): the **start checkpoint**, verified once, in
+        place, never copied (``docs/recovery.md``, "The start checkpoint").
+
+        Checked as an export is (:func:`~rollsafe.hf.verify.inspect_hf_dir`): ``config.json``
+        present and a JSON object, an index (or a single ``model.safetensors``) whose every
+        file is there with a safetensors header that parses and holds every key the index maps
+        to it, at least one tensor, and, when the directory holds a ``rollsafe-manifest.json``
+        (a resume from an export), every file's size and SHA-256 against it and its
+        ``version`` equal to ``version``. Without a manifest the directory itself says which
+        tensors it holds: the engines were started from it, so what it holds *is* the
+        fleet's ``initial_version``. Symlinks are accepted (a Hugging Face cache snapshot)
+        and their targets recorded. Every file's identity is recorded, so a lease re-checks
+        (:meth:`lease`) that the very files that verified are still there.
+
+        The record is ``adopted`` and ``start``: retention supersedes and deletes it as it
+        would any export (and never while a lease is held), but deleting it only un-lists
+        it: the user's directory is never renamed, moved to trash or removed. Raises
+        :class:`ExportVerificationError` naming the directory and every problem,
+        :class:`ExportExists` when ``version`` is already known.
+        """
+        _check_version(version)
+        if not isinstance(path, (str, os.PathLike)):
+            raise ExportInputError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        src = Path(path)
+        with self._cond:
+            if version in self._records:
+                raise ExportExists(f"an export of version {version} is already known", version, src)
+        report = inspect_hf_dir(src, None, require_config=True, allow_symlinks=True)
+        if report.manifest is not None:
+            saved = report.manifest.get("version")
+            if saved != version:
+                report.problems.append(
+                    f"{MANIFEST_NAME}: field 'version' is {saved!r}, but the fleet starts at "
+                    f"initial_version {version}"
+                )
+        verified = report.raise_if_problems()
+        lifecycle = ExportLifecycle(version)
+        lifecycle.adopt(verified=True, version=version)
+        record = ExportRecord(version, src, lifecycle, adopted=True, verified=verified, start=True)
+        with self._cond:
+            if version in self._records:
+                raise ExportExists(f"an export of version {version} is already known", version, src)
+            self._unfit.pop(version, None)
+            self._records[version] = record
+        log.info(
+            "start checkpoint %s adopted as export v%d (%d keys, %s)",
+            src,
+            version,
+            len(verified.keys),
+            "manifest checked" if verified.checksums_verified else "no manifest",
+        )
+        return record
+
     def latest_ready(self, version: int | None = None) -> ExportRecord | None:
         """The ready export of ``version`` (the newest ready one if None), or None.
 
@@ -659,6 +714,17 @@ class HFExporter:
             doomed = apply_retention(self._records, self.keep_last)
             for gone in [v for v in self._unfit if v not in self._records]:
                 del self._unfit[gone]  # un-listed: a new export of that version starts clean
+        # A second net beside ``adopted``: only a directory this exporter wrote (its own
+        # ``root/hf-v{version}``) is ever removed; any other path is left where it is.
+        mine = [r for r in doomed if r.path == final_dir(self.root, r.version)]
+        for record in doomed:
+            if record not in mine:
+                log.warning(
+                    "export v%d: %s is not this exporter's to remove; left on disk",
+                    record.version,
+                    record.path,
+                )
+        doomed = mine
         trash = [move_to_trash(r.path, r.version) for r in doomed]
         for record in doomed:
             log.info("export v%d deleted (%s)", record.version, record.path)

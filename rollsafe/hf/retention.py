@@ -39,9 +39,11 @@ log = logging.getLogger("rollsafe.hf")
 class ExportRecord:
     """An export known to the exporter: where it is and its lifecycle.
 
-    ``adopted`` marks a user's own save adopted in place (never deleted from disk).
-    ``verified`` is what verification found when it became ready (file identities included):
-    :meth:`reverify` checks the directory still holds those very files.
+    ``adopted`` marks a user's own save adopted in place (never deleted from disk: retention
+    only un-lists it). ``start`` marks the fleet's start checkpoint (its ``model_path``, the
+    export of ``initial_version``: :meth:`~rollsafe.hf.HFExporter.adopt_start`), always
+    ``adopted`` too. ``verified`` is what verification found when it became ready (file
+    identities included): :meth:`reverify` checks the directory still holds those very files.
     """
 
     version: int
@@ -49,6 +51,7 @@ class ExportRecord:
     lifecycle: ExportLifecycle
     adopted: bool = False
     verified: VerifiedExport | None = None
+    start: bool = False
 
     @property
     def state(self) -> str:

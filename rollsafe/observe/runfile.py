@@ -7,10 +7,15 @@ Owns the files :meth:`RolloutFleet.record(path) <rollsafe.fleet.fleet.RolloutFle
 clock, seconds) and ``t`` (seconds since the run's start), in time order:
 
 * ``run`` (first line): ``format`` (:data:`FORMAT`), ``groups`` (ids in lane order),
-  ``transport``, ``started_at``;
+  ``transport``, ``started_at``, and ``model``: what ``rollsafe verify --trace`` builds the
+  verifier's model from (each group's id and fleet ranks, ``initial_version``,
+  ``restart_budget``, ``rearm_after``, ``immediate_recovery``, ``failure_threshold``,
+  ``on_update_failure``, ``targeted_push``, the engine kind and whether a failed update keeps
+  its weights, ``deltas``, the exporter's ``keep_last``);
 * ``group`` / ``export`` / ``registration`` / ``mode``: one machine transition each, as in
   :meth:`RolloutFleet.timeline` (``subject``, ``machine``, ``seq``, ``event``, ``source``,
-  ``target``, ``inputs``);
+  ``target``, ``inputs``; a group event sent by an operation has the policy function that
+  decided it in ``inputs.decided_by``);
 * ``mark``: a point the caller knew (``event``, e.g. ``crash``; ``subject`` the group);
 * ``sync``: one weight sync (``version``, ``ok``, ``seconds``, ``phases``, ``updated``...);
 * ``recovery``: one recovery of a group (the ``RecoveryResult`` fields, plus the failure
@@ -241,6 +246,7 @@ def build_rows(
         "groups": fleet.group_ids,
         "transport": transport,
         "immediate_recovery": fleet.config.enable_immediate_recovery,
+        "model": _model_facts(fleet),
     }
     end = {
         "kind": "end",
@@ -257,6 +263,28 @@ def build_rows(
     for row in out:
         row["t"] = float(row["timestamp"]) - start
     return [_jsonable(r) for r in out]
+
+
+def _model_facts(fleet: FleetView) -> dict[str, Any]:
+    """The ``run`` row's ``model``: the groups (ids and fleet ranks, in the registry's order)
+    and every setting the verifier's model reads (``rollsafe verify --trace``)."""
+    cfg = fleet.config
+    traits = cfg.engine_traits
+    transport = fleet.transport
+    return {
+        "groups": [{"id": g.group_id, "ranks": list(g.ranks)} for g in fleet.registry.groups()],
+        "initial_version": cfg.initial_version,
+        "restart_budget": cfg.recovery.restart_budget,
+        "rearm_after": cfg.rearm_after,
+        "immediate_recovery": cfg.enable_immediate_recovery,
+        "failure_threshold": cfg.health.failure_threshold,
+        "on_update_failure": cfg.on_update_failure,
+        "targeted_push": bool(cfg.recovery.targeted_push),
+        "engine": traits.kind,
+        "failed_update_keeps_weights": traits.failed_update_keeps_weights,
+        "deltas": transport is not None and transport.deltas is not None,
+        "keep_last": getattr(fleet.exporter, "keep_last", None),
+    }
 
 
 def _episode_for(episodes: Sequence[Any], group_id: str, failed_at: float) -> Any:

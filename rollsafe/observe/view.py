@@ -28,6 +28,24 @@ class _Config(Protocol):
     @property
     def enable_immediate_recovery(self) -> bool: ...
 
+    @property
+    def initial_version(self) -> int: ...
+
+    @property
+    def rearm_after(self) -> int: ...
+
+    @property
+    def on_update_failure(self) -> str: ...
+
+    @property
+    def recovery(self) -> Any: ...  # RecoverySettings: restart_budget, targeted_push
+
+    @property
+    def health(self) -> Any: ...  # HealthSettings: failure_threshold
+
+    @property
+    def engine_traits(self) -> Any: ...  # policy.EngineTraits
+
 
 class _Syncs(Protocol):
     def reports(self) -> Sequence[SyncRecord]: ...

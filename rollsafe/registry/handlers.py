@@ -64,7 +64,7 @@ class RegistryEffects(Executor):
         if audit is not None:
             audit.decided(effect.decided_by, (effect.event,))
         try:
-            record = self.registry.send(effect.group, effect.event)
+            record = self.registry.send(effect.group, effect.event, decided_by=effect.decided_by)
         except (TransitionRefused, UnknownGroup) as exc:
             self._refused(effect.decided_by, effect.group, effect.event, str(exc))
             return fx.Failed(str(exc))
@@ -78,7 +78,7 @@ class RegistryEffects(Executor):
         audit = self.audit
         if audit is not None:
             audit.decided(effect.decided_by, tuple(e for _, evs in effect.events for e in evs))
-        refused = self.registry.send_together(effect.events)
+        refused = self.registry.send_together(effect.events, decided_by=effect.decided_by)
         refused_groups = {gid for gid, _ in refused}
         for gid, events in effect.events:
             if gid in refused_groups:

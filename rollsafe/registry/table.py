@@ -655,13 +655,19 @@ class FleetRegistry:
         return record
 
     def send_together(
-        self, events: Sequence[tuple[str, Sequence[GroupEvent]]]
+        self,
+        events: Sequence[tuple[str, Sequence[GroupEvent]]],
+        *,
+        decided_by: str | None = None,
     ) -> list[tuple[str, str]]:
         """Send each listed group its events in one step: every group's lock is held (taken
         in id order) until all are sent, so the router admits no request to any of them in
         between (a node's loss takes all its groups out at once). Returns ``(group id, why)``
         for each event a machine refused (the others are taken); an unknown group is refused.
+        ``decided_by``: the policy function that decided them, kept with each transition's
+        inputs (a recorded run says who sent what: ``rollsafe verify --trace``).
         """
+        inputs = {} if decided_by is None else {"decided_by": decided_by}
         refused: list[tuple[str, str]] = []
         refusals: list[tuple[WorkerGroup, str, TransitionRefused]] = []
         known: dict[str, WorkerGroup] = {}
@@ -679,7 +685,7 @@ class FleetRegistry:
                     continue
                 for event in evs:
                     try:
-                        self._send_quietly(known[gid], event, {})
+                        self._send_quietly(known[gid], event, dict(inputs))
                     except TransitionRefused as refusal:
                         refused.append((gid, str(refusal)))
                         refusals.append((known[gid], event_name(event), refusal))

@@ -39,6 +39,13 @@ fails or is still running when the next sync begins, retention runs. It also fir
 events (a racing or duplicated sender): the guards must refuse the wrong ones, and a refused
 event must change nothing.
 
+The model starts as the fleet does: the start checkpoint is the ready export of
+``ModelConfig.initial_version``. A sync starts the export of its version as the exporter does
+(``snapshot``, ``snapshot_done``); ``export_finish`` is the writer's ``shards_written`` and
+``publish``, then retention. ``rollsafe verify --trace`` (:mod:`rollsafe.verify.replay`) steps
+this same model with a recorded run, through replay-time arguments no exploration takes (a
+sync's recorded version and failing groups, one writer step: ``export_step``).
+
 Invariants are :mod:`rollsafe.invariants` on :meth:`FleetModel.picture`.
 ``snapshot()``/``restore()`` turn the model into a hashable value and back; ``canonical()``
 identifies states that differ only by a permutation of groups or of ranks inside a group.
@@ -141,19 +148,43 @@ class ModelConfig:
     #: where :func:`rollsafe.policy.plan_push` allows them (issue #28); False: every push full,
     #: no base tracked (the model before deltas)
     deltas: bool = True
+    #: the version the fleet starts at (``FleetConfig.initial_version``): the engines launch
+    #: holding it, and the start checkpoint (``model_path``) is its ready export from the start
+    initial_version: int = 0
+    #: each group's rank count, when they differ (a recorded fleet's: ``rollsafe verify
+    #: --trace``); empty: ``groups`` groups of ``ranks`` ranks
+    group_ranks: tuple[int, ...] = ()
+    #: the fleet's ``enable_immediate_recovery`` (the mode starts enabled or disabled)
+    immediate_recovery: bool = True
+    #: a transport can push to one group (``RecoverySettings.targeted_push``)
+    targeted_push: bool = True
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.ranks < 1:
             raise InvalidArgument("groups", f"need groups >= 1 and ranks >= 1, got {self}")
+        if self.group_ranks and (len(self.group_ranks) != self.groups or min(self.group_ranks) < 1):
+            raise InvalidArgument(
+                "group_ranks",
+                f"group_ranks must give {self.groups} rank counts >= 1, got {self.group_ranks}",
+            )
         if self.failure_threshold < 1:
             raise InvalidArgument(
                 "failure_threshold", f"failure_threshold must be >= 1, got {self.failure_threshold}"
             )
         if self.removals < 0:
             raise InvalidArgument("removals", f"removals must be >= 0, got {self.removals}")
+        if self.initial_version < 0:
+            raise InvalidArgument(
+                "initial_version", f"initial_version must be >= 0, got {self.initial_version}"
+            )
         if policy.engine_traits(self.engine) is policy.UNKNOWN_ENGINE:
             known = sorted({kind for kind, _ in policy.ENGINE_TRAITS})
             raise InvalidArgument("engine", f"engine must be one of {known}, got {self.engine!r}")
+
+    @property
+    def rank_counts(self) -> tuple[int, ...]:
+        """Each group's rank count."""
+        return self.group_ranks or (self.ranks,) * self.groups
 
     @property
     def traits(self) -> policy.EngineTraits:
@@ -227,16 +258,16 @@ class FleetModel(Executor):
         self._export_cls = export_cls
         self.groups: list[WorkerGroupLifecycle] = [self._new_group(g) for g in range(cfg.groups)]
         self._group_pool: list[list[WorkerGroupLifecycle]] = [[grp] for grp in self.groups]
-        self.registration = registration_cls(world_size=cfg.groups * cfg.ranks)
-        self.mode = mode_cls(enabled=True, rearm_after=cfg.rearm_after)
+        self.registration = registration_cls(world_size=sum(cfg.rank_counts))
+        self.mode = mode_cls(enabled=cfg.immediate_recovery, rearm_after=cfg.rearm_after)
         #: the fleet's table: the groups' machines and the fleet version, as the fleet keeps them
-        self.registry = FleetRegistry()
+        self.registry = FleetRegistry(fleet_version=cfg.initial_version)
         for grp in self.groups:
             self.registry.add_group(grp.group_id, grp.ranks, machine=grp)
         self.registry_effects = RegistryEffects(self.registry, audit=self)
         #: ground truth per group: per rank (alive, weights really held)
         self.truth: list[tuple[tuple[bool, int | None], ...]] = [
-            tuple((False, None) for _ in range(cfg.ranks)) for _ in range(cfg.groups)
+            tuple((False, None) for _ in range(n)) for n in cfg.rank_counts
         ]
         self.counts: list[dict[int, int]] = [{} for _ in range(cfg.groups)]
         #: ground truth per group: its node is alive
@@ -251,17 +282,27 @@ class FleetModel(Executor):
         # Export machines by version, reused across restores (building one costs ~1 ms).
         self._export_pool: dict[int, list[ExportLifecycle]] = {}
         self.dirs: dict[int, bool] = {}
+        # The start checkpoint: ``model_path``, verified at start, is the ready export of the
+        # initial version (``HFExporter.adopt_start``), leased and retained like any export.
+        start = export_cls(cfg.initial_version)
+        start.adopt(verified=True, version=cfg.initial_version)
+        self.exports[cfg.initial_version] = start
+        self._export_pool[cfg.initial_version] = [start]
+        self.dirs[cfg.initial_version] = True
         self.last_export: int | None = None
         self.leases: dict[int, ExportLease] = {}  # group index -> lease
         #: group index -> the lease its timed-out restart holds while it still runs in the
         #: background (None: a dummy restart, no lease); no recovery claims the group meanwhile
         self.late: dict[int, ExportLease | None] = {}
-        self.audit = _Audit()
+        self.audit = _Audit(
+            max_version_seen=cfg.initial_version, judged_version=cfg.initial_version
+        )
         self._allowed = {
             cls: _allowed_events_table(cls) for cls in (group_cls, export_cls, registration_cls)
         }
         self._index = {grp.group_id: g for g, grp in enumerate(self.groups)}
-        self._choice: tuple[bool, int | None] = (True, None)  # the running sync's outcomes
+        #: the running sync's outcomes: registered everywhere; group -> the rank that fails
+        self._choice: tuple[bool, dict[int, int]] = (True, {})
         self._restart_choice = "ok"  # the running restart's outcome: ok, failed, timeout
         self._push_ok = True  # the running targeted push's outcome
         self._probe_timed_out = False  # the running probe's outcome: no answer in time
@@ -273,6 +314,13 @@ class FleetModel(Executor):
         self.ledger = DeltaLedger(machine_cls=delta_cls)
         self.delta: list[DeltaBase] = (
             [self.ledger.machine_for(f"g{g}") for g in range(cfg.groups)] if cfg.deltas else []
+        )
+        #: hears the transitions into an export's final state, which the model takes with
+        #: ``restore_state`` (no machine history): ``((kind, subject), event, source, target,
+        #: inputs)``
+        #: (a replay of a recorded run: ``rollsafe.verify.replay``)
+        self.tap: Callable[[tuple[tuple[str, str], str, str, str, dict[str, Any]]], None] | None = (
+            None
         )
         self._failing: dict[int, int] = {}  # the running push's failing rank per group
         self._pushed: dict[int, dict[int, bool]] = {}  # the running push's results
@@ -303,8 +351,9 @@ class FleetModel(Executor):
 
     def _new_group(self, g: int) -> WorkerGroupLifecycle:
         cfg = self.config
+        first = sum(cfg.rank_counts[:g])
         return self._group_cls(
-            range(g * cfg.ranks, (g + 1) * cfg.ranks),
+            range(first, first + cfg.rank_counts[g]),
             restart_budget=cfg.restart_budget,
             group_id=f"g{g}",
         )
@@ -317,7 +366,7 @@ class FleetModel(Executor):
         """Every action the model may take now (refused ones included)."""
         cfg = self.config
         for g in range(cfg.groups):
-            for r in range(cfg.ranks):
+            for r in range(cfg.rank_counts[g]):
                 yield Action("launch", (g, r))
                 yield Action("crash", (g, r))
             yield Action("probe", (g,))
@@ -400,6 +449,14 @@ class FleetModel(Executor):
             self._export_pool.setdefault(version, []), state, lambda: self._export_cls(version)
         )
 
+    def _end_export(self, export: ExportLifecycle, event: ExportEvent) -> str | None:
+        """:func:`_end_export`, told to :attr:`tap`."""
+        source = export.state
+        refused = _end_export(export, event)
+        if refused is None and self.tap is not None:
+            self.tap((("export", f"v{export.version}"), event.value, source, export.state, {}))
+        return refused
+
     # -- sending what the policy decided
     def _decided(self, fn: str, events: tuple[AnyEvent, ...]) -> None:
         extra = {event_name(e) for e in events} - _DECLARED.get(fn, frozenset())
@@ -432,8 +489,11 @@ class FleetModel(Executor):
         alive, _ = self.truth[g][r]
         if group.state != "launching" or alive or not self.node_up[g]:
             return False
-        self._set_truth(g, r, True, 0)
-        self.registry.report_member(group.group_id, group.ranks[r], healthy=True, weights_version=0)
+        start = self.config.initial_version  # every engine launches on the start checkpoint
+        self._set_truth(g, r, True, start)
+        self.registry.report_member(
+            group.group_id, group.ranks[r], healthy=True, weights_version=start
+        )
         events = policy.launch_events(self._recorded(g))
         for event in events:
             self._send_group(g, event, "launch_events")
@@ -641,7 +701,7 @@ class FleetModel(Executor):
             if not self.node_up[g] or self.groups[g].state == "retired":
                 continue
             self.node_up[g] = False
-            for r in range(self.config.ranks):
+            for r in range(self.config.rank_counts[g]):
                 self._set_truth(g, r, False, None)
             changed = True
         return changed
@@ -708,7 +768,7 @@ class FleetModel(Executor):
         ``shutdown`` step precedes a restart that sets every rank anyway)."""
         g = self._index[effect.group]
         if self.groups[g].state == "draining":
-            for r in range(self.config.ranks):
+            for r in range(self.config.rank_counts[g]):
                 self._set_truth(g, r, False, None)
             self._reset_base(g)
         return _OK
@@ -719,18 +779,25 @@ class FleetModel(Executor):
         registered_everywhere: bool,
         failing_group: int | None,
         on_failure: policy.UpdateFailurePolicy = "fail",
+        version: int | None = None,
+        failing: tuple[tuple[int, int], ...] = (),
     ) -> bool:
         """A sync of the next version, the steps of :func:`rollsafe.operations.sync.sync`
         performed on the machines and the ground truth. The action's arguments are the outcomes
         it chooses: registered on every rank or not; the update fails on one rank of
-        ``failing_group`` (None: on none); the fleet's ``on_update_failure`` setting."""
+        ``failing_group`` (None: on none); the fleet's ``on_update_failure`` setting. A replay
+        (``rollsafe verify --trace``) also names the recorded ``version`` (default: the next
+        one) and ``failing`` ``(group, rank)`` pairs (the groups whose update failed)."""
         cfg = self.config
-        new = self.version + 1
-        if cfg.max_version is not None and new > cfg.max_version:
+        new = self.version + 1 if version is None else version
+        if new <= self.version or (cfg.max_version is not None and new > cfg.max_version):
             return False
         if self.registration.state not in ("empty", "registered", "failed"):
             return False
-        self._choice = (registered_everywhere, failing_group)
+        fails = dict(failing)
+        if failing_group is not None:
+            fails.setdefault(failing_group, 0)
+        self._choice = (registered_everywhere, fails)
         drive(sync_op.sync(new, on_failure=on_failure), self.perform)
         return True
 
@@ -810,6 +877,7 @@ class FleetModel(Executor):
                 busy=g in self.late,
                 budget=group.restart_budget,
                 initial_budget=self.config.restart_budget,
+                can_push=self.config.targeted_push,
                 # the actor answers iff its node lives (the fleet asks it on a failure)
                 placement_alive=self.node_up[g] if self.config.node_loss else None,
             )
@@ -823,7 +891,8 @@ class FleetModel(Executor):
             if export is not None
             else None
         )
-        return Ok(fx.StrategyFacts(self.mode.state, self.version, facts, can_push=True))
+        can_push = self.config.targeted_push
+        return Ok(fx.StrategyFacts(self.mode.state, self.version, facts, can_push=can_push))
 
     @handles(fx.TakeLease)
     def _take_lease(self, effect: fx.TakeLease) -> Outcome[Any]:
@@ -868,7 +937,7 @@ class FleetModel(Executor):
         if choice == "ok":
             version = None if effect.dummy else effect.weight_version
             self.node_up[g] = True  # an actor gone with its node is placed anew (RayEngineGroup)
-            for r in range(self.config.ranks):
+            for r in range(self.config.rank_counts[g]):
                 self._set_truth(g, r, True, version)
             return _OK
         if choice == "timeout":
@@ -931,7 +1000,7 @@ class FleetModel(Executor):
         export = self.exports.get(effect.version)
         if export is None:
             return _OK
-        refused = _end_export(export, ExportEvent.ABANDON)
+        refused = self._end_export(export, ExportEvent.ABANDON)
         if refused is not None:
             self._refuse(f"policy.judge_export: {refused}")
             return Failed(refused)
@@ -967,7 +1036,7 @@ class FleetModel(Executor):
 
     @handles(fx.Update)
     def _update(self, effect: fx.Update) -> Outcome[Any]:
-        failing_group = self._choice[1]
+        fails = self._choice[1]
         reg = self.registration
         try:
             reg.begin_update(targets=[list(f.ranks) for f in effect.groups])
@@ -975,7 +1044,7 @@ class FleetModel(Executor):
             self._refuse(f"policy.proceed_after_register: update refused: {exc}")
             return Failed(str(exc))
         groups = tuple(self._index[f.group_id] for f in effect.groups)
-        failing = {failing_group: 0} if failing_group in groups else {}
+        failing = {g: r for g, r in fails.items() if g in groups}
         pushed = self._push(effect.version, groups, failing, force=False)
         rank_ok = {f"g{g}": pushed[g] for g in groups}
         per_rank = {rank: ok for g in groups for rank, ok in pushed[g].items()}
@@ -988,7 +1057,10 @@ class FleetModel(Executor):
         export = self._pooled_export(new, "requested")
         for lease in export.leases:
             export.release_lease(lease)
+        # the exporter's start() takes the host snapshot before it returns (the only part that
+        # blocks the trainer); the writer goes on in the background (``export_finish``)
         export.snapshot()
+        export.snapshot_done()
         self.exports[new] = export
         self.dirs[new] = False
         self.last_export = new
@@ -996,21 +1068,42 @@ class FleetModel(Executor):
 
     # -- the exporter and retention
     def _do_export_finish(self) -> bool:
+        """The writer finishes the export of the fleet's version: shards written, published,
+        then retention (what the exporter runs once an export is ready)."""
         export = self.exports.get(self.version)
-        if export is None or export.state != "snapshotting":
+        if export is None or export.state != "writing":
             return False
-        export.snapshot_done()
-        export.shards_written(ranks_ok=list(range(export.world_size)))
+        for event in (ExportEvent.SHARDS_WRITTEN, ExportEvent.PUBLISH):
+            self._export_step(export, event)
+        return True
+
+    def _do_export_step(self, version: int, event: str) -> bool:
+        """One step of the writer of export ``version`` (``shards_written`` or ``publish``;
+        ``export_finish`` is both): what a replay of a recorded run takes when the run's writer
+        stopped in between (``rollsafe verify --trace``). Not explored: it reaches no state
+        ``export_finish`` and ``export_fail`` do not, but for the export resting in
+        ``committing``."""
+        export = self.exports.get(version)
+        step = ExportEvent(event)
+        if export is None or step not in (ExportEvent.SHARDS_WRITTEN, ExportEvent.PUBLISH):
+            return False
+        self._export_step(export, step)
+        return True
+
+    def _export_step(self, export: ExportLifecycle, event: ExportEvent) -> None:
+        """Send one writer event with the facts a sound writer reports (its guards decide)."""
+        if event is ExportEvent.SHARDS_WRITTEN:
+            export.shards_written(ranks_ok=list(range(export.world_size)))
+            return
         export.publish(index_missing_keys=[], checksums_verified=True, renamed=True)
         self.dirs[export.version] = True
         self._retain()
-        return True
 
     def _do_export_fail(self) -> bool:
         export = self.exports.get(self.version)
         if export is None or export.state not in _RUNNING_EXPORT:
             return False
-        refused = _end_export(export, ExportEvent.FAIL)
+        refused = self._end_export(export, ExportEvent.FAIL)
         return refused is None
 
     def _do_retention(self) -> bool:
@@ -1039,7 +1132,7 @@ class FleetModel(Executor):
             self.dirs[version] = False  # the directory goes on the policy's word
             if export is None:
                 continue
-            refused = _end_export(export, ExportEvent.DELETE)
+            refused = self._end_export(export, ExportEvent.DELETE)
             if refused is not None:
                 self._refuse(f"policy.plan_retention: {refused}")
 
@@ -1066,7 +1159,7 @@ class FleetModel(Executor):
         for version, export in sorted(self.exports.items()):
             if export.state != "superseded":
                 continue
-            if _end_export(export, ExportEvent.DELETE) is not None:
+            if self._end_export(export, ExportEvent.DELETE) is not None:
                 continue
             self.dirs[version] = False
             changed = True
@@ -1151,6 +1244,7 @@ class FleetModel(Executor):
         return FleetPicture(
             fleet_version=self.version,
             groups=tuple(groups),
+            initial_version=self.config.initial_version,
             registration_state=reg.state,
             published=reg.published,
             last_published_version=reg.last_published_version,

@@ -19,7 +19,8 @@ What differs (0.5.16 / 0.5.23):
 * ``/ready``, ``/begin_weight_update``, ``/end_weight_update``: absent / present (the client
   uses none of them);
 * ``SafeUnpickler``: module-prefix allow-list with a deny-list / an allow-list of globals
-  (rollsafe's payloads load under both: ``tests/test_sglang_wire.py``).
+  (rollsafe's payloads load under both: ``tests/test_sglang_wire.py``);
+* stop strings per request: any number / at most 32 (``MAX_STOP_COUNT``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class SGLangDialect:
     weight_version_spans: bool = True
     #: the ``sampling_params`` keys the release accepts
     sampling_keys: frozenset[str] = frozenset()
+    #: the most stop strings a request may carry (``MAX_STOP_COUNT``); None: no limit
+    max_stop_strings: int | None = 32
 
     @classmethod
     def of(cls, version: str | None = None, server_version: str | None = None) -> SGLangDialect:
@@ -60,4 +63,5 @@ class SGLangDialect:
             sampling_unknown_key_status=int(facts.get("sampling_unknown_key_status", 400)),
             weight_version_spans=bool(facts.get("weight_version_spans", True)),
             sampling_keys=contract.sampling_keys(),
+            max_stop_strings=contract.data.get("stops", {}).get("max_stop_strings"),
         )

@@ -27,7 +27,10 @@ What differs (0.26.0 / 0.32.0 / 0.33.0):
   (``engine_paused``, retryable);
 * ``update_info`` lists: required / required / default ``[]``;
 * ``skip_special_tokens`` default: true / true / the generation config, else true;
-* ``/sleep`` levels: 0, 1, 2 on all three.
+* ``/sleep`` levels: 0, 1, 2 on all three;
+* stop strings per completion: any number / at most 4 / at most 4 (``VLLM_MAX_STOP_STRINGS``);
+  several matched in one step: the first of the list / the one completing first / the same;
+  ``stop_token_ids`` outside the vocabulary: taken / 400 / 400 (the ``"stops"`` section).
 
 vLLM 0.26.0 keeps no weight version at all: :class:`~rollsafe.adapters.engines.VLLMClient`
 keeps the label itself (set by the update that carried it, or by ``update_weight_version``,
@@ -97,12 +100,21 @@ class VLLMDialect:
     packed_in: str = "init_info"
     #: the ``/sleep`` levels the release documents
     sleep_levels: tuple[int, ...] = (0, 1, 2)
+    #: the most stop strings a completion may carry (``VLLM_MAX_STOP_STRINGS``, 0.32+); None:
+    #: no limit (0.26)
+    max_stop_strings: int | None = 4
+    #: several stop strings matched by one step: the one completing first wins (0.32+), else
+    #: the first of the request's list (0.26)
+    earliest_stop_wins: bool = True
+    #: ``stop_token_ids`` outside the vocabulary are a 400 (0.32+; 0.26 takes them)
+    stop_token_ids_checked: bool = True
 
     @classmethod
     def of(cls, version: str | None = None, server_version: str | None = None) -> VLLMDialect:
         """The dialect of the committed contract ``version`` (the pinned one when None)."""
         contract = load_contract("vllm", version or PINNED_VERSIONS["vllm"])
         facts = contract.data["dialect"]
+        stops = contract.data.get("stops", {})
         return cls(
             version=contract.version,
             server_version=server_version,
@@ -116,6 +128,9 @@ class VLLMDialect:
             finish_takes_version=bool(facts.get("finish_weight_update_takes_version", True)),
             packed_in=str(facts.get("packed_in", "init_info")),
             sleep_levels=tuple(int(x) for x in facts.get("sleep_levels", (0, 1, 2))),
+            max_stop_strings=stops.get("max_stop_strings"),
+            earliest_stop_wins=stops.get("stop_string_choice") == "earliest_end",
+            stop_token_ids_checked=bool(stops.get("stop_token_ids_checked_against_vocab")),
         )
 
 

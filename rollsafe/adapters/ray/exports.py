@@ -311,11 +311,21 @@ def publish_export(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     put: Any = None,
+    version: int | None = None,
 ) -> ExportParcel:
     """Put a verified export (a directory with ``rollsafe-manifest.json``) into Ray's object
     store, ``chunk_bytes`` per object; every file is hashed on the way and refused
     (:class:`ExportPullRefused`) when it no longer matches the manifest. ``put``: what stores a
-    chunk (default ``ray.put``)."""
+    chunk (default ``ray.put``).
+
+    A verified regular save without a manifest (the fleet's start checkpoint, its
+    ``model_path`` adopted as the export of ``initial_version``) is published with a manifest
+    made of what is read: every regular file directly inside it (hidden names left out), its
+    size and SHA-256 taken on the way, its tensor names (from the headers) and ``version``
+    (the export's version: required for such a directory). Nothing on disk says what its
+    bytes must be: that they are still the ones that verified is the lease's
+    re-verification (every file's identity), and the receiving node checks its copy against
+    this manifest as for any export, so the copy is a complete export with its manifest."""
     from rollsafe.hf.layout import MANIFEST_NAME
 
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -325,6 +335,14 @@ def publish_export(
 
         put = ray.put
     src = Path(export_dir)
+    if not (src / MANIFEST_NAME).exists():
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidArgument(
+                "version",
+                f"{src.name} has no {MANIFEST_NAME}: publishing it as a regular save needs the "
+                f"export's version (an int >= 0), got {version!r}",
+            )
+        return _publish_regular_save(src, chunk_bytes, put, version)
     manifest = (src / MANIFEST_NAME).read_bytes()
     files = _manifest_files(manifest, src.name)
     chunks: dict[str, tuple[Any, ...]] = {}
@@ -342,6 +360,48 @@ def publish_export(
                 src.name, name, f"the source reads {got} bytes / {digest.hexdigest()}"
             )
         chunks[name] = tuple(refs)
+    return ExportParcel(src.name, manifest, files, chunks)
+
+
+def _publish_regular_save(src: Path, chunk_bytes: int, put: Any, version: int) -> ExportParcel:
+    """:func:`publish_export` of a directory without a manifest: one is made of what is read."""
+    import json
+
+    from rollsafe.hf.layout import MANIFEST_FORMAT
+    from rollsafe.hf.verify import inspect_hf_dir
+
+    report = inspect_hf_dir(src, require_config=True, allow_symlinks=True)
+    if report.problems:
+        raise ExportPullRefused(src.name, "*", "; ".join(report.problems[:3]))
+
+    files: dict[str, tuple[int, str]] = {}
+    chunks: dict[str, tuple[Any, ...]] = {}
+    for entry in sorted(src.iterdir(), key=lambda p: p.name):
+        if entry.name.startswith(".") or not entry.is_file():
+            continue
+        digest = hashlib.sha256()
+        refs: list[Any] = []
+        got = 0
+        with open(entry, "rb") as f:
+            while data := f.read(chunk_bytes):
+                digest.update(data)
+                got += len(data)
+                refs.append(put(data))
+        files[entry.name] = (got, digest.hexdigest())
+        chunks[entry.name] = tuple(refs)
+    if not files:
+        raise ExportPullRefused(src.name, "*", "a regular save with no file to publish")
+    manifest = json.dumps(
+        {
+            "format": MANIFEST_FORMAT,
+            "version": version,
+            "regular_save": src.name,
+            "keys": sorted(report.weight_map),
+            "files": {n: {"size": size, "sha256": sha} for n, (size, sha) in files.items()},
+        },
+        indent=1,
+        sort_keys=True,
+    ).encode()
     return ExportParcel(src.name, manifest, files, chunks)
 
 
@@ -501,7 +561,9 @@ class ExportMover:
         self.dest_root = dest_root
         self.fleet = fleet
         self.chunk_bytes = chunk_bytes
-        self.publish = publish or (lambda path: publish_export(path, chunk_bytes=chunk_bytes))
+        #: what publishes an export's directory (None: :func:`publish_export` with
+        #: ``chunk_bytes`` and the export's version)
+        self.publish = publish
         self._lock = threading.Lock()
         self._parcels: dict[int, tuple[str, ExportParcel]] = {}
         self._publishing: dict[int, threading.Lock] = {}
@@ -525,7 +587,12 @@ class ExportMover:
                 held = self._parcels.get(version)
             if held is not None and held[0] == str(path):
                 return held[1]
-            parcel = self.publish(str(path))
+            publish = self.publish
+            parcel: ExportParcel
+            if publish is not None:
+                parcel = publish(str(path))
+            else:
+                parcel = publish_export(str(path), chunk_bytes=self.chunk_bytes, version=version)
             with self._lock:
                 self._parcels[version] = (str(path), parcel)
                 self.publishes += 1

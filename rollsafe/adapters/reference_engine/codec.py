@@ -8,6 +8,7 @@ well under a second, before any rank loads a model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +61,30 @@ class TextCodec:
         if self.tokenizer is None:
             return ""
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_count(self, text: str) -> int:
+        """How many tokens ``text`` encodes to, without special tokens (SGLang's measure of a
+        stop string's length)."""
+        if self.tokenizer is None:
+            return len(text)  # SGLang without a tokenizer counts characters
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode_stream(self, prompt: list[int], skip_special_tokens: bool) -> Callable[[int], str]:
+        """An incremental decoder after ``prompt``: each call takes the next token id and gives
+        the text it adds ("" while a multi-byte character is incomplete), as vLLM's
+        ``FastIncrementalDetokenizer`` (``tokenizers.decoders.DecodeStream`` primed with the
+        prompt). Without a tokenizer every token adds ""."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return lambda _token: ""
+        from tokenizers.decoders import DecodeStream
+
+        try:
+            stream = DecodeStream(ids=list(prompt), skip_special_tokens=skip_special_tokens)
+        except TypeError:  # tokenizers < 0.22: no priming; the text is the same for byte-level
+            stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+        def step(token: int) -> str:
+            return str(stream.step(tokenizer, token) or "")
+
+        return step

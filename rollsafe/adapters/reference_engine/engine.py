@@ -1,7 +1,8 @@
 """The reference engine's scheduler: one driver thread owns the ranks.
 
 Owns request scheduling and the engine-level state machine of a serving process: generation
-sessions (prefill, then one decode step at a time, round-robin across sessions), pause modes
+sessions (prefill, then one decode step at a time, round-robin across sessions; when one ends,
+and the text it reports, is the imitated release's decision, :mod:`.stops`), pause modes
 (``abort`` / ``retract`` / ``in_place``), memory release, the tracked weight version, and
 all-or-nothing weight updates (stage on every rank, then commit on every rank; any failure
 discards every rank's staging and keeps the previous weights and version), delta updates
@@ -44,6 +45,7 @@ from rollsafe.adapters.reference_engine.errors import (
 from rollsafe.adapters.reference_engine.group_args import check_group_args
 from rollsafe.adapters.reference_engine.model import LM_HEAD
 from rollsafe.adapters.reference_engine.ranks import RankSet
+from rollsafe.adapters.reference_engine.stops import SGLangStops, StopRules, StopScan
 from rollsafe.adapters.reference_engine.weights import UpdateMeta, check_model_path, packed_layout
 from rollsafe.checksum import WeightsChecksum, algorithm_for, weights_checksum
 from rollsafe.wire.delta import is_delta_name
@@ -76,6 +78,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    #: how the generation ends as the imitated release decides (stop strings, stop token ids,
+    #: EOS, the minimum of new tokens) and the text it reports (:mod:`.stops`)
+    stops: StopRules = field(default_factory=SGLangStops)
 
 
 @dataclass
@@ -89,6 +94,9 @@ class GenerationResult:
     #: ``[{version, start, end}]`` over ``output_ids``: which weights produced which tokens (a
     #: request retracted across a weight update spans two versions), as SGLang 0.5.23 reports
     weight_spans: list[dict[str, Any]] = field(default_factory=list)
+    #: the output text as the imitated release reports it (a matched stop trimmed or kept);
+    #: None when the engine decoded nothing (no tokenizer): the dialect decodes
+    text: str | None = None
 
 
 @dataclass
@@ -107,6 +115,8 @@ class _Session:
     spans: list[tuple[str, int]] = field(default_factory=list)
     #: called on the driver thread with (token, weights version, logprob) after each token
     listener: TokenListener | None = None
+    #: when the generation ends, as the imitated release decides (:mod:`.stops`)
+    scan: StopScan | None = None
 
 
 def sample_token(
@@ -305,6 +315,7 @@ class ReferenceEngine:
             sid = f"{rid or 'req'}#{next(self._ids)}"
             sess = _Session(sid, list(prompt), sp, fut, gen)
             sess.listener = listeners[i] if listeners is not None else None
+            sess.scan = sp.stops.scan(sess.prompt, sp, self.eos_token_ids)
             sessions.append(sess)
             futs.append(fut)
         with self._cv:
@@ -463,6 +474,12 @@ class ReferenceEngine:
             if sess.sid not in self._sessions:
                 return  # cancelled while its step ran: the token is dropped with the session
             self.tokens_generated += 1
+        scan = sess.scan
+        assert scan is not None
+        banned = [t for t in scan.banned(len(sess.out)) if 0 <= t < logits.numel()]
+        if banned:  # the minimum of new tokens: EOS and stop token ids cannot be sampled yet
+            logits = logits.clone()
+            logits[banned] = float("-inf")
         tok, lp = sample_token(logits, sess.params, sess.generator)
         version = self.weight_version
         if not sess.spans or sess.spans[-1][0] != version:
@@ -471,12 +488,9 @@ class ReferenceEngine:
         sess.logprobs.append(lp)
         if sess.listener is not None:
             sess.listener(tok, version, lp)
-        p = sess.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        if tok in stops and len(sess.out) >= p.min_new_tokens:
-            self._finish(sess, {"type": "stop", "matched": tok})
-        elif len(sess.out) >= p.max_new_tokens:
-            self._finish(sess, {"type": "length", "length": len(sess.out)})
+        reason = scan.after(sess.out)
+        if reason is not None:
+            self._finish(sess, reason)
 
     def _result(self, sess: _Session, reason: dict[str, Any]) -> GenerationResult:
         return GenerationResult(
@@ -487,6 +501,7 @@ class ReferenceEngine:
             self.weight_version,
             time.monotonic() - sess.t0,
             weight_spans(sess.spans, self.weight_version, len(sess.out)),
+            sess.scan.text(sess.out, reason) if sess.scan is not None else None,
         )
 
     def _finish(

@@ -59,6 +59,7 @@ from rollsafe.adapters.reference_engine.errors import (
 )
 from rollsafe.adapters.reference_engine.faults import FaultInjector
 from rollsafe.adapters.reference_engine.profiling import PROFILE, profile_line
+from rollsafe.adapters.reference_engine.stops import StopRules
 from rollsafe.wire.strict_json import BadJSON, loads_bounded
 
 if TYPE_CHECKING:
@@ -359,8 +360,17 @@ def want(
     return value
 
 
-def parse_sampling(sp: dict[str, Any], *, defaults: SamplingParams) -> SamplingParams:
-    """SGLang-style ``sampling_params`` (also used for mapped vLLM fields)."""
+#: the dialect's rules for how a request's generation ends, from its sampling parameters (the
+#: SGLang-style dict :func:`parse_sampling` read) and what was parsed of them so far; raises
+#: :class:`BadRequest` for what the imitated release refuses (too many stop strings...)
+StopFactory = Callable[[dict[str, Any], SamplingParams], StopRules]
+
+
+def parse_sampling(
+    sp: dict[str, Any], *, defaults: SamplingParams, stops: StopFactory
+) -> SamplingParams:
+    """SGLang-style ``sampling_params`` (also used for mapped vLLM fields); ``stops`` reads the
+    stop strings and whether a matched stop stays in the text, as the dialect's release does."""
     allowed = {
         "max_new_tokens",
         "min_new_tokens",
@@ -382,10 +392,6 @@ def parse_sampling(sp: dict[str, Any], *, defaults: SamplingParams) -> SamplingP
         raise BadRequest(f"unknown sampling parameter {unknown[0]!r}; allowed: {sorted(allowed)}")
     if want(sp, "n", int, 1) != 1:
         raise BadRequest("sampling parameter 'n' must be 1 (send a batch instead)")
-    if want(sp, "stop", (list, str), None):
-        raise BadRequest(
-            "stop strings are not supported by the reference engine; use stop_token_ids"
-        )
     max_new = want(sp, "max_new_tokens", int, defaults.max_new_tokens)
     min_new = want(sp, "min_new_tokens", int, defaults.min_new_tokens)
     temp = _finite(want(sp, "temperature", (int, float), defaults.temperature), "temperature")
@@ -406,7 +412,7 @@ def parse_sampling(sp: dict[str, Any], *, defaults: SamplingParams) -> SamplingP
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise BadRequest("stop_token_ids must be a list of ints")
-    return SamplingParams(
+    params = SamplingParams(
         max_new_tokens=max_new,
         min_new_tokens=min_new,
         temperature=temp,
@@ -416,6 +422,19 @@ def parse_sampling(sp: dict[str, Any], *, defaults: SamplingParams) -> SamplingP
         ignore_eos=bool(want(sp, "ignore_eos", bool, defaults.ignore_eos)),
         seed=seed,
     )
+    return dataclasses.replace(params, stops=stops(sp, params))
+
+
+def stop_strings(sp: dict[str, Any]) -> tuple[str, ...]:
+    """``sp["stop"]`` (a string, a list of strings, or null) as a tuple."""
+    value = want(sp, "stop", (list, str), None)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not all(isinstance(v, str) for v in value):
+        raise BadRequest("key 'stop' must be a string or a list of strings")
+    return tuple(value)
 
 
 def _finite(value: int | float, key: str) -> float:

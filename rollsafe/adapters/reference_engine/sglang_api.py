@@ -1,6 +1,8 @@
 """SGLang-dialect endpoints of the reference engine (payloads as SGLang's HTTP server).
 
-Owns request/response shapes of ``/generate``, ``/health_generate``, the weight endpoints
+Owns request/response shapes of ``/generate`` (stop strings, stop token ids, ``ignore_eos``,
+``min_new_tokens`` and ``no_stop_trim`` as SGLang 0.5.23 applies them: :mod:`.stops`),
+``/health_generate``, the weight endpoints
 (``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
 ``/update_weights_from_ipc``, ``/get_weights_by_name``), memory occupation, pause/continue and
@@ -10,16 +12,19 @@ Owns request/response shapes of ``/generate``, ``/health_generate``, the weight 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from typing import Any
 
 from aiohttp import web
 
+from rollsafe.adapters.engines.sglang_dialect import SGLangDialect
 from rollsafe.adapters.reference_engine.engine import GenerationResult, SamplingParams
 from rollsafe.adapters.reference_engine.errors import BadRequest, ServerUnavailable
 from rollsafe.adapters.reference_engine.group_args import check_group_args
 from rollsafe.adapters.reference_engine.server import (
+    SGLANG_VERSION,
     ServerContext,
     await_future,
     ctx_of,
@@ -29,8 +34,10 @@ from rollsafe.adapters.reference_engine.server import (
     parse_sampling,
     read_json,
     run_generate,
+    stop_strings,
     want,
 )
+from rollsafe.adapters.reference_engine.stops import SGLangStops
 from rollsafe.adapters.reference_engine.streaming import stream_generation
 from rollsafe.adapters.reference_engine.weights import parse_update_meta
 from rollsafe.wire.finite import FINITE_CHECKED_HEADER
@@ -39,6 +46,45 @@ __all__ = ["routes"]
 
 SGLANG_DEFAULTS = SamplingParams(max_new_tokens=128, temperature=1.0)
 MEMORY_TAGS = ("weights", "kv_cache")
+
+
+@functools.cache
+def _max_stop_strings() -> int | None:
+    """SGLang 0.5.23's ``MAX_STOP_COUNT`` (its contract's ``"stops"`` section)."""
+    return SGLangDialect.of(SGLANG_VERSION).max_stop_strings
+
+
+def sglang_stops(ctx: ServerContext, sp: dict[str, Any], params: SamplingParams) -> SGLangStops:
+    """How SGLang 0.5.23 ends this request's generation (:class:`SGLangStops`), refusing what
+    its ``SamplingParams.verify`` / ``normalize`` refuse, with their messages."""
+    strings = stop_strings(sp)
+    if params.min_new_tokens > params.max_new_tokens:
+        raise BadRequest(
+            f"min_new_tokens must be in [0, max_new_tokens({params.max_new_tokens})], got "
+            f"{params.min_new_tokens}."
+        )
+    limit = _max_stop_strings()
+    if limit is not None and len(strings) > limit:
+        raise BadRequest(f"at most {limit} stop strings are allowed, got {len(strings)}")
+    codec = ctx.codec
+    if codec.tokenizer is None:  # SGLang with skip_tokenizer_init
+        if strings:
+            raise BadRequest(
+                f"stop={list(strings)!r} is unavailable when skip_tokenizer_init=True "
+                "(requires tokenizer to decode tokens to text for matching)."
+            )
+        if params.min_new_tokens > 0:
+            raise BadRequest(
+                f"min_new_tokens={params.min_new_tokens} is unavailable when "
+                "skip_tokenizer_init=True (requires tokenizer for eos_token_id)."
+            )
+    return SGLangStops(
+        strings=strings,
+        no_stop_trim=bool(want(sp, "no_stop_trim", bool, False)),
+        longest=max((codec.token_count(s) for s in strings), default=0),
+        skip_special_tokens=bool(want(sp, "skip_special_tokens", bool, True)),
+        decode=codec.decode if codec.tokenizer is not None else None,
+    )
 
 
 def _response(
@@ -59,7 +105,7 @@ def _response(
             [lp, tok, None] for lp, tok in zip(res.output_logprobs, res.output_ids, strict=False)
         ]
     return {
-        "text": ctx.codec.decode(res.output_ids),
+        "text": res.text if res.text is not None else ctx.codec.decode(res.output_ids),
         "output_ids": res.output_ids,
         "meta_info": meta,
     }
@@ -71,15 +117,24 @@ class _StreamChunks:
     ``meta_info`` with the weights version serving now; ``weight_versions`` spans and the finish
     reason come with the last event only. With ``return_logprob`` every event's ``meta_info``
     carries ``output_token_logprobs`` so far (``[logprob, token_id, None]`` per token, cumulative
-    like ``output_ids``, as SGLang's tokenizer manager accumulates them)."""
+    like ``output_ids``, as SGLang's tokenizer manager accumulates them). While the decoded tail
+    ends with the start of a stop string no event is sent (SGLang's scheduler holds the output
+    back until the string is complete or broken); the last event's text is trimmed of the
+    matched stop as SGLang's detokenizer trims it."""
 
     def __init__(
-        self, ctx: ServerContext, rid: str | None, prompt_tokens: int, logprobs: bool = False
+        self,
+        ctx: ServerContext,
+        rid: str | None,
+        prompt_tokens: int,
+        logprobs: bool = False,
+        stops: SGLangStops | None = None,
     ) -> None:
         self.ctx = ctx
         self.rid = rid
         self.prompt_tokens = prompt_tokens
         self.logprobs = logprobs
+        self.stops = stops or SGLangStops()
         self.out: list[int] = []
         self.lps: list[float] = []
 
@@ -101,9 +156,11 @@ class _StreamChunks:
             meta["output_token_logprobs_length"] = len(self.lps)
         return meta
 
-    def token(self, token: int, version: str, logprob: float) -> dict[str, Any]:
+    def token(self, token: int, version: str, logprob: float) -> dict[str, Any] | None:
         self.out.append(token)
         self.lps.append(logprob)
+        if self.stops.holds(self.out):
+            return None  # sent with a later event (cumulative)
         return {
             "text": self.ctx.codec.decode(self.out),
             "output_ids": list(self.out),
@@ -117,7 +174,7 @@ class _StreamChunks:
         meta["weight_versions"] = result.weight_spans
         meta["e2e_latency"] = result.latency_s
         return {
-            "text": self.ctx.codec.decode(self.out),
+            "text": result.text if result.text is not None else self.ctx.codec.decode(self.out),
             "output_ids": list(self.out),
             "meta_info": meta,
         }
@@ -164,7 +221,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         sp_list = sp_raw
     else:
         raise BadRequest("'sampling_params' must be an object or one object per prompt")
-    params = [parse_sampling(s, defaults=SGLANG_DEFAULTS) for s in sp_list]
+    stops = functools.partial(sglang_stops, ctx)
+    params = [parse_sampling(s, defaults=SGLANG_DEFAULTS, stops=stops) for s in sp_list]
     rid = body.get("rid")
     rids: list[str | None]
     if isinstance(rid, list):
@@ -177,7 +235,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise BadRequest("'rid' must be a string or a list of strings")
     logprobs = bool(want(body, "return_logprob", bool, False))
     if stream:
-        renderer = _StreamChunks(ctx, rids[0], len(prompts[0]), logprobs)
+        rules = params[0].stops
+        assert isinstance(rules, SGLangStops)
+        renderer = _StreamChunks(ctx, rids[0], len(prompts[0]), logprobs, rules)
         return await stream_generation(request, ctx, prompts[0], params[0], rids[0], renderer)
     results = await run_generate(ctx, prompts, params, rids)
     out = [_response(ctx, r, i, logprobs) for r, i in zip(results, rids, strict=False)]

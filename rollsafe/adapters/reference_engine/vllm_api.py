@@ -7,7 +7,9 @@ Imitates vLLM 0.32.0 (default), 0.33.0 or 0.26.0 (``--vllm-version``; what diffe
 forward pass kills it (:meth:`~.engine.ReferenceEngine.poison`); docs/engines.md, "The
 reference engine's vLLM dialect". ``GET /version`` names the imitated release.
 
-Owns vLLM's endpoint names and payloads: ``/v1/completions`` (OpenAI style),
+Owns vLLM's endpoint names and payloads: ``/v1/completions`` (OpenAI style; stop strings, stop
+token ids, ``ignore_eos``, ``min_tokens`` and ``include_stop_str_in_output`` as the imitated
+release applies them: :mod:`.stops`),
 ``/v1/models``, dev-mode ``/sleep`` (``?level=``), ``/wake_up`` (``?tags=``), ``/is_sleeping``,
 ``/collective_rpc`` ``{method, args, kwargs, timeout}``, ``/reset_prefix_cache``, ``/pause``
 (``?mode=abort|wait|keep``), ``/resume``, ``/is_paused``, ``/get_world_size``, and the native
@@ -71,8 +73,10 @@ from rollsafe.adapters.reference_engine.server import (
     parse_sampling,
     read_json,
     run_generate,
+    stop_strings,
     want,
 )
+from rollsafe.adapters.reference_engine.stops import VLLMStops, VLLMText
 from rollsafe.adapters.reference_engine.streaming import stream_generation
 from rollsafe.adapters.reference_engine.weights import parse_update_meta
 from rollsafe.wire.group_names import VLLM_WEIGHT_TRANSFER_GROUP
@@ -111,13 +115,57 @@ def _prompts(ctx: Any, prompt: Any) -> tuple[list[list[int]], bool]:
 _FINISH = {"stop": "stop", "length": "length"}
 
 
+def vllm_stops(
+    ctx: ServerContext, body: dict[str, Any], sp: dict[str, Any], params: SamplingParams
+) -> VLLMStops:
+    """How the imitated vLLM release ends this completion (:class:`VLLMStops`), refusing what
+    its request model and ``SamplingParams`` refuse, with their messages."""
+    strings = stop_strings(sp)
+    facts = ctx.vllm.facts
+    limit = facts.max_stop_strings
+    if limit is not None and len(strings) > limit:  # pydantic: Field(max_length=...)
+        raise BadRequest(
+            f"key 'stop': List should have at most {limit} items after validation, not "
+            f"{len(strings)}"
+        )
+    if any(not s for s in strings):
+        raise BadRequest("stop cannot contain an empty string.")
+    if params.min_new_tokens > params.max_new_tokens:
+        raise BadRequest(
+            "min_tokens must be less than or equal to "
+            f"max_tokens={params.max_new_tokens}, got {params.min_new_tokens}."
+        )
+    if strings and ctx.codec.tokenizer is None:
+        raise BadRequest(
+            "stop strings are only supported when detokenize is True. "
+            "Set detokenize=True to use stop."
+        )
+    vocab = ctx.engine.vocab_size
+    outside = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if outside and facts.stop_token_ids_checked:
+        raise BadRequest(
+            f"token_id(s) {outside} in stop_token_ids contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab}"
+        )
+    return VLLMStops(
+        strings=strings,
+        include_stop_str_in_output=bool(want(body, "include_stop_str_in_output", bool, False)),
+        earliest_wins=facts.earliest_stop_wins,
+        skip_special_tokens=bool(want(body, "skip_special_tokens", bool, True)),
+        stream=ctx.codec.decode_stream if ctx.codec.tokenizer is not None else None,
+    )
+
+
 class _StreamChunks:
     """vLLM 0.33.0's ``/v1/completions`` stream events (``CompletionStreamResponse`` dumped with
     ``exclude_unset``): one per token with the text and ``token_ids`` of that token only (deltas;
     ``token_ids`` and, on the first event, ``prompt_token_ids`` only with ``return_token_ids``);
     ``weight_versions`` (with ``return_weight_versions``) on the final event only; with
     ``logprobs: 0`` each event's ``logprobs`` (``CompletionLogProbs``: ``tokens``,
-    ``token_logprobs``, ``top_logprobs``, ``text_offset``) covers that event's tokens."""
+    ``token_logprobs``, ``top_logprobs``, ``text_offset``) covers that event's tokens. An
+    event's text is what the request's text gained (decoded token by token, as vLLM's
+    detokenizer); with stop strings the last ``len(longest) - 1`` characters are held back
+    until the final event, whose text is the rest, trimmed of a matched stop."""
 
     def __init__(
         self,
@@ -128,10 +176,14 @@ class _StreamChunks:
         token_ids: bool,
         spans: bool,
         logprobs: bool = False,
+        stops: VLLMStops | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.model = model
         self.ctx = ctx
         self.prompt = prompt
+        self.text = VLLMText(stops or VLLMStops(), prompt, min_tokens)
+        self.shown = 0  # characters of the text sent so far
         self.token_ids = token_ids
         self.spans = spans
         self.versioned = ctx.vllm.reports_weight_versions  # 0.32.0's choices have no such key
@@ -141,7 +193,6 @@ class _StreamChunks:
         self.created = int(time.time())
         self.sent_prompt = False
         self.sent = 0  # output tokens sent so far
-        self.skip = True  # skip_special_tokens
 
     def _logprobs(self, ids: list[int], lps: list[float]) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -186,16 +237,18 @@ class _StreamChunks:
 
     def token(self, token: int, version: str, logprob: float) -> dict[str, Any]:
         self.sent += 1
-        return self._chunk(
-            self.ctx.codec.decode([token], self.skip), [token], None, None, [logprob]
-        )
+        self.text.add(token)
+        shown = self.text.shown()
+        delta = shown[self.shown :]
+        self.shown = max(self.shown, len(shown))
+        return self._chunk(delta, [token], None, None, [logprob])
 
     def final(self, result: GenerationResult) -> dict[str, Any]:
         kind = result.finish_reason["type"]
         rest = result.output_ids[self.sent :]
         rest_lps = result.output_logprobs[self.sent :]
         self.sent += len(rest)
-        text = self.ctx.codec.decode(rest, self.skip) if rest else ""
+        text = (result.text or "")[self.shown :]
         chunk = self._chunk(
             text, rest, _FINISH.get(kind, "abort"), result.finish_reason.get("matched"), rest_lps
         )
@@ -233,6 +286,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "stream",
             "stop",
             "stop_token_ids",
+            "include_stop_str_in_output",
             "ignore_eos",
             "logprobs",
             "echo",
@@ -264,7 +318,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
         if body.get(k1) is not None
     }
-    params = parse_sampling(sp, defaults=VLLM_DEFAULTS)
+    params = parse_sampling(
+        sp, defaults=VLLM_DEFAULTS, stops=lambda sp, p: vllm_stops(ctx, body, sp, p)
+    )
+    rules = params.stops
+    assert isinstance(rules, VLLMStops)
     logprobs = want(body, "logprobs", int, None)
     # 0.32.0 has no weight_versions: the key is ignored there, as vLLM ignores unknown fields
     spans = want(body, "return_weight_versions", bool, False) and ctx.vllm.reports_weight_versions
@@ -285,8 +343,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
             token_ids=token_ids,
             spans=spans,
             logprobs=logprobs is not None,
+            stops=rules,
+            min_tokens=params.min_new_tokens,
         )
-        renderer.skip = skip_special
         return await stream_generation(request, ctx, prompts[0], params, None, renderer)
     results = await run_generate(ctx, prompts, [params] * len(prompts), [None] * len(prompts))
     choices = []
@@ -294,7 +353,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         kind = r.finish_reason["type"]
         choice: dict[str, Any] = {
             "index": i,
-            "text": ctx.codec.decode(r.output_ids, skip_special),
+            "text": r.text if r.text is not None else ctx.codec.decode(r.output_ids, skip_special),
             "finish_reason": _FINISH.get(kind, "abort"),
             "stop_reason": r.finish_reason.get("matched"),
             # vLLM: the ids only with return_token_ids

@@ -1,0 +1,263 @@
+"""``rollsafe verify --trace``: a recorded run replayed through the verifier's model (#36).
+
+One real run of a small reference-engine fleet (a 2-rank and a 1-rank group) is recorded once
+for the module: a SIGKILL before the first sync (recovered from the start checkpoint), a sync,
+a SIGKILL after it (recovered from its export), a second sync. Its replay takes every recorded
+transition with no divergence, every invariant checked in every state; edited copies of it
+plant what the model cannot produce (a restart that lands elsewhere than the model's, a launch
+at another version) and the divergence is named at the step the clean replay took that
+transition; a recording the replay cannot map is refused with exit 2. Seeded random walks of
+the model itself, written as recordings (every action kind: crashes, probes, node losses,
+placements, removals, timed-out restarts, pushes, syncs with failed registers and updates,
+exports finishing, failing, abandoned, retention), replay with no divergence.
+Waits are bounded by deadlines; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chaos_support import WAIT_S, RequestLoop, chaos_fleet, wait_for, wait_recovery
+from engine_helpers import (
+    tiny_model_dir,  # noqa: F401  (fixture)
+    tiny_model_dir_b,  # noqa: F401  (fixture)
+)
+from transport_helpers import Trainer
+
+from rollsafe.cli import main
+from rollsafe.fleet import GroupSpec
+from rollsafe.observe.runfile import load_run
+from rollsafe.verify import Action, FleetModel, ModelConfig
+from rollsafe.verify.replay import ReplayResult, TraceError, replay_run, rows_of_model_run
+
+
+@pytest.fixture(scope="module")
+def recorded(
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Path:
+    """The recorded run (see the module)."""
+    tmp = tmp_path_factory.mktemp("trace")
+    fleet, _journal = chaos_fleet(tiny_model_dir, tmp, [GroupSpec(2), GroupSpec(1)])
+    try:
+        trainer = Trainer(tiny_model_dir_b)
+        with RequestLoop(fleet) as loop:
+            assert wait_for(lambda: loop.served_total() >= 3)
+            fleet.launcher("g1").kill_rank(0)  # before the first sync
+            first = wait_recovery(fleet, "g1")
+            assert first.status == "active" and first.strategy == "immediate", first
+            trainer.perturb(1)
+            assert fleet.sync_weights(trainer.weights(), 1).ok
+            assert fleet.exporter is not None
+            fleet.exporter.wait_hf_export(1, timeout=WAIT_S)
+            fleet.launcher("g0").kill_rank(1)  # after it
+            second = wait_recovery(fleet, "g0")
+            assert second.status == "active" and second.export_version == 1, second
+            trainer.perturb(2)
+            assert fleet.sync_weights(trainer.weights(), 2).ok
+            fleet.exporter.wait_hf_export(2, timeout=WAIT_S)
+        assert fleet.wait_recoveries(WAIT_S)
+        return fleet.record(tmp / "run", svg=False)
+    finally:
+        fleet.close()
+
+
+def replay(path: Path) -> ReplayResult:
+    return replay_run(load_run(path).rows)
+
+
+def edited(recorded: Path, tmp_path: Path, edit: Callable[[list[dict[str, Any]]], None]) -> Path:
+    """A copy of the recorded run with ``edit`` applied to its rows."""
+    out = shutil.copytree(recorded, tmp_path / "edited")
+    path = out / "timeline.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    edit(rows)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def line_of(recorded: Path, match: Callable[[dict[str, Any]], bool]) -> int:
+    rows = [json.loads(line) for line in (recorded / "timeline.jsonl").read_text().splitlines()]
+    (line,) = [n for n, r in enumerate(rows, 1) if match(r)]
+    return line
+
+
+def step_of(result: ReplayResult, line: int) -> int:
+    """The step of the clean replay that took the transition on ``line``."""
+    (step,) = [s.number for s in result.steps if any(c.line == line for c in s.consumed)]
+    return step
+
+
+# ====================================================================== the clean run
+def test_a_recorded_run_replays_through_the_model_with_no_divergence(
+    recorded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = replay(recorded)
+    assert result.ok, result.divergence.format() if result.divergence else ""
+    assert result.replayed == result.transitions > 20  # every recorded transition taken
+    assert result.steps[0].number == 0  # the model's start: the start checkpoint adopted
+    assert result.states_checked == len(result.steps)  # the start and every step after it
+    cfg = result.config
+    assert cfg.rank_counts == (2, 1) and cfg.initial_version == 0 and cfg.engine == "reference"
+    taken = [a for s in result.steps for a in s.actions]
+    names = [a.name for a in taken]
+    # the crash before the first sync: detected, claimed, restarted from the start checkpoint
+    assert names.count("recover") == 2 and names.count("restart") == 2
+    syncs = [a for a in taken if a.name == "sync"]
+    assert [a.args[3] for a in syncs] == [1, 2]  # the recorded versions
+    assert any(a.name == "export_step" for a in taken)  # the exporter's writer
+    # the start export: adopted at step 0, superseded and deleted once v2 was ready
+    start = [c for c in result.steps[0].consumed]
+    assert [(c.subject, c.event) for c in start] == [("v0", "adopt")]
+    retired = [
+        (c.event, c.target)
+        for s in result.steps
+        for c in s.consumed
+        if c.kind == "export" and c.subject == "v0"
+    ]
+    assert retired == [("adopt", "ready"), ("supersede", "superseded"), ("delete", "deleted")]
+    # the command line says the same, exit 0
+    assert main(["verify", "--trace", str(recorded)]) == 0
+    out = capsys.readouterr().out
+    assert "divergences: 0" in out and f"replayed {result.replayed} of" in out
+
+
+# ====================================================================== planted divergences
+def test_a_restart_the_model_cannot_take_is_named_at_its_step(
+    recorded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def is_g0_restart(r: dict[str, Any]) -> bool:
+        return r["kind"] == "group" and r["subject"] == "g0" and r["event"] == "restarted"
+
+    line = line_of(recorded, is_g0_restart)
+    step = step_of(replay(recorded), line)
+
+    def land_pending(rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            if is_g0_restart(r):  # restarted from the ready export of v1: the model says active
+                r["target"] = "pending_weights"
+
+    bad = edited(recorded, tmp_path, land_pending)
+    result = replay(bad)
+    div = result.divergence
+    assert div is not None and div.step == step, div
+    assert div.recorded is not None and div.recorded.line == line
+    assert (div.recorded.event, div.recorded.target) == ("restarted", "pending_weights")
+    assert any("restarted recovering -> active" in e for e in div.expected), div.expected
+    assert main(["verify", "--trace", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert f"divergence at step {step}" in out and f"line {line}" in out
+
+
+def test_a_launch_at_another_version_is_named_at_its_step(recorded: Path, tmp_path: Path) -> None:
+    def is_g1_launch(r: dict[str, Any]) -> bool:
+        return r["kind"] == "group" and r["subject"] == "g1" and r["event"] == "launched"
+
+    line = line_of(recorded, is_g1_launch)
+    step = step_of(replay(recorded), line)
+
+    def pending(rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            if is_g1_launch(r):  # the engines start on the start checkpoint, at the fleet's v0
+                r["target"] = "pending_weights"
+
+    div = replay(edited(recorded, tmp_path, pending)).divergence
+    assert div is not None and div.step == step and div.recorded is not None
+    assert div.recorded.line == line
+    assert any("launched launching -> active" in e for e in div.expected), div.expected
+
+
+def test_retiring_the_only_ready_export_is_a_divergence(recorded: Path, tmp_path: Path) -> None:
+    """The start export superseded and deleted right after g1's claim, before any sync: it is
+    then the only ready export (and the recovery's lease is on it); retention never does that."""
+
+    def early(rows: list[dict[str, Any]]) -> None:
+        claim = next(
+            r
+            for r in rows
+            if r["kind"] == "group" and r["subject"] == "g1" and r["event"] == "claim"
+        )
+        for r in rows:
+            if r["kind"] == "export" and r["subject"] == "v0" and r["event"] != "adopt":
+                r["timestamp"] = claim["timestamp"] + 1e-4
+                r["t"] = claim["t"] + 1e-4
+        rows[1:-1] = sorted(rows[1:-1], key=lambda r: float(r["timestamp"]))
+
+    div = replay(edited(recorded, tmp_path, early)).divergence
+    assert div is not None and div.recorded is not None, div
+    assert (div.recorded.subject, div.recorded.event) == ("v0", "supersede")
+    assert any("retention" in e for e in div.expected), div.expected
+
+
+# ====================================================================== recordings it refuses
+def test_a_recording_without_model_facts_or_with_a_cut_history_is_refused(
+    recorded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_facts(rows: list[dict[str, Any]]) -> None:
+        del rows[0]["model"]
+
+    old = edited(recorded, tmp_path, no_facts)
+    with pytest.raises(TraceError, match="no 'model' facts"):
+        replay(old)
+    assert main(["verify", "--trace", str(old)]) == 2
+    assert "record the run again" in capsys.readouterr().err
+
+    def cut(rows: list[dict[str, Any]]) -> None:
+        first = next(r for r in rows if r["kind"] == "registration")
+        rows.remove(first)  # the machine's history starts at its 2nd transition
+
+    shutil.rmtree(tmp_path / "edited")
+    with pytest.raises(TraceError, match="history was cut") as info:
+        replay(edited(recorded, tmp_path, cut))
+    assert info.value.line is not None
+    assert main(["verify", "--trace", str(tmp_path / "nowhere")]) == 2
+    assert "timeline.jsonl" in capsys.readouterr().err
+
+
+# ====================================================================== the model's own runs
+#: actions a fleet never takes (stray and racing events are the guards' tests)
+_NOT_THE_FLEETS = {"stray", "stray_delete", "mode_toggle"}
+WALK_CONFIGS = [
+    ModelConfig(),
+    ModelConfig(engine="reference", deltas=False),
+    ModelConfig(group_ranks=(2, 1), initial_version=5, keep_last=2, targeted_push=False),
+    ModelConfig(groups=3, ranks=1, immediate_recovery=False, removals=2),
+]
+
+
+def walk(config: ModelConfig, seed: int, length: int) -> list[Action]:
+    """A seeded random run of the model: ``length`` actions that each changed something."""
+    rnd = random.Random(seed)
+    model = FleetModel(config)
+    taken: list[Action] = []
+    for _ in range(length):
+        actions = [
+            a
+            for a in model.enabled_actions()
+            if a.name not in _NOT_THE_FLEETS and not (a.name == "sync" and a.args[2] != "fail")
+        ]
+        action = rnd.choice(actions)
+        if model.apply(action):
+            taken.append(action)
+    return taken
+
+
+def test_every_run_of_the_model_replays_with_no_divergence() -> None:
+    seen: set[str] = set()
+    for config in WALK_CONFIGS:
+        for seed in range(6):
+            actions = walk(config, seed, 60)
+            seen |= {a.name for a in actions}
+            result = replay_run(rows_of_model_run(config, actions))
+            assert result.ok, (config, seed, [str(a) for a in actions], result.divergence)
+            assert result.replayed == result.transitions
+    # every action a fleet takes was in some walk
+    fleets = {a.name for a in FleetModel(ModelConfig()).actions()} - _NOT_THE_FLEETS
+    assert seen == fleets, sorted(fleets - seen)
