@@ -342,10 +342,7 @@ class Gateway:
         return chunks
 
     async def _whole(self, call: Any, requests: Sequence[GenRequest]) -> Response:
-        if len(requests) == 1:  # no task of its own for the common case
-            results = [await self._collect(requests[0])]
-        else:
-            results = await asyncio.gather(*(self._collect(r) for r in requests))
+        results = await asyncio.gather(*(self._collect(r) for r in requests))
         first = (
             next((c.group_id for c in results[0] if c.token_ids or c.finished), "")
             if results
