@@ -3,7 +3,9 @@ CPU machine, everything in one run so the figures are ratios within it.
 
 Fronts (``benchmarks/gateway/fronts.py``): ``direct`` (the client round-robins over the
 engines), ``sglang-router`` 0.3.2 and ``vllm-router`` 0.1.17 (``make routers``, which this
-script runs), rollsafe's ``gateway`` (a slot until it exists), and the server-stack candidates
+script runs), rollsafe's ``gateway`` (``benchmarks/gateway/gateway_front.py``: registry,
+router, data plane, health probes and request health, the gateway on uvloop, in a process of
+its own; warmed by one request when started), and the server-stack candidates
 for the gateway (``proxy-aiohttp``, ``proxy-aiohttp-uvloop``, ``proxy-starlette``,
 ``proxy-raw``: ``benchmarks/gateway/proxy_*.py``). Engines: two zero-work stubs
 (``benchmarks/gateway/stub_engine.py``: a front's own cost, isolated) and, with ``--engines
@@ -27,11 +29,19 @@ Phases, each front in turn within every repeat:
    received in cut streams, and connection attempts to the dead engine's port after the kill
    (SYN packets on ``lo``: ``benchmarks/gateway/syn_counter.py``; its port refuses them);
 7. ``reference``: phases 2-3 and 6 again on two reference engines (SGLang dialect behind
-   sglang-router, vLLM dialect behind vllm-router).
+   sglang-router, vLLM dialect behind vllm-router; the gateway with clients of the engines'
+   dialect and the tiny model's tokenizer).
+
+The gateway's own books (its router's continuation counters, request health, the groups'
+states) are read when it stops: ``gateway_books`` per phase, ``gateway`` per crash run (there,
+on the stubs, the tokens it regenerated are the dead engine's unfinished tokens it did not
+receive; the others are carried into the continuation). Issue #35's targets for the gateway
+are checks (``gateway_targets``).
 
 Writes ``benchmarks/results/gateway_cpu.json`` (``--out``); every check is recorded there and
 the script exits 1 when one is false. ``--smoke``: seconds, not minutes, on the stubs only
-(direct, ``proxy-aiohttp`` and the routers where ``.venv-routers`` exists), to another file.
+(direct, the gateway, ``proxy-aiohttp`` and the routers where ``.venv-routers`` exists), to
+another file.
 """
 
 from __future__ import annotations
@@ -122,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.crash_duration, args.crash_at, args.crash_clients = 2.0, 0.7, 4
         args.crash_tokens = 16
         if args.fronts == ",".join(F.FRONT_NAMES):
-            args.front_names = ["direct", "proxy-aiohttp"] + (
+            args.front_names = ["direct", "gateway", "proxy-aiohttp"] + (
                 ["sglang-router", "vllm-router"] if F.ROUTERS_PYTHON.exists() else []
             )
     if args.out is None:
@@ -360,6 +370,9 @@ def throughput_and_latency(
     finally:
         for f in fronts:
             f.stop()
+    for f in fronts:
+        if isinstance(f, F.Gateway):  # its own books of the whole phase
+            results["gateway_books"] = f.last_stats
 
 
 def _med(values: list[float]) -> float:
@@ -391,6 +404,7 @@ def summarize_throughput(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> di
             out.setdefault(front, {})[w] = {
                 "best_concurrency": best_c,
                 "best_req_per_s": per_c[best_c]["req_per_s_median"],
+                "best_req_per_s_p95": per_c[best_c]["req_per_s_p95"],
                 "front_cpu_us_per_req": per_c[best_c]["front_cpu_us_per_req_median"],
                 "by_concurrency": per_c,
             }
@@ -410,6 +424,7 @@ def summarize_latency(lat: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[s
                 "p50_ms": _med([r["p50_ms"] for r in rs if r["p50_ms"] is not None] or [0.0]),
                 "p99_ms": _med([r["p99_ms"] for r in rs if r["p99_ms"] is not None] or [0.0]),
                 "p50_ms_p95": _p95([r["p50_ms"] for r in rs if r["p50_ms"] is not None] or [0.0]),
+                "p99_ms_p95": _p95([r["p99_ms"] for r in rs if r["p99_ms"] is not None] or [0.0]),
                 "failed": sum(r["failed"] + r["cut"] for r in rs),
                 "n": len(rs),
             }
@@ -542,10 +557,12 @@ def open_streams(
             )
             time.sleep(0.5)
             idle = F.rss_bytes(front.pids)
+            idle_fds = F.open_fds(front.pids)
 
             def at_open(front: F.Front = front, engines: list[Engine] = engines) -> dict[str, int]:
                 return {
                     "front_rss": F.rss_bytes(front.pids),
+                    "front_fds": F.open_fds(front.pids),
                     "engines_rss": F.rss_bytes([e.proc.pid for e in engines]),
                 }
 
@@ -559,6 +576,8 @@ def open_streams(
             if at:
                 r["front_rss_open_mb"] = round(at["front_rss"] / 2**20, 1)
                 r["front_kb_per_stream"] = round((at["front_rss"] - idle) / 1024 / r["opened"], 2)
+                r["front_fds_idle"], r["front_fds_open"] = idle_fds, at["front_fds"]
+                r["front_fds_per_stream"] = round((at["front_fds"] - idle_fds) / r["opened"], 3)
                 r["engines_rss_open_mb"] = round(at["engines_rss"] / 2**20, 1)
             out[name] = r
             if name.startswith("proxy-"):  # a candidate: how many it held is the finding
@@ -671,7 +690,10 @@ def crash(
                     )
                 else:
                     assert model is not None
-                    engines = start_reference(tmp, model, "sglang" if api == "generate" else "vllm")
+                    dialect = "sglang" if api == "generate" else "vllm"
+                    engines = start_reference(tmp, model, dialect)
+                    if isinstance(front, F.Gateway):
+                        front.dialect, front.model_path = dialect, model
                 try:
                     front.start([e.url for e in engines])
                     r = crash_one(name, w, engines, front, args, tmp)
@@ -682,7 +704,7 @@ def crash(
                         checks[f"{tag}: connection attempts counted"] = (
                             r["attempts_to_dead_engine"] is not None
                         )
-                    if kind == "stub":
+                    if kind == "stub" and not isinstance(front, F.Gateway):
                         checks[f"{tag}: requests in flight at the kill"] = (
                             r["dead_engine_at_kill"]["in_flight"] > 0
                         )
@@ -695,7 +717,58 @@ def crash(
                 finally:
                     front.stop()
                     stop_all(engines)
+                if isinstance(front, F.Gateway):
+                    r = out[name][w]
+                    gateway_crash_books(r, front.last_stats)
+                    checks[f"{tag}: the dead engine's group left routing"] = (
+                        r["gateway"].get("states", {}).get("g1") == "inactive"
+                    )
+                    # in flight at the kill: the stub's count, or the gateway's (a request it
+                    # had sent may still sit unread in the killed stub's socket, uncounted)
+                    checks[f"{tag}: requests in flight at the kill"] = (
+                        r.get("dead_engine_at_kill", {}).get("in_flight", 0) > 0
+                        or r["gateway"]["continuation"].get("after_failure", 0) > 0
+                    )
     return out
+
+
+def gateway_books_checks(where: str, res: dict[str, Any], checks: dict[str, bool]) -> None:
+    """What the gateway's own books say of a throughput and latency phase: every group stayed
+    routable (a loaded engine is not a failed one) and no request gave up."""
+    books = res.get("gateway_books")
+    if books is None:
+        return
+    states = books.get("states", {})
+    checks[f"{where} gateway: every group stayed active under load"] = bool(states) and all(
+        v == "active" for v in states.values()
+    )
+    cont = books.get("router", {}).get("continuation", {})
+    checks[f"{where} gateway: no request gave up"] = cont.get("failed", 1) == 0
+
+
+def gateway_crash_books(r: dict[str, Any], stats: dict[str, Any]) -> None:
+    """The gateway's own books of a crash run (its counters, read when it stopped): requests
+    continued, tokens carried over, the groups' states and why the dead one left routing. On
+    the stubs, the tokens it regenerated are those the dead engine generated for unfinished
+    requests minus those the gateway received and carried into a continuation (a token lost
+    in flight at the kill is generated again; one received is not)."""
+    cont = stats.get("router", {}).get("continuation", {})
+    rh = stats.get("request_health", {})
+    r["gateway"] = {
+        "continuation": cont,
+        "states": stats.get("states", {}),
+        "groups_failed_by_requests": [g["group"] for g in rh.get("groups_failed", [])],
+        "failed_requests_seen": rh.get("failed_requests", {}),
+        "served_by_group": stats.get("router", {}).get("served_by_group", {}),
+        "streams_continued": stats.get("gateway", {}).get("streams_continued"),
+    }
+    if "dead_engine_at_kill" in r and cont:
+        unfinished = r["dead_engine_at_kill"]["tokens_generated_unfinished"]
+        r["tokens_regenerated"] = max(0, unfinished - int(cont.get("tokens_kept", 0)))
+        r["tokens_kept_by_gateway"] = int(cont.get("tokens_kept", 0))
+    elif cont:  # no engine counters (reference engines): the gateway's own count
+        r["tokens_regenerated"] = int(cont.get("tokens_regenerated", 0))
+        r["tokens_kept_by_gateway"] = int(cont.get("tokens_kept", 0))
 
 
 # --------------------------------------------------------------------------- main
@@ -712,6 +785,13 @@ def host_info() -> dict[str, Any]:
         "load_1min_at_start": round(load[0], 2),
         "platform": platform.platform(),
     }
+
+
+def phase(results: dict[str, Any], name: str, message: str) -> None:
+    """Say which phase starts and record the machine's 1-min load then (the machine is shared:
+    the load beside each phase's figures)."""
+    print(message, flush=True)
+    results.setdefault("load_1min_by_phase", {})[name] = round(os.getloadavg()[0], 2)
 
 
 def make_routers(args: argparse.Namespace) -> tuple[bool, str]:
@@ -765,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
                     f.stop()
             stubs = start_stubs(tmp, "tp")
             try:
-                print("client cost ...", flush=True)
+                phase(results, "client_cost", "client cost ...")
                 results["client_cost"] = client_cost(stubs, args)
             finally:
                 stop_all(stubs)
@@ -774,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         results["unavailable"] = unavailable
         names = [f.name for f in fronts]
 
-        print(f"throughput and latency on the stubs: {names} ...", flush=True)
+        phase(results, "stub", f"throughput and latency on the stubs: {names} ...")
         stub_res: dict[str, Any] = {}
         stubs = start_stubs(tmp, "tp2")
         try:
@@ -796,25 +876,27 @@ def main(argv: list[str] | None = None) -> int:
         for fname, by_w in stub_res["latency"].items():
             for w, s in by_w.items():
                 checks[f"stub latency {fname} {w}: no failed request"] = s["failed"] == 0
+        gateway_books_checks("stub", stub_res, checks)
 
         routers = [n for n in names if n.endswith("-router")]
-        print(f"worker API: {routers} ...", flush=True)
+        phase(results, "worker_api", f"worker API: {routers} ...")
         results["worker_api"] = worker_api(routers, tmp, args, checks)
 
         held = [n for n in names if n != "direct"]
-        print(f"{args.streams} open streams: {held} ...", flush=True)
+        phase(results, "open_streams", f"{args.streams} open streams: {held} ...")
         results["open_streams"] = open_streams(held, tmp, args, checks)
 
         crashed = [n for n in names if n in ("direct", "sglang-router", "vllm-router", "gateway")]
-        print(f"crash: {crashed} ...", flush=True)
+        phase(results, "crash", f"crash: {crashed} ...")
         results["crash"] = crash(crashed, tmp, args, checks)
 
         if "reference" in args.engine_kinds:
-            print("reference engines ...", flush=True)
+            phase(results, "reference", "reference engines ...")
             results["reference"] = reference(fronts, tmp, args, checks)
-        gateway_targets(results, checks)
+        gateway_targets(results, checks, timed=not args.smoke)
     finally:
         results["wall_s"] = round(time.monotonic() - t_start, 1)
+        results["host"]["load_1min_at_end"] = round(os.getloadavg()[0], 2)
         results["checks"] = checks
         results["failed_checks"] = sorted(k for k, v in checks.items() if not v)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -845,6 +927,9 @@ def reference(
             if f.name in ("direct", "sglang-router", "vllm-router", "gateway") and api in f.apis
         ]
         engines = start_reference(tmp, model, dialect)
+        for f in sel:
+            if isinstance(f, F.Gateway):  # the engines' dialect, the model's tokenizer
+                f.dialect, f.model_path = dialect, model
         try:
             usable = []
             for f in sel:
@@ -866,6 +951,7 @@ def reference(
                     for x, a in zip(usable, saved, strict=True):
                         x.apis = a
             out[dialect] = res
+            gateway_books_checks(f"reference {dialect}", res, checks)
             for fname, by_w in res.get("throughput_runs", {}).items():
                 for w, rs in by_w.items():
                     checks[f"reference {dialect} {fname} {w}: no failed or cut request"] = all(
@@ -873,6 +959,9 @@ def reference(
                     )
         finally:
             stop_all(engines)
+            for f in sel:
+                if isinstance(f, F.Gateway):
+                    f.dialect, f.model_path = "sglang", None
     accepted = {
         f.name
         for f in fronts
@@ -892,25 +981,22 @@ THROUGHPUT_TARGETS = (("stub", 0.5), ("reference", 0.95))
 ADDED_P50_TARGET_MS = 1.0
 
 
-def gateway_targets(results: dict[str, Any], checks: dict[str, bool]) -> None:
+def gateway_targets(
+    results: dict[str, Any], checks: dict[str, bool], *, timed: bool = True
+) -> None:
     """Issue #35's targets as checks, where the gateway was measured: throughput at least 0.5x
     each router's on the stubs and 0.95x on real engines (same API), added p50 at most 1 ms,
-    and no failed or cut request when an engine is SIGKILLed."""
-    where = {
-        "stub": results.get("stub", {}),
-        "reference": {
-            "throughput": {
-                f: by_w
-                for d in ("sglang", "vllm")
-                for f, by_w in results.get("reference", {}).get(d, {}).get("throughput", {}).items()
-            },
-            "latency": {
-                f: by_w
-                for d in ("sglang", "vllm")
-                for f, by_w in results.get("reference", {}).get(d, {}).get("latency", {}).items()
-            },
-        },
-    }
+    and no failed or cut request when an engine is SIGKILLed. ``timed=False`` (``--smoke``:
+    seconds of load, figures not results) records the throughput and latency targets in
+    ``results["targets_not_checked"]`` instead of ``checks``; the crash target stays a check."""
+    timing = checks if timed else results.setdefault("targets_not_checked", {})
+    ref = results.get("reference", {})
+    merged: dict[str, dict[str, dict[str, Any]]] = {"throughput": {}, "latency": {}}
+    for d in ("sglang", "vllm"):  # one front's workloads of both dialects, side by side
+        for part, by_front in merged.items():
+            for f, by_w in ref.get(d, {}).get(part, {}).items():
+                by_front.setdefault(f, {}).update(by_w)
+    where = {"stub": results.get("stub", {}), "reference": merged}
     for kind, floor in THROUGHPUT_TARGETS:
         tp = where[kind].get("throughput", {})
         gw = tp.get("gateway", {})
@@ -918,12 +1004,12 @@ def gateway_targets(results: dict[str, Any], checks: dict[str, bool]) -> None:
             for router in ("sglang-router", "vllm-router"):
                 r = tp.get(router, {}).get(w)
                 if r:
-                    checks[f"target [{kind}] gateway {w}: >= {floor}x {router}"] = (
+                    timing[f"target [{kind}] gateway {w}: >= {floor}x {router}"] = (
                         s["best_req_per_s"] >= floor * r["best_req_per_s"]
                     )
         for w, la in where[kind].get("latency", {}).get("gateway", {}).items():
             if "added_p50_ms" in la:
-                checks[f"target [{kind}] gateway {w}: added p50 <= {ADDED_P50_TARGET_MS} ms"] = (
+                timing[f"target [{kind}] gateway {w}: added p50 <= {ADDED_P50_TARGET_MS} ms"] = (
                     la["added_p50_ms"] <= ADDED_P50_TARGET_MS
                 )
     crashes = [("stub", results.get("crash", {}))]

@@ -844,43 +844,96 @@ def _delta(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _reference_parts(d: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, phase results) of the stub run and each reference-engine dialect run."""
+    parts = [("stub engines", d.get("stub", {}))]
+    for dialect in ("sglang", "vllm"):
+        res = d.get("reference", {}).get(dialect)
+        if res:
+            parts.append((f"reference engines ({dialect} dialect)", res))
+    return parts
+
+
+def _gateway_targets(d: dict[str, Any]) -> list[Row]:
+    """Issue #35's targets for the gateway, each with the figures it compares."""
+    rows: list[Row] = []
+    merged: dict[str, dict[str, dict[str, Any]]] = {}
+    for label, res in _reference_parts(d):
+        kind = "stub" if label.startswith("stub") else "reference"
+        for part in ("throughput", "latency"):
+            for front, by_w in res.get(part, {}).items():
+                merged.setdefault(f"{kind} {part}", {}).setdefault(front, {}).update(by_w)
+    for key, ok in d.get("checks", {}).items():
+        if not key.startswith("target ["):
+            continue
+        kind = key[len("target [") : key.index("]")]
+        w = key.split("] gateway ", 1)[1].split(":", 1)[0]
+        measured = "-"
+        if "x sglang-router" in key or "x vllm-router" in key:
+            router = "sglang-router" if "sglang-router" in key else "vllm-router"
+            tp = merged.get(f"{kind} throughput", {})
+            gw, rt = tp["gateway"][w]["best_req_per_s"], tp[router][w]["best_req_per_s"]
+            measured = f"{gw:.0f} vs {rt:.0f} req/s = {gw / rt:.2f}x"
+            target = key.rsplit(": ", 1)[1].rsplit(" ", 1)[0]  # ">= 0.5x"
+        elif "added p50" in key:
+            la = merged.get(f"{kind} latency", {})["gateway"][w]
+            measured = f"{_sgn(la['added_p50_ms'])} ms (p99 {_sgn(la['added_p99_ms'])} ms)"
+            target = "<= 1 ms"
+        else:
+            where = (
+                d.get("crash", {}) if kind == "stub" else d.get("reference", {}).get("crash", {})
+            )
+            r = where.get("gateway", {}).get(w.removeprefix("crash "), {})
+            measured = f"{r.get('failed', '-')} failed, {r.get('cut', '-')} cut"
+            target = "0"
+        rows.append(
+            (f"issue #35 target: {key.removeprefix('target ')}", measured, target, _verdict(ok))
+        )
+    return rows
+
+
 def _gateway(d: dict[str, Any]) -> list[Row]:
     tag = f"{d['host']['cpus']} cpus, 1-min load {d['host']['load_1min_at_start']} at the start"
     rows: list[Row] = []
-    tp = d["stub"]["throughput"]
-    lat = d["stub"]["latency"]
-    for front in ("sglang-router", "vllm-router", "gateway"):
-        for w, s in tp.get(front, {}).items():
-            la = lat.get(front, {}).get(w, {})
-            rows.append(
-                (
-                    f"stub engines, {front}, {w}: saturation vs direct; added p50 / p99 at "
-                    f"{la.get('rate', '-')} req/s ({tag})",
-                    f"{s['best_req_per_s']:.0f} req/s = {s['vs_direct']}x direct; "
-                    f"+{la.get('added_p50_ms', '-')} / +{la.get('added_p99_ms', '-')} ms",
-                    "-",
-                    "-",
+    for label, res in _reference_parts(d):
+        tp, lat = res.get("throughput", {}), res.get("latency", {})
+        for front in ("sglang-router", "vllm-router", "gateway"):
+            for w, s in tp.get(front, {}).items():
+                la = lat.get(front, {}).get(w, {})
+                rows.append(
+                    (
+                        f"{label}, {front}, {w}: saturation vs direct; added p50 / p99 at "
+                        f"{la.get('rate', '-')} req/s ({tag})",
+                        f"{s['best_req_per_s']:.0f} req/s = {s['vs_direct']}x direct "
+                        f"({s['front_cpu_us_per_req']:.0f} µs front CPU/req); "
+                        f"{_sgn(la.get('added_p50_ms'))} / {_sgn(la.get('added_p99_ms'))} ms",
+                        "-",
+                        "-",
+                    )
                 )
-            )
-    for front, by_w in d.get("crash", {}).items():
-        for w, r in by_w.items():
-            rows.append(
-                (
-                    f"stub engines, {front}, {w}: one of 2 engines SIGKILLed under "
-                    f"{d['config']['crash_clients']} clients",
-                    f"{r['whole']} whole, {r['cut']} cut, {r['failed']} failed; "
-                    f"{r.get('tokens_regenerated', '-')} tokens regenerated; "
-                    f"{r['attempts_to_dead_engine']} connection attempts to the dead engine "
-                    f"(last {r.get('last_attempt_after_kill_s')} s after the kill)",
-                    "0 failed (gateway)" if front == "gateway" else "-",
-                    _verdict(r["failed"] + r["cut"] == 0) if front == "gateway" else "-",
+    crashes = [("stub engines", d.get("crash", {}))]
+    crashes.append(("reference engines", d.get("reference", {}).get("crash", {})))
+    for label, by_front in crashes:
+        for front, by_w in by_front.items():
+            for w, r in by_w.items():
+                rows.append(
+                    (
+                        f"{label}, {front}, {w}: one of 2 engines SIGKILLed under "
+                        f"{d['config']['crash_clients']} clients",
+                        f"{r['whole']} whole, {r['cut']} cut, {r['failed']} failed; "
+                        f"{r.get('tokens_regenerated', '-')} tokens regenerated; "
+                        f"{r['attempts_to_dead_engine']} connection attempts to the dead engine "
+                        f"(last {r.get('last_attempt_after_kill_s')} s after the kill)",
+                        "-",
+                        "-",
+                    )
                 )
-            )
+    rows += _gateway_targets(d)
     ok = not d["failed_checks"]
     rows.append(
         (
             "gateway bench checks (every phase ran; no request lost, duplicated or refused "
-            "outside the crash)",
+            "outside the crash; issue #35's targets for the gateway)",
             "all held" if ok else f"{len(d['failed_checks'])} of {len(d['checks'])} false",
             "all",
             _verdict(ok),
@@ -906,27 +959,31 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
         f"the best of {d['config']['concurrency']} closed-loop clients; added latency: open loop "
         f"at {d['config']['latency_frac']} of the slowest front's saturation rate, minus direct's; "
         f"memory: RSS with {d['config']['streams']} streams held open. "
-        f"`python benchmarks/bench_gateway.py` (`--smoke` for a quick pass).",
+        f"`python benchmarks/bench_gateway.py` (`--smoke` for a quick pass). {_load(d)}",
         "",
-        "| front | workload | req/s | x direct | front CPU µs/req | added p50 / p99 ms "
-        "| RSS idle / open MB (KB per stream) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| front | workload | req/s median / p95 | x direct | front CPU µs/req "
+        "| added p50 / p99 ms | p50 ms median / p95 | RSS idle / open MB (per stream) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for front, by_w in tp.items():
         m = mem.get(front, {})
         for w, s in by_w.items():
             la = lat.get(front, {}).get(w, {})
             added = (
-                f"+{la['added_p50_ms']} / +{la['added_p99_ms']}" if "added_p50_ms" in la else "-"
+                f"{_sgn(la['added_p50_ms'])} / {_sgn(la['added_p99_ms'])}"
+                if "added_p50_ms" in la
+                else "-"
             )
+            fds = f"; {m['front_fds_per_stream']} fds" if "front_fds_per_stream" in m else ""
             memory = (
-                f"{m['front_rss_idle_mb']} / {m['front_rss_open_mb']} ({m['front_kb_per_stream']})"
+                f"{m['front_rss_idle_mb']} / {m['front_rss_open_mb']} "
+                f"({m['front_kb_per_stream']} KB{fds})"
                 if "front_rss_open_mb" in m and w.endswith("stream")
                 else "-"
             )
             lines.append(
-                f"| {front} | {w} | {s['best_req_per_s']:.0f} | {s['vs_direct']} | "
-                f"{s['front_cpu_us_per_req']:.0f} | {added} | {memory} |"
+                f"| {front} | {w} | {_rps(s)} | {s['vs_direct']} | "
+                f"{s['front_cpu_us_per_req']:.0f} | {added} | {_p50(la)} | {memory} |"
             )
     if cc:
         lines += [
@@ -937,7 +994,108 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
             f"{cc['httpx']['cpu_us_per_req_median']:.0f} µs (same stubs, "
             f"{cc['concurrency']} clients): the client is aiohttp.",
         ]
+    lines += _reference_table(d) + _crash_table(d)
     lines += ["", *_stack_note(d), ""]
+    return lines
+
+
+def _load(d: dict[str, Any]) -> str:
+    """The machine's 1-min load over the run (shared with other work)."""
+    host, phases = d["host"], d.get("load_1min_by_phase", {})
+    during = f", {min(phases.values())} to {max(phases.values())} as phases began" if phases else ""
+    end = f", {host['load_1min_at_end']} at the end" if "load_1min_at_end" in host else ""
+    return (
+        f"Run of {d.get('wall_s', '-')} s on {host['cpus']} cores shared with other work: "
+        f"1-min load {host['load_1min_at_start']} at the start{during}{end}."
+    )
+
+
+def _sgn(v: float | None) -> str:
+    """An added latency with its sign (``+0.4``, ``-1.1``: noise can make it negative)."""
+    return "-" if v is None else f"{v:+}"
+
+
+def _rps(s: dict[str, Any]) -> str:
+    """Requests/s at saturation: the median of the rounds / their p95."""
+    p95 = s.get("best_req_per_s_p95")
+    return f"{s['best_req_per_s']:.0f}" + (f" / {p95:.0f}" if p95 is not None else "")
+
+
+def _p50(la: dict[str, Any]) -> str:
+    """Open-loop p50 latency: the median of the rounds / their p95."""
+    if "p50_ms" not in la:
+        return "-"
+    return f"{la['p50_ms']} / {la.get('p50_ms_p95', '-')}"
+
+
+def _reference_table(d: dict[str, Any]) -> list[str]:
+    ref = d.get("reference", {})
+    if not any(ref.get(x) for x in ("sglang", "vllm")):
+        return []
+    lines = [
+        "",
+        "Two reference engines (the tiny Llama, `rollsafe.adapters.reference_engine`; SGLang "
+        "dialect behind sglang-router, vLLM dialect behind vllm-router; the gateway with "
+        "clients of the engines' dialect), same phases:",
+        "",
+        "| engines | front | workload | req/s median / p95 | x direct | front CPU µs/req "
+        "| added p50 / p99 ms | p50 ms median / p95 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for dialect in ("sglang", "vllm"):
+        res = ref.get(dialect, {})
+        for front, by_w in res.get("throughput", {}).items():
+            for w, s in by_w.items():
+                la = res.get("latency", {}).get(front, {}).get(w, {})
+                added = (
+                    f"{_sgn(la['added_p50_ms'])} / {_sgn(la['added_p99_ms'])}"
+                    if "added_p50_ms" in la
+                    else "-"
+                )
+                lines.append(
+                    f"| {dialect} | {front} | {w} | {_rps(s)} | "
+                    f"{s['vs_direct']} | {s['front_cpu_us_per_req']:.0f} | {added} | "
+                    f"{_p50(la)} |"
+                )
+    return lines
+
+
+def _crash_table(d: dict[str, Any]) -> list[str]:
+    crashes = [("stub", d.get("crash", {})), ("reference", d.get("reference", {}).get("crash", {}))]
+    if not any(c for _, c in crashes):
+        return []
+    cfg = d["config"]
+    lines = [
+        "",
+        f"One of two engines SIGKILLed {cfg['crash_at']} s into a {cfg['crash_duration']} s run "
+        f"of {cfg['crash_clients']} clients ({cfg['crash_tokens']} tokens a request; the stubs "
+        f"take {cfg['crash_token_interval_ms']} ms a token). Tokens regenerated: the dead "
+        "engine's tokens of requests it never finished, less those the gateway carried into a "
+        "continuation (on the reference engines, which count nothing, the gateway's own count); "
+        "attempts: connections opened to the dead engine's port after the kill.",
+        "",
+        "| engines | front | workload | whole | cut | failed | tokens regenerated | attempts to "
+        "the dead engine (last, s after the kill) | gateway: continued, tokens kept, dead "
+        "group |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for kind, by_front in crashes:
+        for front, by_w in by_front.items():
+            for w, r in by_w.items():
+                gw = r.get("gateway")
+                books = "-"
+                if gw:
+                    cont = gw.get("continuation", {})
+                    books = (
+                        f"{cont.get('after_failure', '-')} continued, "
+                        f"{cont.get('tokens_kept', '-')} kept, g1 "
+                        f"{gw.get('states', {}).get('g1', '-')}"
+                    )
+                lines.append(
+                    f"| {kind} | {front} | {w} | {r['whole']} | {r['cut']} | {r['failed']} | "
+                    f"{r.get('tokens_regenerated', '-')} | {r['attempts_to_dead_engine']} "
+                    f"({r.get('last_attempt_after_kill_s') or '-'}) | {books} |"
+                )
     return lines
 
 
@@ -952,6 +1110,8 @@ def _stack_note(d: dict[str, Any]) -> list[str]:
         parts = []
         for w, s in tp[front].items():
             name = "streams" if w.endswith("-stream") else "short"
+            if len(tp[front]) > 2:  # both APIs: name the workload
+                name = w
             added = la.get(w, {}).get("added_p50_ms")
             parts.append(
                 f"{name} {s['vs_direct']}x direct at {s['front_cpu_us_per_req']:.0f} µs/req"
@@ -967,15 +1127,20 @@ def _stack_note(d: dict[str, Any]) -> list[str]:
         "protocol, aiohttp's pooled client to the engines** (`rollsafe[gateway]`; "
         "`benchmarks/gateway/proxy_raw.py` is the measured shape). Why, from the rows above:",
         "",
-        f"- {fig('proxy-raw')}: the most requests per second, the least CPU per request and "
-        "the least memory per open stream of the Python candidates, about the Rust routers' "
-        "CPU per request;",
+        f"- {fig('proxy-raw')}: the least CPU per request and the least memory per open stream "
+        "of the Python candidates, the nearest to the Rust routers' CPU per request (requests "
+        "per second of the candidates on uvloop are within one another's spread over the "
+        "rounds);",
         f"- {fig('proxy-aiohttp-uvloop')}; {fig('proxy-aiohttp')}: aiohttp's own server "
         "costs more CPU per request and more memory per stream;",
         f"- {fig('proxy-starlette')}: starlette on uvicorn with an httpx client is an order of "
         "magnitude slower and could not open all the streams in 120 s; its httpx client is the "
         "cost (the load-generator line above: httpx against aiohttp, same stubs, same clients);",
-        f"- the Rust routers, for scale: {fig('sglang-router')}; {fig('vllm-router')}.",
+        f"- the Rust routers, for scale: {fig('sglang-router')}; {fig('vllm-router')};",
+        f"- rollsafe's {fig('gateway')}: on this stack, what it adds to the bare stack "
+        "is its own work (checking the request, routing, reading the engine's answer as a "
+        "stream so that a crash loses no token, detokenizing, rendering): where that CPU goes "
+        "and the issue's targets: [docs/gateway.md](../docs/gateway.md#measured).",
         "",
         "Added latencies are medians of the rounds on a machine shared with other work (the "
         "1-min load is in the rows above): read them as rough; the CPU per request is the "

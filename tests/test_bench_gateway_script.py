@@ -1,8 +1,10 @@
 """``benchmarks/bench_gateway.py`` and its parts (``benchmarks/gateway/``): the stub engine's
 answers and counters (which survive a SIGKILL), the SYN counter, the command line, the summary
-arithmetic, and the ``--smoke`` run end to end on the stubs (direct and the aiohttp proxy;
-the two Rust routers too where ``make routers`` has made ``.venv-routers``). Nothing here is
-timed: the smoke run's figures are not asserted, only its checks and its shape.
+arithmetic, issue #35's targets as checks, and the ``--smoke`` run end to end on the stubs
+(direct, the aiohttp proxy, rollsafe's gateway; the two Rust routers too where ``make
+routers`` has made ``.venv-routers``); ``benchmarks/gateway/profile_gateway.py``'s reading of
+py-spy samples and its in-process mode. Nothing here is timed: the figures are not asserted,
+only the checks and the shape.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def test_arguments(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> Non
     assert args.out == str(ROOT / "benchmarks" / "results" / "gateway_cpu.json")
     smoke = bench.parse_args(["--smoke"])
     assert smoke.engine_kinds == ["stub"] and smoke.streams <= 200
-    assert smoke.out != args.out and "direct" in smoke.front_names
+    assert smoke.out != args.out and {"direct", "gateway"} <= set(smoke.front_names)
     for argv, says in (
         (["--fronts", "direct,nginx"], "unknown fronts ['nginx']"),
         (["--fronts", "sglang-router"], "must include direct"),
@@ -221,10 +223,8 @@ def _smoke(tmp_path: Path, fronts: str) -> dict[str, Any]:
 
 
 def test_smoke_direct_and_proxy(tmp_path: Path) -> None:
-    got = _smoke(tmp_path, "direct,proxy-aiohttp,gateway")
-    assert (
-        set(got["unavailable"]) == {"gateway"} and "not built yet" in got["unavailable"]["gateway"]
-    )
+    got = _smoke(tmp_path, "direct,proxy-aiohttp")
+    assert got["unavailable"] == {}
     tp = got["stub"]["throughput"]
     assert set(tp) == {"direct", "proxy-aiohttp"}
     assert set(tp["direct"]) == {"generate", "generate-stream", "completions", "completions-stream"}
@@ -233,6 +233,39 @@ def test_smoke_direct_and_proxy(tmp_path: Path) -> None:
     crash = got["crash"]["direct"]["generate-stream"]
     assert crash["killed"] and crash["dead_engine_at_kill"]["in_flight"] > 0
     assert crash["attempts_to_dead_engine"] is None or crash["attempts_to_dead_engine"] > 0
+
+
+def test_smoke_gateway(tmp_path: Path) -> None:
+    """rollsafe's gateway as a front (benchmarks/gateway/gateway_front.py): both APIs on the
+    stubs, the open streams, and the crash: every request whole, the dead engine's group out
+    of routing, its requests continued on the other engine."""
+    got = _smoke(tmp_path, "direct,gateway")
+    assert got["unavailable"] == {}
+    workloads = {"generate", "generate-stream", "completions", "completions-stream"}
+    assert set(got["stub"]["throughput"]["gateway"]) == workloads
+    assert set(got["stub"]["latency"]["gateway"]) == workloads
+    books = got["stub"]["gateway_books"]
+    assert books["states"] == {"g0": "active", "g1": "active"}
+    served = sum(books["router"]["served_by_group"].values())
+    sent = sum(r["sent"] for rs in got["stub"]["throughput_runs"]["gateway"].values() for r in rs)
+    assert served >= sent > 0  # the latency runs and the warm-up request come on top
+    held = got["open_streams"]["gateway"]
+    assert held["opened"] == 200 and not held["failed"]
+    assert 1.9 <= held["front_fds_per_stream"] <= 2.1  # the client's socket and the engine's
+    for w in ("generate-stream", "generate"):
+        crash = got["crash"]["gateway"][w]
+        assert crash["killed"] and (crash["failed"], crash["cut"]) == (0, 0)
+        gw = crash["gateway"]
+        assert gw["states"] == {"g0": "active", "g1": "inactive"}
+        assert gw["continuation"]["after_failure"] >= 1 and gw["continuation"]["failed"] == 0
+        assert (
+            crash["tokens_regenerated"]
+            <= crash["dead_engine_at_kill"]["tokens_generated_unfinished"]
+        )
+        assert got["checks"][f"target [stub] gateway crash {w}: 0 failed or cut"]
+    # timing targets are not checked on seconds of load, only recorded
+    assert "target [stub] gateway generate: added p50 <= 1.0 ms" in got["targets_not_checked"]
+    assert not any("added p50" in k or "x sglang-router" in k for k in got["checks"])
 
 
 @pytest.mark.slow
@@ -323,3 +356,106 @@ def test_the_gateways_targets_become_checks(bench: ModuleType) -> None:
     none: dict[str, bool] = {}
     bench.gateway_targets({"stub": results["stub"] | {"throughput": {}, "latency": {}}}, none)
     assert none == {}  # no gateway measured: no target checked
+    smoke: dict[str, bool] = {}
+    bench.gateway_targets(results, smoke, timed=False)  # --smoke: the crash target only
+    assert smoke == {k: v for k, v in checks.items() if "crash" in k}
+    assert results["targets_not_checked"] == {k: v for k, v in checks.items() if "crash" not in k}
+
+
+def test_reference_targets_take_both_dialects(bench: ModuleType) -> None:
+    """One front's workloads of the two reference dialects are checked side by side (the
+    SGLang dialect's are not overwritten by the vLLM dialect's)."""
+
+    def tp(rps: float) -> dict[str, Any]:
+        return {"best_req_per_s": rps}
+
+    results = {
+        "reference": {
+            "sglang": {
+                "throughput": {
+                    "sglang-router": {"generate": tp(100)},
+                    "gateway": {"generate": tp(90)},
+                }
+            },
+            "vllm": {
+                "throughput": {
+                    "vllm-router": {"completions": tp(100)},
+                    "gateway": {"completions": tp(99)},
+                }
+            },
+        }
+    }
+    checks: dict[str, bool] = {}
+    bench.gateway_targets(results, checks)
+    assert checks == {
+        "target [reference] gateway generate: >= 0.95x sglang-router": False,
+        "target [reference] gateway completions: >= 0.95x vllm-router": True,
+    }
+
+
+def _profiler() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gateway"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "profile_gateway", ROOT / "benchmarks" / "gateway" / "profile_gateway.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_shares_count_the_loop_threads_busy_samples_only(tmp_path: Path) -> None:
+    prof = _profiler()
+    loop = "thread (41): rollsafe-dataplane;0x1 (libc.so.6);run (rollsafe/event_loop.py:9)"
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "\n".join(
+            [
+                f"{loop};epoll_wait (libc.so.6) 50",  # waiting for events: idle
+                f"{loop};handle (rollsafe/gateway/app.py:1);decode (tok.py:2) 6",
+                f"{loop};handle (rollsafe/gateway/app.py:1) 3",
+                f"{loop};send (rollsafe/gateway/http.py:3);write (libc.so.6) 7",  # a write
+                "thread (42): MainThread;wait (threading.py:1) 90",  # another thread
+            ]
+        )
+        + "\n"
+    )
+    shares = prof.spy_shares(raw)
+    assert (shares["loop_tid"], shares["busy"], shares["idle"], shares["in_write"]) == (
+        41,
+        9,
+        50,
+        7,
+    )
+    assert shares["own"] == {"decode (tok.py)": 6, "handle (app.py)": 3}
+    assert shares["below"]["run (event_loop.py)"] == 9
+    assert shares["below"]["handle (app.py)"] == 9
+    plain = {"cpu_us_per_req": 100.0, "thread_cpu_us_per_req": {41: 90.0, 43: 10.0}}
+    r = prof.report("generate", plain, {"req_per_s": 1.0}, shares, {"decode (tok.py)": 2.0}, 5)
+    assert r["loop_thread_us_per_req"] == 90.0  # the loop thread's own CPU, not the process's
+    top = r["by_own"][0]
+    assert top["function"] == "decode (tok.py)" and top["own_us_per_req"] == 60.0
+    assert top["calls_per_req"] == 2.0
+
+
+def test_profile_in_process_gives_a_cost_per_request_and_per_token(tmp_path: Path) -> None:
+    out = tmp_path / "prof.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = ROOT / "benchmarks" / "gateway" / "profile_gateway.py"
+    args = ["--in-process", "--workloads", "generate,completions-stream", "--tokens", "4"]
+    args += ["--duration", "0.2", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["workloads"]
+    assert [r["workload"] for r in rows] == ["generate", "completions-stream"]
+    for r in rows:
+        assert r["us_per_req_1_tokens"] > 0 and r["us_per_req_4_tokens"] > 0
+        assert set(r) >= {"us_fixed", "us_per_token"}

@@ -8,9 +8,10 @@ are its own, and stops.
   at their defaults; each also drives its router's worker API (``add_worker`` /
   ``remove_worker``, the routes and bodies each release answers to).
 * :class:`Proxy`: a candidate server stack for the gateway (``benchmarks/gateway/proxy_*.py``).
-* :class:`Gateway`: rollsafe's gateway (issue #35); a slot until it exists.
+* :class:`Gateway`: rollsafe's gateway (issue #35): ``gateway_front.py`` in a process of its
+  own.
 
-Process helpers (``spawn``, ``cpu_seconds``, ``rss_bytes``) live here too.
+Process helpers (``spawn``, ``cpu_seconds``, ``rss_bytes``, ``open_fds``) live here too.
 """
 
 from __future__ import annotations
@@ -149,6 +150,15 @@ def rss_bytes(pids: list[int]) -> int:
             for line in f:
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) * 1024
+    return total
+
+
+def open_fds(pids: list[int]) -> int:
+    """Open file descriptors of ``pids`` (sockets included)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += len(os.listdir(f"/proc/{pid}/fd"))
     return total
 
 
@@ -343,18 +353,87 @@ class Proxy(Front):
 
 
 class Gateway(Front):
-    """rollsafe's gateway (issue #35): not built yet. To fill the slot, ``start`` launches a
-    process serving the gateway in front of ``engine_urls`` (both APIs), sets ``self.proc``
-    (its CPU and memory are the front's: the whole process tree is counted) and ``self.url``;
-    ``stop`` is inherited. The benchmark then measures it in every phase and checks issue #35's
-    targets (``bench_gateway.gateway_targets``)."""
+    """rollsafe's gateway (issue #35): ``benchmarks/gateway/gateway_front.py``, a process of its
+    own (its CPU and memory are the front's) building what ``RolloutFleet`` builds around running
+    engines: one registry group per engine URL with the real client of ``dialect``, the router,
+    the data plane, the health manager's probes and request health, and
+    ``rollsafe.gateway.app.Gateway`` on uvloop. Serves both APIs whatever the engines' dialect
+    (the gateway sends token ids in the engines' own dialect). ``model_path``: the tokenizer's
+    model (None: a tiny model made once in ``log_dir``, whose token id 7 is the stub's, with a
+    context long enough for the open-streams phase: the stub has none). ``profile``: cProfile
+    the serving loop into ``<log_dir>/gateway-<n>.prof`` (listed in ``profiles``). Started, it
+    has answered one request (warm, as a router is once its workers are healthy). After
+    ``stop``, ``last_stats`` holds the router's, the request health's and the gateway's
+    counters and the groups' states."""
 
     name = "gateway"
 
+    def __init__(
+        self,
+        log_dir: Path,
+        dialect: str = "sglang",
+        model_path: Path | None = None,
+        profile: bool = False,
+    ) -> None:
+        super().__init__(log_dir)
+        self.dialect = dialect
+        self.model_path = model_path
+        self.profile = profile
+        self.last_stats: dict[str, Any] = {}
+        self.profiles: list[Path] = []
+        self._stats_path: Path | None = None
+        self._runs = 0
+
+    def stub_model(self) -> Path:
+        """The stub's tokenizer model (made once per ``log_dir``)."""
+        path = self.log_dir / "gateway-stub-model"
+        if not (path / "config.json").exists():
+            from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
+
+            make_tiny_model(path, seed=0, max_position_embeddings=1 << 20)
+        return path
+
     def start(self, engine_urls: list[str]) -> None:
-        raise FrontUnavailable(
-            "rollsafe's gateway is not built yet (issue #35): this slot is empty"
+        model = self.model_path if self.model_path is not None else self.stub_model()
+        self._runs += 1
+        self._stats_path = self.log_dir / f"gateway-{self._runs}.stats.json"
+        cmd = [sys.executable, str(HERE / "gateway_front.py"), "--dialect", self.dialect]
+        cmd += ["--model-path", str(model), "--stats", str(self._stats_path)]
+        if self.profile:
+            prof = self.log_dir / f"gateway-{self._runs}.prof"
+            self.profiles.append(prof)
+            cmd += ["--profile", str(prof)]
+        for u in engine_urls:
+            cmd += ["--upstream", u]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        self.proc, ready = spawn(
+            cmd, self.log_dir / f"gateway-{self._runs}.log", "GATEWAY_READY ", 120, env
         )
+        self.url = ready["url"]
+        # warm, as a router is once its workers are healthy: the data plane opens its engine
+        # session (and imports the async client) on its first request, not in a measured run
+        path, body = (
+            ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+            if self.dialect == "sglang"
+            else ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1})
+        )
+        status, text = http("POST", self.url + path, body, timeout=60)
+        if status != 200:
+            self.stop()
+            raise FrontUnavailable(f"gateway: warm-up request answered {status}: {text[:300]}")
+
+    def stop(self) -> None:
+        """SIGTERM (it writes its counters and profile), then what ``Front.stop`` does."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=15)
+        super().stop()
+        if self._stats_path is not None and self._stats_path.exists():
+            with contextlib.suppress(ValueError, OSError):
+                self.last_stats = json.loads(self._stats_path.read_text())
 
 
 def make_front(name: str, log_dir: Path, proxy_python: str = sys.executable) -> Front:

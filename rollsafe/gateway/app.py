@@ -318,21 +318,25 @@ class Gateway:
         (``Router.keep_tokens`` off) drops the chunks it replaces."""
         chunks: list[TokenChunk] = []
         count = 0  # tokens in ``chunks``
-        out = ChoiceOutput(self.tokenizer, req)
+        # only a stop string ends a choice before its engine does: without one, the text is
+        # decoded once, when the answer is rendered
+        out = ChoiceOutput(self.tokenizer, req) if req.output.stop else None
         stream = self._stream_of(req)
         try:
             async for chunk in stream:
                 if chunk.token_ids and chunk.start < count:
                     while chunks and chunks[-1].start >= chunk.start:
                         count -= len(chunks.pop().token_ids)
-                    out = ChoiceOutput(self.tokenizer, req)
-                    for kept in chunks:
-                        out.add(kept)
+                    if out is not None:
+                        out = ChoiceOutput(self.tokenizer, req)
+                        for kept in chunks:
+                            out.add(kept)
                 chunks.append(chunk)
                 count += len(chunk.token_ids)
-                out.add(chunk)
-                if out.stopped_early:
-                    break  # ends the engine request (the stream is closed below)
+                if out is not None:
+                    out.add(chunk)
+                    if out.stopped_early:
+                        break  # ends the engine request (the stream is closed below)
         finally:
             await _aclose(stream)
         return chunks

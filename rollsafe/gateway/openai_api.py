@@ -140,7 +140,8 @@ class _Common:
         refused: Sequence[tuple[str, str, tuple[Any, ...]]],
     ) -> None:
         for key, reason, allowed in (*_REFUSED_BOTH, *refused):
-            f.refuse(key, reason, allowed=allowed)
+            if key in f.body:  # absent: nothing to refuse
+                f.refuse(key, reason, allowed=allowed)
         f.get_str("model")
         f.get_str("user")
         f.get_int("stream_interval", None, lo=1)

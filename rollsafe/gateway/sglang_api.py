@@ -166,7 +166,8 @@ def _sampling(
                 "such field",
             )
     for key, reason, allowed in _SAMPLING_REFUSED:
-        f.refuse(key, reason, allowed=allowed)
+        if key in f.body:  # absent: nothing to refuse
+            f.refuse(key, reason, allowed=allowed)
     custom = f.body.get("custom_params")
     if custom is not None and not isinstance(custom, Mapping):
         raise InvalidRequest(f.path("custom_params"), "custom_params must be an object")
@@ -213,7 +214,8 @@ def parse_generate(
     """``POST /generate``: the body checked, its prompts as token ids (see the module)."""
     f = Fields(body)
     for key, reason, allowed in _BODY_REFUSED:
-        f.refuse(key, reason, allowed=allowed)
+        if key in f.body:  # absent: nothing to refuse
+            f.refuse(key, reason, allowed=allowed)
     start = f.get_int("logprob_start_len", None)
     if start not in (None, -1):
         raise InvalidRequest(

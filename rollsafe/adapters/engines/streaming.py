@@ -162,9 +162,13 @@ class SSELineDecoder:
 
     def feed(self, chunk: bytes) -> list[str]:
         """The lines ``chunk`` completes."""
-        data = self._pending + chunk
-        held = data.endswith(b"\r")
-        parts = _EOL.split(data[:-1] if held else data)
+        data = self._pending + chunk if self._pending else chunk
+        if b"\r" in data:
+            held = data.endswith(b"\r")
+            parts = _EOL.split(data[:-1] if held else data)
+        else:  # LF only (what the engines send): bytes.split, no regex
+            held = False
+            parts = data.split(b"\n")
         self._pending = parts.pop() + (b"\r" if held else b"")
         if len(self._pending) > MAX_EVENT_BYTES:
             raise StreamProtocolError(self.url, self.path, "event larger than 64 MiB")
@@ -273,16 +277,21 @@ class SGLangDeltas:
         self.logprobs_seen = 0
 
     def __call__(self, event: Mapping[str, Any]) -> StreamDelta:
-        ids = [int(t) for t in event.get("output_ids") or []]
+        raw = event.get("output_ids") or []
         n = len(self.ids)
-        if len(ids) < n or ids[:n] != self.ids:
-            raise StreamProtocolError(
-                self.url,
-                self.path,
-                f"cumulative output_ids ({len(ids)}) do not extend the {n} already received",
-            )
-        new = ids[n:]
-        self.ids = ids
+        if type(raw) is list and len(raw) >= n and raw[:n] == self.ids:  # new ids only
+            new = [int(t) for t in raw[n:]]
+            self.ids.extend(new)
+        else:
+            ids = [int(t) for t in raw]
+            if len(ids) < n or ids[:n] != self.ids:
+                raise StreamProtocolError(
+                    self.url,
+                    self.path,
+                    f"cumulative output_ids ({len(ids)}) do not extend the {n} already received",
+                )
+            new = ids[n:]
+            self.ids = ids
         text = event.get("text")
         delta_text = ""
         if isinstance(text, str):
@@ -290,11 +299,16 @@ class SGLangDeltas:
             self.text = text
         meta = event.get("meta_info") or {}
         reason = meta.get("finish_reason")
-        kind = reason.get("type") if isinstance(reason, Mapping) else reason
+        # (None checked first: an ABC isinstance costs a microsecond, on every event)
+        kind = reason.get("type") if reason is not None and isinstance(reason, Mapping) else reason
         version = meta.get("weight_version")
         logprobs: tuple[float | None, ...] = ()
         raw_lps = meta.get("output_token_logprobs")  # cumulative [logprob, token id, text]
-        if isinstance(raw_lps, Sequence) and len(raw_lps) > self.logprobs_seen:
+        if (
+            raw_lps is not None
+            and isinstance(raw_lps, Sequence)
+            and len(raw_lps) > self.logprobs_seen
+        ):
             fresh = raw_lps[self.logprobs_seen :]
             self.logprobs_seen = len(raw_lps)
             logprobs = tuple(
@@ -306,7 +320,7 @@ class SGLangDeltas:
             None if version is None else str(version),
             finished=reason is not None,
             finish_reason=None if kind is None else str(kind),
-            spans=_spans(meta.get("weight_versions")),
+            spans=_spans(spans) if (spans := meta.get("weight_versions")) is not None else (),
             meta=dict(meta),
             logprobs=logprobs,
         )
