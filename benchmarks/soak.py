@@ -24,9 +24,9 @@ bound). The first violation stops the run, printing the step and the seed; the e
 Faults this machine cannot produce are listed, with why, in the output and in the result
 (``not_injectable``; ``export_slow`` is emulated, see ``soakparts/slow_export.py``).
 
-``--smoke``: a short run (2.5 minutes of faults and syncs after the start) for
-``tests/test_soak_script.py``. Writes ``--out`` (default
-``benchmarks/results/soak_cpu_<minutes>min.json``). Needs root for the tmpfs export roots and
+``--smoke``: the short run every ``make test`` makes (5 minutes of faults and syncs after the
+start, shorter gaps between faults; ``tests/test_soak_script.py``, with a fresh seed). Writes
+``--out`` (default ``benchmarks/results/soak_cpu_<minutes>min.json``). Needs root for the tmpfs export roots and
 iptables (without them those kinds are listed as not injectable).
 """
 
@@ -65,7 +65,7 @@ RESULTS = HERE / "results"
 #: MALLOC_ARENA_MAX as this process started with it
 ARENAS_IN_FORCE = os.environ.get("MALLOC_ARENA_MAX")
 SYNC_EVERY_S = 30.0
-SMOKE_MINUTES = 2.5
+SMOKE_MINUTES = 5.0
 #: a full push every this many steps, deltas in between
 FULL_EVERY = 3
 #: how long the end waits for the last faults' groups to be active again (s)
