@@ -195,3 +195,7 @@ def test_a_smoke_soak_holds_every_check(
     assert result["requests"]["served"] > 0, again
     leaks = result["leaks"]
     assert leaks["processes"] == [] and leaks["shm"] == [] and not leaks["ray_actors"], again
+    # both fleets' recorded runs replayed through the verifier's model, every transition
+    assert result["trace_divergences"] == 0 and set(result["traces"]) == {"ref", "vllm"}, again
+    for trace in result["traces"].values():
+        assert trace["replayed"] == trace["transitions"] > 0, (again, trace)
