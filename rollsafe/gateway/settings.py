@@ -58,7 +58,8 @@ class GatewaySettings:
                                cyclic garbage collector's reach (``gc.freeze()``): its full
                                collections, which a request's allocations trigger now and then,
                                no longer walk a trainer's heap (torch, the tokenizer) in the
-                               middle of a request
+                               middle of a request; an object alive at start that later becomes
+                               garbage in a reference cycle is then not freed
     =========================  ===================================================================
     """
 
