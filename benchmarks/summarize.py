@@ -942,6 +942,26 @@ def _gateway(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _gateway_stacks(d: dict[str, Any]) -> list[Row]:
+    """The run that chose the gateway's server stack (every candidate front on the stubs)."""
+    tag = f"{d['host']['cpus']} cpus, 1-min load {d['host']['load_1min_at_start']} at the start"
+    rows: list[Row] = []
+    for front, by_w in d["stub"]["throughput"].items():
+        if front == "direct":
+            continue
+        for w, s in by_w.items():
+            rows.append(
+                (
+                    f"server-stack run, stub engines, {front}, {w}: saturation vs direct ({tag})",
+                    f"{s['best_req_per_s']:.0f} req/s = {s['vs_direct']}x direct "
+                    f"({s['front_cpu_us_per_req']:.0f} µs front CPU/req)",
+                    "-",
+                    "-",
+                )
+            )
+    return rows
+
+
 def gateway_section(results: Path = RESULTS) -> list[str]:
     """The server-stack comparison for rollsafe's gateway (issue #35), from gateway_cpu.json."""
     path = results / "gateway_cpu.json"
@@ -995,8 +1015,15 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
             f"{cc['concurrency']} clients): the client is aiohttp.",
         ]
     lines += _reference_table(d) + _crash_table(d)
-    lines += ["", *_stack_note(d), ""]
+    stacks_path = results / STACKS_FILE
+    stacks = json.loads(stacks_path.read_text(encoding="utf-8")) if stacks_path.exists() else d
+    lines += ["", *_stack_note(d, stacks, stacks_path.exists()), ""]
     return lines
+
+
+#: the run that chose the server stack: every candidate front (``--fronts`` all eight), kept
+#: when a later run of gateway_cpu.json measures only the gateway beside the routers
+STACKS_FILE = "gateway_stacks_cpu.json"
 
 
 def _load(d: dict[str, Any]) -> str:
@@ -1099,11 +1126,16 @@ def _crash_table(d: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _stack_note(d: dict[str, Any]) -> list[str]:
-    """The server-stack recommendation, with the figures of the table it follows from."""
-    tp, lat, mem = d["stub"]["throughput"], d["stub"]["latency"], d.get("open_streams", {})
+def _stack_note(d: dict[str, Any], stacks: dict[str, Any], apart: bool) -> list[str]:
+    """The server-stack recommendation, with the figures of the run it follows from
+    (``stacks``; ``apart``: another run than ``d``, whose gateway figure is quoted too)."""
 
-    def fig(front: str) -> str:
+    def fig(front: str, run: dict[str, Any] = stacks) -> str:
+        tp, lat, mem = (
+            run["stub"]["throughput"],
+            run["stub"]["latency"],
+            run.get("open_streams", {}),
+        )
         if front not in tp:
             return f"{front}: not measured"
         la = lat.get(front, {})
@@ -1122,10 +1154,18 @@ def _stack_note(d: dict[str, Any]) -> list[str]:
             parts.append(f"{m['front_kb_per_stream']} KB per open stream ({m['opened']} held)")
         return f"{front}: " + "; ".join(parts)
 
+    source = (
+        f"from the run that chose it (`{STACKS_FILE}`: every candidate, "
+        f"{stacks['host']['load_1min_at_start']} 1-min load at the start; the gateway there is "
+        "the one before its CPU work, this run's is the last line)"
+        if apart
+        else "from the rows above"
+    )
+    now = [f"- the gateway in this run (`gateway_cpu.json`): {fig('gateway', d)}."] if apart else []
     return [
         "**Server stack for rollsafe's gateway: httptools' parser on uvloop in a bare asyncio "
         "protocol, aiohttp's pooled client to the engines** (`rollsafe[gateway]`; "
-        "`benchmarks/gateway/proxy_raw.py` is the measured shape). Why, from the rows above:",
+        f"`benchmarks/gateway/proxy_raw.py` is the measured shape). Why, {source}:",
         "",
         f"- {fig('proxy-raw')}: the least CPU per request and the least memory per open stream "
         "of the Python candidates, the nearest to the Rust routers' CPU per request (requests "
@@ -1141,6 +1181,7 @@ def _stack_note(d: dict[str, Any]) -> list[str]:
         "is its own work (checking the request, routing, reading the engine's answer as a "
         "stream so that a crash loses no token, detokenizing, rendering): where that CPU goes "
         "and the issue's targets: [docs/gateway.md](../docs/gateway.md#measured).",
+        *now,
         "",
         "Added latencies are medians of the rounds on a machine shared with other work (the "
         "1-min load is in the rows above): read them as rough; the CPU per request is the "
@@ -1347,6 +1388,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "trl_grpo_gpu.json": _trl_grpo_gpu,
     "trl_grpo_gpu_6steps.json": _trl_grpo_gpu,
     "gateway_cpu.json": _gateway,
+    "gateway_stacks_cpu.json": _gateway_stacks,
     "router_sync_cpu.json": _router_sync,
     "soak_cpu_10min.json": _soak,
     "soak_cpu_10min_run1.json": _soak,

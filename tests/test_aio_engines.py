@@ -52,7 +52,7 @@ from rollsafe.adapters.engines import (
     VLLMClient,
     async_engine,
 )
-from rollsafe.adapters.engines.streaming import StreamDelta
+from rollsafe.adapters.engines.streaming import StreamDelta, WeightSpan, coalesce_deltas
 from rollsafe.ports import GenerateResult
 from rollsafe.text import MAX_MESSAGE_CHARS
 
@@ -169,8 +169,13 @@ def test_async_answers_equal_the_blocking_clients(
         want_stream = [
             [
                 facts(d)
-                for d in client.generate_stream(
-                    p.get("input_ids"), text=p.get("text"), sampling_params=GREEDY
+                for d in coalesce_deltas(
+                    list(
+                        client.generate_stream(
+                            p.get("input_ids"), text=p.get("text"), sampling_params=GREEDY
+                        )
+                    ),
+                    into_finished=name != "vllm032",
                 )
             ]
             for p in prompts
@@ -194,9 +199,11 @@ def test_async_answers_equal_the_blocking_clients(
                 args = (p.get("input_ids"),)
                 kw = {"text": p.get("text"), "sampling_params": GREEDY}
                 if streamed:
-                    got.append(
-                        [facts(d) for d in await collect(engine_.generate_stream(*args, **kw))]
-                    )
+                    # the async engine merges events read together (coalesce_deltas): the
+                    # same deltas once both are merged as far as they go
+                    deltas = await collect(engine_.generate_stream(*args, **kw))
+                    merged = coalesce_deltas(deltas, into_finished=name != "vllm032")
+                    got.append([facts(d) for d in merged])
                 else:
                     got.append(result_facts(await engine_.generate(*args, **kw)))
             return got
@@ -223,16 +230,16 @@ def test_async_answers_equal_the_blocking_clients(
 def test_the_same_on_uvloop(sglang: EngineProcess, vllm033: EngineProcess) -> None:
     for engine in (sglang, vllm033):
         client = blocking_client(engine)
-        want = [facts(d) for d in client.generate_stream(PROMPT, sampling_params=GREEDY)]
+        # events read together arrive merged: both merged as far as they go (coalesce_deltas)
+        streamed = list(client.generate_stream(PROMPT, sampling_params=GREEDY))
+        want = [facts(d) for d in coalesce_deltas(streamed)]
 
         async def main(c: SGLangClient | VLLMClient = client) -> list[Any]:
             async with AsyncHttp() as http:
-                return [
-                    facts(d)
-                    for d in await collect(
-                        async_engine(c, http).generate_stream(PROMPT, sampling_params=GREEDY)
-                    )
-                ]
+                deltas = await collect(
+                    async_engine(c, http).generate_stream(PROMPT, sampling_params=GREEDY)
+                )
+                return [facts(d) for d in coalesce_deltas(deltas)]
 
         assert run(main(), "uvloop") == want
         client.close()
@@ -656,9 +663,9 @@ def test_streams_read_to_their_end_or_finished_delta_keep_one_pooled_connection(
             client = SGLangClient(server.url, server_version="0.5.23")
             engine = async_engine(client, http)
             sp = {"max_new_tokens": 3}
-            assert [
-                d.token_ids for d in await collect(engine.generate_stream([1], sampling_params=sp))
-            ] == [(0,), (1,), (2,)]
+            deltas = await collect(engine.generate_stream([1], sampling_params=sp))
+            # (events read together arrive merged: coalesce_deltas)
+            assert [t for d in deltas for t in d.token_ids] == [0, 1, 2] and deltas[-1].finished
             async for delta in engine.generate_stream([1], sampling_params=sp):
                 if delta.finished:
                     break  # left right after its finished delta: the rest is read, pooled
@@ -983,3 +990,31 @@ def test_real_vllm_answers_the_async_client_as_the_blocking_one(
     tokens = [t for f in streamed for t in f[0]]
     assert tokens == list(whole[0]) and len(tokens) == GREEDY["max_new_tokens"]
     assert streamed[-1][7] == {"weight_version_source": "weight_info", "weight_version_exact": True}
+
+
+def test_coalesce_deltas_merges_runs_of_one_version_up_to_the_finish() -> None:
+    def d(ids: tuple[int, ...], version: str | None, **kw: Any) -> StreamDelta:
+        return StreamDelta(ids, "".join(f"<{t}>" for t in ids), version, **kw)
+
+    spans = (WeightSpan("2", 0, 4),)
+    deltas = [
+        d((1,), "1", logprobs=(-0.1,)),
+        d((2, 3), "1", logprobs=(-0.2, -0.3)),
+        d((4,), "2", logprobs=(-0.4,)),  # another version: a new run
+        d((5,), "2", logprobs=()),  # no logprobs where the run has them: a new run
+        d((6,), "2", finished=True, finish_reason="stop", spans=spans, meta={"k": 1}),
+        d((), "2", meta={"usage": 1}),  # after the finish: never merged into it
+    ]
+    got = coalesce_deltas(deltas)
+    assert [g.token_ids for g in got] == [(1, 2, 3), (4,), (5, 6), ()]
+    assert got[0] == StreamDelta((1, 2, 3), "<1><2><3>", "1", logprobs=(-0.1, -0.2, -0.3))
+    assert got[2].finished and got[2].finish_reason == "stop" and got[2].spans == spans
+    assert got[2].text == "<5><6>" and got[2].meta == {"k": 1} and got[2].weight_version == "2"
+    assert got[3].meta == {"usage": 1} and not got[3].finished
+    # a vLLM 0.32 stream: the finished delta keeps only its own tokens
+    kept = coalesce_deltas(deltas, into_finished=False)
+    assert [g.token_ids for g in kept] == [(1, 2, 3), (4,), (5,), (6,), ()]
+    # merged as far as they go: merging again changes nothing; the tokens are all there
+    assert coalesce_deltas(got) == got
+    assert [t for g in got for t in g.token_ids] == [1, 2, 3, 4, 5, 6]
+    assert coalesce_deltas([]) == [] and coalesce_deltas(deltas[:1]) == deltas[:1]

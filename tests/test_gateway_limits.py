@@ -7,6 +7,7 @@ routable, and a gateway failure is the request's, never the fleet's."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import httpx
 import pytest
 from stub_helpers import Stub, stub_router
 
+from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.dataplane import DataPlane
 from rollsafe.gateway.app import Gateway
 from rollsafe.gateway.settings import GatewaySettings
@@ -52,10 +54,12 @@ def served(
     plane = DataPlane(router)
     fleet = StubFleet(plane, router.registry)
     gateway = Gateway(fleet, settings, model_path=model_dir)
+    gc.unfreeze()  # what GatewaySettings.gc_freeze does is this gateway's alone
     plane.loop_thread.run(gateway.start())
     try:
         yield gateway, stubs, fleet
     finally:
+        gc.unfreeze()
         plane.loop_thread.run(gateway.close(1.0))
         plane.close()
         router.close()
@@ -194,3 +198,25 @@ def test_a_handler_failure_is_the_requests_never_the_fleets(
     ok = httpx.post(f"{gateway.url}/generate", json=_body(), timeout=30)
     assert ok.status_code == 200
     assert all(g.state == "active" for g in fleet.registry.groups())
+
+
+@pytest.mark.parametrize(
+    "served",
+    [GatewaySettings(gc_freeze=False), GatewaySettings()],
+    indirect=True,
+    ids=["gc_freeze-off", "gc_freeze-on"],
+)
+def test_gc_freeze_moves_the_heap_out_of_the_collector_at_start(
+    served: tuple[Gateway, list[Stub], StubFleet],
+) -> None:
+    gateway = served[0]
+    frozen = gc.get_freeze_count()
+    if gateway.settings.gc_freeze:
+        assert frozen > 1000  # the interpreter's, the tokenizer's, the test's objects
+    else:
+        assert frozen == 0
+    r = httpx.post(gateway.url + "/generate", json=_body(tokens=2), timeout=30)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+    with pytest.raises(InvalidArgument) as info:
+        GatewaySettings(gc_freeze=1)  # type: ignore[arg-type]
+    assert info.value.key == "gateway.gc_freeze"

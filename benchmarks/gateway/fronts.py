@@ -364,7 +364,8 @@ class Gateway(Front):
     the serving loop into ``<log_dir>/gateway-<n>.prof`` (listed in ``profiles``). Started, it
     has answered one request (warm, as a router is once its workers are healthy). After
     ``stop``, ``last_stats`` holds the router's, the request health's and the gateway's
-    counters and the groups' states."""
+    counters and the groups' states. ``root``: run the gateway of another checkout of rollsafe
+    (its ``gateway_front.py`` and package; default this one), for a before/after comparison."""
 
     name = "gateway"
 
@@ -374,8 +375,10 @@ class Gateway(Front):
         dialect: str = "sglang",
         model_path: Path | None = None,
         profile: bool = False,
+        root: Path | None = None,
     ) -> None:
         super().__init__(log_dir)
+        self.root = ROOT if root is None else Path(root)
         self.dialect = dialect
         self.model_path = model_path
         self.profile = profile
@@ -397,7 +400,8 @@ class Gateway(Front):
         model = self.model_path if self.model_path is not None else self.stub_model()
         self._runs += 1
         self._stats_path = self.log_dir / f"gateway-{self._runs}.stats.json"
-        cmd = [sys.executable, str(HERE / "gateway_front.py"), "--dialect", self.dialect]
+        script = self.root / "benchmarks" / "gateway" / "gateway_front.py"
+        cmd = [sys.executable, str(script), "--dialect", self.dialect]
         cmd += ["--model-path", str(model), "--stats", str(self._stats_path)]
         if self.profile:
             prof = self.log_dir / f"gateway-{self._runs}.prof"
@@ -406,7 +410,8 @@ class Gateway(Front):
         for u in engine_urls:
             cmd += ["--upstream", u]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        paths = (str(self.root), env.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         self.proc, ready = spawn(
             cmd, self.log_dir / f"gateway-{self._runs}.log", "GATEWAY_READY ", 120, env
         )

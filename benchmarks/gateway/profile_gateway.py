@@ -25,6 +25,11 @@ once (one delta per token); the loop thread's CPU per request at 1 token and at 
 gives a fixed cost and a cost per token. What the process costs beyond that is its HTTP server,
 the engine client (aiohttp, server-sent events) and the machine's wake-ups.
 
+``--against TREE [--rounds N]``: before/after instead: plain runs (1. above) of this checkout's
+gateway and of the gateway of another checkout of rollsafe at ``TREE`` (e.g. ``git worktree add
+/tmp/before <commit>``), interleaved in each of ``N`` rounds, on the same stubs; medians and p95
+of the rounds, and the ratio of the medians of CPU per request (this / TREE).
+
 ``--engine-client``: the engine client alone (``AsyncSGLangEngine`` on uvloop against the
 stubs): CPU per request of an answer fetched whole and read as a stream. ``--token-interval-ms
 MS``: the stubs send a token every MS (events one at a time, as from a real engine).
@@ -49,6 +54,7 @@ import os
 import pstats
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -424,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-client", action="store_true", help="see the docstring")
     p.add_argument("--token-interval-ms", type=float, default=0.0, help="the stubs' pace")
     p.add_argument("--compare", default="", help="fronts also run plain, e.g. sglang-router")
+    p.add_argument("--against", default=None, help="another checkout: before/after, see above")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of --against")
     args = p.parse_args(argv)
     F.raise_own_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="rollsafe-gw-profile-"))
@@ -436,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                 return _write(args, reports)
             if args.engine_client:
                 reports = engine_client(args, engines)
+                return _write(args, reports)
+            if args.against:
+                reports = against(args, engines, tmp)
                 return _write(args, reports)
             for name in [n for n in args.compare.split(",") if n]:
                 other = F.make_front(name, tmp)
@@ -493,6 +504,50 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return _write(args, reports)
+
+
+def against(args: argparse.Namespace, engines: list[Any], tmp: Path) -> list[dict[str, Any]]:
+    """``--against``: this checkout's gateway and another's, interleaved (see the module)."""
+    trees = {"this": F.ROOT, "against": Path(args.against).resolve()}
+    workloads = args.workloads.split(",")
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in range(args.rounds):
+        for w in workloads:
+            for name, root in trees.items():
+                front = F.Gateway(tmp, root=root)
+                front.start([e.url for e in engines])
+                try:
+                    x = drive(front, w, args)
+                finally:
+                    front.stop()
+                x.pop("started", None)
+                x.pop("thread_cpu_us_per_req", None)
+                runs.setdefault((w, name), []).append(x)
+                print(f"round {r + 1} {w} {name}: {x}", flush=True)
+    reports = []
+    for w in workloads:
+        row: dict[str, Any] = {"workload": w, "rounds": args.rounds}
+        for name, root in trees.items():
+            xs = runs[(w, name)]
+            row[name] = {
+                "tree": str(root),
+                "req_per_s": _median_p95([x["req_per_s"] for x in xs]),
+                "cpu_us_per_req": _median_p95([x["cpu_us_per_req"] for x in xs]),
+                "failed": sum(int(x["failed"]) for x in xs),
+            }
+        this, other = row["this"]["cpu_us_per_req"], row["against"]["cpu_us_per_req"]
+        row["cpu_per_req_ratio"] = round(this["median"] / other["median"], 3)
+        reports.append(row)
+        print(
+            f"{w}: CPU/req {this['median']} (p95 {this['p95']}) vs {other['median']} "
+            f"(p95 {other['p95']}) us = {row['cpu_per_req_ratio']}x; req/s "
+            f"{row['this']['req_per_s']['median']} vs {row['against']['req_per_s']['median']}"
+        )
+    return reports
+
+
+def _median_p95(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 1), "p95": round(B._p95(values), 1)}
 
 
 def _write(args: argparse.Namespace, reports: list[dict[str, Any]]) -> int:

@@ -25,6 +25,7 @@ this request's, never the fleet's.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -178,6 +179,8 @@ class Gateway:
         )
         self._server = HttpServer(self.handle, host=s.host, port=s.port, limits=limits)
         await self._server.start()
+        if s.gc_freeze:
+            gc.freeze()  # GatewaySettings.gc_freeze
         return self.url
 
     @property

@@ -119,7 +119,28 @@ class ChoiceOutput:
     def _tokens(self, chunk: TokenChunk) -> None:
         spec = self.spec
         lps = chunk.logprobs
-        for i, token in enumerate(chunk.token_ids):
+        ids = chunk.token_ids
+        room = spec.max_tokens - len(self.token_ids)
+        if len(ids) > 1 and room > 0 and not self.stops:
+            # no stop string to look for after each token: the chunk's tokens at once, up to
+            # the first stop token (held as one at a time would hold it) and max_tokens
+            take = ids[:room] if len(ids) > room else ids
+            if self.stop_ids.isdisjoint(take):
+                self._release_held()
+                n = len(self.token_ids)
+                self.token_ids.extend(take)
+                if spec.logprobs:
+                    got = lps[: len(take)]
+                    self.logprobs.extend(got)
+                    self.logprobs.extend([None] * (len(take) - len(got)))
+                self._run(chunk, n)
+                self._text(self.detok.add(take))
+                if self._min_offset is None and len(self.token_ids) >= spec.min_tokens:
+                    self._min_offset = len(self.text)
+                if len(take) < len(ids):
+                    self._end("length")
+                return
+        for i, token in enumerate(ids):
             if len(self.token_ids) >= spec.max_tokens:
                 self._end("length")
                 return
@@ -137,14 +158,16 @@ class ChoiceOutput:
             if self.finished:
                 return
 
-    def _run(self, chunk: TokenChunk) -> None:
+    def _run(self, chunk: TokenChunk, start: int | None = None) -> None:
+        """The tokens ``[start, now)`` (the last one when not given) came from ``chunk``."""
         n = len(self.token_ids)
         runs = self._runs
         key = (chunk.group_id, chunk.weight_version, chunk.attempt)
         if runs and (runs[-1][0], runs[-1][1], runs[-1][2]) == key:
             runs[-1][4] = n
         else:
-            runs.append([chunk.group_id, chunk.weight_version, chunk.attempt, n - 1, n])
+            first = n - 1 if start is None else start
+            runs.append([chunk.group_id, chunk.weight_version, chunk.attempt, first, n])
 
     def _release_held(self) -> None:
         if self._held is not None:

@@ -54,6 +54,12 @@ class GatewaySettings:
     ``max_n``                  the largest ``n`` (choices per request)
     ``max_sessions``           sessions remembered (least recently used forgotten first)
     ``session_ttl_s``          a session idle this long is forgotten
+    ``gc_freeze``              at start, move the objects the process holds then out of the
+                               cyclic garbage collector's reach (``gc.freeze()``): its full
+                               collections, which a request's allocations trigger now and then,
+                               no longer walk a trainer's heap (torch, the tokenizer) in the
+                               middle of a request; an object alive at start that later becomes
+                               garbage in a reference cycle is then not freed
     =========================  ===================================================================
     """
 
@@ -70,6 +76,7 @@ class GatewaySettings:
     max_n: int = 16
     max_sessions: int = 100_000
     session_ttl_s: float = 3600.0
+    gc_freeze: bool = True
 
     def __post_init__(self) -> None:
         host = self.host
@@ -97,6 +104,10 @@ class GatewaySettings:
             _positive(key, getattr(self, key), integer=True)
         for key in ("idle_body_timeout_s", "keepalive_timeout_s", "session_ttl_s"):
             _positive(key, getattr(self, key))
+        if not isinstance(self.gc_freeze, bool):
+            raise InvalidArgument(
+                "gateway.gc_freeze", f"gateway.gc_freeze must be a bool, got {self.gc_freeze!r}"
+            )
 
 
 def normal_url(url: str) -> str:

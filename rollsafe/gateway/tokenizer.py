@@ -192,9 +192,24 @@ class Detokenizer:
         return self._decode(ids, skip_special_tokens=self._skip)
 
     def add(self, ids: Iterable[int]) -> str:
-        """The text the new ``ids`` complete (may be empty while a character is incomplete)."""
-        out = ""
+        """The text the new ``ids`` complete (may be empty while a character is incomplete).
+        Several ids at once are decoded together when their text ends on a whole character
+        (the window then keeps the last :data:`INITIAL_OFFSET` of them as the next prefix);
+        otherwise one at a time."""
+        ids = ids if isinstance(ids, (list, tuple)) else list(ids)
         window = self._window
+        if len(ids) > 1:
+            start = len(window)
+            window.extend(ids)
+            text = self._text(window)
+            if len(text) > self._prefix_len and not text.endswith(_REPLACEMENT):
+                out = text[self._prefix_len :]
+                del window[: max(self._read, len(window) - INITIAL_OFFSET)]
+                self._read = len(window)
+                self._prefix_len = len(self._text(window))
+                return out
+            del window[start:]
+        out = ""
         for token in ids:
             window.append(token)
             text = self._text(window)

@@ -85,6 +85,7 @@ from rollsafe.adapters.engines.streaming import (
     SSEEventReader,
     StreamDelta,
     VLLMDeltas,
+    coalesce_deltas,
 )
 from rollsafe.adapters.engines.vllm import (
     COMPLETIONS_PATH,
@@ -503,6 +504,26 @@ class EventStream:
                 self._ended = True
                 self._pending = self._reader.end()  # EngineUnavailable unless [DONE] came
 
+    async def batch(self) -> list[dict[str, Any]]:
+        """The next event and every other one already read with it (no wait for more); empty
+        at the end. An error event is raised on the call after the events before it."""
+        try:
+            out = [await self.__anext__()]
+        except StopAsyncIteration:
+            return []
+        pending = self._pending
+        while pending is not None:
+            try:
+                event = next(pending, None)
+            except Exception as exc:  # an error event: after the events before it
+                self._pending = _raising(exc)
+                break
+            if event is None:
+                self._pending = None
+                break
+            out.append(event)
+        return out
+
     async def _drain(self, response: aiohttp.ClientResponse) -> None:
         """Read what is left after the finished event ([DONE], the end of the body), bounded,
         so the connection can be pooled; close it otherwise."""
@@ -530,6 +551,30 @@ class EventStream:
             response.release()
         else:
             response.close()
+
+
+def _raising(exc: Exception) -> Iterator[dict[str, Any]]:
+    raise exc
+    yield  # a generator: raises on its first next()
+
+
+def _read(
+    batch: list[dict[str, Any]],
+    read: Callable[[dict[str, Any]], StreamDelta],
+    into_finished: bool = True,
+) -> tuple[list[StreamDelta], Exception | None]:
+    """The deltas of a batch of events read together, merged (:func:`coalesce_deltas`), and
+    the error of an event the reader refused (to raise after the deltas before it)."""
+    deltas: list[StreamDelta] = []
+    error: Exception | None = None
+    try:
+        for event in batch:
+            deltas.append(read(event))
+    except Exception as exc:
+        error = exc
+    if len(deltas) > 1:
+        deltas = coalesce_deltas(deltas, into_finished=into_finished)
+    return deltas, error
 
 
 @runtime_checkable
@@ -680,10 +725,13 @@ class AsyncSGLangEngine(_HttpEngine):
         body["stream"] = True
         reader = SGLangDeltas(self._url, GENERATE_PATH)
         async with self._events(GENERATE_PATH, body, timeout) as events:
-            async for event in events:
-                delta = reader(event)
-                events.complete = events.complete or delta.finished
-                yield delta
+            while batch := await events.batch():
+                deltas, error = _read(batch, reader)
+                for delta in deltas:
+                    events.complete = events.complete or delta.finished
+                    yield delta
+                if error is not None:
+                    raise error
 
 
 class AsyncVLLMEngine(_HttpEngine):
@@ -778,15 +826,19 @@ class AsyncVLLMEngine(_HttpEngine):
         reader = VLLMDeltas(self._url, path)
         produced = 0
         async with self._events(path, body, timeout) as events:
-            async for event in events:
-                delta = reader(event)
-                produced += len(delta.token_ids)
-                if before is not None and delta.finished and delta.weight_version is None:
-                    steps = client.version_after(before, read, delta.finish_reason)
-                    version, exact = await self._run(steps, dialect)
-                    delta = with_read_version_delta(delta, produced, version, exact, dialect)
-                events.complete = events.complete or delta.finished
-                yield delta
+            while batch := await events.batch():
+                # 0.32: the last delta's version is read after it, for its tokens alone
+                deltas, error = _read(batch, reader, into_finished=before is None)
+                for delta in deltas:
+                    produced += len(delta.token_ids)
+                    if before is not None and delta.finished and delta.weight_version is None:
+                        steps = client.version_after(before, read, delta.finish_reason)
+                        version, exact = await self._run(steps, dialect)
+                        delta = with_read_version_delta(delta, produced, version, exact, dialect)
+                    events.complete = events.complete or delta.finished
+                    yield delta
+                if error is not None:
+                    raise error
 
 
 class ThreadedEngine:
