@@ -95,9 +95,16 @@ class RayEngineGroup:
 
     @property
     def node_id(self) -> str | None:
-        """The Ray node (hex id) the group is placed on, None while it holds no placement."""
+        """The Ray node (hex id) the group is placed on (its head slice's, for a group that
+        spans nodes), None while it holds no placement."""
         placement = self._placement
         return None if placement is None else placement.node_id
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """Every node the group holds a slice on, head first (empty while it holds none)."""
+        placement = self._placement
+        return () if placement is None else placement.node_ids
 
     @property
     def url(self) -> str:
@@ -309,7 +316,9 @@ class RayEngineGroup:
     def _place(self) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        placement = self._placer.place(self.group_id, self._spec.ranks, node=self.pin_node)
+        placement = self._placer.place(
+            self.group_id, self._spec.ranks, node=self.pin_node, slices=self._spec.slices
+        )
         options = {
             "num_cpus": 0,
             "max_restarts": 0,

@@ -121,7 +121,9 @@ class EngineSpec:
     (:func:`~rollsafe.adapters.engines.vllm_cpu.deal_cores`), and binds a reference engine to
     nothing; ``()`` binds nothing (vLLM's own ``VLLM_CPU_OMP_THREADS_BIND``, core 0 for every
     server by default). SGLang takes no ``cpu_cores``. ``max_model_len`` is
-    vLLM's ``--max-model-len`` (None: the model's). The API key of
+    vLLM's ``--max-model-len`` (None: the model's). ``ranks_per_node`` spreads the group over
+    ``ranks // ranks_per_node`` nodes (node slices; None: one node): the placement starts one
+    slice per node and the slices join one group across them (``docs/cluster.md``). The API key of
     a real engine is not put on its command line: vLLM reads it from ``VLLM_API_KEY``; SGLang
     from a ``--config`` YAML file the launcher writes (mode 0600, in its log directory) before
     each start and deletes after the stop. ``docs/engines.md`` explains each flag.
@@ -157,6 +159,7 @@ class EngineSpec:
     dtype: str | None = None
     kv_cache_bytes: int | None = None
     cpu_cores: Sequence[int] | None = None
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -164,6 +167,18 @@ class EngineSpec:
         if self.ranks < 1:
             raise InvalidArgument(
                 "EngineSpec.ranks", f"EngineSpec.ranks must be >= 1, got {self.ranks}"
+            )
+        per_node = self.ranks_per_node
+        if per_node is not None and (
+            isinstance(per_node, bool)
+            or not isinstance(per_node, int)
+            or per_node < 1
+            or self.ranks % per_node
+        ):
+            raise InvalidArgument(
+                "EngineSpec.ranks_per_node",
+                f"EngineSpec.ranks_per_node must be None or an int >= 1 that divides "
+                f"EngineSpec.ranks={self.ranks}, got {per_node!r}",
             )
         if self.kind not in ENGINE_KINDS:
             raise InvalidArgument(
@@ -249,6 +264,11 @@ class EngineSpec:
             )
         if self.api_key is not None and not self.api_key.strip():
             raise InvalidArgument("EngineSpec.api_key", "EngineSpec.api_key must not be empty")
+
+    @property
+    def slices(self) -> int:
+        """How many nodes the group spans: ``ranks // ranks_per_node`` (1 without it)."""
+        return 1 if self.ranks_per_node is None else self.ranks // self.ranks_per_node
 
     @property
     def real(self) -> bool:
