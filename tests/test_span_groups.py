@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import tiny_model_dir  # noqa: F401  (fixture)
 
 from rollsafe.adapters.engines import EngineSpec
 from rollsafe.adapters.ray import GroupPlacer
@@ -157,3 +158,147 @@ def test_a_group_is_on_every_node_it_holds_a_slice_on(tmp_path: Path) -> None:
     assert groups.groups_on("c") == []
     one = Placement("g1", None, "b", ())
     assert (one.node_ids, one.slices) == (("b",), 1)
+
+
+# ------------------------------------------------------------------ the slices, on this machine
+PROMPT = [3, 14, 15, 92, 65]
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
+
+
+def test_a_two_slice_group_serves_syncs_every_rank_and_a_lost_slice_takes_it_out_whole(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """``placement="local"``: the slices are virtual nodes (one engine process each, joined to
+    the head on loopback, :class:`SlicedLauncher`). The group answers as a one-node group of the
+    same ranks does, takes an ``nccl`` (gloo) sync on all four ranks (per-rank digests equal
+    the trainer's), and the SIGKILL of its second slice's process fails it at once: out of
+    routing, restarted whole, ``active`` at the version, digests equal again."""
+    import torch
+
+    from rollsafe.adapters.engines import EngineLauncher
+    from rollsafe.adapters.engines.sliced import SlicedLauncher
+    from rollsafe.checksum import weights_checksum
+    from rollsafe.fleet import HealthSettings, RolloutFleet
+
+    cfg = FleetConfig(
+        model_path=tiny_model_dir,
+        export_root=tmp_path / "exports",
+        groups=[GroupSpec(ranks=4, ranks_per_node=2)],
+        transport="nccl",
+        health=HealthSettings(interval_s=0.2, timeout_s=2.0, failure_threshold=2),
+        start_timeout_s=240.0,
+    )
+    one_node = EngineLauncher(EngineSpec(model_path=str(tiny_model_dir), ranks=4))
+    with one_node:
+        want_tokens = one_node.client.generate(PROMPT, sampling_params=GREEDY).output_ids
+    with RolloutFleet(cfg) as fleet:
+        group = fleet.engine("g0")
+        assert isinstance(group, SlicedLauncher) and len(group.slices) == 2
+        head, second = group.slices
+        assert head.spec.node_rank == 0 and second.spec.node_rank == 1
+        assert second.ready_info["ranks"] == [2, 3] and second.ready_info["url"] is None
+        assert head.ready_info["remote_rank_pids"] == {
+            "2": second.rank_pids[0],
+            "3": second.rank_pids[1],
+        }
+        assert len(group.rank_pids) == 4
+        out = fleet.generate(PROMPT, sampling_params=GREEDY)
+        assert out.group_id == "g0" and out.result.output_ids == want_tokens
+
+        gen = torch.Generator().manual_seed(7)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+        weights = {
+            n: p.detach() + 0.01 * torch.randn(p.shape, generator=gen)
+            for n, p in model.named_parameters()
+        }
+        report = fleet.sync_weights(weights, 1)
+        assert report.ok and report.updated == ["g0"], report
+        want = weights_checksum(weights)["model"]
+        assert fleet.checksums() == {"g0": want}
+
+        done = len(fleet.recoveries())
+        group.kill_slice(1)  # the second node's processes, as a lost node
+        assert wait(lambda: not fleet.registry.get("g0").is_routable, 30)
+        assert wait(
+            lambda: len(fleet.recoveries()) > done and fleet.registry.get("g0").state == "active",
+            240,
+        ), fleet.snapshot()["recoveries"]
+        assert fleet.recoveries()[-1].status == "active"
+        assert group.is_alive() and len(group.rank_pids) == 4
+        assert fleet.checksums() == {"g0": want}
+        again = fleet.generate(PROMPT, sampling_params=GREEDY)
+        assert again.result.weight_version == "1" and len(again.result.output_ids) == 6
+
+
+def wait(predicate: Any, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return bool(predicate())
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--ranks", "4", "--nnodes", "3"], "--nnodes 3 must be >= 1 and divide --ranks 4"),
+        (["--ranks", "4", "--nnodes", "2", "--node-rank", "2"], "--node-rank must be in 0..1"),
+        (["--ranks", "4", "--nnodes", "2"], "needs --dist-init-addr"),
+        (["--ranks", "2", "--nnodes", "2", "--dist-init-addr", "h"], "must be HOST:PORT"),
+        (["--ranks", "2", "--nnodes", "2", "--dist-init-addr", "h:0"], "must be HOST:PORT"),
+        (
+            ["--ranks", "2", "--nnodes", "2", "--dist-init-addr", "10.1.2.3:4000"],
+            "ROLLSAFE_DIST_INIT_KEY is not set",
+        ),
+    ],
+)
+def test_the_reference_engines_multi_node_flags_are_checked_before_anything_starts(
+    argv: list[str],
+    why: str,
+    tiny_model_dir: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rollsafe.adapters.reference_engine.__main__ import check_args, parse_args
+
+    monkeypatch.delenv("ROLLSAFE_DIST_INIT_KEY", raising=False)
+    args = parse_args(["--model-path", str(tiny_model_dir), *argv])
+    problem = check_args(args)
+    assert problem is not None and why in problem
+    monkeypatch.setenv("ROLLSAFE_DIST_INIT_KEY", "k")  # off loopback, a key makes it valid
+    node = ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.1.2.3:4000"]
+    ok = parse_args(["--model-path", str(tiny_model_dir), "--ranks", "2", *node])
+    assert check_args(ok) is None
+
+
+def test_each_slice_starts_with_its_node_rank_the_heads_address_and_the_groups_key(
+    tmp_path: Path,
+) -> None:
+    from rollsafe.adapters.engines.launch import spec as spec_module
+    from rollsafe.adapters.engines.launch.spec import slice_spec
+    from rollsafe.adapters.reference_engine import nodes
+
+    assert spec_module.DIST_KEY_ENV == nodes.DIST_KEY_ENV  # one variable on both sides
+    group = EngineSpec(model_path=str(tmp_path), ranks=4, ranks_per_node=2, warm_standby=True)
+    with pytest.raises(InvalidArgument) as err:
+        group.command()  # no head address yet: a slice is started from slice_spec
+    assert err.value.key == "EngineSpec.dist_init_addr"
+    head = slice_spec(group, 0, "127.0.0.1:4000", "k3y")
+    second = slice_spec(group, 1, "127.0.0.1:4000", "k3y")
+    tail = ["--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:4000"]
+    argv = head.command()
+    at = argv.index("--nnodes")
+    assert argv[at : at + len(tail)] == tail
+    argv = second.command()
+    assert argv[argv.index("--node-rank") + 1] == "1"
+    assert head.warm_standby and not second.warm_standby  # a worker slice keeps none
+    assert head.environment()["ROLLSAFE_DIST_INIT_KEY"] == "k3y"
+    assert "k3y" in head.secrets() and "k3y" not in " ".join(head.command())
+    with pytest.raises(InvalidArgument) as err:
+        slice_spec(group, 2, "127.0.0.1:4000", "k3y")
+    assert err.value.key == "EngineSpec.node_rank"
