@@ -6,6 +6,12 @@ joined through ``RAY_ADDRESS``, one cluster for the module:
 * ``GroupPlacer.place(slices=2)``: one ``STRICT_SPREAD`` placement group whose bundles are the
   slices, each on its own node; a group Ray cannot hold whole (more slices than nodes with room)
   is refused and nothing stays reserved (all slices or none).
+* a moved export reaches every slice's node, and a restart from the head's copy loads each
+  slice's own (digests equal);
+* a fleet with a two-node group beside a one-node group: served, synced, a SIGKILLed rank of the
+  second slice recovered in place, a node under one slice removed while rollouts run: the whole
+  group out of routing (never served while incomplete), placed again whole, ``active`` at the
+  version, digests equal (the last test: it removes a node of the module's cluster).
 
 Needs Ray (skipped without it, failed under ``CI=true``).
 """
@@ -88,6 +94,42 @@ def trained_weights(model_dir: Path, delta: float) -> dict[str, torch.Tensor]:
         for p in model.parameters():
             p.add_(delta)
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_a_moved_export_reaches_every_slice_and_each_loads_its_own_copy(
+    cluster: Any,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Without shared storage a recovery moves the export to the group's nodes: for a group
+    over two nodes every slice's actor pulls it to its own node (checked against the manifest
+    there), and a restart from the head's copy loads each slice's own copy: every rank's
+    digests equal the trainer's."""
+    from rollsafe.adapters.engines import EngineSpec
+    from rollsafe.adapters.ray.exports import publish_export
+    from rollsafe.hf import HFExporter
+
+    weights = trained_weights(tiny_model_dir, 0.05)
+    exporter = HFExporter(tmp_path / "exports", template_dir=tiny_model_dir)
+    src = exporter.start(weights, 2).wait(120)
+    parcel = publish_export(src)
+    placer = GroupPlacer({"rollout": 1.0}, timeout_s=60)
+    spec = EngineSpec(model_path=str(tiny_model_dir), ranks=4, ranks_per_node=2)
+    group = RayEngineGroup("g0", spec, placer, bind_node_ip=False).start()
+    try:
+        assert len(set(group.node_ids)) == 2
+        pulled = group.pull_export(parcel, str(tmp_path / "node-local"), fleet="t")
+        (paths,) = group.slice_paths.values()
+        assert paths[0] == pulled["path"] and len(set(paths)) == 2  # one copy per node
+        for path, node in zip(paths, group.node_ids, strict=True):
+            assert node[:16] in path and Path(path, "config.json").is_file()
+        group.restart(model_path=pulled["path"], weight_version="2")
+        assert group.client.weights_checksum().model == weights_checksum(weights)["model"]
+        out = group.client.generate(PROMPT, sampling_params=GREEDY)
+        assert out.weight_version == "2" and len(out.output_ids) == 6
+    finally:
+        group.stop()
+    assert placer.slice_nodes() == {} and group.slice_paths == {}
 
 
 def test_a_two_node_group_is_served_synced_recovered_and_placed_again_whole_after_a_node_loss(

@@ -341,6 +341,13 @@ class RayEngineGroup:
         got = ray.get(actor.kill_rank.remote(rank % per_node), timeout=self.call_timeout_s)
         return int(got)
 
+    @property
+    def slice_paths(self) -> dict[str, list[str]]:
+        """``{path on the head's node: [path on every slice's node]}`` of the exports moved
+        to this placement's slices (a restart from the head's path loads each slice's own)."""
+        with self._lock:
+            return {k: list(v) for k, v in self._slice_paths.items()}
+
     def slice_actor(self, node_rank: int) -> Any:
         """The actor of node slice ``node_rank`` (0: the head's): chaos tests kill it."""
         return [self._actor, *self._workers][node_rank]
