@@ -302,3 +302,80 @@ def test_each_slice_starts_with_its_node_rank_the_heads_address_and_the_groups_k
     with pytest.raises(InvalidArgument) as err:
         slice_spec(group, 2, "127.0.0.1:4000", "k3y")
     assert err.value.key == "EngineSpec.node_rank"
+
+
+# ------------------------------------------------------------------ rollsafe verify's model
+def test_the_model_takes_a_group_out_whole_when_the_node_under_one_slice_dies() -> None:
+    """``ModelConfig(slices=2)``: the node under a group's second slice dies (its ranks with
+    it), the watcher's report takes the whole group out (``unplaced``) and leaves the other
+    group serving; placing it again puts every slice on a live node."""
+    from rollsafe.verify import Action, FleetModel, ModelConfig
+
+    model = FleetModel(ModelConfig(groups=2, ranks=2, slices=2))
+    for g in (0, 1):
+        for r in (0, 1):
+            assert model.apply(Action("launch", (g, r)))
+    assert [g.state for g in model.groups] == ["active", "active"]
+    assert model.apply(Action("slice_dies", (0, 1)))
+    assert model.truth[0] == ((True, 0), (False, None))  # the head's slice still runs
+    assert model.apply(Action("node_lost"))
+    assert [g.state for g in model.groups] == ["unplaced", "active"]
+    assert not model.groups[0].is_routable and model.picture().groups[0].lost_slices == (1,)
+    assert model.check() == []
+    assert model.apply(Action("place", (0,)))
+    assert model.node_up[0] == (True, True) and model.picture().groups[0].lost_slices == ()
+    assert model.groups[0].state == "recovering" and model.check() == []
+    with pytest.raises(InvalidArgument) as err:
+        ModelConfig(groups=1, ranks=3, slices=2)
+    assert err.value.key == "slices"
+
+
+def test_verify_explores_groups_over_two_nodes_without_a_violation() -> None:
+    from rollsafe.verify import ModelConfig, explore
+
+    result = explore(ModelConfig(groups=1, ranks=2, slices=2, removals=0), depth=6)
+    assert result.ok, result.counterexamples[0].format()
+    assert result.complete and result.states > 100
+
+
+def test_a_node_loss_that_misses_a_groups_other_slices_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Planted: the membership takes out only the groups whose head slice is on the dead node
+    (``groups_on`` reading one node per group): ``rollsafe verify`` finds a group routed with
+    the node under its other slice reported dead."""
+    import rollsafe.operations.place as place_op
+    from rollsafe.verify import ModelConfig, explore
+
+    def head_only(node: str, placements: Any) -> tuple[str, ...]:
+        return tuple(gid for gid, nodes in placements.items() if nodes[0] == node)
+
+    monkeypatch.setattr(place_op, "groups_on", head_only)
+    result = explore(ModelConfig(groups=1, ranks=2, slices=2, removals=0), depth=5)
+    assert not result.ok
+    assert "no_routing_over_a_lost_slice" in result.counterexamples[0].format()
+
+
+def test_a_placement_of_part_of_a_group_is_caught() -> None:
+    """Planted: re-placement reserves only the lost slice's node back for the head, leaving
+    the other on its dead node: ``placed_all_slices_or_none`` fails."""
+    import rollsafe.operations.effects as fx
+    from rollsafe.operations.effects import Ok
+    from rollsafe.operations.executor import handles
+    from rollsafe.verify import FleetModel, ModelConfig, explore
+
+    class HeadOnly(FleetModel):
+        @handles(fx.Place)
+        def _place(self, effect: fx.Place) -> Any:
+            g = self._index[effect.group]
+            self.node_up[g] = (True, *self.node_up[g][1:])
+            self.node_lost.discard(g)
+            self.lost_slices[g] = ()
+            self._audit_placement(g)
+            return Ok(f"node-of-{effect.group}")
+
+    result = explore(
+        ModelConfig(groups=1, ranks=2, slices=2, removals=0), depth=5, model_factory=HeadOnly
+    )
+    assert not result.ok
+    assert "placed_all_slices_or_none" in result.counterexamples[0].format()

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import rollsafe.operations.effects as fx
+import rollsafe.operations.place as place_op
 from rollsafe.errors import InvalidArgument
 from rollsafe.fleet.config import (
     FleetConfig,
@@ -138,11 +139,10 @@ class EngineGroups:
         spans nodes is on each of its slices' nodes)."""
         with self._lock:
             handles = list(self._handles.items())
-        return [
-            gid
-            for gid, handle in handles
-            if isinstance(handle, PlaceableEngine) and node_id in handle.node_ids
-        ]
+        placements = {
+            gid: handle.node_ids for gid, handle in handles if isinstance(handle, PlaceableEngine)
+        }
+        return list(place_op.groups_on(node_id, placements))
 
     # ------------------------------------------------------------------ specs
     def spec_for(self, plan: GroupPlan) -> EngineSpec:
