@@ -24,10 +24,10 @@ bound). The first violation stops the run, printing the step and the seed; the e
 Faults this machine cannot produce are listed, with why, in the output and in the result
 (``not_injectable``; ``export_slow`` is emulated, see ``soakparts/slow_export.py``).
 
-``--smoke``: a short run (2.5 minutes of faults and syncs after the start) for
-``tests/test_soak_script.py``. Writes ``--out`` (default
-``benchmarks/results/soak_cpu_<minutes>min.json``). Needs root for the tmpfs export roots and
-iptables (without them those kinds are listed as not injectable).
+``--smoke``: the short run every ``make test`` makes (5 minutes of faults and syncs after the
+start, shorter gaps between faults; ``tests/test_soak_script.py``, with a fresh seed). Writes
+``--out`` (default ``benchmarks/results/soak_cpu_<minutes>min.json``). Needs root for the
+tmpfs export roots and iptables (without them those kinds are listed as not injectable).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ RESULTS = HERE / "results"
 #: MALLOC_ARENA_MAX as this process started with it
 ARENAS_IN_FORCE = os.environ.get("MALLOC_ARENA_MAX")
 SYNC_EVERY_S = 30.0
-SMOKE_MINUTES = 2.5
+SMOKE_MINUTES = 5.0
 #: a full push every this many steps, deltas in between
 FULL_EVERY = 3
 #: how long the end waits for the last faults' groups to be active again (s)
@@ -86,6 +86,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="the result JSON")
     p.add_argument("--smoke", action="store_true", help=f"a {SMOKE_MINUTES}-minute run")
     p.add_argument("--schedule-only", action="store_true", help="print the schedule and exit")
+    p.add_argument(
+        "--runs",
+        type=Path,
+        default=None,
+        help="keep each fleet's recorded run here (timeline.jsonl, fleet.json: "
+        "`rollsafe verify --trace DIR/<fleet>` replays it again); default: a scratch "
+        "directory removed at the end",
+    )
     p.add_argument(
         "--keep-going",
         action="store_true",
@@ -111,7 +119,7 @@ class Soak:
     def __init__(self, args: argparse.Namespace, schedule: list[Fault]) -> None:
         self.args = args
         self.schedule = schedule
-        self.resources = Resources()
+        self.resources = Resources(judge_rss=not args.smoke)
         self.rig: Any = None
         self.syncs_done = 0
         self.sync_log: list[dict[str, Any]] = []
@@ -126,6 +134,8 @@ class Soak:
         self.snapshots: dict[str, Any] = {}
         self.teardown: dict[str, Any] = {}
         self.leaks: dict[str, Any] | None = None
+        #: each fleet's recorded run replayed through the verifier's model, by fleet
+        self.traces: dict[str, dict[str, Any]] = {}
 
     def step(self) -> str:
         version = self.rig.trainer.version if self.rig is not None and self.rig.trainer else 0
@@ -419,11 +429,37 @@ class Soak:
                 fleet.close()
             except Exception as exc:
                 say(f"closing a fleet failed: {exc!r}")
+        for name, fleet in rig.fleets.items():
+            self.traces[name] = self._replay(name, fleet)
         actors_after_close = _alive_actors_now()
         rig.fleets.clear()
         rig.close()
         shutil.rmtree(rig.scratch, ignore_errors=True)
         self.leaks = self.resources.leaks(actors_after_close)
+
+    def _replay(self, name: str, fleet: Any) -> dict[str, Any]:
+        """``fleet``'s whole run (every machine transition it recorded) replayed through
+        ``rollsafe verify``'s model, as ``rollsafe verify --trace`` does (issue #36 item 3);
+        the run directory is kept under ``--runs`` when given."""
+        from rollsafe.observe.runfile import load_run
+        from rollsafe.verify.replay import replay_run
+
+        runs = self.args.runs or (self.rig.scratch / "runs")
+        try:
+            path = fleet.record(Path(runs) / name, svg=False)
+            replayed = replay_run(load_run(path).rows)
+        except Exception as exc:
+            say(f"replaying {name}'s run failed: {type(exc).__name__}: {exc}")
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        div = replayed.divergence
+        say(f"{name}: {replayed.summary()}" + (f"\n{div.format()}" if div else ""))
+        return {
+            "transitions": replayed.transitions,
+            "replayed": replayed.replayed,
+            "states_checked": replayed.states_checked,
+            "divergence": div.format() if div is not None else None,
+            "run_dir": str(path) if self.args.runs else None,
+        }
 
     # ------------------------------------------------------------------ the result
     def result(self, code: int) -> dict[str, Any]:
@@ -542,6 +578,10 @@ class Soak:
             "sync_log": self.sync_log,
             "violations": self.violations.items,
             "violations_not_kept": self.violations.more,
+            "trace_divergences": sum(
+                1 for t in self.traces.values() if t.get("divergence") or t.get("error")
+            ),
+            "traces": self.traces,
             "watcher_rounds": self.watcher.rounds if hasattr(self, "watcher") else 0,
             "leaks": getattr(self, "leaks", None),
             "rss_mb": {
@@ -549,6 +589,7 @@ class Soak:
                 "end": res["rss_mb"].get("end"),
                 "warm_max": res["rss_mb"].get("warm_max"),
                 "slope_mb_per_min": res["rss_slope_mb_per_min"],
+                "slope_judged": self.resources.judge_rss,
             },
             "resources": res,
             "resource_series": self.resources.series_rows(),
@@ -635,6 +676,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for problem in leak_problems(getattr(soak, "leaks", None)):
         soak.violations("leaks", problem)
         code = 1
+    for name, trace in soak.traces.items():
+        if trace.get("divergence") or trace.get("error"):
+            why = trace.get("divergence") or trace.get("error")
+            soak.violations("trace", f"{name}'s run does not replay through the model: {why}")
+            code = 1
     result = soak.result(code)
     result["exit_code"] = code
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -495,6 +495,8 @@ class GroupFacts:
     unhealthy: tuple[int, ...] = ()
     #: :attr:`EngineTraits.failed_update_keeps_weights` of the group's engine (careful default)
     keeps_weights: bool = False
+    #: the weights version each member last reported, in rank order (None: unknown)
+    versions: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -605,6 +607,30 @@ def settle_update(
         updated=tuple(updated),
         failed=tuple(failed),
         moved=tuple(g for g in targeted if g in moved_set),
+    )
+
+
+@sends(
+    "SyncCoordinator",
+    "rollsafe/operations/sync.py",
+    WorkerGroupLifecycle=(GroupEvent.MARK_STALE,),
+)
+def settle_latecomers(
+    version: int, groups: Sequence[GroupFacts], updated: Sequence[str]
+) -> tuple[tuple[str, GroupEvent], ...]:
+    """Once the fleet version is N, the groups read again: a group ready now (``active``, or a
+    spare in ``standby``) that this sync did not update and whose members do not all report N
+    came back while the update ran (a restart from the previous version's export ended between
+    :func:`select_targets`'s read and the new fleet version) and holds older weights:
+    ``mark_stale`` (it waits in ``pending_weights`` for a push). After the new version is set
+    no group turns ready below it (the group machine's guards read the fleet version), so one
+    read closes the gap.
+    """
+    done = set(updated)
+    return tuple(
+        (g.group_id, GroupEvent.MARK_STALE)
+        for g in groups
+        if g.state in _READY and g.group_id not in done and any(v != version for v in g.versions)
     )
 
 

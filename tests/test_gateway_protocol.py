@@ -921,3 +921,38 @@ def test_generate_stream_is_cumulative_and_ends_with_done(
     assert events[-1]["text"] == " The quick brown fox jumps over the "
     assert "weight_versions" in events[-1]["meta_info"]
     assert "weight_versions" not in events[0]["meta_info"]
+
+
+# -- sessions -------------------------------------------------------------------------------
+
+
+def test_sessions_idle_past_their_ttl_are_forgotten_without_being_looked_up(
+    tok: GatewayTokenizer, limits: ProtocolLimits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversation that ends is never looked up again: its turns go once idle past the TTL,
+    when a later turn of any session is stored (the soak's driver grew ~4 MB a minute while
+    they stayed until ``max_sessions`` newer ones pushed them out)."""
+    import rollsafe.gateway.sessions as sessions_mod
+    from rollsafe.gateway.app import GatewayCounters
+
+    clock = [1000.0]
+    monkeypatch.setattr(sessions_mod.time, "monotonic", lambda: clock[0])
+    store = sessions_mod.SessionStore(100, 60.0, limits.max_model_len)
+    counters = GatewayCounters()
+    eos = next(iter(tok.eos_token_ids))
+    reply = [*tok.encode(" hello", add_special_tokens=False), eos]
+
+    def turn(session: str) -> None:
+        body = {"messages": [{"role": "user", "content": f"hi from {session}"}]}
+        call = store.reuse(parse_chat(body, {"x-session-id": session}, tok, limits), tok, counters)
+        store.remember(call, [chunks_of(reply)], tok)
+
+    for name in ("a", "b", "c"):  # three conversations' one turn each, 25 s apart
+        turn(name)
+        clock[0] += 25.0
+    assert len(store) == 3  # at t=75 s: a is 75 s old but nothing was stored since t=50
+    turn("d")  # t=75: a (idle 75 s) goes; b (50 s) and c (25 s) stay
+    assert len(store) == 3 and store._get("a") is None and store._get("b") is not None
+    clock[0] += 100.0
+    turn("e")  # every earlier one is past the TTL now
+    assert len(store) == 1 and store._get("e") is not None

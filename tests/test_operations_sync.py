@@ -92,6 +92,7 @@ def test_a_clean_sync_yields_its_steps_in_order() -> None:
         "RecordVersions",
         "SetFleetVersion",
         "SendGroup",
+        "ReadGroups",  # the groups again: one back ``active`` below N meanwhile is stale
         "UnlockTransport",
         "Hook",
         "Resume",
@@ -287,3 +288,99 @@ def test_the_fleet_runs_the_same_changed_step(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(sync_op, "sync", records_every_target(sync_op.sync))
     reg, report = sync_once()
     assert report.failed == ["g1"] and versions(reg, "g1") == {2}  # the changed step ran
+
+
+# ====================================================================== a group back meanwhile
+def test_a_group_back_active_below_n_during_the_update_is_marked_stale() -> None:
+    """g3 was recovering when the sync read the groups (not targeted); its restart from the
+    previous version's export ended while the update ran: the second read sees it ``active``
+    at VERSION - 1, and it is marked stale (the soak's finding, issue #36)."""
+    reads: list[int] = []
+
+    def read(_effect: fx.ReadGroups) -> fx.Outcome:
+        reads.append(1)
+        if len(reads) == 1:
+            return fx.Ok(FACTS)
+        back = policy.GroupFacts("g3", "active", (5,), versions=(VERSION - 1,))
+        updated = tuple(
+            policy.GroupFacts(f.group_id, "active", f.ranks, versions=(VERSION,) * len(f.ranks))
+            for f in FACTS[:3]
+        )
+        return fx.Ok((*updated, back))
+
+    effects, result = run({fx.ReadGroups: read})
+    assert len(reads) == 2
+    assert sends(effects) == [("g2", GroupEvent.WEIGHTS_LOADED), ("g3", GroupEvent.MARK_STALE)]
+    assert result.marked_stale == ("g3",) and result.updated == ("g0", "g1", "g2")
+    late = [e for e in effects if isinstance(e, fx.SendGroup) and e.group == "g3"]
+    assert [e.decided_by for e in late] == ["settle_latecomers"]
+    # the second read comes after the new fleet version, before the transport is unlocked
+    order = kinds(effects)
+    assert order.index("SetFleetVersion") < len(order) - 1 - order[::-1].index("ReadGroups")
+    assert order[::-1].index("ReadGroups") > order[::-1].index("UnlockTransport")
+
+
+def test_settle_latecomers_leaves_updated_current_and_unknown_groups() -> None:
+    facts = (
+        policy.GroupFacts("g0", "active", (0,), versions=(3,)),  # updated by this sync
+        policy.GroupFacts("g1", "active", (1, 2), versions=(3, 3)),  # at N already
+        policy.GroupFacts("g2", "active", (3, 4), versions=(3, 2)),  # one member below N
+        policy.GroupFacts("g3", "pending_weights", (5,), versions=(2,)),  # waits already
+        policy.GroupFacts("g4", "active", (6,)),  # no versions read: nothing to judge
+    )
+    assert policy.settle_latecomers(3, facts, ("g0",)) == (("g2", GroupEvent.MARK_STALE),)
+
+
+def without_the_second_read(
+    original: Callable[..., sync_op.Steps],
+) -> Callable[..., sync_op.Steps]:
+    """The sequence with its second read of the groups answered with nothing (the sync as it
+    was before the soak found the race)."""
+    reads: list[int] = []
+
+    def rewrite(effect: fx.Effect) -> list[fx.Effect] | fx.Outcome:
+        if isinstance(effect, fx.ReadGroups):
+            reads.append(1)
+            if len(reads) % 2 == 0:
+                return fx.Ok(())
+        return [effect]
+
+    return rewritten(original, rewrite)
+
+
+def test_verify_finds_a_restart_that_ends_during_the_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = ModelConfig(groups=1, ranks=1, engine="vllm", node_loss=False, removals=0)
+    clean = explore(config, depth=4)
+    assert clean.ok and clean.complete
+    monkeypatch.setattr(sync_op, "sync", without_the_second_read(sync_op.sync))
+    changed = explore(config, depth=4)
+    assert not changed.ok
+    cex = changed.counterexamples[0]
+    assert "active_groups_whole_and_current" in {v.invariant for v in cex.violations}
+    last = cex.trace[-1]
+    assert last.name == "sync" and last.args[-1] == 0  # g0's restart ended during the update
+
+
+def test_the_fleet_marks_a_group_back_during_the_update_stale() -> None:
+    """The real coordinator: g1 is recovering when the sync reads the groups; its restart (at
+    v1, from the previous export) ends while the transport pushes v2 to the others."""
+    reg, _ = make_fleet((1, 2, 1), version=1, bind=False)
+    reg.send("g1", "fail")
+    reg.send("g1", "claim")
+    assert reg.get("g1").state == "recovering"
+
+    class BackDuringUpdate(MemoryTransport):
+        def update(self, targets: Any) -> Any:
+            for r in reg.get("g1").ranks:
+                reg.report_member("g1", r, healthy=True, weights_version=1)
+            reg.send("g1", "restarted")  # the fleet is still at v1: active
+            assert reg.get("g1").state == "active"
+            return super().update(targets)
+
+    transport = BackDuringUpdate(4)
+    report = SyncCoordinator(reg, transport).sync(tensors(2), 2)
+    assert report.ok and transport.pushed == [["g0", "g2"]]
+    assert reg.fleet_version == 2 and versions(reg, "g1") == {1}
+    assert reg.get("g1").state == "pending_weights"  # never routed at v1 under a v2 fleet

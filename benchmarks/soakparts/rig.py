@@ -56,6 +56,9 @@ EXPORT_FS_BYTES = 24 * 2**20
 VLLM_START_S = 900.0
 #: how many versions' tensors the trainer keeps (tokens of older versions are not checked)
 KEEP_VERSIONS = 6
+#: the gateways forget a session idle this long: the soak's conversations last seconds, and an
+#: hour's worth of finished ones kept (the default TTL) would read as RSS growth
+SESSION_TTL_S = 60.0
 
 
 def say(msg: str) -> None:
@@ -292,7 +295,9 @@ def fleet_configs(rig: Rig, vllm_python: str, repo: Path) -> dict[str, Any]:
         start_timeout_s=600.0,
         request_timeout_s=60.0,
         wait_for_routable_s=300.0,
-        gateway=GatewaySettings(wait_for_routable_s=300.0, request_timeout_s=120.0),
+        gateway=GatewaySettings(
+            wait_for_routable_s=300.0, request_timeout_s=120.0, session_ttl_s=SESSION_TTL_S
+        ),
         **common,
     )
     vllm = FleetConfig(
@@ -314,7 +319,9 @@ def fleet_configs(rig: Rig, vllm_python: str, repo: Path) -> dict[str, Any]:
         start_timeout_s=VLLM_START_S,
         request_timeout_s=180.0,
         wait_for_routable_s=VLLM_START_S,
-        gateway=GatewaySettings(wait_for_routable_s=VLLM_START_S, request_timeout_s=180.0),
+        gateway=GatewaySettings(
+            wait_for_routable_s=VLLM_START_S, request_timeout_s=180.0, session_ttl_s=SESSION_TTL_S
+        ),
         **common,
     )
     return {"ref": ref, "vllm": vllm}

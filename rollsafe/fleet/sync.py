@@ -669,6 +669,7 @@ class _SyncRun(Executor):
                     tuple(group.ranks),
                     tuple(r for r, m in members.items() if not m.healthy),
                     self.c.traits_for(group).failed_update_keeps_weights,
+                    tuple(members[r].weights_version for r in sorted(members)),
                 )
             )
             self.groups[group.group_id] = group

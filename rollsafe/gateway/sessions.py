@@ -183,14 +183,28 @@ class SessionStore:
                 ids[-1] in tokenizer.eos_token_ids or out.finish_reason == "stop"
             ) and closing.startswith(last):
                 closing = closing[len(last) :]  # the engine sampled the template's end token
+        now = time.monotonic()
         self._turns[pending.session_id] = _Turn(
             messages=messages,
             key=_key(messages),
             context=_context_key(pending.chat),
             ids=pending.prompt_ids + ids,
             closing=closing,
-            used=time.monotonic(),
+            used=now,
         )
         self._turns.move_to_end(pending.session_id)
+        self._expire(now)
         while len(self._turns) > self.max_sessions:
             self._turns.popitem(last=False)
+
+    def _expire(self, now: float) -> None:
+        """Forget the sessions idle past ``ttl_s``: the store is in the order of each session's
+        last turn, so they are at its front (without this, a session never looked up again
+        stayed until ``max_sessions`` newer ones pushed it out: the soak's driver grew by
+        about 4 MB a minute)."""
+        turns = self._turns
+        while turns:
+            session_id, oldest = next(iter(turns.items()))
+            if now - oldest.used <= self.ttl_s:
+                return
+            del turns[session_id]

@@ -13,8 +13,10 @@ on the real fleet, :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``):
 4. **update** every ``active`` / ``pending_weights`` group whose members are all healthy, in
    one transport update (an update that fails as a whole fails every target);
 5. **settle**: updated groups record N, the fleet version becomes N, the settlement's events
-   are sent (``fail`` / ``mark_stale`` / ``weights_loaded``), failed groups handed to
-   recovery; the transport's lock is released;
+   are sent (``fail`` / ``mark_stale`` / ``weights_loaded``); the groups are read again and
+   one that came back ``active`` below N while the update ran is marked stale
+   (``settle_latecomers``); failed groups are handed to recovery; the transport's lock is
+   released;
 6. ``onload_trainer``, **resume**; when the trainer's tensors are back, **start the export**
    of N.
 """
@@ -141,6 +143,12 @@ def sync(version: int, *, on_failure: policy.UpdateFailurePolicy = "fail") -> St
     for gid, event in settlement.events:
         outcome = yield from ask(SendGroup(gid, event, "settle_update"))
         if isinstance(outcome, Ok):  # else it moved meanwhile (failed, for instance)
+            sent.setdefault(event, []).append(gid)
+    # a group that came back ``active`` during the update, below N (docs/design.md, "Sync")
+    now = yield from read(ReadGroups())
+    for gid, event in policy.settle_latecomers(version, now, settlement.updated):
+        outcome = yield from ask(SendGroup(gid, event, "settle_latecomers"))
+        if isinstance(outcome, Ok):
             sent.setdefault(event, []).append(gid)
     handed = tuple(g for g in settlement.recover if g in sent.get(GroupEvent.FAIL, ()))
     for gid in handed:

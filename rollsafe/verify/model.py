@@ -342,6 +342,8 @@ class FleetModel(Executor):
         #: the running sync's outcomes: registered everywhere; group -> the rank that fails
         self._choice: tuple[bool, dict[int, int]] = (True, {})
         self._restart_choice = "ok"  # the running restart's outcome: ok, failed, timeout
+        self._during: int | None = None  # the running sync's ``during`` group, until it reads
+        self._pulled: bool | None = None  # replay: the running lease's recorded pull, if any
         self._push_ok = True  # the running targeted push's outcome
         self._probe_timed_out = False  # the running probe's outcome: no answer in time
         self._own_acts = 0  # the model's own effects that changed it
@@ -444,6 +446,7 @@ class FleetModel(Executor):
         for g in range(cfg.total_groups):
             yield Action("sync", (True, g, "fail"))
             yield Action("sync", (True, g, "stale"))
+            yield Action("sync", (True, None, "fail", None, (), g))
         yield Action("stray_delete")
         yield Action("export_finish")
         yield Action("export_fail")
@@ -583,17 +586,26 @@ class FleetModel(Executor):
         return self._acted > before  # False: an answer that changes nothing
 
     # -- the recovery coordinator: the second executor of rollsafe.operations.recover
-    def _do_recover(self, g: int) -> bool:
+    def _do_recover(self, g: int, pulled: bool | None = None) -> bool:
         """Gate, claim and lease: the first phases of :func:`rollsafe.operations.recover.attempt`
-        (the model's recoveries are retried by this action being enabled again)."""
+        (the model's recoveries are retried by this action being enabled again). ``pulled``
+        (replay only): the leased export had to be moved to the group's node, and its pull
+        succeeded (True) or failed (False), as the recorded run's ``pull`` step says."""
         if self.groups[g].state != "inactive" or g in self.late:
             return False
         before = self._acted
         gid = f"g{g}"
         end = drive(recover_op.claim(gid), self.perform)
         if end is None:  # claimed
-            drive(recover_op.take_lease(gid), self.perform)
+            self._lease_phase(gid, pulled)
         return self._acted > before
+
+    def _lease_phase(self, gid: str, pulled: bool | None) -> None:
+        self._pulled = pulled
+        try:
+            drive(recover_op.take_lease(gid), self.perform)
+        finally:
+            self._pulled = None
 
     def _do_restart(self, g: int, ok: bool) -> bool:
         """The restart phase, its restart succeeding or failing."""
@@ -809,15 +821,16 @@ class FleetModel(Executor):
                 self._release_lease(g)
         return True
 
-    def _do_place(self, g: int) -> bool:
+    def _do_place(self, g: int, pulled: bool | None = None) -> bool:
         """A node has room for the ``unplaced`` group ``g``: placement, then the recovery's
-        strategy and lease (its restart and push are the ``restart`` and ``push`` actions)."""
+        strategy and lease (its restart and push are the ``restart`` and ``push`` actions);
+        ``pulled`` as for ``recover``."""
         if self.groups[g].state != "unplaced" or g in self.late:
             return False
         gid = f"g{g}"
         end = drive(place_op.place(gid), self.perform)
         if end is None:
-            drive(recover_op.take_lease(gid), self.perform)
+            self._lease_phase(gid, pulled)
         return True
 
     # -- spares: the second executor of rollsafe.operations.spare
@@ -940,24 +953,34 @@ class FleetModel(Executor):
         on_failure: policy.UpdateFailurePolicy = "fail",
         version: int | None = None,
         failing: tuple[tuple[int, int], ...] = (),
+        during: int | None = None,
     ) -> bool:
         """A sync of the next version, the steps of :func:`rollsafe.operations.sync.sync`
         performed on the machines and the ground truth. The action's arguments are the outcomes
         it chooses: registered on every rank or not; the update fails on one rank of
-        ``failing_group`` (None: on none); the fleet's ``on_update_failure`` setting. A replay
-        (``rollsafe verify --trace``) also names the recorded ``version`` (default: the next
-        one) and ``failing`` ``(group, rank)`` pairs (the groups whose update failed)."""
+        ``failing_group`` (None: on none); the fleet's ``on_update_failure`` setting; ``during``:
+        the ``recovering`` group whose restart ends while the update runs (right after the
+        sync read the groups, before the new fleet version: the recovery's thread and the
+        sync's interleave there). A replay (``rollsafe verify --trace``) also names the
+        recorded ``version`` (default: the next one) and ``failing`` ``(group, rank)`` pairs
+        (the groups whose update failed)."""
         cfg = self.config
         new = self.version + 1 if version is None else version
         if new <= self.version or (cfg.max_version is not None and new > cfg.max_version):
             return False
         if self.registration.state not in ("empty", "registered", "failed"):
             return False
+        if during is not None and self.groups[during].state != "recovering":
+            return False
         fails = dict(failing)
         if failing_group is not None:
             fails.setdefault(failing_group, 0)
         self._choice = (registered_everywhere, fails)
-        drive(sync_op.sync(new, on_failure=on_failure), self.perform)
+        self._during = during
+        try:
+            drive(sync_op.sync(new, on_failure=on_failure), self.perform)
+        finally:
+            self._during = None
         return True
 
     @handles(
@@ -984,7 +1007,10 @@ class FleetModel(Executor):
 
     @handles(fx.PullExport)
     def _pull_export(self, effect: fx.PullExport) -> Outcome[Any]:
-        """A moved export is checked on the node: its copy is the export itself here."""
+        """A moved export is checked on the node: its copy is the export itself here (a replay
+        fails it where the recorded run's pull failed)."""
+        if self._pulled is False:
+            return Failed("the recorded run's pull failed")
         return Ok(fx.Pulled(str(effect.lease.path), 0))
 
     @handles(fx.AwaitDrained)
@@ -1051,7 +1077,8 @@ class FleetModel(Executor):
             else None
         )
         can_push = self.config.targeted_push
-        return Ok(fx.StrategyFacts(self.mode.state, self.version, facts, can_push=can_push))
+        moved = self._pulled is not None  # replay only: the run moved the export
+        return Ok(fx.StrategyFacts(self.mode.state, self.version, facts, can_push, moved))
 
     @handles(fx.TakeLease)
     def _take_lease(self, effect: fx.TakeLease) -> Outcome[Any]:
@@ -1182,7 +1209,7 @@ class FleetModel(Executor):
     @handles(fx.ReadGroups)
     def _read_groups(self, _effect: fx.ReadGroups) -> Outcome[Any]:
         keeps = self.config.traits.failed_update_keeps_weights
-        return Ok(
+        facts = Ok(
             tuple(
                 policy.GroupFacts(
                     grp.group_id,
@@ -1190,10 +1217,15 @@ class FleetModel(Executor):
                     grp.ranks,
                     tuple(r for r, m in grp.members.items() if not m.healthy),
                     keeps,
+                    tuple(grp.members[r].weights_version for r in sorted(grp.members)),
                 )
                 for grp in self.groups
             )
         )
+        if self._during is not None:  # the sync's ``during``: a restart ends after this read
+            g, self._during = self._during, None
+            self._restart_phase(g, "ok")
+        return facts
 
     @handles(fx.Update)
     def _update(self, effect: fx.Update) -> Outcome[Any]:

@@ -15,7 +15,8 @@ run's ``run`` row describes (its groups and ranks, initial version, settings: se
 2. the earliest recorded transition not replayed yet is the **anchor**; from its machine, event
    and ``decided_by`` the replay derives the model actions that could have sent it (a probe,
    a request-health ``fail`` answered as a probe that timed out, a sync with the recorded
-   version, registration and per-group results, a recovery's claim, restart or push with the
+   version, registration and per-group results (and a recovering group whose restart ended
+   while its update ran), a recovery's claim, restart or push with the
    recorded outcome, a node loss with the groups it took, a placement, a removal, the
    exporter's writer, retention), each with the silent steps the run cannot show (the ranks
    coming up, a node dying, a timed-out restart ending in the background);
@@ -35,8 +36,9 @@ What a replay does not see (the model abstracts it or the run does not record it
 health reports and failure counts (a recorded probe ``fail`` is the probe that reached the
 fleet's threshold: the replayed model's threshold is 1), requests and routing, the delta bases
 (the model keeps its own, unchecked against the run), leases (the model takes and releases
-them as its policy decides; they shape which retention steps it allows), a moved export's pull
-(always succeeds in the model), and the hooks a sync runs (always succeed).
+them as its policy decides; they shape which retention steps it allows), the bytes of a moved
+export's pull (the model takes the recorded pull's outcome: moved and checked, or failed), and
+the hooks a sync runs (always succeed).
 """
 
 from __future__ import annotations
@@ -534,13 +536,13 @@ class _Replayer:
                     yield (Action("probe", (g,)),)
                 yield (Action("probe_timeout", (g,)),)
         elif ev == "claim" or (ev == "retire" and by in (None, "gate_recovery")):
-            yield (*self._late_end(g), Action("recover", (g,)))
+            yield (*self._late_end(g), Action("recover", self._lease_args(g, a)))
         elif ev == "node_lost" and by == "gate_recovery":
             yield (*self._late_end(g), Action("node_dies", ((g,),)), Action("recover", (g,)))
         elif ev in ("node_lost", "retire") and by in (None, "on_node_lost"):
             yield (Action("node_dies", (self._lost_together(a),)), Action("node_lost"))
         elif ev == "placed":
-            yield (*self._late_end(g), Action("place", (g,)))
+            yield (*self._late_end(g), Action("place", self._lease_args(g, a)))
         elif ev == "restarted":
             yield (Action("restart", (g, True)),)
         elif ev == "restart_failed":
@@ -614,6 +616,12 @@ class _Replayer:
         )
         args = (everywhere, None, self.on_failure, version, failing)
         yield (Action("sync", args),)
+        # a recovering group whose restart ended while this sync's update ran (the model's
+        # ``during``): its next recorded transition is ``restarted`` into ``active``
+        for g in range(self.config.total_groups):
+            head = self.trace.head(("group", f"g{g}"))
+            if head is not None and head.event == "restarted" and head.target == "active":
+                yield (Action("sync", (*args, g)),)
 
     def _pushes(self, a: RecordedTransition) -> Iterator[tuple[Action, ...]]:
         """A recovery's targeted push into a group waiting for weights (loaded, or failed):
@@ -656,6 +664,25 @@ class _Replayer:
                 break
             lost.append(g)
         return tuple(sorted(lost))
+
+    def _lease_args(self, g: int, a: RecordedTransition) -> tuple[int] | tuple[int, bool]:
+        """A ``recover`` / ``place`` action's arguments for the claim or placement ``a``: with
+        the outcome of the recorded ``pull`` of that attempt's export, when the run had to move
+        it to the group's node (a Ray fleet whose node cannot read the trainer's path; a pull
+        that failed or ran out of its share of the attempt leaves dummy weights and a push)."""
+        gid = self.recorded_ids[g]
+        after = self.trace.following(a.key, 2)
+        until = after[1].timestamp if len(after) > 1 else float("inf")
+        for rec in self.recoveries:
+            if rec.get("group_id") != gid:
+                continue
+            for step in rec.get("steps") or ():
+                if step.get("name") != "pull":
+                    continue
+                started = float(step.get("started_at", 0.0))
+                if a.timestamp - _STEP_SLACK_S <= started <= until + _STEP_SLACK_S:
+                    return (g, bool(step.get("ok")))
+        return (g,)
 
     def _timed_out(self, a: RecordedTransition) -> bool:
         """Whether the recovery step that ended in ``a`` (a ``restart_failed``) timed out."""
@@ -796,6 +823,11 @@ def rows_of_model_run(
                     steps=[{**step, "detail": detail}],
                 )
             )
+        if action.name in ("place", "recover") and len(action.args) > 1:  # a recorded pull
+            g, ok = int(action.args[0]), bool(action.args[1])
+            t = clock[0]
+            step = {"name": "pull", "ok": ok, "started_at": t, "seconds": 0.0, "detail": ""}
+            rows.append(row("recovery", f"g{g}", group_id=f"g{g}", steps=[step]))
     header = {
         "kind": "run",
         "subject": "fleet",
