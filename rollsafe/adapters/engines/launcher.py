@@ -95,7 +95,7 @@ class EngineLauncher:
     def __init__(self, spec: EngineSpec) -> None:
         if spec.on_cpu and spec.cpu_cores is None:
             # this engine's own cores, kept across restarts (see EngineSpec.cpu_cores)
-            spec = dataclasses.replace(spec, cpu_cores=deal_cores(spec.ranks))
+            spec = dataclasses.replace(spec, cpu_cores=deal_cores(spec.ranks // spec.slices))
         self._spec = spec
         self._lock = threading.RLock()
         # set by stop()/kill() before they wait for the lock: a start in progress (a real

@@ -63,6 +63,8 @@ DIST_KEY_ENV = "ROLLSAFE_DIST_INIT_KEY"
 _LOOPBACK_KEY = b"rollsafe-dist-init-loopback"
 #: how often a node retries connecting to the head while it is not listening yet
 _RETRY_S = 0.2
+#: how long the head waits for a connection's hello (sent right after connecting)
+_HELLO_S = 10.0
 
 
 def parse_dist_init_addr(text: str) -> tuple[str, int]:
@@ -233,6 +235,9 @@ class NodeListener:
                     return
             try:
                 conn = self._listener.accept()
+                if not conn.poll(_HELLO_S):  # a silent peer never holds the listener
+                    conn.close()
+                    continue
                 hello = conn.recv()
             except (OSError, EOFError, mp.AuthenticationError) as exc:
                 with self._lock:

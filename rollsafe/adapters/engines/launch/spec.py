@@ -484,7 +484,9 @@ class EngineSpec:
                 # vLLM's CPU platform lets this legacy variable override --kv-cache-memory-bytes
                 env.pop("VLLM_CPU_KVCACHE_SPACE", None)
                 if self.cpu_cores:
-                    env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(self.cpu_cores, self.ranks)
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
+                        self.cpu_cores, self.ranks // self.slices
+                    )
         if self.env:
             env.update(self.env)
         return env
