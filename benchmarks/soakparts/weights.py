@@ -12,16 +12,32 @@ the fleet's version:
 
 A group that fails its check is looked at again: when it left ``active`` or the fleet moved to
 another version meanwhile (a fault hit it during the check) the check is void, not a violation.
+An engine that did not answer at all (a SIGKILL that landed after its update was acknowledged)
+is given the fleet's detection bound (:func:`detection_bound_s`) to leave ``active`` first; one
+still routable after it is a violation.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokens import Answer, TokenCheck
 
 __all__ = ["check_groups"]
+
+
+#: how a problem that is an engine not answering starts (see :func:`check_groups`)
+_SILENT = ("no answer", "probe failed")
+
+
+def detection_bound_s(fleet: Any) -> float:
+    """How long the fleet's health probes may take to take a dead engine out of routing: a
+    failed probe each interval, each bounded by its timeout, ``failure_threshold`` of them,
+    plus one interval and a second of slack."""
+    hs = fleet.config.health
+    return hs.failure_threshold * (hs.interval_s + hs.timeout_s) + hs.interval_s + 1.0
 
 
 def check_groups(
@@ -51,13 +67,15 @@ def check_groups(
         got = fleet.checksums()
         for gid in wanted:
             if got.get(gid) != want:
-                problems[gid] = f"digest {got.get(gid)} != the trainer's {want} (v{version})"
+                seen = got.get(gid)
+                why = f"digest {seen}" if seen is not None else f"{_SILENT[0]} (digest None)"
+                problems[gid] = f"{why} != the trainer's {want} (v{version})"
     else:
         checks = fleet.check_weights(weights)
         for gid in wanted:
             check = checks.get(gid)
             if check is None:
-                problems[gid] = "no answer from its weight checker"
+                problems[gid] = f"{_SILENT[0]} from its weight checker"
                 continue
             kinds = set(check.counts())
             if not kinds <= {"equal", "no_data"} or "equal" not in kinds:
@@ -67,7 +85,7 @@ def check_groups(
             try:
                 answers = record_answers(group.client, timeout=120)
             except Exception as exc:
-                problems[gid] = f"probe failed: {type(exc).__name__}: {exc}"
+                problems[gid] = f"{_SILENT[1]}: {type(exc).__name__}: {exc}"
                 continue
             bad: list[str] = []
             for a in answers.answers:
@@ -81,6 +99,15 @@ def check_groups(
                 )
             if bad:
                 problems[gid] = f"probe: {bad[0]}"
+    # an engine that did not answer may have died after the read above (a fault's SIGKILL that
+    # lands once its update was acknowledged): that is the fleet's detection window, not wrong
+    # weights, as long as the health probes take it out within their bound
+    silent = {g for g, why in problems.items() if why.startswith(_SILENT)}
+    deadline = time.monotonic() + detection_bound_s(fleet)
+    while silent and time.monotonic() < deadline:
+        silent = {g for g in silent if registry.get(g).state == "active"}
+        if silent:
+            time.sleep(0.1)
     for gid in wanted:
         if gid not in problems:
             counts["equal"] += 1

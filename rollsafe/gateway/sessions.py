@@ -199,9 +199,8 @@ class SessionStore:
 
     def _expire(self, now: float) -> None:
         """Forget the sessions idle past ``ttl_s``: the store is in the order of each session's
-        last turn, so they are at its front (without this, a session never looked up again
-        stayed until ``max_sessions`` newer ones pushed it out: the soak's driver grew by
-        about 4 MB a minute)."""
+        last turn, so they are at its front (without this, a finished conversation, never
+        looked up again, stayed until ``max_sessions`` newer ones pushed it out)."""
         turns = self._turns
         while turns:
             session_id, oldest = next(iter(turns.items()))
