@@ -79,9 +79,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         removals=args.removals,
         deltas=not args.no_deltas,
         spares=args.spares,
+        slices=args.slices,
     )
     traits = config.traits
     spares = f" + {config.spares} spare(s)" if config.spares else ""
+    spares += f" over {config.slices} nodes each" if config.slices > 1 else ""
     print(
         f"exploring the composed fleet model: {config.groups} groups{spares} x {config.ranks}"
         " ranks,"
@@ -225,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="spare groups beside --groups (default 0: none; each is kept in standby at the "
         "fleet's version and promoted when a serving group leaves routing; issue #37)",
+    )
+    p.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        help="node slices of every group (default 1: one node each; N: groups that span N "
+        "nodes, GroupSpec.ranks_per_node, the node under one slice may die alone; issue #37)",
     )
     p.add_argument("--max-states", type=int, default=None, help="stop after this many states")
     p.add_argument("--all-violations", action="store_true", help="keep going after the first")

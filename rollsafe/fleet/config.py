@@ -39,7 +39,15 @@ if TYPE_CHECKING:
     from rollsafe.adapters.engines import EngineSpec
     from rollsafe.ports import LaunchableEngine
 
-__all__ = ["TRANSPORTS", "FleetConfig", "GroupPlan", "GroupSpec", "LauncherFactory"]
+__all__ = [
+    "TRANSPORTS",
+    "FleetConfig",
+    "GroupPlan",
+    "GroupSpec",
+    "LauncherFactory",
+    "check_shape",
+    "slice_count",
+]
 
 #: The built-in transports (each a settings class in
 #: :data:`~rollsafe.fleet.settings.TRANSPORT_SETTINGS` and a ``FleetConfig`` field of that
@@ -55,12 +63,45 @@ class GroupSpec:
     ``fleet_ranks`` pins the group's global ranks (the transport's world positions); by default
     groups get consecutive ranks in config order. ``group_id`` defaults to ``g{index}``.
     ``warm_standby`` overrides :attr:`FleetConfig.warm_standby` for this group (None: inherit).
+    ``ranks_per_node`` spreads the group over nodes (``docs/cluster.md``, "Groups that span
+    nodes"): ``ranks // ranks_per_node`` node slices of ``ranks_per_node`` ranks each, every
+    slice on its own node, placed all slices or none; ``ranks`` must be a multiple of it.
+    None (the default) keeps the whole group on one node.
     """
 
     ranks: int = 1
     group_id: str | None = None
     fleet_ranks: tuple[int, ...] | None = None
     warm_standby: bool | None = None
+    ranks_per_node: int | None = None
+
+    @property
+    def slices(self) -> int:
+        """How many nodes the group spans (1 without ``ranks_per_node``)."""
+        return slice_count(self.ranks, self.ranks_per_node)
+
+
+def slice_count(ranks: int, ranks_per_node: int | None) -> int:
+    """The node slices of a group of ``ranks`` ranks, ``ranks_per_node`` on each node (None:
+    one node); assumes the shape was checked (:func:`check_shape`)."""
+    return 1 if ranks_per_node is None else max(1, ranks // ranks_per_node)
+
+
+def check_shape(key: str, ranks: int, ranks_per_node: object) -> None:
+    """Refuse a ``ranks_per_node`` that does not cut ``ranks`` into whole node slices:
+    :class:`FleetConfigError` naming ``key`` (e.g. ``groups[1].ranks_per_node``)."""
+    if ranks_per_node is None:
+        return
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int):
+        raise FleetConfigError(key, f"must be an int >= 1 or None, got {ranks_per_node!r}")
+    if ranks_per_node < 1:
+        raise FleetConfigError(key, f"must be >= 1, got {ranks_per_node}")
+    if ranks % ranks_per_node:
+        raise FleetConfigError(
+            key,
+            f"{ranks_per_node} does not divide the group's {ranks} ranks (every node slice "
+            f"holds the same number of ranks: choose a divisor of {ranks})",
+        )
 
 
 #: ``launcher_factory(group_id, spec)`` returns an un-started launcher for the group (an
@@ -362,6 +403,11 @@ class FleetConfig:
             raise FleetConfigError(
                 "engine.ranks", "is set per group: GroupSpec(ranks=...) (leave it at 1 here)"
             )
+        if engine.ranks_per_node is not None:
+            raise FleetConfigError(
+                "engine.ranks_per_node",
+                "is set per group: GroupSpec(ranks_per_node=...) (leave it None here)",
+            )
         self._check_topology(self._resolve_groups())
 
     def _check_topology(self, resolved: list[GroupPlan]) -> None:
@@ -369,6 +415,13 @@ class FleetConfig:
         refused naming the group (``topology_refusal``; docs/cluster.md section 6)."""
         if self.placement != "ray":
             return
+        for plan in resolved:
+            if plan.slices > 1 and plan.group_id in self.ray.trainer_node_groups:
+                raise FleetConfigError(
+                    "ray.trainer_node_groups",
+                    f"group {plan.group_id!r} spans {plan.slices} nodes (ranks_per_node="
+                    f"{plan.ranks_per_node}): it cannot be placed on the trainer's node only",
+                )
         ids = [g.group_id for g in resolved]
         refused = topology_refusal(
             self.settings_for().transport, placement=self.placement, ray=self.ray, group_ids=ids
@@ -387,6 +440,7 @@ class FleetConfig:
             if not isinstance(spec, GroupSpec):
                 raise FleetConfigError(f"groups[{i}]", f"must be a GroupSpec, got {spec!r}")
             check_number(f"groups[{i}].ranks", spec.ranks, integer=True)
+            check_shape(f"groups[{i}].ranks_per_node", spec.ranks, spec.ranks_per_node)
             if spec.warm_standby is not None and not isinstance(spec.warm_standby, bool):
                 raise FleetConfigError(
                     f"groups[{i}].warm_standby",
@@ -426,7 +480,9 @@ class FleetConfig:
             for rk in ranks:
                 owner[rk] = gid
             next_rank = max(next_rank, max(ranks) + 1)
-            resolved.append(GroupPlan(gid, spec.ranks, ranks, standby))
+            resolved.append(
+                GroupPlan(gid, spec.ranks, ranks, standby, ranks_per_node=spec.ranks_per_node)
+            )
         return resolved + self._spare_plans(resolved, next_rank, owner)
 
     def _spare_plans(
@@ -443,6 +499,14 @@ class FleetConfig:
                 f"spares take over from any group, so the groups must have one size; their "
                 f"ranks are {sizes}",
             )
+        shapes = {p.ranks_per_node for p in serving}
+        if len(shapes) != 1:
+            raise FleetConfigError(
+                "spare_groups",
+                f"spares take over from any group, so the groups must have one shape; their "
+                f"ranks_per_node are {sorted(shapes, key=str)}",
+            )
+        (per_node,) = shapes
         taken = {p.group_id for p in serving}
         plans: list[GroupPlan] = []
         index = 0
@@ -458,18 +522,29 @@ class FleetConfig:
             for rk in ranks:
                 owner[rk] = gid
             next_rank = max(ranks) + 1
-            plans.append(GroupPlan(gid, sizes[0], ranks, self.warm_standby, spare=True))
+            plans.append(
+                GroupPlan(
+                    gid, sizes[0], ranks, self.warm_standby, spare=True, ranks_per_node=per_node
+                )
+            )
         return plans
 
 
 @dataclass(frozen=True)
 class GroupPlan:
     """One group as the fleet runs it: its id, its engine's ranks (processes), its fleet ranks
-    (the transport's world positions), whether it keeps a warm standby and whether it starts
-    as a spare (``FleetConfig.spare_groups``)."""
+    (the transport's world positions), whether it keeps a warm standby, whether it starts
+    as a spare (``FleetConfig.spare_groups``) and its ranks per node (None: one node;
+    :attr:`GroupSpec.ranks_per_node`)."""
 
     group_id: str
     ranks: int
     fleet_ranks: tuple[int, ...]
     warm_standby: bool = False
     spare: bool = False
+    ranks_per_node: int | None = None
+
+    @property
+    def slices(self) -> int:
+        """How many nodes the group spans."""
+        return slice_count(self.ranks, self.ranks_per_node)

@@ -26,8 +26,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import rollsafe.operations.effects as fx
+import rollsafe.operations.place as place_op
 from rollsafe.errors import InvalidArgument
-from rollsafe.fleet.config import FleetConfig, GroupPlan, GroupSpec, LauncherFactory
+from rollsafe.fleet.config import (
+    FleetConfig,
+    GroupPlan,
+    GroupSpec,
+    LauncherFactory,
+    check_shape,
+)
 from rollsafe.fleet.steps import TimedStep
 from rollsafe.operations.executor import Executor, handles
 from rollsafe.ports import LaunchableEngine, PlaceableEngine, RestartableEngine
@@ -128,14 +135,14 @@ class EngineGroups:
             return list(self._handles.values())
 
     def groups_on(self, node_id: str) -> list[str]:
-        """The groups whose current placement is on ``node_id``."""
+        """The groups with a slice of their current placement on ``node_id`` (a group that
+        spans nodes is on each of its slices' nodes)."""
         with self._lock:
             handles = list(self._handles.items())
-        return [
-            gid
-            for gid, handle in handles
-            if isinstance(handle, PlaceableEngine) and handle.node_id == node_id
-        ]
+        placements = {
+            gid: handle.node_ids for gid, handle in handles if isinstance(handle, PlaceableEngine)
+        }
+        return list(place_op.groups_on(node_id, placements))
 
     # ------------------------------------------------------------------ specs
     def spec_for(self, plan: GroupPlan) -> EngineSpec:
@@ -147,7 +154,11 @@ class EngineGroups:
         if version is None:
             version = str(self.config.initial_version)
         spec = dataclasses.replace(
-            template, ranks=plan.ranks, warm_standby=plan.warm_standby, weight_version=version
+            template,
+            ranks=plan.ranks,
+            ranks_per_node=plan.ranks_per_node,
+            warm_standby=plan.warm_standby,
+            weight_version=version,
         )
         return self._adjust(spec)
 
@@ -181,6 +192,7 @@ class EngineGroups:
             raise InvalidArgument("spec", f"add_group needs a GroupSpec, got {spec!r}")
         if not isinstance(spec.ranks, int) or isinstance(spec.ranks, bool) or spec.ranks < 1:
             raise InvalidArgument("spec.ranks", f"must be an int >= 1, got {spec.ranks!r}")
+        check_shape("spec.ranks_per_node", spec.ranks, spec.ranks_per_node)
         with self._lock:
             gid = spec.group_id if spec.group_id is not None else self._new_id()
             if not isinstance(gid, str) or not gid:
@@ -189,7 +201,7 @@ class EngineGroups:
                 raise InvalidArgument("spec.group_id", f"a group {gid!r} is already in the fleet")
             ranks = self._take_ranks(gid, spec)
             standby = self.config.warm_standby if spec.warm_standby is None else spec.warm_standby
-            return GroupPlan(gid, spec.ranks, ranks, standby)
+            return GroupPlan(gid, spec.ranks, ranks, standby, ranks_per_node=spec.ranks_per_node)
 
     def give_back(self, plan: GroupPlan) -> None:
         """A plan that will not start: its fleet ranks are free again."""

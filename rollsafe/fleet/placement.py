@@ -20,6 +20,7 @@ from rollsafe.fleet.config import LauncherFactory
 
 if TYPE_CHECKING:
     from rollsafe.adapters.engines import EngineLauncher, EngineSpec
+    from rollsafe.adapters.engines.sliced import SlicedLauncher
     from rollsafe.fleet.recovery import ExportMoverLike
     from rollsafe.ports import LaunchableEngine, WeightTransport
 
@@ -79,14 +80,15 @@ class Placement(Protocol):
         """Stop watching; placements of groups are given back by their handles."""
 
 
-def _default_launcher(group_id: str, spec: EngineSpec) -> EngineLauncher:
-    from rollsafe.adapters.engines import EngineLauncher
+def _default_launcher(group_id: str, spec: EngineSpec) -> EngineLauncher | SlicedLauncher:
+    from rollsafe.adapters.engines.sliced import launcher_for
 
-    return EngineLauncher(spec)
+    return launcher_for(spec)
 
 
 class LocalPlacement:
-    """Every group on this machine: an ``EngineLauncher`` each (children of this process), or
+    """Every group on this machine: an ``EngineLauncher`` each (children of this process; a
+    group that spans nodes: a ``SlicedLauncher``, its slices as virtual nodes on loopback), or
     the handles ``factory`` makes (``FleetConfig.launcher_factory``)."""
 
     def __init__(self, factory: LauncherFactory | None = None) -> None:

@@ -20,6 +20,7 @@ every step of I/O an effect its executor performs (the fleet's ``RolloutFleet`` 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,7 +42,16 @@ from rollsafe.operations.effects import (
 )
 from rollsafe.operations.recover import AttemptEnd, push, restart, take_lease
 
-__all__ = ["RemovalEnd", "attempt", "drain", "finish_removal", "node_lost", "place", "remove"]
+__all__ = [
+    "RemovalEnd",
+    "attempt",
+    "drain",
+    "finish_removal",
+    "groups_on",
+    "node_lost",
+    "place",
+    "remove",
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,13 @@ class RemovalEnd:
 
 
 # ====================================================================== 1. node loss
+def groups_on(node: str, placements: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+    """The groups a dead ``node`` takes out: every group holding a slice on it
+    (``placements``: each group's nodes, one per slice; a group on one node has one), so a
+    group that spans nodes is lost whole when the node under any of its slices is."""
+    return tuple(gid for gid, nodes in placements.items() if node in nodes)
+
+
 def node_lost(groups: tuple[str, ...]) -> Steps[tuple[str, ...]]:
     """A node died with ``groups`` placed on it: all of them leave routing in one step.
     Returns the groups now ``unplaced`` (each to be placed again)."""

@@ -162,6 +162,11 @@ class ModelConfig:
     immediate_recovery: bool = True
     #: a transport can push to one group (``RecoverySettings.targeted_push``)
     targeted_push: bool = True
+    #: the node slices of every group (``GroupSpec.ranks_per_node``: a group over ``slices``
+    #: nodes, each rank count a multiple of it): the node under one slice may die alone
+    #: (``slice_dies``); the watcher's report takes the whole group out, re-placement places
+    #: every slice or none; 1 (the default): each group on one node
+    slices: int = 1
     #: spare groups besides the ``groups`` serving ones (``FleetConfig.spare_groups``): each
     #: starts as a spare (the groups' size), ``standby`` once launched, promoted in place of a
     #: serving group that left routing (``cover``); 0 (the default) explores no spare and no
@@ -178,6 +183,12 @@ class ModelConfig:
             )
         if self.spares < 0:
             raise InvalidArgument("spares", f"spares must be >= 0, got {self.spares}")
+        if self.slices < 1 or any(n % self.slices for n in self.rank_counts):
+            raise InvalidArgument(
+                "slices",
+                f"slices must be >= 1 and divide every group's ranks {self.rank_counts}, got "
+                f"{self.slices}",
+            )
         if self.failure_threshold < 1:
             raise InvalidArgument(
                 "failure_threshold", f"failure_threshold must be >= 1, got {self.failure_threshold}"
@@ -202,6 +213,10 @@ class ModelConfig:
         """Each group's rank count (the spares last, of the first group's size)."""
         serving = self.group_ranks or (self.ranks,) * self.groups
         return serving + (serving[0],) * self.spares
+
+    def slice_of(self, g: int, r: int) -> int:
+        """The node slice rank ``r`` of group ``g`` runs on."""
+        return r // (self.rank_counts[g] // self.slices)
 
     @property
     def traits(self) -> policy.EngineTraits:
@@ -235,6 +250,7 @@ class _Audit:
     register_complete: bool | None = None
     wrong_base_deltas: tuple[str, ...] = ()
     promotions: tuple[PromotionPicture, ...] = ()
+    partial_placements: tuple[str, ...] = ()
 
 
 def _declared() -> dict[str, frozenset[str]]:
@@ -290,10 +306,12 @@ class FleetModel(Executor):
             tuple((False, None) for _ in range(n)) for n in cfg.rank_counts
         ]
         self.counts: list[dict[int, int]] = [{} for _ in range(cfg.total_groups)]
-        #: ground truth per group: its node is alive
-        self.node_up: list[bool] = [True] * cfg.total_groups
+        #: ground truth per group: the node under each of its slices is alive
+        self.node_up: list[tuple[bool, ...]] = [(True,) * cfg.slices] * cfg.total_groups
         #: groups whose node's death the fleet was told of, not placed again since
         self.node_lost: set[int] = set()
+        #: per group, the slices whose node's death the fleet was told of (not placed since)
+        self.lost_slices: list[tuple[int, ...]] = [()] * cfg.total_groups
         #: groups whose removal began
         self.removed: set[int] = set()
         #: claims made on each group's restart budget
@@ -418,6 +436,10 @@ class FleetModel(Executor):
         if cfg.node_loss:
             for dying in _node_sets(cfg.total_groups):
                 yield Action("node_dies", (dying,))
+            if cfg.slices > 1:  # the node under one slice of a group that spans nodes
+                for g in range(cfg.total_groups):
+                    for s in range(cfg.slices):
+                        yield Action("slice_dies", (g, s))
             yield Action("node_lost")
         yield Action("sync", (False, None, "fail"))
         yield Action("sync", (True, None, "fail"))
@@ -518,7 +540,7 @@ class FleetModel(Executor):
     def _do_launch(self, g: int, r: int) -> bool:
         group = self.groups[g]
         alive, _ = self.truth[g][r]
-        if group.state != "launching" or alive or not self.node_up[g]:
+        if group.state != "launching" or alive or not self.node_up[g][self.config.slice_of(g, r)]:
             return False
         start = self.config.initial_version  # every engine launches on the start checkpoint
         self._set_truth(g, r, True, start)
@@ -744,26 +766,54 @@ class FleetModel(Executor):
         The fleet learns of it from a probe or from the watcher (``node_lost``)."""
         changed = False
         for g in dying:
-            if not self.node_up[g] or self.groups[g].state == "retired":
-                continue
-            self.node_up[g] = False
-            for r in range(self.config.rank_counts[g]):
-                self._set_truth(g, r, False, None)
-            changed = True
+            for s in range(self.config.slices):
+                changed = self._do_slice_dies(g, s) or changed
         return changed
 
-    def _lost_candidates(self) -> tuple[int, ...]:
-        return tuple(
-            g
+    def _do_slice_dies(self, g: int, s: int) -> bool:
+        """The node under slice ``s`` of group ``g`` dies (ground truth): the slice's ranks
+        with it; the rest of the group's engine cannot serve without them (the fleet learns of
+        it from a probe or from the watcher, ``node_lost``)."""
+        if not self.node_up[g][s] or self.groups[g].state == "retired":
+            return False
+        up = list(self.node_up[g])
+        up[s] = False
+        self.node_up[g] = tuple(up)
+        for r in range(self.config.rank_counts[g]):
+            if self.config.slice_of(g, r) == s:
+                self._set_truth(g, r, False, None)
+        return True
+
+    def _dead_nodes(self) -> dict[str, tuple[int, int]]:
+        """The dead nodes the watcher has not reported yet: their names -> (group, slice)."""
+        return {
+            _node_name(g, s): (g, s)
             for g in range(self.config.total_groups)
-            if not self.node_up[g] and g not in self.node_lost and self.groups[g].state != "retired"
-        )
+            for s, up in enumerate(self.node_up[g])
+            if not up and s not in self.lost_slices[g] and self.groups[g].state != "retired"
+        }
+
+    def _lost_candidates(self) -> tuple[int, ...]:
+        """The groups the unreported dead nodes take out (:func:`~rollsafe.operations.place.
+        groups_on`, as the fleet's membership asks it): a group with any slice on one."""
+        placements = {
+            f"g{g}": tuple(_node_name(g, s) for s in range(self.config.slices))
+            for g in range(self.config.total_groups)
+            if g not in self.node_lost and self.groups[g].state != "retired"
+        }
+        found = {gid for node in self._dead_nodes() for gid in place_op.groups_on(node, placements)}
+        return tuple(g for g in range(self.config.total_groups) if f"g{g}" in found)
 
     def _do_node_lost(self) -> bool:
         """The watcher reports every dead node: their groups leave routing in one step."""
+        dead = self._dead_nodes()
         lost = self._lost_candidates()
-        if not lost:
+        if not dead:
             return False
+        for g, s in dead.values():
+            self.lost_slices[g] = tuple(sorted({*self.lost_slices[g], s}))
+        if not lost:
+            return True
         self.node_lost.update(lost)
         drive(place_op.node_lost(tuple(f"g{g}" for g in lost)), self.perform)
         for g in lost:  # a recovery cut by the node's loss ends: its lease goes back
@@ -868,9 +918,21 @@ class FleetModel(Executor):
     def _place(self, effect: fx.Place) -> Outcome[Any]:
         g = self._index[effect.group]
         self._own_acts += 1
-        self.node_up[g] = True
+        # one reservation for every slice, each on a live node, or none (Ray's STRICT_SPREAD)
+        self.node_up[g] = (True,) * self.config.slices
         self.node_lost.discard(g)
+        self.lost_slices[g] = ()
+        self._audit_placement(g)
         return Ok(f"node-of-{effect.group}")
+
+    def _audit_placement(self, g: int) -> None:
+        """Record a placement that left a slice on a dead node (``placed_all_slices_or_none``)."""
+        placed = sum(self.node_up[g])
+        if placed != self.config.slices:
+            self.audit.partial_placements = (
+                *self.audit.partial_placements,
+                f"g{g}: {placed} of {self.config.slices} slices",
+            )
 
     @handles(fx.StopEngine)
     def _stop_engine(self, effect: fx.StopEngine) -> Outcome[Any]:
@@ -1002,7 +1064,7 @@ class FleetModel(Executor):
                 initial_budget=self.config.restart_budget,
                 can_push=self.config.targeted_push,
                 # the actor answers iff its node lives (the fleet asks it on a failure)
-                placement_alive=self.node_up[g] if self.config.node_loss else None,
+                placement_alive=all(self.node_up[g]) if self.config.node_loss else None,
             )
         )
 
@@ -1060,7 +1122,9 @@ class FleetModel(Executor):
         self._reset_base(g)  # a restarted engine's weights are new: its next push is full
         if choice == "ok":
             version = None if effect.dummy else effect.weight_version
-            self.node_up[g] = True  # an actor gone with its node is placed anew (RayEngineGroup)
+            # an actor gone with its node is placed anew, whole (RayEngineGroup)
+            self.node_up[g] = (True,) * self.config.slices
+            self.lost_slices[g] = ()
             for r in range(self.config.rank_counts[g]):
                 self._set_truth(g, r, True, version)
             return _OK
@@ -1312,9 +1376,12 @@ class FleetModel(Executor):
         if name == "restart_ends":
             return args[0] in self.late
         if name == "node_dies":
-            return any(self.node_up[g] and self.groups[g].state != "retired" for g in args[0])
+            return any(any(self.node_up[g]) and self.groups[g].state != "retired" for g in args[0])
+        if name == "slice_dies":
+            g, s = args
+            return bool(self.node_up[g][s]) and self.groups[g].state != "retired"
         if name == "node_lost":
-            return bool(self._lost_candidates())
+            return bool(self._dead_nodes())
         if name in ("place", "remove", "finish_removal"):
             g = int(args[0])
             state = str(self.groups[g].state)
@@ -1374,6 +1441,7 @@ class FleetModel(Executor):
                     initial_budget=self.config.restart_budget,
                     claims=self.claims[g],
                     spare=grp.spare,
+                    lost_slices=self.lost_slices[g],
                 )
             )
         reg = self.registration
@@ -1409,6 +1477,7 @@ class FleetModel(Executor):
             wrong_base_deltas=audit.wrong_base_deltas,
             spare_groups=self.config.spares,
             promotions=audit.promotions,
+            partial_placements=audit.partial_placements,
             lease_holders=(
                 *(
                     LeasePicture(f"g{g}", lease.version, self.groups[g].state)
@@ -1438,7 +1507,13 @@ class FleetModel(Executor):
                 tuple(sorted(self.counts[g].items())),
                 self.leases[g].version if g in self.leases else None,
                 self._late_row(g),
-                (self.node_up[g], g in self.node_lost, g in self.removed, self.claims[g]),
+                (
+                    self.node_up[g],
+                    g in self.node_lost,
+                    g in self.removed,
+                    self.claims[g],
+                    self.lost_slices[g],
+                ),
                 self._delta_row(g),
                 grp.spare,
             )
@@ -1467,6 +1542,7 @@ class FleetModel(Executor):
                 a.register_complete,
                 a.wrong_base_deltas,
                 a.promotions,
+                a.partial_placements,
             ),
         )
 
@@ -1497,7 +1573,7 @@ class FleetModel(Executor):
                 (
                     state,
                     budget,
-                    tuple(sorted(zip(members, truth, strict=True), key=repr)),
+                    _sorted_ranks(members, truth, self.config.slices),
                     len(counts),
                     *rest,
                 )
@@ -1524,6 +1600,7 @@ class FleetModel(Executor):
                 len(audit_s[6]),
                 *audit_s[7:9],
                 promotions,
+                audit_s[10],
             ),
         )
 
@@ -1533,7 +1610,7 @@ class FleetModel(Executor):
         self.registry.restore_version(version)
         for g, row in enumerate(groups):
             state, budget, members, truth, counts, _lease, _late, place, delta, spare = row
-            self.node_up[g], lost, removed, self.claims[g] = place
+            self.node_up[g], lost, removed, self.claims[g], self.lost_slices[g] = place
             if delta:
                 machine = self.delta[g]
                 if machine.state != delta[0]:
@@ -1593,6 +1670,21 @@ def _bad_promotion(promotion: PromotionPicture) -> bool:
     """Whether ``promotion`` breaks ``promoted_only_at_current_version``."""
     picture = FleetPicture(promotion.fleet_version, (), promotions=(promotion,))
     return bool(invariants.promoted_only_at_current_version(picture))
+
+
+def _node_name(g: int, s: int) -> str:
+    """The model's name of the node under slice ``s`` of group ``g``."""
+    return f"n{g}.{s}"
+
+
+def _sorted_ranks(members: Sequence[Any], truth: Sequence[Any], slices: int) -> tuple[Any, ...]:
+    """A group's (recorded, true) rank pairs up to symmetry: ranks are interchangeable inside
+    one node slice (a slice's node dies with its ranks), not across slices."""
+    pairs = list(zip(members, truth, strict=True))
+    per = len(pairs) // slices
+    return tuple(
+        item for s in range(slices) for item in sorted(pairs[s * per : (s + 1) * per], key=repr)
+    )
 
 
 def _node_sets(groups: int) -> tuple[tuple[int, ...], ...]:

@@ -95,7 +95,7 @@ class EngineLauncher:
     def __init__(self, spec: EngineSpec) -> None:
         if spec.on_cpu and spec.cpu_cores is None:
             # this engine's own cores, kept across restarts (see EngineSpec.cpu_cores)
-            spec = dataclasses.replace(spec, cpu_cores=deal_cores(spec.ranks))
+            spec = dataclasses.replace(spec, cpu_cores=deal_cores(spec.ranks // spec.slices))
         self._spec = spec
         self._lock = threading.RLock()
         # set by stop()/kill() before they wait for the lock: a start in progress (a real
@@ -319,6 +319,8 @@ class EngineLauncher:
         self._running.api_key_file = key_file
         cmd = spec.command(port=port, api_key_file=key_file)
         self._command = cmd
+        if spec.node_rank > 0:
+            return self._start_headless(spec, cmd)
         try:
             self._launch_fresh(spec, cmd)
             attempt = self._attempt(self._running.require_proc(), cmd)
@@ -331,6 +333,16 @@ class EngineLauncher:
             self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
             raise
         self._running.remove_files()  # SGLang read its --config at start: the key leaves the disk
+        self._record_start("fresh_spawn", "none")
+        return self
+
+    def _start_headless(self, spec: EngineSpec, cmd: list[str]) -> EngineLauncher:
+        """A real engine's node slice other than the head (``--headless``): it serves no HTTP
+        and prints no ready line, so it is started, not waited for: the group is ready when
+        its head is (the head waits for every node's workers)."""
+        self._launch_fresh(spec, cmd)
+        proc = self._running.require_proc()
+        self._running.info = {"url": None, "pid": proc.pid, "rank_pids": [], "headless": True}
         self._record_start("fresh_spawn", "none")
         return self
 
@@ -374,6 +386,8 @@ class EngineLauncher:
         info = wait_for_ready_line(attempt, deadline, from_standby=from_standby)
         self._running.info = info
         self._running.watch_ranks([int(p) for p in info.get("rank_pids", [])])
+        if spec.node_rank > 0:  # a node slice without the server: linked to its head, no HTTP
+            return
         self._running.client = client = engine_client(spec, str(info["url"]))
         wait_for_health(attempt, client, deadline)
         if spec.dialect == "vllm":  # --vllm-version 0.26.0 keeps no version: the client does

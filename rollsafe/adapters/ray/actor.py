@@ -68,9 +68,27 @@ class EngineHost:
     answers (False) while a restart is in progress instead of waiting for it.
     """
 
-    def __init__(self, spec: EngineSpec, *, bind_node_ip: bool = False) -> None:
+    def __init__(
+        self,
+        spec: EngineSpec,
+        *,
+        bind_node_ip: bool = False,
+        node_slice: tuple[int, str, str | None] | None = None,
+    ) -> None:
+        """``node_slice`` (a group that spans nodes): ``(node_rank, key, dist_init_addr)``; the
+        head (node rank 0) picks its own address (this node's IP or ``spec.host``, a free port,
+        :meth:`dist_init_addr`), every other slice is given it."""
         if bind_node_ip:
             spec = dataclasses.replace(spec, host=_node_ip())
+        if node_slice is not None:
+            from rollsafe.adapters.engines.launch.spec import slice_spec
+            from rollsafe.net import free_port
+
+            node_rank, key, addr = node_slice
+            if addr is None:
+                host = "127.0.0.1" if spec.host in ("0.0.0.0", "::", "") else spec.host
+                addr = f"{host}:{free_port(host)}"
+            spec = slice_spec(spec, node_rank, addr, key)
         self._spec = spec
         self._launcher = EngineLauncher(spec)
         self._lock = threading.Lock()
@@ -171,6 +189,10 @@ class EngineHost:
 
     def spec(self) -> dict[str, Any]:
         return dataclasses.asdict(self._launcher.spec)
+
+    def dist_init_addr(self) -> str | None:
+        """The head's ``HOST:PORT`` the other slices of its group join (None: one node)."""
+        return self._spec.dist_init_addr
 
     def node_alive(self) -> bool:
         """Whether the process that started this one (under Ray: the raylet of the actor's

@@ -17,6 +17,11 @@ live on whichever node Ray placed it on:
 * :meth:`~RayEngineGroup.stop` with ``keep_standby=True`` (recovery's shutdown step) stops the
   engine and keeps actor, placement and warm standby; without it (the fleet's close) it also
   ends the actor and gives the placement back.
+* A group that spans nodes (``EngineSpec.ranks_per_node``) holds one actor per node slice, slice
+  ``i`` on bundle ``i`` of its ``STRICT_SPREAD`` placement: the head's actor picks the head's
+  address on its node, the other slices' actors start their engines joined to it, and every
+  start, restart and stop runs on all of them; any slice's actor lost is the whole group's
+  placement lost (placed again whole); a moved export is pulled to every slice's node.
 
 Every Ray call has a timeout; the warm standby's status is the actor's last report, refreshed in
 the background (``standby_status()`` never waits for Ray: a metrics scrape of many groups
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -72,6 +78,10 @@ class RayEngineGroup:
         self._lock = threading.RLock()
         self._placement: Placement | None = None
         self._actor: Any = None
+        #: the actors of the node slices after the head's (slice order; none on one node)
+        self._workers: list[Any] = []
+        #: a moved export's path on the head's node -> its path on every slice's node
+        self._slice_paths: dict[str, list[str]] = {}
         self._client: SGLangClient | VLLMClient | None = None
         self._info: dict[str, Any] = {}
         self._standby: dict[str, Any] = {"state": "none", "last_start_source": None, "status": {}}
@@ -95,9 +105,16 @@ class RayEngineGroup:
 
     @property
     def node_id(self) -> str | None:
-        """The Ray node (hex id) the group is placed on, None while it holds no placement."""
+        """The Ray node (hex id) the group is placed on (its head slice's, for a group that
+        spans nodes), None while it holds no placement."""
         placement = self._placement
         return None if placement is None else placement.node_id
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """Every node the group holds a slice on, head first (empty while it holds none)."""
+        placement = self._placement
+        return () if placement is None else placement.node_ids
 
     @property
     def url(self) -> str:
@@ -182,10 +199,13 @@ class RayEngineGroup:
         actor = self._actor  # not under the lock: a stop interrupts a start in progress
         try:
             if actor is not None:
-                ray.get(
-                    actor.stop.remote(timeout=timeout, keep_standby=keep_standby),
-                    timeout=timeout + self.call_timeout_s,
-                )
+                refs = [
+                    a.stop.remote(timeout=timeout, keep_standby=keep_standby)
+                    for a in (actor, *self._workers)
+                ]
+                for ref in refs:
+                    with contextlib.suppress(ray.exceptions.RayActorError):
+                        ray.get(ref, timeout=timeout + self.call_timeout_s)
         except ray.exceptions.RayActorError:
             pass  # the actor (or its node) is gone, and its engine with it
         finally:  # a stop that did not answer still ends the actor (its watchdog: the engine)
@@ -218,7 +238,8 @@ class RayEngineGroup:
         if actor is None:
             return False
         try:
-            return bool(ray.get(actor.node_alive.remote(), timeout=timeout_s))
+            refs = [a.node_alive.remote() for a in (actor, *self._workers)]
+            return all(bool(ray.get(ref, timeout=timeout_s)) for ref in refs)
         except ray.exceptions.RayError:  # dead, unavailable, or no answer in time
             return False
 
@@ -249,6 +270,8 @@ class RayEngineGroup:
         actor = self._actor
         if actor is None:
             raise RuntimeError(f"group {self.group_id!r} holds no actor: nothing to pull to")
+        if self._workers:  # every slice loads its shard from its own node's copy
+            return self._pull_to_slices(parcel, dest_root, fleet=fleet, timeout_s=timeout_s)
         bound = self.start_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + bound
         try:
@@ -270,15 +293,64 @@ class RayEngineGroup:
             raise
         return got
 
+    def _pull_to_slices(
+        self, parcel: Any, dest_root: str | None, *, fleet: str | None, timeout_s: float | None
+    ) -> dict[str, Any]:
+        """:meth:`pull_export` for a group that spans nodes: every slice's actor pulls the export
+        to its node (at once); the head's answer is returned, and a restart from its path loads
+        each slice's own copy."""
+        import ray
+
+        bound = self.start_timeout_s if timeout_s is None else float(timeout_s)
+        actors = [self._actor, *self._workers]
+        refs = [
+            a.pull_export.remote(parcel, dest_root, fleet=fleet, timeout_s=bound) for a in actors
+        ]
+        try:
+            got = [ray.get(ref, timeout=bound + self.call_timeout_s) for ref in refs]
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from exc
+            raise
+        with self._lock:
+            self._slice_paths[str(got[0]["path"])] = [str(g["path"]) for g in got]
+        head: dict[str, Any] = got[0]
+        return head
+
     def kill(self) -> None:
-        """SIGKILL the engine group (and its standby) inside the actor; the actor stays."""
+        """SIGKILL the engine group (every slice's, and the standby) inside the actors; the
+        actors stay."""
+        import ray
+
+        for worker in self._workers:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(worker.kill.remote(), timeout=self.call_timeout_s)
         self._call("kill")
         with self._lock:
             self._drop_client()
 
     def kill_rank(self, rank: int) -> int:
-        """SIGKILL one rank process on the group's node (chaos testing); return its pid."""
-        return int(self._call("kill_rank", rank))
+        """SIGKILL one rank process on its node (chaos testing); return its pid."""
+        if not self._workers:
+            return int(self._call("kill_rank", rank))
+        import ray
+
+        per_node = self._spec.ranks // (len(self._workers) + 1)
+        actor = [self._actor, *self._workers][rank // per_node]
+        got = ray.get(actor.kill_rank.remote(rank % per_node), timeout=self.call_timeout_s)
+        return int(got)
+
+    @property
+    def slice_paths(self) -> dict[str, list[str]]:
+        """``{path on the head's node: [path on every slice's node]}`` of the exports moved
+        to this placement's slices (a restart from the head's path loads each slice's own)."""
+        with self._lock:
+            return {k: list(v) for k, v in self._slice_paths.items()}
+
+    def slice_actor(self, node_rank: int) -> Any:
+        """The actor of node slice ``node_rank`` (0: the head's): chaos tests kill it."""
+        return [self._actor, *self._workers][node_rank]
 
     # ------------------------------------------------------------------ internals
     def _run(self, method: str, kwargs: dict[str, Any]) -> None:
@@ -299,30 +371,63 @@ class RayEngineGroup:
         self._adopt(info)
 
     def _remote(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``method`` on every slice's actor at once (the other slices first: they wait for
+        the head); the head's ready info once every slice answered."""
         import ray
 
-        info: dict[str, Any] = ray.get(
-            getattr(self._actor, method).remote(**kwargs), timeout=self.start_timeout_s
-        )
+        paths = self._slice_paths.get(str(kwargs.get("model_path")), [])
+        refs = []
+        for i, worker in enumerate(self._workers, start=1):
+            own = {**kwargs, "model_path": paths[i]} if len(paths) > i else kwargs
+            refs.append(getattr(worker, method).remote(**own))
+        try:
+            info: dict[str, Any] = ray.get(
+                getattr(self._actor, method).remote(**kwargs), timeout=self.start_timeout_s
+            )
+            for ref in refs:  # each was ready before the head (the head waits for them)
+                ray.get(ref, timeout=self.start_timeout_s)
+        except BaseException:
+            for worker in self._workers:  # a slice waiting for a head that failed: stop it
+                with contextlib.suppress(Exception):
+                    worker.kill.remote()
+            raise
         return info
 
     def _place(self) -> None:
+        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        placement = self._placer.place(self.group_id, self._spec.ranks, node=self.pin_node)
-        options = {
-            "num_cpus": 0,
-            "max_restarts": 0,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=placement.pg, placement_group_bundle_index=0
-            ),
-            **self._actor_options,
-        }
+        slices = self._spec.slices
+        placement = self._placer.place(
+            self.group_id, self._spec.ranks, node=self.pin_node, slices=slices
+        )
+
+        def options(bundle: int) -> dict[str, Any]:
+            return {
+                "num_cpus": 0,
+                "max_restarts": 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=placement.pg, placement_group_bundle_index=bundle
+                ),
+                **self._actor_options,
+            }
+
+        key = secrets.token_hex(16)
         try:
-            self._actor = engine_actor(**options).remote(
-                self._spec, bind_node_ip=self._bind_node_ip
+            head_slice = (0, key, None) if slices > 1 else None
+            self._actor = engine_actor(**options(0)).remote(
+                self._spec, bind_node_ip=self._bind_node_ip, node_slice=head_slice
             )
+            if slices > 1:
+                addr = ray.get(self._actor.dist_init_addr.remote(), timeout=self.start_timeout_s)
+                self._workers = [
+                    engine_actor(**options(i)).remote(
+                        self._spec, bind_node_ip=self._bind_node_ip, node_slice=(i, key, addr)
+                    )
+                    for i in range(1, slices)
+                ]
         except BaseException:
+            self._kill_actors()
             self._placer.release(placement)
             raise
         self._placement = placement
@@ -377,15 +482,22 @@ class RayEngineGroup:
 
     def _forget(self) -> None:
         """End the actor (if any) and give the placement back."""
-        import ray
 
-        actor, self._actor = self._actor, None
-        if actor is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+        self._kill_actors()
+        self._slice_paths.clear()
         placement, self._placement = self._placement, None
         if placement is not None:
             self._placer.release(placement)
+
+    def _kill_actors(self) -> None:
+        import ray
+
+        actors = [self._actor, *self._workers]
+        self._actor, self._workers = None, []
+        for actor in actors:
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
 
     def __repr__(self) -> str:
         where = self.node_id[:12] if self.node_id else "unplaced"

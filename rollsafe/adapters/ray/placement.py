@@ -1,13 +1,18 @@
-"""One Ray placement group per engine group: its ranks packed on one node, groups spread.
+"""One Ray placement group per engine group: its ranks packed on one node (or one node per
+slice of a group that spans nodes), groups spread.
 
 :class:`GroupPlacer` reserves, for one engine group of ``ranks`` processes, one bundle of
-``resources_per_rank`` per rank in a ``STRICT_PACK`` placement group (a TP group never spans
-nodes), and spreads the groups of one fleet over the nodes: each placement is hinted at the
-alive node that fits the group and holds the fewest of this placer's groups (Ray's
-``_soft_target_node_id``, a hint for ``STRICT_PACK`` groups: a node without room is passed
-over by Ray itself). A group may also be kept apart from others where it can
-(:attr:`GroupPlacer.apart`: a spare from the groups it covers, so one node's loss does not take
-both): among the nodes that fit, those holding fewer of them come first.
+``resources_per_rank`` per rank in a ``STRICT_PACK`` placement group (the group on one node),
+or, for a group that spans nodes (``slices`` > 1, ``GroupSpec.ranks_per_node``), one bundle per
+node slice (``ranks // slices`` ranks' resources each) in a ``STRICT_SPREAD`` placement group:
+every slice on its own node, and Ray reserves all the bundles or none, so a group is never
+held half placed (``docs/cluster.md``, "Groups that span nodes"). It spreads the groups of
+one fleet over the nodes: each one-node placement is hinted at the alive node that fits the
+group and holds the fewest of this placer's groups (Ray's ``_soft_target_node_id``, a hint for
+``STRICT_PACK`` groups only: a node without room is passed over by Ray itself). A group may
+also be kept apart from others where it can (:attr:`GroupPlacer.apart`: a spare from the
+groups it covers, so one node's loss does not take both): among the nodes that fit, those
+holding fewer of them come first.
 :meth:`GroupPlacer.place` returns once Ray reserved the bundles, as a :class:`Placement` naming
 the node, or raises :class:`PlacementUnavailable` after
 ``timeout_s`` (no node has room: the group waits, see ``docs/cluster.md``). A group can be
@@ -43,27 +48,51 @@ class PlacementUnavailable(RollsafeError, RuntimeError):
     which group asked for what."""
 
     def __init__(
-        self, group_id: str, bundles: list[dict[str, float]], timeout_s: float, why: str = ""
+        self,
+        group_id: str,
+        bundles: list[dict[str, float]],
+        timeout_s: float,
+        why: str = "",
+        *,
+        slices: int = 1,
     ) -> None:
         self.group_id = group_id
         self.bundles = bundles
         self.timeout_s = timeout_s
+        self.slices = slices
         detail = f": {why}" if why else ""
+        shape = (
+            "packed on one node"
+            if slices == 1
+            else f"one per node on {slices} distinct nodes (one per node slice)"
+        )
         super().__init__(
             f"group {group_id!r}: no Ray node had room for {len(bundles)} bundle(s) of "
-            f"{bundles[0] if bundles else {}} packed on one node within {timeout_s:g} s{detail}"
+            f"{bundles[0] if bundles else {}} {shape} within {timeout_s:g} s{detail}"
         )
 
 
 @dataclass(frozen=True)
 class Placement:
     """A group's reservation: the Ray placement group ``pg`` (its bundle 0 hosts the group's
-    actor), the ``node_id`` (hex) every bundle is on and the ``bundles`` reserved."""
+    actor; with slices, bundle ``i`` hosts slice ``i``), the ``node_id`` (hex) of bundle 0, the
+    ``bundles`` reserved and ``node_ids``, the node of every slice in slice order (one entry,
+    ``node_id``, for a group on one node)."""
 
     group_id: str
     pg: Any
     node_id: str
     bundles: tuple[Mapping[str, float], ...]
+    node_ids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.node_ids:
+            object.__setattr__(self, "node_ids", (self.node_id,))
+
+    @property
+    def slices(self) -> int:
+        """How many node slices the group holds (1: one node)."""
+        return len(self.node_ids)
 
 
 class GroupPlacer:
@@ -101,16 +130,22 @@ class GroupPlacer:
         self.spread = spread
         self.name_prefix = name_prefix
         self._lock = threading.Lock()
-        self._held: dict[str, str] = {}  # group id -> node id of its live placement (or hint)
+        #: group id -> the nodes of its live placement, slice order (or the hint while placing)
+        self._held: dict[str, tuple[str, ...]] = {}
         #: ``apart(group_id)``: the groups ``group_id`` should not share a node with, where
         #: another node fits (a spare and the groups it covers; None: no such preference)
         self.apart: Callable[[str], Collection[str]] | None = None
         self._excluded: dict[str, str] = {}  # node id -> why no group may be placed there
         self._made = 0
 
-    def bundles(self, ranks: int) -> list[dict[str, float]]:
-        """The bundles of a group of ``ranks`` processes: one :attr:`bundle` per rank."""
-        return [dict(self.bundle) for _ in range(ranks)]
+    def bundles(self, ranks: int, slices: int = 1) -> list[dict[str, float]]:
+        """The bundles of a group of ``ranks`` processes: one :attr:`bundle` per rank on one
+        node; with ``slices`` > 1, one bundle per node slice holding its ``ranks // slices``
+        ranks' resources."""
+        if slices == 1:
+            return [dict(self.bundle) for _ in range(ranks)]
+        per_slice = ranks // slices
+        return [{k: v * per_slice for k, v in self.bundle.items()} for _ in range(slices)]
 
     def exclude(self, node_id: str, why: str) -> None:
         """Place no group on ``node_id`` from now on (e.g. it cannot read the shared
@@ -126,17 +161,39 @@ class GroupPlacer:
             return dict(self._excluded)
 
     def nodes(self) -> dict[str, str]:
-        """``{group_id: node_id}`` of every group this placer holds a placement for."""
+        """``{group_id: node_id}`` of every group this placer holds a placement for (a group
+        that spans nodes: its head slice's node; :meth:`slice_nodes` has them all)."""
+        with self._lock:
+            return {gid: nodes[0] for gid, nodes in self._held.items()}
+
+    def slice_nodes(self) -> dict[str, tuple[str, ...]]:
+        """``{group_id: (node_id, ...)}``: every node each placed group holds, slice order."""
         with self._lock:
             return dict(self._held)
 
-    def place(self, group_id: str, ranks: int, *, node: str | None = None) -> Placement:
-        """Reserve ``ranks`` bundles packed on one node for ``group_id``; wait up to
-        :attr:`timeout_s`. ``node``: that node only (a reservation Ray makes elsewhere is given
-        back and asked again). Raises :class:`PlacementUnavailable` (nothing left reserved)."""
+    def place(
+        self, group_id: str, ranks: int, *, node: str | None = None, slices: int = 1
+    ) -> Placement:
+        """Reserve ``ranks`` bundles packed on one node for ``group_id``, or with ``slices`` > 1
+        one bundle per node slice on ``slices`` distinct nodes (``STRICT_SPREAD``: all or
+        none); wait up to :attr:`timeout_s`. ``node``: that node only (a group on one node; a
+        reservation Ray makes elsewhere is given back and asked again). Raises
+        :class:`PlacementUnavailable` (nothing left reserved)."""
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
 
+        if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
+            raise InvalidArgument("slices", f"must be an int >= 1, got {slices!r}")
+        if ranks % slices:
+            raise InvalidArgument(
+                "slices", f"{slices} node slices do not divide the group's {ranks} ranks"
+            )
+        if slices > 1 and node is not None:
+            raise InvalidArgument(
+                "node", f"group {group_id!r} spans {slices} nodes: it cannot be pinned to one"
+            )
+        if slices > 1:
+            return self._place_spread(group_id, ranks, slices)
         bundles = self.bundles(ranks)
         deadline = time.monotonic() + self.timeout_s
         refused: list[str] = []  # excluded nodes Ray reserved the bundles on anyway
@@ -164,7 +221,7 @@ class GroupPlacer:
                 self._made += 1
                 name = f"{self.name_prefix}-{group_id}-{self._made}"
                 if target is not None:
-                    self._held[group_id] = target  # counted while Ray places it
+                    self._held[group_id] = (target,)  # counted while Ray places it
             hint: dict[str, Any] = {"_soft_target_node_id": target} if target is not None else {}
             pg = placement_group(bundles, strategy="STRICT_PACK", name=name, **hint)
             try:
@@ -179,7 +236,7 @@ class GroupPlacer:
             with self._lock:
                 allowed = node_id not in self._excluded and node in (None, node_id)
                 if allowed:
-                    self._held[group_id] = node_id
+                    self._held[group_id] = (node_id,)
             if allowed:
                 return Placement(group_id, pg, node_id, tuple(bundles))
             refused.append(node_id)  # Ray passed the hint over: give it back, ask again
@@ -189,6 +246,50 @@ class GroupPlacer:
         want = f"node {node}" if node is not None else "a node not excluded"
         raise PlacementUnavailable(
             group_id, bundles, self.timeout_s, f"Ray offered {refused}, not {want}"
+        )
+
+    def _place_spread(self, group_id: str, ranks: int, slices: int) -> Placement:
+        """A group over ``slices`` nodes: one ``STRICT_SPREAD`` placement group whose bundle
+        ``i`` is slice ``i``'s resources; Ray reserves every bundle, each on another node, or
+        none. Ray takes no node hint for it, so the groups' spreading is Ray's; one that lands
+        a slice on an excluded node is given back and asked again."""
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        bundles = self.bundles(ranks, slices)
+        deadline = time.monotonic() + self.timeout_s
+        refused: list[str] = []
+        for _ in range(_EXCLUDED_TRIES):
+            with self._lock:
+                self._made += 1
+                name = f"{self.name_prefix}-{group_id}-{self._made}"
+            pg = placement_group(bundles, strategy="STRICT_SPREAD", name=name)
+            try:
+                ray.get(pg.ready(), timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:
+                with contextlib.suppress(Exception):
+                    ray.util.remove_placement_group(pg)
+                why = "" if isinstance(exc, ray.exceptions.GetTimeoutError) else repr(exc)
+                raise PlacementUnavailable(
+                    group_id, bundles, self.timeout_s, why, slices=slices
+                ) from exc
+            table = placement_group_table(pg)["bundles_to_node_id"]
+            node_ids = tuple(str(table[i]) for i in range(slices))
+            with self._lock:
+                bad = [n for n in node_ids if n in self._excluded]
+                if not bad:
+                    self._held[group_id] = node_ids
+            if not bad:
+                return Placement(group_id, pg, node_ids[0], tuple(bundles), node_ids)
+            refused.extend(bad)
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(pg)
+        raise PlacementUnavailable(
+            group_id,
+            bundles,
+            self.timeout_s,
+            f"Ray offered the excluded {sorted(set(refused))}",
+            slices=slices,
         )
 
     def release(self, placement: Placement) -> None:
@@ -212,8 +313,8 @@ class GroupPlacer:
         import ray
 
         api: Any = ray  # ray.nodes() is untyped
-        load = Counter(self._held.values())
-        shunned = Counter(self._held[g] for g in avoid if g in self._held)
+        load = Counter(n for nodes in self._held.values() for n in nodes)
+        shunned = Counter(n for g in avoid if g in self._held for n in self._held[g])
         best: tuple[int, int, int, str] | None = None
         for order, node in enumerate(api.nodes()):
             if not node.get("Alive") or str(node["NodeID"]) in (excluded or ()):

@@ -59,6 +59,7 @@ from rollsafe.adapters.reference_engine.bootstrap import (
     RankChild,
     RankOptions,
     StartupClock,
+    fork_is_safe,
     start_ranks,
 )
 from rollsafe.adapters.reference_engine.dialects import DEFAULT_VLLM_VERSION, VLLM_VERSIONS
@@ -203,6 +204,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="nodes the --ranks span (SGLang's flag): --ranks // --nnodes ranks on each",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's rank (0: the head, which serves HTTP; others run their ranks only)",
+    )
+    p.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the head listens for the other nodes (with --nnodes > 1; the key is "
+        "$ROLLSAFE_DIST_INIT_KEY, required off loopback)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -344,6 +364,11 @@ def resolve_api_key(args: argparse.Namespace, environ: Any = None) -> str | None
 def check_args(args: argparse.Namespace) -> str | None:
     if args.ranks < 1:
         return f"--ranks must be >= 1, got {args.ranks}"
+    problem = check_nodes(args)
+    if problem is not None:
+        return problem
+    if args.node_rank > 0:  # a node without the server: the HTTP flags do not apply
+        return None
     if args.vllm_version is not None and args.dialect != "vllm":
         return f"--vllm-version {args.vllm_version} needs --dialect vllm (got {args.dialect})"
     problem = resolve_api_key(args)
@@ -380,7 +405,35 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None  # --device cuda is checked by each rank once torch is imported
 
 
+def check_nodes(args: argparse.Namespace) -> str | None:
+    """The multi-node flags (:mod:`.nodes`): whole node slices, a node rank in range, an
+    address (and, off loopback, a key) when the ranks span nodes."""
+    from rollsafe.adapters.reference_engine.nodes import dist_key, parse_dist_init_addr
+
+    if args.nnodes < 1 or args.ranks % args.nnodes:
+        return f"--nnodes {args.nnodes} must be >= 1 and divide --ranks {args.ranks}"
+    if not 0 <= args.node_rank < args.nnodes:
+        return f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}"
+    if args.nnodes == 1:
+        return None
+    if args.dist_init_addr is None:
+        return "--nnodes > 1 needs --dist-init-addr HOST:PORT (where the head listens)"
+    if args.rank_backend == "nccl":
+        return "--nnodes > 1 runs the ranks' group over gloo (--rank-backend nccl is one node's)"
+    try:
+        host, _ = parse_dist_init_addr(args.dist_init_addr)
+        dist_key(host)
+    except ServerError as exc:
+        return str(exc)
+    return None
+
+
 def rank_options(args: argparse.Namespace) -> RankOptions:
+    host = "127.0.0.1"
+    if args.nnodes > 1:
+        from rollsafe.adapters.reference_engine.nodes import parse_dist_init_addr
+
+        host = parse_dist_init_addr(args.dist_init_addr)[0]
     return RankOptions(
         model_path=str(Path(args.model_path).resolve()),
         load_format=args.load_format,
@@ -394,6 +447,9 @@ def rank_options(args: argparse.Namespace) -> RankOptions:
         rank_backend=args.rank_backend,
         start_timeout_s=args.start_timeout,
         start_method=args.rank_start_method,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_host=host,
     )
 
 
@@ -443,6 +499,7 @@ async def serve(
     codec: Any,
     start_method: str,
     standby: StandbyStart | None = None,
+    listener: Any = None,
 ) -> int:
     from rollsafe.adapters.reference_engine.dialects import VLLMRelease
     from rollsafe.adapters.reference_engine.engine import ReferenceEngine
@@ -465,7 +522,9 @@ async def serve(
 
     ranks = await loop.run_in_executor(
         None,
-        lambda: RankSet(opts, children=children, on_failure=on_rank_failure, clock=clock),
+        lambda: RankSet(
+            opts, children=children, on_failure=on_rank_failure, clock=clock, listener=listener
+        ),
     )
     cfg = ranks.local.model.config
     engine = ReferenceEngine(
@@ -513,6 +572,8 @@ async def serve(
         "url": f"http://{url_host}:{port}",
         "pid": os.getpid(),
         "rank_pids": ranks.rank_pids,
+        "remote_rank_pids": {str(r): p for r, p in ranks.remote_rank_pids.items()},
+        "nnodes": opts.nnodes,
         "ranks": args.ranks,
         "dialect": args.dialect,
         "vllm_version": ctx.vllm.version if args.dialect == "vllm" else None,
@@ -558,32 +619,70 @@ def main(argv: list[str] | None = None, *, standby: StandbyStart | None = None) 
     # numpy's OpenBLAS would start a thread pool on import; the engine never uses it, and a
     # single-threaded process is what makes forking the ranks safe
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    if opts.nnodes > 1 and opts.node_rank > 0:
+        return node_main(args, opts)
     children: list[RankChild] = []
+    listener: Any = None
     try:
         from rollsafe.adapters.reference_engine.codec import TextCodec
 
         tokenizer_dir = args.tokenizer_path or opts.model_path
         codec = TextCodec(tokenizer_dir, required=args.tokenizer_path is not None)
         method = opts.planned_start_method()
-        if opts.world_size > 1 and method == "spawn":
+        if opts.ranks_per_node > 1 and method == "spawn":
             children, method = start_ranks(opts, "spawn")  # before the heavy imports
             clock.mark("ranks_started")
         preload(opts, args.dialect)
         clock.mark("preloaded")
-        if opts.world_size > 1 and method == "fork":
+        if opts.ranks_per_node > 1 and method == "fork":
             children, method = start_ranks(opts, "fork")  # they inherit the imports
             clock.mark("ranks_started")
-        return asyncio.run(serve(args, opts, children, clock, codec, method, standby))
+        if opts.nnodes > 1:  # the other nodes may connect while this one loads
+            listener = head_listener(args)
+        return asyncio.run(
+            serve(args, opts, children, clock, codec, method, standby, listener=listener)
+        )
     except Exception as exc:
         for child in children:
             with contextlib.suppress(Exception):
                 child.proc.kill()
+        if listener is not None:
+            listener.close()
         print(
             f"rollsafe engine: failed to start: {type(exc).__name__}: {exc}",
             file=sys.stderr,
             flush=True,
         )
         return EXIT_START
+
+
+def head_listener(args: argparse.Namespace) -> Any:
+    """The head's open listener for the other nodes (:class:`~.nodes.NodeListener`)."""
+    from rollsafe.adapters.reference_engine.nodes import (
+        NodeListener,
+        dist_key,
+        parse_dist_init_addr,
+    )
+
+    host, port = parse_dist_init_addr(args.dist_init_addr)
+    return NodeListener(rank_options(args), host, port, dist_key(host)).open()
+
+
+def node_main(args: argparse.Namespace, opts: RankOptions) -> int:
+    """Node rank > 0 (:func:`~.nodes.slice_main`): this node's ranks, linked to the head."""
+    from rollsafe.adapters.reference_engine.nodes import (
+        dist_key,
+        parse_dist_init_addr,
+        slice_main,
+    )
+
+    host, port = parse_dist_init_addr(args.dist_init_addr)
+    method = opts.planned_start_method()
+    if method == "fork":
+        preload(opts, args.dialect)  # the ranks inherit the imports
+        if not fork_is_safe(opts):
+            method = "spawn"
+    return slice_main(opts, (host, port), dist_key(host), method)
 
 
 # --------------------------------------------------------------------------- warm standby

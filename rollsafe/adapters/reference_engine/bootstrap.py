@@ -73,6 +73,14 @@ class RankOptions:
     rank_backend: str = "gloo"  # the engine's own group: "gloo" (host copies) or "nccl"
     start_timeout_s: float = 180.0  # loading + joining the rank group, per start
     start_method: str = "auto"  # "auto" (fork on CPU when safe, else spawn), "fork", "spawn"
+    nnodes: int = 1  # nodes the ranks span (``--nnodes``; :mod:`.nodes`)
+    node_rank: int = 0  # this node's rank among them (0: the head, which serves HTTP)
+    dist_init_host: str = "127.0.0.1"  # the head's address (``--dist-init-addr``'s host)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The ranks each node runs (``world_size // nnodes``)."""
+        return self.world_size // self.nnodes
 
     def planned_start_method(self) -> str:
         """``fork`` or ``spawn`` as configured (:func:`start_ranks` may still fall back)."""
@@ -84,7 +92,7 @@ class RankOptions:
         if self.threads > 0:
             return self.threads
         # leave a core for rank 0's HTTP loop; oversubscribed OpenMP spinning is very slow
-        return max(1, ((os.cpu_count() or 1) - 1) // self.world_size)
+        return max(1, ((os.cpu_count() or 1) - 1) // self.ranks_per_node)
 
 
 class StartupClock:
@@ -183,7 +191,8 @@ def fork_is_safe(opts: RankOptions) -> bool:
 
 
 def start_ranks(opts: RankOptions, method: str = "spawn") -> tuple[list[RankChild], str]:
-    """Start ranks ``1..world_size-1`` with ``method``; returns them and the method used.
+    """Start this node's ranks after rank 0 (``1..ranks_per_node-1``; all but rank 0 on one
+    node) with ``method``; returns them and the method used.
 
     ``fork`` falls back to ``spawn`` unless :func:`fork_is_safe`. Call it from the main thread:
     ``PR_SET_PDEATHSIG`` fires when the *thread* that started a child exits, so children started
@@ -195,11 +204,12 @@ def start_ranks(opts: RankOptions, method: str = "spawn") -> tuple[list[RankChil
 
 
 def spawn_ranks(opts: RankOptions, method: str = "spawn") -> list[RankChild]:
-    """Start ranks ``1..world_size-1`` with the ``multiprocessing`` start ``method`` as is."""
+    """Start the head node's ranks ``1..ranks_per_node-1`` (``1..world_size-1`` on one node)
+    with the ``multiprocessing`` start ``method`` as is."""
     ctx: Any = mp.get_context(method)
     children: list[RankChild] = []
     try:
-        for r in range(1, opts.world_size):
+        for r in range(1, opts.ranks_per_node):
             parent_conn, child_conn = ctx.Pipe()
             p = ctx.Process(
                 target=child_entry,

@@ -35,7 +35,9 @@ class RankGroup:
     """The engine's own tensor-parallel group (loopback, bounded timeouts).
 
     ``connect_timeout_s`` bounds connecting to the store (it already listens when ranks are told
-    its port); ``timeout_s`` bounds the rendezvous and every collective.
+    its port); ``timeout_s`` bounds the rendezvous and every collective. ``host``: where rank 0's
+    store listens (loopback on one node; the head's address when the ranks span nodes) and
+    ``device_host`` the address this rank's gloo device binds (its interface towards the head).
     """
 
     def __init__(
@@ -49,6 +51,8 @@ class RankGroup:
         store: Any = None,
         backend: str = "gloo",
         device: torch.device | None = None,
+        host: str = "127.0.0.1",
+        device_host: str = "127.0.0.1",
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -56,7 +60,7 @@ class RankGroup:
         self.device = device or torch.device("cpu")
         if store is None:
             store = dist.TCPStore(
-                "127.0.0.1",
+                host,
                 port,
                 world_size,
                 is_master=False,
@@ -66,7 +70,7 @@ class RankGroup:
         self.store = store
         prefixed = dist.PrefixStore("rollsafe_engine_tp", self.store)
         if backend == "gloo":
-            self.pg = gloo_group(prefixed, rank, world_size, timeout_s, "127.0.0.1")
+            self.pg = gloo_group(prefixed, rank, world_size, timeout_s, device_host)
         elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = datetime.timedelta(seconds=timeout_s)
@@ -75,14 +79,15 @@ class RankGroup:
             raise ValueError(f"rank group backend must be 'gloo' or 'nccl', got {backend!r}")
 
     @staticmethod
-    def master_store(world_size: int, timeout_s: float) -> Any:
-        """Rank 0's store on a loopback port the kernel picks (read ``.port``).
+    def master_store(world_size: int, timeout_s: float, host: str = "127.0.0.1") -> Any:
+        """Rank 0's store on a port of ``host`` (loopback by default) the kernel picks (read
+        ``.port``).
 
         The store binds the port itself, so no other process can take it between choosing and
         listening; tell the other ranks the port only after this returns.
         """
         return dist.TCPStore(
-            "127.0.0.1",
+            host,
             0,
             world_size,
             is_master=True,

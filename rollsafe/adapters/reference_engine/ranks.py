@@ -39,6 +39,7 @@ from rollsafe.adapters.reference_engine.errors import (
     WeightUpdateError,
 )
 from rollsafe.adapters.reference_engine.model import LM_HEAD, ShardedCausalLM, load_config
+from rollsafe.adapters.reference_engine.nodes import RemoteRank
 from rollsafe.adapters.reference_engine.profiling import PROFILE, profile_line
 from rollsafe.adapters.reference_engine.weights import (
     ReceiveBuffers,
@@ -150,11 +151,19 @@ class RankRuntime:
                 f"load_format must be 'auto' or 'dummy', got {opts.load_format!r}"
             )
 
-    def join_group(self, port: int, store: Any = None) -> None:
-        """Join the engine's rank group through the store on ``127.0.0.1:port``."""
+    def join_group(self, port: int, store: Any = None, host: str = "127.0.0.1") -> None:
+        """Join the engine's rank group through the store on ``host:port`` (loopback on one
+        node; the head's address when the ranks span nodes, :mod:`.nodes`)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread; rank 0 joins on a helper thread
+        device_host = "127.0.0.1"
+        if self.opts.nnodes > 1:
+            from rollsafe.adapters.reference_engine.nodes import local_address
+
+            device_host = local_address(host, port)
         self.group = RankGroup(
+            host=host,
+            device_host=device_host,
             port=port,
             rank=self.rank,
             world_size=self.opts.world_size,
@@ -642,7 +651,7 @@ def child_main(rank: int, opts: RankOptions, conn: Any) -> None:
         msg, args = conn.recv()
         if msg != "join":  # "shutdown": rank 0 gave up starting
             os._exit(0)
-        runtime.join_group(int(args["port"]))
+        runtime.join_group(int(args["port"]), host=str(args.get("host", "127.0.0.1")))
     except (EOFError, OSError) as exc:
         if isinstance(exc, (EOFError, BrokenPipeError, ConnectionResetError)):
             os._exit(0)  # rank 0 is gone
@@ -670,6 +679,18 @@ def child_main(rank: int, opts: RankOptions, conn: Any) -> None:
             conn.send(_error_reply(rank, exc, starting=False))
 
 
+def _exit_reason(rank: int, proc: Any) -> str:
+    """Why rank ``rank`` is gone: its exit code, or how its node was lost."""
+    if isinstance(proc, RemoteRank):
+        return f"rank {rank} (pid {proc.pid} on node {proc.link.node_rank}): {proc.link.reason}"
+    return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+
+
+def _local(child: RankChild) -> bool:
+    """Whether ``child`` is a process on this node (not a :class:`~.nodes.RemoteRank`)."""
+    return not isinstance(child.proc, RemoteRank)
+
+
 def _rebuild_error(kind: str, message: str) -> ServerError:
     cls = getattr(errors, kind, None)
     if isinstance(cls, type) and issubclass(cls, ServerError):
@@ -682,7 +703,10 @@ class RankSet:
 
     ``children`` are ranks already started by :func:`.bootstrap.spawn_ranks` (the command line
     starts them before importing torch); without them this spawns its own. ``clock`` records
-    start-up phases.
+    start-up phases. With ranks on several nodes (``opts.nnodes`` > 1) ``listener`` is the
+    head's open :class:`~.nodes.NodeListener`: the other nodes' ranks join the set from it
+    (their liveness is their node's link) and the rank group's store listens on the head's
+    address.
     """
 
     def __init__(
@@ -692,25 +716,33 @@ class RankSet:
         children: list[RankChild] | None = None,
         on_failure: Callable[[str], None] | None = None,
         clock: Any = None,
+        listener: Any = None,
     ) -> None:
         self.opts = opts
+        self._listener = listener
         self.world_size = opts.world_size
         self._on_failure = on_failure
         self._failed: str | None = None
         self._closing = False
         torch.set_num_threads(opts.torch_threads())
-        if children is None and self.world_size > 1:
+        if children is None and opts.ranks_per_node > 1:
             children = spawn_ranks(opts)
         self._children = list(children or [])
-        if len(self._children) != self.world_size - 1:
-            raise StartupError(
-                f"{len(self._children)} rank processes for world size {self.world_size}"
-            )
-        self._procs = [c.proc for c in self._children]
-        self._conns = [c.conn for c in self._children]
+        self._procs: list[Any] = [c.proc for c in self._children]
+        self._conns: list[Any] = [c.conn for c in self._children]
         deadline = time.monotonic() + opts.start_timeout_s
         try:
-            self.local = RankRuntime(opts, 0, clock=clock)
+            if listener is not None:  # the other nodes' ranks, once every one joined
+                self.local = RankRuntime(opts, 0, clock=clock)
+                self._children += listener.children(deadline)
+            if len(self._children) != self.world_size - 1:
+                raise StartupError(
+                    f"{len(self._children)} rank processes for world size {self.world_size}"
+                )
+            self._procs = [c.proc for c in self._children]
+            self._conns = [c.conn for c in self._children]
+            if listener is None:
+                self.local = RankRuntime(opts, 0, clock=clock)
             if clock is not None:
                 clock.mark("rank0_loaded")
             if self.world_size > 1:
@@ -718,10 +750,11 @@ class RankSet:
                 if clock is not None:
                     clock.mark("ranks_loaded")
                 # the store binds its own (kernel-chosen) port before anyone is told about it
-                store = RankGroup.master_store(self.world_size, opts.start_timeout_s)
+                host = opts.dist_init_host if opts.nnodes > 1 else "127.0.0.1"
+                store = RankGroup.master_store(self.world_size, opts.start_timeout_s, host)
                 for conn in self._conns:
-                    conn.send(("join", {"port": int(store.port)}))
-                self._join_group(int(store.port), store, deadline)
+                    conn.send(("join", {"port": int(store.port), "host": host}))
+                self._join_group(int(store.port), store, deadline, host)
                 if clock is not None:
                     clock.mark("group_joined")
         except BaseException:
@@ -730,14 +763,14 @@ class RankSet:
         if self._procs:
             threading.Thread(target=self._watch, name="rank-watcher", daemon=True).start()
 
-    def _join_group(self, port: int, store: Any, deadline: float) -> None:
+    def _join_group(self, port: int, store: Any, deadline: float, host: str) -> None:
         """Join the rank group here while watching the children: one that fails or dies while
         joining fails the start at once, not after the rendezvous times out."""
         outcome: list[BaseException | None] = []
 
         def join() -> None:
             try:
-                self.local.join_group(port, store=store)
+                self.local.join_group(port, store=store, host=host)
                 outcome.append(None)
             except BaseException as exc:
                 outcome.append(exc)
@@ -753,7 +786,14 @@ class RankSet:
 
     @property
     def rank_pids(self) -> list[int]:
-        return [os.getpid()] + [int(p.pid) for p in self._procs]
+        """The pids of the ranks on this node (rank 0 first): the only ones this machine may
+        signal. :attr:`remote_rank_pids` has the others."""
+        return [os.getpid()] + [int(c.proc.pid) for c in self._children if _local(c)]
+
+    @property
+    def remote_rank_pids(self) -> dict[int, int]:
+        """``{rank: pid}`` of the ranks on other nodes (pids on their own nodes)."""
+        return {c.rank: int(c.proc.pid) for c in self._children if not _local(c)}
 
     def _await_all(self, kind: str, deadline: float) -> None:
         """Wait for every child's ``kind`` message; raise at once if one fails or dies."""
@@ -790,7 +830,7 @@ class RankSet:
             return
         r, p = sentinels[cast(int, ready[0])]
         p.join(timeout=1)
-        self.fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+        self.fail(_exit_reason(r, p))
 
     def fail(self, reason: str) -> None:
         if self._failed is None:
@@ -803,7 +843,7 @@ class RankSet:
         if self._failed is None:
             for r, p in enumerate(self._procs, start=1):
                 if not p.is_alive():
-                    self.fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+                    self.fail(_exit_reason(r, p))
         return self._failed
 
     def call(
@@ -876,3 +916,5 @@ class RankSet:
             if p.is_alive():
                 p.kill()
             p.join(timeout=2)
+        if self._listener is not None:
+            self._listener.close()

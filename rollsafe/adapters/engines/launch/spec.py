@@ -45,6 +45,9 @@ VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
 #: Shown for SGLang's ``--config`` API-key file by ``EngineSpec.command()`` (the launcher
 #: writes the real file at each start).
 API_KEY_FILE_PLACEHOLDER = "<api-key-config.yaml>"
+#: The environment variable of a group's key shared by its node slices (the reference engine's
+#: ``rollsafe.adapters.reference_engine.nodes.DIST_KEY_ENV``; held equal by a test).
+DIST_KEY_ENV = "ROLLSAFE_DIST_INIT_KEY"
 #: Which engine an :class:`EngineSpec` starts.
 EngineKind = Literal["reference", "sglang", "vllm"]
 ENGINE_KINDS: tuple[EngineKind, ...] = ("reference", "sglang", "vllm")
@@ -60,6 +63,7 @@ __all__ = [
     "EngineKind",
     "EngineSpec",
     "restart_spec",
+    "slice_spec",
 ]
 
 log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
@@ -121,7 +125,13 @@ class EngineSpec:
     (:func:`~rollsafe.adapters.engines.vllm_cpu.deal_cores`), and binds a reference engine to
     nothing; ``()`` binds nothing (vLLM's own ``VLLM_CPU_OMP_THREADS_BIND``, core 0 for every
     server by default). SGLang takes no ``cpu_cores``. ``max_model_len`` is
-    vLLM's ``--max-model-len`` (None: the model's). The API key of
+    vLLM's ``--max-model-len`` (None: the model's). ``ranks_per_node`` spreads the group over
+    ``ranks // ranks_per_node`` nodes (node slices; None: one node): the placement starts one
+    slice per node and the slices join one group across them (``docs/cluster.md``): each slice
+    starts from this spec with its ``node_rank`` (0: the head, which serves HTTP) and the head's
+    ``dist_init_addr`` (``HOST:PORT``, :func:`slice_spec`), the engine's multi-node flags
+    (SGLang's ``--nnodes --node-rank --dist-init-addr``, vLLM's ``--nnodes --node-rank
+    --master-addr --master-port`` and ``--headless`` off the head). The API key of
     a real engine is not put on its command line: vLLM reads it from ``VLLM_API_KEY``; SGLang
     from a ``--config`` YAML file the launcher writes (mode 0600, in its log directory) before
     each start and deletes after the stop. ``docs/engines.md`` explains each flag.
@@ -157,6 +167,9 @@ class EngineSpec:
     dtype: str | None = None
     kv_cache_bytes: int | None = None
     cpu_cores: Sequence[int] | None = None
+    ranks_per_node: int | None = None
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -164,6 +177,33 @@ class EngineSpec:
         if self.ranks < 1:
             raise InvalidArgument(
                 "EngineSpec.ranks", f"EngineSpec.ranks must be >= 1, got {self.ranks}"
+            )
+        per_node = self.ranks_per_node
+        if per_node is not None and (
+            isinstance(per_node, bool)
+            or not isinstance(per_node, int)
+            or per_node < 1
+            or self.ranks % per_node
+        ):
+            raise InvalidArgument(
+                "EngineSpec.ranks_per_node",
+                f"EngineSpec.ranks_per_node must be None or an int >= 1 that divides "
+                f"EngineSpec.ranks={self.ranks}, got {per_node!r}",
+            )
+        if (
+            isinstance(self.node_rank, bool)
+            or not isinstance(self.node_rank, int)
+            or not 0 <= self.node_rank < self.slices
+        ):
+            raise InvalidArgument(
+                "EngineSpec.node_rank",
+                f"EngineSpec.node_rank must be in 0..{self.slices - 1} (the group spans "
+                f"{self.slices} node(s)), got {self.node_rank!r}",
+            )
+        if self.node_rank > 0 and self.warm_standby:
+            raise InvalidArgument(
+                "EngineSpec.warm_standby",
+                "a node slice other than the head (node_rank > 0) keeps no warm standby",
             )
         if self.kind not in ENGINE_KINDS:
             raise InvalidArgument(
@@ -251,6 +291,11 @@ class EngineSpec:
             raise InvalidArgument("EngineSpec.api_key", "EngineSpec.api_key must not be empty")
 
     @property
+    def slices(self) -> int:
+        """How many nodes the group spans: ``ranks // ranks_per_node`` (1 without it)."""
+        return 1 if self.ranks_per_node is None else self.ranks // self.ranks_per_node
+
+    @property
     def real(self) -> bool:
         """True for a real SGLang / vLLM server (readiness by HTTP polling, no standby)."""
         return self.kind != "reference"
@@ -275,6 +320,8 @@ class EngineSpec:
             return [self.interpreter(), "-m", SGLANG_LAUNCH_MODULE]
         if self.kind == "vllm":
             python = self.interpreter()
+            if self.node_rank > 0:  # headless workers run only under `vllm serve`
+                return [python, "-m", VLLM_CLI_MODULE, "serve"]
             return [python, "-m", vllm_server_module(python)]
         return [self.interpreter(), "-m", self.module]
 
@@ -300,6 +347,7 @@ class EngineSpec:
                 "--dialect": str(self.dialect),
             }
         )
+        cmd += self._node_flags("--nnodes", "--node-rank", "--dist-init-addr")
         if self._separate_tokenizer():
             # only when it differs: the tokenizer normally lives in the model directory
             cmd += ["--tokenizer-path", str(self.tokenizer_path)]
@@ -308,6 +356,22 @@ class EngineSpec:
         # the API key travels in ROLLSAFE_API_KEY (environment()), never on the command line
         cmd += list(self.extra_args)
         return cmd
+
+    def _node_flags(self, nnodes: str, node_rank: str, addr: str) -> list[str]:
+        """The multi-node flags of a group that spans nodes (none on one node); the head's
+        address must be set by then (:func:`slice_spec`)."""
+        if self.slices == 1:
+            return []
+        return [nnodes, str(self.slices), node_rank, str(self.node_rank), addr, self._addr()]
+
+    def _addr(self) -> str:
+        if not self.dist_init_addr:
+            raise InvalidArgument(
+                "EngineSpec.dist_init_addr",
+                f"a group over {self.slices} nodes starts each slice with the head's "
+                "HOST:PORT (slice_spec)",
+            )
+        return self.dist_init_addr
 
     def _separate_tokenizer(self) -> bool:
         return self.tokenizer_path is not None and self.tokenizer_path != self.model_path
@@ -324,6 +388,7 @@ class EngineSpec:
                 "--load-format": self.load_format,
             }
         )
+        cmd += self._node_flags("--nnodes", "--node-rank", "--dist-init-addr")
         if self._separate_tokenizer():
             cmd += ["--tokenizer-path", str(self.tokenizer_path)]
         if self.weight_version is not None:
@@ -377,6 +442,12 @@ class EngineSpec:
                 cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         backend = json.dumps({"backend": self.vllm_backend()}, separators=(",", ":"))
         cmd += ["--weight-transfer-config", backend]
+        if self.slices > 1:  # vLLM's multi-node form: the head's torch.distributed address
+            host, _, master_port = self._addr().rpartition(":")
+            cmd += ["--nnodes", str(self.slices), "--node-rank", str(self.node_rank)]
+            cmd += ["--master-addr", host.strip("[]"), "--master-port", master_port]
+            if self.node_rank > 0:  # workers only: no API server (`vllm serve --headless`)
+                cmd += ["--headless"]
         # the API key travels in VLLM_API_KEY (environment()), not as --api-key
         cmd += list(self.extra_args)
         return cmd
@@ -413,7 +484,9 @@ class EngineSpec:
                 # vLLM's CPU platform lets this legacy variable override --kv-cache-memory-bytes
                 env.pop("VLLM_CPU_KVCACHE_SPACE", None)
                 if self.cpu_cores:
-                    env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(self.cpu_cores, self.ranks)
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
+                        self.cpu_cores, self.ranks // self.slices
+                    )
         if self.env:
             env.update(self.env)
         return env
@@ -430,8 +503,26 @@ class EngineSpec:
         return f"http://{host}:{self.port if port is None else port}"
 
     def secrets(self) -> list[str]:
-        """Strings never written to logs or errors as they are (the API key)."""
-        return [self.api_key] if self.api_key else []
+        """Strings never written to logs or errors as they are (the API key, a node slices'
+        group key)."""
+        found = [self.api_key] if self.api_key else []
+        group_key = dict(self.env or {}).get(DIST_KEY_ENV)
+        return found + ([group_key] if group_key else [])
+
+
+def slice_spec(spec: EngineSpec, node_rank: int, dist_init_addr: str, key: str) -> EngineSpec:
+    """The spec node slice ``node_rank`` of ``spec``'s group starts: the head's
+    ``dist_init_addr`` (``HOST:PORT``) and the group's key (``ROLLSAFE_DIST_INIT_KEY``, the
+    reference engine's; kept off the command line); a slice other than the head keeps no warm
+    standby."""
+    env = {**dict(spec.env or {}), DIST_KEY_ENV: key}
+    return dataclasses.replace(
+        spec,
+        node_rank=node_rank,
+        dist_init_addr=dist_init_addr,
+        env=env,
+        warm_standby=spec.warm_standby and node_rank == 0,
+    )
 
 
 def restart_spec(
