@@ -137,6 +137,9 @@ class SimEngineClient:
     def weights_checksum(self, *, timeout: float | None = None) -> WeightsChecksum:
         return WeightsChecksum(weight_version="sim", model=self.name, tensors={})
 
+    def weight_version(self, *, timeout: float | None = None) -> str | None:
+        return None  # a simulated engine names no version (a spare's last check refuses it)
+
     def close(self) -> None:
         pass
 
