@@ -155,24 +155,35 @@ def _start_time(pid: int) -> str:
     return stat[stat.rfind(b")") + 2 :].split()[19].decode()
 
 
-def group_members(pgid: int) -> list[int]:
-    """Every live process of process group ``pgid`` (its leader may be gone: a SIGKILLed
-    server's workers stay in its group), read from ``/proc``."""
-    found: list[int] = []
+def _proc_stats() -> list[tuple[int, list[bytes]]]:
+    """``(pid, the fields after the command name)`` of every process in ``/proc`` now (one
+    that ends meanwhile is left out)."""
     try:
         entries = os.listdir("/proc")
     except OSError:
         return []
+    stats: list[tuple[int, list[bytes]]] = []
     for entry in entries:
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
                 stat = f.read()
-            fields = stat[stat.rindex(b")") + 2 :].split()
+            stats.append((int(entry), stat[stat.rindex(b")") + 2 :].split()))
+        except (OSError, ValueError):
+            continue
+    return stats
+
+
+def group_members(pgid: int) -> list[int]:
+    """Every live process of process group ``pgid`` (its leader may be gone: a SIGKILLed
+    server's workers stay in its group), read from ``/proc``."""
+    found: list[int] = []
+    for pid, fields in _proc_stats():
+        try:
             if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-                found.append(int(entry))
-        except (OSError, ValueError, IndexError):
+                found.append(pid)
+        except (ValueError, IndexError):
             continue
     return found
 
@@ -180,20 +191,12 @@ def group_members(pgid: int) -> list[int]:
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (children, grandchildren, ...), read from ``/proc``."""
     children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
+    for child, fields in _proc_stats():
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
+            ppid = int(fields[1])
+        except (ValueError, IndexError):
             continue
-        children.setdefault(ppid, []).append(int(entry))
+        children.setdefault(ppid, []).append(child)
     found: list[int] = []
     todo = [pid]
     while todo:
