@@ -340,3 +340,23 @@ def module_engine(request: pytest.FixtureRequest, model_dir: Path, **kw: Any) ->
     eng = start_engine(model_dir, **kw)
     request.addfinalizer(eng.stop)
     return eng
+
+
+def stall_groups(fleet: Any, after_tokens: int | None, groups: Sequence[str] | None = None) -> None:
+    """Arm (``None``: disarm) the reference engines' one-shot stall (``POST /fault/stall``) on
+    ``groups`` (default: every group of ``fleet``): the next generation to reach
+    ``after_tokens`` output tokens makes no more until it is aborted or its engine dies.
+
+    The tiny engine makes a whole answer in a fraction of a second and a loaded test process
+    reads the stream in bursts far behind it, so a kill (or a pause) started when the reader
+    saw ``n`` tokens can find the generation already over. Held at ``n + 1`` (its newest token
+    goes out with the next event, so the reader sees ``n``), the generation is still running
+    when the reader acts. Disarm before the kill so a continuation runs free."""
+    ids = list(groups) if groups is not None else [g.group_id for g in fleet.registry.groups()]
+    for gid in ids:
+        r = httpx.post(
+            f"{fleet.launcher(gid).url}/fault/stall",
+            json={"after_tokens": after_tokens},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text

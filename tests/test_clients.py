@@ -294,6 +294,31 @@ def test_a_stall_holds_one_generation_until_a_pause_aborts_it(engine: EngineLaun
         assert info.value.response.status_code == 400 and "after_tokens" in info.value.response.text
 
 
+def test_a_retract_queues_a_stalled_generation_again(sglang_engine: EngineLauncher) -> None:
+    """A pause in ``retract`` mode (SGLang's; vLLM has none) puts a stalled generation back on
+    the schedule, as every retracted request: after ``continue_generation`` it finishes
+    whole, not aborted."""
+    engine = sglang_engine
+    client = engine.client
+    sampled = _info(engine)["tokens_generated"]
+    fault(engine, "/fault/stall", {"after_tokens": 3})
+    box: dict[str, Any] = {}
+    worker = threading.Thread(
+        target=lambda: box.setdefault("out", client.generate(PROMPT, sampling_params=GREEDY))
+    )
+    worker.start()
+    deadline = time.monotonic() + 60  # a hang detector, nothing timed
+    while _info(engine)["tokens_generated"] < sampled + 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.is_alive() and _info(engine)["tokens_generated"] == sampled + 3
+    client.pause_generation("retract")
+    client.continue_generation()
+    worker.join(60)
+    assert not worker.is_alive()
+    out = box["out"]
+    assert len(out.output_ids) == 8 and out.finish_reason == "length", out
+
+
 def test_api_key_header(vllm_engine: EngineLauncher) -> None:
     with VLLMClient(vllm_engine.url) as anonymous:
         with pytest.raises(EngineRequestError) as info:

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from engine_helpers import engine_factory, tiny_model_dir  # noqa: F401  (fixtures)
+from engine_helpers import engine_factory, stall_groups, tiny_model_dir  # noqa: F401
 
 from rollsafe.adapters.engines import EngineSpec, SGLangClient
 from rollsafe.adapters.engines.streaming import SGLangDeltas, StreamProtocolError
@@ -44,7 +44,11 @@ def _fleet(model: Path, tmp: Path, dialect: str = "sglang", groups: int = 2, **k
             model_path=model,
             export_root=tmp / "exports",
             groups=[GroupSpec(1) for _ in range(groups)],
-            engine=EngineSpec(model_path=str(model), dialect=dialect, **kw.pop("engine", {})),
+            engine=EngineSpec(
+                model_path=str(model),
+                dialect=dialect,
+                **{"fault_injection": True, **kw.pop("engine", {})},
+            ),
             transport="nccl" if dialect == "vllm" else "ipc",
             **kw,
         )
@@ -206,8 +210,10 @@ def test_sigkill_mid_generation_continues_on_another_group(
         def progress(gid: str, n: int) -> None:
             if n >= KILL_AT and not killed:
                 killed[gid] = n
+                stall_groups(fleet, None)  # the continuation runs free
                 _kill_group(fleet, gid)
 
+        stall_groups(fleet, KILL_AT + 1)  # still generating when the reader sees KILL_AT
         fleet.router.on_progress = progress
         out = fleet.generate(PROMPT, sampling_params=GREEDY)
         fleet.router.on_progress = None
@@ -237,6 +243,9 @@ def test_bounded_tries_end_in_a_named_error_listing_segments(
                 seen.append(gid)
                 _kill_group(fleet, gid)
 
+        # each segment is held KILL_AT + 1 tokens into its own output (the continuation's
+        # output counts from its start), so every kill finds its generation running
+        stall_groups(fleet, KILL_AT + 1)
         fleet.router.on_progress = progress
         with pytest.raises(ContinuationFailed) as info:
             fleet.generate(PROMPT, sampling_params=GREEDY)
@@ -277,8 +286,12 @@ def test_sync_with_pause_continues_requests_on_the_new_weights(
         worker = threading.Thread(
             target=lambda: box.setdefault("out", fleet.generate(PROMPT, sampling_params=GREEDY))
         )
-        worker.start()
-        assert reached.wait(60)
+        stall_groups(fleet, KILL_AT + 1)  # the pause finds the generation running
+        try:
+            worker.start()
+            assert reached.wait(60)
+        finally:
+            stall_groups(fleet, None)  # the continuation runs free
         report = fleet.sync_weights(weights, 1, pause_mode=mode)  # type: ignore[arg-type]
         worker.join(60)
         assert report.ok and report.updated == ["g0"]

@@ -21,7 +21,11 @@ from typing import Any
 import httpx
 import pytest
 from chaos_support import WAIT_S, RequestLoop, wait_for
-from engine_helpers import tiny_model_dir, tiny_model_dir_b  # noqa: F401  (fixtures)
+from engine_helpers import (  # noqa: F401  (fixtures)
+    stall_groups,
+    tiny_model_dir,
+    tiny_model_dir_b,
+)
 from trace_support import assert_run_replays
 from transport_helpers import Trainer
 
@@ -181,6 +185,7 @@ def test_a_spare_takes_over_a_killed_group_mid_request_and_the_pool_refills(
             killed.append(gid)
             kill(fleet, gid)
 
+    stall_groups(fleet, KILL_AT + 1, ["g0"])  # still generating when the reader sees KILL_AT
     fleet.router.on_progress = progress
     out = fleet.generate(PROMPT, sampling_params=GREEDY)
     fleet.router.on_progress = None

@@ -554,6 +554,9 @@ class ReferenceEngine:
                 for s in sessions:  # free KV; re-prefill prompt + output on continue
                     self.ranks.call("end", {"sid": s.sid})
                     s.started = False
+                    with self._cv:  # a stalled one is queued again, as every retracted one
+                        if s.sid in self._sessions and s.sid not in self._order:
+                            self._order.append(s.sid)
 
         return self.submit(run)
 
@@ -561,7 +564,8 @@ class ReferenceEngine:
         """Fault injection (``POST /fault/stall``): the next generation to reach ``tokens``
         output tokens (without finishing there) is taken off the schedule: it makes no more
         tokens, and keeps its state, until it is aborted (a pause in ``abort`` mode, an
-        abort, its client gone) or the engine fails. One generation, once; ``None`` disarms
+        abort, its client gone), retracted (a pause in ``retract`` mode queues it again, as
+        every retracted request) or the engine fails. One generation, once; ``None`` disarms
         (a generation already stalled stays so)."""
         if tokens is not None and (isinstance(tokens, bool) or tokens < 1):
             raise BadRequest(f"'after_tokens' must be an int >= 1 or null, got {tokens!r}")

@@ -9,7 +9,8 @@ Owns the ``/fault/*`` endpoints and the middleware that applies injected faults:
 * ``POST /fault/fail_next`` ``{"endpoint": "/generate"}``: the next call of that endpoint
   answers HTTP 500;
 * ``POST /fault/stall`` ``{"after_tokens": n}``: the next generation to reach ``n`` output
-  tokens makes no more until it is aborted (a pause in ``abort`` mode) or the engine dies, so
+  tokens makes no more until it is aborted (a pause in ``abort`` mode), retracted (a pause
+  in ``retract`` mode queues it again) or the engine dies, so
   a test's sync or SIGKILL lands mid-generation however far its client lags behind the
   engine; once (``null`` disarms it).
 
