@@ -1,9 +1,10 @@
 """Reading a fleet back: every machine's transitions in time order, and the fleet as the
 invariants see it.
 
-Owns :class:`ExportHistory` (the lifecycle machine of every export a fleet started, kept after
-the exporter prunes its own table), :func:`timeline` (every transition of the groups, the
-exports, the transport's registration and the immediate-recovery mode, oldest first) and
+Owns :class:`ExportHistory` (the lifecycle machine of every export the exporter holds, and the
+transitions of the last ``_RETIRED_KEPT`` exports it let go of), :func:`timeline` (every
+transition of the groups, the exports, the transport's registration and the immediate-recovery
+mode, oldest first) and
 :func:`picture` (a :class:`~rollsafe.invariants.FleetPicture` of what the fleet records:
 ``check_all(fleet.picture())`` is the demo's final invariant check). ``RolloutFleet.timeline()``
 and ``.picture()`` call them with the fleet's parts.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollsafe.invariants import (
@@ -35,22 +37,52 @@ __all__ = ["ExportHistory", "picture", "timeline"]
 
 log = logging.getLogger(__name__)
 
+#: Exports the exporter let go of (deleted, failed, abandoned, pruned) whose transitions the
+#: timeline keeps, newest versions first (the sync reports keep as many syncs).
+_RETIRED_KEPT = 64
+
+
+@dataclass(frozen=True)
+class _Retired:
+    """An export the exporter no longer holds, as the timeline keeps it: its state and its
+    transitions when it was let go of. The machine itself (its callbacks, event queues and
+    locks: about 70 KiB) goes with the exporter's last reference."""
+
+    version: int
+    state: str
+    history: tuple[TransitionRecord, ...]
+
+    @property
+    def last_transition(self) -> TransitionRecord | None:
+        return self.history[-1] if self.history else None
+
 
 class ExportHistory:
-    """The lifecycle machine of every export the fleet started, by version."""
+    """The export lifecycle machines the fleet reads back, by version.
+
+    Bounded: a machine is kept only while the exporter holds it (its records and the latest
+    handle, themselves bounded by retention and ``_HANDLES_KEPT``); once the exporter lets go
+    of it, only its state and transitions are kept (:class:`_Retired`), for the last
+    ``_RETIRED_KEPT`` versions. Holding every machine ever started grew the driver by one
+    machine a sync (issue #36).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._machines: dict[int, Any] = {}
+        self._retired: dict[int, _Retired] = {}
 
     def harvest(self, exporter: ExporterLike | None) -> None:
-        """Keep the machines of the exports ``exporter`` knows now (the one in flight too)."""
+        """Keep the machines of the exports ``exporter`` holds now (the one in flight too);
+        retire those it no longer holds."""
         if exporter is None:
             return
         found: list[tuple[int, Any]] = []
+        complete = True
         try:
             found += [(r.version, r.lifecycle) for r in exporter.exports()]
         except Exception:
+            complete = False  # nothing is retired on a partial reading
             log.debug("reading the exporter's exports failed", exc_info=True)
         try:
             handle = exporter.handle()
@@ -58,12 +90,24 @@ class ExportHistory:
         except Exception:  # no export started yet
             pass
         with self._lock:
+            held = {version for version, _ in found}
             for version, machine in found:
-                self._machines.setdefault(version, machine)
+                if version not in self._machines:
+                    self._retired.pop(version, None)  # held again: the machine has it all
+                    self._machines[version] = machine
+            if not complete:
+                return
+            for version in [v for v in self._machines if v not in held]:
+                machine = self._machines.pop(version)
+                self._retired[version] = _Retired(version, str(machine.state), machine.history)
+            while len(self._retired) > _RETIRED_KEPT:
+                del self._retired[min(self._retired)]
 
     def machines(self) -> list[tuple[int, Any]]:
+        """Version -> the machine (or, once retired, its state and history), oldest first."""
         with self._lock:
-            return sorted(self._machines.items(), key=lambda item: item[0])
+            items: list[tuple[int, Any]] = [*self._machines.items(), *self._retired.items()]
+        return sorted(items, key=lambda item: item[0])
 
     def states(self) -> dict[int, str]:
         """Version -> the export's lifecycle state."""

@@ -445,8 +445,13 @@ class FleetMetrics(FleetListener):
             self._count_history(
                 ("registration", fleet.transport.name), fleet.transport.registration
             )
+        held: set[tuple[str, str]] = set()
         for version, lifecycle in self._export_machines():
+            held.add(("export", str(version)))
             self._count_history(("export", str(version)), lifecycle)
+        # an export no longer held is not read again: one entry per export held, not per sync
+        for key in [k for k in self._machine_seq if k[0] == "export" and k not in held]:
+            del self._machine_seq[key]
 
     def _export_machines(self) -> list[tuple[int, Any]]:
         exporter = self.fleet.exporter
@@ -532,7 +537,9 @@ class FleetMetrics(FleetListener):
         exporter = self.fleet.exporter
         if exporter is None:
             return
-        for version in self.fleet.export_states():
+        states = self.fleet.export_states()
+        self._seen_exports &= states.keys()  # bounded by what the fleet still lists
+        for version in states:
             if version in self._seen_exports:
                 continue
             try:
