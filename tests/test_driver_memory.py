@@ -56,6 +56,12 @@ def heap_peak() -> Iterator[list[int]]:
         tracemalloc.stop()
 
 
+def count_tensors() -> int:
+    """Tensors alive now (after a collection; no list of objects is kept)."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
 def pattern(n: int) -> bytes:
     return (bytes(range(251)) * (n // 251 + 1))[:n]
 
@@ -180,8 +186,9 @@ def test_a_fleet_holds_a_bounded_number_of_versions_over_many_syncs(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A real fleet (one reference engine): after N syncs only the current version's weights and
-    the machines the exporter holds (its recent handles and kept records) are alive."""
+    """A real fleet (one reference engine, deltas on): after N syncs only the current version's
+    weights, a steady number of tensors and the machines the exporter holds (its recent handles
+    and kept records) are alive."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(exporter_module, "_HANDLES_KEPT", 2)  # the bound, small enough to pass
@@ -191,6 +198,7 @@ def test_a_fleet_holds_a_bounded_number_of_versions_over_many_syncs(
     n = 6
     tensors: dict[int, list[weakref.ref[torch.Tensor]]] = {}
     machines: dict[int, weakref.ref[ExportLifecycle]] = {}
+    live_tensors: list[int] = []
     config = FleetConfig(model_path=tiny_model_dir, export_root=tmp_path / "exports")
     with RolloutFleet(config) as fleet:
         exporter = fleet.exporter
@@ -202,6 +210,7 @@ def test_a_fleet_holds_a_bounded_number_of_versions_over_many_syncs(
             del weights
             exporter.wait_hf_export(version, timeout=60)
             machines[version] = weakref.ref(exporter.handle(version).lifecycle)
+            live_tensors.append(count_tensors())
         fleet.export_states()  # a last harvest
         gc.collect()
         weights_alive = sorted(
@@ -209,6 +218,9 @@ def test_a_fleet_holds_a_bounded_number_of_versions_over_many_syncs(
         )
         # the transport registers the current version's tensors (no copy): that one only
         assert weights_alive == [n]
+        # and every tensor the driver holds (delta bases, the exporter's snapshot) is reused or
+        # replaced: as many after the last sync as after the third
+        assert live_tensors[-1] <= live_tensors[2], live_tensors
         alive = sorted(v for v, ref in machines.items() if ref() is not None)
         held = {r.version for r in exporter.exports()} | {n - 1, n}  # records and 2 handles
         assert set(alive) <= held and len(alive) <= len(held), (alive, held)
