@@ -106,9 +106,11 @@ def chaos_fleet(
     immediate: bool = True,
     health: HealthSettings | None = None,
     initial_version: int = 0,
+    run_dir: Path | None = None,
     **recovery: Any,
 ) -> tuple[RolloutFleet, Journal]:
-    """A started fleet of reference engines (fault injection on) with recording launchers."""
+    """A started fleet of reference engines (fault injection on) with recording launchers;
+    ``run_dir``: where it streams its run (``FleetConfig.run_dir``)."""
     journal = Journal()
 
     def factory(group_id: str, spec: EngineSpec) -> EngineLauncher:
@@ -130,6 +132,7 @@ def chaos_fleet(
         request_timeout_s=5.0,
         router_max_attempts=4,
         wait_for_routable_s=2.0,
+        run_dir=run_dir,
     )
     fleet = RolloutFleet(cfg)
     fleet.start()
