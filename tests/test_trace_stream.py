@@ -9,9 +9,11 @@ every bound: the machines' in-memory histories no longer start at their first tr
 so does the ``timeline.jsonl`` ``record()`` writes from it. The same fleet's record written from
 memory is knowingly cut: the replay refuses it by name (``TruncatedTraceError``), as it does an
 older record whose cut shows only in its numbering. A crashed fleet's stream (a prefix, its last
-line cut mid-write) replays as a stated partial replay. The subscriber seam the stream rides
-on (:meth:`GuardedMachine.subscribe`) is checked on a bare machine. Waits are bounded by
-deadlines; nothing asserts a duration.
+line cut mid-write) replays as a stated partial replay. The writer alone: a group added at
+runtime joins the record's groups, a full disk (``/dev/full``) stops the stream without
+touching the machines; the subscriber seam the stream rides on
+(:meth:`GuardedMachine.subscribe`) is checked on a bare machine; a bad ``run_dir`` is named.
+Waits are bounded by deadlines; nothing asserts a duration.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,9 +38,10 @@ from transport_helpers import Trainer
 import rollsafe.fleet.recovery as recovery_module
 import rollsafe.fleet.sync as sync_module
 from rollsafe.cli import main
-from rollsafe.fleet import GroupSpec, RolloutFleet
-from rollsafe.observe.runfile import TRANSITION_KINDS, build_rows, load_run, write_run
-from rollsafe.observe.stream import STREAM, load_recorded, load_stream
+from rollsafe.fleet import FleetConfig, FleetConfigError, GroupSpec, RolloutFleet
+from rollsafe.observe.runfile import FORMAT, TRANSITION_KINDS, build_rows, load_run, write_run
+from rollsafe.observe.stream import STREAM, RunStream, load_recorded, load_stream
+from rollsafe.registry import FleetRegistry
 from rollsafe.statemachines import GuardedMachine, ImmediateRecoveryMode
 from rollsafe.statemachines.base import TransitionRecord
 from rollsafe.verify.replay import TraceError, TruncatedTraceError, replay_run
@@ -243,3 +247,72 @@ def test_a_subscriber_gets_every_transition_once_in_order_and_never_breaks_the_m
     mode.unsubscribe(early.append)  # not subscribed: no error
     mode.send("disable")
     assert early[-1].seq == len(events) + 1 and late[-1].seq == len(events) + 2
+
+
+# ====================================================================== bad input
+def test_a_bad_run_dir_is_named_and_changes_nothing(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    def config(run_dir: Any) -> FleetConfig:
+        return FleetConfig(model_path=tiny_model_dir, export_root=tmp_path / "e", run_dir=run_dir)
+
+    with pytest.raises(FleetConfigError) as info:
+        config(3)
+    assert info.value.key == "run_dir" and "must be a path" in str(info.value)
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    with pytest.raises(FleetConfigError) as info:
+        config(afile).validate()
+    assert info.value.key == "run_dir" and "is not a directory" in str(info.value)
+    with pytest.raises(FleetConfigError) as info:
+        config(tmp_path / "no" / "such" / "run").validate()
+    assert info.value.key == "run_dir" and "does not exist" in str(info.value)
+    assert afile.read_text() == "not a directory" and not (tmp_path / "no").exists()
+    config(tmp_path / "run").validate()  # made at start, not by the check
+    assert not (tmp_path / "run").exists()
+
+
+# ====================================================================== the writer alone
+def _header(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "kind": "run",
+        "format": FORMAT,
+        "subject": "fleet",
+        "timestamp": time.time(),
+        "groups": [g["id"] for g in groups],
+        "model": {"groups": groups},
+    }
+
+
+def test_a_group_added_at_runtime_joins_the_streamed_records_groups(tmp_path: Path) -> None:
+    registry = FleetRegistry()
+    stream = RunStream(tmp_path, _header([{"id": "g0", "ranks": [0]}]))
+    registry.add_listener(stream)
+    for gid, rank in (("g0", 0), ("g1", 1)):  # g1: not in the run row, added later
+        registry.add_group(gid, [rank], clients=())
+        registry.report_member(gid, rank, healthy=True, weights_version=0)
+        registry.send(gid, "launched", decided_by="launch_events")
+    stream.close({"kind": "end", "subject": "fleet", "timestamp": time.time(), "groups": {}})
+    run = load_stream(tmp_path)
+    assert run.partial is None and run.rows[-1]["kind"] == "end"
+    assert run.header is not None
+    assert run.header["model"]["groups"] == [{"id": "g0", "ranks": [0]}, {"id": "g1", "ranks": [1]}]
+    launched = [(r["subject"], r["seq"]) for r in run.rows if r["kind"] == "group"]
+    assert launched == [("g0", 1), ("g1", 1)]
+    assert [g["id"] for g in stream.groups] == ["g0", "g1"]
+    # closed: a later transition is not written, and nothing breaks
+    registry.send("g0", "fail", decided_by="judge_probe")
+    assert len(load_stream(tmp_path).rows) == len(run.rows)
+
+
+def test_a_stream_whose_disk_is_full_stops_and_never_raises(tmp_path: Path) -> None:
+    (tmp_path / STREAM).symlink_to("/dev/full")
+    stream = RunStream(tmp_path, _header([]))  # the header's write already fails
+    assert stream.failed is not None and "No space left" in stream.failed
+    mode = ImmediateRecoveryMode()
+    stream.watch("mode", "immediate_recovery", mode)
+    mode.send("enable")  # the machine is unaffected
+    assert mode.state == "enabled" and stream.rows_written == 0
+    stream.close({"kind": "end", "subject": "fleet", "timestamp": time.time(), "groups": {}})
+    assert stream.closed and stream.rows_written == 0

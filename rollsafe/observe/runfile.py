@@ -166,6 +166,8 @@ def build_rows(
         ]
         rows: list[dict[str, Any]] = [{k: v for k, v in r.items() if k != "t"} for r in streamed]
         groups = stream.groups
+        if stream.failed is not None:
+            cut.append(f"the stream stopped early: writing failed ({stream.failed})")
     else:
         rows = [dict(r) for r in fleet.timeline()]
         cut += _cut_histories(rows)

@@ -81,6 +81,8 @@ class RunStream:
         self._watched: dict[int, tuple[GuardedMachine, Callable[[TransitionRecord], None]]] = {}
         self._groups: dict[str, list[int]] = {}
         self.rows_written = 0
+        #: why writing stopped early (None: it did not)
+        self.failed: str | None = None
         model = header.get("model")
         for g in (model.get("groups") or []) if isinstance(model, Mapping) else []:
             self._groups[str(g["id"])] = [int(r) for r in g["ranks"]]
@@ -93,14 +95,22 @@ class RunStream:
 
     def write(self, row: Mapping[str, Any]) -> None:
         """Append ``row`` (a JSON object with ``kind`` and ``timestamp``) and flush it. After
-        :meth:`close` it is dropped (logged once at debug level)."""
+        :meth:`close` it is dropped. A write that fails (a full disk) stops the stream for good,
+        logged once: the file stays a clean prefix of the run, read back as partial, rather
+        than a record with rows missing in its middle."""
         line = json.dumps(_jsonable(row)) + "\n"
         with self._lock:
-            if self._file.closed:
-                log.debug("run stream %s is closed: %s row dropped", self.path, row.get("kind"))
+            if self._file.closed or self.failed is not None:
                 return
-            self._file.write(line)
-            self._file.flush()
+            try:
+                self._file.write(line)
+                self._file.flush()
+            except OSError as exc:
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.error(
+                    "run stream %s: writing failed (%s): the record ends here", self.path, exc
+                )
+                return
             self.rows_written += 1
 
     def transition(self, kind: str, subject: str, record: TransitionRecord) -> None:
@@ -165,13 +175,18 @@ class RunStream:
         with self._lock:
             if self._file.closed:
                 return
-            if end is not None:
-                self._file.write(json.dumps(_jsonable(end)) + "\n")
-                self.rows_written += 1
-            self._file.flush()
-            with contextlib.suppress(OSError):
+            try:
+                if end is not None and self.failed is None:
+                    self._file.write(json.dumps(_jsonable(end)) + "\n")
+                    self.rows_written += 1
+                self._file.flush()
                 os.fsync(self._file.fileno())
-            self._file.close()
+            except OSError as exc:
+                self.failed = self.failed or f"{type(exc).__name__}: {exc}"
+                log.error("run stream %s: closing failed (%s)", self.path, exc)
+            finally:
+                with contextlib.suppress(OSError):
+                    self._file.close()
             watched, self._watched = list(self._watched.values()), {}
         for machine, subscriber in watched:
             machine.unsubscribe(subscriber)  # a closed stream takes nothing more
@@ -186,9 +201,10 @@ class RunStream:
         """Every row written so far, read back (the run's record, in time order: see
         :func:`load_stream`)."""
         with self._lock:
-            if not self._file.closed:
-                self._file.flush()
-        return load_stream(self.path.parent).rows
+            if not self._file.closed and self.failed is None:
+                with contextlib.suppress(OSError):
+                    self._file.flush()
+        return load_stream(self.path).rows
 
 
 def _now() -> float:
