@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,8 +78,10 @@ class RunStream:
         self.path = out / STREAM
         self._lock = threading.Lock()
         self._file = self.path.open("w", encoding="utf-8")
-        #: id(machine) -> the machine (kept alive, so ids stay unique) and its subscriber
-        self._watched: dict[int, tuple[GuardedMachine, Callable[[TransitionRecord], None]]] = {}
+        #: each machine watched -> its subscriber (weakly: a forgotten export's machine goes)
+        self._watched: weakref.WeakKeyDictionary[
+            GuardedMachine, Callable[[TransitionRecord], None]
+        ] = weakref.WeakKeyDictionary()
         self._groups: dict[str, list[int]] = {}
         self.rows_written = 0
         #: why writing stopped early (None: it did not)
@@ -128,9 +131,9 @@ class RunStream:
             self.transition(kind, subject, record)
 
         with self._lock:
-            if id(machine) in self._watched or self._file.closed:
+            if machine in self._watched or self._file.closed:
                 return
-            self._watched[id(machine)] = (machine, subscriber)
+            self._watched[machine] = subscriber
         first = machine.subscribe(subscriber)
         if first > 1:  # it had taken more than its history keeps before it was watched
             log.warning(
@@ -187,7 +190,8 @@ class RunStream:
             finally:
                 with contextlib.suppress(OSError):
                     self._file.close()
-            watched, self._watched = list(self._watched.values()), {}
+            watched = list(self._watched.items())
+            self._watched.clear()
         for machine, subscriber in watched:
             machine.unsubscribe(subscriber)  # a closed stream takes nothing more
         with contextlib.suppress(OSError):

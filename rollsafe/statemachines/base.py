@@ -228,7 +228,7 @@ class GuardedMachine(StateMachine):
         so in ``seq`` order and never twice). Returns the ``seq`` of the first record it got
         then: 1 when the history was whole, more when older ones had already left the ring
         buffer (0: none taken yet). An exception in ``subscriber`` is logged and ignored: it
-        never changes the machine. Adding the same subscriber twice does nothing."""
+        never changes the machine. Adding the same subscriber twice does nothing (and returns 0)."""
         with self._lock:
             if any(s == subscriber for s in self._subscribers):
                 return 0
