@@ -32,7 +32,7 @@ from engine_helpers import (
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
 )
-from trace_support import assert_run_replays
+from trace_support import FromMemory, assert_run_replays
 from transport_helpers import Trainer
 
 import rollsafe.fleet.recovery as recovery_module
@@ -109,22 +109,6 @@ def verify(path: Path) -> tuple[int, str]:
     return code, out.getvalue() + err.getvalue()
 
 
-class _FromMemory:
-    """The fleet as ``build_rows`` reads it, without its stream: the record written from
-    memory (what ``record`` wrote before runs were streamed)."""
-
-    stream = None
-
-    def __init__(self, fleet: RolloutFleet) -> None:
-        self._fleet = fleet
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fleet, name)
-
-    def timeline(self) -> list[dict[str, Any]]:
-        return self._fleet.timeline(from_memory=True)
-
-
 # ====================================================================== the whole run
 def test_a_run_past_the_memory_bound_replays_whole_from_its_stream(recorded: Recorded) -> None:
     fleet = recorded.fleet
@@ -163,7 +147,7 @@ def test_a_run_past_the_memory_bound_replays_whole_from_its_stream(recorded: Rec
 
 # ====================================================================== knowingly cut
 def test_a_record_written_from_memory_is_refused_as_cut(recorded: Recorded) -> None:
-    rows = build_rows(_FromMemory(recorded.fleet))  # type: ignore[arg-type]
+    rows = build_rows(FromMemory(recorded.fleet))  # type: ignore[arg-type]
     header = rows[0]
     assert header["record"] == "memory"
     cut = header["cut"]
