@@ -262,3 +262,37 @@ def test_weight_version_reaches_the_engine_command() -> None:
     cmd = spec.command()
     assert cmd[cmd.index("--weight-version") + 1] == "7"
     assert "--weight-version" not in EngineSpec(model_path="/m").command()
+
+
+def test_real_servers_on_the_same_gpus_start_one_at_a_time() -> None:
+    """``start_slot``: a second start on the same GPUs waits until the first left its slot
+    (vLLM profiles device memory while it starts); other GPUs and CPU engines do not wait."""
+    import threading
+
+    from rollsafe.adapters.engines.launch.real_engine import gpu_key, start_slot
+
+    def spec(device: str, visible: str | None = None) -> EngineSpec:
+        env = {"CUDA_VISIBLE_DEVICES": visible} if visible is not None else None
+        return EngineSpec(model_path="m", kind="vllm", device=device, env=env)
+
+    assert gpu_key(spec("cpu")) is None
+    assert gpu_key(spec("cuda", "1")) == "1"
+    entered = {name: threading.Event() for name in ("second", "other_gpu", "cpu")}
+
+    def start(name: str, s: EngineSpec) -> threading.Thread:
+        def body() -> None:
+            with start_slot(s):
+                entered[name].set()
+
+        t = threading.Thread(target=body, daemon=True)
+        t.start()
+        return t
+
+    with start_slot(spec("cuda", "0")):
+        second = start("second", spec("cuda", "0"))
+        others = [start("other_gpu", spec("cuda", "1")), start("cpu", spec("cpu"))]
+        assert entered["other_gpu"].wait(10) and entered["cpu"].wait(10)
+        assert not entered["second"].wait(0.5)  # still held by the first start
+    assert entered["second"].wait(10)
+    for t in (second, *others):
+        t.join(10)

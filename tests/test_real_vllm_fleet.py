@@ -437,3 +437,94 @@ def test_real_vllm_spare_takes_over_a_killed_group_and_the_pool_refills(
         _no_dispatch_to_inactive(fleet)
         assert fleet.wait_recoveries(RECOVER_S)
         assert_run_replays(fleet.record(tmp_path / "run", svg=False))
+
+
+@pytest.mark.ray_cluster
+def test_real_vllm_spare_takes_over_when_the_serving_groups_node_is_lost(
+    vllm_model: Path, tmp_path: Path, vllm_python: str
+) -> None:
+    """#37 item 3 on real vLLM servers placed on a local three-node Ray cluster: the spare is
+    kept off the serving group's node; that node is removed mid-stream: the spare is promoted,
+    the cut request continues on it token for token, and the lost group is placed again on the
+    third node, a fresh vLLM from the export that comes back as the spare; the next sync reaches
+    both, checked by digests and the behavioural probe."""
+    from ray_cluster import local_cluster, require_ray
+    from ray_cluster import wait_for as ray_wait
+
+    from rollsafe.adapters.ray import RayEngineGroup
+    from rollsafe.fleet import RaySettings
+
+    require_ray()
+    repo = Path(__file__).resolve().parents[1]
+    trainer = Trainer(vllm_model)
+    options = {**_options(vllm_python), "env": {"PYTHONPATH": str(repo)}}
+    config = FleetConfig(
+        model_path=vllm_model,
+        export_root=tmp_path / "exports",
+        groups=[GroupSpec(1)],
+        spare_groups=1,
+        engine=EngineSpec(model_path=str(vllm_model), **options),
+        placement="ray",
+        # every node of the local cluster sees this machine's files: the exports are shared
+        ray=RaySettings(
+            resources_per_rank={"rollout": 1.0}, placement_timeout_s=60.0, shared_exports=True
+        ),
+        health=HealthSettings(interval_s=0.5, timeout_s=5.0, failure_threshold=2),
+        recovery=RecoverySettings(timeout_s=RECOVER_S, expected_recovery_s=1.0),
+        start_timeout_s=START_S,
+        request_timeout_s=120.0,
+        transport="nccl",
+        enable_immediate_recovery=True,
+        wait_for_routable_s=RECOVER_S,
+    )
+    with local_cluster([{"rollout": 1}] * 3, head_resources={"head": 1}) as cluster:
+        nodes = {n.node_id: n for n in cluster.worker_nodes}
+        with RolloutFleet(config) as fleet:
+            registry = fleet.registry
+            engines = {gid: fleet.engine(gid) for gid in fleet.group_ids}
+            assert all(isinstance(e, RayEngineGroup) for e in engines.values()), engines
+            where = {gid: e.node_id for gid, e in engines.items()}  # type: ignore[attr-defined]
+            assert set(where.values()) <= set(nodes) and where["g0"] != where["s0"], where
+            assert registry.get("s0").state == "standby"
+            weights = trainer.step()
+            report = fleet.sync_weights(weights, 1)
+            assert report.ok and sorted(report.updated) == ["g0", "s0"], report.as_dict()
+            _check_synced(fleet, weights, None)
+            assert fleet.exporter is not None
+            fleet.exporter.wait_hf_export(1, timeout=120)
+
+            greedy = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+            uncut = fleet.generate([9, 8, 7, 6], sampling_params=greedy)
+            assert uncut.group_id == "g0"
+            lost = threading.Event()
+
+            def on_progress(group_id: str, tokens: int) -> None:
+                if group_id == "g0" and tokens >= 5 and not lost.is_set():
+                    lost.set()
+                    cluster.remove_node(nodes[where["g0"]], allow_graceful=False)
+
+            fleet.router.on_progress = on_progress
+            out = fleet.generate([9, 8, 7, 6], sampling_params=greedy)
+            fleet.router.on_progress = None
+            assert lost.is_set()
+            assert out.output_ids == uncut.output_ids  # continued on the spare, token for token
+            assert out.segments[0].group_id == "g0" and out.segments[-1].group_id == "s0"
+            assert registry.get("s0").state == "active" and not registry.get("s0").machine.spare
+            assert fleet.spares is not None
+            (promotion,) = fleet.spares.promotions()
+            assert (promotion.spare, promotion.covered) == ("s0", "g0")
+
+            # the lost group is placed again on the third node and refills the pool
+            third = (set(nodes) - set(where.values())).pop()
+            assert ray_wait(lambda: registry.get("g0").state == "standby", RECOVER_S), (
+                fleet.snapshot()["recoveries"]
+            )
+            assert engines["g0"].node_id == third  # type: ignore[attr-defined]
+            assert registry.get("g0").machine.spare
+            weights = trainer.step()
+            report = fleet.sync_weights(weights, 2)
+            assert report.ok and sorted(report.updated) == ["g0", "s0"], report.as_dict()
+            _check_synced(fleet, weights, None)
+            _no_dispatch_to_inactive(fleet)
+            assert fleet.wait_recoveries(RECOVER_S)
+            assert_run_replays(fleet.record(tmp_path / "run", svg=False))

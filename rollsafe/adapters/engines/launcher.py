@@ -322,9 +322,10 @@ class EngineLauncher:
         if spec.node_rank > 0:
             return self._start_headless(spec, cmd)
         try:
-            self._launch_fresh(spec, cmd)
-            attempt = self._attempt(self._running.require_proc(), cmd)
-            info = wait_for_http_ready(attempt, spec.client_url(port))
+            with real_engine.start_slot(spec):  # one server at a time profiles a GPU
+                self._launch_fresh(spec, cmd)
+                attempt = self._attempt(self._running.require_proc(), cmd)
+                info = wait_for_http_ready(attempt, spec.client_url(port))
             self._running.info = info
             self._running.client = client = engine_client(spec, str(info["url"]))
             if info.get("weight_version_source") == "client":

@@ -2,15 +2,21 @@
 
 Owns the SGLang API-key file (SGLang reads no key from its environment, so it gets a 0600
 ``--config`` YAML file instead of ``--api-key`` on a command line every user sees in ``ps``),
-the warning for a server bound beyond loopback, and :func:`leftovers` (a real engine's workers
-that may have left the process group, and what a killed vLLM leaves on disk).
+the warning for a server bound beyond loopback, :func:`leftovers` (a real engine's workers
+that may have left the process group, and what a killed vLLM leaves on disk) and
+:func:`start_slot`: real servers on the same GPUs start one at a time in this process (vLLM
+sizes its KV cache from the device memory it sees change while it profiles, so another server
+loading beside it makes the start fail with "No available memory for the cache blocks").
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
+from collections.abc import Iterator
 
 from rollsafe.adapters.engines.launch.output import EngineLogs
 from rollsafe.adapters.engines.launch.process_group import descendants, group_members
@@ -18,7 +24,7 @@ from rollsafe.adapters.engines.launch.spec import EngineSpec
 from rollsafe.adapters.engines.vllm_cpu import held_files
 from rollsafe.net import is_loopback
 
-__all__ = ["leftovers", "warn_exposure", "write_api_key_file"]
+__all__ = ["leftovers", "start_slot", "warn_exposure", "write_api_key_file"]
 
 log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
 
@@ -67,3 +73,32 @@ def warn_exposure(spec: EngineSpec) -> None:
             "SGLang on %s without api_key: anyone who can reach the port can replace its weights",
             spec.host,
         )
+
+
+_SLOTS: dict[str, threading.Lock] = {}
+_SLOTS_GUARD = threading.Lock()
+
+
+def gpu_key(spec: EngineSpec) -> str | None:
+    """The GPUs a real server of ``spec`` loads onto (its ``CUDA_VISIBLE_DEVICES``, else the
+    process's, else ``"all"``); ``None`` off CUDA, where starts need no order."""
+    if not spec.device.startswith("cuda"):
+        return None
+    env = spec.env or {}
+    visible = env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return visible if visible else "all"
+
+
+@contextlib.contextmanager
+def start_slot(spec: EngineSpec) -> Iterator[None]:
+    """Hold the start slot of ``spec``'s GPUs from spawn to ready: two real servers never
+    profile the same devices at once (a start waits for the one before it, never longer than
+    that start's own ready timeout). No slot off CUDA."""
+    key = gpu_key(spec)
+    if key is None:
+        yield
+        return
+    with _SLOTS_GUARD:
+        slot = _SLOTS.setdefault(key, threading.Lock())
+    with slot:
+        yield
