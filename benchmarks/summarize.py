@@ -1378,6 +1378,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "real_vllm_cpu.json": _real_vllm,
     "node_loss_cpu.json": _node_loss,
     "node_loss_span_cpu.json": _node_loss,
+    "node_loss_span_cpu_run2.json": _node_loss,
     "spares_cpu.json": _spares,
     "spares_real_vllm_cpu.json": _spares,
     "delta_cpu_train.json": _delta,
