@@ -90,9 +90,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--runs",
         type=Path,
         default=None,
-        help="keep each fleet's recorded run here (timeline.jsonl, fleet.json: "
-        "`rollsafe verify --trace DIR/<fleet>` replays it again); default: a scratch "
-        "directory removed at the end",
+        help="keep each fleet's recorded run here (stream.jsonl, the whole run streamed as it "
+        "happened, then timeline.jsonl and fleet.json: `rollsafe verify --trace DIR/<fleet>` "
+        "replays it again); default: a scratch directory removed at the end",
     )
     p.add_argument(
         "--keep-going",
@@ -159,7 +159,7 @@ class Soak:
         self.resources.start()
         wall0 = time.time()
         with R.pythonpath(REPO):
-            self.rig = rig = R.start(args.seed, args.vllm_python, REPO)
+            self.rig = rig = R.start(args.seed, args.vllm_python, REPO, runs=args.runs)
         try:
             return self._run(rig, wall0)
         finally:
@@ -438,16 +438,18 @@ class Soak:
         self.leaks = self.resources.leaks(actors_after_close)
 
     def _replay(self, name: str, fleet: Any) -> dict[str, Any]:
-        """``fleet``'s whole run (every machine transition it recorded) replayed through
-        ``rollsafe verify``'s model, as ``rollsafe verify --trace`` does (issue #36 item 3);
-        the run directory is kept under ``--runs`` when given."""
-        from rollsafe.observe.runfile import load_run
+        """``fleet``'s whole run (every machine transition it streamed to its run directory,
+        ``FleetConfig.run_dir``) replayed through ``rollsafe verify``'s model, as ``rollsafe
+        verify --trace`` does (issue #36 item 3); the run directory (``stream.jsonl``, and
+        ``timeline.jsonl`` written here) is kept under ``--runs`` when given."""
+        from rollsafe.observe.stream import load_recorded
         from rollsafe.verify.replay import replay_run
 
-        runs = self.args.runs or (self.rig.scratch / "runs")
+        runs = self.rig.runs or (self.rig.scratch / "runs")
         try:
             path = fleet.record(Path(runs) / name, svg=False)
-            replayed = replay_run(load_run(path).rows)
+            run = load_recorded(path)
+            replayed = replay_run(run.rows, partial=run.partial)
         except Exception as exc:
             say(f"replaying {name}'s run failed: {type(exc).__name__}: {exc}")
             return {"error": f"{type(exc).__name__}: {exc}"}
@@ -456,6 +458,7 @@ class Soak:
         return {
             "transitions": replayed.transitions,
             "replayed": replayed.replayed,
+            "partial": replayed.partial,
             "states_checked": replayed.states_checked,
             "divergence": div.format() if div is not None else None,
             "run_dir": str(path) if self.args.runs else None,
@@ -680,6 +683,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if trace.get("divergence") or trace.get("error"):
             why = trace.get("divergence") or trace.get("error")
             soak.violations("trace", f"{name}'s run does not replay through the model: {why}")
+            code = 1
+        elif trace.get("partial"):  # the fleet closed: its streamed record must be whole
+            why = trace["partial"]
+            soak.violations("trace", f"{name}'s closed run left a partial record: {why}")
             code = 1
     result = soak.result(code)
     result["exit_code"] = code

@@ -715,9 +715,18 @@ def _node_loss(d: dict[str, Any]) -> list[Row]:
         "node_removal": "Ray node removed -> its group active again",
         "single_process_crash": "SIGKILL of one engine rank -> active again",
     }
+    if "ratio" in d:  # --span: a two-node group beside a one-node group of the same ranks
+        names = {
+            "two_node_group": "Ray node removed -> a two-node group (2 ranks, 1 per node) active "
+            "again",
+            "one_node_group": "Ray node removed -> a one-node group (2 ranks) active again",
+            "single_process_crash": "SIGKILL of one engine rank -> active again",
+        }
     rows: list[Row] = []
     for key, name in names.items():
         parts = d["summary"][key]
+        if not parts["total"]["n"]:
+            continue
         rows.append((f"{name}, p50 / p95 ({tag})", pp(parts["total"]), "-", "-"))
         rows.append(
             (
@@ -730,6 +739,17 @@ def _node_loss(d: dict[str, Any]) -> list[Row]:
                 + " s",
                 "-",
                 "-",
+            )
+        )
+    if "ratio" in d:
+        ratio = d["ratio"]
+        met = all(ratio[q] is not None and ratio[q] <= ratio["max"] for q in ("p50", "p95"))
+        rows.append(
+            (
+                "node loss of a two-node group / a one-node group's, total p50 / p95",
+                f"{ratio['p50']}x / {ratio['p95']}x",
+                f"<= {ratio['max']}x",
+                _verdict(met),
             )
         )
     checks = d["checks"]
@@ -1357,6 +1377,8 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "recovery_cpu.json": _recovery,
     "real_vllm_cpu.json": _real_vllm,
     "node_loss_cpu.json": _node_loss,
+    "node_loss_span_cpu.json": _node_loss,
+    "node_loss_span_cpu_run2.json": _node_loss,
     "spares_cpu.json": _spares,
     "spares_real_vllm_cpu.json": _spares,
     "delta_cpu_train.json": _delta,
@@ -1429,7 +1451,7 @@ def render(results: Path = RESULTS) -> str:
         "`python benchmarks/bench_hf_export.py`, `python benchmarks/bench_transports_cpu.py`,",
         "`python benchmarks/bench_control_plane.py`,",
         "`python benchmarks/bench_recovery.py`, `python benchmarks/bench_real_vllm.py`,",
-        "`python benchmarks/bench_node_loss.py`, `python benchmarks/bench_spares.py`,",
+        "`python benchmarks/bench_node_loss.py [--span]`, `python benchmarks/bench_spares.py`,",
         "`python benchmarks/bench_delta.py --train`,",
         "`python benchmarks/bench_gateway.py` (runs `make routers`),",
         "`python benchmarks/bench_router_sync.py` (runs `make routers`),",

@@ -38,11 +38,13 @@ def _cmd_diagrams(args: argparse.Namespace) -> int:
 
 def _verify_trace(run_dir: str) -> int:
     """``rollsafe verify --trace RUN_DIR``: replay a recorded run through the model."""
-    from rollsafe.observe.runfile import RunFileError, load_run
+    from rollsafe.observe.runfile import RunFileError
+    from rollsafe.observe.stream import load_recorded
     from rollsafe.verify.replay import TraceError, replay_run
 
     try:
-        result = replay_run(load_run(run_dir).rows)
+        run = load_recorded(run_dir)
+        result = replay_run(run.rows, partial=run.partial)
     except (RunFileError, TraceError) as exc:
         print(f"rollsafe verify --trace: {exc}", file=sys.stderr)
         return 2
@@ -183,18 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
         "recorded run through it",
         description="Explore the composed fleet model (the real machines and policy) to --depth "
         "and check every invariant in every state; with --trace RUN_DIR, step the same model "
-        "with a recorded run (RolloutFleet.record(), the demo's report directory) instead: "
+        "with a recorded run (the run directory a fleet streams to, FleetConfig.run_dir; or "
+        "RolloutFleet.record(), the demo's report directory) instead: "
         "every recorded transition must be one the model allows from the state the replay "
         "reached, and every invariant must hold in every replayed state. Exit 0: no violation "
-        "or divergence; 1: one (the step, the recorded event and what the model allowed are "
-        "printed); 2: an unreadable run; 3: --max-states reached.",
+        "or divergence (a record that ends early, a crashed fleet's stream, is replayed up to "
+        "there and said to be partial); 1: one (the step, the recorded event and what the "
+        "model allowed are printed); 2: an unreadable run, or one knowingly cut (written from "
+        "memory after a run longer than memory keeps); 3: --max-states reached.",
     )
     p.add_argument(
         "--trace",
         metavar="RUN_DIR",
         default=None,
-        help="replay this recorded run (a directory with timeline.jsonl) through the model "
-        "instead of exploring; the other options are ignored",
+        help="replay this recorded run (a directory with stream.jsonl, the whole run as the "
+        "fleet streamed it, or timeline.jsonl) through the model instead of exploring; the "
+        "other options are ignored",
     )
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--ranks", type=int, default=2)

@@ -87,6 +87,7 @@ The tree (other bases in brackets, then where the class lives)::
     │       └── RecoveryClosed, StepTimeout [TimeoutError]
     ├── RunFileError [ValueError]                     rollsafe.observe.runfile
     ├── TraceError [ValueError]                       rollsafe.verify.replay
+    │   └── TruncatedTraceError
     ├── DiagramCheckError [RuntimeError]              rollsafe.diagrams
     ├── TrainerError [RuntimeError]                   rollsafe.demo_trainer
     └── TRLIntegrationError                           rollsafe.integrations.trl

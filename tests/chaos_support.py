@@ -106,9 +106,12 @@ def chaos_fleet(
     immediate: bool = True,
     health: HealthSettings | None = None,
     initial_version: int = 0,
+    run_dir: Path | None = None,
     **recovery: Any,
 ) -> tuple[RolloutFleet, Journal]:
-    """A started fleet of reference engines (fault injection on) with recording launchers."""
+    """A started fleet of reference engines (fault injection on) with recording launchers,
+    streaming its run to ``run_dir`` (``FleetConfig.run_dir``; default ``tmp_path/stream``:
+    :func:`assert_replays` replays it too)."""
     journal = Journal()
 
     def factory(group_id: str, spec: EngineSpec) -> EngineLauncher:
@@ -130,6 +133,7 @@ def chaos_fleet(
         request_timeout_s=5.0,
         router_max_attempts=4,
         wait_for_routable_s=2.0,
+        run_dir=run_dir if run_dir is not None else tmp_path / "stream",
     )
     fleet = RolloutFleet(cfg)
     fleet.start()
@@ -219,7 +223,11 @@ def assert_fleet_sound(fleet: RolloutFleet, journal: Journal, want_checksum: str
 def assert_replays(fleet: RolloutFleet, tmp_path: Path) -> Path:
     """Record the fleet's run so far into ``tmp_path / "run"`` and replay it through the
     verifier's model with ``rollsafe verify --trace`` (#36): exit 0, no divergence, every
-    recorded transition taken. Returns the run's directory."""
+    recorded transition taken; the run the fleet streams (``FleetConfig.run_dir``) too, as it
+    stands (a running fleet's stream has no ``end`` row yet: a partial replay). Returns the
+    run's directory."""
     run = fleet.record(tmp_path / "run", svg=False)
     assert_run_replays(run)
+    if fleet.config.run_dir is not None:
+        assert_run_replays(Path(fleet.config.run_dir))
     return run

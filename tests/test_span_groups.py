@@ -304,6 +304,36 @@ def test_each_slice_starts_with_its_node_rank_the_heads_address_and_the_groups_k
     assert err.value.key == "EngineSpec.node_rank"
 
 
+def test_a_slices_actor_made_beside_its_heads_takes_the_heads_address_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    """``RayEngineGroup`` creates every slice's actor at once (their starts overlap): a slice
+    made without the head's address refuses to start until ``join_head`` gives it, then
+    starts as one made with it; a head, or a slice already joined, refuses ``join_head``."""
+    from rollsafe.adapters.engines.launch.spec import slice_spec
+    from rollsafe.adapters.ray import EngineHost
+
+    group = EngineSpec(model_path=str(tmp_path), ranks=4, ranks_per_node=2)
+    second = EngineHost(group, node_slice=(1, "k3y", None))
+    assert second.dist_init_addr() is None
+    for start in (second.start, second.restart):
+        with pytest.raises(RuntimeError, match="node slice 1 has no head address yet"):
+            start()
+    assert second.spec()["dist_init_addr"] is None  # nothing started
+    second.join_head("127.0.0.1:4000")
+    assert second.dist_init_addr() == "127.0.0.1:4000"
+    want = slice_spec(group, 1, "127.0.0.1:4000", "k3y")
+    got = second.spec()
+    assert (got["node_rank"], got["env"], got["warm_standby"]) == (1, want.env, False)
+    assert got["log_dir"] is not None  # the one log directory of both launchers
+    with pytest.raises(RuntimeError, match="not a node slice waiting"):
+        second.join_head("127.0.0.1:4001")
+    head = EngineHost(group, node_slice=(0, "k3y", None))
+    assert str(head.dist_init_addr()).startswith("127.0.0.1:")
+    with pytest.raises(RuntimeError, match="not a node slice waiting"):
+        head.join_head("127.0.0.1:4000")
+
+
 # ------------------------------------------------------------------ rollsafe verify's model
 def test_the_model_takes_a_group_out_whole_when_the_node_under_one_slice_dies() -> None:
     """``ModelConfig(slices=2)``: the node under a group's second slice dies (its ranks with

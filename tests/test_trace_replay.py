@@ -1,16 +1,18 @@
 """``rollsafe verify --trace``: a recorded run replayed through the verifier's model (#36).
 
 One real run of a small reference-engine fleet (a 2-rank and a 1-rank group) is recorded once
-for the module: a SIGKILL before the first sync (recovered from the start checkpoint), a sync,
-a SIGKILL after it (recovered from its export), a second sync. Its replay takes every recorded
-transition with no divergence, every invariant checked in every state; edited copies of it
-plant what the model cannot produce (a restart that lands elsewhere than the model's, a launch
-at another version) and the divergence is named at the step the clean replay took that
-transition; a recording the replay cannot map is refused with exit 2. Seeded random walks of
-the model itself, written as recordings (every action kind: crashes, probes, node losses,
-placements, removals, timed-out restarts, pushes, syncs with failed registers and updates,
-exports finishing, failing, abandoned, retention), replay with no divergence.
-Waits are bounded by deadlines; nothing asserts a duration.
+for the module: a SIGKILL before the first sync (recovered from the start checkpoint), a sync, a
+SIGKILL after it (recovered from its export), a second sync. The fleet streams it
+(``FleetConfig.run_dir``) and ``record()`` writes it from the stream; the same run written from
+memory (shorter than memory's bounds) is the same run and replays the same. Its replay takes
+every recorded transition with no divergence, every invariant checked in every state; edited
+copies of it plant what the model cannot produce (a restart that lands elsewhere than the
+model's, a launch at another version) and the divergence is named at the step the clean replay
+took that transition; a recording the replay cannot map is refused with exit 2. Seeded random
+walks of the model itself, written as recordings (every action kind: crashes, probes, node
+losses, placements, removals, timed-out restarts, pushes, syncs with failed registers and
+updates, exports finishing, failing, abandoned, retention), replay with no divergence. Waits are
+bounded by deadlines; nothing asserts a duration.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from engine_helpers import (
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
 )
+from trace_support import FromMemory
 from transport_helpers import Trainer
 
 from rollsafe.cli import main
 from rollsafe.fleet import GroupSpec
-from rollsafe.observe.runfile import load_run
+from rollsafe.observe.runfile import build_rows, load_run, write_run
 from rollsafe.verify import Action, FleetModel, ModelConfig
 from rollsafe.verify.replay import ReplayResult, TraceError, replay_run, rows_of_model_run
 
@@ -64,9 +67,11 @@ def recorded(
             assert fleet.sync_weights(trainer.weights(), 2).ok
             fleet.exporter.wait_hf_export(2, timeout=WAIT_S)
         assert fleet.wait_recoveries(WAIT_S)
-        return fleet.record(tmp / "run", svg=False)
     finally:
         fleet.close()
+    # the same run written from memory (how it is recorded without FleetConfig.run_dir)
+    write_run(tmp / "memory", build_rows(FromMemory(fleet)))  # type: ignore[arg-type]
+    return fleet.record(tmp / "run", svg=False)  # from the run it streamed
 
 
 def replay(path: Path) -> ReplayResult:
@@ -127,6 +132,25 @@ def test_a_recorded_run_replays_through_the_model_with_no_divergence(
     assert main(["verify", "--trace", str(recorded)]) == 0
     out = capsys.readouterr().out
     assert "divergences: 0" in out and f"replayed {result.replayed} of" in out
+
+
+def test_the_run_written_from_memory_is_the_same_run(recorded: Path) -> None:
+    """A run shorter than memory's bounds: its record from memory is whole (``cut`` empty) and
+    replays exactly as the streamed one does."""
+    streamed, memory = load_run(recorded), load_run(recorded.parent / "memory")
+    assert streamed.rows[0]["record"] == "streamed" and memory.rows[0]["record"] == "memory"
+    assert streamed.rows[0]["cut"] == memory.rows[0]["cut"] == []
+
+    def transitions(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+        kinds = ("group", "export", "registration", "mode")
+        keys = ("kind", "subject", "seq", "event", "source", "target", "timestamp")
+        return sorted(tuple(r[k] for k in keys) for r in rows if r["kind"] in kinds)
+
+    assert transitions(streamed.rows) == transitions(memory.rows)
+    assert [r["version"] for r in streamed.of("sync")] == [r["version"] for r in memory.of("sync")]
+    a, b = replay(recorded), replay(recorded.parent / "memory")
+    assert a.ok and b.ok and a.replayed == b.replayed == a.transitions == b.transitions
+    assert [s.actions for s in a.steps] == [s.actions for s in b.steps]
 
 
 # ====================================================================== planted divergences

@@ -12,8 +12,10 @@ import contextlib
 import io
 import re
 from pathlib import Path
+from typing import Any
 
 from rollsafe.cli import main
+from rollsafe.fleet import RolloutFleet
 
 
 def assert_run_replays(run_dir: Path) -> str:
@@ -28,3 +30,20 @@ def assert_run_replays(run_dir: Path) -> str:
     taken = re.search(r"^replayed (\d+) of (\d+) recorded transitions", said, re.M)
     assert taken is not None and taken.group(1) == taken.group(2) != "0", said
     return said
+
+
+class FromMemory:
+    """``fleet`` as ``rollsafe.observe.runfile.build_rows`` reads it, without its stream: the
+    record written from what the fleet keeps in memory (how ``record`` wrote every run before
+    runs were streamed, and still writes one without ``FleetConfig.run_dir``)."""
+
+    stream = None
+
+    def __init__(self, fleet: RolloutFleet) -> None:
+        self._fleet = fleet
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fleet, name)
+
+    def timeline(self) -> list[dict[str, Any]]:
+        return self._fleet.timeline(from_memory=True)

@@ -231,6 +231,8 @@ class Rig:
     ray_tmpdir: str | None = None
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     start_s: dict[str, float] = field(default_factory=dict)
+    #: where each fleet streams its run (``FleetConfig.run_dir``): ``runs/<fleet>``
+    runs: Path | None = None
 
     def fleet_of(self, group: str) -> Any:
         from schedule import GROUPS
@@ -264,7 +266,8 @@ def _ray_settings() -> Any:
 
 
 def fleet_configs(rig: Rig, vllm_python: str, repo: Path) -> dict[str, Any]:
-    """The two fleets' configs (``ref``, ``vllm``) on the rig's model and export mounts."""
+    """The two fleets' configs (``ref``, ``vllm``) on the rig's model and export mounts, each
+    streaming its run to ``rig.runs/<fleet>`` (the whole run, for ``rollsafe verify --trace``)."""
     from rollsafe.adapters.engines import EngineSpec
     from rollsafe.fleet import (
         FleetConfig,
@@ -285,7 +288,10 @@ def fleet_configs(rig: Rig, vllm_python: str, repo: Path) -> dict[str, Any]:
         "enable_immediate_recovery": True,
         "rearm_after": 1,
     }
+    runs = rig.runs if rig.runs is not None else rig.scratch / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
     ref = FleetConfig(
+        run_dir=runs / "ref",
         export_root=rig.mounts.paths["ref"],
         groups=[GroupSpec(1, group_id="r0"), GroupSpec(2, group_id="r1")],
         engine=EngineSpec(model_path=model, log_dir=str(logs)),
@@ -301,6 +307,7 @@ def fleet_configs(rig: Rig, vllm_python: str, repo: Path) -> dict[str, Any]:
         **common,
     )
     vllm = FleetConfig(
+        run_dir=runs / "vllm",
         export_root=rig.mounts.paths["vllm"],
         groups=[GroupSpec(1, group_id="v0"), GroupSpec(1, group_id="v1")],
         engine=EngineSpec(
@@ -327,9 +334,10 @@ def fleet_configs(rig: Rig, vllm_python: str, repo: Path) -> dict[str, Any]:
     return {"ref": ref, "vllm": vllm}
 
 
-def start(seed: int, vllm_python: str, repo: Path) -> Rig:
+def start(seed: int, vllm_python: str, repo: Path, runs: Path | None = None) -> Rig:
     """Scratch, export mounts, cluster, trainer and both fleets, up (on failure: everything
-    started so far stopped, the error raised)."""
+    started so far stopped, the error raised). ``runs``: where the fleets stream their runs
+    (default: ``scratch/runs``, removed with the scratch)."""
     from slow_export import slow_exports
 
     from rollsafe.adapters.ray.local import local_cluster
@@ -341,7 +349,10 @@ def start(seed: int, vllm_python: str, repo: Path) -> Rig:
     # vLLM's CPU attention needs head_dim >= 32: 2 heads of the 64-wide model
     model_dir = make_tiny_model(scratch / "model", seed=0, num_heads=2, num_kv_heads=1)
     rig = Rig(
-        scratch=scratch, model_dir=Path(model_dir), mounts=ExportMounts(scratch, ("ref", "vllm"))
+        scratch=scratch,
+        model_dir=Path(model_dir),
+        mounts=ExportMounts(scratch, ("ref", "vllm")),
+        runs=runs if runs is not None else scratch / "runs",
     )
     try:
         rig.mounts.mount()

@@ -216,6 +216,13 @@ class FleetConfig:
     #: are ``s0``, ``s1``... (an id names a group, not a role: a promoted ``s0`` serves and a
     #: failed ``g0`` becomes a spare)
     spare_groups: int = 0
+    #: where the fleet streams its run as it happens (``stream.jsonl``,
+    #: :mod:`rollsafe.observe.stream`; ``docs/reliability.md``, "Replaying a recorded run"):
+    #: every machine transition, sync and recovery, whole however long the run (memory keeps
+    #: only the last ones of each), replayed by ``rollsafe verify --trace RUN_DIR``. The
+    #: directory is made if missing (its parent must exist); a ``stream.jsonl`` in it is
+    #: replaced. None: not streamed
+    run_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         """Keep a ``transport=<settings object>`` in its field, settle ``model_path`` and
@@ -320,6 +327,15 @@ class FleetConfig:
                 raise FleetConfigError("export_root", f"parent directory {parent} does not exist")
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise FleetConfigError("export_root", f"parent directory {parent} is not writable")
+        if self.run_dir is not None:
+            run_dir = Path(self.run_dir)
+            if run_dir.exists() and not run_dir.is_dir():
+                raise FleetConfigError("run_dir", f"{run_dir} exists and is not a directory")
+            where = run_dir if run_dir.exists() else run_dir.parent
+            if not where.is_dir():
+                raise FleetConfigError("run_dir", f"parent directory {where} does not exist")
+            if not os.access(where, os.W_OK | os.X_OK):
+                raise FleetConfigError("run_dir", f"{where} is not writable")
         return self._resolve_groups()
 
     def _check(self) -> None:
@@ -332,6 +348,10 @@ class FleetConfig:
             )
         if self.export_root is None:
             raise FleetConfigError("export_root", "is required (where the exports are written)")
+        if self.run_dir is not None and not isinstance(self.run_dir, (str, os.PathLike)):
+            raise FleetConfigError(
+                "run_dir", f"must be a path (str or os.PathLike) or None, got {self.run_dir!r}"
+            )
         engine = self.engine_spec
         kinds: dict[str, type] = {
             "health": HealthSettings,

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from rollsafe.hf import HFExporter
     from rollsafe.invariants import FleetPicture
     from rollsafe.observe.metrics import FleetMetrics
+    from rollsafe.observe.stream import RunStream
     from rollsafe.operations.place import RemovalEnd
     from rollsafe.ports import LaunchableEngine, WeightTransport
 
@@ -143,6 +144,7 @@ class RolloutFleet:
         self._control: ControlPlane | None = None
         self.membership: Membership | None = None
         self._exports = ExportHistory()
+        self._stream: RunStream | None = None
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
@@ -185,6 +187,7 @@ class RolloutFleet:
                     control.transport, control.exporter, engines.handle, apart=self._apart
                 )
             )
+            self._open_stream(control)
             self.router.on_group_ok = control.request_health.ok
             control.recovery.export_mover = self.placement.export_mover
             self.membership = Membership(cfg, self.registry, engines, control.recovery)
@@ -418,6 +421,60 @@ class RolloutFleet:
             with contextlib.suppress(Exception):
                 control.transport.close()
         self.engines.stop_all()
+        self._close_stream()
+
+    # ------------------------------------------------------------------ the streamed run
+    def _open_stream(self, control: ControlPlane) -> None:
+        """``FleetConfig.run_dir``: stream every transition of every machine the fleet owns,
+        each sync's and recovery's row, from here to :meth:`close`
+        (:class:`~rollsafe.observe.stream.RunStream`)."""
+        if self.config.run_dir is None:
+            return
+        from rollsafe.observe.runfile import recovery_row, run_header, sync_row
+        from rollsafe.observe.stream import RunStream
+
+        groups = [{"id": p.group_id, "ranks": list(p.fleet_ranks)} for p in self.engines.plans()]
+        assert self.started_at is not None
+        stream = RunStream(self.config.run_dir, run_header(self, self.started_at, groups=groups))
+        self._stream = stream
+        stream.watch("mode", "immediate_recovery", self.mode)
+        stream.watch("registration", control.transport.name, control.transport.registration)
+        control.exporter.watch(
+            lambda version, machine: stream.watch("export", f"v{version}", machine)
+        )
+        for group in self.registry.groups():
+            stream.watch_group(group)
+        self.registry.add_listener(stream)
+        transport = control.transport.name
+        control.sync.on_report = lambda report: stream.write(sync_row(report, transport))
+        control.recovery.on_result = lambda result: stream.write(
+            recovery_row(result, self.observer.episodes())
+        )
+
+    def _close_stream(self) -> None:
+        """The streamed run's ``end`` row; the file fsync'd and closed."""
+        stream = self._stream
+        if stream is None or stream.closed:
+            return
+        from rollsafe.observe.runfile import end_row
+
+        try:
+            end = end_row(self, time.time())
+        except Exception:  # the record stays readable without it: a partial one
+            log.exception("the streamed run's end row could not be built")
+            end = None
+        stream.close(end)
+
+    @property
+    def stream(self) -> RunStream | None:
+        """The run streamed to ``FleetConfig.run_dir`` from :meth:`start` (None: not
+        streamed); closed by :meth:`close`."""
+        return self._stream
+
+    @property
+    def recoveries_dropped(self) -> int:
+        """Recoveries that left :meth:`recoveries` (it keeps the last ones)."""
+        return self._control.recovery.results_dropped if self._control is not None else 0
 
     def __enter__(self) -> RolloutFleet:
         return self.start()
@@ -474,8 +531,20 @@ class RolloutFleet:
         return check_engines(self.registry, weights, template, timeout=timeout)
 
     # ------------------------------------------------------------------ inspection
-    def timeline(self) -> list[dict[str, Any]]:
-        """Every machine transition (groups, exports, registration, mode), oldest first."""
+    def timeline(self, *, from_memory: bool = False) -> list[dict[str, Any]]:
+        """Every machine transition (groups, exports, registration, mode), oldest first: read
+        back from the streamed run when there is one (``FleetConfig.run_dir``: the whole run),
+        else (or with ``from_memory``) from the machines' in-memory histories, each its last
+        ``history_limit`` transitions."""
+        stream = self._stream
+        if stream is not None and not from_memory:
+            from rollsafe.observe.runfile import TRANSITION_KINDS
+
+            return [
+                {k: v for k, v in r.items() if k != "t"}
+                for r in stream.rows()
+                if r["kind"] in TRANSITION_KINDS
+            ]
         self._exports.harvest(self.exporter)
         return timeline(self.registry, self._exports, self.transport, self.mode)
 

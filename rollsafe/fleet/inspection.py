@@ -4,7 +4,8 @@ invariants see it.
 Owns :class:`ExportHistory` (the lifecycle machine of every export the exporter holds, and the
 transitions of the last ``_RETIRED_KEPT`` exports it let go of), :func:`timeline` (every
 transition of the groups, the exports, the transport's registration and the immediate-recovery
-mode, oldest first) and
+mode still in the machines' in-memory histories, oldest first: a streamed run,
+``FleetConfig.run_dir``, holds them all) and
 :func:`picture` (a :class:`~rollsafe.invariants.FleetPicture` of what the fleet records:
 ``check_all(fleet.picture())`` is the demo's final invariant check). ``RolloutFleet.timeline()``
 and ``.picture()`` call them with the fleet's parts.

@@ -311,6 +311,11 @@ class RecoveryCoordinator:
         self._lock = threading.Lock()
         self._inflight: dict[str, concurrent.futures.Future[RecoveryResult]] = {}
         self._results: deque[RecoveryResult] = deque(maxlen=_RESULTS_KEPT)
+        #: results that left :meth:`recoveries` (it keeps the last ones): a record written
+        #: from memory misses them (a streamed run, ``FleetConfig.run_dir``, does not)
+        self.results_dropped = 0
+        #: called with each recovery's result as it ends (a streamed run writes it)
+        self.on_result: Callable[[RecoveryResult], None] | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ submitting
@@ -490,7 +495,14 @@ class RecoveryCoordinator:
             restart_source=run.restart_source,
         )
         with self._lock:
+            if len(self._results) == self._results.maxlen:
+                self.results_dropped += 1
             self._results.append(result)
+        if self.on_result is not None:
+            try:
+                self.on_result(result)
+            except Exception:
+                log.exception("recovery of %s: the result hook failed (ignored)", result.group_id)
         level = (
             logging.INFO
             if status in ("active", "pending_weights", "not_needed")

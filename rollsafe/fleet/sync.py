@@ -293,6 +293,11 @@ class SyncCoordinator:
         self.exports = ExportTrack()
         self._sync_lock = threading.Lock()
         self._reports: deque[SyncReport] = deque(maxlen=_REPORTS_KEPT)
+        #: reports that left :meth:`reports` (it keeps the last ones): a record written from
+        #: memory misses them (a streamed run, ``FleetConfig.run_dir``, does not)
+        self.reports_dropped = 0
+        #: called with each sync's report as the sync ends (a streamed run writes it)
+        self.on_report: Callable[[SyncReport], None] | None = None
 
     # ------------------------------------------------------------------ inspection
     def reports(self) -> list[SyncReport]:
@@ -353,7 +358,14 @@ class SyncCoordinator:
             finally:
                 report.timings["total_s"] = time.perf_counter() - t_all
                 report.mode_state = self.mode.state if self.mode is not None else None
+                if len(self._reports) == self._reports.maxlen:
+                    self.reports_dropped += 1
                 self._reports.append(report)
+                if self.on_report is not None:
+                    try:
+                        self.on_report(report)
+                    except Exception:
+                        log.exception("sync v%d: the report hook failed (ignored)", version)
             log.info(
                 "sync v%d %s in %.3fs: updated %s, failed %s, stale %s, loaded %s; previous "
                 "export %s; mode %s",

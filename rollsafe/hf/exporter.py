@@ -21,7 +21,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -224,7 +224,34 @@ class HFExporter:
         self._tmp: Path | None = None
         self._arena: HostArena | None = None
         self._staging = PinnedStaging()
+        self._watchers: tuple[Callable[[int, ExportLifecycle], None], ...] = ()
         remove_stale_temp_dirs(self.root)
+
+    def watch(self, watcher: Callable[[int, ExportLifecycle], None]) -> None:
+        """Call ``watcher(version, lifecycle)`` with every export's lifecycle machine this
+        exporter knows now, then with each new one as it is made (before its first transition,
+        or for an adopted directory right after its ``adopt``), outside the exporter's lock: a
+        fleet streaming its run (``rollsafe.observe.stream``) subscribes to each. An exception
+        in ``watcher`` is logged and ignored."""
+        with self._cond:
+            known = {v: r.lifecycle for v, r in self._records.items()}
+            for v, h in self._handles.items():
+                known.setdefault(v, h.lifecycle)
+            self._watchers = (*self._watchers, watcher)
+        for version in sorted(known):
+            self._announce(version, known[version], (watcher,))
+
+    def _announce(
+        self,
+        version: int,
+        lifecycle: ExportLifecycle,
+        watchers: tuple[Callable[[int, ExportLifecycle], None], ...] | None = None,
+    ) -> None:
+        for watcher in self._watchers if watchers is None else watchers:
+            try:
+                watcher(version, lifecycle)
+            except Exception:
+                log.exception("export v%d: a lifecycle watcher failed (ignored)", version)
 
     # ================================================================== starting an export
     def start(
@@ -263,6 +290,7 @@ class HFExporter:
             self._in_flight = handle
             self._remember(handle)
             arena, self._arena = self._arena, None
+        self._announce(version, lifecycle)
         try:
             lifecycle.snapshot()
             t_snap = time.perf_counter()
@@ -558,6 +586,7 @@ class HFExporter:
             record = ExportRecord(version, src, lifecycle, adopted=True, verified=verified)
             self._unfit.pop(version, None)
             self._records[version] = record
+        self._announce(version, lifecycle)
         log.info("adopted %s as export v%d (%d keys)", src, version, len(verified.keys))
         self.cleanup()
         return record
@@ -608,6 +637,7 @@ class HFExporter:
                 raise ExportExists(f"an export of version {version} is already known", version, src)
             self._unfit.pop(version, None)
             self._records[version] = record
+        self._announce(version, lifecycle)
         log.info(
             "start checkpoint %s adopted as export v%d (%d keys, %s)",
             src,

@@ -1,7 +1,10 @@
 """The recorded-run format: ``timeline.jsonl`` (plus ``fleet.json``), written and read back.
 
 Owns the files :meth:`RolloutFleet.record(path) <rollsafe.fleet.fleet.RolloutFleet.record>` and
-``rollsafe demo`` write, and their validation when ``rollsafe report`` reads them.
+``rollsafe demo`` write, and their validation when ``rollsafe report`` reads them. A fleet with
+``FleetConfig.run_dir`` also streams its run as it happens (``stream.jsonl``,
+:mod:`rollsafe.observe.stream`), and ``record`` then takes the transitions, syncs and
+recoveries from there: whole, however long the run.
 
 ``timeline.jsonl`` holds one JSON object per line, each with ``kind``, ``timestamp`` (wall
 clock, seconds) and ``t`` (seconds since the run's start), in time order:
@@ -11,7 +14,11 @@ clock, seconds) and ``t`` (seconds since the run's start), in time order:
   verifier's model from (each group's id and fleet ranks, ``initial_version``,
   ``restart_budget``, ``rearm_after``, ``immediate_recovery``, ``failure_threshold``,
   ``on_update_failure``, ``targeted_push``, the engine kind and whether a failed update keeps
-  its weights, ``deltas``, the exporter's ``keep_last``);
+  its weights, ``deltas``, the exporter's ``keep_last``), ``record`` (``"streamed"``: the
+  transitions, syncs and recoveries come whole from the fleet's streamed run,
+  :mod:`rollsafe.observe.stream`; ``"memory"``: from what the fleet keeps in memory, its last
+  ones) and ``cut`` (what a ``memory`` record lost: machines whose history no longer starts at
+  their first transition, syncs and recoveries that left memory; empty: the record is whole);
 * ``group`` / ``export`` / ``registration`` / ``mode``: one machine transition each, as in
   :meth:`RolloutFleet.timeline` (``subject``, ``machine``, ``seq``, ``event``, ``source``,
   ``target``, ``inputs``; a group event sent by an operation has the policy function that
@@ -44,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 from rollsafe.errors import RollsafeError
 
 if TYPE_CHECKING:
-    from rollsafe.observe.view import FleetView
+    from rollsafe.observe.view import FleetView, RecoveryRecord, SyncRecord
 
 __all__ = [
     "FORMAT",
@@ -52,7 +59,11 @@ __all__ = [
     "RunData",
     "RunFileError",
     "build_rows",
+    "end_row",
     "load_run",
+    "recovery_row",
+    "run_header",
+    "sync_row",
     "write_run",
 ]
 
@@ -94,6 +105,9 @@ class RunData:
     end: dict[str, Any] | None = None
     t0: float = 0.0
     files: list[str] = field(default_factory=list)
+    #: why the record ends before the run did (a streamed run the fleet never closed: it
+    #: crashed; :func:`rollsafe.observe.stream.load_stream`); None: it holds the whole run
+    partial: str | None = None
 
     def of(self, *kinds: str) -> list[dict[str, Any]]:
         return [r for r in self.rows if r["kind"] in kinds]
@@ -132,12 +146,42 @@ def build_rows(
 ) -> list[dict[str, Any]]:
     """Every row of ``fleet``'s run so far (see the module doc), ``t`` counted from ``t0``
     (default: when the fleet started). ``marks``: extra ``{"kind": "crash", "group": gid,
-    "timestamp": ...}`` points, added to the fleet observer's own."""
+    "timestamp": ...}`` points, added to the fleet observer's own.
+
+    A fleet that streams its run (``FleetConfig.run_dir``: ``fleet.stream``) gives its
+    transitions, syncs and recoveries from the stream, whole (``record: "streamed"`` in the
+    ``run`` row); otherwise they come from memory, which keeps only the last ones of each
+    (``record: "memory"``), and the ``run`` row's ``cut`` lists what left it (empty: the record
+    is whole): ``rollsafe verify --trace`` refuses a cut record by name."""
     observer = fleet.observer
     if observer.started_at is not None and observer.stopped_at is None:
         observer.sample_now()  # the request counts as of now, not of the last sampling tick
     start = t0 if t0 is not None else (fleet.started_at or observer.started_at or time.time())
-    rows: list[dict[str, Any]] = [dict(r) for r in fleet.timeline()]
+    stream = fleet.stream
+    cut: list[str] = []
+    groups: list[dict[str, Any]] | None = None
+    if stream is not None:
+        streamed = [
+            r for r in stream.rows() if r["kind"] in (*TRANSITION_KINDS, "sync", "recovery")
+        ]
+        rows: list[dict[str, Any]] = [{k: v for k, v in r.items() if k != "t"} for r in streamed]
+        groups = stream.groups
+        if stream.failed is not None:
+            cut.append(f"the stream stopped early: writing failed ({stream.failed})")
+    else:
+        rows = [dict(r) for r in fleet.timeline()]
+        cut += _cut_histories(rows)
+        transport_name = _transport_name(fleet)
+        if fleet.sync is not None:
+            rows += [sync_row(rep, transport_name) for rep in fleet.sync.reports()]
+            dropped = int(getattr(fleet.sync, "reports_dropped", 0))
+            if dropped:
+                cut.append(f"syncs: the first {dropped} left memory (it keeps the last ones)")
+        episodes = observer.episodes()
+        rows += [recovery_row(res, episodes) for res in fleet.recoveries()]
+        dropped = fleet.recoveries_dropped
+        if dropped:
+            cut.append(f"recoveries: the first {dropped} left memory (it keeps the last ones)")
     all_marks = [*observer.marks(), *(dict(m) for m in marks)]
     seen_marks: set[tuple[Any, ...]] = set()
     for m in all_marks:
@@ -155,42 +199,6 @@ def build_rows(
                 **info,
             }
         )
-    transport = fleet.transport.name if fleet.transport is not None else fleet.config.transport
-    if fleet.sync is not None:
-        for rep in fleet.sync.reports():
-            d = rep.as_dict()
-            timings = d.pop("timings")
-            rows.append(
-                {
-                    "kind": "sync",
-                    "subject": transport,
-                    "timestamp": rep.started_at,
-                    "seconds": timings.get("total_s"),
-                    "phases": {k.removesuffix("_s"): v for k, v in timings.items()},
-                    **{
-                        k: d[k]
-                        for k in (
-                            "version",
-                            "ok",
-                            "error",
-                            "updated",
-                            "failed",
-                            "targeted",
-                            "failed_groups",
-                            "export_started",
-                            "previous_export",
-                        )
-                    },
-                    **({"delta": _delta_brief(d["delta"])} if d.get("delta") else {}),
-                }
-            )
-    episodes = observer.episodes()
-    for res in fleet.recoveries():
-        d = res.as_dict()
-        ep = _episode_for(episodes, res.group_id, res.failed_at)
-        if ep is not None:
-            d.update(onset=ep.onset, onset_source=ep.onset_source, detected_at=ep.detected_at)
-        rows.append({"kind": "recovery", "subject": res.group_id, "timestamp": res.failed_at, **d})
     if fleet.exporter is not None:
         for version in sorted(fleet.export_states()):
             try:
@@ -237,21 +245,57 @@ def build_rows(
     end_at = observer.stopped_at or time.time()
     if rows:
         end_at = max(end_at, float(rows[-1]["timestamp"]))
-    header = {
+    header = run_header(fleet, start, groups=groups)
+    header["record"] = "streamed" if stream is not None else "memory"
+    header["cut"] = cut
+    out = [header, *rows, end_row(fleet, max(end_at, start))]
+    for row in out:
+        row["t"] = float(row["timestamp"]) - start
+    return [_jsonable(r) for r in out]
+
+
+def _cut_histories(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The machines whose in-memory history no longer starts at their first transition."""
+    first: dict[tuple[str, str], int] = {}
+    for r in rows:
+        key = (str(r["kind"]), str(r["subject"]))
+        first[key] = min(first.get(key, int(r["seq"])), int(r["seq"]))
+    return [
+        f"{kind} {subject}: its history starts at transition {seq} (memory keeps the last ones)"
+        for (kind, subject), seq in sorted(first.items())
+        if seq > 1
+    ]
+
+
+def _transport_name(fleet: FleetView) -> str:
+    return str(fleet.transport.name if fleet.transport is not None else fleet.config.transport)
+
+
+def run_header(
+    fleet: FleetView, start: float, *, groups: Sequence[Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The ``run`` row of ``fleet``'s record (see the module), its run started at ``start``
+    (wall clock); ``groups``: the model's groups (``{"id", "ranks"}``, default: the
+    registry's now)."""
+    return {
         "kind": "run",
         "format": FORMAT,
         "subject": "fleet",
         "timestamp": start,
         "started_at": fleet.started_at,
         "groups": fleet.group_ids,
-        "transport": transport,
+        "transport": _transport_name(fleet),
         "immediate_recovery": fleet.config.enable_immediate_recovery,
-        "model": _model_facts(fleet),
+        "model": _model_facts(fleet, groups),
     }
-    end = {
+
+
+def end_row(fleet: FleetView, end_at: float) -> dict[str, Any]:
+    """The ``end`` row of ``fleet``'s record: its state at ``end_at`` (now)."""
+    return {
         "kind": "end",
         "subject": "fleet",
-        "timestamp": max(end_at, start),
+        "timestamp": end_at,
         "groups": {g.group_id: g.state for g in fleet.registry.groups()},
         "fleet_version": fleet.registry.fleet_version,
         "dispatch_counts": fleet.registry.dispatch_counts(),
@@ -259,20 +303,58 @@ def build_rows(
         "mode": fleet.mode.state,
         "exports": {str(v): s for v, s in fleet.export_states().items()},
     }
-    out = [header, *rows, end]
-    for row in out:
-        row["t"] = float(row["timestamp"]) - start
-    return [_jsonable(r) for r in out]
 
 
-def _model_facts(fleet: FleetView) -> dict[str, Any]:
-    """The ``run`` row's ``model``: the groups (ids and fleet ranks, in the registry's order)
-    and every setting the verifier's model reads (``rollsafe verify --trace``)."""
+def sync_row(rep: SyncRecord, transport: str) -> dict[str, Any]:
+    """The ``sync`` row of one sync's report."""
+    d = rep.as_dict()
+    timings = d.pop("timings")
+    return {
+        "kind": "sync",
+        "subject": transport,
+        "timestamp": rep.started_at,
+        "seconds": timings.get("total_s"),
+        "phases": {k.removesuffix("_s"): v for k, v in timings.items()},
+        **{
+            k: d[k]
+            for k in (
+                "version",
+                "ok",
+                "error",
+                "updated",
+                "failed",
+                "targeted",
+                "failed_groups",
+                "export_started",
+                "previous_export",
+            )
+        },
+        **({"delta": _delta_brief(d["delta"])} if d.get("delta") else {}),
+    }
+
+
+def recovery_row(res: RecoveryRecord, episodes: Sequence[Any]) -> dict[str, Any]:
+    """The ``recovery`` row of one recovery's result, with its failure episode's ``onset``,
+    ``onset_source`` and ``detected_at`` when one of ``episodes`` is its."""
+    d = res.as_dict()
+    ep = _episode_for(episodes, res.group_id, res.failed_at)
+    if ep is not None:
+        d.update(onset=ep.onset, onset_source=ep.onset_source, detected_at=ep.detected_at)
+    return {"kind": "recovery", "subject": res.group_id, "timestamp": res.failed_at, **d}
+
+
+def _model_facts(
+    fleet: FleetView, groups: Sequence[Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The ``run`` row's ``model``: the groups (ids and fleet ranks, in the registry's order,
+    or ``groups``) and every setting the verifier's model reads (``rollsafe verify --trace``)."""
     cfg = fleet.config
     traits = cfg.engine_traits
     transport = fleet.transport
+    if groups is None:
+        groups = [{"id": g.group_id, "ranks": list(g.ranks)} for g in fleet.registry.groups()]
     return {
-        "groups": [{"id": g.group_id, "ranks": list(g.ranks)} for g in fleet.registry.groups()],
+        "groups": [{"id": str(g["id"]), "ranks": list(g["ranks"])} for g in groups],
         "initial_version": cfg.initial_version,
         "restart_budget": cfg.recovery.restart_budget,
         "rearm_after": cfg.rearm_after,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from rollsafe.observe.observer import FleetObserver
+    from rollsafe.observe.stream import RunStream
     from rollsafe.ports import WeightTransport
     from rollsafe.registry import FleetRegistry
     from rollsafe.statemachines.recovery_mode import ImmediateRecoveryMode
@@ -52,6 +53,9 @@ class _Config(Protocol):
 
 class _Syncs(Protocol):
     def reports(self) -> Sequence[SyncRecord]: ...
+
+    #: reports that left ``reports()`` (it keeps the last ones)
+    reports_dropped: int
 
 
 class _Router(Protocol):
@@ -146,5 +150,13 @@ class FleetView(Protocol):
     def timeline(self) -> list[dict[str, Any]]: ...
 
     def recoveries(self) -> Sequence[RecoveryRecord]: ...
+
+    @property
+    def recoveries_dropped(self) -> int:
+        """Recoveries that left :meth:`recoveries` (it keeps the last ones)."""
+
+    @property
+    def stream(self) -> RunStream | None:
+        """The run streamed to ``FleetConfig.run_dir`` (None: not streamed)."""
 
     def export_states(self) -> dict[int, str]: ...

@@ -7,8 +7,11 @@ Owns three things the four lifecycle machines share:
 * a clearer refusal: :class:`TransitionRefused` (a ``TransitionNotAllowed``) names the machine,
   the event, the state and, lazily, which guard blocked it with what inputs;
 * a bounded audit trail: every transition appends a :class:`TransitionRecord` (event, source,
-  target, wall-clock timestamp, guard inputs) to a ring buffer used by audits and the demo
-  timeline.
+  target, wall-clock timestamp, guard inputs) to a ring buffer of the last
+  :attr:`GuardedMachine.history_limit` transitions, used by audits and the demo timeline; a
+  **subscriber** (:meth:`GuardedMachine.subscribe`) gets every transition as it is taken, so a
+  run's whole record can be streamed to disk (``rollsafe.observe.stream``) while the memory
+  stays bounded.
 
 It uses python-statemachine's public seams only: ``send`` (under one lock), the
 ``after_transition`` listener callback (the history), ``validators=`` (missing guard inputs),
@@ -21,6 +24,7 @@ fleet passes in (event keyword arguments) or recorded with ``report_*`` methods.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -41,11 +45,17 @@ __all__ = [
     "MissingGuardInput",
     "TransitionRecord",
     "TransitionRefused",
+    "TransitionSubscriber",
     "event_names",
     "summarize",
 ]
 
 _MAX_ITEMS_KEPT = 16
+
+log = logging.getLogger(__name__)
+
+#: what :meth:`GuardedMachine.subscribe` calls with each transition
+TransitionSubscriber = Callable[["TransitionRecord"], None]
 
 
 def summarize(value: Any) -> Any:
@@ -168,11 +178,15 @@ class GuardedMachine(StateMachine):
     itself first.
     """
 
+    #: how many transitions :attr:`history` keeps (the oldest go first); a subclass or a test
+    #: may set another bound (read when a machine is built). A run's whole record is streamed
+    #: by a subscriber instead (:meth:`subscribe`)
     history_limit: ClassVar[int] = 256
 
     def __init__(self, *, start_value: str | None = None) -> None:
         self._lock = threading.RLock()
         self._history: deque[tuple[Any, ...]] = deque(maxlen=self.history_limit)
+        self._subscribers: tuple[TransitionSubscriber, ...] = ()
         self._seq = 0
         self._last_trigger: tuple[str, Mapping[str, Any]] = ("", {})
         super().__init__(start_value=start_value)
@@ -207,6 +221,34 @@ class GuardedMachine(StateMachine):
                 return None
             entry = self._history[-1]
         return _record(self.label, entry, self.facts_from_token)
+
+    def subscribe(self, subscriber: TransitionSubscriber) -> int:
+        """Call ``subscriber`` with every transition still in :attr:`history` (oldest first),
+        then with each new one as it is taken (in the sending thread, under the machine's lock,
+        so in ``seq`` order and never twice). Returns the ``seq`` of the first record it got
+        then: 1 when the history was whole, more when older ones had already left the ring
+        buffer (0: none taken yet). An exception in ``subscriber`` is logged and ignored: it
+        never changes the machine. Adding the same subscriber twice does nothing (and returns 0)."""
+        with self._lock:
+            if any(s == subscriber for s in self._subscribers):
+                return 0
+            raw = tuple(self._history)
+            label = self.label
+            for entry in raw:
+                self._notify(subscriber, _record(label, entry, self.facts_from_token))
+            self._subscribers = (*self._subscribers, subscriber)
+            return int(raw[0][0]) if raw else 0
+
+    def unsubscribe(self, subscriber: TransitionSubscriber) -> None:
+        """Stop calling ``subscriber`` (no error if it was not subscribed)."""
+        with self._lock:
+            self._subscribers = tuple(s for s in self._subscribers if s != subscriber)
+
+    def _notify(self, subscriber: TransitionSubscriber, record: TransitionRecord) -> None:
+        try:
+            subscriber(record)
+        except Exception:
+            log.exception("%s: a transition subscriber failed (ignored)", self.label)
 
     def guard_facts(self) -> dict[str, Any]:
         """Model data the guards read, recorded with every transition. Override to add facts."""
@@ -296,9 +338,12 @@ class GuardedMachine(StateMachine):
         listener): append the transition to the history. ``send`` holds the lock."""
         self._seq += 1
         event, kwargs = self._last_trigger
-        self._history.append(
-            (self._seq, event, source.id, target.id, time.time(), kwargs, self.facts_token())
-        )
+        entry = (self._seq, event, source.id, target.id, time.time(), kwargs, self.facts_token())
+        self._history.append(entry)
+        if self._subscribers:
+            record = _record(self.label, entry, self.facts_from_token)
+            for subscriber in self._subscribers:
+                self._notify(subscriber, record)
 
     def _candidates(
         self, event: str, kwargs: Mapping[str, Any]

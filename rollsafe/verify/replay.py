@@ -1,10 +1,12 @@
 """A recorded run replayed through the verifier's model (``rollsafe verify --trace RUN_DIR``).
 
 ``rollsafe verify`` proves properties of :class:`~rollsafe.verify.model.FleetModel`; this
-module checks that a real run *is* a run of that model. A recorded run (``timeline.jsonl``,
-written by :meth:`RolloutFleet.record <rollsafe.fleet.fleet.RolloutFleet.record>`, the demo and
-the tests) holds every transition of every machine the fleet owns (groups, exports, the
-transport's registration, the immediate-recovery mode), each group event with the policy
+module checks that a real run *is* a run of that model. A recorded run (the ``stream.jsonl`` a
+fleet with ``FleetConfig.run_dir`` appends to as it runs, :mod:`rollsafe.observe.stream`, or
+the ``timeline.jsonl`` written by :meth:`RolloutFleet.record
+<rollsafe.fleet.fleet.RolloutFleet.record>`, the demo and the tests) holds every transition of
+every machine the fleet owns (groups, exports, the transport's registration, the
+immediate-recovery mode), each group event with the policy
 function that decided it (``inputs.decided_by``), and the outcome-bearing steps (each sync's
 version and per-group results, each recovery's steps). :func:`replay_run` builds the model the
 run's ``run`` row describes (its groups and ranks, initial version, settings: see
@@ -31,6 +33,14 @@ run's ``run`` row describes (its groups and ranks, initial version, settings: se
 The first recorded transition no candidate allows (or a broken invariant) is a
 :class:`Divergence`: the step, the recorded event and what the model expected or allowed
 there.
+
+A record must hold the whole run. The machines keep only their last ``history_limit``
+transitions in memory (the coordinators their last syncs and recoveries), so a record written
+from memory after a long run is cut: its ``run`` row's ``cut`` says what left (or, in an older
+record, a machine's transitions do not start at its first), and the replay refuses it with
+:class:`TruncatedTraceError` instead of diverging at its first step. A streamed run is whole
+however long; one the fleet never closed (a crash) ends early: its prefix is replayed and
+:attr:`ReplayResult.partial` says so.
 
 What a replay does not see (the model abstracts it or the run does not record it): member
 health reports and failure counts (a recorded probe ``fail`` is the probe that reached the
@@ -65,6 +75,7 @@ __all__ = [
     "ReplayResult",
     "ReplayStep",
     "TraceError",
+    "TruncatedTraceError",
     "model_config_of",
     "model_facts",
     "replay_run",
@@ -95,6 +106,18 @@ class TraceError(RollsafeError, ValueError):
     def __init__(self, message: str, line: int | None = None) -> None:
         self.line = line
         super().__init__(f"line {line}: {message}" if line is not None else message)
+
+
+class TruncatedTraceError(TraceError):
+    """The record is knowingly cut: written from the fleet's memory at the end of a run longer
+    than memory keeps (its ``run`` row's ``cut`` names what left it), or a machine's recorded
+    transitions do not start at its first (an older record written from memory). The replay
+    needs every transition: stream the run (``FleetConfig.run_dir``) and replay its run
+    directory. ``cut`` lists what is missing."""
+
+    def __init__(self, message: str, cut: Sequence[str], line: int | None = None) -> None:
+        self.cut = tuple(cut)
+        super().__init__(message, line)
 
 
 @dataclass(frozen=True)
@@ -167,6 +190,9 @@ class ReplayResult:
     replayed: int = 0  # recorded transitions the model took
     states_checked: int = 0
     divergence: Divergence | None = None
+    #: why the record ends before the run did (a streamed run the fleet never closed: its
+    #: prefix is replayed, the run's end not checked); None: the record holds the whole run
+    partial: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -175,11 +201,17 @@ class ReplayResult:
     def summary(self) -> str:
         verdict = "0 divergences" if self.ok else "1 divergence"
         after = max(len(self.steps) - 1, 0)  # step 0 is the model's start
-        return (
+        said = (
             f"replayed {self.replayed} of {self.transitions} recorded transitions: the start "
             f"and {after} model steps, every invariant checked in {self.states_checked} "
             f"states: {verdict}"
         )
+        if self.partial is not None:
+            said += (
+                f"\npartial replay: the record ends before the run did ({self.partial}); the "
+                "prefix it holds was replayed and the run's end was not checked"
+            )
+        return said
 
 
 # ====================================================================== the run's model
@@ -271,11 +303,14 @@ class _Trace:
             seqs = [self.items[i].seq for i in queue]
             if seqs != list(range(1, len(seqs) + 1)):
                 first = self.items[queue[0]]
-                raise TraceError(
+                raise TruncatedTraceError(
                     f"{first.kind} {first.subject}: its recorded transitions are numbered "
                     f"{seqs[:6]}{'...' if len(seqs) > 6 else ''}, not 1, 2, 3...: the "
-                    "machine's history was cut (it keeps its last 256 transitions) or rows "
-                    "are missing; the replay needs every transition",
+                    "machine's history was cut (memory keeps its last "
+                    f"{GuardedMachine.history_limit} transitions: a record written from memory "
+                    "after a long run) or rows are missing; the replay needs every transition: "
+                    "stream the run (FleetConfig.run_dir) and replay its run directory",
+                    [f"{first.kind} {first.subject}: starts at transition {seqs[0]}"],
                     first.line,
                 )
         self.ptr: dict[Key, int] = dict.fromkeys(self.queues, 0)
@@ -347,7 +382,7 @@ def _key_name(key: Key) -> str:
 
 # ====================================================================== the replay
 class _Replayer:
-    def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(self, rows: Sequence[Mapping[str, Any]], partial: str | None) -> None:
         header = rows[0] if rows and rows[0].get("kind") == "run" else None
         facts = header.get("model") if header is not None else None
         if not isinstance(facts, Mapping):
@@ -355,6 +390,18 @@ class _Replayer:
                 "the run row has no 'model' facts (recorded before rollsafe verify --trace "
                 "existed, or not by RolloutFleet.record): record the run again",
                 1 if header is not None else None,
+            )
+        assert header is not None
+        cut = header.get("cut")
+        if isinstance(cut, list) and cut:
+            lost = "; ".join(map(str, cut))
+            raise TruncatedTraceError(
+                "the record is cut: it was written from the fleet's memory, which keeps only "
+                f"the last transitions, syncs and recoveries, after a longer run ({lost}); "
+                "the replay needs every transition: stream the run (FleetConfig.run_dir) and "
+                "replay its run directory",
+                [str(c) for c in cut],
+                1,
             )
         self.config = model_config_of(facts)
         self.recorded_ids = [str(g["id"]) for g in facts["groups"]]
@@ -371,7 +418,9 @@ class _Replayer:
         self.on_failure = str(facts.get("on_update_failure", "fail"))
         self.log: list[Emitted] = []
         self.model = _tapped_model(self.config, self.log)
-        self.result = ReplayResult(self.config, len(self.trace.items))
+        if partial is None and self.end is None:
+            partial = "it has no 'end' row: the fleet did not close it"
+        self.result = ReplayResult(self.config, len(self.trace.items), partial=partial)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> ReplayResult:
@@ -846,8 +895,12 @@ def rows_of_model_run(
     return [header, *rows, end]
 
 
-def replay_run(rows: Sequence[Mapping[str, Any]]) -> ReplayResult:
-    """Replay the recorded run ``rows`` (``timeline.jsonl``'s, in order, the ``run`` row
-    first: :func:`rollsafe.observe.runfile.load_run` reads them) through the verifier's model;
-    see the module. Raises :class:`TraceError` when the run cannot be mapped onto the model."""
-    return _Replayer(rows).run()
+def replay_run(rows: Sequence[Mapping[str, Any]], *, partial: str | None = None) -> ReplayResult:
+    """Replay the recorded run ``rows`` (in time order, the ``run`` row first:
+    :func:`rollsafe.observe.stream.load_recorded` reads a run directory's streamed record, or
+    its ``timeline.jsonl``) through the verifier's model; see the module. ``partial``: why the
+    record ends before the run did (``RunData.partial``; a record with no ``end`` row is
+    partial anyway): the replay covers the prefix and says so (:attr:`ReplayResult.partial`).
+    Raises :class:`TruncatedTraceError` for a knowingly cut record, :class:`TraceError` when
+    the run cannot be mapped onto the model."""
+    return _Replayer(rows, partial).run()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -77,18 +78,29 @@ class EngineHost:
     ) -> None:
         """``node_slice`` (a group that spans nodes): ``(node_rank, key, dist_init_addr)``; the
         head (node rank 0) picks its own address (this node's IP or ``spec.host``, a free port,
-        :meth:`dist_init_addr`), every other slice is given it."""
+        :meth:`dist_init_addr`), every other slice is given it: at creation, or (created with
+        None, so that its actor starts beside the head's) by :meth:`join_head` before its
+        first start."""
         if bind_node_ip:
             spec = dataclasses.replace(spec, host=_node_ip())
+        #: a slice still waiting for its head's address: (its spec, its node rank, the key)
+        self._pending: tuple[EngineSpec, int, str] | None = None
         if node_slice is not None:
             from rollsafe.adapters.engines.launch.spec import slice_spec
             from rollsafe.net import free_port
 
             node_rank, key, addr = node_slice
-            if addr is None:
+            if addr is None and node_rank == 0:
                 host = "127.0.0.1" if spec.host in ("0.0.0.0", "::", "") else spec.host
                 addr = f"{host}:{free_port(host)}"
-            spec = slice_spec(spec, node_rank, addr, key)
+            if addr is None:  # the launcher made now is replaced by join_head's (same logs)
+                if spec.log_dir is None:
+                    spec = dataclasses.replace(
+                        spec, log_dir=tempfile.mkdtemp(prefix="rollsafe-engine-")
+                    )
+                self._pending = (spec, node_rank, key)
+            else:
+                spec = slice_spec(spec, node_rank, addr, key)
         self._spec = spec
         self._launcher = EngineLauncher(spec)
         self._lock = threading.Lock()
@@ -96,9 +108,32 @@ class EngineHost:
         self._parent_pid = os.getppid()
 
     # -- lifecycle ------------------------------------------------------------------------
+    def join_head(self, dist_init_addr: str) -> None:
+        """Take the head's ``HOST:PORT`` (:meth:`dist_init_addr` of the head's actor): a slice
+        created without it (``node_slice=(R, key, None)``, R > 0) starts joined to it from now
+        on. ``RuntimeError`` for any other actor, or once it was given one."""
+        from rollsafe.adapters.engines.launch.spec import slice_spec
+
+        with self._lock:
+            if self._pending is None:
+                raise RuntimeError(
+                    "join_head: this actor is not a node slice waiting for its head's address"
+                )
+            spec, node_rank, key = self._pending
+            self._spec = slice_spec(spec, node_rank, dist_init_addr, key)
+            self._launcher = EngineLauncher(self._spec)
+            self._pending = None
+
+    def _require_joined(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError(
+                f"node slice {self._pending[1]} has no head address yet: call join_head() first"
+            )
+
     def start(self) -> dict[str, Any]:
         """Start the engine group; return its ready info (url, pid, rank_pids, ...)."""
         with self._lock:
+            self._require_joined()
             self._launcher.start()
             return self._launcher.ready_info
 
@@ -129,6 +164,7 @@ class EngineHost:
         """Stop and start again with overrides (:meth:`EngineLauncher.restart`); return the new
         ready info."""
         with self._lock:
+            self._require_joined()
             self._launcher.restart(
                 model_path=model_path,
                 tokenizer_path=tokenizer_path,
@@ -229,8 +265,6 @@ class EngineHost:
         ``<dest_root or this node's temporary directory>/rollsafe-moved/<fleet>/<node id>``,
         so fleets, and nodes that share a disk, never take each other's copies. ``timeout_s``
         bounds the fetch (``ExportPullTimeout``, nothing left behind; None: no bound)."""
-        import tempfile
-
         from rollsafe.adapters.ray.exports import receive_export
 
         if fleet is not None:

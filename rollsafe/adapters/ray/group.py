@@ -18,8 +18,9 @@ live on whichever node Ray placed it on:
   engine and keeps actor, placement and warm standby; without it (the fleet's close) it also
   ends the actor and gives the placement back.
 * A group that spans nodes (``EngineSpec.ranks_per_node``) holds one actor per node slice, slice
-  ``i`` on bundle ``i`` of its ``STRICT_SPREAD`` placement: the head's actor picks the head's
-  address on its node, the other slices' actors start their engines joined to it, and every
+  ``i`` on bundle ``i`` of its ``STRICT_SPREAD`` placement, all created at once (their starts
+  overlap): the head's actor picks the head's address on its node, the other slices' actors
+  are given it (``join_head``) and start their engines joined to it, and every
   start, restart and stop runs on all of them; any slice's actor lost is the whole group's
   placement lost (placed again whole); a moved export is pulled to every slice's node.
 
@@ -418,14 +419,16 @@ class RayEngineGroup:
             self._actor = engine_actor(**options(0)).remote(
                 self._spec, bind_node_ip=self._bind_node_ip, node_slice=head_slice
             )
-            if slices > 1:
-                addr = ray.get(self._actor.dist_init_addr.remote(), timeout=self.start_timeout_s)
+            if slices > 1:  # every slice's actor starts at once; the others then join the head
                 self._workers = [
                     engine_actor(**options(i)).remote(
-                        self._spec, bind_node_ip=self._bind_node_ip, node_slice=(i, key, addr)
+                        self._spec, bind_node_ip=self._bind_node_ip, node_slice=(i, key, None)
                     )
                     for i in range(1, slices)
                 ]
+                addr = ray.get(self._actor.dist_init_addr.remote(), timeout=self.start_timeout_s)
+                joined = [w.join_head.remote(addr) for w in self._workers]
+                ray.get(joined, timeout=self.start_timeout_s)
         except BaseException:
             self._kill_actors()
             self._placer.release(placement)

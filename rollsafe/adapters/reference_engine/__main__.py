@@ -83,6 +83,8 @@ DEATH_GRACE_S = 0.5
 _PACKAGE = "rollsafe.adapters.reference_engine"
 #: What start-up imports besides torch (``api`` modules are per dialect).
 _ENGINE_MODULES = ("aiohttp.web", "ranks", "engine", "faults", "server")
+#: What a node slice other than the head's imports before forking its ranks (no server there)
+_RANK_MODULES = ("ranks",)
 #: What a start imports on its way (besides :data:`_ENGINE_MODULES`); a standby imports them
 #: ahead, best effort.
 _LAZY_MODULES = (
@@ -453,19 +455,22 @@ def rank_options(args: argparse.Namespace) -> RankOptions:
     )
 
 
-def preload(opts: RankOptions, dialect: str) -> None:
+def preload(opts: RankOptions, dialect: str, *, serving: bool = True) -> None:
     """Import every module start-up needs, including the model's transformers classes.
 
-    Run before forking ranks so they inherit the imports. Raises :class:`StartupError` for
-    ``--device cuda`` without CUDA. Best effort otherwise: a broken model directory is reported
-    by the real load later, with its proper message.
+    Run before forking ranks so they inherit the imports. ``serving=False`` (a node slice
+    other than the head's, which runs ranks and no server): the ranks' modules only, not the
+    HTTP server's and the API's, so a slice that starts beside its head (on a shared or small
+    machine) takes less CPU from it. Raises :class:`StartupError` for ``--device cuda``
+    without CUDA. Best effort otherwise: a broken model directory is reported by the real load
+    later, with its proper message.
     """
     import torch
 
     if opts.device == "cuda" and not torch.cuda.is_available():  # before the slow imports
         raise StartupError("--device cuda but torch.cuda.is_available() is false")
     api = "sglang_api" if dialect == "sglang" else "vllm_api"
-    for name in (*_ENGINE_MODULES, api):
+    for name in (*_ENGINE_MODULES, api) if serving else _RANK_MODULES:
         importlib.import_module(name if "." in name else f"{_PACKAGE}.{name}")
     from rollsafe.adapters.reference_engine.model import load_config, model_class
 
@@ -679,7 +684,7 @@ def node_main(args: argparse.Namespace, opts: RankOptions) -> int:
     host, port = parse_dist_init_addr(args.dist_init_addr)
     method = opts.planned_start_method()
     if method == "fork":
-        preload(opts, args.dialect)  # the ranks inherit the imports
+        preload(opts, args.dialect, serving=False)  # the ranks inherit the imports
         if not fork_is_safe(opts):
             method = "spawn"
     return slice_main(opts, (host, port), dist_key(host), method)
