@@ -329,3 +329,79 @@ def test_a_failed_pull_of_a_moved_export_replays_as_dummy_weights_and_a_push() -
     assert div is not None and div.recorded is not None
     assert (div.recorded.event, div.recorded.target) == ("restarted", "pending_weights")
     assert any("restarted recovering -> active" in e for e in div.expected), div.expected
+
+
+def test_a_sync_whose_trainer_hook_raises_replays(
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A trainer-side exception in ``offload_trainer`` (after the register, before the update:
+    the soak's fault): nothing is updated and the fleet stays at its version; the next sync
+    registers the same version again. The replay reads the hook from the sync row's error and
+    fails the model's ``Hook`` there; without that reading the model updates the groups and
+    the divergence is named at that sync."""
+    fleet, _journal = chaos_fleet(tiny_model_dir, tmp_path, [GroupSpec(1), GroupSpec(1)])
+    try:
+        trainer = Trainer(tiny_model_dir_b)
+        trainer.perturb(1)
+        assert fleet.sync_weights(trainer.weights(), 1).ok
+        assert fleet.sync is not None
+
+        def raising() -> None:
+            raise RuntimeError("the trainer raised in offload_trainer")
+
+        fleet.sync.offload_trainer = raising
+        trainer.perturb(2)
+        failed = fleet.sync_weights(trainer.weights(), 2)
+        assert not failed.ok and failed.error is not None
+        assert failed.error.startswith("offload_trainer failed:"), failed.error
+        assert fleet.registry.fleet_version == 1
+        fleet.sync.offload_trainer = None
+        assert fleet.sync_weights(trainer.weights(), 2).ok
+        assert fleet.wait_recoveries(WAIT_S)
+    finally:
+        fleet.close()
+    run = fleet.record(tmp_path / "run", svg=False)
+    result = replay(run)
+    assert result.ok and result.replayed == result.transitions, result.divergence
+
+    def forget_the_hook(rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            if r.get("kind") == "sync" and r.get("error"):
+                r["error"] = None
+
+    div = replay(edited(run, tmp_path, forget_the_hook)).divergence
+    assert div is not None, "the model took the failed sync as an update"
+
+
+def test_a_group_lost_and_back_during_an_update_replays_as_a_new_incarnation() -> None:
+    """A serving group stops answering while a sync's update runs (the soak's black-holed
+    port): its probes time out, it fails, is claimed and restarts from the export of the
+    fleet's version before the update ends; the update to the engine it lost failed. The sync
+    credits nothing to the new incarnation (``moved``) and, once the fleet is at N, marks it
+    stale (``settle_latecomers``); a push brings it to N. The replay offers that ``during``
+    from the recording (the group's fail, claim and restart before the registration's
+    ``update_done``, which failed its rank)."""
+    config = ModelConfig(groups=2, ranks=1, removals=0, failure_threshold=1)
+    run = [
+        Action("launch", (0, 0)),
+        Action("launch", (1, 0)),
+        Action("sync", (True, None, "fail")),
+        Action("export_finish"),
+        Action("sync", (True, None, "fail", None, ((0, 0),), 0)),  # g0 lost and back meanwhile
+        Action("push", (0, True)),
+    ]
+    model = FleetModel(config)
+    seen = []
+    for action in run:
+        assert model.apply(action), action
+        seen.append((model.version, model.groups[0].state))
+    # the second sync: g0 restarted at v1 during it, then marked stale at v2; the push: active
+    assert seen[-2:] == [(2, "pending_weights"), (2, "active")], seen
+    assert not model.check()
+    rows = rows_of_model_run(config, run)
+    g0 = [(r["event"], r["target"]) for r in rows if r["kind"] == "group" and r["subject"] == "g0"]
+    assert ("mark_stale", "pending_weights") in g0 and ("restarted", "active") in g0, g0
+    result = replay_run(rows)
+    assert result.ok and result.replayed == result.transitions, result.divergence

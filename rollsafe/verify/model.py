@@ -343,6 +343,8 @@ class FleetModel(Executor):
         self._choice: tuple[bool, dict[int, int]] = (True, {})
         self._restart_choice = "ok"  # the running restart's outcome: ok, failed, timeout
         self._during: int | None = None  # the running sync's ``during`` group, until it reads
+        self._hook_failed: str | None = None  # replay: the colocated hook the recorded sync failed
+        self._moved: dict[str, str] = {}  # groups that failed and came back during the update
         self._pulled: bool | None = None  # replay: the running lease's recorded pull, if any
         self._push_ok = True  # the running targeted push's outcome
         self._probe_timed_out = False  # the running probe's outcome: no answer in time
@@ -954,6 +956,7 @@ class FleetModel(Executor):
         version: int | None = None,
         failing: tuple[tuple[int, int], ...] = (),
         during: int | None = None,
+        hook_failed: str | None = None,
     ) -> bool:
         """A sync of the next version, the steps of :func:`rollsafe.operations.sync.sync`
         performed on the machines and the ground truth. The action's arguments are the outcomes
@@ -962,8 +965,10 @@ class FleetModel(Executor):
         the ``recovering`` group whose restart ends while the update runs (right after the
         sync read the groups, before the new fleet version: the recovery's thread and the
         sync's interleave there). A replay (``rollsafe verify --trace``) also names the
-        recorded ``version`` (default: the next one) and ``failing`` ``(group, rank)`` pairs
-        (the groups whose update failed)."""
+        recorded ``version`` (default: the next one), ``failing`` ``(group, rank)`` pairs
+        (the groups whose update failed) and ``hook_failed``, the colocated hook (``Hook``:
+        ``offload_trainer``, ``onload_engines``) the recorded sync failed in (a trainer-side
+        exception after the register: nothing updated, the fleet stays at its version)."""
         cfg = self.config
         new = self.version + 1 if version is None else version
         if new <= self.version or (cfg.max_version is not None and new > cfg.max_version):
@@ -971,24 +976,38 @@ class FleetModel(Executor):
         if self.registration.state not in ("empty", "registered", "failed"):
             return False
         if during is not None and self.groups[during].state != "recovering":
-            return False
+            # a serving group lost and back during the update: a replay names it among the
+            # groups whose update failed (the explorer's ``during`` is a recovering group's)
+            lost = self.groups[during].state in _PROBED and any(g == during for g, _ in failing)
+            if not lost:
+                return False
         fails = dict(failing)
         if failing_group is not None:
             fails.setdefault(failing_group, 0)
         self._choice = (registered_everywhere, fails)
         self._during = during
+        self._hook_failed = hook_failed
         try:
             drive(sync_op.sync(new, on_failure=on_failure), self.perform)
         finally:
             self._during = None
+            self._hook_failed = None
+            self._moved = {}
         return True
+
+    @handles(fx.Hook)
+    def _hook(self, effect: fx.Hook) -> Outcome[Any]:
+        """A colocated hook: no state of the model; a replay fails the one the recorded sync
+        failed in."""
+        if effect.name == self._hook_failed:
+            return Failed(f"the recorded run's {effect.name} failed")
+        return _OK
 
     @handles(
         fx.LockTransport,
         fx.UnlockTransport,
         fx.Pause,
         fx.Resume,
-        fx.Hook,
         fx.HandOff,  # the model's recovery is its own action (``recover``)
         fx.NoteStep,
         fx.GetEngine,
@@ -1224,8 +1243,26 @@ class FleetModel(Executor):
         )
         if self._during is not None:  # the sync's ``during``: a restart ends after this read
             g, self._during = self._during, None
-            self._restart_phase(g, "ok")
+            if self.groups[g].state in _PROBED:  # lost while the update runs: fails, recovers
+                self._lost_and_back(g)
+            else:
+                self._restart_phase(g, "ok")
         return facts
+
+    def _lost_and_back(self, g: int) -> None:
+        """A group the sync has just read as serving stops answering while the update runs
+        (its port black-holed, its engine hung): the probes time out until it fails, the
+        recovery claims it and restarts it from the ready export of the fleet's version, all
+        before the sync's update ends (a replay's ``during`` for a group the run shows failing
+        and restarting inside the sync)."""
+        for _ in range(self.config.failure_threshold + 1):
+            if self.groups[g].state not in _PROBED:
+                break
+            self._probe(g, timed_out=True)
+        if self.groups[g].state == "inactive":
+            self._do_recover(g)
+        self._restart_phase(g, "ok")
+        self._moved[f"g{g}"] = self.groups[g].state  # a new incarnation: never credited
 
     @handles(fx.Update)
     def _update(self, effect: fx.Update) -> Outcome[Any]:
@@ -1237,12 +1274,19 @@ class FleetModel(Executor):
             self._refuse(f"policy.proceed_after_register: update refused: {exc}")
             return Failed(str(exc))
         groups = tuple(self._index[f.group_id] for f in effect.groups)
-        failing = {g: r for g, r in fails.items() if g in groups}
-        pushed = self._push(effect.version, groups, failing, force=False)
+        # a group lost and back during the update (``_lost_and_back``): the update went to the
+        # engine it lost and failed there; its new engine got nothing
+        gone = tuple(g for g in groups if f"g{g}" in self._moved)
+        failing = {g: r for g, r in fails.items() if g in groups and g not in gone}
+        pushed = self._push(
+            effect.version, tuple(g for g in groups if g not in gone), failing, force=False
+        )
+        pushed.update({g: dict.fromkeys(self.groups[g].ranks, False) for g in gone})
         rank_ok = {f"g{g}": pushed[g] for g in groups}
         per_rank = {rank: ok for g in groups for rank, ok in pushed[g].items()}
         reg.update_done(results=per_rank)
-        return Ok(fx.UpdateDone(rank_ok))
+        moved, self._moved = self._moved, {}
+        return Ok(fx.UpdateDone(rank_ok, moved))
 
     @handles(fx.StartExport)
     def _start_export(self, effect: fx.StartExport) -> Outcome[Any]:

@@ -53,6 +53,7 @@ the hooks a sync runs (always succeed).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,9 +94,10 @@ _RESTART_STEPS = ("launcher", "shutdown", "restart", "health")
 
 Key = tuple[str, str]
 #: a transition the model took: its machine, event, source, target and the inputs a recording
-#: keeps of it (``decided_by``, a register's ``version``, an update's ``targets``)
+#: keeps of it (``decided_by``, a register's ``version``, an update's ``targets`` and
+#: ``results``)
 Emitted = tuple[Key, str, str, str, dict[str, Any]]
-_KEPT_INPUTS = ("decided_by", "version", "targets")
+_KEPT_INPUTS = ("decided_by", "version", "targets", "results")
 
 
 class TraceError(RollsafeError, ValueError):
@@ -663,14 +665,51 @@ class _Replayer:
             for gid in (failed if isinstance(failed, list) else [])
             if gid in self.group_ids
         )
-        args = (everywhere, None, self.on_failure, version, failing)
+        args: tuple[Any, ...] = (everywhere, None, self.on_failure, version, failing)
+        hook = _failed_hook(row.get("error") if row is not None else None)
+        if hook is not None:  # a trainer-side exception after the register: nothing updated
+            yield (Action("sync", (*args, None, hook)),)
+            return
         yield (Action("sync", args),)
         # a recovering group whose restart ended while this sync's update ran (the model's
-        # ``during``): its next recorded transition is ``restarted`` into ``active``
+        # ``during``): its next recorded transition is ``restarted`` into ``active``; or a
+        # serving group lost while the update ran, failed by its probes, claimed and restarted
+        # before the update ended: ``fail``, ``claim``, ``restarted`` into ``active`` next, and
+        # its ranks' update failed (the update went to the engine it lost)
         for g in range(self.config.total_groups):
             head = self.trace.head(("group", f"g{g}"))
             if head is not None and head.event == "restarted" and head.target == "active":
                 yield (Action("sync", (*args, g)),)
+            elif head is not None and head.event == "fail" and self._lost_in_update(g):
+                lost = tuple(sorted({*failing, (g, 0)}))
+                yield (Action("sync", (*args[:4], lost, g)),)
+
+    def _lost_in_update(self, g: int) -> bool:
+        """Whether group ``g``'s next transitions are ``fail``, ``claim`` and ``restarted``
+        into ``active``, all before the registration's next ``update_done``, which failed one
+        of ``g``'s ranks."""
+        steps = self.trace.following(("group", f"g{g}"), 3)
+        if [(t.event, t.target) for t in steps if t is not None] != [
+            ("fail", "inactive"),
+            ("claim", "recovering"),
+            ("restarted", "active"),
+        ]:
+            return False
+        done = next(
+            (
+                t
+                for t in self.trace.following(("registration", ""), 4)
+                if t is not None and t.event == "update_done"
+            ),
+            None,
+        )
+        if done is None or done.t < steps[-1].t:
+            return False
+        return any(
+            not ok
+            for rank, ok in _rank_results(done.inputs.get("results")).items()
+            if rank in self.recorded_ranks[g]
+        )
 
     def _pushes(self, a: RecordedTransition) -> Iterator[tuple[Action, ...]]:
         """A recovery's targeted push into a group waiting for weights (loaded, or failed):
@@ -793,6 +832,35 @@ def _tapped_model(config: ModelConfig, log: list[Emitted]) -> FleetModel:
     )
     model.tap = log.append
     return model
+
+
+def _rank_results(results: object) -> dict[int, bool]:
+    """An ``update_done``'s per-rank results as recorded: the fleet's ``[[rank, [ok,
+    message]], ...]`` or a model run's ``{rank: ok}`` (JSON keys are strings)."""
+    out: dict[int, bool] = {}
+    if isinstance(results, Mapping):
+        for rank, ok in results.items():
+            with contextlib.suppress(TypeError, ValueError):
+                out[int(rank)] = bool(ok[0] if isinstance(ok, list | tuple) else ok)
+    elif isinstance(results, list):
+        for item in results:
+            if isinstance(item, list) and len(item) == 2:
+                rank, ok = item
+                with contextlib.suppress(TypeError, ValueError):
+                    out[int(rank)] = bool(ok[0] if isinstance(ok, list | tuple) and ok else ok)
+    return out
+
+
+#: the colocated hooks a sync runs before its update (``rollsafe.operations.sync``); a sync row
+#: whose error names one failed there
+_HOOKS_BEFORE_UPDATE = ("offload_trainer", "onload_engines")
+
+
+def _failed_hook(error: object) -> str | None:
+    """The hook a recorded sync failed in (its row's ``error`` is ``"<hook> failed: ..."``)."""
+    if not isinstance(error, str):
+        return None
+    return next((h for h in _HOOKS_BEFORE_UPDATE if error.startswith(f"{h} failed:")), None)
 
 
 def model_facts(config: ModelConfig, on_update_failure: str = "fail") -> dict[str, Any]:
