@@ -263,10 +263,9 @@ def _info(engine: EngineLauncher) -> dict[str, Any]:
     return info
 
 
-def test_a_stall_holds_one_generation_until_a_pause_aborts_it(engine: EngineLauncher) -> None:
-    """``/fault/stall``: the next generation stops at that many tokens, held (not finished),
-    until ``pause_generation("abort")`` ends it with exactly those; it stalls one generation
-    once, and a disarmed stall holds none."""
+def _stalled_at_3(engine: EngineLauncher) -> tuple[threading.Thread, dict[str, Any]]:
+    """A greedy generation started in a thread and held by ``/fault/stall`` at 3 tokens (its
+    result lands in the returned dict's ``"out"``)."""
     client = engine.client
     sampled = _info(engine)["tokens_generated"]
     fault(engine, "/fault/stall", {"after_tokens": 3})
@@ -279,6 +278,15 @@ def test_a_stall_holds_one_generation_until_a_pause_aborts_it(engine: EngineLaun
     while _info(engine)["tokens_generated"] < sampled + 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert worker.is_alive() and _info(engine)["tokens_generated"] == sampled + 3
+    return worker, box
+
+
+def test_a_stall_holds_one_generation_until_a_pause_aborts_it(engine: EngineLauncher) -> None:
+    """``/fault/stall``: the next generation stops at that many tokens, held (not finished),
+    until ``pause_generation("abort")`` ends it with exactly those; it stalls one generation
+    once, and a disarmed stall holds none."""
+    client = engine.client
+    worker, box = _stalled_at_3(engine)
     client.pause_generation("abort")
     client.continue_generation()
     worker.join(60)
@@ -300,17 +308,7 @@ def test_a_retract_queues_a_stalled_generation_again(sglang_engine: EngineLaunch
     whole, not aborted."""
     engine = sglang_engine
     client = engine.client
-    sampled = _info(engine)["tokens_generated"]
-    fault(engine, "/fault/stall", {"after_tokens": 3})
-    box: dict[str, Any] = {}
-    worker = threading.Thread(
-        target=lambda: box.setdefault("out", client.generate(PROMPT, sampling_params=GREEDY))
-    )
-    worker.start()
-    deadline = time.monotonic() + 60  # a hang detector, nothing timed
-    while _info(engine)["tokens_generated"] < sampled + 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert worker.is_alive() and _info(engine)["tokens_generated"] == sampled + 3
+    worker, box = _stalled_at_3(engine)
     client.pause_generation("retract")
     client.continue_generation()
     worker.join(60)
