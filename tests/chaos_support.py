@@ -107,11 +107,13 @@ def chaos_fleet(
     health: HealthSettings | None = None,
     initial_version: int = 0,
     run_dir: Path | None = None,
+    transport: Any = None,
     **recovery: Any,
 ) -> tuple[RolloutFleet, Journal]:
     """A started fleet of reference engines (fault injection on) with recording launchers,
     streaming its run to ``run_dir`` (``FleetConfig.run_dir``; default ``tmp_path/stream``:
-    :func:`assert_replays` replays it too)."""
+    :func:`assert_replays` replays it too), syncing through ``transport`` (a
+    ``TransportSettings``; None: the fleet's default)."""
     journal = Journal()
 
     def factory(group_id: str, spec: EngineSpec) -> EngineLauncher:
@@ -134,6 +136,7 @@ def chaos_fleet(
         router_max_attempts=4,
         wait_for_routable_s=2.0,
         run_dir=run_dir if run_dir is not None else tmp_path / "stream",
+        **({} if transport is None else {"transport": transport}),
     )
     fleet = RolloutFleet(cfg)
     fleet.start()

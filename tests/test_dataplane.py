@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from stub_helpers import STUB_TOKEN, Stub, raise_nofile, stub_router, stubs  # noqa: F401
 
+from rollsafe.adapters.engines.streaming import StreamDelta, WeightSpan
 from rollsafe.fleet.dataplane import DataPlane
-from rollsafe.fleet.router import NoRoutableGroup
+from rollsafe.fleet.router import NoRoutableGroup, Router
+from rollsafe.ports import GenerateResult
 
 
 @pytest.mark.parametrize("stubs", [500.0], indirect=True)
@@ -198,3 +201,98 @@ def test_a_request_waits_for_a_group_to_become_active_then_gives_up_named(
     assert served.group_id == "g1" and served.output_ids == [STUB_TOKEN] * 2
     assert isinstance(refused, NoRoutableGroup)
     assert refused.states == {"g0": "inactive", "g1": "inactive"}
+
+
+class AcrossASync:
+    """A client whose first answer is read across a sync on a vLLM that reports no version
+    (0.26, 0.32): its first delta while the version read before the request holds (``"1"``),
+    the rest after the sync resumed the engine, so which weights made them cannot be told
+    (``weight_version_exact: False``, as :meth:`VLLMClient.read_delta` labels them); every
+    later answer comes from ``"2"``."""
+
+    url = "http://across-a-sync"
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    def generate(
+        self,
+        input_ids: list[int] | None = None,
+        *,
+        text: str | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        self.prompts.append(list(input_ids or []))
+        n = (sampling_params or {})["max_new_tokens"]
+        exact = len(self.prompts) > 1
+        ids = [6 if exact else 5] * n
+        return GenerateResult("", ids, "2", "length", {"weight_version_exact": exact})
+
+    def generate_stream(
+        self,
+        input_ids: list[int] | None = None,
+        *,
+        text: str | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[StreamDelta]:
+        self.prompts.append(list(input_ids or []))
+        n = (sampling_params or {})["max_new_tokens"]
+        unknown = {"weight_version_exact": False}
+        if len(self.prompts) == 1:
+            yield StreamDelta((5,), weight_version="1")
+            yield StreamDelta((5,) * (n - 2), meta=unknown)
+            yield StreamDelta((5,), weight_version="2", finished=True, finish_reason="length")
+            return
+        yield StreamDelta((6,) * n, weight_version="2")
+        span = WeightSpan("2", 0, n)
+        yield StreamDelta(
+            (), weight_version="2", finished=True, finish_reason="length", spans=(span,)
+        )
+
+
+def test_tokens_whose_weights_cannot_be_told_are_not_kept() -> None:
+    """Tokens read across a sync on a vLLM without versions may have waited in a buffer since
+    before the pause or come from the new weights: the streamed request keeps the tokens read
+    before (``"1"``), drops the rest and goes on after the sync (a new piece, ``"2"``); a
+    whole answer of that kind is sent again. No token is credited to weights that may not
+    have made it (the soak's token check found one such answer, seed 342241)."""
+    from fleet_sim import bring_up
+
+    from rollsafe.registry import FleetRegistry
+
+    def plane_on(client: AcrossASync) -> tuple[Router, DataPlane]:
+        reg = FleetRegistry(fleet_version=1)
+        reg.add_group("g0", [0], clients=[client])
+        bring_up(reg, "g0")
+        router = Router(reg)
+        return router, DataPlane(router)
+
+    streamed = AcrossASync()
+    router, plane = plane_on(streamed)
+    try:
+        out = plane.generate([1, 2, 3], sampling_params={"max_new_tokens": 8})
+        stats = router.stats()["continuation"]
+    finally:
+        plane.close()
+        router.close()
+    assert out.output_ids == [5] + [6] * 7  # the one token read before the sync, then "2"'s
+    assert [(s.weights_version, s.token_range, s.ended) for s in out.segments] == [
+        ("1", (0, 1), "aborted"),
+        ("2", (1, 8), "finished"),
+    ]
+    assert streamed.prompts == [[1, 2, 3], [1, 2, 3, 5]]  # continued from the kept token
+    assert stats["unattributed"] == 1 and stats["after_abort"] == 1
+
+    whole = AcrossASync()
+    router, plane = plane_on(whole)
+    try:
+        answer = plane.generate(text="hello", sampling_params={"max_new_tokens": 4})
+        stats = router.stats()["continuation"]
+    finally:
+        plane.close()
+        router.close()
+    assert answer.output_ids == [6] * 4 and answer.result.meta_info["weight_version_exact"]
+    assert len(whole.prompts) == 2 and answer.attempts == 1 and answer.failed_on == ()
+    assert stats["unattributed"] == 1

@@ -34,7 +34,7 @@ from trace_support import FromMemory
 from transport_helpers import Trainer
 
 from rollsafe.cli import main
-from rollsafe.fleet import GroupSpec
+from rollsafe.fleet import GroupSpec, NcclSettings
 from rollsafe.observe.runfile import build_rows, load_run, write_run
 from rollsafe.verify import Action, FleetModel, ModelConfig
 from rollsafe.verify.replay import ReplayResult, TraceError, replay_run, rows_of_model_run
@@ -331,16 +331,19 @@ def test_a_failed_pull_of_a_moved_export_replays_as_dummy_weights_and_a_push() -
     assert any("restarted recovering -> active" in e for e in div.expected), div.expected
 
 
+@pytest.mark.parametrize("hook", ["offload_trainer", "onload_trainer"])
 def test_a_sync_whose_trainer_hook_raises_replays(
     tiny_model_dir: Path,  # noqa: F811
     tiny_model_dir_b: Path,  # noqa: F811
     tmp_path: Path,
+    hook: str,
 ) -> None:
-    """A trainer-side exception in ``offload_trainer`` (after the register, before the update:
-    the soak's fault): nothing is updated and the fleet stays at its version; the next sync
-    registers the same version again. The replay reads the hook from the sync row's error and
-    fails the model's ``Hook`` there; without that reading the model updates the groups and
-    the divergence is named at that sync."""
+    """A trainer-side exception in a colocated hook (the soak's fault). In ``offload_trainer``
+    (after the register, before the update) nothing is updated and the fleet stays at its
+    version; the next sync registers the same version again. In ``onload_trainer`` (after the
+    update) the fleet moved on but no export is started. The replay reads the hook from the
+    sync row's error and fails the model's ``Hook`` there; without that reading the model
+    takes another sync and the divergence is named at that sync."""
     fleet, _journal = chaos_fleet(tiny_model_dir, tmp_path, [GroupSpec(1), GroupSpec(1)])
     try:
         trainer = Trainer(tiny_model_dir_b)
@@ -349,16 +352,18 @@ def test_a_sync_whose_trainer_hook_raises_replays(
         assert fleet.sync is not None
 
         def raising() -> None:
-            raise RuntimeError("the trainer raised in offload_trainer")
+            raise RuntimeError(f"the trainer raised in {hook}")
 
-        fleet.sync.offload_trainer = raising
+        setattr(fleet.sync, hook, raising)
         trainer.perturb(2)
         failed = fleet.sync_weights(trainer.weights(), 2)
-        assert not failed.ok and failed.error is not None
-        assert failed.error.startswith("offload_trainer failed:"), failed.error
-        assert fleet.registry.fleet_version == 1
-        fleet.sync.offload_trainer = None
-        assert fleet.sync_weights(trainer.weights(), 2).ok
+        assert failed.error is not None and failed.error.startswith(f"{hook} failed:"), failed
+        after = 1 if hook == "offload_trainer" else 2
+        assert failed.ok == (after == 2) and fleet.registry.fleet_version == after
+        assert not failed.export_started
+        setattr(fleet.sync, hook, None)
+        trainer.perturb(after + 1)
+        assert fleet.sync_weights(trainer.weights(), after + 1).ok
         assert fleet.wait_recoveries(WAIT_S)
     finally:
         fleet.close()
@@ -373,6 +378,64 @@ def test_a_sync_whose_trainer_hook_raises_replays(
 
     div = replay(edited(run, tmp_path, forget_the_hook)).divergence
     assert div is not None, "the model took the failed sync as an update"
+
+
+def test_a_sync_with_a_delta_and_a_full_push_replays_as_two_updates(
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """With deltas on, each payload of a sync is one update of the registration (its own
+    ``begin_update`` / ``update_done``): a group restarted from the ready export of the fleet's
+    version holds no confirmed base, so the next sync sends the other group a delta and it the
+    full version, two updates (the soak smoke's seed 425854). A sync that changed every weight
+    sends no delta (not smaller than the full weights: every target falls back) and is one
+    update again (seed 202352690): the replay reads that from the sync row's ``delta``. The
+    model's syncs take both."""
+    fleet, _journal = chaos_fleet(
+        tiny_model_dir, tmp_path, [GroupSpec(1), GroupSpec(1)], transport=NcclSettings(delta=True)
+    )
+    try:
+        trainer = Trainer(tiny_model_dir_b)
+        assert fleet.exporter is not None
+        for version in (1, 2):
+            trainer.perturb(version)
+            assert fleet.sync_weights(trainer.weights(), version).ok
+            fleet.exporter.wait_hf_export(version, timeout=WAIT_S)
+        fleet.launcher("g1").kill_rank(0)
+        back = wait_recovery(fleet, "g1")
+        assert back.status == "active" and back.export_version == 2, back  # no push: no base
+        trainer.perturb(3)
+        report = fleet.sync_weights(trainer.weights(), 3)
+        assert report.ok, report
+        kinds = {t: d["kind"] for t, d in report.delta["targets"].items()}
+        assert kinds == {"g0": "delta", "g1": "full"}, report.delta
+        fleet.exporter.wait_hf_export(3, timeout=WAIT_S)
+        trainer.perturb(4, names=1_000)  # every weight
+        report = fleet.sync_weights(trainer.weights(), 4)
+        assert report.ok, report
+        fell_back = {
+            t: (d["kind"], "not smaller" in str(d["reason"]))
+            for t, d in report.delta["targets"].items()
+        }
+        assert fell_back == {"g0": ("full", True), "g1": ("full", True)}, report.delta
+        fleet.exporter.wait_hf_export(4, timeout=WAIT_S)
+    finally:
+        fleet.close()
+    run = fleet.record(tmp_path / "run", svg=False)
+    rows = load_run(run).rows
+    updates = [
+        r["inputs"]["targets"]
+        for r in rows
+        if r.get("kind") == "registration"
+        and r.get("event") == "begin_update"
+        and r["inputs"].get("targets") is not None
+    ]
+    # v3: g0's delta, then g1's full push; v4: both full together
+    assert updates[-3:] == [[[0]], [[1]], [[0], [1]]], updates
+    result = replay_run(rows)
+    assert result.ok, result.divergence.format() if result.divergence else ""
+    assert result.replayed == result.transitions
 
 
 def test_a_group_lost_and_back_during_an_update_replays_as_a_new_incarnation() -> None:

@@ -15,6 +15,11 @@ token-id prompts on streaming engines, a coroutine generator of
   ``abort`` mode, as a sync with continuation does), it is continued the same way on any
   ``active`` group, the same one included, at most ``max_aborts`` times, once the router
   releases held continuations (the new weights are in);
+* tokens whose weights cannot be told (``weight_version_exact: False`` on a delta: a vLLM that
+  reports no version, read after a sync paused and resumed the engine, so they may have
+  waited in a buffer since before the pause or come from the new weights) are not kept: the
+  piece ends before them as ``aborted`` and the request goes on the same way (counted as
+  ``unattributed``). No token is ever credited to weights that may not have produced it;
 * the last chunk is ``finished`` and carries ``segments`` (which group and weights version
   produced each token range, :mod:`rollsafe.fleet.provenance`) and the engine's last
   ``meta_info``: the consumer sees one stream, no duplicate, no gap;
@@ -124,6 +129,9 @@ class ContinuationStats:
     continued: int = 0  #: requests that needed more than one piece and finished
     after_failure: int = 0  #: pieces started because a group failed
     after_abort: int = 0  #: pieces started because the engine aborted (a sync's pause)
+    #: pieces cut at tokens whose weights cannot be told (read after a sync on a vLLM that
+    #: reports no version); their requests went on as after an abort
+    unattributed: int = 0
     tokens_kept: int = 0  #: tokens carried into a continuation instead of being regenerated
     tokens_regenerated: int = 0  #: tokens generated again after a failure (0 by design)
     failed: int = 0
@@ -141,6 +149,7 @@ class ContinuationStats:
                 "continued": self.continued,
                 "after_failure": self.after_failure,
                 "after_abort": self.after_abort,
+                "unattributed": self.unattributed,
                 "tokens_kept": self.tokens_kept,
                 "tokens_regenerated": self.tokens_regenerated,
                 "failed": self.failed,
@@ -270,12 +279,16 @@ async def stream_continued(
         piece = _Piece(group, generated, tries)
         params = continued_params(sampling_params, generated)
         delta: StreamDelta | None = None
+        unknown = False  # tokens came whose weights cannot be told: the piece ends before them
         stream = engine_for(group).generate_stream(
             prompt + tokens, sampling_params=params, timeout=timeout
         )
         try:
             try:
                 async for delta in stream:
+                    if delta.token_ids and delta.meta.get("weight_version_exact") is False:
+                        unknown = True
+                        break
                     if delta.token_ids:
                         piece.marks.append((generated, delta.weight_version))
                         n = len(delta.token_ids)
@@ -328,6 +341,18 @@ async def stream_continued(
             raise
         group.end_request(ok=True)
         router.request_ok(group.group_id)
+        if unknown:
+            # read after this client's engine was paused and resumed (a sync) on a vLLM that
+            # reports no version: they may have waited in a buffer since before the pause or
+            # come from the new weights. None is kept; the request goes on as after an abort.
+            stats.add(unattributed=1)
+            log.info(
+                "request on %s: tokens after %d of unknown weights (read across a sync) "
+                "dropped; it continues after the sync",
+                group.group_id,
+                generated,
+            )
+            delta = StreamDelta((), finished=True, finish_reason="abort")
         if delta is None or not delta.finished:  # [DONE] without a finish: treat as ended
             delta = StreamDelta((), finished=True, finish_reason=None)
         if delta.finish_reason == "abort" and (budget is None or generated < budget):

@@ -253,13 +253,20 @@ class DataPlane:
         timeout: float | None,
         wait_s: float | None,
     ) -> RoutedResult:
-        """Send the request whole; retry retryable failures on other groups."""
+        """Send the request whole; retry retryable failures on other groups. An answer whose
+        weights cannot be told (``weight_version_exact: False`` from a vLLM that reports no
+        version, answered across a sync that paused and resumed its engine) is not returned:
+        the request is sent again once the router releases held requests (the new weights are
+        in), at most ``max_aborts`` times, as a streamed request is continued after an abort."""
         router = self.router
         tried: list[str] = []
         attempts: list[tuple[str, str]] = []
         notes: list[str] = []
         last_exc: EngineError | None = None
-        for attempt in range(1, router.max_attempts + 1):
+        unknown = 0
+        attempt = 0
+        while attempt < router.max_attempts:
+            attempt += 1
             try:
                 group = await router.acquire(session_id, exclude=tried, wait_s=wait_s)
             except NoRoutableGroup as exc:
@@ -292,6 +299,22 @@ class DataPlane:
                 raise
             group.end_request(ok=True)
             router.request_ok(group.group_id)
+            if unattributed(result):
+                unknown += 1
+                router.continuation.add(unattributed=1)
+                if unknown > router.max_aborts:
+                    notes.append(
+                        f"{group.group_id}: the weights that produced the answer could not be "
+                        f"told {unknown} times (answered across a sync)"
+                    )
+                    raise router.failure(attempts, notes, retryable=True)
+                log.info(
+                    "answer of %s from unknown weights (across a sync): sent again", group.group_id
+                )
+                tried.remove(group.group_id)  # the group did not fail: it may serve it again
+                attempt -= 1
+                await router.wait_released(timeout)
+                continue
             if session_id is not None:
                 router.pin(session_id, group.group_id)
             router.count_served(group.group_id)
@@ -355,3 +378,9 @@ class DataPlane:
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(engines.http.close(), loop).result(timeout)
         self._loop_thread.close(self.aclose_loop, timeout)
+
+
+def unattributed(result: GenerateResult) -> bool:
+    """Whether ``result`` is an answer whose weights cannot be told (a vLLM that reports no
+    version, answered across a sync that paused and resumed the engine, not aborted by it)."""
+    return result.meta_info.get("weight_version_exact") is False and result.finish_reason != "abort"

@@ -344,6 +344,7 @@ class FleetModel(Executor):
         self._restart_choice = "ok"  # the running restart's outcome: ok, failed, timeout
         self._during: int | None = None  # the running sync's ``during`` group, until it reads
         self._hook_failed: str | None = None  # replay: the colocated hook the recorded sync failed
+        self._not_smaller = False  # replay: the recorded sync's deltas were not smaller
         self._moved: dict[str, str] = {}  # groups that failed and came back during the update
         self._pulled: bool | None = None  # replay: the running lease's recorded pull, if any
         self._push_ok = True  # the running targeted push's outcome
@@ -371,6 +372,9 @@ class FleetModel(Executor):
         )
         self._failing: dict[int, int] = {}  # the running push's failing rank per group
         self._pushed: dict[int, dict[int, bool]] = {}  # the running push's results
+        #: the running push's groups lost and back during it: the push went to the engine
+        #: each lost and failed there (``_lost_and_back``)
+        self._gone: frozenset[int] = frozenset()
 
     @property
     def version(self) -> int:
@@ -663,17 +667,26 @@ class FleetModel(Executor):
 
     # -- pushes: every group at once (a sync) or one group (a recovery), as a transport does
     def _push(
-        self, version: int, groups: tuple[int, ...], failing: dict[int, int], *, force: bool
+        self,
+        version: int,
+        groups: tuple[int, ...],
+        failing: dict[int, int],
+        *,
+        force: bool,
+        gone: frozenset[int] = frozenset(),
     ) -> dict[int, dict[int, bool]]:
         """Push ``version`` to ``groups`` as the transport does (``failing``: group -> the rank
-        whose push fails): with deltas on, the steps of :func:`rollsafe.operations.push.push`
-        on the groups' ``DeltaBase`` machines (a real :class:`DeltaLedger`, a part); without,
-        each group full. Returns each group's per-rank result."""
-        self._failing = failing
+        whose push fails; ``gone``: groups lost and back during it, whose push fails): with
+        deltas on, the steps of :func:`rollsafe.operations.push.push` on the groups'
+        ``DeltaBase`` machines (a real :class:`DeltaLedger`, a part); without, each group full.
+        Every payload is one update the registration records (``begin_update`` /
+        ``update_done``), as :meth:`rollsafe.transports.base.StagedTransport._update` does:
+        one without deltas, one per base's delta and one for the full targets with.
+        Returns each group's per-rank result."""
+        self._failing, self._gone = failing, gone
         self._pushed = {}
         if not self.config.deltas:
-            for g in groups:
-                self._pushed[g] = self._push_to(g, version, failing.get(g))
+            self._push_targets(fx.PushTargets(tuple(f"g{g}" for g in groups), version, None))
             return self._pushed
         targets = tuple(f"g{g}" for g in groups)
         drive(push_op.push(version, targets, force_full=force, fresh=force), self.perform)
@@ -692,22 +705,32 @@ class FleetModel(Executor):
 
     @handles(fx.EncodeDelta)
     def _encode_delta(self, _effect: fx.EncodeDelta) -> Outcome[Any]:
+        if self._not_smaller:  # a replayed sync whose every weight changed
+            return Ok(fx.Encoded(2, 2, False))
         return Ok(fx.Encoded(1, 2, True))  # a delta is smaller than the full weights
 
     @handles(fx.PushTargets)
     def _push_targets(self, effect: fx.PushTargets) -> Outcome[Any]:
+        """One payload (the version, or a base's delta) to its targets in one update."""
+        reg = self.registration
+        groups = [self._index[gid] for gid in effect.targets]
+        reg.begin_update(targets=[list(self.groups[g].ranks) for g in groups])
         delivered: dict[str, fx.Delivered] = {}
-        for gid in effect.targets:
-            g = self._index[gid]
+        per_rank: dict[int, bool] = {}
+        for gid, g in zip(effect.targets, groups, strict=True):
             failing = self._failing.get(g)
-            if effect.base is None:
+            refused = False
+            if g in self._gone:
+                rank_ok = dict.fromkeys(self.groups[g].ranks, False)
+            elif effect.base is None:
                 rank_ok = self._push_to(g, effect.version, failing)
-                refused = False
             else:
                 rank_ok, refused = self._apply_delta(g, effect.version, effect.base, failing)
             self._pushed[g] = rank_ok
+            per_rank.update(rank_ok)
             ok = all(rank_ok.values())
             delivered[gid] = fx.Delivered(ok, "" if ok else "a rank failed", refused)
+        reg.update_done(results=per_rank)
         return Ok(delivered)
 
     def perform(self, effect: fx.Effect[Any]) -> Outcome[Any]:
@@ -957,6 +980,7 @@ class FleetModel(Executor):
         failing: tuple[tuple[int, int], ...] = (),
         during: int | None = None,
         hook_failed: str | None = None,
+        not_smaller: bool = False,
     ) -> bool:
         """A sync of the next version, the steps of :func:`rollsafe.operations.sync.sync`
         performed on the machines and the ground truth. The action's arguments are the outcomes
@@ -967,8 +991,11 @@ class FleetModel(Executor):
         sync's interleave there). A replay (``rollsafe verify --trace``) also names the
         recorded ``version`` (default: the next one), ``failing`` ``(group, rank)`` pairs
         (the groups whose update failed) and ``hook_failed``, the colocated hook (``Hook``:
-        ``offload_trainer``, ``onload_engines``) the recorded sync failed in (a trainer-side
-        exception after the register: nothing updated, the fleet stays at its version)."""
+        ``offload_trainer``, ``onload_engines``: a trainer-side exception after the register,
+        nothing updated, the fleet stays at its version; ``onload_trainer``: after the update,
+        the fleet moved on, no export started) the recorded sync failed in, and
+        ``not_smaller``: the recorded sync's deltas were not smaller than the full weights
+        (every weight changed: each base's targets fell back to the full push, one update)."""
         cfg = self.config
         new = self.version + 1 if version is None else version
         if new <= self.version or (cfg.max_version is not None and new > cfg.max_version):
@@ -987,11 +1014,13 @@ class FleetModel(Executor):
         self._choice = (registered_everywhere, fails)
         self._during = during
         self._hook_failed = hook_failed
+        self._not_smaller = not_smaller
         try:
             drive(sync_op.sync(new, on_failure=on_failure), self.perform)
         finally:
             self._during = None
             self._hook_failed = None
+            self._not_smaller = False
             self._moved = {}
         return True
 
@@ -1163,14 +1192,11 @@ class FleetModel(Executor):
 
     @handles(fx.TargetedPush)
     def _targeted_push(self, effect: fx.TargetedPush) -> Outcome[Any]:
-        g, group = self._group_of(effect.group)
+        g, _group = self._group_of(effect.group)
         self._own_acts += 1
-        reg = self.registration
-        reg.begin_update(targets=[list(group.ranks)])
         # a recovery's targeted push: the group's base forgotten, then full
         failing = {} if self._push_ok else {g: 0}
         rank_ok = self._push(effect.version, (g,), failing, force=True)[g]
-        reg.update_done(results=rank_ok)
         return Ok(fx.Pushed(rank_ok, "" if all(rank_ok.values()) else "a rank failed"))
 
     @handles(fx.ObserveExport)
@@ -1268,23 +1294,18 @@ class FleetModel(Executor):
     def _update(self, effect: fx.Update) -> Outcome[Any]:
         fails = self._choice[1]
         reg = self.registration
-        try:
-            reg.begin_update(targets=[list(f.ranks) for f in effect.groups])
-        except TransitionNotAllowed as exc:  # the transport refuses: every target failed
-            self._refuse(f"policy.proceed_after_register: update refused: {exc}")
-            return Failed(str(exc))
+        if reg.published is None or reg.state != "registered":
+            # the transport refuses (``check_update_targets``): every target failed
+            why = f"nothing to push: the registration is {reg.state!r}"
+            self._refuse(f"policy.proceed_after_register: update refused: {why}")
+            return Failed(why)
         groups = tuple(self._index[f.group_id] for f in effect.groups)
         # a group lost and back during the update (``_lost_and_back``): the update went to the
         # engine it lost and failed there; its new engine got nothing
-        gone = tuple(g for g in groups if f"g{g}" in self._moved)
+        gone = frozenset(g for g in groups if f"g{g}" in self._moved)
         failing = {g: r for g, r in fails.items() if g in groups and g not in gone}
-        pushed = self._push(
-            effect.version, tuple(g for g in groups if g not in gone), failing, force=False
-        )
-        pushed.update({g: dict.fromkeys(self.groups[g].ranks, False) for g in gone})
+        pushed = self._push(effect.version, groups, failing, force=False, gone=gone)
         rank_ok = {f"g{g}": pushed[g] for g in groups}
-        per_rank = {rank: ok for g in groups for rank, ok in pushed[g].items()}
-        reg.update_done(results=per_rank)
         moved, self._moved = self._moved, {}
         return Ok(fx.UpdateDone(rank_ok, moved))
 

@@ -91,6 +91,9 @@ _TOGETHER_S = 1.0
 _STEP_SLACK_S = 2.0
 _TIMED_OUT = "did not finish within its deadline"
 _RESTART_STEPS = ("launcher", "shutdown", "restart", "health")
+#: how far a sync's registration transitions reach: its register (2), then an update pair per
+#: payload (a delta per base, the full push, a refused delta's full push again)
+_SYNC_REGISTRATION_STEPS = 12
 
 Key = tuple[str, str]
 #: a transition the model took: its machine, event, source, target and the inputs a recording
@@ -665,12 +668,21 @@ class _Replayer:
             for gid in (failed if isinstance(failed, list) else [])
             if gid in self.group_ids
         )
-        args: tuple[Any, ...] = (everywhere, None, self.on_failure, version, failing)
         hook = _failed_hook(row.get("error") if row is not None else None)
-        if hook is not None:  # a trainer-side exception after the register: nothing updated
-            yield (Action("sync", (*args, None, hook)),)
-            return
-        yield (Action("sync", args),)
+        not_smaller = _deltas_not_smaller(row)
+
+        def sync(
+            fails: tuple[tuple[int, int], ...] = failing, during: int | None = None
+        ) -> tuple[Action]:
+            args: tuple[Any, ...] = (everywhere, None, self.on_failure, version, fails)
+            tail: list[Any] = [during, hook, not_smaller]
+            while tail and (tail[-1] is None or tail[-1] is False):
+                tail.pop()  # the model's defaults left out
+            return (Action("sync", (*args, *tail)),)
+
+        yield sync()
+        if hook in _HOOKS_BEFORE_UPDATE:  # a trainer-side exception before the update
+            return  # nothing was updated: no restart or loss can have ended inside it
         # a recovering group whose restart ended while this sync's update ran (the model's
         # ``during``): its next recorded transition is ``restarted`` into ``active``; or a
         # serving group lost while the update ran, failed by its probes, claimed and restarted
@@ -679,15 +691,15 @@ class _Replayer:
         for g in range(self.config.total_groups):
             head = self.trace.head(("group", f"g{g}"))
             if head is not None and head.event == "restarted" and head.target == "active":
-                yield (Action("sync", (*args, g)),)
+                yield sync(during=g)
             elif head is not None and head.event == "fail" and self._lost_in_update(g):
-                lost = tuple(sorted({*failing, (g, 0)}))
-                yield (Action("sync", (*args[:4], lost, g)),)
+                yield sync(tuple(sorted({*failing, (g, 0)})), g)
 
     def _lost_in_update(self, g: int) -> bool:
         """Whether group ``g``'s next transitions are ``fail``, ``claim`` and ``restarted``
-        into ``active``, all before the registration's next ``update_done``, which failed one
-        of ``g``'s ranks."""
+        into ``active``, all before the ``update_done`` of this sync that names ``g``'s ranks
+        (one per payload: with deltas, a base's delta and the full push are two updates),
+        which failed one of them."""
         steps = self.trace.following(("group", f"g{g}"), 3)
         if [(t.event, t.target) for t in steps if t is not None] != [
             ("fail", "inactive"),
@@ -695,21 +707,14 @@ class _Replayer:
             ("restarted", "active"),
         ]:
             return False
-        done = next(
-            (
-                t
-                for t in self.trace.following(("registration", ""), 4)
-                if t is not None and t.event == "update_done"
-            ),
-            None,
-        )
-        if done is None or done.t < steps[-1].t:
-            return False
-        return any(
-            not ok
-            for rank, ok in _rank_results(done.inputs.get("results")).items()
-            if rank in self.recorded_ranks[g]
-        )
+        ranks = self.recorded_ranks[g]
+        for t in self.trace.following(("registration", ""), _SYNC_REGISTRATION_STEPS)[1:]:
+            if t.event == "begin_register":
+                return False  # the next sync: none of this one's updates named g
+            results = _rank_results(t.inputs.get("results")) if t.event == "update_done" else {}
+            if any(rank in results for rank in ranks):
+                return t.t >= steps[-1].t and any(not results[r] for r in ranks if r in results)
+        return False
 
     def _pushes(self, a: RecordedTransition) -> Iterator[tuple[Action, ...]]:
         """A recovery's targeted push into a group waiting for weights (loaded, or failed):
@@ -851,16 +856,28 @@ def _rank_results(results: object) -> dict[int, bool]:
     return out
 
 
-#: the colocated hooks a sync runs before its update (``rollsafe.operations.sync``); a sync row
-#: whose error names one failed there
+def _deltas_not_smaller(row: Mapping[str, Any] | None) -> bool:
+    """Whether the recorded sync (its ``sync`` row) sent no delta because none was smaller
+    than the full weights (``delta``: no delta target, a fallback: every weight changed)."""
+    delta = (row or {}).get("delta")
+    if not isinstance(delta, Mapping):
+        return False
+    return delta.get("delta_targets") == 0 and bool(delta.get("fallbacks"))
+
+
+#: the colocated hooks a sync runs before its update (``rollsafe.operations.sync``): one that
+#: fails ends the sync, nothing updated
 _HOOKS_BEFORE_UPDATE = ("offload_trainer", "onload_engines")
+#: every colocated hook a sync runs; a sync row whose error names one failed there (after the
+#: update, ``onload_trainer``: the fleet moved on, no export started)
+_HOOKS = (*_HOOKS_BEFORE_UPDATE, "onload_trainer")
 
 
 def _failed_hook(error: object) -> str | None:
     """The hook a recorded sync failed in (its row's ``error`` is ``"<hook> failed: ..."``)."""
     if not isinstance(error, str):
         return None
-    return next((h for h in _HOOKS_BEFORE_UPDATE if error.startswith(f"{h} failed:")), None)
+    return next((h for h in _HOOKS if error.startswith(f"{h} failed:")), None)
 
 
 def model_facts(config: ModelConfig, on_update_failure: str = "fail") -> dict[str, Any]:

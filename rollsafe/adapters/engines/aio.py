@@ -835,6 +835,8 @@ class AsyncVLLMEngine(_HttpEngine):
                         steps = client.version_after(before, read, delta.finish_reason)
                         version, exact = await self._run(steps, dialect)
                         delta = with_read_version_delta(delta, produced, version, exact, dialect)
+                    elif before is not None:
+                        delta = client.read_delta(delta, before, read)
                     events.complete = events.complete or delta.finished
                     yield delta
                 if error is not None:

@@ -379,7 +379,24 @@ class VLLMClient(HttpEngineClient):
                 steps = self.version_after(before, read, delta.finish_reason)
                 version, exact = run_steps(steps, self.weight_version)
                 delta = with_read_version_delta(delta, produced, version, exact, dialect)
+            else:
+                delta = self.read_delta(delta, before, read)
             yield delta
+
+    def read_delta(self, delta: StreamDelta, before: Mark, read: str | None) -> StreamDelta:
+        """A delta before the last of a stream from a server that reports no version (0.26,
+        0.32), labelled as it is read: while the version read before the request still holds
+        (:func:`read_version_holds`: no resume or unpaused weight change of this client since),
+        its tokens came from ``read``. Read after one, they may have waited in a buffer since
+        before the pause or come from the new weights: which weights produced them cannot be
+        told, and the delta says so (``weight_version_exact: False``, no version; the fleet's
+        continuation keeps none of them, :mod:`rollsafe.fleet.continuation`)."""
+        if not delta.token_ids:
+            return delta
+        if read_version_holds(before, self._ledger.mark()):
+            return delta if read is None else replace(delta, weight_version=read)
+        meta = {**delta.meta, "weight_version_exact": False}
+        return replace(delta, weight_version=None, meta=meta)
 
     def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
         """POST ``/pause?mode=`` (``abort`` -> abort, ``in_place`` -> keep, ``retract`` -> wait).
