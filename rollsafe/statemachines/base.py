@@ -328,6 +328,17 @@ class GuardedMachine(StateMachine):
                 )
             self.current_state_value = state_id
 
+    def revive(self, state_id: str) -> None:
+        """Put a machine that terminated (it reached a final state by a transition) back into
+        ``state_id``, as :meth:`restore_state` does for a live one: the model checker reuses
+        its machines (building one costs milliseconds, and a removal's ``retire`` ends one in
+        every branch that takes it). Nothing of the machine changed when it terminated but its
+        engine's running flag (python-statemachine stops the engine at a top-level final
+        state), which is set again here. For model checking only; never used by the fleet."""
+        with self._lock:
+            self._engine.running = True
+            self.current_state_value = type(self).states_map[state_id].id
+
     def state_ids(self) -> list[str]:
         """All state ids of this machine, in definition order."""
         return [s.id for s in type(self).states]

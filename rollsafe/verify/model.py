@@ -1685,7 +1685,9 @@ class FleetModel(Executor):
             (self.removed.add if removed else self.removed.discard)(g)
             grp = self.groups[g]
             if grp.state != state:
-                grp = self.groups[g] = _pooled(self._group_pool[g], state, self._builder(g))
+                grp = self.groups[g] = _pooled(
+                    self._group_pool[g], state, self._builder(g), revive=True
+                )
                 self.registry.adopt_machine(grp.group_id, grp)
             grp.restart_budget = budget
             if grp.spare != spare:
@@ -1780,10 +1782,11 @@ def _end_export(export: ExportLifecycle, event: ExportEvent) -> str | None:
     return None
 
 
-def _pooled(pool: list[M], state: str, build: Callable[[], M]) -> M:
-    """A machine of ``pool`` put into ``state``; a new one only when every pooled machine has
-    terminated in another state (a machine that reached a final state by a transition cannot
-    be restored; building one costs about a millisecond, so they are reused)."""
+def _pooled(pool: list[M], state: str, build: Callable[[], M], *, revive: bool = False) -> M:
+    """A machine of ``pool`` put into ``state``: one already there, else a live one restored,
+    else (``revive``: the pool's machines are used one at a time, a group's) a terminated one
+    revived (:meth:`GuardedMachine.revive`); else a new one (building one costs milliseconds,
+    so they are reused; one terminated machine per final state is kept)."""
     for machine in pool:
         if machine.state == state:
             return machine
@@ -1791,6 +1794,10 @@ def _pooled(pool: list[M], state: str, build: Callable[[], M]) -> M:
         if not machine.is_terminated:
             machine.restore_state(state)
             return machine
+    if revive and pool:
+        machine = pool[0]
+        machine.revive(state)
+        return machine
     machine = build()
     machine.restore_state(state)
     # keep one terminated machine per final state, and the new live one
