@@ -409,3 +409,37 @@ def test_base_digests_are_written_only_for_a_base_whose_targets_check_content() 
             assert header.base_digests["w"] != header.digests["w"]
         else:
             assert header.base_digests is None
+
+
+def test_a_target_reset_during_a_push_keeps_the_version_the_others_confirm() -> None:
+    """A group that fails while a sync updates the others has its base forgotten at once
+    (``DeltaBaseReset``), which evicts the snapshots no base names. The version being pushed
+    stays held: the targets that confirm it get a delta from it next time (the soak smoke's
+    seed 2045120805 pushed full after such a sync, its base gone)."""
+    from rollsafe.ports import TargetResult
+    from rollsafe.transports.delta import DeltaSender
+
+    gen = torch.Generator().manual_seed(0)
+    versions = {v: [("w", torch.randn(64, 64, generator=gen))] for v in (1, 2)}  # v2: all new
+    versions[3] = [("w", versions[2][0][1].clone())]
+    versions[3][0][1].view(-1)[:10] += 1.0  # a few changed: a delta from v2 is worth sending
+    client = SGLangClient("http://127.0.0.1:9")  # never called: the sender only plans
+    sender = DeltaSender(DeltaSettings())
+    targets = [EngineTarget(n, (i,), client, applies_deltas=True) for i, n in enumerate("ab")]
+    sent: list[tuple[list[str], int | None]] = []
+
+    def send(
+        group: list[EngineTarget], base: int | None, tensors: Sequence[tuple[str, torch.Tensor]]
+    ) -> dict[str, TargetResult]:
+        sent.append(([t.name for t in group], base))
+        if base is None and "b" in [t.name for t in group] and len(sent) == 2:
+            sender.reset("b")  # b failed mid-push: its listener forgets its base
+            return {t.name: TargetResult(t.name, t.name != "b") for t in group}
+        return {t.name: TargetResult(t.name, True) for t in group}
+
+    sender.push(targets, 1, versions[1], send)
+    sender.push(targets, 2, versions[2], send)  # full (not smaller); b reset while it runs
+    assert sender.ledger.bases() == {"a": 2} and 2 in sender.held
+    sent.clear()
+    sender.push(targets, 3, versions[3], send)
+    assert sent == [(["a"], 2), (["b"], None)]  # a's delta from v2; b full

@@ -221,8 +221,14 @@ class DeltaSender(Executor):
             return sum(t.numel() * t.element_size() for s in self._snapshots.values() for _, t in s)
 
     def _evict(self) -> None:
-        """Drop the snapshots no target's base names (and the oldest above ``max_bases``)."""
+        """Drop the snapshots no target's base names (and the oldest above ``max_bases``),
+        but never the version a push in flight is sending: a target's reset during the push
+        (a group failing while the sync updates the others) must not drop the base its other
+        targets are about to confirm."""
         referenced = set(self.ledger.bases().values())
+        run = self._run
+        if run is not None:
+            referenced.add(run.version)
         with self._lock:
             for v in [v for v in self._snapshots if v not in referenced]:
                 del self._snapshots[v]
@@ -246,7 +252,7 @@ class DeltaSender(Executor):
         keeps the update's :class:`DeltaRecord`."""
         from rollsafe.ports import TargetResult
 
-        run = self._run = _PushRun({t.name: t for t in targets}, list(items), send)
+        run = self._run = _PushRun({t.name: t for t in targets}, version, list(items), send)
         try:
             steps = push_op.push(
                 version, tuple(run.targets), force_full=force_full, fresh=force_full
@@ -419,16 +425,18 @@ SendStaged = Callable[
 
 
 class _PushRun:
-    """One push's working set: the targets by name, the version's tensors, the transport's
-    ``send``, and what the encodings cost."""
+    """One push's working set: the targets by name, the version and its tensors, the
+    transport's ``send``, and what the encodings cost."""
 
     def __init__(
         self,
         targets: dict[str, EngineTarget],
+        version: int,
         items: list[tuple[str, torch.Tensor]],
         send: SendStaged,
     ) -> None:
         self.targets = targets
+        self.version = version
         self.items = items
         self.send = send
         self.payloads: dict[int, DeltaPayload] = {}
