@@ -188,30 +188,41 @@ def test_a_two_node_group_is_served_synced_recovered_and_placed_again_whole_afte
         # a node under one slice (not the one-node group's) is lost while rollouts run
         doomed_id = next(n for n in slices if n != narrow.node_id)
         doomed = next(n for n in cluster.worker_nodes if n.node_id == doomed_id)
-        served: list[tuple[float, str]] = []  # (when it completed, the group that served)
+        # (when it was sent, when it was answered, the group that served it), wall clock as
+        # the machines' transition records
+        served: list[tuple[float, float, str]] = []
         stop = threading.Event()
 
         def rollouts() -> None:
             while not stop.is_set():
                 with contextlib.suppress(Exception):
+                    sent = time.time()
                     group = fleet.generate(PROMPT, sampling_params=GREEDY).group_id
-                    served.append((time.monotonic(), group))
+                    served.append((sent, time.time(), group))
 
         roller = threading.Thread(target=rollouts, daemon=True)
         roller.start()
         try:
             cluster.remove_node(doomed, allow_graceful=False)
             assert wait_for(lambda: not fleet.registry.get("g0").is_routable, 60)
-            out_at = time.monotonic()
+            out_at = time.time()
             assert wait_for(lambda: fleet.registry.get("g0").state == "active", 240), (
                 fleet.snapshot()["recoveries"]
             )
-            back_at = time.monotonic()
+            back_at = next(  # when g0 was active again, by its machine's own record
+                t.timestamp
+                for t in fleet.registry.get("g0").machine.history
+                if t.target == "active" and t.timestamp > out_at
+            )
             assert wait_for(lambda: served[-1][0] > back_at, 60)  # rollouts went on throughout
         finally:
             stop.set()
             roller.join(30)
-        while_out = [group for t, group in served if out_at < t < back_at]
+        # every request sent after g0 left routing and answered before it was active again was
+        # served by the other group (one sent before, or answered after, may be g0's by right)
+        while_out = [
+            group for sent, answered, group in served if out_at < sent < answered < back_at
+        ]
         assert while_out and set(while_out) == {"g1"}, while_out  # never the incomplete group
         again = wide.node_ids
         alive = {str(n["NodeID"]) for n in ray.nodes() if n["Alive"]}
