@@ -720,7 +720,8 @@ class FleetModel(Executor):
         for gid, g in zip(effect.targets, groups, strict=True):
             failing = self._failing.get(g)
             refused = False
-            if g in self._gone:
+            if g in self._gone:  # lost mid-push: its base forgotten (DeltaBaseReset), failed
+                self._reset_base(g)
                 rank_ok = dict.fromkeys(self.groups[g].ranks, False)
             elif effect.base is None:
                 rank_ok = self._push_to(g, effect.version, failing)
@@ -746,7 +747,10 @@ class FleetModel(Executor):
             return super().perform(effect)
         self._decided(effect.decided_by, (effect.event,))
         outcome = super().perform(effect)
-        if not isinstance(outcome, Ok):
+        forgotten = effect.decided_by == "settle_push" and self._index[effect.target] in self._gone
+        if not isinstance(outcome, Ok) and not forgotten:
+            # (a target whose base was forgotten mid-push refuses its settlement: the sender
+            # ignores that, as the fleet's DeltaSender does)
             self._refuse(f"policy.{effect.decided_by}: {outcome.error}")
         return outcome
 
@@ -1280,7 +1284,13 @@ class FleetModel(Executor):
         (its port black-holed, its engine hung): the probes time out until it fails, the
         recovery claims it and restarts it from the ready export of the fleet's version, all
         before the sync's update ends (a replay's ``during`` for a group the run shows failing
-        and restarting inside the sync)."""
+        and restarting inside the sync). The sender planned the update's push before the loss:
+        the group's delta base is forgotten only when the push reaches it (``_push_targets``)."""
+        kept = (
+            (self.delta[g].state, self.delta[g].base, self.delta[g].in_flight)
+            if (self.config.deltas)
+            else None
+        )
         for _ in range(self.config.failure_threshold + 1):
             if self.groups[g].state not in _PROBED:
                 break
@@ -1288,6 +1298,11 @@ class FleetModel(Executor):
         if self.groups[g].state == "inactive":
             self._do_recover(g)
         self._restart_phase(g, "ok")
+        if kept is not None:  # the base as the planning will read it
+            machine = self.delta[g]
+            if machine.state != kept[0]:
+                machine.restore_state(kept[0])
+            machine.restore_base(kept[1], kept[2])
         self._moved[f"g{g}"] = self.groups[g].state  # a new incarnation: never credited
 
     @handles(fx.Update)
