@@ -289,21 +289,44 @@ def _ce_p2p(d: dict[str, Any]) -> list[Row]:
 
 
 def _real_engine_gpu(d: dict[str, Any]) -> list[Row]:
-    """``benchmarks/gpu/real_engine_gpu.py``: every check, and the phases not run."""
+    """``benchmarks/gpu/real_engine_gpu.py``: every check, the timings, and the phases not run
+    (asked for but absent from ``phases``: cut by the device call's time limit)."""
     kind = str(d.get("args", {}).get("engine", ""))
-    engine = f"{kind} {d.get('env', {}).get(kind) or ''}".strip()
+    env = d.get("env", {})
+    gpu = str(env.get("gpu") or "GPU").replace("NVIDIA ", "").split(" ")[0]
+    engine = f"{gpu} real {kind} {env.get(kind) or ''}".strip()
+    phases = d.get("phases", {})
     checks = d.get("checks", {})
     rows: list[Row] = [
-        (
-            f"H200 real {engine}: check {name}",
-            str(value),
-            "true",
-            _verdict(bool(value)),
-        )
+        (f"{engine}: check {name}", str(value), "true", _verdict(bool(value)))
         for name, value in checks.items()
     ]
+    syncs = phases.get("sync", {}).get("syncs", [])
+    if syncs:
+        times = ", ".join(f"{x['sync_s']:.2f}" for x in syncs)
+        a = d.get("args", {})
+        what = f"Llama hidden {a.get('hidden')}, {a.get('layers')} layers, vocab {a.get('vocab')}"
+        rows.append((f"{engine}: sync over nccl, {what}, s (first .. last)", times, "-", "-"))
+    kill = phases.get("kill", {})
+    if kill.get("kills"):
+        rows.append(
+            (
+                f"{engine}: SIGKILL mid-rollout -> group active, p50 / p95 "
+                f"({len(kill['kills'])} kills, restart of a cold server)",
+                f"{kill.get('kill_to_active_p50_s')} / {kill.get('kill_to_active_p95_s')} s",
+                "-",
+                "-",
+            )
+        )
     for phase, why in d.get("not_run", {}).items():
-        rows.append((f"H200 real {engine}: {phase}", f"not run ({why})", "run", "-"))
+        rows.append((f"{engine}: {phase}", f"not run ({why})", "run", "-"))
+    wanted = [p for p in str(d.get("args", {}).get("phases") or "").split(",") if p]
+    order = ["start", "generate", "sync", "probe", "checks", "sleep", "kill", "failed"]
+    for phase in wanted or order:
+        if phase in order and phase not in phases and phase not in d.get("not_run", {}):
+            rows.append(
+                (f"{engine}: {phase}", "not run (the call's time limit cut it)", "run", "-")
+            )
     return rows
 
 
@@ -1402,6 +1425,8 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/sglang_gpu_hash_h200.json": _sglang_gpu_hash,
     "gpu/profile_ipc_h200.json": _profile_ipc_gpu,
     "gpu/real_vllm_gpu_attempt1.json": _real_engine_gpu,
+    "gpu/real_vllm_gpu_h100_run2.json": _real_engine_gpu,
+    "gpu/real_vllm_gpu_h100_failed_phase.json": _real_engine_gpu,
     "gpu/multi_gpu_h200_one_gpu_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200_one_gpu_ce_p2p_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200x2.json": _multi_gpu,

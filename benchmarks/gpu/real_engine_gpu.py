@@ -82,6 +82,8 @@ ENGINE_NCCL_ENV = {**TRAINER_NCCL_ENV, "NCCL_HOSTID": "rollsafe-real-engine"}
 SERVE_ENV = {"vllm": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}, "sglang": {}}
 PROMPT = [1, 17, 42, 99, 7, 3, 5]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
+#: a bf16 near tie (logits): the engine's and the trainer's kernels round differently
+GREEDY_TIE = 0.125
 #: Qwen3-8B's shapes (Qwen/Qwen3-8B's config: untied embeddings); Qwen3-4B's: qwen3_shapes.py
 QWEN3_8B = {
     "hidden_size": 4096,
@@ -231,6 +233,30 @@ class Trainer:
                     0.05 * torch.randn(p.shape, generator=gen, device=self.device, dtype=p.dtype)
                 )
         self.step += 1
+
+    def greedy_gap(self, ids: list[int]) -> float:
+        """How far the engine's greedy tokens ``ids`` are from the trainer's own argmax, fed the
+        engine's tokens (teacher-forced): the largest ``max logit - logit of the engine's token``
+        over the positions, 0.0 where every token is the trainer's argmax too."""
+        import torch
+
+        seq = torch.tensor([PROMPT + list(ids)], device=self.device)
+        with torch.no_grad():
+            logits = self.model(seq).logits[0, len(PROMPT) - 1 : -1].float()
+        chosen = logits.gather(1, torch.tensor(ids, device=self.device)[:, None])[:, 0]
+        return float((logits.max(dim=1).values - chosen).max())
+
+    def greedy_agrees(self, ids: list[int], n: int) -> dict[str, Any]:
+        """The engine's greedy tokens against the trainer's: ``exact`` (the trainer's own
+        ``generate`` gives the same ids) and ``ok``: exact, or (bf16 on the GPU, where the
+        engine's kernels and the trainer's differ) every engine token within ``GREEDY_TIE``
+        of the trainer's best logit at its position, a near tie either side may break. On the
+        CPU (float32) only exact counts. The weights themselves are checked exactly elsewhere
+        (the probe: tokens and logprobs equal to a fresh server's)."""
+        exact = ids == self.greedy(n)
+        gap = 0.0 if exact else self.greedy_gap(ids)
+        tie = GREEDY_TIE if self.device == "cuda" else 0.0
+        return {"exact": exact, "gap": round(gap, 4), "ok": exact or gap <= tie}
 
     def greedy(self, n: int) -> list[int]:
         import torch
@@ -382,7 +408,9 @@ def fleet_config(
         engine=EngineSpec(model_path=str(model_dir), **opts),
         start_timeout_s=900.0,
         request_timeout_s=300.0,
-        recovery=RecoverySettings(timeout_s=900.0),
+        # every kill of the kill phase may land on the same group: the budget covers them all
+        # (the fleet's default of 3 would retire it on the fourth, as it should)
+        recovery=RecoverySettings(timeout_s=900.0, restart_budget=max(3, args.kills + 2)),
     )
 
 
@@ -442,11 +470,20 @@ def run(args: argparse.Namespace, r: Run) -> None:
             want = "0.26.0" if args.engine == "vllm" else ("0.5.16" if real else "0.5.23")
             r.check("start_speaks_the_release", set(spoken.values()) == {want})
 
+        def greedy_row(ids: list[int]) -> dict[str, Any]:
+            agree = trainer.greedy_agrees(ids, int(GREEDY["max_new_tokens"]))
+            return {
+                "greedy_ok": agree["ok"],
+                "greedy_exact": agree["exact"],
+                "greedy_gap": agree["gap"],
+            }
+
         def generate(row: dict[str, Any]) -> None:
             ids, got, gid = greedy_of(fleet)
             row.update(output_ids=ids, version=got, group=gid)
             r.check("generate_start_version", got == "0" and len(ids) == GREEDY["max_new_tokens"])
-            r.check("generate_equals_trainer", ids == trainer.greedy(GREEDY["max_new_tokens"]))
+            row["greedy"] = greedy_row(ids)
+            r.check("generate_equals_trainer", row["greedy"]["greedy_ok"])
 
         def sync(row: dict[str, Any]) -> None:
             nonlocal version
@@ -467,7 +504,7 @@ def run(args: argparse.Namespace, r: Run) -> None:
                         "sync_s": round(took, 4),
                         "timings": {k: round(v, 4) for k, v in report.timings.items()},
                         "labels": labels,
-                        "greedy_ok": ids == trainer.greedy(GREEDY["max_new_tokens"]),
+                        **greedy_row(ids),
                         "served_version": got,
                     }
                 )
@@ -563,7 +600,7 @@ def run(args: argparse.Namespace, r: Run) -> None:
                         "wake_s": round(wake_s, 3),
                         "sync_ok": report.ok and not report.failed,
                         "update_while_asleep_refused": refused,
-                        "greedy_ok": ids == trainer.greedy(GREEDY["max_new_tokens"]),
+                        **greedy_row(ids),
                         "served_version": got,
                     }
                 )
@@ -640,6 +677,8 @@ def run(args: argparse.Namespace, r: Run) -> None:
                         "labels": labels,
                     }
                 )
+                row["kills"] = kills
+                r.write()  # a time-out still leaves the kills so far
             row["kills"] = kills
             times = [x["kill_to_active_s"] for x in kills if x["kill_to_active_s"] is not None]
             row["kill_to_active_p50_s"] = pct(times, 0.5)
@@ -670,14 +709,35 @@ def run(args: argparse.Namespace, r: Run) -> None:
             trainer.train_step(seed=2000 + version)
             at = time.time()
             report = fleet.sync_weights(trainer.weights(), version)
+            synced_at = time.time()
             routable_after = [g.group_id for g in fleet.registry.routable()]
             row.update(
                 ok=report.ok,
                 failed=list(report.failed),
+                failed_groups=list(report.failed_groups),
                 updated=list(report.updated),
+                sync_s=round(synced_at - at, 3),
                 routable_right_after=routable_after,
             )
             recs = wait_recovered(fleet, {"group": victim, "at": at})
+            # the victim's own transitions since the sync began: it must leave ``active`` in
+            # the sync (the router sends only to ``active``) and enter it again only after
+            # its recovery loaded the version (a quick recovery may end before the sync returns)
+            moves = [
+                {k: x[k] for k in ("event", "source", "target", "timestamp")}
+                for x in fleet.timeline(from_memory=True)
+                if x["kind"] == "group" and x["subject"] == victim and x["timestamp"] >= at
+            ]
+            left = next((m for m in moves if m["source"] == "active"), None)
+            back = next((m for m in moves if m["target"] == "active"), None)
+            row["victim_moves"] = moves
+            never_routed = (
+                left is not None
+                and left["timestamp"] <= synced_at
+                and back is not None
+                and back["timestamp"] > left["timestamp"]
+                and back["event"] == "weights_loaded"
+            )
             states = {g.group_id: g.state for g in fleet.registry.groups()}
             labels = {
                 g.group_id: g.client.weight_version() if g.client else None
@@ -686,12 +746,12 @@ def run(args: argparse.Namespace, r: Run) -> None:
             ids, got, _ = greedy_of(fleet)
             row.update(states=states, labels=labels, recovery=recs[-1] if recs else None)
             r.check("failed_update_fails_that_group", report.failed == [victim])
-            r.check("failed_group_never_routed", victim not in routable_after)
+            r.check("failed_group_never_routed", never_routed)
             r.check(
                 "failed_group_recovered_at_the_version",
                 set(states.values()) == {"active"}
                 and set(labels.values()) == {str(version)}
-                and ids == trainer.greedy(GREEDY["max_new_tokens"])
+                and greedy_row(ids)["greedy_ok"]
                 and got == str(version),
             )
 
