@@ -445,7 +445,10 @@ def test_a_group_lost_and_back_during_an_update_replays_as_a_new_incarnation() -
     credits nothing to the new incarnation (``moved``) and, once the fleet is at N, marks it
     stale (``settle_latecomers``); a push brings it to N. The replay offers that ``during``
     from the recording (the group's fail, claim and restart before the registration's
-    ``update_done``, which failed its rank)."""
+    ``update_done``, which failed its rank). With deltas on (the model's default) the sender
+    planned the push before the loss: one delta payload to both groups, one update, and the
+    lost group's base is forgotten only when the push reaches it (soak smoke seed 1983931085,
+    where the model had planned a full push for it and a delta for the other: two updates)."""
     config = ModelConfig(groups=2, ranks=1, removals=0, failure_threshold=1)
     run = [
         Action("launch", (0, 0)),
@@ -459,12 +462,24 @@ def test_a_group_lost_and_back_during_an_update_replays_as_a_new_incarnation() -
     seen = []
     for action in run:
         assert model.apply(action), action
-        seen.append((model.version, model.groups[0].state))
-    # the second sync: g0 restarted at v1 during it, then marked stale at v2; the push: active
-    assert seen[-2:] == [(2, "pending_weights"), (2, "active")], seen
+        seen.append((model.version, model.groups[0].state, model.delta[0].base))
+    # the second sync: g0 restarted at v1 during it, then marked stale at v2, its delta base
+    # forgotten (the next push to it is full); the push: active, based on v2
+    assert seen[-2:] == [(2, "pending_weights", None), (2, "active", 2)], seen
     assert not model.check()
     rows = rows_of_model_run(config, run)
     g0 = [(r["event"], r["target"]) for r in rows if r["kind"] == "group" and r["subject"] == "g0"]
     assert ("mark_stale", "pending_weights") in g0 and ("restarted", "active") in g0, g0
+    # the registration's updates per sync (a sync's ``sync`` row follows its transitions)
+    per_sync: list[list[Any]] = []
+    updates: list[Any] = []
+    for r in rows:
+        if r["kind"] == "registration" and r["event"] == "begin_update":
+            updates.append(r["inputs"]["targets"])
+        elif r["kind"] == "sync":
+            per_sync.append(updates)
+            updates = []
+    assert per_sync[1] == [[[0], [1]]], per_sync  # one payload to both, planned before the loss
+    assert model.delta[1].base == 2  # the other group took the delta
     result = replay_run(rows)
     assert result.ok and result.replayed == result.transitions, result.divergence
