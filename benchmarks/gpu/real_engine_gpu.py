@@ -717,6 +717,7 @@ def run(args: argparse.Namespace, r: Run) -> None:
                 failed_groups=list(report.failed_groups),
                 updated=list(report.updated),
                 sync_s=round(synced_at - at, 3),
+                timings={k: round(v, 4) for k, v in report.timings.items()},
                 routable_right_after=routable_after,
             )
             recs = wait_recovered(fleet, {"group": victim, "at": at})
