@@ -250,6 +250,48 @@ def test_a_dummy_restart_after_the_export_it_ran_on_was_deleted(
     assert all_gone(pids)
 
 
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_real_servers_dummy_restart_starts_on_the_first_directory(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    """A real vLLM or SGLang server reads the config of its ``--model`` directory first and
+    exits when it is gone (a soak's vLLM targeted push restarted on an export retention had
+    deleted: the attempt failed): its restart on dummy weights starts on the launcher's first
+    model directory too, whether the export is still there or gone; a directory with another
+    model's config stays."""
+    import dataclasses
+    import json
+    import shutil
+
+    from rollsafe.adapters.engines.launch.spec import restart_spec
+
+    export = tmp_path / "hf-v3"
+    shutil.copytree(tiny_model_dir, export)
+    spec = EngineSpec(model_path=str(export), kind=kind, load_format="auto")
+    assert spec.real
+    assert restart_spec(spec, str(tiny_model_dir), skip_load_weights=True).model_path == str(
+        tiny_model_dir
+    )
+    shutil.rmtree(export)
+    gone = restart_spec(spec, str(tiny_model_dir), skip_load_weights=True)
+    assert gone.model_path == str(tiny_model_dir) and gone.load_format == "dummy"
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 8}))
+    kept = restart_spec(
+        dataclasses.replace(spec, model_path=str(other)),
+        str(tiny_model_dir),
+        skip_load_weights=True,
+    )
+    assert kept.model_path == str(other)  # another model: never swapped
+    # a real weights restart keeps the path it is given
+    real = restart_spec(spec, str(tiny_model_dir), model_path=str(export), skip_load_weights=False)
+    assert real.model_path == str(export) and real.load_format == "auto"
+
+
 def test_a_pool_of_two_covers_the_death_of_a_standby(
     tiny_model_dir: Path,  # noqa: F811
     launchers: list[EngineLauncher],

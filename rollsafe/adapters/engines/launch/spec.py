@@ -557,13 +557,14 @@ def restart_spec(
     if (
         new_spec.load_format == "dummy"
         and model_path is None
-        and not new_spec.real
         and new_spec.model_path != base_model_path
         and _same_architecture(new_spec.model_path, base_model_path)
     ):
         # Dummy weights need only the config and tokenizer. The current directory may be
         # a recovery export that a newer export supersedes and deletes, even while this
-        # engine starts: use the launcher's first model directory, which stays put.
+        # engine starts: use the launcher's first model directory, which stays put. A real
+        # server too: vLLM and SGLang read the config before anything else and exit when the
+        # directory is gone (the soak: a vLLM targeted push's restart on a deleted export)
         log.info(
             "restart on dummy weights: using %s (config and tokenizer) instead of %s",
             base_model_path,
