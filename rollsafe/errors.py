@@ -100,6 +100,8 @@ this tree.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BucketFormatError",
     "InvalidArgument",
@@ -109,8 +111,25 @@ __all__ = [
 ]
 
 
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """An exception unpickled: its message arguments and its fields, its ``__init__`` not run
+    (see :meth:`RollsafeError.__reduce__`)."""
+    error = cls.__new__(cls, *args)
+    BaseException.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
 class RollsafeError(Exception):
-    """Base class of every exception rollsafe raises on purpose."""
+    """Base class of every exception rollsafe raises on purpose.
+
+    Every one survives pickling with its message and fields (an engine's launcher raises in a
+    Ray actor, and Ray pickles what crosses the process): the default pickling calls
+    ``__init__`` again with the message alone, which fails for any error whose ``__init__``
+    takes its fields (Ray then reports an ``UnserializableException`` instead of the error)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), self.args, dict(self.__dict__)))
 
 
 class MissingExtra(RollsafeError, ImportError):

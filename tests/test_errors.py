@@ -234,3 +234,56 @@ def test_the_fleet_config_error_is_an_invalid_argument() -> None:
         NcclSettings(bucket_bytes=0)
     assert isinstance(info.value, FleetConfigError) and isinstance(info.value, FleetError)
     assert info.value.key == "nccl.bucket_bytes"
+
+
+def _sample(annotation: Any) -> Any:
+    """A value of the annotated type for an exception's field (its ``__init__`` argument)."""
+    text = str(annotation)
+    for key, value in (
+        ("Mapping", {"k": 1}),
+        ("dict", {"k": 1}),
+        ("Sequence", ["a", "b"]),
+        ("list", ["a", "b"]),
+        ("tuple", ("a", "b")),
+        ("Iterable", ["a", "b"]),
+        ("bool", True),
+        ("float", 2.5),
+        ("int", 3),
+        ("Path", "/p"),
+    ):
+        if key in text:
+            return value
+    return "x"
+
+
+def test_every_exception_survives_pickling_with_its_message_and_fields() -> None:
+    """An engine's launcher raises in a Ray actor and Ray pickles the error to the driver: the
+    default pickling runs ``__init__`` again with the message alone, which fails for an error
+    whose ``__init__`` takes its fields (the soak saw ``UnserializableException`` where a
+    vLLM restart's ``EngineStartError`` was raised). Every exception class, built with a value
+    of each argument's annotated type, comes back the same class with the same message and
+    fields."""
+    import pickle
+
+    checked = []
+    for name, cls in sorted(_exception_classes().items()):
+        params = [
+            p
+            for p in inspect.signature(cls.__init__).parameters.values()
+            if p.name != "self"
+            and p.default is inspect.Parameter.empty
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        args = [_sample(p.annotation) for p in params if p.kind != p.KEYWORD_ONLY]
+        kwargs = {p.name: _sample(p.annotation) for p in params if p.kind == p.KEYWORD_ONLY}
+        try:
+            error = cls(*args, **kwargs)
+        except Exception:  # an argument our samples cannot stand for
+            continue
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is cls, name
+        assert str(back) == str(error), name
+        assert vars(back) == vars(error), name
+        checked.append(name)
+    assert len(checked) >= 50, checked
+    assert "rollsafe.adapters.engines.errors.EngineStartError" in checked
