@@ -483,3 +483,33 @@ def test_a_group_lost_and_back_during_an_update_replays_as_a_new_incarnation() -
     assert model.delta[1].base == 2  # the other group took the delta
     result = replay_run(rows)
     assert result.ok and result.replayed == result.transitions, result.divergence
+
+
+def test_a_group_lost_after_a_syncs_register_and_before_it_read_the_groups_replays() -> None:
+    """A serving engine hangs (the hour's seed 1635132711: a SIGSTOPped vLLM): a sync starts
+    and registers, its pause of generation waits on the hung engine, and meanwhile the health
+    round in flight fails the group and the recovery claims it; the sync then reads it
+    ``recovering`` and updates nothing. The recording has the group's ``fail`` and ``claim``
+    between the sync's ``register_ok`` and its next step; the replay takes them before the
+    sync (they touch nothing the register reads). Fails without that candidate: no action of
+    the model takes the sync's transitions (its sync would update the group)."""
+    config = ModelConfig(groups=1, ranks=1, removals=0, failure_threshold=1)
+    run = [
+        Action("launch", (0, 0)),
+        Action("sync", (True, None, "fail")),
+        Action("export_finish"),
+        Action("probe_timeout", (0,)),
+        Action("recover", (0,)),
+        Action("sync", (True, None, "fail")),
+    ]
+    rows = rows_of_model_run(config, run)
+    lost = [r for r in rows if r["kind"] == "group" and r["event"] in ("fail", "claim")]
+    assert [r["event"] for r in lost] == ["fail", "claim"]
+    rest = [r for r in rows if all(r is not x for x in lost)]
+    register_ok = max(i for i, r in enumerate(rest) if r.get("event") == "register_ok")
+    assert not any(r.get("event") == "begin_update" for r in rest[register_ok:]), rest
+    recorded = [*rest[: register_ok + 1], *lost, *rest[register_ok + 1 :]]
+    for i, r in enumerate(recorded):  # the order the run recorded them in
+        r["t"] = r["timestamp"] = i / 1000
+    result = replay_run(recorded)
+    assert result.ok and result.replayed == result.transitions, result.divergence

@@ -681,6 +681,16 @@ class _Replayer:
             return (Action("sync", (*args, *tail)),)
 
         yield sync()
+        # a serving group failed (its probes or its requests) and claimed inside this sync,
+        # before the sync read the groups: the health thread's round in flight when the sync
+        # paused it, while the sync's pause waited on the same hung engine (the hour's seed
+        # 1635132711: a SIGSTOPped vLLM). The sync read it ``recovering`` and left it out; the
+        # model takes the loss and the claim first, which touch nothing the register reads
+        for g in range(self.config.total_groups):
+            claim = self._lost_before_read(g, begin)
+            if claim is not None:
+                probe = Action("probe_timeout", (g,))
+                yield (probe, Action("recover", self._lease_args(g, claim)), *sync())
         if hook in _HOOKS_BEFORE_UPDATE:  # a trainer-side exception before the update
             return  # nothing was updated: no restart or loss can have ended inside it
         # a recovering group whose restart ended while this sync's update ran (the model's
@@ -694,6 +704,25 @@ class _Replayer:
                 yield sync(during=g)
             elif head is not None and head.event == "fail" and self._lost_in_update(g):
                 yield sync(tuple(sorted({*failing, (g, 0)})), g)
+
+    def _lost_before_read(self, g: int, begin: RecordedTransition) -> RecordedTransition | None:
+        """The ``claim`` of serving group ``g`` when its next transitions are a ``fail`` (by
+        its probes or its requests) and that ``claim``, both after this sync's
+        ``begin_register`` and before its first update (or, when it updated nothing, before
+        the next sync's register): the sync read the group after the claim."""
+        steps = self.trace.following(("group", f"g{g}"), 2)
+        if len(steps) < 2 or [(t.event, t.target) for t in steps] != [
+            ("fail", "inactive"),
+            ("claim", "recovering"),
+        ]:
+            return None
+        if steps[0].decided_by not in (None, "judge_probe", "judge_request_failures"):
+            return None
+        if steps[0].t < begin.t:
+            return None  # failed before the sync began: the model's usual order takes it
+        later = self.trace.following(("registration", ""), _SYNC_REGISTRATION_STEPS)[1:]
+        end = next((t for t in later if t.event in ("begin_update", "begin_register")), None)
+        return steps[1] if end is None or steps[1].t < end.t else None
 
     def _lost_in_update(self, g: int) -> bool:
         """Whether group ``g``'s next transitions are ``fail``, ``claim`` and ``restarted``
