@@ -1438,6 +1438,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gateway_stacks_cpu.json": _gateway_stacks,
     "router_sync_cpu.json": _router_sync,
     "soak_cpu.json": _soak,
+    "soak_cpu_loaded.json": _soak,
     "soak_cpu_10min.json": _soak,
     "soak_cpu_10min_run1.json": _soak,
     "soak_cpu_10min_run2.json": _soak,

@@ -17,6 +17,7 @@ bounded by deadlines; nothing asserts a duration.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import shutil
@@ -513,3 +514,50 @@ def test_a_group_lost_after_a_syncs_register_and_before_it_read_the_groups_repla
         r["t"] = r["timestamp"] = i / 1000
     result = replay_run(recorded)
     assert result.ok and result.replayed == result.transitions, result.divergence
+
+
+@pytest.mark.parametrize(
+    ("archive", "interleaving"),
+    [
+        # a SIGSTOPped vLLM: failed by its probes and claimed while the sync's pause waited
+        ("seed1635132711_vllm.tgz", ("fail", "claim")),
+        # a node removed while the sync's pause waited on its engines; a restart into
+        # ``pending_weights`` after a register, read by that sync and updated
+        ("seed1027985072_vllm.tgz", ("node_lost", "placed", "restarted")),
+    ],
+)
+def test_the_hours_recorded_vllm_fleets_replay_with_no_divergence(
+    tmp_path: Path, archive: str, interleaving: tuple[str, ...]
+) -> None:
+    """The vLLM fleets of two hour-long soaks (``benchmarks/soak.py --minutes 60``, the seeds
+    in the names; ``fleet.json`` and the streamed ``stream.jsonl``, about 1,700 transitions
+    each) replay whole with no divergence. Each has groups that moved inside a sync, after its
+    register and before it read the groups (the transitions named), which the replay takes
+    before that sync; without those candidates both diverged (the soak's trace violation)."""
+    import tarfile
+
+    with tarfile.open(Path(__file__).parent / "data" / "soak_runs" / archive) as tar:
+        tar.extractall(tmp_path, filter="data")
+    from rollsafe.observe.stream import load_recorded
+
+    run = load_recorded(tmp_path / "vllm")
+    assert run.partial is None
+    rows = run.rows
+    syncs = [r for r in rows if r.get("kind") == "registration" and r["event"] == "begin_register"]
+    inside = set()
+    for begin, nxt in itertools.pairwise(syncs):
+        updates = [
+            r["t"]
+            for r in rows
+            if r.get("kind") == "registration"
+            and r["event"] == "begin_update"
+            and begin["t"] < r["t"] < nxt["t"]
+        ]
+        end = min(updates, default=nxt["t"])
+        inside |= {
+            r["event"] for r in rows if r.get("kind") == "group" and begin["t"] < r["t"] < end
+        }
+    assert set(interleaving) <= inside, inside
+    result = replay_run(rows, partial=run.partial)
+    assert result.ok, result.divergence.format() if result.divergence else ""
+    assert result.replayed == result.transitions > 1500

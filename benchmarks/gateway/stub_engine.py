@@ -356,8 +356,10 @@ class Connection(asyncio.Protocol):
             if self.closed:
                 c.add("streams_cut")
                 return
-            self._write(_chunk(_event(render(i, n, False))))
+            # counted before it is sent: a client that reads it may SIGKILL the stub at once
+            # (a loaded machine preempted it between the two: the count was one short)
             c.add("tokens_generated")
+            self._write(_chunk(_event(render(i, n, False))))
             if i < n:
                 await asyncio.sleep(interval)
         self._write(_chunk(DONE) + b"0\r\n\r\n")

@@ -691,6 +691,25 @@ class _Replayer:
             if claim is not None:
                 probe = Action("probe_timeout", (g,))
                 yield (probe, Action("recover", self._lease_args(g, claim)), *sync())
+        # a recovery's restart that ended there (into ``pending_weights``: the sync read the
+        # group waiting for weights and updated it)
+        for g in range(self.config.total_groups):
+            head = self.trace.head(("group", f"g{g}"))
+            if (
+                head is not None
+                and head.event == "restarted"
+                and head.target == "pending_weights"
+                and head.t >= begin.t
+                and self._before_read(head)
+            ):
+                yield (Action("restart", (g, True)), *sync())
+        # likewise a node lost there (the hour's seed 1027985072: the sync's pause waited on
+        # the engines of a node being removed): its groups ``node_lost``, then placed again
+        placed = self._placed_before_read(begin)
+        if placed:
+            lost = tuple(sorted(placed))
+            places = (Action("place", self._lease_args(g, placed[g])) for g in lost)
+            yield (Action("node_dies", (lost,)), Action("node_lost"), *places, *sync())
         if hook in _HOOKS_BEFORE_UPDATE:  # a trainer-side exception before the update
             return  # nothing was updated: no restart or loss can have ended inside it
         # a recovering group whose restart ended while this sync's update ran (the model's
@@ -723,6 +742,33 @@ class _Replayer:
         later = self.trace.following(("registration", ""), _SYNC_REGISTRATION_STEPS)[1:]
         end = next((t for t in later if t.event in ("begin_update", "begin_register")), None)
         return steps[1] if end is None or steps[1].t < end.t else None
+
+    def _before_read(self, t: RecordedTransition) -> bool:
+        """Whether ``t`` came before this sync's first update (or, when it updated nothing,
+        before the next sync's register): before the sync read the groups."""
+        later = self.trace.following(("registration", ""), _SYNC_REGISTRATION_STEPS)[1:]
+        end = next((x for x in later if x.event in ("begin_update", "begin_register")), None)
+        return end is None or t.t < end.t
+
+    def _placed_before_read(self, begin: RecordedTransition) -> dict[int, RecordedTransition]:
+        """The groups whose next transitions are ``node_lost`` (by ``on_node_lost``) and
+        ``placed``, both inside this sync before it read the groups (as
+        :meth:`_lost_before_read`), each with its ``placed``."""
+        later = self.trace.following(("registration", ""), _SYNC_REGISTRATION_STEPS)[1:]
+        end = next((t for t in later if t.event in ("begin_update", "begin_register")), None)
+        out: dict[int, RecordedTransition] = {}
+        for g in range(self.config.total_groups):
+            steps = self.trace.following(("group", f"g{g}"), 2)
+            if len(steps) < 2 or [(t.event, t.target) for t in steps] != [
+                ("node_lost", "unplaced"),
+                ("placed", "recovering"),
+            ]:
+                continue
+            if steps[0].decided_by not in (None, "on_node_lost") or steps[0].t < begin.t:
+                continue
+            if end is None or steps[1].t < end.t:
+                out[g] = steps[1]
+        return out
 
     def _lost_in_update(self, g: int) -> bool:
         """Whether group ``g``'s next transitions are ``fail``, ``claim`` and ``restarted``
