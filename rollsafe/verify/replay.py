@@ -739,9 +739,7 @@ class _Replayer:
             return None
         if steps[0].t < begin.t:
             return None  # failed before the sync began: the model's usual order takes it
-        later = self.trace.following(("registration", ""), _SYNC_REGISTRATION_STEPS)[1:]
-        end = next((t for t in later if t.event in ("begin_update", "begin_register")), None)
-        return steps[1] if end is None or steps[1].t < end.t else None
+        return steps[1] if self._before_read(steps[1]) else None
 
     def _before_read(self, t: RecordedTransition) -> bool:
         """Whether ``t`` came before this sync's first update (or, when it updated nothing,
@@ -754,8 +752,6 @@ class _Replayer:
         """The groups whose next transitions are ``node_lost`` (by ``on_node_lost``) and
         ``placed``, both inside this sync before it read the groups (as
         :meth:`_lost_before_read`), each with its ``placed``."""
-        later = self.trace.following(("registration", ""), _SYNC_REGISTRATION_STEPS)[1:]
-        end = next((t for t in later if t.event in ("begin_update", "begin_register")), None)
         out: dict[int, RecordedTransition] = {}
         for g in range(self.config.total_groups):
             steps = self.trace.following(("group", f"g{g}"), 2)
@@ -766,7 +762,7 @@ class _Replayer:
                 continue
             if steps[0].decided_by not in (None, "on_node_lost") or steps[0].t < begin.t:
                 continue
-            if end is None or steps[1].t < end.t:
+            if self._before_read(steps[1]):
                 out[g] = steps[1]
         return out
 
