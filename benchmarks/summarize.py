@@ -1207,8 +1207,11 @@ def _stack_note(d: dict[str, Any], stacks: dict[str, Any], apart: bool) -> list[
     now = [f"- the gateway in this run (`gateway_cpu.json`): {fig('gateway', d)}."] if apart else []
     return [
         "**Server stack for rollsafe's gateway: httptools' parser on uvloop in a bare asyncio "
-        "protocol, aiohttp's pooled client to the engines** (`rollsafe[gateway]`; "
-        f"`benchmarks/gateway/proxy_raw.py` is the measured shape). Why, {source}:",
+        "protocol, and a pooled client to the engines on the same bare protocol** "
+        "(`rollsafe[gateway]`; `benchmarks/gateway/proxy_raw.py` is the measured shape, with "
+        "aiohttp's pooled client to the engines, which `rollsafe.adapters.engines.pool` has "
+        "replaced since: [docs/gateway.md](../docs/gateway.md#the-gateways-cpu-work)). "
+        f"Why, {source}:",
         "",
         f"- {fig('proxy-raw')}: the least CPU per request and the least memory per open stream "
         "of the Python candidates, the nearest to the Rust routers' CPU per request (requests "

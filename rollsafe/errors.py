@@ -56,6 +56,8 @@ The tree (other bases in brackets, then where the class lives)::
     │   │   └── NoWeightChecker
     │   ├── EngineAsleep
     │   ├── EventLoopError [RuntimeError]         (adapters.engines.aio: not on its loop)
+    │   ├── HttpFailure                             (adapters.engines.pool; aio maps it)
+    │   │   └── HttpTimeout
     │   ├── StreamProtocolError                     (adapters.engines.streaming)
     │   ├── StandbyLost                             (a standby's engine died: start afresh)
     │   └── EngineStartError

@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -52,6 +53,7 @@ from rollsafe.adapters.engines import (
     VLLMClient,
     async_engine,
 )
+from rollsafe.adapters.engines.pool import connect_tcp
 from rollsafe.adapters.engines.streaming import StreamDelta, WeightSpan, coalesce_deltas
 from rollsafe.ports import GenerateResult
 from rollsafe.text import MAX_MESSAGE_CHARS
@@ -326,19 +328,18 @@ def test_connection_refused_is_unavailable_and_not_sent() -> None:
     run(main())
 
 
-class _ListenOnFirstRefusal(aiohttp.TCPConnector):
-    """aiohttp's own connector; after its first connection is refused, the server starts
-    listening, so the try that follows reaches it (no sleeps, no mocks)."""
+class _ListenOnFirstRefusal:
+    """The pool's own TCP connect (``connect_tcp``); after its first connection is refused, the
+    server starts listening, so the try that follows reaches it (no sleeps, no mocks)."""
 
     def __init__(self, server: DroppingServer) -> None:
-        super().__init__()
         self.server = server
         self.refused = 0
 
-    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+    async def __call__(self, host: str, port: int) -> socket.socket:
         try:
-            return await super().connect(req, traces, timeout)
-        except aiohttp.ClientConnectorError:
+            return await connect_tcp(host, port)
+        except OSError:
             self.refused += 1
             if self.refused == 1:
                 self.server.listen()
@@ -353,7 +354,7 @@ def test_a_generate_that_never_reached_the_engine_is_resent(streamed: bool) -> N
 
     async def main() -> tuple[Any, int]:
         net = _ListenOnFirstRefusal(server)
-        async with AsyncHttp(connector=net) as http:
+        async with AsyncHttp(connect=net) as http:
             if streamed:
                 async with http.events(server.url, "/stream", {}, timeout=10, retry=retry) as ev:
                     out: Any = [e async for e in ev]
@@ -796,17 +797,15 @@ def test_bad_pool_settings_are_refused_naming_the_key() -> None:
             with pytest.raises(InvalidArgument) as info:
                 AsyncHttp(**kw)  # type: ignore[arg-type]
             keys.append(info.value.key)
-        connector = aiohttp.TCPConnector()
         with pytest.raises(InvalidArgument) as info:
-            AsyncHttp(connector=connector, limit=4)
+            AsyncHttp(connect=42)  # type: ignore[arg-type]
         keys.append(info.value.key)
-        await connector.close()
         with pytest.raises(InvalidArgument) as info:
             async_engine(SGLangClient("http://127.0.0.1:1"), object())  # type: ignore[arg-type]
         keys.append(info.value.key)
         return keys
 
-    assert run(main()) == ["limit", "limit_per_host", "keepalive_timeout", "connector", "http"]
+    assert run(main()) == ["limit", "limit_per_host", "keepalive_timeout", "connect", "http"]
 
 
 def test_a_closed_blocking_client_closes_its_companion(sglang: EngineProcess) -> None:

@@ -23,7 +23,8 @@ and router of ``gateway_front.py`` built in this process, ``Gateway.handle`` cal
 hand-built requests one after the other, the engine replaced by one that yields its tokens at
 once (one delta per token); the loop thread's CPU per request at 1 token and at ``--tokens``
 gives a fixed cost and a cost per token. What the process costs beyond that is its HTTP server,
-the engine client (aiohttp, server-sent events) and the machine's wake-ups.
+the engine client (``rollsafe.adapters.engines.pool``, server-sent events) and the machine's
+wake-ups.
 
 ``--against TREE [--rounds N]``: before/after instead: plain runs (1. above) of this checkout's
 gateway and of the gateway of another checkout of rollsafe at ``TREE`` (e.g. ``git worktree add

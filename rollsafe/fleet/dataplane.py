@@ -71,7 +71,7 @@ class _LoopEngines:
     """The async engines of one event loop: one HTTP session, one companion per client."""
 
     def __init__(self) -> None:
-        from rollsafe.adapters.engines.aio import AsyncHttp  # aiohttp: on first request only
+        from rollsafe.adapters.engines.aio import AsyncHttp  # httptools: on first request only
 
         self.http: AsyncHttp = AsyncHttp()
         self.engines: weakref.WeakKeyDictionary[EngineClient, AsyncEngine] = (

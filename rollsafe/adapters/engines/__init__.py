@@ -2,7 +2,8 @@
 
 ``SGLangClient`` / ``VLLMClient`` implement :class:`rollsafe.ports.EngineClient` (import the
 protocol and its data types from :mod:`rollsafe.ports`); ``async_engine(client, AsyncHttp())``
-is a client's asyncio companion (:mod:`~rollsafe.adapters.engines.aio`, aiohttp); the
+is a client's asyncio companion (:mod:`~rollsafe.adapters.engines.aio`, on the pooled HTTP/1.1
+client of :mod:`~rollsafe.adapters.engines.pool`: httptools in a bare asyncio protocol); the
 :class:`EngineLauncher` runs one engine group as OS processes described by an
 :class:`EngineSpec`. Errors derive from :class:`EngineError`. Needs the ``engine`` extra (httpx);
 nothing here imports Ray. The protocol and the errors import without it; the clients and the
@@ -108,6 +109,7 @@ _ENGINE_EXTRA = {
     "httpcore": "engine",
     "h11": "engine",
     "aiohttp": "engine",
+    "httptools": "engine",
     "multidict": "engine",
     "yarl": "engine",
 }

@@ -1,12 +1,16 @@
-"""Asyncio engine clients: pooled keep-alive HTTP on one event loop, with the blocking clients'
+"""Asyncio engine clients: pooled keep-alive HTTP/1.1 on one event loop (httptools' parser in a
+bare asyncio protocol, :mod:`~rollsafe.adapters.engines.pool`), with the blocking clients'
 dialect rules and error mapping.
 
 Owns the async side of the engine clients, for the fleet's asyncio data plane:
 
-* :class:`AsyncHttp`: one per event loop, one ``aiohttp.ClientSession`` over a pooled
-  ``TCPConnector`` (no total limit by default, keep-alive), shared by every async engine on
-  that loop; ``await http.close()`` when done. Made outside a running loop, or used from
-  another loop, it raises :class:`EventLoopError`.
+* :class:`AsyncHttp`: one per event loop, one :class:`ConnectionPool` (connections per engine,
+  no total limit by default, keep-alive), shared by every async engine on that loop;
+  ``await http.close()`` when done. Made outside a running loop, or used from another loop, it
+  raises :class:`EventLoopError`. It replaced aiohttp's pooled client (issue #35; docs/gateway.md,
+  "The gateway's CPU work", item 4): the gateway's CPU a request 0.73x to 0.85x on the stubs
+  (16 tokens), 0.84x to 0.87x with a token every 2 ms; the engine client alone 68 against 175
+  µs a whole 16-token answer, 307 to 325 against 448 to 462 µs a stream.
 * :class:`AsyncEngine`: what the data plane calls: ``url``, ``await generate(...)`` ->
   :class:`GenerateResult`, ``generate_stream(...)`` -> an async iterator of
   :class:`StreamDelta`.
@@ -36,11 +40,17 @@ stream ends before ``data: [DONE]``        :class:`EngineUnavailable`, after the
                                            already yielded
 =========================================  =============================================
 
-A stream the consumer stops early (``break``, ``aclose()``, its task cancelled: a gateway's
-client went away) closes its response and drops the connection, so the engine sees the
-disconnect and aborts the request; the exception (``CancelledError``, ``GeneratorExit``) goes on.
-A stream read to its end, or left right after its finished delta, keeps its connection pooled.
-Use ``contextlib.aclosing(engine.generate_stream(...))`` to close at a known point.
+A pooled connection the server closed while it was idle is never written to: the request goes
+out on another one (nothing was sent on the closed one, so this is no resend).
+
+A stream's body goes straight from the protocol's buffer into the :class:`SSEEventReader`: one
+wake-up of the reader per read from the socket, however many events it carried
+(:meth:`EventStream.batch` hands them over together). A stream the consumer stops early
+(``break``, ``aclose()``, its task cancelled: a gateway's client went away) closes its
+connection, so the engine sees the disconnect and aborts the request; the exception
+(``CancelledError``, ``GeneratorExit``) goes on. A stream read to its end, or left right after
+its finished delta, keeps its connection pooled. Use
+``contextlib.aclosing(engine.generate_stream(...))`` to close at a known point.
 """
 
 from __future__ import annotations
@@ -52,10 +62,6 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
-
-import aiohttp
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.connector import Connection
 
 from rollsafe.adapters.engines.base import HttpEngineClient, parse_weight_version
 from rollsafe.adapters.engines.errors import (
@@ -71,6 +77,13 @@ from rollsafe.adapters.engines.http import (
     RetryPolicy,
     decode_body,
     retryable,
+)
+from rollsafe.adapters.engines.pool import (
+    Connect,
+    ConnectionPool,
+    HttpFailure,
+    HttpTimeout,
+    Response,
 )
 from rollsafe.adapters.engines.sglang import (
     GENERATE_PATH,
@@ -95,7 +108,7 @@ from rollsafe.adapters.engines.vllm import (
     with_read_version_delta,
 )
 from rollsafe.adapters.engines.vllm_dialect import VersionSteps, VLLMDialect
-from rollsafe.errors import InvalidArgument, InvalidArgumentType
+from rollsafe.errors import InvalidArgumentType
 from rollsafe.ports import GenerateResult
 
 __all__ = [
@@ -123,56 +136,26 @@ def encode_json(body: Mapping[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _failure(exc: BaseException, url: str, path: str, timeout: float) -> EngineUnavailable | None:
-    """The engine error of an aiohttp failure while sending a request and reading its status
-    line and headers (None: not a transport failure)."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return EngineTimeout(
-            url,
-            path,
-            f"no connection within {timeout}s (ConnectionTimeoutError)",
-            request_sent=False,
-        )
-    if isinstance(exc, asyncio.TimeoutError):  # ServerTimeoutError, SocketTimeoutError
-        return EngineTimeout(url, path, f"no answer within {timeout}s ({type(exc).__name__})")
-    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, DNS, TLS: nothing was sent
-        return EngineUnavailable(url, path, f"{type(exc).__name__}: {exc}", request_sent=False)
-    if isinstance(exc, (aiohttp.ClientError, OSError, RuntimeError)):
-        # RuntimeError: the session was closed concurrently by close()
-        return EngineUnavailable(url, path, f"{type(exc).__name__}: {exc}")
-    return None
-
-
-class _Response(aiohttp.ClientResponse):
-    """aiohttp's response (``ClientSession(response_class=...)``), remembering the protocol of
-    the connection that carried it: aiohttp hands a connection back to the pool as soon as a
-    body has arrived whole, which for a short 5xx body is before the caller sees the status."""
-
-    served_by: ResponseHandler | None = None
-
-    async def start(self, connection: Connection) -> aiohttp.ClientResponse:
-        self.served_by = connection.protocol
-        return await super().start(connection)
-
-
-def _drop_connection(response: aiohttp.ClientResponse) -> None:
-    """Never reuse the connection that carried ``response``: closed when it is released if the
-    body is still being read, closed now if the pool has it back already."""
-    held = response.connection
-    if held is not None and held.protocol is not None:
-        held.protocol.force_close()
-        return
-    served = response.served_by if isinstance(response, _Response) else None
-    if served is not None:
-        served.close()  # the pool skips a closed connection
+def _engine_error(
+    exc: HttpFailure, url: str, path: str, timed_out: str, broke: str = ""
+) -> EngineUnavailable:
+    """The engine error of a pool failure: ``request_sent=False`` when nothing was sent (no
+    connection), else ``timed_out`` (what did not come in time) or ``broke`` + the reason."""
+    if not exc.sent:
+        kind = EngineTimeout if isinstance(exc, HttpTimeout) else EngineUnavailable
+        return kind(url, path, exc.reason, request_sent=False)
+    if isinstance(exc, HttpTimeout):
+        return EngineTimeout(url, path, timed_out)
+    return EngineUnavailable(url, path, broke + exc.reason)
 
 
 class AsyncHttp:
     """The pooled HTTP client of one event loop (see the module). ``limit`` (0: none) bounds
     the connections open at once, ``limit_per_host`` those to one engine; with a bound, a
     request waits for a free connection up to its timeout (then :class:`EngineTimeout`,
-    ``request_sent=False``). ``connector``: an aiohttp connector of your own instead (then
-    leave the limits at their defaults)."""
+    ``request_sent=False``). An idle connection is closed after ``keepalive_timeout`` s.
+    ``connect``: an async ``(host, port) -> socket`` that opens each connection instead of the
+    pool's own TCP connect (:func:`~rollsafe.adapters.engines.pool.connect_tcp` is that one)."""
 
     def __init__(
         self,
@@ -180,7 +163,7 @@ class AsyncHttp:
         limit: int = 0,
         limit_per_host: int = 0,
         keepalive_timeout: float = 60.0,
-        connector: aiohttp.BaseConnector | None = None,
+        connect: Connect | None = None,
     ) -> None:
         try:
             self._loop = asyncio.get_running_loop()
@@ -189,36 +172,26 @@ class AsyncHttp:
                 "AsyncHttp needs a running event loop: create it inside a coroutine (one per "
                 "loop, e.g. in the function asyncio.run runs)"
             ) from None
-        for key, value in (("limit", limit), ("limit_per_host", limit_per_host)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgument(
-                    key, f"{key} must be an int >= 0 (0: no limit), got {value!r}"
-                )
-        if not keepalive_timeout > 0:
-            raise InvalidArgument(
-                "keepalive_timeout", f"keepalive_timeout must be > 0, got {keepalive_timeout!r}"
-            )
-        if connector is not None and (limit, limit_per_host, keepalive_timeout) != (0, 0, 60.0):
-            raise InvalidArgumentType(
-                "connector", "give either connector or limit/limit_per_host/keepalive_timeout"
-            )
-        if connector is None:
-            connector = aiohttp.TCPConnector(
-                limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive_timeout
-            )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None),
-            response_class=_Response,
+        self._pool = ConnectionPool(
+            self._loop,
+            limit=limit,
+            limit_per_host=limit_per_host,
+            keepalive_timeout=keepalive_timeout,
+            connect=connect,
+            close_after_status=RETRY_MIN_STATUS,  # a real vLLM drops keep-alive after a 500
         )
         self._closed = False
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop this client belongs to."""
         return self._loop
+
+    @property
+    def pool(self) -> ConnectionPool:
+        """The connections (open and idle counts, for tests and metrics)."""
+        return self._pool
 
     @property
     def closed(self) -> bool:
@@ -229,7 +202,7 @@ class AsyncHttp:
         (``request_sent=False``)."""
         if not self._closed:
             self._closed = True
-            await self._session.close()
+            await self._pool.close()
 
     async def __aenter__(self) -> AsyncHttp:
         return self
@@ -287,18 +260,6 @@ class AsyncHttp:
         return EventStream(self, url, path, encode_json(body), headers, timeout, retry)
 
     # ------------------------------------------------------------------ internals
-    def _client_timeout(self, timeout: float) -> aiohttp.ClientTimeout:
-        """``timeout`` for the connection (and a free pooled one) and for every read, as the
-        blocking clients' httpx timeout; no bound on the whole call (a stream may run long)."""
-        value = self._timeouts.get(timeout)
-        if value is None:
-            value = aiohttp.ClientTimeout(
-                total=None, connect=timeout, sock_connect=timeout, sock_read=timeout
-            )
-            if len(self._timeouts) < 64:
-                self._timeouts[timeout] = value
-        return value
-
     async def _send(
         self,
         method: str,
@@ -307,8 +268,10 @@ class AsyncHttp:
         data: bytes | None,
         headers: Mapping[str, str] | None,
         timeout: float,
-    ) -> aiohttp.ClientResponse:
-        """One try: the response with its body unread."""
+    ) -> Response:
+        """One try: the response with its head read and its body unread (``timeout``: for the
+        connection and for each wait for a byte, as the blocking clients' httpx timeout; no
+        bound on the whole call: a stream may run long)."""
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:  # pragma: no cover - only a coroutine calls this
@@ -319,25 +282,18 @@ class AsyncHttp:
             )
         if self._closed:
             raise EngineUnavailable(url, path, "AsyncHttp is closed", request_sent=False)
-        send_headers = dict(headers or {})
-        if data is not None:
-            send_headers["Content-Type"] = "application/json"
         try:
-            response = await self._session.request(
+            response = await self._pool.send(
                 method,
-                url + path,
-                data=data,
-                headers=send_headers,
-                timeout=self._client_timeout(timeout),
-                allow_redirects=False,
+                url,
+                path,
+                headers=headers,
+                body=data,
+                content_type=None if data is None else "application/json",
+                timeout=timeout,
             )
-        except Exception as exc:
-            mapped = _failure(exc, url, path, timeout)
-            if mapped is None:
-                raise
-            raise mapped from exc
-        if response.status >= RETRY_MIN_STATUS:
-            _drop_connection(response)  # a real vLLM drops keep-alive after a 500, silently
+        except HttpFailure as exc:
+            raise _engine_error(exc, url, path, f"no answer within {timeout}s") from exc
         return response
 
     async def open(
@@ -349,10 +305,11 @@ class AsyncHttp:
         headers: Mapping[str, str] | None,
         timeout: float,
         retry: RetryPolicy,
-    ) -> aiohttp.ClientResponse:
+    ) -> Response:
         """Send ``data`` (JSON bytes) to ``url + path`` and return the response with its body
-        unread (the caller closes it): sent once, resent per ``retry`` only while it provably
-        never reached the engine; an error status is raised as :class:`EngineRequestError`."""
+        unread (the caller releases or closes it): sent once, resent per ``retry`` only while
+        it provably never reached the engine; an error status is raised as
+        :class:`EngineRequestError`."""
         last: EngineUnavailable | None = None
         for attempt in range(retry.attempts):
             if attempt:
@@ -384,52 +341,36 @@ class AsyncHttp:
             raise await self._error_of(url, path, response)
         try:
             body = await response.read()
-        except asyncio.TimeoutError as exc:
-            raise EngineTimeout(url, path, f"body not read within {timeout}s") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(url, path, f"{type(exc).__name__}: {exc}") from exc
+        except HttpFailure as exc:
+            raise _engine_error(exc, url, path, f"body not read within {timeout}s") from exc
         finally:
             response.release()  # pooled when the body was read whole, else closed
         return decode_body(body)
 
-    async def _error_of(
-        self, url: str, path: str, response: aiohttp.ClientResponse
-    ) -> EngineRequestError:
+    async def _error_of(self, url: str, path: str, response: Response) -> EngineRequestError:
         """The :class:`EngineRequestError` of an error answer (its body read, bounded, by the
-        blocking clients' :class:`BoundedBody`); the response is closed and, after a 5xx, its
-        connection dropped."""
+        blocking clients' :class:`BoundedBody`); the response is released: after a 5xx, or with
+        its body not read to the end, its connection is closed, not pooled."""
         body = BoundedBody()
         try:
             try:
-                while chunk := await response.content.readany():
+                while chunk := await response.chunk():
                     if body.add(chunk):
                         break
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except HttpFailure as exc:
                 body.unreadable(exc)
-            return EngineRequestError(
-                url, path, response.status, body.message(response.reason or "")
-            )
+            return EngineRequestError(url, path, response.status, body.message(response.reason))
         finally:
-            _release(response)
-
-
-def _release(response: aiohttp.ClientResponse) -> None:
-    """Close ``response``: after a 5xx (or with its body unread) also its connection, so the
-    pool opens a fresh one for the next request instead of reusing one the server may drop
-    silently (a real vLLM closes keep-alive after a 500 without saying so)."""
-    if response.status >= RETRY_MIN_STATUS:
-        response.close()
-    else:
-        response.release()
+            response.release()
 
 
 class EventStream:
     """The JSON events of one streamed answer (``async with`` it, then ``async for``), read
     by the blocking clients' :class:`SSEEventReader` (same framing, limits, ``[DONE]`` and
-    ``{"error": ...}`` rules). On the way out the response is closed and its connection
-    dropped (the engine aborts the request), unless the stream ended at ``[DONE]`` or
-    :attr:`complete` was set (the finished event was read): then the rest is read, bounded
-    (:data:`DRAIN_S`, :data:`DRAIN_BYTES`), and the connection pooled."""
+    ``{"error": ...}`` rules), fed every body byte received at once. On the way out the
+    connection is closed (the engine aborts the request), unless the stream ended at
+    ``[DONE]`` or :attr:`complete` was set (the finished event was read): then the rest is
+    read, bounded (:data:`DRAIN_S`, :data:`DRAIN_BYTES`), and the connection pooled."""
 
     def __init__(
         self,
@@ -446,7 +387,7 @@ class EventStream:
         self._data, self._headers = data, headers
         self._timeout, self._retry = timeout, retry
         self._reader = SSEEventReader(url, path)
-        self._response: aiohttp.ClientResponse | None = None
+        self._response: Response | None = None
         self._pending: Iterator[dict[str, Any]] | None = None
         self._ended = False
         #: the consumer has the finished event: what follows is only the end of the stream
@@ -489,14 +430,10 @@ class EventStream:
             if self._reader.done or self._ended:
                 raise StopAsyncIteration
             try:
-                chunk = await response.content.readany()
-            except asyncio.TimeoutError as exc:
-                raise EngineTimeout(
-                    self.url, self.path, f"no event within {self._timeout}s"
-                ) from exc
-            except (aiohttp.ClientError, OSError) as exc:
-                raise EngineUnavailable(
-                    self.url, self.path, f"stream broke: {type(exc).__name__}: {exc}"
+                chunk = await response.chunk()
+            except HttpFailure as exc:
+                raise _engine_error(
+                    exc, self.url, self.path, f"no event within {self._timeout}s", "stream broke: "
                 ) from exc
             if chunk:
                 self._pending = self._reader.feed(chunk)
@@ -524,20 +461,23 @@ class EventStream:
             out.append(event)
         return out
 
-    async def _drain(self, response: aiohttp.ClientResponse) -> None:
+    async def _drain(self, response: Response) -> None:
         """Read what is left after the finished event ([DONE], the end of the body), bounded,
         so the connection can be pooled; close it otherwise."""
-        content = response.content
+        reader = self._reader
+        if reader.done and response.at_eof:  # all here already (the usual end): no wait
+            response.release()
+            return
         watchdog = asyncio.get_running_loop().call_later(DRAIN_S, response.close)
         size = 0
         try:
-            while not (self._reader.done and content.at_eof()) and size <= DRAIN_BYTES:
-                chunk = await content.readany()
+            while not (reader.done and response.at_eof) and size <= DRAIN_BYTES:
+                chunk = await response.chunk(DRAIN_S)
                 if not chunk:
                     break
                 size += len(chunk)
-                if not self._reader.done:
-                    for _ in self._reader.feed(chunk):
+                if not reader.done:
+                    for _ in reader.feed(chunk):
                         pass  # events after the finished one (vLLM's usage) are not wanted
         except Exception:
             response.close()
@@ -547,7 +487,7 @@ class EventStream:
             raise
         finally:
             watchdog.cancel()
-        if self._reader.done and content.at_eof() and not response.closed:
+        if reader.done and response.at_eof:
             response.release()
         else:
             response.close()
