@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from engine_helpers import (
 )
 from transport_helpers import KillingClient, Trainer, assert_serves, target, transport_threads
 
+from rollsafe.adapters.engines import SGLangClient
 from rollsafe.checksum import weights_checksum
 from rollsafe.transports import NCCLTransport, NonFiniteWeights, RegisterError, TransportError
 from rollsafe.transports.contiguous import flatten_parameters
@@ -248,6 +251,77 @@ def test_a_target_whose_group_cannot_form_does_not_hold_up_the_others(
     assert_serves(one, trainer, 14)
     # the trainer's abandoned join of the dead target's group ends at its group_timeout
     assert wait_for(lambda: transport_threads() == [], 20)
+
+
+class _InitRecorder:
+    """Forwards to ``client``; records each ``init_weights_update_group`` call. ``hold``: the
+    call waits on it (up to 30 s) and then fails, never reaching the engine."""
+
+    def __init__(self, client: Any, hold: threading.Event | None = None) -> None:
+        self._client = client
+        self._hold = hold
+        self.inits: list[tuple[Any, ...]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def init_weights_update_group(self, *args: Any, **kwargs: Any) -> Any:
+        self.inits.append(args)
+        if self._hold is not None:
+            self._hold.wait(30)
+            raise RuntimeError("held init released")
+        return self._client.init_weights_update_group(*args, **kwargs)
+
+
+def test_a_store_port_already_taken_fails_the_target_before_its_engine_is_told(
+    one: EngineProcess, trainer: Trainer
+) -> None:
+    """The trainer's store listens before the engine hears its port: a port another process
+    holds is named at once and the engine is never sent it (under load a port picked free was
+    taken before the store bound it, and the join failed with an empty message)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        tr = NCCLTransport(1, bucket_bytes=SMALL_BUCKET, group_timeout=TIMEOUT, master_port=port)
+        trainer.perturb(seed=41)
+        tr.register(trainer.weights(), 41)
+        recorder = _InitRecorder(SGLangClient(one.url))
+        report = tr.update([target("one", None, (0,), client=recorder)])
+    assert report.failed == ["one"], report.results
+    reason = report.results["one"].reason
+    assert f"could not listen on 127.0.0.1:{port}" in reason and "EADDRINUSE" in reason, reason
+    assert recorder.inits == [] and no_groups_left(one) and one.healthy()
+    # with the system's choice of port the same engine takes the version
+    tr = transport(1)
+    tr.register(trainer.weights(), 42)
+    assert tr.update([target("one", one, (0,))]).ok
+    assert_serves(one, trainer, 42)
+
+
+def test_the_trainers_join_failing_while_the_engine_joins_is_named(
+    one: EngineProcess, trainer: Trainer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's side of the group fails while the engine's init call still runs: the
+    failure names the trainer's error (the engine's pending call no longer hides it)."""
+    import rollsafe.transports.nccl as nccl_module
+
+    def broken_join(**kwargs: Any) -> Any:
+        raise RuntimeError(f"trainer side refused on port {kwargs['master_port']}")
+
+    monkeypatch.setattr(nccl_module, "open_weight_update_group", broken_join)
+    hold = threading.Event()
+    recorder = _InitRecorder(SGLangClient(one.url), hold)
+    tr = transport(1)
+    tr.register(trainer.weights(), 43)
+    try:
+        report = tr.update([target("one", None, (0,), client=recorder)])
+    finally:
+        hold.set()
+    assert report.failed == ["one"], report.results
+    reason = report.results["one"].reason
+    assert "failed: RuntimeError: trainer side refused on port" in reason, reason
+    assert len(recorder.inits) == 1 and one.healthy()
 
 
 def test_refused_bucket_is_reported_at_once(one: EngineProcess, trainer: Trainer) -> None:

@@ -80,7 +80,7 @@ from rollsafe.transports.pipeline import (
 )
 from rollsafe.wire.bucket import FlatBucket, packed_chunks
 from rollsafe.wire.finite import describe_non_finite, non_finite_index
-from rollsafe.wire.group import WeightUpdateGroup, open_weight_update_group
+from rollsafe.wire.group import WeightUpdateGroup, host_store, open_weight_update_group
 from rollsafe.wire.group_names import RENDEZVOUS_TORCH, RENDEZVOUS_VLLM, join_name
 from rollsafe.wire.vllm_group import (
     VLLMWeightTransferGroup,
@@ -349,7 +349,14 @@ class NCCLTransport(StagedTransport):
         # both ends must join under one name: SGLang takes ours from the request; vLLM's group
         # has no name (none travels), so its ranks and we join under the fixed one
         group_name = join_name(dialect, f"rollsafe-{self._uid}-{self._serial}-{target.name}")
-        port = self._claim_port()
+        rendezvous = _rendezvous(target, backend)
+        store: Any = None
+        if rendezvous == RENDEZVOUS_TORCH:
+            # the store listens before the engine hears its port (host_store: a port picked
+            # free and bound later was taken in between on a busy machine, seen under load)
+            store, port = self._host_store(where, group_name, world)
+        else:  # vLLM's StatelessProcessGroup binds its own store: a port picked free
+            port = self._claim_port()
         # vLLM fixes its packing for the group's lifetime: packed, chunks of bucket_bytes
         extra: dict[str, Any] = (
             {"packed": True, "packed_buffer_size_bytes": self.bucket_bytes}
@@ -370,9 +377,23 @@ class NCCLTransport(StagedTransport):
             timeout=self.group_timeout + HTTP_MARGIN_S,
             **extra,
         )
-        rendezvous = _rendezvous(target, backend)
-        group = self._join(port, world, group_name, backend, init, where, rendezvous)
+        group = self._join(port, world, group_name, backend, init, where, rendezvous, store)
         return _LiveGroup(group, group_name, port, world, backend, url, rendezvous)
+
+    def _host_store(self, where: str, group_name: str, world: int) -> tuple[Any, int]:
+        """Rank 0's store for a new group, listening: on ``master_port + k`` (the smallest no
+        kept or forming group owns) or, with ``master_port`` None, a port the system picks.
+        A port that cannot be bound is a :class:`TransportError` naming it; the engine was
+        told nothing."""
+        port = 0 if self.master_port is None else self._claim_port()
+        try:
+            store = host_store(self.master_address, port, world, timeout_s=self.group_timeout)
+        except Exception as exc:
+            raise TransportError(
+                f"{where}: the store of weight-update group {group_name!r} could not listen on "
+                f"{self.master_address}:{port or '(any free port)'}: {exc}"
+            ) from exc
+        return store, int(store.port)
 
     def _wire(self, bucket: FlatBucket | TensorList, vllm: bool) -> list[torch.Tensor]:
         """What one call broadcasts, in order, in the target dialect's wire format.
@@ -519,14 +540,17 @@ class NCCLTransport(StagedTransport):
         init: Future[Any],
         where: str,
         rendezvous: str = RENDEZVOUS_TORCH,
+        store: Any = None,
     ) -> _Group:
         """Open rank 0's side of the group while the engine's init call runs; bounded.
 
-        ``rendezvous``: rollsafe's ``torch.distributed`` group, or (``"vllm"``, a real vLLM
-        over NCCL) vLLM's ``StatelessProcessGroup`` + PyNccl on this transport's device
+        ``rendezvous``: rollsafe's ``torch.distributed`` group (over ``store``, listening
+        already: :meth:`_host_store`), or (``"vllm"``, a real vLLM over NCCL) vLLM's
+        ``StatelessProcessGroup`` + PyNccl on this transport's device
         (:func:`~rollsafe.wire.vllm_group.open_vllm_weight_transfer_group`). The join runs on a
         :class:`~rollsafe.concurrency.DaemonCall`: given up on, a group it forms late is closed
-        on the joining thread (nobody will use it)."""
+        on the joining thread (nobody will use it). A failure names its side: the engine's
+        init call's reason when it failed, else the trainer's join error."""
 
         def join() -> _Group:
             if rendezvous == RENDEZVOUS_VLLM:
@@ -545,6 +569,7 @@ class NCCLTransport(StagedTransport):
                 group_name=group_name,
                 backend=backend,
                 timeout_s=self.group_timeout,
+                store=store,
             )
 
         call = DaemonCall.start(join, name=f"rollsafe-join-{group_name}", on_late=_close_group)
@@ -558,7 +583,11 @@ class NCCLTransport(StagedTransport):
                 raise TransportError(
                     f"{where}: weight-update group {group_name!r} not formed within {deadline}s"
                 )
-            init.result(timeout=0)  # an init failure names the engine's reason
+            if _failed(init):
+                init.result(timeout=0)  # an init failure names the engine's reason
+            if _failed(joined):  # the trainer's side failed while the engine's call runs
+                joined.result(timeout=0)
+            init.result(timeout=0)
             return joined.result(timeout=0)
         except TransportError:
             _give_up(call)
@@ -567,7 +596,8 @@ class NCCLTransport(StagedTransport):
             _give_up(call)
             raise TransportError(
                 f"{where}: joining weight-update group {group_name!r} "
-                f"({self.master_address}:{port}, world {world}, {backend}) failed: {exc}"
+                f"({self.master_address}:{port}, world {world}, {backend}) failed: "
+                f"{type(exc).__name__}: {exc}"
             ) from exc
 
     def _await_pair(self, works: Sequence[Any], call: Future[Any], what: str) -> None:

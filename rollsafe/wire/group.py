@@ -1,7 +1,8 @@
 """The weight-update process group a trainer and every engine rank join, one definition.
 
 Owns :func:`open_weight_update_group` (the same call on the trainer -- rank 0, store master --
-and on every engine rank, matching SGLang's ``init_weights_update_group`` semantics) and
+and on every engine rank, matching SGLang's ``init_weights_update_group`` semantics),
+:func:`host_store` (rank 0's store, bound before any peer is told its port) and
 :class:`WeightUpdateGroup`. A group is never built through the default ``torch.distributed``
 group: it is a standalone ``ProcessGroupGloo`` (CPU) or NCCL group over a ``PrefixStore``, so an
 engine can join several and leave them independently. Imports only torch.
@@ -21,7 +22,7 @@ from rollsafe.net import is_loopback
 # torch stubs do not export the store/group classes; they exist at runtime
 dist: Any = torch.distributed
 
-__all__ = ["WeightUpdateGroup", "gloo_group", "open_weight_update_group"]
+__all__ = ["WeightUpdateGroup", "gloo_group", "host_store", "open_weight_update_group"]
 
 
 def gloo_group(store: Any, rank: int, world_size: int, timeout_s: float, host: str | None) -> Any:
@@ -35,6 +36,24 @@ def gloo_group(store: Any, rank: int, world_size: int, timeout_s: float, host: s
     return dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
+def host_store(
+    master_address: str, master_port: int, world_size: int, *, timeout_s: float = 120.0
+) -> Any:
+    """Rank 0's ``TCPStore``, listening when this returns: ``master_port`` 0 lets the system pick
+    a free port (``store.port`` tells which). Bind the store first, then tell the peers its port:
+    a port picked free and bound later can be taken in between by another process (a failed join
+    on a busy machine), and a peer told a port someone else holds connects to a stranger's store.
+    Raises the store's error (the port is taken) before anyone was told anything."""
+    return dist.TCPStore(
+        master_address,
+        int(master_port),
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 def open_weight_update_group(
     *,
     master_address: str,
@@ -45,27 +64,32 @@ def open_weight_update_group(
     backend: str = "gloo",
     timeout_s: float = 120.0,
     connect_timeout_s: float | None = None,
+    store: Any = None,
 ) -> WeightUpdateGroup:
     """Join (rank 0: create) a standalone weight-update process group; blocks until all join.
 
-    Rank 0 hosts the ``TCPStore`` on ``master_address:master_port``. Returns a process-group
-    :class:`WeightUpdateGroup`; ``broadcast(tensor, root)`` returns a ``Work`` (``.wait()``).
-    ``timeout_s`` bounds every collective of the group; ``connect_timeout_s`` (default
-    ``timeout_s``) the store connect and the rendezvous. The store does not always honour it
-    (a silent peer holds the connect for minutes): the engine calls this on a thread of its own
-    and enforces its deadline itself (``ranks.GroupJoin``).
+    Rank 0 hosts the ``TCPStore`` on ``master_address:master_port``, or passes the one
+    :func:`host_store` bound already (``store``: then ``master_port`` is its port). Returns a
+    process-group :class:`WeightUpdateGroup`; ``broadcast(tensor, root)`` returns a ``Work``
+    (``.wait()``). ``timeout_s`` bounds every collective of the group; ``connect_timeout_s``
+    (default ``timeout_s``) the store connect and the rendezvous. The store does not always
+    honour it (a silent peer holds the connect for minutes): the engine calls this on a thread of
+    its own and enforces its deadline itself (``ranks.GroupJoin``).
     """
     if not 0 <= rank < world_size:
         raise InvalidArgument("rank", f"rank {rank} is outside world_size {world_size}")
+    if store is not None and rank != 0:
+        raise InvalidArgument("store", f"only rank 0 hosts the store, not rank {rank}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address,
-        int(master_port),
-        world_size,
-        is_master=(rank == 0),
-        timeout=datetime.timedelta(seconds=connect_timeout_s or timeout_s),
-        wait_for_workers=False,
-    )
+    if store is None:
+        store = dist.TCPStore(
+            master_address,
+            int(master_port),
+            world_size,
+            is_master=(rank == 0),
+            timeout=datetime.timedelta(seconds=connect_timeout_s or timeout_s),
+            wait_for_workers=False,
+        )
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         pg = gloo_group(prefixed, rank, world_size, timeout_s, master_address)

@@ -177,6 +177,9 @@ class ReferenceEngine:
         self._dropped: list[_Session] = []
         #: tokens sampled since start (every session; ``/get_server_info`` reports it)
         self.tokens_generated = 0
+        #: ``time.monotonic()`` of the last token sampled (any session; None: none yet): the
+        #: scheduler's heartbeat that SGLang's ``/health`` reads (``last_receive_tstamp``)
+        self.last_output_at: float | None = None
         self._paused: str | None = None
         #: fault injection (:meth:`stall_next`): the output length at which the next generation
         #: to reach it stops being scheduled (None: none armed)
@@ -477,6 +480,7 @@ class ReferenceEngine:
             if sess.sid not in self._sessions:
                 return  # cancelled while its step ran: the token is dropped with the session
             self.tokens_generated += 1
+            self.last_output_at = time.monotonic()
         scan = sess.scan
         assert scan is not None
         banned = [t for t in scan.banned(len(sess.out)) if 0 <= t < logits.numel()]

@@ -256,22 +256,41 @@ async def health_generate(request: web.Request) -> web.Response:
     """``/health`` and ``/health_generate``, as SGLang 0.5.23 serves both: a one-token
     generation that waits behind a pause like any request, so while generation is paused the
     probe blocks and answers 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (a fleet pauses its
-    health checks before it pauses generation)."""
+    health checks before it pauses generation). As upstream, any token the engine samples
+    after the check began (its own or any request's: ``last_receive_tstamp`` there,
+    :attr:`Engine.last_output_at` here) answers 200 at once, the check's generation dropped:
+    a busy engine is healthy without its check waiting its turn behind the batch. Upstream
+    looks once a second (so it answers after 1 s at the earliest); this engine every 50 ms."""
     ctx = ctx_of(request)
-    reason = ctx.engine.health()
+    engine = ctx.engine
+    reason = engine.health()
     if reason is not None:
         return web.json_response({"success": False, "message": f"unhealthy: {reason}"}, status=503)
     limit = health_check_timeout()
-    deadline = time.monotonic() + limit
-    while ctx.engine.paused is not None:
+    tic = time.monotonic()
+    deadline = tic + limit
+
+    def produced() -> bool:
+        last = engine.last_output_at
+        return last is not None and last > tic
+
+    while engine.paused is not None:
         if time.monotonic() >= deadline:
             return web.Response(status=503)  # upstream: the generate never ran
         await asyncio.sleep(0.05)
+    fut = engine.submit_generate([0], SamplingParams(max_new_tokens=1, temperature=0.0))
+    waiter = asyncio.ensure_future(await_future(fut))
     try:
-        fut = ctx.engine.submit_generate([0], SamplingParams(max_new_tokens=1, temperature=0.0))
-        await asyncio.wait_for(await_future(fut), timeout=max(0.1, deadline - time.monotonic()))
-    except (TimeoutError, asyncio.TimeoutError):
-        return web.Response(status=503)
+        while not waiter.done() and not produced():
+            if time.monotonic() >= deadline:
+                return web.Response(status=503)
+            await asyncio.wait({waiter}, timeout=0.05)
+        if waiter.done():
+            waiter.result()  # the check's own generation failed: as any request would
+    finally:
+        if not waiter.done():  # answered by another request's token: drop the check's own
+            waiter.cancel()
+            fut.cancel()
     reason = ctx.engine.health()
     if reason is not None:
         return web.json_response({"success": False, "message": f"unhealthy: {reason}"}, status=503)
