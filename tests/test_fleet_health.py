@@ -302,6 +302,49 @@ def test_a_hung_probe_does_not_stall_the_others(monkeypatch: pytest.MonkeyPatch)
         assert hm.stop()
 
 
+def test_a_time_out_while_the_checker_itself_stood_still_is_not_counted() -> None:
+    """Found under load: the fleet's process stood still for 3-4 s (every thread of the
+    driver) and the probes in flight "timed out", failing a serving group. A time-out counts
+    only when the probe loop ran through the probe's window; a hung engine is still failed."""
+    reg, _ = make_fleet((1, 1))
+    probe = Switchboard()
+    hm = manager(reg, probe, timeout_s=0.2, failure_threshold=1)
+    hm.start()
+    try:
+        assert wait_for(lambda: hm.stats()["rounds"] >= 1, WAIT_S)  # the start's round: healthy
+        loop = hm._loop
+        assert loop is not None
+        # the heartbeat sees a real stall of the loop's thread
+        loop.call_soon_threadsafe(time.sleep, 0.5)
+        assert wait_for(lambda: hm._stalls.longest(0.0, loop.time()) >= 0.4, WAIT_S)
+        probe.gates["g0"] = threading.Event()  # g0's engine stops answering
+        now = loop.time()
+        hm._stalls.note(now, now + 0.8)  # the checker stands still through the next window
+        r1 = hm.check_now()
+        assert r1.inconclusive == ("g0",) and r1.timed_out == () and r1.failed_groups == ()
+        assert reg.get("g0").state == "active" and hm.stats()["inconclusive"] == 1
+        # still stuck a timeout_s later, the stall inside that window: not counted either
+        time.sleep(0.25)
+        r2 = hm.check_now()
+        assert "g0" not in {o.group_id for o in r2.outcomes} and reg.get("g0").state == "active"
+        # the checker runs again: the hung engine is failed once a whole timeout_s without
+        # an answer was watched (a window that still held part of the stall does not count)
+        assert wait_for(lambda: loop.time() > now + 0.8, WAIT_S)
+        rounds = []
+        for _ in range(4):
+            time.sleep(0.25)
+            rounds.append(hm.check_now())
+            if rounds[-1].failed_groups:
+                break
+        last = rounds[-1]
+        stuck = next(o for o in last.outcomes if o.group_id == "g0")
+        assert stuck.still_running and last.failed_groups == ("g0",), rounds
+        assert reg.get("g0").state == "inactive" and reg.get("g1").state == "active"
+    finally:
+        probe.gates.get("g0", threading.Event()).set()
+        hm.stop()
+
+
 def test_a_hung_async_probe_is_cancelled_at_its_timeout() -> None:
     reg, _ = make_fleet((1, 1))
     cancelled: list[str] = []

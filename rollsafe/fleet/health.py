@@ -16,6 +16,12 @@ Owns failure *detection* (never recovery):
   about ``failure_threshold x timeout_s`` without an answer, whatever ``interval_s`` is (a probe
   slowed by a busy host is not failed twice at once). A hung engine never delays the loop beyond
   ``timeout_s``;
+* a time-out is the engine's only while the checker itself ran: a heartbeat on the probe loop
+  (:class:`_StallWatch`) notes when the loop did not run (the fleet's process frozen: a long
+  hold of the GIL, a collection, a starved host); a probe whose window held such a stall
+  longer than half of ``timeout_s`` is not counted (``HealthRound.inconclusive``, logged) and
+  its group is probed again. Seen on a loaded machine: the driver stood still for 3 to 4 s and
+  every probe in flight "timed out", failing a serving group;
 * consecutive failures are counted per rank; when a rank reaches ``failure_threshold`` it is
   reported unhealthy and the group is sent ``fail`` (the whole group leaves routing); a healthy
   answer resets the count and reports the members healthy. What each answer means is
@@ -38,6 +44,7 @@ Owns failure *detection* (never recovery):
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import inspect
@@ -146,6 +153,8 @@ class HealthRound:
     failed_groups: tuple[str, ...]
     discarded: int
     outcomes: tuple[ProbeOutcome, ...] = field(repr=False, default=())
+    #: groups whose time-out was not counted: the checker itself stood still in its window
+    inconclusive: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -157,6 +166,7 @@ class HealthRound:
             "timed_out": list(self.timed_out),
             "failed_groups": list(self.failed_groups),
             "discarded": self.discarded,
+            "inconclusive": list(self.inconclusive),
         }
 
 
@@ -328,6 +338,9 @@ class HealthManager:
         self._inflight: dict[str, DaemonCall[Any]] = {}
         #: group -> when its stuck sync probe last counted a failure (monotonic)
         self._counted_at: dict[str, float] = {}
+        #: when the probe loop did not run (its heartbeat's gaps), in the loop's time
+        self._stalls = _StallWatch(min(0.05, timeout_s / 4))
+        self._inconclusive = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake_event: asyncio.Event | None = None
         self._round_lock: asyncio.Lock | None = None
@@ -439,6 +452,7 @@ class HealthManager:
             "paused": self.ledger.paused,
             "rounds": self._rounds,
             "groups_failed": self._groups_failed,
+            "inconclusive": self._inconclusive,
             "probe_threads": sum(1 for c in list(self._inflight.values()) if not c.done()),
             "failure_counts": {
                 g: {str(r): n for r, n in c.items()} for g, c in self.failure_counts().items()
@@ -478,7 +492,17 @@ class HealthManager:
         self._wake_event = asyncio.Event()
         self._round_lock = asyncio.Lock()
         self._loop = loop
+        heartbeat = loop.create_task(self._stalls.beat(loop, lambda: self.ledger.stopping))
         self._ready.set()
+        try:
+            await self._rounds_until_stopped()
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+
+    async def _rounds_until_stopped(self) -> None:
+        assert self._wake_event is not None
         while not self.ledger.stopping:
             began = time.monotonic()
             if not self.ledger.paused:
@@ -553,18 +577,34 @@ class HealthManager:
                 record(run, hung, fx.Failed(hung.error or "probe still running"))
                 continue
             running[group.group_id] = (loop.create_task(probe_one(run)), run)
+        inconclusive: list[str] = []
         if running:
+            window_start = loop.time()
             deadline = loop.call_later(self.timeout_s, _resolve, all_done)
             await all_done
             deadline.cancel()
             closed = True
+            stalled = self._stalls.longest(window_start, loop.time())
             for task, run in list(running.values()):
                 task.cancel()  # a running sync probe keeps its thread until the engine answers
                 self._counted_at[run.group.group_id] = time.monotonic()
+                if stalled > self.timeout_s / 2:  # the checker stood still, not the engine
+                    inconclusive.append(run.group.group_id)
+                    continue  # the sequence ends unanswered: nothing read, nothing applied
                 why = f"no answer within {self.timeout_s}s"
                 outcome = self._outcome(run.group, t0, None, why, timed_out=True)
                 record(run, outcome, fx.TimedOut(self.timeout_s, outcome.error))
             running.clear()
+            if inconclusive:
+                self._inconclusive += len(inconclusive)
+                log.warning(
+                    "%s: the probe loop stood still for %.1fs within a %.1fs probe window "
+                    "(this process was frozen or starved): the time-outs of %s are not counted",
+                    self.name,
+                    stalled,
+                    self.timeout_s,
+                    ", ".join(inconclusive),
+                )
         duration = time.monotonic() - t0
         outcomes = tuple(o for o, _, _ in results)
         summary = HealthRound(
@@ -577,6 +617,7 @@ class HealthManager:
             failed_groups=tuple(o.group_id for o, failed, _ in results if failed),
             discarded=sum(1 for _, _, applied in results if not applied),
             outcomes=outcomes,
+            inconclusive=tuple(inconclusive),
         )
         self._rounds += 1
         self._last_round = summary
@@ -600,9 +641,16 @@ class HealthManager:
         if previous is None or previous.done():
             return None
         now = time.monotonic()
-        if now - self._counted_at.get(group.group_id, now - self.timeout_s) < self.timeout_s:
+        since = now - self._counted_at.get(group.group_id, now - self.timeout_s)
+        if since < self.timeout_s:
             return _NOT_YET
         self._counted_at[group.group_id] = now
+        loop = self._loop
+        if loop is not None:
+            later = loop.time()
+            if self._stalls.longest(later - since, later) > self.timeout_s / 2:
+                self._inconclusive += 1  # the checker stood still: another timeout_s to wait
+                return _NOT_YET
         return self._outcome(
             group, t0, None, "previous probe still running (hung)", still_running=True
         )
@@ -667,6 +715,39 @@ class HealthManager:
         )
         if effect.handoff is policy.Handoff.ENQUEUE and self._notifier is not None:
             self._notifier.put(failure)
+
+
+class _StallWatch:
+    """When an event loop did not run: a heartbeat every ``tick_s`` notes each gap between two
+    beats longer than twice the tick (the loop's thread was held: the GIL, a collection, a
+    starved host), in the loop's clock; :meth:`longest` is the longest such stall overlapping a
+    window. Keeps the last 256 stalls."""
+
+    def __init__(self, tick_s: float) -> None:
+        self.tick_s = max(0.005, tick_s)
+        self._stalls: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
+        self._lock = threading.Lock()
+
+    async def beat(self, loop: asyncio.AbstractEventLoop, stopping: Callable[[], bool]) -> None:
+        last = loop.time()
+        while not stopping():
+            await asyncio.sleep(self.tick_s)
+            now = loop.time()
+            if now - last > 2 * self.tick_s:
+                with self._lock:
+                    self._stalls.append((last + self.tick_s, now))
+            last = now
+
+    def note(self, start: float, end: float) -> None:
+        """Record a stall by hand (tests)."""
+        with self._lock:
+            self._stalls.append((start, end))
+
+    def longest(self, start: float, end: float) -> float:
+        """The longest stall overlapping ``[start, end]`` (loop time), in seconds."""
+        with self._lock:
+            stalls = list(self._stalls)
+        return max((min(b, end) - max(a, start) for a, b in stalls), default=0.0)
 
 
 class _ProbeRun(Executor):
