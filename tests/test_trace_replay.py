@@ -221,6 +221,33 @@ def test_retiring_the_only_ready_export_is_a_divergence(recorded: Path, tmp_path
     assert any("retention" in e for e in div.expected), div.expected
 
 
+def test_a_run_recorded_between_a_publish_and_its_retention_replays(
+    recorded: Path, tmp_path: Path
+) -> None:
+    """The exporter publishes under its lock and runs retention under a second hold of it: a
+    run recorded in between (the CI case: ``fleet.record`` while the writer of v2 had just
+    published) has v2's ``publish`` and none of the retention after it. The model takes the
+    publish alone; retention is its own step, which the run never took."""
+    publish = line_of(
+        recorded,
+        lambda r: r["kind"] == "export" and r["subject"] == "v2" and r["event"] == "publish",
+    )
+
+    def stop_after_publish(rows: list[dict[str, Any]]) -> None:
+        after = [
+            r
+            for r in rows[publish:]
+            if r["kind"] == "export" and r["event"] in ("supersede", "delete")
+        ]
+        assert after, "the recorded run has retention after v2's publish"
+        for r in after:
+            rows.remove(r)
+
+    result = replay(edited(recorded, tmp_path, stop_after_publish))
+    assert result.divergence is None, result.format()
+    assert result.ok
+
+
 # ====================================================================== recordings it refuses
 def test_a_recording_without_model_facts_or_with_a_cut_history_is_refused(
     recorded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -42,9 +42,10 @@ event must change nothing.
 The model starts as the fleet does: the start checkpoint is the ready export of
 ``ModelConfig.initial_version``. A sync starts the export of its version as the exporter does
 (``snapshot``, ``snapshot_done``); ``export_finish`` is the writer's ``shards_written`` and
-``publish``, then retention. ``rollsafe verify --trace`` (:mod:`rollsafe.verify.replay`) steps
-this same model with a recorded run, through replay-time arguments no exploration takes (a
-sync's recorded version and failing groups, one writer step: ``export_step``).
+``publish``; retention is its own step. ``rollsafe verify --trace``
+(:mod:`rollsafe.verify.replay`) steps this same model with a recorded run, through replay-time
+arguments no exploration takes (a sync's recorded version and failing groups, one writer step:
+``export_step``).
 
 Invariants are :mod:`rollsafe.invariants` on :meth:`FleetModel.picture`.
 ``snapshot()``/``restore()`` turn the model into a hashable value and back; ``canonical()``
@@ -1341,8 +1342,10 @@ class FleetModel(Executor):
 
     # -- the exporter and retention
     def _do_export_finish(self) -> bool:
-        """The writer finishes the export of the fleet's version: shards written, published,
-        then retention (what the exporter runs once an export is ready)."""
+        """The writer finishes the export of the fleet's version: shards written, published.
+        Retention is its own step (``retention``), as in the exporter: it runs after ``publish``
+        under a second hold of the exporter's lock, so a run can be recorded, a lease taken or
+        another export finish in between."""
         export = self.exports.get(self.version)
         if export is None or export.state != "writing":
             return False
@@ -1370,7 +1373,6 @@ class FleetModel(Executor):
             return
         export.publish(index_missing_keys=[], checksums_verified=True, renamed=True)
         self.dirs[export.version] = True
-        self._retain()
 
     def _do_export_fail(self) -> bool:
         export = self.exports.get(self.version)
