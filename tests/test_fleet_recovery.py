@@ -329,6 +329,74 @@ def test_no_ready_export_of_the_current_version_means_push(sim: SimFleet) -> Non
     assert all(m.weights_version == 2 for m in sim.reg.get("g1").machine.members.values())
 
 
+@pytest.mark.parametrize("its_recovery", ["still_finishing", "ended"])
+def test_a_group_back_below_the_version_during_a_sync_is_pushed_the_version_at_once(
+    sim: SimFleet, its_recovery: str
+) -> None:
+    """g1's restart from the export of v1 ends while the sync of v2 updates g0: the sync marks
+    it stale (``settle_latecomers``) and hands it over; the coordinator pushes v2 to g1 alone,
+    with no second sync (the stress run's finding: the demo's last sync left it at v1).
+    ``still_finishing``: the hand-over comes while the recovery that restarted it has not
+    ended yet (its result hook holds it), the usual case: the push follows that run."""
+    sim.export_ready(1)
+    sim.register(1)
+    rc = sim.coordinator()
+    handed = threading.Event()
+    if its_recovery == "still_finishing":
+        rc.on_result = lambda _result: handed.wait(WAIT_S)
+    gate = sim.handles["g1"].gate = threading.Event()
+    fail_group(sim.reg, "g1")
+    first = rc.submit("g1", failed_at=time.time())
+    assert wait_until(lambda: sim.handles["g1"].calls != [])  # restarting from v1's export
+
+    class BackDuringUpdate(MemoryTransport):
+        def update(self, targets: Any) -> Any:
+            if not gate.is_set():  # the sync's update (the push comes after)
+                gate.set()
+                assert wait_until(lambda: sim.reg.get("g1").state == "active")  # at v1
+                if its_recovery == "ended":
+                    first.result(WAIT_S)
+            return super().update(targets)
+
+    transport = BackDuringUpdate(3)
+    rc.transport = transport
+    transport.register(sim_tensors(1), 1)
+
+    def stale(group_id: str, reason: str) -> None:
+        rc.on_group_stale(group_id, reason)
+        handed.set()
+
+    sync = SyncCoordinator(
+        sim.reg, transport, on_group_failed=rc.on_update_failed, on_group_stale=stale
+    )
+    report = sync.sync(sim_tensors(2), 2)
+    assert report.ok and report.updated == ["g0"], report
+    assert report.marked_stale == report.latecomers == ["g1"]
+    assert first.result(WAIT_S).status == "active" and first.result().export_version == 1
+    assert wait_until(lambda: len(rc.recoveries()) == 2) and rc.wait_idle(WAIT_S)
+    push = rc.recoveries()[-1]
+    assert (push.group_id, push.status, push.strategy) == ("g1", "active", "targeted_push")
+    assert names(push) == ["push"] and "v2" in push.reason
+    assert transport.pushed == ["g0", "g1"]  # the sync's update, then g1 alone
+    group = sim.reg.get("g1")
+    assert group.state == "active"
+    assert all(m.weights_version == 2 for m in group.machine.members.values())
+    assert [t.event for t in group.recent_transitions()][-3:] == [
+        "restarted",
+        "mark_stale",
+        "weights_loaded",
+    ]
+
+
+def wait_until(cond: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_deferred_without_transport_or_when_subset_push_is_impossible(sim: SimFleet) -> None:
     sim.register(1)
     rc = sim.coordinator(transport=None, mode=None)

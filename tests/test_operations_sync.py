@@ -312,8 +312,11 @@ def test_a_group_back_active_below_n_during_the_update_is_marked_stale() -> None
     assert len(reads) == 2
     assert sends(effects) == [("g2", GroupEvent.WEIGHTS_LOADED), ("g3", GroupEvent.MARK_STALE)]
     assert result.marked_stale == ("g3",) and result.updated == ("g0", "g1", "g2")
+    assert result.latecomers == ("g3",)
     late = [e for e in effects if isinstance(e, fx.SendGroup) and e.group == "g3"]
     assert [e.decided_by for e in late] == ["settle_latecomers"]
+    # handed over for the push of VERSION now, not left for the next sync (the stress run)
+    assert [e for e in effects if isinstance(e, fx.HandOff)] == [fx.HandOff("g3", push_only=True)]
     # the second read comes after the new fleet version, before the transport is unlocked
     order = kinds(effects)
     assert order.index("SetFleetVersion") < len(order) - 1 - order[::-1].index("ReadGroups")

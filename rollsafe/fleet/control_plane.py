@@ -230,6 +230,7 @@ def build_control_plane(
         mode=mode,
         on_update_failure=config.on_update_failure,
         on_group_failed=recovery.on_update_failed,
+        on_group_stale=recovery.on_group_stale,
         targets_for=targets_for,
         traits_for=traits_for,
     )

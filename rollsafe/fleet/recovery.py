@@ -330,8 +330,9 @@ class RecoveryCoordinator:
         """Queue a recovery of ``group_id`` and return its future; never blocks.
 
         An ``unplaced`` group (its node died) is placed again first
-        (:func:`rollsafe.operations.place.attempt`); ``catch_up``: the group was added at
-        runtime and waits in ``pending_weights``: only the targeted push runs.
+        (:func:`rollsafe.operations.place.attempt`); ``catch_up``: the group waits in
+        ``pending_weights`` (added at runtime, or marked stale by a sync: :meth:`on_group_stale`):
+        only the targeted push runs.
 
         Idempotent: while a recovery of this group is queued or running, the same future is
         returned. Raises :class:`RecoveryClosed` after :meth:`close`, :class:`UnknownGroup`
@@ -366,6 +367,28 @@ class RecoveryCoordinator:
         """The :class:`~rollsafe.fleet.sync.SyncCoordinator` and request-health callback:
         enqueue the group whose update (or requests) failed."""
         self.submit(group_id, reason=reason)
+
+    def on_group_stale(self, group_id: str, reason: str) -> None:
+        """The :class:`~rollsafe.fleet.sync.SyncCoordinator` callback for a group a sync marked
+        stale (back ``active`` below the new version while its update ran): enqueue the
+        targeted push of the registered checkpoint alone (``catch_up``); a push that cannot
+        happen leaves it in ``pending_weights`` for the next sync.
+
+        The recovery whose restart brought it back is usually still finishing (its result not
+        yet recorded): :meth:`submit` would hand back that run's future and the push would
+        never run, so the push is queued when that run ends."""
+        with self._lock:
+            running = self._inflight.get(group_id)
+        if running is None or running.done():
+            self._submit_push(group_id, reason)
+            return
+        running.add_done_callback(lambda _f: self._submit_push(group_id, reason))
+
+    def _submit_push(self, group_id: str, reason: str) -> None:
+        try:
+            self.submit(group_id, reason=reason, catch_up=True)
+        except (RecoveryClosed, UnknownGroup) as exc:  # closing, or the group was removed
+            log.info("%s: no push for stale %s: %s", self.name, group_id, exc)
 
     def recover_inactive(self) -> list[str]:
         """Submit every ``inactive`` group not already being recovered (e.g. after a skip,

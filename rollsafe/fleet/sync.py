@@ -184,6 +184,9 @@ class SyncReport:
     failed: list[str] = field(default_factory=list)
     not_targeted: dict[str, str] = field(default_factory=dict)
     marked_stale: list[str] = field(default_factory=list)
+    #: of ``marked_stale``: back ``active`` below N during the update, each handed to the
+    #: recovery coordinator for the targeted push of N (``on_group_stale``)
+    latecomers: list[str] = field(default_factory=list)
     weights_loaded: list[str] = field(default_factory=list)
     failed_groups: list[str] = field(default_factory=list)
     update_results: dict[str, TargetResult] = field(default_factory=dict)
@@ -210,6 +213,7 @@ class SyncReport:
             "failed": list(self.failed),
             "not_targeted": dict(self.not_targeted),
             "marked_stale": list(self.marked_stale),
+            "latecomers": list(self.latecomers),
             "weights_loaded": list(self.weights_loaded),
             "failed_groups": list(self.failed_groups),
             "update_results": {
@@ -241,6 +245,10 @@ class SyncCoordinator:
 
     ``on_update_failure``: ``"fail"`` (default) sends ``fail`` to a group whose update failed and
     calls ``on_group_failed(group_id, reason)`` (give it the recovery coordinator's ``submit``);
+    a group that came back ``active`` below N while the update ran is marked stale and given to
+    ``on_group_stale(group_id, reason)`` (the coordinator's
+    :meth:`~rollsafe.fleet.recovery.RecoveryCoordinator.on_group_stale`: the targeted push of
+    N alone; None: it waits in ``pending_weights`` for the next sync);
     ``"stale"`` leaves such a group ``pending_weights`` for the next sync instead, but only when
     its engine kept the weights it had (``traits_for(group)``, a
     :class:`~rollsafe.policy.EngineTraits`; default: the reference engine in the group's client
@@ -263,6 +271,7 @@ class SyncCoordinator:
         health: _HealthPause | None = None,
         on_update_failure: UpdateFailurePolicy = "fail",
         on_group_failed: Callable[[str, str], object] | None = None,
+        on_group_stale: Callable[[str, str], object] | None = None,
         abandon_wait_s: float = 10.0,
         transport_lock: threading.RLock | None = None,
         traits_for: Callable[[WorkerGroup], policy.EngineTraits] | None = None,
@@ -284,6 +293,7 @@ class SyncCoordinator:
         self.health = health
         self.on_update_failure: UpdateFailurePolicy = on_update_failure
         self.on_group_failed = on_group_failed
+        self.on_group_stale = on_group_stale
         self.abandon_wait_s = abandon_wait_s
         self.traits_for = traits_for or default_traits
         self.transport_lock = transport_lock or shared_transport_lock(transport)
@@ -412,6 +422,7 @@ class SyncCoordinator:
         report.failed = list(result.failed)
         report.failed_groups = list(result.failed_groups)
         report.marked_stale = list(result.marked_stale)
+        report.latecomers = list(result.latecomers)
         report.weights_loaded = list(result.weights_loaded)
         report.export_started = result.export_started
         report.export_error = result.export_error
@@ -478,24 +489,32 @@ class TransportLocking(Executor):
 class HandOffs(Executor):
     """The one handler of :class:`~rollsafe.operations.effects.HandOff`: a failed group goes
     to ``on_group_failed(group_id, reason_for(group_id))`` (the recovery's
-    ``on_update_failed``: it only enqueues); one that raises is logged, never propagated."""
+    ``on_update_failed``: it only enqueues), a stale one (``push_only``) to
+    ``on_group_stale(group_id, reason)`` (the recovery's ``on_group_stale``: the targeted push
+    alone); a callback that raises is logged, never propagated."""
 
     def __init__(
         self,
         on_group_failed: Callable[[str, str], object] | None,
         reason_for: Callable[[str], str],
+        on_group_stale: Callable[[str, str], object] | None = None,
     ) -> None:
         self.on_group_failed = on_group_failed
         self.reason_for = reason_for
+        self.on_group_stale = on_group_stale
 
     @handles(fx.HandOff)
     def hand_off(self, effect: fx.HandOff) -> fx.Outcome[None]:
-        if self.on_group_failed is None:
+        if effect.push_only:
+            callback, reason = self.on_group_stale, "back below the fleet's version"
+        else:
+            callback, reason = self.on_group_failed, self.reason_for(effect.group)
+        if callback is None:
             return fx.DONE
         try:
-            self.on_group_failed(effect.group, self.reason_for(effect.group))
+            callback(effect.group, reason)
         except Exception:
-            log.exception("on_group_failed raised for %s", effect.group)
+            log.exception("the hand-off of %s raised", effect.group)
         return fx.DONE
 
 
@@ -527,7 +546,9 @@ class _SyncRun(Executor):
         self.bracket = contextlib.ExitStack()  # around_update (#17), inside the health pause
         self.paused = False
         self.locking = TransportLocking(coordinator.transport_lock)
-        self.hand_offs = HandOffs(coordinator.on_group_failed, self._failure_reason)
+        self.hand_offs = HandOffs(
+            coordinator.on_group_failed, self._failure_reason, coordinator.on_group_stale
+        )
         self.handle: Any = None  # the previous export's handle, once observed
         self.groups: dict[str, WorkerGroup] = {}
         self.targets: list[EngineTarget] = []

@@ -295,9 +295,12 @@ class SendGroup(Effect[str]):
 
 @dataclass(frozen=True)
 class HandOff(Effect[None]):
-    """Hand failed group ``group`` to the recovery coordinator."""
+    """Hand ``group`` to the recovery coordinator: a failed group to be recovered, or
+    (``push_only``) a group marked stale at the fleet's version, up and waiting in
+    ``pending_weights``, to be given only the targeted push of the registered checkpoint."""
 
     group: str
+    push_only: bool = False
 
 
 @dataclass(frozen=True)

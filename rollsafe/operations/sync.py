@@ -15,8 +15,8 @@ on the real fleet, :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``):
 5. **settle**: updated groups record N, the fleet version becomes N, the settlement's events
    are sent (``fail`` / ``mark_stale`` / ``weights_loaded``); the groups are read again and
    one that came back ``active`` below N while the update ran is marked stale
-   (``settle_latecomers``); failed groups are handed to recovery; the transport's lock is
-   released;
+   (``settle_latecomers``) and handed over for the targeted push of N alone; failed groups are
+   handed to recovery; the transport's lock is released;
 6. ``onload_trainer``, **resume**; when the trainer's tensors are back, **start the export**
    of N.
 """
@@ -81,6 +81,9 @@ class SyncResult:
     marked_stale: tuple[str, ...] = ()
     weights_loaded: tuple[str, ...] = ()
     handed_off: tuple[str, ...] = ()
+    #: marked stale by ``settle_latecomers`` (back below N during the update), each handed
+    #: over for the targeted push of N
+    latecomers: tuple[str, ...] = ()
     export_started: bool = False
     export_error: str | None = None
 
@@ -146,13 +149,17 @@ def sync(version: int, *, on_failure: policy.UpdateFailurePolicy = "fail") -> St
             sent.setdefault(event, []).append(gid)
     # a group that came back ``active`` during the update, below N (docs/design.md, "Sync")
     now = yield from read(ReadGroups())
+    late: list[str] = []
     for gid, event in policy.settle_latecomers(version, now, settlement.updated):
         outcome = yield from ask(SendGroup(gid, event, "settle_latecomers"))
         if isinstance(outcome, Ok):
             sent.setdefault(event, []).append(gid)
+            late.append(gid)
     handed = tuple(g for g in settlement.recover if g in sent.get(GroupEvent.FAIL, ()))
     for gid in handed:
         yield HandOff(gid)
+    for gid in late:  # up at N-1: the push of N, now, not at the next sync
+        yield HandOff(gid, push_only=True)
     yield UnlockTransport()
 
     trainer = yield from ask(Hook("onload_trainer"))
@@ -169,6 +176,7 @@ def sync(version: int, *, on_failure: policy.UpdateFailurePolicy = "fail") -> St
         marked_stale=tuple(sent.get(GroupEvent.MARK_STALE, ())),
         weights_loaded=tuple(sent.get(GroupEvent.WEIGHTS_LOADED, ())),
         handed_off=handed,
+        latecomers=tuple(late),
     )
     if not isinstance(trainer, Ok):  # the fleet moved on, but the tensors are not there
         error = bound_text(f"onload_trainer failed: {trainer.error}", _MAX_ERROR)

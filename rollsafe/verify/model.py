@@ -1042,7 +1042,8 @@ class FleetModel(Executor):
         fx.UnlockTransport,
         fx.Pause,
         fx.Resume,
-        fx.HandOff,  # the model's recovery is its own action (``recover``)
+        fx.HandOff,  # the model's recovery is its own action (``recover``; a stale group's
+        # push alone, ``push_only``, is ``push``, enabled for every ``pending_weights`` group)
         fx.NoteStep,
         fx.GetEngine,
         fx.AwaitHealthy,
