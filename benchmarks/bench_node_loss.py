@@ -324,6 +324,11 @@ def checks(
 
 
 # ------------------------------------------------------------------ the run
+#: how long a request waits for a routable group (the demo's ``--nodes`` bound: a node loss
+#: may take every group out until they are placed again)
+WAIT_FOR_ROUTABLE_S = 150.0
+
+
 def fleet_config(span: bool, model_dir: Path, scratch: Path) -> FleetConfig:
     groups = (
         [GroupSpec(ranks=2, ranks_per_node=1), GroupSpec(ranks=2)]
@@ -342,6 +347,10 @@ def fleet_config(span: bool, model_dir: Path, scratch: Path) -> FleetConfig:
         ray=RaySettings(resources_per_rank={"rollout": 1.0}, placement_timeout_s=60.0),
         health=HealthSettings(interval_s=0.2, timeout_s=1.0, failure_threshold=2),
         start_timeout_s=240.0,
+        # a node loss takes one of the two groups out; a request (or a cut one's continuation)
+        # that finds the other out too (its probes timed out on a loaded machine) waits for a
+        # routable group, as the demo's --nodes runs do, instead of failing at once
+        wait_for_routable_s=WAIT_FOR_ROUTABLE_S,
     )
 
 
