@@ -347,13 +347,13 @@ def test_a_group_back_below_the_version_during_a_sync_is_pushed_the_version_at_o
     gate = sim.handles["g1"].gate = threading.Event()
     fail_group(sim.reg, "g1")
     first = rc.submit("g1", failed_at=time.time())
-    assert wait_until(lambda: sim.handles["g1"].calls != [])  # restarting from v1's export
+    assert wait_for(lambda: sim.handles["g1"].calls != [], WAIT_S)  # restarting from v1's export
 
     class BackDuringUpdate(MemoryTransport):
         def update(self, targets: Any) -> Any:
             if not gate.is_set():  # the sync's update (the push comes after)
                 gate.set()
-                assert wait_until(lambda: sim.reg.get("g1").state == "active")  # at v1
+                assert wait_for(lambda: sim.reg.get("g1").state == "active", WAIT_S)  # at v1
                 if its_recovery == "ended":
                     first.result(WAIT_S)
             return super().update(targets)
@@ -373,7 +373,7 @@ def test_a_group_back_below_the_version_during_a_sync_is_pushed_the_version_at_o
     assert report.ok and report.updated == ["g0"], report
     assert report.marked_stale == report.latecomers == ["g1"]
     assert first.result(WAIT_S).status == "active" and first.result().export_version == 1
-    assert wait_until(lambda: len(rc.recoveries()) == 2) and rc.wait_idle(WAIT_S)
+    assert wait_for(lambda: len(rc.recoveries()) == 2, WAIT_S) and rc.wait_idle(WAIT_S)
     push = rc.recoveries()[-1]
     assert (push.group_id, push.status, push.strategy) == ("g1", "active", "targeted_push")
     assert names(push) == ["push"] and "v2" in push.reason
@@ -386,15 +386,6 @@ def test_a_group_back_below_the_version_during_a_sync_is_pushed_the_version_at_o
         "mark_stale",
         "weights_loaded",
     ]
-
-
-def wait_until(cond: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_deferred_without_transport_or_when_subset_push_is_impossible(sim: SimFleet) -> None:
