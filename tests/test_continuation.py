@@ -333,6 +333,11 @@ def test_group_failing_requests_but_passing_probes_is_taken_out(
         assert rh["failed_requests"]["g1"] >= fleet.config.health.failure_threshold
         assert "g1" not in fleet.health.stats()["failure_counts"]  # not a probe failure
         assert fleet.snapshot()["request_health"]["groups_failed"][0]["group"] == "g1"
+        # the timeline's fail row says why (the same words request health reports)
+        fails = [r for r in fleet.timeline() if r["subject"] == "g1" and r["event"] == "fail"]
+        assert fails and fails[0]["inputs"]["decided_by"] == "judge_request_failures"
+        assert fails[0]["inputs"]["reason"] == rh["groups_failed"][0]["reason"]
+        assert "consecutive failed request(s)" in fails[0]["inputs"]["reason"]
 
 
 def test_vllm_abort_pause_continues_the_request_after_resume(

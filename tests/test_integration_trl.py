@@ -4,7 +4,9 @@ Llama on the CPU, TRL 1.16's own training loop.
 The main test runs GRPO for four optimizer steps with gradient accumulation (two micro-batches
 per step, so TRL's ``steps_per_generation`` and ``_last_loaded_step`` decide when it generates
 and syncs) on two engine groups, and SIGKILLs one group's engine while step 2's completions are
-being generated. It checks what the issue asks: training finishes; every completion came from
+being generated (the reference engine holds one of the victim's generations at 4 tokens until
+the kill, its one-shot ``/fault/stall``: the kill lands mid-generation however far a loaded
+reader lags). It checks what the issue asks: training finishes; every completion came from
 engines at the trainer's version (segments included); after every sync each serving engine's
 weights equal the trainer's (the engines' own weight checker against
 ``rollsafe.checksum.weights_checksum``); the loss is finite; the logprobs TRL's loss used are the
@@ -37,7 +39,7 @@ if sys.version_info < (3, 11):  # rollsafe[trl] leaves TRL out there; anywhere e
     pytest.skip("TRL 1.16 needs Python >= 3.11", allow_module_level=True)
 
 import torch
-from engine_helpers import engine_factory, tiny_model_dir  # noqa: F401  (fixtures)
+from engine_helpers import engine_factory, stall_groups, tiny_model_dir  # noqa: F401
 from trace_support import assert_run_replays
 
 from rollsafe.adapters.engines import EngineSpec, SGLangClient, VLLMClient
@@ -180,10 +182,12 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
         # socket): longer completions keep the kill mid-generation
         length = 96
     else:
-        # the tiny model too can finish 12 tokens before the kill lands on a loaded machine
-        # (CI: killed at 3 tokens, no completion cut; 48 fell short in the GPU script's CPU
-        # rehearsal too): 128 keep it mid-generation
-        model_dir, kind, length = tiny_model_dir, _reference("sglang"), 128
+        # the tiny model's whole answer can be out before the kill lands on a loaded machine
+        # (the reader sees tokens in bursts far behind the engine): the victim holds one
+        # generation at KILL_AFTER_TOKENS + 1 (its one-shot stall, armed on it alone once the
+        # crash step's sync is done), so the kill at KILL_AFTER_TOKENS lands mid-generation
+        model_dir, kind, length = tiny_model_dir, _reference("sglang"), 48
+        kind["engine"]["fault_injection"] = True
     model, tokenizer = _model(model_dir)
     probe = model if engine_kind == "real-vllm" else None  # how engine weights are compared
     engine = EngineSpec(model_path=str(model_dir), **kind.pop("engine"))
@@ -204,8 +208,12 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
         }
         trainer_box: list[Any] = []
 
+        armed: list[str] = []  # the victim, when its engine holds a generation (reference)
+
         def on_progress(gid: str, tokens: int) -> None:
             step = trainer_box[0].state.global_step if trainer_box else -1
+            if armed and gid != armed[0]:
+                return  # the survivor is never killed
             if step == CRASH_STEP and tokens >= KILL_AFTER_TOKENS and not killed:
                 killed[gid] = tokens
                 launcher = fleet.launcher(gid)
@@ -216,6 +224,10 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
                     launcher.kill()
 
         def on_sync(report: SyncReport) -> None:
+            if report.version == CRASH_STEP and engine_kind != "real-vllm":
+                victim = sorted(g.group_id for g in fleet.registry.routable())[0]
+                stall_groups(fleet, KILL_AFTER_TOKENS + 1, [victim])
+                armed.append(victim)
             synced.append(_snapshot(model))
             syncs.append((report.version, _engine_checks(fleet, synced[-1], probe)))
 

@@ -111,6 +111,7 @@ def test_at_the_threshold_the_group_is_failed_then_handed_over_in_this_order() -
     send = effects[-2]
     assert isinstance(send, fx.SendGroup)
     assert (send.group, send.event, send.decided_by) == ("g2", GroupEvent.FAIL, "judge_probe")
+    assert send.reason == "rank 5 unhealthy"  # kept with the fail's transition
     failed = effects[-1]
     assert failed == fx.GroupFailed("g2", (5,), 2, "rank 5 unhealthy", policy.Handoff.ENQUEUE)
     assert end == ProbeEnd(applied=True, failed=True)
@@ -179,6 +180,11 @@ def test_the_health_manager_runs_the_sequence_once_per_probed_group(
     finally:
         assert hm.stop()
     assert r.failed_groups == ("g1",) and reg.get("g1").state == "inactive"
+    # the fail's transition keeps what the probe saw (a recorded run's fail row says why)
+    fail = [t for t in reg.get("g1").machine.history if t.event == "fail"]
+    assert len(fail) == 1
+    inputs = dict(fail[0].inputs)
+    assert (inputs["decided_by"], inputs["reason"]) == ("judge_probe", "probe answered unhealthy")
     assert [k for g, k in seen if g == "g0"] == [
         "ProbeMembers",
         "LockHealth",

@@ -543,6 +543,51 @@ def test_a_group_lost_after_a_syncs_register_and_before_it_read_the_groups_repla
     assert result.ok and result.replayed == result.transitions, result.divergence
 
 
+def test_a_node_lost_and_a_group_failed_inside_one_sync_before_it_read_them_replay() -> None:
+    """Two groups moved inside one sync after its register and before it read them (the soak
+    smoke's seed 656784: the sync's pause waited on a SIGSTOPped engine, g0's; a node's loss
+    took g1 out and placed it again, then g0's probes failed it and the recovery claimed it).
+    The replay takes each alone before a sync; it must take both: without that candidate the
+    sync it offers updates one of them, and the run's next registration transition is the
+    next sync's register."""
+    config = ModelConfig(groups=2, ranks=1, removals=0, failure_threshold=1)
+    run = [
+        Action("launch", (0, 0)),
+        Action("launch", (1, 0)),
+        Action("sync", (True, None, "fail")),
+        Action("export_finish"),
+        Action("node_dies", ((1,),)),
+        Action("node_lost"),
+        Action("place", (1,)),
+        Action("probe_timeout", (0,)),
+        Action("recover", (0,)),
+        Action("sync", (True, None, "fail")),
+        Action("export_finish"),
+        Action("sync", (True, None, "fail")),
+    ]
+    rows = rows_of_model_run(config, run)
+    moved = [
+        r
+        for r in rows
+        if r["kind"] == "group" and r["event"] in ("node_lost", "placed", "fail", "claim")
+    ]
+    assert [(r["subject"], r["event"]) for r in moved] == [
+        ("g1", "node_lost"),
+        ("g1", "placed"),
+        ("g0", "fail"),
+        ("g0", "claim"),
+    ]
+    rest = [r for r in rows if all(r is not x for x in moved)]
+    registers = [i for i, r in enumerate(rest) if r.get("event") == "register_ok"]
+    second = registers[1]  # the sync that read both groups out of routing: no update
+    assert rest[second + 1].get("event") != "begin_update", rest[second + 1]
+    recorded = [*rest[: second + 1], *moved, *rest[second + 1 :]]
+    for i, r in enumerate(recorded):  # the order the run recorded them in
+        r["t"] = r["timestamp"] = i / 1000
+    result = replay_run(recorded)
+    assert result.ok and result.replayed == result.transitions, result.divergence
+
+
 @pytest.mark.parametrize(
     ("archive", "interleaving"),
     [
@@ -551,6 +596,9 @@ def test_a_group_lost_after_a_syncs_register_and_before_it_read_the_groups_repla
         # a node removed while the sync's pause waited on its engines; a restart into
         # ``pending_weights`` after a register, read by that sync and updated
         ("seed1027985072_vllm.tgz", ("node_lost", "placed", "restarted")),
+        # the soak smoke (CI, 2026-12-06): both at once in sync v10, a node's loss re-placing
+        # v1 and the SIGSTOPped v0 failed by its probes and claimed
+        ("seed656784_vllm.tgz", ("node_lost", "placed", "fail", "claim")),
     ],
 )
 def test_the_hours_recorded_vllm_fleets_replay_with_no_divergence(
@@ -558,9 +606,10 @@ def test_the_hours_recorded_vllm_fleets_replay_with_no_divergence(
 ) -> None:
     """The vLLM fleets of two hour-long soaks (``benchmarks/soak.py --minutes 60``, the seeds
     in the names; ``fleet.json`` and the streamed ``stream.jsonl``, about 1,700 transitions
-    each) replay whole with no divergence. Each has groups that moved inside a sync, after its
-    register and before it read the groups (the transitions named), which the replay takes
-    before that sync; without those candidates both diverged (the soak's trace violation)."""
+    each) and of one smoke soak (``--smoke``, 178) replay whole with no divergence. Each has
+    groups that moved inside a sync, after its register and before it read the groups (the
+    transitions named), which the replay takes before that sync; without those candidates
+    each diverged (the soak's trace violation)."""
     import tarfile
 
     with tarfile.open(Path(__file__).parent / "data" / "soak_runs" / archive) as tar:
@@ -587,4 +636,4 @@ def test_the_hours_recorded_vllm_fleets_replay_with_no_divergence(
     assert set(interleaving) <= inside, inside
     result = replay_run(rows, partial=run.partial)
     assert result.ok, result.divergence.format() if result.divergence else ""
-    assert result.replayed == result.transitions > 1500
+    assert result.replayed == result.transitions > (100 if "656784" in archive else 1500)

@@ -8,8 +8,11 @@ device="cuda")``) generate on the same GPU; after every optimizer step TRL's syn
 weights with ``transport="nccl"`` over NCCL (backend ``nccl``) through vLLM's weight-transfer
 endpoints (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``, spoken by :class:`~rollsafe.adapters.engines.VLLMClient`). At step
-``--crash-at`` the engine of the group that is streaming a completion is SIGKILLed once it has
-sent 3 tokens; the fleet recovers it (immediate recovery from the verified export) while the
+``--crash-at`` one group (the victim, the first routable one) holds one of its generations at 4
+tokens (the reference engine's one-shot ``/fault/stall``, armed on the victim alone once that
+step's sync is done) and its engine is SIGKILLed once it has sent 3 tokens, so the kill lands
+mid-generation however far the reader lags; the cut completion is continued on the other group
+and the fleet recovers the victim (immediate recovery from the verified export) while the
 other group serves. After every sync and at the end every serving engine's weights are checked
 against the trainer's with :meth:`RolloutFleet.check_weights` (tensor by tensor, in the engine's
 own layout; verdict ``equal``).
@@ -59,6 +62,22 @@ TRAINER_NCCL_ENV = {
 ENGINE_NCCL_ENV = {**TRAINER_NCCL_ENV, "NCCL_HOSTID": "rollsafe-trl-engine"}
 PROMPTS = ["The rollout engine", "Hello world", "A weight update", "When an engine crashes"]
 KILL_AFTER_TOKENS = 3
+
+
+def stall(url: str, after_tokens: int) -> None:
+    """Arm the reference engine's one-shot stall (``POST /fault/stall``): its next generation to
+    reach ``after_tokens`` output tokens makes no more until aborted or the engine dies."""
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"{url}/fault/stall",
+        data=json.dumps({"after_tokens": after_tokens}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        if r.status != 200:
+            raise RuntimeError(f"arming the stall on {url} answered {r.status}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -168,14 +187,17 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         "layers": model.config.num_hidden_layers,
         "make_s": round(time.perf_counter() - t0, 3),
     }
-    # long enough that the kill after KILL_AFTER_TOKENS still lands mid-generation on a loaded
-    # CPU machine (the engine keeps generating while the callback's thread waits for a core;
-    # on CI 48 tokens of the tiny CPU model were not enough: killed, nothing cut)
+    # The kill lands mid-generation by construction, not by length: the victim's engine holds
+    # one generation at KILL_AFTER_TOKENS + 1 tokens (its one-shot /fault/stall, armed on the
+    # victim alone when the crash step's sync is done) until the kill. A loaded machine's reader
+    # sees tokens in bursts far behind the engine: a stream 128 tokens long was already whole
+    # when the callback saw 3 (stress run, 2026-12-06) and nothing was cut.
     length = args.completion_length or (128 if args.smoke else 48)
     engine_options: dict[str, Any] = {
         "dialect": "vllm",
         "device": "cuda" if cuda else "cpu",
         "log_dir": str(work / "engine-logs"),
+        "fault_injection": True,  # the victim's stall (never armed on the survivor)
     }
     if cuda:
         engine_options["env"] = ENGINE_NCCL_ENV
@@ -211,9 +233,16 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         result["fleet"]["start_s"] = round(time.perf_counter() - t_start, 3)
         result["initial_check"] = check_fleet(fleet, synced[0], cuda)
 
+        armed: dict[str, str] = {}
+
         def on_progress(gid: str, tokens: int) -> None:
             step = trainer_box[0].state.global_step if trainer_box else -1
-            if step == args.crash_at and tokens >= KILL_AFTER_TOKENS and not killed:
+            if (
+                step == args.crash_at
+                and gid == armed.get("group")
+                and tokens >= KILL_AFTER_TOKENS
+                and not killed
+            ):
                 pids = list(fleet.launcher(gid).rank_pids)
                 killed.update(group=gid, tokens=tokens, pids=pids, at=time.time())
                 for pid in pids:
@@ -221,6 +250,11 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
         def on_sync(report: SyncReport) -> None:
             done = time.time()
+            if report.version == args.crash_at and not armed:
+                # the crash step's generation comes next: hold one of the victim's generations
+                victim = sorted(g.group_id for g in fleet.registry.routable())[0]
+                stall(fleet.launcher(victim).url, KILL_AFTER_TOKENS + 1)
+                armed["group"] = victim
             synced.append(snapshot())
             t = time.perf_counter()
             checks = check_fleet(fleet, synced[-1], cuda)

@@ -251,5 +251,7 @@ def timeline_table(timeline: Sequence[dict[str, Any]], t0: float) -> str:
     for r in timeline:
         name = f"{r['kind']} {r['subject']}"
         move = f"{r['source']} -> {r['target']}"
+        why = (r.get("inputs") or {}).get("reason")
+        move += f" ({why})" if why else ""
         out.append(f"{r['timestamp'] - t0:8.3f}  {name:<28} {r['event']:<16} {move}")
     return "\n".join(out)

@@ -83,13 +83,15 @@ class RequestHealth:
                 self._counts[group_id] = (generation, n)
                 return
             self._counts.pop(group_id, None)
+        message = bound_text(f"{n} consecutive failed request(s): {reason}", 512)
         try:
             for event in events:
-                self.registry.send(group_id, event, decided_by="judge_request_failures")
+                self.registry.send(
+                    group_id, event, decided_by="judge_request_failures", reason=message
+                )
         except TransitionRefused as exc2:  # it moved meanwhile (a probe failed it first...)
             log.info("request health: could not fail group %s: %s", group_id, exc2)
             return
-        message = bound_text(f"{n} consecutive failed request(s): {reason}", 512)
         with self._lock:
             self._groups_failed.append(
                 {"group": group_id, "failures": n, "reason": message, "timestamp": time.time()}

@@ -413,10 +413,12 @@ def render_svg(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) -
         for r in rows:
             if r["kind"] == "group" and r["subject"] == gid and r["event"] == "fail":
                 cx = x(_t(r))
+                why = (r.get("inputs") or {}).get("reason")
                 lane.append(
                     _el(
                         "path",
-                        title=f"{gid} detected failed (out of routing) at {_t(r):.3f} s",
+                        title=f"{gid} detected failed (out of routing) at {_t(r):.3f} s"
+                        + (f": {why}" if why else ""),
                         d=f"M{cx - 5} {y - 7} L{cx + 5} {y - 7} L{cx} {y} Z",
                         fill="#000000",
                         class_="detection",

@@ -286,11 +286,14 @@ class SetFleetVersion(Effect[None]):
 @dataclass(frozen=True)
 class SendGroup(Effect[str]):
     """Send ``event`` to group ``group`` (decided by ``decided_by``): :class:`Ok`, or
-    :class:`Failed` when its machine refused it (it moved meanwhile)."""
+    :class:`Failed` when its machine refused it (it moved meanwhile). ``reason``, when given,
+    is kept with the transition's inputs (a probe's ``fail`` says what the probe saw: the
+    recorded run's ``fail`` row carries it)."""
 
     group: str
     event: GroupEvent
     decided_by: str
+    reason: str | None = None
 
 
 @dataclass(frozen=True)

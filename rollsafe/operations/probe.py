@@ -81,11 +81,10 @@ def probe(group: str, threshold: int) -> Steps[ProbeEnd]:
     if not verdict.events:
         return ProbeEnd(applied=True)
 
+    why = reason or "unhealthy"
     for event in verdict.events:
-        sent = yield from ask(SendGroup(group, event, "judge_probe"))
+        sent = yield from ask(SendGroup(group, event, "judge_probe", reason=why))
         if not isinstance(sent, Ok):  # it moved meanwhile (someone else failed it first...)
             return ProbeEnd(applied=True)
-    yield GroupFailed(
-        group, verdict.report_unhealthy, threshold, reason or "unhealthy", verdict.handoff
-    )
+    yield GroupFailed(group, verdict.report_unhealthy, threshold, why, verdict.handoff)
     return ProbeEnd(applied=True, failed=True)

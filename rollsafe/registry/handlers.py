@@ -64,7 +64,10 @@ class RegistryEffects(Executor):
         if audit is not None:
             audit.decided(effect.decided_by, (effect.event,))
         try:
-            record = self.registry.send(effect.group, effect.event, decided_by=effect.decided_by)
+            inputs: dict[str, str] = {"decided_by": effect.decided_by}
+            if effect.reason is not None:
+                inputs["reason"] = effect.reason
+            record = self.registry.send(effect.group, effect.event, **inputs)
         except (TransitionRefused, UnknownGroup) as exc:
             self._refused(effect.decided_by, effect.group, effect.event, str(exc))
             return fx.Failed(str(exc))

@@ -681,16 +681,22 @@ class _Replayer:
             return (Action("sync", (*args, *tail)),)
 
         yield sync()
+        # Groups that moved inside this sync before it read them, each taken first (they touch
+        # nothing the register reads); ``moved`` keeps each with the time of its first
+        # recorded transition, for the candidate that takes them all
+        moved: list[tuple[float, tuple[Action, ...]]] = []
         # a serving group failed (its probes or its requests) and claimed inside this sync,
         # before the sync read the groups: the health thread's round in flight when the sync
         # paused it, while the sync's pause waited on the same hung engine (the hour's seed
         # 1635132711: a SIGSTOPped vLLM). The sync read it ``recovering`` and left it out; the
-        # model takes the loss and the claim first, which touch nothing the register reads
+        # model takes the loss and the claim first
         for g in range(self.config.total_groups):
             claim = self._lost_before_read(g, begin)
             if claim is not None:
                 probe = Action("probe_timeout", (g,))
-                yield (probe, Action("recover", self._lease_args(g, claim)), *sync())
+                steps: tuple[Action, ...] = (probe, Action("recover", self._lease_args(g, claim)))
+                moved.append((self._next_t(g), steps))
+                yield (*steps, *sync())
         # a recovery's restart that ended there (into ``pending_weights``: the sync read the
         # group waiting for weights and updated it)
         for g in range(self.config.total_groups):
@@ -702,14 +708,24 @@ class _Replayer:
                 and head.t >= begin.t
                 and self._before_read(head)
             ):
-                yield (Action("restart", (g, True)), *sync())
+                steps = (Action("restart", (g, True)),)
+                moved.append((head.t, steps))
+                yield (*steps, *sync())
         # likewise a node lost there (the hour's seed 1027985072: the sync's pause waited on
         # the engines of a node being removed): its groups ``node_lost``, then placed again
         placed = self._placed_before_read(begin)
         if placed:
             lost = tuple(sorted(placed))
             places = (Action("place", self._lease_args(g, placed[g])) for g in lost)
-            yield (Action("node_dies", (lost,)), Action("node_lost"), *places, *sync())
+            steps = (Action("node_dies", (lost,)), Action("node_lost"), *places)
+            moved.append((min(self._next_t(g) for g in lost), steps))
+            yield (*steps, *sync())
+        if len(moved) > 1:
+            # more than one of them in the same sync (the soak smoke, seed 656784: a node's
+            # loss re-placed one group while the SIGSTOPped engine of the other was failed by
+            # its probes and claimed, all while the sync's pause waited): all, as recorded
+            moved.sort(key=lambda m: m[0])
+            yield (*(a for _, steps in moved for a in steps), *sync())
         if hook in _HOOKS_BEFORE_UPDATE:  # a trainer-side exception before the update
             return  # nothing was updated: no restart or loss can have ended inside it
         # a recovering group whose restart ended while this sync's update ran (the model's
@@ -723,6 +739,11 @@ class _Replayer:
                 yield sync(during=g)
             elif head is not None and head.event == "fail" and self._lost_in_update(g):
                 yield sync(tuple(sorted({*failing, (g, 0)})), g)
+
+    def _next_t(self, g: int) -> float:
+        """The time of group ``g``'s next recorded transition (infinity: none left)."""
+        head = self.trace.head(("group", f"g{g}"))
+        return head.t if head is not None else float("inf")
 
     def _lost_before_read(self, g: int, begin: RecordedTransition) -> RecordedTransition | None:
         """The ``claim`` of serving group ``g`` when its next transitions are a ``fail`` (by
