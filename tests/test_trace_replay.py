@@ -588,6 +588,47 @@ def test_a_node_lost_and_a_group_failed_inside_one_sync_before_it_read_them_repl
     assert result.ok and result.replayed == result.transitions, result.divergence
 
 
+def test_a_group_lost_before_a_sync_read_and_another_back_during_its_update_replay() -> None:
+    """Both kinds of move inside one sync: g1's engine hangs, its probes fail it and the
+    recovery claims it after the sync's register and before the sync read the groups, and
+    g0's restart (claimed earlier) ends while the sync updates g2 (the model's ``during``).
+    The replay takes the loss before the sync and the restart inside it, in one candidate."""
+    config = ModelConfig(groups=3, ranks=1, removals=0, failure_threshold=1)
+    run = [
+        Action("launch", (0, 0)),
+        Action("launch", (1, 0)),
+        Action("launch", (2, 0)),
+        Action("sync", (True, None, "fail")),
+        Action("export_finish"),
+        Action("probe_timeout", (0,)),
+        Action("recover", (0,)),
+        Action("probe_timeout", (1,)),
+        Action("recover", (1,)),
+        Action("sync", (True, None, "fail", None, (), 0)),  # g0's restart ends in the update
+    ]
+    model = FleetModel(config)
+    for action in run:
+        assert model.apply(action), action
+    assert [g.state for g in model.groups] == ["pending_weights", "recovering", "active"]
+    rows = rows_of_model_run(config, run)
+    lost = [
+        r
+        for r in rows
+        if r["kind"] == "group" and r["subject"] == "g1" and r["event"] in ("fail", "claim")
+    ]
+    assert [r["event"] for r in lost] == ["fail", "claim"]
+    rest = [r for r in rows if all(r is not x for x in lost)]
+    registers = [i for i, r in enumerate(rest) if r.get("event") == "register_ok"]
+    second = registers[1]
+    after = [r["event"] for r in rest[second + 1 :] if r["kind"] in ("group", "registration")]
+    assert after[:3] == ["restarted", "begin_update", "update_done"], after  # g2 updated
+    recorded = [*rest[: second + 1], *lost, *rest[second + 1 :]]
+    for i, r in enumerate(recorded):  # the order the run recorded them in
+        r["t"] = r["timestamp"] = i / 1000
+    result = replay_run(recorded)
+    assert result.ok and result.replayed == result.transitions, result.divergence
+
+
 @pytest.mark.parametrize(
     ("archive", "interleaving"),
     [

@@ -720,12 +720,14 @@ class _Replayer:
             steps = (Action("node_dies", (lost,)), Action("node_lost"), *places)
             moved.append((min(self._next_t(g) for g in lost), steps))
             yield (*steps, *sync())
+        # all of them, as recorded: more than one in the same sync (the soak smoke, seed
+        # 656784: a node's loss re-placed one group while the SIGSTOPped engine of the other
+        # was failed by its probes and claimed, all while the sync's pause waited), or any
+        # with a restart that ended or a loss inside the update (below)
+        moved.sort(key=lambda m: m[0])
+        before = tuple(a for _, steps in moved for a in steps)
         if len(moved) > 1:
-            # more than one of them in the same sync (the soak smoke, seed 656784: a node's
-            # loss re-placed one group while the SIGSTOPped engine of the other was failed by
-            # its probes and claimed, all while the sync's pause waited): all, as recorded
-            moved.sort(key=lambda m: m[0])
-            yield (*(a for _, steps in moved for a in steps), *sync())
+            yield (*before, *sync())
         if hook in _HOOKS_BEFORE_UPDATE:  # a trainer-side exception before the update
             return  # nothing was updated: no restart or loss can have ended inside it
         # a recovering group whose restart ended while this sync's update ran (the model's
@@ -735,10 +737,15 @@ class _Replayer:
         # its ranks' update failed (the update went to the engine it lost)
         for g in range(self.config.total_groups):
             head = self.trace.head(("group", f"g{g}"))
+            inside: tuple[Action] | None = None
             if head is not None and head.event == "restarted" and head.target == "active":
-                yield sync(during=g)
+                inside = sync(during=g)
             elif head is not None and head.event == "fail" and self._lost_in_update(g):
-                yield sync(tuple(sorted({*failing, (g, 0)})), g)
+                inside = sync(tuple(sorted({*failing, (g, 0)})), g)
+            if inside is not None:
+                yield inside
+                if before:
+                    yield (*before, *inside)
 
     def _next_t(self, g: int) -> float:
         """The time of group ``g``'s next recorded transition (infinity: none left)."""
