@@ -42,6 +42,22 @@ if [ "$STRESS" -eq 1 ]; then
     busy_pids+=($!)
   done
   echo "--stress: two busy loops beside the tests (pids ${busy_pids[*]}), killed at the end"
+  # what the machine was doing, every 10 s (a failure under load names a time: this says
+  # whether CPU, memory or swap was short then): time, 1-min load, runnable processes,
+  # MemAvailable and swap used (MiB)
+  machine_log="$tmp/machine.log"
+  (
+    while kill -0 $$ 2>/dev/null; do
+      read -r l1 _ _ runq _ </proc/loadavg
+      awk -v t="$(date +%T)" -v l="$l1" -v r="$runq" \
+        '/^MemAvailable:/ {a=$2} /^SwapTotal:/ {st=$2} /^SwapFree:/ {sf=$2}
+         END {printf "%s load %s run %s avail_mib %d swap_used_mib %d\n", t, l, r, a/1024, (st-sf)/1024}' \
+        /proc/meminfo
+      sleep 10
+    done
+  ) >"$machine_log" 2>&1 &
+  busy_pids+=($!)
+  echo "--stress: the machine's load and memory every 10 s in $machine_log"
 fi
 
 "$BIN/python" -m pytest -q -p no:cacheprovider -m real_vllm --durations=15 \
