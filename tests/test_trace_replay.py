@@ -513,6 +513,17 @@ def test_a_group_lost_and_back_during_an_update_replays_as_a_new_incarnation() -
     assert result.ok and result.replayed == result.transitions, result.divergence
 
 
+def _recorded_after(
+    rest: list[dict[str, Any]], index: int, moved: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """A model run's rows with ``moved`` recorded right after ``rest[index]`` (a sync's
+    ``register_ok``), each row's time rewritten to the order the run recorded them in."""
+    recorded = [*rest[: index + 1], *moved, *rest[index + 1 :]]
+    for i, r in enumerate(recorded):
+        r["t"] = r["timestamp"] = i / 1000
+    return recorded
+
+
 def test_a_group_lost_after_a_syncs_register_and_before_it_read_the_groups_replays() -> None:
     """A serving engine hangs (the hour's seed 1635132711: a SIGSTOPped vLLM): a sync starts
     and registers, its pause of generation waits on the hung engine, and meanwhile the health
@@ -536,10 +547,7 @@ def test_a_group_lost_after_a_syncs_register_and_before_it_read_the_groups_repla
     rest = [r for r in rows if all(r is not x for x in lost)]
     register_ok = max(i for i, r in enumerate(rest) if r.get("event") == "register_ok")
     assert not any(r.get("event") == "begin_update" for r in rest[register_ok:]), rest
-    recorded = [*rest[: register_ok + 1], *lost, *rest[register_ok + 1 :]]
-    for i, r in enumerate(recorded):  # the order the run recorded them in
-        r["t"] = r["timestamp"] = i / 1000
-    result = replay_run(recorded)
+    result = replay_run(_recorded_after(rest, register_ok, lost))
     assert result.ok and result.replayed == result.transitions, result.divergence
 
 
@@ -581,10 +589,7 @@ def test_a_node_lost_and_a_group_failed_inside_one_sync_before_it_read_them_repl
     registers = [i for i, r in enumerate(rest) if r.get("event") == "register_ok"]
     second = registers[1]  # the sync that read both groups out of routing: no update
     assert rest[second + 1].get("event") != "begin_update", rest[second + 1]
-    recorded = [*rest[: second + 1], *moved, *rest[second + 1 :]]
-    for i, r in enumerate(recorded):  # the order the run recorded them in
-        r["t"] = r["timestamp"] = i / 1000
-    result = replay_run(recorded)
+    result = replay_run(_recorded_after(rest, second, moved))
     assert result.ok and result.replayed == result.transitions, result.divergence
 
 
@@ -622,10 +627,7 @@ def test_a_group_lost_before_a_sync_read_and_another_back_during_its_update_repl
     second = registers[1]
     after = [r["event"] for r in rest[second + 1 :] if r["kind"] in ("group", "registration")]
     assert after[:3] == ["restarted", "begin_update", "update_done"], after  # g2 updated
-    recorded = [*rest[: second + 1], *lost, *rest[second + 1 :]]
-    for i, r in enumerate(recorded):  # the order the run recorded them in
-        r["t"] = r["timestamp"] = i / 1000
-    result = replay_run(recorded)
+    result = replay_run(_recorded_after(rest, second, lost))
     assert result.ok and result.replayed == result.transitions, result.divergence
 
 
