@@ -680,3 +680,42 @@ def test_the_hours_recorded_vllm_fleets_replay_with_no_divergence(
     result = replay_run(rows, partial=run.partial)
     assert result.ok, result.divergence.format() if result.divergence else ""
     assert result.replayed == result.transitions > (100 if "656784" in archive else 1500)
+
+
+def test_a_late_export_whose_writer_moved_on_before_the_abandon_replays() -> None:
+    """Sync v3 judges the export of v2 late (``writing``): the mode is suspended, and the writer
+    reaches ``committing`` before the sync's abandon (CI, ``test_chaos_exports``: the writer's
+    ``shards_written`` in the judgement's millisecond, recorded after the mode's
+    ``export_late``). The replay takes the writer's step, then the sync, which abandons the
+    export from ``committing``; without that candidate the sync abandons it from ``writing``
+    and diverges there."""
+    config = ModelConfig(groups=2, ranks=1, removals=0)
+    run = [
+        Action("launch", (0, 0)),
+        Action("launch", (1, 0)),
+        Action("sync", (True, None, "fail")),
+        Action("export_finish"),
+        Action("sync", (True, None, "fail")),
+        Action("export_step", (2, "shards_written")),
+        Action("sync", (True, None, "fail")),
+    ]
+    model = FleetModel(config)
+    for action in run:
+        assert model.apply(action), action
+    rows = rows_of_model_run(config, run)
+    v2 = [(r["event"], r["source"]) for r in rows if r["kind"] == "export" and r["subject"] == "v2"]
+    assert v2[-2:] == [("shards_written", "writing"), ("abandon", "committing")], v2
+    written = next(
+        i
+        for i, r in enumerate(rows)
+        if r["kind"] == "export" and r["subject"] == "v2" and r["event"] == "shards_written"
+    )
+    late = next(
+        i for i, r in enumerate(rows) if r["kind"] == "mode" and r["event"] == "export_late"
+    )
+    assert written < late
+    recorded = [*rows[:written], rows[late], *rows[written:late], *rows[late + 1 :]]
+    for i, r in enumerate(recorded):  # the order the run recorded them in
+        r["t"] = r["timestamp"] = i / 1000
+    result = replay_run(recorded)
+    assert result.ok and result.replayed == result.transitions, result.divergence

@@ -681,6 +681,13 @@ class _Replayer:
             return (Action("sync", (*args, *tail)),)
 
         yield sync()
+        # the previous export's writer moved on after this sync judged it late and before the
+        # sync abandoned it (CI, test_chaos_exports: its ``shards_written`` in the judgement's
+        # millisecond): the writer's steps first, then the sync, which judges the export where
+        # the writer left it (``committing``: still late) and abandons it from there
+        writer = self._writer_before_abandon()
+        if writer:
+            yield (*writer, *sync())
         # Groups that moved inside this sync before it read them, each taken first (they touch
         # nothing the register reads); ``moved`` keeps each with the time of its first
         # recorded transition, for the candidate that takes them all
@@ -746,6 +753,17 @@ class _Replayer:
                 yield inside
                 if before:
                     yield (*before, *inside)
+
+    def _writer_before_abandon(self) -> tuple[Action, ...]:
+        """The writer's steps (``export_step``) of an export whose next recorded transitions
+        are ``shards_written`` and then ``abandon``; empty when none."""
+        for key in self.trace.queues:
+            if key[0] != "export":
+                continue
+            events = [t.event for t in self.trace.following(key, 2)]
+            if events == ["shards_written", "abandon"]:
+                return (Action("export_step", (int(key[1].removeprefix("v")), events[0])),)
+        return ()
 
     def _next_t(self, g: int) -> float:
         """The time of group ``g``'s next recorded transition (infinity: none left)."""
