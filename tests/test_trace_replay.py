@@ -40,6 +40,14 @@ from rollsafe.observe.runfile import build_rows, load_run, write_run
 from rollsafe.verify import Action, FleetModel, ModelConfig
 from rollsafe.verify.replay import ReplayResult, TraceError, replay_run, rows_of_model_run
 
+#: two 1-rank groups launched, synced to v1, its export ready: the start of several runs below
+_TWO_UP_AT_V1 = (
+    Action("launch", (0, 0)),
+    Action("launch", (1, 0)),
+    Action("sync", (True, None, "fail")),
+    Action("export_finish"),
+)
+
 
 @pytest.fixture(scope="module")
 def recorded(
@@ -331,10 +339,7 @@ def test_a_failed_pull_of_a_moved_export_replays_as_dummy_weights_and_a_push() -
     leased) says ``active`` at the restart, and the divergence is named there."""
     config = ModelConfig(groups=2, ranks=1, removals=0)
     run = [
-        Action("launch", (0, 0)),
-        Action("launch", (1, 0)),
-        Action("sync", (True, None, "fail")),
-        Action("export_finish"),
+        *_TWO_UP_AT_V1,
         Action("node_dies", ((1,),)),
         Action("node_lost"),
         Action("place", (1, False)),  # the pull of export v1 to g1's new node failed
@@ -479,10 +484,7 @@ def test_a_group_lost_and_back_during_an_update_replays_as_a_new_incarnation() -
     where the model had planned a full push for it and a delta for the other: two updates)."""
     config = ModelConfig(groups=2, ranks=1, removals=0, failure_threshold=1)
     run = [
-        Action("launch", (0, 0)),
-        Action("launch", (1, 0)),
-        Action("sync", (True, None, "fail")),
-        Action("export_finish"),
+        *_TWO_UP_AT_V1,
         Action("sync", (True, None, "fail", None, ((0, 0),), 0)),  # g0 lost and back meanwhile
         Action("push", (0, True)),
     ]
@@ -560,10 +562,7 @@ def test_a_node_lost_and_a_group_failed_inside_one_sync_before_it_read_them_repl
     next sync's register."""
     config = ModelConfig(groups=2, ranks=1, removals=0, failure_threshold=1)
     run = [
-        Action("launch", (0, 0)),
-        Action("launch", (1, 0)),
-        Action("sync", (True, None, "fail")),
-        Action("export_finish"),
+        *_TWO_UP_AT_V1,
         Action("node_dies", ((1,),)),
         Action("node_lost"),
         Action("place", (1,)),
@@ -691,10 +690,7 @@ def test_a_late_export_whose_writer_moved_on_before_the_abandon_replays() -> Non
     and diverges there."""
     config = ModelConfig(groups=2, ranks=1, removals=0)
     run = [
-        Action("launch", (0, 0)),
-        Action("launch", (1, 0)),
-        Action("sync", (True, None, "fail")),
-        Action("export_finish"),
+        *_TWO_UP_AT_V1,
         Action("sync", (True, None, "fail")),
         Action("export_step", (2, "shards_written")),
         Action("sync", (True, None, "fail")),
