@@ -497,25 +497,36 @@ def _rss_kib(pid: int) -> int:
 def test_memory_of_large_bodies_is_given_back(
     engine: EngineProcess, before: dict[str, Any]
 ) -> None:
-    """Bursts of concurrent 2 MiB bodies (read, parsed, refused): without the memory going back
-    to the OS after each, the engine's RSS ratchets up burst after burst (~5 MiB per burst of
-    32 here); with it, it stays where it was before the first."""
+    """Bursts of concurrent 2 MiB bodies (read, parsed, refused): with the memory given back to
+    the OS after each, the engine's RSS is back under where it started (+2 MiB) after every
+    burst (measured: 0.4-0.5 MiB *under* it). Without it, glibc keeps the freed bodies in its
+    arenas and the RSS after a burst wanders (measured over 6 bursts, 3 fresh engines: up to
+    14, 2.9 and 24 MiB above the start).
+
+    The trim runs on the engine's event loop ~0.2 s after the last large body; on a loaded
+    machine that loop runs late, so the RSS is read until it is back: memory kept is never given
+    back, so the bound is on the memory and the wait only on the clock."""
     body = json.dumps({"unknown_key": "x" * (2 << 20)}).encode()
 
     def send() -> None:
         r = httpx.post(f"{engine.url}/generate", content=body, timeout=30)
         assert r.status_code == 400, r.text
 
-    first = _rss_kib(engine.pid)
-    for _ in range(4):
+    start = _rss_kib(engine.pid)
+    for n in range(6):
         threads = [threading.Thread(target=send) for _ in range(32)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(30)
-        time.sleep(0.6)
-    grown = _rss_kib(engine.pid) - first
-    assert grown < 6 << 10, f"RSS grew by {grown} KiB"
+        seen: list[int] = []
+
+        def back_under(seen: list[int] = seen) -> bool:
+            seen.append(_rss_kib(engine.pid) - start)
+            return seen[-1] < 2 << 10
+
+        back = wait_for(back_under, 20)
+        assert back, f"burst {n + 1}: RSS {seen[-1]} KiB above the start and stayed ({seen[:4]}...)"
 
 
 # ---- 4. hostile JSON -----------------------------------------------------------------------

@@ -294,11 +294,23 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
         fleet.sync.targets_for = default_targets
     assert report.ok and report.updated == ["g0"] and report.failed == ["g1"], report.as_dict()
     assert report.failed_groups == ["g1"]  # failed (recovered), not left waiting
-    served_during: list[str] = []
+    # (group that answered, g1's state before the request, g1's state after it): g1 may become
+    # active between the loop's check and the request's dispatch, so only a request that began
+    # and ended while g1 was out of routing must have gone to g0 (the dispatch counts below
+    # check every request's own moment)
+    served_during: list[tuple[str, str, str, str | None]] = []
     deadline = time.monotonic() + RECOVER_S
-    while fleet.registry.get("g1").state != "active" and time.monotonic() < deadline:
-        served_during.append(fleet.generate([3, 1], sampling_params={"max_new_tokens": 2}).group_id)
-    assert set(served_during) <= {"g0"}, served_during
+    while (state := fleet.registry.get("g1").state) != "active" and time.monotonic() < deadline:
+        out = fleet.generate([3, 1], sampling_params={"max_new_tokens": 2})
+        served_during.append(
+            (out.group_id, state, fleet.registry.get("g1").state, out.weight_version)
+        )
+    assert served_during, "g1 was back before a request could be sent"
+    assert all(
+        gid == "g0" or (after == "active" and version == "4")
+        for gid, _, after, version in served_during
+    ), served_during
+    assert any(gid == "g0" and after != "active" for gid, _, after, _ in served_during)
     _wait_active(fleet, "g1", 4, 1.0)
     _check_synced(fleet, weights, None)
     _no_dispatch_to_inactive(fleet)

@@ -106,7 +106,7 @@ from rollsafe.ports import EngineTarget  # noqa: E402
 from rollsafe.transports import NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
 from rollsafe.transports.nccl import DEFAULT_UNPACKED_MIN_BYTES  # noqa: E402
-from rollsafe.wire.group import open_weight_update_group  # noqa: E402
+from rollsafe.wire.group import host_store, open_weight_update_group  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -750,8 +750,14 @@ def raw_baselines(ctx: Ctx, nbytes: int) -> dict[str, Any]:
     k = len(slots)
     rounds = args.repeats + 1
     numel = nbytes // 2
-    shared_port = free_port()
-    pair_ports: list[int | None] = [free_port() for _ in slots] if k > 1 else [None] * k
+    # rank 0's stores are bound before any receiver is told a port: a port picked free and
+    # bound later was taken in between on a loaded machine (EADDRINUSE, CI)
+    shared_store = host_store("127.0.0.1", 0, k + 1, timeout_s=args.group_timeout_s)
+    pair_stores = [
+        host_store("127.0.0.1", 0, 2, timeout_s=args.group_timeout_s) for _ in slots if k > 1
+    ]
+    shared_port = int(shared_store.port)
+    pair_ports: list[int | None] = [int(s.port) for s in pair_stores] if k > 1 else [None] * k
     spawn = mp.get_context("spawn")
     procs = [
         spawn.Process(
@@ -782,6 +788,7 @@ def raw_baselines(ctx: Ctx, nbytes: int) -> dict[str, Any]:
             group_name="raw-shared",
             backend=backend,
             timeout_s=args.group_timeout_s,
+            store=shared_store,
         )
         times = []
         for _ in range(rounds):
@@ -802,15 +809,15 @@ def raw_baselines(ctx: Ctx, nbytes: int) -> dict[str, Any]:
             groups = [
                 open_weight_update_group(
                     master_address="127.0.0.1",
-                    master_port=int(port),
+                    master_port=int(store.port),
                     rank=0,
                     world_size=2,
                     group_name="raw-pair",
                     backend=backend,
                     timeout_s=args.group_timeout_s,
+                    store=store,
                 )
-                for port in pair_ports
-                if port is not None
+                for store in pair_stores
             ]
             times = []
             for _ in range(rounds):
