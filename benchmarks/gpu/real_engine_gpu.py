@@ -48,6 +48,7 @@ false or a phase failed.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import platform
@@ -863,6 +864,10 @@ def update_times(args: argparse.Namespace, work: Path, row: dict[str, Any], r: R
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.deadline_s < 1e8:
+        # a phase that hangs past the deadline (SGLang's first run: its sync until the call's
+        # limit) leaves every thread's stack in the log 30 s past the deadline
+        faulthandler.dump_traceback_later(args.deadline_s + 30)
     r = Run(args)
     try:
         run(args, r)
