@@ -13,6 +13,7 @@ import queue
 import signal
 import threading
 import time
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from rollsafe.adapters.engines import EngineUnavailable, SGLangClient
 from rollsafe.fleet import NoRoutableGroup
 from rollsafe.fleet.health import GroupFailure, HealthManager, ProbeResult
 from rollsafe.fleet.router import Router
+from rollsafe.fleet.weights_check import engine_checksums
 from rollsafe.registry import FleetListener, FleetRegistry, WorkerGroup
 
 WAIT_S = 15.0  # bound for waiting on a condition; never asserted as a duration
@@ -118,6 +120,38 @@ def test_a_group_loading_weights_is_not_probed_and_late_answers_are_dropped() ->
             gate.set()
             done.join(WAIT_S)
         assert reg.get("g1").state == "active"
+    finally:
+        assert hm.stop()
+
+
+def test_a_group_under_a_weights_check_is_not_probed_nor_failed() -> None:
+    """SGLang runs its weights checker on the scheduler and its /health waits behind it (a 5 s
+    checksum on the GPU run: two 2 s probes failed the group, restarted mid-check): the fleet's
+    checks hold the group as a load does, and probe it again once done."""
+    reg, clients = make_fleet((1, 1))
+    probe = Switchboard()
+    hm = manager(reg, probe, failure_threshold=1)
+    rounds: dict[str, tuple[bool, int]] = {}
+
+    def checksum(gid: str) -> Callable[..., object]:
+        def slow_checker(timeout: float | None = None) -> object:
+            # the engine's /health would time out now
+            probe.answers[gid] = EngineUnavailable(f"http://{gid}", "/health", "timed out")
+            r = hm.check_now()
+            rounds[gid] = (reg.get(gid).loading_weights, r.probed)
+            probe.answers[gid] = True
+            return types.SimpleNamespace(model=f"digest-{gid}")
+
+        return slow_checker
+
+    try:
+        for gid, client in clients.items():
+            client.weights_checksum = checksum(gid)  # type: ignore[method-assign]
+        assert engine_checksums(reg) == {"g0": "digest-g0", "g1": "digest-g1"}
+        assert rounds == {"g0": (True, 1), "g1": (True, 1)}  # only the other group probed
+        assert [g.state for g in reg.groups()] == ["active", "active"]
+        assert not any(g.loading_weights for g in reg.groups())
+        assert hm.check_now().probed == 2
     finally:
         assert hm.stop()
 

@@ -544,7 +544,8 @@ def run(args: argparse.Namespace, r: Run) -> None:
             r.check("probe_equals_a_fresh_server", all(v.ok for v in verdicts.values()))
 
         def checks(row: dict[str, Any]) -> None:
-            sums = fleet.checksums()
+            # SGLang's checker hashes every tensor on its scheduler: seconds on the GPU run
+            sums = fleet.checksums(timeout=120)
             row["checksums"] = sums
             if args.engine == "vllm":
                 refused = []
@@ -556,7 +557,7 @@ def run(args: argparse.Namespace, r: Run) -> None:
                         refused.append(True)
                 r.check("vllm_0_26_has_no_checker", all(refused) and set(sums.values()) == {None})
             else:
-                verdicts = fleet.check_weights(trainer.weights())
+                verdicts = fleet.check_weights(trainer.weights(), timeout=120)
                 row["verdicts"] = {g: (v.verdict if v else None) for g, v in verdicts.items()}
                 r.check(
                     "sglang_checker_equals_trainer",

@@ -8,6 +8,11 @@ parameters (:mod:`rollsafe.engine_layout`). :func:`check_engine` asks the engine
 and matched; vLLM on CPU reports no data for its linear weights, so there the verdict is
 ``"unverified"`` at best, and the behavioural probe (:mod:`rollsafe.probe`) is the check that
 covers them.
+
+A check holds the engine the way a weight load does (:meth:`WorkerGroup.loading`): SGLang
+runs its weights checker on the scheduler, and its ``/health`` (a one-token generate) waits
+behind it, so a fleet that probed a group under check failed it (SGLang's GPU run: a 5 s
+checksum, two 2 s probes, the group restarted mid-check).
 """
 
 from __future__ import annotations
@@ -86,9 +91,10 @@ def check_engines(
     for group in registry.groups():
         client = group.client
         try:
-            out[group.group_id] = (
-                check_engine(client, weights, config, timeout=timeout) if client else None
-            )
+            with group.loading():  # SGLang's scheduler checks inline: its /health waits
+                out[group.group_id] = (
+                    check_engine(client, weights, config, timeout=timeout) if client else None
+                )
         except Exception:
             out[group.group_id] = None
     return out
@@ -107,7 +113,10 @@ def engine_checksums(
     for group in registry.groups():
         client = group.client
         try:
-            out[group.group_id] = client.weights_checksum(timeout=timeout).model if client else None
+            with group.loading():  # SGLang's scheduler checks inline: its /health waits
+                out[group.group_id] = (
+                    client.weights_checksum(timeout=timeout).model if client else None
+                )
         except Exception:
             out[group.group_id] = None
     return out

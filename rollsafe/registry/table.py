@@ -233,14 +233,16 @@ class WorkerGroup:
 
     @property
     def loading_weights(self) -> bool:
-        """True while a weight load to this group is in flight (:meth:`loading`): its engines
-        answer health probes late then (SGLang's ``/health`` queues a generate behind the
-        load), so the health manager neither probes it nor counts its answers."""
+        """True while a weight load to this group, or a check of its weights, is in flight
+        (:meth:`loading`): its engines answer health probes late then (SGLang's ``/health``
+        queues a generate behind the load or the checker, both run on its scheduler), so the
+        health manager neither probes it nor counts its answers."""
         return self._loading > 0
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
-        """Mark a weight load to this group in flight for the ``with`` block."""
+        """Mark a weight load (or a weights check) of this group in flight for the ``with``
+        block."""
         with self._lock:
             self._loading += 1
         try:

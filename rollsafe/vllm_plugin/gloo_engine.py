@@ -2,16 +2,18 @@
 
 Runs inside vLLM's workers (vLLM's factory imports it on first use, see
 :mod:`rollsafe.vllm_plugin`); imports torch, vLLM and rollsafe's delta wire format
-(:mod:`rollsafe.wire.delta`: torch, numpy). It receives exactly what rollsafe's
-``NCCLTransport(backend="gloo")`` sends a vLLM-dialect engine:
+(:mod:`rollsafe.wire.delta`: torch, numpy) and its group's key layout (:mod:`rollsafe.wire.group`:
+torch). It receives exactly what rollsafe's ``NCCLTransport(backend="gloo")`` sends a
+vLLM-dialect engine:
 
 * **join** (``/init_weight_transfer_engine`` {init_info}): the ``init_info`` ``VLLMClient``
   sends (``master_address``, ``master_port``, ``rank_offset``, ``world_size``, ``packed``,
   optionally ``packed_buffer_size_bytes`` / ``packed_num_buffers``). The worker joins the
   trainer's standalone gloo group the way rollsafe's own ends do
   (``rollsafe/wire/group.py``): a ``TCPStore`` client of ``master_address:master_port``
-  (the trainer, rank 0, hosts it), keys prefixed with :data:`GROUP_NAME` (vLLM's one group has
-  no name, so both ends use the fixed one, ``rollsafe/wire/group_names.py``), rank
+  (the trainer, rank 0, hosts it), keys laid out under :data:`GROUP_NAME` as every rollsafe end
+  lays them (``group_store``; vLLM's one group has no name, so both ends use the fixed one,
+  ``rollsafe/wire/group_names.py``), rank
   ``rank_offset`` + the worker's global rank (data-parallel index x world size + rank, as
   vLLM's NCCL engine computes it);
 * **update** (``/start_weight_update`` -> ``/update_weights`` x N -> ``/finish_weight_update``):
@@ -83,6 +85,7 @@ from rollsafe.wire.delta import (
     apply_delta,
     read_header,
 )
+from rollsafe.wire.group import group_store
 
 __all__ = [
     "GROUP_NAME",
@@ -181,7 +184,7 @@ class _GlooGroup:
             timeout=timeout,
             wait_for_workers=False,
         )
-        prefixed = dist.PrefixStore(GROUP_NAME, self.store)
+        prefixed = group_store(self.store, GROUP_NAME, "gloo")
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         if _is_loopback(info.master_address):

@@ -4,8 +4,9 @@ Owns :func:`open_weight_update_group` (the same call on the trainer -- rank 0, s
 and on every engine rank, matching SGLang's ``init_weights_update_group`` semantics),
 :func:`host_store` (rank 0's store, bound before any peer is told its port) and
 :class:`WeightUpdateGroup`. A group is never built through the default ``torch.distributed``
-group: it is a standalone ``ProcessGroupGloo`` (CPU) or NCCL group over a ``PrefixStore``, so an
-engine can join several and leave them independently. Imports only torch.
+group: it is a standalone ``ProcessGroupGloo`` (CPU) or NCCL group over the store's keys laid
+out as SGLang's end lays them (:func:`group_store`), so an engine can join several and leave them
+independently. Imports only torch.
 """
 
 from __future__ import annotations
@@ -22,7 +23,30 @@ from rollsafe.net import is_loopback
 # torch stubs do not export the store/group classes; they exist at runtime
 dist: Any = torch.distributed
 
-__all__ = ["WeightUpdateGroup", "gloo_group", "host_store", "open_weight_update_group"]
+__all__ = [
+    "WeightUpdateGroup",
+    "gloo_group",
+    "group_store",
+    "host_store",
+    "open_weight_update_group",
+]
+
+
+def group_store(store: Any, group_name: str, backend: str) -> Any:
+    """The view of ``store`` a weight-update group's ranks exchange their keys under: SGLang's.
+
+    SGLang 0.5.16's ``init_weights_update_group`` builds its end with ``init_custom_process_group``
+    (``sglang/srt/utils/common.py``): a ``tcp://`` rendezvous, the store prefixed with the group's
+    name, then torch's own new-group helper, which prefixes it again with ``"{name}/"`` and with
+    the backend's device (``"cuda/"`` for NCCL, ``"cpu/"`` for gloo, whose first device is the
+    CPU). Both ends must read and write the same keys (NCCL's unique id, gloo's addresses): a
+    trainer that prefixed the name once met a real SGLang nowhere, each end waiting for a key the
+    other wrote elsewhere (SGLang's first GPU run, docs/engines.md, "Weight-update groups").
+    rollsafe's ends (trainer, reference engine, the ``rollsafe_gloo`` vLLM plugin) all use this
+    one layout."""
+    device = "cuda" if backend == "nccl" else "cpu"
+    named = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    return dist.PrefixStore(f"{device}/", named)
 
 
 def gloo_group(store: Any, rank: int, world_size: int, timeout_s: float, host: str | None) -> Any:
@@ -90,7 +114,7 @@ def open_weight_update_group(
             timeout=datetime.timedelta(seconds=connect_timeout_s or timeout_s),
             wait_for_workers=False,
         )
-    prefixed = dist.PrefixStore(group_name, store)
+    prefixed = group_store(store, group_name, backend)
     if backend == "gloo":
         pg = gloo_group(prefixed, rank, world_size, timeout_s, master_address)
     elif backend == "nccl":
