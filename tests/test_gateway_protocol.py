@@ -9,6 +9,7 @@ from.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -225,6 +226,10 @@ def test_detokenizer_equals_decoding_all_ids_for_any_split(
     else:
         ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=40))
     skip = data.draw(st.booleans())
+    # the byte table (the tiny model's decoder is byte-level) or vLLM's window
+    if not data.draw(st.booleans()):
+        tok = copy.copy(tok)
+        tok.byte_level = False
     cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=8)))
     prompt = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=8))
     # a prompt that ends inside a UTF-8 character (random ids do) merges its last bytes with
@@ -239,12 +244,34 @@ def test_detokenizer_equals_decoding_all_ids_for_any_split(
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
 
 
-def test_detokenizer_waits_for_a_split_multibyte_character(tok: GatewayTokenizer) -> None:
+@pytest.mark.parametrize("byte_table", [True, False])
+def test_detokenizer_waits_for_a_split_multibyte_character(
+    tok: GatewayTokenizer, byte_table: bool
+) -> None:
+    assert tok.byte_level  # the tiny model's decoder is byte-level, every id checked at load
+    if not byte_table:
+        tok = copy.copy(tok)
+        tok.byte_level = False
     ids = tok.encode("🎉", add_special_tokens=False)
     assert len(ids) > 1  # a byte-level vocabulary spells it in several tokens
     detok = Detokenizer(tok)
     assert [detok.add([t]) for t in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.add(ids[-1:]) == "🎉"
+    # an id past the vocabulary (an embedding padded beyond the tokenizer) decodes to nothing
+    assert detok.add([tok.vocab_size + 7]) == "" and detok.flush() == ""
+
+
+def test_a_tokenizer_whose_decoder_is_not_byte_level_keeps_the_window() -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"▁a": 0, "▁b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tok = GatewayTokenizer(PreTrainedTokenizerFast(tokenizer_object=backend))
+    assert not tok.byte_level
+    detok = Detokenizer(tok)
+    assert detok.add([0, 1]) + detok.flush() == tok.decode([0, 1]) == "a b"
 
 
 def test_stop_strings_find_as_vllm_and_hold_back_a_prefix() -> None:

@@ -19,6 +19,12 @@ stream continued on another engine after a crash reads as one uninterrupted stre
   more ids; :meth:`~Detokenizer.flush` gives what is left. The deltas joined equal
   ``decode(all ids)`` (tests/test_gateway_protocol.py checks it on random splits). Decoding is
   the ``tokenizers`` backend's (Rust, no ``clean_up_tokenization_spaces``), as vLLM's fast path.
+  A tokenizer whose decoder is byte-level alone (GPT-2's byte-to-unicode alphabet: Llama 3,
+  Qwen, the tiny model) decodes ids to text as the UTF-8 of their bytes joined, so there the
+  detokenizer joins each id's bytes (a table built at load) into an incremental UTF-8 decoder
+  instead of decoding a window twice a token; :meth:`GatewayTokenizer.token_bytes` is checked
+  against the backend's decode of each id at load (any difference: the window). The deltas are
+  the same text, sooner where the window waited on an invalid byte.
 * :class:`StopStrings`: stop strings found in decoded text as vLLM's ``check_stop_strings``
   finds them (``vllm/v1/engine/detokenizer.py``: only new text is searched, the stop string
   that completes first wins, the text is cut before it, or after it with
@@ -31,6 +37,7 @@ stream continued on another engine after a crash reads as one uninterrupted stre
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -44,6 +51,24 @@ __all__ = ["INITIAL_OFFSET", "Detokenizer", "GatewayTokenizer", "StopStrings"]
 #: prompt ids that prime a detokenizer (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 INITIAL_OFFSET = 5
 _REPLACEMENT = "\ufffd"
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves,
+    the other 68 for the characters from U+0100 up, in byte order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in table.values():
+            table[chr(0x100 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_OF = _byte_alphabet()
+#: a vocabulary at most this large is checked id by id at load (larger: its first and last 4096)
+_CHECK_ALL = 1 << 17
 
 
 class GatewayTokenizer:
@@ -64,6 +89,10 @@ class GatewayTokenizer:
         self.vocab_size: int = len(hf_tokenizer)
         self.name = name
         self._token_text: dict[int, str] = {}
+        #: each id's bytes, special tokens kept [False] and skipped [True] (byte-level only)
+        self._tables: dict[bool, list[bytes]] = {}
+        #: ids decode as their bytes joined (see the module docstring); set by the check
+        self.byte_level = self._check_byte_level()
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path, **kwargs: Any) -> GatewayTokenizer:
@@ -107,6 +136,53 @@ class GatewayTokenizer:
         if self._backend is not None:
             return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def _check_byte_level(self) -> bool:
+        """Whether the backend's decoder is the byte-level one alone and every checked id's
+        bytes decode as the backend decodes that id (both ways of skipping special tokens).
+        Builds the tables :meth:`token_bytes` reads."""
+        backend = self._backend
+        if backend is None:
+            return False
+        try:
+            decoder = json.loads(backend.to_str()).get("decoder") or {}
+            added = backend.get_added_tokens_decoder()
+            size = int(backend.get_vocab_size(with_added_tokens=True))
+        except Exception:  # an older or a Python tokenizer: the window
+            return False
+        if decoder.get("type") != "ByteLevel":
+            return False
+        kept: list[bytes] = []
+        for i in range(size):
+            token = backend.id_to_token(i) or ""
+            kept.append(
+                b"".join(bytes((_BYTE_OF[c],)) if c in _BYTE_OF else c.encode() for c in token)
+            )
+        skipped = list(kept)
+        for i, tok in added.items():
+            if tok.special and 0 <= int(i) < size:
+                skipped[int(i)] = b""
+        tables = {False: kept, True: skipped}
+        ids = range(size) if size <= _CHECK_ALL else [*range(4096), *range(size - 4096, size)]
+        for skip, table in tables.items():
+            for i in ids:
+                if table[i].decode("utf-8", "replace") != backend.decode(
+                    [i], skip_special_tokens=skip
+                ):
+                    return False
+        self._tables = tables
+        return True
+
+    def token_bytes(self, token_id: int, *, skip_special_tokens: bool = True) -> bytes:
+        """The bytes the byte-level decoder turns ``token_id`` into: none for a special token
+        skipped, or an id outside the vocabulary (the backend skips those too). Only for a
+        :attr:`byte_level` tokenizer."""
+        table = self._tables[skip_special_tokens]
+        return table[token_id] if 0 <= token_id < len(table) else b""
+
+    def bytes_table(self, skip_special_tokens: bool = True) -> list[bytes]:
+        """Every id's bytes (see :meth:`token_bytes`), indexed by id."""
+        return self._tables[skip_special_tokens]
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs show it (decoded alone, special tokens kept)."""
@@ -174,7 +250,7 @@ class Detokenizer:
     window (a tokenizer whose first output token's text depends on what precedes it);
     ``add(ids)`` returns the new text, ``flush()`` the text still waiting at the end."""
 
-    __slots__ = ("_decode", "_prefix_len", "_read", "_skip", "_window")
+    __slots__ = ("_bytes", "_decode", "_prefix_len", "_read", "_skip", "_utf8", "_window")
 
     def __init__(
         self,
@@ -186,7 +262,23 @@ class Detokenizer:
         self._skip = skip_special_tokens
         self._window: list[int] = list(prompt_ids[-INITIAL_OFFSET:]) if prompt_ids else []
         self._read = len(self._window)
+        self._utf8: Any = None
+        if tokenizer.byte_level:
+            # the prompt's last bytes primed: a character it left incomplete ends in the output
+            self._bytes = tokenizer.bytes_table(skip_special_tokens)
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            self._utf8.decode(self._joined(self._window))
+            self._prefix_len = 0
+            return
         self._prefix_len = len(self._text(self._window)) if self._window else 0
+
+    def _joined(self, ids: Iterable[int]) -> bytes:
+        table = self._bytes
+        try:
+            return b"".join([table[i] for i in ids])
+        except IndexError:  # an id past the tokenizer's vocabulary (a padded embedding)
+            n = len(table)
+            return b"".join([table[i] if 0 <= i < n else b"" for i in ids])
 
     def _text(self, ids: Sequence[int]) -> str:
         return self._decode(ids, skip_special_tokens=self._skip)
@@ -196,6 +288,8 @@ class Detokenizer:
         Several ids at once are decoded together when their text ends on a whole character
         (the window then keeps the last :data:`INITIAL_OFFSET` of them as the next prefix);
         otherwise one at a time."""
+        if self._utf8 is not None:
+            return str(self._utf8.decode(self._joined(ids)))
         ids = ids if isinstance(ids, (list, tuple)) else list(ids)
         window = self._window
         if len(ids) > 1:
@@ -223,6 +317,10 @@ class Detokenizer:
 
     def flush(self) -> str:
         """The text of ids still held back (an incomplete character ends as U+FFFD)."""
+        if self._utf8 is not None:
+            out = str(self._utf8.decode(b"", final=True))
+            self._utf8.reset()
+            return out
         text = self._text(self._window)
         out = text[self._prefix_len :] if len(text) > self._prefix_len else ""
         self._window = self._window[len(self._window) :]
