@@ -314,6 +314,41 @@ def test_a_stream_never_shows_a_stop_string_it_then_trims(
     assert not tok.decode(out.token_ids[:-1]).endswith("fox jumps")  # later tokens dropped
 
 
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_a_streamed_choice_sends_its_text_once_and_cuts_at_the_first_stop(
+    tok: GatewayTokenizer, data: Any
+) -> None:
+    """Any split of the tokens, any stop strings: the deltas joined are the final text, which is
+    the decoded text cut before the stop string that completes first (ties: the one listed
+    first), or all of it. (The text is kept in pieces: this pins the offsets.)"""
+    words = data.draw(
+        st.lists(st.sampled_from(["the", " fox", " é", "🎉", " ox", "x", " "]), max_size=14)
+    )
+    # a lead without any stop string: the stop is found far from the text's start
+    ids = tok.encode("the the the the the the" + "".join(words), add_special_tokens=False)
+    full = tok.decode(ids)
+    stops = data.draw(
+        st.lists(st.sampled_from(["ox", "fox", " é", "🎉 t", "x x", "zz"]), max_size=3)
+    )
+    split = data.draw(st.integers(1, 5))
+    out = ChoiceOutput(tok, _request(_spec(max_tokens=256, stop=tuple(stops))), stream=True)
+    sent = ""
+    for chunk in chunks_of(ids, split=split):
+        sent += out.add(chunk).text
+        if out.finished:
+            break
+    best: tuple[int, int] | None = None  # (end, start) of the stop completing first
+    for stop in dict.fromkeys(stops):
+        at = full.find(stop)
+        if at != -1 and (best is None or at + len(stop) < best[0]):
+            best = (at + len(stop), at)
+    assert out.finished
+    assert sent == out.text == (full if best is None else full[: best[1]])
+
+
 def test_include_stop_keeps_the_stop_string_and_min_tokens_delays_it(tok: GatewayTokenizer) -> None:
     ids = tok.encode(" the rollout the engine", add_special_tokens=False)
     keep = ChoiceOutput(tok, _request(_spec(stop=("the",), include_stop=True)))

@@ -75,7 +75,11 @@ class ChoiceOutput:
         )
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
-        self.text = ""
+        # the text is kept as pieces, joined when read whole (:attr:`text`): one join per
+        # answer, not a copy of all the text so far per token (quadratic in a long rollout)
+        self._folded = ""
+        self._pieces: list[str] = []
+        self._length = 0
         self.sent = 0  # characters of text already sent in a stream
         self.lp_offset = 0  # completions logprobs: text offset of the next token
         self.finished = False
@@ -93,6 +97,35 @@ class ChoiceOutput:
         self._held: int | None = None  # a stop token whose text waits for the next chunk
         self._runs: list[list[Any]] = []  # [group, version, attempt, start, end] per run
         self._min_offset: int | None = 0 if spec.min_tokens <= 0 else None
+
+    # -- text --------------------------------------------------------------------------------
+
+    @property
+    def text(self) -> str:
+        """The choice's text so far (stop strings trimmed)."""
+        if self._pieces:
+            self._folded += "".join(self._pieces)
+            self._pieces.clear()
+        return self._folded
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._pieces.clear()
+        self._folded = value
+        self._length = len(value)
+
+    def _tail(self, chars: int) -> tuple[str, int]:
+        """The text's last ``chars`` characters (or more) and where they start in the text."""
+        if chars <= 0:
+            return "", self._length
+        pieces, took, i = self._pieces, 0, len(self._pieces)
+        while i > 0 and took < chars:
+            i -= 1
+            took += len(pieces[i])
+        if took < chars:  # the end of the folded text too (a slice: no fold, no copy of it all)
+            head = self._folded[max(0, len(self._folded) - (chars - took)) :]
+            return head + "".join(pieces), self._length - took - len(head)
+        return "".join(pieces[i:]), self._length - took
 
     # -- chunks ----------------------------------------------------------------------------
 
@@ -136,7 +169,7 @@ class ChoiceOutput:
                 self._run(chunk, n)
                 self._text(self.detok.add(take))
                 if self._min_offset is None and len(self.token_ids) >= spec.min_tokens:
-                    self._min_offset = len(self.text)
+                    self._min_offset = self._length
                 if len(take) < len(ids):
                     self._end("length")
                 return
@@ -154,7 +187,7 @@ class ChoiceOutput:
             else:
                 self._text(self.detok.add((token,)))
             if self._min_offset is None and len(self.token_ids) >= spec.min_tokens:
-                self._min_offset = len(self.text)
+                self._min_offset = self._length
             if self.finished:
                 return
 
@@ -177,12 +210,16 @@ class ChoiceOutput:
     def _text(self, new: str) -> None:
         if not new:
             return
-        self.text += new
+        self._pieces.append(new)
+        self._length += len(new)
         if self.stops and self._min_offset is not None:
-            found = self.stops.find(self.text, len(new), self._min_offset)
+            # a stop string completed by the new text starts within its last max_len - 1
+            # characters before it
+            tail, offset = self._tail(len(new) + self.stops.max_len)
+            found = self.stops.find(tail, len(new), max(0, self._min_offset - offset))
             if found is not None:
                 stop, cut = found
-                self.text = self.text[:cut]
+                self.text = self.text[: offset + cut]
                 self.stop_reason = self.matched = stop
                 self.stopped_early = True
                 self._end("stop")
@@ -223,11 +260,15 @@ class ChoiceOutput:
             self.finish_reason = reason
 
     def _delta(self, start_tokens: int) -> ChoiceDelta:
-        if self.finished:
-            visible = len(self.text)
+        length = self._length
+        if self.finished or not self.stops:
+            visible = length
         else:
-            visible = len(self.text) - self.stops.holdback(self.text)
-        text = self.text[self.sent : visible] if visible > self.sent else ""
+            visible = length - self.stops.holdback(self._tail(self.stops.max_len)[0])
+        text = ""
+        if visible > self.sent:
+            tail, offset = self._tail(length - self.sent)
+            text = tail[self.sent - offset : visible - offset]
         self.sent = max(self.sent, visible)
         ids = tuple(self.token_ids[start_tokens:])
         lps = tuple(self.logprobs[start_tokens:]) if self.spec.logprobs else ()
