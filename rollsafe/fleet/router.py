@@ -378,6 +378,12 @@ class Router(FleetListener):
         ``hold_wait_s``; with none routable, wait (at most ``wait_s``, default
         ``wait_for_routable_s``) for one to become active; then :class:`NoRoutableGroup`."""
         excluded = frozenset(exclude)
+        if not self.held and not self._closed:
+            # the common case admits at once: no waiter to register (that is only needed
+            # before a check whose failure leads to a wait, below)
+            group = self._try_acquire(session_id, excluded)
+            if group is not None:
+                return group
         wait = self.wait_for_routable_s if wait_s is None else wait_s
         deadline = time.monotonic() + wait
         held_deadline = time.monotonic() + max(wait, self.hold_wait_s)
@@ -439,6 +445,8 @@ class Router(FleetListener):
 
     async def wait_released(self, timeout: float | None = None) -> bool:
         """Wait while continuations are held; return False if still held after ``timeout``."""
+        if self._released.is_set():  # the common case: nothing held, no waiter registered
+            return True
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._change() as changed:
