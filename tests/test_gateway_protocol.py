@@ -349,6 +349,72 @@ def test_a_streamed_choice_sends_its_text_once_and_cuts_at_the_first_stop(
     assert sent == out.text == (full if best is None else full[: best[1]])
 
 
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_a_whole_answer_from_merged_chunks_equals_one_from_each_chunk(
+    tok: GatewayTokenizer, data: Any
+) -> None:
+    """``add_all`` merges runs of one try under one version before taking them: the answer is
+    the same as from the chunks one by one (text, ids, logprobs, finish, spans, provenance),
+    across version changes, continued tries, missing logprobs, stop strings and stop ids."""
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), min_size=1, max_size=30))
+    chunks, start = [], 0
+    while start < len(ids):
+        n = data.draw(st.integers(1, 4))
+        piece = tuple(ids[start : start + n])
+        lps = data.draw(st.sampled_from(["all", "none", "some"]))
+        chunks.append(
+            TokenChunk(
+                piece,
+                data.draw(st.sampled_from(["g0", "g1"])),
+                data.draw(st.sampled_from(["3", "4"])),
+                attempt=data.draw(st.integers(1, 2)),
+                start=start,
+                logprobs={"all": (-0.5,) * len(piece), "none": (), "some": (-0.5,)}[lps],
+            )
+        )
+        start += len(piece)
+    chunks.append(
+        TokenChunk(
+            (),
+            chunks[-1].group_id,
+            chunks[-1].weight_version,
+            finished=True,
+            finish_reason=data.draw(st.sampled_from(["stop", "length"])),
+            attempt=chunks[-1].attempt,
+            start=start,
+        )
+    )
+    spec = _spec(
+        max_tokens=data.draw(st.integers(1, 40)),
+        stop=tuple(data.draw(st.lists(st.sampled_from(["e", "th", " "]), max_size=2))),
+        stop_token_ids=frozenset(data.draw(st.lists(st.sampled_from(ids), max_size=1))),
+        logprobs=data.draw(st.booleans()),
+    )
+    one, merged = ChoiceOutput(tok, _request(spec)), ChoiceOutput(tok, _request(spec))
+    for chunk in chunks:
+        one.add(chunk)
+    merged.add_all(chunks)
+
+    def seen(out: ChoiceOutput) -> tuple[Any, ...]:
+        return (
+            out.text,
+            out.token_ids,
+            out.logprobs,
+            out.finish_reason,
+            out.stop_reason,
+            out.matched,
+            out.spans(),
+            out.provenance(),
+            out.weight_version,
+            out.group_id,
+        )
+
+    assert seen(merged) == seen(one)
+
+
 def test_include_stop_keeps_the_stop_string_and_min_tokens_delays_it(tok: GatewayTokenizer) -> None:
     ids = tok.encode(" the rollout the engine", add_special_tokens=False)
     keep = ChoiceOutput(tok, _request(_spec(stop=("the",), include_stop=True)))

@@ -706,8 +706,7 @@ class Call:
             raise ValueError(f"{len(results)} results for {len(self.requests)} requests")
         outs = self.outputs()
         for out, chunks in zip(outs, results, strict=True):
-            for chunk in chunks:
-                out.add(chunk)
+            out.add_all(chunks)
         return self._answer(outs)
 
     def streamer(self) -> Streamer:

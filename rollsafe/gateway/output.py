@@ -34,6 +34,7 @@ kept; SGLang 0.5.23 reports the same shape in ``meta_info.weight_versions``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from rollsafe.fleet.provenance import Segment, TokenChunk
 from rollsafe.gateway.requests import GenRequest
 from rollsafe.gateway.tokenizer import Detokenizer, GatewayTokenizer, StopStrings
 
-__all__ = ["ChoiceDelta", "ChoiceOutput"]
+__all__ = ["ChoiceDelta", "ChoiceOutput", "merged"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,12 @@ class ChoiceOutput:
         if chunk.finished and not self.finished:
             self._finish(chunk)
         return self._delta(start_tokens)
+
+    def add_all(self, chunks: Sequence[TokenChunk]) -> None:
+        """Take a whole answer's chunks: runs of one try under one version are merged first
+        (:func:`merged`), so the tokens are taken together, not one chunk at a time."""
+        for chunk in merged(chunks):
+            self.add(chunk)
 
     def _tokens(self, chunk: TokenChunk) -> None:
         spec = self.spec
@@ -326,6 +333,61 @@ class ChoiceOutput:
             for i, r in enumerate(self._runs)
             if r[3] < kept
         ]
+
+
+def merged(chunks: Sequence[TokenChunk]) -> list[TokenChunk]:
+    """``chunks`` with each run of neighbours from one try under one version (contiguous, a
+    logprob per token in all or in none) merged into one chunk: tokens, text and logprobs
+    joined, the last one's finish, segments and meta kept. What a :class:`ChoiceOutput` makes
+    of them is the same; it takes the tokens of a merged chunk together."""
+    out: list[TokenChunk] = []
+    run: list[TokenChunk] = []
+
+    def close() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            last = run[-1]
+            out.append(
+                TokenChunk(
+                    tuple(t for c in run for t in c.token_ids),
+                    last.group_id,
+                    last.weight_version,
+                    attempt=last.attempt,
+                    start=run[0].start,
+                    text="".join(c.text for c in run),
+                    logprobs=tuple(lp for c in run for lp in c.logprobs),
+                    finished=last.finished,
+                    finish_reason=last.finish_reason,
+                    segments=last.segments,
+                    meta=last.meta,
+                )
+            )
+        run.clear()
+
+    for chunk in chunks:
+        if run:
+            prev = run[-1]
+            if (
+                prev.finished
+                or not chunk.token_ids
+                or chunk.group_id != prev.group_id
+                or chunk.weight_version != prev.weight_version
+                or chunk.attempt != prev.attempt
+                or chunk.start != prev.start + len(prev.token_ids)
+                or _logprobs_kind(chunk) != _logprobs_kind(prev)
+                or _logprobs_kind(chunk) == "some"
+            ):
+                close()
+        run.append(chunk)
+    close()
+    return out
+
+
+def _logprobs_kind(chunk: TokenChunk) -> str:
+    if not chunk.logprobs:
+        return "none"
+    return "all" if len(chunk.logprobs) == len(chunk.token_ids) else "some"
 
 
 def _run_end(runs: list[list[Any]], i: int) -> str:

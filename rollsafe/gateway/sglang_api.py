@@ -430,8 +430,7 @@ class GenerateCall:
         items = []
         for req, chunks in zip(self.requests, results, strict=True):
             out = ChoiceOutput(self.tokenizer, req)
-            for chunk in chunks:
-                out.add(chunk)
+            out.add_all(chunks)
             items.append(self.item(out))
         return items if self.listed else items[0]
 
