@@ -41,6 +41,7 @@ from typing import Any
 from rollsafe.fleet.provenance import Segment, TokenChunk
 from rollsafe.gateway.requests import GenRequest
 from rollsafe.gateway.tokenizer import Detokenizer, GatewayTokenizer, StopStrings
+from rollsafe.runs import merge_runs
 
 __all__ = ["ChoiceDelta", "ChoiceOutput", "merged"]
 
@@ -340,48 +341,37 @@ def merged(chunks: Sequence[TokenChunk]) -> list[TokenChunk]:
     logprob per token in all or in none) merged into one chunk: tokens, text and logprobs
     joined, the last one's finish, segments and meta kept. What a :class:`ChoiceOutput` makes
     of them is the same; it takes the tokens of a merged chunk together."""
-    out: list[TokenChunk] = []
-    run: list[TokenChunk] = []
 
-    def close() -> None:
-        if len(run) == 1:
-            out.append(run[0])
-        elif run:
-            last = run[-1]
-            out.append(
-                TokenChunk(
-                    tuple(t for c in run for t in c.token_ids),
-                    last.group_id,
-                    last.weight_version,
-                    attempt=last.attempt,
-                    start=run[0].start,
-                    text="".join(c.text for c in run),
-                    logprobs=tuple(lp for c in run for lp in c.logprobs),
-                    finished=last.finished,
-                    finish_reason=last.finish_reason,
-                    segments=last.segments,
-                    meta=last.meta,
-                )
-            )
-        run.clear()
+    def joins(prev: TokenChunk, chunk: TokenChunk) -> bool:
+        kind = _logprobs_kind(chunk)
+        return (
+            not prev.finished
+            and bool(chunk.token_ids)
+            and chunk.group_id == prev.group_id
+            and chunk.weight_version == prev.weight_version
+            and chunk.attempt == prev.attempt
+            and chunk.start == prev.start + len(prev.token_ids)
+            and kind == _logprobs_kind(prev)
+            and kind != "some"
+        )
 
-    for chunk in chunks:
-        if run:
-            prev = run[-1]
-            if (
-                prev.finished
-                or not chunk.token_ids
-                or chunk.group_id != prev.group_id
-                or chunk.weight_version != prev.weight_version
-                or chunk.attempt != prev.attempt
-                or chunk.start != prev.start + len(prev.token_ids)
-                or _logprobs_kind(chunk) != _logprobs_kind(prev)
-                or _logprobs_kind(chunk) == "some"
-            ):
-                close()
-        run.append(chunk)
-    close()
-    return out
+    def merge(run: Sequence[TokenChunk]) -> TokenChunk:
+        last = run[-1]
+        return TokenChunk(
+            tuple(t for c in run for t in c.token_ids),
+            last.group_id,
+            last.weight_version,
+            attempt=last.attempt,
+            start=run[0].start,
+            text="".join(c.text for c in run),
+            logprobs=tuple(lp for c in run for lp in c.logprobs),
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            segments=last.segments,
+            meta=last.meta,
+        )
+
+    return merge_runs(chunks, joins, merge)
 
 
 def _logprobs_kind(chunk: TokenChunk) -> str:

@@ -43,6 +43,7 @@ from rollsafe.adapters.engines.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
+from rollsafe.runs import merge_runs
 
 if TYPE_CHECKING:  # the blocking clients' transport (httpx); the readers below need none
     from rollsafe.adapters.engines.http import HttpTransport
@@ -116,42 +117,30 @@ def coalesce_deltas(
     delta still carries one per token or none). What an engine already sent arrives as one
     delta instead of one per event: fewer trips through the data plane when the gateway is
     behind, the same tokens, text and versions."""
-    out: list[StreamDelta] = []
-    run: list[StreamDelta] = []
 
-    def close() -> None:
-        if len(run) == 1:
-            out.append(run[0])
-        elif run:
-            last = run[-1]
-            out.append(
-                StreamDelta(
-                    tuple(t for d in run for t in d.token_ids),
-                    "".join(d.text for d in run),
-                    last.weight_version,
-                    finished=last.finished,
-                    finish_reason=last.finish_reason,
-                    spans=last.spans,
-                    meta=last.meta,
-                    logprobs=tuple(lp for d in run for lp in d.logprobs),
-                )
-            )
-        run.clear()
+    def joins(prev: StreamDelta, delta: StreamDelta) -> bool:
+        return not (
+            prev.finished
+            or (delta.finished and not into_finished)
+            or prev.weight_version != delta.weight_version
+            or (len(prev.logprobs) == len(prev.token_ids))
+            != (len(delta.logprobs) == len(delta.token_ids))
+        )
 
-    for delta in deltas:
-        if run:
-            prev = run[-1]
-            if (
-                prev.finished
-                or (delta.finished and not into_finished)
-                or prev.weight_version != delta.weight_version
-                or (len(prev.logprobs) == len(prev.token_ids))
-                != (len(delta.logprobs) == len(delta.token_ids))
-            ):
-                close()
-        run.append(delta)
-    close()
-    return out
+    def merge(run: Sequence[StreamDelta]) -> StreamDelta:
+        last = run[-1]
+        return StreamDelta(
+            tuple(t for d in run for t in d.token_ids),
+            "".join(d.text for d in run),
+            last.weight_version,
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            spans=last.spans,
+            meta=last.meta,
+            logprobs=tuple(lp for d in run for lp in d.logprobs),
+        )
+
+    return merge_runs(deltas, joins, merge)
 
 
 def _logprob(value: Any) -> float | None:
