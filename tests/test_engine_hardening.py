@@ -12,6 +12,8 @@ Real engine processes and real sockets over loopback; every wait is bounded.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import json
 import os
 import re
@@ -503,9 +505,10 @@ def test_memory_of_large_bodies_is_given_back(
     arenas and the RSS after a burst wanders (measured over 6 bursts, 3 fresh engines: up to
     14, 2.9 and 24 MiB above the start).
 
-    The trim runs on the engine's event loop ~0.2 s after the last large body; on a loaded
-    machine that loop runs late, so the RSS is read until it is back: memory kept is never given
-    back, so the bound is on the memory and the wait only on the clock."""
+    The trim runs on the engine's event loop ~0.2 s after the answers and after the last large
+    request is freed; on a loaded machine that loop runs late, so the RSS is read until it is
+    back: memory kept is never given back, so the bound is on the memory and the wait only on
+    the clock."""
     body = json.dumps({"unknown_key": "x" * (2 << 20)}).encode()
 
     def send() -> None:
@@ -527,6 +530,42 @@ def test_memory_of_large_bodies_is_given_back(
 
         back = wait_for(back_under, 20)
         assert back, f"burst {n + 1}: RSS {seen[-1]} KiB above the start and stayed ({seen[:4]}...)"
+
+
+def test_a_trim_follows_the_answers_and_each_freed_large_request() -> None:
+    """A trim runs after a burst of answers (one for the burst) and again after each freed
+    large request, however late that is (CI: the trim timed from the answers alone ran before
+    the last bodies were freed, and 12 MiB stayed resident)."""
+    from rollsafe.adapters.reference_engine.server import _MemoryTrimmer
+
+    class Request:  # stands for an aiohttp request and what it holds
+        pass
+
+    async def main() -> None:
+        trims: list[int] = []
+        trimmer = _MemoryTrimmer(delay_s=0.01, trim=lambda pad: trims.append(pad) or 1)
+
+        async def runs(n: int) -> None:
+            while trimmer.runs < n:
+                await asyncio.sleep(0.01)
+
+        held = [Request(), Request()]
+        trimmer.track(held[0])
+        trimmer.track(held[1])  # answered in the same turn of the loop: one trim
+        await runs(1)
+        await asyncio.sleep(0.2)
+        assert (trimmer.runs, trimmer.alive) == (1, 2)
+        held.pop()  # freed late, long after its answer
+        assert trimmer.alive == 1
+        await runs(2)
+        held.pop()
+        gc.collect()
+        assert trimmer.alive == 0
+        await runs(3)
+        await asyncio.sleep(0.2)
+        assert trims == [0, 0, 0]
+
+    asyncio.run(main())
 
 
 # ---- 4. hostile JSON -----------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -73,6 +74,10 @@ def test_engine_actor_lifecycle(local_ray: None, model_dir: Path) -> None:
         checksum = ray.get(actor.weights_checksum.remote())
         pids = ray.get(actor.pids.remote())
         group = [pids["pid"], *pids["rank_pids"]]
+        # the local Ray init_ray started runs its workers (and the engines they start) at
+        # niceness 0, not Ray's 15 (which starved them beside busy processes: 180 s starts)
+        nice = {p: os.getpriority(os.PRIO_PROCESS, p) for p in group}
+        assert set(nice.values()) == {0}, nice
 
         ray.get(actor.kill.remote())
         assert not ray.get(actor.health.remote())

@@ -93,8 +93,9 @@ class Recorder:
 def test_the_local_clusters_raylets_run_with_its_settings(cluster: Any) -> None:
     """Every raylet (and the GCS) ``local_cluster`` started reads its settings from its own
     environment: the private ``RAY_TMPDIR``, the 1 s node health check, the 300 s worker
-    registration timeout (a loaded one-machine cluster must not kill a worker still starting)."""
-    from rollsafe.adapters.ray.local import HEALTH_PERIOD, REGISTER_TIMEOUT
+    registration timeout (a loaded one-machine cluster must not kill a worker still starting),
+    the workers' niceness 0 (Ray's 15 starved them beside busy processes)."""
+    from rollsafe.adapters.ray.local import HEALTH_PERIOD, NICENESS, REGISTER_TIMEOUT
 
     nodes = [cluster.head_node, *cluster.worker_nodes]
     seen = 0
@@ -105,9 +106,16 @@ def test_the_local_clusters_raylets_run_with_its_settings(cluster: Any) -> None:
                 env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
                 assert env.get(REGISTER_TIMEOUT) == "300", (kind, env.get(REGISTER_TIMEOUT))
                 assert env.get(HEALTH_PERIOD) == "1000", (kind, env.get(HEALTH_PERIOD))
+                assert env.get(NICENESS) == "0", (kind, env.get(NICENESS))
                 assert env.get("RAY_TMPDIR", "").startswith("/tmp/rs-ray-"), kind
                 seen += 1
     assert seen == len(nodes) + 1  # a raylet per node and the head's GCS
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    task = ray.remote(num_cpus=0, resources={"rollout": 0.01})(niceness)
+    assert ray.get(task.remote(), timeout=120) == 0  # a worker on a worker node
 
 
 def test_the_watcher_reports_a_removed_node_once_and_a_joined_one(cluster: Any) -> None:

@@ -40,7 +40,10 @@ def init_ray(**kwargs: Any) -> bool:
 
     With ``RAY_ADDRESS`` set (or an ``address=`` argument) it connects to that cluster; otherwise
     it starts a new local Ray without the dashboard (never silently joining a cluster that
-    ``ray start`` left running on this machine). Other keyword arguments go to ``ray.init``.
+    ``ray start`` left running on this machine) whose workers run at niceness
+    :data:`~rollsafe.adapters.ray.local.WORKER_NICENESS`, not Ray's 15 (``_system_config``'s
+    ``worker_niceness``, unless given: the engines and the trainer actor are the work). Other
+    keyword arguments go to ``ray.init``.
     Afterwards SIGTERM reaches the Python handler ``ray.init`` set, not Ray's C++ failure
     handler in front of it (whose alarm aborts the process 3 s after a SIGTERM, whatever its
     cleanup is doing: :func:`~rollsafe.adapters.ray.session.sigterm_back_to_python`).
@@ -51,13 +54,17 @@ def init_ray(**kwargs: Any) -> bool:
     if ray.is_initialized():
         return False
     address = kwargs.pop("address", None) or os.environ.get("RAY_ADDRESS") or None
-    if address:
+    if address and address != "local":
         ray.init(address=address, **kwargs)
     else:
         # "local": start a new local Ray even when `ray start` left a cluster under /tmp/ray
         # (a bare ray.init() would join that one)
+        from rollsafe.adapters.ray.local import WORKER_NICENESS
+
         kwargs.setdefault("include_dashboard", False)
-        ray.init(address="local", **kwargs)
+        system = dict(kwargs.pop("_system_config", None) or {})
+        system.setdefault("worker_niceness", WORKER_NICENESS)
+        ray.init(address="local", _system_config=system, **kwargs)
     sigterm_back_to_python()
     return True
 

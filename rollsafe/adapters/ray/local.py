@@ -8,9 +8,12 @@ Ray's socket paths under it must fit AF_UNIX's 107 bytes), with the GCS's node h
 ``health_check_period_ms`` (so a removed node is noticed within seconds), the raylets' worker
 registration timeout at ``worker_register_timeout_s`` (Ray's 60 s default kills a worker that
 has not registered by then and fails the lease that waited for it: on a loaded one-machine
-cluster, where starting the demo's trainer actor has taken 52 s, that turns a slow actor
-start into a lost one), and sets
-``RAY_ADDRESS`` for whoever calls ``ray.init`` next. Leaving the context disconnects the
+cluster that turns a slow actor start into a lost one), its workers at niceness
+:data:`WORKER_NICENESS` (Ray's default, 15, starves them beside any busy process at 0: the
+trainer actor and the engines their hosts start are the work, not background; at 15 on a
+2-core machine with 6 busy processes the demo's trainer actor did not start in 180 s, 4 times
+in 5, and started in 136 s the fifth), and sets ``RAY_ADDRESS`` for whoever calls
+``ray.init`` next. Leaving the context disconnects the
 driver, shuts down exactly the nodes it started, waits for every process of the cluster (its
 raylets' workers and agents too) to be gone (:func:`~rollsafe.adapters.ray.session.stop_local_ray`)
 and restores the environment; with
@@ -29,12 +32,23 @@ from typing import Any
 
 from rollsafe.adapters.ray.session import stop_local_ray
 
-__all__ = ["HEALTH_PERIOD", "KEEP_LOGS", "REGISTER_TIMEOUT", "local_cluster"]
+__all__ = [
+    "HEALTH_PERIOD",
+    "KEEP_LOGS",
+    "NICENESS",
+    "REGISTER_TIMEOUT",
+    "WORKER_NICENESS",
+    "local_cluster",
+]
 
 #: the GCS's node health-check period (ms; Ray's default 3000), read by the GCS it starts
 HEALTH_PERIOD = "RAY_health_check_period_ms"
 #: the raylets' worker registration timeout (s; Ray's default 60), read by each raylet
 REGISTER_TIMEOUT = "RAY_worker_register_timeout_seconds"
+#: the niceness Ray gives its worker processes (Ray's default 15), read by each worker
+NICENESS = "RAY_worker_niceness"
+#: the niceness of the workers of the clusters rollsafe starts (here and in ``init_ray``)
+WORKER_NICENESS = 0
 #: where the cluster's Ray logs are copied when it shuts down (unset: they are removed with it)
 KEEP_LOGS = "ROLLSAFE_KEEP_RAY_LOGS"
 
@@ -57,11 +71,12 @@ def local_cluster(
     if ray.is_initialized():
         ray.shutdown()
     tmp = tempfile.mkdtemp(prefix="rs-ray-", dir="/tmp")
-    keys = ("RAY_TMPDIR", "RAY_ADDRESS", HEALTH_PERIOD, REGISTER_TIMEOUT)
+    keys = ("RAY_TMPDIR", "RAY_ADDRESS", HEALTH_PERIOD, REGISTER_TIMEOUT, NICENESS)
     saved = {k: os.environ.get(k) for k in keys}
     os.environ["RAY_TMPDIR"] = tmp
     os.environ[HEALTH_PERIOD] = str(health_check_period_ms)
     os.environ[REGISTER_TIMEOUT] = str(worker_register_timeout_s)
+    os.environ[NICENESS] = str(WORKER_NICENESS)
     cluster = Cluster(shutdown_at_exit=True)
     try:
         cluster.add_node(
