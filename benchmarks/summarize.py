@@ -1344,6 +1344,29 @@ def router_sync_section(results: Path = RESULTS) -> list[str]:
     return lines
 
 
+def _sglang_stream_decode(d: dict[str, Any]) -> list[Row]:
+    tag = f"{d['host']['cpus']} cpus, 1-min load {d['host']['load_1min_at_start']} at the start"
+    rows: list[Row] = []
+    for mode, by_n in d["results"].items():
+        sizes = sorted(by_n, key=int)
+        largest = by_n[sizes[-1]]
+        rows.append(
+            (
+                f"SGLang stream read, CPU per token ({mode}), whole vs incremental decode, p50 at "
+                + ", ".join(f"{n}" for n in sizes)
+                + f" tokens ({tag})",
+                "; ".join(
+                    f"{by_n[n]['whole_us_per_token_p50']} vs "
+                    f"{by_n[n]['incremental_us_per_token_p50']} µs"
+                    for n in sizes
+                ),
+                f"incremental <= 1/5 of whole at {sizes[-1]}",
+                _verdict(largest["whole_over_incremental"] >= 5.0 and not d["failed_checks"]),
+            )
+        )
+    return rows
+
+
 def _soak(d: dict[str, Any]) -> list[Row]:
     """The seeded soak (``benchmarks/soak.py``, issue #36)."""
     faults = d["faults"]
@@ -1442,6 +1465,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gateway_cpu.json": _gateway,
     "gateway_stacks_cpu.json": _gateway_stacks,
     "router_sync_cpu.json": _router_sync,
+    "sglang_stream_decode_cpu.json": _sglang_stream_decode,
     "soak_cpu.json": _soak,
     "soak_cpu_loaded.json": _soak,
     "soak_cpu_10min.json": _soak,

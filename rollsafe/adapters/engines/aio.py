@@ -254,10 +254,11 @@ class AsyncHttp:
         headers: Mapping[str, str] | None = None,
         timeout: float,
         retry: RetryPolicy = NO_RETRY,
+        decode: Callable[[str], dict[str, Any]] | None = None,
     ) -> EventStream:
         """POST ``body`` and read the answer's server-sent events: ``async with`` it, then
-        iterate it (:class:`EventStream`)."""
-        return EventStream(self, url, path, encode_json(body), headers, timeout, retry)
+        iterate it (:class:`EventStream`; ``decode``: :class:`SSEEventReader`'s)."""
+        return EventStream(self, url, path, encode_json(body), headers, timeout, retry, decode)
 
     # ------------------------------------------------------------------ internals
     async def _send(
@@ -381,12 +382,13 @@ class EventStream:
         headers: Mapping[str, str] | None,
         timeout: float,
         retry: RetryPolicy,
+        decode: Callable[[str], dict[str, Any]] | None = None,
     ) -> None:
         self._http = http
         self.url, self.path = url, path
         self._data, self._headers = data, headers
         self._timeout, self._retry = timeout, retry
-        self._reader = SSEEventReader(url, path)
+        self._reader = SSEEventReader(url, path, decode)
         self._response: Response | None = None
         self._pending: Iterator[dict[str, Any]] | None = None
         self._ended = False
@@ -601,7 +603,13 @@ class _HttpEngine:
             retry=self._retry,
         )
 
-    def _events(self, path: str, body: Mapping[str, Any], timeout: float | None) -> EventStream:
+    def _events(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        timeout: float | None,
+        decode: Callable[[str], dict[str, Any]] | None = None,
+    ) -> EventStream:
         return self._http.events(
             self._url,
             path,
@@ -609,6 +617,7 @@ class _HttpEngine:
             headers=self._auth,
             timeout=self._timeout(timeout),
             retry=self._retry,
+            decode=decode,
         )
 
 
@@ -664,7 +673,7 @@ class AsyncSGLangEngine(_HttpEngine):
         body = await self._body(input_ids, text, sampling_params)
         body["stream"] = True
         reader = SGLangDeltas(self._url, GENERATE_PATH)
-        async with self._events(GENERATE_PATH, body, timeout) as events:
+        async with self._events(GENERATE_PATH, body, timeout, reader.decode) as events:
             while batch := await events.batch():
                 deltas, error = _read(batch, reader)
                 for delta in deltas:

@@ -24,16 +24,18 @@ blocking :func:`read_events` and by the asyncio reader of :mod:`~rollsafe.adapte
 :class:`SGLangDeltas` and :class:`VLLMDeltas` (:func:`delta_reader`) turn events into
 :class:`StreamDelta` (new tokens only, never a token twice:
 a cumulative event that does not extend what was already received is a
-:class:`StreamProtocolError`). A stream that ends without a finished event (the engine died, the
-connection dropped) raises :class:`EngineUnavailable` after the deltas already yielded, so the
-caller keeps every token it saw.
+:class:`StreamProtocolError`; SGLang's cumulative events are decoded only as far as they are
+new, :meth:`SGLangDeltas.decode`, so a stream costs O(tokens), not O(tokens²)). A stream that
+ends without a finished event (the engine died, the connection dropped) raises
+:class:`EngineUnavailable` after the deltas already yielded, so the caller keeps every token it
+saw.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -148,9 +150,14 @@ def _logprob(value: Any) -> float | None:
 
 
 def read_events(
-    transport: HttpTransport, path: str, body: Mapping[str, Any], timeout: float | None
+    transport: HttpTransport,
+    path: str,
+    body: Mapping[str, Any],
+    timeout: float | None,
+    decode: Callable[[str], dict[str, Any]] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """POST ``body`` and yield each JSON event of the answer until ``data: [DONE]``.
+    """POST ``body`` and yield each JSON event of the answer until ``data: [DONE]`` (each
+    event's text through ``decode``: :class:`SSEEventReader`).
 
     The request is resent only when it provably never reached the engine (no connection); a
     5xx answer's connection is not reused (:class:`HttpTransport`). An HTTP error status is
@@ -166,7 +173,7 @@ def read_events(
     if response.status_code >= 400:
         raise transport.error_of(path, response)
     try:
-        reader = SSEEventReader(url, path)
+        reader = SSEEventReader(url, path, decode)
         try:
             for chunk in response.iter_bytes():
                 yield from reader.feed(chunk)
@@ -232,10 +239,15 @@ class SSEEventReader:
     joined until a blank line; comments, other fields and keep-alive blank lines are skipped;
     ``data: [DONE]`` ends it (:attr:`done`; whatever follows is ignored); an event's data past
     :data:`MAX_EVENT_BYTES` is a :class:`StreamProtocolError`; an ``{"error": ...}`` event is an
-    :class:`EngineRequestError` (raised after the events before it were yielded)."""
+    :class:`EngineRequestError` (raised after the events before it were yielded). ``decode``
+    turns an event's text into its object (default: JSON with those rules; SGLang's streams
+    pass :meth:`SGLangDeltas.decode`)."""
 
-    def __init__(self, url: str, path: str) -> None:
+    def __init__(
+        self, url: str, path: str, decode: Callable[[str], dict[str, Any]] | None = None
+    ) -> None:
         self.url, self.path = url, path
+        self._decode = decode
         self.lines = SSELineDecoder(url, path)
         #: ``data: [DONE]`` was read
         self.done = False
@@ -275,7 +287,7 @@ class SSEEventReader:
             if text == DONE:
                 self.done = True
                 return
-            yield _event(self.url, self.path, text)
+            yield _event(self.url, self.path, text) if self._decode is None else self._decode(text)
 
 
 def _event(url: str, path: str, text: str) -> dict[str, Any]:
@@ -306,16 +318,185 @@ def _spans(raw: Any) -> tuple[WeightSpan, ...]:
     return tuple(out)
 
 
+#: an SGLang event as its server writes it (``{"text": ..., "output_ids": [...], "meta_info":
+#: {...}}``, compact or with spaces): the text's and the ids' JSON, and where ``meta_info``'s
+#: value starts (the string's end is found by :func:`_string_end`)
+_SGLANG_HEAD = re.compile(r'\{\s*"text"\s*:\s*"')
+_SGLANG_IDS = re.compile(r'\s*,\s*"output_ids"\s*:\s*\[')
+_SGLANG_META = re.compile(r'\]\s*,\s*"meta_info"\s*:\s*')
+#: what the ids of the first event recorded may hold (checked once, on that event)
+_ID_LIST = re.compile(r"[0-9,\s]*")
+#: a JSON escape of a low surrogate: a text cut between the two halves of a pair is not the
+#: concatenation of its two halves decoded apart
+_LOW_SURROGATE = re.compile(r"\\u[dD][c-fC-F]")
+#: events shorter than this (characters) are decoded whole (measured: the parts cost more than
+#: a whole decode up to about 100 tokens, ~1,500 characters; ``bench_sglang_stream_decode.py``)
+INCREMENTAL_FROM = 2048
+#: the key of a :meth:`SGLangDeltas.decode` event that holds the new text, ids and logprobs only
+INCREMENTAL = "rollsafe.incremental"
+_LOGPROBS = "output_token_logprobs"
+_LOGPROBS_KEY = re.compile(r'"output_token_logprobs"\s*:\s*\[')
+_DECODER = json.JSONDecoder()
+
+
+def _logprobs_at(meta_raw: str) -> int | None:
+    """Where the content of ``meta_info``'s ``output_token_logprobs`` list starts, if it has
+    one (found by str.find: the key cannot appear inside a string value as written, where its
+    quotes would be escaped)."""
+    key = meta_raw.find('"output_token_logprobs"')
+    if key < 0:
+        return None
+    found = _LOGPROBS_KEY.match(meta_raw, key)
+    return None if found is None else found.end()
+
+
+def _logprobs_written(meta_raw: str) -> tuple[bool, str | None]:
+    """The content of ``meta_info``'s ``output_token_logprobs`` list as written (None: no such
+    key), and False when it could not be read (the next event is then decoded whole)."""
+    at = _logprobs_at(meta_raw)
+    if at is None:
+        return True, None
+    try:
+        _items, end = _DECODER.raw_decode(meta_raw, at - 1)
+    except ValueError:
+        return False, None
+    return True, meta_raw[at : end - 1]
+
+
+def _string_end(text: str, start: int) -> int:
+    """The index of the quote that ends the JSON string whose content starts at ``start``."""
+    end = text.find('"', start)
+    while end > 0:
+        slashes = 0
+        while text[end - 1 - slashes] == "\\":
+            slashes += 1
+        if slashes % 2 == 0:
+            return end
+        end = text.find('"', end + 1)
+    return -1
+
+
 class SGLangDeltas:
-    """SGLang events (cumulative ``output_ids`` and ``text``) -> :class:`StreamDelta`."""
+    """SGLang events (cumulative ``output_ids`` and ``text``) -> :class:`StreamDelta`.
+
+    Every SGLang event carries everything generated so far, so decoding each whole costs
+    O(tokens) per event and O(tokens²) per answer (4,096 tokens: about a second of CPU).
+    :meth:`decode` decodes only what is new: when an event's text, ids and ``meta_info``'s
+    ``output_token_logprobs`` (``return_logprob``), as the server wrote them, begin with the
+    previous event's (a string comparison, in C), only the rest and ``meta_info``'s other keys
+    are decoded; anything else (short events, the first long one, another layout, an error
+    event, a text that changed, a surrogate pair cut in two) is decoded whole, by the same
+    rules, and checked as before. A delta's ``meta`` does not repeat the logprobs so far (they
+    are its ``logprobs``)."""
 
     def __init__(self, url: str, path: str) -> None:
         self.url, self.path = url, path
         self.ids: list[int] = []
         self.text = ""
         self.logprobs_seen = 0
+        #: the previous event's text and ids as written (JSON), when it had SGLang's layout
+        self._written: tuple[str, str] | None = None
+        #: the previous event's ``output_token_logprobs`` list as written (None: it had none)
+        self._lps: str | None = None
+
+    def decode(self, raw: str) -> dict[str, Any]:
+        """The event ``raw`` (one event's JSON text): whole, or only what is new (from the
+        event after the first of :data:`INCREMENTAL_FROM` characters or more: below that a
+        whole decode costs less than finding the parts)."""
+        if len(raw) < INCREMENTAL_FROM:
+            self._written = None
+            return _event(self.url, self.path, raw)
+        written = meta_raw = None
+        head = _SGLANG_HEAD.match(raw)
+        if head is not None:  # the spans by str.find and short matches: no scan in Python
+            start = head.end()
+            # the text as far as the previous event's is known to hold no closing quote
+            known = self._written[0] if self._written is not None else ""
+            end = _string_end(raw, start + len(known) if raw.startswith(known, start) else start)
+            ids = _SGLANG_IDS.match(raw, end + 1) if end > 0 else None
+            close = raw.find("]", ids.end()) if ids is not None else -1
+            meta = _SGLANG_META.match(raw, close) if ids is not None and close > 0 else None
+            tail = len(raw.rstrip()) - 1  # the object's closing brace
+            if ids is not None and meta is not None and raw[tail] == "}" and tail > meta.end():
+                written = (raw[start:end], raw[ids.end() : close].strip())
+                meta_raw = raw[meta.end() : tail]
+        if written is not None and meta_raw is not None:
+            fresh = self._fresh(written, meta_raw)
+            if fresh is not None:
+                self._written = written
+                return fresh
+        event = _event(self.url, self.path, raw)  # whole, checked as always
+        self._written = self._lps = None
+        if written is not None and meta_raw is not None and _ID_LIST.fullmatch(written[1]):
+            readable, self._lps = _logprobs_written(meta_raw)
+            self._written = written if readable else None
+        return event
+
+    def _fresh(self, written: tuple[str, str], meta_raw: str) -> dict[str, Any] | None:
+        """The event with only its new text, ids and logprobs, when it extends the previous
+        one as written; None: decode it whole."""
+        before = self._written
+        if before is None:
+            return None
+        text, ids = written
+        old_text, old_ids = before
+        if not text.startswith(old_text) or _LOW_SURROGATE.match(text, len(old_text)):
+            return None
+        if not old_ids:
+            new_ids = ids
+        elif ids == old_ids:
+            new_ids = ""
+        elif ids.startswith(old_ids) and ids[len(old_ids) :].lstrip().startswith(","):
+            new_ids = ids[len(old_ids) :].lstrip()[1:]
+        else:
+            return None
+        lps = self._fresh_logprobs(meta_raw)
+        if lps is None:
+            return None
+        meta_small, new_lps, lps_written = lps
+        try:
+            meta = json.loads(meta_small)
+            new_text = json.loads(f'"{text[len(old_text) :]}"')
+            fresh_ids = json.loads(f"[{new_ids}]")
+        except ValueError:
+            return None  # decoded whole: the same error as ever
+        if not isinstance(meta, dict) or any(type(t) is not int for t in fresh_ids):
+            return None
+        if new_lps is not None:
+            meta[_LOGPROBS] = new_lps
+        self._lps = lps_written
+        return {"text": new_text, "output_ids": fresh_ids, "meta_info": meta, INCREMENTAL: True}
+
+    def _fresh_logprobs(self, meta_raw: str) -> tuple[str, list[Any] | None, str | None] | None:
+        """``meta_info``'s JSON with its ``output_token_logprobs`` list emptied, the list's new
+        items, and the list as written; ``(meta_raw, None, None)`` when it has none; None
+        when it does not extend the previous event's list (decode it whole)."""
+        at = _logprobs_at(meta_raw)
+        if at is None:
+            return (meta_raw, None, None) if self._lps is None else None
+        old = self._lps
+        if old is None or not meta_raw.startswith(old, at):
+            return None
+        pos = at + len(old)
+        if old:  # the next is "]" (nothing new) or "," and the new items
+            rest = meta_raw[pos:].lstrip()
+            pos = len(meta_raw) - len(rest) + 1
+            if rest.startswith("]"):
+                return meta_raw[:at] + meta_raw[pos - 1 :], [], old
+            if not rest.startswith(","):
+                return None
+        try:
+            items, used = _DECODER.raw_decode("[" + meta_raw[pos:])
+        except ValueError:
+            return None
+        close = pos + used - 1  # just past the list's "]" in meta_raw
+        if not isinstance(items, list):
+            return None
+        return meta_raw[:at] + meta_raw[close - 1 :], items, meta_raw[at : close - 1]
 
     def __call__(self, event: Mapping[str, Any]) -> StreamDelta:
+        if event.get(INCREMENTAL):
+            return self._incremental(event)
         raw = event.get("output_ids") or []
         n = len(self.ids)
         if type(raw) is list and len(raw) >= n and raw[:n] == self.ids:  # new ids only
@@ -336,23 +517,39 @@ class SGLangDeltas:
         if isinstance(text, str):
             delta_text = text[len(self.text) :] if text.startswith(self.text) else text
             self.text = text
-        meta = event.get("meta_info") or {}
+        return self._delta(new, delta_text, event.get("meta_info") or {})
+
+    def _incremental(self, event: Mapping[str, Any]) -> StreamDelta:
+        """A :meth:`decode` event: its text, ids and logprobs are the new ones already."""
+        new = [int(t) for t in event["output_ids"]]
+        self.ids.extend(new)
+        delta_text: str = event["text"]
+        self.text += delta_text
+        return self._delta(new, delta_text, event["meta_info"], incremental=True)
+
+    def _delta(
+        self,
+        new: list[int],
+        delta_text: str,
+        meta: Mapping[str, Any],
+        *,
+        incremental: bool = False,
+    ) -> StreamDelta:
         reason = meta.get("finish_reason")
         # (None checked first: an ABC isinstance costs a microsecond, on every event)
         kind = reason.get("type") if reason is not None and isinstance(reason, Mapping) else reason
         version = meta.get("weight_version")
         logprobs: tuple[float | None, ...] = ()
-        raw_lps = meta.get("output_token_logprobs")  # cumulative [logprob, token id, text]
-        if (
-            raw_lps is not None
-            and isinstance(raw_lps, Sequence)
-            and len(raw_lps) > self.logprobs_seen
-        ):
-            fresh = raw_lps[self.logprobs_seen :]
-            self.logprobs_seen = len(raw_lps)
+        # [logprob, token id, text] each: so far (cumulative), or the new ones (incremental)
+        raw_lps = meta.get(_LOGPROBS)
+        if raw_lps is not None and isinstance(raw_lps, Sequence):
+            fresh = raw_lps if incremental else raw_lps[self.logprobs_seen :]
+            self.logprobs_seen += len(fresh)
             logprobs = tuple(
                 _logprob(item[0] if isinstance(item, Sequence) else item) for item in fresh
             )
+            # read into ``logprobs``: a delta does not carry the list so far again
+            meta = {k: v for k, v in meta.items() if k != _LOGPROBS}
         return StreamDelta(
             tuple(new),
             delta_text,
@@ -412,5 +609,6 @@ def stream_deltas(
 ) -> Iterator[StreamDelta]:
     """:func:`read_events` through the dialect's delta reader."""
     reader = delta_reader(dialect, transport.url, path)
-    for event in read_events(transport, path, body, timeout):
+    decode = reader.decode if isinstance(reader, SGLangDeltas) else None
+    for event in read_events(transport, path, body, timeout, decode):
         yield reader(event)
