@@ -204,25 +204,41 @@ class SSELineDecoder:
 
     def __init__(self, url: str = "", path: str = "") -> None:
         self.url, self.path = url, path
-        self._pending = b""
+        #: the pieces of the line not ended yet (a long event's chunks are kept apart and
+        #: joined once its line ends: joining at every chunk copied it over and over)
+        self._held: list[bytes] = []
+        self._held_bytes = 0
 
     def feed(self, chunk: bytes) -> list[str]:
         """The lines ``chunk`` completes."""
-        data = self._pending + chunk if self._pending else chunk
+        held_cr = bool(self._held) and self._held[-1].endswith(b"\r")
+        if not held_cr and b"\n" not in chunk and b"\r" not in chunk:
+            if chunk:  # no line ends here: kept, not joined
+                self._held.append(chunk)
+                self._held_bytes += len(chunk)
+                self._check()
+            return []
+        data = b"".join((*self._held, chunk)) if self._held else chunk
         if b"\r" in data:
             held = data.endswith(b"\r")
             parts = _EOL.split(data[:-1] if held else data)
         else:  # LF only (what the engines send): bytes.split, no regex
             held = False
             parts = data.split(b"\n")
-        self._pending = parts.pop() + (b"\r" if held else b"")
-        if len(self._pending) > MAX_EVENT_BYTES:
-            raise StreamProtocolError(self.url, self.path, "event larger than 64 MiB")
+        rest = parts.pop() + (b"\r" if held else b"")
+        self._held = [rest] if rest else []
+        self._held_bytes = len(rest)
+        self._check()
         return [part.decode("utf-8", errors="replace") for part in parts]
+
+    def _check(self) -> None:
+        if self._held_bytes > MAX_EVENT_BYTES:
+            raise StreamProtocolError(self.url, self.path, "event larger than 64 MiB")
 
     def flush(self) -> list[str]:
         """The stream ended: the non-empty lines still held."""
-        pending, self._pending = self._pending, b""
+        pending = b"".join(self._held)
+        self._held, self._held_bytes = [], 0
         return [p.decode("utf-8", errors="replace") for p in _EOL.split(pending) if p]
 
 
@@ -392,7 +408,7 @@ class SGLangDeltas:
     def __init__(self, url: str, path: str) -> None:
         self.url, self.path = url, path
         self.ids: list[int] = []
-        self.text = ""
+        self._text_pieces: list[str] = []
         self.logprobs_seen = 0
         #: the previous event's text and ids as written (JSON), when it had SGLang's layout
         self._written: tuple[str, str] | None = None
@@ -524,8 +540,19 @@ class SGLangDeltas:
         new = [int(t) for t in event["output_ids"]]
         self.ids.extend(new)
         delta_text: str = event["text"]
-        self.text += delta_text
+        self._text_pieces.append(delta_text)  # joined when a whole event needs the text
         return self._delta(new, delta_text, event["meta_info"], incremental=True)
+
+    @property
+    def text(self) -> str:
+        """The text so far."""
+        if len(self._text_pieces) > 1:
+            self._text_pieces[:] = ["".join(self._text_pieces)]
+        return self._text_pieces[0] if self._text_pieces else ""
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text_pieces[:] = [value]
 
     def _delta(
         self,
