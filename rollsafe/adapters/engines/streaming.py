@@ -33,6 +33,7 @@ saw.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -263,7 +264,7 @@ class SSEEventReader:
         self, url: str, path: str, decode: Callable[[str], dict[str, Any]] | None = None
     ) -> None:
         self.url, self.path = url, path
-        self._decode = decode
+        self._decode = decode or functools.partial(_event, url, path)
         self.lines = SSELineDecoder(url, path)
         #: ``data: [DONE]`` was read
         self.done = False
@@ -303,7 +304,7 @@ class SSEEventReader:
             if text == DONE:
                 self.done = True
                 return
-            yield _event(self.url, self.path, text) if self._decode is None else self._decode(text)
+            yield self._decode(text)
 
 
 def _event(url: str, path: str, text: str) -> dict[str, Any]:
@@ -408,7 +409,9 @@ class SGLangDeltas:
     def __init__(self, url: str, path: str) -> None:
         self.url, self.path = url, path
         self.ids: list[int] = []
-        self._text_pieces: list[str] = []
+        self._text = ""
+        #: text of incremental events not yet joined to ``_text``
+        self._text_tail: list[str] = []
         self.logprobs_seen = 0
         #: the previous event's text and ids as written (JSON), when it had SGLang's layout
         self._written: tuple[str, str] | None = None
@@ -531,8 +534,11 @@ class SGLangDeltas:
         text = event.get("text")
         delta_text = ""
         if isinstance(text, str):
-            delta_text = text[len(self.text) :] if text.startswith(self.text) else text
-            self.text = text
+            if self._text_tail:
+                self._join_text()
+            before = self._text
+            delta_text = text[len(before) :] if text.startswith(before) else text
+            self._text = text
         return self._delta(new, delta_text, event.get("meta_info") or {})
 
     def _incremental(self, event: Mapping[str, Any]) -> StreamDelta:
@@ -540,26 +546,25 @@ class SGLangDeltas:
         new = [int(t) for t in event["output_ids"]]
         self.ids.extend(new)
         delta_text: str = event["text"]
-        self._text_pieces.append(delta_text)  # joined when a whole event needs the text
-        return self._delta(new, delta_text, event["meta_info"], incremental=True)
+        self._text_tail.append(delta_text)  # joined when a whole event needs the text
+        return self._delta(new, delta_text, event["meta_info"], True)
+
+    def _join_text(self) -> None:
+        self._text = "".join((self._text, *self._text_tail))
+        self._text_tail.clear()
 
     @property
     def text(self) -> str:
         """The text so far."""
-        if len(self._text_pieces) > 1:
-            self._text_pieces[:] = ["".join(self._text_pieces)]
-        return self._text_pieces[0] if self._text_pieces else ""
-
-    @text.setter
-    def text(self, value: str) -> None:
-        self._text_pieces[:] = [value]
+        if self._text_tail:
+            self._join_text()
+        return self._text
 
     def _delta(
         self,
         new: list[int],
         delta_text: str,
         meta: Mapping[str, Any],
-        *,
         incremental: bool = False,
     ) -> StreamDelta:
         reason = meta.get("finish_reason")
