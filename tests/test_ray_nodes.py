@@ -364,9 +364,11 @@ def test_the_placer_pins_a_group_to_a_node_and_keeps_groups_off_an_excluded_one(
     cluster: Any,
 ) -> None:
     """``GroupPlacer.place(node=)`` (``RaySettings.trainer_node_groups``) and
-    ``GroupPlacer.exclude`` (a node that cannot read the shared export_root): Ray's placement
-    groups take only a soft node hint, so a reservation on another node is given back and
-    asked again; where the node cannot hold the group it is refused, naming it."""
+    ``GroupPlacer.exclude`` (a node that cannot read the shared export_root): the bundles
+    select the node's ``ray.io/node-id`` label (or any but the excluded ones), so Ray reserves
+    nowhere else even right after other reservations were given back (its view of the free
+    resources lags: the soft hint alone was passed over on a loaded machine); where the node
+    cannot hold the group it is refused, naming it."""
     from rollsafe.adapters.ray import GroupPlacer, PlacementUnavailable
 
     workers = sorted(n.node_id for n in cluster.worker_nodes)
@@ -394,6 +396,39 @@ def test_the_placer_pins_a_group_to_a_node_and_keeps_groups_off_an_excluded_one(
         for p in made:
             placer.release(p)
     assert placer.nodes() == {}
+
+
+@pytest.mark.parametrize("selectors", [True, False], ids=["label-selectors", "hint-only"])
+def test_a_full_allowed_node_never_sends_a_group_to_the_excluded_one(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch, selectors: bool
+) -> None:
+    """The allowed worker is full and the excluded one has room: with label selectors Ray
+    never reserves there (the group waits and is refused, naming the exclusion); a Ray that
+    takes only the soft hint reserves on the excluded node, each reservation is given back and
+    asked again until the timeout, and the refusal names the node Ray offered. Either way
+    nothing stays reserved."""
+    from rollsafe.adapters.ray import GroupPlacer, PlacementUnavailable
+    from rollsafe.adapters.ray import placement as placement_module
+
+    monkeypatch.setattr(placement_module, "_SELECTORS", selectors)
+    workers = sorted(n.node_id for n in cluster.worker_nodes)
+    placer = GroupPlacer({"rollout": 1.0}, timeout_s=2.0)
+    placer.exclude(workers[0], "cannot read the shared export_root")
+    made = [placer.place(f"full{i}", 1, node=workers[1]) for i in range(2)]
+    try:
+        with pytest.raises(PlacementUnavailable) as err:
+            placer.place("late", 1)
+        if selectors:
+            assert f"off the excluded {[workers[0]]}" in str(err.value)
+            assert "offered" not in str(err.value)
+        else:
+            assert f"Ray offered [{workers[0]!r}" in str(err.value)
+        assert set(placer.nodes()) == {"full0", "full1"}
+    finally:
+        for p in made:
+            placer.release(p)
+    assert placer.nodes() == {}
+    assert wait_for(lambda: ray.available_resources().get("rollout", 0.0) == 4.0, 30)
 
 
 def test_an_actor_whose_raylet_died_reports_its_node_lost_while_it_still_answers(

@@ -18,8 +18,12 @@ the node, or raises :class:`PlacementUnavailable` after
 ``timeout_s`` (no node has room: the group waits, see ``docs/cluster.md``). A group can be
 pinned to one node (``place(node=)``: the trainer's, ``RaySettings.trainer_node_groups``) and
 nodes can be excluded (:meth:`GroupPlacer.exclude`: a node that cannot read the shared
-``export_root``); Ray's placement groups take only a soft node hint, so a reservation Ray makes
-on a node it should not is given back and asked again (a few times, then refused).
+``export_root``). Both are hard constraints where Ray takes bundle label selectors (Ray 2.47
+on; every node carries the ``ray.io/node-id`` label): a pinned group's bundles select its node,
+other groups' bundles select ``!in(<excluded nodes>)``, so Ray never reserves on a node it
+should not, however stale its view of the nodes' free resources. An older Ray takes only the
+soft hint: a reservation it makes on a node it should not is given back and asked again until
+``timeout_s``, then refused.
 
 Ray is imported when a placement is made, not when this module is imported.
 """
@@ -38,8 +42,60 @@ from rollsafe.errors import InvalidArgument, RollsafeError
 
 __all__ = ["GroupPlacer", "Placement", "PlacementUnavailable", "ray_node_id"]
 
-#: how many reservations a placement makes when Ray puts them on excluded nodes
-_EXCLUDED_TRIES = 3
+#: the label Ray gives every node (its hex id), selected by bundle label selectors
+NODE_LABEL = "ray.io/node-id"
+#: pause before asking again after Ray reserved on a node it should not (an older Ray only)
+_RETRY_PAUSE_S = 0.05
+#: whether this Ray takes bundle label selectors (None: not asked yet)
+_SELECTORS: bool | None = None
+
+
+def _label_selectors() -> bool:
+    """Whether this Ray's ``placement_group`` takes ``bundle_label_selector`` (hard node
+    constraints); checked once per process."""
+    global _SELECTORS
+    if _SELECTORS is None:
+        import inspect
+
+        from ray.util.placement_group import placement_group
+
+        _SELECTORS = "bundle_label_selector" in inspect.signature(placement_group).parameters
+    return _SELECTORS
+
+
+def node_selector(node: str | None, excluded: Collection[str]) -> dict[str, str] | None:
+    """One bundle's label selector: ``node`` only, or any node but the ``excluded`` ones
+    (None: no constraint)."""
+    if node is not None:
+        return {NODE_LABEL: node}
+    if excluded:
+        return {NODE_LABEL: "!in(" + ",".join(sorted(excluded)) + ")"}
+    return None
+
+
+def _constraint(n_bundles: int, node: str | None, excluded: Collection[str]) -> dict[str, Any]:
+    """``placement_group`` keyword arguments holding ``n_bundles`` bundles to ``node`` or off
+    the ``excluded`` nodes (none where this Ray takes no label selectors)."""
+    selector = node_selector(node, excluded)
+    if selector is None or not _label_selectors():
+        return {}
+    return {"bundle_label_selector": [dict(selector) for _ in range(n_bundles)]}
+
+
+def _why_not(
+    exc: BaseException, node: str | None, excluded: Collection[str], refused: list[str]
+) -> str:
+    """What a placement that Ray did not make in time was held to."""
+    import ray
+
+    parts = [] if isinstance(exc, ray.exceptions.GetTimeoutError) else [repr(exc)]
+    if node is not None:
+        parts.append(f"on node {node} only")
+    elif excluded:
+        parts.append(f"off the excluded {sorted(excluded)}")
+    if refused:
+        parts.append(f"Ray offered {refused} first")
+    return "; ".join(parts)
 
 
 class PlacementUnavailable(RollsafeError, RuntimeError):
@@ -196,8 +252,8 @@ class GroupPlacer:
             return self._place_spread(group_id, ranks, slices)
         bundles = self.bundles(ranks)
         deadline = time.monotonic() + self.timeout_s
-        refused: list[str] = []  # excluded nodes Ray reserved the bundles on anyway
-        for _ in range(_EXCLUDED_TRIES):
+        refused: list[str] = []  # nodes an older Ray reserved the bundles on though it should not
+        while True:
             with self._lock:
                 excluded = set(self._excluded)
                 if node is not None:
@@ -223,6 +279,7 @@ class GroupPlacer:
                 if target is not None:
                     self._held[group_id] = (target,)  # counted while Ray places it
             hint: dict[str, Any] = {"_soft_target_node_id": target} if target is not None else {}
+            hint.update(_constraint(len(bundles), node, excluded))
             pg = placement_group(bundles, strategy="STRICT_PACK", name=name, **hint)
             try:
                 ray.get(pg.ready(), timeout=max(0.1, deadline - time.monotonic()))
@@ -230,7 +287,7 @@ class GroupPlacer:
                 self._drop(group_id)
                 with contextlib.suppress(Exception):
                     ray.util.remove_placement_group(pg)
-                why = "" if isinstance(exc, ray.exceptions.GetTimeoutError) else repr(exc)
+                why = _why_not(exc, node, excluded, refused)
                 raise PlacementUnavailable(group_id, bundles, self.timeout_s, why) from exc
             node_id = str(placement_group_table(pg)["bundles_to_node_id"][0])
             with self._lock:
@@ -239,14 +296,18 @@ class GroupPlacer:
                     self._held[group_id] = (node_id,)
             if allowed:
                 return Placement(group_id, pg, node_id, tuple(bundles))
-            refused.append(node_id)  # Ray passed the hint over: give it back, ask again
+            # an older Ray passed the hint over (or the node was excluded meanwhile): give it
+            # back, ask again until the deadline
+            refused.append(node_id)
             self._drop(group_id)
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(pg)
-        want = f"node {node}" if node is not None else "a node not excluded"
-        raise PlacementUnavailable(
-            group_id, bundles, self.timeout_s, f"Ray offered {refused}, not {want}"
-        )
+            if time.monotonic() + _RETRY_PAUSE_S >= deadline:
+                want = f"node {node}" if node is not None else "a node not excluded"
+                raise PlacementUnavailable(
+                    group_id, bundles, self.timeout_s, f"Ray offered {refused}, not {want}"
+                )
+            time.sleep(_RETRY_PAUSE_S)
 
     def _place_spread(self, group_id: str, ranks: int, slices: int) -> Placement:
         """A group over ``slices`` nodes: one ``STRICT_SPREAD`` placement group whose bundle
@@ -259,17 +320,19 @@ class GroupPlacer:
         bundles = self.bundles(ranks, slices)
         deadline = time.monotonic() + self.timeout_s
         refused: list[str] = []
-        for _ in range(_EXCLUDED_TRIES):
+        while True:
             with self._lock:
                 self._made += 1
                 name = f"{self.name_prefix}-{group_id}-{self._made}"
-            pg = placement_group(bundles, strategy="STRICT_SPREAD", name=name)
+                excluded = set(self._excluded)
+            hint = _constraint(len(bundles), None, excluded)
+            pg = placement_group(bundles, strategy="STRICT_SPREAD", name=name, **hint)
             try:
                 ray.get(pg.ready(), timeout=max(0.1, deadline - time.monotonic()))
             except Exception as exc:
                 with contextlib.suppress(Exception):
                     ray.util.remove_placement_group(pg)
-                why = "" if isinstance(exc, ray.exceptions.GetTimeoutError) else repr(exc)
+                why = _why_not(exc, None, excluded, refused)
                 raise PlacementUnavailable(
                     group_id, bundles, self.timeout_s, why, slices=slices
                 ) from exc
@@ -284,13 +347,15 @@ class GroupPlacer:
             refused.extend(bad)
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(pg)
-        raise PlacementUnavailable(
-            group_id,
-            bundles,
-            self.timeout_s,
-            f"Ray offered the excluded {sorted(set(refused))}",
-            slices=slices,
-        )
+            if time.monotonic() + _RETRY_PAUSE_S >= deadline:
+                raise PlacementUnavailable(
+                    group_id,
+                    bundles,
+                    self.timeout_s,
+                    f"Ray offered the excluded {sorted(set(refused))}",
+                    slices=slices,
+                )
+            time.sleep(_RETRY_PAUSE_S)
 
     def release(self, placement: Placement) -> None:
         """Give the reservation back to Ray (idempotent; a dead node's is already gone)."""
