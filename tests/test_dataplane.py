@@ -23,13 +23,20 @@ from rollsafe.fleet.router import NoRoutableGroup, Router
 from rollsafe.ports import GenerateResult
 
 
+@pytest.mark.parametrize("whole_up_to", [0, 64], ids=["streamed", "read-whole"])
 @pytest.mark.parametrize("stubs", [500.0], indirect=True)
-def test_ten_thousand_requests_in_flight_on_one_loop(stubs: list[Stub]) -> None:  # noqa: F811
-    """10,000 streamed requests at once on one event loop (each stays open for seconds: the
-    stub waits 500 ms per token): every one served whole, no thread per request."""
+def test_ten_thousand_requests_in_flight_on_one_loop(
+    stubs: list[Stub],  # noqa: F811
+    whole_up_to: int,
+) -> None:
+    """10,000 requests at once on one event loop (each stays open for seconds: the stub waits
+    500 ms per token), streamed (``Router.whole_up_to = 0``) or, 8 tokens being within the
+    default ``whole_up_to``, read as whole answers: every one served whole, each the way it
+    was asked for, no thread per request."""
     raise_nofile()
     n, tokens = 10_000, 8
     router = stub_router(stubs, request_timeout_s=120.0)
+    router.whole_up_to = whole_up_to
     plane = DataPlane(router)
     threads_before = threading.active_count()
     peak = {"outstanding": 0, "threads": 0}
@@ -64,8 +71,11 @@ def test_ten_thousand_requests_in_flight_on_one_loop(stubs: list[Stub]) -> None:
     assert {r.group_id for r in results} == {"g0", "g1"}
     assert peak["outstanding"] == n  # all of them in flight at once
     assert peak["threads"] <= threads_before + 2  # no thread per request
-    served = sum(s.stats()["streams_finished"] for s in stubs)
-    assert served == n
+    streams = sum(s.stats()["streams_finished"] for s in stubs)
+    answers = sum(s.stats()["generate"] for s in stubs)
+    assert answers == n
+    assert streams == (n if whole_up_to == 0 else 0)
+    assert router.continuation.as_dict()["whole"] == (0 if whole_up_to == 0 else n)
 
 
 def test_blocking_generate_runs_the_async_path_on_one_loop_thread(stubs: list[Stub]) -> None:  # noqa: F811
@@ -271,6 +281,7 @@ def test_tokens_whose_weights_cannot_be_told_are_not_kept() -> None:
 
     streamed = AcrossASync()
     router, plane = plane_on(streamed)
+    router.whole_up_to = 0  # 8 tokens: streamed, not read whole
     try:
         out = plane.generate([1, 2, 3], sampling_params={"max_new_tokens": 8})
         stats = router.stats()["continuation"]
@@ -296,3 +307,20 @@ def test_tokens_whose_weights_cannot_be_told_are_not_kept() -> None:
     assert answer.output_ids == [6] * 4 and answer.result.meta_info["weight_version_exact"]
     assert len(whole.prompts) == 2 and answer.attempts == 1 and answer.failed_on == ()
     assert stats["unattributed"] == 1
+
+    # token ids within ``whole_up_to``: read whole, the continuation's path keeps none of the
+    # first answer's tokens and sends the request again from its prompt
+    ids_whole = AcrossASync()
+    router, plane = plane_on(ids_whole)
+    try:
+        out = plane.generate([1, 2, 3], sampling_params={"max_new_tokens": 4})
+        stats = router.stats()["continuation"]
+    finally:
+        plane.close()
+        router.close()
+    assert out.output_ids == [6] * 4
+    assert ids_whole.prompts == [[1, 2, 3], [1, 2, 3]]
+    assert [(s.weights_version, s.token_range, s.ended) for s in out.segments] == [
+        ("2", (0, 4), "finished")
+    ]
+    assert stats["whole"] == 1 and stats["unattributed"] == 1 and stats["after_abort"] == 1

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,41 @@ def _kill_when(fleet: RolloutFleet, at: int = KILL_AT) -> dict[str, int]:
     _stall(fleet, at + 1)
     fleet.router.on_progress = progress
     return killed
+
+
+def _kill_on_dispatch(fleet: RolloutFleet, at: int) -> tuple[dict[str, int], threading.Thread]:
+    """SIGKILL the engine of the group that takes the next request, while it holds it: every
+    engine is armed to stall at ``at`` tokens (so the request cannot finish first), the other
+    engines are disarmed once the group is seen with the request (the request sent again runs
+    free). For requests read whole (``Router.whole_up_to``): no progress comes before the
+    answer. The returned dict names the victim once it is killed."""
+    killed: dict[str, int] = {}
+    _stall(fleet, at)
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            busy = [g.group_id for g in fleet.registry.groups() if g.outstanding > 0]
+            if busy:
+                victim = busy[0]
+                for group in fleet.registry.groups():
+                    if group.group_id != victim:
+                        httpx.post(
+                            f"{fleet.launcher(group.group_id).url}/fault/stall",
+                            json={"after_tokens": None},
+                            timeout=30,
+                        ).raise_for_status()
+                pids = tuple(fleet.launcher(victim).rank_pids)
+                KILLED.append((victim, pids))
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                killed[victim] = at
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, name="kill-on-dispatch", daemon=True)
+    watcher.start()
+    return killed, watcher
 
 
 def _reference(fleet: RolloutFleet) -> list[int]:
@@ -350,11 +386,74 @@ def test_a_sync_mid_stream_continues_on_the_new_weights(ready: RolloutFleet) -> 
     _segments_cover(segments, TOKENS)
 
 
+def _stalled(fleet: RolloutFleet) -> int:
+    """Generations the reference engines' stall holds or held so far (``GET /fault/stall``)."""
+    total = 0
+    for group in fleet.registry.groups():
+        r = httpx.get(f"{fleet.launcher(group.group_id).url}/fault/stall", timeout=30)
+        assert r.status_code == 200, r.text
+        total += int(r.json()["stalled"])
+    return total
+
+
+def test_a_sync_during_a_short_answer_read_whole_continues_from_its_aborted_tokens(
+    ready: RolloutFleet,
+) -> None:
+    """A short ``/generate`` (24 tokens: read from its engine whole, ``Router.whole_up_to``)
+    held by its engine at 10 tokens when a sync pauses it in ``abort`` mode: the aborted
+    answer carries those 10 tokens and the request goes on from them on the new version (the
+    same values, so greedy tokens are the uncut run's), its segments naming which tokens were
+    the old version's."""
+    fleet = ready
+    params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    uncut = fleet.generate(PROMPT, sampling_params=params).output_ids
+    weights = _weights(fleet)
+    version = fleet.registry.fleet_version + 1
+    whole_before = fleet.router.stats()["continuation"]["whole"]
+    stalled_before = _stalled(fleet)
+    box: dict[str, Any] = {}
+    body = {"input_ids": PROMPT, "sampling_params": params}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    worker = threading.Thread(
+        target=lambda: box.setdefault(
+            "r",
+            requests.post(f"{fleet.gateway_url}/generate", json=body, headers=headers, timeout=120),
+        )
+    )
+    _stall(fleet, 10)
+    try:
+        worker.start()
+        deadline = time.monotonic() + 120
+        while _stalled(fleet) == stalled_before:  # the engine holds it at 10 tokens
+            assert time.monotonic() < deadline, "no generation reached the stall"
+            time.sleep(0.02)
+    finally:
+        _stall(fleet, None)  # the continuation runs free; the stalled generation stays held
+    report = fleet.sync_weights(weights, version, pause_mode="abort")
+    worker.join(120)
+    assert report.ok
+    r = box["r"]
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_ids"] == uncut
+    segments = out["meta_info"]["rollsafe"]["segments"]
+    assert segments[0]["token_range"] == [0, 10] and segments[0]["ended"] == "aborted"
+    versions = [s["weights_version"] for s in segments]
+    assert versions[0] == str(version - 1) and versions[-1] == str(version)
+    _segments_cover(segments, 24)
+    assert fleet.router.stats()["continuation"]["whole"] == whole_before + 1
+
+
 def test_an_agent_loop_keeps_its_tokens_across_turns_and_a_crash(ready: RolloutFleet) -> None:
     """Three chat turns with tool messages in one session: each turn's prompt begins with the
     previous turn's prompt and output ids exactly as served (nothing re-tokenized), the
-    session stays on one group until that group is killed mid-turn, and no turn fails."""
+    session stays on one group until that group is killed mid-turn, and no turn fails. A
+    turn of 24 tokens is read from its engine whole (``Router.whole_up_to``, 64): the killed
+    turn is sent again whole to the other group (``whole_lost``), its output still 24 tokens
+    and served ids."""
     fleet = ready
+    lost_before = fleet.router.stats()["continuation"]["whole_lost"]
+    watcher: threading.Thread | None = None
     sdk = _sdk(fleet)
     session = {"x-session-id": "agent-1"}
     messages: list[dict[str, Any]] = [
@@ -365,7 +464,7 @@ def test_an_agent_loop_keeps_its_tokens_across_turns_and_a_crash(ready: RolloutF
     groups: list[str] = []
     for turn in range(3):
         if turn == 1:
-            killed = _kill_when(fleet, at=8)
+            killed, watcher = _kill_on_dispatch(fleet, at=9)
         raw = sdk.chat.completions.with_raw_response.create(
             model="m",
             messages=messages,
@@ -396,13 +495,19 @@ def test_an_agent_loop_keeps_its_tokens_across_turns_and_a_crash(ready: RolloutF
             {"role": "user", "content": "And now add 3 more."},
         ]
         if turn == 1:
+            assert watcher is not None
+            watcher.join(5)
             assert killed, "turn 2 finished before the kill"
+    assert fleet.router.stats()["continuation"]["whole_lost"] == lost_before + 1
     assert fleet.gateway is not None
     assert fleet.gateway.counters.session_reused == 2
     assert fleet.gateway.counters.session_retokenized == 0
     (victim,) = killed
-    assert groups[0] == groups[1] == victim  # the session stayed on its group...
-    assert groups[2] != victim  # ...until that group was killed
+    # the session stayed on its group (turn 2 went there: it was killed holding it)...
+    assert groups[0] == victim
+    # ...until that group was killed: turn 2's answer, read whole, came from the other group
+    # (the header names the group that served the first token) and turn 3 stayed there
+    assert groups[1] == groups[2] != victim
 
 
 BAD: list[tuple[str, Any, str]] = [

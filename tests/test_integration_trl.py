@@ -242,6 +242,9 @@ def test_grpo_trains_through_the_fleet_and_survives_a_sigkill(
             fleet_options={"on_sync": on_sync},
         )
         trainer_box.append(trainer)
+        # an RL run's completions are hundreds of tokens, streamed; these short ones would be
+        # read whole (Router.whole_up_to) and the kill could not land mid-generation
+        fleet.router.whole_up_to = 0
         fleet.router.on_progress = on_progress
         result = trainer.train()
         fleet.router.on_progress = None

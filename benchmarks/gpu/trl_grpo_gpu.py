@@ -304,6 +304,9 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         )
         trainer_box.append(trainer)
         env["trainer_device"] = str(next(model.parameters()).device)
+        # streamed as an RL run's long completions are (short ones would be read whole:
+        # Router.whole_up_to), so that the kill lands mid-generation
+        fleet.router.whole_up_to = 0
         fleet.router.on_progress = on_progress
         t_train = time.perf_counter()
         train_out = trainer.train()

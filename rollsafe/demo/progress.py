@@ -34,12 +34,14 @@ def _node(fleet: Any, gid: str, node_names: dict[str, str]) -> str:
 
 
 def continued(fleet: Any) -> str:
-    """``continued 3 (kept 412 tok, regenerated 0)``: requests continued after their group
-    failed or a sync aborted them, the tokens they kept, the tokens started over (baseline)."""
+    """``continued 3 (kept 412 tok, regenerated 0, resent whole 1)``: requests continued
+    after their group failed or a sync aborted them, the tokens they kept, the tokens started
+    over (baseline), and the short requests read whole that a failure made send again
+    (``Router.whole_up_to``: the tokens their engine had made are not known)."""
     c = fleet.router.stats()["continuation"]
     return (
         f"continued {c['after_failure'] + c['after_abort']} (kept {c['tokens_kept']} tok,"
-        f" regenerated {c['tokens_regenerated']})"
+        f" regenerated {c['tokens_regenerated']}, resent whole {c['whole_lost']})"
     )
 
 

@@ -192,7 +192,9 @@ def _print_throughput(run: DemoRun, figures: Figures) -> None:
     print(
         f"continued requests ({continuation['mode']}): after a failure {total['after_failure']},"
         f" after a sync abort {total['after_abort']}; tokens kept {total['tokens_kept']},"
-        f" regenerated {total['tokens_regenerated']}"
+        f" regenerated {total['tokens_regenerated']}; short requests read whole and sent again"
+        f" after a failure {total['whole_lost']} (up to {continuation['max_new_tokens']} token(s)"
+        " each)"
     )
     if "crash_step" in continuation:
         print(

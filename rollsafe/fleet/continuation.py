@@ -23,14 +23,24 @@ token-id prompts on streaming engines, a coroutine generator of
 * the last chunk is ``finished`` and carries ``segments`` (which group and weights version
   produced each token range, :mod:`rollsafe.fleet.provenance`) and the engine's last
   ``meta_info``: the consumer sees one stream, no duplicate, no gap;
+* a request its caller reads whole (``whole=True``: the data plane passes it for a request
+  asking at most ``Router.whole_up_to`` new tokens) is read from each engine as one answer
+  (:meth:`AsyncEngine.generate`), the same path with one delta per try (:func:`whole_delta`):
+  an aborted answer carries the tokens made before the abort and is continued from them; a
+  crash loses the tokens the dead engine had made (at most ``whole_up_to``, counted as
+  ``whole_lost``) and the request is sent again elsewhere; an answer during which the fleet
+  recorded a new version for its group, with no per-token versions and no abort (an SGLang
+  sync in ``retract`` mode ran under it), cannot tell which tokens the old weights made, so
+  none is kept and the request goes on as after an abort (``unattributed``);
 * after ``max_attempts`` failed tries, or when no group is left, :class:`ContinuationFailed`
   (a :class:`~rollsafe.fleet.router.RequestFailed`) lists the segments generated so far,
   raised after the chunks already yielded.
 
-Tokens are never regenerated here: a continued request re-prefills its tokens, it does not
-sample them again. Greedy decoding on the same weights therefore gives the uninterrupted run's
-tokens (tests/test_continuation.py checks it with real engines). A consumer that stops (a
-gateway client disconnected: the task is cancelled) ends the engine request with it.
+Streamed tokens are never regenerated here: a continued request re-prefills its tokens, it
+does not sample them again. Greedy decoding on the same weights therefore gives the
+uninterrupted run's tokens (tests/test_continuation.py checks it with real engines). A
+consumer that stops (a gateway client disconnected: the task is cancelled) ends the engine
+request with it.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from rollsafe.fleet.router import (
     RouterError,
     is_retryable,
 )
+from rollsafe.ports import GenerateResult
 from rollsafe.text import bound_text
 
 if TYPE_CHECKING:
@@ -64,6 +75,7 @@ __all__ = [
     "advance_seed",
     "continued_params",
     "stream_continued",
+    "whole_delta",
 ]
 
 log = logging.getLogger(__name__)
@@ -134,6 +146,10 @@ class ContinuationStats:
     unattributed: int = 0
     tokens_kept: int = 0  #: tokens carried into a continuation instead of being regenerated
     tokens_regenerated: int = 0  #: tokens generated again after a failure (0 by design)
+    whole: int = 0  #: requests read from their engines as whole answers (``whole_up_to``)
+    #: whole reads lost to a failure: the tokens their engine had made (at most
+    #: ``whole_up_to`` each, not known) were generated again elsewhere
+    whole_lost: int = 0
     failed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -152,6 +168,8 @@ class ContinuationStats:
                 "unattributed": self.unattributed,
                 "tokens_kept": self.tokens_kept,
                 "tokens_regenerated": self.tokens_regenerated,
+                "whole": self.whole,
+                "whole_lost": self.whole_lost,
                 "failed": self.failed,
             }
 
@@ -214,6 +232,53 @@ def _chunk(
     )
 
 
+def whole_delta(result: GenerateResult, *, synced: bool = False) -> StreamDelta:
+    """One finished delta holding a whole answer, as the last event of its stream would
+    (vLLM 0.33's ``weight_versions`` spans kept as spans). ``synced``: the fleet recorded a
+    new version for the answer's group while the answer was made (a sync that paused the
+    engine without aborting the request, SGLang's ``retract``): an answer without spans that
+    is no abort is then marked ``weight_version_exact: False``, since which of its tokens the
+    old weights made cannot be told."""
+    meta = dict(result.meta_info)
+    spans: tuple[WeightSpan, ...] = ()
+    raw = meta.get("weight_versions")
+    if isinstance(raw, list):
+        try:
+            spans = tuple(
+                WeightSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in raw
+            )
+        except (KeyError, TypeError, ValueError):
+            spans = ()
+    if synced and not spans and result.finish_reason != "abort":
+        meta["weight_version_exact"] = False
+    lps = result.output_logprobs
+    return StreamDelta(
+        tuple(result.output_ids),
+        text=result.text,
+        weight_version=result.weight_version,
+        finished=True,
+        finish_reason=result.finish_reason,
+        spans=spans,
+        meta=meta,
+        logprobs=tuple(lps) if lps is not None and len(lps) == len(result.output_ids) else (),
+    )
+
+
+async def _read_whole(
+    engine: AsyncEngine,
+    group: WorkerGroup,
+    input_ids: list[int],
+    params: Mapping[str, Any],
+    timeout: float | None,
+) -> AsyncIterator[StreamDelta]:
+    """A whole answer as a stream of one delta (:func:`whole_delta`); the group's recorded
+    version is read before it is sent and once it is in (a sync records it before it resumes
+    generation, so an answer made partly on new weights always sees it changed)."""
+    before = group_version(group)
+    result = await engine.generate(input_ids, sampling_params=params, timeout=timeout)
+    yield whole_delta(result, synced=group_version(group) != before)
+
+
 async def stream_continued(
     router: Router,
     engine_for: Callable[[WorkerGroup], AsyncEngine],
@@ -223,16 +288,18 @@ async def stream_continued(
     session_id: str | None,
     timeout: float | None,
     wait_s: float | None = None,
+    whole: bool = False,
 ) -> AsyncIterator[TokenChunk]:
     """Stream ``input_ids`` through ``router``'s groups, continuing on failure (see the module).
 
     ``engine_for(group)`` gives the async engine of a group's client on the running loop;
-    ``wait_s`` how long a try waits for a routable group (default the router's)."""
+    ``wait_s`` how long a try waits for a routable group (default the router's); ``whole``:
+    read each try as one answer (``timeout`` then bounds the whole answer, not each event)."""
     prompt = [int(t) for t in input_ids]
     budget = _budget(sampling_params)
     asked_logprobs = bool((sampling_params or {}).get("return_logprob"))
     stats = router.continuation
-    stats.add(streamed=1)
+    stats.add(streamed=1, whole=1 if whole else 0)
     generated = 0  # tokens of the request so far (kept across tries)
     tokens: list[int] = []
     segments: list[Segment] = []
@@ -280,9 +347,13 @@ async def stream_continued(
         params = continued_params(sampling_params, generated)
         delta: StreamDelta | None = None
         unknown = False  # tokens came whose weights cannot be told: the piece ends before them
-        stream = engine_for(group).generate_stream(
-            prompt + tokens, sampling_params=params, timeout=timeout
-        )
+        engine = engine_for(group)
+        if whole:
+            stream = _read_whole(engine, group, prompt + tokens, params, timeout)
+        else:
+            stream = engine.generate_stream(
+                prompt + tokens, sampling_params=params, timeout=timeout
+            )
         try:
             try:
                 async for delta in stream:
@@ -322,6 +393,8 @@ async def stream_continued(
             excluded.append(group.group_id)
             if session_id is not None and router.session_group(session_id) == group.group_id:
                 router.end_session(session_id)
+            if whole:
+                stats.add(whole_lost=1)
             if len(attempts) >= router.max_attempts:
                 raise fail("", retryable=True, cause=exc) from exc
             router.count_retry()

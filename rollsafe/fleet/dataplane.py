@@ -7,9 +7,10 @@ decisions:
   continued on another group after a crash or a sync's abort:
   :func:`rollsafe.fleet.continuation.stream_continued`);
 * :meth:`DataPlane.agenerate` (one :class:`~rollsafe.fleet.router.RoutedResult`): a token-id
-  prompt on streaming engines is :meth:`astream` collected; a text prompt (or an engine that
-  cannot stream) is sent whole and retried on ANOTHER group after a retryable failure, at most
-  ``max_attempts`` tries;
+  prompt on streaming engines is :meth:`astream` collected (``collected=True``: one asking
+  at most ``Router.whole_up_to`` new tokens is read from its engine as one answer, with the
+  same continuation); a text prompt (or an engine that cannot stream) is sent whole and
+  retried on ANOTHER group after a retryable failure, at most ``max_attempts`` tries;
 * :meth:`DataPlane.generate`, the blocking call: :meth:`agenerate` run on the plane's own event
   loop thread (:class:`~rollsafe.event_loop.LoopThread`), so there is one implementation
   of routing and continuation, not two;
@@ -164,11 +165,15 @@ class DataPlane:
         session_id: str | None = None,
         timeout: float | None = None,
         wait_for_routable_s: float | None = None,
+        collected: bool = False,
     ) -> AsyncIterator[TokenChunk]:
         """Stream one request's tokens as they come, continued after a crash or a sync's abort
         (:mod:`rollsafe.fleet.continuation`); the last chunk is ``finished``. Stopping early
         (``aclose()``, a cancelled task) ends the engine request. ``wait_for_routable_s``: how
-        long to wait for a routable group (default the router's)."""
+        long to wait for a routable group (default the router's). ``collected``: the caller
+        uses the tokens only once they are all in, so a request asking at most
+        ``Router.whole_up_to`` new tokens is read from each engine as one answer (its chunks
+        come per try, not per event; ``timeout`` bounds each whole answer)."""
         if isinstance(input_ids, str) or not isinstance(input_ids, Sequence):
             raise InvalidArgument(
                 "input_ids", "astream needs a sequence of token ids (tokenize text first)"
@@ -182,8 +187,22 @@ class DataPlane:
                 session_id=session_id,
                 timeout=self._timeout(timeout),
                 wait_s=wait_for_routable_s,
+                whole=collected and self.reads_whole(sampling_params),
             )
         )
+
+    def reads_whole(self, sampling_params: Mapping[str, Any] | None) -> bool:
+        """Whether a collected request with ``sampling_params`` is read as whole answers: its
+        ``max_new_tokens`` (or ``max_tokens``) is given, >= 1 and at most
+        ``Router.whole_up_to``."""
+        limit = self.router.whole_up_to
+        if limit <= 0:
+            return False
+        for key in ("max_new_tokens", "max_tokens"):
+            value = (sampling_params or {}).get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return 1 <= value <= limit
+        return False
 
     async def _logged_stream(self, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
         try:
@@ -221,6 +240,7 @@ class DataPlane:
                     session_id=session_id,
                     timeout=timeout,
                     wait_for_routable_s=wait_for_routable_s,
+                    collected=True,
                 )
             )
             return _result(chunks, last)

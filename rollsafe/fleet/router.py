@@ -197,7 +197,8 @@ class Router(FleetListener):
     ``request_timeout_s`` is a request's default wait for each engine event;
     ``on_group_error(group_id, exc)`` is called (quickly: it runs on the data plane's event loop)
     when a request fails retryably on a group. ``continue_on_failure``, ``max_aborts``,
-    ``keep_tokens`` and ``on_progress`` steer continuation (:mod:`rollsafe.fleet.continuation`).
+    ``keep_tokens``, ``whole_up_to`` and ``on_progress`` steer continuation
+    (:mod:`rollsafe.fleet.continuation`).
 
     The router registers itself as a registry listener; :meth:`close` unregisters it.
     """
@@ -214,6 +215,7 @@ class Router(FleetListener):
         on_group_error: Callable[[str, EngineError], None] | None = None,
         continue_on_failure: bool = True,
         max_aborts: int = 8,
+        whole_up_to: int = 64,
     ) -> None:
         if max_attempts < 1:
             raise InvalidArgument("max_attempts", f"max_attempts must be >= 1, got {max_attempts}")
@@ -227,6 +229,10 @@ class Router(FleetListener):
             raise InvalidArgument(
                 "wait_for_routable_s",
                 f"wait_for_routable_s must be >= 0, got {wait_for_routable_s}",
+            )
+        if isinstance(whole_up_to, bool) or not isinstance(whole_up_to, int) or whole_up_to < 0:
+            raise InvalidArgument(
+                "whole_up_to", f"whole_up_to must be an int >= 0, got {whole_up_to!r}"
             )
         self.registry = registry
         self.max_attempts = max_attempts
@@ -247,6 +253,11 @@ class Router(FleetListener):
         #: False: a streamed request whose group failed starts over on another group, its
         #: tokens counted as regenerated (the behaviour before #17; benchmarks compare both)
         self.keep_tokens = True
+        #: a request read whole by its caller (``RolloutFleet.generate``, a gateway request
+        #: without ``stream``) that asks at most this many new tokens is read from its engine
+        #: as one answer, not token by token: no per-token events to parse, and a crash costs
+        #: at most these tokens, generated again elsewhere (0: every request streams)
+        self.whole_up_to = whole_up_to
         #: how long a request waits for a sync that holds requests (:meth:`hold`) to release
         self.hold_wait_s = 120.0
         #: set unless a sync holds requests (:meth:`hold`): new and aborted ones wait on it

@@ -305,7 +305,7 @@ class Gateway:
         return text + self.counters.prometheus()
 
     # ------------------------------------------------------------------ generation
-    def _stream_of(self, req: GenRequest) -> AsyncIterator[TokenChunk]:
+    def _stream_of(self, req: GenRequest, *, collected: bool = False) -> AsyncIterator[TokenChunk]:
         s = self.settings
         return self.fleet.data_plane.astream(
             req.input_ids,
@@ -313,6 +313,7 @@ class Gateway:
             session_id=req.session_id,
             timeout=s.request_timeout_s,
             wait_for_routable_s=s.wait_for_routable_s,
+            collected=collected,
         )
 
     async def _collect(self, req: GenRequest) -> list[TokenChunk]:
@@ -324,7 +325,7 @@ class Gateway:
         # only a stop string ends a choice before its engine does: without one, the text is
         # decoded once, when the answer is rendered
         out = ChoiceOutput(self.tokenizer, req) if req.output.stop else None
-        stream = self._stream_of(req)
+        stream = self._stream_of(req, collected=True)
         try:
             async for chunk in stream:
                 if chunk.token_ids and chunk.start < count:

@@ -184,6 +184,8 @@ class ReferenceEngine:
         #: fault injection (:meth:`stall_next`): the output length at which the next generation
         #: to reach it stops being scheduled (None: none armed)
         self._stall_at: int | None = None
+        #: how many generations the stall took off the schedule so far
+        self.stalled = 0
         self._released: set[str] = set()
         self._failure: str | None = None
         self._stopping = False
@@ -501,6 +503,7 @@ class ReferenceEngine:
         elif self._stall_at is not None and len(sess.out) >= self._stall_at:
             with self._cv:  # stalled (fault injection): off the schedule, still running
                 self._stall_at = None
+                self.stalled += 1
                 if sess.sid in self._order:
                     self._order.remove(sess.sid)
 
@@ -575,6 +578,12 @@ class ReferenceEngine:
             raise BadRequest(f"'after_tokens' must be an int >= 1 or null, got {tokens!r}")
         with self._cv:
             self._stall_at = tokens
+
+    def stall_state(self) -> dict[str, int | None]:
+        """``{"armed": tokens or None, "stalled": generations stalled so far}``
+        (``GET /fault/stall``: a test waits for its generation to be held)."""
+        with self._cv:
+            return {"armed": self._stall_at, "stalled": self.stalled}
 
     def resume_generation(self) -> None:
         with self._cv:

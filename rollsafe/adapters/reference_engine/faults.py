@@ -12,7 +12,8 @@ Owns the ``/fault/*`` endpoints and the middleware that applies injected faults:
   tokens makes no more until it is aborted (a pause in ``abort`` mode), retracted (a pause
   in ``retract`` mode queues it again) or the engine dies, so
   a test's sync or SIGKILL lands mid-generation however far its client lags behind the
-  engine; once (``null`` disarms it).
+  engine; once (``null`` disarms it). ``GET /fault/stall``: ``{"armed": n or null,
+  "stalled": generations stalled so far}``, so a test can wait until its generation is held.
 
 Without the environment variable the endpoints answer 404 and change nothing. Start-up faults
 of individual ranks (a delay, or a failure) are injected with ``ROLLSAFE_FAULT_RANK_START``; see
@@ -71,6 +72,7 @@ class FaultInjector:
             web.post("/fault/slow", self._slow),
             web.post("/fault/fail_next", self._fail_next),
             web.post("/fault/stall", self._stall),
+            web.get("/fault/stall", self._stall_state),
         ]
 
     def _disabled(self) -> web.Response:
@@ -140,3 +142,10 @@ class FaultInjector:
         ctx_of(request).engine.stall_next(tokens)
         said = "disarmed" if tokens is None else f"the next generation stalls at {tokens} tokens"
         return web.json_response({"success": True, "message": f"stall {said}"})
+
+    async def _stall_state(self, request: web.Request) -> web.Response:
+        from rollsafe.adapters.reference_engine.server import ctx_of
+
+        if not self.enabled:
+            return self._disabled()
+        return web.json_response(ctx_of(request).engine.stall_state())
