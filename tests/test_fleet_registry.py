@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -372,3 +373,73 @@ def test_rebind_clients_points_the_group_at_the_restarted_engine() -> None:
     with pytest.raises(ValueError, match="at least one client"):
         reg.rebind_clients("g0", [])
     assert reg.get("g0").client is new
+
+
+class _SlowVersionRegistry(FleetRegistry):
+    """Moves its version a moment after it is asked: the window in which a reader that does
+    not wait for a recording sees the members ahead of the fleet is wide."""
+
+    def set_fleet_version(self, version: int) -> int:
+        time.sleep(0.002)
+        return super().set_fleet_version(version)
+
+
+def test_a_consistent_reader_never_sees_a_syncs_versions_torn() -> None:
+    """``RecordVersions`` (the sync's settle: the members' versions and the fleet's version)
+    runs under :meth:`FleetRegistry.recording`; a reader through :meth:`FleetRegistry.consistent`
+    (``fleet.picture()``, the soak's invariant check) sees both moved or neither. A plain
+    reader beside it does see an ``active`` group ahead of its fleet (the soak's false
+    ``active_groups_whole_and_current``, seed 934291), which shows the window is there."""
+
+    from rollsafe.operations import effects as fx
+    from rollsafe.registry import RegistryEffects
+
+    reg = _SlowVersionRegistry(fleet_version=1)
+    reg.add_group("g0", [0, 1])
+    bring_up(reg, "g0")
+    handler = RegistryEffects(reg)
+    done = threading.Event()
+    torn = {"consistent": 0, "plain": 0}
+    reads = {"consistent": 0, "plain": 0}
+
+    def versions() -> tuple[set[int | None], int]:
+        members = reg.get("g0").machine.members.values()
+        return {m.weights_version for m in members}, reg.fleet_version
+
+    def reader(kind: str) -> None:
+        while not done.is_set():
+            got = reg.consistent(versions) if kind == "consistent" else versions()
+            reads[kind] += 1
+            if got[0] != {got[1]}:
+                torn[kind] += 1
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in ("consistent", "plain")]
+    for t in threads:
+        t.start()
+    try:
+        for version in range(2, 202):
+            assert handler.record_versions(fx.RecordVersions(("g0",), version, version)) is fx.DONE
+            time.sleep(0.0005)
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    assert reg.fleet_version == 201
+    assert reads["consistent"] > 0 and torn["consistent"] == 0
+    assert torn["plain"] > 0  # the window a consistent reader waits out
+
+
+def test_record_versions_never_moves_the_fleet_back_and_changes_nothing() -> None:
+    """A ``RecordVersions`` below the fleet's version is refused whole: no member records
+    it, the fleet stays."""
+
+    from rollsafe.operations import effects as fx
+    from rollsafe.registry import RegistryEffects
+
+    reg = FleetRegistry(fleet_version=5)
+    reg.add_group("g0", [0])
+    bring_up(reg, "g0")
+    outcome = RegistryEffects(reg).record_versions(fx.RecordVersions(("g0",), 4, 4))
+    assert isinstance(outcome, fx.Failed) and "4" in outcome.error
+    assert reg.fleet_version == 5
+    assert reg.get("g0").machine.members[0].weights_version == 5

@@ -90,7 +90,6 @@ def test_a_clean_sync_yields_its_steps_in_order() -> None:
         "PrepareTargets",
         "Update",
         "RecordVersions",
-        "SetFleetVersion",
         "SendGroup",
         "ReadGroups",  # the groups again: one back ``active`` below N meanwhile is stale
         "UnlockTransport",
@@ -105,7 +104,7 @@ def test_a_clean_sync_yields_its_steps_in_order() -> None:
     ]
     (update,) = [e for e in effects if isinstance(e, fx.Update)]
     assert [g.group_id for g in update.groups] == ["g0", "g1", "g2"]  # not the recovering g3
-    assert fx.RecordVersions(("g0", "g1", "g2"), VERSION) in effects
+    assert fx.RecordVersions(("g0", "g1", "g2"), VERSION, VERSION) in effects
     assert sends(effects) == [("g2", GroupEvent.WEIGHTS_LOADED)]
     assert result.ok and result.error is None and result.fleet_version == VERSION
     assert result.updated == ("g0", "g1", "g2") and result.weights_loaded == ("g2",)
@@ -137,7 +136,7 @@ def test_a_failing_hook_updates_nothing_and_resumes() -> None:
     }
     effects, result = run(script)
     assert kinds(effects)[-3:] == ["Hook", "UnlockTransport", "Resume"]
-    assert not any(isinstance(e, fx.Update | fx.SetFleetVersion) for e in effects)
+    assert not any(isinstance(e, fx.Update | fx.RecordVersions) for e in effects)
     assert not result.ok and result.error == "onload_engines failed: OSError: no memory"
 
 
@@ -162,7 +161,7 @@ def test_update_failure_on_an_engine_that_loses_weights_fails_and_recovers(
 
     effects, result = run({fx.Update: one_rank_fails}, on_failure=on_failure)
     assert result.updated == ("g0", "g2") and result.failed == ("g1",)
-    assert fx.RecordVersions(("g0", "g2"), VERSION) in effects  # never the failed group
+    assert fx.RecordVersions(("g0", "g2"), VERSION, VERSION) in effects  # never the failed group
     assert ("g1", GroupEvent.FAIL) in sends(effects)
     assert fx.HandOff("g1") in effects and result.handed_off == ("g1",)
     assert result.failed_groups == ("g1",)
@@ -184,7 +183,7 @@ def test_update_failure_on_an_engine_that_keeps_weights_goes_stale_under_stale()
 def test_an_update_that_fails_as_a_whole_fails_every_target(outcome: fx.Outcome) -> None:
     effects, result = run({fx.Update: lambda e: outcome})
     assert result.ok and result.updated == () and result.failed == ("g0", "g1", "g2")
-    assert fx.RecordVersions((), VERSION) in effects
+    assert fx.RecordVersions((), VERSION, VERSION) in effects
     assert [g for g, e in sends(effects) if e is GroupEvent.FAIL] == ["g0", "g1", "g2"]
     assert [e.group for e in effects if isinstance(e, fx.HandOff)] == ["g0", "g1", "g2"]
 
@@ -212,7 +211,7 @@ def test_a_group_that_moved_during_the_update_is_never_credited() -> None:
     effects, result = run(script)
     (update,) = [e for e in effects if isinstance(e, fx.Update)]
     assert [g.group_id for g in update.groups] == ["g0", "g2"]  # g1 had no target
-    assert fx.RecordVersions(("g2",), VERSION) in effects
+    assert fx.RecordVersions(("g2",), VERSION, VERSION) in effects
     assert result.not_targeted["g0"] == "moved to recovering during the update"
     assert result.not_targeted["g1"] == "no client"
     assert ("g0", GroupEvent.MARK_STALE) not in sends(effects)
@@ -252,7 +251,7 @@ def records_every_target(
         if isinstance(effect, fx.Update):
             targeted[:] = [g.group_id for g in effect.groups]
         elif isinstance(effect, fx.RecordVersions):
-            return [fx.RecordVersions(tuple(targeted), effect.version)]
+            return [fx.RecordVersions(tuple(targeted), effect.version, effect.fleet_version)]
         return [effect]
 
     return rewritten(original, rewrite)
@@ -319,7 +318,7 @@ def test_a_group_back_active_below_n_during_the_update_is_marked_stale() -> None
     assert [e for e in effects if isinstance(e, fx.HandOff)] == [fx.HandOff("g3", push_only=True)]
     # the second read comes after the new fleet version, before the transport is unlocked
     order = kinds(effects)
-    assert order.index("SetFleetVersion") < len(order) - 1 - order[::-1].index("ReadGroups")
+    assert order.index("RecordVersions") < len(order) - 1 - order[::-1].index("ReadGroups")
     assert order[::-1].index("ReadGroups") > order[::-1].index("UnlockTransport")
 
 

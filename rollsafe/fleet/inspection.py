@@ -153,7 +153,32 @@ def picture(
     promotions: Iterable[PromotionPicture] = (),
 ) -> FleetPicture:
     """The fleet as :mod:`rollsafe.invariants` reads it (what the fleet records; the engines'
-    ground truth is unknown here)."""
+    ground truth is unknown here), read consistently (:meth:`FleetRegistry.consistent`): a
+    sync's recorded versions and the fleet's version move together in it."""
+    return registry.consistent(
+        lambda: _picture(
+            registry,
+            initial_version=initial_version,
+            transport=transport,
+            exporter=exporter,
+            mode=mode,
+            spare_groups=spare_groups,
+            promotions=tuple(promotions),
+        )
+    )
+
+
+def _picture(
+    registry: FleetRegistry,
+    *,
+    initial_version: int,
+    transport: WeightTransport | None,
+    exporter: ExporterLike | None,
+    mode: ImmediateRecoveryMode,
+    spare_groups: int | None,
+    promotions: tuple[PromotionPicture, ...],
+) -> FleetPicture:
+    fleet_version = registry.fleet_version
     groups = tuple(
         GroupPicture(
             g.group_id,
@@ -176,7 +201,7 @@ def picture(
             for r in exporter.exports()
         )
     return FleetPicture(
-        fleet_version=registry.fleet_version,
+        fleet_version=fleet_version,
         groups=groups,
         initial_version=initial_version,
         registration_state=registration.state if registration is not None else None,
@@ -187,7 +212,7 @@ def picture(
         exports=exports,
         mode_state=mode.state,
         rearm_after=mode.rearm_after,
-        max_version_seen=registry.fleet_version,
+        max_version_seen=fleet_version,
         spare_groups=spare_groups,
-        promotions=tuple(promotions),
+        promotions=promotions,
     )

@@ -83,7 +83,6 @@ __all__ = [
     "SendGroups",
     "SendMode",
     "SetFailureCounts",
-    "SetFleetVersion",
     "SparesSeen",
     "StartExport",
     "Steps",
@@ -270,17 +269,13 @@ class Update(Effect["UpdateDone"]):
 
 @dataclass(frozen=True)
 class RecordVersions(Effect[None]):
-    """The members of ``groups`` now report ``version`` (their engines hold it)."""
+    """The members of ``groups`` now report ``version`` (their engines hold it) and the
+    fleet's version becomes ``fleet_version``, in one step: a reader of the registry never
+    sees one without the other (an ``active`` group at a version the fleet is not at)."""
 
     groups: tuple[str, ...]
     version: int
-
-
-@dataclass(frozen=True)
-class SetFleetVersion(Effect[None]):
-    """The fleet's version becomes ``version``."""
-
-    version: int
+    fleet_version: int
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ on the real fleet, :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``):
    a failing hook ends the sync before anything is updated;
 4. **update** every ``active`` / ``pending_weights`` group whose members are all healthy, in
    one transport update (an update that fails as a whole fails every target);
-5. **settle**: updated groups record N, the fleet version becomes N, the settlement's events
+5. **settle**: updated groups record N and the fleet version becomes N (one step), the
+   settlement's events
    are sent (``fail`` / ``mark_stale`` / ``weights_loaded``); the groups are read again and
    one that came back ``active`` below N while the update ran is marked stale
    (``settle_latecomers``) and handed over for the targeted push of N alone; failed groups are
@@ -43,7 +44,6 @@ from rollsafe.operations.effects import (
     Resume,
     SendGroup,
     SendMode,
-    SetFleetVersion,
     StartExport,
     Steps,
     UnlockTransport,
@@ -140,8 +140,7 @@ def sync(version: int, *, on_failure: policy.UpdateFailurePolicy = "fail") -> St
     for gid in settlement.moved:
         # it moved while we pushed: its members describe a new incarnation, never credit it
         not_targeted[gid] = f"moved to {done.moved[gid]} during the update"
-    yield RecordVersions(settlement.record_version, version)
-    yield SetFleetVersion(settlement.fleet_version)
+    yield RecordVersions(settlement.record_version, version, settlement.fleet_version)
     sent: dict[GroupEvent, list[str]] = {}
     for gid, event in settlement.events:
         outcome = yield from ask(SendGroup(gid, event, "settle_update"))

@@ -4,9 +4,10 @@
 on the fleet's table of groups: :class:`~rollsafe.operations.effects.SendGroup`,
 :class:`~rollsafe.operations.effects.SendGroups`, :class:`~rollsafe.operations.effects.ReadStates`,
 :class:`~rollsafe.operations.effects.ReportMembers`,
-:class:`~rollsafe.operations.effects.ReportRank`,
-:class:`~rollsafe.operations.effects.RecordVersions` and
-:class:`~rollsafe.operations.effects.SetFleetVersion`. Every fleet executor holds one as a part
+:class:`~rollsafe.operations.effects.ReportRank` and
+:class:`~rollsafe.operations.effects.RecordVersions` (under
+:meth:`~rollsafe.registry.FleetRegistry.recording`: a consistent reader sees the members'
+versions and the fleet's move together). Every fleet executor holds one as a part
 (``parts = {RegistryEffects: "registry_effects"}``) and ``rollsafe verify``'s model holds one on
 its own real :class:`~rollsafe.registry.FleetRegistry`, so an event the policy decided is sent,
 refused and recorded the same way in both.
@@ -124,9 +125,18 @@ class RegistryEffects(Executor):
 
     @handles(fx.RecordVersions)
     def record_versions(self, effect: fx.RecordVersions) -> fx.Outcome[None]:
-        for gid in effect.groups:
-            for rank, fact in self.registry.get(gid).machine.members.items():
-                self._report(gid, rank, fact.healthy, effect.version)
+        with self.registry.recording():
+            before = self.registry.fleet_version
+            if effect.fleet_version < before:  # versions only move forward: nothing changed
+                exc = FleetVersionRegression(before, effect.fleet_version)
+                log.error("%s", exc)
+                return fx.Failed(str(exc))
+            for gid in effect.groups:
+                for rank, fact in self.registry.get(gid).machine.members.items():
+                    self._report(gid, rank, fact.healthy, effect.version)
+            self.registry.set_fleet_version(effect.fleet_version)
+        if effect.fleet_version != before:
+            self.changes += 1
         return fx.DONE
 
     def _report(self, group: str, rank: int, healthy: bool, version: int | None) -> None:
@@ -140,15 +150,3 @@ class RegistryEffects(Executor):
             after.weights_version,
         ):
             self.changes += 1
-
-    @handles(fx.SetFleetVersion)
-    def set_fleet_version(self, effect: fx.SetFleetVersion) -> fx.Outcome[None]:
-        before = self.registry.fleet_version
-        try:
-            self.registry.set_fleet_version(effect.version)
-        except FleetVersionRegression as exc:  # versions only move forward: nothing changed
-            log.error("%s", exc)
-            return fx.Failed(str(exc))
-        if effect.version != before:
-            self.changes += 1
-        return fx.DONE

@@ -34,7 +34,7 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollsafe.errors import InvalidArgument, InvalidArgumentType, RollsafeError
 from rollsafe.statemachines.base import TransitionRefused
@@ -59,6 +59,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 #: Events whose guards read the fleet's current version; :meth:`FleetRegistry.send` passes
 #: ``current_version=fleet_version`` to them unless the caller gave one.
@@ -410,6 +412,10 @@ class FleetRegistry:
         self._groups: dict[str, WorkerGroup] = {}
         self._rank_owner: dict[int, str] = {}
         self._version = fleet_version
+        #: a seqlock over changes that readers must see whole (:meth:`recording`): odd while
+        #: one runs
+        self._record_seq = 0
+        self._record_lock = threading.Lock()
         self._listeners: tuple[object, ...] = ()
         self._seq = 0
         # Ordered, non-recursive listener delivery: notifications queue here; one thread at a
@@ -454,6 +460,29 @@ class FleetRegistry:
     @fleet_version.setter
     def fleet_version(self, version: int) -> None:
         self.set_fleet_version(version)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """A change that a :meth:`consistent` reader sees whole or not at all (a sync's
+        members' versions and the fleet's version): writers take turns; readers never block
+        them, they read again."""
+        with self._record_lock:
+            self._record_seq += 1
+            try:
+                yield
+            finally:
+                self._record_seq += 1
+
+    def consistent(self, read: Callable[[], _R]) -> _R:
+        """``read()`` taken while no :meth:`recording` ran (taken again until one was): what
+        it returns shows each such change whole or not at all."""
+        while True:
+            seq = self._record_seq
+            if seq % 2 == 0:
+                out = read()
+                if self._record_seq == seq:
+                    return out
+            time.sleep(0.0005)
 
     def set_fleet_version(self, version: int) -> int:
         """Move the fleet to ``version`` (equal is a no-op; lower raises, changing nothing)."""
