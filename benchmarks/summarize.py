@@ -1468,6 +1468,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "sglang_stream_decode_cpu.json": _sglang_stream_decode,
     "soak_cpu.json": _soak,
     "soak_cpu_loaded.json": _soak,
+    "soak_cpu_seed934291.json": _soak,
     "soak_cpu_10min.json": _soak,
     "soak_cpu_10min_run1.json": _soak,
     "soak_cpu_10min_run2.json": _soak,

@@ -21,11 +21,12 @@ import itertools
 import json
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from chaos_support import WAIT_S, RequestLoop, chaos_fleet, wait_for, wait_recovery
 from engine_helpers import (
     tiny_model_dir,  # noqa: F401  (fixture)
@@ -318,7 +319,7 @@ def test_every_run_of_the_model_replays_with_no_divergence() -> None:
     seen: set[str] = set()
     during = 0  # syncs whose update a recovering group's restart ended in (issue #36's race)
     for config in WALK_CONFIGS:
-        for seed in range(6):
+        for seed in range(8):  # enough walks that every action of a fleet is in one
             actions = walk(config, seed, 60)
             seen |= {a.name for a in actions}
             during += sum(1 for a in actions if a.name == "sync" and len(a.args) > 5)
@@ -411,6 +412,73 @@ def test_a_sync_whose_trainer_hook_raises_replays(
 
     div = replay(edited(run, tmp_path, forget_the_hook)).divergence
     assert div is not None, "the model took the failed sync as an update"
+
+
+class _GatherFailsHalfway(Mapping[str, torch.Tensor]):
+    """A trainer's tensors whose gather raises part-way (the soak's ``trainer_exception`` in
+    the register): read while the transport lists them, before its register begins."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._weights = weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._weights[name]
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    def __iter__(self) -> Iterator[str]:
+        for i, name in enumerate(self._weights):
+            if i == len(self._weights) // 2:
+                raise RuntimeError(f"the trainer failed gathering {name!r}")
+            yield name
+
+
+def test_a_sync_whose_register_raised_before_it_began_replays(
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The trainer's gather raises while the transport lists the tensors, before its
+    register begins: the registration records nothing, the version it published stays
+    published, the fleet stays, and the sync's only transition is its judgement of the
+    previous export. The replay reads the sync row's ``register of vN failed`` at that
+    judgement and takes the model's sync whose register never began (no register follows
+    here; in the hour soak a recovery's push came first); without the row's error it finds
+    no sync to take (the hour soak's trace violation, seed 934291)."""
+    fleet, _journal = chaos_fleet(tiny_model_dir, tmp_path, [GroupSpec(1), GroupSpec(1)])
+    try:
+        trainer = Trainer(tiny_model_dir_b)
+        trainer.perturb(1)
+        assert fleet.sync_weights(trainer.weights(), 1).ok
+        assert fleet.exporter is not None
+        fleet.exporter.wait_hf_export(1, timeout=WAIT_S)  # judged on time by the next sync
+        published = fleet.transport.registration.published
+        trainer.perturb(2)
+        failed = fleet.sync_weights(_GatherFailsHalfway(trainer.weights()), 2)
+        assert failed.error is not None and failed.error.startswith("register of v2 failed:")
+        assert fleet.registry.fleet_version == 1 and not failed.export_started
+        assert fleet.transport.registration.published == published
+        assert fleet.wait_recoveries(WAIT_S)
+    finally:
+        fleet.close()
+    run = fleet.record(tmp_path / "run", svg=False)
+    rows = [json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines()]
+    registers = [r["inputs"]["version"] for r in rows if r.get("event") == "begin_register"]
+    assert 2 not in registers  # the register of v2 never began
+    failed_at = next(r["t"] for r in rows if r.get("kind") == "sync" and r.get("version") == 2)
+    # the run ends there: no register follows that the replay could take the sync from
+    assert not [r for r in rows if r.get("kind") == "registration" and r["t"] > failed_at]
+    result = replay(run)
+    assert result.ok and result.replayed == result.transitions, result.divergence
+
+    def forget_the_error(rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            if r.get("kind") == "sync" and r.get("version") == 2:
+                r["error"] = None
+
+    div = replay(edited(run, tmp_path, forget_the_error)).divergence
+    assert div is not None and div.recorded is not None and div.recorded.kind == "mode"
 
 
 def test_a_sync_with_a_delta_and_a_full_push_replays_as_two_updates(
@@ -641,17 +709,22 @@ def test_a_group_lost_before_a_sync_read_and_another_back_during_its_update_repl
         # the soak smoke (CI, 2026-12-06): both at once in sync v10, a node's loss re-placing
         # v1 and the SIGSTOPped v0 failed by its probes and claimed
         ("seed656784_vllm.tgz", ("node_lost", "placed", "fail", "claim")),
+        # the third hour (seed 934291): a sync whose register raised before it began (the
+        # trainer's gather), a recovery's push the registration's next transition
+        ("seed934291_vllm.tgz", ("fail", "claim", "restarted")),
     ],
 )
 def test_the_hours_recorded_vllm_fleets_replay_with_no_divergence(
     tmp_path: Path, archive: str, interleaving: tuple[str, ...]
 ) -> None:
-    """The vLLM fleets of two hour-long soaks (``benchmarks/soak.py --minutes 60``, the seeds
-    in the names; ``fleet.json`` and the streamed ``stream.jsonl``, about 1,700 transitions
-    each) and of one smoke soak (``--smoke``, 178) replay whole with no divergence. Each has
-    groups that moved inside a sync, after its register and before it read the groups (the
-    transitions named), which the replay takes before that sync; without those candidates
-    each diverged (the soak's trace violation)."""
+    """The vLLM fleets of three hour-long soaks (``benchmarks/soak.py --minutes 60``, the
+    seeds in the names; ``fleet.json`` and the streamed ``stream.jsonl``, about 1,700
+    transitions each) and of one smoke soak (``--smoke``, 178) replay whole with no
+    divergence. Each has groups that moved inside a sync, after its register and before it
+    read the groups (the transitions named), which the replay takes before that sync;
+    without those candidates the first two and the smoke diverged (the soak's trace
+    violation); the third diverged at a sync whose register never began
+    (``test_a_sync_whose_register_raised_before_it_began_replays``)."""
     import tarfile
 
     with tarfile.open(Path(__file__).parent / "data" / "soak_runs" / archive) as tar:

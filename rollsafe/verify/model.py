@@ -341,7 +341,7 @@ class FleetModel(Executor):
         }
         self._index = {grp.group_id: g for g, grp in enumerate(self.groups)}
         #: the running sync's outcomes: registered everywhere; group -> the rank that fails
-        self._choice: tuple[bool, dict[int, int]] = (True, {})
+        self._choice: tuple[bool | None, dict[int, int]] = (True, {})
         self._restart_choice = "ok"  # the running restart's outcome: ok, failed, timeout
         self._during: int | None = None  # the running sync's ``during`` group, until it reads
         self._hook_failed: str | None = None  # replay: the colocated hook the recorded sync failed
@@ -449,6 +449,7 @@ class FleetModel(Executor):
                         yield Action("slice_dies", (g, s))
             yield Action("node_lost")
         yield Action("sync", (False, None, "fail"))
+        yield Action("sync", (None, None, "fail"))
         yield Action("sync", (True, None, "fail"))
         for g in range(cfg.total_groups):
             yield Action("sync", (True, g, "fail"))
@@ -978,7 +979,7 @@ class FleetModel(Executor):
     # -- the sync coordinator: the second executor of rollsafe.operations.sync
     def _do_sync(
         self,
-        registered_everywhere: bool,
+        registered_everywhere: bool | None,
         failing_group: int | None,
         on_failure: policy.UpdateFailurePolicy = "fail",
         version: int | None = None,
@@ -989,7 +990,9 @@ class FleetModel(Executor):
     ) -> bool:
         """A sync of the next version, the steps of :func:`rollsafe.operations.sync.sync`
         performed on the machines and the ground truth. The action's arguments are the outcomes
-        it chooses: registered on every rank or not; the update fails on one rank of
+        it chooses: registered on every rank or not (None: the register raised before it
+        began, the trainer's tensors unreadable: the registration untouched, its published
+        version still published); the update fails on one rank of
         ``failing_group`` (None: on none); the fleet's ``on_update_failure`` setting; ``during``:
         the ``recovering`` group whose restart ends while the update runs (right after the
         sync read the groups, before the new fleet version: the recovery's thread and the
@@ -1248,6 +1251,8 @@ class FleetModel(Executor):
     @handles(fx.Register)
     def _register(self, effect: fx.Register) -> Outcome[Any]:
         registered_everywhere = self._choice[0]
+        if registered_everywhere is None:  # the trainer's gather raised: no register began
+            return Failed(f"v{effect.version}: the trainer's tensors could not be read")
         reg = self.registration
         reg.begin_register(name=f"ckpt-v{effect.version}", version=effect.version)
         ranks_ok = list(range(reg.world_size))

@@ -560,7 +560,7 @@ class _Replayer:
                 yield from self._sync()
             yield from self._pushes(a)
         elif a.kind == "mode":
-            yield from self._sync()
+            yield from self._sync(a)
         elif a.kind == "export":
             version = int(a.subject.removeprefix("v"))
             if a.event in ("shards_written", "publish"):
@@ -571,7 +571,7 @@ class _Replayer:
                 yield (Action("retention"),)
                 yield (*self._late_ends(), Action("retention"))
             else:  # snapshot, snapshot_done (a sync starts the export), abandon (judged late)
-                yield from self._sync()
+                yield from self._sync(a)
 
     def _group_candidates(self, a: RecordedTransition) -> Iterator[tuple[Action, ...]]:
         model = self.model
@@ -635,9 +635,15 @@ class _Replayer:
             if not group.spare and group.state in policy.COVERABLE:
                 yield (Action("cover", (g,)),)
 
-    def _sync(self) -> Iterator[tuple[Action, ...]]:
+    def _sync(self, anchor: RecordedTransition | None = None) -> Iterator[tuple[Action, ...]]:
         """The sync whose register is the registration's next recorded transition, with its
-        recorded version, register outcome and per-group update results."""
+        recorded version, register outcome and per-group update results; and first, at an
+        export's judgement (``anchor``), the sync there whose register raised before it began
+        (:meth:`_sync_unbegun`): the registration's next transition is then another's."""
+        unbegun = self._sync_unbegun(anchor) if anchor is not None else None
+        if unbegun is not None:  # the anchor is inside that sync: it is no other's
+            yield unbegun
+            return
         following: list[RecordedTransition | None] = [
             *self.trace.following(("registration", ""), 2),
             None,
@@ -652,11 +658,15 @@ class _Replayer:
         everywhere = then is None or then.event != "register_failed"
         # the first sync row of that version not replayed yet (a sync whose register failed
         # leaves the fleet's version where it was: the next one registers it again)
+        # (not a row whose register failed when this one's went through: a sync of the same
+        # version whose register raised before it began, taken at its own judgement)
         index = next(
             (
                 i
                 for i, r in enumerate(self.syncs)
-                if r.get("version") == version and i not in self._syncs_used
+                if r.get("version") == version
+                and i not in self._syncs_used
+                and not (everywhere and _register_failed(r, version))
             ),
             None,
         )
@@ -738,14 +748,19 @@ class _Replayer:
         if hook in _HOOKS_BEFORE_UPDATE:  # a trainer-side exception before the update
             return  # nothing was updated: no restart or loss can have ended inside it
         # a recovering group whose restart ended while this sync's update ran (the model's
-        # ``during``): its next recorded transition is ``restarted`` into ``active``; or a
+        # ``during``): its next recorded transition is ``restarted`` into ``active`` (a spare:
+        # into ``standby``); or a
         # serving group lost while the update ran, failed by its probes, claimed and restarted
         # before the update ended: ``fail``, ``claim``, ``restarted`` into ``active`` next, and
         # its ranks' update failed (the update went to the engine it lost)
         for g in range(self.config.total_groups):
             head = self.trace.head(("group", f"g{g}"))
             inside: tuple[Action] | None = None
-            if head is not None and head.event == "restarted" and head.target == "active":
+            if (
+                head is not None
+                and head.event == "restarted"
+                and head.target in ("active", "standby")
+            ):
                 inside = sync(during=g)
             elif head is not None and head.event == "fail" and self._lost_in_update(g):
                 inside = sync(tuple(sorted({*failing, (g, 0)})), g)
@@ -753,6 +768,24 @@ class _Replayer:
                 yield inside
                 if before:
                     yield (*before, *inside)
+
+    def _sync_unbegun(self, anchor: RecordedTransition) -> tuple[Action, ...] | None:
+        """The sync whose register raised before the registration began (the trainer's tensors
+        could not be read: a gather that failed part-way), when ``anchor`` (its export's
+        judgement, its only transitions) lies inside it: its row says ``register of vN
+        failed`` and spans ``anchor``'s time (syncs never overlap). The model's sync with
+        ``registered_everywhere=None``; None when no such sync holds ``anchor``."""
+        for i, row in enumerate(self.syncs):
+            version = row.get("version")
+            if i in self._syncs_used or not isinstance(version, int):
+                continue
+            if not _register_failed(row, version):
+                continue
+            start, seconds = float(row.get("t", -1.0)), float(row.get("seconds") or 0.0)
+            if start <= anchor.t <= start + seconds + _CLOCK_SLACK_S:
+                self._sync_row = i
+                return (Action("sync", (None, None, self.on_failure, version, ())),)
+        return None
 
     def _writer_before_abandon(self) -> tuple[Action, ...]:
         """The writer's steps (``export_step``) of an export whose next recorded transitions
@@ -990,6 +1023,17 @@ _HOOKS_BEFORE_UPDATE = ("offload_trainer", "onload_engines")
 _HOOKS = (*_HOOKS_BEFORE_UPDATE, "onload_trainer")
 
 
+#: how far past a sync row's ``t + seconds`` a transition of it may be stamped (the row's
+#: seconds and the transitions' times are read from different clocks' calls)
+_CLOCK_SLACK_S = 0.05
+
+
+def _register_failed(row: Mapping[str, Any], version: int) -> bool:
+    """Whether a sync row says its register of ``version`` failed."""
+    error = row.get("error")
+    return isinstance(error, str) and error.startswith(f"register of v{version} failed:")
+
+
 def _failed_hook(error: object) -> str | None:
     """The hook a recorded sync failed in (its row's ``error`` is ``"<hook> failed: ..."``)."""
     if not isinstance(error, str):
@@ -1050,14 +1094,23 @@ def rows_of_model_run(
     transition(("export", f"v{config.initial_version}"), "adopt", "requested", "ready", {})
     for action in actions:
         log.clear()
+        unbegun = action.name == "sync" and action.args[0] is None
+        if unbegun:  # the version its register would have published
+            named = action.args[3] if len(action.args) > 3 else None
+            attempted = model.version + 1 if named is None else int(named)
         if not model.apply(action) and not log:
             continue
+        if unbegun and log:  # its row first, its export's judgement inside it (as recorded)
+            error = f"register of v{attempted} failed: the trainer's tensors could not be read"
+            fields = {"version": attempted, "ok": False, "error": error, "failed": []}
+            rows.append(row("sync", "model", seconds=0.001 * len(log), **fields))
         for key, event, source, target, inputs in log:
             transition(key, event, source, target, inputs)
         begun = [i for k, e, _s, _t, i in log if k[0] == "registration" and e == "begin_register"]
         if action.name == "sync" and begun:
             failed = [f"g{g}" for g, ok in model._pushed.items() if not all(ok.values())]
             rows.append(row("sync", "model", version=begun[0]["version"], ok=True, failed=failed))
+
         if action.name == "restart_timeout":
             g = int(action.args[0])
             t = clock[0]
