@@ -443,3 +443,13 @@ def test_record_versions_never_moves_the_fleet_back_and_changes_nothing() -> Non
     assert isinstance(outcome, fx.Failed) and "4" in outcome.error
     assert reg.fleet_version == 5
     assert reg.get("g0").machine.members[0].weights_version == 5
+
+
+def test_a_consistent_read_inside_a_recording_on_its_own_thread_reads_at_once() -> None:
+    """A listener of a recorded change that reads the fleet consistently, on the recording's
+    own thread, gets its read at once (waiting for the recording to end would never end)."""
+    reg = FleetRegistry(fleet_version=1)
+    with reg.recording():
+        reg.set_fleet_version(2)
+        assert reg.consistent(lambda: reg.fleet_version) == 2
+    assert reg.consistent(lambda: reg.fleet_version) == 2

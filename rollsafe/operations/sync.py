@@ -13,11 +13,10 @@ on the real fleet, :class:`rollsafe.verify.FleetModel` in ``rollsafe verify``):
 4. **update** every ``active`` / ``pending_weights`` group whose members are all healthy, in
    one transport update (an update that fails as a whole fails every target);
 5. **settle**: updated groups record N and the fleet version becomes N (one step), the
-   settlement's events
-   are sent (``fail`` / ``mark_stale`` / ``weights_loaded``); the groups are read again and
-   one that came back ``active`` below N while the update ran is marked stale
-   (``settle_latecomers``) and handed over for the targeted push of N alone; failed groups are
-   handed to recovery; the transport's lock is released;
+   settlement's events are sent (``fail`` / ``mark_stale`` / ``weights_loaded``); the groups
+   are read again and one that came back ``active`` below N while the update ran is marked
+   stale (``settle_latecomers``) and handed over for the targeted push of N alone; failed
+   groups are handed to recovery; the transport's lock is released;
 6. ``onload_trainer``, **resume**; when the trainer's tensors are back, **start the export**
    of N.
 """

@@ -416,6 +416,7 @@ class FleetRegistry:
         #: one runs
         self._record_seq = 0
         self._record_lock = threading.Lock()
+        self._recorder: int | None = None  # the thread inside a recording
         self._listeners: tuple[object, ...] = ()
         self._seq = 0
         # Ordered, non-recursive listener delivery: notifications queue here; one thread at a
@@ -467,15 +468,20 @@ class FleetRegistry:
         members' versions and the fleet's version): writers take turns; readers never block
         them, they read again."""
         with self._record_lock:
+            self._recorder = threading.get_ident()
             self._record_seq += 1
             try:
                 yield
             finally:
                 self._record_seq += 1
+                self._recorder = None
 
     def consistent(self, read: Callable[[], _R]) -> _R:
         """``read()`` taken while no :meth:`recording` ran (taken again until one was): what
-        it returns shows each such change whole or not at all."""
+        it returns shows each such change whole or not at all. Called inside a recording by
+        its own thread (a listener of the change), it reads at once."""
+        if self._recorder == threading.get_ident():
+            return read()
         while True:
             seq = self._record_seq
             if seq % 2 == 0:
