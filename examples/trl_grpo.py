@@ -74,6 +74,9 @@ def main(steps: int = 4, crash_at: int = 2) -> None:
                 for pid in fleet.launcher(group_id).rank_pids:
                     os.kill(pid, signal.SIGKILL)
 
+        # a real run's completions are hundreds of tokens and stream; these 12 would be read
+        # whole (Router.whole_up_to), so the crash could not land mid-generation
+        fleet.router.whole_up_to = 0
         fleet.router.on_progress = crash if crash_at else None
         trainer.train()
         fleet.router.on_progress = None

@@ -433,6 +433,9 @@ def test_real_vllm_spare_takes_over_a_killed_group_and_the_pool_refills(
                 killed.set()
                 os.kill(victim, signal.SIGKILL)
 
+        # streamed, so that the kill lands mid-generation and the spare continues it (40
+        # tokens would be read whole: Router.whole_up_to)
+        fleet.router.whole_up_to = 0
         fleet.router.on_progress = on_progress
         out = fleet.generate([9, 8, 7, 6], sampling_params=greedy)
         fleet.router.on_progress = None

@@ -277,11 +277,25 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 class _InstantEngine:
-    """An async engine whose stream yields ``tokens`` deltas of one token each, at once."""
+    """An async engine whose stream yields ``tokens`` deltas of one token each, at once, and
+    whose whole answer (a short request read whole, ``Router.whole_up_to``) holds them all."""
 
     def __init__(self, tokens: int) -> None:
         self.tokens = tokens
         self.url = "http://in-process"
+
+    async def generate(
+        self,
+        input_ids: Any = None,
+        *,
+        text: Any = None,
+        sampling_params: Any = None,
+        timeout: Any = None,
+    ) -> Any:
+        from rollsafe.ports import GenerateResult
+
+        meta = {"weight_version": "1", "finish_reason": {"type": "length"}}
+        return GenerateResult("x" * self.tokens, [7] * self.tokens, "1", "length", meta)
 
     async def generate_stream(
         self,
