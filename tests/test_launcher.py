@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -84,9 +86,12 @@ def test_one_rank_reinit_on_dummy_weights_then_disk_restores_checksum(
         assert launcher.client.weight_version() == "restored"
         pids = group_pids(launcher)
         log_path = launcher.log_path
+        assert log_path is not None and "ROLLSAFE_READY" in Path(log_path).read_text()
     assert not launcher.is_alive() and not launcher.started
     assert all_gone(pids)
-    assert log_path is not None and "ROLLSAFE_READY" in Path(log_path).read_text()
+    # a clean stop removes the log directory the launcher made (nothing failed in it)
+    assert log_path.startswith(os.path.join(tempfile.gettempdir(), "rollsafe-engine-"))
+    assert not Path(log_path).parent.exists()
 
 
 def test_two_ranks_kill_rank_fails_health_and_kill_reaps_group(
@@ -100,6 +105,9 @@ def test_two_ranks_kill_rank_fails_health_and_kill_reaps_group(
     assert launcher.client.is_healthy()
     pids = group_pids(launcher)
 
+    log_path = launcher.log_path
+    assert log_path is not None
+
     killed = launcher.kill_rank(1)
     assert all_gone([killed], timeout=5.0)
     assert wait_for(lambda: not launcher.client.is_healthy(timeout=1.0), timeout=10.0)
@@ -108,6 +116,27 @@ def test_two_ranks_kill_rank_fails_health_and_kill_reaps_group(
     launcher.kill()
     assert not launcher.started
     assert all_gone(pids, timeout=5.0)
+    # a rank ended before the stop: the log that explains it stays
+    assert "ROLLSAFE_READY" in Path(log_path).read_text()
+    shutil.rmtree(Path(log_path).parent)
+
+
+def test_a_log_directory_the_user_named_stays_and_one_made_again_after_a_stop(
+    model_dir: Path, tmp_path: Path, launchers: list[EngineLauncher]
+) -> None:
+    named = EngineLauncher(EngineSpec(model_path=str(model_dir), log_dir=str(tmp_path / "logs")))
+    launchers.append(named)
+    with named:
+        pass
+    assert [p.suffix for p in (tmp_path / "logs").iterdir()] == [".log"]
+    # a launcher started again after its last stop writes into its directory made anew
+    launcher = EngineLauncher(EngineSpec(model_path=str(model_dir)))
+    launchers.append(launcher)
+    for _ in range(2):
+        with launcher:
+            log_path = launcher.log_path
+            assert log_path is not None and Path(log_path).is_file()
+        assert not Path(log_path).parent.exists()
 
 
 def test_bad_model_path_raises_start_error_with_output_tail(
@@ -124,6 +153,11 @@ def test_bad_model_path_raises_start_error_with_output_tail(
     assert err.command == launcher.command()
     assert "no-such-model" in str(err)
     assert not launcher.started
+    # the failed start's log outlives the launcher's last stop (the error names it)
+    assert err.log_path is not None
+    launcher.stop()
+    assert "no-such-model" in Path(err.log_path).read_text()
+    shutil.rmtree(Path(err.log_path).parent)
 
 
 def test_missing_interpreter_raises_start_error(tmp_path: Path) -> None:

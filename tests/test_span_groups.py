@@ -328,6 +328,10 @@ def test_a_slices_actor_made_beside_its_heads_takes_the_heads_address_before_it_
     assert got["log_dir"] is not None  # the one log directory of both launchers
     with pytest.raises(RuntimeError, match="not a node slice waiting"):
         second.join_head("127.0.0.1:4001")
+    # the directory made for the waiting slice is its launcher's: gone at its last stop
+    assert Path(got["log_dir"]).is_dir()
+    second.stop()
+    assert not Path(got["log_dir"]).exists()
     head = EngineHost(group, node_slice=(0, "k3y", None))
     assert str(head.dist_init_addr()).startswith("127.0.0.1:")
     with pytest.raises(RuntimeError, match="not a node slice waiting"):

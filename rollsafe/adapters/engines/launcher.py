@@ -92,7 +92,10 @@ def _adopt_label(client: SGLangClient | VLLMClient, info: dict[str, Any]) -> Non
 class EngineLauncher:
     """Start, watch, restart and tear down one engine group (and its warm standby). Thread-safe."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, *, owns_log_dir: bool | None = None) -> None:
+        """``owns_log_dir``: whether ``spec.log_dir`` is this launcher's to remove at its last
+        stop (:class:`EngineLogs`); default: only a directory it makes itself (``log_dir``
+        unset)."""
         if spec.on_cpu and spec.cpu_cores is None:
             # this engine's own cores, kept across restarts (see EngineSpec.cpu_cores)
             spec = dataclasses.replace(spec, cpu_cores=deal_cores(spec.ranks // spec.slices))
@@ -102,7 +105,10 @@ class EngineLauncher:
         # engine can take minutes) gives up at its next poll instead of holding the lock
         self._stop_requested = threading.Event()
         self._running = RunningEngine()  # the group running now (none after a stop)
-        self._logs = EngineLogs(spec.log_dir or tempfile.mkdtemp(prefix="rollsafe-engine-"))
+        owned = spec.log_dir is None if owns_log_dir is None else owns_log_dir
+        self._logs = EngineLogs(
+            spec.log_dir or tempfile.mkdtemp(prefix="rollsafe-engine-"), owned=owned
+        )
         self._standby = StandbyPool(spec, self._lock, self._logs)  # resident fork servers
         self._last_from_standby = False
         self._last_source: StartSource | None = None
@@ -262,8 +268,9 @@ class EngineLauncher:
             warming = standby is not None and not standby.announced()
             try:
                 source = self._launch(spec, cmd, standby)
-            except BaseException:
+            except BaseException as exc:
                 self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
+                self._keep_failed_start(exc)
                 if self._standby.wanted:  # a retry of this start can still use a standby
                     self._standby.schedule()
                 raise
@@ -330,8 +337,9 @@ class EngineLauncher:
             self._running.client = client = engine_client(spec, str(info["url"]))
             if info.get("weight_version_source") == "client":
                 _adopt_label(client, info)
-        except BaseException:
+        except BaseException as exc:
             self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
+            self._keep_failed_start(exc)
             raise
         self._running.remove_files()  # SGLang read its --config at start: the key leaves the disk
         self._record_start("fresh_spawn", "none")
@@ -410,10 +418,11 @@ class EngineLauncher:
         self._stop_requested.set()
         with self._lock:
             try:
-                self._running.stop(self._spec, sig_first=signal.SIGTERM, timeout=timeout)
+                self._stop_running(signal.SIGTERM, timeout)
                 if not keep_standby:
                     self._standby.wanted = False
                     self._standby.discard_all()
+                    self._logs.close()
             finally:
                 self._stop_requested.clear()
 
@@ -422,11 +431,22 @@ class EngineLauncher:
         self._stop_requested.set()
         with self._lock:
             try:
-                self._running.stop(self._spec, sig_first=signal.SIGKILL, timeout=5.0)
+                self._stop_running(signal.SIGKILL, 5.0)
                 self._standby.wanted = False
                 self._standby.discard_all()
+                self._logs.close()
             finally:
                 self._stop_requested.clear()
+
+    def _keep_failed_start(self, exc: BaseException) -> None:
+        if isinstance(exc, EngineStartError):  # not a start a stop() interrupted
+            self._logs.keep(f"a start failed: {type(exc).__name__}")
+
+    def _stop_running(self, sig_first: int, timeout: float) -> None:
+        """Stop the running engine; one that had already ended keeps the logs (its failure)."""
+        ended = self._running.stop(self._spec, sig_first=sig_first, timeout=timeout)
+        if ended is not None:
+            self._logs.keep(ended)
 
     def kill_rank(self, rank: int) -> int:
         """SIGKILL one rank process (for chaos tests); return its pid. The server keeps running.
@@ -480,7 +500,7 @@ class EngineLauncher:
                 skip_load_weights=skip_load_weights,
                 weight_version=weight_version,
             )
-            self._running.stop(self._spec, sig_first=signal.SIGTERM, timeout=stop_timeout)
+            self._stop_running(signal.SIGTERM, stop_timeout)
             self._spec = self._standby.spec = new_spec  # the pool spawns for the current spec
             return self.start()
 

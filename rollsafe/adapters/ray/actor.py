@@ -92,6 +92,9 @@ class EngineHost:
             spec = dataclasses.replace(spec, host=_node_ip())
         #: a slice still waiting for its head's address: (its spec, its node rank, the key)
         self._pending: tuple[EngineSpec, int, str] | None = None
+        #: True: the log directory was made here (a waiting slice's), its launcher removes it;
+        #: None: the launcher's default (it owns a directory it makes itself)
+        self._owns_log_dir: bool | None = None
         if node_slice is not None:
             from rollsafe.adapters.engines.launch.spec import slice_spec
             from rollsafe.net import free_port
@@ -105,11 +108,12 @@ class EngineHost:
                     spec = dataclasses.replace(
                         spec, log_dir=tempfile.mkdtemp(prefix="rollsafe-engine-")
                     )
+                    self._owns_log_dir = True
                 self._pending = (spec, node_rank, key)
             else:
                 spec = slice_spec(spec, node_rank, addr, key)
         self._spec = spec
-        self._launcher = EngineLauncher(spec)
+        self._launcher = EngineLauncher(spec, owns_log_dir=self._owns_log_dir)
         self._lock = threading.Lock()
         #: the process that started this one: under Ray, the raylet of the actor's node
         self._parent_pid = os.getppid()
@@ -128,7 +132,7 @@ class EngineHost:
                 )
             spec, node_rank, key = self._pending
             self._spec = slice_spec(spec, node_rank, dist_init_addr, key)
-            self._launcher = EngineLauncher(self._spec)
+            self._launcher = EngineLauncher(self._spec, owns_log_dir=self._owns_log_dir)
             self._pending = None
 
     def _require_joined(self) -> None:

@@ -12,7 +12,9 @@ import collections
 import contextlib
 import itertools
 import json
+import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -25,24 +27,54 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineLogs", "OutputPump", "redact"]
 
+log = logging.getLogger("rollsafe.adapters.engines.launcher")  # one logger for the launcher
+
 TAIL_LINES = 200
 REDACTED = "***"
 
 
 class EngineLogs:
     """A launcher's log directory: a new file per engine or standby process it starts (and the
-    SGLang API-key file), named by kind, pid, a process-wide counter and ``starts``."""
+    SGLang API-key file), named by kind, pid, a process-wide counter and ``starts``.
+
+    A directory the launcher made itself (``owned``: ``EngineSpec.log_dir`` unset) is removed
+    by :meth:`close` at the launcher's last stop, unless something in it explains a failure
+    (:meth:`keep`: an engine that exited before it was asked to, a start that failed): then it
+    stays and its path is logged. A directory the user named is never removed."""
 
     _counter = itertools.count()
 
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, *, owned: bool = False) -> None:
         self.dir = log_dir
+        self.owned = owned
         self.starts = 0  # the launcher's start count, part of each file name
+        #: why the directory outlives the launcher (the first reason given), None: it does not
+        self.kept: str | None = None
 
     def path(self, kind: str, suffix: str) -> str:
-        """A fresh path in the directory: ``KIND-PID-N-STARTS.SUFFIX``."""
+        """A fresh path in the directory: ``KIND-PID-N-STARTS.SUFFIX`` (the directory made
+        when missing: a named one not made yet, an owned one after a :meth:`close`)."""
+        os.makedirs(self.dir, exist_ok=True)
         name = f"{kind}-{os.getpid()}-{next(self._counter)}-{self.starts}.{suffix}"
         return os.path.join(self.dir, name)
+
+    def keep(self, reason: str) -> None:
+        """Keep the directory past :meth:`close`: it holds the log of a failure (``reason``)."""
+        if self.kept is None:
+            self.kept = reason
+            log.info("engine logs in %s are kept: %s", self.dir, reason)
+
+    def close(self) -> bool:
+        """The launcher's last stop: remove an owned directory that explains no failure (an
+        empty one always). Returns whether it was removed."""
+        if not self.owned or not os.path.isdir(self.dir):
+            return False
+        with contextlib.suppress(OSError):
+            if self.kept is not None and os.listdir(self.dir):
+                return False
+            shutil.rmtree(self.dir)
+            return True
+        return False
 
     def new(self, kind: str, cmd: list[str], secrets: Sequence[str]) -> str:
         """A new log file for a ``kind`` process running ``cmd`` (written on its first line,

@@ -28,6 +28,7 @@ from rollsafe.adapters.engines.launch.spec import EngineSpec
 from rollsafe.adapters.engines.sglang import SGLangClient
 from rollsafe.adapters.engines.vllm import VLLMClient
 from rollsafe.adapters.engines.vllm_cpu import remove_files
+from rollsafe.processes import pid_alive
 
 __all__ = ["RunningEngine"]
 
@@ -68,14 +69,24 @@ class RunningEngine:
             raise RuntimeError("engine is not running: call start() first")
         return self.info
 
-    def stop(self, spec: EngineSpec, *, sig_first: int, timeout: float) -> None:
+    def stop(self, spec: EngineSpec, *, sig_first: int, timeout: float) -> str | None:
         """Stop the engine (see :func:`kill_group`) and forget it: its client, watchdog,
-        finalizer, output pump, what a killed vLLM leaves on disk, the key file."""
+        finalizer, output pump, what a killed vLLM leaves on disk, the key file. Returns why
+        the engine had already ended, when it had (its server exited, or a rank): its log then
+        explains a failure; None when it was running."""
         proc = self.proc
         if proc is None:
             self.remove_files()
-            return
+            return None
         rank_pids = [int(p) for p in self.info.get("rank_pids", [])]
+        ended: str | None = None
+        code = proc.poll()
+        if code is not None:
+            ended = f"engine pid {proc.pid} exited with code {code} before it was stopped"
+        else:
+            dead = [p for p in rank_pids if not pid_alive(p)]
+            if dead:
+                ended = f"rank pid(s) {dead} of engine pid {proc.pid} ended before it was stopped"
         held: list[str] = []
         if spec.real:  # also when the server died first: its workers hold the files
             rank_pids, held = real_engine.leftovers(spec, proc.pid, rank_pids)
@@ -94,6 +105,7 @@ class RunningEngine:
         self.client = None
         self.info = {}
         self.remove_files()
+        return ended
 
     def remove_files(self) -> None:
         """Delete the API-key file (SGLang read it at its start)."""
