@@ -16,8 +16,9 @@ immediate recovery), it measures:
   0``) asks both groups directly and their answers must be token for token equal;
 * ``crash``: ``--kills`` SIGKILLs of one group's server process (alternating groups), each
   while a rollout request is streaming on that group (the router's ``on_progress`` hook, as in
-  the tests), with a client thread keeping requests in flight; crash -> the first ``active``
-  transition of the group after the kill, at the fleet's current version, split into
+  the tests; the phase streams its short requests, ``Router.whole_up_to = 0``), with a client
+  thread keeping requests in flight; crash -> the first ``active`` transition of the group
+  after the kill, at the fleet's current version, split into
   ``detection`` (SIGKILL -> health manager failed the group), ``restart`` (the recovery's
   ``shutdown`` + ``restart`` steps: teardown, then the engine process up to its ready line),
   ``health`` (its first health check) and ``other`` (hand-off, claim, lease, transitions).
@@ -433,6 +434,9 @@ def crash_loop(
     kills: list[dict[str, Any]] = []
     load = Load(fleet)
     load.active.set()
+    # the kills land mid-generation: the 24-token requests stream (a short request is read
+    # whole by default, Router.whole_up_to, and reports no progress before its answer)
+    fleet.router.whole_up_to = 0
     try:
         for i in range(args.kills):
             gid = fleet.group_ids[i % len(fleet.group_ids)]

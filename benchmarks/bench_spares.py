@@ -9,17 +9,17 @@ one after the other:
 * ``spare``: ``FleetConfig(spare_groups=1)``: one serving group and one spare;
 * ``restart``: no spare (today's path: the killed group is restarted from the ready export).
 
-Each fleet syncs ``--syncs`` versions (a trainer step each; timed: the sync time a spare adds
-is the difference of the two fleets' p50), waits for the last export, then, with a client
-thread keeping a rollout request in flight, SIGKILLs the serving group's server process while
-a request streams on it, ``--events`` times (the real vLLM: as many as fit in
-``--vllm-budget-s`` per fleet). **Capacity back** is the kill -> the first transition of a group
-into ``active`` at the fleet's current version (a routable group again): with a spare, its
-promotion; without, the killed group's restart. Split into ``detection`` (kill -> the group
-left routing) and ``switch`` (-> capacity back). With a spare, each event also waits for the
-**refill** (kill -> the killed group back in ``standby``) before the next kill, so every kill
-finds a spare. Also measured: each engine process tree's memory (RSS and PSS of the server and
-its descendants) -- a spare's is the memory a spare costs.
+Each fleet syncs ``--syncs`` versions (a trainer step each; timed: the sync time a spare adds is
+the difference of the two fleets' p50), waits for the last export, then, with a client thread
+keeping a rollout request in flight, SIGKILLs the serving group's server process while a request
+streams on it (requests stream: ``Router.whole_up_to = 0``), ``--events`` times (the real vLLM:
+as many as fit in ``--vllm-budget-s`` per fleet). **Capacity back** is the kill -> the first
+transition of a group into ``active`` at the fleet's current version (a routable group again):
+with a spare, its promotion; without, the killed group's restart. Split into ``detection`` (kill
+-> the group left routing) and ``switch`` (-> capacity back). With a spare, each event also
+waits for the **refill** (kill -> the killed group back in ``standby``) before the next kill, so
+every kill finds a spare. Also measured: each engine process tree's memory (RSS and PSS of the
+server and its descendants) -- a spare's is the memory a spare costs.
 
 Checks (exit 1 when one fails): with a spare every kill was covered by a promotion at the
 current version and the pool refilled; without one every kill ended ``active`` at the current
@@ -383,6 +383,9 @@ def kill_event(engine: str, mode: str, fleet: Any) -> dict[str, Any]:
             box["crash_at"] = time.time()
             os.kill(pid, signal.SIGKILL)
 
+    # the kill lands mid-generation: requests stream (a short one is read whole by default,
+    # Router.whole_up_to, and reports no progress before its answer)
+    fleet.router.whole_up_to = 0
     fleet.router.on_progress = on_progress
     try:
         _wait(fired.is_set, 120.0, f"{engine}: no request streamed on {gid}")
