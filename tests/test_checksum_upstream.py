@@ -404,3 +404,73 @@ def test_vllm_reset_then_update_matches_trainer(
         assert got.check(weights_checksum(state, "vllm")["tensors"]).verdict == "unverified"
     finally:
         client.close()
+
+
+def _llama(vocab: int = 128, hidden: int = 8, inter: int = 16, layers: int = 2) -> tuple:
+    """A Llama's HF tensors (2 heads of 4, 1 KV head) and its config."""
+    g = torch.Generator().manual_seed(3)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden)}
+    shapes["model.norm.weight"] = (hidden,)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (4, hidden),
+            p + "self_attn.v_proj.weight": (4, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    weights = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": False,
+    }
+    return weights, config
+
+
+def test_a_real_sglangs_fused_parameters_are_checked_in_its_layout() -> None:
+    """A real SGLang's checker hashes its model's own parameters: ``qkv_proj`` (q, k, v stacked
+    along dim 0) and ``gate_up_proj`` (gate, up), as its GPU run reported them (35 HF-named
+    tensors equal, 40 HF parts missing, 16 fused ones unexpected before this layout). The
+    trainer's side, stacked here by hand, must then compare equal; one changed part differs;
+    an engine that reports HF names (the reference engine) keeps the HF layout."""
+    from rollsafe.fleet.weights_check import expected_digests
+    from rollsafe.ports import WeightsChecksum
+
+    weights, config = _llama()
+    fused: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        for parts, into in (
+            (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+            (("gate_proj", "up_proj"), "gate_up_proj"),
+        ):
+            if f".{parts[0]}." in name:
+                fused[name.replace(parts[0], into)] = torch.cat(
+                    [weights[name.replace(parts[0], p)] for p in parts], dim=0
+                )
+        if not any(
+            f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+        ):
+            fused[name] = t
+    engine = dict(ck.weights_checksum(fused, "sglang-gpu")["tensors"])
+    assert "model.layers.0.self_attn.qkv_proj.weight" in engine
+    reported = WeightsChecksum(None, None, engine, "sglang-gpu", ranks=(engine,))
+    check = reported.check(expected_digests(weights, reported, config, dialect="sglang"))
+    assert check.verdict == "equal", check.summary()
+    assert len(check.tensors) == 3 + 2 * 6  # 5 HF parts a layer fused into 2
+
+    changed = dict(weights)
+    changed["model.layers.1.mlp.up_proj.weight"] = changed["model.layers.1.mlp.up_proj.weight"] + 1
+    check = reported.check(expected_digests(changed, reported, config, dialect="sglang"))
+    assert check.verdict == "differs"
+    assert check.names("differs") == ["model.layers.1.mlp.gate_up_proj.weight"]
+
+    hf = dict(ck.weights_checksum(weights, "sglang-gpu")["tensors"])
+    as_hf = WeightsChecksum(None, None, hf, "sglang-gpu", ranks=(hf,))
+    assert as_hf.check(expected_digests(weights, as_hf, config, dialect="sglang")).equal

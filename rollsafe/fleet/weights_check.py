@@ -1,13 +1,13 @@
 """Checking an engine's weights against the trainer's, in the engine's own layout.
 
 :func:`expected_digests` computes, from HF-named tensors, what an engine's checker reports when
-it holds exactly those weights: SGLang's per-tensor digests under HF names (the reference
-engine's layout; a real SGLang fuses like vLLM, not covered yet), vLLM's fused, TP-sharded
-parameters (:mod:`rollsafe.engine_layout`). :func:`check_engine` asks the engine and compares
-(:mod:`rollsafe.digest_check`): its verdict is ``"equal"`` only when every tensor carried data
-and matched; vLLM on CPU reports no data for its linear weights, so there the verdict is
-``"unverified"`` at best, and the behavioural probe (:mod:`rollsafe.probe`) is the check that
-covers them.
+it holds exactly those weights: SGLang's per-tensor digests, under HF names for an engine that
+reports them (the reference engine) or, for a real SGLang, of its fused, TP-sharded parameters
+as vLLM lays them out; vLLM's fused, TP-sharded parameters (:mod:`rollsafe.engine_layout`).
+:func:`check_engine` asks the engine and compares (:mod:`rollsafe.digest_check`): its verdict is
+``"equal"`` only when every tensor carried data and matched; vLLM on CPU reports no data for its
+linear weights, so there the verdict is ``"unverified"`` at best, and the behavioural probe
+(:mod:`rollsafe.probe`) is the check that covers them.
 
 A check holds the engine the way a weight load does (:meth:`WorkerGroup.loading`): SGLang
 runs its weights checker on the scheduler, and its ``/health`` (a one-token generate) waits
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollsafe.checksum import weights_checksum
 from rollsafe.digest_check import DigestCheck
-from rollsafe.engine_layout import EngineLayout, vllm_rank_digests
+from rollsafe.engine_layout import EngineLayout, LayoutError, vllm_rank_digests, vllm_tensors
 from rollsafe.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -57,11 +57,33 @@ def expected_digests(
     """What an engine of ``dialect`` that reported ``reported`` would report for ``weights``:
     one ``{name: digest}`` per rank for vLLM (TP size: the ranks it reported), one merged
     mapping for SGLang (HF names, ``reported.algorithm``)."""
+    tp = max(1, len(reported.ranks))
     if dialect == "vllm":
-        tp = max(1, len(reported.ranks))
         layout = EngineLayout.from_config(config, tp_size=tp)
         return list(vllm_rank_digests(weights, layout))
+    fused = _sglang_fused_layout(reported, config, tp)
+    if fused is not None:  # a real SGLang: its own parameters, as vLLM lays them out
+        return [
+            dict(weights_checksum(vllm_tensors(weights, fused, r), reported.algorithm)["tensors"])
+            for r in range(fused.tp_size)
+        ]
     return [dict(weights_checksum(weights, reported.algorithm)["tensors"])]
+
+
+def _sglang_fused_layout(
+    reported: WeightsChecksum, config: Mapping[str, Any], tp: int
+) -> EngineLayout | None:
+    """The layout of an SGLang that reports its model's own parameters: a real SGLang hashes
+    ``named_parameters()``, where the stacking rule fused ``q/k/v_proj`` into ``qkv_proj`` and
+    ``gate/up_proj`` into ``gate_up_proj``, sharded per TP rank and the vocabulary padded as
+    vLLM does (SGLang's linear and embedding layers are vLLM's; its GPU run reported exactly
+    those names); None for one that reports HF names (the reference engine)."""
+    fused = {n.rsplit(".", 2)[-2] for n in reported.tensors if n.count(".") >= 2}
+    try:
+        layout = EngineLayout.from_config(config, tp_size=tp)
+    except LayoutError:
+        return None
+    return layout if fused & set(layout.packed) else None
 
 
 def check_engine(
