@@ -55,8 +55,9 @@ def expected_digests(
     dialect: str,
 ) -> list[dict[str, str]]:
     """What an engine of ``dialect`` that reported ``reported`` would report for ``weights``:
-    one ``{name: digest}`` per rank for vLLM (TP size: the ranks it reported), one merged
-    mapping for SGLang (HF names, ``reported.algorithm``)."""
+    one ``{name: digest}`` per rank for vLLM (TP size: the ranks it reported) and for an SGLang
+    that reports fused parameters (a real one), one merged mapping in HF names for an SGLang
+    that reports those (the reference engine); SGLang's digests in ``reported.algorithm``."""
     tp = max(1, len(reported.ranks))
     if dialect == "vllm":
         layout = EngineLayout.from_config(config, tp_size=tp)
