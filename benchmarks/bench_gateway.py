@@ -762,12 +762,16 @@ def gateway_crash_books(r: dict[str, Any], stats: dict[str, Any]) -> None:
         "served_by_group": stats.get("router", {}).get("served_by_group", {}),
         "streams_continued": stats.get("gateway", {}).get("streams_continued"),
     }
+    # answers read whole (Router.whole_up_to) that the dead engine had begun: sent again whole
+    r["whole_lost"] = int(cont.get("whole_lost", 0)) if cont else 0
     if "dead_engine_at_kill" in r and cont:
         unfinished = r["dead_engine_at_kill"]["tokens_generated_unfinished"]
         r["tokens_regenerated"] = max(0, unfinished - int(cont.get("tokens_kept", 0)))
         r["tokens_kept_by_gateway"] = int(cont.get("tokens_kept", 0))
-    elif cont:  # no engine counters (reference engines): the gateway's own count
-        r["tokens_regenerated"] = int(cont.get("tokens_regenerated", 0))
+    elif cont:  # no engine counters (reference engines): the gateway's own count, which does
+        # not know the tokens of an answer read whole that was lost (None: not counted)
+        lost = r["whole_lost"] > 0
+        r["tokens_regenerated"] = None if lost else int(cont.get("tokens_regenerated", 0))
         r["tokens_kept_by_gateway"] = int(cont.get("tokens_kept", 0))
 
 

@@ -916,7 +916,7 @@ def _gateway_targets(d: dict[str, Any]) -> list[Row]:
             router = "sglang-router" if "sglang-router" in key else "vllm-router"
             tp = merged.get(f"{kind} throughput", {})
             gw, rt = tp["gateway"][w]["best_req_per_s"], tp[router][w]["best_req_per_s"]
-            measured = f"{gw:.0f} vs {rt:.0f} req/s = {gw / rt:.2f}x"
+            measured = f"{gw:.0f} vs {rt:.0f} req/s = {gw / rt:.3f}x"
             target = key.rsplit(": ", 1)[1].rsplit(" ", 1)[0]  # ">= 0.5x"
         elif "added p50" in key:
             la = merged.get(f"{kind} latency", {})["gateway"][w]
@@ -1467,6 +1467,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "router_sync_cpu.json": _router_sync,
     "sglang_stream_decode_cpu.json": _sglang_stream_decode,
     "soak_cpu.json": _soak,
+    "soak_cpu_seed1635132711.json": _soak,
     "soak_cpu_loaded.json": _soak,
     "soak_cpu_seed934291.json": _soak,
     "soak_cpu_10min.json": _soak,
