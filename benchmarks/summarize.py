@@ -897,6 +897,17 @@ def _reference_parts(d: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return parts
 
 
+def _count(value: Any) -> str:
+    """A count, ``-`` where it was not counted (None or absent)."""
+    return "-" if value is None else str(value)
+
+
+def _whole_lost(r: dict[str, Any]) -> str:
+    """`` (N answers read whole sent again)`` for a crash row that lost some."""
+    n = r.get("whole_lost") or 0
+    return f" ({n} answers read whole sent again)" if n else ""
+
+
 def _gateway_targets(d: dict[str, Any]) -> list[Row]:
     """Issue #35's targets for the gateway, each with the figures it compares."""
     rows: list[Row] = []
@@ -964,9 +975,10 @@ def _gateway(d: dict[str, Any]) -> list[Row]:
                         f"{label}, {front}, {w}: one of 2 engines SIGKILLed under "
                         f"{d['config']['crash_clients']} clients",
                         f"{r['whole']} whole, {r['cut']} cut, {r['failed']} failed; "
-                        f"{r.get('tokens_regenerated', '-')} tokens regenerated; "
+                        f"{_count(r.get('tokens_regenerated'))} tokens regenerated"
+                        f"{_whole_lost(r)}; "
                         f"{r['attempts_to_dead_engine']} connection attempts to the dead engine "
-                        f"(last {r.get('last_attempt_after_kill_s')} s after the kill)",
+                        f"(last {r.get('last_attempt_after_kill_s') or '-'} s after the kill)",
                         "-",
                         "-",
                     )
@@ -1163,7 +1175,8 @@ def _crash_table(d: dict[str, Any]) -> list[str]:
                     )
                 lines.append(
                     f"| {kind} | {front} | {w} | {r['whole']} | {r['cut']} | {r['failed']} | "
-                    f"{r.get('tokens_regenerated', '-')} | {r['attempts_to_dead_engine']} "
+                    f"{_count(r.get('tokens_regenerated'))}{_whole_lost(r)} | "
+                    f"{r['attempts_to_dead_engine']} "
                     f"({r.get('last_attempt_after_kill_s') or '-'}) | {books} |"
                 )
     return lines
@@ -1455,6 +1468,8 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/real_vllm_gpu_h100_failed_phase.json": _real_engine_gpu,
     "gpu/real_sglang_gpu_h100_attempt1.json": _real_engine_gpu,
     "gpu/real_sglang_gpu_h100_run2.json": _real_engine_gpu,
+    "gpu/real_sglang_gpu_h100_run3.json": _real_engine_gpu,
+    "gpu/real_sglang_gpu_h100_run4.json": _real_engine_gpu,
     "gpu/multi_gpu_h200_one_gpu_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200_one_gpu_ce_p2p_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200x2.json": _multi_gpu,
