@@ -760,6 +760,104 @@ def test_vllm_0_32s_version_read_is_an_awaited_get_not_a_thread(vllm032: EngineP
     client.close()
 
 
+def test_vllm_0_32s_version_is_read_beside_the_request_not_before_it(
+    vllm032: EngineProcess,
+) -> None:
+    """The read and the completion go out together: a read held until the completion is
+    answered (a sequential read would wait for ever) still labels it exact, whole and
+    streamed."""
+    client = VLLMClient(vllm032.url, server_version="0.32.0")
+
+    async def main() -> tuple[GenerateResult, list[StreamDelta], list[str]]:
+        order: list[str] = []
+        async with AsyncHttp() as http:
+            engine = async_engine(client, http)
+            assert isinstance(engine, AsyncVLLMEngine)
+            read = engine._read_version
+            answered = asyncio.Event()
+
+            async def held_read(dialect: Any) -> str | None:
+                version = await read(dialect)
+                await asyncio.wait_for(answered.wait(), timeout=30)
+                order.append("read")
+                return version
+
+            engine._read_version = held_read  # type: ignore[method-assign]
+            post = engine._post
+
+            async def marked_post(*a: Any, **kw: Any) -> Any:
+                answer = await post(*a, **kw)
+                order.append("answer")
+                answered.set()
+                return answer
+
+            engine._post = marked_post  # type: ignore[method-assign]
+            whole = await engine.generate(PROMPT, sampling_params=GREEDY)
+            answered.clear()
+            events = engine._events
+
+            def marked_events(*a: Any, **kw: Any) -> Any:
+                order.append("stream sent")  # a sequential read would come before this
+                answered.set()
+                return events(*a, **kw)
+
+            engine._events = marked_events  # type: ignore[method-assign]
+            deltas = await collect(engine.generate_stream(PROMPT, sampling_params=GREEDY))
+            return whole, deltas, order
+
+    whole, deltas, order = run(main())
+    assert order == ["answer", "read", "stream sent", "read"]  # each read held past its request
+    assert whole.weight_version == "default" and whole.meta_info["weight_version_exact"] is True
+    assert deltas[-1].weight_version == "default"
+    assert deltas[-1].meta["weight_version_exact"] is True
+    client.close()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])
+def test_a_ledger_move_during_the_read_beside_labels_nothing(
+    vllm032: EngineProcess, streamed: bool
+) -> None:
+    """A pause and resume of this client (a whole sync) while the version read beside the
+    request was in flight: the read may have seen the new weights and the completion the old
+    ones (or the reverse), so no token gets a version (``weight_version_exact: False``)."""
+    client = VLLMClient(vllm032.url, server_version="0.32.0")
+
+    async def main() -> tuple[str | None, bool | None, list[StreamDelta]]:
+        async with AsyncHttp() as http:
+            engine = async_engine(client, http)
+            assert isinstance(engine, AsyncVLLMEngine)
+            read = engine._read_version
+
+            async def read_across_a_sync(dialect: Any) -> str | None:
+                version = await read(dialect)
+                await asyncio.to_thread(client.pause_generation, "in_place")
+                await asyncio.to_thread(client.continue_generation)
+                return version
+
+            engine._read_version = read_across_a_sync  # type: ignore[method-assign]
+            if not streamed:
+                whole = await engine.generate(PROMPT, sampling_params=GREEDY)
+                return whole.weight_version, whole.meta_info["weight_version_exact"], []
+            deltas = await collect(engine.generate_stream(PROMPT, sampling_params=GREEDY))
+            return deltas[-1].weight_version, deltas[-1].meta["weight_version_exact"], deltas
+
+    version, exact, deltas = run(main())
+    assert version is None and exact is False
+    for delta in deltas:
+        if delta.token_ids:
+            assert delta.weight_version is None and delta.meta["weight_version_exact"] is False
+    assert not deltas or not deltas[-1].spans
+    # the same request with the ledger still: exact again
+    again = run(_whole(client))
+    assert again.weight_version == "default" and again.meta_info["weight_version_exact"] is True
+    client.close()
+
+
+async def _whole(client: VLLMClient) -> GenerateResult:
+    async with AsyncHttp() as http:
+        return await async_engine(client, http).generate(PROMPT, sampling_params=GREEDY)
+
+
 # ---- the loop itself ------------------------------------------------------------------------
 def test_async_http_belongs_to_one_running_loop() -> None:
     with pytest.raises(EventLoopError, match="running event loop"):

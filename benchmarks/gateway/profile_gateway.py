@@ -447,12 +447,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", default="", help="fronts also run plain, e.g. sglang-router")
     p.add_argument("--against", default=None, help="another checkout: before/after, see above")
     p.add_argument("--rounds", type=int, default=3, help="rounds of --against")
+    p.add_argument(
+        "--reference",
+        choices=("sglang", "vllm"),
+        default=None,
+        help="two reference engines of this dialect (the tiny model) instead of the stubs",
+    )
     args = p.parse_args(argv)
     F.raise_own_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="rollsafe-gw-profile-"))
     reports = []
     try:
-        engines = B.start_stubs(tmp, "prof", interval_ms=args.token_interval_ms)
+        model: Path | None = None
+        if args.reference:
+            from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
+
+            model = make_tiny_model(tmp / "tiny", seed=0)
+            engines = B.start_reference(tmp, model, args.reference)
+        else:
+            engines = B.start_stubs(tmp, "prof", interval_ms=args.token_interval_ms)
         try:
             if args.in_process:
                 reports = in_process(args, engines, F.Gateway(tmp).stub_model())
@@ -461,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                 reports = engine_client(args, engines)
                 return _write(args, reports)
             if args.against:
-                reports = against(args, engines, tmp)
+                reports = against(args, engines, tmp, model)
                 return _write(args, reports)
             for name in [n for n in args.compare.split(",") if n]:
                 other = F.make_front(name, tmp)
@@ -478,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                     other.stop()
             for w in args.workloads.split(","):
                 front = F.Gateway(tmp)
+                if args.reference:
+                    front.dialect, front.model_path = args.reference, model
                 front.start([e.url for e in engines])
                 try:
                     plain = drive(front, w, args)
@@ -501,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     front.stop()
                 counted = F.Gateway(tmp, profile=True)
+                if args.reference:
+                    counted.dialect, counted.model_path = args.reference, model
                 counted.start([e.url for e in engines])
                 try:
                     cp = drive(counted, w, args)
@@ -521,7 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     return _write(args, reports)
 
 
-def against(args: argparse.Namespace, engines: list[Any], tmp: Path) -> list[dict[str, Any]]:
+def against(
+    args: argparse.Namespace, engines: list[Any], tmp: Path, model: Path | None = None
+) -> list[dict[str, Any]]:
     """``--against``: this checkout's gateway and another's, interleaved (see the module)."""
     trees = {"this": F.ROOT, "against": Path(args.against).resolve()}
     workloads = args.workloads.split(",")
@@ -530,6 +549,8 @@ def against(args: argparse.Namespace, engines: list[Any], tmp: Path) -> list[dic
         for w in workloads:
             for name, root in trees.items():
                 front = F.Gateway(tmp, root=root)
+                if args.reference:
+                    front.dialect, front.model_path = args.reference, model
                 front.start([e.url for e in engines])
                 try:
                     x = drive(front, w, args)

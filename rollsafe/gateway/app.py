@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rollsafe import json_codec
 from rollsafe.adapters.engines.errors import EngineRequestError
 from rollsafe.fleet.dataplane import DataPlane
 from rollsafe.fleet.provenance import TokenChunk
@@ -447,7 +448,7 @@ def _json_body(request: Request, path: str) -> Any:
             f"{path} takes a JSON body (Content-Type: application/json), got {content_type!r}",
         )
     try:
-        return json.loads(request.body or b"null")
+        return json_codec.loads(request.body or b"null")
     except ValueError as exc:
         raise InvalidRequest("body", f"the body is not JSON: {exc}") from None
 

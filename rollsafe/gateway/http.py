@@ -115,6 +115,7 @@ from urllib.parse import parse_qsl, unquote
 
 import httptools
 
+from rollsafe import json_codec
 from rollsafe.errors import InvalidArgument
 from rollsafe.text import bound_text
 
@@ -390,8 +391,9 @@ class Response:
     def json(
         cls, value: Any, status: int = 200, headers: Mapping[str, str] | None = None
     ) -> Response:
-        """``value`` as compact JSON (ASCII, so any text is safe on the wire)."""
-        return cls(status, json.dumps(value, separators=(",", ":")).encode(), headers)
+        """``value`` as compact JSON in UTF-8, as SGLang and vLLM write it
+        (:func:`rollsafe.json_codec.dumps`)."""
+        return cls(status, json_codec.dumps(value), headers)
 
     def __repr__(self) -> str:
         return f"Response({self.status}, {len(self.body)} bytes, {self.content_type!r})"

@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rollsafe import json_codec
 from rollsafe.fleet.provenance import TokenChunk
 from rollsafe.gateway.output import ChoiceDelta, ChoiceOutput
 from rollsafe.gateway.requests import (
@@ -53,6 +54,7 @@ from rollsafe.gateway.requests import (
     common_sampling,
     freeze,
     header,
+    new_request_id,
     prompt_fits,
     session_of,
 )
@@ -167,7 +169,7 @@ class _Common:
         self.min_tokens = f.get_int("min_tokens", 0, lo=0)
         self.session_id = session_of(f.body, headers)
         request_id = header(headers, "x-request-id") or f.get_str("request_id", max_chars=256)
-        self.request_id = request_id or uuid.uuid4().hex
+        self.request_id = request_id or new_request_id()
 
     def max_tokens(self, f: Fields, key: str, default: int | None, limits: ProtocolLimits) -> Any:
         value = f.get_int(key, None)
@@ -633,7 +635,7 @@ def models_list(
 
 
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    return json_codec.dumps(obj)
 
 
 def _event(obj: Any) -> bytes:

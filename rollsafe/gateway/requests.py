@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from random import getrandbits
 from types import MappingProxyType
 from typing import Any
 
@@ -94,6 +95,12 @@ class InvalidRequest(InvalidArgument):
     def as_sglang(self) -> dict[str, Any]:
         """SGLang 0.5.23's ``/generate`` error body for a refused request."""
         return {"error": {"message": self.message}}
+
+
+def new_request_id() -> str:
+    """A request id as ``uuid.uuid4().hex`` looks (32 hex digits), without its system call for
+    random bytes each request: ids name requests in answers and logs, nothing secret."""
+    return f"{getrandbits(128):032x}"
 
 
 def header(headers: Mapping[str, str] | None, name: str) -> str | None:

@@ -49,10 +49,10 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollsafe import json_codec
 from rollsafe.fleet.provenance import TokenChunk
 from rollsafe.gateway.output import ChoiceOutput
 from rollsafe.gateway.requests import (
@@ -67,6 +67,7 @@ from rollsafe.gateway.requests import (
     common_sampling,
     freeze,
     header,
+    new_request_id,
     session_of,
 )
 from rollsafe.gateway.tokenizer import GatewayTokenizer
@@ -353,7 +354,7 @@ def parse_generate(
             elif isinstance(rid, str):
                 rid_c = rid if not batch and n == 1 else f"{rid}_{p * n + c}"
             else:
-                rid_c = uuid.uuid4().hex
+                rid_c = new_request_id()
             requests.append(
                 GenRequest(
                     input_ids=prompt,
@@ -503,8 +504,7 @@ class GenerateStreamer:
         delta = self.out.add(chunk)
         if not delta.text and not delta.token_ids and not delta.finished:
             return b""
-        body = json.dumps(self.call.item(self.out), separators=(",", ":"), ensure_ascii=False)
-        return b"data: " + body.encode() + b"\n\n"
+        return b"data: " + json_codec.dumps(self.call.item(self.out)) + b"\n\n"
 
     def finished(self, index: int = 0) -> bool:
         return self.out.finished

@@ -60,6 +60,7 @@ import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -107,7 +108,7 @@ from rollsafe.adapters.engines.vllm import (
     with_read_version,
     with_read_version_delta,
 )
-from rollsafe.adapters.engines.vllm_dialect import VersionSteps, VLLMDialect
+from rollsafe.adapters.engines.vllm_dialect import Mark, VersionSteps, VLLMDialect
 from rollsafe.errors import InvalidArgumentType
 from rollsafe.ports import GenerateResult
 
@@ -685,8 +686,9 @@ class AsyncSGLangEngine(_HttpEngine):
 
 class AsyncVLLMEngine(_HttpEngine):
     """The asyncio companion of a :class:`VLLMClient` (``POST /v1/completions``): on 0.32 the
-    version read around a request is an awaited ``GET /weight_info`` checked against the
-    client's pause ledger, on 0.26 the client's label."""
+    version is an awaited ``GET /weight_info`` sent beside the request (not before it: one
+    round trip less) and checked against the client's pause ledger
+    (:mod:`~rollsafe.adapters.engines.vllm_dialect`), on 0.26 the client's label."""
 
     def __init__(self, client: VLLMClient, http: AsyncHttp) -> None:
         super().__init__(client, http)
@@ -744,15 +746,24 @@ class AsyncVLLMEngine(_HttpEngine):
         client = self._vllm
         dialect = await self._server_dialect()
         body = client.completion_body(input_ids, text, sampling_params, dialect)
-        before = read = None
-        if not dialect.completion_weight_versions:
-            before, read = await self._run(client.version_before(path, dialect), dialect)
-        result = completion_result(self._url, await self._post(path, body, timeout))
-        if before is not None and "weight_versions" not in result.meta_info:
-            steps = client.version_after(before, read, result.finish_reason)
-            version, exact = await self._run(steps, dialect)
-            result = with_read_version(result, version, exact, dialect)
-        return result
+        if dialect.completion_weight_versions:
+            return completion_result(self._url, await self._post(path, body, timeout))
+        before = client.mark_beside(path, dialect)
+        beside = asyncio.ensure_future(self._read_beside(dialect, before))
+        try:
+            answer = await self._post(path, body, timeout)
+        except BaseException:
+            await _dropped(beside)
+            raise
+        read, holds = await beside
+        result = completion_result(self._url, answer)
+        if "weight_versions" in result.meta_info:
+            return result
+        if not holds:  # the ledger moved while the version was read: no version to trust
+            return with_read_version(result, None, False, dialect)
+        steps = client.version_after(before, read, result.finish_reason)
+        version, exact = await self._run(steps, dialect)
+        return with_read_version(result, version, exact, dialect)
 
     async def generate_stream(
         self,
@@ -763,33 +774,77 @@ class AsyncVLLMEngine(_HttpEngine):
         timeout: float | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """``POST /v1/completions`` with ``stream: true``, as :meth:`VLLMClient.generate_stream`
-        (on 0.32 the last delta's version read around the stream)."""
+        (on 0.32 the version read beside the stream's request, awaited before its first
+        delta is labelled)."""
         path = COMPLETIONS_PATH
         client = self._vllm
         dialect = await self._server_dialect()
         body = client.completion_body(input_ids, text, sampling_params, dialect)
         body["stream"] = True
-        before = read = None
+        before: Mark | None = None
+        beside: asyncio.Future[tuple[str | None, bool]] | None = None
         if not dialect.completion_weight_versions:
-            before, read = await self._run(client.version_before(path, dialect), dialect)
+            before = client.mark_beside(path, dialect)
+            beside = asyncio.ensure_future(self._read_beside(dialect, before))
+        read: str | None = None
+        holds = True
         reader = VLLMDeltas(self._url, path)
         produced = 0
-        async with self._events(path, body, timeout) as events:
-            while batch := await events.batch():
-                # 0.32: the last delta's version is read after it, for its tokens alone
-                deltas, error = _read(batch, reader, into_finished=before is None)
-                for delta in deltas:
-                    produced += len(delta.token_ids)
-                    if before is not None and delta.finished and delta.weight_version is None:
-                        steps = client.version_after(before, read, delta.finish_reason)
-                        version, exact = await self._run(steps, dialect)
-                        delta = with_read_version_delta(delta, produced, version, exact, dialect)
-                    elif before is not None:
-                        delta = client.read_delta(delta, before, read)
-                    events.complete = events.complete or delta.finished
-                    yield delta
-                if error is not None:
-                    raise error
+        try:
+            async with self._events(path, body, timeout) as events:
+                while batch := await events.batch():
+                    if beside is not None:  # the read, sent with the request, is in first
+                        read, holds = await beside
+                        beside = None
+                    # 0.32: the last delta's version is read after it, for its tokens alone
+                    deltas, error = _read(batch, reader, into_finished=before is None)
+                    for delta in deltas:
+                        produced += len(delta.token_ids)
+                        if before is None:
+                            pass
+                        elif not holds:  # the ledger moved during the read: nothing to trust
+                            delta = _untrusted(delta, produced, dialect)
+                        elif delta.finished and delta.weight_version is None:
+                            steps = client.version_after(before, read, delta.finish_reason)
+                            version, exact = await self._run(steps, dialect)
+                            delta = with_read_version_delta(
+                                delta, produced, version, exact, dialect
+                            )
+                        else:
+                            delta = client.read_delta(delta, before, read)
+                        events.complete = events.complete or delta.finished
+                        yield delta
+                    if error is not None:
+                        raise error
+        finally:
+            if beside is not None:
+                await _dropped(beside)
+
+    async def _read_beside(self, dialect: VLLMDialect, start: Mark) -> tuple[str | None, bool]:
+        """The version, read beside a request that started at ``start``, and whether it
+        stands for the one before it (:meth:`VLLMClient.read_beside_holds`)."""
+        version = await self._read_version(dialect)
+        return version, self._vllm.read_beside_holds(start)
+
+
+def _untrusted(delta: StreamDelta, produced: int, dialect: VLLMDialect) -> StreamDelta:
+    """A delta whose weights cannot be told (the version read beside its request overlapped
+    a pause, resume or weight change of this client): no version, ``weight_version_exact:
+    False`` (the fleet's continuation keeps none of its tokens)."""
+    if delta.finished:
+        return with_read_version_delta(delta, produced, None, False, dialect)
+    if not delta.token_ids:
+        return delta
+    return replace(delta, weight_version=None, meta={**delta.meta, "weight_version_exact": False})
+
+
+async def _dropped(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` (a read beside a request that failed or was left) and wait for it, its
+    outcome dropped: the request's own error or exit is what the caller sees."""
+    task.cancel()
+    await asyncio.wait((task,))  # raises only if the caller itself is cancelled meanwhile
+    if not task.cancelled():
+        task.exception()  # retrieved: a read that failed as it was dropped is not logged
 
 
 class ThreadedEngine:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rollsafe import json_codec
 from rollsafe.adapters.engines.errors import (
     EngineError,
     EngineRequestError,
@@ -309,7 +310,7 @@ class SSEEventReader:
 
 def _event(url: str, path: str, text: str) -> dict[str, Any]:
     try:
-        event = json.loads(text)
+        event = json_codec.loads(text)
     except ValueError as exc:
         raise StreamProtocolError(url, path, f"event is not JSON: {text[:80]!r}") from exc
     if not isinstance(event, dict):
@@ -474,9 +475,9 @@ class SGLangDeltas:
             return None
         meta_small, new_lps, lps_written = lps
         try:
-            meta = json.loads(meta_small)
-            new_text = json.loads(f'"{text[len(old_text) :]}"')
-            fresh_ids = json.loads(f"[{new_ids}]")
+            meta = json_codec.loads(meta_small)
+            new_text = json_codec.loads(f'"{text[len(old_text) :]}"')
+            fresh_ids = json_codec.loads(f"[{new_ids}]")
         except ValueError:
             return None  # decoded whole: the same error as ever
         if not isinstance(meta, dict) or any(type(t) is not int for t in fresh_ids):

@@ -246,6 +246,24 @@ class VLLMClient(HttpEngineClient):
                 return before, version
         return Mark(-1, -1, -1, False), version  # kept changing: compare again after
 
+    def mark_beside(self, path: str, dialect: VLLMDialect) -> Mark:
+        """The start of a request whose version is read *beside* it, not before it (the async
+        engine sends the read and the request together): refuse while paused, then the
+        ledger's mark. The read counts as one made before the request, for
+        :meth:`version_after` and :meth:`read_delta`, only where the ledger still shows that
+        mark once the read is in (:meth:`read_beside_holds`)."""
+        self.refuse_while_paused(path, dialect)
+        return self._ledger.mark()
+
+    def read_beside_holds(self, start: Mark) -> bool:
+        """Whether a version read beside a request (see :meth:`mark_beside`) stands for the
+        one before it: no pause, resume or weight change of this client between the
+        request's start and the read's answer, so the version held from the start until the
+        read, which is when the request was sent or earlier, or the request was sent after
+        the read and :meth:`version_after`'s comparison covers it as it covers a request
+        sent after a sequential read."""
+        return self._ledger.mark() == start
+
     def version_after(
         self, before: Mark, version: str | None, finish_reason: str | None
     ) -> VersionSteps[tuple[str | None, bool]]:

@@ -53,7 +53,12 @@ answer: equal versions mean no change happened; different ones cannot be split i
 Those reads are written once, as steps (:data:`VersionSteps`: generators that yield where they
 need the engine's version read and receive it), so the blocking client runs them with
 :func:`run_steps` and the asyncio companion with an awaited read, around the same
-:class:`PauseLedger`.
+:class:`PauseLedger`. The asyncio companion sends its first read *beside* the completion, not
+before it (one round trip less a request): the ledger's mark is taken before both are sent,
+and the read stands for one made before the request only when the mark is unchanged once the
+read is in. Then the version held from that mark to the read: a request sent before the read
+ran on it, one sent after is covered by the comparison after the answer as above. When the
+mark moved during the read, nothing is trusted: no version, ``weight_version_exact=False``.
 """
 
 from __future__ import annotations
