@@ -11,7 +11,8 @@ for the gateway (``proxy-aiohttp``, ``proxy-aiohttp-uvloop``, ``proxy-starlette`
 (``benchmarks/gateway/stub_engine.py``: a front's own cost, isolated) and, with ``--engines
 stub,reference``, two reference engines (the tiny Llama).
 
-Phases, each front in turn within every repeat:
+Phases, each front in turn within every repeat (throughput and latency: one workload at a
+time, the fronts back to back, their order reversed every other repeat: ``round_order``):
 
 1. ``client_cost``: the load generator itself, aiohttp vs httpx, direct on the stubs;
 2. ``throughput``: closed loop, ``--concurrency`` clients (swept), short non-streamed requests
@@ -326,6 +327,15 @@ def workloads_of(front: F.Front) -> list[str]:
     return [w for w, (api, _) in L.WORKLOADS.items() if api in front.apis]
 
 
+def round_order(fronts: list[F.Front], r: int) -> list[tuple[str, F.Front]]:
+    """Round ``r``'s runs, one workload at a time (the fronts compared on it run back to back,
+    minutes of drift on a shared machine falling on all of them alike), the fronts in their
+    order on even rounds and reversed on odd ones (none always runs first or right after a
+    given one)."""
+    order = fronts if r % 2 == 0 else list(reversed(fronts))
+    return [(w, f) for w in L.WORKLOADS for f in order if w in workloads_of(f)]
+
+
 def throughput_and_latency(
     fronts: list[F.Front], engines: list[Engine], args: argparse.Namespace, results: dict[str, Any]
 ) -> None:
@@ -333,13 +343,12 @@ def throughput_and_latency(
         f.start([e.url for e in engines])
     try:
         runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
-        for _ in range(args.repeats):
-            for f in fronts:
-                for w in workloads_of(f):
-                    for c in args.concurrency_list:
-                        runs.setdefault(f.name, {}).setdefault(w, []).append(
-                            measure_closed(f, engines, w, c, args)
-                        )
+        for r in range(args.repeats):
+            for w, f in round_order(fronts, r):
+                for c in args.concurrency_list:
+                    runs.setdefault(f.name, {}).setdefault(w, []).append(
+                        measure_closed(f, engines, w, c, args)
+                    )
         results["throughput"] = summarize_throughput(runs)
         rates = {}
         for w in L.WORKLOADS:
@@ -351,12 +360,11 @@ def throughput_and_latency(
             if best:
                 rates[w] = args.latency_frac * min(best)
         lat: dict[str, dict[str, list[dict[str, Any]]]] = {}
-        for _ in range(args.repeats):
-            for f in fronts:
-                for w in workloads_of(f):
-                    lat.setdefault(f.name, {}).setdefault(w, []).append(
-                        measure_open(f, w, rates[w], args)
-                    )
+        for r in range(args.repeats):
+            for w, f in round_order(fronts, r):
+                lat.setdefault(f.name, {}).setdefault(w, []).append(
+                    measure_open(f, w, rates[w], args)
+                )
         results["latency"] = summarize_latency(lat)
         results["throughput_runs"] = runs
         results["latency_runs"] = lat

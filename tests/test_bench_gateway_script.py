@@ -207,6 +207,33 @@ def test_summaries_take_the_best_concurrency_and_ratios_to_direct(bench: ModuleT
     assert (got["added_p50_ms"], got["added_p99_ms"], got["failed"]) == (0.5, -1.0, 1)
 
 
+def test_rounds_run_one_workload_at_a_time_in_alternating_front_order(bench: ModuleType) -> None:
+    class Front:
+        def __init__(self, name: str, apis: tuple[str, ...]) -> None:
+            self.name, self.apis = name, apis
+
+    fronts = [
+        Front("direct", ("generate", "completions")),
+        Front("sglang-router", ("generate",)),
+        Front("gateway", ("generate", "completions")),
+    ]
+    even = [(w, f.name) for w, f in bench.round_order(fronts, 0)]
+    odd = [(w, f.name) for w, f in bench.round_order(fronts, 1)]
+    assert even[:3] == [
+        ("generate", "direct"),
+        ("generate", "sglang-router"),
+        ("generate", "gateway"),
+    ]
+    assert odd[:3] == [
+        ("generate", "gateway"),
+        ("generate", "sglang-router"),
+        ("generate", "direct"),
+    ]
+    assert sorted(even) == sorted(odd)  # the same runs, every front on each of its workloads
+    assert ("completions", "sglang-router") not in even
+    assert [w for w, _ in even] == sorted((w for w, _ in even), key=list(bench.L.WORKLOADS).index)
+
+
 def _smoke(tmp_path: Path, fronts: str) -> dict[str, Any]:
     out = tmp_path / "smoke.json"
     done = subprocess.run(
