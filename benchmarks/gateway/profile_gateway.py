@@ -31,6 +31,11 @@ gateway and of the gateway of another checkout of rollsafe at ``TREE`` (e.g. ``g
 /tmp/before <commit>``), interleaved in each of ``N`` rounds, on the same stubs; medians and p95
 of the rounds, and the ratio of the medians of CPU per request (this / TREE).
 
+``--reference sglang|vllm``: two reference engines of that dialect (the tiny model; the gateway
+with the model's tokenizer and clients of that dialect) instead of the stubs, for the plain,
+sampled and ``--against`` runs: what a token costs when events come one at a time, at an
+engine's pace, with real events (cumulative SGLang ones, vLLM 0.32's version read).
+
 ``--engine-client``: the engine client alone (``AsyncSGLangEngine`` on uvloop against the
 stubs): CPU per request of an answer fetched whole and read as a stream. ``--token-interval-ms
 MS``: the stubs send a token every MS (events one at a time, as from a real engine).
