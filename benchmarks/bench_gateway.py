@@ -18,7 +18,9 @@ time, the fronts back to back, their order reversed every other repeat: ``round_
 2. ``throughput``: closed loop, ``--concurrency`` clients (swept), short non-streamed requests
    and streams of ``--tokens`` tokens: requests/s at saturation, CPU per request of the front;
 3. ``latency``: open loop at ``--latency-frac`` of the slowest front's saturation rate:
-   p50/p99 and what each adds over direct;
+   p50/p99 and what each adds over direct, timed in the same run (every other request of a
+   front's run goes direct: the machine's speed, which drifts between runs, is then the same
+   for both; ``summarize_latency``);
 4. ``worker_api`` (routers): add a worker and remove one through the router's own API under
    load; how long until the added one gets traffic and the removed one stops getting it;
 5. ``open_streams``: ``--streams`` streams held open through the front (stubs that send a
@@ -240,15 +242,31 @@ def measure_closed(
 
 
 def measure_open(
-    front: F.Front, workload: str, rate: float, args: argparse.Namespace
+    front: F.Front,
+    workload: str,
+    rate: float,
+    args: argparse.Namespace,
+    pair: F.Front | None = None,
 ) -> dict[str, Any]:
+    """One open-loop run through ``front``; with ``pair`` (direct), every other request goes
+    through ``pair`` in the same run (``paired_direct``: what ``summarize_latency`` subtracts)."""
     stats = run(
         L.open_loop(
-            front.urls, workload, rate=rate, duration=args.latency_duration, tokens=args.tokens
+            front.urls,
+            workload,
+            rate=rate,
+            duration=args.latency_duration,
+            tokens=args.tokens,
+            pair_urls=None if pair is None else pair.urls,
         )
     )
     s = stats.summary()
     s["rate"] = round(rate, 1)
+    if stats.paired is not None:
+        p = stats.paired.summary()
+        s["paired_direct"] = {
+            k: p[k] for k in ("requests", "ok", "failed", "cut", "p50_ms", "p99_ms")
+        }
     return s
 
 
@@ -360,10 +378,12 @@ def throughput_and_latency(
             if best:
                 rates[w] = args.latency_frac * min(best)
         lat: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        direct = next((f for f in fronts if f.name == "direct"), None)
         for r in range(args.repeats):
             for w, f in round_order(fronts, r):
+                pair = direct if direct is not None and f is not direct else None
                 lat.setdefault(f.name, {}).setdefault(w, []).append(
-                    measure_open(f, w, rates[w], args)
+                    measure_open(f, w, rates[w], args, pair)
                 )
         results["latency"] = summarize_latency(lat)
         results["throughput_runs"] = runs
@@ -437,12 +457,24 @@ def summarize_latency(lat: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[s
                 "n": len(rs),
             }
             out.setdefault(front, {})[w] = s
-    for by_w in out.values():
+    for front, by_w in out.items():
         for w, s in by_w.items():
+            rs = lat[front][w]
+            pairs = [r for r in rs if r.get("paired_direct") and r["p50_ms"] is not None]
+            if pairs and len(pairs) == len(rs):  # timed beside direct in each run
+                for q in ("p50", "p99"):
+                    added = [r[f"{q}_ms"] - r["paired_direct"][f"{q}_ms"] for r in pairs]
+                    s[f"added_{q}_ms"] = _med(added)
+                s["added_from"] = "paired"
+                s["failed"] += sum(
+                    r["paired_direct"]["failed"] + r["paired_direct"]["cut"] for r in rs
+                )
+                continue
             d = out.get("direct", {}).get(w)
             if d:
                 s["added_p50_ms"] = round(s["p50_ms"] - d["p50_ms"], 3)
                 s["added_p99_ms"] = round(s["p99_ms"] - d["p99_ms"], 3)
+                s["added_from"] = "rounds"
     return out
 
 

@@ -1025,6 +1025,13 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
     d = json.loads(path.read_text(encoding="utf-8"))
     tp, lat, mem = d["stub"]["throughput"], d["stub"]["latency"], d.get("open_streams", {})
     cc = d.get("client_cost", {})
+    paired = any(s.get("added_from") == "paired" for by_w in lat.values() for s in by_w.values())
+    minus = (
+        "minus direct's p50 timed in the same run (every other request sent direct), "
+        "median of the rounds"
+        if paired
+        else "minus direct's"
+    )
     lines = [
         "## Gateway: fronts and server stacks (`gateway_cpu.json`)",
         "",
@@ -1032,7 +1039,7 @@ def gateway_section(results: Path = RESULTS) -> list[str]:
         "front's own cost; the load generator, the front and the stubs share the 2 cores. "
         f"Medians of {d['config']['repeats']} rounds (fronts interleaved in each); saturation: "
         f"the best of {d['config']['concurrency']} closed-loop clients; added latency: open loop "
-        f"at {d['config']['latency_frac']} of the slowest front's saturation rate, minus direct's; "
+        f"at {d['config']['latency_frac']} of the slowest front's saturation rate, {minus}; "
         f"memory: RSS with {d['config']['streams']} streams held open. "
         f"`python benchmarks/bench_gateway.py` (`--smoke` for a quick pass). {_load(d)}",
         "",

@@ -205,6 +205,38 @@ def test_summaries_take_the_best_concurrency_and_ratios_to_direct(bench: ModuleT
     }
     got = bench.summarize_latency(lat)["x"]["generate"]
     assert (got["added_p50_ms"], got["added_p99_ms"], got["failed"]) == (0.5, -1.0, 1)
+    assert got["added_from"] == "rounds"
+
+
+def test_added_latency_is_read_beside_direct_within_each_run(bench: ModuleType) -> None:
+    """The machine's speed drifts between runs (direct's p50 10 ms, then 30): timed beside
+    direct in each run, a front that adds 1 ms reads 1 ms, where subtracting medians of
+    separate runs would read 11."""
+
+    def run(p50: float, paired: float, failed: int = 0) -> dict[str, Any]:
+        return {
+            "rate": 5,
+            "p50_ms": p50,
+            "p99_ms": p50 * 2,
+            "failed": 0,
+            "cut": 0,
+            "paired_direct": {"p50_ms": paired, "p99_ms": paired * 2, "failed": failed, "cut": 0},
+        }
+
+    lat = {
+        "direct": {
+            "generate": [
+                {"rate": 5, "p50_ms": p, "p99_ms": 2 * p, "failed": 0, "cut": 0}
+                for p in (10.0, 10.0, 30.0)
+            ]
+        },
+        "x": {"generate": [run(31.0, 30.0), run(31.0, 30.0, failed=1), run(11.0, 10.0)]},
+    }
+    got = bench.summarize_latency(lat)["x"]["generate"]
+    assert got["added_from"] == "paired"
+    assert (got["added_p50_ms"], got["added_p99_ms"]) == (1.0, 2.0)
+    assert got["failed"] == 1  # the paired direct requests count too
+    assert got["p50_ms"] - bench.summarize_latency(lat)["direct"]["generate"]["p50_ms"] == 21.0
 
 
 def test_rounds_run_one_workload_at_a_time_in_alternating_front_order(bench: ModuleType) -> None:
@@ -271,6 +303,10 @@ def test_smoke_gateway(tmp_path: Path) -> None:
     workloads = {"generate", "generate-stream", "completions", "completions-stream"}
     assert set(got["stub"]["throughput"]["gateway"]) == workloads
     assert set(got["stub"]["latency"]["gateway"]) == workloads
+    for w in workloads:  # timed beside direct in each run
+        assert got["stub"]["latency"]["gateway"][w]["added_from"] == "paired"
+        for r in got["stub"]["latency_runs"]["gateway"][w]:
+            assert r["paired_direct"]["ok"] > 0 and r["ok"] > 0
     books = got["stub"]["gateway_books"]
     assert books["states"] == {"g0": "active", "g1": "active"}
     served = sum(books["router"]["served_by_group"].values())

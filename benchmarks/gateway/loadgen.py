@@ -75,6 +75,8 @@ class Stats:
     wall_s: float = 0.0
     #: every request sent, warm-up included (what the engines should have received)
     sent: int = 0
+    #: :func:`open_loop` with ``pair_urls``: the requests sent there, in the same run
+    paired: Stats | None = None
 
     def add(self, o: Outcome) -> None:
         self.outcomes.append(o)
@@ -233,32 +235,53 @@ async def closed_loop(
 
 
 async def open_loop(
-    urls: list[str], workload: str, *, rate: float, duration: float, tokens: int, seed: int = 0
+    urls: list[str],
+    workload: str,
+    *,
+    rate: float,
+    duration: float,
+    tokens: int,
+    seed: int = 0,
+    pair_urls: list[str] | None = None,
 ) -> Stats:
-    """Requests started at ``rate`` per second (Poisson) for ``duration`` s; waits for all."""
+    """Requests started at ``rate`` per second (Poisson) for ``duration`` s; waits for all.
+
+    ``pair_urls``: every other request goes there instead (``Stats.paired``), so that a front
+    and the direct path are timed in one run, under the same load and the same machine speed:
+    what a front adds is then read within one run, not across runs minutes apart."""
     api, stream = WORKLOADS[workload]
     body = json.dumps(request_body(api, stream, tokens)).encode()
-    rr = itertools.cycle(urls)
+    targets = [(itertools.cycle(urls), Stats())]
+    if pair_urls:
+        targets.append((itertools.cycle(pair_urls), Stats()))
     rng = random.Random(seed)
-    stats = Stats()
     async with session(limit=0) as s:
         # warm the pool: one request per url (not counted)
-        for u in urls:
-            stats.sent += 1
-            await one_request(s, u, api, stream, body)
-        tasks: list[asyncio.Task[Outcome]] = []
+        for url_list, (_, st) in zip((urls, pair_urls or []), targets, strict=False):
+            for u in url_list:
+                st.sent += 1
+                await one_request(s, u, api, stream, body)
+        tasks: list[tuple[Stats, asyncio.Future[Outcome]]] = []
         t0 = time.perf_counter()
         next_at = t0
+        i = 0
         while next_at < t0 + duration:
             delay = next_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            stats.sent += 1
-            tasks.append(asyncio.ensure_future(one_request(s, next(rr), api, stream, body)))
+            rr, st = targets[i % len(targets)]
+            i += 1
+            st.sent += 1
+            tasks.append((st, asyncio.ensure_future(one_request(s, next(rr), api, stream, body))))
             next_at += rng.expovariate(rate)
-        for o in await asyncio.gather(*tasks):
-            stats.add(o)
-        stats.wall_s = time.perf_counter() - t0
+        outcomes = await asyncio.gather(*(t for _, t in tasks))
+        for (st, _), o in zip(tasks, outcomes, strict=True):
+            st.add(o)
+        wall = time.perf_counter() - t0
+    for _, st in targets:
+        st.wall_s = wall
+    stats = targets[0][1]
+    stats.paired = targets[1][1] if len(targets) > 1 else None
     return stats
 
 
