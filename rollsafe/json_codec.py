@@ -11,9 +11,8 @@ The results are :mod:`json`'s, whichever runs:
 * :func:`loads` gives what ``json.loads`` gives, and raises what it raises: input orjson refuses
   and ``json`` takes (``NaN`` and ``Infinity``, a lone surrogate escape) and every malformed
   document are handed to ``json.loads``, so values and error messages stay the standard
-  library's. One difference: an integer past 64 bits comes back a float (orjson reads it so),
-  where ``json`` gives an ``int`` (the integer nearest that float: no token id, count or
-  length an engine takes is that large);
+  library's. One difference: an integer past 64 bits comes back a float (orjson reads it so)
+  where ``json`` gives an ``int``; no token id, count or length an engine takes is that large;
 * :func:`dumps` writes the document ``json.dumps(obj, separators=(",", ":"),
   ensure_ascii=False)`` writes, as UTF-8: the same values, a float perhaps in another equal
   form (``0.00001`` for ``1e-05``), and a float that is not finite as ``null`` (orjson, as
@@ -38,6 +37,10 @@ __all__ = ["FAST", "dumps", "loads"]
 FAST = _orjson is not None
 
 
+def _std_loads(data: str | bytes | bytearray | memoryview) -> Any:
+    return json.loads(bytes(data) if isinstance(data, memoryview) else data)
+
+
 def _std_dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -53,7 +56,7 @@ if _orjson is not None:
         try:
             return _fast_loads(data)
         except _DecodeError:
-            return json.loads(bytes(data) if isinstance(data, memoryview) else data)
+            return _std_loads(data)
 
     def dumps(obj: Any) -> bytes:
         """Compact UTF-8 JSON of ``obj`` (see the module)."""
@@ -66,7 +69,7 @@ else:  # pragma: no cover - the extras install orjson
 
     def loads(data: str | bytes | bytearray | memoryview) -> Any:
         """``json.loads(data)``."""
-        return json.loads(bytes(data) if isinstance(data, memoryview) else data)
+        return _std_loads(data)
 
     def dumps(obj: Any) -> bytes:
         """Compact UTF-8 JSON of ``obj``."""

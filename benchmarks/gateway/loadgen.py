@@ -251,14 +251,13 @@ async def open_loop(
     what a front adds is then read within one run, not across runs minutes apart."""
     api, stream = WORKLOADS[workload]
     body = json.dumps(request_body(api, stream, tokens)).encode()
-    targets = [(itertools.cycle(urls), Stats())]
-    if pair_urls:
-        targets.append((itertools.cycle(pair_urls), Stats()))
+    groups = [urls, pair_urls] if pair_urls else [urls]
+    targets = [(itertools.cycle(g), Stats()) for g in groups]
     rng = random.Random(seed)
     async with session(limit=0) as s:
         # warm the pool: one request per url (not counted)
-        for url_list, (_, st) in zip((urls, pair_urls or []), targets, strict=False):
-            for u in url_list:
+        for g, (_, st) in zip(groups, targets, strict=True):
+            for u in g:
                 st.sent += 1
                 await one_request(s, u, api, stream, body)
         tasks: list[tuple[Stats, asyncio.Future[Outcome]]] = []

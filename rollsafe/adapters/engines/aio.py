@@ -800,17 +800,15 @@ class AsyncVLLMEngine(_HttpEngine):
                     deltas, error = _read(batch, reader, into_finished=before is None)
                     for delta in deltas:
                         produced += len(delta.token_ids)
-                        if before is None:
-                            pass
-                        elif not holds:  # the ledger moved during the read: nothing to trust
+                        if before is not None and not holds:  # the read met a ledger move
                             delta = _untrusted(delta, produced, dialect)
-                        elif delta.finished and delta.weight_version is None:
+                        elif before is not None and delta.finished and delta.weight_version is None:
                             steps = client.version_after(before, read, delta.finish_reason)
                             version, exact = await self._run(steps, dialect)
                             delta = with_read_version_delta(
                                 delta, produced, version, exact, dialect
                             )
-                        else:
+                        elif before is not None:
                             delta = client.read_delta(delta, before, read)
                         events.complete = events.complete or delta.finished
                         yield delta
