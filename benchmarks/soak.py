@@ -27,7 +27,8 @@ Faults this machine cannot produce are listed, with why, in the output and in th
 ``--smoke``: the short run every ``make test`` makes (5 minutes of faults and syncs after the
 start, shorter gaps between faults; ``tests/test_soak_script.py``, with a fresh seed). Writes
 ``--out`` (default ``benchmarks/results/soak_cpu_<minutes>min.json``). Needs root for the
-tmpfs export roots and iptables (without them those kinds are listed as not injectable).
+tmpfs export roots and the black hole (iptables, else tc on ``lo``; without them those kinds
+are listed as not injectable).
 """
 
 from __future__ import annotations

@@ -1,35 +1,67 @@
-"""An engine's port black-holed: every TCP packet to or from it dropped, for real (iptables).
+"""An engine's port black-holed: every TCP packet to or from it dropped, for real.
 
-:class:`Blackhole` owns one iptables chain of this process (``RSSOAK<pid>``), jumped to from
-``INPUT`` (loopback traffic, which is all of a one-machine cluster's, passes ``INPUT``): a
-blocked port gets two ``DROP`` rules there (``--dport`` and ``--sport``), so new connections
-hang in ``SYN_SENT`` and established ones (the fleet's pooled connections, a stream in flight)
-stop moving, as behind a dead switch port. Nothing else on the machine is touched: only the
-ports this process blocked, and :meth:`close` removes the chain (also at interpreter exit).
+:class:`Blackhole` drops every packet to or from the ports it :meth:`~Blackhole.block`\\ s, so
+new connections hang in ``SYN_SENT`` and established ones (the fleet's pooled connections, a
+stream in flight) stop moving, as behind a dead switch port; nothing else on the machine is
+touched. It does so the first way that works here (both need root):
 
-:func:`available` says whether iptables works here (root, the ``nf_tables`` or legacy
-backend); when it does not, the soak lists ``port_blackhole`` as not injectable with why.
+* ``iptables``: one chain of this process (``RSSOAK<pid>``), jumped to from ``INPUT``
+  (loopback traffic, which is all of a one-machine cluster's, passes ``INPUT``); a blocked port
+  gets two ``DROP`` rules there (``--dport`` and ``--sport``). :meth:`~Blackhole.close` removes
+  the chain.
+* ``tc`` (iproute2, where iptables is missing or the kernel has no netfilter tables for it): a
+  root ``htb`` qdisc on ``lo`` (handle ``dead:``) whose unclassified traffic passes straight
+  through (htb's direct queue), one class ``dead:1`` whose queue holds nothing (``pfifo limit
+  0``: every packet given to it is dropped), and for each blocked port one ``u32`` filter pair
+  (preference = the port; TCP to it, TCP from it) that sends the port's packets there. A
+  loopback packet leaves through ``lo``'s egress once, so both directions are dropped. Every
+  process of the machine that blocks a port this way shares the qdisc; a lock file serialises
+  their changes and the last port unblocked removes it, leaving ``lo`` as it was. A root qdisc
+  on ``lo`` that is not this one is never replaced: blocking refuses, naming it.
+
+:func:`available` says whether either way works here; when neither does, the soak lists
+``port_blackhole`` as not injectable with why.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
 
-__all__ = ["Blackhole", "available"]
+__all__ = ["Blackhole", "available", "method"]
+
+#: the tc way's root qdisc on ``lo``, its dropping class, and the lock its users share
+TC_HANDLE = "dead:"
+TC_CLASS = "dead:1"
+TC_LOCK = "/run/lock/rollsafe-blackhole.lock"
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, check=False)
 
 
 def _iptables(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["iptables", "-w", "5", *args], capture_output=True, text=True, timeout=30, check=False
-    )
+    return _run("iptables", "-w", "5", *args)
 
 
-def available() -> str | None:
-    """None when iptables can add and remove a chain here; else why not."""
+def _tc(command: str) -> subprocess.CompletedProcess[str]:
+    """``tc`` with ``command``'s words (none holds a space)."""
+    return _run("tc", *command.split())
+
+
+def _checked(out: subprocess.CompletedProcess[str]) -> None:
+    if out.returncode != 0:
+        cmd = " ".join(str(a) for a in out.args)
+        raise OSError(f"{cmd}: {(out.stderr or out.stdout).strip()[:200]}")
+
+
+def _iptables_problem() -> str | None:
     if shutil.which("iptables") is None:
         return "iptables is not installed"
     probe = f"RSSOAKP{os.getpid()}"
@@ -40,40 +72,153 @@ def available() -> str | None:
     return None
 
 
-class Blackhole:
-    """Drop every packet to or from the ports :meth:`block`\\ ed, until :meth:`unblock`."""
+#: the tc way, end to end, on a scratch network namespace's ``lo`` (the machine's is untouched)
+_TC_PROBE = (
+    f"tc qdisc add dev lo root handle {TC_HANDLE} htb"
+    f" && tc class add dev lo parent {TC_HANDLE} classid {TC_CLASS} htb rate 1mbit"
+    f" && tc qdisc add dev lo parent {TC_CLASS} pfifo limit 0"
+    f" && tc filter add dev lo parent {TC_HANDLE} protocol ip pref 1 u32"
+    f" match ip protocol 6 0xff match ip dport 1 0xffff flowid {TC_CLASS}"
+)
 
+
+def _tc_problem() -> str | None:
+    if os.geteuid() != 0:
+        return "tc needs root"
+    for tool in ("tc", "unshare"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    out = _run("unshare", "--net", "sh", "-c", _TC_PROBE)
+    if out.returncode != 0:
+        return f"tc (htb, pfifo, u32) on a scratch lo failed: {out.stderr.strip()[:200]}"
+    return None
+
+
+def method() -> tuple[str | None, str]:
+    """The way that works here (``"iptables"``, ``"tc"``), or None and why neither does."""
+    why: list[str] = []
+    for name, problem in (("iptables", _iptables_problem), ("tc", _tc_problem)):
+        said = problem()
+        if said is None:
+            return name, ""
+        why.append(said)
+    return None, "; ".join(why)
+
+
+def available() -> str | None:
+    """None when a port can be black-holed here; else why not."""
+    name, why = method()
+    return None if name is not None else why
+
+
+class _Iptables:
     def __init__(self) -> None:
         self.chain = f"RSSOAK{os.getpid()}"
+        self._made = False
+
+    def block(self, port: int) -> None:
+        if not self._made:
+            _checked(_iptables("-N", self.chain))
+            _checked(_iptables("-I", "INPUT", "-j", self.chain))
+            self._made = True
+        for flag in ("--dport", "--sport"):
+            _checked(_iptables("-A", self.chain, "-p", "tcp", flag, str(port), "-j", "DROP"))
+
+    def unblock(self, port: int) -> None:
+        for flag in ("--dport", "--sport"):
+            _iptables("-D", self.chain, "-p", "tcp", flag, str(port), "-j", "DROP")
+
+    def close(self) -> None:
+        if self._made:
+            _iptables("-D", "INPUT", "-j", self.chain)
+            _iptables("-F", self.chain)
+            _iptables("-X", self.chain)
+            self._made = False
+
+
+@contextlib.contextmanager
+def _tc_lock() -> Iterator[None]:
+    path = TC_LOCK if os.path.isdir(os.path.dirname(TC_LOCK)) else "/tmp/rollsafe-blackhole.lock"
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class _Tc:
+    def block(self, port: int) -> None:
+        with _tc_lock():
+            root = _tc("qdisc show dev lo root")
+            _checked(root)
+            line = root.stdout.strip()
+            if not line.startswith(f"qdisc htb {TC_HANDLE}"):
+                if line and not line.startswith("qdisc noqueue"):
+                    raise OSError(
+                        f"lo has a root qdisc that is not the black hole's ({line!r}); "
+                        "not replacing it"
+                    )
+                for made in (
+                    f"qdisc add dev lo root handle {TC_HANDLE} htb",
+                    f"class add dev lo parent {TC_HANDLE} classid {TC_CLASS} htb rate 1mbit",
+                    f"qdisc add dev lo parent {TC_CLASS} pfifo limit 0",
+                ):
+                    _checked(_tc(made))
+            for field in ("dport", "sport"):
+                _checked(
+                    _tc(
+                        f"filter add dev lo parent {TC_HANDLE} protocol ip pref {port} u32"
+                        f" match ip protocol 6 0xff match ip {field} {port} 0xffff"
+                        f" flowid {TC_CLASS}"
+                    )
+                )
+
+    def unblock(self, port: int) -> None:
+        with _tc_lock():
+            _tc(f"filter del dev lo parent {TC_HANDLE} pref {port}")
+            left = _tc(f"filter show dev lo parent {TC_HANDLE}")
+            if left.returncode == 0 and not left.stdout.strip():
+                _tc(f"qdisc del dev lo root handle {TC_HANDLE}")
+
+    def close(self) -> None:
+        """Nothing of the tc way outlives its ports (see :meth:`unblock`)."""
+
+
+class Blackhole:
+    """Drop every packet to or from the ports :meth:`block`\\ ed, until :meth:`unblock`.
+
+    ``how``: ``"iptables"`` or ``"tc"``; None takes the first that works here (``OSError``
+    naming why when none does). :meth:`close` (also run at interpreter exit) unblocks all.
+    """
+
+    def __init__(self, how: str | None = None) -> None:
+        if how is None:
+            how, why = method()
+            if how is None:
+                raise OSError(f"no way to black-hole a port here: {why}")
+        if how not in ("iptables", "tc"):
+            raise ValueError(f"how={how!r}: 'iptables' or 'tc'")
+        self.how = how
+        self._way: _Iptables | _Tc = _Iptables() if how == "iptables" else _Tc()
         self._lock = threading.Lock()
         self._ports: set[int] = set()
-        self._made = False
         atexit.register(self.close)
-
-    def _ensure(self) -> None:
-        if self._made:
-            return
-        for args in (("-N", self.chain), ("-I", "INPUT", "-j", self.chain)):
-            out = _iptables(*args)
-            if out.returncode != 0:
-                raise OSError(f"iptables {' '.join(args)}: {out.stderr.strip()[:200]}")
-        self._made = True
 
     def block(self, port: int) -> None:
         with self._lock:
-            self._ensure()
-            for flag in ("--dport", "--sport"):
-                out = _iptables("-A", self.chain, "-p", "tcp", flag, str(port), "-j", "DROP")
-                if out.returncode != 0:
-                    raise OSError(f"iptables -A {flag} {port}: {out.stderr.strip()[:200]}")
+            try:
+                self._way.block(port)
+            except OSError:
+                self._way.unblock(port)  # nothing half-made stays
+                raise
             self._ports.add(port)
 
     def unblock(self, port: int) -> None:
         with self._lock:
             if port not in self._ports:
                 return
-            for flag in ("--dport", "--sport"):
-                _iptables("-D", self.chain, "-p", "tcp", flag, str(port), "-j", "DROP")
+            self._way.unblock(port)
             self._ports.discard(port)
 
     @property
@@ -83,10 +228,7 @@ class Blackhole:
 
     def close(self) -> None:
         with self._lock:
-            if not self._made:
-                return
-            _iptables("-D", "INPUT", "-j", self.chain)
-            _iptables("-F", self.chain)
-            _iptables("-X", self.chain)
-            self._made = False
+            for port in sorted(self._ports):
+                self._way.unblock(port)
             self._ports.clear()
+            self._way.close()

@@ -20,8 +20,8 @@ Each kind, and how it is produced (real unless said):
   64 KiB for the next ``syncs`` syncs;
 * ``export_slow``: *emulated*, the next export's writer held ``delay_s`` (:mod:`slow_export`:
   no way to slow one filesystem down here);
-* ``port_blackhole``: every TCP packet to or from the engine's port dropped (iptables,
-  :mod:`blackhole`) for ``seconds``;
+* ``port_blackhole``: every TCP packet to or from the engine's port dropped (iptables, else
+  tc on ``lo``: :mod:`blackhole`) for ``seconds``;
 * ``trainer_exception``: the trainer raises in the middle of a sync: while the transport reads
   its tensors (``register``), or in a colocated hook (``offload_trainer``, ``onload_engines``,
   ``onload_trainer``).
@@ -371,7 +371,7 @@ class Injector:
         group = fault.group
         assert group is not None
         if self.blackhole is None:
-            raise RuntimeError(self._blackhole_problem or "no iptables")
+            raise RuntimeError(self._blackhole_problem or "no black hole here")
         fleet, _ = GROUPS[group]
         port = urlparse(self.rig.fleets[fleet].engine(group).url).port
         if port is None:
@@ -385,7 +385,7 @@ class Injector:
             self.say(f"black hole of port {port} ({group}) lifted")
 
         self._later(seconds, lift)
-        return f"port {port} black-holed for {seconds:.0f}s (iptables DROP)", (fleet,)
+        return f"port {port} black-holed for {seconds:.0f}s ({blackhole.how})", (fleet,)
 
     def _node_replace(self, fault: Fault) -> tuple[str, tuple[str, ...]]:
         from rig import ENGINE_RESOURCE, total_ranks
