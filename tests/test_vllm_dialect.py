@@ -17,7 +17,7 @@ import pytest
 
 from rollsafe.adapters.engines import EngineNotSupported, EngineRequestError, VLLMClient
 from rollsafe.adapters.engines.contract import UnsupportedVersion, load_contract
-from rollsafe.adapters.engines.vllm_dialect import Mark, read_version_holds
+from rollsafe.adapters.engines.vllm_dialect import Mark, PauseLedger, read_version_holds
 
 Hook = Callable[[VLLMClient], None]
 
@@ -57,6 +57,8 @@ class Server:
             return httpx.Response(200, json={"weight_version": self.weight_version})
         if path == "/update_weight_version":
             self.weight_version = body["new_version"]
+        if path == "/finish_weight_update" and body and body.get("weight_version"):
+            self.weight_version = body["weight_version"]
         if path == "/v1/completions":
             hook, self.during_completion = self.during_completion, None
             if hook is not None and self.client is not None:
@@ -116,8 +118,9 @@ def test_the_dialect_comes_from_the_servers_version_asked_once(version: str | No
     for body in completion_bodies(server):
         assert ("return_weight_versions" in body) is not old
         assert body["skip_special_tokens"] is True  # the same text on every release
-    # 0.32: one /weight_info read per completion; 0.33: the completion reports the version
-    assert server.paths.count("/weight_info") == (3 if old else 0)
+    # 0.32: one /weight_info read, remembered while the ledger is steady; 0.33: the
+    # completion reports the version
+    assert server.paths.count("/weight_info") == (1 if old else 0)
 
 
 def test_a_pinned_server_version_is_not_asked_and_bad_ones_are_named() -> None:
@@ -274,6 +277,118 @@ def test_a_0_32_stream_ends_with_the_version_and_one_span() -> None:
     assert cut[0].weight_version is None and cut[0].meta["weight_version_exact"] is False
     assert cut[-1].weight_version == "v2" and cut[-1].spans == ()  # inexact: no span claimed
     assert cut[-1].meta["weight_version_exact"] is False
+
+
+# ---- remembered versions (0.32): a read stands for the ledger's steady stretch --------------
+
+
+def _reads(server: Server) -> int:
+    return server.paths.count("/weight_info")
+
+
+def _generate(client: VLLMClient) -> Any:
+    return client.generate([1], sampling_params={"max_new_tokens": 2})
+
+
+def test_one_read_serves_the_steady_stretch_and_each_sync_starts_a_new_one() -> None:
+    server = Server("0.32.0")
+    with server.client_for() as client:
+        first = [_generate(client) for _ in range(3)]
+        streamed = list(client.generate_stream([1], sampling_params={"max_new_tokens": 2}))
+        assert _reads(server) == 1
+        sync_to("v2")(client)  # pause, relabel, resume: the stretch ends
+        second = [_generate(client) for _ in range(3)]
+        assert _reads(server) == 2
+    for result in first:
+        assert result.weight_version == "v1" and result.meta_info["weight_version_exact"] is True
+        assert result.meta_info["weight_version_source"] == "weight_info"
+    assert streamed[-1].weight_version == "v1" and streamed[-1].meta["weight_version_exact"]
+    assert [r.weight_version for r in second] == ["v2"] * 3
+    assert all(r.meta_info["weight_version_exact"] is True for r in second)
+
+
+def test_an_unpaused_relabel_ends_the_stretch() -> None:
+    server = Server("0.32.0")
+    with server.client_for() as client:
+        assert _generate(client).weight_version == "v1"
+        client.update_weight_version("v2")  # no pause: the mark moves, the stretch ends
+        assert _generate(client).weight_version == "v2"
+        assert _generate(client).weight_version == "v2"
+    assert _reads(server) == 2
+
+
+def test_a_read_the_ledger_moved_under_is_not_remembered() -> None:
+    """A sync during the read: the client reads again (as before) and remembers only the
+    read that held, so the next request reads nothing and reports the new version."""
+    server = Server("0.32.0")
+    server.during_version_read = sync_to("v2")
+    with server.client_for() as client:
+        assert _generate(client).weight_version == "v2"
+        assert _reads(server) == 2
+        assert _generate(client).weight_version == "v2"
+        assert _reads(server) == 2
+
+
+def test_nothing_is_remembered_while_paused_in_place_or_between_an_updates_calls() -> None:
+    """``in_place`` queues on 0.32 (the client sends), but a paused engine's stretch is not
+    steady: each request reads. Between the calls of one weight update (the update open),
+    neither; after its last call, one read is remembered again."""
+    server = Server("0.32.0")
+    with server.client_for() as client:
+        client.pause_generation("in_place")
+        _generate(client)
+        _generate(client)
+        assert _reads(server) == 2
+        client.continue_generation()
+        _generate(client)
+        _generate(client)
+        assert _reads(server) == 3
+        client.update_weights_from_distributed(["w"], ["float32"], [[2]])  # opened, no version
+        _generate(client)
+        _generate(client)
+        assert _reads(server) == 5
+        client.update_weights_from_distributed(
+            ["w"], ["float32"], [[2]], weight_version="v2", flush_cache=False
+        )
+        assert [_generate(client).weight_version for _ in range(2)] == ["v2", "v2"]
+        assert _reads(server) == 6
+
+
+def test_a_relabel_behind_the_clients_back_is_seen_after_forget_version() -> None:
+    """Documented: the label is this client's to change; one changed by another process is
+    not seen until the client's next pause, resume or weight change, or ``forget_version``."""
+    server = Server("0.32.0")
+    with server.client_for() as client:
+        assert _generate(client).weight_version == "v1"
+        server.weight_version = "v9"  # another process relabelled the engine
+        assert _generate(client).weight_version == "v1"
+        client.forget_version()
+        assert _generate(client).weight_version == "v9"
+    assert _reads(server) == 2
+
+
+def test_the_ledger_remembers_only_within_one_steady_stretch() -> None:
+    ledger = PauseLedger()
+    start = ledger.start()
+    assert start.steady is not None and not start.known
+    ledger.learned(start.steady, "v1")
+    assert (ledger.start().known, ledger.start().version) == (True, "v1")
+    with ledger.changing_weights():
+        inside = ledger.start()
+        assert inside.steady is None and not inside.known  # a change in flight
+        ledger.learned(inside.steady, "v2")  # nothing to remember against
+        ledger.learned(start.steady, "v1")  # that stretch is over
+    after = ledger.start()
+    assert after.steady not in (None, start.steady) and not after.known
+    ledger.learned(after.steady, None)  # an engine that reports no version: remembered too
+    assert (ledger.start().known, ledger.start().version) == (True, None)
+    ledger.pausing("keep")
+    assert ledger.start().steady is None and not ledger.start().known
+    ledger.resumed()
+    assert not ledger.start().known
+    ledger.learned(ledger.start().steady, "v3")
+    ledger.forget()
+    assert not ledger.start().known
 
 
 # ---- vLLM 0.26: the version is the client's label ------------------------------------------

@@ -108,7 +108,7 @@ from rollsafe.adapters.engines.vllm import (
     with_read_version,
     with_read_version_delta,
 )
-from rollsafe.adapters.engines.vllm_dialect import Mark, VersionSteps, VLLMDialect
+from rollsafe.adapters.engines.vllm_dialect import Mark, Start, VersionSteps, VLLMDialect
 from rollsafe.errors import InvalidArgumentType
 from rollsafe.ports import GenerateResult
 
@@ -748,14 +748,19 @@ class AsyncVLLMEngine(_HttpEngine):
         body = client.completion_body(input_ids, text, sampling_params, dialect)
         if dialect.completion_weight_versions:
             return completion_result(self._url, await self._post(path, body, timeout))
-        before = client.mark_beside(path, dialect)
-        beside = asyncio.ensure_future(self._read_beside(dialect, before))
-        try:
+        start = client.mark_beside(path, dialect)
+        before = start.mark
+        if start.known:  # remembered for the ledger's steady stretch: no read
             answer = await self._post(path, body, timeout)
-        except BaseException:
-            await _dropped(beside)
-            raise
-        read, holds = await beside
+            read, holds = start.version, True
+        else:
+            beside = asyncio.ensure_future(self._read_beside(dialect, start))
+            try:
+                answer = await self._post(path, body, timeout)
+            except BaseException:
+                await _dropped(beside)
+                raise
+            read, holds = await beside
         result = completion_result(self._url, answer)
         if "weight_versions" in result.meta_info:
             return result
@@ -783,11 +788,15 @@ class AsyncVLLMEngine(_HttpEngine):
         body["stream"] = True
         before: Mark | None = None
         beside: asyncio.Future[tuple[str | None, bool]] | None = None
-        if not dialect.completion_weight_versions:
-            before = client.mark_beside(path, dialect)
-            beside = asyncio.ensure_future(self._read_beside(dialect, before))
         read: str | None = None
         holds = True
+        if not dialect.completion_weight_versions:
+            start = client.mark_beside(path, dialect)
+            before = start.mark
+            if start.known:  # remembered for the ledger's steady stretch: no read
+                read = start.version
+            else:
+                beside = asyncio.ensure_future(self._read_beside(dialect, start))
         reader = VLLMDeltas(self._url, path)
         produced = 0
         try:
@@ -818,11 +827,11 @@ class AsyncVLLMEngine(_HttpEngine):
             if beside is not None:
                 await _dropped(beside)
 
-    async def _read_beside(self, dialect: VLLMDialect, start: Mark) -> tuple[str | None, bool]:
+    async def _read_beside(self, dialect: VLLMDialect, start: Start) -> tuple[str | None, bool]:
         """The version, read beside a request that started at ``start``, and whether it
         stands for the one before it (:meth:`VLLMClient.read_beside_holds`)."""
         version = await self._read_version(dialect)
-        return version, self._vllm.read_beside_holds(start)
+        return version, self._vllm.read_beside_holds(start, version)
 
 
 def _untrusted(delta: StreamDelta, produced: int, dialect: VLLMDialect) -> StreamDelta:

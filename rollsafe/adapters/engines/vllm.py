@@ -91,6 +91,7 @@ from rollsafe.adapters.engines.streaming import StreamDelta, WeightSpan, stream_
 from rollsafe.adapters.engines.vllm_dialect import (
     Mark,
     PauseLedger,
+    Start,
     VersionSteps,
     VLLMDialect,
     read_version_holds,
@@ -233,36 +234,61 @@ class VLLMClient(HttpEngineClient):
     def version_before(
         self, path: str, dialect: VLLMDialect
     ) -> VersionSteps[tuple[Mark, str | None]]:
-        """Steps: refuse while paused, then read the version (yield) with no pause, resume or
-        weight change of this client around the read (re-read if one happened, up to 3 times).
-        Returns the ledger's mark before the read and the version read."""
+        """Steps: refuse while paused, then the version: the one remembered for the ledger's
+        steady stretch (no I/O), else read (yield) with no pause, resume or weight change of
+        this client around the read (re-read if one happened, up to 3 times). Returns the
+        ledger's mark before the read and the version."""
         version: str | None = None
         for _ in range(3):
             self.refuse_while_paused(path, dialect)
-            before = self._ledger.mark()
+            start = self._start()
+            if start.known:
+                return start.mark, start.version
             version = yield
             self.refuse_while_paused(path, dialect)
-            if self._ledger.mark() == before:
-                return before, version
+            if self._ledger.mark() == start.mark:
+                self._learned(start, version)
+                return start.mark, version
         return Mark(-1, -1, -1, False), version  # kept changing: compare again after
 
-    def mark_beside(self, path: str, dialect: VLLMDialect) -> Mark:
+    def mark_beside(self, path: str, dialect: VLLMDialect) -> Start:
         """The start of a request whose version is read *beside* it, not before it (the async
         engine sends the read and the request together): refuse while paused, then the
-        ledger's mark. The read counts as one made before the request, for
-        :meth:`version_after` and :meth:`read_delta`, only where the ledger still shows that
-        mark once the read is in (:meth:`read_beside_holds`)."""
+        ledger's start. Where it holds a remembered version (``known``) no read is needed;
+        else the read counts as one made before the request, for :meth:`version_after` and
+        :meth:`read_delta`, only where the ledger still shows the start's mark once the read
+        is in (:meth:`read_beside_holds`)."""
         self.refuse_while_paused(path, dialect)
-        return self._ledger.mark()
+        return self._start()
 
-    def read_beside_holds(self, start: Mark) -> bool:
-        """Whether a version read beside a request (see :meth:`mark_beside`) stands for the
-        one before it: no pause, resume or weight change of this client between the
+    def read_beside_holds(self, start: Start, version: str | None) -> bool:
+        """Whether ``version``, read beside a request (see :meth:`mark_beside`), stands for
+        the one before it: no pause, resume or weight change of this client between the
         request's start and the read's answer, so the version held from the start until the
         read, which is when the request was sent or earlier, or the request was sent after
         the read and :meth:`version_after`'s comparison covers it as it covers a request
-        sent after a sequential read."""
-        return self._ledger.mark() == start
+        sent after a sequential read. A read that holds is remembered for its stretch."""
+        if self._ledger.mark() != start.mark:
+            return False
+        self._learned(start, version)
+        return True
+
+    def forget_version(self) -> None:
+        """Read the version again at the next request: call after the engine's weights or
+        label were changed by something other than this client (see :mod:`.vllm_dialect`,
+        *Remembered versions*)."""
+        self._ledger.forget()
+
+    def _start(self) -> Start:
+        start = self._ledger.start()
+        if self._update_open:  # between the calls of one update: nothing is steady
+            return Start(start.mark, None)
+        return start
+
+    def _learned(self, start: Start, version: str | None) -> None:
+        dialect = self._server_dialect  # 0.26's label is this client's own: nothing to save
+        if dialect is not None and dialect.weight_version_routes and not self._update_open:
+            self._ledger.learned(start.steady, version)
 
     def version_after(
         self, before: Mark, version: str | None, finish_reason: str | None
@@ -523,8 +549,8 @@ class VLLMClient(HttpEngineClient):
         body: dict[str, Any] = {"method": method, "args": list(args), "kwargs": dict(kwargs or {})}
         if rpc_timeout is not None:
             body["timeout"] = rpc_timeout
-        self._ledger.changing_weights()  # reload_weights, update_weights_from_ipc, ...
-        answer = self._post("/collective_rpc", body, timeout=self._weights_timeout(timeout))
+        with self._ledger.changing_weights():  # reload_weights, update_weights_from_ipc, ...
+            answer = self._post("/collective_rpc", body, timeout=self._weights_timeout(timeout))
         self._checked("/collective_rpc", answer)
         return answer.get("results") if isinstance(answer, Mapping) else answer
 
@@ -547,15 +573,15 @@ class VLLMClient(HttpEngineClient):
     def update_weight_version(self, new_version: str, *, timeout: float | None = None) -> None:
         """POST ``/update_weight_version`` {new_version}: the label the engine reports. On a
         release without it (0.26) the label this client keeps and reports: nothing sent."""
-        self._ledger.changing_weights()
-        if not self.server_dialect(timeout=timeout).weight_version_routes:
-            self._label = str(new_version)
-            return
-        self._post_checked(
-            "/update_weight_version",
-            {"new_version": str(new_version)},
-            timeout=self._weights_timeout(timeout),
-        )
+        with self._ledger.changing_weights():
+            if not self.server_dialect(timeout=timeout).weight_version_routes:
+                self._label = str(new_version)
+                return
+            self._post_checked(
+                "/update_weight_version",
+                {"new_version": str(new_version)},
+                timeout=self._weights_timeout(timeout),
+            )
 
     def update_weights_from_disk(
         self,
@@ -733,17 +759,17 @@ class VLLMClient(HttpEngineClient):
         with self._update_lock:
             opened, self._update_open = not self._update_open, True
             update_info.update(self._packing)  # 0.26: packing travels with each call
-        self._ledger.changing_weights()
-        if opened:
-            self._forget_label()
-        try:
+        with self._ledger.changing_weights():
             if opened:
-                self._post_checked("/start_weight_update", None, timeout=wt)
-            body = {"update_info": update_info}
-            message = self._post_checked("/update_weights", body, timeout=wt)
-        except BaseException:
-            self._leave_update(wt, None, quiet=True)
-            raise
+                self._forget_label()
+            try:
+                if opened:
+                    self._post_checked("/start_weight_update", None, timeout=wt)
+                body = {"update_info": update_info}
+                message = self._post_checked("/update_weights", body, timeout=wt)
+            except BaseException:
+                self._leave_update(wt, None, quiet=True)
+                raise
         if weight_version is not None:
             self._leave_update(wt, str(weight_version), quiet=False)
             if flush_cache:
@@ -759,15 +785,15 @@ class VLLMClient(HttpEngineClient):
         body: dict[str, Any] | None = {} if version is None else {"weight_version": version}
         if not dialect.finish_takes_version:
             body = None  # 0.26: no body; the version is this client's label
-        self._ledger.changing_weights()
-        try:
-            self._post_checked("/finish_weight_update", body, timeout=timeout)
-        except EngineError:
-            if not quiet:
-                raise
-            return
-        if version is not None and not dialect.weight_version_routes:
-            self._label = version
+        with self._ledger.changing_weights():
+            try:
+                self._post_checked("/finish_weight_update", body, timeout=timeout)
+            except EngineError:
+                if not quiet:
+                    raise
+                return
+            if version is not None and not dialect.weight_version_routes:
+                self._label = version
 
     def _forget_label(self) -> None:
         """The weights are about to change: until a version is set again the client's label

@@ -59,18 +59,38 @@ and the read stands for one made before the request only when the mark is unchan
 read is in. Then the version held from that mark to the read: a request sent before the read
 ran on it, one sent after is covered by the comparison after the answer as above. When the
 mark moved during the read, nothing is trusted: no version, ``weight_version_exact=False``.
+
+Remembered versions (0.32): most requests need no read at all. The ledger's *steady stretch*
+(:class:`Steady`) is a stretch with no pause held and no weight change of this client in
+flight; it ends when a pause, a resume or a weight change begins or ends. Within one, by the
+same premise, the weights and their label do not change; so a version read whose stretch is
+the same when the read began and when its answer came in is the version of the whole stretch
+(:meth:`PauseLedger.learned`), and a request that starts in that stretch takes it as its read
+before (:meth:`PauseLedger.start`), checked after the answer exactly as a read would be. The
+first request after each sync (and after any other change) reads again. A label or weights
+changed behind the client's back (another process posting ``/update_weight_version``) is seen
+at the client's next pause, resume or weight change, or after ``VLLMClient.forget_version``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
 from rollsafe.adapters.engines.contract import PINNED_VERSIONS, load_contract
 
-__all__ = ["PauseLedger", "VLLMDialect", "VersionSteps", "read_version_holds", "run_steps"]
+__all__ = [
+    "PauseLedger",
+    "Start",
+    "Steady",
+    "VLLMDialect",
+    "VersionSteps",
+    "read_version_holds",
+    "run_steps",
+]
 
 #: vLLM ``/pause`` modes in which 0.33 answers new requests with 503 (``keep`` queues them)
 REFUSING_MODES = frozenset({"abort", "wait"})
@@ -183,8 +203,25 @@ def run_steps(steps: VersionSteps[_T], read: Callable[[], str | None]) -> _T:
         return result
 
 
+#: a steady stretch of the ledger (no pause held, no weight change in flight): its counters
+Steady = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Start:
+    """The ledger as a request starts (:meth:`PauseLedger.start`): its mark, its steady stretch
+    (None while paused or while a weight change is in flight), and the version remembered for
+    that stretch (``known``; ``version`` may be None: the engine reported none)."""
+
+    mark: Mark
+    steady: Steady | None
+    known: bool = False
+    version: str | None = None
+
+
 class PauseLedger:
-    """This client's pauses, resumes and weight changes of its engine (thread-safe)."""
+    """This client's pauses, resumes and weight changes of its engine (thread-safe), and the
+    version read in the current steady stretch (see the module: *Remembered versions*)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -192,6 +229,9 @@ class PauseLedger:
         self._pauses = 0
         self._resumes = 0
         self._unpaused_changes = 0
+        self._in_flight = 0
+        self._settled = 0
+        self._known: tuple[Steady, str | None] | None = None
 
     @property
     def mode(self) -> str | None:
@@ -200,7 +240,36 @@ class PauseLedger:
 
     def mark(self) -> Mark:
         with self._lock:
-            return Mark(self._pauses, self._resumes, self._unpaused_changes, self._mode is not None)
+            return self._mark()
+
+    def _mark(self) -> Mark:
+        return Mark(self._pauses, self._resumes, self._unpaused_changes, self._mode is not None)
+
+    def _steady(self) -> Steady | None:
+        if self._mode is not None or self._in_flight:
+            return None
+        return (self._pauses, self._resumes, self._unpaused_changes, self._settled)
+
+    def start(self) -> Start:
+        """The mark, the steady stretch and the version remembered for it, read at once."""
+        with self._lock:
+            steady, known = self._steady(), self._known
+            if steady is not None and known is not None and known[0] == steady:
+                return Start(self._mark(), steady, True, known[1])
+            return Start(self._mark(), steady)
+
+    def learned(self, since: Steady | None, version: str | None) -> None:
+        """Remember ``version``, read from the engine after ``since`` was taken, for the steady
+        stretch ``since`` when the ledger is still in it (no pause, resume or weight change
+        began or ended during the read)."""
+        with self._lock:
+            if since is not None and self._steady() == since:
+                self._known = (since, version)
+
+    def forget(self) -> None:
+        """Drop the remembered version (the next request reads it again)."""
+        with self._lock:
+            self._known = None
 
     def refusing_mode(self) -> str | None:
         """The mode when new requests must be refused (0.33 would answer 503), else None."""
@@ -220,8 +289,18 @@ class PauseLedger:
                 self._mode = None
                 self._resumes += 1
 
-    def changing_weights(self) -> None:
-        """Called before a request that may change the weights or their version label."""
+    @contextlib.contextmanager
+    def changing_weights(self) -> Iterator[None]:
+        """Around a request that may change the weights or their version label: the mark
+        moves as it begins (when not paused), and no version is remembered from then until
+        it has ended."""
         with self._lock:
             if self._mode is None:
                 self._unpaused_changes += 1
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._settled += 1
