@@ -165,6 +165,38 @@ def test_a_root_qdisc_that_is_not_the_black_holes_is_refused_and_kept() -> None:
 
 
 @needs_root_tools
+def test_a_holder_killed_outright_leaves_no_port_black_holed() -> None:
+    """The holder is SIGKILLed with the port blocked (no atexit, no close): its warden lifts
+    the block and removes the qdisc, and exits."""
+    seen = _in_own_netns(
+        """
+        import os, signal
+        port = echo_server()
+        holder = subprocess.Popen(
+            [sys.executable, "-c",
+             "import sys, time; sys.path.insert(0, %r); import blackhole; "
+             "h = blackhole.Blackhole('tc'); h.block(%d); print(h._warden.pid, flush=True); "
+             "time.sleep(600)" % (PARTS, port)],
+            stdout=subprocess.PIPE, text=True)
+        warden = int(holder.stdout.readline())
+        seen["during"] = [connects(port), root_qdisc()]
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not connects(port, 0.5):
+            time.sleep(0.1)
+        seen["after"] = [connects(port), root_qdisc()]
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{warden}"):
+            time.sleep(0.1)
+        seen["warden_left"] = os.path.exists(f"/proc/{warden}")
+        """
+    )
+    assert seen["during"] == [False, "htb"]
+    assert seen["after"] == [True, "noqueue"]
+    assert seen["warden_left"] is False
+
+
+@needs_root_tools
 def test_the_way_chosen_here_is_named_and_works() -> None:
     seen = _in_own_netns(
         """

@@ -19,6 +19,11 @@ touched. It does so the first way that works here (both need root):
   their changes and the last port unblocked removes it, leaving ``lo`` as it was. A root qdisc
   on ``lo`` that is not this one is never replaced: blocking refuses, naming it.
 
+A process killed outright (``SIGKILL``, a test's timeout) runs no cleanup: its *warden*, a
+process of its own session started with the first block, learns each port over a pipe and, when
+the pipe ends without the owner's goodbye, lifts what is still blocked, so no port of the machine
+stays black-holed after a killed soak.
+
 :func:`available` says whether either way works here; when neither does, the soak lists
 ``port_blackhole`` as not injectable with why.
 """
@@ -31,6 +36,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -112,9 +118,9 @@ def available() -> str | None:
 
 
 class _Iptables:
-    def __init__(self) -> None:
-        self.chain = f"RSSOAK{os.getpid()}"
-        self._made = False
+    def __init__(self, chain: str | None = None) -> None:
+        self.chain = chain or f"RSSOAK{os.getpid()}"
+        self._made = chain is not None  # a warden's: its owner made it
 
     def block(self, port: int) -> None:
         if not self._made:
@@ -190,6 +196,7 @@ class Blackhole:
 
     ``how``: ``"iptables"`` or ``"tc"``; None takes the first that works here (``OSError``
     naming why when none does). :meth:`close` (also run at interpreter exit) unblocks all.
+    What a process killed outright left blocked, its warden lifts (:func:`_warden`).
     """
 
     def __init__(self, how: str | None = None) -> None:
@@ -203,14 +210,32 @@ class Blackhole:
         self._way: _Iptables | _Tc = _Iptables() if how == "iptables" else _Tc()
         self._lock = threading.Lock()
         self._ports: set[int] = set()
+        self._warden: subprocess.Popen[str] | None = None
         atexit.register(self.close)
+
+    def _tell(self, line: str) -> None:
+        if self._warden is None:
+            chain = self._way.chain if isinstance(self._way, _Iptables) else "-"
+            self._warden = subprocess.Popen(
+                [sys.executable, __file__, "--warden", self.how, chain],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,  # a kill of this process group misses it
+            )
+        assert self._warden.stdin is not None
+        self._warden.stdin.write(line + "\n")
+        self._warden.stdin.flush()
 
     def block(self, port: int) -> None:
         with self._lock:
+            self._tell(f"+{port}")  # first: a kill right after the block is still lifted
             try:
                 self._way.block(port)
             except OSError:
                 self._way.unblock(port)  # nothing half-made stays
+                self._tell(f"-{port}")
                 raise
             self._ports.add(port)
 
@@ -220,6 +245,7 @@ class Blackhole:
                 return
             self._way.unblock(port)
             self._ports.discard(port)
+            self._tell(f"-{port}")
 
     @property
     def blocked(self) -> set[int]:
@@ -232,3 +258,35 @@ class Blackhole:
                 self._way.unblock(port)
             self._ports.clear()
             self._way.close()
+            warden, self._warden = self._warden, None
+            if warden is not None and warden.stdin is not None:
+                with contextlib.suppress(OSError):
+                    warden.stdin.write(".\n")  # all lifted: nothing for it to do
+                    warden.stdin.close()
+                warden.wait(timeout=60)
+
+
+def _warden(how: str, chain: str) -> None:
+    """A black hole's warden, a process of its own session: its owner tells it each port it
+    blocks (``+PORT``) and lifts (``-PORT``) on its stdin, and ``.`` once it closed. When the
+    pipe ends without ``.`` (the owner was killed: the kernel closed its end), the warden lifts
+    what is still blocked (and the owner's iptables chain), so a killed soak leaves no port of
+    the machine black-holed."""
+    ports: set[int] = set()
+    for line in sys.stdin:
+        line = line.strip()
+        if line == ".":
+            return
+        if line[:1] in ("+", "-") and line[1:].isdigit():
+            (ports.add if line[0] == "+" else ports.discard)(int(line[1:]))
+    way: _Iptables | _Tc = _Iptables(chain) if how == "iptables" else _Tc()
+    for port in sorted(ports):
+        way.unblock(port)
+    way.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--warden":
+        _warden(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: blackhole.py --warden iptables|tc CHAIN (run by Blackhole)")
