@@ -78,14 +78,25 @@ def _iptables_problem() -> str | None:
     return None
 
 
-#: the tc way, end to end, on a scratch network namespace's ``lo`` (the machine's is untouched)
-_TC_PROBE = (
-    f"tc qdisc add dev lo root handle {TC_HANDLE} htb"
-    f" && tc class add dev lo parent {TC_HANDLE} classid {TC_CLASS} htb rate 1mbit"
-    f" && tc qdisc add dev lo parent {TC_CLASS} pfifo limit 0"
-    f" && tc filter add dev lo parent {TC_HANDLE} protocol ip pref 1 u32"
-    f" match ip protocol 6 0xff match ip dport 1 0xffff flowid {TC_CLASS}"
+#: the qdisc and its dropping class, made by the first block (``tc`` commands)
+_TC_SETUP = (
+    f"qdisc add dev lo root handle {TC_HANDLE} htb",
+    f"class add dev lo parent {TC_HANDLE} classid {TC_CLASS} htb rate 1mbit",
+    f"qdisc add dev lo parent {TC_CLASS} pfifo limit 0",
 )
+
+
+def _tc_filter(port: int, field: str) -> str:
+    """The ``tc`` command sending TCP packets whose ``field`` (dport, sport) is ``port`` to
+    the dropping class (preference: the port, so one ``filter del`` removes both)."""
+    return (
+        f"filter add dev lo parent {TC_HANDLE} protocol ip pref {port} u32"
+        f" match ip protocol 6 0xff match ip {field} {port} 0xffff flowid {TC_CLASS}"
+    )
+
+
+#: the tc way, end to end, on a scratch network namespace's ``lo`` (the machine's is untouched)
+_TC_PROBE = " && ".join(f"tc {c}" for c in (*_TC_SETUP, _tc_filter(1, "dport")))
 
 
 def _tc_problem() -> str | None:
@@ -165,20 +176,10 @@ class _Tc:
                         f"lo has a root qdisc that is not the black hole's ({line!r}); "
                         "not replacing it"
                     )
-                for made in (
-                    f"qdisc add dev lo root handle {TC_HANDLE} htb",
-                    f"class add dev lo parent {TC_HANDLE} classid {TC_CLASS} htb rate 1mbit",
-                    f"qdisc add dev lo parent {TC_CLASS} pfifo limit 0",
-                ):
+                for made in _TC_SETUP:
                     _checked(_tc(made))
             for field in ("dport", "sport"):
-                _checked(
-                    _tc(
-                        f"filter add dev lo parent {TC_HANDLE} protocol ip pref {port} u32"
-                        f" match ip protocol 6 0xff match ip {field} {port} 0xffff"
-                        f" flowid {TC_CLASS}"
-                    )
-                )
+                _checked(_tc(_tc_filter(port, field)))
 
     def unblock(self, port: int) -> None:
         with _tc_lock():
