@@ -522,3 +522,28 @@ def test_profile_in_process_gives_a_cost_per_request_and_per_token(tmp_path: Pat
     for r in rows:
         assert r["us_per_req_1_tokens"] > 0 and r["us_per_req_4_tokens"] > 0
         assert set(r) >= {"us_fixed", "us_per_token"}
+
+
+def test_profile_idle_against_another_tree_reports_cpu_a_second(tmp_path: Path) -> None:
+    """``--workloads idle --against TREE``: both gateways measured without a request, a CPU
+    figure a second for each and their ratio (the same tree twice here: the shape only)."""
+    out = tmp_path / "idle.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = ROOT / "benchmarks" / "gateway" / "profile_gateway.py"
+    args = ["--workloads", "idle", "--against", str(ROOT), "--rounds", "1"]
+    args += ["--duration", "1", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["workloads"]
+    assert row["workload"] == "idle" and row["rounds"] == 1
+    for side in ("this", "against"):
+        assert set(row[side]) == {"tree", "failed", "cpu_ms_per_s"}
+        assert row[side]["cpu_ms_per_s"]["median"] >= 0 and row[side]["failed"] == 0
+    assert "cpu_per_s_ratio" in row

@@ -234,6 +234,145 @@ def test_default_probe_uses_the_groups_clients() -> None:
     hm.stop()
 
 
+# ---------------------------------------------------------------------- HTTP clients on the loop
+class HealthServer:
+    """A bare HTTP/1.1 server on a thread of its own answering ``GET /health`` (keep-alive):
+    ``mode`` "ok" (200), "down" (503) or "hang" (reads the request, never answers). It counts
+    the connections it accepted and keeps every request head it read."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.connections = 0
+        self.heads: list[str] = []
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self._thread.start()
+        assert started.wait(WAIT_S)
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        self._server = server
+        started.set()
+        self._loop.run_forever()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head.decode("latin-1"))
+                if self.mode == "hang":
+                    await asyncio.sleep(3600)
+                status = b"200 OK" if self.mode == "ok" else b"503 Service Unavailable"
+                writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        async def shut() -> None:
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(WAIT_S)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(WAIT_S)
+        self._loop.close()
+
+
+def _http_group(reg: FleetRegistry, gid: str, rank: int, client: object) -> None:
+    reg.add_group(gid, [rank], clients=[client])
+    reg.report_member(gid, rank, healthy=True, weights_version=reg.fleet_version)
+    reg.send(gid, "launched")
+
+
+def _probe_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if "-probe-" in t.name]
+
+
+def test_the_default_probe_of_http_clients_runs_on_the_loop_over_one_connection() -> None:
+    """SGLang and vLLM clients are probed from the probe loop: no thread per probe, one
+    keep-alive connection per engine across rounds, the API key sent; a 503 and an engine that
+    never answers fail their group as the blocking probe does."""
+    from rollsafe.adapters.engines import VLLMClient
+
+    servers = {gid: HealthServer() for gid in ("s", "v")}
+    reg = FleetRegistry(fleet_version=0)
+    clients = {
+        "s": SGLangClient(servers["s"].url, api_key="k-s"),
+        "v": VLLMClient(servers["v"].url, api_key="k-v"),
+    }
+    for rank, gid in enumerate(("s", "v")):
+        _http_group(reg, gid, rank, clients[gid])
+    failures: queue.Queue[GroupFailure] = queue.Queue()
+    hm = HealthManager(reg, None, 0.05, 0.5, 2, on_group_failed=failures.put)
+    try:
+        with hm:
+            assert wait_for(lambda: hm.rounds >= 5, WAIT_S)
+            assert _probe_threads() == [] and hm.stats()["probe_threads"] == 0
+            for gid, server in servers.items():
+                assert server.connections == 1  # kept alive across the rounds
+                assert len(server.heads) >= 5
+                assert all(h.startswith("GET /health HTTP/1.1") for h in server.heads)
+                assert f"authorization: bearer k-{gid}" in server.heads[0].lower()
+            assert reg.get("s").state == reg.get("v").state == "active"
+            servers["s"].mode = "down"
+            failure = failures.get(timeout=WAIT_S)
+            assert failure.group_id == "s" and reg.get("s").state == "inactive"
+            assert "503" in failure.reason
+            servers["v"].mode = "hang"
+            failure = failures.get(timeout=WAIT_S)
+            assert failure.group_id == "v" and reg.get("v").state == "inactive"
+            assert _probe_threads() == []
+    finally:
+        hm.stop()
+        for c in clients.values():
+            c.close()
+        for server in servers.values():
+            server.close()
+
+
+def test_a_client_overriding_health_and_an_offline_round_use_the_blocking_probe() -> None:
+    """Only the clients' own ``GET /health`` moves onto the loop: a subclass with its own
+    ``health`` is still called (on a probe thread), and ``check_now`` without the loop running
+    probes through the blocking clients."""
+    server = HealthServer()
+    calls: list[str] = []
+
+    class Audited(SGLangClient):
+        def health(self, *, timeout: float | None = None, retry: bool = True) -> None:
+            calls.append(threading.current_thread().name)
+            super().health(timeout=timeout, retry=retry)
+
+    reg = FleetRegistry(fleet_version=0)
+    audited, plain = Audited(server.url), SGLangClient(server.url)
+    _http_group(reg, "a", 0, audited)
+    _http_group(reg, "p", 1, plain)
+    hm = HealthManager(reg, None, 0.05, 1.0, 2)
+    try:
+        offline = hm.check_now()
+        assert offline.healthy == 2 and calls and "-probe-a" in calls[-1]
+        heads = len(server.heads)
+        with hm:
+            assert wait_for(lambda: len(calls) >= 3, WAIT_S)
+            assert all("-probe-a" in name for name in calls)
+            assert wait_for(lambda: len(server.heads) >= heads + 6, WAIT_S)
+        assert reg.get("a").state == reg.get("p").state == "active"
+    finally:
+        hm.stop()
+        audited.close()
+        plain.close()
+        server.close()
+
+
 # ---------------------------------------------------------------------- pause / resume / wake
 def test_pause_applies_nothing_and_resume_starts_counting_afresh() -> None:
     reg, _ = make_fleet((1,))

@@ -31,6 +31,10 @@ gateway and of the gateway of another checkout of rollsafe at ``TREE`` (e.g. ``g
 /tmp/before <commit>``), interleaved in each of ``N`` rounds, on the same stubs; medians and p95
 of the rounds, and the ratio of the medians of CPU per request (this / TREE).
 
+``--workloads idle``: no requests; the gateway process's CPU a second while it waits for them
+(its health probes, timers and housekeeping), over ``--duration`` s after it is up; with
+``--against`` too.
+
 ``--reference sglang|vllm``: two reference engines of that dialect (the tiny model; the gateway
 with the model's tokenizer and clients of that dialect) instead of the stubs, for the plain,
 sampled and ``--against`` runs: what a token costs when events come one at a time, at an
@@ -78,6 +82,8 @@ import fronts as F  # noqa: E402
 import loadgen as L  # noqa: E402
 
 LOOP_THREAD = "rollsafe-dataplane"
+#: the workload without requests (see the module)
+IDLE = "idle"
 _PY_FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*\.py):\d+\)$")
 _THREAD = re.compile(r"^thread \((?P<tid>\d+)\): (?P<name>.*)$")
 #: innermost native frames of a loop thread waiting for events (not running)
@@ -90,8 +96,14 @@ _WRITE_LEAVES = ("write (", "writev (", "sendmsg (", "send (")
 def drive(
     front: F.Front, workload: str, args: argparse.Namespace, during: Any = None
 ) -> dict[str, Any]:
-    """One closed-loop run through ``front`` (``during()`` started with the measuring)."""
+    """One closed-loop run through ``front`` (``during()`` started with the measuring); for
+    the ``idle`` workload, ``--duration`` s without a request."""
     pids = front.pids
+    if workload == IDLE:
+        cpu0, t0 = F.cpu_seconds(pids), time.monotonic()
+        time.sleep(args.duration)
+        per_s = (F.cpu_seconds(pids) - cpu0) / (time.monotonic() - t0)
+        return {"cpu_ms_per_s": round(per_s * 1e3, 2), "failed": 0}
     cpu0 = F.cpu_seconds(pids)
     threads0 = thread_cpu(front.proc.pid) if front.proc is not None else {}
     started: dict[str, Any] = {}
@@ -486,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                 other.start([e.url for e in engines])
                 try:
                     for w in args.workloads.split(","):
-                        if L.WORKLOADS[w][0] in other.apis:
+                        if w == IDLE or L.WORKLOADS[w][0] in other.apis:
                             r = drive(other, w, args)
                             r.pop("started", None)
                             r.pop("thread_cpu_us_per_req", None)
@@ -499,6 +511,14 @@ def main(argv: list[str] | None = None) -> int:
                 if args.reference:
                     front.dialect, front.model_path = args.reference, model
                 front.start([e.url for e in engines])
+                if w == IDLE:
+                    try:
+                        idle = drive(front, w, args)
+                    finally:
+                        front.stop()
+                    print(f"gateway idle: {idle}")
+                    reports.append({"workload": w, "plain": idle})
+                    continue
                 try:
                     plain = drive(front, w, args)
                     spied = shares = None
@@ -570,12 +590,20 @@ def against(
         row: dict[str, Any] = {"workload": w, "rounds": args.rounds}
         for name, root in trees.items():
             xs = runs[(w, name)]
-            row[name] = {
-                "tree": str(root),
-                "req_per_s": _median_p95([x["req_per_s"] for x in xs]),
-                "cpu_us_per_req": _median_p95([x["cpu_us_per_req"] for x in xs]),
-                "failed": sum(int(x["failed"]) for x in xs),
-            }
+            row[name] = {"tree": str(root), "failed": sum(int(x["failed"]) for x in xs)}
+            for key in ("req_per_s", "cpu_us_per_req", "cpu_ms_per_s"):
+                if key in xs[0]:
+                    row[name][key] = _median_p95([x[key] for x in xs])
+        if w == IDLE:
+            this, other = row["this"]["cpu_ms_per_s"], row["against"]["cpu_ms_per_s"]
+            ratio = this["median"] / other["median"] if other["median"] else None
+            row["cpu_per_s_ratio"] = None if ratio is None else round(ratio, 3)
+            reports.append(row)
+            print(
+                f"{w}: CPU {this['median']} (p95 {this['p95']}) vs {other['median']} "
+                f"(p95 {other['p95']}) ms/s = {row['cpu_per_s_ratio']}x (CPU time in clock ticks)"
+            )
+            continue
         this, other = row["this"]["cpu_us_per_req"], row["against"]["cpu_us_per_req"]
         row["cpu_per_req_ratio"] = round(this["median"] / other["median"], 3)
         reports.append(row)

@@ -584,6 +584,13 @@ class _HttpEngine:
         if self._client.http.closed:
             raise EngineUnavailable(self._url, path, "client is closed", request_sent=False)
 
+    async def health(self, timeout: float | None = None) -> None:
+        """``GET /health`` once, never sent again (the blocking client's ``health(retry=False)``:
+        a health manager's failure threshold is its retry); raises unless it answers 2xx."""
+        self._ready("/health")
+        limit = self._client.health_timeout if timeout is None else timeout
+        await self._http.request("GET", self._url, "/health", headers=self._auth, timeout=limit)
+
     async def _dialect(self, known: Callable[[], _D | None], ask: Callable[[], _D]) -> _D:
         """The server's dialect, not known yet: the blocking client's ``server_dialect()`` in a
         thread, one caller at a time (the others find it known)."""
