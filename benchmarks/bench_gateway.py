@@ -20,7 +20,9 @@ time, the fronts back to back, their order reversed every other repeat: ``round_
 3. ``latency``: open loop at ``--latency-frac`` of the slowest front's saturation rate:
    p50/p99 and what each adds over direct, timed in the same run (every other request of a
    front's run goes direct: the machine's speed, which drifts between runs, is then the same
-   for both; ``summarize_latency``);
+   for both; ``summarize_latency``); ``--latency-duration`` s a run on the stubs,
+   ``--reference-latency-duration`` (15) on the reference engines, where 3 s gave each side ~40
+   requests of 13 to 27 ms and the routers' own added p50 moved by 3 ms between runs;
 4. ``worker_api`` (routers): add a worker and remove one through the router's own API under
    load; how long until the added one gets traffic and the removed one stops getting it;
 5. ``open_streams``: ``--streams`` streams held open through the front (stubs that send a
@@ -91,6 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=16, help="tokens per request")
     p.add_argument("--latency-frac", type=float, default=0.25)
     p.add_argument("--latency-duration", type=float, default=3.0)
+    # the reference engines serve 60 to 130 requests a second, 13 to 27 ms each: 3 s at a
+    # quarter of that is ~40 requests a side, whose median moved by 3 ms between runs
+    p.add_argument(
+        "--reference-latency-duration",
+        type=float,
+        default=15.0,
+        help="seconds per latency run on the reference engines",
+    )
     # 9,900, not 10,000: a front holds each stream twice (client side and engine side) and this
     # machine's hard limit on open files per process is 20,000 (RLIMIT_NOFILE, not raisable)
     p.add_argument("--streams", type=int, default=9_900)
@@ -123,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if min(args.concurrency_list) < 1:
         p.error("--concurrency values must be >= 1")
+    if args.latency_duration <= 0 or args.reference_latency_duration <= 0:
+        p.error("--latency-duration and --reference-latency-duration must be > 0")
     if not 0 < args.latency_frac <= 1:
         p.error("--latency-frac must be in (0, 1]")
     if not 0 < args.crash_at < args.crash_duration:
@@ -990,7 +1002,9 @@ def reference(
                 for x in usable:
                     x.apis = (api,)
                 try:
-                    throughput_and_latency(usable, engines, args, res)
+                    longer = argparse.Namespace(**vars(args))
+                    longer.latency_duration = args.reference_latency_duration
+                    throughput_and_latency(usable, engines, longer, res)
                 finally:
                     for x, a in zip(usable, saved, strict=True):
                         x.apis = a

@@ -166,6 +166,7 @@ def test_arguments(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> Non
     args = bench.parse_args([])
     assert args.front_names[:4] == ["direct", "sglang-router", "vllm-router", "gateway"]
     assert args.engine_kinds == ["stub", "reference"] and args.streams == 9_900
+    assert (args.latency_duration, args.reference_latency_duration) == (3.0, 15.0)
     assert args.out == str(ROOT / "benchmarks" / "results" / "gateway_cpu.json")
     smoke = bench.parse_args(["--smoke"])
     assert smoke.engine_kinds == ["stub"] and smoke.streams <= 200
@@ -177,6 +178,7 @@ def test_arguments(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> Non
         (["--crash-at", "20"], "--crash-at"),
         (["--concurrency", "8,x"], "--concurrency"),
         (["--streams", "0"], "--streams must be >= 1"),
+        (["--reference-latency-duration", "0"], "--reference-latency-duration must be > 0"),
     ):
         with pytest.raises(SystemExit) as exc:
             bench.parse_args(argv)
