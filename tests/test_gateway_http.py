@@ -35,6 +35,7 @@ from rollsafe.errors import InvalidArgument
 from rollsafe.event_loop import new_event_loop
 from rollsafe.gateway.http import (
     HttpServer,
+    LastChunk,
     Request,
     Response,
     ServerLimits,
@@ -197,6 +198,27 @@ class App:
                 self.stream_closed.set()
 
         return StreamResponse(chunks(), content_type="application/octet-stream")
+
+    async def r_last(self, req: Request) -> StreamResponse:
+        """Two events, the second a :class:`LastChunk` with ``[DONE]``; never read past it."""
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                yield b"data: one\n\n"
+                yield LastChunk(b"data: two\n\ndata: [DONE]\n\n")
+                self.produced += 1  # never: the server stops at the last chunk
+                yield b"data: never\n\n"
+            finally:
+                self.stream_closed.set()
+
+        return StreamResponse(events())
+
+    async def r_break_first(self, req: Request) -> StreamResponse:
+        async def events() -> AsyncIterator[bytes]:
+            raise RuntimeError("the producer broke before its first chunk")
+            yield b""  # pragma: no cover - makes this an async generator
+
+        return StreamResponse(events())
 
     async def r_stream_break(self, req: Request) -> StreamResponse:
         async def events() -> AsyncIterator[bytes]:
@@ -642,6 +664,58 @@ def test_stream_that_breaks_is_cut_not_ended(serve: Callable[..., Served]) -> No
             for _ in r.iter_bytes():
                 pass
         assert client.get("/echo").status_code == 200  # the server goes on
+    s.wait_for(lambda: s.stats()["handler_errors"] == 1)
+
+
+def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every write the server's connections make, in order."""
+    import rollsafe.gateway.http as http_module
+
+    writes: list[bytes] = []
+    write = http_module._Connection.write
+
+    def counted(self: Any, data: bytes) -> None:
+        writes.append(bytes(data))
+        write(self, data)
+
+    monkeypatch.setattr(http_module._Connection, "write", counted)
+    return writes
+
+
+def test_a_stream_is_written_head_with_first_chunk_and_end_with_last(
+    serve: Callable[..., Served], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head goes out with the first chunk and a LastChunk with the body's end, one write
+    each; nothing is read from the producer after its last chunk, its ``finally`` runs, and
+    the connection stays open."""
+    app = App()
+    s = serve(app=app)
+    writes = _count_writes(monkeypatch)
+    raw = RawClient(s.port)
+    raw.send(get("/last"))
+    answer = raw.answer()
+    assert answer.status == 200 and answer.body == b"data: one\n\ndata: two\n\ndata: [DONE]\n\n"
+    assert len(writes) == 2
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(b"data: one\n\n\r\n")
+    assert writes[1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert app.stream_closed.wait(10) and app.produced == 0
+    raw.send(get("/sse?n=2"))  # the same connection; a stream without a LastChunk
+    assert raw.answer().body.endswith(b"data: [DONE]\n\n")
+    assert writes[2].startswith(b"HTTP/1.1 200 OK\r\n") and b": a comment" in writes[2]
+    assert writes[-1] == b"0\r\n\r\n" and len(writes) == 2 + 5  # head+comment, 2, DONE, end
+    raw.close()
+
+
+def test_a_stream_that_breaks_before_its_first_chunk_sends_its_head_then_cuts(
+    serve: Callable[..., Served],
+) -> None:
+    s = serve()
+    raw = RawClient(s.port)
+    raw.send(get("/break-first"))
+    data = raw.read_until_eof()
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked" in data
+    assert not data.endswith(b"0\r\n\r\n")  # no end of body: the client sees it cut
+    raw.close()
     s.wait_for(lambda: s.stats()["handler_errors"] == 1)
 
 

@@ -41,7 +41,14 @@ from rollsafe.fleet.dataplane import DataPlane
 from rollsafe.fleet.provenance import TokenChunk
 from rollsafe.fleet.router import NoRoutableGroup, RequestFailed
 from rollsafe.gateway import openai_api, sglang_api
-from rollsafe.gateway.http import HttpServer, Request, Response, ServerLimits, StreamResponse
+from rollsafe.gateway.http import (
+    HttpServer,
+    LastChunk,
+    Request,
+    Response,
+    ServerLimits,
+    StreamResponse,
+)
 from rollsafe.gateway.output import ChoiceOutput
 from rollsafe.gateway.requests import GenRequest, InvalidRequest, ProtocolLimits
 from rollsafe.gateway.sessions import SessionStore
@@ -407,12 +414,15 @@ class Gateway:
                         kept.append(chunk)
                         ends[index] = ends.get(index, 0) + len(chunk.token_ids)
                         data = streamer.chunk(index, chunk)
-                        if data:
-                            yield data
                         if streamer.stopped_early(index):
                             await choices.close(index)  # ends its engine request
+                        if streamer.all_finished:  # the end goes with the last event
+                            yield LastChunk(data + streamer.end())
+                            return
+                        if data:
+                            yield data
                     item = await choices.next()
-                yield streamer.end()
+                yield LastChunk(streamer.end())
             finally:
                 self.counters.in_flight -= 1
                 await choices.aclose()

@@ -27,7 +27,9 @@ Protocol
 * :class:`Response`: ``content-length``; 204 and 304 carry no body. :class:`StreamResponse`:
   chunked transfer encoding (to an HTTP/1.0 client: the raw bytes, then the connection is
   closed); ``text/event-stream`` adds ``cache-control: no-cache`` and ``x-accel-buffering: no``.
-  Empty chunks are skipped (an empty chunk would end the body).
+  Empty chunks are skipped (an empty chunk would end the body). The head goes out with the
+  first chunk, and a :class:`LastChunk` with the body's end, in one write each: a short stream
+  is one or two writes to the socket, not one per piece (head, events, ``[DONE]``, end).
 * Every answer has a ``date`` header; error bodies are OpenAI-shaped JSON:
   ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the limit.
 * An upgrade request (``Upgrade: h2c``, ``websocket``) is answered as plain HTTP/1.1 and the
@@ -122,6 +124,7 @@ from rollsafe.text import bound_text
 __all__ = [
     "Handler",
     "HttpServer",
+    "LastChunk",
     "Request",
     "Response",
     "ServerLimits",
@@ -399,10 +402,19 @@ class Response:
         return f"Response({self.status}, {len(self.body)} bytes, {self.content_type!r})"
 
 
+class LastChunk(bytes):
+    """The last bytes of a :class:`StreamResponse`: sent with the body's end in one write;
+    the server reads no further and closes the iterator (its ``finally`` runs)."""
+
+    __slots__ = ()
+
+
 class StreamResponse:
     """An answer sent as it is produced: each non-empty bytes of ``chunks`` as one chunk of a
-    chunked body, the producer read only as fast as the client takes them. The server
-    ``aclose()``-s the iterator when it ends, fails or the client goes away."""
+    chunked body, the producer read only as fast as the client takes them. The head is sent
+    with the first chunk (a producer that has none yet delays it); a :class:`LastChunk` ends
+    the body. The server ``aclose()``-s the iterator when it ends, fails or the client goes
+    away."""
 
     __slots__ = ("_ctype", "_extra", "chunks", "content_type", "headers", "status")
 
@@ -1094,14 +1106,26 @@ class _Connection(asyncio.Protocol):
                 chunked=chunked,
             )
             self.count(response.status)
-            self.write(head)
             if request.method == "HEAD":
+                self.write(head)
                 return keep_alive
+            pending = head  # sent with the first chunk
             try:
                 async for chunk in iterator:
-                    if not chunk:
+                    last = type(chunk) is LastChunk
+                    if not chunk and not last:
                         continue
-                    self.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+                    if chunked:
+                        data = b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunk else b""
+                        if last:
+                            data += b"0\r\n\r\n"
+                    else:
+                        data = chunk
+                    if pending:
+                        data, pending = pending + data, b""
+                    self.write(data)
+                    if last:
+                        return keep_alive
                     if self.write_paused:
                         await self.drain()
             except (asyncio.CancelledError, _ClientGone):
@@ -1109,10 +1133,12 @@ class _Connection(asyncio.Protocol):
             except Exception as exc:
                 self.stats.handler_errors += 1
                 log.error("gateway stream of %r broke after its head", request, exc_info=exc)
+                if pending:
+                    self.write(pending)
                 self.close_transport()  # no last chunk: the client sees a cut body
                 return False
-            if chunked:
-                self.write(b"0\r\n\r\n")
+            if chunked or pending:
+                self.write(pending + b"0\r\n\r\n" if chunked else pending)
             return keep_alive
         finally:
             aclose = getattr(iterator, "aclose", None)

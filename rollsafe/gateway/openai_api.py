@@ -977,7 +977,8 @@ class Streamer:
     :meth:`start` gives the opening events (chat: one role chunk per choice; taken by the
     first :meth:`chunk` when not asked for earlier), :meth:`chunk` the events of one fleet
     chunk of choice ``index`` (empty while a choice holds text back or after it finished),
-    :meth:`end` the usage chunk when asked and ``data: [DONE]``. :meth:`finished` and
+    :meth:`end` the usage chunk when asked and ``data: [DONE]``. :attr:`all_finished` says every
+    choice is over (the gateway sends the end with the last event). :meth:`finished` and
     :meth:`stopped_early` say, per choice, whether it is over and whether the gateway ended it
     on a stop string before its engine did (end that engine request)."""
 

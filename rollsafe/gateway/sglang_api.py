@@ -491,8 +491,9 @@ def _finish(out: ChoiceOutput) -> dict[str, Any]:
 class GenerateStreamer:
     """The events of a streamed ``/generate`` (one prompt): :meth:`chunk` gives the cumulative
     event of each fleet chunk that added something (stop-string text held back), :meth:`end`
-    ``data: [DONE]``; :meth:`stopped_early` says the gateway ended the request on a stop
-    string before its engine did (end that engine request)."""
+    ``data: [DONE]``; :attr:`all_finished` says the request is over; :meth:`stopped_early`
+    says the gateway ended the request on a stop string before its engine did (end that
+    engine request)."""
 
     def __init__(self, call: GenerateCall) -> None:
         self.call = call
@@ -511,6 +512,10 @@ class GenerateStreamer:
 
     def stopped_early(self, index: int = 0) -> bool:
         return self.out.stopped_early
+
+    @property
+    def all_finished(self) -> bool:
+        return self.out.finished
 
     def end(self) -> bytes:
         return DONE
