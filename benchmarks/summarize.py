@@ -1414,7 +1414,7 @@ def _soak(d: dict[str, Any]) -> list[Row]:
         ),
         (
             f"{tag}: time to active p50/p95 s, by kind",
-            "not measured (see the note)" if d.get("note") else times or "-",
+            times or ("not measured (see the note)" if d.get("note") else "-"),
             "-",
             "-",
         ),
@@ -1492,6 +1492,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "router_sync_cpu.json": _router_sync,
     "sglang_stream_decode_cpu.json": _sglang_stream_decode,
     "soak_cpu.json": _soak,
+    "soak_cpu_seed585735.json": _soak,
     "soak_cpu_seed1635132711.json": _soak,
     "soak_cpu_loaded.json": _soak,
     "soak_cpu_seed934291.json": _soak,
