@@ -504,14 +504,13 @@ def test_profile_shares_count_the_loop_threads_busy_samples_only(tmp_path: Path)
     assert top["calls_per_req"] == 2.0
 
 
-def test_profile_in_process_gives_a_cost_per_request_and_per_token(tmp_path: Path) -> None:
+def _profile(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
+    """``profile_gateway.py ARGS --json FILE`` run to its end; the rows it wrote."""
     out = tmp_path / "prof.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = ROOT / "benchmarks" / "gateway" / "profile_gateway.py"
-    args = ["--in-process", "--workloads", "generate,completions-stream", "--tokens", "4"]
-    args += ["--duration", "0.2", "--json", str(out)]
     done = subprocess.run(
-        [sys.executable, str(script), *args],
+        [sys.executable, str(script), *args, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -519,7 +518,16 @@ def test_profile_in_process_gives_a_cost_per_request_and_per_token(tmp_path: Pat
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads(out.read_text())["workloads"]
+    rows: list[dict[str, Any]] = json.loads(out.read_text())["workloads"]
+    return rows
+
+
+def test_profile_in_process_gives_a_cost_per_request_and_per_token(tmp_path: Path) -> None:
+    rows = _profile(
+        tmp_path,
+        *("--in-process", "--workloads", "generate,completions-stream", "--tokens", "4"),
+        *("--duration", "0.2"),
+    )
     assert [r["workload"] for r in rows] == ["generate", "completions-stream"]
     for r in rows:
         assert r["us_per_req_1_tokens"] > 0 and r["us_per_req_4_tokens"] > 0
@@ -529,21 +537,10 @@ def test_profile_in_process_gives_a_cost_per_request_and_per_token(tmp_path: Pat
 def test_profile_idle_against_another_tree_reports_cpu_a_second(tmp_path: Path) -> None:
     """``--workloads idle --against TREE``: both gateways measured without a request, a CPU
     figure a second for each and their ratio (the same tree twice here: the shape only)."""
-    out = tmp_path / "idle.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    script = ROOT / "benchmarks" / "gateway" / "profile_gateway.py"
-    args = ["--workloads", "idle", "--against", str(ROOT), "--rounds", "1"]
-    args += ["--duration", "1", "--json", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
+    (row,) = _profile(
+        tmp_path,
+        *("--workloads", "idle", "--against", str(ROOT), "--rounds", "1", "--duration", "1"),
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    (row,) = json.loads(out.read_text())["workloads"]
     assert row["workload"] == "idle" and row["rounds"] == 1
     for side in ("this", "against"):
         assert set(row[side]) == {"tree", "failed", "cpu_ms_per_s"}
