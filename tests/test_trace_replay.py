@@ -185,9 +185,18 @@ def test_a_restart_the_model_cannot_take_is_named_at_its_step(
     assert div.recorded is not None and div.recorded.line == line
     assert (div.recorded.event, div.recorded.target) == ("restarted", "pending_weights")
     assert any("restarted recovering -> active" in e for e in div.expected), div.expected
+    # the run around it, a CI log's only view of the run: the refused transition marked, the
+    # ones before it replayed, and g0's recovery with its steps (the lease it took)
+    marked = [c for c in div.context if c.startswith(">")]
+    assert marked == [f"> {div.recorded}"], div.context
+    before = div.context[: div.context.index(marked[0])]
+    assert before and all(c.startswith("+") for c in before), div.context
+    assert any(c.startswith("recovery g0: active") for c in div.context), div.context
+    assert any(c.strip().startswith("lease#") and "ok: export v1" in c for c in div.context)
     assert main(["verify", "--trace", str(bad)]) == 1
     out = capsys.readouterr().out
     assert f"divergence at step {step}" in out and f"line {line}" in out
+    assert "the run around it" in out and f"> {div.recorded}" in out
 
 
 def test_a_launch_at_another_version_is_named_at_its_step(recorded: Path, tmp_path: Path) -> None:
@@ -788,3 +797,58 @@ def test_a_late_export_whose_writer_moved_on_before_the_abandon_replays() -> Non
         r["t"] = r["timestamp"] = i / 1000
     result = replay_run(recorded)
     assert result.ok and result.replayed == result.transitions, result.divergence
+
+
+def test_an_export_published_between_a_claim_and_its_lease_replays() -> None:
+    """A sync's update fails a group; the recovery claims it while that sync's export is still
+    being written, and the writer publishes before the recovery reads the strategy's facts: the
+    recovery leases the new export and the restart lands ``active`` (the soak smoke, CI
+    2026-12-07, seed 489439, on a loaded machine). The recording has the claim, then the
+    writer's ``shards_written`` and ``publish``, then the attempt's ``lease`` step. The replay
+    takes the writer's steps before the recovery; without that candidate the model's recovery
+    finds the export still ``writing``, restarts on dummy weights and lands
+    ``pending_weights``, and the run's ``restarted`` into ``active`` diverges."""
+    config = ModelConfig(groups=2, ranks=1, removals=0, failure_threshold=1)
+    run = [
+        *_TWO_UP_AT_V1,
+        Action("sync", (True, None, "fail")),  # v2: its export is being written
+        Action("probe_timeout", (0,)),
+        Action("export_finish"),
+        Action("recover", (0,)),  # leases the export of v2
+        Action("restart", (0, True)),
+    ]
+    model = FleetModel(config)
+    for action in run:
+        assert model.apply(action), action
+    assert model.version == 2 and model.groups[0].state == "active"
+    rows = rows_of_model_run(config, run)
+
+    def index(kind: str, subject: str, event: str) -> int:
+        return next(
+            i
+            for i, r in enumerate(rows)
+            if (r["kind"], r["subject"], r.get("event")) == (kind, subject, event)
+        )
+
+    claim = index("group", "g0", "claim")
+    writer = [index("export", "v2", "shards_written"), index("export", "v2", "publish")]
+    assert writer[1] < claim
+    moved = [rows[i] for i in writer]
+    rest = [r for i, r in enumerate(rows) if i not in writer]
+    at = rest.index(rows[claim]) + 1
+    recorded = [*rest[:at], *moved, *rest[at:]]
+    for i, r in enumerate(recorded):  # the order the run recorded them in
+        r["t"] = r["timestamp"] = i / 1000
+    claimed_at, published_at = rows[claim]["timestamp"], moved[-1]["timestamp"]
+    steps = [
+        {"name": "claim", "ok": True, "started_at": claimed_at, "seconds": 0.0, "detail": ""},
+        {"name": "lease", "ok": True, "started_at": published_at + 0.0001, "seconds": 0.0},
+    ]
+    recovery = {"kind": "recovery", "subject": "g0", "group_id": "g0", "steps": steps}
+    with_lease = [*recorded[:-1], {**recovery, "t": 0.5, "timestamp": 0.5}, recorded[-1]]
+    result = replay_run(with_lease)
+    assert result.ok and result.replayed == result.transitions, result.divergence
+    # without the attempt's lease step the replay cannot know: the restart diverges
+    div = replay_run(recorded).divergence
+    assert div is not None and div.recorded is not None, div
+    assert (div.recorded.event, div.recorded.target) == ("restarted", "active"), div.format()

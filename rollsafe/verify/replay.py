@@ -89,6 +89,8 @@ TRANSITION_KINDS = ("group", "export", "registration", "mode")
 _TOGETHER_S = 1.0
 #: how close a recovery's timed-out step ends to the ``restart_failed`` it caused
 _STEP_SLACK_S = 2.0
+#: a divergence's context: recorded transitions before and after the one the model refused
+_CONTEXT_BEFORE, _CONTEXT_AFTER = 12, 8
 _TIMED_OUT = "did not finish within its deadline"
 _RESTART_STEPS = ("launcher", "shutdown", "restart", "health")
 #: how far a sync's registration transitions reach: its register (2), then an update pair per
@@ -175,6 +177,9 @@ class Divergence:
     what: str
     expected: tuple[str, ...] = ()
     violations: tuple[str, ...] = ()
+    #: what the run recorded around ``recorded`` (its transitions just before and after, the
+    #: syncs and recoveries that span them): a CI log's only view of the run
+    context: tuple[str, ...] = ()
 
     def format(self) -> str:
         lines = [f"divergence at step {self.step}: {self.what}"]
@@ -182,6 +187,9 @@ class Divergence:
             lines.append(f"  recorded: {self.recorded}")
         lines += [f"  model: {e}" for e in self.expected]
         lines += [f"  violated: {v}" for v in self.violations]
+        if self.context:
+            lines.append("  the run around it (>: this transition, +: replayed already):")
+            lines += [f"    {c}" for c in self.context]
         return "\n".join(lines)
 
 
@@ -454,6 +462,7 @@ class _Replayer:
                     anchor,
                     "no action of the model takes the recorded transition",
                     (*tried, *self._where(anchor)),
+                    context=self._context(anchor),
                 )
                 break
             _rank, actions, sync_row = best
@@ -518,6 +527,7 @@ class _Replayer:
                 anchor,
                 "the replayed state breaks an invariant of rollsafe.invariants",
                 violations=tuple(str(v) for v in broken),
+                context=self._context(anchor) if anchor is not None else (),
             )
 
     def _check_end(self) -> None:
@@ -591,12 +601,18 @@ class _Replayer:
                 yield (Action("probe_timeout", (g,)),)
         elif ev == "claim" or (ev == "retire" and by in (None, "gate_recovery")):
             yield (*self._late_end(g), Action("recover", self._lease_args(g, a)))
+            writer = self._writer_before_lease(g, a)
+            if writer:
+                yield (*self._late_end(g), *writer, Action("recover", self._lease_args(g, a)))
         elif ev == "node_lost" and by == "gate_recovery":
             yield (*self._late_end(g), Action("node_dies", ((g,),)), Action("recover", (g,)))
         elif ev in ("node_lost", "retire") and by in (None, "on_node_lost"):
             yield (Action("node_dies", (self._lost_together(a),)), Action("node_lost"))
         elif ev == "placed":
             yield (*self._late_end(g), Action("place", self._lease_args(g, a)))
+            writer = self._writer_before_lease(g, a)
+            if writer:
+                yield (*self._late_end(g), *writer, Action("place", self._lease_args(g, a)))
         elif ev == "restarted":
             yield (Action("restart", (g, True)),)
         elif ev == "restart_failed":
@@ -798,6 +814,45 @@ class _Replayer:
                 return (Action("export_step", (int(key[1].removeprefix("v")), events[0])),)
         return ()
 
+    def _writer_before_lease(self, g: int, a: RecordedTransition) -> tuple[Action, ...]:
+        """The writer's steps (``export_step``) recorded after the claim or placement ``a`` of
+        group ``g`` and before that attempt's ``lease`` step: the recovery's thread claims,
+        then reads the strategy's facts and leases (:func:`rollsafe.operations.recover.
+        take_lease`), and an export the writer published in between is the one it leased
+        (the soak smoke, CI 2026-12-07, seed 489439: a loaded machine, the group failed by a
+        sync's update, claimed while that sync's export was still being written). Empty when
+        the attempt recorded no lease step or no writer step lies before it."""
+        lease_at = self._lease_step_at(g, a)
+        if lease_at is None:
+            return ()
+        steps: list[tuple[float, Action]] = []
+        for key in self.trace.queues:
+            if key[0] != "export":
+                continue
+            version = int(key[1].removeprefix("v"))
+            for t in self.trace.following(key, 2):
+                if t.event not in ("shards_written", "publish") or t.timestamp > lease_at:
+                    break
+                steps.append((t.timestamp, Action("export_step", (version, t.event))))
+        return tuple(action for _, action in sorted(steps, key=lambda s: s[0]))
+
+    def _lease_step_at(self, g: int, a: RecordedTransition) -> float | None:
+        """When the attempt that began with ``a`` (group ``g``'s claim or placement) recorded
+        its ``lease`` step (None: it recorded none)."""
+        gid = self.recorded_ids[g]
+        after = self.trace.following(a.key, 2)
+        until = after[1].timestamp if len(after) > 1 else float("inf")
+        for rec in self.recoveries:
+            if rec.get("group_id") != gid:
+                continue
+            for step in rec.get("steps") or ():
+                if not isinstance(step, Mapping) or step.get("name") != "lease":
+                    continue
+                started = float(step.get("started_at", 0.0))
+                if a.timestamp - _CLOCK_SLACK_S <= started <= until + _CLOCK_SLACK_S:
+                    return started
+        return None
+
     def _next_t(self, g: int) -> float:
         """The time of group ``g``'s next recorded transition (infinity: none left)."""
         head = self.trace.head(("group", f"g{g}"))
@@ -941,6 +996,49 @@ class _Replayer:
                 if near and _TIMED_OUT in str(step.get("detail", "")):
                     return True
         return False
+
+    def _context(self, anchor: RecordedTransition) -> tuple[str, ...]:
+        """The recorded transitions around ``anchor`` and the sync and recovery rows whose time
+        spans them (a recovery with its steps), times as the run's ``t``."""
+        items, done = self.trace.items, self.trace.done
+        lo = max(anchor.index - _CONTEXT_BEFORE, 0)
+        hi = min(anchor.index + _CONTEXT_AFTER + 1, len(items))
+        lines = [
+            f"{'>' if item is anchor else '+' if done[item.index] else ' '} {item}"
+            for item in items[lo:hi]
+        ]
+        offset = anchor.t - anchor.timestamp  # the run's t of an absolute timestamp
+        start = items[lo].timestamp - _STEP_SLACK_S
+        end = items[hi - 1].timestamp + _STEP_SLACK_S
+
+        def at(timestamp: Any) -> str:
+            return f"t={float(timestamp) + offset:.3f}"
+
+        for row in self.syncs:
+            begun, took = float(row.get("timestamp", 0.0)), float(row.get("seconds") or 0.0)
+            if begun <= end and begun + took >= start:
+                lines.append(
+                    f"sync v{row.get('version')} {at(begun)} {took:.3f}s: "
+                    f"ok={row.get('ok')} updated={row.get('updated')} "
+                    f"failed={row.get('failed')} error={row.get('error')}"
+                )
+        for row in self.recoveries:
+            steps = [s for s in row.get("steps") or () if isinstance(s, Mapping)]
+            began = [float(s.get("started_at", 0.0)) for s in steps]
+            ended = [
+                float(s.get("started_at", 0.0)) + float(s.get("seconds") or 0.0) for s in steps
+            ]
+            if not steps or min(began) > end or max(ended) < start:
+                continue
+            lines.append(
+                f"recovery {row.get('group_id')}: {row.get('status')} ({row.get('reason')})"
+            )
+            lines += [
+                f"  {s.get('name')}#{s.get('attempt')} {at(s.get('started_at', 0.0))} "
+                f"{'ok' if s.get('ok') else 'FAILED'}: {s.get('detail')}"
+                for s in steps
+            ]
+        return tuple(lines)
 
     def _where(self, a: RecordedTransition) -> list[str]:
         """The model's side of the anchor's machine: its state and the events it allows."""
