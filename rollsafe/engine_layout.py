@@ -180,8 +180,13 @@ class EngineLayout:
             return getattr(config, key, default)
 
         archs = get("architectures") or []
+        if not archs:  # a config saved on its own: the causal LM class of its model type
+            archs = [a for a in (_causal_lm_of(get("model_type")),) if a]
         if not archs:
-            raise LayoutError("config has no 'architectures' to read the stacking rule from")
+            raise LayoutError(
+                "config has no 'architectures' (nor a 'model_type' transformers knows) to read "
+                "the stacking rule from"
+            )
         heads = get("num_key_value_heads") or get("num_attention_heads")
         return cls(
             packed=packed_modules(str(archs[0])),
@@ -191,6 +196,19 @@ class EngineLayout:
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             vocab_pad_per_rank=engine == "sglang",
         )
+
+
+def _causal_lm_of(model_type: Any) -> str | None:
+    """The causal LM class transformers builds for ``model_type`` (what ``AutoModelForCausalLM``
+    and so the reference engine instantiate), or None (unknown, or transformers absent)."""
+    if not isinstance(model_type, str):
+        return None
+    try:
+        auto = importlib.import_module("transformers.models.auto.modeling_auto")
+        name = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    except Exception:  # transformers absent or reorganised
+        return None
+    return name if isinstance(name, str) else None
 
 
 def checker_key(name: str, tp_rank: int = 0, *, dp: int = 0, pp: int = 0, pcp: int = 0) -> str:

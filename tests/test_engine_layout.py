@@ -159,6 +159,11 @@ def test_sglang_pads_the_vocabulary_to_split_over_the_ranks() -> None:
         assert torch.equal(a["lm_head.weight"], b["lm_head.weight"])
     with pytest.raises(LayoutError, match="engine"):
         EngineLayout.from_config(config, engine="trt")
+    # a config saved on its own (no architectures): the class transformers builds for its type
+    bare = EngineLayout.from_config({"model_type": "llama", "num_key_value_heads": 2})
+    assert bare.packed == rule
+    with pytest.raises(LayoutError, match="architectures"):
+        EngineLayout.from_config({"model_type": "no-such-model"})
 
 
 def test_rank_tensors_one_parameter_at_a_time(tiny: tuple[dict, dict]) -> None:
