@@ -48,6 +48,7 @@ from rollsafe.fleet.weights_check import (
     sglang_rank_digests,
 )
 from rollsafe.transports import IPCTransport
+from rollsafe.wire.bucket import pack_buckets, serialize_bucket
 
 M32 = 0xFFFFFFFF
 M64 = (1 << 64) - 1
@@ -385,6 +386,32 @@ def test_sglang_snapshot_reset_compare(
     assert sgl.post("/weights_checker", {"action": "compare"}).json() == ok
     # a draft runner does not exist here: nothing runs, nothing is reported
     assert sgl.post("/weights_checker", {"selector": "draft"}).json() == ok
+
+
+def test_sglang_compare_answers_tp_rank_0s_outcome(
+    sgl: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """Every rank compares its own parameters, but only TP rank 0 answers (upstream's
+    scheduler: only rank 0 talks to the tokenizer manager): a change in rank 1's shard alone
+    is not in the answer."""
+    ok = {"success": True, "message": "Success."}
+    state = hf_state(tiny_model_dir)
+    try:
+        assert sgl.post("/weights_checker", {"action": "snapshot"}).json() == ok
+        head = state["lm_head.weight"].clone()
+        head[400:] += 1  # vocabulary 512 over 2 ranks: rows 256-511 are rank 1's
+        (bucket,) = pack_buckets([("lm_head.weight", head)])
+        entry = serialize_bucket(bucket)
+        body = {"serialized_named_tensors": [entry, entry], "load_format": "flattened_bucket"}
+        assert sgl.post("/update_weights_from_tensor", body).status_code == 200
+        ranks = sgl.checksum()["ranks"]
+        want = sglang_digests(state, 2)["ranks"]
+        assert ranks[0] == want[0] and ranks[1]["lm_head.weight"] != want[1]["lm_head.weight"]
+        assert sgl.post("/weights_checker", {"action": "compare"}).json() == ok
+    finally:
+        r = sgl.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir)})
+        assert r.status_code == 200, r.text
 
 
 def test_sglang_client_checksum_equals_trainer_after_update(

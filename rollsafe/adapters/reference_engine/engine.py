@@ -1038,20 +1038,22 @@ class ReferenceEngine:
         def run() -> None:
             snap = self._checker_snapshot
             holders = set(self._checker_holders)
-            if snap is None or 0 not in holders:
-                raise BadRequest("compare: no snapshot (call action='snapshot' first)")
-            layout = self.sglang_layout()
-            now = self.full_named_tensors()
             answer: list[str] = []
-            for rank in sorted(holders):
-                bad = _compare_rank(snap, now, layout, rank, skip)
-                if not bad:
-                    holders.discard(rank)
-                if rank == 0:
-                    answer = bad
+            if snap is not None and holders:
+                layout = self.sglang_layout()
+                now = self.full_named_tensors()
+                for rank in sorted(holders):
+                    bad = _compare_rank(snap, now, layout, rank, skip)
+                    if not bad:
+                        holders.discard(rank)
+                    if rank == 0:
+                        answer = bad
+            had_one = 0 in self._checker_holders
             self._checker_holders = frozenset(holders)
             if not holders:
                 self._checker_snapshot = None
+            if not had_one:
+                raise BadRequest("compare: no snapshot (call action='snapshot' first)")
             if answer:
                 raise BadRequest("check tensor equality failed:\n" + "\n".join(answer))
 
