@@ -5,7 +5,7 @@ tensors: one pushes every version whole (``delta=None``), the other pushes delta
 (``delta=DeltaSettings()``: only the elements whose bits changed since the engine's confirmed
 base). Every step registers the new version with both, times both updates (the sender's encode
 and base snapshot are part of the delta's time), reads the bytes each moved, and compares both
-engines' ``/weights_checksum`` with the trainer's. The first version is a full push for both
+engines' weight checkers with the trainer's weights. The first version is a full push for both
 (no base yet) and is not measured.
 
 Two ways to make the versions:
@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 from engine_helpers import start_engine  # noqa: E402
 
 from rollsafe.adapters.engines import SGLangClient  # noqa: E402
-from rollsafe.checksum import weights_checksum  # noqa: E402
+from rollsafe.fleet.weights_check import check_engine, read_config  # noqa: E402
 from rollsafe.ports import EngineTarget  # noqa: E402
 from rollsafe.transports import DeltaSettings, IPCTransport, NCCLTransport  # noqa: E402
 from rollsafe.transports.base import StagedTransport  # noqa: E402
@@ -139,6 +139,7 @@ class Pair:
         extra = ["--load-format", "dummy", "--dtype", "bfloat16", "--weight-group-timeout", "300"]
         if device.type == "cuda":
             extra += ["--device", "cuda"]
+        self.config = read_config(model_dir)
         self.engines = [start_engine(model_dir, extra_args=extra, timeout=timeout) for _ in "fd"]
         self.clients = [SGLangClient(e.url, timeout=timeout) for e in self.engines]
         self.targets = [
@@ -173,9 +174,8 @@ class Pair:
         out["delta_reason"] = row.reason
         out["changed_fraction"] = record.changed_fraction
         out["encode_s"] = record.encode_s
-        want = weights_checksum(weights)["model"]
-        got = [c.weights_checksum().model for c in self.clients]
-        out["digests_equal"] = [g == want for g in got]
+        # each engine's checker against the weights laid out as it holds them (fused, per rank)
+        out["digests_equal"] = [check_engine(c, weights, self.config).equal for c in self.clients]
         return out
 
     def close(self) -> None:

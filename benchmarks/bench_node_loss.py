@@ -63,7 +63,6 @@ import torch  # noqa: E402
 
 from rollsafe.adapters.ray.local import local_cluster  # noqa: E402
 from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model  # noqa: E402
-from rollsafe.checksum import weights_checksum  # noqa: E402
 from rollsafe.fleet import (  # noqa: E402
     FleetConfig,
     GroupSpec,
@@ -210,13 +209,14 @@ def left_routing_at(fleet: RolloutFleet, gid: str, since: float) -> float | None
 
 
 def one_event(
-    fleet: RolloutFleet, gid: str, at: float, detected_as: str, want: str
+    fleet: RolloutFleet, gid: str, at: float, detected_as: str, weights: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
     result = wait_active(fleet, gid, at - 1.0)
     detected = transition_at(fleet, gid, detected_as, at)
     out = left_routing_at(fleet, gid, at)
     active = transition_at(fleet, gid, "active", at)
-    sums = fleet.checksums()
+    # every group's checker against the weights in its own layout (SGLang: fused, per rank)
+    checks = fleet.check_weights(weights)
     steps: dict[str, float] = {}
     for step in result.steps:
         steps[step.name] = round(steps.get(step.name, 0.0) + step.seconds, 4)
@@ -234,7 +234,7 @@ def one_event(
             getattr(fleet.engine(gid), "ready_info", {}).get("startup_s") or {}
         ),
         "strategy": result.strategy,
-        "checksums_equal": all(v == want for v in sums.values()),
+        "checksums_equal": all(c is not None and c.equal for c in checks.values()),
         "state": fleet.registry.get(gid).state,
         "load1": os.getloadavg()[0],
     }
@@ -379,7 +379,6 @@ def run(
                     version += 1
                     weights = weights_at(model_dir, version)
                     assert fleet.sync_weights(weights, version).ok
-                    want = weights_checksum(weights)["model"]
                     c.add_node(num_cpus=1, resources={"rollout": room})
                     c.wait_for_nodes(timeout=120)
                     g = i % 2
@@ -392,7 +391,7 @@ def run(
                     node = next(n for n in c.worker_nodes if n.node_id == doomed)
                     at = time.time()
                     c.remove_node(node, allow_graceful=False)
-                    row = one_event(fleet, gid, at, "unplaced", want)
+                    row = one_event(fleet, gid, at, "unplaced", weights)
                     alive = {n.node_id for n in c.worker_nodes}
                     after = list(fleet.engine(gid).node_ids)
                     row.update(
@@ -418,10 +417,10 @@ def run(
                     gid = fleet.group_ids[g]
                     ranks = fleet.engine(gid).spec.ranks
                     rank = (k // 2) % ranks  # a two-node group: its head's rank, then the other's
-                    want = weights_checksum(weights_at(model_dir, version))["model"]
+                    weights = weights_at(model_dir, version)
                     at = time.time()
                     fleet.engine(gid).kill_rank(rank)
-                    row = one_event(fleet, gid, at, "inactive", want)
+                    row = one_event(fleet, gid, at, "inactive", weights)
                     row.update(shape=shapes[g], rank=rank)
                     kills.append(row)
                     say(

@@ -266,8 +266,8 @@ def _check(
         return None
     launcher = fleet.launcher(gid)
     startup = dict(launcher.ready_info.get("startup_s", {}))
-    want = trainer.checksum()
-    got = fleet.checksums().get(gid)
+    # the group's checker against the trainer's weights in its own layout (SGLang's fused ones)
+    check = fleet.check_weights(trainer.weights()).get(gid)
     parts = breakdown(crash_at, active_at, rec, startup)
     return {
         **pending,
@@ -279,7 +279,7 @@ def _check(
         "standby_at_restart": rec.standby_at_restart,
         "attempts": rec.attempts,
         "state_when_checked": fleet.registry.get(gid).state,
-        "weights_match_trainer": got == want,
+        "weights_match_trainer": check is not None and check.equal,
         "startup_s": startup,
         "steps": [
             {"name": s.name, "seconds": round(s.seconds, 4), "ok": s.ok, "detail": s.detail[:160]}

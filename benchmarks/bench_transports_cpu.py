@@ -46,7 +46,7 @@ import engine_helpers  # noqa: E402
 from engine_helpers import free_port, start_engine  # noqa: E402
 
 from rollsafe.adapters.engines import SGLangClient  # noqa: E402
-from rollsafe.checksum import weights_checksum  # noqa: E402
+from rollsafe.fleet.weights_check import sglang_model_digest  # noqa: E402
 from rollsafe.ports import EngineTarget  # noqa: E402
 from rollsafe.transports import IPCTransport, NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
@@ -374,7 +374,7 @@ def main() -> int:
         t0 = time.perf_counter()
         weights = make_weights(engine_named_shapes(config), dtype, seed=1)
         nbytes = total_bytes(weights)
-        want = weights_checksum(weights)["model"]
+        want = sglang_model_digest(weights, config)  # one rank's SGLang parameters (fused)
         print(
             f"weights: {len(weights)} tensors, {nbytes / GiB:.3f} GiB {args.dtype}, "
             f"{config.num_hidden_layers} layers (built in {time.perf_counter() - t0:.1f}s)"

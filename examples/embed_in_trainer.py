@@ -17,7 +17,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollsafe.adapters.reference_engine.tiny_model import make_tiny_model
-from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RolloutFleet
 from rollsafe.transports.contiguous import flatten_parameters
 
@@ -55,8 +54,9 @@ def main(steps: int = 3) -> None:
             # 3. sync: every engine gets version `step`; its HF export runs in the background
             weights = {n: p.detach() for n, p in model.named_parameters()}
             report = fleet.sync_weights(weights, version=step)
-            want = weights_checksum(weights)["model"]
-            same = all(c == want for c in fleet.checksums().values())
+            # each engine's own weight checker, tensor by tensor in its layout (SGLang's fused
+            # qkv_proj / gate_up_proj per TP rank), against the weights just synced
+            same = all(c is not None and c.equal for c in fleet.check_weights(weights).values())
             print(
                 f"step {step}: loss {loss.item():.3f}, synced v{step} to {report.updated}"
                 f" in {sum(report.timings.values()):.2f}s, engines match trainer: {same}"

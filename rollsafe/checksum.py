@@ -28,7 +28,9 @@ reports no model digest; rollsafe uses the same formula over vLLM's per-tensor d
 Digests depend only on the bytes (not dtype or shape), exactly as upstream. Which algorithm an
 engine used follows from its dialect and device (:func:`algorithm_for`); the engine clients
 report it in ``WeightsChecksum.algorithm``, and a trainer comparing with an engine must pass the
-same ``algorithm`` here.
+same ``algorithm`` here. Both engines hash their own parameters, not a trainer's HF-named
+tensors (fused ``qkv_proj`` / ``gate_up_proj``, one shard per TP rank): lay the trainer's
+tensors out first (:mod:`rollsafe.engine_layout`; ``rollsafe.fleet.weights_check`` does both).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "per_engine_checksum",
     "resolve_algorithm",
     "sglang_cpu_hash",
+    "sglang_engine_digest",
     "sglang_gpu_hash",
     "sglang_skips",
     "tensor_digest",
@@ -349,6 +352,18 @@ def per_engine_checksum(per_gpu_checksums: Iterable[str]) -> str:
     for digest in per_gpu_checksums:
         h.update(digest.encode())
     return h.hexdigest()
+
+
+def sglang_engine_digest(per_gpu_checksums: Sequence[str]) -> str:
+    """The model digest of an SGLang answer (``WeightsChecksum.model``): the ranks'
+    ``per_gpu_checksum`` when every rank reports the same one (one rank, or replicated
+    weights), else the engine's :func:`per_engine_checksum` (TP shards)."""
+    if not per_gpu_checksums:
+        raise InvalidArgument("per_gpu_checksums", "no rank reported a checksum")
+    first = per_gpu_checksums[0]
+    if all(p == first for p in per_gpu_checksums):
+        return first
+    return per_engine_checksum(per_gpu_checksums)
 
 
 def sglang_skips(name: str) -> bool:

@@ -26,18 +26,30 @@ and ``v1/worker/gpu_worker.py``; no upstream code is copied here):
   (:mod:`rollsafe.digest_check` says so). Embeddings and ``lm_head`` keep their weights
   (``remove_weight=False``) and norms are not linear layers: those digests are real.
 
+**SGLang** hashes the same parameters in its ``/weights_checker`` (read from SGLang 0.5.23's
+``srt/utils/weight_checker.py``: ``named_parameters()`` then ``named_buffers()`` of the model on
+each TP rank): its Llama-family models stack ``q/k/v_proj`` and ``gate/up_proj`` the same way
+(``stacked_params_mapping``), its linear and vocabulary layers shard as vLLM's, and ``lm_head``
+is ``embed_tokens`` when tied. One difference: where the vocabulary padded to 64 does not split
+evenly over the ranks, SGLang pads it to a multiple of ``64 * tp`` (``VocabParallelEmbedding``),
+where vLLM refuses to start; ``EngineLayout.from_config(..., engine="sglang")`` sets that rule
+(:attr:`EngineLayout.vocab_pad_per_rank`). Its digests are SGLang's own
+(:mod:`rollsafe.checksum`); :func:`iter_rank_tensors` hands a rank's parameters out one at a
+time, so a caller hashing them never holds a second copy of the model.
+
 Which architectures are covered: the stacking rule is read from the vLLM model class when vLLM
 is importable (:func:`packed_modules`); otherwise from :data:`VLLM_PACKED_MODULES`, the table
 read from vLLM 0.32 for ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
-``Qwen3ForCausalLM`` (identical rules). Other architectures raise :class:`LayoutError`. Only TP
-size 1 has been compared with a real server (vLLM on CPU); the TP > 1 shards follow the source.
+``Qwen3ForCausalLM`` (identical rules, SGLang's too). Other architectures raise
+:class:`LayoutError`. Only TP size 1 has been compared with a real server (vLLM on CPU, SGLang
+on a GPU); the TP > 1 shards follow the source.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +68,8 @@ __all__ = [
     "EngineLayout",
     "LayoutError",
     "checker_key",
+    "engine_name",
+    "iter_rank_tensors",
     "packed_modules",
     "vllm_checker_digests",
     "vllm_cpu_emptied",
@@ -128,7 +142,9 @@ class EngineLayout:
 
     ``packed``: fused module -> HF parts (:func:`packed_modules`); ``tp_size`` ranks;
     ``num_kv_heads`` (needed when ``tp_size`` > 1); ``dtype``: the engine's parameter dtype
-    (``--dtype``; None: the tensors' own); ``tie_word_embeddings`` drops ``lm_head``.
+    (``--dtype``; None: the tensors' own); ``tie_word_embeddings`` drops ``lm_head``;
+    ``vocab_pad_per_rank``: SGLang's rule, the vocabulary padded to a multiple of
+    ``64 * tp_size`` where its padding to 64 does not split evenly over the ranks.
     """
 
     packed: Mapping[str, tuple[str, ...]]
@@ -136,6 +152,7 @@ class EngineLayout:
     num_kv_heads: int | None = None
     dtype: torch.dtype | None = None
     tie_word_embeddings: bool = False
+    vocab_pad_per_rank: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
@@ -145,9 +162,17 @@ class EngineLayout:
 
     @classmethod
     def from_config(
-        cls, config: Mapping[str, Any] | Any, *, tp_size: int = 1, dtype: torch.dtype | None = None
+        cls,
+        config: Mapping[str, Any] | Any,
+        *,
+        tp_size: int = 1,
+        dtype: torch.dtype | None = None,
+        engine: str = "vllm",
     ) -> EngineLayout:
-        """From an HF config (``config.json`` as a dict, or a ``PretrainedConfig``)."""
+        """From an HF config (``config.json`` as a dict, or a ``PretrainedConfig``), for an
+        ``engine`` of ``"vllm"`` or ``"sglang"`` (its vocabulary padding)."""
+        if engine not in ("vllm", "sglang"):
+            raise LayoutError(f"engine must be 'vllm' or 'sglang', got {engine!r}")
 
         def get(key: str, default: Any = None) -> Any:
             if isinstance(config, Mapping):
@@ -155,8 +180,13 @@ class EngineLayout:
             return getattr(config, key, default)
 
         archs = get("architectures") or []
+        if not archs:  # a config saved on its own: the causal LM class of its model type
+            archs = [a for a in (_causal_lm_of(get("model_type")),) if a]
         if not archs:
-            raise LayoutError("config has no 'architectures' to read the stacking rule from")
+            raise LayoutError(
+                "config has no 'architectures' (nor a 'model_type' transformers knows) to read "
+                "the stacking rule from"
+            )
         heads = get("num_key_value_heads") or get("num_attention_heads")
         return cls(
             packed=packed_modules(str(archs[0])),
@@ -164,7 +194,21 @@ class EngineLayout:
             num_kv_heads=int(heads) if heads else None,
             dtype=dtype,
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            vocab_pad_per_rank=engine == "sglang",
         )
+
+
+def _causal_lm_of(model_type: Any) -> str | None:
+    """The causal LM class transformers builds for ``model_type`` (what ``AutoModelForCausalLM``
+    and so the reference engine instantiate), or None (unknown, or transformers absent)."""
+    if not isinstance(model_type, str):
+        return None
+    try:
+        auto = importlib.import_module("transformers.models.auto.modeling_auto")
+        name = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    except Exception:  # transformers absent or reorganised
+        return None
+    return name if isinstance(name, str) else None
 
 
 def checker_key(name: str, tp_rank: int = 0, *, dp: int = 0, pp: int = 0, pcp: int = 0) -> str:
@@ -176,6 +220,13 @@ def vllm_cpu_emptied(name: str) -> bool:
     """True for an engine parameter vLLM on CPU empties (a linear layer's ``weight``)."""
     module, _, leaf = name.rpartition(".")
     return leaf == "weight" and module.rpartition(".")[2] in VLLM_CPU_EMPTIED
+
+
+def engine_name(name: str, packed: Mapping[str, tuple[str, ...]]) -> str:
+    """The engine parameter the HF tensor ``name`` goes into: its fused parameter for a stacked
+    part (``...self_attn.k_proj.weight`` -> ``...self_attn.qkv_proj.weight``), else ``name``."""
+    part = _split_part(name, packed)
+    return name if part is None else part[0]
 
 
 def _split_part(name: str, packed: Mapping[str, tuple[str, ...]]) -> tuple[str, str, int] | None:
@@ -200,17 +251,22 @@ def _chunk(t: torch.Tensor, dim: int, parts: int, index: int, name: str) -> torc
     return t.narrow(dim, index * step, step)
 
 
-def _vocab_shard(t: torch.Tensor, tp_size: int, rank: int) -> torch.Tensor:
+def _vocab_shard(
+    t: torch.Tensor, layout: EngineLayout, rank: int, device: torch.device
+) -> torch.Tensor:
     import torch
 
-    rows = t.shape[0]
-    padded = -(-rows // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-    per = -(-padded // tp_size)  # vLLM pads the padded vocab to split evenly across ranks
-    out = torch.zeros((per, *t.shape[1:]), dtype=t.dtype)
+    rows, tp_size = t.shape[0], layout.tp_size
+    pad = VLLM_VOCAB_PADDING
+    if layout.vocab_pad_per_rank and (-(-rows // pad) * pad) % tp_size:
+        pad *= tp_size  # SGLang: padded to split evenly over the ranks
+    padded = -(-rows // pad) * pad
+    per = -(-padded // tp_size)
+    out = torch.zeros((per, *t.shape[1:]), dtype=t.dtype, device=device)
     start = rank * per
     take = max(0, min(rows, start + per) - start)
     if take:
-        out[:take] = t[start : start + take].to("cpu")
+        out[:take] = t[start : start + take].to(device)
     return out
 
 
@@ -218,8 +274,11 @@ def vllm_tensors(
     named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     layout: EngineLayout,
     tp_rank: int = 0,
+    *,
+    device: str | torch.device | None = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """The parameters vLLM rank ``tp_rank`` holds for these HF-named tensors (host tensors).
+    """The parameters vLLM (or SGLang) rank ``tp_rank`` holds for these HF-named tensors, on
+    ``device`` (the host by default; None: each on its HF tensor's device).
 
     Stacked parts become their fused parameter (every part must be present: a missing one is a
     :class:`LayoutError` naming it); ``lm_head`` is dropped for tied embeddings.
@@ -233,10 +292,12 @@ def vllm_tensors(
     groups: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
     fused_of: dict[str, str] = {}
     out: dict[str, torch.Tensor] = {}
+    where: dict[str, torch.device] = {}
     for name, tensor in items.items():
         t = tensor.detach()
         if layout.dtype is not None:
             t = t.to(layout.dtype)
+        where[name] = t.device if device is None else torch.device(device)
         part = _split_part(name, layout.packed)
         if part is not None:
             fused_name, fused, index = part
@@ -247,10 +308,10 @@ def vllm_tensors(
         if module == "lm_head" and layout.tie_word_embeddings:
             continue
         if module in VLLM_VOCAB_PARALLEL:  # padded even with one rank
-            t = _vocab_shard(t, tp, tp_rank)
+            t = _vocab_shard(t, layout, tp_rank, where[name])
         elif tp > 1 and module in VLLM_ROW_PARALLEL and name.endswith(".weight"):
             t = _chunk(t, 1, tp, tp_rank, name)
-        out[name] = t.to("cpu")
+        out[name] = t.to(where[name])
     for fused_name, got in groups.items():
         parts = layout.packed[fused_of[fused_name]]
         missing = [i for i in range(len(parts)) if i not in got]
@@ -261,6 +322,7 @@ def vllm_tensors(
                 f"(found {have!r}); vLLM stacks {list(parts)}"
             )
         pieces = []
+        to = where[got[0][0]]
         for i in range(len(parts)):
             name, t = got[i]
             if tp > 1:
@@ -270,9 +332,26 @@ def vllm_tensors(
                     t = _chunk(t, 0, kv_heads, tp_rank // (tp // kv_heads), name)
                 else:
                     t = _chunk(t, 0, tp, tp_rank, name)
-            pieces.append(t.to("cpu"))
+            pieces.append(t.to(to))
         out[fused_name] = torch.cat(pieces, dim=0)
     return out
+
+
+def iter_rank_tensors(
+    named_tensors: Mapping[str, torch.Tensor],
+    layout: EngineLayout,
+    tp_rank: int = 0,
+    *,
+    device: str | torch.device | None = "cpu",
+) -> Iterator[dict[str, torch.Tensor]]:
+    """:func:`vllm_tensors` one engine parameter at a time (each a ``{name: tensor}`` of one
+    entry, or none for a tied ``lm_head``), in the order of the HF names' first parts: what a
+    rank holds, built and dropped piece by piece (a whole rank at once would copy the model)."""
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named_tensors.items():
+        groups.setdefault(engine_name(name, layout.packed), {})[name] = tensor
+    for group in groups.values():
+        yield vllm_tensors(group, layout, tp_rank, device=device)
 
 
 def _sha256_hex(t: torch.Tensor) -> str:

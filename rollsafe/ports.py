@@ -118,7 +118,8 @@ class WeightsChecksum:
         ``expected``: one ``{name: digest}`` (compared with the rank-merged :attr:`tensors`) or
         one per TP rank (compared with :attr:`ranks`), in the engine's layout and algorithm:
         for vLLM :func:`rollsafe.engine_layout.vllm_rank_digests`, for SGLang
-        :func:`rollsafe.checksum.weights_checksum` ``["tensors"]``. The verdict is ``"equal"``
+        :func:`rollsafe.fleet.weights_check.sglang_rank_digests` (both:
+        :func:`rollsafe.fleet.weights_check.expected_digests`). The verdict is ``"equal"``
         only when every tensor was compared and equal; an empty-bytes digest from the engine
         (vLLM's CPU linear weights) is ``no_data`` and makes it ``"unverified"``.
         """

@@ -14,10 +14,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from trace_support import assert_run_replays
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec
@@ -204,9 +206,12 @@ def wait_recovery(fleet: RolloutFleet, gid: str, n: int = 1) -> Any:
     return results_for(fleet, gid)[n - 1]
 
 
-def assert_fleet_sound(fleet: RolloutFleet, journal: Journal, want_checksum: str) -> None:
+def assert_fleet_sound(
+    fleet: RolloutFleet, journal: Journal, weights: Mapping[str, torch.Tensor]
+) -> None:
     """The chaos invariants: only active groups got requests; every active group holds the
-    trainer's current weights at the fleet version; restarts from exports used ready ones."""
+    trainer's current ``weights`` at the fleet version (its checker, tensor by tensor in its
+    own layout: ``RolloutFleet.check_weights``); restarts from exports used ready ones."""
     assert fleet.wait_recoveries(WAIT_S), "a recovery is still running"
     for gid, counts in fleet.registry.dispatch_counts().items():
         assert set(counts) <= {"active"}, f"{gid} got requests while {dict(counts)}"
@@ -214,9 +219,10 @@ def assert_fleet_sound(fleet: RolloutFleet, journal: Journal, want_checksum: str
         assert rec.export_problems == [], rec
     active = [g.group_id for g in fleet.registry.groups() if g.state == "active"]
     assert active, "no active group left"
-    sums = fleet.checksums()
+    checks = fleet.check_weights(weights)
     for gid in active:
-        assert sums[gid] == want_checksum, f"{gid} serves stale weights"
+        check = checks[gid]
+        assert check is not None and check.equal, f"{gid} serves stale weights: {check}"
     version = fleet.registry.fleet_version
     for gid in active:
         members = fleet.registry.get(gid).machine.members.values()

@@ -80,16 +80,19 @@ class EngineProcess:
             return client.post(path, json=json_body, **kw)
 
     def checksum(self) -> dict[str, Any]:
-        """``{"model", "tensors", "algorithm", "weight_version"}`` from the engine's own checker.
+        """``{"model", "tensors", "ranks", "algorithm", "weight_version"}`` from the engine's own
+        checker.
 
-        SGLang ``POST /weights_checker`` (``model``: rank 0's ``per_gpu_checksum``; the reference
-        engine's ranks all report the full model) or vLLM ``POST /weight_checker`` (``ranks``:
-        each TP rank's ``{name: digest}``, prefixes stripped; ``tensors``: rank 0's; ``model``:
-        :func:`rollsafe.checksum.model_digest`). Neither reports a version, so
-        ``weight_version`` comes from ``/get_server_info``. Compare SGLang with
-        ``weights_checksum(state, got["algorithm"])``, vLLM with :func:`assert_vllm_digests`.
+        SGLang ``POST /weights_checker``: ``ranks``, each TP rank's ``checksums`` (SGLang's own
+        fused names, that rank's shards); ``tensors``: rank 0's; ``model``: the engine's digest
+        as the client reports it (:func:`rollsafe.checksum.sglang_engine_digest`). vLLM ``POST
+        /weight_checker``: ``ranks``, each TP rank's ``{name: digest}``, prefixes stripped;
+        ``tensors``: rank 0's; ``model``: :func:`rollsafe.checksum.model_digest`. Neither
+        reports a version, so ``weight_version`` comes from ``/get_server_info``. Compare SGLang
+        with :func:`sglang_digests` (never with HF-named digests), vLLM with
+        :func:`assert_vllm_digests`.
         """
-        from rollsafe.checksum import algorithm_for, model_digest
+        from rollsafe.checksum import algorithm_for, model_digest, sglang_engine_digest
 
         info = self.get("/get_server_info")
         info.raise_for_status()
@@ -107,8 +110,10 @@ class EngineProcess:
         else:
             r = self.post("/weights_checker", {"action": "checksum"})
             r.raise_for_status()
-            rank0 = r.json()["ranks"][0]
-            tensors, model = dict(rank0["checksums"]), rank0["per_gpu_checksum"]
+            infos = r.json()["ranks"]
+            ranks = [dict(i["checksums"]) for i in infos]
+            tensors = ranks[0]
+            model = sglang_engine_digest([i["per_gpu_checksum"] for i in infos])
         return {
             "model": model,
             "tensors": tensors,
@@ -156,6 +161,38 @@ def assert_vllm_digests(got: dict[str, Any], state: Mapping[str, Any]) -> Digest
     assert check.names("equal") == sorted(n for n in names if not vllm_cpu_emptied(n)), check
     assert check.verdict == "unverified", check.summary()
     return check
+
+
+#: What :mod:`rollsafe.engine_layout` needs of the tests' tiny Llamas (``make_tiny_model``'s
+#: defaults: 4 heads, 2 KV heads, untied embeddings).
+TINY_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
+
+
+def sglang_digests(
+    state: Mapping[str, Any],
+    ranks: int = 1,
+    algorithm: str = "sglang-cpu",
+    config: Any = None,
+) -> dict[str, Any]:
+    """What an SGLang-dialect engine of ``ranks`` TP ranks holding the HF tensors ``state``
+    reports, in :meth:`EngineProcess.checksum`'s shape (``model``, ``tensors``: rank 0's,
+    ``ranks``): SGLang's fused parameters per rank
+    (:func:`rollsafe.fleet.weights_check.sglang_rank_digests`; ``config``: the model's HF config,
+    a dict or a ``PretrainedConfig``, by default the tiny Llama's)."""
+    from rollsafe.checksum import overall_checksum, sglang_engine_digest
+    from rollsafe.fleet.weights_check import sglang_rank_digests
+
+    per_rank = sglang_rank_digests(state, config or TINY_CONFIG, tp_size=ranks, algorithm=algorithm)
+    return {
+        "model": sglang_engine_digest([overall_checksum(r) for r in per_rank]),
+        "tensors": per_rank[0],
+        "ranks": per_rank,
+    }
 
 
 def free_port() -> int:

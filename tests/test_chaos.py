@@ -132,11 +132,11 @@ def test_sigkill_of_a_rank_during_generate_recovers_immediately(
     ]
     assert ("fail", "inactive") in events(fleet, "g0")
     assert fleet.registry.get("g1").state == "active"
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     # The trainer's next step reaches both groups.
     report = step(fleet, trainer, 2, seed=2)
     assert report.ok and sorted(report.updated) == ["g0", "g1"], report
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     assert_replays(fleet, tmp_path)
 
 
@@ -181,7 +181,7 @@ def test_sigkill_during_a_weight_update_fails_that_target_only(
     assert result.status == "active", result  # ... and recovered later at v1
     assert result.strategy == "targeted_push", result
     assert journal.restarts and journal.restarts[0].model_path is None
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     assert_replays(fleet, tmp_path)
 
 
@@ -210,7 +210,7 @@ def test_a_hung_engine_is_taken_out_and_no_thread_stays_stuck(
         assert wait_for(lambda: loop.served_total() > served)
     assert ("fail", "inactive") in events(fleet, "g1")
     assert result.status == "active" and result.strategy == "immediate", result
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     assert_replays(fleet, tmp_path)
     fleet.close()
 
@@ -246,7 +246,7 @@ def test_repeated_crashes_retire_the_group_while_the_rest_serves(
     assert report.updated == ["g0"], report
     for _ in range(3):
         assert fleet.generate([1, 2], sampling_params={"max_new_tokens": 1}).group_id == "g0"
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     assert_replays(fleet, tmp_path)
 
 
@@ -274,7 +274,7 @@ def test_two_groups_fail_at_once_while_a_third_serves(
     assert {r.group_id for r in journal.restarts} == {"g1", "g2"}
     report = step(fleet, trainer, 2, seed=8)
     assert report.ok and sorted(report.updated) == ["g0", "g1", "g2"], report
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     assert_replays(fleet, tmp_path)
 
 
@@ -307,5 +307,5 @@ def test_a_crash_as_the_rollout_ends_is_skipped_then_picked_up(
     again = wait_recovery(fleet, "g1", 2)
     assert again.status == "active", again
     assert len(results_for(fleet, "g1")) == 2
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     assert_replays(fleet, tmp_path)

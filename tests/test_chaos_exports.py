@@ -253,7 +253,7 @@ def test_a_late_export_is_abandoned_suspends_immediate_recovery_then_rearms(
     assert suspended.strategy == "targeted_push" and suspended.export_version is None, suspended
     assert any(s.name == "lease" and "suspended" in s.detail for s in suspended.steps), suspended
     assert [(r.group_id, r.model_path) for r in journal.restarts] == [("g1", None)]
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
 
     # K = 2 on-time exports re-arm it.
     report4 = step(fleet, trainer, 4, seed=14)
@@ -271,7 +271,7 @@ def test_a_late_export_is_abandoned_suspends_immediate_recovery_then_rearms(
     assert rearmed.export_version == 5
     assert journal.restarts[-1].model_path == str(root / "hf-v5")
     assert all("hf-v2" not in (r.model_path or "") for r in journal.restarts)
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     assert_no_leases(fleet)
     assert_exports_sound(root)
     assert [p.name for p in final_dirs(root)] == ["hf-v4", "hf-v5"]  # retention keeps 2
@@ -308,13 +308,13 @@ def test_sigkill_while_a_restart_loads_the_export_retries_and_releases_the_lease
     g1 = fleet.registry.get("g1")
     assert g1.state == "active" and g1.machine.restart_budget == 1  # two claims of 3
     assert_no_leases(fleet)
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     # The next step reaches both groups; the (unleased) v1 export is retired normally.
     report = step(fleet, trainer, 2, seed=22)
     assert sorted(report.updated) == ["g0", "g1"], report
     ready_export(fleet, 2)
     assert_no_leases(fleet)
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     assert_exports_sound(root)
     assert_replays(fleet, tmp_path)
 
@@ -396,7 +396,7 @@ def test_an_export_writer_killed_mid_write_leaves_nothing_partial_and_is_never_u
         assert wait_for(lambda: loop.served["g0"] > served)
     assert first.status == "active" and first.strategy == "immediate", first
     assert first.export_version == 1, first
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
 
     # The fleet's next export (of that same version) removes the stale temp dir and publishes.
     report = step(fleet, trainer, 2, seed=32)
@@ -416,5 +416,5 @@ def test_an_export_writer_killed_mid_write_leaves_nothing_partial_and_is_never_u
         str(root / "hf-v2"),
     ]
     assert_no_leases(fleet)
-    assert_fleet_sound(fleet, journal, trainer.checksum())
+    assert_fleet_sound(fleet, journal, trainer.weights())
     assert_replays(fleet, tmp_path)

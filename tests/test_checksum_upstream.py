@@ -23,10 +23,12 @@ import torch
 from engine_helpers import (
     EngineProcess,
     module_engine,
+    sglang_digests,
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
 )
 from test_engine_sglang import hf_state
+from transport_helpers import Trainer, target
 
 import rollsafe.checksum as ck
 from rollsafe.adapters.engines.sglang import SGLangClient
@@ -39,7 +41,14 @@ from rollsafe.checksum import (
     weights_checksum,
 )
 from rollsafe.engine_layout import EngineLayout, vllm_cpu_emptied, vllm_rank_digests
-from rollsafe.fleet.weights_check import read_config
+from rollsafe.fleet.weights_check import (
+    check_engine,
+    read_config,
+    sglang_model_digest,
+    sglang_rank_digests,
+)
+from rollsafe.transports import IPCTransport
+from rollsafe.wire.bucket import pack_buckets, serialize_bucket
 
 M32 = 0xFFFFFFFF
 M64 = (1 << 64) - 1
@@ -220,11 +229,21 @@ def vll(request: pytest.FixtureRequest, tiny_model_dir: Path) -> EngineProcess: 
 PARALLELISM_KEYS = {"role", "tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size"}
 
 
+def _rank_shard(t: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """Rows ``[rank * n / ranks, (rank + 1) * n / ranks)`` of ``t`` (a column-parallel shard)."""
+    step = t.shape[0] // ranks
+    return t[rank * step : (rank + 1) * step]
+
+
 def test_sglang_weights_checker_checksum_shape(
     sgl: EngineProcess,
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
-    want = weights_checksum(hf_state(tiny_model_dir), "sglang-cpu")  # a CPU engine
+    """As a real SGLang with TP 2 answers: per rank its model's own parameters (``qkv_proj``,
+    ``gate_up_proj`` fused), that rank's shards, SGLang's host hash on a CPU engine."""
+    state = hf_state(tiny_model_dir)
+    want = sglang_digests(state, ranks=2)  # trainer side: rollsafe.fleet.weights_check
+    hf_parts = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     for r in (sgl.get("/weights_checker"), sgl.post("/weights_checker", {"action": "checksum"})):
         assert r.status_code == 200, r.text
         body = r.json()
@@ -233,14 +252,91 @@ def test_sglang_weights_checker_checksum_shape(
         assert len(body["ranks"]) == 2  # one ChecksumInfo per TP rank
         for tp_rank, info in enumerate(body["ranks"]):
             assert set(info) == {"checksums", "per_gpu_checksum", "parallelism_info"}
-            assert all(HEX16.match(v) for v in info["checksums"].values())
-            assert info["checksums"] == want["tensors"]
-            assert info["per_gpu_checksum"] == overall_checksum(info["checksums"]) == want["model"]
+            checksums = info["checksums"]
+            assert all(HEX16.match(v) for v in checksums.values())
+            assert len(checksums) == 15  # 2 layers of 6 parameters, embed_tokens, norm, lm_head
+            assert not any(f".{p}." in n for n in checksums for p in hf_parts)
+            assert checksums == want["ranks"][tp_rank]
+            # this rank's own shard, stacked here by hand: q (4 heads) and k, v (2 KV heads)
+            # each cut in two, gate and up each cut in two, then stacked; o_proj by columns
+            layer = "model.layers.1"
+            qkv = torch.cat(
+                [
+                    _rank_shard(state[f"{layer}.self_attn.{p}_proj.weight"], tp_rank, 2)
+                    for p in "qkv"
+                ]
+            )
+            gate_up = torch.cat(
+                [
+                    _rank_shard(state[f"{layer}.mlp.{p}_proj.weight"], tp_rank, 2)
+                    for p in ("gate", "up")
+                ]
+            )
+            o_proj = _rank_shard(state[f"{layer}.self_attn.o_proj.weight"].t(), tp_rank, 2).t()
+            lm_head = _rank_shard(state["lm_head.weight"], tp_rank, 2)  # vocab 512: no padding
+            for name, t in (
+                (f"{layer}.self_attn.qkv_proj.weight", qkv),
+                (f"{layer}.mlp.gate_up_proj.weight", gate_up),
+                (f"{layer}.self_attn.o_proj.weight", o_proj),
+                ("lm_head.weight", lm_head),
+                ("model.norm.weight", state["model.norm.weight"]),  # replicated
+            ):
+                assert checksums[name] == tensor_digest(t.contiguous(), "sglang-cpu"), name
+            assert info["per_gpu_checksum"] == overall_checksum(checksums)
             (par,) = info["parallelism_info"]  # one entry per runner role
             assert set(par) == PARALLELISM_KEYS | {"rank", "size"}
             assert par["role"] == "target" and par["tp_rank"] == tp_rank and par["tp_size"] == 2
         per_gpu = [i["per_gpu_checksum"] for i in body["ranks"]]
-        assert body["per_engine_checksum"] == per_engine_checksum(per_gpu)
+        assert per_gpu[0] != per_gpu[1]  # different shards
+        assert body["per_engine_checksum"] == per_engine_checksum(per_gpu) == want["model"]
+
+
+def test_sglang_skip_tensor_list_matches_sglang_names(
+    sgl: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """``skip_tensor_list`` substrings match SGLang's own (fused) names, for checksum, reset and
+    compare alike, as upstream's one skip rule: ``"qkv_proj"`` and ``"v_proj"`` (a substring of
+    ``qkv_proj``) leave the fused parameter out, ``"q_proj"`` matches nothing."""
+    full = sgl.checksum()["ranks"]
+
+    def checksum(skip: list[str]) -> list[dict[str, str]]:
+        r = sgl.post("/weights_checker", {"action": "checksum", "skip_tensor_list": skip})
+        assert r.status_code == 200, r.text
+        return [info["checksums"] for info in r.json()["ranks"]]
+
+    without_qkv = [{n: d for n, d in rank.items() if "qkv_proj" not in n} for rank in full]
+    assert len(without_qkv[0]) == len(full[0]) - 2
+    assert checksum(["qkv_proj"]) == without_qkv == checksum(["v_proj"])
+    assert checksum(["q_proj", "gate_proj"]) == full  # HF names: no SGLang name holds them
+    ok = {"success": True, "message": "Success."}
+    try:
+        assert sgl.post("/weights_checker", {"action": "snapshot"}).json() == ok
+        reset = {"action": "reset_tensors", "skip_tensor_list": ["qkv_proj", "lm_head"]}
+        assert sgl.post("/weights_checker", reset).json() == ok
+        after = sgl.checksum()["ranks"]
+        for before, now in zip(full, after, strict=True):
+            kept = {n for n in before if before[n] == now[n]}
+            assert kept == {n for n in before if "qkv_proj" in n or "lm_head" in n}
+        # compare names SGLang's parameters that differ, none of the kept ones
+        r = sgl.post("/weights_checker", {"action": "compare"})
+        assert r.status_code == 400 and r.json()["success"] is False
+        message = r.json()["message"]
+        assert "name=model.layers.0.mlp.gate_up_proj.weight " in message
+        assert "qkv_proj" not in message and "lm_head" not in message
+        assert "mlp.up_proj" not in message  # SGLang's names, never the HF parts
+        # skipping every changed parameter by its SGLang name, compare passes (and consumes it)
+        skip = ["gate_up_proj", "down_proj", "o_proj", "norm", "embed_tokens"]
+        assert (
+            sgl.post("/weights_checker", {"action": "compare", "skip_tensor_list": skip}).json()
+            == ok
+        )
+        r = sgl.post("/weights_checker", {"action": "compare"})
+        assert r.status_code == 400 and "no snapshot" in r.json()["message"]
+    finally:
+        r = sgl.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir)})
+        assert r.status_code == 200, r.text
+    assert sgl.checksum()["ranks"] == full
 
 
 def test_sglang_weights_checker_rejects_with_named_400(sgl: EngineProcess) -> None:
@@ -276,10 +372,11 @@ def test_sglang_snapshot_reset_compare(
     body = {"action": "reset_tensors", "skip_tensor_list": ["norm"]}
     assert sgl.post("/weights_checker", body).json() == ok
     after = sgl.checksum()
-    before = weights_checksum(hf_state(tiny_model_dir), after["algorithm"])
-    changed = {n for n in before["tensors"] if before["tensors"][n] != after["tensors"][n]}
-    assert changed and not any("norm" in n for n in changed)
-    assert all(("norm" in n) or (n in changed) for n in before["tensors"])
+    before = sglang_digests(hf_state(tiny_model_dir), 2, after["algorithm"])
+    for want, got in zip(before["ranks"], after["ranks"], strict=True):
+        changed = {n for n in want if want[n] != got[n]}
+        assert changed and not any("norm" in n for n in changed)
+        assert all(("norm" in n) or (n in changed) for n in want)
     r = sgl.post("/weights_checker", {"action": "compare"})
     assert r.status_code == 400 and r.json()["success"] is False
     assert r.json()["message"].startswith("check tensor equality failed")
@@ -289,6 +386,32 @@ def test_sglang_snapshot_reset_compare(
     assert sgl.post("/weights_checker", {"action": "compare"}).json() == ok
     # a draft runner does not exist here: nothing runs, nothing is reported
     assert sgl.post("/weights_checker", {"selector": "draft"}).json() == ok
+
+
+def test_sglang_compare_answers_tp_rank_0s_outcome(
+    sgl: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """Every rank compares its own parameters, but only TP rank 0 answers (upstream's
+    scheduler: only rank 0 talks to the tokenizer manager): a change in rank 1's shard alone
+    is not in the answer."""
+    ok = {"success": True, "message": "Success."}
+    state = hf_state(tiny_model_dir)
+    try:
+        assert sgl.post("/weights_checker", {"action": "snapshot"}).json() == ok
+        head = state["lm_head.weight"].clone()
+        head[400:] += 1  # vocabulary 512 over 2 ranks: rows 256-511 are rank 1's
+        (bucket,) = pack_buckets([("lm_head.weight", head)])
+        entry = serialize_bucket(bucket)
+        body = {"serialized_named_tensors": [entry, entry], "load_format": "flattened_bucket"}
+        assert sgl.post("/update_weights_from_tensor", body).status_code == 200
+        ranks = sgl.checksum()["ranks"]
+        want = sglang_digests(state, 2)["ranks"]
+        assert ranks[0] == want[0] and ranks[1]["lm_head.weight"] != want[1]["lm_head.weight"]
+        assert sgl.post("/weights_checker", {"action": "compare"}).json() == ok
+    finally:
+        r = sgl.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir)})
+        assert r.status_code == 200, r.text
 
 
 def test_sglang_client_checksum_equals_trainer_after_update(
@@ -302,12 +425,54 @@ def test_sglang_client_checksum_equals_trainer_after_update(
         assert r.status_code == 200, r.text
         got = client.weights_checksum()
         assert got.algorithm == "sglang-cpu" and got.weight_version is None
-        want = weights_checksum(hf_state(tiny_model_dir_b), got.algorithm)
-        assert dict(got.tensors) == want["tensors"] and got.model == want["model"]
-        assert len(got.ranks) == 2 and got.per_engine is not None
+        state = hf_state(tiny_model_dir_b)
+        config = read_config(tiny_model_dir_b)
+        want = sglang_rank_digests(state, config, tp_size=2, algorithm=got.algorithm)
+        assert [dict(r) for r in got.ranks] == want and got.per_engine is not None
+        assert got.model == got.per_engine == sglang_model_digest(state, config, tp_size=2)
+        # the HF-named digests never pass for SGLang's layout
+        hf = weights_checksum(state, got.algorithm)["tensors"]
+        assert got.check(hf).verdict == "unverified"
     finally:
         sgl.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir)})
         client.close()
+
+
+def test_fleet_check_of_a_two_rank_sglang_engine_after_a_sync(
+    sgl: EngineProcess,
+    tiny_model_dir: Path,  # noqa: F811
+    tiny_model_dir_b: Path,  # noqa: F811
+) -> None:
+    """The fleet's check (``check_engine``: the engine's checker against the trainer's weights
+    laid out as SGLang holds them) says equal after a sync into a TP 2 engine, tensor by
+    tensor per rank under SGLang's names, and names the fused parameter a change lands in."""
+    trainer = Trainer(tiny_model_dir_b)
+    trainer.perturb(5)
+    transport = IPCTransport(2, bucket_bytes=96 << 10)
+    client = SGLangClient(sgl.url)
+    config = read_config(tiny_model_dir_b)
+    try:
+        transport.register(trainer.weights(), 7)
+        report = transport.update([target("sgl", sgl, (0, 1), client)])
+        assert report.ok, report.results
+        check = check_engine(client, trainer.weights(), config)
+        assert check.verdict == "equal", check.summary()
+        assert len(check.names("equal")) == 2 * 15
+        assert "tp1:model.layers.0.self_attn.qkv_proj.weight" in check.names("equal")
+        changed = dict(trainer.weights())
+        changed["model.layers.1.self_attn.k_proj.weight"] = (
+            changed["model.layers.1.self_attn.k_proj.weight"] + 1
+        )
+        check = check_engine(client, changed, config)
+        assert check.verdict == "differs"
+        assert check.names("differs") == [
+            "tp0:model.layers.1.self_attn.qkv_proj.weight",
+            "tp1:model.layers.1.self_attn.qkv_proj.weight",
+        ]
+    finally:
+        transport.close()
+        client.close()
+        sgl.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir)})
 
 
 def test_vllm_weight_checker_shapes(
@@ -439,7 +604,8 @@ def test_a_real_sglangs_fused_parameters_are_checked_in_its_layout() -> None:
     along dim 0) and ``gate_up_proj`` (gate, up), as its GPU run reported them (35 HF-named
     tensors equal, 40 HF parts missing, 16 fused ones unexpected before this layout). The
     trainer's side, stacked here by hand, must then compare equal; one changed part differs;
-    an engine that reports HF names (the reference engine) keeps the HF layout."""
+    HF-named digests (what the reference engine reported before it answered as SGLang does)
+    are never "equal"."""
     from rollsafe.fleet.weights_check import expected_digests
     from rollsafe.ports import WeightsChecksum
 
@@ -473,4 +639,5 @@ def test_a_real_sglangs_fused_parameters_are_checked_in_its_layout() -> None:
 
     hf = dict(ck.weights_checksum(weights, "sglang-gpu")["tensors"])
     as_hf = WeightsChecksum(None, None, hf, "sglang-gpu", ranks=(hf,))
-    assert as_hf.check(expected_digests(weights, as_hf, config, dialect="sglang")).equal
+    check = as_hf.check(expected_digests(weights, as_hf, config, dialect="sglang"))
+    assert check.verdict == "unverified" and check.names("missing") and check.names("unexpected")

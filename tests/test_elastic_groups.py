@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import pid_alive, tiny_model_dir  # noqa: F401  (fixture)
+from engine_helpers import pid_alive, sglang_digests, tiny_model_dir  # noqa: F401  (fixture)
 
-from rollsafe.checksum import weights_checksum
 from rollsafe.errors import InvalidArgument
 from rollsafe.fleet import FleetConfig, GroupSpec, RolloutFleet
 from rollsafe.registry import UnknownGroup
@@ -43,7 +42,7 @@ def test_an_added_group_catches_up_before_it_is_routed_and_a_removed_one_never_r
     with RolloutFleet(cfg) as fleet:
         weights = _bumped(tiny_model_dir, 0.01)
         assert fleet.sync_weights(weights, 1).ok
-        want = weights_checksum(weights)["model"]
+        want = sglang_digests(weights)["model"]
 
         # -- add: started on the initial weights (v0), behind the fleet's v1
         gid = fleet.add_group(GroupSpec(1))
@@ -109,7 +108,7 @@ def test_an_added_group_catches_up_before_it_is_routed_and_a_removed_one_never_r
         weights2 = _bumped(tiny_model_dir, 0.02)
         report = fleet.sync_weights(weights2, 2)
         assert report.ok and sorted(report.updated) == ["g1", "g2"], report
-        want2 = weights_checksum(weights2)["model"]
+        want2 = sglang_digests(weights2)["model"]
         sums = fleet.checksums()
         assert sums["g1"] == sums["g2"] == want2
         snap = fleet.snapshot()["placement"]

@@ -19,13 +19,13 @@ from engine_helpers import (
     EngineProcess,
     EngineStartError,
     module_engine,
+    sglang_digests,
     start_engine,
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
 )
 from test_engine_sglang import PROMPT, hf_state
 
-from rollsafe.checksum import weights_checksum
 from rollsafe.wire.bucket import pack_buckets, serialize_bucket
 
 pytestmark = pytest.mark.gpu
@@ -112,9 +112,10 @@ def test_checksum_on_cuda_matches_the_checkpoint(
     cuda_engine: EngineProcess,
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
-    got = cuda_engine.checksum()  # two ranks: lm_head gathered through host copies
-    want = weights_checksum(hf_state(tiny_model_dir), got["algorithm"])  # sglang-gpu
-    assert got["tensors"] == want["tensors"] and got["model"] == want["model"]
+    got = cuda_engine.checksum()  # each rank's own parameters, SGLang's GPU hash
+    want = sglang_digests(hf_state(tiny_model_dir), len(got["ranks"]), got["algorithm"])
+    assert got["algorithm"] == "sglang-gpu"
+    assert got["ranks"] == want["ranks"] and got["model"] == want["model"]
 
 
 def test_cuda_ipc_flattened_buckets_update(
@@ -139,7 +140,9 @@ def test_cuda_ipc_flattened_buckets_update(
         )
         assert r.status_code == 200, r.text
     got = cuda_engine.checksum()
-    assert got["model"] == weights_checksum(cuda_state_b, got["algorithm"])["model"]
+    assert (
+        got["model"] == sglang_digests(cuda_state_b, len(got["ranks"]), got["algorithm"])["model"]
+    )
     assert got["weight_version"] == "cuda-ipc"
     assert_greedy_matches(generate(cuda_engine), tiny_model_dir_b, PROMPT)
 
@@ -157,7 +160,8 @@ def test_release_resume_and_disk_reload_on_cuda(
     )
     assert r.status_code == 200, r.text
     got = cuda_engine.checksum()
-    assert got["model"] == weights_checksum(hf_state(tiny_model_dir), got["algorithm"])["model"]
+    want = sglang_digests(hf_state(tiny_model_dir), len(got["ranks"]), got["algorithm"])
+    assert got["model"] == want["model"]
     assert_greedy_matches(generate(cuda_engine), tiny_model_dir, PROMPT)
 
 
@@ -194,7 +198,9 @@ def test_nccl_rank_group_on_two_gpus(tiny_model_dir: Path) -> None:  # noqa: F81
     try:
         assert_greedy_matches(generate(eng), tiny_model_dir, PROMPT)
         got = eng.checksum()
-        assert got["model"] == weights_checksum(hf_state(tiny_model_dir), got["algorithm"])["model"]
+        assert (
+            got["model"] == sglang_digests(hf_state(tiny_model_dir), 2, got["algorithm"])["model"]
+        )
     finally:
         eng.stop()
 

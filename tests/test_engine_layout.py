@@ -28,6 +28,8 @@ from rollsafe.engine_layout import (
     EngineLayout,
     LayoutError,
     checker_key,
+    engine_name,
+    iter_rank_tensors,
     packed_modules,
     vllm_checker_digests,
     vllm_cpu_emptied,
@@ -135,6 +137,54 @@ def test_vocab_rows_padded_to_64_with_zeros() -> None:
     assert r0.shape == r1.shape == (64, 8)
     assert torch.equal(r0, emb[:64] + 1) and torch.equal(r1[:36], emb[64:] + 1)
     assert not r1[36:].any()
+
+
+def test_sglang_pads_the_vocabulary_to_split_over_the_ranks() -> None:
+    """SGLang's ``VocabParallelEmbedding``: where the vocabulary padded to 64 does not split
+    evenly over the ranks, it is padded to a multiple of ``64 * tp`` instead (vLLM refuses
+    such a TP size); where it splits, both engines hold the same rows."""
+    emb = torch.randn(100, 8)
+    rule = VLLM_PACKED_MODULES["LlamaForCausalLM"]
+    config = {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 1}
+    three = EngineLayout.from_config(config, tp_size=3, engine="sglang")
+    assert three.vocab_pad_per_rank and three.packed == rule
+    shards = [vllm_tensors({"lm_head.weight": emb}, three, r)["lm_head.weight"] for r in range(3)]
+    assert [s.shape for s in shards] == [(64, 8)] * 3  # 100 -> 192 rows (128 does not split)
+    assert torch.equal(torch.cat(shards)[:100], emb) and not torch.cat(shards)[100:].any()
+    two = EngineLayout.from_config(config, tp_size=2, engine="sglang")
+    vllm_two = EngineLayout.from_config(config, tp_size=2)
+    assert not vllm_two.vocab_pad_per_rank
+    for r in range(2):
+        a, b = (vllm_tensors({"lm_head.weight": emb}, lay, r) for lay in (two, vllm_two))
+        assert torch.equal(a["lm_head.weight"], b["lm_head.weight"])
+    with pytest.raises(LayoutError, match="engine"):
+        EngineLayout.from_config(config, engine="trt")
+    # a config saved on its own (no architectures): the class transformers builds for its type
+    bare = EngineLayout.from_config({"model_type": "llama", "num_key_value_heads": 2})
+    assert bare.packed == rule
+    with pytest.raises(LayoutError, match="architectures"):
+        EngineLayout.from_config({"model_type": "no-such-model"})
+
+
+def test_rank_tensors_one_parameter_at_a_time(tiny: tuple[dict, dict]) -> None:
+    state, config = tiny
+    layout = EngineLayout.from_config(config, tp_size=2, engine="sglang")
+    for r in range(2):
+        parts = list(iter_rank_tensors(state, layout, r))
+        assert all(len(p) == 1 for p in parts)
+        whole = vllm_tensors(state, layout, r)
+        merged = {n: t for p in parts for n, t in p.items()}
+        assert merged.keys() == whole.keys()
+        assert all(torch.equal(merged[n], whole[n]) for n in whole)
+    # each rank's parameters on the HF tensors' own device (device=None), or the host
+    kept = vllm_tensors(state, layout, 0, device=None)
+    assert {t.device.type for t in kept.values()} == {"cpu"}
+    tied = EngineLayout.from_config({**config, "tie_word_embeddings": True}, engine="sglang")
+    assert {"lm_head.weight"} & {n for p in iter_rank_tensors(state, tied) for n in p} == set()
+    rule = layout.packed
+    assert engine_name(f"{L0}.self_attn.k_proj.weight", rule) == f"{L0}.self_attn.qkv_proj.weight"
+    assert engine_name(f"{L0}.mlp.up_proj.weight", rule) == f"{L0}.mlp.gate_up_proj.weight"
+    assert engine_name("lm_head.weight", rule) == "lm_head.weight"
 
 
 def test_tied_embeddings_and_dtype(tiny: tuple[dict, dict]) -> None:

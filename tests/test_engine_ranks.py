@@ -24,6 +24,7 @@ from engine_helpers import (
     join_weight_group,
     module_engine,
     pid_alive,
+    sglang_digests,
     start_engine,
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
@@ -32,7 +33,6 @@ from engine_helpers import (
 from test_engine_sglang import GREEDY, PROMPT, hf_greedy, hf_state
 
 from rollsafe.adapters.reference_engine.bootstrap import START_FAULT_ENV
-from rollsafe.checksum import weights_checksum
 from rollsafe.wire.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
 
 PROBE_DEADLINE_S = 5.0
@@ -74,8 +74,9 @@ def test_two_ranks_generate_like_transformers(
     r = engine2.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"] == hf_greedy(tiny_model_dir, PROMPT, 12)
-    got = engine2.checksum()  # lm_head is gathered from both ranks
-    assert got["model"] == weights_checksum(hf_state(tiny_model_dir))["model"]
+    got = engine2.checksum()  # each rank its own shards, as a real SGLang with TP 2
+    want = sglang_digests(hf_state(tiny_model_dir), ranks=2)
+    assert got["ranks"] == want["ranks"] and got["model"] == want["model"]
 
 
 def test_two_ranks_tensor_update_one_entry_per_rank(
@@ -94,7 +95,7 @@ def test_two_ranks_tensor_update_one_entry_per_rank(
             },
         )
         assert r.status_code == 200, r.text
-    assert engine2.checksum()["model"] == weights_checksum(state)["model"]
+    assert engine2.checksum()["model"] == sglang_digests(state, ranks=2)["model"]
     r = engine2.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
     assert r.json()["output_ids"] == hf_greedy(tiny_model_dir_b, PROMPT, 12)
 
@@ -125,7 +126,8 @@ def test_two_ranks_distributed_update(
     t.join(60)
     assert res["upd"].status_code == 200, res["upd"].text
     got = engine2.checksum()
-    assert got["model"] == weights_checksum(state)["model"] and got["weight_version"] == "D2"
+    assert got["model"] == sglang_digests(state, ranks=2)["model"]
+    assert got["weight_version"] == "D2"
     assert engine2.post("/destroy_weights_update_group", {"group_name": "g2"}).status_code == 200
 
 

@@ -18,11 +18,11 @@ from engine_helpers import (
     EngineProcess,
     join_weight_group,
     module_engine,
+    sglang_digests,
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
 )
 
-from rollsafe.checksum import weights_checksum
 from rollsafe.wire.bucket import pack_buckets, serialize_bucket, serialize_named_tensors
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
@@ -168,8 +168,11 @@ def test_checksum_matches_loaded_state_dict(
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
     got = fresh.checksum()
-    want = weights_checksum(hf_state(tiny_model_dir))
-    assert got["weight_version"] == "A"
+    want = sglang_digests(hf_state(tiny_model_dir))  # SGLang's fused parameters, one rank
+    assert (
+        got["weight_version"] == "A"
+        and "model.layers.0.self_attn.qkv_proj.weight" in got["tensors"]
+    )
     assert got["tensors"] == want["tensors"] and got["model"] == want["model"]
 
 
@@ -183,7 +186,7 @@ def test_update_from_disk_changes_weights_and_generation(
         {"model_path": str(tiny_model_dir_b), "weight_version": "B", "abort_all_requests": True},
     )
     assert r.status_code == 200 and r.json()["success"], r.text
-    assert fresh.checksum()["model"] == weights_checksum(hf_state(tiny_model_dir_b))["model"]
+    assert fresh.checksum()["model"] == sglang_digests(hf_state(tiny_model_dir_b))["model"]
     after = generate(fresh, input_ids=PROMPT, sampling_params=GREEDY)
     assert after["meta_info"]["weight_version"] == "B"
     assert after["output_ids"] == hf_greedy(tiny_model_dir_b, PROMPT, 12)
@@ -209,7 +212,7 @@ def test_update_from_tensor_shared_memory_buckets(
         )
         assert r.status_code == 200, r.text
     got = fresh.checksum()
-    assert got["model"] == weights_checksum(state)["model"] and got["weight_version"] == "T"
+    assert got["model"] == sglang_digests(state)["model"] and got["weight_version"] == "T"
 
 
 def test_update_from_distributed_gloo(
@@ -245,7 +248,7 @@ def test_update_from_distributed_gloo(
         t.join(60)
         assert results["upd"].status_code == 200, results["upd"].text
     got = fresh.checksum()
-    assert got["model"] == weights_checksum(state)["model"] and got["weight_version"] == "D"
+    assert got["model"] == sglang_digests(state)["model"] and got["weight_version"] == "D"
     r = fresh.post("/destroy_weights_update_group", {"group_name": "g1"})
     assert r.status_code == 200, r.text
 
@@ -446,7 +449,7 @@ def test_weight_version_changes_only_with_the_call_that_carries_it_and_commits(
     r = _push(fresh, serialize_bucket(buckets[-1]), "V", load_format="flattened_bucket")
     assert r.status_code == 200 and "weight_version=V" in r.json()["message"], r.text
     got = fresh.checksum()
-    assert got["weight_version"] == "V" and got["model"] == weights_checksum(state)["model"]
+    assert got["weight_version"] == "V" and got["model"] == sglang_digests(state)["model"]
     out = generate(fresh, input_ids=PROMPT, sampling_params=GREEDY)
     assert out["meta_info"]["weight_version"] == "V"
     # the last call failing (after the others committed) keeps the old version too

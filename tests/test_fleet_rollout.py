@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import pid_alive, tiny_model_dir  # noqa: F401  (fixture)
+from engine_helpers import pid_alive, sglang_digests, tiny_model_dir  # noqa: F401  (fixture)
 
-from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import (
     FleetConfig,
     FleetConfigError,
@@ -182,8 +181,9 @@ def test_start_generate_sync_timeline_and_close(tiny_model_dir: Path, tmp_path: 
         weights = {n: p.detach() for n, p in model.named_parameters()}
         report = fleet.sync_weights(weights, 1)
         assert report.ok and report.updated == ["g0", "g1"], report
-        want = weights_checksum(weights)["model"]
-        assert fleet.checksums() == {"g0": want, "g1": want}
+        # each group's SGLang checker: its own parameters, g1's two ranks their shards
+        want = {"g0": sglang_digests(weights)["model"], "g1": sglang_digests(weights, 2)["model"]}
+        assert fleet.checksums() == want
         assert fleet.exporter is not None
         fleet.exporter.wait_hf_export(1, timeout=60)
         fleet.pause()
@@ -230,7 +230,7 @@ def test_nccl_fleet_takes_its_backend_and_bucket_size(
         assert report.ok, report
         assert tr.resolved_backend() == "gloo"  # None: chosen by the weights' device (CPU)
         assert len(tr.plans) > 1  # the small buckets were used
-        assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
+        assert fleet.checksums() == {"g0": sglang_digests(weights)["model"]}
 
 
 def test_disk_fleet_loads_each_version_from_its_own_export(
@@ -261,7 +261,7 @@ def test_disk_fleet_loads_each_version_from_its_own_export(
         # the sync wrote the export once, loaded both groups from it, and did not export again
         assert report.export_started and report.export_error is None
         assert fleet.exporter is not None and fleet.exporter.latest_ready(1) is not None
-        want = weights_checksum(weights)["model"]
+        want = sglang_digests(weights)["model"]
         assert fleet.checksums() == {"g0": want, "g1": want}
     with pytest.raises(FleetConfigError) as info:
         DiskSettings(request_timeout_s=0)

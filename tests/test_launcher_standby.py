@@ -23,7 +23,13 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("torch")
 
-from engine_helpers import all_gone, repo_env, tiny_model_dir, wait_for  # noqa: F401  (fixture)
+from engine_helpers import (  # noqa: F401  (fixture)
+    all_gone,
+    repo_env,
+    sglang_digests,
+    tiny_model_dir,
+    wait_for,
+)
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec
 from rollsafe.fleet import FleetConfig, FleetConfigError, GroupSpec, HealthSettings, RolloutFleet
@@ -373,8 +379,6 @@ def test_fleet_config_plumbs_warm_standby(tiny_model_dir: Path, tmp_path: Path) 
 def test_fleet_recovery_restarts_on_the_standby(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     from transformers import AutoModelForCausalLM
 
-    from rollsafe.checksum import weights_checksum
-
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     weights = {n: p.detach() for n, p in model.named_parameters()}
     cfg = FleetConfig(
@@ -402,7 +406,7 @@ def test_fleet_recovery_restarts_on_the_standby(tiny_model_dir: Path, tmp_path: 
         assert result.standby_at_restart == "ready" and result.restart_source == "ready_standby"
         assert launcher.last_start_from_standby and launcher.pid not in (standby, crashed)
         assert launcher.standby_pid == standby and launcher.standby_state == "ready"
-        assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
+        assert fleet.checksums() == {"g0": sglang_digests(weights)["model"]}
         assert fleet.generate([1, 2], sampling_params={"max_new_tokens": 2}).group_id == "g0"
         assert launcher.wait_standby(STANDBY_WAIT_S)
         pids = [launcher.pid, launcher.standby_pid]

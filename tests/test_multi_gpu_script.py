@@ -177,6 +177,28 @@ def test_checkpoint_engine_reports_fold_into_one_record(script_module: ModuleTyp
     assert again["want"] == agg["want"]
 
 
+def test_checkpoint_engine_ranks_share_out_sglangs_parameters(script_module: ModuleType) -> None:
+    """The checkpoint-engine ranks' expected digests: SGLang's own (fused) parameters dealt
+    over the ranks, every one once, folding into what a one-rank engine's checker reports."""
+    from rollsafe.checksum import model_digest
+    from rollsafe.fleet.weights_check import sglang_model_digest
+
+    cfg, shapes = script_module.model_config("smoke")
+    weights = script_module.build_weights(shapes, torch.device("cpu"), seed=3)
+    shares = [script_module.engine_share(cfg, list(weights), r, 2) for r in range(2)]
+    n_keys = len(script_module.engine_share(cfg, [n for n, _ in shapes], 0, 1))
+    assert not set(shares[0]) & set(shares[1]) and len(shares[0]) + len(shares[1]) == n_keys
+    names = {n for share in shares for n in share}
+    assert any(n.endswith("self_attn.qkv_proj.weight") for n in names)
+    hf_parts = (".q_proj.weight", ".k_proj.weight", ".gate_proj.weight", ".mlp.up_proj.weight")
+    assert not any(n.endswith(hf_parts) for n in names)
+    digests: dict[str, str] = {}
+    for share in shares:
+        digests.update(script_module.share_digests(weights, cfg, share))
+    assert len(digests) == n_keys
+    assert model_digest(digests) == sglang_model_digest(weights, cfg)
+
+
 def test_checkpoint_engine_p2p_protocol_choice(script_module: ModuleType) -> None:
     choose = script_module.ce_p2p_choice
     assert choose("auto", ["mlx5_0"], True) == ("rdma", None)

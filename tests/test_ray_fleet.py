@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import pid_alive, tiny_model_dir  # noqa: F401  (fixture)
+from engine_helpers import pid_alive, sglang_digests, tiny_model_dir  # noqa: F401  (fixture)
 from ray_cluster import local_cluster, require_ray, wait_for
 
-from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RaySettings, RolloutFleet
 from rollsafe.registry import FleetError
 
@@ -130,8 +129,9 @@ def test_groups_on_two_nodes_serve_sync_over_nccl_and_recover_a_sigkill(
         weights = trained_weights(tiny_model_dir, 0.01)
         report = fleet.sync_weights(weights, 1)
         assert report.ok and report.updated == ["g0", "g1"], report
-        want = weights_checksum(weights)["model"]
-        assert fleet.checksums() == {"g0": want, "g1": want}
+        # each group's SGLang checker: its own parameters, g0's two ranks their shards
+        want = {"g0": sglang_digests(weights, 2)["model"], "g1": sglang_digests(weights)["model"]}
+        assert fleet.checksums() == want
 
         victim = groups["g1"]
         pid = victim.kill_rank(0)  # SIGKILL of the engine's rank on its node
@@ -147,7 +147,7 @@ def test_groups_on_two_nodes_serve_sync_over_nccl_and_recover_a_sigkill(
         assert result.status == "active", result
         assert victim.node_id == nodes["g1"] and victim.replacements == 0  # same node
         assert fleet.registry.get("g0").state == "active"
-        assert fleet.checksums() == {"g0": want, "g1": want}
+        assert fleet.checksums() == want
         out = victim.client.generate(PROMPT, sampling_params=GREEDY)
         assert out.weight_version == "1" and len(out.output_ids) == 6
         placer = fleet.placement.placer
@@ -168,7 +168,7 @@ def test_a_removed_node_takes_its_group_out_and_it_is_placed_again(
         assert set(nodes.values()) == worker_ids(cluster), nodes
         weights = trained_weights(tiny_model_dir, 0.02)
         assert fleet.sync_weights(weights, 1).ok
-        want = weights_checksum(weights)["model"]
+        want = sglang_digests(weights)["model"]
 
         driver = ray.get_runtime_context().get_node_id()  # never remove the driver's node
         lost = next(gid for gid in ("g1", "g0") if nodes[gid] != driver)
@@ -214,7 +214,7 @@ def test_a_lost_node_takes_all_its_groups_out_at_once_they_wait_for_room_and_a_n
         assert len(on_big) == 2, {g: h.node_id for g, h in groups.items()}
         weights = trained_weights(tiny_model_dir, 0.03)
         assert fleet.sync_weights(weights, 1).ok
-        want = weights_checksum(weights)["model"]
+        want = sglang_digests(weights)["model"]
         budget = {g: fleet.registry.get(g).machine.restart_budget for g in groups}
 
         cluster.remove_node(big, allow_graceful=False)
@@ -292,7 +292,7 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
             assert fleet.exporter is not None and fleet.placement.export_mover is not None
             weights = trained_weights(tiny_model_dir, 0.04)
             assert fleet.sync_weights(weights, 1).ok
-            want = weights_checksum(weights)["model"]
+            want = sglang_digests(weights)["model"]
             assert wait_for(lambda: fleet.exporter.latest_ready(1) is not None, 120)
             source = str(fleet.exporter.latest_ready(1).path)  # type: ignore[union-attr]
 
@@ -318,7 +318,7 @@ def test_a_re_placed_group_restarts_from_the_export_moved_to_its_node_and_a_dama
 
             weights2 = trained_weights(tiny_model_dir, 0.05)
             assert fleet.sync_weights(weights2, 2).ok
-            want2 = weights_checksum(weights2)["model"]
+            want2 = sglang_digests(weights2)["model"]
             assert wait_for(lambda: fleet.exporter.latest_ready(2) is not None, 120)
             fleet.snapshot()  # harvests the exports: v1's parcel is kept only while v1 is ready
             v1_ready = fleet.exporter.latest_ready(1) is not None
@@ -416,7 +416,7 @@ def test_groups_added_and_removed_during_rollouts_on_the_cluster(
             assert isinstance(first, RayEngineGroup)
             weights = trained_weights(tiny_model_dir, 0.07)
             assert fleet.sync_weights(weights, 1).ok
-            want = weights_checksum(weights)["model"]
+            want = sglang_digests(weights)["model"]
             threads = [threading.Thread(target=rollouts, args=(fleet,)) for _ in range(3)]
             for t in threads:
                 t.start()
@@ -496,7 +496,7 @@ def test_a_spare_kept_off_the_serving_node_takes_over_its_node_loss_and_a_lost_s
             assert registry.get("s0").state == "standby"
             weights = trained_weights(tiny_model_dir, 0.02)
             assert fleet.sync_weights(weights, 1).ok
-            want = weights_checksum(weights)["model"]
+            want = sglang_digests(weights)["model"]
             assert fleet.exporter is not None
             fleet.exporter.wait_hf_export(1, timeout=120)
 

@@ -31,10 +31,9 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import tiny_model_dir  # noqa: F401  (fixture)
+from engine_helpers import sglang_digests, tiny_model_dir  # noqa: F401  (fixture)
 from ray_cluster import local_cluster, require_ray, wait_for
 
-from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import (
     FleetConfig,
     GroupSpec,
@@ -222,7 +221,7 @@ def test_a_fleet_with_shared_exports_checks_them_at_start_and_syncs(
         weights = trained_weights(tiny_model_dir, 0.03)
         report = fleet.sync_weights(weights, 1)
         assert report.ok and report.updated == ["g0"], report
-        assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
+        assert fleet.checksums() == {"g0": sglang_digests(weights)["model"]}
         out = group.client.generate(PROMPT, sampling_params=GREEDY)
         assert out.weight_version == "1" and len(out.output_ids) == 6
 
@@ -257,7 +256,7 @@ def test_a_moved_export_is_pulled_to_the_engines_node_checked_and_loaded(
         assert pulled["path"] == str(dest / src.name) and not pulled["reused"]
         assert verify_hf_dir(pulled["path"], require_manifest=True).checksums_verified
         group.restart(model_path=pulled["path"], weight_version="2")  # load the moved export
-        assert group.client.weights_checksum().model == weights_checksum(weights)["model"]
+        assert group.client.weights_checksum().model == sglang_digests(weights)["model"]
         out = group.client.generate(PROMPT, sampling_params=GREEDY)
         assert out.weight_version == "2" and len(out.output_ids) == 6
 
@@ -351,7 +350,7 @@ def test_a_node_that_joins_is_checked_and_one_that_cannot_read_the_shared_root_t
             assert fleet.engine("g0").node_id == good.node_id  # type: ignore[attr-defined]
             assert ([good.node_id], False) in checked  # the real check, passed
             assert set(fleet.placement.unreadable_nodes) == {bad.node_id}
-            assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
+            assert fleet.checksums() == {"g0": sglang_digests(weights)["model"]}
             out = fleet.generate(PROMPT, sampling_params=GREEDY)
             assert out.group_id == "g0" and out.weight_version == "1"
     finally:

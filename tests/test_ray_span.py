@@ -27,10 +27,9 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import tiny_model_dir  # noqa: F401  (fixture)
+from engine_helpers import sglang_digests, tiny_model_dir  # noqa: F401  (fixture)
 from ray_cluster import local_cluster, require_ray, wait_for
 
-from rollsafe.checksum import weights_checksum
 from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RaySettings, RolloutFleet
 
 ray = require_ray()
@@ -124,7 +123,7 @@ def test_a_moved_export_reaches_every_slice_and_each_loads_its_own_copy(
         for path, node in zip(paths, group.node_ids, strict=True):
             assert node[:16] in path and Path(path, "config.json").is_file()
         group.restart(model_path=pulled["path"], weight_version="2")
-        assert group.client.weights_checksum().model == weights_checksum(weights)["model"]
+        assert group.client.weights_checksum().model == sglang_digests(weights, 4)["model"]
         out = group.client.generate(PROMPT, sampling_params=GREEDY)
         assert out.weight_version == "2" and len(out.output_ids) == 6
     finally:
@@ -172,8 +171,8 @@ def test_a_two_node_group_is_served_synced_recovered_and_placed_again_whole_afte
         weights = trained_weights(tiny_model_dir, 0.01)
         report = fleet.sync_weights(weights, 1)
         assert report.ok and report.updated == ["g0", "g1"], report
-        want = weights_checksum(weights)["model"]
-        assert fleet.checksums() == {"g0": want, "g1": want}
+        want = {"g0": sglang_digests(weights, 4)["model"], "g1": sglang_digests(weights)["model"]}
+        assert fleet.checksums() == want
 
         done = len(fleet.recoveries())
         wide.kill_rank(3)  # a rank of the second slice, on its node
@@ -183,7 +182,7 @@ def test_a_two_node_group_is_served_synced_recovered_and_placed_again_whole_afte
         ), fleet.snapshot()["recoveries"]
         assert fleet.recoveries()[-1].status == "active"
         assert wide.node_ids == slices and wide.replacements == 0  # restarted in place
-        assert fleet.checksums() == {"g0": want, "g1": want}
+        assert fleet.checksums() == want
 
         # a node under one slice (not the one-node group's) is lost while rollouts run
         doomed_id = next(n for n in slices if n != narrow.node_id)
@@ -228,7 +227,7 @@ def test_a_two_node_group_is_served_synced_recovered_and_placed_again_whole_afte
         alive = {str(n["NodeID"]) for n in ray.nodes() if n["Alive"]}
         assert len(again) == 2 and len(set(again)) == 2 and set(again) <= alive, again
         assert doomed_id not in again and wide.replacements >= 1
-        assert fleet.checksums() == {"g0": want, "g1": want}
+        assert fleet.checksums() == want
         out = wide.client.generate(PROMPT, sampling_params=GREEDY)
         assert out.weight_version == "1" and len(out.output_ids) == 6
         placer = fleet.placement.placer

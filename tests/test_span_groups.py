@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import tiny_model_dir  # noqa: F401  (fixture)
+from engine_helpers import sglang_digests, tiny_model_dir  # noqa: F401  (fixture)
 
 from rollsafe.adapters.engines import EngineSpec
 from rollsafe.adapters.ray import GroupPlacer
@@ -178,7 +178,6 @@ def test_a_two_slice_group_serves_syncs_every_rank_and_a_lost_slice_takes_it_out
 
     from rollsafe.adapters.engines import EngineLauncher
     from rollsafe.adapters.engines.sliced import SlicedLauncher
-    from rollsafe.checksum import weights_checksum
     from rollsafe.fleet import HealthSettings, RolloutFleet
 
     cfg = FleetConfig(
@@ -216,7 +215,7 @@ def test_a_two_slice_group_serves_syncs_every_rank_and_a_lost_slice_takes_it_out
         }
         report = fleet.sync_weights(weights, 1)
         assert report.ok and report.updated == ["g0"], report
-        want = weights_checksum(weights)["model"]
+        want = sglang_digests(weights, 4)["model"]  # its four ranks' shards
         assert fleet.checksums() == {"g0": want}
 
         done = len(fleet.recoveries())

@@ -19,7 +19,12 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("torch")
 
-from engine_helpers import all_gone, tiny_model_dir, wait_for  # noqa: F401  (fixture)
+from engine_helpers import (  # noqa: F401  (fixture)
+    all_gone,
+    sglang_digests,
+    tiny_model_dir,
+    wait_for,
+)
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, EngineStartError
 from rollsafe.processes import pid_alive
@@ -147,7 +152,6 @@ def test_the_fleet_knows_a_warming_standby_and_the_recovery_records_its_source(
     the crash's restart is a fresh spawn that beat the warming standby, and it is counted."""
     from transformers import AutoModelForCausalLM
 
-    from rollsafe.checksum import weights_checksum
     from rollsafe.fleet import FleetConfig, GroupSpec, HealthSettings, RolloutFleet
 
     prom = pytest.importorskip("prometheus_client")
@@ -209,7 +213,7 @@ def test_the_fleet_knows_a_warming_standby_and_the_recovery_records_its_source(
         assert "source=fresh_spawn (standby was warming)" in restart.detail
         assert fleet.recovery is not None
         assert fleet.recovery.summary()["by_restart_source"] == {"fresh_spawn": 1}
-        assert fleet.checksums() == {"g0": weights_checksum(weights)["model"]}
+        assert fleet.checksums() == {"g0": sglang_digests(weights)["model"]}
         standby = fleet.snapshot()["registry"]["groups"]["g0"]["standby"]
         assert standby["fallbacks"] == 1 and standby["raced"] == 1
         assert standby["last_start_source"] == "fresh_spawn"

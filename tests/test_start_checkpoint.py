@@ -194,7 +194,7 @@ def test_a_group_killed_before_the_first_sync_comes_back_from_the_start_checkpoi
 ) -> None:
     model = shutil.copytree(tiny_model_dir, tmp_path / "model")
     before = digests(model)
-    start_weights = Trainer(model).checksum()
+    start_weights = Trainer(model).weights()
     fleet, journal = chaos_fleet(
         model, tmp_path, [GroupSpec(1), GroupSpec(1)], initial_version=initial
     )
@@ -222,7 +222,7 @@ def test_a_group_killed_before_the_first_sync_comes_back_from_the_start_checkpoi
             fleet.exporter.wait_hf_export(version, timeout=WAIT_S)
         assert wait_for(lambda: fleet.export_states().get(initial) == "deleted")
         assert initial not in [r.version for r in fleet.exporter.exports()]
-        assert_fleet_sound(fleet, journal, trainer.checksum())
+        assert_fleet_sound(fleet, journal, trainer.weights())
         # the run is one of the verifier's model, started with the start checkpoint ready
         replayed = replay_run(load_run(fleet.record(tmp_path / "run", svg=False)).rows)
         assert replayed.ok, replayed.divergence.format() if replayed.divergence else ""

@@ -426,8 +426,9 @@ def test_gpu_broadcast_into_a_reference_engine_matches_checksums(
     tiny_model_dir_b: Path,  # noqa: F811
     engine_factory: Callable[..., Any],  # noqa: F811
 ) -> None:
+    from engine_helpers import sglang_digests
+
     from rollsafe.adapters.engines.sglang import SGLangClient
-    from rollsafe.checksum import weights_checksum
 
     eng = engine_factory(tiny_model_dir, extra_args=["--device", "cuda"])
     client = SGLangClient(eng.url, timeout=120.0)
@@ -443,7 +444,7 @@ def test_gpu_broadcast_into_a_reference_engine_matches_checksums(
         report = tr.update([target])
         assert report.ok, report.results
         got = client.weights_checksum()  # sglang-gpu: the engine's weights are on cuda
-        assert got.tensors == weights_checksum(weights_b, got.algorithm)["tensors"]
+        assert got.tensors == sglang_digests(weights_b, 1, got.algorithm)["tensors"]
         # the weight checker reports no version: read it where the engine publishes it
         info = httpx.get(f"{client.url}/get_server_info", timeout=30).json()
         assert info["weight_version"] == "2"
@@ -453,7 +454,7 @@ def test_gpu_broadcast_into_a_reference_engine_matches_checksums(
         assert report.ok, report.results
         weights_a = _load_dir(tiny_model_dir, "cpu")
         got = client.weights_checksum()
-        assert got.tensors == weights_checksum(weights_a, got.algorithm)["tensors"]
+        assert got.tensors == sglang_digests(weights_a, 1, got.algorithm)["tensors"]
         # a missing key outside the allow-list refuses before anything changes
         partial = dict(weights_b)
         partial.pop(sorted(partial)[0])
@@ -502,8 +503,9 @@ def test_gpu_p2p_over_tcp_pushes_ranks_in_a_world_of_one(
     """P2P without RDMA (Mooncake's TCP transport): needs Mooncake carried (``.mc/env.sh``)."""
     if not mooncake_available():
         pytest.skip("mooncake is not importable here (carry .mc: benchmarks/gpu/README.md)")
+    from engine_helpers import sglang_digests
+
     from rollsafe.adapters.engines.sglang import SGLangClient
-    from rollsafe.checksum import weights_checksum
 
     eng = engine_factory(tiny_model_dir, extra_args=["--device", "cuda"])
     client = SGLangClient(eng.url, timeout=120.0)
@@ -520,7 +522,7 @@ def test_gpu_p2p_over_tcp_pushes_ranks_in_a_world_of_one(
         assert tr.last_plan is not None and tr.last_plan.mode == "p2p"
         assert tr.last_plan.ps_ranks == [0]
         got = client.weights_checksum()
-        assert got.tensors == weights_checksum(weights_b, got.algorithm)["tensors"]
+        assert got.tensors == sglang_digests(weights_b, 1, got.algorithm)["tensors"]
     finally:
         tr.close()
         client.close()

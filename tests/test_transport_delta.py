@@ -22,6 +22,7 @@ from engine_helpers import (
     EngineProcess,
     engine_factory,  # noqa: F401  (fixture)
     module_engine,
+    sglang_digests,
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
 )
@@ -257,7 +258,6 @@ def test_a_fleet_syncs_deltas_and_a_recovered_group_gets_a_full_push_first(
     import prometheus_client as prom
     from transformers import AutoModelForCausalLM
 
-    from rollsafe.checksum import weights_checksum
     from rollsafe.fleet import FleetConfig, GroupSpec, NcclSettings, RolloutFleet
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
@@ -288,7 +288,7 @@ def test_a_fleet_syncs_deltas_and_a_recovered_group_gets_a_full_push_first(
             "g0": "delta",
             "g1": "delta",
         }
-        want = weights_checksum(weights)["model"]
+        want = sglang_digests(weights)["model"]
         assert set(fleet.checksums().values()) == {want}
         snap = fleet.snapshot()["delta"]
         assert snap["bases"] == {"g0": 2, "g1": 2}
@@ -321,7 +321,7 @@ def test_a_fleet_syncs_deltas_and_a_recovered_group_gets_a_full_push_first(
         assert recovery_push, records
         (row,) = recovery_push[-1].targets
         assert (row.kind, row.reason, row.ok) == ("full", "forced", True), row
-        want = weights_checksum(weights)["model"]
+        want = sglang_digests(weights)["model"]
         assert set(fleet.checksums().values()) == {want}
 
         samples = prom.generate_latest(registry).decode()

@@ -24,6 +24,7 @@ from engine_helpers import (
     EngineProcess,
     engine_factory,  # noqa: F401  (fixture)
     module_engine,
+    sglang_digests,
     tiny_model_dir,  # noqa: F401  (fixture)
     tiny_model_dir_b,  # noqa: F401  (fixture)
     wait_for,
@@ -31,7 +32,6 @@ from engine_helpers import (
 from transport_helpers import KillingClient, Trainer, assert_serves, target, transport_threads
 
 from rollsafe.adapters.engines import SGLangClient
-from rollsafe.checksum import weights_checksum
 from rollsafe.transports import NCCLTransport, NonFiniteWeights, RegisterError, TransportError
 from rollsafe.transports.contiguous import flatten_parameters
 
@@ -402,7 +402,7 @@ def test_nccl_trainer_and_engine_processes_on_gpus(
     report = tr.update([target("gpu", eng, (0,))])
     assert report.ok, report.results
     got = eng.checksum()
-    assert got["model"] == weights_checksum(weights, got["algorithm"])["model"]
+    assert got["model"] == sglang_digests(weights, 1, got["algorithm"])["model"]
     assert got["weight_version"] == "12"
 
 

@@ -1,8 +1,9 @@
 """Helpers shared by the weight-transport tests: trainer models, checks and a killing client.
 
 ``Trainer`` holds an HF model whose parameters are the trainer's weights; ``assert_serves``
-checks an engine's weight checker against :func:`rollsafe.checksum.weights_checksum` of the
-trainer tensors and its greedy output against ``transformers`` greedy on the trainer model.
+checks an engine's weight checker against what an SGLang holding the trainer tensors reports
+(:func:`engine_helpers.sglang_digests`: its fused parameters per TP rank) and its greedy output
+against ``transformers`` greedy on the trainer model.
 ``KillingClient`` wraps an engine client and SIGKILLs the engine's process group during its
 ``n``-th weight call (the call itself then fails), for mid-update crash tests.
 """
@@ -16,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine_helpers import EngineProcess
+from engine_helpers import EngineProcess, sglang_digests
 
 from rollsafe.adapters.engines import SGLangClient
-from rollsafe.checksum import weights_checksum
+from rollsafe.fleet.weights_check import sglang_model_digest
 from rollsafe.ports import EngineTarget
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -54,8 +55,10 @@ class Trainer:
         opt.step()
         self.model.zero_grad(set_to_none=True)
 
-    def checksum(self) -> str:
-        return weights_checksum(self.weights())["model"]
+    def checksum(self, ranks: int = 1) -> str:
+        """The model digest an SGLang-dialect engine of ``ranks`` TP ranks holding these
+        weights reports (``RolloutFleet.checksums()``, ``WeightsChecksum.model``)."""
+        return sglang_model_digest(self.weights(), self.model.config, tp_size=ranks)
 
     def greedy(self, prompt: list[int] = PROMPT, n: int = GREEDY["max_new_tokens"]) -> list[int]:
         with torch.no_grad():
@@ -85,8 +88,10 @@ def engine_greedy(eng: EngineProcess, prompt: list[int] = PROMPT) -> tuple[list[
 def assert_serves(eng: EngineProcess, trainer: Trainer, version: int) -> None:
     """The engine holds exactly the trainer's weights, at ``version``, and generates like it."""
     got = eng.checksum()
-    want = weights_checksum(trainer.weights(), got["algorithm"])
-    assert got["tensors"] == want["tensors"]
+    want = sglang_digests(
+        trainer.weights(), len(got["ranks"]), got["algorithm"], trainer.model.config
+    )
+    assert got["ranks"] == want["ranks"]
     assert got["model"] == want["model"]
     assert got["weight_version"] == str(version)
     ids, served = engine_greedy(eng)

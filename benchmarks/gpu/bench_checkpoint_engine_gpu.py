@@ -314,6 +314,7 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
 
     from rollsafe.adapters.engines.sglang import SGLangClient
     from rollsafe.checksum import model_digest, tensor_digest
+    from rollsafe.fleet.weights_check import read_config, sglang_rank_digests
     from rollsafe.ports import EngineTarget
     from rollsafe.transports.checkpoint_engine import (
         CheckpointEngineTransport,
@@ -373,9 +374,10 @@ def run_gpu(args: argparse.Namespace, res: Result) -> int:
                 "layers": args.layers or 36,
             },
         )
-        digests: dict[str, str] = {}
-        if not args.no_checksum:
-            t_sum, digests = timed(lambda: {n: tensor_digest(t) for n, t in weights.items()})
+        digests: dict[str, str] = {}  # as the engine's checker reports them: its own (fused)
+        if not args.no_checksum:  # parameters; "model.norm.weight" keeps its name there
+            config = read_config(model_dir)
+            t_sum, (digests,) = timed(lambda: sglang_rank_digests(weights, config))
             res.doc["weights"]["checksum_s"] = t_sum
         t_engine = time.monotonic()
         url = engine.wait()

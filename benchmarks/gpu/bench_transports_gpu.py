@@ -28,8 +28,9 @@ endpoints, in one run:
   so with >= 2 GPUs the engine runs on GPU 1 (backend nccl); with one GPU the same transport
   runs with backend gloo (CUDA tensors on both sides, host staging) and the row says so.
 
-Every transport result is verified: the engine's ``/weights_checksum`` equals
-:func:`rollsafe.checksum.weights_checksum` of the trainer tensors. The JSON at ``--out`` is
+Every transport result is verified: the engine's ``/weights_checker`` model digest equals
+:func:`rollsafe.fleet.weights_check.sglang_model_digest` of the trainer tensors (laid out as
+SGLang holds them). The JSON at ``--out`` is
 rewritten after every phase, so a time-out still leaves what was measured.
 
     python3 benchmarks/gpu/bench_transports_gpu.py --out /tmp/transports_gpu.json
@@ -62,7 +63,7 @@ from engine_helpers import free_port, start_engine  # noqa: E402
 from qwen3_shapes import qwen3_4b_shapes, qwen3_config, shapes_from_config  # noqa: E402
 
 from rollsafe.adapters.engines import SGLangClient  # noqa: E402
-from rollsafe.checksum import weights_checksum  # noqa: E402
+from rollsafe.fleet.weights_check import sglang_model_digest  # noqa: E402
 from rollsafe.ports import EngineTarget  # noqa: E402
 from rollsafe.transports import IPCTransport, NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
@@ -436,7 +437,7 @@ def main() -> int:
         f"({time.perf_counter() - t0:.1f}s)"
     )
     t0 = time.perf_counter()
-    want = weights_checksum(weights)["model"]
+    want = sglang_model_digest(weights, cfg)  # what the engine's checker reports (fused)
     result["phases"]["trainer_checksum_s"] = round(time.perf_counter() - t0, 2)
     base = copy_bandwidth(nbytes, device, args.repeats)
     result["phases"]["d2d_copy" if not smoke else "memcpy"] = base

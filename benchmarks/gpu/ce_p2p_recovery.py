@@ -18,7 +18,8 @@ devices) and two 1-rank groups of reference engines on the same GPU (``--device 
 
 Reported per phase: kill -> ``active``, the recovery's steps, the P2P push time and GB/s against
 the broadcast time of the same set, every engine's checksum against the trainer's
-(``client.weights_checksum()`` and ``rollsafe.checksum.weights_checksum(w, algorithm=...)``),
+(``client.weights_checksum()`` against the trainer's weights laid out as SGLang holds them,
+``rollsafe.fleet.weights_check.sglang_rank_digests``),
 requests the other group served meanwhile, and that no request reached the failed group while
 it was not ``active`` (registry dispatch counts by state, a 5 ms state/dispatch sampler, client
 records). The JSON (``--out``) is rewritten after every phase; a summary table is printed; the
@@ -68,7 +69,8 @@ from multi_gpu import (  # noqa: E402  (also sets NCCL_NVLS_ENABLE=0 before NCCL
 )
 
 from rollsafe.adapters.engines import EngineSpec  # noqa: E402
-from rollsafe.checksum import weights_checksum  # noqa: E402
+from rollsafe.checksum import overall_checksum, sglang_engine_digest  # noqa: E402
+from rollsafe.fleet.weights_check import sglang_rank_digests  # noqa: E402
 
 GiB = 1 << 30
 VICTIM = "g1-victim"
@@ -157,26 +159,29 @@ def rounded(x: float | None, nd: int = 3) -> float | None:
 
 # ================================================================================ checksums
 class Digests:
-    """The trainer's model digest per algorithm (computed once each: 8 GB take seconds)."""
+    """The trainer's digests as an SGLang engine holding its weights reports them (its fused
+    parameters per TP rank), per algorithm and TP size (computed once each: 8 GB take
+    seconds). ``config``: the model's config (``config.json`` as a dict)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
         self.weights = weights
-        self.cache: dict[str, str] = {}
-        self.per_tensor: dict[str, dict[str, str]] = {}
+        self.config = config
+        self.per_rank: dict[tuple[str, int], list[dict[str, str]]] = {}
         self.seconds: dict[str, float] = {}
 
-    def model(self, algorithm: str) -> str:
-        if algorithm not in self.cache:
+    def ranks(self, algorithm: str, tp_size: int = 1) -> list[dict[str, str]]:
+        key = (algorithm, tp_size)
+        if key not in self.per_rank:
             t0 = time.perf_counter()
-            full = weights_checksum(self.weights, algorithm=algorithm)
-            self.cache[algorithm] = full["model"]
-            self.per_tensor[algorithm] = dict(full["tensors"])
-            self.seconds[algorithm] = round(time.perf_counter() - t0, 2)
-        return self.cache[algorithm]
+            self.per_rank[key] = sglang_rank_digests(
+                self.weights, self.config, tp_size=tp_size, algorithm=algorithm
+            )
+            self.seconds[f"{algorithm}:tp{tp_size}"] = round(time.perf_counter() - t0, 2)
+        return self.per_rank[key]
 
-    def tensors(self, algorithm: str) -> dict[str, str]:
-        self.model(algorithm)
-        return self.per_tensor[algorithm]
+    def model(self, algorithm: str, tp_size: int = 1) -> str:
+        ranks = self.ranks(algorithm, tp_size)
+        return sglang_engine_digest([overall_checksum(r) for r in ranks])
 
 
 def engine_checksums(fleet: Any, digests: Digests, timeout: float) -> dict[str, Any]:
@@ -193,7 +198,8 @@ def engine_checksums(fleet: Any, digests: Digests, timeout: float) -> dict[str, 
         for gid, fut in futures.items():
             try:
                 got = fut.result()
-                want = digests.model(got.algorithm)
+                tp = max(1, len(got.ranks))
+                want = digests.model(got.algorithm, tp)
                 rows[gid] = {
                     "equal": got.model == want,
                     "engine_model": got.model,
@@ -201,13 +207,10 @@ def engine_checksums(fleet: Any, digests: Digests, timeout: float) -> dict[str, 
                     "algorithm": got.algorithm,
                 }
                 if got.model != want:  # name what differs
-                    mine = digests.tensors(got.algorithm)
-                    theirs = dict(got.tensors)
-                    rows[gid]["differ"] = sorted(
-                        n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n)
-                    )[:20]
-                    rows[gid]["only_engine"] = sorted(set(theirs) - set(mine))[:10]
-                    rows[gid]["only_trainer"] = sorted(set(mine) - set(theirs))[:10]
+                    check = got.check(digests.ranks(got.algorithm, tp))
+                    rows[gid]["differ"] = check.names("differs")[:20]
+                    rows[gid]["only_engine"] = check.names("unexpected")[:10]
+                    rows[gid]["only_trainer"] = check.names("missing")[:10]
             except Exception as exc:
                 rows[gid] = {"equal": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
     return {
@@ -455,7 +458,7 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
             gb = nbytes_of(weights) / 1e9
             syncs["broadcast_gb_s"] = rounded(gb / best if best else None)
             res.phase("syncs", syncs)
-            digests = Digests(weights)  # v3: the registered version, untouched from here on
+            digests = Digests(weights, cfg)  # v3: the registered version, untouched from here on
             a = crash_and_recover(fleet, rollout, args, expect="targeted_push")
             a["checksums"] = engine_checksums(fleet, digests, args.request_timeout_s)
             a["trainer_checksum_s"] = digests.seconds
@@ -488,7 +491,7 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
             b = crash_and_recover(fleet, rollout, args, expect="immediate")
             b["waited_for_export_s"] = wait_export_s
             b["mode_state"] = fleet.mode.state
-            digests = digests or Digests(weights)
+            digests = digests or Digests(weights, cfg)
             b["checksums"] = engine_checksums(fleet, digests, args.request_timeout_s)
             res.phase("immediate", b)
             res.check("immediate_active", b["status"] == "active" and b["strategy"] == "immediate")

@@ -140,7 +140,7 @@ def trainer(
     from multi_gpu import build_weights, model_config, nbytes_of
 
     from rollsafe.adapters.engines import SGLangClient
-    from rollsafe.checksum import weights_checksum
+    from rollsafe.fleet.weights_check import check_engine
     from rollsafe.ports import EngineTarget
     from rollsafe.transports.checkpoint_engine import CheckpointEngineTransport
 
@@ -157,7 +157,7 @@ def trainer(
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=dev,
         )
-        _, shapes = model_config("qwen3-4b", layers)
+        cfg, shapes = model_config("qwen3-4b", layers)
         weights = build_weights(shapes, dev, seed=5)
         torch.cuda.synchronize(dev)
         out["bytes"] = nbytes_of(weights)
@@ -199,9 +199,8 @@ def trainer(
             if not report.ok:
                 break
         t0 = time.perf_counter()
-        want = weights_checksum(weights)["model"]
-        got = client.weights_checksum(timeout=timeout_s).model
-        out["checksum_equal"] = got == want
+        # the engine's checker against the weights laid out as SGLang holds them (fused)
+        out["checksum_equal"] = check_engine(client, weights, cfg, timeout=timeout_s).equal
         out["checksum_s"] = round(time.perf_counter() - t0, 2)
         client.close()
     except BaseException as exc:

@@ -12,8 +12,9 @@ measured; phases that would start after ``--deadline-s`` are skipped and listed 
 2. ``nccl``: the trainer (this process, GPU 0) holds 8.04 GB of bf16 tensors with Qwen3-4B
    shapes and pushes them with :class:`~rollsafe.transports.NCCLTransport` (backend nccl) to one
    reference engine on each other GPU (``CUDA_VISIBLE_DEVICES`` per engine, ``--device cuda
-   --load-format dummy --dtype bfloat16``); every engine's ``/weights_checksum`` must equal
-   :func:`rollsafe.checksum.weights_checksum` of the trainer's tensors. Baselines in the same
+   --load-format dummy --dtype bfloat16``); every engine's ``/weights_checker`` digest must
+   equal :func:`rollsafe.fleet.weights_check.sglang_model_digest` of the trainer's tensors (laid
+   out as SGLang holds them: fused ``qkv_proj`` / ``gate_up_proj``). Baselines in the same
    run: a raw broadcast of one flat buffer of the same size from GPU 0 to the same number of
    receiver processes over one shared communicator, and (with 2+ receivers) over one 2-rank
    communicator per receiver, which is what the transport builds (one group per target).
@@ -101,7 +102,9 @@ from engine_helpers import EngineProcess, free_port, start_engine  # noqa: E402
 from qwen3_shapes import qwen3_config, shapes_from_config  # noqa: E402
 
 from rollsafe.adapters.engines import EngineLauncher, EngineSpec, SGLangClient  # noqa: E402
-from rollsafe.checksum import model_digest, weights_checksum  # noqa: E402
+from rollsafe.checksum import model_digest, tensor_digest  # noqa: E402
+from rollsafe.engine_layout import EngineLayout, engine_name, vllm_tensors  # noqa: E402
+from rollsafe.fleet.weights_check import sglang_model_digest  # noqa: E402
 from rollsafe.ports import EngineTarget  # noqa: E402
 from rollsafe.transports import NCCLTransport  # noqa: E402
 from rollsafe.transports.contiguous import contiguous_copy  # noqa: E402
@@ -856,7 +859,7 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
     assert ctx.pool is not None
     device, backend = layout.trainer_device, layout.backend
     kind = "smoke" if ctx.smoke else "qwen3-4b"
-    _, shapes = model_config(kind, None if ctx.smoke else args.layers)
+    cfg, shapes = model_config(kind, None if ctx.smoke else args.layers)
     out: dict[str, Any] = {
         "backend": backend,
         "model": "tiny Qwen3 (smoke)"
@@ -881,7 +884,7 @@ def phase_nccl(ctx: Ctx) -> dict[str, Any]:
         "build_s": round(time.perf_counter() - t0, 2),
     }
     t0 = time.perf_counter()
-    want = weights_checksum(weights)["model"]
+    want = sglang_model_digest(weights, cfg)  # what each one-rank engine's checker reports
     out["weights"]["checksum_s"] = round(time.perf_counter() - t0, 2)
     ctx.facts["phase2_want"] = want
     res.phase("nccl", out)
@@ -1036,11 +1039,9 @@ def _ce_rank(
     share rank 0, so each broadcast round updates them one after the other)."""
     import torch.distributed as dist
 
-    from rollsafe.checksum import tensor_digest
     from rollsafe.transports.checkpoint_engine import (
         CheckpointEngineTransport,
         P2PUnavailable,
-        partition_keys,
     )
 
     out: dict[str, Any] = {"rank": rank}
@@ -1056,18 +1057,19 @@ def _ce_rank(
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=dev,
         )
-        _, shapes = model_config("qwen3-4b", layers)
+        cfg, shapes = model_config("qwen3-4b", layers)
         weights = build_weights(shapes, dev, seed=3)
         torch.cuda.synchronize(dev)
         out["bytes"] = nbytes_of(weights)
-        # digests of the keys this rank's parameter server registers (the transport's own
-        # split), so the expected checksum is exact even if ranks' tensors differed, and the
-        # 8 GB digest is spread over the ranks
-        sizes = [(n, int(t.numel()) * t.element_size()) for n, t in weights.items()]
-        share = partition_keys(sizes, world)[rank]
+        # digests of this rank's share of the engines' own parameters (SGLang's fused layout,
+        # dealt round-robin over the ranks: every rank builds the same weights), so the 8 GB
+        # digest is spread over the ranks
+        share = engine_share(cfg, list(weights), rank, world)
         t0 = time.perf_counter()
-        out["digests"] = {n: tensor_digest(weights[n]) for n in share}
-        out["share_bytes"] = sum(b for n, b in sizes if n in set(share))
+        out["digests"] = share_digests(weights, cfg, share)
+        out["share_bytes"] = sum(
+            int(weights[n].numel()) * weights[n].element_size() for g in share.values() for n in g
+        )
         out["checksum_s"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
         tcp = p2p_protocol == "tcp"
@@ -1122,7 +1124,7 @@ def _ce_rank(
             for t in weights.values():
                 t.add_(1)
         torch.cuda.synchronize(dev)
-        out["digests_new"] = {n: tensor_digest(weights[n]) for n in share}
+        out["digests_new"] = share_digests(weights, cfg, share)
         tr.register(weights, SUBSET_VERSION)
         torch.cuda.synchronize(dev)
         dist.barrier()
@@ -1162,6 +1164,34 @@ def _ce_rank(
         with contextlib.suppress(Exception):
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def engine_share(
+    cfg: dict[str, Any], names: list[str], rank: int, world: int
+) -> dict[str, list[str]]:
+    """Rank ``rank``'s share (of ``world``) of the parameters a one-rank SGLang engine holds for
+    the HF tensors ``names``: engine name -> its HF parts, dealt round-robin in name order (a
+    tied ``lm_head`` is no parameter of its own)."""
+    layout = EngineLayout.from_config(cfg, engine="sglang")
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        if n == "lm_head.weight" and layout.tie_word_embeddings:
+            continue
+        groups.setdefault(engine_name(n, layout.packed), []).append(n)
+    return {g: groups[g] for g in sorted(groups)[rank::world]}
+
+
+def share_digests(
+    weights: dict[str, torch.Tensor], cfg: dict[str, Any], share: dict[str, list[str]]
+) -> dict[str, str]:
+    """SGLang's digests (on the weights' device) of the engine parameters in ``share``
+    (:func:`engine_share`), each laid out from its HF parts as SGLang holds it."""
+    layout = EngineLayout.from_config(cfg, engine="sglang")
+    out: dict[str, str] = {}
+    for parts in share.values():
+        fused = vllm_tensors({n: weights[n] for n in parts}, layout, device=None)
+        out.update({n: tensor_digest(t) for n, t in fused.items()})
+    return out
 
 
 def ce_aggregate(ranks: dict[int, dict[str, Any]], world: int, n_keys: int) -> dict[str, Any]:
@@ -1315,7 +1345,8 @@ def phase_checkpoint_engine(ctx: Ctx) -> dict[str, Any] | str:
                 proc.kill()
     out["wall_s"] = round(time.monotonic() - t0, 1)
     out["exit_codes"] = [p.exitcode for p in procs]
-    n_keys = len(model_config("qwen3-4b", args.layers)[1])
+    cfg, shapes = model_config("qwen3-4b", args.layers)
+    n_keys = len(engine_share(cfg, [n for n, _ in shapes], 0, 1))
     agg = ce_aggregate(ranks, world, n_keys)
     want, want_new = agg.pop("want"), agg.pop("want_new")
     out.update(agg)
@@ -1718,7 +1749,7 @@ def phase_targeted_recovery(ctx: Ctx) -> dict[str, Any]:
         out["backend"] = tr.resolved_backend() if isinstance(tr, NCCLTransport) else None
         device = layout.trainer_device
         weights = build_weights(shapes, device, seed=7)
-        want = weights_checksum(weights)["model"]
+        want = sglang_model_digest(weights, cfg)  # one-rank engines: their checkers' digest
         out["weights_bytes"] = nbytes_of(weights)
         t0 = time.monotonic()
         report = fleet.sync_weights(weights, 1)

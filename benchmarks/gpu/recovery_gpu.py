@@ -456,7 +456,7 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
             version = fleet.registry.fleet_version
             if version not in digests:
                 digests.clear()
-                digests[version] = Digests(weights)
+                digests[version] = Digests(weights, cfg)
             d = digests[version]
             row["checksums"] = engine_checksums(fleet, d, 120.0)
             row["trainer_checksum_s"] = dict(d.seconds)
@@ -489,7 +489,7 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
             ):
                 res.check(f"{name}_{key}", ok.get(f"{name}_{key}", True) and value)
         if time.monotonic() < deadline:
-            res.phase("checksums", checksum_timings(fleet, weights, args.checksum_repeats))
+            res.phase("checksums", checksum_timings(fleet, weights, cfg, args.checksum_repeats))
             c = res.doc["phases"]["checksums"]
             res.check("checksums_trainer_equals_engines", c["equal"])
     finally:
@@ -498,10 +498,13 @@ def run(args: argparse.Namespace, res: Result, tmp: Path) -> None:
         fleet.close()
 
 
-def checksum_timings(fleet: Any, weights: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
-    """Per-tensor digests of the whole set, timed: the trainer's (the engines' algorithm, on the
-    weights' device; the first call is cold) and each engine's own checker (over HTTP)."""
-    from rollsafe.checksum import weights_checksum
+def checksum_timings(
+    fleet: Any, weights: dict[str, torch.Tensor], cfg: dict[str, Any], repeats: int
+) -> dict[str, Any]:
+    """Per-tensor digests of the whole set, timed: the trainer's (laid out as SGLang holds it,
+    the engines' algorithm, on the weights' device; the first call is cold) and each engine's
+    own checker (over HTTP)."""
+    from rollsafe.fleet.weights_check import sglang_model_digest
 
     clients = {g.group_id: g.client for g in fleet.registry.groups() if g.client is not None}
     engine: dict[str, Any] = {}
@@ -512,14 +515,16 @@ def checksum_timings(fleet: Any, weights: dict[str, torch.Tensor], repeats: int)
             got = client.weights_checksum(timeout=120.0)
             times.append(round(time.perf_counter() - t0, 4))
         assert got is not None
-        engine[gid] = {"seconds": times, "algorithm": got.algorithm, "model": got.model}
-    algorithm = next(iter(engine.values()))["algorithm"] if engine else "sglang"
+        tp = max(1, len(got.ranks))
+        engine[gid] = {"seconds": times, "algorithm": got.algorithm, "model": got.model, "tp": tp}
+    first = next(iter(engine.values()), {"algorithm": "sglang", "tp": 1})
+    algorithm, tp = first["algorithm"], first["tp"]
     trainer_times, model = [], None
     for _ in range(repeats):
         if weights and next(iter(weights.values())).is_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model = weights_checksum(weights, algorithm=algorithm)["model"]
+        model = sglang_model_digest(weights, cfg, tp_size=tp, algorithm=algorithm)
         trainer_times.append(round(time.perf_counter() - t0, 4))
     ordered = sorted(trainer_times[1:]) or trainer_times
     return {

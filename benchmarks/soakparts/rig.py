@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,10 +210,6 @@ class Trainer:
         """The versions whose tensors are kept, oldest first."""
         with self._lock:
             return sorted(self.history)
-
-    def checksum(self, version: int) -> str | None:
-        weights = self.at(version)
-        return None if weights is None else digest_map(weights)
 
 
 # ====================================================================== the fleets
@@ -419,9 +415,3 @@ def pythonpath(repo: Path) -> Iterator[None]:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
-
-
-def digest_map(weights: Mapping[str, torch.Tensor]) -> str:
-    from rollsafe.checksum import weights_checksum
-
-    return str(weights_checksum(weights)["model"])

@@ -3,8 +3,8 @@
 :func:`check_groups` checks the ``active`` groups of one fleet against the trainer's tensors of
 the fleet's version:
 
-* the reference engine: its weight checker's digest (``fleet.checksums()``) equal to
-  :func:`rollsafe.checksum.weights_checksum` of the trainer's tensors;
+* the reference engine: its weight checker against the trainer's tensors, tensor by tensor in
+  SGLang's layout (``fleet.check_weights``: every tensor ``equal``);
 * the real vLLM: the layout-aware digests (``fleet.check_weights``: nothing ``differs`` or is
   missing; what a CPU vLLM reports no data for is ``no_data``) and the behavioural probe
   (:func:`rollsafe.probe.record_answers`: the greedy tokens of the fixed prompts), replayed on
@@ -62,16 +62,15 @@ def check_groups(
     if not wanted:
         return counts
     problems: dict[str, str] = {}
+    checks = fleet.check_weights(weights)
     if fleet.config.engine_spec.kind == "reference":
-        want = trainer.checksum(version)
-        got = fleet.checksums()
         for gid in wanted:
-            if got.get(gid) != want:
-                seen = got.get(gid)
-                why = f"digest {seen}" if seen is not None else f"{_SILENT[0]} (digest None)"
-                problems[gid] = f"{why} != the trainer's {want} (v{version})"
+            check = checks.get(gid)
+            if check is None:
+                problems[gid] = f"{_SILENT[0]} from its weight checker (v{version})"
+            elif not check.equal:
+                problems[gid] = f"digests: {check.summary()} (v{version})"
     else:
-        checks = fleet.check_weights(weights)
         for gid in wanted:
             check = checks.get(gid)
             if check is None:

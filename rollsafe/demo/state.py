@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +72,9 @@ class DemoRun:
     trainer_or_none: TrainerLike | None = None
     fleet_or_none: RolloutFleet | None = None
     load_or_none: RolloutLoad | None = None
+    # the trainer's weights the last sync fetched (the start: fetched by the first check):
+    # what every serving engine must hold until the trainer steps again
+    weights: Mapping[str, Any] | None = None
 
     @property
     def immediate(self) -> bool:

@@ -16,9 +16,10 @@ __all__ = ["sync"]
 def sync(run: DemoRun, record: StepRecord) -> None:
     """Fetch version ``record["step"]`` and sync it; the report goes into the step's record."""
     step = record["step"]
+    run.weights = None  # the trainer stepped: what it held before is no longer its weights
     try:
         with run.timed("fetch weights (object store)" if run.actor else "weights snapshot"):
-            weights = run.trainer.weights()
+            weights = run.weights = run.trainer.weights()
         with run.timed("sync"):
             report = run.fleet.sync_weights(weights, step)
         record["sync"] = report.as_dict()

@@ -2,12 +2,14 @@
 
 * :func:`check_start`: the engines start on the trainer's weights;
 * :func:`check_step`: after each step's sync, every ``active`` engine serves the trainer's
-  weights (its own digest; the trainer actor computes it); a vLLM-dialect engine is checked
-  tensor by tensor in its own layout (``RolloutFleet.check_weights``): ``unverified`` where its
-  checker reported no data for some tensors (CPU linear weights) and none differed; with
-  ``--engine vllm`` also the behavioural probe (:mod:`rollsafe.probe`): every ``active`` group
-  answers the fixed prompts with the same greedy tokens and logprobs as the first one that did
-  not crash, so the weights the digests leave unverified are shown to act alike;
+  weights: its own weight checker, tensor by tensor in its own layout, against the weights the
+  sync fetched from the trainer (``RolloutFleet.check_weights``; the fetch itself is checked
+  against the digest the trainer actor computed): SGLang's fused parameters per TP rank,
+  vLLM's likewise, ``unverified`` where a checker reported no data for some tensors (a CPU
+  vLLM's linear weights) and none differed; with ``--engine vllm`` also the behavioural probe
+  (:mod:`rollsafe.probe`): every ``active`` group answers the fixed prompts with the same
+  greedy tokens and logprobs as the first one that did not crash, so the weights the digests
+  leave unverified are shown to act alike;
 * :func:`check_final`: once the recoveries finished, every group is ``active`` on the trainer's
   weights (vLLM: and the recovered group answers the probe like the survivors), the last
   version's export became ready, and no request was admitted to a non-``active`` group;
@@ -18,6 +20,7 @@ Any failure makes the demo exit with status 1.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rollsafe.demo.setup import VLLM_START_S
@@ -32,30 +35,30 @@ __all__ = ["check_final", "check_probe", "check_recovered", "check_start", "chec
 PROBE_TIMEOUT_S = 120.0
 
 
-def _layout_checks(run: DemoRun) -> dict[str, DigestCheck | None]:
-    """Per-tensor checks (in each engine's layout) of the groups whose model digest cannot be
-    compared with the trainer's: vLLM-dialect engines (fused names; no data for linear
-    weights on CPU). Empty when every engine speaks SGLang's dialect (no weights fetched)."""
-    fleet = run.fleet
-    vllm = [g.group_id for g in fleet.registry.groups() if _dialect(g) == "vllm"]
-    if not vllm:
-        return {}
-    checks = fleet.check_weights(run.trainer.weights())
-    return {gid: checks.get(gid) for gid in vllm}
+def _trainer_weights(run: DemoRun) -> Mapping[str, Any]:
+    """The trainer's current weights: those the last sync fetched (the trainer has not stepped
+    since), else fetched now (the start)."""
+    if run.weights is None:
+        with run.timed("fetch weights (object store)" if run.actor else "weights snapshot"):
+            run.weights = run.trainer.weights()
+    return run.weights
 
 
-def _dialect(group: Any) -> str | None:
-    client = group.client
-    return None if client is None else str(client.dialect)
+def _checks(run: DemoRun) -> dict[str, DigestCheck | None]:
+    """Every group's engine against the trainer's weights, tensor by tensor in the engine's
+    own layout (None: no answer)."""
+    return run.fleet.check_weights(_trainer_weights(run))
 
 
-def _verdict(got: str | None, want: str, check: DigestCheck | None, layout: bool) -> str:
+def _verdict(check: DigestCheck | None) -> str:
     """``match``, ``MISMATCH`` or ``unverified (<summary>)`` for one active group."""
-    if not layout:
-        return "match" if got == want else "MISMATCH"
     if check is None or check.verdict == "differs":
         return "MISMATCH"
     return "match" if check.equal else f"unverified ({check.summary()})"
+
+
+def _summary(check: DigestCheck | None) -> str:
+    return "no checksum answer" if check is None else check.summary()
 
 
 def check_probe(run: DemoRun, where: str) -> dict[str, str]:
@@ -96,14 +99,7 @@ def check_probe(run: DemoRun, where: str) -> dict[str, str]:
 
 def check_start(run: DemoRun) -> None:
     """The engines start on the trainer's weights."""
-    want = run.trainer.checksum()
-    initial = run.fleet.checksums()
-    layout = _layout_checks(run)
-    bad = {
-        gid: got
-        for gid, got in initial.items()
-        if _verdict(got, want, layout.get(gid), gid in layout) == "MISMATCH"
-    }
+    bad = {gid: _summary(c) for gid, c in _checks(run).items() if _verdict(c) == "MISMATCH"}
     if bad:
         run.failures.append(f"step 0: engines do not start on the trainer's weights: {bad}")
     run.probes["start"] = check_probe(run, "step 0")
@@ -115,17 +111,17 @@ def check_step(run: DemoRun, record: StepRecord) -> None:
     for some tensors and none differed, or ``not serving (<state>)``)."""
     step, fleet = record["step"], run.fleet
     with run.timed(f"verify checksums (engines, {run.who})"):
-        want = run.trainer.checksum()
-        layout = _layout_checks(run)
         checks: dict[str, str] = {}
-        for gid, got in fleet.checksums().items():
+        for gid, check in _checks(run).items():
             state = fleet.registry.get(gid).state
             if state != "active":
                 checks[gid] = f"not serving ({state})"
                 continue
-            checks[gid] = _verdict(got, want, layout.get(gid), gid in layout)
+            checks[gid] = _verdict(check)
             if checks[gid] == "MISMATCH":
-                run.failures.append(f"step {step}: {gid} serves {got}, trainer has {want}")
+                run.failures.append(
+                    f"step {step}: {gid}'s checksums are not the trainer's: {_summary(check)}"
+                )
         record["checksums"] = checks
     if run.vllm:
         record["probe"] = check_probe(run, f"step {step}")
@@ -138,16 +134,13 @@ def check_final(run: DemoRun) -> None:
     fleet, steps = run.fleet, run.opts.steps
     with run.timed("settle (recoveries, last export)"):
         fleet.wait_recoveries(timeout=VLLM_START_S if run.vllm else 120.0)
-        final = fleet.checksums()
-        want = run.trainer.checksum()
-        layout = _layout_checks(run)
-        for gid, got in final.items():
+        for gid, got in _checks(run).items():
             state = fleet.registry.get(gid).state
-            verdict = _verdict(got, want, layout.get(gid), gid in layout)
-            check = "match" if state == "active" and verdict != "MISMATCH" else f"{state}/{got}"
+            verdict = _verdict(got)
+            check = "match" if state == "active" and verdict != "MISMATCH" else f"{state}/{verdict}"
             run.final_checks[gid] = check
             if check != "match":
-                run.failures.append(f"final: {gid} is {state} with checksum {got}, want {want}")
+                run.failures.append(f"final: {gid} is {state} with checksums {_summary(got)}")
         # the recovered group (a fresh engine on the export) answers like the survivors
         run.probes["final"] = check_probe(run, "final")
         exporter = fleet.exporter

@@ -1,9 +1,11 @@
 """Checking an engine's weights against the trainer's, in the engine's own layout.
 
 :func:`expected_digests` computes, from HF-named tensors, what an engine's checker reports when
-it holds exactly those weights: SGLang's per-tensor digests, under HF names for an engine that
-reports them (the reference engine) or, for a real SGLang, of its fused, TP-sharded parameters
-as vLLM lays them out; vLLM's fused, TP-sharded parameters (:mod:`rollsafe.engine_layout`).
+it holds exactly those weights, one ``{name: digest}`` per TP rank, in the engine's own layout
+(:mod:`rollsafe.engine_layout`): for SGLang (a real one or the reference engine, which answers
+alike) its digests of each rank's fused, TP-sharded parameters (:func:`sglang_rank_digests`;
+:func:`sglang_model_digest` is the model digest it reports); for vLLM its SHA-256 of the same
+layout.
 :func:`check_engine` asks the engine and compares (:mod:`rollsafe.digest_check`): its verdict is
 ``"equal"`` only when every tensor carried data and matched; vLLM on CPU reports no data for its
 linear weights, so there the verdict is ``"unverified"`` at best, and the behavioural probe
@@ -23,9 +25,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollsafe.checksum import weights_checksum
+from rollsafe.checksum import overall_checksum, sglang_engine_digest, weights_checksum
 from rollsafe.digest_check import DigestCheck
-from rollsafe.engine_layout import EngineLayout, LayoutError, vllm_rank_digests, vllm_tensors
+from rollsafe.engine_layout import EngineLayout, iter_rank_tensors, vllm_rank_digests
 from rollsafe.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -34,7 +36,15 @@ if TYPE_CHECKING:
     from rollsafe.ports import EngineClient, WeightsChecksum
     from rollsafe.registry import FleetRegistry
 
-__all__ = ["check_engine", "check_engines", "engine_checksums", "expected_digests", "read_config"]
+__all__ = [
+    "check_engine",
+    "check_engines",
+    "engine_checksums",
+    "expected_digests",
+    "read_config",
+    "sglang_model_digest",
+    "sglang_rank_digests",
+]
 
 
 def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -55,36 +65,51 @@ def expected_digests(
     dialect: str,
 ) -> list[dict[str, str]]:
     """What an engine of ``dialect`` that reported ``reported`` would report for ``weights``:
-    one ``{name: digest}`` per rank for vLLM (TP size: the ranks it reported) and for an SGLang
-    that reports fused parameters (a real one), one merged mapping in HF names for an SGLang
-    that reports those (the reference engine); SGLang's digests in ``reported.algorithm``."""
+    one ``{name: digest}`` per TP rank (the TP size: the ranks it reported), in its own layout;
+    SGLang's digests in ``reported.algorithm`` (:func:`sglang_rank_digests`)."""
     tp = max(1, len(reported.ranks))
     if dialect == "vllm":
         layout = EngineLayout.from_config(config, tp_size=tp)
         return list(vllm_rank_digests(weights, layout))
-    fused = _sglang_fused_layout(reported, config, tp)
-    if fused is not None:  # a real SGLang: its own parameters, as vLLM lays them out
-        return [
-            dict(weights_checksum(vllm_tensors(weights, fused, r), reported.algorithm)["tensors"])
-            for r in range(fused.tp_size)
-        ]
-    return [dict(weights_checksum(weights, reported.algorithm)["tensors"])]
+    return sglang_rank_digests(weights, config, tp_size=tp, algorithm=reported.algorithm)
 
 
-def _sglang_fused_layout(
-    reported: WeightsChecksum, config: Mapping[str, Any], tp: int
-) -> EngineLayout | None:
-    """The layout of an SGLang that reports its model's own parameters: a real SGLang hashes
-    ``named_parameters()``, where the stacking rule fused ``q/k/v_proj`` into ``qkv_proj`` and
-    ``gate/up_proj`` into ``gate_up_proj``, sharded per TP rank and the vocabulary padded as
-    vLLM does (SGLang's linear and embedding layers are vLLM's; its GPU run reported exactly
-    those names); None for one that reports HF names (the reference engine)."""
-    fused = {n.rsplit(".", 2)[-2] for n in reported.tensors if n.count(".") >= 2}
-    try:
-        layout = EngineLayout.from_config(config, tp_size=tp)
-    except LayoutError:
-        return None
-    return layout if fused & set(layout.packed) else None
+def sglang_rank_digests(
+    weights: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any] | Any,
+    *,
+    tp_size: int = 1,
+    algorithm: str = "sglang",
+) -> list[dict[str, str]]:
+    """What an SGLang with ``tp_size`` ranks holding the HF-named ``weights`` reports in its
+    ``/weights_checker`` ``checksum``: per TP rank, ``{name: digest}`` of that rank's own
+    parameters (``named_parameters()``: ``qkv_proj`` and ``gate_up_proj`` fused, each rank's
+    shard, the vocabulary padded, a tied ``lm_head`` listed once; :mod:`rollsafe.engine_layout`)
+    under ``algorithm`` (:mod:`rollsafe.checksum`; ``"sglang"`` resolves by each tensor's
+    device, as SGLang does). ``config``: the model's HF config (a dict or a
+    ``PretrainedConfig``). The tensors are laid out one parameter at a time, where they are."""
+    layout = EngineLayout.from_config(config, tp_size=tp_size, engine="sglang")
+    out: list[dict[str, str]] = []
+    for rank in range(tp_size):
+        digests: dict[str, str] = {}
+        for part in iter_rank_tensors(weights, layout, rank, device=None):
+            digests.update(weights_checksum(part, algorithm)["tensors"])
+        out.append(digests)
+    return out
+
+
+def sglang_model_digest(
+    weights: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any] | Any,
+    *,
+    tp_size: int = 1,
+    algorithm: str = "sglang",
+) -> str:
+    """The model digest (``WeightsChecksum.model``, ``RolloutFleet.checksums()``) an SGLang
+    with ``tp_size`` ranks holding ``weights`` reports: its ``per_gpu_checksum`` when every rank
+    reports the same, else its ``per_engine_checksum`` (:func:`sglang_rank_digests`)."""
+    ranks = sglang_rank_digests(weights, config, tp_size=tp_size, algorithm=algorithm)
+    return sglang_engine_digest([overall_checksum(r) for r in ranks])
 
 
 def check_engine(
@@ -129,9 +154,10 @@ def engine_checksums(
     """Each group's engine model digest from its own weight checker (None if it did not
     answer). Equal model digests say two engines of one kind report the same; against a
     trainer use :func:`check_engines` (per tensor, in the engine's layout, never "equal"
-    without data). ``rollsafe.checksum.weights_checksum(w, algorithm)["model"]`` equals an
-    SGLang-dialect engine's; vLLM reports fused parameter names and, on CPU, empty digests for
-    linear weights, so its model digest is not a trainer's."""
+    without data). :func:`sglang_model_digest` of a trainer's weights equals an SGLang
+    engine's (the HF-named ``rollsafe.checksum.weights_checksum`` does not: SGLang reports its
+    fused parameters); vLLM on CPU reports empty digests for linear weights, so its model digest
+    is not a trainer's."""
     out: dict[str, str | None] = {}
     for group in registry.groups():
         client = group.client

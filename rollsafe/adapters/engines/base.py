@@ -225,7 +225,9 @@ class HttpEngineClient:
 
         SGLang: ``POST /weights_checker {"action": "checksum"}``; vLLM: ``POST /weight_checker
         {"action": "checksum"}``. Neither reports the weight version (``weight_version`` is
-        ``None``). Compare with a trainer's :func:`rollsafe.checksum.weights_checksum` computed
+        ``None``). Both report the engine's own parameters (fused ``qkv_proj`` /
+        ``gate_up_proj``, one set per TP rank): compare with a trainer's weights laid out the
+        same way, :func:`rollsafe.fleet.weights_check.expected_digests` (or ``check_engine``),
         with ``algorithm=<this result>.algorithm``.
         """
         algorithm = self._checksum_algorithm(timeout)

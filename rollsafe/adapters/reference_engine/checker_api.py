@@ -14,6 +14,20 @@ status 200 on success, 400 with ``success: false`` otherwise. Digests use SGLang
 the engine's device (:mod:`rollsafe.checksum`: GPU hash on CUDA, SHA-256 prefix on CPU).
 ``selector="draft"`` has no runner here (no speculative decoding): success without ``ranks``.
 
+What each rank reports is what a real SGLang's rank hashes (its model's ``named_parameters()``
+and ``named_buffers()``, ``srt/utils/weight_checker.py``): SGLang's own parameter names, with
+``q/k/v_proj`` fused into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``, that TP
+rank's shard of each, the vocabulary padded (:meth:`ReferenceEngine.sglang_layout`,
+:mod:`rollsafe.engine_layout`), a tied ``lm_head`` listed once (as ``embed_tokens``).
+``skip_tensor_list`` substrings match those names, for ``checksum``, ``reset_tensors`` and
+``compare`` alike (``"v_proj"`` leaves ``qkv_proj`` out, ``"up_proj"`` ``gate_up_proj``), as
+SGLang's one skip rule. ``compare`` runs on every rank holding a snapshot and each drops its
+own on success, but the answer is TP rank 0's, as upstream (only rank 0 answers the tokenizer
+manager). The reference engine's own ranks hold a replicated trunk and its own split of
+``lm_head``, so every rank's parameters are laid out on the driver from the full weights (the
+``lm_head`` gathered); a trainer compares through
+:func:`rollsafe.fleet.weights_check.expected_digests`, never with HF-named digests directly.
+
 **vLLM** ``POST /weight_checker`` ``{"action": "checksum"|"reset"|"compare", "baseline"?}``:
 ``{"checksums": {"dp0:pp0:pcp0:tp<r>:<name>": sha256 hex}}``, ``{"status": "reset"}`` (every
 parameter zeroed), ``{"match": bool, "mismatches": [sorted keys]}``; errors are vLLM's
@@ -26,12 +40,6 @@ with them directly (:mod:`rollsafe.engine_layout`, :mod:`rollsafe.digest_check`)
 Unknown body keys are what the imitated release does with them (both ignore them: SGLang's
 ``CheckWeightsReqInput`` parse and vLLM's named ``Body`` parameters drop them, recorded in the
 contracts); values outside a field's domain are a 400 naming them.
-
-The SGLang checker differs in what a rank's entry covers: the reference engine's trunk is
-replicated and its ``lm_head`` rows are split across ranks in its own (not SGLang's) layout, so
-every rank's entry is computed on the driver from the replicated trunk and the gathered full
-``lm_head``: all ranks report the full model under HF names, and a trainer's digest of its full
-weights compares directly. A real SGLang with TP > 1 reports each rank's shards instead.
 """
 
 from __future__ import annotations
@@ -46,12 +54,19 @@ from rollsafe.checksum import overall_checksum, per_engine_checksum
 from rollsafe.engine_layout import (
     EMPTY_SHA256,
     EngineLayout,
+    LayoutError,
     checker_key,
     vllm_cpu_emptied,
     vllm_rank_digests,
 )
 
-__all__ = ["SGLANG_ACTIONS", "VLLM_ACTIONS", "routes", "vllm_checker_answer"]
+__all__ = [
+    "SGLANG_ACTIONS",
+    "VLLM_ACTIONS",
+    "routes",
+    "sglang_checker_answer",
+    "vllm_checker_answer",
+]
 
 SGLANG_ACTIONS = ("checksum", "snapshot", "reset_tensors", "compare")
 SGLANG_SELECTORS = ("target", "draft", "all")
@@ -114,41 +129,45 @@ async def weights_checker(request: web.Request) -> web.Response:
         elif action == "compare":
             await await_future(engine.checker_compare(skip))
         else:
-            digest = await await_future(engine.checksum("sglang", skip))
-            checksums = dict(digest["tensors"])
-            per_gpu = overall_checksum(checksums)
-            world = engine.ranks.world_size
-            ranks = [
-                {
-                    "checksums": checksums,
-                    "per_gpu_checksum": per_gpu,
-                    "parallelism_info": [
-                        {
-                            "role": "target",
-                            "tp_rank": r,
-                            "tp_size": world,
-                            "dp_rank": 0,
-                            "dp_size": 1,
-                            "pp_rank": 0,
-                            "pp_size": 1,
-                            "rank": r,
-                            "size": world,
-                        }
-                    ],
-                }
-                for r in range(world)
-            ]
-            return web.json_response(
-                {
-                    "success": True,
-                    "message": "Success.",
-                    "ranks": ranks,
-                    "per_engine_checksum": per_engine_checksum([per_gpu] * world),
-                }
-            )
-    except BadRequest as exc:
+            per_rank = await await_future(engine.checker_checksums(skip))
+            return web.json_response(sglang_checker_answer(per_rank))
+    except (BadRequest, LayoutError) as exc:  # upstream: any error of the check, success false
         return web.json_response({"success": False, "message": str(exc)}, status=400)
     return web.json_response({"success": True, "message": "Success."})
+
+
+def sglang_checker_answer(per_rank: list[dict[str, str]]) -> dict[str, Any]:
+    """SGLang 0.5.23's ``checksum`` answer for one ``{name: digest}`` per TP rank: per rank a
+    ``ChecksumInfo`` (``checksums``, ``per_gpu_checksum`` = :func:`overall_checksum` of them,
+    ``parallelism_info``: one entry, the target runner's), and ``per_engine_checksum``, SHA-256
+    over the ranks' ``per_gpu_checksum`` in rank order."""
+    world = len(per_rank)
+    ranks: list[dict[str, Any]] = [
+        {
+            "checksums": checksums,
+            "per_gpu_checksum": overall_checksum(checksums),
+            "parallelism_info": [
+                {
+                    "role": "target",
+                    "tp_rank": r,
+                    "tp_size": world,
+                    "dp_rank": 0,
+                    "dp_size": 1,
+                    "pp_rank": 0,
+                    "pp_size": 1,
+                    "rank": r,
+                    "size": world,
+                }
+            ],
+        }
+        for r, checksums in enumerate(per_rank)
+    ]
+    return {
+        "success": True,
+        "message": "Success.",
+        "ranks": ranks,
+        "per_engine_checksum": per_engine_checksum(str(r["per_gpu_checksum"]) for r in ranks),
+    }
 
 
 # ---------------------------------------------------------------------------- vLLM

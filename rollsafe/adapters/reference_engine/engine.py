@@ -47,7 +47,8 @@ from rollsafe.adapters.reference_engine.model import LM_HEAD
 from rollsafe.adapters.reference_engine.ranks import RankSet
 from rollsafe.adapters.reference_engine.stops import SGLangStops, StopRules, StopScan
 from rollsafe.adapters.reference_engine.weights import UpdateMeta, check_model_path, packed_layout
-from rollsafe.checksum import WeightsChecksum, algorithm_for, weights_checksum
+from rollsafe.checksum import algorithm_for, weights_checksum
+from rollsafe.engine_layout import EngineLayout, engine_name, iter_rank_tensors
 from rollsafe.wire.delta import is_delta_name
 
 __all__ = ["GenerationResult", "ReferenceEngine", "SamplingParams", "TokenListener"]
@@ -975,75 +976,105 @@ class ReferenceEngine:
             out[LM_HEAD] = head
         return out
 
-    #: SGLang ``/weights_checker`` ``snapshot`` (host copies), cleared by a passing ``compare``.
+    # ---- SGLang /weights_checker: each TP rank's own parameters in SGLang's layout ----
+    #: ``snapshot``: host copies of the full HF-named weights (each rank's parameters follow
+    #: from them), and the ranks still holding it (a rank's passing ``compare`` drops its own).
     _checker_snapshot: dict[str, torch.Tensor] | None = None
+    _checker_holders: frozenset[int] = frozenset()
 
-    def checksum(
-        self, algorithm: str | None = None, skip: tuple[str, ...] = ()
-    ) -> Future[WeightsChecksum]:
-        """Digests of the full parameters on the driver thread, on rank 0's device.
+    def sglang_layout(self) -> EngineLayout:
+        """How a real SGLang with this engine's ranks as its TP ranks holds this model
+        (:mod:`rollsafe.engine_layout`): fused ``qkv_proj`` / ``gate_up_proj``, each rank's
+        shard, the vocabulary padded (``LayoutError`` for an architecture it has no rule for)."""
+        return EngineLayout.from_config(
+            self.ranks.local.model.config, tp_size=self.ranks.world_size, engine="sglang"
+        )
 
-        ``algorithm`` (see :mod:`rollsafe.checksum`) defaults to SGLang's choice for this
-        engine's device. ``"sglang"`` is resolved by the *engine's* device, not per tensor: the
-        gathered ``lm_head`` may sit on the host (gloo rank group) while upstream hashes every
-        tensor on the GPU. Names containing a ``skip`` substring are left out.
-        """
-        algo = algorithm or "sglang"
-        if algo == "sglang":
-            algo = algorithm_for("sglang", self.device)
+    def checker_checksums(self, skip: tuple[str, ...] = ()) -> Future[list[dict[str, str]]]:
+        """SGLang ``checksum``: per TP rank, ``{name: digest}`` of that rank's own parameters
+        (:meth:`sglang_layout`) in SGLang's algorithm for this engine's device, leaving out the
+        names that contain a ``skip`` substring (matched on SGLang's names, as upstream) and
+        the non-persistent buffers SGLang never hashes.
 
-        def run() -> WeightsChecksum:
+        The reference engine's own ranks hold a replicated trunk and its own ``lm_head`` rows,
+        so the parameters are laid out on the driver from the full weights, one at a time, on
+        the engine's device (``"sglang"`` resolves by the engine's device, as upstream hashes
+        every tensor where it lives: on the GPU, SGLang's GPU hash)."""
+        algo = algorithm_for("sglang", self.device)
+
+        def run() -> list[dict[str, str]]:
+            layout = self.sglang_layout()
             named = self.full_named_tensors()
-            return weights_checksum(
-                {n: t for n, t in named.items() if not any(p in n for p in skip)}, algo
-            )
+            out: list[dict[str, str]] = []
+            for rank in range(layout.tp_size):
+                digests: dict[str, str] = {}
+                for part in iter_rank_tensors(named, layout, rank, device=self.device):
+                    kept = {n: t for n, t in part.items() if not any(p in n for p in skip)}
+                    digests.update(weights_checksum(kept, algo)["tensors"])
+                out.append(digests)
+            return out
 
         return self.submit(run)
 
     def checker_snapshot(self) -> Future[None]:
-        """SGLang ``/weights_checker`` ``snapshot``: keep a host copy of the full parameters."""
+        """SGLang ``snapshot``: every rank keeps a copy of its parameters (here: one host copy
+        of the full weights, from which each rank's follow)."""
 
         def run() -> None:
+            layout = self.sglang_layout()
             named = self.full_named_tensors()
             self._checker_snapshot = {n: t.detach().to("cpu", copy=True) for n, t in named.items()}
+            self._checker_holders = frozenset(range(layout.tp_size))
 
         return self.submit(run)
 
     def checker_compare(self, skip: tuple[str, ...] = ()) -> Future[None]:
-        """SGLang ``compare``: raise ``BadRequest`` naming every tensor that differs from the
-        snapshot (bitwise, as upstream's raw compare); the snapshot is dropped on success."""
+        """SGLang ``compare``: every rank that holds a snapshot compares its parameters with it
+        bitwise (a ``skip`` substring of SGLang's name leaves a parameter out) and drops it when
+        all are equal. As upstream, only TP rank 0's outcome is the answer (the other ranks'
+        are logged there): ``BadRequest`` naming every parameter of rank 0 that differs, or
+        rank 0 holding no snapshot."""
 
         def run() -> None:
             snap = self._checker_snapshot
-            if snap is None:
+            holders = set(self._checker_holders)
+            answer: list[str] = []
+            if snap is not None and holders:
+                layout = self.sglang_layout()
+                now = self.full_named_tensors()
+                for rank in sorted(holders):
+                    bad = _compare_rank(snap, now, layout, rank, skip)
+                    if not bad:
+                        holders.discard(rank)
+                    if rank == 0:
+                        answer = bad
+            had_one = 0 in self._checker_holders
+            self._checker_holders = frozenset(holders)
+            if not holders:
+                self._checker_snapshot = None
+            if not had_one:
                 raise BadRequest("compare: no snapshot (call action='snapshot' first)")
-            bad = []
-            for name, now in self.full_named_tensors().items():
-                if any(p in name for p in skip) or name not in snap:
-                    continue
-                want = snap[name]
-                diff = (now.detach().float().cpu() - want.float()).abs()
-                if want.shape != now.shape or bool((diff != 0).any()):
-                    err = float(diff.max()) if want.shape == now.shape else float("nan")
-                    mean = float(diff.mean()) if want.shape == now.shape else float("nan")
-                    bad.append(
-                        f"name={name} max_abs_err={err} mean_abs_err={mean} "
-                        f"num_exceed={int((diff != 0).sum()) if want.shape == now.shape else -1} "
-                        f"expect=raw(shape={tuple(want.shape)} dtype={want.dtype}) "
-                        f"actual=raw(shape={tuple(now.shape)} dtype={now.dtype}) "
-                    )
-            if bad:
-                raise BadRequest("check tensor equality failed:\n" + "\n".join(bad))
-            self._checker_snapshot = None
+            if answer:
+                raise BadRequest("check tensor equality failed:\n" + "\n".join(answer))
 
         return self.submit(run)
 
     def checker_reset(self, mode: str, skip: tuple[str, ...] = ()) -> Future[None]:
         """Overwrite every live weight on every rank: ``"random"`` (SGLang ``reset_tensors``)
-        or ``"zero"`` (vLLM ``reset``); names containing a ``skip`` substring are kept."""
+        or ``"zero"`` (vLLM ``reset``). A ``skip`` substring keeps the weights of every SGLang
+        parameter whose name contains it (``"v_proj"`` keeps ``qkv_proj``: q, k and v)."""
         if "weights" in self._released:
             raise ServerUnavailable("weights are released")
-        return self.submit(lambda: self.ranks.call("checker_reset", {"mode": mode, "skip": skip}))
+
+        def run() -> None:
+            keep: tuple[str, ...] = ()
+            if skip:
+                packed = self.sglang_layout().packed
+                names = self.ranks.local.model.specs
+                keep = tuple(n for n in names if any(p in engine_name(n, packed) for p in skip))
+            self.ranks.call("checker_reset", {"mode": mode, "keep": keep})
+
+        return self.submit(run)
 
     def get_weight(self, name: str) -> Future[torch.Tensor]:
         if name not in self.ranks.local.model.specs:
@@ -1108,3 +1139,38 @@ def weight_spans(changes: list[tuple[str, int]], current: str, n_out: int) -> li
 def _short_int(value: int) -> str:
     """``value`` for an error message, bounded (a hostile int can have thousands of digits)."""
     return str(value) if abs(value) < 2**128 else f"<an integer of {value.bit_length()} bits>"
+
+
+def _compare_rank(
+    snap: dict[str, torch.Tensor],
+    now: dict[str, torch.Tensor],
+    layout: EngineLayout,
+    rank: int,
+    skip: tuple[str, ...],
+) -> list[str]:
+    """SGLang ``compare`` on TP rank ``rank``: one line per parameter of that rank (its SGLang
+    name) whose bytes differ from the snapshot's, in upstream's wording; a parameter whose
+    name contains a ``skip`` substring is left out."""
+    bad = []
+    pairs = zip(
+        iter_rank_tensors(snap, layout, rank), iter_rank_tensors(now, layout, rank), strict=True
+    )
+    for before, after in pairs:
+        for (name, want), (now_name, got) in zip(before.items(), after.items(), strict=True):
+            if name != now_name:
+                raise BadRequest(f"compare: snapshot parameter {name!r} against {now_name!r}")
+            if any(p in name for p in skip):
+                continue
+            same_shape = want.shape == got.shape
+            diff = (got.float() - want.float()).abs() if same_shape else None
+            if diff is not None and not bool((diff != 0).any()):
+                continue
+            bad.append(
+                f"name={name} "
+                f"max_abs_err={float(diff.max()) if diff is not None else float('nan')} "
+                f"mean_abs_err={float(diff.mean()) if diff is not None else float('nan')} "
+                f"num_exceed={int((diff != 0).sum()) if diff is not None else -1} "
+                f"expect=raw(shape={tuple(want.shape)} dtype={want.dtype}) "
+                f"actual=raw(shape={tuple(got.shape)} dtype={got.dtype}) "
+            )
+    return bad

@@ -545,16 +545,17 @@ class RankRuntime:
     def local_tensors(self) -> dict[str, torch.Tensor]:
         return self.model.local_tensors()
 
-    def op_checker_reset(self, mode: str, skip: tuple[str, ...] = ()) -> None:
+    def op_checker_reset(self, mode: str, keep: Sequence[str] = ()) -> None:
         """Weight checkers' reset: overwrite this rank's live weights with ``"zero"`` (vLLM
-        ``reset``) or uniform ``[0, 1)`` values (SGLang ``reset_tensors``), except names
-        containing a ``skip`` substring. Random values come from a generator seeded per name
-        (and rank, for the ``lm_head`` shard), so replicated tensors stay equal across ranks."""
+        ``reset``) or uniform ``[0, 1)`` values (SGLang ``reset_tensors``), except the tensors
+        named in ``keep``. Random values come from a generator seeded per name (and rank, for
+        the ``lm_head`` shard), so replicated tensors stay equal across ranks."""
         import zlib
 
+        kept = set(keep)
         with torch.no_grad():
             for name, t in self.model.local_tensors().items():
-                if any(p in name for p in skip):
+                if name in kept:
                     continue
                 if mode == "zero":
                     t.zero_()
