@@ -149,6 +149,102 @@ def test_the_token_check_replays_versions_and_names_a_wrong_one(
     assert len(found) == 1 and "claimed weights v1" in found[0] and "[0]" in found[0]
 
 
+class _Check:
+    def __init__(self, equal: bool) -> None:
+        self.equal = equal
+
+    def summary(self) -> str:
+        return "1 equal" if self.equal else "1 differs"
+
+
+class _Group:
+    def __init__(self, state: str) -> None:
+        self.state = state
+
+
+class _Fleet:
+    """What ``soakparts.weights.check_groups`` reads of a reference-engine fleet: its registry
+    (each group's state, the fleet's version), its health settings (the detection bound) and
+    ``check_weights``, whose answers are scripted call by call."""
+
+    def __init__(self, answers: list[dict[str, _Check | None]], leave_after: int = -1) -> None:
+        from types import SimpleNamespace
+
+        self.group_ids = ["g0", "g1"]
+        self.groups = {g: _Group("active") for g in self.group_ids}
+        self.registry = SimpleNamespace(fleet_version=3, get=self.groups.__getitem__)
+        health = SimpleNamespace(failure_threshold=1, interval_s=0.01, timeout_s=0.01)
+        self.config = SimpleNamespace(health=health, engine_spec=SimpleNamespace(kind="reference"))
+        self.answers, self.calls, self.leave_after = answers, 0, leave_after
+
+    def check_weights(self, weights: Any) -> dict[str, _Check | None]:
+        answer = self.answers[min(self.calls, len(self.answers) - 1)]
+        self.calls += 1
+        if self.calls == self.leave_after:  # its probes take g1 out while the check waits
+            self.groups["g1"].state = "inactive"
+        return answer
+
+
+@pytest.mark.parametrize(
+    ("answers", "leave_after", "counts", "named"),
+    [
+        # cut off while asked (a black-holed port), back within the bound: judged by its answer
+        (
+            [{"g0": _Check(True), "g1": None}, {"g0": _Check(True), "g1": _Check(True)}],
+            -1,
+            {"equal": 2, "void": 0, "unequal": 0},
+            None,
+        ),
+        # silent, and still routable and silent after the bound: a violation naming both asks
+        (
+            [{"g0": _Check(True), "g1": None}],
+            -1,
+            {"equal": 1, "void": 0, "unequal": 1},
+            "no answer from its weight checker (v3); asked again after the bound: no answer",
+        ),
+        # answers again, with other weights: a violation
+        (
+            [{"g0": _Check(True), "g1": None}, {"g0": _Check(True), "g1": _Check(False)}],
+            -1,
+            {"equal": 1, "void": 0, "unequal": 1},
+            "asked again after the bound: digests: 1 differs",
+        ),
+        # silent, then taken out of routing by its probes within the bound: void
+        ([{"g0": _Check(True), "g1": None}], 1, {"equal": 1, "void": 1, "unequal": 0}, None),
+    ],
+)
+def test_the_weight_check_asks_a_silent_engine_again_after_the_detection_bound(
+    answers: list[dict[str, _Check | None]],
+    leave_after: int,
+    counts: dict[str, int],
+    named: str | None,
+) -> None:
+    """An engine that did not answer its weight check gets the fleet's detection bound to leave
+    routing; one still routable after it is asked again and judged by that answer (the smoke
+    with seed 489439 on a loaded machine: a port black-holed for 36 s while the check asked,
+    three probes of 12 s; the engine answered again with the right weights and was counted
+    unequal)."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(PARTS))
+    try:
+        import weights as weights_module
+    finally:
+        sys.path.remove(str(PARTS))
+    fleet = _Fleet(answers, leave_after)
+    trainer = SimpleNamespace(at=lambda version: {"w": version})
+    found: list[tuple[str, str]] = []
+    got = weights_module.check_groups(
+        "ref", fleet, trainer, None, lambda check, msg: found.append((check, msg))
+    )
+    assert got == counts
+    if named is None:
+        assert found == []
+    else:
+        assert [c for c, _ in found] == ["weights"] and named in found[0][1], found
+        assert found[0][1].startswith("ref/g1 at v3: ")
+
+
 @pytest.mark.real_vllm
 @pytest.mark.ray_cluster
 @pytest.mark.slow
