@@ -35,7 +35,12 @@ time, the fronts back to back, their order reversed every other repeat: ``round_
    (SYN packets on ``lo``: ``benchmarks/gateway/syn_counter.py``; its port refuses them);
 7. ``reference``: phases 2-3 and 6 again on two reference engines (SGLang dialect behind
    sglang-router, vLLM dialect behind vllm-router; the gateway with clients of the engines'
-   dialect and the tiny model's tokenizer).
+   dialect and the tiny model's tokenizer). Phases 2-3 there run with ``--reference-cpus
+   split`` (the default): the engines on the last CPU, the fronts and the client on the
+   others, so a front's CPU does not come out of the engines' (on a GPU host the engine's
+   work is on the GPU; on two shared cores every front, the Rust routers too, added 2.5 to
+   3 ms p50 there, most of it the engines' lost CPU); ``shared`` runs every process on every
+   CPU. The split is recorded in ``reference.cpus``.
 
 The gateway's own books (its router's continuation counters, request health, the groups'
 states) are read when it stops: ``gateway_books`` per phase, ``gateway`` per crash run (there,
@@ -100,6 +105,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=15.0,
         help="seconds per latency run on the reference engines",
+    )
+    p.add_argument(
+        "--reference-cpus",
+        choices=("split", "shared"),
+        default="split",
+        help="the reference phase's CPUs: split (the engines on the last CPU, the fronts and "
+        "the client on the others: a front's CPU does not come out of the engines', as on a "
+        "GPU host) or shared (every process on every CPU)",
     )
     # 9,900, not 10,000: a front holds each stream twice (client side and engine side) and this
     # machine's hard limit on open files per process is 20,000 (RLIMIT_NOFILE, not raisable)
@@ -191,7 +204,9 @@ def start_stubs(tmp: Path, tag: str, interval_ms: float = 0.0, n: int = 2) -> li
     return out
 
 
-def start_reference(tmp: Path, model: Path, dialect: str, n: int = 2) -> list[Engine]:
+def start_reference(
+    tmp: Path, model: Path, dialect: str, n: int = 2, cpus: set[int] | None = None
+) -> list[Engine]:
     from rollsafe.wire.lines import READY_PREFIX
 
     env = dict(os.environ)
@@ -200,7 +215,8 @@ def start_reference(tmp: Path, model: Path, dialect: str, n: int = 2) -> list[En
     for i in range(n):
         cmd = [sys.executable, "-m", "rollsafe.adapters.reference_engine"]
         cmd += ["--model-path", str(model), "--ranks", "1", "--dialect", dialect]
-        proc, ready = F.spawn(cmd, tmp / f"ref-{dialect}-{i}.log", READY_PREFIX, 180, env)
+        log = tmp / f"ref-{dialect}-{i}.log"
+        proc, ready = F.spawn(cmd, log, READY_PREFIX, 180, env, cpus=cpus)
         out.append(Engine(proc, ready["url"], None))
     return out
 
@@ -976,13 +992,19 @@ def reference(
 
     model = make_tiny_model(tmp / "tiny", seed=0)
     out: dict[str, Any] = {}
+    engine_cpus, front_cpus = split_cpus(args.reference_cpus)
+    out["cpus"] = (
+        {"engines": sorted(engine_cpus), "fronts_and_client": sorted(front_cpus)}
+        if engine_cpus and front_cpus
+        else "shared"
+    )
     for dialect, api in (("sglang", "generate"), ("vllm", "completions")):
         sel = [
             f
             for f in fronts
             if f.name in ("direct", "sglang-router", "vllm-router", "gateway") and api in f.apis
         ]
-        engines = start_reference(tmp, model, dialect)
+        engines = start_reference(tmp, model, dialect, cpus=engine_cpus)
         for f in sel:
             if isinstance(f, F.Gateway):  # the engines' dialect, the model's tokenizer
                 f.dialect, f.model_path = dialect, model
@@ -1004,7 +1026,8 @@ def reference(
                 try:
                     longer = argparse.Namespace(**vars(args))
                     longer.latency_duration = args.reference_latency_duration
-                    throughput_and_latency(usable, engines, longer, res)
+                    with on_cpus(front_cpus):
+                        throughput_and_latency(usable, engines, longer, res)
                 finally:
                     for x, a in zip(usable, saved, strict=True):
                         x.apis = a
@@ -1032,6 +1055,32 @@ def reference(
     names = [n for n in ("direct", "sglang-router", "vllm-router", "gateway") if n in accepted]
     out["crash"] = crash(names, tmp, args, checks, kind="reference", model=model)
     return out
+
+
+def split_cpus(how: str) -> tuple[set[int] | None, set[int] | None]:
+    """The reference phase's CPUs: (the engines', the fronts' and client's); (None, None) when
+    shared, or with fewer than two CPUs to split."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if how != "split" or len(cpus) < 2:
+        return None, None
+    return {cpus[-1]}, set(cpus[:-1])
+
+
+@contextlib.contextmanager
+def on_cpus(cpus: set[int] | None) -> Any:
+    """Within it, the fronts started (``F.FRONT_CPUS``) and this thread (the client's event
+    loop) run on ``cpus``; nothing changes for None."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    F.FRONT_CPUS = cpus
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        F.FRONT_CPUS = None
+        os.sched_setaffinity(0, before)
 
 
 #: issue #35's targets for rollsafe's gateway: (engines, minimum throughput vs each router)

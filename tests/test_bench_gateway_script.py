@@ -167,6 +167,7 @@ def test_arguments(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> Non
     assert args.front_names[:4] == ["direct", "sglang-router", "vllm-router", "gateway"]
     assert args.engine_kinds == ["stub", "reference"] and args.streams == 9_900
     assert (args.latency_duration, args.reference_latency_duration) == (3.0, 15.0)
+    assert args.reference_cpus == "split"
     assert args.out == str(ROOT / "benchmarks" / "results" / "gateway_cpu.json")
     smoke = bench.parse_args(["--smoke"])
     assert smoke.engine_kinds == ["stub"] and smoke.streams <= 200
@@ -184,6 +185,46 @@ def test_arguments(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> Non
             bench.parse_args(argv)
         assert exc.value.code == 2
         assert says in capsys.readouterr().err
+
+
+def test_the_reference_phase_splits_the_cpus_between_engines_and_fronts(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    """``--reference-cpus split``: the engines on the last CPU, the fronts and the client on the
+    others; a process spawned on a set of CPUs, and every thread it starts, runs there."""
+    cpus = sorted(os.sched_getaffinity(0))
+    engines, fronts = bench.split_cpus("split")
+    if len(cpus) < 2:
+        assert (engines, fronts) == (None, None)
+    else:
+        assert engines == {cpus[-1]} and fronts == set(cpus[:-1])
+    assert bench.split_cpus("shared") == (None, None)
+    child = (
+        "import json, os, threading, time\n"
+        "seen = {}\n"
+        "t = threading.Thread(target=lambda: seen.update(thread=sorted(os.sched_getaffinity(0))))\n"
+        "t.start(); t.join()\n"
+        "seen['main'] = sorted(os.sched_getaffinity(0))\n"
+        "print('READY ' + json.dumps(seen), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc, got = bench.F.spawn(
+        [sys.executable, "-c", child], tmp_path / "p.log", "READY ", cpus={cpus[-1]}
+    )
+    proc.kill()
+    proc.wait()
+    assert got == {"thread": [cpus[-1]], "main": [cpus[-1]]}
+    with bench.on_cpus({cpus[0]}):  # the fronts started inside it, and this thread
+        assert os.sched_getaffinity(0) == {cpus[0]}
+        pinned = subprocess.run(
+            [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+            capture_output=True,
+            text=True,
+            check=True,
+            preexec_fn=bench.F._child_setup(bench.F.FRONT_CPUS),
+        )
+        assert pinned.stdout.strip() == str([cpus[0]])
+    assert os.sched_getaffinity(0) == set(cpus) and bench.F.FRONT_CPUS is None
 
 
 def test_summaries_take_the_best_concurrency_and_ratios_to_direct(bench: ModuleType) -> None:

@@ -57,16 +57,39 @@ def _raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
+#: the CPUs the fronts spawned from here run on (None: every CPU); the benchmark sets it for
+#: its reference-engine phase, whose engines run on the others (``bench_gateway --reference-cpus``)
+FRONT_CPUS: set[int] | None = None
+
+
+def _child_setup(cpus: set[int] | None) -> Any:
+    """The spawned child's set-up before it runs: the open-files limit raised, and pinned to
+    ``cpus`` (every thread and process it starts inherits them)."""
+
+    def setup() -> None:
+        _raise_nofile()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
 def raise_own_nofile() -> None:
     """Let this process hold many sockets (10,000 streams: the client's side)."""
     _raise_nofile()
 
 
 def spawn(
-    cmd: list[str], log: Path, ready_prefix: str | None, timeout: float = 60.0, env: Any = None
+    cmd: list[str],
+    log: Path,
+    ready_prefix: str | None,
+    timeout: float = 60.0,
+    env: Any = None,
+    cpus: set[int] | None = None,
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """Start ``cmd`` in its own session (stderr to ``log``); with ``ready_prefix``, wait for that
-    line on stdout and return its JSON."""
+    """Start ``cmd`` in its own session (stderr to ``log``), on ``cpus`` (default:
+    :data:`FRONT_CPUS`); with ``ready_prefix``, wait for that line on stdout and return its
+    JSON."""
     logf = log.open("w")
     proc = subprocess.Popen(
         cmd,
@@ -74,7 +97,7 @@ def spawn(
         stderr=logf,
         text=True,
         start_new_session=True,
-        preexec_fn=_raise_nofile,
+        preexec_fn=_child_setup(cpus if cpus is not None else FRONT_CPUS),
         env=env,
         cwd=str(ROOT),
     )
