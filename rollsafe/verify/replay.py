@@ -839,6 +839,15 @@ class _Replayer:
     def _lease_step_at(self, g: int, a: RecordedTransition) -> float | None:
         """When the attempt that began with ``a`` (group ``g``'s claim or placement) recorded
         its ``lease`` step (None: it recorded none)."""
+        step = self._attempt_step(g, a, "lease", _CLOCK_SLACK_S)
+        return float(step.get("started_at", 0.0)) if step is not None else None
+
+    def _attempt_step(
+        self, g: int, a: RecordedTransition, name: str, slack: float
+    ) -> Mapping[str, Any] | None:
+        """The step ``name`` of group ``g``'s recorded recoveries that began within ``slack``
+        of the attempt that ``a`` (its claim or placement) began, before the group's next
+        transition after ``a``; None: no such step."""
         gid = self.recorded_ids[g]
         after = self.trace.following(a.key, 2)
         until = after[1].timestamp if len(after) > 1 else float("inf")
@@ -846,11 +855,11 @@ class _Replayer:
             if rec.get("group_id") != gid:
                 continue
             for step in rec.get("steps") or ():
-                if not isinstance(step, Mapping) or step.get("name") != "lease":
+                if not isinstance(step, Mapping) or step.get("name") != name:
                     continue
                 started = float(step.get("started_at", 0.0))
-                if a.timestamp - _CLOCK_SLACK_S <= started <= until + _CLOCK_SLACK_S:
-                    return started
+                if a.timestamp - slack <= started <= until + slack:
+                    return step
         return None
 
     def _next_t(self, g: int) -> float:
@@ -968,19 +977,8 @@ class _Replayer:
         the outcome of the recorded ``pull`` of that attempt's export, when the run had to move
         it to the group's node (a Ray fleet whose node cannot read the trainer's path; a pull
         that failed or ran out of its share of the attempt leaves dummy weights and a push)."""
-        gid = self.recorded_ids[g]
-        after = self.trace.following(a.key, 2)
-        until = after[1].timestamp if len(after) > 1 else float("inf")
-        for rec in self.recoveries:
-            if rec.get("group_id") != gid:
-                continue
-            for step in rec.get("steps") or ():
-                if step.get("name") != "pull":
-                    continue
-                started = float(step.get("started_at", 0.0))
-                if a.timestamp - _STEP_SLACK_S <= started <= until + _STEP_SLACK_S:
-                    return (g, bool(step.get("ok")))
-        return (g,)
+        pull = self._attempt_step(g, a, "pull", _STEP_SLACK_S)
+        return (g,) if pull is None else (g, bool(pull.get("ok")))
 
     def _timed_out(self, a: RecordedTransition) -> bool:
         """Whether the recovery step that ended in ``a`` (a ``restart_failed``) timed out."""
