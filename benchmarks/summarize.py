@@ -1488,6 +1488,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "trl_grpo_gpu_6steps.json": _trl_grpo_gpu,
     "gateway_cpu.json": _gateway,
     "gateway_cpu_6f38a3f.json": _gateway,
+    "gateway_cpu_c2ecb07.json": _gateway,
     "gateway_stacks_cpu.json": _gateway_stacks,
     "router_sync_cpu.json": _router_sync,
     "sglang_stream_decode_cpu.json": _sglang_stream_decode,
