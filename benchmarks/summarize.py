@@ -1479,6 +1479,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gpu/real_sglang_gpu_h100_run3.json": _real_engine_gpu,
     "gpu/real_sglang_gpu_h100_run4.json": _real_engine_gpu,
     "gpu/real_sglang_gpu_h100_run5.json": _real_engine_gpu,
+    "gpu/real_sglang_gpu_h100_run6.json": _real_engine_gpu,
     "gpu/multi_gpu_h200_one_gpu_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200_one_gpu_ce_p2p_rehearsal.json": _multi_gpu,
     "gpu/multi_gpu_h200x2.json": _multi_gpu,
