@@ -289,6 +289,107 @@ def test_leftovers_of_a_real_engine_whose_server_died_first() -> None:
         shm.unlink(missing_ok=True)
 
 
+#: a stand-in vLLM server: tells where ``VLLM_RPC_BASE_PATH`` points (argv[1]), holds a
+#: ``/dev/shm`` segment (argv[2]) and binds a unix socket in that directory (as vLLM's ZMQ
+#: ``ipc://`` endpoints do), then waits
+_STAND_IN_VLLM = """
+import os, pathlib, socket, sys, time
+base = os.environ["VLLM_RPC_BASE_PATH"]
+segment = open(sys.argv[2], "ab")
+s = socket.socket(socket.AF_UNIX)
+s.bind(base + "/sock")
+s.listen()
+pathlib.Path(sys.argv[1]).write_text(base)
+time.sleep(600)
+"""
+
+
+class _Owner:
+    """What a candidate's finalizer hangs on (a launcher, in rollsafe)."""
+
+
+def test_a_vllm_group_that_died_first_leaves_no_ipc_socket_or_shm_segment(tmp_path: Path) -> None:
+    """A real vLLM binds its ZMQ ``ipc://`` sockets under ``VLLM_RPC_BASE_PATH`` (default: the
+    temp directory) and maps ``/dev/shm`` queues; SIGKILLed, it removes neither, and once its
+    whole group is dead nothing names them (found in ``/tmp``: ~1,000 socket files a day of
+    test runs). The launcher gives each vLLM a directory of its own for the sockets and notes
+    its segments when it is ready: ``stop`` deletes both although the group died first. A
+    stand-in server (Python holding a unix socket in that directory and a segment) runs as a
+    ``kind="vllm"`` candidate."""
+    from rollsafe.adapters.engines.launch.process_group import spawn_candidate
+    from rollsafe.adapters.engines.launch.running import RunningEngine
+
+    shm = Path(f"/dev/shm/rs-vllm-queue-{os.getpid()}")
+    where = tmp_path / "rpc_base"
+    cmd = [sys.executable, "-c", _STAND_IN_VLLM, str(where), str(shm)]
+    # no watchdog: it would delete the directory of a dead group too (the next test)
+    spec = EngineSpec(
+        model_path="m", kind="vllm", python=sys.executable, reap_on_parent_death=False
+    )
+    owner = _Owner()
+    cand = spawn_candidate(owner, spec, cmd, str(tmp_path / "log"))
+    running = RunningEngine()
+    running.install(cand)
+    try:
+        assert wait_for(lambda: where.exists() and where.read_text() != "", 30.0)
+        rpc_dir = Path(where.read_text())
+        sock = rpc_dir / "sock"
+        assert sock.exists() and rpc_dir.name.startswith("rollsafe-vllm-ipc-") and shm.exists()
+        assert len(str(sock)) - len("sock") + 37 <= 107  # vLLM's "/" + uuid4 fits a socket path
+        running.note_held(spec)
+        assert str(shm) in running.held and str(sock) in running.held
+        os.killpg(running.require_proc().pid, signal.SIGKILL)  # the whole group, first
+        assert all_gone([running.require_proc().pid], timeout=10.0)
+        running.stop(spec, sig_first=signal.SIGTERM, timeout=5.0)
+        assert not rpc_dir.exists(), "the ipc-socket directory was left"
+        assert not shm.exists(), "the segment noted at ready was left"
+    finally:
+        if running.proc is not None:
+            running.stop(spec, sig_first=signal.SIGKILL, timeout=5.0)
+        shm.unlink(missing_ok=True)
+
+
+def test_the_watchdog_deletes_the_groups_directories_when_the_group_ends(tmp_path: Path) -> None:
+    """The parent-death watchdog's ``dirs`` (a vLLM's ipc-socket directory) go once the group
+    is gone: when it ends by itself, and when the watchdog killed it because its launching
+    process died (which then cannot delete them)."""
+    from rollsafe.adapters.engines.launch.process_group import start_watchdog
+
+    own = tmp_path / "ended-by-itself"
+    own.mkdir()
+    (own / "sock").write_text("")
+    leader = subprocess.Popen(["sleep", "1"], start_new_session=True)
+    start_watchdog(sys.executable, leader.pid, dirs=[str(own)])
+    leader.wait()
+    assert wait_for(lambda: not own.exists(), 15.0), "the directory of an ended group was left"
+
+    orphaned, ready = tmp_path / "orphaned", tmp_path / "leader"
+    orphaned.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import subprocess, sys, time
+        from rollsafe.adapters.engines.launch.process_group import start_watchdog
+        leader = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        start_watchdog(sys.executable, leader.pid, dirs=[{str(orphaned)!r}])
+        with open({str(ready)!r}, "w") as f:
+            f.write(str(leader.pid))
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        assert wait_for(lambda: ready.exists() and ready.read_text() != "", 60.0)
+        group_leader = int(ready.read_text())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        assert all_gone([group_leader], timeout=10.0)
+        assert wait_for(lambda: not orphaned.exists(), 15.0), "the killed group's directory"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
 def test_weight_version_reaches_the_engine_command() -> None:
     from rollsafe.adapters.engines import EngineSpec
 

@@ -6,7 +6,7 @@ process tree on its cores) must start the real server; its argv must parse with 
 parser. After ``restart`` the server serves the same weights from new processes, after
 ``reinit(model_path=...)`` the other model; after ``stop`` / ``kill`` no process of the group
 survives (vLLM spawns an engine-core process and a worker) and no file it held (``/dev/shm``
-queues, ipc sockets) is left behind.
+queues, ipc sockets, each server's ipc-socket directory) is left behind.
 """
 
 from __future__ import annotations
@@ -176,6 +176,9 @@ def test_start_restart_reinit_stop_and_kill(
     assert unbound_processes(first, cores) == []
     first_files = held_files(first)
     assert any(p.startswith("/dev/shm/") for p in first_files)
+    # its ZMQ ipc:// sockets live in a directory of its own (VLLM_RPC_BASE_PATH), not in /tmp
+    sockets = [Path(p) for p in first_files if not p.startswith("/dev/shm/")]
+    assert sockets and all(s.parent.name.startswith("rollsafe-vllm-ipc-") for s in sockets)
 
     launcher.restart()
     assert all_gone(first) and not any(os.path.exists(p) for p in first_files)
@@ -191,8 +194,11 @@ def test_start_restart_reinit_stop_and_kill(
     third = group(launcher)
     third_files = held_files(third)
     assert unbound_processes(third, cores) == []  # the restarted tree is bound too
+    third_dirs = {Path(p).parent for p in third_files if not p.startswith("/dev/shm/")}
+    assert third_dirs and not any(Path(p).parent in third_dirs for p in first_files)
 
     launcher.kill()  # SIGKILL: vLLM cleans nothing up itself; the launcher does
     assert not launcher.started
     assert all_gone(third) and not any(os.path.exists(p) for p in third_files)
+    assert not any(d.exists() for d in third_dirs)  # its ipc-socket directory went with it
     assert not any(p.name.endswith(".yaml") for p in logs.iterdir())

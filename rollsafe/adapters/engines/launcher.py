@@ -334,6 +334,7 @@ class EngineLauncher:
                 attempt = self._attempt(self._running.require_proc(), cmd)
                 info = wait_for_http_ready(attempt, spec.client_url(port))
             self._running.info = info
+            self._running.note_held(spec)
             self._running.client = client = engine_client(spec, str(info["url"]))
             if info.get("weight_version_source") == "client":
                 _adopt_label(client, info)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -36,6 +38,7 @@ __all__ = [
     "group_members",
     "kill_group",
     "reap",
+    "remove_dirs",
     "signal_group",
     "signal_pid",
     "spawn_candidate",
@@ -74,11 +77,14 @@ def wait_gone(pids: Sequence[int], deadline: float) -> bool:
 # once the launching process (its pid *and* start time: a reused pid is not it) is gone. With
 # ``--unlink-shm`` (a real vLLM) it then removes the ``/dev/shm`` segments the group's processes
 # mapped or held open and no other live process does (vLLM's shared-memory queues: a SIGKILLed
-# vLLM leaves them, hundreds of MB each, as ``launch.real_engine.leftovers`` knows).
+# vLLM leaves them, hundreds of MB each, as ``launch.real_engine.leftovers`` knows). Each
+# ``--rmdir=PATH`` (a real vLLM's ipc-socket directory, :func:`spawn_candidate`) is removed once
+# the group is gone, killed by the watchdog or not.
 _WATCHDOG = """
 import os, signal, sys, time
 parent, start, pgid = int(sys.argv[1]), sys.argv[2].encode(), int(sys.argv[3])
-clean = sys.argv[4:] == ["--unlink-shm"]
+clean = "--unlink-shm" in sys.argv[4:]
+rmdirs = [a[8:] for a in sys.argv[4:] if a.startswith("--rmdir=")]
 if os.fork() > 0:
     os._exit(0)
 def stat(pid):
@@ -99,6 +105,12 @@ def pids(group=None):
             if fields is not None and (group is None or int(fields[2]) == group):
                 out.append(int(entry))
     return out
+def rmdirs_and_exit():
+    if rmdirs:
+        import shutil
+        for path in rmdirs:
+            shutil.rmtree(path, ignore_errors=True)
+    sys.exit(0)
 def shm(of):
     found = set()
     for pid in of:
@@ -125,7 +137,7 @@ while True:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
-        sys.exit(0)
+        rmdirs_and_exit()
     except PermissionError:
         pass
     if not parent_alive():
@@ -134,7 +146,7 @@ while True:
             os.killpg(pgid, signal.SIGKILL)
         except OSError:
             pass
-        if held:
+        if held or rmdirs:
             deadline = time.monotonic() + 10
             while pids(pgid) and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -143,7 +155,7 @@ while True:
                     os.unlink(path)
                 except OSError:
                     pass
-        sys.exit(0)
+        rmdirs_and_exit()
     time.sleep(0.25)
 """
 
@@ -266,13 +278,14 @@ def _spawning_on(cpu_cores: Sequence[int] | None) -> Iterator[None]:
 
 
 def start_watchdog(
-    python: str, pgid: int, *, unlink_shm: bool = False
+    python: str, pgid: int, *, unlink_shm: bool = False, dirs: Sequence[str] = ()
 ) -> subprocess.Popen[bytes] | None:
     """Start the parent-death watchdog of group ``pgid`` (see ``_WATCHDOG``): detached from this
     process, it SIGKILLs the group once this process is gone (``unlink_shm``: and removes the
-    ``/dev/shm`` segments only the group used) and exits once the group is gone. The returned
-    process is the one that forked it, already exited and reaped (None: no watchdog)."""
-    flags = ["--unlink-shm"] if unlink_shm else []
+    ``/dev/shm`` segments only the group used) and exits once the group is gone, deleting
+    ``dirs`` in both cases. The returned process is the one that forked it, already exited and
+    reaped (None: no watchdog)."""
+    flags = (["--unlink-shm"] if unlink_shm else []) + [f"--rmdir={d}" for d in dirs]
     try:
         proc = subprocess.Popen(
             [
@@ -313,9 +326,11 @@ def reap(
     rank_pids: Sequence[int],
     watchdog: subprocess.Popen[bytes] | None,
     files: Sequence[str] = (),
+    dirs: Sequence[str] = (),
 ) -> None:
     """Finalizer: SIGKILL the group and every known rank; reap the leader; delete ``files``
-    (a real SGLang engine's API-key file). Never raises."""
+    (a real SGLang engine's API-key file) and ``dirs`` (a real vLLM's ipc-socket directory).
+    Never raises."""
     try:
         signal_group(proc.pid, signal.SIGKILL)
         for pid in rank_pids:
@@ -329,6 +344,13 @@ def reap(
     for path in files:
         with contextlib.suppress(OSError):
             os.unlink(path)
+    remove_dirs(dirs)
+
+
+def remove_dirs(dirs: Sequence[str]) -> None:
+    """Delete ``dirs`` and what is in them (once the processes that wrote there are gone)."""
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def kill_group(proc: Proc, rank_pids: Sequence[int], *, sig_first: int, timeout: float) -> None:
@@ -356,12 +378,14 @@ def kill_group(proc: Proc, rank_pids: Sequence[int], *, sig_first: int, timeout:
 @dataclass
 class Candidate:
     """An engine started but not installed yet (a fresh spawn, or a fork racing one): its
-    process, output pump, watchdog and the finalizer that kills it if nobody installs it."""
+    process, output pump, watchdog, the finalizer that kills it if nobody installs it, and the
+    directories to delete once its group is gone (``dirs``: a real vLLM's ipc sockets)."""
 
     proc: Proc
     pump: OutputPump
     watchdog: subprocess.Popen[bytes] | None
     finalizer: weakref.finalize[Any, Any]
+    dirs: tuple[str, ...] = ()
 
     def discard(self) -> None:
         """SIGKILL its group and reap it."""
@@ -371,17 +395,29 @@ class Candidate:
             self.proc.wait(timeout=5.0)
         stop_watchdog(self.watchdog)
         self.pump.close(timeout=1.0)
+        remove_dirs(self.dirs)
 
 
 def spawn_candidate(owner: object, spec: EngineSpec, cmd: list[str], log_path: str) -> Candidate:
     """Spawn ``cmd`` in ``spec``'s environment as a new group, its output pumped into
     ``log_path``, watched as :func:`watch_candidate` does; :class:`EngineStartError` if it
-    cannot be executed."""
+    cannot be executed.
+
+    A real vLLM gets a directory of its own for its ZMQ ``ipc://`` sockets
+    (``VLLM_RPC_BASE_PATH``, unless ``spec.env`` sets it; vLLM's default is the system's temp
+    directory): a SIGKILLed vLLM leaves its socket files behind, and once its whole group is
+    dead nothing names them any more. The directory goes with the group (stop, kill, the
+    finalizer, the parent-death watchdog)."""
+    env = spec.environment()
+    dirs: tuple[str, ...] = ()
+    if spec.kind == "vllm" and "VLLM_RPC_BASE_PATH" not in (spec.env or {}):
+        # short: a unix socket's path has 107 bytes, and vLLM adds "/" + a uuid4 (37)
+        dirs = (tempfile.mkdtemp(prefix="rollsafe-vllm-ipc-"),)
+        env["VLLM_RPC_BASE_PATH"] = dirs[0]
     try:
-        proc = spawn_group(
-            cmd, spec.environment(), stdin=subprocess.DEVNULL, cpu_cores=spec.cpu_cores
-        )
+        proc = spawn_group(cmd, env, stdin=subprocess.DEVNULL, cpu_cores=spec.cpu_cores)
     except OSError as exc:
+        remove_dirs(dirs)
         raise EngineStartError(
             f"cannot execute the engine command: {exc}",
             command=[redact(a, spec.secrets()) for a in cmd],
@@ -389,15 +425,18 @@ def spawn_candidate(owner: object, spec: EngineSpec, cmd: list[str], log_path: s
             output_tail="",
             log_path=log_path,
         ) from exc
-    return watch_candidate(owner, spec, proc, OutputPump(proc, log_path, spec.secrets()))
+    return watch_candidate(owner, spec, proc, OutputPump(proc, log_path, spec.secrets()), dirs=dirs)
 
 
-def watch_candidate(owner: object, spec: EngineSpec, proc: Proc, pump: OutputPump) -> Candidate:
+def watch_candidate(
+    owner: object, spec: EngineSpec, proc: Proc, pump: OutputPump, *, dirs: tuple[str, ...] = ()
+) -> Candidate:
     """``proc`` with a parent-death watchdog on its group (``spec.reap_on_parent_death``) and a
-    finalizer that reaps it when ``owner`` is garbage-collected."""
+    finalizer that reaps it when ``owner`` is garbage-collected (``dirs`` deleted with it)."""
     watchdog = (
-        start_watchdog(spec.interpreter(), proc.pid, unlink_shm=spec.kind == "vllm")
+        start_watchdog(spec.interpreter(), proc.pid, unlink_shm=spec.kind == "vllm", dirs=dirs)
         if spec.reap_on_parent_death
         else None
     )
-    return Candidate(proc, pump, watchdog, weakref.finalize(owner, reap, proc, [], watchdog))
+    finalizer = weakref.finalize(owner, reap, proc, [], watchdog, (), dirs)
+    return Candidate(proc, pump, watchdog, finalizer, dirs)

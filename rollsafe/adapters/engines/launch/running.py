@@ -2,7 +2,8 @@
 
 Owns :class:`RunningEngine`: the installed engine's process, output pump, parent-death
 watchdog and finalizer (which kills the group when the launcher is garbage-collected or the
-interpreter exits), its ready info and client, and a real SGLang engine's API-key file.
+interpreter exits), its ready info and client, a real SGLang engine's API-key file and a real
+vLLM's ipc-socket directory.
 :meth:`RunningEngine.stop` kills the group (its ranks and a real engine's workers included),
 deletes what a killed vLLM leaves on disk and forgets all of it.
 """
@@ -22,6 +23,7 @@ from rollsafe.adapters.engines.launch.process_group import (
     Candidate,
     kill_group,
     reap,
+    remove_dirs,
     stop_watchdog,
 )
 from rollsafe.adapters.engines.launch.spec import EngineSpec
@@ -45,19 +47,50 @@ class RunningEngine:
         self.info: dict[str, Any] = {}  # the ready line's payload, or what polling learnt
         self.client: SGLangClient | VLLMClient | None = None
         self.api_key_file: str | None = None  # a real SGLang engine's --config file
+        self.dirs: tuple[str, ...] = ()  # deleted once the group is gone (a vLLM's ipc sockets)
+        self.held: list[str] = []  # what a real vLLM held when it became ready (note_held)
+        self._rank_pids: list[int] = []
 
     def install(self, cand: Candidate) -> None:
-        """Make ``cand`` the engine (its finalizer becomes this one's, the key file included)."""
+        """Make ``cand`` the engine (its finalizer becomes this one's, the key file and its
+        directories included)."""
         cand.finalizer.detach()
         self.proc, self.pump, self.watchdog = cand.proc, cand.pump, cand.watchdog
-        files = [self.api_key_file] if self.api_key_file else []
-        self.finalizer = weakref.finalize(self, reap, cand.proc, [], cand.watchdog, files)
+        self.dirs = cand.dirs
+        self.held = []
+        self._rank_pids = []
+        self._finalize()
 
     def watch_ranks(self, rank_pids: list[int]) -> None:
         """The engine told its rank pids: its finalizer kills them too."""
+        self._rank_pids = list(rank_pids)
+        self._finalize()
+
+    def note_held(self, spec: EngineSpec) -> None:
+        """A real vLLM just became ready: remember the files its group holds now (its
+        ``/dev/shm`` queues and semaphores), deleted when it is stopped or finalized even if
+        the whole group died first (a SIGKILLed server's engine core and workers exit after
+        it) and nothing names them any more."""
+        if spec.kind != "vllm":
+            return
+        self.held = real_engine.leftovers(spec, self.require_proc().pid, self._rank_pids)[1]
+        self._finalize()
+
+    def _finalize(self) -> None:
+        """(Re)arm the finalizer: it kills the group and its known ranks, then deletes the key
+        file, the files noted at ready and the group's directories."""
         if self.finalizer is not None:
             self.finalizer.detach()
-        self.finalizer = weakref.finalize(self, reap, self.require_proc(), rank_pids, self.watchdog)
+        files = [self.api_key_file] if self.api_key_file else []
+        self.finalizer = weakref.finalize(
+            self,
+            reap,
+            self.require_proc(),
+            self._rank_pids,
+            self.watchdog,
+            [*files, *self.held],
+            self.dirs,
+        )
 
     def require_proc(self) -> Proc:
         if self.proc is None:
@@ -93,7 +126,9 @@ class RunningEngine:
         if self.client is not None:
             self.client.close()
         kill_group(proc, rank_pids, sig_first=sig_first, timeout=timeout)
-        remove_files(held)
+        remove_files(sorted({*held, *self.held}))
+        remove_dirs(self.dirs)
+        self.dirs, self.held, self._rank_pids = (), [], []
         stop_watchdog(self.watchdog)
         self.watchdog = None
         if self.finalizer is not None:
