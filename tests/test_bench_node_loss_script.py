@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -143,14 +144,27 @@ def test_span_smoke(tmp_path: Path) -> None:
     require_ray()
     out = tmp_path / "span.json"
     argv = ["--span", "--removals", "1", "--kills", "0", "--max-ratio", "1000"]
-    done = subprocess.run(
+    # within pytest's own 300 s: a run that hangs fails here with the script's output (its
+    # timestamped steps say where it stood), after a Ctrl-C that lets it close its cluster
+    proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), *argv, "--out", str(out)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
         cwd=str(ROOT),
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=270)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            stdout, stderr = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"the span smoke ran past 270 s:\n{stdout[-6000:]}\n{stderr[-6000:]}")
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["benchmark"] == "node_loss_span_cpu" and got["checks"]["ok"] is True
