@@ -9,6 +9,7 @@ down too. The trainer actor's body and its zero-copy snapshot are checked withou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from trace_support import assert_run_replays
@@ -383,3 +385,39 @@ def test_demo_on_real_vllm_recovers_and_verifies(tmp_path: Path, vllm_python: st
     assert all(s["sync"]["ok"] for s in summary["steps"])
     assert_run_replays(out)  # the report's timeline: a run of the verifier's model (#36)
     assert all(set(c) <= {"active"} for c in summary["dispatch_counts"].values())
+
+
+def _bare_run(tmp_path: Path) -> Any:
+    """A demo run with nothing started: its scratch holds two engine logs."""
+    from rollsafe.demo.options import DemoOptions
+    from rollsafe.demo.state import DemoRun
+
+    work, out = tmp_path / "scratch", tmp_path / "report"
+    (work / "logs").mkdir(parents=True)
+    out.mkdir()
+    (work / "logs" / "engine-1.log").write_text("rank 0: probe answered\n")
+    (work / "logs" / "standby-1.log").write_text("imported\n")
+    return DemoRun(DemoOptions(), out, work, [1], print, time.time(), time.monotonic())
+
+
+@pytest.mark.parametrize("how", ["check broke", "phase raised", "passed"])
+def test_a_failed_demo_keeps_its_engine_logs(tmp_path: Path, how: str) -> None:
+    """The scratch directory (engine logs included) goes on every way out; a run that failed
+    (a check broke, or a phase raised) first copies the engines' logs into its report directory
+    (``engine-logs``), so that what an engine did when a check broke can be read afterwards
+    (stress pass 5 failed a node-loss check, the engine's log was gone with the scratch)."""
+    from rollsafe.demo.settle import ENGINE_LOGS, shutting_down
+
+    run = _bare_run(tmp_path)
+    with contextlib.suppress(RuntimeError), shutting_down(run):
+        if how == "check broke":
+            run.failures.append("node loss check failed: the other groups kept serving")
+        elif how == "phase raised":
+            raise RuntimeError("a phase failed")
+    kept = run.out / ENGINE_LOGS
+    assert not run.work.exists()  # the scratch goes whatever happened
+    if how == "passed":
+        assert not kept.exists()
+    else:
+        assert (kept / "engine-1.log").read_text() == "rank 0: probe answered\n"
+        assert (kept / "standby-1.log").exists()

@@ -7,7 +7,8 @@ local Ray: every process of its session gone, by pid), shuts down the ``--nodes`
 node it started and their processes: ``DemoRun.stack``), restores the SIGTERM handler, removes
 the scratch and Ray directories (nothing the demo started runs any more, so nothing writes
 there), and says so when interrupted. What could not be ended or removed is named, with the
-processes holding it.
+processes holding it. A run that failed (a check broke, or a phase raised) keeps its engines'
+logs first: :func:`keep_engine_logs` copies them into the report directory.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from rollsafe.demo.state import DemoRun
 from rollsafe.demo_trainer import RayTrainer
 from rollsafe.processes import processes_using
 
-__all__ = ["exit_on_sigterm", "shutting_down"]
+__all__ = ["ENGINE_LOGS", "exit_on_sigterm", "keep_engine_logs", "shutting_down"]
+
+#: where a failed run's engine logs are kept, in its report directory
+ENGINE_LOGS = "engine-logs"
 
 
 def exit_on_sigterm() -> Callable[[], None]:
@@ -56,16 +60,39 @@ def shutting_down(run: DemoRun) -> Iterator[None]:
     """Run the block, then shut down what it started (also on an error, Ctrl-C or SIGTERM)."""
     restore_sigterm = exit_on_sigterm()
     interrupted = ""
+    raised = False
     try:
         yield
     except (KeyboardInterrupt, SystemExit) as exc:
         interrupted = type(exc).__name__
         raise
+    except BaseException:
+        raised = True
+        raise
     finally:
-        _shut_down(run, restore_sigterm, interrupted)
+        _shut_down(run, restore_sigterm, interrupted, failed=raised or bool(run.failures))
 
 
-def _shut_down(run: DemoRun, restore_sigterm: Callable[[], None], interrupted: str) -> None:
+def keep_engine_logs(work: Path, out: Path) -> Path | None:
+    """Copy the engines' logs of a failed run (``work/logs``: every engine's and standby's
+    output, the ones on other Ray nodes of a local cluster too) to ``out/engine-logs`` before
+    the scratch directory goes; the copy's path, or None when there was nothing to keep or it
+    could not be copied (said, not raised: the shutdown goes on)."""
+    logs = work / "logs"
+    if not logs.is_dir() or not any(logs.iterdir()):
+        return None
+    kept = out / ENGINE_LOGS
+    try:
+        shutil.copytree(logs, kept, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as exc:
+        print(f"note: the engines' logs could not be kept in {kept}: {exc}")
+        return None
+    return kept
+
+
+def _shut_down(
+    run: DemoRun, restore_sigterm: Callable[[], None], interrupted: str, *, failed: bool
+) -> None:
     if run.load_or_none is not None:
         run.load_or_none.close()
     try:
@@ -85,6 +112,10 @@ def _shut_down(run: DemoRun, restore_sigterm: Callable[[], None], interrupted: s
         if isinstance(trainer, RayTrainer) and trainer.ray_stop and trainer.ray_stop.left:
             left = trainer.ray_stop.describe_left()
             print(f"note: processes of the trainer's Ray outlived SIGKILL: {left}")
+        if failed:
+            kept = keep_engine_logs(Path(run.work), Path(run.out))
+            if kept is not None:
+                print(f"the run failed: the engines' logs are kept in {kept}")
         for scratch in (run.work, run.ray_dir):
             if scratch is not None:
                 _remove_tree(Path(scratch))
