@@ -431,3 +431,35 @@ def test_real_servers_on_the_same_gpus_start_one_at_a_time() -> None:
     assert entered["second"].wait(10)
     for t in (second, *others):
         t.join(10)
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds ``text``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
+                if text.encode() in f.read() and pid_alive(int(entry)):
+                    found.append(int(entry))
+    return found
+
+
+def test_a_candidate_nobody_can_watch_is_killed_with_its_directory(tmp_path: Path) -> None:
+    """When watching a spawned vLLM fails (here: an owner its finalizer cannot hang on), the
+    engine and its ipc-socket directory go at once: nothing else would end them."""
+    from rollsafe.adapters.engines.launch.process_group import spawn_candidate
+
+    where = tmp_path / "rpc_base"
+    shm = Path(f"/dev/shm/rs-unwatched-{os.getpid()}")
+    cmd = [sys.executable, "-c", _STAND_IN_VLLM, str(where), str(shm)]
+    spec = EngineSpec(
+        model_path="m", kind="vllm", python=sys.executable, reap_on_parent_death=False
+    )
+    before = set(Path(tempfile.gettempdir()).glob("rollsafe-vllm-ipc-*"))
+    try:
+        with pytest.raises(TypeError, match="weak reference"):
+            spawn_candidate(object(), spec, cmd, str(tmp_path / "log"))
+        assert set(Path(tempfile.gettempdir()).glob("rollsafe-vllm-ipc-*")) == before
+        assert _processes_naming(str(where)) == []  # the stand-in was killed, not left running
+    finally:
+        shm.unlink(missing_ok=True)

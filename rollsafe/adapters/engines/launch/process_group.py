@@ -425,7 +425,16 @@ def spawn_candidate(owner: object, spec: EngineSpec, cmd: list[str], log_path: s
             output_tail="",
             log_path=log_path,
         ) from exc
-    return watch_candidate(owner, spec, proc, OutputPump(proc, log_path, spec.secrets()), dirs=dirs)
+    pump = OutputPump(proc, log_path, spec.secrets())
+    try:
+        return watch_candidate(owner, spec, proc, pump, dirs=dirs)
+    except BaseException:  # nothing owns it yet: it and its directory go now
+        signal_group(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
+        pump.close(timeout=1.0)
+        remove_dirs(dirs)
+        raise
 
 
 def watch_candidate(
