@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -279,6 +281,103 @@ def test_a_connection_closed_as_it_leaves_the_pool_is_never_written_to() -> None
 
     server = run(main())
     assert server.connections == 2 and [r.path for r in server.requests] == ["/a", "/b"]
+
+
+def _keepalive_server_closing_on(
+    close_now: threading.Event, closed: threading.Event
+) -> tuple[socket.socket, list[str]]:
+    """A blocking HTTP/1.1 server on its own thread: each connection answers its requests
+    keep-alive; once ``close_now`` is set it closes the connection it holds idle (as uvicorn
+    does after its keep-alive time, 5 s in SGLang and vLLM) and sets ``closed``. Returns the
+    listening socket and the paths it answered."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    answered: list[str] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(0.05)
+                buf = b""
+                while True:
+                    try:
+                        data = conn.recv(65536)
+                    except TimeoutError:
+                        if close_now.is_set() and not buf:
+                            closed.set()
+                            break  # idle: closed, as a keep-alive time does
+                        continue
+                    if not data:
+                        break
+                    buf += data
+                    while b"\r\n\r\n" in buf:
+                        head, _, rest = buf.partition(b"\r\n\r\n")
+                        length = 0
+                        for line in head.split(b"\r\n")[1:]:
+                            name, _, value = line.partition(b":")
+                            if name.strip().lower() == b"content-length":
+                                length = int(value)
+                        if len(rest) < length:
+                            break
+                        path = head.split(b" ")[1].decode()
+                        buf = rest[length:]
+                        answered.append(path)
+                        body = json.dumps({"ok": path}).encode()
+                        conn.sendall(
+                            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                            + f"content-length: {len(body)}\r\n\r\n".encode()
+                            + body
+                        )
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, answered
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_connection_closed_while_the_loop_did_not_run_is_not_written_to(loop: str) -> None:
+    """The race a real engine's 5 s keep-alive time opens: the server closes an idle pooled
+    connection and its FIN is in this host's socket, but the loop has not run since, so the
+    connection is not known closed when the next request takes it. Written to, the request is
+    lost ("the server closed the connection before answering": seen under load in the TRL test
+    against real vLLM, whose training steps leave the pool idle about 5 s). The pool looks at
+    the socket before it reuses a connection: the request goes out once, on a fresh one."""
+    close_now, closed = threading.Event(), threading.Event()
+    listener, answered = _keepalive_server_closing_on(close_now, closed)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def main() -> None:
+        async with AsyncHttp() as http:
+            assert await http.request("GET", url, "/a", timeout=5) == {"ok": "/a"}
+            assert http.pool.open_connections == 1
+            close_now.set()
+            assert closed.wait(5.0)
+            time.sleep(0.2)  # the FIN arrives; this loop does not run meanwhile
+            got = await http.request("POST", url, "/b", json_body={}, timeout=5, retry=NO_RETRY)
+            assert got == {"ok": "/b"}
+
+    try:
+        run(main(), loop)
+    finally:
+        listener.close()
+    assert answered == ["/a", "/b"]
+
+
+def test_engine_clients_close_idle_connections_before_the_engines_do() -> None:
+    """SGLang 0.5.x and vLLM (uvicorn's ``timeout_keep_alive``: ``SGLANG_TIMEOUT_KEEP_ALIVE``,
+    ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s) close an idle keep-alive connection after 5 s: the
+    engine clients' pool closes its own sooner, so it never reuses one the engine is closing."""
+    from rollsafe.adapters.engines.aio import ENGINE_KEEPALIVE_S
+
+    assert 0 < ENGINE_KEEPALIVE_S < 5.0
+
+    async def main() -> float:
+        async with AsyncHttp() as http:
+            return http.pool._keepalive
+
+    assert run(main()) == ENGINE_KEEPALIVE_S
 
 
 # ---- framing ---------------------------------------------------------------------------------

@@ -113,6 +113,7 @@ from rollsafe.errors import InvalidArgumentType
 from rollsafe.ports import GenerateResult
 
 __all__ = [
+    "ENGINE_KEEPALIVE_S",
     "AsyncEngine",
     "AsyncHttp",
     "AsyncSGLangEngine",
@@ -129,6 +130,14 @@ _D = TypeVar("_D", SGLangDialect, VLLMDialect)
 #: of the body) may take to arrive before the connection is dropped instead of pooled
 DRAIN_S = 1.0
 DRAIN_BYTES = 64 << 10
+
+
+#: Seconds an idle pooled engine connection is kept (:class:`AsyncHttp`'s default): below the
+#: 5 s after which SGLang 0.5.x and vLLM close one (uvicorn's ``timeout_keep_alive``:
+#: ``SGLANG_TIMEOUT_KEEP_ALIVE``, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), so that the client closes
+#: first and never writes a request into a connection the engine is closing (which loses it:
+#: "the server closed the connection before answering").
+ENGINE_KEEPALIVE_S = 4.0
 
 
 def encode_json(body: Mapping[str, Any]) -> bytes:
@@ -154,7 +163,8 @@ class AsyncHttp:
     """The pooled HTTP client of one event loop (see the module). ``limit`` (0: none) bounds
     the connections open at once, ``limit_per_host`` those to one engine; with a bound, a
     request waits for a free connection up to its timeout (then :class:`EngineTimeout`,
-    ``request_sent=False``). An idle connection is closed after ``keepalive_timeout`` s.
+    ``request_sent=False``). An idle connection is closed after ``keepalive_timeout`` s
+    (default :data:`ENGINE_KEEPALIVE_S`, below the engines' own 5 s).
     ``connect``: an async ``(host, port) -> socket`` that opens each connection instead of the
     pool's own TCP connect (:func:`~rollsafe.adapters.engines.pool.connect_tcp` is that one)."""
 
@@ -163,7 +173,7 @@ class AsyncHttp:
         *,
         limit: int = 0,
         limit_per_host: int = 0,
-        keepalive_timeout: float = 60.0,
+        keepalive_timeout: float = ENGINE_KEEPALIVE_S,
         connect: Connect | None = None,
     ) -> None:
         try:

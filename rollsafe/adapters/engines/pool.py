@@ -40,7 +40,8 @@ reader waits (head or body)
 ========================================  ==============================================
 
 A pooled connection the server closed while it was idle is seen closed (its ``connection_lost``
-ran) and never written to: the request takes another one, or a fresh one. A connection idle
+ran, or its socket is readable: the close arrived while the loop did not run) and never written
+to: the request takes another one, or a fresh one. A connection idle
 for ``keepalive_timeout`` is closed. Bytes arriving on an idle connection, or after a complete
 answer, close it. Requests are not pipelined: one exchange per connection at a time. Usable
 only on the loop it was made on (its caller, :class:`~rollsafe.adapters.engines.aio.AsyncHttp`,
@@ -52,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import re
+import select
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
@@ -544,6 +546,21 @@ async def connect_tcp(host: str, port: int) -> socket.socket:
     raise last if last is not None else OSError(f"no address for {host!r}")
 
 
+def _readable(transport: asyncio.BaseTransport) -> bool:
+    """Whether an idle connection's socket has something to read: the server's close (a FIN
+    that arrived while the loop did not run, so ``connection_lost`` has not run yet) or bytes
+    nobody asked for. Either way it is not reused. A zero-timeout ``poll`` of its descriptor."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
+
+
 class ConnectionPool:
     """The keep-alive connections of one event loop, per origin (see the module). ``limit``
     (0: none) bounds the connections open at once, ``limit_per_host`` those to one origin; with
@@ -700,7 +717,7 @@ class ConnectionPool:
             if transport is None or transport.is_closing():
                 conn.close()
                 continue
-            if now - conn.idle_since >= self._keepalive:
+            if now - conn.idle_since >= self._keepalive or _readable(transport):
                 conn.close()
                 continue
             return conn
