@@ -26,14 +26,18 @@ SCRIPT = REPO / "benchmarks" / "gpu" / "real_engine_gpu.py"
 
 def smoke(tmp_path: Path, engine: str, *extra: str) -> dict[str, Any]:
     out = tmp_path / f"{engine}.json"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--engine", engine, "--smoke", "--out", str(out), *extra],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=800,
-        env=repo_env(),
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), "--engine", engine, "--smoke", "--out", str(out), *extra],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=800,
+            env=repo_env(),
+        )
+    except subprocess.TimeoutExpired as exc:  # a hang: its output says where it stood
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
+        pytest.fail(f"the {engine} smoke ran past 800 s; its stderr's end:\n{(err or '')[-8000:]}")
     assert out.exists(), done.stderr[-4000:]
     doc: dict[str, Any] = json.loads(out.read_text())
     failed = sorted(k for k, ok in doc["checks"].items() if not ok)
