@@ -488,6 +488,58 @@ def test_connections_past_the_cap_are_refused(
     assert wait_for(lambda: engine.healthy(), 10)
 
 
+KEEPALIVE_S = 3  # the engines below: a short keep-alive, set as on the real servers
+
+
+def _one_response(sock: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response (``Content-Length`` bodies) read from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a whole head: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a whole body: {data!r}"
+        body += chunk
+    return head
+
+
+@pytest.mark.parametrize(
+    ("dialect", "variable"),
+    [("sglang", "SGLANG_TIMEOUT_KEEP_ALIVE"), ("vllm", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE")],
+)
+def test_an_idle_kept_alive_connection_is_closed_after_the_servers_keep_alive(
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,  # noqa: F811
+    dialect: str,
+    variable: str,
+) -> None:
+    """SGLang and vLLM (uvicorn's ``timeout_keep_alive``, 5 s unless the dialect's variable
+    says otherwise) close a kept-alive connection that sends nothing for that long after a
+    response; requests sent sooner keep it. A client reusing it later meets a closed socket,
+    on the reference engine as on the real ones."""
+    # the header time-out, aiohttp's own idle bound, far past the keep-alive and the wait
+    args = ["--dialect", dialect, "--header-timeout", "120"]
+    eng = _engine(request, tiny_model_dir, extra_args=args, env={variable: str(KEEPALIVE_S)})
+    sock = connect(eng)
+    try:
+        for _ in range(4):  # 0.3 s apart, well inside the keep-alive: the same connection
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: engine\r\n\r\n")
+            assert _one_response(sock).startswith(b"HTTP/1.1 200")
+            time.sleep(0.3)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: engine\r\n\r\n")
+        assert _one_response(sock).startswith(b"HTTP/1.1 200")
+        data, idle_s = read_all(sock, KEEPALIVE_S + 30)
+    finally:
+        sock.close()
+    assert data == b""  # closed by the engine, nothing sent
+    assert idle_s >= KEEPALIVE_S - 0.5  # not before the keep-alive ran out
+    assert eng.get("/health").status_code == 200
+
+
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -913,6 +965,13 @@ def test_bad_key_sources_and_limits_are_usage_errors(
     assert "--header-timeout" in _usage(tiny_model_dir, "--header-timeout", "nan")
     assert "--body-idle-timeout" in _usage(tiny_model_dir, "--body-idle-timeout", "0")
     assert "--max-inflight-body-bytes" in _usage(tiny_model_dir, "--max-inflight-body-bytes", "1")
+    # the real servers' keep-alive variables: an int of seconds
+    assert "$SGLANG_TIMEOUT_KEEP_ALIVE must be a whole number of seconds, got '2.5'" in _usage(
+        tiny_model_dir, env={"SGLANG_TIMEOUT_KEEP_ALIVE": "2.5"}
+    )
+    assert "$VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be >= 0, got -1" in _usage(
+        tiny_model_dir, "--dialect", "vllm", env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "-1"}
+    )
     # off loopback a key is required; one from the environment is enough (the next check,
     # of the limits, is reached)
     assert "without an API key" in _usage(tiny_model_dir, "--host", "0.0.0.0")
@@ -933,6 +992,16 @@ def test_limit_flag_defaults_are_the_server_defaults() -> None:
     from rollsafe.adapters.reference_engine.server import ServerLimits
 
     assert server_limits(parse_args(["--model-path", "m"])) == ServerLimits()
+
+
+def test_each_dialect_reads_its_servers_keep_alive_variable() -> None:
+    from rollsafe.adapters.reference_engine.__main__ import keepalive_timeout
+
+    assert keepalive_timeout("sglang", {}) == keepalive_timeout("vllm", {}) == 5
+    assert keepalive_timeout("sglang", {"SGLANG_TIMEOUT_KEEP_ALIVE": "7"}) == 7
+    assert keepalive_timeout("vllm", {"SGLANG_TIMEOUT_KEEP_ALIVE": "7"}) == 5  # not its own
+    assert keepalive_timeout("vllm", {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": " 9 "}) == 9  # int() strips
+    assert "got 'x'" in str(keepalive_timeout("vllm", {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "x"}))
 
 
 def test_resolve_api_key_pops_the_environment(tmp_path: Path) -> None:

@@ -286,7 +286,9 @@ LIMIT_FLAGS: tuple[tuple[str, str, type, float, float, str], ...] = (
         float,
         30.0,
         0.001,
-        "seconds for a request's headers to arrive (also the idle keep-alive time)",
+        "seconds for a request's headers to arrive (from connect or from the previous "
+        "response; an idle kept-alive connection closes sooner, after $SGLANG_TIMEOUT_KEEP_ALIVE "
+        "or $VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds, 5 by default, as on the real servers)",
     ),
     (
         "--body-timeout",
@@ -329,12 +331,40 @@ def _limit_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+#: The variable each dialect's server reads for uvicorn's ``timeout_keep_alive`` (SGLang
+#: 0.5.x ``envs.SGLANG_TIMEOUT_KEEP_ALIVE``, vLLM ``envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: an
+#: int, 5 when unset): how long an idle kept-alive connection stays open after a response.
+KEEPALIVE_ENV = {"sglang": "SGLANG_TIMEOUT_KEEP_ALIVE", "vllm": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"}
+KEEPALIVE_DEFAULT_S = 5
+
+
+def keepalive_timeout(dialect: str, environ: Any = None) -> int | str:
+    """The idle keep-alive seconds ``dialect``'s variable sets (:data:`KEEPALIVE_ENV`), or
+    what is wrong with it (the real servers parse it with ``int()``)."""
+    name = KEEPALIVE_ENV[dialect]
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None:
+        return KEEPALIVE_DEFAULT_S
+    try:
+        value = int(raw)
+    except ValueError:
+        return f"${name} must be a whole number of seconds, got {raw!r}"
+    if value < 0:
+        return f"${name} must be >= 0, got {value}"
+    return value
+
+
 def server_limits(args: argparse.Namespace) -> Any:
-    """The :class:`~.server.ServerLimits` of the command line."""
+    """The :class:`~.server.ServerLimits` of the command line (and of the dialect's
+    keep-alive variable, :data:`KEEPALIVE_ENV`)."""
     from rollsafe.adapters.reference_engine.server import ServerLimits
 
+    keepalive = keepalive_timeout(args.dialect)
+    if isinstance(keepalive, str):  # check_args refuses it first
+        raise ValueError(keepalive)
     return ServerLimits(
-        **{field: getattr(args, flag[2:].replace("-", "_")) for flag, field, *_ in LIMIT_FLAGS}
+        **{field: getattr(args, flag[2:].replace("-", "_")) for flag, field, *_ in LIMIT_FLAGS},
+        keepalive_timeout_s=float(keepalive),
     )
 
 
@@ -387,6 +417,9 @@ def check_args(args: argparse.Namespace) -> str | None:
     problem = _limit_problem(args)
     if problem is not None:
         return problem
+    keepalive = keepalive_timeout(args.dialect)
+    if isinstance(keepalive, str):
+        return keepalive
     if args.start_timeout <= 0:
         return "--start-timeout must be > 0"
     if args.rank_backend == "nccl" and args.device != "cuda":

@@ -111,8 +111,12 @@ class ServerLimits:
     #: open HTTP connections; one more is answered 503 and closed [--max-connections]
     max_connections: int = 512
     #: seconds for a request's headers (from connect, or from the previous response on a
-    #: kept-alive connection; also how long an idle connection is kept) [--header-timeout]
+    #: kept-alive connection) [--header-timeout]
     header_timeout_s: float = 30.0
+    #: seconds a kept-alive connection stays open after a response with no new request
+    #: (SGLang's and vLLM's uvicorn ``timeout_keep_alive``: ``$SGLANG_TIMEOUT_KEEP_ALIVE``,
+    #: ``$VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 by default; see ``KEEPALIVE_ENV`` in ``__main__``)
+    keepalive_timeout_s: float = 5.0
     #: seconds for a request's body, from the start of its handling [--body-timeout]
     body_timeout_s: float = 60.0
     #: longest pause, in seconds, between two pieces of a request's body (a slow-loris client
@@ -592,6 +596,38 @@ async def run_generate(
 
 
 # ---- middlewares ---------------------------------------------------------------------------
+def keepalive_middleware(idle_s: float) -> Any:
+    """Close a kept-alive connection that starts no new request within ``idle_s`` after its
+    last one was answered, as SGLang's and vLLM's uvicorn does (``timeout_keep_alive``, armed
+    when a response completes). A client that reuses such a connection after that meets a
+    closed one, as it would on the real engines (docs/engines.md, "Keep-alive")."""
+    last: weakref.WeakKeyDictionary[asyncio.BaseTransport, int] = weakref.WeakKeyDictionary()
+    serial = iter(range(1, 1 << 62))
+
+    def close_if_idle(transport: asyncio.BaseTransport, protocol: object, n: int) -> None:
+        # a request parsed but not yet handled (its bytes arrived in time, the loop ran late)
+        # keeps the connection, as uvicorn's data_received cancels its timer
+        idle = last.get(transport) == n and not getattr(protocol, "_messages", None)
+        if idle and not transport.is_closing():
+            transport.close()
+
+    @web.middleware
+    async def keepalive(request: web.Request, handler: Handler) -> web.StreamResponse:
+        transport, n = request.transport, next(serial)
+        if transport is not None:
+            last[transport] = -n  # a request in progress: no idle close counts it
+        try:
+            return await handler(request)
+        finally:
+            if transport is not None and last.get(transport) == -n:
+                last[transport] = n
+                asyncio.get_running_loop().call_later(
+                    idle_s, close_if_idle, transport, request.protocol, n
+                )
+
+    return keepalive
+
+
 @web.middleware
 async def profile_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """``ROLLSAFE_ENGINE_PROFILE=1``: one ``rollsafe-profile op=http/<path>`` line per request."""
@@ -914,10 +950,10 @@ def build_app(
 ) -> web.Application:
     """The aiohttp application for ``ctx.dialect`` (``"sglang"`` or ``"vllm"``).
 
-    Middlewares, outermost first: the ``Content-Length`` check (413 before anything is read),
-    errors to JSON, authentication, fault injection (so an unauthenticated client cannot
-    trigger or observe a fault), the upstream contract. ``max_body_bytes`` overrides
-    ``ctx.limits.max_body_bytes``.
+    Middlewares, outermost first: the idle keep-alive close, the ``Content-Length`` check
+    (413 before anything is read), errors to JSON, authentication, fault injection (so an
+    unauthenticated client cannot trigger or observe a fault), the upstream contract.
+    ``max_body_bytes`` overrides ``ctx.limits.max_body_bytes``.
     """
     if max_body_bytes is not None and max_body_bytes != ctx.limits.max_body_bytes:
         ctx.limits = dataclasses.replace(ctx.limits, max_body_bytes=max_body_bytes)
@@ -926,6 +962,7 @@ def build_app(
         client_max_size=limits.max_body_bytes,
         middlewares=[
             *([profile_middleware] if PROFILE else []),
+            keepalive_middleware(limits.keepalive_timeout_s),
             body_limit_middleware(_MemoryTrimmer()),
             error_middleware,
             auth_middleware(api_key),
@@ -1035,7 +1072,8 @@ async def start_server(
 
     The connection-level limits: a client that disconnects cancels its handler (a generation
     it was waiting for is aborted, see :func:`run_generate`); request headers must arrive within
-    ``header_timeout_s`` (slow headers are closed; also the idle keep-alive time); at most
+    ``header_timeout_s`` (slow headers are closed; an idle kept-alive connection is closed
+    ``keepalive_timeout_s`` after its last response, see :func:`keepalive_middleware`); at most
     ``max_connections`` are open (one more is answered 503 and closed); a refused body is
     drained for :data:`LINGERING_S` at most. Header lines are bounded by aiohttp (8190 bytes,
     128 headers).
