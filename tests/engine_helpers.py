@@ -9,9 +9,11 @@ per session) and ``engine_factory`` (starts engines and always cleans them up).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +33,11 @@ from rollsafe.digest_check import DigestCheck
 from rollsafe.wire.lines import READY_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: this test process's engines' stderr files (removed when it exits: a test that needs one
+#: reads it, or puts it in its failure, before then)
+_STDERR_DIR = tempfile.mkdtemp(prefix="rollsafe-test-engine-stderr-")
+atexit.register(shutil.rmtree, _STDERR_DIR, True)
 
 
 class EngineStartError(RuntimeError):
@@ -307,7 +314,7 @@ def start_engine(
     if faults:
         full_env["ROLLSAFE_FAULT_INJECTION"] = "1"
     args = list(extra_args) + (["--api-key", api_key] if api_key else [])
-    err = Path(tempfile.mkstemp(prefix="rollsafe-engine-", suffix=".stderr")[1])
+    err = Path(tempfile.mkstemp(prefix="engine-", suffix=".stderr", dir=_STDERR_DIR)[1])
     with err.open("w") as err_f:
         proc = subprocess.Popen(
             engine_command(model_dir, ranks=ranks, extra_args=args),

@@ -139,6 +139,18 @@ def test_a_log_directory_the_user_named_stays_and_one_made_again_after_a_stop(
         assert not Path(log_path).parent.exists()
 
 
+def test_a_launcher_that_never_starts_leaves_no_log_directory(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory is made with the first log: a fleet that refuses its configuration, or a
+    launcher stopped before it started, leaves nothing in the temporary directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    launcher = EngineLauncher(EngineSpec(model_path=str(model_dir)))
+    launcher.stop()
+    assert launcher.log_path is None
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_model_path_raises_start_error_with_output_tail(
     tmp_path: Path, launchers: list[EngineLauncher]
 ) -> None:

@@ -32,7 +32,6 @@ import collections
 import dataclasses
 import signal
 import statistics
-import tempfile
 import threading
 import time
 from types import TracebackType
@@ -106,9 +105,7 @@ class EngineLauncher:
         self._stop_requested = threading.Event()
         self._running = RunningEngine()  # the group running now (none after a stop)
         owned = spec.log_dir is None if owns_log_dir is None else owns_log_dir
-        self._logs = EngineLogs(
-            spec.log_dir or tempfile.mkdtemp(prefix="rollsafe-engine-"), owned=owned
-        )
+        self._logs = EngineLogs(spec.log_dir, owned=owned)  # made with the first log
         self._standby = StandbyPool(spec, self._lock, self._logs)  # resident fork servers
         self._last_from_standby = False
         self._last_source: StartSource | None = None

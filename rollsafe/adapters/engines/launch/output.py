@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -44,7 +45,9 @@ class EngineLogs:
 
     _counter = itertools.count()
 
-    def __init__(self, log_dir: str, *, owned: bool = False) -> None:
+    def __init__(self, log_dir: str | None, *, owned: bool = False) -> None:
+        """``log_dir`` None: an owned directory (``rollsafe-engine-*`` in the temporary
+        directory) made with the first file, so a launcher that never starts leaves none."""
         self.dir = log_dir
         self.owned = owned
         self.starts = 0  # the launcher's start count, part of each file name
@@ -54,7 +57,10 @@ class EngineLogs:
     def path(self, kind: str, suffix: str) -> str:
         """A fresh path in the directory: ``KIND-PID-N-STARTS.SUFFIX`` (the directory made
         when missing: a named one not made yet, an owned one after a :meth:`close`)."""
-        os.makedirs(self.dir, exist_ok=True)
+        if self.dir is None:
+            self.dir = tempfile.mkdtemp(prefix="rollsafe-engine-")
+        else:
+            os.makedirs(self.dir, exist_ok=True)
         name = f"{kind}-{os.getpid()}-{next(self._counter)}-{self.starts}.{suffix}"
         return os.path.join(self.dir, name)
 
@@ -67,7 +73,7 @@ class EngineLogs:
     def close(self) -> bool:
         """The launcher's last stop: remove an owned directory that explains no failure (an
         empty one always). Returns whether it was removed."""
-        if not self.owned or not os.path.isdir(self.dir):
+        if not self.owned or self.dir is None or not os.path.isdir(self.dir):
             return False
         with contextlib.suppress(OSError):
             if self.kept is not None and os.listdir(self.dir):
