@@ -267,6 +267,8 @@ def test_real_vllm_fleet_syncs_recovers_and_never_routes_a_poisoned_group(
     # the tokens g1 streamed before it died were kept, not generated again
     assert max(segs[0]["token_range"][1] for segs in cut) >= 3
     _wait_active(fleet, "g1", 3, RECOVER_S)
+    # the state moves inside the recovery; its record is kept once the recovery returns
+    assert fleet.wait_recoveries(timeout=RECOVER_S)
     recovered = [r for r in fleet.recoveries() if r.group_id == "g1"][-1]
     assert recovered.status == "active" and recovered.strategy == "immediate", recovered
     # the recovered engine is a fresh engine on v3's weights: the survivor answers alike

@@ -208,6 +208,8 @@ def test_a_spare_takes_over_a_killed_group_mid_request_and_the_pool_refills(
         "recovering",
     ) in transitions(fleet, "g0")
     assert ("active", "standby") not in transitions(fleet, "g0")
+    # the state moves inside the recovery; its record is kept once the recovery returns
+    assert fleet.wait_recoveries(timeout=WAIT_S)
     (recovery,) = [r for r in fleet.recoveries() if r.group_id == "g0"]
     assert recovery.status == "standby", recovery
     assert_sound(fleet)
