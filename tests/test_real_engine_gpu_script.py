@@ -28,7 +28,20 @@ def smoke(tmp_path: Path, engine: str, *extra: str) -> dict[str, Any]:
     out = tmp_path / f"{engine}.json"
     try:
         done = subprocess.run(
-            [sys.executable, str(SCRIPT), "--engine", engine, "--smoke", "--out", str(out), *extra],
+            # --deadline-s: past 730 s the script writes every thread's stack to its stderr,
+            # kept in the failure of a run that hangs (one did, once, in a CI run)
+            [
+                sys.executable,
+                str(SCRIPT),
+                "--engine",
+                engine,
+                "--smoke",
+                "--out",
+                str(out),
+                "--deadline-s",
+                "700",
+                *extra,
+            ],
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -37,7 +50,7 @@ def smoke(tmp_path: Path, engine: str, *extra: str) -> dict[str, Any]:
         )
     except subprocess.TimeoutExpired as exc:  # a hang: its output says where it stood
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
-        pytest.fail(f"the {engine} smoke ran past 800 s; its stderr's end:\n{(err or '')[-8000:]}")
+        pytest.fail(f"the {engine} smoke ran past 800 s; its stderr's end:\n{(err or '')[-30000:]}")
     assert out.exists(), done.stderr[-4000:]
     doc: dict[str, Any] = json.loads(out.read_text())
     failed = sorted(k for k, ok in doc["checks"].items() if not ok)
