@@ -615,7 +615,10 @@ def keepalive_middleware(idle_s: float) -> Any:
     async def keepalive(request: web.Request, handler: Handler) -> web.StreamResponse:
         transport, n = request.transport, next(serial)
         if transport is not None:
-            last[transport] = -n  # a request in progress: no idle close counts it
+            try:
+                last[transport] = -n  # a request in progress: no idle close counts it
+            except TypeError:  # a transport that takes no weak reference: never closed idle
+                transport = None
         try:
             return await handler(request)
         finally:
