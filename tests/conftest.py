@@ -8,6 +8,8 @@ for the composed model; ``thorough`` runs ten times that. Tests scale their own 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +29,25 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+#: A real vLLM a test starts itself (not through the launcher, which gives each its own
+#: directory) binds its ZMQ ``ipc://`` sockets under ``VLLM_RPC_BASE_PATH``, by default the
+#: temporary directory, and one killed leaves them there: this test process's go in one
+#: directory, removed when it ends.
+_VLLM_IPC_DIR: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _VLLM_IPC_DIR
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        _VLLM_IPC_DIR = tempfile.mkdtemp(prefix="rollsafe-test-vllm-ipc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = _VLLM_IPC_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _VLLM_IPC_DIR is not None:
+        shutil.rmtree(_VLLM_IPC_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

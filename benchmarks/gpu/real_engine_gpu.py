@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import logging
 import os
 import platform
 import shutil
@@ -882,6 +883,14 @@ def update_times(args: argparse.Namespace, work: Path, row: dict[str, Any], r: R
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # the fleet's own account on stderr, INFO included (a recovery queued and ended, a group
+    # served again), timestamped: what a hung or failed run did last
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     if args.deadline_s < 1e8:
         # a phase that hangs past the deadline (SGLang's first run: its sync until the call's
         # limit) leaves every thread's stack in the log 30 s past the deadline
