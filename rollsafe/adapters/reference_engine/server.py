@@ -600,7 +600,7 @@ def keepalive_middleware(idle_s: float) -> Any:
     """Close a kept-alive connection that starts no new request within ``idle_s`` after its
     last one was answered, as SGLang's and vLLM's uvicorn does (``timeout_keep_alive``, armed
     when a response completes). A client that reuses such a connection after that meets a
-    closed one, as it would on the real engines (docs/engines.md, "Keep-alive")."""
+    closed one, as it would on the real engines (docs/security.md, "Limits")."""
     last: weakref.WeakKeyDictionary[asyncio.BaseTransport, int] = weakref.WeakKeyDictionary()
     serial = iter(range(1, 1 << 62))
 
