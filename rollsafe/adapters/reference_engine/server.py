@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import dataclasses
 import hmac
+import itertools
 import json
 import logging
 import math
@@ -602,7 +603,7 @@ def keepalive_middleware(idle_s: float) -> Any:
     when a response completes). A client that reuses such a connection after that meets a
     closed one, as it would on the real engines (docs/security.md, "Limits")."""
     last: weakref.WeakKeyDictionary[asyncio.BaseTransport, int] = weakref.WeakKeyDictionary()
-    serial = iter(range(1, 1 << 62))
+    serial = itertools.count(1)
 
     def close_if_idle(transport: asyncio.BaseTransport, protocol: object, n: int) -> None:
         # a request parsed but not yet handled (its bytes arrived in time, the loop ran late)
