@@ -82,6 +82,35 @@ def test_a_float_that_is_not_finite_is_written_null_when_orjson_runs() -> None:
         assert out["lp"] == -math.inf and math.isnan(out["x"])
 
 
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0.7, "stop": None}},
+        {"text": "null is a word here", "f": [1e-05, 0.1 + 0.2]},
+        {1: "a key that is not a string", "x": 2**70},
+    ],
+)
+def test_dumps_strict_writes_what_dumps_writes(obj: Any) -> None:
+    out = json_codec.dumps_strict(obj)
+    assert json.loads(out) == json.loads(json.dumps(obj))
+    assert b", " not in out and b": " not in out
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"sampling_params": {"temperature": math.nan}},
+        {"sampling_params": {"top_p": math.inf}, "stop": None},
+        {1: [-math.inf]},  # orjson refuses the key: json's strict path refuses the float
+    ],
+)
+def test_dumps_strict_refuses_a_float_that_is_not_finite_as_json_does(obj: Any) -> None:
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        json.dumps(obj, allow_nan=False)
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        json_codec.dumps_strict(obj)
+
+
 def test_without_orjson_both_fall_back_to_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "orjson", None)  # import orjson -> ImportError
     try:
@@ -90,6 +119,9 @@ def test_without_orjson_both_fall_back_to_json(monkeypatch: pytest.MonkeyPatch) 
         for doc in DOCUMENTS:
             assert repr(plain.loads(doc)) == repr(json.loads(doc))
         assert plain.dumps({"a": "é", "b": [1, 2]}) == '{"a":"é","b":[1,2]}'.encode()
+        assert plain.dumps_strict({"a": [1.5]}) == b'{"a":[1.5]}'
+        with pytest.raises(ValueError):
+            plain.dumps_strict({"a": math.nan})
         with pytest.raises(json.JSONDecodeError):
             plain.loads(b"{")
     finally:

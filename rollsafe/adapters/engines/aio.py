@@ -57,13 +57,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from rollsafe import json_codec
 from rollsafe.adapters.engines.base import HttpEngineClient, parse_weight_version
 from rollsafe.adapters.engines.errors import (
     EngineRequestError,
@@ -142,8 +142,9 @@ ENGINE_KEEPALIVE_S = 4.0
 
 def encode_json(body: Mapping[str, Any]) -> bytes:
     """A request body as the blocking clients send it (httpx's encoding: UTF-8, compact, no
-    NaN or infinity: those are a ``ValueError`` before anything is sent)."""
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    NaN or infinity: those are a ``ValueError`` before anything is sent;
+    :func:`rollsafe.json_codec.dumps_strict`)."""
+    return json_codec.dumps_strict(body)
 
 
 def _engine_error(

@@ -46,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from rollsafe import json_codec
 from rollsafe.adapters.engines.errors import EngineRequestError, EngineTimeout, EngineUnavailable
 from rollsafe.errors import InvalidArgument
 from rollsafe.text import MAX_MESSAGE_CHARS
@@ -100,11 +101,12 @@ def retryable(exc: Exception, *, idempotent: bool) -> bool:
 
 
 def decode_body(body: bytes) -> Any:
-    """An answer's body: its JSON, else its text, ``None`` when empty."""
+    """An answer's body: its JSON (:func:`rollsafe.json_codec.loads`: orjson where installed,
+    :mod:`json`'s values), else its text, ``None`` when empty."""
     if not body:
         return None
     try:
-        return json.loads(body)
+        return json_codec.loads(body)
     except ValueError:
         return body.decode("utf-8", errors="replace")
 
