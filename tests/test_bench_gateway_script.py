@@ -575,6 +575,34 @@ def test_profile_in_process_gives_a_cost_per_request_and_per_token(tmp_path: Pat
         assert set(r) >= {"us_fixed", "us_per_token"}
 
 
+def test_profile_in_process_with_a_gap_times_requests_after_the_loop_slept(
+    tmp_path: Path,
+) -> None:
+    rows = _profile(
+        tmp_path,
+        *("--in-process", "--workloads", "generate", "--tokens", "4"),
+        *("--duration", "0.1", "--gap-ms", "2"),
+    )
+    (row,) = rows
+    assert row["gap_ms"] == 2.0
+    assert row["us_per_req_back_to_back"] > 0 and row["us_per_req_after_gap"] > 0
+
+
+@pytest.mark.parametrize("args", [("--gap-ms", "5"), ("--in-process", "--gap-ms", "-1")])
+def test_profile_refuses_a_gap_without_in_process_or_below_zero(args: tuple[str, ...]) -> None:
+    script = ROOT / "benchmarks" / "gateway" / "profile_gateway.py"
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert "--gap-ms must be >= 0 and goes with --in-process" in done.stderr
+
+
 def test_profile_idle_against_another_tree_reports_cpu_a_second(tmp_path: Path) -> None:
     """``--workloads idle --against TREE``: both gateways measured without a request, a CPU
     figure a second for each and their ratio (the same tree twice here: the shape only)."""

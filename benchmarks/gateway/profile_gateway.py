@@ -22,7 +22,10 @@ driven by the benchmark's load generator, one workload at a time, up to three ru
 and router of ``gateway_front.py`` built in this process, ``Gateway.handle`` called with
 hand-built requests one after the other, the engine replaced by one that yields its tokens at
 once (one delta per token); the loop thread's CPU per request at 1 token and at ``--tokens``
-gives a fixed cost and a cost per token. What the process costs beyond that is its HTTP server,
+gives a fixed cost and a cost per token. ``--gap-ms MS``: also the same request timed alone
+back to back and each after the loop slept MS (idle, as while an engine works on an answer):
+what the machine's wake-up costs the same Python work (docs/gateway.md, "Added latency at a
+low rate"). What the process costs beyond that is its HTTP server,
 the engine client (``rollsafe.adapters.engines.pool``, server-sent events) and the machine's
 wake-ups.
 
@@ -381,9 +384,31 @@ def in_process(args: argparse.Namespace, engines: list[Any], model: Path) -> lis
                         await one()
                     return time.thread_time() - t0
 
+                async def spaced(n: int, gap_s: float, one: Any = one) -> float:
+                    cpu = 0.0
+                    for _ in range(n):
+                        await asyncio.sleep(gap_s)  # the loop idle, as while an engine works
+                        t0 = time.thread_time()
+                        await one()
+                        cpu += time.thread_time() - t0
+                    return cpu
+
                 n = max(200, int(args.duration * 1000))
                 cpu = plane.loop_thread.run(many(n))
                 row[f"us_per_req_{tokens}_tokens"] = round(cpu / n * 1e6, 1)
+                if args.gap_ms > 0 and tokens == args.tokens:
+                    # back to back, then each request after the loop slept --gap-ms
+                    m = max(100, int(args.duration * 1000 / (args.gap_ms + 1)))
+                    hot = plane.loop_thread.run(spaced(m, 0.0)) / m * 1e6
+                    cold = plane.loop_thread.run(spaced(m, args.gap_ms / 1000)) / m * 1e6
+                    row["us_per_req_back_to_back"] = round(hot, 1)
+                    row["us_per_req_after_gap"] = round(cold, 1)
+                    row["gap_ms"] = args.gap_ms
+                    print(
+                        f"{w}: {hot:.1f} us/req back to back, {cold:.1f} after a "
+                        f"{args.gap_ms:g} ms sleep of the loop ({cold / hot:.2f}x; {m} requests "
+                        f"each, {tokens} tokens)"
+                    )
             a, b = row["us_per_req_1_tokens"], row[f"us_per_req_{args.tokens}_tokens"]
             row["us_per_token"] = round((b - a) / max(1, args.tokens - 1), 2)
             row["us_fixed"] = round(a - row["us_per_token"], 1)
@@ -461,6 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-process", action="store_true", help="no sockets (see the docstring)")
     p.add_argument("--engine-client", action="store_true", help="see the docstring")
     p.add_argument("--token-interval-ms", type=float, default=0.0, help="the stubs' pace")
+    p.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="--in-process: also each request after the loop slept this long (see above)",
+    )
     p.add_argument("--compare", default="", help="fronts also run plain, e.g. sglang-router")
     p.add_argument("--against", default=None, help="another checkout: before/after, see above")
     p.add_argument("--rounds", type=int, default=3, help="rounds of --against")
@@ -471,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         help="two reference engines of this dialect (the tiny model) instead of the stubs",
     )
     args = p.parse_args(argv)
+    if args.gap_ms < 0 or (args.gap_ms and not args.in_process):
+        p.error("--gap-ms must be >= 0 and goes with --in-process")
     F.raise_own_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="rollsafe-gw-profile-"))
     reports = []
