@@ -354,7 +354,10 @@ class Gateway:
         return chunks
 
     async def _whole(self, call: Any, requests: Sequence[GenRequest]) -> Response:
-        results = await asyncio.gather(*(self._collect(r) for r in requests))
+        if len(requests) == 1:  # most requests: no task of its own, as gather would make
+            results = [await self._collect(requests[0])]
+        else:
+            results = list(await asyncio.gather(*(self._collect(r) for r in requests)))
         first = (
             next((c.group_id for c in results[0] if c.token_ids or c.finished), "")
             if results
