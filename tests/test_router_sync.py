@@ -389,6 +389,40 @@ def test_unknown_workers_are_left_alone_when_remove_unknown_is_false(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_reconcile_during_a_removal_in_flight_reports_what_the_router_lists(
+    kind: str, stubs: list[Stub], routers: Callable[..., Router], syncs: list[RouterSync]
+) -> None:
+    """The removal has reached the router (sglang-router's job done) but its call has not come
+    back (the confirming poll): the reconcile's summary says what its list showed, nothing to
+    remove (a CI run saw the in-flight URL reported under ``to_remove``)."""
+    s0, s1 = stubs[0], stubs[1]
+    router = routers(kind, [s0.url, s1.url])
+    reg = fleet([s0.url, s1.url])
+    sync = start_sync(syncs, reg, router, reconcile_interval_s=3600.0)
+    release, reached = threading.Event(), threading.Event()
+    real_remove = sync._api.remove
+
+    def held_remove(url: str) -> None:
+        real_remove(url)
+        reached.set()
+        assert release.wait(WAIT_S)
+
+    sync._api.remove = held_remove  # type: ignore[method-assign]
+    try:
+        reg.send("g0", GroupEvent.FAIL)
+        assert reached.wait(WAIT_S)
+        assert router.listed() == {s1.url}
+        assert sync.stats()["in_flight"] == 1
+        result = sync.reconcile_now(WAIT_S)
+        assert result is not None and result["error"] is None
+        assert (result["to_add"], result["to_remove"], result["listed"]) == ([], [], 1)
+    finally:
+        release.set()
+    assert sync.wait_synced(WAIT_S)
+    assert (sync.stats()["removes"], router.listed()) == (1, {s1.url})
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_router_that_is_down_never_holds_up_the_fleet_and_is_caught_up(
     kind: str, stubs: list[Stub], routers: Callable[..., Router], syncs: list[RouterSync]
 ) -> None:
