@@ -557,11 +557,12 @@ class RouterSync(FleetListener):
                 # what this list showed to differ, not what is pending: a call in flight whose
                 # effect the list already shows (sglang-router's job done, its confirming poll
                 # not yet back) is not work this reconcile found
+                urls = self._urls
                 result.update(
                     listed=len(listed),
                     routable=len(desired),
-                    to_add=sorted(u for u, st in self._urls.items() if st.want and u not in listed),
-                    to_remove=sorted(u for u, st in self._urls.items() if not st.want and u in listed),
+                    to_add=sorted(u for u, st in urls.items() if st.want and u not in listed),
+                    to_remove=sorted(u for u, st in urls.items() if not st.want and u in listed),
                 )
             else:
                 self._router_failed(f"reconcile: {error}")
