@@ -65,8 +65,10 @@ $(MERMAID): tools/mermaid/package.json tools/mermaid/package-lock.json
 demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/rollsafe demo
 
+# STRESS=1 (`make test STRESS=1`, or in the environment: `STRESS=1 .ci/run`): the same run with two
+# busy loops beside it (tools/run_tests.sh --stress; docs/reliability.md)
 test: $(STAMP) $(VLLM_STAMP) $(MERMAID) $(ROUTERS_STAMP)
-	tools/run_tests.sh $(BIN)
+	tools/run_tests.sh $(if $(filter 1,$(STRESS)),--stress) $(BIN)
 
 verify: $(STAMP)
 	$(BIN)/rollsafe verify
