@@ -64,6 +64,7 @@ from rollsafe.adapters.reference_engine.bootstrap import (
 )
 from rollsafe.adapters.reference_engine.dialects import DEFAULT_VLLM_VERSION, VLLM_VERSIONS
 from rollsafe.adapters.reference_engine.errors import ServerError, StartupError
+from rollsafe.adapters.reference_engine.gc_heap import freeze_heap, warn_long_pauses
 from rollsafe.adapters.reference_engine.paths import check_dir
 from rollsafe.adapters.reference_engine.zygote import FORK_SERVER_FLAG
 from rollsafe.errors import RollsafeError
@@ -625,6 +626,9 @@ async def serve(
     }
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the ready line: a stop right after it
         loop.add_signal_handler(sig, stop.set)  # is a graceful one
+    # as vLLM and SGLang once up: the start-up heap is never walked again (gc_heap)
+    ready["gc_frozen"] = freeze_heap()
+    warn_long_pauses("rank 0")  # serving from here: a long collection is a pause to log
     sys.stdout.write(f"{READY_PREFIX}{json.dumps(ready)}\n")
     sys.stdout.flush()
     await stop.wait()

@@ -38,6 +38,7 @@ from rollsafe.adapters.reference_engine.errors import (
     StartupError,
     WeightUpdateError,
 )
+from rollsafe.adapters.reference_engine.gc_heap import freeze_heap, warn_long_pauses
 from rollsafe.adapters.reference_engine.model import LM_HEAD, ShardedCausalLM, load_config
 from rollsafe.adapters.reference_engine.nodes import RemoteRank
 from rollsafe.adapters.reference_engine.profiling import PROFILE, profile_line
@@ -663,6 +664,8 @@ def child_main(rank: int, opts: RankOptions, conn: Any) -> None:
         with contextlib.suppress(Exception):
             conn.send(_error_reply(rank, exc, starting=True))
         os._exit(1)
+    freeze_heap()  # as the real engines' processes once up (gc_heap)
+    warn_long_pauses(f"rank {rank}")
     conn.send(("ready", os.getpid(), None))
     while True:
         try:
