@@ -197,6 +197,66 @@ def test_a_holder_killed_outright_leaves_no_port_black_holed() -> None:
 
 
 @needs_root_tools
+def test_a_hole_ends_with_the_process_that_owned_the_port() -> None:
+    """A port blocked with an ``owner`` stays blocked while the owner runs (a second port's
+    owner lives on); once the owner is killed the hole is lifted and said why, so the freed
+    number, bound again by a new server, is reachable; a bad owner is refused, nothing blocked."""
+    seen = _in_own_netns(
+        """
+        import signal
+        SERVE = (
+            "import socket, sys, time; s = socket.socket(); "
+            "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(8); "
+            "print(s.getsockname()[1], flush=True); time.sleep(600)"
+        )
+
+        def server(port=0):
+            p = subprocess.Popen([sys.executable, "-c", SERVE, str(port)],
+                                 stdout=subprocess.PIPE, text=True)
+            return p, int(p.stdout.readline())
+
+        owner, port = server()
+        keeper, kept = server()
+        hole = blackhole.Blackhole("tc")
+        heard = []
+        hole.block(port, owner=owner.pid, on_owner_exit=heard.append)
+        hole.block(kept, owner=keeper.pid)
+        time.sleep(5 * blackhole.OWNER_POLL_S)  # several looks at two live owners
+        seen["owners_alive"] = [sorted(hole.blocked) == sorted([port, kept]),
+                                connects(port), connects(kept)]
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and port in hole.blocked:
+            time.sleep(0.05)
+        again, _ = server(port)  # the freed number, bound by someone else
+        seen["after"] = [sorted(hole.blocked) == [kept], connects(port), connects(kept), heard]
+        seen["unblock_after"] = hole.unblock(port)
+        try:
+            hole.block(kept + 1, owner=owner.pid)
+            seen["gone_owner"] = None
+        except ProcessLookupError as exc:
+            seen["gone_owner"] = str(exc)
+        seen["still"] = sorted(hole.blocked) == [kept]
+        hole.close()
+        seen["closed"] = [connects(kept), root_qdisc(), hole.blocked == set()]
+        for p in (again, keeper):
+            p.kill()
+        """
+    )
+    assert seen["owners_alive"] == [True, False, False]
+    pid_said = seen["after"][3]
+    assert seen["after"][:3] == [True, True, False]
+    assert len(pid_said) == 1 and pid_said[0].startswith("its owner (pid ")
+    assert pid_said[0].endswith(") exited")
+    assert seen["unblock_after"] is False  # the hole was lifted already
+    assert seen["gone_owner"] is not None and "is not running" in seen["gone_owner"]
+    assert seen["still"] is True
+    assert seen["closed"] == [True, "noqueue", True]
+
+
+@needs_root_tools
 def test_the_way_chosen_here_is_named_and_works() -> None:
     seen = _in_own_netns(
         """

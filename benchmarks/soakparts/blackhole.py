@@ -19,6 +19,11 @@ touched. It does so the first way that works here (both need root):
   their changes and the last port unblocked removes it, leaving ``lo`` as it was. A root qdisc
   on ``lo`` that is not this one is never replaced: blocking refuses, naming it.
 
+A hole given an *owner* (the pid serving the port) ends when that process exits, whatever its
+time left: the port is then free for any process to bind (the fleet re-spawns a failed engine
+on a fresh port, and the old number may be handed to anything), and on a real network a new
+host behind it would not sit behind the dead one's switch port.
+
 A process killed outright (``SIGKILL``, a test's timeout) runs no cleanup: its *warden*, a
 process of its own session started with the first block, learns each port over a pipe and, when
 the pipe ends without the owner's goodbye, lifts what is still blocked, so no port of the machine
@@ -38,7 +43,10 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+
+from rollsafe.processes import ProcessInfo, process_info, same_process_alive
 
 __all__ = ["Blackhole", "available", "method"]
 
@@ -46,6 +54,8 @@ __all__ = ["Blackhole", "available", "method"]
 TC_HANDLE = "dead:"
 TC_CLASS = "dead:1"
 TC_LOCK = "/run/lock/rollsafe-blackhole.lock"
+#: how often a hole with an owner checks that the owner still runs (:meth:`Blackhole.block`)
+OWNER_POLL_S = 0.2
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -210,7 +220,10 @@ class Blackhole:
         self.how = how
         self._way: _Iptables | _Tc = _Iptables() if how == "iptables" else _Tc()
         self._lock = threading.Lock()
-        self._ports: set[int] = set()
+        #: blocked port -> its hold (a token: an owner's watch ends with the hold it watched)
+        self._ports: dict[int, object] = {}
+        #: the threads watching owners (:meth:`_lift_with`); :meth:`close` waits for them
+        self._watches: list[threading.Thread] = []
         self._warden: subprocess.Popen[str] | None = None
         atexit.register(self.close)
 
@@ -229,7 +242,19 @@ class Blackhole:
         self._warden.stdin.write(line + "\n")
         self._warden.stdin.flush()
 
-    def block(self, port: int) -> None:
+    def block(
+        self,
+        port: int,
+        owner: int | None = None,
+        on_owner_exit: Callable[[str], None] | None = None,
+    ) -> None:
+        """Drop every packet of ``port`` until :meth:`unblock`; with ``owner`` (the pid of the
+        process serving the port) only while that process runs: once it exits the hole is
+        lifted and ``on_owner_exit`` hears why (:meth:`_lift_with`)."""
+        info = process_info(owner) if owner is not None else None
+        if owner is not None and (info is None or not same_process_alive(info)):
+            raise ProcessLookupError(f"owner pid {owner} of port {port} is not running")
+        hold = object()
         with self._lock:
             self._tell(f"+{port}")  # first: a kill right after the block is still lifted
             try:
@@ -238,15 +263,53 @@ class Blackhole:
                 self._way.unblock(port)  # nothing half-made stays
                 self._tell(f"-{port}")
                 raise
-            self._ports.add(port)
+            self._ports[port] = hold
+        if info is not None:
+            watch = threading.Thread(
+                target=self._lift_with,
+                args=(port, hold, info, on_owner_exit),
+                name=f"blackhole-{port}",
+                daemon=True,
+            )
+            with self._lock:
+                self._watches = [w for w in self._watches if w.is_alive()]
+                self._watches.append(watch)
+                watch.start()  # started before close() can see it
 
-    def unblock(self, port: int) -> None:
+    def _lift_with(
+        self,
+        port: int,
+        hold: object,
+        owner: ProcessInfo,
+        on_owner_exit: Callable[[str], None] | None,
+    ) -> None:
+        """Lift ``port``'s hole (this ``hold`` of it) once its owner exits: a freed port bound
+        by another process (the fleet's re-spawned engine, anything) is a new host behind a
+        working link, as on a real network, where the hole is the dead engine's switch port,
+        not its number."""
+        while True:
+            time.sleep(OWNER_POLL_S)
+            with self._lock:
+                if self._ports.get(port) is not hold:
+                    return  # lifted already (unblock, close), maybe blocked again since
+                if same_process_alive(owner):
+                    continue
+                self._way.unblock(port)
+                del self._ports[port]
+                self._tell(f"-{port}")
+            if on_owner_exit is not None:
+                on_owner_exit(f"its owner (pid {owner.pid}) exited")
+            return
+
+    def unblock(self, port: int) -> bool:
+        """Lift ``port``'s hole; False when it held none (never blocked, or lifted already)."""
         with self._lock:
             if port not in self._ports:
-                return
+                return False
             self._way.unblock(port)
-            self._ports.discard(port)
+            del self._ports[port]
             self._tell(f"-{port}")
+            return True
 
     @property
     def blocked(self) -> set[int]:
@@ -260,11 +323,15 @@ class Blackhole:
             self._ports.clear()
             self._way.close()
             warden, self._warden = self._warden, None
+            watches, self._watches = self._watches, []
             if warden is not None and warden.stdin is not None:
                 with contextlib.suppress(OSError):
                     warden.stdin.write(".\n")  # all lifted: nothing for it to do
                     warden.stdin.close()
                 warden.wait(timeout=60)
+        for watch in watches:  # each ends at its next look: its hold is gone
+            if watch is not threading.current_thread():
+                watch.join()
 
 
 def _warden(how: str, chain: str) -> None:

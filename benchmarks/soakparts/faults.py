@@ -21,7 +21,8 @@ Each kind, and how it is produced (real unless said):
 * ``export_slow``: *emulated*, the next export's writer held ``delay_s`` (:mod:`slow_export`:
   no way to slow one filesystem down here);
 * ``port_blackhole``: every TCP packet to or from the engine's port dropped (iptables, else
-  tc on ``lo``: :mod:`blackhole`) for ``seconds``;
+  tc on ``lo``: :mod:`blackhole`) for ``seconds``, or until the engine's server exits (the fleet
+  replaced it: its port may then be anyone's);
 * ``trainer_exception``: the trainer raises in the middle of a sync: while the transport reads
   its tensors (``register``), or in a colocated hook (``offload_trainer``, ``onload_engines``,
   ``onload_trainer``).
@@ -377,12 +378,17 @@ class Injector:
         if port is None:
             raise RuntimeError(f"{group}'s URL names no port")
         seconds = float(fault.params.get("seconds", 10))
-        self.blackhole.block(port)
+        server = self._server_pid(fleet, group)
         blackhole = self.blackhole
 
+        def owner_exited(why: str) -> None:
+            self.say(f"black hole of port {port} ({group}) lifted early: {why}")
+
+        blackhole.block(port, owner=server, on_owner_exit=owner_exited)
+
         def lift() -> None:
-            blackhole.unblock(port)
-            self.say(f"black hole of port {port} ({group}) lifted")
+            if blackhole.unblock(port):
+                self.say(f"black hole of port {port} ({group}) lifted")
 
         self._later(seconds, lift)
         return f"port {port} black-holed for {seconds:.0f}s ({blackhole.how})", (fleet,)
