@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -37,7 +38,10 @@ def main(steps: int = 3) -> None:
         health=HealthSettings(interval_s=0.5, timeout_s=2.0, failure_threshold=2),
         enable_immediate_recovery=True,
     )
+    started = time.monotonic()
     with RolloutFleet(config) as fleet:
+        # the engines' start is most of a run's time (seconds here; minutes on a loaded machine)
+        print(f"fleet up in {time.monotonic() - started:.1f}s: groups {fleet.group_ids}")
         for step in range(1, steps + 1):
             # 1. rollout: the router sends each request to an active group
             prompts = [[1 + (7 * i + step) % 400 for _ in range(6)] for i in range(8)]
@@ -63,6 +67,8 @@ def main(steps: int = 3) -> None:
             )
             assert report.ok and same
         print(f"{len(fleet.timeline())} machine transitions; exports {fleet.export_states()}")
+        closing = time.monotonic()
+    print(f"fleet closed in {time.monotonic() - closing:.1f}s (engines stopped, exports done)")
 
 
 if __name__ == "__main__":
