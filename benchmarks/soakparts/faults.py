@@ -49,7 +49,7 @@ import torch
 from blackhole import Blackhole, available
 from schedule import GROUPS, Fault
 
-from rollsafe.processes import descendants
+from rollsafe.processes import ProcessInfo, descendants, process_info, same_process_alive
 
 __all__ = ["Injector", "TrainerException"]
 
@@ -136,8 +136,8 @@ class Injector:
         self._poison_armed: int | None = None
         #: fleet -> (filler path, syncs left)
         self._full: dict[str, tuple[Any, int]] = {}
-        #: pids stopped and not (yet) continued: pid -> start time (for SIGCONT at the end)
-        self._stopped: dict[int, float | None] = {}
+        #: processes stopped and not (yet) continued, by pid (for SIGCONT at the end)
+        self._stopped: dict[int, ProcessInfo] = {}
         self._timers: list[threading.Timer] = []
         #: steps that must run on the main thread (Ray's Cluster.add_node sets signal handlers),
         #: (due, what, fn), run by :meth:`run_due`
@@ -293,7 +293,7 @@ class Injector:
         pids = self._tree(fleet, group)
         if not pids:
             raise RuntimeError(f"{group} has no process to stop")
-        starts = {p: _start_time(p) for p in pids}
+        starts = {p: info for p in pids if (info := process_info(p)) is not None}
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
@@ -305,9 +305,9 @@ class Injector:
         how = f"SIGCONT after {after}s" if after is not None else "never continued"
         return f"SIGSTOP of {len(pids)} process(es) {pids}, {how}", (fleet,)
 
-    def _cont(self, starts: Mapping[int, float | None]) -> None:
-        for pid, start in starts.items():
-            if _start_time(pid) == start:  # the same process, not a reused pid
+    def _cont(self, starts: Mapping[int, ProcessInfo]) -> None:
+        for pid, info in starts.items():
+            if same_process_alive(info):  # the same process, not a reused pid
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
         with self._lock:
@@ -483,13 +483,3 @@ class Injector:
         if self.blackhole is not None:
             self.blackhole.close()
         return {"continued_at_close": sorted(stopped)}
-
-
-def _start_time(pid: int) -> float | None:
-    """The process's start time (clock ticks since boot), None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return float(stat.rsplit(")", 1)[1].split()[19])
